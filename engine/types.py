@@ -1,0 +1,124 @@
+"""The engine interface: what the gateway may ask of an engine, in the gateway's own terms.
+
+Nothing here imports vllm. `engine.vllm_engine` implements `Engine` on vLLM's AsyncLLM; unit tests
+implement it with a test double.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """Everything that shapes the output of one generation (OpenAI's and vLLM's parameters)."""
+
+    max_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # top alternatives per sampled token; None: no logprobs
+    prompt_logprobs: int | None = None
+    json_schema: dict[str, Any] | None = None  # constrain the output to this JSON schema
+    json_object: bool = False  # constrain the output to any JSON object
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    rank: int | None = None
+    top: tuple[tuple[int, str, float], ...] = ()  # (token id, token text, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDelta:
+    """What one choice (of n) produced since the previous output of the same request."""
+
+    index: int
+    text: str
+    token_ids: Sequence[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationOutput:
+    """One step of a generation: new deltas for some of its choices."""
+
+    prompt_tokens: int
+    choices: Sequence[ChoiceDelta]
+    finished: bool
+    cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    prompt_text: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    root: str = ""
+    created: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str: ...
+
+
+class Engine(Protocol):
+    """A loaded model that generates. All errors raised are `engine.errors.EngineError`s."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Stream outputs; closing or cancelling the iterator aborts the request in the engine."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def check_health(self) -> None:
+        """Return if the engine can serve; raise EngineUnavailable if not."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Live counters (requests running and waiting, ...), for readiness and metrics."""
+        ...
+
+    async def shutdown(self) -> None: ...

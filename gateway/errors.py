@@ -1,0 +1,138 @@
+"""Typed API errors and the one place they become HTTP responses.
+
+    APIError(status, type, code)                         body: {"error": {message, type, param, code}}
+    ├── InvalidRequest          400 invalid_request_error
+    │   └── ContextLengthExceeded  400 invalid_request_error / context_length_exceeded
+    ├── AuthenticationFailed    401 authentication_error / invalid_api_key
+    ├── NotFound                404 invalid_request_error / not_found
+    │   └── ModelNotFound       404 invalid_request_error / model_not_found
+    ├── MethodNotAllowed        405 invalid_request_error / method_not_allowed
+    ├── PayloadTooLarge         413 invalid_request_error / request_too_large
+    ├── RateLimited             429 rate_limit_error / rate_limit_exceeded
+    ├── InternalError           500 server_error / internal_error
+    └── ServiceUnavailable      503 server_error / service_unavailable
+
+Engine errors map onto these in `from_exception`, once; so do Starlette's HTTP exceptions and
+pydantic's validation errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from engine.errors import EngineError, EngineInvalidRequest, EngineUnavailable, PromptTooLong
+
+
+class APIError(Exception):
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        }
+
+
+class InvalidRequest(APIError):
+    status, type = 400, "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class AuthenticationFailed(APIError):
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class NotFound(APIError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class MethodNotAllowed(APIError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class PayloadTooLarge(APIError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class RateLimited(APIError):
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+
+class InternalError(APIError):
+    status, type, code = 500, "server_error", "internal_error"
+
+
+class ServiceUnavailable(APIError):
+    status, type, code = 503, "server_error", "service_unavailable"
+
+
+def _validation_error(exc: ValidationError) -> InvalidRequest:
+    first = exc.errors(include_url=False)[0]
+    location = [str(part) for part in first["loc"] if not str(part).startswith(("function-", "json-"))]
+    # pydantic names union members in loc (e.g. "str", "list[...]"); keep the field path only
+    path = [part for part in location if not any(c in part for c in "[]") and part not in ("str", "int", "float", "bool")]
+    param = ".".join(path) or None
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    elif first["type"] == "missing":
+        message = f"Missing required parameter: '{param}'"
+    elif param:
+        message = f"Invalid value for '{param}': {message}"
+    return InvalidRequest(message, param=param)
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """Map any exception to the API error the client sees; unknown ones are 500s."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return _validation_error(exc)
+    if isinstance(exc, PromptTooLong):
+        return ContextLengthExceeded(exc.message, param="messages")
+    if isinstance(exc, EngineInvalidRequest):
+        return InvalidRequest(exc.message, param=exc.param)
+    if isinstance(exc, EngineUnavailable):
+        return ServiceUnavailable(exc.message)
+    if isinstance(exc, EngineError):
+        return InternalError(exc.message)
+    if isinstance(exc, HTTPException):
+        return _http_exception(exc)
+    return InternalError("The server had an error while processing your request.")
+
+
+def _http_exception(exc: HTTPException) -> APIError:
+    headers = dict(exc.headers or {})
+    if exc.status_code == 404:
+        return NotFound("Not found: no route for this path", headers=headers)
+    if exc.status_code == 405:
+        allowed = headers.get("Allow", "")
+        return MethodNotAllowed(f"Method not allowed here; allowed: {allowed}", headers=headers)
+    error = APIError(exc.detail, headers=headers)
+    error.status = exc.status_code
+    error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return error

@@ -1,0 +1,188 @@
+"""What chat and completions share: the model registry, sampling, context checks, and the small
+per-choice state that streaming and aggregation keep.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, SamplingOptions
+from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from gateway.protocol import ModelCard, ModelList, SamplingFields, Usage
+
+
+class ModelRegistry:
+    """Public model names (and aliases) to engines."""
+
+    def __init__(self, engines: dict[str, Engine]) -> None:
+        self._engines = dict(engines)
+
+    def get(self, name: str) -> Engine:
+        engine = self._engines.get(name)
+        if engine is None:
+            raise ModelNotFound(f"The model '{name}' does not exist", param="model")
+        return engine
+
+    def engines(self) -> Iterable[tuple[str, Engine]]:
+        return self._engines.items()
+
+    def listing(self) -> ModelList:
+        cards = [
+            ModelCard(id=name, created=e.info.created, root=e.info.root, max_model_len=e.info.max_model_len)
+            for name, e in self._engines.items()
+        ]
+        return ModelList(data=cards)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_tokens: int, max_model_len: int, default: int | None, param: str
+) -> int:
+    """The output budget; a prompt that leaves no room, or a budget past the context, is a 400."""
+    room = max_model_len - prompt_tokens
+    if room <= 0 or (requested is not None and requested > room):
+        asked = f" and {requested} output tokens" if requested is not None else ""
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + (requested or 0)} tokens ({prompt_tokens} in the "
+            f"prompt{asked}). Please reduce the length of the prompt or the output.",
+            param=param if requested is not None and room > 0 else "messages",
+        )
+    if requested is not None:
+        return requested
+    return min(room, default) if default else room
+
+
+def sampling_options(
+    request: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    json_schema: dict | None = None,
+    json_object: bool = False,
+) -> SamplingOptions:
+    """OpenAI's defaults where the request is silent (temperature 1, top_p 1)."""
+    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+    bias = {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        n=request.n,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if request.top_k in (None, -1) else request.top_k,
+        min_p=request.min_p or 0.0,
+        seed=request.seed,
+        stop=stop,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty or 1.0,
+        min_tokens=request.min_tokens,
+        ignore_eos=request.ignore_eos,
+        skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        logit_bias=bias,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        json_schema=json_schema,
+        json_object=json_object,
+    )
+
+
+def check_token_ids(token_ids: Iterable[int], vocab_size: int | None, param: str) -> None:
+    if vocab_size is None:
+        return
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(f"token id {token_id} is outside the vocabulary (0..{vocab_size - 1})", param)
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice's progress across engine outputs: its text so far, tokens and finish."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str | None = None
+    started: bool = False
+    logprobs: list = field(default_factory=list)
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text.append(delta.text)
+        self.tokens += len(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = finish_reason(delta.finish_reason)
+
+
+def finish_reason(engine_reason: str) -> str:
+    # vLLM says "abort" for requests it cancelled; OpenAI knows stop, length, tool_calls, content_filter
+    return engine_reason if engine_reason in ("stop", "length") else "stop"
+
+
+class Run:
+    """One generation on an engine, started: its outputs and the bookkeeping for usage."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest) -> None:
+        self.engine = engine
+        self.request = request
+        self.prompt_tokens = len(request.prompt_token_ids)
+        self.cached_tokens = 0
+        self.choices = [ChoiceState(i) for i in range(request.sampling.n)]
+        self._outputs = engine.generate(request)
+        self._first: GenerationOutput | None = None
+
+    async def start(self) -> Run:
+        """Wait for the first output, so that the engine's refusals come before any byte is sent."""
+        try:
+            self._first = await anext(self._outputs)
+        except StopAsyncIteration:
+            self._first = None
+        return self
+
+    async def outputs(self) -> AsyncIterator[GenerationOutput]:
+        try:
+            if self._first is not None:
+                first, self._first = self._first, None
+                yield self._record(first)
+                async for output in self._outputs:
+                    yield self._record(output)
+        finally:
+            await self._outputs.aclose()  # type: ignore[attr-defined]
+
+    async def close(self) -> None:
+        await self._outputs.aclose()  # type: ignore[attr-defined]
+
+    def _record(self, output: GenerationOutput) -> GenerationOutput:
+        self.prompt_tokens = output.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = output.cached_tokens or self.cached_tokens
+        for delta in output.choices:
+            self.choices[delta.index].add(delta)
+        return output
+
+    async def collect(self) -> Run:
+        async for _ in self.outputs():
+            pass
+        return self
+
+    def usage(self) -> Usage:
+        completion = sum(choice.tokens for choice in self.choices)
+        details = {"cached_tokens": self.cached_tokens} if self.cached_tokens else None
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=self.prompt_tokens + completion,
+            prompt_tokens_details=details,
+        )

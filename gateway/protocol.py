@@ -1,0 +1,285 @@
+"""OpenAI's API as pydantic models: requests (validated strictly) and responses.
+
+Field names, types and ranges follow OpenAI's API reference and the openai SDK's types; the
+vLLM-only sampling parameters (top_k, min_p, ...) follow vLLM's OpenAI server. Requests forbid
+unknown fields, as OpenAI does, so a typo is a 400 and not a silently ignored parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# --- shared request parts -----------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+Stop = str | Annotated[list[str], Field(max_length=4)] | None
+
+
+class SamplingFields(_Request):
+    """Parameters shared by chat and completions (OpenAI's, then vLLM's extras)."""
+
+    model: str
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    stop: Stop = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters (the openai SDK sends them through `extra_body`)
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+# --- chat ---------------------------------------------------------------------------------
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: dict[str, Any]
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | ImagePart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+
+class JsonSchema(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema")
+        return self
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+
+# --- completions --------------------------------------------------------------------------
+
+Prompt = (
+    str
+    | Annotated[list[str], Field(min_length=1)]
+    | Annotated[list[int], Field(min_length=1)]
+    | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=20)] | None = None
+    suffix: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+# --- responses ----------------------------------------------------------------------------
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChunkDelta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(_Response):
+    index: int
+    delta: ChunkDelta
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llm-gateway"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorBody

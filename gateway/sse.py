@@ -1,0 +1,114 @@
+"""Server-Sent Events: the one place that frames stream events, as OpenAI does.
+
+Each event is `data: <json>\n\n`; the stream ends with `data: [DONE]\n\n`. An error after the
+stream has started is one event `data: {"error": {...}}` followed by `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+
+import structlog
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from gateway.disconnect import wait_for_disconnect
+from gateway.errors import from_exception
+
+DONE = b"data: [DONE]\n\n"
+HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # proxies such as nginx must not buffer the stream
+]
+
+log = structlog.get_logger(__name__)
+
+
+def encode(event: BaseModel) -> bytes:
+    return b"data: " + event.__pydantic_serializer__.to_json(event, exclude_none=True) + b"\n\n"
+
+
+def encode_error(exc: BaseException) -> bytes:
+    import orjson
+
+    return b"data: " + orjson.dumps(from_exception(exc).body()) + b"\n\n"
+
+
+class EventStreamResponse:
+    """An ASGI response streaming models as SSE.
+
+    It watches for the client going away the whole time: on a disconnect the stream's task is
+    cancelled at once, which closes the event iterator and so aborts the engine request.
+    """
+
+    def __init__(self, events: AsyncIterator[BaseModel], headers: Mapping[str, str] | None = None) -> None:
+        self.events = events
+        self.headers = HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        self.disconnected = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Plain asyncio, not an anyio cancel scope: cancelling the stream's task once lets the
+        # engine's cleanup (its abort) still await; a level-triggered scope would cancel that too.
+        stream = asyncio.ensure_future(self._stream(send))
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if stream not in done:
+                self.disconnected = True
+                stream.cancel()
+            await asyncio.gather(stream, return_exceptions=True)
+            if not stream.cancelled() and isinstance(stream.exception(), OSError):
+                self.disconnected = True  # the socket went away under send
+        finally:
+            watcher.cancel()
+            stream.cancel()
+
+    async def _stream(self, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            try:
+                async for event in self.events:
+                    await send({"type": "http.response.body", "body": encode(event), "more_body": True})
+            except OSError:
+                raise  # the client is gone: nobody to tell
+            except Exception as exc:
+                log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
+                await send({"type": "http.response.body", "body": encode_error(exc), "more_body": True})
+            await send({"type": "http.response.body", "body": DONE, "more_body": False})
+        finally:
+            await self.events.aclose()  # type: ignore[attr-defined]
+
+
+class Primed:
+    """A stream whose first event was already taken; closing it closes the stream underneath."""
+
+    def __init__(self, first: BaseModel | None, rest: AsyncIterator[BaseModel]) -> None:
+        self._first = first
+        self._rest = rest
+        self._done = first is None
+
+    def __aiter__(self) -> Primed:
+        return self
+
+    async def __anext__(self) -> BaseModel:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        if self._done:
+            raise StopAsyncIteration
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        self._done = True
+        await self._rest.aclose()  # type: ignore[attr-defined]
+
+
+async def primed(events: AsyncIterator[BaseModel]) -> Primed:
+    """Run a stream up to its first event, so that refusals raise before the response starts."""
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        first = None
+    return Primed(first, events)

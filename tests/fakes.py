@@ -1,0 +1,105 @@
+"""A test double of the engine for unit tests: deterministic, instant, and it records aborts.
+
+It "tokenizes" by whitespace-separated words over a growing vocabulary and answers by echoing
+words of a fixed reply, one token per output, so tests can predict every chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from engine.errors import EngineUnavailable
+from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest, ModelInfo, TokenLogprob
+
+REPLY = "the quick brown fox jumps over the lazy dog".split()
+
+
+class FakeTokenizer:
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self.words: dict[int, str] = {}
+
+    def _id(self, word: str) -> int:
+        if word not in self.vocab:
+            self.vocab[word] = len(self.vocab) + 10
+            self.words[self.vocab[word]] = word
+        return self.vocab[word]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self._id(w) for w in text.split()]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(self.words.get(t, "?") for t in token_ids)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
+        text = " ".join(f"<{m['role']}> {m['content']}" for m in messages)
+        return text + (" <assistant>" if add_generation_prompt else "")
+
+
+class FakeEngine:
+    def __init__(self, name: str = "fake-model", max_model_len: int = 64, delay: float = 0.0) -> None:
+        self._info = ModelInfo(name=name, max_model_len=max_model_len, root="fake", created=1)
+        self._tokenizer = FakeTokenizer()
+        self.delay = delay
+        self.requests: list[GenerationRequest] = []
+        self.running: set[str] = set()
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+        self.dead = False
+        self.fail_after: int | None = None  # raise after this many outputs
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> FakeTokenizer:
+        return self._tokenizer
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        if self.dead:
+            raise EngineUnavailable("the fake engine is dead")
+        self.requests.append(request)
+        self.running.add(request.request_id)
+        sampling = request.sampling
+        try:
+            for step in range(sampling.max_tokens):
+                if self.fail_after is not None and step >= self.fail_after:
+                    raise RuntimeError("fake engine failure")
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                else:
+                    await asyncio.sleep(0)
+                last = step == sampling.max_tokens - 1
+                word = REPLY[step % len(REPLY)]
+                text = word if step == 0 else " " + word
+                logprobs = None
+                if sampling.logprobs is not None:
+                    top = tuple((100 + k, f"alt{k}", -1.0 - k) for k in range(sampling.logprobs))
+                    logprobs = (TokenLogprob(1000 + step, text, -0.5, 1, top),)
+                choices = [
+                    ChoiceDelta(i, text, [1000 + step], "length" if last else None, None, logprobs)
+                    for i in range(sampling.n)
+                ]
+                yield GenerationOutput(len(request.prompt_token_ids), choices, finished=last)
+            self.finished.append(request.request_id)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.append(request.request_id)
+            raise
+        finally:
+            self.running.discard(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise EngineUnavailable("the fake engine is dead")
+
+    def stats(self) -> dict[str, float]:
+        return {"in_flight": len(self.running), "unfinished": len(self.running)}
+
+    async def shutdown(self) -> None:
+        pass

@@ -1,0 +1,125 @@
+"""The gateway on the real engine, through the official openai SDK and raw HTTP as curl sends it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import MODEL
+
+pytestmark = pytest.mark.integration
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_capital_of_france_at_temperature_zero(sdk: openai.OpenAI) -> None:
+    result = sdk.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30)
+    assert "Paris" in result.choices[0].message.content
+    assert result.choices[0].finish_reason == "stop"
+    assert result.usage.completion_tokens > 0 and result.usage.prompt_tokens > 10
+
+
+def test_streamed_chat_yields_several_chunks(sdk: openai.OpenAI) -> None:
+    stream = sdk.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=30, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) >= 3
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "Paris" in "".join(c.choices[0].delta.content for c in content)
+    with_choices = [c for c in chunks if c.choices]  # the last token (end of turn) has no text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(with_choices)
+
+
+def test_raw_http_stream_ends_with_done(base_url: str) -> None:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+    assert len(lines) >= 3
+    json.loads(lines[0][6:])
+
+
+def test_completions_sync(sdk: openai.OpenAI) -> None:
+    result = sdk.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert result.choices[0].text
+    assert result.usage.completion_tokens == 5 or result.choices[0].finish_reason == "stop"
+
+
+def test_completions_stream_sync(sdk: openai.OpenAI) -> None:
+    chunks = list(sdk.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, stream=True))
+    assert len(chunks) >= 2
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+async def test_async_chat_and_completions(async_sdk: openai.AsyncOpenAI) -> None:
+    chat = await async_sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)
+    assert chat.choices[0].message.content
+    stream = await async_sdk.completions.create(model=MODEL, prompt="Hello", max_tokens=4, stream=True)
+    chunks = [c async for c in stream]
+    assert chunks
+
+
+async def test_32_concurrent_chats_all_complete(async_sdk: openai.AsyncOpenAI) -> None:
+    async def one(i: int) -> str:
+        messages = [{"role": "user", "content": f"Count to {i + 3}."}]
+        result = await async_sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
+        return result.choices[0].message.content
+
+    answers = await asyncio.gather(*(one(i) for i in range(32)))
+    assert len(answers) == 32 and all(answers)
+
+
+def test_n_and_seed_are_reproducible(sdk: openai.OpenAI) -> None:
+    first = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, n=2, seed=42, temperature=1)
+    second = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, n=2, seed=42, temperature=1)
+    assert len(first.choices) == 2
+    assert [c.message.content for c in first.choices] == [c.message.content for c in second.choices]
+
+
+def test_stop_string_stops(sdk: openai.OpenAI) -> None:
+    result = sdk.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30, stop=[" is"])
+    assert result.choices[0].message.content == "The capital of France"
+    assert result.choices[0].finish_reason == "stop"
+
+
+def test_models_list(sdk: openai.OpenAI) -> None:
+    assert [m.id for m in sdk.models.list().data] == [MODEL]
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"not json", 400),
+        (json.dumps({"model": MODEL, "messages": []}).encode(), 400),
+        (json.dumps({"model": "nope", "messages": QUESTION}).encode(), 404),
+        (json.dumps({"model": MODEL, "messages": QUESTION, "temperature": 9}).encode(), 400),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello " * 3000}]}).encode(), 400),
+    ],
+)
+def test_bad_input_gets_openai_error_and_server_keeps_serving(base_url: str, body: bytes, status: int) -> None:
+    response = httpx.post(f"{base_url}/v1/chat/completions", content=body, timeout=60)
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    ok = httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_sdk_raises_typed_errors(sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="missing", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 3000}])
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_unknown_path_and_method(base_url: str) -> None:
+    assert httpx.get(f"{base_url}/v2/anything").json()["error"]["code"] == "not_found"
+    assert httpx.delete(f"{base_url}/v1/models").status_code == 405

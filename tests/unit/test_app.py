@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import openai
+from starlette.testclient import TestClient
+
+from gateway.cli import parser, settings_from
+
+
+def test_models_lists_the_engine(sdk: openai.OpenAI) -> None:
+    models = sdk.models.list()
+    assert [m.id for m in models.data] == ["fake-model"]
+    assert models.data[0].object == "model"
+
+
+def test_health(client: TestClient) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_request_id_is_honoured_or_generated(client: TestClient) -> None:
+    assert client.get("/health", headers={"X-Request-ID": "abc-123"}).headers["x-request-id"] == "abc-123"
+    generated = client.get("/health").headers["x-request-id"]
+    assert len(generated) == 32
+
+
+def test_gateway_imports_without_vllm_or_torch() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("vllm", "torch", "transformers"):
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, Block())
+        import gateway.app, gateway.cli, gateway.routes, engine
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_cli_flags_override_environment(monkeypatch) -> None:
+    monkeypatch.setenv("GATEWAY_PORT", "9001")
+    monkeypatch.setenv("GATEWAY_ENGINE__MAX_MODEL_LEN", "1024")
+    monkeypatch.setenv("GATEWAY_ENGINE__ENFORCE_EAGER", "true")
+    args = parser().parse_args(["serve", "--max-model-len", "512", "--engine-arg", "kv_offloading_size=4"])
+    settings = settings_from(args)
+    assert settings.port == 9001
+    assert settings.engine.max_model_len == 512
+    assert settings.engine.enforce_eager is True
+    assert settings.engine.engine_args == {"kv_offloading_size": 4}

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import json
+
+import openai
+from starlette.testclient import TestClient
+
+from tests.fakes import FakeEngine
+from tests.unit.test_chat import sse_events
+
+MODEL = "fake-model"
+
+
+def test_completion_string_prompt(sdk: openai.OpenAI) -> None:
+    result = sdk.completions.create(model=MODEL, prompt="once upon a time", max_tokens=2)
+    assert result.object == "text_completion"
+    assert result.choices[0].text == "the quick"
+    assert result.usage.prompt_tokens == 4 and result.usage.completion_tokens == 2
+
+
+def test_completion_list_prompts_number_choices_prompt_major(sdk: openai.OpenAI, engine: FakeEngine) -> None:
+    result = sdk.completions.create(model=MODEL, prompt=["a b", "c d e"], max_tokens=1, n=2)
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    assert len(engine.requests) == 2
+    assert result.usage.prompt_tokens == 5 and result.usage.completion_tokens == 4
+
+
+def test_completion_token_prompts(sdk: openai.OpenAI, engine: FakeEngine) -> None:
+    ids = engine.tokenizer.encode("alpha beta")
+    sdk.completions.create(model=MODEL, prompt=ids, max_tokens=1)
+    sdk.completions.create(model=MODEL, prompt=[ids, ids[:1]], max_tokens=1)
+    assert [r.prompt_token_ids for r in engine.requests] == [ids, ids, ids[:1]]
+
+
+def test_completion_echo(sdk: openai.OpenAI) -> None:
+    result = sdk.completions.create(model=MODEL, prompt="say", max_tokens=2, echo=True)
+    assert result.choices[0].text == "saythe quick"
+
+
+def test_completion_logprobs_shape(sdk: openai.OpenAI) -> None:
+    result = sdk.completions.create(model=MODEL, prompt="say", max_tokens=2, logprobs=2)
+    logprobs = result.choices[0].logprobs
+    assert logprobs.tokens == ["the", " quick"]
+    assert logprobs.token_logprobs == [-0.5, -0.5]
+    assert logprobs.text_offset == [0, 3]
+    assert len(logprobs.top_logprobs[0]) == 2
+
+
+def test_completion_stream_multi_prompt(client: TestClient) -> None:
+    body = {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2, "stream": True}
+    events = sse_events(client.post("/v1/completions", json=body).text)
+    assert events[-1] == "[DONE]"
+    texts: dict[int, str] = {}
+    for chunk in map(json.loads, events[:-1]):
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "the quick", 1: "the quick"}
+
+
+def test_completion_suffix_is_a_clear_400(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "suffix": "z"})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "suffix"
+
+
+def test_completion_token_outside_vocabulary(client: TestClient, engine: FakeEngine) -> None:
+    engine.info.extra["vocab_size"] = 50
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 99]})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "prompt"
