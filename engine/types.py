@@ -42,7 +42,7 @@ class SamplingOptions:
 class TokenLogprob:
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token, which has no context
     rank: int | None = None
     top: tuple[tuple[int, str, float], ...] = ()  # (token id, token text, logprob), best first
 
@@ -57,6 +57,7 @@ class ChoiceDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    cumulative_logprob: float | None = None  # of the whole choice so far, when logprobs are on
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,8 @@ class ModelInfo:
 
 @runtime_checkable
 class Tokenizer(Protocol):
+    takes_tools: bool  # whether the chat template renders a `tools` argument
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...

@@ -78,6 +78,7 @@ class HFTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        self.takes_tools = "tools" in str(getattr(tokenizer, "chat_template", "") or "")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -156,6 +157,7 @@ def to_output(out: RequestOutput, options: SamplingOptions) -> GenerationOutput:
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
                 logprobs=logprobs,  # type: ignore[arg-type]
+                cumulative_logprob=completion.cumulative_logprob,
             )
         )
     prompt_logprobs = None
@@ -188,6 +190,7 @@ class VLLMEngine:
             max_model_len=llm.model_config.max_model_len,
             root=str(args.model),
             created=int(time.time()),
+            extra={"vocab_size": llm.model_config.get_vocab_size()},
         )
         return cls(llm, info)
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.types import Engine, GenerationRequest, TokenLogprob
+from engine.types import ChoiceDelta, Engine, GenerationRequest, Tokenizer, TokenLogprob
+from gateway import tools
 from gateway.errors import InvalidRequest
-from gateway.generation import Run, new_id, now, resolve_max_tokens, sampling_options
+from gateway.generation import ChoiceState, Run, new_id, now, resolve_max_tokens, sampling_options
 from gateway.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -21,10 +23,22 @@ from gateway.protocol import (
     ChunkChoice,
     ChunkDelta,
     TopLogprob,
+    Usage,
 )
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+@dataclass(slots=True)
+class PreparedChat:
+    request: ChatCompletionRequest
+    engine: Engine
+    generation: GenerationRequest
+    tools: tools.ToolPlan
+    model: str
+    id: str
+    created: int
+
+
+def template_messages(messages: list[ChatMessage], takes_tools: bool) -> list[dict[str, Any]]:
     """OpenAI messages as chat templates take them: plain string content, known roles."""
     rendered = []
     for i, message in enumerate(messages):
@@ -32,8 +46,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         item["content"] = _text(message, i)
         if message.name:
             item["name"] = message.name
-        if message.tool_calls:
+        if message.tool_calls and takes_tools:
             item["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        elif message.tool_calls:  # the template cannot show calls: write them as the model would
+            calls = "\n".join(tools.tagged(call.model_dump()) for call in message.tool_calls)
+            item["content"] = f"{item['content']}\n{calls}".strip()
         if message.tool_call_id:
             item["tool_call_id"] = message.tool_call_id
         rendered.append(item)
@@ -48,15 +65,30 @@ def _text(message: ChatMessage, index: int) -> str:
     parts = []
     for part in message.content:
         if part.type != "text":
-            raise InvalidRequest(
-                "Only text content parts are supported by this model", f"messages.{index}.content"
-            )
+            raise InvalidRequest("Only text content parts are supported by this model", f"messages.{index}.content")
         parts.append(part.text)
     return "\n".join(parts)
 
 
-def _structured_output(request: ChatCompletionRequest) -> dict[str, Any]:
+def render(
+    request: ChatCompletionRequest, plan: tools.ToolPlan, tokenizer: Tokenizer, add_generation_prompt: bool = True
+) -> str:
+    messages = template_messages(request.messages, tokenizer.takes_tools)
+    extra: dict[str, Any] = {}
+    if plan.active and tokenizer.takes_tools:
+        extra["tools"] = [{"type": "function", "function": fn} for fn in plan.functions.values()]
+    elif plan.active:
+        messages = tools.with_tools_described(messages, plan)
+    return tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
+
+
+def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> dict[str, Any]:
     fmt = request.response_format
+    schema = plan.json_schema()
+    if schema is not None:
+        if fmt is not None and fmt.type != "text":
+            raise InvalidRequest("response_format cannot be combined with a forced tool_choice", "response_format")
+        return {"json_schema": schema}
     if fmt is None or fmt.type == "text":
         return {}
     if fmt.type == "json_object":
@@ -65,23 +97,11 @@ def _structured_output(request: ChatCompletionRequest) -> dict[str, Any]:
     return {"json_schema": fmt.json_schema.schema_ or {"type": "object"}}
 
 
-@dataclass(slots=True)
-class PreparedChat:
-    request: ChatCompletionRequest
-    engine: Engine
-    generation: GenerationRequest
-    model: str
-    id: str
-    created: int
-
-
 def prepare(request: ChatCompletionRequest, engine: Engine, default_max_tokens: int | None) -> PreparedChat:
     """Everything that can refuse the request, done before the engine sees it."""
-    if request.tools and request.tool_choice != "none":
-        raise InvalidRequest("Tool calling is not supported by this gateway yet", "tools")
-    tokenizer = engine.tokenizer
-    prompt = tokenizer.render_chat(template_messages(request.messages), add_generation_prompt=True)
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    plan = tools.plan(request)
+    prompt = render(request, plan, engine.tokenizer)
+    prompt_ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
     if request.truncate_prompt_tokens is not None:
         prompt_ids = prompt_ids[-request.truncate_prompt_tokens :]
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
@@ -93,10 +113,10 @@ def prepare(request: ChatCompletionRequest, engine: Engine, default_max_tokens: 
         param,
     )
     top = (request.top_logprobs or 0) if request.logprobs else None
-    sampling = sampling_options(request, max_tokens, logprobs=top, **_structured_output(request))
+    sampling = sampling_options(request, max_tokens, logprobs=top, **_constraint(request, plan))
     chat_id = new_id("chatcmpl")
     generation = GenerationRequest(chat_id, prompt_ids, sampling, prompt_text=prompt)
-    return PreparedChat(request, engine, generation, request.model, chat_id, now())
+    return PreparedChat(request, engine, generation, plan, request.model, chat_id, now())
 
 
 def _logprobs(entries: list[TokenLogprob | None] | tuple) -> ChoiceLogprobs:
@@ -113,22 +133,46 @@ def _logprobs(entries: list[TokenLogprob | None] | tuple) -> ChoiceLogprobs:
     return ChoiceLogprobs(content=content)
 
 
+def _choice(prepared: PreparedChat, state: ChoiceState) -> ChatChoice:
+    content, calls = prepared.tools.parse("".join(state.text))
+    message = AssistantMessage(content=content, tool_calls=[c.as_openai() for c in calls] or None)
+    return ChatChoice(
+        index=state.index,
+        message=message,
+        finish_reason=prepared.tools.finish_reason(calls, state.finish_reason),
+        logprobs=_logprobs(state.logprobs) if prepared.request.logprobs else None,
+    )
+
+
 async def complete(prepared: PreparedChat) -> ChatCompletion:
     run = await Run(prepared.engine, prepared.generation).start()
     await run.collect()
-    want_logprobs = prepared.request.logprobs
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=AssistantMessage(content="".join(c.text)),
-            finish_reason=c.finish_reason,
-            logprobs=_logprobs(c.logprobs) if want_logprobs else None,
-        )
-        for c in run.choices
-    ]
-    return ChatCompletion(
-        id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=run.usage()
-    )
+    choices = [_choice(prepared, state) for state in run.choices]
+    return ChatCompletion(id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=run.usage())
+
+
+def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta) -> ChunkChoice | None:
+    """What one engine delta of one choice becomes on the wire (None: nothing yet)."""
+    plan = prepared.tools
+    finish = state.finish_reason if delta.finish_reason else None
+    if plan.mode in ("auto", "required"):  # calls are parsed from the whole text, at its end
+        if finish is None:
+            return None
+        content, calls = plan.parse("".join(state.text))
+        body = ChunkDelta(role="assistant", content=content, tool_calls=[c.as_openai(i) for i, c in enumerate(calls)] or None)
+        return ChunkChoice(index=state.index, delta=body, finish_reason=plan.finish_reason(calls, finish))
+    role = None if state.started else "assistant"
+    state.started = True
+    logprobs = _logprobs(list(delta.logprobs)) if delta.logprobs else None
+    if plan.mode == "named":  # the text is the arguments: stream it as such
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": delta.text}}
+        if role:
+            call.update(id=f"call_{uuid.uuid4().hex[:24]}", type="function")
+            call["function"]["name"] = plan.named
+        body = ChunkDelta(role=role, tool_calls=[call])
+    else:
+        body = ChunkDelta(role=role, content=delta.text)
+    return ChunkChoice(index=state.index, delta=body, finish_reason=finish, logprobs=logprobs)
 
 
 async def stream(prepared: PreparedChat) -> AsyncIterator[ChatCompletionChunk]:
@@ -137,27 +181,13 @@ async def stream(prepared: PreparedChat) -> AsyncIterator[ChatCompletionChunk]:
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)
 
-    def chunk(choices: list[ChunkChoice], usage=None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=usage
-        )
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=usage)
 
     async for output in run.outputs():
-        choices = []
-        for delta in output.choices:
-            state = run.choices[delta.index]
-            role = None if state.started else "assistant"
-            state.started = True
-            logprobs = _logprobs(list(delta.logprobs)) if delta.logprobs else None
-            choices.append(
-                ChunkChoice(
-                    index=delta.index,
-                    delta=ChunkDelta(role=role, content=delta.text),
-                    finish_reason=state.finish_reason if delta.finish_reason else None,
-                    logprobs=logprobs,
-                )
-            )
-        if choices:
-            yield chunk(choices, run.usage() if include_usage and continuous else None)
+        choices = [_chunk_choice(prepared, run.choices[d.index], d) for d in output.choices]
+        present = [c for c in choices if c is not None]
+        if present:
+            yield chunk(present, run.usage() if include_usage and continuous else None)
     if include_usage:
         yield chunk([], run.usage())

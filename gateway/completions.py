@@ -21,7 +21,13 @@ from gateway.generation import (
     resolve_max_tokens,
     sampling_options,
 )
-from gateway.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
+from gateway.protocol import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Usage,
+)
 
 
 @dataclass(slots=True)
@@ -35,6 +41,10 @@ class PreparedCompletion:
     created: int
 
 
+def check_vocabulary(token_ids: list[int], engine: Engine, param: str) -> None:
+    check_token_ids(token_ids, engine.info.extra.get("vocab_size"), param)
+
+
 def _prompts(request: CompletionRequest, engine: Engine) -> list[tuple[str, list[int]]]:
     """Each prompt as (text, token ids)."""
     prompt = request.prompt
@@ -45,16 +55,17 @@ def _prompts(request: CompletionRequest, engine: Engine) -> list[tuple[str, list
         return [(p, tokenizer.encode(p)) for p in prompt]  # type: ignore[arg-type]
     token_lists = [prompt] if all(isinstance(p, int) for p in prompt) else prompt
     for ids in token_lists:
-        check_token_ids(ids, engine.info.extra.get("vocab_size"), "prompt")  # type: ignore[arg-type]
+        check_vocabulary(ids, engine, "prompt")  # type: ignore[arg-type]
     return [(tokenizer.decode(ids), list(ids)) for ids in token_lists]  # type: ignore[arg-type]
 
 
 def prepare(request: CompletionRequest, engine: Engine, default_max_tokens: int | None) -> PreparedCompletion:
     if request.suffix:
         raise InvalidRequest("suffix is not supported by this model", "suffix")
-    if request.best_of is not None and request.best_of != request.n:
-        raise InvalidRequest("best_of other than n is not supported", "best_of")
-    if request.stream and request.n > 1 and request.best_of not in (None, request.n):
+    best_of = request.best_of or request.n
+    if best_of < request.n:
+        raise InvalidRequest("best_of must be greater than or equal to n", "best_of")
+    if request.stream and best_of > request.n:
         raise InvalidRequest("best_of cannot be used with stream", "best_of")
     cmpl_id = new_id("cmpl")
     generations, texts = [], []
@@ -69,8 +80,10 @@ def prepare(request: CompletionRequest, engine: Engine, default_max_tokens: int 
         sampling = sampling_options(
             request,
             max(max_tokens, 1),
-            logprobs=request.logprobs,
+            # best_of ranks choices by cumulative logprob, which the engine keeps only with logprobs on
+            logprobs=request.logprobs if best_of == request.n else (request.logprobs or 0),
             prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
+            n=best_of,
         )
         generations.append(GenerationRequest(f"{cmpl_id}-{i}", ids, sampling, prompt_text=text))
         texts.append(text)
@@ -83,7 +96,7 @@ def _logprobs(entries: list[TokenLogprob | None], start_offset: int) -> Completi
     for entry in entries:
         token = entry.token if entry else ""
         result.tokens.append(token)
-        result.token_logprobs.append(entry.logprob if entry else None)
+        result.token_logprobs.append(entry.logprob if entry else None)  # the first prompt token has none
         result.top_logprobs.append({t: lp for _, t, lp in entry.top} if entry and entry.top else None)
         result.text_offset.append(offset)
         offset += len(token)
@@ -114,8 +127,15 @@ class _Answer:
         return self.prepared.prompts[prompt] if self.prepared.request.echo else ""
 
     def note_prompt_logprobs(self, prompt: int, output: GenerationOutput) -> None:
-        if output.prompt_logprobs is not None:
-            self.prompt_logprobs[prompt] = list(output.prompt_logprobs)
+        """Keep the prompt's logprobs (only the first output carries them), for echo."""
+        if not output.prompt_logprobs:
+            return
+        ids = self.prepared.generations[prompt].prompt_token_ids
+        decode = self.prepared.engine.tokenizer.decode
+        self.prompt_logprobs[prompt] = [
+            entry or TokenLogprob(token_id, decode([token_id]), None)  # type: ignore[arg-type]
+            for token_id, entry in zip(ids, output.prompt_logprobs)
+        ]
 
     def choice_logprobs(self, prompt: int, entries: list[TokenLogprob | None]) -> CompletionLogprobs | None:
         if self.prepared.request.logprobs is None:
@@ -142,11 +162,11 @@ async def complete(prepared: PreparedCompletion) -> Completion:
     for p, run in enumerate(answer.runs):
         async for output in run.outputs():
             answer.note_prompt_logprobs(p, output)
-        for state in run.choices:
+        for rank, state in enumerate(_best(run.choices, prepared.request.n)):
             entries = state.logprobs if prepared.request.max_tokens != 0 else []
             choices.append(
                 CompletionChoice(
-                    index=answer.index(p, state.index),
+                    index=answer.index(p, rank),
                     text=answer.echo(p) + answer.text(state),
                     finish_reason="length" if prepared.request.max_tokens == 0 else state.finish_reason,
                     logprobs=answer.choice_logprobs(p, entries),
@@ -155,6 +175,13 @@ async def complete(prepared: PreparedCompletion) -> Completion:
     return Completion(
         id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=answer.usage()
     )
+
+
+def _best(states: list[ChoiceState], n: int) -> list[ChoiceState]:
+    """The n most likely of best_of choices (all of them, in order, without best_of)."""
+    if len(states) == n:
+        return states
+    return sorted(states, key=lambda s: s.cumulative_logprob or float("-inf"), reverse=True)[:n]
 
 
 async def stream(prepared: PreparedCompletion) -> AsyncIterator[Completion]:
@@ -216,7 +243,10 @@ async def _chunks(answer: _Answer) -> AsyncIterator[Completion]:
             if not state.started and prepared.request.echo:
                 entries = answer.prompt_logprobs.get(p, []) + entries
             state.started = True
-            logprobs = _logprobs(entries, 0) if prepared.request.logprobs is not None else None
+            logprobs = None
+            if prepared.request.logprobs is not None:
+                logprobs = _logprobs(entries, state.text_offset)
+                state.text_offset += sum(len(token) for token in logprobs.tokens)
             choices.append(
                 CompletionChoice(
                     index=answer.index(p, delta.index),

@@ -8,6 +8,8 @@ from typing import TypeVar
 
 from starlette.types import Receive
 
+from gateway.logs import current_record
+
 T = TypeVar("T")
 
 
@@ -31,6 +33,7 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
             return task.result()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        current_record().disconnected = True
         raise ClientDisconnected()
     finally:
         watcher.cancel()

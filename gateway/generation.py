@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, SamplingOptions
+from gateway import metrics
 from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from gateway.logs import current_record
 from gateway.protocol import ModelCard, ModelList, SamplingFields, Usage
 
 
@@ -25,6 +27,12 @@ class ModelRegistry:
         if engine is None:
             raise ModelNotFound(f"The model '{name}' does not exist", param="model")
         return engine
+
+    def get_or_default(self, name: str | None) -> Engine:
+        """The named model, or the first one served when no name is given (native routes)."""
+        if name is None:
+            return next(iter(self._engines.values()))
+        return self.get(name)
 
     def engines(self) -> Iterable[tuple[str, Engine]]:
         return self._engines.items()
@@ -70,13 +78,14 @@ def sampling_options(
     prompt_logprobs: int | None = None,
     json_schema: dict | None = None,
     json_object: bool = False,
+    n: int | None = None,
 ) -> SamplingOptions:
     """OpenAI's defaults where the request is silent (temperature 1, top_p 1)."""
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     bias = {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
     return SamplingOptions(
         max_tokens=max_tokens,
-        n=request.n,
+        n=n or request.n,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=0 if request.top_k in (None, -1) else request.top_k,
@@ -117,12 +126,16 @@ class ChoiceState:
     finish_reason: str | None = None
     started: bool = False
     logprobs: list = field(default_factory=list)
+    text_offset: int = 0  # characters streamed so far, for completions' logprobs.text_offset
+    cumulative_logprob: float | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text.append(delta.text)
         self.tokens += len(delta.token_ids)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
+        if delta.cumulative_logprob is not None:
+            self.cumulative_logprob = delta.cumulative_logprob
         if delta.finish_reason is not None:
             self.finish_reason = finish_reason(delta.finish_reason)
 
@@ -133,7 +146,8 @@ def finish_reason(engine_reason: str) -> str:
 
 
 class Run:
-    """One generation on an engine, started: its outputs and the bookkeeping for usage."""
+    """One generation on an engine, started: its outputs, the bookkeeping for usage, and its
+    latency metrics (time to first token, inter-token latency, time per output token)."""
 
     def __init__(self, engine: Engine, request: GenerationRequest) -> None:
         self.engine = engine
@@ -143,34 +157,82 @@ class Run:
         self.choices = [ChoiceState(i) for i in range(request.sampling.n)]
         self._outputs = engine.generate(request)
         self._first: GenerationOutput | None = None
+        self._record = current_record()
+        self._record.model = self._record.model or engine.info.name
+        self._model = engine.info.name
+        self._started = self._record.arrival or time.perf_counter()
+        self._first_token_at: float | None = None
+        self._last_token_at: float | None = None
+        self._in_flight = False
+        self._closed = False
 
     async def start(self) -> Run:
         """Wait for the first output, so that the engine's refusals come before any byte is sent."""
+        metrics.IN_FLIGHT.labels(self._model).inc()
+        self._in_flight = True
         try:
             self._first = await anext(self._outputs)
         except StopAsyncIteration:
             self._first = None
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     async def outputs(self) -> AsyncIterator[GenerationOutput]:
         try:
             if self._first is not None:
                 first, self._first = self._first, None
-                yield self._record(first)
+                yield self._take(first)
                 async for output in self._outputs:
-                    yield self._record(output)
+                    yield self._take(output)
         finally:
-            await self._outputs.aclose()  # type: ignore[attr-defined]
+            await self.close()
 
     async def close(self) -> None:
-        await self._outputs.aclose()  # type: ignore[attr-defined]
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._outputs.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._finish()
 
-    def _record(self, output: GenerationOutput) -> GenerationOutput:
+    def _take(self, output: GenerationOutput) -> GenerationOutput:
         self.prompt_tokens = output.prompt_tokens or self.prompt_tokens
         self.cached_tokens = output.cached_tokens or self.cached_tokens
         for delta in output.choices:
             self.choices[delta.index].add(delta)
+        if any(delta.token_ids for delta in output.choices):
+            self._time_token()
         return output
+
+    def _time_token(self) -> None:
+        at = time.perf_counter()
+        if self._first_token_at is None:
+            self._first_token_at = at
+            ttft = at - self._started
+            metrics.TIME_TO_FIRST_TOKEN.labels(self._model).observe(ttft)
+            if self._record.ttft_s is None:
+                self._record.ttft_s = ttft
+        elif self._last_token_at is not None:
+            metrics.INTER_TOKEN_LATENCY.labels(self._model).observe(at - self._last_token_at)
+        self._last_token_at = at
+
+    def _finish(self) -> None:
+        if self._in_flight:
+            metrics.IN_FLIGHT.labels(self._model).dec()
+            self._in_flight = False
+        usage = self.usage()
+        metrics.PROMPT_TOKENS.labels(self._model).inc(usage.prompt_tokens)
+        metrics.COMPLETION_TOKENS.labels(self._model).inc(usage.completion_tokens)
+        record = self._record
+        record.prompt_tokens = (record.prompt_tokens or 0) + usage.prompt_tokens
+        record.completion_tokens = (record.completion_tokens or 0) + usage.completion_tokens
+        per_choice = usage.completion_tokens / max(1, len(self.choices))
+        if self._first_token_at is not None and self._last_token_at is not None and per_choice > 1:
+            tpot = (self._last_token_at - self._first_token_at) / (per_choice - 1)
+            metrics.TIME_PER_OUTPUT_TOKEN.labels(self._model).observe(tpot)
 
     async def collect(self) -> Run:
         async for _ in self.outputs():

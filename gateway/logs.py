@@ -11,11 +11,50 @@ import logging
 import sys
 import time
 import uuid
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass
 
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway import metrics
+
 access = structlog.get_logger("gateway.access")
+
+ROUTES = frozenset(
+    ["/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/generate",
+     "/stream-generate", "/health", "/ready", "/metrics", "/openapi.json"]
+)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request's access line and metrics report; filled in as the request goes."""
+
+    model: str | None = None
+    version: str | None = None  # the model (version) that answered, when routing chose one
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_s: float | None = None
+    cache: str | None = None
+    api_key_id: str | None = None
+    disconnected: bool = False
+    arrival: float | None = None  # perf_counter() when the request arrived
+
+    def as_fields(self) -> dict[str, object]:
+        fields = {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+        fields.pop("arrival", None)
+        if self.ttft_s is not None:
+            fields["ttft_s"] = round(self.ttft_s, 4)
+        return fields
+
+
+_record: ContextVar[RequestRecord | None] = ContextVar("gateway_request_record", default=None)
+
+
+def current_record() -> RequestRecord:
+    """This request's record (a throwaway one outside a request, e.g. in warm-up)."""
+    return _record.get() or RequestRecord()
 
 
 def configure(level: str = "info", fmt: str = "console") -> None:
@@ -71,6 +110,8 @@ class AccessLogMiddleware:
         request_id = request_id_from(scope)
         scope.setdefault("state", {})["request_id"] = request_id
         started = time.perf_counter()
+        record = RequestRecord(arrival=started)
+        token = _record.set(record)
         status = 500
         first_byte: float | None = None
 
@@ -87,12 +128,25 @@ class AccessLogMiddleware:
             try:
                 await self.app(scope, receive, send_with_id)
             finally:
+                _record.reset(token)
+                duration = time.perf_counter() - started
+                route = scope["path"] if scope["path"] in ROUTES else "unmatched"
+                observe_request(record, route, status, duration)
                 access.info(
                     "request",
                     method=scope["method"],
                     path=scope["path"],
                     status=status,
-                    duration_s=round(time.perf_counter() - started, 4),
+                    duration_s=round(duration, 4),
                     first_byte_s=round(first_byte, 4) if first_byte is not None else None,
-                    **scope["state"].get("access", {}),
+                    **record.as_fields(),
                 )
+
+
+def observe_request(record: RequestRecord, route: str, status: int, duration: float) -> None:
+    model = record.version or record.model or ""
+    metrics.REQUESTS.labels(model, route, str(status)).inc()
+    if route != "/metrics":
+        metrics.REQUEST_DURATION.labels(model, route).observe(duration)
+    if record.disconnected:
+        metrics.DISCONNECTS.labels(model).inc()

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import chat, completions
+from gateway import chat, completions, metrics
 from gateway.disconnect import unless_disconnected
 from gateway.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -94,13 +94,33 @@ async def list_models(request: Request) -> Response:
     return json_response(state_of(request).models.listing())
 
 
+async def prometheus(request: Request) -> Response:
+    body, content_type = metrics.exposition()
+    return Response(body, media_type=content_type)
+
+
 async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-routes = [
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/completions", text_completions, methods=["POST"]),
-    Route("/v1/models", list_models, methods=["GET"]),
-    Route("/health", health, methods=["GET"]),
-]
+async def openapi(request: Request) -> Response:
+    from gateway.openapi import document
+
+    return JSONResponse(document())
+
+
+def all_routes() -> list[Route]:
+    from gateway import native
+
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", text_completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/tokenize", native.tokenize, methods=["POST"]),
+        Route("/detokenize", native.detokenize, methods=["POST"]),
+        Route("/generate", native.generate, methods=["POST"]),
+        Route("/stream-generate", native.stream_generate, methods=["POST"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]

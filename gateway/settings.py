@@ -33,4 +33,9 @@ class Settings(BaseSettings):
     default_max_tokens: int | None = Field(
         None, description="max_tokens when a request sends none; unset: what the context leaves"
     )
+    warmup: bool = Field(
+        True,
+        description="Before serving, run one structured-output request so that xgrammar's one-time "
+        "set-up (about 30 s on the CPU) is not paid by the first client asking for JSON",
+    )
     engine: EngineSettings = Field(default_factory=EngineSettings)

@@ -15,6 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.disconnect import wait_for_disconnect
 from gateway.errors import from_exception
+from gateway.logs import current_record
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = [
@@ -61,6 +62,7 @@ class EventStreamResponse:
             await asyncio.gather(stream, return_exceptions=True)
             if not stream.cancelled() and isinstance(stream.exception(), OSError):
                 self.disconnected = True  # the socket went away under send
+            current_record().disconnected = self.disconnected
         finally:
             watcher.cancel()
             stream.cancel()

@@ -13,11 +13,12 @@ from typing import Any
 from engine.errors import EngineUnavailable
 from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest, ModelInfo, TokenLogprob
 
-REPLY = "the quick brown fox jumps over the lazy dog".split()
+REPLY = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
 
 
 class FakeTokenizer:
     def __init__(self) -> None:
+        self.takes_tools = False
         self.vocab: dict[str, int] = {}
         self.words: dict[int, str] = {}
 
@@ -49,6 +50,7 @@ class FakeEngine:
         self.finished: list[str] = []
         self.dead = False
         self.fail_after: int | None = None  # raise after this many outputs
+        self.reply: list[str] | None = None  # pieces to answer with instead of REPLY; then "stop"
 
     @property
     def info(self) -> ModelInfo:
@@ -64,6 +66,10 @@ class FakeEngine:
         self.requests.append(request)
         self.running.add(request.request_id)
         sampling = request.sampling
+        if self.reply is not None:
+            async for output in self._scripted(request):
+                yield output
+            return
         try:
             for step in range(sampling.max_tokens):
                 if self.fail_after is not None and step >= self.fail_after:
@@ -80,7 +86,7 @@ class FakeEngine:
                     top = tuple((100 + k, f"alt{k}", -1.0 - k) for k in range(sampling.logprobs))
                     logprobs = (TokenLogprob(1000 + step, text, -0.5, 1, top),)
                 choices = [
-                    ChoiceDelta(i, text, [1000 + step], "length" if last else None, None, logprobs)
+                    ChoiceDelta(i, text, [1000 + step], "length" if last else None, None, logprobs, -float(i * (step + 1)))
                     for i in range(sampling.n)
                 ]
                 yield GenerationOutput(len(request.prompt_token_ids), choices, finished=last)
@@ -90,6 +96,15 @@ class FakeEngine:
             raise
         finally:
             self.running.discard(request.request_id)
+
+    async def _scripted(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        pieces = self.reply or [""]
+        for step, piece in enumerate(pieces):
+            await asyncio.sleep(0)
+            last = step == len(pieces) - 1
+            choices = [ChoiceDelta(i, piece, [2000 + step], "stop" if last else None) for i in range(request.sampling.n)]
+            yield GenerationOutput(len(request.prompt_token_ids), choices, finished=last)
+        self.finished.append(request.request_id)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -18,7 +18,7 @@ def engine() -> FakeEngine:
 
 @pytest.fixture
 def settings() -> Settings:
-    return Settings(max_body_bytes=10_000)
+    return Settings(max_body_bytes=10_000, warmup=False)
 
 
 @pytest.fixture

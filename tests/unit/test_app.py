@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -54,3 +53,12 @@ def test_cli_flags_override_environment(monkeypatch) -> None:
     assert settings.engine.max_model_len == 512
     assert settings.engine.enforce_eager is True
     assert settings.engine.engine_args == {"kv_offloading_size": 4}
+
+
+def test_warmup_runs_one_json_request_before_serving(engine) -> None:
+    from gateway.app import create_app
+    from gateway.settings import Settings
+
+    app = create_app(Settings(warmup=True), engine_factory=lambda s: {engine.info.name: engine})
+    with TestClient(app):
+        assert len(engine.requests) == 1 and engine.requests[0].sampling.json_object

@@ -48,7 +48,7 @@ async def drive(app, body: dict, disconnect_after_chunks: int | None, timeout: f
 
 
 async def run_with_app(engine: FakeEngine, coro_factory):
-    app = create_app(Settings(), engine_factory=lambda s: {engine.info.name: engine})
+    app = create_app(Settings(warmup=False), engine_factory=lambda s: {engine.info.name: engine})
     async with app.router.lifespan_context(app) as state:
         async def with_state(scope, receive, send):
             scope["state"] = dict(state)

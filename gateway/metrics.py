@@ -1,0 +1,54 @@
+"""Every Prometheus metric of the gateway, declared once; call sites use these objects.
+
+The engine's own statistics are vLLM's, registered by its PrometheusStatLogger in the same
+default registry under their usual `vllm:` names (vllm:num_requests_running,
+vllm:kv_cache_usage_perc, ...), so GET /metrics serves both in one exposition.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+# Buckets wide enough for a 2-core CPU (seconds per token) and a GPU (milliseconds per token).
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+
+REQUESTS = Counter("gateway_requests_total", "Requests answered", ["model", "route", "status"])
+REQUEST_DURATION = Histogram(
+    "gateway_request_duration_seconds", "Time from request to the last byte", ["model", "route"],
+    buckets=LATENCY_BUCKETS,
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "gateway_time_to_first_token_seconds", "Time from request to the first generated token", ["model"],
+    buckets=LATENCY_BUCKETS,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "gateway_inter_token_latency_seconds", "Time between successive engine outputs of a request", ["model"],
+    buckets=TOKEN_BUCKETS,
+)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "gateway_time_per_output_token_seconds", "(last token time - first token time) / (tokens - 1)", ["model"],
+    buckets=TOKEN_BUCKETS,
+)
+PROMPT_TOKENS = Counter("gateway_prompt_tokens_total", "Prompt tokens processed", ["model"])
+COMPLETION_TOKENS = Counter("gateway_completion_tokens_total", "Completion tokens generated", ["model"])
+IN_FLIGHT = Gauge("gateway_requests_in_flight", "Requests being generated", ["model"])
+WAITING = Gauge("gateway_requests_waiting", "Requests waiting for admission", ["model"])
+CACHE_HITS = Counter("gateway_cache_hits_total", "Response cache hits", ["model"])
+CACHE_MISSES = Counter("gateway_cache_misses_total", "Response cache misses", ["model"])
+RATE_LIMITED = Counter("gateway_rate_limited_total", "Requests refused by rate limits", ["limit"])
+REJECTED = Counter("gateway_rejected_total", "Requests refused by admission control", ["model", "reason"])
+UPSTREAM_ERRORS = Counter("gateway_upstream_errors_total", "Failures of remote upstream models", ["model"])
+FALLBACKS = Counter("gateway_fallbacks_total", "Requests answered by a fallback model", ["model", "fallback"])
+DISCONNECTS = Counter("gateway_client_disconnects_total", "Clients gone before their answer ended", ["model"])
+
+
+def exposition() -> tuple[bytes, str]:
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
