@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test unit integration lint clean
+.PHONY: install model serve test unit integration lint clean conformance-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,3 +44,7 @@ lint: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The conformance suite against vLLM's own OpenAI server (same model and engine settings)
+conformance-vllm: model
+	GATEWAY_TEST_TARGET=vllm $(PY) -m pytest tests/integration/test_conformance.py tests/integration/test_real_engine.py -rs $(PYTEST_ARGS)

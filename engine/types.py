@@ -36,6 +36,7 @@ class SamplingOptions:
     prompt_logprobs: int | None = None
     json_schema: dict[str, Any] | None = None  # constrain the output to this JSON schema
     json_object: bool = False  # constrain the output to any JSON object
+    compact_json: bool = False  # no free whitespace inside constrained JSON (fewer tokens)
 
 
 @dataclass(frozen=True, slots=True)

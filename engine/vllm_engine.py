@@ -99,10 +99,11 @@ class HFTokenizer:
 
 def sampling_params(options: SamplingOptions) -> SamplingParams:
     structured = None
+    compact = options.compact_json
     if options.json_schema is not None:
-        structured = StructuredOutputsParams(json=options.json_schema)
+        structured = StructuredOutputsParams(json=options.json_schema, disable_any_whitespace=compact)
     elif options.json_object:
-        structured = StructuredOutputsParams(json_object=True)
+        structured = StructuredOutputsParams(json_object=True, disable_any_whitespace=compact)
     return SamplingParams(
         n=options.n,
         max_tokens=options.max_tokens,

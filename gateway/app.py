@@ -75,7 +75,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory = embedded_engi
 
     return Starlette(
         routes=all_routes(),
-        middleware=[Middleware(AccessLogMiddleware)],
+        middleware=[Middleware(AccessLogMiddleware, log_content=settings.log_prompts)],
         exception_handlers={
             cls: error_response
             for cls in (APIError, ValidationError, EngineError, HTTPException, ClientDisconnected, Exception)

@@ -88,7 +88,8 @@ def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> dict[st
     if schema is not None:
         if fmt is not None and fmt.type != "text":
             raise InvalidRequest("response_format cannot be combined with a forced tool_choice", "response_format")
-        return {"json_schema": schema}
+        # tool calls carry no layout: without free whitespace, small models do not wander off
+        return {"json_schema": schema, "compact_json": True}
     if fmt is None or fmt.type == "text":
         return {}
     if fmt.type == "json_object":

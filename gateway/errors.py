@@ -90,6 +90,17 @@ class ServiceUnavailable(APIError):
     status, type, code = 503, "server_error", "service_unavailable"
 
 
+# Every error the API answers with, as documented in the README's error table.
+ERROR_CLASSES: tuple[type[APIError], ...] = (
+    InvalidRequest, ContextLengthExceeded, AuthenticationFailed, NotFound, ModelNotFound,
+    MethodNotAllowed, PayloadTooLarge, RateLimited, InternalError, ServiceUnavailable,
+)
+
+
+def error_table() -> list[tuple[int, str, str | None]]:
+    return [(cls.status, cls.type, cls.code) for cls in ERROR_CLASSES]
+
+
 def _validation_error(exc: ValidationError) -> InvalidRequest:
     first = exc.errors(include_url=False)[0]
     location = [str(part) for part in first["loc"] if not str(part).startswith(("function-", "json-"))]

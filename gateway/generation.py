@@ -78,6 +78,7 @@ def sampling_options(
     prompt_logprobs: int | None = None,
     json_schema: dict | None = None,
     json_object: bool = False,
+    compact_json: bool = False,
     n: int | None = None,
 ) -> SamplingOptions:
     """OpenAI's defaults where the request is silent (temperature 1, top_p 1)."""
@@ -105,6 +106,7 @@ def sampling_options(
         prompt_logprobs=prompt_logprobs,
         json_schema=json_schema,
         json_object=json_object,
+        compact_json=compact_json,
     )
 
 
@@ -227,6 +229,9 @@ class Run:
         metrics.PROMPT_TOKENS.labels(self._model).inc(usage.prompt_tokens)
         metrics.COMPLETION_TOKENS.labels(self._model).inc(usage.completion_tokens)
         record = self._record
+        if record.log_content:
+            record.prompt = self.request.prompt_text
+            record.output = (record.output or []) + ["".join(choice.text) for choice in self.choices]
         record.prompt_tokens = (record.prompt_tokens or 0) + usage.prompt_tokens
         record.completion_tokens = (record.completion_tokens or 0) + usage.completion_tokens
         per_choice = usage.completion_tokens / max(1, len(self.choices))

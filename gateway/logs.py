@@ -40,10 +40,14 @@ class RequestRecord:
     api_key_id: str | None = None
     disconnected: bool = False
     arrival: float | None = None  # perf_counter() when the request arrived
+    log_content: bool = False  # put prompts and outputs in the access line (a setting; off by default)
+    prompt: str | None = None
+    output: list[str] | None = None
 
     def as_fields(self) -> dict[str, object]:
         fields = {k: v for k, v in asdict(self).items() if v is not None and v is not False}
         fields.pop("arrival", None)
+        fields.pop("log_content", None)
         if self.ttft_s is not None:
             fields["ttft_s"] = round(self.ttft_s, 4)
         return fields
@@ -100,8 +104,9 @@ def request_id_from(scope: Scope) -> str:
 class AccessLogMiddleware:
     """Binds the request id to every log line of the request, returns it, logs one access line."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, log_content: bool = False) -> None:
         self.app = app
+        self.log_content = log_content
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -110,7 +115,7 @@ class AccessLogMiddleware:
         request_id = request_id_from(scope)
         scope.setdefault("state", {})["request_id"] = request_id
         started = time.perf_counter()
-        record = RequestRecord(arrival=started)
+        record = RequestRecord(arrival=started, log_content=self.log_content)
         token = _record.set(record)
         status = 500
         first_byte: float | None = None

@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     log_format: Literal["console", "json"] = Field(
         "console", description="console: readable lines for development; json: one JSON object a line"
     )
+    log_prompts: bool = Field(
+        False, description="Put prompts and outputs in the access log (they may hold personal data)"
+    )
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger request bodies get 413")
     default_max_tokens: int | None = Field(
         None, description="max_tokens when a request sends none; unset: what the context leaves"

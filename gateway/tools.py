@@ -158,11 +158,28 @@ def tagged(call: dict[str, Any]) -> str:
     return "<tool_call>" + json.dumps({"name": function["name"], "arguments": arguments}) + "</tool_call>"
 
 
-def _parse_required(text: str) -> list[ToolCall]:
+def _complete_items(text: str) -> list[Any]:
+    """The complete items of a JSON array, also when max_tokens cut the array short."""
     try:
         items = json.loads(text)
+        return items if isinstance(items, list) else []
     except json.JSONDecodeError:
-        return []  # cut short by max_tokens: no complete call
+        pass
+    decoder, items = json.JSONDecoder(), []
+    position = text.find("[") + 1
+    while 0 < position < len(text):
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            break
+        items.append(item)
+    return items
+
+
+def _parse_required(text: str) -> list[ToolCall]:
+    items = _complete_items(text)
     return [
         ToolCall(item["name"], json.dumps(item.get("parameters", {})))
         for item in items

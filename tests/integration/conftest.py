@@ -18,6 +18,31 @@ import pytest
 
 MODEL = "smollm2-135m-instruct"
 START_TIMEOUT_S = 600
+# `GATEWAY_TEST_TARGET=vllm` points the conformance suite at vLLM's own OpenAI server instead
+# (same model, same engine settings); tests of what only the gateway offers are skipped there.
+TARGET = os.environ.get("GATEWAY_TEST_TARGET", "gateway")
+
+
+def server_command(port: int) -> list[str]:
+    if TARGET == "vllm":
+        from engine.models import default_model_dir
+
+        return [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_dir()),
+            "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--enforce-eager",
+            "--dtype", "float32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.3",
+        ]
+    return [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--enforce-eager"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if TARGET != "vllm":
+        return
+    for item in items:
+        marker = item.get_closest_marker("gateway_only")
+        if marker is not None:
+            reason = marker.args[0] if marker.args else "a gateway feature that vLLM's server does not have"
+            item.add_marker(pytest.mark.skip(reason=f"vLLM's server differs: {reason}"))
 
 
 def free_port() -> int:
@@ -27,11 +52,16 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("server") / "gateway.log"
+
+
+@pytest.fixture(scope="session")
+def server(server_log: Path) -> Iterator[str]:
     port = free_port()
-    log_path = tmp_path_factory.mktemp("server") / "gateway.log"
+    log_path = server_log
     env = {**os.environ, "GATEWAY_LOG_FORMAT": "json"}
-    command = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--enforce-eager"]
+    command = server_command(port)
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2])
     base = f"http://127.0.0.1:{port}"

@@ -32,8 +32,8 @@ def test_streamed_chat_yields_several_chunks(sdk: openai.OpenAI) -> None:
     assert len(content) >= 3
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "Paris" in "".join(c.choices[0].delta.content for c in content)
-    with_choices = [c for c in chunks if c.choices]  # the last token (end of turn) has no text
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(with_choices)
+    # one chunk per engine step, each at least one token (the last, end of turn, has no text)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= len(content)
 
 
 def test_raw_http_stream_ends_with_done(base_url: str) -> None:
@@ -104,6 +104,7 @@ def test_models_list(sdk: openai.OpenAI) -> None:
         (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello " * 3000}]}).encode(), 400),
     ],
 )
+@pytest.mark.gateway_only("these bodies go without Content-Type, as curl -d sends them; vLLM answers 400 for the unknown model then")
 def test_bad_input_gets_openai_error_and_server_keeps_serving(base_url: str, body: bytes, status: int) -> None:
     response = httpx.post(f"{base_url}/v1/chat/completions", content=body, timeout=60)
     assert response.status_code == status
@@ -112,6 +113,7 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(base_url: str, bod
     assert ok.status_code == 200
 
 
+@pytest.mark.gateway_only("vLLM's code is the status number, not context_length_exceeded")
 def test_sdk_raises_typed_errors(sdk: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         sdk.chat.completions.create(model="missing", messages=QUESTION)
@@ -120,6 +122,7 @@ def test_sdk_raises_typed_errors(sdk: openai.OpenAI) -> None:
     assert info.value.code == "context_length_exceeded"
 
 
+@pytest.mark.gateway_only("vLLM's unknown paths answer FastAPI's {\"detail\": ...}, not an OpenAI error")
 def test_unknown_path_and_method(base_url: str) -> None:
     assert httpx.get(f"{base_url}/v2/anything").json()["error"]["code"] == "not_found"
     assert httpx.delete(f"{base_url}/v1/models").status_code == 405

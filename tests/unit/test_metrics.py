@@ -51,3 +51,16 @@ def test_access_log_carries_request_id_and_tokens(client: TestClient) -> None:
     line = next(m for m in logs if m["event"] == "request" and m.get("request_id") == "req-42")
     assert line["model"] == MODEL and line["completion_tokens"] == 3 and line["status"] == 200
     assert line["prompt_tokens"] > 0 and line["ttft_s"] >= 0
+
+
+def test_prompts_are_logged_only_when_asked(engine) -> None:
+    from gateway.app import create_app
+    from gateway.settings import Settings
+
+    for log_prompts in (False, True):
+        app = create_app(Settings(warmup=False, log_prompts=log_prompts), engine_factory=lambda s: {engine.info.name: engine})
+        with TestClient(app) as client, structlog.testing.capture_logs() as logs:
+            client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "secret words"}], "max_tokens": 2})
+        line = next(m for m in logs if m["event"] == "request")
+        assert ("secret words" in str(line)) is log_prompts
+        assert (line.get("output") == ["the quick"]) is log_prompts

@@ -125,3 +125,9 @@ def test_bad_tools_are_400(client: TestClient, extra: dict, param: str) -> None:
     response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, **extra})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
+
+
+def test_required_keeps_complete_calls_of_a_cut_array(sdk: openai.OpenAI, engine: FakeEngine) -> None:
+    engine.reply = ['[{"name": "get_time", "parameters": {}}, ', '{"name": "get_weather", "parameters": {"ci']
+    result = sdk.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required")
+    assert [c.function.name for c in result.choices[0].message.tool_calls] == ["get_time"]
