@@ -7,12 +7,35 @@ variables prefixed `GATEWAY_` (nested with `__`, e.g. `GATEWAY_ENGINE__MAX_MODEL
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineSettings
+
+
+class CacheSettings(BaseModel):
+    backend: Literal["off", "memory", "redis"] = Field(
+        "memory", description="Response cache of deterministic requests: off, in memory, or Redis (shared by replicas)"
+    )
+    max_entries: int = Field(10_000, gt=0, description="Memory backend: most entries kept (LRU)")
+    max_bytes: int = Field(256 * 1024 * 1024, gt=0, description="Memory backend: most bytes kept (LRU)")
+    ttl_s: float = Field(3600, gt=0, description="Seconds an answer stays cached")
+    redis_url: str | None = Field(None, description="Redis backend: redis://host:port/db")
+    redis_prefix: str = "llm-gateway:cache:"
+    redis_timeout_s: float = Field(0.5, gt=0, description="Redis backend: give up on a slow Redis after this")
+
+
+class AdmissionSettings(BaseModel):
+    """Per model (the models file may override): bounds on requests in the engine and waiting."""
+
+    max_running: int = Field(256, gt=0, description="Requests generating at once on a model")
+    max_waiting: int = Field(1024, ge=0, description="Requests queued for a model beyond max_running")
+    wait_timeout_s: float = Field(30, gt=0, description="A queued request waits at most this long")
+    reject_status: Literal[429, 503] = Field(429, description="Status of a refused request")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After sent with a refusal")
 
 
 class Settings(BaseSettings):
@@ -41,4 +64,19 @@ class Settings(BaseSettings):
         description="Before serving, run one structured-output request so that xgrammar's one-time "
         "set-up (about 30 s on the CPU) is not paid by the first client asking for JSON",
     )
+    drain_timeout_s: float = Field(
+        30, ge=0, description="On SIGTERM: how long in-flight requests may finish before the engines stop"
+    )
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Bearer API keys (JSON list); empty: no auth. Kept only as SHA-256 hashes",
+    )
+    auth_ops_routes: bool = Field(False, description="Require a key on /health, /ready and /metrics too")
+    rate_limit_rpm: int | None = Field(None, gt=0, description="Requests per minute per API key")
+    rate_limit_tpm: int | None = Field(None, gt=0, description="Tokens (prompt + max output) per minute per API key")
+    models_file: Path | None = Field(
+        None, description="YAML or TOML file declaring several models (embedded, remote, A/B splits, fallbacks)"
+    )
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
