@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test unit integration lint clean conformance-vllm
+.PHONY: install model serve test unit integration lint clean conformance-vllm system-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +30,14 @@ model: install
 serve: model
 	$(PY) -m gateway serve $(ARGS)
 
-test: model
+# redis-server (Debian package) for the shared response cache's tests; the tests start their own
+system-deps:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+
+test: model system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-unit: install
+unit: install system-deps
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 integration: model

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,15 +27,24 @@ from gateway.protocol import (
 )
 
 
+OnDone = Callable[[ChatCompletion], Awaitable[None]]
+
+
 @dataclass(slots=True)
 class PreparedChat:
     request: ChatCompletionRequest
     engine: Engine
     generation: GenerationRequest
     tools: tools.ToolPlan
-    model: str
+    model: str  # the name the answer carries: the model (version) that answers
     id: str
     created: int
+    on_done: OnDone | None = None  # called with the whole answer once a stream has ended
+
+    def token_budget(self) -> int:
+        """Prompt plus the most the answer may take, for tokens-per-minute limits."""
+        sampling = self.generation.sampling
+        return len(self.generation.prompt_token_ids) + sampling.max_tokens * sampling.n
 
 
 def template_messages(messages: list[ChatMessage], takes_tools: bool) -> list[dict[str, Any]]:
@@ -145,11 +154,15 @@ def _choice(prepared: PreparedChat, state: ChoiceState) -> ChatChoice:
     )
 
 
+def _answer(prepared: PreparedChat, run: Run) -> ChatCompletion:
+    choices = [_choice(prepared, state) for state in run.choices]
+    return ChatCompletion(id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=run.usage())
+
+
 async def complete(prepared: PreparedChat) -> ChatCompletion:
     run = await Run(prepared.engine, prepared.generation).start()
     await run.collect()
-    choices = [_choice(prepared, state) for state in run.choices]
-    return ChatCompletion(id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=run.usage())
+    return _answer(prepared, run)
 
 
 def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta) -> ChunkChoice | None:
@@ -190,5 +203,29 @@ async def stream(prepared: PreparedChat) -> AsyncIterator[ChatCompletionChunk]:
         present = [c for c in choices if c is not None]
         if present:
             yield chunk(present, run.usage() if include_usage and continuous else None)
+    if prepared.on_done is not None:
+        await prepared.on_done(_answer(prepared, run))
     if include_usage:
         yield chunk([], run.usage())
+
+
+async def replay(answer: ChatCompletion, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+    """A whole (cached) answer as a stream: per choice its content, then its finish."""
+    chat_id, created = new_id("chatcmpl"), now()
+
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=chat_id, created=created, model=answer.model, choices=choices, usage=usage)
+
+    for choice in answer.choices:
+        message = choice.message
+        calls = [{**call, "index": i} for i, call in enumerate(message.tool_calls or [])] or None
+        delta = ChunkDelta(role="assistant", content=message.content, tool_calls=calls)
+        yield chunk([ChunkChoice(index=choice.index, delta=delta, logprobs=choice.logprobs)])
+        yield chunk([ChunkChoice(index=choice.index, delta=ChunkDelta(), finish_reason=choice.finish_reason)])
+    if request.stream_options and request.stream_options.include_usage:
+        yield chunk([], answer.usage)
+
+
+def fresh(answer: ChatCompletion) -> ChatCompletion:
+    """A cached answer under a new id and time."""
+    return answer.model_copy(update={"id": new_id("chatcmpl"), "created": now()})

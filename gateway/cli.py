@@ -77,24 +77,36 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.lifecycle import DrainingServer, Lifecycle
     from gateway.logs import configure
 
     configure(settings.log_level, settings.log_format)
-    app = create_app(settings)
-    uvicorn.run(
+    lifecycle = Lifecycle()
+    app = create_app(settings, lifecycle=lifecycle)
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=5,  # the drain already waited for requests in progress
     )
+    DrainingServer(config, lifecycle, settings.drain_timeout_s).run()
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pydantic import ValidationError
+
+    from gateway.modelfile import ConfigError
+
     args = parser().parse_args(argv)
-    if args.command == "serve":
-        serve(settings_from(args))
+    try:
+        settings = settings_from(args)
+        if args.command == "serve":
+            serve(settings)
+    except (ConfigError, ValidationError, ValueError) as exc:
+        print(f"llm-gateway: configuration error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -7,7 +7,7 @@ is one engine request of `n` choices, and choice `i` of prompt `p` is answered a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from engine.types import Engine, GenerationOutput, GenerationRequest, TokenLogprob
@@ -30,15 +30,22 @@ from gateway.protocol import (
 )
 
 
+OnDone = Callable[[Completion], Awaitable[None]]
+
+
 @dataclass(slots=True)
 class PreparedCompletion:
     request: CompletionRequest
     engine: Engine
     generations: list[GenerationRequest]
     prompts: list[str]  # each prompt's text, for echo
-    model: str
+    model: str  # the name the answer carries: the model (version) that answers
     id: str
     created: int
+    on_done: OnDone | None = None  # called with the whole answer once a stream has ended
+
+    def token_budget(self) -> int:
+        return sum(len(g.prompt_token_ids) + g.sampling.max_tokens * g.sampling.n for g in self.generations)
 
 
 def check_vocabulary(token_ids: list[int], engine: Engine, param: str) -> None:
@@ -158,10 +165,16 @@ class _Answer:
 
 async def complete(prepared: PreparedCompletion) -> Completion:
     answer = await _Answer(prepared).start()
-    choices = []
     for p, run in enumerate(answer.runs):
         async for output in run.outputs():
             answer.note_prompt_logprobs(p, output)
+    return _whole(answer)
+
+
+def _whole(answer: _Answer) -> Completion:
+    prepared = answer.prepared
+    choices = []
+    for p, run in enumerate(answer.runs):
         for rank, state in enumerate(_best(run.choices, prepared.request.n)):
             entries = state.logprobs if prepared.request.max_tokens != 0 else []
             choices.append(
@@ -257,5 +270,20 @@ async def _chunks(answer: _Answer) -> AsyncIterator[Completion]:
             )
         if choices:
             yield chunk(choices)
+    if prepared.on_done is not None:
+        await prepared.on_done(_whole(answer))
     if include_usage:
         yield chunk([], answer.usage())
+
+
+async def replay(whole: Completion, request: CompletionRequest) -> AsyncIterator[Completion]:
+    """A whole (cached) answer as a stream: one chunk per choice."""
+    cmpl_id, created = new_id("cmpl"), now()
+    for choice in whole.choices:
+        yield Completion(id=cmpl_id, created=created, model=whole.model, choices=[choice])
+    if request.stream_options and request.stream_options.include_usage:
+        yield Completion(id=cmpl_id, created=created, model=whole.model, choices=[], usage=whole.usage)
+
+
+def fresh(whole: Completion) -> Completion:
+    return whole.model_copy(update={"id": new_id("cmpl"), "created": now()})

@@ -3,14 +3,16 @@
     APIError(status, type, code)                         body: {"error": {message, type, param, code}}
     ├── InvalidRequest          400 invalid_request_error
     │   └── ContextLengthExceeded  400 invalid_request_error / context_length_exceeded
-    ├── AuthenticationFailed    401 authentication_error / invalid_api_key
+    ├── AuthenticationFailed    401 invalid_request_error / invalid_api_key
     ├── NotFound                404 invalid_request_error / not_found
     │   └── ModelNotFound       404 invalid_request_error / model_not_found
     ├── MethodNotAllowed        405 invalid_request_error / method_not_allowed
     ├── PayloadTooLarge         413 invalid_request_error / request_too_large
     ├── RateLimited             429 rate_limit_error / rate_limit_exceeded
+    │   └── ModelOverloaded     429 rate_limit_error / model_overloaded
     ├── InternalError           500 server_error / internal_error
     └── ServiceUnavailable      503 server_error / service_unavailable
+        └── ModelUnavailable    503 server_error / model_overloaded
 
 Engine errors map onto these in `from_exception`, once; so do Starlette's HTTP exceptions and
 pydantic's validation errors.
@@ -59,7 +61,7 @@ class ContextLengthExceeded(InvalidRequest):
 
 
 class AuthenticationFailed(APIError):
-    status, type, code = 401, "authentication_error", "invalid_api_key"
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"  # OpenAI's own 401 type
 
 
 class NotFound(APIError):
@@ -82,6 +84,10 @@ class RateLimited(APIError):
     status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
 
 
+class ModelOverloaded(RateLimited):
+    code = "model_overloaded"
+
+
 class InternalError(APIError):
     status, type, code = 500, "server_error", "internal_error"
 
@@ -90,10 +96,17 @@ class ServiceUnavailable(APIError):
     status, type, code = 503, "server_error", "service_unavailable"
 
 
+class ModelUnavailable(ServiceUnavailable):
+    """Overloaded (when configured to answer 503), or dead with no fallback left."""
+
+    code = "model_overloaded"
+
+
 # Every error the API answers with, as documented in the README's error table.
 ERROR_CLASSES: tuple[type[APIError], ...] = (
     InvalidRequest, ContextLengthExceeded, AuthenticationFailed, NotFound, ModelNotFound,
-    MethodNotAllowed, PayloadTooLarge, RateLimited, InternalError, ServiceUnavailable,
+    MethodNotAllowed, PayloadTooLarge, RateLimited, ModelOverloaded, InternalError, ServiceUnavailable,
+    ModelUnavailable,
 )
 
 

@@ -11,38 +11,9 @@ from dataclasses import dataclass, field
 
 from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, SamplingOptions
 from gateway import metrics
-from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.logs import current_record
-from gateway.protocol import ModelCard, ModelList, SamplingFields, Usage
-
-
-class ModelRegistry:
-    """Public model names (and aliases) to engines."""
-
-    def __init__(self, engines: dict[str, Engine]) -> None:
-        self._engines = dict(engines)
-
-    def get(self, name: str) -> Engine:
-        engine = self._engines.get(name)
-        if engine is None:
-            raise ModelNotFound(f"The model '{name}' does not exist", param="model")
-        return engine
-
-    def get_or_default(self, name: str | None) -> Engine:
-        """The named model, or the first one served when no name is given (native routes)."""
-        if name is None:
-            return next(iter(self._engines.values()))
-        return self.get(name)
-
-    def engines(self) -> Iterable[tuple[str, Engine]]:
-        return self._engines.items()
-
-    def listing(self) -> ModelList:
-        cards = [
-            ModelCard(id=name, created=e.info.created, root=e.info.root, max_model_len=e.info.max_model_len)
-            for name, e in self._engines.items()
-        ]
-        return ModelList(data=cards)
+from gateway.protocol import SamplingFields, Usage
 
 
 def new_id(prefix: str) -> str:

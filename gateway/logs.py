@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -43,11 +43,13 @@ class RequestRecord:
     log_content: bool = False  # put prompts and outputs in the access line (a setting; off by default)
     prompt: str | None = None
     output: list[str] | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)  # added to the response
 
     def as_fields(self) -> dict[str, object]:
         fields = {k: v for k, v in asdict(self).items() if v is not None and v is not False}
         fields.pop("arrival", None)
         fields.pop("log_content", None)
+        fields.pop("response_headers", None)
         if self.ttft_s is not None:
             fields["ttft_s"] = round(self.ttft_s, 4)
         return fields
@@ -124,7 +126,8 @@ class AccessLogMiddleware:
             nonlocal status, first_byte
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                extra = [(k.encode(), v.encode()) for k, v in record.response_headers.items()]
+                message["headers"] = [*message.get("headers", []), *extra, (b"x-request-id", request_id.encode())]
             elif first_byte is None and message["type"] == "http.response.body":
                 first_byte = time.perf_counter() - started
             await send(message)

@@ -43,6 +43,7 @@ IN_FLIGHT = Gauge("gateway_requests_in_flight", "Requests being generated", ["mo
 WAITING = Gauge("gateway_requests_waiting", "Requests waiting for admission", ["model"])
 CACHE_HITS = Counter("gateway_cache_hits_total", "Response cache hits", ["model"])
 CACHE_MISSES = Counter("gateway_cache_misses_total", "Response cache misses", ["model"])
+CACHE_ERRORS = Counter("gateway_cache_errors_total", "Cache backend failures (served uncached)", ["backend"])
 RATE_LIMITED = Counter("gateway_rate_limited_total", "Requests refused by rate limits", ["limit"])
 REJECTED = Counter("gateway_rejected_total", "Requests refused by admission control", ["model", "reason"])
 UPSTREAM_ERRORS = Counter("gateway_upstream_errors_total", "Failures of remote upstream models", ["model"])

@@ -4,13 +4,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import chat, completions, tools
-from gateway.disconnect import unless_disconnected
+from gateway.dispatch import COMPLETIONS, dispatch
 from gateway.protocol import (
     ChatCompletionRequest,
     Completion,
@@ -22,13 +21,12 @@ from gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from gateway.routes import check_open, json_response, parse, state_of
-from gateway.sse import EventStreamResponse, primed
+from gateway.routes import json_response, parse, state_of
 
 
 async def tokenize(request: Request) -> Response:
     body = await parse(request, TokenizeRequest)
-    engine = state_of(request).models.get_or_default(body.model)
+    engine = state_of(request).models.engine(body.model)
     tokenizer = engine.tokenizer
     if body.messages is not None:
         as_chat = ChatCompletionRequest(model=engine.info.name, messages=body.messages)
@@ -45,38 +43,32 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     body = await parse(request, DetokenizeRequest)
-    engine = state_of(request).models.get_or_default(body.model)
+    engine = state_of(request).models.engine(body.model)
     completions.check_vocabulary(body.tokens, engine, "tokens")
     return json_response(DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)))
 
 
-async def _as_completion(request: Request) -> tuple[CompletionRequest, completions.PreparedCompletion]:
-    state = state_of(request)
-    check_open(state)
+async def _native(request: Request) -> tuple[GenerateRequest, CompletionRequest]:
     body = await parse(request, GenerateRequest)
-    engine = state.models.get_or_default(body.model)
+    name = body.model or state_of(request).models.engine(None).info.name
     fields = body.model_dump(exclude_unset=True, exclude={"model"})
-    as_completion = CompletionRequest.model_validate({**fields, "model": engine.info.name}, strict=False)
-    return as_completion, completions.prepare(as_completion, engine, state.settings.default_max_tokens)
+    fields["stream"] = request.url.path == "/stream-generate"
+    return body, CompletionRequest.model_validate({**fields, "model": name}, strict=False)
+
+
+def _shape(answer: BaseModel) -> GenerateResponse:
+    """A completion (whole or a chunk) in the native shape: its first choice's text."""
+    assert isinstance(answer, Completion)
+    choice = answer.choices[0] if answer.choices else None
+    return GenerateResponse(
+        output=choice.text if choice else "", finish_reason=choice.finish_reason if choice else None, usage=answer.usage
+    )
 
 
 async def generate(request: Request) -> Response:
-    _, prepared = await _as_completion(request)
-    result = await unless_disconnected(request.receive, completions.complete(prepared))
-    choice = result.choices[0]
-    return json_response(GenerateResponse(output=choice.text, finish_reason=choice.finish_reason, usage=result.usage))
+    """The same dispatch as /v1/completions (cache, limits, fallbacks), answered as {"output"}."""
+    _, as_completion = await _native(request)
+    return await dispatch(request, state_of(request), as_completion, COMPLETIONS, shape=_shape)
 
 
-async def _outputs(chunks: AsyncIterator[Completion]) -> AsyncIterator[GenerateResponse]:
-    try:
-        async for chunk in chunks:
-            for choice in chunk.choices:
-                yield GenerateResponse(output=choice.text, finish_reason=choice.finish_reason)
-    finally:
-        await chunks.aclose()  # type: ignore[attr-defined]
-
-
-async def stream_generate(request: Request) -> Response:
-    _, prepared = await _as_completion(request)
-    events = await unless_disconnected(request.receive, primed(_outputs(completions.stream(prepared))))
-    return EventStreamResponse(events)  # type: ignore[return-value]
+stream_generate = generate  # the path decides: /stream-generate streams

@@ -5,6 +5,7 @@ Everything that can refuse a request happens before a response starts, so a 4xx 
 
 from __future__ import annotations
 
+import asyncio
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -12,11 +13,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import chat, completions, metrics
-from gateway.disconnect import unless_disconnected
-from gateway.errors import InvalidRequest, PayloadTooLarge, ServiceUnavailable
+from gateway import metrics
+from gateway.dispatch import CHAT, COMPLETIONS, dispatch, json_response
+from gateway.errors import InvalidRequest, PayloadTooLarge
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.sse import EventStreamResponse, primed
 from gateway.state import GatewayState
 
 M = TypeVar("M", bound=BaseModel)
@@ -24,11 +24,6 @@ M = TypeVar("M", bound=BaseModel)
 
 def state_of(request: Request) -> GatewayState:
     return request.state.gateway
-
-
-def json_response(model: BaseModel, status: int = 200) -> Response:
-    body = model.__pydantic_serializer__.to_json(model, exclude_none=True)
-    return Response(body, status_code=status, media_type="application/json")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -59,35 +54,14 @@ async def parse(request: Request, model: type[M]) -> M:
         raise
 
 
-def check_open(state: GatewayState) -> None:
-    if state.draining:
-        raise ServiceUnavailable("The server is shutting down")
-
-
 async def chat_completions(request: Request) -> Response:
-    state = state_of(request)
-    check_open(state)
     body = await parse(request, ChatCompletionRequest)
-    engine = state.models.get(body.model)
-    prepared = chat.prepare(body, engine, state.settings.default_max_tokens)
-    if body.stream:
-        events = await unless_disconnected(request.receive, primed(chat.stream(prepared)))
-        return EventStreamResponse(events)  # type: ignore[return-value]
-    result = await unless_disconnected(request.receive, chat.complete(prepared))
-    return json_response(result)
+    return await dispatch(request, state_of(request), body, CHAT)
 
 
 async def text_completions(request: Request) -> Response:
-    state = state_of(request)
-    check_open(state)
     body = await parse(request, CompletionRequest)
-    engine = state.models.get(body.model)
-    prepared = completions.prepare(body, engine, state.settings.default_max_tokens)
-    if body.stream:
-        events = await unless_disconnected(request.receive, primed(completions.stream(prepared)))
-        return EventStreamResponse(events)  # type: ignore[return-value]
-    result = await unless_disconnected(request.receive, completions.complete(prepared))
-    return json_response(result)
+    return await dispatch(request, state_of(request), body, COMPLETIONS)
 
 
 async def list_models(request: Request) -> Response:
@@ -101,6 +75,21 @@ async def prometheus(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    """Every model loaded and healthy: 200; otherwise (or while draining) 503, per model."""
+    state = state_of(request)
+    models = {}
+    for name, engine in state.models.engines():
+        try:
+            await asyncio.wait_for(engine.check_health(), timeout=5)
+            models[name] = "ready"
+        except Exception as exc:  # any failure of a health check means not ready
+            models[name] = f"unavailable: {exc}"
+    ok = all(status == "ready" for status in models.values()) and not state.lifecycle.draining
+    status = "ready" if ok else ("draining" if state.lifecycle.draining else "unavailable")
+    return JSONResponse({"status": status, "models": models}, status_code=200 if ok else 503)
 
 
 async def openapi(request: Request) -> Response:
@@ -123,4 +112,5 @@ def all_routes() -> list[Route]:
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
     ]

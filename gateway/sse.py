@@ -7,7 +7,7 @@ stream has started is one event `data: {"error": {...}}` followed by `[DONE]`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import structlog
 from pydantic import BaseModel
@@ -44,8 +44,14 @@ class EventStreamResponse:
     cancelled at once, which closes the event iterator and so aborts the engine request.
     """
 
-    def __init__(self, events: AsyncIterator[BaseModel], headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[BaseModel],
+        headers: Mapping[str, str] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         self.events = events
+        self.on_close = on_close  # e.g. the admission permit's release, held for the whole stream
         self.headers = HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         self.disconnected = False
 
@@ -66,6 +72,15 @@ class EventStreamResponse:
         finally:
             watcher.cancel()
             stream.cancel()
+            await self._close()  # also when the stream was cancelled before it ever ran
+
+    async def _close(self) -> None:
+        on_close, self.on_close = self.on_close, None
+        try:
+            await self.events.aclose()  # type: ignore[attr-defined]
+        finally:
+            if on_close is not None:
+                on_close()
 
     async def _stream(self, send: Send) -> None:
         try:
@@ -80,7 +95,7 @@ class EventStreamResponse:
                 await send({"type": "http.response.body", "body": encode_error(exc), "more_body": True})
             await send({"type": "http.response.body", "body": DONE, "more_body": False})
         finally:
-            await self.events.aclose()  # type: ignore[attr-defined]
+            await self._close()
 
 
 class Primed:

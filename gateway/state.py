@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.generation import ModelRegistry
+from gateway.auth import RateLimiter
+from gateway.cache import ResponseCache
+from gateway.lifecycle import Lifecycle
+from gateway.registry import ModelRegistry
 from gateway.settings import Settings
 
 
@@ -12,4 +15,6 @@ from gateway.settings import Settings
 class GatewayState:
     settings: Settings
     models: ModelRegistry
-    draining: bool = False
+    lifecycle: Lifecycle
+    limiter: RateLimiter
+    cache: ResponseCache

@@ -118,3 +118,13 @@ class FakeEngine:
 
     async def shutdown(self) -> None:
         pass
+
+
+def fake_settings(**overrides: Any):
+    """Settings for unit tests: the fake engine's name, no warm-up, no cache unless asked."""
+    from engine.config import EngineSettings
+    from gateway.settings import Settings
+
+    values: dict[str, Any] = {"warmup": False, "engine": EngineSettings(served_model_name="fake-model")}
+    values.setdefault("cache", {"backend": "off"})
+    return Settings(**{**values, **overrides})

@@ -8,7 +8,7 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.settings import Settings
-from tests.fakes import FakeEngine
+from tests.fakes import FakeEngine, fake_settings
 
 
 @pytest.fixture
@@ -18,12 +18,12 @@ def engine() -> FakeEngine:
 
 @pytest.fixture
 def settings() -> Settings:
-    return Settings(max_body_bytes=10_000, warmup=False)
+    return fake_settings(max_body_bytes=10_000)
 
 
 @pytest.fixture
 def client(engine: FakeEngine, settings: Settings) -> Iterator[TestClient]:
-    app = create_app(settings, engine_factory=lambda s: {engine.info.name: engine})
+    app = create_app(settings, engine_starter=lambda es: engine)
     with TestClient(app, raise_server_exceptions=False) as test_client:
         yield test_client
 

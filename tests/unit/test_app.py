@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -8,6 +9,7 @@ import openai
 from starlette.testclient import TestClient
 
 from gateway.cli import parser, settings_from
+from tests.fakes import fake_settings
 
 
 def test_models_lists_the_engine(sdk: openai.OpenAI) -> None:
@@ -59,6 +61,21 @@ def test_warmup_runs_one_json_request_before_serving(engine) -> None:
     from gateway.app import create_app
     from gateway.settings import Settings
 
-    app = create_app(Settings(warmup=True), engine_factory=lambda s: {engine.info.name: engine})
+    app = create_app(fake_settings(warmup=True), engine_starter=lambda es: engine)
     with TestClient(app):
         assert len(engine.requests) == 1 and engine.requests[0].sampling.json_object
+
+
+def test_bad_configuration_is_refused_at_start_up(tmp_path) -> None:
+    bad = tmp_path / "models.yaml"
+    bad.write_text("models: [{name: a, fallback: [ghost]}]")
+    env = {**os.environ, "GATEWAY_MODELS_FILE": str(bad)}
+    result = subprocess.run([sys.executable, "-m", "gateway", "serve"], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2
+    assert "configuration error" in result.stderr and "ghost" in result.stderr
+    env = {**os.environ, "GATEWAY_CACHE__BACKEND": "redis"}
+    result = subprocess.run([sys.executable, "-m", "gateway", "serve"], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2 and "redis_url" in result.stderr
+    env = {**os.environ, "GATEWAY_PORT": "not-a-port"}
+    result = subprocess.run([sys.executable, "-m", "gateway", "serve"], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2 and "port" in result.stderr

@@ -11,7 +11,7 @@ import json
 
 from gateway.app import create_app
 from gateway.settings import Settings
-from tests.fakes import FakeEngine
+from tests.fakes import FakeEngine, fake_settings
 
 
 async def drive(app, body: dict, disconnect_after_chunks: int | None, timeout: float = 5.0) -> list[dict]:
@@ -48,7 +48,7 @@ async def drive(app, body: dict, disconnect_after_chunks: int | None, timeout: f
 
 
 async def run_with_app(engine: FakeEngine, coro_factory):
-    app = create_app(Settings(warmup=False), engine_factory=lambda s: {engine.info.name: engine})
+    app = create_app(fake_settings(), engine_starter=lambda es: engine)
     async with app.router.lifespan_context(app) as state:
         async def with_state(scope, receive, send):
             scope["state"] = dict(state)

@@ -5,6 +5,8 @@ import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+from tests.fakes import fake_settings
+
 MODEL = "fake-model"
 HELLO = [{"role": "user", "content": "hi"}]
 
@@ -58,7 +60,7 @@ def test_prompts_are_logged_only_when_asked(engine) -> None:
     from gateway.settings import Settings
 
     for log_prompts in (False, True):
-        app = create_app(Settings(warmup=False, log_prompts=log_prompts), engine_factory=lambda s: {engine.info.name: engine})
+        app = create_app(fake_settings(log_prompts=log_prompts), engine_starter=lambda es: engine)
         with TestClient(app) as client, structlog.testing.capture_logs() as logs:
             client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "secret words"}], "max_tokens": 2})
         line = next(m for m in logs if m["event"] == "request")

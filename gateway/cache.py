@@ -1,0 +1,144 @@
+"""Response cache for deterministic requests (temperature 0, or a fixed seed).
+
+The key is a hash of the canonical request: route, the model that answers, and every field that
+changes the output (`stream`, `stream_options` and `user` do not). Two backends: in memory (LRU
+bounded by entries and bytes, with a TTL) and Redis (shared by replicas, TTL by Redis). When Redis
+fails the gateway serves uncached, and says so in its log and in gateway_cache_errors_total.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from typing import Protocol
+
+import orjson
+import structlog
+from pydantic import BaseModel
+
+from gateway import metrics
+from gateway.settings import CacheSettings
+
+log = structlog.get_logger(__name__)
+NOT_IN_KEY = {"stream", "stream_options", "user"}
+
+
+class CacheBackend(Protocol):
+    async def get(self, key: str) -> bytes | None: ...
+
+    async def set(self, key: str, value: bytes) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+def is_deterministic(body: BaseModel) -> bool:
+    return getattr(body, "temperature", None) == 0 or getattr(body, "seed", None) is not None
+
+
+def cache_key(route: str, model: str, body: BaseModel) -> str:
+    fields = body.model_dump(mode="json", by_alias=True, exclude=NOT_IN_KEY | {"model"})
+    canonical = orjson.dumps({"route": route, "model": model, "body": fields}, option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(canonical).hexdigest()
+
+
+class MemoryCache:
+    def __init__(self, max_entries: int, max_bytes: int, ttl_s: float) -> None:
+        self.max_entries, self.max_bytes, self.ttl_s = max_entries, max_bytes, ttl_s
+        self._items: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self.bytes = 0
+
+    async def get(self, key: str) -> bytes | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        expires, value = item
+        if expires < time.monotonic():
+            self._drop(key)
+            return None
+        self._items.move_to_end(key)
+        return value
+
+    async def set(self, key: str, value: bytes) -> None:
+        if len(value) > self.max_bytes:
+            return
+        if key in self._items:
+            self._drop(key)
+        self._items[key] = (time.monotonic() + self.ttl_s, value)
+        self.bytes += len(value)
+        while len(self._items) > self.max_entries or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, key: str) -> None:
+        _, value = self._items.pop(key)
+        self.bytes -= len(value)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    async def aclose(self) -> None:
+        self._items.clear()
+
+
+class RedisCache:
+    def __init__(self, url: str, prefix: str, ttl_s: float, timeout_s: float) -> None:
+        import redis.asyncio as redis
+
+        self._errors = (redis.RedisError, OSError, TimeoutError)
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.prefix, self.ttl_s = prefix, ttl_s
+
+    async def get(self, key: str) -> bytes | None:
+        try:
+            return await self._redis.get(self.prefix + key)
+        except self._errors as exc:
+            self._failed("get", exc)
+            return None
+
+    async def set(self, key: str, value: bytes) -> None:
+        try:
+            await self._redis.set(self.prefix + key, value, px=int(self.ttl_s * 1000))
+        except self._errors as exc:
+            self._failed("set", exc)
+
+    def _failed(self, operation: str, exc: BaseException) -> None:
+        metrics.CACHE_ERRORS.labels("redis").inc()
+        log.warning("cache_unavailable", backend="redis", operation=operation, error=str(exc), serving="uncached")
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+
+def make_backend(settings: CacheSettings) -> CacheBackend | None:
+    if settings.backend == "off":
+        return None
+    if settings.backend == "redis":
+        if not settings.redis_url:
+            raise ValueError("cache backend redis needs cache.redis_url (GATEWAY_CACHE__REDIS_URL)")
+        return RedisCache(settings.redis_url, settings.redis_prefix, settings.ttl_s, settings.redis_timeout_s)
+    return MemoryCache(settings.max_entries, settings.max_bytes, settings.ttl_s)
+
+
+class ResponseCache:
+    """Looks up and stores whole answers (as the non-streaming JSON) by request key."""
+
+    def __init__(self, backend: CacheBackend | None) -> None:
+        self.backend = backend
+
+    def key_for(self, route: str, model: str, body: BaseModel, no_cache: bool) -> str | None:
+        if self.backend is None or no_cache or not is_deterministic(body):
+            return None
+        return cache_key(route, model, body)
+
+    async def get(self, key: str, model: str, kind: type[BaseModel]) -> BaseModel | None:
+        assert self.backend is not None
+        raw = await self.backend.get(key)
+        if raw is None:
+            metrics.CACHE_MISSES.labels(model).inc()
+            return None
+        metrics.CACHE_HITS.labels(model).inc()
+        return kind.model_validate_json(raw)
+
+    async def put(self, key: str, answer: BaseModel) -> None:
+        assert self.backend is not None
+        await self.backend.set(key, answer.model_dump_json(exclude_none=True).encode())

@@ -1,0 +1,126 @@
+"""The models file: several models in one gateway, declared in YAML or TOML.
+
+    models:
+      - name: smollm2-135m-instruct        # an embedded vLLM engine
+        engine: {enforce_eager: true}      # overrides of the `engine` settings
+        aliases: [smol, default]
+        admission: {max_running: 32, max_waiting: 64, reject_status: 429}
+        fallback: [smol-remote]            # tried in order when this one is dead or overloaded
+      - name: smol-remote                  # a remote OpenAI-compatible upstream (httpx)
+        kind: remote
+        url: http://10.0.0.7:8000/v1
+        upstream_model: smollm2-135m-instruct
+      - name: chat                         # one public name split by weight between versions
+        kind: split
+        versions: {smollm2-135m-instruct: 90, smol-remote: 10}
+        sticky: true                       # the same API key (or `user`) keeps its version
+
+Everything is checked at start-up: a bad file is refused with a message naming the problem.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.config import EngineSettings
+from gateway.settings import AdmissionSettings, Settings
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be served; the message says why."""
+
+
+class ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    kind: Literal["embedded", "remote", "split"] = "embedded"
+    aliases: list[str] = Field(default_factory=list)
+    fallback: list[str] = Field(default_factory=list)
+    admission: AdmissionSettings | None = None
+    engine: dict[str, Any] = Field(default_factory=dict)  # embedded: EngineSettings overrides
+    url: str | None = None  # remote: base URL ending in /v1
+    upstream_model: str | None = None  # remote: the name the upstream knows (default: name)
+    api_key: str | None = None  # remote: sent as Bearer
+    timeout_s: float = Field(600, gt=0)
+    connect_timeout_s: float = Field(5, gt=0)
+    versions: dict[str, float] = Field(default_factory=dict)  # split: version name → weight
+    sticky: bool = False
+
+    @model_validator(mode="after")
+    def _fields_of_kind(self) -> ModelSpec:
+        if self.kind == "remote" and not self.url:
+            raise ValueError(f"remote model '{self.name}' needs a url")
+        if self.kind == "split":
+            if not self.versions:
+                raise ValueError(f"split model '{self.name}' needs versions")
+            if any(weight <= 0 for weight in self.versions.values()):
+                raise ValueError(f"split model '{self.name}' has a weight that is not positive")
+        if self.kind != "embedded" and self.engine:
+            raise ValueError(f"only embedded models take engine settings ('{self.name}')")
+        return self
+
+    def engine_settings(self, defaults: EngineSettings) -> EngineSettings:
+        try:
+            return EngineSettings.model_validate({**defaults.model_dump(), **self.engine, "served_model_name": self.name})
+        except ValidationError as exc:
+            raise ConfigError(f"model '{self.name}': bad engine settings: {exc}") from exc
+
+
+class ModelsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    models: list[ModelSpec] = Field(min_length=1)
+
+
+def default_models(settings: Settings) -> ModelsFile:
+    """Without a models file: the one embedded model of the `engine` settings."""
+    return ModelsFile(models=[ModelSpec(name=settings.engine.served_model_name)])
+
+
+def load(settings: Settings) -> ModelsFile:
+    if settings.models_file is None:
+        return default_models(settings)
+    path = Path(settings.models_file)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the models file {path}: {exc.strerror}") from exc
+    try:
+        raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+        parsed = ModelsFile.model_validate(raw)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"the models file {path} is not valid {path.suffix[1:] or 'YAML'}: {exc}") from exc
+    except ValidationError as exc:
+        raise ConfigError(f"the models file {path} is not valid: {exc}") from exc
+    check(parsed)
+    return parsed
+
+
+def check(models: ModelsFile) -> None:
+    """Names unique, references known, no split of splits, no fallback cycles."""
+    names: dict[str, ModelSpec] = {}
+    for spec in models.models:
+        for name in (spec.name, *spec.aliases):
+            if name in names:
+                raise ConfigError(f"the model name or alias '{name}' is declared twice")
+            names[name] = spec
+    canonical = {spec.name: spec for spec in models.models}
+    for spec in models.models:
+        for ref in (*spec.fallback, *spec.versions):
+            if ref not in canonical:
+                raise ConfigError(f"model '{spec.name}' refers to '{ref}', which is not declared (by its name)")
+            if spec.kind == "split" and canonical[ref].kind == "split":
+                raise ConfigError(f"split '{spec.name}' cannot split into another split ('{ref}')")
+        _no_cycle(spec.name, canonical, [])
+
+
+def _no_cycle(name: str, specs: dict[str, ModelSpec], path: list[str]) -> None:
+    if name in path:
+        raise ConfigError(f"the fallback chain loops: {' -> '.join([*path, name])}")
+    for next_name in specs[name].fallback:
+        _no_cycle(next_name, specs, [*path, name])

@@ -1,0 +1,109 @@
+"""Public model names → what answers them: embedded engines and remote upstreams ("backends"),
+aliases, A/B splits between versions, and fallback chains."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.types import Engine
+from gateway.admission import Admission
+from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.protocol import ModelCard, ModelList
+from gateway.upstream import Upstream
+
+
+@dataclass(slots=True)
+class Backend:
+    name: str
+    admission: Admission
+    fallback: tuple[str, ...] = ()
+    engine: Engine | None = None
+    upstream: Upstream | None = None
+    created: int = 0
+
+    async def check_health(self) -> None:
+        if self.engine is not None:
+            await self.engine.check_health()
+        elif self.upstream is not None:
+            await self.upstream.check_health()
+
+
+@dataclass(slots=True)
+class Split:
+    name: str
+    versions: list[tuple[str, float]]
+    sticky: bool = False
+    created: int = 0
+
+    def choose(self, sticky_key: str | None) -> str:
+        total = sum(weight for _, weight in self.versions)
+        if self.sticky and sticky_key:
+            digest = hashlib.sha256(f"{self.name}\0{sticky_key}".encode()).digest()
+            point = int.from_bytes(digest[:8], "big") / 2**64 * total
+        else:
+            point = random.random() * total
+        for name, weight in self.versions:
+            if point < weight:
+                return name
+            point -= weight
+        return self.versions[-1][0]
+
+
+@dataclass(slots=True)
+class ModelRegistry:
+    backends: dict[str, Backend]
+    splits: dict[str, Split] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def resolve(self, name: str, sticky_key: str | None = None) -> tuple[str, list[Backend]]:
+        """(the version that should answer, then its fallback chain in order)."""
+        canonical = self.aliases.get(name, name)
+        split = self.splits.get(canonical)
+        version = split.choose(sticky_key) if split else canonical
+        if version not in self.backends:
+            raise ModelNotFound(f"The model '{name}' does not exist", param="model")
+        return version, self._chain(version)
+
+    def _chain(self, name: str) -> list[Backend]:
+        order: list[Backend] = []
+
+        def visit(current: str) -> None:
+            backend = self.backends[current]
+            if backend in order:
+                return
+            order.append(backend)
+            for next_name in backend.fallback:
+                visit(next_name)
+
+        visit(name)
+        return order
+
+    def engine(self, name: str | None) -> Engine:
+        """An embedded engine by public name, or the first one (for the tokenizer routes)."""
+        if name is None:
+            for backend in self.backends.values():
+                if backend.engine is not None:
+                    return backend.engine
+            raise InvalidRequest("No embedded model is served here; name one", "model")
+        _, chain = self.resolve(name)
+        if chain[0].engine is None:
+            raise InvalidRequest(f"The model '{name}' is remote: its tokenizer is not here", "model")
+        return chain[0].engine
+
+    def engines(self) -> Iterable[tuple[str, Engine]]:
+        return [(name, b.engine) for name, b in self.backends.items() if b.engine is not None]
+
+    def listing(self) -> ModelList:
+        cards = []
+        for name, backend in self.backends.items():
+            engine = backend.engine
+            cards.append(ModelCard(
+                id=name, created=backend.created, root=engine.info.root if engine else name,
+                max_model_len=engine.info.max_model_len if engine else None,
+            ))
+        cards += [ModelCard(id=name, created=split.created, root=name) for name, split in self.splits.items()]
+        cards += [ModelCard(id=alias, created=0, root=target) for alias, target in self.aliases.items()]
+        return ModelList(data=cards)

@@ -1,0 +1,85 @@
+"""Remote models: any OpenAI-compatible server (another replica, vLLM's server) reached with httpx.
+
+Requests are forwarded as validated, with `model` renamed to the upstream's name; streams pass
+through chunk by chunk, unbuffered. A failure before the first byte (connection refused, timeout,
+5xx, 429) raises UpstreamFailed, which the dispatcher answers with the next fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import structlog
+from starlette.responses import Response, StreamingResponse
+
+from engine.errors import EngineUnavailable
+from gateway import metrics
+
+log = structlog.get_logger(__name__)
+
+
+class UpstreamFailed(Exception):
+    """The upstream could not answer; nothing was sent to the client yet."""
+
+
+class Upstream:
+    def __init__(self, name: str, url: str, upstream_model: str, api_key: str | None,
+                 timeout_s: float, connect_timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.name = name
+        self.upstream_model = upstream_model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            transport=transport,
+        )
+
+    async def forward(self, path: str, body: dict[str, Any], stream: bool, on_close: Callable[[], None]) -> Response:
+        """Forward; `on_close` runs once the answer has been passed on (or failed)."""
+        payload = {**body, "model": self.upstream_model}
+        request = self._client.build_request("POST", path, json=payload)
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._failed(f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 500 or response.status_code == 429:
+            await response.aclose()
+            raise self._failed(f"answered {response.status_code}")
+        media_type = response.headers.get("content-type", "application/json")
+        if not stream or response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            on_close()
+            return Response(content, status_code=response.status_code, media_type=media_type)
+        return StreamingResponse(
+            _passthrough(response, on_close), media_type=media_type,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    def _failed(self, why: str) -> UpstreamFailed:
+        metrics.UPSTREAM_ERRORS.labels(self.name).inc()
+        log.warning("upstream_failed", model=self.name, why=why)
+        return UpstreamFailed(f"the upstream of '{self.name}' failed: {why}")
+
+    async def check_health(self) -> None:
+        try:
+            response = await self._client.get("/models", timeout=5)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"upstream unreachable: {exc}") from exc
+        if response.status_code != 200:
+            raise EngineUnavailable(f"upstream answered {response.status_code}")
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+async def _passthrough(response: httpx.Response, on_close: Callable[[], None]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    finally:
+        on_close()
+        await response.aclose()  # a client gone mid-stream closes the upstream request too
