@@ -26,9 +26,11 @@ class EngineSettings(BaseModel):
         gt=0,
         le=1,
         description="Fraction of accelerator memory (on the CPU: of the NUMA node's memory) "
-        "for weights and KV cache; unset: 0.3 on the CPU, 0.9 on a GPU",
+        "for weights and KV cache; unset: 0.9 on a GPU, a 2 GiB KV cache on the CPU",
     )
-    kv_cache_memory_bytes: int | None = Field(None, description="KV cache size, overrides the fraction")
+    kv_cache_memory_bytes: int | None = Field(
+        None, description="KV cache size in bytes, instead of the fraction (CPU default: 2 GiB)"
+    )
     enforce_eager: bool = Field(False, description="Skip torch.compile/CUDA graphs: faster start, slower decoding")
     enable_prefix_caching: bool | None = Field(None, description="Reuse KV blocks of shared prefixes (vLLM default: on)")
     tensor_parallel_size: int = Field(1, ge=1)

