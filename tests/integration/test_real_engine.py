@@ -26,6 +26,7 @@ def test_streamed_chat_yields_several_chunks(sdk: openai.OpenAI) -> None:
     stream = sdk.chat.completions.create(
         model=MODEL, messages=QUESTION, temperature=0, max_tokens=30, stream=True,
         stream_options={"include_usage": True},
+        extra_headers={"Cache-Control": "no-cache"},  # from the engine, not a cached replay
     )
     chunks = list(stream)
     content = [c for c in chunks if c.choices and c.choices[0].delta.content]
