@@ -26,7 +26,6 @@ from gateway.protocol import (
     Usage,
 )
 
-
 OnDone = Callable[[ChatCompletion], Awaitable[None]]
 
 

@@ -29,7 +29,6 @@ from gateway.protocol import (
     Usage,
 )
 
-
 OnDone = Callable[[Completion], Awaitable[None]]
 
 

@@ -59,7 +59,6 @@ def test_cli_flags_override_environment(monkeypatch) -> None:
 
 def test_warmup_runs_one_json_request_before_serving(engine) -> None:
     from gateway.app import create_app
-    from gateway.settings import Settings
 
     app = create_app(fake_settings(warmup=True), engine_starter=lambda es: engine)
     with TestClient(app):

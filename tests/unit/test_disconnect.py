@@ -10,7 +10,6 @@ import asyncio
 import json
 
 from gateway.app import create_app
-from gateway.settings import Settings
 from tests.fakes import FakeEngine, fake_settings
 
 

@@ -8,7 +8,6 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.lifecycle import DrainingServer, Lifecycle
-from gateway.settings import Settings
 from tests.fakes import FakeEngine, fake_settings
 
 HELLO = [{"role": "user", "content": "hi"}]

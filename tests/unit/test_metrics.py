@@ -57,7 +57,6 @@ def test_access_log_carries_request_id_and_tokens(client: TestClient) -> None:
 
 def test_prompts_are_logged_only_when_asked(engine) -> None:
     from gateway.app import create_app
-    from gateway.settings import Settings
 
     for log_prompts in (False, True):
         app = create_app(fake_settings(log_prompts=log_prompts), engine_starter=lambda es: engine)

@@ -56,8 +56,9 @@ def test_ops_routes_closed_by_setting() -> None:
 
 
 def test_keys_are_kept_as_hashes_and_logged_by_id() -> None:
-    from gateway.auth import KeyRing
     from pydantic import SecretStr
+
+    from gateway.auth import KeyRing
 
     ring = KeyRing([SecretStr("sk-secret")])
     assert b"sk-secret" not in b"".join(ring._hashes)
