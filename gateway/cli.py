@@ -36,6 +36,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--dtype")
     serve.add_argument("--gpu-memory-utilization", type=float)
+    serve.add_argument("--kv-cache-memory-bytes", type=int)
     serve.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
     serve.add_argument("--tensor-parallel-size", type=int)
     serve.add_argument("--max-num-seqs", type=int)
@@ -56,6 +57,7 @@ ENGINE_FLAGS = (
     "max_model_len",
     "dtype",
     "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
     "enforce_eager",
     "tensor_parallel_size",
     "max_num_seqs",

@@ -1,0 +1,169 @@
+"""The engine alone: vLLM's AsyncLLM in this process, no HTTP. The upper limit of the race.
+
+    python -m benchmarks.engine_direct --plan plan.json --out results.json
+
+The plan (written by `benchmarks.race`) holds the engine settings and, per run, the same sessions
+(prompts) and concurrency the servers got. Each request is tokenized here (the servers tokenize
+too), submitted with `AsyncLLM.generate` in DELTA mode (what streaming servers use) and timed the
+same way the load generator times a stream: TTFT at the first output carrying tokens, TPOT =
+(e2e - TTFT) / (output tokens - 1), inter-token latencies between outputs carrying tokens.
+
+Imports vllm; the engine core starts with `spawn`, hence the main guard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.loadgen import LoadConfig, RequestRecord, Result, Session, aggregate, request_body
+
+
+def start_engine(engine: dict[str, Any]) -> Any:
+    from vllm import AsyncEngineArgs, AsyncLLMEngine
+
+    args = AsyncEngineArgs(
+        model=engine["model"],
+        served_model_name=engine.get("served_model_name"),
+        dtype=engine.get("dtype", "float32"),
+        max_model_len=engine.get("max_model_len", 2048),
+        kv_cache_memory_bytes=engine.get("kv_cache_memory_bytes", 2 * 1024**3),
+        enforce_eager=bool(engine.get("enforce_eager", False)),
+        seed=engine.get("seed", 0),
+    )
+    return AsyncLLMEngine.from_engine_args(args)
+
+
+class Driver:
+    """Submits sessions to AsyncLLM with a fixed number in flight, and times every output."""
+
+    def __init__(self, llm: Any, config: LoadConfig) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self.llm = llm
+        self.config = config
+        self.tokenizer = llm.get_tokenizer()
+        self.params = SamplingParams(
+            max_tokens=config.output_tokens,
+            temperature=1.0 if config.temperature is None else config.temperature,
+            ignore_eos=config.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def prompt(self, session: Session) -> Any:
+        """What the server would submit for this session's first turn: token ids and text."""
+        body = request_body(self.config, "engine", session, [], session.turns[0])
+        if self.config.endpoint == "chat":
+            text = self.tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            text = body["prompt"]
+            ids = self.tokenizer.encode(text)
+        try:
+            from vllm.inputs import tokens_input
+
+            return tokens_input(ids, prompt=text)
+        except ImportError:  # older vLLM: the TypedDict
+            return {"prompt_token_ids": ids, "prompt": text}
+
+    async def one(self, session: Session, record: RequestRecord, origin: float) -> None:
+        started = time.perf_counter()
+        record.start = started - origin
+        first = last = None
+        try:
+            prompt = self.prompt(session)
+            async for out in self.llm.generate(prompt, self.params, uuid.uuid4().hex):
+                now = time.perf_counter()
+                completion = out.outputs[0] if out.outputs else None
+                count = len(completion.token_ids) if completion is not None else 0
+                if count:
+                    if first is None:
+                        first = now
+                    else:
+                        record.itl.append(now - last)  # type: ignore[operator]
+                    last = now
+                    record.chunks += 1
+                    record.output_tokens += count
+                if out.finished:
+                    record.input_tokens = len(out.prompt_token_ids or ())
+                    record.cached_tokens = out.num_cached_tokens or 0
+            ended = time.perf_counter()
+            record.e2e = ended - started
+            record.ttft = (first - started) if first is not None else record.e2e
+            record.usage_reported = True
+            record.ok = True
+        except asyncio.CancelledError:
+            record.cancelled = True
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed request is a data point
+            record.e2e = time.perf_counter() - started
+            record.error = f"{exc.__class__.__name__}: {exc}"[:300]
+
+    async def run(self, sessions: list[Session], concurrency: int, label: str = "") -> Result:
+        records: list[RequestRecord] = []
+        pending = list(reversed(sessions))
+        origin = time.perf_counter()
+        ends: list[float] = []
+
+        async def worker() -> None:
+            while pending:
+                session = pending.pop()
+                record = RequestRecord()
+                records.append(record)
+                await self.one(session, record, origin)
+                ends.append(time.perf_counter())
+
+        await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+        duration = (max(ends) if ends else time.perf_counter()) - origin
+        return aggregate(records, duration, label=label, concurrency=concurrency,
+                         config={"target": "engine", "concurrency": concurrency, "requests": len(sessions)})
+
+
+def sessions_of(items: list[dict[str, Any]]) -> list[Session]:
+    return [Session(**item) for item in items]
+
+
+async def run_plan(plan: dict[str, Any], log=print) -> dict[str, Any]:
+    config = LoadConfig(**plan.get("load", {}))
+    started = time.perf_counter()
+    llm = start_engine(plan["engine"])
+    startup = time.perf_counter() - started
+    log(f"engine ready in {startup:.0f} s")
+    try:
+        driver = Driver(llm, config)
+        for warm in plan.get("warmup", []):
+            await driver.run(sessions_of(warm["sessions"]), warm["concurrency"], "warmup")
+        results = []
+        for run in plan["runs"]:
+            result = await driver.run(sessions_of(run["sessions"]), run["concurrency"], run.get("label", ""))
+            log(f"engine {run.get('label', '')}: {result.output_throughput:.1f} output tok/s, "
+                f"TTFT p50 {result.ttft.p50 * 1000:.1f} ms, TPOT p50 {result.tpot.p50 * 1000:.1f} ms")
+            results.append({"key": run.get("key"), "result": result.to_dict()})
+        return {"startup_s": startup, "results": results}
+    finally:
+        llm.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Drive vLLM's AsyncLLM in-process with a race plan (no HTTP)")
+    p.add_argument("--plan", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    plan = json.loads(args.plan.read_text())
+    output = asyncio.run(run_plan(plan, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    args.out.write_text(json.dumps(output, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

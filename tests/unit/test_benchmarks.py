@@ -1,0 +1,359 @@
+"""The benchmark tools without vLLM: the load generator's statistics and SSE parsing, an end-to-end
+run against the gateway on the instant echo engine (in-process uvicorn), and the race's arithmetic.
+Behaviour only, never timings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from benchmarks import loadgen, race
+from benchmarks.echo_engine import EchoEngine, create_echo_app
+from benchmarks.loadgen import LoadConfig, RequestRecord, SSEDecoder, Stats, StreamAccumulator
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert loadgen.percentile(values, 50) == pytest.approx(2.5)
+    assert loadgen.percentile(values, 90) == pytest.approx(3.7)
+    assert loadgen.percentile(values, 99) == pytest.approx(3.97)
+    assert loadgen.percentile(values, 0) == 1.0
+    assert loadgen.percentile(values, 100) == 4.0
+    assert loadgen.percentile([7.0], 99) == 7.0
+    assert math.isnan(loadgen.percentile([], 50))
+
+
+def test_percentile_of_1_to_100() -> None:
+    values = list(range(1, 101))
+    assert loadgen.percentile(values, 50) == pytest.approx(50.5)
+    assert loadgen.percentile(values, 99) == pytest.approx(99.01)
+
+
+def test_stats_skip_missing_values_and_serialize_nan_as_null() -> None:
+    stats = Stats.of([0.1, None, 0.3, float("nan")])  # type: ignore[list-item]
+    assert stats.n == 2
+    assert stats.mean == pytest.approx(0.2)
+    assert stats.p50 == pytest.approx(0.2)
+    assert stats.min == 0.1 and stats.max == 0.3
+    empty = Stats.of([]).to_dict()
+    assert empty["n"] == 0 and empty["p99"] is None
+
+
+def test_tpot_is_decode_time_per_token_after_the_first() -> None:
+    assert loadgen.tpot(e2e=1.0, ttft=0.2, output_tokens=5) == pytest.approx(0.2)
+    assert loadgen.tpot(e2e=1.0, ttft=0.2, output_tokens=1) is None
+    assert loadgen.tpot(e2e=1.0, ttft=0.2, output_tokens=0) is None
+    record = RequestRecord(ok=True, ttft=0.1, e2e=0.9, output_tokens=9, chunks=9)
+    assert record.tpot == pytest.approx(0.1)
+
+
+def test_aggregate_throughput_and_counts() -> None:
+    records = [
+        RequestRecord(ok=True, ttft=0.1, e2e=1.1, output_tokens=11, input_tokens=20, chunks=11, itl=[0.1] * 10, usage_reported=True),
+        RequestRecord(ok=True, ttft=0.3, e2e=1.3, output_tokens=11, input_tokens=20, chunks=11, itl=[0.1] * 10, usage_reported=True),
+        RequestRecord(ok=False, error="HTTP 500: boom", e2e=0.01),
+        RequestRecord(cancelled=True, e2e=0.5),
+    ]
+    result = loadgen.aggregate(records, duration_s=2.0, concurrency=2)
+    assert (result.completed, result.failed, result.cancelled) == (2, 1, 1)
+    assert result.total_output_tokens == 22
+    assert result.output_throughput == pytest.approx(11.0)
+    assert result.request_throughput == pytest.approx(1.0)
+    assert result.input_throughput == pytest.approx(20.0)
+    assert result.ttft.p50 == pytest.approx(0.2)
+    assert result.tpot.mean == pytest.approx(0.1)
+    assert result.itl.n == 20
+    assert result.errors == {"HTTP 500: boom": 1}
+    assert result.usage_reported
+    data = result.to_dict()
+    json.dumps(data)  # plain JSON, no NaN
+    assert data["tpot"]["p50"] == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# SSE
+
+
+def test_sse_decoder_follows_the_event_stream_rules() -> None:
+    decoder = SSEDecoder()
+    lines = [": keep-alive", "data: {\"a\": 1}", "", "event: x", "data: line1", "data:line2", "", "data: [DONE]\r", ""]
+    events = [e for e in (decoder.feed(line) for line in lines) if e is not None]
+    assert events == ['{"a": 1}', "line1\nline2", "[DONE]"]
+    decoder.feed("data: tail")
+    assert decoder.flush() == "tail"
+    assert decoder.flush() is None
+
+
+def test_stream_accumulator_counts_text_chunks_only() -> None:
+    acc = StreamAccumulator(started=0.0)
+    role_only = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    assert not acc.feed(json.dumps(role_only), 0.05)
+    assert acc.first is None
+    acc.feed(json.dumps({"choices": [{"index": 0, "delta": {"content": "Hel"}}]}), 0.1)
+    acc.feed(json.dumps({"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]}), 0.3)
+    acc.feed(json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}), 0.31)
+    assert acc.feed("[DONE]", 0.32)
+    assert acc.first == 0.1 and acc.chunks == 2 and acc.itl == [pytest.approx(0.2)]
+    assert acc.text == "Hello" and acc.finish_reason == "length"
+    assert acc.usage == {"prompt_tokens": 5, "completion_tokens": 3}
+    errored = StreamAccumulator(0.0)
+    errored.feed(json.dumps({"error": {"message": "engine died", "type": "server_error"}}), 0.1)
+    assert errored.error == "engine died"
+
+
+def _sse(*events: object) -> list[bytes]:
+    out = []
+    for event in events:
+        data = event if isinstance(event, str) else json.dumps(event)
+        out.append(f"data: {data}\n\n".encode())
+    return out
+
+
+def _mock(parts: list[bytes], status: int = 200, delay: float = 0.0, split: bool = False) -> httpx.AsyncClient:
+    async def body() -> AsyncIterator[bytes]:
+        for part in parts:
+            if delay:
+                await asyncio.sleep(delay)
+            if split:  # an event cut across reads must still parse
+                yield part[: len(part) // 2]
+                yield part[len(part) // 2 :]
+            else:
+                yield part
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert json.loads(request.content)["stream"] is True
+        return httpx.Response(status, content=body(), headers={"content-type": "text/event-stream", "x-cache": "MISS"})
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+def _completion_chunk(text: str) -> dict:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
+
+
+async def test_send_request_times_a_stream_and_takes_usage() -> None:
+    parts = _sse(*(_completion_chunk(f" w{i}") for i in range(4)),
+                 {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}, "[DONE]")
+    async with _mock(parts, delay=0.01, split=True) as client:
+        record = await loadgen.send_request(client, "http://test/v1/completions", {"stream": True}, RequestRecord(),
+                                            count_headers=["x-cache"])
+    assert record.ok, record.error
+    assert record.output_tokens == 4 and record.input_tokens == 7 and record.usage_reported
+    assert record.chunks == 4 and len(record.itl) == 3
+    assert 0 < record.ttft < record.e2e
+    assert record.tpot == pytest.approx((record.e2e - record.ttft) / 3)
+    assert record.headers == {"x-cache": "MISS"}
+    assert record.text == " w0 w1 w2 w3"
+
+
+async def test_send_request_counts_chunks_without_usage() -> None:
+    parts = _sse(*(_completion_chunk("x") for i in range(3)), "[DONE]")
+    async with _mock(parts) as client:
+        record = await loadgen.send_request(client, "http://test/v1/completions", {"stream": True}, RequestRecord(), estimate_input=12)
+    assert record.ok and record.output_tokens == 3 and record.input_tokens == 12 and not record.usage_reported
+
+
+async def test_send_request_reports_errors() -> None:
+    async with _mock([b'{"error": {"message": "nope"}}'], status=429) as client:
+        record = await loadgen.send_request(client, "http://test/v1/completions", {"stream": True}, RequestRecord())
+    assert not record.ok and record.status == 429 and record.error.startswith("HTTP 429")
+    async with _mock(_sse(_completion_chunk("x"))) as client:  # no [DONE]
+        record = await loadgen.send_request(client, "http://test/v1/completions", {"stream": True}, RequestRecord())
+    assert not record.ok and "without [DONE]" in record.error
+    async with _mock(_sse({"error": {"message": "engine died"}}, "[DONE]")) as client:
+        record = await loadgen.send_request(client, "http://test/v1/completions", {"stream": True}, RequestRecord())
+    assert not record.ok and record.error == "engine died"
+
+
+def test_request_bodies() -> None:
+    session = loadgen.Session(turns=["hello there"], system="shared prefix")
+    chat = loadgen.request_body(LoadConfig(endpoint="chat", ignore_eos=True, output_tokens=8), "m", session,
+                                [("q1", "a1")], "q2")
+    assert chat["messages"] == [
+        {"role": "system", "content": "shared prefix"},
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+    ]
+    assert chat["ignore_eos"] is True and chat["max_tokens"] == 8
+    assert chat["stream_options"] == {"include_usage": True} and chat["temperature"] == 0.0
+    plain = loadgen.request_body(LoadConfig(endpoint="completions", stream=False, temperature=None), "m", session, [], "hi")
+    assert plain["prompt"] == "shared prefix\nhi"
+    assert "stream_options" not in plain and "temperature" not in plain and "ignore_eos" not in plain
+
+
+async def test_sessions_are_deterministic_and_shaped() -> None:
+    config = LoadConfig(prompts="shared-prefix", input_tokens=10, prefix_tokens=30, num_prefixes=2)
+    first = await loadgen.build_sessions(config, 6, tokenizer=None, seed=5)
+    again = await loadgen.build_sessions(config, 6, tokenizer=None, seed=5)
+    assert first == again
+    assert len({s.system for s in first}) <= 2
+    assert all(len(s.system.split()) == 30 and len(s.turns[0].split()) == 10 for s in first)
+    assert all(s.input_tokens == 40 for s in first)
+    assert len({s.turns[0] for s in first}) == 6
+    multi = await loadgen.build_sessions(LoadConfig(prompts="multi-turn", turns=3, input_tokens=4), 2, tokenizer=None)
+    assert [len(s.turns) for s in multi] == [3, 3] and multi[0].system is None
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end: the real gateway app on the echo engine, over loopback HTTP
+
+
+@pytest.fixture
+async def echo_gateway() -> AsyncIterator[tuple[str, EchoEngine]]:
+    from gateway.settings import Settings
+
+    engine = EchoEngine("echo-model")
+    app = create_echo_app(Settings(warmup=False, log_level="warning", cache={"backend": "off"}), engine)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    for _ in range(500):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert server.started, "the echo gateway did not start"
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1", engine
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_loadgen_end_to_end_on_the_echo_gateway(echo_gateway, endpoint) -> None:
+    base_url, engine = echo_gateway
+    config = LoadConfig(base_url=base_url, endpoint=endpoint, concurrency=4, num_requests=12, input_tokens=16,
+                        output_tokens=8, ignore_eos=True, duration_s=30, warmup_requests=2, keep_records=True)
+    result = await loadgen.run_load(config)
+    assert result.completed == 12 and result.failed == 0, result.errors
+    assert engine.requests == 14  # with the warm-up
+    assert result.config["model"] == "echo-model"  # found with GET /v1/models
+    assert result.usage_reported and result.mean_output_tokens == 8
+    # /tokenize of the echo gateway counts words: prompts are exactly 16 tokens (plus the chat template)
+    assert result.mean_input_tokens == (18 if endpoint == "chat" else 16)
+    assert result.ttft.n == 12 and result.tpot.n == 12 and result.e2e.p99 >= result.e2e.p50
+    assert result.output_throughput > 0 and result.request_throughput > 0
+    assert all(len(r.text.split()) == 8 for r in result.records)
+    json.dumps(result.to_dict(records=True))
+
+
+async def test_loadgen_multi_turn_rate_and_cycling(echo_gateway) -> None:
+    base_url, engine = echo_gateway
+    multi = await loadgen.run_load(LoadConfig(base_url=base_url, prompts="multi-turn", turns=3, concurrency=2,
+                                              num_requests=6, input_tokens=5, output_tokens=4, keep_records=True))
+    assert multi.completed == 6
+    inputs = sorted({r.input_tokens for r in multi.records})
+    assert len(inputs) == 3 and inputs[0] < inputs[1] < inputs[2]  # conversations grow
+    poisson = await loadgen.run_load(LoadConfig(base_url=base_url, request_rate=200.0, concurrency=None,
+                                                num_requests=10, input_tokens=4, output_tokens=2, stream=False))
+    assert poisson.completed == 10 and poisson.request_rate == 200.0
+    assert poisson.ttft.p50 == poisson.e2e.p50  # no stream: first token = whole answer
+    before = len(engine.tokenizer._words)
+    same = await loadgen.run_load(LoadConfig(base_url=base_url, unique_prompts=1, concurrency=3, num_requests=9,
+                                             input_tokens=4, output_tokens=2, keep_records=True))
+    assert same.completed == 9 and len({r.input_tokens for r in same.records}) == 1
+    assert len(engine.tokenizer._words) - before <= 4
+
+
+async def test_loadgen_time_limit_stops_a_run(echo_gateway) -> None:
+    base_url, engine = echo_gateway
+    engine.token_delay = 0.05  # 64 tokens take 3 s; the limit is 0.3 s
+    result = await loadgen.run_load(LoadConfig(base_url=base_url, concurrency=2, num_requests=100,
+                                               output_tokens=64, input_tokens=4, duration_s=0.3))
+    assert result.completed == 0 and result.cancelled == 2 and result.failed == 0
+    assert result.duration_s < 5
+
+
+async def test_loadgen_cli_writes_json(echo_gateway, tmp_path) -> None:
+    base_url, _ = echo_gateway
+    output = tmp_path / "out.json"
+    argv = ["--base-url", base_url, "--concurrency", "2", "--num-requests", "4", "--input-tokens", "4",
+            "--output-tokens", "3", "--endpoint", "completions", "--output", str(output), "--no-progress"]
+    assert await asyncio.to_thread(loadgen.main, argv) == 0  # its own event loop, in a thread
+    document = json.loads(output.read_text())
+    (result,) = document["results"]
+    assert result["completed"] == 4 and result["concurrency"] == 2 and result["mean_output_tokens"] == 3
+
+
+async def test_loadgen_sweep_writes_json_and_plot(echo_gateway, tmp_path) -> None:
+    base_url, _ = echo_gateway
+    config = LoadConfig(base_url=base_url, num_requests=4, input_tokens=4, output_tokens=3)
+    results = await loadgen.run_sweep(config, [1, 2], waves=3)
+    assert [r.concurrency for r in results] == [1, 2]
+    assert [r.completed for r in results] == [4, 6]
+    pytest.importorskip("matplotlib")
+    path = loadgen.plot_sweep({"": results}, tmp_path / "sweep.png")
+    assert path is not None and path.stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# the race's arithmetic (no servers)
+
+
+def _run(target: str, repeat: int, level: int, tok_s: float, ttft_ms: float) -> dict:
+    metrics = {name: None for name in race.METRICS}
+    metrics.update(output_tok_s=tok_s, ttft_p50_ms=ttft_ms, ttft_p99_ms=2 * ttft_ms, tpot_p50_ms=10.0,
+                   mean_output_tokens=64.0, failed=0)
+    return {"target": target, "repeat": repeat, "concurrency": level, "metrics": metrics}
+
+
+def test_race_summary_medians_ratios_and_targets() -> None:
+    runs = []
+    for r, (g, v, e) in enumerate([(100, 100, 100), (110, 100, 120), (90, 120, 100)]):
+        runs += [_run("gateway", r, 4, g, 50), _run("vllm", r, 4, v, 60), _run("engine", r, 4, e, 40)]
+    (row,) = race.summarize(runs, [4])
+    assert row["medians"]["gateway"]["output_tok_s"] == 100
+    assert row["medians"]["vllm"]["output_tok_s"] == 100
+    # against vLLM: median of the paired ratios 1.0, 1.1, 0.75
+    assert row["ratios"]["vllm"]["output_tok_s"] == pytest.approx(1.0)
+    # against the engine: ratio of the medians 100 / 100
+    assert row["ratios"]["engine"]["output_tok_s"] == pytest.approx(1.0)
+    assert row["ratios"]["vllm"]["ttft_p50_ms"] == pytest.approx(50 / 60)
+    assert row["targets"]["output_tok_s vs vllm"]["met"] is True
+    assert row["targets"]["ttft_p99_ms vs vllm"]["met"] is True
+    document = {"settings": {"repeats": 3}, "summary": [row], "overhead": [], "notes": ["a note"]}
+    table = race.markdown(document)
+    assert "| 4 | gateway | 100.0 |" in table and "1.000 ✓" in table and "- a note" in table
+
+
+def test_race_metrics_of_a_result() -> None:
+    result = loadgen.aggregate([RequestRecord(ok=True, ttft=0.1, e2e=0.5, output_tokens=5, chunks=5, itl=[0.1] * 4)], 1.0)
+    metrics = race.metrics_of(result.to_dict())
+    assert metrics["output_tok_s"] == pytest.approx(5.0)
+    assert metrics["ttft_p50_ms"] == pytest.approx(100.0)
+    assert metrics["tpot_p50_ms"] == pytest.approx(100.0)
+
+
+def test_race_commands_use_the_same_engine_settings() -> None:
+    args = race.parser().parse_args(["--eager"])
+    args.model = "/models/m"
+    gateway = race.gateway_command(args, 1234, eager=True)
+    vllm = race.vllm_command(args, 1235, eager=True)
+    for command in (gateway, vllm):
+        for flag, value in (("--model", "/models/m"), ("--dtype", "float32"), ("--max-model-len", "2048"),
+                            ("--kv-cache-memory-bytes", str(2 * 1024**3)), ("--served-model-name", "smollm2-135m-instruct")):
+            assert command[command.index(flag) + 1] == value
+        assert "--enforce-eager" in command
+    assert vllm[2] == "vllm.entrypoints.openai.api_server" and gateway[2:4] == ["gateway", "serve"]
+    assert "--enforce-eager" not in race.gateway_command(args, 1234, eager=False)
+
+
+def test_benchmark_modules_do_not_import_vllm() -> None:
+    code = ("import sys, benchmarks.loadgen, benchmarks.echo_engine, benchmarks.race, benchmarks.engine_direct; "
+            "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'imported vllm'")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
