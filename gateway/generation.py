@@ -133,6 +133,7 @@ class Run:
         self._record = current_record()
         self._record.model = self._record.model or engine.info.name
         self._model = engine.info.name
+        self._itl = metrics.INTER_TOKEN_LATENCY.labels(self._model)  # looked up once, not per token
         self._started = self._record.arrival or time.perf_counter()
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -189,7 +190,7 @@ class Run:
             if self._record.ttft_s is None:
                 self._record.ttft_s = ttft
         elif self._last_token_at is not None:
-            metrics.INTER_TOKEN_LATENCY.labels(self._model).observe(at - self._last_token_at)
+            self._itl.observe(at - self._last_token_at)
         self._last_token_at = at
 
     def _finish(self) -> None:
