@@ -184,8 +184,8 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
             call["function"]["name"] = plan.named
         body = ChunkDelta(role=role, tool_calls=[call])
     else:
-        body = ChunkDelta.model_construct(role=role, content=delta.text)
-    return ChunkChoice.model_construct(index=state.index, delta=body, finish_reason=finish, logprobs=logprobs)
+        body = ChunkDelta(role=role, content=delta.text)
+    return ChunkChoice(index=state.index, delta=body, finish_reason=finish, logprobs=logprobs)
 
 
 async def stream(prepared: PreparedChat) -> AsyncIterator[ChatCompletionChunk]:
@@ -195,8 +195,7 @@ async def stream(prepared: PreparedChat) -> AsyncIterator[ChatCompletionChunk]:
     continuous = bool(options and options.continuous_usage_stats)
 
     def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        # per token: model_construct skips validating what the gateway itself just built
-        return ChatCompletionChunk.model_construct(
+        return ChatCompletionChunk(
             id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=usage
         )
 

@@ -243,8 +243,7 @@ async def _chunks(answer: _Answer) -> AsyncIterator[Completion]:
     zero = prepared.request.max_tokens == 0
 
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
-        # per token: model_construct skips validating what the gateway itself just built
-        return Completion.model_construct(
+        return Completion(
             id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=usage
         )
 
@@ -263,7 +262,7 @@ async def _chunks(answer: _Answer) -> AsyncIterator[Completion]:
                 logprobs = _logprobs(entries, state.text_offset)
                 state.text_offset += sum(len(token) for token in logprobs.tokens)
             choices.append(
-                CompletionChoice.model_construct(
+                CompletionChoice(
                     index=answer.index(p, delta.index),
                     text=prefix + ("" if zero else delta.text),
                     finish_reason=("length" if zero else state.finish_reason) if delta.finish_reason else None,
