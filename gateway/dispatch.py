@@ -20,7 +20,7 @@ from gateway import chat, completions, metrics
 from gateway.admission import Overloaded, Permit
 from gateway.auth import ANONYMOUS
 from gateway.disconnect import unless_disconnected
-from gateway.errors import APIError, InvalidRequest, ServiceUnavailable
+from gateway.errors import InvalidRequest, ServiceUnavailable
 from gateway.logs import current_record
 from gateway.protocol import ChatCompletion, Completion
 from gateway.registry import Backend
@@ -173,6 +173,3 @@ def json_response(model: BaseModel, status: int = 200) -> Response:
     body = model.__pydantic_serializer__.to_json(model, exclude_none=True)
     return Response(body, status_code=status, media_type="application/json")
 
-
-Releaser = Callable[[], None]
-__all__ = ["CHAT", "COMPLETIONS", "APIError", "dispatch", "json_response"]
