@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from engine.types import ChoiceDelta, Engine, GenerationRequest, Tokenizer, TokenLogprob
 from gateway import tools
 from gateway.errors import InvalidRequest
@@ -164,8 +166,9 @@ async def complete(prepared: PreparedChat) -> ChatCompletion:
     return _answer(prepared, run)
 
 
-def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta) -> ChunkChoice | None:
-    """What one engine delta of one choice becomes on the wire (None: nothing yet)."""
+def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta) -> dict[str, Any] | None:
+    """What one engine delta of one choice becomes on the wire (None: nothing yet), as the
+    ChunkChoice's JSON-ready dict: plain text, the per-token case, is built without pydantic."""
     plan = prepared.tools
     finish = state.finish_reason if delta.finish_reason else None
     if plan.mode in ("auto", "required"):  # calls are parsed from the whole text, at its end
@@ -173,7 +176,8 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
             return None
         content, calls = plan.parse("".join(state.text))
         body = ChunkDelta(role="assistant", content=content, tool_calls=[c.as_openai(i) for i, c in enumerate(calls)] or None)
-        return ChunkChoice(index=state.index, delta=body, finish_reason=plan.finish_reason(calls, finish))
+        whole = ChunkChoice(index=state.index, delta=body, finish_reason=plan.finish_reason(calls, finish))
+        return whole.model_dump(mode="json", exclude_none=True)
     role = None if state.started else "assistant"
     state.started = True
     logprobs = _logprobs(list(delta.logprobs)) if delta.logprobs else None
@@ -182,22 +186,39 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
         if role:
             call.update(id=f"call_{uuid.uuid4().hex[:24]}", type="function")
             call["function"]["name"] = plan.named
-        body = ChunkDelta(role=role, tool_calls=[call])
-    else:
-        body = ChunkDelta(role=role, content=delta.text)
-    return ChunkChoice(index=state.index, delta=body, finish_reason=finish, logprobs=logprobs)
+        choice = ChunkChoice(index=state.index, delta=ChunkDelta(role=role, tool_calls=[call]), finish_reason=finish, logprobs=logprobs)
+        return choice.model_dump(mode="json", exclude_none=True)
+    text: dict[str, Any] = {"role": role, "content": delta.text} if role else {"content": delta.text}
+    plain: dict[str, Any] = {"index": state.index, "delta": text}
+    if finish is not None:
+        plain["finish_reason"] = finish
+    if logprobs is not None:
+        plain["logprobs"] = logprobs.model_dump(mode="json", exclude_none=True)
+    return plain
 
 
-async def stream(prepared: PreparedChat) -> AsyncIterator[ChatCompletionChunk]:
+class _ChunkEncoder:
+    """A stream's chunks as JSON: the fields that never change (id, object, created, model) are
+    serialized once per stream; per token only the choices (measured in benchmarks/RESULTS.md)."""
+
+    def __init__(self, prepared: PreparedChat) -> None:
+        head = {"id": prepared.id, "object": "chat.completion.chunk", "created": prepared.created, "model": prepared.model}
+        self._head = orjson.dumps(head)[:-1] + b',"choices":'
+
+    def __call__(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
+        body = self._head + orjson.dumps(choices)
+        if usage is not None:
+            body += b',"usage":' + usage.__pydantic_serializer__.to_json(usage, exclude_none=True)
+        return body + b"}"
+
+
+async def stream(prepared: PreparedChat) -> AsyncIterator[bytes]:
+    """The chunks of a ChatCompletionChunk stream, already encoded as JSON (see sse.encode)."""
     run = await Run(prepared.engine, prepared.generation).start()
     options = prepared.request.stream_options
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)
-
-    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=usage
-        )
+    chunk = _ChunkEncoder(prepared)
 
     async for output in run.outputs():
         choices = [_chunk_choice(prepared, run.choices[d.index], d) for d in output.choices]

@@ -27,7 +27,10 @@ HEADERS = [
 log = structlog.get_logger(__name__)
 
 
-def encode(event: BaseModel) -> bytes:
+def encode(event: BaseModel | bytes) -> bytes:
+    """One event; bytes are JSON the producer encoded itself (the per-token chat chunks)."""
+    if isinstance(event, bytes):
+        return b"data: " + event + b"\n\n"
     return b"data: " + event.__pydantic_serializer__.to_json(event, exclude_none=True) + b"\n\n"
 
 
