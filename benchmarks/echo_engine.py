@@ -69,7 +69,6 @@ class EchoEngine:
         )
         self._tokenizer = WordTokenizer()
         self.token_delay = token_delay
-        self._in_flight = 0
         self.requests = 0
 
     @property
@@ -81,37 +80,30 @@ class EchoEngine:
         return self._tokenizer
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        self._in_flight += 1
         self.requests += 1
-        try:
-            sampling = request.sampling
-            prompt = request.prompt_token_ids or [16]
-            words = self._tokenizer.decode(prompt).split() or ["echo"]
-            total = max(1, sampling.max_tokens)
-            for step in range(total):
-                if self.token_delay:
-                    await asyncio.sleep(self.token_delay)
-                else:
-                    await asyncio.sleep(0)  # a real engine yields to the loop between outputs
-                last = step == total - 1
-                word = words[step % len(words)]
-                token = prompt[step % len(prompt)]
-                choices = [
-                    ChoiceDelta(i, word if step == 0 else " " + word, [token], "length" if last else None)
-                    for i in range(sampling.n)
-                ]
-                yield GenerationOutput(len(request.prompt_token_ids), choices, finished=last)
-        finally:
-            self._in_flight -= 1
+        sampling = request.sampling
+        prompt = request.prompt_token_ids or [16]
+        words = self._tokenizer.decode(prompt).split() or ["echo"]
+        total = max(1, sampling.max_tokens)
+        for step in range(total):
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+            else:
+                await asyncio.sleep(0)  # a real engine yields to the loop between outputs
+            last = step == total - 1
+            word = words[step % len(words)]
+            token = prompt[step % len(prompt)]
+            choices = [
+                ChoiceDelta(i, word if step == 0 else " " + word, [token], "length" if last else None)
+                for i in range(sampling.n)
+            ]
+            yield GenerationOutput(len(request.prompt_token_ids), choices, finished=last)
 
     async def abort(self, request_id: str) -> None:
         return None
 
     async def check_health(self) -> None:
         return None
-
-    def stats(self) -> dict[str, float]:
-        return {"in_flight": self._in_flight, "unfinished": self._in_flight}
 
     async def shutdown(self) -> None:
         return None

@@ -184,7 +184,6 @@ class VLLMEngine:
         self._llm = llm
         self._info = info
         self._tokenizer = HFTokenizer(llm.get_tokenizer())
-        self._in_flight = 0
 
     @classmethod
     def start(cls, settings: EngineSettings) -> VLLMEngine:
@@ -209,7 +208,6 @@ class VLLMEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         prompt = tokens_input(request.prompt_token_ids, prompt=request.prompt_text)
-        self._in_flight += 1
         try:
             stream = self._llm.generate(prompt, sampling_params(request.sampling), request.request_id)
             async for out in stream:
@@ -228,8 +226,6 @@ class VLLMEngine:
             raise  # vLLM aborts the request itself when its generator is cancelled or closed
         except Exception as exc:
             raise EngineError(f"the engine failed: {exc.__class__.__name__}: {exc}") from exc
-        finally:
-            self._in_flight -= 1
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
@@ -239,12 +235,6 @@ class VLLMEngine:
             await self._llm.check_health()
         except Exception as exc:
             raise EngineUnavailable(f"the engine is not healthy: {exc}") from exc
-
-    def stats(self) -> dict[str, float]:
-        return {
-            "in_flight": self._in_flight,
-            "unfinished": self._llm.output_processor.get_num_unfinished_requests(),
-        }
 
     async def shutdown(self) -> None:
         self._llm.shutdown()

@@ -14,12 +14,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import orjson
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import metrics
-from gateway.errors import APIError, AuthenticationFailed, RateLimited
+from gateway.errors import APIError, AuthenticationFailed, RateLimited, send_error
 from gateway.lifecycle import OPS_ROUTES
 from gateway.logs import current_record
 
@@ -133,7 +132,7 @@ class AuthMiddleware:
             current_record().api_key_id = key_id
             self.limiter.take_request(key_id)
         except APIError as error:
-            await _send_error(send, error)
+            await send_error(send, error)
             return
         scope.setdefault("state", {})["api_key_id"] = key_id
         await self.app(scope, receive, send)
@@ -151,10 +150,3 @@ class AuthMiddleware:
         if key_id is None:
             raise AuthenticationFailed("Incorrect API key provided.")
         return key_id
-
-
-async def _send_error(send: Send, error: APIError) -> None:
-    headers = [(b"content-type", b"application/json")]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": orjson.dumps(error.body())})

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.types import Send
 
 from engine.errors import EngineError, EngineInvalidRequest, EngineUnavailable, PromptTooLong
 
@@ -112,6 +114,14 @@ ERROR_CLASSES: tuple[type[APIError], ...] = (
 
 def error_table() -> list[tuple[int, str, str | None]]:
     return [(cls.status, cls.type, cls.code) for cls in ERROR_CLASSES]
+
+
+async def send_error(send: Send, error: APIError, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+    """Answer with an API error from pure ASGI code (middleware that runs before the router)."""
+    headers = [(b"content-type", b"application/json"), *extra_headers]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": orjson.dumps(error.body())})
 
 
 def _validation_error(exc: ValidationError) -> InvalidRequest:

@@ -11,12 +11,11 @@ import signal
 import time
 from types import FrameType
 
-import orjson
 import structlog
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import ServiceUnavailable
+from gateway.errors import ServiceUnavailable, send_error
 
 log = structlog.get_logger(__name__)
 
@@ -45,9 +44,7 @@ class LifecycleMiddleware:
             return
         if self.lifecycle.draining:
             error = ServiceUnavailable("The server is shutting down; retry on another replica")
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-            await send({"type": "http.response.start", "status": error.status, "headers": headers})
-            await send({"type": "http.response.body", "body": orjson.dumps(error.body())})
+            await send_error(send, error, [(b"connection", b"close")])
             return
         self.lifecycle.active += 1
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 
+import orjson
 import structlog
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -35,8 +36,6 @@ def encode(event: BaseModel | bytes) -> bytes:
 
 
 def encode_error(exc: BaseException) -> bytes:
-    import orjson
-
     return b"data: " + orjson.dumps(from_exception(exc).body()) + b"\n\n"
 
 

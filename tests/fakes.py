@@ -113,9 +113,6 @@ class FakeEngine:
         if self.dead:
             raise EngineUnavailable("the fake engine is dead")
 
-    def stats(self) -> dict[str, float]:
-        return {"in_flight": len(self.running), "unfinished": len(self.running)}
-
     async def shutdown(self) -> None:
         pass
 
