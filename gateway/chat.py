@@ -7,8 +7,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from engine.types import ChoiceDelta, Engine, GenerationRequest, Tokenizer, TokenLogprob
 from gateway import tools
 from gateway.errors import InvalidRequest
@@ -27,6 +25,7 @@ from gateway.protocol import (
     TopLogprob,
     Usage,
 )
+from gateway.sse import ChunkEncoder
 
 OnDone = Callable[[ChatCompletion], Awaitable[None]]
 
@@ -197,28 +196,13 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
     return plain
 
 
-class _ChunkEncoder:
-    """A stream's chunks as JSON: the fields that never change (id, object, created, model) are
-    serialized once per stream; per token only the choices (measured in benchmarks/RESULTS.md)."""
-
-    def __init__(self, prepared: PreparedChat) -> None:
-        head = {"id": prepared.id, "object": "chat.completion.chunk", "created": prepared.created, "model": prepared.model}
-        self._head = orjson.dumps(head)[:-1] + b',"choices":'
-
-    def __call__(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
-        body = self._head + orjson.dumps(choices)
-        if usage is not None:
-            body += b',"usage":' + usage.__pydantic_serializer__.to_json(usage, exclude_none=True)
-        return body + b"}"
-
-
 async def stream(prepared: PreparedChat) -> AsyncIterator[bytes]:
     """The chunks of a ChatCompletionChunk stream, already encoded as JSON (see sse.encode)."""
     run = await Run(prepared.engine, prepared.generation).start()
     options = prepared.request.stream_options
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)
-    chunk = _ChunkEncoder(prepared)
+    chunk = ChunkEncoder(prepared.id, "chat.completion.chunk", prepared.created, prepared.model)
 
     async for output in run.outputs():
         choices = [_chunk_choice(prepared, run.choices[d.index], d) for d in output.choices]

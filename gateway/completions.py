@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
-from engine.types import Engine, GenerationOutput, GenerationRequest, TokenLogprob
+from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, TokenLogprob
 from gateway.errors import InvalidRequest
 from gateway.generation import (
     ChoiceState,
@@ -28,6 +29,7 @@ from gateway.protocol import (
     CompletionRequest,
     Usage,
 )
+from gateway.sse import ChunkEncoder
 
 OnDone = Callable[[Completion], Awaitable[None]]
 
@@ -196,7 +198,8 @@ def _best(states: list[ChoiceState], n: int) -> list[ChoiceState]:
     return sorted(states, key=lambda s: s.cumulative_logprob or float("-inf"), reverse=True)[:n]
 
 
-async def stream(prepared: PreparedCompletion) -> AsyncIterator[Completion]:
+async def stream(prepared: PreparedCompletion) -> AsyncIterator[bytes]:
+    """The chunks of a text_completion stream, already encoded as JSON (see sse.encode)."""
     answer = await _Answer(prepared).start()
     async for chunk in _chunks(answer):
         yield chunk
@@ -236,45 +239,41 @@ async def _merged(answer: _Answer) -> AsyncIterator[tuple[int, GenerationOutput]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _chunks(answer: _Answer) -> AsyncIterator[Completion]:
+async def _chunks(answer: _Answer) -> AsyncIterator[bytes]:
     prepared = answer.prepared
     options = prepared.request.stream_options
     include_usage = bool(options and options.include_usage)
-    zero = prepared.request.max_tokens == 0
-
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
-        return Completion(
-            id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=usage
-        )
-
+    chunk = ChunkEncoder(prepared.id, "text_completion", prepared.created, prepared.model)
     async for p, output in _merged(answer):
         answer.note_prompt_logprobs(p, output)
-        choices = []
-        for delta in output.choices:
-            state = answer.runs[p].choices[delta.index]
-            prefix = "" if state.started else answer.echo(p)
-            entries = [] if zero else list(delta.logprobs or ())
-            if not state.started and prepared.request.echo:
-                entries = answer.prompt_logprobs.get(p, []) + entries
-            state.started = True
-            logprobs = None
-            if prepared.request.logprobs is not None:
-                logprobs = _logprobs(entries, state.text_offset)
-                state.text_offset += sum(len(token) for token in logprobs.tokens)
-            choices.append(
-                CompletionChoice(
-                    index=answer.index(p, delta.index),
-                    text=prefix + ("" if zero else delta.text),
-                    finish_reason=("length" if zero else state.finish_reason) if delta.finish_reason else None,
-                    logprobs=logprobs,
-                )
-            )
+        choices = [_chunk_choice(answer, p, delta) for delta in output.choices]
         if choices:
             yield chunk(choices)
     if prepared.on_done is not None:
         await prepared.on_done(_whole(answer))
     if include_usage:
         yield chunk([], answer.usage())
+
+
+def _chunk_choice(answer: _Answer, p: int, delta: ChoiceDelta) -> dict[str, Any]:
+    """One engine delta of one choice as the CompletionChoice's JSON-ready dict, without pydantic
+    for the per-token case (plain text)."""
+    request = answer.prepared.request
+    zero = request.max_tokens == 0
+    state = answer.runs[p].choices[delta.index]
+    prefix = "" if state.started else answer.echo(p)
+    choice: dict[str, Any] = {"index": answer.index(p, delta.index), "text": prefix + ("" if zero else delta.text)}
+    if delta.finish_reason:
+        choice["finish_reason"] = "length" if zero else state.finish_reason
+    if request.logprobs is not None:
+        entries = [] if zero else list(delta.logprobs or ())
+        if not state.started and request.echo:
+            entries = answer.prompt_logprobs.get(p, []) + entries
+        logprobs = _logprobs(entries, state.text_offset)
+        state.text_offset += sum(len(token) for token in logprobs.tokens)
+        choice["logprobs"] = logprobs.model_dump(mode="json")
+    state.started = True
+    return choice
 
 
 async def replay(whole: Completion, request: CompletionRequest) -> AsyncIterator[Completion]:

@@ -50,7 +50,7 @@ def _sticky_key(request: Request, body: Any) -> str | None:
     return body.user or (key_id if key_id != ANONYMOUS else None)
 
 
-Shape = Callable[[BaseModel], BaseModel]
+Shape = Callable[[BaseModel | bytes], BaseModel]
 
 
 async def dispatch(
@@ -145,7 +145,7 @@ class _Attempt:
         answer = module.fresh(hit)
         return json_response(self.shape(answer) if self.shape else answer)
 
-    async def _shaped(self, events: AsyncIterator[BaseModel]) -> AsyncIterator[BaseModel]:
+    async def _shaped(self, events: AsyncIterator[BaseModel | bytes]) -> AsyncIterator[BaseModel | bytes]:
         if self.shape is None:
             async for event in events:
                 yield event

@@ -56,8 +56,11 @@ async def _native(request: Request) -> tuple[GenerateRequest, CompletionRequest]
     return body, CompletionRequest.model_validate({**fields, "model": name}, strict=False)
 
 
-def _shape(answer: BaseModel) -> GenerateResponse:
-    """A completion (whole or a chunk) in the native shape: its first choice's text."""
+def _shape(answer: BaseModel | bytes) -> GenerateResponse:
+    """A completion (whole, a chunk, or a chunk's JSON as streams encode it) in the native shape:
+    its first choice's text."""
+    if isinstance(answer, bytes):
+        answer = Completion.model_validate_json(answer)
     assert isinstance(answer, Completion)
     choice = answer.choices[0] if answer.choices else None
     return GenerateResponse(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 import orjson
 import structlog
@@ -29,10 +30,26 @@ log = structlog.get_logger(__name__)
 
 
 def encode(event: BaseModel | bytes) -> bytes:
-    """One event; bytes are JSON the producer encoded itself (the per-token chat chunks)."""
+    """One event; bytes are JSON the producer encoded itself (the per-token chunks, ChunkEncoder)."""
     if isinstance(event, bytes):
         return b"data: " + event + b"\n\n"
     return b"data: " + event.__pydantic_serializer__.to_json(event, exclude_none=True) + b"\n\n"
+
+
+class ChunkEncoder:
+    """A stream's chunks as JSON: the fields that never change (id, object, created, model) are
+    serialized once per stream; per token only the choices, JSON-ready dicts, go through orjson
+    (pydantic per token cost ~10% of a streamed token's CPU: benchmarks/RESULTS.md)."""
+
+    def __init__(self, id: str, object: str, created: int, model: str) -> None:
+        head = {"id": id, "object": object, "created": created, "model": model}
+        self._head = orjson.dumps(head)[:-1] + b',"choices":'
+
+    def __call__(self, choices: list[dict[str, Any]], usage: BaseModel | None = None) -> bytes:
+        body = self._head + orjson.dumps(choices)
+        if usage is not None:
+            body += b',"usage":' + usage.__pydantic_serializer__.to_json(usage, exclude_none=True)
+        return body + b"}"
 
 
 def encode_error(exc: BaseException) -> bytes:
@@ -48,7 +65,7 @@ class EventStreamResponse:
 
     def __init__(
         self,
-        events: AsyncIterator[BaseModel],
+        events: AsyncIterator[BaseModel | bytes],
         headers: Mapping[str, str] | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
@@ -103,7 +120,7 @@ class EventStreamResponse:
 class Primed:
     """A stream whose first event was already taken; closing it closes the stream underneath."""
 
-    def __init__(self, first: BaseModel | None, rest: AsyncIterator[BaseModel]) -> None:
+    def __init__(self, first: BaseModel | bytes | None, rest: AsyncIterator[BaseModel | bytes]) -> None:
         self._first = first
         self._rest = rest
         self._done = first is None
@@ -111,7 +128,7 @@ class Primed:
     def __aiter__(self) -> Primed:
         return self
 
-    async def __anext__(self) -> BaseModel:
+    async def __anext__(self) -> BaseModel | bytes:
         if self._first is not None:
             first, self._first = self._first, None
             return first
@@ -124,7 +141,7 @@ class Primed:
         await self._rest.aclose()  # type: ignore[attr-defined]
 
 
-async def primed(events: AsyncIterator[BaseModel]) -> Primed:
+async def primed(events: AsyncIterator[BaseModel | bytes]) -> Primed:
     """Run a stream up to its first event, so that refusals raise before the response starts."""
     try:
         first = await anext(events)
