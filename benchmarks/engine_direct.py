@@ -1,9 +1,17 @@
 """The engine alone: vLLM's AsyncLLM in this process, no HTTP. The upper limit of the race.
 
-    python -m benchmarks.engine_direct --plan plan.json --out results.json
+    python -m benchmarks.engine_direct --plan plan.json --out results.json   # every run in turn
+    python -m benchmarks.engine_direct --plan plan.json --control [--answer-fd N]  # runs on command
 
 The plan (written by `benchmarks.race`) holds the engine settings and, per run, the same sessions
-(prompts) and concurrency the servers got. Each request is tokenized here (the servers tokenize
+(prompts) and concurrency the servers got. With `--control` the engine starts and prints
+`{"ready": seconds}`, then takes commands on stdin, one JSON line each: `{"sessions": "file"}`
+(warm-up and runs; answered `{"warm": true}` after the warm-up) and `{"run": N}` (answered
+`{"key": ..., "result": ...}`). Answers are JSON lines on file descriptor N (default stdout; vLLM
+logs to stdout, so the race passes a pipe of its own). So the race interleaves the engine's runs
+with the servers' (gateway, vllm, engine, ...) rather than running them at another time.
+
+Each request is tokenized here (the servers tokenize
 too), submitted with `AsyncLLM.generate` in DELTA mode (what streaming servers use) and timed the
 same way the load generator times a stream: TTFT at the first output carrying tokens, TPOT =
 (e2e - TTFT) / (output tokens - 1), inter-token latencies between outputs carrying tokens.
@@ -133,23 +141,52 @@ def sessions_of(items: list[dict[str, Any]]) -> list[Session]:
     return [Session(**item) for item in items]
 
 
-async def run_plan(plan: dict[str, Any], log=print) -> dict[str, Any]:
-    config = LoadConfig(**plan.get("load", {}))
+async def _start(plan: dict[str, Any], log) -> tuple[Any, Driver, float]:
     started = time.perf_counter()
     llm = start_engine(plan["engine"])
     startup = time.perf_counter() - started
     log(f"engine ready in {startup:.0f} s")
+    return llm, Driver(llm, LoadConfig(**plan.get("load", {}))), startup
+
+
+async def _warm_up(driver: Driver, plan: dict[str, Any]) -> None:
+    for warm in plan.get("warmup", []):
+        await driver.run(sessions_of(warm["sessions"]), warm["concurrency"], "warmup")
+
+
+async def _one_run(driver: Driver, run: dict[str, Any], log) -> dict[str, Any]:
+    result = await driver.run(sessions_of(run["sessions"]), run["concurrency"], run.get("label", ""))
+    log(f"engine {run.get('label', '')}: {result.output_throughput:.1f} output tok/s, "
+        f"TTFT p50 {result.ttft.p50 * 1000:.1f} ms, TPOT p50 {result.tpot.p50 * 1000:.1f} ms")
+    return {"key": run.get("key"), "result": result.to_dict()}
+
+
+async def run_plan(plan: dict[str, Any], log=print) -> dict[str, Any]:
+    llm, driver, startup = await _start(plan, log)
     try:
-        driver = Driver(llm, config)
-        for warm in plan.get("warmup", []):
-            await driver.run(sessions_of(warm["sessions"]), warm["concurrency"], "warmup")
-        results = []
-        for run in plan["runs"]:
-            result = await driver.run(sessions_of(run["sessions"]), run["concurrency"], run.get("label", ""))
-            log(f"engine {run.get('label', '')}: {result.output_throughput:.1f} output tok/s, "
-                f"TTFT p50 {result.ttft.p50 * 1000:.1f} ms, TPOT p50 {result.tpot.p50 * 1000:.1f} ms")
-            results.append({"key": run.get("key"), "result": result.to_dict()})
+        await _warm_up(driver, plan)
+        results = [await _one_run(driver, run, log) for run in plan["runs"]]
         return {"startup_s": startup, "results": results}
+    finally:
+        llm.shutdown()
+
+
+async def serve_plan(plan: dict[str, Any], commands: Any, answer: Any, log=print) -> None:
+    """Runs on command, one JSON line each: {"sessions": path} reads the warm-up and runs from a
+    plan file and warms up (answer {"warm": true}); {"run": N} runs runs[N]. EOF or an empty line ends."""
+    llm, driver, startup = await _start(plan, log)
+    try:
+        answer({"ready": startup})
+        runs = plan.get("runs", [])
+        while line := (await asyncio.to_thread(commands.readline)).strip():
+            command = json.loads(line)
+            if "sessions" in command:
+                sessions = json.loads(Path(command["sessions"]).read_text())
+                await _warm_up(driver, sessions)
+                runs = sessions["runs"]
+                answer({"warm": True})
+            else:
+                answer(await _one_run(driver, runs[int(command["run"])], log))
     finally:
         llm.shutdown()
 
@@ -157,10 +194,24 @@ async def run_plan(plan: dict[str, Any], log=print) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Drive vLLM's AsyncLLM in-process with a race plan (no HTTP)")
     p.add_argument("--plan", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, help="where the results go (without --control)")
+    p.add_argument("--control", action="store_true", help="run on command: run numbers on stdin, results as JSON lines")
+    p.add_argument("--answer-fd", type=int, default=1, help="with --control: where the JSON lines go")
     args = p.parse_args(argv)
     plan = json.loads(args.plan.read_text())
-    output = asyncio.run(run_plan(plan, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.control:
+        with open(args.answer_fd, "w", closefd=args.answer_fd > 2) as answers:
+
+            def answer(item: dict[str, Any]) -> None:
+                answers.write(json.dumps(item) + "\n")
+                answers.flush()
+
+            asyncio.run(serve_plan(plan, sys.stdin, answer, log=log))
+        return 0
+    if args.out is None:
+        p.error("--out is required without --control")
+    output = asyncio.run(run_plan(plan, log=log))
     args.out.write_text(json.dumps(output, indent=2))
     return 0
 

@@ -11,9 +11,9 @@ max_model_len 2048, a 2 GiB KV cache, torch.compile unless --eager):
   engine   vLLM's AsyncLLM in a process of its own driven without HTTP (benchmarks.engine_direct):
            the upper limit
 
-Both servers run side by side and take the load in turns (interleaved: for each repetition and
-concurrency level one run on each, the first one alternating), so slow drifts of the machine hit
-both alike; then they stop and the engine alone runs the very same prompts. Every run has fresh
+All three run side by side and take the load in turns (interleaved: for each repetition and
+concurrency level one run on each, who goes first rotating), so slow drifts of the machine hit
+all alike, and each ratio is the median of the per-repetition ratios. Every run has fresh
 prompts (no prefix-cache help between runs; the same prompts for all three targets at a given
 repetition and level), 128-token prompts, exactly 64 output tokens (`ignore_eos`), streaming.
 
@@ -131,7 +131,7 @@ class Proc:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self) -> None:
+    def start(self, **popen: Any) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - open while the process runs, closed in stop()
         log(f"starting {self.name}: {shlex.join(self.command)}")
@@ -139,6 +139,7 @@ class Proc:
             self.command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
             cwd=REPO, start_new_session=True,
             preexec_fn=_die_with_parent if _PRCTL is not None else None,  # noqa: PLW1509 - one libc call, no locks
+            **popen,
         )
         _STARTED.append(self)
 
@@ -428,9 +429,9 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def summarize(runs: Sequence[dict[str, Any]], levels: Sequence[int]) -> list[dict[str, Any]]:
     """Per level: medians over repetitions per target, and the gateway's ratios.
 
-    Against vLLM's server (measured in the same repetition, interleaved) the ratio is the median of
-    the per-repetition ratios; against the engine alone (measured afterwards) it is the ratio of
-    the medians.
+    All targets take their runs of a repetition one after the other (interleaved), so the ratio
+    against each is the median of the per-repetition (paired) ratios: slow drifts of the machine
+    between repetitions cancel out.
     """
     rows = []
     for level in levels:
@@ -443,16 +444,15 @@ def summarize(runs: Sequence[dict[str, Any]], levels: Sequence[int]) -> list[dic
             | {"failed": sum(m.get("failed") or 0 for m in reps.values()), "repeats": len(reps)}
             for target, reps in by_target.items()
         }
-        ratios: dict[str, dict[str, float | None]] = {}
         gateway = by_target.get("gateway", {})
-        if "vllm" in by_target:
-            vllm = by_target["vllm"]
-            ratios["vllm"] = {
-                name: median([ratio(gateway[r].get(name), vllm[r].get(name)) for r in gateway if r in vllm])
+        ratios: dict[str, dict[str, float | None]] = {
+            other: {
+                name: median([ratio(gateway[r].get(name), theirs[r].get(name)) for r in gateway if r in theirs])
                 for name in METRICS
             }
-        if "engine" in by_target and "gateway" in medians:
-            ratios["engine"] = {name: ratio(medians["gateway"][name], medians["engine"][name]) for name in METRICS}
+            for other, theirs in by_target.items()
+            if other != "gateway" and gateway
+        }
         targets = {}
         for name, against, bound, higher in TARGET_RULES:
             value = ratios.get(against, {}).get(name)
@@ -499,8 +499,9 @@ def markdown(document: dict[str, Any]) -> str:
                 )
         lines += [
             "",
-            ("Ratios gateway ÷ other (tok/s: higher is better; latencies: lower is better). ✓/✗: the "
-             "targets (tok/s ≥ 1.00× vLLM's server and ≥ 0.95× the engine alone; TTFT p50/p99 ≤ 1.00× vLLM's server)."),
+            ("Ratios gateway ÷ other, each the median of the per-repetition ratios (the targets took their runs in "
+             "turns) (tok/s: higher is better; latencies: lower is better). ✓/✗: the targets (tok/s ≥ 1.00× vLLM's "
+             "server and ≥ 0.95× the engine alone; TTFT p50/p99 ≤ 1.00× vLLM's server)."),
             "",
             "| concurrency | tok/s ÷ vllm | tok/s ÷ engine | TTFT p50 ÷ vllm | TTFT p99 ÷ vllm | TPOT p50 ÷ vllm | TTFT p50 ÷ engine | TTFT p99 ÷ engine | TPOT p50 ÷ engine |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -561,7 +562,7 @@ def results_md(document: dict[str, Any], json_name: str) -> str:
         (f"- load: {s['endpoint']} endpoint, streaming, {s['input_tokens']}-token prompts, {s['output_tokens']} output tokens "
          f"(ignore_eos), temperature 0, concurrency {', '.join(map(str, s['concurrency']))}, "
          f"max({s['min_requests']}, {s['waves']} × concurrency) requests per run, {s['repeats']} repetition(s), "
-         f"servers {document.get('layout', '?')}"),
+         f"targets {document.get('layout', '?')}"),
         "",
         "## Command",
         "",
@@ -573,6 +574,20 @@ def results_md(document: dict[str, Any], json_name: str) -> str:
         "",
         markdown(document),
     ])
+
+
+KEEP_MARKER = "<!-- Written by hand: race.py --write-results-md keeps what follows. -->"
+
+
+def kept_part(results: Path) -> str:
+    """What follows KEEP_MARKER in the RESULTS.md being replaced (the reading of runs, the
+    profile, the measured changes), so a new race does not wipe it."""
+    try:
+        text = results.read_text()
+    except OSError:
+        return ""
+    at = text.find(KEEP_MARKER)
+    return "" if at < 0 else "\n" + text[at:]
 
 
 def plot(document: dict[str, Any], path: Path) -> Path | None:
@@ -647,123 +662,176 @@ async def warm_up(server: Proc, plan: Plan, args: argparse.Namespace) -> None:
     log(f"{server.name} warmed up")
 
 
-async def measure(server: Proc, plan: Plan, args: argparse.Namespace, repeat: int, level: int, others: Sequence[Proc]) -> dict[str, Any]:
-    await asyncio.sleep(args.pause)
-    sessions = plan.sessions[(repeat, level)]
-    cfg = load_config(args, server.base_url, level, len(sessions), f"{server.name} r{repeat} c{level}")
-    cpu_before = {p.name: p.cpu_seconds() for p in [server, *others]}
-    result = await loadgen.run_load(cfg, sessions=sessions)
-    cpu_after = {p.name: p.cpu_seconds() for p in [server, *others]}
-    cpu = {name: (cpu_after[name] - before) if before is not None and cpu_after[name] is not None else None
-           for name, before in cpu_before.items()}
-    data = result.to_dict()
-    metrics = metrics_of(data)
-    log(f"{server.name:7s} r{repeat} c={level:<3d} {metrics['output_tok_s']:.1f} tok/s, TTFT p50 {_f(metrics['ttft_p50_ms'])} "
-        f"p99 {_f(metrics['ttft_p99_ms'])} ms, TPOT p50 {_f(metrics['tpot_p50_ms'])} ms, failed {metrics['failed']}"
-        + "".join(f", {name} CPU {_f(s)} s" for name, s in cpu.items()))
-    return {"target": server.name, "repeat": repeat, "concurrency": level, "metrics": metrics, "cpu_s": cpu, "result": data}
-
-
-def choose_layout(args: argparse.Namespace, notes: list[str]) -> str:
+def choose_layout(args: argparse.Namespace, notes: list[str], engines: int) -> str:
     if args.layout != "auto":
         return args.layout
     mem = meminfo()
-    need = 2 * (args.kv_cache_memory_bytes + ENGINE_OVERHEAD_BYTES)
+    need = engines * (args.kv_cache_memory_bytes + ENGINE_OVERHEAD_BYTES)
     available = mem.get("MemAvailable", 0)
     if available >= need:
         return "interleaved"
     notes.append(
-        f"only {available / GIB:.1f} GiB memory available, two engines need about {need / GIB:.1f} GiB: "
-        "servers ran one after the other (sequential layout), not interleaved"
+        f"only {available / GIB:.1f} GiB memory available, {engines} engines need about {need / GIB:.1f} GiB: "
+        "targets ran one after the other (sequential layout), not interleaved"
     )
     log(notes[-1])
     return "sequential"
 
 
-async def race_servers(args: argparse.Namespace, stamp: str, logs: Path, notes: list[str], document: dict[str, Any]) -> Plan | None:
-    wanted = [t for t in ("gateway", "vllm") if t in args.parts]
-    if not wanted:
-        return None
-    layout = choose_layout(args, notes) if len(wanted) == 2 else "single"
-    document["layout"] = layout
-    servers = {
-        "gateway": Proc("gateway", gateway_command(args, free_port_or(args.gateway_port), args.eager), GATEWAY_ENV, logs / "gateway.log"),
-        "vllm": Proc("vllm", vllm_command(args, free_port_or(args.vllm_port), args.eager), {}, logs / "vllm.log"),
+class EngineAlone:
+    """The engine alone (benchmarks.engine_direct --control): a process of its own that runs the
+    plan's runs on command, so its runs interleave with the servers' like theirs do."""
+
+    name = "engine"
+
+    def __init__(self, args: argparse.Namespace, logs: Path) -> None:
+        self.logs = logs
+        plan_path = logs / "engine-plan.json"
+        plan_path.write_text(json.dumps({"engine": engine_settings(args), "load": load_config(args, "http://engine.invalid/v1", 1, 1, "engine").to_dict()}))
+        self._read_fd, self._write_fd = os.pipe()
+        command = python_m("benchmarks.engine_direct", "--plan", str(plan_path), "--control", "--answer-fd", str(self._write_fd))
+        self.proc = Proc("engine", command, {}, logs / "engine.log")
+        self.index: dict[tuple[int, int], int] = {}
+        self._answers: Any = None
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        return self.proc.process
+
+    def start(self) -> None:
+        self.proc.start(stdin=subprocess.PIPE, pass_fds=(self._write_fd,))
+        os.close(self._write_fd)  # the child's now: EOF here once it is gone
+        self._answers = os.fdopen(self._read_fd, "r")
+
+    async def _answer(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(self._answers.readline), timeout_s)
+        except TimeoutError:
+            self.proc.stop()  # the reading thread then sees EOF
+            raise RuntimeError(f"the engine did not answer in {timeout_s:.0f} s; log {self.proc.log_path}:\n{self.proc.tail()}") from None
+        if not line:
+            raise RuntimeError(f"the engine driver exited; log {self.proc.log_path}:\n{self.proc.tail()}")
+        return json.loads(line)
+
+    def _command(self, command: dict[str, Any]) -> None:
+        assert self.process is not None and self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command).encode() + b"\n")
+        self.process.stdin.flush()
+
+    async def wait_ready(self, timeout_s: float) -> float:
+        took = float((await self._answer(timeout_s))["ready"])
+        log(f"engine ready in {took:.0f} s")
+        return took
+
+    async def warm_up(self, plan: Plan, args: argparse.Namespace) -> None:
+        """Hands over the plan's prompts (the servers' very ones) and warms up as they do."""
+        path = self.logs / "engine-sessions.json"
+        runs = []
+        for r in range(plan.repeats):
+            for level in plan.levels:
+                self.index[(r, level)] = len(runs)
+                runs.append({"key": {"repeat": r, "concurrency": level}, "concurrency": level, "label": f"r{r} c{level}",
+                             "sessions": [dataclasses.asdict(s) for s in plan.sessions[(r, level)]]})
+        warmup = [{"concurrency": c, "sessions": [dataclasses.asdict(s) for s in ss]} for c, ss in plan.warmup]
+        path.write_text(json.dumps({"warmup": warmup, "runs": runs}))
+        self._command({"sessions": str(path)})
+        await self._answer(args.run_timeout * 2)
+        log("engine warmed up")
+
+    async def run(self, repeat: int, level: int, timeout_s: float) -> dict[str, Any]:
+        self._command({"run": self.index[(repeat, level)]})
+        return (await self._answer(timeout_s))["result"]
+
+    def stop(self) -> None:
+        self.proc.stop()
+        if self._answers is not None:
+            self._answers.close()
+            self._answers = None
+
+    def cpu_seconds(self) -> float | None:
+        return self.proc.cpu_seconds()
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine alone's settings: the servers' (see gateway_command and vllm_command)."""
+    return {
+        "model": args.model, "served_model_name": SERVED_NAME, "dtype": args.dtype,
+        "max_model_len": args.max_model_len, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "enforce_eager": args.eager, "seed": 0,
     }
-    for s in servers.values():
-        s.port = int(s.command[s.command.index("--port") + 1])
+
+
+Target = Any  # a Proc (a server, loaded over HTTP) or EngineAlone
+
+
+async def measure(target: Target, plan: Plan, args: argparse.Namespace, repeat: int, level: int, others: Sequence[Target]) -> dict[str, Any]:
+    await asyncio.sleep(args.pause)
+    sessions = plan.sessions[(repeat, level)]
+    cpu_before = {p.name: p.cpu_seconds() for p in [target, *others]}
+    if isinstance(target, EngineAlone):
+        data = await target.run(repeat, level, args.run_timeout + 60)
+    else:
+        cfg = load_config(args, target.base_url, level, len(sessions), f"{target.name} r{repeat} c{level}")
+        data = (await loadgen.run_load(cfg, sessions=sessions)).to_dict()
+    cpu_after = {p.name: p.cpu_seconds() for p in [target, *others]}
+    cpu = {name: (cpu_after[name] - before) if before is not None and cpu_after[name] is not None else None
+           for name, before in cpu_before.items()}
+    metrics = metrics_of(data)
+    log(f"{target.name:7s} r{repeat} c={level:<3d} {metrics['output_tok_s']:.1f} tok/s, TTFT p50 {_f(metrics['ttft_p50_ms'])} "
+        f"p99 {_f(metrics['ttft_p99_ms'])} ms, TPOT p50 {_f(metrics['tpot_p50_ms'])} ms, failed {metrics['failed']}"
+        + "".join(f", {name} CPU {_f(s)} s" for name, s in cpu.items()))
+    return {"target": target.name, "repeat": repeat, "concurrency": level, "metrics": metrics, "cpu_s": cpu, "result": data}
+
+
+async def race_targets(args: argparse.Namespace, logs: Path, notes: list[str], document: dict[str, Any]) -> None:
+    wanted = [t for t in TARGETS if t in args.parts]
+    if not wanted:
+        return
+    layout = choose_layout(args, notes, len(wanted)) if len(wanted) > 1 else "single"
+    document["layout"] = layout
+    targets: dict[str, Target] = {}
+    if "gateway" in wanted:
+        targets["gateway"] = Proc("gateway", gateway_command(args, free_port_or(args.gateway_port), args.eager), GATEWAY_ENV, logs / "gateway.log")
+    if "vllm" in wanted:
+        targets["vllm"] = Proc("vllm", vllm_command(args, free_port_or(args.vllm_port), args.eager), {}, logs / "vllm.log")
+    if "engine" in wanted:
+        targets["engine"] = EngineAlone(args, logs)
+    for t in targets.values():
+        if isinstance(t, Proc):
+            t.port = int(t.command[t.command.index("--port") + 1])
     runs: list[dict[str, Any]] = document.setdefault("runs", [])
     plan: Plan | None = None
     groups = [wanted] if layout == "interleaved" else [[t] for t in wanted]
     try:
         for group in groups:
-            alive = [servers[t] for t in group]
-            for s in alive:
-                s.start()
-            startup = await asyncio.gather(*(s.wait_ready(args.start_timeout) for s in alive))
-            document.setdefault("startup_s", {}).update({s.name: round(t, 1) for s, t in zip(alive, startup)})
+            alive = [targets[t] for t in group]
+            for t in alive:
+                t.start()
+            startup = await asyncio.gather(*(t.wait_ready(args.start_timeout) for t in alive))
+            document.setdefault("startup_s", {}).update({t.name: round(s, 1) for t, s in zip(alive, startup)})
             if plan is None:
-                plan = await make_plan(args, servers["gateway"].base_url if "gateway" in group else alive[0].base_url)
-            for s in alive:
-                await warm_up(s, plan, args)
-            busy = busy_processes(exclude=[s.process.pid for s in alive if s.process])
+                servers = [t for t in alive if isinstance(t, Proc)]
+                plan = await make_plan(args, servers[0].base_url if servers else None)
+            for t in alive:
+                await (t.warm_up(plan, args) if isinstance(t, EngineAlone) else warm_up(t, plan, args))
+            busy = busy_processes(exclude=[t.process.pid for t in alive if t.process])
             if busy:
                 notes.append("other processes were busy when the measurements started: " + "; ".join(busy[:5]))
                 log(notes[-1])
             for r in range(args.repeats):
                 for i, level in enumerate(args.concurrency):
-                    order = alive if (r + i) % 2 == 0 else list(reversed(alive))
-                    for s in order:
-                        others = [o for o in alive if o is not s]
-                        runs.append(await measure(s, plan, args, r, level, others))
-            for s in alive:
-                s.stop()
+                    shift = (r + i) % len(alive)  # who goes first rotates
+                    for t in alive[shift:] + alive[:shift]:
+                        runs.append(await measure(t, plan, args, r, level, [o for o in alive if o is not t]))
+            for t in alive:
+                t.stop()
     finally:
-        for s in servers.values():
-            s.stop()
-    return plan
+        for t in targets.values():
+            t.stop()
 
 
 def free_port_or(port: int | None) -> int:
     return port or free_port()
-
-
-def run_engine(args: argparse.Namespace, plan: Plan, logs: Path, document: dict[str, Any]) -> None:
-    cfg = load_config(args, "http://engine.invalid/v1", 1, 1, "engine")
-    plan_doc = {
-        "engine": {
-            "model": args.model, "served_model_name": SERVED_NAME, "dtype": args.dtype,
-            "max_model_len": args.max_model_len, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-            "enforce_eager": args.eager, "seed": 0,
-        },
-        "load": cfg.to_dict(),
-        "warmup": [{"concurrency": c, "sessions": [dataclasses.asdict(s) for s in ss]} for c, ss in plan.warmup],
-        "runs": [
-            {"key": {"repeat": r, "concurrency": level}, "concurrency": level, "label": f"r{r} c{level}",
-             "sessions": [dataclasses.asdict(s) for s in plan.sessions[(r, level)]]}
-            for r in range(plan.repeats) for level in plan.levels
-        ],
-    }
-    plan_path = logs / "engine-plan.json"
-    out_path = logs / "engine-results.json"
-    plan_path.write_text(json.dumps(plan_doc))
-    proc = Proc("engine", python_m("benchmarks.engine_direct", "--plan", str(plan_path), "--out", str(out_path)), {},
-                logs / "engine.log")
-    proc.start()
-    try:
-        code = proc.wait(args.start_timeout + args.run_timeout * len(plan_doc["runs"]))
-    finally:
-        proc.stop()
-    if code != 0 or not out_path.exists():
-        raise RuntimeError(f"the engine driver failed ({code}); log {proc.log_path}:\n{proc.tail()}")
-    output = json.loads(out_path.read_text())
-    document.setdefault("startup_s", {})["engine"] = round(output["startup_s"], 1)
-    for item in output["results"]:
-        metrics = metrics_of(item["result"])
-        document["runs"].append({"target": "engine", "repeat": item["key"]["repeat"], "concurrency": item["key"]["concurrency"],
-                                 "metrics": metrics, "cpu_s": {}, "result": item["result"]})
-        log(f"engine  r{item['key']['repeat']} c={item['key']['concurrency']:<3d} {metrics['output_tok_s']:.1f} tok/s, "
-            f"TTFT p50 {_f(metrics['ttft_p50_ms'])} p99 {_f(metrics['ttft_p99_ms'])} ms, TPOT p50 {_f(metrics['tpot_p50_ms'])} ms")
 
 
 def overhead_item(scenario: str, result: Result, note: str = "") -> dict[str, Any]:
@@ -842,8 +910,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--waves", type=int, default=4, help="at least WAVES x concurrency requests per run")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
     p.add_argument("--layout", choices=["auto", "interleaved", "sequential"], default="auto",
-                   help="interleaved: both servers up, runs alternate; sequential: one server at a time "
-                        "(auto: interleaved when memory allows two engines)")
+                   help="interleaved: all targets up, runs take turns; sequential: one target at a time "
+                        "(auto: interleaved when memory allows an engine per target)")
     p.add_argument("--model", help="model directory (default: the prepared default model)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -891,11 +959,7 @@ async def race(args: argparse.Namespace, document: dict[str, Any]) -> None:
     if busy:
         notes.append("busy processes before the race: " + "; ".join(busy[:5]))
         log(notes[-1])
-    plan = await race_servers(args, document["started"], logs, notes, document)
-    if "engine" in args.parts:
-        if plan is None:
-            plan = await make_plan(args, None)
-        run_engine(args, plan, logs, document)
+    await race_targets(args, logs, notes, document)
     if "cache" in args.parts:
         await run_cache(args, logs, document, notes)
     if "echo" in args.parts:
@@ -930,7 +994,8 @@ def write_outputs(document: dict[str, Any], args: argparse.Namespace) -> None:
     (args.results_dir / f"race-{stamp}.md").write_text(table)
     picture = plot(document, args.results_dir / f"race-{stamp}.png")
     if args.write_results_md and document["complete"]:
-        (BENCH / "RESULTS.md").write_text(results_md(document, out.name))
+        results = BENCH / "RESULTS.md"
+        results.write_text(results_md(document, out.name) + kept_part(results))
         log(f"rewrote {BENCH / 'RESULTS.md'}")
     elif args.write_results_md:
         log("the race is incomplete: RESULTS.md left as it was")
