@@ -73,6 +73,7 @@ METRICS: dict[str, tuple[str, bool]] = {
     "tpot_p50_ms": ("time per output token after the first, median", False),
     "itl_p99_ms": ("inter-token latency, 99th percentile", False),
     "e2e_p50_ms": ("end-to-end latency, median", False),
+    "front_cpu_ms_per_token": ("CPU of the front-end process (not its engine core and worker) per output token", False),
 }
 # (metric, against, bound, higher is better): what the race is judged on
 TARGET_RULES = [
@@ -207,8 +208,9 @@ class Proc:
             self._log = None
         log(f"{self.name} stopped")
 
-    def cpu_seconds(self) -> float | None:
-        """User + system CPU seconds of the process and its children so far (None without psutil)."""
+    def cpu_seconds(self, front_only: bool = False) -> float | None:
+        """User + system CPU seconds of the process and its children so far (None without psutil);
+        `front_only`: of the process itself, the front end without its engine core and worker."""
         if self.process is None or self.process.poll() is not None:
             return None
         try:
@@ -216,7 +218,7 @@ class Proc:
 
             root = psutil.Process(self.process.pid)
             total = 0.0
-            for proc in [root, *root.children(recursive=True)]:
+            for proc in [root] if front_only else [root, *root.children(recursive=True)]:
                 try:
                     times = proc.cpu_times()
                     total += times.user + times.system
@@ -484,8 +486,8 @@ def markdown(document: dict[str, Any]) -> str:
             (f"Medians over {repeats} repetition(s); gateway = this gateway, vllm = vLLM's OpenAI server, "
              "engine = AsyncLLM in-process without HTTP."),
             "",
-            "| concurrency | target | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms | e2e p50 ms | out tokens | failed |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| concurrency | target | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms | e2e p50 ms | out tokens | failed | front-end CPU ms/token |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in rows:
             for target in TARGETS:
@@ -495,7 +497,7 @@ def markdown(document: dict[str, Any]) -> str:
                 lines.append(
                     f"| {row['concurrency']} | {target} | {_f(m['output_tok_s'])} | {_f(m['req_s'], 2)} | "
                     f"{_f(m['ttft_p50_ms'])} | {_f(m['ttft_p99_ms'])} | {_f(m['tpot_p50_ms'])} | {_f(m['itl_p99_ms'])} | "
-                    f"{_f(m['e2e_p50_ms'])} | {_f(m['mean_output_tokens'])} | {m['failed']} |"
+                    f"{_f(m['e2e_p50_ms'])} | {_f(m['mean_output_tokens'])} | {m['failed']} | {_f(m.get('front_cpu_ms_per_token'), 3)} |"
                 )
         lines += [
             "",
@@ -748,8 +750,8 @@ class EngineAlone:
             self._answers.close()
             self._answers = None
 
-    def cpu_seconds(self) -> float | None:
-        return self.proc.cpu_seconds()
+    def cpu_seconds(self, front_only: bool = False) -> float | None:
+        return self.proc.cpu_seconds(front_only)
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -768,15 +770,21 @@ async def measure(target: Target, plan: Plan, args: argparse.Namespace, repeat: 
     await asyncio.sleep(args.pause)
     sessions = plan.sessions[(repeat, level)]
     cpu_before = {p.name: p.cpu_seconds() for p in [target, *others]}
+    front_before = target.cpu_seconds(front_only=True)
     if isinstance(target, EngineAlone):
         data = await target.run(repeat, level, args.run_timeout + 60)
     else:
         cfg = load_config(args, target.base_url, level, len(sessions), f"{target.name} r{repeat} c{level}")
         data = (await loadgen.run_load(cfg, sessions=sessions)).to_dict()
+    front_after = target.cpu_seconds(front_only=True)
     cpu_after = {p.name: p.cpu_seconds() for p in [target, *others]}
     cpu = {name: (cpu_after[name] - before) if before is not None and cpu_after[name] is not None else None
            for name, before in cpu_before.items()}
     metrics = metrics_of(data)
+    tokens = data.get("total_output_tokens") or 0
+    if front_before is not None and front_after is not None and tokens:
+        # the front end's CPU per output token: HTTP, JSON, detokenizing (the engine alone: no HTTP)
+        metrics["front_cpu_ms_per_token"] = (front_after - front_before) * 1000 / tokens
     log(f"{target.name:7s} r{repeat} c={level:<3d} {metrics['output_tok_s']:.1f} tok/s, TTFT p50 {_f(metrics['ttft_p50_ms'])} "
         f"p99 {_f(metrics['ttft_p99_ms'])} ms, TPOT p50 {_f(metrics['tpot_p50_ms'])} ms, failed {metrics['failed']}"
         + "".join(f", {name} CPU {_f(s)} s" for name, s in cpu.items()))
