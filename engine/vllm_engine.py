@@ -7,12 +7,14 @@ as `GenerationRequest`, outputs leave as `GenerationOutput`, failures as `engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
+from vllm.config.logging import LoggingConfig
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.inputs import tokens_input
 from vllm.outputs import RequestOutput
@@ -69,12 +71,26 @@ def engine_args(settings: EngineSettings) -> AsyncEngineArgs:
         "max_num_seqs": settings.max_num_seqs,
         "seed": settings.seed,
         "trust_remote_code": settings.trust_remote_code,
+        "logging_config": logging_config(settings),
     }
     fields = set(AsyncEngineArgs.__dataclass_fields__)
     unknown = sorted(set(settings.engine_args) - fields)
     if unknown:
         raise ValueError(f"unknown vLLM engine arguments: {', '.join(unknown)}")
     return AsyncEngineArgs(**{**known, **settings.engine_args})
+
+
+def logging_config(settings: EngineSettings) -> LoggingConfig | None:
+    """vLLM's logging in every process it starts (front end, engine core, worker); None: vLLM's
+    own defaults (text at INFO, or its VLLM_LOGGING_* variables)."""
+    if settings.log_format is None and settings.log_level is None:
+        return None
+    config = LoggingConfig()
+    if settings.log_format is not None:
+        config = dataclasses.replace(config, formatter=settings.log_format)
+    if settings.log_level is not None:
+        config = dataclasses.replace(config, log_level=settings.log_level.upper())
+    return config
 
 
 class HFTokenizer:

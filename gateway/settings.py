@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineSettings
@@ -80,3 +80,13 @@ class Settings(BaseSettings):
     cache: CacheSettings = Field(default_factory=CacheSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+
+    @model_validator(mode="after")
+    def _engine_logs_follow(self) -> Settings:
+        """vLLM's own log lines (the engine core and worker processes included) take the gateway's
+        format and level unless `engine` says otherwise: JSON logs stay JSON lines throughout."""
+        if self.engine.log_format is None:
+            self.engine.log_format = "json" if self.log_format == "json" else "text"
+        if self.engine.log_level is None:
+            self.engine.log_level = self.log_level
+        return self

