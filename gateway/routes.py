@@ -74,6 +74,17 @@ async def prometheus(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """Liveness: 200 while every embedded engine is alive. A dead engine (its engine core process
+    gone) never comes back in this process, so 503 here lets the orchestrator restart us
+    (Kubernetes' livenessProbe); remote upstreams are not checked, restarting us cures nothing there."""
+    dead = {}
+    for name, engine in state_of(request).models.engines():
+        try:
+            await asyncio.wait_for(engine.check_health(), timeout=5)
+        except Exception as exc:  # any failure of an embedded engine's health check
+            dead[name] = f"dead: {exc}"
+    if dead:
+        return JSONResponse({"status": "dead", "models": dead}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

@@ -33,6 +33,19 @@ def test_ready_per_model_and_draining() -> None:
         assert client.get("/health").status_code == 200
 
 
+def test_health_fails_when_an_embedded_engine_is_dead() -> None:
+    """Liveness: a dead engine does not come back, so the orchestrator should restart the gateway."""
+    engine, lifecycle = FakeEngine(), Lifecycle()
+    with TestClient(make(engine, lifecycle)) as client:
+        assert client.get("/health").json() == {"status": "ok"}
+        engine.dead = True
+        dead = client.get("/health")
+        assert dead.status_code == 503 and dead.json()["status"] == "dead"
+        assert dead.json()["models"]["fake-model"].startswith("dead: ")
+        engine.dead = False
+        assert client.get("/health").status_code == 200
+
+
 def test_sigterm_drains_until_requests_finish() -> None:
     lifecycle = Lifecycle()
     server = DrainingServer(uvicorn.Config(app=None), lifecycle, drain_timeout_s=30)

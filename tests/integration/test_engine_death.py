@@ -1,0 +1,105 @@
+"""A real engine dying under a gateway: its engine core process is killed (as the OOM killer or a
+crashed kernel would). The gateway must notice, fail its liveness check so the orchestrator
+restarts it, send the dead model's requests to its fallback, and still stop cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.integration.conftest import free_port, wait_until_up
+
+pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("fallbacks and engine liveness are the gateway's own")]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MODELS = """
+models:
+  - name: doomed
+    engine: {{enforce_eager: true}}
+    fallback: [rescue]
+  - name: rescue
+    kind: remote
+    url: {upstream}/v1
+    upstream_model: smollm2-135m-instruct
+"""
+
+
+@pytest.fixture(scope="module")
+def doomed(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A gateway with an engine of its own (`doomed`) and the session's gateway as its fallback."""
+    folder = tmp_path_factory.mktemp("doomed")
+    models = folder / "models.yaml"
+    models.write_text(MODELS.format(upstream=server))
+    port = free_port()
+    env = {**os.environ, "GATEWAY_MODELS_FILE": str(models), "GATEWAY_WARMUP": "false",
+           "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_LOG_FORMAT": "json"}
+    log_path = folder / "gateway.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)],
+                                   stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(base, process, log_path)
+        yield base, process
+    finally:
+        for child in psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []:
+            child.kill()
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+
+
+def chat(base: str, stream: bool = False) -> httpx.Response:
+    body = {"model": "doomed", "messages": QUESTION, "max_tokens": 8, "temperature": 0, "stream": stream}
+    return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+
+
+def engine_core(gateway: subprocess.Popen) -> psutil.Process:
+    children = psutil.Process(gateway.pid).children()
+    cores = [c for c in children if "EngineCore" in " ".join([c.name(), *c.cmdline()])]
+    assert len(cores) == 1, [(c.pid, c.name(), c.cmdline()) for c in children]
+    return cores[0]
+
+
+def test_a_killed_engine_fails_liveness_and_its_requests_fall_back(doomed) -> None:
+    base, gateway = doomed
+    alive = chat(base)
+    assert alive.status_code == 200 and alive.headers["x-served-model"] == "doomed"
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+
+    engine_core(gateway).send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    health = httpx.get(f"{base}/health")
+    while health.status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        health = httpx.get(f"{base}/health")
+    assert health.status_code == 503 and health.json()["status"] == "dead"
+    assert health.json()["models"]["doomed"].startswith("dead: ")
+    ready = httpx.get(f"{base}/ready", timeout=30)
+    assert ready.status_code == 503 and ready.json()["models"]["doomed"].startswith("unavailable")
+    assert ready.json()["models"]["rescue"] == "ready"
+
+    rescued = chat(base)
+    assert rescued.status_code == 200 and rescued.headers["x-served-model"] == "rescue"
+    assert "Paris" in rescued.json()["choices"][0]["message"]["content"]
+    streamed = chat(base, stream=True)
+    assert streamed.status_code == 200 and streamed.headers["x-served-model"] == "rescue"
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
+    metrics = httpx.get(f"{base}/metrics").text
+    assert 'gateway_fallbacks_total{fallback="rescue",model="doomed"}' in metrics
+
+
+def test_a_gateway_with_a_dead_engine_still_stops_cleanly(doomed) -> None:
+    _, gateway = doomed
+    gateway.send_signal(signal.SIGTERM)
+    assert gateway.wait(timeout=60) in (0, -signal.SIGTERM)
