@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.errors import EngineUnavailable
-from gateway import chat, completions, metrics
+from gateway import chat, completions, metrics, offload
 from gateway.admission import Overloaded, Permit
 from gateway.auth import ANONYMOUS
 from gateway.disconnect import unless_disconnected
@@ -106,7 +106,8 @@ class _Attempt:
     async def _embedded(self, backend: Backend) -> Response:
         module, record = self.service.module, current_record()
         assert backend.engine is not None
-        prepared = module.prepare(self.body, backend.engine, self.state.settings.default_max_tokens)
+        size = getattr(self.request.state, "body_bytes", 0)
+        prepared = await offload.by_size(size, module.prepare, self.body, backend.engine, self.state.settings.default_max_tokens)
         prepared.model = backend.name
         self._charge(prepared.token_budget())
         cache = self.state.cache

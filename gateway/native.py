@@ -8,7 +8,8 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import chat, completions, tools
+from engine.types import Engine
+from gateway import chat, completions, offload, tools
 from gateway.dispatch import COMPLETIONS, dispatch
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -27,6 +28,11 @@ from gateway.routes import json_response, parse, state_of
 async def tokenize(request: Request) -> Response:
     body = await parse(request, TokenizeRequest)
     engine = state_of(request).models.engine(body.model)
+    answer = await offload.by_size(request.state.body_bytes, _tokenized, body, engine)
+    return json_response(answer)
+
+
+def _tokenized(body: TokenizeRequest, engine: Engine) -> TokenizeResponse:
     tokenizer = engine.tokenizer
     if body.messages is not None:
         as_chat = ChatCompletionRequest(model=engine.info.name, messages=body.messages)
@@ -36,9 +42,7 @@ async def tokenize(request: Request) -> Response:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = tokenizer.encode(body.prompt or "", add_special_tokens=add_special)
     strs = [tokenizer.decode([i]) for i in ids] if body.return_token_strs else None
-    return json_response(
-        TokenizeResponse(count=len(ids), max_model_len=engine.info.max_model_len, tokens=ids, token_strs=strs)
-    )
+    return TokenizeResponse(count=len(ids), max_model_len=engine.info.max_model_len, tokens=ids, token_strs=strs)
 
 
 async def detokenize(request: Request) -> Response:
