@@ -127,3 +127,24 @@ def test_sdk_raises_typed_errors(sdk: openai.OpenAI) -> None:
 def test_unknown_path_and_method(base_url: str) -> None:
     assert httpx.get(f"{base_url}/v2/anything").json()["error"]["code"] == "not_found"
     assert httpx.delete(f"{base_url}/v1/models").status_code == 405
+
+
+@pytest.mark.gateway_only("vLLM's server has no body-size limit of ours to stay under")
+async def test_a_huge_prompt_is_tokenized_off_the_loop_and_refused_while_a_stream_goes_on(base_url: str) -> None:
+    """~270 KB of prompt (tokenized in the gateway's worker thread, with the real tokenizer): a
+    clean 400, and a stream that runs meanwhile is not disturbed."""
+    big = "The quick brown fox jumps over the lazy dog. " * 6000
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 16, "temperature": 0, "stream": True}
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+
+        async def stream() -> list[str]:
+            async with client.stream("POST", "/v1/chat/completions", json=body, headers={"Cache-Control": "no-cache"}) as r:
+                return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+
+        streaming = asyncio.create_task(stream())
+        refused = await client.post("/v1/completions", json={"model": MODEL, "prompt": big, "max_tokens": 5})
+        counted = await client.post("/tokenize", json={"model": MODEL, "prompt": big})
+        lines = await streaming
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    assert counted.status_code == 200 and counted.json()["count"] > 50_000
+    assert lines[-1] == "data: [DONE]" and all('"error"' not in line for line in lines)
