@@ -7,7 +7,6 @@ as `GenerationRequest`, outputs leave as `GenerationOutput`, failures as `engine
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -83,14 +82,12 @@ def engine_args(settings: EngineSettings) -> AsyncEngineArgs:
 def logging_config(settings: EngineSettings) -> LoggingConfig | None:
     """vLLM's logging in every process it starts (front end, engine core, worker); None: vLLM's
     own defaults (text at INFO, or its VLLM_LOGGING_* variables)."""
-    if settings.log_format is None and settings.log_level is None:
-        return None
-    config = LoggingConfig()
+    fields: dict[str, str] = {}
     if settings.log_format is not None:
-        config = dataclasses.replace(config, formatter=settings.log_format)
+        fields["formatter"] = settings.log_format
     if settings.log_level is not None:
-        config = dataclasses.replace(config, log_level=settings.log_level.upper())
-    return config
+        fields["log_level"] = settings.log_level.upper()
+    return LoggingConfig(**fields) if fields else None
 
 
 class HFTokenizer:

@@ -106,8 +106,10 @@ class _Attempt:
     async def _embedded(self, backend: Backend) -> Response:
         module, record = self.service.module, current_record()
         assert backend.engine is not None
-        size = getattr(self.request.state, "body_bytes", 0)
-        prepared = await offload.by_size(size, module.prepare, self.body, backend.engine, self.state.settings.default_max_tokens)
+        settings = self.state.settings
+        prepared = await offload.by_size(
+            self.request.state.body_bytes, module.prepare, self.body, backend.engine, settings.default_max_tokens
+        )
         prepared.model = backend.name
         self._charge(prepared.token_budget())
         cache = self.state.cache

@@ -6,6 +6,7 @@ Everything that can refuse a request happens before a response starts, so a 4xx 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -74,16 +75,23 @@ async def prometheus(request: Request) -> Response:
     return Response(body, media_type=content_type)
 
 
+async def _failure(check: Awaitable[None]) -> str | None:
+    """What is wrong with a model by its health check (None: healthy), waiting 5 s at most."""
+    try:
+        await asyncio.wait_for(check, timeout=5)
+    except Exception as exc:  # any failure of a health check
+        return str(exc)
+    return None
+
+
 async def health(request: Request) -> Response:
     """Liveness: 200 while every embedded engine is alive. A dead engine (its engine core process
     gone) never comes back in this process, so 503 here lets the orchestrator restart us
     (Kubernetes' livenessProbe); remote upstreams are not checked, restarting us cures nothing there."""
     dead = {}
     for name, engine in state_of(request).models.engines():
-        try:
-            await asyncio.wait_for(engine.check_health(), timeout=5)
-        except Exception as exc:  # any failure of an embedded engine's health check
-            dead[name] = f"dead: {exc}"
+        if (failure := await _failure(engine.check_health())) is not None:
+            dead[name] = f"dead: {failure}"
     if dead:
         return JSONResponse({"status": "dead", "models": dead}, status_code=503)
     return JSONResponse({"status": "ok"})
@@ -94,11 +102,8 @@ async def ready(request: Request) -> Response:
     state = state_of(request)
     models = {}
     for name, backend in state.models.backends.items():
-        try:
-            await asyncio.wait_for(backend.check_health(), timeout=5)
-            models[name] = "ready"
-        except Exception as exc:  # any failure of a health check means not ready
-            models[name] = f"unavailable: {exc}"
+        failure = await _failure(backend.check_health())
+        models[name] = "ready" if failure is None else f"unavailable: {failure}"
     ok = all(status == "ready" for status in models.values()) and not state.lifecycle.draining
     status = "ready" if ok else ("draining" if state.lifecycle.draining else "unavailable")
     return JSONResponse({"status": status, "models": models}, status_code=200 if ok else 503)

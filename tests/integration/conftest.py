@@ -4,6 +4,7 @@ whole session, started as `python -m gateway serve` and reached over loopback HT
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
+REPO = Path(__file__).parents[2]
 MODEL = "smollm2-135m-instruct"
 START_TIMEOUT_S = 600
 # `GATEWAY_TEST_TARGET=vllm` points the conformance suite at vLLM's own OpenAI server instead
@@ -63,7 +66,7 @@ def server(server_log: Path) -> Iterator[str]:
     env = {**os.environ, "GATEWAY_LOG_FORMAT": "json"}
     command = server_command(port)
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2])
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(base, process, log_path)
@@ -74,6 +77,28 @@ def server(server_log: Path) -> Iterator[str]:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@contextlib.contextmanager
+def gateway_process(folder: Path, env: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Another `python -m gateway serve` on a free port with `env` added, logging to
+    folder/gateway.log; up when entered, killed with its engine processes on the way out."""
+    port = free_port()
+    log_path = folder / "gateway.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)],
+                                   stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=REPO)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(base, process, log_path)
+        yield base, process
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for child in psutil.Process(process.pid).children(recursive=True):
+                    child.kill()
+            process.kill()
+        process.wait(timeout=30)
 
 
 def wait_until_up(base: str, process: subprocess.Popen, log_path: Path) -> None:

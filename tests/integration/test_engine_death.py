@@ -5,19 +5,16 @@ restarts it, send the dead model's requests to its fallback, and still stop clea
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import free_port, wait_until_up
+from tests.integration.conftest import gateway_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("fallbacks and engine liveness are the gateway's own")]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -39,23 +36,10 @@ def doomed(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     folder = tmp_path_factory.mktemp("doomed")
     models = folder / "models.yaml"
     models.write_text(MODELS.format(upstream=server))
-    port = free_port()
-    env = {**os.environ, "GATEWAY_MODELS_FILE": str(models), "GATEWAY_WARMUP": "false",
-           "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_LOG_FORMAT": "json"}
-    log_path = folder / "gateway.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)],
-                                   stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2])
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(base, process, log_path)
-        yield base, process
-    finally:
-        for child in psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []:
-            child.kill()
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=30)
+    env = {"GATEWAY_MODELS_FILE": str(models), "GATEWAY_WARMUP": "false", "GATEWAY_CACHE__BACKEND": "off",
+           "GATEWAY_LOG_FORMAT": "json"}
+    with gateway_process(folder, env) as started:
+        yield started
 
 
 def chat(base: str, stream: bool = False) -> httpx.Response:

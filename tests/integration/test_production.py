@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.conftest import free_port, wait_until_up
+from tests.integration.conftest import free_port, gateway_process
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("the production layer is the gateway's own")]
@@ -59,24 +56,13 @@ def second(server: str, redis: RedisServer, tmp_path_factory: pytest.TempPathFac
     folder = tmp_path_factory.mktemp("second")
     models = folder / "models.yaml"
     models.write_text(MODELS.format(upstream=server, closed_port=free_port()))
-    port = free_port()
     env = {
-        **os.environ, "GATEWAY_MODELS_FILE": str(models), "GATEWAY_API_KEYS": '["sk-integration"]',
+        "GATEWAY_MODELS_FILE": str(models), "GATEWAY_API_KEYS": '["sk-integration"]',
         "GATEWAY_CACHE__BACKEND": "redis", "GATEWAY_CACHE__REDIS_URL": redis.url, "GATEWAY_CACHE__REDIS_TIMEOUT_S": "0.3",
         "GATEWAY_WARMUP": "false", "GATEWAY_DRAIN_TIMEOUT_S": "120", "GATEWAY_LOG_FORMAT": "json",
     }
-    log_path = folder / "gateway.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)],
-                                   stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2])
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(base, process, log_path)
-        yield base, process
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
+    with gateway_process(folder, env) as started:
+        yield started
 
 
 def post(base: str, body: dict, **kwargs) -> httpx.Response:
