@@ -1,11 +1,15 @@
-"""The app factory: routes, the error mapping, middleware, and the lifespan that starts the models
-(embedded engines, remote upstreams), the response cache, and stops them after the drain."""
+"""The app factory: the route table's routes, the middleware stack, the one exception handler,
+and the lifespan that starts the models (embedded engines, remote upstreams) and the response
+cache, and stops them after the drain.
+
+Middleware, outermost first (`gateway/middleware/`): access log → lifecycle → auth → rate limits,
+each given its paths by the route table (`gateway/api/routes.py`).
+"""
 
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import structlog
 from pydantic import ValidationError
@@ -13,87 +17,46 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from engine.config import EngineSettings
 from engine.errors import EngineError
-from engine.types import Engine, GenerationRequest, SamplingOptions
-from gateway import modelfile
-from gateway.admission import Admission
-from gateway.auth import AuthMiddleware, KeyRing, RateLimiter
+from gateway.api.routes import TABLE
+from gateway.api.state import GatewayState
+from gateway.backends import modelfile
+from gateway.backends.startup import EngineStarter, build_registry, start_embedded, stop, warm_up
 from gateway.cache import ResponseCache, make_backend
-from gateway.disconnect import ClientDisconnected
-from gateway.errors import APIError, from_exception
-from gateway.lifecycle import Lifecycle, LifecycleMiddleware
-from gateway.logs import AccessLogMiddleware
-from gateway.registry import Backend, ModelRegistry, Split
-from gateway.routes import all_routes
+from gateway.errors import APIError, from_exception, render
+from gateway.limits import RateLimiter
+from gateway.middleware.access_log import AccessLogMiddleware
+from gateway.middleware.auth import AuthMiddleware, KeyRing
+from gateway.middleware.lifecycle import Lifecycle, LifecycleMiddleware
+from gateway.middleware.rate_limit import RateLimitMiddleware
 from gateway.settings import Settings
-from gateway.state import GatewayState
-from gateway.upstream import Upstream
 
 log = structlog.get_logger(__name__)
 
-EngineStarter = Callable[[EngineSettings], Engine]
-
-
-def start_embedded(settings: EngineSettings) -> Engine:
-    from engine import start_engine
-
-    return start_engine(settings)
-
 
 async def error_response(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, ClientDisconnected):
-        log.info("client_disconnected")
-        return Response(status_code=499)
+    """Every exception a handler raises, answered as its API error (`gateway.errors`)."""
     error = from_exception(exc)
-    if error.status >= 500:
+    if error.status == 499:
+        log.info("client_disconnected")
+    elif error.status >= 500:
         log.error("request_failed", status=error.status, error=error.message, cause=repr(exc))
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    status, headers, body = render(error)
+    response = Response(body, status_code=status)
+    response.raw_headers = [*response.raw_headers, *headers]
+    return response
 
 
-def build_registry(models: modelfile.ModelsFile, settings: Settings, start: EngineStarter) -> ModelRegistry:
-    backends: dict[str, Backend] = {}
-    splits: dict[str, Split] = {}
-    aliases: dict[str, str] = {}
-    created = int(time.time())
-    for spec in models.models:
-        aliases.update({alias: spec.name for alias in spec.aliases})
-        if spec.kind == "split":
-            splits[spec.name] = Split(spec.name, list(spec.versions.items()), spec.sticky, created)
-            continue
-        backend = Backend(spec.name, Admission(spec.name, spec.admission or settings.admission), tuple(spec.fallback), created=created)
-        if spec.kind == "remote":
-            assert spec.url is not None
-            backend.upstream = Upstream(spec.name, spec.url, spec.upstream_model or spec.name, spec.api_key,
-                                        spec.timeout_s, spec.connect_timeout_s)
-        else:
-            log.info("engine_starting", model=spec.name)
-            backend.engine = start(spec.engine_settings(settings.engine))
-        backends[spec.name] = backend
-    return ModelRegistry(backends, splits, aliases)
-
-
-async def warm_up(name: str, engine: Engine) -> None:
-    """One tiny JSON-constrained generation: compiles the structured-output grammar machinery."""
-    started = time.perf_counter()
-    prompt = engine.tokenizer.encode("{", add_special_tokens=False)
-    request = GenerationRequest(f"warmup-{name}", prompt, SamplingOptions(max_tokens=2, json_object=True))
-    async for _ in engine.generate(request):
-        pass
-    log.info("warmed_up", model=name, seconds=round(time.perf_counter() - started, 1))
-
-
-async def _stop(registry: ModelRegistry, cache: ResponseCache) -> None:
-    for name, backend in registry.backends.items():
-        if backend.engine is not None:
-            log.info("engine_shutdown", model=name)
-            await backend.engine.shutdown()
-        if backend.upstream is not None:
-            await backend.upstream.aclose()
-    if cache.backend is not None:
-        await cache.backend.aclose()
+def _middleware(settings: Settings, lifecycle: Lifecycle, limiter: RateLimiter) -> list[Middleware]:
+    keyless = TABLE.paths("open") if settings.auth_ops_routes else TABLE.paths("open", "ops")
+    return [
+        Middleware(AccessLogMiddleware, route_label=TABLE.label, log_content=settings.log_prompts),
+        Middleware(LifecycleMiddleware, lifecycle=lifecycle, ops_paths=TABLE.paths("ops")),
+        Middleware(AuthMiddleware, keys=KeyRing(settings.api_keys), open_paths=keyless),
+        Middleware(RateLimitMiddleware, limiter=limiter, open_paths=keyless),
+    ]
 
 
 def create_app(
@@ -118,18 +81,15 @@ def create_app(
             yield {"gateway": state}
         finally:
             lifecycle.start_drain()
-            await _stop(registry, cache)
+            await stop(registry)
+            if cache.backend is not None:
+                await cache.backend.aclose()
 
     return Starlette(
-        routes=all_routes(),
-        middleware=[
-            Middleware(AccessLogMiddleware, log_content=settings.log_prompts),
-            Middleware(LifecycleMiddleware, lifecycle=lifecycle),
-            Middleware(AuthMiddleware, keys=KeyRing(settings.api_keys), limiter=limiter, protect_ops=settings.auth_ops_routes),
-        ],
-        exception_handlers={
-            cls: error_response
-            for cls in (APIError, ValidationError, EngineError, HTTPException, ClientDisconnected, Exception)
-        },
+        routes=TABLE.routes(),
+        middleware=_middleware(settings, lifecycle, limiter),
+        # the known kinds are answered inside the app; only unknown errors reach Starlette's
+        # outermost ServerErrorMiddleware (the `Exception` key)
+        exception_handlers={cls: error_response for cls in (APIError, ValidationError, EngineError, HTTPException, Exception)},
         lifespan=lifespan,
     )

@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
 
 import orjson
+import redis.asyncio as redis
 import structlog
 from pydantic import BaseModel
 
@@ -22,6 +24,7 @@ from gateway.settings import CacheSettings
 
 log = structlog.get_logger(__name__)
 NOT_IN_KEY = {"stream", "stream_options", "user"}
+AnswerT = TypeVar("AnswerT", bound=BaseModel)
 
 
 class CacheBackend(Protocol):
@@ -82,8 +85,6 @@ class MemoryCache:
 
 class RedisCache:
     def __init__(self, url: str, prefix: str, ttl_s: float, timeout_s: float) -> None:
-        import redis.asyncio as redis
-
         self._errors = (redis.RedisError, OSError, TimeoutError)
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.prefix, self.ttl_s = prefix, ttl_s
@@ -130,7 +131,7 @@ class ResponseCache:
             return None
         return cache_key(route, model, body)
 
-    async def get(self, key: str, model: str, kind: type[BaseModel]) -> BaseModel | None:
+    async def get(self, key: str, model: str, kind: type[AnswerT]) -> AnswerT | None:
         assert self.backend is not None
         raw = await self.backend.get(key)
         if raw is None:
@@ -142,3 +143,11 @@ class ResponseCache:
     async def put(self, key: str, answer: BaseModel) -> None:
         assert self.backend is not None
         await self.backend.set(key, answer.model_dump_json(exclude_none=True).encode())
+
+    def storer(self, key: str) -> Callable[[BaseModel], Awaitable[None]]:
+        """The hand-off that stores a whole answer under `key` once a service has it."""
+
+        async def store(answer: BaseModel) -> None:
+            await self.put(key, answer)
+
+        return store

@@ -10,6 +10,14 @@ import json
 import sys
 from typing import Any
 
+import uvicorn
+from pydantic import ValidationError
+
+from gateway.app import create_app
+from gateway.backends.modelfile import ConfigError
+from gateway.logs import configure
+from gateway.middleware.lifecycle import Lifecycle
+from gateway.server import DrainingServer
 from gateway.settings import Settings
 
 
@@ -76,12 +84,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def serve(settings: Settings) -> None:
-    import uvicorn
-
-    from gateway.app import create_app
-    from gateway.lifecycle import DrainingServer, Lifecycle
-    from gateway.logs import configure
-
     configure(settings.log_level, settings.log_format)
     lifecycle = Lifecycle()
     app = create_app(settings, lifecycle=lifecycle)
@@ -97,10 +99,6 @@ def serve(settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pydantic import ValidationError
-
-    from gateway.modelfile import ConfigError
-
     args = parser().parse_args(argv)
     try:
         settings = settings_from(args)

@@ -1,4 +1,4 @@
-"""Typed API errors and the one place they become HTTP responses.
+"""Typed errors and the one place they become HTTP statuses and OpenAI error objects.
 
     APIError(status, type, code)                         body: {"error": {message, type, param, code}}
     ├── InvalidRequest          400 invalid_request_error
@@ -9,17 +9,24 @@
     ├── MethodNotAllowed        405 invalid_request_error / method_not_allowed
     ├── PayloadTooLarge         413 invalid_request_error / request_too_large
     ├── RateLimited             429 rate_limit_error / rate_limit_exceeded
-    │   └── ModelOverloaded     429 rate_limit_error / model_overloaded
+    │   └── ModelOverloaded     429 rate_limit_error / model_overloaded      (fallible)
+    ├── ClientDisconnected      499 (no body: the client is gone)
     ├── InternalError           500 server_error / internal_error
     └── ServiceUnavailable      503 server_error / service_unavailable
-        └── ModelUnavailable    503 server_error / model_overloaded
+        ├── BackendUnavailable  503 server_error / service_unavailable   (fallible)
+        └── ModelUnavailable    503 server_error / model_overloaded      (fallible)
 
-Engine errors map onto these in `from_exception`, once; so do Starlette's HTTP exceptions and
-pydantic's validation errors.
+A *fallible* error is a model's failure before the first byte (overloaded, its engine dead, its
+upstream down): the dispatcher tries the model's fallbacks before answering with it.
+
+`from_exception` maps every other exception onto this tree, once: the engine's errors, pydantic's
+validation errors and Starlette's HTTP exceptions; anything unknown is a 500. `render` turns an
+error into status, headers and body, for the app's exception handler and pure ASGI middleware alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -34,6 +41,7 @@ class APIError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str | None = None
+    fallible: bool = False  # a model's failure before the first byte: its fallbacks may answer
 
     def __init__(
         self,
@@ -87,7 +95,19 @@ class RateLimited(APIError):
 
 
 class ModelOverloaded(RateLimited):
+    """The model's admission bounds are full (or the wait timed out)."""
+
     code = "model_overloaded"
+    fallible = True
+
+
+class ClientDisconnected(APIError):
+    """The client closed the connection before its answer was ready: logged as 499, no body."""
+
+    status, type, code = 499, "client_disconnected", None
+
+    def __init__(self, message: str = "The client closed the connection") -> None:
+        super().__init__(message)
 
 
 class InternalError(APIError):
@@ -98,17 +118,24 @@ class ServiceUnavailable(APIError):
     status, type, code = 503, "server_error", "service_unavailable"
 
 
+class BackendUnavailable(ServiceUnavailable):
+    """A model's engine is dead or its remote upstream failed, before the first byte."""
+
+    fallible = True
+
+
 class ModelUnavailable(ServiceUnavailable):
-    """Overloaded (when configured to answer 503), or dead with no fallback left."""
+    """Overloaded, when the model is configured to refuse with 503."""
 
     code = "model_overloaded"
+    fallible = True
 
 
 # Every error the API answers with, as documented in the README's error table.
 ERROR_CLASSES: tuple[type[APIError], ...] = (
     InvalidRequest, ContextLengthExceeded, AuthenticationFailed, NotFound, ModelNotFound,
     MethodNotAllowed, PayloadTooLarge, RateLimited, ModelOverloaded, InternalError, ServiceUnavailable,
-    ModelUnavailable,
+    BackendUnavailable, ModelUnavailable,
 )
 
 
@@ -116,12 +143,19 @@ def error_table() -> list[tuple[int, str, str | None]]:
     return [(cls.status, cls.type, cls.code) for cls in ERROR_CLASSES]
 
 
-async def send_error(send: Send, error: APIError, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+def render(error: APIError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The error as an HTTP answer: status, headers, body (none for a client that is gone)."""
+    headers = [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    if isinstance(error, ClientDisconnected):
+        return error.status, headers, b""
+    return error.status, [(b"content-type", b"application/json"), *headers], orjson.dumps(error.body())
+
+
+async def send_error(send: Send, error: APIError, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Answer with an API error from pure ASGI code (middleware that runs before the router)."""
-    headers = [(b"content-type", b"application/json"), *extra_headers]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": orjson.dumps(error.body())})
+    status, headers, body = render(error)
+    await send({"type": "http.response.start", "status": status, "headers": [*headers, *extra_headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _validation_error(exc: ValidationError) -> InvalidRequest:
@@ -151,7 +185,7 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, EngineInvalidRequest):
         return InvalidRequest(exc.message, param=exc.param)
     if isinstance(exc, EngineUnavailable):
-        return ServiceUnavailable(exc.message)
+        return BackendUnavailable(exc.message)
     if isinstance(exc, EngineError):
         return InternalError(exc.message)
     if isinstance(exc, HTTPException):

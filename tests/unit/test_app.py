@@ -38,7 +38,7 @@ def test_gateway_imports_without_vllm_or_torch() -> None:
                 if name.split(".")[0] in ("vllm", "torch", "transformers"):
                     raise ImportError("blocked: " + name)
         sys.meta_path.insert(0, Block())
-        import gateway.app, gateway.cli, gateway.routes, engine
+        import gateway.app, gateway.cli, gateway.api.routes, engine
         print("ok")
         """
     )
@@ -84,7 +84,7 @@ def test_bad_configuration_is_refused_at_start_up(tmp_path) -> None:
 def test_vllm_logs_follow_the_gateway_log_settings(monkeypatch, tmp_path) -> None:
     """JSON logs: vLLM's own lines (front end, engine core, worker) become JSON too, at our level;
     the engine settings (also per model in a models file) may still say otherwise."""
-    from gateway import modelfile
+    from gateway.backends import modelfile
 
     monkeypatch.setenv("GATEWAY_LOG_FORMAT", "json")
     monkeypatch.setenv("GATEWAY_LOG_LEVEL", "warning")

@@ -7,7 +7,8 @@ import uvicorn
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.lifecycle import DrainingServer, Lifecycle
+from gateway.middleware.lifecycle import Lifecycle
+from gateway.server import DrainingServer
 from tests.fakes import FakeEngine, fake_settings
 
 HELLO = [{"role": "user", "content": "hi"}]

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from gateway import offload
+from gateway.serving import offload
 from gateway.app import create_app
 from tests.fakes import FakeEngine, FakeTokenizer, fake_settings
 

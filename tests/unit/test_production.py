@@ -12,7 +12,7 @@ import structlog.testing
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.modelfile import ConfigError
+from gateway.backends.modelfile import ConfigError
 from tests.fakes import FakeEngine, fake_settings
 from tests.unit.test_chat import sse_events
 
@@ -58,7 +58,7 @@ def test_ops_routes_closed_by_setting() -> None:
 def test_keys_are_kept_as_hashes_and_logged_by_id() -> None:
     from pydantic import SecretStr
 
-    from gateway.auth import KeyRing
+    from gateway.middleware.auth import KeyRing
 
     ring = KeyRing([SecretStr("sk-secret")])
     assert b"sk-secret" not in b"".join(ring._hashes)

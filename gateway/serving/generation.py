@@ -1,5 +1,6 @@
-"""What chat and completions share: the model registry, sampling, context checks, and the small
-per-choice state that streaming and aggregation keep.
+"""What chat and completions share: ids, the output budget (context checks), sampling options,
+token-id checks, the small per-choice state that streaming and aggregation keep, and `Run`: one
+generation on an engine with its latency metrics.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from dataclasses import dataclass, field
 
 from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, SamplingOptions
 from gateway import metrics
+from gateway.context import current_record
 from gateway.errors import ContextLengthExceeded, InvalidRequest
-from gateway.logs import current_record
 from gateway.protocol import SamplingFields, Usage
 
 

@@ -7,13 +7,21 @@ is one engine request of `n` choices, and choice `i` of prompt `p` is answered a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, TokenLogprob
 from gateway.errors import InvalidRequest
-from gateway.generation import (
+from gateway.protocol import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Usage,
+)
+from gateway.serving.encoding import ChunkEncoder
+from gateway.serving.generation import (
     ChoiceState,
     Run,
     check_token_ids,
@@ -22,16 +30,7 @@ from gateway.generation import (
     resolve_max_tokens,
     sampling_options,
 )
-from gateway.protocol import (
-    Completion,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    Usage,
-)
-from gateway.sse import ChunkEncoder
-
-OnDone = Callable[[Completion], Awaitable[None]]
+from gateway.serving.service import OnDone
 
 
 @dataclass(slots=True)
@@ -43,7 +42,6 @@ class PreparedCompletion:
     model: str  # the name the answer carries: the model (version) that answers
     id: str
     created: int
-    on_done: OnDone | None = None  # called with the whole answer once a stream has ended
 
     def token_budget(self) -> int:
         return sum(len(g.prompt_token_ids) + g.sampling.max_tokens * g.sampling.n for g in self.generations)
@@ -164,12 +162,15 @@ class _Answer:
         return "" if self.prepared.request.max_tokens == 0 else "".join(state.text)
 
 
-async def complete(prepared: PreparedCompletion) -> Completion:
+async def complete(prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> Completion:
     answer = await _Answer(prepared).start()
     for p, run in enumerate(answer.runs):
         async for output in run.outputs():
             answer.note_prompt_logprobs(p, output)
-    return _whole(answer)
+    whole = _whole(answer)
+    if on_done is not None:
+        await on_done(whole)
+    return whole
 
 
 def _whole(answer: _Answer) -> Completion:
@@ -198,10 +199,10 @@ def _best(states: list[ChoiceState], n: int) -> list[ChoiceState]:
     return sorted(states, key=lambda s: s.cumulative_logprob or float("-inf"), reverse=True)[:n]
 
 
-async def stream(prepared: PreparedCompletion) -> AsyncIterator[bytes]:
-    """The chunks of a text_completion stream, already encoded as JSON (see sse.encode)."""
+async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> AsyncIterator[bytes]:
+    """The chunks of a text_completion stream, already encoded as JSON (api.sse frames them)."""
     answer = await _Answer(prepared).start()
-    async for chunk in _chunks(answer):
+    async for chunk in _chunks(answer, on_done):
         yield chunk
 
 
@@ -239,7 +240,7 @@ async def _merged(answer: _Answer) -> AsyncIterator[tuple[int, GenerationOutput]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _chunks(answer: _Answer) -> AsyncIterator[bytes]:
+async def _chunks(answer: _Answer, on_done: OnDone[Completion] | None) -> AsyncIterator[bytes]:
     prepared = answer.prepared
     options = prepared.request.stream_options
     include_usage = bool(options and options.include_usage)
@@ -249,8 +250,8 @@ async def _chunks(answer: _Answer) -> AsyncIterator[bytes]:
         choices = [_chunk_choice(answer, p, delta) for delta in output.choices]
         if choices:
             yield chunk(choices)
-    if prepared.on_done is not None:
-        await prepared.on_done(_whole(answer))
+    if on_done is not None:
+        await on_done(_whole(answer))
     if include_usage:
         yield chunk([], answer.usage())
 
@@ -287,3 +288,29 @@ async def replay(whole: Completion, request: CompletionRequest) -> AsyncIterator
 
 def fresh(whole: Completion) -> Completion:
     return whole.model_copy(update={"id": new_id("cmpl"), "created": now()})
+
+
+class CompletionsService:
+    """/v1/completions (and the native /generate) for the dispatcher (`serving.service.Service`)."""
+
+    route = "/v1/completions"
+    upstream_path = "/completions"
+    answer_type = Completion
+
+    def prepare(self, request: CompletionRequest, engine: Engine, default_max_tokens: int | None) -> PreparedCompletion:
+        return prepare(request, engine, default_max_tokens)
+
+    async def complete(self, prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> Completion:
+        return await complete(prepared, on_done)
+
+    def stream(self, prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> AsyncIterator[bytes]:
+        return stream(prepared, on_done)
+
+    def replay(self, answer: Completion, request: CompletionRequest) -> AsyncIterator[Completion]:
+        return replay(answer, request)
+
+    def fresh(self, answer: Completion) -> Completion:
+        return fresh(answer)
+
+
+COMPLETIONS = CompletionsService()

@@ -3,7 +3,7 @@
 A request takes a permit before its response starts and holds it for the life of its answer (the
 whole stream). Beyond `max_running` it waits, in arrival order, for at most `wait_timeout_s`;
 beyond `max_waiting` waiting requests, or after the wait, it is refused at once with 429 (and
-Retry-After) or 503, as configured.
+Retry-After) or 503, as configured: errors the dispatcher may answer with a fallback.
 """
 
 from __future__ import annotations
@@ -11,16 +11,8 @@ from __future__ import annotations
 import asyncio
 
 from gateway import metrics
-from gateway.errors import APIError, ModelOverloaded, ModelUnavailable
+from gateway.errors import ModelOverloaded, ModelUnavailable
 from gateway.settings import AdmissionSettings
-
-
-class Overloaded(Exception):
-    """The model's bounds are reached; the API error says how the client sees it."""
-
-    def __init__(self, error: APIError) -> None:
-        super().__init__(error.message)
-        self.error = error
 
 
 class Permit:
@@ -68,10 +60,10 @@ class Admission:
         self.running -= 1
         self._slots.release()
 
-    def _refuse(self, reason: str, why: str) -> Overloaded:
+    def _refuse(self, reason: str, why: str) -> ModelOverloaded | ModelUnavailable:
         metrics.REJECTED.labels(self.model, reason).inc()
         message = f"The model '{self.model}' is overloaded: {why}. Please retry later."
         headers = {"Retry-After": str(self.settings.retry_after_s)}
         if self.settings.reject_status == 503:
-            return Overloaded(ModelUnavailable(message, headers=headers))
-        return Overloaded(ModelOverloaded(message, headers=headers))
+            return ModelUnavailable(message, headers=headers)
+        return ModelOverloaded(message, headers=headers)

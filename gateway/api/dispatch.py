@@ -1,95 +1,83 @@
 """From a validated request to an answer: pick the model (alias, A/B split), then try it and its
 fallbacks in order. Per attempt: prepare (all refusals), tokens-per-minute, the response cache,
-admission, then the engine or the remote upstream. Only failures that happen before the first
-byte and are the model's (dead, overloaded, upstream down) move on to the next model.
+admission, then the engine or the remote upstream. Only *fallible* errors (`gateway.errors`: the
+model overloaded, its engine dead, its upstream down), which happen before the first byte, move on
+to the next model; the last one is the answer when no model is left.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from types import ModuleType
-from typing import Any
+from typing import Generic
 
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
-from engine.errors import EngineUnavailable
-from gateway import chat, completions, metrics, offload
-from gateway.admission import Overloaded, Permit
-from gateway.auth import ANONYMOUS
-from gateway.disconnect import unless_disconnected
-from gateway.errors import InvalidRequest, ServiceUnavailable
-from gateway.logs import current_record
-from gateway.protocol import ChatCompletion, Completion
-from gateway.registry import Backend
-from gateway.sse import EventStreamResponse, primed
-from gateway.state import GatewayState
-from gateway.upstream import UpstreamFailed
+from gateway import metrics
+from gateway.api.disconnect import unless_disconnected
+from gateway.api.requests import body_size, json_response
+from gateway.api.sse import EventStreamResponse, primed
+from gateway.api.state import GatewayState
+from gateway.backends.admission import Permit
+from gateway.backends.registry import Backend
+from gateway.backends.upstream import UpstreamAnswer
+from gateway.context import current_record
+from gateway.errors import APIError, BackendUnavailable, InvalidRequest, from_exception
+from gateway.middleware.auth import ANONYMOUS
+from gateway.serving import offload
+from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service
 
-FALLIBLE = (Overloaded, EngineUnavailable, UpstreamFailed)
-
-
-@dataclass(frozen=True, slots=True)
-class Service:
-    """What differs between chat and completions, for the dispatcher."""
-
-    route: str
-    upstream_path: str
-    module: ModuleType  # gateway.chat or gateway.completions: prepare, complete, stream, replay, fresh
-    answer_type: type[BaseModel]
+Shape = Callable[[BaseModel | bytes], BaseModel]  # answers and chunks in another form (the native API's)
 
 
-CHAT = Service("/v1/chat/completions", "/chat/completions", chat, ChatCompletion)
-COMPLETIONS = Service("/v1/completions", "/completions", completions, Completion)
-
-
-def _sticky_key(request: Request, body: Any) -> str | None:
+def _sticky_key(request: Request, body: RequestT) -> str | None:
     key_id = getattr(request.state, "api_key_id", ANONYMOUS)
     return body.user or (key_id if key_id != ANONYMOUS else None)
 
 
-Shape = Callable[[BaseModel | bytes], BaseModel]
-
-
 async def dispatch(
-    request: Request, state: GatewayState, body: Any, service: Service, shape: Shape | None = None
+    request: Request,
+    state: GatewayState,
+    body: RequestT,
+    service: Service[RequestT, PreparedT, AnswerT],
+    shape: Shape | None = None,
 ) -> Response:
-    """`shape` turns answers and chunks into another form (the native API's)."""
     record = current_record()
     version, chain = state.models.resolve(body.model, _sticky_key(request, body))
     record.model, record.version = body.model, version
     record.response_headers["x-model-version"] = version
     attempt = _Attempt(request, state, body, service, shape)
-    failure: BaseException | None = None
+    failure: APIError | None = None
     for backend in chain:
         if failure is not None:
             metrics.FALLBACKS.labels(chain[0].name, backend.name).inc()
         try:
             response = await attempt.on(backend)
-        except FALLIBLE as exc:
-            failure = exc
+        except Exception as exc:
+            error = from_exception(exc)
+            if not error.fallible:
+                raise  # the original, for the exception handler's log
+            failure = error
             continue
         record.version = backend.name
         record.response_headers["x-served-model"] = backend.name
         return response
-    raise _final_error(failure)
+    raise failure or BackendUnavailable("No model could answer")
 
 
-def _final_error(failure: BaseException | None) -> BaseException:
-    if isinstance(failure, Overloaded):
-        return failure.error
-    if isinstance(failure, UpstreamFailed):
-        return ServiceUnavailable(str(failure))
-    return failure or ServiceUnavailable("No model could answer")
-
-
-class _Attempt:
-    def __init__(self, request: Request, state: GatewayState, body: Any, service: Service, shape: Shape | None) -> None:
+class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
+    def __init__(
+        self,
+        request: Request,
+        state: GatewayState,
+        body: RequestT,
+        service: Service[RequestT, PreparedT, AnswerT],
+        shape: Shape | None,
+    ) -> None:
         self.request, self.state, self.body, self.service = request, state, body, service
         self.shape = shape
-        self.key_id = getattr(request.state, "api_key_id", ANONYMOUS)
+        self.key_id: str = getattr(request.state, "api_key_id", ANONYMOUS)
         self.charged = False
         self.no_cache = "no-cache" in request.headers.get("cache-control", "").lower()
 
@@ -104,15 +92,15 @@ class _Attempt:
             self.charged = True
 
     async def _embedded(self, backend: Backend) -> Response:
-        module, record = self.service.module, current_record()
-        assert backend.engine is not None
-        settings = self.state.settings
+        record, engine = current_record(), backend.engine
+        assert engine is not None
+        default_max_tokens = self.state.settings.default_max_tokens
         prepared = await offload.by_size(
-            self.request.state.body_bytes, module.prepare, self.body, backend.engine, settings.default_max_tokens
+            body_size(self.request), self.service.prepare, self.body, engine, default_max_tokens
         )
         prepared.model = backend.name
         self._charge(prepared.token_budget())
-        cache = self.state.cache
+        cache, on_done = self.state.cache, None
         key = cache.key_for(self.service.route, backend.name, self.body, self.no_cache)
         if key is not None:
             hit = await cache.get(key, backend.name, self.service.answer_type)
@@ -120,32 +108,29 @@ class _Attempt:
             record.response_headers["x-cache"] = record.cache.upper()
             if hit is not None:
                 return self._replay(hit)
-            prepared.on_done = lambda answer: cache.put(key, answer)
+            on_done = cache.storer(key)
         else:
             record.response_headers["x-cache"] = "MISS"
         permit = await backend.admission.acquire()
         try:
-            return await self._generate(prepared, permit)
+            return await self._generate(prepared, permit, on_done)
         except BaseException:
             permit.release()
             raise
 
-    async def _generate(self, prepared: Any, permit: Permit) -> Response:
-        module, receive = self.service.module, self.request.receive
+    async def _generate(self, prepared: PreparedT, permit: Permit, on_done: OnDone[AnswerT] | None) -> Response:
+        receive = self.request.receive
         if self.body.stream:
-            events = await unless_disconnected(receive, primed(self._shaped(module.stream(prepared))))
+            events = await unless_disconnected(receive, primed(self._shaped(self.service.stream(prepared, on_done))))
             return EventStreamResponse(events, on_close=permit.release)
-        answer = await unless_disconnected(receive, module.complete(prepared))
+        answer = await unless_disconnected(receive, self.service.complete(prepared, on_done))
         permit.release()
-        if prepared.on_done is not None:
-            await prepared.on_done(answer)
         return json_response(self.shape(answer) if self.shape else answer)
 
-    def _replay(self, hit: BaseModel) -> Response:
-        module = self.service.module
+    def _replay(self, hit: AnswerT) -> Response:
         if self.body.stream:
-            return EventStreamResponse(self._shaped(module.replay(hit, self.body)))
-        answer = module.fresh(hit)
+            return EventStreamResponse(self._shaped(self.service.replay(hit, self.body)))
+        answer = self.service.fresh(hit)
         return json_response(self.shape(answer) if self.shape else answer)
 
     async def _shaped(self, events: AsyncIterator[BaseModel | bytes]) -> AsyncIterator[BaseModel | bytes]:
@@ -166,13 +151,16 @@ class _Attempt:
         permit = await backend.admission.acquire()
         payload = self.body.model_dump(mode="json", by_alias=True, exclude_unset=True)
         try:
-            return await backend.upstream.forward(self.service.upstream_path, payload, self.body.stream, permit.release)
+            answer = await backend.upstream.forward(self.service.upstream_path, payload, self.body.stream, permit.release)
         except BaseException:
             permit.release()
             raise
+        return upstream_response(answer)
 
 
-def json_response(model: BaseModel, status: int = 200) -> Response:
-    body = model.__pydantic_serializer__.to_json(model, exclude_none=True)
-    return Response(body, status_code=status, media_type="application/json")
-
+def upstream_response(answer: UpstreamAnswer) -> Response:
+    if answer.chunks is None:
+        return Response(answer.body, status_code=answer.status, media_type=answer.media_type)
+    return StreamingResponse(
+        answer.chunks, media_type=answer.media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )

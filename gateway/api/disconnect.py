@@ -8,13 +8,10 @@ from typing import TypeVar
 
 from starlette.types import Receive
 
-from gateway.logs import current_record
+from gateway.context import current_record
+from gateway.errors import ClientDisconnected
 
 T = TypeVar("T")
-
-
-class ClientDisconnected(Exception):
-    """The client closed the connection before its answer was ready."""
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

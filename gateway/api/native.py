@@ -9,8 +9,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.types import Engine
-from gateway import chat, completions, offload, tools
-from gateway.dispatch import COMPLETIONS, dispatch
+from gateway.api.dispatch import dispatch
+from gateway.api.requests import body_size, json_response, parse, state_of
 from gateway.protocol import (
     ChatCompletionRequest,
     Completion,
@@ -22,13 +22,14 @@ from gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from gateway.routes import json_response, parse, state_of
+from gateway.serving import chat, completions, offload, tools
+from gateway.serving.completions import COMPLETIONS
 
 
 async def tokenize(request: Request) -> Response:
     body = await parse(request, TokenizeRequest)
     engine = state_of(request).models.engine(body.model)
-    answer = await offload.by_size(request.state.body_bytes, _tokenized, body, engine)
+    answer = await offload.by_size(body_size(request), _tokenized, body, engine)
     return json_response(answer)
 
 

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
 
 import orjson
 import structlog
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from gateway.disconnect import wait_for_disconnect
+from gateway.api.disconnect import wait_for_disconnect
+from gateway.context import current_record
 from gateway.errors import from_exception
-from gateway.logs import current_record
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = [
@@ -34,22 +33,6 @@ def encode(event: BaseModel | bytes) -> bytes:
     if isinstance(event, bytes):
         return b"data: " + event + b"\n\n"
     return b"data: " + event.__pydantic_serializer__.to_json(event, exclude_none=True) + b"\n\n"
-
-
-class ChunkEncoder:
-    """A stream's chunks as JSON: the fields that never change (id, object, created, model) are
-    serialized once per stream; per token only the choices, JSON-ready dicts, go through orjson
-    (pydantic per token cost ~10% of a streamed token's CPU: benchmarks/RESULTS.md)."""
-
-    def __init__(self, id: str, object: str, created: int, model: str) -> None:
-        head = {"id": id, "object": object, "created": created, "model": model}
-        self._head = orjson.dumps(head)[:-1] + b',"choices":'
-
-    def __call__(self, choices: list[dict[str, Any]], usage: BaseModel | None = None) -> bytes:
-        body = self._head + orjson.dumps(choices)
-        if usage is not None:
-            body += b',"usage":' + usage.__pydantic_serializer__.to_json(usage, exclude_none=True)
-        return body + b"}"
 
 
 def encode_error(exc: BaseException) -> bytes:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.auth import RateLimiter
+from gateway.backends.registry import ModelRegistry
 from gateway.cache import ResponseCache
-from gateway.lifecycle import Lifecycle
-from gateway.registry import ModelRegistry
+from gateway.limits import RateLimiter
+from gateway.middleware.lifecycle import Lifecycle
 from gateway.settings import Settings
 
 

@@ -2,26 +2,34 @@
 
 Requests are forwarded as validated, with `model` renamed to the upstream's name; streams pass
 through chunk by chunk, unbuffered. A failure before the first byte (connection refused, timeout,
-5xx, 429) raises UpstreamFailed, which the dispatcher answers with the next fallback.
+5xx, 429) raises `BackendUnavailable`, which the dispatcher answers with the next fallback. What
+comes back is an `UpstreamAnswer`; the API layer makes the HTTP response of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import structlog
-from starlette.responses import Response, StreamingResponse
 
 from engine.errors import EngineUnavailable
 from gateway import metrics
+from gateway.errors import BackendUnavailable
 
 log = structlog.get_logger(__name__)
 
 
-class UpstreamFailed(Exception):
-    """The upstream could not answer; nothing was sent to the client yet."""
+@dataclass(frozen=True, slots=True)
+class UpstreamAnswer:
+    """The upstream's answer: a whole body, or (a 200 stream) chunks to pass through."""
+
+    status: int
+    media_type: str
+    body: bytes = b""
+    chunks: AsyncIterator[bytes] | None = None
 
 
 class Upstream:
@@ -37,7 +45,9 @@ class Upstream:
             transport=transport,
         )
 
-    async def forward(self, path: str, body: dict[str, Any], stream: bool, on_close: Callable[[], None]) -> Response:
+    async def forward(
+        self, path: str, body: dict[str, Any], stream: bool, on_close: Callable[[], None]
+    ) -> UpstreamAnswer:
         """Forward; `on_close` runs once the answer has been passed on (or failed)."""
         payload = {**body, "model": self.upstream_model}
         request = self._client.build_request("POST", path, json=payload)
@@ -53,16 +63,13 @@ class Upstream:
             content = await response.aread()
             await response.aclose()
             on_close()
-            return Response(content, status_code=response.status_code, media_type=media_type)
-        return StreamingResponse(
-            _passthrough(response, on_close), media_type=media_type,
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+            return UpstreamAnswer(response.status_code, media_type, body=content)
+        return UpstreamAnswer(200, media_type, chunks=_passthrough(response, on_close))
 
-    def _failed(self, why: str) -> UpstreamFailed:
+    def _failed(self, why: str) -> BackendUnavailable:
         metrics.UPSTREAM_ERRORS.labels(self.name).inc()
         log.warning("upstream_failed", model=self.name, why=why)
-        return UpstreamFailed(f"the upstream of '{self.name}' failed: {why}")
+        return BackendUnavailable(f"the upstream of '{self.name}' failed: {why}")
 
     async def check_health(self) -> None:
         try:

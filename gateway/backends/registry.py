@@ -9,10 +9,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.types import Engine
-from gateway.admission import Admission
+from gateway.backends.admission import Admission
+from gateway.backends.upstream import Upstream
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.protocol import ModelCard, ModelList
-from gateway.upstream import Upstream
 
 
 @dataclass(slots=True)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from engine.types import ChoiceDelta, Engine, GenerationRequest, Tokenizer, TokenLogprob
-from gateway import tools
 from gateway.errors import InvalidRequest
-from gateway.generation import ChoiceState, Run, new_id, now, resolve_max_tokens, sampling_options
 from gateway.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -25,9 +23,10 @@ from gateway.protocol import (
     TopLogprob,
     Usage,
 )
-from gateway.sse import ChunkEncoder
-
-OnDone = Callable[[ChatCompletion], Awaitable[None]]
+from gateway.serving import tools
+from gateway.serving.encoding import ChunkEncoder
+from gateway.serving.generation import ChoiceState, Run, new_id, now, resolve_max_tokens, sampling_options
+from gateway.serving.service import OnDone
 
 
 @dataclass(slots=True)
@@ -39,7 +38,6 @@ class PreparedChat:
     model: str  # the name the answer carries: the model (version) that answers
     id: str
     created: int
-    on_done: OnDone | None = None  # called with the whole answer once a stream has ended
 
     def token_budget(self) -> int:
         """Prompt plus the most the answer may take, for tokens-per-minute limits."""
@@ -129,7 +127,7 @@ def prepare(request: ChatCompletionRequest, engine: Engine, default_max_tokens: 
     return PreparedChat(request, engine, generation, plan, request.model, chat_id, now())
 
 
-def _logprobs(entries: list[TokenLogprob | None] | tuple) -> ChoiceLogprobs:
+def _logprobs(entries: Sequence[TokenLogprob | None]) -> ChoiceLogprobs:
     content = [
         ChatTokenLogprob(
             token=e.token,
@@ -159,10 +157,13 @@ def _answer(prepared: PreparedChat, run: Run) -> ChatCompletion:
     return ChatCompletion(id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=run.usage())
 
 
-async def complete(prepared: PreparedChat) -> ChatCompletion:
+async def complete(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> ChatCompletion:
     run = await Run(prepared.engine, prepared.generation).start()
     await run.collect()
-    return _answer(prepared, run)
+    answer = _answer(prepared, run)
+    if on_done is not None:
+        await on_done(answer)
+    return answer
 
 
 def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta) -> dict[str, Any] | None:
@@ -196,8 +197,8 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
     return plain
 
 
-async def stream(prepared: PreparedChat) -> AsyncIterator[bytes]:
-    """The chunks of a ChatCompletionChunk stream, already encoded as JSON (see sse.encode)."""
+async def stream(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> AsyncIterator[bytes]:
+    """The chunks of a ChatCompletionChunk stream, already encoded as JSON (api.sse frames them)."""
     run = await Run(prepared.engine, prepared.generation).start()
     options = prepared.request.stream_options
     include_usage = bool(options and options.include_usage)
@@ -209,8 +210,8 @@ async def stream(prepared: PreparedChat) -> AsyncIterator[bytes]:
         present = [c for c in choices if c is not None]
         if present:
             yield chunk(present, run.usage() if include_usage and continuous else None)
-    if prepared.on_done is not None:
-        await prepared.on_done(_answer(prepared, run))
+    if on_done is not None:
+        await on_done(_answer(prepared, run))
     if include_usage:
         yield chunk([], run.usage())
 
@@ -235,3 +236,29 @@ async def replay(answer: ChatCompletion, request: ChatCompletionRequest) -> Asyn
 def fresh(answer: ChatCompletion) -> ChatCompletion:
     """A cached answer under a new id and time."""
     return answer.model_copy(update={"id": new_id("chatcmpl"), "created": now()})
+
+
+class ChatService:
+    """/v1/chat/completions for the dispatcher (`serving.service.Service`)."""
+
+    route = "/v1/chat/completions"
+    upstream_path = "/chat/completions"
+    answer_type = ChatCompletion
+
+    def prepare(self, request: ChatCompletionRequest, engine: Engine, default_max_tokens: int | None) -> PreparedChat:
+        return prepare(request, engine, default_max_tokens)
+
+    async def complete(self, prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> ChatCompletion:
+        return await complete(prepared, on_done)
+
+    def stream(self, prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> AsyncIterator[bytes]:
+        return stream(prepared, on_done)
+
+    def replay(self, answer: ChatCompletion, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+        return replay(answer, request)
+
+    def fresh(self, answer: ChatCompletion) -> ChatCompletion:
+        return fresh(answer)
+
+
+CHAT = ChatService()

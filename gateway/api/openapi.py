@@ -1,0 +1,64 @@
+"""GET /openapi.json: the API described from the route table and the same pydantic models that
+validate it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from gateway import protocol as p
+from gateway.api.table import Endpoint
+
+ERROR_STATUSES = {"400": "Invalid request", "401": "Invalid API key", "404": "Unknown model or path",
+                  "413": "Body too large", "429": "Rate limited or overloaded", "500": "Server error",
+                  "503": "Unavailable or shutting down"}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _schemas(endpoints: Sequence[Endpoint]) -> dict[str, Any]:
+    models = {m for e in endpoints for m in (e.request, e.response) if m is not None}
+    models |= {p.ChatCompletionChunk, p.ErrorResponse}
+    _, schemas = models_json_schema(
+        [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
+        ref_template="#/components/schemas/{model}",
+    )
+    return dict(schemas.get("$defs", {}))
+
+
+def _operation(endpoint: Endpoint) -> dict[str, Any]:
+    if endpoint.response is None:  # ops and this document: no schema of their own
+        return {"summary": endpoint.summary, "responses": {"200": {"description": "OK"}}}
+    content: dict[str, Any] = {"application/json": {"schema": _ref(endpoint.response)}}
+    if endpoint.streams:
+        content["text/event-stream"] = {"schema": {"type": "string"}, "description": "with stream: true"}
+    errors = {"application/json": {"schema": _ref(p.ErrorResponse)}}
+    operation: dict[str, Any] = {
+        "summary": endpoint.summary,
+        "responses": {
+            "200": {"description": "OK", "content": content},
+            **{code: {"description": text, "content": errors} for code, text in ERROR_STATUSES.items()},
+        },
+    }
+    if endpoint.request is not None:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(endpoint.request)}}}
+    return operation
+
+
+@cache
+def document(endpoints: tuple[Endpoint, ...]) -> dict[str, Any]:
+    paths: dict[str, Any] = {}
+    for endpoint in endpoints:
+        paths.setdefault(endpoint.path, {})[endpoint.method.lower()] = _operation(endpoint)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "llm-gateway", "version": "0.1.0", "description": "OpenAI-compatible LLM gateway"},
+        "paths": paths,
+        "components": {"schemas": _schemas(endpoints)},
+    }

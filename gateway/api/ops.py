@@ -1,0 +1,51 @@
+"""Operations routes: liveness, readiness and the Prometheus exposition."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import metrics
+from gateway.api.requests import state_of
+
+
+async def prometheus(request: Request) -> Response:
+    body, content_type = metrics.exposition()
+    return Response(body, media_type=content_type)
+
+
+async def _failure(check: Awaitable[None]) -> str | None:
+    """What is wrong with a model by its health check (None: healthy), waiting 5 s at most."""
+    try:
+        await asyncio.wait_for(check, timeout=5)
+    except Exception as exc:  # any failure of a health check
+        return str(exc)
+    return None
+
+
+async def health(request: Request) -> Response:
+    """Liveness: 200 while every embedded engine is alive. A dead engine (its engine core process
+    gone) never comes back in this process, so 503 here lets the orchestrator restart us
+    (Kubernetes' livenessProbe); remote upstreams are not checked, restarting us cures nothing there."""
+    dead = {}
+    for name, engine in state_of(request).models.engines():
+        if (failure := await _failure(engine.check_health())) is not None:
+            dead[name] = f"dead: {failure}"
+    if dead:
+        return JSONResponse({"status": "dead", "models": dead}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    """Every model loaded and healthy: 200; otherwise (or while draining) 503, per model."""
+    state = state_of(request)
+    models = {}
+    for name, backend in state.models.backends.items():
+        failure = await _failure(backend.check_health())
+        models[name] = "ready" if failure is None else f"unavailable: {failure}"
+    ok = all(status == "ready" for status in models.values()) and not state.lifecycle.draining
+    status = "ready" if ok else ("draining" if state.lifecycle.draining else "unavailable")
+    return JSONResponse({"status": status, "models": models}, status_code=200 if ok else 503)

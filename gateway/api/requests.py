@@ -1,0 +1,58 @@
+"""Request and response helpers for the handlers: the lifespan state, the bounded body read, JSON
+parsing into a protocol model (malformed input is a 400, a large body a 413), JSON answers."""
+
+from __future__ import annotations
+
+from typing import TypeVar, cast
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.state import GatewayState
+from gateway.errors import InvalidRequest, PayloadTooLarge
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def state_of(request: Request) -> GatewayState:
+    return cast(GatewayState, request.state.gateway)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse(request: Request, model: type[M]) -> M:
+    body = await read_body(request, state_of(request).settings.max_body_bytes)
+    request.state.body_bytes = len(body)  # large bodies are prepared off the event loop (offload)
+    if not body.strip():
+        raise InvalidRequest("The request body is empty; send a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        kind = exc.errors()[0]["type"]
+        if kind == "json_invalid":
+            raise InvalidRequest("We could not parse the JSON body of your request: it is not valid JSON") from exc
+        if kind == "model_type":
+            raise InvalidRequest("The request body must be a JSON object") from exc
+        raise
+
+
+def body_size(request: Request) -> int:
+    """Bytes of the body `parse` read (0 before it)."""
+    return int(getattr(request.state, "body_bytes", 0))
+
+
+def json_response(model: BaseModel, status: int = 200) -> Response:
+    body = model.__pydantic_serializer__.to_json(model, exclude_none=True)
+    return Response(body, status_code=status, media_type="application/json")

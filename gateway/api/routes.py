@@ -1,0 +1,46 @@
+"""The one route table (`TABLE`): every path the gateway serves, once, with what the other layers need to
+know of it. The app builds Starlette's routes from it; the access log takes its route labels, auth
+and rate limits their open paths, the lifecycle its ops paths, and /openapi.json its operations,
+all from here (tests/unit/test_routes.py fails when a route escapes the table).
+
+Access classes:
+- `api`: needs an API key (when keys are set), rate-limited, counted in flight, refused while draining;
+- `ops`: probes and scraping (/health, /ready, /metrics): open unless `auth_ops_routes`, never
+  refused while draining;
+- `open`: no key ever (/openapi.json), but refused while draining like any API route.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import protocol as p
+from gateway.api import handlers, native, ops
+from gateway.api.openapi import document
+from gateway.api.table import Endpoint, RouteTable
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(document(TABLE.endpoints))
+
+
+TABLE = RouteTable([
+    Endpoint("POST", "/v1/chat/completions", handlers.chat_completions, "api", "Create a chat completion",
+             p.ChatCompletionRequest, p.ChatCompletion, streams=True),
+    Endpoint("POST", "/v1/completions", handlers.text_completions, "api", "Create a completion",
+             p.CompletionRequest, p.Completion, streams=True),
+    Endpoint("GET", "/v1/models", handlers.list_models, "api", "List the served models", None, p.ModelList),
+    Endpoint("POST", "/tokenize", native.tokenize, "api", "Tokenize a prompt or chat messages",
+             p.TokenizeRequest, p.TokenizeResponse),
+    Endpoint("POST", "/detokenize", native.detokenize, "api", "Turn token ids into text",
+             p.DetokenizeRequest, p.DetokenizeResponse),
+    Endpoint("POST", "/generate", native.generate, "api", "Native API: generate text",
+             p.GenerateRequest, p.GenerateResponse),
+    Endpoint("POST", "/stream-generate", native.stream_generate, "api", "Native API: stream text (SSE)",
+             p.GenerateRequest, p.GenerateResponse, streams=True),
+    Endpoint("GET", "/openapi.json", openapi, "open", "This document"),
+    Endpoint("GET", "/metrics", ops.prometheus, "ops", "Prometheus metrics"),
+    Endpoint("GET", "/health", ops.health, "ops", "Liveness"),
+    Endpoint("GET", "/ready", ops.ready, "ops", "Readiness"),
+])

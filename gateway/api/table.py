@@ -1,0 +1,55 @@
+"""What a route table is: endpoints (method, path, handler, access class, OpenAPI description)
+and what the layers ask of them (Starlette routes, paths by access class, route labels).
+`gateway.api.routes` holds the one table."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+Access = Literal["api", "ops", "open"]
+Handler = Callable[[Request], Awaitable[Response]]
+UNMATCHED = "unmatched"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    method: str
+    path: str
+    handler: Handler
+    access: Access
+    summary: str
+    request: type[BaseModel] | None = None  # the JSON body (OpenAPI)
+    response: type[BaseModel] | None = None  # the JSON answer (OpenAPI)
+    streams: bool = False  # answers with Server-Sent Events when the body says `stream: true`
+
+
+class RouteTable:
+    def __init__(self, endpoints: Iterable[Endpoint]) -> None:
+        self.endpoints = tuple(endpoints)
+        self._paths = frozenset(e.path for e in self.endpoints)
+
+    def routes(self) -> list[Route]:
+        """Starlette's routes: one per path, with all its methods."""
+        by_path: dict[str, list[Endpoint]] = {}
+        for endpoint in self.endpoints:
+            by_path.setdefault(endpoint.path, []).append(endpoint)
+        routes = []
+        for path, endpoints in by_path.items():
+            if len({e.handler for e in endpoints}) != 1:
+                raise ValueError(f"{path}: one handler per path (it may dispatch on the method)")
+            routes.append(Route(path, endpoints[0].handler, methods=[e.method for e in endpoints]))
+        return routes
+
+    def paths(self, *access: Access) -> frozenset[str]:
+        return frozenset(e.path for e in self.endpoints if e.access in access)
+
+    def label(self, path: str) -> str:
+        """The route label of a request path (metrics, access log): bounded, whatever clients send."""
+        return path if path in self._paths else UNMATCHED

@@ -1,0 +1,59 @@
+"""The request context: one `RequestRecord` per request, filled in as the request goes, which the
+access line and the request metrics report at its end.
+
+A contextvar, so that every layer reaches the record of the request it serves without passing it
+down; the access-log middleware opens it (`open_record`) and reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request's access line and metrics report."""
+
+    model: str | None = None
+    version: str | None = None  # the model (version) that answered, when routing chose one
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_s: float | None = None
+    cache: str | None = None
+    api_key_id: str | None = None
+    disconnected: bool = False
+    arrival: float | None = None  # perf_counter() when the request arrived
+    log_content: bool = False  # put prompts and outputs in the access line (a setting; off by default)
+    prompt: str | None = None
+    output: list[str] | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)  # added to the response
+
+    def as_fields(self) -> dict[str, object]:
+        fields = {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+        fields.pop("arrival", None)
+        fields.pop("log_content", None)
+        fields.pop("response_headers", None)
+        if self.ttft_s is not None:
+            fields["ttft_s"] = round(self.ttft_s, 4)
+        return fields
+
+
+_record: ContextVar[RequestRecord | None] = ContextVar("gateway_request_record", default=None)
+
+
+def current_record() -> RequestRecord:
+    """This request's record (a throwaway one outside a request, e.g. in warm-up)."""
+    return _record.get() or RequestRecord()
+
+
+@contextmanager
+def open_record(record: RequestRecord) -> Iterator[RequestRecord]:
+    """Make `record` the current one for the code run inside."""
+    token = _record.set(record)
+    try:
+        yield record
+    finally:
+        _record.reset(token)

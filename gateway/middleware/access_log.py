@@ -1,0 +1,85 @@
+"""Access log (pure ASGI, the outermost layer): binds the request id to every log line of the
+request, returns it as `X-Request-ID` (the client's, or one we generate), adds the headers the
+layers below asked for, and logs one access line and the request metrics at the end.
+
+Pure ASGI and not `BaseHTTPMiddleware`, which would lose the contextvars that structlog binds the
+request id in.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+import structlog
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import metrics
+from gateway.context import RequestRecord, open_record
+
+access = structlog.get_logger("gateway.access")
+
+RouteLabel = Callable[[str], str]  # a path → its route's label (the route table's), "unmatched" else
+
+
+def request_id_from(scope: Scope) -> str:
+    for key, value in scope.get("headers", ()):
+        if key == b"x-request-id":
+            text: str = value.decode("latin-1").strip()
+            if 0 < len(text) <= 200:
+                return text
+    return uuid.uuid4().hex
+
+
+class AccessLogMiddleware:
+    def __init__(self, app: ASGIApp, route_label: RouteLabel, log_content: bool = False) -> None:
+        self.app = app
+        self.route_label = route_label
+        self.log_content = log_content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = request_id_from(scope)
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = time.perf_counter()
+        record = RequestRecord(arrival=started, log_content=self.log_content)
+        status = 500
+        first_byte: float | None = None
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status, first_byte
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                extra = [(k.encode(), v.encode()) for k, v in record.response_headers.items()]
+                message["headers"] = [*message.get("headers", []), *extra, (b"x-request-id", request_id.encode())]
+            elif first_byte is None and message["type"] == "http.response.body":
+                first_byte = time.perf_counter() - started
+            await send(message)
+
+        with structlog.contextvars.bound_contextvars(request_id=request_id), open_record(record):
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                duration = time.perf_counter() - started
+                observe_request(record, self.route_label(scope["path"]), status, duration)
+                access.info(
+                    "request",
+                    method=scope["method"],
+                    path=scope["path"],
+                    status=status,
+                    duration_s=round(duration, 4),
+                    first_byte_s=round(first_byte, 4) if first_byte is not None else None,
+                    **record.as_fields(),
+                )
+
+
+def observe_request(record: RequestRecord, route: str, status: int, duration: float) -> None:
+    model = record.version or record.model or ""
+    metrics.REQUESTS.labels(model, route, str(status)).inc()
+    if route != "/metrics":
+        metrics.REQUEST_DURATION.labels(model, route).observe(duration)
+    if record.disconnected:
+        metrics.DISCONNECTS.labels(model).inc()

@@ -1,0 +1,41 @@
+"""Lifecycle (pure ASGI): the count of API requests in progress, and refusing new ones while the
+server drains. `gateway.server` starts the drain on SIGTERM and waits for the count to reach 0.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.errors import ServiceUnavailable, send_error
+
+
+class Lifecycle:
+    def __init__(self) -> None:
+        self.draining = False
+        self.active = 0  # API requests in progress (ops routes not counted)
+
+    def start_drain(self) -> None:
+        self.draining = True
+
+
+class LifecycleMiddleware:
+    """`ops_paths` (from the route table) are neither counted nor refused: probes keep answering."""
+
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, ops_paths: frozenset[str]) -> None:
+        self.app = app
+        self.lifecycle = lifecycle
+        self.ops_paths = ops_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.ops_paths:
+            await self.app(scope, receive, send)
+            return
+        if self.lifecycle.draining:
+            error = ServiceUnavailable("The server is shutting down; retry on another replica")
+            await send_error(send, error, [(b"connection", b"close")])
+            return
+        self.lifecycle.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.lifecycle.active -= 1
