@@ -43,8 +43,10 @@ unit: install system-deps
 integration: model
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
+# ruff (pyflakes, import order) everywhere; mypy --strict over gateway/ and engine/ ([tool.mypy])
 lint: install
 	$(PY) -m ruff check gateway engine tests benchmarks
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache

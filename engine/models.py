@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -57,7 +58,7 @@ def gguf_path() -> Path:
     return path
 
 
-def prepare(cache_dir: Path | None = None, force: bool = False, log=print) -> Path:
+def prepare(cache_dir: Path | None = None, force: bool = False, log: Callable[[str], object] = print) -> Path:
     """Convert the GGUF file into a safetensors directory unless that was done already."""
     target = default_model_dir(cache_dir)
     if is_prepared(target) and not force:
@@ -76,7 +77,7 @@ def prepare(cache_dir: Path | None = None, force: bool = False, log=print) -> Pa
     return target
 
 
-def _convert(source: Path, target: Path, log) -> None:
+def _convert(source: Path, target: Path, log: Callable[[str], object]) -> None:
     # Heavy imports stay here: `python -m engine.models path` must not pay for torch.
     import torch
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM

@@ -101,15 +101,15 @@ class HFTokenizer:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         try:
-            return self._tokenizer.apply_chat_template(
+            return str(self._tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
+            ))
         except Exception as exc:  # jinja errors: the messages do not fit the template
             raise EngineInvalidRequest(f"the chat template refused the messages: {exc}", "messages")
 

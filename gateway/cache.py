@@ -12,7 +12,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 import orjson
 import redis.asyncio as redis
@@ -91,7 +91,7 @@ class RedisCache:
 
     async def get(self, key: str) -> bytes | None:
         try:
-            return await self._redis.get(self.prefix + key)
+            return cast(bytes | None, await self._redis.get(self.prefix + key))  # no decode_responses: bytes
         except self._errors as exc:
             self._failed("get", exc)
             return None

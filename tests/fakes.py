@@ -125,3 +125,18 @@ def fake_settings(**overrides: Any):
     values: dict[str, Any] = {"warmup": False, "engine": EngineSettings(served_model_name="fake-model")}
     values.setdefault("cache", {"backend": "off"})
     return Settings(**{**values, **overrides})
+
+
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+def chat_body(model: str = "fake-model", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": HELLO, "max_tokens": 3, **extra}
+
+
+def app_with(engine: FakeEngine | None = None, **settings: Any) -> Any:
+    """The app on a fake engine (one, whatever the models file says) with these settings."""
+    from gateway.app import create_app
+
+    engine = engine or FakeEngine()
+    return create_app(fake_settings(**settings), engine_starter=lambda es: engine)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 import orjson
 import structlog
 from pydantic import BaseModel
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.disconnect import wait_for_disconnect
@@ -39,8 +40,9 @@ def encode_error(exc: BaseException) -> bytes:
     return b"data: " + orjson.dumps(from_exception(exc).body()) + b"\n\n"
 
 
-class EventStreamResponse:
-    """An ASGI response streaming models as SSE.
+class EventStreamResponse(Response):
+    """An ASGI response streaming models as SSE (a Response as Starlette's StreamingResponse is:
+    its own `__call__`, no body).
 
     It watches for the client going away the whole time: on a disconnect the stream's task is
     cancelled at once, which closes the event iterator and so aborts the engine request.
@@ -54,7 +56,9 @@ class EventStreamResponse:
     ) -> None:
         self.events = events
         self.on_close = on_close  # e.g. the admission permit's release, held for the whole stream
-        self.headers = HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         self.disconnected = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -86,7 +90,7 @@ class EventStreamResponse:
 
     async def _stream(self, send: Send) -> None:
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             try:
                 async for event in self.events:
                     await send({"type": "http.response.body", "body": encode(event), "more_body": True})

@@ -7,7 +7,7 @@ is one engine request of `n` choices, and choice `i` of prompt `p` is answered a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,12 +57,14 @@ def _prompts(request: CompletionRequest, engine: Engine) -> list[tuple[str, list
     tokenizer = engine.tokenizer
     if isinstance(prompt, str):
         return [(prompt, tokenizer.encode(prompt))]
-    if all(isinstance(p, str) for p in prompt):
-        return [(p, tokenizer.encode(p)) for p in prompt]  # type: ignore[arg-type]
-    token_lists = [prompt] if all(isinstance(p, int) for p in prompt) else prompt
+    texts = [p for p in prompt if isinstance(p, str)]
+    if len(texts) == len(prompt):
+        return [(text, tokenizer.encode(text)) for text in texts]
+    singles = [p for p in prompt if isinstance(p, int)]
+    token_lists = [singles] if len(singles) == len(prompt) else [p for p in prompt if isinstance(p, list)]
     for ids in token_lists:
-        check_vocabulary(ids, engine, "prompt")  # type: ignore[arg-type]
-    return [(tokenizer.decode(ids), list(ids)) for ids in token_lists]  # type: ignore[arg-type]
+        check_vocabulary(ids, engine, "prompt")
+    return [(tokenizer.decode(ids), list(ids)) for ids in token_lists]
 
 
 def prepare(request: CompletionRequest, engine: Engine, default_max_tokens: int | None) -> PreparedCompletion:
@@ -96,7 +98,7 @@ def prepare(request: CompletionRequest, engine: Engine, default_max_tokens: int 
     return PreparedCompletion(request, engine, generations, texts, request.model, cmpl_id, now())
 
 
-def _logprobs(entries: list[TokenLogprob | None], start_offset: int) -> CompletionLogprobs:
+def _logprobs(entries: Sequence[TokenLogprob | None], start_offset: int) -> CompletionLogprobs:
     result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     offset = start_offset
     for entry in entries:
@@ -139,11 +141,11 @@ class _Answer:
         ids = self.prepared.generations[prompt].prompt_token_ids
         decode = self.prepared.engine.tokenizer.decode
         self.prompt_logprobs[prompt] = [
-            entry or TokenLogprob(token_id, decode([token_id]), None)  # type: ignore[arg-type]
+            entry or TokenLogprob(token_id, decode([token_id]), None)
             for token_id, entry in zip(ids, output.prompt_logprobs)
         ]
 
-    def choice_logprobs(self, prompt: int, entries: list[TokenLogprob | None]) -> CompletionLogprobs | None:
+    def choice_logprobs(self, prompt: int, entries: Sequence[TokenLogprob | None]) -> CompletionLogprobs | None:
         if self.prepared.request.logprobs is None:
             return None
         if self.prepared.request.echo:
@@ -212,7 +214,7 @@ async def _merged(answer: _Answer) -> AsyncIterator[tuple[int, GenerationOutput]
         async for output in answer.runs[0].outputs():
             yield 0, output
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, GenerationOutput | None, Exception | None]] = asyncio.Queue()
 
     async def pump(p: int, run: Run) -> None:
         try:
@@ -227,13 +229,13 @@ async def _merged(answer: _Answer) -> AsyncIterator[tuple[int, GenerationOutput]
     try:
         live = len(tasks)
         while live:
-            p, output, error = await queue.get()
+            p, item, error = await queue.get()
             if error is not None:
                 raise error
-            if output is None:
+            if item is None:
                 live -= 1
                 continue
-            yield p, output
+            yield p, item
     finally:
         for task in tasks:
             task.cancel()
@@ -267,7 +269,7 @@ def _chunk_choice(answer: _Answer, p: int, delta: ChoiceDelta) -> dict[str, Any]
     if delta.finish_reason:
         choice["finish_reason"] = "length" if zero else state.finish_reason
     if request.logprobs is not None:
-        entries = [] if zero else list(delta.logprobs or ())
+        entries: list[TokenLogprob | None] = [] if zero else list(delta.logprobs or ())
         if not state.started and request.echo:
             entries = answer.prompt_logprobs.get(p, []) + entries
         logprobs = _logprobs(entries, state.text_offset)

@@ -9,8 +9,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, SamplingOptions
+from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, SamplingOptions, TokenLogprob
 from gateway import metrics
 from gateway.context import current_record
 from gateway.errors import ContextLengthExceeded, InvalidRequest
@@ -48,7 +49,7 @@ def sampling_options(
     max_tokens: int,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
-    json_schema: dict | None = None,
+    json_schema: dict[str, Any] | None = None,
     json_object: bool = False,
     compact_json: bool = False,
     n: int | None = None,
@@ -99,7 +100,7 @@ class ChoiceState:
     tokens: int = 0
     finish_reason: str | None = None
     started: bool = False
-    logprobs: list = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offset: int = 0  # characters streamed so far, for completions' logprobs.text_offset
     cumulative_logprob: float | None = None
 

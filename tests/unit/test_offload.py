@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
-from gateway.serving import offload
 from gateway.app import create_app
+from gateway.serving import offload
 from tests.fakes import FakeEngine, FakeTokenizer, fake_settings
 
 BIG = "word " * (offload.INLINE_MAX_BYTES // 4)  # a body well past the inline limit

@@ -1,0 +1,68 @@
+"""The response cache (gateway.cache) in memory: hits, misses, bounds and TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from starlette.testclient import TestClient
+
+from tests.fakes import FakeEngine, app_with, chat_body
+from tests.unit.test_chat import sse_events
+
+
+def test_memory_cache_hits_for_stream_and_non_stream() -> None:
+    engine = FakeEngine()
+    with TestClient(app_with(engine, cache={"backend": "memory"})) as client:
+        body = chat_body(temperature=0)
+        first = client.post("/v1/chat/completions", json=body)
+        second = client.post("/v1/chat/completions", json=body)
+        assert (first.headers["x-cache"], second.headers["x-cache"]) == ("MISS", "HIT")
+        assert second.json()["choices"] == first.json()["choices"]
+        assert second.json()["usage"] == first.json()["usage"] and second.json()["id"] != first.json()["id"]
+        streamed = client.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        assert streamed.headers["x-cache"] == "HIT"
+        chunks = [json.loads(e) for e in sse_events(streamed.text)[:-1]]
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "the quick brown"
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-1]["usage"] == first.json()["usage"]
+        assert len(engine.requests) == 1
+
+
+def test_stream_miss_fills_the_cache() -> None:
+    engine = FakeEngine()
+    with TestClient(app_with(engine, cache={"backend": "memory"})) as client:
+        body = {"model": "fake-model", "prompt": "a b", "max_tokens": 2, "seed": 5}
+        assert client.post("/v1/completions", json={**body, "stream": True}).headers["x-cache"] == "MISS"
+        hit = client.post("/v1/completions", json=body)
+        assert hit.headers["x-cache"] == "HIT" and hit.json()["choices"][0]["text"] == "the quick"
+        assert len(engine.requests) == 1
+
+
+def test_cache_skips_nondeterministic_and_no_cache() -> None:
+    engine = FakeEngine()
+    with TestClient(app_with(engine, cache={"backend": "memory"})) as client:
+        for _ in range(2):
+            assert client.post("/v1/chat/completions", json=chat_body(temperature=0.7)).headers["x-cache"] == "MISS"
+        client.post("/v1/chat/completions", json=chat_body(temperature=0))
+        skipped = client.post("/v1/chat/completions", json=chat_body(temperature=0), headers={"Cache-Control": "no-cache"})
+        assert skipped.headers["x-cache"] == "MISS"
+        assert client.post("/v1/chat/completions", json=chat_body(temperature=0, max_tokens=4)).headers["x-cache"] == "MISS"
+        assert len(engine.requests) == 5
+
+
+async def test_memory_cache_bounds_and_ttl() -> None:
+    from gateway.cache import MemoryCache
+
+    cache = MemoryCache(max_entries=2, max_bytes=10, ttl_s=60)
+    await cache.set("a", b"1234")
+    await cache.set("b", b"1234")
+    await cache.get("a")  # a is now the most recent
+    await cache.set("c", b"1234")  # over 2 entries: b, the least recent, goes
+    assert await cache.get("b") is None and await cache.get("a") == b"1234"
+    await cache.set("d", b"123456789")  # over 10 bytes: the oldest go until it fits
+    assert cache.bytes <= 10 and await cache.get("d") == b"123456789"
+    expiring = MemoryCache(max_entries=10, max_bytes=100, ttl_s=0.01)
+    await expiring.set("x", b"1")
+    await asyncio.sleep(0.02)
+    assert await expiring.get("x") is None

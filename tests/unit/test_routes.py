@@ -1,0 +1,120 @@
+"""The one route table: every route the app serves is in it, and the access log, auth, the
+lifecycle and the OpenAPI document all take their paths from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from gateway.api.routes import TABLE
+from gateway.api.table import Endpoint, RouteTable
+from gateway.app import create_app
+from tests.fakes import FakeEngine, fake_settings
+
+BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/v1/completions": {"model": "fake-model", "prompt": "hi", "max_tokens": 2},
+    "/tokenize": {"model": "fake-model", "prompt": "hi"},
+    "/detokenize": {"model": "fake-model", "tokens": [10]},
+    "/generate": {"prompt": "hi", "max_tokens": 2},
+    "/stream-generate": {"prompt": "hi", "max_tokens": 2},
+}
+
+
+def app_with(**overrides: Any) -> Any:
+    engine = FakeEngine()
+    return create_app(fake_settings(**overrides), engine_starter=lambda _: engine)
+
+
+def call(client: TestClient, endpoint: Endpoint, **headers: str) -> Any:
+    return client.request(endpoint.method, endpoint.path, json=BODIES.get(endpoint.path), headers=headers)
+
+
+def test_every_route_of_the_app_is_in_the_table() -> None:
+    app = app_with()
+    served = {(r.path, m) for r in app.routes if isinstance(r, Route) for m in (r.methods or ()) if m != "HEAD"}
+    assert served == {(e.path, e.method) for e in TABLE.endpoints}
+    assert all(isinstance(r, Route) for r in app.routes)
+
+
+def answered(route: str) -> float:
+    """gateway_requests_total of a route label with status 200, over all models."""
+    from prometheus_client import REGISTRY
+
+    return sum(sample.value for metric in REGISTRY.collect() if metric.name == "gateway_requests"
+               for sample in metric.samples
+               if sample.name == "gateway_requests_total" and sample.labels["route"] == route
+               and sample.labels["status"] == "200")
+
+
+def test_every_route_answers_and_is_labelled_with_its_path() -> None:
+    with TestClient(app_with()) as client:
+        for endpoint in TABLE.endpoints:
+            before = answered(endpoint.path)
+            response = call(client, endpoint)
+            assert response.status_code == 200, (endpoint.path, response.text)
+            assert answered(endpoint.path) == before + 1, endpoint.path
+    assert TABLE.label("/no/such/path") == "unmatched"
+
+
+@pytest.mark.parametrize("protect_ops", [False, True])
+def test_auth_guards_exactly_the_table_s_keyed_routes(protect_ops: bool) -> None:
+    with TestClient(app_with(api_keys=["sk-route"], auth_ops_routes=protect_ops)) as client:
+        for endpoint in TABLE.endpoints:
+            keyed = endpoint.access == "api" or (endpoint.access == "ops" and protect_ops)
+            status = call(client, endpoint).status_code
+            assert (status == 401) == keyed, (endpoint.path, status)
+            assert call(client, endpoint, authorization="Bearer sk-route").status_code == 200, endpoint.path
+
+
+def test_draining_refuses_all_but_the_ops_routes() -> None:
+    from gateway.middleware.lifecycle import Lifecycle
+
+    lifecycle = Lifecycle()
+    engine = FakeEngine()
+    app = create_app(fake_settings(), engine_starter=lambda _: engine, lifecycle=lifecycle)
+    with TestClient(app) as client:
+        lifecycle.start_drain()
+        for endpoint in TABLE.endpoints:
+            status = call(client, endpoint).status_code
+            if endpoint.path == "/ready":
+                assert status == 503 and call(client, endpoint).json()["status"] == "draining"
+            elif endpoint.access == "ops":
+                assert status == 200, endpoint.path
+            else:
+                assert status == 503, endpoint.path
+
+
+def test_openapi_documents_every_route_of_the_table() -> None:
+    with TestClient(app_with()) as client:
+        paths = client.get("/openapi.json").json()["paths"]
+    assert {(path, method.upper()) for path, ops in paths.items() for method in ops} == {
+        (e.path, e.method) for e in TABLE.endpoints
+    }
+    for endpoint in TABLE.endpoints:
+        if endpoint.request is not None:
+            body = paths[endpoint.path][endpoint.method.lower()]["requestBody"]
+            assert body["content"]["application/json"]["schema"]["$ref"].endswith(endpoint.request.__name__)
+
+
+def test_a_route_added_to_the_table_reaches_every_layer() -> None:
+    async def handler(request: Any) -> Any:
+        raise AssertionError("not called")
+
+    extra = Endpoint("GET", "/v1/extra", handler, "api", "An extra route")
+    table = RouteTable([*TABLE.endpoints, extra])
+    assert "/v1/extra" in {r.path for r in table.routes()}
+    assert table.label("/v1/extra") == "/v1/extra"
+    assert "/v1/extra" in table.paths("api") and "/v1/extra" not in table.paths("open", "ops")
+
+
+def test_one_handler_per_path() -> None:
+    async def other(request: Any) -> Any:
+        raise AssertionError("not called")
+
+    first = TABLE.endpoints[0]
+    with pytest.raises(ValueError, match="one handler per path"):
+        RouteTable([first, Endpoint("PUT", first.path, other, "api", "clash")]).routes()
