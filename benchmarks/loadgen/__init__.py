@@ -57,7 +57,7 @@ except ImportError:  # pragma: no cover
         return json.dumps(obj).encode()
 
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
 # Common English words; with a BPE tokenizer each is about one token when preceded by a space.
 _WORDS_TEXT = """
@@ -910,7 +910,8 @@ def timestamp() -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loadgen", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (with /v1)")
     p.add_argument("--model", help="model name (default: the first of GET /models)")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
@@ -1003,6 +1004,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {plot}", file=sys.stderr)
     return 0 if all(r.completed for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())
