@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from starlette.testclient import TestClient
 
-from tests.monitoring import alert_rules, all_exprs, exposed_names, is_exposed, metric_names
+from tests.tooling.monitoring import alert_rules, all_exprs, exposed_names, is_exposed, metric_names
 
 
 def test_every_expression_parses() -> None:

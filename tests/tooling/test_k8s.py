@@ -151,15 +151,6 @@ def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No GATEWAY_* variable of the machine leaks into Settings."""
-    for key in list(os.environ):
-        if key.startswith("GATEWAY_"):
-            monkeypatch.delenv(key)
-    return monkeypatch
-
-
 def default_settings() -> Settings:
     return Settings(_env_file=None)
 
