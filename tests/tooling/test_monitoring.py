@@ -1,10 +1,16 @@
 """The alert rules and dashboard parse, ask for what the issue names, and read only gateway
-metrics that exist (vLLM's own are checked on the real engine in tests/integration)."""
+metrics that exist (vLLM's own are checked on the real engine in tests/integration); every serving
+build of k8s/ ships them, with a ServiceMonitor that finds the gateway's /metrics."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+import yaml
 from starlette.testclient import TestClient
 
+from tests.tooling.k8s import K8S, SERVING, built, matches, one
 from tests.tooling.monitoring import alert_rules, all_exprs, exposed_names, is_exposed, metric_names
 
 
@@ -30,3 +36,25 @@ def test_gateway_metrics_read_by_rules_exist(client: TestClient) -> None:
     wanted = {m for expr in all_exprs() for m in metric_names(expr) if m.startswith("gateway_")}
     missing = [m for m in sorted(wanted) if not is_exposed(m, names)]
     assert not missing
+
+
+@pytest.mark.parametrize("name", SERVING)
+def test_monitoring(name: str) -> None:
+    objects = built(name)
+    service = one(objects, "Service", "llm-gateway")
+    monitor = one(objects, "ServiceMonitor", "llm-gateway")
+    assert matches(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    [endpoint] = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+
+    rules = one(objects, "PrometheusRule", "llm-gateway")
+    alerts = yaml.safe_load((K8S / "monitoring" / "alerts.yaml").read_text())
+    assert rules["spec"] == alerts["spec"]
+
+    dashboard = one(objects, "ConfigMap", "llm-gateway-grafana-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    [content] = dashboard["data"].values()
+    assert json.loads(content) == json.loads(
+        (K8S / "monitoring" / "grafana-dashboard.json").read_text()
+    )
