@@ -1,61 +1,6 @@
-"""Reading the dashboard and alert rules in k8s/monitoring/: their PromQL and the metrics it reads."""
+"""Moved to tests/tooling/monitoring.py. This name stays only for tests/integration/test_observability.py,
+which imports it and is outside the tooling re-layout; drop it once that import says tests.tooling.monitoring."""
 
-from __future__ import annotations
+from tests.tooling.monitoring import all_exprs, exposed_names, is_exposed, metric_names
 
-import json
-import re
-from collections.abc import Iterator
-from pathlib import Path
-
-import promql_parser
-import yaml
-
-MONITORING = Path(__file__).parents[1] / "k8s" / "monitoring"
-SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
-
-
-def alert_rules() -> list[dict]:
-    document = yaml.safe_load((MONITORING / "alerts.yaml").read_text())
-    return [rule for group in document["spec"]["groups"] for rule in group["rules"]]
-
-
-def dashboard_exprs() -> list[str]:
-    dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
-    return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
-
-
-def all_exprs() -> list[str]:
-    return [rule["expr"] for rule in alert_rules()] + dashboard_exprs()
-
-
-def parse(expr: str):
-    """Parse PromQL; Grafana's $__rate_interval becomes a plain range first."""
-    return promql_parser.parse(expr.replace("$__rate_interval", "5m"))
-
-
-def _walk(node) -> Iterator[str]:
-    if type(node).__name__ == "VectorSelector":
-        yield node.name
-    for attribute in ("lhs", "rhs", "expr", "vector_selector", "param"):
-        child = getattr(node, attribute, None)
-        if child is not None and not isinstance(child, (int, float, str)):
-            yield from _walk(child)
-    for arg in getattr(node, "args", None) or ():
-        yield from _walk(arg)
-
-
-def metric_names(expr: str) -> set[str]:
-    return {name for name in _walk(parse(expr)) if name}
-
-
-def exposed_names(exposition: str) -> set[str]:
-    """Every metric name of an exposition, with and without its sample suffixes."""
-    names = set(re.findall(r"^# TYPE (\S+) ", exposition, re.MULTILINE))
-    names |= set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{| )", exposition, re.MULTILINE))
-    return names
-
-
-def is_exposed(metric: str, names: set[str]) -> bool:
-    if metric in names or any(metric + s in names for s in SUFFIXES):
-        return True
-    return any(metric.endswith(s) and metric[: -len(s)] in names for s in SUFFIXES)
+__all__ = ["all_exprs", "exposed_names", "is_exposed", "metric_names"]

@@ -1,0 +1,145 @@
+"""The workload: prompts of random common words fitted to a token count, grouped into sessions
+(one per conversation), and the JSON body of each request a session sends."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.loadgen.config import LoadConfig
+from benchmarks.loadgen.tokenizer import ServerTokenizer
+
+# Common English words; with a BPE tokenizer each is about one token when preceded by a space.
+_WORDS_TEXT = """
+time year people way day man thing woman life child world school state family student group
+country problem hand part place case week company system program question work government number
+night point home water room mother area money story fact month lot right study book eye job word
+business issue side kind head house service friend father power hour game line end member law car
+city community name president team minute idea kid body information back parent face others level
+office door health person art war history party result change morning reason research girl guy
+moment air teacher force education foot boy age policy music market sense nation plan college
+interest death experience effect use class control care field development role effort rate heart
+drug show leader light voice wife police mind price report decision son view relationship town
+road arm difference value building action model season society tax director position player record
+paper space ground form event official matter center couple site project activity star table need
+court oil situation cost industry figure street image phone data picture practice piece land
+product doctor wall patient worker news test movie north love support technology step baby
+computer type attention film tree source organization hair window evidence population truth song
+river garden green blue red small large early young important few public bad same able late hard
+major better economic strong possible whole free military true federal international full special
+easy clear recent certain personal open difficult available likely short single medical current
+wrong private past foreign fine common poor natural significant similar hot dead central happy
+serious ready simple left physical general environmental financial democratic dark various entire
+close legal religious cold final main huge popular traditional cultural apple river mountain ocean
+forest silver golden quiet rapid gentle ancient modern bright narrow wide deep shallow heavy light
+soft
+"""
+WORDS = _WORDS_TEXT.split()
+
+
+@dataclass
+class Session:
+    """What one worker sends: one request per user turn (several for multi-turn chats)."""
+
+    turns: list[str]
+    system: str | None = None  # shared-prefix: the common prefix
+    input_tokens: int = 0  # estimate of the first request's prompt tokens (without a chat template)
+
+
+async def fit_text(rng: random.Random, n_tokens: int, tokenizer: ServerTokenizer | None) -> tuple[str, int]:
+    """Random words making `n_tokens` tokens (exactly, when the server can count; else 1 word = 1 token)."""
+    words = [rng.choice(WORDS) for _ in range(max(n_tokens, 0))]
+    text = " ".join(words)
+    if tokenizer is None or n_tokens <= 0:
+        return text, n_tokens
+    count = -1
+    for _ in range(6):
+        ids = await tokenizer.tokenize(text)
+        count = len(ids)
+        if count == n_tokens:
+            break
+        if count > n_tokens:
+            text = await tokenizer.detokenize(ids[:n_tokens])
+        else:
+            text = text + " " + " ".join(rng.choice(WORDS) for _ in range(n_tokens - count))
+    return text, count
+
+
+async def build_sessions(
+    config: LoadConfig,
+    count: int,
+    tokenizer: ServerTokenizer | None,
+    seed: int | None = None,
+) -> list[Session]:
+    """`count` sessions of the configured prompt set, deterministic for a seed."""
+    rng = random.Random(config.seed if seed is None else seed)
+    prefixes: list[tuple[str, int]] = []
+    if config.prompts == "shared-prefix":
+        for _ in range(max(1, config.num_prefixes)):
+            prefixes.append(await fit_text(rng, config.prefix_tokens, tokenizer))
+    turns = config.turns if config.prompts == "multi-turn" else 1
+    # one seed per text, drawn up front, so texts can be fitted concurrently and stay deterministic
+    seeds = [[rng.getrandbits(64) for _ in range(turns)] for _ in range(count)]
+    picks = [rng.randrange(len(prefixes)) if prefixes else 0 for _ in range(count)]
+    semaphore = asyncio.Semaphore(16)
+
+    async def one(text_seed: int) -> tuple[str, int]:
+        async with semaphore:
+            return await fit_text(random.Random(text_seed), config.input_tokens, tokenizer)
+
+    texts = await asyncio.gather(*(one(s) for row in seeds for s in row))
+    sessions = []
+    for i in range(count):
+        row = texts[i * turns : (i + 1) * turns]
+        system, prefix_len = prefixes[picks[i]] if prefixes else (None, 0)
+        sessions.append(Session([t for t, _ in row], system, prefix_len + row[0][1]))
+    return sessions
+
+
+def sessions_needed(config: LoadConfig) -> int:
+    """How many sessions a run can start (fewer when `unique_prompts` cycles through a few)."""
+    turns = config.turns if config.prompts == "multi-turn" else 1
+    wanted = math.ceil(config.num_requests / turns)
+    if config.unique_prompts:
+        wanted = min(wanted, config.unique_prompts)
+    return max(wanted, 1)
+
+
+def request_body(config: LoadConfig, model: str, session: Session, history: list[tuple[str, str]], turn: str) -> dict[str, Any]:
+    """The JSON body of one request: the session's turn after the conversation so far."""
+    body: dict[str, Any] = {"model": model, "max_tokens": config.output_tokens, "stream": config.stream}
+    if config.stream:
+        body["stream_options"] = {"include_usage": True}
+    if config.endpoint == "chat":
+        body["messages"] = _messages(session, history, turn)
+    else:
+        body["prompt"] = _prompt(session, history, turn)
+    if config.temperature is not None:
+        body["temperature"] = config.temperature
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    body.update(config.extra_body)
+    return body
+
+
+def _messages(session: Session, history: list[tuple[str, str]], turn: str) -> list[dict[str, str]]:
+    """Chat: the shared prefix as the system message, the conversation so far, then this turn."""
+    messages: list[dict[str, str]] = []
+    if session.system:
+        messages.append({"role": "system", "content": session.system})
+    for user, assistant in history:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    messages.append({"role": "user", "content": turn})
+    return messages
+
+
+def _prompt(session: Session, history: list[tuple[str, str]], turn: str) -> str:
+    """Completions: the same parts as the chat, one per line."""
+    parts = [session.system] if session.system else []
+    for user, assistant in history:
+        parts += [user, assistant]
+    parts.append(turn)
+    return "\n".join(parts)

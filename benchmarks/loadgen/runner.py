@@ -1,0 +1,203 @@
+"""Running the load: `run_load` (one measured run at one concurrency or request rate, with its
+warm-up) and `run_sweep` (one run per concurrency level). Workers or Poisson arrivals send the
+sessions' requests until the request count or the time limit."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from benchmarks.loadgen.client import discover_model, make_client, send_request
+from benchmarks.loadgen.config import LoadConfig
+from benchmarks.loadgen.progress import Bar, open_bar
+from benchmarks.loadgen.prompts import Session, build_sessions, request_body, sessions_needed
+from benchmarks.loadgen.report import format_result
+from benchmarks.loadgen.results import RequestRecord, Result, aggregate
+from benchmarks.loadgen.tokenizer import get_tokenizer
+
+
+class _Runner:
+    """One run's state: the requests issued so far, their records, the time limit."""
+
+    def __init__(self, config: LoadConfig, client: httpx.AsyncClient, model: str, sessions: Sequence[Session]) -> None:
+        self.config = config
+        self.client = client
+        self.model = model
+        self.sessions = sessions
+        self.url = f"{config.base_url.rstrip('/')}/{'chat/completions' if config.endpoint == 'chat' else 'completions'}"
+        self.records: list[RequestRecord] = []
+        self.issued = 0
+        self.next_session = 0
+        self.origin = 0.0
+        self.deadline = math.inf
+        self.last_end = 0.0
+        self.bar: Bar | None = None
+
+    def _take_session(self) -> Session:
+        session = self.sessions[self.next_session % len(self.sessions)]
+        self.next_session += 1
+        return session
+
+    def _may_issue(self) -> bool:
+        return self.issued < self.config.num_requests and time.perf_counter() < self.deadline
+
+    async def run_session(self, session: Session) -> None:
+        """The session's turns one after the other, each carrying the real answers so far."""
+        history: list[tuple[str, str]] = []
+        for turn in session.turns:
+            if not self._may_issue():
+                return
+            self.issued += 1
+            body = request_body(self.config, self.model, session, history, turn)
+            record = RequestRecord()
+            self.records.append(record)
+            estimate = session.input_tokens if not history else 0
+            await send_request(
+                self.client, self.url, body, record,
+                count_headers=self.config.count_headers, estimate_input=estimate, origin=self.origin,
+            )
+            self.last_end = time.perf_counter()
+            if self.bar is not None:
+                self.bar.update(1)
+            if not record.ok:
+                return
+            history.append((turn, record.text))
+
+    async def worker(self) -> None:
+        while self._may_issue():
+            await self.run_session(self._take_session())
+
+    async def arrivals(self, rng: random.Random) -> None:
+        """Poisson arrivals of sessions, at most `concurrency` running (when set)."""
+        limit = asyncio.Semaphore(self.config.concurrency) if self.config.concurrency else None
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def start(session: Session) -> None:
+            if limit is None:
+                await self.run_session(session)
+                return
+            async with limit:
+                await self.run_session(session)
+
+        try:
+            next_at = time.perf_counter()
+            launched = 0
+            turns = self.config.turns if self.config.prompts == "multi-turn" else 1
+            while launched * turns < self.config.num_requests and time.perf_counter() < self.deadline:
+                task = asyncio.create_task(start(self._take_session()))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                launched += 1
+                next_at += rng.expovariate(self.config.request_rate)  # type: ignore[arg-type]
+                delay = next_at - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run(self) -> float:
+        """Run until the count or the time limit; returns the measured duration in seconds."""
+        cfg = self.config
+        self.origin = time.perf_counter()
+        self.deadline = self.origin + cfg.duration_s if cfg.duration_s else math.inf
+        if cfg.request_rate:
+            main = asyncio.ensure_future(self.arrivals(random.Random(cfg.seed + 1)))
+        else:
+            workers = max(1, cfg.concurrency or 1)
+            main = asyncio.ensure_future(asyncio.gather(*(self.worker() for _ in range(workers))))
+        timeout = None if self.deadline == math.inf else max(0.0, self.deadline - time.perf_counter())
+        done, _ = await asyncio.wait({main}, timeout=timeout)
+        if not done:  # the time limit: requests still in flight are cancelled and counted as such
+            main.cancel()
+            await asyncio.gather(main, return_exceptions=True)
+            return time.perf_counter() - self.origin
+        main.result()
+        return (self.last_end or time.perf_counter()) - self.origin
+
+
+async def run_load(
+    config: LoadConfig,
+    sessions: Sequence[Session] | None = None,
+    client: httpx.AsyncClient | None = None,
+    warmup_sessions: Sequence[Session] | None = None,
+) -> Result:
+    """One measured run at one concurrency (or request rate). Stops after num_requests or duration_s."""
+    own = client is None
+    client = client or make_client(config, config.concurrency)
+    try:
+        model = config.model or await discover_model(client, config.base_url)
+        sessions, warmup_sessions = await _prepare_sessions(config, client, model, sessions, warmup_sessions)
+        if config.warmup_requests and warmup_sessions:
+            warm_cfg = dataclasses.replace(config, num_requests=config.warmup_requests, duration_s=None)
+            await _Runner(warm_cfg, client, model, warmup_sessions).run()
+        records, duration = await _measure(config, client, model, sessions)
+        return aggregate(
+            records,
+            duration,
+            label=config.label,
+            concurrency=config.concurrency,
+            request_rate=config.request_rate,
+            config={**config.to_dict(), "model": model},
+            keep_records=config.keep_records,
+        )
+    finally:
+        if own:
+            await client.aclose()
+
+
+async def _prepare_sessions(
+    config: LoadConfig,
+    client: httpx.AsyncClient,
+    model: str,
+    sessions: Sequence[Session] | None,
+    warmup_sessions: Sequence[Session] | None,
+) -> tuple[Sequence[Session], Sequence[Session] | None]:
+    """The sessions given, else fresh ones (the warm-up's from a seed of their own)."""
+    build_warmup = bool(config.warmup_requests) and warmup_sessions is None
+    if sessions is None or build_warmup:
+        tokenizer = await get_tokenizer(config, client, model)
+        if sessions is None:
+            sessions = await build_sessions(config, sessions_needed(config), tokenizer)
+        if build_warmup:
+            warm_cfg = dataclasses.replace(config, num_requests=config.warmup_requests)
+            warmup_sessions = await build_sessions(warm_cfg, sessions_needed(warm_cfg), tokenizer, seed=config.seed + 7919)
+    return sessions, warmup_sessions
+
+
+async def _measure(
+    config: LoadConfig, client: httpx.AsyncClient, model: str, sessions: Sequence[Session]
+) -> tuple[list[RequestRecord], float]:
+    """The measured run: its records and its duration in seconds."""
+    runner = _Runner(config, client, model, sessions)
+    runner.bar = open_bar(config)
+    try:
+        duration = await runner.run()
+    finally:
+        if runner.bar is not None:
+            runner.bar.close()
+    return runner.records, duration
+
+
+async def run_sweep(config: LoadConfig, levels: Sequence[int], waves: int | None = None) -> list[Result]:
+    """One run per concurrency level, each with its own fresh prompts (no prefix-cache help across levels)."""
+    results = []
+    async with make_client(config, max(levels)) as client:
+        for i, level in enumerate(levels):
+            n = max(config.num_requests, waves * level) if waves else config.num_requests
+            cfg = dataclasses.replace(config, concurrency=level, num_requests=n, seed=config.seed + 1000 * i,
+                                      label=config.label or f"c={level}")
+            results.append(await run_load(cfg, client=client))
+            print(format_result(results[-1]), file=sys.stderr)
+    return results

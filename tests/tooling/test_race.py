@@ -1,0 +1,151 @@
+"""The race without servers: its arithmetic (medians, paired ratios, targets), its commands, the
+engine alone on a stand-in for AsyncLLM, RESULTS.md's hand-written part; and no benchmark module
+imports vLLM. Behaviour only, never timings."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import loadgen, race, race_report
+from benchmarks.loadgen import LoadConfig, RequestRecord
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# the race's arithmetic (no servers)
+
+
+def _run(target: str, repeat: int, level: int, tok_s: float, ttft_ms: float) -> dict:
+    metrics = {name: None for name in race_report.METRICS}
+    metrics.update(output_tok_s=tok_s, ttft_p50_ms=ttft_ms, ttft_p99_ms=2 * ttft_ms, tpot_p50_ms=10.0,
+                   mean_output_tokens=64.0, failed=0)
+    return {"target": target, "repeat": repeat, "concurrency": level, "metrics": metrics}
+
+
+def test_race_summary_medians_ratios_and_targets() -> None:
+    runs = []
+    for r, (g, v, e) in enumerate([(100, 100, 100), (110, 100, 120), (90, 120, 100)]):
+        runs += [_run("gateway", r, 4, g, 50), _run("vllm", r, 4, v, 60), _run("engine", r, 4, e, 40)]
+    (row,) = race_report.summarize(runs, [4])
+    assert row["medians"]["gateway"]["output_tok_s"] == 100
+    assert row["medians"]["vllm"]["output_tok_s"] == 100
+    # against vLLM: median of the paired ratios 1.0, 1.1, 0.75
+    assert row["ratios"]["vllm"]["output_tok_s"] == pytest.approx(1.0)
+    # against the engine, also paired: median of 1.0, 110/120, 0.9
+    assert row["ratios"]["engine"]["output_tok_s"] == pytest.approx(110 / 120)
+    assert row["ratios"]["vllm"]["ttft_p50_ms"] == pytest.approx(50 / 60)
+    assert row["targets"]["output_tok_s vs vllm"]["met"] is True
+    assert row["targets"]["ttft_p99_ms vs vllm"]["met"] is True
+    document = {"settings": {"repeats": 3}, "summary": [row], "overhead": [], "notes": ["a note"]}
+    table = race_report.markdown(document)
+    assert "| 4 | gateway | 100.0 |" in table and "1.000 ✓" in table and "- a note" in table
+
+
+def test_race_metrics_of_a_result() -> None:
+    result = loadgen.aggregate([RequestRecord(ok=True, ttft=0.1, e2e=0.5, output_tokens=5, chunks=5, itl=[0.1] * 4)], 1.0)
+    metrics = race_report.metrics_of(result.to_dict())
+    assert metrics["output_tok_s"] == pytest.approx(5.0)
+    assert metrics["ttft_p50_ms"] == pytest.approx(100.0)
+    assert metrics["tpot_p50_ms"] == pytest.approx(100.0)
+
+
+def test_race_commands_use_the_same_engine_settings() -> None:
+    args = race.parser().parse_args(["--eager"])
+    args.model = "/models/m"
+    gateway = race.gateway_command(args, 1234, eager=True)
+    vllm = race.vllm_command(args, 1235, eager=True)
+    for command in (gateway, vllm):
+        for flag, value in (("--model", "/models/m"), ("--dtype", "float32"), ("--max-model-len", "2048"),
+                            ("--kv-cache-memory-bytes", str(2 * 1024**3)), ("--served-model-name", "smollm2-135m-instruct")):
+            assert command[command.index(flag) + 1] == value
+        assert "--enforce-eager" in command
+    assert vllm[2] == "vllm.entrypoints.openai.api_server" and gateway[2:4] == ["gateway", "serve"]
+    assert "--enforce-eager" not in race.gateway_command(args, 1234, eager=False)
+
+
+def test_benchmark_modules_do_not_import_vllm() -> None:
+    code = ("import sys, benchmarks.loadgen, benchmarks.echo_engine, benchmarks.race, benchmarks.engine_direct; "
+            "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'imported vllm'")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine alone, on command (a stand-in for AsyncLLM: benchmarks.engine_direct imports vllm lazily)
+
+
+class _Tokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [len(word) for word in text.split()]
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> str:
+        return " ".join(m["content"] for m in messages)
+
+
+class _Out:
+    def __init__(self, token_ids: list[int], finished: bool, prompt_ids: list[int]) -> None:
+        self.outputs = [type("Completion", (), {"token_ids": token_ids})()]
+        self.finished, self.prompt_token_ids, self.num_cached_tokens = finished, prompt_ids, 0
+
+
+class _FakeLLM:
+    """Answers each request with `max_tokens` outputs of one token each, as DELTA mode would."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[list[int], int]] = []
+        self.shut = False
+
+    def get_tokenizer(self) -> _Tokenizer:
+        return _Tokenizer()
+
+    async def generate(self, prompt, params, request_id):  # noqa: ANN001, ANN201
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt.prompt_token_ids
+        self.requests.append((ids, params.max_tokens))
+        for i in range(params.max_tokens):
+            await asyncio.sleep(0)
+            yield _Out([7], i == params.max_tokens - 1, ids)
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+async def test_engine_alone_runs_the_plan_on_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("vllm")  # SamplingParams comes from vLLM even with a stand-in engine
+    from benchmarks import engine_direct
+
+    llm = _FakeLLM()
+    monkeypatch.setattr(engine_direct, "start_engine", lambda settings: llm)
+    config = LoadConfig(base_url="http://engine.invalid/v1", endpoint="completions", output_tokens=5, ignore_eos=True)
+    sessions = [dataclasses.asdict(s) for s in await loadgen.build_sessions(config, 3, None, seed=1)]
+    plan_file = tmp_path / "sessions.json"
+    plan_file.write_text(json.dumps({
+        "warmup": [{"concurrency": 1, "sessions": sessions[:1]}],
+        "runs": [{"key": {"repeat": 0, "concurrency": 2}, "concurrency": 2, "label": "r0 c2", "sessions": sessions},
+                 {"key": {"repeat": 0, "concurrency": 1}, "concurrency": 1, "label": "r0 c1", "sessions": sessions[:2]}],
+    }))
+    commands = iter([json.dumps({"sessions": str(plan_file)}), json.dumps({"run": 1}), json.dumps({"run": 0}), ""])
+    stdin = type("Lines", (), {"readline": lambda self: next(commands) + "\n"})()
+    answers: list[dict] = []
+    await engine_direct.serve_plan({"engine": {}, "load": config.to_dict()}, stdin, answers.append, log=lambda m: None)
+
+    assert "ready" in answers[0] and answers[1] == {"warm": True}
+    assert [a["key"] for a in answers[2:]] == [{"repeat": 0, "concurrency": 1}, {"repeat": 0, "concurrency": 2}]
+    assert answers[2]["result"]["completed"] == 2 and answers[3]["result"]["completed"] == 3
+    assert answers[3]["result"]["total_output_tokens"] == 15 and answers[3]["result"]["failed"] == 0
+    assert len(llm.requests) == 1 + 2 + 3 and all(n == 5 for _, n in llm.requests)
+    assert llm.shut
+
+
+def test_results_md_keeps_the_hand_written_part(tmp_path: Path) -> None:
+    results = tmp_path / "RESULTS.md"
+    assert race_report.kept_part(results) == ""
+    results.write_text(f"# old table\n| 1 | 2 |\n{race_report.KEEP_MARKER}\n## Profile\nby hand\n")
+    kept = race_report.kept_part(results)
+    assert kept.startswith(f"\n{race_report.KEEP_MARKER}") and "by hand" in kept and "old table" not in kept
