@@ -38,7 +38,7 @@ test: model system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 unit: install system-deps
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/tooling $(PYTEST_ARGS)
 
 integration: model
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)

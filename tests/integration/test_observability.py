@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import MODEL
-from tests.monitoring import all_exprs, exposed_names, is_exposed, metric_names
+from tests.tooling.monitoring import all_exprs, exposed_names, is_exposed, metric_names
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("vLLM's server has no gateway_* metrics")]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -1,3 +1,5 @@
+"""Fixtures for every test folder: the app on the fake engine (tests/fakes.py) and the openai SDK on it."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
