@@ -7,7 +7,7 @@ from starlette.responses import Response
 
 from gateway.api.dispatch import dispatch
 from gateway.api.requests import json_response, parse, state_of
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.serving.chat import CHAT
 from gateway.serving.completions import COMPLETIONS
 

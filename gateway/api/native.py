@@ -11,7 +11,7 @@ from starlette.responses import Response
 from engine.types import Engine
 from gateway.api.dispatch import dispatch
 from gateway.api.requests import body_size, json_response, parse, state_of
-from gateway.protocol import (
+from gateway.protocol.openai import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,

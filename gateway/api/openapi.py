@@ -10,8 +10,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from gateway import protocol as p
 from gateway.api.table import Endpoint
+from gateway.protocol import openai as p
 
 ERROR_STATUSES = {"400": "Invalid request", "401": "Invalid API key", "404": "Unknown model or path",
                   "413": "Body too large", "429": "Rate limited or overloaded", "500": "Server error",

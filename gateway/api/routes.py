@@ -15,10 +15,10 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway import protocol as p
 from gateway.api import handlers, native, ops
 from gateway.api.openapi import document
 from gateway.api.table import Endpoint, RouteTable
+from gateway.protocol import openai as p
 
 
 async def openapi(request: Request) -> Response:

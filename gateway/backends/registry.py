@@ -12,7 +12,7 @@ from engine.types import Engine
 from gateway.backends.admission import Admission
 from gateway.backends.upstream import Upstream
 from gateway.errors import InvalidRequest, ModelNotFound
-from gateway.protocol import ModelCard, ModelList
+from gateway.protocol.openai import ModelCard, ModelList
 
 
 @dataclass(slots=True)

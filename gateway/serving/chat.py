@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.types import ChoiceDelta, Engine, GenerationRequest, Tokenizer, TokenLogprob
 from gateway.errors import InvalidRequest
-from gateway.protocol import (
+from gateway.protocol.openai import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,

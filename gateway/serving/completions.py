@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, TokenLogprob
 from gateway.errors import InvalidRequest
-from gateway.protocol import (
+from gateway.protocol.openai import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,

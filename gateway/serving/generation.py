@@ -15,7 +15,7 @@ from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationReques
 from gateway import metrics
 from gateway.context import current_record
 from gateway.errors import ContextLengthExceeded, InvalidRequest
-from gateway.protocol import SamplingFields, Usage
+from gateway.protocol.openai import SamplingFields, Usage
 
 
 def new_id(prefix: str) -> str:

@@ -15,7 +15,7 @@ from typing import Protocol, TypeVar
 from pydantic import BaseModel
 
 from engine.types import Engine
-from gateway.protocol import SamplingFields
+from gateway.protocol.openai import SamplingFields
 
 RequestT = TypeVar("RequestT", bound=SamplingFields)
 PreparedT = TypeVar("PreparedT", bound="Prepared")

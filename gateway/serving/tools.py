@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.errors import InvalidRequest
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol.openai import ChatCompletionRequest
 
 Mode = Literal["none", "auto", "required", "named"]
 ANY_OBJECT: dict[str, Any] = {"type": "object"}

@@ -48,7 +48,7 @@ def layer_of(name: str) -> str:
     for layer in LAYERS:
         if name == layer or name.startswith(layer + "."):
             return layer
-    if name.removeprefix("gateway.") in CORE:
+    if name.removeprefix("gateway.").split(".")[0] in CORE:
         return "core"
     return name
 
@@ -122,3 +122,4 @@ def test_the_layer_rule_catches_a_forbidden_import() -> None:
     assert "starlette.requests" in imported(tree, top_level_only=False)
     assert layer_of("gateway.serving.chat") == "gateway.serving"
     assert layer_of("gateway.errors") == "core"
+    assert layer_of("gateway.protocol.openai") == "core"

@@ -1,0 +1,2 @@
+"""The APIs' wire formats as pydantic models, one module per API: `openai` (chat, completions,
+models, errors, and the native routes' shapes beside them)."""
