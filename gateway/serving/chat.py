@@ -245,20 +245,12 @@ class ChatService:
     upstream_path = "/chat/completions"
     answer_type = ChatCompletion
 
-    def prepare(self, request: ChatCompletionRequest, engine: Engine, default_max_tokens: int | None) -> PreparedChat:
-        return prepare(request, engine, default_max_tokens)
-
-    async def complete(self, prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> ChatCompletion:
-        return await complete(prepared, on_done)
-
-    def stream(self, prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> AsyncIterator[bytes]:
-        return stream(prepared, on_done)
-
-    def replay(self, answer: ChatCompletion, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
-        return replay(answer, request)
-
-    def fresh(self, answer: ChatCompletion) -> ChatCompletion:
-        return fresh(answer)
+    # the module's functions, as the Service protocol's methods
+    prepare = staticmethod(prepare)
+    complete = staticmethod(complete)
+    stream = staticmethod(stream)
+    replay = staticmethod(replay)
+    fresh = staticmethod(fresh)
 
 
 CHAT = ChatService()

@@ -299,20 +299,12 @@ class CompletionsService:
     upstream_path = "/completions"
     answer_type = Completion
 
-    def prepare(self, request: CompletionRequest, engine: Engine, default_max_tokens: int | None) -> PreparedCompletion:
-        return prepare(request, engine, default_max_tokens)
-
-    async def complete(self, prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> Completion:
-        return await complete(prepared, on_done)
-
-    def stream(self, prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> AsyncIterator[bytes]:
-        return stream(prepared, on_done)
-
-    def replay(self, answer: Completion, request: CompletionRequest) -> AsyncIterator[Completion]:
-        return replay(answer, request)
-
-    def fresh(self, answer: Completion) -> Completion:
-        return fresh(answer)
+    # the module's functions, as the Service protocol's methods
+    prepare = staticmethod(prepare)
+    complete = staticmethod(complete)
+    stream = staticmethod(stream)
+    replay = staticmethod(replay)
+    fresh = staticmethod(fresh)
 
 
 COMPLETIONS = CompletionsService()
