@@ -76,11 +76,11 @@ def create_app(
     """Bad configuration (models file, cache backend and, with `engine_check`, engine settings the
     model or platform cannot use) is refused here, before anything starts."""
     models = modelfile.load(settings)
-    if engine_check is not None:
-        check_embedded(models, settings, engine_check)
     lifecycle = lifecycle or Lifecycle()
     limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm)
     cache_backend = make_backend(settings.cache)
+    if engine_check is not None:  # last: it imports vllm and reads the models
+        check_embedded(models, settings, engine_check)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, GatewayState]]:

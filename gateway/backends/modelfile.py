@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import EngineSettings, SamplingDefaults
 from gateway.backends import versions
@@ -69,6 +69,12 @@ class ModelSpec(BaseModel):
     def id(self) -> str:
         """The name this model (version) is served under: `name`, or `name@version`."""
         return versions.model_id(self.name, self.version)
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_as_written(cls, value: object) -> object:
+        """`version: 1.4` is a number to YAML: keep it as text, to be refused as not SemVer."""
+        return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> ModelSpec:
