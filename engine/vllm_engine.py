@@ -1,7 +1,8 @@
 """The embedded engine: vLLM's AsyncLLM behind the small `engine.types.Engine` interface.
 
-This is the one module that imports vllm. vLLM's classes and exceptions stop here: requests come in
-as `GenerationRequest`, outputs leave as `GenerationOutput`, failures as `engine.errors`.
+With `engine.capabilities` (what the model and the platform can use), the only module importing
+vllm. vLLM's classes and exceptions stop here: requests come in as `GenerationRequest`, outputs
+leave as `GenerationOutput`, failures as `engine.errors`.
 """
 
 from __future__ import annotations
