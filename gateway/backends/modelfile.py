@@ -78,8 +78,9 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> ModelSpec:
-        if versions.SEPARATOR in self.name:
-            raise ValueError(f"model name '{self.name}' has an '@': give the version as `version:`")
+        for name in (self.name, *self.aliases):
+            if versions.SEPARATOR in name:
+                raise ValueError(f"model name or alias '{name}' has an '@': give a version as `version:`")
         if self.version is not None:
             try:
                 versions.parse(self.version)
@@ -157,7 +158,7 @@ def check(models: ModelsFile) -> None:
     names: dict[str, ModelSpec] = {}
     for spec in models.models:
         for name in (spec.id, *spec.aliases):
-            if name in names or (name in versioned.families and spec.version is None):
+            if name in names or name in versioned.families:  # a versioned name is all its versions
                 raise ConfigError(f"the model name or alias '{name}' is declared twice")
             names[name] = spec
     canonical = {spec.id: spec for spec in models.models}

@@ -152,6 +152,8 @@ def test_splits_and_fallbacks_name_versions(tmp_path: Path, engines: dict[str, F
         ("models: [{name: a, version: 1.0.0}, {name: a}]", "declared twice"),
         ("models: [{name: a}, {name: b, version: 1.0.0, aliases: [a]}]", "declared twice"),
         ("models: [{name: a@1, version: 1.0.0}]", "has an '@'"),
+        ("models: [{name: a, aliases: [a@2]}]", "has an '@'"),
+        ("models: [{name: a, version: 1.0.0, aliases: [a]}]", "declared twice"),
         ("models: [{name: a, version: 1.0.0}, {name: s, kind: split, version: 1.0.0, versions: {a: 1}}]",
          "cannot have a version"),
         ("models: [{name: a, version: 1.0.0}, {name: b, fallback: [a@2]}]", "a has versions 1.0.0"),
