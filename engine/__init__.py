@@ -16,4 +16,12 @@ def start_engine(settings: EngineSettings) -> Engine:
     return VLLMEngine.start(settings)
 
 
-__all__ = ["Engine", "EngineSettings", "start_engine"]
+def check_engine_settings(settings: EngineSettings) -> None:
+    """Refuse what the model or the platform cannot use (`engine.errors.EngineConfigError`, naming
+    the setting) without starting anything: imports vllm and reads the model's config.json."""
+    from engine.vllm_engine import engine_args
+
+    engine_args(settings)
+
+
+__all__ = ["Engine", "EngineSettings", "check_engine_settings", "start_engine"]

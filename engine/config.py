@@ -1,15 +1,57 @@
 """Engine settings: what the gateway's one Settings object holds for the embedded engine.
 
-A plain pydantic model (no vllm import); `engine.vllm_engine` turns it into vLLM's engine args.
+A plain pydantic model (no vllm import); `engine.vllm_engine` turns it into vLLM's engine args,
+after `engine.capabilities` has refused what the model or the platform cannot use.
 The GPU path is configuration only: install the `gpu` extra and set, say,
 `GATEWAY_ENGINE__GPU_MEMORY_UTILIZATION=0.9`, `GATEWAY_ENGINE__TENSOR_PARALLEL_SIZE=2`.
+
+Sampling defaults (what a request leaves unsaid) come, strongest first, from `sampling_defaults`
+(the models file's `defaults:`), the model's `generation_config.json` (`generation_config`), and
+OpenAI's own defaults last: vLLM's order (`ModelConfig.get_diff_sampling_param`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+# vLLM's names of the sampling parameters a generation config may set (HF's max_new_tokens is
+# vLLM's max_tokens), as `vllm.config.ModelConfig.get_diff_sampling_param` reads them.
+GENERATION_CONFIG_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+)
+
+
+class SamplingDefaults(BaseModel):
+    """Per-model defaults of the sampling parameters; None: not set here (the next source decides)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    max_tokens: int | None = Field(None, ge=1, description="chat output budget when a request sends none")
+
+    def over(self, weaker: SamplingDefaults) -> SamplingDefaults:
+        """These defaults, with `weaker`'s where these say nothing."""
+        return SamplingDefaults.model_validate({**weaker.model_dump(exclude_none=True), **self.model_dump(exclude_none=True)})
+
+    def as_generation_config(self) -> dict[str, Any]:
+        """In a generation config's terms (vLLM's `override_generation_config`)."""
+        values = self.model_dump(exclude_none=True)
+        if "max_tokens" in values:
+            values["max_new_tokens"] = values.pop("max_tokens")
+        return values
+
+    @classmethod
+    def from_generation_config(cls, diff: dict[str, Any]) -> SamplingDefaults:
+        """From vLLM's `get_diff_sampling_param()` (keys already in vLLM's names); others ignored."""
+        return cls.model_validate({k: v for k, v in diff.items() if k in (*GENERATION_CONFIG_KEYS, "max_tokens")})
 
 
 class EngineSettings(BaseModel):
@@ -19,7 +61,9 @@ class EngineSettings(BaseModel):
     served_model_name: str = Field(
         "smollm2-135m-instruct", description="The name clients send as `model`"
     )
-    max_model_len: int | None = Field(2048, description="Context length (prompt + output)")
+    max_model_len: int | None = Field(
+        2048, ge=1, description="Context length (prompt + output); unset: the model's own; checked against the model"
+    )
     dtype: str = Field("auto", description="Weights and activations dtype (auto, bfloat16, ...)")
     gpu_memory_utilization: float | None = Field(
         None,
@@ -35,8 +79,21 @@ class EngineSettings(BaseModel):
     enable_prefix_caching: bool | None = Field(None, description="Reuse KV blocks of shared prefixes (vLLM default: on)")
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
+    quantization: str | None = Field(
+        None, description="vLLM quantization method (awq, gptq, fp8, compressed-tensors, ...); checked at start"
+    )
+    kv_cache_dtype: str = Field("auto", description="KV cache dtype: auto (the model's), fp8, fp8_e4m3, fp8_e5m2, ...")
+    disable_sliding_window: bool = Field(
+        False, description="Run a sliding-window model with full attention, its context capped at the window"
+    )
+    generation_config: str = Field(
+        "auto",
+        description="Where sampling defaults come from: auto (the model's generation_config.json), "
+        "vllm (none: OpenAI's), or a directory holding a generation_config.json",
+    )
+    sampling_defaults: SamplingDefaults = Field(
+        default_factory=SamplingDefaults, description="Sampling defaults over the generation config's"
+    )
     max_num_seqs: int | None = Field(None, description="Most sequences batched at once")
     seed: int = 0
     trust_remote_code: bool = False

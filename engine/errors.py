@@ -4,6 +4,8 @@
     ├── EngineInvalidRequest     the engine refused the request's parameters (400)
     │   └── PromptTooLong        prompt and output exceed the model's context (400)
     └── EngineUnavailable        the engine is dead or not started (503)
+
+    EngineConfigError            a setting the model or the platform cannot use (refused at start)
 """
 
 from __future__ import annotations
@@ -27,3 +29,11 @@ class PromptTooLong(EngineInvalidRequest):
 
 class EngineUnavailable(EngineError):
     pass
+
+
+class EngineConfigError(ValueError):
+    """An engine setting the model or the platform cannot use; the message names the setting."""
+
+    def __init__(self, setting: str, why: str) -> None:
+        super().__init__(f"{setting} (GATEWAY_ENGINE__{setting.upper()}): {why}")
+        self.setting = setting

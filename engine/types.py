@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from engine.config import SamplingDefaults
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingOptions:
@@ -87,6 +89,8 @@ class ModelInfo:
     root: str = ""
     created: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # what a request leaves unsaid: the models file's defaults over the model's generation_config.json
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 @runtime_checkable

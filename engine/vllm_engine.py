@@ -1,7 +1,8 @@
 """The embedded engine: vLLM's AsyncLLM behind the small `engine.types.Engine` interface.
 
-This is the one module that imports vllm. vLLM's classes and exceptions stop here: requests come in
-as `GenerationRequest`, outputs leave as `GenerationOutput`, failures as `engine.errors`.
+With `engine.capabilities` (what the model and the platform can use), the only module importing
+vllm. vLLM's classes and exceptions stop here: requests come in as `GenerationRequest`, outputs
+leave as `GenerationOutput`, failures as `engine.errors`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from engine import models
-from engine.config import EngineSettings
+from engine import capabilities, models
+from engine.config import EngineSettings, SamplingDefaults
 from engine.errors import EngineError, EngineInvalidRequest, EngineUnavailable, PromptTooLong
 from engine.types import (
     ChoiceDelta,
@@ -45,17 +46,22 @@ CPU_KV_CACHE_BYTES = 2 * 1024**3
 CPU_AUTO_DTYPE = "float32"
 
 
-def engine_args(settings: EngineSettings) -> AsyncEngineArgs:
-    """Translate our settings into vLLM's engine arguments; unknown names fail here, at start."""
+def engine_args(settings: EngineSettings, platform: Any = current_platform) -> AsyncEngineArgs:
+    """Translate our settings into vLLM's engine arguments, for `platform` (vLLM's current one;
+    tests pass a stand-in). What the model or the platform cannot use (`engine.capabilities`) and
+    unknown argument names fail here, at start, with a message naming the setting."""
+    on_cpu = platform.is_cpu()
     fraction = settings.gpu_memory_utilization or GPU_MEMORY_FRACTION
     kv_bytes = settings.kv_cache_memory_bytes
-    if kv_bytes is None and settings.gpu_memory_utilization is None and current_platform.is_cpu():
+    if kv_bytes is None and settings.gpu_memory_utilization is None and on_cpu:
         kv_bytes = CPU_KV_CACHE_BYTES
     dtype = settings.dtype
-    if dtype == "auto" and current_platform.is_cpu():
+    if dtype == "auto" and on_cpu:
         dtype = CPU_AUTO_DTYPE
+    model = settings.model or str(models.prepare())
+    capabilities.check(settings, model, capabilities.platform_of(platform), dtype)
     known: dict[str, Any] = {
-        "model": settings.model or str(models.prepare()),
+        "model": model,
         "served_model_name": settings.served_model_name,
         "max_model_len": settings.max_model_len,
         "dtype": dtype,
@@ -67,6 +73,10 @@ def engine_args(settings: EngineSettings) -> AsyncEngineArgs:
         "pipeline_parallel_size": settings.pipeline_parallel_size,
         "quantization": settings.quantization,
         "kv_cache_dtype": settings.kv_cache_dtype,
+        "disable_sliding_window": settings.disable_sliding_window,
+        "generation_config": settings.generation_config,
+        # the models file's `defaults` over the model's generation_config.json, as vLLM's server does
+        "override_generation_config": settings.sampling_defaults.as_generation_config(),
         "max_num_seqs": settings.max_num_seqs,
         "seed": settings.seed,
         "trust_remote_code": settings.trust_remote_code,
@@ -208,6 +218,8 @@ class VLLMEngine:
             root=str(args.model),
             created=int(time.time()),
             extra={"vocab_size": llm.model_config.get_vocab_size()},
+            # vLLM's own reading of generation_config.json with the overrides above (what its server uses)
+            sampling_defaults=SamplingDefaults.from_generation_config(llm.model_config.get_diff_sampling_param()),
         )
         return cls(llm, info)
 

@@ -23,7 +23,15 @@ from engine.errors import EngineError
 from gateway.api.routes import TABLE
 from gateway.api.state import GatewayState
 from gateway.backends import modelfile
-from gateway.backends.startup import EngineStarter, build_registry, start_embedded, stop, warm_up
+from gateway.backends.startup import (
+    EngineCheck,
+    EngineStarter,
+    build_registry,
+    check_embedded,
+    start_embedded,
+    stop,
+    warm_up,
+)
 from gateway.cache import ResponseCache, make_backend
 from gateway.errors import APIError, from_exception, render
 from gateway.limits import RateLimiter
@@ -60,13 +68,19 @@ def _middleware(settings: Settings, lifecycle: Lifecycle, limiter: RateLimiter) 
 
 
 def create_app(
-    settings: Settings, engine_starter: EngineStarter = start_embedded, lifecycle: Lifecycle | None = None
+    settings: Settings,
+    engine_starter: EngineStarter = start_embedded,
+    lifecycle: Lifecycle | None = None,
+    engine_check: EngineCheck | None = None,
 ) -> Starlette:
-    """Bad configuration (models file, cache backend) is refused here, before anything starts."""
+    """Bad configuration (models file, cache backend and, with `engine_check`, engine settings the
+    model or platform cannot use) is refused here, before anything starts."""
     models = modelfile.load(settings)
     lifecycle = lifecycle or Lifecycle()
     limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm)
     cache_backend = make_backend(settings.cache)
+    if engine_check is not None:  # last: it imports vllm and reads the models
+        check_embedded(models, settings, engine_check)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, GatewayState]]:

@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
+from engine import check_engine_settings
 from gateway.app import create_app
 from gateway.backends.modelfile import ConfigError
 from gateway.logs import configure
@@ -83,10 +84,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings.model_validate({**base.model_dump(), **top, "engine": merged_engine.model_dump()})
 
 
-def serve(settings: Settings) -> None:
+STARTUP_FAILED = 3  # the engines did not start (uvicorn's own status for a failed start-up)
+
+
+def serve(settings: Settings) -> int:
     configure(settings.log_level, settings.log_format)
     lifecycle = Lifecycle()
-    app = create_app(settings, lifecycle=lifecycle)
+    app = create_app(settings, lifecycle=lifecycle, engine_check=check_engine_settings)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -95,7 +99,9 @@ def serve(settings: Settings) -> None:
         access_log=False,
         timeout_graceful_shutdown=5,  # the drain already waited for requests in progress
     )
-    DrainingServer(config, lifecycle, settings.drain_timeout_s).run()
+    server = DrainingServer(config, lifecycle, settings.drain_timeout_s)
+    server.run()
+    return 0 if server.started else STARTUP_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from(args)
         if args.command == "serve":
-            serve(settings)
+            return serve(settings)
     except (ConfigError, ValidationError, ValueError) as exc:
         print(f"llm-gateway: configuration error: {exc}", file=sys.stderr)
         return 2

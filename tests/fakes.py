@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
 from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest, ModelInfo, TokenLogprob
 
@@ -40,8 +41,12 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, name: str = "fake-model", max_model_len: int = 64, delay: float = 0.0) -> None:
-        self._info = ModelInfo(name=name, max_model_len=max_model_len, root="fake", created=1)
+    def __init__(self, name: str = "fake-model", max_model_len: int = 64, delay: float = 0.0,
+                 defaults: SamplingDefaults | None = None) -> None:
+        """`defaults`: the sampling defaults the model reports (vLLM: its generation config with the
+        models file's `defaults` over it)."""
+        self._info = ModelInfo(name=name, max_model_len=max_model_len, root="fake", created=1,
+                               sampling_defaults=defaults or SamplingDefaults())
         self._tokenizer = FakeTokenizer()
         self.delay = delay
         self.requests: list[GenerationRequest] = []

@@ -21,10 +21,11 @@ from gateway.api.sse import EventStreamResponse, primed
 from gateway.api.state import GatewayState
 from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
-from gateway.backends.upstream import UpstreamAnswer
+from gateway.backends.upstream import UpstreamAnswer, with_defaults
 from gateway.context import current_record
 from gateway.errors import APIError, BackendUnavailable, InvalidRequest, from_exception
 from gateway.middleware.auth import ANONYMOUS
+from gateway.protocol.openai import ChatCompletionRequest
 from gateway.serving import offload
 from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service
 
@@ -150,6 +151,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
             raise InvalidRequest("The native API serves embedded models only", "model")
         permit = await backend.admission.acquire()
         payload = self.body.model_dump(mode="json", by_alias=True, exclude_unset=True)
+        payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
         try:
             answer = await backend.upstream.forward(self.service.upstream_path, payload, self.body.stream, permit.release)
         except BaseException:

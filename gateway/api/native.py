@@ -1,5 +1,6 @@
-"""Routes beside OpenAI's: vLLM's /tokenize and /detokenize, and a plain native API
-(`/generate`, `/stream-generate`) that is a thin shape over the completions service.
+"""Routes beside OpenAI's: vLLM's /tokenize and /detokenize, and a plain native API: `/generate`
+and `/stream-generate`, a thin shape over the completions service, and `/chat` (messages in, text
+out; SSE with `stream`), the same over the chat service.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from engine.types import Engine
 from gateway.api.dispatch import dispatch
 from gateway.api.requests import body_size, json_response, parse, state_of
 from gateway.protocol.openai import (
+    ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
@@ -19,10 +22,12 @@ from gateway.protocol.openai import (
     DetokenizeResponse,
     GenerateRequest,
     GenerateResponse,
+    NativeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
 from gateway.serving import chat, completions, offload, tools
+from gateway.serving.chat import CHAT
 from gateway.serving.completions import COMPLETIONS
 
 
@@ -80,3 +85,27 @@ async def generate(request: Request) -> Response:
 
 
 stream_generate = generate  # the path decides: /stream-generate streams
+
+
+def _chat_shape(answer: BaseModel | bytes) -> GenerateResponse:
+    """A chat answer (whole, a chunk, or a chunk's JSON) in the native shape: its first choice's text."""
+    if isinstance(answer, bytes):
+        answer = ChatCompletionChunk.model_validate_json(answer)
+    if isinstance(answer, ChatCompletion):
+        whole = answer.choices[0] if answer.choices else None
+        text = (whole.message.content or "") if whole else ""
+        return GenerateResponse(output=text, finish_reason=whole.finish_reason if whole else None, usage=answer.usage)
+    assert isinstance(answer, ChatCompletionChunk)
+    part = answer.choices[0] if answer.choices else None
+    text = (part.delta.content or "") if part else ""
+    return GenerateResponse(output=text, finish_reason=part.finish_reason if part else None, usage=answer.usage)
+
+
+async def chat_native(request: Request) -> Response:
+    """/chat: the same dispatch as /v1/chat/completions (defaults, cache, limits, fallbacks),
+    answered as {"output"}, or streamed as /stream-generate streams when the body says `stream`."""
+    body = await parse(request, NativeChatRequest)
+    name = body.model or state_of(request).models.engine(None).info.name
+    fields = body.model_dump(exclude_unset=True, exclude={"model"})
+    as_chat = ChatCompletionRequest.model_validate({**fields, "model": name}, strict=False)
+    return await dispatch(request, state_of(request), as_chat, CHAT, shape=_chat_shape)

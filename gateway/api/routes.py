@@ -39,6 +39,8 @@ TABLE = RouteTable([
              p.GenerateRequest, p.GenerateResponse),
     Endpoint("POST", "/stream-generate", native.stream_generate, "api", "Native API: stream text (SSE)",
              p.GenerateRequest, p.GenerateResponse, streams=True),
+    Endpoint("POST", "/chat", native.chat_native, "api", "Native API: chat messages in, text out (SSE with stream)",
+             p.NativeChatRequest, p.GenerateResponse, streams=True),
     Endpoint("GET", "/openapi.json", openapi, "open", "This document"),
     Endpoint("GET", "/metrics", ops.prometheus, "ops", "Prometheus metrics"),
     Endpoint("GET", "/health", ops.health, "ops", "Liveness"),

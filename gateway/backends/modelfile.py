@@ -6,16 +6,26 @@
         aliases: [smol, default]
         admission: {max_running: 32, max_waiting: 64, reject_status: 429}
         fallback: [smol-remote]            # tried in order when this one is dead or overloaded
+        defaults: {temperature: 0.7, top_p: 0.9, max_tokens: 512}  # over the generation_config.json's
       - name: smol-remote                  # a remote OpenAI-compatible upstream (httpx)
         kind: remote
         url: http://10.0.0.7:8000/v1
         upstream_model: smollm2-135m-instruct
+      - name: assistant                    # versions (SemVer): served as assistant@1.4.2, ...
+        version: 1.4.2
+      - name: assistant
+        version: 2.0.0-rc.1                # a pre-release: only served when asked for exactly
+        kind: remote
+        url: http://10.0.0.8:8000/v1
       - name: chat                         # one public name split by weight between versions
         kind: split
-        versions: {smollm2-135m-instruct: 90, smol-remote: 10}
+        versions: {smollm2-135m-instruct: 90, assistant@1: 10}
         sticky: true                       # the same API key (or `user`) keeps its version
 
-Everything is checked at start-up: a bad file is refused with a message naming the problem.
+A reference (split versions, fallbacks) names a model, or a version as clients ask for one
+(`assistant`: the newest stable, `assistant@1`, `assistant@1.4.2`); it is resolved to one
+model (version) at start. Everything is checked at start-up: a bad file is refused with a message
+naming the problem.
 """
 
 from __future__ import annotations
@@ -25,9 +35,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.config import EngineSettings
+from engine.config import EngineSettings, SamplingDefaults
+from gateway.backends import versions
 from gateway.settings import AdmissionSettings, Settings
 
 
@@ -39,6 +50,7 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1)
+    version: str | None = None  # SemVer: served as `name@version`
     kind: Literal["embedded", "remote", "split"] = "embedded"
     aliases: list[str] = Field(default_factory=list)
     fallback: list[str] = Field(default_factory=list)
@@ -51,9 +63,32 @@ class ModelSpec(BaseModel):
     connect_timeout_s: float = Field(5, gt=0)
     versions: dict[str, float] = Field(default_factory=dict)  # split: version name → weight
     sticky: bool = False
+    defaults: SamplingDefaults | None = None  # sampling defaults (embedded: over generation_config.json)
+
+    @property
+    def id(self) -> str:
+        """The name this model (version) is served under: `name`, or `name@version`."""
+        return versions.model_id(self.name, self.version)
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_as_written(cls, value: object) -> object:
+        """`version: 1.4` is a number to YAML: keep it as text, to be refused as not SemVer."""
+        return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> ModelSpec:
+        for name in (self.name, *self.aliases):
+            if versions.SEPARATOR in name:
+                raise ValueError(f"model name or alias '{name}' has an '@': give a version as `version:`")
+        if self.version is not None:
+            try:
+                versions.parse(self.version)
+            except ValueError:
+                raise ValueError(f"model '{self.name}': version '{self.version}' is not a semantic version "
+                                 "(MAJOR.MINOR.PATCH, e.g. 1.4.2 or 2.0.0-rc.1)") from None
+            if self.kind == "split":
+                raise ValueError(f"split '{self.name}' cannot have a version: its versions are what it splits")
         if self.kind == "remote" and not self.url:
             raise ValueError(f"remote model '{self.name}' needs a url")
         if self.kind == "split":
@@ -67,9 +102,12 @@ class ModelSpec(BaseModel):
 
     def engine_settings(self, defaults: EngineSettings) -> EngineSettings:
         try:
-            return EngineSettings.model_validate({**defaults.model_dump(), **self.engine, "served_model_name": self.name})
+            merged = EngineSettings.model_validate({**defaults.model_dump(), **self.engine, "served_model_name": self.id})
         except ValidationError as exc:
-            raise ConfigError(f"model '{self.name}': bad engine settings: {exc}") from exc
+            raise ConfigError(f"model '{self.id}': bad engine settings: {exc}") from exc
+        if self.defaults is None:
+            return merged
+        return merged.model_copy(update={"sampling_defaults": self.defaults.over(merged.sampling_defaults)})
 
 
 class ModelsFile(BaseModel):
@@ -101,22 +139,48 @@ def load(settings: Settings) -> ModelsFile:
     return parsed
 
 
+def catalog(models: ModelsFile) -> versions.Catalog:
+    """The versioned models; a version declared twice is refused."""
+    found = versions.Catalog()
+    for spec in models.models:
+        if spec.version is not None:
+            try:
+                found.add(spec.name, spec.version)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
+    return found
+
+
 def check(models: ModelsFile) -> None:
-    """Names unique, references known, no split of splits, no fallback cycles."""
+    """Names unique, references known (and resolved to one model version each), no split of
+    splits, no fallback cycles."""
+    versioned = catalog(models)
     names: dict[str, ModelSpec] = {}
     for spec in models.models:
-        for name in (spec.name, *spec.aliases):
-            if name in names:
+        for name in (spec.id, *spec.aliases):
+            if name in names or name in versioned.families:  # a versioned name is all its versions
                 raise ConfigError(f"the model name or alias '{name}' is declared twice")
             names[name] = spec
-    canonical = {spec.name: spec for spec in models.models}
+    canonical = {spec.id: spec for spec in models.models}
     for spec in models.models:
+        spec.fallback = [_resolve(ref, spec, canonical, versioned) for ref in spec.fallback]
+        spec.versions = {_resolve(ref, spec, canonical, versioned): w for ref, w in spec.versions.items()}
         for ref in (*spec.fallback, *spec.versions):
-            if ref not in canonical:
-                raise ConfigError(f"model '{spec.name}' refers to '{ref}', which is not declared (by its name)")
             if spec.kind == "split" and canonical[ref].kind == "split":
                 raise ConfigError(f"split '{spec.name}' cannot split into another split ('{ref}')")
-        _no_cycle(spec.name, canonical, [])
+    for spec in models.models:
+        _no_cycle(spec.id, canonical, [])
+
+
+def _resolve(ref: str, spec: ModelSpec, canonical: dict[str, ModelSpec], versioned: versions.Catalog) -> str:
+    """A reference as the id of one model (version)."""
+    try:
+        found = versioned.lookup(ref)
+    except versions.VersionNotFound as exc:
+        raise ConfigError(f"model '{spec.id}' refers to '{ref}': {exc}") from exc
+    if found is None and ref not in canonical:
+        raise ConfigError(f"model '{spec.id}' refers to '{ref}', which is not declared (by its name)")
+    return found or ref
 
 
 def _no_cycle(name: str, specs: dict[str, ModelSpec], path: list[str]) -> None:

@@ -1,5 +1,6 @@
 """Public model names → what answers them: embedded engines and remote upstreams ("backends"),
-aliases, A/B splits between versions, and fallback chains."""
+aliases, SemVer versions (`name`, `name@1`, `name@1.4.2`: `backends.versions`), A/B splits between
+versions, and fallback chains."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.config import SamplingDefaults
 from engine.types import Engine
 from gateway.backends.admission import Admission
 from gateway.backends.upstream import Upstream
+from gateway.backends.versions import Catalog, VersionNotFound
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.protocol.openai import ModelCard, ModelList
 
@@ -23,6 +26,8 @@ class Backend:
     engine: Engine | None = None
     upstream: Upstream | None = None
     created: int = 0
+    version: str | None = None  # its SemVer version, when declared
+    defaults: SamplingDefaults | None = None  # remote: sent where a request is silent (embedded: in the engine)
 
     async def check_health(self) -> None:
         if self.engine is not None:
@@ -57,10 +62,15 @@ class ModelRegistry:
     backends: dict[str, Backend]
     splits: dict[str, Split] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    catalog: Catalog = field(default_factory=Catalog)
 
     def resolve(self, name: str, sticky_key: str | None = None) -> tuple[str, list[Backend]]:
         """(the version that should answer, then its fallback chain in order)."""
         canonical = self.aliases.get(name, name)
+        try:
+            canonical = self.catalog.lookup(canonical) or canonical
+        except VersionNotFound as exc:
+            raise ModelNotFound(str(exc), param="model") from exc
         split = self.splits.get(canonical)
         version = split.choose(sticky_key) if split else canonical
         if version not in self.backends:
@@ -102,8 +112,11 @@ class ModelRegistry:
             engine = backend.engine
             cards.append(ModelCard(
                 id=name, created=backend.created, root=engine.info.root if engine else name,
-                max_model_len=engine.info.max_model_len if engine else None,
+                max_model_len=engine.info.max_model_len if engine else None, version=backend.version,
             ))
+        for family in self.catalog.families:  # `name` alone: its newest stable version, if any
+            if (newest := self.catalog.newest_stable(family)) is not None:
+                cards.append(ModelCard(id=family, created=self.backends[newest].created, root=newest))
         cards += [ModelCard(id=name, created=split.created, root=name) for name, split in self.splits.items()]
         cards += [ModelCard(id=alias, created=0, root=target) for alias, target in self.aliases.items()]
         return ModelList(data=cards)

@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import structlog
 
-from engine import start_engine
+from engine import check_engine_settings, start_engine
 from engine.config import EngineSettings
 from engine.types import Engine, GenerationRequest, SamplingOptions
 from gateway.backends.admission import Admission
-from gateway.backends.modelfile import ModelsFile
+from gateway.backends.modelfile import ConfigError, ModelsFile, catalog
 from gateway.backends.registry import Backend, ModelRegistry, Split
 from gateway.backends.upstream import Upstream
 from gateway.settings import Settings
@@ -23,9 +23,24 @@ log = structlog.get_logger(__name__)
 EngineStarter = Callable[[EngineSettings], Engine]
 
 
+EngineCheck = Callable[[EngineSettings], None]
+
+
 def start_embedded(settings: EngineSettings) -> Engine:
     """The real engine (`engine.start_engine` imports vllm only when a model is started)."""
     return start_engine(settings)
+
+
+def check_embedded(models: ModelsFile, settings: Settings, check: EngineCheck = check_engine_settings) -> None:
+    """Every embedded model's engine settings against its model and the platform, before anything
+    starts: a setting they cannot use is a ConfigError naming the model and the setting."""
+    for spec in models.models:
+        if spec.kind != "embedded":
+            continue
+        try:
+            check(spec.engine_settings(settings.engine))
+        except ValueError as exc:  # EngineConfigError, unknown engine arguments
+            raise ConfigError(f"model '{spec.id}': {exc}") from exc
 
 
 def build_registry(models: ModelsFile, settings: Settings, start: EngineStarter) -> ModelRegistry:
@@ -34,21 +49,23 @@ def build_registry(models: ModelsFile, settings: Settings, start: EngineStarter)
     aliases: dict[str, str] = {}
     created = int(time.time())
     for spec in models.models:
-        aliases.update({alias: spec.name for alias in spec.aliases})
+        aliases.update({alias: spec.id for alias in spec.aliases})
         if spec.kind == "split":
-            splits[spec.name] = Split(spec.name, list(spec.versions.items()), spec.sticky, created)
+            splits[spec.id] = Split(spec.id, list(spec.versions.items()), spec.sticky, created)
             continue
-        admission = Admission(spec.name, spec.admission or settings.admission)
-        backend = Backend(spec.name, admission, tuple(spec.fallback), created=created)
+        admission = Admission(spec.id, spec.admission or settings.admission)
+        backend = Backend(spec.id, admission, tuple(spec.fallback), created=created, version=spec.version)
         if spec.kind == "remote":
             assert spec.url is not None
-            backend.upstream = Upstream(spec.name, spec.url, spec.upstream_model or spec.name, spec.api_key,
+            backend.upstream = Upstream(spec.id, spec.url, spec.upstream_model or spec.name, spec.api_key,
                                         spec.timeout_s, spec.connect_timeout_s)
+            backend.defaults = spec.defaults
         else:
-            log.info("engine_starting", model=spec.name)
+            log.info("engine_starting", model=spec.id)
             backend.engine = start(spec.engine_settings(settings.engine))
-        backends[spec.name] = backend
-    return ModelRegistry(backends, splits, aliases)
+            log.info("sampling_defaults", model=spec.id, **backend.engine.info.sampling_defaults.model_dump(exclude_none=True))
+        backends[spec.id] = backend
+    return ModelRegistry(backends, splits, aliases, catalog(models))
 
 
 async def warm_up(name: str, engine: Engine) -> None:

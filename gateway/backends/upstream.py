@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import structlog
 
+from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
 from gateway import metrics
 from gateway.errors import BackendUnavailable
@@ -81,6 +82,19 @@ class Upstream:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, output_budget: bool) -> dict[str, Any]:
+    """The request with the model's sampling defaults (the models file's `defaults`) where it is
+    silent: an upstream cannot know them. `max_tokens` only where the output budget is open (chat),
+    as for embedded models."""
+    if defaults is None:
+        return payload
+    values = defaults.model_dump(exclude_none=True)
+    if not output_budget or "max_completion_tokens" in payload:
+        values.pop("max_tokens", None)
+    silent = {key: value for key, value in values.items() if payload.get(key) is None}
+    return {**payload, **silent}
 
 
 async def _passthrough(response: httpx.Response, on_close: Callable[[], None]) -> AsyncIterator[bytes]:

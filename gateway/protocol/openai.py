@@ -268,6 +268,7 @@ class ModelCard(_Response):
     owned_by: str = "llm-gateway"
     root: str | None = None
     max_model_len: int | None = None
+    version: str | None = None  # the SemVer version of a versioned model (its id is name@version)
 
 
 class ModelList(_Response):
@@ -344,3 +345,23 @@ class GenerateResponse(_Response):
     output: str
     finish_reason: str | None = None
     usage: Usage | None = None
+
+
+class NativeChatRequest(_Request):
+    """The native chat API: messages in, text out (`{"output"}`, or SSE with `stream`); `model` may
+    be left out (the default model)."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    stop: Stop = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    ignore_eos: bool = False
+    stream: bool = False

@@ -113,15 +113,16 @@ def prepare(request: ChatCompletionRequest, engine: Engine, default_max_tokens: 
     if request.truncate_prompt_tokens is not None:
         prompt_ids = prompt_ids[-request.truncate_prompt_tokens :]
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    defaults = engine.info.sampling_defaults  # the models file's over the model's generation_config.json
     max_tokens = resolve_max_tokens(
         request.max_completion_tokens or request.max_tokens,
         len(prompt_ids),
         engine.info.max_model_len,
-        default_max_tokens,
+        defaults.max_tokens or default_max_tokens,
         param,
     )
     top = (request.top_logprobs or 0) if request.logprobs else None
-    sampling = sampling_options(request, max_tokens, logprobs=top, **_constraint(request, plan))
+    sampling = sampling_options(request, max_tokens, logprobs=top, defaults=defaults, **_constraint(request, plan))
     chat_id = new_id("chatcmpl")
     generation = GenerationRequest(chat_id, prompt_ids, sampling, prompt_text=prompt)
     return PreparedChat(request, engine, generation, plan, request.model, chat_id, now())

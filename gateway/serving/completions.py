@@ -92,6 +92,8 @@ def prepare(request: CompletionRequest, engine: Engine, default_max_tokens: int 
             logprobs=request.logprobs if best_of == request.n else (request.logprobs or 0),
             prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
             n=best_of,
+            # sampling defaults as in chat; max_tokens stays 16 when unsaid, as OpenAI's and vLLM's completions
+            defaults=engine.info.sampling_defaults,
         )
         generations.append(GenerationRequest(f"{cmpl_id}-{i}", ids, sampling, prompt_text=text))
         texts.append(text)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.config import SamplingDefaults
 from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, SamplingOptions, TokenLogprob
 from gateway import metrics
 from gateway.context import current_record
@@ -53,23 +54,27 @@ def sampling_options(
     json_object: bool = False,
     compact_json: bool = False,
     n: int | None = None,
+    defaults: SamplingDefaults | None = None,
 ) -> SamplingOptions:
-    """OpenAI's defaults where the request is silent (temperature 1, top_p 1)."""
+    """Where the request is silent: the model's `defaults` (the models file's over its
+    generation_config.json), then OpenAI's (temperature 1, top_p 1, no top_k, min_p or penalties)."""
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     bias = {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
+    pick = _Defaulted(request, defaults or SamplingDefaults())
+    top_k = int(pick("top_k", 0))
     return SamplingOptions(
         max_tokens=max_tokens,
         n=n or request.n,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0 if request.top_k in (None, -1) else request.top_k,
-        min_p=request.min_p or 0.0,
+        temperature=pick("temperature", 1.0),
+        top_p=pick("top_p", 1.0),
+        top_k=0 if top_k == -1 else top_k,
+        min_p=pick("min_p", 0.0),
         seed=request.seed,
         stop=stop,
         stop_token_ids=tuple(request.stop_token_ids or ()),
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        repetition_penalty=request.repetition_penalty or 1.0,
+        presence_penalty=pick("presence_penalty", 0.0),
+        frequency_penalty=pick("frequency_penalty", 0.0),
+        repetition_penalty=pick("repetition_penalty", 1.0),
         min_tokens=request.min_tokens,
         ignore_eos=request.ignore_eos,
         skip_special_tokens=request.skip_special_tokens,
@@ -81,6 +86,20 @@ def sampling_options(
         json_object=json_object,
         compact_json=compact_json,
     )
+
+
+class _Defaulted:
+    """A sampling parameter: the request's when it sent one, else the model's default, else OpenAI's."""
+
+    def __init__(self, request: SamplingFields, defaults: SamplingDefaults) -> None:
+        self.request, self.defaults = request, defaults
+        self.sent = request.model_fields_set
+
+    def __call__(self, name: str, openai_default: float) -> float:
+        value = getattr(self.request, name) if name in self.sent else None
+        if value is None:
+            value = getattr(self.defaults, name)
+        return openai_default if value is None else float(value)
 
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int | None, param: str) -> None:

@@ -113,3 +113,26 @@ def test_vllm_logging_config_from_the_engine_settings() -> None:
     assert logging_config(EngineSettings()) is None  # vLLM's own defaults
     config = logging_config(EngineSettings(log_format="json", log_level="warning"))
     assert (config.formatter, config.log_level) == ("json", "WARNING")
+
+
+def test_engine_settings_are_checked_per_embedded_model_before_start(tmp_path) -> None:
+    """`serve` passes the real check (engine.check_engine_settings); its refusal names the model and the setting."""
+    from engine.errors import EngineConfigError
+    from gateway.app import create_app
+    from gateway.backends.modelfile import ConfigError
+    from tests.fakes import FakeEngine
+
+    checked = []
+
+    def check(settings) -> None:
+        checked.append(settings.served_model_name)
+        if settings.kv_cache_dtype != "auto":
+            raise EngineConfigError("kv_cache_dtype", f"'{settings.kv_cache_dtype}' does not run on the CPU")
+
+    models = tmp_path / "models.yaml"
+    models.write_text("models: [{name: a, version: 1.0.0}, {name: r, kind: remote, url: 'http://127.0.0.1:9/v1'},"
+                      " {name: b, engine: {kv_cache_dtype: fp8_inc}}]")
+    starter = lambda es: FakeEngine(es.served_model_name)  # noqa: E731
+    with pytest.raises(ConfigError, match=r"model 'b': kv_cache_dtype \(GATEWAY_ENGINE__KV_CACHE_DTYPE\): 'fp8_inc'"):
+        create_app(fake_settings(models_file=models), engine_starter=starter, engine_check=check)
+    assert checked == ["a@1.0.0", "b"]  # embedded models only

@@ -80,3 +80,44 @@ def test_openapi_describes_routes_from_the_models(client: TestClient) -> None:
     props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"messages", "temperature", "logprobs", "tools", "response_format"} <= set(props)
     assert "/tokenize" in doc["paths"] and "/generate" in doc["paths"]
+
+
+def test_chat_native_messages_in_text_out(client: TestClient, engine: FakeEngine) -> None:
+    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+            "max_tokens": 3, "temperature": 0}
+    response = client.post("/chat", json=body)
+    assert response.status_code == 200 and response.headers["x-model-version"] == MODEL
+    assert response.json() == {"output": "the quick brown", "finish_reason": "length",
+                               "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}}
+    assert engine.tokenizer.decode(engine.requests[0].prompt_token_ids) == "<system> be brief <user> hello <assistant>"
+
+
+def test_chat_native_streams_as_stream_generate_does(client: TestClient) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "stream": True}
+    response = client.post("/chat", json=body)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["output"] for c in chunks) == "the quick brown"
+    assert chunks[-1]["finish_reason"] == "length" and set(chunks[0]) <= {"output", "finish_reason", "usage"}
+
+
+def test_chat_native_cached_answer_streams_too(engine: FakeEngine) -> None:
+    from tests.fakes import app_with
+
+    with TestClient(app_with(engine, cache={"backend": "memory"})) as client:
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "temperature": 0}
+        first = client.post("/chat", json=body)
+        again = client.post("/chat", json={**body, "stream": True})
+    assert again.headers["x-cache"] == "HIT" and len(engine.requests) == 1
+    events = sse_events(again.text)
+    assert "".join(json.loads(e)["output"] for e in events[:-1]) == first.json()["output"]
+
+
+def test_chat_native_bad_input(client: TestClient) -> None:
+    assert client.post("/chat", json={"max_tokens": 3}).json()["error"]["param"] == "messages"
+    assert client.post("/chat", json={"messages": [], "max_tokens": 3}).status_code == 400
+    unknown = client.post("/chat", json={"messages": [{"role": "user", "content": "a"}], "tools": []})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "tools"
+    assert client.post("/chat", json={"model": "nope", "messages": [{"role": "user", "content": "a"}]}).status_code == 404

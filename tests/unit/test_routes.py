@@ -21,6 +21,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "/detokenize": {"model": "fake-model", "tokens": [10]},
     "/generate": {"prompt": "hi", "max_tokens": 2},
     "/stream-generate": {"prompt": "hi", "max_tokens": 2},
+    "/chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
 }
 
 

