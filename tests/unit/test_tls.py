@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -35,43 +34,9 @@ from gateway.server import DrainingServer
 from gateway.settings import TLSSettings
 from gateway.tls import ServerTLS, TLSConfigError
 from tests.fakes import HELLO, FakeEngine, fake_settings
+from tests.tls_certs import HOST, Files, client_context, handshake, served_certificate
 
-HOST = "127.0.0.1"
 WAIT_S = 30  # a bound on waiting for an event, not a measurement
-
-
-@dataclass
-class Files:
-    """A server certificate (for 127.0.0.1) and its key on disk, issued by `ca`."""
-
-    folder: Path
-    ca: trustme.CA
-
-    def __post_init__(self) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.issue(self.ca)
-
-    @property
-    def cert(self) -> Path:
-        return self.folder / "tls.crt"
-
-    @property
-    def key(self) -> Path:
-        return self.folder / "tls.key"
-
-    def issue(self, ca: trustme.CA) -> bytes:
-        """A new certificate by `ca`, written as a Secret volume update does (replace, not rewrite);
-        returns it (DER)."""
-        leaf = ca.issue_cert(HOST)
-        self.replace(self.key, leaf.private_key_pem.bytes())
-        self.replace(self.cert, leaf.cert_chain_pems[0].bytes())
-        return ssl.PEM_cert_to_DER_cert(leaf.cert_chain_pems[0].bytes().decode())
-
-    @staticmethod
-    def replace(path: Path, data: bytes) -> None:
-        scratch = path.with_suffix(".new")
-        scratch.write_bytes(data)
-        os.replace(scratch, path)
 
 
 @pytest.fixture
@@ -82,17 +47,6 @@ def ca() -> trustme.CA:
 @pytest.fixture
 def files(tmp_path: Path, ca: trustme.CA) -> Files:
     return Files(tmp_path / "server", ca)
-
-
-def client_context(ca: trustme.CA, cert: trustme.LeafCert | None = None,
-                   max_version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ca.configure_trust(context)
-    if cert is not None:
-        cert.configure_cert(context)
-    if max_version is not None:
-        context.maximum_version = max_version
-    return context
 
 
 @contextlib.contextmanager
@@ -135,16 +89,6 @@ def chat(base: str, context: ssl.SSLContext) -> str | None:
     with sdk(base, context) as client:
         answer = client.chat.completions.create(model="fake-model", messages=HELLO, max_tokens=3)
         return answer.choices[0].message.content
-
-
-def handshake(base: str, context: ssl.SSLContext) -> tuple[bytes, str | None]:
-    """One fresh connection: the certificate the server presents (DER) and the TLS version."""
-    port = int(base.rsplit(":", 1)[1])
-    with socket.create_connection((HOST, port), timeout=WAIT_S) as raw:
-        with context.wrap_socket(raw, server_hostname=HOST) as tls:
-            certificate = tls.getpeercert(binary_form=True)
-            assert certificate is not None
-            return certificate, tls.version()
 
 
 def refused(base: str, context: ssl.SSLContext) -> bool:
@@ -221,13 +165,6 @@ def test_mtls_optional(files: Files, ca: trustme.CA) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # reload without a restart
-
-
-def served_certificate(base: str, context: ssl.SSLContext) -> bytes | None:
-    try:
-        return handshake(base, context)[0]
-    except ssl.SSLError:
-        return None
 
 
 def test_rotated_files_are_served_to_new_connections(files: Files, ca: trustme.CA) -> None:
