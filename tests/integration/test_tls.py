@@ -22,7 +22,7 @@ import pytest
 import trustme
 
 from tests.integration.conftest import MODEL, gateway_process
-from tests.tls_certs import Files, client_context, handshake, served_certificate
+from tests.tls_support import Files, client_context, handshake, served_certificate
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("TLS settings are the gateway's own")]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -7,16 +7,11 @@ wrong-CA clients, mTLS (required, optional), the minimum TLS version, and certif
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -26,17 +21,14 @@ import trustme
 import uvicorn
 from pydantic import ValidationError
 
-from gateway.app import create_app
 from gateway.cli import parser, settings_from
 from gateway.metrics import TLS_RELOADS
 from gateway.middleware.lifecycle import Lifecycle
 from gateway.server import DrainingServer
 from gateway.settings import TLSSettings
 from gateway.tls import ServerTLS, TLSConfigError
-from tests.fakes import HELLO, FakeEngine, fake_settings
-from tests.tls_certs import HOST, Files, client_context, handshake, served_certificate
-
-WAIT_S = 30  # a bound on waiting for an event, not a measurement
+from tests.fakes import HELLO
+from tests.tls_support import WAIT_S, Files, client_context, handshake, served_certificate, serving, wait_for
 
 
 @pytest.fixture
@@ -47,36 +39,6 @@ def ca() -> trustme.CA:
 @pytest.fixture
 def files(tmp_path: Path, ca: trustme.CA) -> Files:
     return Files(tmp_path / "server", ca)
-
-
-@contextlib.contextmanager
-def serving(tls: TLSSettings | ServerTLS) -> Iterator[str]:
-    """The app on the fake engine, served over TLS by DrainingServer on a free loopback port."""
-    server_tls = tls if isinstance(tls, ServerTLS) else ServerTLS(tls)
-    lifecycle = Lifecycle()
-    engine = FakeEngine()
-    app = create_app(fake_settings(), engine_starter=lambda es: engine, lifecycle=lifecycle)
-    config = uvicorn.Config(app, log_config=None, access_log=False, **server_tls.uvicorn_options())
-    server = DrainingServer(config, lifecycle, drain_timeout_s=0, reloadables=[server_tls])
-    sock = socket.socket()
-    sock.bind((HOST, 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started or not thread.is_alive())
-        assert server.started, "the server did not start"
-        yield f"https://{HOST}:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
-        sock.close()
-
-
-def wait_for(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def sdk(base: str, context: ssl.SSLContext) -> openai.OpenAI:

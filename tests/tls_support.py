@@ -1,19 +1,32 @@
-"""Certificates for the TLS tests (trustme) and the client side of a handshake: the server's files
-on disk (rotated as a Secret volume update does), client contexts trusting one CA or another, and
-one raw handshake that tells the certificate served and the TLS version."""
+"""For the TLS tests: certificates (trustme) and the server's files on disk (rotated as a Secret
+volume update does), client contexts trusting one CA or another, one raw handshake that tells the
+certificate served and the TLS version, and the app on the fake engine served over TLS by a real
+uvicorn server (DrainingServer, in a thread)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import trustme
+import uvicorn
+
+from gateway.app import create_app
+from gateway.middleware.lifecycle import Lifecycle
+from gateway.server import DrainingServer
+from gateway.settings import TLSSettings
+from gateway.tls import ServerTLS
+from tests.fakes import FakeEngine, fake_settings
 
 HOST = "127.0.0.1"
-TIMEOUT_S = 30
+WAIT_S = 30  # a bound on waiting for an event, not a measurement
 
 
 @dataclass
@@ -64,7 +77,7 @@ def client_context(ca: trustme.CA, cert: trustme.LeafCert | None = None,
 def handshake(base: str, context: ssl.SSLContext) -> tuple[bytes, str | None]:
     """One fresh connection: the certificate the server presents (DER) and the TLS version."""
     port = int(base.rsplit(":", 1)[1])
-    with socket.create_connection((HOST, port), timeout=TIMEOUT_S) as raw:
+    with socket.create_connection((HOST, port), timeout=WAIT_S) as raw:
         with context.wrap_socket(raw, server_hostname=HOST) as tls:
             certificate = tls.getpeercert(binary_form=True)
             assert certificate is not None
@@ -76,3 +89,33 @@ def served_certificate(base: str, context: ssl.SSLContext) -> bytes | None:
         return handshake(base, context)[0]
     except ssl.SSLError:
         return None
+
+
+@contextlib.contextmanager
+def serving(tls: TLSSettings | ServerTLS) -> Iterator[str]:
+    """The app on the fake engine, served over TLS by DrainingServer on a free loopback port."""
+    server_tls = tls if isinstance(tls, ServerTLS) else ServerTLS(tls)
+    lifecycle = Lifecycle()
+    engine = FakeEngine()
+    app = create_app(fake_settings(), engine_starter=lambda es: engine, lifecycle=lifecycle)
+    config = uvicorn.Config(app, log_config=None, access_log=False, **server_tls.uvicorn_options())
+    server = DrainingServer(config, lifecycle, drain_timeout_s=0, reloadables=[server_tls])
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive())
+        assert server.started, "the server did not start"
+        yield f"https://{HOST}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        sock.close()
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
