@@ -39,14 +39,13 @@ class TLSConfigError(ValueError):
 
 
 class ServerTLS:
-    def __init__(self, settings: TLSSettings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: TLSSettings) -> None:
         if settings.cert_file is None:
             raise TLSConfigError("tls: no cert_file")
         self.settings = settings
-        self._clock = clock
         self._stamp = self._files_stamp()
         self._refused: Stamp | None = None
-        self._next_poll = clock() + settings.reload_interval_s
+        self._next_poll = time.monotonic() + settings.reload_interval_s
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.minimum_version = VERSIONS[settings.min_version]
         self.context.verify_mode = CLIENT_AUTH[settings.client_auth]
@@ -83,7 +82,7 @@ class ServerTLS:
     def poll(self) -> None:
         """Reload when a file changed since the last load (at most every `reload_interval_s`)."""
         interval = self.settings.reload_interval_s
-        now = self._clock()
+        now = time.monotonic()
         if interval <= 0 or now < self._next_poll:
             return
         self._next_poll = now + interval
@@ -94,7 +93,8 @@ class ServerTLS:
     def _load(self, context: ssl.SSLContext) -> None:
         s = self.settings
         assert s.cert_file is not None
-        password = s.key_password.get_secret_value() if s.key_password else None
+        # without a password, an encrypted key fails instead of OpenSSL prompting on the terminal
+        password: str | Callable[[], bytes] = s.key_password.get_secret_value() if s.key_password else bytes
         context.load_cert_chain(s.cert_file, s.key_file, password)
         if s.ca_file is not None:
             context.load_verify_locations(cafile=s.ca_file)

@@ -19,6 +19,7 @@ import openai
 import pytest
 import trustme
 import uvicorn
+from cryptography.hazmat.primitives import serialization
 from pydantic import ValidationError
 
 from gateway.cli import parser, settings_from
@@ -224,6 +225,18 @@ def test_settings_from_environment_and_flags(monkeypatch: pytest.MonkeyPatch, fi
 def test_incomplete_settings_are_refused(values: dict[str, str], problem: str) -> None:
     with pytest.raises(ValidationError, match=problem):
         TLSSettings(**values)
+
+
+def test_an_encrypted_key_with_its_password(files: Files, ca: trustme.CA) -> None:
+    key = serialization.load_pem_private_key(files.key.read_bytes(), password=None)
+    encrypted = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.BestAvailableEncryption(b"s3cret"))
+    Files.replace(files.key, encrypted)
+    for wrong in ("wrong", None):  # None: refused, not a prompt on the terminal
+        with pytest.raises(TLSConfigError):
+            ServerTLS(TLSSettings(cert_file=files.cert, key_file=files.key, key_password=wrong))
+    with serving(TLSSettings(cert_file=files.cert, key_file=files.key, key_password="s3cret")) as base:
+        assert chat(base, client_context(ca))
 
 
 def test_unusable_files_are_refused_at_start(tmp_path: Path, files: Files) -> None:
