@@ -20,6 +20,7 @@ from gateway.logs import configure
 from gateway.middleware.lifecycle import Lifecycle
 from gateway.server import DrainingServer
 from gateway.settings import Settings
+from gateway.tls import ServerTLS
 
 
 def _engine_arg(text: str) -> tuple[str, Any]:
@@ -57,9 +58,16 @@ def parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="any other vLLM engine argument (value parsed as JSON when it can be)",
     )
+    tls = serve.add_argument_group("TLS", "HTTPS when a certificate is given (GATEWAY_TLS__*)")
+    tls.add_argument("--tls-cert-file", help="PEM certificate chain")
+    tls.add_argument("--tls-key-file", help="PEM private key (unset: in the certificate file)")
+    tls.add_argument("--tls-ca-file", help="PEM CA certificates to verify client certificates against")
+    tls.add_argument("--tls-client-auth", choices=["none", "optional", "required"])
+    tls.add_argument("--tls-min-version", choices=["TLSv1.2", "TLSv1.3"])
     return root
 
 
+TLS_FLAGS = ("cert_file", "key_file", "ca_file", "client_auth", "min_version")
 ENGINE_FLAGS = (
     "model",
     "served_model_name",
@@ -81,7 +89,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if args.engine_arg:
         engine["engine_args"] = {**base.engine.engine_args, **dict(args.engine_arg)}
     merged_engine = base.engine.model_copy(update=engine)
-    return Settings.model_validate({**base.model_dump(), **top, "engine": merged_engine.model_dump()})
+    tls = {k: getattr(args, f"tls_{k}") for k in TLS_FLAGS if getattr(args, f"tls_{k}") is not None}
+    merged = {"engine": merged_engine.model_dump(), "tls": {**base.tls.model_dump(), **tls}}
+    return Settings.model_validate({**base.model_dump(), **top, **merged})
 
 
 STARTUP_FAILED = 3  # the engines did not start (uvicorn's own status for a failed start-up)
@@ -89,6 +99,7 @@ STARTUP_FAILED = 3  # the engines did not start (uvicorn's own status for a fail
 
 def serve(settings: Settings) -> int:
     configure(settings.log_level, settings.log_format)
+    tls = ServerTLS(settings.tls) if settings.tls.enabled else None  # bad files stop us before the engine loads
     lifecycle = Lifecycle()
     app = create_app(settings, lifecycle=lifecycle, engine_check=check_engine_settings)
     config = uvicorn.Config(
@@ -98,8 +109,9 @@ def serve(settings: Settings) -> int:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=5,  # the drain already waited for requests in progress
+        **(tls.uvicorn_options() if tls else {}),
     )
-    server = DrainingServer(config, lifecycle, settings.drain_timeout_s)
+    server = DrainingServer(config, lifecycle, settings.drain_timeout_s, reloadables=[tls] if tls else [])
     server.run()
     return 0 if server.started else STARTUP_FAILED
 

@@ -49,6 +49,7 @@ REJECTED = Counter("gateway_rejected_total", "Requests refused by admission cont
 UPSTREAM_ERRORS = Counter("gateway_upstream_errors_total", "Failures of remote upstream models", ["model"])
 FALLBACKS = Counter("gateway_fallbacks_total", "Requests answered by a fallback model", ["model", "fallback"])
 DISCONNECTS = Counter("gateway_client_disconnects_total", "Clients gone before their answer ended", ["model"])
+TLS_RELOADS = Counter("gateway_tls_reloads_total", "Reloads of the TLS certificate files, by result", ["result"])
 
 
 def exposition() -> tuple[bytes, str]:

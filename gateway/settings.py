@@ -38,6 +38,37 @@ class AdmissionSettings(BaseModel):
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with a refusal")
 
 
+class TLSSettings(BaseModel):
+    """HTTPS, on when `cert_file` is set. The files are read again, without a restart, on SIGHUP and
+    when they change (checked every `reload_interval_s`): new connections get the new certificate."""
+
+    cert_file: Path | None = Field(None, description="PEM certificate chain, the server's first; set: serve HTTPS")
+    key_file: Path | None = Field(None, description="PEM private key; unset: it is in cert_file")
+    key_password: SecretStr | None = Field(None, description="Password of an encrypted key_file")
+    ca_file: Path | None = Field(None, description="PEM CA certificates that client certificates must chain to")
+    client_auth: Literal["none", "optional", "required"] = Field(
+        "none",
+        description="Client certificates (mTLS): none asked; optional: verified when sent; required: "
+        "a client without a valid one is refused at the handshake",
+    )
+    min_version: Literal["TLSv1.2", "TLSv1.3"] = Field("TLSv1.2", description="Oldest TLS version accepted")
+    reload_interval_s: float = Field(
+        10, ge=0, description="How often the files are checked for a change; 0: reloaded on SIGHUP only"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+    @model_validator(mode="after")
+    def _complete(self) -> TLSSettings:
+        if not self.enabled and (self.key_file or self.ca_file or self.client_auth != "none"):
+            raise ValueError("tls: key_file, ca_file and client_auth need tls.cert_file")
+        if self.client_auth != "none" and self.ca_file is None:
+            raise ValueError(f"tls.client_auth={self.client_auth} needs tls.ca_file to verify clients against")
+        return self
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GATEWAY_",
@@ -77,6 +108,7 @@ class Settings(BaseSettings):
     models_file: Path | None = Field(
         None, description="YAML or TOML file declaring several models (embedded, remote, A/B splits, fallbacks)"
     )
+    tls: TLSSettings = Field(default_factory=TLSSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)

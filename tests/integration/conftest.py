@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -80,17 +81,19 @@ def server(server_log: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def gateway_process(folder: Path, env: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen]]:
+def gateway_process(folder: Path, env: dict[str, str],
+                    tls: ssl.SSLContext | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """Another `python -m gateway serve` on a free port with `env` added, logging to
-    folder/gateway.log; up when entered, killed with its engine processes on the way out."""
+    folder/gateway.log; up when entered, killed with its engine processes on the way out.
+    `tls`: the gateway serves https (env has GATEWAY_TLS__*), reached with this client context."""
     port = free_port()
     log_path = folder / "gateway.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)],
                                    stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
+    base = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     try:
-        wait_until_up(base, process, log_path)
+        wait_until_up(base, process, log_path, verify=tls or True)
         yield base, process
     finally:
         if process.poll() is None:
@@ -101,13 +104,13 @@ def gateway_process(folder: Path, env: dict[str, str]) -> Iterator[tuple[str, su
         process.wait(timeout=30)
 
 
-def wait_until_up(base: str, process: subprocess.Popen, log_path: Path) -> None:
+def wait_until_up(base: str, process: subprocess.Popen, log_path: Path, verify: ssl.SSLContext | bool = True) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"gateway exited with {process.returncode}:\n{log_path.read_text()[-5000:]}")
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{base}/health", timeout=2, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

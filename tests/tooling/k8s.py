@@ -31,15 +31,19 @@ BUILDS = {
     "base": K8S / "base",
     "gpu": K8S / "overlays" / "gpu",
     "cpu": K8S / "overlays" / "cpu",
+    "tls": K8S / "overlays" / "tls",  # gpu with components/tls-edge and components/tls-pod
     "multinode": K8S / "examples" / "multinode",
 }
-SERVING = ("base", "gpu", "cpu")  # the builds with the gateway's Deployment
+SERVING = ("base", "gpu", "cpu", "tls")  # the builds with the gateway's Deployment
+COMPONENTS = K8S / "components"
 KUBERNETES_VERSION = "1.30.0"  # the oldest Kubernetes the manifests target
 # Custom resources: kubernetes-validate ships only the built-in schemas (see test_k8s_manifests.py).
 CRDS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+    ("cert-manager.io/v1", "Certificate"),
+    ("cert-manager.io/v1", "Issuer"),
 }
 HPA_METRIC = "gateway_requests_in_flight"
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import promql_parser
@@ -33,9 +34,10 @@ def parse(expr: str):
     return promql_parser.parse(expr.replace("$__rate_interval", "5m"))
 
 
-def _walk(node) -> Iterator[str]:
+def _walk(node) -> Iterator:
+    """Every VectorSelector of a parsed expression."""
     if type(node).__name__ == "VectorSelector":
-        yield node.name
+        yield node
     for attribute in ("lhs", "rhs", "expr", "vector_selector", "param"):
         child = getattr(node, attribute, None)
         if child is not None and not isinstance(child, (int, float, str)):
@@ -45,7 +47,25 @@ def _walk(node) -> Iterator[str]:
 
 
 def metric_names(expr: str) -> set[str]:
-    return {name for name in _walk(parse(expr)) if name}
+    return {selector.name for selector in _walk(parse(expr)) if selector.name}
+
+
+def selections(expr: str, metric: str) -> list[Callable[[str, str], bool]]:
+    """For each read of `metric` in `expr`: whether its label matchers keep a series with label=value."""
+    def holds(matcher, value: str) -> bool:
+        op = promql_parser.MatchOp
+        if matcher.op in (op.Equal, op.NotEqual):
+            return (value == matcher.value) == (matcher.op == op.Equal)
+        return (re.fullmatch(matcher.value, value) is not None) == (matcher.op == op.Re)
+
+    def keeps(matchers: list, label: str, value: str) -> bool:
+        return all(holds(m, value) for m in matchers if m.name == label)
+
+    return [
+        functools.partial(keeps, list(selector.matchers.matchers))
+        for selector in _walk(parse(expr))
+        if selector.name == metric
+    ]
 
 
 def exposed_names(exposition: str) -> set[str]:

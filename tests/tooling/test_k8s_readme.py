@@ -1,27 +1,37 @@
 """k8s/README.md, the deploy guide: its YAML examples (the metrics adapter rule, the production
-overlay, the routing examples) agree with the manifests and build."""
+overlay, the routing examples, the TLS overlays and their ClusterIssuer) agree with the manifests
+and build; the mTLS probe it gives passes against a real gateway with client certificates required."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+import pytest
+import trustme
 import yaml
 
+from gateway.settings import TLSSettings
+from tests.tls_support import serving
 from tests.tooling.k8s import (
     BUILDS,
+    COMPONENTS,
     HPA_METRIC,
     K8S,
     built,
     config_data,
+    gateway_env,
     gateway_pod,
     kustomize,
     matches,
     named_port,
     one,
+    settings_from,
 )
 
 
@@ -93,3 +103,81 @@ def test_readme_routing_examples_match_the_manifests() -> None:
             "/v1",
         )
         assert entry["upstream_model"]
+
+
+def readme_block(first_line: str) -> str:
+    [block] = [b for b in readme_yaml_blocks() if b.startswith(first_line)]
+    return block
+
+
+def test_readme_cluster_issuer_is_the_one_the_edge_certificate_names() -> None:
+    issuer = yaml.safe_load(readme_block("# clusterissuer.yaml"))
+    objects = built("tls")
+    ref = one(objects, "Certificate", "llm-gateway-edge")["spec"]["issuerRef"]
+    assert (issuer["kind"], issuer["metadata"]["name"]) == (ref["kind"], ref["name"])
+    [solver] = issuer["spec"]["acme"]["solvers"]
+    ingress_class = one(objects, "Ingress", "llm-gateway")["spec"]["ingressClassName"]
+    assert solver["http01"]["ingress"]["ingressClassName"] == ingress_class
+
+
+@pytest.fixture
+def mtls_build(tmp_path: Path) -> list[dict]:
+    """The README's production-tls overlay (on the gpu overlay here) and its mTLS overlay, built."""
+    overlays = tmp_path / "overlays"
+    tls, mtls = overlays / "production-tls", overlays / "production-mtls"
+    tls.mkdir(parents=True)
+    mtls.mkdir()
+    block = readme_block("# k8s/overlays/production-tls/kustomization.yaml")
+    block = block.replace("- ../production ", f"- {os.path.relpath(BUILDS['gpu'], tls)} ")
+    block = block.replace("../../components/", os.path.relpath(COMPONENTS, tls) + "/")
+    (tls / "kustomization.yaml").write_text(block)
+    (mtls / "kustomization.yaml").write_text(readme_block("# k8s/overlays/production-mtls/kustomization.yaml"))
+    return kustomize(mtls)
+
+
+def test_readme_tls_overlays_build(mtls_build: list[dict], clean_env: pytest.MonkeyPatch) -> None:
+    objects = mtls_build
+    ingress = one(objects, "Ingress", "llm-gateway")
+    hosts = [ingress["spec"]["tls"][0]["hosts"], [r["host"] for r in ingress["spec"]["rules"]],
+             one(objects, "Certificate", "llm-gateway-edge")["spec"]["dnsNames"]]
+    assert hosts == [["llm.mycompany.com"]] * 3
+    tls = settings_from(clean_env, gateway_env(objects)).tls
+    assert tls.client_auth == "required" and tls.ca_file.parent == tls.cert_file.parent
+    _, _, container = gateway_pod(objects)
+    assert container["startupProbe"]["tcpSocket"]["port"] == "http"
+    for probe, path in (("readinessProbe", "/ready"), ("livenessProbe", "/health")):
+        assert "httpGet" not in container[probe]
+        command = container[probe]["exec"]["command"]
+        assert command[:2] == ["python", "-c"] and command[3] == path
+        assert f":{named_port(container, 'http')}'" in command[2]
+
+
+def test_readme_mtls_probe_passes_against_a_gateway_requiring_client_certificates(
+    mtls_build: list[dict], clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The probe, run as the kubelet would, against the app served with the same settings and a
+    Secret laid out as cert-manager's (ca.crt, tls.crt, tls.key): it passes, and fails on a 404."""
+    _, _, container = gateway_pod(mtls_build)
+    tls = settings_from(clean_env, gateway_env(mtls_build)).tls
+    for key in [k for k in os.environ if k.startswith("GATEWAY_")]:
+        clean_env.delenv(key)  # the app below takes the test's settings, not the pod's
+    ca = trustme.CA()
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    leaf = ca.issue_cert("llm-gateway.llm-gateway.svc")
+    ca.cert_pem.write_to_path(str(secret / tls.ca_file.name))
+    leaf.cert_chain_pems[0].write_to_path(str(secret / tls.cert_file.name))
+    leaf.private_key_pem.write_to_path(str(secret / tls.key_file.name))
+    local = TLSSettings(**{**tls.model_dump(), **{k: secret / getattr(tls, k).name
+                                                   for k in ("cert_file", "key_file", "ca_file")}})
+    code = container["readinessProbe"]["exec"]["command"][2]
+    with serving(local) as base:
+        port = base.rsplit(":", 1)[1]
+        code = code.replace(f"'{tls.cert_file.parent}/'", f"'{secret}/'")
+        code = code.replace(f":{named_port(container, 'http')}'", f":{port}'")
+        for path, status in (("/ready", 0), ("/health", 0), ("/nowhere", 1)):
+            probe = subprocess.run([sys.executable, "-c", code, path], capture_output=True, timeout=60)
+            assert probe.returncode == status, probe.stderr
+        no_client_cert = code.replace("c.load_cert_chain", "(lambda *a: None)")
+        assert subprocess.run([sys.executable, "-c", no_client_cert, "/ready"], capture_output=True,
+                              timeout=60).returncode == 1

@@ -10,8 +10,18 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
+from gateway.api.routes import TABLE
+from gateway.api.table import UNMATCHED
 from tests.tooling.k8s import K8S, SERVING, built, matches, one
-from tests.tooling.monitoring import alert_rules, all_exprs, exposed_names, is_exposed, metric_names
+from tests.tooling.monitoring import (
+    alert_rules,
+    all_exprs,
+    dashboard_exprs,
+    exposed_names,
+    is_exposed,
+    metric_names,
+    selections,
+)
 
 
 def test_every_expression_parses() -> None:
@@ -29,6 +39,21 @@ def test_alert_rules_cover_the_four_alerts() -> None:
     assert "vllm:kv_cache_usage_perc" in rules["LLMGatewayKVCacheNearlyFull"]["expr"]
     assert "> 0.01" in rules["LLMGatewayServerErrors"]["expr"]
     assert "< 0.99" in rules["LLMGatewaySuccessRateLow"]["expr"]
+
+
+def test_request_ratios_count_the_api_routes_only() -> None:
+    """Probes and scrapes (/health, /ready, /metrics) would dilute the 5xx and success ratios: every
+    read of gateway_requests_total, in the alert rules and on the dashboard, keeps exactly the API
+    routes of the route table (route labels are table paths, or `unmatched`)."""
+    api = TABLE.paths("api")
+    labels = api | TABLE.paths("ops", "open") | {UNMATCHED}
+    rules = {rule["alert"]: rule["expr"] for rule in alert_rules()}
+    ratios = [rules["LLMGatewayServerErrors"], rules["LLMGatewaySuccessRateLow"]]
+    reads = [keeps for expr in ratios + dashboard_exprs() for keeps in selections(expr, "gateway_requests_total")]
+    assert len(reads) == 2 * 2 + 3  # numerator and denominator of both alerts; the dashboard's three
+    for keeps in reads:
+        assert {label for label in labels if keeps("route", label)} == api
+    assert all(not keeps("route", "/health") for expr in all_exprs() for keeps in selections(expr, "gateway_requests_total"))
 
 
 def test_gateway_metrics_read_by_rules_exist(client: TestClient) -> None:
