@@ -31,6 +31,7 @@ from gateway.middleware.access_log import AccessLogMiddleware
 from gateway.middleware.auth import AuthMiddleware, KeyRing
 from gateway.middleware.lifecycle import Lifecycle, LifecycleMiddleware
 from gateway.middleware.rate_limit import RateLimitMiddleware
+from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -62,8 +63,9 @@ def _middleware(settings: Settings, lifecycle: Lifecycle, limiter: RateLimiter) 
 def create_app(
     settings: Settings, engine_starter: EngineStarter = start_embedded, lifecycle: Lifecycle | None = None
 ) -> Starlette:
-    """Bad configuration (models file, cache backend) is refused here, before anything starts."""
+    """Bad configuration (models file, guards, cache backend) is refused here, before anything starts."""
     models = modelfile.load(settings)
+    guards = Guards.load(settings.guards_file, modelfile.guard_profiles(models))
     lifecycle = lifecycle or Lifecycle()
     limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm)
     cache_backend = make_backend(settings.cache)
@@ -76,7 +78,7 @@ def create_app(
             if settings.warmup:
                 for name, engine in registry.engines():
                     await warm_up(name, engine)
-            state = GatewayState(settings, registry, lifecycle, limiter, cache)
+            state = GatewayState(settings, registry, lifecycle, limiter, cache, guards)
             log.info("ready", models=sorted(registry.backends), splits=sorted(registry.splits), aliases=sorted(registry.aliases))
             yield {"gateway": state}
         finally:
@@ -84,6 +86,7 @@ def create_app(
             await stop(registry)
             if cache.backend is not None:
                 await cache.backend.aclose()
+            await guards.aclose()
 
     return Starlette(
         routes=TABLE.routes(),

@@ -14,6 +14,7 @@
         kind: split
         versions: {smollm2-135m-instruct: 90, smol-remote: 10}
         sticky: true                       # the same API key (or `user`) keeps its version
+        guards: strict                     # a guard profile of the guards file, or one inline
 
 Everything is checked at start-up: a bad file is refused with a message naming the problem.
 """
@@ -51,6 +52,7 @@ class ModelSpec(BaseModel):
     connect_timeout_s: float = Field(5, gt=0)
     versions: dict[str, float] = Field(default_factory=dict)  # split: version name → weight
     sticky: bool = False
+    guards: str | dict[str, Any] | None = None  # a guard profile's name, or a profile (checked by the guards)
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> ModelSpec:
@@ -99,6 +101,11 @@ def load(settings: Settings) -> ModelsFile:
         raise ConfigError(f"the models file {path} is not valid: {exc}") from exc
     check(parsed)
     return parsed
+
+
+def guard_profiles(models: ModelsFile) -> dict[str, str | dict[str, Any]]:
+    """Each public name (model, split, alias) → the guards its model declares."""
+    return {name: spec.guards for spec in models.models if spec.guards for name in (spec.name, *spec.aliases)}
 
 
 def check(models: ModelsFile) -> None:
