@@ -70,11 +70,11 @@ def _prompts(request: CompletionRequest, engine: Engine) -> list[tuple[str, list
 
 
 def _guarded(prompts: list[tuple[str, list[int]]], engine: Engine, guard: RequestGuard) -> list[tuple[str, list[int]]]:
-    """Each prompt's text (the client's, for echo) and the token ids the input guards let through."""
+    """Each prompt as the input guards let it through to the engine (text, token ids)."""
     if not guard.active:
         return prompts
     checked = guard.check_input([text for text, _ in prompts], "prompt")
-    prompts = [(text, ids if new == text else engine.tokenizer.encode(new)) for (text, ids), new in zip(prompts, checked)]
+    prompts = [(new, ids if new == text else engine.tokenizer.encode(new)) for (text, ids), new in zip(prompts, checked)]
     guard.check_prompt_tokens(sum(len(ids) for _, ids in prompts), "prompt")
     return prompts
 
@@ -91,7 +91,8 @@ def prepare(
         raise InvalidRequest("best_of cannot be used with stream", "best_of")
     cmpl_id = new_id("cmpl")
     generations, texts = [], []
-    for i, (text, ids) in enumerate(_guarded(_prompts(request, engine), engine, guard)):
+    prompts = _prompts(request, engine)
+    for i, (text, ids) in enumerate(_guarded(prompts, engine, guard)):
         if request.truncate_prompt_tokens is not None:
             ids = ids[-request.truncate_prompt_tokens :]
         max_tokens = resolve_max_tokens(
@@ -108,7 +109,7 @@ def prepare(
             n=best_of,
         )
         generations.append(GenerationRequest(f"{cmpl_id}-{i}", ids, sampling, prompt_text=text))
-        texts.append(text)
+        texts.append(prompts[i][0])  # echo is the client's own prompt
     return PreparedCompletion(request, engine, generations, texts, request.model, cmpl_id, now(), guard)
 
 

@@ -70,8 +70,8 @@ class ChoiceFilter:
         past that point (it may still grow), nor into a placeholder still being written."""
         safe = len(view) - self.holdback
         for match in matches:
-            if match.start >= offset and match.start < safe < match.end:
-                safe = match.start
+            if match.end > offset and match.start < safe < match.end:
+                safe = max(offset, match.start)
         if self.restore is not None:
             safe = min(safe, self.restore.unfinished(view[:safe]))
         if safe - offset < self.batch:
@@ -80,11 +80,14 @@ class ChoiceFilter:
 
     def _pass(self, view: str, offset: int, upto: int, matches: list[Match]) -> str:
         passed = view[offset:upto]
-        inside = [m for m in matches if m.start >= offset and m.end <= upto and m.action != "block"]
+        # what ends in the text passed now; a match that began in text already passed (a holdback
+        # shorter than the match) is redacted from where that text ends
+        inside = [m for m in matches if offset < m.end <= upto and m.action != "block"]
         for match in inside:
             if match.action == "flag":
                 self.note(match, view)
-        redacted = [Match(m.detector, m.start - offset, m.end - offset) for m in disjoint(inside, "redact")]
+        clipped = [Match(m.detector, max(m.start, offset) - offset, m.end - offset) for m in inside]
+        redacted = disjoint(clipped, "redact")
         for match in redacted:
             self.note(match, passed)
         self.pending = view[upto:]
