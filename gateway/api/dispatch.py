@@ -152,7 +152,8 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         assert backend.upstream is not None
         if self.shape is not None:
             raise InvalidRequest("The native API serves embedded models only", "model")
-        body = guarded(self.body, self.guard)  # input checks only: the answer passes through unread
+        # input checks only: the answer passes through unread (redacted values stay placeholders)
+        body = await offload.by_size(body_size(self.request), guarded, self.body, self.guard)
         await self.guard.moderate_input()
         permit = await backend.admission.acquire()
         payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import gateway_process
 from tests.integration.test_conformance import wait_for_idle
-from tests.moderation_server import ModerationServer
+from tests.loopback_server import LoopbackServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("guardrails are the gateway's own")]
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
@@ -53,14 +53,14 @@ def key_id(key: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def moderation() -> Iterator[ModerationServer]:
-    server = ModerationServer().start()
+def moderation() -> Iterator[LoopbackServer]:
+    server = LoopbackServer().start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def guarded(moderation: ModerationServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def guarded(moderation: LoopbackServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     folder = tmp_path_factory.mktemp("guarded")
     (folder / "models.yaml").write_text(MODELS)
     (folder / "guards.yaml").write_text(GUARDS.replace("OPEN_KEY", key_id("sk-open")).replace("MODERATION_URL", moderation.url))
@@ -141,7 +141,7 @@ def test_an_email_is_redacted_for_the_engine_and_restored_in_the_answer(guarded,
     assert line["guards"] == ["input:pii.email:redact"]
 
 
-def test_blocked_prompts_are_openai_400s_before_any_byte(guarded, moderation: ModerationServer) -> None:
+def test_blocked_prompts_are_openai_400s_before_any_byte(guarded, moderation: LoopbackServer) -> None:
     base, _ = guarded
     sdk = client(base)
     cases = {

@@ -1,6 +1,6 @@
 """Guardrails through the app on the fake engine: every guard and action on the way in and out,
 profiles per key, model and default, the cache, metrics and the access line; the moderation
-upstream is a real HTTP server on loopback (tests/moderation_server.py)."""
+upstream is a real HTTP server on loopback (tests/loopback_server.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 from gateway.app import create_app
 from gateway.serving.guards.config import GuardConfigError
 from tests.fakes import FakeEngine, fake_settings
-from tests.moderation_server import ModerationServer
+from tests.loopback_server import LoopbackServer
 
 MODEL = "fake-model"
 ROUTE = "/v1/chat/completions"
@@ -281,13 +281,13 @@ def test_a_model_naming_an_unknown_profile_is_refused_and_the_cli_exits_2(tmp_pa
 
 
 @pytest.fixture(scope="module")
-def moderation() -> Iterator[ModerationServer]:
-    server = ModerationServer().start()
+def moderation() -> Iterator[LoopbackServer]:
+    server = LoopbackServer().start()
     yield server
     server.stop()
 
 
-def moderated_app(tmp_path: Path, engine: FakeEngine, server: ModerationServer, fail: str = "open"):
+def moderated_app(tmp_path: Path, engine: FakeEngine, server: LoopbackServer, fail: str = "open"):
     guards = f"""
 default: moderated
 moderation: {{url: "{server.url}", timeout_s: 0.5, fail: {fail}}}
@@ -299,7 +299,7 @@ profiles:
     return guarded_app(tmp_path, engine, guards)
 
 
-def test_moderation_blocks_a_flagged_prompt(tmp_path: Path, engine: FakeEngine, moderation: ModerationServer) -> None:
+def test_moderation_blocks_a_flagged_prompt(tmp_path: Path, engine: FakeEngine, moderation: LoopbackServer) -> None:
     with TestClient(moderated_app(tmp_path, engine, moderation)) as client:
         refused = chat(client, "how to murder a bug, mail me at bob@corp.example", stream=True)
         assert refused.status_code == 400 and "guard moderation" in refused.json()["error"]["message"]
@@ -308,7 +308,7 @@ def test_moderation_blocks_a_flagged_prompt(tmp_path: Path, engine: FakeEngine, 
         assert chat(client, "how to bake bread").status_code == 200
 
 
-def test_moderation_cuts_a_flagged_stream(tmp_path: Path, engine: FakeEngine, moderation: ModerationServer) -> None:
+def test_moderation_cuts_a_flagged_stream(tmp_path: Path, engine: FakeEngine, moderation: LoopbackServer) -> None:
     engine.reply = ["First a calm sentence. ", "Then I will kill ", "the process ", "and more words"]
     with TestClient(moderated_app(tmp_path, engine, moderation)) as client:
         answer = chat(client, "tell a story", stream=True)
@@ -318,15 +318,40 @@ def test_moderation_cuts_a_flagged_stream(tmp_path: Path, engine: FakeEngine, mo
 
 
 @pytest.mark.parametrize("trouble", ["broken", "slow"])
-def test_moderation_failing_open_serves_and_counts(tmp_path: Path, engine: FakeEngine, moderation: ModerationServer,
+def test_moderation_failing_open_serves_and_counts(tmp_path: Path, engine: FakeEngine, moderation: LoopbackServer,
                                                    trouble: str) -> None:
     with TestClient(moderated_app(tmp_path, engine, moderation)) as client:
         answer = chat(client, f"a {trouble} question")
         assert answer.status_code == 200 and guard_count(client, "moderation", "input", "error") >= 1
 
 
-def test_moderation_failing_closed_refuses_with_503(tmp_path: Path, engine: FakeEngine, moderation: ModerationServer) -> None:
+def test_moderation_failing_closed_refuses_with_503(tmp_path: Path, engine: FakeEngine, moderation: LoopbackServer) -> None:
     with TestClient(moderated_app(tmp_path, engine, moderation, fail="closed"), raise_server_exceptions=False) as client:
         answer = chat(client, "a broken question")
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "service_unavailable"
         assert engine.requests == []
+
+
+def test_remote_models_get_the_input_checks(tmp_path: Path, moderation: LoopbackServer) -> None:
+    (tmp_path / "models.yaml").write_text(f"models: [{{name: far, kind: remote, url: '{moderation.url}'}}]")
+    app = guarded_app(tmp_path, FakeEngine(), models_file=tmp_path / "models.yaml")
+    with TestClient(app) as client:
+        body = {"model": "far", "messages": [{"role": "user", "content": "about project hydra"}]}
+        assert client.post(ROUTE, json=body).status_code == 400 and moderation.chats == []
+        body["messages"][0]["content"] = "write to bob@corp.example"
+        answer = client.post(ROUTE, json=body)
+        assert answer.status_code == 200 and moderation.chats[-1]["messages"][0]["content"] == "write to [EMAIL_1]"
+        # the upstream's answer passes through unread: its placeholders stay
+        assert answer.json()["choices"][0]["message"]["content"] == "write to [EMAIL_1]"
+
+
+def test_the_readme_examples_are_valid_configuration(tmp_path: Path) -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme[readme.index("**Guardrails.**"):]
+    example = section[section.index("```yaml") + len("```yaml"):section.index("```", section.index("```yaml") + 7)]
+    (tmp_path / "guards.yaml").write_text(example)
+    models = readme[readme.index("**Several models.**"):]
+    models = models[models.index("```yaml") + len("```yaml"):models.index("```", models.index("```yaml") + 7)]
+    (tmp_path / "models.yaml").write_text(models)
+    settings = fake_settings(guards_file=tmp_path / "guards.yaml", models_file=tmp_path / "models.yaml")
+    create_app(settings, engine_starter=lambda es: FakeEngine(es.served_model_name))  # refuses what is not valid

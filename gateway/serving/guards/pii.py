@@ -21,6 +21,7 @@ from gateway.serving.guards.patterns import Detector, Spans, regex_spans
 EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9][A-Za-z0-9._%+-]*@[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
 CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])")
 IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b")
+PHONE_CANDIDATE = re.compile(r"(?:\+|\(|\b)\d[\d \t().\-/]{5,}\d(?:\s*(?:ext\.?|x|#)\s*\d+)?")
 IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
 IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|(?:\d{1,3}\.){3}\d{1,3})?(?![\w:])")
 
@@ -56,9 +57,15 @@ def ip_spans(text: str) -> Iterator[tuple[int, int]]:
 
 
 def phone_spans(region: str | None) -> Spans:
+    """libphonenumber's matcher, run only where a cheap pattern sees enough digits for a phone
+    number (over a whole prompt it took 5 s a megabyte here; on the candidates, a fraction)."""
+
     def spans(text: str) -> Iterator[tuple[int, int]]:
-        for match in phonenumbers.PhoneNumberMatcher(text, region):
-            yield match.start, match.end
+        for candidate in PHONE_CANDIDATE.finditer(text):
+            if sum(c.isdigit() for c in candidate.group()) < 7:
+                continue
+            for match in phonenumbers.PhoneNumberMatcher(candidate.group(), region):
+                yield candidate.start() + match.start, candidate.start() + match.end
 
     return spans
 

@@ -1,6 +1,9 @@
-"""A small OpenAI-compatible moderation upstream for tests: a real Starlette app under uvicorn on
-loopback, in a thread of the test process. Text with a word of FLAGGED is flagged (as violence),
-"broken" answers 500, "slow" answers after SLOW_S seconds (past the guards' timeout in the tests).
+"""A small OpenAI-compatible upstream for tests: a real Starlette app under uvicorn on loopback, in
+a thread of the test process.
+
+`/v1/moderations`: text with a word of FLAGGED is flagged (as violence), "broken" answers 500,
+"slow" answers after SLOW_S seconds (past the guards' timeout in the tests).
+`/v1/chat/completions`: answers with the last message's content, as a remote model would.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ FLAGGED = ("kill", "murder")
 SLOW_S = 2.0
 
 
-class ModerationServer:
+class LoopbackServer:
     def __init__(self) -> None:
-        self.inputs: list[str] = []
+        self.inputs: list[str] = []  # what moderation was asked about
+        self.chats: list[dict] = []  # the chat requests received
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
-        app = Starlette(routes=[Route("/v1/moderations", self._moderate, methods=["POST"])])
+        app = Starlette(routes=[Route("/v1/moderations", self._moderate, methods=["POST"]),
+                                Route("/v1/chat/completions", self._chat, methods=["POST"])])
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
@@ -46,7 +51,15 @@ class ModerationServer:
                   "category_scores": {"violence": 0.9 if flagged else 0.01, "hate": 0.0}}
         return JSONResponse({"id": "modr-test", "model": "test-moderation", "results": [result]})
 
-    def start(self) -> ModerationServer:
+    async def _chat(self, request: Request) -> JSONResponse:
+        body = await request.json()
+        self.chats.append(body)
+        message = {"role": "assistant", "content": body["messages"][-1]["content"]}
+        return JSONResponse({"id": "chatcmpl-echo", "object": "chat.completion", "created": 0, "model": body["model"],
+                             "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    def start(self) -> LoopbackServer:
         self._thread.start()
         deadline = time.monotonic() + 10
         while not self._server.started:
