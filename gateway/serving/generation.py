@@ -161,25 +161,24 @@ class Run:
 
     async def outputs(self) -> AsyncIterator[GenerationOutput]:
         try:
-            if self._first is not None:
-                first, self._first = self._first, None
-                yield await self._guarded(first)
-                while not self._stopped():  # a guard cut every choice: closing aborts the engine request
-                    try:
-                        output = await anext(self._outputs)
-                    except StopAsyncIteration:
-                        break
-                    yield await self._guarded(output)
+            if self._first is None:
+                return
+            output, self._first = self._first, None
+            if self.guard is None:  # the plain path, per token: nothing in between
+                yield self._take(output)
+                async for output in self._outputs:
+                    yield self._take(output)
+                return
+            while True:
+                yield visible(self._take(await self.guard.apply(output)))
+                if self.guard.stopped:
+                    return  # the guard cut every choice: closing aborts the engine request
+                try:
+                    output = await anext(self._outputs)
+                except StopAsyncIteration:
+                    return
         finally:
             await self.close()
-
-    def _stopped(self) -> bool:
-        return self.guard is not None and self.guard.stopped
-
-    async def _guarded(self, output: GenerationOutput) -> GenerationOutput:
-        if self.guard is None:
-            return self._take(output)
-        return visible(self._take(await self.guard.apply(output)))
 
     async def close(self) -> None:
         if self._closed:
