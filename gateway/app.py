@@ -39,6 +39,7 @@ from gateway.middleware.access_log import AccessLogMiddleware
 from gateway.middleware.auth import AuthMiddleware, KeyRing
 from gateway.middleware.lifecycle import Lifecycle, LifecycleMiddleware
 from gateway.middleware.rate_limit import RateLimitMiddleware
+from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -73,9 +74,10 @@ def create_app(
     lifecycle: Lifecycle | None = None,
     engine_check: EngineCheck | None = None,
 ) -> Starlette:
-    """Bad configuration (models file, cache backend and, with `engine_check`, engine settings the
-    model or platform cannot use) is refused here, before anything starts."""
+    """Bad configuration (models file, guards, cache backend and, with `engine_check`, engine settings
+    the model or platform cannot use) is refused here, before anything starts."""
     models = modelfile.load(settings)
+    guards = Guards.load(settings.guards_file, modelfile.guard_profiles(models))
     lifecycle = lifecycle or Lifecycle()
     limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm)
     cache_backend = make_backend(settings.cache)
@@ -90,7 +92,7 @@ def create_app(
             if settings.warmup:
                 for name, engine in registry.engines():
                     await warm_up(name, engine)
-            state = GatewayState(settings, registry, lifecycle, limiter, cache)
+            state = GatewayState(settings, registry, lifecycle, limiter, cache, guards)
             log.info("ready", models=sorted(registry.backends), splits=sorted(registry.splits), aliases=sorted(registry.aliases))
             yield {"gateway": state}
         finally:
@@ -98,6 +100,7 @@ def create_app(
             await stop(registry)
             if cache.backend is not None:
                 await cache.backend.aclose()
+            await guards.aclose()
 
     return Starlette(
         routes=TABLE.routes(),

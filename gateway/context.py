@@ -27,6 +27,8 @@ class RequestRecord:
     disconnected: bool = False
     arrival: float | None = None  # perf_counter() when the request arrived
     log_content: bool = False  # put prompts and outputs in the access line (a setting; off by default)
+    guards: list[str] | None = None  # guard actions taken, as "stage:guard:action" (never the matched text)
+    guard_matches: list[str] | None = None  # the matched text, only when log_content is on
     prompt: str | None = None
     output: list[str] | None = None
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the response

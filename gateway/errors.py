@@ -2,7 +2,8 @@
 
     APIError(status, type, code)                         body: {"error": {message, type, param, code}}
     ├── InvalidRequest          400 invalid_request_error
-    │   └── ContextLengthExceeded  400 invalid_request_error / context_length_exceeded
+    │   ├── ContextLengthExceeded  400 invalid_request_error / context_length_exceeded
+    │   └── ContentPolicyViolation 400 invalid_request_error / content_policy_violation
     ├── AuthenticationFailed    401 invalid_request_error / invalid_api_key
     ├── NotFound                404 invalid_request_error / not_found
     │   └── ModelNotFound       404 invalid_request_error / model_not_found
@@ -70,6 +71,12 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class ContentPolicyViolation(InvalidRequest):
+    """A guard refused the prompt (`gateway.serving.guards`)."""
+
+    code = "content_policy_violation"
+
+
 class AuthenticationFailed(APIError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"  # OpenAI's own 401 type
 
@@ -133,7 +140,7 @@ class ModelUnavailable(ServiceUnavailable):
 
 # Every error the API answers with, as documented in the README's error table.
 ERROR_CLASSES: tuple[type[APIError], ...] = (
-    InvalidRequest, ContextLengthExceeded, AuthenticationFailed, NotFound, ModelNotFound,
+    InvalidRequest, ContextLengthExceeded, ContentPolicyViolation, AuthenticationFailed, NotFound, ModelNotFound,
     MethodNotAllowed, PayloadTooLarge, RateLimited, ModelOverloaded, InternalError, ServiceUnavailable,
     BackendUnavailable, ModelUnavailable,
 )

@@ -48,6 +48,10 @@ RATE_LIMITED = Counter("gateway_rate_limited_total", "Requests refused by rate l
 REJECTED = Counter("gateway_rejected_total", "Requests refused by admission control", ["model", "reason"])
 UPSTREAM_ERRORS = Counter("gateway_upstream_errors_total", "Failures of remote upstream models", ["model"])
 FALLBACKS = Counter("gateway_fallbacks_total", "Requests answered by a fallback model", ["model", "fallback"])
+GUARD_ACTIONS = Counter(
+    "gateway_guard_actions_total", "Guard actions: block, redact, flag, error (of the moderation upstream)",
+    ["guard", "stage", "action"],
+)
 DISCONNECTS = Counter("gateway_client_disconnects_total", "Clients gone before their answer ended", ["model"])
 TLS_RELOADS = Counter("gateway_tls_reloads_total", "Reloads of the TLS certificate files, by result", ["result"])
 

@@ -109,6 +109,9 @@ class Settings(BaseSettings):
         None, description="YAML or TOML file declaring several models (embedded, remote, A/B splits, fallbacks)"
     )
     tls: TLSSettings = Field(default_factory=TLSSettings)
+    guards_file: Path | None = Field(
+        None, description="YAML or TOML file of guard profiles (prompt and output checks) and who gets which"
+    )
     cache: CacheSettings = Field(default_factory=CacheSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)

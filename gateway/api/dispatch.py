@@ -27,6 +27,8 @@ from gateway.errors import APIError, BackendUnavailable, InvalidRequest, from_ex
 from gateway.middleware.auth import ANONYMOUS
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.serving import offload
+from gateway.serving.guards.pipeline import RequestGuard
+from gateway.serving.guards.requests import guarded
 from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service
 
 Shape = Callable[[BaseModel | bytes], BaseModel]  # answers and chunks in another form (the native API's)
@@ -48,7 +50,8 @@ async def dispatch(
     version, chain = state.models.resolve(body.model, _sticky_key(request, body))
     record.model, record.version = body.model, version
     record.response_headers["x-model-version"] = version
-    attempt = _Attempt(request, state, body, service, shape)
+    guard = state.guards.for_request(getattr(request.state, "api_key_id", None), body.model, version)
+    attempt = _Attempt(request, state, body, service, guard, shape)
     failure: APIError | None = None
     for backend in chain:
         if failure is not None:
@@ -74,10 +77,11 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         state: GatewayState,
         body: RequestT,
         service: Service[RequestT, PreparedT, AnswerT],
+        guard: RequestGuard,
         shape: Shape | None,
     ) -> None:
         self.request, self.state, self.body, self.service = request, state, body, service
-        self.shape = shape
+        self.guard, self.shape = guard, shape
         self.key_id: str = getattr(request.state, "api_key_id", ANONYMOUS)
         self.charged = False
         self.no_cache = "no-cache" in request.headers.get("cache-control", "").lower()
@@ -97,12 +101,12 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         assert engine is not None
         default_max_tokens = self.state.settings.default_max_tokens
         prepared = await offload.by_size(
-            body_size(self.request), self.service.prepare, self.body, engine, default_max_tokens
+            body_size(self.request), self.service.prepare, self.body, engine, default_max_tokens, self.guard
         )
         prepared.model = backend.name
         self._charge(prepared.token_budget())
         cache, on_done = self.state.cache, None
-        key = cache.key_for(self.service.route, backend.name, self.body, self.no_cache)
+        key = cache.key_for(self.service.route, backend.name + self.guard.cache_tag, self.body, self.no_cache)
         if key is not None:
             hit = await cache.get(key, backend.name, self.service.answer_type)
             record.cache = "hit" if hit is not None else "miss"
@@ -149,8 +153,11 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         assert backend.upstream is not None
         if self.shape is not None:
             raise InvalidRequest("The native API serves embedded models only", "model")
+        # input checks only: the answer passes through unread (redacted values stay placeholders)
+        body = await offload.by_size(body_size(self.request), guarded, self.body, self.guard)
+        await self.guard.moderate_input()
         permit = await backend.admission.acquire()
-        payload = self.body.model_dump(mode="json", by_alias=True, exclude_unset=True)
+        payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)
         payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
         try:
             answer = await backend.upstream.forward(self.service.upstream_path, payload, self.body.stream, permit.release)

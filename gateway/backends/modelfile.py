@@ -21,6 +21,7 @@
         kind: split
         versions: {smollm2-135m-instruct: 90, assistant@1: 10}
         sticky: true                       # the same API key (or `user`) keeps its version
+        guards: strict                     # a guard profile of the guards file, or one inline
 
 A reference (split versions, fallbacks) names a model, or a version as clients ask for one
 (`assistant`: the newest stable, `assistant@1`, `assistant@1.4.2`); it is resolved to one
@@ -75,6 +76,7 @@ class ModelSpec(BaseModel):
     def _version_as_written(cls, value: object) -> object:
         """`version: 1.4` is a number to YAML: keep it as text, to be refused as not SemVer."""
         return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+    guards: str | dict[str, Any] | None = None  # a guard profile's name, or a profile (checked by the guards)
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> ModelSpec:
@@ -149,6 +151,9 @@ def catalog(models: ModelsFile) -> versions.Catalog:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
     return found
+def guard_profiles(models: ModelsFile) -> dict[str, str | dict[str, Any]]:
+    """Each public name (model, split, alias) → the guards its model declares."""
+    return {name: spec.guards for spec in models.models if spec.guards for name in (spec.name, *spec.aliases)}
 
 
 def check(models: ModelsFile) -> None:

@@ -26,6 +26,8 @@ from gateway.protocol.openai import (
 from gateway.serving import tools
 from gateway.serving.encoding import ChunkEncoder
 from gateway.serving.generation import ChoiceState, Run, new_id, now, resolve_max_tokens, sampling_options
+from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
+from gateway.serving.guards.requests import guarded_chat
 from gateway.serving.service import OnDone
 
 
@@ -38,6 +40,7 @@ class PreparedChat:
     model: str  # the name the answer carries: the model (version) that answers
     id: str
     created: int
+    guard: RequestGuard = UNGUARDED
 
     def token_budget(self) -> int:
         """Prompt plus the most the answer may take, for tokens-per-minute limits."""
@@ -105,11 +108,16 @@ def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> dict[st
     return {"json_schema": fmt.json_schema.schema_ or {"type": "object"}}
 
 
-def prepare(request: ChatCompletionRequest, engine: Engine, default_max_tokens: int | None) -> PreparedChat:
-    """Everything that can refuse the request, done before the engine sees it."""
+def prepare(
+    request: ChatCompletionRequest, engine: Engine, default_max_tokens: int | None, guard: RequestGuard = UNGUARDED
+) -> PreparedChat:
+    """Everything that can refuse the request, done before the engine sees it (the input guards
+    too: the engine sees the messages as they let them through)."""
+    request = guarded_chat(request, guard)
     plan = tools.plan(request)
     prompt = render(request, plan, engine.tokenizer)
     prompt_ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    guard.check_prompt_tokens(len(prompt_ids), "messages")
     if request.truncate_prompt_tokens is not None:
         prompt_ids = prompt_ids[-request.truncate_prompt_tokens :]
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
@@ -125,7 +133,7 @@ def prepare(request: ChatCompletionRequest, engine: Engine, default_max_tokens: 
     sampling = sampling_options(request, max_tokens, logprobs=top, defaults=defaults, **_constraint(request, plan))
     chat_id = new_id("chatcmpl")
     generation = GenerationRequest(chat_id, prompt_ids, sampling, prompt_text=prompt)
-    return PreparedChat(request, engine, generation, plan, request.model, chat_id, now())
+    return PreparedChat(request, engine, generation, plan, request.model, chat_id, now(), guard)
 
 
 def _logprobs(entries: Sequence[TokenLogprob | None]) -> ChoiceLogprobs:
@@ -158,8 +166,13 @@ def _answer(prepared: PreparedChat, run: Run) -> ChatCompletion:
     return ChatCompletion(id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=run.usage())
 
 
+def _run(prepared: PreparedChat) -> Run:
+    return Run(prepared.engine, prepared.generation, prepared.guard.output(prepared.generation.sampling.n))
+
+
 async def complete(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> ChatCompletion:
-    run = await Run(prepared.engine, prepared.generation).start()
+    await prepared.guard.moderate_input()
+    run = await _run(prepared).start()
     await run.collect()
     answer = _answer(prepared, run)
     if on_done is not None:
@@ -200,7 +213,8 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
 
 async def stream(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> AsyncIterator[bytes]:
     """The chunks of a ChatCompletionChunk stream, already encoded as JSON (api.sse frames them)."""
-    run = await Run(prepared.engine, prepared.generation).start()
+    await prepared.guard.moderate_input()
+    run = await _run(prepared).start()
     options = prepared.request.stream_options
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)

@@ -30,6 +30,7 @@ from gateway.serving.generation import (
     resolve_max_tokens,
     sampling_options,
 )
+from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.service import OnDone
 
 
@@ -42,6 +43,7 @@ class PreparedCompletion:
     model: str  # the name the answer carries: the model (version) that answers
     id: str
     created: int
+    guard: RequestGuard = UNGUARDED
 
     def token_budget(self) -> int:
         return sum(len(g.prompt_token_ids) + g.sampling.max_tokens * g.sampling.n for g in self.generations)
@@ -67,7 +69,19 @@ def _prompts(request: CompletionRequest, engine: Engine) -> list[tuple[str, list
     return [(tokenizer.decode(ids), list(ids)) for ids in token_lists]
 
 
-def prepare(request: CompletionRequest, engine: Engine, default_max_tokens: int | None) -> PreparedCompletion:
+def _guarded(prompts: list[tuple[str, list[int]]], engine: Engine, guard: RequestGuard) -> list[tuple[str, list[int]]]:
+    """Each prompt as the input guards let it through to the engine (text, token ids)."""
+    if not guard.active:
+        return prompts
+    checked = guard.check_input([text for text, _ in prompts], "prompt")
+    prompts = [(new, ids if new == text else engine.tokenizer.encode(new)) for (text, ids), new in zip(prompts, checked)]
+    guard.check_prompt_tokens(sum(len(ids) for _, ids in prompts), "prompt")
+    return prompts
+
+
+def prepare(
+    request: CompletionRequest, engine: Engine, default_max_tokens: int | None, guard: RequestGuard = UNGUARDED
+) -> PreparedCompletion:
     if request.suffix:
         raise InvalidRequest("suffix is not supported by this model", "suffix")
     best_of = request.best_of or request.n
@@ -77,7 +91,8 @@ def prepare(request: CompletionRequest, engine: Engine, default_max_tokens: int 
         raise InvalidRequest("best_of cannot be used with stream", "best_of")
     cmpl_id = new_id("cmpl")
     generations, texts = [], []
-    for i, (text, ids) in enumerate(_prompts(request, engine)):
+    prompts = _prompts(request, engine)
+    for i, (text, ids) in enumerate(_guarded(prompts, engine, guard)):
         if request.truncate_prompt_tokens is not None:
             ids = ids[-request.truncate_prompt_tokens :]
         max_tokens = resolve_max_tokens(
@@ -96,8 +111,8 @@ def prepare(request: CompletionRequest, engine: Engine, default_max_tokens: int 
             defaults=engine.info.sampling_defaults,
         )
         generations.append(GenerationRequest(f"{cmpl_id}-{i}", ids, sampling, prompt_text=text))
-        texts.append(text)
-    return PreparedCompletion(request, engine, generations, texts, request.model, cmpl_id, now())
+        texts.append(prompts[i][0])  # echo is the client's own prompt
+    return PreparedCompletion(request, engine, generations, texts, request.model, cmpl_id, now(), guard)
 
 
 def _logprobs(entries: Sequence[TokenLogprob | None], start_offset: int) -> CompletionLogprobs:
@@ -118,7 +133,7 @@ class _Answer:
 
     def __init__(self, prepared: PreparedCompletion) -> None:
         self.prepared = prepared
-        self.runs = [Run(prepared.engine, g) for g in prepared.generations]
+        self.runs = [Run(prepared.engine, g, prepared.guard.output(g.sampling.n)) for g in prepared.generations]
         self.n = prepared.request.n
         self.prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
 
@@ -167,6 +182,7 @@ class _Answer:
 
 
 async def complete(prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> Completion:
+    await prepared.guard.moderate_input()
     answer = await _Answer(prepared).start()
     for p, run in enumerate(answer.runs):
         async for output in run.outputs():
@@ -205,6 +221,7 @@ def _best(states: list[ChoiceState], n: int) -> list[ChoiceState]:
 
 async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> AsyncIterator[bytes]:
     """The chunks of a text_completion stream, already encoded as JSON (api.sse frames them)."""
+    await prepared.guard.moderate_input()
     answer = await _Answer(prepared).start()
     async for chunk in _chunks(answer, on_done):
         yield chunk

@@ -17,6 +17,7 @@ from gateway import metrics
 from gateway.context import current_record
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol.openai import SamplingFields, Usage
+from gateway.serving.guards.stream import OutputGuard, visible
 
 
 def new_id(prefix: str) -> str:
@@ -136,16 +137,19 @@ class ChoiceState:
 
 def finish_reason(engine_reason: str) -> str:
     # vLLM says "abort" for requests it cancelled; OpenAI knows stop, length, tool_calls, content_filter
-    return engine_reason if engine_reason in ("stop", "length") else "stop"
+    # (the output guards' cut)
+    return engine_reason if engine_reason in ("stop", "length", "content_filter") else "stop"
 
 
 class Run:
     """One generation on an engine, started: its outputs, the bookkeeping for usage, and its
-    latency metrics (time to first token, inter-token latency, time per output token)."""
+    latency metrics (time to first token, inter-token latency, time per output token). With an
+    output guard, outputs pass it first, and the engine request ends once it has cut every choice."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest) -> None:
+    def __init__(self, engine: Engine, request: GenerationRequest, guard: OutputGuard | None = None) -> None:
         self.engine = engine
         self.request = request
+        self.guard = guard
         self.prompt_tokens = len(request.prompt_token_ids)
         self.cached_tokens = 0
         self.choices = [ChoiceState(i) for i in range(request.sampling.n)]
@@ -176,11 +180,22 @@ class Run:
 
     async def outputs(self) -> AsyncIterator[GenerationOutput]:
         try:
-            if self._first is not None:
-                first, self._first = self._first, None
-                yield self._take(first)
+            if self._first is None:
+                return
+            output, self._first = self._first, None
+            if self.guard is None:  # the plain path, per token: nothing in between
+                yield self._take(output)
                 async for output in self._outputs:
                     yield self._take(output)
+                return
+            while True:
+                yield visible(self._take(await self.guard.apply(output)))
+                if self.guard.stopped:
+                    return  # the guard cut every choice: closing aborts the engine request
+                try:
+                    output = await anext(self._outputs)
+                except StopAsyncIteration:
+                    return
         finally:
             await self.close()
 

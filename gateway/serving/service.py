@@ -2,7 +2,7 @@
 type checker can follow the strategy.
 
 A service prepares a validated request for an engine (every refusal happens there, before the
-first byte), then answers it whole (`complete`) or as a stream of encoded chunks (`stream`), and
+first byte, the input guards' too; the request's guard goes along to check the output), then answers it whole (`complete`) or as a stream of encoded chunks (`stream`), and
 replays a cached answer. Both `complete` and `stream` hand the whole answer to `on_done` once it
 is known: the one cache hand-off, for streams and non-streams alike.
 """
@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from engine.types import Engine
 from gateway.protocol.openai import SamplingFields
+from gateway.serving.guards.pipeline import RequestGuard
 
 RequestT = TypeVar("RequestT", bound=SamplingFields)
 PreparedT = TypeVar("PreparedT", bound="Prepared")
@@ -40,7 +41,9 @@ class Service(Protocol[RequestT_contra, PreparedT, AnswerT]):
     upstream_path: str  # the same route on a remote upstream (relative to its /v1)
     answer_type: type[AnswerT]
 
-    def prepare(self, request: RequestT_contra, engine: Engine, default_max_tokens: int | None) -> PreparedT: ...
+    def prepare(
+        self, request: RequestT_contra, engine: Engine, default_max_tokens: int | None, guard: RequestGuard = ...
+    ) -> PreparedT: ...
 
     async def complete(self, prepared: PreparedT, on_done: OnDone[AnswerT] | None = None) -> AnswerT: ...
 

@@ -1,0 +1,30 @@
+"""OpenAI's moderations API (`POST /v1/moderations`), as the guards call an upstream of it: the
+request the gateway sends and the part of the answer it reads (`openai.types.ModerationCreateResponse`).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ModerationRequest(BaseModel):
+    input: str
+    model: str | None = None
+
+
+class ModerationResult(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # category_scores, category_applied_input_types, ...
+
+    flagged: bool
+    categories: dict[str, bool | None] = {}
+
+    def flagged_categories(self) -> list[str]:
+        return sorted(name for name, hit in self.categories.items() if hit)
+
+
+class ModerationResponse(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    model: str | None = None
+    results: list[ModerationResult]

@@ -1,0 +1,183 @@
+"""The guards file: named guard profiles, which one a request gets, and the moderation upstream.
+
+    default: standard                 # profile of requests that no key or model names (optional)
+    keys: {3f2a9c1b0d4e: strict}      # API key id (the hash prefix the access log shows) → profile
+    moderation:                       # an OpenAI-compatible /v1/moderations upstream (optional)
+      url: http://127.0.0.1:9000/v1
+      timeout_s: 2
+      fail: open                      # open: serve when it fails; closed: refuse
+    profiles:
+      standard:
+        input:
+          max_chars: 20000
+          max_tokens: 4000
+          deny: ["(?i)\\bproject hydra\\b", {pattern: "(?i)internal only", action: flag}]
+          allow: ["support@example\\.com"]   # spans exempt from every other check
+          injection: block
+          pii: {email: redact, phone: redact, card: block, iban: redact, ip: flag}
+          moderation: block
+        output:
+          deny: ["(?i)\\bconfidential\\b"]
+          pii: {card: redact}
+
+A model of the models file names a profile (`guards: strict`) or carries one inline. Everything
+is checked at start: a bad pattern or an unknown profile is refused with a message naming it.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+Action = Literal["off", "flag", "redact", "block"]
+Verdict = Literal["off", "flag", "block"]  # for checks that find no span to redact (injection, moderation)
+PII_KINDS = ("email", "phone", "card", "iban", "ip")
+
+
+class GuardConfigError(ValueError):
+    """The guards configuration cannot be served; the message says why."""
+
+
+def _compiles(pattern: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"the pattern {pattern!r} is not a valid regular expression: {exc}") from exc
+    return pattern
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PatternRule(_Strict):
+    """A deny pattern with its own action; a bare string in `deny` is one that blocks."""
+
+    pattern: str
+    action: Literal["flag", "redact", "block"] = "block"
+    name: str = Field("deny", pattern=r"^[a-z][a-z0-9_.-]*$", description="the guard's name in metrics and logs")
+
+    _valid = field_validator("pattern")(_compiles)
+
+
+class PIIChecks(_Strict):
+    email: Action = "off"
+    phone: Action = "off"
+    card: Action = "off"  # 13 to 19 digits that pass the Luhn check
+    iban: Action = "off"  # country format and the mod-97 check
+    ip: Action = "off"  # IPv4 and IPv6 addresses
+    phone_region: str | None = Field("US", description="how to read numbers written without +country code")
+
+    def actions(self) -> dict[str, Action]:
+        return {kind: getattr(self, kind) for kind in PII_KINDS}
+
+
+class Checks(_Strict):
+    deny: list[str | PatternRule] = Field(default_factory=list)
+    allow: list[str] = Field(default_factory=list, description="spans matching these are exempt from the checks")
+    injection: Verdict = "off"
+    pii: PIIChecks = Field(default_factory=PIIChecks)
+    moderation: Verdict = "off"
+
+    @field_validator("deny", mode="after")
+    @classmethod
+    def _deny_compiles(cls, rules: list[str | PatternRule]) -> list[str | PatternRule]:
+        for rule in rules:
+            if isinstance(rule, str):
+                _compiles(rule)
+        return rules
+
+    @field_validator("allow", mode="after")
+    @classmethod
+    def _allow_compiles(cls, patterns: list[str]) -> list[str]:
+        return [_compiles(p) for p in patterns]
+
+    def rules(self) -> list[PatternRule]:
+        return [PatternRule(pattern=r) if isinstance(r, str) else r for r in self.deny]
+
+
+class InputChecks(Checks):
+    max_chars: int | None = Field(None, gt=0, description="most characters of prompt text a request may send")
+    max_tokens: int | None = Field(None, gt=0, description="most prompt tokens a request may send")
+    restore: bool = Field(True, description="put redacted values back where the answer repeats their placeholders")
+
+
+class OutputChecks(Checks):
+    holdback_chars: int = Field(
+        32, ge=0, description="streams: text kept back until this much follows it, so a match is caught whole"
+    )
+    window_chars: int = Field(256, ge=0, description="streams: text already sent that matches may still span")
+    moderation_chars: int = Field(400, gt=0, description="streams: moderate the answer every this many characters")
+
+
+class Profile(_Strict):
+    input: InputChecks = Field(default_factory=InputChecks)
+    output: OutputChecks = Field(default_factory=OutputChecks)
+
+    def moderates(self) -> bool:
+        return self.input.moderation != "off" or self.output.moderation != "off"
+
+
+class ModerationUpstream(_Strict):
+    url: str = Field(description="base URL of an OpenAI-compatible API, ending in /v1")
+    model: str | None = Field(None, description="sent as `model` when set")
+    api_key: SecretStr | None = None
+    timeout_s: float = Field(2, gt=0)
+    fail: Literal["open", "closed"] = Field("open", description="open: serve when it fails; closed: refuse")
+
+
+class GuardsFile(_Strict):
+    profiles: dict[str, Profile] = Field(default_factory=dict)
+    default: str | None = None
+    keys: dict[str, str] = Field(default_factory=dict, description="API key id → profile")
+    moderation: ModerationUpstream | None = None
+
+
+ModelGuards = dict[str, str | dict[str, Any]]  # public model name → a profile's name, or a profile inline
+
+
+def read(path: Path | None) -> GuardsFile:
+    if path is None:
+        return GuardsFile()
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise GuardConfigError(f"cannot read the guards file {path}: {exc.strerror}") from exc
+    try:
+        raw = tomllib.loads(text) if Path(path).suffix == ".toml" else yaml.safe_load(text)
+        return GuardsFile.model_validate(raw or {})
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise GuardConfigError(f"the guards file {path} is not valid YAML or TOML: {exc}") from exc
+    except ValidationError as exc:
+        raise GuardConfigError(f"the guards file {path} is not valid: {exc}") from exc
+
+
+def resolve(config: GuardsFile, models: ModelGuards) -> tuple[dict[str, Profile], dict[str, str]]:
+    """Every profile by name (the models' inline ones as `model:<name>`), and each model's profile
+    name; unknown names and moderation without an upstream are refused."""
+    profiles = dict(config.profiles)
+    by_model: dict[str, str] = {}
+    for model, ref in models.items():
+        if isinstance(ref, str):
+            by_model[model] = ref
+            continue
+        try:
+            profiles[f"model:{model}"] = Profile.model_validate(ref)
+        except ValidationError as exc:
+            raise GuardConfigError(f"model '{model}': its guards are not valid: {exc}") from exc
+        by_model[model] = f"model:{model}"
+    named = [("default", config.default)] if config.default else []
+    named += [(f"key {key}", name) for key, name in config.keys.items()]
+    named += [(f"model '{model}'", name) for model, name in by_model.items()]
+    for who, name in named:
+        if name not in profiles:
+            raise GuardConfigError(f"{who} names the guard profile '{name}', which is not declared")
+    for name, profile in profiles.items():
+        if profile.moderates() and config.moderation is None:
+            raise GuardConfigError(f"the guard profile '{name}' moderates, but no moderation upstream is configured")
+    return profiles, by_model

@@ -1,0 +1,210 @@
+"""The guard pipeline: the compiled profiles (`Guards`, one per gateway), the choice of a request's
+profile (`profile_for`: the API key's, else the model's, else the default), and a request's guard
+(`RequestGuard`): input checks before the engine, the moderation call, and the output guard of
+each generation (`gateway.serving.guards.stream`).
+
+Every action is counted in `gateway_guard_actions_total` by guard, stage and action, and named in
+the request's access line as "stage:guard:action"; the matched text goes to the access line only
+when prompts are logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway import metrics
+from gateway.context import current_record
+from gateway.errors import ContentPolicyViolation, ServiceUnavailable
+from gateway.serving.guards import config, injection, pii
+from gateway.serving.guards.config import Checks, GuardsFile, ModelGuards, Profile
+from gateway.serving.guards.moderation import Moderation
+from gateway.serving.guards.patterns import (
+    Detector,
+    Match,
+    Placeholders,
+    Scanner,
+    disjoint,
+    first_block,
+    redact,
+    regex_spans,
+)
+from gateway.serving.guards.stream import OutputGuard
+
+
+def scanner(checks: Checks) -> Scanner:
+    """A direction's detectors: its deny patterns, the injection list, personal data."""
+    rules = [Detector(r.name, r.action, _label(r.name), regex_spans(re.compile(r.pattern))) for r in checks.rules()]
+    return Scanner([*rules, *injection.detectors(checks.injection), *pii.detectors(checks.pii)], checks.allow)
+
+
+def _label(name: str) -> str:
+    """A placeholder's word for a pattern named `name`: [DENY_1], [PROJECT_NAME_1], ..."""
+    return re.sub(r"[^A-Z0-9]+", "_", name.upper())
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledProfile:
+    name: str
+    profile: Profile
+    input: Scanner
+    output: Scanner
+    fingerprint: str  # part of the response cache's key: answers differ by profile
+
+    @classmethod
+    def of(cls, name: str, profile: Profile) -> CompiledProfile:
+        digest = hashlib.sha256(profile.model_dump_json().encode()).hexdigest()[:16]
+        return cls(name, profile, scanner(profile.input), scanner(profile.output), digest)
+
+
+class Guards:
+    """A gateway's guard profiles and the rule that picks one per request."""
+
+    def __init__(self, file: GuardsFile, models: ModelGuards, moderation: Moderation | None = None) -> None:
+        profiles, self.by_model = config.resolve(file, models)
+        self.profiles = {name: CompiledProfile.of(name, p) for name, p in profiles.items()}
+        self.default = file.default
+        self.keys = dict(file.keys)
+        self.moderation = moderation or (Moderation(file.moderation) if file.moderation else None)
+
+    @classmethod
+    def load(cls, path: Path | None, models: ModelGuards) -> Guards:
+        """From the guards file (none: no profiles but the models' inline ones); refused when bad."""
+        return cls(config.read(path), models)
+
+    def profile_for(self, key_id: str | None, *models: str) -> str | None:
+        """The API key's profile if it has one, else the first of `models` (the name the client
+        asked for, then the version that answers) that has one, else the default."""
+        if key_id is not None and key_id in self.keys:
+            return self.keys[key_id]
+        for model in models:
+            if model in self.by_model:
+                return self.by_model[model]
+        return self.default
+
+    def for_request(self, key_id: str | None, *models: str) -> RequestGuard:
+        name = self.profile_for(key_id, *models)
+        return RequestGuard(self.profiles[name], self.moderation) if name else UNGUARDED
+
+    async def aclose(self) -> None:
+        if self.moderation is not None:
+            await self.moderation.aclose()
+
+
+class RequestGuard:
+    """One request's guard: its profile, the placeholders its redactions made, what it noted."""
+
+    def __init__(self, profile: CompiledProfile | None, moderation: Moderation | None = None) -> None:
+        self.profile = profile
+        self.moderation = moderation
+        self.placeholders = Placeholders()
+        self.prompt_text = ""
+        self._noted: set[tuple[str, str, str, str]] = set()
+
+    @property
+    def active(self) -> bool:
+        return self.profile is not None
+
+    @property
+    def cache_tag(self) -> str:
+        return f"#guards:{self.profile.fingerprint}" if self.profile else ""
+
+    def note(self, stage: str, guard: str, action: str, detail: str | None = None, text: str | None = None) -> None:
+        """Count an action and name it in the access line (once per request, a fallback repeats them)."""
+        key = (stage, guard, action, text or "")
+        if key in self._noted:
+            return
+        self._noted.add(key)
+        metrics.GUARD_ACTIONS.labels(guard, stage, action).inc()
+        record = current_record()
+        record.guards = [*(record.guards or []), f"{stage}:{guard}{'/' + detail if detail else ''}:{action}"]
+        if record.log_content and text is not None:
+            record.guard_matches = [*(record.guard_matches or []), f"{guard}: {text}"]
+
+    def note_match(self, stage: str, match: Match, text: str) -> None:
+        self.note(stage, match.detector.guard, match.action, match.detector.detail, text[match.start : match.end])
+
+    # --- on the way in --------------------------------------------------------------------
+
+    def check_input(self, texts: Sequence[str], param: str) -> list[str]:
+        """The prompt's texts as the engine may see them (redacted); refuses a prompt a guard
+        blocks (ContentPolicyViolation, a 400 before any byte)."""
+        if self.profile is None:
+            return list(texts)
+        checks = self.profile.profile.input
+        size = sum(len(text) for text in texts)
+        if checks.max_chars is not None and size > checks.max_chars:
+            self._refuse("prompt_size", param, f"{size} characters; the limit is {checks.max_chars}")
+        checked = [self._check_text(text, param) for text in texts]
+        self.prompt_text = "\n".join(checked)  # what moderation sees: redacted values stay redacted
+        return checked
+
+    def _check_text(self, text: str, param: str) -> str:
+        assert self.profile is not None
+        matches = self.profile.input.scan(text)
+        blocking = first_block(matches)
+        if blocking is not None:
+            self.note_match("input", blocking, text)
+            detail = f" ({blocking.detector.detail})" if blocking.detector.detail else ""
+            raise ContentPolicyViolation(
+                f"The prompt was refused by the content policy: guard {blocking.detector.guard}{detail}", param
+            )
+        for match in matches:
+            if match.action == "flag":
+                self.note_match("input", match, text)
+        redacted = disjoint(matches, "redact")
+        for match in redacted:
+            self.note_match("input", match, text)
+        return redact(text, redacted, lambda m, value: self.placeholders.name(m.detector.label, value))
+
+    def check_prompt_tokens(self, tokens: int, param: str) -> None:
+        limit = self.profile.profile.input.max_tokens if self.profile else None
+        if limit is not None and tokens > limit:
+            self._refuse("prompt_size", param, f"{tokens} tokens; the limit is {limit}")
+
+    def _refuse(self, guard: str, param: str, why: str) -> None:
+        self.note("input", guard, "block")
+        raise ContentPolicyViolation(f"The prompt was refused by the content policy: guard {guard} ({why})", param)
+
+    async def moderate_input(self) -> None:
+        """The moderation upstream's verdict on the prompt, when the profile asks for one."""
+        if self.profile is None or self.profile.profile.input.moderation == "off" or not self.prompt_text:
+            return
+        verdict = await self.moderate("input", self.prompt_text, self.profile.profile.input.moderation)
+        if verdict == "block":
+            raise ContentPolicyViolation("The prompt was refused by the content policy: guard moderation", None)
+
+    async def moderate(self, stage: str, text: str, action: str) -> str | None:
+        """"block", "flag" or None (passed), after counting and naming what happened."""
+        assert self.moderation is not None
+        verdict = await self.moderation.check(text)
+        if verdict is None:
+            self.note(stage, "moderation", "error")
+            if not self.moderation.fail_closed:
+                return None
+            self.note(stage, "moderation", "block")
+            if stage == "input":
+                raise ServiceUnavailable("The moderation service is unavailable; the request was not served")
+            return "block"
+        if not verdict.flagged:
+            return None
+        self.note(stage, "moderation", action, ",".join(verdict.categories) or None)
+        return action
+
+    # --- on the way out -------------------------------------------------------------------
+
+    def output(self, n: int) -> OutputGuard | None:
+        """The guard of one generation of `n` choices (None: nothing to check or restore)."""
+        if self.profile is None:
+            return None
+        checks = self.profile.profile.output
+        restore = self.placeholders if self.profile.profile.input.restore else None
+        if not self.profile.output and checks.moderation == "off" and not (restore and self.placeholders):
+            return None
+        return OutputGuard(self, self.profile.output, checks, restore, n)
+
+
+UNGUARDED = RequestGuard(None)

@@ -1,0 +1,150 @@
+"""Output guards, streaming-aware: each choice's text passes a sliding window as the engine
+produces it, so that a match spanning chunks is caught.
+
+Per choice, text is held back until `holdback_chars` follow it (a match that may still grow is not
+passed half-done), and `window_chars` of what was already passed stay in view, so a pattern that
+straddles the two is still seen. A blocking match cuts the choice: what came before it is passed,
+the rest is dropped, and it finishes with `content_filter`, as OpenAI's content filter does; once
+every choice is done the engine request ends (`Run` aborts it). Redactions are replaced as text is
+passed; placeholders of the prompt's redactions are restored last, after the checks (which see the
+model's text, not the user's values). With output moderation, text is passed in batches of
+`moderation_chars`, each checked with everything before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol
+
+from engine.types import ChoiceDelta, GenerationOutput
+from gateway.serving.guards.config import OutputChecks
+from gateway.serving.guards.patterns import Match, Placeholders, Scanner, disjoint, first_block, redact
+
+CONTENT_FILTER = "content_filter"
+
+
+class Notes(Protocol):
+    """What the output guard tells its request guard (`pipeline.RequestGuard`)."""
+
+    def note_match(self, stage: str, match: Match, text: str) -> None: ...
+
+    async def moderate(self, stage: str, text: str, action: str) -> str | None: ...
+
+
+def _output_placeholder(match: Match, value: str) -> str:
+    return f"[{match.detector.label}]"  # the model's own personal data: nothing to restore
+
+
+class ChoiceFilter:
+    """One choice's sliding window: `feed` text as it comes, get back what may be passed on."""
+
+    def __init__(self, scanner: Scanner, checks: OutputChecks, restore: Placeholders | None,
+                 note: Callable[[Match, str], None], batch: int = 0) -> None:
+        self.scanner, self.restore, self.note = scanner, restore, note
+        self.holdback, self.window, self.batch = checks.holdback_chars, checks.window_chars, batch
+        self.pending = ""  # the model's text not passed on yet
+        self.tail = ""  # the end of what was passed on (as the model wrote it), still in view
+        self.done = False
+        self.cut = False
+
+    def feed(self, text: str, final: bool) -> str:
+        """What of the text so far may go on now (redacted, placeholders not yet restored); sets
+        `cut` when a guard blocked."""
+        if self.done:
+            return ""
+        self.pending += text
+        view, offset = self.tail + self.pending, len(self.tail)
+        matches = self.scanner.scan(view) if self.scanner else []
+        blocking = first_block(matches, after=offset)
+        if blocking is not None:
+            self.note(blocking, view)
+            self.done = self.cut = True
+            return self._pass(view, offset, max(offset, blocking.start), matches)
+        safe = len(view) if final else self._safe(view, offset, matches)
+        self.done = final
+        return self._pass(view, offset, safe, matches)
+
+    def _safe(self, view: str, offset: int, matches: list[Match]) -> int:
+        """How far the text may be passed: not into the held-back end, nor into a match that runs
+        past that point (it may still grow), nor into a placeholder still being written."""
+        safe = len(view) - self.holdback
+        for match in matches:
+            if match.end > offset and match.start < safe < match.end:
+                safe = max(offset, match.start)
+        if self.restore is not None:
+            safe = min(safe, self.restore.unfinished(view[:safe]))
+        if safe - offset < self.batch:
+            return offset  # output moderation checks text in batches
+        return max(offset, safe)
+
+    def _pass(self, view: str, offset: int, upto: int, matches: list[Match]) -> str:
+        passed = view[offset:upto]
+        # what ends in the text passed now; a match that began in text already passed (a holdback
+        # shorter than the match) is redacted from where that text ends
+        inside = [m for m in matches if offset < m.end <= upto and m.action != "block"]
+        for match in inside:
+            if match.action == "flag":
+                self.note(match, view)
+        clipped = [Match(m.detector, max(m.start, offset) - offset, m.end - offset) for m in inside]
+        redacted = disjoint(clipped, "redact")
+        for match in redacted:
+            self.note(match, passed)
+        self.pending = view[upto:]
+        self.tail = (self.tail + passed)[-self.window :] if self.window else ""
+        if self.cut:
+            self.pending = ""
+        return redact(passed, redacted, _output_placeholder)
+
+
+class OutputGuard:
+    """The output guard of one generation (n choices): rewrites each engine output's deltas."""
+
+    def __init__(self, notes: Notes, scanner: Scanner, checks: OutputChecks, restore: Placeholders | None,
+                 n: int) -> None:
+        self.notes = notes
+        self.restore = restore
+        self.moderation = checks.moderation
+        batch = checks.moderation_chars if self.moderation != "off" else 0
+        self.filters = [ChoiceFilter(scanner, checks, restore, self._note, batch) for _ in range(n)]
+        self.passed = [""] * n  # what each choice passed on so far, for moderation
+
+    def _note(self, match: Match, text: str) -> None:
+        self.notes.note_match("output", match, text)
+
+    @property
+    def stopped(self) -> bool:
+        """A choice was cut and every other one is done: nothing more the engine makes can be
+        passed on, so its request may end now."""
+        return all(f.done for f in self.filters) and any(f.cut for f in self.filters)
+
+    async def apply(self, output: GenerationOutput) -> GenerationOutput:
+        return replace(output, choices=[await self._delta(delta) for delta in output.choices])
+
+    async def _delta(self, delta: ChoiceDelta) -> ChoiceDelta:
+        choice = self.filters[delta.index]
+        if choice.done:  # cut earlier: the engine's tokens still count, nothing more is shown
+            return replace(delta, text="", finish_reason=None, logprobs=None)
+        text = choice.feed(delta.text, final=delta.finish_reason is not None)
+        if text and self.moderation != "off" and await self._moderate(delta.index, text):
+            choice.done = choice.cut = True
+            text = ""
+        if self.restore is not None:
+            text = self.restore.restore(text)
+        finish = CONTENT_FILTER if choice.cut else delta.finish_reason
+        return replace(delta, text=text, finish_reason=finish)
+
+    async def _moderate(self, index: int, text: str) -> bool:
+        """True when the moderation upstream blocks the choice's text so far with `text` added
+        (as the model wrote it: the user's redacted values are not sent there)."""
+        verdict = await self.notes.moderate("output", self.passed[index] + text, self.moderation)
+        if verdict == "block":
+            return True
+        self.passed[index] += text
+        return False
+
+
+def visible(output: GenerationOutput) -> GenerationOutput:
+    """The output without the deltas that carry nothing to show (text held back)."""
+    shown = [d for d in output.choices if d.text or d.finish_reason or d.logprobs]
+    return output if len(shown) == len(output.choices) else replace(output, choices=shown)
