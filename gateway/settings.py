@@ -77,6 +77,11 @@ class Settings(BaseSettings):
     models_file: Path | None = Field(
         None, description="YAML or TOML file declaring several models (embedded, remote, A/B splits, fallbacks)"
     )
+    embedding_model: str | None = Field(
+        None,
+        description="Without a models file: also serve the engine's model as an embedding model under this name "
+        "(vLLM's pooling runner; a second engine); unset: none",
+    )
     cache: CacheSettings = Field(default_factory=CacheSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)

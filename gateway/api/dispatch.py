@@ -26,7 +26,7 @@ from gateway.context import current_record
 from gateway.errors import APIError, BackendUnavailable, InvalidRequest, from_exception
 from gateway.middleware.auth import ANONYMOUS
 from gateway.serving import offload
-from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service
+from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service, check_task
 
 Shape = Callable[[BaseModel | bytes], BaseModel]  # answers and chunks in another form (the native API's)
 
@@ -94,6 +94,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
     async def _embedded(self, backend: Backend) -> Response:
         record, engine = current_record(), backend.engine
         assert engine is not None
+        check_task(engine.info, self.service.task, self.service.route)
         default_max_tokens = self.state.settings.default_max_tokens
         prepared = await offload.by_size(
             body_size(self.request), self.service.prepare, self.body, engine, default_max_tokens
@@ -120,7 +121,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
 
     async def _generate(self, prepared: PreparedT, permit: Permit, on_done: OnDone[AnswerT] | None) -> Response:
         receive = self.request.receive
-        if self.body.stream:
+        if self.body.streams:
             events = await unless_disconnected(receive, primed(self._shaped(self.service.stream(prepared, on_done))))
             return EventStreamResponse(events, on_close=permit.release)
         answer = await unless_disconnected(receive, self.service.complete(prepared, on_done))
@@ -128,7 +129,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         return json_response(self.shape(answer) if self.shape else answer)
 
     def _replay(self, hit: AnswerT) -> Response:
-        if self.body.stream:
+        if self.body.streams:
             return EventStreamResponse(self._shaped(self.service.replay(hit, self.body)))
         answer = self.service.fresh(hit)
         return json_response(self.shape(answer) if self.shape else answer)
@@ -148,10 +149,12 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         assert backend.upstream is not None
         if self.shape is not None:
             raise InvalidRequest("The native API serves embedded models only", "model")
+        if self.service.upstream_path is None:
+            raise InvalidRequest(f"{self.service.route} serves embedded models only; '{backend.name}' is remote", "model")
         permit = await backend.admission.acquire()
         payload = self.body.model_dump(mode="json", by_alias=True, exclude_unset=True)
         try:
-            answer = await backend.upstream.forward(self.service.upstream_path, payload, self.body.stream, permit.release)
+            answer = await backend.upstream.forward(self.service.upstream_path, payload, self.body.streams, permit.release)
         except BaseException:
             permit.release()
             raise

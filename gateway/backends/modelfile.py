@@ -14,6 +14,9 @@
         kind: split
         versions: {smollm2-135m-instruct: 90, smol-remote: 10}
         sticky: true                       # the same API key (or `user`) keeps its version
+      - name: smol-embed                   # an embedded engine that embeds (vLLM's pooling runner)
+        kind: embedding                    # for /v1/embeddings; generating routes refuse it
+        engine: {enforce_eager: true}
 
 Everything is checked at start-up: a bad file is refused with a message naming the problem.
 """
@@ -39,7 +42,7 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1)
-    kind: Literal["embedded", "remote", "split"] = "embedded"
+    kind: Literal["embedded", "embedding", "remote", "split"] = "embedded"
     aliases: list[str] = Field(default_factory=list)
     fallback: list[str] = Field(default_factory=list)
     admission: AdmissionSettings | None = None
@@ -61,15 +64,25 @@ class ModelSpec(BaseModel):
                 raise ValueError(f"split model '{self.name}' needs versions")
             if any(weight <= 0 for weight in self.versions.values()):
                 raise ValueError(f"split model '{self.name}' has a weight that is not positive")
-        if self.kind != "embedded" and self.engine:
+        if self.kind in ("remote", "split") and self.engine:
             raise ValueError(f"only embedded models take engine settings ('{self.name}')")
         return self
 
     def engine_settings(self, defaults: EngineSettings) -> EngineSettings:
         try:
-            return EngineSettings.model_validate({**defaults.model_dump(), **self.engine, "served_model_name": self.name})
+            task = {"task": "embed"} if self.kind == "embedding" else {}
+            return EngineSettings.model_validate(
+                {**defaults.model_dump(), **self.engine, "served_model_name": self.name, **task}
+            )
         except ValidationError as exc:
             raise ConfigError(f"model '{self.name}': bad engine settings: {exc}") from exc
+
+    @property
+    def task(self) -> str | None:
+        """What an engine of this entry does (None: a remote upstream or a split, not known here)."""
+        if self.kind == "embedding" or (self.kind == "embedded" and self.engine.get("task") == "embed"):
+            return "embed"
+        return "generate" if self.kind == "embedded" else None
 
 
 class ModelsFile(BaseModel):
@@ -78,13 +91,20 @@ class ModelsFile(BaseModel):
 
 
 def default_models(settings: Settings) -> ModelsFile:
-    """Without a models file: the one embedded model of the `engine` settings."""
-    return ModelsFile(models=[ModelSpec(name=settings.engine.served_model_name)])
+    """Without a models file: the one embedded model of the `engine` settings, and an embedding
+    model of the same weights when `embedding_model` names one."""
+    models = [ModelSpec(name=settings.engine.served_model_name)]
+    if settings.embedding_model:
+        models.append(ModelSpec(name=settings.embedding_model, kind="embedding"))
+    return ModelsFile(models=models)
 
 
 def load(settings: Settings) -> ModelsFile:
     if settings.models_file is None:
         return default_models(settings)
+    if settings.embedding_model:
+        raise ConfigError("embedding_model (GATEWAY_EMBEDDING_MODEL) is for the set-up without a models file; "
+                          "declare the model in the file instead (kind: embedding)")
     path = Path(settings.models_file)
     try:
         text = path.read_text()
@@ -116,7 +136,16 @@ def check(models: ModelsFile) -> None:
                 raise ConfigError(f"model '{spec.name}' refers to '{ref}', which is not declared (by its name)")
             if spec.kind == "split" and canonical[ref].kind == "split":
                 raise ConfigError(f"split '{spec.name}' cannot split into another split ('{ref}')")
+        _one_task(spec, canonical)
         _no_cycle(spec.name, canonical, [])
+
+
+def _one_task(spec: ModelSpec, specs: dict[str, ModelSpec]) -> None:
+    """A model's fallbacks, or a split's versions, all generate or all embed."""
+    tasks = {s.name: s.task for s in (spec, *(specs[ref] for ref in (*spec.fallback, *spec.versions)))}
+    if len({task for task in tasks.values() if task is not None}) > 1:
+        named = ", ".join(f"'{name}' ({task})" for name, task in tasks.items() if task is not None)
+        raise ConfigError(f"model '{spec.name}' mixes models that generate and models that embed: {named}")
 
 
 def _no_cycle(name: str, specs: dict[str, ModelSpec], path: list[str]) -> None:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.types import ChoiceDelta, Engine, GenerationRequest, Tokenizer, TokenLogprob
+from engine.types import ChoiceDelta, Engine, GenerationRequest, Task, Tokenizer, TokenLogprob
 from gateway.errors import InvalidRequest
 from gateway.protocol.openai import (
     AssistantMessage,
@@ -244,6 +244,7 @@ class ChatService:
     route = "/v1/chat/completions"
     upstream_path = "/chat/completions"
     answer_type = ChatCompletion
+    task: Task = "generate"
 
     def prepare(self, request: ChatCompletionRequest, engine: Engine, default_max_tokens: int | None) -> PreparedChat:
         return prepare(request, engine, default_max_tokens)

@@ -17,6 +17,9 @@ from tests.fakes import FakeEngine, fake_settings
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/completions": {"model": "fake-model", "prompt": "hi", "max_tokens": 2},
+    "/v1/embeddings": {"model": "fake-embed", "input": "hi"},
+    "/v1/messages": {"model": "fake-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages/count_tokens": {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]},
     "/tokenize": {"model": "fake-model", "prompt": "hi"},
     "/detokenize": {"model": "fake-model", "tokens": [10]},
     "/generate": {"prompt": "hi", "max_tokens": 2},
@@ -25,8 +28,9 @@ BODIES: dict[str, dict[str, Any]] = {
 
 
 def app_with(**overrides: Any) -> Any:
-    engine = FakeEngine()
-    return create_app(fake_settings(**overrides), engine_starter=lambda _: engine)
+    """A chat model (fake-model) and an embedding model (fake-embed), on fake engines."""
+    settings = fake_settings(embedding_model="fake-embed", **overrides)
+    return create_app(settings, engine_starter=lambda es: FakeEngine(es.served_model_name, task=es.task))
 
 
 def call(client: TestClient, endpoint: Endpoint, **headers: str) -> Any:
