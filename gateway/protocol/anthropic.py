@@ -2,9 +2,10 @@
 requests (validated strictly), the Message answer, the stream events and the error object.
 
 Field names and types follow the `anthropic` SDK's types (`anthropic/types/`) and Anthropic's API
-reference. Requests forbid unknown fields, as Anthropic's API does. Accepted but without effect
-here: `cache_control` (vLLM's prefix cache is automatic), `service_tier`, `metadata` beyond its
-`user_id`, text blocks' `citations`. Image and document blocks are known, so that refusing them
+reference; `temperature`, `top_p` and `top_k` as the API reference has them (the 2.x SDK sends them
+in `extra_body`). Requests forbid unknown fields, as Anthropic's API does. Accepted but without
+effect here: `cache_control` (vLLM's prefix cache is automatic), `service_tier`,
+`output_config.effort`, `metadata` beyond its `user_id`, text blocks' `citations`. Image and document blocks are known, so that refusing them
 (400) names the block. Names that OpenAI's module also uses carry an `Anthropic` prefix, so that
 /openapi.json has one schema per name.
 """
@@ -116,6 +117,18 @@ class ThinkingDisabled(_Request):
     type: Literal["disabled"]
 
 
+class OutputFormat(_Request):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    """Structured outputs (`format`); `effort` is accepted and has no effect here."""
+
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class Conversation(_Request):
     """What /v1/messages and /v1/messages/count_tokens share: the prompt."""
 
@@ -139,6 +152,7 @@ class MessagesRequest(Conversation):
     top_k: Annotated[int, Field(ge=0)] | None = None
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    output_config: OutputConfig | None = None
 
 
 class CountTokensRequest(Conversation):

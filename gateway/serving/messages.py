@@ -3,8 +3,8 @@
 A Messages request becomes a chat request (`to_chat`): `system` and the messages' text, tool_use and
 tool_result blocks become chat messages, `tools` and `tool_choice` OpenAI's (auto → auto, any →
 required, tool → a named function, none → none; `disable_parallel_tool_use` → one call at most), and
-`stop_sequences`, `temperature`, `top_p`, `top_k`, `max_tokens` and `metadata.user_id` their chat
-fields. The dispatcher runs it as any chat request (model choice, limits, cache, admission); this
+`stop_sequences`, `temperature`, `top_p`, `top_k`, `max_tokens`, `metadata.user_id` and
+`output_config.format` (structured outputs) their chat fields. The dispatcher runs it as any chat request (model choice, limits, cache, admission); this
 service prepares it with the chat service (template, tools, context checks) and answers a Message,
 or Anthropic's event stream (`serving.message_blocks` writes the content blocks).
 """
@@ -45,7 +45,14 @@ from gateway.protocol.anthropic import (
     ToolUseBlock,
     ToolUseBlockParam,
 )
-from gateway.protocol.openai import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
+from gateway.protocol.openai import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    JsonSchema,
+    ResponseFormat,
+    ToolCall,
+)
 from gateway.serving import chat, tools
 from gateway.serving.generation import ChoiceState, Run
 from gateway.serving.message_blocks import BlockEvents, ContentStream, tool_use_id
@@ -151,8 +158,17 @@ def to_chat(request: MessagesRequest) -> ChatCompletionRequest:
         stop=list(request.stop_sequences) if request.stop_sequences else None,
         stream=request.stream,
         user=request.metadata.user_id if request.metadata else None,
+        response_format=_response_format(request),
         **chat_tools(request),
     )
+
+
+def _response_format(request: MessagesRequest) -> ResponseFormat | None:
+    """`output_config.format` (structured outputs) as OpenAI's json_schema response format."""
+    output = request.output_config.format if request.output_config else None
+    if output is None:
+        return None
+    return ResponseFormat(type="json_schema", json_schema=JsonSchema(name="output", schema=output.schema_))
 
 
 def count_tokens(request: CountTokensRequest, engine: Engine) -> MessageTokensCount:

@@ -179,6 +179,12 @@ def test_any_tool_and_disable_parallel_tool_use(app_client: TestClient, engine: 
     assert engine.requests[-1].sampling.json_schema is None and "get_weather" not in (engine.requests[-1].prompt_text or "")
 
 
+def test_output_config_format_is_a_structured_output(app_client: TestClient, engine: FakeEngine) -> None:
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}
+    create(app_client, output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "low"})
+    assert engine.requests[-1].sampling.json_schema == schema
+
+
 def test_count_tokens_counts_the_prompt_messages_renders(app_client: TestClient, engine: FakeEngine) -> None:
     request = {"model": "fake-model", "system": "Be brief.", "messages": [{"role": "user", "content": "hi there"}],
                "tools": [WEATHER]}
