@@ -260,3 +260,13 @@ def test_an_error_after_the_stream_started_is_an_error_event(app_client: TestCli
     assert stream[-1][0] == "error" and stream[-1][1]["type"] == "error"
     assert stream[-1][1]["error"]["type"] == "api_error"
     assert "[DONE]" not in json.dumps(stream)
+
+
+def test_remote_models_are_refused_clearly(engine: FakeEngine, tmp_path: Any) -> None:
+    models = tmp_path / "models.yaml"
+    models.write_text("models: [{name: fake-model}, {name: far, kind: remote, url: 'http://127.0.0.1:9/v1'}]")
+    with TestClient(create_app(fake_settings(models_file=models), engine_starter=lambda es: engine)) as client:
+        message = anthropic_error(client.post("/v1/messages", json=body(model="far")), 400, "invalid_request_error")
+        assert "embedded models only" in message
+        assert "remote" in anthropic_error(client.post("/v1/messages/count_tokens", json={
+            "model": "far", "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error")

@@ -62,6 +62,8 @@ def test_every_route_answers_and_is_labelled_with_its_path() -> None:
             assert response.status_code == 200, (endpoint.path, response.text)
             assert answered(endpoint.path) == before + 1, endpoint.path
     assert TABLE.label("/no/such/path") == "unmatched"
+    assert (TABLE.dialect("/v1/messages"), TABLE.dialect("/v1/chat/completions")) == ("anthropic", "openai")
+    assert TABLE.dialect("/no/such/path") == "openai"
 
 
 @pytest.mark.parametrize("protect_ops", [False, True])
@@ -69,8 +71,11 @@ def test_auth_guards_exactly_the_table_s_keyed_routes(protect_ops: bool) -> None
     with TestClient(app_with(api_keys=["sk-route"], auth_ops_routes=protect_ops)) as client:
         for endpoint in TABLE.endpoints:
             keyed = endpoint.access == "api" or (endpoint.access == "ops" and protect_ops)
-            status = call(client, endpoint).status_code
-            assert (status == 401) == keyed, (endpoint.path, status)
+            response = call(client, endpoint)
+            assert (response.status_code == 401) == keyed, (endpoint.path, response.status_code)
+            if keyed:  # in the route's own dialect
+                shape = {"type", "error"} if endpoint.dialect == "anthropic" else {"error"}
+                assert set(response.json()) == shape, endpoint.path
             assert call(client, endpoint, authorization="Bearer sk-route").status_code == 200, endpoint.path
 
 
