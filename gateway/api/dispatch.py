@@ -150,11 +150,13 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if self.shape is not None:
             raise InvalidRequest("The native API serves embedded models only", "model")
         if self.service.upstream_path is None:
-            raise InvalidRequest(f"{self.service.route} serves embedded models only; '{backend.name}' is remote", "model")
+            route = self.service.route
+            raise InvalidRequest(f"{route} serves embedded models only; '{backend.name}' is remote", "model")
         permit = await backend.admission.acquire()
         payload = self.body.model_dump(mode="json", by_alias=True, exclude_unset=True)
         try:
-            answer = await backend.upstream.forward(self.service.upstream_path, payload, self.body.streams, permit.release)
+            path, streams = self.service.upstream_path, self.body.streams
+            answer = await backend.upstream.forward(path, payload, streams, permit.release)
         except BaseException:
             permit.release()
             raise

@@ -5,8 +5,8 @@ Field names and types follow the `anthropic` SDK's types (`anthropic/types/`) an
 reference; `temperature`, `top_p` and `top_k` as the API reference has them (the 2.x SDK sends them
 in `extra_body`). Requests forbid unknown fields, as Anthropic's API does. Accepted but without
 effect here: `cache_control` (vLLM's prefix cache is automatic), `service_tier`,
-`output_config.effort`, `metadata` beyond its `user_id`, text blocks' `citations`. Image and document blocks are known, so that refusing them
-(400) names the block. Names that OpenAI's module also uses carry an `Anthropic` prefix, so that
+`output_config.effort`, `metadata` beyond its `user_id`, text blocks' `citations`. Image and
+document blocks are known, so that refusing them (400) names the block. Names that OpenAI's module also uses carry an `Anthropic` prefix, so that
 /openapi.json has one schema per name.
 """
 

@@ -106,12 +106,15 @@ async def _embed_all(prepared: PreparedEmbeddings) -> list[list[float]]:
         record.prompt_tokens = (record.prompt_tokens or 0) + tokens
 
 
-async def complete(prepared: PreparedEmbeddings, on_done: OnDone[CreateEmbeddingResponse] | None = None) -> CreateEmbeddingResponse:
+async def complete(
+    prepared: PreparedEmbeddings, on_done: OnDone[CreateEmbeddingResponse] | None = None
+) -> CreateEmbeddingResponse:
     vectors = await _embed_all(prepared)
     encoding = prepared.request.encoding_format
     data = [Embedding(index=i, embedding=_encoded(vector, encoding)) for i, vector in enumerate(vectors)]
     tokens = prepared.token_budget()
-    answer = CreateEmbeddingResponse(data=data, model=prepared.model, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+    answer = CreateEmbeddingResponse(data=data, model=prepared.model, usage=usage)
     if on_done is not None:
         await on_done(answer)
     return answer

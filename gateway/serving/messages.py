@@ -4,9 +4,10 @@ A Messages request becomes a chat request (`to_chat`): `system` and the messages
 tool_result blocks become chat messages, `tools` and `tool_choice` OpenAI's (auto → auto, any →
 required, tool → a named function, none → none; `disable_parallel_tool_use` → one call at most), and
 `stop_sequences`, `temperature`, `top_p`, `top_k`, `max_tokens`, `metadata.user_id` and
-`output_config.format` (structured outputs) their chat fields. The dispatcher runs it as any chat request (model choice, limits, cache, admission); this
-service prepares it with the chat service (template, tools, context checks) and answers a Message,
-or Anthropic's event stream (`serving.message_blocks` writes the content blocks).
+`output_config.format` (structured outputs) their chat fields. The dispatcher runs it as any chat
+request (model choice, limits, cache, admission); this service prepares it with the chat service
+(template, tools, context checks) and answers a Message, or Anthropic's event stream
+(`serving.message_blocks` writes the content blocks).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def _texts(blocks: list[Any], param: str) -> str:
 def _tool_result(block: ToolResultBlockParam, param: str) -> ChatMessage:
     content = block.content
     text = content if isinstance(content, str) else _texts(content or [], f"{param}.content")
-    return ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=f"Error: {text}" if block.is_error else text)
+    text = f"Error: {text}" if block.is_error else text
+    return ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=text)
 
 
 def _assistant(blocks: list[ContentBlockParam], param: str) -> ChatMessage:
@@ -88,7 +90,8 @@ def _assistant(blocks: list[ContentBlockParam], param: str) -> ChatMessage:
         if isinstance(block, TextBlockParam):
             texts.append(block.text)
         elif isinstance(block, ToolUseBlockParam):
-            calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name, arguments=json.dumps(block.input))))
+            function = FunctionCall(name=block.name, arguments=json.dumps(block.input))
+            calls.append(ToolCall(id=block.id, function=function))
         else:
             raise _unsupported(block, f"{param}.{j}")
     return ChatMessage(role="assistant", content="\n".join(texts) or None, tool_calls=calls or None)
@@ -133,8 +136,10 @@ def chat_tools(conversation: Conversation) -> dict[str, Any]:
     """`tools`, `tool_choice` and `parallel_tool_calls` of the chat request."""
     fields: dict[str, Any] = {}
     if conversation.tools is not None:
-        functions = [{"name": t.name, "description": t.description, "parameters": t.input_schema} for t in conversation.tools]
-        fields["tools"] = [{"type": "function", "function": {k: v for k, v in f.items() if v is not None}} for f in functions]
+        functions = [{"name": t.name, "description": t.description, "parameters": t.input_schema}
+                     for t in conversation.tools]
+        fields["tools"] = [{"type": "function", "function": {k: v for k, v in f.items() if v is not None}}
+                           for f in functions]
     choice = conversation.tool_choice
     if isinstance(choice, ToolChoiceTool):
         fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
@@ -174,7 +179,9 @@ def _response_format(request: MessagesRequest) -> ResponseFormat | None:
 def count_tokens(request: CountTokensRequest, engine: Engine) -> MessageTokensCount:
     """The prompt's tokens, rendered exactly as /v1/messages renders it."""
     check_task(engine.info, "generate", "/v1/messages/count_tokens")
-    as_chat = ChatCompletionRequest.model_construct(model=request.model, messages=chat_messages(request), **chat_tools(request))
+    as_chat = ChatCompletionRequest.model_construct(
+        model=request.model, messages=chat_messages(request), **chat_tools(request)
+    )
     prompt = chat.render(as_chat, tools.plan(as_chat), engine.tokenizer)
     return MessageTokensCount(input_tokens=len(engine.tokenizer.encode(prompt, add_special_tokens=False)))
 
@@ -214,7 +221,9 @@ def _usage(run: Run) -> AnthropicUsage:
     """Anthropic counts prompt tokens read from the (prefix) cache apart from input_tokens."""
     cached = run.cached_tokens
     output = sum(state.tokens for state in run.choices)
-    return AnthropicUsage(input_tokens=run.prompt_tokens - cached, output_tokens=output, cache_read_input_tokens=cached or None)
+    return AnthropicUsage(
+        input_tokens=run.prompt_tokens - cached, output_tokens=output, cache_read_input_tokens=cached or None
+    )
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -230,7 +239,8 @@ def _answer(prepared: PreparedMessage, run: Run) -> tuple[Message, list[tools.To
     content, calls = prepared.chat.tools.parse("".join(state.text))
     blocks: list[ContentBlock] = [TextBlock(text=content)] if content else []
     for call in calls:
-        blocks.append(ToolUseBlock(id=tool_use_id(prepared.id, len(blocks)), name=call.name, input=_input(call.arguments)))
+        block_id = tool_use_id(prepared.id, len(blocks))
+        blocks.append(ToolUseBlock(id=block_id, name=call.name, input=_input(call.arguments)))
     reason, sequence = _stop(state, bool(calls))
     message = Message(id=prepared.id, content=blocks, model=prepared.model, stop_reason=reason, stop_sequence=sequence,
                       usage=_usage(run))
@@ -247,7 +257,8 @@ async def complete(prepared: PreparedMessage, on_done: OnDone[Message] | None = 
 
 
 def _start(answer_id: str, model: str, input_tokens: int) -> list[BaseModel]:
-    message = Message(id=answer_id, content=[], model=model, usage=AnthropicUsage(input_tokens=input_tokens, output_tokens=0))
+    usage = AnthropicUsage(input_tokens=input_tokens, output_tokens=0)
+    message = Message(id=answer_id, content=[], model=model, usage=usage)
     return [MessageStartEvent(message=message), PingEvent()]
 
 
@@ -309,7 +320,9 @@ class MessagesService:
     answer_type = Message
     task: Task = "generate"
 
-    def prepare(self, request: ChatCompletionRequest, engine: Engine, default_max_tokens: int | None) -> PreparedMessage:
+    def prepare(
+        self, request: ChatCompletionRequest, engine: Engine, default_max_tokens: int | None
+    ) -> PreparedMessage:
         return prepare(request, engine, default_max_tokens)
 
     async def complete(self, prepared: PreparedMessage, on_done: OnDone[Message] | None = None) -> Message:

@@ -63,5 +63,7 @@ def check_task(info: ModelInfo, task: Task, route: str) -> None:
     if info.task == task:
         return
     if info.task == "embed":
-        raise InvalidRequest(f"The model '{info.name}' is an embedding model: use it with /v1/embeddings, not {route}", "model")
-    raise InvalidRequest(f"The model '{info.name}' does not make embeddings: {route} needs an embedding model", "model")
+        message = f"The model '{info.name}' is an embedding model: use it with /v1/embeddings, not {route}"
+    else:
+        message = f"The model '{info.name}' does not make embeddings: {route} needs an embedding model"
+    raise InvalidRequest(message, "model")
