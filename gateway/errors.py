@@ -23,19 +23,28 @@ upstream down): the dispatcher tries the model's fallbacks before answering with
 `from_exception` maps every other exception onto this tree, once: the engine's errors, pydantic's
 validation errors and Starlette's HTTP exceptions; anything unknown is a 500. `render` turns an
 error into status, headers and body, for the app's exception handler and pure ASGI middleware alike.
+
+The body speaks the route's *dialect* (the route table says which; the access log puts it in the
+request's scope, `dialect_of` reads it): OpenAI's object, or on Anthropic's routes
+`{"type": "error", "error": {"type", "message"}}` with the same status and Anthropic's type for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
-from starlette.types import Send
+from starlette.types import Scope, Send
 
 from engine.errors import EngineError, EngineInvalidRequest, EngineUnavailable, PromptTooLong
+
+Dialect = Literal["openai", "anthropic"]
+# Anthropic's error type by status (its API reference); other 4xx are invalid_request_error there
+ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error"}
 
 
 class APIError(Exception):
@@ -57,10 +66,19 @@ class APIError(Exception):
         self.code = code or self.code
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self, dialect: Dialect = "openai") -> dict[str, Any]:
+        if dialect == "anthropic":
+            return {"type": "error", "error": {"type": self.anthropic_type(), "message": self.message}}
         return {
             "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         }
+
+    def anthropic_type(self) -> str:
+        if self.code == "model_overloaded":
+            return "overloaded_error"
+        if self.status >= 500:
+            return "api_error"
+        return ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
 
 
 class InvalidRequest(APIError):
@@ -150,17 +168,25 @@ def error_table() -> list[tuple[int, str, str | None]]:
     return [(cls.status, cls.type, cls.code) for cls in ERROR_CLASSES]
 
 
-def render(error: APIError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+def dialect_of(scope: Scope) -> Dialect:
+    """The error dialect of the request's route (set in the scope by the access log)."""
+    dialect: Dialect = scope.get("state", {}).get("error_dialect", "openai")
+    return dialect
+
+
+def render(error: APIError, dialect: Dialect = "openai") -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """The error as an HTTP answer: status, headers, body (none for a client that is gone)."""
     headers = [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
     if isinstance(error, ClientDisconnected):
         return error.status, headers, b""
-    return error.status, [(b"content-type", b"application/json"), *headers], orjson.dumps(error.body())
+    return error.status, [(b"content-type", b"application/json"), *headers], orjson.dumps(error.body(dialect))
 
 
-async def send_error(send: Send, error: APIError, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+async def send_error(
+    send: Send, error: APIError, extra_headers: Sequence[tuple[bytes, bytes]] = (), dialect: Dialect = "openai"
+) -> None:
     """Answer with an API error from pure ASGI code (middleware that runs before the router)."""
-    status, headers, body = render(error)
+    status, headers, body = render(error, dialect)
     await send({"type": "http.response.start", "status": status, "headers": [*headers, *extra_headers]})
     await send({"type": "http.response.body", "body": body})
 

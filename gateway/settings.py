@@ -112,6 +112,11 @@ class Settings(BaseSettings):
     guards_file: Path | None = Field(
         None, description="YAML or TOML file of guard profiles (prompt and output checks) and who gets which"
     )
+    embedding_model: str | None = Field(
+        None,
+        description="Without a models file: also serve the engine's model as an embedding model under this name "
+        "(vLLM's pooling runner; a second engine); unset: none",
+    )
     cache: CacheSettings = Field(default_factory=CacheSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)

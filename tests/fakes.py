@@ -7,14 +7,16 @@ words of a fixed reply, one token per output, so tests can predict every chunk.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
-from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest, ModelInfo, TokenLogprob
+from engine.types import ChoiceDelta, EmbedRequest, GenerationOutput, GenerationRequest, ModelInfo, Task, TokenLogprob
 
 REPLY = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
+EMBEDDING_SIZE = 8
 
 
 class FakeTokenizer:
@@ -41,12 +43,17 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, name: str = "fake-model", max_model_len: int = 64, delay: float = 0.0,
-                 defaults: SamplingDefaults | None = None) -> None:
+    def __init__(
+        self, name: str = "fake-model", max_model_len: int = 64, delay: float = 0.0, task: Task = "generate",
+        matryoshka: bool = False, defaults: SamplingDefaults | None = None,
+    ) -> None:
         """`defaults`: the sampling defaults the model reports (vLLM: its generation config with the
         models file's `defaults` over it)."""
-        self._info = ModelInfo(name=name, max_model_len=max_model_len, root="fake", created=1,
+        size = EMBEDDING_SIZE if task == "embed" else None
+        self._info = ModelInfo(name=name, max_model_len=max_model_len, root="fake", created=1, task=task,
+                               embedding_size=size, matryoshka=matryoshka,
                                sampling_defaults=defaults or SamplingDefaults())
+        self.embedded: list[EmbedRequest] = []
         self._tokenizer = FakeTokenizer()
         self.delay = delay
         self.requests: list[GenerationRequest] = []
@@ -103,13 +110,30 @@ class FakeEngine:
             self.running.discard(request.request_id)
 
     async def _scripted(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """The reply's pieces, up to a piece that is one of the stop strings (vLLM's stop_reason)."""
         pieces = self.reply or [""]
+        stop = next((p for p in pieces if p in request.sampling.stop), None)
+        pieces = pieces[: pieces.index(stop) + 1] if stop is not None else pieces
         for step, piece in enumerate(pieces):
             await asyncio.sleep(0)
             last = step == len(pieces) - 1
-            choices = [ChoiceDelta(i, piece, [2000 + step], "stop" if last else None) for i in range(request.sampling.n)]
+            text = "" if piece == stop else piece
+            choices = [ChoiceDelta(i, text, [2000 + step], "stop" if last else None, stop if last else None)
+                       for i in range(request.sampling.n)]
             yield GenerationOutput(len(request.prompt_token_ids), choices, finished=last)
         self.finished.append(request.request_id)
+
+    async def embed(self, request: EmbedRequest) -> list[float]:
+        """A unit vector that depends on the token ids only (shortened and re-normalised to
+        `dimensions`, as a Matryoshka model's)."""
+        if self.dead:
+            raise EngineUnavailable("the fake engine is dead")
+        self.embedded.append(request)
+        await asyncio.sleep(self.delay)
+        vector = [sum(math.sin(t * (k + 1)) for t in request.prompt_token_ids) for k in range(EMBEDDING_SIZE)]
+        vector = vector[: request.dimensions or EMBEDDING_SIZE]
+        norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+        return [v / norm for v in vector]
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -29,7 +29,7 @@ from gateway.protocol.openai import ChatCompletionRequest
 from gateway.serving import offload
 from gateway.serving.guards.pipeline import RequestGuard
 from gateway.serving.guards.requests import guarded
-from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service
+from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service, check_task
 
 Shape = Callable[[BaseModel | bytes], BaseModel]  # answers and chunks in another form (the native API's)
 
@@ -99,6 +99,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
     async def _embedded(self, backend: Backend) -> Response:
         record, engine = current_record(), backend.engine
         assert engine is not None
+        check_task(engine.info, self.service.task, self.service.route)
         default_max_tokens = self.state.settings.default_max_tokens
         prepared = await offload.by_size(
             body_size(self.request), self.service.prepare, self.body, engine, default_max_tokens, self.guard
@@ -125,7 +126,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
 
     async def _generate(self, prepared: PreparedT, permit: Permit, on_done: OnDone[AnswerT] | None) -> Response:
         receive = self.request.receive
-        if self.body.stream:
+        if self.body.streams:
             events = await unless_disconnected(receive, primed(self._shaped(self.service.stream(prepared, on_done))))
             return EventStreamResponse(events, on_close=permit.release)
         answer = await unless_disconnected(receive, self.service.complete(prepared, on_done))
@@ -133,7 +134,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         return json_response(self.shape(answer) if self.shape else answer)
 
     def _replay(self, hit: AnswerT) -> Response:
-        if self.body.stream:
+        if self.body.streams:
             return EventStreamResponse(self._shaped(self.service.replay(hit, self.body)))
         answer = self.service.fresh(hit)
         return json_response(self.shape(answer) if self.shape else answer)
@@ -153,6 +154,9 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         assert backend.upstream is not None
         if self.shape is not None:
             raise InvalidRequest("The native API serves embedded models only", "model")
+        if self.service.upstream_path is None:
+            route = self.service.route
+            raise InvalidRequest(f"{route} serves embedded models only; '{backend.name}' is remote", "model")
         # input checks only: the answer passes through unread (redacted values stay placeholders)
         body = await offload.by_size(body_size(self.request), guarded, self.body, self.guard)
         await self.guard.moderate_input()
@@ -160,7 +164,8 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)
         payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
         try:
-            answer = await backend.upstream.forward(self.service.upstream_path, payload, self.body.stream, permit.release)
+            path, streams = self.service.upstream_path, self.body.streams
+            answer = await backend.upstream.forward(path, payload, streams, permit.release)
         except BaseException:
             permit.release()
             raise

@@ -11,11 +11,16 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from gateway.api.table import Endpoint
+from gateway.errors import Dialect
+from gateway.protocol import anthropic as a
 from gateway.protocol import openai as p
 
 ERROR_STATUSES = {"400": "Invalid request", "401": "Invalid API key", "404": "Unknown model or path",
                   "413": "Body too large", "429": "Rate limited or overloaded", "500": "Server error",
                   "503": "Unavailable or shutting down"}
+
+
+ERROR_MODELS: dict[Dialect, type[BaseModel]] = {"openai": p.ErrorResponse, "anthropic": a.AnthropicErrorResponse}
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -24,7 +29,7 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 def _schemas(endpoints: Sequence[Endpoint]) -> dict[str, Any]:
     models = {m for e in endpoints for m in (e.request, e.response) if m is not None}
-    models |= {p.ChatCompletionChunk, p.ErrorResponse}
+    models |= {p.ChatCompletionChunk, *ERROR_MODELS.values()}
     _, schemas = models_json_schema(
         [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
         ref_template="#/components/schemas/{model}",
@@ -38,7 +43,7 @@ def _operation(endpoint: Endpoint) -> dict[str, Any]:
     content: dict[str, Any] = {"application/json": {"schema": _ref(endpoint.response)}}
     if endpoint.streams:
         content["text/event-stream"] = {"schema": {"type": "string"}, "description": "with stream: true"}
-    errors = {"application/json": {"schema": _ref(p.ErrorResponse)}}
+    errors = {"application/json": {"schema": _ref(ERROR_MODELS[endpoint.dialect])}}
     operation: dict[str, Any] = {
         "summary": endpoint.summary,
         "responses": {

@@ -15,9 +15,11 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.api import handlers, native, ops
+from gateway.api import embeddings, handlers, messages, native, ops
 from gateway.api.openapi import document
 from gateway.api.table import Endpoint, RouteTable
+from gateway.protocol import anthropic as a
+from gateway.protocol import embeddings as e
 from gateway.protocol import openai as p
 
 
@@ -30,6 +32,12 @@ TABLE = RouteTable([
              p.ChatCompletionRequest, p.ChatCompletion, streams=True),
     Endpoint("POST", "/v1/completions", handlers.text_completions, "api", "Create a completion",
              p.CompletionRequest, p.Completion, streams=True),
+    Endpoint("POST", "/v1/embeddings", embeddings.create, "api", "Create embeddings", e.EmbeddingRequest,
+             e.CreateEmbeddingResponse),
+    Endpoint("POST", "/v1/messages", messages.create, "api", "Create a message (Anthropic's Messages API)",
+             a.MessagesRequest, a.Message, streams=True, dialect="anthropic"),
+    Endpoint("POST", "/v1/messages/count_tokens", messages.count_tokens, "api", "Count a message's input tokens "
+             "(Anthropic's API)", a.CountTokensRequest, a.MessageTokensCount, dialect="anthropic"),
     Endpoint("GET", "/v1/models", handlers.list_models, "api", "List the served models", None, p.ModelList),
     Endpoint("POST", "/tokenize", native.tokenize, "api", "Tokenize a prompt or chat messages",
              p.TokenizeRequest, p.TokenizeResponse),

@@ -1,13 +1,18 @@
-"""Server-Sent Events: the one place that frames stream events, as OpenAI does.
+"""Server-Sent Events: the one place that frames stream events, in the dialect of the route
+(`gateway.errors.dialect_of`, from the route table).
 
-Each event is `data: <json>\n\n`; the stream ends with `data: [DONE]\n\n`. An error after the
-stream has started is one event `data: {"error": {...}}` followed by `[DONE]`.
+- OpenAI: each event is `data: <json>\n\n`; the stream ends with `data: [DONE]\n\n`. An error after
+  the stream has started is one event `data: {"error": {...}}` followed by `[DONE]`.
+- Anthropic: each event is named by its model's `type` (`event: message_start\ndata: <json>\n\n`;
+  Anthropic's SDK skips events without a name), nothing follows `message_stop`, and an error after
+  the start is `event: error` with Anthropic's error object.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 
 import orjson
 import structlog
@@ -17,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api.disconnect import wait_for_disconnect
 from gateway.context import current_record
-from gateway.errors import from_exception
+from gateway.errors import Dialect, dialect_of, from_exception
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = [
@@ -29,15 +34,32 @@ HEADERS = [
 log = structlog.get_logger(__name__)
 
 
-def encode(event: BaseModel | bytes) -> bytes:
+@dataclass(frozen=True, slots=True)
+class Framing:
+    dialect: Dialect
+    named: bool  # an `event: <type>` line before each data line
+    end: bytes  # what closes the stream
+
+
+FRAMINGS: dict[Dialect, Framing] = {
+    "openai": Framing("openai", named=False, end=DONE),
+    "anthropic": Framing("anthropic", named=True, end=b""),
+}
+
+
+def encode(event: BaseModel | bytes, named: bool = False) -> bytes:
     """One event; bytes are JSON the producer encoded itself (the per-token chunks, ChunkEncoder)."""
     if isinstance(event, bytes):
         return b"data: " + event + b"\n\n"
-    return b"data: " + event.__pydantic_serializer__.to_json(event, exclude_none=True) + b"\n\n"
+    data = b"data: " + event.__pydantic_serializer__.to_json(event, exclude_none=True) + b"\n\n"
+    if named:
+        return b"event: " + str(getattr(event, "type", "message")).encode() + b"\n" + data
+    return data
 
 
-def encode_error(exc: BaseException) -> bytes:
-    return b"data: " + orjson.dumps(from_exception(exc).body()) + b"\n\n"
+def encode_error(exc: BaseException, framing: Framing = FRAMINGS["openai"]) -> bytes:
+    data = b"data: " + orjson.dumps(from_exception(exc).body(framing.dialect)) + b"\n\n"
+    return b"event: error\n" + data if framing.named else data
 
 
 class EventStreamResponse(Response):
@@ -60,8 +82,10 @@ class EventStreamResponse(Response):
         self.background = None
         self.raw_headers = HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         self.disconnected = False
+        self.framing = FRAMINGS["openai"]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.framing = FRAMINGS[dialect_of(scope)]
         # Plain asyncio, not an anyio cancel scope: cancelling the stream's task once lets the
         # engine's cleanup (its abort) still await; a level-triggered scope would cancel that too.
         stream = asyncio.ensure_future(self._stream(send))
@@ -92,14 +116,16 @@ class EventStreamResponse(Response):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             try:
+                named = self.framing.named
                 async for event in self.events:
-                    await send({"type": "http.response.body", "body": encode(event), "more_body": True})
+                    await send({"type": "http.response.body", "body": encode(event, named), "more_body": True})
             except OSError:
                 raise  # the client is gone: nobody to tell
             except Exception as exc:
                 log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
-                await send({"type": "http.response.body", "body": encode_error(exc), "more_body": True})
-            await send({"type": "http.response.body", "body": DONE, "more_body": False})
+                body = encode_error(exc, self.framing)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": self.framing.end, "more_body": False})
         finally:
             await self._close()
 

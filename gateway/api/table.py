@@ -1,5 +1,6 @@
-"""What a route table is: endpoints (method, path, handler, access class, OpenAPI description)
-and what the layers ask of them (Starlette routes, paths by access class, route labels).
+"""What a route table is: endpoints (method, path, handler, access class, OpenAPI description,
+error dialect) and what the layers ask of them (Starlette routes, paths by access class, route
+labels, the dialect of a path's errors and streams).
 `gateway.api.routes` holds the one table."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+from gateway.errors import Dialect
 
 Access = Literal["api", "ops", "open"]
 Handler = Callable[[Request], Awaitable[Response]]
@@ -28,12 +31,14 @@ class Endpoint:
     request: type[BaseModel] | None = None  # the JSON body (OpenAPI)
     response: type[BaseModel] | None = None  # the JSON answer (OpenAPI)
     streams: bool = False  # answers with Server-Sent Events when the body says `stream: true`
+    dialect: Dialect = "openai"  # whose API it is: the shape of its errors and its SSE framing
 
 
 class RouteTable:
     def __init__(self, endpoints: Iterable[Endpoint]) -> None:
         self.endpoints = tuple(endpoints)
         self._paths = frozenset(e.path for e in self.endpoints)
+        self._dialects = {e.path: e.dialect for e in self.endpoints}
 
     def routes(self) -> list[Route]:
         """Starlette's routes: one per path, with all its methods."""
@@ -53,3 +58,7 @@ class RouteTable:
     def label(self, path: str) -> str:
         """The route label of a request path (metrics, access log): bounded, whatever clients send."""
         return path if path in self._paths else UNMATCHED
+
+    def dialect(self, path: str) -> Dialect:
+        """The error dialect of a request path (OpenAI's for paths outside the table)."""
+        return self._dialects.get(path, "openai")

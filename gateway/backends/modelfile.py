@@ -22,6 +22,9 @@
         versions: {smollm2-135m-instruct: 90, assistant@1: 10}
         sticky: true                       # the same API key (or `user`) keeps its version
         guards: strict                     # a guard profile of the guards file, or one inline
+      - name: smol-embed                   # an embedded engine that embeds (vLLM's pooling runner)
+        kind: embedding                    # for /v1/embeddings; generating routes refuse it
+        engine: {enforce_eager: true}
 
 A reference (split versions, fallbacks) names a model, or a version as clients ask for one
 (`assistant`: the newest stable, `assistant@1`, `assistant@1.4.2`); it is resolved to one
@@ -52,7 +55,7 @@ class ModelSpec(BaseModel):
 
     name: str = Field(min_length=1)
     version: str | None = None  # SemVer: served as `name@version`
-    kind: Literal["embedded", "remote", "split"] = "embedded"
+    kind: Literal["embedded", "embedding", "remote", "split"] = "embedded"
     aliases: list[str] = Field(default_factory=list)
     fallback: list[str] = Field(default_factory=list)
     admission: AdmissionSettings | None = None
@@ -98,18 +101,28 @@ class ModelSpec(BaseModel):
                 raise ValueError(f"split model '{self.name}' needs versions")
             if any(weight <= 0 for weight in self.versions.values()):
                 raise ValueError(f"split model '{self.name}' has a weight that is not positive")
-        if self.kind != "embedded" and self.engine:
+        if self.kind in ("remote", "split") and self.engine:
             raise ValueError(f"only embedded models take engine settings ('{self.name}')")
         return self
 
     def engine_settings(self, defaults: EngineSettings) -> EngineSettings:
         try:
-            merged = EngineSettings.model_validate({**defaults.model_dump(), **self.engine, "served_model_name": self.id})
+            task = {"task": "embed"} if self.kind == "embedding" else {}
+            merged = EngineSettings.model_validate(
+                {**defaults.model_dump(), **self.engine, "served_model_name": self.id, **task}
+            )
         except ValidationError as exc:
             raise ConfigError(f"model '{self.id}': bad engine settings: {exc}") from exc
         if self.defaults is None:
             return merged
         return merged.model_copy(update={"sampling_defaults": self.defaults.over(merged.sampling_defaults)})
+
+    @property
+    def task(self) -> str | None:
+        """What an engine of this entry does (None: a remote upstream or a split, not known here)."""
+        if self.kind == "embedding" or (self.kind == "embedded" and self.engine.get("task") == "embed"):
+            return "embed"
+        return "generate" if self.kind == "embedded" else None
 
 
 class ModelsFile(BaseModel):
@@ -118,13 +131,20 @@ class ModelsFile(BaseModel):
 
 
 def default_models(settings: Settings) -> ModelsFile:
-    """Without a models file: the one embedded model of the `engine` settings."""
-    return ModelsFile(models=[ModelSpec(name=settings.engine.served_model_name)])
+    """Without a models file: the one embedded model of the `engine` settings, and an embedding
+    model of the same weights when `embedding_model` names one."""
+    models = [ModelSpec(name=settings.engine.served_model_name)]
+    if settings.embedding_model:
+        models.append(ModelSpec(name=settings.embedding_model, kind="embedding"))
+    return ModelsFile(models=models)
 
 
 def load(settings: Settings) -> ModelsFile:
     if settings.models_file is None:
         return default_models(settings)
+    if settings.embedding_model:
+        raise ConfigError("embedding_model (GATEWAY_EMBEDDING_MODEL) is for the set-up without a models file; "
+                          "declare the model in the file instead (kind: embedding)")
     path = Path(settings.models_file)
     try:
         text = path.read_text()
@@ -174,6 +194,7 @@ def check(models: ModelsFile) -> None:
             if spec.kind == "split" and canonical[ref].kind == "split":
                 raise ConfigError(f"split '{spec.name}' cannot split into another split ('{ref}')")
     for spec in models.models:
+        _one_task(spec, canonical)
         _no_cycle(spec.id, canonical, [])
 
 
@@ -186,6 +207,14 @@ def _resolve(ref: str, spec: ModelSpec, canonical: dict[str, ModelSpec], version
     if found is None and ref not in canonical:
         raise ConfigError(f"model '{spec.id}' refers to '{ref}', which is not declared (by its name)")
     return found or ref
+
+
+def _one_task(spec: ModelSpec, specs: dict[str, ModelSpec]) -> None:
+    """A model's fallbacks, or a split's versions, all generate or all embed."""
+    tasks = {s.name: s.task for s in (spec, *(specs[ref] for ref in (*spec.fallback, *spec.versions)))}
+    if len({task for task in tasks.values() if task is not None}) > 1:
+        named = ", ".join(f"'{name}' ({task})" for name, task in tasks.items() if task is not None)
+        raise ConfigError(f"model '{spec.name}' mixes models that generate and models that embed: {named}")
 
 
 def _no_cycle(name: str, specs: dict[str, ModelSpec], path: list[str]) -> None:

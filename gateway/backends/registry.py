@@ -92,10 +92,11 @@ class ModelRegistry:
         return order
 
     def engine(self, name: str | None) -> Engine:
-        """An embedded engine by public name, or the first one (for the tokenizer routes)."""
+        """An embedded engine by public name, or the first generating one (for the tokenizer and
+        native routes)."""
         if name is None:
             for backend in self.backends.values():
-                if backend.engine is not None:
+                if backend.engine is not None and backend.engine.info.task == "generate":
                     return backend.engine
             raise InvalidRequest("No embedded model is served here; name one", "model")
         _, chain = self.resolve(name)

@@ -69,7 +69,10 @@ def build_registry(models: ModelsFile, settings: Settings, start: EngineStarter)
 
 
 async def warm_up(name: str, engine: Engine) -> None:
-    """One tiny JSON-constrained generation: compiles the structured-output grammar machinery."""
+    """One tiny JSON-constrained generation: compiles the structured-output grammar machinery
+    (embedding models have none)."""
+    if engine.info.task != "generate":
+        return
     started = time.perf_counter()
     prompt = engine.tokenizer.encode("{", add_special_tokens=False)
     request = GenerationRequest(f"warmup-{name}", prompt, SamplingOptions(max_tokens=2, json_object=True))

@@ -1,6 +1,7 @@
 """Access log (pure ASGI, the outermost layer): binds the request id to every log line of the
-request, returns it as `X-Request-ID` (the client's, or one we generate), adds the headers the
-layers below asked for, and logs one access line and the request metrics at the end.
+request, returns it as `X-Request-ID` (the client's, or one we generate), puts the route's error
+dialect in the scope (for every layer that answers an error), adds the headers the layers below
+asked for, and logs one access line and the request metrics at the end.
 
 Pure ASGI and not `BaseHTTPMiddleware`, which would lose the contextvars that structlog binds the
 request id in.
@@ -17,10 +18,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
 from gateway.context import RequestRecord, open_record
+from gateway.errors import Dialect
 
 access = structlog.get_logger("gateway.access")
 
 RouteLabel = Callable[[str], str]  # a path → its route's label (the route table's), "unmatched" else
+DialectOf = Callable[[str], Dialect]  # a path → its route's error dialect (the route table's)
 
 
 def request_id_from(scope: Scope) -> str:
@@ -33,17 +36,23 @@ def request_id_from(scope: Scope) -> str:
 
 
 class AccessLogMiddleware:
-    def __init__(self, app: ASGIApp, route_label: RouteLabel, log_content: bool = False) -> None:
+    def __init__(
+        self, app: ASGIApp, route_label: RouteLabel, log_content: bool = False, dialect: DialectOf | None = None
+    ) -> None:
         self.app = app
         self.route_label = route_label
         self.log_content = log_content
+        self.dialect = dialect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         request_id = request_id_from(scope)
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        if self.dialect is not None:
+            state["error_dialect"] = self.dialect(scope["path"])
         started = time.perf_counter()
         record = RequestRecord(arrival=started, log_content=self.log_content)
         status = 500

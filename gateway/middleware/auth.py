@@ -1,4 +1,5 @@
-"""API keys (pure ASGI): a Bearer key on every route but the open ones.
+"""API keys (pure ASGI): a key on every route but the open ones, as `Authorization: Bearer` (OpenAI's
+clients) or `x-api-key` (Anthropic's).
 
 Keys come from settings and are kept only as SHA-256 hashes; a presented key is hashed and compared
 with every stored hash in constant time. The key's id (safe to log) goes into the request's record
@@ -15,7 +16,7 @@ from pydantic import SecretStr
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.context import current_record
-from gateway.errors import APIError, AuthenticationFailed, send_error
+from gateway.errors import APIError, AuthenticationFailed, dialect_of, send_error
 
 ANONYMOUS = "anonymous"
 
@@ -53,7 +54,7 @@ class AuthMiddleware:
         try:
             key_id = self._identify(scope)
         except APIError as error:
-            await send_error(send, error)
+            await send_error(send, error, dialect=dialect_of(scope))
             return
         current_record().api_key_id = key_id
         scope.setdefault("state", {})["api_key_id"] = key_id
@@ -62,13 +63,21 @@ class AuthMiddleware:
     def _identify(self, scope: Scope) -> str:
         if not self.keys.enabled:
             return ANONYMOUS
-        header = dict(scope.get("headers", ())).get(b"authorization", b"").decode("latin-1")
-        scheme, _, presented = header.partition(" ")
-        if scheme.lower() != "bearer" or not presented.strip():
+        presented = presented_key(scope)
+        if not presented:
             raise AuthenticationFailed(
-                "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
+                "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY' (or 'x-api-key: YOUR_KEY')."
             )
-        key_id = self.keys.identify(presented.strip())
+        key_id = self.keys.identify(presented)
         if key_id is None:
             raise AuthenticationFailed("Incorrect API key provided.")
         return key_id
+
+
+def presented_key(scope: Scope) -> str:
+    """The key a request presents: a Bearer token (OpenAI's clients), else `x-api-key` (Anthropic's)."""
+    headers: dict[bytes, bytes] = dict(scope.get("headers", ()))
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get(b"x-api-key", b"").decode("latin-1").strip()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import ServiceUnavailable, send_error
+from gateway.errors import ServiceUnavailable, dialect_of, send_error
 
 
 class Lifecycle:
@@ -32,7 +32,7 @@ class LifecycleMiddleware:
             return
         if self.lifecycle.draining:
             error = ServiceUnavailable("The server is shutting down; retry on another replica")
-            await send_error(send, error, [(b"connection", b"close")])
+            await send_error(send, error, [(b"connection", b"close")], dialect_of(scope))
             return
         self.lifecycle.active += 1
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import RateLimited, send_error
+from gateway.errors import RateLimited, dialect_of, send_error
 from gateway.limits import RateLimiter
 from gateway.middleware.auth import ANONYMOUS
 
@@ -23,6 +23,6 @@ class RateLimitMiddleware:
         try:
             self.limiter.take_request(scope.get("state", {}).get("api_key_id", ANONYMOUS))
         except RateLimited as error:
-            await send_error(send, error)
+            await send_error(send, error, dialect=dialect_of(scope))
             return
         await self.app(scope, receive, send)

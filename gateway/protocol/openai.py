@@ -31,7 +31,19 @@ class StreamOptions(_Request):
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
 
 
-class SamplingFields(_Request):
+class ModelRequest(_Request):
+    """What the dispatcher reads of every request it routes: the model, the end user (sticky A/B
+    splits) and whether the answer streams."""
+
+    model: str
+    user: str | None = None
+
+    @property
+    def streams(self) -> bool:
+        return False
+
+
+class SamplingFields(ModelRequest):
     """Parameters shared by chat and completions (OpenAI's, then vLLM's extras)."""
 
     model: str
@@ -55,6 +67,10 @@ class SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    @property
+    def streams(self) -> bool:
+        return self.stream
 
     @field_validator("logit_bias")
     @classmethod

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.types import ChoiceDelta, Engine, GenerationRequest, Tokenizer, TokenLogprob
+from engine.types import ChoiceDelta, Engine, GenerationRequest, Task, Tokenizer, TokenLogprob
 from gateway.errors import InvalidRequest
 from gateway.protocol.openai import (
     AssistantMessage,
@@ -259,6 +259,7 @@ class ChatService:
     route = "/v1/chat/completions"
     upstream_path = "/chat/completions"
     answer_type = ChatCompletion
+    task: Task = "generate"
 
     # the module's functions, as the Service protocol's methods
     prepare = staticmethod(prepare)

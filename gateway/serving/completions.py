@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, TokenLogprob
+from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, Task, TokenLogprob
 from gateway.errors import InvalidRequest
 from gateway.protocol.openai import (
     Completion,
@@ -317,6 +317,7 @@ class CompletionsService:
     route = "/v1/completions"
     upstream_path = "/completions"
     answer_type = Completion
+    task: Task = "generate"
 
     # the module's functions, as the Service protocol's methods
     prepare = staticmethod(prepare)

@@ -119,6 +119,7 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the engine's: the stop string (or token id) that ended it
     started: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offset: int = 0  # characters streamed so far, for completions' logprobs.text_offset
@@ -133,6 +134,7 @@ class ChoiceState:
             self.cumulative_logprob = delta.cumulative_logprob
         if delta.finish_reason is not None:
             self.finish_reason = finish_reason(delta.finish_reason)
+            self.stop_reason = delta.stop_reason
 
 
 def finish_reason(engine_reason: str) -> str:

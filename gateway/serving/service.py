@@ -1,5 +1,5 @@
-"""What the dispatcher needs of a service (chat, completions): typed, so that a reader and the
-type checker can follow the strategy.
+"""What the dispatcher needs of a service (chat, completions, messages, embeddings): typed, so that
+a reader and the type checker can follow the strategy.
 
 A service prepares a validated request for an engine (every refusal happens there, before the
 first byte, the input guards' too; the request's guard goes along to check the output), then answers it whole (`complete`) or as a stream of encoded chunks (`stream`), and
@@ -14,14 +14,15 @@ from typing import Protocol, TypeVar
 
 from pydantic import BaseModel
 
-from engine.types import Engine
-from gateway.protocol.openai import SamplingFields
+from engine.types import Engine, ModelInfo, Task
+from gateway.errors import InvalidRequest
+from gateway.protocol.openai import ModelRequest
 from gateway.serving.guards.pipeline import RequestGuard
 
-RequestT = TypeVar("RequestT", bound=SamplingFields)
+RequestT = TypeVar("RequestT", bound=ModelRequest)
 PreparedT = TypeVar("PreparedT", bound="Prepared")
 AnswerT = TypeVar("AnswerT", bound=BaseModel)
-RequestT_contra = TypeVar("RequestT_contra", bound=SamplingFields, contravariant=True)
+RequestT_contra = TypeVar("RequestT_contra", bound=ModelRequest, contravariant=True)
 
 OnDone = Callable[[AnswerT], Awaitable[None]]
 
@@ -37,9 +38,14 @@ class Prepared(Protocol):
 
 
 class Service(Protocol[RequestT_contra, PreparedT, AnswerT]):
-    route: str  # the OpenAI route it serves (part of the cache key)
-    upstream_path: str  # the same route on a remote upstream (relative to its /v1)
+    route: str  # the route it serves (part of the cache key)
     answer_type: type[AnswerT]
+    task: Task  # what the model must do: a generating model, or an embedding one
+
+    @property
+    def upstream_path(self) -> str | None:
+        """The same route on a remote upstream (relative to its /v1); None: embedded models only."""
+        ...
 
     def prepare(
         self, request: RequestT_contra, engine: Engine, default_max_tokens: int | None, guard: RequestGuard = ...
@@ -47,8 +53,20 @@ class Service(Protocol[RequestT_contra, PreparedT, AnswerT]):
 
     async def complete(self, prepared: PreparedT, on_done: OnDone[AnswerT] | None = None) -> AnswerT: ...
 
-    def stream(self, prepared: PreparedT, on_done: OnDone[AnswerT] | None = None) -> AsyncIterator[bytes]: ...
+    def stream(self, prepared: PreparedT, on_done: OnDone[AnswerT] | None = None) -> AsyncIterator[BaseModel | bytes]:
+        ...
 
     def replay(self, answer: AnswerT, request: RequestT_contra) -> AsyncIterator[BaseModel]: ...
 
     def fresh(self, answer: AnswerT) -> AnswerT: ...
+
+
+def check_task(info: ModelInfo, task: Task, route: str) -> None:
+    """A generating route on an embedding model, or /v1/embeddings on a generating one: a 400."""
+    if info.task == task:
+        return
+    if info.task == "embed":
+        message = f"The model '{info.name}' is an embedding model: use it with /v1/embeddings, not {route}"
+    else:
+        message = f"The model '{info.name}' does not make embeddings: {route} needs an embedding model"
+    raise InvalidRequest(message, "model")

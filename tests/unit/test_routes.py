@@ -17,6 +17,9 @@ from tests.fakes import FakeEngine, fake_settings
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/completions": {"model": "fake-model", "prompt": "hi", "max_tokens": 2},
+    "/v1/embeddings": {"model": "fake-embed", "input": "hi"},
+    "/v1/messages": {"model": "fake-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages/count_tokens": {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]},
     "/tokenize": {"model": "fake-model", "prompt": "hi"},
     "/detokenize": {"model": "fake-model", "tokens": [10]},
     "/generate": {"prompt": "hi", "max_tokens": 2},
@@ -26,8 +29,9 @@ BODIES: dict[str, dict[str, Any]] = {
 
 
 def app_with(**overrides: Any) -> Any:
-    engine = FakeEngine()
-    return create_app(fake_settings(**overrides), engine_starter=lambda _: engine)
+    """A chat model (fake-model) and an embedding model (fake-embed), on fake engines."""
+    settings = fake_settings(embedding_model="fake-embed", **overrides)
+    return create_app(settings, engine_starter=lambda es: FakeEngine(es.served_model_name, task=es.task))
 
 
 def call(client: TestClient, endpoint: Endpoint, **headers: str) -> Any:
@@ -59,6 +63,8 @@ def test_every_route_answers_and_is_labelled_with_its_path() -> None:
             assert response.status_code == 200, (endpoint.path, response.text)
             assert answered(endpoint.path) == before + 1, endpoint.path
     assert TABLE.label("/no/such/path") == "unmatched"
+    assert (TABLE.dialect("/v1/messages"), TABLE.dialect("/v1/chat/completions")) == ("anthropic", "openai")
+    assert TABLE.dialect("/no/such/path") == "openai"
 
 
 @pytest.mark.parametrize("protect_ops", [False, True])
@@ -66,8 +72,11 @@ def test_auth_guards_exactly_the_table_s_keyed_routes(protect_ops: bool) -> None
     with TestClient(app_with(api_keys=["sk-route"], auth_ops_routes=protect_ops)) as client:
         for endpoint in TABLE.endpoints:
             keyed = endpoint.access == "api" or (endpoint.access == "ops" and protect_ops)
-            status = call(client, endpoint).status_code
-            assert (status == 401) == keyed, (endpoint.path, status)
+            response = call(client, endpoint)
+            assert (response.status_code == 401) == keyed, (endpoint.path, response.status_code)
+            if keyed:  # in the route's own dialect
+                shape = {"type", "error"} if endpoint.dialect == "anthropic" else {"error"}
+                assert set(response.json()) == shape, endpoint.path
             assert call(client, endpoint, authorization="Bearer sk-route").status_code == 200, endpoint.path
 
 

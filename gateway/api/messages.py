@@ -1,0 +1,25 @@
+"""Anthropic's Messages routes: parse and validate, then the chat pipeline (`serving.messages`).
+Their errors and streams speak Anthropic's dialect (the route table says so)."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.dispatch import dispatch
+from gateway.api.requests import body_size, json_response, parse, state_of
+from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest
+from gateway.serving import messages, offload
+from gateway.serving.messages import MESSAGES
+
+
+async def create(request: Request) -> Response:
+    body = await parse(request, MessagesRequest)
+    return await dispatch(request, state_of(request), messages.to_chat(body), MESSAGES)
+
+
+async def count_tokens(request: Request) -> Response:
+    body = await parse(request, CountTokensRequest)
+    engine = state_of(request).models.engine(body.model)
+    answer = await offload.by_size(body_size(request), messages.count_tokens, body, engine)
+    return json_response(answer)

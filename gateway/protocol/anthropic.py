@@ -1,0 +1,288 @@
+"""Anthropic's Messages API as pydantic models: `/v1/messages` and `/v1/messages/count_tokens`
+requests (validated strictly), the Message answer, the stream events and the error object.
+
+Field names and types follow the `anthropic` SDK's types (`anthropic/types/`) and Anthropic's API
+reference; `temperature`, `top_p` and `top_k` as the API reference has them (the 2.x SDK sends them
+in `extra_body`). Requests forbid unknown fields, as Anthropic's API does. Accepted but without
+effect here: `cache_control` (vLLM's prefix cache is automatic), `service_tier`,
+`output_config.effort`, `metadata` beyond its `user_id`, text blocks' `citations`. Image and
+document blocks are known, so that refusing them (400) names the block. Names that OpenAI's module also uses carry an `Anthropic` prefix, so that
+/openapi.json has one schema per name.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# --- request parts -----------------------------------------------------------------------------
+
+
+class CacheControl(_Request):
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
+class TextBlockParam(_Request):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: list[dict[str, Any]] | None = None
+
+
+class ImageBlockParam(_Request):
+    type: Literal["image", "document"]
+    source: dict[str, Any]
+    cache_control: CacheControl | None = None
+    title: str | None = None
+    context: str | None = None
+    citations: dict[str, Any] | None = None
+
+
+class ToolUseBlockParam(_Request):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlockParam(_Request):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[TextBlockParam | ImageBlockParam, Field(discriminator="type")]] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+ContentBlockParam = Annotated[
+    TextBlockParam | ImageBlockParam | ToolUseBlockParam | ToolResultBlockParam, Field(discriminator="type")
+]
+
+
+class MessageParam(_Request):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[ContentBlockParam]
+
+
+class ToolParam(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceAuto(_Request):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceAny(_Request):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceTool(_Request):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNone(_Request):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
+
+
+class Metadata(_Request):
+    user_id: str | None = None
+
+
+class ThinkingDisabled(_Request):
+    """Extended thinking: only `{"type": "disabled"}` (no model here thinks)."""
+
+    type: Literal["disabled"]
+
+
+class OutputFormat(_Request):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    """Structured outputs (`format`); `effort` is accepted and has no effect here."""
+
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
+class Conversation(_Request):
+    """What /v1/messages and /v1/messages/count_tokens share: the prompt."""
+
+    model: str
+    messages: Annotated[list[MessageParam], Field(min_length=1)]
+    system: str | list[TextBlockParam] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingDisabled | None = None
+    cache_control: CacheControl | None = None
+
+
+class MessagesRequest(Conversation):
+    """POST /v1/messages (the SDK's MessageCreateParams)."""
+
+    max_tokens: Annotated[int, Field(ge=1)]
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    output_config: OutputConfig | None = None
+
+
+class CountTokensRequest(Conversation):
+    """POST /v1/messages/count_tokens (the SDK's MessageCountTokensParams)."""
+
+
+# --- answers -----------------------------------------------------------------------------------
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class TextBlock(_Response):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseBlock(_Response):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock, Field(discriminator="type")]
+
+
+class AnthropicUsage(_Response):
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int | None = None
+
+
+def _with_stop_fields(data: dict[str, Any], stop_reason: str | None, stop_sequence: str | None) -> dict[str, Any]:
+    """Anthropic always sends both fields, null or not (the gateway's encoders drop Nones)."""
+    return {**data, "stop_reason": stop_reason, "stop_sequence": stop_sequence}
+
+
+class Message(_Response):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[ContentBlock]
+    model: str
+    stop_reason: StopReason | None = None
+    stop_sequence: str | None = None
+    usage: AnthropicUsage
+
+    @model_serializer(mode="wrap")
+    def _stop_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _with_stop_fields(handler(self), self.stop_reason, self.stop_sequence)
+
+
+class MessageTokensCount(_Response):
+    input_tokens: int
+
+
+# --- stream events (each is named by its `type` on the wire: `event: <type>`) ------------------
+
+
+class MessageStartEvent(_Response):
+    type: Literal["message_start"] = "message_start"
+    message: Message
+
+
+class ContentBlockStartEvent(_Response):
+    type: Literal["content_block_start"] = "content_block_start"
+    index: int
+    content_block: ContentBlock
+
+
+class TextDelta(_Response):
+    type: Literal["text_delta"] = "text_delta"
+    text: str
+
+
+class InputJSONDelta(_Response):
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str
+
+
+class ContentBlockDeltaEvent(_Response):
+    type: Literal["content_block_delta"] = "content_block_delta"
+    index: int
+    delta: Annotated[TextDelta | InputJSONDelta, Field(discriminator="type")]
+
+
+class ContentBlockStopEvent(_Response):
+    type: Literal["content_block_stop"] = "content_block_stop"
+    index: int
+
+
+class MessageDelta(_Response):
+    stop_reason: StopReason | None = None
+    stop_sequence: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _stop_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _with_stop_fields(handler(self), self.stop_reason, self.stop_sequence)
+
+
+class MessageDeltaUsage(_Response):
+    """Cumulative counts; the SDK takes the input counts from here too when present."""
+
+    output_tokens: int
+    input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+
+
+class MessageDeltaEvent(_Response):
+    type: Literal["message_delta"] = "message_delta"
+    delta: MessageDelta
+    usage: MessageDeltaUsage
+
+
+class MessageStopEvent(_Response):
+    type: Literal["message_stop"] = "message_stop"
+
+
+class PingEvent(_Response):
+    type: Literal["ping"] = "ping"
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class AnthropicError(_Response):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(_Response):
+    type: Literal["error"] = "error"
+    error: AnthropicError
