@@ -146,8 +146,8 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
 
     async def _remote(self, backend: Backend) -> Response:
         assert backend.upstream is not None
-        if self.shape is not None:
-            raise InvalidRequest("The native API serves embedded models only", "model")
+        if self.shape is not None or not self.service.upstream_path:
+            raise InvalidRequest(f"{self.request.url.path} serves embedded models only", "model")
         permit = await backend.admission.acquire()
         payload = self.body.model_dump(mode="json", by_alias=True, exclude_unset=True)
         try:

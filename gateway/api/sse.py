@@ -2,12 +2,16 @@
 
 Each event is `data: <json>\n\n`; the stream ends with `data: [DONE]\n\n`. An error after the
 stream has started is one event `data: {"error": {...}}` followed by `[DONE]`.
+
+APIs with typed events (the Responses API) frame them `NAMED`: `event: <its type>` before each
+`data:` line, and no end marker.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 
 import orjson
 import structlog
@@ -29,15 +33,29 @@ HEADERS = [
 log = structlog.get_logger(__name__)
 
 
-def encode(event: BaseModel | bytes) -> bytes:
+@dataclass(frozen=True, slots=True)
+class Framing:
+    named: bool = False  # `event: <the model's type>` before each `data:` line
+    done: bytes | None = DONE  # the stream's last event
+
+
+OPENAI = Framing()
+NAMED = Framing(named=True, done=None)
+
+
+def encode(event: BaseModel | bytes, framing: Framing = OPENAI) -> bytes:
     """One event; bytes are JSON the producer encoded itself (the per-token chunks, ChunkEncoder)."""
     if isinstance(event, bytes):
         return b"data: " + event + b"\n\n"
-    return b"data: " + event.__pydantic_serializer__.to_json(event, exclude_none=True) + b"\n\n"
+    data = b"data: " + event.__pydantic_serializer__.to_json(event, exclude_none=True) + b"\n\n"
+    return f"event: {getattr(event, 'type')}\n".encode() + data if framing.named else data
 
 
-def encode_error(exc: BaseException) -> bytes:
-    return b"data: " + orjson.dumps(from_exception(exc).body()) + b"\n\n"
+def encode_error(exc: BaseException, framing: Framing = OPENAI) -> bytes:
+    body = from_exception(exc).body()
+    if framing.named:
+        return b"event: error\ndata: " + orjson.dumps({"type": "error", **body}) + b"\n\n"
+    return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
 class EventStreamResponse(Response):
@@ -53,8 +71,10 @@ class EventStreamResponse(Response):
         events: AsyncIterator[BaseModel | bytes],
         headers: Mapping[str, str] | None = None,
         on_close: Callable[[], None] | None = None,
+        framing: Framing = OPENAI,
     ) -> None:
         self.events = events
+        self.framing = framing
         self.on_close = on_close  # e.g. the admission permit's release, held for the whole stream
         self.status_code = 200
         self.background = None
@@ -93,13 +113,13 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             try:
                 async for event in self.events:
-                    await send({"type": "http.response.body", "body": encode(event), "more_body": True})
+                    await send({"type": "http.response.body", "body": encode(event, self.framing), "more_body": True})
             except OSError:
                 raise  # the client is gone: nobody to tell
             except Exception as exc:
                 log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
-                await send({"type": "http.response.body", "body": encode_error(exc), "more_body": True})
-            await send({"type": "http.response.body", "body": DONE, "more_body": False})
+                await send({"type": "http.response.body", "body": encode_error(exc, self.framing), "more_body": True})
+            await send({"type": "http.response.body", "body": self.framing.done or b"", "more_body": False})
         finally:
             await self._close()
 

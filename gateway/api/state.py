@@ -8,6 +8,7 @@ from gateway.backends.registry import ModelRegistry
 from gateway.cache import ResponseCache
 from gateway.limits import RateLimiter
 from gateway.middleware.lifecycle import Lifecycle
+from gateway.responses_store import ResponseStore
 from gateway.settings import Settings
 
 
@@ -18,3 +19,4 @@ class GatewayState:
     lifecycle: Lifecycle
     limiter: RateLimiter
     cache: ResponseCache
+    responses: ResponseStore  # the Responses API's stored responses

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Route, compile_path
 
 Access = Literal["api", "ops", "open"]
 Handler = Callable[[Request], Awaitable[Response]]
@@ -34,6 +34,8 @@ class RouteTable:
     def __init__(self, endpoints: Iterable[Endpoint]) -> None:
         self.endpoints = tuple(endpoints)
         self._paths = frozenset(e.path for e in self.endpoints)
+        # paths with parameters (/v1/responses/{response_id}), matched as Starlette's router does
+        self._templates = [(compile_path(path)[0], path) for path in sorted(self._paths) if "{" in path]
 
     def routes(self) -> list[Route]:
         """Starlette's routes: one per path, with all its methods."""
@@ -51,5 +53,8 @@ class RouteTable:
         return frozenset(e.path for e in self.endpoints if e.access in access)
 
     def label(self, path: str) -> str:
-        """The route label of a request path (metrics, access log): bounded, whatever clients send."""
-        return path if path in self._paths else UNMATCHED
+        """The route label of a request path (metrics, access log): bounded, whatever clients send
+        (a concrete /v1/responses/resp_1 is labelled with its template, /v1/responses/{response_id})."""
+        if path in self._paths:
+            return path
+        return next((template for regex, template in self._templates if regex.match(path)), UNMATCHED)

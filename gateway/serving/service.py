@@ -2,9 +2,9 @@
 type checker can follow the strategy.
 
 A service prepares a validated request for an engine (every refusal happens there, before the
-first byte), then answers it whole (`complete`) or as a stream of encoded chunks (`stream`), and
-replays a cached answer. Both `complete` and `stream` hand the whole answer to `on_done` once it
-is known: the one cache hand-off, for streams and non-streams alike.
+first byte), then answers it whole (`complete`) or as a stream of events (`stream`: encoded JSON
+chunks or models), and replays a cached answer. Both `complete` and `stream` hand the whole
+answer to `on_done` once it is known: the one cache hand-off, for streams and non-streams alike.
 """
 
 from __future__ import annotations
@@ -37,14 +37,16 @@ class Prepared(Protocol):
 
 class Service(Protocol[RequestT_contra, PreparedT, AnswerT]):
     route: str  # the OpenAI route it serves (part of the cache key)
-    upstream_path: str  # the same route on a remote upstream (relative to its /v1)
+    upstream_path: str  # the same route on a remote upstream (relative to its /v1); empty: embedded models only
     answer_type: type[AnswerT]
 
     def prepare(self, request: RequestT_contra, engine: Engine, default_max_tokens: int | None) -> PreparedT: ...
 
     async def complete(self, prepared: PreparedT, on_done: OnDone[AnswerT] | None = None) -> AnswerT: ...
 
-    def stream(self, prepared: PreparedT, on_done: OnDone[AnswerT] | None = None) -> AsyncIterator[bytes]: ...
+    def stream(
+        self, prepared: PreparedT, on_done: OnDone[AnswerT] | None = None
+    ) -> AsyncIterator[BaseModel | bytes]: ...
 
     def replay(self, answer: AnswerT, request: RequestT_contra) -> AsyncIterator[BaseModel]: ...
 
