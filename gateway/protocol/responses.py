@@ -77,7 +77,7 @@ class InputPart(_Request):
 class MessageInput(_Request):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputPart]
+    content: list[InputPart] | str
     id: str | None = None
     status: ItemStatus | None = None
     phase: Literal["commentary", "final_answer"] | None = None
@@ -100,7 +100,7 @@ class FunctionCallOutputInput(_Request):
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[InputPart]
+    output: list[InputPart] | str
     id: str | None = None
     status: ItemStatus | None = None
 
@@ -152,14 +152,15 @@ class TextConfig(_Request):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)]
+MetadataKey = Annotated[str, Field(max_length=64)]
+Metadata = Annotated[dict[MetadataKey, Annotated[str, Field(max_length=512)]], Field(max_length=16)]
 
 
 class ResponsesRequest(_Request):
     """POST /v1/responses."""
 
     model: str
-    input: str | list[InputItem] | None = None
+    input: list[InputItem] | str | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: Annotated[int, Field(ge=16)] | None = None
@@ -242,7 +243,7 @@ class OutputMessage(_Out):
     content: list[OutputText]
 
 
-class FunctionCall(_Out):
+class FunctionToolCall(_Out):
     id: str
     type: Literal["function_call"] = "function_call"
     status: ItemStatus
@@ -268,12 +269,12 @@ def _stored_kind(item: Any) -> str | None:
 Item = Annotated[
     Annotated[InputMessage, Tag("input_message")]
     | Annotated[OutputMessage, Tag("output_message")]
-    | Annotated[FunctionCall, Tag("function_call")]
+    | Annotated[FunctionToolCall, Tag("function_call")]
     | Annotated[FunctionCallOutput, Tag("function_call_output")],
     Discriminator(_stored_kind),
 ]
 OutputItem = Annotated[
-    Annotated[OutputMessage, Tag("output_message")] | Annotated[FunctionCall, Tag("function_call")],
+    Annotated[OutputMessage, Tag("output_message")] | Annotated[FunctionToolCall, Tag("function_call")],
     Discriminator(_stored_kind),
 ]
 
@@ -362,7 +363,15 @@ class InputItemsQuery(_Request):
 # --- stream events ----------------------------------------------------------------------------
 
 
-class ResponseLifecycleEvent(_Out):
+class _Event(BaseModel):
+    """A stream event: `type` (also the SSE event name), then `sequence_number` (0, 1, 2, ... in a
+    stream). No field of an event is ever null (its response and items keep theirs), so events skip
+    `_Out`'s serializer: a delta event is on the per-token path."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ResponseLifecycleEvent(_Event):
     """response.created, response.in_progress, response.completed, response.incomplete, response.failed."""
 
     type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete",
@@ -371,14 +380,14 @@ class ResponseLifecycleEvent(_Out):
     response: Response
 
 
-class OutputItemEvent(_Out):
+class OutputItemEvent(_Event):
     type: Literal["response.output_item.added", "response.output_item.done"]
     sequence_number: int
     output_index: int
     item: OutputItem
 
 
-class ContentPartEvent(_Out):
+class ContentPartEvent(_Event):
     type: Literal["response.content_part.added", "response.content_part.done"]
     sequence_number: int
     item_id: str
@@ -387,7 +396,7 @@ class ContentPartEvent(_Out):
     part: OutputText
 
 
-class OutputTextDelta(_Out):
+class OutputTextDelta(_Event):
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
     sequence_number: int
     item_id: str
@@ -397,7 +406,7 @@ class OutputTextDelta(_Out):
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class OutputTextDone(_Out):
+class OutputTextDone(_Event):
     type: Literal["response.output_text.done"] = "response.output_text.done"
     sequence_number: int
     item_id: str
@@ -407,7 +416,7 @@ class OutputTextDone(_Out):
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class FunctionCallArgumentsDelta(_Out):
+class FunctionCallArgumentsDelta(_Event):
     type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
     sequence_number: int
     item_id: str
@@ -415,7 +424,7 @@ class FunctionCallArgumentsDelta(_Out):
     delta: str
 
 
-class FunctionCallArgumentsDone(_Out):
+class FunctionCallArgumentsDone(_Event):
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
     sequence_number: int
     item_id: str

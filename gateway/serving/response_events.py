@@ -21,9 +21,9 @@ from typing import Literal
 
 from gateway.protocol.responses import (
     ContentPartEvent,
-    FunctionCall,
     FunctionCallArgumentsDelta,
     FunctionCallArgumentsDone,
+    FunctionToolCall,
     ItemStatus,
     OutputItemEvent,
     OutputMessage,
@@ -48,7 +48,7 @@ class ResponseEvents:
     def __init__(self, response: Response) -> None:
         self.response = response
         self.sequence = 0
-        self._open: OutputMessage | FunctionCall | None = None
+        self._open: OutputMessage | FunctionToolCall | None = None
         self._parts: list[str] = []
 
     def _next(self) -> int:
@@ -63,7 +63,8 @@ class ResponseEvents:
         """A lifecycle event carrying the response as it is now (or `response`, the final one)."""
         if response is not None:
             self.response = response
-        return ResponseLifecycleEvent(type=kind, sequence_number=self._next(), response=self.response.model_copy(deep=True))
+        snapshot = self.response.model_copy(deep=True)
+        return ResponseLifecycleEvent(type=kind, sequence_number=self._next(), response=snapshot)
 
     def text(self, delta: str) -> list[StreamEvent]:
         """Text of the assistant's message; the first delta opens the message."""
@@ -79,10 +80,10 @@ class ResponseEvents:
     def arguments(self, delta: str, name: str) -> list[StreamEvent]:
         """Arguments of a function call; the first delta opens the call."""
         events: list[StreamEvent] = []
-        if not isinstance(self._open, FunctionCall):
-            events.append(self._open_call(FunctionCall(id=new_id("fc"), status="in_progress", call_id=new_id("call"),
-                                                       name=name, arguments="")))
-        assert isinstance(self._open, FunctionCall)
+        if not isinstance(self._open, FunctionToolCall):
+            call = FunctionToolCall(id=new_id("fc"), status="in_progress", call_id=new_id("call"), name=name, arguments="")
+            events.append(self._open_call(call))
+        assert isinstance(self._open, FunctionToolCall)
         self._parts.append(delta)
         events.append(FunctionCallArgumentsDelta(sequence_number=self._next(), item_id=self._open.id,
                                                  output_index=self._index, delta=delta))
@@ -94,11 +95,11 @@ class ResponseEvents:
         whole, self._parts = "".join(self._parts), []
         if isinstance(item, OutputMessage):
             return self._close_message(item.model_copy(update={"status": status, "content": [OutputText(text=whole)]}))
-        if isinstance(item, FunctionCall):
+        if isinstance(item, FunctionToolCall):
             return self._close_call(item.model_copy(update={"status": status, "arguments": whole}))
         return []
 
-    def whole(self, item: OutputMessage | FunctionCall) -> list[StreamEvent]:
+    def whole(self, item: OutputMessage | FunctionToolCall) -> list[StreamEvent]:
         """An item known whole at once (parsed tool calls, a cached answer replayed)."""
         if isinstance(item, OutputMessage):
             events = self._open_message(item.id)
@@ -124,25 +125,28 @@ class ResponseEvents:
     def _close_message(self, item: OutputMessage) -> list[StreamEvent]:
         index, text = self._index, "".join(part.text for part in item.content)
         events: list[StreamEvent] = [
-            OutputTextDone(sequence_number=self._next(), item_id=item.id, output_index=index, content_index=0, text=text),
+            OutputTextDone(sequence_number=self._next(), item_id=item.id, output_index=index, content_index=0,
+                           text=text),
             ContentPartEvent(type="response.content_part.done", sequence_number=self._next(), item_id=item.id,
                              output_index=index, content_index=0, part=OutputText(text=text)),
-            OutputItemEvent(type="response.output_item.done", sequence_number=self._next(), output_index=index, item=item),
+            OutputItemEvent(type="response.output_item.done", sequence_number=self._next(), output_index=index,
+                            item=item),
         ]
         self.response.output.append(item)
         return events
 
-    def _open_call(self, item: FunctionCall) -> OutputItemEvent:
+    def _open_call(self, item: FunctionToolCall) -> OutputItemEvent:
         self._open, self._parts = item, []
         return OutputItemEvent(type="response.output_item.added", sequence_number=self._next(),
                                output_index=self._index, item=item)
 
-    def _close_call(self, item: FunctionCall) -> list[StreamEvent]:
+    def _close_call(self, item: FunctionToolCall) -> list[StreamEvent]:
         index = self._index
         events: list[StreamEvent] = [
             FunctionCallArgumentsDone(sequence_number=self._next(), item_id=item.id, output_index=index,
                                       name=item.name, arguments=item.arguments),
-            OutputItemEvent(type="response.output_item.done", sequence_number=self._next(), output_index=index, item=item),
+            OutputItemEvent(type="response.output_item.done", sequence_number=self._next(), output_index=index,
+                            item=item),
         ]
         self.response.output.append(item)
         return events

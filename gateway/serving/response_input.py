@@ -15,10 +15,11 @@ from typing import Any
 from gateway.errors import InvalidRequest
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.protocol.responses import (
-    FunctionCall,
+    TEXT_PARTS,
     FunctionCallInput,
     FunctionCallOutput,
     FunctionCallOutputInput,
+    FunctionToolCall,
     InputMessage,
     InputPart,
     InputText,
@@ -45,14 +46,15 @@ def request_items(request: ResponsesRequest) -> list[Item]:
 
 def _item(item: MessageInput | FunctionCallInput | FunctionCallOutputInput, param: str) -> Item:
     if isinstance(item, FunctionCallInput):
-        return FunctionCall(id=item.id or new_id("fc"), status="completed", call_id=item.call_id, name=item.name,
+        return FunctionToolCall(id=item.id or new_id("fc"), status="completed", call_id=item.call_id, name=item.name,
                             arguments=item.arguments)
     if isinstance(item, FunctionCallOutputInput):
         output = item.output if isinstance(item.output, str) else "\n".join(_texts(item.output, f"{param}.output"))
         return FunctionCallOutput(id=item.id or new_id("fco"), call_id=item.call_id, output=output)
     texts = [item.content] if isinstance(item.content, str) else _texts(item.content, f"{param}.content")
     if item.role == "assistant":
-        return OutputMessage(id=item.id or new_id("msg"), status="completed", content=[OutputText(text=t) for t in texts])
+        content = [OutputText(text=text) for text in texts]
+        return OutputMessage(id=item.id or new_id("msg"), status="completed", content=content)
     return InputMessage(id=item.id or new_id("msg"), role=item.role, content=[InputText(text=t) for t in texts])
 
 
@@ -60,8 +62,11 @@ def _texts(parts: list[InputPart], param: str) -> list[str]:
     texts = []
     for i, part in enumerate(parts):
         text = part.refusal if part.type == "refusal" else part.text
-        if text is None:
+        if part.type not in (*TEXT_PARTS, "refusal"):
             raise InvalidRequest("Only text content parts are supported by this model", f"{param}.{i}")
+        if text is None:
+            field = "refusal" if part.type == "refusal" else "text"
+            raise InvalidRequest(f"A content part of type {part.type} needs its {field}", f"{param}.{i}")
         texts.append(text)
     return texts
 
@@ -73,8 +78,9 @@ def chat_messages(items: list[Item]) -> list[dict[str, Any]]:
     for item in items:
         if isinstance(item, InputMessage | OutputMessage):
             messages.append({"role": item.role, "content": "\n".join(part.text for part in item.content)})
-        elif isinstance(item, FunctionCall):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        elif isinstance(item, FunctionToolCall):
+            function = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -96,20 +102,21 @@ def chat_request(request: ResponsesRequest, conversation: list[Item]) -> ChatCom
         "max_completion_tokens": request.max_output_tokens, "parallel_tool_calls": request.parallel_tool_calls,
     }
     if request.tools:
-        fields["tools"] = [
-            {"type": "function", "function": tool.model_dump(include={"name", "description", "parameters"}, exclude_none=True)}
-            for tool in request.tools
-        ]
+        described = {"name", "description", "parameters"}
+        fields["tools"] = [{"type": "function", "function": tool.model_dump(include=described, exclude_none=True)}
+                           for tool in request.tools]
     choice = request.tool_choice
     if choice is not None:
-        fields["tool_choice"] = choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice.name}}
+        named = {"type": "function", "function": {"name": choice.name}} if not isinstance(choice, str) else None
+        fields["tool_choice"] = named or choice
     text_format = request.text.format if request.text else None
     if text_format is not None and text_format.type == "json_object":
         fields["response_format"] = {"type": "json_object"}
     elif text_format is not None and text_format.type == "json_schema":
         schema = {"name": text_format.name, "schema": text_format.schema_, "description": text_format.description,
                   "strict": text_format.strict}
-        fields["response_format"] = {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
+        given = {key: value for key, value in schema.items() if value is not None}
+        fields["response_format"] = {"type": "json_schema", "json_schema": given}
     return ChatCompletionRequest.model_validate(fields, strict=False)
 
 

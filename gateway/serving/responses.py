@@ -26,10 +26,10 @@ import structlog
 from pydantic import BaseModel
 
 from engine.types import Engine
-from gateway.errors import APIError, InvalidRequest
+from gateway.errors import APIError, InvalidRequest, NotFound, from_exception
 from gateway.protocol.openai import ChatCompletionRequest, Usage
 from gateway.protocol.responses import (
-    FunctionCall,
+    FunctionToolCall,
     IncompleteDetails,
     InputTokensDetails,
     Item,
@@ -55,7 +55,8 @@ CANCEL_CHECK_S = 1.0  # a background response looks this often for a cancel made
 
 def usage_of(usage: Usage) -> ResponseUsage:
     cached = (usage.prompt_tokens_details or {}).get("cached_tokens", 0)
-    return ResponseUsage(input_tokens=usage.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached),
+    details = InputTokensDetails(cached_tokens=cached)
+    return ResponseUsage(input_tokens=usage.prompt_tokens, input_tokens_details=details,
                          output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
 
 
@@ -66,8 +67,8 @@ def output_items(plan: tools.ToolPlan, state: ChoiceState) -> list[OutputItem]:
     items: list[OutputItem] = []
     if content or not calls:
         items.append(OutputMessage(id=new_id("msg"), status=status, content=[OutputText(text=content or "")]))
-    items += [FunctionCall(id=new_id("fc"), status=status, call_id=new_id("call"), name=c.name, arguments=c.arguments)
-              for c in calls]
+    items += [FunctionToolCall(id=new_id("fc"), status=status, call_id=new_id("call"), name=call.name,
+                               arguments=call.arguments) for call in calls]
     for item in items[:-1]:  # a cut answer cut its last item only
         item.status = "completed"
     return items
@@ -75,7 +76,7 @@ def output_items(plan: tools.ToolPlan, state: ChoiceState) -> list[OutputItem]:
 
 def renewed(item: OutputItem) -> OutputItem:
     """An item of a cached answer under new ids."""
-    if isinstance(item, FunctionCall):
+    if isinstance(item, FunctionToolCall):
         return item.model_copy(update={"id": new_id("fc"), "call_id": new_id("call")})
     return item.model_copy(update={"id": new_id("msg")})
 
@@ -140,16 +141,14 @@ class ResponsesService:
                                 if r.text and r.text.format else {"type": "text"}}
         if r.text and r.text.verbosity:
             text["verbosity"] = r.text.verbosity
-        choice = r.tool_choice
+        choice = r.tool_choice.model_dump(mode="json") if isinstance(r.tool_choice, BaseModel) else r.tool_choice
         return Response(
             id=self.id, created_at=self.created, status=status, background=r.background, model=self.model,
             instructions=r.instructions, max_output_tokens=r.max_output_tokens,
             parallel_tool_calls=r.parallel_tool_calls, previous_response_id=r.previous_response_id, store=r.store,
             temperature=1.0 if r.temperature is None else r.temperature, top_p=1.0 if r.top_p is None else r.top_p,
-            text=text, tool_choice=choice.model_dump(mode="json") if choice is not None and not isinstance(choice, str)
-            else (choice or "auto"),
+            text=text, tool_choice=choice or "auto", user=r.user, metadata=r.metadata or {},
             tools=[tool.model_dump(mode="json", exclude_none=True) for tool in r.tools or []],
-            user=r.user, metadata=r.metadata or {},
         )
 
     def _finished(self, output: list[OutputItem], usage: Usage | None) -> Response:
@@ -200,7 +199,7 @@ class ResponsesService:
                         yield event
                 if self.request.background and time.monotonic() - checked > CANCEL_CHECK_S:
                     checked = time.monotonic()
-                    if await self._cancelled_elsewhere():
+                    if await self._withdrawn():
                         await run.close()
                         return
         except Exception as exc:  # after the first event: the stream says it failed
@@ -211,7 +210,7 @@ class ResponsesService:
         answer = self._finished(events.response.output, run.usage())
         if on_done is not None:
             await on_done(answer)
-        if not (self.request.background and await self._cancelled_elsewhere()):
+        if not (self.request.background and await self._withdrawn()):
             await self.save(answer)
         yield events.lifecycle("response.completed" if answer.status == "completed" else "response.incomplete", answer)
 
@@ -235,19 +234,20 @@ class ResponsesService:
         return finished
 
     async def _failed(self, events: ResponseEvents, exc: Exception) -> BaseModel:
-        error = exc if isinstance(exc, APIError) else None
         log.warning("response_failed", error=str(exc), error_type=type(exc).__name__)
         failed = events.response.model_copy(deep=True)
         failed.status = "failed"
-        message = error.message if error else "The server had an error while processing your request."
-        failed.error = ResponseError(code="server_error", message=message)
+        failed.error = ResponseError(code="server_error", message=from_exception(exc).message)
         await self.save(failed)
         return events.lifecycle("response.failed", failed)
 
-    async def _cancelled_elsewhere(self) -> bool:
+    async def _withdrawn(self) -> bool:
+        """Whether a background response was cancelled or deleted meanwhile (on any replica)."""
         try:
             stored = await self.store.get(self.scope, self.id)
-        except APIError:  # gone (deleted) or the store unavailable: keep going
+        except NotFound:
+            return True
+        except APIError:  # the store unavailable: keep going
             return False
         return stored.response.status == "cancelled"
 
