@@ -48,6 +48,7 @@ class ResponseEvents:
     def __init__(self, response: Response) -> None:
         self.response = response
         self.sequence = 0
+        self.ended = False  # the last event (completed, incomplete, failed) was made
         self._open: OutputMessage | FunctionToolCall | None = None
         self._parts: list[str] = []
 
@@ -63,6 +64,7 @@ class ResponseEvents:
         """A lifecycle event carrying the response as it is now (or `response`, the final one)."""
         if response is not None:
             self.response = response
+        self.ended = kind in ("response.completed", "response.incomplete", "response.failed")
         snapshot = self.response.model_copy(deep=True)
         return ResponseLifecycleEvent(type=kind, sequence_number=self._next(), response=snapshot)
 

@@ -18,6 +18,7 @@ again before its last event; a whole answer is stored by the route once the disp
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -169,17 +170,22 @@ class ResponsesService:
             await self.store.put(self.scope, StoredResponse(response=response, input_items=self.items))
 
     async def cancelled(self) -> Response:
-        """A background response stopped: stored as it stands (the items done so far), cancelled;
-        one that ended before the stop, as it ended."""
+        """A background response after its stop: as stored (cancelled by its stream, or ended
+        before the stop), or, when its stream never ran, stored now as cancelled."""
         try:
             stored = await self.store.get(self.scope, self.id)
             if stored.response.status not in ("queued", "in_progress"):
                 return stored.response
         except APIError:
             pass
-        response = self.events.response.model_copy(deep=True) if self.events else self.skeleton("cancelled")
-        response.status = "cancelled"
+        response = self._stopped(self.events)
         await self.save(response)
+        return response
+
+    def _stopped(self, events: ResponseEvents | None) -> Response:
+        """The response as it stands (the items done so far), cancelled."""
+        response = events.response.model_copy(deep=True) if events else self.skeleton("cancelled")
+        response.status = "cancelled"
         return response
 
     # --- streams ------------------------------------------------------------------------------
@@ -189,22 +195,31 @@ class ResponsesService:
         self.model = prepared.model
         events = self.events = ResponseEvents(self.skeleton("in_progress"))
         await self.save(events.response)
-        yield events.lifecycle("response.created")
-        yield events.lifecycle("response.in_progress")
-        plan, checked = prepared.tools, time.monotonic()
         try:
-            async for output in run.outputs():
-                for delta in output.choices:
-                    for event in self._deltas(events, plan, delta.text):
-                        yield event
-                if self.request.background and time.monotonic() - checked > CANCEL_CHECK_S:
-                    checked = time.monotonic()
-                    if await self._withdrawn():
-                        await run.close()
-                        return
+            yield events.lifecycle("response.created")
+            yield events.lifecycle("response.in_progress")
+            async for event in self._generated(events, prepared, run, on_done):
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away, or a cancel hung up
+            if not events.ended:
+                await self.save(self._stopped(events))
+            raise
         except Exception as exc:  # after the first event: the stream says it failed
             yield await self._failed(events, exc)
-            return
+
+    async def _generated(
+        self, events: ResponseEvents, prepared: PreparedChat, run: Run, on_done: OnDone[Response] | None
+    ) -> AsyncIterator[BaseModel]:
+        plan, checked = prepared.tools, time.monotonic()
+        async for output in run.outputs():
+            for delta in output.choices:
+                for event in self._deltas(events, plan, delta.text):
+                    yield event
+            if self.request.background and time.monotonic() - checked > CANCEL_CHECK_S:
+                checked = time.monotonic()
+                if await self._withdrawn():
+                    await run.close()
+                    return
         for event in self._finish(events, plan, run.choices[0]):
             yield event
         answer = self._finished(events.response.output, run.usage())

@@ -18,6 +18,7 @@ from starlette.testclient import TestClient
 from gateway.serving import responses
 from tests.fakes import FakeEngine, app_with
 from tests.redis_server import RedisServer
+from tests.unit.test_disconnect import drive
 
 MODEL = "fake-model"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -363,3 +364,17 @@ def test_a_cancel_on_another_replica_stops_a_background_response(redis: RedisSer
             time.sleep(0.02)
         assert runner.aborted == [runner.requests[0].request_id]
         assert sdk_for(one).responses.retrieve(started.id).status == "cancelled"
+
+
+async def test_a_stream_whose_client_leaves_is_stored_cancelled(engine: FakeEngine) -> None:
+    engine.delay, body = 0.01, {"model": MODEL, "input": "hi", "stream": True, "max_output_tokens": 50}
+    app = app_with(engine)
+    async with app.router.lifespan_context(app) as state:
+        async def with_state(scope: dict, receive: Any, send: Any) -> None:
+            await app({**scope, "state": dict(state)}, receive, send)
+
+        sent = await drive(with_state, body, disconnect_after_chunks=5, path="/v1/responses")
+        first = json.loads(sent[1]["body"].split(b"data: ", 1)[1])
+        stored = await state["gateway"].responses.get("anonymous", first["response"]["id"])
+    assert engine.aborted == [engine.requests[0].request_id]
+    assert stored.response.status == "cancelled"
