@@ -12,8 +12,9 @@ engine, and answers with a `Response` object or its stream of events (`response_
 - an engine failure after the first event: `response.failed`, the response stored as failed.
 
 Storing (`store: true`, the default): a stream stores its response from `response.created` on and
-again before its last event; a whole answer is stored by the route once the dispatcher has it
-(`save`). A cached answer gets new ids and this request's own fields (`fresh`).
+again before its last event (as cancelled, with the items done so far, if it stops early: its
+client gone, a background cancel); a whole answer is stored by the route once the dispatcher has
+it (`save`). A cached answer gets new ids and this request's own fields (`fresh`).
 """
 
 from __future__ import annotations
