@@ -1,6 +1,6 @@
 """The app factory: the route table's routes, the middleware stack, the one exception handler,
-and the lifespan that starts the models (embedded engines, remote upstreams) and the response
-cache, and stops them after the drain.
+and the lifespan that starts the models (embedded engines, remote upstreams), the response
+cache and the Responses API's store, and stops them after the drain.
 
 Middleware, outermost first (`gateway/middleware/`): access log → lifecycle → auth → rate limits,
 each given its paths by the route table (`gateway/api/routes.py`).
@@ -39,6 +39,7 @@ from gateway.middleware.access_log import AccessLogMiddleware
 from gateway.middleware.auth import AuthMiddleware, KeyRing
 from gateway.middleware.lifecycle import Lifecycle, LifecycleMiddleware
 from gateway.middleware.rate_limit import RateLimitMiddleware
+from gateway.responses_store import ResponseStore, make_store_backend
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
 
@@ -84,20 +85,23 @@ def create_app(
     cache_backend = make_backend(settings.cache)
     if engine_check is not None:  # last: it imports vllm and reads the models
         check_embedded(models, settings, engine_check)
+    store_backend = make_store_backend(settings.cache)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, GatewayState]]:
         registry = build_registry(models, settings, engine_starter)
         cache = ResponseCache(cache_backend)
+        responses = ResponseStore(store_backend)
         try:
             if settings.warmup:
                 for name, engine in registry.engines():
                     await warm_up(name, engine)
-            state = GatewayState(settings, registry, lifecycle, limiter, cache, guards)
+            state = GatewayState(settings, registry, lifecycle, limiter, cache, guards, responses)
             log.info("ready", models=sorted(registry.backends), splits=sorted(registry.splits), aliases=sorted(registry.aliases))
             yield {"gateway": state}
         finally:
             lifecycle.start_drain()
+            await responses.aclose()  # background responses stop before their engines do
             await stop(registry)
             if cache.backend is not None:
                 await cache.backend.aclose()

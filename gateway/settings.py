@@ -23,6 +23,9 @@ class CacheSettings(BaseModel):
     max_entries: int = Field(10_000, gt=0, description="Memory backend: most entries kept (LRU)")
     max_bytes: int = Field(256 * 1024 * 1024, gt=0, description="Memory backend: most bytes kept (LRU)")
     ttl_s: float = Field(3600, gt=0, description="Seconds an answer stays cached")
+    store_ttl_s: float = Field(
+        30 * 86400, gt=0, description="Seconds a stored response (Responses API) is kept, in the same backend"
+    )
     redis_url: str | None = Field(None, description="Redis backend: redis://host:port/db")
     redis_prefix: str = "llm-gateway:cache:"
     redis_timeout_s: float = Field(0.5, gt=0, description="Redis backend: give up on a slow Redis after this")

@@ -154,7 +154,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         assert backend.upstream is not None
         if self.shape is not None:
             raise InvalidRequest("The native API serves embedded models only", "model")
-        if self.service.upstream_path is None:
+        if not self.service.upstream_path:
             route = self.service.route
             raise InvalidRequest(f"{route} serves embedded models only; '{backend.name}' is remote", "model")
         # input checks only: the answer passes through unread (redacted values stay placeholders)

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+from starlette.routing import compile_path
 
 from gateway.api.table import Endpoint
 from gateway.errors import Dialect
@@ -51,6 +52,10 @@ def _operation(endpoint: Endpoint) -> dict[str, Any]:
             **{code: {"description": text, "content": errors} for code, text in ERROR_STATUSES.items()},
         },
     }
+    parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                  for name in compile_path(endpoint.path)[2]]
+    if parameters:
+        operation["parameters"] = parameters
     if endpoint.request is not None:
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(endpoint.request)}}}
     return operation

@@ -15,12 +15,13 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.api import embeddings, handlers, messages, native, ops
+from gateway.api import embeddings, handlers, messages, native, ops, responses
 from gateway.api.openapi import document
 from gateway.api.table import Endpoint, RouteTable
 from gateway.protocol import anthropic as a
 from gateway.protocol import embeddings as e
 from gateway.protocol import openai as p
+from gateway.protocol import responses as r
 
 
 async def openapi(request: Request) -> Response:
@@ -39,6 +40,15 @@ TABLE = RouteTable([
     Endpoint("POST", "/v1/messages/count_tokens", messages.count_tokens, "api", "Count a message's input tokens "
              "(Anthropic's API)", a.CountTokensRequest, a.MessageTokensCount, dialect="anthropic"),
     Endpoint("GET", "/v1/models", handlers.list_models, "api", "List the served models", None, p.ModelList),
+    Endpoint("POST", "/v1/responses", responses.create, "api", "Create a model response (Responses API)",
+             r.ResponsesRequest, r.Response, streams=True),
+    Endpoint("GET", "/v1/responses/{response_id}", responses.by_id, "api", "Retrieve a stored response", None, r.Response),
+    Endpoint("DELETE", "/v1/responses/{response_id}", responses.by_id, "api", "Delete a stored response",
+             None, r.ResponseDeleted),
+    Endpoint("GET", "/v1/responses/{response_id}/input_items", responses.input_items, "api",
+             "List the items a response took as input", None, r.ResponseItemList),
+    Endpoint("POST", "/v1/responses/{response_id}/cancel", responses.cancel, "api", "Cancel a background response",
+             None, r.Response),
     Endpoint("POST", "/tokenize", native.tokenize, "api", "Tokenize a prompt or chat messages",
              p.TokenizeRequest, p.TokenizeResponse),
     Endpoint("POST", "/detokenize", native.detokenize, "api", "Turn token ids into text",

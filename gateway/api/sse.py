@@ -6,6 +6,9 @@
 - Anthropic: each event is named by its model's `type` (`event: message_start\ndata: <json>\n\n`;
   Anthropic's SDK skips events without a name), nothing follows `message_stop`, and an error after
   the start is `event: error` with Anthropic's error object.
+- Typed events in OpenAI's dialect (the Responses API) are framed `NAMED`: named as Anthropic's,
+  no end marker, an error `event: error` with `{"type": "error", "error": {...}}`. The handler
+  sets it on the response; otherwise the route's dialect decides.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ FRAMINGS: dict[Dialect, Framing] = {
     "openai": Framing("openai", named=False, end=DONE),
     "anthropic": Framing("anthropic", named=True, end=b""),
 }
+NAMED = Framing("openai", named=True, end=b"")  # the Responses API's typed events
 
 
 def encode(event: BaseModel | bytes, named: bool = False) -> bytes:
@@ -58,8 +62,10 @@ def encode(event: BaseModel | bytes, named: bool = False) -> bytes:
 
 
 def encode_error(exc: BaseException, framing: Framing = FRAMINGS["openai"]) -> bytes:
-    data = b"data: " + orjson.dumps(from_exception(exc).body(framing.dialect)) + b"\n\n"
-    return b"event: error\n" + data if framing.named else data
+    body = from_exception(exc).body(framing.dialect)
+    if framing.named:  # Anthropic's body is already {"type": "error", "error": {...}}
+        return b"event: error\ndata: " + orjson.dumps({"type": "error", **body}) + b"\n\n"
+    return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
 class EventStreamResponse(Response):
@@ -75,20 +81,21 @@ class EventStreamResponse(Response):
         events: AsyncIterator[BaseModel | bytes],
         headers: Mapping[str, str] | None = None,
         on_close: Callable[[], None] | None = None,
+        framing: Framing | None = None,
     ) -> None:
         self.events = events
+        self.framing = framing  # None: the route's dialect decides (in __call__)
         self.on_close = on_close  # e.g. the admission permit's release, held for the whole stream
         self.status_code = 200
         self.background = None
         self.raw_headers = HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         self.disconnected = False
-        self.framing = FRAMINGS["openai"]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.framing = FRAMINGS[dialect_of(scope)]
+        framing = self.framing or FRAMINGS[dialect_of(scope)]
         # Plain asyncio, not an anyio cancel scope: cancelling the stream's task once lets the
         # engine's cleanup (its abort) still await; a level-triggered scope would cancel that too.
-        stream = asyncio.ensure_future(self._stream(send))
+        stream = asyncio.ensure_future(self._stream(send, framing))
         watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
             done, _ = await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -112,20 +119,20 @@ class EventStreamResponse(Response):
             if on_close is not None:
                 on_close()
 
-    async def _stream(self, send: Send) -> None:
+    async def _stream(self, send: Send, framing: Framing) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             try:
-                named = self.framing.named
+                named = framing.named
                 async for event in self.events:
                     await send({"type": "http.response.body", "body": encode(event, named), "more_body": True})
             except OSError:
                 raise  # the client is gone: nobody to tell
             except Exception as exc:
                 log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
-                body = encode_error(exc, self.framing)
+                body = encode_error(exc, framing)
                 await send({"type": "http.response.body", "body": body, "more_body": True})
-            await send({"type": "http.response.body", "body": self.framing.end, "more_body": False})
+            await send({"type": "http.response.body", "body": framing.end, "more_body": False})
         finally:
             await self._close()
 

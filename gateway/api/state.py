@@ -8,6 +8,7 @@ from gateway.backends.registry import ModelRegistry
 from gateway.cache import ResponseCache
 from gateway.limits import RateLimiter
 from gateway.middleware.lifecycle import Lifecycle
+from gateway.responses_store import ResponseStore
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
 
@@ -20,3 +21,4 @@ class GatewayState:
     limiter: RateLimiter
     cache: ResponseCache
     guards: Guards
+    responses: ResponseStore  # the Responses API's stored responses

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Route, compile_path
 
 from gateway.errors import Dialect
 
@@ -39,6 +39,8 @@ class RouteTable:
         self.endpoints = tuple(endpoints)
         self._paths = frozenset(e.path for e in self.endpoints)
         self._dialects = {e.path: e.dialect for e in self.endpoints}
+        # paths with parameters (/v1/responses/{response_id}), matched as Starlette's router does
+        self._templates = [(compile_path(path)[0], path) for path in sorted(self._paths) if "{" in path]
 
     def routes(self) -> list[Route]:
         """Starlette's routes: one per path, with all its methods."""
@@ -56,8 +58,11 @@ class RouteTable:
         return frozenset(e.path for e in self.endpoints if e.access in access)
 
     def label(self, path: str) -> str:
-        """The route label of a request path (metrics, access log): bounded, whatever clients send."""
-        return path if path in self._paths else UNMATCHED
+        """The route label of a request path (metrics, access log): bounded, whatever clients send
+        (a concrete /v1/responses/resp_1 is labelled with its template, /v1/responses/{response_id})."""
+        if path in self._paths:
+            return path
+        return next((template for regex, template in self._templates if regex.match(path)), UNMATCHED)
 
     def dialect(self, path: str) -> Dialect:
         """The error dialect of a request path (OpenAI's for paths outside the table)."""

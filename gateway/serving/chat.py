@@ -166,13 +166,16 @@ def _answer(prepared: PreparedChat, run: Run) -> ChatCompletion:
     return ChatCompletion(id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=run.usage())
 
 
-def _run(prepared: PreparedChat) -> Run:
-    return Run(prepared.engine, prepared.generation, prepared.guard.output(prepared.generation.sampling.n))
+async def start_run(prepared: PreparedChat) -> Run:
+    """The generation started, after the input moderation, with the output guards on it: what every
+    service on chat (chat, Messages, Responses) runs."""
+    await prepared.guard.moderate_input()
+    guard = prepared.guard.output(prepared.generation.sampling.n)
+    return await Run(prepared.engine, prepared.generation, guard).start()
 
 
 async def complete(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> ChatCompletion:
-    await prepared.guard.moderate_input()
-    run = await _run(prepared).start()
+    run = await start_run(prepared)
     await run.collect()
     answer = _answer(prepared, run)
     if on_done is not None:
@@ -213,8 +216,7 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
 
 async def stream(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> AsyncIterator[bytes]:
     """The chunks of a ChatCompletionChunk stream, already encoded as JSON (api.sse frames them)."""
-    await prepared.guard.moderate_input()
-    run = await _run(prepared).start()
+    run = await start_run(prepared)
     options = prepared.request.stream_options
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)

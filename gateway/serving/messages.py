@@ -252,7 +252,7 @@ def _answer(prepared: PreparedMessage, run: Run) -> tuple[Message, list[tools.To
 
 
 async def complete(prepared: PreparedMessage, on_done: OnDone[Message] | None = None) -> Message:
-    run = await Run(prepared.chat.engine, prepared.chat.generation).start()
+    run = await chat.start_run(prepared.chat)
     await run.collect()
     answer, _ = _answer(prepared, run)
     if on_done is not None:
@@ -277,7 +277,7 @@ def _end(answer: Message) -> list[BaseModel]:
 async def stream(prepared: PreparedMessage, on_done: OnDone[Message] | None = None) -> AsyncIterator[BaseModel]:
     """message_start, ping, the content blocks as they come, message_delta (stop reason, usage),
     message_stop: Anthropic's order."""
-    run = await Run(prepared.chat.engine, prepared.chat.generation).start()
+    run = await chat.start_run(prepared.chat)
     for event in _start(prepared.id, prepared.model, run.prompt_tokens):
         yield event
     content = ContentStream(prepared.id, prepared.chat.tools)

@@ -2,9 +2,10 @@
 a reader and the type checker can follow the strategy.
 
 A service prepares a validated request for an engine (every refusal happens there, before the
-first byte, the input guards' too; the request's guard goes along to check the output), then answers it whole (`complete`) or as a stream of encoded chunks (`stream`), and
-replays a cached answer. Both `complete` and `stream` hand the whole answer to `on_done` once it
-is known: the one cache hand-off, for streams and non-streams alike.
+first byte, the input guards' too; the request's guard goes along to check the output), then
+answers it whole (`complete`) or as a stream of events (`stream`: encoded JSON chunks or models),
+and replays a cached answer. Both `complete` and `stream` hand the whole answer to `on_done` once
+it is known: the one cache hand-off, for streams and non-streams alike.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ import json
 import signal
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.integration.conftest import free_port, gateway_process
@@ -146,6 +148,33 @@ async def test_overloaded_model_falls_back(second) -> None:
     assert all(a.status_code == 200 for a in answers)
     served = sorted(a.headers["x-served-model"] for a in answers)
     assert served.count("smol-remote") == 2 and served.count("smol") == 2
+
+
+@pytest.fixture
+def replica(redis: RedisServer, tmp_path: Path) -> Iterator[str]:
+    """Gateway C: another replica on the same Redis (and keys) as B, its own engine; up for one test."""
+    env = {"GATEWAY_API_KEYS": '["sk-integration", "sk-other"]', "GATEWAY_CACHE__BACKEND": "redis",
+           "GATEWAY_CACHE__REDIS_URL": redis.url, "GATEWAY_WARMUP": "false", "GATEWAY_ENGINE__ENFORCE_EAGER": "true"}
+    with gateway_process(tmp_path, env) as (base, _):
+        yield base
+
+
+def test_a_conversation_continues_on_another_replica(second, replica: str) -> None:
+    """previous_response_id on C reads the conversation B stored in Redis."""
+    base, _ = second
+    on_b = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-integration", max_retries=0, timeout=120)
+    on_c = openai.OpenAI(base_url=f"{replica}/v1", api_key="sk-integration", max_retries=0, timeout=120)
+    first = on_b.responses.create(model="smol", input=QUESTION[0]["content"], temperature=0, max_output_tokens=30)
+    assert "Paris" in first.output_text
+    then = on_c.responses.create(model="smollm2-135m-instruct", input="And of Italy?", previous_response_id=first.id,
+                                 temperature=0, max_output_tokens=30)
+    assert then.status == "completed" and then.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    items = list(on_c.responses.input_items.list(then.id, order="asc"))
+    assert [i.role for i in items] == ["user", "assistant", "user"] and items[1].content[0].text == first.output_text
+    assert on_b.responses.retrieve(then.id).output_text == then.output_text
+    other_key = openai.OpenAI(base_url=f"{replica}/v1", api_key="sk-other", max_retries=0)
+    with pytest.raises(openai.NotFoundError):  # scoped per API key
+        other_key.responses.retrieve(first.id)
 
 
 def test_redis_cache_hits_then_serves_on_without_redis(second, redis: RedisServer) -> None:

@@ -13,7 +13,8 @@ from gateway.app import create_app
 from tests.fakes import FakeEngine, fake_settings
 
 
-async def drive(app, body: dict, disconnect_after_chunks: int | None, timeout: float = 5.0) -> list[dict]:
+async def drive(app, body: dict, disconnect_after_chunks: int | None, timeout: float = 5.0,
+                path: str = "/v1/chat/completions") -> list[dict]:
     """Send one POST; disconnect once `disconnect_after_chunks` body messages arrived (None: at once)."""
     sent: list[dict] = []
     gone = asyncio.Event()
@@ -38,7 +39,7 @@ async def drive(app, body: dict, disconnect_after_chunks: int | None, timeout: f
 
     scope = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-        "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
         "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
         "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": {},
     }

@@ -25,6 +25,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "/generate": {"prompt": "hi", "max_tokens": 2},
     "/stream-generate": {"prompt": "hi", "max_tokens": 2},
     "/chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/v1/responses": {"model": "fake-model", "input": "hi", "max_output_tokens": 16},
 }
 
 
@@ -34,8 +35,18 @@ def app_with(**overrides: Any) -> Any:
     return create_app(settings, engine_starter=lambda es: FakeEngine(es.served_model_name, task=es.task))
 
 
+def concrete(client: TestClient, path: str, headers: dict[str, str]) -> str:
+    """A path with its parameters filled in: /v1/responses/{response_id} names a fresh (background)
+    response, when the app lets one be made."""
+    if "{response_id}" not in path:
+        return path
+    made = client.post("/v1/responses", json={**BODIES["/v1/responses"], "background": True}, headers=headers)
+    return path.replace("{response_id}", made.json()["id"] if made.status_code == 200 else "resp_none")
+
+
 def call(client: TestClient, endpoint: Endpoint, **headers: str) -> Any:
-    return client.request(endpoint.method, endpoint.path, json=BODIES.get(endpoint.path), headers=headers)
+    path = concrete(client, endpoint.path, headers)
+    return client.request(endpoint.method, path, json=BODIES.get(endpoint.path), headers=headers)
 
 
 def test_every_route_of_the_app_is_in_the_table() -> None:
@@ -65,6 +76,13 @@ def test_every_route_answers_and_is_labelled_with_its_path() -> None:
     assert TABLE.label("/no/such/path") == "unmatched"
     assert (TABLE.dialect("/v1/messages"), TABLE.dialect("/v1/chat/completions")) == ("anthropic", "openai")
     assert TABLE.dialect("/no/such/path") == "openai"
+
+
+def test_paths_with_parameters_are_labelled_with_their_template() -> None:
+    assert TABLE.label("/v1/responses/resp_1") == "/v1/responses/{response_id}"
+    assert TABLE.label("/v1/responses/resp_1/input_items") == "/v1/responses/{response_id}/input_items"
+    assert TABLE.label("/v1/responses/resp_1/cancel") == "/v1/responses/{response_id}/cancel"
+    assert TABLE.label("/v1/responses/resp_1/other") == TABLE.label("/v1/responses/a/b") == "unmatched"
 
 
 @pytest.mark.parametrize("protect_ops", [False, True])
@@ -105,9 +123,13 @@ def test_openapi_documents_every_route_of_the_table() -> None:
         (e.path, e.method) for e in TABLE.endpoints
     }
     for endpoint in TABLE.endpoints:
+        operation = paths[endpoint.path][endpoint.method.lower()]
         if endpoint.request is not None:
-            body = paths[endpoint.path][endpoint.method.lower()]["requestBody"]
+            body = operation["requestBody"]
             assert body["content"]["application/json"]["schema"]["$ref"].endswith(endpoint.request.__name__)
+        if "{response_id}" in endpoint.path:
+            assert operation["parameters"] == [{"name": "response_id", "in": "path", "required": True,
+                                                "schema": {"type": "string"}}]
 
 
 def test_a_route_added_to_the_table_reaches_every_layer() -> None:
