@@ -1,6 +1,6 @@
 """The gateway on an instant test-double engine: what the gateway itself costs, with no model.
 
-    python -m benchmarks.echo_engine --port 8100 [--token-delay 0]
+    python -m benchmarks.echo_engine --port 8100 [--token-delay 0] [--lag-probe]
 
 `EchoEngine` implements `engine.types.Engine`: its tokenizer is one token per whitespace-separated
 word, and it answers `max_tokens` tokens at once (one output per token, echoing the prompt's words),
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--name", default=NAME, help="served model name")
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds between output tokens")
+    p.add_argument("--lag-probe", action="store_true", help="measure the event loop's lag: GET /_bench/lag (benchmarks.lag_probe)")
     args = p.parse_args(argv)
 
     import uvicorn
@@ -150,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
 
     configure(settings.log_level, settings.log_format)
     app = create_echo_app(settings, EchoEngine(args.name, token_delay=args.token_delay))
+    if args.lag_probe:
+        from benchmarks.lag_probe import LagProbe
+
+        app = LagProbe(app)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
     return 0
 
