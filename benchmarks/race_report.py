@@ -109,10 +109,13 @@ def summarize(runs: Sequence[dict[str, Any]], levels: Sequence[int], reference: 
 
 
 def within(value: float | None, floor: tuple[float, float] | None) -> bool | None:
-    """Whether a ratio lies inside the A/A range (so it cannot be told from noise)."""
-    if value is None or floor is None:
+    """Whether a ratio lies inside the A/A noise band (so it cannot be told from noise): the band
+    is symmetric about 1.0 and as wide as the A/A ratios strayed either way ([1/m, m], m the
+    largest of hi and 1/lo), since an A/A ratio of 0.9 says 1.1 could come as easily."""
+    if value is None or floor is None or floor[0] <= 0:
         return None
-    return floor[0] <= value <= floor[1]
+    m = max(floor[1], 1 / floor[0], 1.0)
+    return 1 / m <= value <= m
 
 
 def num(value: float | None, digits: int = 1) -> str:
@@ -174,7 +177,8 @@ def _model_tables(document: dict[str, Any]) -> list[str]:
         ("Ratios gateway ÷ other, each the median of the per-repetition (paired) ratios; tok/s: higher is better, "
          "latencies: lower is better. ✓/✗: the targets (tok/s ≥ 1.00× vLLM's server and ≥ 0.95× the engine alone; "
          "TTFT p50/p99 ≤ 1.00× vLLM's server). A/A: gateway ÷ gateway-aa, median [smallest, largest per-repetition "
-         "ratio], the noise floor; ≈ marks a ratio inside that range (not told apart from noise)."),
+         "ratio], the noise floor; ≈ marks a ratio no farther from 1.0 than the A/A ratios strayed (not told "
+         "apart from noise)."),
         "",
         "| concurrency | metric | ÷ vllm | ÷ engine | A/A (noise floor) |",
         "|---:|---|---:|---:|---:|",

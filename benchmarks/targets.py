@@ -75,8 +75,10 @@ async def offered(server: Proc, args: argparse.Namespace, rate: float, duration:
     sent = len(result.records)
     log(f"rate {rate:g}/s for {duration:g} s: {sent} sent, {result.completed} completed ({result.completed / duration:.2f}/s), "
         f"{result.failed} failed, {result.cancelled} cut off, TTFT p99 {p99:.0f} ms")
+    waits = [r.e2e for r in result.records if r.cancelled and r.ttft is None and r.e2e is not None]
     return {"rate": rate, "duration_s": duration, "sent": sent, "completed": result.completed, "failed": result.failed,
             "cut_off": result.cancelled, "sustained_req_s": result.completed / duration, "ttft_p99_ms": p99,
+            "cut_off_without_token": len(waits), "cut_off_wait_max_s": max(waits) if waits else None,
             "errors": result.errors, "result": result.to_dict()}
 
 
@@ -138,7 +140,7 @@ async def check(args: argparse.Namespace, document: dict[str, Any]) -> None:
 def report(document: dict[str, Any]) -> str:
     lines = ["| target | measured | bound | result |", "|---|---:|---:|---|"]
     for v in document.get("verdicts", []):
-        result = "met" if v["met"] else f"MISSED by {v['factor']:.1f}x"
+        result = "met" if v["met"] else f"MISSED by {v['factor']:.1f}x" if math.isfinite(v["factor"]) else "MISSED (nothing served in time)"
         lines.append(f"| {v['target']} | {v['measured']} | {v['bound']} | {result} |")
     memory = document.get("memory") or {}
     if memory:

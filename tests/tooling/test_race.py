@@ -166,6 +166,8 @@ def test_race_summary_keeps_the_spread_of_the_aa_twin() -> None:
     # gateway ÷ vllm: median of 1.0, 1.04, 0.8 = 1.0, inside the A/A range: not told apart from noise
     assert race_report.within(row["ratios"]["vllm"]["output_tok_s"], (low, high)) is True
     assert race_report.within(0.5, (low, high)) is False and race_report.within(None, (low, high)) is None
+    # the band is symmetric about 1.0: an A/A of 0.8 says 1.2 could come from noise as easily
+    assert race_report.within(1.2, (0.8, 0.8)) is True and race_report.within(0.7, (0.8, 0.8)) is False
     table = race_report.markdown({"settings": {"repeats": 3}, "summary": [row], "notes": []})
     assert "| 4 | gateway-aa |" in table
     assert f"| 4 | output_tok_s | 1.000 ✓ ≈ | - | {100 / 98:.3f} [{96 / 101:.3f}, {104 / 100:.3f}] |" in table
