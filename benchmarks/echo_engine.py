@@ -35,16 +35,19 @@ class WordTokenizer:
 
     def __init__(self, max_words: int = 200_000) -> None:
         self._words: dict[int, str] = {}
+        self._ids: dict[str, int] = {}  # words seen, so that encoding is a dict lookup (a real tokenizer is Rust)
         self._max_words = max_words
 
     def _id(self, word: str) -> int:
         token_id = 16 + zlib.crc32(word.encode()) % (VOCAB_SIZE - 16)
         if len(self._words) < self._max_words:
             self._words.setdefault(token_id, word)
+            self._ids[word] = token_id
         return token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [self._id(w) for w in text.split()]
+        ids = self._ids
+        return [ids[w] if w in ids else self._id(w) for w in text.split()]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return " ".join(self._words.get(t, f"w{t}") for t in token_ids)
@@ -83,8 +86,8 @@ class EchoEngine:
         self.requests += 1
         sampling = request.sampling
         prompt = request.prompt_token_ids or [16]
-        words = self._tokenizer.decode(prompt).split() or ["echo"]
         total = max(1, sampling.max_tokens)
+        words = self._tokenizer.decode(prompt[:total]).split() or ["echo"]  # only the words it echoes
         for step in range(total):
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
