@@ -232,7 +232,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true", help="--engine real: --enforce-eager (quick start)")
     p.add_argument("--lengths", type=int, nargs="+", help=f"prompt lengths in tokens (default {SMALL['lengths']})")
     p.add_argument("--prompt-concurrency", type=int, default=4)
-    p.add_argument("--prompt-requests", type=int, default=64, help="requests per prompt length and kind")
+    p.add_argument("--prompt-requests", type=int, help="requests per prompt length and kind (default 500 echo, 32 real)")
     p.add_argument("--streams", type=int, help=f"streams held open (default {SMALL['streams']})")
     p.add_argument("--stream-token-delay", type=float, default=1.0, help="seconds between a held stream's tokens")
     p.add_argument("--stream-tokens", type=int, default=15, help="tokens per held stream")
@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("lengths", "streams", "cache_entries", "soak_requests"):
         if getattr(args, key) is None:
             setattr(args, key, sizes[key])
+    if args.prompt_requests is None:
+        args.prompt_requests = 32 if args.engine == "real" else 500
     stamp = loadgen.timestamp()
     document: dict[str, Any] = {"tool": "benchmarks.growth", "started": stamp, "machine": machine(), "versions": versions(),
                                 "command": shlex.join(["python", "-m", "benchmarks.growth", *argv]),
