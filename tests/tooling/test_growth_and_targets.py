@@ -83,7 +83,7 @@ def test_targets_verdicts_say_met_or_missed_and_by_how_much() -> None:
     fine = targets.verdicts({"rate": 55.0, "sustained_req_s": 54.0, "ttft_p99_ms": 120.0}, memory)
     assert all(v["met"] for v in fine)
     text = targets.report({"verdicts": [sustained, ttft, mem], "memory": {**memory, "gateway_peak": 0.2, "samples": 3},
-                           "capacity": [{"rate": 27.5, "ttft_p99_ms": 9e9, "failed": 3, "sustained_req_s": 2.0},
-                                        {"rate": 1.7, "ttft_p99_ms": 300.0, "failed": 0, "sustained_req_s": 1.7}]})
+                           "capacity": [{"rate": 27.5, "ttft_p99_ms": 9e9, "failed": 3, "sustained_req_s": 2.0, "duration_s": 20.0},
+                                        {"rate": 1.7, "ttft_p99_ms": 300.0, "failed": 0, "sustained_req_s": 1.7, "duration_s": 20.0}]})
     assert "MISSED by 25.0x" in text and "MISSED by 10.0x" in text and "| met |" in text
-    assert "held at 1.7 req/s" in text and f"{50 / 1.7:.1f}x below" in text
+    assert "held at 1.7 req/s offered (TTFT p99 300 ms over 20 s)" in text and f"{50 / 1.7:.1f}x below" in text
