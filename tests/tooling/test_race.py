@@ -44,7 +44,7 @@ def test_race_summary_medians_ratios_and_targets() -> None:
     assert row["ratios"]["vllm"]["ttft_p50_ms"] == pytest.approx(50 / 60)
     assert row["targets"]["output_tok_s vs vllm"]["met"] is True
     assert row["targets"]["ttft_p99_ms vs vllm"]["met"] is True
-    document = {"settings": {"repeats": 3}, "summary": [row], "overhead": [], "notes": ["a note"]}
+    document = {"settings": {"repeats": 3}, "summary": [row], "notes": ["a note"]}
     table = race_report.markdown(document)
     assert "| 4 | gateway | 100.0 |" in table and "1.000 ✓" in table and "- a note" in table
 
@@ -72,7 +72,8 @@ def test_race_commands_use_the_same_engine_settings() -> None:
 
 
 def test_benchmark_modules_do_not_import_vllm() -> None:
-    code = ("import sys, benchmarks.loadgen, benchmarks.echo_engine, benchmarks.race, benchmarks.engine_direct; "
+    code = ("import sys, benchmarks.loadgen, benchmarks.echo_engine, benchmarks.race, benchmarks.engine_direct, "
+            "benchmarks.bare_app, benchmarks.vllm_bench, benchmarks.growth, benchmarks.targets, benchmarks.lag_probe; "
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'imported vllm'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
