@@ -25,7 +25,7 @@ GIB = 1024**3
 
 
 def log(message: str) -> None:
-    print(f"[race {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
