@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test unit integration lint clean conformance-vllm system-deps gpu-check
+.PHONY: install model serve test unit integration lint clean conformance-vllm system-deps gpu-check targets race growth
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,3 +60,16 @@ conformance-vllm: model
 # prints what it would do and exits 0. It always takes the gpu extra, whatever ENGINE says.
 gpu-check:
 	$(PYTHON) -m benchmarks.gpu_check $(ARGS)
+# The design's deployment targets (TTFT p99 < 500 ms at more than 50 requests/s, memory <= 80%) on
+# this hardware: prints which are met or missed and by how much; exit 0 only when all are met
+# (on a GPU machine, `make targets ENGINE=gpu` is the acceptance test). ARGS go to benchmarks.targets.
+targets: model
+	$(PY) -m benchmarks.targets $(ARGS)
+
+# The race (gateway vs vLLM's server vs the engine alone, A/A, the gateway's own cost): benchmarks/README.md
+race: model
+	$(PY) -m benchmarks.race $(ARGS)
+
+# How cost grows with the work (prompt length, open streams, cached entries, a soak); ARGS=--full for the full sizes
+growth: install
+	$(PY) -m benchmarks.growth $(ARGS)

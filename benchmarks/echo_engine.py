@@ -1,6 +1,6 @@
 """The gateway on an instant test-double engine: what the gateway itself costs, with no model.
 
-    python -m benchmarks.echo_engine --port 8100 [--token-delay 0]
+    python -m benchmarks.echo_engine --port 8100 [--token-delay 0] [--lag-probe]
 
 `EchoEngine` implements `engine.types.Engine`: its tokenizer is one token per whitespace-separated
 word, and it answers `max_tokens` tokens at once (one output per token, echoing the prompt's words),
@@ -35,16 +35,19 @@ class WordTokenizer:
 
     def __init__(self, max_words: int = 200_000) -> None:
         self._words: dict[int, str] = {}
+        self._ids: dict[str, int] = {}  # words seen, so that encoding is a dict lookup (a real tokenizer is Rust)
         self._max_words = max_words
 
     def _id(self, word: str) -> int:
         token_id = 16 + zlib.crc32(word.encode()) % (VOCAB_SIZE - 16)
         if len(self._words) < self._max_words:
             self._words.setdefault(token_id, word)
+            self._ids[word] = token_id
         return token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [self._id(w) for w in text.split()]
+        ids = self._ids
+        return [ids[w] if w in ids else self._id(w) for w in text.split()]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return " ".join(self._words.get(t, f"w{t}") for t in token_ids)
@@ -83,8 +86,8 @@ class EchoEngine:
         self.requests += 1
         sampling = request.sampling
         prompt = request.prompt_token_ids or [16]
-        words = self._tokenizer.decode(prompt).split() or ["echo"]
         total = max(1, sampling.max_tokens)
+        words = self._tokenizer.decode(prompt[:total]).split() or ["echo"]  # only the words it echoes
         for step in range(total):
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--name", default=NAME, help="served model name")
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds between output tokens")
+    p.add_argument("--lag-probe", action="store_true", help="measure the event loop's lag: GET /_bench/lag (benchmarks.lag_probe)")
     args = p.parse_args(argv)
 
     import uvicorn
@@ -150,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
 
     configure(settings.log_level, settings.log_format)
     app = create_echo_app(settings, EchoEngine(args.name, token_delay=args.token_delay))
+    if args.lag_probe:
+        from benchmarks.lag_probe import LagProbe
+
+        app = LagProbe(app)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
     return 0
 

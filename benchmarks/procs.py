@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import json
 import os
 import platform
 import shlex
@@ -24,7 +25,7 @@ GIB = 1024**3
 
 
 def log(message: str) -> None:
-    print(f"[race {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -61,8 +62,10 @@ def _die_with_parent() -> None:
 class Proc:
     """A child process in a session of its own (so its engine-core children can be found and stopped)."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path, port: int | None = None) -> None:
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path, port: int | None = None,
+                 api_key: str | None = None) -> None:
         self.name, self.command, self.env, self.log_path, self.port = name, command, env, log_path, port
+        self.api_key = api_key  # sent with the readiness check's GET /v1/models
         self.process: subprocess.Popen[bytes] | None = None
         self._log: Any = None
         self._stopped = False
@@ -92,7 +95,8 @@ class Proc:
     async def wait_ready(self, timeout_s: float) -> float:
         started = time.monotonic()
         assert self.process is not None
-        async with httpx.AsyncClient(timeout=5) as client:
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        async with httpx.AsyncClient(timeout=5, headers=headers) as client:
             while time.monotonic() - started < timeout_s:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log {self.log_path}:\n{self.tail()}")
@@ -166,6 +170,52 @@ class Proc:
             return total
         except Exception:  # noqa: BLE001 - a measurement nicety
             return None
+
+
+class Controlled:
+    """A child process that takes commands (JSON lines on its stdin) and answers JSON lines on a
+    pipe of its own (`--answer-fd N` is added to its command), its stdout staying its log: the
+    engine alone and vLLM's benchmark client run this way, so their runs take turns with the
+    servers' runs."""
+
+    def __init__(self, name: str, command: list[str], log_path: Path) -> None:
+        self.name = name
+        self._read_fd, self._write_fd = os.pipe()
+        self.proc = Proc(name, [*command, "--answer-fd", str(self._write_fd)], {}, log_path)
+        self._answers: Any = None
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        return self.proc.process
+
+    def start(self) -> None:
+        self.proc.start(stdin=subprocess.PIPE, pass_fds=(self._write_fd,))
+        os.close(self._write_fd)  # the child's now: EOF here once it is gone
+        self._answers = os.fdopen(self._read_fd, "r")
+
+    async def answer(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(self._answers.readline), timeout_s)
+        except TimeoutError:
+            self.proc.stop()  # the reading thread then sees EOF
+            raise RuntimeError(f"{self.name} did not answer in {timeout_s:.0f} s; log {self.proc.log_path}:\n{self.proc.tail()}") from None
+        if not line:
+            raise RuntimeError(f"{self.name} exited; log {self.proc.log_path}:\n{self.proc.tail()}")
+        return dict(json.loads(line))
+
+    def command(self, command: dict[str, Any]) -> None:
+        assert self.process is not None and self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command).encode() + b"\n")
+        self.process.stdin.flush()
+
+    def stop(self) -> None:
+        self.proc.stop()
+        if self._answers is not None:
+            self._answers.close()
+            self._answers = None
+
+    def cpu_seconds(self, front_only: bool = False) -> float | None:
+        return self.proc.cpu_seconds(front_only)
 
 
 # ----------------------------------------------------------------------------------------------

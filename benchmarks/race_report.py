@@ -13,7 +13,7 @@ from typing import Any
 from benchmarks import loadgen
 
 SERVED_NAME = "smollm2-135m-instruct"
-TARGETS = ("gateway", "vllm", "engine")
+TARGETS = ("gateway", "gateway-aa", "vllm", "engine")  # the table's order; gateway-aa: the A/A twin
 
 # metric name -> (what it is, higher is better)
 METRICS: dict[str, tuple[str, bool]] = {
@@ -26,6 +26,7 @@ METRICS: dict[str, tuple[str, bool]] = {
     "e2e_p50_ms": ("end-to-end latency, median", False),
     "front_cpu_ms_per_token": ("CPU of the front-end process (not its engine core and worker) per output token", False),
 }
+EXTRA = ("mean_output_tokens", "client_headroom", "e2e_p99_ms")  # medians kept, no ratios
 # (metric, against, bound, higher is better): what the race is judged on
 TARGET_RULES = [
     ("output_tok_s", "vllm", 1.00, True),
@@ -56,6 +57,7 @@ def metrics_of(result: dict[str, Any]) -> dict[str, float | None]:
         "e2e_p50_ms": ms("e2e", "p50"),
         "mean_output_tokens": result.get("mean_output_tokens"),
         "failed": result.get("failed", 0) + result.get("cancelled", 0),
+        "client_headroom": (result.get("ceiling") or {}).get("headroom"),  # the client's ceiling ÷ this run
     }
 
 
@@ -70,40 +72,50 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def summarize(runs: Sequence[dict[str, Any]], levels: Sequence[int]) -> list[dict[str, Any]]:
-    """Per level: medians over repetitions per target, and the gateway's ratios.
+def summarize(runs: Sequence[dict[str, Any]], levels: Sequence[int], reference: str = "gateway") -> list[dict[str, Any]]:
+    """Per level: medians over repetitions per target, and the reference's ratios to every other.
 
     All targets take their runs of a repetition one after the other (interleaved), so the ratio
     against each is the median of the per-repetition (paired) ratios: slow drifts of the machine
-    between repetitions cancel out.
+    between repetitions cancel out. `spread` keeps the smallest and largest paired ratio: for the
+    A/A twin that range is the noise floor.
     """
     rows = []
     for level in levels:
-        at = [r for r in runs if r["concurrency"] == level]
         by_target: dict[str, dict[int, dict[str, Any]]] = {}
-        for run in at:
-            by_target.setdefault(run["target"], {})[run["repeat"]] = run["metrics"]
+        for run in runs:
+            if run["concurrency"] == level:
+                by_target.setdefault(run["target"], {})[run["repeat"]] = run["metrics"]
         medians = {
-            target: {name: median([m.get(name) for m in reps.values()]) for name in [*METRICS, "mean_output_tokens"]}
+            target: {name: median([m.get(name) for m in reps.values()]) for name in [*METRICS, *EXTRA]}
             | {"failed": sum(m.get("failed") or 0 for m in reps.values()), "repeats": len(reps)}
             for target, reps in by_target.items()
         }
-        gateway = by_target.get("gateway", {})
-        ratios: dict[str, dict[str, float | None]] = {
-            other: {
-                name: median([ratio(gateway[r].get(name), theirs[r].get(name)) for r in gateway if r in theirs])
-                for name in METRICS
-            }
-            for other, theirs in by_target.items()
-            if other != "gateway" and gateway
+        ours = by_target.get(reference, {})
+        paired = {
+            other: {name: [x for r in ours if r in theirs if (x := ratio(ours[r].get(name), theirs[r].get(name))) is not None]
+                    for name in METRICS}
+            for other, theirs in by_target.items() if other != reference and ours
         }
+        ratios = {other: {name: median(values) for name, values in p.items()} for other, p in paired.items()}
+        spread = {other: {name: (min(v), max(v)) if v else None for name, v in p.items()} for other, p in paired.items()}
         targets = {}
         for name, against, bound, higher in TARGET_RULES:
             value = ratios.get(against, {}).get(name)
             if value is not None:
                 targets[f"{name} vs {against}"] = {"ratio": value, "bound": bound, "met": value >= bound if higher else value <= bound}
-        rows.append({"concurrency": level, "medians": medians, "ratios": ratios, "targets": targets})
+        rows.append({"concurrency": level, "medians": medians, "ratios": ratios, "spread": spread, "targets": targets})
     return rows
+
+
+def within(value: float | None, floor: tuple[float, float] | None) -> bool | None:
+    """Whether a ratio lies inside the A/A noise band (so it cannot be told from noise): the band
+    is symmetric about 1.0 and as wide as the A/A ratios strayed either way ([1/m, m], m the
+    largest of hi and 1/lo), since an A/A ratio of 0.9 says 1.1 could come as easily."""
+    if value is None or floor is None or floor[0] <= 0:
+        return None
+    m = max(floor[1], 1 / floor[0], 1.0)
+    return 1 / m <= value <= m
 
 
 def num(value: float | None, digits: int = 1) -> str:
@@ -119,60 +131,116 @@ def _r(value: float | None, bound: float | None = None, higher: bool = True) -> 
     return text
 
 
-def markdown(document: dict[str, Any]) -> str:
-    lines: list[str] = []
+def _aa(row: dict[str, Any], name: str, aa: str) -> str:
+    value = row["ratios"].get(aa, {}).get(name)
+    floor = row["spread"].get(aa, {}).get(name)
+    return "-" if value is None else f"{value:.3f} [{floor[0]:.3f}, {floor[1]:.3f}]" if floor else f"{value:.3f}"
+
+
+def _vs(row: dict[str, Any], name: str, other: str, aa: str, bound: float | None = None, higher: bool = True) -> str:
+    value = row["ratios"].get(other, {}).get(name)
+    text = _r(value, bound, higher)
+    if within(value, row["spread"].get(aa, {}).get(name)):
+        text += " ≈"
+    return text
+
+
+RATIO_ROWS = (("output_tok_s", 1.00, 0.95, True), ("ttft_p50_ms", 1.00, None, False),
+              ("ttft_p99_ms", 1.00, None, False), ("tpot_p50_ms", None, None, False))
+
+
+def _model_tables(document: dict[str, Any]) -> list[str]:
     rows = document.get("summary", [])
-    repeats = document["settings"]["repeats"]
-    if rows:
-        lines += [
-            (f"Medians over {repeats} repetition(s); gateway = this gateway, vllm = vLLM's OpenAI server, "
-             "engine = AsyncLLM in-process without HTTP."),
-            "",
-            "| concurrency | target | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms | e2e p50 ms | out tokens | failed | front-end CPU ms/token |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for row in rows:
-            for target in TARGETS:
-                m = row["medians"].get(target)
-                if not m:
-                    continue
+    if not rows:
+        return []
+    client = document["settings"].get("client", "ours")
+    lines = [
+        (f"Medians over {document['settings']['repeats']} repetition(s), client: {client}; gateway = this gateway, "
+         "gateway-aa = the same gateway measured again in each round (A/A), vllm = vLLM's OpenAI server, engine = "
+         "AsyncLLM in-process without HTTP. Client headroom: the client's ceiling (the same load against the bare "
+         "endpoint) ÷ the run's req/s."),
+        "",
+        "| concurrency | target | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms | e2e p50 ms | out tokens | failed | front-end CPU ms/token | client headroom |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        for target in TARGETS:
+            m = row["medians"].get(target)
+            if m:
                 lines.append(
                     f"| {row['concurrency']} | {target} | {num(m['output_tok_s'])} | {num(m['req_s'], 2)} | "
                     f"{num(m['ttft_p50_ms'])} | {num(m['ttft_p99_ms'])} | {num(m['tpot_p50_ms'])} | {num(m['itl_p99_ms'])} | "
-                    f"{num(m['e2e_p50_ms'])} | {num(m['mean_output_tokens'])} | {m['failed']} | {num(m.get('front_cpu_ms_per_token'), 3)} |"
-                )
-        lines += [
-            "",
-            ("Ratios gateway ÷ other, each the median of the per-repetition ratios (the targets took their runs in "
-             "turns) (tok/s: higher is better; latencies: lower is better). ✓/✗: the targets (tok/s ≥ 1.00× vLLM's "
-             "server and ≥ 0.95× the engine alone; TTFT p50/p99 ≤ 1.00× vLLM's server)."),
-            "",
-            "| concurrency | tok/s ÷ vllm | tok/s ÷ engine | TTFT p50 ÷ vllm | TTFT p99 ÷ vllm | TPOT p50 ÷ vllm | TTFT p50 ÷ engine | TTFT p99 ÷ engine | TPOT p50 ÷ engine |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
+                    f"{num(m['e2e_p50_ms'])} | {num(m['mean_output_tokens'])} | {m['failed']} | "
+                    f"{num(m.get('front_cpu_ms_per_token'), 3)} | {num(m.get('client_headroom'))} |")
+    lines += [
+        "",
+        ("Ratios gateway ÷ other, each the median of the per-repetition (paired) ratios; tok/s: higher is better, "
+         "latencies: lower is better. ✓/✗: the targets (tok/s ≥ 1.00× vLLM's server and ≥ 0.95× the engine alone; "
+         "TTFT p50/p99 ≤ 1.00× vLLM's server). A/A: gateway ÷ gateway-aa, median [smallest, largest per-repetition "
+         "ratio], the noise floor; ≈ marks a ratio no farther from 1.0 than the A/A ratios strayed (not told "
+         "apart from noise)."),
+        "",
+        "| concurrency | metric | ÷ vllm | ÷ engine | A/A (noise floor) |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for row in rows:
+        for name, vllm_bound, engine_bound, higher in RATIO_ROWS:
+            lines.append(f"| {row['concurrency']} | {name} | {_vs(row, name, 'vllm', 'gateway-aa', vllm_bound, higher)} | "
+                         f"{_vs(row, name, 'engine', 'gateway-aa', engine_bound, higher)} | {_aa(row, name, 'gateway-aa')} |")
+    return lines
+
+
+ECHO_BOUND = 0.5  # the gateway's own cost: at least half of the bare stack's rate
+
+
+def echo_summary(document: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Per scenario: summarize() of the echo part with the echo gateway as the reference."""
+    runs = document.get("echo_runs") or []
+    levels = sorted({r["concurrency"] for r in runs})
+    scenarios = list(dict.fromkeys(r["scenario"] for r in runs))
+    return {s: summarize([r for r in runs if r["scenario"] == s], levels, reference="echo") for s in scenarios}
+
+
+def _echo_tables(document: dict[str, Any]) -> list[str]:
+    summary = document.get("echo_summary") or {}
+    if not summary:
+        return []
+    lines = [
+        "",
+        ("The gateway's own cost, where no model works: echo = the gateway on the instant echo engine with access "
+         "logs, metrics, an API key and request ids on (and the memory response cache: the non-stream and stream "
+         "runs send new temperature-0 requests, each a cache miss and store); echo-aa = the same process again (A/A); "
+         "bare = Starlette + uvicorn answering a fixed completion (the stack's limit). Rates: req/s, for streams "
+         f"chunks (tokens)/s. Wanted: echo ÷ bare ≥ {ECHO_BOUND}; A/A: echo ÷ echo-aa median [smallest, largest]."),
+        "",
+        "| scenario | concurrency | rate | echo | echo-aa | bare | echo ÷ bare | A/A (noise floor) | echo e2e p50 ms | bare e2e p50 ms | failed |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for scenario, rows in summary.items():
+        metric = "output_tok_s" if streamed(scenario) else "req_s"
         for row in rows:
-            v = row["ratios"].get("vllm", {})
-            e = row["ratios"].get("engine", {})
+            m = row["medians"]
+            rate = {t: num(m.get(t, {}).get(metric)) for t in ECHO_NAMES}
+            failed = sum(m.get(t, {}).get("failed", 0) for t in ECHO_NAMES)
             lines.append(
-                f"| {row['concurrency']} | {_r(v.get('output_tok_s'), 1.00)} | {_r(e.get('output_tok_s'), 0.95)} | "
-                f"{_r(v.get('ttft_p50_ms'), 1.00, False)} | {_r(v.get('ttft_p99_ms'), 1.00, False)} | {_r(v.get('tpot_p50_ms'))} | "
-                f"{_r(e.get('ttft_p50_ms'))} | {_r(e.get('ttft_p99_ms'))} | {_r(e.get('tpot_p50_ms'))} |"
-            )
-    overhead = document.get("overhead") or []
-    if overhead:
-        lines += [
-            "",
-            "The gateway's own cost (no engine work): cache hits, and the gateway on an instant echo engine.",
-            "",
-            "| scenario | concurrency | requests | req/s | output tok/s | TTFT p50 ms | e2e p50 ms | e2e p99 ms | note |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
-        ]
-        for item in overhead:
-            m = item["metrics"]
-            lines.append(
-                f"| {item['scenario']} | {item['concurrency']} | {item['requests']} | {num(m['req_s'])} | {num(m['output_tok_s'])} | "
-                f"{num(m['ttft_p50_ms'], 2)} | {num(m['e2e_p50_ms'], 2)} | {num(m.get('e2e_p99_ms'), 2)} | {item.get('note', '')} |"
-            )
+                f"| {scenario} | {row['concurrency']} | {'chunks/s' if metric == 'output_tok_s' else 'req/s'} | "
+                f"{rate['echo']} | {rate['echo-aa']} | {rate['bare']} | {_vs(row, metric, 'bare', 'echo-aa', ECHO_BOUND)} | "
+                f"{_aa(row, metric, 'echo-aa')} | {num(m.get('echo', {}).get('e2e_p50_ms'), 2)} | "
+                f"{num(m.get('bare', {}).get('e2e_p50_ms'), 2)} | {failed} |")
+    return lines
+
+
+ECHO_NAMES = ("echo", "echo-aa", "bare")
+
+
+def streamed(scenario: str) -> bool:
+    """The echo part's scenario judged on chunks per second (one token each, for echo and bare
+    alike); the others on requests per second (a replayed cache hit streams one chunk per choice)."""
+    return scenario == "stream"
+
+
+def markdown(document: dict[str, Any]) -> str:
+    lines = _model_tables(document) + _echo_tables(document)
     notes = document.get("notes") or []
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]

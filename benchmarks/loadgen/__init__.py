@@ -17,13 +17,21 @@ TTFT) / (output tokens - 1)), inter-token latencies (between stream chunks that 
 to end latency. Output tokens come from the usage the server reports (`stream_options:
 {"include_usage": true}`), else from the number of chunks carrying text.
 
+The client (aiohttp on uvloop, keep-alive connections, bodies encoded once, streams split into
+events with bytes operations) is meant never to be the bottleneck, and every run shows whether it
+was: `Result.client_cpu_s` is the client's own CPU during the run, and with `ceiling_s` (the CLI's
+default: 2 s) the same load is sent right after to an instant endpoint (`benchmarks.bare_app`),
+whose rate is reported beside the run as the client's ceiling (`Result.ceiling`, wanted ≥ 5×).
+
 Importable: `await run_load(LoadConfig(...)) -> Result`. No vllm import, no tokenizer needed.
 
 The package, in the order a request flows:
     config      LoadConfig: what a run does
     prompts     the workload: random-word prompts, sessions, request bodies (tokenizer: the server's)
-    runner      run_load and run_sweep: workers or Poisson arrivals, warm-up, time limit (progress: the bar)
-    client      the httpx client and send_request, which times one request (sse: reading a stream)
+    runner      run_load and run_sweep: workers or Poisson arrivals, warm-up, time limit (progress: the bar);
+                run_async (uvloop)
+    ceiling     the client's ceiling: the same load against the bare endpoint, beside the run
+    client      the aiohttp session and send_request, which times one request (sse: reading a stream)
     results     RequestRecord, Result and aggregate (stats: percentiles, TPOT)
     report      the summary on stderr; plot: the sweep plot; cli: the command line and its JSON file
     codec       JSON on the hot path (orjson when installed)
@@ -38,7 +46,7 @@ from benchmarks.loadgen.plot import plot_sweep
 from benchmarks.loadgen.prompts import WORDS, Session, build_sessions, fit_text, request_body, sessions_needed
 from benchmarks.loadgen.report import format_result, timestamp
 from benchmarks.loadgen.results import RequestRecord, Result, aggregate
-from benchmarks.loadgen.runner import run_load, run_sweep
+from benchmarks.loadgen.runner import measure_ceiling, run_async, run_load, run_sweep
 from benchmarks.loadgen.sse import SSEDecoder, StreamAccumulator, sse_events
 from benchmarks.loadgen.stats import Stats, percentile, tpot
 from benchmarks.loadgen.tokenizer import ServerTokenizer, get_tokenizer, root_url
@@ -63,11 +71,13 @@ __all__ = [
     "get_tokenizer",
     "main",
     "make_client",
+    "measure_ceiling",
     "parser",
     "percentile",
     "plot_sweep",
     "request_body",
     "root_url",
+    "run_async",
     "run_load",
     "run_sweep",
     "send_request",

@@ -4,7 +4,6 @@ concurrency levels or one Poisson run), the JSON document and the plot."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import sys
@@ -15,7 +14,7 @@ from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.plot import plot_sweep
 from benchmarks.loadgen.report import format_result, timestamp
 from benchmarks.loadgen.results import Result
-from benchmarks.loadgen.runner import run_load, run_sweep
+from benchmarks.loadgen.runner import run_async, run_load, run_sweep
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 DESCRIPTION = "A load generator for any OpenAI-compatible server (this gateway, vLLM's server, others)."
@@ -56,6 +55,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--save-requests", action="store_true", help="put every request's record in the JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--ceiling-duration", type=float, default=2.0,
+                   help="after each run: seconds of the same load against the bare endpoint (benchmarks.bare_app), "
+                        "the client's ceiling, reported beside the run")
+    p.add_argument("--no-ceiling", dest="ceiling_duration", action="store_const", const=0.0,
+                   help="skip the ceiling run")
     return p
 
 
@@ -87,6 +91,7 @@ def config_from(args: argparse.Namespace) -> LoadConfig:
         request_timeout_s=args.request_timeout,
         progress=args.progress and sys.stderr.isatty(),
         keep_records=args.save_requests,
+        ceiling_s=args.ceiling_duration,
     )
 
 
@@ -110,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, config: LoadConfig) -> list[Result]:
     """One Poisson run at --request-rate, else a sweep of the --concurrency levels."""
     if args.request_rate:
-        result = asyncio.run(run_load(dataclasses.replace(config, label=f"rate={args.request_rate}")))
+        result = run_async(run_load(dataclasses.replace(config, label=f"rate={args.request_rate}")))
         print(format_result(result), file=sys.stderr)
         return [result]
-    return asyncio.run(run_sweep(config, args.concurrency or [8], args.waves))
+    return run_async(run_sweep(config, args.concurrency or [8], args.waves))
 
 
 def _document(stamp: str, argv: list[str] | None, config: LoadConfig, results: list[Result], records: bool) -> dict[str, Any]:

@@ -1,41 +1,64 @@
-"""The HTTP side: the shared `httpx` client, the model a server offers, and `send_request`, which
-sends one request (streamed or not) and times it into a `RequestRecord`."""
+"""The HTTP side: one aiohttp session per run (`make_client`), the model a server offers, and
+`send_request`, which sends one request (streamed or not) and times it into a `RequestRecord`.
+
+Built for load, so that the client is not what a run measures: aiohttp (C-accelerated HTTP
+parser, the client vLLM's own benchmark uses), one keep-alive connection per request in flight,
+the request body encoded once with orjson, headers set once per session, streams read as raw
+chunks and split into events with bytes operations (`sse.SSEDecoder.feed_bytes`). The
+connection pool drops idle connections after `KEEPALIVE_S`, before uvicorn's own 5-second
+keep-alive timeout closes them from the other end: a request never goes out on a connection the
+server is closing (with httpx that race showed up as `ReadError`s under load).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import httpx
+import aiohttp
+from yarl import URL
 
-from benchmarks.loadgen.codec import dumps
+from benchmarks.loadgen.codec import dumps, loads
 from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.results import RequestRecord
-from benchmarks.loadgen.sse import StreamAccumulator, sse_events
+from benchmarks.loadgen.sse import SSEDecoder, StreamAccumulator
 
-_JSON = {"content-type": "application/json"}
+KEEPALIVE_S = 3.0  # below uvicorn's default timeout_keep_alive (5 s), which vLLM's server keeps too
+CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
 
 
-def make_client(config: LoadConfig, concurrency: int | None = None) -> httpx.AsyncClient:
-    """One client for a whole run: no connection limit (the load decides), long keep-alive."""
-    headers = dict(config.headers)
+def make_client(config: LoadConfig, concurrency: int | None = None) -> aiohttp.ClientSession:
+    """One session for a whole run: no connection limit (the load decides), keep-alive, JSON headers.
+
+    Call it inside a running event loop (aiohttp's rule)."""
+    headers = {"content-type": "application/json", **config.headers}
     if config.api_key:
         headers["authorization"] = f"Bearer {config.api_key}"
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=60)
-    timeout = httpx.Timeout(config.request_timeout_s, connect=30.0)
-    return httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S, ttl_dns_cache=None)
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=30.0)
+    return aiohttp.ClientSession(
+        connector=connector, headers=headers, timeout=timeout,
+        cookie_jar=aiohttp.DummyCookieJar(),  # no cookie bookkeeping per response
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),  # no compression: servers send plain bytes
+    )
 
 
-async def discover_model(client: httpx.AsyncClient, base_url: str) -> str:
+async def get_json(client: aiohttp.ClientSession, url: str, body: Any = None) -> Any:
+    """GET (or POST `body`) and decode the JSON answer; raises aiohttp.ClientResponseError on a non-2xx."""
+    method = "POST" if body is not None else "GET"
+    async with client.request(method, url, data=None if body is None else dumps(body)) as response:
+        response.raise_for_status()
+        return loads(await response.read())
+
+
+async def discover_model(client: aiohttp.ClientSession, base_url: str) -> str:
     """The first model of GET /models."""
-    response = await client.get(f"{base_url.rstrip('/')}/models")
-    response.raise_for_status()
-    models = response.json().get("data") or []
+    models = (await get_json(client, f"{base_url.rstrip('/')}/models")).get("data") or []
     if not models:
         raise RuntimeError(f"{base_url}/models lists no model; pass --model")
-    return models[0]["id"]
+    return str(models[0]["id"])
 
 
 def _apply_usage(record: RequestRecord, usage: dict[str, Any] | None, fallback_output: int, estimate_input: int) -> None:
@@ -51,13 +74,13 @@ def _apply_usage(record: RequestRecord, usage: dict[str, Any] | None, fallback_o
         record.input_tokens = estimate_input
 
 
-def _counted(headers: httpx.Headers, names: Sequence[str]) -> dict[str, str]:
+def _counted(headers: Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
     return {h: headers[h] for h in names if h in headers}
 
 
 async def send_request(
-    client: httpx.AsyncClient,
-    url: str,
+    client: aiohttp.ClientSession,
+    url: str | URL,
     body: dict[str, Any],
     record: RequestRecord,
     *,
@@ -65,45 +88,59 @@ async def send_request(
     estimate_input: int = 0,
     origin: float = 0.0,
 ) -> RequestRecord:
-    """Send one request and fill `record` (also when cancelled: then `cancelled` is True)."""
+    """Send one request and fill `record` (also when cancelled: then `cancelled` is True, and
+    `ttft` is kept when the first token had come)."""
     started = time.perf_counter()
     record.start = started - origin
     content = dumps(body)
-    send = _send_streaming if body.get("stream") else _send_plain
+    acc = StreamAccumulator(started)
     try:
-        await send(client, url, content, record, started, count_headers, estimate_input)
+        if body.get("stream"):
+            await _send_streaming(client, url, content, record, acc, count_headers, estimate_input)
+        else:
+            await _send_plain(client, url, content, record, started, count_headers, estimate_input)
     except asyncio.CancelledError:
         record.cancelled = True
         record.e2e = time.perf_counter() - started
+        if acc.first is not None:
+            record.ttft = acc.first - started
         raise
-    except (httpx.HTTPError, OSError, ValueError) as exc:
+    except CLIENT_ERRORS as exc:
         record.e2e = time.perf_counter() - started
         record.error = f"{exc.__class__.__name__}: {exc}"[:300] or exc.__class__.__name__
     return record
 
 
 async def _send_streaming(
-    client: httpx.AsyncClient,
-    url: str,
+    client: aiohttp.ClientSession,
+    url: str | URL,
     content: bytes,
     record: RequestRecord,
-    started: float,
+    acc: StreamAccumulator,
     count_headers: Sequence[str],
     estimate_input: int,
 ) -> None:
     """A streamed request: time each event carrying text until `[DONE]`."""
-    async with client.stream("POST", url, content=content, headers=_JSON) as response:
-        record.status = response.status_code
+    async with client.post(url, data=content) as response:
+        record.status = response.status
         record.headers = _counted(response.headers, count_headers)
-        if response.status_code != 200:
-            detail = (await response.aread()).decode(errors="replace")
-            record.error = f"HTTP {response.status_code}: {detail[:200]}"
+        if response.status != 200:
+            detail = (await response.read()).decode(errors="replace")
+            record.error = f"HTTP {response.status}: {detail[:200]}"
             return
-        acc = StreamAccumulator(started)
-        async for data in sse_events(response.aiter_lines()):
-            if acc.feed(data, time.perf_counter()):
-                break
-    _finish_stream(record, acc, time.perf_counter() - started, estimate_input)
+        decoder = SSEDecoder()
+        # read to the end of the body even after [DONE] (the chunked terminator follows it), so
+        # that the connection goes back to the pool instead of being closed
+        async for chunk in response.content.iter_any():
+            if not acc.done:
+                now = time.perf_counter()
+                for data in decoder.feed_bytes(chunk):
+                    if acc.feed(data, now):
+                        break
+        if not acc.done:
+            for data in decoder.finish():
+                acc.feed(data, time.perf_counter())
+    _finish_stream(record, acc, (acc.done_at or time.perf_counter()) - acc.started, estimate_input)
 
 
 def _finish_stream(record: RequestRecord, acc: StreamAccumulator, e2e: float, estimate_input: int) -> None:
@@ -123,8 +160,8 @@ def _finish_stream(record: RequestRecord, acc: StreamAccumulator, e2e: float, es
 
 
 async def _send_plain(
-    client: httpx.AsyncClient,
-    url: str,
+    client: aiohttp.ClientSession,
+    url: str | URL,
     content: bytes,
     record: RequestRecord,
     started: float,
@@ -132,15 +169,15 @@ async def _send_plain(
     estimate_input: int,
 ) -> None:
     """A request without streaming: the first token is the whole answer (TTFT = e2e)."""
-    response = await client.post(url, content=content, headers=_JSON)
-    ended = time.perf_counter()
-    record.status = response.status_code
-    record.headers = _counted(response.headers, count_headers)
-    record.e2e = record.ttft = ended - started
-    if response.status_code != 200:
-        record.error = f"HTTP {response.status_code}: {response.text[:200]}"
+    async with client.post(url, data=content) as response:
+        record.status = response.status
+        record.headers = _counted(response.headers, count_headers)
+        payload = await response.read()
+    record.e2e = record.ttft = time.perf_counter() - started
+    if record.status != 200:
+        record.error = f"HTTP {record.status}: {payload[:200].decode(errors='replace')}"
         return
-    obj = response.json()
+    obj = loads(payload)
     choices = obj.get("choices") or []
     record.text = "".join(
         (c.get("text") or (c.get("message") or {}).get("content") or "") for c in choices

@@ -38,6 +38,7 @@ class LoadConfig:
     request_timeout_s: float = 600.0
     progress: bool = False
     keep_records: bool = False  # put every request's record in Result.to_dict()
+    ceiling_s: float = 0.0  # after the run: seconds of the same load against the bare endpoint (0: none)
     label: str = ""
 
     def to_dict(self) -> dict[str, Any]:

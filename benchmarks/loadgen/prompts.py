@@ -99,13 +99,17 @@ async def build_sessions(
     return sessions
 
 
+MAX_SESSIONS = 50_000  # built up front; a longer run (a time limit with a huge request count) cycles through them
+
+
 def sessions_needed(config: LoadConfig) -> int:
-    """How many sessions a run can start (fewer when `unique_prompts` cycles through a few)."""
+    """How many sessions a run can start (fewer when `unique_prompts` cycles through a few, and at
+    most MAX_SESSIONS: prompts are made before the run, so that making them costs the run nothing)."""
     turns = config.turns if config.prompts == "multi-turn" else 1
     wanted = math.ceil(config.num_requests / turns)
     if config.unique_prompts:
         wanted = min(wanted, config.unique_prompts)
-    return max(wanted, 1)
+    return max(min(wanted, MAX_SESSIONS), 1)
 
 
 def request_body(config: LoadConfig, model: str, session: Session, history: list[tuple[str, str]], turn: str) -> dict[str, Any]:

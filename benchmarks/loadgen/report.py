@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime
 
+from benchmarks.loadgen.ceiling import describe
 from benchmarks.loadgen.results import Result
 from benchmarks.loadgen.stats import Stats
 
@@ -31,6 +32,12 @@ def format_result(r: Result) -> str:
         lines.append("  errors: " + "; ".join(f"{n}x {e}" for e, n in list(r.errors.items())[:5]))
     if r.header_counts:
         lines.append("  headers: " + ", ".join(f"{h}: {dict(c)}" for h, c in r.header_counts.items()))
+    share = r.client_cpu_share
+    if share is not None and r.client_cpu_s is not None:
+        per = r.client_cpu_s * 1e6 / max(1, r.completed + r.failed)
+        lines.append(f"  client CPU: {share:.2f} of a core ({per:.0f} us per request)")
+    if r.ceiling:
+        lines.append("  " + describe(r.ceiling))
     return "\n".join(lines)
 
 

@@ -75,11 +75,21 @@ class Result:
     header_counts: dict[str, dict[str, int]]
     config: dict[str, Any] = field(default_factory=dict)
     records: list[RequestRecord] = field(default_factory=list)
+    client_cpu_s: float | None = None  # the load generator's own CPU seconds during the run
+    ceiling: dict[str, Any] | None = None  # the client's ceiling beside this run (loadgen.ceiling.compare)
+
+    @property
+    def client_cpu_share(self) -> float | None:
+        """The client's CPU during the run in cores (1.0: one core busy all the time)."""
+        if self.client_cpu_s is None or self.duration_s <= 0:
+            return None
+        return self.client_cpu_s / self.duration_s
 
     def to_dict(self, records: bool = False) -> dict[str, Any]:
         data = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("records",)}
         for name in ("ttft", "tpot", "itl", "e2e"):
             data[name] = getattr(self, name).to_dict()
+        data["client_cpu_share"] = self.client_cpu_share
         if records:
             data["records"] = [r.to_dict() for r in self.records]
         return _clean(data)

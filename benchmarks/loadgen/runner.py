@@ -1,6 +1,7 @@
 """Running the load: `run_load` (one measured run at one concurrency or request rate, with its
-warm-up) and `run_sweep` (one run per concurrency level). Workers or Poisson arrivals send the
-sessions' requests until the request count or the time limit."""
+warm-up, and the client's ceiling after it when `ceiling_s` asks) and `run_sweep` (one run per
+concurrency level). Workers or Poisson arrivals send the sessions' requests until the request
+count or the time limit. `run_async` runs a coroutine on uvloop when it is installed."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
-import httpx
+import aiohttp
+from yarl import URL
 
+from benchmarks.loadgen import ceiling
 from benchmarks.loadgen.client import discover_model, make_client, send_request
 from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.progress import Bar, open_bar
@@ -26,12 +30,13 @@ from benchmarks.loadgen.tokenizer import get_tokenizer
 class _Runner:
     """One run's state: the requests issued so far, their records, the time limit."""
 
-    def __init__(self, config: LoadConfig, client: httpx.AsyncClient, model: str, sessions: Sequence[Session]) -> None:
+    def __init__(self, config: LoadConfig, client: aiohttp.ClientSession, model: str, sessions: Sequence[Session]) -> None:
         self.config = config
         self.client = client
         self.model = model
         self.sessions = sessions
-        self.url = f"{config.base_url.rstrip('/')}/{'chat/completions' if config.endpoint == 'chat' else 'completions'}"
+        path = "chat/completions" if config.endpoint == "chat" else "completions"
+        self.url = URL(f"{config.base_url.rstrip('/')}/{path}")  # parsed once, not per request
         self.records: list[RequestRecord] = []
         self.issued = 0
         self.next_session = 0
@@ -130,7 +135,7 @@ class _Runner:
 async def run_load(
     config: LoadConfig,
     sessions: Sequence[Session] | None = None,
-    client: httpx.AsyncClient | None = None,
+    client: aiohttp.ClientSession | None = None,
     warmup_sessions: Sequence[Session] | None = None,
 ) -> Result:
     """One measured run at one concurrency (or request rate). Stops after num_requests or duration_s."""
@@ -142,24 +147,35 @@ async def run_load(
         if config.warmup_requests and warmup_sessions:
             warm_cfg = dataclasses.replace(config, num_requests=config.warmup_requests, duration_s=None)
             await _Runner(warm_cfg, client, model, warmup_sessions).run()
-        records, duration = await _measure(config, client, model, sessions)
-        return aggregate(
-            records,
-            duration,
-            label=config.label,
-            concurrency=config.concurrency,
-            request_rate=config.request_rate,
-            config={**config.to_dict(), "model": model},
-            keep_records=config.keep_records,
-        )
+        records, duration, cpu = await _measure(config, client, model, sessions)
     finally:
         if own:
-            await client.aclose()
+            await client.close()
+    result = aggregate(
+        records,
+        duration,
+        label=config.label,
+        concurrency=config.concurrency,
+        request_rate=config.request_rate,
+        config={**config.to_dict(), "model": model},
+        keep_records=config.keep_records,
+    )
+    result.client_cpu_s = cpu
+    if config.ceiling_s > 0:
+        result.ceiling = await measure_ceiling(config, result)
+    return result
+
+
+async def measure_ceiling(config: LoadConfig, measured: Result) -> dict[str, Any]:
+    """The same load against the bare endpoint for `config.ceiling_s` seconds, beside `measured`."""
+    endpoint = await ceiling.shared_endpoint()
+    bare = await run_load(ceiling.ceiling_config(config, endpoint.base_url))
+    return ceiling.compare(bare, measured)
 
 
 async def _prepare_sessions(
     config: LoadConfig,
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     model: str,
     sessions: Sequence[Session] | None,
     warmup_sessions: Sequence[Session] | None,
@@ -177,17 +193,18 @@ async def _prepare_sessions(
 
 
 async def _measure(
-    config: LoadConfig, client: httpx.AsyncClient, model: str, sessions: Sequence[Session]
-) -> tuple[list[RequestRecord], float]:
-    """The measured run: its records and its duration in seconds."""
+    config: LoadConfig, client: aiohttp.ClientSession, model: str, sessions: Sequence[Session]
+) -> tuple[list[RequestRecord], float, float]:
+    """The measured run: its records, its duration in seconds and this process's CPU seconds meanwhile."""
     runner = _Runner(config, client, model, sessions)
     runner.bar = open_bar(config)
+    cpu = time.process_time()
     try:
         duration = await runner.run()
     finally:
         if runner.bar is not None:
             runner.bar.close()
-    return runner.records, duration
+    return runner.records, duration, time.process_time() - cpu
 
 
 async def run_sweep(config: LoadConfig, levels: Sequence[int], waves: int | None = None) -> list[Result]:
@@ -201,3 +218,15 @@ async def run_sweep(config: LoadConfig, levels: Sequence[int], waves: int | None
             results.append(await run_load(cfg, client=client))
             print(format_result(results[-1]), file=sys.stderr)
     return results
+
+
+T = TypeVar("T")
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` on uvloop when installed (uvicorn[standard] brings it): less loop overhead per request."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop comes with the gateway's dependencies
+        return asyncio.run(coro)
+    return uvloop.run(coro)

@@ -1,5 +1,6 @@
-"""Reading a streamed response: Server-Sent Events into event data, event data into the timing and
-text of one answer (`StreamAccumulator`)."""
+"""Reading a streamed response: Server-Sent Events into event data (`SSEDecoder`: by lines, or
+straight from the raw chunks of a body with `feed_bytes`), event data into the timing and text
+of one answer (`StreamAccumulator`)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,36 @@ class SSEDecoder:
 
     def __init__(self) -> None:
         self._data: list[str] = []
+        self._pending = b""
+
+    def feed_bytes(self, chunk: bytes) -> list[str]:
+        """Feed raw bytes of the body (cut anywhere); return the data of every event they complete.
+        Lines end in LF or CRLF; a line is decoded only once whole, so UTF-8 cut across chunks is safe."""
+        lines = (self._pending + chunk).split(b"\n") if self._pending else chunk.split(b"\n")
+        self._pending = lines.pop()
+        events = []
+        for raw in lines:
+            data = self.feed(raw.decode("utf-8", "replace"))
+            if data is not None:
+                events.append(data)
+        return events
+
+    def finish(self) -> list[str]:
+        """The end of the body: the last line (when it had no newline) and the event it ends."""
+        events = []
+        if self._pending:
+            data = self.feed(self._pending.decode("utf-8", "replace"))
+            self._pending = b""
+            if data is not None:
+                events.append(data)
+        tail = self.flush()
+        return events + ([tail] if tail is not None else [])
 
     def feed(self, line: str) -> str | None:
         """Feed one line without its newline; return the event's data when a blank line ends it."""
+        if line.startswith("data: ") and not line.endswith("\r"):  # the common case, fast
+            self._data.append(line[6:])
+            return None
         line = line.removesuffix("\r")
         if not line:
             return self.flush()
@@ -78,12 +106,14 @@ class StreamAccumulator:
         self.usage: dict[str, Any] | None = None
         self.error: str | None = None
         self.done = False
+        self.done_at: float | None = None
         self.finish_reason: str | None = None
 
     def feed(self, data: str, now: float) -> bool:
         """Take one event's data; return True at `[DONE]`."""
         if data.strip() == "[DONE]":
             self.done = True
+            self.done_at = now
             return True
         try:
             obj = loads(data)

@@ -3,8 +3,9 @@ which the gateway and vLLM's server both offer next to /v1."""
 
 from __future__ import annotations
 
-import httpx
+import aiohttp
 
+from benchmarks.loadgen.client import CLIENT_ERRORS, get_json
 from benchmarks.loadgen.config import LoadConfig
 
 
@@ -17,32 +18,29 @@ def root_url(base_url: str) -> str:
 class ServerTokenizer:
     """Counts tokens with the server's own tokenizer (`POST /tokenize`, `POST /detokenize`)."""
 
-    def __init__(self, client: httpx.AsyncClient, root: str, model: str) -> None:
+    def __init__(self, client: aiohttp.ClientSession, root: str, model: str) -> None:
         self.client, self.root, self.model = client, root, model
 
     async def tokenize(self, text: str) -> list[int]:
         body = {"model": self.model, "prompt": text, "add_special_tokens": False}
-        response = await self.client.post(f"{self.root}/tokenize", json=body)
-        response.raise_for_status()
-        return list(response.json()["tokens"])
+        return list((await get_json(self.client, f"{self.root}/tokenize", body))["tokens"])
 
     async def detokenize(self, ids: list[int]) -> str:
-        response = await self.client.post(f"{self.root}/detokenize", json={"model": self.model, "tokens": ids})
-        response.raise_for_status()
-        return response.json()["prompt"]
+        answer = await get_json(self.client, f"{self.root}/detokenize", {"model": self.model, "tokens": ids})
+        return str(answer["prompt"])
 
     @classmethod
-    async def probe(cls, client: httpx.AsyncClient, base_url: str, model: str) -> ServerTokenizer | None:
+    async def probe(cls, client: aiohttp.ClientSession, base_url: str, model: str) -> ServerTokenizer | None:
         tokenizer = cls(client, root_url(base_url), model)
         try:
             ids = await tokenizer.tokenize("hello world")
             await tokenizer.detokenize(ids)
-        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+        except (*CLIENT_ERRORS, KeyError, TypeError):
             return None
         return tokenizer
 
 
-async def get_tokenizer(config: LoadConfig, client: httpx.AsyncClient, model: str) -> ServerTokenizer | None:
+async def get_tokenizer(config: LoadConfig, client: aiohttp.ClientSession, model: str) -> ServerTokenizer | None:
     """The server's tokenizer as `config.tokenizer` asks (None: count one word as one token)."""
     if config.tokenizer == "words":
         return None

@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 from collections.abc import AsyncIterator
 
-import httpx
 import pytest
 import uvicorn
+from aiohttp import web
 
 from benchmarks import loadgen
 from benchmarks.echo_engine import EchoEngine, create_echo_app
@@ -118,35 +119,68 @@ def _sse(*events: object) -> list[bytes]:
     return out
 
 
-def _mock(parts: list[bytes], status: int = 200, delay: float = 0.0, split: bool = False) -> httpx.AsyncClient:
-    async def body() -> AsyncIterator[bytes]:
-        for part in parts:
-            if delay:
-                await asyncio.sleep(delay)
-            if split:  # an event cut across reads must still parse
-                yield part[: len(part) // 2]
-                yield part[len(part) // 2 :]
-            else:
-                yield part
+class _Script:
+    """What the scripted server answers: these parts of a body, with a pause before each, each
+    written in two halves (an event cut across reads) when `split`."""
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        assert json.loads(request.content)["stream"] is True
-        return httpx.Response(status, content=body(), headers={"content-type": "text/event-stream", "x-cache": "MISS"})
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.status = 200
+        self.delay = 0.0
+        self.split = False
+        self.bodies: list[dict] = []
 
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[tuple[str, _Script]]:
+    """A real HTTP server on loopback (aiohttp.web) that streams what the test scripts."""
+    script = _Script()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        script.bodies.append(await request.json())
+        response = web.StreamResponse(status=script.status, headers={"content-type": "text/event-stream", "x-cache": "MISS"})
+        await response.prepare(request)
+        for part in script.parts:
+            if script.delay:
+                await asyncio.sleep(script.delay)
+            halves = (part[: len(part) // 2], part[len(part) // 2 :]) if script.split else (part,)
+            for half in halves:
+                await response.write(half)
+                if script.split:
+                    await asyncio.sleep(0.002)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}/v1/completions", script
+    finally:
+        await runner.cleanup()
+
+
+async def _send(url: str, **kwargs: object) -> RequestRecord:
+    async with loadgen.make_client(LoadConfig()) as client:
+        return await loadgen.send_request(client, url, {"stream": True}, RequestRecord(), **kwargs)  # type: ignore[arg-type]
 
 
 def _completion_chunk(text: str) -> dict:
     return {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
 
 
-async def test_send_request_times_a_stream_and_takes_usage() -> None:
-    parts = _sse(*(_completion_chunk(f" w{i}") for i in range(4)),
-                 {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}, "[DONE]")
-    async with _mock(parts, delay=0.01, split=True) as client:
-        record = await loadgen.send_request(client, "http://test/v1/completions", {"stream": True}, RequestRecord(),
-                                            count_headers=["x-cache"])
+async def test_send_request_times_a_stream_and_takes_usage(scripted) -> None:
+    url, script = scripted
+    script.parts = _sse(*(_completion_chunk(f" w{i}") for i in range(4)),
+                        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}, "[DONE]")
+    script.delay, script.split = 0.01, True
+    record = await _send(url, count_headers=["x-cache"])
     assert record.ok, record.error
+    assert script.bodies == [{"stream": True}]
     assert record.output_tokens == 4 and record.input_tokens == 7 and record.usage_reported
     assert record.chunks == 4 and len(record.itl) == 3
     assert 0 < record.ttft < record.e2e
@@ -155,23 +189,45 @@ async def test_send_request_times_a_stream_and_takes_usage() -> None:
     assert record.text == " w0 w1 w2 w3"
 
 
-async def test_send_request_counts_chunks_without_usage() -> None:
-    parts = _sse(*(_completion_chunk("x") for i in range(3)), "[DONE]")
-    async with _mock(parts) as client:
-        record = await loadgen.send_request(client, "http://test/v1/completions", {"stream": True}, RequestRecord(), estimate_input=12)
+async def test_send_request_counts_chunks_without_usage(scripted) -> None:
+    url, script = scripted
+    script.parts = _sse(*(_completion_chunk("x") for i in range(3)), "[DONE]")
+    record = await _send(url, estimate_input=12)
     assert record.ok and record.output_tokens == 3 and record.input_tokens == 12 and not record.usage_reported
 
 
-async def test_send_request_reports_errors() -> None:
-    async with _mock([b'{"error": {"message": "nope"}}'], status=429) as client:
-        record = await loadgen.send_request(client, "http://test/v1/completions", {"stream": True}, RequestRecord())
+async def test_send_request_reports_errors(scripted) -> None:
+    url, script = scripted
+    script.status, script.parts = 429, [b'{"error": {"message": "nope"}}']
+    record = await _send(url)
     assert not record.ok and record.status == 429 and record.error.startswith("HTTP 429")
-    async with _mock(_sse(_completion_chunk("x"))) as client:  # no [DONE]
-        record = await loadgen.send_request(client, "http://test/v1/completions", {"stream": True}, RequestRecord())
+    script.status, script.parts = 200, _sse(_completion_chunk("x"))  # no [DONE]
+    record = await _send(url)
     assert not record.ok and "without [DONE]" in record.error
-    async with _mock(_sse({"error": {"message": "engine died"}}, "[DONE]")) as client:
-        record = await loadgen.send_request(client, "http://test/v1/completions", {"stream": True}, RequestRecord())
+    script.parts = _sse({"error": {"message": "engine died"}}, "[DONE]")
+    record = await _send(url)
     assert not record.ok and record.error == "engine died"
+
+
+async def test_send_request_reports_a_refused_connection_as_an_error() -> None:
+    record = await _send(f"http://127.0.0.1:{_closed_port()}/v1/completions")
+    assert not record.ok and not record.cancelled and record.error and record.e2e is not None
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sse_bytes_cut_anywhere_give_the_same_events() -> None:
+    body = 'data: {"t": "caf\u00e9 \u00e9t\u00e9"}\r\n\r\n: ping\n\ndata: a\ndata: b\n\ndata: [DONE]'.encode()
+    whole = SSEDecoder()
+    expected = whole.feed_bytes(body) + whole.finish()
+    assert [json.loads(expected[0])["t"], *expected[1:]] == ["café été", "a\nb", "[DONE]"]
+    for cut in range(1, len(body)):  # every cut, including inside the two-byte é
+        decoder = SSEDecoder()
+        assert decoder.feed_bytes(body[:cut]) + decoder.feed_bytes(body[cut:]) + decoder.finish() == expected
 
 
 def test_request_bodies() -> None:
@@ -282,6 +338,12 @@ async def test_loadgen_cli_writes_json(echo_gateway, tmp_path) -> None:
     document = json.loads(output.read_text())
     (result,) = document["results"]
     assert result["completed"] == 4 and result["concurrency"] == 2 and result["mean_output_tokens"] == 3
+    assert result["client_cpu_s"] > 0 and result["client_cpu_share"] > 0
+    # the client's ceiling, measured by default: the same load against the bare endpoint, beside the run
+    ceiling = result["ceiling"]
+    assert ceiling["completed"] > 0 and ceiling["failed"] == 0 and ceiling["req_s"] > 0
+    assert ceiling["headroom"] == pytest.approx(min(ceiling["headroom_req_s"], ceiling["headroom_tok_s"]))
+    assert ceiling["enough"] == (ceiling["headroom"] >= 5)
 
 
 async def test_loadgen_sweep_writes_json_and_plot(echo_gateway, tmp_path) -> None:
@@ -293,3 +355,27 @@ async def test_loadgen_sweep_writes_json_and_plot(echo_gateway, tmp_path) -> Non
     pytest.importorskip("matplotlib")
     path = loadgen.plot_sweep({"": results}, tmp_path / "sweep.png")
     assert path is not None and path.stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# the bare endpoint (the stack's limit, and the client's ceiling)
+
+
+def test_bare_app_answers_a_fixed_completion_plain_and_streamed() -> None:
+    from starlette.testclient import TestClient
+
+    from benchmarks.bare_app import create_bare_app
+
+    with TestClient(create_bare_app("b")) as client:
+        assert client.get("/v1/models").json()["data"][0]["id"] == "b"
+        plain = client.post("/v1/completions", json={"model": "b", "prompt": "one two three", "max_tokens": 3}).json()
+        assert plain["choices"][0]["text"] == " bare bare bare" and plain["usage"]["completion_tokens"] == 3
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
+        assert chat["choices"][0]["message"]["content"] == " bare bare"
+        body = {"prompt": "x", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+        streamed = client.post("/v1/completions", json=body)
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    decoder, acc = SSEDecoder(), StreamAccumulator(0.0)
+    for data in decoder.feed_bytes(streamed.content) + decoder.finish():
+        acc.feed(data, 1.0)
+    assert acc.done and acc.chunks == 4 and acc.text == " bare" * 4 and acc.usage["completion_tokens"] == 4

@@ -44,7 +44,7 @@ def test_race_summary_medians_ratios_and_targets() -> None:
     assert row["ratios"]["vllm"]["ttft_p50_ms"] == pytest.approx(50 / 60)
     assert row["targets"]["output_tok_s vs vllm"]["met"] is True
     assert row["targets"]["ttft_p99_ms vs vllm"]["met"] is True
-    document = {"settings": {"repeats": 3}, "summary": [row], "overhead": [], "notes": ["a note"]}
+    document = {"settings": {"repeats": 3}, "summary": [row], "notes": ["a note"]}
     table = race_report.markdown(document)
     assert "| 4 | gateway | 100.0 |" in table and "1.000 ✓" in table and "- a note" in table
 
@@ -72,7 +72,8 @@ def test_race_commands_use_the_same_engine_settings() -> None:
 
 
 def test_benchmark_modules_do_not_import_vllm() -> None:
-    code = ("import sys, benchmarks.loadgen, benchmarks.echo_engine, benchmarks.race, benchmarks.engine_direct; "
+    code = ("import sys, benchmarks.loadgen, benchmarks.echo_engine, benchmarks.race, benchmarks.engine_direct, "
+            "benchmarks.bare_app, benchmarks.vllm_bench, benchmarks.growth, benchmarks.targets, benchmarks.lag_probe; "
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'imported vllm'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
@@ -149,3 +150,91 @@ def test_results_md_keeps_the_hand_written_part(tmp_path: Path) -> None:
     results.write_text(f"# old table\n| 1 | 2 |\n{race_report.KEEP_MARKER}\n## Profile\nby hand\n")
     kept = race_report.kept_part(results)
     assert kept.startswith(f"\n{race_report.KEEP_MARKER}") and "by hand" in kept and "old table" not in kept
+
+
+# ---------------------------------------------------------------------------------------------
+# A/A: every ratio beside its noise floor
+
+
+def test_race_summary_keeps_the_spread_of_the_aa_twin() -> None:
+    runs = []
+    for r, (g, aa, v) in enumerate([(100, 98, 100), (104, 100, 100), (96, 101, 120)]):
+        runs += [_run("gateway", r, 4, g, 50), _run("gateway-aa", r, 4, aa, 50), _run("vllm", r, 4, v, 60)]
+    (row,) = race_report.summarize(runs, [4])
+    low, high = row["spread"]["gateway-aa"]["output_tok_s"]
+    assert (low, high) == (pytest.approx(96 / 101), pytest.approx(104 / 100))
+    assert row["ratios"]["gateway-aa"]["output_tok_s"] == pytest.approx(100 / 98)
+    # gateway ÷ vllm: median of 1.0, 1.04, 0.8 = 1.0, inside the A/A range: not told apart from noise
+    assert race_report.within(row["ratios"]["vllm"]["output_tok_s"], (low, high)) is True
+    assert race_report.within(0.5, (low, high)) is False and race_report.within(None, (low, high)) is None
+    # the band is symmetric about 1.0: an A/A of 0.8 says 1.2 could come from noise as easily
+    assert race_report.within(1.2, (0.8, 0.8)) is True and race_report.within(0.7, (0.8, 0.8)) is False
+    table = race_report.markdown({"settings": {"repeats": 3}, "summary": [row], "notes": []})
+    assert "| 4 | gateway-aa |" in table
+    assert f"| 4 | output_tok_s | 1.000 ✓ ≈ | - | {100 / 98:.3f} [{96 / 101:.3f}, {104 / 100:.3f}] |" in table
+
+
+def _echo_run(target: str, scenario: str, repeat: int, level: int, req_s: float) -> dict:
+    metrics = {name: None for name in race_report.METRICS} | {"req_s": req_s, "output_tok_s": req_s * 64, "failed": 0}
+    return {"target": target, "scenario": scenario, "repeat": repeat, "concurrency": level, "metrics": metrics}
+
+
+def test_echo_part_ratios_to_the_bare_stack_and_its_table() -> None:
+    runs = []
+    for r in range(2):
+        runs += [_echo_run("echo", "non-stream", r, 16, 3000), _echo_run("echo-aa", "non-stream", r, 16, 3000 + 100 * r),
+                 _echo_run("bare", "non-stream", r, 16, 10000)]
+        runs += [_echo_run("echo", "stream", r, 16, 400), _echo_run("echo-aa", "stream", r, 16, 400),
+                 _echo_run("bare", "stream", r, 16, 500)]
+    document = {"echo_runs": runs, "notes": []}
+    document["echo_summary"] = race_report.echo_summary(document)
+    (plain,) = document["echo_summary"]["non-stream"]
+    assert plain["ratios"]["bare"]["req_s"] == pytest.approx(0.3)
+    (stream,) = document["echo_summary"]["stream"]
+    assert stream["ratios"]["bare"]["output_tok_s"] == pytest.approx(0.8)
+    table = race_report.markdown(document)
+    assert "| non-stream | 16 | req/s | 3000.0 | 3050.0 | 10000.0 | 0.300 ✗ |" in table
+    assert "| stream | 16 | chunks/s | 25600.0 | 25600.0 | 32000.0 | 0.800 ✓ |" in table
+
+
+def test_race_parser_offers_both_clients_and_the_aa_switch() -> None:
+    args = race.parser().parse_args(["--client", "vllm", "--no-aa", "--parts", "gateway", "echo"])
+    assert args.client == "vllm" and args.aa is False and args.parts == ["gateway", "echo"]
+    defaults = race.parser().parse_args([])
+    assert defaults.client == "ours" and defaults.aa is True and defaults.ceiling_duration > 0
+    assert "echo" in defaults.parts and defaults.echo_scenarios == ["non-stream", "stream", "cache hit"]
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's client (vllm bench serve, driven from Python)
+
+
+def test_vllm_bench_result_into_the_race_metrics() -> None:
+    from benchmarks import vllm_bench
+
+    result = {"completed": 10, "failed": 1, "total_output_tokens": 640, "output_throughput": 64.0, "request_throughput": 1.0,
+              "median_ttft_ms": 100.0, "p99_ttft_ms": 200.0, "median_tpot_ms": 20.0, "p99_itl_ms": 40.0, "median_e2el_ms": 1400.0}
+    metrics = vllm_bench.metrics_of(result)
+    assert metrics == {"output_tok_s": 64.0, "req_s": 1.0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 200.0, "tpot_p50_ms": 20.0,
+                       "itl_p99_ms": 40.0, "e2e_p50_ms": 1400.0, "mean_output_tokens": 64.0, "failed": 1}
+    assert set(metrics) <= set(race_report.metrics_of({})) | {"failed"}
+
+
+def test_vllm_bench_argv_is_what_vllms_own_parser_takes() -> None:
+    pytest.importorskip("vllm")
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from benchmarks import vllm_bench
+
+    argv = vllm_bench.bench_argv(base_url="http://127.0.0.1:8000/v1", model="m", tokenizer="/models/m", endpoint="completions",
+                                 concurrency=16, num_prompts=64, input_len=128, output_len=64, seed=7)
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    assert (args.base_url, args.endpoint, args.backend) == ("http://127.0.0.1:8000", "/v1/completions", "openai")
+    assert (args.max_concurrency, args.num_prompts, args.random_input_len, args.random_output_len) == (16, 64, 128, 64)
+    assert args.ignore_eos and args.temperature == 0 and args.seed == 7 and args.dataset_name == "random"
+    chat = parser.parse_args(vllm_bench.bench_argv(base_url="http://h:1", model="m", tokenizer="t", endpoint="chat",
+                                                   concurrency=1, num_prompts=1, input_len=1, output_len=1, seed=0))
+    assert (chat.backend, chat.endpoint) == ("openai-chat", "/v1/chat/completions")

@@ -1,0 +1,121 @@
+"""The stack's limit: a bare Starlette + uvicorn app that answers every completion at once.
+
+    python -m benchmarks.bare_app --port 8200
+
+It parses the JSON body of `POST /v1/completions` and `POST /v1/chat/completions` and answers a
+fixed completion of `max_tokens` tokens (one word each): one JSON document, or, with `"stream":
+true`, one SSE chunk per token (orjson-encoded, as the gateway encodes its chunks), the usage
+chunk when `stream_options.include_usage` asks for it, and `data: [DONE]`. `GET /v1/models` and
+`GET /health` answer too. No validation, no model, no middleware, no logs, no metrics: what is
+left is what Starlette, uvicorn (uvloop, httptools, the gateway's own server settings) and JSON
+parsing cost, so the gateway on the echo engine divided by this app is the gateway's own share.
+
+The load generator also uses it as its instant endpoint (`benchmarks.loadgen.ceiling`): the rate
+a client reaches against it bounds what that client can measure anywhere.
+
+`create_bare_app()` is the ASGI app; no vllm import, no gateway import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+NAME = "bare"
+WORD = " bare"
+_ids = itertools.count()
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    value = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+    return max(1, int(value))
+
+
+def _usage(body: dict[str, Any], tokens: int) -> dict[str, int]:
+    prompt = body.get("prompt") or body.get("messages") or ""
+    prompt_tokens = len(str(prompt).split())
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
+
+
+def _answer(body: dict[str, Any], chat: bool, tokens: int) -> dict[str, Any]:
+    text = WORD * tokens
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+    return {
+        "id": f"bare-{next(_ids)}", "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()), "model": body.get("model") or NAME, "choices": [choice],
+        "usage": _usage(body, tokens),
+    }
+
+
+async def _chunks(body: dict[str, Any], chat: bool, tokens: int) -> AsyncIterator[bytes]:
+    """One SSE event per token, encoded per chunk as a server does, then usage and [DONE]."""
+    head = {"id": f"bare-{next(_ids)}", "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": body.get("model") or NAME}
+    for step in range(tokens):
+        last = step == tokens - 1
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
+        choice.update({"delta": {"content": WORD}} if chat else {"text": WORD})
+        yield b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
+    if (body.get("stream_options") or {}).get("include_usage"):
+        yield b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(body, tokens)}) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _completion_route(chat: bool) -> Any:
+    async def endpoint(request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        tokens = _max_tokens(body)
+        if body.get("stream"):
+            return StreamingResponse(_chunks(body, chat, tokens), media_type="text/event-stream")
+        return Response(orjson.dumps(_answer(body, chat, tokens)), media_type="application/json")
+
+    return endpoint
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [{"id": request.app.state.name, "object": "model", "owned_by": "bench"}]})
+
+
+async def health(request: Request) -> Response:
+    return Response(b"{}", media_type="application/json")
+
+
+def create_bare_app(name: str = NAME) -> Starlette:
+    app = Starlette(routes=[
+        Route("/v1/completions", _completion_route(chat=False), methods=["POST"]),
+        Route("/v1/chat/completions", _completion_route(chat=True), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ])
+    app.state.name = name
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="A bare Starlette + uvicorn completion endpoint (the stack's limit)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8200)
+    p.add_argument("--name", default=NAME, help="served model name")
+    args = p.parse_args(argv)
+
+    import uvicorn
+
+    # the gateway's uvicorn settings (gateway/cli.py: defaults, so uvloop and httptools), no logs
+    uvicorn.run(create_bare_app(args.name), host=args.host, port=args.port, log_config=None, access_log=False,
+                log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

