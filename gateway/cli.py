@@ -10,14 +10,13 @@ import json
 import sys
 from typing import Any
 
-import uvicorn
 from pydantic import ValidationError
 
 from gateway.app import create_app
 from gateway.backends.modelfile import ConfigError
 from gateway.logs import configure
 from gateway.middleware.lifecycle import Lifecycle
-from gateway.server import DrainingServer
+from gateway.server import DrainingServer, server_config
 from gateway.settings import Settings
 
 
@@ -87,15 +86,7 @@ def serve(settings: Settings) -> None:
     configure(settings.log_level, settings.log_format)
     lifecycle = Lifecycle()
     app = create_app(settings, lifecycle=lifecycle)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=5,  # the drain already waited for requests in progress
-    )
-    DrainingServer(config, lifecycle, settings.drain_timeout_s).run()
+    DrainingServer(server_config(app, settings), lifecycle, settings.drain_timeout_s).run()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """Server-Sent Events: the one place that frames stream events, as OpenAI does.
 
 Each event is `data: <json>\n\n`; the stream ends with `data: [DONE]\n\n`. An error after the
-stream has started is one event `data: {"error": {...}}` followed by `[DONE]`.
+stream has started is one event `data: {"error": {...}}` followed by `[DONE]`. A remote model's
+stream is relayed event by event in its own framing (`RelayedEventStream`), and ends the same way
+when its upstream fails in the middle.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class EventStreamResponse(Response):
     cancelled at once, which closes the event iterator and so aborts the engine request.
     """
 
+    ending = DONE  # after the last event
+
     def __init__(
         self,
         events: AsyncIterator[BaseModel | bytes],
@@ -88,20 +92,37 @@ class EventStreamResponse(Response):
             if on_close is not None:
                 on_close()
 
+    def frame(self, event: BaseModel | bytes) -> bytes:
+        return encode(event)
+
     async def _stream(self, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            ending = self.ending
             try:
                 async for event in self.events:
-                    await send({"type": "http.response.body", "body": encode(event), "more_body": True})
+                    await send({"type": "http.response.body", "body": self.frame(event), "more_body": True})
             except OSError:
                 raise  # the client is gone: nobody to tell
             except Exception as exc:
                 log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
                 await send({"type": "http.response.body", "body": encode_error(exc), "more_body": True})
-            await send({"type": "http.response.body", "body": DONE, "more_body": False})
+                ending = DONE
+            await send({"type": "http.response.body", "body": ending, "more_body": False})
         finally:
             await self._close()
+
+
+class RelayedEventStream(EventStreamResponse):
+    """A remote model's SSE events (bytes, one event's lines each) passed on as they were framed,
+    its own `[DONE]` included; a failure of the upstream mid-way still ends with one error event
+    and `[DONE]`."""
+
+    ending = b""
+
+    def frame(self, event: BaseModel | bytes) -> bytes:
+        assert isinstance(event, bytes)
+        return event + b"\n\n"
 
 
 class Primed:

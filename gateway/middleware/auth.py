@@ -1,74 +1,150 @@
 """API keys (pure ASGI): a Bearer key on every route but the open ones.
 
 Keys come from settings and are kept only as SHA-256 hashes; a presented key is hashed and compared
-with every stored hash in constant time. The key's id (safe to log) goes into the request's record
-and scope state, for the rate limits, the access line and sticky A/B splits.
+with every stored hash in constant time. Exactly one `Authorization` header is taken; two are a
+401. Failed attempts are throttled per client address (`auth_failures_per_minute`): past the
+limit every attempt from that address is refused with 429 until its bucket refills, so keys
+cannot be guessed at speed.
+
+Each key has two names, neither of them the key: its *id*, a keyed hash (HMAC-SHA-256 with
+`key_id_secret`, a random one per process when unset) that goes into logs and rate limits, and
+its *tenant*, stable across processes, that scopes the response cache and sticky A/B splits and
+is never logged. Both go into the request's scope state (`api_key_id`, `tenant`), the id also
+into its record.
+
+Without keys nothing proves that a request comes from a client and not from a web page the
+client has open: a POST must then declare a JSON body (`Content-Type: application/json`), which
+a page cannot send to another site without that site's CORS consent; anything else is a 415.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway import metrics
 from gateway.context import current_record
-from gateway.errors import APIError, AuthenticationFailed, send_error
+from gateway.errors import APIError, AuthenticationFailed, RateLimited, UnsupportedMediaType, send_error
+from gateway.limits import TokenBucket
 
 ANONYMOUS = "anonymous"
 
 
+@dataclass(frozen=True, slots=True)
+class Identity:
+    key_id: str  # safe to log: a keyed hash of the key
+    tenant: str  # stable across processes, not logged: scopes the cache and sticky splits
+
+
 class KeyRing:
-    def __init__(self, keys: Iterable[SecretStr]) -> None:
+    def __init__(self, keys: Iterable[SecretStr], id_secret: SecretStr | None = None) -> None:
         self._hashes = [hashlib.sha256(k.get_secret_value().encode()).digest() for k in keys]
+        self._id_secret = id_secret.get_secret_value().encode() if id_secret else os.urandom(32)
 
     @property
     def enabled(self) -> bool:
         return bool(self._hashes)
 
-    def identify(self, presented: str) -> str | None:
-        """The key's id (a prefix of its hash, safe to log), or None for an unknown key."""
+    def identify(self, presented: str) -> Identity | None:
+        """The key's names, or None for an unknown key."""
         digest = hashlib.sha256(presented.encode()).digest()
         found = None
         for stored in self._hashes:  # no early exit: the time taken does not depend on which key
             if hmac.compare_digest(stored, digest):
                 found = stored
-        return found.hex()[:12] if found else None
+        if found is None:
+            return None
+        key_id = hmac.new(self._id_secret, found, hashlib.sha256).hexdigest()[:12]
+        return Identity(key_id, hashlib.sha256(b"tenant\0" + found).hexdigest())
+
+
+class AttemptThrottle:
+    """Failed key attempts per client address: a token bucket each (`per_minute`), at most
+    `max_addresses` remembered (the least recently failing forgotten first)."""
+
+    def __init__(self, per_minute: int, max_addresses: int = 10_000) -> None:
+        self.per_minute = per_minute
+        self.max_addresses = max_addresses
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+
+    def wait_s(self, address: str) -> float:
+        """Seconds until `address` may try again (0: now)."""
+        bucket = self._buckets.get(address)
+        return 0.0 if bucket is None else bucket.wait_for(1)
+
+    def failed(self, address: str) -> None:
+        bucket = self._buckets.pop(address, None) or TokenBucket(float(self.per_minute))
+        bucket.take(1)
+        self._buckets[address] = bucket
+        while len(self._buckets) > self.max_addresses:
+            self._buckets.popitem(last=False)
+
+
+def _header(scope: Scope, name: bytes) -> list[bytes]:
+    return [value for key, value in scope.get("headers", ()) if key == name]
+
+
+def _declares_json(scope: Scope) -> bool:
+    values = _header(scope, b"content-type")
+    return len(values) == 1 and values[0].split(b";")[0].strip().lower() == b"application/json"
 
 
 class AuthMiddleware:
     """`open_paths`: the routes that take no key (from the route table)."""
 
-    def __init__(self, app: ASGIApp, keys: KeyRing, open_paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing, open_paths: frozenset[str], throttle: AttemptThrottle) -> None:
         self.app = app
         self.keys = keys
         self.open = open_paths
+        self.throttle = throttle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open:
             await self.app(scope, receive, send)
             return
         try:
-            key_id = self._identify(scope)
+            identity = self._identify(scope)
         except APIError as error:
             await send_error(send, error)
             return
-        current_record().api_key_id = key_id
-        scope.setdefault("state", {})["api_key_id"] = key_id
+        current_record().api_key_id = identity.key_id
+        state = scope.setdefault("state", {})
+        state["api_key_id"], state["tenant"] = identity.key_id, identity.tenant
         await self.app(scope, receive, send)
 
-    def _identify(self, scope: Scope) -> str:
+    def _identify(self, scope: Scope) -> Identity:
         if not self.keys.enabled:
-            return ANONYMOUS
-        header = dict(scope.get("headers", ())).get(b"authorization", b"").decode("latin-1")
-        scheme, _, presented = header.partition(" ")
-        if scheme.lower() != "bearer" or not presented.strip():
-            raise AuthenticationFailed(
-                "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
+            if scope["method"] == "POST" and not _declares_json(scope):
+                raise UnsupportedMediaType("Send the request body as JSON, with 'Content-Type: application/json'.")
+            return Identity(ANONYMOUS, ANONYMOUS)
+        address = (scope.get("client") or ("unknown",))[0]
+        wait = self.throttle.wait_s(address)
+        if wait > 0:
+            metrics.RATE_LIMITED.labels("auth_failures").inc()
+            raise RateLimited(
+                "Too many failed API key attempts from this address; please try again later.",
+                headers={"Retry-After": str(max(1, round(wait)))},
             )
-        key_id = self.keys.identify(presented.strip())
-        if key_id is None:
+        headers = _header(scope, b"authorization")
+        if not headers:
+            raise AuthenticationFailed("You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.")
+        identity = self._check(headers)
+        if identity is None:
+            self.throttle.failed(address)
             raise AuthenticationFailed("Incorrect API key provided.")
-        return key_id
+        return identity
+
+    def _check(self, headers: list[bytes]) -> Identity | None:
+        if len(headers) != 1:  # two keys: which one counts is for no layer to guess
+            return None
+        scheme, _, presented = headers[0].decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            return None
+        return self.keys.identify(presented.strip())

@@ -25,7 +25,15 @@ from gateway.protocol.openai import (
 )
 from gateway.serving import tools
 from gateway.serving.encoding import ChunkEncoder
-from gateway.serving.generation import ChoiceState, Run, new_id, now, resolve_max_tokens, sampling_options
+from gateway.serving.generation import (
+    ChoiceState,
+    Run,
+    check_sampling,
+    new_id,
+    now,
+    resolve_max_tokens,
+    sampling_options,
+)
 from gateway.serving.service import OnDone
 
 
@@ -41,8 +49,11 @@ class PreparedChat:
 
     def token_budget(self) -> int:
         """Prompt plus the most the answer may take, for tokens-per-minute limits."""
+        return len(self.generation.prompt_token_ids) + self.output_tokens()
+
+    def output_tokens(self) -> int:
         sampling = self.generation.sampling
-        return len(self.generation.prompt_token_ids) + sampling.max_tokens * sampling.n
+        return sampling.max_tokens * sampling.n
 
 
 def template_messages(messages: list[ChatMessage], takes_tools: bool) -> list[dict[str, Any]]:
@@ -120,6 +131,7 @@ def prepare(request: ChatCompletionRequest, engine: Engine, default_max_tokens: 
         default_max_tokens,
         param,
     )
+    check_sampling(request, engine, max_tokens)
     top = (request.top_logprobs or 0) if request.logprobs else None
     sampling = sampling_options(request, max_tokens, logprobs=top, **_constraint(request, plan))
     chat_id = new_id("chatcmpl")

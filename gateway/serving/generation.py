@@ -91,6 +91,16 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int | None, param: str
             raise InvalidRequest(f"token id {token_id} is outside the vocabulary (0..{vocab_size - 1})", param)
 
 
+def check_sampling(request: SamplingFields, engine: Engine, max_tokens: int) -> None:
+    """What the protocol models cannot check alone: token ids against this model's vocabulary,
+    min_tokens against the output budget."""
+    vocab_size = engine.info.extra.get("vocab_size")
+    check_token_ids((int(key) for key in request.logit_bias or ()), vocab_size, "logit_bias")
+    check_token_ids(request.stop_token_ids or (), vocab_size, "stop_token_ids")
+    if request.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({request.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
+
+
 @dataclass(slots=True)
 class ChoiceState:
     """One choice's progress across engine outputs: its text so far, tokens and finish."""

@@ -77,7 +77,7 @@ def test_unknown_model_is_404(client: TestClient) -> None:
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe"])
 def test_body_that_is_not_a_json_object_is_400(client: TestClient, raw: bytes) -> None:
-    assert_error(client.post("/v1/chat/completions", content=raw), 400)
+    assert_error(client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}), 400)
 
 
 def test_body_over_the_limit_is_413(client: TestClient) -> None:
