@@ -40,8 +40,10 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, name: str = "fake-model", max_model_len: int = 64, delay: float = 0.0) -> None:
-        self._info = ModelInfo(name=name, max_model_len=max_model_len, root="fake", created=1)
+    def __init__(self, name: str = "fake-model", max_model_len: int = 64, delay: float = 0.0,
+                 vocab_size: int | None = None) -> None:
+        extra = {"vocab_size": vocab_size} if vocab_size else {}
+        self._info = ModelInfo(name=name, max_model_len=max_model_len, root="fake", created=1, extra=extra)
         self._tokenizer = FakeTokenizer()
         self.delay = delay
         self.requests: list[GenerationRequest] = []
