@@ -32,10 +32,11 @@ class CacheSettings(BaseModel):
 
 
 class AdmissionSettings(BaseModel):
-    """Per model (the models file may override): bounds on requests in the engine and waiting."""
+    """Per model (the models file may override): bounds on engine requests (each choice of each
+    prompt of a request) running and waiting."""
 
-    max_running: int = Field(256, gt=0, description="Requests generating at once on a model")
-    max_waiting: int = Field(1024, ge=0, description="Requests queued for a model beyond max_running")
+    max_running: int = Field(256, gt=0, description="Engine requests generating at once on a model")
+    max_waiting: int = Field(1024, ge=0, description="Engine requests queued for a model beyond max_running")
     wait_timeout_s: float = Field(30, gt=0, description="A queued request waits at most this long")
     reject_status: Literal[429, 503] = Field(429, description="Status of a refused request")
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with a refusal")
