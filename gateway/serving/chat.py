@@ -29,6 +29,7 @@ from gateway.serving.generation import (
     ChoiceState,
     Run,
     check_sampling,
+    check_schema_numbers,
     new_id,
     now,
     resolve_max_tokens,
@@ -106,6 +107,7 @@ def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> dict[st
     if schema is not None:
         if fmt is not None and fmt.type != "text":
             raise InvalidRequest("response_format cannot be combined with a forced tool_choice", "response_format")
+        check_schema_numbers(schema, "tools")
         # tool calls carry no layout: without free whitespace, small models do not wander off
         return {"json_schema": schema, "compact_json": True}
     if fmt is None or fmt.type == "text":
@@ -113,6 +115,7 @@ def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> dict[st
     if fmt.type == "json_object":
         return {"json_object": True}
     assert fmt.json_schema is not None
+    check_schema_numbers(fmt.json_schema.schema_, "response_format.json_schema.schema")
     return {"json_schema": fmt.json_schema.schema_ or {"type": "object"}}
 
 

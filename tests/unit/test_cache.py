@@ -85,15 +85,23 @@ def test_with_keys_each_key_has_its_own_cache_unless_shared() -> None:
 
 
 def test_integers_past_64_bits_in_free_form_fields_are_cached_too() -> None:
-    """orjson refuses them; the key falls back to json, and a different number is another key."""
+    """orjson refuses them; the key falls back to json, and a different number is another key.
+    (Tools offered with tool_choice auto go to the prompt, so any JSON number is fine there.)"""
     schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 2**80}}}
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
-    engine = FakeEngine()
+    engine = FakeEngine(max_model_len=1000)
     with TestClient(app_with(engine, cache={"backend": "memory"})) as client:
-        body = chat_body(temperature=0, seed=2**63 - 1, tools=tools,
-                         response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+        body = chat_body(temperature=0, seed=2**63 - 1, tools=tools)
         first = client.post("/v1/chat/completions", json=body)
         again = client.post("/v1/chat/completions", json=body)
         assert (first.status_code, first.headers["x-cache"], again.headers["x-cache"]) == (200, "MISS", "HIT")
         schema["properties"]["n"]["maximum"] = 2**80 + 1
-        assert client.post("/v1/chat/completions", json=body).headers["x-cache"] == "MISS"
+        assert client.post("/v1/chat/completions", json=chat_body(temperature=0, seed=2**63 - 1, tools=tools)).headers["x-cache"] == "MISS"
+        # but a schema the engine must follow cannot hold them (its wire format stops at 64 bits)
+        forced = client.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice="required"))
+        assert forced.status_code == 400 and forced.json()["error"]["param"] == "tools"
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        constrained = client.post("/v1/chat/completions", json=chat_body(response_format=fmt))
+        assert constrained.status_code == 400
+        assert constrained.json()["error"]["param"] == "response_format.json_schema.schema"
+        assert len(engine.requests) == 2
