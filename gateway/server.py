@@ -92,6 +92,7 @@ def server_config(app: Any, settings: Settings) -> uvicorn.Config:
         http=http_protocol(settings.header_timeout_s),
         timeout_keep_alive=settings.keep_alive_timeout_s,
         limit_concurrency=settings.max_connections,
+        forwarded_allow_ips=settings.forwarded_allow_ips,  # the client address the auth throttle counts
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=5,  # the drain already waited for requests in progress

@@ -81,6 +81,10 @@ class Settings(BaseSettings):
     auth_failures_per_minute: int = Field(
         10, gt=0, description="Failed API-key attempts per client address per minute; more are refused 429"
     )
+    forwarded_allow_ips: str = Field(
+        "127.0.0.1",
+        description="Proxies (comma-separated addresses, or *) whose X-Forwarded-For names the client address",
+    )
     key_id_secret: SecretStr | None = Field(
         None, description="Secret of the keyed hash that names API keys in logs; unset: a random one per process"
     )

@@ -140,3 +140,17 @@ def test_connections_past_the_cap_get_503() -> None:
         assert connection.getresponse().status == 503
         for sock in held:
             sock.close()
+
+
+def test_the_auth_throttle_counts_the_client_behind_a_trusted_proxy() -> None:
+    """From a trusted proxy (here loopback), X-Forwarded-For names the client: one client's
+    failed attempts do not lock out every other client behind the same balancer."""
+    settings = {"api_keys": ["sk-right"], "auth_failures_per_minute": 1, "forwarded_allow_ips": "127.0.0.1"}
+    with Running(FakeEngine(), **settings) as server:
+        def attempt(client: str) -> int:
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            headers = {"Authorization": "Bearer sk-guess", "X-Forwarded-For": client}
+            connection.request("GET", "/v1/models", headers=headers)
+            return connection.getresponse().status
+
+        assert [attempt("10.0.0.1"), attempt("10.0.0.1"), attempt("10.0.0.2")] == [401, 429, 401]
