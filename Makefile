@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test unit integration lint clean conformance-vllm system-deps gpu-check targets race growth
+.PHONY: install model serve test unit integration lint clean conformance-vllm system-deps gpu-check targets race growth chaos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ lint: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Failure drills on the real engine (flood, disconnects, Redis and upstream killed, SIGTERM, engine
+# core killed); rewrites RELIABILITY.md with the figures. Several minutes.
+chaos: model system-deps
+	$(PY) -m benchmarks.chaos --write-md
 
 # The conformance suite against vLLM's own OpenAI server (same model and engine settings)
 conformance-vllm: model

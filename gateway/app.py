@@ -2,8 +2,10 @@
 and the lifespan that starts the models (embedded engines, remote upstreams), the response
 cache and the Responses API's store, and stops them after the drain.
 
-Middleware, outermost first (`gateway/middleware/`): access log → lifecycle → auth → rate limits,
-each given its paths by the route table (`gateway/api/routes.py`).
+Middleware, outermost first (`gateway/middleware/`): access log → lifecycle → auth → rate limits
+→ request bodies, each given its paths by the route table (`gateway/api/routes.py`). Errors the
+handlers raise are answered by `error_response`; anything that escapes it, by the access log.
+Paths are matched exactly: no slash redirects (a redirect would echo the client's Host header).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from gateway.cache import ResponseCache, make_backend
 from gateway.errors import APIError, dialect_of, from_exception, render
 from gateway.limits import RateLimiter
 from gateway.middleware.access_log import AccessLogMiddleware
-from gateway.middleware.auth import AuthMiddleware, KeyRing
+from gateway.middleware.auth import AttemptThrottle, AuthMiddleware, KeyRing
+from gateway.middleware.body import BodyBudget, BodyMiddleware
 from gateway.middleware.lifecycle import Lifecycle, LifecycleMiddleware
 from gateway.middleware.rate_limit import RateLimitMiddleware
 from gateway.responses_store import ResponseStore, make_store_backend
@@ -52,7 +55,8 @@ async def error_response(request: Request, exc: Exception) -> Response:
     if error.status == 499:
         log.info("client_disconnected")
     elif error.status >= 500:
-        log.error("request_failed", status=error.status, error=error.message, cause=repr(exc))
+        # a traceback (without locals: gateway.logs) for the server's own failures, not for refusals
+        log.error("request_failed", status=error.status, error=error.message, exc_info=exc if error.status == 500 else None)
     status, headers, body = render(error, dialect_of(request.scope))
     response = Response(body, status_code=status)
     response.raw_headers = [*response.raw_headers, *headers]
@@ -61,12 +65,15 @@ async def error_response(request: Request, exc: Exception) -> Response:
 
 def _middleware(settings: Settings, lifecycle: Lifecycle, limiter: RateLimiter) -> list[Middleware]:
     keyless = TABLE.paths("open") if settings.auth_ops_routes else TABLE.paths("open", "ops")
+    keys = KeyRing(settings.api_keys, settings.key_id_secret)
+    throttle = AttemptThrottle(settings.auth_failures_per_minute)
     return [
         Middleware(AccessLogMiddleware, route_label=TABLE.label, log_content=settings.log_prompts,
                    dialect=TABLE.dialect),
         Middleware(LifecycleMiddleware, lifecycle=lifecycle, ops_paths=TABLE.paths("ops")),
-        Middleware(AuthMiddleware, keys=KeyRing(settings.api_keys), open_paths=keyless),
+        Middleware(AuthMiddleware, keys=keys, open_paths=keyless, throttle=throttle),
         Middleware(RateLimitMiddleware, limiter=limiter, open_paths=keyless),
+        Middleware(BodyMiddleware, budget=BodyBudget(settings.max_body_bytes_in_flight), timeout_s=settings.body_timeout_s),
     ]
 
 
@@ -107,11 +114,14 @@ def create_app(
                 await cache.backend.aclose()
             await guards.aclose()
 
-    return Starlette(
+    app = Starlette(
         routes=TABLE.routes(),
         middleware=_middleware(settings, lifecycle, limiter),
-        # the known kinds are answered inside the app; only unknown errors reach Starlette's
-        # outermost ServerErrorMiddleware (the `Exception` key)
-        exception_handlers={cls: error_response for cls in (APIError, ValidationError, EngineError, HTTPException, Exception)},
+        # the known kinds are answered inside the app; unknown errors go up to the access log,
+        # which answers them within the request's log context (Starlette's own outermost handler
+        # would answer without X-Request-ID and raise on, resetting the connection)
+        exception_handlers={cls: error_response for cls in (APIError, ValidationError, EngineError, HTTPException)},
         lifespan=lifespan,
     )
+    app.router.redirect_slashes = False
+    return app

@@ -1,7 +1,8 @@
 """Response cache for deterministic requests (temperature 0, or a fixed seed).
 
-The key is a hash of the canonical request: route, the model that answers, and every field that
-changes the output (`stream`, `stream_options` and `user` do not). Two backends: in memory (LRU
+The key is a hash of the canonical request: route, the model that answers, the tenant (with API
+keys, each key has its own answers unless `shared_across_keys`) and every field that changes the
+output (`stream`, `stream_options` and `user` do not). Two backends: in memory (LRU
 bounded by entries and bytes, with a TTL) and Redis (shared by replicas, TTL by Redis). When Redis
 fails the gateway serves uncached, and says so in its log and in gateway_cache_errors_total.
 """
@@ -9,6 +10,7 @@ fails the gateway serves uncached, and says so in its log and in gateway_cache_e
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -39,9 +41,13 @@ def is_deterministic(body: BaseModel) -> bool:
     return getattr(body, "temperature", None) == 0 or getattr(body, "seed", None) is not None
 
 
-def cache_key(route: str, model: str, body: BaseModel) -> str:
+def cache_key(route: str, model: str, body: BaseModel, tenant: str = "") -> str:
     fields = body.model_dump(mode="json", by_alias=True, exclude=NOT_IN_KEY | {"model"})
-    canonical = orjson.dumps({"route": route, "model": model, "body": fields}, option=orjson.OPT_SORT_KEYS)
+    whole = {"route": route, "model": model, "tenant": tenant, "body": fields}
+    try:
+        canonical = orjson.dumps(whole, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # orjson refuses integers past 64 bits (free-form tools, schemas), lone surrogates
+        canonical = json.dumps(whole, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(canonical).hexdigest()
 
 
@@ -126,10 +132,10 @@ class ResponseCache:
     def __init__(self, backend: CacheBackend | None) -> None:
         self.backend = backend
 
-    def key_for(self, route: str, model: str, body: BaseModel, no_cache: bool) -> str | None:
+    def key_for(self, route: str, model: str, body: BaseModel, no_cache: bool, tenant: str = "") -> str | None:
         if self.backend is None or no_cache or not is_deterministic(body):
             return None
-        return cache_key(route, model, body)
+        return cache_key(route, model, body, tenant)
 
     async def get(self, key: str, model: str, kind: type[AnswerT]) -> AnswerT | None:
         assert self.backend is not None

@@ -10,7 +10,6 @@ import json
 import sys
 from typing import Any
 
-import uvicorn
 from pydantic import ValidationError
 
 from engine import check_engine_settings
@@ -18,7 +17,7 @@ from gateway.app import create_app
 from gateway.backends.modelfile import ConfigError
 from gateway.logs import configure
 from gateway.middleware.lifecycle import Lifecycle
-from gateway.server import DrainingServer
+from gateway.server import DrainingServer, server_config
 from gateway.settings import Settings
 from gateway.tls import ServerTLS
 
@@ -104,15 +103,7 @@ def serve(settings: Settings) -> int:
     tls = ServerTLS(settings.tls) if settings.tls.enabled else None  # bad files stop us before the engine loads
     lifecycle = Lifecycle()
     app = create_app(settings, lifecycle=lifecycle, engine_check=check_engine_settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=5,  # the drain already waited for requests in progress
-        **(tls.uvicorn_options() if tls else {}),
-    )
+    config = server_config(app, settings, tls.uvicorn_options() if tls else None)
     server = DrainingServer(config, lifecycle, settings.drain_timeout_s, reloadables=[tls] if tls else [])
     server.run()
     return 0 if server.started else STARTUP_FAILED

@@ -4,15 +4,19 @@
     ├── InvalidRequest          400 invalid_request_error
     │   ├── ContextLengthExceeded  400 invalid_request_error / context_length_exceeded
     │   └── ContentPolicyViolation 400 invalid_request_error / content_policy_violation
+    │   └── OverTokenLimit      400 invalid_request_error / tokens_over_limit  (can never fit a limit)
     ├── AuthenticationFailed    401 invalid_request_error / invalid_api_key
     ├── NotFound                404 invalid_request_error / not_found
     │   └── ModelNotFound       404 invalid_request_error / model_not_found
     ├── MethodNotAllowed        405 invalid_request_error / method_not_allowed
+    ├── RequestTimeout          408 invalid_request_error / request_timeout
     ├── PayloadTooLarge         413 invalid_request_error / request_too_large
+    ├── UnsupportedMediaType    415 invalid_request_error / unsupported_media_type
     ├── RateLimited             429 rate_limit_error / rate_limit_exceeded
     │   └── ModelOverloaded     429 rate_limit_error / model_overloaded      (fallible)
     ├── ClientDisconnected      499 (no body: the client is gone)
     ├── InternalError           500 server_error / internal_error
+    ├── BadGateway              502 server_error / bad_gateway           (fallible)
     └── ServiceUnavailable      503 server_error / service_unavailable
         ├── BackendUnavailable  503 server_error / service_unavailable   (fallible)
         └── ModelUnavailable    503 server_error / model_overloaded      (fallible)
@@ -37,6 +41,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Scope, Send
 
 from engine.errors import EngineError, EngineInvalidRequest, EngineUnavailable, PromptTooLong
@@ -95,6 +100,13 @@ class ContentPolicyViolation(InvalidRequest):
     code = "content_policy_violation"
 
 
+class OverTokenLimit(InvalidRequest):
+    """The request asks for more tokens than a per-minute limit ever allows: waiting cannot help,
+    so it is no 429 (which clients retry) and has no Retry-After."""
+
+    code = "tokens_over_limit"
+
+
 class AuthenticationFailed(APIError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"  # OpenAI's own 401 type
 
@@ -111,8 +123,20 @@ class MethodNotAllowed(APIError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
 
+class RequestTimeout(APIError):
+    """The client sent its body too slowly (`body_timeout_s`)."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class PayloadTooLarge(APIError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class UnsupportedMediaType(APIError):
+    """A POST whose body is not declared JSON (without API keys: what a web page could send cross-site)."""
+
+    status, type, code = 415, "invalid_request_error", "unsupported_media_type"
 
 
 class RateLimited(APIError):
@@ -139,6 +163,14 @@ class InternalError(APIError):
     status, type, code = 500, "server_error", "internal_error"
 
 
+class BadGateway(APIError):
+    """A remote model's upstream answered with an error of its own (refused our key, failed):
+    the upstream's text goes to the log, never to the client."""
+
+    status, type, code = 502, "server_error", "bad_gateway"
+    fallible = True
+
+
 class ServiceUnavailable(APIError):
     status, type, code = 503, "server_error", "service_unavailable"
 
@@ -158,9 +190,9 @@ class ModelUnavailable(ServiceUnavailable):
 
 # Every error the API answers with, as documented in the README's error table.
 ERROR_CLASSES: tuple[type[APIError], ...] = (
-    InvalidRequest, ContextLengthExceeded, ContentPolicyViolation, AuthenticationFailed, NotFound, ModelNotFound,
-    MethodNotAllowed, PayloadTooLarge, RateLimited, ModelOverloaded, InternalError, ServiceUnavailable,
-    BackendUnavailable, ModelUnavailable,
+    InvalidRequest, ContextLengthExceeded, ContentPolicyViolation, OverTokenLimit, AuthenticationFailed, NotFound,
+    ModelNotFound, MethodNotAllowed, RequestTimeout, PayloadTooLarge, UnsupportedMediaType, RateLimited,
+    ModelOverloaded, InternalError, BadGateway, ServiceUnavailable, BackendUnavailable, ModelUnavailable,
 )
 
 
@@ -192,7 +224,10 @@ async def send_error(
 
 
 def _validation_error(exc: ValidationError) -> InvalidRequest:
-    first = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # a union (e.g. `prompt`) reports one error per member: the deepest is the one that explains
+    # ("[[2**70]]": the token id out of range, not "should be a valid string")
+    first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
     location = [str(part) for part in first["loc"] if not str(part).startswith(("function-", "json-"))]
     # pydantic names union members in loc (e.g. "str", "list[...]"); keep the field path only
     path = [part for part in location if not any(c in part for c in "[]") and part not in ("str", "int", "float", "bool")]
@@ -223,6 +258,8 @@ def from_exception(exc: BaseException) -> APIError:
         return InternalError(exc.message)
     if isinstance(exc, HTTPException):
         return _http_exception(exc)
+    if isinstance(exc, ClientDisconnect):  # gone while its body was read
+        return ClientDisconnected()
     return InternalError("The server had an error while processing your request.")
 
 

@@ -4,6 +4,8 @@ Each API key (or, without keys, everyone together) has two buckets: requests per
 `middleware.rate_limit` before the route runs) and tokens per minute (prompt plus the requested
 output budget, counted up front as OpenAI does, taken by the dispatcher once the prompt is known).
 Every check adds OpenAI's x-ratelimit-* headers to the response; a refusal also `Retry-After`.
+A request that asks for more than a whole minute's budget can never fit: it is refused once, with
+a 400 and no `Retry-After` (a 429 would have clients retry it for ever).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 
 from gateway import metrics
 from gateway.context import current_record
-from gateway.errors import RateLimited
+from gateway.errors import OverTokenLimit, RateLimited
 
 
 def _duration(seconds: float) -> str:
@@ -50,6 +52,8 @@ class TokenBucket:
         return (self.capacity - self.tokens) * 60.0 / self.capacity
 
     def wait_for(self, amount: float) -> float:
+        """Seconds until `amount` can be taken."""
+        self._refill(time.monotonic())
         return max(0.0, (amount - self.tokens) * 60.0 / self.capacity)
 
 
@@ -68,6 +72,13 @@ class RateLimiter:
             self._take(self._tokens, key, self.tpm, amount, "tokens")
 
     def _take(self, buckets: dict[str, TokenBucket], key: str, limit: int, amount: float, kind: str) -> None:
+        if amount > limit:
+            metrics.RATE_LIMITED.labels(kind).inc()
+            raise OverTokenLimit(
+                f"This request asks for {int(amount)} {kind} (the prompt and max_tokens for every choice), "
+                f"more than the limit of {limit} {kind} per minute allows: reduce the prompt, max_tokens or n.",
+                param="max_tokens",
+            )
         bucket = buckets.get(key)
         if bucket is None:
             bucket = buckets[key] = TokenBucket(float(limit))
@@ -78,7 +89,7 @@ class RateLimiter:
         headers[f"x-ratelimit-reset-{kind}"] = _duration(bucket.reset_after())
         if not allowed:
             metrics.RATE_LIMITED.labels(kind).inc()
-            wait = bucket.wait_for(amount) if amount <= limit else 60.0
+            wait = bucket.wait_for(amount)
             headers["retry-after"] = str(max(1, round(wait)))
             raise RateLimited(
                 f"Rate limit reached for {kind} per minute: limit {limit}, asked {int(amount)}. "

@@ -1,5 +1,10 @@
 """Log set-up (structlog): JSON lines in production, readable lines in development, one handler
-for our lines, uvicorn's and the libraries' alike. The access line is `middleware.access_log`'s."""
+for our lines, uvicorn's and the libraries' alike. The access line is `middleware.access_log`'s.
+
+Tracebacks never show local variables, in either format: a frame's locals hold the request's
+headers (its API key) and its prompt, which `log_prompts` keeps out of the log. JSON lines carry
+the traceback as structured data (`exception`: frames and exception types), console lines as text.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,24 @@ import sys
 from typing import Any
 
 import structlog
+from structlog.tracebacks import ExceptionDictTransformer
+
+# No locals, and a bounded frame count: an error costs a few kilobytes of log, not hundreds.
+MAX_FRAMES = 50
+
+
+def renderer(fmt: str, colors: bool) -> list[Any]:
+    """The last processors of a line: exception rendering, then the format."""
+    if fmt == "json":
+        tracebacks = structlog.processors.ExceptionRenderer(
+            ExceptionDictTransformer(show_locals=False, max_frames=MAX_FRAMES)
+        )
+        return [tracebacks, structlog.processors.JSONRenderer()]
+    # plain text: a rich traceback (even without locals) took 2-6 ms of the event loop here, plain 0.1 ms
+    return [structlog.dev.ConsoleRenderer(colors=colors, exception_formatter=structlog.dev.plain_traceback)]
 
 
 def configure(level: str = "info", fmt: str = "console") -> None:
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    )
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -29,7 +44,10 @@ def configure(level: str = "info", fmt: str = "console") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                *renderer(fmt, colors=sys.stderr.isatty()),
+            ],
             foreign_pre_chain=shared,
         )
     )

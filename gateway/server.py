@@ -1,4 +1,4 @@
-"""The HTTP server: uvicorn, with SIGTERM meaning a graceful drain.
+"""The HTTP server: uvicorn, with SIGTERM meaning a graceful drain, and slow clients bounded.
 
 On SIGTERM the server does not stop listening at once: readiness turns 503 (so the load balancer
 takes the pod out), new requests get 503 (`middleware.lifecycle`), requests and streams in progress
@@ -8,24 +8,103 @@ engines. A second signal exits at once.
 What can be read again without a restart (the TLS certificate, `gateway.tls`) is given as
 `reloadables`: SIGHUP reloads them (SIGHUP keeps its default, exit, when there are none), and the
 main loop lets each poll its files every tick.
+
+Slow and idle clients: a connection must deliver a request's headers within `header_timeout_s` of
+its first byte (or of the connection's start), and at most `MAX_HEADER_BYTES` of them, or it is
+closed (`HeaderTimeout`, mixed into uvicorn's HTTP protocol: uvicorn itself waits for headers for
+ever); idle keep-alive connections close after `keep_alive_timeout_s`; past `max_connections`
+connections and requests in progress, uvicorn answers new requests 503. Bodies have their own
+timeout (`middleware.body`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
 import time
 from collections.abc import Generator, Sequence
 from types import FrameType
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from gateway.middleware.lifecycle import Lifecycle
+from gateway.settings import Settings
 
 log = structlog.get_logger(__name__)
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class HeaderTimeout(asyncio.Protocol):
+    """Mixed in before uvicorn's HTTP protocol (`http_protocol`): closes a connection whose request
+    headers take longer than `header_timeout_s`, or more than `MAX_HEADER_BYTES`. A request's
+    headers are done when uvicorn starts its request cycle (`self.cycle` changes)."""
+
+    header_timeout_s = 10.0
+    _timer: asyncio.TimerHandle | None = None
+    _header_bytes = 0
+    _connection: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._connection = transport
+        super().connection_made(transport)
+        self._arm()  # a connection that never sends a request is closed too
+
+    def data_received(self, data: bytes) -> None:
+        before = getattr(self, "cycle", None)
+        if before is None or before.response_complete:  # between requests: these bytes are headers
+            self._arm()
+        super().data_received(data)
+        if getattr(self, "cycle", None) is not before:  # the headers are complete: a request started
+            self._disarm()
+        elif self._timer is not None:
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES:
+                self._expire()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._timer is None:
+            self._header_bytes = 0
+            self._timer = asyncio.get_running_loop().call_later(self.header_timeout_s, self._expire)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._disarm()
+        if self._connection is not None and not self._connection.is_closing():
+            self._connection.close()
+
+
+def http_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (httptools when installed, else h11) with `HeaderTimeout`."""
+    return type("GatewayHTTPProtocol", (HeaderTimeout, AutoHTTPProtocol), {"header_timeout_s": header_timeout_s})
+
+
+def server_config(app: Any, settings: Settings, tls_options: dict[str, Any] | None = None) -> uvicorn.Config:
+    """uvicorn's configuration from the settings; `tls_options` from `gateway.tls` (HTTPS)."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        http=http_protocol(settings.header_timeout_s),
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+        limit_concurrency=settings.max_connections,
+        forwarded_allow_ips=settings.forwarded_allow_ips,  # the client address the auth throttle counts
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,  # the drain already waited for requests in progress
+    )
 
 
 class Reloadable(Protocol):

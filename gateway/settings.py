@@ -29,13 +29,17 @@ class CacheSettings(BaseModel):
     redis_url: str | None = Field(None, description="Redis backend: redis://host:port/db")
     redis_prefix: str = "llm-gateway:cache:"
     redis_timeout_s: float = Field(0.5, gt=0, description="Redis backend: give up on a slow Redis after this")
+    shared_across_keys: bool = Field(
+        False, description="With API keys: one cache for all keys (off: each key sees only its own answers)"
+    )
 
 
 class AdmissionSettings(BaseModel):
-    """Per model (the models file may override): bounds on requests in the engine and waiting."""
+    """Per model (the models file may override): bounds on engine requests (each choice of each
+    prompt of a request) running and waiting."""
 
-    max_running: int = Field(256, gt=0, description="Requests generating at once on a model")
-    max_waiting: int = Field(1024, ge=0, description="Requests queued for a model beyond max_running")
+    max_running: int = Field(256, gt=0, description="Engine requests generating at once on a model")
+    max_waiting: int = Field(1024, ge=0, description="Engine requests queued for a model beyond max_running")
     wait_timeout_s: float = Field(30, gt=0, description="A queued request waits at most this long")
     reject_status: Literal[429, 503] = Field(429, description="Status of a refused request")
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with a refusal")
@@ -108,6 +112,30 @@ class Settings(BaseSettings):
     auth_ops_routes: bool = Field(False, description="Require a key on /health, /ready and /metrics too")
     rate_limit_rpm: int | None = Field(None, gt=0, description="Requests per minute per API key")
     rate_limit_tpm: int | None = Field(None, gt=0, description="Tokens (prompt + max output) per minute per API key")
+    auth_failures_per_minute: int = Field(
+        10, gt=0, description="Failed API-key attempts per client address per minute; more are refused 429"
+    )
+    forwarded_allow_ips: str = Field(
+        "127.0.0.1",
+        description="Proxies (comma-separated addresses, or *) whose X-Forwarded-For names the client address",
+    )
+    key_id_secret: SecretStr | None = Field(
+        None, description="Secret of the keyed hash that names API keys in logs; unset: a random one per process"
+    )
+    max_prompts_per_request: int = Field(256, gt=0, description="Most prompts in one completions request")
+    max_output_tokens_per_request: int = Field(
+        262_144, gt=0, description="Most output tokens one request may ask for: prompts x n (or best_of) x max_tokens"
+    )
+    max_body_bytes_in_flight: int = Field(
+        64 * 1024 * 1024, gt=0,
+        description="Request bodies being read and prepared (tokenized), all requests together; beyond: 503",
+    )
+    header_timeout_s: float = Field(10, gt=0, description="A client must send a request's headers within this")
+    body_timeout_s: float = Field(60, gt=0, description="A client must send a request's body within this (else 408)")
+    keep_alive_timeout_s: int = Field(5, gt=0, description="An idle keep-alive connection is closed after this")
+    max_connections: int = Field(
+        2048, gt=0, description="Connections (and requests in progress) at once; beyond, new requests get 503"
+    )
     models_file: Path | None = Field(
         None, description="YAML or TOML file declaring several models (embedded, remote, A/B splits, fallbacks)"
     )
@@ -123,6 +151,12 @@ class Settings(BaseSettings):
     cache: CacheSettings = Field(default_factory=CacheSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+
+    @model_validator(mode="after")
+    def _one_body_fits_in_flight(self) -> Settings:
+        if self.max_body_bytes_in_flight < self.max_body_bytes:
+            raise ValueError("max_body_bytes_in_flight must be at least max_body_bytes")
+        return self
 
     @model_validator(mode="after")
     def _engine_logs_follow(self) -> Settings:

@@ -45,13 +45,14 @@ class FakeTokenizer:
 class FakeEngine:
     def __init__(
         self, name: str = "fake-model", max_model_len: int = 64, delay: float = 0.0, task: Task = "generate",
-        matryoshka: bool = False, defaults: SamplingDefaults | None = None,
+        matryoshka: bool = False, defaults: SamplingDefaults | None = None, vocab_size: int | None = None,
     ) -> None:
         """`defaults`: the sampling defaults the model reports (vLLM: its generation config with the
         models file's `defaults` over it)."""
         size = EMBEDDING_SIZE if task == "embed" else None
+        extra = {"vocab_size": vocab_size} if vocab_size else {}
         self._info = ModelInfo(name=name, max_model_len=max_model_len, root="fake", created=1, task=task,
-                               embedding_size=size, matryoshka=matryoshka,
+                               embedding_size=size, matryoshka=matryoshka, extra=extra,
                                sampling_defaults=defaults or SamplingDefaults())
         self.embedded: list[EmbedRequest] = []
         self._tokenizer = FakeTokenizer()

@@ -1,6 +1,7 @@
 """From a validated request to an answer: pick the model (alias, A/B split), then try it and its
-fallbacks in order. Per attempt: prepare (all refusals), tokens-per-minute, the response cache,
-admission, then the engine or the remote upstream. Only *fallible* errors (`gateway.errors`: the
+fallbacks in order. Per attempt: prepare (all refusals, and the request's bounds: prompts, output
+tokens), tokens-per-minute, the response cache (scoped per tenant), admission (as many permits as
+engine requests), then the engine or the remote upstream. Only *fallible* errors (`gateway.errors`: the
 model overloaded, its engine dead, its upstream down), which happen before the first byte, move on
 to the next model; the last one is the answer when no model is left.
 """
@@ -12,19 +13,20 @@ from typing import Generic
 
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from gateway import metrics
 from gateway.api.disconnect import unless_disconnected
 from gateway.api.requests import body_size, json_response
-from gateway.api.sse import EventStreamResponse, primed
+from gateway.api.sse import EventStreamResponse, primed, relayed_event_stream
 from gateway.api.state import GatewayState
 from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
-from gateway.backends.upstream import UpstreamAnswer, with_defaults
+from gateway.backends.upstream import with_defaults
 from gateway.context import current_record
 from gateway.errors import APIError, BackendUnavailable, InvalidRequest, from_exception
 from gateway.middleware.auth import ANONYMOUS
+from gateway.middleware.body import body_prepared
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.serving import offload
 from gateway.serving.guards.pipeline import RequestGuard
@@ -34,9 +36,21 @@ from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Servic
 Shape = Callable[[BaseModel | bytes], BaseModel]  # answers and chunks in another form (the native API's)
 
 
+def _tenant(request: Request) -> str:
+    return str(getattr(request.state, "tenant", ANONYMOUS))
+
+
 def _sticky_key(request: Request, body: RequestT) -> str | None:
-    key_id = getattr(request.state, "api_key_id", ANONYMOUS)
-    return body.user or (key_id if key_id != ANONYMOUS else None)
+    tenant = _tenant(request)
+    return body.user or (tenant if tenant != ANONYMOUS else None)
+
+
+def _check_prompts(state: GatewayState, body: RequestT) -> None:
+    most = state.settings.max_prompts_per_request
+    if body.prompt_count() > most:
+        raise InvalidRequest(
+            f"This request has {body.prompt_count()} prompts; at most {most} are allowed", body.prompts_param
+        )
 
 
 async def dispatch(
@@ -47,6 +61,7 @@ async def dispatch(
     shape: Shape | None = None,
 ) -> Response:
     record = current_record()
+    _check_prompts(state, body)
     version, chain = state.models.resolve(body.model, _sticky_key(request, body))
     record.model, record.version = body.model, version
     record.response_headers["x-model-version"] = version
@@ -83,6 +98,8 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         self.request, self.state, self.body, self.service = request, state, body, service
         self.guard, self.shape = guard, shape
         self.key_id: str = getattr(request.state, "api_key_id", ANONYMOUS)
+        keys_scope = state.settings.api_keys and not state.settings.cache.shared_across_keys
+        self.cache_scope = _tenant(request) if keys_scope else ""
         self.charged = False
         self.no_cache = "no-cache" in request.headers.get("cache-control", "").lower()
 
@@ -90,6 +107,15 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if backend.upstream is not None:
             return await self._remote(backend)
         return await self._embedded(backend)
+
+    def _check_output(self, tokens: int) -> None:
+        most = self.state.settings.max_output_tokens_per_request
+        if tokens > most:
+            raise InvalidRequest(
+                f"This request may generate {tokens} tokens (max_tokens for each choice of each prompt); "
+                f"at most {most} are allowed: lower max_tokens, n or best_of",
+                "max_tokens",
+            )
 
     def _charge(self, tokens: int) -> None:
         if not self.charged:  # a fallback does not charge the same request twice
@@ -104,10 +130,12 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         prepared = await offload.by_size(
             body_size(self.request), self.service.prepare, self.body, engine, default_max_tokens, self.guard
         )
+        body_prepared(self.request.scope)  # read and tokenized: its bytes leave the in-flight budget
         prepared.model = backend.name
+        self._check_output(prepared.output_tokens())
         self._charge(prepared.token_budget())
         cache, on_done = self.state.cache, None
-        key = cache.key_for(self.service.route, backend.name + self.guard.cache_tag, self.body, self.no_cache)
+        key = cache.key_for(self.service.route, backend.name + self.guard.cache_tag, self.body, self.no_cache, self.cache_scope)
         if key is not None:
             hit = await cache.get(key, backend.name, self.service.answer_type)
             record.cache = "hit" if hit is not None else "miss"
@@ -117,7 +145,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
             on_done = cache.storer(key)
         else:
             record.response_headers["x-cache"] = "MISS"
-        permit = await backend.admission.acquire()
+        permit = await backend.admission.acquire(self.body.engine_requests())
         try:
             return await self._generate(prepared, permit, on_done)
         except BaseException:
@@ -159,22 +187,19 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
             raise InvalidRequest(f"{route} serves embedded models only; '{backend.name}' is remote", "model")
         # input checks only: the answer passes through unread (redacted values stay placeholders)
         body = await offload.by_size(body_size(self.request), guarded, self.body, self.guard)
+        body_prepared(self.request.scope)
         await self.guard.moderate_input()
-        permit = await backend.admission.acquire()
+        permit = await backend.admission.acquire(self.body.engine_requests())
         payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)
         payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
         try:
             path, streams = self.service.upstream_path, self.body.streams
             answer = await backend.upstream.forward(path, payload, streams, permit.release)
+            if answer.events is None:
+                return Response(answer.body, status_code=answer.status, media_type=answer.media_type)
+            # up to its first event, so that an upstream failing before it can still fall back
+            events = await unless_disconnected(self.request.receive, primed(answer.events))
+            return relayed_event_stream(events, on_close=permit.release)
         except BaseException:
             permit.release()
             raise
-        return upstream_response(answer)
-
-
-def upstream_response(answer: UpstreamAnswer) -> Response:
-    if answer.chunks is None:
-        return Response(answer.body, status_code=answer.status, media_type=answer.media_type)
-    return StreamingResponse(
-        answer.chunks, media_type=answer.media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )

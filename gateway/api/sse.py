@@ -9,6 +9,9 @@
 - Typed events in OpenAI's dialect (the Responses API) are framed `NAMED`: named as Anthropic's,
   no end marker, an error `event: error` with `{"type": "error", "error": {...}}`. The handler
   sets it on the response; otherwise the route's dialect decides.
+- A remote model's stream (OpenAI's framing) is relayed event by event as it was framed
+  (`RELAYED`, its own `[DONE]` included), and ends with an error event and `[DONE]` when its
+  upstream fails in the middle.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Framing:
     dialect: Dialect
     named: bool  # an `event: <type>` line before each data line
     end: bytes  # what closes the stream
+    relayed: bool = False  # events are bytes already framed by a remote upstream (one event's lines each)
 
 
 FRAMINGS: dict[Dialect, Framing] = {
@@ -49,6 +53,7 @@ FRAMINGS: dict[Dialect, Framing] = {
     "anthropic": Framing("anthropic", named=True, end=b""),
 }
 NAMED = Framing("openai", named=True, end=b"")  # the Responses API's typed events
+RELAYED = Framing("openai", named=False, end=b"", relayed=True)  # a remote model's own events, its [DONE] too
 
 
 def encode(event: BaseModel | bytes, named: bool = False) -> bytes:
@@ -122,19 +127,29 @@ class EventStreamResponse(Response):
     async def _stream(self, send: Send, framing: Framing) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            ending = framing.end
             try:
                 named = framing.named
                 async for event in self.events:
-                    await send({"type": "http.response.body", "body": encode(event, named), "more_body": True})
+                    body = event + b"\n\n" if framing.relayed and isinstance(event, bytes) else encode(event, named)
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
             except OSError:
                 raise  # the client is gone: nobody to tell
             except Exception as exc:
                 log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
                 body = encode_error(exc, framing)
                 await send({"type": "http.response.body", "body": body, "more_body": True})
-            await send({"type": "http.response.body", "body": framing.end, "more_body": False})
+                ending = framing.end if framing.named else DONE
+            await send({"type": "http.response.body", "body": ending, "more_body": False})
         finally:
             await self._close()
+
+
+def relayed_event_stream(events: AsyncIterator[BaseModel | bytes], on_close: Callable[[], None] | None = None) -> EventStreamResponse:
+    """A remote model's SSE events (bytes, one event's lines each) passed on as they were framed,
+    its own `[DONE]` included; a failure of the upstream mid-way still ends with one error event
+    and `[DONE]`."""
+    return EventStreamResponse(events, on_close=on_close, framing=RELAYED)
 
 
 class Primed:

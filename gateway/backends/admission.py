@@ -1,27 +1,33 @@
-"""Admission control: per model, a bound on requests generating and on requests waiting.
+"""Admission control: per model, a bound on engine requests running and on engine requests waiting.
 
-A request takes a permit before its response starts and holds it for the life of its answer (the
-whole stream). Beyond `max_running` it waits, in arrival order, for at most `wait_timeout_s`;
-beyond `max_waiting` waiting requests, or after the wait, it is refused at once with 429 (and
-Retry-After) or 503, as configured: errors the dispatcher may answer with a fallback.
+A request counts as many engine requests as the engine runs for it (every choice of every prompt:
+a completions request of 100 prompts with n=4 is 400), takes that many permits before its
+response starts, and holds them for the life of its answer (the whole stream). A request that
+asks for more than `max_running` at once can never run: it is a 400. Beyond `max_running` a
+request waits, in arrival order (a large request at the head is not overtaken), for at most
+`wait_timeout_s`; when `max_waiting` would be passed, or after the wait, it is refused at once
+with 429 (and Retry-After) or 503, as configured: errors the dispatcher may answer with a fallback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections import deque
 
 from gateway import metrics
-from gateway.errors import ModelOverloaded, ModelUnavailable
+from gateway.errors import InvalidRequest, ModelOverloaded, ModelUnavailable
 from gateway.settings import AdmissionSettings
 
 
 class Permit:
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, count: int) -> None:
         self._admission: Admission | None = admission
+        self.count = count
 
     def release(self) -> None:
         if self._admission is not None:
-            self._admission._release()
+            self._admission._release(self.count)
             self._admission = None
 
 
@@ -29,36 +35,76 @@ class Admission:
     def __init__(self, model: str, settings: AdmissionSettings) -> None:
         self.model = model
         self.settings = settings
-        self._slots = asyncio.Semaphore(settings.max_running)
-        self.running = 0
-        self.waiting = 0
+        self.running = 0  # engine requests admitted
+        self.waiting = 0  # engine requests waiting
+        self._queue: deque[tuple[int, asyncio.Future[None]]] = deque()
 
-    async def acquire(self) -> Permit:
-        if self._slots.locked():
-            await self._wait()
+    async def acquire(self, count: int = 1) -> Permit:
+        if count > self.settings.max_running:
+            raise InvalidRequest(
+                f"This request would run {count} engine requests at once (each choice of each prompt), "
+                f"more than the model '{self.model}' ever admits ({self.settings.max_running}): "
+                "lower n, best_of or the number of prompts",
+                param="n",
+            )
+        if not self._queue and self.running + count <= self.settings.max_running:
+            self.running += count  # room, and nobody ahead: taken at once, without suspending
         else:
-            await self._slots.acquire()  # a free slot: taken at once, without suspending
-        self.running += 1
-        return Permit(self)
+            await self._wait(count)
+        return Permit(self, count)
 
-    async def _wait(self) -> None:
-        if self.waiting >= self.settings.max_waiting:
+    async def _wait(self, count: int) -> None:
+        if self.waiting + count > self.settings.max_waiting:
             raise self._refuse("queue_full", "too many requests are waiting for this model")
-        self.waiting += 1
-        metrics.WAITING.labels(self.model).set(self.waiting)
+        entry = (count, asyncio.get_running_loop().create_future())
+        self._queue.append(entry)
+        self._waiting(count)
         try:
-            # asyncio.timeout, not wait_for: no extra task, so a slot won at the deadline is not lost
             async with asyncio.timeout(self.settings.wait_timeout_s):
-                await self._slots.acquire()
+                await entry[1]
         except TimeoutError:
-            raise self._refuse("queue_timeout", "the request waited too long for this model") from None
+            if not self._granted(entry):
+                self._leave(entry)
+                raise self._refuse("queue_timeout", "the request waited too long for this model") from None
+            # admitted at the deadline: the permits are ours, keep them
+        except BaseException:
+            if self._granted(entry):
+                self._release(count)  # admitted, then cancelled (the client left) before it ran
+            else:
+                self._leave(entry)
+            raise
         finally:
-            self.waiting -= 1
-            metrics.WAITING.labels(self.model).set(self.waiting)
+            self._waiting(-count)
 
-    def _release(self) -> None:
-        self.running -= 1
-        self._slots.release()
+    @staticmethod
+    def _granted(entry: tuple[int, asyncio.Future[None]]) -> bool:
+        return entry[1].done() and not entry[1].cancelled()
+
+    def _waiting(self, change: int) -> None:
+        self.waiting += change
+        metrics.WAITING.labels(self.model).set(self.waiting)
+
+    def _leave(self, entry: tuple[int, asyncio.Future[None]]) -> None:
+        with contextlib.suppress(ValueError):
+            self._queue.remove(entry)
+        self._wake()  # it may have held up smaller requests behind it
+
+    def _release(self, count: int) -> None:
+        self.running -= count
+        self._wake()
+
+    def _wake(self) -> None:
+        """Admit waiting requests from the head of the queue while they fit."""
+        while self._queue:
+            count, future = self._queue[0]
+            if future.done():  # its waiter gave up (timeout or cancel) and will leave
+                self._queue.popleft()
+                continue
+            if self.running + count > self.settings.max_running:
+                return
+            self._queue.popleft()
+            self.running += count
+            future.set_result(None)
 
     def _refuse(self, reason: str, why: str) -> ModelOverloaded | ModelUnavailable:
         metrics.REJECTED.labels(self.model, reason).inc()

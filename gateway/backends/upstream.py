@@ -1,9 +1,21 @@
 """Remote models: any OpenAI-compatible server (another replica, vLLM's server) reached with httpx.
 
 Requests are forwarded as validated, with `model` renamed to the upstream's name; streams pass
-through chunk by chunk, unbuffered. A failure before the first byte (connection refused, timeout,
-5xx, 429) raises `BackendUnavailable`, which the dispatcher answers with the next fallback. What
-comes back is an `UpstreamAnswer`; the API layer makes the HTTP response of it.
+through event by event, unbuffered, decoded from any `Content-Encoding` the upstream chose (the
+header is not passed on: the client gets plain bytes).
+
+The upstream's failures become the gateway's own errors, mapped here once; what the upstream
+said goes to the log (`upstream_failed`), never to the client or /ready:
+
+    connection error, timeout, 408, 429, 502, 503, 504   → BackendUnavailable (503, fallible)
+    401, 403 (our key refused), 404, any other status     → BadGateway (502, fallible)
+    400, 413, 422 (the request's own fault)               → passed on as the upstream answered
+    a failure in the middle of a stream                   → BackendUnavailable, raised from the
+                                                            events (the API layer ends the stream
+                                                            with one error event)
+
+Fallible errors happen before the first byte, so the dispatcher tries the model's fallbacks.
+What comes back is an `UpstreamAnswer`; the API layer makes the HTTP response of it.
 """
 
 from __future__ import annotations
@@ -18,19 +30,23 @@ import structlog
 from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
 from gateway import metrics
-from gateway.errors import BackendUnavailable
+from gateway.errors import APIError, BackendUnavailable, BadGateway
 
 log = structlog.get_logger(__name__)
+PASSED_ON = frozenset({400, 413, 422})  # the client's own mistakes: the upstream's answer explains them
+UNAVAILABLE = frozenset({408, 429, 502, 503, 504})  # busy or briefly down: another model may answer
+LOGGED_BYTES = 500  # of an upstream's error body, for the log
 
 
 @dataclass(frozen=True, slots=True)
 class UpstreamAnswer:
-    """The upstream's answer: a whole body, or (a 200 stream) chunks to pass through."""
+    """The upstream's answer: a whole body, or (a 200 stream) its SSE events, each one block of
+    lines without the blank line that ends it."""
 
     status: int
     media_type: str
     body: bytes = b""
-    chunks: AsyncIterator[bytes] | None = None
+    events: AsyncIterator[bytes] | None = None
 
 
 class Upstream:
@@ -55,29 +71,56 @@ class Upstream:
         try:
             response = await self._client.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise self._failed(f"{type(exc).__name__}: {exc}") from exc
-        if response.status_code >= 500 or response.status_code == 429:
-            await response.aclose()
-            raise self._failed(f"answered {response.status_code}")
+            raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
+        status = response.status_code
+        if status != 200 and status not in PASSED_ON:
+            excerpt = await _excerpt(response)
+            kind = BackendUnavailable if status in UNAVAILABLE else BadGateway
+            raise self._failed(kind, f"answered {status}: {excerpt}")
         media_type = response.headers.get("content-type", "application/json")
-        if not stream or response.status_code != 200:
-            content = await response.aread()
-            await response.aclose()
+        if not stream or status != 200:
+            try:
+                content = await response.aread()  # decoded: gzip and the like are undone here
+            except httpx.HTTPError as exc:
+                raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                await response.aclose()
             on_close()
-            return UpstreamAnswer(response.status_code, media_type, body=content)
-        return UpstreamAnswer(200, media_type, chunks=_passthrough(response, on_close))
+            return UpstreamAnswer(status, media_type, body=content)
+        return UpstreamAnswer(200, media_type, events=self._events(response, on_close))
 
-    def _failed(self, why: str) -> BackendUnavailable:
+    def _failed(self, kind: type[APIError], why: str) -> APIError:
         metrics.UPSTREAM_ERRORS.labels(self.name).inc()
         log.warning("upstream_failed", model=self.name, why=why)
-        return BackendUnavailable(f"the upstream of '{self.name}' failed: {why}")
+        return kind(f"The model '{self.name}' is unavailable: its upstream server failed. Please retry later.")
+
+    async def _events(self, response: httpx.Response, on_close: Callable[[], None]) -> AsyncIterator[bytes]:
+        """The stream's events as they complete (an event cut by a failure is not passed on)."""
+        pending = b""
+        try:
+            async for chunk in response.aiter_bytes():
+                pending = (pending + chunk).replace(b"\r\n", b"\n")
+                *complete, pending = pending.split(b"\n\n")
+                for event in complete:
+                    if event.strip():
+                        yield event
+            if pending.strip():
+                yield pending
+        except httpx.HTTPError as exc:
+            raise self._failed(BackendUnavailable, f"mid-stream: {type(exc).__name__}: {exc}") from exc
+        finally:
+            on_close()
+            await response.aclose()  # a client gone mid-stream closes the upstream request too
 
     async def check_health(self) -> None:
+        """For /ready: a short reason of ours; the upstream's details go to the log."""
         try:
             response = await self._client.get("/models", timeout=5)
         except httpx.HTTPError as exc:
-            raise EngineUnavailable(f"upstream unreachable: {exc}") from exc
+            log.warning("upstream_unhealthy", model=self.name, why=f"{type(exc).__name__}: {exc}")
+            raise EngineUnavailable("upstream unreachable") from exc
         if response.status_code != 200:
+            log.warning("upstream_unhealthy", model=self.name, why=f"answered {response.status_code}: {response.text[:LOGGED_BYTES]}")
             raise EngineUnavailable(f"upstream answered {response.status_code}")
 
     async def aclose(self) -> None:
@@ -97,10 +140,13 @@ def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, ou
     return {**payload, **silent}
 
 
-async def _passthrough(response: httpx.Response, on_close: Callable[[], None]) -> AsyncIterator[bytes]:
+async def _excerpt(response: httpx.Response) -> str:
+    """The start of an error body, for the log; the response is closed."""
     try:
-        async for chunk in response.aiter_raw():
-            yield chunk
+        async for chunk in response.aiter_bytes():
+            return chunk[:LOGGED_BYTES].decode("utf-8", "replace")
+        return ""
+    except httpx.HTTPError as exc:
+        return f"(unreadable: {type(exc).__name__})"
     finally:
-        on_close()
-        await response.aclose()  # a client gone mid-stream closes the upstream request too
+        await response.aclose()

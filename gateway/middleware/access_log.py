@@ -3,12 +3,18 @@ request, returns it as `X-Request-ID` (the client's, or one we generate), puts t
 dialect in the scope (for every layer that answers an error), adds the headers the layers below
 asked for, and logs one access line and the request metrics at the end.
 
+It is also the last catch of errors: an exception no layer below answered becomes a 500 in the
+API's error shape here, inside the request's log context and with its `X-Request-ID`, logged with
+a traceback (no locals: `gateway.logs`), and is not raised on to the server, which would reset
+the client's keep-alive connection.
+
 Pure ASGI and not `BaseHTTPMiddleware`, which would lose the contextvars that structlog binds the
 request id in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -18,20 +24,23 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
 from gateway.context import RequestRecord, open_record
-from gateway.errors import Dialect
+from gateway.errors import Dialect, from_exception, send_error
 
 access = structlog.get_logger("gateway.access")
+log = structlog.get_logger(__name__)
+REQUEST_ID_MAX = 200
 
 RouteLabel = Callable[[str], str]  # a path → its route's label (the route table's), "unmatched" else
 DialectOf = Callable[[str], Dialect]  # a path → its route's error dialect (the route table's)
 
 
 def request_id_from(scope: Scope) -> str:
+    """The client's X-Request-ID when it is 1 to 200 visible ASCII characters, else a new one."""
     for key, value in scope.get("headers", ()):
         if key == b"x-request-id":
-            text: str = value.decode("latin-1").strip()
-            if 0 < len(text) <= 200:
-                return text
+            if 0 < len(value) <= REQUEST_ID_MAX and all(0x21 <= byte <= 0x7E for byte in value):
+                return str(value.decode("ascii"))
+            break
     return uuid.uuid4().hex
 
 
@@ -57,11 +66,12 @@ class AccessLogMiddleware:
         record = RequestRecord(arrival=started, log_content=self.log_content)
         status = 500
         first_byte: float | None = None
+        started_response = False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status, first_byte
+            nonlocal status, first_byte, started_response
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started_response = message["status"], True
                 extra = [(k.encode(), v.encode()) for k, v in record.response_headers.items()]
                 message["headers"] = [*message.get("headers", []), *extra, (b"x-request-id", request_id.encode())]
             elif first_byte is None and message["type"] == "http.response.body":
@@ -71,6 +81,11 @@ class AccessLogMiddleware:
         with structlog.contextvars.bound_contextvars(request_id=request_id), open_record(record):
             try:
                 await self.app(scope, receive, send_with_id)
+            except Exception as exc:  # what no layer below answered: a 500, never raised on
+                log.error("request_failed", error_type=type(exc).__name__, exc_info=exc)
+                if not started_response:
+                    with contextlib.suppress(OSError):  # the client may be gone too
+                        await send_error(send_with_id, from_exception(exc))
             finally:
                 duration = time.perf_counter() - started
                 observe_request(record, self.route_label(scope["path"]), status, duration)

@@ -2,82 +2,170 @@
 clients) or `x-api-key` (Anthropic's).
 
 Keys come from settings and are kept only as SHA-256 hashes; a presented key is hashed and compared
-with every stored hash in constant time. The key's id (safe to log) goes into the request's record
-and scope state, for the rate limits, the access line and sticky A/B splits.
+with every stored hash in constant time. Exactly one `Authorization` header is taken; two are a
+401. Failed attempts are throttled per client address (`auth_failures_per_minute`): past the
+limit every attempt from that address is refused with 429 until its bucket refills, so keys
+cannot be guessed at speed.
+
+Each key has two names, neither of them the key: its *id*, a keyed hash (HMAC-SHA-256 with
+`key_id_secret`, a random one per process when unset) that goes into logs and rate limits, and
+its *tenant*, stable across processes, that scopes the response cache and sticky A/B splits and
+is never logged. Both go into the request's scope state (`api_key_id`, `tenant`), the id also
+into its record.
+
+Without keys nothing proves that a request comes from a client and not from a web page the
+client has open: a POST must then declare a JSON body (`Content-Type: application/json`), which
+a page cannot send to another site without that site's CORS consent; anything else is a 415
+(a POST without a body, such as a cancel, declares nothing).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway import metrics
 from gateway.context import current_record
-from gateway.errors import APIError, AuthenticationFailed, dialect_of, send_error
+from gateway.errors import APIError, AuthenticationFailed, RateLimited, UnsupportedMediaType, dialect_of, send_error
+from gateway.limits import TokenBucket
 
 ANONYMOUS = "anonymous"
 
 
+@dataclass(frozen=True, slots=True)
+class Identity:
+    key_id: str  # safe to log: a keyed hash of the key
+    tenant: str  # stable across processes, not logged: scopes the cache and sticky splits
+
+
 class KeyRing:
-    def __init__(self, keys: Iterable[SecretStr]) -> None:
+    def __init__(self, keys: Iterable[SecretStr], id_secret: SecretStr | None = None) -> None:
         self._hashes = [hashlib.sha256(k.get_secret_value().encode()).digest() for k in keys]
+        self._id_secret = id_secret.get_secret_value().encode() if id_secret else os.urandom(32)
 
     @property
     def enabled(self) -> bool:
         return bool(self._hashes)
 
-    def identify(self, presented: str) -> str | None:
-        """The key's id (a prefix of its hash, safe to log), or None for an unknown key."""
+    def identify(self, presented: str) -> Identity | None:
+        """The key's names, or None for an unknown key."""
         digest = hashlib.sha256(presented.encode()).digest()
         found = None
         for stored in self._hashes:  # no early exit: the time taken does not depend on which key
             if hmac.compare_digest(stored, digest):
                 found = stored
-        return found.hex()[:12] if found else None
+        if found is None:
+            return None
+        return Identity(_key_id(found, self._id_secret), hashlib.sha256(b"tenant\0" + found).hexdigest())
+
+
+def _key_id(digest: bytes, secret: bytes) -> str:
+    return hmac.new(secret, digest, hashlib.sha256).hexdigest()[:12]
+
+
+def key_id(key: str, secret: str) -> str:
+    """The id logs and the guards file name a key by, with `key_id_secret` set to `secret`."""
+    return _key_id(hashlib.sha256(key.encode()).digest(), secret.encode())
+
+
+class AttemptThrottle:
+    """Failed key attempts per client address: a token bucket each (`per_minute`), at most
+    `max_addresses` remembered (the least recently failing forgotten first)."""
+
+    def __init__(self, per_minute: int, max_addresses: int = 10_000) -> None:
+        self.per_minute = per_minute
+        self.max_addresses = max_addresses
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+
+    def wait_s(self, address: str) -> float:
+        """Seconds until `address` may try again (0: now)."""
+        bucket = self._buckets.get(address)
+        return 0.0 if bucket is None else bucket.wait_for(1)
+
+    def failed(self, address: str) -> None:
+        bucket = self._buckets.pop(address, None) or TokenBucket(float(self.per_minute))
+        bucket.take(1)
+        self._buckets[address] = bucket
+        while len(self._buckets) > self.max_addresses:
+            self._buckets.popitem(last=False)
+
+
+def _header(scope: Scope, name: bytes) -> list[bytes]:
+    return [value for key, value in scope.get("headers", ()) if key == name]
+
+
+def _has_body(scope: Scope) -> bool:
+    """Whether the request sends a body (a POST without one, e.g. a cancel, declares no type)."""
+    length = _header(scope, b"content-length")
+    return bool(_header(scope, b"transfer-encoding")) or any(value.strip() != b"0" for value in length)
+
+
+def _declares_json(scope: Scope) -> bool:
+    values = _header(scope, b"content-type")
+    return len(values) == 1 and values[0].split(b";")[0].strip().lower() == b"application/json"
 
 
 class AuthMiddleware:
     """`open_paths`: the routes that take no key (from the route table)."""
 
-    def __init__(self, app: ASGIApp, keys: KeyRing, open_paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing, open_paths: frozenset[str], throttle: AttemptThrottle) -> None:
         self.app = app
         self.keys = keys
         self.open = open_paths
+        self.throttle = throttle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open:
             await self.app(scope, receive, send)
             return
         try:
-            key_id = self._identify(scope)
+            identity = self._identify(scope)
         except APIError as error:
             await send_error(send, error, dialect=dialect_of(scope))
             return
-        current_record().api_key_id = key_id
-        scope.setdefault("state", {})["api_key_id"] = key_id
+        current_record().api_key_id = identity.key_id
+        state = scope.setdefault("state", {})
+        state["api_key_id"], state["tenant"] = identity.key_id, identity.tenant
         await self.app(scope, receive, send)
 
-    def _identify(self, scope: Scope) -> str:
+    def _identify(self, scope: Scope) -> Identity:
         if not self.keys.enabled:
-            return ANONYMOUS
-        presented = presented_key(scope)
+            if scope["method"] == "POST" and _has_body(scope) and not _declares_json(scope):
+                raise UnsupportedMediaType("Send the request body as JSON, with 'Content-Type: application/json'.")
+            return Identity(ANONYMOUS, ANONYMOUS)
+        address = (scope.get("client") or ("unknown",))[0]
+        wait = self.throttle.wait_s(address)
+        if wait > 0:
+            metrics.RATE_LIMITED.labels("auth_failures").inc()
+            raise RateLimited(
+                "Too many failed API key attempts from this address; please try again later.",
+                headers={"Retry-After": str(max(1, round(wait)))},
+            )
+        presented = presented_keys(scope)
         if not presented:
             raise AuthenticationFailed(
                 "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY' (or 'x-api-key: YOUR_KEY')."
             )
-        key_id = self.keys.identify(presented)
-        if key_id is None:
+        # two keys: which one counts is for no layer to guess
+        identity = self.keys.identify(presented[0]) if len(presented) == 1 and presented[0] else None
+        if identity is None:
+            self.throttle.failed(address)
             raise AuthenticationFailed("Incorrect API key provided.")
-        return key_id
+        return identity
 
 
-def presented_key(scope: Scope) -> str:
-    """The key a request presents: a Bearer token (OpenAI's clients), else `x-api-key` (Anthropic's)."""
-    headers: dict[bytes, bytes] = dict(scope.get("headers", ()))
-    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    return headers.get(b"x-api-key", b"").decode("latin-1").strip()
+def presented_keys(scope: Scope) -> list[str]:
+    """The keys a request presents: its `Authorization` headers (a Bearer token each: OpenAI's
+    clients; any other scheme counts as a wrong key), else its `x-api-key` headers (Anthropic's)."""
+    authorization = _header(scope, b"authorization")
+    if authorization:
+        schemes = [value.decode("latin-1").partition(" ") for value in authorization]
+        return [token.strip() if scheme.lower() == "bearer" else "" for scheme, _, token in schemes]
+    return [value.decode("latin-1").strip() for value in _header(scope, b"x-api-key")]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -18,6 +18,14 @@ class EmbeddingRequest(ModelRequest):
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
+    prompts_param: ClassVar[str] = "input"
+
+    def prompt_count(self) -> int:
+        """Each input is its own engine request."""
+        value = self.input
+        if isinstance(value, str) or all(isinstance(item, int) for item in value):
+            return 1
+        return len(value)
 
     @field_validator("input")
     @classmethod

@@ -2,14 +2,24 @@
 
 Field names, types and ranges follow OpenAI's API reference and the openai SDK's types; the
 vLLM-only sampling parameters (top_k, min_p, ...) follow vLLM's OpenAI server. Requests forbid
-unknown fields, as OpenAI does, so a typo is a 400 and not a silently ignored parameter.
+unknown fields, as OpenAI does, so a typo is a 400 and not a silently ignored parameter. Every
+integer is bounded (to int64, as vLLM's server bounds `seed`, or tighter): no client-sent number
+reaches the engine, the cache key or a tokenizer unbounded. Token ids are checked against the
+model's vocabulary when the engine is known (`serving.generation.check_token_ids`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # a number of tokens
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # checked against the vocabulary later
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() takes "²" too
 
 
 class _Request(BaseModel):
@@ -37,10 +47,20 @@ class ModelRequest(_Request):
 
     model: str
     user: str | None = None
+    prompts_param: ClassVar[str] = "prompt"  # the field `prompt_count` counts, for errors
 
     @property
     def streams(self) -> bool:
         return False
+
+    def prompt_count(self) -> int:
+        """Prompts in the request (completions and embeddings may send several), each its own
+        engine request."""
+        return 1
+
+    def engine_requests(self) -> int:
+        """The requests the engine runs for this one, as it counts them."""
+        return self.prompt_count()
 
 
 class SamplingFields(ModelRequest):
@@ -51,7 +71,7 @@ class SamplingFields(ModelRequest):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     stop: Stop = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
@@ -59,12 +79,12 @@ class SamplingFields(ModelRequest):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     user: str | None = None
     # vLLM's extra sampling parameters (the openai SDK sends them through `extra_body`)
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Count = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -76,8 +96,8 @@ class SamplingFields(ModelRequest):
     @classmethod
     def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not TOKEN_ID_KEY.fullmatch(key):
+                raise ValueError(f"logit_bias keys must be token ids (up to 19 digits), got {key[:40]!r}")
         return value
 
     @model_validator(mode="after")
@@ -85,6 +105,10 @@ class SamplingFields(ModelRequest):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def engine_requests(self) -> int:
+        """Each choice of each prompt."""
+        return self.prompt_count() * self.n
 
 
 # --- chat ---------------------------------------------------------------------------------
@@ -146,15 +170,15 @@ class ResponseFormat(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -168,19 +192,28 @@ class ChatCompletionRequest(SamplingFields):
 Prompt = (
     str
     | Annotated[list[str], Field(min_length=1)]
-    | Annotated[list[int], Field(min_length=1)]
-    | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
 )
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    max_tokens: Count | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     best_of: Annotated[int, Field(ge=1, le=20)] | None = None
     suffix: str | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+
+    def prompt_count(self) -> int:
+        prompt = self.prompt
+        if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+            return 1
+        return len(prompt)
+
+    def engine_requests(self) -> int:
+        return self.prompt_count() * max(self.n, self.best_of or 1)
 
 
 # --- responses ----------------------------------------------------------------------------
@@ -332,7 +365,7 @@ class TokenizeResponse(_Response):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(_Response):
@@ -343,14 +376,14 @@ class GenerateRequest(_Request):
     """The native API: a completion request whose `model` may be left out (the default model)."""
 
     model: str | None = None
-    prompt: str | list[int]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = 16
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     stop: Stop = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None

@@ -25,7 +25,16 @@ from gateway.protocol.openai import (
 )
 from gateway.serving import tools
 from gateway.serving.encoding import ChunkEncoder
-from gateway.serving.generation import ChoiceState, Run, new_id, now, resolve_max_tokens, sampling_options
+from gateway.serving.generation import (
+    ChoiceState,
+    Run,
+    check_sampling,
+    check_schema_numbers,
+    new_id,
+    now,
+    resolve_max_tokens,
+    sampling_options,
+)
 from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.guards.requests import guarded_chat
 from gateway.serving.service import OnDone
@@ -44,8 +53,11 @@ class PreparedChat:
 
     def token_budget(self) -> int:
         """Prompt plus the most the answer may take, for tokens-per-minute limits."""
+        return len(self.generation.prompt_token_ids) + self.output_tokens()
+
+    def output_tokens(self) -> int:
         sampling = self.generation.sampling
-        return len(self.generation.prompt_token_ids) + sampling.max_tokens * sampling.n
+        return sampling.max_tokens * sampling.n
 
 
 def template_messages(messages: list[ChatMessage], takes_tools: bool) -> list[dict[str, Any]]:
@@ -98,6 +110,7 @@ def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> dict[st
     if schema is not None:
         if fmt is not None and fmt.type != "text":
             raise InvalidRequest("response_format cannot be combined with a forced tool_choice", "response_format")
+        check_schema_numbers(schema, "tools")
         # tool calls carry no layout: without free whitespace, small models do not wander off
         return {"json_schema": schema, "compact_json": True}
     if fmt is None or fmt.type == "text":
@@ -105,6 +118,7 @@ def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> dict[st
     if fmt.type == "json_object":
         return {"json_object": True}
     assert fmt.json_schema is not None
+    check_schema_numbers(fmt.json_schema.schema_, "response_format.json_schema.schema")
     return {"json_schema": fmt.json_schema.schema_ or {"type": "object"}}
 
 
@@ -129,6 +143,7 @@ def prepare(
         defaults.max_tokens or default_max_tokens,
         param,
     )
+    check_sampling(request, engine, max_tokens)
     top = (request.top_logprobs or 0) if request.logprobs else None
     sampling = sampling_options(request, max_tokens, logprobs=top, defaults=defaults, **_constraint(request, plan))
     chat_id = new_id("chatcmpl")

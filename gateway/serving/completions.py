@@ -24,6 +24,7 @@ from gateway.serving.encoding import ChunkEncoder
 from gateway.serving.generation import (
     ChoiceState,
     Run,
+    check_sampling,
     check_token_ids,
     new_id,
     now,
@@ -46,7 +47,10 @@ class PreparedCompletion:
     guard: RequestGuard = UNGUARDED
 
     def token_budget(self) -> int:
-        return sum(len(g.prompt_token_ids) + g.sampling.max_tokens * g.sampling.n for g in self.generations)
+        return sum(len(g.prompt_token_ids) for g in self.generations) + self.output_tokens()
+
+    def output_tokens(self) -> int:
+        return sum(g.sampling.max_tokens * g.sampling.n for g in self.generations)
 
 
 def check_vocabulary(token_ids: list[int], engine: Engine, param: str) -> None:
@@ -100,6 +104,7 @@ def prepare(
         )
         if max_tokens == 0 and not request.echo:
             raise InvalidRequest("max_tokens of 0 is only allowed with echo", "max_tokens")
+        check_sampling(request, engine, max(max_tokens, 1))
         sampling = sampling_options(
             request,
             max(max_tokens, 1),

@@ -38,6 +38,9 @@ class PreparedEmbeddings:
     def token_budget(self) -> int:
         return sum(len(ids) for ids in self.inputs)
 
+    def output_tokens(self) -> int:
+        return 0  # vectors, no generated tokens
+
 
 def _token_ids(request: EmbeddingRequest, engine: Engine, guard: RequestGuard) -> list[list[int]]:
     """Each input's token ids, its text (token-id inputs decoded) through the input guards first."""

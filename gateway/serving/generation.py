@@ -111,6 +111,30 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int | None, param: str
             raise InvalidRequest(f"token id {token_id} is outside the vocabulary (0..{vocab_size - 1})", param)
 
 
+def check_sampling(request: SamplingFields, engine: Engine, max_tokens: int) -> None:
+    """What the protocol models cannot check alone: token ids against this model's vocabulary,
+    min_tokens against the output budget."""
+    vocab_size = engine.info.extra.get("vocab_size")
+    check_token_ids((int(key) for key in request.logit_bias or ()), vocab_size, "logit_bias")
+    check_token_ids(request.stop_token_ids or (), vocab_size, "stop_token_ids")
+    if request.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({request.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
+
+
+def check_schema_numbers(schema: object, param: str) -> None:
+    """A schema for constrained output goes to the engine, whose wire format (msgpack) takes
+    integers from -2**63 to 2**64 - 1 only: a larger one in the schema is the request's fault (400)."""
+    stack = [schema]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, int) and not -(2**63) <= value < 2**64:
+            raise InvalidRequest(f"{param} holds an integer beyond 64 bits, which the engine cannot take", param)
+
+
 @dataclass(slots=True)
 class ChoiceState:
     """One choice's progress across engine outputs: its text so far, tokens and finish."""

@@ -199,6 +199,9 @@ class PreparedMessage:
     def token_budget(self) -> int:
         return self.chat.token_budget()
 
+    def output_tokens(self) -> int:
+        return self.chat.output_tokens()
+
 
 def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"

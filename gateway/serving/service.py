@@ -37,6 +37,10 @@ class Prepared(Protocol):
         """Prompt plus the most the answer may take, for tokens-per-minute limits."""
         ...
 
+    def output_tokens(self) -> int:
+        """The most the answer may take: max_tokens for every choice of every prompt."""
+        ...
+
 
 class Service(Protocol[RequestT_contra, PreparedT, AnswerT]):
     route: str  # the route it serves (part of the cache key)

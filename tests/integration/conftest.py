@@ -64,7 +64,7 @@ def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(server_log: Path) -> Iterator[str]:
     port = free_port()
     log_path = server_log
-    env = {**os.environ, "GATEWAY_LOG_FORMAT": "json"}
+    env = {**os.environ, "GATEWAY_LOG_FORMAT": "json", "GATEWAY_HEADER_TIMEOUT_S": "3"}
     command = server_command(port)
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

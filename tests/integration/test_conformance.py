@@ -312,7 +312,8 @@ def test_error_codes(base_url: str) -> None:
     assert missing.status_code == 404 and error_of(missing)["code"] == "model_not_found"
     wrong_method = httpx.put(f"{base_url}/v1/chat/completions")
     assert wrong_method.status_code == 405 and error_of(wrong_method)["code"] == "method_not_allowed"
-    huge = httpx.post(f"{base_url}/v1/chat/completions", content=b"x" * (5 * 1024 * 1024), timeout=60)
+    huge = httpx.post(f"{base_url}/v1/chat/completions", content=b"x" * (5 * 1024 * 1024), timeout=60,
+                      headers={"Content-Type": "application/json"})
     assert huge.status_code == 413 and error_of(huge)["code"] == "request_too_large"
 
 

@@ -9,7 +9,6 @@ holding an email address, which the engine only ever sees as a placeholder.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.middleware.auth import key_id
 from tests.integration.conftest import gateway_process
 from tests.integration.test_conformance import wait_for_idle
 from tests.loopback_server import LoopbackServer
@@ -48,8 +48,7 @@ profiles:
 """
 
 
-def key_id(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+ID_SECRET = "guards-integration-secret"  # key ids (HMAC) the guards file can name
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +62,11 @@ def moderation() -> Iterator[LoopbackServer]:
 def guarded(moderation: LoopbackServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     folder = tmp_path_factory.mktemp("guarded")
     (folder / "models.yaml").write_text(MODELS)
-    (folder / "guards.yaml").write_text(GUARDS.replace("OPEN_KEY", key_id("sk-open")).replace("MODERATION_URL", moderation.url))
+    (folder / "guards.yaml").write_text(GUARDS.replace("OPEN_KEY", key_id("sk-open", ID_SECRET)).replace("MODERATION_URL", moderation.url))
     env = {
         "GATEWAY_MODELS_FILE": str(folder / "models.yaml"), "GATEWAY_GUARDS_FILE": str(folder / "guards.yaml"),
         "GATEWAY_API_KEYS": '["sk-guarded", "sk-open"]', "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_WARMUP": "false",
-        "GATEWAY_LOG_FORMAT": "json", "GATEWAY_LOG_PROMPTS": "true",
+        "GATEWAY_LOG_FORMAT": "json", "GATEWAY_LOG_PROMPTS": "true", "GATEWAY_KEY_ID_SECRET": ID_SECRET,
     }
     with gateway_process(folder, env) as (base, _process):
         yield base, folder / "gateway.log"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
+from starlette.testclient import TestClient
 
 from tests.fakes import FakeEngine, app_with, chat_body
 
@@ -60,3 +62,101 @@ async def test_waiting_past_the_timeout_is_refused_with_503_when_configured() ->
             )
     assert slow.status_code == 200
     assert late.status_code == 503 and late.json()["error"]["code"] == "model_overloaded"
+
+
+async def serve(app, requests):
+    """Run `requests(client)` against the app with its lifespan state."""
+    async with app.router.lifespan_context(app) as state:
+        async def with_state(scope, receive, send):
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://test") as client:
+            return await requests(client)
+
+
+async def test_a_request_takes_a_permit_per_engine_request() -> None:
+    """4 prompts x n=2 is 8 engine requests: with 8 running, a single request beside it waits."""
+    engine = FakeEngine(delay=0.02)
+    app = app_with(engine, admission={"max_running": 8, "max_waiting": 0})
+    fanned = {"model": "fake-model", "prompt": ["a", "b", "c", "d"], "n": 2, "max_tokens": 10}
+
+    async def both(client: httpx.AsyncClient) -> list[httpx.Response]:
+        big = asyncio.create_task(client.post("/v1/completions", json=fanned))
+        while not engine.running:
+            await asyncio.sleep(0.001)
+        single = await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+        return [await big, single]
+
+    big, single = await serve(app, both)
+    assert big.status_code == 200 and len(big.json()["choices"]) == 8
+    assert single.status_code == 429 and single.json()["error"]["code"] == "model_overloaded"
+
+
+async def test_too_many_engine_requests_for_the_model_ever_is_400() -> None:
+    engine = FakeEngine()
+    app = app_with(engine, admission={"max_running": 4})
+
+    async def one(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post("/v1/completions", json={"model": "fake-model", "prompt": ["a", "b", "c"], "n": 2})
+
+    refused = await serve(app, one)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+    assert "6 engine requests" in refused.json()["error"]["message"] and engine.requests == []
+
+
+async def test_a_large_request_at_the_head_of_the_queue_is_not_overtaken() -> None:
+    from gateway.backends.admission import Admission
+    from gateway.settings import AdmissionSettings
+
+    admission = Admission("m", AdmissionSettings(max_running=4, max_waiting=10, wait_timeout_s=5))
+    first = await admission.acquire(3)
+    big = asyncio.create_task(admission.acquire(4))
+    await asyncio.sleep(0)
+    small = asyncio.create_task(admission.acquire(1))
+    await asyncio.sleep(0)
+    assert not big.done() and not small.done() and admission.waiting == 5  # 1 free, but the queue is FIFO
+    first.release()
+    permit = await big
+    assert admission.running == 4 and not small.done()
+    permit.release()
+    (await small).release()
+    assert admission.running == 0 and admission.waiting == 0
+
+
+async def test_a_waiter_that_leaves_gives_its_place_and_permits_back() -> None:
+    from gateway.backends.admission import Admission
+    from gateway.settings import AdmissionSettings
+
+    admission = Admission("m", AdmissionSettings(max_running=2, max_waiting=10, wait_timeout_s=5))
+    held = await admission.acquire(2)
+    blocked = asyncio.create_task(admission.acquire(2))
+    behind = asyncio.create_task(admission.acquire(1))
+    await asyncio.sleep(0)
+    blocked.cancel()  # the client left
+    await asyncio.gather(blocked, return_exceptions=True)
+    assert admission.waiting == 1
+    held.release()
+    (await behind).release()
+    assert admission.running == 0 and admission.waiting == 0
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": ["x"] * 6, "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": [[1]] * 6, "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "n": 3, "best_of": 4, "max_tokens": 30}, "max_tokens"),
+        ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 51}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 5, "max_tokens": 21}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "max_tokens"),  # n x the room left
+    ],
+)
+def test_prompts_and_output_tokens_per_request_are_bounded(route: str, body: dict, param: str) -> None:
+    engine = FakeEngine(max_model_len=1000)
+    settings = {"max_prompts_per_request": 5, "max_output_tokens_per_request": 100}
+    with TestClient(app_with(engine, **settings)) as client:
+        refused = client.post(route, json={"model": "fake-model", **body})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+        assert engine.requests == []
+        assert client.post("/v1/completions", json={"model": "fake-model", "prompt": ["a"] * 5, "max_tokens": 20}).status_code == 200

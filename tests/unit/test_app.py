@@ -27,6 +27,14 @@ def test_request_id_is_honoured_or_generated(client: TestClient) -> None:
     assert client.get("/health", headers={"X-Request-ID": "abc-123"}).headers["x-request-id"] == "abc-123"
     generated = client.get("/health").headers["x-request-id"]
     assert len(generated) == 32
+    visible = "".join(chr(c) for c in range(0x21, 0x7F))
+    assert client.get("/health", headers={"X-Request-ID": visible}).headers["x-request-id"] == visible
+
+
+@pytest.mark.parametrize("sent", ["café".encode(), b"a b", b"tab\there", b"x" * 201, b"", b"\x7f"])
+def test_a_request_id_that_is_not_short_visible_ascii_is_replaced(client: TestClient, sent: bytes) -> None:
+    returned = client.get("/health", headers=[(b"x-request-id", sent)]).headers["x-request-id"]
+    assert returned != sent.decode("latin-1") and len(returned) == 32 and returned.isalnum()
 
 
 def test_gateway_imports_without_vllm_or_torch() -> None:

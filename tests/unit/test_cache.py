@@ -66,3 +66,42 @@ async def test_memory_cache_bounds_and_ttl() -> None:
     await expiring.set("x", b"1")
     await asyncio.sleep(0.02)
     assert await expiring.get("x") is None
+
+
+def test_with_keys_each_key_has_its_own_cache_unless_shared() -> None:
+    """One tenant must not learn what another asked: its unique prompt is a MISS for everyone else."""
+    alice, bob = {"Authorization": "Bearer sk-alice"}, {"Authorization": "Bearer sk-bob"}
+    body = chat_body(temperature=0, messages=[{"role": "user", "content": "alice's secret question"}])
+    engine = FakeEngine()
+    with TestClient(app_with(engine, api_keys=["sk-alice", "sk-bob"], cache={"backend": "memory"})) as client:
+        assert client.post("/v1/chat/completions", json=body, headers=alice).headers["x-cache"] == "MISS"
+        assert client.post("/v1/chat/completions", json=body, headers=alice).headers["x-cache"] == "HIT"
+        assert client.post("/v1/chat/completions", json=body, headers=bob).headers["x-cache"] == "MISS"
+        assert len(engine.requests) == 2
+    shared = {"backend": "memory", "shared_across_keys": True}
+    with TestClient(app_with(FakeEngine(), api_keys=["sk-alice", "sk-bob"], cache=shared)) as client:
+        assert client.post("/v1/chat/completions", json=body, headers=alice).headers["x-cache"] == "MISS"
+        assert client.post("/v1/chat/completions", json=body, headers=bob).headers["x-cache"] == "HIT"
+
+
+def test_integers_past_64_bits_in_free_form_fields_are_cached_too() -> None:
+    """orjson refuses them; the key falls back to json, and a different number is another key.
+    (Tools offered with tool_choice auto go to the prompt, so any JSON number is fine there.)"""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 2**80}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    engine = FakeEngine(max_model_len=1000)
+    with TestClient(app_with(engine, cache={"backend": "memory"})) as client:
+        body = chat_body(temperature=0, seed=2**63 - 1, tools=tools)
+        first = client.post("/v1/chat/completions", json=body)
+        again = client.post("/v1/chat/completions", json=body)
+        assert (first.status_code, first.headers["x-cache"], again.headers["x-cache"]) == (200, "MISS", "HIT")
+        schema["properties"]["n"]["maximum"] = 2**80 + 1
+        assert client.post("/v1/chat/completions", json=chat_body(temperature=0, seed=2**63 - 1, tools=tools)).headers["x-cache"] == "MISS"
+        # but a schema the engine must follow cannot hold them (its wire format stops at 64 bits)
+        forced = client.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice="required"))
+        assert forced.status_code == 400 and forced.json()["error"]["param"] == "tools"
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        constrained = client.post("/v1/chat/completions", json=chat_body(response_format=fmt))
+        assert constrained.status_code == 400
+        assert constrained.json()["error"]["param"] == "response_format.json_schema.schema"
+        assert len(engine.requests) == 2

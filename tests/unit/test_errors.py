@@ -77,7 +77,7 @@ def test_unknown_model_is_404(client: TestClient) -> None:
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe"])
 def test_body_that_is_not_a_json_object_is_400(client: TestClient, raw: bytes) -> None:
-    assert_error(client.post("/v1/chat/completions", content=raw), 400)
+    assert_error(client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}), 400)
 
 
 def test_body_over_the_limit_is_413(client: TestClient) -> None:
@@ -104,3 +104,81 @@ def test_engine_failure_before_stream_is_a_real_status(client: TestClient, engin
 def test_dead_engine_is_503(client: TestClient, engine) -> None:
     engine.dead = True
     assert_error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO}), 503)
+
+
+BIG = 2**64
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"seed": BIG}, "seed"),
+        ("/v1/chat/completions", {"seed": -(2**63) - 1}, "seed"),
+        ("/v1/chat/completions", {"top_k": BIG, "temperature": 0}, "top_k"),
+        ("/v1/chat/completions", {"min_tokens": BIG, "temperature": 0}, "min_tokens"),
+        ("/v1/chat/completions", {"truncate_prompt_tokens": BIG, "temperature": 0}, "truncate_prompt_tokens"),
+        ("/v1/chat/completions", {"stop_token_ids": [BIG], "temperature": 0}, "stop_token_ids.0"),
+        ("/v1/chat/completions", {"max_tokens": BIG}, "max_tokens"),
+        ("/v1/chat/completions", {"max_completion_tokens": BIG}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"logit_bias": {"²": 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"logit_bias": {"1" * 5000: 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"logit_bias": {"-5": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": [[BIG]]}, "prompt.0.0"),
+        ("/v1/completions", {"prompt": [-1]}, "prompt.0"),
+        ("/v1/completions", {"prompt": "a", "seed": BIG}, "seed"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": BIG}, "max_tokens"),
+        ("/generate", {"prompt": "a", "seed": BIG}, "seed"),
+        ("/detokenize", {"tokens": [BIG]}, "tokens.0"),
+    ],
+)
+def test_integers_are_bounded_as_vllm_bounds_them(client: TestClient, route: str, extra: dict, param: str) -> None:
+    """Past int64 (or a token id that is not one), a 400 naming the field, never a 500."""
+    body = {"model": MODEL, **({"messages": HELLO} if route == "/v1/chat/completions" else {}), **extra}
+    assert_error(client.post(route, json=body), 400, param=param)
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"logit_bias": {"100": 5}}, "logit_bias"),
+        ("/v1/chat/completions", {"stop_token_ids": [1, 100]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": [1, 100]}, "prompt"),
+        ("/v1/completions", {"prompt": [[1], [2, 100]]}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": {"99999999999": 1}}, "logit_bias"),
+        ("/generate", {"prompt": [100]}, "prompt"),
+        ("/detokenize", {"tokens": [100]}, "tokens"),
+    ],
+)
+def test_token_ids_are_checked_against_the_vocabulary(route: str, extra: dict, param: str) -> None:
+    from tests.fakes import FakeEngine, app_with
+
+    engine = FakeEngine(vocab_size=100)
+    with TestClient(app_with(engine)) as client:
+        body = {"model": MODEL, **({"messages": HELLO} if route == "/v1/chat/completions" else {}), **extra}
+        error = assert_error(client.post(route, json=body), 400, param=param)
+        assert "vocabulary" in error["message"]
+        assert engine.requests == []
+        ok = {**body, **{k: v for k, v in {"logit_bias": {"99": 5}, "stop_token_ids": [99]}.items() if k in extra}}
+        if route == "/v1/chat/completions":
+            assert client.post(route, json=ok).status_code == 200
+
+
+def test_min_tokens_past_max_tokens_is_400(client: TestClient) -> None:
+    response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 3, "min_tokens": 4})
+    assert_error(response, 400, param="min_tokens")
+
+
+def test_an_unexpected_error_is_a_500_with_request_id_in_the_api_shape(client: TestClient, engine) -> None:
+    engine.fail_after = 0  # a RuntimeError: no layer knows it
+    response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO}, headers={"X-Request-ID": "req-500"})
+    assert_error(response, 500, code="internal_error")
+    assert response.headers["x-request-id"] == "req-500"
+    metrics = client.get("/metrics").text
+    assert 'route="/v1/chat/completions",status="500"' in metrics
+
+
+def test_a_slash_redirect_never_echoes_the_host(client: TestClient) -> None:
+    for path in ("/health/", "/v1/models/", "/v1/chat/completions/"):
+        response = client.get(path, headers={"Host": "evil.example"}, follow_redirects=False)
+        assert_error(response, 404, code="not_found")
+        assert "location" not in response.headers

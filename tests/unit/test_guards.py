@@ -4,7 +4,6 @@ upstream is a real HTTP server on loopback (tests/loopback_server.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ import structlog.testing
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
+from gateway.middleware.auth import key_id
 from gateway.serving.guards.config import GuardConfigError
 from tests.fakes import FakeEngine, fake_settings
 from tests.loopback_server import LoopbackServer
@@ -42,13 +42,13 @@ profiles:
 """
 
 
-def key_id(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+ID_SECRET = "guards-test-secret"
 
 
 def guarded_app(tmp_path: Path, engine: FakeEngine, guards: str = GUARDS, **settings):
     path = tmp_path / "guards.yaml"
-    path.write_text(guards.replace("KEY_B", key_id("sk-b")))
+    path.write_text(guards.replace("KEY_B", key_id("sk-b", ID_SECRET)))
+    settings.setdefault("key_id_secret", ID_SECRET)
     return create_app(fake_settings(guards_file=path, **settings), engine_starter=lambda es: engine)
 
 

@@ -1,0 +1,133 @@
+"""Request bodies (pure ASGI, the innermost layer): slow, abandoned and too many bodies.
+
+- A body must arrive within `body_timeout_s` of the request's start: 408 (and the connection
+  closed) otherwise, so a client trickling bytes cannot hold a request open for ever.
+- A client that leaves in the middle of its body is a 499 (client gone), not a server error.
+- `BodyBudget`: the bytes of the bodies being read and prepared (parsed, tokenized), all requests
+  together, are bounded; a body that does not fit is refused with 503 and `Retry-After` before it
+  is read (its declared Content-Length counts from the start). A request's bytes count from its
+  first read until its input is prepared (`body_prepared`, called by the dispatcher) or its
+  response starts, whichever comes first.
+
+It wraps `receive`: handlers read bodies as usual, and these errors come out of their reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import metrics
+from gateway.context import current_record
+from gateway.errors import ClientDisconnected, RequestTimeout, ServiceUnavailable
+
+PREPARED = "body_prepared"  # scope["state"] key: call it once the request's input is prepared
+
+
+class BodyBudget:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, amount: int) -> bool:
+        if self.used + amount > self.limit:
+            return False
+        self.used += amount
+        return True
+
+    def give_back(self, amount: int) -> None:
+        self.used -= amount
+
+
+def _declared_length(scope: Scope) -> int:
+    for key, value in scope.get("headers", ()):
+        if key == b"content-length":
+            return int(value) if value.isdigit() and len(value) < 19 else 0
+    return 0
+
+
+class _Reading:
+    """One request's body: its deadline and the bytes it holds of the budget."""
+
+    def __init__(self, receive: Receive, budget: BodyBudget, deadline: float, declared: int) -> None:
+        self._receive = receive
+        self.budget = budget
+        self.deadline = deadline
+        self.declared = declared
+        self.read = 0
+        self.held = 0
+        self.complete = False
+        self.released = False
+
+    async def receive(self) -> Message:
+        if self.complete:
+            return await self._receive()  # after the body: disconnect watching, untouched
+        self._hold(max(self.declared, self.read))
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                message = await self._receive()
+        except TimeoutError:
+            self.release()
+            raise RequestTimeout(
+                "The request body was not received in time", headers={"Connection": "close"}
+            ) from None
+        if message["type"] == "http.disconnect":
+            self.complete = True
+            self.release()
+            current_record().disconnected = True
+            raise ClientDisconnected("The client left while sending its request body")
+        self.read += len(message.get("body", b""))
+        self._hold(max(self.declared, self.read))
+        self.complete = not message.get("more_body", False)
+        return message
+
+    def _hold(self, needed: int) -> None:
+        if self.released or needed <= self.held:
+            return
+        if not self.budget.take(needed - self.held):
+            self.release()
+            metrics.REJECTED.labels("", "body_bytes_in_flight").inc()
+            raise ServiceUnavailable(
+                "The server is reading too many request bodies at once; please retry",
+                headers={"Retry-After": "1"},
+            )
+        self.held = needed
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.budget.give_back(self.held)
+            self.held = 0
+
+
+class BodyMiddleware:
+    def __init__(self, app: ASGIApp, budget: BodyBudget, timeout_s: float) -> None:
+        self.app = app
+        self.budget = budget
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        reading = _Reading(receive, self.budget, deadline, _declared_length(scope))
+        scope.setdefault("state", {})[PREPARED] = reading.release
+
+        async def send_releasing(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                reading.release()
+            await send(message)
+
+        try:
+            await self.app(scope, reading.receive, send_releasing)
+        finally:
+            reading.release()
+
+
+def body_prepared(scope: Scope) -> None:
+    """The request's input is prepared (parsed, tokenized): its body bytes leave the budget."""
+    release = scope.get("state", {}).get(PREPARED)
+    if callable(release):
+        release()

@@ -1,0 +1,101 @@
+"""Hardening on the real server and engine (the session gateway): what a careless or hostile client
+sends gets a 4xx naming the problem, never a 5xx; token ids meet the real vocabulary; request ids,
+exact paths, JSON-only POSTs, slow headers and abandoned uploads as `python -m gateway serve` has
+them. The rest (admission by engine requests, tenants, upstream errors, logs) is in tests/unit,
+and the reliability figures in RELIABILITY.md (`make chaos`)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import MODEL
+
+pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("the gateway's own hardening")]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+VOCAB = 49152  # SmolLM2's
+
+
+def requests_with(base_url: str, status: str) -> float:
+    families = text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text)
+    return sum(s.value for f in families if f.name == "gateway_requests" for s in f.samples
+               if s.name == "gateway_requests_total" and s.labels["status"] == status)
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"logit_bias": {str(VOCAB): 5}}, "logit_bias"),
+        ("/v1/chat/completions", {"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": [[1, 2], [VOCAB]]}, "prompt"),
+        ("/v1/chat/completions", {"seed": 2**64}, "seed"),
+        ("/v1/chat/completions", {"top_k": 2**70, "temperature": 0}, "top_k"),
+        ("/v1/chat/completions", {"logit_bias": {"²": 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"logit_bias": {"1" * 5000: 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"n": 4, "max_tokens": 1, "min_tokens": 2}, "min_tokens"),
+    ],
+)
+def test_out_of_range_numbers_and_token_ids_are_400(base_url: str, path: str, extra: dict, param: str) -> None:
+    body = {"model": MODEL, "max_tokens": 2, **({"messages": QUESTION} if "chat" in path else {}), **extra}
+    response = httpx.post(f"{base_url}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(param)
+
+
+def test_the_last_token_id_of_the_vocabulary_is_fine(base_url: str) -> None:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "logit_bias": {str(VOCAB - 1): 1},
+            "stop_token_ids": [VOCAB - 1]}
+    assert httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def test_integers_past_64_bits_inside_tools_and_schemas_are_no_server_error(base_url: str) -> None:
+    """vLLM's own server answers a 500 here (its engine's wire format stops at 64 bits)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 2**80}}, "required": ["n"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "temperature": 0, "tools": tools}
+    answers = [httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120) for _ in range(2)]
+    assert [a.status_code for a in answers] == [200, 200]  # offered to the prompt: any number is fine
+    assert answers[1].headers["x-cache"] == "HIT"  # and the cache keys it despite the big number
+    fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
+    constrained = httpx.post(f"{base_url}/v1/chat/completions", json={**body, "tools": None, "response_format": fmt})
+    assert constrained.status_code == 400 and constrained.json()["error"]["param"] == "response_format.json_schema.schema"
+
+
+def test_request_ids_and_exact_paths(base_url: str) -> None:
+    assert httpx.get(f"{base_url}/health", headers={"X-Request-ID": "ok-123"}).headers["x-request-id"] == "ok-123"
+    mangled = httpx.get(f"{base_url}/health", headers=[(b"X-Request-ID", "café".encode())])
+    assert mangled.headers["x-request-id"] != "café" and mangled.headers["x-request-id"].isalnum()
+    redirect = httpx.get(f"{base_url}/health/", headers={"Host": "evil.example"}, follow_redirects=False)
+    assert redirect.status_code == 404 and "location" not in redirect.headers and redirect.headers["x-request-id"]
+
+
+def test_without_keys_a_post_must_say_json(base_url: str) -> None:
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}' % MODEL.encode()
+    refused = httpx.post(f"{base_url}/v1/chat/completions", content=body, headers={"Content-Type": "text/plain"})
+    assert refused.status_code == 415 and refused.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_slow_headers_are_cut_off(base_url: str) -> None:
+    """The session gateway runs with GATEWAY_HEADER_TIMEOUT_S=3 (tests/integration/conftest.py)."""
+    address = urlsplit(base_url)
+    with socket.create_connection((address.hostname, address.port), timeout=60) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        assert sock.recv(1024) == b""  # closed by the server, well before our 60 s
+
+
+def test_an_abandoned_upload_is_a_499(base_url: str) -> None:
+    before = requests_with(base_url, "499")
+    address = urlsplit(base_url)
+    with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5000\r\n\r\n{\"model\": ")
+        time.sleep(0.5)
+    deadline = time.monotonic() + 20
+    while requests_with(base_url, "499") == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert requests_with(base_url, "499") == before + 1

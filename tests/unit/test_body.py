@@ -1,0 +1,135 @@
+"""Request bodies (middleware.body): slow bodies time out, abandoned uploads are 499s, and the
+bytes being read and prepared at once are bounded. Driven with hand-written ASGI receive/send,
+so the body arrives exactly as the test says."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import structlog.testing
+
+from gateway import metrics
+from tests.fakes import FakeEngine, app_with, chat_body
+
+Receive = Callable[[], Awaitable[dict]]
+
+
+def scope_for(length: int | None, path: str = "/v1/chat/completions") -> dict:
+    headers = [(b"content-type", b"application/json")]
+    if length is not None:
+        headers.append((b"content-length", str(length).encode()))
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }
+
+
+def trickle(body: bytes, then: str = "hang", first: int = 10) -> Receive:
+    """The first `first` bytes of `body`, then: hang for ever, or disconnect."""
+    messages = [{"type": "http.request", "body": body[:first], "more_body": True}]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        if then == "disconnect":
+            return {"type": "http.disconnect"}
+        await asyncio.Event().wait()
+        return {}
+
+    return receive
+
+
+def whole(body: bytes) -> Receive:
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+        return {}
+
+    return receive
+
+
+class Served:
+    """The app with its lifespan state, called as a server would."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __aenter__(self) -> Served:
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        self.state = await self._lifespan.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._lifespan.__aexit__(*exc)
+
+    async def call(self, scope: dict, receive: Receive) -> list[dict]:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await self.app({**scope, "state": dict(self.state)}, receive, send)
+        return sent
+
+
+def status_and_headers(sent: list[dict]) -> tuple[int, dict[str, str]]:
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}
+
+
+BODY = json.dumps(chat_body()).encode()
+
+
+async def test_a_body_that_does_not_arrive_in_time_is_408_and_closes() -> None:
+    engine = FakeEngine()
+    async with Served(app_with(engine, body_timeout_s=0.2)) as served:
+        sent = await asyncio.wait_for(served.call(scope_for(len(BODY)), trickle(BODY)), 10)
+    status, headers = status_and_headers(sent)
+    assert status == 408 and headers["connection"] == "close" and "x-request-id" in headers
+    assert json.loads(sent[-1]["body"])["error"]["code"] == "request_timeout"
+    assert engine.requests == []
+
+
+async def test_an_abandoned_upload_is_a_499_not_a_server_error() -> None:
+    engine = FakeEngine()
+    before = metrics.REQUESTS.labels("", "/v1/chat/completions", "500")._value.get()
+    async with Served(app_with(engine)) as served:
+        with structlog.testing.capture_logs() as logs:
+            sent = await served.call(scope_for(len(BODY)), trickle(BODY, then="disconnect"))
+    assert status_and_headers(sent)[0] == 499
+    line = next(entry for entry in logs if entry["event"] == "request")
+    assert line["status"] == 499 and line["disconnected"] is True
+    assert not [entry for entry in logs if entry["log_level"] == "error"]
+    assert metrics.REQUESTS.labels("", "/v1/chat/completions", "500")._value.get() == before
+    assert engine.requests == []
+
+
+async def test_bytes_being_read_at_once_are_bounded() -> None:
+    """A slow 8 kB upload holds 8 kB of the 10 kB budget: a 5 kB body beside it is refused with
+    503 and Retry-After before it is read; once the slow one is gone, the budget is whole again."""
+    engine = FakeEngine()
+    settings = {"max_body_bytes": 10_000, "max_body_bytes_in_flight": 10_000, "body_timeout_s": 0.5}
+    big = json.dumps(chat_body(messages=[{"role": "user", "content": "x " * 4000}])).encode()
+    medium = json.dumps(chat_body(messages=[{"role": "user", "content": "y " * 2500}])).encode()
+    async with Served(app_with(engine, **settings)) as served:
+        slow = asyncio.create_task(served.call(scope_for(len(big)), trickle(big)))
+        await asyncio.sleep(0.05)
+        refused = await served.call(scope_for(len(medium)), whole(medium))
+        undeclared = await served.call(scope_for(None), whole(medium))  # chunked: counted as it arrives
+        assert status_and_headers(await slow)[0] == 408
+        full = json.dumps(chat_body(messages=[{"role": "user", "content": "z " * 4900}])).encode()
+        after = await served.call(scope_for(len(full)), whole(full))
+    for sent in (refused, undeclared):
+        status, headers = status_and_headers(sent)
+        assert status == 503 and headers["retry-after"] == "1"
+        assert json.loads(sent[-1]["body"])["error"]["code"] == "service_unavailable"
+    assert status_and_headers(after)[0] == 400  # read whole (the context is too small), not refused
+    assert 'reason="body_bytes_in_flight"' in metrics.exposition()[0].decode()

@@ -1,0 +1,156 @@
+"""The real HTTP server (gateway.server: uvicorn with our protocol and limits) on the fake engine,
+over loopback sockets: slow headers and idle connections are closed, the connection cap holds,
+errors keep the keep-alive connection, and an abandoned upload is a 499."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gateway import metrics
+from gateway.app import create_app
+from gateway.middleware.lifecycle import Lifecycle
+from gateway.server import MAX_HEADER_BYTES, DrainingServer, server_config
+from tests.fakes import FakeEngine, chat_body, fake_settings
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Running:
+    def __init__(self, engine: FakeEngine, **settings: Any) -> None:
+        self.engine = engine
+        self.port = free_port()
+        config = fake_settings(port=self.port, **settings)
+        lifecycle = Lifecycle()
+        app = create_app(config, engine_starter=lambda es: engine, lifecycle=lifecycle)
+        self.server = DrainingServer(server_config(app, config), lifecycle, drain_timeout_s=0)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> Running:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.server.started
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=10)
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def running(engine: FakeEngine) -> Iterator[Running]:
+    with Running(engine, header_timeout_s=0.3) as server:
+        yield server
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed the connection (within the socket's 10 s timeout)."""
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_headers_that_never_end_are_cut_off(running: Running) -> None:
+    with running.connect() as slow:
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        assert closed_by_server(slow)
+    with running.connect() as idle:  # a connection that never sends a request
+        assert closed_by_server(idle)
+
+
+def test_headers_past_the_size_bound_are_cut_off() -> None:
+    with Running(FakeEngine(), header_timeout_s=30) as server, server.connect() as big:
+        big.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for _ in range(MAX_HEADER_BYTES // 1000 + 10):
+                big.sendall(b"X-Filler: " + b"a" * 1000 + b"\r\n")
+        except OSError:
+            pass  # closed while we were still sending
+        assert closed_by_server(big)
+
+
+def test_the_header_timeout_spares_a_connection_between_requests(running: Running) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
+    connection.request("GET", "/health")
+    assert connection.getresponse().read() == b'{"status":"ok"}'
+    first = connection.sock
+    time.sleep(0.5)  # idle past the header timeout (0.3 s), within keep-alive: the timer runs only for headers
+    connection.request("GET", "/health")
+    assert connection.getresponse().status == 200 and connection.sock is first
+
+
+def test_a_500_keeps_the_connection_and_says_its_request_id(running: Running, engine: FakeEngine) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
+    engine.fail_after = 0
+    body = chat_body()
+    headers = {"Content-Type": "application/json", "X-Request-ID": "broken-1"}
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
+    failed = connection.getresponse()
+    assert failed.status == 500 and failed.getheader("x-request-id") == "broken-1"
+    assert b"internal_error" in failed.read() and failed.getheader("connection") != "close"
+    sock = connection.sock
+    engine.fail_after = None
+    connection.request("GET", "/health")
+    assert connection.getresponse().status == 200 and connection.sock is sock  # the same connection
+
+
+def test_an_abandoned_upload_is_counted_as_499(running: Running, engine: FakeEngine) -> None:
+    before = metrics.REQUESTS.labels("", "/v1/chat/completions", "499")._value.get()
+    with running.connect() as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while metrics.REQUESTS.labels("", "/v1/chat/completions", "499")._value.get() == before:
+        assert time.monotonic() < deadline, "the abandoned upload was never logged"
+        time.sleep(0.05)
+    assert engine.requests == []
+
+
+def test_connections_past_the_cap_get_503() -> None:
+    with Running(FakeEngine(), max_connections=2, header_timeout_s=30) as server:
+        held = [server.connect() for _ in range(2)]
+        time.sleep(0.2)
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        connection.request("GET", "/health")
+        assert connection.getresponse().status == 503
+        for sock in held:
+            sock.close()
+
+
+def test_the_auth_throttle_counts_the_client_behind_a_trusted_proxy() -> None:
+    """From a trusted proxy (here loopback), X-Forwarded-For names the client: one client's
+    failed attempts do not lock out every other client behind the same balancer."""
+    settings = {"api_keys": ["sk-right"], "auth_failures_per_minute": 1, "forwarded_allow_ips": "127.0.0.1"}
+    with Running(FakeEngine(), **settings) as server:
+        def attempt(client: str) -> int:
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            headers = {"Authorization": "Bearer sk-guess", "X-Forwarded-For": client}
+            connection.request("GET", "/v1/models", headers=headers)
+            return connection.getresponse().status
+
+        assert [attempt("10.0.0.1"), attempt("10.0.0.1"), attempt("10.0.0.2")] == [401, 429, 401]

@@ -1,0 +1,147 @@
+"""Remote models (backends.upstream) against a scripted upstream (httpx.MockTransport): its failures
+become the gateway's own errors with fallbacks, its words stay in the log, its encodings are
+undone, and a stream it breaks ends with one error event."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import structlog.testing
+from starlette.testclient import TestClient
+
+from gateway.app import create_app
+from tests.fakes import FakeEngine, chat_body, fake_settings
+
+MODELS = """
+models:
+  - name: local
+  - name: remote
+    kind: remote
+    url: http://upstream.test/v1
+    fallback: [local]
+  - name: lonely
+    kind: remote
+    url: http://upstream.test/v1
+"""
+SECRET_TEXT = "Incorrect API key provided: sk-up****"
+EVENT = b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[]}'
+
+
+class Broken(httpx.AsyncByteStream):
+    """Some bytes, then the connection fails."""
+
+    def __init__(self, before: bytes) -> None:
+        self.before = before
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if self.before:
+            yield self.before
+        raise httpx.ReadError("connection reset by peer")
+
+
+Script = Callable[[httpx.Request], httpx.Response]
+
+
+@pytest.fixture
+def upstream(tmp_path: Path) -> Iterator[tuple[TestClient, list[Script]]]:
+    """The gateway with `local` (fake engine) and two remotes; set script[0] to answer as the upstream."""
+    models = tmp_path / "models.yaml"
+    models.write_text(MODELS)
+    app = create_app(fake_settings(models_file=models), engine_starter=lambda es: FakeEngine(es.served_model_name))
+    script: list[Script] = [lambda request: httpx.Response(200, json={})]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        registry = client.app_state["gateway"].models  # the lifespan state
+        for name in ("remote", "lonely"):
+            upstream = registry.backends[name].upstream
+            upstream._client = httpx.AsyncClient(base_url="http://upstream.test/v1",
+                                                 transport=httpx.MockTransport(lambda request: script[0](request)))
+        yield client, script
+
+
+def test_an_upstream_that_refuses_our_key_is_a_502_and_falls_back(upstream) -> None:
+    client, script = upstream
+    script[0] = lambda request: httpx.Response(401, json={"error": {"message": SECRET_TEXT}})
+    with structlog.testing.capture_logs() as logs:
+        alone = client.post("/v1/chat/completions", json=chat_body("lonely"))
+        rescued = client.post("/v1/chat/completions", json=chat_body("remote"))
+    assert alone.status_code == 502 and alone.json()["error"]["code"] == "bad_gateway"
+    assert SECRET_TEXT not in alone.text and "sk-up" not in alone.text
+    assert rescued.status_code == 200 and rescued.headers["x-served-model"] == "local"
+    assert any(SECRET_TEXT in str(entry.get("why")) for entry in logs if entry["event"] == "upstream_failed")
+
+
+@pytest.mark.parametrize(("status", "expected"), [(500, 502), (403, 502), (404, 502), (503, 503), (429, 503), (504, 503)])
+def test_upstream_failures_map_to_our_errors(upstream, status: int, expected: int) -> None:
+    client, script = upstream
+    script[0] = lambda request: httpx.Response(status, text=f"upstream says {SECRET_TEXT}")
+    answer = client.post("/v1/chat/completions", json=chat_body("lonely"))
+    assert answer.status_code == expected and SECRET_TEXT not in answer.text
+    assert answer.json()["error"]["type"] == "server_error"
+    assert client.post("/v1/chat/completions", json=chat_body("remote")).headers["x-served-model"] == "local"
+
+
+def test_the_clients_own_mistake_is_passed_on(upstream) -> None:
+    client, script = upstream
+    error = {"error": {"message": "max_tokens is too large", "type": "BadRequestError", "param": "max_tokens", "code": 400}}
+    script[0] = lambda request: httpx.Response(400, json=error)
+    answer = client.post("/v1/chat/completions", json=chat_body("remote"))
+    assert answer.status_code == 400 and answer.json() == error
+
+
+def test_ready_shows_no_upstream_text(upstream) -> None:
+    client, script = upstream
+    script[0] = lambda request: httpx.Response(401, text=SECRET_TEXT)
+    ready = client.get("/ready")
+    assert ready.status_code == 503 and ready.json()["models"]["lonely"] == "unavailable: upstream answered 401"
+    assert SECRET_TEXT not in ready.text
+
+
+def test_a_compressed_stream_reaches_the_client_decoded(upstream) -> None:
+    client, script = upstream
+    events = EVENT + b"\n\n" + EVENT + b"\r\n\r\n" + b"data: [DONE]\n\n"
+    script[0] = lambda request: httpx.Response(
+        200, content=gzip.compress(events), headers={"content-type": "text/event-stream", "content-encoding": "gzip"}
+    )
+    answer = client.post("/v1/chat/completions", json=chat_body("remote", stream=True))
+    assert answer.status_code == 200 and "content-encoding" not in answer.headers
+    assert answer.text == (EVENT + b"\n\n" + EVENT + b"\n\n" + b"data: [DONE]\n\n").decode()
+    whole = client.post("/v1/completions", json={"model": "remote", "prompt": "hi"})
+    assert whole.status_code == 200
+
+
+def test_a_compressed_answer_reaches_the_client_decoded(upstream) -> None:
+    client, script = upstream
+    body = {"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": []}
+    script[0] = lambda request: httpx.Response(
+        200, content=gzip.compress(json.dumps(body).encode()),
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+    )
+    answer = client.post("/v1/chat/completions", json=chat_body("remote"))
+    assert answer.status_code == 200 and answer.json() == body and "content-encoding" not in answer.headers
+
+
+def test_an_upstream_that_breaks_mid_stream_ends_it_with_one_error_event(upstream) -> None:
+    client, script = upstream
+    # the second event is cut in the middle: it is not passed on
+    script[0] = lambda request: httpx.Response(
+        200, stream=Broken(EVENT + b"\n\n" + EVENT[:20]), headers={"content-type": "text/event-stream"}
+    )
+    answer = client.post("/v1/chat/completions", json=chat_body("lonely", stream=True))
+    assert answer.status_code == 200
+    events = [e for e in answer.text.split("\n\n") if e]
+    assert events[0] == EVENT.decode() and events[-1] == "data: [DONE]" and len(events) == 3
+    error = json.loads(events[1][len("data: "):])["error"]
+    assert error["code"] == "service_unavailable" and "reset" not in error["message"]
+
+
+def test_an_upstream_that_breaks_before_its_first_event_falls_back(upstream) -> None:
+    client, script = upstream
+    script[0] = lambda request: httpx.Response(200, stream=Broken(b""), headers={"content-type": "text/event-stream"})
+    answer = client.post("/v1/chat/completions", json=chat_body("remote", stream=True))
+    assert answer.status_code == 200 and answer.headers["x-served-model"] == "local"
+    assert answer.text.endswith("data: [DONE]\n\n") and '"error"' not in answer.text
