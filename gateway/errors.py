@@ -11,6 +11,7 @@
     ├── PayloadTooLarge         413 invalid_request_error / request_too_large
     ├── RateLimited             429 rate_limit_error / rate_limit_exceeded
     │   └── ModelOverloaded     429 rate_limit_error / model_overloaded      (fallible)
+    ├── QuotaExceeded           429 insufficient_quota / insufficient_quota  (a key's token budget)
     ├── ClientDisconnected      499 (no body: the client is gone)
     ├── InternalError           500 server_error / internal_error
     └── ServiceUnavailable      503 server_error / service_unavailable
@@ -126,6 +127,13 @@ class ModelOverloaded(RateLimited):
     fallible = True
 
 
+class QuotaExceeded(APIError):
+    """The key's token budget (per day or month, `gateway.tenants`) is spent: OpenAI's answer when
+    an account's quota is. Retry-After only when the budget's next period can take the request."""
+
+    status, type, code = 429, "insufficient_quota", "insufficient_quota"
+
+
 class ClientDisconnected(APIError):
     """The client closed the connection before its answer was ready: logged as 499, no body."""
 
@@ -159,7 +167,7 @@ class ModelUnavailable(ServiceUnavailable):
 # Every error the API answers with, as documented in the README's error table.
 ERROR_CLASSES: tuple[type[APIError], ...] = (
     InvalidRequest, ContextLengthExceeded, ContentPolicyViolation, AuthenticationFailed, NotFound, ModelNotFound,
-    MethodNotAllowed, PayloadTooLarge, RateLimited, ModelOverloaded, InternalError, ServiceUnavailable,
+    MethodNotAllowed, PayloadTooLarge, RateLimited, ModelOverloaded, QuotaExceeded, InternalError, ServiceUnavailable,
     BackendUnavailable, ModelUnavailable,
 )
 

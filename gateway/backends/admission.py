@@ -4,6 +4,10 @@ A request takes a permit before its response starts and holds it for the life of
 whole stream). Beyond `max_running` it waits, in arrival order, for at most `wait_timeout_s`;
 beyond `max_waiting` waiting requests, or after the wait, it is refused at once with 429 (and
 Retry-After) or 503, as configured: errors the dispatcher may answer with a fallback.
+
+Priority classes (the keys file's `priority`): each may fill only its share of `max_waiting`
+(`queue_share`, by default low half of it, normal and high all of it), so as the queue fills, low
+requests are refused first, and a lower share for normal holds room for high.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 
 from gateway import metrics
 from gateway.errors import ModelOverloaded, ModelUnavailable
-from gateway.settings import AdmissionSettings
+from gateway.settings import AdmissionSettings, Priority
 
 
 class Permit:
@@ -33,16 +37,16 @@ class Admission:
         self.running = 0
         self.waiting = 0
 
-    async def acquire(self) -> Permit:
+    async def acquire(self, priority: Priority = "normal") -> Permit:
         if self._slots.locked():
-            await self._wait()
+            await self._wait(priority)
         else:
             await self._slots.acquire()  # a free slot: taken at once, without suspending
         self.running += 1
         return Permit(self)
 
-    async def _wait(self) -> None:
-        if self.waiting >= self.settings.max_waiting:
+    async def _wait(self, priority: Priority) -> None:
+        if self.waiting >= self.settings.max_waiting * self.settings.queue_share.get(priority, 1.0):
             raise self._refuse("queue_full", "too many requests are waiting for this model")
         self.waiting += 1
         metrics.WAITING.labels(self.model).set(self.waiting)

@@ -1,7 +1,8 @@
 """API keys (pure ASGI): a key on every route but the open ones, as `Authorization: Bearer` (OpenAI's
 clients) or `x-api-key` (Anthropic's).
 
-Keys come from settings and are kept only as SHA-256 hashes; a presented key is hashed and compared
+Keys come from settings and from the keys file (`gateway.tenants`, whose keys are named by their
+id there) and are kept only as SHA-256 hashes; a presented key is hashed and compared
 with every stored hash in constant time. The key's id (safe to log) goes into the request's record
 and scope state, for the rate limits, the access line and sticky A/B splits.
 """
@@ -17,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.context import current_record
 from gateway.errors import APIError, AuthenticationFailed, dialect_of, send_error
+from gateway.tenants import Tenants
 
 ANONYMOUS = "anonymous"
 
@@ -42,10 +44,11 @@ class KeyRing:
 class AuthMiddleware:
     """`open_paths`: the routes that take no key (from the route table)."""
 
-    def __init__(self, app: ASGIApp, keys: KeyRing, open_paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing, open_paths: frozenset[str], tenants: Tenants | None = None) -> None:
         self.app = app
         self.keys = keys
         self.open = open_paths
+        self.tenants = tenants  # the keys file's keys, named by their id there (gateway.tenants)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open:
@@ -61,14 +64,14 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
     def _identify(self, scope: Scope) -> str:
-        if not self.keys.enabled:
+        if not self.keys.enabled and not (self.tenants and self.tenants.enabled):
             return ANONYMOUS
         presented = presented_key(scope)
         if not presented:
             raise AuthenticationFailed(
                 "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY' (or 'x-api-key: YOUR_KEY')."
             )
-        key_id = self.keys.identify(presented)
+        key_id = (self.tenants and self.tenants.identify(presented)) or self.keys.identify(presented)
         if key_id is None:
             raise AuthenticationFailed("Incorrect API key provided.")
         return key_id
