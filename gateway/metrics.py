@@ -66,8 +66,7 @@ LIMITS_REDIS_ERRORS = Counter(
     ["operation"],
 )
 LIMITS_LOCAL = Counter(
-    "gateway_limits_local_decisions_total", "Limit and budget decisions made in process because Redis was down",
-    ["kind"],
+    "gateway_limits_local_decisions_total", "Limit and budget decisions made in process because Redis was down"
 )
 KEYS_RELOADS = Counter("gateway_keys_reloads_total", "Reloads of the keys file, by result", ["result"])
 TLS_RELOADS = Counter("gateway_tls_reloads_total", "Reloads of the TLS certificate files, by result", ["result"])

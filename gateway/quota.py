@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -191,7 +191,8 @@ class Charge:
     estimate: int
     record: RequestRecord
     periods: list[Period] = field(default_factory=list)
-    shared: bool = False  # reserved in Redis (else in process)
+    budgets_shared: bool = False  # the budgets reserved in Redis (else in process)
+    tokens_shared: bool = False  # the tokens per minute taken in Redis
     reconcile: bool = False  # tokens per minute too: the estimate was a guess (remote models)
     held: bool = False  # a stream settles when it ends, not when the handler returns
     settled: bool = False
@@ -205,10 +206,8 @@ class Charge:
         metrics.KEY_PROMPT_TOKENS.labels(*labels).inc(prompt)
         metrics.KEY_COMPLETION_TOKENS.labels(*labels).inc(completion)
         delta = prompt + completion - self.estimate
-        if delta and self.periods:
-            self.quota.later(self.quota.adjust_budgets(self, delta))
-        if delta and self.reconcile and self.policy.tpm:
-            self.quota.later(self.quota.force_tokens(self.policy, self.policy.tpm, delta))
+        if delta:
+            self.quota.correct(self, delta)
 
 
 class Quota:
@@ -230,23 +229,29 @@ class Quota:
         if charge.periods:
             await self._reserve(charge)
         if policy.tpm is not None:
+            allowed, left, shared = await self._bucket_where(f"tokens:{policy.key_id}", policy.tpm, tokens, False)
             try:
-                allowed, left = await self._bucket(f"tokens:{policy.key_id}", policy.tpm, tokens)
                 _report("tokens", policy.tpm, tokens, allowed, left)
             except RateLimited:
                 if charge.periods:
-                    self.later(self.adjust_budgets(charge, -tokens))  # not served: the reservation goes back
+                    self.correct(replace(charge, reconcile=False), -tokens)  # not served: the reservation goes back
                 raise
+            charge.tokens_shared = shared
         return charge
 
     async def _bucket(self, name: str, capacity: int, amount: float, force: bool = False) -> tuple[bool, float]:
+        allowed, tokens, _ = await self._bucket_where(name, capacity, amount, force)
+        return allowed, tokens
+
+    async def _bucket_where(self, name: str, capacity: int, amount: float, force: bool) -> tuple[bool, float, bool]:
+        """(allowed, tokens left, counted in Redis)."""
         if self._shared_up():
             assert self.shared is not None
             try:
-                return await self.shared.bucket(name, capacity, amount, force)
+                return (*await self.shared.bucket(name, capacity, amount, force), True)
             except REDIS_ERRORS as exc:
                 self._failed("bucket", exc)
-        return self.local.bucket(name, capacity, amount, force)
+        return (*self.local.bucket(name, capacity, amount, force), False)
 
     async def _reserve(self, charge: Charge) -> None:
         result: tuple[int, int] | None = None
@@ -254,7 +259,7 @@ class Quota:
             assert self.shared is not None
             try:
                 result = await self.shared.reserve(charge.periods, charge.estimate)
-                charge.shared = True
+                charge.budgets_shared = True
             except REDIS_ERRORS as exc:
                 self._failed("budget", exc)
         if result is None:
@@ -263,19 +268,27 @@ class Quota:
         if index:
             _refuse_budget(charge.policy, charge.periods[index - 1], charge.estimate, used)
 
-    async def adjust_budgets(self, charge: Charge, delta: int) -> None:
-        if charge.shared and self.shared is not None:
-            try:
-                await self.shared.adjust(charge.periods, delta)
-                return
-            except REDIS_ERRORS as exc:
-                self._failed("settle", exc)
-                return  # Redis counted the reservation; the correction is lost (counted, logged)
-        for period in charge.periods:
-            self.local.adjust(period, delta)
+    def correct(self, charge: Charge, delta: int) -> None:
+        """Budgets (and, for an estimate, tokens per minute) moved by `delta` tokens, where they were
+        counted: in process at once, in Redis off the request's path."""
+        tokens = charge.reconcile and charge.policy.tpm is not None
+        if charge.periods and not charge.budgets_shared:
+            for period in charge.periods:
+                self.local.adjust(period, delta)
+        if tokens and not charge.tokens_shared:
+            self.local.bucket(f"tokens:{charge.policy.key_id}", charge.policy.tpm or 0, delta, force=True)
+        if (charge.periods and charge.budgets_shared) or (tokens and charge.tokens_shared):
+            self.later(self._correct_shared(charge, delta))
 
-    async def force_tokens(self, policy: KeyPolicy, tpm: int, delta: int) -> None:
-        await self._bucket(f"tokens:{policy.key_id}", tpm, delta, force=True)
+    async def _correct_shared(self, charge: Charge, delta: int) -> None:
+        assert self.shared is not None
+        try:
+            if charge.periods and charge.budgets_shared:
+                await self.shared.adjust(charge.periods, delta)
+            if charge.reconcile and charge.policy.tpm and charge.tokens_shared:
+                await self.shared.bucket(f"tokens:{charge.policy.key_id}", charge.policy.tpm, delta, True)
+        except REDIS_ERRORS as exc:
+            self._failed("settle", exc)  # Redis counted the estimate; this correction is lost
 
     def finish(self, policy: KeyPolicy, status: int, charge: Charge | None) -> None:
         """The end of a request (`middleware.rate_limit`): its usage counted and its charge settled,
@@ -295,7 +308,7 @@ class Quota:
         if self.shared is None:
             return False
         if time.monotonic() < self._down_until:
-            metrics.LIMITS_LOCAL.labels("down").inc()
+            metrics.LIMITS_LOCAL.inc()
             return False
         if self._down_until:
             self._down_until = 0.0
@@ -304,7 +317,7 @@ class Quota:
 
     def _failed(self, operation: str, exc: BaseException) -> None:
         metrics.LIMITS_REDIS_ERRORS.labels(operation).inc()
-        metrics.LIMITS_LOCAL.labels("down").inc()
+        metrics.LIMITS_LOCAL.inc()
         if not self._down_until:
             log.warning("limits_redis_unavailable", operation=operation, error=str(exc) or type(exc).__name__,
                         counting="in process", retry_s=self.settings.redis_retry_s)

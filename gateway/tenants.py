@@ -3,7 +3,7 @@ runs under.
 
     keys:
       team-a-batch:                       # the key's id: what logs, metrics and the guards file name
-        key_sha256: 9f86d081884c7d65...   # the key's SHA-256 in hex (printf %s "$KEY" | sha256sum) ...
+        key_sha256: "9f86d081884c7d65..." # the key's SHA-256 in hex, quoted (printf %s "$KEY" | sha256sum)
         # key: sk-team-a-...              # ... or the key itself (hashed when read, never kept)
         models: [smollm2-135m-instruct, assistant@1]  # what it may use (omitted: every model)
         rpm: 60                           # requests per minute (omitted: GATEWAY_RATE_LIMIT_RPM)
@@ -37,7 +37,16 @@ from typing import Annotated
 
 import structlog
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from gateway.metrics import KEYS_RELOADS
 from gateway.settings import Priority
@@ -74,6 +83,13 @@ class KeySpec(BaseModel):
     priority: Priority = "normal"
     team: str | None = Field(None, max_length=64)
     owner: str | None = Field(None, max_length=200)
+
+    @field_validator("key", "key_sha256", mode="before")
+    @classmethod
+    def _quoted(cls, value: object) -> object:
+        if value is not None and not isinstance(value, str):
+            raise ValueError("must be a string: quote it (YAML reads some keys and hex digests as numbers)")
+        return value
 
     @model_validator(mode="after")
     def _one_key(self) -> KeySpec:
