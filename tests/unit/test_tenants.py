@@ -288,3 +288,16 @@ async def test_low_priority_is_refused_first_as_the_queue_fills(tmp_path: Path) 
             results = await asyncio.gather(running, *waiting, normal)
     assert low.status_code == 429 and low.json()["error"]["code"] == "model_overloaded"
     assert [r.status_code for r in results] == [200, 200, 200, 200]
+
+
+def test_the_readmes_keys_file_example(tmp_path: Path) -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme[readme.index("**Tenants: a keys file.**"):]
+    example = section[section.index("```yaml") + 7:section.index("```", section.index("```yaml") + 7)]
+    path = keys_file(tmp_path, example.replace("sk-support-0c5e...", "sk-support-0c5e"))
+    tenants = Tenants(path)
+    tenants.check({"smollm2-135m-instruct", "assistant"}, frozenset({"strict"}))
+    assert tenants.identify("sk-research-0123456789") == "research-batch"  # its key_sha256 is this key's
+    policy = tenants.policy("research-batch")
+    assert (policy.rpm, policy.tpm, policy.budget_day, policy.priority, policy.team) == (60, 20000, 200000, "low", "research")
+    assert policy.allows("assistant@1.2.0") and not policy.allows("assistant@2.0.0")
