@@ -282,7 +282,9 @@ async def test_low_priority_is_refused_first_as_the_queue_fills(tmp_path: Path) 
             while not engine.running:
                 await asyncio.sleep(0.001)
             waiting = [asyncio.create_task(post("sk-web")), asyncio.create_task(post("sk-web"))]
-            await asyncio.sleep(0.01)  # both queued: the queue is half full
+            admission = state["gateway"].models.backends["fake-model"].admission
+            while admission.waiting < 2:  # both queued: the queue is half full
+                await asyncio.sleep(0.001)
             low = await post("sk-low")
             normal = asyncio.create_task(post("sk-web"))
             results = await asyncio.gather(running, *waiting, normal)
