@@ -105,6 +105,7 @@ def server_config(app: Any, settings: Settings, tls_options: dict[str, Any] | No
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=5,  # the drain already waited for requests in progress
+        **(tls_options or {}),
     )
 
 
