@@ -36,15 +36,16 @@ from gateway.backends.startup import (
 )
 from gateway.cache import ResponseCache, make_backend
 from gateway.errors import APIError, dialect_of, from_exception, render
-from gateway.limits import RateLimiter
 from gateway.middleware.access_log import AccessLogMiddleware
 from gateway.middleware.auth import AttemptThrottle, AuthMiddleware, KeyRing
 from gateway.middleware.body import BodyBudget, BodyMiddleware
 from gateway.middleware.lifecycle import Lifecycle, LifecycleMiddleware
 from gateway.middleware.rate_limit import RateLimitMiddleware
+from gateway.quota import Quota
 from gateway.responses_store import ResponseStore, make_store_backend
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
+from gateway.tenants import Tenants
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +64,7 @@ async def error_response(request: Request, exc: Exception) -> Response:
     return response
 
 
-def _middleware(settings: Settings, lifecycle: Lifecycle, limiter: RateLimiter) -> list[Middleware]:
+def _middleware(settings: Settings, lifecycle: Lifecycle, quota: Quota, tenants: Tenants) -> list[Middleware]:
     keyless = TABLE.paths("open") if settings.auth_ops_routes else TABLE.paths("open", "ops")
     keys = KeyRing(settings.api_keys, settings.key_id_secret)
     throttle = AttemptThrottle(settings.auth_failures_per_minute)
@@ -71,10 +72,15 @@ def _middleware(settings: Settings, lifecycle: Lifecycle, limiter: RateLimiter) 
         Middleware(AccessLogMiddleware, route_label=TABLE.label, log_content=settings.log_prompts,
                    dialect=TABLE.dialect),
         Middleware(LifecycleMiddleware, lifecycle=lifecycle, ops_paths=TABLE.paths("ops")),
-        Middleware(AuthMiddleware, keys=keys, open_paths=keyless, throttle=throttle),
-        Middleware(RateLimitMiddleware, limiter=limiter, open_paths=keyless),
+        Middleware(AuthMiddleware, keys=keys, open_paths=keyless, throttle=throttle, tenants=tenants),
+        Middleware(RateLimitMiddleware, quota=quota, tenants=tenants, open_paths=keyless),
         Middleware(BodyMiddleware, budget=BodyBudget(settings.max_body_bytes_in_flight), timeout_s=settings.body_timeout_s),
     ]
+
+
+def tenants_of(settings: Settings) -> Tenants:
+    """The keys file (none: only GATEWAY_API_KEYS), with the global limits for keys without their own."""
+    return Tenants(settings.keys_file, settings.rate_limit_rpm, settings.rate_limit_tpm, settings.keys_reload_interval_s)
 
 
 def create_app(
@@ -82,13 +88,18 @@ def create_app(
     engine_starter: EngineStarter = start_embedded,
     lifecycle: Lifecycle | None = None,
     engine_check: EngineCheck | None = None,
+    tenants: Tenants | None = None,
 ) -> Starlette:
-    """Bad configuration (models file, guards, cache backend and, with `engine_check`, engine settings
-    the model or platform cannot use) is refused here, before anything starts."""
+    """Bad configuration (models file, guards, keys file, cache backend and, with `engine_check`,
+    engine settings the model or platform cannot use) is refused here, before anything starts.
+    `tenants`: the keys file, when the caller reloads it (the server, on SIGHUP); else read here."""
     models = modelfile.load(settings)
     guards = Guards.load(settings.guards_file, modelfile.guard_profiles(models))
     lifecycle = lifecycle or Lifecycle()
-    limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm)
+    tenants = tenants or tenants_of(settings)
+    tenants.check(modelfile.public_names(models), frozenset(guards.profiles))
+    guards.key_profile = tenants.guard_profile  # a key's profile in the keys file comes first
+    quota = Quota(settings.limits)
     cache_backend = make_backend(settings.cache)
     if engine_check is not None:  # last: it imports vllm and reads the models
         check_embedded(models, settings, engine_check)
@@ -103,7 +114,7 @@ def create_app(
             if settings.warmup:
                 for name, engine in registry.engines():
                     await warm_up(name, engine)
-            state = GatewayState(settings, registry, lifecycle, limiter, cache, guards, responses)
+            state = GatewayState(settings, registry, lifecycle, quota, cache, guards, responses, tenants)
             log.info("ready", models=sorted(registry.backends), splits=sorted(registry.splits), aliases=sorted(registry.aliases))
             yield {"gateway": state}
         finally:
@@ -113,10 +124,11 @@ def create_app(
             if cache.backend is not None:
                 await cache.backend.aclose()
             await guards.aclose()
+            await quota.aclose()
 
     app = Starlette(
         routes=TABLE.routes(),
-        middleware=_middleware(settings, lifecycle, limiter),
+        middleware=_middleware(settings, lifecycle, quota, tenants),
         # the known kinds are answered inside the app; unknown errors go up to the access log,
         # which answers them within the request's log context (Starlette's own outermost handler
         # would answer without X-Request-ID and raise on, resetting the connection)

@@ -13,11 +13,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine import check_engine_settings
-from gateway.app import create_app
+from gateway.app import create_app, tenants_of
 from gateway.backends.modelfile import ConfigError
 from gateway.logs import configure
 from gateway.middleware.lifecycle import Lifecycle
-from gateway.server import DrainingServer, server_config
+from gateway.server import DrainingServer, Reloadable, server_config
 from gateway.settings import Settings
 from gateway.tls import ServerTLS
 
@@ -43,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="model directory or hub id (default: the prepared SmolLM2)")
     serve.add_argument("--served-model-name")
     serve.add_argument("--embedding-model", help="also serve the model as an embedding model under this name")
+    serve.add_argument("--keys-file", help="YAML file of API keys with their own settings (GATEWAY_KEYS_FILE)")
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--dtype")
     serve.add_argument("--gpu-memory-utilization", type=float)
@@ -68,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 TLS_FLAGS = ("cert_file", "key_file", "ca_file", "client_auth", "min_version")
-TOP_FLAGS = ("host", "port", "log_level", "log_format", "embedding_model")
+TOP_FLAGS = ("host", "port", "log_level", "log_format", "embedding_model", "keys_file")
 ENGINE_FLAGS = (
     "model",
     "served_model_name",
@@ -102,9 +103,13 @@ def serve(settings: Settings) -> int:
     configure(settings.log_level, settings.log_format)
     tls = ServerTLS(settings.tls) if settings.tls.enabled else None  # bad files stop us before the engine loads
     lifecycle = Lifecycle()
-    app = create_app(settings, lifecycle=lifecycle, engine_check=check_engine_settings)
+    tenants = tenants_of(settings)  # a bad keys file stops us here too
+    app = create_app(settings, lifecycle=lifecycle, engine_check=check_engine_settings, tenants=tenants)
     config = server_config(app, settings, tls.uvicorn_options() if tls else None)
-    server = DrainingServer(config, lifecycle, settings.drain_timeout_s, reloadables=[tls] if tls else [])
+    reloadables: list[Reloadable] = [tls] if tls else []
+    if tenants.enabled:
+        reloadables.append(tenants)
+    server = DrainingServer(config, lifecycle, settings.drain_timeout_s, reloadables=reloadables)
     server.run()
     return 0 if server.started else STARTUP_FAILED
 
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from(args)
         if args.command == "serve":
             return serve(settings)
-    except (ConfigError, ValidationError, ValueError) as exc:
+    except (ConfigError, ValidationError, ValueError) as exc:  # KeysFileError and TLSConfigError are ValueErrors
         print(f"llm-gateway: configuration error: {exc}", file=sys.stderr)
         return 2
     return 0

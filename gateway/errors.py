@@ -14,6 +14,7 @@
     ├── UnsupportedMediaType    415 invalid_request_error / unsupported_media_type
     ├── RateLimited             429 rate_limit_error / rate_limit_exceeded
     │   └── ModelOverloaded     429 rate_limit_error / model_overloaded      (fallible)
+    ├── QuotaExceeded           429 insufficient_quota / insufficient_quota  (a key's token budget)
     ├── ClientDisconnected      499 (no body: the client is gone)
     ├── InternalError           500 server_error / internal_error
     ├── BadGateway              502 server_error / bad_gateway           (fallible)
@@ -150,6 +151,13 @@ class ModelOverloaded(RateLimited):
     fallible = True
 
 
+class QuotaExceeded(APIError):
+    """The key's token budget (per day or month, `gateway.tenants`) is spent: OpenAI's answer when
+    an account's quota is. Retry-After only when the budget's next period can take the request."""
+
+    status, type, code = 429, "insufficient_quota", "insufficient_quota"
+
+
 class ClientDisconnected(APIError):
     """The client closed the connection before its answer was ready: logged as 499, no body."""
 
@@ -192,7 +200,7 @@ class ModelUnavailable(ServiceUnavailable):
 ERROR_CLASSES: tuple[type[APIError], ...] = (
     InvalidRequest, ContextLengthExceeded, ContentPolicyViolation, OverTokenLimit, AuthenticationFailed, NotFound,
     ModelNotFound, MethodNotAllowed, RequestTimeout, PayloadTooLarge, UnsupportedMediaType, RateLimited,
-    ModelOverloaded, InternalError, BadGateway, ServiceUnavailable, BackendUnavailable, ModelUnavailable,
+    ModelOverloaded, QuotaExceeded, InternalError, BadGateway, ServiceUnavailable, BackendUnavailable, ModelUnavailable,
 )
 
 

@@ -53,6 +53,22 @@ GUARD_ACTIONS = Counter(
     ["guard", "stage", "action"],
 )
 DISCONNECTS = Counter("gateway_client_disconnects_total", "Clients gone before their answer ended", ["model"])
+# Usage per API key, for charge-back: `key` is the key's id (the keys file's names, the hash ids of
+# GATEWAY_API_KEYS, or "anonymous": a bounded set), `team` the keys file's team ("" when none).
+KEY_REQUESTS = Counter("gateway_key_requests_total", "Requests answered (2xx) per API key", ["key", "team"])
+KEY_PROMPT_TOKENS = Counter("gateway_key_prompt_tokens_total", "Prompt tokens processed per API key", ["key", "team"])
+KEY_COMPLETION_TOKENS = Counter(
+    "gateway_key_completion_tokens_total", "Completion tokens generated per API key", ["key", "team"]
+)
+QUOTA_REFUSED = Counter("gateway_quota_refused_total", "Requests refused by a key's token budget", ["key", "period"])
+LIMITS_REDIS_ERRORS = Counter(
+    "gateway_limits_redis_errors_total", "Failures of the shared limits' Redis (limits counted in process meanwhile)",
+    ["operation"],
+)
+LIMITS_LOCAL = Counter(
+    "gateway_limits_local_decisions_total", "Limit and budget decisions made in process because Redis was down"
+)
+KEYS_RELOADS = Counter("gateway_keys_reloads_total", "Reloads of the keys file, by result", ["result"])
 TLS_RELOADS = Counter("gateway_tls_reloads_total", "Reloads of the TLS certificate files, by result", ["result"])
 
 

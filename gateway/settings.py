@@ -8,12 +8,14 @@ variables prefixed `GATEWAY_` (nested with `__`, e.g. `GATEWAY_ENGINE__MAX_MODEL
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineSettings
+
+Priority = Literal["high", "normal", "low"]  # an API key's priority class (the keys file's `priority`)
 
 
 class CacheSettings(BaseModel):
@@ -34,6 +36,9 @@ class CacheSettings(BaseModel):
     )
 
 
+_LOW_HALF: dict[Priority, float] = {"low": 0.5}
+
+
 class AdmissionSettings(BaseModel):
     """Per model (the models file may override): bounds on engine requests (each choice of each
     prompt of a request) running and waiting."""
@@ -43,6 +48,11 @@ class AdmissionSettings(BaseModel):
     wait_timeout_s: float = Field(30, gt=0, description="A queued request waits at most this long")
     reject_status: Literal[429, 503] = Field(429, description="Status of a refused request")
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with a refusal")
+    queue_share: dict[Priority, Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=lambda: _LOW_HALF.copy(),
+        description="The share of max_waiting each priority class (the keys file's `priority`) may fill; "
+        "a class not named: 1. Low is refused first as the queue fills; lower normal's to hold room for high",
+    )
 
 
 class TLSSettings(BaseModel):
@@ -74,6 +84,16 @@ class TLSSettings(BaseModel):
         if self.client_auth != "none" and self.ca_file is None:
             raise ValueError(f"tls.client_auth={self.client_auth} needs tls.ca_file to verify clients against")
         return self
+
+
+class LimitsSettings(BaseModel):
+    """Where rate limits and token budgets are counted: in this process, or in Redis (shared by
+    every replica; in process again while Redis is down)."""
+
+    redis_url: str | None = Field(None, description="redis://host:port/db shared by the replicas; unset: per process")
+    redis_prefix: str = "llm-gateway:limits:"
+    redis_timeout_s: float = Field(0.25, gt=0, description="Give up on a slow Redis after this (then count locally)")
+    redis_retry_s: float = Field(5, gt=0, description="After a Redis failure, count locally this long before trying again")
 
 
 class Settings(BaseSettings):
@@ -136,6 +156,15 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         2048, gt=0, description="Connections (and requests in progress) at once; beyond, new requests get 503"
     )
+    keys_file: Path | None = Field(
+        None,
+        description="YAML file of API keys with their own settings (models, limits, budgets, guards, priority, "
+        "team); read again on SIGHUP and when it changes",
+    )
+    keys_reload_interval_s: float = Field(
+        10, ge=0, description="How often the keys file is checked for a change; 0: reloaded on SIGHUP only"
+    )
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
     models_file: Path | None = Field(
         None, description="YAML or TOML file declaring several models (embedded, remote, A/B splits, fallbacks)"
     )

@@ -1,9 +1,12 @@
-"""From a validated request to an answer: pick the model (alias, A/B split), then try it and its
-fallbacks in order. Per attempt: prepare (all refusals, and the request's bounds: prompts, output
-tokens), tokens-per-minute, the response cache (scoped per tenant), admission (as many permits as
-engine requests), then the engine or the remote upstream. Only *fallible* errors (`gateway.errors`: the
-model overloaded, its engine dead, its upstream down), which happen before the first byte, move on
-to the next model; the last one is the answer when no model is left.
+"""From a validated request to an answer: pick the model (alias, A/B split; one the key may use),
+then try it and its fallbacks in order. Per attempt: prepare (all refusals, and the request's
+bounds: prompts, output tokens), the key's tokens per minute and budgets (`gateway.quota`; a remote
+model's tokens estimated), the response cache (scoped per tenant), admission (as many permits as
+engine requests, by the key's priority class), then the engine or the remote upstream (its answer
+read on the way: `serving.remote`). Only *fallible* errors (`gateway.errors`: the model overloaded,
+its engine dead, its upstream down), which happen before the first byte, move on to the next
+model; the last one is the answer when no model is left. The request's `Charge` settles when its
+answer ends.
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
 from gateway.backends.upstream import with_defaults
 from gateway.context import current_record
-from gateway.errors import APIError, BackendUnavailable, InvalidRequest, from_exception
+from gateway.errors import APIError, BackendUnavailable, InvalidRequest, ModelNotFound, from_exception
 from gateway.middleware.auth import ANONYMOUS
 from gateway.middleware.body import body_prepared
 from gateway.protocol.openai import ChatCompletionRequest
-from gateway.serving import offload
+from gateway.quota import Charge
+from gateway.serving import offload, remote
 from gateway.serving.guards.pipeline import RequestGuard
 from gateway.serving.guards.requests import guarded
 from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service, check_task
+from gateway.tenants import KeyPolicy
 
 Shape = Callable[[BaseModel | bytes], BaseModel]  # answers and chunks in another form (the native API's)
 
@@ -53,6 +58,12 @@ def _check_prompts(state: GatewayState, body: RequestT) -> None:
         )
 
 
+def _policy(request: Request, state: GatewayState) -> KeyPolicy:
+    """The key's policy (the rate-limit middleware put it in the scope)."""
+    found = getattr(request.state, "key_policy", None)
+    return found if isinstance(found, KeyPolicy) else state.tenants.policy(getattr(request.state, "api_key_id", ANONYMOUS))
+
+
 async def dispatch(
     request: Request,
     state: GatewayState,
@@ -64,6 +75,8 @@ async def dispatch(
     _check_prompts(state, body)
     version, chain = state.models.resolve(body.model, _sticky_key(request, body))
     record.model, record.version = body.model, version
+    if not _policy(request, state).allows(body.model, version):  # the keys file's `models`
+        raise ModelNotFound(f"The model '{body.model}' does not exist or you do not have access to it.", "model")
     record.response_headers["x-model-version"] = version
     guard = state.guards.for_request(getattr(request.state, "api_key_id", None), body.model, version)
     attempt = _Attempt(request, state, body, service, guard, shape)
@@ -97,10 +110,10 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
     ) -> None:
         self.request, self.state, self.body, self.service = request, state, body, service
         self.guard, self.shape = guard, shape
-        self.key_id: str = getattr(request.state, "api_key_id", ANONYMOUS)
-        keys_scope = state.settings.api_keys and not state.settings.cache.shared_across_keys
+        self.policy = _policy(request, state)
+        self.charge: Charge | None = None
+        keys_scope = (state.settings.api_keys or state.tenants.enabled) and not state.settings.cache.shared_across_keys
         self.cache_scope = _tenant(request) if keys_scope else ""
-        self.charged = False
         self.no_cache = "no-cache" in request.headers.get("cache-control", "").lower()
 
     async def on(self, backend: Backend) -> Response:
@@ -117,13 +130,26 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
                 "max_tokens",
             )
 
-    def _charge(self, tokens: int) -> None:
-        if not self.charged:  # a fallback does not charge the same request twice
-            self.state.limiter.take_tokens(self.key_id, tokens)
-            self.charged = True
+    async def _charge(self, tokens: int, reconcile: bool = False) -> None:
+        if self.charge is None:  # a fallback does not charge the same request twice
+            self.charge = await self.state.quota.charge(self.policy, tokens, reconcile)
+            self.request.state.charge = self.charge  # settled at the request's end (middleware.rate_limit)
+
+    def _held(self) -> Callable[[], None]:
+        """A stream's charge settles when the stream ends (it knows its tokens then), not when the
+        handler returns (a background response's stream outlives its request)."""
+        charge = self.charge
+        if charge is None:
+            return lambda: None
+        charge.held = True
+        return charge.settle
+
+    async def _admit(self, backend: Backend) -> Permit:
+        """As many permits as the engine requests this one makes, in the key's priority class."""
+        return await backend.admission.acquire(self.body.engine_requests(), self.policy.priority)
 
     async def _embedded(self, backend: Backend) -> Response:
-        record, engine = current_record(), backend.engine
+        engine = backend.engine
         assert engine is not None
         check_task(engine.info, self.service.task, self.service.route)
         default_max_tokens = self.state.settings.default_max_tokens
@@ -133,30 +159,44 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         body_prepared(self.request.scope)  # read and tokenized: its bytes leave the in-flight budget
         prepared.model = backend.name
         self._check_output(prepared.output_tokens())
-        self._charge(prepared.token_budget())
-        cache, on_done = self.state.cache, None
-        key = cache.key_for(self.service.route, backend.name + self.guard.cache_tag, self.body, self.no_cache, self.cache_scope)
-        if key is not None:
-            hit = await cache.get(key, backend.name, self.service.answer_type)
-            record.cache = "hit" if hit is not None else "miss"
-            record.response_headers["x-cache"] = record.cache.upper()
-            if hit is not None:
-                return self._replay(hit)
-            on_done = cache.storer(key)
-        else:
-            record.response_headers["x-cache"] = "MISS"
-        permit = await backend.admission.acquire(self.body.engine_requests())
+        await self._charge(prepared.token_budget())
+        on_done, hit = await self._cached(backend)
+        if hit is not None:
+            return self._replay(hit)
+        permit = await self._admit(backend)
         try:
             return await self._generate(prepared, permit, on_done)
         except BaseException:
             permit.release()
             raise
 
+    def _on_close(self, permit: Permit) -> Callable[[], None]:
+        settle = self._held()
+
+        def close() -> None:
+            permit.release()
+            settle()
+
+        return close
+
+    async def _cached(self, backend: Backend) -> tuple[OnDone[AnswerT] | None, AnswerT | None]:
+        """(where to store the answer, or the answer found) in the response cache, scoped per tenant."""
+        record, cache = current_record(), self.state.cache
+        model = backend.name + self.guard.cache_tag
+        key = cache.key_for(self.service.route, model, self.body, self.no_cache, self.cache_scope)
+        if key is None:
+            record.response_headers["x-cache"] = "MISS"
+            return None, None
+        hit = await cache.get(key, backend.name, self.service.answer_type)
+        record.cache = "hit" if hit is not None else "miss"
+        record.response_headers["x-cache"] = record.cache.upper()
+        return (cache.storer(key) if hit is None else None), hit
+
     async def _generate(self, prepared: PreparedT, permit: Permit, on_done: OnDone[AnswerT] | None) -> Response:
         receive = self.request.receive
         if self.body.streams:
             events = await unless_disconnected(receive, primed(self._shaped(self.service.stream(prepared, on_done))))
-            return EventStreamResponse(events, on_close=permit.release)
+            return EventStreamResponse(events, on_close=self._on_close(permit))
         answer = await unless_disconnected(receive, self.service.complete(prepared, on_done))
         permit.release()
         return json_response(self.shape(answer) if self.shape else answer)
@@ -185,21 +225,30 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if not self.service.upstream_path:
             route = self.service.route
             raise InvalidRequest(f"{route} serves embedded models only; '{backend.name}' is remote", "model")
-        # input checks only: the answer passes through unread (redacted values stay placeholders)
+        # input checks only: the answer passes through unread by the guards (redacted values stay placeholders)
         body = await offload.by_size(body_size(self.request), guarded, self.body, self.guard)
         body_prepared(self.request.scope)
         await self.guard.moderate_input()
-        permit = await backend.admission.acquire(self.body.engine_requests())
         payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)
         payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
+        prompt, output = remote.estimate(payload)
+        await self._charge(prompt + output, reconcile=True)
+        on_done, hit = await self._cached(backend)
+        if hit is not None:
+            return self._replay(hit)
+        permit = await self._admit(backend)
+        watch = remote.RemoteAnswer(backend.name, self.service.answer_type, prompt, on_done)
         try:
             path, streams = self.service.upstream_path, self.body.streams
             answer = await backend.upstream.forward(path, payload, streams, permit.release)
             if answer.events is None:
+                await watch.whole(answer.status, answer.body)
                 return Response(answer.body, status_code=answer.status, media_type=answer.media_type)
+            watch.on_end = self._held()
             # up to its first event, so that an upstream failing before it can still fall back
-            events = await unless_disconnected(self.request.receive, primed(answer.events))
+            events = await unless_disconnected(self.request.receive, primed(watch.events(answer.events)))
             return relayed_event_stream(events, on_close=permit.release)
         except BaseException:
             permit.release()
+            watch.end()
             raise

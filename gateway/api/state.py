@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 from gateway.backends.registry import ModelRegistry
 from gateway.cache import ResponseCache
-from gateway.limits import RateLimiter
 from gateway.middleware.lifecycle import Lifecycle
+from gateway.quota import Quota
 from gateway.responses_store import ResponseStore
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
+from gateway.tenants import Tenants
 
 
 @dataclass(slots=True)
@@ -18,7 +19,8 @@ class GatewayState:
     settings: Settings
     models: ModelRegistry
     lifecycle: Lifecycle
-    limiter: RateLimiter
+    quota: Quota  # rate limits and token budgets per key
     cache: ResponseCache
     guards: Guards
     responses: ResponseStore  # the Responses API's stored responses
+    tenants: Tenants  # the keys file: each key's policy

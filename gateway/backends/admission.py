@@ -7,6 +7,10 @@ asks for more than `max_running` at once can never run: it is a 400. Beyond `max
 request waits, in arrival order (a large request at the head is not overtaken), for at most
 `wait_timeout_s`; when `max_waiting` would be passed, or after the wait, it is refused at once
 with 429 (and Retry-After) or 503, as configured: errors the dispatcher may answer with a fallback.
+
+Priority classes (the keys file's `priority`): each may fill only its share of `max_waiting`
+(`queue_share`, by default low half of it, normal and high all of it), so as the queue fills, low
+requests are refused first, and a lower share for normal holds room for high.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections import deque
 
 from gateway import metrics
 from gateway.errors import InvalidRequest, ModelOverloaded, ModelUnavailable
-from gateway.settings import AdmissionSettings
+from gateway.settings import AdmissionSettings, Priority
 
 
 class Permit:
@@ -39,7 +43,7 @@ class Admission:
         self.waiting = 0  # engine requests waiting
         self._queue: deque[tuple[int, asyncio.Future[None]]] = deque()
 
-    async def acquire(self, count: int = 1) -> Permit:
+    async def acquire(self, count: int = 1, priority: Priority = "normal") -> Permit:
         if count > self.settings.max_running:
             raise InvalidRequest(
                 f"This request would run {count} engine requests at once (each choice of each prompt), "
@@ -50,11 +54,11 @@ class Admission:
         if not self._queue and self.running + count <= self.settings.max_running:
             self.running += count  # room, and nobody ahead: taken at once, without suspending
         else:
-            await self._wait(count)
+            await self._wait(count, priority)
         return Permit(self, count)
 
-    async def _wait(self, count: int) -> None:
-        if self.waiting + count > self.settings.max_waiting:
+    async def _wait(self, count: int, priority: Priority = "normal") -> None:
+        if self.waiting + count > self.settings.max_waiting * self.settings.queue_share.get(priority, 1.0):
             raise self._refuse("queue_full", "too many requests are waiting for this model")
         entry = (count, asyncio.get_running_loop().create_future())
         self._queue.append(entry)

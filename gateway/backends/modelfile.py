@@ -171,6 +171,11 @@ def catalog(models: ModelsFile) -> versions.Catalog:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
     return found
+def public_names(models: ModelsFile) -> set[str]:
+    """Every name a client may ask for: ids (`name@version`), names (of versioned models too), aliases."""
+    return {name for spec in models.models for name in (spec.id, spec.name, *spec.aliases)}
+
+
 def guard_profiles(models: ModelsFile) -> dict[str, str | dict[str, Any]]:
     """Each public name (model, split, alias) → the guards its model declares."""
     return {name: spec.guards for spec in models.models if spec.guards for name in (spec.name, *spec.aliases)}

@@ -17,6 +17,10 @@ Without keys nothing proves that a request comes from a client and not from a we
 client has open: a POST must then declare a JSON body (`Content-Type: application/json`), which
 a page cannot send to another site without that site's CORS consent; anything else is a 415
 (a POST without a body, such as a cancel, declares nothing).
+Keys come from settings and from the keys file (`gateway.tenants`, whose keys are named by their
+id there) and are kept only as SHA-256 hashes; a presented key is hashed and compared
+with every stored hash in constant time. The key's id (safe to log) goes into the request's record
+and scope state, for the rate limits, the access line and sticky A/B splits.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from gateway import metrics
 from gateway.context import current_record
 from gateway.errors import APIError, AuthenticationFailed, RateLimited, UnsupportedMediaType, dialect_of, send_error
 from gateway.limits import TokenBucket
+from gateway.tenants import Tenants
 
 ANONYMOUS = "anonymous"
 
@@ -115,11 +120,15 @@ def _declares_json(scope: Scope) -> bool:
 class AuthMiddleware:
     """`open_paths`: the routes that take no key (from the route table)."""
 
-    def __init__(self, app: ASGIApp, keys: KeyRing, open_paths: frozenset[str], throttle: AttemptThrottle) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: KeyRing, open_paths: frozenset[str], throttle: AttemptThrottle,
+        tenants: Tenants | None = None,
+    ) -> None:
         self.app = app
         self.keys = keys
         self.open = open_paths
         self.throttle = throttle
+        self.tenants = tenants  # the keys file's keys, named by their id there (gateway.tenants)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open:
@@ -136,7 +145,7 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
     def _identify(self, scope: Scope) -> Identity:
-        if not self.keys.enabled:
+        if not self.keys.enabled and not (self.tenants and self.tenants.enabled):
             if scope["method"] == "POST" and _has_body(scope) and not _declares_json(scope):
                 raise UnsupportedMediaType("Send the request body as JSON, with 'Content-Type: application/json'.")
             return Identity(ANONYMOUS, ANONYMOUS)
@@ -154,11 +163,18 @@ class AuthMiddleware:
                 "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY' (or 'x-api-key: YOUR_KEY')."
             )
         # two keys: which one counts is for no layer to guess
-        identity = self.keys.identify(presented[0]) if len(presented) == 1 and presented[0] else None
+        identity = self._lookup(presented[0]) if len(presented) == 1 and presented[0] else None
         if identity is None:
             self.throttle.failed(address)
             raise AuthenticationFailed("Incorrect API key provided.")
         return identity
+
+    def _lookup(self, presented: str) -> Identity | None:
+        """A keys-file key by the id the file gives it (its tenant the same, stable), else a settings key."""
+        file_id = self.tenants.identify(presented) if self.tenants and self.tenants.enabled else None
+        if file_id is not None:
+            return Identity(file_id, f"keys-file:{file_id}")
+        return self.keys.identify(presented)
 
 
 def presented_keys(scope: Scope) -> list[str]:

@@ -1,28 +1,45 @@
-"""Requests per minute per API key (pure ASGI), after auth has named the key; the same routes as
-auth. Tokens per minute are taken later, by the dispatcher, once the prompt is known."""
+"""Per API key (pure ASGI), after auth has named the key; the same routes as auth: the key's
+policy (`gateway.tenants`) into the scope for the steps after, its requests per minute
+(`gateway.quota`), and at the end its usage counted and its token charge settled. Tokens per
+minute and budgets are taken later, by the dispatcher, once the prompt is known."""
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import RateLimited, dialect_of, send_error
-from gateway.limits import RateLimiter
 from gateway.middleware.auth import ANONYMOUS
+from gateway.quota import Quota
+from gateway.tenants import Tenants
 
 
 class RateLimitMiddleware:
-    def __init__(self, app: ASGIApp, limiter: RateLimiter, open_paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, quota: Quota, tenants: Tenants, open_paths: frozenset[str]) -> None:
         self.app = app
-        self.limiter = limiter
+        self.quota = quota
+        self.tenants = tenants
         self.open = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open:
             await self.app(scope, receive, send)
             return
+        state = scope.setdefault("state", {})
+        policy = state["key_policy"] = self.tenants.policy(state.get("api_key_id", ANONYMOUS))
         try:
-            self.limiter.take_request(scope.get("state", {}).get("api_key_id", ANONYMOUS))
+            await self.quota.take_request(policy)
         except RateLimited as error:
             await send_error(send, error, dialect=dialect_of(scope))
             return
-        await self.app(scope, receive, send)
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.quota.finish(policy, status, state.get("charge"))

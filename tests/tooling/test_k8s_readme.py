@@ -17,6 +17,7 @@ import trustme
 import yaml
 
 from gateway.settings import TLSSettings
+from gateway.tenants import read as read_keys_file
 from tests.tls_support import serving
 from tests.tooling.k8s import (
     BUILDS,
@@ -27,6 +28,7 @@ from tests.tooling.k8s import (
     config_data,
     gateway_env,
     gateway_pod,
+    is_settings_field,
     kustomize,
     matches,
     named_port,
@@ -181,3 +183,28 @@ def test_readme_mtls_probe_passes_against_a_gateway_requiring_client_certificate
         no_client_cert = code.replace("c.load_cert_chain", "(lambda *a: None)")
         assert subprocess.run([sys.executable, "-c", no_client_cert, "/ready"], capture_output=True,
                               timeout=60).returncode == 1
+
+
+def test_readme_tenants_overlay_builds_and_mounts_a_valid_keys_file(tmp_path: Path) -> None:
+    """Section 10's overlay on section 2's production overlay: the keys file reaches the pod as a
+    volume (not a subPath: edits are reloaded), at the path GATEWAY_KEYS_FILE names, and it is a
+    keys file the gateway accepts; the Redis setting it gives is a settings field."""
+    production, tenants = tmp_path / "overlays" / "production", tmp_path / "overlays" / "production-tenants"
+    production.mkdir(parents=True)
+    tenants.mkdir()
+    block = readme_block("# k8s/overlays/production/kustomization.yaml")
+    (production / "kustomization.yaml").write_text(block.replace("- ../gpu", f"- {os.path.relpath(BUILDS['gpu'], production)}"))
+    (production / "secrets.env").write_text('GATEWAY_API_KEYS=["sk-test"]\n')
+    (tenants / "kustomization.yaml").write_text(readme_block("# k8s/overlays/production-tenants/kustomization.yaml"))
+    (tenants / "keys.yaml").write_text(readme_block("# k8s/overlays/production-tenants/keys.yaml"))
+    objects = kustomize(tenants)
+    keys_path = Path(gateway_env(objects)["GATEWAY_KEYS_FILE"])
+    _, template, container = gateway_pod(objects)
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == str(keys_path.parent)]
+    assert "subPath" not in mount
+    [volume] = [v for v in template["spec"]["volumes"] if v["name"] == mount["name"]]
+    copy = tmp_path / keys_path.name
+    copy.write_text(config_data(objects, "ConfigMap", volume["configMap"]["name"])[keys_path.name])
+    assert set(read_keys_file(copy).keys) == {"research-batch", "support-bot"}
+    redis_line = re.search(r"^(GATEWAY_LIMITS__REDIS_URL)=redis://", (K8S / "README.md").read_text(), re.MULTILINE)
+    assert redis_line and is_settings_field(redis_line.group(1)) and is_settings_field("GATEWAY_KEYS_FILE")

@@ -9,7 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).parents[2]
 GATEWAY = ROOT / "gateway"
 TOP = ("gateway.app", "gateway.cli", "gateway.server", "gateway.tls", "gateway.__main__")
-CORE = {"errors", "protocol", "metrics", "context", "settings", "cache", "logs", "limits", "responses_store"}
+CORE = {"errors", "protocol", "metrics", "context", "settings", "cache", "logs", "limits", "responses_store", "tenants",
+        "quota"}
 LAYERS = ("gateway.api", "gateway.serving", "gateway.backends", "gateway.middleware")
 
 # what each layer must not import (prefixes)

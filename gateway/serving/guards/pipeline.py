@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +68,7 @@ class Guards:
         self.profiles = {name: CompiledProfile.of(name, p) for name, p in profiles.items()}
         self.default = file.default
         self.keys = dict(file.keys)
+        self.key_profile: Callable[[str], str | None] | None = None  # the keys file's (gateway.tenants)
         self.moderation = moderation or (Moderation(file.moderation) if file.moderation else None)
 
     @classmethod
@@ -76,8 +77,11 @@ class Guards:
         return cls(config.read(path), models)
 
     def profile_for(self, key_id: str | None, *models: str) -> str | None:
-        """The API key's profile if it has one, else the first of `models` (the name the client
-        asked for, then the version that answers) that has one, else the default."""
+        """The API key's profile if it has one (the keys file's, else the guards file's `keys:`), else
+        the first of `models` (the name the client asked for, then the version that answers) that
+        has one, else the default."""
+        if key_id is not None and (named := self.key_profile and self.key_profile(key_id)):
+            return named
         if key_id is not None and key_id in self.keys:
             return self.keys[key_id]
         for model in models:

@@ -1,0 +1,370 @@
+"""Rate limits and token budgets per API key, counted where every replica sees them.
+
+Per key (its `KeyPolicy`, `gateway.tenants`):
+- token buckets for requests per minute (taken by `middleware.rate_limit` before the route runs)
+  and tokens per minute (the prompt plus the requested output budget, counted up front as OpenAI
+  does, taken by the dispatcher once the prompt is known);
+- token budgets per UTC day and month, reserved up front with the same count and settled, once the
+  answer is done, to the tokens the request really used (`Charge.settle`; a cache hit uses none).
+
+Where they are counted: with `limits.redis_url`, in Redis, each decision one Lua script (atomic:
+two replicas never both take the last token; the bucket on Redis's clock). Without Redis, or while
+it is down, in this process: each replica then counts alone, so N replicas let a key through up
+to N times. A Redis failure is logged (`limits_redis_unavailable`) and counted
+(gateway_limits_redis_errors_total; each decision made in process meanwhile in
+gateway_limits_local_decisions_total), and Redis is tried again after `redis_retry_s`.
+
+Every check adds OpenAI's x-ratelimit-* headers; a refusal also Retry-After. A spent budget is a
+429 `insufficient_quota`, with Retry-After until the period renews when the request fits a fresh
+budget, and none when it can never fit (it alone asks more than the whole budget).
+
+Why a Lua script and not the `limits` package: its strategies are windows (fixed, sliding
+counter, moving log), these limits are token buckets (continuous refill, OpenAI's reset headers),
+and in process and in Redis they must count the same way, so that degrading changes where a key
+is counted, not how.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import redis.asyncio as redis
+import structlog
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from gateway import metrics
+from gateway.context import RequestRecord, current_record
+from gateway.errors import OverTokenLimit, QuotaExceeded, RateLimited
+from gateway.limits import TokenBucket, duration
+from gateway.settings import LimitsSettings
+from gateway.tenants import KeyPolicy
+
+log = structlog.get_logger(__name__)
+REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError)
+
+# A token bucket refilled at `capacity` a minute. `force`: take even past empty (a debt later
+# requests wait out) or give back (a negative amount): a settled estimate.
+BUCKET_LUA = """
+local capacity = tonumber(ARGV[1])
+local amount = tonumber(ARGV[2])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens = tonumber(state[1]) or capacity
+local at = tonumber(state[2]) or now
+tokens = math.min(capacity, tokens + math.max(0, now - at) * capacity / 60)
+local allowed = 0
+if ARGV[3] == '1' or amount <= tokens then
+  tokens = math.min(capacity, tokens - amount)
+  allowed = 1
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil((capacity - tokens) * 60000 / capacity) + 1000)
+return {allowed, tostring(tokens)}
+"""
+
+# Reserve `amount` in every period's counter, or in none: the first period it does not fit in
+# (1-based) and what that period has used.
+RESERVE_LUA = """
+local amount = tonumber(ARGV[1])
+local n = #KEYS
+for i = 1, n do
+  local used = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if used + amount > tonumber(ARGV[1 + i]) then
+    return {i, used}
+  end
+end
+for i = 1, n do
+  redis.call('INCRBY', KEYS[i], amount)
+  redis.call('EXPIRE', KEYS[i], tonumber(ARGV[1 + n + i]))
+end
+return {0, 0}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Period:
+    """One budget's current period: its counter's name, its size and when it renews."""
+
+    name: str  # "day" or "month"
+    counter: str
+    limit: int
+    renews: datetime
+
+    def ttl_s(self) -> int:
+        """The counter outlives its period by a day (settlements of requests that straddle the end)."""
+        return int((self.renews - datetime.now(UTC)).total_seconds()) + 86400
+
+
+def periods(policy: KeyPolicy, now: datetime | None = None) -> list[Period]:
+    now = now or datetime.now(UTC)
+    found = []
+    if policy.budget_day is not None:
+        day = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        counter = f"budget:{policy.key_id}:day:{day:%Y-%m-%d}"
+        found.append(Period("day", counter, policy.budget_day, day + timedelta(days=1)))
+    if policy.budget_month is not None:
+        month = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        renews = (month + timedelta(days=32)).replace(day=1)
+        found.append(Period("month", f"budget:{policy.key_id}:month:{month:%Y-%m}", policy.budget_month, renews))
+    return found
+
+
+class LocalCounts:
+    """In this process: when no Redis is configured, and while it is down."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, TokenBucket] = {}
+        self._used: dict[str, tuple[float, int]] = {}  # counter → (expires, tokens used)
+
+    def bucket(self, name: str, capacity: int, amount: float, force: bool) -> tuple[bool, float]:
+        bucket = self._buckets.get(name)
+        if bucket is None or bucket.capacity != capacity:  # new, or its limit changed (keys file reloaded)
+            bucket = self._buckets[name] = TokenBucket(float(capacity))
+        if force:
+            bucket.take(0)  # refilled to now
+            bucket.tokens = min(bucket.capacity, bucket.tokens - amount)
+            return True, bucket.tokens
+        return bucket.take(amount), bucket.tokens
+
+    def reserve(self, found: list[Period], amount: int) -> tuple[int, int]:
+        now = time.monotonic()
+        self._used = {name: item for name, item in self._used.items() if item[0] > now}
+        for index, period in enumerate(found, start=1):
+            used = self._used.get(period.counter, (0.0, 0))[1]
+            if used + amount > period.limit:
+                return index, used
+        for period in found:
+            self.adjust(period, amount)
+        return 0, 0
+
+    def adjust(self, period: Period, amount: int) -> None:
+        used = self._used.get(period.counter, (0.0, 0))[1]
+        self._used[period.counter] = (time.monotonic() + period.ttl_s(), used + amount)
+
+
+class RedisCounts:
+    def __init__(self, settings: LimitsSettings) -> None:
+        assert settings.redis_url is not None
+        self.prefix = settings.redis_prefix
+        self._redis = redis.Redis.from_url(
+            settings.redis_url, socket_timeout=settings.redis_timeout_s,
+            socket_connect_timeout=settings.redis_timeout_s, retry=Retry(NoBackoff(), 0),
+        )
+        self._bucket = self._redis.register_script(BUCKET_LUA)
+        self._reserve = self._redis.register_script(RESERVE_LUA)
+
+    async def bucket(self, name: str, capacity: int, amount: float, force: bool) -> tuple[bool, float]:
+        allowed, tokens = await self._bucket(keys=[self.prefix + name], args=[capacity, amount, int(force)])
+        return bool(allowed), float(tokens)
+
+    async def reserve(self, found: list[Period], amount: int) -> tuple[int, int]:
+        keys = [self.prefix + p.counter for p in found]
+        args = [amount, *(p.limit for p in found), *(p.ttl_s() for p in found)]
+        index, used = await self._reserve(keys=keys, args=args)
+        return int(index), int(used)
+
+    async def adjust(self, found: list[Period], amount: int) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for period in found:
+                pipe.incrby(self.prefix + period.counter, amount)
+                pipe.expire(self.prefix + period.counter, period.ttl_s())
+            await pipe.execute()
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+
+@dataclass(slots=True)
+class Charge:
+    """One request's tokens: what was counted up front, and where; `settle` counts its usage and
+    corrects its budgets (and, for a remote model's estimate, its tokens per minute) to what it used."""
+
+    quota: Quota
+    policy: KeyPolicy
+    estimate: int
+    record: RequestRecord
+    periods: list[Period] = field(default_factory=list)
+    budgets_shared: bool = False  # the budgets reserved in Redis (else in process)
+    tokens_shared: bool = False  # the tokens per minute taken in Redis
+    reconcile: bool = False  # tokens per minute too: the estimate was a guess (remote models)
+    held: bool = False  # a stream settles when it ends, not when the handler returns
+    settled: bool = False
+
+    def settle(self) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        prompt, completion = self.record.prompt_tokens or 0, self.record.completion_tokens or 0
+        labels = (self.policy.key_id, self.policy.team)
+        metrics.KEY_PROMPT_TOKENS.labels(*labels).inc(prompt)
+        metrics.KEY_COMPLETION_TOKENS.labels(*labels).inc(completion)
+        delta = prompt + completion - self.estimate
+        if delta:
+            self.quota.correct(self, delta)
+
+
+class Quota:
+    def __init__(self, settings: LimitsSettings) -> None:
+        self.settings = settings
+        self.local = LocalCounts()
+        self.shared = RedisCounts(settings) if settings.redis_url else None
+        self._down_until = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def take_request(self, policy: KeyPolicy) -> None:
+        if policy.rpm is not None:
+            allowed, tokens = await self._bucket(f"requests:{policy.key_id}", policy.rpm, 1)
+            _report("requests", policy.rpm, 1, allowed, tokens)
+
+    async def charge(self, policy: KeyPolicy, tokens: int, reconcile: bool = False) -> Charge:
+        """Budgets reserved, then tokens per minute taken: QuotaExceeded or RateLimited when they refuse."""
+        if policy.tpm is not None and tokens > policy.tpm:  # waiting cannot help: a 400, no Retry-After
+            metrics.RATE_LIMITED.labels("tokens").inc()
+            raise OverTokenLimit(
+                f"This request asks for {tokens} tokens (the prompt and max_tokens for every choice), more "
+                f"than the limit of {policy.tpm} tokens per minute allows: reduce the prompt, max_tokens or n.",
+                param="max_tokens",
+            )
+        charge = Charge(self, policy, tokens, current_record(), periods(policy), reconcile=reconcile)
+        if charge.periods:
+            await self._reserve(charge)
+        if policy.tpm is not None:
+            allowed, left, shared = await self._bucket_where(f"tokens:{policy.key_id}", policy.tpm, tokens, False)
+            try:
+                _report("tokens", policy.tpm, tokens, allowed, left)
+            except RateLimited:
+                if charge.periods:
+                    self.correct(replace(charge, reconcile=False), -tokens)  # not served: the reservation goes back
+                raise
+            charge.tokens_shared = shared
+        return charge
+
+    async def _bucket(self, name: str, capacity: int, amount: float, force: bool = False) -> tuple[bool, float]:
+        allowed, tokens, _ = await self._bucket_where(name, capacity, amount, force)
+        return allowed, tokens
+
+    async def _bucket_where(self, name: str, capacity: int, amount: float, force: bool) -> tuple[bool, float, bool]:
+        """(allowed, tokens left, counted in Redis)."""
+        if self._shared_up():
+            assert self.shared is not None
+            try:
+                return (*await self.shared.bucket(name, capacity, amount, force), True)
+            except REDIS_ERRORS as exc:
+                self._failed("bucket", exc)
+        return (*self.local.bucket(name, capacity, amount, force), False)
+
+    async def _reserve(self, charge: Charge) -> None:
+        result: tuple[int, int] | None = None
+        if self._shared_up():
+            assert self.shared is not None
+            try:
+                result = await self.shared.reserve(charge.periods, charge.estimate)
+                charge.budgets_shared = True
+            except REDIS_ERRORS as exc:
+                self._failed("budget", exc)
+        if result is None:
+            result = self.local.reserve(charge.periods, charge.estimate)
+        index, used = result
+        if index:
+            _refuse_budget(charge.policy, charge.periods[index - 1], charge.estimate, used)
+
+    def correct(self, charge: Charge, delta: int) -> None:
+        """Budgets (and, for an estimate, tokens per minute) moved by `delta` tokens, where they were
+        counted: in process at once, in Redis off the request's path."""
+        tokens = charge.reconcile and charge.policy.tpm is not None
+        if charge.periods and not charge.budgets_shared:
+            for period in charge.periods:
+                self.local.adjust(period, delta)
+        if tokens and not charge.tokens_shared:
+            self.local.bucket(f"tokens:{charge.policy.key_id}", charge.policy.tpm or 0, delta, force=True)
+        if (charge.periods and charge.budgets_shared) or (tokens and charge.tokens_shared):
+            self.later(self._correct_shared(charge, delta))
+
+    async def _correct_shared(self, charge: Charge, delta: int) -> None:
+        assert self.shared is not None
+        try:
+            if charge.periods and charge.budgets_shared:
+                await self.shared.adjust(charge.periods, delta)
+            if charge.reconcile and charge.policy.tpm and charge.tokens_shared:
+                await self.shared.bucket(f"tokens:{charge.policy.key_id}", charge.policy.tpm, delta, True)
+        except REDIS_ERRORS as exc:
+            self._failed("settle", exc)  # Redis counted the estimate; this correction is lost
+
+    def finish(self, policy: KeyPolicy, status: int, charge: Charge | None) -> None:
+        """The end of a request (`middleware.rate_limit`): its usage counted and its charge settled,
+        unless a stream holds it (it settles when the stream ends)."""
+        if 200 <= status < 300:
+            metrics.KEY_REQUESTS.labels(policy.key_id, policy.team).inc()
+        if charge is not None and not charge.held:
+            charge.settle()
+
+    def later(self, work: Coroutine[Any, Any, None]) -> None:
+        """Corrections run off the request's path; kept referenced until done."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _shared_up(self) -> bool:
+        if self.shared is None:
+            return False
+        if time.monotonic() < self._down_until:
+            metrics.LIMITS_LOCAL.inc()
+            return False
+        if self._down_until:
+            self._down_until = 0.0
+            log.info("limits_redis_restored")
+        return True
+
+    def _failed(self, operation: str, exc: BaseException) -> None:
+        metrics.LIMITS_REDIS_ERRORS.labels(operation).inc()
+        metrics.LIMITS_LOCAL.inc()
+        if not self._down_until:
+            log.warning("limits_redis_unavailable", operation=operation, error=str(exc) or type(exc).__name__,
+                        counting="in process", retry_s=self.settings.redis_retry_s)
+        self._down_until = time.monotonic() + self.settings.redis_retry_s
+
+    async def aclose(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.shared is not None:
+            await self.shared.aclose()
+
+
+def _report(kind: str, limit: int, amount: float, allowed: bool, tokens: float) -> None:
+    """OpenAI's x-ratelimit-* headers; a refusal with Retry-After."""
+    headers = current_record().response_headers
+    headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+    headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, int(tokens)))
+    headers[f"x-ratelimit-reset-{kind}"] = duration(max(0.0, (limit - tokens) * 60.0 / limit))
+    if allowed:
+        return
+    metrics.RATE_LIMITED.labels(kind).inc()
+    wait = max(0.0, (amount - tokens) * 60.0 / limit) if amount <= limit else 60.0
+    headers["retry-after"] = str(max(1, round(wait)))
+    raise RateLimited(
+        f"Rate limit reached for {kind} per minute: limit {limit}, asked {int(amount)}. "
+        f"Please try again in {duration(wait)}.",
+    )
+
+
+def _refuse_budget(policy: KeyPolicy, period: Period, amount: int, used: int) -> None:
+    metrics.QUOTA_REFUSED.labels(policy.key_id, period.name).inc()
+    if amount > period.limit:  # no fresh period can take it: no Retry-After, or clients retry for ever
+        raise QuotaExceeded(
+            f"You exceeded your current quota: this request counts {amount} tokens (its prompt and "
+            f"max_tokens), more than this key's whole budget of {period.limit} tokens per {period.name}. "
+            "Lower max_tokens or the prompt.",
+        )
+    wait = max(1, int((period.renews - datetime.now(UTC)).total_seconds()) + 1)
+    raise QuotaExceeded(
+        f"You exceeded your current quota: this key has used {used} of its {period.limit} tokens for this "
+        f"{period.name}, which renews at {period.renews:%Y-%m-%dT%H:%M:%SZ}.",
+        headers={"Retry-After": str(wait)},
+    )

@@ -1,0 +1,282 @@
+"""A remote model's answer, read on its way through, so that remote models get the policies and
+the measurements embedded ones get.
+
+- Before: `estimate` counts a request's tokens for tokens per minute and token budgets, as there
+  is no tokenizer of the upstream's model here: the prompt's text at 4 characters a token
+  (OpenAI's rule of thumb for English), token-id prompts by their length, plus the output budget
+  asked for (max_tokens, or max_completion_tokens, times n and the prompts; completions' default
+  16; chat without one: 0, the answer's tokens are counted after).
+- After: `RemoteAnswer` reads the upstream's `usage` (a whole answer's; a stream's last usage
+  chunk, sent when the request sets `stream_options.include_usage`; without it, the estimate for
+  the prompt and one token per content chunk, as vLLM and OpenAI stream them) into the request's
+  record (the access line, the key's usage metrics, its budgets settled to it) and the token
+  metrics; observes time to first token (a stream's first content chunk, a whole answer's arrival)
+  and keeps the model's in-flight gauge up until the answer has been passed on; and rebuilds a
+  deterministic answer whole (a stream's chunks joined per choice) for the response cache, which
+  then serves it, streamed or not, as it serves an embedded model's.
+
+The bytes pass through unchanged and unbuffered: reading a stream only looks at its events.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic
+
+import orjson
+import structlog
+from pydantic import ValidationError
+
+from gateway import metrics
+from gateway.context import current_record
+from gateway.protocol.openai import ChatCompletion, Completion
+from gateway.serving.service import AnswerT, OnDone
+
+log = structlog.get_logger(__name__)
+CHARS_PER_TOKEN = 4
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) when a completions request sends none
+
+
+def estimate(payload: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens, output budget) of a request about to be forwarded."""
+    prompts = payload.get("prompt", payload.get("input"))
+    prompt = _message_tokens(payload.get("messages") or []) + _prompt_tokens(prompts)
+    count = len(prompts) if isinstance(prompts, list) and prompts and isinstance(prompts[0], str | list) else 1
+    asked = payload.get("max_completion_tokens") or payload.get("max_tokens")
+    if asked is None and "prompt" in payload:
+        asked = COMPLETIONS_DEFAULT_MAX_TOKENS
+    choices = max(int(payload.get("n") or 1), int(payload.get("best_of") or 1))
+    return prompt, int(asked or 0) * choices * count
+
+
+def _chars(text: str) -> int:
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
+def _message_tokens(messages: list[dict[str, Any]]) -> int:
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += _chars(content)
+        elif isinstance(content, list):
+            total += sum(_chars(part.get("text") or "") for part in content if isinstance(part, dict))
+        for call in message.get("tool_calls") or ():
+            total += _chars(str((call.get("function") or {}).get("arguments") or ""))
+    return total
+
+
+def _prompt_tokens(prompt: object) -> int:
+    if isinstance(prompt, str):
+        return _chars(prompt)
+    if isinstance(prompt, list):
+        return sum(1 if isinstance(item, int) else _prompt_tokens(item) for item in prompt)
+    return 0
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+    logprobs: list[Any] = field(default_factory=list)
+    completion_logprobs: dict[str, list[Any]] = field(default_factory=dict)
+
+
+class _Joined:
+    """A stream's chunks, joined per choice into the whole answer."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, Any] | None = None
+        self.choices: dict[int, _Choice] = {}
+        self.usage: dict[str, Any] | None = None
+        self.content_chunks = 0
+        self.done = False  # `data: [DONE]` seen
+        self.failed = False  # an error event, or a chunk that is not JSON
+
+    def add(self, chunk: dict[str, Any]) -> bool:
+        """Take one chunk; True when it carries generated content."""
+        if "error" in chunk:
+            self.failed = True
+            return False
+        self.first = self.first or chunk
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        content = False
+        for raw in chunk.get("choices") or ():
+            choice = self.choices.setdefault(int(raw.get("index", 0)), _Choice())
+            content = self._add_choice(choice, raw) or content
+        self.content_chunks += content
+        return content
+
+    @staticmethod
+    def _add_choice(choice: _Choice, raw: dict[str, Any]) -> bool:
+        delta = raw.get("delta")
+        text = (delta or {}).get("content") if delta is not None else raw.get("text")
+        if text:
+            choice.text.append(text)
+        for call in (delta or {}).get("tool_calls") or ():
+            whole = choice.calls.setdefault(int(call.get("index", 0)), {"type": "function", "function": {}})
+            whole["id"] = call.get("id") or whole.get("id")
+            function = call.get("function") or {}
+            whole["function"]["name"] = function.get("name") or whole["function"].get("name")
+            whole["function"]["arguments"] = whole["function"].get("arguments", "") + (function.get("arguments") or "")
+        logprobs = raw.get("logprobs")
+        if isinstance(logprobs, dict) and delta is not None:
+            choice.logprobs.extend(logprobs.get("content") or ())
+        elif isinstance(logprobs, dict):
+            for name, values in logprobs.items():
+                choice.completion_logprobs.setdefault(name, []).extend(values or ())
+        choice.finish_reason = raw.get("finish_reason") or choice.finish_reason
+        return bool(text or (delta or {}).get("tool_calls"))
+
+    @property
+    def complete(self) -> bool:
+        return self.done and not self.failed and bool(self.choices) and all(
+            c.finish_reason for c in self.choices.values())
+
+    def chat(self, usage: dict[str, int]) -> dict[str, Any]:
+        assert self.first is not None
+        choices = []
+        for index, c in sorted(self.choices.items()):
+            calls = [c.calls[i] for i in sorted(c.calls)] or None
+            message = {"role": "assistant", "content": "".join(c.text) if c.text or not calls else None,
+                       "tool_calls": calls}
+            choices.append({"index": index, "message": message, "finish_reason": c.finish_reason,
+                            "logprobs": {"content": c.logprobs} if c.logprobs else None})
+        return {**self._head("chat.completion"), "choices": choices, "usage": usage}
+
+    def completion(self, usage: dict[str, int]) -> dict[str, Any]:
+        choices = [{"index": index, "text": "".join(c.text), "finish_reason": c.finish_reason,
+                    "logprobs": c.completion_logprobs or None} for index, c in sorted(self.choices.items())]
+        return {**self._head("text_completion"), "choices": choices, "usage": usage}
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        assert self.first is not None
+        return {"id": self.first.get("id", ""), "object": kind, "created": self.first.get("created", 0),
+                "model": self.first.get("model", "")}
+
+
+class RemoteAnswer(Generic[AnswerT]):
+    """One forwarded request's answer, watched: usage, latency, in-flight, the cache's copy.
+    `on_end` runs once the answer has been passed on (a stream's charge settles there)."""
+
+    def __init__(self, model: str, answer_type: type[AnswerT], prompt_estimate: int,
+                 on_done: OnDone[AnswerT] | None = None, on_end: Callable[[], None] | None = None) -> None:
+        self.model, self.answer_type = model, answer_type
+        self.prompt_estimate = prompt_estimate
+        self.on_done, self.on_end = on_done, on_end
+        self.record = current_record()
+        self.started = self.record.arrival or time.perf_counter()
+        self.joined = _Joined()
+        self._first_token = False
+        self._ended = False
+        metrics.IN_FLIGHT.labels(model).inc()
+
+    async def whole(self, status: int, body: bytes) -> None:
+        """A whole answer (or an error the upstream answered with)."""
+        try:
+            if status != 200:
+                return
+            self._token()
+            data = orjson.loads(body)
+            usage = data.get("usage") or {} if isinstance(data, dict) else {}
+            self._count(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+            if self.on_done is not None:
+                await self._store(data)
+        except orjson.JSONDecodeError:
+            log.warning("upstream_answer_unreadable", model=self.model)
+        finally:
+            self.end()
+
+    async def chunks(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A stream's bytes as they come (any cut), passed on unchanged; events read on the way."""
+        pending = b""
+        try:
+            async for chunk in chunks:
+                pending = (pending + chunk).replace(b"\r\n", b"\n")
+                *events, pending = pending.split(b"\n\n")
+                for event in events:
+                    self.event(event)
+                yield chunk
+            if pending.strip():
+                self.event(pending)
+            await self._stream_ended()
+        finally:
+            self.end()
+
+    async def events(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The same for a stream already cut into events (one event's lines each)."""
+        try:
+            async for event in events:
+                self.event(event)
+                yield event
+            await self._stream_ended()
+        finally:
+            self.end()
+
+    def event(self, event: bytes) -> None:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.joined.done = True
+                continue
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                self.joined.failed = True
+                continue
+            if isinstance(chunk, dict) and self.joined.add(chunk):
+                self._token()
+
+    async def _stream_ended(self) -> None:
+        joined = self.joined
+        usage = joined.usage or {}
+        prompt = int(usage.get("prompt_tokens") or self.prompt_estimate)
+        completion = int(usage.get("completion_tokens") or joined.content_chunks)
+        self._count(prompt, completion)
+        if self.on_done is None or not joined.complete:
+            return
+        totals = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if self.answer_type is ChatCompletion:
+            await self._store(joined.chat(totals))
+        elif self.answer_type is Completion:
+            await self._store(joined.completion(totals))
+
+    async def _store(self, data: object) -> None:
+        assert self.on_done is not None
+        try:
+            answer = self.answer_type.model_validate(data)
+        except ValidationError as exc:
+            log.warning("upstream_answer_not_cached", model=self.model, error=str(exc.errors()[0]["msg"]))
+            return
+        await self.on_done(answer)
+
+    def _token(self) -> None:
+        if self._first_token:
+            return
+        self._first_token = True
+        ttft = time.perf_counter() - self.started
+        metrics.TIME_TO_FIRST_TOKEN.labels(self.model).observe(ttft)
+        if self.record.ttft_s is None:
+            self.record.ttft_s = ttft
+
+    def _count(self, prompt: int, completion: int) -> None:
+        metrics.PROMPT_TOKENS.labels(self.model).inc(prompt)
+        metrics.COMPLETION_TOKENS.labels(self.model).inc(completion)
+        self.record.prompt_tokens = (self.record.prompt_tokens or 0) + prompt
+        self.record.completion_tokens = (self.record.completion_tokens or 0) + completion
+
+    def end(self) -> None:
+        """The answer is passed on (or failed): out of the in-flight gauge, `on_end` run; once."""
+        if self._ended:
+            return
+        self._ended = True
+        metrics.IN_FLIGHT.labels(self.model).dec()
+        if self.on_end is not None:
+            self.on_end()

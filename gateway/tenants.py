@@ -1,0 +1,283 @@
+"""Tenants: API keys with their own settings, from the keys file (YAML), and the policy each request
+runs under.
+
+    keys:
+      team-a-batch:                       # the key's id: what logs, metrics and the guards file name
+        key_sha256: "9f86d081884c7d65..." # the key's SHA-256 in hex, quoted (printf %s "$KEY" | sha256sum)
+        # key: sk-team-a-...              # ... or the key itself (hashed when read, never kept)
+        models: [smollm2-135m-instruct, assistant@1]  # what it may use (omitted: every model)
+        rpm: 60                           # requests per minute (omitted: GATEWAY_RATE_LIMIT_RPM)
+        tpm: 20000                        # tokens per minute (omitted: GATEWAY_RATE_LIMIT_TPM)
+        budget: {day: 200000, month: 5000000}  # tokens (prompt + completion) per UTC day, month
+        guards: strict                    # a guard profile (over the guards file's `keys:`)
+        priority: low                     # high, normal (default) or low: admission refuses low first
+        team: research                    # metadata: the usage metrics' `team` label
+        owner: alice@example.com
+
+`Tenants` holds the file's table: it names a presented key (`identify`, constant time over every
+stored hash), gives a key's `KeyPolicy` (keys of `GATEWAY_API_KEYS` and anonymous requests get the
+global limits and nothing else), and reloads the file in place on SIGHUP (`reload`) or when it
+changes (`poll`, from the server's main loop), as `gateway.tls` does the certificate. A file that
+cannot be used is refused: at start the gateway does not start; on reload the table in service
+stays (logged as `keys_reload_failed`, counted in gateway_keys_reloads_total). With a keys file,
+keys are always required, even when the file lists none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import time
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import structlog
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from gateway.metrics import KEYS_RELOADS
+from gateway.settings import Priority
+
+log = structlog.get_logger(__name__)
+
+KeyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")]
+Stamp = tuple[int, int, int] | None
+
+
+class KeysFileError(ValueError):
+    """The keys file cannot be used; the message says why."""
+
+
+class Budget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    day: int | None = Field(None, gt=0, description="Tokens (prompt + completion) per UTC day")
+    month: int | None = Field(None, gt=0, description="Tokens (prompt + completion) per UTC month")
+
+
+class KeySpec(BaseModel):
+    """One key of the file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: SecretStr | None = None
+    key_sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")] | None = None
+    models: list[str] | None = None
+    rpm: int | None = Field(None, gt=0)
+    tpm: int | None = Field(None, gt=0)
+    budget: Budget = Field(default_factory=Budget)
+    guards: str | None = None
+    priority: Priority = "normal"
+    team: str | None = Field(None, max_length=64)
+    owner: str | None = Field(None, max_length=200)
+
+    @field_validator("key", "key_sha256", mode="before")
+    @classmethod
+    def _quoted(cls, value: object) -> object:
+        if value is not None and not isinstance(value, str):
+            raise ValueError("must be a string: quote it (YAML reads some keys and hex digests as numbers)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_key(self) -> KeySpec:
+        if (self.key is None) == (self.key_sha256 is None):
+            raise ValueError("give the key as exactly one of `key` or `key_sha256`")
+        return self
+
+    def digest(self) -> bytes:
+        if self.key is not None:
+            return hashlib.sha256(self.key.get_secret_value().encode()).digest()
+        assert self.key_sha256 is not None
+        return bytes.fromhex(self.key_sha256)
+
+
+class KeysFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keys: dict[KeyId, KeySpec] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _distinct_keys(self) -> KeysFile:
+        seen: dict[bytes, str] = {}
+        for key_id, spec in self.keys.items():
+            other = seen.setdefault(spec.digest(), key_id)
+            if other != key_id:
+                raise ValueError(f"keys '{other}' and '{key_id}' are the same key")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPolicy:
+    """What one request's key may do: the limits and budgets it is counted against, the models it
+    may use, its guard profile and priority class, and its metadata (for the usage metrics)."""
+
+    key_id: str
+    rpm: int | None = None
+    tpm: int | None = None
+    budget_day: int | None = None
+    budget_month: int | None = None
+    models: tuple[str, ...] | None = None  # None: every model
+    guards: str | None = None
+    priority: Priority = "normal"
+    team: str = ""
+    owner: str = ""
+
+    def allows(self, *names: str) -> bool:
+        """May this key use a model asked for (or answering) under any of `names`?"""
+        return self.models is None or any(_covers(entry, name) for entry in self.models for name in names)
+
+
+def _covers(entry: str, name: str) -> bool:
+    """`assistant` covers every version of assistant, `assistant@1` its 1.x.y, `assistant@1.4`
+    its 1.4.y, `assistant@1.4.2` that version only; any other name covers itself."""
+    if entry == name:
+        return True
+    family, sep, wanted = entry.partition("@")
+    got_family, got_sep, got = name.partition("@")
+    if got_family != family or not got_sep:
+        return False
+    if not sep:
+        return True
+    parts = wanted.split(".")
+    if len(parts) >= 3 or not all(p.isdigit() for p in parts):
+        return False  # an exact version: only itself (compared above)
+    return got.split("+")[0].split("-")[0].split(".")[: len(parts)] == parts
+
+
+@dataclass(frozen=True, slots=True)
+class _Table:
+    digests: tuple[tuple[bytes, str], ...]
+    policies: dict[str, KeyPolicy]
+
+
+def read(path: Path) -> KeysFile:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+        return KeysFile.model_validate(data)
+    except (OSError, yaml.YAMLError) as exc:
+        raise KeysFileError(f"keys file {path}: {exc}") from exc
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise KeysFileError(f"keys file {path}: {where}: {first['msg']}") from exc
+
+
+class Tenants:
+    """The keys file's table, swapped whole on reload; `rpm`/`tpm` are the global limits that keys
+    without their own (and keys of GATEWAY_API_KEYS) get."""
+
+    def __init__(self, path: Path | None, rpm: int | None = None, tpm: int | None = None,
+                 reload_interval_s: float = 10) -> None:
+        self.path, self.rpm, self.tpm = path, rpm, tpm
+        self.reload_interval_s = reload_interval_s
+        self._known_models: Collection[str] | None = None
+        self._profiles: Collection[str] | None = None
+        self._stamp: Stamp = self._file_stamp()
+        self._refused: Stamp = None
+        self._next_poll = time.monotonic() + reload_interval_s
+        self._table = self._build(read(path)) if path is not None else _Table((), {})
+
+    @property
+    def enabled(self) -> bool:
+        """With a keys file every API route needs a key (even if the file lists none)."""
+        return self.path is not None
+
+    def check(self, known_models: Iterable[str], profiles: Collection[str]) -> None:
+        """Refuse models and guard profiles that do not exist; remembered for every reload."""
+        self._known_models, self._profiles = frozenset(known_models), profiles
+        self._validate(self._table)
+
+    def identify(self, presented: str) -> str | None:
+        digest = hashlib.sha256(presented.encode()).digest()
+        found = None
+        for stored, key_id in self._table.digests:  # no early exit: the time does not tell which key
+            if hmac.compare_digest(stored, digest):
+                found = key_id
+        return found
+
+    def policy(self, key_id: str) -> KeyPolicy:
+        return self._table.policies.get(key_id) or KeyPolicy(key_id, rpm=self.rpm, tpm=self.tpm)
+
+    def guard_profile(self, key_id: str) -> str | None:
+        found = self._table.policies.get(key_id)
+        return found.guards if found else None
+
+    @property
+    def key_ids(self) -> list[str]:
+        return sorted(self._table.policies)
+
+    def reload(self, reason: str) -> bool:
+        """Read the file again; False (and the table in service kept) when it cannot be used."""
+        if self.path is None:
+            return False
+        stamp = self._file_stamp()
+        try:
+            table = self._build(read(self.path))
+            self._validate(table)
+        except KeysFileError as exc:
+            self._refused = stamp
+            KEYS_RELOADS.labels(result="error").inc()
+            log.error("keys_reload_failed", reason=reason, error=str(exc))
+            return False
+        self._table, self._stamp, self._refused = table, stamp, None
+        KEYS_RELOADS.labels(result="ok").inc()
+        log.info("keys_reloaded", reason=reason, keys=len(table.policies))
+        return True
+
+    def poll(self) -> None:
+        """Reload when the file changed (checked at most every `reload_interval_s`)."""
+        now = time.monotonic()
+        if self.path is None or self.reload_interval_s <= 0 or now < self._next_poll:
+            return
+        self._next_poll = now + self.reload_interval_s
+        stamp = self._file_stamp()
+        if stamp != self._stamp and stamp != self._refused:
+            self.reload("file changed")
+
+    def _build(self, file: KeysFile) -> _Table:
+        policies = {key_id: self._policy(key_id, spec) for key_id, spec in file.keys.items()}
+        return _Table(tuple((spec.digest(), key_id) for key_id, spec in file.keys.items()), policies)
+
+    def _policy(self, key_id: str, spec: KeySpec) -> KeyPolicy:
+        return KeyPolicy(
+            key_id, rpm=spec.rpm or self.rpm, tpm=spec.tpm or self.tpm, budget_day=spec.budget.day,
+            budget_month=spec.budget.month, models=tuple(spec.models) if spec.models is not None else None,
+            guards=spec.guards, priority=spec.priority, team=spec.team or "", owner=spec.owner or "",
+        )
+
+    def _validate(self, table: _Table) -> None:
+        for key_id, policy in table.policies.items():
+            if self._profiles is not None and policy.guards is not None and policy.guards not in self._profiles:
+                known = ", ".join(sorted(self._profiles)) or "none"
+                raise KeysFileError(f"keys file: key '{key_id}': no guard profile '{policy.guards}' (profiles: {known})")
+            for entry in policy.models or ():
+                if self._known_models is not None and not _known(entry, self._known_models):
+                    raise KeysFileError(f"keys file: key '{key_id}': no model '{entry}' is served here")
+
+    def _file_stamp(self) -> Stamp:
+        """What tells a changed file: mtime, size and inode (a ConfigMap volume swaps a symlink)."""
+        if self.path is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def _known(entry: str, known: Collection[str]) -> bool:
+    family, sep, wanted = entry.partition("@")
+    return entry in known or bool(sep and family in known and re.fullmatch(r"[0-9A-Za-z.+-]+", wanted))

@@ -1,0 +1,47 @@
+"""Apps on the fake engine behind real uvicorn servers (in threads of the test process), on free
+loopback ports: for tests that need real HTTP between gateways (a remote model's upstream, two
+replicas sharing one Redis)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from tests.fakes import FakeEngine, app_with
+
+HOST = "127.0.0.1"
+WAIT_S = 30  # a bound on waiting for the server, not a measurement
+
+
+@contextlib.contextmanager
+def served(app: Any) -> Iterator[str]:
+    """`app` served on a free port; its base URL (http://127.0.0.1:PORT)."""
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not server.started and thread.is_alive():
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        assert server.started, "the server did not start"
+        yield f"http://{HOST}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        sock.close()
+
+
+@contextlib.contextmanager
+def gateway(engine: FakeEngine | None = None, **settings: Any) -> Iterator[str]:
+    """The gateway on the fake engine with these settings, served."""
+    with served(app_with(engine or FakeEngine(), **settings)) as base:
+        yield base
