@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import trustme
-import uvicorn
 
 from gateway.app import create_app
 from gateway.middleware.lifecycle import Lifecycle
-from gateway.server import DrainingServer
+from gateway.server import DrainingServer, server_config
 from gateway.settings import TLSSettings
 from gateway.tls import ServerTLS
 from tests.fakes import FakeEngine, fake_settings
@@ -97,8 +96,9 @@ def serving(tls: TLSSettings | ServerTLS) -> Iterator[str]:
     server_tls = tls if isinstance(tls, ServerTLS) else ServerTLS(tls)
     lifecycle = Lifecycle()
     engine = FakeEngine()
-    app = create_app(fake_settings(), engine_starter=lambda es: engine, lifecycle=lifecycle)
-    config = uvicorn.Config(app, log_config=None, access_log=False, **server_tls.uvicorn_options())
+    settings = fake_settings()
+    app = create_app(settings, engine_starter=lambda es: engine, lifecycle=lifecycle)
+    config = server_config(app, settings, server_tls.uvicorn_options())  # as `gateway serve` builds it
     server = DrainingServer(config, lifecycle, drain_timeout_s=0, reloadables=[server_tls])
     sock = socket.socket()
     sock.bind((HOST, 0))
