@@ -6,7 +6,7 @@ this key's), then hands the chat request that the `ResponsesService` made of it 
 (model choice, limits, cache, admission). A stream is framed with named events. A background
 response is that same stream, played to nobody by a task that holds the admission permit until
 it ends; a cancel hangs up on it (the engine request is aborted) and stores it as cancelled.
-Responses are scoped by API key (`anonymous` when keys are off).
+Responses are scoped by API key, by its tenant (`anonymous` when keys are off).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ RUNNING = ("queued", "in_progress")
 
 
 def _scope(request: Request) -> str:
-    return str(getattr(request.state, "api_key_id", ANONYMOUS))
+    """The key's tenant: the same on every replica (its id in logs may not be: `middleware.auth`)."""
+    return str(getattr(request.state, "tenant", ANONYMOUS))
 
 
 def _store(request: Request) -> ResponseStore:

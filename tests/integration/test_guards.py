@@ -91,8 +91,8 @@ def total(snapshot: dict, name: str, **labels: str) -> float:
 def access_line(log: Path, request_id: str) -> dict:
     for _ in range(50):
         for line in log.read_text().splitlines():
-            if '"event": "request"' in line and request_id in line:
-                return json.loads(line)
+            if request_id in line and (fields := json.loads(line)).get("event") == "request":
+                return dict(fields)
         time.sleep(0.1)
     raise AssertionError(f"no access line for {request_id}")
 
