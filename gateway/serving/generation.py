@@ -5,8 +5,8 @@ generation on an engine with its latency metrics.
 
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +21,7 @@ from gateway.serving.guards.stream import OutputGuard, visible
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{secrets.token_hex(16)}"  # as uuid4().hex, cheaper (per request)
 
 
 def now() -> int:
