@@ -25,6 +25,7 @@ class RequestRecord:
     cache: str | None = None
     api_key_id: str | None = None
     disconnected: bool = False
+    status: int | None = None  # the response's status, once it has started (set by the access log)
     arrival: float | None = None  # perf_counter() when the request arrived
     log_content: bool = False  # put prompts and outputs in the access line (a setting; off by default)
     guards: list[str] | None = None  # guard actions taken, as "stage:guard:action" (never the matched text)
@@ -41,7 +42,8 @@ class RequestRecord:
         return logged
 
 
-_LOGGED = tuple(f.name for f in fields(RequestRecord) if f.name not in ("arrival", "log_content", "response_headers"))
+_LOGGED = tuple(f.name for f in fields(RequestRecord)
+                if f.name not in ("arrival", "log_content", "response_headers", "status"))
 
 
 _record: ContextVar[RequestRecord | None] = ContextVar("gateway_request_record", default=None)

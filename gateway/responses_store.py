@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Protocol, TypeVar, cast
 
 import redis.asyncio as redis
 import structlog
@@ -104,6 +104,7 @@ def not_found(response_id: str) -> NotFound:
 
 
 ERRORS = (redis.RedisError, OSError, TimeoutError)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -112,11 +113,7 @@ class ResponseStore:
     running: dict[str, BackgroundRun] = field(default_factory=dict)
 
     async def get(self, scope: str, response_id: str) -> StoredResponse:
-        try:
-            raw = await self.backend.get(f"{scope}:{response_id}")
-        except ERRORS as exc:
-            self._failed("get", exc)
-            raise ServiceUnavailable("The response store is unavailable; retry later") from exc
+        raw = await self._needed("get", self.backend.get(f"{scope}:{response_id}"))
         if raw is None:
             raise not_found(response_id)
         return StoredResponse.model_validate_json(raw)
@@ -129,13 +126,16 @@ class ResponseStore:
             self._failed("set", exc)
 
     async def delete(self, scope: str, response_id: str) -> None:
-        try:
-            found = await self.backend.delete(f"{scope}:{response_id}")
-        except ERRORS as exc:
-            self._failed("delete", exc)
-            raise ServiceUnavailable("The response store is unavailable; retry later") from exc
-        if not found:
+        if not await self._needed("delete", self.backend.delete(f"{scope}:{response_id}")):
             raise not_found(response_id)
+
+    async def _needed(self, operation: str, call: Awaitable[T]) -> T:
+        """A store call whose failure the client must hear of: 503 (a put's failure is only logged)."""
+        try:
+            return await call
+        except ERRORS as exc:
+            self._failed(operation, exc)
+            raise ServiceUnavailable("The response store is unavailable; retry later") from exc
 
     def _failed(self, operation: str, exc: BaseException) -> None:
         metrics.CACHE_ERRORS.labels("redis").inc()

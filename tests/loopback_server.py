@@ -9,15 +9,15 @@ a thread of the test process.
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
+import contextlib
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+
+from tests.served import running
 
 FLAGGED = ("kill", "murder")
 SLOW_S = 2.0
@@ -27,13 +27,11 @@ class LoopbackServer:
     def __init__(self) -> None:
         self.inputs: list[str] = []  # what moderation was asked about
         self.chats: list[dict] = []  # the chat requests received
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = 0  # known once started
         app = Starlette(routes=[Route("/v1/moderations", self._moderate, methods=["POST"]),
                                 Route("/v1/chat/completions", self._chat, methods=["POST"])])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._running = contextlib.ExitStack()
 
     @property
     def url(self) -> str:
@@ -60,14 +58,8 @@ class LoopbackServer:
                              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
     def start(self) -> LoopbackServer:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the moderation server did not start")
-            time.sleep(0.02)
+        self.port = self._running.enter_context(running(self._server))
         return self
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._running.close()

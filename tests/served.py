@@ -22,7 +22,13 @@ WAIT_S = 30  # a bound on waiting for the server, not a measurement
 @contextlib.contextmanager
 def served(app: Any) -> Iterator[str]:
     """`app` served on a free port; its base URL (http://127.0.0.1:PORT)."""
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))
+    with running(uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))) as port:
+        yield f"http://{HOST}:{port}"
+
+
+@contextlib.contextmanager
+def running(server: uvicorn.Server) -> Iterator[int]:
+    """`server` run in a thread on a free loopback port (yielded once it has started)."""
     sock = socket.socket()
     sock.bind((HOST, 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -33,7 +39,7 @@ def served(app: Any) -> Iterator[str]:
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.02)
         assert server.started, "the server did not start"
-        yield f"http://{HOST}:{sock.getsockname()[1]}"
+        yield int(sock.getsockname()[1])
     finally:
         server.should_exit = True
         thread.join(WAIT_S)

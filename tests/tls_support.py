@@ -9,7 +9,6 @@ import contextlib
 import os
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from gateway.server import DrainingServer, server_config
 from gateway.settings import TLSSettings
 from gateway.tls import ServerTLS
 from tests.fakes import FakeEngine, fake_settings
+from tests.served import running
 
 HOST = "127.0.0.1"
 WAIT_S = 30  # a bound on waiting for an event, not a measurement
@@ -100,18 +100,8 @@ def serving(tls: TLSSettings | ServerTLS) -> Iterator[str]:
     app = create_app(settings, engine_starter=lambda es: engine, lifecycle=lifecycle)
     config = server_config(app, settings, server_tls.uvicorn_options())  # as `gateway serve` builds it
     server = DrainingServer(config, lifecycle, drain_timeout_s=0, reloadables=[server_tls])
-    sock = socket.socket()
-    sock.bind((HOST, 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started or not thread.is_alive())
-        assert server.started, "the server did not start"
-        yield f"https://{HOST}:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
-        sock.close()
+    with running(server) as port:
+        yield f"https://{HOST}:{port}"
 
 
 def wait_for(condition: Callable[[], bool]) -> None:

@@ -5,8 +5,9 @@ minute and budgets are taken later, by the dispatcher, once the prompt is known.
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.context import current_record
 from gateway.errors import RateLimited, dialect_of, send_error
 from gateway.middleware.auth import ANONYMOUS
 from gateway.quota import Quota
@@ -31,15 +32,7 @@ class RateLimitMiddleware:
         except RateLimited as error:
             await send_error(send, error, dialect=dialect_of(scope))
             return
-        status = 500
-
-        async def send_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive, send)  # send unwrapped: the access log records the status
         finally:
-            self.quota.finish(policy, status, state.get("charge"))
+            self.quota.finish(policy, current_record().status or 500, state.get("charge"))
