@@ -109,7 +109,7 @@ class RedisCache:
             self._failed("set", exc)
 
     def _failed(self, operation: str, exc: BaseException) -> None:
-        metrics.CACHE_ERRORS.labels("redis").inc()
+        metrics.labelled(metrics.CACHE_ERRORS, "redis").inc()
         log.warning("cache_unavailable", backend="redis", operation=operation, error=str(exc), serving="uncached")
 
     async def aclose(self) -> None:
@@ -141,9 +141,9 @@ class ResponseCache:
         assert self.backend is not None
         raw = await self.backend.get(key)
         if raw is None:
-            metrics.CACHE_MISSES.labels(model).inc()
+            metrics.labelled(metrics.CACHE_MISSES, model).inc()
             return None
-        metrics.CACHE_HITS.labels(model).inc()
+        metrics.labelled(metrics.CACHE_HITS, model).inc()
         return kind.model_validate_json(raw)
 
     async def put(self, key: str, answer: BaseModel) -> None:

@@ -1,6 +1,11 @@
 """Log set-up (structlog): JSON lines in production, readable lines in development, one handler
 for our lines, uvicorn's and the libraries' alike. The access line is `middleware.access_log`'s.
 
+The access line, one per request, skips the standard library's logging: it is rendered by the same
+processors and written to the same handler's stream (under the handler's lock, one line per write),
+without a `LogRecord`, a caller lookup and a formatter hop on the way, which cost about a sixth of a
+small request's CPU on the echo engine.
+
 Tracebacks never show local variables, in either format: a frame's locals hold the request's
 headers (its API key) and its prompt, which `log_prompts` keeps out of the log. JSON lines carry
 the traceback as structured data (`exception`: frames and exception types), console lines as text.
@@ -16,6 +21,34 @@ from typing import Any
 import orjson
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
+
+_access: Any = structlog.get_logger("gateway.access")  # until `configure`: the plain structlog path
+
+
+def access_logger() -> Any:
+    """The access line's logger (`middleware.access_log`)."""
+    return _access
+
+
+class _HandlerLines:
+    """A structlog logger writing each rendered line to a logging handler's stream."""
+
+    def __init__(self, handler: logging.StreamHandler[Any]) -> None:
+        self._handler = handler
+
+    def msg(self, line: str) -> None:
+        handler = self._handler
+        if handler.lock is None:
+            return
+        with handler.lock:
+            try:
+                handler.stream.write(line + "\n")
+                handler.flush()
+            except (OSError, ValueError):  # as logging's handlers: a failed line never fails the request
+                pass
+
+    debug = info = warning = error = critical = exception = msg
+
 
 # No locals, and a bounded frame count: an error costs a few kilobytes of log, not hundreds.
 MAX_FRAMES = 50
@@ -42,6 +75,7 @@ def _json(value: Any, **kwargs: Any) -> str:
 
 
 def configure(level: str = "info", fmt: str = "console") -> None:
+    global _access
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -53,14 +87,16 @@ def configure(level: str = "info", fmt: str = "console") -> None:
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)
+    rendering = renderer(fmt, colors=sys.stderr.isatty())
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            processors=[
-                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                *renderer(fmt, colors=sys.stderr.isatty()),
-            ],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *rendering],
             foreign_pre_chain=shared,
         )
+    )
+    _access = structlog.wrap_logger(
+        _HandlerLines(handler), processors=[*shared, *rendering], cache_logger_on_first_use=True,
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -7,6 +7,8 @@ vllm:kv_cache_usage_perc, ...), so GET /metrics serves both in one exposition.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -70,6 +72,22 @@ LIMITS_LOCAL = Counter(
 )
 KEYS_RELOADS = Counter("gateway_keys_reloads_total", "Reloads of the keys file, by result", ["result"])
 TLS_RELOADS = Counter("gateway_tls_reloads_total", "Reloads of the TLS certificate files, by result", ["result"])
+
+
+M = TypeVar("M", Counter, Gauge, Histogram)
+_children: dict[tuple[int, tuple[str, ...]], object] = {}
+
+
+def labelled(metric: M, *values: str) -> M:
+    """`metric.labels(*values)`, remembered: prometheus_client takes a lock and builds a tuple on
+    every `labels()` call (a dozen per request on the hot path). The label sets are the ones
+    prometheus_client keeps forever anyway (models, routes, statuses, keys), so this holds nothing
+    more than it does."""
+    key = (id(metric), values)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = metric.labels(*values)
+    return child  # type: ignore[return-value]
 
 
 def exposition() -> tuple[bytes, str]:

@@ -203,8 +203,8 @@ class Charge:
         self.settled = True
         prompt, completion = self.record.prompt_tokens or 0, self.record.completion_tokens or 0
         labels = (self.policy.key_id, self.policy.team)
-        metrics.KEY_PROMPT_TOKENS.labels(*labels).inc(prompt)
-        metrics.KEY_COMPLETION_TOKENS.labels(*labels).inc(completion)
+        metrics.labelled(metrics.KEY_PROMPT_TOKENS, *labels).inc(prompt)
+        metrics.labelled(metrics.KEY_COMPLETION_TOKENS, *labels).inc(completion)
         delta = prompt + completion - self.estimate
         if delta:
             self.quota.correct(self, delta)
@@ -226,7 +226,7 @@ class Quota:
     async def charge(self, policy: KeyPolicy, tokens: int, reconcile: bool = False) -> Charge:
         """Budgets reserved, then tokens per minute taken: QuotaExceeded or RateLimited when they refuse."""
         if policy.tpm is not None and tokens > policy.tpm:  # waiting cannot help: a 400, no Retry-After
-            metrics.RATE_LIMITED.labels("tokens").inc()
+            metrics.labelled(metrics.RATE_LIMITED, "tokens").inc()
             raise OverTokenLimit(
                 f"This request asks for {tokens} tokens (the prompt and max_tokens for every choice), more "
                 f"than the limit of {policy.tpm} tokens per minute allows: reduce the prompt, max_tokens or n.",
@@ -301,7 +301,7 @@ class Quota:
         """The end of a request (`middleware.rate_limit`): its usage counted and its charge settled,
         unless a stream holds it (it settles when the stream ends)."""
         if 200 <= status < 300:
-            metrics.KEY_REQUESTS.labels(policy.key_id, policy.team).inc()
+            metrics.labelled(metrics.KEY_REQUESTS, policy.key_id, policy.team).inc()
         if charge is not None and not charge.held:
             charge.settle()
 
@@ -323,7 +323,7 @@ class Quota:
         return True
 
     def _failed(self, operation: str, exc: BaseException) -> None:
-        metrics.LIMITS_REDIS_ERRORS.labels(operation).inc()
+        metrics.labelled(metrics.LIMITS_REDIS_ERRORS, operation).inc()
         metrics.LIMITS_LOCAL.inc()
         if not self._down_until:
             log.warning("limits_redis_unavailable", operation=operation, error=str(exc) or type(exc).__name__,
@@ -345,7 +345,7 @@ def _report(kind: str, limit: int, amount: float, allowed: bool, tokens: float) 
     headers[f"x-ratelimit-reset-{kind}"] = duration(max(0.0, (limit - tokens) * 60.0 / limit))
     if allowed:
         return
-    metrics.RATE_LIMITED.labels(kind).inc()
+    metrics.labelled(metrics.RATE_LIMITED, kind).inc()
     wait = max(0.0, (amount - tokens) * 60.0 / limit) if amount <= limit else 60.0
     headers["retry-after"] = str(max(1, round(wait)))
     raise RateLimited(
@@ -355,7 +355,7 @@ def _report(kind: str, limit: int, amount: float, allowed: bool, tokens: float) 
 
 
 def _refuse_budget(policy: KeyPolicy, period: Period, amount: int, used: int) -> None:
-    metrics.QUOTA_REFUSED.labels(policy.key_id, period.name).inc()
+    metrics.labelled(metrics.QUOTA_REFUSED, policy.key_id, period.name).inc()
     if amount > period.limit:  # no fresh period can take it: no Retry-After, or clients retry for ever
         raise QuotaExceeded(
             f"You exceeded your current quota: this request counts {amount} tokens (its prompt and "

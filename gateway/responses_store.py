@@ -138,7 +138,7 @@ class ResponseStore:
             raise ServiceUnavailable("The response store is unavailable; retry later") from exc
 
     def _failed(self, operation: str, exc: BaseException) -> None:
-        metrics.CACHE_ERRORS.labels("redis").inc()
+        metrics.labelled(metrics.CACHE_ERRORS, "redis").inc()
         log.warning("response_store_unavailable", operation=operation, error=str(exc))
 
     async def aclose(self) -> None:

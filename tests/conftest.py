@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import openai
 import pytest
+import structlog
 from starlette.testclient import TestClient
 
+from gateway import logs
 from gateway.app import create_app
 from gateway.settings import Settings
 from tests.fakes import FakeEngine, fake_settings
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """A test that runs `gateway serve` in process (logs.configure) leaves the logging as it found
+    it: later tests capture log lines with structlog.testing.capture_logs."""
+    access, config = logs._access, structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    logs._access = access
+    structlog.configure(**config)
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture

@@ -1,4 +1,11 @@
-"""Noticing that a client went away, so that its engine request is aborted at once."""
+"""Noticing that a client went away, so that its engine request is aborted at once.
+
+The work runs in the request's own task; a watcher task waits for the client's disconnect and,
+if it comes first, cancels the request's task (which closes the engine's output iterator and so
+aborts the engine request), and the cancellation comes out as `ClientDisconnected` (499). The
+watcher starts `WATCH_AFTER_S` after the work: an answer ready sooner (a short completion, a cache
+hit) pays no task and no wakeup for it, and a client that leaves before is noticed that much later.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from gateway.context import current_record
 from gateway.errors import ClientDisconnected
 
 T = TypeVar("T")
+WATCH_AFTER_S = 0.01
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
@@ -20,18 +28,60 @@ async def wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
+class Watch:
+    """Cancels the current task when the client disconnects (watching from `after_s` on); `fired`
+    says it did. `stop()` it when the work is over."""
+
+    def __init__(self, receive: Receive, after_s: float = WATCH_AFTER_S) -> None:
+        task = asyncio.current_task()
+        assert task is not None, "a Watch watches the current task"
+        self.task = task
+        self.receive = receive
+        self.fired = False
+        self._acknowledged = False
+        self._stopped = False
+        self._watcher: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(after_s, self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        self._watcher = asyncio.ensure_future(wait_for_disconnect(self.receive))
+        self._watcher.add_done_callback(self._done)
+
+    def _done(self, watcher: asyncio.Future[None]) -> None:
+        if self._stopped or watcher.cancelled():
+            return
+        watcher.exception()  # retrieved: a failing receive counts as the client gone
+        self.fired = True
+        self.task.cancel()
+
+    def disconnected(self) -> bool:
+        """Whether a `CancelledError` the task caught was this watch's (then it is taken back)."""
+        if not self.fired or self._acknowledged:
+            return False
+        self._acknowledged = True
+        return self.task.uncancel() == 0
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self.fired and not self._acknowledged:  # the work ended anyway: no stray cancellation left
+            self._acknowledged = True
+            self.task.uncancel()
+
+
 async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     """Await `work`; if the client goes first, cancel it (aborting its engine request) and raise."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    watch = Watch(receive)
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        return await work
+    except asyncio.CancelledError:
+        if not watch.disconnected():
+            raise  # a cancellation from elsewhere (shutdown): not ours to turn into a 499
         current_record().disconnected = True
-        raise ClientDisconnected()
+        raise ClientDisconnected() from None
     finally:
-        watcher.cancel()
-        task.cancel()
+        watch.stop()

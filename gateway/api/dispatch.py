@@ -83,7 +83,7 @@ async def dispatch(
     failure: APIError | None = None
     for backend in chain:
         if failure is not None:
-            metrics.FALLBACKS.labels(chain[0].name, backend.name).inc()
+            metrics.labelled(metrics.FALLBACKS, chain[0].name, backend.name).inc()
         try:
             response = await attempt.on(backend)
         except Exception as exc:

@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.api.disconnect import wait_for_disconnect
+from gateway.api.disconnect import Watch
 from gateway.context import current_record
 from gateway.errors import Dialect, dialect_of, from_exception
 
@@ -77,8 +77,8 @@ class EventStreamResponse(Response):
     """An ASGI response streaming models as SSE (a Response as Starlette's StreamingResponse is:
     its own `__call__`, no body).
 
-    It watches for the client going away the whole time: on a disconnect the stream's task is
-    cancelled at once, which closes the event iterator and so aborts the engine request.
+    It watches for the client going away (`api.disconnect.Watch`): on a disconnect the stream's
+    task is cancelled, which closes the event iterator and so aborts the engine request.
     """
 
     def __init__(
@@ -98,22 +98,22 @@ class EventStreamResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         framing = self.framing or FRAMINGS[dialect_of(scope)]
-        # Plain asyncio, not an anyio cancel scope: cancelling the stream's task once lets the
-        # engine's cleanup (its abort) still await; a level-triggered scope would cancel that too.
-        stream = asyncio.ensure_future(self._stream(send, framing))
-        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        # Plain asyncio, not an anyio cancel scope: cancelling the task once lets the engine's
+        # cleanup (its abort) still await; a level-triggered scope would cancel that too.
+        watch = Watch(receive)
         try:
-            done, _ = await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if stream not in done:
-                self.disconnected = True
-                stream.cancel()
-            await asyncio.gather(stream, return_exceptions=True)
-            if not stream.cancelled() and isinstance(stream.exception(), OSError):
-                self.disconnected = True  # the socket went away under send
-            current_record().disconnected = self.disconnected
+            await self._stream(send, framing)
+        except asyncio.CancelledError:
+            if not watch.disconnected():
+                raise
+            self.disconnected = True
+        except OSError:
+            self.disconnected = True  # the socket went away under send
+        except Exception:  # noqa: S110 - the response has started: nothing left to tell the client
+            pass
         finally:
-            watcher.cancel()
-            stream.cancel()
+            watch.stop()
+            current_record().disconnected = self.disconnected
             await self._close()  # also when the stream was cancelled before it ever ran
 
     async def _close(self) -> None:

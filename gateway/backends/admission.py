@@ -86,7 +86,7 @@ class Admission:
 
     def _waiting(self, change: int) -> None:
         self.waiting += change
-        metrics.WAITING.labels(self.model).set(self.waiting)
+        metrics.labelled(metrics.WAITING, self.model).set(self.waiting)
 
     def _leave(self, entry: tuple[int, asyncio.Future[None]]) -> None:
         with contextlib.suppress(ValueError):
@@ -111,7 +111,7 @@ class Admission:
             future.set_result(None)
 
     def _refuse(self, reason: str, why: str) -> ModelOverloaded | ModelUnavailable:
-        metrics.REJECTED.labels(self.model, reason).inc()
+        metrics.labelled(metrics.REJECTED, self.model, reason).inc()
         message = f"The model '{self.model}' is overloaded: {why}. Please retry later."
         headers = {"Retry-After": str(self.settings.retry_after_s)}
         if self.settings.reject_status == 503:

@@ -90,7 +90,7 @@ class Upstream:
         return UpstreamAnswer(200, media_type, events=self._events(response, on_close))
 
     def _failed(self, kind: type[APIError], why: str) -> APIError:
-        metrics.UPSTREAM_ERRORS.labels(self.name).inc()
+        metrics.labelled(metrics.UPSTREAM_ERRORS, self.name).inc()
         log.warning("upstream_failed", model=self.name, why=why)
         return kind(f"The model '{self.name}' is unavailable: its upstream server failed. Please retry later.")
 

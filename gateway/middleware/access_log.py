@@ -25,8 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import metrics
 from gateway.context import RequestRecord, open_record
 from gateway.errors import Dialect, from_exception, send_error
+from gateway.logs import access_logger
 
-access = structlog.get_logger("gateway.access")
 log = structlog.get_logger(__name__)
 REQUEST_ID_MAX = 200
 
@@ -90,7 +90,7 @@ class AccessLogMiddleware:
             finally:
                 duration = time.perf_counter() - started
                 observe_request(record, self.route_label(scope["path"]), status, duration)
-                access.info(
+                access_logger().info(
                     "request",
                     method=scope["method"],
                     path=scope["path"],
@@ -103,8 +103,8 @@ class AccessLogMiddleware:
 
 def observe_request(record: RequestRecord, route: str, status: int, duration: float) -> None:
     model = record.version or record.model or ""
-    metrics.REQUESTS.labels(model, route, str(status)).inc()
+    metrics.labelled(metrics.REQUESTS, model, route, str(status)).inc()
     if route != "/metrics":
-        metrics.REQUEST_DURATION.labels(model, route).observe(duration)
+        metrics.labelled(metrics.REQUEST_DURATION, model, route).observe(duration)
     if record.disconnected:
-        metrics.DISCONNECTS.labels(model).inc()
+        metrics.labelled(metrics.DISCONNECTS, model).inc()

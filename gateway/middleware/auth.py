@@ -152,7 +152,7 @@ class AuthMiddleware:
         address = (scope.get("client") or ("unknown",))[0]
         wait = self.throttle.wait_s(address)
         if wait > 0:
-            metrics.RATE_LIMITED.labels("auth_failures").inc()
+            metrics.labelled(metrics.RATE_LIMITED, "auth_failures").inc()
             raise RateLimited(
                 "Too many failed API key attempts from this address; please try again later.",
                 headers={"Retry-After": str(max(1, round(wait)))},

@@ -87,7 +87,7 @@ class _Reading:
             return
         if not self.budget.take(needed - self.held):
             self.release()
-            metrics.REJECTED.labels("", "body_bytes_in_flight").inc()
+            metrics.labelled(metrics.REJECTED, "", "body_bytes_in_flight").inc()
             raise ServiceUnavailable(
                 "The server is reading too many request bodies at once; please retry",
                 headers={"Retry-After": "1"},

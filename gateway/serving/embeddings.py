@@ -106,16 +106,16 @@ async def _embed_all(prepared: PreparedEmbeddings) -> list[list[float]]:
     disconnect cancels the rest."""
     engine, name = prepared.engine, prepared.engine.info.name
     requests = [EmbedRequest(f"{prepared.id}-{i}", ids, prepared.dimensions) for i, ids in enumerate(prepared.inputs)]
-    metrics.IN_FLIGHT.labels(name).inc()
+    metrics.labelled(metrics.IN_FLIGHT, name).inc()
     tasks = [asyncio.ensure_future(engine.embed(request)) for request in requests]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
         for task in tasks:
             task.cancel()
-        metrics.IN_FLIGHT.labels(name).dec()
+        metrics.labelled(metrics.IN_FLIGHT, name).dec()
         tokens = prepared.token_budget()
-        metrics.PROMPT_TOKENS.labels(name).inc(tokens)
+        metrics.labelled(metrics.PROMPT_TOKENS, name).inc(tokens)
         record = current_record()
         record.prompt_tokens = (record.prompt_tokens or 0) + tokens
 

@@ -184,7 +184,7 @@ class Run:
         self._record = current_record()
         self._record.model = self._record.model or engine.info.name
         self._model = engine.info.name
-        self._itl = metrics.INTER_TOKEN_LATENCY.labels(self._model)  # looked up once, not per token
+        self._itl = metrics.labelled(metrics.INTER_TOKEN_LATENCY, self._model)  # looked up once, not per token
         self._started = self._record.arrival or time.perf_counter()
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -193,7 +193,7 @@ class Run:
 
     async def start(self) -> Run:
         """Wait for the first output, so that the engine's refusals come before any byte is sent."""
-        metrics.IN_FLIGHT.labels(self._model).inc()
+        metrics.labelled(metrics.IN_FLIGHT, self._model).inc()
         self._in_flight = True
         try:
             self._first = await anext(self._outputs)
@@ -248,7 +248,7 @@ class Run:
         if self._first_token_at is None:
             self._first_token_at = at
             ttft = at - self._started
-            metrics.TIME_TO_FIRST_TOKEN.labels(self._model).observe(ttft)
+            metrics.labelled(metrics.TIME_TO_FIRST_TOKEN, self._model).observe(ttft)
             if self._record.ttft_s is None:
                 self._record.ttft_s = ttft
         elif self._last_token_at is not None:
@@ -257,11 +257,11 @@ class Run:
 
     def _finish(self) -> None:
         if self._in_flight:
-            metrics.IN_FLIGHT.labels(self._model).dec()
+            metrics.labelled(metrics.IN_FLIGHT, self._model).dec()
             self._in_flight = False
         usage = self.usage()
-        metrics.PROMPT_TOKENS.labels(self._model).inc(usage.prompt_tokens)
-        metrics.COMPLETION_TOKENS.labels(self._model).inc(usage.completion_tokens)
+        metrics.labelled(metrics.PROMPT_TOKENS, self._model).inc(usage.prompt_tokens)
+        metrics.labelled(metrics.COMPLETION_TOKENS, self._model).inc(usage.completion_tokens)
         record = self._record
         if record.log_content:
             record.prompt = self.request.prompt_text
@@ -271,7 +271,7 @@ class Run:
         per_choice = usage.completion_tokens / max(1, len(self.choices))
         if self._first_token_at is not None and self._last_token_at is not None and per_choice > 1:
             tpot = (self._last_token_at - self._first_token_at) / (per_choice - 1)
-            metrics.TIME_PER_OUTPUT_TOKEN.labels(self._model).observe(tpot)
+            metrics.labelled(metrics.TIME_PER_OUTPUT_TOKEN, self._model).observe(tpot)
 
     async def collect(self) -> Run:
         async for _ in self.outputs():

@@ -174,7 +174,7 @@ class RemoteAnswer(Generic[AnswerT]):
         self.joined = _Joined()
         self._first_token = False
         self._ended = False
-        metrics.IN_FLIGHT.labels(model).inc()
+        metrics.labelled(metrics.IN_FLIGHT, model).inc()
 
     async def whole(self, status: int, body: bytes) -> None:
         """A whole answer (or an error the upstream answered with)."""
@@ -262,13 +262,13 @@ class RemoteAnswer(Generic[AnswerT]):
             return
         self._first_token = True
         ttft = time.perf_counter() - self.started
-        metrics.TIME_TO_FIRST_TOKEN.labels(self.model).observe(ttft)
+        metrics.labelled(metrics.TIME_TO_FIRST_TOKEN, self.model).observe(ttft)
         if self.record.ttft_s is None:
             self.record.ttft_s = ttft
 
     def _count(self, prompt: int, completion: int) -> None:
-        metrics.PROMPT_TOKENS.labels(self.model).inc(prompt)
-        metrics.COMPLETION_TOKENS.labels(self.model).inc(completion)
+        metrics.labelled(metrics.PROMPT_TOKENS, self.model).inc(prompt)
+        metrics.labelled(metrics.COMPLETION_TOKENS, self.model).inc(completion)
         self.record.prompt_tokens = (self.record.prompt_tokens or 0) + prompt
         self.record.completion_tokens = (self.record.completion_tokens or 0) + completion
 
@@ -277,6 +277,6 @@ class RemoteAnswer(Generic[AnswerT]):
         if self._ended:
             return
         self._ended = True
-        metrics.IN_FLIGHT.labels(self.model).dec()
+        metrics.labelled(metrics.IN_FLIGHT, self.model).dec()
         if self.on_end is not None:
             self.on_end()

@@ -122,7 +122,7 @@ class RequestGuard:
         if key in self._noted:
             return
         self._noted.add(key)
-        metrics.GUARD_ACTIONS.labels(guard, stage, action).inc()
+        metrics.labelled(metrics.GUARD_ACTIONS, guard, stage, action).inc()
         record = current_record()
         record.guards = [*(record.guards or []), f"{stage}:{guard}{'/' + detail if detail else ''}:{action}"]
         if record.log_content and text is not None:
