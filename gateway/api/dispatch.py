@@ -207,16 +207,9 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         answer = self.service.fresh(hit)
         return json_response(self.shape(answer) if self.shape else answer)
 
-    async def _shaped(self, events: AsyncIterator[BaseModel | bytes]) -> AsyncIterator[BaseModel | bytes]:
-        if self.shape is None:
-            async for event in events:
-                yield event
-            return
-        try:
-            async for event in events:
-                yield self.shape(event)
-        finally:
-            await events.aclose()  # type: ignore[attr-defined]
+    def _shaped(self, events: AsyncIterator[BaseModel | bytes]) -> AsyncIterator[BaseModel | bytes]:
+        """The events in the native API's shape; as they are (no layer per event) for the others."""
+        return events if self.shape is None else _reshaped(events, self.shape)
 
     async def _remote(self, backend: Backend) -> Response:
         assert backend.upstream is not None
@@ -252,3 +245,11 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
             permit.release()
             watch.end()
             raise
+
+
+async def _reshaped(events: AsyncIterator[BaseModel | bytes], shape: Shape) -> AsyncIterator[BaseModel | bytes]:
+    try:
+        async for event in events:
+            yield shape(event)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]

@@ -143,6 +143,9 @@ class _Answer:
         self.prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
 
     async def start(self) -> _Answer:
+        if len(self.runs) == 1:  # one prompt (nearly always): no task for it (Run.start closes itself on failure)
+            await self.runs[0].start()
+            return self
         try:
             await asyncio.gather(*(run.start() for run in self.runs))
         except BaseException:
@@ -234,10 +237,6 @@ async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | Non
 
 async def _merged(answer: _Answer) -> AsyncIterator[tuple[int, GenerationOutput]]:
     """Outputs of all runs as they come, tagged with their prompt's index."""
-    if len(answer.runs) == 1:
-        async for output in answer.runs[0].outputs():
-            yield 0, output
-        return
     queue: asyncio.Queue[tuple[int, GenerationOutput | None, Exception | None]] = asyncio.Queue()
 
     async def pump(p: int, run: Run) -> None:
@@ -271,11 +270,16 @@ async def _chunks(answer: _Answer, on_done: OnDone[Completion] | None) -> AsyncI
     options = prepared.request.stream_options
     include_usage = bool(options and options.include_usage)
     chunk = ChunkEncoder(prepared.id, "text_completion", prepared.created, prepared.model)
-    async for p, output in _merged(answer):
-        answer.note_prompt_logprobs(p, output)
-        choices = [_chunk_choice(answer, p, delta) for delta in output.choices]
-        if choices:
-            yield chunk(choices)
+    if len(answer.runs) == 1:  # one prompt (nearly always): its outputs as they come, no merging layer
+        async for output in answer.runs[0].outputs():
+            answer.note_prompt_logprobs(0, output)
+            if output.choices:
+                yield chunk([_chunk_choice(answer, 0, delta) for delta in output.choices])
+    else:
+        async for p, output in _merged(answer):
+            answer.note_prompt_logprobs(p, output)
+            if output.choices:
+                yield chunk([_chunk_choice(answer, p, delta) for delta in output.choices])
     if on_done is not None:
         await on_done(_whole(answer))
     if include_usage:
