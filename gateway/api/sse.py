@@ -129,9 +129,13 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             ending = framing.end
             try:
-                named = framing.named
-                async for event in self.events:
-                    body = event + b"\n\n" if framing.relayed and isinstance(event, bytes) else encode(event, named)
+                named, relayed = framing.named, framing.relayed
+                first, events = _split(self.events)
+                if first is not None:
+                    body = first + b"\n\n" if relayed and isinstance(first, bytes) else encode(first, named)
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                async for event in events:
+                    body = event + b"\n\n" if relayed and isinstance(event, bytes) else encode(event, named)
                     await send({"type": "http.response.body", "body": body, "more_body": True})
             except OSError:
                 raise  # the client is gone: nobody to tell
@@ -174,6 +178,20 @@ class Primed:
     async def aclose(self) -> None:
         self._done = True
         await self._rest.aclose()  # type: ignore[attr-defined]
+
+
+async def _nothing() -> AsyncIterator[BaseModel | bytes]:
+    return
+    yield
+
+
+def _split(events: AsyncIterator[BaseModel | bytes]) -> tuple[BaseModel | bytes | None, AsyncIterator[BaseModel | bytes]]:
+    """A primed stream's first event and the stream underneath (iterated without the Primed layer
+    per event; closing still goes through the Primed); any other stream as it is."""
+    if not isinstance(events, Primed):
+        return None, events
+    first, events._first = events._first, None
+    return first, _nothing() if events._done else events._rest
 
 
 async def primed(events: AsyncIterator[BaseModel | bytes]) -> Primed:

@@ -231,8 +231,23 @@ async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | Non
     """The chunks of a text_completion stream, already encoded as JSON (api.sse frames them)."""
     await prepared.guard.moderate_input()
     answer = await _Answer(prepared).start()
-    async for chunk in _chunks(answer, on_done):
-        yield chunk
+    options = prepared.request.stream_options
+    include_usage = bool(options and options.include_usage)
+    chunk = ChunkEncoder(prepared.id, "text_completion", prepared.created, prepared.model)
+    if len(answer.runs) == 1:  # one prompt (nearly always): its outputs as they come, no merging layer
+        async for output in answer.runs[0].outputs():
+            answer.note_prompt_logprobs(0, output)
+            if output.choices:
+                yield chunk([_chunk_choice(answer, 0, delta) for delta in output.choices])
+    else:
+        async for p, output in _merged(answer):
+            answer.note_prompt_logprobs(p, output)
+            if output.choices:
+                yield chunk([_chunk_choice(answer, p, delta) for delta in output.choices])
+    if on_done is not None:
+        await on_done(_whole(answer))
+    if include_usage:
+        yield chunk([], answer.usage())
 
 
 async def _merged(answer: _Answer) -> AsyncIterator[tuple[int, GenerationOutput]]:
@@ -263,27 +278,6 @@ async def _merged(answer: _Answer) -> AsyncIterator[tuple[int, GenerationOutput]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _chunks(answer: _Answer, on_done: OnDone[Completion] | None) -> AsyncIterator[bytes]:
-    prepared = answer.prepared
-    options = prepared.request.stream_options
-    include_usage = bool(options and options.include_usage)
-    chunk = ChunkEncoder(prepared.id, "text_completion", prepared.created, prepared.model)
-    if len(answer.runs) == 1:  # one prompt (nearly always): its outputs as they come, no merging layer
-        async for output in answer.runs[0].outputs():
-            answer.note_prompt_logprobs(0, output)
-            if output.choices:
-                yield chunk([_chunk_choice(answer, 0, delta) for delta in output.choices])
-    else:
-        async for p, output in _merged(answer):
-            answer.note_prompt_logprobs(p, output)
-            if output.choices:
-                yield chunk([_chunk_choice(answer, p, delta) for delta in output.choices])
-    if on_done is not None:
-        await on_done(_whole(answer))
-    if include_usage:
-        yield chunk([], answer.usage())
 
 
 def _chunk_choice(answer: _Answer, p: int, delta: ChoiceDelta) -> dict[str, Any]:
