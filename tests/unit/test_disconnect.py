@@ -79,3 +79,89 @@ async def test_finished_stream_is_not_aborted() -> None:
     sent = await run_with_app(engine, lambda app: drive(app, body, disconnect_after_chunks=100))
     assert sent[-1]["body"] == b"data: [DONE]\n\n"
     assert engine.aborted == [] and engine.finished == [engine.requests[0].request_id]
+
+
+# --- the watch itself (api.disconnect) ---------------------------------------------------------
+
+import pytest  # noqa: E402
+
+from gateway.api.disconnect import WATCH_AFTER_S, unless_disconnected  # noqa: E402
+from gateway.errors import ClientDisconnected  # noqa: E402
+
+
+def gone_receive(after_s: float = 0.0):
+    async def receive() -> dict:
+        await asyncio.sleep(after_s)
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+def staying_receive():
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+async def test_a_client_gone_at_once_is_noticed_after_the_grace_and_the_work_is_cancelled() -> None:
+    cancelled = asyncio.Event()
+
+    async def work() -> str:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "done"
+
+    with pytest.raises(ClientDisconnected):
+        async with asyncio.timeout(2):  # in this task (wait_for would run it in another)
+            await unless_disconnected(gone_receive(), work())
+    assert cancelled.is_set()
+    assert asyncio.current_task().cancelling() == 0  # the watch's own cancellation was taken back
+
+
+async def test_quick_work_starts_no_watcher_and_returns_its_value() -> None:
+    calls = 0
+
+    async def receive() -> dict:
+        nonlocal calls
+        calls += 1
+        return {"type": "http.disconnect"}
+
+    async def work() -> str:
+        return "answer"
+
+    assert await unless_disconnected(receive, work()) == "answer"
+    await asyncio.sleep(WATCH_AFTER_S * 3)
+    assert calls == 0  # the answer came before the watch began: receive was never called
+
+
+async def test_a_cancellation_from_elsewhere_stays_a_cancellation() -> None:
+    started = asyncio.Event()
+
+    async def work() -> None:
+        started.set()
+        await asyncio.sleep(10)
+
+    task = asyncio.ensure_future(unless_disconnected(staying_receive(), work()))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_work_that_swallows_the_cancellation_leaves_no_stray_cancel_behind() -> None:
+    async def work() -> str:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return "finished anyway"
+        return "slept"
+
+    async with asyncio.timeout(2):
+        assert await unless_disconnected(gone_receive(), work()) == "finished anyway"
+    assert asyncio.current_task().cancelling() == 0
+    await asyncio.sleep(0.01)  # and the task goes on: no cancellation waiting for its next await
