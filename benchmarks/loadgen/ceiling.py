@@ -1,12 +1,15 @@
 """The client's ceiling: after a measured run, the same load (concurrency, streaming, prompt and
-answer sizes, endpoint) sent for `ceiling_s` seconds to an instant endpoint, `benchmarks.bare_app`
-(Starlette + uvicorn answering a fixed completion), started once per process on a free loopback
-port. What the client reaches there bounds what it can measure anywhere; `compare` puts that
-beside the measured run (headroom: ceiling ÷ measured, wanted ≥ `WANTED_HEADROOM`).
+answer sizes, endpoint, client processes) sent for `ceiling_s` seconds to the instant endpoint,
+`benchmarks.instant_endpoint` (a raw uvloop protocol with httptools answering canned completions,
+a few microseconds a request), started once per process on a free loopback port. What the client
+reaches there bounds what it can measure anywhere; `compare` puts that beside the measured run
+(headroom: ceiling ÷ measured, wanted ≥ `WANTED_HEADROOM`).
 
-On one machine the bare app and the client share the cores, so the ceiling is a lower bound of
-the client's own limit; the measured run's `client_cpu_s` (this process's CPU time during the
-run) says how busy the client itself was.
+On one machine the endpoint and the client share the cores, so the ceiling is a lower bound of
+the client's own limit; the measured run's `client_cpu_s` (the client's CPU time during the run)
+says how busy the client itself was. At concurrency 1 the ceiling is bound by latency, not CPU:
+one request at a time over one connection, each a loopback round trip through two event loops,
+so the headroom there is whatever that round trip allows (`describe` says so).
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ _endpoint: Proc | None = None
 
 
 async def shared_endpoint(start_timeout_s: float = 60.0) -> Proc:
-    """The bare app, started on first use and stopped when this process exits."""
+    """The instant endpoint, started on first use and stopped when this process exits."""
     global _endpoint
     if _endpoint is None or _endpoint.process is None or _endpoint.process.poll() is not None:
         port = free_port()
-        command = [sys.executable, "-m", "benchmarks.bare_app", "--port", str(port), "--name", BARE_MODEL]
-        proc = Proc("bare-endpoint", command, {}, LOG_DIR / f"bare-endpoint-{port}.log", port=port)
+        command = [sys.executable, "-m", "benchmarks.instant_endpoint", "--port", str(port), "--name", BARE_MODEL]
+        proc = Proc("instant-endpoint", command, {}, LOG_DIR / f"instant-endpoint-{port}.log", port=port)
         proc.start()
         atexit.register(proc.stop)
         await proc.wait_ready(start_timeout_s)
@@ -43,7 +46,7 @@ async def shared_endpoint(start_timeout_s: float = 60.0) -> Proc:
 
 
 def ceiling_config(config: LoadConfig, base_url: str) -> LoadConfig:
-    """The measured run's load, sent to the bare endpoint for `ceiling_s` seconds (no request cap)."""
+    """The measured run's load, sent to the instant endpoint for `ceiling_s` seconds (no request cap)."""
     concurrency = config.concurrency or 64
     return dataclasses.replace(
         config, base_url=base_url, model=BARE_MODEL, tokenizer="words", api_key=None, headers={},

@@ -56,8 +56,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save-requests", action="store_true", help="put every request's record in the JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--ceiling-duration", type=float, default=2.0,
-                   help="after each run: seconds of the same load against the bare endpoint (benchmarks.bare_app), "
+                   help="after each run: seconds of the same load against the instant endpoint (benchmarks.instant_endpoint), "
                         "the client's ceiling, reported beside the run")
+    p.add_argument("--processes", type=int, default=1,
+                   help="client processes sharing each run's load (at most one per request in flight); "
+                        "one process tops out near one core")
     p.add_argument("--no-ceiling", dest="ceiling_duration", action="store_const", const=0.0,
                    help="skip the ceiling run")
     return p
@@ -92,6 +95,7 @@ def config_from(args: argparse.Namespace) -> LoadConfig:
         progress=args.progress and sys.stderr.isatty(),
         keep_records=args.save_requests,
         ceiling_s=args.ceiling_duration,
+        processes=max(1, args.processes),
     )
 
 
