@@ -56,6 +56,11 @@ def ceiling_config(config: LoadConfig, base_url: str) -> LoadConfig:
     )
 
 
+def latency_bound(config: dict[str, Any]) -> bool:
+    """One request at a time (concurrency 1): the ceiling is a round trip's latency, not the client's CPU."""
+    return config.get("concurrency") == 1 and not config.get("request_rate")
+
+
 def compare(bare: Result, measured: Result) -> dict[str, Any]:
     """The ceiling beside the measured run: rates, the headroom (ceiling ÷ measured) and whether it is enough."""
 
@@ -73,6 +78,9 @@ def compare(bare: Result, measured: Result) -> dict[str, Any]:
         "failed": bare.failed,
         "duration_s": bare.duration_s,
         "client_cpu_s": bare.client_cpu_s,
+        "processes": bare.config.get("processes", 1),
+        "endpoint": "benchmarks.instant_endpoint",
+        "latency_bound": latency_bound(bare.config),
         "headroom_req_s": req,
         "headroom_tok_s": tok,
         "headroom": headroom,
@@ -83,11 +91,16 @@ def compare(bare: Result, measured: Result) -> dict[str, Any]:
 def describe(ceiling: dict[str, Any]) -> str:
     """One line for people."""
     headroom = ceiling.get("headroom")
-    text = (f"client ceiling (bare endpoint, same load, {ceiling['duration_s']:.1f} s): {ceiling['req_s']:.0f} req/s, "
-            f"{ceiling['output_tok_s']:.0f} tok/s")
+    procs = ceiling.get("processes") or 1
+    text = (f"client ceiling (instant endpoint, same load, {ceiling['duration_s']:.1f} s"
+            + (f", {procs} processes" if procs > 1 else "")
+            + f"): {ceiling['req_s']:.0f} req/s, {ceiling['output_tok_s']:.0f} tok/s")
     if headroom is None:
         return text + " (nothing measured to compare)"
     text += f" = {headroom:.1f}x this run"
     if not ceiling["enough"]:
         text += f" - below {WANTED_HEADROOM:.0f}x: the client may be part of what this run measured"
+        if ceiling.get("latency_bound"):
+            text += (" (at concurrency 1 the ceiling is one loopback round trip at a time, bound by latency, "
+                     "not by the client's CPU: more processes cannot raise it)")
     return text + (f"; {ceiling['failed']} failed" if ceiling.get("failed") else "")
