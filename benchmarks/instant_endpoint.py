@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import sys
 import time
 from pathlib import Path
@@ -141,17 +142,26 @@ DONE = _event(b"[DONE]") + b"0\r\n\r\n"
 
 
 class InstantProtocol(asyncio.Protocol):
-    """One connection: httptools parses, each complete request is answered at once."""
+    """One connection: httptools parses; complete requests are answered in order, at once (a paced
+    stream holds the requests after it until its last event is written)."""
 
-    def __init__(self, canned: Canned) -> None:
+    def __init__(self, canned: Canned, paced: bool) -> None:
         self.canned = canned
+        self.paced = paced
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
         self.body: list[bytes] = []
+        self.queue: collections.deque[tuple[bytes, bytes, bytes, bool]] = collections.deque()
+        self.stream: list[bytes] = []  # a paced stream's parts still to write
+        self.close_after = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.stream = []
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -173,26 +183,39 @@ class InstantProtocol(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        keep_alive = self.parser.should_keep_alive()
-        method = self.parser.get_method()
         path = self.url.partition(b"?")[0]
+        self.queue.append((self.parser.get_method(), path, b"".join(self.body), self.parser.should_keep_alive()))
+        if not self.stream:
+            self._answer_queued()
+
+    def _answer_queued(self) -> None:
+        """Answer the requests that came, in order, until a paced stream is under way."""
+        while self.queue and not self.stream:
+            transport = self.transport
+            if transport is None or transport.is_closing():
+                return
+            method, path, body, keep_alive = self.queue.popleft()
+            self._answer(transport, method, path, body, keep_alive)
+            if not keep_alive:
+                if self.stream:
+                    self.close_after = True
+                else:
+                    transport.close()
+                return
+
+    def _answer(self, transport: asyncio.Transport, method: bytes, path: bytes, body: bytes, keep_alive: bool) -> None:
         if method == b"POST" and path in (CHAT, COMPLETIONS):
-            self._complete(transport, path == CHAT, keep_alive)
+            self._complete(transport, path == CHAT, body, keep_alive)
         elif method == b"GET" and path == b"/v1/models":
             transport.write(_whole("200 OK", self.canned.models, keep_alive))
         elif method == b"GET" and path == b"/health":
             transport.write(_whole("200 OK", b"{}", keep_alive))
         else:
             transport.write(_error("404 Not Found", f"no route {method.decode()} {path.decode(errors='replace')}", keep_alive))
-        if not keep_alive:
-            transport.close()
 
-    def _complete(self, transport: asyncio.Transport, chat: bool, keep_alive: bool) -> None:
+    def _complete(self, transport: asyncio.Transport, chat: bool, raw: bytes, keep_alive: bool) -> None:
         try:
-            body = orjson.loads(b"".join(self.body))
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError:
             body = None
         if not isinstance(body, dict):
@@ -209,18 +232,37 @@ class InstantProtocol(asyncio.Protocol):
         if isinstance(options, dict) and options.get("include_usage"):
             parts.append(self.canned.usage_event(chat, model, prompt, tokens))
         parts.append(DONE)
-        transport.writelines(parts)  # each event its own HTTP chunk, all in one system call
+        if not self.paced:
+            transport.writelines(parts)  # each event its own HTTP chunk, all in one system call
+            return
+        parts.reverse()
+        self.stream = parts
+        self._next_event()
+
+    def _next_event(self) -> None:
+        """A paced stream: one event written per turn of the loop (other connections' turns between)."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or not self.stream:
+            self.stream = []
+            return
+        transport.write(self.stream.pop())
+        if self.stream:
+            asyncio.get_running_loop().call_soon(self._next_event)
+        elif self.close_after:
+            transport.close()
+        else:
+            self._answer_queued()
 
 
-async def serve(host: str = "127.0.0.1", port: int = 0, name: str = NAME) -> asyncio.Server:
+async def serve(host: str = "127.0.0.1", port: int = 0, name: str = NAME, paced: bool = False) -> asyncio.Server:
     """Start listening in the running loop; the port is `server.sockets[0].getsockname()[1]`."""
     canned = Canned(name)
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: InstantProtocol(canned), host, port, backlog=4096)
+    return await loop.create_server(lambda: InstantProtocol(canned, paced), host, port, backlog=4096)
 
 
-async def _main(host: str, port: int, name: str) -> None:
-    server = await serve(host, port, name)
+async def _main(host: str, port: int, name: str, paced: bool) -> None:
+    server = await serve(host, port, name, paced)
     async with server:
         await server.serve_forever()
 
@@ -230,11 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--name", default=NAME, help="served model name")
+    p.add_argument("--paced", action="store_true",
+                   help="write a stream's events one per turn of the loop (as a server generating them does), "
+                        "not all at once")
     args = p.parse_args(argv)
     try:
         import uvloop
 
-        uvloop.run(_main(args.host, args.port, args.name))
+        uvloop.run(_main(args.host, args.port, args.name, args.paced))
     except KeyboardInterrupt:
         pass
     return 0
