@@ -56,6 +56,13 @@ def ceiling_config(config: LoadConfig, base_url: str) -> LoadConfig:
     )
 
 
+def processes_used(config: dict[str, Any]) -> int:
+    """The client processes a run used: `processes`, at most one per request in flight (`workers.workers_for`)."""
+    processes = max(1, int(config.get("processes") or 1))
+    concurrency = config.get("concurrency")
+    return min(processes, concurrency) if concurrency else processes
+
+
 def latency_bound(config: dict[str, Any]) -> bool:
     """One request at a time (concurrency 1): the ceiling is a round trip's latency, not the client's CPU."""
     return config.get("concurrency") == 1 and not config.get("request_rate")
@@ -78,7 +85,7 @@ def compare(bare: Result, measured: Result) -> dict[str, Any]:
         "failed": bare.failed,
         "duration_s": bare.duration_s,
         "client_cpu_s": bare.client_cpu_s,
-        "processes": bare.config.get("processes", 1),
+        "processes": processes_used(bare.config),
         "endpoint": "benchmarks.instant_endpoint",
         "latency_bound": latency_bound(bare.config),
         "headroom_req_s": req,
