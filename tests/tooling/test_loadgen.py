@@ -374,7 +374,7 @@ async def test_loadgen_sweep_writes_json_and_plot(echo_gateway, tmp_path) -> Non
 
 
 # ---------------------------------------------------------------------------------------------
-# the bare endpoint (the stack's limit, and the client's ceiling)
+# the bare endpoint (the stack's limit: the race's "bare" target)
 
 
 def test_bare_app_answers_a_fixed_completion_plain_and_streamed() -> None:
