@@ -221,7 +221,11 @@ class InstantProtocol(asyncio.Protocol):
         if not isinstance(body, dict):
             transport.write(_error("400 Bad Request", "the body is not a JSON object", keep_alive))
             return
-        tokens = max(1, int(body.get("max_tokens") or body.get("max_completion_tokens") or 16))
+        try:
+            tokens = max(1, int(body.get("max_tokens") or body.get("max_completion_tokens") or 16))
+        except (TypeError, ValueError):
+            transport.write(_error("400 Bad Request", "max_tokens is not an integer", keep_alive))
+            return
         model = body.get("model") if isinstance(body.get("model"), str) else self.canned.name
         prompt = _prompt_tokens(body)
         if not body.get("stream"):

@@ -109,6 +109,8 @@ async def test_instant_endpoint_answers_many_requests_on_one_keep_alive_connecti
         assert status == 404 and "error" in json.loads(missing.body)
         status, bad = await _exchange(reader, writer, "POST", "/v1/completions", b"[1, 2]")
         assert status == 400 and json.loads(bad.body)["error"]["code"] == 400
+        status, bad = await _exchange(reader, writer, "POST", "/v1/completions", {"max_tokens": "many"})
+        assert status == 400 and "max_tokens" in json.loads(bad.body)["error"]["message"]
 
         # still the same connection; `connection: close` ends it after the answer
         status, last = await _exchange(reader, writer, "GET", "/health", close=True)
