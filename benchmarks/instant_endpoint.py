@@ -226,7 +226,8 @@ class InstantProtocol(asyncio.Protocol):
         except (TypeError, ValueError):
             transport.write(_error("400 Bad Request", "max_tokens is not an integer", keep_alive))
             return
-        model = body.get("model") if isinstance(body.get("model"), str) else self.canned.name
+        requested = body.get("model")
+        model = requested if isinstance(requested, str) else self.canned.name
         prompt = _prompt_tokens(body)
         if not body.get("stream"):
             transport.write(_whole("200 OK", self.canned.answer(chat, tokens, model, prompt), keep_alive))
