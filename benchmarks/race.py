@@ -19,7 +19,7 @@ They take the load in turns (for each repetition and concurrency level one run o
 first rotating), so slow drifts of the machine hit all alike, and each ratio is the median of the
 per-repetition ratios. Every run has fresh prompts (the same for all targets at a given repetition
 and level), 128-token prompts, exactly 64 output tokens (`ignore_eos`), streaming. The client is
-ours (benchmarks.loadgen, its ceiling against the bare endpoint measured after every run) or
+ours (benchmarks.loadgen, its ceiling against the instant endpoint measured after every run) or
 vLLM's own `vllm bench serve` (`--client vllm`, benchmarks.vllm_bench): race_models.py.
 
 Then the gateway's own cost (`echo`, race_echo.py): the gateway on the instant echo engine, as
@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the servers' client: benchmarks.loadgen, or vLLM's `vllm bench serve` (benchmarks.vllm_bench)")
     p.add_argument("--no-aa", dest="aa", action="store_false", help="no A/A twin (gateway-aa, echo-aa)")
     p.add_argument("--ceiling-duration", type=float, default=2.0,
-                   help="after every server run: seconds of the same load against the bare endpoint (0: none)")
+                   help="after every server run: seconds of the same load against the instant endpoint (0: none)")
     p.add_argument("--layout", choices=["auto", "interleaved", "sequential"], default="auto",
                    help="interleaved: all targets up, runs take turns; sequential: one target at a time "
                         "(auto: interleaved when memory allows an engine per target)")

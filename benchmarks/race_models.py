@@ -6,7 +6,7 @@ with fresh prompts shared by all targets of that repetition and level. The A/A t
 (`gateway-aa`) is the very same gateway process measured once more in each round, so the ratio
 gateway ÷ gateway-aa is the noise floor every other ratio stands beside.
 
-Clients: ours (`benchmarks.loadgen`, with its ceiling against the bare endpoint measured after
+Clients: ours (`benchmarks.loadgen`, with its ceiling against the instant endpoint measured after
 every run) or vLLM's own `vllm bench serve` (`--client vllm`, `benchmarks.vllm_bench`, run in a
 process of its own on command, its ceiling measured the same way). The engine alone has no HTTP
 and is driven by `benchmarks.engine_direct` whatever the client.
@@ -174,7 +174,7 @@ Target = Any  # a Proc (a server, loaded over HTTP), its A/A twin (Again) or Eng
 async def _run_vllm_client(
     client: VllmClient, target: Target, args: argparse.Namespace, repeat: int, level: int, n: int
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One run with vLLM's client, then the same run against the bare endpoint (its ceiling)."""
+    """One run with vLLM's client, then the same run against the instant endpoint (its ceiling)."""
     index = args.concurrency.index(level)
     common = dict(model=SERVED_NAME, tokenizer=args.model, endpoint=args.endpoint, concurrency=level, num_prompts=n,
                   input_len=args.input_tokens, output_len=args.output_tokens, seed=run_seed(args, repeat, index))

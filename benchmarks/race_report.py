@@ -157,7 +157,7 @@ def _model_tables(document: dict[str, Any]) -> list[str]:
     lines = [
         (f"Medians over {document['settings']['repeats']} repetition(s), client: {client}; gateway = this gateway, "
          "gateway-aa = the same gateway measured again in each round (A/A), vllm = vLLM's OpenAI server, engine = "
-         "AsyncLLM in-process without HTTP. Client headroom: the client's ceiling (the same load against the bare "
+         "AsyncLLM in-process without HTTP. Client headroom: the client's ceiling (the same load against the instant "
          "endpoint) ÷ the run's req/s."),
         "",
         "| concurrency | target | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms | e2e p50 ms | out tokens | failed | front-end CPU ms/token | client headroom |",

@@ -18,10 +18,12 @@ to end latency. Output tokens come from the usage the server reports (`stream_op
 {"include_usage": true}`), else from the number of chunks carrying text.
 
 The client (aiohttp on uvloop, keep-alive connections, bodies encoded once, streams split into
-events with bytes operations) is meant never to be the bottleneck, and every run shows whether it
-was: `Result.client_cpu_s` is the client's own CPU during the run, and with `ceiling_s` (the CLI's
-default: 2 s) the same load is sent right after to an instant endpoint (`benchmarks.bare_app`),
-whose rate is reported beside the run as the client's ceiling (`Result.ceiling`, wanted ≥ 5×).
+events at blank lines without decoding; with `processes` > 1, the CLI's default on a machine with
+several cores, the load split over worker processes and their records merged) is meant never to
+be the bottleneck, and every run shows whether it was: `Result.client_cpu_s` is the client's own
+CPU during the run, and with `ceiling_s` (the CLI's default: 2 s) the same load is sent right
+after to the instant endpoint (`benchmarks.instant_endpoint`), whose rate is reported beside the
+run as the client's ceiling (`Result.ceiling`, wanted ≥ 5×).
 
 Importable: `await run_load(LoadConfig(...)) -> Result`. No vllm import, no tokenizer needed.
 
@@ -30,7 +32,8 @@ The package, in the order a request flows:
     prompts     the workload: random-word prompts, sessions, request bodies (tokenizer: the server's)
     runner      run_load and run_sweep: workers or Poisson arrivals, warm-up, time limit (progress: the bar);
                 run_async (uvloop)
-    ceiling     the client's ceiling: the same load against the bare endpoint, beside the run
+    workers     the load from several processes (worker: the process), records merged into one run
+    ceiling     the client's ceiling: the same load against the instant endpoint, beside the run
     client      the aiohttp session and send_request, which times one request (sse: reading a stream)
     results     RequestRecord, Result and aggregate (stats: percentiles, TPOT)
     report      the summary on stderr; plot: the sweep plot; cli: the command line and its JSON file

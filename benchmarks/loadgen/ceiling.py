@@ -1,12 +1,15 @@
 """The client's ceiling: after a measured run, the same load (concurrency, streaming, prompt and
-answer sizes, endpoint) sent for `ceiling_s` seconds to an instant endpoint, `benchmarks.bare_app`
-(Starlette + uvicorn answering a fixed completion), started once per process on a free loopback
-port. What the client reaches there bounds what it can measure anywhere; `compare` puts that
-beside the measured run (headroom: ceiling ÷ measured, wanted ≥ `WANTED_HEADROOM`).
+answer sizes, endpoint, client processes) sent for `ceiling_s` seconds to the instant endpoint,
+`benchmarks.instant_endpoint` (a raw uvloop protocol with httptools answering canned completions,
+a few microseconds a request), started once per process on a free loopback port. What the client
+reaches there bounds what it can measure anywhere; `compare` puts that beside the measured run
+(headroom: ceiling ÷ measured, wanted ≥ `WANTED_HEADROOM`).
 
-On one machine the bare app and the client share the cores, so the ceiling is a lower bound of
-the client's own limit; the measured run's `client_cpu_s` (this process's CPU time during the
-run) says how busy the client itself was.
+On one machine the endpoint and the client share the cores, so the ceiling is a lower bound of
+the client's own limit; the measured run's `client_cpu_s` (the client's CPU time during the run)
+says how busy the client itself was. At concurrency 1 the ceiling is bound by latency, not CPU:
+one request at a time over one connection, each a loopback round trip through two event loops,
+so the headroom there is whatever that round trip allows (`describe` says so).
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ _endpoint: Proc | None = None
 
 
 async def shared_endpoint(start_timeout_s: float = 60.0) -> Proc:
-    """The bare app, started on first use and stopped when this process exits."""
+    """The instant endpoint, started on first use and stopped when this process exits."""
     global _endpoint
     if _endpoint is None or _endpoint.process is None or _endpoint.process.poll() is not None:
         port = free_port()
-        command = [sys.executable, "-m", "benchmarks.bare_app", "--port", str(port), "--name", BARE_MODEL]
-        proc = Proc("bare-endpoint", command, {}, LOG_DIR / f"bare-endpoint-{port}.log", port=port)
+        command = [sys.executable, "-m", "benchmarks.instant_endpoint", "--port", str(port), "--name", BARE_MODEL]
+        proc = Proc("instant-endpoint", command, {}, LOG_DIR / f"instant-endpoint-{port}.log", port=port)
         proc.start()
         atexit.register(proc.stop)
         await proc.wait_ready(start_timeout_s)
@@ -43,7 +46,7 @@ async def shared_endpoint(start_timeout_s: float = 60.0) -> Proc:
 
 
 def ceiling_config(config: LoadConfig, base_url: str) -> LoadConfig:
-    """The measured run's load, sent to the bare endpoint for `ceiling_s` seconds (no request cap)."""
+    """The measured run's load, sent to the instant endpoint for `ceiling_s` seconds (no request cap)."""
     concurrency = config.concurrency or 64
     return dataclasses.replace(
         config, base_url=base_url, model=BARE_MODEL, tokenizer="words", api_key=None, headers={},
@@ -51,6 +54,18 @@ def ceiling_config(config: LoadConfig, base_url: str) -> LoadConfig:
         unique_prompts=min(256, max(1, config.num_requests)), warmup_requests=2 * concurrency,
         progress=False, keep_records=False, ceiling_s=0.0, label=f"{config.label or 'run'} ceiling",
     )
+
+
+def processes_used(config: dict[str, Any]) -> int:
+    """The client processes a run used: `processes`, at most one per request in flight (`workers.workers_for`)."""
+    processes = max(1, int(config.get("processes") or 1))
+    concurrency = config.get("concurrency")
+    return min(processes, concurrency) if concurrency else processes
+
+
+def latency_bound(config: dict[str, Any]) -> bool:
+    """One request at a time (concurrency 1): the ceiling is a round trip's latency, not the client's CPU."""
+    return config.get("concurrency") == 1 and not config.get("request_rate")
 
 
 def compare(bare: Result, measured: Result) -> dict[str, Any]:
@@ -70,6 +85,9 @@ def compare(bare: Result, measured: Result) -> dict[str, Any]:
         "failed": bare.failed,
         "duration_s": bare.duration_s,
         "client_cpu_s": bare.client_cpu_s,
+        "processes": processes_used(bare.config),
+        "endpoint": "benchmarks.instant_endpoint",
+        "latency_bound": latency_bound(bare.config),
         "headroom_req_s": req,
         "headroom_tok_s": tok,
         "headroom": headroom,
@@ -80,11 +98,16 @@ def compare(bare: Result, measured: Result) -> dict[str, Any]:
 def describe(ceiling: dict[str, Any]) -> str:
     """One line for people."""
     headroom = ceiling.get("headroom")
-    text = (f"client ceiling (bare endpoint, same load, {ceiling['duration_s']:.1f} s): {ceiling['req_s']:.0f} req/s, "
-            f"{ceiling['output_tok_s']:.0f} tok/s")
+    procs = ceiling.get("processes") or 1
+    text = (f"client ceiling (instant endpoint, same load, {ceiling['duration_s']:.1f} s"
+            + (f", {procs} processes" if procs > 1 else "")
+            + f"): {ceiling['req_s']:.0f} req/s, {ceiling['output_tok_s']:.0f} tok/s")
     if headroom is None:
         return text + " (nothing measured to compare)"
     text += f" = {headroom:.1f}x this run"
     if not ceiling["enough"]:
         text += f" - below {WANTED_HEADROOM:.0f}x: the client may be part of what this run measured"
+        if ceiling.get("latency_bound"):
+            text += (" (at concurrency 1 the ceiling is one loopback round trip at a time, bound by latency, "
+                     "not by the client's CPU: more processes cannot raise it)")
     return text + (f"; {ceiling['failed']} failed" if ceiling.get("failed") else "")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from benchmarks.loadgen.results import Result
 from benchmarks.loadgen.runner import run_async, run_load, run_sweep
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+MAX_DEFAULT_PROCESSES = 4
+DEFAULT_PROCESSES = max(1, min(MAX_DEFAULT_PROCESSES, os.cpu_count() or 1))
 DESCRIPTION = "A load generator for any OpenAI-compatible server (this gateway, vLLM's server, others)."
 
 
@@ -56,8 +59,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save-requests", action="store_true", help="put every request's record in the JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--ceiling-duration", type=float, default=2.0,
-                   help="after each run: seconds of the same load against the bare endpoint (benchmarks.bare_app), "
+                   help="after each run: seconds of the same load against the instant endpoint (benchmarks.instant_endpoint), "
                         "the client's ceiling, reported beside the run")
+    p.add_argument("--processes", type=int, default=DEFAULT_PROCESSES,
+                   help="client processes sharing each run's load, at most one per request in flight (default: the "
+                        f"cores, at most {MAX_DEFAULT_PROCESSES}, here {DEFAULT_PROCESSES}); one process tops out near one core")
     p.add_argument("--no-ceiling", dest="ceiling_duration", action="store_const", const=0.0,
                    help="skip the ceiling run")
     return p
@@ -92,6 +98,7 @@ def config_from(args: argparse.Namespace) -> LoadConfig:
         progress=args.progress and sys.stderr.isatty(),
         keep_records=args.save_requests,
         ceiling_s=args.ceiling_duration,
+        processes=max(1, args.processes),
     )
 
 

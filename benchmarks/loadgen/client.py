@@ -4,7 +4,7 @@
 Built for load, so that the client is not what a run measures: aiohttp (C-accelerated HTTP
 parser, the client vLLM's own benchmark uses), one keep-alive connection per request in flight,
 the request body encoded once with orjson, headers set once per session, streams read as raw
-chunks and split into events with bytes operations (`sse.SSEDecoder.feed_bytes`). The
+chunks and split into events at blank lines without decoding (`sse.SSEDecoder.feed_raw`). The
 connection pool drops idle connections after `KEEPALIVE_S`, before uvicorn's own 5-second
 keep-alive timeout closes them from the other end: a request never goes out on a connection the
 server is closing (with httpx that race showed up as `ReadError`s under load).
@@ -134,7 +134,7 @@ async def _send_streaming(
         async for chunk in response.content.iter_any():
             if not acc.done:
                 now = time.perf_counter()
-                for data in decoder.feed_bytes(chunk):
+                for data in decoder.feed_raw(chunk):
                     if acc.feed(data, now):
                         break
         if not acc.done:

@@ -38,7 +38,8 @@ class LoadConfig:
     request_timeout_s: float = 600.0
     progress: bool = False
     keep_records: bool = False  # put every request's record in Result.to_dict()
-    ceiling_s: float = 0.0  # after the run: seconds of the same load against the bare endpoint (0: none)
+    ceiling_s: float = 0.0  # after the run: seconds of the same load against the instant endpoint (0: none)
+    processes: int = 1  # client processes sharing the load (at most one per request in flight)
     label: str = ""
 
     def to_dict(self) -> dict[str, Any]:

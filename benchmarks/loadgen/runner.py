@@ -1,11 +1,13 @@
 """Running the load: `run_load` (one measured run at one concurrency or request rate, with its
-warm-up, and the client's ceiling after it when `ceiling_s` asks) and `run_sweep` (one run per
+warm-up, and the client's ceiling after it when `ceiling_s` asks; from several processes when
+`processes` asks, `workers`) and `run_sweep` (one run per
 concurrency level). Workers or Poisson arrivals send the sessions' requests until the request
 count or the time limit. `run_async` runs a coroutine on uvloop when it is installed."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import random
@@ -25,9 +27,10 @@ from benchmarks.loadgen.prompts import Session, build_sessions, request_body, se
 from benchmarks.loadgen.report import format_result
 from benchmarks.loadgen.results import RequestRecord, Result, aggregate
 from benchmarks.loadgen.tokenizer import get_tokenizer
+from benchmarks.loadgen.workers import WorkerPool, workers_for
 
 
-class _Runner:
+class Runner:
     """One run's state: the requests issued so far, their records, the time limit."""
 
     def __init__(self, config: LoadConfig, client: aiohttp.ClientSession, model: str, sessions: Sequence[Session]) -> None:
@@ -112,10 +115,13 @@ class _Runner:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def run(self) -> float:
-        """Run until the count or the time limit; returns the measured duration in seconds."""
+    async def run(self, origin: float | None = None) -> float:
+        """Run until the count or the time limit; returns the measured duration in seconds. With an
+        `origin` (a `time.perf_counter()` value, the same in every process): start then, and time from it."""
         cfg = self.config
-        self.origin = time.perf_counter()
+        if origin is not None and origin > time.perf_counter():
+            await asyncio.sleep(origin - time.perf_counter())
+        self.origin = time.perf_counter() if origin is None else origin
         self.deadline = self.origin + cfg.duration_s if cfg.duration_s else math.inf
         if cfg.request_rate:
             main = asyncio.ensure_future(self.arrivals(random.Random(cfg.seed + 1)))
@@ -137,17 +143,26 @@ async def run_load(
     sessions: Sequence[Session] | None = None,
     client: aiohttp.ClientSession | None = None,
     warmup_sessions: Sequence[Session] | None = None,
+    pool: WorkerPool | None = None,
 ) -> Result:
-    """One measured run at one concurrency (or request rate). Stops after num_requests or duration_s."""
+    """One measured run at one concurrency (or request rate). Stops after num_requests or duration_s.
+    With `config.processes` > 1 the load is sent from that many worker processes (`pool`'s, else
+    a pool of its own for this run and its ceiling)."""
+    if pool is None and workers_for(config) > 1:
+        async with WorkerPool(workers_for(config)) as own_pool:
+            return await run_load(config, sessions, client, warmup_sessions, own_pool)
     own = client is None
     client = client or make_client(config, config.concurrency)
     try:
         model = config.model or await discover_model(client, config.base_url)
         sessions, warmup_sessions = await _prepare_sessions(config, client, model, sessions, warmup_sessions)
-        if config.warmup_requests and warmup_sessions:
-            warm_cfg = dataclasses.replace(config, num_requests=config.warmup_requests, duration_s=None)
-            await _Runner(warm_cfg, client, model, warmup_sessions).run()
-        records, duration, cpu = await _measure(config, client, model, sessions)
+        if pool is not None and workers_for(config) > 1:
+            records, duration, cpu = await _measure_split(config, pool, model, sessions, warmup_sessions)
+        else:
+            if config.warmup_requests and warmup_sessions:
+                warm_cfg = dataclasses.replace(config, num_requests=config.warmup_requests, duration_s=None)
+                await Runner(warm_cfg, client, model, warmup_sessions).run()
+            records, duration, cpu = await _measure(config, client, model, sessions)
     finally:
         if own:
             await client.close()
@@ -162,14 +177,14 @@ async def run_load(
     )
     result.client_cpu_s = cpu
     if config.ceiling_s > 0:
-        result.ceiling = await measure_ceiling(config, result)
+        result.ceiling = await measure_ceiling(config, result, pool)
     return result
 
 
-async def measure_ceiling(config: LoadConfig, measured: Result) -> dict[str, Any]:
-    """The same load against the bare endpoint for `config.ceiling_s` seconds, beside `measured`."""
+async def measure_ceiling(config: LoadConfig, measured: Result, pool: WorkerPool | None = None) -> dict[str, Any]:
+    """The same load against the instant endpoint for `config.ceiling_s` seconds, beside `measured`."""
     endpoint = await ceiling.shared_endpoint()
-    bare = await run_load(ceiling.ceiling_config(config, endpoint.base_url))
+    bare = await run_load(ceiling.ceiling_config(config, endpoint.base_url), pool=pool)
     return ceiling.compare(bare, measured)
 
 
@@ -196,7 +211,7 @@ async def _measure(
     config: LoadConfig, client: aiohttp.ClientSession, model: str, sessions: Sequence[Session]
 ) -> tuple[list[RequestRecord], float, float]:
     """The measured run: its records, its duration in seconds and this process's CPU seconds meanwhile."""
-    runner = _Runner(config, client, model, sessions)
+    runner = Runner(config, client, model, sessions)
     runner.bar = open_bar(config)
     cpu = time.process_time()
     try:
@@ -207,15 +222,28 @@ async def _measure(
     return runner.records, duration, time.process_time() - cpu
 
 
+async def _measure_split(
+    config: LoadConfig, pool: WorkerPool, model: str, sessions: Sequence[Session], warmup_sessions: Sequence[Session] | None
+) -> tuple[list[RequestRecord], float, float]:
+    """The measured run from the pool's processes (each warmed up first): merged records, duration, their CPU."""
+    bar = open_bar(config)
+    try:
+        return await pool.measure(config, model, sessions, warmup_sessions, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 async def run_sweep(config: LoadConfig, levels: Sequence[int], waves: int | None = None) -> list[Result]:
     """One run per concurrency level, each with its own fresh prompts (no prefix-cache help across levels)."""
     results = []
-    async with make_client(config, max(levels)) as client:
+    async with make_client(config, max(levels)) as client, contextlib.AsyncExitStack() as stack:
+        pool = await stack.enter_async_context(WorkerPool(config.processes)) if config.processes > 1 else None
         for i, level in enumerate(levels):
             n = max(config.num_requests, waves * level) if waves else config.num_requests
             cfg = dataclasses.replace(config, concurrency=level, num_requests=n, seed=config.seed + 1000 * i,
                                       label=config.label or f"c={level}")
-            results.append(await run_load(cfg, client=client))
+            results.append(await run_load(cfg, client=client, pool=pool))
             print(format_result(results[-1]), file=sys.stderr)
     return results
 

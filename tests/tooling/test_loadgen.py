@@ -230,6 +230,22 @@ def test_sse_bytes_cut_anywhere_give_the_same_events() -> None:
         assert decoder.feed_bytes(body[:cut]) + decoder.feed_bytes(body[cut:]) + decoder.finish() == expected
 
 
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_sse_raw_events_cut_anywhere_are_the_same_events(newline) -> None:
+    """feed_raw (the client's path: one-line events as undecoded bytes) agrees with feed_bytes."""
+    text = 'data: {"t": "caf\u00e9"}\n\n: ping\n\ndata: a\ndata: b\n\nevent: x\ndata: c\n\ndata: [DONE]\n'
+    body = text.replace("\n", newline).encode()
+    whole = SSEDecoder()
+    expected = whole.feed_bytes(body) + whole.finish()
+    assert expected == ['{"t": "caf\u00e9"}', "a\nb", "c", "[DONE]"]
+    for cut in range(len(body) + 1):
+        decoder = SSEDecoder()
+        events = decoder.feed_raw(body[:cut]) + decoder.feed_raw(body[cut:]) + decoder.finish()
+        assert [e.decode() if isinstance(e, bytes) else e for e in events] == expected
+    raw = SSEDecoder().feed_raw(b'data: {"x": 1}\n\n')
+    assert raw == [b'{"x": 1}']  # the common case: bytes, never decoded
+
+
 def test_request_bodies() -> None:
     session = loadgen.Session(turns=["hello there"], system="shared prefix")
     chat = loadgen.request_body(LoadConfig(endpoint="chat", ignore_eos=True, output_tokens=8), "m", session,
@@ -339,7 +355,7 @@ async def test_loadgen_cli_writes_json(echo_gateway, tmp_path) -> None:
     (result,) = document["results"]
     assert result["completed"] == 4 and result["concurrency"] == 2 and result["mean_output_tokens"] == 3
     assert result["client_cpu_s"] > 0 and result["client_cpu_share"] > 0
-    # the client's ceiling, measured by default: the same load against the bare endpoint, beside the run
+    # the client's ceiling, measured by default: the same load against the instant endpoint, beside the run
     ceiling = result["ceiling"]
     assert ceiling["completed"] > 0 and ceiling["failed"] == 0 and ceiling["req_s"] > 0
     assert ceiling["headroom"] == pytest.approx(min(ceiling["headroom_req_s"], ceiling["headroom_tok_s"]))
@@ -358,7 +374,7 @@ async def test_loadgen_sweep_writes_json_and_plot(echo_gateway, tmp_path) -> Non
 
 
 # ---------------------------------------------------------------------------------------------
-# the bare endpoint (the stack's limit, and the client's ceiling)
+# the bare endpoint (the stack's limit: the race's "bare" target)
 
 
 def test_bare_app_answers_a_fixed_completion_plain_and_streamed() -> None:

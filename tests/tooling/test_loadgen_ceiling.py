@@ -1,0 +1,197 @@
+"""The load generator's ceiling and its processes: the instant endpoint over a real socket (its JSON
+and SSE are what the load generator parses, keep-alive holds for several requests on one
+connection), the load split over worker processes and merged back into one Result, and the
+ceiling line. Behaviour only, never timings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httptools
+import pytest
+
+from benchmarks import instant_endpoint
+from benchmarks.loadgen import LoadConfig, Session, SSEDecoder, StreamAccumulator, aggregate, ceiling, run_load
+from benchmarks.loadgen.codec import loads
+from benchmarks.loadgen.results import Result
+from benchmarks.loadgen.workers import split, workers_for
+
+
+@pytest.fixture
+async def instant() -> AsyncIterator[int]:
+    """The instant endpoint in this test's loop, on a free loopback port."""
+    server = await instant_endpoint.serve("127.0.0.1", 0, name="inst")
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+class _Response:
+    """One HTTP response read with httptools' response parser (its own, not the server's)."""
+
+    def __init__(self) -> None:
+        self.headers: dict[str, str] = {}
+        self.body = b""
+        self.complete = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode().lower()] = value.decode()
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str, path: str,
+                    body: object = None, close: bool = False) -> tuple[int, _Response]:
+    data = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    head = f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(data)}\r\n"
+    writer.write((head + ("connection: close\r\n" if close else "") + "\r\n").encode() + data)
+    response = _Response()
+    parser = httptools.HttpResponseParser(response)
+    while not response.complete:
+        chunk = await asyncio.wait_for(reader.read(65536), 10)
+        assert chunk, "the connection closed before the answer was complete"
+        parser.feed_data(chunk)
+    return parser.get_status_code(), response
+
+
+def _events(body: bytes) -> StreamAccumulator:
+    """The stream as the load generator reads it."""
+    decoder, acc = SSEDecoder(), StreamAccumulator(0.0)
+    for data in decoder.feed_raw(body) + decoder.finish():
+        acc.feed(data, 1.0)
+    return acc
+
+
+async def test_instant_endpoint_answers_many_requests_on_one_keep_alive_connection(instant) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", instant)
+    try:
+        status, models = await _exchange(reader, writer, "GET", "/v1/models")
+        assert status == 200 and json.loads(models.body)["data"][0]["id"] == "inst"
+
+        status, plain = await _exchange(reader, writer, "POST", "/v1/completions",
+                                        {"model": "m", "prompt": "one two three", "max_tokens": 3})
+        answer = loads(plain.body)
+        assert status == 200 and plain.headers["content-type"] == "application/json"
+        assert answer["choices"][0]["text"] == " bare bare bare" and answer["model"] == "m"
+        assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+        status, chat = await _exchange(reader, writer, "POST", "/v1/chat/completions",
+                                       {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2})
+        assert loads(chat.body)["choices"][0]["message"] == {"role": "assistant", "content": " bare bare"}
+
+        body = {"prompt": "x", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+        status, streamed = await _exchange(reader, writer, "POST", "/v1/completions", body)
+        assert status == 200 and streamed.headers["content-type"] == "text/event-stream"
+        assert streamed.headers["transfer-encoding"] == "chunked"
+        acc = _events(streamed.body)
+        assert acc.done and acc.error is None and acc.chunks == 5 and acc.text == " bare" * 5
+        assert acc.usage == {"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}
+        assert acc.finish_reason == "length"
+
+        body = {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 3, "stream": True}
+        status, chat_stream = await _exchange(reader, writer, "POST", "/v1/chat/completions", body)
+        acc = _events(chat_stream.body)
+        assert acc.done and acc.chunks == 3 and acc.usage is None  # no usage event unless asked for
+        first = loads(chat_stream.body.split(b"\n\n")[0].split(b"data: ", 1)[1])
+        assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+
+        status, health = await _exchange(reader, writer, "GET", "/health")
+        assert status == 200 and health.body == b"{}"
+        status, missing = await _exchange(reader, writer, "GET", "/v1/nothing")
+        assert status == 404 and "error" in json.loads(missing.body)
+        status, bad = await _exchange(reader, writer, "POST", "/v1/completions", b"[1, 2]")
+        assert status == 400 and json.loads(bad.body)["error"]["code"] == 400
+        status, bad = await _exchange(reader, writer, "POST", "/v1/completions", {"max_tokens": "many"})
+        assert status == 400 and "max_tokens" in json.loads(bad.body)["error"]["message"]
+
+        # still the same connection; `connection: close` ends it after the answer
+        status, last = await _exchange(reader, writer, "GET", "/health", close=True)
+        assert status == 200 and last.headers["connection"] == "close"
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    finally:
+        writer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the load from several processes
+
+
+def test_split_cuts_the_load_in_proportion() -> None:
+    sessions = [Session(turns=[f"s{i}"]) for i in range(7)]
+    warm = [Session(turns=[f"w{i}"]) for i in range(3)]
+    config = LoadConfig(concurrency=5, num_requests=11, warmup_requests=4, processes=2, progress=True, ceiling_s=2.0)
+    shares = split(config, "m", sessions, warm, workers_for(config))
+    assert [s.config.concurrency for s in shares] == [3, 2]
+    assert sum(s.config.num_requests for s in shares) == 11 and sum(s.config.warmup_requests for s in shares) == 4
+    assert [[t.turns[0] for t in s.sessions] for s in shares] == [["s0", "s2", "s4", "s6"], ["s1", "s3", "s5"]]
+    assert all(s.config.processes == 1 and not s.config.progress and s.config.ceiling_s == 0 for s in shares)
+    assert len({s.config.seed for s in shares}) == 2
+    poisson = split(LoadConfig(concurrency=None, request_rate=30.0, processes=3), "m", sessions, None, 3)
+    assert sum(s.config.request_rate for s in poisson) == pytest.approx(30.0)
+    # never more processes than requests in flight
+    assert workers_for(LoadConfig(concurrency=1, processes=4)) == 1
+    assert workers_for(LoadConfig(concurrency=3, processes=4)) == 3
+
+
+async def test_two_processes_merge_into_one_result(instant) -> None:
+    base_url = f"http://127.0.0.1:{instant}/v1"
+    config = LoadConfig(base_url=base_url, endpoint="completions", concurrency=4, num_requests=40, input_tokens=6,
+                        output_tokens=5, tokenizer="words", warmup_requests=4, processes=2, keep_records=True)
+    result = await run_load(config)
+    assert result.completed == 40 and result.failed == 0 and result.cancelled == 0, result.errors
+    assert result.concurrency == 4 and result.config["processes"] == 2 and result.config["model"] == "inst"
+    assert len(result.records) == 40 and all(r.text == " bare" * 5 for r in result.records)
+    starts = [r.start for r in result.records]
+    assert starts == sorted(starts) and starts[0] >= 0  # one time line, from the common origin
+    assert max(r.start + r.e2e for r in result.records) <= result.duration_s + 1e-6
+    assert result.usage_reported and result.mean_output_tokens == 5 and result.tpot.n == 40
+    assert result.client_cpu_s is not None and result.client_cpu_s > 0
+    json.dumps(result.to_dict(records=True))
+
+
+async def test_two_processes_keep_each_conversation_in_one_process(instant) -> None:
+    base_url = f"http://127.0.0.1:{instant}/v1"
+    config = LoadConfig(base_url=base_url, prompts="multi-turn", turns=3, concurrency=2, num_requests=12,
+                        input_tokens=4, output_tokens=2, tokenizer="words", processes=2, keep_records=True)
+    result = await run_load(config)
+    assert result.completed == 12
+    # each conversation's turns carry the answers so far: three prompt sizes, growing
+    inputs = sorted({r.input_tokens for r in result.records})
+    assert len(inputs) == 3 and inputs[0] < inputs[1] < inputs[2]
+
+
+async def test_the_ceiling_from_two_processes_beside_the_run(instant) -> None:
+    base_url = f"http://127.0.0.1:{instant}/v1"
+    config = LoadConfig(base_url=base_url, endpoint="chat", concurrency=2, num_requests=10, input_tokens=4,
+                        output_tokens=3, tokenizer="words", processes=2, ceiling_s=0.3)
+    result = await run_load(config)
+    top = result.ceiling
+    assert result.completed == 10 and top is not None
+    assert top["completed"] > 0 and top["failed"] == 0 and top["processes"] == 2
+    assert top["endpoint"] == "benchmarks.instant_endpoint" and top["latency_bound"] is False
+    assert "2 processes" in ceiling.describe(top)
+
+
+def _result(concurrency: int, req_s: float) -> Result:
+    result = aggregate([], 1.0, concurrency=concurrency, config={"concurrency": concurrency})
+    result.request_throughput = result.output_throughput = req_s
+    return result
+
+
+def test_the_ceiling_line_says_when_it_is_bound_by_latency() -> None:
+    low = ceiling.compare(_result(1, 300.0), _result(1, 100.0))
+    assert low["headroom"] == pytest.approx(3.0) and not low["enough"] and low["latency_bound"]
+    assert "bound by latency" in ceiling.describe(low)
+    busy = ceiling.compare(_result(16, 300.0), _result(16, 100.0))
+    assert not busy["latency_bound"] and "below 5x" in ceiling.describe(busy)
+    assert "latency" not in ceiling.describe(busy)
+    fine = ceiling.compare(_result(1, 600.0), _result(1, 100.0))
+    assert fine["enough"] and "below" not in ceiling.describe(fine)
