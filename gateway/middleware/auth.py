@@ -54,6 +54,11 @@ class KeyRing:
     def __init__(self, keys: Iterable[SecretStr], id_secret: SecretStr | None = None) -> None:
         self._hashes = [hashlib.sha256(k.get_secret_value().encode()).digest() for k in keys]
         self._id_secret = id_secret.get_secret_value().encode() if id_secret else os.urandom(32)
+        # each stored key's names, computed once (an HMAC and a hash per request otherwise)
+        self._identities = {
+            digest: Identity(_key_id(digest, self._id_secret), hashlib.sha256(b"tenant\0" + digest).hexdigest())
+            for digest in self._hashes
+        }
 
     @property
     def enabled(self) -> bool:
@@ -66,9 +71,7 @@ class KeyRing:
         for stored in self._hashes:  # no early exit: the time taken does not depend on which key
             if hmac.compare_digest(stored, digest):
                 found = stored
-        if found is None:
-            return None
-        return Identity(_key_id(found, self._id_secret), hashlib.sha256(b"tenant\0" + found).hexdigest())
+        return None if found is None else self._identities[found]
 
 
 def _key_id(digest: bytes, secret: bytes) -> str:
