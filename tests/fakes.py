@@ -148,11 +148,12 @@ class FakeEngine:
 
 
 def fake_settings(**overrides: Any):
-    """Settings for unit tests: the fake engine's name, no warm-up, no cache unless asked."""
+    """Settings for unit tests: the fake engine's name, no warm-up, no cache unless asked, no heap
+    freezing (a full collection per app start-up is seconds over a suite)."""
     from engine.config import EngineSettings
     from gateway.settings import Settings
 
-    values: dict[str, Any] = {"warmup": False, "engine": EngineSettings(served_model_name="fake-model")}
+    values: dict[str, Any] = {"warmup": False, "freeze_startup_heap": False, "engine": EngineSettings(served_model_name="fake-model")}
     values.setdefault("cache", {"backend": "off"})
     return Settings(**{**values, **overrides})
 

@@ -19,7 +19,7 @@ from gateway.context import current_record
 from gateway.errors import ClientDisconnected
 
 T = TypeVar("T")
-WATCH_AFTER_S = 0.01
+WATCH_AFTER_S = 0.1
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
+from gateway.app import create_app
 from gateway.cli import parser, settings_from
 from tests.fakes import fake_settings
 
@@ -144,3 +146,11 @@ def test_engine_settings_are_checked_per_embedded_model_before_start(tmp_path) -
     with pytest.raises(ConfigError, match=r"model 'b': kv_cache_dtype \(GATEWAY_ENGINE__KV_CACHE_DTYPE\): 'fp8_inc'"):
         create_app(fake_settings(models_file=models), engine_starter=starter, engine_check=check)
     assert checked == ["a@1.0.0", "b"]  # embedded models only
+
+
+def test_the_startup_heap_is_frozen_while_serving_and_unfrozen_after(engine) -> None:
+    app = create_app(fake_settings(freeze_startup_heap=True), engine_starter=lambda es: engine)
+    with TestClient(app) as client:
+        assert gc.get_freeze_count() > 0  # the garbage collector's full passes skip the start-up heap
+        assert client.get("/health").status_code == 200
+    assert gc.get_freeze_count() == 0
