@@ -1,0 +1,185 @@
+"""The gateway app's own CPU per request, in process: no sockets, no HTTP parser, no client.
+
+    python -m benchmarks.app_cost [--scenario non-stream|stream|cache-hit|models] [--concurrency 16]
+                                  [--requests 20000] [--bare] [--without log metrics keys cache tokenizer]
+                                  [--profile out.pstats]
+
+The app (the gateway on `benchmarks.echo_engine`, set up as the race's echo part deploys it: JSON
+access lines at info, metrics, an API key, request ids, the memory response cache; or with
+`--bare` the bare Starlette app) is called with hand-made ASGI messages, `--concurrency` requests
+at a time, each with its own 128-word prompt (cache misses; `cache-hit`: one prompt again).
+It prints requests per second and the process's CPU per request: what the app itself costs,
+without the ~50 µs per request that uvicorn and the sockets add to the gateway and the bare app
+alike. Quicker and steadier than the race for comparing two versions of the request path: run it
+on both, alternating.
+
+`--without` switches parts off to see what each costs: the access line, metrics, the API key (auth
+without keys), the response cache, the echo engine's tokenizer (a fixed 128 tokens).
+`--profile` writes cProfile statistics of the measured part (a profiler roughly doubles the cost).
+
+No vllm import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+KEY = "sk-app-cost"
+NAME = "smol"
+SCENARIOS = ("non-stream", "stream", "cache-hit", "models")
+PARTS = ("log", "metrics", "keys", "cache", "tokenizer")
+
+
+def environment(without: set[str]) -> dict[str, str]:
+    return {
+        "GATEWAY_WARMUP": "false", "GATEWAY_LOG_LEVEL": "info", "GATEWAY_LOG_FORMAT": "json",
+        "GATEWAY_API_KEYS": "[]" if "keys" in without else json.dumps([KEY]),
+        "GATEWAY_CACHE__BACKEND": "off" if "cache" in without else "memory",
+    }
+
+
+class _Silent:
+    def info(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _NoMetric:
+    def inc(self, *args: Any) -> None:
+        return None
+
+    dec = observe = set = inc
+
+
+def switch_off(without: set[str]) -> None:
+    """Parts that settings cannot turn off, replaced in process (this benchmark's process only)."""
+    from benchmarks import echo_engine
+    from gateway import logs, metrics
+
+    if "log" in without:
+        logs._access = _Silent()
+    if "metrics" in without:
+        metrics.labelled = lambda metric, *values: _NoMetric()  # type: ignore[assignment]
+    if "tokenizer" in without:
+        echo_engine.WordTokenizer.encode = lambda self, text, add_special_tokens=True: [100] * 128  # type: ignore[method-assign]
+
+
+def make_app(bare: bool, without: set[str], log_path: str) -> Any:
+    os.environ.update(environment(without))
+    from benchmarks.bare_app import create_bare_app
+    from benchmarks.echo_engine import EchoEngine, create_echo_app
+    from gateway.logs import configure
+    from gateway.settings import Settings
+
+    if bare:
+        return create_bare_app(NAME)
+    settings = Settings(warmup=False)
+    configure(settings.log_level, settings.log_format)
+    logging.getLogger().handlers[0].setStream(open(log_path, "w"))  # noqa: SIM115 - lives as long as the process
+    switch_off(without)
+    return create_echo_app(settings, EchoEngine(NAME))
+
+
+def bodies(scenario: str, count: int, seed: int = 1) -> list[bytes]:
+    from benchmarks.loadgen.prompts import WORDS
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        prompt = " ".join(WORDS[:128] if scenario == "cache-hit" else (rng.choice(WORDS) for _ in range(128)))
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 64 if scenario == "stream" else 1,
+                "temperature": 0, "ignore_eos": True, "stream": scenario == "stream"}
+        out.append(json.dumps(body).encode())
+    return out
+
+
+def caller(app: Any, scenario: str, state: dict[str, Any]) -> Callable[[bytes], Any]:
+    method, path = ("GET", "/v1/models") if scenario == "models" else ("POST", "/v1/completions")
+
+    async def call(body: bytes) -> None:
+        scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5555), "scheme": "http", "method": method,
+            "root_path": "", "path": path, "raw_path": path.encode(), "query_string": b"", "state": dict(state),
+            "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
+                        (b"authorization", f"Bearer {KEY}".encode()), (b"content-length", str(len(body)).encode())],
+        }
+        done = asyncio.Event()
+        read = False
+        statuses: list[int] = []
+
+        async def receive() -> dict[str, Any]:
+            nonlocal read
+            if not read:
+                read = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await done.wait()  # as a server does: nothing more until the client leaves
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+            elif not message.get("more_body"):
+                done.set()
+
+        await app(scope, receive, send)
+        if statuses != [200]:
+            raise RuntimeError(f"the app answered {statuses}, not 200")
+
+    return call
+
+
+async def measure(app: Any, scenario: str, requests: int, concurrency: int, profile: str | None) -> dict[str, float]:
+    async with app.router.lifespan_context(app) as state:
+        call = caller(app, scenario, state or {})
+        for body in bodies(scenario, 200, seed=2):  # warm-up (and the cache-hit's one answer stored)
+            await call(body)
+        queue = iter(bodies(scenario, requests))
+        profiler = cProfile.Profile() if profile else None
+
+        async def worker() -> None:
+            for body in queue:
+                await call(body)
+
+        if profiler:
+            profiler.enable()
+        started, cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+        if profiler:
+            profiler.disable()
+            profiler.dump_stats(profile)  # type: ignore[arg-type]
+    return {"req_s": requests / elapsed, "cpu_us_per_request": cpu / requests * 1e6}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="The gateway app's own CPU per request, in process")
+    p.add_argument("--scenario", choices=SCENARIOS, default="non-stream")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--requests", type=int, default=20_000)
+    p.add_argument("--bare", action="store_true", help="the bare Starlette app instead of the gateway")
+    p.add_argument("--without", nargs="*", choices=PARTS, default=[], help="parts of the gateway switched off")
+    p.add_argument("--profile", help="write cProfile statistics of the measured part here")
+    p.add_argument("--log", default=os.devnull, help="where the gateway's log lines go (default: nowhere)")
+    args = p.parse_args(argv)
+    import uvloop
+
+    app = make_app(args.bare, set(args.without), args.log)
+    result = uvloop.run(measure(app, args.scenario, args.requests, args.concurrency, args.profile))
+    what = "bare" if args.bare else "gateway" + (f" without {', '.join(args.without)}" if args.without else "")
+    print(f"{what}, {args.scenario}, concurrency {args.concurrency}: {result['req_s']:.0f} req/s, "
+          f"{result['cpu_us_per_request']:.1f} us CPU per request")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
