@@ -38,9 +38,7 @@ class _HandlerLines:
 
     def msg(self, line: str) -> None:
         handler = self._handler
-        if handler.lock is None:
-            return
-        with handler.lock:
+        with handler.lock:  # type: ignore[union-attr]  # a Handler creates its lock in __init__
             try:
                 handler.stream.write(line + "\n")
                 handler.flush()

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.state import GatewayState
-from gateway.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge
+from gateway.errors import InvalidRequest, PayloadTooLarge
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -23,21 +23,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes")
-    # the messages read as they come (Request.stream() is an async generator around the same loop);
-    # the body layer (middleware.body) has made a disconnect, a timeout or too many bytes an error
-    chunks: list[bytes] = []
-    size, more = 0, True
-    while more:
-        message = await request.receive()
-        if message["type"] != "http.request":
-            raise ClientDisconnected("The client left while sending its request body")
-        chunk = message.get("body", b"")
-        more = message.get("more_body", False)
+    chunks, size = [], 0
+    async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return b"".join(chunks)
 
 
 async def parse(request: Request, model: type[M]) -> M:

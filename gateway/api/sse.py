@@ -66,6 +66,13 @@ def encode(event: BaseModel | bytes, named: bool = False) -> bytes:
     return data
 
 
+def frame(event: BaseModel | bytes, framing: Framing) -> bytes:
+    """One event as `framing` puts it on the wire (a relayed event's lines are framed already)."""
+    if framing.relayed and isinstance(event, bytes):
+        return event + b"\n\n"
+    return encode(event, framing.named)
+
+
 def encode_error(exc: BaseException, framing: Framing = FRAMINGS["openai"]) -> bytes:
     body = from_exception(exc).body(framing.dialect)
     if framing.named:  # Anthropic's body is already {"type": "error", "error": {...}}
@@ -129,14 +136,11 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             ending = framing.end
             try:
-                named, relayed = framing.named, framing.relayed
-                first, events = _split(self.events)
+                first, events = self.events.split() if isinstance(self.events, Primed) else (None, self.events)
                 if first is not None:
-                    body = first + b"\n\n" if relayed and isinstance(first, bytes) else encode(first, named)
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    await send({"type": "http.response.body", "body": frame(first, framing), "more_body": True})
                 async for event in events:
-                    body = event + b"\n\n" if relayed and isinstance(event, bytes) else encode(event, named)
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    await send({"type": "http.response.body", "body": frame(event, framing), "more_body": True})
             except OSError:
                 raise  # the client is gone: nobody to tell
             except Exception as exc:
@@ -154,6 +158,11 @@ def relayed_event_stream(events: AsyncIterator[BaseModel | bytes], on_close: Cal
     its own `[DONE]` included; a failure of the upstream mid-way still ends with one error event
     and `[DONE]`."""
     return EventStreamResponse(events, on_close=on_close, framing=RELAYED)
+
+
+async def _nothing() -> AsyncIterator[BaseModel | bytes]:
+    return
+    yield
 
 
 class Primed:
@@ -175,23 +184,15 @@ class Primed:
             raise StopAsyncIteration
         return await anext(self._rest)
 
+    def split(self) -> tuple[BaseModel | bytes | None, AsyncIterator[BaseModel | bytes]]:
+        """The first event and the stream underneath, for a consumer that iterates the rest itself
+        (no layer per event); closing still goes through this Primed."""
+        first, self._first = self._first, None
+        return first, (_nothing() if self._done else self._rest)
+
     async def aclose(self) -> None:
         self._done = True
         await self._rest.aclose()  # type: ignore[attr-defined]
-
-
-async def _nothing() -> AsyncIterator[BaseModel | bytes]:
-    return
-    yield
-
-
-def _split(events: AsyncIterator[BaseModel | bytes]) -> tuple[BaseModel | bytes | None, AsyncIterator[BaseModel | bytes]]:
-    """A primed stream's first event and the stream underneath (iterated without the Primed layer
-    per event; closing still goes through the Primed); any other stream as it is."""
-    if not isinstance(events, Primed):
-        return None, events
-    first, events._first = events._first, None
-    return first, _nothing() if events._done else events._rest
 
 
 async def primed(events: AsyncIterator[BaseModel | bytes]) -> Primed:

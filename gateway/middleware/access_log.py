@@ -79,8 +79,7 @@ class AccessLogMiddleware:
                 first_byte = time.perf_counter() - started
             await send(message)
 
-        bound = structlog.contextvars.bind_contextvars(request_id=request_id)  # (not the generator-based context manager)
-        with open_record(record):
+        with structlog.contextvars.bound_contextvars(request_id=request_id), open_record(record):
             try:
                 await self.app(scope, receive, send_with_id)
             except Exception as exc:  # what no layer below answered: a 500, never raised on
@@ -89,20 +88,17 @@ class AccessLogMiddleware:
                     with contextlib.suppress(OSError):  # the client may be gone too
                         await send_error(send_with_id, from_exception(exc))
             finally:
-                try:
-                    duration = time.perf_counter() - started
-                    observe_request(record, self.route_label(scope["path"]), status, duration)
-                    access_logger().info(
-                        "request",
-                        method=scope["method"],
-                        path=scope["path"],
-                        status=status,
-                        duration_s=round(duration, 4),
-                        first_byte_s=round(first_byte, 4) if first_byte is not None else None,
-                        **record.as_fields(),
-                    )
-                finally:
-                    structlog.contextvars.reset_contextvars(**bound)
+                duration = time.perf_counter() - started
+                observe_request(record, self.route_label(scope["path"]), status, duration)
+                access_logger().info(
+                    "request",
+                    method=scope["method"],
+                    path=scope["path"],
+                    status=status,
+                    duration_s=round(duration, 4),
+                    first_byte_s=round(first_byte, 4) if first_byte is not None else None,
+                    **record.as_fields(),
+                )
 
 
 def observe_request(record: RequestRecord, route: str, status: int, duration: float) -> None:

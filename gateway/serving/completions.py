@@ -236,14 +236,12 @@ async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | Non
     chunk = ChunkEncoder(prepared.id, "text_completion", prepared.created, prepared.model)
     if len(answer.runs) == 1:  # one prompt (nearly always): its outputs as they come, no merging layer
         async for output in answer.runs[0].outputs():
-            answer.note_prompt_logprobs(0, output)
-            if output.choices:
-                yield chunk([_chunk_choice(answer, 0, delta) for delta in output.choices])
+            if (encoded := _encoded(answer, chunk, 0, output)) is not None:
+                yield encoded
     else:
         async for p, output in _merged(answer):
-            answer.note_prompt_logprobs(p, output)
-            if output.choices:
-                yield chunk([_chunk_choice(answer, p, delta) for delta in output.choices])
+            if (encoded := _encoded(answer, chunk, p, output)) is not None:
+                yield encoded
     if on_done is not None:
         await on_done(_whole(answer))
     if include_usage:
@@ -278,6 +276,14 @@ async def _merged(answer: _Answer) -> AsyncIterator[tuple[int, GenerationOutput]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _encoded(answer: _Answer, chunk: ChunkEncoder, p: int, output: GenerationOutput) -> bytes | None:
+    """One engine output of prompt `p` as a chunk (None when it carries no choice)."""
+    answer.note_prompt_logprobs(p, output)
+    if not output.choices:
+        return None
+    return chunk([_chunk_choice(answer, p, delta) for delta in output.choices])
 
 
 def _chunk_choice(answer: _Answer, p: int, delta: ChoiceDelta) -> dict[str, Any]:
