@@ -57,7 +57,7 @@ class _NoMetric:
     def inc(self, *args: Any) -> None:
         return None
 
-    dec = observe = set = inc
+    dec = observe = set = add = flush = inc
 
 
 def switch_off(without: set[str]) -> None:
@@ -69,6 +69,7 @@ def switch_off(without: set[str]) -> None:
         logs._access = _Silent()
     if "metrics" in without:
         metrics.labelled = lambda metric, *values: _NoMetric()  # type: ignore[assignment]
+        metrics.Observations = lambda child: _NoMetric()  # type: ignore[assignment,misc]
     if "tokenizer" in without:
         echo_engine.WordTokenizer.encode = lambda self, text, add_special_tokens=True: [100] * 128  # type: ignore[method-assign]
 

@@ -84,23 +84,18 @@ class EchoEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         self.requests += 1
-        sampling = request.sampling
+        n = request.sampling.n
         prompt = request.prompt_token_ids or [16]
-        total = max(1, sampling.max_tokens)
+        prompt_tokens = len(request.prompt_token_ids)
+        total = max(1, request.sampling.max_tokens)
         words = self._tokenizer.decode(prompt[:total]).split() or ["echo"]  # only the words it echoes
-        for step in range(total):
-            if self.token_delay:
-                await asyncio.sleep(self.token_delay)
-            else:
-                await asyncio.sleep(0)  # a real engine yields to the loop between outputs
+        for step in range(total):  # kept lean: the engine's own cost is not what the gateway's benchmarks measure
+            await asyncio.sleep(self.token_delay)  # a real engine yields to the loop between outputs
             last = step == total - 1
             word = words[step % len(words)]
-            token = prompt[step % len(prompt)]
-            choices = [
-                ChoiceDelta(i, word if step == 0 else " " + word, [token], "length" if last else None)
-                for i in range(sampling.n)
-            ]
-            yield GenerationOutput(len(request.prompt_token_ids), choices, finished=last)
+            text, token_ids, finish = (word if step == 0 else " " + word), [prompt[step % len(prompt)]], ("length" if last else None)
+            choices = [ChoiceDelta(i, text, token_ids, finish) for i in range(n)] if n > 1 else [ChoiceDelta(0, text, token_ids, finish)]
+            yield GenerationOutput(prompt_tokens, choices, last)
 
     async def abort(self, request_id: str) -> None:
         return None

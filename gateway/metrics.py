@@ -7,6 +7,7 @@ vllm:kv_cache_usage_perc, ...), so GET /metrics serves both in one exposition.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import TypeVar
 
 from prometheus_client import (
@@ -88,6 +89,46 @@ def labelled(metric: M, *values: str) -> M:
     if child is None:
         child = _children[key] = metric.labels(*values)
     return child  # type: ignore[return-value]
+
+
+class Observations:
+    """Observations of one histogram child, counted per bucket here and added to it together
+    (`flush`: every `FLUSH_EVERY` observations, and at the end of their run). prometheus_client's
+    `observe` takes two locks and scans the buckets on every call, which for the inter-token
+    latency, observed once per streamed token, was a tenth of a token's cost in the gateway.
+
+    It adds to the child's own bucket and sum values (prometheus_client's `_upper_bounds`,
+    `_buckets`, `_sum`: no public call adds many observations at once); tests/unit/test_metrics.py
+    checks the exposition against the same values passed to `observe`."""
+
+    FLUSH_EVERY = 64
+
+    __slots__ = ("_child", "_bounds", "_counts", "_sum", "_pending")
+
+    def __init__(self, child: Histogram) -> None:
+        self._child = child
+        self._bounds: list[float] = child._upper_bounds  # ends with +Inf
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._pending = 0
+
+    def add(self, value: float) -> None:
+        self._counts[bisect_left(self._bounds, value)] += 1  # the first bucket with value <= bound, as observe
+        self._sum += value
+        self._pending += 1
+        if self._pending >= self.FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        buckets = self._child._buckets
+        for index, count in enumerate(self._counts):
+            if count:
+                buckets[index].inc(count)
+                self._counts[index] = 0
+        self._child._sum.inc(self._sum)
+        self._sum, self._pending = 0.0, 0
 
 
 def exposition() -> tuple[bytes, str]:

@@ -184,7 +184,7 @@ class Run:
         self._record = current_record()
         self._record.model = self._record.model or engine.info.name
         self._model = engine.info.name
-        self._itl = metrics.labelled(metrics.INTER_TOKEN_LATENCY, self._model)  # looked up once, not per token
+        self._itl = metrics.Observations(metrics.labelled(metrics.INTER_TOKEN_LATENCY, self._model))
         self._started = self._record.arrival or time.perf_counter()
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -235,11 +235,15 @@ class Run:
             self._finish()
 
     def _take(self, output: GenerationOutput) -> GenerationOutput:
-        self.prompt_tokens = output.prompt_tokens or self.prompt_tokens
-        self.cached_tokens = output.cached_tokens or self.cached_tokens
+        if output.prompt_tokens:
+            self.prompt_tokens = output.prompt_tokens
+        if output.cached_tokens:
+            self.cached_tokens = output.cached_tokens
+        tokens = False
         for delta in output.choices:
             self.choices[delta.index].add(delta)
-        if any(delta.token_ids for delta in output.choices):
+            tokens = tokens or bool(delta.token_ids)
+        if tokens:
             self._time_token()
         return output
 
@@ -252,13 +256,14 @@ class Run:
             if self._record.ttft_s is None:
                 self._record.ttft_s = ttft
         elif self._last_token_at is not None:
-            self._itl.observe(at - self._last_token_at)
+            self._itl.add(at - self._last_token_at)
         self._last_token_at = at
 
     def _finish(self) -> None:
         if self._in_flight:
             metrics.labelled(metrics.IN_FLIGHT, self._model).dec()
             self._in_flight = False
+        self._itl.flush()
         usage = self.usage()
         metrics.labelled(metrics.PROMPT_TOKENS, self._model).inc(usage.prompt_tokens)
         metrics.labelled(metrics.COMPLETION_TOKENS, self._model).inc(usage.completion_tokens)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import structlog
 import structlog.testing
 from prometheus_client.parser import text_string_to_metric_families
@@ -65,3 +66,36 @@ def test_prompts_are_logged_only_when_asked(engine) -> None:
         line = next(m for m in logs if m["event"] == "request")
         assert ("secret words" in str(line)) is log_prompts
         assert (line.get("output") == ["the quick"]) is log_prompts
+
+
+def test_observations_add_up_to_the_same_exposition_as_observe() -> None:
+    """Observations writes into prometheus_client's internals: the exposition must equal observe's,
+    bucket by bucket, for values on, between and past the bounds, before and after a flush."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from gateway.metrics import TOKEN_BUCKETS, Observations
+
+    values = [0.0, 0.001, 0.0011, 0.05, 0.3, 4.9, 5.0, 7.5, 1e9, -0.5] * 10  # more than FLUSH_EVERY in all
+    registry = {name: CollectorRegistry() for name in ("observe", "observations")}
+    histograms = {
+        name: Histogram("gaps_seconds", "gaps", ["model"], buckets=TOKEN_BUCKETS, registry=registry[name])
+        for name in registry
+    }
+    for value in values:
+        histograms["observe"].labels("m").observe(value)
+    observations = Observations(histograms["observations"].labels("m"))
+    for value in values[:70]:
+        observations.add(value)
+
+    def exposed(name: str) -> dict[tuple[str, str], float]:
+        families = text_string_to_metric_families(generate_latest(registry[name]).decode())
+        return {(s.name, s.labels.get("le", "")): s.value for f in families for s in f.samples if "_created" not in s.name}
+
+    assert exposed("observations") != exposed("observe")  # 6 still pending
+    for value in values[70:]:
+        observations.add(value)
+    observations.flush()
+    observations.flush()  # nothing pending: adds nothing
+    observed, added = exposed("observe"), exposed("observations")
+    assert added == pytest.approx(observed, rel=1e-12)  # the sum adds in another order
+    assert len(observed) == len(TOKEN_BUCKETS) + 3  # the buckets, +Inf, count, sum
