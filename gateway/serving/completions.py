@@ -26,6 +26,7 @@ from gateway.serving.generation import (
     Run,
     check_sampling,
     check_token_ids,
+    finish_reason,
     new_id,
     now,
     resolve_max_tokens,
@@ -234,7 +235,12 @@ async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | Non
     options = prepared.request.stream_options
     include_usage = bool(options and options.include_usage)
     chunk = ChunkEncoder(prepared.id, "text_completion", prepared.created, prepared.model)
-    if len(answer.runs) == 1:  # one prompt (nearly always): its outputs as they come, no merging layer
+    request = prepared.request
+    if len(answer.runs) == 1 and not request.echo and request.logprobs is None:  # nearly always: text only
+        async for output in answer.runs[0].outputs():
+            if output.choices:
+                yield chunk([_text_choice(delta) for delta in output.choices])
+    elif len(answer.runs) == 1:  # one prompt: its outputs as they come, no merging layer
         async for output in answer.runs[0].outputs():
             if (encoded := _encoded(answer, chunk, 0, output)) is not None:
                 yield encoded
@@ -284,6 +290,14 @@ def _encoded(answer: _Answer, chunk: ChunkEncoder, p: int, output: GenerationOut
     if not output.choices:
         return None
     return chunk([_chunk_choice(answer, p, delta) for delta in output.choices])
+
+
+def _text_choice(delta: ChoiceDelta) -> dict[str, Any]:
+    """One engine delta as a chunk's choice when it carries text only (one prompt, no echo, no
+    logprobs): what `_chunk_choice` makes of it, with none of its lookups, per token."""
+    if delta.finish_reason:
+        return {"index": delta.index, "text": delta.text, "finish_reason": finish_reason(delta.finish_reason)}
+    return {"index": delta.index, "text": delta.text}
 
 
 def _chunk_choice(answer: _Answer, p: int, delta: ChoiceDelta) -> dict[str, Any]:

@@ -68,3 +68,21 @@ def test_completion_token_outside_vocabulary(client: TestClient, engine: FakeEng
     response = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 99]})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "prompt"
+
+
+def test_text_only_stream_chunks_match_the_general_path(client: TestClient) -> None:
+    """A one-prompt stream without echo or logprobs takes a leaner per-token path; its choices are
+    what the general path (here, with logprobs on) sends, less the logprobs."""
+
+    def choices(**extra: object) -> list[list[dict]]:
+        body = {"model": MODEL, "prompt": "a b", "max_tokens": 3, "n": 2, "stream": True, **extra}
+        events = sse_events(client.post("/v1/completions", json=body).text)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(event)["choices"] for event in events[:-1]]
+        return [[{k: v for k, v in c.items() if k != "logprobs"} for c in chunk] for chunk in chunks]
+
+    plain = choices()
+    assert plain == choices(logprobs=1)
+    finishes = [c.get("finish_reason") for chunk in plain for c in chunk if c.get("finish_reason")]
+    assert finishes == ["length", "length"]
+    assert {c["index"] for chunk in plain for c in chunk} == {0, 1}
