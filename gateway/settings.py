@@ -127,6 +127,12 @@ class Settings(BaseSettings):
         description="Once started, move the start-up heap out of the garbage collector's passes "
         "(gc.freeze, as vLLM's server does): full collections then walk only what requests allocate",
     )
+    gc_young_threshold: int = Field(
+        10_000,
+        ge=0,
+        description="While serving: allocations between the garbage collector's passes over the youngest "
+        "objects (Python's default 700; 0 leaves it): requests free nearly all they allocate by reference count",
+    )
     drain_timeout_s: float = Field(
         30, ge=0, description="On SIGTERM: how long in-flight requests may finish before the engines stop"
     )

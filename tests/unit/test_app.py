@@ -149,8 +149,18 @@ def test_engine_settings_are_checked_per_embedded_model_before_start(tmp_path) -
 
 
 def test_the_startup_heap_is_frozen_while_serving_and_unfrozen_after(engine) -> None:
-    app = create_app(fake_settings(freeze_startup_heap=True), engine_starter=lambda es: engine)
+    before = gc.get_threshold()
+    app = create_app(fake_settings(freeze_startup_heap=True, gc_young_threshold=12_345), engine_starter=lambda es: engine)
     with TestClient(app) as client:
         assert gc.get_freeze_count() > 0  # the garbage collector's full passes skip the start-up heap
+        assert gc.get_threshold() == (12_345, *before[1:])
         assert client.get("/health").status_code == 200
     assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == before
+
+
+def test_the_collector_is_left_alone_when_told(engine) -> None:
+    before = gc.get_threshold()
+    app = create_app(fake_settings(freeze_startup_heap=False, gc_young_threshold=0), engine_starter=lambda es: engine)
+    with TestClient(app):
+        assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
