@@ -93,8 +93,13 @@ class EchoEngine:
             await asyncio.sleep(self.token_delay)  # a real engine yields to the loop between outputs
             last = step == total - 1
             word = words[step % len(words)]
-            text, token_ids, finish = (word if step == 0 else " " + word), [prompt[step % len(prompt)]], ("length" if last else None)
-            choices = [ChoiceDelta(i, text, token_ids, finish) for i in range(n)] if n > 1 else [ChoiceDelta(0, text, token_ids, finish)]
+            text = word if step == 0 else " " + word
+            token_ids = [prompt[step % len(prompt)]]
+            finish = "length" if last else None
+            if n == 1:
+                choices = [ChoiceDelta(0, text, token_ids, finish)]
+            else:
+                choices = [ChoiceDelta(i, text, token_ids, finish) for i in range(n)]
             yield GenerationOutput(prompt_tokens, choices, last)
 
     async def abort(self, request_id: str) -> None:
