@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.dispatch import dispatch
-from gateway.api.requests import body_size, json_response, parse, state_of
+from gateway.api.requests import body_size, engine_for, json_response, parse, state_of
 from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest
 from gateway.serving import messages, offload
 from gateway.serving.messages import MESSAGES
@@ -20,6 +20,6 @@ async def create(request: Request) -> Response:
 
 async def count_tokens(request: Request) -> Response:
     body = await parse(request, CountTokensRequest)
-    engine = state_of(request).models.engine(body.model)
+    engine = engine_for(request, body.model)
     answer = await offload.by_size(body_size(request), messages.count_tokens, body, engine)
     return json_response(answer)

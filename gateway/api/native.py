@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from engine.types import Engine
 from gateway.api.dispatch import dispatch
-from gateway.api.requests import body_size, json_response, parse, state_of
+from gateway.api.requests import body_size, default_model, engine_for, json_response, parse, state_of
 from gateway.protocol.openai import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -33,7 +33,7 @@ from gateway.serving.completions import COMPLETIONS
 
 async def tokenize(request: Request) -> Response:
     body = await parse(request, TokenizeRequest)
-    engine = state_of(request).models.engine(body.model)
+    engine = engine_for(request, body.model)
     answer = await offload.by_size(body_size(request), _tokenized, body, engine)
     return json_response(answer)
 
@@ -53,14 +53,14 @@ def _tokenized(body: TokenizeRequest, engine: Engine) -> TokenizeResponse:
 
 async def detokenize(request: Request) -> Response:
     body = await parse(request, DetokenizeRequest)
-    engine = state_of(request).models.engine(body.model)
+    engine = engine_for(request, body.model)
     completions.check_vocabulary(body.tokens, engine, "tokens")
     return json_response(DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)))
 
 
 async def _native(request: Request) -> tuple[GenerateRequest, CompletionRequest]:
     body = await parse(request, GenerateRequest)
-    name = body.model or state_of(request).models.engine(None).info.name
+    name = body.model or default_model(request)
     fields = body.model_dump(exclude_unset=True, exclude={"model"})
     fields["stream"] = request.url.path == "/stream-generate"
     return body, CompletionRequest.model_validate({**fields, "model": name}, strict=False)
@@ -105,7 +105,7 @@ async def chat_native(request: Request) -> Response:
     """/chat: the same dispatch as /v1/chat/completions (defaults, cache, limits, fallbacks),
     answered as {"output"}, or streamed as /stream-generate streams when the body says `stream`."""
     body = await parse(request, NativeChatRequest)
-    name = body.model or state_of(request).models.engine(None).info.name
+    name = body.model or default_model(request)
     fields = body.model_dump(exclude_unset=True, exclude={"model"})
     as_chat = ChatCompletionRequest.model_validate({**fields, "model": name}, strict=False)
     return await dispatch(request, state_of(request), as_chat, CHAT, shape=_chat_shape)

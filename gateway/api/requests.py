@@ -3,20 +3,40 @@ parsing into a protocol model (malformed input is a 400, a large body a 413), JS
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine.types import Engine
 from gateway.api.state import GatewayState
 from gateway.errors import InvalidRequest, PayloadTooLarge
+from gateway.tenants import KeyPolicy
 
 M = TypeVar("M", bound=BaseModel)
 
 
 def state_of(request: Request) -> GatewayState:
     return cast(GatewayState, request.state.gateway)
+
+
+def _allows(request: Request) -> Callable[..., bool] | None:
+    policy = getattr(request.state, "key_policy", None)
+    return policy.allows if isinstance(policy, KeyPolicy) and policy.models is not None else None
+
+
+def engine_for(request: Request, name: str | None) -> Engine:
+    """The embedded engine `name` answers with (None: the default model) for the routes that use a
+    model's tokenizer, among the models the request's key may use (the keys file's `models`), as
+    the dispatcher holds every other route to them."""
+    return state_of(request).models.engine(name, _allows(request))
+
+
+def default_model(request: Request) -> str:
+    """The native routes' model when a request names none: the first generating one the key may use."""
+    return state_of(request).models.default_name(_allows(request))
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.config import SamplingDefaults
@@ -91,15 +91,23 @@ class ModelRegistry:
         visit(name)
         return order
 
-    def engine(self, name: str | None) -> Engine:
-        """An embedded engine by public name, or the first generating one (for the tokenizer and
-        native routes)."""
-        if name is None:
-            for backend in self.backends.values():
-                if backend.engine is not None and backend.engine.info.task == "generate":
-                    return backend.engine
-            raise InvalidRequest("No embedded model is served here; name one", "model")
-        _, chain = self.resolve(name)
+    def default_name(self, allows: Callable[..., bool] | None = None) -> str:
+        """The first generating embedded model (with `allows`, a key's `KeyPolicy.allows`: the first
+        the key may use), for the tokenizer and native routes when a request names none."""
+        for version, backend in self.backends.items():
+            engine = backend.engine
+            if engine is not None and engine.info.task == "generate" and (allows is None or allows(version)):
+                return version
+        which = " that this key may use" if allows is not None else ""
+        raise InvalidRequest(f"No embedded model is served here{which}; name one", "model")
+
+    def engine(self, name: str | None, allows: Callable[..., bool] | None = None) -> Engine:
+        """An embedded engine by public name (None: `default_name`); with `allows`, only a model the
+        key may use, as the dispatcher holds every other route to them."""
+        name = self.default_name(allows) if name is None else name
+        version, chain = self.resolve(name)
+        if allows is not None and not allows(name, version):
+            raise ModelNotFound(f"The model '{name}' does not exist or you do not have access to it.", "model")
         if chain[0].engine is None:
             raise InvalidRequest(f"The model '{name}' is remote: its tokenizer is not here", "model")
         return chain[0].engine

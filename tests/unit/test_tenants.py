@@ -303,3 +303,26 @@ def test_the_readmes_keys_file_example(tmp_path: Path) -> None:
     policy = tenants.policy("research-batch")
     assert (policy.rpm, policy.tpm, policy.budget_day, policy.priority, policy.team) == (60, 20000, 200000, "low", "research")
     assert policy.allows("assistant@1.2.0") and not policy.allows("assistant@2.0.0")
+
+
+def test_the_tokenizer_routes_hold_the_key_to_its_models(tmp_path: Path) -> None:
+    """/tokenize, /detokenize and Anthropic's count_tokens name a model too: a key limited to
+    some models gets the same 404 there as on the generation routes, and the native routes'
+    default model is one the key may use."""
+    models = tmp_path / "models.yaml"
+    models.write_text("models:\n  - {name: fake-model, aliases: [smol]}\n  - {name: other, aliases: [o]}\n")
+    path = keys_file(tmp_path, "keys:\n  narrow: {key: sk-n, models: [other]}\n  wide: {key: sk-w}\n")
+    count = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(app_with(keys_file=path, models_file=models)) as client:
+        for route, body in [("/tokenize", {"model": "smol", "prompt": "a b"}),
+                            ("/detokenize", {"model": "fake-model", "tokens": [1]}),
+                            ("/v1/messages/count_tokens", count)]:
+            refused = client.post(route, json=body, headers={**bearer("sk-n"), "x-api-key": "sk-n"})
+            assert refused.status_code == 404, route
+            assert client.post(route, json=body, headers={**bearer("sk-w"), "x-api-key": "sk-w"}).status_code == 200, route
+        assert client.post("/tokenize", json={"model": "o", "prompt": "a b"}, headers=bearer("sk-n")).status_code == 200
+        # no model named: the first generating model this key may use (other), not the first served
+        generated = client.post("/generate", json={"prompt": "a b", "max_tokens": 1}, headers=bearer("sk-n"))
+        assert generated.status_code == 200
+        tokenized = client.post("/tokenize", json={"prompt": "a b"}, headers=bearer("sk-n"))
+        assert tokenized.status_code == 200
