@@ -161,7 +161,7 @@ class CountTokensRequest(Conversation):
 
 # --- answers -----------------------------------------------------------------------------------
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]  # refusal: an output guard cut it
 
 
 class TextBlock(_Response):

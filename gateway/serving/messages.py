@@ -217,6 +217,8 @@ def prepare(
 def _stop(state: ChoiceState, called: bool) -> tuple[StopReason, str | None]:
     if state.finish_reason == "length":
         return "max_tokens", None
+    if state.finish_reason == "content_filter":  # an output guard cut the answer
+        return "refusal", None
     if called:
         return "tool_use", None
     if isinstance(state.stop_reason, str):

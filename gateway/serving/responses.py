@@ -7,6 +7,7 @@ chat does (template, tools, `text.format` as structured outputs, the output budg
 engine, and answers with a `Response` object or its stream of events (`response_events`):
 
 - `max_output_tokens` reached: status `incomplete`, `incomplete_details.reason: max_output_tokens`;
+  an output guard's cut: the same, with `content_filter`;
 - tool calls: `tool_choice` named streams the arguments as they come; `auto` and `required`
   calls are read from the whole text (as chat does), then sent as whole items;
 - an engine failure after the first event: `response.failed`, the response stored as failed.
@@ -63,9 +64,18 @@ def usage_of(usage: Usage) -> ResponseUsage:
                          output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
 
 
+def item_status(state: ChoiceState) -> Literal["completed", "incomplete"]:
+    """A generation cut short (its output budget spent, or an output guard's cut) ends incomplete."""
+    return "incomplete" if state.finish_reason in ("length", "content_filter") else "completed"
+
+
+def incomplete_reason(state: ChoiceState) -> Literal["max_output_tokens", "content_filter"]:
+    return "content_filter" if state.finish_reason == "content_filter" else "max_output_tokens"
+
+
 def output_items(plan: tools.ToolPlan, state: ChoiceState) -> list[OutputItem]:
     """The output of a finished generation: a message (its text), then the function calls."""
-    status: Literal["completed", "incomplete"] = "incomplete" if state.finish_reason == "length" else "completed"
+    status = item_status(state)
     content, calls = plan.parse("".join(state.text))
     items: list[OutputItem] = []
     if content or not calls:
@@ -118,7 +128,7 @@ class ResponsesService:
         run = await chat.start_run(prepared)
         await run.collect()
         self.model = prepared.model
-        answer = self._finished(output_items(prepared.tools, run.choices[0]), run.usage())
+        answer = self._finished(output_items(prepared.tools, run.choices[0]), run.usage(), run.choices[0])
         if on_done is not None:
             await on_done(answer)
         self.answer = answer
@@ -158,13 +168,13 @@ class ResponsesService:
             tools=[tool.model_dump(mode="json", exclude_none=True) for tool in r.tools or []],
         )
 
-    def _finished(self, output: list[OutputItem], usage: Usage | None) -> Response:
+    def _finished(self, output: list[OutputItem], usage: Usage | None, state: ChoiceState) -> Response:
         cut = any(item.status == "incomplete" for item in output)
         response = self.skeleton("incomplete" if cut else "completed")
         response.output = output
         response.usage = usage_of(usage) if usage is not None else None
         if cut:
-            response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+            response.incomplete_details = IncompleteDetails(reason=incomplete_reason(state))
         else:
             response.completed_at = now()
         return response
@@ -228,7 +238,7 @@ class ResponsesService:
                     return
         for event in self._finish(events, plan, run.choices[0]):
             yield event
-        answer = self._finished(events.response.output, run.usage())
+        answer = self._finished(events.response.output, run.usage(), run.choices[0])
         if on_done is not None:
             await on_done(answer)
         if not (self.request.background and await self._withdrawn()):
@@ -245,7 +255,7 @@ class ResponsesService:
 
     @staticmethod
     def _finish(events: ResponseEvents, plan: tools.ToolPlan, state: ChoiceState) -> list[BaseModel]:
-        status: Literal["completed", "incomplete"] = "incomplete" if state.finish_reason == "length" else "completed"
+        status = item_status(state)
         closed: list[BaseModel] = list(events.close(status))
         if closed:
             return closed

@@ -355,3 +355,22 @@ def test_the_readme_examples_are_valid_configuration(tmp_path: Path) -> None:
     (tmp_path / "models.yaml").write_text(models)
     settings = fake_settings(guards_file=tmp_path / "guards.yaml", models_file=tmp_path / "models.yaml")
     create_app(settings, engine_starter=lambda es: FakeEngine(es.served_model_name))  # refuses what is not valid
+
+
+def test_a_guard_cut_speaks_each_apis_own_words(client: TestClient) -> None:
+    """The cut that chat calls finish_reason content_filter: Anthropic's stop_reason refusal, and
+    for the Responses API an incomplete response with reason content_filter, whole and streamed."""
+    message = {"model": MODEL, "max_tokens": 9, "messages": [{"role": "user", "content": "hello"}]}
+    whole = client.post("/v1/messages", json=message).json()
+    assert whole["stop_reason"] == "refusal" and whole["content"][0]["text"] == "the quick brown "
+    streamed = client.post("/v1/messages", json={**message, "stream": True}).text
+    deltas = [json.loads(line[6:]) for line in streamed.split("\n") if line.startswith("data: ")]
+    assert [d["delta"]["stop_reason"] for d in deltas if d["type"] == "message_delta"] == ["refusal"]
+    asked = {"model": MODEL, "input": "hello", "max_output_tokens": 16}
+    response = client.post("/v1/responses", json=asked).json()
+    assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "content_filter"}
+    assert response["output"][0]["content"][0]["text"] == "the quick brown "
+    events = [json.loads(line[6:]) for line in client.post("/v1/responses", json={**asked, "stream": True}).text.split("\n")
+              if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "content_filter"}
