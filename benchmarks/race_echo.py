@@ -18,7 +18,10 @@ Scenarios, each at `--echo-concurrency` levels, `--echo-requests` requests per r
                one chunk where the bare app streams one per token, so only its req/s compare
 
 Reported per scenario and level: each target's medians and the ratios echo ÷ bare (wanted ≥ 0.5)
-and echo ÷ echo-aa (its spread is the floor under every ratio), see race_report.
+and echo ÷ echo-aa (its spread is the floor under every ratio), see race_report; and after every
+run the client's ceiling, the same load against the instant endpoint for `--ceiling-duration`
+seconds, beside it as the client's headroom over that target (wanted ≥ 5x; at concurrency 1 it is
+bound by a loopback round trip's latency, `loadgen.ceiling`).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def scenario_config(args: argparse.Namespace, scenario: str, base_url: str, leve
         output_tokens=args.output_tokens if stream else 1, ignore_eos=True, temperature=0.0, stream=stream,
         api_key=BENCH_KEY, tokenizer="words", seed=seed, unique_prompts=1 if hit else None,
         warmup_requests=1 if hit else min(2 * level, args.echo_requests), count_headers=["x-cache"],
-        request_timeout_s=args.run_timeout, label=label,
+        request_timeout_s=args.run_timeout, label=label, ceiling_s=args.ceiling_duration,
+        processes=args.echo_processes,
     )
 
 
@@ -70,6 +74,7 @@ async def measure_echo(target: Target, args: argparse.Namespace, scenario: str, 
     hits = result.header_counts.get("x-cache", {})
     log(f"{target.name:8s} {scenario:17s} r{repeat} c={level:<3d} {num(metrics['req_s'])} req/s, "
         f"{num(metrics['output_tok_s'])} tok/s, e2e p50 {num(metrics['e2e_p50_ms'], 2)} ms, failed {metrics['failed']}"
+        + (f", client headroom {metrics['client_headroom']:.1f}x" if metrics.get("client_headroom") else "")
         + (f", X-Cache {hits}" if hits else ""))
     return {"target": target.name, "scenario": scenario, "repeat": repeat, "concurrency": level, "metrics": metrics,
             "x_cache": hits, "result": data}
@@ -105,6 +110,8 @@ def echo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--echo-requests", type=int, default=2000, help="requests per echo-part run")
     p.add_argument("--echo-scenarios", nargs="+", choices=list(SCENARIOS), default=["non-stream", "stream", "cache hit"])
     p.add_argument("--echo-pause", type=float, default=0.5, help="seconds of quiet before each echo-part run")
+    p.add_argument("--echo-processes", type=int, default=1,
+                   help="client processes sharing each echo-part run's load (on 2 cores they take CPU from the server)")
 
 
 def scenario_runs(runs: list[dict[str, Any]], scenario: str) -> list[dict[str, Any]]:

@@ -211,10 +211,12 @@ def _echo_tables(document: dict[str, Any]) -> list[str]:
          "logs, metrics, an API key and request ids on (and the memory response cache: the non-stream and stream "
          "runs send new temperature-0 requests, each a cache miss and store); echo-aa = the same process again (A/A); "
          "bare = Starlette + uvicorn answering a fixed completion (the stack's limit). Rates: req/s, for streams "
-         f"chunks (tokens)/s. Wanted: echo ÷ bare ≥ {ECHO_BOUND}; A/A: echo ÷ echo-aa median [smallest, largest]."),
+         f"chunks (tokens)/s. Wanted: echo ÷ bare ≥ {ECHO_BOUND}; A/A: echo ÷ echo-aa median [smallest, largest]. "
+         "Client headroom: the client's ceiling (the same load against the instant endpoint, after every run) ÷ "
+         "echo's and bare's rates, medians."),
         "",
-        "| scenario | concurrency | rate | echo | echo-aa | bare | echo ÷ bare | A/A (noise floor) | echo e2e p50 ms | bare e2e p50 ms | failed |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| scenario | concurrency | rate | echo | echo-aa | bare | echo ÷ bare | A/A (noise floor) | echo e2e p50 ms | bare e2e p50 ms | failed | client headroom, echo / bare |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for scenario, rows in summary.items():
         metric = "output_tok_s" if streamed(scenario) else "req_s"
@@ -226,7 +228,8 @@ def _echo_tables(document: dict[str, Any]) -> list[str]:
                 f"| {scenario} | {row['concurrency']} | {'chunks/s' if metric == 'output_tok_s' else 'req/s'} | "
                 f"{rate['echo']} | {rate['echo-aa']} | {rate['bare']} | {_vs(row, metric, 'bare', 'echo-aa', ECHO_BOUND)} | "
                 f"{_aa(row, metric, 'echo-aa')} | {num(m.get('echo', {}).get('e2e_p50_ms'), 2)} | "
-                f"{num(m.get('bare', {}).get('e2e_p50_ms'), 2)} | {failed} |")
+                f"{num(m.get('bare', {}).get('e2e_p50_ms'), 2)} | {failed} | "
+                f"{num(m.get('echo', {}).get('client_headroom'))} / {num(m.get('bare', {}).get('client_headroom'))} |")
     return lines
 
 

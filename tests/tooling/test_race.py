@@ -177,6 +177,7 @@ def test_race_summary_keeps_the_spread_of_the_aa_twin() -> None:
 
 def _echo_run(target: str, scenario: str, repeat: int, level: int, req_s: float) -> dict:
     metrics = {name: None for name in race_report.METRICS} | {"req_s": req_s, "output_tok_s": req_s * 64, "failed": 0}
+    metrics["client_headroom"] = 30000 / req_s  # the client's ceiling, 30k req/s, ÷ this run
     return {"target": target, "scenario": scenario, "repeat": repeat, "concurrency": level, "metrics": metrics}
 
 
@@ -196,6 +197,11 @@ def test_echo_part_ratios_to_the_bare_stack_and_its_table() -> None:
     table = race_report.markdown(document)
     assert "| non-stream | 16 | req/s | 3000.0 | 3050.0 | 10000.0 | 0.300 ✗ |" in table
     assert "| stream | 16 | chunks/s | 25600.0 | 25600.0 | 32000.0 | 0.800 ✓ |" in table
+    assert "| 0 | 10.0 / 3.0 |" in table  # failed, then the client's headroom over echo and over bare
+    notes: list[str] = []
+    race._target_notes(notes, plain, None, "echo non-stream ")
+    assert notes == ["echo non-stream c=16: the client's ceiling was only 3.0x bare's rate (wanted 5x): "
+                     "the client may be part of that measurement"]
 
 
 def test_race_parser_offers_both_clients_and_the_aa_switch() -> None:
@@ -204,6 +210,15 @@ def test_race_parser_offers_both_clients_and_the_aa_switch() -> None:
     defaults = race.parser().parse_args([])
     assert defaults.client == "ours" and defaults.aa is True and defaults.ceiling_duration > 0
     assert "echo" in defaults.parts and defaults.echo_scenarios == ["non-stream", "stream", "cache hit"]
+    assert defaults.echo_processes == 1
+
+
+def test_echo_runs_measure_the_clients_ceiling_with_the_asked_processes() -> None:
+    from benchmarks import race_echo
+
+    args = race.parser().parse_args(["--parts", "echo", "--echo-processes", "2", "--ceiling-duration", "1.5"])
+    config = race_echo.scenario_config(args, "stream", "http://127.0.0.1:1", 16, 7, "echo stream r0 c16")
+    assert config.ceiling_s == 1.5 and config.processes == 2 and config.stream and config.concurrency == 16
 
 
 # ---------------------------------------------------------------------------------------------
