@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loadgen.config import LoadConfig
+from benchmarks.loadgen.config import LoadConfig, client_processes
 from benchmarks.loadgen.results import Result
 from benchmarks.procs import Proc, free_port
 
@@ -57,10 +57,8 @@ def ceiling_config(config: LoadConfig, base_url: str) -> LoadConfig:
 
 
 def processes_used(config: dict[str, Any]) -> int:
-    """The client processes a run used: `processes`, at most one per request in flight (`workers.workers_for`)."""
-    processes = max(1, int(config.get("processes") or 1))
-    concurrency = config.get("concurrency")
-    return min(processes, concurrency) if concurrency else processes
+    """The client processes a run used, from its recorded config (`config.client_processes`)."""
+    return client_processes(config.get("processes"), config.get("concurrency"))
 
 
 def latency_bound(config: dict[str, Any]) -> bool:

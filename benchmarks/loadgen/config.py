@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
+def client_processes(processes: int | None, concurrency: int | None) -> int:
+    """How many client processes a run uses: `processes`, but never more than requests in flight."""
+    wanted = max(1, processes or 1)
+    return max(1, min(wanted, concurrency)) if concurrency is not None else wanted
+
+
 @dataclass
 class LoadConfig:
     """One run: the load's shape, the prompts, the request options (the CLI's flags, nearly one for one)."""

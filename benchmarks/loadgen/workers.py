@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from benchmarks.loadgen.config import LoadConfig
+from benchmarks.loadgen.config import LoadConfig, client_processes
 from benchmarks.loadgen.progress import Bar
 from benchmarks.loadgen.prompts import Session
 from benchmarks.loadgen.results import RequestRecord
@@ -58,10 +58,8 @@ def _parts(total: int, weights: Sequence[int]) -> list[int]:
 
 
 def workers_for(config: LoadConfig) -> int:
-    """How many processes a run uses: `processes`, but never more than requests in flight."""
-    if config.concurrency is not None:
-        return max(1, min(config.processes, config.concurrency))
-    return max(1, config.processes)
+    """How many processes a run uses (`config.client_processes`)."""
+    return client_processes(config.processes, config.concurrency)
 
 
 def split(config: LoadConfig, model: str, sessions: Sequence[Session], warmup_sessions: Sequence[Session] | None,

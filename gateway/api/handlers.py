@@ -6,11 +6,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.dispatch import dispatch
-from gateway.api.requests import json_response, parse, state_of
+from gateway.api.requests import json_response, key_models, parse, state_of
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelList
 from gateway.serving.chat import CHAT
 from gateway.serving.completions import COMPLETIONS
-from gateway.tenants import KeyPolicy
 
 
 async def chat_completions(request: Request) -> Response:
@@ -26,7 +25,7 @@ async def text_completions(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     """The models the key may use (the keys file's `models`; every model for other keys)."""
     listing = state_of(request).models.listing()
-    policy = getattr(request.state, "key_policy", None)
-    if isinstance(policy, KeyPolicy) and policy.models is not None:
-        listing = ModelList(data=[card for card in listing.data if policy.allows(card.id, card.root or card.id)])
+    allows = key_models(request)
+    if allows is not None:
+        listing = ModelList(data=[card for card in listing.data if allows(card.id, card.root or card.id)])
     return json_response(listing)

@@ -22,7 +22,8 @@ def state_of(request: Request) -> GatewayState:
     return cast(GatewayState, request.state.gateway)
 
 
-def _allows(request: Request) -> Callable[..., bool] | None:
+def key_models(request: Request) -> Callable[..., bool] | None:
+    """The request's key's `KeyPolicy.allows` when the keys file limits it to some models, else None."""
     policy = getattr(request.state, "key_policy", None)
     return policy.allows if isinstance(policy, KeyPolicy) and policy.models is not None else None
 
@@ -31,12 +32,12 @@ def engine_for(request: Request, name: str | None) -> Engine:
     """The embedded engine `name` answers with (None: the default model) for the routes that use a
     model's tokenizer, among the models the request's key may use (the keys file's `models`), as
     the dispatcher holds every other route to them."""
-    return state_of(request).models.engine(name, _allows(request))
+    return state_of(request).models.engine(name, key_models(request))
 
 
 def default_model(request: Request) -> str:
     """The native routes' model when a request names none: the first generating one the key may use."""
-    return state_of(request).models.default_name(_allows(request))
+    return state_of(request).models.default_name(key_models(request))
 
 
 async def read_body(request: Request, limit: int) -> bytes:
