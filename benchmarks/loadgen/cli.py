@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=DEFAULT_PROCESSES,
                    help="client processes sharing each run's load, at most one per request in flight (default: the "
                         f"cores, at most {MAX_DEFAULT_PROCESSES}, here {DEFAULT_PROCESSES}); one process tops out near one core")
+    p.add_argument("--http-client", choices=("aiohttp", "wire"), default="aiohttp",
+                   help="aiohttp (default), or wire: a lean keep-alive HTTP/1.1 client on httptools' parser "
+                        "(benchmarks.loadgen.wire), for servers that answer more than a few thousand requests a second")
     p.add_argument("--no-ceiling", dest="ceiling_duration", action="store_const", const=0.0,
                    help="skip the ceiling run")
     return p
@@ -99,6 +102,7 @@ def config_from(args: argparse.Namespace) -> LoadConfig:
         keep_records=args.save_requests,
         ceiling_s=args.ceiling_duration,
         processes=max(1, args.processes),
+        http_client=args.http_client,
     )
 
 

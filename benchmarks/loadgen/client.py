@@ -1,4 +1,4 @@
-"""The HTTP side: one aiohttp session per run (`make_client`), the model a server offers, and
+"""The HTTP side: one client session per run (`make_client`), the model a server offers, and
 `send_request`, which sends one request (streamed or not) and times it into a `RequestRecord`.
 
 Built for load, so that the client is not what a run measures: aiohttp (C-accelerated HTTP
@@ -24,18 +24,24 @@ from benchmarks.loadgen.codec import dumps, loads
 from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.results import RequestRecord
 from benchmarks.loadgen.sse import SSEDecoder, StreamAccumulator
+from benchmarks.loadgen.wire import WireSession
+
+Client = aiohttp.ClientSession | WireSession  # the same calls on both (`loadgen.wire`)
 
 KEEPALIVE_S = 3.0  # below uvicorn's default timeout_keep_alive (5 s), which vLLM's server keeps too
 CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
 
 
-def make_client(config: LoadConfig, concurrency: int | None = None) -> aiohttp.ClientSession:
-    """One session for a whole run: no connection limit (the load decides), keep-alive, JSON headers.
+def make_client(config: LoadConfig, concurrency: int | None = None) -> Client:
+    """One session for a whole run: no connection limit (the load decides), keep-alive, JSON headers;
+    aiohttp's, or with `config.http_client == "wire"` the leaner `loadgen.wire` client.
 
     Call it inside a running event loop (aiohttp's rule)."""
     headers = {"content-type": "application/json", **config.headers}
     if config.api_key:
         headers["authorization"] = f"Bearer {config.api_key}"
+    if config.http_client == "wire":
+        return WireSession(headers, total_timeout_s=config.request_timeout_s, idle_s=KEEPALIVE_S)
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S, ttl_dns_cache=None)
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=30.0)
     return aiohttp.ClientSession(
@@ -45,7 +51,7 @@ def make_client(config: LoadConfig, concurrency: int | None = None) -> aiohttp.C
     )
 
 
-async def get_json(client: aiohttp.ClientSession, url: str, body: Any = None) -> Any:
+async def get_json(client: Client, url: str, body: Any = None) -> Any:
     """GET (or POST `body`) and decode the JSON answer; raises aiohttp.ClientResponseError on a non-2xx."""
     method = "POST" if body is not None else "GET"
     async with client.request(method, url, data=None if body is None else dumps(body)) as response:
@@ -53,7 +59,7 @@ async def get_json(client: aiohttp.ClientSession, url: str, body: Any = None) ->
         return loads(await response.read())
 
 
-async def discover_model(client: aiohttp.ClientSession, base_url: str) -> str:
+async def discover_model(client: Client, base_url: str) -> str:
     """The first model of GET /models."""
     models = (await get_json(client, f"{base_url.rstrip('/')}/models")).get("data") or []
     if not models:
@@ -79,7 +85,7 @@ def _counted(headers: Mapping[str, str], names: Sequence[str]) -> dict[str, str]
 
 
 async def send_request(
-    client: aiohttp.ClientSession,
+    client: Client,
     url: str | URL,
     body: dict[str, Any],
     record: RequestRecord,
@@ -112,7 +118,7 @@ async def send_request(
 
 
 async def _send_streaming(
-    client: aiohttp.ClientSession,
+    client: Client,
     url: str | URL,
     content: bytes,
     record: RequestRecord,
@@ -160,7 +166,7 @@ def _finish_stream(record: RequestRecord, acc: StreamAccumulator, e2e: float, es
 
 
 async def _send_plain(
-    client: aiohttp.ClientSession,
+    client: Client,
     url: str | URL,
     content: bytes,
     record: RequestRecord,

@@ -46,6 +46,7 @@ class LoadConfig:
     keep_records: bool = False  # put every request's record in Result.to_dict()
     ceiling_s: float = 0.0  # after the run: seconds of the same load against the instant endpoint (0: none)
     processes: int = 1  # client processes sharing the load (at most one per request in flight)
+    http_client: Literal["aiohttp", "wire"] = "aiohttp"  # wire: loadgen.wire, for servers past ~5,000 req/s
     label: str = ""
 
     def to_dict(self) -> dict[str, Any]:

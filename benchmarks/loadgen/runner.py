@@ -16,11 +16,10 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-import aiohttp
 from yarl import URL
 
 from benchmarks.loadgen import ceiling
-from benchmarks.loadgen.client import discover_model, make_client, send_request
+from benchmarks.loadgen.client import Client, discover_model, make_client, send_request
 from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.progress import Bar, open_bar
 from benchmarks.loadgen.prompts import Session, build_sessions, request_body, sessions_needed
@@ -33,7 +32,7 @@ from benchmarks.loadgen.workers import WorkerPool, workers_for
 class Runner:
     """One run's state: the requests issued so far, their records, the time limit."""
 
-    def __init__(self, config: LoadConfig, client: aiohttp.ClientSession, model: str, sessions: Sequence[Session]) -> None:
+    def __init__(self, config: LoadConfig, client: Client, model: str, sessions: Sequence[Session]) -> None:
         self.config = config
         self.client = client
         self.model = model
@@ -141,7 +140,7 @@ class Runner:
 async def run_load(
     config: LoadConfig,
     sessions: Sequence[Session] | None = None,
-    client: aiohttp.ClientSession | None = None,
+    client: Client | None = None,
     warmup_sessions: Sequence[Session] | None = None,
     pool: WorkerPool | None = None,
 ) -> Result:
@@ -190,7 +189,7 @@ async def measure_ceiling(config: LoadConfig, measured: Result, pool: WorkerPool
 
 async def _prepare_sessions(
     config: LoadConfig,
-    client: aiohttp.ClientSession,
+    client: Client,
     model: str,
     sessions: Sequence[Session] | None,
     warmup_sessions: Sequence[Session] | None,
@@ -208,7 +207,7 @@ async def _prepare_sessions(
 
 
 async def _measure(
-    config: LoadConfig, client: aiohttp.ClientSession, model: str, sessions: Sequence[Session]
+    config: LoadConfig, client: Client, model: str, sessions: Sequence[Session]
 ) -> tuple[list[RequestRecord], float, float]:
     """The measured run: its records, its duration in seconds and this process's CPU seconds meanwhile."""
     runner = Runner(config, client, model, sessions)

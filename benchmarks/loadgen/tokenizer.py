@@ -3,9 +3,7 @@ which the gateway and vLLM's server both offer next to /v1."""
 
 from __future__ import annotations
 
-import aiohttp
-
-from benchmarks.loadgen.client import CLIENT_ERRORS, get_json
+from benchmarks.loadgen.client import CLIENT_ERRORS, Client, get_json
 from benchmarks.loadgen.config import LoadConfig
 
 
@@ -18,7 +16,7 @@ def root_url(base_url: str) -> str:
 class ServerTokenizer:
     """Counts tokens with the server's own tokenizer (`POST /tokenize`, `POST /detokenize`)."""
 
-    def __init__(self, client: aiohttp.ClientSession, root: str, model: str) -> None:
+    def __init__(self, client: Client, root: str, model: str) -> None:
         self.client, self.root, self.model = client, root, model
 
     async def tokenize(self, text: str) -> list[int]:
@@ -30,7 +28,7 @@ class ServerTokenizer:
         return str(answer["prompt"])
 
     @classmethod
-    async def probe(cls, client: aiohttp.ClientSession, base_url: str, model: str) -> ServerTokenizer | None:
+    async def probe(cls, client: Client, base_url: str, model: str) -> ServerTokenizer | None:
         tokenizer = cls(client, root_url(base_url), model)
         try:
             ids = await tokenizer.tokenize("hello world")
@@ -40,7 +38,7 @@ class ServerTokenizer:
         return tokenizer
 
 
-async def get_tokenizer(config: LoadConfig, client: aiohttp.ClientSession, model: str) -> ServerTokenizer | None:
+async def get_tokenizer(config: LoadConfig, client: Client, model: str) -> ServerTokenizer | None:
     """The server's tokenizer as `config.tokenizer` asks (None: count one word as one token)."""
     if config.tokenizer == "words":
         return None

@@ -22,9 +22,7 @@ import time
 import traceback
 from typing import IO, Any
 
-import aiohttp
-
-from benchmarks.loadgen.client import make_client
+from benchmarks.loadgen.client import Client, make_client
 from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.runner import Runner, run_async
 from benchmarks.loadgen.workers import PROGRESS_EVERY_S, Share, read_frame, write_frame
@@ -52,10 +50,11 @@ class _Progress:
 
 
 def _client_key(config: LoadConfig) -> tuple[Any, ...]:
-    return (config.base_url, config.api_key, tuple(sorted(config.headers.items())), config.request_timeout_s)
+    return (config.base_url, config.api_key, tuple(sorted(config.headers.items())), config.request_timeout_s,
+            config.http_client)
 
 
-async def _run_share(share: Share, client: aiohttp.ClientSession, reader: asyncio.StreamReader, out: IO[bytes]) -> bool:
+async def _run_share(share: Share, client: Client, reader: asyncio.StreamReader, out: IO[bytes]) -> bool:
     """Warm up, say ready, wait for the origin, run, send the records; False when told to stop instead."""
     cfg = share.config
     if cfg.warmup_requests and share.warmup_sessions:
@@ -80,7 +79,7 @@ async def serve(out: IO[bytes]) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=2**20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    clients: dict[tuple[Any, ...], aiohttp.ClientSession] = {}
+    clients: dict[tuple[Any, ...], Client] = {}
     try:
         while (message := await read_frame(reader)) is not None and message[0] == "run":
             share: Share = message[1]
