@@ -8,11 +8,8 @@ from typing import Any
 try:  # orjson is a dependency of the gateway; plain json works too
     import orjson
 
-    def loads(data: str | bytes) -> Any:
-        return orjson.loads(data)
-
-    def dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
+    loads = orjson.loads  # no wrapper: called once per streamed event
+    dumps = orjson.dumps
 
 except ImportError:  # pragma: no cover
 

@@ -135,13 +135,13 @@ class StreamAccumulator:
 
     def feed(self, data: str | bytes, now: float) -> bool:
         """Take one event's data (str, or bytes from `SSEDecoder.feed_raw`); return True at `[DONE]`."""
-        if data == b"[DONE]" or data.strip() in ("[DONE]", b"[DONE]"):
-            self.done = True
-            self.done_at = now
-            return True
+        if data == b"[DONE]":
+            return self._done(now)
         try:
             obj = loads(data)
-        except ValueError:
+        except ValueError:  # not JSON: [DONE] with spaces around, or garbage
+            if data.strip() in ("[DONE]", b"[DONE]"):
+                return self._done(now)
             self.error = f"undecodable event: {data[:120]!r}"
             return False
         if not isinstance(obj, dict):
@@ -154,6 +154,11 @@ class StreamAccumulator:
             self.usage = obj["usage"]
         self._take_choices(obj.get("choices") or (), now)
         return False
+
+    def _done(self, now: float) -> bool:
+        self.done = True
+        self.done_at = now
+        return True
 
     def _take_choices(self, choices: Iterable[dict[str, Any]], now: float) -> None:
         """Note the text the choices of one event carry, and when it came."""

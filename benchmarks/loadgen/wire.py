@@ -87,26 +87,23 @@ class WireResponse:
         self._headers_done = False
         self._waiter: asyncio.Future[None] | None = None
 
-    # the connection's side
+    # the connection's side (it wakes the reader once per read from the socket, `wake`)
     def on_headers(self, status: int) -> None:
         self.status = status
         self._headers_done = True
-        self._wake()
 
     def on_body(self, data: bytes) -> None:
         self._chunks.append(data)
-        self._wake()
 
     def on_complete(self) -> None:
         self.complete = True
-        self._wake()
 
     def fail(self, error: BaseException) -> None:
         if not self.complete and self.error is None:
             self.error = error
-            self._wake()
+            self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -176,11 +173,13 @@ class _Connection(asyncio.Protocol):
         if self.response is None:  # nothing was asked: a server that talks out of turn
             self.close()
             return
+        response = self.response
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self.response.fail(ValueError(f"malformed HTTP answer: {exc}"))
+            response.fail(ValueError(f"malformed HTTP answer: {exc}"))
             self.close()
+        response.wake()  # one wake for all the events this read brought
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost fails an unfinished answer
@@ -196,7 +195,7 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None:
-            self.response.on_body(body)
+            self.response.on_body(body)  # a chunk of a chunked body each: one per event of a stream
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
