@@ -106,9 +106,12 @@ class Gateway(Starlette):
     """Starlette's app with the route table's router innermost: Starlette's stack is its
     outermost error middleware, the app's middleware, its exception middleware and its router; here
     the last two are one `TableRouter` (the same answers, two layers and a regex scan fewer per
-    request). Lifespan goes to Starlette's router, as before."""
+    request). Lifespan goes to Starlette's router, as before. Starlette's own exception handlers
+    and body limit have no place in this stack: given, they are refused rather than ignored."""
 
     def build_middleware_stack(self) -> ASGIApp:
+        if self.exception_handlers or getattr(self, "max_body_size", None) is not None:
+            raise ValueError("errors are answered by error_response (HANDLED) and bodies bounded by our middleware")
         app: ASGIApp = TableRouter(self.router.routes, self.router, HANDLED, error_response)
         for cls, args, kwargs in reversed(self.user_middleware):
             app = cls(app, *args, **kwargs)

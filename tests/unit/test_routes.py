@@ -260,3 +260,12 @@ def test_the_table_router_takes_only_what_it_can_route_as_starlette_does() -> No
         TableRouter([Route("/sync", blocking)], fallback=handler, handled=(), on_error=handler)
     with pytest.raises(ValueError, match="matched by a path with parameters"):
         TableRouter([Route("/a/{x}", handler), Route("/a/b", handler)], fallback=handler, handled=(), on_error=handler)
+
+
+def test_the_app_refuses_starlette_s_exception_handlers_rather_than_ignoring_them() -> None:
+    from gateway.app import Gateway, error_response
+
+    app = Gateway(routes=TABLE.routes(), exception_handlers={KeyError: error_response})
+    with pytest.raises(ValueError, match="error_response"):
+        app.build_middleware_stack()
+    Gateway(routes=TABLE.routes()).build_middleware_stack()
