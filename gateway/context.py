@@ -7,9 +7,7 @@ down; the access-log middleware opens it (`open_record`) and reports it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field, fields
 
 
@@ -54,11 +52,11 @@ def current_record() -> RequestRecord:
     return _record.get() or RequestRecord()
 
 
-@contextmanager
-def open_record(record: RequestRecord) -> Iterator[RequestRecord]:
-    """Make `record` the current one for the code run inside."""
-    token = _record.set(record)
-    try:
-        yield record
-    finally:
-        _record.reset(token)
+def open_record(record: RequestRecord) -> Token[RequestRecord | None]:
+    """Make `record` the current one, until `close_record` with what this returned (in a `finally`)."""
+    return _record.set(record)
+
+
+def close_record(opened: Token[RequestRecord | None]) -> None:
+    """The record before `open_record` the current one again."""
+    _record.reset(opened)

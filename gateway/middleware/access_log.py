@@ -15,7 +15,7 @@ request id in.
 from __future__ import annotations
 
 import contextlib
-import secrets
+import os
 import time
 from collections.abc import Callable
 
@@ -23,7 +23,7 @@ import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
-from gateway.context import RequestRecord, open_record
+from gateway.context import RequestRecord, close_record, open_record
 from gateway.errors import Dialect, from_exception, send_error
 from gateway.logs import access_logger
 
@@ -41,7 +41,7 @@ def request_id_from(scope: Scope) -> str:
             if 0 < len(value) <= REQUEST_ID_MAX and all(0x21 <= byte <= 0x7E for byte in value):
                 return str(value.decode("ascii"))
             break
-    return secrets.token_hex(16)  # uuid4's 32 hex digits of randomness, without building a UUID
+    return os.urandom(16).hex()  # secrets.token_hex(16) (uuid4's 32 hex digits), two calls fewer
 
 
 class AccessLogMiddleware:
@@ -79,15 +79,19 @@ class AccessLogMiddleware:
                 first_byte = time.perf_counter() - started
             await send(message)
 
-        with structlog.contextvars.bound_contextvars(request_id=request_id), open_record(record):
+        # structlog's bind and reset of the request id, and the record's contextvar set and reset,
+        # without two context managers (`bound_contextvars` reads the whole context on the way in)
+        bound = structlog.contextvars.bind_contextvars(request_id=request_id)
+        opened = open_record(record)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # what no layer below answered: a 500, never raised on
+            log.error("request_failed", error_type=type(exc).__name__, exc_info=exc)
+            if not started_response:
+                with contextlib.suppress(OSError):  # the client may be gone too
+                    await send_error(send_with_id, from_exception(exc))
+        finally:
             try:
-                await self.app(scope, receive, send_with_id)
-            except Exception as exc:  # what no layer below answered: a 500, never raised on
-                log.error("request_failed", error_type=type(exc).__name__, exc_info=exc)
-                if not started_response:
-                    with contextlib.suppress(OSError):  # the client may be gone too
-                        await send_error(send_with_id, from_exception(exc))
-            finally:
                 duration = time.perf_counter() - started
                 observe_request(record, self.route_label(scope["path"]), status, duration)
                 access_logger().info(
@@ -99,6 +103,9 @@ class AccessLogMiddleware:
                     first_byte_s=round(first_byte, 4) if first_byte is not None else None,
                     **record.as_fields(),
                 )
+            finally:
+                close_record(opened)
+                structlog.contextvars.reset_contextvars(**bound)
 
 
 def observe_request(record: RequestRecord, route: str, status: int, duration: float) -> None:

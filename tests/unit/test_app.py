@@ -164,3 +164,51 @@ def test_the_collector_is_left_alone_when_told(engine) -> None:
     app = create_app(fake_settings(freeze_startup_heap=False, gc_young_threshold=0), engine_starter=lambda es: engine)
     with TestClient(app):
         assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_access_log_binds_the_request_s_context_and_puts_the_outer_one_back(fails: bool) -> None:
+    """Inside the request: its id in structlog's context and its record current; after it (also
+    when the app below fails), the context as it was before. Generated ids are 32 hex digits."""
+    import asyncio
+
+    import structlog
+    from starlette.types import Receive, Scope, Send
+
+    from gateway.context import current_record
+    from gateway.middleware.access_log import AccessLogMiddleware
+
+    seen: dict[str, object] = {}
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen["id"] = structlog.contextvars.get_contextvars()["request_id"]
+        current_record().model = "inside"
+        seen["record"] = current_record()
+        if fails:
+            raise RuntimeError("a bug")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        outer = structlog.contextvars.bind_contextvars(request_id="outer")
+        try:
+            scope = {"type": "http", "method": "GET", "path": "/x", "headers": []}
+            await AccessLogMiddleware(app, route_label=lambda path: path)(scope, receive, send)
+            assert structlog.contextvars.get_contextvars()["request_id"] == "outer"
+        finally:
+            structlog.contextvars.reset_contextvars(**outer)
+        assert "request_id" not in structlog.contextvars.get_contextvars()
+
+    asyncio.run(run())
+    assert current_record() is not seen["record"] and current_record().model is None
+    request_id = dict(sent[0]["headers"])[b"x-request-id"].decode()
+    assert request_id == seen["id"] and len(request_id) == 32 and int(request_id, 16) >= 0
+    assert sent[0]["status"] == (500 if fails else 200)

@@ -133,3 +133,38 @@ async def test_bytes_being_read_at_once_are_bounded() -> None:
         assert json.loads(sent[-1]["body"])["error"]["code"] == "service_unavailable"
     assert status_and_headers(after)[0] == 400  # read whole (the context is too small), not refused
     assert 'reason="body_bytes_in_flight"' in metrics.exposition()[0].decode()
+
+
+def _read(messages: list[dict], limit: int, length: int | None = None, starlette: bool = False) -> bytes:
+    """`requests.read_body` (or Starlette's `request.body()`) on these receive messages."""
+    from starlette.requests import Request
+
+    from gateway.api.requests import read_body
+
+    pending = list(messages)
+
+    async def receive() -> dict:
+        return pending.pop(0)
+
+    request = Request(scope_for(length), receive)
+    return asyncio.run(request.body() if starlette else read_body(request, limit))
+
+
+def test_the_body_is_read_as_starlette_reads_it_within_its_limit() -> None:
+    import pytest
+    from starlette.requests import ClientDisconnect
+
+    from gateway.errors import PayloadTooLarge
+
+    parts = [{"type": "http.request", "body": b'{"a":', "more_body": True},
+             {"type": "http.request", "body": b"", "more_body": True},
+             {"type": "other"},  # neither: skipped, as Starlette skips it
+             {"type": "http.request", "body": b" 1}"}]
+    assert _read(parts, limit=8) == _read(parts, 8, starlette=True) == b'{"a": 1}'
+    assert _read([{"type": "http.request"}], limit=0) == b""
+    with pytest.raises(PayloadTooLarge, match="limit of 7 bytes"):
+        _read(parts, limit=7)
+    with pytest.raises(PayloadTooLarge, match="of 9 bytes exceeds"):
+        _read([], limit=8, length=9)  # refused on its declared length, before a read
+    with pytest.raises(ClientDisconnect):
+        _read([parts[0], {"type": "http.disconnect"}], limit=8)

@@ -5,11 +5,13 @@ JSON as structured frames), and neither the API key nor the prompt reaches any l
 
 from __future__ import annotations
 
+import datetime as real_datetime
 import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,3 +84,53 @@ def test_with_log_prompts_the_prompt_is_logged_but_still_not_the_key() -> None:
     """The control: the log does see prompts when asked to, so their absence above means something."""
     _, log = run("json", prompts=True)
     assert PROMPT in log and KEY not in log
+
+
+class _Clock:
+    """A stand-in for the `datetime` module, its `now` fixed (what both renderings stamp)."""
+
+    def __init__(self, now: Any) -> None:
+        self.timezone = real_datetime.timezone
+        self.datetime = self
+        self._now = now
+
+    def now(self, tz: Any = None) -> Any:
+        return self._now
+
+
+@pytest.mark.parametrize("level", ["info", "warning"])
+@pytest.mark.parametrize("microsecond", [0, 123])
+def test_the_json_access_line_is_the_line_structlog_renders(
+    monkeypatch: pytest.MonkeyPatch, level: str, microsecond: int
+) -> None:
+    """`_JsonAccessLine` (the access line's JSON, without structlog's chain) against the chain."""
+    import io
+    import logging
+
+    import structlog
+
+    from gateway import logs
+
+    clock = _Clock(real_datetime.datetime(2026, 1, 2, 3, 4, 5, microsecond, tzinfo=real_datetime.timezone.utc))
+    monkeypatch.setattr(structlog.processors, "datetime", clock)
+    monkeypatch.setattr(logs, "datetime", clock)
+    streams = io.StringIO(), io.StringIO()
+    number = logging.getLevelName(level.upper())
+    chain = structlog.wrap_logger(
+        logs._HandlerLines(logging.StreamHandler(streams[0])),
+        processors=[*logs.shared_processors(), *logs.renderer("json", colors=False)],
+        wrapper_class=structlog.make_filtering_bound_logger(number),
+    )
+    fast = logs._JsonAccessLine(logs._HandlerLines(logging.StreamHandler(streams[1])), number)
+    lines = [
+        dict(method="POST", path="/v1/chat/completions", status=200, duration_s=0.0123, first_byte_s=None,
+             model="m", prompt_tokens=3, guards=["input:pii:redact"], prompt="é \"quoted\"\n"),
+        dict(method="GET", path="/x", status=500, duration_s=1.0, first_byte_s=0.5, model="bound too"),
+        dict(method="GET", path="/y", status=200, duration_s=0.0, first_byte_s=0.0, prompt_tokens=2**70),  # stdlib json
+    ]
+    with structlog.contextvars.bound_contextvars(request_id="req-1", model="not over the field", extra=1):
+        for fields in lines:
+            chain.info("request", **fields)
+            fast.info("request", **fields)
+    assert streams[1].getvalue() == streams[0].getvalue()
+    assert streams[1].getvalue().count("\n") == (3 if level == "info" else 0)
