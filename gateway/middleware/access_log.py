@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
 from gateway.context import RequestRecord, close_record, open_record
-from gateway.errors import Dialect, from_exception, send_error
+from gateway.errors import Dialect, dialect_of, from_exception, send_error
 from gateway.logs import access_logger
 
 log = structlog.get_logger(__name__)
@@ -89,7 +89,7 @@ class AccessLogMiddleware:
             log.error("request_failed", error_type=type(exc).__name__, exc_info=exc)
             if not started_response:
                 with contextlib.suppress(OSError):  # the client may be gone too
-                    await send_error(send_with_id, from_exception(exc))
+                    await send_error(send_with_id, from_exception(exc), dialect=dialect_of(scope))
         finally:
             try:
                 duration = time.perf_counter() - started

@@ -182,3 +182,13 @@ def test_a_slash_redirect_never_echoes_the_host(client: TestClient) -> None:
         response = client.get(path, headers={"Host": "evil.example"}, follow_redirects=False)
         assert_error(response, 404, code="not_found")
         assert "location" not in response.headers
+
+
+def test_an_unexpected_error_on_the_messages_route_is_a_500_in_anthropics_shape(client: TestClient, engine) -> None:
+    engine.fail_after = 0  # a RuntimeError: no layer knows it, the access log answers it
+    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    response = client.post("/v1/messages", json=body, headers={"X-Request-ID": "req-500-messages"})
+    assert response.status_code == 500
+    payload = response.json()
+    assert payload["type"] == "error" and payload["error"]["type"] == "api_error", payload
+    assert response.headers["x-request-id"] == "req-500-messages"
