@@ -14,7 +14,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 import orjson
 import redis.asyncio as redis
@@ -116,6 +116,23 @@ class RedisCache:
         await self._redis.aclose()
 
 
+class Hit(Generic[AnswerT]):
+    """A cached answer as it was stored (its JSON), validated into its model only when asked:
+    a non-streamed hit is answered from the bytes (`Service.renewed`), with no parse."""
+
+    __slots__ = ("raw", "_kind", "_answer")
+
+    def __init__(self, raw: bytes, kind: type[AnswerT]) -> None:
+        self.raw = raw
+        self._kind = kind
+        self._answer: AnswerT | None = None
+
+    def answer(self) -> AnswerT:
+        if self._answer is None:
+            self._answer = self._kind.model_validate_json(self.raw)
+        return self._answer
+
+
 def make_backend(settings: CacheSettings) -> CacheBackend | None:
     if settings.backend == "off":
         return None
@@ -137,14 +154,14 @@ class ResponseCache:
             return None
         return cache_key(route, model, body, tenant)
 
-    async def get(self, key: str, model: str, kind: type[AnswerT]) -> AnswerT | None:
+    async def get(self, key: str, model: str, kind: type[AnswerT]) -> Hit[AnswerT] | None:
         assert self.backend is not None
         raw = await self.backend.get(key)
         if raw is None:
             metrics.labelled(metrics.CACHE_MISSES, model).inc()
             return None
         metrics.labelled(metrics.CACHE_HITS, model).inc()
-        return kind.model_validate_json(raw)
+        return Hit(raw, kind)
 
     async def put(self, key: str, answer: BaseModel) -> None:
         assert self.backend is not None

@@ -26,6 +26,7 @@ from gateway.api.state import GatewayState
 from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
 from gateway.backends.upstream import with_defaults
+from gateway.cache import Hit
 from gateway.context import current_record
 from gateway.errors import APIError, BackendUnavailable, InvalidRequest, ModelNotFound, from_exception
 from gateway.middleware.auth import ANONYMOUS
@@ -179,7 +180,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
 
         return close
 
-    async def _cached(self, backend: Backend) -> tuple[OnDone[AnswerT] | None, AnswerT | None]:
+    async def _cached(self, backend: Backend) -> tuple[OnDone[AnswerT] | None, Hit[AnswerT] | None]:
         """(where to store the answer, or the answer found) in the response cache, scoped per tenant."""
         record, cache = current_record(), self.state.cache
         model = backend.name + self.guard.cache_tag
@@ -201,10 +202,12 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         permit.release()
         return json_response(self.shape(answer) if self.shape else answer)
 
-    def _replay(self, hit: AnswerT) -> Response:
+    def _replay(self, hit: Hit[AnswerT]) -> Response:
         if self.body.streams:
-            return EventStreamResponse(self._shaped(self.service.replay(hit, self.body)))
-        answer = self.service.fresh(hit)
+            return EventStreamResponse(self._shaped(self.service.replay(hit.answer(), self.body)))
+        if self.shape is None and (renewed := self.service.renewed(hit.raw)) is not None:
+            return Response(renewed, media_type="application/json")  # as json_response writes it, unparsed
+        answer = self.service.fresh(hit.answer())
         return json_response(self.shape(answer) if self.shape else answer)
 
     def _shaped(self, events: AsyncIterator[BaseModel | bytes]) -> AsyncIterator[BaseModel | bytes]:

@@ -20,7 +20,7 @@ from gateway.protocol.openai import (
     CompletionRequest,
     Usage,
 )
-from gateway.serving.encoding import ChunkEncoder
+from gateway.serving.encoding import ChunkEncoder, Renewal
 from gateway.serving.generation import (
     ChoiceState,
     Run,
@@ -348,6 +348,7 @@ class CompletionsService:
     stream = staticmethod(stream)
     replay = staticmethod(replay)
     fresh = staticmethod(fresh)
+    renewed = Renewal("text_completion", lambda: new_id("cmpl"), now)  # what `fresh` does, on the JSON
 
 
 COMPLETIONS = CompletionsService()
