@@ -13,7 +13,6 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar, cast
 
 import orjson
@@ -163,14 +162,34 @@ class ResponseCache:
         metrics.labelled(metrics.CACHE_HITS, model).inc()
         return Hit(raw, kind)
 
-    async def put(self, key: str, answer: BaseModel) -> None:
+    async def put(self, key: str, answer: BaseModel) -> bytes:
+        """Store the answer's JSON (without None fields, as `api.requests.json_response` writes it);
+        the JSON back."""
         assert self.backend is not None
-        await self.backend.set(key, answer.model_dump_json(exclude_none=True).encode())
+        raw = answer.__pydantic_serializer__.to_json(answer, exclude_none=True)
+        await self.backend.set(key, raw)
+        return raw
 
-    def storer(self, key: str) -> Callable[[BaseModel], Awaitable[None]]:
+    def storer(self, key: str) -> Storer:
         """The hand-off that stores a whole answer under `key` once a service has it."""
+        return Storer(self, key)
 
-        async def store(answer: BaseModel) -> None:
-            await self.put(key, answer)
 
-        return store
+class Storer:
+    """Stores a whole answer in the cache (called by a service with it), and keeps what it wrote:
+    a non-streamed answer goes out as those bytes (`written`) instead of being serialized again."""
+
+    __slots__ = ("_cache", "_key", "_answer", "_raw")
+
+    def __init__(self, cache: ResponseCache, key: str) -> None:
+        self._cache, self._key = cache, key
+        self._answer: BaseModel | None = None
+        self._raw = b""
+
+    async def __call__(self, answer: BaseModel) -> None:
+        self._raw = await self._cache.put(self._key, answer)
+        self._answer = answer
+
+    def written(self, answer: BaseModel) -> bytes | None:
+        """The JSON stored of `answer`, if this very answer was stored (else None)."""
+        return self._raw if answer is self._answer else None

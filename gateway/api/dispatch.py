@@ -26,7 +26,7 @@ from gateway.api.state import GatewayState
 from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
 from gateway.backends.upstream import with_defaults
-from gateway.cache import Hit
+from gateway.cache import Hit, Storer
 from gateway.context import current_record
 from gateway.errors import APIError, BackendUnavailable, InvalidRequest, ModelNotFound, from_exception
 from gateway.middleware.auth import ANONYMOUS
@@ -200,6 +200,8 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
             return EventStreamResponse(events, on_close=self._on_close(permit))
         answer = await unless_disconnected(receive, self.service.complete(prepared, on_done))
         permit.release()
+        if self.shape is None and isinstance(on_done, Storer) and (written := on_done.written(answer)) is not None:
+            return Response(written, media_type="application/json")  # stored as json_response writes it
         return json_response(self.shape(answer) if self.shape else answer)
 
     def _replay(self, hit: Hit[AnswerT]) -> Response:

@@ -179,11 +179,9 @@ class _Answer:
         return _logprobs(entries, 0)
 
     def usage(self) -> Usage:
-        usages = [run.usage() for run in self.runs]
-        prompt = sum(u.prompt_tokens for u in usages)
-        completion = sum(u.completion_tokens for u in usages)
-        if self.prepared.request.max_tokens == 0:
-            completion = 0
+        """All prompts' (no cached-token details, as OpenAI's completions)."""
+        prompt = sum(run.prompt_tokens for run in self.runs)
+        completion = 0 if self.prepared.request.max_tokens == 0 else sum(run.completion_tokens() for run in self.runs)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     def text(self, state: ChoiceState) -> str:

@@ -181,11 +181,11 @@ class Run:
         self.choices = [ChoiceState(i) for i in range(request.sampling.n)]
         self._outputs = engine.generate(request)
         self._first: GenerationOutput | None = None
-        self._record = current_record()
-        self._record.model = self._record.model or engine.info.name
-        self._model = engine.info.name
-        self._itl = metrics.Observations(metrics.labelled(metrics.INTER_TOKEN_LATENCY, self._model))
-        self._started = self._record.arrival or time.perf_counter()
+        self._record = record = current_record()
+        self._model = model = engine.info.name
+        record.model = record.model or model
+        self._itl: metrics.Observations | None = None  # from the second token on (none for a one-token answer)
+        self._started = record.arrival or time.perf_counter()
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
         self._in_flight = False
@@ -256,6 +256,8 @@ class Run:
             if self._record.ttft_s is None:
                 self._record.ttft_s = ttft
         elif self._last_token_at is not None:
+            if self._itl is None:
+                self._itl = metrics.Observations(metrics.labelled(metrics.INTER_TOKEN_LATENCY, self._model))
             self._itl.add(at - self._last_token_at)
         self._last_token_at = at
 
@@ -263,17 +265,18 @@ class Run:
         if self._in_flight:
             metrics.labelled(metrics.IN_FLIGHT, self._model).dec()
             self._in_flight = False
-        self._itl.flush()
-        usage = self.usage()
-        metrics.labelled(metrics.PROMPT_TOKENS, self._model).inc(usage.prompt_tokens)
-        metrics.labelled(metrics.COMPLETION_TOKENS, self._model).inc(usage.completion_tokens)
+        if self._itl is not None:
+            self._itl.flush()
+        prompt, completion = self.prompt_tokens, self.completion_tokens()
+        metrics.labelled(metrics.PROMPT_TOKENS, self._model).inc(prompt)
+        metrics.labelled(metrics.COMPLETION_TOKENS, self._model).inc(completion)
         record = self._record
         if record.log_content:
             record.prompt = self.request.prompt_text
             record.output = (record.output or []) + ["".join(choice.text) for choice in self.choices]
-        record.prompt_tokens = (record.prompt_tokens or 0) + usage.prompt_tokens
-        record.completion_tokens = (record.completion_tokens or 0) + usage.completion_tokens
-        per_choice = usage.completion_tokens / max(1, len(self.choices))
+        record.prompt_tokens = (record.prompt_tokens or 0) + prompt
+        record.completion_tokens = (record.completion_tokens or 0) + completion
+        per_choice = completion / max(1, len(self.choices))
         if self._first_token_at is not None and self._last_token_at is not None and per_choice > 1:
             tpot = (self._last_token_at - self._first_token_at) / (per_choice - 1)
             metrics.labelled(metrics.TIME_PER_OUTPUT_TOKEN, self._model).observe(tpot)
@@ -283,8 +286,12 @@ class Run:
             pass
         return self
 
+    def completion_tokens(self) -> int:
+        choices = self.choices
+        return choices[0].tokens if len(choices) == 1 else sum(choice.tokens for choice in choices)
+
     def usage(self) -> Usage:
-        completion = sum(choice.tokens for choice in self.choices)
+        completion = self.completion_tokens()
         details = {"cached_tokens": self.cached_tokens} if self.cached_tokens else None
         return Usage(
             prompt_tokens=self.prompt_tokens,

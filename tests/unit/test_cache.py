@@ -189,3 +189,33 @@ def test_a_completions_hit_answers_as_the_miss_did_under_a_new_id() -> None:
         assert re.fullmatch(r"cmpl-[0-9a-f]{32}", again["id"]) and again["id"] != first["id"]
         assert {**again, "id": first["id"], "created": first["created"]} == first
         assert list(again) == list(first)  # the same fields in the same order
+
+
+async def test_the_storer_hands_back_what_it_stored_of_that_answer_only() -> None:
+    from gateway.cache import MemoryCache, ResponseCache
+
+    backend = MemoryCache(max_entries=10, max_bytes=10_000, ttl_s=60)
+    store = ResponseCache(backend).storer("k")
+    answer, other = RENEWABLE[1], RENEWABLE[0]
+    assert store.written(answer) is None
+    await store(answer)
+    written = store.written(answer)
+    assert written == await backend.get("k") == answer.model_dump_json(exclude_none=True).encode()
+    assert store.written(other) is None and store.written(answer.model_copy()) is None
+
+
+def test_a_stored_miss_answers_the_bytes_it_stored() -> None:
+    """The non-streamed miss goes out as the JSON the cache stored: the same answer as uncached."""
+    body = {"model": "fake-model", "prompt": "a b", "max_tokens": 2, "seed": 3, "logprobs": 2}
+    answers = []
+    for cache in ({"backend": "memory"}, {"backend": "off"}):
+        with TestClient(app_with(FakeEngine(), cache=cache)) as client:
+            answer = client.post("/v1/completions", json=body)
+            assert answer.headers["content-type"] == "application/json"
+            assert int(answer.headers["content-length"]) == len(answer.content)
+            answers.append(answer.json())
+            if cache["backend"] == "memory":
+                assert answer.headers["x-cache"] == "MISS"
+                assert client.post("/v1/completions", json=body).content[-200:] == answer.content[-200:]
+    stored, plain = answers
+    assert list(stored) == list(plain) and {**stored, "id": plain["id"], "created": plain["created"]} == plain
