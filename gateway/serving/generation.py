@@ -61,21 +61,21 @@ def sampling_options(
     generation_config.json), then OpenAI's (temperature 1, top_p 1, no top_k, min_p or penalties)."""
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     bias = {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
-    pick = _Defaulted(request, defaults or SamplingDefaults())
-    top_k = int(pick("top_k", 0))
+    picked = _defaulted(request, defaults or _NO_DEFAULTS)
+    top_k = int(picked["top_k"])
     return SamplingOptions(
         max_tokens=max_tokens,
         n=n or request.n,
-        temperature=pick("temperature", 1.0),
-        top_p=pick("top_p", 1.0),
+        temperature=picked["temperature"],
+        top_p=picked["top_p"],
         top_k=0 if top_k == -1 else top_k,
-        min_p=pick("min_p", 0.0),
+        min_p=picked["min_p"],
         seed=request.seed,
         stop=stop,
         stop_token_ids=tuple(request.stop_token_ids or ()),
-        presence_penalty=pick("presence_penalty", 0.0),
-        frequency_penalty=pick("frequency_penalty", 0.0),
-        repetition_penalty=pick("repetition_penalty", 1.0),
+        presence_penalty=picked["presence_penalty"],
+        frequency_penalty=picked["frequency_penalty"],
+        repetition_penalty=picked["repetition_penalty"],
         min_tokens=request.min_tokens,
         ignore_eos=request.ignore_eos,
         skip_special_tokens=request.skip_special_tokens,
@@ -89,18 +89,24 @@ def sampling_options(
     )
 
 
-class _Defaulted:
-    """A sampling parameter: the request's when it sent one, else the model's default, else OpenAI's."""
+_NO_DEFAULTS = SamplingDefaults()
+# the parameters a model's defaults fill where a request is silent, and OpenAI's own after them
+_DEFAULTED = (
+    ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0.0), ("min_p", 0.0),
+    ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+)
 
-    def __init__(self, request: SamplingFields, defaults: SamplingDefaults) -> None:
-        self.request, self.defaults = request, defaults
-        self.sent = request.model_fields_set
 
-    def __call__(self, name: str, openai_default: float) -> float:
-        value = getattr(self.request, name) if name in self.sent else None
+def _defaulted(request: SamplingFields, defaults: SamplingDefaults) -> dict[str, float]:
+    """Each parameter: the request's when it sent one, else the model's default, else OpenAI's."""
+    sent = request.model_fields_set
+    picked = {}
+    for name, openai_default in _DEFAULTED:
+        value = getattr(request, name) if name in sent else None
         if value is None:
-            value = getattr(self.defaults, name)
-        return openai_default if value is None else float(value)
+            value = getattr(defaults, name)
+        picked[name] = openai_default if value is None else float(value)
+    return picked
 
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int | None, param: str) -> None:
@@ -114,9 +120,10 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int | None, param: str
 def check_sampling(request: SamplingFields, engine: Engine, max_tokens: int) -> None:
     """What the protocol models cannot check alone: token ids against this model's vocabulary,
     min_tokens against the output budget."""
-    vocab_size = engine.info.extra.get("vocab_size")
-    check_token_ids((int(key) for key in request.logit_bias or ()), vocab_size, "logit_bias")
-    check_token_ids(request.stop_token_ids or (), vocab_size, "stop_token_ids")
+    if request.logit_bias or request.stop_token_ids:
+        vocab_size = engine.info.extra.get("vocab_size")
+        check_token_ids((int(key) for key in request.logit_bias or ()), vocab_size, "logit_bias")
+        check_token_ids(request.stop_token_ids or (), vocab_size, "stop_token_ids")
     if request.min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens ({request.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
 
