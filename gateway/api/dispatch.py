@@ -119,7 +119,8 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         self.charge: Charge | None = None
         keys_scope = (state.settings.api_keys or state.tenants.enabled) and not state.settings.cache.shared_across_keys
         self.cache_scope = caller.tenant if keys_scope else ""
-        self.no_cache = "no-cache" in request.headers.get("cache-control", "").lower()
+        control = request.headers.getlist("cache-control")  # the first, as get(); no KeyError when absent
+        self.no_cache = bool(control) and "no-cache" in control[0].lower()
 
     async def on(self, backend: Backend) -> Response:
         if backend.upstream is not None:

@@ -5,7 +5,7 @@ generation on an engine with its latency metrics.
 
 from __future__ import annotations
 
-import secrets
+import os
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -21,7 +21,9 @@ from gateway.serving.guards.stream import OutputGuard, visible
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(16)}"  # as uuid4().hex, cheaper (per request)
+    # 32 random hex digits, as uuid4().hex; os.urandom directly, as secrets.token_hex does it through
+    # two layers of Python (SystemRandom.randbytes)
+    return prefix + "-" + os.urandom(16).hex()
 
 
 def now() -> int:
