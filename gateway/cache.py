@@ -25,6 +25,7 @@ from gateway.settings import CacheSettings
 
 log = structlog.get_logger(__name__)
 NOT_IN_KEY = {"stream", "stream_options", "user"}
+_NOT_IN_BODY = NOT_IN_KEY | {"model"}  # the model is in the key as the one that answers
 AnswerT = TypeVar("AnswerT", bound=BaseModel)
 
 
@@ -41,7 +42,8 @@ def is_deterministic(body: BaseModel) -> bool:
 
 
 def cache_key(route: str, model: str, body: BaseModel, tenant: str = "") -> str:
-    fields = body.model_dump(mode="json", by_alias=True, exclude=NOT_IN_KEY | {"model"})
+    serializer = body.__pydantic_serializer__  # what model_dump calls, without its Python layer
+    fields = serializer.to_python(body, mode="json", by_alias=True, exclude=_NOT_IN_BODY)
     whole = {"route": route, "model": model, "tenant": tenant, "body": fields}
     try:
         canonical = orjson.dumps(whole, option=orjson.OPT_SORT_KEYS)

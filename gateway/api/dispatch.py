@@ -53,7 +53,9 @@ class _Caller:
         self.tenant = str(found.get("tenant", ANONYMOUS))
         self.key_id: str | None = found.get("api_key_id")
         policy = found.get("key_policy")  # the rate-limit middleware's
-        self.policy = policy if isinstance(policy, KeyPolicy) else state.tenants.policy(found.get("api_key_id", ANONYMOUS))
+        if not isinstance(policy, KeyPolicy):
+            policy = state.tenants.policy(found.get("api_key_id", ANONYMOUS))
+        self.policy: KeyPolicy = policy
 
     def sticky_key(self, body: RequestT) -> str | None:
         return body.user or (self.tenant if self.tenant != ANONYMOUS else None)

@@ -5,8 +5,9 @@ A service prepares a validated request for an engine (every refusal happens ther
 first byte, the input guards' too; the request's guard goes along to check the output), then
 answers it whole (`complete`) or as a stream of events (`stream`: encoded JSON chunks or models),
 and replays a cached answer (whole: under a new id, from its stored JSON when the service can,
-`renewed`, else as a model, `fresh`; or as a stream, `replay`). Both `complete` and `stream` hand the whole answer to `on_done` once
-it is known: the one cache hand-off, for streams and non-streams alike.
+`renewed`, else as a model, `fresh`; or as a stream, `replay`). Both `complete` and `stream` hand
+the whole answer to `on_done` once it is known: the one cache hand-off, for streams and
+non-streams alike (`complete` returns the very answer it handed over, unchanged).
 """
 
 from __future__ import annotations

@@ -135,7 +135,8 @@ RENEWABLE: list[BaseModel] = [
                usage=Usage(prompt_tokens=3, completion_tokens=1, total_tokens=4)),
     Completion(id="up\u00e9 id", created=-1, model="m\u00e9", usage=None, choices=[CompletionChoice(
         index=1, text="x\n\"y\" \u2603 \U0001f600", logprobs=CompletionLogprobs(
-            tokens=["x", ""], token_logprobs=[None, -0.1234567890123], top_logprobs=[None, {"x": -1e-300, "\u00e9": -2.5}],
+            tokens=["x", ""], token_logprobs=[None, -0.1234567890123],
+            top_logprobs=[None, {"x": -1e-300, "\u00e9": -2.5}],
             text_offset=[0, 1]))]),
     ChatCompletion(id="chatcmpl-1", created=7, model="m", system_fingerprint="fp", choices=[ChatChoice(
         index=0, finish_reason="tool_calls", message=AssistantMessage(content=None, tool_calls=[
@@ -172,7 +173,8 @@ def test_services_renew_ids_as_fresh_does() -> None:
         renewed, before = service.renewed(raw), int(time.time())
         assert renewed is not None
         fresh = json.loads(renewed)
-        assert re.fullmatch(prefix + r"-[0-9a-f]{32}", fresh["id"]) and fresh["id"] != json.loads(service.renewed(raw) or b"")["id"]
+        assert re.fullmatch(prefix + r"-[0-9a-f]{32}", fresh["id"])
+        assert fresh["id"] != json.loads(service.renewed(raw) or b"")["id"]
         assert before - 1 <= fresh["created"] <= before + 1
         assert {**fresh, "id": answer.id, "created": answer.created} == json.loads(raw)  # type: ignore[attr-defined]
 
@@ -219,3 +221,26 @@ def test_a_stored_miss_answers_the_bytes_it_stored() -> None:
                 assert client.post("/v1/completions", json=body).content[-200:] == answer.content[-200:]
     stored, plain = answers
     assert list(stored) == list(plain) and {**stored, "id": plain["id"], "created": plain["created"]} == plain
+
+
+def test_keys_stay_the_same_for_the_same_request() -> None:
+    """A key is the sha256 of the request's canonical JSON (sorted keys, defaults filled, stream,
+    stream_options and user left out): replicas of other versions sharing a Redis cache agree on it."""
+    import hashlib
+
+    from gateway.cache import cache_key
+    from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+
+    body = CompletionRequest.model_validate_json(
+        b'{"model":"m","prompt":"a b","temperature":0,"logit_bias":{"7":1,"3":-1},"user":"u","stream":true}'
+    )
+    fields = body.model_dump(mode="json", by_alias=True, exclude={"stream", "stream_options", "user", "model"})
+    whole = {"route": "/v1/completions", "model": "served", "tenant": "t", "body": fields}
+    expected = hashlib.sha256(json.dumps(whole, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert cache_key("/v1/completions", "served", body, "t") == expected
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": 1})
+    reordered = ChatCompletionRequest.model_validate(
+        {"seed": 1, "messages": [{"content": "hi", "role": "user"}], "model": "x"}
+    )
+    assert cache_key("/v1/chat/completions", "served", chat) == cache_key("/v1/chat/completions", "served", reordered)
+    assert cache_key("/v1/chat/completions", "served", chat) != cache_key("/v1/chat/completions", "served", chat, "t")
