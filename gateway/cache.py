@@ -13,8 +13,7 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 import orjson
 import redis.asyncio as redis
@@ -26,6 +25,7 @@ from gateway.settings import CacheSettings
 
 log = structlog.get_logger(__name__)
 NOT_IN_KEY = {"stream", "stream_options", "user"}
+_NOT_IN_BODY = NOT_IN_KEY | {"model"}  # the model is in the key as the one that answers
 AnswerT = TypeVar("AnswerT", bound=BaseModel)
 
 
@@ -42,7 +42,8 @@ def is_deterministic(body: BaseModel) -> bool:
 
 
 def cache_key(route: str, model: str, body: BaseModel, tenant: str = "") -> str:
-    fields = body.model_dump(mode="json", by_alias=True, exclude=NOT_IN_KEY | {"model"})
+    serializer = body.__pydantic_serializer__  # what model_dump calls, without its Python layer
+    fields = serializer.to_python(body, mode="json", by_alias=True, exclude=_NOT_IN_BODY)
     whole = {"route": route, "model": model, "tenant": tenant, "body": fields}
     try:
         canonical = orjson.dumps(whole, option=orjson.OPT_SORT_KEYS)
@@ -116,6 +117,23 @@ class RedisCache:
         await self._redis.aclose()
 
 
+class Hit(Generic[AnswerT]):
+    """A cached answer as it was stored (its JSON), validated into its model only when asked:
+    a non-streamed hit is answered from the bytes (`Service.renewed`), with no parse."""
+
+    __slots__ = ("raw", "_kind", "_answer")
+
+    def __init__(self, raw: bytes, kind: type[AnswerT]) -> None:
+        self.raw = raw
+        self._kind = kind
+        self._answer: AnswerT | None = None
+
+    def answer(self) -> AnswerT:
+        if self._answer is None:
+            self._answer = self._kind.model_validate_json(self.raw)
+        return self._answer
+
+
 def make_backend(settings: CacheSettings) -> CacheBackend | None:
     if settings.backend == "off":
         return None
@@ -137,23 +155,43 @@ class ResponseCache:
             return None
         return cache_key(route, model, body, tenant)
 
-    async def get(self, key: str, model: str, kind: type[AnswerT]) -> AnswerT | None:
+    async def get(self, key: str, model: str, kind: type[AnswerT]) -> Hit[AnswerT] | None:
         assert self.backend is not None
         raw = await self.backend.get(key)
         if raw is None:
             metrics.labelled(metrics.CACHE_MISSES, model).inc()
             return None
         metrics.labelled(metrics.CACHE_HITS, model).inc()
-        return kind.model_validate_json(raw)
+        return Hit(raw, kind)
 
-    async def put(self, key: str, answer: BaseModel) -> None:
+    async def put(self, key: str, answer: BaseModel) -> bytes:
+        """Store the answer's JSON (without None fields, as `api.requests.json_response` writes it);
+        the JSON back."""
         assert self.backend is not None
-        await self.backend.set(key, answer.model_dump_json(exclude_none=True).encode())
+        raw = answer.__pydantic_serializer__.to_json(answer, exclude_none=True)
+        await self.backend.set(key, raw)
+        return raw
 
-    def storer(self, key: str) -> Callable[[BaseModel], Awaitable[None]]:
+    def storer(self, key: str) -> Storer:
         """The hand-off that stores a whole answer under `key` once a service has it."""
+        return Storer(self, key)
 
-        async def store(answer: BaseModel) -> None:
-            await self.put(key, answer)
 
-        return store
+class Storer:
+    """Stores a whole answer in the cache (called by a service with it), and keeps what it wrote:
+    a non-streamed answer goes out as those bytes (`written`) instead of being serialized again."""
+
+    __slots__ = ("_cache", "_key", "_answer", "_raw")
+
+    def __init__(self, cache: ResponseCache, key: str) -> None:
+        self._cache, self._key = cache, key
+        self._answer: BaseModel | None = None
+        self._raw = b""
+
+    async def __call__(self, answer: BaseModel) -> None:
+        self._raw = await self._cache.put(self._key, answer)
+        self._answer = answer
+
+    def written(self, answer: BaseModel) -> bytes | None:
+        """The JSON stored of `answer`, if this very answer was stored (else None)."""
+        return self._raw if answer is self._answer else None

@@ -103,6 +103,8 @@ class Period:
 
 
 def periods(policy: KeyPolicy, now: datetime | None = None) -> list[Period]:
+    if policy.budget_day is None and policy.budget_month is None:
+        return []  # no budget (nearly always): no clock read
     now = now or datetime.now(UTC)
     found = []
     if policy.budget_day is not None:
@@ -203,8 +205,11 @@ class Charge:
         self.settled = True
         prompt, completion = self.record.prompt_tokens or 0, self.record.completion_tokens or 0
         labels = (self.policy.key_id, self.policy.team)
-        metrics.labelled(metrics.KEY_PROMPT_TOKENS, *labels).inc(prompt)
-        metrics.labelled(metrics.KEY_COMPLETION_TOKENS, *labels).inc(completion)
+        prompts = metrics.labelled(metrics.KEY_PROMPT_TOKENS, *labels)
+        completions = metrics.labelled(metrics.KEY_COMPLETION_TOKENS, *labels)
+        if prompt or completion:  # a cache hit used none: its series exist, nothing to add (inc takes a lock)
+            prompts.inc(prompt)
+            completions.inc(completion)
         delta = prompt + completion - self.estimate
         if delta:
             self.quota.correct(self, delta)

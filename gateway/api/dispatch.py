@@ -26,6 +26,7 @@ from gateway.api.state import GatewayState
 from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
 from gateway.backends.upstream import with_defaults
+from gateway.cache import Hit, Storer
 from gateway.context import current_record
 from gateway.errors import APIError, BackendUnavailable, InvalidRequest, ModelNotFound, from_exception
 from gateway.middleware.auth import ANONYMOUS
@@ -41,13 +42,23 @@ from gateway.tenants import KeyPolicy
 Shape = Callable[[BaseModel | bytes], BaseModel]  # answers and chunks in another form (the native API's)
 
 
-def _tenant(request: Request) -> str:
-    return str(getattr(request.state, "tenant", ANONYMOUS))
+class _Caller:
+    """Who asks, as the middleware put it in the request's scope (`scope["state"]`, which
+    `request.state` wraps): the tenant, the API key and its policy, read once."""
 
+    __slots__ = ("tenant", "key_id", "policy")
 
-def _sticky_key(request: Request, body: RequestT) -> str | None:
-    tenant = _tenant(request)
-    return body.user or (tenant if tenant != ANONYMOUS else None)
+    def __init__(self, request: Request, state: GatewayState) -> None:
+        found = request.scope.get("state") or {}
+        self.tenant = str(found.get("tenant", ANONYMOUS))
+        self.key_id: str | None = found.get("api_key_id")
+        policy = found.get("key_policy")  # the rate-limit middleware's
+        if not isinstance(policy, KeyPolicy):
+            policy = state.tenants.policy(found.get("api_key_id", ANONYMOUS))
+        self.policy: KeyPolicy = policy
+
+    def sticky_key(self, body: RequestT) -> str | None:
+        return body.user or (self.tenant if self.tenant != ANONYMOUS else None)
 
 
 def _check_prompts(state: GatewayState, body: RequestT) -> None:
@@ -56,12 +67,6 @@ def _check_prompts(state: GatewayState, body: RequestT) -> None:
         raise InvalidRequest(
             f"This request has {body.prompt_count()} prompts; at most {most} are allowed", body.prompts_param
         )
-
-
-def _policy(request: Request, state: GatewayState) -> KeyPolicy:
-    """The key's policy (the rate-limit middleware put it in the scope)."""
-    found = getattr(request.state, "key_policy", None)
-    return found if isinstance(found, KeyPolicy) else state.tenants.policy(getattr(request.state, "api_key_id", ANONYMOUS))
 
 
 async def dispatch(
@@ -73,13 +78,14 @@ async def dispatch(
 ) -> Response:
     record = current_record()
     _check_prompts(state, body)
-    version, chain = state.models.resolve(body.model, _sticky_key(request, body))
+    caller = _Caller(request, state)
+    version, chain = state.models.resolve(body.model, caller.sticky_key(body))
     record.model, record.version = body.model, version
-    if not _policy(request, state).allows(body.model, version):  # the keys file's `models`
+    if not caller.policy.allows(body.model, version):  # the keys file's `models`
         raise ModelNotFound(f"The model '{body.model}' does not exist or you do not have access to it.", "model")
     record.response_headers["x-model-version"] = version
-    guard = state.guards.for_request(getattr(request.state, "api_key_id", None), body.model, version)
-    attempt = _Attempt(request, state, body, service, guard, shape)
+    guard = state.guards.for_request(caller.key_id, body.model, version)
+    attempt = _Attempt(request, state, body, service, guard, shape, caller)
     failure: APIError | None = None
     for backend in chain:
         if failure is not None:
@@ -107,14 +113,16 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         service: Service[RequestT, PreparedT, AnswerT],
         guard: RequestGuard,
         shape: Shape | None,
+        caller: _Caller,
     ) -> None:
         self.request, self.state, self.body, self.service = request, state, body, service
         self.guard, self.shape = guard, shape
-        self.policy = _policy(request, state)
+        self.policy = caller.policy
         self.charge: Charge | None = None
         keys_scope = (state.settings.api_keys or state.tenants.enabled) and not state.settings.cache.shared_across_keys
-        self.cache_scope = _tenant(request) if keys_scope else ""
-        self.no_cache = "no-cache" in request.headers.get("cache-control", "").lower()
+        self.cache_scope = caller.tenant if keys_scope else ""
+        control = request.headers.getlist("cache-control")  # the first, as get(); no KeyError when absent
+        self.no_cache = bool(control) and "no-cache" in control[0].lower()
 
     async def on(self, backend: Backend) -> Response:
         if backend.upstream is not None:
@@ -179,7 +187,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
 
         return close
 
-    async def _cached(self, backend: Backend) -> tuple[OnDone[AnswerT] | None, AnswerT | None]:
+    async def _cached(self, backend: Backend) -> tuple[OnDone[AnswerT] | None, Hit[AnswerT] | None]:
         """(where to store the answer, or the answer found) in the response cache, scoped per tenant."""
         record, cache = current_record(), self.state.cache
         model = backend.name + self.guard.cache_tag
@@ -199,12 +207,16 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
             return EventStreamResponse(events, on_close=self._on_close(permit))
         answer = await unless_disconnected(receive, self.service.complete(prepared, on_done))
         permit.release()
+        if self.shape is None and isinstance(on_done, Storer) and (written := on_done.written(answer)) is not None:
+            return Response(written, media_type="application/json")  # stored as json_response writes it
         return json_response(self.shape(answer) if self.shape else answer)
 
-    def _replay(self, hit: AnswerT) -> Response:
+    def _replay(self, hit: Hit[AnswerT]) -> Response:
         if self.body.streams:
-            return EventStreamResponse(self._shaped(self.service.replay(hit, self.body)))
-        answer = self.service.fresh(hit)
+            return EventStreamResponse(self._shaped(self.service.replay(hit.answer(), self.body)))
+        if self.shape is None and (renewed := self.service.renewed(hit.raw)) is not None:
+            return Response(renewed, media_type="application/json")  # as json_response writes it, unparsed
+        answer = self.service.fresh(hit.answer())
         return json_response(self.shape(answer) if self.shape else answer)
 
     def _shaped(self, events: AsyncIterator[BaseModel | bytes]) -> AsyncIterator[BaseModel | bytes]:

@@ -24,7 +24,7 @@ from gateway.protocol.openai import (
     Usage,
 )
 from gateway.serving import tools
-from gateway.serving.encoding import ChunkEncoder
+from gateway.serving.encoding import ChunkEncoder, Renewal
 from gateway.serving.generation import (
     ChoiceState,
     Run,
@@ -284,6 +284,7 @@ class ChatService:
     stream = staticmethod(stream)
     replay = staticmethod(replay)
     fresh = staticmethod(fresh)
+    renewed = Renewal("chat.completion", lambda: new_id("chatcmpl"), now)  # what `fresh` does, on the JSON
 
 
 CHAT = ChatService()

@@ -20,7 +20,7 @@ from gateway.protocol.openai import (
     CompletionRequest,
     Usage,
 )
-from gateway.serving.encoding import ChunkEncoder
+from gateway.serving.encoding import ChunkEncoder, Renewal
 from gateway.serving.generation import (
     ChoiceState,
     Run,
@@ -179,11 +179,9 @@ class _Answer:
         return _logprobs(entries, 0)
 
     def usage(self) -> Usage:
-        usages = [run.usage() for run in self.runs]
-        prompt = sum(u.prompt_tokens for u in usages)
-        completion = sum(u.completion_tokens for u in usages)
-        if self.prepared.request.max_tokens == 0:
-            completion = 0
+        """All prompts' (no cached-token details, as OpenAI's completions)."""
+        prompt = sum(run.prompt_tokens for run in self.runs)
+        completion = 0 if self.prepared.request.max_tokens == 0 else sum(run.completion_tokens() for run in self.runs)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     def text(self, state: ChoiceState) -> str:
@@ -348,6 +346,7 @@ class CompletionsService:
     stream = staticmethod(stream)
     replay = staticmethod(replay)
     fresh = staticmethod(fresh)
+    renewed = Renewal("text_completion", lambda: new_id("cmpl"), now)  # what `fresh` does, on the JSON
 
 
 COMPLETIONS = CompletionsService()

@@ -164,5 +164,8 @@ class EmbeddingsService:
     def fresh(self, answer: CreateEmbeddingResponse) -> CreateEmbeddingResponse:
         return answer
 
+    def renewed(self, raw: bytes) -> bytes | None:
+        return None  # never cached (no temperature or seed); `fresh` would do
+
 
 EMBEDDINGS = EmbeddingsService()

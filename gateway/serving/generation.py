@@ -5,7 +5,7 @@ generation on an engine with its latency metrics.
 
 from __future__ import annotations
 
-import secrets
+import os
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -21,7 +21,9 @@ from gateway.serving.guards.stream import OutputGuard, visible
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(16)}"  # as uuid4().hex, cheaper (per request)
+    # 32 random hex digits, as uuid4().hex; os.urandom directly, as secrets.token_hex does it through
+    # two layers of Python (SystemRandom.randbytes)
+    return prefix + "-" + os.urandom(16).hex()
 
 
 def now() -> int:
@@ -61,21 +63,21 @@ def sampling_options(
     generation_config.json), then OpenAI's (temperature 1, top_p 1, no top_k, min_p or penalties)."""
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     bias = {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
-    pick = _Defaulted(request, defaults or SamplingDefaults())
-    top_k = int(pick("top_k", 0))
+    picked = _defaulted(request, defaults or _NO_DEFAULTS)
+    top_k = int(picked["top_k"])
     return SamplingOptions(
         max_tokens=max_tokens,
         n=n or request.n,
-        temperature=pick("temperature", 1.0),
-        top_p=pick("top_p", 1.0),
+        temperature=picked["temperature"],
+        top_p=picked["top_p"],
         top_k=0 if top_k == -1 else top_k,
-        min_p=pick("min_p", 0.0),
+        min_p=picked["min_p"],
         seed=request.seed,
         stop=stop,
         stop_token_ids=tuple(request.stop_token_ids or ()),
-        presence_penalty=pick("presence_penalty", 0.0),
-        frequency_penalty=pick("frequency_penalty", 0.0),
-        repetition_penalty=pick("repetition_penalty", 1.0),
+        presence_penalty=picked["presence_penalty"],
+        frequency_penalty=picked["frequency_penalty"],
+        repetition_penalty=picked["repetition_penalty"],
         min_tokens=request.min_tokens,
         ignore_eos=request.ignore_eos,
         skip_special_tokens=request.skip_special_tokens,
@@ -89,18 +91,24 @@ def sampling_options(
     )
 
 
-class _Defaulted:
-    """A sampling parameter: the request's when it sent one, else the model's default, else OpenAI's."""
+_NO_DEFAULTS = SamplingDefaults()
+# the parameters a model's defaults fill where a request is silent, and OpenAI's own after them
+_DEFAULTED = (
+    ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0.0), ("min_p", 0.0),
+    ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+)
 
-    def __init__(self, request: SamplingFields, defaults: SamplingDefaults) -> None:
-        self.request, self.defaults = request, defaults
-        self.sent = request.model_fields_set
 
-    def __call__(self, name: str, openai_default: float) -> float:
-        value = getattr(self.request, name) if name in self.sent else None
+def _defaulted(request: SamplingFields, defaults: SamplingDefaults) -> dict[str, float]:
+    """Each parameter: the request's when it sent one, else the model's default, else OpenAI's."""
+    sent = request.model_fields_set
+    picked = {}
+    for name, openai_default in _DEFAULTED:
+        value = getattr(request, name) if name in sent else None
         if value is None:
-            value = getattr(self.defaults, name)
-        return openai_default if value is None else float(value)
+            value = getattr(defaults, name)
+        picked[name] = openai_default if value is None else float(value)
+    return picked
 
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int | None, param: str) -> None:
@@ -114,9 +122,10 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int | None, param: str
 def check_sampling(request: SamplingFields, engine: Engine, max_tokens: int) -> None:
     """What the protocol models cannot check alone: token ids against this model's vocabulary,
     min_tokens against the output budget."""
-    vocab_size = engine.info.extra.get("vocab_size")
-    check_token_ids((int(key) for key in request.logit_bias or ()), vocab_size, "logit_bias")
-    check_token_ids(request.stop_token_ids or (), vocab_size, "stop_token_ids")
+    if request.logit_bias or request.stop_token_ids:
+        vocab_size = engine.info.extra.get("vocab_size")
+        check_token_ids((int(key) for key in request.logit_bias or ()), vocab_size, "logit_bias")
+        check_token_ids(request.stop_token_ids or (), vocab_size, "stop_token_ids")
     if request.min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens ({request.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
 
@@ -181,11 +190,11 @@ class Run:
         self.choices = [ChoiceState(i) for i in range(request.sampling.n)]
         self._outputs = engine.generate(request)
         self._first: GenerationOutput | None = None
-        self._record = current_record()
-        self._record.model = self._record.model or engine.info.name
-        self._model = engine.info.name
-        self._itl = metrics.Observations(metrics.labelled(metrics.INTER_TOKEN_LATENCY, self._model))
-        self._started = self._record.arrival or time.perf_counter()
+        self._record = record = current_record()
+        self._model = model = engine.info.name
+        record.model = record.model or model
+        self._itl: metrics.Observations | None = None  # from the second token on (none for a one-token answer)
+        self._started = record.arrival or time.perf_counter()
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
         self._in_flight = False
@@ -256,6 +265,8 @@ class Run:
             if self._record.ttft_s is None:
                 self._record.ttft_s = ttft
         elif self._last_token_at is not None:
+            if self._itl is None:
+                self._itl = metrics.Observations(metrics.labelled(metrics.INTER_TOKEN_LATENCY, self._model))
             self._itl.add(at - self._last_token_at)
         self._last_token_at = at
 
@@ -263,17 +274,18 @@ class Run:
         if self._in_flight:
             metrics.labelled(metrics.IN_FLIGHT, self._model).dec()
             self._in_flight = False
-        self._itl.flush()
-        usage = self.usage()
-        metrics.labelled(metrics.PROMPT_TOKENS, self._model).inc(usage.prompt_tokens)
-        metrics.labelled(metrics.COMPLETION_TOKENS, self._model).inc(usage.completion_tokens)
+        if self._itl is not None:
+            self._itl.flush()
+        prompt, completion = self.prompt_tokens, self.completion_tokens()
+        metrics.labelled(metrics.PROMPT_TOKENS, self._model).inc(prompt)
+        metrics.labelled(metrics.COMPLETION_TOKENS, self._model).inc(completion)
         record = self._record
         if record.log_content:
             record.prompt = self.request.prompt_text
             record.output = (record.output or []) + ["".join(choice.text) for choice in self.choices]
-        record.prompt_tokens = (record.prompt_tokens or 0) + usage.prompt_tokens
-        record.completion_tokens = (record.completion_tokens or 0) + usage.completion_tokens
-        per_choice = usage.completion_tokens / max(1, len(self.choices))
+        record.prompt_tokens = (record.prompt_tokens or 0) + prompt
+        record.completion_tokens = (record.completion_tokens or 0) + completion
+        per_choice = completion / max(1, len(self.choices))
         if self._first_token_at is not None and self._last_token_at is not None and per_choice > 1:
             tpot = (self._last_token_at - self._first_token_at) / (per_choice - 1)
             metrics.labelled(metrics.TIME_PER_OUTPUT_TOKEN, self._model).observe(tpot)
@@ -283,8 +295,12 @@ class Run:
             pass
         return self
 
+    def completion_tokens(self) -> int:
+        choices = self.choices
+        return choices[0].tokens if len(choices) == 1 else sum(choice.tokens for choice in choices)
+
     def usage(self) -> Usage:
-        completion = sum(choice.tokens for choice in self.choices)
+        completion = self.completion_tokens()
         details = {"cached_tokens": self.cached_tokens} if self.cached_tokens else None
         return Usage(
             prompt_tokens=self.prompt_tokens,

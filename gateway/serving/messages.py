@@ -347,5 +347,8 @@ class MessagesService:
     def fresh(self, answer: Message) -> Message:
         return fresh(answer)
 
+    def renewed(self, raw: bytes) -> bytes | None:
+        return None  # its own serializer (the stop fields): the model writes it
+
 
 MESSAGES = MessagesService()

@@ -149,6 +149,9 @@ class ResponsesService:
         self.answer = fresh
         return fresh
 
+    def renewed(self, raw: bytes) -> bytes | None:
+        return None  # new ids throughout, this request's fields, and kept for `save`: `fresh` does it
+
     # --- the Response object -------------------------------------------------------------------
 
     def skeleton(self, status: Status) -> Response:

@@ -4,8 +4,10 @@ a reader and the type checker can follow the strategy.
 A service prepares a validated request for an engine (every refusal happens there, before the
 first byte, the input guards' too; the request's guard goes along to check the output), then
 answers it whole (`complete`) or as a stream of events (`stream`: encoded JSON chunks or models),
-and replays a cached answer. Both `complete` and `stream` hand the whole answer to `on_done` once
-it is known: the one cache hand-off, for streams and non-streams alike.
+and replays a cached answer (whole: under a new id, from its stored JSON when the service can,
+`renewed`, else as a model, `fresh`; or as a stream, `replay`). Both `complete` and `stream` hand
+the whole answer to `on_done` once it is known: the one cache hand-off, for streams and
+non-streams alike (`complete` returns the very answer it handed over, unchanged).
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class Service(Protocol[RequestT_contra, PreparedT, AnswerT]):
     def replay(self, answer: AnswerT, request: RequestT_contra) -> AsyncIterator[BaseModel]: ...
 
     def fresh(self, answer: AnswerT) -> AnswerT: ...
+
+    def renewed(self, raw: bytes) -> bytes | None:
+        """A cached answer's stored JSON as `fresh` would answer it (new id and time), written
+        without the model; None when only the model can."""
+        ...
 
 
 def check_task(info: ModelInfo, task: Task, route: str) -> None:

@@ -4,9 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import time
 
+import pytest
+from pydantic import BaseModel
 from starlette.testclient import TestClient
 
+from gateway.protocol.openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Usage,
+)
+from gateway.serving.chat import CHAT
+from gateway.serving.completions import COMPLETIONS
+from gateway.serving.encoding import Renewal
 from tests.fakes import FakeEngine, app_with, chat_body
 from tests.unit.test_chat import sse_events
 
@@ -105,3 +121,126 @@ def test_integers_past_64_bits_in_free_form_fields_are_cached_too() -> None:
         assert constrained.status_code == 400
         assert constrained.json()["error"]["param"] == "response_format.json_schema.schema"
         assert len(engine.requests) == 2
+
+
+def _through_the_model(raw: bytes, kind: type[BaseModel], new_id: str, created: int) -> bytes:
+    """What a non-streamed hit answered before `Service.renewed`: the stored JSON validated, given a
+    new id and time (`fresh`) and written again (`api.requests.json_response`)."""
+    answer = kind.model_validate_json(raw).model_copy(update={"id": new_id, "created": created})
+    return answer.__pydantic_serializer__.to_json(answer, exclude_none=True)
+
+
+RENEWABLE: list[BaseModel] = [
+    Completion(id="cmpl-1", created=5, model="m", choices=[CompletionChoice(index=0, text="a", finish_reason="length")],
+               usage=Usage(prompt_tokens=3, completion_tokens=1, total_tokens=4)),
+    Completion(id="up\u00e9 id", created=-1, model="m\u00e9", usage=None, choices=[CompletionChoice(
+        index=1, text="x\n\"y\" \u2603 \U0001f600", logprobs=CompletionLogprobs(
+            tokens=["x", ""], token_logprobs=[None, -0.1234567890123],
+            top_logprobs=[None, {"x": -1e-300, "\u00e9": -2.5}],
+            text_offset=[0, 1]))]),
+    ChatCompletion(id="chatcmpl-1", created=7, model="m", system_fingerprint="fp", choices=[ChatChoice(
+        index=0, finish_reason="tool_calls", message=AssistantMessage(content=None, tool_calls=[
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"n\": 2}"}}]))],
+        usage=Usage(prompt_tokens=3, completion_tokens=1, total_tokens=4, prompt_tokens_details={"cached_tokens": 2})),
+    ChatCompletion.model_validate({"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": [],
+                                   "usage": {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1},
+                                   "service_tier": "default", "extra": {"a": [1, 2.5, None, 2**70], "b": None}}),
+]
+
+
+@pytest.mark.parametrize("answer", RENEWABLE)
+def test_a_renewed_hit_is_what_the_model_would_have_answered(answer: BaseModel) -> None:
+    """A non-streamed hit is answered from the stored JSON with a new head: byte for byte what
+    validating it, `fresh` and `json_response` wrote (floats, escapes, extra fields, None left out)."""
+    raw = answer.model_dump_json(exclude_none=True).encode()  # as ResponseCache.put stores it
+    kind = "text_completion" if isinstance(answer, Completion) else "chat.completion"
+    renewed = Renewal(kind, lambda: "new-id", lambda: 1234)(raw)
+    assert renewed == _through_the_model(raw, type(answer), "new-id", 1234)
+    assert Renewal("chat.completion" if kind == "text_completion" else "text_completion", str, int)(raw) is None
+
+
+def test_what_renewal_cannot_write_goes_through_the_model() -> None:
+    answer = Completion(id='with "quotes"', created=1, model="m", choices=[])
+    raw = answer.model_dump_json(exclude_none=True).encode()
+    assert COMPLETIONS.renewed(raw) is None  # the id has escapes
+    assert COMPLETIONS.renewed(b'{"object":"text_completion","id":"x","created":1,"model":"m"}') is None
+    assert CHAT.renewed(b"") is None
+
+
+def test_services_renew_ids_as_fresh_does() -> None:
+    for service, answer, prefix in ((COMPLETIONS, RENEWABLE[0], "cmpl"), (CHAT, RENEWABLE[2], "chatcmpl")):
+        raw = answer.model_dump_json(exclude_none=True).encode()
+        renewed, before = service.renewed(raw), int(time.time())
+        assert renewed is not None
+        fresh = json.loads(renewed)
+        assert re.fullmatch(prefix + r"-[0-9a-f]{32}", fresh["id"])
+        assert fresh["id"] != json.loads(service.renewed(raw) or b"")["id"]
+        assert before - 1 <= fresh["created"] <= before + 1
+        assert {**fresh, "id": answer.id, "created": answer.created} == json.loads(raw)  # type: ignore[attr-defined]
+
+
+def test_a_completions_hit_answers_as_the_miss_did_under_a_new_id() -> None:
+    engine = FakeEngine()
+    with TestClient(app_with(engine, cache={"backend": "memory"})) as client:
+        body = {"model": "fake-model", "prompt": "a b", "max_tokens": 2, "temperature": 0, "logprobs": 1, "echo": True}
+        miss, hit = (client.post("/v1/completions", json=body) for _ in range(2))
+        assert (miss.headers["x-cache"], hit.headers["x-cache"]) == ("MISS", "HIT") and len(engine.requests) == 1
+        assert hit.headers["content-type"] == "application/json"
+        assert int(hit.headers["content-length"]) == len(hit.content)
+        first, again = miss.json(), hit.json()
+        assert re.fullmatch(r"cmpl-[0-9a-f]{32}", again["id"]) and again["id"] != first["id"]
+        assert {**again, "id": first["id"], "created": first["created"]} == first
+        assert list(again) == list(first)  # the same fields in the same order
+
+
+async def test_the_storer_hands_back_what_it_stored_of_that_answer_only() -> None:
+    from gateway.cache import MemoryCache, ResponseCache
+
+    backend = MemoryCache(max_entries=10, max_bytes=10_000, ttl_s=60)
+    store = ResponseCache(backend).storer("k")
+    answer, other = RENEWABLE[1], RENEWABLE[0]
+    assert store.written(answer) is None
+    await store(answer)
+    written = store.written(answer)
+    assert written == await backend.get("k") == answer.model_dump_json(exclude_none=True).encode()
+    assert store.written(other) is None and store.written(answer.model_copy()) is None
+
+
+def test_a_stored_miss_answers_the_bytes_it_stored() -> None:
+    """The non-streamed miss goes out as the JSON the cache stored: the same answer as uncached."""
+    body = {"model": "fake-model", "prompt": "a b", "max_tokens": 2, "seed": 3, "logprobs": 2}
+    answers = []
+    for cache in ({"backend": "memory"}, {"backend": "off"}):
+        with TestClient(app_with(FakeEngine(), cache=cache)) as client:
+            answer = client.post("/v1/completions", json=body)
+            assert answer.headers["content-type"] == "application/json"
+            assert int(answer.headers["content-length"]) == len(answer.content)
+            answers.append(answer.json())
+            if cache["backend"] == "memory":
+                assert answer.headers["x-cache"] == "MISS"
+                assert client.post("/v1/completions", json=body).content[-200:] == answer.content[-200:]
+    stored, plain = answers
+    assert list(stored) == list(plain) and {**stored, "id": plain["id"], "created": plain["created"]} == plain
+
+
+def test_keys_stay_the_same_for_the_same_request() -> None:
+    """A key is the sha256 of the request's canonical JSON (sorted keys, defaults filled, stream,
+    stream_options and user left out): replicas of other versions sharing a Redis cache agree on it."""
+    import hashlib
+
+    from gateway.cache import cache_key
+    from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+
+    body = CompletionRequest.model_validate_json(
+        b'{"model":"m","prompt":"a b","temperature":0,"logit_bias":{"7":1,"3":-1},"user":"u","stream":true}'
+    )
+    fields = body.model_dump(mode="json", by_alias=True, exclude={"stream", "stream_options", "user", "model"})
+    whole = {"route": "/v1/completions", "model": "served", "tenant": "t", "body": fields}
+    expected = hashlib.sha256(json.dumps(whole, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert cache_key("/v1/completions", "served", body, "t") == expected
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": 1})
+    reordered = ChatCompletionRequest.model_validate(
+        {"seed": 1, "messages": [{"content": "hi", "role": "user"}], "model": "x"}
+    )
+    assert cache_key("/v1/chat/completions", "served", chat) == cache_key("/v1/chat/completions", "served", reordered)
+    assert cache_key("/v1/chat/completions", "served", chat) != cache_key("/v1/chat/completions", "served", chat, "t")
