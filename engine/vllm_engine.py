@@ -164,9 +164,18 @@ def sampling_params(options: SamplingOptions) -> SamplingParams:
     )
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's own server's floor: JSON has no -inf, and OpenAI's types want numbers
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def _logprob_entries(
     token_ids: Sequence[int], positions: Sequence[dict[int, Any] | None], top_n: int
 ) -> tuple[TokenLogprob | None, ...]:
+    """The engine's logprobs, each at least `LOGPROB_FLOOR`: a token the sampler ruled out has -inf
+    (a stop, a logit bias, top-k), which JSON writes as null and clients then refuse."""
     entries: list[TokenLogprob | None] = []
     for token_id, position in zip(token_ids, positions):
         if not position or token_id not in position:
@@ -174,8 +183,9 @@ def _logprob_entries(
             continue
         chosen = position[token_id]
         ranked = sorted(position.items(), key=lambda item: item[1].logprob, reverse=True)
-        top = tuple((tid, lp.decoded_token or "", lp.logprob) for tid, lp in ranked[:top_n])
-        entries.append(TokenLogprob(token_id, chosen.decoded_token or "", chosen.logprob, chosen.rank, top))
+        top = tuple((tid, lp.decoded_token or "", _finite(lp.logprob)) for tid, lp in ranked[:top_n])
+        chosen_logprob = None if chosen.logprob is None else _finite(chosen.logprob)
+        entries.append(TokenLogprob(token_id, chosen.decoded_token or "", chosen_logprob, chosen.rank, top))
     return tuple(entries)
 
 

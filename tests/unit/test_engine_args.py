@@ -148,3 +148,19 @@ def test_unknown_engine_arguments_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown vLLM engine arguments: no_such_thing"):
         args_for(tmp_path, CPU, engine_args={"no_such_thing": 1})
     assert args_for(tmp_path, CPU, engine_args={"kv_offloading_size": 4}).kv_offloading_size == 4
+
+
+def test_logprobs_the_sampler_ruled_out_are_floored_as_vllms_server_does() -> None:
+    """-inf (a token a stop, a logit bias or top-k ruled out) would be written as JSON null, which
+    clients refuse, and a cached answer holding it would not read back: -9999.0, vLLM's floor."""
+    from vllm.logprobs import Logprob
+
+    from engine.vllm_engine import LOGPROB_FLOOR, _logprob_entries
+
+    entries = _logprob_entries(
+        [5, 6], [{5: Logprob(float("-inf"), 2, "a"), 7: Logprob(-0.1, 1, "b")}, None], top_n=2
+    )
+    chosen, missing = entries
+    assert missing is None and chosen is not None
+    assert chosen.logprob == LOGPROB_FLOOR == -9999.0
+    assert chosen.top == ((7, "b", -0.1), (5, "a", -9999.0))
