@@ -126,6 +126,8 @@ class _Reading:
             raise
         finally:
             waiting.pop(self, None)
+        if self.expired:  # cut, but the receive kept its message: the cut taken back, as timeout_at does
+            task.uncancel()
         if message["type"] == "http.disconnect":
             self.complete = True
             self.release()

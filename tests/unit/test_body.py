@@ -275,3 +275,31 @@ def test_deadlines_cut_reads_in_one_event_loop_after_another() -> None:
     loop.close()
     assert asyncio.run(one(0.3)) == "408"
     assert asyncio.run(one(0.05)) == "408"
+
+
+async def test_a_cut_the_receive_swallows_is_taken_back_as_timeout_at_does() -> None:
+    """A receive that keeps its message through the cancellation: the message is read, and the
+    task's cancellation count is back where it was (asyncio.timeout_at uncancels too)."""
+    from gateway.middleware.body import Deadlines
+
+    async def stubborn() -> dict:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            pass
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def read(receive: Receive) -> tuple[dict, int]:
+        loop = asyncio.get_running_loop()
+        reading = _reading(receive, loop.time() + 0.05, Deadlines())
+        message = await reading.receive()  # type: ignore[attr-defined]
+        return message, asyncio.current_task().cancelling()  # type: ignore[union-attr]
+
+    async def with_timeout_at() -> tuple[dict, int]:
+        async with asyncio.timeout(0.05):
+            message = await stubborn()
+        return message, asyncio.current_task().cancelling()  # type: ignore[union-attr]
+
+    ours = await asyncio.ensure_future(read(stubborn))
+    theirs = await asyncio.ensure_future(with_timeout_at())
+    assert ours == theirs == ({"type": "http.request", "body": b"{}", "more_body": False}, 0)
