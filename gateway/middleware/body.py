@@ -78,7 +78,7 @@ class Deadlines:
         loop = asyncio.get_running_loop()
         now = loop.time()
         for reading, task in list(self.waiting.items()):
-            if task.get_loop() is not loop:  # of a loop gone without cancelling it: never resumes
+            if task.get_loop() is not loop:  # of another loop (gone, or no longer run): not ours to cut
                 del self.waiting[reading]
             elif reading.deadline <= now:
                 del self.waiting[reading]

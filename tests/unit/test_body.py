@@ -262,7 +262,7 @@ def test_deadlines_cut_reads_in_one_event_loop_after_another() -> None:
         return (await _timed(reading.receive(), loop.time()))[0]  # type: ignore[attr-defined]
 
     assert asyncio.run(one(0.05)) == "408"
-    loop = asyncio.new_event_loop()  # a read left waiting in a loop closed without cancelling it
+    loop = asyncio.new_event_loop()  # a read left waiting in a loop that stops running
     left = _reading(trickle(b"", first=0), loop.time() + 0.05, deadlines)
 
     async def twice() -> None:
@@ -272,9 +272,13 @@ def test_deadlines_cut_reads_in_one_event_loop_after_another() -> None:
     task = loop.create_task(twice())
     loop.run_until_complete(asyncio.sleep(0.01))
     assert not task.done() and list(deadlines.waiting) == [left]
-    loop.close()
     assert asyncio.run(one(0.3)) == "408"
     assert asyncio.run(one(0.05)) == "408"
+    assert deadlines.waiting == {}  # the other loop's read dropped, not cancelled from this one
+    assert not task.done() and task.cancelling() == 0 and not left.expired  # type: ignore[attr-defined]
+    task.cancel()
+    loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+    loop.close()
 
 
 async def test_a_cut_the_receive_swallows_is_taken_back_as_timeout_at_does() -> None:
