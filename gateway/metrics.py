@@ -8,7 +8,7 @@ vllm:kv_cache_usage_perc, ...), so GET /metrics serves both in one exposition.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -18,6 +18,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.values import MutexValue
 
 # Buckets wide enough for a 2-core CPU (seconds per token) and a GPU (milliseconds per token).
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
@@ -83,12 +84,122 @@ def labelled(metric: M, *values: str) -> M:
     """`metric.labels(*values)`, remembered: prometheus_client takes a lock and builds a tuple on
     every `labels()` call (a dozen per request on the hot path). The label sets are the ones
     prometheus_client keeps forever anyway (models, routes, statuses, keys), so this holds nothing
-    more than it does."""
+    more than it does.
+
+    For the metrics in `LOOP_ONLY`, the child's values are made lock-free (`_LoopValue`) and what
+    comes back is a front that changes them directly (`_CounterFront`, `_GaugeFront`,
+    `_HistogramFront`: the calls the gateway makes, without prometheus_client's checks and lock)."""
     key = (id(metric), values)
     child = _children.get(key)
     if child is None:
-        child = _children[key] = metric.labels(*values)
+        child = _children[key] = _front(metric, metric.labels(*values))
     return child  # type: ignore[return-value]
+
+
+class _LoopValue(MutexValue):
+    """prometheus_client's value of a metric child (`MutexValue`) without its lock, for the metrics
+    that only the event loop's thread changes (`LOOP_ONLY`): the lock is ~0.3 us per change, and
+    a request makes a dozen. Reading it from another thread (a scrape, a test) is safe: a float's
+    attribute is read whole under the GIL."""
+
+    def __init__(self, value: float) -> None:  # not MutexValue's: no lock to make
+        self._value = value
+        self._exemplar = None
+
+    def inc(self, amount: float) -> None:
+        self._value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._value = value
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        self._exemplar = exemplar
+
+    def get(self) -> float:
+        return self._value
+
+    def get_exemplar(self) -> Any:
+        return self._exemplar
+
+
+def _unlocked(value: Any) -> _LoopValue:
+    return _LoopValue(value.get())
+
+
+class _CounterFront:
+    """A `LOOP_ONLY` counter child's `inc`, as `Counter.inc` without exemplars."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, child: Counter) -> None:
+        self._value = child._value = _unlocked(child._value)
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self._value._value += amount
+
+
+class _GaugeFront:
+    """A `LOOP_ONLY` gauge child's `inc`, `dec` and `set`, as `Gauge`'s (not in its mostrecent modes)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, child: Gauge) -> None:
+        self._value = child._value = _unlocked(child._value)
+
+    def inc(self, amount: float = 1) -> None:
+        self._value._value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self._value._value += -amount
+
+    def set(self, value: float) -> None:
+        self._value._value = float(value)
+
+
+class _HistogramFront:
+    """A `LOOP_ONLY` histogram child's `observe`, as `Histogram.observe` without exemplars: the sum,
+    then the first bucket whose bound is >= the value (bisect instead of a scan; none for a NaN,
+    as observe's scan finds none). Its values stay the child's (`Observations` adds to them too)."""
+
+    __slots__ = ("_child", "_bounds", "_buckets", "_sum")
+
+    def __init__(self, child: Histogram) -> None:
+        self._child = child  # `Observations` of this child are made from it (metrics.Observations)
+        self._bounds: list[float] = child._upper_bounds
+        child._buckets = self._buckets = [_unlocked(bucket) for bucket in child._buckets]
+        child._sum = self._sum = _unlocked(child._sum)
+
+    def observe(self, amount: float) -> None:
+        self._sum._value += amount
+        index = bisect_left(self._bounds, amount)
+        if index < len(self._bounds) and amount <= self._bounds[index]:
+            self._buckets[index]._value += 1
+
+
+def _front(metric: Counter | Gauge | Histogram, child: Any) -> object:
+    """The child itself, or for a `LOOP_ONLY` metric (and prometheus_client's in-process values,
+    not its multiprocess files) its lock-free front."""
+    if metric not in LOOP_ONLY:
+        return child
+    if isinstance(metric, Histogram):
+        return _HistogramFront(child) if type(child._sum) is MutexValue else child
+    if type(child._value) is not MutexValue:
+        return child
+    if isinstance(metric, Counter):
+        return _CounterFront(child)
+    return child if metric._is_most_recent else _GaugeFront(child)
+
+
+# Changed per request and only by the event loop's thread (the request path's coroutines; never the
+# offload thread, `serving.offload`): their children lock-free (`labelled`). A metric changed from
+# another thread too must not be listed here: two threads adding at once could lose an addition.
+LOOP_ONLY: frozenset[Counter | Gauge | Histogram] = frozenset({
+    REQUESTS, REQUEST_DURATION, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, TIME_PER_OUTPUT_TOKEN,
+    PROMPT_TOKENS, COMPLETION_TOKENS, IN_FLIGHT, CACHE_HITS, CACHE_MISSES, DISCONNECTS,
+    KEY_REQUESTS, KEY_PROMPT_TOKENS, KEY_COMPLETION_TOKENS,
+})
 
 
 class Observations:
@@ -105,7 +216,9 @@ class Observations:
 
     __slots__ = ("_child", "_bounds", "_counts", "_sum", "_pending")
 
-    def __init__(self, child: Histogram) -> None:
+    def __init__(self, child: Histogram | _HistogramFront) -> None:
+        if isinstance(child, _HistogramFront):  # what `labelled` gives for a LOOP_ONLY histogram
+            child = child._child
         self._child = child
         self._bounds: list[float] = child._upper_bounds  # ends with +Inf
         self._counts = [0] * len(self._bounds)

@@ -9,6 +9,7 @@ from typing import TypeVar, cast
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import Scope
 
 from engine.types import Engine
 from gateway.api.state import GatewayState
@@ -19,7 +20,12 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def state_of(request: Request) -> GatewayState:
-    return cast(GatewayState, request.state.gateway)
+    """The lifespan's state, from the scope's state (which `request.state` wraps) without a State
+    object and its `__getattr__` per call (twice a request)."""
+    try:
+        return cast(GatewayState, request.scope["state"]["gateway"])
+    except KeyError:
+        return cast(GatewayState, request.state.gateway)  # none: request.state's AttributeError
 
 
 def key_models(request: Request) -> Callable[..., bool] | None:
@@ -40,11 +46,19 @@ def default_model(request: Request) -> str:
     return state_of(request).models.default_name(key_models(request))
 
 
+def _first_header(scope: Scope, name: bytes) -> str | None:
+    """`request.headers.get(name)` (the first such header, latin-1) without building Headers."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, at most `limit` bytes (413 past it). Read from `request.receive` as Starlette's
     `request.stream()` reads it (a client gone is its `ClientDisconnect`), without an async
     generator per request: nothing reads a request's body twice."""
-    declared = request.headers.get("content-length")
+    declared = _first_header(request.scope, b"content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes")
     chunks, size, receive = [], 0, request.receive
@@ -64,7 +78,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def parse(request: Request, model: type[M]) -> M:
     body = await read_body(request, state_of(request).settings.max_body_bytes)
-    request.state.body_bytes = len(body)  # large bodies are prepared off the event loop (offload)
+    request.scope.setdefault("state", {})["body_bytes"] = len(body)  # request.state's dict; large bodies are prepared off the event loop (offload)
     if not body.strip():
         raise InvalidRequest("The request body is empty; send a JSON object")
     try:
@@ -80,7 +94,7 @@ async def parse(request: Request, model: type[M]) -> M:
 
 def body_size(request: Request) -> int:
     """Bytes of the body `parse` read (0 before it)."""
-    return int(getattr(request.state, "body_bytes", 0))
+    return int(request.scope.get("state", {}).get("body_bytes", 0))
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:

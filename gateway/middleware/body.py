@@ -15,6 +15,7 @@ It wraps `receive`: handlers read bodies as usual, and these errors come out of 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -47,31 +48,86 @@ def _declared_length(scope: Scope) -> int:
     return 0
 
 
+class Deadlines:
+    """The body reads waiting for their client, and one timer for all of them, at the earliest of
+    their deadlines: when it fires, the reads past theirs are cancelled (as `asyncio.timeout_at`
+    cancels its task) and it is set again for the rest. The same cut as a timeout per read, without
+    a timer made and cancelled for each (~2 us a read, nearly always cancelled unused)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[_Reading, asyncio.Task[Any]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._at = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, reading: _Reading, task: asyncio.Task[Any]) -> None:
+        self.waiting[reading] = task
+        loop = asyncio.get_running_loop()
+        # set anew in a loop other than the timer's (an app may serve in one loop after another:
+        # tests, a restarted server; the old one's timer never fires)
+        if self._timer is None or reading.deadline < self._at or loop is not self._loop:
+            self._arm(loop, reading.deadline)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._at, self._loop = loop.call_at(deadline, self._expire), deadline, loop
+
+    def _expire(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for reading, task in list(self.waiting.items()):
+            if task.get_loop() is not loop:  # of another loop (gone, or no longer run): not ours to cut
+                del self.waiting[reading]
+            elif reading.deadline <= now:
+                del self.waiting[reading]
+                reading.expired = True
+                task.cancel()
+        if self.waiting:
+            self._arm(loop, min(reading.deadline for reading in self.waiting))
+
+
 class _Reading:
     """One request's body: its deadline and the bytes it holds of the budget."""
 
-    def __init__(self, receive: Receive, budget: BodyBudget, deadline: float, declared: int) -> None:
+    def __init__(self, receive: Receive, budget: BodyBudget, deadline: float, declared: int, deadlines: Deadlines) -> None:
         self._receive = receive
         self.budget = budget
         self.deadline = deadline
         self.declared = declared
+        self.deadlines = deadlines
         self.read = 0
         self.held = 0
         self.complete = False
         self.released = False
+        self.expired = False
 
     async def receive(self) -> Message:
         if self.complete:
             return await self._receive()  # after the body: disconnect watching, untouched
         self._hold(max(self.declared, self.read))
+        # the next message unless the deadline passes first (408): asyncio.timeout_at's rule, with
+        # `Deadlines` in place of its timer; a cancellation of the task's own (its request cancelled
+        # meanwhile too) goes up as a cancellation, as from asyncio.timeout_at
+        task = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()
+        waiting = self.deadlines.waiting
+        self.deadlines.add(self, task)
         try:
-            async with asyncio.timeout_at(self.deadline):
-                message = await self._receive()
-        except TimeoutError:
-            self.release()
-            raise RequestTimeout(
-                "The request body was not received in time", headers={"Connection": "close"}
-            ) from None
+            message = await self._receive()
+        except asyncio.CancelledError:
+            if self.expired and task.uncancel() <= cancelling:
+                self.release()
+                raise RequestTimeout(
+                    "The request body was not received in time", headers={"Connection": "close"}
+                ) from None
+            raise
+        finally:
+            waiting.pop(self, None)
+        if self.expired:  # cut, but the receive kept its message: the cut taken back, as timeout_at does
+            task.uncancel()
         if message["type"] == "http.disconnect":
             self.complete = True
             self.release()
@@ -106,13 +162,14 @@ class BodyMiddleware:
         self.app = app
         self.budget = budget
         self.timeout_s = timeout_s
+        self.deadlines = Deadlines()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         deadline = asyncio.get_running_loop().time() + self.timeout_s
-        reading = _Reading(receive, self.budget, deadline, _declared_length(scope))
+        reading = _Reading(receive, self.budget, deadline, _declared_length(scope), self.deadlines)
         scope.setdefault("state", {})[PREPARED] = reading.release
 
         async def send_releasing(message: Message) -> None:

@@ -28,7 +28,8 @@ class RateLimitMiddleware:
         state = scope.setdefault("state", {})
         policy = state["key_policy"] = self.tenants.policy(state.get("api_key_id", ANONYMOUS))
         try:
-            await self.quota.take_request(policy)
+            if policy.rpm is not None:  # no coroutine to make and await for a key without one
+                await self.quota.take_request(policy)
         except RateLimited as error:
             await send_error(send, error, dialect=dialect_of(scope))
             return

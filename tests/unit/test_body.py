@@ -168,3 +168,142 @@ def test_the_body_is_read_as_starlette_reads_it_within_its_limit() -> None:
         _read([], limit=8, length=9)  # refused on its declared length, before a read
     with pytest.raises(ClientDisconnect):
         _read([parts[0], {"type": "http.disconnect"}], limit=8)
+
+
+def _reading(receive: Receive, deadline: float, deadlines) -> object:
+    from gateway.middleware.body import BodyBudget, _Reading
+
+    return _Reading(receive, BodyBudget(10**9), deadline, 0, deadlines)
+
+
+def _later(seconds: float) -> Receive:
+    """A first chunk at once, the rest `seconds` later."""
+    messages = [{"type": "http.request", "body": b"}", "more_body": False}, {"type": "http.request", "body": b"{", "more_body": True}]
+
+    async def receive() -> dict:
+        if len(messages) == 1:
+            await asyncio.sleep(seconds)
+        return messages.pop()
+
+    return receive
+
+
+async def _timed(read: Awaitable[dict], since: float) -> tuple[str, float]:
+    """What the read gave (its type, or 408) and when, since `since` on the loop's clock."""
+    from gateway.errors import RequestTimeout
+
+    try:
+        outcome = (await asyncio.wait_for(read, 5))["type"]
+    except RequestTimeout as error:
+        assert error.status == 408 and error.headers == {"Connection": "close"}
+        outcome = "408"
+    return outcome, asyncio.get_running_loop().time() - since
+
+
+async def test_reads_are_cut_at_their_own_deadlines_by_one_timer() -> None:
+    """Deadlines in any order: each read is cut at its own (not before, not for ever), a read
+    that gets its message in time keeps it, and none stays waiting."""
+    from gateway.middleware.body import Deadlines
+
+    deadlines = Deadlines()
+    now = asyncio.get_running_loop().time()
+    reads = [
+        _reading(trickle(b"x" * 20), now + 0.1, deadlines),  # a first chunk at once, then nothing
+        _reading(_later(0.15), now + 0.4, deadlines),
+        _reading(trickle(b"x" * 20), now + 0.25, deadlines),
+    ]
+    firsts = await asyncio.gather(*(_timed(r.receive(), now) for r in reads))  # type: ignore[attr-defined]
+    assert [outcome for outcome, _ in firsts] == ["http.request"] * 3
+    results = await asyncio.gather(*(_timed(r.receive(), now) for r in reads))  # type: ignore[attr-defined]
+    (cut_1, at_1), (read_2, at_2), (cut_3, at_3) = results
+    assert (cut_1, read_2, cut_3) == ("408", "http.request", "408")
+    assert 0.1 <= at_1 < 0.2 and 0.15 <= at_2 < 0.25 and 0.25 <= at_3 < 0.35
+    assert deadlines.waiting == {}
+
+
+async def test_a_cancelled_read_is_a_cancellation_not_a_timeout() -> None:
+    from gateway.middleware.body import Deadlines
+
+    deadlines = Deadlines()
+    reading = _reading(trickle(b"", first=0), asyncio.get_running_loop().time() + 5, deadlines)
+    await reading.receive()  # type: ignore[attr-defined]
+    task = asyncio.ensure_future(reading.receive())  # type: ignore[attr-defined]
+    await asyncio.sleep(0.01)
+    assert list(deadlines.waiting) == [reading]
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    else:
+        raise AssertionError("not cancelled")
+    assert deadlines.waiting == {}
+
+
+async def test_a_message_there_at_once_is_read_past_the_deadline() -> None:
+    """As asyncio.timeout_at: a read that does not wait is not cut, even past its deadline."""
+    from gateway.middleware.body import Deadlines
+
+    reading = _reading(whole(b"{}"), asyncio.get_running_loop().time() - 1, Deadlines())
+    assert (await reading.receive())["body"] == b"{}"  # type: ignore[attr-defined]
+
+
+def test_deadlines_cut_reads_in_one_event_loop_after_another() -> None:
+    """An app may serve in one loop after another (tests, a restarted server): a timer set in a
+    loop gone never fires, so the next loop's reads set their own."""
+    from gateway.middleware.body import Deadlines
+
+    deadlines = Deadlines()
+
+    async def one(hold: float) -> str:
+        loop = asyncio.get_running_loop()
+        reading = _reading(trickle(b"", first=0), loop.time() + hold, deadlines)
+        await reading.receive()  # type: ignore[attr-defined]
+        return (await _timed(reading.receive(), loop.time()))[0]  # type: ignore[attr-defined]
+
+    assert asyncio.run(one(0.05)) == "408"
+    loop = asyncio.new_event_loop()  # a read left waiting in a loop that stops running
+    left = _reading(trickle(b"", first=0), loop.time() + 0.05, deadlines)
+
+    async def twice() -> None:
+        await left.receive()  # type: ignore[attr-defined]
+        await left.receive()  # type: ignore[attr-defined]
+
+    task = loop.create_task(twice())
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert not task.done() and list(deadlines.waiting) == [left]
+    assert asyncio.run(one(0.3)) == "408"
+    assert asyncio.run(one(0.05)) == "408"
+    assert deadlines.waiting == {}  # the other loop's read dropped, not cancelled from this one
+    assert not task.done() and task.cancelling() == 0 and not left.expired  # type: ignore[attr-defined]
+    task.cancel()
+    loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+    loop.close()
+
+
+async def test_a_cut_the_receive_swallows_is_taken_back_as_timeout_at_does() -> None:
+    """A receive that keeps its message through the cancellation: the message is read, and the
+    task's cancellation count is back where it was (asyncio.timeout_at uncancels too)."""
+    from gateway.middleware.body import Deadlines
+
+    async def stubborn() -> dict:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            pass
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def read(receive: Receive) -> tuple[dict, int]:
+        loop = asyncio.get_running_loop()
+        reading = _reading(receive, loop.time() + 0.05, Deadlines())
+        message = await reading.receive()  # type: ignore[attr-defined]
+        return message, asyncio.current_task().cancelling()  # type: ignore[union-attr]
+
+    async def with_timeout_at() -> tuple[dict, int]:
+        async with asyncio.timeout(0.05):
+            message = await stubborn()
+        return message, asyncio.current_task().cancelling()  # type: ignore[union-attr]
+
+    ours = await asyncio.ensure_future(read(stubborn))
+    theirs = await asyncio.ensure_future(with_timeout_at())
+    assert ours == theirs == ({"type": "http.request", "body": b"{}", "more_body": False}, 0)

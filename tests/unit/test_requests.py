@@ -1,0 +1,33 @@
+"""The handlers' request helpers (gateway.api.requests) read the scope directly where Starlette's
+Request would build objects: the same values as through the Request."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.requests import Request
+
+from gateway.api.requests import _first_header, body_size, state_of
+
+
+@pytest.mark.parametrize("headers", [
+    [],
+    [(b"content-length", b"12")],
+    [(b"host", b"x"), (b"content-length", b"7"), (b"content-length", b"9")],  # the first, as get()
+    [(b"content-length", b"\xb2")],  # latin-1, as Headers decodes it
+    [(b"content-lengthy", b"3")],
+])
+def test_a_header_is_read_as_request_headers_get_reads_it(headers: list[tuple[bytes, bytes]]) -> None:
+    scope = {"type": "http", "headers": headers}
+    assert _first_header(scope, b"content-length") == Request(scope).headers.get("content-length")
+
+
+def test_the_state_and_body_size_are_request_states() -> None:
+    gateway = object()
+    request = Request({"type": "http", "headers": [], "state": {"gateway": gateway}})
+    assert state_of(request) is gateway is request.state.gateway
+    assert body_size(request) == 0
+    request.state.body_bytes = 12
+    assert body_size(request) == 12
+    with pytest.raises(AttributeError):  # no lifespan state: request.state's error, as before
+        state_of(Request({"type": "http", "headers": []}))
+    assert body_size(Request({"type": "http", "headers": []})) == 0
