@@ -17,10 +17,7 @@ Without keys nothing proves that a request comes from a client and not from a we
 client has open: a POST must then declare a JSON body (`Content-Type: application/json`), which
 a page cannot send to another site without that site's CORS consent; anything else is a 415
 (a POST without a body, such as a cancel, declares nothing).
-Keys come from settings and from the keys file (`gateway.tenants`, whose keys are named by their
-id there) and are kept only as SHA-256 hashes; a presented key is hashed and compared
-with every stored hash in constant time. The key's id (safe to log) goes into the request's record
-and scope state, for the rate limits, the access line and sticky A/B splits.
+Keys come from the keys file too (`gateway.tenants`, whose keys are named by their id there).
 """
 
 from __future__ import annotations

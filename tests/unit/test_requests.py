@@ -31,3 +31,16 @@ def test_the_state_and_body_size_are_request_states() -> None:
     with pytest.raises(AttributeError):  # no lifespan state: request.state's error, as before
         state_of(Request({"type": "http", "headers": []}))
     assert body_size(Request({"type": "http", "headers": []})) == 0
+
+
+async def test_a_content_length_of_other_digits_is_not_a_server_error() -> None:
+    """'²' passes str.isdigit() but not int(): the declared length is ignored, the body read as it comes."""
+    from gateway.api.requests import read_body
+
+    messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    request = Request({"type": "http", "headers": [(b"content-length", "²".encode("latin-1"))]}, receive)
+    assert await read_body(request, 100) == b"{}"
