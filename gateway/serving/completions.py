@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, Task, TokenLogprob
@@ -194,8 +195,7 @@ async def complete(prepared: PreparedCompletion, on_done: OnDone[Completion] | N
     await prepared.guard.moderate_input()
     answer = await _Answer(prepared).start()
     for p, run in enumerate(answer.runs):
-        async for output in run.outputs():
-            answer.note_prompt_logprobs(p, output)
+        await run.collect(partial(answer.note_prompt_logprobs, p))
     whole = _whole(answer)
     if on_done is not None:
         await on_done(whole)
