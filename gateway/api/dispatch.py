@@ -42,6 +42,20 @@ from gateway.tenants import KeyPolicy
 Shape = Callable[[BaseModel | bytes], BaseModel]  # answers and chunks in another form (the native API's)
 
 
+class JSONBytes(Response):
+    """A 200 of JSON already written: what `Response(body, media_type="application/json")` makes
+    (the same headers in the same order: content-length, content-type), without its rendering
+    and header-building layers."""
+
+    media_type = "application/json"
+
+    def __init__(self, body: bytes) -> None:
+        self.status_code = 200
+        self.background = None
+        self.body = body
+        self.raw_headers = [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")]
+
+
 class _Caller:
     """Who asks, as the middleware put it in the request's scope (`scope["state"]`, which
     `request.state` wraps): the tenant, the API key and its policy, read once."""
@@ -160,10 +174,11 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         engine = backend.engine
         assert engine is not None
         check_task(engine.info, self.service.task, self.service.route)
-        default_max_tokens = self.state.settings.default_max_tokens
-        prepared = await offload.by_size(
-            body_size(self.request), self.service.prepare, self.body, engine, default_max_tokens, self.guard
-        )
+        default_max_tokens, size = self.state.settings.default_max_tokens, body_size(self.request)
+        if offload.inline(size):  # nearly always: no coroutine to await
+            prepared = self.service.prepare(self.body, engine, default_max_tokens, self.guard)
+        else:
+            prepared = await offload.by_size(size, self.service.prepare, self.body, engine, default_max_tokens, self.guard)
         body_prepared(self.request.scope)  # read and tokenized: its bytes leave the in-flight budget
         prepared.model = backend.name
         self._check_output(prepared.output_tokens())
@@ -208,14 +223,14 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         answer = await unless_disconnected(receive, self.service.complete(prepared, on_done))
         permit.release()
         if self.shape is None and isinstance(on_done, Storer) and (written := on_done.written(answer)) is not None:
-            return Response(written, media_type="application/json")  # stored as json_response writes it
+            return JSONBytes(written)  # stored as json_response writes it
         return json_response(self.shape(answer) if self.shape else answer)
 
     def _replay(self, hit: Hit[AnswerT]) -> Response:
         if self.body.streams:
             return EventStreamResponse(self._shaped(self.service.replay(hit.answer(), self.body)))
         if self.shape is None and (renewed := self.service.renewed(hit.raw)) is not None:
-            return Response(renewed, media_type="application/json")  # as json_response writes it, unparsed
+            return JSONBytes(renewed)  # as json_response writes it, unparsed
         answer = self.service.fresh(hit.answer())
         return json_response(self.shape(answer) if self.shape else answer)
 
