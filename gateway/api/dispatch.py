@@ -11,7 +11,7 @@ answer ends.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Generic
 
 from pydantic import BaseModel
@@ -138,10 +138,9 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         control = request.headers.getlist("cache-control")  # the first, as get(); no KeyError when absent
         self.no_cache = bool(control) and "no-cache" in control[0].lower()
 
-    async def on(self, backend: Backend) -> Response:
-        if backend.upstream is not None:
-            return await self._remote(backend)
-        return await self._embedded(backend)
+    def on(self, backend: Backend) -> Awaitable[Response]:
+        # the coroutine itself (no layer of its own to await)
+        return self._remote(backend) if backend.upstream is not None else self._embedded(backend)
 
     def _check_output(self, tokens: int) -> None:
         most = self.state.settings.max_output_tokens_per_request
@@ -167,8 +166,15 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         return charge.settle
 
     async def _admit(self, backend: Backend) -> Permit:
-        """As many permits as the engine requests this one makes, in the key's priority class."""
-        return await backend.admission.acquire(self.body.engine_requests(), self.policy.priority)
+        """As many permits as the engine requests this one makes, in the key's priority class
+        (taken at once when there is room: no coroutine to await)."""
+        count = self.body.engine_requests()
+        permit = backend.admission.admit_now(count)
+        return permit if permit is not None else await backend.admission.acquire(count, self.policy.priority)
+
+    def _admitted(self, backend: Backend) -> Permit | None:
+        """The permits when there is room now (what `_admit` takes first), else None."""
+        return backend.admission.admit_now(self.body.engine_requests())
 
     async def _embedded(self, backend: Backend) -> Response:
         engine = backend.engine
@@ -186,7 +192,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         on_done, hit = await self._cached(backend)
         if hit is not None:
             return self._replay(hit)
-        permit = await self._admit(backend)
+        permit = self._admitted(backend) or await self._admit(backend)
         try:
             return await self._generate(prepared, permit, on_done)
         except BaseException:
