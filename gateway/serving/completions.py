@@ -194,8 +194,12 @@ class _Answer:
 async def complete(prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> Completion:
     await prepared.guard.moderate_input()
     answer = await _Answer(prepared).start()
-    for p, run in enumerate(answer.runs):
-        await run.collect(partial(answer.note_prompt_logprobs, p))
+    try:
+        for p, run in enumerate(answer.runs):
+            await run.collect(partial(answer.note_prompt_logprobs, p))
+    except BaseException:  # one prompt failed (or the client left): the others' engine requests end too
+        await asyncio.gather(*(run.close() for run in answer.runs), return_exceptions=True)
+        raise
     whole = _whole(answer)
     if on_done is not None:
         await on_done(whole)

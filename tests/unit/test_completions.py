@@ -149,3 +149,23 @@ def test_whole_answer_json() -> None:
         "choices": [{"index": 0, "text": "the quick", "finish_reason": "length"}],
         "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
     }
+
+
+def test_a_failing_prompt_ends_the_other_prompts_runs_at_once() -> None:
+    """A non-streamed request of several prompts that fails on one (an engine error, or the client
+    leaving) closes the other runs then and there: their engine requests end and the in-flight
+    gauge comes back down (they were left to the garbage collector, and the gauge stayed up)."""
+    from gateway import metrics
+
+    engine = FakeEngine(name="fail-model")
+    engine.fail_after = 1
+    request = CompletionRequest.model_validate({"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 3})
+    in_flight = metrics.labelled(metrics.IN_FLIGHT, "fail-model")
+
+    async def go() -> None:
+        with pytest.raises(RuntimeError, match="fake engine failure"):
+            await completions.complete(completions.prepare(request, engine, None))
+        assert not engine.running
+        assert in_flight._value.get() == 0
+
+    asyncio.run(go())
