@@ -322,11 +322,15 @@ class Run:
         return choices[0].tokens if len(choices) == 1 else sum(choice.tokens for choice in choices)
 
     def usage(self) -> Usage:
+        return Usage(**self.usage_fields())
+
+    def usage_fields(self) -> dict[str, Any]:
+        """The Usage's fields (all four set, the details None without cached tokens)."""
         completion = self.completion_tokens()
         details = {"cached_tokens": self.cached_tokens} if self.cached_tokens else None
-        return Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=completion,
-            total_tokens=self.prompt_tokens + completion,
-            prompt_tokens_details=details,
-        )
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": details,
+        }
