@@ -59,6 +59,10 @@ class MemoryCache:
         self.bytes = 0
 
     async def get(self, key: str) -> bytes | None:
+        return self.peek(key)
+
+    def peek(self, key: str) -> bytes | None:
+        """`get` without a coroutine (ResponseCache calls it directly)."""
         item = self._items.get(key)
         if item is None:
             return None
@@ -156,8 +160,9 @@ class ResponseCache:
         return cache_key(route, model, body, tenant)
 
     async def get(self, key: str, model: str, kind: type[AnswerT]) -> Hit[AnswerT] | None:
-        assert self.backend is not None
-        raw = await self.backend.get(key)
+        backend = self.backend
+        assert backend is not None
+        raw = backend.peek(key) if type(backend) is MemoryCache else await backend.get(key)
         if raw is None:
             metrics.labelled(metrics.CACHE_MISSES, model).inc()
             return None

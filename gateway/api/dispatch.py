@@ -11,7 +11,7 @@ answer ends.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Generic
 
 from pydantic import BaseModel
@@ -40,6 +40,20 @@ from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Servic
 from gateway.tenants import KeyPolicy
 
 Shape = Callable[[BaseModel | bytes], BaseModel]  # answers and chunks in another form (the native API's)
+
+
+class JSONBytes(Response):
+    """A 200 of JSON already written: what `Response(body, media_type="application/json")` makes
+    (the same headers in the same order: content-length, content-type), without its rendering
+    and header-building layers."""
+
+    media_type = "application/json"
+
+    def __init__(self, body: bytes) -> None:
+        self.status_code = 200
+        self.background = None
+        self.body = body
+        self.raw_headers = [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")]
 
 
 class _Caller:
@@ -124,10 +138,9 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         control = request.headers.getlist("cache-control")  # the first, as get(); no KeyError when absent
         self.no_cache = bool(control) and "no-cache" in control[0].lower()
 
-    async def on(self, backend: Backend) -> Response:
-        if backend.upstream is not None:
-            return await self._remote(backend)
-        return await self._embedded(backend)
+    def on(self, backend: Backend) -> Awaitable[Response]:
+        # the coroutine itself (no layer of its own to await)
+        return self._remote(backend) if backend.upstream is not None else self._embedded(backend)
 
     def _check_output(self, tokens: int) -> None:
         most = self.state.settings.max_output_tokens_per_request
@@ -153,17 +166,25 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         return charge.settle
 
     async def _admit(self, backend: Backend) -> Permit:
-        """As many permits as the engine requests this one makes, in the key's priority class."""
-        return await backend.admission.acquire(self.body.engine_requests(), self.policy.priority)
+        """As many permits as the engine requests this one makes, in the key's priority class
+        (taken at once when there is room: no coroutine to await)."""
+        count = self.body.engine_requests()
+        permit = backend.admission.admit_now(count)
+        return permit if permit is not None else await backend.admission.acquire(count, self.policy.priority)
+
+    def _admitted(self, backend: Backend) -> Permit | None:
+        """The permits when there is room now (what `_admit` takes first), else None."""
+        return backend.admission.admit_now(self.body.engine_requests())
 
     async def _embedded(self, backend: Backend) -> Response:
         engine = backend.engine
         assert engine is not None
         check_task(engine.info, self.service.task, self.service.route)
-        default_max_tokens = self.state.settings.default_max_tokens
-        prepared = await offload.by_size(
-            body_size(self.request), self.service.prepare, self.body, engine, default_max_tokens, self.guard
-        )
+        default_max_tokens, size = self.state.settings.default_max_tokens, body_size(self.request)
+        if offload.inline(size):  # nearly always: no coroutine to await
+            prepared = self.service.prepare(self.body, engine, default_max_tokens, self.guard)
+        else:
+            prepared = await offload.by_size(size, self.service.prepare, self.body, engine, default_max_tokens, self.guard)
         body_prepared(self.request.scope)  # read and tokenized: its bytes leave the in-flight budget
         prepared.model = backend.name
         self._check_output(prepared.output_tokens())
@@ -171,7 +192,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         on_done, hit = await self._cached(backend)
         if hit is not None:
             return self._replay(hit)
-        permit = await self._admit(backend)
+        permit = self._admitted(backend) or await self._admit(backend)
         try:
             return await self._generate(prepared, permit, on_done)
         except BaseException:
@@ -208,14 +229,14 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         answer = await unless_disconnected(receive, self.service.complete(prepared, on_done))
         permit.release()
         if self.shape is None and isinstance(on_done, Storer) and (written := on_done.written(answer)) is not None:
-            return Response(written, media_type="application/json")  # stored as json_response writes it
+            return JSONBytes(written)  # stored as json_response writes it
         return json_response(self.shape(answer) if self.shape else answer)
 
     def _replay(self, hit: Hit[AnswerT]) -> Response:
         if self.body.streams:
             return EventStreamResponse(self._shaped(self.service.replay(hit.answer(), self.body)))
         if self.shape is None and (renewed := self.service.renewed(hit.raw)) is not None:
-            return Response(renewed, media_type="application/json")  # as json_response writes it, unparsed
+            return JSONBytes(renewed)  # as json_response writes it, unparsed
         answer = self.service.fresh(hit.answer())
         return json_response(self.shape(answer) if self.shape else answer)
 

@@ -43,6 +43,14 @@ class Admission:
         self.waiting = 0  # engine requests waiting
         self._queue: deque[tuple[int, asyncio.Future[None]]] = deque()
 
+    def admit_now(self, count: int = 1) -> Permit | None:
+        """The permits when `acquire` would take them at once (room, nobody ahead), without a
+        coroutine to await; None otherwise (then `acquire` waits, refuses or says it never can)."""
+        if count <= self.settings.max_running and not self._queue and self.running + count <= self.settings.max_running:
+            self.running += count
+            return Permit(self, count)
+        return None
+
     async def acquire(self, count: int = 1, priority: Priority = "normal") -> Permit:
         if count > self.settings.max_running:
             raise InvalidRequest(

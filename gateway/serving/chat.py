@@ -10,8 +10,6 @@ from typing import Any
 from engine.types import ChoiceDelta, Engine, GenerationRequest, Task, Tokenizer, TokenLogprob
 from gateway.errors import InvalidRequest
 from gateway.protocol.openai import (
-    AssistantMessage,
-    ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -165,20 +163,32 @@ def _logprobs(entries: Sequence[TokenLogprob | None]) -> ChoiceLogprobs:
     return ChoiceLogprobs(content=content)
 
 
-def _choice(prepared: PreparedChat, state: ChoiceState) -> ChatChoice:
+def _choice(prepared: PreparedChat, state: ChoiceState) -> dict[str, Any]:
+    """One choice as the ChatChoice's fields (its message as AssistantMessage's), validated with the answer."""
     content, calls = prepared.tools.parse("".join(state.text))
-    message = AssistantMessage(content=content, tool_calls=[c.as_openai() for c in calls] or None)
-    return ChatChoice(
-        index=state.index,
-        message=message,
-        finish_reason=prepared.tools.finish_reason(calls, state.finish_reason),
-        logprobs=_logprobs(state.logprobs) if prepared.request.logprobs else None,
-    )
+    return {
+        "index": state.index,
+        "message": {"content": content, "tool_calls": [c.as_openai() for c in calls] or None},
+        "finish_reason": prepared.tools.finish_reason(calls, state.finish_reason),
+        "logprobs": _logprobs(state.logprobs) if prepared.request.logprobs else None,
+    }
 
 
 def _answer(prepared: PreparedChat, run: Run) -> ChatCompletion:
-    choices = [_choice(prepared, state) for state in run.choices]
-    return ChatCompletion(id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=run.usage())
+    """The answer validated in one step from plain fields (the choices, messages and usage as
+    dicts: one validator call instead of one per object and their Python layers)."""
+    fields = {
+        "id": prepared.id,
+        "created": prepared.created,
+        "model": prepared.model,
+        "choices": [_choice(prepared, state) for state in run.choices],
+        "usage": run.usage_fields(),
+    }
+    answer: ChatCompletion = _VALIDATE_CHAT(fields)
+    return answer
+
+
+_VALIDATE_CHAT = ChatCompletion.__pydantic_validator__.validate_python
 
 
 async def start_run(prepared: PreparedChat) -> Run:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, Task, TokenLogprob
 from gateway.errors import InvalidRequest
 from gateway.protocol.openai import (
     Completion,
-    CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     Usage,
@@ -180,9 +180,12 @@ class _Answer:
 
     def usage(self) -> Usage:
         """All prompts' (no cached-token details, as OpenAI's completions)."""
+        return Usage(**self.usage_fields())
+
+    def usage_fields(self) -> dict[str, int]:
         prompt = sum(run.prompt_tokens for run in self.runs)
         completion = 0 if self.prepared.request.max_tokens == 0 else sum(run.completion_tokens() for run in self.runs)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def text(self, state: ChoiceState) -> str:
         return "" if self.prepared.request.max_tokens == 0 else "".join(state.text)
@@ -191,9 +194,12 @@ class _Answer:
 async def complete(prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> Completion:
     await prepared.guard.moderate_input()
     answer = await _Answer(prepared).start()
-    for p, run in enumerate(answer.runs):
-        async for output in run.outputs():
-            answer.note_prompt_logprobs(p, output)
+    try:
+        for p, run in enumerate(answer.runs):
+            await run.collect(partial(answer.note_prompt_logprobs, p))
+    except BaseException:  # one prompt failed (or the client left): the others' engine requests end too
+        await asyncio.gather(*(run.close() for run in answer.runs), return_exceptions=True)
+        raise
     whole = _whole(answer)
     if on_done is not None:
         await on_done(whole)
@@ -201,22 +207,33 @@ async def complete(prepared: PreparedCompletion, on_done: OnDone[Completion] | N
 
 
 def _whole(answer: _Answer) -> Completion:
+    """The answer validated in one step from plain fields (the choices and usage as dicts, not a
+    model each: one validator call instead of one per object and their Python layers)."""
     prepared = answer.prepared
+    zero = prepared.request.max_tokens == 0
     choices = []
     for p, run in enumerate(answer.runs):
         for rank, state in enumerate(_best(run.choices, prepared.request.n)):
-            entries = state.logprobs if prepared.request.max_tokens != 0 else []
             choices.append(
-                CompletionChoice(
-                    index=answer.index(p, rank),
-                    text=answer.echo(p) + answer.text(state),
-                    finish_reason="length" if prepared.request.max_tokens == 0 else state.finish_reason,
-                    logprobs=answer.choice_logprobs(p, entries),
-                )
+                {
+                    "index": answer.index(p, rank),
+                    "text": answer.echo(p) + answer.text(state),
+                    "finish_reason": "length" if zero else state.finish_reason,
+                    "logprobs": answer.choice_logprobs(p, [] if zero else state.logprobs),
+                }
             )
-    return Completion(
-        id=prepared.id, created=prepared.created, model=prepared.model, choices=choices, usage=answer.usage()
-    )
+    fields = {
+        "id": prepared.id,
+        "created": prepared.created,
+        "model": prepared.model,
+        "choices": choices,
+        "usage": answer.usage_fields(),
+    }
+    answer_model: Completion = _VALIDATE_COMPLETION(fields)
+    return answer_model
+
+
+_VALIDATE_COMPLETION = Completion.__pydantic_validator__.validate_python
 
 
 def _best(states: list[ChoiceState], n: int) -> list[ChoiceState]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -290,9 +290,31 @@ class Run:
             tpot = (self._last_token_at - self._first_token_at) / (per_choice - 1)
             metrics.labelled(metrics.TIME_PER_OUTPUT_TOKEN, self._model).observe(tpot)
 
-    async def collect(self) -> Run:
-        async for _ in self.outputs():
-            pass
+    async def collect(self, each: Callable[[GenerationOutput], object] | None = None) -> Run:
+        """Every output taken (and handed to `each`), then closed: what `outputs` does, without
+        its generator layer when there is no output guard (a non-streamed answer)."""
+        if self.guard is not None:
+            async for output in self.outputs():
+                if each is not None:
+                    each(output)
+            return self
+        try:
+            first = self._first
+            self._first = None
+            if first is None:
+                return self
+            output = first
+            take = self._take
+            if each is None:
+                take(output)
+                async for output in self._outputs:
+                    take(output)
+            else:
+                each(take(output))
+                async for output in self._outputs:
+                    each(take(output))
+        finally:
+            await self.close()
         return self
 
     def completion_tokens(self) -> int:
@@ -300,11 +322,15 @@ class Run:
         return choices[0].tokens if len(choices) == 1 else sum(choice.tokens for choice in choices)
 
     def usage(self) -> Usage:
+        return Usage(**self.usage_fields())
+
+    def usage_fields(self) -> dict[str, Any]:
+        """The Usage's fields (all four set, the details None without cached tokens)."""
         completion = self.completion_tokens()
         details = {"cached_tokens": self.cached_tokens} if self.cached_tokens else None
-        return Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=completion,
-            total_tokens=self.prompt_tokens + completion,
-            prompt_tokens_details=details,
-        )
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": details,
+        }

@@ -21,10 +21,16 @@ INLINE_MAX_BYTES = 16 * 1024  # request bodies up to this are prepared on the ev
 _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
 
 
+def inline(size: int) -> bool:
+    """Whether a request body of `size` bytes is prepared on the event loop (`by_size` calls its
+    function directly then: a caller on the hot path can too, without awaiting a coroutine)."""
+    return size <= INLINE_MAX_BYTES
+
+
 async def by_size(size: int, fn: Callable[..., T], *args: object) -> T:
     """fn(*args), inline for a request body of `size` bytes up to INLINE_MAX_BYTES, else in the
     worker thread (with this request's context: its log fields and record)."""
-    if size <= INLINE_MAX_BYTES:
+    if inline(size):
         return fn(*args)
     context = contextvars.copy_context()
     return await asyncio.get_running_loop().run_in_executor(_WORKER, context.run, fn, *args)

@@ -160,3 +160,31 @@ def test_prompts_and_output_tokens_per_request_are_bounded(route: str, body: dic
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
         assert engine.requests == []
         assert client.post("/v1/completions", json={"model": "fake-model", "prompt": ["a"] * 5, "max_tokens": 20}).status_code == 200
+
+
+async def test_admit_now_takes_what_acquire_takes_at_once_and_nothing_else() -> None:
+    from gateway.backends.admission import Admission
+    from gateway.settings import AdmissionSettings
+
+    admission = Admission("m", AdmissionSettings(max_running=3, max_waiting=4, wait_timeout_s=5))
+    first = admission.admit_now(2)
+    assert first is not None and first.count == 2 and admission.running == 2
+    assert admission.admit_now(2) is None and admission.running == 2  # no room: nothing taken
+    assert admission.admit_now(4) is None  # never admissible: acquire says so (a 400)
+    waiter = asyncio.create_task(admission.acquire(2))
+    await asyncio.sleep(0)
+    assert admission.waiting == 2
+    first.release()
+    await asyncio.sleep(0)
+    second = await waiter
+    assert admission.running == 2 and admission.admit_now(1) is not None and admission.running == 3
+    second.release()
+    # someone waiting: nobody overtakes, even with room for the smaller request
+    blocker = admission.admit_now(1)
+    assert blocker is not None and admission.running == 2
+    waiter = asyncio.create_task(admission.acquire(3))
+    await asyncio.sleep(0)
+    assert admission.admit_now(1) is None and admission.running == 2
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter

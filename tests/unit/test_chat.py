@@ -6,6 +6,14 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
+from gateway.protocol.openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    Usage,
+)
 from tests.fakes import FakeEngine
 
 MODEL = "fake-model"
@@ -126,3 +134,55 @@ def test_max_tokens_past_the_context_is_400(client: TestClient) -> None:
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+
+
+def _chat_model_by_model(answer: ChatCompletion) -> ChatCompletion:
+    """The answer built as before: each choice, message, logprobs and the usage a model of its own."""
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=AssistantMessage(content=c.message.content, tool_calls=c.message.tool_calls),
+            finish_reason=c.finish_reason,
+            logprobs=ChoiceLogprobs(**c.logprobs.model_dump()) if c.logprobs is not None else None,
+        )
+        for c in answer.choices
+    ]
+    u = answer.usage
+    usage = Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                  total_tokens=u.total_tokens, prompt_tokens_details=u.prompt_tokens_details)
+    return ChatCompletion(id=answer.id, created=answer.created, model=answer.model, choices=choices, usage=usage)
+
+
+@pytest.mark.parametrize(
+    ("fields", "reply"),
+    [
+        ({"max_tokens": 3}, None),
+        ({"max_tokens": 2, "n": 2, "logprobs": True, "top_logprobs": 2}, None),
+        ({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]},
+         ["Let me check. ", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>']),
+    ],
+)
+def test_whole_chat_answer_is_what_the_models_one_by_one_make(fields: dict, reply: list[str] | None) -> None:
+    """Validated in one step from plain fields: the same models (types, fields set) and the same JSON
+    as building each choice, message, logprobs and usage apart."""
+    import asyncio
+
+    from gateway.serving import chat
+
+    engine = FakeEngine()
+    engine.reply = reply
+    request = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields})
+    answer = asyncio.run(chat.complete(chat.prepare(request, engine, None)))
+    again = _chat_model_by_model(answer)
+    assert all(type(c) is ChatChoice and type(c.message) is AssistantMessage for c in answer.choices)
+    assert type(answer.usage) is Usage
+    assert [(c.model_fields_set, c.message.model_fields_set) for c in answer.choices] == [
+        (c.model_fields_set, c.message.model_fields_set) for c in again.choices
+    ]
+    assert answer.model_fields_set == again.model_fields_set
+    assert answer.usage.model_fields_set == again.usage.model_fields_set
+    serialize = ChatCompletion.__pydantic_serializer__.to_json
+    assert serialize(answer, exclude_none=True) == serialize(again, exclude_none=True)
+    assert serialize(answer) == serialize(again)
+    if reply is not None:
+        assert answer.choices[0].message.tool_calls and answer.choices[0].finish_reason == "tool_calls"

@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
+import pytest
 from starlette.testclient import TestClient
 
+from gateway.protocol.openai import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
+from gateway.serving import completions
 from tests.fakes import FakeEngine
 from tests.unit.test_chat import sse_events
 
@@ -86,3 +90,82 @@ def test_text_only_stream_chunks_match_the_general_path(client: TestClient) -> N
     finishes = [c.get("finish_reason") for chunk in plain for c in chunk if c.get("finish_reason")]
     assert finishes == ["length", "length"]
     assert {c["index"] for chunk in plain for c in chunk} == {0, 1}
+
+
+def _model_by_model(answer: Completion) -> Completion:
+    """The answer built as before: each choice, its logprobs and the usage a model of its own."""
+    choices = [
+        CompletionChoice(
+            index=c.index,
+            text=c.text,
+            finish_reason=c.finish_reason,
+            logprobs=CompletionLogprobs(**c.logprobs.model_dump()) if c.logprobs is not None else None,
+        )
+        for c in answer.choices
+    ]
+    assert answer.usage is not None
+    usage = Usage(
+        prompt_tokens=answer.usage.prompt_tokens,
+        completion_tokens=answer.usage.completion_tokens,
+        total_tokens=answer.usage.total_tokens,
+    )
+    return Completion(id=answer.id, created=answer.created, model=answer.model, choices=choices, usage=usage)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt": "a b", "max_tokens": 2},
+        {"prompt": ["a b", "c"], "max_tokens": 2, "n": 2},
+        {"prompt": "say", "max_tokens": 2, "echo": True, "logprobs": 2},
+        {"prompt": "say", "max_tokens": 0, "echo": True, "logprobs": 1},
+        {"prompt": "say", "max_tokens": 2, "n": 1, "best_of": 3, "logprobs": 1},
+    ],
+)
+def test_whole_answer_is_what_the_models_one_by_one_make(fields: dict[str, object]) -> None:
+    """The whole answer is validated in one step from plain fields: the same models (types, fields
+    set) and the same JSON, byte for byte, as building each choice, logprobs and usage apart."""
+    engine = FakeEngine()
+    request = CompletionRequest.model_validate({"model": MODEL, **fields})
+    answer = asyncio.run(completions.complete(completions.prepare(request, engine, None)))
+    again = _model_by_model(answer)
+    assert all(type(c) is CompletionChoice for c in answer.choices) and type(answer.usage) is Usage
+    assert [c.model_fields_set for c in answer.choices] == [c.model_fields_set for c in again.choices]
+    assert answer.model_fields_set == again.model_fields_set
+    serialize = Completion.__pydantic_serializer__.to_json
+    assert serialize(answer, exclude_none=True) == serialize(again, exclude_none=True)
+    assert serialize(answer) == serialize(again)
+
+
+def test_whole_answer_json() -> None:
+    request = CompletionRequest.model_validate({"model": MODEL, "prompt": "a b", "max_tokens": 2})
+    answer = asyncio.run(completions.complete(completions.prepare(request, FakeEngine(), None)))
+    written = json.loads(Completion.__pydantic_serializer__.to_json(answer, exclude_none=True))
+    assert written == {
+        "id": answer.id,
+        "object": "text_completion",
+        "created": answer.created,
+        "model": MODEL,
+        "choices": [{"index": 0, "text": "the quick", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
+    }
+
+
+def test_a_failing_prompt_ends_the_other_prompts_runs_at_once() -> None:
+    """A non-streamed request of several prompts that fails on one (an engine error, or the client
+    leaving) closes the other runs then and there: their engine requests end and the in-flight
+    gauge comes back down (they were left to the garbage collector, and the gauge stayed up)."""
+    from gateway import metrics
+
+    engine = FakeEngine(name="fail-model")
+    engine.fail_after = 1
+    request = CompletionRequest.model_validate({"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 3})
+    in_flight = metrics.labelled(metrics.IN_FLIGHT, "fail-model")
+
+    async def go() -> None:
+        with pytest.raises(RuntimeError, match="fake engine failure"):
+            await completions.complete(completions.prepare(request, engine, None))
+        assert not engine.running
+        assert in_flight._value.get() == 0
+
+    asyncio.run(go())

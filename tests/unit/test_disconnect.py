@@ -7,6 +7,7 @@ arrives exactly when the test says.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 
 from gateway.app import create_app
@@ -165,3 +166,33 @@ async def test_work_that_swallows_the_cancellation_leaves_no_stray_cancel_behind
         assert await unless_disconnected(gone_receive(), work()) == "finished anyway"
     assert asyncio.current_task().cancelling() == 0
     await asyncio.sleep(0.01)  # and the task goes on: no cancellation waiting for its next await
+
+
+async def test_watches_share_a_timer_and_each_watcher_runs_in_its_own_request_context() -> None:
+    """The shared queue starts each watch's watcher at its due time, in the context of the request
+    that made it (not of the one whose watch set the timer), and never a stopped watch's."""
+    from gateway.api.disconnect import Watch
+
+    who: contextvars.ContextVar[str] = contextvars.ContextVar("who", default="nobody")
+    seen: list[str] = []
+
+    async def receive() -> dict:
+        seen.append(who.get())
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def request(name: str, stop_after_s: float) -> bool:
+        who.set(name)
+        watch = Watch(receive)
+        await asyncio.sleep(stop_after_s)
+        started = watch._watcher is not None
+        watch.stop()
+        return started
+
+    quick = asyncio.create_task(request("quick", 0))  # sets the timer, gone before it fires
+    await asyncio.sleep(WATCH_AFTER_S / 4)
+    slow = [asyncio.create_task(request(f"slow{i}", WATCH_AFTER_S * 2)) for i in range(2)]
+    stopped = asyncio.create_task(request("stopped", WATCH_AFTER_S / 2))
+    assert await quick is False and await stopped is False
+    assert await asyncio.gather(*slow) == [True, True]
+    assert seen == ["slow0", "slow1"]
