@@ -128,6 +128,7 @@ class _Reading:
             waiting.pop(self, None)
         if self.expired:  # cut, but the receive kept its message: the cut taken back, as timeout_at does
             task.uncancel()
+            self.expired = False  # a later cancellation of this request is not this cut
         if message["type"] == "http.disconnect":
             self.complete = True
             self.release()
