@@ -226,13 +226,13 @@ class _Exchange:
         self.response: WireResponse | None = None
 
     async def __aenter__(self) -> WireResponse:
-        self.response = await self.session._send(self.method, self.url, self.data)
+        response = self.response = await self.session._send(self.method, self.url, self.data)
         try:
-            await self.response.wait_headers()
-        except BaseException:
-            self.response.connection.close()
+            await response.wait_headers()
+        except BaseException:  # no __aexit__ after a failed __aenter__: the connection is let go here
+            self.session._release(response)
             raise
-        return self.response
+        return response
 
     async def __aexit__(self, *exc_info: object) -> None:
         response = self.response

@@ -166,15 +166,8 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         return charge.settle
 
     async def _admit(self, backend: Backend) -> Permit:
-        """As many permits as the engine requests this one makes, in the key's priority class
-        (taken at once when there is room: no coroutine to await)."""
-        count = self.body.engine_requests()
-        permit = backend.admission.admit_now(count)
-        return permit if permit is not None else await backend.admission.acquire(count, self.policy.priority)
-
-    def _admitted(self, backend: Backend) -> Permit | None:
-        """The permits when there is room now (what `_admit` takes first), else None."""
-        return backend.admission.admit_now(self.body.engine_requests())
+        """As many permits as the engine requests this one makes, in the key's priority class."""
+        return await backend.admission.acquire(self.body.engine_requests(), self.policy.priority)
 
     async def _embedded(self, backend: Backend) -> Response:
         engine = backend.engine
@@ -192,7 +185,7 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         on_done, hit = await self._cached(backend)
         if hit is not None:
             return self._replay(hit)
-        permit = self._admitted(backend) or await self._admit(backend)
+        permit = await self._admit(backend)
         try:
             return await self._generate(prepared, permit, on_done)
         except BaseException:

@@ -46,7 +46,7 @@ class Admission:
     def admit_now(self, count: int = 1) -> Permit | None:
         """The permits when `acquire` would take them at once (room, nobody ahead), without a
         coroutine to await; None otherwise (then `acquire` waits, refuses or says it never can)."""
-        if count <= self.settings.max_running and not self._queue and self.running + count <= self.settings.max_running:
+        if not self._queue and self.running + count <= self.settings.max_running:  # count > max_running never fits
             self.running += count
             return Permit(self, count)
         return None
@@ -59,11 +59,11 @@ class Admission:
                 "lower n, best_of or the number of prompts",
                 param="n",
             )
-        if not self._queue and self.running + count <= self.settings.max_running:
-            self.running += count  # room, and nobody ahead: taken at once, without suspending
-        else:
+        permit = self.admit_now(count)  # room, and nobody ahead: taken at once, without suspending
+        if permit is None:
             await self._wait(count, priority)
-        return Permit(self, count)
+            permit = Permit(self, count)
+        return permit
 
     async def _wait(self, count: int, priority: Priority = "normal") -> None:
         if self.waiting + count > self.settings.max_waiting * self.settings.queue_share.get(priority, 1.0):

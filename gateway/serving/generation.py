@@ -298,21 +298,14 @@ class Run:
                 if each is not None:
                     each(output)
             return self
+        take = self._take if each is None else (lambda output: each(self._take(output)))
         try:
-            first = self._first
-            self._first = None
+            first, self._first = self._first, None
             if first is None:
                 return self
-            output = first
-            take = self._take
-            if each is None:
+            take(first)
+            async for output in self._outputs:
                 take(output)
-                async for output in self._outputs:
-                    take(output)
-            else:
-                each(take(output))
-                async for output in self._outputs:
-                    each(take(output))
         finally:
             await self.close()
         return self
