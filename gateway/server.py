@@ -57,12 +57,13 @@ class HeaderTimeout(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         before = getattr(self, "cycle", None)
-        if before is None or before.response_complete:  # between requests: these bytes are headers
-            self._arm()
         super().data_received(data)
         if getattr(self, "cycle", None) is not before:  # the headers are complete: a request started
             self._disarm()
-        elif self._timer is not None:
+            return  # (the usual case: whole headers in one read, so no timer is made per request)
+        if before is None or before.response_complete:  # between requests: these bytes began headers
+            self._arm()
+        if self._timer is not None:
             self._header_bytes += len(data)
             if self._header_bytes > MAX_HEADER_BYTES:
                 self._expire()

@@ -103,6 +103,33 @@ def test_the_header_timeout_spares_a_connection_between_requests(running: Runnin
     assert connection.getresponse().status == 200 and connection.sock is first
 
 
+def test_whole_headers_in_one_read_make_no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header timer is made once per connection (for its first request) and again only when a
+    request's headers come in pieces, not for every request on a keep-alive connection."""
+    from gateway.server import HeaderTimeout
+
+    armed: list[int] = []
+    arm = HeaderTimeout._arm
+
+    def counting(self: HeaderTimeout) -> None:
+        armed.append(1)
+        arm(self)
+
+    monkeypatch.setattr(HeaderTimeout, "_arm", counting)
+    with Running(FakeEngine(), header_timeout_s=5) as server:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        for _ in range(5):
+            connection.request("GET", "/health")
+            assert connection.getresponse().read() == b'{"status":"ok"}'
+        assert len(armed) == 1  # connection_made's
+        with server.connect() as slow:  # headers in two reads: the timer runs between them
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            time.sleep(0.2)
+            slow.sendall(b"\r\n")
+            assert slow.recv(1024).startswith(b"HTTP/1.1 200")
+        assert len(armed) == 3  # the second connection's, and its first read's
+
+
 def test_a_500_keeps_the_connection_and_says_its_request_id(running: Running, engine: FakeEngine) -> None:
     connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
     engine.fail_after = 0
