@@ -5,7 +5,9 @@ list input items, cancel.
 this key's), then hands the chat request that the `ResponsesService` made of it to the dispatcher
 (model choice, limits, cache, admission). A stream is framed with named events. A background
 response is that same stream, played to nobody by a task that holds the admission permit until
-it ends; a cancel hangs up on it (the engine request is aborted) and stores it as cancelled.
+it ends; a cancel hangs up on it (the engine request is aborted) and stores it as cancelled. It
+counts as work in progress (`Lifecycle.hold`): a drain waits for it as for a request, and the
+shutdown after the drain's timeout cancels what is still running.
 Responses are scoped by API key, by its tenant (`anonymous` when keys are off).
 """
 
@@ -23,6 +25,7 @@ from gateway.api.requests import json_response, parse, state_of
 from gateway.api.sse import NAMED, EventStreamResponse
 from gateway.errors import InvalidRequest, NotFound
 from gateway.middleware.auth import ANONYMOUS
+from gateway.middleware.lifecycle import Lifecycle
 from gateway.protocol.responses import InputItemsQuery, Item, ResponseDeleted, ResponseItemList, ResponsesRequest
 from gateway.responses_store import BackgroundRun, ResponseStore, StoredResponse
 from gateway.serving.responses import ResponsesService
@@ -47,7 +50,7 @@ async def create(request: Request) -> Response:
     answer = await dispatch(request, state, service.chat_request(), service)
     if isinstance(answer, EventStreamResponse):
         if body.background:
-            return await _in_background(service, answer, state.responses)
+            return await _in_background(service, answer, state.responses, state.lifecycle)
         answer.framing = NAMED
         return answer
     await service.save()
@@ -65,13 +68,21 @@ async def _history(store: ResponseStore, scope: str, previous_id: str | None) ->
     return [*previous.input_items, *previous.response.output]
 
 
-async def _in_background(service: ResponsesService, stream: EventStreamResponse, store: ResponseStore) -> Response:
+async def _in_background(
+    service: ResponsesService, stream: EventStreamResponse, store: ResponseStore, lifecycle: Lifecycle
+) -> Response:
     accepted = service.skeleton("in_progress")
     await service.save(accepted)  # retrievable at once (the stream's own saves come later)
     hang_up = asyncio.Event()
+    release = lifecycle.hold()  # a drain waits for it
     task = asyncio.create_task(_play(stream, hang_up))
     store.running[service.id] = BackgroundRun(task, hang_up, service.cancelled)
-    task.add_done_callback(lambda _: store.running.pop(service.id, None))
+
+    def ended(_: object) -> None:
+        store.running.pop(service.id, None)
+        release()
+
+    task.add_done_callback(ended)
     return json_response(accepted)
 
 

@@ -295,6 +295,28 @@ def test_a_background_response_completes_and_cannot_be_cancelled_after(sdk: open
         sdk.responses.cancel(foreground.id)
 
 
+def test_a_background_response_is_work_in_progress_for_the_drain(engine: FakeEngine) -> None:
+    """It holds the lifecycle's count (a SIGTERM's drain waits for it, `gateway.server`) from its
+    start to its end, here a cancel, after its own request has ended."""
+    from gateway.app import create_app
+    from gateway.middleware.lifecycle import Lifecycle
+    from tests.fakes import fake_settings
+
+    engine.delay = 0.1  # about 5 s of output: running all through the test
+    lifecycle = Lifecycle()
+    app = create_app(fake_settings(), engine_starter=lambda es: engine, lifecycle=lifecycle)
+    with TestClient(app) as client:
+        sdk = sdk_for(client)
+        started = sdk.responses.create(model=MODEL, input="hi", background=True)
+        time.sleep(0.3)  # its request is over
+        assert lifecycle.active == 1 and engine.running
+        assert sdk.responses.cancel(started.id).status == "cancelled"
+        deadline = time.monotonic() + 5
+        while lifecycle.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lifecycle.active == 0 and not engine.running
+
+
 def test_deterministic_answers_come_from_the_cache_under_new_ids(scripted: FakeEngine) -> None:
     with TestClient(app_with(scripted, cache={"backend": "memory"})) as client:
         body = {"model": MODEL, "input": "hi", "temperature": 0}
