@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.dispatch import dispatch
 from gateway.api.requests import json_response, key_models, parse, state_of
-from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelList
+from gateway.errors import ModelNotFound
+from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.serving.chat import CHAT
 from gateway.serving.completions import COMPLETIONS
 
@@ -22,10 +24,24 @@ async def text_completions(request: Request) -> Response:
     return await dispatch(request, state_of(request), body, COMPLETIONS)
 
 
-async def list_models(request: Request) -> Response:
+def _cards(request: Request) -> list[ModelCard]:
     """The models the key may use (the keys file's `models`; every model for other keys)."""
-    listing = state_of(request).models.listing()
+    cards = state_of(request).models.listing().data
     allows = key_models(request)
-    if allows is not None:
-        listing = ModelList(data=[card for card in listing.data if allows(card.id, card.root or card.id)])
-    return json_response(listing)
+    return cards if allows is None else [card for card in cards if allows(card.id, card.root or card.id)]
+
+
+async def list_models(request: Request) -> Response:
+    return json_response(ModelList(data=_cards(request)))
+
+
+async def retrieve_model(request: Request) -> Response:
+    """One of `list_models`' cards by its id (which may hold slashes: org/name); 404 model_not_found
+    for a model the key may not use, as for one that does not exist."""
+    name = request.path_params["model"]
+    if not name:  # /v1/models/: no id, as an unknown path
+        raise HTTPException(status_code=404)
+    card = next((card for card in _cards(request) if card.id == name), None)
+    if card is None:
+        raise ModelNotFound(f"The model '{name}' does not exist or you do not have access to it.", "model")
+    return json_response(card)

@@ -65,7 +65,7 @@ def _operation(endpoint: Endpoint) -> dict[str, Any]:
 def document(endpoints: tuple[Endpoint, ...]) -> dict[str, Any]:
     paths: dict[str, Any] = {}
     for endpoint in endpoints:
-        paths.setdefault(endpoint.path, {})[endpoint.method.lower()] = _operation(endpoint)
+        paths.setdefault(endpoint.template, {})[endpoint.method.lower()] = _operation(endpoint)
     return {
         "openapi": "3.1.0",
         "info": {"title": "llm-gateway", "version": "0.1.0", "description": "OpenAI-compatible LLM gateway"},

@@ -40,6 +40,8 @@ TABLE = RouteTable([
     Endpoint("POST", "/v1/messages/count_tokens", messages.count_tokens, "api", "Count a message's input tokens "
              "(Anthropic's API)", a.CountTokensRequest, a.MessageTokensCount, dialect="anthropic"),
     Endpoint("GET", "/v1/models", handlers.list_models, "api", "List the served models", None, p.ModelList),
+    Endpoint("GET", "/v1/models/{model:path}", handlers.retrieve_model, "api", "Retrieve a served model",
+             None, p.ModelCard),
     Endpoint("POST", "/v1/responses", responses.create, "api", "Create a model response (Responses API)",
              r.ResponsesRequest, r.Response, streams=True),
     Endpoint("GET", "/v1/responses/{response_id}", responses.by_id, "api", "Retrieve a stored response", None, r.Response),

@@ -38,12 +38,19 @@ class Endpoint:
     streams: bool = False  # answers with Server-Sent Events when the body says `stream: true`
     dialect: Dialect = "openai"  # whose API it is: the shape of its errors and its SSE framing
 
+    @property
+    def template(self) -> str:
+        """The path as OpenAPI writes it: /v1/models/{model} where the route says {model:path}."""
+        return compile_path(self.path)[1]
+
 
 class RouteTable:
     def __init__(self, endpoints: Iterable[Endpoint]) -> None:
         self.endpoints = tuple(endpoints)
         self._paths = frozenset(e.path for e in self.endpoints)
         self._dialects = {e.path: e.dialect for e in self.endpoints}
+        # paths under another API's route (/v1/messages/...): that API's errors, also for a 404
+        self._dialect_prefixes = tuple((e.path + "/", e.dialect) for e in self.endpoints if e.dialect != "openai")
         # paths with parameters (/v1/responses/{response_id}), matched as Starlette's router does
         self._templates = [(compile_path(path)[0], path) for path in sorted(self._paths) if "{" in path]
 
@@ -70,8 +77,12 @@ class RouteTable:
         return next((template for regex, template in self._templates if regex.match(path)), UNMATCHED)
 
     def dialect(self, path: str) -> Dialect:
-        """The error dialect of a request path (OpenAI's for paths outside the table)."""
-        return self._dialects.get(path, "openai")
+        """The error dialect of a request path: its route's, or that of the route it is under
+        (/v1/messages/batches: Anthropic's); OpenAI's for other paths outside the table."""
+        found = self._dialects.get(path)
+        if found is not None:
+            return found
+        return next((dialect for prefix, dialect in self._dialect_prefixes if path.startswith(prefix)), "openai")
 
 
 def route_path(scope: Scope) -> str:

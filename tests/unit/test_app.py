@@ -21,6 +21,16 @@ def test_models_lists_the_engine(sdk: openai.OpenAI) -> None:
     assert models.data[0].object == "model"
 
 
+def test_a_model_is_retrieved_by_its_id(sdk: openai.OpenAI, client: TestClient) -> None:
+    model = sdk.models.retrieve("fake-model")
+    assert (model.id, model.object) == ("fake-model", "model")
+    assert client.get("/v1/models/fake-model").json() == client.get("/v1/models").json()["data"][0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        sdk.models.retrieve("org/ghost")  # an id with a slash reaches the handler too
+    assert missing.value.status_code == 404 and missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+    assert missing.value.body["param"] == "model" and "org/ghost" in missing.value.body["message"]  # type: ignore[index]
+
+
 def test_health(client: TestClient) -> None:
     assert client.get("/health").json() == {"status": "ok"}
 

@@ -129,9 +129,9 @@ def operations() -> list[tuple[str, str, GenerationMode]]:
     for endpoint in TABLE.endpoints:
         if endpoint.path == "/openapi.json":
             continue
-        cases.append((endpoint.method, endpoint.path, GenerationMode.POSITIVE))
+        cases.append((endpoint.method, endpoint.template, GenerationMode.POSITIVE))
         if endpoint.request is not None:
-            cases.append((endpoint.method, endpoint.path, GenerationMode.NEGATIVE))
+            cases.append((endpoint.method, endpoint.template, GenerationMode.NEGATIVE))
     return cases
 
 

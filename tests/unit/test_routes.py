@@ -39,7 +39,7 @@ def concrete(client: TestClient, path: str, headers: dict[str, str]) -> str:
     """A path with its parameters filled in: /v1/responses/{response_id} names a fresh (background)
     response, when the app lets one be made."""
     if "{response_id}" not in path:
-        return path
+        return path.replace("{model:path}", "fake-model")
     made = client.post("/v1/responses", json={**BODIES["/v1/responses"], "background": True}, headers=headers)
     return path.replace("{response_id}", made.json()["id"] if made.status_code == 200 else "resp_none")
 
@@ -120,15 +120,18 @@ def test_openapi_documents_every_route_of_the_table() -> None:
     with TestClient(app_with()) as client:
         paths = client.get("/openapi.json").json()["paths"]
     assert {(path, method.upper()) for path, ops in paths.items() for method in ops} == {
-        (e.path, e.method) for e in TABLE.endpoints
+        (e.template, e.method) for e in TABLE.endpoints
     }
     for endpoint in TABLE.endpoints:
-        operation = paths[endpoint.path][endpoint.method.lower()]
+        operation = paths[endpoint.template][endpoint.method.lower()]
         if endpoint.request is not None:
             body = operation["requestBody"]
             assert body["content"]["application/json"]["schema"]["$ref"].endswith(endpoint.request.__name__)
         if "{response_id}" in endpoint.path:
             assert operation["parameters"] == [{"name": "response_id", "in": "path", "required": True,
+                                                "schema": {"type": "string"}}]
+        if "{model:path}" in endpoint.path:
+            assert operation["parameters"] == [{"name": "model", "in": "path", "required": True,
                                                 "schema": {"type": "string"}}]
 
 

@@ -133,6 +133,10 @@ def test_a_model_the_key_may_not_use_is_not_found(tmp_path: Path) -> None:
         listed = {m["id"] for m in client.get("/v1/models", headers=bearer("sk-n")).json()["data"]}
         assert listed == {"fake-model", "smol"}
         assert {"other", "o"} <= {m["id"] for m in client.get("/v1/models", headers=bearer("sk-w")).json()["data"]}
+        assert client.get("/v1/models/smol", headers=bearer("sk-n")).json()["id"] == "smol"
+        hidden = client.get("/v1/models/o", headers=bearer("sk-n"))  # as a model that does not exist
+        assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"
+        assert client.get("/v1/models/o", headers=bearer("sk-w")).json()["root"] == "other"
 
 
 # ---------------------------------------------------------------------------------------------
