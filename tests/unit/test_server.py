@@ -181,3 +181,16 @@ def test_the_auth_throttle_counts_the_client_behind_a_trusted_proxy() -> None:
             return connection.getresponse().status
 
         assert [attempt("10.0.0.1"), attempt("10.0.0.1"), attempt("10.0.0.2")] == [401, 429, 401]
+
+
+def test_an_error_before_the_router_has_its_length_for_an_http_1_0_client() -> None:
+    """The middleware's errors (here auth's 401) go out with a Content-Length: without one uvicorn
+    sends them chunked, which an HTTP/1.0 client takes for the body itself."""
+    with Running(FakeEngine(), api_keys=["sk-right"]) as server, server.connect() as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401") and b"transfer-encoding" not in head.lower()
+        assert json.loads(body)["error"]["code"] == "invalid_api_key"
