@@ -33,6 +33,8 @@ import structlog
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from gateway.api.routes import TABLE
+from gateway.errors import InvalidRequest, render
 from gateway.middleware.lifecycle import Lifecycle
 from gateway.settings import Settings
 
@@ -71,6 +73,20 @@ class HeaderTimeout(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request uvicorn cannot parse (request line, headers, body framing): the API's 400, in
+        its error shape (Anthropic's on its routes), not uvicorn's plain text; then the connection
+        closes, as uvicorn closes it."""
+        path = bytes(getattr(self, "url", b"")).partition(b"?")[0].decode("latin-1")  # httptools': parsed so far
+        _, headers, body = render(InvalidRequest(msg), TABLE.dialect(path))
+        state = getattr(self, "server_state", None)
+        headers = [*(state.default_headers if state else ()), *headers,
+                   (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+        head = b"".join(name + b": " + value + b"\r\n" for name, value in headers)
+        if self._connection is not None and not self._connection.is_closing():
+            self._connection.write(b"HTTP/1.1 400 Bad Request\r\n" + head + b"\r\n" + body)  # type: ignore[attr-defined]
+            self._connection.close()
 
     def _arm(self) -> None:
         if self._timer is None:

@@ -194,3 +194,25 @@ def test_an_error_before_the_router_has_its_length_for_an_http_1_0_client() -> N
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 401") and b"transfer-encoding" not in head.lower()
         assert json.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(("request_bytes", "dialect"), [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 5\r\n\r\n{}", "openai"),
+    (b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "anthropic"),
+    (b"FOO /health HTTP/1.1\r\nHost: x\r\n\r\n", "openai"),
+])
+def test_a_request_that_is_not_http_gets_a_400_in_the_api_shape(running: Running, request_bytes: bytes, dialect: str) -> None:
+    """What uvicorn's parser refuses (conflicting lengths, a bad chunk size, an unknown method) is
+    answered in the API's error shape, not uvicorn's plain text, and the connection closed."""
+    with running.connect() as sock:
+        sock.sendall(request_bytes)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head
+    error = json.loads(body)
+    assert error["type"] == "error" if dialect == "anthropic" else error["error"]["type"] == "invalid_request_error"
+    connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
+    connection.request("GET", "/health")
+    assert connection.getresponse().status == 200  # still serving
