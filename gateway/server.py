@@ -62,13 +62,17 @@ class HeaderTimeout(asyncio.Protocol):
         super().data_received(data)
         if getattr(self, "cycle", None) is not before:  # the headers are complete: a request started
             self._disarm()
+            self._header_bytes = 0
             return  # (the usual case: whole headers in one read, so no timer is made per request)
         if before is None or before.response_complete:  # between requests: these bytes began headers
             self._arm()
-        if self._timer is not None:
-            self._header_bytes += len(data)
-            if self._header_bytes > MAX_HEADER_BYTES:
-                self._expire()
+        elif before.more_body:  # the body of the request in progress (uvicorn bounds what it holds)
+            return
+        # else the next request's headers, sent while this one is answered (pipelined): bounded,
+        # not timed (a stream in progress is not cut for them); uvicorn would hold them all
+        self._header_bytes += len(data)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self._expire()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -216,3 +216,27 @@ def test_a_request_that_is_not_http_gets_a_400_in_the_api_shape(running: Running
     connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
     connection.request("GET", "/health")
     assert connection.getresponse().status == 200  # still serving
+
+
+def test_headers_sent_during_an_answer_are_bounded_too() -> None:
+    """A client that streams a next request's headers, never ending them, while its request is
+    answered (here a slow stream) is cut off past MAX_HEADER_BYTES: uvicorn would hold them all."""
+    with Running(FakeEngine(max_model_len=4096, delay=0.05), header_timeout_s=30) as server, server.connect() as sock:
+        body = json.dumps(chat_body(max_tokens=2000, stream=True)).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # the stream is under way
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for _ in range(4 * MAX_HEADER_BYTES // 1000):
+                sock.sendall(b"X-Filler: " + b"a" * 1000 + b"\r\n")
+        except OSError:
+            pass  # closed while we were still sending
+        deadline = time.monotonic() + 10
+        while True:  # the stream's events until the server closes (before the stream's 100 s)
+            try:
+                if sock.recv(65536) == b"":
+                    break
+            except ConnectionResetError:
+                break
+            assert time.monotonic() < deadline, "the connection was not closed"
