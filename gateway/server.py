@@ -59,6 +59,7 @@ class HeaderTimeout(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         before = getattr(self, "cycle", None)
+        held = len(before.body) if before is not None else 0
         super().data_received(data)
         if getattr(self, "cycle", None) is not before:  # the headers are complete: a request started
             self._disarm()
@@ -66,10 +67,13 @@ class HeaderTimeout(asyncio.Protocol):
             return  # (the usual case: whole headers in one read, so no timer is made per request)
         if before is None or before.response_complete:  # between requests: these bytes began headers
             self._arm()
-        elif before.more_body:  # the body of the request in progress (uvicorn bounds what it holds)
+        elif len(before.body) > held:  # the body of the request in progress: uvicorn bounds what it holds
+            self._header_bytes = 0
             return
-        # else the next request's headers, sent while this one is answered (pipelined): bounded,
-        # not timed (a stream in progress is not cut for them); uvicorn would hold them all
+        # else bytes that added nothing to the body of the request in progress: chunk framing, a
+        # chunked body's trailers, or the next request's headers sent while this one is answered
+        # (pipelined); headers, which uvicorn would hold all of: bounded, not timed (a stream in
+        # progress is not cut for slow pipelined headers)
         self._header_bytes += len(data)
         if self._header_bytes > MAX_HEADER_BYTES:
             self._expire()

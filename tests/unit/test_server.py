@@ -4,6 +4,7 @@ errors keep the keep-alive connection, and an abandoned upload is a 499."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
@@ -13,11 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import uvicorn
+from uvicorn.server import ServerState
 
 from gateway import metrics
 from gateway.app import create_app
 from gateway.middleware.lifecycle import Lifecycle
-from gateway.server import MAX_HEADER_BYTES, DrainingServer, server_config
+from gateway.server import MAX_HEADER_BYTES, DrainingServer, http_protocol, server_config
 from tests.fakes import FakeEngine, chat_body, fake_settings
 
 
@@ -240,3 +243,84 @@ def test_headers_sent_during_an_answer_are_bounded_too() -> None:
             except ConnectionResetError:
                 break
             assert time.monotonic() < deadline, "the connection was not closed"
+
+
+def test_endless_trailers_of_a_chunked_body_are_cut_off(running: Running) -> None:
+    """After a chunked body's last chunk come its trailers, headers that uvicorn keeps: a client
+    that never ends them is cut off past MAX_HEADER_BYTES, as for the request's own headers."""
+    body = json.dumps(chat_body()).encode()
+    with running.connect() as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n" % (len(body), body))
+        try:
+            for _ in range(4 * MAX_HEADER_BYTES // 1000):
+                sock.sendall(b"X-Trailer: " + b"a" * 1000 + b"\r\n")
+        except OSError:
+            pass  # closed while we were still sending
+        assert closed_by_server(sock)
+
+
+def test_a_body_in_small_chunks_is_not_taken_for_headers(running: Running) -> None:
+    body = json.dumps(chat_body()).encode() + b" " * (2 * MAX_HEADER_BYTES)
+    framed = b"".join(b"1;ext=%b\r\n%b\r\n" % (b"x" * 20, body[i:i + 1]) for i in range(len(body))) + b"0\r\n\r\n"
+    with running.connect() as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for i in range(0, len(framed), 4096):
+            sock.sendall(framed[i:i + 4096])
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+
+class _Transport(asyncio.Transport):
+    """A transport that keeps what is written to it: a protocol driven read by read, without sockets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 8000) if name in ("sockname", "peername") else default
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def test_a_body_that_ends_in_one_large_read_is_not_taken_for_headers() -> None:
+    """The read that completes a request's body (here all of it, past MAX_HEADER_BYTES) is body,
+    not the next request's headers, though the body is complete after it."""
+    received: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        received.append(message["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def main() -> _Transport:
+        protocol = http_protocol(10)(config=uvicorn.Config(app), server_state=ServerState(), app_state={})  # type: ignore[call-arg]
+        transport = _Transport()
+        protocol.connection_made(transport)
+        body = b"x" * (2 * MAX_HEADER_BYTES)
+        protocol.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+        protocol.data_received(body)
+        await asyncio.sleep(0.05)
+        assert not transport.closed  # answered, and kept for the next request
+        protocol.connection_lost(None)
+        return transport
+
+    transport = asyncio.run(main())
+    assert received == [b"x" * (2 * MAX_HEADER_BYTES)] and transport.written.startswith(b"HTTP/1.1 200")
