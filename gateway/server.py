@@ -85,7 +85,13 @@ class HeaderTimeout(asyncio.Protocol):
     def send_400_response(self, msg: str) -> None:
         """A request uvicorn cannot parse (request line, headers, body framing): the API's 400, in
         its error shape (Anthropic's on its routes), not uvicorn's plain text; then the connection
-        closes, as uvicorn closes it."""
+        closes, as uvicorn closes it. But when an answer is under way, or due to a request before
+        the bad one (pipelined), that answer ends first and then the connection closes, without
+        the 400: written now, it would land inside that answer or be taken for it."""
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and not cycle.response_complete and (cycle.response_started or not cycle.more_body):
+            cycle.keep_alive = False
+            return
         path = bytes(getattr(self, "url", b"")).partition(b"?")[0].decode("latin-1")  # httptools': parsed so far
         _, headers, body = render(InvalidRequest(msg), TABLE.dialect(path))
         state = getattr(self, "server_state", None)

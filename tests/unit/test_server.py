@@ -324,3 +324,19 @@ def test_a_body_that_ends_in_one_large_read_is_not_taken_for_headers() -> None:
 
     transport = asyncio.run(main())
     assert received == [b"x" * (2 * MAX_HEADER_BYTES)] and transport.written.startswith(b"HTTP/1.1 200")
+
+
+def test_bad_bytes_after_a_request_let_its_answer_end_first(engine: FakeEngine) -> None:
+    """Bytes that are not HTTP, pipelined after a good request (here while its stream is under way):
+    its answer ends whole, then the connection closes; no 400 lands inside that answer."""
+    engine.delay = 0.01
+    with Running(engine) as server, server.connect() as sock:
+        body = json.dumps(chat_body(max_tokens=20, stream=True)).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        answer = sock.recv(65536)
+        sock.sendall(b"GARBAGE\r\n\r\n")
+        while chunk := sock.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert b"HTTP/1.1 400" not in answer
