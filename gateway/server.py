@@ -15,7 +15,8 @@ its first byte (or of the connection's start), and at most `MAX_HEADER_BYTES` of
 closed (`HeaderTimeout`, mixed into uvicorn's HTTP protocol: uvicorn itself waits for headers for
 ever); idle keep-alive connections close after `keep_alive_timeout_s`; past `max_connections`
 connections and requests in progress, uvicorn answers new requests 503. Bodies have their own
-timeout (`middleware.body`).
+timeout (`middleware.body`). What uvicorn's parser refuses is a 400 in the API's error shape
+(`HeaderTimeout.send_400_response`).
 """
 
 from __future__ import annotations
