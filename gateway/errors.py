@@ -225,9 +225,11 @@ def render(error: APIError, dialect: Dialect = "openai") -> tuple[int, list[tupl
 async def send_error(
     send: Send, error: APIError, extra_headers: Sequence[tuple[bytes, bytes]] = (), dialect: Dialect = "openai"
 ) -> None:
-    """Answer with an API error from pure ASGI code (middleware that runs before the router)."""
+    """Answer with an API error from pure ASGI code (middleware that runs before the router). With
+    its length: without one the server sends it chunked, which an HTTP/1.0 client cannot read."""
     status, headers, body = render(error, dialect)
-    await send({"type": "http.response.start", "status": status, "headers": [*headers, *extra_headers]})
+    length = (b"content-length", str(len(body)).encode())
+    await send({"type": "http.response.start", "status": status, "headers": [*headers, length, *extra_headers]})
     await send({"type": "http.response.body", "body": body})
 
 

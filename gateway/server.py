@@ -15,7 +15,8 @@ its first byte (or of the connection's start), and at most `MAX_HEADER_BYTES` of
 closed (`HeaderTimeout`, mixed into uvicorn's HTTP protocol: uvicorn itself waits for headers for
 ever); idle keep-alive connections close after `keep_alive_timeout_s`; past `max_connections`
 connections and requests in progress, uvicorn answers new requests 503. Bodies have their own
-timeout (`middleware.body`).
+timeout (`middleware.body`). What uvicorn's parser refuses is a 400 in the API's error shape
+(`HeaderTimeout.send_400_response`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import structlog
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from gateway.api.routes import TABLE
+from gateway.errors import InvalidRequest, render
 from gateway.middleware.lifecycle import Lifecycle
 from gateway.settings import Settings
 
@@ -57,20 +60,48 @@ class HeaderTimeout(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         before = getattr(self, "cycle", None)
+        held = len(before.body) if before is not None else 0
         super().data_received(data)
         if getattr(self, "cycle", None) is not before:  # the headers are complete: a request started
             self._disarm()
+            self._header_bytes = 0
             return  # (the usual case: whole headers in one read, so no timer is made per request)
         if before is None or before.response_complete:  # between requests: these bytes began headers
             self._arm()
-        if self._timer is not None:
-            self._header_bytes += len(data)
-            if self._header_bytes > MAX_HEADER_BYTES:
-                self._expire()
+        elif len(before.body) > held:  # the body of the request in progress: uvicorn bounds what it holds
+            self._header_bytes = 0
+            return
+        # else bytes that added nothing to the body of the request in progress: chunk framing, a
+        # chunked body's trailers, or the next request's headers sent while this one is answered
+        # (pipelined); headers, which uvicorn would hold all of: bounded, not timed (a stream in
+        # progress is not cut for slow pipelined headers)
+        self._header_bytes += len(data)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self._expire()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request uvicorn cannot parse (request line, headers, body framing): the API's 400, in
+        its error shape (Anthropic's on its routes), not uvicorn's plain text; then the connection
+        closes, as uvicorn closes it. But when an answer is under way, or due to a request before
+        the bad one (pipelined), that answer ends first and then the connection closes, without
+        the 400: written now, it would land inside that answer or be taken for it."""
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and not cycle.response_complete and (cycle.response_started or not cycle.more_body):
+            cycle.keep_alive = False
+            return
+        path = bytes(getattr(self, "url", b"")).partition(b"?")[0].decode("latin-1")  # httptools': parsed so far
+        _, headers, body = render(InvalidRequest(msg), TABLE.dialect(path))
+        state = getattr(self, "server_state", None)
+        headers = [*(state.default_headers if state else ()), *headers,
+                   (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+        head = b"".join(name + b": " + value + b"\r\n" for name, value in headers)
+        if self._connection is not None and not self._connection.is_closing():
+            self._connection.write(b"HTTP/1.1 400 Bad Request\r\n" + head + b"\r\n" + body)  # type: ignore[attr-defined]
+            self._connection.close()
 
     def _arm(self) -> None:
         if self._timer is None:

@@ -166,8 +166,11 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         return charge.settle
 
     async def _admit(self, backend: Backend) -> Permit:
-        """As many permits as the engine requests this one makes, in the key's priority class."""
-        return await backend.admission.acquire(self.body.engine_requests(), self.policy.priority)
+        """As many permits as the engine requests this one makes, in the key's priority class. A
+        client that leaves while it waits for them leaves the queue (499): it would hold its place
+        there for up to `wait_timeout_s`, then run."""
+        admitted = backend.admission.acquire(self.body.engine_requests(), self.policy.priority)
+        return await unless_disconnected(self.request.receive, admitted)
 
     async def _embedded(self, backend: Backend) -> Response:
         engine = backend.engine

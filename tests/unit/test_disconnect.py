@@ -196,3 +196,25 @@ async def test_watches_share_a_timer_and_each_watcher_runs_in_its_own_request_co
     assert await quick is False and await stopped is False
     assert await asyncio.gather(*slow) == [True, True]
     assert seen == ["slow0", "slow1"]
+
+
+async def test_a_client_that_leaves_while_queued_for_admission_leaves_the_queue() -> None:
+    """Queued behind a running request (max_running 1), a client that leaves is a 499 at once: it
+    does not hold its place in the queue until admitted (up to wait_timeout_s), nor then run."""
+    engine = FakeEngine(max_model_len=10_000, delay=0.01)
+    app = create_app(fake_settings(admission={"max_running": 1, "wait_timeout_s": 30}), engine_starter=lambda es: engine)
+    body = {"model": engine.info.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000, "stream": True}
+    async with app.router.lifespan_context(app) as state:
+        async def with_state(scope, receive, send):
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        running = asyncio.create_task(drive(with_state, body, disconnect_after_chunks=50, timeout=30))
+        while not engine.requests:
+            await asyncio.sleep(0.01)
+        queued = await drive(with_state, {**body, "stream": False}, disconnect_after_chunks=None)
+        assert queued[0]["status"] == 499
+        admission = state["gateway"].models.backends[engine.info.name].admission
+        assert admission.waiting == 0 and len(engine.requests) == 1  # out of the queue, never run
+        await running
+    assert engine.aborted == [engine.requests[0].request_id]

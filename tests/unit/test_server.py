@@ -4,6 +4,7 @@ errors keep the keep-alive connection, and an abandoned upload is a 499."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
@@ -13,11 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import uvicorn
+from uvicorn.server import ServerState
 
 from gateway import metrics
 from gateway.app import create_app
 from gateway.middleware.lifecycle import Lifecycle
-from gateway.server import MAX_HEADER_BYTES, DrainingServer, server_config
+from gateway.server import MAX_HEADER_BYTES, DrainingServer, http_protocol, server_config
 from tests.fakes import FakeEngine, chat_body, fake_settings
 
 
@@ -181,3 +184,159 @@ def test_the_auth_throttle_counts_the_client_behind_a_trusted_proxy() -> None:
             return connection.getresponse().status
 
         assert [attempt("10.0.0.1"), attempt("10.0.0.1"), attempt("10.0.0.2")] == [401, 429, 401]
+
+
+def test_an_error_before_the_router_has_its_length_for_an_http_1_0_client() -> None:
+    """The middleware's errors (here auth's 401) go out with a Content-Length: without one uvicorn
+    sends them chunked, which an HTTP/1.0 client takes for the body itself."""
+    with Running(FakeEngine(), api_keys=["sk-right"]) as server, server.connect() as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401") and b"transfer-encoding" not in head.lower()
+        assert json.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(("request_bytes", "dialect"), [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 5\r\n\r\n{}", "openai"),
+    (b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "anthropic"),
+    (b"FOO /health HTTP/1.1\r\nHost: x\r\n\r\n", "openai"),
+])
+def test_a_request_that_is_not_http_gets_a_400_in_the_api_shape(running: Running, request_bytes: bytes, dialect: str) -> None:
+    """What uvicorn's parser refuses (conflicting lengths, a bad chunk size, an unknown method) is
+    answered in the API's error shape, not uvicorn's plain text, and the connection closed."""
+    with running.connect() as sock:
+        sock.sendall(request_bytes)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head
+    error = json.loads(body)
+    assert error["type"] == "error" if dialect == "anthropic" else error["error"]["type"] == "invalid_request_error"
+    connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
+    connection.request("GET", "/health")
+    assert connection.getresponse().status == 200  # still serving
+
+
+def test_headers_sent_during_an_answer_are_bounded_too() -> None:
+    """A client that streams a next request's headers, never ending them, while its request is
+    answered (here a slow stream) is cut off past MAX_HEADER_BYTES: uvicorn would hold them all."""
+    with Running(FakeEngine(max_model_len=4096, delay=0.05), header_timeout_s=30) as server, server.connect() as sock:
+        body = json.dumps(chat_body(max_tokens=2000, stream=True)).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # the stream is under way
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for _ in range(4 * MAX_HEADER_BYTES // 1000):
+                sock.sendall(b"X-Filler: " + b"a" * 1000 + b"\r\n")
+        except OSError:
+            pass  # closed while we were still sending
+        deadline = time.monotonic() + 10
+        while True:  # the stream's events until the server closes (before the stream's 100 s)
+            try:
+                if sock.recv(65536) == b"":
+                    break
+            except ConnectionResetError:
+                break
+            assert time.monotonic() < deadline, "the connection was not closed"
+
+
+def test_endless_trailers_of_a_chunked_body_are_cut_off(running: Running) -> None:
+    """After a chunked body's last chunk come its trailers, headers that uvicorn keeps: a client
+    that never ends them is cut off past MAX_HEADER_BYTES, as for the request's own headers."""
+    body = json.dumps(chat_body()).encode()
+    with running.connect() as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n" % (len(body), body))
+        try:
+            for _ in range(4 * MAX_HEADER_BYTES // 1000):
+                sock.sendall(b"X-Trailer: " + b"a" * 1000 + b"\r\n")
+        except OSError:
+            pass  # closed while we were still sending
+        assert closed_by_server(sock)
+
+
+def test_a_body_in_small_chunks_is_not_taken_for_headers(running: Running) -> None:
+    body = json.dumps(chat_body()).encode() + b" " * (2 * MAX_HEADER_BYTES)
+    framed = b"".join(b"1;ext=%b\r\n%b\r\n" % (b"x" * 20, body[i:i + 1]) for i in range(len(body))) + b"0\r\n\r\n"
+    with running.connect() as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for i in range(0, len(framed), 4096):
+            sock.sendall(framed[i:i + 4096])
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+
+class _Transport(asyncio.Transport):
+    """A transport that keeps what is written to it: a protocol driven read by read, without sockets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 8000) if name in ("sockname", "peername") else default
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def test_a_body_that_ends_in_one_large_read_is_not_taken_for_headers() -> None:
+    """The read that completes a request's body (here all of it, past MAX_HEADER_BYTES) is body,
+    not the next request's headers, though the body is complete after it."""
+    received: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        received.append(message["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def main() -> _Transport:
+        protocol = http_protocol(10)(config=uvicorn.Config(app), server_state=ServerState(), app_state={})  # type: ignore[call-arg]
+        transport = _Transport()
+        protocol.connection_made(transport)
+        body = b"x" * (2 * MAX_HEADER_BYTES)
+        protocol.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+        protocol.data_received(body)
+        await asyncio.sleep(0.05)
+        assert not transport.closed  # answered, and kept for the next request
+        protocol.connection_lost(None)
+        return transport
+
+    transport = asyncio.run(main())
+    assert received == [b"x" * (2 * MAX_HEADER_BYTES)] and transport.written.startswith(b"HTTP/1.1 200")
+
+
+def test_bad_bytes_after_a_request_let_its_answer_end_first(engine: FakeEngine) -> None:
+    """Bytes that are not HTTP, pipelined after a good request (here while its stream is under way):
+    its answer ends whole, then the connection closes; no 400 lands inside that answer."""
+    engine.delay = 0.01
+    with Running(engine) as server, server.connect() as sock:
+        body = json.dumps(chat_body(max_tokens=20, stream=True)).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        answer = sock.recv(65536)
+        sock.sendall(b"GARBAGE\r\n\r\n")
+        while chunk := sock.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert b"HTTP/1.1 400" not in answer
