@@ -101,7 +101,7 @@ def prepare(
         if request.truncate_prompt_tokens is not None:
             ids = ids[-request.truncate_prompt_tokens :]
         max_tokens = resolve_max_tokens(
-            request.max_tokens, len(ids), engine.info.max_model_len, default_max_tokens, "max_tokens"
+            request.max_tokens, len(ids), engine.info.max_model_len, default_max_tokens, "max_tokens", "prompt"
         )
         if max_tokens == 0 and not request.echo:
             raise InvalidRequest("max_tokens of 0 is only allowed with echo", "max_tokens")

@@ -67,6 +67,15 @@ def test_completion_suffix_is_a_clear_400(client: TestClient) -> None:
     assert response.json()["error"]["param"] == "suffix"
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/generate"])
+def test_completion_prompt_past_the_context_names_the_prompt(client: TestClient, route: str) -> None:
+    """A completion has no `messages`: the param of a prompt that leaves no room is `prompt`."""
+    response = client.post(route, json={"model": MODEL, "prompt": "word " * 100, "max_tokens": 2})
+    error = response.json()["error"]
+    assert response.status_code == 400
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+
+
 def test_completion_token_outside_vocabulary(client: TestClient, engine: FakeEngine) -> None:
     engine.info.extra["vocab_size"] = 50
     response = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 99]})
