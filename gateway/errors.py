@@ -234,8 +234,13 @@ async def send_error(
 def _validation_error(exc: ValidationError) -> InvalidRequest:
     errors = exc.errors(include_url=False)
     # a union (e.g. `prompt`) reports one error per member: the deepest is the one that explains
-    # ("[[2**70]]": the token id out of range, not "should be a valid string")
-    first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
+    # ("[[2**70]]": the token id out of range, not "should be a valid string"), and at the same depth
+    # the member whose type matched ("[-1]": the id below 0; five stop strings: too many, not "should
+    # be a valid string")
+    first = max(
+        (e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]),
+        key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")),
+    )
     location = [str(part) for part in first["loc"] if not str(part).startswith(("function-", "json-"))]
     # pydantic names union members in loc (e.g. "str", "list[...]"); keep the field path only
     path = [part for part in location if not any(c in part for c in "[]") and part not in ("str", "int", "float", "bool")]

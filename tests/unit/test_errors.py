@@ -70,6 +70,24 @@ def test_invalid_completion_requests_are_400(client: TestClient, body: dict) -> 
     assert_error(client.post("/v1/completions", json=body), 400)
 
 
+@pytest.mark.parametrize(
+    ("route", "extra", "param", "says"),
+    [
+        ("/v1/completions", {"prompt": [-1]}, "prompt.0", "greater than or equal to 0"),
+        ("/v1/completions", {"prompt": [2**64]}, "prompt.0", "less than or equal to"),
+        ("/v1/completions", {"prompt": []}, "prompt", "at least 1 item"),
+        ("/v1/chat/completions", {"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 items"),
+    ],
+)
+def test_a_union_field_error_names_the_member_that_matched(
+    client: TestClient, route: str, extra: dict, param: str, says: str
+) -> None:
+    """Of a union's errors at the same depth, the one of the member whose type matched: the
+    constraint broken, not "Input should be a valid string" of the string member."""
+    error = assert_error(client.post(route, json={"model": MODEL, **extra}), 400, param=param)
+    assert says in error["message"], error["message"]
+
+
 def test_unknown_model_is_404(client: TestClient) -> None:
     error = assert_error(client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": HELLO}), 404, "model")
     assert error["code"] == "model_not_found"
