@@ -88,6 +88,32 @@ def test_a_union_field_error_names_the_member_that_matched(
     assert says in error["message"], error["message"]
 
 
+@pytest.mark.parametrize(
+    ("route", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "audio"}]}]},
+         "messages.0.content.0.type"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages.0.content.0.text"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": {"text": "hi"}}]}, "messages.0.content"),
+        ("/v1/responses", {"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
+        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages.0.content.0.text"),
+        ("/v1/messages", {"max_tokens": 4, "messages": HELLO, "system": [{"type": "text", "text": 5}]}, "system.0.text"),
+    ],
+)
+def test_a_param_is_the_field_s_path_in_the_body(client: TestClient, route: str, extra: dict, param: str) -> None:
+    """Pydantic's error location also names the union member it tried (a model's class name:
+    "messages.0.content.0.TextPart.type"; a tag: "input.0.message.role"): the param is the path
+    in the body as sent."""
+    response = client.post(route, json={"model": MODEL, **extra})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert f"'{param}'" in error["message"], error["message"]
+    if route != "/v1/messages":  # Anthropic's error object has no param
+        assert error["param"] == param
+
+
 def test_unknown_model_is_404(client: TestClient) -> None:
     error = assert_error(client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": HELLO}), 404, "model")
     assert error["code"] == "model_not_found"
