@@ -255,6 +255,15 @@ def test_a_block_in_the_wrong_place_is_a_400_that_says_where(app_client: TestCli
                            "invalid_request_error") == says
 
 
+@pytest.mark.parametrize("extra", [{"top_k": 2**64}, {"max_tokens": 2**64}])
+def test_integers_past_int64_are_400_before_the_engine(app_client: TestClient, engine: FakeEngine, extra: dict) -> None:
+    """Bounded as OpenAI's fields are: top_k 2**64 reached the engine, whose wire format cannot take
+    it (a 500, "the engine failed")."""
+    (name,) = extra
+    message = anthropic_error(app_client.post("/v1/messages", json=body(**extra)), 400, "invalid_request_error")
+    assert name in message and engine.requests == []
+
+
 def test_middleware_errors_speak_the_route_s_dialect(engine: FakeEngine) -> None:
     from gateway.middleware.lifecycle import Lifecycle
 
