@@ -41,6 +41,19 @@ def test_completion_echo(sdk: openai.OpenAI) -> None:
     assert result.choices[0].text == "saythe quick"
 
 
+def test_completion_echo_of_a_truncated_prompt_is_what_the_model_read(sdk: openai.OpenAI, engine: FakeEngine) -> None:
+    """truncate_prompt_tokens with echo: the echo is the tokens kept, so that the logprobs' tokens
+    and text_offset match the text (it echoed the whole prompt, the offsets counting from the kept part)."""
+    prompt = "alpha beta gamma delta"
+    kept = engine.tokenizer.decode(engine.tokenizer.encode(prompt)[-2:])
+    result = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 2})
+    assert result.choices[0].text == kept + "the quick" and kept == "gamma delta"
+    whole = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
+                                   extra_body={"truncate_prompt_tokens": 10})  # nothing cut: the client's own text
+    assert whole.choices[0].text == prompt + "the quick"
+
+
 def test_completion_logprobs_shape(sdk: openai.OpenAI) -> None:
     result = sdk.completions.create(model=MODEL, prompt="say", max_tokens=2, logprobs=2)
     logprobs = result.choices[0].logprobs
