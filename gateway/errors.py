@@ -36,6 +36,7 @@ request's scope, `dialect_of` reads it): OpenAI's object, or on Anthropic's rout
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -233,14 +234,29 @@ async def send_error(
     await send({"type": "http.response.body", "body": body})
 
 
-def _validation_error(exc: ValidationError) -> InvalidRequest:
+_NO_BODY = object()  # a validation error of no request body (a query, a model built in the code)
+
+
+def invalid_body(exc: ValidationError, body: bytes) -> InvalidRequest:
+    """A request body's validation error, its param the field's path in the body as sent."""
+    try:
+        data = json.loads(body)  # the error path only; the stdlib's parser takes what pydantic's did (NaN)
+    except (ValueError, RecursionError):
+        data = _NO_BODY
+    return _validation_error(exc, data)
+
+
+def _validation_error(exc: ValidationError, data: Any = _NO_BODY) -> InvalidRequest:
     errors = exc.errors(include_url=False)
     # a union (e.g. `prompt`) reports one error per member: the deepest is the one that explains
-    # ("[[2**70]]": the token id out of range, not "should be a valid string")
-    first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
-    location = [str(part) for part in first["loc"] if not str(part).startswith(("function-", "json-"))]
-    # pydantic names union members in loc (e.g. "str", "list[...]"); keep the field path only
-    path = [part for part in location if not any(c in part for c in "[]") and part not in ("str", "int", "float", "bool")]
+    # ("[[2**70]]": the token id out of range, not "should be a valid string"), and at the same depth
+    # the member whose type matched ("[-1]": the id below 0; five stop strings: too many, not "should
+    # be a valid string")
+    first = max(
+        (e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]),
+        key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")),
+    )
+    path = _field_path(first["loc"], data, first["type"] == "missing")
     param = ".".join(path) or None
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
@@ -250,6 +266,25 @@ def _validation_error(exc: ValidationError) -> InvalidRequest:
     elif param:
         message = f"Invalid value for '{param}': {message}"
     return InvalidRequest(message, param=param)
+
+
+def _field_path(loc: tuple[int | str, ...], data: Any, missing: bool) -> list[str]:
+    """The field path of an error's location. Pydantic's location also names the union member it
+    tried ("str", "list[...]", a model's class name, a tagged union's tag): with the body, the path
+    is the parts found in it (and a missing field's name); without, the parts that look like fields."""
+    if data is _NO_BODY:
+        location = [str(part) for part in loc if not str(part).startswith(("function-", "json-"))]
+        return [part for part in location if not any(c in part for c in "[]") and part not in ("str", "int", "float", "bool")]
+    path, node = [], data
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (missing and i == len(loc) - 1):
+            continue  # not in the body: a union member's label ("messages.0.content.0.TextPart.type")
+        path.append(str(part))
+    return path
 
 
 def from_exception(exc: BaseException) -> APIError:

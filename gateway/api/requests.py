@@ -13,7 +13,7 @@ from starlette.types import Scope
 
 from engine.types import Engine
 from gateway.api.state import GatewayState
-from gateway.errors import InvalidRequest, PayloadTooLarge
+from gateway.errors import InvalidRequest, PayloadTooLarge, invalid_body
 from gateway.tenants import KeyPolicy
 
 M = TypeVar("M", bound=BaseModel)
@@ -89,7 +89,7 @@ async def parse(request: Request, model: type[M]) -> M:
             raise InvalidRequest("We could not parse the JSON body of your request: it is not valid JSON") from exc
         if kind == "model_type":
             raise InvalidRequest("The request body must be a JSON object") from exc
-        raise
+        raise invalid_body(exc, body) from exc
 
 
 def body_size(request: Request) -> int:

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from gateway.protocol.openai import INT64_MAX
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -144,12 +146,12 @@ class Conversation(_Request):
 class MessagesRequest(Conversation):
     """POST /v1/messages (the SDK's MessageCreateParams)."""
 
-    max_tokens: Annotated[int, Field(ge=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)]
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None  # bounded as OpenAI's: the engine takes int64
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     output_config: OutputConfig | None = None

@@ -98,10 +98,12 @@ def prepare(
     generations, texts = [], []
     prompts = _prompts(request, engine)
     for i, (text, ids) in enumerate(_guarded(prompts, engine, guard)):
-        if request.truncate_prompt_tokens is not None:
+        echoed = prompts[i][0]  # echo is the client's own prompt
+        if request.truncate_prompt_tokens is not None and len(ids) > request.truncate_prompt_tokens:
             ids = ids[-request.truncate_prompt_tokens :]
+            echoed = engine.tokenizer.decode(ids)  # ... as far as the model read it (its logprobs' offsets in it)
         max_tokens = resolve_max_tokens(
-            request.max_tokens, len(ids), engine.info.max_model_len, default_max_tokens, "max_tokens"
+            request.max_tokens, len(ids), engine.info.max_model_len, default_max_tokens, "max_tokens", "prompt"
         )
         if max_tokens == 0 and not request.echo:
             raise InvalidRequest("max_tokens of 0 is only allowed with echo", "max_tokens")
@@ -117,7 +119,7 @@ def prepare(
             defaults=engine.info.sampling_defaults,
         )
         generations.append(GenerationRequest(f"{cmpl_id}-{i}", ids, sampling, prompt_text=text))
-        texts.append(prompts[i][0])  # echo is the client's own prompt
+        texts.append(echoed)
     return PreparedCompletion(request, engine, generations, texts, request.model, cmpl_id, now(), guard)
 
 

@@ -31,9 +31,11 @@ def now() -> int:
 
 
 def resolve_max_tokens(
-    requested: int | None, prompt_tokens: int, max_model_len: int, default: int | None, param: str
+    requested: int | None, prompt_tokens: int, max_model_len: int, default: int | None, param: str,
+    prompt_param: str = "messages",
 ) -> int:
-    """The output budget; a prompt that leaves no room, or a budget past the context, is a 400."""
+    """The output budget; a prompt that leaves no room, or a budget past the context, is a 400
+    (naming `param`, the output budget, or when the prompt alone fills the context `prompt_param`)."""
     room = max_model_len - prompt_tokens
     if room <= 0 or (requested is not None and requested > room):
         asked = f" and {requested} output tokens" if requested is not None else ""
@@ -41,7 +43,7 @@ def resolve_max_tokens(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_tokens + (requested or 0)} tokens ({prompt_tokens} in the "
             f"prompt{asked}). Please reduce the length of the prompt or the output.",
-            param=param if requested is not None and room > 0 else "messages",
+            param=param if requested is not None and room > 0 else prompt_param,
         )
     if requested is not None:
         return requested

@@ -66,21 +66,23 @@ CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's too
 # --- request: Anthropic's → a chat request ------------------------------------------------------
 
 
-def _unsupported(block: BaseModel, param: str) -> InvalidRequest:
+def _unsupported(block: BaseModel, param: str, where: str, takes: str) -> InvalidRequest:
+    """A block of a kind the place it is in does not take (a tool_use block is an assistant's, a
+    tool_result block a user's; images and documents are nobody's here)."""
     kind = getattr(block, "type", "this")
-    return InvalidRequest(f"{kind} blocks are not supported here (text, tool_use and tool_result are)", param)
+    return InvalidRequest(f"{kind} blocks are not supported in {where} (it takes {takes} blocks)", param)
 
 
-def _texts(blocks: list[Any], param: str) -> str:
+def _texts(blocks: list[Any], param: str, where: str) -> str:
     for j, block in enumerate(blocks):
         if not isinstance(block, TextBlockParam):
-            raise _unsupported(block, f"{param}.{j}")
+            raise _unsupported(block, f"{param}.{j}", where, "text")
     return "\n".join(block.text for block in blocks)
 
 
 def _tool_result(block: ToolResultBlockParam, param: str) -> ChatMessage:
     content = block.content
-    text = content if isinstance(content, str) else _texts(content or [], f"{param}.content")
+    text = content if isinstance(content, str) else _texts(content or [], f"{param}.content", "a tool_result's content")
     text = f"Error: {text}" if block.is_error else text
     return ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=text)
 
@@ -94,7 +96,7 @@ def _assistant(blocks: list[ContentBlockParam], param: str) -> ChatMessage:
             function = FunctionCall(name=block.name, arguments=json.dumps(block.input))
             calls.append(ToolCall(id=block.id, function=function))
         else:
-            raise _unsupported(block, f"{param}.{j}")
+            raise _unsupported(block, f"{param}.{j}", "an assistant message", "text and tool_use")
     return ChatMessage(role="assistant", content="\n".join(texts) or None, tool_calls=calls or None)
 
 
@@ -116,7 +118,7 @@ def _chat_messages(message: MessageParam, index: int) -> list[ChatMessage]:
                 texts = []
             out.append(_tool_result(block, f"{param}.{j}"))
         else:
-            raise _unsupported(block, f"{param}.{j}")
+            raise _unsupported(block, f"{param}.{j}", f"a {message.role} message", "text and tool_result")
     if texts or not out:
         out.append(ChatMessage(role=message.role, content="\n".join(texts)))
     return out
@@ -126,7 +128,7 @@ def chat_messages(conversation: Conversation) -> list[ChatMessage]:
     system = conversation.system
     messages = []
     if system:
-        text = system if isinstance(system, str) else _texts(list(system), "system")
+        text = system if isinstance(system, str) else _texts(list(system), "system", "system")
         messages.append(ChatMessage(role="system", content=text))
     for i, message in enumerate(conversation.messages):
         messages.extend(_chat_messages(message, i))

@@ -114,7 +114,11 @@ def plan(request: ChatCompletionRequest) -> ToolPlan:
     if choice == "required":
         return ToolPlan("required", functions, parallel=parallel)
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):  # a missing function, or a name of another type (a list is unhashable)
+            raise InvalidRequest("tool_choice must name a function: {\"type\": \"function\", \"function\": "
+                                 "{\"name\": ...}}", "tool_choice")
         if name not in functions:
             raise InvalidRequest(f"tool_choice names a function not in tools: {name!r}", "tool_choice")
         return ToolPlan("named", functions, named=name, parallel=parallel)

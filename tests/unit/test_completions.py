@@ -41,6 +41,19 @@ def test_completion_echo(sdk: openai.OpenAI) -> None:
     assert result.choices[0].text == "saythe quick"
 
 
+def test_completion_echo_of_a_truncated_prompt_is_what_the_model_read(sdk: openai.OpenAI, engine: FakeEngine) -> None:
+    """truncate_prompt_tokens with echo: the echo is the tokens kept, so that the logprobs' tokens
+    and text_offset match the text (it echoed the whole prompt, the offsets counting from the kept part)."""
+    prompt = "alpha beta gamma delta"
+    kept = engine.tokenizer.decode(engine.tokenizer.encode(prompt)[-2:])
+    result = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 2})
+    assert result.choices[0].text == kept + "the quick" and kept == "gamma delta"
+    whole = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
+                                   extra_body={"truncate_prompt_tokens": 10})  # nothing cut: the client's own text
+    assert whole.choices[0].text == prompt + "the quick"
+
+
 def test_completion_logprobs_shape(sdk: openai.OpenAI) -> None:
     result = sdk.completions.create(model=MODEL, prompt="say", max_tokens=2, logprobs=2)
     logprobs = result.choices[0].logprobs
@@ -65,6 +78,15 @@ def test_completion_suffix_is_a_clear_400(client: TestClient) -> None:
     response = client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "suffix": "z"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "suffix"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/generate"])
+def test_completion_prompt_past_the_context_names_the_prompt(client: TestClient, route: str) -> None:
+    """A completion has no `messages`: the param of a prompt that leaves no room is `prompt`."""
+    response = client.post(route, json={"model": MODEL, "prompt": "word " * 100, "max_tokens": 2})
+    error = response.json()["error"]
+    assert response.status_code == 400
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
 
 
 def test_completion_token_outside_vocabulary(client: TestClient, engine: FakeEngine) -> None:

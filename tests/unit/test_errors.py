@@ -70,6 +70,50 @@ def test_invalid_completion_requests_are_400(client: TestClient, body: dict) -> 
     assert_error(client.post("/v1/completions", json=body), 400)
 
 
+@pytest.mark.parametrize(
+    ("route", "extra", "param", "says"),
+    [
+        ("/v1/completions", {"prompt": [-1]}, "prompt.0", "greater than or equal to 0"),
+        ("/v1/completions", {"prompt": [2**64]}, "prompt.0", "less than or equal to"),
+        ("/v1/completions", {"prompt": []}, "prompt", "at least 1 item"),
+        ("/v1/chat/completions", {"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 items"),
+    ],
+)
+def test_a_union_field_error_names_the_member_that_matched(
+    client: TestClient, route: str, extra: dict, param: str, says: str
+) -> None:
+    """Of a union's errors at the same depth, the one of the member whose type matched: the
+    constraint broken, not "Input should be a valid string" of the string member."""
+    error = assert_error(client.post(route, json={"model": MODEL, **extra}), 400, param=param)
+    assert says in error["message"], error["message"]
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "audio"}]}]},
+         "messages.0.content.0.type"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages.0.content.0.text"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": {"text": "hi"}}]}, "messages.0.content"),
+        ("/v1/responses", {"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
+        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages.0.content.0.text"),
+        ("/v1/messages", {"max_tokens": 4, "messages": HELLO, "system": [{"type": "text", "text": 5}]}, "system.0.text"),
+    ],
+)
+def test_a_param_is_the_field_s_path_in_the_body(client: TestClient, route: str, extra: dict, param: str) -> None:
+    """Pydantic's error location also names the union member it tried (a model's class name:
+    "messages.0.content.0.TextPart.type"; a tag: "input.0.message.role"): the param is the path
+    in the body as sent."""
+    response = client.post(route, json={"model": MODEL, **extra})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert f"'{param}'" in error["message"], error["message"]
+    if route != "/v1/messages":  # Anthropic's error object has no param
+        assert error["param"] == param
+
+
 def test_unknown_model_is_404(client: TestClient) -> None:
     error = assert_error(client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": HELLO}), 404, "model")
     assert error["code"] == "model_not_found"

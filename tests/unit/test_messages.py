@@ -237,6 +237,34 @@ def test_errors_come_in_anthropic_s_shape(app_client: TestClient) -> None:
     assert set(openai_shape) == {"error"}  # OpenAI's routes keep OpenAI's shape
 
 
+@pytest.mark.parametrize(
+    ("message", "says"),
+    [
+        ({"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+         "tool_use blocks are not supported in a user message (it takes text and tool_result blocks)"),
+        ({"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]},
+         "tool_result blocks are not supported in an assistant message (it takes text and tool_use blocks)"),
+        ({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                       "content": [{"type": "image", "source": {}}]}]},
+         "image blocks are not supported in a tool_result's content (it takes text blocks)"),
+    ],
+)
+def test_a_block_in_the_wrong_place_is_a_400_that_says_where(app_client: TestClient, message: dict, says: str) -> None:
+    """It named the block's own kind among the supported ones ("tool_use blocks are not supported
+    here (text, tool_use and tool_result are)")."""
+    assert anthropic_error(app_client.post("/v1/messages", json=body(messages=[message])), 400,
+                           "invalid_request_error") == says
+
+
+@pytest.mark.parametrize("extra", [{"top_k": 2**64}, {"max_tokens": 2**64}])
+def test_integers_past_int64_are_400_before_the_engine(app_client: TestClient, engine: FakeEngine, extra: dict) -> None:
+    """Bounded as OpenAI's fields are: top_k 2**64 reached the engine, whose wire format cannot take
+    it (a 500, "the engine failed")."""
+    (name,) = extra
+    message = anthropic_error(app_client.post("/v1/messages", json=body(**extra)), 400, "invalid_request_error")
+    assert name in message and engine.requests == []
+
+
 def test_middleware_errors_speak_the_route_s_dialect(engine: FakeEngine) -> None:
     from gateway.middleware.lifecycle import Lifecycle
 

@@ -119,6 +119,11 @@ def test_tool_messages_render_through_the_template(sdk: openai.OpenAI, engine: F
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [{"type": "function"}]}, "tools.0"),
+        # a function or name of the wrong type: a 400, not a 500 (AttributeError, unhashable name)
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": ["get_weather"]}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": {"a": 1}}}}, "tool_choice"),
     ],
 )
 def test_bad_tools_are_400(client: TestClient, extra: dict, param: str) -> None:
