@@ -169,8 +169,11 @@ class _Attempt(Generic[RequestT, PreparedT, AnswerT]):
         """As many permits as the engine requests this one makes, in the key's priority class. A
         client that leaves while it waits for them leaves the queue (499): it would hold its place
         there for up to `wait_timeout_s`, then run."""
-        admitted = backend.admission.acquire(self.body.engine_requests(), self.policy.priority)
-        return await unless_disconnected(self.request.receive, admitted)
+        admission, count = backend.admission, self.body.engine_requests()
+        permit = admission.admit_now(count)  # room, nobody ahead: no wait to watch (nearly always)
+        if permit is not None:
+            return permit
+        return await unless_disconnected(self.request.receive, admission.acquire(count, self.policy.priority))
 
     async def _embedded(self, backend: Backend) -> Response:
         engine = backend.engine
