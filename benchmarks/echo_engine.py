@@ -158,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.lag_probe import LagProbe
 
         app = LagProbe(app)
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
+    from gateway.server import server_config
+
+    # served as the gateway serves (`python -m gateway serve`): its HTTP protocol (header timeout and
+    # bound, malformed requests answered in the API's shape), connection cap and keep-alive
+    uvicorn.Server(server_config(app, settings)).run()
     return 0
 
 
