@@ -65,6 +65,11 @@ async def _history(store: ResponseStore, scope: str, previous_id: str | None) ->
         previous = await store.get(scope, previous_id)
     except NotFound:
         raise NotFound(f"Previous response with id '{previous_id}' not found.", "previous_response_id") from None
+    if previous.response.status in RUNNING:  # its output is not all there yet: the history would lack it
+        raise InvalidRequest(
+            f"Previous response with id '{previous_id}' is still {previous.response.status}; "
+            "continue from it once it has completed", "previous_response_id",
+        )
     return [*previous.input_items, *previous.response.output]
 
 

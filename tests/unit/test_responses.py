@@ -278,6 +278,9 @@ def test_background_runs_and_a_cancel_aborts_the_engine(sdk: openai.OpenAI, engi
     started = sdk.responses.create(model=MODEL, input="hi", background=True)
     assert started.status == "in_progress" and started.background is True
     assert sdk.responses.retrieve(started.id).status == "in_progress"
+    with pytest.raises(openai.BadRequestError) as running:  # its output is not there yet to continue from
+        sdk.responses.create(model=MODEL, input="and then?", previous_response_id=started.id)
+    assert running.value.body["param"] == "previous_response_id" and "in_progress" in running.value.message  # type: ignore[index]
     cancelled = sdk.responses.cancel(started.id)
     assert cancelled.status == "cancelled"
     assert engine.aborted == [engine.requests[0].request_id] and not engine.running
