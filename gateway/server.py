@@ -35,6 +35,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from gateway.api.routes import TABLE
+from gateway.api.stalls import ABORT
 from gateway.errors import InvalidRequest, render
 from gateway.middleware.lifecycle import Lifecycle
 from gateway.settings import Settings
@@ -62,9 +63,11 @@ class HeaderTimeout(asyncio.Protocol):
         before = getattr(self, "cycle", None)
         held = len(before.body) if before is not None else 0
         super().data_received(data)
-        if getattr(self, "cycle", None) is not before:  # the headers are complete: a request started
+        if (cycle := getattr(self, "cycle", None)) is not before:  # the headers are complete: a request started
             self._disarm()
             self._header_bytes = 0
+            if cycle is not None:  # for a stream whose client stops reading (api.stalls)
+                cycle.scope.setdefault("extensions", {})[ABORT] = self._drop
             return  # (the usual case: whole headers in one read, so no timer is made per request)
         if before is None or before.response_complete:  # between requests: these bytes began headers
             self._arm()
@@ -78,6 +81,11 @@ class HeaderTimeout(asyncio.Protocol):
         self._header_bytes += len(data)
         if self._header_bytes > MAX_HEADER_BYTES:
             self._expire()
+
+    def _drop(self) -> None:
+        """Drop the connection at once, unsent bytes and all (a client that stopped reading)."""
+        if self._connection is not None and not self._connection.is_closing():
+            self._connection.abort()  # type: ignore[attr-defined]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

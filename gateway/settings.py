@@ -163,6 +163,10 @@ class Settings(BaseSettings):
     )
     header_timeout_s: float = Field(10, gt=0, description="A client must send a request's headers within this")
     body_timeout_s: float = Field(60, gt=0, description="A client must send a request's body within this (else 408)")
+    stream_write_timeout_s: float = Field(
+        60, gt=0, description="A stream whose client reads nothing for this long (its send waits) is ended as a "
+        "disconnect: its engine request aborted, its admission slot given back"
+    )
     keep_alive_timeout_s: int = Field(5, gt=0, description="An idle keep-alive connection is closed after this")
     max_connections: int = Field(
         2048, gt=0, description="Connections (and requests in progress) at once; beyond, new requests get 503"

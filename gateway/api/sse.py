@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.api import stalls
 from gateway.api.disconnect import Watch
 from gateway.context import current_record
 from gateway.errors import Dialect, dialect_of, from_exception
@@ -85,7 +86,8 @@ class EventStreamResponse(Response):
     its own `__call__`, no body).
 
     It watches for the client going away (`api.disconnect.Watch`): on a disconnect the stream's
-    task is cancelled, which closes the event iterator and so aborts the engine request.
+    task is cancelled, which closes the event iterator and so aborts the engine request. A client
+    that stops reading is taken for gone after `stream_write_timeout_s` (`api.stalls`).
     """
 
     def __init__(
@@ -108,10 +110,11 @@ class EventStreamResponse(Response):
         # Plain asyncio, not an anyio cancel scope: cancelling the task once lets the engine's
         # cleanup (its abort) still await; a level-triggered scope would cancel that too.
         watch = Watch(receive)
+        sends, sweep = _stall_watch(scope)
         try:
-            await self._stream(send, framing)
+            await self._stream(send, framing, sends)
         except asyncio.CancelledError:
-            if not watch.disconnected():
+            if not watch.disconnected() and not (sends.stalled and sends.task.uncancel() == 0):
                 raise
             self.disconnected = True
         except OSError:
@@ -120,6 +123,8 @@ class EventStreamResponse(Response):
             pass
         finally:
             watch.stop()
+            if sweep is not None:
+                sweep.discard(sends)
             current_record().disconnected = self.disconnected
             await self._close()  # also when the stream was cancelled before it ever ran
 
@@ -131,7 +136,8 @@ class EventStreamResponse(Response):
             if on_close is not None:
                 on_close()
 
-    async def _stream(self, send: Send, framing: Framing) -> None:
+    async def _stream(self, send: Send, framing: Framing, sends: stalls.Sends) -> None:
+        time = asyncio.get_running_loop().time
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             ending = framing.end
@@ -140,17 +146,35 @@ class EventStreamResponse(Response):
                 if first is not None:
                     await send({"type": "http.response.body", "body": frame(first, framing), "more_body": True})
                 async for event in events:
+                    sends.since = time()  # a send that waits (the client reads nothing) is seen by the sweep
                     await send({"type": "http.response.body", "body": frame(event, framing), "more_body": True})
+                    sends.since = 0.0
             except OSError:
                 raise  # the client is gone: nobody to tell
             except Exception as exc:
                 log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
                 body = encode_error(exc, framing)
+                sends.since = time()
                 await send({"type": "http.response.body", "body": body, "more_body": True})
                 ending = framing.end if framing.named else DONE
+            sends.since = time()  # the last send may wait too, and the permit is held until it is done
             await send({"type": "http.response.body", "body": ending, "more_body": False})
+            sends.since = 0.0
         finally:
             await self._close()
+
+
+def _stall_watch(scope: Scope) -> tuple[stalls.Sends, stalls.Sweep | None]:
+    """This stream's sends, watched for a client that stops reading when the stream is served to
+    one (the gateway's state in the scope: not a background response, played to nobody)."""
+    state = scope.get("state") or {}
+    gateway = state.get("gateway")
+    task = asyncio.current_task()
+    assert task is not None
+    abort = (scope.get("extensions") or {}).get(stalls.ABORT)
+    if gateway is None:
+        return stalls.Sends(task, abort), None
+    return stalls.watch(gateway.settings.stream_write_timeout_s, task, abort)
 
 
 def relayed_event_stream(events: AsyncIterator[BaseModel | bytes], on_close: Callable[[], None] | None = None) -> EventStreamResponse:

@@ -133,6 +133,34 @@ def test_whole_headers_in_one_read_make_no_timer(monkeypatch: pytest.MonkeyPatch
         assert len(armed) == 3  # the second connection's, and its first read's
 
 
+def test_a_stream_whose_client_reads_nothing_is_dropped_and_aborted() -> None:
+    """Over a real socket: the client asks for a long stream and never reads; once the socket and
+    uvicorn's buffer are full, the send waits; after stream_write_timeout_s the connection is
+    dropped and the engine request aborted; the server goes on serving."""
+    engine = FakeEngine(max_model_len=1 << 20)
+    with Running(engine, stream_write_timeout_s=1, header_timeout_s=30) as server:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        body = json.dumps({"model": "fake-model", "prompt": "hi", "max_tokens": 200_000, "stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 60
+        while not engine.aborted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.aborted and not engine.running
+        sock.settimeout(10)
+        try:  # dropped: what the kernel held is delivered, then the end (or a reset)
+            while sock.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        sock.close()
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        connection.request("GET", "/health")
+        assert connection.getresponse().status == 200
+
+
 def test_a_500_keeps_the_connection_and_says_its_request_id(running: Running, engine: FakeEngine) -> None:
     connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
     engine.fail_after = 0

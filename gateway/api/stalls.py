@@ -1,0 +1,85 @@
+"""Streams whose client stopped reading (`api.sse.EventStreamResponse`).
+
+A client that keeps its connection open but never reads fills its receive window, then uvicorn's
+write buffer, and a stream's next send waits for room forever: the stream holds its admission
+permit and its engine request, and a few such clients starve every tenant of the model. A send
+that waits longer than `stream_write_timeout_s` ends the stream as if the client had left: the
+connection is dropped (uvicorn's `gateway.abort` extension, which `gateway.server`'s protocol puts
+in the scope), so the request's disconnect watch ends it (engine request aborted, permit given
+back, counted as a disconnect); under a server without that extension the stream's task is
+cancelled instead.
+
+One loop timer serves all streams: a stream notes when its send began (`Sends.since`, 0 between
+sends), and a sweep every `SWEEP_S` (or a quarter of the timeout, if shorter) stops those past
+the timeout. A stall is noticed within the timeout and one sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+log = structlog.get_logger(__name__)
+SWEEP_S = 1.0
+ABORT = "gateway.abort"  # the scope's extension: drop the connection (gateway.server)
+
+
+class Sends:
+    """One stream's sends, as the sweep sees them."""
+
+    __slots__ = ("task", "abort", "since", "stalled")
+
+    def __init__(self, task: asyncio.Task[object], abort: Callable[[], None] | None) -> None:
+        self.task = task
+        self.abort = abort
+        self.since = 0.0  # loop time when the send in progress began; 0: none in progress
+        self.stalled = False
+
+    def stall(self) -> None:
+        self.stalled = True
+        if self.abort is not None:
+            self.abort()  # the disconnect watch takes it from here
+        else:
+            self.task.cancel()
+
+
+class Sweep:
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.loop = loop
+        self.timeout_s = timeout_s
+        self.every = min(SWEEP_S, timeout_s / 4)
+        self.streams: dict[Sends, None] = {}
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, sends: Sends) -> None:
+        self.streams[sends] = None
+        if self.timer is None:
+            self.timer = self.loop.call_later(self.every, self._sweep)
+
+    def discard(self, sends: Sends) -> None:
+        self.streams.pop(sends, None)
+
+    def _sweep(self) -> None:
+        self.timer = None
+        now = self.loop.time()
+        for sends in [s for s in self.streams if s.since and now - s.since >= self.timeout_s and not s.stalled]:
+            log.warning("stream_stalled", waited_s=round(now - sends.since, 1), timeout_s=self.timeout_s)
+            sends.stall()
+        if self.streams:
+            self.timer = self.loop.call_later(self.every, self._sweep)
+
+
+_sweep: Sweep | None = None  # the running loop's (one loop at a time: the server's)
+
+
+def watch(timeout_s: float, task: asyncio.Task[object], abort: Callable[[], None] | None) -> tuple[Sends, Sweep]:
+    """`task`'s stream, watched until `sweep.discard(sends)`."""
+    global _sweep
+    loop = asyncio.get_running_loop()
+    if _sweep is None or _sweep.loop is not loop or _sweep.timeout_s != timeout_s:
+        _sweep = Sweep(loop, timeout_s)  # another loop or setting (a test's); the old sweep ends with its streams
+    sends = Sends(task, abort)
+    _sweep.add(sends)
+    return sends, _sweep
