@@ -8,6 +8,8 @@
   is read (its declared Content-Length counts from the start). A request's bytes count from its
   first read until its input is prepared (`body_prepared`, called by the dispatcher) or its
   response starts, whichever comes first.
+- A compressed body (`Content-Encoding` other than identity) is a 415 before it is read: the
+  gateway reads JSON as sent, and gzip bytes would only fail as invalid JSON.
 
 It wraps `receive`: handlers read bodies as usual, and these errors come out of their reads.
 """
@@ -21,7 +23,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
 from gateway.context import current_record
-from gateway.errors import ClientDisconnected, RequestTimeout, ServiceUnavailable
+from gateway.errors import (
+    ClientDisconnected,
+    RequestTimeout,
+    ServiceUnavailable,
+    UnsupportedMediaType,
+    dialect_of,
+    send_error,
+)
 
 PREPARED = "body_prepared"  # scope["state"] key: call it once the request's input is prepared
 
@@ -41,11 +50,17 @@ class BodyBudget:
         self.used -= amount
 
 
-def _declared_length(scope: Scope) -> int:
+def _declared(scope: Scope) -> tuple[int, bytes | None]:
+    """The body's declared length (its first Content-Length; 0 when none or not digits) and its
+    Content-Encoding (None: none)."""
+    length: int | None = None
+    encoding = None
     for key, value in scope.get("headers", ()):
-        if key == b"content-length":
-            return int(value) if value.isdigit() and len(value) < 19 else 0
-    return 0
+        if key == b"content-length" and length is None:
+            length = int(value) if value.isdigit() and len(value) < 19 else 0
+        elif key == b"content-encoding":
+            encoding = value
+    return length or 0, encoding
 
 
 class Deadlines:
@@ -169,8 +184,14 @@ class BodyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        length, encoding = _declared(scope)
+        if encoding is not None and encoding.strip().lower() not in (b"", b"identity"):
+            named = encoding.decode("latin-1")[:40]
+            error = UnsupportedMediaType(f"Content-Encoding '{named}' is not supported: send the body uncompressed.")
+            await send_error(send, error, dialect=dialect_of(scope))  # before a byte of it is read
+            return
         deadline = asyncio.get_running_loop().time() + self.timeout_s
-        reading = _Reading(receive, self.budget, deadline, _declared_length(scope), self.deadlines)
+        reading = _Reading(receive, self.budget, deadline, length, self.deadlines)
         scope.setdefault("state", {})[PREPARED] = reading.release
 
         async def send_releasing(message: Message) -> None:

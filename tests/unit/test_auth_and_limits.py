@@ -101,6 +101,24 @@ def test_without_keys_a_post_must_declare_json() -> None:
         assert sent.status_code == 200
 
 
+def test_a_compressed_body_is_a_415_before_it_is_read() -> None:
+    import gzip
+
+    body = json.dumps(chat_body()).encode()
+    with TestClient(app_with()) as client:
+        for encoding in ("gzip", "br, gzip"):
+            refused = client.post("/v1/chat/completions", content=gzip.compress(body),
+                                  headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+            assert refused.status_code == 415 and refused.json()["error"]["code"] == "unsupported_media_type"
+            assert encoding in refused.json()["error"]["message"]
+        refused = client.post("/v1/messages", content=b"x", headers={"Content-Type": "application/json",
+                                                                     "Content-Encoding": "gzip"})
+        assert refused.status_code == 415 and refused.json()["type"] == "error"  # Anthropic's shape there
+        sent = client.post("/v1/chat/completions", content=body,
+                           headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+        assert sent.status_code == 200
+
+
 def test_requests_per_minute_with_openai_headers() -> None:
     with TestClient(app_with(rate_limit_rpm=2)) as client:
         first = client.post("/v1/chat/completions", json=chat_body())
