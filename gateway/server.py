@@ -68,6 +68,8 @@ class HeaderTimeout(asyncio.Protocol):
             self._header_bytes = 0
             if cycle is not None:  # for a stream whose client stops reading (api.stalls)
                 cycle.scope.setdefault("extensions", {})[ABORT] = self._drop
+                if getattr(cycle, "waiting_for_100_continue", False):
+                    _close_if_answered_unread(cycle)
             return  # (the usual case: whole headers in one read, so no timer is made per request)
         if before is None or before.response_complete:  # between requests: these bytes began headers
             self._arm()
@@ -125,6 +127,21 @@ class HeaderTimeout(asyncio.Protocol):
         self._disarm()
         if self._connection is not None and not self._connection.is_closing():
             self._connection.close()
+
+
+def _close_if_answered_unread(cycle: Any) -> None:
+    """A request sent with `Expect: 100-continue` and answered before its body was asked for (a
+    401, a 413, a 404): the connection closes after the answer. The client may never send that
+    body, and on a kept connection its next request would be read as the body (RFC 9110 10.1.1:
+    say whether the connection stays)."""
+    send = cycle.send
+
+    async def closing_send(message: Any) -> None:
+        if message["type"] == "http.response.start" and cycle.waiting_for_100_continue:
+            cycle.keep_alive = False  # uvicorn then says `connection: close` and closes after the answer
+        await send(message)
+
+    cycle.send = closing_send
 
 
 def http_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:

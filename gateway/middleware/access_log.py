@@ -29,6 +29,7 @@ from gateway.logs import access_logger
 
 log = structlog.get_logger(__name__)
 REQUEST_ID_MAX = 200
+PATH_LOGGED = 1024  # longer paths are cut in the access line: one request, one bounded line
 
 RouteLabel = Callable[[str], str]  # a path → its route's label (the route table's), "unmatched" else
 DialectOf = Callable[[str], Dialect]  # a path → its route's error dialect (the route table's)
@@ -97,7 +98,7 @@ class AccessLogMiddleware:
                 access_logger().info(
                     "request",
                     method=scope["method"],
-                    path=scope["path"],
+                    path=_bounded(scope["path"]),
                     status=status,
                     duration_s=round(duration, 4),
                     first_byte_s=round(first_byte, 4) if first_byte is not None else None,
@@ -106,6 +107,11 @@ class AccessLogMiddleware:
             finally:
                 close_record(opened)
                 structlog.contextvars.reset_contextvars(**bound)
+
+
+def _bounded(path: str) -> str:
+    """A path as the access line logs it: at most `PATH_LOGGED` characters (a client chooses it)."""
+    return path if len(path) <= PATH_LOGGED else path[:PATH_LOGGED] + "..."
 
 
 def observe_request(record: RequestRecord, route: str, status: int, duration: float) -> None:

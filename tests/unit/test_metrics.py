@@ -56,6 +56,13 @@ def test_access_log_carries_request_id_and_tokens(client: TestClient) -> None:
     assert line["prompt_tokens"] > 0 and line["ttft_s"] >= 0
 
 
+def test_the_access_line_cuts_a_long_path(client: TestClient) -> None:
+    with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        assert client.get("/v1/" + "a" * 5000, headers={"X-Request-ID": "long-path"}).status_code == 404
+    line = next(m for m in logs if m["event"] == "request" and m.get("request_id") == "long-path")
+    assert line["path"] == "/v1/" + "a" * 1020 + "..."
+
+
 def test_prompts_are_logged_only_when_asked(engine) -> None:
     from gateway.app import create_app
 

@@ -161,6 +161,29 @@ def test_a_stream_whose_client_reads_nothing_is_dropped_and_aborted() -> None:
         assert connection.getresponse().status == 200
 
 
+def test_an_expect_100_continue_request_answered_before_its_body_closes_the_connection() -> None:
+    """Refused (401) before its body was asked for: `connection: close`, then closed, so the
+    client's next request cannot be read as the body it never sent. Read normally, it stays."""
+    with Running(FakeEngine(), api_keys=["sk-test"], header_timeout_s=30) as server, server.connect() as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 40\r\nExpect: 100-continue\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):  # the server closes after the answer
+            answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401") and b"connection: close" in head.lower()
+        assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    with Running(FakeEngine(), api_keys=["sk-test"], header_timeout_s=30) as server:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        body = json.dumps({"model": "fake-model", "prompt": "hi", "max_tokens": 2})
+        for _ in range(2):  # read as usual: the connection is kept
+            connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                                 "Authorization": "Bearer sk-test", "Expect": "100-continue"})
+            response = connection.getresponse()
+            assert response.status == 200 and response.getheader("connection") != "close"
+            response.read()
+
+
 def test_a_500_keeps_the_connection_and_says_its_request_id(running: Running, engine: FakeEngine) -> None:
     connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
     engine.fail_after = 0
