@@ -147,7 +147,7 @@ class MessagesRequest(Conversation):
     """POST /v1/messages (the SDK's MessageCreateParams)."""
 
     max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)]
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
     stream: bool = False
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None

@@ -38,7 +38,8 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-Stop = str | Annotated[list[str], Field(max_length=4)] | None
+StopString = Annotated[str, Field(min_length=1)]  # an empty one would stop everywhere: the engine refuses it
+Stop = StopString | Annotated[list[StopString], Field(max_length=4)] | None
 
 
 class ModelRequest(_Request):

@@ -102,6 +102,8 @@ def prepare(
         if request.truncate_prompt_tokens is not None and len(ids) > request.truncate_prompt_tokens:
             ids = ids[-request.truncate_prompt_tokens :]
             echoed = engine.tokenizer.decode(ids)  # ... as far as the model read it (its logprobs' offsets in it)
+        if not ids:  # e.g. "" with a tokenizer that adds no start token: the engine's 400 named no param
+            raise InvalidRequest("The prompt is empty: it has no tokens for the model to continue", "prompt")
         max_tokens = resolve_max_tokens(
             request.max_tokens, len(ids), engine.info.max_model_len, default_max_tokens, "max_tokens", "prompt"
         )

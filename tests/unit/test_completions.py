@@ -191,3 +191,13 @@ def test_a_failing_prompt_ends_the_other_prompts_runs_at_once() -> None:
         assert in_flight._value.get() == 0
 
     asyncio.run(go())
+
+
+def test_an_empty_prompt_or_stop_string_is_refused_with_its_param(client: TestClient) -> None:
+    """The engine refuses both, without a param; the gateway says which field, before the engine."""
+    for extra, param in (({"prompt": ""}, "prompt"), ({"prompt": "hi", "stop": ""}, "stop"),
+                         ({"prompt": "hi", "stop": ["ok", ""]}, "stop.1")):
+        response = client.post("/v1/completions", json={"model": "fake-model", "max_tokens": 2, **extra})
+        assert response.status_code == 400, (extra, response.text)
+        assert response.json()["error"]["param"] == param, (extra, response.json())
+    assert client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "stop": ["ok"]}).status_code == 200
