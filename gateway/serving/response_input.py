@@ -106,7 +106,7 @@ def chat_request(request: ResponsesRequest, conversation: list[Item]) -> ChatCom
         fields["tools"] = [{"type": "function", "function": tool.model_dump(include=described, exclude_none=True)}
                            for tool in request.tools]
     choice = request.tool_choice
-    if choice is not None:
+    if choice is not None and not (choice == "auto" and not request.tools):  # auto with no tools: no choice to make
         named = {"type": "function", "function": {"name": choice.name}} if not isinstance(choice, str) else None
         fields["tool_choice"] = named or choice
     text_format = request.text.format if request.text else None

@@ -66,6 +66,13 @@ def test_answers_keep_their_nulls_as_openai_sends_them(client: TestClient, scrip
                                                "logprobs": []}
 
 
+def test_tool_choice_auto_without_tools_is_no_choice(sdk: openai.OpenAI, scripted: FakeEngine) -> None:
+    assert sdk.responses.create(model=MODEL, input="hi", tool_choice="auto").output_text == "Hello there!"
+    with pytest.raises(openai.BadRequestError) as refused:  # required with nothing to call is still a 400
+        sdk.responses.create(model=MODEL, input="hi", tool_choice="required")
+    assert refused.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
 def test_max_output_tokens_cut_is_incomplete(sdk: openai.OpenAI, engine: FakeEngine) -> None:
     answer = sdk.responses.create(model=MODEL, input="hi", max_output_tokens=16)
     assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
