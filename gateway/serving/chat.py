@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.types import ChoiceDelta, Engine, GenerationRequest, Task, Tokenizer, TokenLogprob
@@ -36,6 +36,7 @@ from gateway.serving.generation import (
 from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.guards.requests import guarded_chat
 from gateway.serving.service import OnDone
+from gateway.serving.tools import HeldText
 
 
 @dataclass(slots=True)
@@ -48,6 +49,7 @@ class PreparedChat:
     id: str
     created: int
     guard: RequestGuard = UNGUARDED
+    held: dict[int, HeldText] = field(default_factory=dict)  # a stream's text per choice (tool_choice auto)
 
     def token_budget(self) -> int:
         """Prompt plus the most the answer may take, for tokens-per-minute limits."""
@@ -213,7 +215,9 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
     ChunkChoice's JSON-ready dict: plain text, the per-token case, is built without pydantic."""
     plan = prepared.tools
     finish = state.finish_reason if delta.finish_reason else None
-    if plan.mode in ("auto", "required"):  # calls are parsed from the whole text, at its end
+    if plan.mode == "auto":
+        return _auto_chunk(prepared, state, delta, finish)
+    if plan.mode == "required":  # the calls are parsed from the whole text, at its end
         if finish is None:
             return None
         content, calls = plan.parse("".join(state.text))
@@ -237,6 +241,25 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
     if logprobs is not None:
         plain["logprobs"] = logprobs.model_dump(mode="json", exclude_none=True)
     return plain
+
+
+def _auto_chunk(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta, finish: str | None) -> dict[str, Any] | None:
+    """`tool_choice: auto`: the text streams as it comes, but for what may begin a `<tool_call>`
+    (`tools.HeldText`); at the end, the rest of the content and the calls parsed from the whole text."""
+    held = prepared.held.setdefault(state.index, HeldText("auto"))
+    piece = held.feed(delta.text)
+    role = None if state.started else "assistant"
+    if finish is None:
+        if not piece:
+            return None
+        state.started = True
+        return {"index": state.index, "delta": {"role": role, "content": piece} if role else {"content": piece}}
+    _, calls = prepared.tools.parse(held.text)
+    content = piece + held.rest(calls=bool(calls))
+    state.started = True
+    body = ChunkDelta(role=role, content=content or None, tool_calls=[c.as_openai(i) for i, c in enumerate(calls)] or None)
+    whole = ChunkChoice(index=state.index, delta=body, finish_reason=prepared.tools.finish_reason(calls, finish))
+    return whole.model_dump(mode="json", exclude_none=True)
 
 
 async def stream(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> AsyncIterator[bytes]:

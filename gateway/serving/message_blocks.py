@@ -28,9 +28,7 @@ from gateway.protocol.anthropic import (
     TextDelta,
     ToolUseBlock,
 )
-from gateway.serving.tools import ToolCall, ToolPlan
-
-TAG = "<tool_call>"
+from gateway.serving.tools import HeldText, ToolCall, ToolPlan
 
 
 def tool_use_id(message_id: str, index: int) -> str:
@@ -72,47 +70,22 @@ class BlockEvents:
         return [ContentBlockStopEvent(index=self.index - 1)]
 
 
-def _partial_tag(text: str) -> int:
-    """How many characters at the end of `text` may be the start of a `<tool_call>` tag."""
-    for size in range(min(len(TAG) - 1, len(text)), 0, -1):
-        if text.endswith(TAG[:size]):
-            return size
-    return 0
-
-
 class ContentStream:
     """One answer's content as events, as its text arrives (one choice: Anthropic has no `n`)."""
 
     def __init__(self, message_id: str, plan: ToolPlan) -> None:
         self.blocks = BlockEvents(message_id)
         self.plan = plan
-        self.text = ""
-        self.sent = 0  # characters of text streamed as text deltas
-        self.tagged = False  # auto: a <tool_call> began; the rest waits for the end
+        self.held = HeldText(plan.mode)  # the text, and how much of it went out as text deltas
 
     def feed(self, piece: str) -> list[BaseModel]:
-        self.text += piece
         if self.plan.mode == "named":
             start = [] if self.blocks.open else self.blocks.tool(self.plan.named or "")
             return [*start, *self.blocks.arguments(piece)]
         if self.plan.mode == "required":
+            self.held.text += piece
             return []
-        return self.blocks.text(self._release())
-
-    def _release(self) -> str:
-        """The text that may be streamed now: all of it without tools; with `auto`, not what may
-        begin a tag, nor the whitespace before one (the whole answer strips it)."""
-        if self.plan.mode == "none":
-            end = len(self.text)
-        elif self.tagged:
-            return ""
-        else:
-            at = self.text.find(TAG, self.sent)
-            self.tagged = at >= 0
-            cut = at if self.tagged else len(self.text) - _partial_tag(self.text)
-            end = max(self.sent, len(self.text[:cut].rstrip()))
-        piece, self.sent = self.text[self.sent : end], end
-        return piece
+        return self.blocks.text(self.held.feed(piece))
 
     def finish(self, calls: list[ToolCall]) -> list[BaseModel]:
         """What the whole text adds at its end (`calls` parsed from it), then the last block's stop."""
@@ -123,5 +96,5 @@ class ContentStream:
             for call in calls:
                 events += self.blocks.tool(call.name, call.arguments)
         elif self.plan.mode != "required":
-            events, self.sent = self.blocks.text(self.text[self.sent :]), len(self.text)
+            events = self.blocks.text(self.held.rest(calls=False))
         return [*events, *self.blocks.close()]

@@ -33,6 +33,54 @@ To call a function, answer with one line per call, exactly in this format:
 If no function is needed, answer normally."""
 
 
+TAG = "<tool_call>"
+
+
+def _partial_tag(text: str) -> int:
+    """How many characters at the end of `text` may be the start of a `<tool_call>` tag."""
+    for size in range(min(len(TAG) - 1, len(text)), 0, -1):
+        if text.endswith(TAG[:size]):
+            return size
+    return 0
+
+
+class HeldText:
+    """An answer's text as it may be streamed while it arrives, by tool mode: all of it without
+    tools (`none`); with `auto`, all but what may begin a `<tool_call>` tag and the whitespace
+    before one (the whole answer strips it), and nothing once a tag has begun (the calls are
+    parsed from the whole text at its end). `sent`: the characters released so far."""
+
+    __slots__ = ("text", "sent", "tagged", "auto")
+
+    def __init__(self, mode: Mode) -> None:
+        self.text = ""
+        self.sent = 0
+        self.tagged = False
+        self.auto = mode == "auto"
+
+    def feed(self, piece: str) -> str:
+        """Add `piece`; the text that may be streamed now."""
+        self.text += piece
+        if not self.auto:
+            end = len(self.text)
+        elif self.tagged:
+            return ""
+        else:
+            at = self.text.find(TAG, self.sent)
+            self.tagged = at >= 0
+            cut = at if self.tagged else len(self.text) - _partial_tag(self.text)
+            end = max(self.sent, len(self.text[:cut].rstrip()))
+        released, self.sent = self.text[self.sent : end], end
+        return released
+
+    def rest(self, calls: bool) -> str:
+        """At the end: the content not yet streamed; with calls, up to the first tag (its
+        whitespace before it left out, as the whole answer's content has it)."""
+        end = max(self.sent, len(self.text[: self.text.find(TAG)].rstrip())) if calls else len(self.text)
+        rest, self.sent = self.text[self.sent : end], end
+        return rest
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     name: str

@@ -136,3 +136,26 @@ def test_required_keeps_complete_calls_of_a_cut_array(sdk: openai.OpenAI, engine
     engine.reply = ['[{"name": "get_time", "parameters": {}}, ', '{"name": "get_weather", "parameters": {"ci']
     result = sdk.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required")
     assert [c.function.name for c in result.choices[0].message.tool_calls] == ["get_time"]
+
+
+@pytest.mark.parametrize("reply", [
+    ["Let me ", "check. ", "<tool_", 'call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'],
+    ["It is ", "sunny ", "today."],
+    ["Use <tool", "s wisely"],  # what looked like a tag's start, and was not
+    ["Hi ", "<tool_call>{not json</tool_call>"],  # a tag that holds no call: all of it is content
+])
+def test_auto_streams_the_text_before_a_call_as_it_comes(sdk: openai.OpenAI, engine: FakeEngine, reply: list[str]) -> None:
+    """With tools and tool_choice auto the content streams token by token, held back only where a
+    <tool_call> may begin; the stream adds up to the whole answer (content, calls, finish)."""
+    engine.reply = reply
+    whole = sdk.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER]).choices[0]
+    chunks = [c.choices[0] for c in sdk.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True)
+              if c.choices]
+    assert chunks[0].delta.role == "assistant" and all(c.delta.role is None for c in chunks[1:])
+    assert "".join(c.delta.content or "" for c in chunks) == (whole.message.content or "")
+    calls = [call for c in chunks for call in c.delta.tool_calls or []]
+    assert [(call.function.name, call.function.arguments) for call in calls] == [
+        (call.function.name, call.function.arguments) for call in whole.message.tool_calls or []]
+    assert chunks[-1].finish_reason == whole.finish_reason
+    if reply[0] in ("Let me ", "It is "):
+        assert len([c for c in chunks if c.delta.content]) >= 2  # streamed, not one chunk at the end
