@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.chaos import Outcome, markdown, write_md
+from benchmarks.chaos import markdown, write_md
+from benchmarks.chaos_drills import Outcome
 
 RESULTS = {
     "when": "2026-11-30 12:00", "machine": {"nproc": 2}, "versions": {"llm-gateway commit": "abc123"},
