@@ -82,8 +82,7 @@ class ContentStream:
         if self.plan.mode == "named":
             start = [] if self.blocks.open else self.blocks.tool(self.plan.named or "")
             return [*start, *self.blocks.arguments(piece)]
-        if self.plan.mode == "required":
-            self.held.text += piece
+        if self.plan.mode == "required":  # the calls come at the end, parsed from the whole text
             return []
         return self.blocks.text(self.held.feed(piece))
 

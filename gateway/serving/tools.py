@@ -207,7 +207,7 @@ def tagged(call: dict[str, Any]) -> str:
         arguments = json.loads(function["arguments"])
     except (json.JSONDecodeError, TypeError):
         arguments = function["arguments"]
-    return "<tool_call>" + json.dumps({"name": function["name"], "arguments": arguments}) + "</tool_call>"
+    return TAG + json.dumps({"name": function["name"], "arguments": arguments}) + "</tool_call>"
 
 
 def _complete_items(text: str) -> list[Any]:
@@ -251,5 +251,5 @@ def _parse_tagged(text: str, functions: dict[str, dict[str, Any]]) -> tuple[str 
             calls.append(ToolCall(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
     if not calls:
         return text, []
-    content = text[: text.find("<tool_call>")].strip()
+    content = text[: text.find(TAG)].strip()
     return content or None, calls
