@@ -63,7 +63,7 @@ class _NoMetric:
 def switch_off(without: set[str]) -> None:
     """Parts that settings cannot turn off, replaced in process (this benchmark's process only)."""
     from benchmarks import echo_engine
-    from gateway import logs, metrics
+    from gateway.telemetry import logs, metrics
 
     if "log" in without:
         logs._access = _Silent()
@@ -78,8 +78,8 @@ def make_app(bare: bool, without: set[str], log_path: str) -> Any:
     os.environ.update(environment(without))
     from benchmarks.bare_app import create_bare_app
     from benchmarks.echo_engine import EchoEngine, create_echo_app
-    from gateway.logs import configure
     from gateway.settings import Settings
+    from gateway.telemetry.logs import configure
 
     if bare:
         return create_bare_app(NAME)

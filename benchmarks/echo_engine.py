@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.settings import Settings
 
     settings = Settings(warmup=False, host=args.host, port=args.port)  # other settings from GATEWAY_*
-    from gateway.logs import configure
+    from gateway.telemetry.logs import configure
 
     configure(settings.log_level, settings.log_format)
     app = create_echo_app(settings, EchoEngine(args.name, token_delay=args.token_delay))
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.lag_probe import LagProbe
 
         app = LagProbe(app)
-    from gateway.server import server_config
+    from gateway.server.http import server_config
 
     # served as the gateway serves (`python -m gateway serve`): its HTTP protocol (header timeout and
     # bound, malformed requests answered in the API's shape), connection cap and keep-alive

@@ -39,18 +39,18 @@ from gateway.backends.startup import (
     stop,
     warm_up,
 )
-from gateway.cache import ResponseCache, make_backend
 from gateway.errors import APIError, dialect_of, from_exception, render
 from gateway.middleware.access_log import AccessLogMiddleware
 from gateway.middleware.auth import AttemptThrottle, AuthMiddleware, KeyRing
 from gateway.middleware.body import BodyBudget, BodyMiddleware
 from gateway.middleware.lifecycle import Lifecycle, LifecycleMiddleware
 from gateway.middleware.rate_limit import RateLimitMiddleware
-from gateway.quota import Quota
-from gateway.responses_store import ResponseStore, make_store_backend
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
-from gateway.tenants import Tenants
+from gateway.stores.cache import ResponseCache, make_backend
+from gateway.stores.responses import ResponseStore, make_store_backend
+from gateway.tenancy.quota import Quota
+from gateway.tenancy.tenants import Tenants
 
 log = structlog.get_logger(__name__)
 # the errors `error_response` answers; unknown errors go up to the access log, which answers them
@@ -65,7 +65,7 @@ async def error_response(request: Request, exc: Exception) -> Response:
     if error.status == 499:
         log.info("client_disconnected")
     elif error.status >= 500:
-        # a traceback (without locals: gateway.logs) for the server's own failures, not for refusals
+        # a traceback (without locals: gateway.telemetry.logs) for the server's own failures, not for refusals
         log.error("request_failed", status=error.status, error=error.message, exc_info=exc if error.status == 500 else None)
     status, headers, body = render(error, dialect_of(request.scope))
     response = Response(body, status_code=status)

@@ -153,7 +153,7 @@ class ModelOverloaded(RateLimited):
 
 
 class QuotaExceeded(APIError):
-    """The key's token budget (per day or month, `gateway.tenants`) is spent: OpenAI's answer when
+    """The key's token budget (per day or month, `gateway.tenancy.tenants`) is spent: OpenAI's answer when
     an account's quota is. Retry-After only when the budget's next period can take the request."""
 
     status, type, code = 429, "insufficient_quota", "insufficient_quota"

@@ -10,9 +10,9 @@ import pytest
 import structlog
 from starlette.testclient import TestClient
 
-from gateway import logs
 from gateway.app import create_app
 from gateway.settings import Settings
+from gateway.telemetry import logs
 from tests.fakes import FakeEngine, fake_settings
 
 

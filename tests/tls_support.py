@@ -18,9 +18,9 @@ import trustme
 
 from gateway.app import create_app
 from gateway.middleware.lifecycle import Lifecycle
-from gateway.server import DrainingServer, server_config
+from gateway.server.http import DrainingServer, server_config
+from gateway.server.tls import ServerTLS
 from gateway.settings import TLSSettings
-from gateway.tls import ServerTLS
 from tests.fakes import FakeEngine, fake_settings
 from tests.served import running
 

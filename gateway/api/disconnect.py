@@ -18,8 +18,8 @@ from typing import TypeVar
 
 from starlette.types import Receive
 
-from gateway.context import current_record
 from gateway.errors import ClientDisconnected
+from gateway.telemetry.record import current_record
 
 T = TypeVar("T")
 WATCH_AFTER_S = 0.1

@@ -1,6 +1,6 @@
 """From a validated request to an answer: pick the model (alias, A/B split; one the key may use),
 then try it and its fallbacks in order. Per attempt: prepare (all refusals, and the request's
-bounds: prompts, output tokens), the key's tokens per minute and budgets (`gateway.quota`; a remote
+bounds: prompts, output tokens), the key's tokens per minute and budgets (`gateway.tenancy.quota`; a remote
 model's tokens estimated), the response cache (scoped per tenant), admission (as many permits as
 engine requests, by the key's priority class), then the engine or the remote upstream (its answer
 read on the way: `serving.remote`). Only *fallible* errors (`gateway.errors`: the model overloaded,
@@ -18,7 +18,6 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import metrics
 from gateway.api.disconnect import unless_disconnected
 from gateway.api.requests import body_size, json_response
 from gateway.api.sse import EventStreamResponse, primed, relayed_event_stream
@@ -26,18 +25,19 @@ from gateway.api.state import GatewayState
 from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
 from gateway.backends.upstream import with_defaults
-from gateway.cache import Hit, Storer
-from gateway.context import current_record
 from gateway.errors import APIError, BackendUnavailable, InvalidRequest, ModelNotFound, from_exception
 from gateway.middleware.auth import ANONYMOUS
 from gateway.middleware.body import body_prepared
 from gateway.protocol.openai import ChatCompletionRequest
-from gateway.quota import Charge
 from gateway.serving import offload, remote
 from gateway.serving.guards.pipeline import RequestGuard
 from gateway.serving.guards.requests import guarded
 from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service, check_task
-from gateway.tenants import KeyPolicy
+from gateway.stores.cache import Hit, Storer
+from gateway.telemetry import metrics
+from gateway.telemetry.record import current_record
+from gateway.tenancy.quota import Charge
+from gateway.tenancy.tenants import KeyPolicy
 
 Shape = Callable[[BaseModel | bytes], BaseModel]  # answers and chunks in another form (the native API's)
 

@@ -8,8 +8,8 @@ from collections.abc import Awaitable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway import metrics
 from gateway.api.requests import state_of
+from gateway.telemetry import metrics
 
 
 async def prometheus(request: Request) -> Response:

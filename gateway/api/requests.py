@@ -14,7 +14,7 @@ from starlette.types import Scope
 from engine.types import Engine
 from gateway.api.state import GatewayState
 from gateway.errors import InvalidRequest, PayloadTooLarge, invalid_body
-from gateway.tenants import KeyPolicy
+from gateway.tenancy.tenants import KeyPolicy
 
 M = TypeVar("M", bound=BaseModel)
 

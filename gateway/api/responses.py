@@ -27,8 +27,8 @@ from gateway.errors import InvalidRequest, NotFound
 from gateway.middleware.auth import ANONYMOUS
 from gateway.middleware.lifecycle import Lifecycle
 from gateway.protocol.responses import InputItemsQuery, Item, ResponseDeleted, ResponseItemList, ResponsesRequest
-from gateway.responses_store import BackgroundRun, ResponseStore, StoredResponse
 from gateway.serving.responses import ResponsesService
+from gateway.stores.responses import BackgroundRun, ResponseStore, StoredResponse
 
 RUNNING = ("queued", "in_progress")
 

@@ -28,8 +28,8 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api import stalls
 from gateway.api.disconnect import Watch
-from gateway.context import current_record
 from gateway.errors import Dialect, dialect_of, from_exception
+from gateway.telemetry.record import current_record
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = [

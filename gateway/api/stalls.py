@@ -4,7 +4,7 @@ A client that keeps its connection open but never reads fills its receive window
 write buffer, and a stream's next send waits for room forever: the stream holds its admission
 permit and its engine request, and a few such clients starve every tenant of the model. A send
 that waits longer than `stream_write_timeout_s` ends the stream as if the client had left: the
-connection is dropped (uvicorn's `gateway.abort` extension, which `gateway.server`'s protocol puts
+connection is dropped (uvicorn's `gateway.abort` extension, which `gateway.server.http`'s protocol puts
 in the scope), so the request's disconnect watch ends it (engine request aborted, permit given
 back, counted as a disconnect); under a server without that extension the stream's task is
 cancelled instead.
@@ -23,7 +23,7 @@ import structlog
 
 log = structlog.get_logger(__name__)
 SWEEP_S = 1.0
-ABORT = "gateway.abort"  # the scope's extension: drop the connection (gateway.server)
+ABORT = "gateway.abort"  # the scope's extension: drop the connection (gateway.server.http)
 
 
 class Sends:

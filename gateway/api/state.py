@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.backends.registry import ModelRegistry
-from gateway.cache import ResponseCache
 from gateway.middleware.lifecycle import Lifecycle
-from gateway.quota import Quota
-from gateway.responses_store import ResponseStore
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
-from gateway.tenants import Tenants
+from gateway.stores.cache import ResponseCache
+from gateway.stores.responses import ResponseStore
+from gateway.tenancy.quota import Quota
+from gateway.tenancy.tenants import Tenants
 
 
 @dataclass(slots=True)

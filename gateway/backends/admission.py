@@ -19,9 +19,9 @@ import asyncio
 import contextlib
 from collections import deque
 
-from gateway import metrics
 from gateway.errors import InvalidRequest, ModelOverloaded, ModelUnavailable
 from gateway.settings import AdmissionSettings, Priority
+from gateway.telemetry import metrics
 
 
 class Permit:

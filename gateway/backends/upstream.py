@@ -29,8 +29,8 @@ import structlog
 
 from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
-from gateway import metrics
 from gateway.errors import APIError, BackendUnavailable, BadGateway
+from gateway.telemetry import metrics
 
 log = structlog.get_logger(__name__)
 PASSED_ON = frozenset({400, 413, 422})  # the client's own mistakes: the upstream's answer explains them

@@ -5,7 +5,7 @@ asked for, and logs one access line and the request metrics at the end.
 
 It is also the last catch of errors: an exception no layer below answered becomes a 500 in the
 API's error shape here, inside the request's log context and with its `X-Request-ID`, logged with
-a traceback (no locals: `gateway.logs`), and is not raised on to the server, which would reset
+a traceback (no locals: `gateway.telemetry.logs`), and is not raised on to the server, which would reset
 the client's keep-alive connection.
 
 Pure ASGI and not `BaseHTTPMiddleware`, which would lose the contextvars that structlog binds the
@@ -22,10 +22,10 @@ from collections.abc import Callable
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import metrics
-from gateway.context import RequestRecord, close_record, open_record
 from gateway.errors import Dialect, dialect_of, from_exception, send_error
-from gateway.logs import access_logger
+from gateway.telemetry import metrics
+from gateway.telemetry.logs import access_logger
+from gateway.telemetry.record import RequestRecord, close_record, open_record
 
 log = structlog.get_logger(__name__)
 REQUEST_ID_MAX = 200

@@ -17,7 +17,7 @@ Without keys nothing proves that a request comes from a client and not from a we
 client has open: a POST must then declare a JSON body (`Content-Type: application/json`), which
 a page cannot send to another site without that site's CORS consent; anything else is a 415
 (a POST without a body, such as a cancel, declares nothing).
-Keys come from the keys file too (`gateway.tenants`, whose keys are named by their id there).
+Keys come from the keys file too (`gateway.tenancy.tenants`, whose keys are named by their id there).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway import metrics
-from gateway.context import current_record
 from gateway.errors import APIError, AuthenticationFailed, RateLimited, UnsupportedMediaType, dialect_of, send_error
-from gateway.limits import TokenBucket
-from gateway.tenants import Tenants
+from gateway.telemetry import metrics
+from gateway.telemetry.record import current_record
+from gateway.tenancy.limits import TokenBucket
+from gateway.tenancy.tenants import Tenants
 
 ANONYMOUS = "anonymous"
 
@@ -128,7 +128,7 @@ class AuthMiddleware:
         self.keys = keys
         self.open = open_paths
         self.throttle = throttle
-        self.tenants = tenants  # the keys file's keys, named by their id there (gateway.tenants)
+        self.tenants = tenants  # the keys file's keys, named by their id there (gateway.tenancy.tenants)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open:

@@ -21,8 +21,6 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import metrics
-from gateway.context import current_record
 from gateway.errors import (
     ClientDisconnected,
     RequestTimeout,
@@ -31,6 +29,8 @@ from gateway.errors import (
     dialect_of,
     send_error,
 )
+from gateway.telemetry import metrics
+from gateway.telemetry.record import current_record
 
 PREPARED = "body_prepared"  # scope["state"] key: call it once the request's input is prepared
 

@@ -1,5 +1,5 @@
 """Lifecycle (pure ASGI): the count of API requests in progress, and refusing new ones while the
-server drains. `gateway.server` starts the drain on SIGTERM and waits for the count to reach 0.
+server drains. `gateway.server.http` starts the drain on SIGTERM and waits for the count to reach 0.
 Work that outlives its request (a background response) holds the count too (`Lifecycle.hold`), so
 that a drain lets it finish as well, within the same timeout.
 """

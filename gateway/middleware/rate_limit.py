@@ -1,17 +1,17 @@
 """Per API key (pure ASGI), after auth has named the key; the same routes as auth: the key's
-policy (`gateway.tenants`) into the scope for the steps after, its requests per minute
-(`gateway.quota`), and at the end its usage counted and its token charge settled. Tokens per
+policy (`gateway.tenancy.tenants`) into the scope for the steps after, its requests per minute
+(`gateway.tenancy.quota`), and at the end its usage counted and its token charge settled. Tokens per
 minute and budgets are taken later, by the dispatcher, once the prompt is known."""
 
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.context import current_record
 from gateway.errors import RateLimited, dialect_of, send_error
 from gateway.middleware.auth import ANONYMOUS
-from gateway.quota import Quota
-from gateway.tenants import Tenants
+from gateway.telemetry.record import current_record
+from gateway.tenancy.quota import Quota
+from gateway.tenancy.tenants import Tenants
 
 
 class RateLimitMiddleware:

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from engine.types import EmbedRequest, Engine, ModelInfo, Task
-from gateway import metrics
-from gateway.context import current_record
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol.embeddings import CreateEmbeddingResponse, Embedding, EmbeddingRequest, EmbeddingUsage
 from gateway.serving.generation import check_token_ids, new_id
 from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.service import OnDone
+from gateway.telemetry import metrics
+from gateway.telemetry.record import current_record
 
 
 @dataclass(slots=True)

@@ -13,11 +13,11 @@ from typing import Any
 
 from engine.config import SamplingDefaults
 from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, SamplingOptions, TokenLogprob
-from gateway import metrics
-from gateway.context import current_record
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol.openai import SamplingFields, Usage
 from gateway.serving.guards.stream import OutputGuard, visible
+from gateway.telemetry import metrics
+from gateway.telemetry.record import current_record
 
 
 def new_id(prefix: str) -> str:

@@ -30,10 +30,10 @@ import orjson
 import structlog
 from pydantic import ValidationError
 
-from gateway import metrics
-from gateway.context import current_record
 from gateway.protocol.openai import ChatCompletion, Completion
 from gateway.serving.service import AnswerT, OnDone
+from gateway.telemetry import metrics
+from gateway.telemetry.record import current_record
 
 log = structlog.get_logger(__name__)
 CHARS_PER_TOKEN = 4

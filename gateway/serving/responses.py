@@ -45,13 +45,13 @@ from gateway.protocol.responses import (
     ResponseUsage,
     Status,
 )
-from gateway.responses_store import ResponseStore, StoredResponse
 from gateway.serving import chat, response_input, tools
 from gateway.serving.chat import PreparedChat
 from gateway.serving.generation import ChoiceState, Run, now
 from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.response_events import ResponseEvents, new_id
 from gateway.serving.service import OnDone
+from gateway.stores.responses import ResponseStore, StoredResponse
 
 log = structlog.get_logger(__name__)
 CANCEL_CHECK_S = 1.0  # a background response looks this often for a cancel made on another replica

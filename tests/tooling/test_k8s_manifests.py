@@ -311,7 +311,7 @@ def test_autoscaler_and_disruption_budget(name: str) -> None:
 def test_hpa_metric_is_a_gateway_metric() -> None:
     from prometheus_client import REGISTRY
 
-    import gateway.metrics  # noqa: F401  (registers the gateway's metrics)
+    import gateway.telemetry.metrics  # noqa: F401  (registers the gateway's metrics)
 
     assert HPA_METRIC in {family.name for family in REGISTRY.collect()}
 

@@ -17,7 +17,7 @@ import trustme
 import yaml
 
 from gateway.settings import TLSSettings
-from gateway.tenants import read as read_keys_file
+from gateway.tenancy.tenants import read as read_keys_file
 from tests.tls_support import serving
 from tests.tooling.k8s import (
     BUILDS,

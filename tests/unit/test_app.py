@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.cli import parser, settings_from
+from gateway.server.cli import parser, settings_from
 from tests.fakes import fake_settings
 
 
@@ -58,7 +58,7 @@ def test_gateway_imports_without_vllm_or_torch() -> None:
                 if name.split(".")[0] in ("vllm", "torch", "transformers"):
                     raise ImportError("blocked: " + name)
         sys.meta_path.insert(0, Block())
-        import gateway.app, gateway.cli, gateway.api.routes, engine
+        import gateway.app, gateway.server.cli, gateway.api.routes, engine
         print("ok")
         """
     )
@@ -185,8 +185,8 @@ def test_the_access_log_binds_the_request_s_context_and_puts_the_outer_one_back(
     import structlog
     from starlette.types import Receive, Scope, Send
 
-    from gateway.context import current_record
     from gateway.middleware.access_log import AccessLogMiddleware
+    from gateway.telemetry.record import current_record
 
     seen: dict[str, object] = {}
 

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog.testing
 
-from gateway import metrics
+from gateway.telemetry import metrics
 from tests.fakes import FakeEngine, app_with, chat_body
 
 Receive = Callable[[], Awaitable[dict]]

@@ -1,4 +1,4 @@
-"""The response cache (gateway.cache) in memory: hits, misses, bounds and TTL."""
+"""The response cache (gateway.stores.cache) in memory: hits, misses, bounds and TTL."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_cache_skips_nondeterministic_and_no_cache() -> None:
 
 
 async def test_memory_cache_bounds_and_ttl() -> None:
-    from gateway.cache import MemoryCache
+    from gateway.stores.cache import MemoryCache
 
     cache = MemoryCache(max_entries=2, max_bytes=10, ttl_s=60)
     await cache.set("a", b"1234")
@@ -194,7 +194,7 @@ def test_a_completions_hit_answers_as_the_miss_did_under_a_new_id() -> None:
 
 
 async def test_the_storer_hands_back_what_it_stored_of_that_answer_only() -> None:
-    from gateway.cache import MemoryCache, ResponseCache
+    from gateway.stores.cache import MemoryCache, ResponseCache
 
     backend = MemoryCache(max_entries=10, max_bytes=10_000, ttl_s=60)
     store = ResponseCache(backend).storer("k")
@@ -228,8 +228,8 @@ def test_keys_stay_the_same_for_the_same_request() -> None:
     stream_options and user left out): replicas of other versions sharing a Redis cache agree on it."""
     import hashlib
 
-    from gateway.cache import cache_key
     from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+    from gateway.stores.cache import cache_key
 
     body = CompletionRequest.model_validate_json(
         b'{"model":"m","prompt":"a b","temperature":0,"logit_bias":{"7":1,"3":-1},"user":"u","stream":true}'

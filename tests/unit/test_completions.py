@@ -177,7 +177,7 @@ def test_a_failing_prompt_ends_the_other_prompts_runs_at_once() -> None:
     """A non-streamed request of several prompts that fails on one (an engine error, or the client
     leaving) closes the other runs then and there: their engine requests end and the in-flight
     gauge comes back down (they were left to the garbage collector, and the gauge stayed up)."""
-    from gateway import metrics
+    from gateway.telemetry import metrics
 
     engine = FakeEngine(name="fail-model")
     engine.fail_after = 1

@@ -19,9 +19,9 @@ from schemathesis.generation.modes import GenerationMode
 from starlette.testclient import TestClient
 
 from gateway.api.routes import TABLE
-from gateway.cache import cache_key
 from gateway.errors import from_exception
 from gateway.protocol import openai as p
+from gateway.stores.cache import cache_key
 from tests.fakes import FakeEngine, app_with
 
 EXAMPLES = 50

@@ -269,7 +269,7 @@ def test_a_bad_guards_file_is_refused_at_start(tmp_path: Path, text: str, proble
 
 
 def test_a_model_naming_an_unknown_profile_is_refused_and_the_cli_exits_2(tmp_path: Path, monkeypatch, capsys) -> None:
-    from gateway import cli
+    from gateway.server import cli
 
     (tmp_path / "models.yaml").write_text("models: [{name: a, guards: nope}]")
     monkeypatch.setenv("GATEWAY_MODELS_FILE", str(tmp_path / "models.yaml"))

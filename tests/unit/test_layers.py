@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 GATEWAY = ROOT / "gateway"
-TOP = ("gateway.app", "gateway.cli", "gateway.server", "gateway.tls", "gateway.__main__")
+TOP = ("gateway.app", "gateway.server.cli", "gateway.server.http", "gateway.server.tls", "gateway.__main__")
 CORE = {"errors", "protocol", "metrics", "context", "settings", "cache", "logs", "limits", "responses_store", "tenants",
         "quota"}
 LAYERS = ("gateway.api", "gateway.serving", "gateway.backends", "gateway.middleware")

@@ -8,7 +8,7 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.middleware.lifecycle import Lifecycle
-from gateway.server import DrainingServer
+from gateway.server.http import DrainingServer
 from tests.fakes import FakeEngine, fake_settings
 
 HELLO = [{"role": "user", "content": "hi"}]

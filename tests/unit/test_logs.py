@@ -1,4 +1,4 @@
-"""The real log configuration (gateway.logs) on forced server errors, in a child process so that the
+"""The real log configuration (gateway.telemetry.logs) on forced server errors, in a child process so that the
 global logging set-up is the production one: tracebacks come without locals in both formats (in
 JSON as structured frames), and neither the API key nor the prompt reaches any line unless
 `log_prompts` is on."""
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import sys
     from starlette.testclient import TestClient
     from engine.errors import EngineError
-    from gateway.logs import configure
+    from gateway.telemetry.logs import configure
     from tests.fakes import FakeEngine, app_with
 
     class Failing(FakeEngine):
@@ -109,7 +109,7 @@ def test_the_json_access_line_is_the_line_structlog_renders(
 
     import structlog
 
-    from gateway import logs
+    from gateway.telemetry import logs
 
     clock = _Clock(real_datetime.datetime(2026, 1, 2, 3, 4, 5, microsecond, tzinfo=real_datetime.timezone.utc))
     monkeypatch.setattr(structlog.processors, "datetime", clock)

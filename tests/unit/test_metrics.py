@@ -80,7 +80,7 @@ def test_observations_add_up_to_the_same_exposition_as_observe() -> None:
     bucket by bucket, for values on, between and past the bounds, before and after a flush."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from gateway.metrics import TOKEN_BUCKETS, Observations
+    from gateway.telemetry.metrics import TOKEN_BUCKETS, Observations
 
     values = [0.0, 0.001, 0.0011, 0.05, 0.3, 4.9, 5.0, 7.5, 1e9, -0.5] * 10  # more than FLUSH_EVERY in all
     registry = {name: CollectorRegistry() for name in ("observe", "observations")}
@@ -114,7 +114,7 @@ def test_loop_only_metrics_expose_what_prometheus_client_would(monkeypatch: pyte
     calls, the child's own calls adding to the same values, and Observations on the same child."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-    from gateway import metrics
+    from gateway.telemetry import metrics
 
     def made(registry: CollectorRegistry) -> tuple[Counter, Gauge, Histogram]:
         return (Counter("hits", "hits", ["route"], registry=registry),

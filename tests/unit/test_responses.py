@@ -306,7 +306,7 @@ def test_a_background_response_completes_and_cannot_be_cancelled_after(sdk: open
 
 
 def test_a_background_response_is_work_in_progress_for_the_drain(engine: FakeEngine) -> None:
-    """It holds the lifecycle's count (a SIGTERM's drain waits for it, `gateway.server`) from its
+    """It holds the lifecycle's count (a SIGTERM's drain waits for it, `gateway.server.http`) from its
     start to its end, here a cancel, after its own request has ended."""
     from gateway.app import create_app
     from gateway.middleware.lifecycle import Lifecycle

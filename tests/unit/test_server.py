@@ -1,4 +1,4 @@
-"""The real HTTP server (gateway.server: uvicorn with our protocol and limits) on the fake engine,
+"""The real HTTP server (gateway.server.http: uvicorn with our protocol and limits) on the fake engine,
 over loopback sockets: slow headers and idle connections are closed, the connection cap holds,
 errors keep the keep-alive connection, and an abandoned upload is a 499."""
 
@@ -17,10 +17,10 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from gateway import metrics
 from gateway.app import create_app
 from gateway.middleware.lifecycle import Lifecycle
-from gateway.server import MAX_HEADER_BYTES, DrainingServer, http_protocol, server_config
+from gateway.server.http import MAX_HEADER_BYTES, DrainingServer, http_protocol, server_config
+from gateway.telemetry import metrics
 from tests.fakes import FakeEngine, chat_body, fake_settings
 
 
@@ -109,7 +109,7 @@ def test_the_header_timeout_spares_a_connection_between_requests(running: Runnin
 def test_whole_headers_in_one_read_make_no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
     """The header timer is made once per connection (for its first request) and again only when a
     request's headers come in pieces, not for every request on a keep-alive connection."""
-    from gateway.server import HeaderTimeout
+    from gateway.server.http import HeaderTimeout
 
     armed: list[int] = []
     arm = HeaderTimeout._arm

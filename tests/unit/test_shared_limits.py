@@ -1,4 +1,4 @@
-"""Limits and budgets shared by replicas (gateway.quota on Redis): two gateways (the fake engine
+"""Limits and budgets shared by replicas (gateway.tenancy.quota on Redis): two gateways (the fake engine
 behind real uvicorn servers) on one real redis-server stay together within a key's limits, and
 count in process, logged and counted, while Redis is down."""
 

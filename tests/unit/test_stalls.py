@@ -65,7 +65,7 @@ async def test_under_the_gateway_s_server_the_connection_is_dropped_and_the_watc
     resumed = asyncio.Event()
     dropped: list[bool] = []
 
-    def abort() -> None:  # as gateway.server's: the transport aborted, uvicorn's waiting send returns
+    def abort() -> None:  # as gateway.server.http's: the transport aborted, uvicorn's waiting send returns
         dropped.append(True)
         resumed.set()
 

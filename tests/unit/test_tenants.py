@@ -1,4 +1,4 @@
-"""Tenants (gateway.tenants, gateway.quota in process): the keys file (plain keys and SHA-256s,
+"""Tenants (gateway.tenancy.tenants, gateway.tenancy.quota in process): the keys file (plain keys and SHA-256s,
 validation, reload), each key's models, limits, token budgets (429 insufficient_quota), guard
 profile and priority, and usage per key in the metrics."""
 
@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.tenants import KeyPolicy, KeysFileError, Tenants
+from gateway.tenancy.tenants import KeyPolicy, KeysFileError, Tenants
 from tests.fakes import FakeEngine, app_with, chat_body, fake_settings
 
 # chat_body's prompt on the fake engine: "<user> hi <assistant>", 3 tokens; max_tokens 3

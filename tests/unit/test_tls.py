@@ -22,12 +22,12 @@ import uvicorn
 from cryptography.hazmat.primitives import serialization
 from pydantic import ValidationError
 
-from gateway.cli import parser, settings_from
-from gateway.metrics import TLS_RELOADS
 from gateway.middleware.lifecycle import Lifecycle
-from gateway.server import DrainingServer
+from gateway.server.cli import parser, settings_from
+from gateway.server.http import DrainingServer
+from gateway.server.tls import ServerTLS, TLSConfigError
 from gateway.settings import TLSSettings
-from gateway.tls import ServerTLS, TLSConfigError
+from gateway.telemetry.metrics import TLS_RELOADS
 from tests.fakes import HELLO
 from tests.tls_support import WAIT_S, Files, client_context, handshake, served_certificate, serving, wait_for
 

@@ -16,8 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway import metrics
-from gateway.context import current_record
 from gateway.errors import ContentPolicyViolation, ServiceUnavailable
 from gateway.serving.guards import config, injection, pii
 from gateway.serving.guards.config import Checks, GuardsFile, ModelGuards, Profile
@@ -33,6 +31,8 @@ from gateway.serving.guards.patterns import (
     regex_spans,
 )
 from gateway.serving.guards.stream import OutputGuard
+from gateway.telemetry import metrics
+from gateway.telemetry.record import current_record
 
 
 def scanner(checks: Checks) -> Scanner:
@@ -68,7 +68,7 @@ class Guards:
         self.profiles = {name: CompiledProfile.of(name, p) for name, p in profiles.items()}
         self.default = file.default
         self.keys = dict(file.keys)
-        self.key_profile: Callable[[str], str | None] | None = None  # the keys file's (gateway.tenants)
+        self.key_profile: Callable[[str], str | None] | None = None  # the keys file's (gateway.tenancy.tenants)
         self.moderation = moderation or (Moderation(file.moderation) if file.moderation else None)
 
     @classmethod

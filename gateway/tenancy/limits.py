@@ -1,5 +1,5 @@
 """Token buckets (refilled continuously, `capacity` a minute) and OpenAI's duration format for
-reset headers: what the per-key limits count with in process (`gateway.quota`, which also keeps the
+reset headers: what the per-key limits count with in process (`gateway.tenancy.quota`, which also keeps the
 same bucket in Redis for every replica)."""
 
 from __future__ import annotations

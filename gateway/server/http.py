@@ -5,8 +5,8 @@ takes the pod out), new requests get 503 (`middleware.lifecycle`), requests and 
 finish for up to `drain_timeout_s`, and only then does uvicorn shut down and the lifespan stop the
 engines. A second signal exits at once.
 
-What can be read again without a restart (the TLS certificate, `gateway.tls`; the keys file,
-`gateway.tenants`) is given as
+What can be read again without a restart (the TLS certificate, `gateway.server.tls`; the keys file,
+`gateway.tenancy.tenants`) is given as
 `reloadables`: SIGHUP reloads them (SIGHUP keeps its default, exit, when there are none), and the
 main loop lets each poll its files every tick.
 
@@ -150,7 +150,7 @@ def http_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
 
 
 def server_config(app: Any, settings: Settings, tls_options: dict[str, Any] | None = None) -> uvicorn.Config:
-    """uvicorn's configuration from the settings; `tls_options` from `gateway.tls` (HTTPS)."""
+    """uvicorn's configuration from the settings; `tls_options` from `gateway.server.tls` (HTTPS)."""
     return uvicorn.Config(
         app,
         host=settings.host,

@@ -23,8 +23,8 @@ from typing import Any
 
 import structlog
 
-from gateway.metrics import TLS_RELOADS
 from gateway.settings import TLSSettings
+from gateway.telemetry.metrics import TLS_RELOADS
 
 log = structlog.get_logger(__name__)
 

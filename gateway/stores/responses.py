@@ -24,11 +24,11 @@ import redis.asyncio as redis
 import structlog
 from pydantic import BaseModel
 
-from gateway import metrics
-from gateway.cache import MemoryCache
 from gateway.errors import NotFound, ServiceUnavailable
 from gateway.protocol.responses import Item, Response
 from gateway.settings import CacheSettings
+from gateway.stores.cache import MemoryCache
+from gateway.telemetry import metrics
 
 log = structlog.get_logger(__name__)
 

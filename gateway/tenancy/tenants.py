@@ -17,7 +17,7 @@ runs under.
 `Tenants` holds the file's table: it names a presented key (`identify`, constant time over every
 stored hash), gives a key's `KeyPolicy` (keys of `GATEWAY_API_KEYS` and anonymous requests get the
 global limits and nothing else), and reloads the file in place on SIGHUP (`reload`) or when it
-changes (`poll`, from the server's main loop), as `gateway.tls` does the certificate. A file that
+changes (`poll`, from the server's main loop), as `gateway.server.tls` does the certificate. A file that
 cannot be used is refused: at start the gateway does not start; on reload the table in service
 stays (logged as `keys_reload_failed`, counted in gateway_keys_reloads_total). With a keys file,
 keys are always required, even when the file lists none.
@@ -48,8 +48,8 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.metrics import KEYS_RELOADS
 from gateway.settings import Priority
+from gateway.telemetry.metrics import KEYS_RELOADS
 
 log = structlog.get_logger(__name__)
 

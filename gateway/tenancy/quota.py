@@ -1,6 +1,6 @@
 """Rate limits and token budgets per API key, counted where every replica sees them.
 
-Per key (its `KeyPolicy`, `gateway.tenants`):
+Per key (its `KeyPolicy`, `gateway.tenancy.tenants`):
 - token buckets for requests per minute (taken by `middleware.rate_limit` before the route runs)
   and tokens per minute (the prompt plus the requested output budget, counted up front as OpenAI
   does, taken by the dispatcher once the prompt is known);
@@ -38,12 +38,12 @@ import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from gateway import metrics
-from gateway.context import RequestRecord, current_record
 from gateway.errors import OverTokenLimit, QuotaExceeded, RateLimited
-from gateway.limits import TokenBucket, duration
 from gateway.settings import LimitsSettings
-from gateway.tenants import KeyPolicy
+from gateway.telemetry import metrics
+from gateway.telemetry.record import RequestRecord, current_record
+from gateway.tenancy.limits import TokenBucket, duration
+from gateway.tenancy.tenants import KeyPolicy
 
 log = structlog.get_logger(__name__)
 REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError)

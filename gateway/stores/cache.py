@@ -20,8 +20,8 @@ import redis.asyncio as redis
 import structlog
 from pydantic import BaseModel
 
-from gateway import metrics
 from gateway.settings import CacheSettings
+from gateway.telemetry import metrics
 
 log = structlog.get_logger(__name__)
 NOT_IN_KEY = {"stream", "stream_options", "user"}

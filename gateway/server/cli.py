@@ -15,11 +15,11 @@ from pydantic import ValidationError
 from engine import check_engine_settings
 from gateway.app import create_app, tenants_of
 from gateway.backends.modelfile import ConfigError
-from gateway.logs import configure
 from gateway.middleware.lifecycle import Lifecycle
-from gateway.server import DrainingServer, Reloadable, server_config
+from gateway.server.http import DrainingServer, Reloadable, server_config
+from gateway.server.tls import ServerTLS
 from gateway.settings import Settings
-from gateway.tls import ServerTLS
+from gateway.telemetry.logs import configure
 
 
 def _engine_arg(text: str) -> tuple[str, Any]:
