@@ -1,12 +1,7 @@
-"""The app factory: the route table's routes, the middleware stack, the one exception handler,
-and the lifespan that starts the models (embedded engines, remote upstreams), the response
-cache and the Responses API's store, and stops them after the drain.
-
-Middleware, outermost first (`gateway/middleware/`): access log → lifecycle → auth → rate limits
-→ request bodies, each given its paths by the route table (`gateway/api/routes.py`), then the
-table's router (`TableRouter`) in place of Starlette's router and exception middleware. Errors the
-handlers raise are answered by `error_response`; anything that escapes it, by the access log.
-Paths are matched exactly: no slash redirects (a redirect would echo the client's Host header).
+"""The app factory: the ASGI app (`api.application`: the route table's routes, the middleware stack
+of `middleware.stack`, the one exception handler) and the lifespan that starts the models
+(embedded engines, remote upstreams), the response cache and the Responses API's store, and stops
+them after the drain. Bad configuration is refused here, before anything starts.
 """
 
 from __future__ import annotations
@@ -16,19 +11,9 @@ import gc
 from collections.abc import AsyncIterator, Iterator
 
 import structlog
-from pydantic import ValidationError
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.middleware.errors import ServerErrorMiddleware
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.types import ASGIApp
 
-from engine.errors import EngineError
+from gateway.api.application import Gateway, application
 from gateway.api.routes import TABLE
-from gateway.api.state import GatewayState
-from gateway.api.table import TableRouter
 from gateway.backends import modelfile
 from gateway.backends.startup import (
     EngineCheck,
@@ -39,12 +24,9 @@ from gateway.backends.startup import (
     stop,
     warm_up,
 )
-from gateway.errors import APIError, dialect_of, from_exception, render
-from gateway.middleware.access_log import AccessLogMiddleware
-from gateway.middleware.auth import AttemptThrottle, AuthMiddleware, KeyRing
-from gateway.middleware.body import BodyBudget, BodyMiddleware
-from gateway.middleware.lifecycle import Lifecycle, LifecycleMiddleware
-from gateway.middleware.rate_limit import RateLimitMiddleware
+from gateway.middleware.stack import stack
+from gateway.pipeline.lifecycle import Lifecycle
+from gateway.pipeline.state import GatewayState
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
 from gateway.stores.cache import ResponseCache, make_backend
@@ -53,26 +35,6 @@ from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
 
 log = structlog.get_logger(__name__)
-# the errors `error_response` answers; unknown errors go up to the access log, which answers them
-# within the request's log context (Starlette's own outermost handler would answer without
-# X-Request-ID and raise on, resetting the connection)
-HANDLED = (APIError, ValidationError, EngineError, HTTPException)
-
-
-async def error_response(request: Request, exc: Exception) -> Response:
-    """Every exception a handler raises, answered as its API error (`gateway.errors`)."""
-    error = from_exception(exc)
-    if error.status == 499:
-        log.info("client_disconnected")
-    elif error.status >= 500:
-        # a traceback (without locals: gateway.telemetry.logs) for the server's own failures, not for refusals
-        log.error("request_failed", status=error.status, error=error.message, exc_info=exc if error.status == 500 else None)
-    status, headers, body = render(error, dialect_of(request.scope))
-    response = Response(body, status_code=status)
-    response.raw_headers = [*response.raw_headers, *headers]
-    return response
-
-
 @contextlib.contextmanager
 def serving_heap(freeze: bool, young_threshold: int) -> Iterator[None]:
     """The garbage collector as the gateway serves, put back as it was when serving ends.
@@ -102,36 +64,6 @@ def serving_heap(freeze: bool, young_threshold: int) -> Iterator[None]:
             gc.unfreeze()
 
 
-class Gateway(Starlette):
-    """Starlette's app with the route table's router innermost: Starlette's stack is its
-    outermost error middleware, the app's middleware, its exception middleware and its router; here
-    the last two are one `TableRouter` (the same answers, two layers and a regex scan fewer per
-    request). Lifespan goes to Starlette's router, as before. Starlette's own exception handlers
-    and body limit have no place in this stack: given, they are refused rather than ignored."""
-
-    def build_middleware_stack(self) -> ASGIApp:
-        if self.exception_handlers or getattr(self, "max_body_size", None) is not None:
-            raise ValueError("errors are answered by error_response (HANDLED) and bodies bounded by our middleware")
-        app: ASGIApp = TableRouter(self.router.routes, self.router, HANDLED, error_response)
-        for cls, args, kwargs in reversed(self.user_middleware):
-            app = cls(app, *args, **kwargs)
-        return ServerErrorMiddleware(app, debug=self.debug)
-
-
-def _middleware(settings: Settings, lifecycle: Lifecycle, quota: Quota, tenants: Tenants) -> list[Middleware]:
-    keyless = TABLE.paths("open") if settings.auth_ops_routes else TABLE.paths("open", "ops")
-    keys = KeyRing(settings.api_keys, settings.key_id_secret)
-    throttle = AttemptThrottle(settings.auth_failures_per_minute)
-    return [
-        Middleware(AccessLogMiddleware, route_label=TABLE.label, log_content=settings.log_prompts,
-                   dialect=TABLE.dialect),
-        Middleware(LifecycleMiddleware, lifecycle=lifecycle, ops_paths=TABLE.paths("ops")),
-        Middleware(AuthMiddleware, keys=keys, open_paths=keyless, throttle=throttle, tenants=tenants),
-        Middleware(RateLimitMiddleware, quota=quota, tenants=tenants, open_paths=keyless),
-        Middleware(BodyMiddleware, budget=BodyBudget(settings.max_body_bytes_in_flight), timeout_s=settings.body_timeout_s),
-    ]
-
-
 def tenants_of(settings: Settings) -> Tenants:
     """The keys file (none: only GATEWAY_API_KEYS), with the global limits for keys without their own."""
     return Tenants(settings.keys_file, settings.rate_limit_rpm, settings.rate_limit_tpm, settings.keys_reload_interval_s)
@@ -143,7 +75,7 @@ def create_app(
     lifecycle: Lifecycle | None = None,
     engine_check: EngineCheck | None = None,
     tenants: Tenants | None = None,
-) -> Starlette:
+) -> Gateway:
     """Bad configuration (models file, guards, keys file, cache backend and, with `engine_check`,
     engine settings the model or platform cannot use) is refused here, before anything starts.
     `tenants`: the keys file, when the caller reloads it (the server, on SIGHUP); else read here."""
@@ -160,7 +92,7 @@ def create_app(
     store_backend = make_store_backend(settings.cache)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, GatewayState]]:
+    async def lifespan(app: object) -> AsyncIterator[dict[str, GatewayState]]:
         registry = build_registry(models, settings, engine_starter)
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
@@ -181,6 +113,4 @@ def create_app(
             await guards.aclose()
             await quota.aclose()
 
-    app = Gateway(routes=TABLE.routes(), middleware=_middleware(settings, lifecycle, quota, tenants), lifespan=lifespan)
-    app.router.redirect_slashes = False
-    return app
+    return application(stack(settings, lifecycle, quota, tenants, TABLE), lifespan)

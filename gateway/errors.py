@@ -1,4 +1,4 @@
-"""Typed errors and the one place they become HTTP statuses and OpenAI error objects.
+"""Typed errors: each one's HTTP status and its OpenAI (or Anthropic) error object.
 
     APIError(status, type, code)                         body: {"error": {message, type, param, code}}
     ├── InvalidRequest          400 invalid_request_error
@@ -25,26 +25,21 @@
 A *fallible* error is a model's failure before the first byte (overloaded, its engine dead, its
 upstream down): the dispatcher tries the model's fallbacks before answering with it.
 
-`from_exception` maps every other exception onto this tree, once: the engine's errors, pydantic's
-validation errors and Starlette's HTTP exceptions; anything unknown is a 500. `render` turns an
-error into status, headers and body, for the app's exception handler and pure ASGI middleware alike.
+`from_exception` maps every other exception onto this tree, once: the engine's errors and pydantic's
+validation errors; anything unknown is a 500. This module knows no web framework: `gateway.api.errors`
+adds the HTTP server's own exceptions and renders an error as an HTTP answer.
 
-The body speaks the route's *dialect* (the route table says which; the access log puts it in the
-request's scope, `dialect_of` reads it): OpenAI's object, or on Anthropic's routes
-`{"type": "error", "error": {"type", "message"}}` with the same status and Anthropic's type for it.
+The body speaks the route's *dialect* (the route table says which): OpenAI's object, or on
+Anthropic's routes `{"type": "error", "error": {"type", "message"}}` with the same status and
+Anthropic's type for it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any, Literal
 
-import orjson
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
-from starlette.types import Scope, Send
 
 from engine.errors import EngineError, EngineInvalidRequest, EngineUnavailable, PromptTooLong
 
@@ -209,31 +204,6 @@ def error_table() -> list[tuple[int, str, str | None]]:
     return [(cls.status, cls.type, cls.code) for cls in ERROR_CLASSES]
 
 
-def dialect_of(scope: Scope) -> Dialect:
-    """The error dialect of the request's route (set in the scope by the access log)."""
-    dialect: Dialect = scope.get("state", {}).get("error_dialect", "openai")
-    return dialect
-
-
-def render(error: APIError, dialect: Dialect = "openai") -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """The error as an HTTP answer: status, headers, body (none for a client that is gone)."""
-    headers = [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    if isinstance(error, ClientDisconnected):
-        return error.status, headers, b""
-    return error.status, [(b"content-type", b"application/json"), *headers], orjson.dumps(error.body(dialect))
-
-
-async def send_error(
-    send: Send, error: APIError, extra_headers: Sequence[tuple[bytes, bytes]] = (), dialect: Dialect = "openai"
-) -> None:
-    """Answer with an API error from pure ASGI code (middleware that runs before the router). With
-    its length: without one the server sends it chunked, which an HTTP/1.0 client cannot read."""
-    status, headers, body = render(error, dialect)
-    length = (b"content-length", str(len(body)).encode())
-    await send({"type": "http.response.start", "status": status, "headers": [*headers, length, *extra_headers]})
-    await send({"type": "http.response.body", "body": body})
-
-
 _NO_BODY = object()  # a validation error of no request body (a query, a model built in the code)
 
 
@@ -301,21 +271,4 @@ def from_exception(exc: BaseException) -> APIError:
         return BackendUnavailable(exc.message)
     if isinstance(exc, EngineError):
         return InternalError(exc.message)
-    if isinstance(exc, HTTPException):
-        return _http_exception(exc)
-    if isinstance(exc, ClientDisconnect):  # gone while its body was read
-        return ClientDisconnected()
     return InternalError("The server had an error while processing your request.")
-
-
-def _http_exception(exc: HTTPException) -> APIError:
-    headers = dict(exc.headers or {})
-    if exc.status_code == 404:
-        return NotFound("Not found: no route for this path", headers=headers)
-    if exc.status_code == 405:
-        allowed = headers.get("Allow", "")
-        return MethodNotAllowed(f"Method not allowed here; allowed: {allowed}", headers=headers)
-    error = APIError(exc.detail, headers=headers)
-    error.status = exc.status_code
-    error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return error

@@ -17,7 +17,7 @@ from pathlib import Path
 import trustme
 
 from gateway.app import create_app
-from gateway.middleware.lifecycle import Lifecycle
+from gateway.pipeline.lifecycle import Lifecycle
 from gateway.server.http import DrainingServer, server_config
 from gateway.server.tls import ServerTLS
 from gateway.settings import TLSSettings

@@ -1,4 +1,4 @@
-"""The OpenAI routes' handlers: parse and validate, then hand over to the dispatcher."""
+"""The OpenAI routes' handlers: parse and validate, call the pipeline (`pipeline.dispatch`), encode."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.dispatch import dispatch
-from gateway.api.requests import json_response, key_models, parse, state_of
+from gateway.api.answers import json_response, respond
+from gateway.api.requests import context, key_models, parse, state_of
 from gateway.errors import ModelNotFound
+from gateway.pipeline.dispatch import dispatch
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.serving.chat import CHAT
 from gateway.serving.completions import COMPLETIONS
@@ -16,12 +17,12 @@ from gateway.serving.completions import COMPLETIONS
 
 async def chat_completions(request: Request) -> Response:
     body = await parse(request, ChatCompletionRequest)
-    return await dispatch(request, state_of(request), body, CHAT)
+    return respond(await dispatch(context(request), state_of(request), body, CHAT))
 
 
 async def text_completions(request: Request) -> Response:
     body = await parse(request, CompletionRequest)
-    return await dispatch(request, state_of(request), body, COMPLETIONS)
+    return respond(await dispatch(context(request), state_of(request), body, COMPLETIONS))
 
 
 def _cards(request: Request) -> list[ModelCard]:

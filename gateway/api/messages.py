@@ -6,8 +6,9 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.dispatch import dispatch
-from gateway.api.requests import body_size, engine_for, json_response, parse, state_of
+from gateway.api.answers import json_response, respond
+from gateway.api.requests import body_size, context, engine_for, parse, state_of
+from gateway.pipeline.dispatch import dispatch
 from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest
 from gateway.serving import messages, offload
 from gateway.serving.messages import MESSAGES
@@ -15,7 +16,7 @@ from gateway.serving.messages import MESSAGES
 
 async def create(request: Request) -> Response:
     body = await parse(request, MessagesRequest)
-    return await dispatch(request, state_of(request), messages.to_chat(body), MESSAGES)
+    return respond(await dispatch(context(request), state_of(request), messages.to_chat(body), MESSAGES))
 
 
 async def count_tokens(request: Request) -> Response:

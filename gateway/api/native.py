@@ -10,8 +10,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.types import Engine
-from gateway.api.dispatch import dispatch
-from gateway.api.requests import body_size, default_model, engine_for, json_response, parse, state_of
+from gateway.api.answers import json_response, respond
+from gateway.api.requests import body_size, context, default_model, engine_for, parse, state_of
+from gateway.pipeline.dispatch import dispatch
 from gateway.protocol.openai import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -81,7 +82,7 @@ def _shape(answer: BaseModel | bytes) -> GenerateResponse:
 async def generate(request: Request) -> Response:
     """The same dispatch as /v1/completions (cache, limits, fallbacks), answered as {"output"}."""
     _, as_completion = await _native(request)
-    return await dispatch(request, state_of(request), as_completion, COMPLETIONS, shape=_shape)
+    return respond(await dispatch(context(request), state_of(request), as_completion, COMPLETIONS, shape=_shape))
 
 
 stream_generate = generate  # the path decides: /stream-generate streams
@@ -108,4 +109,4 @@ async def chat_native(request: Request) -> Response:
     name = body.model or default_model(request)
     fields = body.model_dump(exclude_unset=True, exclude={"model"})
     as_chat = ChatCompletionRequest.model_validate({**fields, "model": name}, strict=False)
-    return await dispatch(request, state_of(request), as_chat, CHAT, shape=_chat_shape)
+    return respond(await dispatch(context(request), state_of(request), as_chat, CHAT, shape=_chat_shape))

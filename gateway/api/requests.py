@@ -1,5 +1,5 @@
-"""Request and response helpers for the handlers: the lifespan state, the bounded body read, JSON
-parsing into a protocol model (malformed input is a 400, a large body a 413), JSON answers."""
+"""Request helpers for the handlers: the lifespan state, the request's context, the bounded body
+read and JSON parsing into a protocol model (malformed input is a 400, a large body a 413)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from typing import TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
-from starlette.types import Scope
+from starlette.types import Receive, Scope
 
 from engine.types import Engine
-from gateway.api.state import GatewayState
 from gateway.errors import InvalidRequest, PayloadTooLarge, invalid_body
-from gateway.tenancy.tenants import KeyPolicy
+from gateway.pipeline.context import Gone, RequestContext, context_of
+from gateway.pipeline.dispatch import policy_of
+from gateway.pipeline.state import GatewayState
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -30,8 +30,28 @@ def state_of(request: Request) -> GatewayState:
 
 def key_models(request: Request) -> Callable[..., bool] | None:
     """The request's key's `KeyPolicy.allows` when the keys file limits it to some models, else None."""
-    policy = getattr(request.state, "key_policy", None)
-    return policy.allows if isinstance(policy, KeyPolicy) and policy.models is not None else None
+    policy = policy_of(context_of(request.scope), state_of(request))
+    return policy.allows if policy.models is not None else None
+
+
+def gone_of(receive: Receive) -> Gone:
+    """What returns when the client disconnects (to await after the request body has been read)."""
+
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    return gone
+
+
+def context(request: Request) -> RequestContext:
+    """The request's context for the pipeline: how to notice the client leaving, and whether it
+    asked for a fresh answer (`Cache-Control: no-cache`, the first such header)."""
+    found = context_of(request.scope)
+    found.client_gone = gone_of(request.receive)
+    control = _first_header(request.scope, b"cache-control")
+    found.no_cache = control is not None and "no-cache" in control.lower()
+    return found
 
 
 def engine_for(request: Request, name: str | None) -> Engine:
@@ -78,7 +98,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def parse(request: Request, model: type[M]) -> M:
     body = await read_body(request, state_of(request).settings.max_body_bytes)
-    request.scope.setdefault("state", {})["body_bytes"] = len(body)  # request.state's dict; large bodies are prepared off the event loop (offload)
+    context_of(request.scope).body_bytes = len(body)  # large bodies are prepared off the event loop (offload)
     if not body.strip():
         raise InvalidRequest("The request body is empty; send a JSON object")
     try:
@@ -94,9 +114,4 @@ async def parse(request: Request, model: type[M]) -> M:
 
 def body_size(request: Request) -> int:
     """Bytes of the body `parse` read (0 before it)."""
-    return int(request.scope.get("state", {}).get("body_bytes", 0))
-
-
-def json_response(model: BaseModel, status: int = 200) -> Response:
-    body = model.__pydantic_serializer__.to_json(model, exclude_none=True)
-    return Response(body, status_code=status, media_type="application/json")
+    return context_of(request.scope).body_bytes

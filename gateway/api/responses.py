@@ -2,7 +2,7 @@
 list input items, cancel.
 
 `POST /v1/responses` reads the `previous_response_id` chain from the store (404 when it is not
-this key's), then hands the chat request that the `ResponsesService` made of it to the dispatcher
+this key's), then hands the chat request that the `ResponsesService` made of it to the pipeline
 (model choice, limits, cache, admission). A stream is framed with named events. A background
 response is that same stream, played to nobody by a task that holds the admission permit until
 it ends; a cancel hangs up on it (the engine request is aborted) and stores it as cancelled. It
@@ -20,12 +20,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message
 
-from gateway.api.dispatch import dispatch
-from gateway.api.requests import json_response, parse, state_of
+from gateway.api.answers import json_response, respond, stream_response
+from gateway.api.requests import context, parse, state_of
 from gateway.api.sse import NAMED, EventStreamResponse
 from gateway.errors import InvalidRequest, NotFound
-from gateway.middleware.auth import ANONYMOUS
-from gateway.middleware.lifecycle import Lifecycle
+from gateway.pipeline.answer import Stream
+from gateway.pipeline.context import context_of
+from gateway.pipeline.dispatch import dispatch
+from gateway.pipeline.lifecycle import Lifecycle
 from gateway.protocol.responses import InputItemsQuery, Item, ResponseDeleted, ResponseItemList, ResponsesRequest
 from gateway.serving.responses import ResponsesService
 from gateway.stores.responses import BackgroundRun, ResponseStore, StoredResponse
@@ -34,8 +36,8 @@ RUNNING = ("queued", "in_progress")
 
 
 def _scope(request: Request) -> str:
-    """The key's tenant: the same on every replica (its id in logs may not be: `middleware.auth`)."""
-    return str(getattr(request.state, "tenant", ANONYMOUS))
+    """The key's tenant: the same on every replica (its id in logs may not be: `tenancy.keys`)."""
+    return context_of(request.scope).tenant
 
 
 def _store(request: Request) -> ResponseStore:
@@ -47,14 +49,13 @@ async def create(request: Request) -> Response:
     state, scope = state_of(request), _scope(request)
     history = await _history(state.responses, scope, body.previous_response_id)
     service = ResponsesService(body, history, state.responses, scope)
-    answer = await dispatch(request, state, service.chat_request(), service)
-    if isinstance(answer, EventStreamResponse):
+    answer = await dispatch(context(request), state, service.chat_request(), service)
+    if isinstance(answer, Stream):
         if body.background:
-            return await _in_background(service, answer, state.responses, state.lifecycle)
-        answer.framing = NAMED
-        return answer
+            return await _in_background(service, stream_response(answer, NAMED), state.responses, state.lifecycle)
+        return stream_response(answer, NAMED)
     await service.save()
-    return answer
+    return respond(answer)
 
 
 async def _history(store: ResponseStore, scope: str, previous_id: str | None) -> list[Item]:

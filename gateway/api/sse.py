@@ -27,8 +27,11 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.api import stalls
-from gateway.api.disconnect import Watch
-from gateway.errors import Dialect, dialect_of, from_exception
+from gateway.api.errors import dialect_of, from_exception
+from gateway.api.requests import gone_of
+from gateway.errors import Dialect
+from gateway.pipeline.answer import Primed
+from gateway.pipeline.disconnect import Watch
 from gateway.telemetry.record import current_record
 
 DONE = b"data: [DONE]\n\n"
@@ -85,7 +88,7 @@ class EventStreamResponse(Response):
     """An ASGI response streaming models as SSE (a Response as Starlette's StreamingResponse is:
     its own `__call__`, no body).
 
-    It watches for the client going away (`api.disconnect.Watch`): on a disconnect the stream's
+    It watches for the client going away (`pipeline.disconnect.Watch`): on a disconnect the stream's
     task is cancelled, which closes the event iterator and so aborts the engine request. A client
     that stops reading is taken for gone after `stream_write_timeout_s` (`api.stalls`).
     """
@@ -109,7 +112,7 @@ class EventStreamResponse(Response):
         framing = self.framing or FRAMINGS[dialect_of(scope)]
         # Plain asyncio, not an anyio cancel scope: cancelling the task once lets the engine's
         # cleanup (its abort) still await; a level-triggered scope would cancel that too.
-        watch = Watch(receive)
+        watch = Watch(gone_of(receive))
         sends, sweep = _stall_watch(scope)
         try:
             await self._stream(send, framing, sends)
@@ -175,54 +178,3 @@ def _stall_watch(scope: Scope) -> tuple[stalls.Sends, stalls.Sweep | None]:
     if gateway is None:
         return stalls.Sends(task, abort), None
     return stalls.watch(gateway.settings.stream_write_timeout_s, task, abort)
-
-
-def relayed_event_stream(events: AsyncIterator[BaseModel | bytes], on_close: Callable[[], None] | None = None) -> EventStreamResponse:
-    """A remote model's SSE events (bytes, one event's lines each) passed on as they were framed,
-    its own `[DONE]` included; a failure of the upstream mid-way still ends with one error event
-    and `[DONE]`."""
-    return EventStreamResponse(events, on_close=on_close, framing=RELAYED)
-
-
-async def _nothing() -> AsyncIterator[BaseModel | bytes]:
-    return
-    yield
-
-
-class Primed:
-    """A stream whose first event was already taken; closing it closes the stream underneath."""
-
-    def __init__(self, first: BaseModel | bytes | None, rest: AsyncIterator[BaseModel | bytes]) -> None:
-        self._first = first
-        self._rest = rest
-        self._done = first is None
-
-    def __aiter__(self) -> Primed:
-        return self
-
-    async def __anext__(self) -> BaseModel | bytes:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        if self._done:
-            raise StopAsyncIteration
-        return await anext(self._rest)
-
-    def split(self) -> tuple[BaseModel | bytes | None, AsyncIterator[BaseModel | bytes]]:
-        """The first event and the stream underneath, for a consumer that iterates the rest itself
-        (no layer per event); closing still goes through this Primed."""
-        first, self._first = self._first, None
-        return first, (_nothing() if self._done else self._rest)
-
-    async def aclose(self) -> None:
-        self._done = True
-        await self._rest.aclose()  # type: ignore[attr-defined]
-
-
-async def primed(events: AsyncIterator[BaseModel | bytes]) -> Primed:
-    """Run a stream up to its first event, so that refusals raise before the response starts."""
-    try:
-        first = await anext(events)
-    except StopAsyncIteration:
-        first = None
-    return Primed(first, events)

@@ -1,6 +1,6 @@
 """Access log (pure ASGI, the outermost layer): binds the request id to every log line of the
-request, returns it as `X-Request-ID` (the client's, or one we generate), puts the route's error
-dialect in the scope (for every layer that answers an error), adds the headers the layers below
+request, returns it as `X-Request-ID` (the client's, or one we generate), makes the request's
+context (`pipeline.context`: its id, its route's error dialect, its record) for the layers below, adds the headers the layers below
 asked for, and logs one access line and the request metrics at the end.
 
 It is also the last catch of errors: an exception no layer below answered becomes a 500 in the
@@ -22,7 +22,9 @@ from collections.abc import Callable
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import Dialect, dialect_of, from_exception, send_error
+from gateway.api.errors import dialect_of, from_exception, send_error
+from gateway.errors import Dialect
+from gateway.pipeline.context import SCOPE_KEY, RequestContext
 from gateway.telemetry import metrics
 from gateway.telemetry.logs import access_logger
 from gateway.telemetry.record import RequestRecord, close_record, open_record
@@ -59,12 +61,10 @@ class AccessLogMiddleware:
             await self.app(scope, receive, send)
             return
         request_id = request_id_from(scope)
-        state = scope.setdefault("state", {})
-        state["request_id"] = request_id
-        if self.dialect is not None:
-            state["error_dialect"] = self.dialect(scope["path"])
         started = time.perf_counter()
         record = RequestRecord(arrival=started, log_content=self.log_content)
+        dialect = "openai" if self.dialect is None else self.dialect(scope["path"])
+        scope[SCOPE_KEY] = RequestContext(request_id, dialect, record)
         status = 500
         first_byte: float | None = None
         started_response = False

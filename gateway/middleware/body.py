@@ -6,7 +6,7 @@
 - `BodyBudget`: the bytes of the bodies being read and prepared (parsed, tokenized), all requests
   together, are bounded; a body that does not fit is refused with 503 and `Retry-After` before it
   is read (its declared Content-Length counts from the start). A request's bytes count from its
-  first read until its input is prepared (`body_prepared`, called by the dispatcher) or its
+  first read until its input is prepared (the context's `release_body`, called by the pipeline) or its
   response starts, whichever comes first.
 - A compressed body (`Content-Encoding` other than identity) is a 415 before it is read: the
   gateway reads JSON as sent, and gzip bytes would only fail as invalid JSON.
@@ -21,18 +21,11 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import (
-    ClientDisconnected,
-    RequestTimeout,
-    ServiceUnavailable,
-    UnsupportedMediaType,
-    dialect_of,
-    send_error,
-)
+from gateway.api.errors import dialect_of, send_error
+from gateway.errors import ClientDisconnected, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
+from gateway.pipeline.context import context_of
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
-
-PREPARED = "body_prepared"  # scope["state"] key: call it once the request's input is prepared
 
 
 class BodyBudget:
@@ -192,7 +185,7 @@ class BodyMiddleware:
             return
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         reading = _Reading(receive, self.budget, deadline, length, self.deadlines)
-        scope.setdefault("state", {})[PREPARED] = reading.release
+        context_of(scope).release_body = reading.release  # the pipeline calls it once the input is prepared
 
         async def send_releasing(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -204,9 +197,3 @@ class BodyMiddleware:
         finally:
             reading.release()
 
-
-def body_prepared(scope: Scope) -> None:
-    """The request's input is prepared (parsed, tokenized): its body bytes leave the budget."""
-    release = scope.get("state", {}).get(PREPARED)
-    if callable(release):
-        release()

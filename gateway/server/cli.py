@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from engine import check_engine_settings
 from gateway.app import create_app, tenants_of
 from gateway.backends.modelfile import ConfigError
-from gateway.middleware.lifecycle import Lifecycle
+from gateway.pipeline.lifecycle import Lifecycle
 from gateway.server.http import DrainingServer, Reloadable, server_config
 from gateway.server.tls import ServerTLS
 from gateway.settings import Settings

@@ -34,10 +34,11 @@ import structlog
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from gateway.api.errors import render
 from gateway.api.routes import TABLE
 from gateway.api.stalls import ABORT
-from gateway.errors import InvalidRequest, render
-from gateway.middleware.lifecycle import Lifecycle
+from gateway.errors import InvalidRequest
+from gateway.pipeline.lifecycle import Lifecycle
 from gateway.settings import Settings
 
 log = structlog.get_logger(__name__)

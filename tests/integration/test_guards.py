@@ -19,7 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.middleware.auth import key_id
+from gateway.tenancy.keys import key_id
 from tests.integration.conftest import gateway_process
 from tests.integration.test_conformance import wait_for_idle
 from tests.loopback_server import LoopbackServer

@@ -10,7 +10,7 @@ import structlog.testing
 from pydantic import SecretStr
 from starlette.testclient import TestClient
 
-from gateway.middleware.auth import AttemptThrottle, KeyRing
+from gateway.tenancy.keys import AttemptThrottle, KeyRing
 from tests.fakes import FakeEngine, app_with, chat_body
 
 

@@ -82,12 +82,13 @@ async def test_finished_stream_is_not_aborted() -> None:
     assert engine.aborted == [] and engine.finished == [engine.requests[0].request_id]
 
 
-# --- the watch itself (api.disconnect) ---------------------------------------------------------
+# --- the watch itself (pipeline.disconnect) ---------------------------------------------------------
 
 import pytest  # noqa: E402
 
-from gateway.api.disconnect import WATCH_AFTER_S, unless_disconnected  # noqa: E402
+from gateway.api.requests import gone_of  # noqa: E402
 from gateway.errors import ClientDisconnected  # noqa: E402
+from gateway.pipeline.disconnect import WATCH_AFTER_S, unless_gone  # noqa: E402
 
 
 def gone_receive(after_s: float = 0.0):
@@ -119,7 +120,7 @@ async def test_a_client_gone_at_once_is_noticed_after_the_grace_and_the_work_is_
 
     with pytest.raises(ClientDisconnected):
         async with asyncio.timeout(2):  # in this task (wait_for would run it in another)
-            await unless_disconnected(gone_receive(), work())
+            await unless_gone(gone_of(gone_receive()), work())
     assert cancelled.is_set()
     assert asyncio.current_task().cancelling() == 0  # the watch's own cancellation was taken back
 
@@ -135,7 +136,7 @@ async def test_quick_work_starts_no_watcher_and_returns_its_value() -> None:
     async def work() -> str:
         return "answer"
 
-    assert await unless_disconnected(receive, work()) == "answer"
+    assert await unless_gone(gone_of(receive), work()) == "answer"
     await asyncio.sleep(WATCH_AFTER_S * 3)
     assert calls == 0  # the answer came before the watch began: receive was never called
 
@@ -147,7 +148,7 @@ async def test_a_cancellation_from_elsewhere_stays_a_cancellation() -> None:
         started.set()
         await asyncio.sleep(10)
 
-    task = asyncio.ensure_future(unless_disconnected(staying_receive(), work()))
+    task = asyncio.ensure_future(unless_gone(gone_of(staying_receive()), work()))
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -163,7 +164,7 @@ async def test_work_that_swallows_the_cancellation_leaves_no_stray_cancel_behind
         return "slept"
 
     async with asyncio.timeout(2):
-        assert await unless_disconnected(gone_receive(), work()) == "finished anyway"
+        assert await unless_gone(gone_of(gone_receive()), work()) == "finished anyway"
     assert asyncio.current_task().cancelling() == 0
     await asyncio.sleep(0.01)  # and the task goes on: no cancellation waiting for its next await
 
@@ -171,7 +172,7 @@ async def test_work_that_swallows_the_cancellation_leaves_no_stray_cancel_behind
 async def test_watches_share_a_timer_and_each_watcher_runs_in_its_own_request_context() -> None:
     """The shared queue starts each watch's watcher at its due time, in the context of the request
     that made it (not of the one whose watch set the timer), and never a stopped watch's."""
-    from gateway.api.disconnect import Watch
+    from gateway.pipeline.disconnect import Watch
 
     who: contextvars.ContextVar[str] = contextvars.ContextVar("who", default="nobody")
     seen: list[str] = []
@@ -183,7 +184,7 @@ async def test_watches_share_a_timer_and_each_watcher_runs_in_its_own_request_co
 
     async def request(name: str, stop_after_s: float) -> bool:
         who.set(name)
-        watch = Watch(receive)
+        watch = Watch(gone_of(receive))
         await asyncio.sleep(stop_after_s)
         started = watch._watcher is not None
         watch.stop()

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from starlette.responses import Response
 
-from gateway.api.dispatch import JSONBytes
+from gateway.api.answers import JSONBytes
 
 
 async def _sent(response: Response) -> list[dict[str, Any]]:

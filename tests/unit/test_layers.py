@@ -8,19 +8,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 GATEWAY = ROOT / "gateway"
-TOP = ("gateway.app", "gateway.server.cli", "gateway.server.http", "gateway.server.tls", "gateway.__main__")
-CORE = {"errors", "protocol", "metrics", "context", "settings", "cache", "logs", "limits", "responses_store", "tenants",
-        "quota"}
-LAYERS = ("gateway.api", "gateway.serving", "gateway.backends", "gateway.middleware")
+TOP = ("gateway.app", "gateway.server", "gateway.__main__")  # the app factory and the process: may import anything
+CORE = {"errors", "settings", "protocol", "telemetry", "tenancy", "stores"}
+LAYERS = ("gateway.api", "gateway.middleware", "gateway.pipeline", "gateway.serving", "gateway.backends")
+HTTP = ("starlette", "uvicorn")  # the web framework and the server: only api/, middleware/ and server/
+UPPER = ("gateway.api", "gateway.middleware", *TOP)
 
-# what each layer must not import (prefixes)
+# what each layer must not import (prefixes); the request path runs api → pipeline → serving → backends
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "gateway.serving": ("starlette", "uvicorn", "gateway.api", "gateway.middleware", "gateway.backends", *TOP),
-    "gateway.backends": ("starlette", "uvicorn", "gateway.api", "gateway.middleware", "gateway.serving", *TOP),
+    "gateway.api": ("gateway.middleware", *TOP),
+    # the middleware renders errors (api.errors) and fills the request's context (pipeline.context)
     "gateway.middleware": ("starlette.requests", "starlette.responses", "starlette.routing", "starlette.applications",
-                           "gateway.api", "gateway.serving", "gateway.backends", *TOP),
-    "gateway.api": TOP,
-    "core": (*LAYERS, *TOP),
+                           "gateway.api.answers", "gateway.api.handlers", "gateway.api.routes", "gateway.api.sse",
+                           "gateway.pipeline.dispatch", "gateway.pipeline.attempt", "gateway.serving",
+                           "gateway.backends", *TOP),
+    "gateway.pipeline": (*HTTP, *UPPER),
+    "gateway.serving": (*HTTP, *UPPER, "gateway.pipeline", "gateway.backends"),
+    "gateway.backends": (*HTTP, *UPPER, "gateway.pipeline", "gateway.serving"),
+    "core": (*HTTP, *LAYERS, *TOP),
 }
 
 
@@ -52,6 +57,21 @@ def layer_of(name: str) -> str:
     if name.removeprefix("gateway.").split(".")[0] in CORE:
         return "core"
     return name
+
+
+def test_the_top_holds_the_app_factory_settings_errors_and_main_only() -> None:
+    loose = sorted(p.name for p in GATEWAY.glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "app.py", "errors.py", "settings.py"]
+    assert all(layer_of(name) in (*LAYERS, "core") or name.startswith(TOP) for name in modules() if name != "gateway")
+
+
+def test_only_the_http_edge_imports_the_web_framework() -> None:
+    """Starlette and uvicorn only in api/, middleware/ and server/: the pipeline and below are plain Python."""
+    edge = ("gateway.api", "gateway.middleware", "gateway.server")
+    found = sorted(name for name, tree in modules().items()
+                   if any(t.split(".")[0] in HTTP for t in imported(tree, top_level_only=False))
+                   and not name.startswith(edge))
+    assert found == []
 
 
 def test_each_layer_imports_only_what_it_may() -> None:
@@ -122,5 +142,7 @@ def test_the_layer_rule_catches_a_forbidden_import() -> None:
     tree = ast.parse("from starlette.requests import Request\n")
     assert "starlette.requests" in imported(tree, top_level_only=False)
     assert layer_of("gateway.serving.chat") == "gateway.serving"
+    assert layer_of("gateway.pipeline.dispatch") == "gateway.pipeline"
+    assert layer_of("gateway.stores.cache") == "core"
     assert layer_of("gateway.errors") == "core"
     assert layer_of("gateway.protocol.openai") == "core"

@@ -7,7 +7,7 @@ import uvicorn
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.middleware.lifecycle import Lifecycle
+from gateway.pipeline.lifecycle import Lifecycle
 from gateway.server.http import DrainingServer
 from tests.fakes import FakeEngine, fake_settings
 

@@ -268,7 +268,7 @@ def test_integers_past_int64_are_400_before_the_engine(app_client: TestClient, e
 
 
 def test_middleware_errors_speak_the_route_s_dialect(engine: FakeEngine) -> None:
-    from gateway.middleware.lifecycle import Lifecycle
+    from gateway.pipeline.lifecycle import Lifecycle
 
     lifecycle = Lifecycle()
     settings = fake_settings(api_keys=["sk-a"], rate_limit_rpm=2)

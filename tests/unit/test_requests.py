@@ -7,6 +7,7 @@ import pytest
 from starlette.requests import Request
 
 from gateway.api.requests import _first_header, body_size, state_of
+from gateway.pipeline.context import SCOPE_KEY, context_of
 
 
 @pytest.mark.parametrize("headers", [
@@ -21,13 +22,13 @@ def test_a_header_is_read_as_request_headers_get_reads_it(headers: list[tuple[by
     assert _first_header(scope, b"content-length") == Request(scope).headers.get("content-length")
 
 
-def test_the_state_and_body_size_are_request_states() -> None:
+def test_the_state_is_the_lifespan_s_and_the_body_size_the_request_context_s() -> None:
     gateway = object()
     request = Request({"type": "http", "headers": [], "state": {"gateway": gateway}})
     assert state_of(request) is gateway is request.state.gateway
     assert body_size(request) == 0
-    request.state.body_bytes = 12
-    assert body_size(request) == 12
+    context_of(request.scope).body_bytes = 12  # the one typed per-request object, not a state key
+    assert body_size(request) == 12 and request.scope[SCOPE_KEY].body_bytes == 12
     with pytest.raises(AttributeError):  # no lifespan state: request.state's error, as before
         state_of(Request({"type": "http", "headers": []}))
     assert body_size(Request({"type": "http", "headers": []})) == 0

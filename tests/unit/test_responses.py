@@ -309,7 +309,7 @@ def test_a_background_response_is_work_in_progress_for_the_drain(engine: FakeEng
     """It holds the lifecycle's count (a SIGTERM's drain waits for it, `gateway.server.http`) from its
     start to its end, here a cancel, after its own request has ended."""
     from gateway.app import create_app
-    from gateway.middleware.lifecycle import Lifecycle
+    from gateway.pipeline.lifecycle import Lifecycle
     from tests.fakes import fake_settings
 
     engine.delay = 0.1  # about 5 s of output: running all through the test

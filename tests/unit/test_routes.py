@@ -99,7 +99,7 @@ def test_auth_guards_exactly_the_table_s_keyed_routes(protect_ops: bool) -> None
 
 
 def test_draining_refuses_all_but_the_ops_routes() -> None:
-    from gateway.middleware.lifecycle import Lifecycle
+    from gateway.pipeline.lifecycle import Lifecycle
 
     lifecycle = Lifecycle()
     engine = FakeEngine()
@@ -184,7 +184,7 @@ SAME_AS_STARLETTE: list[tuple[str, str, Any]] = [
 def starlette_stack(app: Any) -> Any:
     from starlette.applications import Starlette
 
-    from gateway.app import HANDLED, error_response
+    from gateway.api.application import HANDLED, error_response
 
     classic = Starlette(routes=TABLE.routes(), middleware=app.user_middleware, lifespan=app.router.lifespan_context,
                         exception_handlers={cls: error_response for cls in HANDLED})
@@ -266,7 +266,7 @@ def test_the_table_router_takes_only_what_it_can_route_as_starlette_does() -> No
 
 
 def test_the_app_refuses_starlette_s_exception_handlers_rather_than_ignoring_them() -> None:
-    from gateway.app import Gateway, error_response
+    from gateway.api.application import Gateway, error_response
 
     app = Gateway(routes=TABLE.routes(), exception_handlers={KeyError: error_response})
     with pytest.raises(ValueError, match="error_response"):

@@ -18,7 +18,7 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from gateway.app import create_app
-from gateway.middleware.lifecycle import Lifecycle
+from gateway.pipeline.lifecycle import Lifecycle
 from gateway.server.http import MAX_HEADER_BYTES, DrainingServer, http_protocol, server_config
 from gateway.telemetry import metrics
 from tests.fakes import FakeEngine, chat_body, fake_settings

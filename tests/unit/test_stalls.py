@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from gateway.app import create_app
-from gateway.middleware.lifecycle import Lifecycle
+from gateway.pipeline.lifecycle import Lifecycle
 from tests.fakes import FakeEngine, fake_settings
 
 BODY = {"model": "fake-model", "prompt": "hi", "max_tokens": 40, "stream": True}

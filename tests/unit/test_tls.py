@@ -22,7 +22,7 @@ import uvicorn
 from cryptography.hazmat.primitives import serialization
 from pydantic import ValidationError
 
-from gateway.middleware.lifecycle import Lifecycle
+from gateway.pipeline.lifecycle import Lifecycle
 from gateway.server.cli import parser, settings_from
 from gateway.server.http import DrainingServer
 from gateway.server.tls import ServerTLS, TLSConfigError

@@ -1,6 +1,7 @@
 """Noticing that a client went away, so that its engine request is aborted at once.
 
-The work runs in the request's own task; a watcher task waits for the client's disconnect and,
+The work runs in the request's own task; a watcher task waits for the client's going (a `Gone`:
+the api layer makes one of the server's receive channel, `api.requests.gone_of`) and,
 if it comes first, cancels the request's task (which closes the engine's output iterator and so
 aborts the engine request), and the cancellation comes out as `ClientDisconnected` (499). The
 watcher starts `WATCH_AFTER_S` after the work: an answer ready sooner (a short completion, a cache
@@ -16,19 +17,12 @@ import contextvars
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from starlette.types import Receive
-
 from gateway.errors import ClientDisconnected
+from gateway.pipeline.context import Gone
 from gateway.telemetry.record import current_record
 
 T = TypeVar("T")
 WATCH_AFTER_S = 0.1
-
-
-async def wait_for_disconnect(receive: Receive) -> None:
-    """Return when the client disconnects (call it after the request body has been read)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class _Pending:
@@ -80,11 +74,11 @@ class Watch:
     """Cancels the current task when the client disconnects (watching from `after_s` on); `fired`
     says it did. `stop()` it when the work is over."""
 
-    def __init__(self, receive: Receive, after_s: float = WATCH_AFTER_S) -> None:
+    def __init__(self, gone: Gone, after_s: float = WATCH_AFTER_S) -> None:
         task = asyncio.current_task()
         assert task is not None, "a Watch watches the current task"
         self.task = task
-        self.receive = receive
+        self.gone = gone
         self.fired = False
         self._acknowledged = False
         self._stopped = False
@@ -105,7 +99,7 @@ class Watch:
     def _start(self) -> None:
         self._timer = None
         self._pending = None
-        watching = wait_for_disconnect(self.receive)
+        watching = self.gone()
         if self._context is None:  # in its own timer's callback: the request's context already
             self._watcher = asyncio.ensure_future(watching)
         else:
@@ -139,9 +133,12 @@ class Watch:
             self.task.uncancel()
 
 
-async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work`; if the client goes first, cancel it (aborting its engine request) and raise."""
-    watch = Watch(receive)
+async def unless_gone(gone: Gone | None, work: Awaitable[T]) -> T:
+    """Await `work`; if the client goes first, cancel it (aborting its engine request) and raise.
+    `gone` None: nobody to watch."""
+    if gone is None:
+        return await work
+    watch = Watch(gone)
     try:
         return await work
     except asyncio.CancelledError:

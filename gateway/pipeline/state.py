@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.backends.registry import ModelRegistry
-from gateway.middleware.lifecycle import Lifecycle
+from gateway.pipeline.lifecycle import Lifecycle
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
 from gateway.stores.cache import ResponseCache

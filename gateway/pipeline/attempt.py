@@ -1,0 +1,195 @@
+"""One model's try at a request (`dispatch` tries the models in order). Per try: prepare (all
+refusals, and the request's bounds: prompts, output tokens), the key's tokens per minute and
+budgets (`tenancy.quota`; a remote model's tokens estimated), the response cache (scoped per
+tenant), admission (as many permits as engine requests, by the key's priority class), then the
+embedded engine or the remote upstream (its answer read on the way: `serving.remote`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Generic
+
+from pydantic import BaseModel
+
+from gateway.backends.admission import Permit
+from gateway.backends.registry import Backend
+from gateway.backends.upstream import with_defaults
+from gateway.errors import InvalidRequest
+from gateway.pipeline.answer import Answer, Event, Stream, Whole, primed
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.disconnect import unless_gone
+from gateway.pipeline.state import GatewayState
+from gateway.protocol.openai import ChatCompletionRequest
+from gateway.serving import offload, remote
+from gateway.serving.guards.pipeline import RequestGuard
+from gateway.serving.guards.requests import guarded
+from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service, check_task
+from gateway.stores.cache import Hit, Storer
+from gateway.tenancy.tenants import KeyPolicy
+
+Shape = Callable[[Event], BaseModel]  # answers and chunks in another form (the native API's)
+
+
+class Attempt(Generic[RequestT, PreparedT, AnswerT]):
+    def __init__(
+        self,
+        context: RequestContext,
+        state: GatewayState,
+        body: RequestT,
+        service: Service[RequestT, PreparedT, AnswerT],
+        guard: RequestGuard,
+        shape: Shape | None,
+        policy: KeyPolicy,
+    ) -> None:
+        self.context, self.state, self.body, self.service = context, state, body, service
+        self.guard, self.shape, self.policy = guard, shape, policy
+        keys_scope = (state.settings.api_keys or state.tenants.enabled) and not state.settings.cache.shared_across_keys
+        self.cache_scope = context.tenant if keys_scope else ""
+
+    def on(self, backend: Backend) -> Awaitable[Answer]:
+        # the coroutine itself (no layer of its own to await)
+        return self._remote(backend) if backend.upstream is not None else self._embedded(backend)
+
+    def _check_output(self, tokens: int) -> None:
+        most = self.state.settings.max_output_tokens_per_request
+        if tokens > most:
+            raise InvalidRequest(
+                f"This request may generate {tokens} tokens (max_tokens for each choice of each prompt); "
+                f"at most {most} are allowed: lower max_tokens, n or best_of",
+                "max_tokens",
+            )
+
+    async def _charge(self, tokens: int, reconcile: bool = False) -> None:
+        if self.context.charge is None:  # a fallback does not charge the same request twice
+            # settled at the request's end (middleware.rate_limit), or the stream's (_held)
+            self.context.charge = await self.state.quota.charge(self.policy, tokens, reconcile)
+
+    def _held(self) -> Callable[[], None]:
+        """A stream's charge settles when the stream ends (it knows its tokens then), not when the
+        handler returns (a background response's stream outlives its request)."""
+        charge = self.context.charge
+        if charge is None:
+            return lambda: None
+        charge.held = True
+        return charge.settle
+
+    async def _admit(self, backend: Backend) -> Permit:
+        """As many permits as the engine requests this one makes, in the key's priority class. A
+        client that leaves while it waits for them leaves the queue (499): it would hold its place
+        there for up to `wait_timeout_s`, then run."""
+        admission, count = backend.admission, self.body.engine_requests()
+        permit = admission.admit_now(count)  # room, nobody ahead: no wait to watch (nearly always)
+        if permit is not None:
+            return permit
+        return await unless_gone(self.context.client_gone, admission.acquire(count, self.policy.priority))
+
+    async def _embedded(self, backend: Backend) -> Answer:
+        engine = backend.engine
+        assert engine is not None
+        check_task(engine.info, self.service.task, self.service.route)
+        default_max_tokens, size = self.state.settings.default_max_tokens, self.context.body_bytes
+        if offload.inline(size):  # nearly always: no coroutine to await
+            prepared = self.service.prepare(self.body, engine, default_max_tokens, self.guard)
+        else:
+            prepared = await offload.by_size(size, self.service.prepare, self.body, engine, default_max_tokens, self.guard)
+        self.context.release_body()  # read and tokenized: its bytes leave the in-flight budget
+        prepared.model = backend.name
+        self._check_output(prepared.output_tokens())
+        await self._charge(prepared.token_budget())
+        on_done, hit = await self._cached(backend)
+        if hit is not None:
+            return self._replay(hit)
+        permit = await self._admit(backend)
+        try:
+            return await self._generate(prepared, permit, on_done)
+        except BaseException:
+            permit.release()
+            raise
+
+    def _on_close(self, permit: Permit) -> Callable[[], None]:
+        settle = self._held()
+
+        def close() -> None:
+            permit.release()
+            settle()
+
+        return close
+
+    async def _cached(self, backend: Backend) -> tuple[OnDone[AnswerT] | None, Hit[AnswerT] | None]:
+        """(where to store the answer, or the answer found) in the response cache, scoped per tenant."""
+        record, cache = self.context.record, self.state.cache
+        model = backend.name + self.guard.cache_tag
+        key = cache.key_for(self.service.route, model, self.body, self.context.no_cache, self.cache_scope)
+        if key is None:
+            record.response_headers["x-cache"] = "MISS"
+            return None, None
+        hit = await cache.get(key, backend.name, self.service.answer_type)
+        record.cache = "hit" if hit is not None else "miss"
+        record.response_headers["x-cache"] = record.cache.upper()
+        return (cache.storer(key) if hit is None else None), hit
+
+    async def _generate(self, prepared: PreparedT, permit: Permit, on_done: OnDone[AnswerT] | None) -> Answer:
+        gone = self.context.client_gone
+        if self.body.streams:
+            events = await unless_gone(gone, primed(self._shaped(self.service.stream(prepared, on_done))))
+            return Stream(events, on_close=self._on_close(permit))
+        answer = await unless_gone(gone, self.service.complete(prepared, on_done))
+        permit.release()
+        if self.shape is None and isinstance(on_done, Storer) and (written := on_done.written(answer)) is not None:
+            return Whole(written)  # stored as the api layer writes it
+        return Whole(self.shape(answer) if self.shape else answer)
+
+    def _replay(self, hit: Hit[AnswerT]) -> Answer:
+        if self.body.streams:
+            return Stream(self._shaped(self.service.replay(hit.answer(), self.body)))
+        if self.shape is None and (renewed := self.service.renewed(hit.raw)) is not None:
+            return Whole(renewed)  # as the api layer writes it, unparsed
+        answer = self.service.fresh(hit.answer())
+        return Whole(self.shape(answer) if self.shape else answer)
+
+    def _shaped(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        """The events in the native API's shape; as they are (no layer per event) for the others."""
+        return events if self.shape is None else _reshaped(events, self.shape)
+
+    async def _remote(self, backend: Backend) -> Answer:
+        assert backend.upstream is not None
+        if self.shape is not None:
+            raise InvalidRequest("The native API serves embedded models only", "model")
+        if not self.service.upstream_path:
+            route = self.service.route
+            raise InvalidRequest(f"{route} serves embedded models only; '{backend.name}' is remote", "model")
+        # input checks only: the answer passes through unread by the guards (redacted values stay placeholders)
+        body = await offload.by_size(self.context.body_bytes, guarded, self.body, self.guard)
+        self.context.release_body()
+        await self.guard.moderate_input()
+        payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)
+        payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
+        prompt, output = remote.estimate(payload)
+        await self._charge(prompt + output, reconcile=True)
+        on_done, hit = await self._cached(backend)
+        if hit is not None:
+            return self._replay(hit)
+        permit = await self._admit(backend)
+        watch = remote.RemoteAnswer(backend.name, self.service.answer_type, prompt, on_done)
+        try:
+            path, streams = self.service.upstream_path, self.body.streams
+            answer = await backend.upstream.forward(path, payload, streams, permit.release)
+            if answer.events is None:
+                await watch.whole(answer.status, answer.body)
+                return Whole(answer.body, answer.status, answer.media_type)
+            watch.on_end = self._held()
+            # up to its first event, so that an upstream failing before it can still fall back
+            events = await unless_gone(self.context.client_gone, primed(watch.events(answer.events)))
+            return Stream(events, on_close=permit.release, relayed=True)
+        except BaseException:
+            permit.release()
+            watch.end()
+            raise
+
+
+async def _reshaped(events: AsyncIterator[Event], shape: Shape) -> AsyncIterator[Event]:
+    try:
+        async for event in events:
+            yield shape(event)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,69 @@
+"""From a validated request to an answer: pick the model (alias, version, A/B split; one the key
+may use), then try it and its fallbacks in order (`attempt.Attempt`: one model's try). Only
+*fallible* errors (`gateway.errors`: the model overloaded, its engine dead, its upstream down),
+which happen before the first byte, move on to the next model; the last one is the answer when no
+model is left. The request's `Charge` settles when its answer ends.
+"""
+
+from __future__ import annotations
+
+from gateway.errors import APIError, BackendUnavailable, InvalidRequest, ModelNotFound, from_exception
+from gateway.pipeline.answer import Answer
+from gateway.pipeline.attempt import Attempt, Shape
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.state import GatewayState
+from gateway.serving.service import AnswerT, PreparedT, RequestT, Service
+from gateway.telemetry import metrics
+from gateway.tenancy.keys import ANONYMOUS
+from gateway.tenancy.tenants import KeyPolicy
+
+
+def policy_of(context: RequestContext, state: GatewayState) -> KeyPolicy:
+    """The key's policy, as the rate limits read it (or read now, for a route they did not see)."""
+    if context.policy is None:
+        context.policy = state.tenants.policy(context.key_id)
+    return context.policy
+
+
+def _check_prompts(state: GatewayState, body: RequestT) -> None:
+    most = state.settings.max_prompts_per_request
+    if body.prompt_count() > most:
+        raise InvalidRequest(
+            f"This request has {body.prompt_count()} prompts; at most {most} are allowed", body.prompts_param
+        )
+
+
+async def dispatch(
+    context: RequestContext,
+    state: GatewayState,
+    body: RequestT,
+    service: Service[RequestT, PreparedT, AnswerT],
+    shape: Shape | None = None,
+) -> Answer:
+    record = context.record
+    _check_prompts(state, body)
+    policy = policy_of(context, state)
+    sticky = body.user or (context.tenant if context.tenant != ANONYMOUS else None)
+    version, chain = state.models.resolve(body.model, sticky)
+    record.model, record.version = body.model, version
+    if not policy.allows(body.model, version):  # the keys file's `models`
+        raise ModelNotFound(f"The model '{body.model}' does not exist or you do not have access to it.", "model")
+    record.response_headers["x-model-version"] = version
+    guard = state.guards.for_request(context.key_id, body.model, version)
+    attempt = Attempt(context, state, body, service, guard, shape, policy)
+    failure: APIError | None = None
+    for backend in chain:
+        if failure is not None:
+            metrics.labelled(metrics.FALLBACKS, chain[0].name, backend.name).inc()
+        try:
+            answer = await attempt.on(backend)
+        except Exception as exc:
+            error = from_exception(exc)
+            if not error.fallible:
+                raise  # the original, for the exception handler's log
+            failure = error
+            continue
+        record.version = backend.name
+        record.response_headers["x-served-model"] = backend.name
+        return answer
+    raise failure or BackendUnavailable("No model could answer")
