@@ -30,6 +30,7 @@ from gateway.pipeline.state import GatewayState
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
 from gateway.stores.cache import ResponseCache, make_backend
+from gateway.stores.redis import RedisPools
 from gateway.stores.responses import ResponseStore, make_store_backend
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
@@ -85,11 +86,12 @@ def create_app(
     tenants = tenants or tenants_of(settings)
     tenants.check(modelfile.public_names(models), frozenset(guards.profiles))
     guards.key_profile = tenants.guard_profile  # a key's profile in the keys file comes first
-    quota = Quota(settings.limits)
-    cache_backend = make_backend(settings.cache)
+    pools = RedisPools()  # one connection pool per Redis address: the cache, the store and the limits share it
+    quota = Quota(settings.limits, pools)
+    cache_backend = make_backend(settings.cache, pools)
     if engine_check is not None:  # last: it imports vllm and reads the models
         check_embedded(models, settings, engine_check)
-    store_backend = make_store_backend(settings.cache)
+    store_backend = make_store_backend(settings.cache, pools)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: object) -> AsyncIterator[dict[str, GatewayState]]:
@@ -112,5 +114,6 @@ def create_app(
                 await cache.backend.aclose()
             await guards.aclose()
             await quota.aclose()
+            await pools.aclose()
 
     return application(stack(settings, lifecycle, quota, tenants, TABLE), lifespan)

@@ -16,11 +16,11 @@ from collections import OrderedDict
 from typing import Generic, Protocol, TypeVar, cast
 
 import orjson
-import redis.asyncio as redis
 import structlog
 from pydantic import BaseModel
 
 from gateway.settings import CacheSettings
+from gateway.stores.redis import ERRORS, RedisPools
 from gateway.telemetry import metrics
 
 log = structlog.get_logger(__name__)
@@ -95,22 +95,21 @@ class MemoryCache:
 
 
 class RedisCache:
-    def __init__(self, url: str, prefix: str, ttl_s: float, timeout_s: float) -> None:
-        self._errors = (redis.RedisError, OSError, TimeoutError)
-        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    def __init__(self, pools: RedisPools, url: str, prefix: str, ttl_s: float, timeout_s: float) -> None:
+        self._client = pools.client(url, timeout_s)
         self.prefix, self.ttl_s = prefix, ttl_s
 
     async def get(self, key: str) -> bytes | None:
-        try:
-            return cast(bytes | None, await self._redis.get(self.prefix + key))  # no decode_responses: bytes
-        except self._errors as exc:
+        try:  # no decode_responses: bytes
+            return cast(bytes | None, await self._client.bounded(self._client.redis.get(self.prefix + key)))
+        except ERRORS as exc:
             self._failed("get", exc)
             return None
 
     async def set(self, key: str, value: bytes) -> None:
         try:
-            await self._redis.set(self.prefix + key, value, px=int(self.ttl_s * 1000))
-        except self._errors as exc:
+            await self._client.bounded(self._client.redis.set(self.prefix + key, value, px=int(self.ttl_s * 1000)))
+        except ERRORS as exc:
             self._failed("set", exc)
 
     def _failed(self, operation: str, exc: BaseException) -> None:
@@ -118,7 +117,7 @@ class RedisCache:
         log.warning("cache_unavailable", backend="redis", operation=operation, error=str(exc), serving="uncached")
 
     async def aclose(self) -> None:
-        await self._redis.aclose()
+        pass  # the pool is the app's (stores.redis)
 
 
 class Hit(Generic[AnswerT]):
@@ -138,13 +137,13 @@ class Hit(Generic[AnswerT]):
         return self._answer
 
 
-def make_backend(settings: CacheSettings) -> CacheBackend | None:
+def make_backend(settings: CacheSettings, pools: RedisPools) -> CacheBackend | None:
     if settings.backend == "off":
         return None
     if settings.backend == "redis":
         if not settings.redis_url:
             raise ValueError("cache backend redis needs cache.redis_url (GATEWAY_CACHE__REDIS_URL)")
-        return RedisCache(settings.redis_url, settings.redis_prefix, settings.ttl_s, settings.redis_timeout_s)
+        return RedisCache(pools, settings.redis_url, settings.redis_prefix, settings.ttl_s, settings.redis_timeout_s)
     return MemoryCache(settings.max_entries, settings.max_bytes, settings.ttl_s)
 
 

@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, cast
 
-import redis.asyncio as redis
 import structlog
 from pydantic import BaseModel
 
@@ -28,6 +27,7 @@ from gateway.errors import NotFound, ServiceUnavailable
 from gateway.protocol.responses import Item, Response
 from gateway.settings import CacheSettings
 from gateway.stores.cache import MemoryCache
+from gateway.stores.redis import ERRORS, RedisPools
 from gateway.telemetry import metrics
 
 log = structlog.get_logger(__name__)
@@ -59,29 +59,29 @@ class MemoryStore(MemoryCache):
 class RedisStore:
     """Redis, raising on failure (the store's callers decide what a failure means)."""
 
-    def __init__(self, url: str, prefix: str, ttl_s: float, timeout_s: float) -> None:
-        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    def __init__(self, pools: RedisPools, url: str, prefix: str, ttl_s: float, timeout_s: float) -> None:
+        self._client = pools.client(url, timeout_s)
         self.prefix, self.ttl_s = prefix, ttl_s
 
     async def get(self, key: str) -> bytes | None:
-        return cast(bytes | None, await self._redis.get(self.prefix + key))
+        return cast(bytes | None, await self._client.bounded(self._client.redis.get(self.prefix + key)))
 
     async def set(self, key: str, value: bytes) -> None:
-        await self._redis.set(self.prefix + key, value, px=int(self.ttl_s * 1000))
+        await self._client.bounded(self._client.redis.set(self.prefix + key, value, px=int(self.ttl_s * 1000)))
 
     async def delete(self, key: str) -> bool:
-        return bool(await self._redis.delete(self.prefix + key))
+        return bool(await self._client.bounded(self._client.redis.delete(self.prefix + key)))
 
     async def aclose(self) -> None:
-        await self._redis.aclose()
+        pass  # the pool is the app's (stores.redis)
 
 
-def make_store_backend(settings: CacheSettings) -> StoreBackend:
+def make_store_backend(settings: CacheSettings, pools: RedisPools) -> StoreBackend:
     if settings.backend == "redis":
         if not settings.redis_url:
             raise ValueError("cache backend redis needs cache.redis_url (GATEWAY_CACHE__REDIS_URL)")
         prefix = settings.redis_prefix + "responses:"
-        return RedisStore(settings.redis_url, prefix, settings.store_ttl_s, settings.redis_timeout_s)
+        return RedisStore(pools, settings.redis_url, prefix, settings.store_ttl_s, settings.redis_timeout_s)
     return MemoryStore(settings.max_entries, settings.max_bytes, settings.store_ttl_s)
 
 
@@ -103,7 +103,6 @@ def not_found(response_id: str) -> NotFound:
     return NotFound(f"Response with id '{response_id}' not found.", param="response_id")
 
 
-ERRORS = (redis.RedisError, OSError, TimeoutError)
 T = TypeVar("T")
 
 

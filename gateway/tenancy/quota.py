@@ -33,20 +33,17 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import redis.asyncio as redis
 import structlog
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from gateway.errors import OverTokenLimit, QuotaExceeded, RateLimited
 from gateway.settings import LimitsSettings
+from gateway.stores.redis import ERRORS, RedisPools
 from gateway.telemetry import metrics
 from gateway.telemetry.record import RequestRecord, current_record
 from gateway.tenancy.limits import TokenBucket, duration
 from gateway.tenancy.tenants import KeyPolicy
 
 log = structlog.get_logger(__name__)
-REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError)
 
 # A token bucket refilled at `capacity` a minute. `force`: take even past empty (a debt later
 # requests wait out) or give back (a negative amount): a settled estimate.
@@ -152,35 +149,30 @@ class LocalCounts:
 
 
 class RedisCounts:
-    def __init__(self, settings: LimitsSettings) -> None:
+    def __init__(self, settings: LimitsSettings, pools: RedisPools) -> None:
         assert settings.redis_url is not None
         self.prefix = settings.redis_prefix
-        self._redis = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=settings.redis_timeout_s,
-            socket_connect_timeout=settings.redis_timeout_s, retry=Retry(NoBackoff(), 0),
-        )
-        self._bucket = self._redis.register_script(BUCKET_LUA)
-        self._reserve = self._redis.register_script(RESERVE_LUA)
+        self._client = pools.client(settings.redis_url, settings.redis_timeout_s)
+        self._bucket = self._client.redis.register_script(BUCKET_LUA)
+        self._reserve = self._client.redis.register_script(RESERVE_LUA)
 
     async def bucket(self, name: str, capacity: int, amount: float, force: bool) -> tuple[bool, float]:
-        allowed, tokens = await self._bucket(keys=[self.prefix + name], args=[capacity, amount, int(force)])
+        call = self._bucket(keys=[self.prefix + name], args=[capacity, amount, int(force)])
+        allowed, tokens = await self._client.bounded(call)
         return bool(allowed), float(tokens)
 
     async def reserve(self, found: list[Period], amount: int) -> tuple[int, int]:
         keys = [self.prefix + p.counter for p in found]
         args = [amount, *(p.limit for p in found), *(p.ttl_s() for p in found)]
-        index, used = await self._reserve(keys=keys, args=args)
+        index, used = await self._client.bounded(self._reserve(keys=keys, args=args))
         return int(index), int(used)
 
     async def adjust(self, found: list[Period], amount: int) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
+        async with self._client.redis.pipeline(transaction=True) as pipe:
             for period in found:
                 pipe.incrby(self.prefix + period.counter, amount)
                 pipe.expire(self.prefix + period.counter, period.ttl_s())
-            await pipe.execute()
-
-    async def aclose(self) -> None:
-        await self._redis.aclose()
+            await self._client.bounded(pipe.execute())
 
 
 @dataclass(slots=True)
@@ -216,10 +208,15 @@ class Charge:
 
 
 class Quota:
-    def __init__(self, settings: LimitsSettings) -> None:
+    """`pools`: the app's Redis pools (None: pools of its own, closed with it)."""
+
+    def __init__(self, settings: LimitsSettings, pools: RedisPools | None = None) -> None:
         self.settings = settings
         self.local = LocalCounts()
-        self.shared = RedisCounts(settings) if settings.redis_url else None
+        self._pools: RedisPools | None = None
+        if pools is None:
+            pools = self._pools = RedisPools()  # its own, closed with it
+        self.shared = RedisCounts(settings, pools) if settings.redis_url else None
         self._down_until = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -261,7 +258,7 @@ class Quota:
             assert self.shared is not None
             try:
                 return (*await self.shared.bucket(name, capacity, amount, force), True)
-            except REDIS_ERRORS as exc:
+            except ERRORS as exc:
                 self._failed("bucket", exc)
         return (*self.local.bucket(name, capacity, amount, force), False)
 
@@ -272,7 +269,7 @@ class Quota:
             try:
                 result = await self.shared.reserve(charge.periods, charge.estimate)
                 charge.budgets_shared = True
-            except REDIS_ERRORS as exc:
+            except ERRORS as exc:
                 self._failed("budget", exc)
         if result is None:
             result = self.local.reserve(charge.periods, charge.estimate)
@@ -299,7 +296,7 @@ class Quota:
                 await self.shared.adjust(charge.periods, delta)
             if charge.reconcile and charge.policy.tpm and charge.tokens_shared:
                 await self.shared.bucket(f"tokens:{charge.policy.key_id}", charge.policy.tpm, delta, True)
-        except REDIS_ERRORS as exc:
+        except ERRORS as exc:
             self._failed("settle", exc)  # Redis counted the estimate; this correction is lost
 
     def finish(self, policy: KeyPolicy, status: int, charge: Charge | None) -> None:
@@ -338,8 +335,8 @@ class Quota:
     async def aclose(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.shared is not None:
-            await self.shared.aclose()
+        if self._pools is not None:
+            await self._pools.aclose()
 
 
 def _report(kind: str, limit: int, amount: float, allowed: bool, tokens: float) -> None:

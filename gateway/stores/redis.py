@@ -1,0 +1,54 @@
+"""One Redis connection pool per Redis address for the whole process: the response cache, the
+stored responses and the shared limits (`tenancy.quota`) each get a client over it, where each
+made its own pool before. Each user keeps its own bound on a call (`Client.bounded`: the cache
+gives up after `cache.redis_timeout_s`, the limits after `limits.redis_timeout_s`); the pool's
+sockets time out at the longest of them. No retries: a user that gives up serves without Redis
+(uncached, counted in process) rather than wait."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+T = TypeVar("T")
+ERRORS = (redis.RedisError, OSError, TimeoutError)  # what a Redis that is down or slow raises
+
+
+class Client:
+    """A user's client over the shared pool, with the user's bound on each call."""
+
+    def __init__(self, redis_client: redis.Redis, timeout_s: float) -> None:
+        self.redis = redis_client
+        self.timeout_s = timeout_s
+
+    async def bounded(self, call: Awaitable[T]) -> T:
+        """`call`, given up after the user's timeout (TimeoutError)."""
+        async with asyncio.timeout(self.timeout_s):
+            return await call
+
+
+class RedisPools:
+    def __init__(self) -> None:
+        self._pools: dict[str, redis.ConnectionPool] = {}
+
+    def client(self, url: str, timeout_s: float) -> Client:
+        pool = self._pools.get(url)
+        if pool is None:
+            pool = self._pools[url] = redis.ConnectionPool.from_url(url, retry=Retry(NoBackoff(), 0))
+        settings = pool.connection_kwargs  # read by each connection the pool makes
+        for name in ("socket_timeout", "socket_connect_timeout"):
+            settings[name] = max(settings.get(name) or 0.0, timeout_s)
+        return Client(redis.Redis(connection_pool=pool), timeout_s)
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+    async def aclose(self) -> None:
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            await pool.aclose()

@@ -1,0 +1,39 @@
+"""One Redis connection pool per address (stores.redis): the cache, the stored responses and the
+limits share it, each with its own bound on a call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.settings import CacheSettings, LimitsSettings
+from gateway.stores.cache import RedisCache, make_backend
+from gateway.stores.redis import RedisPools
+from gateway.stores.responses import RedisStore, make_store_backend
+from gateway.tenancy.quota import Quota
+
+URL = "redis://127.0.0.1:1/0"  # never connected to here
+
+
+def test_the_cache_the_store_and_the_limits_share_one_pool_per_address() -> None:
+    pools = RedisPools()
+    cache_settings = CacheSettings(backend="redis", redis_url=URL, redis_timeout_s=0.5)
+    cache = make_backend(cache_settings, pools)
+    store = make_store_backend(cache_settings, pools)
+    quota = Quota(LimitsSettings(redis_url=URL, redis_timeout_s=0.25), pools)
+    assert isinstance(cache, RedisCache) and isinstance(store, RedisStore) and quota.shared is not None
+    clients = [cache._client, store._client, quota.shared._client]
+    assert len(pools) == 1 and len({id(c.redis.connection_pool) for c in clients}) == 1
+    assert [c.timeout_s for c in clients] == [0.5, 0.5, 0.25]  # each its own bound
+    kwargs = clients[0].redis.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == 0.5  # the longest
+    pools.client("redis://127.0.0.1:2/0", 1.0)
+    assert len(pools) == 2
+
+
+async def test_a_call_is_given_up_after_its_user_s_bound() -> None:
+    client = RedisPools().client(URL, 0.05)
+    with pytest.raises(TimeoutError):
+        await client.bounded(asyncio.sleep(5))
+    assert await client.bounded(asyncio.sleep(0, "done")) == "done"
