@@ -28,14 +28,16 @@ class SamplingDefaults(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    max_tokens: int | None = Field(None, ge=1, description="chat output budget when a request sends none")
+    temperature: float | None = Field(None, ge=0, description="Sampling temperature; 0: greedy")
+    top_p: float | None = Field(
+        None, gt=0, le=1, description="Nucleus sampling: draw from the likeliest tokens whose probabilities add up to this"
+    )
+    top_k: int | None = Field(None, ge=-1, description="Draw from the k likeliest tokens; -1 or 0: off")
+    min_p: float | None = Field(None, ge=0, le=1, description="Tokens less likely than this times the likeliest are dropped")
+    repetition_penalty: float | None = Field(None, gt=0, description="Above 1: tokens already in prompt or output less likely")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Penalty on tokens that appeared at all")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Penalty per appearance of a token")
+    max_tokens: int | None = Field(None, ge=1, description="Chat output budget when a request sends none")
 
     def over(self, weaker: SamplingDefaults) -> SamplingDefaults:
         """These defaults, with `weaker`'s where these say nothing."""
@@ -55,6 +57,9 @@ class SamplingDefaults(BaseModel):
 
 
 class EngineSettings(BaseModel):
+    """The embedded vLLM engine (per model in a models file's `engine:`); checked at start against the
+    installed vLLM, the platform and the model's config.json."""
+
     model: str | None = Field(
         None, description="Model directory or hub id; unset: the prepared default model"
     )
@@ -65,23 +70,28 @@ class EngineSettings(BaseModel):
         "generate", description="generate: text (chat, completions); embed: vectors, with vLLM's pooling runner"
     )
     max_model_len: int | None = Field(
-        2048, ge=1, description="Context length (prompt + output); unset: the model's own; checked against the model"
+        2048, ge=1, description="Context length (prompt + output); unset: the model's own; refused at start above it"
     )
-    dtype: str = Field("auto", description="Weights and activations dtype (auto, bfloat16, ...)")
+    dtype: str = Field(
+        "auto",
+        description="Weights and activations dtype (auto, bfloat16, float16, float32): auto is float32 on the CPU "
+        "(bfloat16 is faster there but changes SmolLM2's answers), the model's own on a GPU",
+    )
     gpu_memory_utilization: float | None = Field(
         None,
         gt=0,
         le=1,
         description="Fraction of accelerator memory (on the CPU: of the NUMA node's memory) "
-        "for weights and KV cache; unset: 0.9 on a GPU, a 2 GiB KV cache on the CPU",
+        "for weights and KV cache (on the CPU refused at start when less is free); unset: 0.9 on a GPU, "
+        "a 2 GiB KV cache on the CPU",
     )
     kv_cache_memory_bytes: int | None = Field(
         None, description="KV cache size in bytes, instead of the fraction (CPU default: 2 GiB; 512 MiB to embed)"
     )
     enforce_eager: bool = Field(False, description="Skip torch.compile/CUDA graphs: faster start, slower decoding")
     enable_prefix_caching: bool | None = Field(None, description="Reuse KV blocks of shared prefixes (vLLM default: on)")
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split across (tensor parallelism)")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages one model is split into")
     quantization: str | None = Field(
         None, description="vLLM quantization method (awq, gptq, fp8, compressed-tensors, ...); checked at start"
     )
@@ -97,16 +107,19 @@ class EngineSettings(BaseModel):
     sampling_defaults: SamplingDefaults = Field(
         default_factory=SamplingDefaults, description="Sampling defaults over the generation config's"
     )
-    max_num_seqs: int | None = Field(None, description="Most sequences batched at once")
-    seed: int = 0
-    trust_remote_code: bool = False
+    max_num_seqs: int | None = Field(None, description="Most sequences batched at once; unset: vLLM's default")
+    seed: int = Field(0, description="The engine's random seed")
+    trust_remote_code: bool = Field(False, description="Allow model code from the model directory or hub to run")
     log_format: Literal["text", "json"] | None = Field(
-        None, description="vLLM's own log lines (all its processes): text or JSON; unset: as GATEWAY_LOG_FORMAT"
+        None,
+        description="vLLM's own log lines (all its processes: front end, engine core, worker): text or json (vLLM's "
+        "JSON: asctime, levelname, name, processName, process, message); unset: as GATEWAY_LOG_FORMAT",
     )
     log_level: Literal["debug", "info", "warning", "error"] | None = Field(
         None, description="vLLM's own log level; unset: as GATEWAY_LOG_LEVEL"
     )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
-        description="Any other vLLM engine argument by name, e.g. {\"kv_offloading_size\": 4}",
+        description="Any other vLLM engine argument by name, e.g. {\"kv_offloading_size\": 4} for CPU KV "
+        "offloading; unknown names are refused at start",
     )

@@ -1,6 +1,9 @@
 """Command line: `python -m gateway serve [flags]` (or the `llm-gateway` script).
 
-Flags override environment variables; both end up in the one Settings object.
+The flags are generated from the Settings classes (gateway.server.options: one flag per setting,
+its help the field's description), not kept by hand. Flags override environment variables: the
+flags given become keyword arguments of Settings, its strongest source, deep-merged over the
+environment (`--max-model-len 512` keeps `GATEWAY_ENGINE__ENFORCE_EAGER`).
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -17,6 +21,7 @@ from gateway.app import create_app, tenants_of
 from gateway.backends.modelfile import ConfigError
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.server.http import DrainingServer, Reloadable, server_config
+from gateway.server.options import ENGINE_ARG_FLAG, Option, groups, options
 from gateway.server.tls import ServerTLS
 from gateway.settings import Settings
 from gateway.telemetry.logs import configure
@@ -32,68 +37,78 @@ def _engine_arg(text: str) -> tuple[str, Any]:
         return key.strip(), value
 
 
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected JSON, got {text!r} ({exc.msg})") from exc
+
+
+def _help(option: Option) -> str:
+    default = option.default
+    shown = "unset" if default is None else json.dumps(default) if option.is_json or option.is_bool else str(default)
+    text = f"{option.description} [{option.env}; default: {shown}]"
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+def _add(group: argparse._ArgumentGroup, option: Option) -> None:
+    assert option.flag is not None
+    kwargs: dict[str, Any] = {"dest": option.dest, "default": None, "help": _help(option)}
+    if option.flag == ENGINE_ARG_FLAG:
+        kwargs.update(type=_engine_arg, action="append", metavar="KEY=VALUE", help=(
+            "any other vLLM engine argument by name, the value read as JSON when it parses (repeatable; "
+            f"merged over {option.env})"))
+    elif option.is_bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif option.choices is not None:
+        kwargs.update(choices=option.choices, type=type(option.choices[0]))
+    elif option.is_json:
+        kwargs.update(type=_json, metavar="JSON")
+    elif option.annotation in (int, float):
+        kwargs.update(type=option.annotation, metavar=option.annotation.__name__.upper())
+    else:
+        kwargs["metavar"] = "PATH" if option.annotation is Path else "TEXT"
+    group.add_argument(option.flag, **kwargs)
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="llm-gateway", description="OpenAI-compatible LLM gateway")
     commands = root.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="start the gateway")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--log-format", choices=["console", "json"])
-    serve.add_argument("--model", help="model directory or hub id (default: the prepared SmolLM2)")
-    serve.add_argument("--served-model-name")
-    serve.add_argument("--embedding-model", help="also serve the model as an embedding model under this name")
-    serve.add_argument("--keys-file", help="YAML file of API keys with their own settings (GATEWAY_KEYS_FILE)")
-    serve.add_argument("--max-model-len", type=int)
-    serve.add_argument("--dtype")
-    serve.add_argument("--gpu-memory-utilization", type=float)
-    serve.add_argument("--kv-cache-memory-bytes", type=int)
-    serve.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
-    serve.add_argument("--tensor-parallel-size", type=int)
-    serve.add_argument("--max-num-seqs", type=int)
-    serve.add_argument(
-        "--engine-arg",
-        type=_engine_arg,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="any other vLLM engine argument (value parsed as JSON when it can be)",
+    serve = commands.add_parser(
+        "serve",
+        help="start the gateway",
+        usage="llm-gateway serve [--FLAG VALUE ...]",
+        description="Start the gateway. Every flag has an environment variable (in brackets); a flag given wins. "
+        "Secrets (API keys, the key-id secret, the TLS key's password) are set in the environment only.",
     )
-    tls = serve.add_argument_group("TLS", "HTTPS when a certificate is given (GATEWAY_TLS__*)")
-    tls.add_argument("--tls-cert-file", help="PEM certificate chain")
-    tls.add_argument("--tls-key-file", help="PEM private key (unset: in the certificate file)")
-    tls.add_argument("--tls-ca-file", help="PEM CA certificates to verify client certificates against")
-    tls.add_argument("--tls-client-auth", choices=["none", "optional", "required"])
-    tls.add_argument("--tls-min-version", choices=["TLSv1.2", "TLSv1.3"])
+    sections = {prefix: serve.add_argument_group(
+        ".".join(prefix) or "gateway", (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ") or None,
+    ) for prefix, model in groups()}
+    for option in options():
+        if option.flag is not None:
+            _add(sections[option.group], option)
     return root
 
 
-TLS_FLAGS = ("cert_file", "key_file", "ca_file", "client_auth", "min_version")
-TOP_FLAGS = ("host", "port", "log_level", "log_format", "embedding_model", "keys_file")
-ENGINE_FLAGS = (
-    "model",
-    "served_model_name",
-    "max_model_len",
-    "dtype",
-    "gpu_memory_utilization",
-    "kv_cache_memory_bytes",
-    "enforce_eager",
-    "tensor_parallel_size",
-    "max_num_seqs",
-)
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags given, nested as Settings takes them: {"engine": {"max_model_len": 512}, ...}."""
+    given: dict[str, Any] = {}
+    for option in options():
+        value = getattr(args, option.dest, None)
+        if option.flag is None or value is None:
+            continue
+        if option.flag == ENGINE_ARG_FLAG:
+            value = dict(value)  # merged over the environment's engine_args (Settings deep-merges its sources)
+        node = given
+        for key in option.group:
+            node = node.setdefault(key, {})
+        node[option.path[-1]] = value
+    return given
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
     """Environment first, flags on top (only the flags given)."""
-    base = Settings()
-    top = {k: getattr(args, k) for k in TOP_FLAGS if getattr(args, k) is not None}
-    engine = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
-    if args.engine_arg:
-        engine["engine_args"] = {**base.engine.engine_args, **dict(args.engine_arg)}
-    merged_engine = base.engine.model_copy(update=engine)
-    tls = {k: getattr(args, f"tls_{k}") for k in TLS_FLAGS if getattr(args, f"tls_{k}") is not None}
-    merged = {"engine": merged_engine.model_dump(), "tls": {**base.tls.model_dump(), **tls}}
-    return Settings.model_validate({**base.model_dump(), **top, **merged})
+    return Settings(**overrides(args))
 
 
 STARTUP_FAILED = 3  # the engines did not start (uvicorn's own status for a failed start-up)

@@ -1,7 +1,7 @@
 """Conformance: every parameter and error case of the OpenAI API that the gateway offers, on the
 real engine, through the official openai SDK (parsing into its types) and raw HTTP.
 
-Run against vLLM's own server with `make conformance-vllm`; the README lists what differs.
+Run against vLLM's own server with `make conformance-vllm`; docs/api.md lists what differs.
 """
 
 from __future__ import annotations

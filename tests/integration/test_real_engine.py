@@ -18,7 +18,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def test_capital_of_france_at_temperature_zero(sdk: openai.OpenAI) -> None:
     """The golden answer that guards the default precision: the session gateway runs the default
     model with the default dtype (float32 on the CPU); bfloat16, faster there, turns this answer
-    into noise (README: Notes on the CPU engine), so a default that drifts to it fails here."""
+    into noise (docs/operations.md: Notes on the CPU engine), so a default that drifts to it fails here."""
     result = sdk.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30)
     assert "Paris" in result.choices[0].message.content
     assert result.choices[0].finish_reason == "stop"

@@ -345,12 +345,13 @@ def test_remote_models_get_the_input_checks(tmp_path: Path, moderation: Loopback
         assert answer.json()["choices"][0]["message"]["content"] == "write to [EMAIL_1]"
 
 
-def test_the_readme_examples_are_valid_configuration(tmp_path: Path) -> None:
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme[readme.index("**Guardrails.**"):]
+def test_the_documented_examples_are_valid_configuration(tmp_path: Path) -> None:
+    docs = Path(__file__).parents[2] / "docs"
+    guards_doc, models_doc = (docs / "tenants-and-guards.md").read_text(), (docs / "models.md").read_text()
+    section = guards_doc[guards_doc.index("## Guardrails"):]
     example = section[section.index("```yaml") + len("```yaml"):section.index("```", section.index("```yaml") + 7)]
     (tmp_path / "guards.yaml").write_text(example)
-    models = readme[readme.index("**Several models.**"):]
+    models = models_doc[models_doc.index("## Several models"):]
     models = models[models.index("```yaml") + len("```yaml"):models.index("```", models.index("```yaml") + 7)]
     (tmp_path / "models.yaml").write_text(models)
     settings = fake_settings(guards_file=tmp_path / "guards.yaml", models_file=tmp_path / "models.yaml")

@@ -1,0 +1,154 @@
+"""Every setting once, as the command line and the configuration reference see it.
+
+`options()` walks the Settings classes (gateway.settings.Settings and the models nested in it,
+engine.config.EngineSettings among them) and yields one `Option` per leaf field: its dotted path,
+environment variable, flag, type and default. The CLI's parser (gateway.server.cli) and the
+generated reference (gateway.server.config_doc, docs/configuration.md) are both built from it, so
+a field added to Settings gets its flag and its row without a table to keep by hand.
+
+Flags are named by one rule: a top-level field is `--field-name`; a nested one is
+`--group-field-name` (`--tls-cert-file`, `--cache-backend`), except the engine's fields, which take
+vLLM's own names (`--max-model-len`, `--enforce-eager`) unless that name is already a top-level
+flag (`--engine-log-level`). Secrets get no flag (a command line shows in `ps` and shell history):
+set them in the environment. The engine's `engine_args` is `--engine-arg KEY=VALUE`, repeatable.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel, SecretStr
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from gateway.settings import Settings
+
+ENV_PREFIX = str(Settings.model_config.get("env_prefix", ""))
+ENV_DELIMITER = str(Settings.model_config.get("env_nested_delimiter", "__"))
+FLATTENED = "engine"  # the group whose flags drop their prefix: vLLM's flag names
+ENGINE_ARG_FLAG = "--engine-arg"
+
+
+@dataclass(frozen=True)
+class Option:
+    path: tuple[str, ...]  # ("engine", "max_model_len")
+    info: FieldInfo
+    flag: str | None  # "--max-model-len"; None: environment only
+
+    @property
+    def name(self) -> str:
+        return ".".join(self.path)
+
+    @property
+    def group(self) -> tuple[str, ...]:
+        return self.path[:-1]
+
+    @property
+    def dest(self) -> str:
+        """The argparse destination: the path joined by `__`, as the environment nests it."""
+        return "__".join(self.path)
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + ENV_DELIMITER.join(self.path).upper()
+
+    @property
+    def annotation(self) -> Any:
+        """The field's type without `| None`."""
+        return strip_none(self.info.annotation)
+
+    @property
+    def optional(self) -> bool:
+        return self.info.annotation is not self.annotation
+
+    @property
+    def is_bool(self) -> bool:
+        return self.annotation is bool
+
+    @property
+    def choices(self) -> tuple[Any, ...] | None:
+        return get_args(self.annotation) if get_origin(self.annotation) is Literal else None
+
+    @property
+    def is_json(self) -> bool:
+        """Lists and dictionaries: JSON in the environment and on the command line."""
+        return get_origin(self.annotation) in (list, dict)
+
+    @property
+    def default(self) -> Any:
+        if self.info.default_factory is not None:
+            return self.info.default_factory()  # type: ignore[call-arg]
+        return None if self.info.default is PydanticUndefined else self.info.default
+
+    @property
+    def description(self) -> str:
+        return self.info.description or ""
+
+
+def strip_none(annotation: Any) -> Any:
+    if get_origin(annotation) in (Union, types.UnionType):
+        kept = [a for a in get_args(annotation) if a is not type(None)]
+        if len(kept) == 1:
+            return kept[0]
+    return annotation
+
+
+def is_secret(annotation: Any) -> bool:
+    annotation = strip_none(annotation)
+    return annotation is SecretStr or any(is_secret(a) for a in get_args(annotation))
+
+
+def nested_model(info: FieldInfo) -> type[BaseModel] | None:
+    annotation = strip_none(info.annotation)
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def groups(model: type[BaseModel] = Settings, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], type[BaseModel]]]:
+    """The settings classes, top first, each with its path: ((), Settings), (("limits",), LimitsSettings), ..."""
+    yield prefix, model
+    for name, info in model.model_fields.items():
+        inner = nested_model(info)
+        if inner is not None:
+            yield from groups(inner, (*prefix, name))
+
+
+def flag_for(path: tuple[str, ...], info: FieldInfo) -> str | None:
+    if is_secret(info.annotation):
+        return None
+    if path == (FLATTENED, "engine_args"):
+        return ENGINE_ARG_FLAG
+    words = path[1:] if path[0] == FLATTENED and path[1:] and path[1] not in Settings.model_fields else path
+    return "--" + "-".join(words).replace("_", "-")
+
+
+def options() -> list[Option]:
+    """Every leaf setting, in the order of the classes' fields, groups after the top level's fields."""
+    found = []
+    for prefix, model in groups():
+        for name, info in model.model_fields.items():
+            if nested_model(info) is None:
+                path = (*prefix, name)
+                found.append(Option(path, info, flag_for(path, info)))
+    return found
+
+
+def type_name(option: Option) -> str:
+    """The type as the reference shows it: `int`, `float`, `path`, `"a" | "b"`, `{"low": 0.5}`-like JSON."""
+    annotation = option.annotation
+    if option.choices is not None:
+        text = " | ".join(f'"{c}"' if isinstance(c, str) else str(c) for c in option.choices)
+    elif option.is_json:
+        text = "JSON " + ("list" if get_origin(annotation) is list else "object")
+    elif annotation is Path:
+        text = "path"
+    elif annotation is SecretStr:
+        text = "secret"
+    elif annotation is Any:
+        text = "any"
+    else:
+        text = getattr(annotation, "__name__", str(annotation))
+    return text + (" (optional)" if option.optional else "")
