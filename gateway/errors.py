@@ -192,7 +192,7 @@ class ModelUnavailable(ServiceUnavailable):
     fallible = True
 
 
-# Every error the API answers with, as documented in the README's error table.
+# Every error the API answers with, as documented in docs/api.md's error table.
 ERROR_CLASSES: tuple[type[APIError], ...] = (
     InvalidRequest, ContextLengthExceeded, ContentPolicyViolation, OverTokenLimit, AuthenticationFailed, NotFound,
     ModelNotFound, MethodNotAllowed, RequestTimeout, PayloadTooLarge, UnsupportedMediaType, RateLimited,

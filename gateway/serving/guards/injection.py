@@ -1,7 +1,7 @@
 """Prompt-injection patterns: the list shipped beside this module (`injection.yaml`), loaded once.
 
 Which phrasings it holds, where they come from and how the list is kept: the file's header and the
-README. Each pattern is a detector of its own, so that the access log names which one matched.
+docs/tenants-and-guards.md ("The prompt-injection list"). Each pattern is a detector of its own, so that the access log names which one matched.
 """
 
 from __future__ import annotations
