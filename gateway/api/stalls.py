@@ -9,9 +9,10 @@ in the scope), so the request's disconnect watch ends it (engine request aborted
 back, counted as a disconnect); under a server without that extension the stream's task is
 cancelled instead.
 
-One loop timer serves all streams: a stream notes when its send began (`Sends.since`, 0 between
-sends), and a sweep every `SWEEP_S` (or a quarter of the timeout, if shorter) stops those past
-the timeout. A stall is noticed within the timeout and one sweep.
+One sweep serves all streams: a stream notes when its send began (`Sends.since`, 0 between sends:
+two stores per event, no deadline set and cancelled per event), and a sweep every `SWEEP_S` (or a
+quarter of the timeout, if shorter; a deadline of the loop's timers, `pipeline.timers`) stops
+those past the timeout. A stall is noticed within the timeout and one sweep.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import asyncio
 from collections.abc import Callable
 
 import structlog
+
+from gateway.pipeline.timers import Timer, timers
 
 log = structlog.get_logger(__name__)
 SWEEP_S = 1.0
@@ -51,12 +54,12 @@ class Sweep:
         self.timeout_s = timeout_s
         self.every = min(SWEEP_S, timeout_s / 4)
         self.streams: dict[Sends, None] = {}
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Timer | None = None
 
     def add(self, sends: Sends) -> None:
         self.streams[sends] = None
         if self.timer is None:
-            self.timer = self.loop.call_later(self.every, self._sweep)
+            self.timer = timers().later(self.every, self._sweep)
 
     def discard(self, sends: Sends) -> None:
         self.streams.pop(sends, None)
@@ -68,7 +71,7 @@ class Sweep:
             log.warning("stream_stalled", waited_s=round(now - sends.since, 1), timeout_s=self.timeout_s)
             sends.stall()
         if self.streams:
-            self.timer = self.loop.call_later(self.every, self._sweep)
+            self.timer = timers().later(self.every, self._sweep)
 
 
 _sweep: Sweep | None = None  # the running loop's (one loop at a time: the server's)

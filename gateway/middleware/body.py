@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.api.errors import dialect_of, send_error
 from gateway.errors import ClientDisconnected, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
 from gateway.pipeline.context import context_of
+from gateway.pipeline.timers import timers
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
 
@@ -56,55 +57,15 @@ def _declared(scope: Scope) -> tuple[int, bytes | None]:
     return length or 0, encoding
 
 
-class Deadlines:
-    """The body reads waiting for their client, and one timer for all of them, at the earliest of
-    their deadlines: when it fires, the reads past theirs are cancelled (as `asyncio.timeout_at`
-    cancels its task) and it is set again for the rest. The same cut as a timeout per read, without
-    a timer made and cancelled for each (~2 us a read, nearly always cancelled unused)."""
-
-    def __init__(self) -> None:
-        self.waiting: dict[_Reading, asyncio.Task[Any]] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._at = 0.0
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def add(self, reading: _Reading, task: asyncio.Task[Any]) -> None:
-        self.waiting[reading] = task
-        loop = asyncio.get_running_loop()
-        # set anew in a loop other than the timer's (an app may serve in one loop after another:
-        # tests, a restarted server; the old one's timer never fires)
-        if self._timer is None or reading.deadline < self._at or loop is not self._loop:
-            self._arm(loop, reading.deadline)
-
-    def _arm(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._at, self._loop = loop.call_at(deadline, self._expire), deadline, loop
-
-    def _expire(self) -> None:
-        self._timer = None
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        for reading, task in list(self.waiting.items()):
-            if task.get_loop() is not loop:  # of another loop (gone, or no longer run): not ours to cut
-                del self.waiting[reading]
-            elif reading.deadline <= now:
-                del self.waiting[reading]
-                reading.expired = True
-                task.cancel()
-        if self.waiting:
-            self._arm(loop, min(reading.deadline for reading in self.waiting))
-
-
 class _Reading:
     """One request's body: its deadline and the bytes it holds of the budget."""
 
-    def __init__(self, receive: Receive, budget: BodyBudget, deadline: float, declared: int, deadlines: Deadlines) -> None:
+    def __init__(self, receive: Receive, budget: BodyBudget, deadline: float, declared: int) -> None:
         self._receive = receive
         self.budget = budget
         self.deadline = deadline
         self.declared = declared
-        self.deadlines = deadlines
+        self._task: asyncio.Task[Any] | None = None  # the task of the read waiting for its message
         self.read = 0
         self.held = 0
         self.complete = False
@@ -116,13 +77,13 @@ class _Reading:
             return await self._receive()  # after the body: disconnect watching, untouched
         self._hold(max(self.declared, self.read))
         # the next message unless the deadline passes first (408): asyncio.timeout_at's rule, with
-        # `Deadlines` in place of its timer; a cancellation of the task's own (its request cancelled
-        # meanwhile too) goes up as a cancellation, as from asyncio.timeout_at
-        task = asyncio.current_task()
+        # a deadline of the loop's timers (pipeline.timers) in place of its own loop timer; a
+        # cancellation of the task's own (its request cancelled meanwhile too) goes up as a
+        # cancellation, as from asyncio.timeout_at
+        task = self._task = asyncio.current_task()
         assert task is not None
         cancelling = task.cancelling()
-        waiting = self.deadlines.waiting
-        self.deadlines.add(self, task)
+        timer = timers().at(self.deadline, self._expire)
         try:
             message = await self._receive()
         except asyncio.CancelledError:
@@ -133,7 +94,8 @@ class _Reading:
                 ) from None
             raise
         finally:
-            waiting.pop(self, None)
+            timer.cancel()
+            self._task = None
         if self.expired:  # cut, but the receive kept its message: the cut taken back, as timeout_at does
             task.uncancel()
             self.expired = False  # a later cancellation of this request is not this cut
@@ -146,6 +108,11 @@ class _Reading:
         self._hold(max(self.declared, self.read))
         self.complete = not message.get("more_body", False)
         return message
+
+    def _expire(self) -> None:
+        if self._task is not None:
+            self.expired = True
+            self._task.cancel()
 
     def _hold(self, needed: int) -> None:
         if self.released or needed <= self.held:
@@ -171,7 +138,6 @@ class BodyMiddleware:
         self.app = app
         self.budget = budget
         self.timeout_s = timeout_s
-        self.deadlines = Deadlines()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -184,7 +150,7 @@ class BodyMiddleware:
             await send_error(send, error, dialect=dialect_of(scope))  # before a byte of it is read
             return
         deadline = asyncio.get_running_loop().time() + self.timeout_s
-        reading = _Reading(receive, self.budget, deadline, length, self.deadlines)
+        reading = _Reading(receive, self.budget, deadline, length)
         context_of(scope).release_body = reading.release  # the pipeline calls it once the input is prepared
 
         async def send_releasing(message: Message) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog.testing
 
+from gateway.pipeline.timers import timers
 from gateway.telemetry import metrics
 from tests.fakes import FakeEngine, app_with, chat_body
 
@@ -170,10 +171,10 @@ def test_the_body_is_read_as_starlette_reads_it_within_its_limit() -> None:
         _read([parts[0], {"type": "http.disconnect"}], limit=8)
 
 
-def _reading(receive: Receive, deadline: float, deadlines) -> object:
+def _reading(receive: Receive, deadline: float) -> object:
     from gateway.middleware.body import BodyBudget, _Reading
 
-    return _Reading(receive, BodyBudget(10**9), deadline, 0, deadlines)
+    return _Reading(receive, BodyBudget(10**9), deadline, 0)
 
 
 def _later(seconds: float) -> Receive:
@@ -200,17 +201,15 @@ async def _timed(read: Awaitable[dict], since: float) -> tuple[str, float]:
     return outcome, asyncio.get_running_loop().time() - since
 
 
-async def test_reads_are_cut_at_their_own_deadlines_by_one_timer() -> None:
-    """Deadlines in any order: each read is cut at its own (not before, not for ever), a read
-    that gets its message in time keeps it, and none stays waiting."""
-    from gateway.middleware.body import Deadlines
+async def test_reads_are_cut_at_their_own_deadlines() -> None:
+    """Deadlines in any order (the loop's timers, pipeline.timers): each read is cut at its own
+    (not before, not for ever), a read that gets its message in time keeps it, and none stays waiting."""
 
-    deadlines = Deadlines()
     now = asyncio.get_running_loop().time()
     reads = [
-        _reading(trickle(b"x" * 20), now + 0.1, deadlines),  # a first chunk at once, then nothing
-        _reading(_later(0.15), now + 0.4, deadlines),
-        _reading(trickle(b"x" * 20), now + 0.25, deadlines),
+        _reading(trickle(b"x" * 20), now + 0.1),  # a first chunk at once, then nothing
+        _reading(_later(0.15), now + 0.4),
+        _reading(trickle(b"x" * 20), now + 0.25),
     ]
     firsts = await asyncio.gather(*(_timed(r.receive(), now) for r in reads))  # type: ignore[attr-defined]
     assert [outcome for outcome, _ in firsts] == ["http.request"] * 3
@@ -218,18 +217,16 @@ async def test_reads_are_cut_at_their_own_deadlines_by_one_timer() -> None:
     (cut_1, at_1), (read_2, at_2), (cut_3, at_3) = results
     assert (cut_1, read_2, cut_3) == ("408", "http.request", "408")
     assert 0.1 <= at_1 < 0.2 and 0.15 <= at_2 < 0.25 and 0.25 <= at_3 < 0.35
-    assert deadlines.waiting == {}
+    assert len(timers()) == 0  # no deadline left set
 
 
 async def test_a_cancelled_read_is_a_cancellation_not_a_timeout() -> None:
-    from gateway.middleware.body import Deadlines
 
-    deadlines = Deadlines()
-    reading = _reading(trickle(b"", first=0), asyncio.get_running_loop().time() + 5, deadlines)
+    reading = _reading(trickle(b"", first=0), asyncio.get_running_loop().time() + 5)
     await reading.receive()  # type: ignore[attr-defined]
     task = asyncio.ensure_future(reading.receive())  # type: ignore[attr-defined]
     await asyncio.sleep(0.01)
-    assert list(deadlines.waiting) == [reading]
+    assert len(timers()) == 1  # the waiting read's deadline
     task.cancel()
     try:
         await task
@@ -237,33 +234,30 @@ async def test_a_cancelled_read_is_a_cancellation_not_a_timeout() -> None:
         pass
     else:
         raise AssertionError("not cancelled")
-    assert deadlines.waiting == {}
+    assert len(timers()) == 0
 
 
 async def test_a_message_there_at_once_is_read_past_the_deadline() -> None:
     """As asyncio.timeout_at: a read that does not wait is not cut, even past its deadline."""
-    from gateway.middleware.body import Deadlines
 
-    reading = _reading(whole(b"{}"), asyncio.get_running_loop().time() - 1, Deadlines())
+    reading = _reading(whole(b"{}"), asyncio.get_running_loop().time() - 1)
     assert (await reading.receive())["body"] == b"{}"  # type: ignore[attr-defined]
 
 
 def test_deadlines_cut_reads_in_one_event_loop_after_another() -> None:
     """An app may serve in one loop after another (tests, a restarted server): a timer set in a
     loop gone never fires, so the next loop's reads set their own."""
-    from gateway.middleware.body import Deadlines
 
-    deadlines = Deadlines()
 
     async def one(hold: float) -> str:
         loop = asyncio.get_running_loop()
-        reading = _reading(trickle(b"", first=0), loop.time() + hold, deadlines)
+        reading = _reading(trickle(b"", first=0), loop.time() + hold)
         await reading.receive()  # type: ignore[attr-defined]
         return (await _timed(reading.receive(), loop.time()))[0]  # type: ignore[attr-defined]
 
     assert asyncio.run(one(0.05)) == "408"
     loop = asyncio.new_event_loop()  # a read left waiting in a loop that stops running
-    left = _reading(trickle(b"", first=0), loop.time() + 0.05, deadlines)
+    left = _reading(trickle(b"", first=0), loop.time() + 0.05)
 
     async def twice() -> None:
         await left.receive()  # type: ignore[attr-defined]
@@ -271,10 +265,9 @@ def test_deadlines_cut_reads_in_one_event_loop_after_another() -> None:
 
     task = loop.create_task(twice())
     loop.run_until_complete(asyncio.sleep(0.01))
-    assert not task.done() and list(deadlines.waiting) == [left]
+    assert not task.done() and left._task is task  # type: ignore[attr-defined]  # waiting, its deadline set
     assert asyncio.run(one(0.3)) == "408"
     assert asyncio.run(one(0.05)) == "408"
-    assert deadlines.waiting == {}  # the other loop's read dropped, not cancelled from this one
     assert not task.done() and task.cancelling() == 0 and not left.expired  # type: ignore[attr-defined]
     task.cancel()
     loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
@@ -284,7 +277,6 @@ def test_deadlines_cut_reads_in_one_event_loop_after_another() -> None:
 async def test_a_cut_the_receive_swallows_is_taken_back_as_timeout_at_does() -> None:
     """A receive that keeps its message through the cancellation: the message is read, and the
     task's cancellation count is back where it was (asyncio.timeout_at uncancels too)."""
-    from gateway.middleware.body import Deadlines
 
     async def stubborn() -> dict:
         try:
@@ -295,7 +287,7 @@ async def test_a_cut_the_receive_swallows_is_taken_back_as_timeout_at_does() -> 
 
     async def read(receive: Receive) -> tuple[dict, int]:
         loop = asyncio.get_running_loop()
-        reading = _reading(receive, loop.time() + 0.05, Deadlines())
+        reading = _reading(receive, loop.time() + 0.05)
         message = await reading.receive()  # type: ignore[attr-defined]
         return message, asyncio.current_task().cancelling()  # type: ignore[union-attr]
 
