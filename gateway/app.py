@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import structlog
 
-from gateway.api.application import Gateway, application
+from gateway.api.application import App, application
 from gateway.api.routes import TABLE
 from gateway.backends import modelfile
 from gateway.backends.startup import (
@@ -76,7 +76,7 @@ def create_app(
     lifecycle: Lifecycle | None = None,
     engine_check: EngineCheck | None = None,
     tenants: Tenants | None = None,
-) -> Gateway:
+) -> App:
     """Bad configuration (models file, guards, keys file, cache backend and, with `engine_check`,
     engine settings the model or platform cannot use) is refused here, before anything starts.
     `tenants`: the keys file, when the caller reloads it (the server, on SIGHUP); else read here."""

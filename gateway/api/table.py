@@ -1,28 +1,22 @@
 """What a route table is: endpoints (method, path, handler, access class, OpenAPI description,
-error dialect) and what the layers ask of them (Starlette routes, paths by access class, route
-labels, the dialect of a path's errors and streams), and `TableRouter`, the innermost ASGI layer
-that answers a request with its route's handler.
-`gateway.api.routes` holds the one table."""
+error dialect) and what the layers ask of them (Starlette's routes, paths by access class, route
+labels, the dialect of a path's errors and streams). `gateway.api.routes` holds the one table."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Match, Route, compile_path
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.routing import Route, compile_path
 
 from gateway.errors import Dialect
 
 Access = Literal["api", "ops", "open"]
 Handler = Callable[[Request], Awaitable[Response]]
-ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 UNMATCHED = "unmatched"
 
 
@@ -83,99 +77,3 @@ class RouteTable:
         if found is not None:
             return found
         return next((dialect for prefix, dialect in self._dialect_prefixes if path.startswith(prefix)), "openai")
-
-
-def route_path(scope: Scope) -> str:
-    """The path routes match: the request's path without the app's root path (as Starlette's router)."""
-    path: str = scope["path"]
-    root_path: str = scope.get("root_path", "")
-    if not root_path or not path.startswith(root_path):
-        return path
-    if path == root_path:
-        return ""
-    return path[len(root_path):] if path[len(root_path)] == "/" else path
-
-
-class TableRouter:
-    """The innermost ASGI layer: the route for a request, its handler called, and the errors of the
-    `handled` kinds answered by `on_error`, in place of Starlette's router and exception middleware
-    with the same answers (tests/unit/test_routes.py runs the same requests through both):
-
-    - an exact path is one dict lookup; only paths with parameters are matched by their regex, in
-      the routes' order (Starlette's router tries every route's regex, in order);
-    - a known path with another method is a 405 with `Allow` (HEAD where GET is: Starlette's
-      `Route`), an unknown path a 404: both as Starlette's `HTTPException`, answered by `on_error`;
-    - one exception catch per request where Starlette had two (its exception middleware and the
-      route's), the same rule: an error of a handled kind after the response started becomes a
-      RuntimeError raised on; any other error is raised on as it is;
-    - the scope gets what Starlette's router puts there (`router`, `route`, `endpoint`, `path_params`).
-
-    Other scope types (lifespan) go to `fallback`, Starlette's router."""
-
-    def __init__(
-        self, routes: Iterable[BaseRoute], fallback: ASGIApp, handled: tuple[type[Exception], ...], on_error: ErrorHandler
-    ) -> None:
-        routes = list(routes)
-        if not all(isinstance(route, Route) and inspect.iscoroutinefunction(route.endpoint) for route in routes):
-            raise ValueError("plain routes with async handlers only (Starlette would run others in a thread)")
-        self.fallback = fallback
-        self.handled = handled
-        self.on_error = on_error
-        self._exact = {route.path: route for route in routes if isinstance(route, Route) and not route.param_convertors}
-        self._templated = [route for route in routes if isinstance(route, Route) and route.param_convertors]
-        for path in self._exact:  # an exact path first is what Starlette's order gives only then
-            if any(route.path_regex.match(path) for route in self._templated):
-                raise ValueError(f"{path} is matched by a path with parameters too")
-
-    def _route(self, scope: Scope) -> Route:
-        """The request's route, its matches put in the scope; Starlette's 404 or 405 else."""
-        route = self._exact.get(route_path(scope))
-        if route is not None:
-            scope["route"], scope["endpoint"] = route, route.endpoint
-            scope["path_params"] = dict(scope.get("path_params", {}))
-        else:
-            route = self._match(scope)
-        methods = route.methods
-        if methods and scope["method"] not in methods:
-            raise HTTPException(status_code=405, headers={"Allow": ", ".join(methods)})
-        return route
-
-    def _match(self, scope: Scope) -> Route:
-        partial: tuple[Route, Scope] | None = None
-        for route in self._templated:
-            match, child_scope = route.matches(scope)
-            if match is Match.FULL or (match is Match.PARTIAL and partial is None):
-                partial = route, child_scope
-                if match is Match.FULL:
-                    break
-        if partial is None:
-            raise HTTPException(status_code=404)
-        route, child_scope = partial
-        scope["route"] = route
-        scope.update(child_scope)
-        return route
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.fallback(scope, receive, send)
-            return
-        if "router" not in scope:
-            scope["router"] = self.fallback
-        request = Request(scope, receive, send)
-        started = False
-
-        async def sender(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            response = await self._route(scope).endpoint(request)
-            await response(scope, receive, sender)
-        except self.handled as exc:
-            if started:
-                raise RuntimeError("Caught handled exception, but response already started.") from exc
-            response = await self.on_error(request, exc)
-            await response(scope, receive, sender)
-            exc.__traceback__ = None  # as Starlette: a reused exception would gather tracebacks
