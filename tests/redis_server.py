@@ -1,18 +1,22 @@
-"""A real redis-server on loopback for the cache tests (Debian's package; make test installs it)."""
+"""A real redis-server for the cache tests (Debian's package; make test installs it).
+
+It listens on a unix socket only (`--port 0` turns its TCP listener off), at a path of its own: no
+port to pick, so no other process can take its address while it starts, and a Redis stopped and
+started again (`stop`, `start`) is back at the same address (`url`, unix:///PATH), which the
+gateway's Redis clients take as they take redis://host:port.
+"""
 
 from __future__ import annotations
 
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
+import weakref
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+START_S = 10  # a bound on waiting for redis-server, not a measurement
 
 
 class RedisServer:
@@ -21,25 +25,35 @@ class RedisServer:
         if binary is None:
             raise RuntimeError("redis-server is not installed: run `make system-deps`")
         self.binary, self.directory = binary, directory
-        self.port = free_port()
+        # a short folder of its own: a unix socket's path is at most 107 bytes (pytest's folders run long)
+        folder = tempfile.mkdtemp(prefix="redis-")
+        weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)
+        self.socket_path = Path(folder) / "redis.sock"
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"unix://{self.socket_path}?db=0"
 
     def start(self) -> RedisServer:
-        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                   "--dir", str(self.directory)]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
+        command = [self.binary, "--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
+                   "--save", "", "--appendonly", "no", "--dir", str(self.directory)]
+        log_path = self.directory / "redis.log"
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}:\n{log_path.read_text()[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                with socket.socket(socket.AF_UNIX) as sock:
+                    sock.settimeout(0.2)
+                    sock.connect(str(self.socket_path))
                     return self
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+        self.stop()
+        raise RuntimeError(f"redis-server did not start:\n{log_path.read_text()[-2000:]}")
 
     def stop(self) -> None:
         if self.process is not None:

@@ -5,6 +5,9 @@ takes the pod out), new requests get 503 (`middleware.lifecycle`), requests and 
 finish for up to `drain_timeout_s`, and only then does uvicorn shut down and the lifespan stop the
 engines. A second signal exits at once.
 
+Once its sockets are bound (after the engines started), the server logs `listening` with the host,
+port and scheme of each: the port it got, also with `port` 0 (any free port; what the tests use).
+
 What can be read again without a restart (the TLS certificate, `gateway.server.tls`; the keys file,
 `gateway.tenancy.tenants`) is given as
 `reloadables`: SIGHUP reloads them (SIGHUP keeps its default, exit, when there are none), and the
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import threading
 import time
 from collections.abc import Generator, Sequence
@@ -200,6 +204,24 @@ class DrainingServer(uvicorn.Server):
                 yield
             finally:
                 signal.signal(signal.SIGHUP, previous)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            scheme = "https" if self.config.ssl else "http"
+            for host, port in self.addresses():
+                log.info("listening", host=host, port=port, scheme=scheme)
+
+    def addresses(self) -> list[tuple[str, int]]:
+        """The (host, port) of each TCP socket the server listens on, once started: with `port` 0,
+        the port the system gave."""
+        bound = []
+        for server in getattr(self, "servers", ()):
+            for sock in server.sockets:
+                name = sock.getsockname()
+                if isinstance(name, tuple):  # (a unix socket's name is its path)
+                    bound.append((str(name[0]), int(name[1])))
+        return bound
 
     def handle_hangup(self, sig: int, frame: FrameType | None) -> None:
         self._reload_requested = True  # acted on in on_tick, outside the signal handler

@@ -1,5 +1,9 @@
 """Integration tests: one real gateway on the real vLLM engine (default model, eager mode) for the
 whole session, started as `python -m gateway serve` and reached over loopback HTTP.
+
+Every gateway here is started on port 0 and read back from its log: once its sockets are bound, the
+gateway logs `listening` with the port it got (`gateway.server.http`). No test picks a free port for
+the gateway to bind later: another process could take it while the engine starts.
 """
 
 from __future__ import annotations
@@ -19,24 +23,30 @@ import openai
 import psutil
 import pytest
 
+from tests.ports import listening_line
+
 REPO = Path(__file__).parents[2]
 MODEL = "smollm2-135m-instruct"
 START_TIMEOUT_S = 600
 # `GATEWAY_TEST_TARGET=vllm` points the conformance suite at vLLM's own OpenAI server instead
 # (same model, same engine settings); tests of what only the gateway offers are skipped there.
 TARGET = os.environ.get("GATEWAY_TEST_TARGET", "gateway")
+VLLM_ATTEMPTS = 5  # vLLM's server on a port picked here: tried again on another when it was taken
 
 
-def server_command(port: int) -> list[str]:
-    if TARGET == "vllm":
-        from engine.models import default_model_dir
+def gateway_command(*flags: str) -> list[str]:
+    """`python -m gateway serve` on any free port (it logs which: `listening_on`)."""
+    return [sys.executable, "-m", "gateway", "serve", "--port", "0", *flags]
 
-        return [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_dir()),
-            "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--enforce-eager",
-            "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(2 * 1024**3),
-        ]
-    return [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--enforce-eager"]
+
+def vllm_command(port: int) -> list[str]:
+    from engine.models import default_model_dir
+
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_dir()),
+        "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--enforce-eager",
+        "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(2 * 1024**3),
+    ]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -50,6 +60,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def free_port() -> int:
+    """A port free now, for vLLM's own server only (it cannot be given port 0 and say which it got):
+    another process may take it before vLLM binds it, so `vllm_server` tries again on another."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -62,37 +74,75 @@ def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(server_log: Path) -> Iterator[str]:
-    port = free_port()
-    log_path = server_log
     env = {**os.environ, "GATEWAY_LOG_FORMAT": "json", "GATEWAY_HEADER_TIMEOUT_S": "3"}
-    command = server_command(port)
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
+    starting = vllm_server(server_log, env) if TARGET == "vllm" else session_gateway(server_log, env)
+    with starting as base:
+        yield base
+
+
+@contextlib.contextmanager
+def session_gateway(log_path: Path, env: dict[str, str]) -> Iterator[str]:
+    process = start(gateway_command("--enforce-eager"), env, log_path)
     try:
+        scheme, port = listening_on(process, log_path)
+        base = f"{scheme}://127.0.0.1:{port}"
         wait_until_up(base, process, log_path)
         yield base
     finally:
-        process.terminate()
+        terminate(process)
+
+
+@contextlib.contextmanager
+def vllm_server(log_path: Path, env: dict[str, str]) -> Iterator[str]:
+    """vLLM's own server, on a port picked here (vLLM binds it before its engine starts, and does not
+    say which port it got when given 0): when it exits because the port was taken, another port."""
+    for attempt in range(1, VLLM_ATTEMPTS + 1):
+        port = free_port()
+        process = start(vllm_command(port), env, log_path)
+        base = f"http://127.0.0.1:{port}"
         try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+            try:
+                wait_until_up(base, process, log_path)
+            except RuntimeError:
+                if attempt < VLLM_ATTEMPTS and process.poll() is not None and address_taken(log_path):
+                    continue  # (the port was taken before vLLM bound it)
+                raise
+            yield base
+            return
+        finally:
+            terminate(process)
+
+
+def address_taken(log_path: Path) -> bool:
+    return "address already in use" in log_path.read_text(errors="replace").lower()
+
+
+def start(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+
+def terminate(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=30)
 
 
 @contextlib.contextmanager
 def gateway_process(folder: Path, env: dict[str, str],
                     tls: ssl.SSLContext | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Another `python -m gateway serve` on a free port with `env` added, logging to
-    folder/gateway.log; up when entered, killed with its engine processes on the way out.
-    `tls`: the gateway serves https (env has GATEWAY_TLS__*), reached with this client context."""
-    port = free_port()
+    """Another `python -m gateway serve` on a free port (port 0: the gateway logs which it got) with
+    `env` added, logging to folder/gateway.log; up when entered, killed with its engine processes on
+    the way out. `tls`: the gateway serves https (env has GATEWAY_TLS__*), reached with this client context."""
     log_path = folder / "gateway.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)],
-                                   stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=REPO)
-    base = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    process = start(gateway_command(), {**os.environ, **env}, log_path)
     try:
+        scheme, port = listening_on(process, log_path)
+        assert scheme == ("https" if tls else "http"), f"the gateway listens on {scheme}"
+        base = f"{scheme}://127.0.0.1:{port}"
         wait_until_up(base, process, log_path, verify=tls or True)
         yield base, process
     finally:
@@ -104,18 +154,34 @@ def gateway_process(folder: Path, env: dict[str, str],
         process.wait(timeout=30)
 
 
+def listening_on(process: subprocess.Popen, log_path: Path, timeout_s: float = START_TIMEOUT_S) -> tuple[str, int]:
+    """The scheme and port a gateway started with `--port 0` got: its `listening` log line (JSON, or
+    console), logged once its engines started and its socket is bound. Fails at once, with the log's
+    end, when the gateway exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = listening_line(log_path.read_text(errors="replace"))
+        if found is not None:
+            return found
+        if process.poll() is not None:
+            raise RuntimeError(f"gateway exited with {process.returncode}:\n{log_path.read_text()[-5000:]}")
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"gateway did not listen in {timeout_s} s:\n{log_path.read_text()[-5000:]}")
+        time.sleep(0.5)
+
+
 def wait_until_up(base: str, process: subprocess.Popen, log_path: Path, verify: ssl.SSLContext | bool = True) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"gateway exited with {process.returncode}:\n{log_path.read_text()[-5000:]}")
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-5000:]}")
         try:
             if httpx.get(f"{base}/health", timeout=2, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise RuntimeError(f"gateway did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()[-5000:]}")
+    raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()[-5000:]}")
 
 
 @pytest.fixture(scope="session")

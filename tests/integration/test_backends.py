@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import free_port, gateway_process
+from tests.integration.conftest import gateway_process
+from tests.ports import closed_port
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("the production layer is the gateway's own")]
@@ -57,14 +58,15 @@ def second(server: str, redis: RedisServer, tmp_path_factory: pytest.TempPathFac
     """Gateway B: a real engine of its own, and gateway A (the session's) as its remote upstream."""
     folder = tmp_path_factory.mktemp("second")
     models = folder / "models.yaml"
-    models.write_text(MODELS.format(upstream=server, closed_port=free_port()))
     env = {
         "GATEWAY_MODELS_FILE": str(models), "GATEWAY_API_KEYS": '["sk-integration"]',
         "GATEWAY_CACHE__BACKEND": "redis", "GATEWAY_CACHE__REDIS_URL": redis.url, "GATEWAY_CACHE__REDIS_TIMEOUT_S": "0.3",
         "GATEWAY_WARMUP": "false", "GATEWAY_DRAIN_TIMEOUT_S": "120", "GATEWAY_LOG_FORMAT": "json",
     }
-    with gateway_process(folder, env) as started:
-        yield started
+    with closed_port() as dead:  # dead-remote's upstream: refused while the module runs
+        models.write_text(MODELS.format(upstream=server, closed_port=dead))
+        with gateway_process(folder, env) as started:
+            yield started
 
 
 def post(base: str, body: dict, **kwargs) -> httpx.Response:

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from engine.models import default_model_dir
-from tests.integration.conftest import MODEL, REPO, free_port, gateway_process
+from tests.integration.conftest import MODEL, REPO, gateway_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("versions and per-model defaults are the gateway's")]
 STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to fly."}]
@@ -163,7 +163,7 @@ def test_the_default_model_has_no_sampling_defaults(server: str, server_log: Pat
 
 def test_a_setting_the_cpu_cannot_use_is_refused_at_start(tmp_path: Path) -> None:
     env = {**os.environ, "GATEWAY_ENGINE__QUANTIZATION": "fp8", "GATEWAY_ENGINE__DTYPE": "bfloat16"}
-    result = subprocess.run([sys.executable, "-m", "gateway", "serve", "--port", str(free_port())],
+    result = subprocess.run([sys.executable, "-m", "gateway", "serve", "--port", "0"],
                             capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert result.returncode == 2
     assert "configuration error: model 'smollm2-135m-instruct': quantization (GATEWAY_ENGINE__QUANTIZATION): " \

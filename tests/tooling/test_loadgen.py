@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -17,6 +16,7 @@ from aiohttp import web
 from benchmarks import loadgen
 from benchmarks.echo_engine import EchoEngine, create_echo_app
 from benchmarks.loadgen import LoadConfig, RequestRecord, SSEDecoder, Stats, StreamAccumulator
+from tests.ports import closed_port
 
 # ---------------------------------------------------------------------------------------------
 # statistics
@@ -216,14 +216,9 @@ async def test_send_request_reports_errors(scripted, http_client) -> None:
 
 
 async def test_send_request_reports_a_refused_connection_as_an_error(http_client) -> None:
-    record = await _send(f"http://127.0.0.1:{_closed_port()}/v1/completions", http_client)
+    with closed_port() as port:
+        record = await _send(f"http://127.0.0.1:{port}/v1/completions", http_client)
     assert not record.ok and not record.cancelled and record.error and record.e2e is not None
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_sse_bytes_cut_anywhere_give_the_same_events() -> None:

@@ -375,7 +375,7 @@ def test_two_replicas_share_conversations_through_redis(redis: RedisServer) -> N
         assert engines[1].requests[0].prompt_text == (
             "<user> Capital of France? <assistant> Paris. <user> And a second city? <assistant>")
         assert sdk_for(one).responses.retrieve(second.id).output_text == "Lyon."
-        ttl = Redis(port=redis.port).pttl(f"llm-gateway:cache:responses:anonymous:{first.id}")
+        ttl = Redis.from_url(redis.url).pttl(f"llm-gateway:cache:responses:anonymous:{first.id}")
         assert 0 < ttl <= 600_000
         redis.stop()
         down = two.post("/v1/responses", json={"model": MODEL, "input": "more", "previous_response_id": second.id})

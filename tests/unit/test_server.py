@@ -14,27 +14,26 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import structlog
 import uvicorn
 from uvicorn.server import ServerState
 
 from gateway.app import create_app
 from gateway.pipeline.lifecycle import Lifecycle
+from gateway.server.cli import parser, settings_from
 from gateway.server.http import MAX_HEADER_BYTES, DrainingServer, http_protocol, server_config
-from gateway.telemetry import metrics
+from gateway.telemetry import logs, metrics
 from tests.fakes import FakeEngine, chat_body, fake_settings
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.ports import listening_line
 
 
 class Running:
+    """The server on port 0 (any free port) in a thread; `port`: the one it got, once entered."""
+
     def __init__(self, engine: FakeEngine, **settings: Any) -> None:
         self.engine = engine
-        self.port = free_port()
-        config = fake_settings(port=self.port, **settings)
+        self.port = 0  # known once started
+        config = fake_settings(port=0, **settings)
         lifecycle = Lifecycle()
         app = create_app(config, engine_starter=lambda es: engine, lifecycle=lifecycle)
         self.server = DrainingServer(server_config(app, config), lifecycle, drain_timeout_s=0)
@@ -46,6 +45,7 @@ class Running:
         while not self.server.started and time.monotonic() < deadline:
             time.sleep(0.02)
         assert self.server.started
+        [(_, self.port)] = self.server.addresses()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -75,6 +75,31 @@ def closed_by_server(sock: socket.socket) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+def test_port_0_listens_on_a_free_port_and_says_which(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gateway serve --port 0`: the server binds any free port and logs `listening` with the port it
+    got (what the integration tests read back instead of picking a port that could be taken)."""
+    monkeypatch.delenv("GATEWAY_PORT", raising=False)
+    assert settings_from(parser().parse_args(["serve", "--port", "0"])).port == 0
+    with structlog.testing.capture_logs() as captured, Running(engine) as server:
+        [bound] = [sock.getsockname()[1] for listener in server.server.servers for sock in listener.sockets]
+        connection = http.client.HTTPConnection("127.0.0.1", bound, timeout=10)
+        connection.request("GET", "/health")
+        assert connection.getresponse().status == 200
+        connection.close()
+    assert bound != 0 and server.port == bound
+    assert [line for line in captured if line["event"] == "listening"] == [
+        {"event": "listening", "log_level": "info", "host": "127.0.0.1", "port": bound, "scheme": "http"}]
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_the_listening_line_reads_back_in_either_log_format(fmt: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The integration tests find the port in the gateway's log as `gateway.telemetry.logs` writes it."""
+    logs.configure("info", fmt)
+    structlog.get_logger(f"test-{fmt}").info("listening", host="127.0.0.1", port=43210, scheme="https")
+    assert listening_line(capsys.readouterr().err) == ("https", 43210)
+    assert listening_line('{"event": "sampling_defaults", "port": 1}\nlistening port=2 scheme=http\n') is None
 
 
 def test_headers_that_never_end_are_cut_off(running: Running) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import structlog
 import trustme
 import uvicorn
 from cryptography.hazmat.primitives import serialization
@@ -68,10 +69,12 @@ def refused(base: str, context: ssl.SSLContext) -> bool:
 
 
 def test_openai_sdk_over_https(files: Files, ca: trustme.CA) -> None:
-    with serving(TLSSettings(cert_file=files.cert, key_file=files.key)) as base:
+    with structlog.testing.capture_logs() as captured, serving(TLSSettings(cert_file=files.cert, key_file=files.key)) as base:
         assert chat(base, client_context(ca)) == "the quick brown"
         ready = httpx.get(f"{base}/ready", verify=client_context(ca))
         assert ready.status_code == 200 and ready.url.scheme == "https"
+    [listening] = [line for line in captured if line["event"] == "listening"]
+    assert (listening["scheme"], listening["port"]) == ("https", ready.url.port)  # the line tests read the port from
 
 
 def test_plain_http_and_a_wrong_ca_are_refused(files: Files, ca: trustme.CA) -> None:
