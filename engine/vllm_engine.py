@@ -129,7 +129,7 @@ class HFTokenizer:
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
             ))
         except Exception as exc:  # jinja errors: the messages do not fit the template
-            raise EngineInvalidRequest(f"the chat template refused the messages: {exc}", "messages")
+            raise EngineInvalidRequest(f"the chat template refused the messages: {exc}", "messages") from exc
 
 
 def sampling_params(options: SamplingOptions) -> SamplingParams:
@@ -177,7 +177,7 @@ def _logprob_entries(
     """The engine's logprobs, each at least `LOGPROB_FLOOR`: a token the sampler ruled out has -inf
     (a stop, a logit bias, top-k), which JSON writes as null and clients then refuse."""
     entries: list[TokenLogprob | None] = []
-    for token_id, position in zip(token_ids, positions):
+    for token_id, position in zip(token_ids, positions, strict=False):
         if not position or token_id not in position:
             entries.append(None)
             continue

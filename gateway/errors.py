@@ -247,7 +247,7 @@ def _field_path(loc: tuple[int | str, ...], data: Any, missing: bool) -> list[st
         return [part for part in location if not any(c in part for c in "[]") and part not in ("str", "int", "float", "bool")]
     path, node = [], data
     for i, part in enumerate(loc):
-        if isinstance(node, dict) and isinstance(part, str) and part in node:
+        if isinstance(node, dict) and isinstance(part, str) and part in node:  # noqa: SIM114 - two narrowings of node
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
             node = node[part]

@@ -76,11 +76,12 @@ def client_context(ca: trustme.CA, cert: trustme.LeafCert | None = None,
 def handshake(base: str, context: ssl.SSLContext) -> tuple[bytes, str | None]:
     """One fresh connection: the certificate the server presents (DER) and the TLS version."""
     port = int(base.rsplit(":", 1)[1])
-    with socket.create_connection((HOST, port), timeout=WAIT_S) as raw:
-        with context.wrap_socket(raw, server_hostname=HOST) as tls:
-            certificate = tls.getpeercert(binary_form=True)
-            assert certificate is not None
-            return certificate, tls.version()
+    with socket.create_connection((HOST, port), timeout=WAIT_S) as raw, context.wrap_socket(
+        raw, server_hostname=HOST
+    ) as tls:
+        certificate = tls.getpeercert(binary_form=True)
+        assert certificate is not None
+        return certificate, tls.version()
 
 
 def served_certificate(base: str, context: ssl.SSLContext) -> bytes | None:

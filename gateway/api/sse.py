@@ -122,7 +122,7 @@ class EventStreamResponse(Response):
             self.disconnected = True
         except OSError:
             self.disconnected = True  # the socket went away under send
-        except Exception:  # noqa: S110 - the response has started: nothing left to tell the client
+        except Exception:  # the response has started: nothing left to tell the client
             pass
         finally:
             watch.stop()

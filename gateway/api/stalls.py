@@ -32,7 +32,7 @@ ABORT = "gateway.abort"  # the scope's extension: drop the connection (gateway.s
 class Sends:
     """One stream's sends, as the sweep sees them."""
 
-    __slots__ = ("task", "abort", "since", "stalled")
+    __slots__ = ("abort", "since", "stalled", "task")
 
     def __init__(self, task: asyncio.Task[object], abort: Callable[[], None] | None) -> None:
         self.task = task

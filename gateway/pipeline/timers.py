@@ -23,7 +23,7 @@ COMPACT_AT = 64  # cancelled deadlines in the heap before a compaction may pay
 
 
 class Timer:
-    __slots__ = ("when", "callback", "cancelled", "_timers")
+    __slots__ = ("_timers", "callback", "cancelled", "when")
 
     def __init__(self, when: float, callback: Callable[[], None], timers: Timers) -> None:
         self.when = when

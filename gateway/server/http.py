@@ -239,10 +239,10 @@ class DrainingServer(uvicorn.Server):
             self.lifecycle.start_drain()
             self._deadline = time.monotonic() + self.drain_timeout_s
             log.info("draining", in_flight=self.lifecycle.active, timeout_s=self.drain_timeout_s)
-        if self.lifecycle.draining and not self.should_exit:
-            if self.lifecycle.active == 0 or time.monotonic() >= self._deadline:
-                log.info("drained", left_in_flight=self.lifecycle.active)
-                self.should_exit = True
+        drained = self.lifecycle.active == 0 or time.monotonic() >= self._deadline
+        if self.lifecycle.draining and not self.should_exit and drained:
+            log.info("drained", left_in_flight=self.lifecycle.active)
+            self.should_exit = True
         return await super().on_tick(counter)
 
     def _reload(self) -> None:

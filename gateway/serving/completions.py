@@ -79,7 +79,7 @@ def _guarded(prompts: list[tuple[str, list[int]]], engine: Engine, guard: Reques
     if not guard.active:
         return prompts
     checked = guard.check_input([text for text, _ in prompts], "prompt")
-    prompts = [(new, ids if new == text else engine.tokenizer.encode(new)) for (text, ids), new in zip(prompts, checked)]
+    prompts = [(new, ids if new == text else engine.tokenizer.encode(new)) for (text, ids), new in zip(prompts, checked, strict=True)]
     guard.check_prompt_tokens(sum(len(ids) for _, ids in prompts), "prompt")
     return prompts
 
@@ -172,7 +172,7 @@ class _Answer:
         decode = self.prepared.engine.tokenizer.decode
         self.prompt_logprobs[prompt] = [
             entry or TokenLogprob(token_id, decode([token_id]), None)
-            for token_id, entry in zip(ids, output.prompt_logprobs)
+            for token_id, entry in zip(ids, output.prompt_logprobs, strict=False)
         ]
 
     def choice_logprobs(self, prompt: int, entries: Sequence[TokenLogprob | None]) -> CompletionLogprobs | None:

@@ -56,7 +56,7 @@ def _token_ids(request: EmbeddingRequest, engine: Engine, guard: RequestGuard) -
         return lists
     decoded = [engine.tokenizer.decode(ids) for ids in lists]
     checked = _guarded(decoded, guard)
-    return [ids if text == seen else engine.tokenizer.encode(text) for ids, text, seen in zip(lists, checked, decoded)]
+    return [ids if text == seen else engine.tokenizer.encode(text) for ids, text, seen in zip(lists, checked, decoded, strict=True)]
 
 
 def _guarded(texts: list[str], guard: RequestGuard) -> list[str]:

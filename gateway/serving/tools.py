@@ -50,7 +50,7 @@ class HeldText:
     before one (the whole answer strips it), and nothing once a tag has begun (the calls are
     parsed from the whole text at its end). `sent`: the characters released so far."""
 
-    __slots__ = ("text", "sent", "tagged", "auto")
+    __slots__ = ("auto", "sent", "tagged", "text")
 
     def __init__(self, mode: Mode) -> None:
         self.text = ""

@@ -124,7 +124,7 @@ class Hit(Generic[AnswerT]):
     """A cached answer as it was stored (its JSON), validated into its model only when asked:
     a non-streamed hit is answered from the bytes (`Service.renewed`), with no parse."""
 
-    __slots__ = ("raw", "_kind", "_answer")
+    __slots__ = ("_answer", "_kind", "raw")
 
     def __init__(self, raw: bytes, kind: type[AnswerT]) -> None:
         self.raw = raw
@@ -185,7 +185,7 @@ class Storer:
     """Stores a whole answer in the cache (called by a service with it), and keeps what it wrote:
     a non-streamed answer goes out as those bytes (`written`) instead of being serialized again."""
 
-    __slots__ = ("_cache", "_key", "_answer", "_raw")
+    __slots__ = ("_answer", "_cache", "_key", "_raw")
 
     def __init__(self, cache: ResponseCache, key: str) -> None:
         self._cache, self._key = cache, key

@@ -68,7 +68,7 @@ class _JsonAccessLine:
         for key, value in structlog.contextvars.get_contextvars().items():
             fields.setdefault(key, value)
         fields["level"] = "info"
-        fields["timestamp"] = datetime.datetime.now(tz=datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+        fields["timestamp"] = datetime.datetime.now(tz=datetime.UTC).isoformat().replace("+00:00", "Z")
         self._lines.msg(_json(fields))
 
 

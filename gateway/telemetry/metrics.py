@@ -163,7 +163,7 @@ class _HistogramFront:
     then the first bucket whose bound is >= the value (bisect instead of a scan; none for a NaN,
     as observe's scan finds none). Its values stay the child's (`Observations` adds to them too)."""
 
-    __slots__ = ("_child", "_bounds", "_buckets", "_sum")
+    __slots__ = ("_bounds", "_buckets", "_child", "_sum")
 
     def __init__(self, child: Histogram) -> None:
         self._child = child  # `Observations` of this child are made from it (metrics.Observations)
@@ -214,7 +214,7 @@ class Observations:
 
     FLUSH_EVERY = 64
 
-    __slots__ = ("_child", "_bounds", "_counts", "_sum", "_pending")
+    __slots__ = ("_bounds", "_child", "_counts", "_pending", "_sum")
 
     def __init__(self, child: Histogram | _HistogramFront) -> None:
         if isinstance(child, _HistogramFront):  # what `labelled` gives for a LOOP_ONLY histogram

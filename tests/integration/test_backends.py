@@ -76,7 +76,8 @@ def post(base: str, body: dict, **kwargs) -> httpx.Response:
 def test_keys_are_required(second) -> None:
     base, _ = second
     refused = httpx.post(f"{base}/v1/chat/completions", json={"model": "smol", "messages": QUESTION})
-    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{base}/health").status_code == 200
 
 
@@ -84,8 +85,10 @@ def test_ready_lists_every_model(second) -> None:
     base, _ = second
     ready = httpx.get(f"{base}/ready", timeout=30)
     body = ready.json()
-    assert body["models"]["smol"] == "ready" and body["models"]["smol-remote"] == "ready"
-    assert body["models"]["dead-remote"].startswith("unavailable") and ready.status_code == 503
+    assert body["models"]["smol"] == "ready"
+    assert body["models"]["smol-remote"] == "ready"
+    assert body["models"]["dead-remote"].startswith("unavailable")
+    assert ready.status_code == 503
     listed = {m["id"] for m in httpx.get(f"{base}/v1/models", headers=KEY).json()["data"]}
     assert listed == {"smol", "smol-remote", "dead-remote", "chat", "default"}
 
@@ -96,7 +99,8 @@ def test_remote_upstream_streams_through(second) -> None:
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=KEY, timeout=120) as response:
         assert response.headers["x-served-model"] == "smol-remote"
         lines = [line for line in response.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]" and len(lines) > 3
+    assert lines[-1] == "data: [DONE]"
+    assert len(lines) > 3
     text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in lines[:-1]
                    if json.loads(line[6:])["choices"])
     assert "Paris" in text
@@ -107,7 +111,8 @@ def test_remote_upstream_streams_through(second) -> None:
 def test_upstream_failure_falls_back(second) -> None:
     base, _ = second
     answer = post(base, {"model": "dead-remote", "messages": QUESTION, "max_tokens": 10, "temperature": 0})
-    assert answer.status_code == 200 and answer.headers["x-served-model"] == "smol-remote"
+    assert answer.status_code == 200
+    assert answer.headers["x-served-model"] == "smol-remote"
     metrics = httpx.get(f"{base}/metrics").text
     assert 'gateway_fallbacks_total{fallback="smol-remote",model="dead-remote"}' in metrics
     assert 'gateway_upstream_errors_total{model="dead-remote"}' in metrics
@@ -117,7 +122,8 @@ def test_split_is_sticky_and_says_which_version(second) -> None:
     base, _ = second
     body = {"model": "chat", "messages": QUESTION, "max_tokens": 3, "user": "alice"}
     versions = {post(base, body).headers["x-model-version"] for _ in range(3)}
-    assert len(versions) == 1 and versions <= {"smol", "smol-remote"}
+    assert len(versions) == 1
+    assert versions <= {"smol", "smol-remote"}
     seen = {post(base, {**body, "user": f"user-{i}"}).headers["x-model-version"] for i in range(12)}
     assert seen == {"smol", "smol-remote"}
 
@@ -135,7 +141,8 @@ async def test_flood_holds_the_bound_and_admitted_requests_complete(second) -> N
         results = await asyncio.gather(*(one(client) for _ in range(12)))
     admitted = [text for status, text in results if status == 200]
     refused = [retry for status, retry in results if status == 429]
-    assert len(admitted) == 6 and len(refused) == 6  # 3 running + 3 waiting
+    assert len(admitted) == 6
+    assert len(refused) == 6
     assert all(retry == "3" for retry in refused)
     for text in admitted:
         assert text.endswith("data: [DONE]\n\n")
@@ -149,7 +156,8 @@ async def test_overloaded_model_falls_back(second) -> None:
         answers = await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=body, headers=KEY) for _ in range(4)))
     assert all(a.status_code == 200 for a in answers)
     served = sorted(a.headers["x-served-model"] for a in answers)
-    assert served.count("smol-remote") == 2 and served.count("smol") == 2
+    assert served.count("smol-remote") == 2
+    assert served.count("smol") == 2
 
 
 @pytest.fixture
@@ -170,9 +178,11 @@ def test_a_conversation_continues_on_another_replica(second, replica: str) -> No
     assert "Paris" in first.output_text
     then = on_c.responses.create(model="smollm2-135m-instruct", input="And of Italy?", previous_response_id=first.id,
                                  temperature=0, max_output_tokens=30)
-    assert then.status == "completed" and then.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert then.status == "completed"
+    assert then.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     items = list(on_c.responses.input_items.list(then.id, order="asc"))
-    assert [i.role for i in items] == ["user", "assistant", "user"] and items[1].content[0].text == first.output_text
+    assert [i.role for i in items] == ["user", "assistant", "user"]
+    assert items[1].content[0].text == first.output_text
     assert on_b.responses.retrieve(then.id).output_text == then.output_text
     other_key = openai.OpenAI(base_url=f"{replica}/v1", api_key="sk-other", max_retries=0)
     with pytest.raises(openai.NotFoundError):  # scoped per API key
@@ -184,7 +194,8 @@ def test_redis_cache_hits_then_serves_on_without_redis(second, redis: RedisServe
     body = {"model": "smol", "messages": QUESTION, "max_tokens": 12, "temperature": 0}
     first, again = post(base, body), post(base, body)
     assert (first.headers["x-cache"], again.headers["x-cache"]) == ("MISS", "HIT")
-    assert again.json()["choices"] == first.json()["choices"] and again.json()["usage"] == first.json()["usage"]
+    assert again.json()["choices"] == first.json()["choices"]
+    assert again.json()["usage"] == first.json()["usage"]
     with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, headers=KEY, timeout=60) as streamed:
         assert streamed.headers["x-cache"] == "HIT"
         lines = [line for line in streamed.iter_lines() if line]
@@ -193,7 +204,8 @@ def test_redis_cache_hits_then_serves_on_without_redis(second, redis: RedisServe
     assert skipped.headers["x-cache"] == "MISS"
     redis.stop()
     after = post(base, body)
-    assert after.status_code == 200 and after.headers["x-cache"] == "MISS"
+    assert after.status_code == 200
+    assert after.headers["x-cache"] == "MISS"
     assert 'gateway_cache_errors_total{backend="redis"}' in httpx.get(f"{base}/metrics").text
 
 
@@ -220,8 +232,10 @@ async def test_sigterm_drains_without_losing_admitted_requests(second) -> None:
         ready = await client.get(f"{base}/ready")
         refused = await client.post(f"{base}/v1/chat/completions", json={**body, "stream": False}, headers=KEY)
         texts = await asyncio.gather(*tasks)
-    assert ready.status_code == 503 and ready.json()["status"] == "draining"
-    assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+    assert ready.status_code == 503
+    assert ready.json()["status"] == "draining"
+    assert refused.status_code == 503
+    assert refused.json()["error"]["type"] == "server_error"
     for text in texts:
         assert text.endswith("data: [DONE]\n\n")
         assert sum(1 for event in text.split("\n\n") if '"content"' in event) >= 60

@@ -53,7 +53,8 @@ def test_logprobs_and_top_logprobs(sdk: openai.OpenAI) -> None:
     assert len(content) == result.usage.completion_tokens
     assert "".join(t.token for t in content).startswith("The capital")
     for token in content:
-        assert token.logprob <= 0 and len(token.top_logprobs) == 3
+        assert token.logprob <= 0
+        assert len(token.top_logprobs) == 3
         assert token.top_logprobs[0].logprob >= token.top_logprobs[-1].logprob
         assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)  # greedy: chosen = best
 
@@ -61,14 +62,16 @@ def test_logprobs_and_top_logprobs(sdk: openai.OpenAI) -> None:
 def test_logprobs_when_streaming(sdk: openai.OpenAI) -> None:
     chunks = list(chat(sdk, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, stream=True))
     entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert len(entries) == 4 and all(len(e.top_logprobs) == 2 for e in entries)
+    assert len(entries) == 4
+    assert all(len(e.top_logprobs) == 2 for e in entries)
 
 
 def test_response_format_json_schema(sdk: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
     result = chat(sdk, max_tokens=60, temperature=0, response_format=fmt)
     data = json.loads(result.choices[0].message.content)
-    assert set(data) == {"capital"} and isinstance(data["capital"], str)
+    assert set(data) == {"capital"}
+    assert isinstance(data["capital"], str)
 
 
 def test_response_format_json_object(sdk: openai.OpenAI) -> None:
@@ -100,7 +103,8 @@ def test_required_tool_choice(sdk: openai.OpenAI) -> None:
     result = chat(sdk, messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=80,
                   temperature=0, parallel_tool_calls=False)
     calls = result.choices[0].message.tool_calls
-    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    assert len(calls) == 1
+    assert calls[0].function.name == "get_weather"
     assert "city" in json.loads(calls[0].function.arguments)
     assert result.choices[0].finish_reason == "tool_calls"
 
@@ -169,12 +173,14 @@ def test_logit_bias_forces_a_token(sdk: openai.OpenAI, base_url: str) -> None:
 
 def test_max_completion_tokens_and_penalties(sdk: openai.OpenAI) -> None:
     result = chat(sdk, max_completion_tokens=3, presence_penalty=1.0, frequency_penalty=1.0, temperature=0)
-    assert result.usage.completion_tokens == 3 and result.choices[0].finish_reason == "length"
+    assert result.usage.completion_tokens == 3
+    assert result.choices[0].finish_reason == "length"
 
 
 def test_stream_options_include_usage(sdk: openai.OpenAI) -> None:
     chunks = list(chat(sdk, max_tokens=5, stream=True, stream_options={"include_usage": True}))
-    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 5
+    assert chunks[-1].choices == []
 
 
 def test_vllm_extra_sampling_parameters(sdk: openai.OpenAI) -> None:
@@ -207,7 +213,8 @@ def test_completion_prompt_forms(sdk: openai.OpenAI, base_url: str) -> None:
     many = sdk.completions.create(model=MODEL, prompt=["Hello", "The sky is"], max_tokens=3, n=2)
     assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
     lists = sdk.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=3, temperature=0)
-    assert len(lists.choices) == 2 and lists.choices[0].text == by_text.choices[0].text[: len(lists.choices[0].text)]
+    assert len(lists.choices) == 2
+    assert lists.choices[0].text == by_text.choices[0].text[: len(lists.choices[0].text)]
 
 
 def test_completion_echo_and_logprobs(sdk: openai.OpenAI) -> None:
@@ -217,7 +224,8 @@ def test_completion_echo_and_logprobs(sdk: openai.OpenAI) -> None:
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
     assert len(lp.tokens) == result.usage.prompt_tokens + 3
-    assert lp.token_logprobs[0] is None and "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None
+    assert "".join(lp.tokens) == choice.text
     assert lp.text_offset == sorted(lp.text_offset)
 
 
@@ -230,7 +238,8 @@ def test_completion_logprobs_stream(sdk: openai.OpenAI) -> None:
 @pytest.mark.gateway_only("vLLM's v1 engine dropped best_of")
 def test_completion_best_of(sdk: openai.OpenAI) -> None:
     result = sdk.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, n=1, best_of=3, temperature=1)
-    assert len(result.choices) == 1 and result.usage.completion_tokens <= 12
+    assert len(result.choices) == 1
+    assert result.usage.completion_tokens <= 12
 
 
 def test_completion_suffix_is_400(sdk: openai.OpenAI) -> None:
@@ -243,7 +252,8 @@ def test_completion_suffix_is_400(sdk: openai.OpenAI) -> None:
 
 def test_tokenize_detokenize(base_url: str) -> None:
     tokens = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
-    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 2048
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert tokens["max_model_len"] == 2048
     text = httpx.post(f"{base_url}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()
     assert text["prompt"] == "Hello world"
     chat_tokens = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "messages": QUESTION}).json()
@@ -254,7 +264,8 @@ def test_tokenize_detokenize(base_url: str) -> None:
 def test_native_generate_and_stream(base_url: str) -> None:
     body = {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0}
     answer = httpx.post(f"{base_url}/generate", json=body, timeout=60).json()
-    assert answer["output"] and answer["usage"]["completion_tokens"] <= 5
+    assert answer["output"]
+    assert answer["usage"]["completion_tokens"] <= 5
     with httpx.stream("POST", f"{base_url}/stream-generate", json=body, timeout=60) as response:
         lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
@@ -309,12 +320,15 @@ def test_error_codes(base_url: str) -> None:
     long = httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi " * 3000}]})
     assert error_of(long)["code"] == "context_length_exceeded"
     missing = httpx.post(f"{base_url}/v1/chat/completions", json={"model": "nope", "messages": QUESTION})
-    assert missing.status_code == 404 and error_of(missing)["code"] == "model_not_found"
+    assert missing.status_code == 404
+    assert error_of(missing)["code"] == "model_not_found"
     wrong_method = httpx.put(f"{base_url}/v1/chat/completions")
-    assert wrong_method.status_code == 405 and error_of(wrong_method)["code"] == "method_not_allowed"
+    assert wrong_method.status_code == 405
+    assert error_of(wrong_method)["code"] == "method_not_allowed"
     huge = httpx.post(f"{base_url}/v1/chat/completions", content=b"x" * (5 * 1024 * 1024), timeout=60,
                       headers={"Content-Type": "application/json"})
-    assert huge.status_code == 413 and error_of(huge)["code"] == "request_too_large"
+    assert huge.status_code == 413
+    assert error_of(huge)["code"] == "request_too_large"
 
 
 def test_sdk_parses_error_into_types(sdk: openai.OpenAI) -> None:

@@ -38,9 +38,13 @@ def claude(server: str) -> Iterator[anthropic.Anthropic]:
 def test_create_answers_as_anthropic_does(claude: anthropic.Anthropic) -> None:
     message = claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=QUESTION,
                                      system="You are a helpful assistant.")
-    assert message.type == "message" and message.role == "assistant" and message.model == MODEL
-    assert message.content[0].type == "text" and "Paris" in message.content[0].text
-    assert message.stop_reason == "end_turn" and message.stop_sequence is None
+    assert message.type == "message"
+    assert message.role == "assistant"
+    assert message.model == MODEL
+    assert message.content[0].type == "text"
+    assert "Paris" in message.content[0].text
+    assert message.stop_reason == "end_turn"
+    assert message.stop_sequence is None
     assert message.usage.output_tokens > 0
     counted = claude.messages.count_tokens(model=MODEL, messages=QUESTION, system="You are a helpful assistant.")
     assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
@@ -49,10 +53,13 @@ def test_create_answers_as_anthropic_does(claude: anthropic.Anthropic) -> None:
 def test_stop_sequences_and_max_tokens(claude: anthropic.Anthropic) -> None:
     stopped = claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=QUESTION,
                                      stop_sequences=["Paris"])
-    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "Paris"
-    assert "Paris" not in stopped.content[0].text and "France" in stopped.content[0].text
+    assert stopped.stop_reason == "stop_sequence"
+    assert stopped.stop_sequence == "Paris"
+    assert "Paris" not in stopped.content[0].text
+    assert "France" in stopped.content[0].text
     cut = claude.messages.create(model=MODEL, max_tokens=3, messages=QUESTION, extra_body={"top_k": 5, "top_p": 0.9})
-    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
+    assert cut.stop_reason == "max_tokens"
+    assert cut.usage.output_tokens == 3
 
 
 def test_stream_gives_anthropic_s_events_and_the_same_answer(claude: anthropic.Anthropic) -> None:
@@ -62,8 +69,10 @@ def test_stream_gives_anthropic_s_events_and_the_same_answer(claude: anthropic.A
                                 extra_headers=FRESH) as stream:
         pieces = list(stream.text_stream)
         final = stream.get_final_message()
-    assert len(pieces) >= 3 and "".join(pieces) == final.content[0].text == whole.content[0].text
-    assert final.stop_reason == "end_turn" and final.usage.output_tokens == whole.usage.output_tokens
+    assert len(pieces) >= 3
+    assert "".join(pieces) == final.content[0].text == whole.content[0].text
+    assert final.stop_reason == "end_turn"
+    assert final.usage.output_tokens == whole.usage.output_tokens
     events = [event.type for event in claude.messages.create(model=MODEL, max_tokens=5, messages=QUESTION,
                                                               stream=True, extra_headers=FRESH)]
     assert events[:2] == ["message_start", "content_block_start"]  # the SDK skips ping
@@ -77,18 +86,22 @@ def test_a_tool_call_round_trip(claude: anthropic.Anthropic) -> None:
                                    tool_choice={"type": "tool", "name": "get_weather"})
     assert asked.stop_reason == "tool_use"
     [call] = [block for block in asked.content if block.type == "tool_use"]
-    assert call.name == "get_weather" and isinstance(call.input.get("city"), str) and call.id.startswith("toolu_")
+    assert call.name == "get_weather"
+    assert isinstance(call.input.get("city"), str)
+    assert call.id.startswith("toolu_")
     with claude.messages.stream(model=MODEL, max_tokens=40, extra_body=GREEDY, messages=question, tools=[WEATHER],
                                 tool_choice={"type": "tool", "name": "get_weather"}, extra_headers=FRESH) as stream:
         streamed = stream.get_final_message()
-    assert streamed.content[0].type == "tool_use" and streamed.content[0].input == call.input
+    assert streamed.content[0].type == "tool_use"
+    assert streamed.content[0].input == call.input
     answered = claude.messages.create(
         model=MODEL, max_tokens=30, extra_body=GREEDY, tools=[WEATHER],
         messages=[*question, {"role": "assistant", "content": asked.content},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                                 "content": "Sunny, 24 degrees Celsius"}]}],
     )
-    assert answered.content and answered.stop_reason in ("end_turn", "tool_use", "max_tokens")
+    assert answered.content
+    assert answered.stop_reason in ("end_turn", "tool_use", "max_tokens")
 
 
 def test_structured_output(claude: anthropic.Anthropic) -> None:
@@ -102,8 +115,10 @@ def test_structured_output(claude: anthropic.Anthropic) -> None:
 def test_errors_in_anthropic_s_shape(claude: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError) as bad:
         claude.messages.create(model=MODEL, max_tokens=5, messages=QUESTION, extra_body={"temperature": 1.5})
-    assert bad.value.status_code == 400 and bad.value.body["type"] == "error"
-    assert bad.value.body["error"]["type"] == "invalid_request_error" and "temperature" in bad.value.body["error"]["message"]
+    assert bad.value.status_code == 400
+    assert bad.value.body["type"] == "error"
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
+    assert "temperature" in bad.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError) as missing:
         claude.messages.create(model="claude-ghost", max_tokens=5, messages=QUESTION)
     assert missing.value.body["error"]["type"] == "not_found_error"
@@ -116,4 +131,5 @@ def test_errors_in_anthropic_s_shape(claude: anthropic.Anthropic) -> None:
 def test_embeddings_from_a_chat_model_are_a_clear_400(sdk: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         sdk.embeddings.create(model=MODEL, input="hello")
-    assert "embedding model" in refused.value.body["message"] and refused.value.body["param"] == "model"
+    assert "embedding model" in refused.value.body["message"]
+    assert refused.value.body["param"] == "model"

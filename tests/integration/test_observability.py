@@ -93,9 +93,13 @@ def test_access_log_line_carries_request_id_and_tokens(base_url: str, server_log
                     line = record
         time.sleep(0.1)
     assert line is not None
-    assert line["status"] == 200 and line["model"] == MODEL and line["path"] == ROUTE
-    assert line["prompt_tokens"] == usage["prompt_tokens"] and line["completion_tokens"] == usage["completion_tokens"]
-    assert line["ttft_s"] > 0 and line["duration_s"] >= line["ttft_s"]
+    assert line["status"] == 200
+    assert line["model"] == MODEL
+    assert line["path"] == ROUTE
+    assert line["prompt_tokens"] == usage["prompt_tokens"]
+    assert line["completion_tokens"] == usage["completion_tokens"]
+    assert line["ttft_s"] > 0
+    assert line["duration_s"] >= line["ttft_s"]
     assert "What is the capital" not in json.dumps(line)  # prompts are not logged by default
 
 

@@ -22,7 +22,8 @@ def test_capital_of_france_at_temperature_zero(sdk: openai.OpenAI) -> None:
     result = sdk.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30)
     assert "Paris" in result.choices[0].message.content
     assert result.choices[0].finish_reason == "stop"
-    assert result.usage.completion_tokens > 0 and result.usage.prompt_tokens > 10
+    assert result.usage.completion_tokens > 0
+    assert result.usage.prompt_tokens > 10
 
 
 def test_streamed_chat_yields_several_chunks(sdk: openai.OpenAI) -> None:
@@ -37,7 +38,8 @@ def test_streamed_chat_yields_several_chunks(sdk: openai.OpenAI) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "Paris" in "".join(c.choices[0].delta.content for c in content)
     # one chunk per engine step, each at least one token (the last, end of turn, has no text)
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= len(content)
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens >= len(content)
 
 
 def test_raw_http_stream_ends_with_done(base_url: str) -> None:
@@ -78,7 +80,8 @@ async def test_32_concurrent_chats_all_complete(async_sdk: openai.AsyncOpenAI) -
         return result.choices[0].message.content
 
     answers = await asyncio.gather(*(one(i) for i in range(32)))
-    assert len(answers) == 32 and all(answers)
+    assert len(answers) == 32
+    assert all(answers)
 
 
 def test_n_and_seed_are_reproducible(sdk: openai.OpenAI) -> None:
@@ -149,6 +152,9 @@ async def test_a_huge_prompt_is_tokenized_off_the_loop_and_refused_while_a_strea
         refused = await client.post("/v1/completions", json={"model": MODEL, "prompt": big, "max_tokens": 5})
         counted = await client.post("/tokenize", json={"model": MODEL, "prompt": big})
         lines = await streaming
-    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
-    assert counted.status_code == 200 and counted.json()["count"] > 50_000
-    assert lines[-1] == "data: [DONE]" and all('"error"' not in line for line in lines)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    assert counted.status_code == 200
+    assert counted.json()["count"] > 50_000
+    assert lines[-1] == "data: [DONE]"
+    assert all('"error"' not in line for line in lines)

@@ -26,8 +26,10 @@ CITY = {"type": "object", "properties": {"capital": {"type": "string", "maxLengt
 
 def test_create_and_retrieve(sdk: openai.OpenAI) -> None:
     answer = sdk.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=30)
-    assert answer.status == "completed" and "Paris" in answer.output_text
-    assert answer.usage.input_tokens > 5 and 0 < answer.usage.output_tokens <= 30
+    assert answer.status == "completed"
+    assert "Paris" in answer.output_text
+    assert answer.usage.input_tokens > 5
+    assert 0 < answer.usage.output_tokens <= 30
     assert sdk.responses.retrieve(answer.id).output_text == answer.output_text
 
 
@@ -39,7 +41,8 @@ def test_stream_events_in_order(sdk: openai.OpenAI) -> None:
         final = stream.get_final_response()
     types = [event.type for event in events]
     deltas = types.count("response.output_text.delta")
-    assert deltas > 3 and types == [
+    assert deltas > 3
+    assert types == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
         *["response.output_text.delta"] * deltas, "response.output_text.done", "response.content_part.done",
         "response.output_item.done", "response.completed"]
@@ -50,7 +53,8 @@ def test_stream_events_in_order(sdk: openai.OpenAI) -> None:
 
 def test_max_output_tokens_makes_it_incomplete(sdk: openai.OpenAI) -> None:
     answer = sdk.responses.create(model=MODEL, input="Write a long story about a dragon.", max_output_tokens=16)
-    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
+    assert answer.status == "incomplete"
+    assert answer.incomplete_details.reason == "max_output_tokens"
     assert answer.usage.output_tokens == 16
 
 
@@ -66,12 +70,15 @@ def test_a_tool_call_round_trip(sdk: openai.OpenAI) -> None:
     asked = sdk.responses.create(model=MODEL, input="What's the weather in Paris?", tools=[WEATHER], tool_choice=choice,
                                  temperature=0, max_output_tokens=60)
     call = asked.output[0]
-    assert call.type == "function_call" and call.name == "get_weather" and "city" in json.loads(call.arguments)
+    assert call.type == "function_call"
+    assert call.name == "get_weather"
+    assert "city" in json.loads(call.arguments)
     answered = sdk.responses.create(model=MODEL, previous_response_id=asked.id, tools=[WEATHER], temperature=0,
                                     max_output_tokens=40, input=[
                                         {"type": "function_call_output", "call_id": call.call_id,
                                          "output": "18 degrees and sunny"}])
-    assert answered.output[0].type == "message" and answered.output_text
+    assert answered.output[0].type == "message"
+    assert answered.output_text
     kinds = [item.type for item in sdk.responses.input_items.list(answered.id, order="asc")]
     assert kinds == ["message", "function_call", "function_call_output"]
 
@@ -97,7 +104,8 @@ def test_background_completes(sdk: openai.OpenAI) -> None:
     deadline = time.monotonic() + 120
     while (found := sdk.responses.retrieve(started.id)).status == "in_progress" and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert found.status in ("completed", "incomplete") and "Paris" in found.output_text
+    assert found.status in ("completed", "incomplete")
+    assert "Paris" in found.output_text
 
 
 def test_cancel_stops_a_background_response(sdk: openai.OpenAI, base_url: str) -> None:
@@ -106,7 +114,8 @@ def test_cancel_stops_a_background_response(sdk: openai.OpenAI, base_url: str) -
     time.sleep(1.0)  # vLLM publishes its gauges every engine step; let them show the request
     assert engine_running(base_url) >= 1
     cancelled = sdk.responses.cancel(started.id)
-    assert cancelled.status == "cancelled" and sdk.responses.retrieve(started.id).status == "cancelled"
+    assert cancelled.status == "cancelled"
+    assert sdk.responses.retrieve(started.id).status == "cancelled"
     assert wait_for_idle(base_url) == 0
 
 
@@ -120,7 +129,8 @@ def test_errors_in_openai_s_shape(sdk: openai.OpenAI, base_url: str) -> None:
     with pytest.raises(openai.BadRequestError):
         sdk.responses.cancel(sdk.responses.create(model=MODEL, input=QUESTION, max_output_tokens=16).id)
     unknown = httpx.post(f"{base_url}/v1/responses", json={"model": MODEL, "input": "hi", "seed": 1})
-    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "seed"
+    assert unknown.status_code == 400
+    assert unknown.json()["error"]["param"] == "seed"
     paths = httpx.get(f"{base_url}/openapi.json").json()["paths"]
     assert {"/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
             "/v1/responses/{response_id}/cancel"} <= set(paths)

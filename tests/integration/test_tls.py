@@ -108,7 +108,8 @@ def test_sighup_serves_a_rotated_certificate(secure: Secure) -> None:
     os.kill(secure.process.pid, signal.SIGHUP)
     deadline = time.monotonic() + 60
     while served_certificate(secure.base, new_client) != rotated:
-        assert time.monotonic() < deadline and secure.process.poll() is None
+        assert time.monotonic() < deadline
+        assert secure.process.poll() is None
         time.sleep(0.2)
     with sdk(secure, new_client) as client:
         answer = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16)

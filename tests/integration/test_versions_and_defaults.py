@@ -99,10 +99,12 @@ def test_versions_as_asked_with_the_served_version_in_the_header_and_log(
 ) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model=asked, messages=STORY, max_tokens=2, extra_headers={"X-Request-ID": f"version-{asked}"})
-    assert raw.headers["x-model-version"] == served and raw.headers["x-served-model"] == served
+    assert raw.headers["x-model-version"] == served
+    assert raw.headers["x-served-model"] == served
     assert raw.parse().choices[0].message.content
     line = access_line(versioned[1], f"version-{asked}")
-    assert line["version"] == served and line["model"] == asked
+    assert line["version"] == served
+    assert line["model"] == asked
 
 
 @pytest.mark.parametrize("asked", ["smol@2", "smol@3.1", "smol@1.0.1", "smol@stable"])
@@ -110,7 +112,8 @@ def test_unsatisfiable_version_is_404_naming_the_versions(client: openai.OpenAI,
     with pytest.raises(openai.NotFoundError) as refused:
         client.chat.completions.create(model=asked, messages=STORY, max_tokens=2)
     error = refused.value.body
-    assert error["code"] == "model_not_found" and "smol has versions 1.0.0, 1.1.0, 2.0.0-rc.1" in error["message"]
+    assert error["code"] == "model_not_found"
+    assert "smol has versions 1.0.0, 1.1.0, 2.0.0-rc.1" in error["message"]
 
 
 def test_generation_config_and_models_file_defaults_on_the_engine(client: openai.OpenAI) -> None:
@@ -137,13 +140,16 @@ def test_native_routes_take_the_model_defaults(versioned: tuple[str, Path]) -> N
     chat = httpx.post(f"{base}/chat", json={"model": "smol@1.0.0", "messages": STORY}, timeout=120).json()
     greedy = httpx.post(f"{base}/chat", json={"model": "smol@1.0.0", "messages": STORY, "temperature": 0,
                                                "max_tokens": 9}, timeout=120).json()
-    assert chat["usage"]["completion_tokens"] == 9 and chat["output"] == greedy["output"]
+    assert chat["usage"]["completion_tokens"] == 9
+    assert chat["output"] == greedy["output"]
     streamed = httpx.post(f"{base}/chat", json={"model": "smol@1.0.0", "messages": STORY, "stream": True}, timeout=120)
     events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and "".join(json.loads(e)["output"] for e in events[:-1]) == greedy["output"]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["output"] for e in events[:-1]) == greedy["output"]
     generated = [httpx.post(f"{base}/generate", json={"model": "smol@1.0.0", "prompt": "The dragon", "max_tokens": 8},
                             timeout=120).json()["output"] for _ in range(2)]
-    assert generated[0] == generated[1] and generated[0]
+    assert generated[0] == generated[1]
+    assert generated[0]
 
 
 def test_remote_version_gets_its_defaults_upstream(client: openai.OpenAI) -> None:

@@ -34,7 +34,8 @@ async def test_flood_holds_the_bound_and_admitted_requests_complete() -> None:
             responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
             watcher.cancel()
     statuses = sorted(r.status_code for r in responses)
-    assert statuses.count(200) == 5 and statuses.count(429) == 7
+    assert statuses.count(200) == 5
+    assert statuses.count(429) == 7
     assert peak == 2
     for response in responses:
         if response.status_code == 429:
@@ -61,7 +62,8 @@ async def test_waiting_past_the_timeout_is_refused_with_503_when_configured() ->
                 client.post("/v1/chat/completions", json=chat_body(max_tokens=10)),
             )
     assert slow.status_code == 200
-    assert late.status_code == 503 and late.json()["error"]["code"] == "model_overloaded"
+    assert late.status_code == 503
+    assert late.json()["error"]["code"] == "model_overloaded"
 
 
 async def serve(app, requests):
@@ -83,14 +85,16 @@ async def test_a_request_takes_a_permit_per_engine_request() -> None:
 
     async def both(client: httpx.AsyncClient) -> list[httpx.Response]:
         big = asyncio.create_task(client.post("/v1/completions", json=fanned))
-        while not engine.running:
+        while not engine.running:  # noqa: ASYNC110 - polls the fake engine's state; no event to wait on
             await asyncio.sleep(0.001)
         single = await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
         return [await big, single]
 
     big, single = await serve(app, both)
-    assert big.status_code == 200 and len(big.json()["choices"]) == 8
-    assert single.status_code == 429 and single.json()["error"]["code"] == "model_overloaded"
+    assert big.status_code == 200
+    assert len(big.json()["choices"]) == 8
+    assert single.status_code == 429
+    assert single.json()["error"]["code"] == "model_overloaded"
 
 
 async def test_too_many_engine_requests_for_the_model_ever_is_400() -> None:
@@ -101,8 +105,10 @@ async def test_too_many_engine_requests_for_the_model_ever_is_400() -> None:
         return await client.post("/v1/completions", json={"model": "fake-model", "prompt": ["a", "b", "c"], "n": 2})
 
     refused = await serve(app, one)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
-    assert "6 engine requests" in refused.json()["error"]["message"] and engine.requests == []
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "n"
+    assert "6 engine requests" in refused.json()["error"]["message"]
+    assert engine.requests == []
 
 
 async def test_a_large_request_at_the_head_of_the_queue_is_not_overtaken() -> None:
@@ -115,13 +121,17 @@ async def test_a_large_request_at_the_head_of_the_queue_is_not_overtaken() -> No
     await asyncio.sleep(0)
     small = asyncio.create_task(admission.acquire(1))
     await asyncio.sleep(0)
-    assert not big.done() and not small.done() and admission.waiting == 5  # 1 free, but the queue is FIFO
+    assert not big.done()
+    assert not small.done()
+    assert admission.waiting == 5
     first.release()
     permit = await big
-    assert admission.running == 4 and not small.done()
+    assert admission.running == 4
+    assert not small.done()
     permit.release()
     (await small).release()
-    assert admission.running == 0 and admission.waiting == 0
+    assert admission.running == 0
+    assert admission.waiting == 0
 
 
 async def test_a_waiter_that_leaves_gives_its_place_and_permits_back() -> None:
@@ -138,7 +148,8 @@ async def test_a_waiter_that_leaves_gives_its_place_and_permits_back() -> None:
     assert admission.waiting == 1
     held.release()
     (await behind).release()
-    assert admission.running == 0 and admission.waiting == 0
+    assert admission.running == 0
+    assert admission.waiting == 0
 
 
 @pytest.mark.parametrize(
@@ -157,7 +168,8 @@ def test_prompts_and_output_tokens_per_request_are_bounded(route: str, body: dic
     settings = {"max_prompts_per_request": 5, "max_output_tokens_per_request": 100}
     with TestClient(app_with(engine, **settings)) as client:
         refused = client.post(route, json={"model": "fake-model", **body})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == param, refused.text
         assert engine.requests == []
         assert client.post("/v1/completions", json={"model": "fake-model", "prompt": ["a"] * 5, "max_tokens": 20}).status_code == 200
 
@@ -168,8 +180,11 @@ async def test_admit_now_takes_what_acquire_takes_at_once_and_nothing_else() -> 
 
     admission = Admission("m", AdmissionSettings(max_running=3, max_waiting=4, wait_timeout_s=5))
     first = admission.admit_now(2)
-    assert first is not None and first.count == 2 and admission.running == 2
-    assert admission.admit_now(2) is None and admission.running == 2  # no room: nothing taken
+    assert first is not None
+    assert first.count == 2
+    assert admission.running == 2
+    assert admission.admit_now(2) is None
+    assert admission.running == 2
     assert admission.admit_now(4) is None  # never admissible: acquire says so (a 400)
     waiter = asyncio.create_task(admission.acquire(2))
     await asyncio.sleep(0)
@@ -177,14 +192,18 @@ async def test_admit_now_takes_what_acquire_takes_at_once_and_nothing_else() -> 
     first.release()
     await asyncio.sleep(0)
     second = await waiter
-    assert admission.running == 2 and admission.admit_now(1) is not None and admission.running == 3
+    assert admission.running == 2
+    assert admission.admit_now(1) is not None
+    assert admission.running == 3
     second.release()
     # someone waiting: nobody overtakes, even with room for the smaller request
     blocker = admission.admit_now(1)
-    assert blocker is not None and admission.running == 2
+    assert blocker is not None
+    assert admission.running == 2
     waiter = asyncio.create_task(admission.acquire(3))
     await asyncio.sleep(0)
-    assert admission.admit_now(1) is None and admission.running == 2
+    assert admission.admit_now(1) is None
+    assert admission.running == 2
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter

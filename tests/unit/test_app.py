@@ -27,8 +27,10 @@ def test_a_model_is_retrieved_by_its_id(sdk: openai.OpenAI, client: TestClient) 
     assert client.get("/v1/models/fake-model").json() == client.get("/v1/models").json()["data"][0]
     with pytest.raises(openai.NotFoundError) as missing:
         sdk.models.retrieve("org/ghost")  # an id with a slash reaches the handler too
-    assert missing.value.status_code == 404 and missing.value.body["code"] == "model_not_found"  # type: ignore[index]
-    assert missing.value.body["param"] == "model" and "org/ghost" in missing.value.body["message"]  # type: ignore[index]
+    assert missing.value.status_code == 404
+    assert missing.value.body["code"] == "model_not_found"
+    assert missing.value.body["param"] == "model"
+    assert "org/ghost" in missing.value.body["message"]
 
 
 def test_health(client: TestClient) -> None:
@@ -46,7 +48,9 @@ def test_request_id_is_honoured_or_generated(client: TestClient) -> None:
 @pytest.mark.parametrize("sent", ["café".encode(), b"a b", b"tab\there", b"x" * 201, b"", b"\x7f"])
 def test_a_request_id_that_is_not_short_visible_ascii_is_replaced(client: TestClient, sent: bytes) -> None:
     returned = client.get("/health", headers=[(b"x-request-id", sent)]).headers["x-request-id"]
-    assert returned != sent.decode("latin-1") and len(returned) == 32 and returned.isalnum()
+    assert returned != sent.decode("latin-1")
+    assert len(returned) == 32
+    assert returned.isalnum()
 
 
 def test_gateway_imports_without_vllm_or_torch() -> None:
@@ -83,7 +87,8 @@ def test_warmup_runs_one_json_request_before_serving(engine) -> None:
 
     app = create_app(fake_settings(warmup=True), engine_starter=lambda es: engine)
     with TestClient(app):
-        assert len(engine.requests) == 1 and engine.requests[0].sampling.json_object
+        assert len(engine.requests) == 1
+        assert engine.requests[0].sampling.json_object
 
 
 def test_bad_configuration_is_refused_at_start_up(tmp_path) -> None:
@@ -92,13 +97,16 @@ def test_bad_configuration_is_refused_at_start_up(tmp_path) -> None:
     env = {**os.environ, "GATEWAY_MODELS_FILE": str(bad)}
     result = subprocess.run([sys.executable, "-m", "gateway", "serve"], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 2
-    assert "configuration error" in result.stderr and "ghost" in result.stderr
+    assert "configuration error" in result.stderr
+    assert "ghost" in result.stderr
     env = {**os.environ, "GATEWAY_CACHE__BACKEND": "redis"}
     result = subprocess.run([sys.executable, "-m", "gateway", "serve"], capture_output=True, text=True, env=env, timeout=60)
-    assert result.returncode == 2 and "redis_url" in result.stderr
+    assert result.returncode == 2
+    assert "redis_url" in result.stderr
     env = {**os.environ, "GATEWAY_PORT": "not-a-port"}
     result = subprocess.run([sys.executable, "-m", "gateway", "serve"], capture_output=True, text=True, env=env, timeout=60)
-    assert result.returncode == 2 and "port" in result.stderr
+    assert result.returncode == 2
+    assert "port" in result.stderr
 
 
 def test_vllm_logs_follow_the_gateway_log_settings(monkeypatch, tmp_path) -> None:
@@ -152,7 +160,7 @@ def test_engine_settings_are_checked_per_embedded_model_before_start(tmp_path) -
     models = tmp_path / "models.yaml"
     models.write_text("models: [{name: a, version: 1.0.0}, {name: r, kind: remote, url: 'http://127.0.0.1:9/v1'},"
                       " {name: b, engine: {kv_cache_dtype: fp8_inc}}]")
-    starter = lambda es: FakeEngine(es.served_model_name)  # noqa: E731
+    starter = lambda es: FakeEngine(es.served_model_name)
     with pytest.raises(ConfigError, match=r"model 'b': kv_cache_dtype \(GATEWAY_ENGINE__KV_CACHE_DTYPE\): 'fp8_inc'"):
         create_app(fake_settings(models_file=models), engine_starter=starter, engine_check=check)
     assert checked == ["a@1.0.0", "b"]  # embedded models only
@@ -173,7 +181,8 @@ def test_the_collector_is_left_alone_when_told(engine) -> None:
     before = gc.get_threshold()
     app = create_app(fake_settings(freeze_startup_heap=False, gc_young_threshold=0), engine_starter=lambda es: engine)
     with TestClient(app):
-        assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
+        assert gc.get_freeze_count() == 0
+        assert gc.get_threshold() == before
 
 
 @pytest.mark.parametrize("fails", [False, True])
@@ -218,7 +227,10 @@ def test_the_access_log_binds_the_request_s_context_and_puts_the_outer_one_back(
         assert "request_id" not in structlog.contextvars.get_contextvars()
 
     asyncio.run(run())
-    assert current_record() is not seen["record"] and current_record().model is None
+    assert current_record() is not seen["record"]
+    assert current_record().model is None
     request_id = dict(sent[0]["headers"])[b"x-request-id"].decode()
-    assert request_id == seen["id"] and len(request_id) == 32 and int(request_id, 16) >= 0
+    assert request_id == seen["id"]
+    assert len(request_id) == 32
+    assert int(request_id, 16) >= 0
     assert sent[0]["status"] == (500 if fails else 200)

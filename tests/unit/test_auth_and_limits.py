@@ -42,7 +42,8 @@ def test_keys_are_kept_as_hashes_and_logged_by_a_keyed_hash() -> None:
     ring = KeyRing([SecretStr("sk-secret")], SecretStr("id-secret"))
     assert b"sk-secret" not in b"".join(ring._hashes)
     identity = ring.identify("sk-secret")
-    assert identity and ring.identify("sk-other") is None
+    assert identity
+    assert ring.identify("sk-other") is None
     stored = hashlib.sha256(b"sk-secret").digest()
     assert identity.key_id == hmac.new(b"id-secret", stored, hashlib.sha256).hexdigest()[:12]
     assert identity.key_id not in (stored.hex(), hashlib.sha256(b"sk-secret").hexdigest()[:12])
@@ -53,14 +54,17 @@ def test_keys_are_kept_as_hashes_and_logged_by_a_keyed_hash() -> None:
             structlog.testing.capture_logs() as logs:
         client.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer sk-secret"})
     line = next(m for m in logs if m["event"] == "request")
-    assert line["api_key_id"] == identity.key_id and "sk-secret" not in str(logs) and identity.tenant not in str(logs)
+    assert line["api_key_id"] == identity.key_id
+    assert "sk-secret" not in str(logs)
+    assert identity.tenant not in str(logs)
 
 
 def test_two_authorization_headers_are_refused() -> None:
     with TestClient(app_with(api_keys=["sk-one", "sk-two"])) as client:
         headers = [("Authorization", "Bearer sk-one"), ("Authorization", "Bearer sk-two")]
         refused = client.post("/v1/chat/completions", json=chat_body(), headers=headers)
-        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "invalid_api_key"
         assert client.post("/v1/chat/completions", json=chat_body(), headers=headers[:1]).status_code == 200
 
 
@@ -77,14 +81,17 @@ def test_failed_key_attempts_are_throttled_per_client_address() -> None:
         statuses = [client.post("/v1/chat/completions", json=chat_body(), headers=wrong).status_code for _ in range(3)]
         assert statuses == [401, 401, 401]
         throttled = client.post("/v1/chat/completions", json=chat_body(), headers=right)
-        assert throttled.status_code == 429 and int(throttled.headers["retry-after"]) >= 1
-        assert throttled.json()["error"]["code"] == "rate_limit_exceeded" and "failed" in throttled.json()["error"]["message"]
+        assert throttled.status_code == 429
+        assert int(throttled.headers["retry-after"]) >= 1
+        assert throttled.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "failed" in throttled.json()["error"]["message"]
         address[0] = "10.0.0.2"  # another client is not held back
         assert client.post("/v1/chat/completions", json=chat_body(), headers=right).status_code == 200
     throttle = AttemptThrottle(per_minute=1, max_addresses=2)
     for name in ("a", "b", "c"):
         throttle.failed(name)
-    assert throttle.wait_s("a") == 0 and throttle.wait_s("c") > 0  # the oldest address forgotten: memory bounded
+    assert throttle.wait_s("a") == 0
+    assert throttle.wait_s("c") > 0
 
 
 def test_without_keys_a_post_must_declare_json() -> None:
@@ -93,7 +100,8 @@ def test_without_keys_a_post_must_declare_json() -> None:
         body = json.dumps(chat_body()).encode()
         for headers in ({"Content-Type": "text/plain"}, {}, {"Content-Type": "application/x-www-form-urlencoded"}):
             refused = client.post("/v1/chat/completions", content=body, headers=headers)
-            assert refused.status_code == 415 and refused.json()["error"]["code"] == "unsupported_media_type"
+            assert refused.status_code == 415
+            assert refused.json()["error"]["code"] == "unsupported_media_type"
         ok = client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json; charset=utf-8"})
         assert ok.status_code == 200
     with TestClient(app_with(api_keys=["sk-one"])) as client:  # a key proves the caller: curl -d works
@@ -109,11 +117,13 @@ def test_a_compressed_body_is_a_415_before_it_is_read() -> None:
         for encoding in ("gzip", "br, gzip"):
             refused = client.post("/v1/chat/completions", content=gzip.compress(body),
                                   headers={"Content-Type": "application/json", "Content-Encoding": encoding})
-            assert refused.status_code == 415 and refused.json()["error"]["code"] == "unsupported_media_type"
+            assert refused.status_code == 415
+            assert refused.json()["error"]["code"] == "unsupported_media_type"
             assert encoding in refused.json()["error"]["message"]
         refused = client.post("/v1/messages", content=b"x", headers={"Content-Type": "application/json",
                                                                      "Content-Encoding": "gzip"})
-        assert refused.status_code == 415 and refused.json()["type"] == "error"  # Anthropic's shape there
+        assert refused.status_code == 415
+        assert refused.json()["type"] == "error"
         sent = client.post("/v1/chat/completions", content=body,
                            headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
         assert sent.status_code == 200
@@ -128,8 +138,10 @@ def test_requests_per_minute_with_openai_headers() -> None:
         assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
         third = client.post("/v1/chat/completions", json=chat_body())
         assert third.status_code == 429
-        assert third.json()["error"]["code"] == "rate_limit_exceeded" and third.json()["error"]["type"] == "rate_limit_error"
-        assert int(third.headers["retry-after"]) >= 1 and third.headers["x-ratelimit-remaining-requests"] == "0"
+        assert third.json()["error"]["code"] == "rate_limit_exceeded"
+        assert third.json()["error"]["type"] == "rate_limit_error"
+        assert int(third.headers["retry-after"]) >= 1
+        assert third.headers["x-ratelimit-remaining-requests"] == "0"
 
 
 def test_limits_are_per_key() -> None:
@@ -147,7 +159,8 @@ def test_tokens_per_minute_count_prompt_and_budget() -> None:
         budget = len(engine.requests[0].prompt_token_ids) + 10
         assert ok.headers["x-ratelimit-remaining-tokens"] == str(30 - budget)
         refused = client.post("/v1/chat/completions", json=chat_body(max_tokens=25))
-        assert refused.status_code == 429 and "tokens" in refused.json()["error"]["message"]
+        assert refused.status_code == 429
+        assert "tokens" in refused.json()["error"]["message"]
         assert len(engine.requests) == 1
 
 
@@ -155,8 +168,11 @@ def test_a_request_that_can_never_fit_the_tokens_per_minute_is_told_so_once() ->
     engine = FakeEngine()
     with TestClient(app_with(engine, rate_limit_tpm=30)) as client:
         refused = client.post("/v1/chat/completions", json=chat_body(max_tokens=40))
-        assert refused.status_code == 400 and "retry-after" not in refused.headers
+        assert refused.status_code == 400
+        assert "retry-after" not in refused.headers
         error = refused.json()["error"]
-        assert error["code"] == "tokens_over_limit" and error["param"] == "max_tokens" and "30" in error["message"]
+        assert error["code"] == "tokens_over_limit"
+        assert error["param"] == "max_tokens"
+        assert "30" in error["message"]
         assert engine.requests == []
         assert client.post("/v1/chat/completions", json=chat_body(max_tokens=10)).status_code == 200  # nothing was taken

@@ -5,6 +5,7 @@ so the body arrives exactly as the test says."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 
@@ -94,7 +95,9 @@ async def test_a_body_that_does_not_arrive_in_time_is_408_and_closes() -> None:
     async with Served(app_with(engine, body_timeout_s=0.2)) as served:
         sent = await asyncio.wait_for(served.call(scope_for(len(BODY)), trickle(BODY)), 10)
     status, headers = status_and_headers(sent)
-    assert status == 408 and headers["connection"] == "close" and "x-request-id" in headers
+    assert status == 408
+    assert headers["connection"] == "close"
+    assert "x-request-id" in headers
     assert json.loads(sent[-1]["body"])["error"]["code"] == "request_timeout"
     assert engine.requests == []
 
@@ -107,7 +110,8 @@ async def test_an_abandoned_upload_is_a_499_not_a_server_error() -> None:
             sent = await served.call(scope_for(len(BODY)), trickle(BODY, then="disconnect"))
     assert status_and_headers(sent)[0] == 499
     line = next(entry for entry in logs if entry["event"] == "request")
-    assert line["status"] == 499 and line["disconnected"] is True
+    assert line["status"] == 499
+    assert line["disconnected"] is True
     assert not [entry for entry in logs if entry["log_level"] == "error"]
     assert metrics.REQUESTS.labels("", "/v1/chat/completions", "500")._value.get() == before
     assert engine.requests == []
@@ -130,7 +134,8 @@ async def test_bytes_being_read_at_once_are_bounded() -> None:
         after = await served.call(scope_for(len(full)), whole(full))
     for sent in (refused, undeclared):
         status, headers = status_and_headers(sent)
-        assert status == 503 and headers["retry-after"] == "1"
+        assert status == 503
+        assert headers["retry-after"] == "1"
         assert json.loads(sent[-1]["body"])["error"]["code"] == "service_unavailable"
     assert status_and_headers(after)[0] == 400  # read whole (the context is too small), not refused
     assert 'reason="body_bytes_in_flight"' in metrics.exposition()[0].decode()
@@ -195,8 +200,9 @@ async def _timed(read: Awaitable[dict], since: float) -> tuple[str, float]:
 
     try:
         outcome = (await asyncio.wait_for(read, 5))["type"]
-    except RequestTimeout as error:
-        assert error.status == 408 and error.headers == {"Connection": "close"}
+    except RequestTimeout as error:  # a helper that returns what a read gave, a timeout included
+        assert error.status == 408  # noqa: PT017
+        assert error.headers == {"Connection": "close"}  # noqa: PT017
         outcome = "408"
     return outcome, asyncio.get_running_loop().time() - since
 
@@ -216,7 +222,9 @@ async def test_reads_are_cut_at_their_own_deadlines() -> None:
     results = await asyncio.gather(*(_timed(r.receive(), now) for r in reads))  # type: ignore[attr-defined]
     (cut_1, at_1), (read_2, at_2), (cut_3, at_3) = results
     assert (cut_1, read_2, cut_3) == ("408", "http.request", "408")
-    assert 0.1 <= at_1 < 0.2 and 0.15 <= at_2 < 0.25 and 0.25 <= at_3 < 0.35
+    assert 0.1 <= at_1 < 0.2
+    assert 0.15 <= at_2 < 0.25
+    assert 0.25 <= at_3 < 0.35
     assert len(timers()) == 0  # no deadline left set
 
 
@@ -265,10 +273,13 @@ def test_deadlines_cut_reads_in_one_event_loop_after_another() -> None:
 
     task = loop.create_task(twice())
     loop.run_until_complete(asyncio.sleep(0.01))
-    assert not task.done() and left._task is task  # type: ignore[attr-defined]  # waiting, its deadline set
+    assert not task.done()
+    assert left._task is task
     assert asyncio.run(one(0.3)) == "408"
     assert asyncio.run(one(0.05)) == "408"
-    assert not task.done() and task.cancelling() == 0 and not left.expired  # type: ignore[attr-defined]
+    assert not task.done()
+    assert task.cancelling() == 0
+    assert not left.expired
     task.cancel()
     loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
     loop.close()
@@ -279,10 +290,8 @@ async def test_a_cut_the_receive_swallows_is_taken_back_as_timeout_at_does() -> 
     task's cancellation count is back where it was (asyncio.timeout_at uncancels too)."""
 
     async def stubborn() -> dict:
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(5)
-        except asyncio.CancelledError:
-            pass
         return {"type": "http.request", "body": b"{}", "more_body": False}
 
     async def read(receive: Receive) -> tuple[dict, int]:

@@ -35,7 +35,8 @@ def test_memory_cache_hits_for_stream_and_non_stream() -> None:
         second = client.post("/v1/chat/completions", json=body)
         assert (first.headers["x-cache"], second.headers["x-cache"]) == ("MISS", "HIT")
         assert second.json()["choices"] == first.json()["choices"]
-        assert second.json()["usage"] == first.json()["usage"] and second.json()["id"] != first.json()["id"]
+        assert second.json()["usage"] == first.json()["usage"]
+        assert second.json()["id"] != first.json()["id"]
         streamed = client.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
         assert streamed.headers["x-cache"] == "HIT"
         chunks = [json.loads(e) for e in sse_events(streamed.text)[:-1]]
@@ -51,7 +52,8 @@ def test_stream_miss_fills_the_cache() -> None:
         body = {"model": "fake-model", "prompt": "a b", "max_tokens": 2, "seed": 5}
         assert client.post("/v1/completions", json={**body, "stream": True}).headers["x-cache"] == "MISS"
         hit = client.post("/v1/completions", json=body)
-        assert hit.headers["x-cache"] == "HIT" and hit.json()["choices"][0]["text"] == "the quick"
+        assert hit.headers["x-cache"] == "HIT"
+        assert hit.json()["choices"][0]["text"] == "the quick"
         assert len(engine.requests) == 1
 
 
@@ -75,9 +77,11 @@ async def test_memory_cache_bounds_and_ttl() -> None:
     await cache.set("b", b"1234")
     await cache.get("a")  # a is now the most recent
     await cache.set("c", b"1234")  # over 2 entries: b, the least recent, goes
-    assert await cache.get("b") is None and await cache.get("a") == b"1234"
+    assert await cache.get("b") is None
+    assert await cache.get("a") == b"1234"
     await cache.set("d", b"123456789")  # over 10 bytes: the oldest go until it fits
-    assert cache.bytes <= 10 and await cache.get("d") == b"123456789"
+    assert cache.bytes <= 10
+    assert await cache.get("d") == b"123456789"
     expiring = MemoryCache(max_entries=10, max_bytes=100, ttl_s=0.01)
     await expiring.set("x", b"1")
     await asyncio.sleep(0.02)
@@ -115,7 +119,8 @@ def test_integers_past_64_bits_in_free_form_fields_are_cached_too() -> None:
         assert client.post("/v1/chat/completions", json=chat_body(temperature=0, seed=2**63 - 1, tools=tools)).headers["x-cache"] == "MISS"
         # but a schema the engine must follow cannot hold them (its wire format stops at 64 bits)
         forced = client.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice="required"))
-        assert forced.status_code == 400 and forced.json()["error"]["param"] == "tools"
+        assert forced.status_code == 400
+        assert forced.json()["error"]["param"] == "tools"
         fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
         constrained = client.post("/v1/chat/completions", json=chat_body(response_format=fmt))
         assert constrained.status_code == 400
@@ -184,11 +189,13 @@ def test_a_completions_hit_answers_as_the_miss_did_under_a_new_id() -> None:
     with TestClient(app_with(engine, cache={"backend": "memory"})) as client:
         body = {"model": "fake-model", "prompt": "a b", "max_tokens": 2, "temperature": 0, "logprobs": 1, "echo": True}
         miss, hit = (client.post("/v1/completions", json=body) for _ in range(2))
-        assert (miss.headers["x-cache"], hit.headers["x-cache"]) == ("MISS", "HIT") and len(engine.requests) == 1
+        assert (miss.headers["x-cache"], hit.headers["x-cache"]) == ("MISS", "HIT")
+        assert len(engine.requests) == 1
         assert hit.headers["content-type"] == "application/json"
         assert int(hit.headers["content-length"]) == len(hit.content)
         first, again = miss.json(), hit.json()
-        assert re.fullmatch(r"cmpl-[0-9a-f]{32}", again["id"]) and again["id"] != first["id"]
+        assert re.fullmatch(r"cmpl-[0-9a-f]{32}", again["id"])
+        assert again["id"] != first["id"]
         assert {**again, "id": first["id"], "created": first["created"]} == first
         assert list(again) == list(first)  # the same fields in the same order
 
@@ -203,7 +210,8 @@ async def test_the_storer_hands_back_what_it_stored_of_that_answer_only() -> Non
     await store(answer)
     written = store.written(answer)
     assert written == await backend.get("k") == answer.model_dump_json(exclude_none=True).encode()
-    assert store.written(other) is None and store.written(answer.model_copy()) is None
+    assert store.written(other) is None
+    assert store.written(answer.model_copy()) is None
 
 
 def test_a_stored_miss_answers_the_bytes_it_stored() -> None:
@@ -220,7 +228,8 @@ def test_a_stored_miss_answers_the_bytes_it_stored() -> None:
                 assert answer.headers["x-cache"] == "MISS"
                 assert client.post("/v1/completions", json=body).content[-200:] == answer.content[-200:]
     stored, plain = answers
-    assert list(stored) == list(plain) and {**stored, "id": plain["id"], "created": plain["created"]} == plain
+    assert list(stored) == list(plain)
+    assert {**stored, "id": plain["id"], "created": plain["created"]} == plain
 
 
 def test_keys_stay_the_same_for_the_same_request() -> None:

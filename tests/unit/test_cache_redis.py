@@ -32,10 +32,12 @@ def test_two_replicas_share_answers_through_redis(redis: RedisServer) -> None:
     with TestClient(apps[0]) as first, TestClient(apps[1]) as second:
         miss = first.post("/v1/chat/completions", json=BODY)
         hit = second.post("/v1/chat/completions", json={**BODY, "stream": True})
-        assert miss.headers["x-cache"] == "MISS" and hit.headers["x-cache"] == "HIT"
+        assert miss.headers["x-cache"] == "MISS"
+        assert hit.headers["x-cache"] == "HIT"
         chunks = [json.loads(e) for e in sse_events(hit.text)[:-1]]
         assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "the quick brown"
-        assert len(engines[0].requests) == 1 and len(engines[1].requests) == 0
+        assert len(engines[0].requests) == 1
+        assert len(engines[1].requests) == 0
 
 
 def test_redis_going_away_serves_uncached_and_says_so(redis: RedisServer) -> None:
@@ -48,7 +50,8 @@ def test_redis_going_away_serves_uncached_and_says_so(redis: RedisServer) -> Non
         with structlog.testing.capture_logs() as logs:
             for _ in range(2):
                 answer = client.post("/v1/chat/completions", json=BODY)
-                assert answer.status_code == 200 and answer.headers["x-cache"] == "MISS"
+                assert answer.status_code == 200
+                assert answer.headers["x-cache"] == "MISS"
         assert any(line["event"] == "cache_unavailable" for line in logs)
         assert 'gateway_cache_errors_total{backend="redis"}' in client.get("/metrics").text
         assert len(engine.requests) == 3

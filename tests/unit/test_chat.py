@@ -68,7 +68,8 @@ def test_chat_stream_with_sdk_and_usage(sdk: openai.OpenAI) -> None:
         model=MODEL, messages=HELLO, max_tokens=3, stream=True, stream_options={"include_usage": True}
     )
     chunks = list(stream)
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 3
     assert all(c.usage is None for c in chunks[:-1])
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == "the quick brown"
 
@@ -133,7 +134,8 @@ def test_max_tokens_past_the_context_is_400(client: TestClient) -> None:
     response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 1000})
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert error["code"] == "context_length_exceeded"
+    assert error["param"] == "max_tokens"
 
 
 def _chat_model_by_model(answer: ChatCompletion) -> ChatCompletion:
@@ -185,4 +187,5 @@ def test_whole_chat_answer_is_what_the_models_one_by_one_make(fields: dict, repl
     assert serialize(answer, exclude_none=True) == serialize(again, exclude_none=True)
     assert serialize(answer) == serialize(again)
     if reply is not None:
-        assert answer.choices[0].message.tool_calls and answer.choices[0].finish_reason == "tool_calls"
+        assert answer.choices[0].message.tool_calls
+        assert answer.choices[0].finish_reason == "tool_calls"

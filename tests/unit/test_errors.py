@@ -135,7 +135,8 @@ def test_engine_failure_mid_stream_is_one_error_event_then_done(client: TestClie
     assert response.status_code == 200
     events = [e for e in response.text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
-    assert '"error"' in events[-2] and '"server_error"' in events[-2]
+    assert '"error"' in events[-2]
+    assert '"server_error"' in events[-2]
     assert client.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 1}).status_code == 200
 
 
@@ -234,5 +235,6 @@ def test_an_unexpected_error_on_the_messages_route_is_a_500_in_anthropics_shape(
     response = client.post("/v1/messages", json=body, headers={"X-Request-ID": "req-500-messages"})
     assert response.status_code == 500
     payload = response.json()
-    assert payload["type"] == "error" and payload["error"]["type"] == "api_error", payload
+    assert payload["type"] == "error", payload
+    assert payload["error"]["type"] == "api_error", payload
     assert response.headers["x-request-id"] == "req-500-messages"

@@ -70,7 +70,8 @@ def test_request_models_accept_or_refuse_cleanly(model: type[BaseModel]) -> None
             request = model.model_validate_json(json.dumps(body))
         except ValidationError as exc:
             error = from_exception(exc)
-            assert error.status == 400 and error.message
+            assert error.status == 400
+            assert error.message
             return
         assert len(cache_key("/route", MODEL, request)) == 64  # any accepted request has a cache key
         if isinstance(request, p.SamplingFields):
@@ -92,7 +93,8 @@ def assert_clean(response: Any) -> None:
     if response.status_code >= 400:
         body = response.json()
         if TABLE.dialect(urlsplit(str(response.request.url)).path) == "anthropic":
-            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+            assert body["type"] == "error"
+            assert set(body["error"]) == {"type", "message"}
         else:
             assert set(body["error"]) == {"message", "type", "param", "code"}
 

@@ -45,13 +45,16 @@ def test_phone_numbers_by_libphonenumber() -> None:
 
 def test_pii_detectors_follow_the_actions() -> None:
     kinds = {d.guard: d.action for d in pii.detectors(PIIChecks(email="redact", card="block"))}
-    assert kinds["pii.email"] == "redact" and kinds["pii.card"] == "block" and kinds["pii.ip"] == "off"
+    assert kinds["pii.email"] == "redact"
+    assert kinds["pii.card"] == "block"
+    assert kinds["pii.ip"] == "off"
     assert [d.guard for d in Scanner(pii.detectors(PIIChecks(email="redact"))).detectors] == ["pii.email"]
 
 
 @pytest.mark.parametrize("pattern", injection.patterns(), ids=lambda p: p.id)
 def test_each_injection_pattern_matches_its_examples(pattern: injection.InjectionPattern) -> None:
-    assert pattern.examples and pattern.source
+    assert pattern.examples
+    assert pattern.source
     for example in pattern.examples:
         assert pattern.regex.search(example), example
 
@@ -88,10 +91,12 @@ def test_allowed_spans_are_exempt() -> None:
 def test_placeholders_name_values_once_and_restore_them() -> None:
     names = Placeholders()
     assert names.name("EMAIL", "a@b.io") == "[EMAIL_1]"
-    assert names.name("EMAIL", "c@d.io") == "[EMAIL_2]" and names.name("EMAIL", "a@b.io") == "[EMAIL_1]"
+    assert names.name("EMAIL", "c@d.io") == "[EMAIL_2]"
+    assert names.name("EMAIL", "a@b.io") == "[EMAIL_1]"
     assert names.name("PHONE", "+1 415 555 2671") == "[PHONE_1]"
     assert names.restore("to [EMAIL_2], cc [EMAIL_1], [EMAIL_9] unknown") == "to c@d.io, cc a@b.io, [EMAIL_9] unknown"
-    assert names.unfinished("write to [EMA") == len("write to ") and names.unfinished("done [EMAIL_1]") == 14
+    assert names.unfinished("write to [EMA") == len("write to ")
+    assert names.unfinished("done [EMAIL_1]") == 14
 
 
 def _filter(holdback: int = 8, window: int = 64, restore: Placeholders | None = None):
@@ -113,14 +118,19 @@ def feed_all(choice: ChoiceFilter, pieces: list[str]) -> list[str]:
 def test_a_match_spanning_chunks_is_cut_before_any_of_it_is_passed() -> None:
     choice, noted = _filter(holdback=8)
     out = feed_all(choice, ["The capital ", "of France ", "is Pa", "ris", ". It is"])
-    assert "".join(out) == "The capital of France is " and choice.cut and choice.done
-    assert noted == [("deny", "Paris")] and out[-1] == ""
+    assert "".join(out) == "The capital of France is "
+    assert choice.cut
+    assert choice.done
+    assert noted == [("deny", "Paris")]
+    assert out[-1] == ""
 
 
 def test_without_holdback_the_window_still_catches_a_match_across_chunks() -> None:
     choice, _ = _filter(holdback=0)
     out = feed_all(choice, ["It is Pa", "ris", " indeed"])
-    assert out[0] == "It is Pa" and choice.cut and "".join(out) == "It is Pa"  # the prefix went before the match was whole
+    assert out[0] == "It is Pa"
+    assert choice.cut
+    assert "".join(out) == "It is Pa"
 
 
 def test_redaction_waits_for_the_whole_match_and_restores_placeholders() -> None:
@@ -129,14 +139,16 @@ def test_redaction_waits_for_the_whole_match_and_restores_placeholders() -> None
     choice, noted = _filter(holdback=16, restore=names)
     out = feed_all(choice, ["Mail eve@exa", "mple.org and [EMA", "IL_1] now"])
     assert "".join(out) == "Mail [EMAIL] and [EMAIL_1] now"  # restoring is the output guard's last step
-    assert noted == [("pii.email", "eve@example.org")] and not choice.cut
+    assert noted == [("pii.email", "eve@example.org")]
+    assert not choice.cut
     assert names.restore("".join(out)) == "Mail [EMAIL] and bob@example.com now"
 
 
 def test_a_holdback_shorter_than_a_match_redacts_what_was_not_passed_yet() -> None:
     choice, noted = _filter(holdback=4)
     out = feed_all(choice, ["Mail eve@exa", "mple.org", " and more text"])
-    assert out[0] == "Mail eve" and "".join(out) == "Mail eve[EMAIL] and more text"
+    assert out[0] == "Mail eve"
+    assert "".join(out) == "Mail eve[EMAIL] and more text"
     assert noted == [("pii.email", "@example.org")]
 
 

@@ -22,15 +22,18 @@ def test_ready_per_model_and_draining() -> None:
     engine, lifecycle = FakeEngine(), Lifecycle()
     with TestClient(make(engine, lifecycle)) as client:
         ok = client.get("/ready")
-        assert ok.status_code == 200 and ok.json() == {"status": "ready", "models": {"fake-model": "ready"}}
+        assert ok.status_code == 200
+        assert ok.json() == {"status": "ready", "models": {"fake-model": "ready"}}
         engine.dead = True
         dead = client.get("/ready")
-        assert dead.status_code == 503 and dead.json()["models"]["fake-model"].startswith("unavailable")
+        assert dead.status_code == 503
+        assert dead.json()["models"]["fake-model"].startswith("unavailable")
         engine.dead = False
         lifecycle.start_drain()
         assert client.get("/ready").json()["status"] == "draining"
         refused = client.post("/v1/chat/completions", json={"model": "fake-model", "messages": HELLO})
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "service_unavailable"
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "service_unavailable"
         assert client.get("/health").status_code == 200
 
 
@@ -41,7 +44,8 @@ def test_health_fails_when_an_embedded_engine_is_dead() -> None:
         assert client.get("/health").json() == {"status": "ok"}
         engine.dead = True
         dead = client.get("/health")
-        assert dead.status_code == 503 and dead.json()["status"] == "dead"
+        assert dead.status_code == 503
+        assert dead.json()["status"] == "dead"
         assert dead.json()["models"]["fake-model"].startswith("dead: ")
         engine.dead = False
         assert client.get("/health").status_code == 200
@@ -54,7 +58,8 @@ def test_sigterm_drains_until_requests_finish() -> None:
     server.handle_exit(signal.SIGTERM, None)
     assert not server.should_exit
     asyncio.run(server.on_tick(1))
-    assert lifecycle.draining and not server.should_exit
+    assert lifecycle.draining
+    assert not server.should_exit
     lifecycle.active = 0
     asyncio.run(server.on_tick(2))
     assert server.should_exit

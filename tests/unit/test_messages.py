@@ -70,10 +70,14 @@ def accumulated(stream: list[tuple[str | None, dict[str, Any]]]) -> sdk.Message:
 def test_a_message_in_anthropic_s_shape(app_client: TestClient, engine: FakeEngine) -> None:
     raw = app_client.post("/v1/messages", json=body()).json()
     message = sdk.Message.model_validate(raw)
-    assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
+    assert message.id.startswith("msg_")
+    assert message.type == "message"
+    assert message.role == "assistant"
     assert [(b.type, b.text) for b in message.content] == [("text", "the quick brown")]
-    assert message.stop_reason == "max_tokens" and message.model == "fake-model"
-    assert "stop_sequence" in raw and raw["stop_sequence"] is None  # always sent, as Anthropic does
+    assert message.stop_reason == "max_tokens"
+    assert message.model == "fake-model"
+    assert "stop_sequence" in raw
+    assert raw["stop_sequence"] is None
     assert message.usage.input_tokens == len(engine.requests[-1].prompt_token_ids)
     assert message.usage.output_tokens == 3
 
@@ -82,7 +86,8 @@ def test_end_turn_and_stop_sequences(app_client: TestClient, engine: FakeEngine)
     engine.reply = ["Hello", " world", "END", " more"]
     assert create(app_client, max_tokens=20).stop_reason == "end_turn"
     stopped = create(app_client, max_tokens=20, stop_sequences=["a", "b", "c", "d", "END"])  # more than OpenAI's 4
-    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "END"
+    assert stopped.stop_reason == "stop_sequence"
+    assert stopped.stop_sequence == "END"
     assert stopped.content[0].text == "Hello world"
     assert engine.requests[-1].sampling.stop == ("a", "b", "c", "d", "END")
 
@@ -107,7 +112,8 @@ def test_system_text_tool_use_and_tool_result_blocks_become_chat_messages(app_cl
     ]
     create(app_client, system=[{"type": "text", "text": "Be brief."}], messages=messages, tools=[WEATHER])
     prompt = engine.requests[-1].prompt_text or ""
-    assert prompt.startswith("<system> Be brief.") and "get_weather" in prompt  # tools described to the template
+    assert prompt.startswith("<system> Be brief.")
+    assert "get_weather" in prompt
     assert "<user> weather in Paris?" in prompt
     assert '<assistant> Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
     assert "<tool> sunny <user> thanks" in prompt
@@ -125,13 +131,17 @@ def test_the_stream_is_anthropic_s_event_sequence(app_client: TestClient) -> Non
         if name != "ping":
             EVENT.validate_python(data)
     start = stream[0][1]["message"]
-    assert start["content"] == [] and start["stop_reason"] is None and "stop_sequence" in start
+    assert start["content"] == []
+    assert start["stop_reason"] is None
+    assert "stop_sequence" in start
     delta = stream[-2][1]
-    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None} and delta["usage"]["output_tokens"] == 3
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == 3
     whole = create(app_client)
     streamed = accumulated(stream)
     assert streamed.content[0].text == whole.content[0].text == "the quick brown"
-    assert streamed.usage.output_tokens == 3 and streamed.stop_reason == "max_tokens"
+    assert streamed.usage.output_tokens == 3
+    assert streamed.stop_reason == "max_tokens"
 
 
 def test_a_named_tool_streams_its_input_as_json_deltas(app_client: TestClient, engine: FakeEngine) -> None:
@@ -140,28 +150,35 @@ def test_a_named_tool_streams_its_input_as_json_deltas(app_client: TestClient, e
     whole = create(app_client, tools=[WEATHER], tool_choice=choice, max_tokens=50)
     assert engine.requests[-1].sampling.json_schema == WEATHER["input_schema"]
     block = whole.content[0]
-    assert block.type == "tool_use" and block.name == "get_weather" and block.input == {"city": "Paris"}
-    assert block.id.startswith("toolu_") and whole.stop_reason == "tool_use"
+    assert block.type == "tool_use"
+    assert block.name == "get_weather"
+    assert block.input == {"city": "Paris"}
+    assert block.id.startswith("toolu_")
+    assert whole.stop_reason == "tool_use"
     stream = events(app_client, tools=[WEATHER], tool_choice=choice, max_tokens=50)
     deltas = [data["delta"] for name, data in stream if name == "content_block_delta"]
     assert deltas == [{"type": "input_json_delta", "partial_json": '{"city":'},
                       {"type": "input_json_delta", "partial_json": ' "Paris"}'}]
     streamed = accumulated(stream)
-    assert streamed.content[0].input == {"city": "Paris"} and streamed.stop_reason == "tool_use"
+    assert streamed.content[0].input == {"city": "Paris"}
+    assert streamed.stop_reason == "tool_use"
 
 
 def test_auto_tools_stream_the_text_and_then_the_call(app_client: TestClient, engine: FakeEngine) -> None:
     engine.reply = ["Let me", " check.", " <tool", "_call>", '{"name": "get_weather", "arguments": {"city": "Paris"}}',
                     "</tool_call>"]
     whole = create(app_client, tools=[WEATHER], max_tokens=50)
-    assert [b.type for b in whole.content] == ["text", "tool_use"] and whole.stop_reason == "tool_use"
-    assert whole.content[0].text == "Let me check." and whole.content[1].input == {"city": "Paris"}
+    assert [b.type for b in whole.content] == ["text", "tool_use"]
+    assert whole.stop_reason == "tool_use"
+    assert whole.content[0].text == "Let me check."
+    assert whole.content[1].input == {"city": "Paris"}
     stream = events(app_client, tools=[WEATHER], max_tokens=50)
     texts = [data["delta"]["text"] for name, data in stream if data.get("delta", {}).get("type") == "text_delta"]
     assert "".join(texts) == "Let me check."  # nothing of the tag leaked as text
     streamed = accumulated(stream)
     assert [b.type for b in streamed.content] == ["text", "tool_use"]
-    assert streamed.content[1].input == {"city": "Paris"} and streamed.content[1].id.startswith("toolu_")
+    assert streamed.content[1].input == {"city": "Paris"}
+    assert streamed.content[1].id.startswith("toolu_")
     engine.reply = ["No", " tools <b>", "needed"]
     assert "".join(d["delta"]["text"] for _, d in events(app_client, tools=[WEATHER], max_tokens=50)
                    if d["type"] == "content_block_delta") == "No tools <b>needed"
@@ -172,11 +189,13 @@ def test_any_tool_and_disable_parallel_tool_use(app_client: TestClient, engine: 
     choice = {"type": "any", "disable_parallel_tool_use": True}
     whole = create(app_client, tools=[WEATHER], tool_choice=choice, max_tokens=50)
     assert engine.requests[-1].sampling.json_schema["maxItems"] == 1
-    assert whole.content[0].input == {"city": "Oslo"} and whole.stop_reason == "tool_use"
+    assert whole.content[0].input == {"city": "Oslo"}
+    assert whole.stop_reason == "tool_use"
     assert accumulated(events(app_client, tools=[WEATHER], tool_choice=choice, max_tokens=50)).content[0].name == "get_weather"
     engine.reply = ["plain"]
     create(app_client, tools=[WEATHER], tool_choice={"type": "none"})
-    assert engine.requests[-1].sampling.json_schema is None and "get_weather" not in (engine.requests[-1].prompt_text or "")
+    assert engine.requests[-1].sampling.json_schema is None
+    assert "get_weather" not in (engine.requests[-1].prompt_text or "")
 
 
 def test_output_config_format_is_a_structured_output(app_client: TestClient, engine: FakeEngine) -> None:
@@ -201,9 +220,11 @@ def test_a_deterministic_message_is_cached_and_replayed_as_a_stream(engine: Fake
         first = client.post("/v1/messages", json=body(temperature=0))
         second = client.post("/v1/messages", json=body(temperature=0))
         assert (first.headers["x-cache"], second.headers["x-cache"]) == ("MISS", "HIT")
-        assert second.json()["content"] == first.json()["content"] and second.json()["id"] != first.json()["id"]
+        assert second.json()["content"] == first.json()["content"]
+        assert second.json()["id"] != first.json()["id"]
         replayed = client.post("/v1/messages", json=body(temperature=0, stream=True))
-        assert replayed.headers["x-cache"] == "HIT" and len(engine.requests) == 1
+        assert replayed.headers["x-cache"] == "HIT"
+        assert len(engine.requests) == 1
         stream = [(e.event, e.json()) for e in SSEDecoder().iter_bytes(iter([replayed.content]))]
         assert [n for n, _ in stream][:3] == ["message_start", "ping", "content_block_start"]
         assert accumulated(stream).content[0].text == first.json()["content"][0]["text"]
@@ -213,7 +234,8 @@ def anthropic_error(response: Any, status: int, kind: str) -> str:
     assert response.status_code == status, response.text
     error = sdk.ErrorResponse.model_validate(response.json()) if hasattr(sdk, "ErrorResponse") else None
     data = response.json()
-    assert data["type"] == "error" and data["error"]["type"] == kind, data
+    assert data["type"] == "error", data
+    assert data["error"]["type"] == kind, data
     assert error is None or error.error.type == kind
     return str(data["error"]["message"])
 
@@ -264,7 +286,8 @@ def test_integers_past_int64_are_400_before_the_engine(app_client: TestClient, e
     it (a 500, "the engine failed")."""
     (name,) = extra
     message = anthropic_error(app_client.post("/v1/messages", json=body(**extra)), 400, "invalid_request_error")
-    assert name in message and engine.requests == []
+    assert name in message
+    assert engine.requests == []
 
 
 def test_middleware_errors_speak_the_route_s_dialect(engine: FakeEngine) -> None:
@@ -288,7 +311,8 @@ def test_middleware_errors_speak_the_route_s_dialect(engine: FakeEngine) -> None
 def test_an_error_after_the_stream_started_is_an_error_event(app_client: TestClient, engine: FakeEngine) -> None:
     engine.fail_after = 1
     stream = events(app_client)
-    assert stream[-1][0] == "error" and stream[-1][1]["type"] == "error"
+    assert stream[-1][0] == "error"
+    assert stream[-1][1]["type"] == "error"
     assert stream[-1][1]["error"]["type"] == "api_error"
     assert "[DONE]" not in json.dumps(stream)
 

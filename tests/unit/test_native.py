@@ -14,8 +14,10 @@ MODEL = "fake-model"
 def test_tokenize_prompt_and_messages(client: TestClient, engine: FakeEngine) -> None:
     response = client.post("/tokenize", json={"prompt": "one two three", "return_token_strs": True})
     body = response.json()
-    assert body["count"] == 3 and body["tokens"] == engine.tokenizer.encode("one two three")
-    assert body["token_strs"] == ["one", "two", "three"] and body["max_model_len"] == 64
+    assert body["count"] == 3
+    assert body["tokens"] == engine.tokenizer.encode("one two three")
+    assert body["token_strs"] == ["one", "two", "three"]
+    assert body["max_model_len"] == 64
     chat = client.post("/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] == len(engine.tokenizer.encode("<user> hi <assistant>"))
 
@@ -36,7 +38,8 @@ def test_generate_native(client: TestClient, engine: FakeEngine) -> None:
     response = client.post("/generate", json={"prompt": "hello", "max_tokens": 3, "temperature": 0})
     assert response.status_code == 200
     body = response.json()
-    assert body["output"] == "the quick brown" and body["finish_reason"] == "length"
+    assert body["output"] == "the quick brown"
+    assert body["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 3
     assert engine.requests[0].sampling.temperature == 0
 
@@ -55,7 +58,8 @@ def test_native_bad_input(client: TestClient) -> None:
 def test_best_of_returns_the_most_likely(sdk: openai.OpenAI, engine: FakeEngine) -> None:
     result = sdk.completions.create(model=MODEL, prompt="a", max_tokens=2, n=1, best_of=3)
     assert engine.requests[0].sampling.n == 3
-    assert [c.index for c in result.choices] == [0] and result.choices[0].logprobs is None
+    assert [c.index for c in result.choices] == [0]
+    assert result.choices[0].logprobs is None
     assert result.usage.completion_tokens == 6  # every candidate's tokens count, as at OpenAI
 
 
@@ -79,14 +83,16 @@ def test_openapi_describes_routes_from_the_models(client: TestClient) -> None:
     assert chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("ChatCompletionRequest")
     props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"messages", "temperature", "logprobs", "tools", "response_format"} <= set(props)
-    assert "/tokenize" in doc["paths"] and "/generate" in doc["paths"]
+    assert "/tokenize" in doc["paths"]
+    assert "/generate" in doc["paths"]
 
 
 def test_chat_native_messages_in_text_out(client: TestClient, engine: FakeEngine) -> None:
     body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
             "max_tokens": 3, "temperature": 0}
     response = client.post("/chat", json=body)
-    assert response.status_code == 200 and response.headers["x-model-version"] == MODEL
+    assert response.status_code == 200
+    assert response.headers["x-model-version"] == MODEL
     assert response.json() == {"output": "the quick brown", "finish_reason": "length",
                                "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}}
     assert engine.tokenizer.decode(engine.requests[0].prompt_token_ids) == "<system> be brief <user> hello <assistant>"
@@ -100,7 +106,8 @@ def test_chat_native_streams_as_stream_generate_does(client: TestClient) -> None
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert "".join(c["output"] for c in chunks) == "the quick brown"
-    assert chunks[-1]["finish_reason"] == "length" and set(chunks[0]) <= {"output", "finish_reason", "usage"}
+    assert chunks[-1]["finish_reason"] == "length"
+    assert set(chunks[0]) <= {"output", "finish_reason", "usage"}
 
 
 def test_chat_native_cached_answer_streams_too(engine: FakeEngine) -> None:
@@ -110,7 +117,8 @@ def test_chat_native_cached_answer_streams_too(engine: FakeEngine) -> None:
         body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "temperature": 0}
         first = client.post("/chat", json=body)
         again = client.post("/chat", json={**body, "stream": True})
-    assert again.headers["x-cache"] == "HIT" and len(engine.requests) == 1
+    assert again.headers["x-cache"] == "HIT"
+    assert len(engine.requests) == 1
     events = sse_events(again.text)
     assert "".join(json.loads(e)["output"] for e in events[:-1]) == first.json()["output"]
 
@@ -119,5 +127,6 @@ def test_chat_native_bad_input(client: TestClient) -> None:
     assert client.post("/chat", json={"max_tokens": 3}).json()["error"]["param"] == "messages"
     assert client.post("/chat", json={"messages": [], "max_tokens": 3}).status_code == 400
     unknown = client.post("/chat", json={"messages": [{"role": "user", "content": "a"}], "tools": []})
-    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "tools"
+    assert unknown.status_code == 400
+    assert unknown.json()["error"]["param"] == "tools"
     assert client.post("/chat", json={"model": "nope", "messages": [{"role": "user", "content": "a"}]}).status_code == 404

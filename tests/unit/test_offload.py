@@ -63,7 +63,8 @@ async def test_small_bodies_inline_large_ones_in_the_worker() -> None:
         assert (await client.post("/v1/chat/completions", json=chat(BIG))).status_code == 200
         assert (await client.post("/v1/completions", json={"model": "fake-model", "prompt": BIG, "max_tokens": 2})).status_code == 200
         tokens = await client.post("/tokenize", json={"model": "fake-model", "prompt": BIG})
-        assert tokens.status_code == 200 and tokens.json()["count"] == BIG.count("word")
+        assert tokens.status_code == 200
+        assert tokens.json()["count"] == BIG.count("word")
 
     await with_client(engine_with(tokenizer), work)
     assert tokenizer.threads[0] == threading.main_thread().name
@@ -80,7 +81,8 @@ async def test_the_loop_keeps_serving_while_a_large_prompt_is_tokenized() -> Non
         # the large prompt is held inside the tokenizer; other requests are still answered
         assert (await client.get("/health")).status_code == 200
         small = await client.post("/v1/chat/completions", json=chat("hi"))
-        assert small.status_code == 200 and not big.done()
+        assert small.status_code == 200
+        assert not big.done()
         tokenizer.gate.set()
         assert (await big).status_code == 200
 
@@ -94,4 +96,5 @@ async def test_refusals_from_the_worker_are_the_usual_errors() -> None:
         return await client.post("/v1/chat/completions", json=chat(BIG))
 
     refused = await with_client(engine, work)
-    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "context_length_exceeded"

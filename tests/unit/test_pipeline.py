@@ -36,9 +36,12 @@ async def test_a_whole_answer_without_http() -> None:
     context = RequestContext(release_body=lambda: released.append(True))
     async with state_of(engine) as state:
         answer = await dispatch(context, state, chat(), CHAT)
-    assert isinstance(answer, Whole) and isinstance(answer.body, ChatCompletion)
-    assert answer.body.choices[0].message.content and answer.body.usage.completion_tokens == 3
-    assert len(engine.requests) == 1 and released == [True]  # the body left the in-flight budget
+    assert isinstance(answer, Whole)
+    assert isinstance(answer.body, ChatCompletion)
+    assert answer.body.choices[0].message.content
+    assert answer.body.usage.completion_tokens == 3
+    assert len(engine.requests) == 1
+    assert released == [True]
     assert context.record.response_headers["x-served-model"] == "fake-model"
     assert context.charge is not None  # the key's token charge, settled by whoever ends the request
 
@@ -47,10 +50,12 @@ async def test_a_stream_holds_its_admission_permit_until_closed() -> None:
     engine = FakeEngine()
     async with state_of(engine, admission={"max_running": 1, "max_waiting": 0}) as state:
         answer = await dispatch(RequestContext(), state, chat(stream=True), CHAT)
-        assert isinstance(answer, Stream) and answer.on_close is not None
+        assert isinstance(answer, Stream)
+        assert answer.on_close is not None
         events = [event async for event in answer.events]
         admission = state.models.backends["fake-model"].admission
-        assert events and admission.admit_now(1) is None  # the permit is still the stream's
+        assert events
+        assert admission.admit_now(1) is None
         answer.on_close()
         permit = admission.admit_now(1)
         assert permit is not None

@@ -22,9 +22,12 @@ def test_the_cache_the_store_and_the_limits_share_one_pool_per_address() -> None
     cache = make_backend(cache_settings, pools)
     store = make_store_backend(cache_settings, pools)
     quota = Quota(LimitsSettings(redis_url=URL, redis_timeout_s=0.25), pools)
-    assert isinstance(cache, RedisCache) and isinstance(store, RedisStore) and quota.shared is not None
+    assert isinstance(cache, RedisCache)
+    assert isinstance(store, RedisStore)
+    assert quota.shared is not None
     clients = [cache._client, store._client, quota.shared._client]
-    assert len(pools) == 1 and len({id(c.redis.connection_pool) for c in clients}) == 1
+    assert len(pools) == 1
+    assert len({id(c.redis.connection_pool) for c in clients}) == 1
     assert [c.timeout_s for c in clients] == [0.5, 0.5, 0.25]  # each its own bound
     kwargs = clients[0].redis.connection_pool.connection_kwargs
     assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == 0.5  # the longest

@@ -45,7 +45,8 @@ def test_models_aliases_and_listing(tmp_path: Path) -> None:
         ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
         assert set(ids) == {"primary", "backup", "chat", "default"}
         answer = client.post("/v1/chat/completions", json=chat_body("default"))
-        assert answer.json()["model"] == "primary" and answer.headers["x-served-model"] == "primary"
+        assert answer.json()["model"] == "primary"
+        assert answer.headers["x-served-model"] == "primary"
         assert len(engines["primary"].requests) == 1
 
 
@@ -54,7 +55,8 @@ def test_fallback_when_the_engine_is_dead(tmp_path: Path) -> None:
     engines["primary"].dead = True
     with TestClient(multi_app(tmp_path, engines)) as client:
         answer = client.post("/v1/chat/completions", json=chat_body("primary", stream=True))
-        assert answer.status_code == 200 and answer.headers["x-served-model"] == "backup"
+        assert answer.status_code == 200
+        assert answer.headers["x-served-model"] == "backup"
         assert answer.headers["x-model-version"] == "primary"
         assert '"model":"backup"' in answer.text
         metrics = client.get("/metrics").text
@@ -104,10 +106,13 @@ def test_split_is_sticky_per_user_and_spreads(tmp_path: Path) -> None:
     ],
 )
 def test_bad_models_file_is_refused_with_a_clear_message(tmp_path: Path, text: str, problem: str) -> None:
-    with pytest.raises(ConfigError, match=problem):
+    def start() -> None:
         app = create_app(fake_settings(models_file=write(tmp_path, text)), engine_starter=lambda es: FakeEngine(es.served_model_name))
         with TestClient(app):
             pass
+
+    with pytest.raises(ConfigError, match=problem):
+        start()
 
 
 def test_models_file_in_toml(tmp_path: Path) -> None:

@@ -58,7 +58,8 @@ def test_remote_requests_are_estimated_then_settled_to_the_upstreams_usage(tmp_p
         # the budget of 12 a day holds two requests of 6 (as the upstream counted them), not three of 4
         assert post(client, "sk-a").status_code == 200
         refused = post(client, "sk-a")
-        assert refused.status_code == 429 and refused.json()["error"]["code"] == "insufficient_quota"
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "insufficient_quota"
 
 
 @pytest.mark.parametrize("include_usage", [True, False])
@@ -68,7 +69,8 @@ def test_streams_are_counted_from_the_usage_chunk_or_their_chunks(tmp_path: Path
     options = {"stream_options": {"include_usage": True}} if include_usage else {}
     with front(tmp_path, base) as client:
         answer = post(client, stream=True, max_tokens=4, **options)
-        assert answer.status_code == 200 and answer.text.endswith("data: [DONE]\n\n")
+        assert answer.status_code == 200
+        assert answer.text.endswith("data: [DONE]\n\n")
     after = [metric(f"gateway_key_{kind}_tokens_total", key="team-b", team="b") for kind in ("prompt", "completion")]
     prompt = UPSTREAM_PROMPT if include_usage else ESTIMATED_PROMPT  # without usage: the estimate
     assert [a - b for a, b in zip(after, before, strict=True)] == [prompt, 4]
@@ -80,15 +82,18 @@ def test_deterministic_remote_answers_are_cached_whole_and_streamed(tmp_path: Pa
         whole = post(client, temperature=0)
         again = post(client, temperature=0)
         assert (whole.headers["x-cache"], again.headers["x-cache"]) == ("MISS", "HIT")
-        assert again.json()["choices"] == whole.json()["choices"] and again.json()["usage"] == whole.json()["usage"]
+        assert again.json()["choices"] == whole.json()["choices"]
+        assert again.json()["usage"] == whole.json()["usage"]
         replayed = post(client, temperature=0, stream=True)
-        assert replayed.headers["x-cache"] == "HIT" and '"content":"the quick brown"' in replayed.text
+        assert replayed.headers["x-cache"] == "HIT"
+        assert '"content":"the quick brown"' in replayed.text
         assert len(engine.requests) == 1
         # a stream first: joined into the whole answer, then served whole
         streamed = post(client, temperature=0, max_tokens=5, stream=True, stream_options={"include_usage": True})
         assert streamed.headers["x-cache"] == "MISS"
         hit = post(client, temperature=0, max_tokens=5)
-        assert hit.headers["x-cache"] == "HIT" and hit.json()["choices"][0]["message"]["content"] == "the quick brown fox jumps"
+        assert hit.headers["x-cache"] == "HIT"
+        assert hit.json()["choices"][0]["message"]["content"] == "the quick brown fox jumps"
         assert hit.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
         assert hit.json()["choices"][0]["finish_reason"] == "length"
         assert post(client, temperature=1).headers["x-cache"] == "MISS"  # not deterministic: not cached
@@ -118,7 +123,8 @@ async def test_in_flight_while_a_remote_stream_is_passed_on() -> None:
     before = metric("gateway_time_to_first_token_seconds_count", model="watched")
     watch = RemoteAnswer("watched", ChatCompletion, 1)
     passed = [chunk async for chunk in watch.chunks(chunks())]
-    assert b"".join(passed).endswith(b"data: [DONE]\n\n") and len(passed) == 3  # unchanged, not re-cut
+    assert b"".join(passed).endswith(b"data: [DONE]\n\n")
+    assert len(passed) == 3
     assert metric("gateway_requests_in_flight", model="watched") == 0
     assert metric("gateway_time_to_first_token_seconds_count", model="watched") == before + 1
 
@@ -145,9 +151,12 @@ async def test_streams_join_into_whole_answers() -> None:
     assert isinstance(answer, ChatCompletion)
     call = answer.choices[0].message.tool_calls[0]  # type: ignore[index]
     assert call == {"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    assert answer.choices[0].message.content is None and answer.choices[0].finish_reason == "tool_calls"
-    assert answer.choices[0].logprobs is not None and len(answer.choices[0].logprobs.content or []) == 1
-    assert answer.usage.completion_tokens == 3 and answer.usage.prompt_tokens == 2  # chunks counted, estimated
+    assert answer.choices[0].message.content is None
+    assert answer.choices[0].finish_reason == "tool_calls"
+    assert answer.choices[0].logprobs is not None
+    assert len(answer.choices[0].logprobs.content or []) == 1
+    assert answer.usage.completion_tokens == 3
+    assert answer.usage.prompt_tokens == 2
 
     completion = [
         {"id": "k", "created": 1, "model": "up", "choices": [{"index": 0, "text": "Hello", "logprobs": {
@@ -159,9 +168,12 @@ async def test_streams_join_into_whole_answers() -> None:
     ]
     await _drain(RemoteAnswer("m", Completion, 9, on_done=store), completion)
     whole = stored.pop()
-    assert isinstance(whole, Completion) and whole.choices[0].text == "Hello you"
-    assert whole.choices[0].logprobs is not None and whole.choices[0].logprobs.text_offset == [0, 5]
-    assert whole.usage is not None and whole.usage.prompt_tokens == 4
+    assert isinstance(whole, Completion)
+    assert whole.choices[0].text == "Hello you"
+    assert whole.choices[0].logprobs is not None
+    assert whole.choices[0].logprobs.text_offset == [0, 5]
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == 4
 
     cut_short = chat[:2]  # no finish_reason, no [DONE]: not cached
     await _drain(RemoteAnswer("m", ChatCompletion, 2, on_done=store), cut_short)

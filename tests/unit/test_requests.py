@@ -28,7 +28,8 @@ def test_the_state_is_the_lifespan_s_and_the_body_size_the_request_context_s() -
     assert state_of(request) is gateway is request.state.gateway
     assert body_size(request) == 0
     context_of(request.scope).body_bytes = 12  # the one typed per-request object, not a state key
-    assert body_size(request) == 12 and request.scope[SCOPE_KEY].body_bytes == 12
+    assert body_size(request) == 12
+    assert request.scope[SCOPE_KEY].body_bytes == 12
     with pytest.raises(AttributeError):  # no lifespan state: request.state's error, as before
         state_of(Request({"type": "http", "headers": []}))
     assert body_size(Request({"type": "http", "headers": []})) == 0

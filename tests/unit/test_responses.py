@@ -50,18 +50,26 @@ def scripted(engine: FakeEngine) -> FakeEngine:
 
 def test_create_answers_a_response(sdk: openai.OpenAI, scripted: FakeEngine) -> None:
     answer = sdk.responses.create(model=MODEL, input="hi", instructions="Be brief.", metadata={"k": "v"}, user="u1")
-    assert answer.object == "response" and answer.id.startswith("resp_") and answer.status == "completed"
-    assert answer.output_text == "Hello there!" and answer.completed_at is not None
+    assert answer.object == "response"
+    assert answer.id.startswith("resp_")
+    assert answer.status == "completed"
+    assert answer.output_text == "Hello there!"
+    assert answer.completed_at is not None
     message = answer.output[0]
-    assert message.type == "message" and message.role == "assistant" and message.status == "completed"
-    assert answer.usage.output_tokens == 3 and answer.usage.total_tokens == answer.usage.input_tokens + 3
+    assert message.type == "message"
+    assert message.role == "assistant"
+    assert message.status == "completed"
+    assert answer.usage.output_tokens == 3
+    assert answer.usage.total_tokens == answer.usage.input_tokens + 3
     assert (answer.instructions, answer.metadata, answer.user, answer.model) == ("Be brief.", {"k": "v"}, "u1", MODEL)
     assert scripted.requests[0].prompt_text == "<system> Be brief. <user> hi <assistant>"
 
 
 def test_answers_keep_their_nulls_as_openai_sends_them(client: TestClient, scripted: FakeEngine) -> None:
     body = client.post("/v1/responses", json={"model": MODEL, "input": "hi"}).json()
-    assert body["error"] is None and body["incomplete_details"] is None and body["previous_response_id"] is None
+    assert body["error"] is None
+    assert body["incomplete_details"] is None
+    assert body["previous_response_id"] is None
     assert body["output"][0]["content"][0] == {"type": "output_text", "text": "Hello there!", "annotations": [],
                                                "logprobs": []}
 
@@ -75,9 +83,12 @@ def test_tool_choice_auto_without_tools_is_no_choice(sdk: openai.OpenAI, scripte
 
 def test_max_output_tokens_cut_is_incomplete(sdk: openai.OpenAI, engine: FakeEngine) -> None:
     answer = sdk.responses.create(model=MODEL, input="hi", max_output_tokens=16)
-    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
-    assert answer.output[0].status == "incomplete" and answer.completed_at is None
-    assert answer.usage.output_tokens == 16 and engine.requests[0].sampling.max_tokens == 16
+    assert answer.status == "incomplete"
+    assert answer.incomplete_details.reason == "max_output_tokens"
+    assert answer.output[0].status == "incomplete"
+    assert answer.completed_at is None
+    assert answer.usage.output_tokens == 16
+    assert engine.requests[0].sampling.max_tokens == 16
 
 
 def test_stream_sends_openai_s_events_in_order(client: TestClient, scripted: FakeEngine) -> None:
@@ -93,7 +104,8 @@ def test_stream_sends_openai_s_events_in_order(client: TestClient, scripted: Fak
     item_id = events[2][1]["item"]["id"]
     assert {data.get("item_id", item_id) for _, data in events[3:-2]} == {item_id}
     final = events[-1][1]["response"]
-    assert final["status"] == "completed" and final["output"][0]["id"] == item_id
+    assert final["status"] == "completed"
+    assert final["output"][0]["id"] == item_id
     assert client.get(f"/v1/responses/{final['id']}").json() == final
 
 
@@ -117,7 +129,8 @@ def test_an_engine_failure_mid_stream_is_response_failed(client: TestClient, eng
     engine.fail_after = 2
     events = sse(client.post("/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}).text)
     name, data = events[-1]
-    assert name == "response.failed" and data["response"]["error"]["code"] == "server_error"
+    assert name == "response.failed"
+    assert data["response"]["error"]["code"] == "server_error"
     assert client.get(f"/v1/responses/{data['response']['id']}").json()["status"] == "failed"
 
 
@@ -129,7 +142,8 @@ def test_previous_response_id_continues_the_conversation(sdk: openai.OpenAI, scr
     assert scripted.requests[1].prompt_text == "<user> hi <assistant> Hello there! <user> and again? <assistant>"
     items = list(sdk.responses.input_items.list(second.id))
     assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "assistant"), ("message", "user")]
-    assert items[0].content[0].text == "and again?" and items[1].id == first.output[0].id  # newest first
+    assert items[0].content[0].text == "and again?"
+    assert items[1].id == first.output[0].id
     ascending = list(sdk.responses.input_items.list(second.id, order="asc", limit=1))  # the SDK pages with `after`
     assert [i.id for i in ascending] == [i.id for i in reversed(items)]
 
@@ -138,20 +152,27 @@ def test_input_items_page_by_page(client: TestClient, scripted: FakeEngine) -> N
     texts = [{"role": "user", "content": f"m{i}"} for i in range(5)]
     answer = client.post("/v1/responses", json={"model": MODEL, "input": texts}).json()
     page = client.get(f"/v1/responses/{answer['id']}/input_items?limit=2&order=asc").json()
-    assert [i["content"][0]["text"] for i in page["data"]] == ["m0", "m1"] and page["has_more"]
+    assert [i["content"][0]["text"] for i in page["data"]] == ["m0", "m1"]
+    assert page["has_more"]
     rest = client.get(f"/v1/responses/{answer['id']}/input_items?limit=10&order=asc&after={page['last_id']}").json()
-    assert [i["content"][0]["text"] for i in rest["data"]] == ["m2", "m3", "m4"] and not rest["has_more"]
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["m2", "m3", "m4"]
+    assert not rest["has_more"]
     bad = client.get(f"/v1/responses/{answer['id']}/input_items?limit=0")
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "limit"
 
 
 def test_a_tool_call_round_trip(sdk: openai.OpenAI, engine: FakeEngine) -> None:
     engine.reply = [CALL]
     asked = sdk.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER])
     call = asked.output[0]
-    assert asked.status == "completed" and len(asked.output) == 1
-    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
-    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert asked.status == "completed"
+    assert len(asked.output) == 1
+    assert call.type == "function_call"
+    assert call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_")
+    assert call.id.startswith("fc_")
     engine.reply = ["It is sunny."]
     answered = sdk.responses.create(model=MODEL, previous_response_id=asked.id, tools=[WEATHER], input=[
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21C"}])
@@ -189,13 +210,14 @@ def test_required_tool_choice_and_parallel_calls(sdk: openai.OpenAI, engine: Fak
     engine.reply = ['[{"name": "get_weather", "parameters": {"city": "Paris"}}]']
     answer = sdk.responses.create(model=MODEL, input="Weather?", tools=[WEATHER], tool_choice="required",
                                   parallel_tool_calls=False)
-    assert answer.output[0].type == "function_call" and answer.parallel_tool_calls is False
+    assert answer.output[0].type == "function_call"
+    assert answer.parallel_tool_calls is False
     assert engine.requests[0].sampling.json_schema["maxItems"] == 1
     sdk.responses.create(model=MODEL, input="Hi", tools=[WEATHER], tool_choice="none")
     assert "get_weather" not in engine.requests[1].prompt_text
 
 
-@pytest.mark.parametrize("fmt, constraint", [
+@pytest.mark.parametrize(("fmt", "constraint"), [
     ({"type": "json_schema", "name": "city", "schema": {"type": "object", "properties": {"c": {"type": "string"}}}},
      {"json_schema": {"type": "object", "properties": {"c": {"type": "string"}}}}),
     ({"type": "json_object"}, {"json_object": True}),
@@ -205,7 +227,8 @@ def test_text_format_constrains_the_output(sdk: openai.OpenAI, engine: FakeEngin
     answer = sdk.responses.create(model=MODEL, input="Capital?", text={"format": fmt})
     sampling = engine.requests[0].sampling
     assert {key: getattr(sampling, key) for key in constraint} == constraint
-    assert answer.text.format.type == fmt["type"] and json.loads(answer.output_text) == {"c": "Paris"}
+    assert answer.text.format.type == fmt["type"]
+    assert json.loads(answer.output_text) == {"c": "Paris"}
 
 
 def test_store_false_is_not_kept(sdk: openai.OpenAI, scripted: FakeEngine) -> None:
@@ -238,7 +261,7 @@ def test_responses_are_scoped_by_api_key(engine: FakeEngine) -> None:
             sdk_for(client, "sk-wrong").responses.retrieve(answer.id)
 
 
-@pytest.mark.parametrize("body, param", [
+@pytest.mark.parametrize(("body", "param"), [
     ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
     ({"input": "hi", "max_output_tokens": 8}, "max_output_tokens"),
     ({"input": "hi", "temperature": 3}, "temperature"),
@@ -259,16 +282,20 @@ def test_bad_requests_are_openai_400s(client: TestClient, body: dict, param: str
     response = client.post("/v1/responses", json={"model": MODEL, **body})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["message"]
 
 
 def test_unknown_ids_and_models_are_404s(client: TestClient) -> None:
     for method, path in [("GET", "/v1/responses/resp_nope"), ("DELETE", "/v1/responses/resp_nope"),
                          ("GET", "/v1/responses/resp_nope/input_items"), ("POST", "/v1/responses/resp_nope/cancel")]:
         response = client.request(method, path)
-        assert response.status_code == 404 and response.json()["error"]["param"] == "response_id", path
+        assert response.status_code == 404, path
+        assert response.json()["error"]["param"] == "response_id", path
     unknown = client.post("/v1/responses", json={"model": "nope", "input": "hi"})
-    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "model_not_found"
 
 
 def wait_for(sdk: openai.OpenAI, response_id: str, *statuses: str) -> Any:
@@ -283,14 +310,17 @@ def wait_for(sdk: openai.OpenAI, response_id: str, *statuses: str) -> Any:
 def test_background_runs_and_a_cancel_aborts_the_engine(sdk: openai.OpenAI, engine: FakeEngine) -> None:
     engine.delay = 0.01
     started = sdk.responses.create(model=MODEL, input="hi", background=True)
-    assert started.status == "in_progress" and started.background is True
+    assert started.status == "in_progress"
+    assert started.background is True
     assert sdk.responses.retrieve(started.id).status == "in_progress"
     with pytest.raises(openai.BadRequestError) as running:  # its output is not there yet to continue from
         sdk.responses.create(model=MODEL, input="and then?", previous_response_id=started.id)
-    assert running.value.body["param"] == "previous_response_id" and "in_progress" in running.value.message  # type: ignore[index]
+    assert running.value.body["param"] == "previous_response_id"
+    assert "in_progress" in running.value.message
     cancelled = sdk.responses.cancel(started.id)
     assert cancelled.status == "cancelled"
-    assert engine.aborted == [engine.requests[0].request_id] and not engine.running
+    assert engine.aborted == [engine.requests[0].request_id]
+    assert not engine.running
     assert sdk.responses.retrieve(started.id).status == "cancelled"
     assert sdk.responses.cancel(started.id).status == "cancelled"  # again: no change
 
@@ -298,7 +328,8 @@ def test_background_runs_and_a_cancel_aborts_the_engine(sdk: openai.OpenAI, engi
 def test_a_background_response_completes_and_cannot_be_cancelled_after(sdk: openai.OpenAI, scripted: FakeEngine) -> None:
     started = sdk.responses.create(model=MODEL, input="hi", background=True)
     done = wait_for(sdk, started.id, "completed")
-    assert done.output_text == "Hello there!" and done.usage.output_tokens == 3
+    assert done.output_text == "Hello there!"
+    assert done.usage.output_tokens == 3
     assert sdk.responses.cancel(started.id).status == "completed"
     foreground = sdk.responses.create(model=MODEL, input="hi")
     with pytest.raises(openai.BadRequestError):
@@ -319,12 +350,14 @@ def test_a_background_response_is_work_in_progress_for_the_drain(engine: FakeEng
         sdk = sdk_for(client)
         started = sdk.responses.create(model=MODEL, input="hi", background=True)
         time.sleep(0.3)  # its request is over
-        assert lifecycle.active == 1 and engine.running
+        assert lifecycle.active == 1
+        assert engine.running
         assert sdk.responses.cancel(started.id).status == "cancelled"
         deadline = time.monotonic() + 5
         while lifecycle.active and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert lifecycle.active == 0 and not engine.running
+        assert lifecycle.active == 0
+        assert not engine.running
 
 
 def test_deterministic_answers_come_from_the_cache_under_new_ids(scripted: FakeEngine) -> None:
@@ -334,12 +367,15 @@ def test_deterministic_answers_come_from_the_cache_under_new_ids(scripted: FakeE
         again = client.post("/v1/responses", json={**body, "metadata": {"turn": "2"}})
         assert (first.headers["x-cache"], again.headers["x-cache"]) == ("MISS", "HIT")
         one, two = first.json(), again.json()
-        assert one["id"] != two["id"] and one["output"][0]["id"] != two["output"][0]["id"]
-        assert two["metadata"] == {"turn": "2"} and two["output"][0]["content"] == one["output"][0]["content"]
+        assert one["id"] != two["id"]
+        assert one["output"][0]["id"] != two["output"][0]["id"]
+        assert two["metadata"] == {"turn": "2"}
+        assert two["output"][0]["content"] == one["output"][0]["content"]
         assert client.get(f"/v1/responses/{two['id']}").json() == two
         streamed = client.post("/v1/responses", json={**body, "stream": True})
         events = sse(streamed.text)
-        assert streamed.headers["x-cache"] == "HIT" and [name for name, _ in events] == [*TEXT_EVENTS, "response.completed"]
+        assert streamed.headers["x-cache"] == "HIT"
+        assert [name for name, _ in events] == [*TEXT_EVENTS, "response.completed"]
         assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
         assert events[-1][1]["response"]["output"][0]["content"][0]["text"] == "Hello there!"
         assert len(scripted.requests) == 1
@@ -350,7 +386,8 @@ def test_remote_models_are_refused(tmp_path: Path) -> None:
     models.write_text("models:\n  - {name: far, kind: remote, url: 'http://127.0.0.1:9/v1'}\n")
     with TestClient(app_with(FakeEngine(), models_file=models)) as client:
         response = client.post("/v1/responses", json={"model": "far", "input": "hi"})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "model"
 
 
 @pytest.fixture
@@ -379,7 +416,8 @@ def test_two_replicas_share_conversations_through_redis(redis: RedisServer) -> N
         assert 0 < ttl <= 600_000
         redis.stop()
         down = two.post("/v1/responses", json={"model": MODEL, "input": "more", "previous_response_id": second.id})
-        assert down.status_code == 503 and down.json()["error"]["type"] == "server_error"
+        assert down.status_code == 503
+        assert down.json()["error"]["type"] == "server_error"
         assert two.post("/v1/responses", json={"model": MODEL, "input": "hi"}).status_code == 200  # served, unstored
 
 

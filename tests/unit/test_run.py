@@ -36,11 +36,13 @@ def test_collect_takes_what_outputs_gives(with_each: bool) -> None:
     run = asyncio.run(_collected(engine, generation, seen if with_each else None))
     other, outputs = asyncio.run(_streamed(engine, generation))
     assert [c.text for c in run.choices] == [c.text for c in other.choices] == [["the", " quick", " brown"]] * 2
-    assert [c.tokens for c in run.choices] == [3, 3] and run.completion_tokens() == 6
+    assert [c.tokens for c in run.choices] == [3, 3]
+    assert run.completion_tokens() == 6
     assert run.prompt_tokens == other.prompt_tokens == 2
     assert [c.finish_reason for c in run.choices] == ["length", "length"]
     assert seen == (outputs if with_each else [])
-    assert engine.finished == [generation.request_id] * 2 and not engine.running
+    assert engine.finished == [generation.request_id] * 2
+    assert not engine.running
 
 
 def test_collect_closes_the_engine_request_when_a_hand_off_fails() -> None:
@@ -53,13 +55,15 @@ def test_collect_closes_the_engine_request_when_a_hand_off_fails() -> None:
 
     async def go() -> Run:
         run = await Run(engine, generation).start()
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="no"):
             await run.collect(each)
-        assert engine.aborted == [generation.request_id] and not engine.running  # at once, not at the loop's end
+        assert engine.aborted == [generation.request_id]
+        assert not engine.running
         return run
 
     run = asyncio.run(go())
-    assert engine.aborted == [generation.request_id] and not engine.running
+    assert engine.aborted == [generation.request_id]
+    assert not engine.running
     assert run.completion_tokens() == 2  # what it took before the failure
 
 
@@ -69,4 +73,5 @@ def test_collect_passes_on_an_engine_failure_and_closes() -> None:
     generation = _generation(engine, max_tokens=4)
     with pytest.raises(RuntimeError, match="fake engine failure"):
         asyncio.run(_collected(engine, generation, None))
-    assert not engine.running and engine.finished == []
+    assert not engine.running
+    assert engine.finished == []

@@ -80,7 +80,8 @@ def test_completions_take_sampling_defaults_but_keep_16_tokens() -> None:
 )
 def test_native_routes_take_the_same_defaults(route: str, body: dict[str, Any], max_tokens: int) -> None:
     options = sampled(FakeEngine(defaults=MODEL_DEFAULTS), route, body)
-    assert options.temperature == body.get("temperature", 0.6) and options.top_p == 0.9
+    assert options.temperature == body.get("temperature", 0.6)
+    assert options.top_p == 0.9
     assert options.max_tokens == max_tokens
 
 

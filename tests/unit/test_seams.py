@@ -33,7 +33,8 @@ def test_the_installed_uvicorn_is_in_the_pinned_range() -> None:
 @pytest.mark.parametrize(("protocol", "cycle"), PROTOCOLS)
 def test_the_protocol_seams_are_where_the_gateway_reaches(protocol: type, cycle: type) -> None:
     assert callable(getattr(protocol, "send_400_response", None))  # overridden: the 400 in the API's shape
-    assert callable(getattr(protocol, "data_received", None)) and callable(getattr(protocol, "connection_made", None))
+    assert callable(getattr(protocol, "data_received", None))
+    assert callable(getattr(protocol, "connection_made", None))
     protocol_source = inspect.getsource(protocol)
     for name in ("self.cycle", "self.server_state"):  # the request in progress, the default headers
         assert re.search(rf"{re.escape(name)}\b", protocol_source), name

@@ -88,7 +88,8 @@ def test_port_0_listens_on_a_free_port_and_says_which(engine: FakeEngine, monkey
         connection.request("GET", "/health")
         assert connection.getresponse().status == 200
         connection.close()
-    assert bound != 0 and server.port == bound
+    assert bound != 0
+    assert server.port == bound
     assert [line for line in captured if line["event"] == "listening"] == [
         {"event": "listening", "log_level": "info", "host": "127.0.0.1", "port": bound, "scheme": "http"}]
 
@@ -128,7 +129,8 @@ def test_the_header_timeout_spares_a_connection_between_requests(running: Runnin
     first = connection.sock
     time.sleep(0.5)  # idle past the header timeout (0.3 s), within keep-alive: the timer runs only for headers
     connection.request("GET", "/health")
-    assert connection.getresponse().status == 200 and connection.sock is first
+    assert connection.getresponse().status == 200
+    assert connection.sock is first
 
 
 def test_whole_headers_in_one_read_make_no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,7 +175,8 @@ def test_a_stream_whose_client_reads_nothing_is_dropped_and_aborted() -> None:
         deadline = time.monotonic() + 60
         while not engine.aborted and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert engine.aborted and not engine.running
+        assert engine.aborted
+        assert not engine.running
         sock.settimeout(10)
         try:  # dropped: what the kernel held is delivered, then the end (or a reset)
             while sock.recv(65536):
@@ -196,7 +199,8 @@ def test_an_expect_100_continue_request_answered_before_its_body_closes_the_conn
         while chunk := sock.recv(65536):  # the server closes after the answer
             answer += chunk
         head, _, body = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 401") and b"connection: close" in head.lower()
+        assert head.startswith(b"HTTP/1.1 401")
+        assert b"connection: close" in head.lower()
         assert json.loads(body)["error"]["code"] == "invalid_api_key"
     with Running(FakeEngine(), api_keys=["sk-test"], header_timeout_s=30) as server:
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
@@ -205,7 +209,8 @@ def test_an_expect_100_continue_request_answered_before_its_body_closes_the_conn
             connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
                                                                  "Authorization": "Bearer sk-test", "Expect": "100-continue"})
             response = connection.getresponse()
-            assert response.status == 200 and response.getheader("connection") != "close"
+            assert response.status == 200
+            assert response.getheader("connection") != "close"
             response.read()
 
 
@@ -216,12 +221,15 @@ def test_a_500_keeps_the_connection_and_says_its_request_id(running: Running, en
     headers = {"Content-Type": "application/json", "X-Request-ID": "broken-1"}
     connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
     failed = connection.getresponse()
-    assert failed.status == 500 and failed.getheader("x-request-id") == "broken-1"
-    assert b"internal_error" in failed.read() and failed.getheader("connection") != "close"
+    assert failed.status == 500
+    assert failed.getheader("x-request-id") == "broken-1"
+    assert b"internal_error" in failed.read()
+    assert failed.getheader("connection") != "close"
     sock = connection.sock
     engine.fail_after = None
     connection.request("GET", "/health")
-    assert connection.getresponse().status == 200 and connection.sock is sock  # the same connection
+    assert connection.getresponse().status == 200
+    assert connection.sock is sock
 
 
 def test_an_abandoned_upload_is_counted_as_499(running: Running, engine: FakeEngine) -> None:
@@ -271,7 +279,8 @@ def test_an_error_before_the_router_has_its_length_for_an_http_1_0_client() -> N
         while chunk := sock.recv(65536):
             answer += chunk
         head, _, body = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 401") and b"transfer-encoding" not in head.lower()
+        assert head.startswith(b"HTTP/1.1 401")
+        assert b"transfer-encoding" not in head.lower()
         assert json.loads(body)["error"]["code"] == "invalid_api_key"
 
 
@@ -289,7 +298,8 @@ def test_a_request_that_is_not_http_gets_a_400_in_the_api_shape(running: Running
         while chunk := sock.recv(65536):
             answer += chunk
     head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head
+    assert head.startswith(b"HTTP/1.1 400")
+    assert b"content-type: application/json" in head
     error = json.loads(body)
     assert error["type"] == "error" if dialect == "anthropic" else error["error"]["type"] == "invalid_request_error"
     connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
@@ -399,7 +409,8 @@ def test_a_body_that_ends_in_one_large_read_is_not_taken_for_headers() -> None:
         return transport
 
     transport = asyncio.run(main())
-    assert received == [b"x" * (2 * MAX_HEADER_BYTES)] and transport.written.startswith(b"HTTP/1.1 200")
+    assert received == [b"x" * (2 * MAX_HEADER_BYTES)]
+    assert transport.written.startswith(b"HTTP/1.1 200")
 
 
 def test_bad_bytes_after_a_request_let_its_answer_end_first(engine: FakeEngine) -> None:
@@ -414,5 +425,6 @@ def test_bad_bytes_after_a_request_let_its_answer_end_first(engine: FakeEngine) 
         sock.sendall(b"GARBAGE\r\n\r\n")
         while chunk := sock.recv(65536):
             answer += chunk
-        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200")
+        assert answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
         assert b"HTTP/1.1 400" not in answer

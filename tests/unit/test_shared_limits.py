@@ -69,7 +69,8 @@ def test_two_gateways_on_one_redis_stay_within_a_keys_limits(redis_server: Redis
             if answer.status_code == 200:
                 served += 1
             else:
-                assert answer.json()["error"]["code"] == "insufficient_quota" and "retry-after" in answer.headers
+                assert answer.json()["error"]["code"] == "insufficient_quota"
+                assert "retry-after" in answer.headers
         assert served == 5
     stored = redis.Redis.from_url(redis_server.url)
     day = time.strftime("%Y-%m-%d", time.gmtime())
@@ -107,4 +108,5 @@ def test_redis_down_counts_in_process_logged_and_counted(redis_server: RedisServ
     assert metric("gateway_limits_redis_errors_total", operation="bucket") == errors + 1  # then not tried for 60 s
     assert metric("gateway_limits_local_decisions_total") >= local + 8
     unavailable = [line for line in logs if line["event"] == "limits_redis_unavailable"]
-    assert len(unavailable) == 1 and unavailable[0]["counting"] == "in process"
+    assert len(unavailable) == 1
+    assert unavailable[0]["counting"] == "in process"

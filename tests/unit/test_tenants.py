@@ -69,7 +69,8 @@ def test_plain_keys_and_sha256s_authenticate_and_are_logged_by_their_id(two_keys
         assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer("sk-gamma")).status_code == 401
         assert client.post("/v1/chat/completions", json=chat_body()).status_code == 401
     ids = [line.get("api_key_id") for line in logs if line["event"] == "request"]
-    assert ids[:2] == ["alpha", "beta"] and "sk-alpha" not in str(logs)
+    assert ids[:2] == ["alpha", "beta"]
+    assert "sk-alpha" not in str(logs)
 
 
 def test_flat_keys_keep_working_beside_the_file(two_keys: Path) -> None:
@@ -111,13 +112,18 @@ def test_bad_keys_files_are_refused_at_start(tmp_path: Path, text: str, problem:
 
 def test_versions_in_the_models_list() -> None:
     policy = KeyPolicy("k", models=("assistant@1", "chat", "smol"))
-    assert policy.allows("assistant@1.4.2") and policy.allows("assistant", "assistant@1.0.0")
-    assert not policy.allows("assistant@2.0.0") and not policy.allows("assistant", "assistant@2.0.0")
+    assert policy.allows("assistant@1.4.2")
+    assert policy.allows("assistant", "assistant@1.0.0")
+    assert not policy.allows("assistant@2.0.0")
+    assert not policy.allows("assistant", "assistant@2.0.0")
     assert policy.allows("chat", "other-model@3.0.0")  # a split by its public name
-    assert policy.allows("smol", "fake-model") and not policy.allows("fake-model")
+    assert policy.allows("smol", "fake-model")
+    assert not policy.allows("fake-model")
     exact = KeyPolicy("k", models=("assistant@1.4.2", "family"))
-    assert exact.allows("assistant@1.4.2") and not exact.allows("assistant@1.4.3")
-    assert not exact.allows("assistant@1.4.2-rc.1") and exact.allows("family@0.1.0-beta")
+    assert exact.allows("assistant@1.4.2")
+    assert not exact.allows("assistant@1.4.3")
+    assert not exact.allows("assistant@1.4.2-rc.1")
+    assert exact.allows("family@0.1.0-beta")
 
 
 def test_a_model_the_key_may_not_use_is_not_found(tmp_path: Path) -> None:
@@ -128,14 +134,16 @@ def test_a_model_the_key_may_not_use_is_not_found(tmp_path: Path) -> None:
         assert client.post("/v1/chat/completions", json=chat_body("smol"), headers=bearer("sk-n")).status_code == 200
         refused = client.post("/v1/chat/completions", json=chat_body("o"), headers=bearer("sk-n"))
         assert refused.status_code == 404
-        assert refused.json()["error"]["code"] == "model_not_found" and "access" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["code"] == "model_not_found"
+        assert "access" in refused.json()["error"]["message"]
         assert client.post("/v1/chat/completions", json=chat_body("o"), headers=bearer("sk-w")).status_code == 200
         listed = {m["id"] for m in client.get("/v1/models", headers=bearer("sk-n")).json()["data"]}
         assert listed == {"fake-model", "smol"}
         assert {"other", "o"} <= {m["id"] for m in client.get("/v1/models", headers=bearer("sk-w")).json()["data"]}
         assert client.get("/v1/models/smol", headers=bearer("sk-n")).json()["id"] == "smol"
         hidden = client.get("/v1/models/o", headers=bearer("sk-n"))  # as a model that does not exist
-        assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"
+        assert hidden.status_code == 404
+        assert hidden.json()["error"]["code"] == "model_not_found"
         assert client.get("/v1/models/o", headers=bearer("sk-w")).json()["root"] == "other"
 
 
@@ -146,16 +154,19 @@ def test_a_model_the_key_may_not_use_is_not_found(tmp_path: Path) -> None:
 def test_reload_on_sighup_and_on_change_keeps_the_table_when_the_file_is_bad(two_keys: Path) -> None:
     tenants = Tenants(two_keys, reload_interval_s=0.01)
     tenants.check({"fake-model"}, frozenset())
-    assert tenants.identify("sk-alpha") == "alpha" and tenants.policy("beta").rpm == 2
+    assert tenants.identify("sk-alpha") == "alpha"
+    assert tenants.policy("beta").rpm == 2
     two_keys.write_text("keys:\n  gamma: {key: sk-gamma, rpm: 7, models: [fake-model]}\n")
     assert tenants.reload("SIGHUP")
-    assert tenants.identify("sk-alpha") is None and tenants.identify("sk-gamma") == "gamma"
+    assert tenants.identify("sk-alpha") is None
+    assert tenants.identify("sk-gamma") == "gamma"
     failed = metric("gateway_keys_reloads_total", result="error")
     two_keys.write_text("keys:\n  delta: {key: sk-delta, models: [gpt-9]}\n")  # an unknown model: refused
     tenants._next_poll = 0
     tenants.poll()
     assert metric("gateway_keys_reloads_total", result="error") == failed + 1
-    assert tenants.identify("sk-gamma") == "gamma" and tenants.policy("gamma").rpm == 7
+    assert tenants.identify("sk-gamma") == "gamma"
+    assert tenants.policy("gamma").rpm == 7
     tenants._next_poll = 0
     tenants.poll()  # the same bad file is not tried again
     assert metric("gateway_keys_reloads_total", result="error") == failed + 1
@@ -189,7 +200,8 @@ def test_per_key_tokens_per_minute(tmp_path: Path) -> None:
         ok = client.post("/v1/chat/completions", json=chat_body(max_tokens=3), headers=bearer("sk-s"))
         assert ok.headers["x-ratelimit-remaining-tokens"] == str(10 - PROMPT_TOKENS - 3)
         refused = client.post("/v1/chat/completions", json=chat_body(max_tokens=5), headers=bearer("sk-s"))
-        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
         big = client.post("/v1/chat/completions", json=chat_body(max_tokens=5), headers=bearer("sk-b"))
         assert big.headers["x-ratelimit-limit-tokens"] == "1000"
 
@@ -204,7 +216,9 @@ def test_a_spent_budget_is_insufficient_quota_as_openai_says(tmp_path: Path) -> 
         with pytest.raises(openai.RateLimitError) as refused:
             sdk.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         body = refused.value.body
-        assert isinstance(body, dict) and body["type"] == "insufficient_quota" and body["code"] == "insufficient_quota"
+        assert isinstance(body, dict)
+        assert body["type"] == "insufficient_quota"
+        assert body["code"] == "insufficient_quota"
         assert int(refused.value.response.headers["retry-after"]) > 0  # until the next UTC day
         assert "12 of its 14 tokens" in body["message"]
         assert client.post("/v1/chat/completions", json=chat_body(max_tokens=1), headers=bearer("sk-c")).status_code == 429
@@ -214,7 +228,8 @@ def test_a_request_larger_than_the_whole_budget_has_no_retry_after(tmp_path: Pat
     path = keys_file(tmp_path, "keys:\n  capped: {key: sk-c, budget: {month: 20}}\n")
     with TestClient(app_with(keys_file=path)) as client:
         refused = client.post("/v1/chat/completions", json=chat_body(max_tokens=30), headers=bearer("sk-c"))
-        assert refused.status_code == 429 and "retry-after" not in refused.headers
+        assert refused.status_code == 429
+        assert "retry-after" not in refused.headers
         assert refused.json()["error"] == {"message": refused.json()["error"]["message"], "type": "insufficient_quota",
                                            "param": None, "code": "insufficient_quota"}
         assert client.post("/v1/chat/completions", json=chat_body(max_tokens=3), headers=bearer("sk-c")).status_code == 200
@@ -264,7 +279,8 @@ def test_the_keys_guard_profile_comes_before_the_guards_file(tmp_path: Path) -> 
     body = chat_body(messages=[{"role": "user", "content": "tell me about Hydra"}])
     with TestClient(app_with(keys_file=path, guards_file=guards)) as client:
         refused = client.post("/v1/chat/completions", json=body, headers=bearer("sk-c"))
-        assert refused.status_code == 400 and refused.json()["error"]["code"] == "content_policy_violation"
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "content_policy_violation"
         assert client.post("/v1/chat/completions", json=body, headers=bearer("sk-f")).status_code == 200
 
 
@@ -283,16 +299,17 @@ async def test_low_priority_is_refused_first_as_the_queue_fills(tmp_path: Path) 
                 return await client.post("/v1/chat/completions", json=chat_body(max_tokens=5), headers=bearer(key))
 
             running = asyncio.create_task(post("sk-web"))
-            while not engine.running:
+            while not engine.running:  # noqa: ASYNC110 - polls the fake engine's state; no event to wait on
                 await asyncio.sleep(0.001)
             waiting = [asyncio.create_task(post("sk-web")), asyncio.create_task(post("sk-web"))]
             admission = state["gateway"].models.backends["fake-model"].admission
-            while admission.waiting < 2:  # both queued: the queue is half full
+            while admission.waiting < 2:  # noqa: ASYNC110 - both queued: the queue is half full
                 await asyncio.sleep(0.001)
             low = await post("sk-low")
             normal = asyncio.create_task(post("sk-web"))
             results = await asyncio.gather(running, *waiting, normal)
-    assert low.status_code == 429 and low.json()["error"]["code"] == "model_overloaded"
+    assert low.status_code == 429
+    assert low.json()["error"]["code"] == "model_overloaded"
     assert [r.status_code for r in results] == [200, 200, 200, 200]
 
 
@@ -306,7 +323,8 @@ def test_the_documented_keys_file_example(tmp_path: Path) -> None:
     assert tenants.identify("sk-research-0123456789") == "research-batch"  # its key_sha256 is this key's
     policy = tenants.policy("research-batch")
     assert (policy.rpm, policy.tpm, policy.budget_day, policy.priority, policy.team) == (60, 20000, 200000, "low", "research")
-    assert policy.allows("assistant@1.2.0") and not policy.allows("assistant@2.0.0")
+    assert policy.allows("assistant@1.2.0")
+    assert not policy.allows("assistant@2.0.0")
 
 
 def test_the_tokenizer_routes_hold_the_key_to_its_models(tmp_path: Path) -> None:

@@ -72,7 +72,8 @@ def test_openai_sdk_over_https(files: Files, ca: trustme.CA) -> None:
     with structlog.testing.capture_logs() as captured, serving(TLSSettings(cert_file=files.cert, key_file=files.key)) as base:
         assert chat(base, client_context(ca)) == "the quick brown"
         ready = httpx.get(f"{base}/ready", verify=client_context(ca))
-        assert ready.status_code == 200 and ready.url.scheme == "https"
+        assert ready.status_code == 200
+        assert ready.url.scheme == "https"
     [listening] = [line for line in captured if line["event"] == "listening"]
     assert (listening["scheme"], listening["port"]) == ("https", ready.url.port)  # the line tests read the port from
 
@@ -193,9 +194,11 @@ def test_sighup_reloads() -> None:
         wait_for(lambda: server._reload_requested)
     assert signal.getsignal(signal.SIGHUP) == before
     asyncio.run(server.on_tick(1))
-    assert recorder.reasons == ["SIGHUP"] and recorder.polls == 1
+    assert recorder.reasons == ["SIGHUP"]
+    assert recorder.polls == 1
     asyncio.run(server.on_tick(2))
-    assert recorder.reasons == ["SIGHUP"] and recorder.polls == 2
+    assert recorder.reasons == ["SIGHUP"]
+    assert recorder.polls == 2
     assert not server.should_exit
 
 
@@ -217,10 +220,11 @@ def test_settings_from_environment_and_flags(monkeypatch: pytest.MonkeyPatch, fi
     settings = settings_from(parser().parse_args(["serve", "--tls-client-auth", "required", "--tls-ca-file", "/ca.pem"]))
     assert settings.tls == TLSSettings(cert_file=files.cert, key_file=files.key, min_version="TLSv1.3",
                                        client_auth="required", ca_file=Path("/ca.pem"))
-    assert settings.tls.enabled and not TLSSettings().enabled
+    assert settings.tls.enabled
+    assert not TLSSettings().enabled
 
 
-@pytest.mark.parametrize("values, problem", [
+@pytest.mark.parametrize(("values", "problem"), [
     ({"client_auth": "required", "cert_file": "c.pem"}, "needs tls.ca_file"),
     ({"key_file": "k.pem"}, "need tls.cert_file"),
     ({"min_version": "TLSv1.1", "cert_file": "c.pem"}, "TLSv1.2"),
@@ -251,4 +255,6 @@ def test_unusable_files_are_refused_at_start(tmp_path: Path, files: Files) -> No
     env = {**os.environ, "GATEWAY_TLS__CERT_FILE": str(tmp_path / "missing.pem")}
     result = subprocess.run([sys.executable, "-m", "gateway", "serve"], capture_output=True, text=True, env=env,
                             timeout=60)
-    assert result.returncode == 2 and "configuration error" in result.stderr and "missing.pem" in result.stderr
+    assert result.returncode == 2
+    assert "configuration error" in result.stderr
+    assert "missing.pem" in result.stderr

@@ -30,8 +30,10 @@ def test_named_tool_choice_constrains_to_the_function_schema(sdk: openai.OpenAI,
     )
     assert engine.requests[0].sampling.json_schema == WEATHER["function"]["parameters"]
     call = result.choices[0].message.tool_calls[0]
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id.startswith("call_")
+    assert call.type == "function"
     assert result.choices[0].message.content is None
     assert result.choices[0].finish_reason == "stop"
 
@@ -40,7 +42,8 @@ def test_required_tool_choice_parses_calls(sdk: openai.OpenAI, engine: FakeEngin
     engine.reply = ['[{"name": "get_weather", "parameters": {"city": "Paris"}},', ' {"name": "get_time", "parameters": {}}]']
     result = sdk.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required")
     schema = engine.requests[0].sampling.json_schema
-    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert schema["type"] == "array"
+    assert schema["minItems"] == 1
     assert {item["properties"]["name"]["enum"][0] for item in schema["items"]["anyOf"]} == {"get_weather", "get_time"}
     calls = result.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_weather", "get_time"]
@@ -86,7 +89,8 @@ def test_named_tool_streams_arguments(client: TestClient, engine: FakeEngine) ->
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     chunks = [json.loads(e) for e in sse_events(client.post("/v1/chat/completions", json=body).text)[:-1]]
     calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks]
-    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert calls[0]["id"].startswith("call_")
     assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
 
 
@@ -96,7 +100,8 @@ def test_auto_streams_tool_calls_with_sdk(sdk: openai.OpenAI, engine: FakeEngine
     deltas = [c.choices[0] for c in chunks]
     assert deltas[-1].finish_reason == "tool_calls"
     call = deltas[-1].delta.tool_calls[0]
-    assert call.index == 0 and call.function.name == "get_weather"
+    assert call.index == 0
+    assert call.function.name == "get_weather"
 
 
 def test_tool_messages_render_through_the_template(sdk: openai.OpenAI, engine: FakeEngine) -> None:
@@ -151,7 +156,8 @@ def test_auto_streams_the_text_before_a_call_as_it_comes(sdk: openai.OpenAI, eng
     whole = sdk.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER]).choices[0]
     chunks = [c.choices[0] for c in sdk.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True)
               if c.choices]
-    assert chunks[0].delta.role == "assistant" and all(c.delta.role is None for c in chunks[1:])
+    assert chunks[0].delta.role == "assistant"
+    assert all(c.delta.role is None for c in chunks[1:])
     assert "".join(c.delta.content or "" for c in chunks) == (whole.message.content or "")
     calls = [call for c in chunks for call in c.delta.tool_calls or []]
     assert [(call.function.name, call.function.arguments) for call in calls] == [

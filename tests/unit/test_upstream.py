@@ -69,9 +69,12 @@ def test_an_upstream_that_refuses_our_key_is_a_502_and_falls_back(upstream) -> N
     with structlog.testing.capture_logs() as logs:
         alone = client.post("/v1/chat/completions", json=chat_body("lonely"))
         rescued = client.post("/v1/chat/completions", json=chat_body("remote"))
-    assert alone.status_code == 502 and alone.json()["error"]["code"] == "bad_gateway"
-    assert SECRET_TEXT not in alone.text and "sk-up" not in alone.text
-    assert rescued.status_code == 200 and rescued.headers["x-served-model"] == "local"
+    assert alone.status_code == 502
+    assert alone.json()["error"]["code"] == "bad_gateway"
+    assert SECRET_TEXT not in alone.text
+    assert "sk-up" not in alone.text
+    assert rescued.status_code == 200
+    assert rescued.headers["x-served-model"] == "local"
     assert any(SECRET_TEXT in str(entry.get("why")) for entry in logs if entry["event"] == "upstream_failed")
 
 
@@ -80,7 +83,8 @@ def test_upstream_failures_map_to_our_errors(upstream, status: int, expected: in
     client, script = upstream
     script[0] = lambda request: httpx.Response(status, text=f"upstream says {SECRET_TEXT}")
     answer = client.post("/v1/chat/completions", json=chat_body("lonely"))
-    assert answer.status_code == expected and SECRET_TEXT not in answer.text
+    assert answer.status_code == expected
+    assert SECRET_TEXT not in answer.text
     assert answer.json()["error"]["type"] == "server_error"
     assert client.post("/v1/chat/completions", json=chat_body("remote")).headers["x-served-model"] == "local"
 
@@ -90,14 +94,16 @@ def test_the_clients_own_mistake_is_passed_on(upstream) -> None:
     error = {"error": {"message": "max_tokens is too large", "type": "BadRequestError", "param": "max_tokens", "code": 400}}
     script[0] = lambda request: httpx.Response(400, json=error)
     answer = client.post("/v1/chat/completions", json=chat_body("remote"))
-    assert answer.status_code == 400 and answer.json() == error
+    assert answer.status_code == 400
+    assert answer.json() == error
 
 
 def test_ready_shows_no_upstream_text(upstream) -> None:
     client, script = upstream
     script[0] = lambda request: httpx.Response(401, text=SECRET_TEXT)
     ready = client.get("/ready")
-    assert ready.status_code == 503 and ready.json()["models"]["lonely"] == "unavailable: upstream answered 401"
+    assert ready.status_code == 503
+    assert ready.json()["models"]["lonely"] == "unavailable: upstream answered 401"
     assert SECRET_TEXT not in ready.text
 
 
@@ -108,7 +114,8 @@ def test_a_compressed_stream_reaches_the_client_decoded(upstream) -> None:
         200, content=gzip.compress(events), headers={"content-type": "text/event-stream", "content-encoding": "gzip"}
     )
     answer = client.post("/v1/chat/completions", json=chat_body("remote", stream=True))
-    assert answer.status_code == 200 and "content-encoding" not in answer.headers
+    assert answer.status_code == 200
+    assert "content-encoding" not in answer.headers
     assert answer.text == (EVENT + b"\n\n" + EVENT + b"\n\n" + b"data: [DONE]\n\n").decode()
     whole = client.post("/v1/completions", json={"model": "remote", "prompt": "hi"})
     assert whole.status_code == 200
@@ -122,7 +129,9 @@ def test_a_compressed_answer_reaches_the_client_decoded(upstream) -> None:
         headers={"content-type": "application/json", "content-encoding": "gzip"},
     )
     answer = client.post("/v1/chat/completions", json=chat_body("remote"))
-    assert answer.status_code == 200 and answer.json() == body and "content-encoding" not in answer.headers
+    assert answer.status_code == 200
+    assert answer.json() == body
+    assert "content-encoding" not in answer.headers
 
 
 def test_an_upstream_that_breaks_mid_stream_ends_it_with_one_error_event(upstream) -> None:
@@ -134,14 +143,19 @@ def test_an_upstream_that_breaks_mid_stream_ends_it_with_one_error_event(upstrea
     answer = client.post("/v1/chat/completions", json=chat_body("lonely", stream=True))
     assert answer.status_code == 200
     events = [e for e in answer.text.split("\n\n") if e]
-    assert events[0] == EVENT.decode() and events[-1] == "data: [DONE]" and len(events) == 3
+    assert events[0] == EVENT.decode()
+    assert events[-1] == "data: [DONE]"
+    assert len(events) == 3
     error = json.loads(events[1][len("data: "):])["error"]
-    assert error["code"] == "service_unavailable" and "reset" not in error["message"]
+    assert error["code"] == "service_unavailable"
+    assert "reset" not in error["message"]
 
 
 def test_an_upstream_that_breaks_before_its_first_event_falls_back(upstream) -> None:
     client, script = upstream
     script[0] = lambda request: httpx.Response(200, stream=Broken(b""), headers={"content-type": "text/event-stream"})
     answer = client.post("/v1/chat/completions", json=chat_body("remote", stream=True))
-    assert answer.status_code == 200 and answer.headers["x-served-model"] == "local"
-    assert answer.text.endswith("data: [DONE]\n\n") and '"error"' not in answer.text
+    assert answer.status_code == 200
+    assert answer.headers["x-served-model"] == "local"
+    assert answer.text.endswith("data: [DONE]\n\n")
+    assert '"error"' not in answer.text

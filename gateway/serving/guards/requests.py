@@ -47,7 +47,7 @@ def guarded_chat(request: ChatCompletionRequest, guard: RequestGuard) -> ChatCom
         return request
     per_message = [message_texts(m) for m in request.messages]
     checked = iter(guard.check_input([t for texts in per_message for t in texts], "messages"))
-    messages = [with_texts(m, [next(checked) for _ in texts]) for m, texts in zip(request.messages, per_message)]
+    messages = [with_texts(m, [next(checked) for _ in texts]) for m, texts in zip(request.messages, per_message, strict=True)]
     if messages == request.messages:
         return request
     return request.model_copy(update={"messages": messages})
