@@ -6,7 +6,7 @@ implement it with a test double.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -131,7 +131,7 @@ class Engine(Protocol):
     @property
     def tokenizer(self) -> Tokenizer: ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         """Stream outputs; closing or cancelling the iterator aborts the request in the engine."""
         ...
 

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any
 
 from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
@@ -275,7 +275,7 @@ class VLLMEngine:
     def tokenizer(self) -> HFTokenizer:
         return self._tokenizer
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         prompt = tokens_input(request.prompt_token_ids, prompt=request.prompt_text)
         with _engine_errors():
             stream = self._llm.generate(prompt, sampling_params(request.sampling), request.request_id)

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -30,7 +30,7 @@ from gateway.api import stalls
 from gateway.api.errors import dialect_of, from_exception
 from gateway.api.requests import gone_of
 from gateway.errors import Dialect
-from gateway.pipeline.answer import Primed
+from gateway.pipeline.answer import Events, Primed
 from gateway.pipeline.disconnect import Watch
 from gateway.telemetry.record import current_record
 
@@ -95,7 +95,7 @@ class EventStreamResponse(Response):
 
     def __init__(
         self,
-        events: AsyncIterator[BaseModel | bytes],
+        events: Events,
         headers: Mapping[str, str] | None = None,
         on_close: Callable[[], None] | None = None,
         framing: Framing | None = None,
@@ -134,7 +134,7 @@ class EventStreamResponse(Response):
     async def _close(self) -> None:
         on_close, self.on_close = self.on_close, None
         try:
-            await self.events.aclose()  # type: ignore[attr-defined]
+            await self.events.aclose()
         finally:
             if on_close is not None:
                 on_close()

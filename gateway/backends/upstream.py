@@ -20,7 +20,7 @@ What comes back is an `UpstreamAnswer`; the API layer makes the HTTP response of
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ class UpstreamAnswer:
     status: int
     media_type: str
     body: bytes = b""
-    events: AsyncIterator[bytes] | None = None
+    events: AsyncGenerator[bytes, None] | None = None
 
 
 class Upstream:
@@ -94,7 +94,7 @@ class Upstream:
         log.warning("upstream_failed", model=self.name, why=why)
         return kind(f"The model '{self.name}' is unavailable: its upstream server failed. Please retry later.")
 
-    async def _events(self, response: httpx.Response, on_close: Callable[[], None]) -> AsyncIterator[bytes]:
+    async def _events(self, response: httpx.Response, on_close: Callable[[], None]) -> AsyncGenerator[bytes, None]:
         """The stream's events as they complete (an event cut by a failure is not passed on)."""
         pending = b""
         try:

@@ -5,7 +5,7 @@ starts."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -22,7 +22,7 @@ class Whole:
 
 @dataclass(slots=True)
 class Stream:
-    events: AsyncIterator[Event]
+    events: Events
     on_close: Callable[[], None] | None = None  # called once when the stream ends, however it ends
     relayed: bool = False  # a remote upstream's events, framed already (bytes: one event's lines each)
 
@@ -30,7 +30,7 @@ class Stream:
 Answer = Whole | Stream
 
 
-async def _nothing() -> AsyncIterator[Event]:
+async def _nothing() -> AsyncGenerator[Event, None]:
     return
     yield
 
@@ -38,7 +38,7 @@ async def _nothing() -> AsyncIterator[Event]:
 class Primed:
     """A stream whose first event was already taken; closing it closes the stream underneath."""
 
-    def __init__(self, first: Event | None, rest: AsyncIterator[Event]) -> None:
+    def __init__(self, first: Event | None, rest: AsyncGenerator[Event, None]) -> None:
         self._first = first
         self._rest = rest
         self._done = first is None
@@ -54,7 +54,7 @@ class Primed:
             raise StopAsyncIteration
         return await anext(self._rest)
 
-    def split(self) -> tuple[Event | None, AsyncIterator[Event]]:
+    def split(self) -> tuple[Event | None, AsyncGenerator[Event, None]]:
         """The first event and the stream underneath, for a consumer that iterates the rest itself
         (no layer per event); closing still goes through this Primed."""
         first, self._first = self._first, None
@@ -62,10 +62,13 @@ class Primed:
 
     async def aclose(self) -> None:
         self._done = True
-        await self._rest.aclose()  # type: ignore[attr-defined]
+        await self._rest.aclose()
 
 
-async def primed(events: AsyncIterator[Event]) -> Primed:
+Events = AsyncGenerator[Event, None] | Primed  # a stream of events, closed with aclose() however it ends
+
+
+async def primed(events: AsyncGenerator[Event, None]) -> Primed:
     """Run a stream up to its first event, so that refusals raise before the response starts."""
     try:
         first = await anext(events)

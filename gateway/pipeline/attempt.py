@@ -6,7 +6,7 @@ embedded engine or the remote upstream (its answer read on the way: `serving.rem
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Generic
 
 from pydantic import BaseModel
@@ -147,7 +147,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         answer = self.service.fresh(hit.answer())
         return Whole(self.shape(answer) if self.shape else answer)
 
-    def _shaped(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    def _shaped(self, events: AsyncGenerator[Event, None]) -> AsyncGenerator[Event, None]:
         """The events in the native API's shape; as they are (no layer per event) for the others."""
         return events if self.shape is None else _reshaped(events, self.shape)
 
@@ -187,9 +187,9 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             raise
 
 
-async def _reshaped(events: AsyncIterator[Event], shape: Shape) -> AsyncIterator[Event]:
+async def _reshaped(events: AsyncGenerator[Event, None], shape: Shape) -> AsyncGenerator[Event, None]:
     try:
         async for event in events:
             yield shape(event)
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()

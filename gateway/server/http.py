@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Generator, Sequence
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import structlog
 import uvicorn
@@ -57,10 +57,10 @@ class HeaderTimeout(asyncio.Protocol):
     header_timeout_s = 10.0
     _timer: asyncio.TimerHandle | None = None
     _header_bytes = 0
-    _connection: asyncio.BaseTransport | None = None
+    _connection: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._connection = transport
+        self._connection = cast(asyncio.Transport, transport)  # a stream's: uvicorn serves TCP and unix sockets
         super().connection_made(transport)
         self._arm()  # a connection that never sends a request is closed too
 
@@ -92,7 +92,7 @@ class HeaderTimeout(asyncio.Protocol):
     def _drop(self) -> None:
         """Drop the connection at once, unsent bytes and all (a client that stopped reading)."""
         if self._connection is not None and not self._connection.is_closing():
-            self._connection.abort()  # type: ignore[attr-defined]
+            self._connection.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -115,7 +115,7 @@ class HeaderTimeout(asyncio.Protocol):
                    (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
         head = b"".join(name + b": " + value + b"\r\n" for name, value in headers)
         if self._connection is not None and not self._connection.is_closing():
-            self._connection.write(b"HTTP/1.1 400 Bad Request\r\n" + head + b"\r\n" + body)  # type: ignore[attr-defined]
+            self._connection.write(b"HTTP/1.1 400 Bad Request\r\n" + head + b"\r\n" + body)
             self._connection.close()
 
     def _arm(self) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -262,7 +262,7 @@ def _auto_chunk(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta, 
     return whole.model_dump(mode="json", exclude_none=True)
 
 
-async def stream(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> AsyncIterator[bytes]:
+async def stream(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> AsyncGenerator[bytes, None]:
     """The chunks of a ChatCompletionChunk stream, already encoded as JSON (api.sse frames them)."""
     run = await start_run(prepared)
     options = prepared.request.stream_options
@@ -281,7 +281,7 @@ async def stream(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None 
         yield chunk([], run.usage())
 
 
-async def replay(answer: ChatCompletion, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+async def replay(answer: ChatCompletion, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
     """A whole (cached) answer as a stream: per choice its content, then its finish."""
     chat_id, created = new_id("chatcmpl"), now()
 

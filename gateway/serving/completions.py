@@ -7,7 +7,7 @@ is one engine request of `n` choices, and choice `i` of prompt `p` is answered a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -247,7 +247,7 @@ def _best(states: list[ChoiceState], n: int) -> list[ChoiceState]:
     return sorted(states, key=lambda s: s.cumulative_logprob or float("-inf"), reverse=True)[:n]
 
 
-async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> AsyncIterator[bytes]:
+async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> AsyncGenerator[bytes, None]:
     """The chunks of a text_completion stream, already encoded as JSON (api.sse frames them)."""
     await prepared.guard.moderate_input()
     answer = await _Answer(prepared).start()
@@ -273,7 +273,7 @@ async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | Non
         yield chunk([], answer.usage())
 
 
-async def _merged(answer: _Answer) -> AsyncIterator[tuple[int, GenerationOutput]]:
+async def _merged(answer: _Answer) -> AsyncGenerator[tuple[int, GenerationOutput], None]:
     """Outputs of all runs as they come, tagged with their prompt's index."""
     queue: asyncio.Queue[tuple[int, GenerationOutput | None, Exception | None]] = asyncio.Queue()
 
@@ -340,7 +340,7 @@ def _chunk_choice(answer: _Answer, p: int, delta: ChoiceDelta) -> dict[str, Any]
     return choice
 
 
-async def replay(whole: Completion, request: CompletionRequest) -> AsyncIterator[Completion]:
+async def replay(whole: Completion, request: CompletionRequest) -> AsyncGenerator[Completion, None]:
     """A whole (cached) answer as a stream: one chunk per choice."""
     cmpl_id, created = new_id("cmpl"), now()
     for choice in whole.choices:

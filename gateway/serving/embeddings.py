@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -155,10 +155,10 @@ class EmbeddingsService:
 
     def stream(
         self, prepared: PreparedEmbeddings, on_done: OnDone[CreateEmbeddingResponse] | None = None
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         raise InvalidRequest("Embeddings do not stream")  # EmbeddingRequest.streams is always False
 
-    def replay(self, answer: CreateEmbeddingResponse, request: EmbeddingRequest) -> AsyncIterator[BaseModel]:
+    def replay(self, answer: CreateEmbeddingResponse, request: EmbeddingRequest) -> AsyncGenerator[BaseModel, None]:
         raise InvalidRequest("Embeddings do not stream")
 
     def fresh(self, answer: CreateEmbeddingResponse) -> CreateEmbeddingResponse:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,7 +215,7 @@ class Run:
             raise
         return self
 
-    async def outputs(self) -> AsyncIterator[GenerationOutput]:
+    async def outputs(self) -> AsyncGenerator[GenerationOutput, None]:
         try:
             if self._first is None:
                 return
@@ -241,7 +241,7 @@ class Run:
             return
         self._closed = True
         try:
-            await self._outputs.aclose()  # type: ignore[attr-defined]
+            await self._outputs.aclose()
         finally:
             self._finish()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,7 +281,7 @@ def _end(answer: Message) -> list[BaseModel]:
     return [MessageDeltaEvent(delta=delta, usage=totals)]
 
 
-async def stream(prepared: PreparedMessage, on_done: OnDone[Message] | None = None) -> AsyncIterator[BaseModel]:
+async def stream(prepared: PreparedMessage, on_done: OnDone[Message] | None = None) -> AsyncGenerator[BaseModel, None]:
     """message_start, ping, the content blocks as they come, message_delta (stop reason, usage),
     message_stop: Anthropic's order."""
     run = await chat.start_run(prepared.chat)
@@ -300,7 +300,7 @@ async def stream(prepared: PreparedMessage, on_done: OnDone[Message] | None = No
     yield MessageStopEvent()
 
 
-async def replay(answer: Message, request: ChatCompletionRequest) -> AsyncIterator[BaseModel]:
+async def replay(answer: Message, request: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
     """A whole (cached) answer as a stream, under a new id: each block in one delta."""
     answer = fresh(answer)
     usage = answer.usage
@@ -340,10 +340,10 @@ class MessagesService:
     async def complete(self, prepared: PreparedMessage, on_done: OnDone[Message] | None = None) -> Message:
         return await complete(prepared, on_done)
 
-    def stream(self, prepared: PreparedMessage, on_done: OnDone[Message] | None = None) -> AsyncIterator[BaseModel]:
+    def stream(self, prepared: PreparedMessage, on_done: OnDone[Message] | None = None) -> AsyncGenerator[BaseModel, None]:
         return stream(prepared, on_done)
 
-    def replay(self, answer: Message, request: ChatCompletionRequest) -> AsyncIterator[BaseModel]:
+    def replay(self, answer: Message, request: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
         return replay(answer, request)
 
     def fresh(self, answer: Message) -> Message:

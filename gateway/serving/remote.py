@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic
 
@@ -192,7 +192,7 @@ class RemoteAnswer(Generic[AnswerT]):
         finally:
             self.end()
 
-    async def chunks(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def chunks(self, chunks: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         """A stream's bytes as they come (any cut), passed on unchanged; events read on the way."""
         pending = b""
         try:
@@ -208,7 +208,7 @@ class RemoteAnswer(Generic[AnswerT]):
         finally:
             self.end()
 
-    async def events(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def events(self, events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         """The same for a stream already cut into events (one event's lines each)."""
         try:
             async for event in events:

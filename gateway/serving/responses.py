@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 import structlog
@@ -134,10 +134,10 @@ class ResponsesService:
         self.answer = answer
         return answer
 
-    def stream(self, prepared: PreparedChat, on_done: OnDone[Response] | None = None) -> AsyncIterator[BaseModel]:
+    def stream(self, prepared: PreparedChat, on_done: OnDone[Response] | None = None) -> AsyncGenerator[BaseModel, None]:
         return self._stream(prepared, on_done)
 
-    def replay(self, answer: Response, request: ChatCompletionRequest) -> AsyncIterator[BaseModel]:
+    def replay(self, answer: Response, request: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
         return self._replay(answer)
 
     def fresh(self, answer: Response) -> Response:
@@ -209,7 +209,7 @@ class ResponsesService:
 
     # --- streams ------------------------------------------------------------------------------
 
-    async def _stream(self, prepared: PreparedChat, on_done: OnDone[Response] | None) -> AsyncIterator[BaseModel]:
+    async def _stream(self, prepared: PreparedChat, on_done: OnDone[Response] | None) -> AsyncGenerator[BaseModel, None]:
         run = await chat.start_run(prepared)  # refusals before the first event
         self.model = prepared.model
         events = self.events = ResponseEvents(self.skeleton("in_progress"))
@@ -228,7 +228,7 @@ class ResponsesService:
 
     async def _generated(
         self, events: ResponseEvents, prepared: PreparedChat, run: Run, on_done: OnDone[Response] | None
-    ) -> AsyncIterator[BaseModel]:
+    ) -> AsyncGenerator[BaseModel, None]:
         plan, checked = prepared.tools, time.monotonic()
         async for output in run.outputs():
             for delta in output.choices:
@@ -285,7 +285,7 @@ class ResponsesService:
             return False
         return stored.response.status == "cancelled"
 
-    async def _replay(self, hit: Response) -> AsyncIterator[BaseModel]:
+    async def _replay(self, hit: Response) -> AsyncGenerator[BaseModel, None]:
         answer = self.fresh(hit)
         events = self.events = ResponseEvents(self.skeleton("in_progress"))
         await self.save(events.response)

@@ -12,7 +12,7 @@ non-streams alike (`complete` returns the very answer it handed over, unchanged)
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Protocol, TypeVar
 
 from pydantic import BaseModel
@@ -60,10 +60,10 @@ class Service(Protocol[RequestT_contra, PreparedT, AnswerT]):
 
     async def complete(self, prepared: PreparedT, on_done: OnDone[AnswerT] | None = None) -> AnswerT: ...
 
-    def stream(self, prepared: PreparedT, on_done: OnDone[AnswerT] | None = None) -> AsyncIterator[BaseModel | bytes]:
+    def stream(self, prepared: PreparedT, on_done: OnDone[AnswerT] | None = None) -> AsyncGenerator[BaseModel | bytes, None]:
         ...
 
-    def replay(self, answer: AnswerT, request: RequestT_contra) -> AsyncIterator[BaseModel]: ...
+    def replay(self, answer: AnswerT, request: RequestT_contra) -> AsyncGenerator[BaseModel, None]: ...
 
     def fresh(self, answer: AnswerT) -> AnswerT: ...
 

@@ -13,6 +13,8 @@ from gateway.protocol.openai import ChatCompletionRequest, ChatMessage, Completi
 from gateway.serving.guards.pipeline import RequestGuard
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
+ChatT = TypeVar("ChatT", bound=ChatCompletionRequest)
+CompletionT = TypeVar("CompletionT", bound=CompletionRequest)
 
 
 def message_texts(message: ChatMessage) -> list[str]:
@@ -41,7 +43,7 @@ def with_texts(message: ChatMessage, texts: list[str]) -> ChatMessage:
     return message.model_copy(update=update)
 
 
-def guarded_chat(request: ChatCompletionRequest, guard: RequestGuard) -> ChatCompletionRequest:
+def guarded_chat(request: ChatT, guard: RequestGuard) -> ChatT:
     """The request as the engine may see it; a blocked prompt raises ContentPolicyViolation."""
     if not guard.active:
         return request
@@ -53,7 +55,7 @@ def guarded_chat(request: ChatCompletionRequest, guard: RequestGuard) -> ChatCom
     return request.model_copy(update={"messages": messages})
 
 
-def guarded_completion(request: CompletionRequest, guard: RequestGuard) -> CompletionRequest:
+def guarded_completion(request: CompletionT, guard: RequestGuard) -> CompletionT:
     """Completions whose prompts are text (token-id prompts are checked once decoded, in prepare)."""
     prompt = request.prompt
     if not guard.active:
@@ -68,7 +70,7 @@ def guarded_completion(request: CompletionRequest, guard: RequestGuard) -> Compl
 def guarded(request: RequestT, guard: RequestGuard) -> RequestT:
     """Any request the gateway forwards (to a remote upstream), checked as its shape allows."""
     if isinstance(request, ChatCompletionRequest):
-        return guarded_chat(request, guard)  # type: ignore[return-value]
+        return guarded_chat(request, guard)
     if isinstance(request, CompletionRequest):
-        return guarded_completion(request, guard)  # type: ignore[return-value]
+        return guarded_completion(request, guard)
     return request
