@@ -62,8 +62,8 @@ class _NoMetric:
 
 def switch_off(without: set[str]) -> None:
     """Parts that settings cannot turn off, replaced in process (this benchmark's process only)."""
-    from benchmarks import echo_engine
     from gateway import logs, metrics
+    from tests import fakes
 
     if "log" in without:
         logs._access = _Silent()
@@ -71,13 +71,13 @@ def switch_off(without: set[str]) -> None:
         metrics.labelled = lambda metric, *values: _NoMetric()  # type: ignore[assignment]
         metrics.Observations = lambda child: _NoMetric()  # type: ignore[assignment,misc]
     if "tokenizer" in without:
-        echo_engine.WordTokenizer.encode = lambda self, text, add_special_tokens=True: [100] * 128  # type: ignore[method-assign]
+        fakes.FakeTokenizer.encode = lambda self, text, add_special_tokens=True: [100] * 128  # type: ignore[method-assign]
 
 
 def make_app(bare: bool, without: set[str], log_path: str) -> Any:
     os.environ.update(environment(without))
     from benchmarks.bare_app import create_bare_app
-    from benchmarks.echo_engine import EchoEngine, create_echo_app
+    from benchmarks.echo_engine import create_echo_app, echo_engine
     from gateway.logs import configure
     from gateway.settings import Settings
 
@@ -87,7 +87,7 @@ def make_app(bare: bool, without: set[str], log_path: str) -> Any:
     configure(settings.log_level, settings.log_format)
     logging.getLogger().handlers[0].setStream(open(log_path, "w"))  # noqa: SIM115 - lives as long as the process
     switch_off(without)
-    return create_echo_app(settings, EchoEngine(NAME))
+    return create_echo_app(settings, echo_engine(NAME))
 
 
 def bodies(scenario: str, count: int, seed: int = 1) -> list[bytes]:

@@ -57,7 +57,7 @@ def scenario_config(args: argparse.Namespace, scenario: str, base_url: str, leve
         api_key=BENCH_KEY, tokenizer="words", seed=seed, unique_prompts=1 if hit else None,
         warmup_requests=1 if hit else min(2 * level, args.echo_requests), count_headers=["x-cache"],
         request_timeout_s=args.run_timeout, label=label, ceiling_s=args.ceiling_duration,
-        processes=args.echo_processes, http_client=args.echo_client,
+        http_client=args.echo_client,
     )
 
 
@@ -110,8 +110,6 @@ def echo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--echo-requests", type=int, default=2000, help="requests per echo-part run")
     p.add_argument("--echo-scenarios", nargs="+", choices=list(SCENARIOS), default=["non-stream", "stream", "cache hit"])
     p.add_argument("--echo-pause", type=float, default=0.5, help="seconds of quiet before each echo-part run")
-    p.add_argument("--echo-processes", type=int, default=1,
-                   help="client processes sharing each echo-part run's load (on 2 cores they take CPU from the server)")
     p.add_argument("--echo-client", choices=("wire", "aiohttp"), default="wire",
                    help="the echo part's HTTP client: wire (benchmarks.loadgen.wire, ~4x less CPU per request than "
                         "aiohttp, so that one process has 5x headroom over the bare app) or aiohttp")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime
 
-from benchmarks.loadgen.ceiling import describe, processes_used
+from benchmarks.loadgen.ceiling import describe
 from benchmarks.loadgen.results import Result
 from benchmarks.loadgen.stats import Stats
 
@@ -35,9 +35,7 @@ def format_result(r: Result) -> str:
     share = r.client_cpu_share
     if share is not None and r.client_cpu_s is not None:
         per = r.client_cpu_s * 1e6 / max(1, r.completed + r.failed)
-        procs = processes_used(r.config)
-        where = f" over {procs} processes" if procs > 1 else ""
-        lines.append(f"  client CPU: {share:.2f} of a core{where} ({per:.0f} us per request)")
+        lines.append(f"  client CPU: {share:.2f} of a core ({per:.0f} us per request)")
     if r.ceiling:
         lines.append("  " + describe(r.ceiling))
     return "\n".join(lines)

@@ -15,8 +15,9 @@ import uvicorn
 from aiohttp import web
 
 from benchmarks import loadgen
-from benchmarks.echo_engine import EchoEngine, create_echo_app
+from benchmarks.echo_engine import create_echo_app, echo_engine
 from benchmarks.loadgen import LoadConfig, RequestRecord, SSEDecoder, Stats, StreamAccumulator
+from tests.fakes import FakeEngine
 
 # ---------------------------------------------------------------------------------------------
 # statistics
@@ -286,10 +287,10 @@ async def test_sessions_are_deterministic_and_shaped() -> None:
 
 
 @pytest.fixture
-async def echo_gateway() -> AsyncIterator[tuple[str, EchoEngine]]:
+async def echo_gateway() -> AsyncIterator[tuple[str, FakeEngine]]:
     from gateway.settings import Settings
 
-    engine = EchoEngine("echo-model")
+    engine = echo_engine("echo-model")
     app = create_echo_app(Settings(warmup=False, log_level="warning", cache={"backend": "off"}), engine)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="on"))
     task = asyncio.create_task(server.serve())
@@ -314,7 +315,7 @@ async def test_loadgen_end_to_end_on_the_echo_gateway(echo_gateway, endpoint, ht
                         http_client=http_client)
     result = await loadgen.run_load(config)
     assert result.completed == 12 and result.failed == 0, result.errors
-    assert engine.requests == 14  # with the warm-up
+    assert len(engine.requests) == 14  # with the warm-up
     assert result.config["model"] == "echo-model"  # found with GET /v1/models
     assert result.usage_reported and result.mean_output_tokens == 8
     # /tokenize of the echo gateway counts words: prompts are exactly 16 tokens (plus the chat template)
@@ -336,16 +337,16 @@ async def test_loadgen_multi_turn_rate_and_cycling(echo_gateway) -> None:
                                                 num_requests=10, input_tokens=4, output_tokens=2, stream=False))
     assert poisson.completed == 10 and poisson.request_rate == 200.0
     assert poisson.ttft.p50 == poisson.e2e.p50  # no stream: first token = whole answer
-    before = len(engine.tokenizer._words)
+    before = len(engine.tokenizer.words)
     same = await loadgen.run_load(LoadConfig(base_url=base_url, unique_prompts=1, concurrency=3, num_requests=9,
                                              input_tokens=4, output_tokens=2, keep_records=True))
     assert same.completed == 9 and len({r.input_tokens for r in same.records}) == 1
-    assert len(engine.tokenizer._words) - before <= 4
+    assert len(engine.tokenizer.words) - before <= 4
 
 
 async def test_loadgen_time_limit_stops_a_run(echo_gateway) -> None:
     base_url, engine = echo_gateway
-    engine.token_delay = 0.05  # 64 tokens take 3 s; the limit is 0.3 s
+    engine.delay = 0.05  # 64 tokens take 3 s; the limit is 0.3 s
     result = await loadgen.run_load(LoadConfig(base_url=base_url, concurrency=2, num_requests=100,
                                                output_tokens=64, input_tokens=4, duration_s=0.3))
     assert result.completed == 0 and result.cancelled == 2 and result.failed == 0

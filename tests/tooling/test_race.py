@@ -73,7 +73,7 @@ def test_race_commands_use_the_same_engine_settings() -> None:
 
 def test_benchmark_modules_do_not_import_vllm() -> None:
     code = ("import sys, benchmarks.loadgen, benchmarks.echo_engine, benchmarks.race, benchmarks.engine_direct, "
-            "benchmarks.bare_app, benchmarks.instant_endpoint, benchmarks.loadgen.worker, benchmarks.vllm_bench, benchmarks.growth, "
+            "benchmarks.bare_app, benchmarks.instant_endpoint, benchmarks.vllm_bench, benchmarks.growth, "
             "benchmarks.targets, benchmarks.lag_probe; "
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'imported vllm'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
@@ -210,15 +210,14 @@ def test_race_parser_offers_both_clients_and_the_aa_switch() -> None:
     defaults = race.parser().parse_args([])
     assert defaults.client == "ours" and defaults.aa is True and defaults.ceiling_duration > 0
     assert "echo" in defaults.parts and defaults.echo_scenarios == ["non-stream", "stream", "cache hit"]
-    assert defaults.echo_processes == 1
 
 
-def test_echo_runs_measure_the_clients_ceiling_with_the_asked_processes() -> None:
+def test_echo_runs_measure_the_clients_ceiling() -> None:
     from benchmarks import race_echo
 
-    args = race.parser().parse_args(["--parts", "echo", "--echo-processes", "2", "--ceiling-duration", "1.5"])
+    args = race.parser().parse_args(["--parts", "echo", "--ceiling-duration", "1.5"])
     config = race_echo.scenario_config(args, "stream", "http://127.0.0.1:1", 16, 7, "echo stream r0 c16")
-    assert config.ceiling_s == 1.5 and config.processes == 2 and config.stream and config.concurrency == 16
+    assert config.ceiling_s == 1.5 and config.http_client == "wire" and config.stream and config.concurrency == 16
 
 
 # ---------------------------------------------------------------------------------------------
