@@ -1,23 +1,11 @@
-"""The gateway app's own CPU per request, in process: no sockets, no HTTP parser, no client.
+"""The gateway app's own CPU per request, in process: hand-made ASGI messages, no sockets, no client.
 
     python -m benchmarks.app_cost [--scenario non-stream|stream|cache-hit|models] [--concurrency 16]
                                   [--requests 20000] [--bare] [--without log metrics keys cache tokenizer]
                                   [--profile out.pstats]
 
-The app (the gateway on `benchmarks.echo_engine`, set up as the race's echo part deploys it: JSON
-access lines at info, metrics, an API key, request ids, the memory response cache; or with
-`--bare` the bare Starlette app) is called with hand-made ASGI messages, `--concurrency` requests
-at a time, each with its own 128-word prompt (cache misses; `cache-hit`: one prompt again).
-It prints requests per second and the process's CPU per request: what the app itself costs,
-without the ~50 µs per request that uvicorn and the sockets add to the gateway and the bare app
-alike. Quicker and steadier than the race for comparing two versions of the request path: run it
-on both, alternating.
-
-`--without` switches parts off to see what each costs: the access line, metrics, the API key (auth
-without keys), the response cache, the echo engine's tokenizer (a fixed 128 tokens).
-`--profile` writes cProfile statistics of the measured part (a profiler roughly doubles the cost).
-
-No vllm import.
+The app is the gateway on the echo engine as the race's echo part deploys it (or `--bare`);
+`--without` switches parts off to see what each costs. No vllm import.
 """
 
 from __future__ import annotations

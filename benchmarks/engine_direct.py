@@ -1,22 +1,12 @@
-"""The engine alone: vLLM's AsyncLLM in this process, no HTTP. The upper limit of the race.
+"""The engine alone: vLLM's AsyncLLM in this process, no HTTP; the upper limit of the race.
 
     python -m benchmarks.engine_direct --plan plan.json --out results.json   # every run in turn
     python -m benchmarks.engine_direct --plan plan.json --control [--answer-fd N]  # runs on command
 
-The plan (written by `benchmarks.race`) holds the engine settings and, per run, the same sessions
-(prompts) and concurrency the servers got. With `--control` the engine starts and prints
-`{"ready": seconds}`, then takes commands on stdin, one JSON line each: `{"sessions": "file"}`
-(warm-up and runs; answered `{"warm": true}` after the warm-up) and `{"run": N}` (answered
-`{"key": ..., "result": ...}`). Answers are JSON lines on file descriptor N (default stdout; vLLM
-logs to stdout, so the race passes a pipe of its own). So the race interleaves the engine's runs
-with the servers' (gateway, vllm, engine, ...) rather than running them at another time.
-
-Each request is tokenized here (the servers tokenize
-too), submitted with `AsyncLLM.generate` in DELTA mode (what streaming servers use) and timed the
-same way the load generator times a stream: TTFT at the first output carrying tokens, TPOT =
-(e2e - TTFT) / (output tokens - 1), inter-token latencies between outputs carrying tokens.
-
-Imports vllm; the engine core starts with `spawn`, hence the main guard.
+With `--control` it prints `{"ready": seconds}`, then takes JSON lines on stdin, `{"sessions":
+"file"}` (answered `{"warm": true}`) and `{"run": N}` (answered `{"key": ..., "result": ...}` on
+descriptor N). Requests are tokenized here, submitted in DELTA mode and timed as the load
+generator times a stream. The engine core starts with `spawn`, hence the main guard.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
-"""How the gateway's cost grows with the work (issue 15, part 4).
+"""How the gateway's cost grows with the work: prompt length, open idle streams, cached entries,
+memory over a soak (benchmarks/README.md, "Growth").
 
     python -m benchmarks.growth                      # small sizes, a few minutes, the echo engine
     python -m benchmarks.growth --full               # 128 -> 4,096 tokens, 1,000 streams, 10,000 entries, 100,000 requests
     python -m benchmarks.growth --parts prompt --engine real [--eager]   # prompt lengths on the real engine
 
-Parts (`--parts`, all by default), each against a server of its own started here:
-
-  prompt   cost against prompt length (`--lengths`, 128 -> 4,096 with --full), random prompts and
-           prompts sharing all but their last 32 tokens: TTFT, e2e and the gateway process's CPU
-           per request. On the echo engine (default) that is the gateway's own work (parsing,
-           tokenizing, validation); with `--engine real` the real engine's prefill too, where the
-           shared prefix shows vLLM's prefix cache (max_model_len 8192 there).
-  streams  `--streams` concurrent streams held open and mostly idle (the echo engine sends one
-           token per `--stream-token-delay` seconds): the gateway's memory per open stream, and
-           the event loop's lag meanwhile (in-process, `benchmarks.lag_probe`, and the latency of
-           GET /health as a client sees it).
-  cache    `--cache-entries` distinct answers cached (memory backend): memory per entry, and the
-           latency of a hit with the cache nearly empty and full.
-  soak     `--soak-requests` distinct requests on the echo engine with the memory cache bounded at
-           `--soak-cache-entries` (10,000, the default bound) and access lines on: the gateway's RSS
-           every 1/20 of the way; once the cache's bound is reached it should stay flat.
-
-Writes benchmarks/results/growth-<time>.json and prints a markdown summary (paste it into
-RESULTS.md with the command that made it).
+Writes benchmarks/results/growth-<time>.json and prints a markdown summary.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
-"""The instant endpoint: an OpenAI-compatible server that costs nearly nothing, so that a client's
-rate against it is the client's own limit (the load generator's ceiling, `benchmarks.loadgen.ceiling`).
+"""The instant endpoint: an OpenAI-compatible server that costs nearly nothing (a raw uvloop protocol
+with httptools, canned answers built once per shape), so that a client's rate against it is the
+client's own limit (`benchmarks.loadgen.ceiling`).
 
-    python -m benchmarks.instant_endpoint --port 8300 [--name bare]
+    python -m benchmarks.instant_endpoint --port 8300 [--name bare] [--paced]
 
-A raw asyncio `Protocol` (uvloop) with httptools' HTTP/1.1 parser (the C parser uvicorn uses), no
-framework: keep-alive connections (requests on one connection answered in order), and canned,
-well-formed answers, built once per shape and kept:
-  POST /v1/completions, /v1/chat/completions   the body's `stream`, `max_tokens` (or
-        `max_completion_tokens`, default 16) and `stream_options.include_usage` read with orjson;
-        non-streamed: one JSON completion of `max_tokens` words with its usage; streamed (SSE,
-        chunked): one event per token, each its own HTTP chunk, the usage event when asked for,
-        `data: [DONE]`, all written at once (one system call: a write per event would make the
-        endpoint, not the client, the limit; the client still parses every event)
-  GET /v1/models, GET /health
-  anything else: 404 in the API's error shape; a body that is not a JSON object: 400
-prompt_tokens in the usage counts the prompt's (or the messages' contents') spaces + 1, cheaply.
-
-`benchmarks.bare_app` is the other bare server: Starlette + uvicorn, what that stack costs (the
-race's "bare" target). This one is not a stack to compare with; it is the floor below any server.
-
-`serve(host, port, name)` starts it in a running loop (returns the `asyncio.Server`); no vllm or
-gateway import.
+POST /v1/completions and /v1/chat/completions (plain, or streamed: one chunk per token, all written
+at once unless --paced), GET /v1/models, GET /health; anything else 404. No vllm or gateway import.
 """
 
 from __future__ import annotations

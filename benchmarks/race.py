@@ -1,34 +1,10 @@
-"""The race: this gateway against vLLM's own OpenAI server and against the engine alone, each
-ratio beside its noise floor (an A/A twin), and the gateway's own cost against the bare stack.
+"""The race: the gateway against vLLM's own server and the engine alone, each ratio beside its A/A
+noise floor, and the gateway's own cost against the bare stack (benchmarks/README.md, "The race").
 
     python -m benchmarks.race [--repeats 3] [--concurrency 1 4 16 64] [--eager] [--client ours|vllm]
                               [--parts gateway vllm engine echo] [--no-aa] [--write-results-md]
 
-Same machine, same model (the prepared default model directory), same engine settings (float32,
-max_model_len 2048, a 2 GiB KV cache, torch.compile unless --eager):
-
-  gateway     `python -m gateway serve ...` (response cache off, no warm-up, its own log level warning)
-  gateway-aa  the same gateway process measured once more in every round: the A/A run whose
-              spread is the noise floor under every ratio (`--no-aa` drops it)
-  vllm        `python -m vllm.entrypoints.openai.api_server --model DIR ...` (request logs and
-              uvicorn's access log off)
-  engine      vLLM's AsyncLLM in a process of its own driven without HTTP (benchmarks.engine_direct):
-              the upper limit
-
-They take the load in turns (for each repetition and concurrency level one run on each, who goes
-first rotating), so slow drifts of the machine hit all alike, and each ratio is the median of the
-per-repetition ratios. Every run has fresh prompts (the same for all targets at a given repetition
-and level), 128-token prompts, exactly 64 output tokens (`ignore_eos`), streaming. The client is
-ours (benchmarks.loadgen, its ceiling against the instant endpoint measured after every run) or
-vLLM's own `vllm bench serve` (`--client vllm`, benchmarks.vllm_bench): race_models.py.
-
-Then the gateway's own cost (`echo`, race_echo.py): the gateway on the instant echo engine, as
-deployed (access logs, metrics, an API key, request ids, the memory cache), against a bare
-Starlette + uvicorn endpoint and against itself (A/A): non-streamed requests, streamed chunks and
-cache hits per second.
-
-Writes benchmarks/results/race-<time>.json, .md and .png; with --write-results-md also
-benchmarks/RESULTS.md.
+The model part is race_models.py, the echo part race_echo.py, the numbers and tables race_report.py.
 """
 
 from __future__ import annotations

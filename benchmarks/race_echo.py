@@ -1,27 +1,6 @@
-"""The race's echo part: the gateway's own cost, where no model works.
-
-Targets, side by side, taking the load in turns (who goes first rotating):
-
-  echo     the real gateway app on the instant echo engine (benchmarks.echo_engine) as deployed:
-           access lines at info (JSON, to its log file), metrics, an API key required (the load
-           sends it), request ids, the memory response cache (the default)
-  echo-aa  the same process measured once more in every round (A/A: the noise floor)
-  bare     benchmarks.bare_app: Starlette + uvicorn parsing the JSON body and answering a fixed
-           completion, the stack's limit (and, for this client, its ceiling)
-
-Scenarios, each at `--echo-concurrency` levels, `--echo-requests` requests per run:
-  non-stream   1-token completions, every request new (temperature 0: a cache lookup that misses
-               and a store, as every deterministic request pays)
-  stream       `--output-tokens`-token streams, every request new (chunks per second)
-  cache hit    one temperature-0 request again and again, primed once: `X-Cache: HIT` (counted)
-  cache hit, stream  (not by default) the same, streamed: the gateway replays a cached answer as
-               one chunk where the bare app streams one per token, so only its req/s compare
-
-Reported per scenario and level: each target's medians and the ratios echo ÷ bare (wanted ≥ 0.5)
-and echo ÷ echo-aa (its spread is the floor under every ratio), see race_report; and after every
-run the client's ceiling, the same load against the instant endpoint for `--ceiling-duration`
-seconds, beside it as the client's headroom over that target (wanted ≥ 5x; at concurrency 1 it is
-bound by a loopback round trip's latency, `loadgen.ceiling`).
+"""The race's echo part: the gateway on the echo engine as deployed (`echo`, and `echo-aa`, the same
+process again) against `bare` (benchmarks.bare_app), taking turns, per scenario (non-stream,
+stream, cache hit; benchmarks/README.md) and level, each run followed by the client's ceiling.
 """
 
 from __future__ import annotations

@@ -1,15 +1,5 @@
-"""The race's model part: the gateway on the real engine against vLLM's own server and the engine
-alone, plus the gateway again as its own A/A twin, taking the load in turns.
-
-For each repetition and concurrency level every target takes one run (who goes first rotates),
-with fresh prompts shared by all targets of that repetition and level. The A/A target
-(`gateway-aa`) is the very same gateway process measured once more in each round, so the ratio
-gateway ÷ gateway-aa is the noise floor every other ratio stands beside.
-
-Clients: ours (`benchmarks.loadgen`, with its ceiling against the instant endpoint measured after
-every run) or vLLM's own `vllm bench serve` (`--client vllm`, `benchmarks.vllm_bench`, run in a
-process of its own on command, its ceiling measured the same way). The engine alone has no HTTP
-and is driven by `benchmarks.engine_direct` whatever the client.
+"""The race's model part: the gateway (and its A/A twin, the same process), vLLM's server and the
+engine alone taking the load in turns, with our client or `vllm bench serve` (`--client vllm`).
 """
 
 from __future__ import annotations

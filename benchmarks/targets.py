@@ -1,28 +1,9 @@
-"""The design's deployment targets, checked by one command on whatever hardware runs it (`make targets`).
+"""The design's deployment targets (TTFT p99 < 500 ms above 50 requests/s, memory <= 80%) checked on
+this hardware (`make targets`; benchmarks/README.md, "The deployment targets", says how).
 
     python -m benchmarks.targets [--eager] [--rate 55] [--duration 60] [-- gateway serve flags...]
 
-Targets (the deployment design): time to first token p99 < 500 ms while serving more than 50
-requests per second, and memory use ≤ 80%. How they are checked:
-
-1. The gateway starts with this machine's defaults (`python -m gateway serve`: the cpu or gpu
-   extra's engine, the default model unless `--model` or flags after `--` say otherwise,
-   compiled unless `--eager`), and gets an untimed warm-up.
-2. Poisson arrivals at `--rate` requests/s (default 55: "more than 50") for `--duration` seconds,
-   streaming, 128-token prompts, 64 output tokens (ignore_eos), temperature 0, no concurrency cap.
-   Sustained rate = completed requests ÷ duration (answers still streaming at the time limit are
-   not counted, so a short run reads a little low). TTFT p99 counts every request sent: a refused
-   or failed request, or one still without a first token at the time limit after waiting at least
-   the bound, counts as a miss (an infinite TTFT); one cut off sooner is left out.
-3. Memory, sampled every second: the pod's cgroup usage ÷ its limit when one is set, else the
-   gateway's processes (front end, engine core, worker) ÷ the machine's memory; the machine's
-   overall use, vLLM's KV-cache use (`vllm:kv_cache_usage_perc`) and, on a GPU, nvidia-smi's
-   memory are reported beside it (vLLM reserves `gpu_memory_utilization` of the GPU by design).
-4. When a target is missed, the capacity: the rate is halved (runs of `--probe-duration` s) until
-   TTFT p99 < 500 ms holds, and the highest such rate is printed with the factor it falls short by.
-
-Prints which targets are met or missed and by how much; exit status 0 only when all are met (on
-a GPU machine with the gpu extra that is the acceptance test). JSON in benchmarks/results/.
+Exit status 0 only when all targets are met; JSON in benchmarks/results/.
 """
 
 from __future__ import annotations

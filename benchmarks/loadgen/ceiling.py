@@ -1,15 +1,6 @@
-"""The client's ceiling: after a measured run, the same load (concurrency, streaming, prompt and
-answer sizes, endpoint) sent for `ceiling_s` seconds to the instant endpoint,
-`benchmarks.instant_endpoint` (a raw uvloop protocol with httptools answering canned completions,
-a few microseconds a request), started once per process on a free loopback port. What the client
-reaches there bounds what it can measure anywhere; `compare` puts that beside the measured run
-(headroom: ceiling ÷ measured, wanted ≥ `WANTED_HEADROOM`).
-
-On one machine the endpoint and the client share the cores, so the ceiling is a lower bound of
-the client's own limit; the measured run's `client_cpu_s` (the client's CPU time during the run)
-says how busy the client itself was. At concurrency 1 the ceiling is bound by latency, not CPU:
-one request at a time over one connection, each a loopback round trip through two event loops,
-so the headroom there is whatever that round trip allows (`describe` says so).
+"""The client's ceiling: after a measured run, the same load sent for `ceiling_s` seconds to the
+instant endpoint (started once per process), beside the run as the client's headroom (wanted >=
+`WANTED_HEADROOM`). At concurrency 1 it is bound by a loopback round trip's latency, not by CPU.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""The HTTP side: one client session per run (`make_client`), the model a server offers, and
-`send_request`, which sends one request (streamed or not) and times it into a `RequestRecord`.
-
-Built for load, so that the client is not what a run measures: aiohttp (C-accelerated HTTP
-parser, the client vLLM's own benchmark uses), one keep-alive connection per request in flight,
-the request body encoded once with orjson, headers set once per session, streams read as raw
-chunks and split into events at blank lines without decoding (`sse.SSEDecoder.feed_raw`). The
-connection pool drops idle connections after `KEEPALIVE_S`, before uvicorn's own 5-second
-keep-alive timeout closes them from the other end: a request never goes out on a connection the
-server is closing (with httpx that race showed up as `ReadError`s under load).
+"""The HTTP side: one client session per run (`make_client`: aiohttp, or the lean `wire` client), the
+model a server offers, and `send_request`, which sends one request and times it into a record.
+Idle connections are dropped after `KEEPALIVE_S`, before uvicorn's 5-second keep-alive closes them.
 """
 
 from __future__ import annotations

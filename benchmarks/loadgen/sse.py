@@ -1,6 +1,7 @@
-"""Reading a streamed response: Server-Sent Events into event data (`SSEDecoder`: by lines, or
-straight from the raw chunks of a body with `feed_bytes`, or `feed_raw`, the client's cheaper path), event data into the timing and text
-of one answer (`StreamAccumulator`)."""
+"""Reading a stream: Server-Sent Events into event data (`SSEDecoder`; `feed_raw`, the hot path,
+splits raw chunks at blank lines without decoding), and event data into one answer's timing and
+text (`StreamAccumulator`).
+"""
 
 from __future__ import annotations
 

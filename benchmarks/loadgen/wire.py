@@ -1,22 +1,11 @@
-"""A lean keep-alive HTTP/1.1 client for the load generator's fastest targets (`--http-client wire`).
+"""A lean keep-alive HTTP/1.1 client for the load generator's fastest targets (`--http-client wire`):
+each request one pre-built write, the answer parsed by httptools, a few microseconds a request
+where aiohttp costs about 60 (benchmarks/README.md says why that matters).
 
-Why: aiohttp costs the client about 60 µs of CPU per small request on this machine (its request
-and response objects, header handling, payload and timer machinery). Against a server that
-answers 10,000+ requests a second on two shared cores (the bare app, the gateway on the echo
-engine) one aiohttp process cannot send five times what it measures, so its own limit shows in
-what it measures. This client does what the load generator needs and nothing else: it writes
-each request in one pre-built write and parses the answer with httptools (the C parser uvicorn
-uses, and `benchmarks.instant_endpoint`), a few microseconds a request.
-
-`WireSession` has the part of `aiohttp.ClientSession` that `loadgen.client` uses: `post`/`get`/
-`request` as async context managers giving a response with `status`, `headers` (case-insensitive),
-`read()`, `content.iter_any()` and `raise_for_status()`; `close()`. One keep-alive connection per
-request in flight, dropped after `idle_s` without use (before the server's own keep-alive timeout
-can close it under a new request), closed when the server says `Connection: close` or a response
-is left unread. HTTP and HTTPS (`ssl`); no proxies, redirects, cookies or compression, which the
-load generator never uses. Errors are the ones `loadgen.client.CLIENT_ERRORS` counts:
-`ConnectionError` when the server closes mid-answer, `ValueError` for a malformed answer,
-`TimeoutError` past the session's total timeout (checked once a second), `WireStatusError` from `raise_for_status`.
+`WireSession` has the part of `aiohttp.ClientSession` that `loadgen.client` uses (`post`, `get`,
+`request`, responses with `status`, `headers`, `read()`, `content.iter_any()`,
+`raise_for_status()`), one keep-alive connection per request in flight, dropped after `idle_s`
+idle. Errors are those `loadgen.client.CLIENT_ERRORS` counts.
 """
 
 from __future__ import annotations
