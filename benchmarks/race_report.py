@@ -1,5 +1,6 @@
-"""The race's report: its numbers (medians, paired ratios, the targets) and how they are written
-(the markdown tables, benchmarks/RESULTS.md, the plot). Pure functions of the race's document."""
+"""The race's report: its numbers (medians, paired ratios, the targets, the notes they call for) and
+how they are written (the markdown tables, benchmarks/RESULTS.md, the plot). Functions of the race's
+document."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def metrics_of(result: dict[str, Any]) -> dict[str, float | None]:
         "tpot_p50_ms": ms("tpot", "p50"),
         "itl_p99_ms": ms("itl", "p99"),
         "e2e_p50_ms": ms("e2e", "p50"),
+        "e2e_p99_ms": ms("e2e", "p99"),
         "mean_output_tokens": result.get("mean_output_tokens"),
         "failed": result.get("failed", 0) + result.get("cancelled", 0),
         "client_headroom": (result.get("ceiling") or {}).get("headroom"),  # the client's ceiling ÷ this run
@@ -191,6 +193,13 @@ def _model_tables(document: dict[str, Any]) -> list[str]:
 
 
 ECHO_BOUND = 0.5  # the gateway's own cost: at least half of the bare stack's rate
+ECHO_NAMES = ("echo", "echo-aa", "bare")
+
+
+def echo_metric(scenario: str) -> str:
+    """Streams are judged on chunks (one token each, for echo and bare alike) per second, the rest on
+    requests per second (a replayed cache hit streams one chunk per choice)."""
+    return "output_tok_s" if scenario == "stream" else "req_s"
 
 
 def echo_summary(document: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -219,7 +228,7 @@ def _echo_tables(document: dict[str, Any]) -> list[str]:
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for scenario, rows in summary.items():
-        metric = "output_tok_s" if streamed(scenario) else "req_s"
+        metric = echo_metric(scenario)
         for row in rows:
             m = row["medians"]
             rate = {t: num(m.get(t, {}).get(metric)) for t in ECHO_NAMES}
@@ -231,15 +240,6 @@ def _echo_tables(document: dict[str, Any]) -> list[str]:
                 f"{num(m.get('bare', {}).get('e2e_p50_ms'), 2)} | {failed} | "
                 f"{num(m.get('echo', {}).get('client_headroom'))} / {num(m.get('bare', {}).get('client_headroom'))} |")
     return lines
-
-
-ECHO_NAMES = ("echo", "echo-aa", "bare")
-
-
-def streamed(scenario: str) -> bool:
-    """The echo part's scenario judged on chunks per second (one token each, for echo and bare
-    alike); the others on requests per second (a replayed cache hit streams one chunk per choice)."""
-    return scenario == "stream"
 
 
 def markdown(document: dict[str, Any]) -> str:
@@ -320,3 +320,44 @@ def plot(document: dict[str, Any], path: Path) -> Path | None:
     if not series:
         return None
     return loadgen.plot_sweep(series, path, title="gateway vs vLLM's server vs engine alone (medians)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Notes
+
+
+def finish(document: dict[str, Any], args: Any) -> None:
+    """The summaries, and the notes they call for."""
+    notes = document["notes"]
+    document["summary"] = summarize(document["runs"], args.concurrency) if document["runs"] else []
+    for row in document["summary"]:
+        for name, rule in row["targets"].items():
+            if not rule["met"]:
+                notes.append(f"c={row['concurrency']}: {name} = {rule['ratio']:.3f} misses the target {rule['bound']:.2f}")
+        target_notes(notes, row, args.output_tokens)
+    document["echo_summary"] = echo_summary(document)
+    for scenario, rows in document["echo_summary"].items():
+        metric = echo_metric(scenario)
+        for row in rows:
+            value = row["ratios"].get("bare", {}).get(metric)
+            if value is not None and value < ECHO_BOUND:
+                notes.append(f"echo {scenario} c={row['concurrency']}: echo ÷ bare {metric} = {value:.3f}, below {ECHO_BOUND}")
+            target_notes(notes, row, None, f"echo {scenario} ")
+    if not document["complete"]:
+        notes.append(f"INCOMPLETE: {document.get('error', 'interrupted')}")
+
+
+def target_notes(notes: list[str], row: dict[str, Any], output_tokens: int | None, prefix: str = "") -> None:
+    """Failures, wrong answer lengths and a client too close to its ceiling, per target."""
+    where = f"{prefix}c={row['concurrency']}"
+    wanted = loadgen.ceiling.WANTED_HEADROOM
+    for target, m in row["medians"].items():
+        made = m.get("mean_output_tokens")
+        if output_tokens is not None and made is not None and abs(made - output_tokens) > 0.5:
+            notes.append(f"{where}: {target} produced {made:.1f} tokens per request, not {output_tokens} (ignore_eos not honoured?)")
+        if m.get("failed"):
+            notes.append(f"{where}: {target} had {m['failed']} failed or cancelled request(s)")
+        headroom = m.get("client_headroom")
+        if headroom is not None and headroom < wanted:
+            notes.append(f"{where}: the client's ceiling was only {headroom:.1f}x {target}'s rate "
+                         f"(wanted {wanted:.0f}x): the client may be part of that measurement")

@@ -2,8 +2,8 @@
 `await run_load(LoadConfig(...)) -> Result` (benchmarks/README.md says what it measures).
 
 Modules, in the order a request flows: config (LoadConfig), prompts + tokenizer (the workload),
-runner (run_load, run_sweep, run_async; progress: the bar), client + sse (aiohttp, or wire's lean
-client), ceiling (the same load against the instant endpoint), results + stats, report, plot, cli.
+runner (run_load, run_sweep, run_async; progress: the bar), client + sse + wire (the HTTP client),
+ceiling (the same load against the instant endpoint), results + stats, report, plot, cli.
 """
 
 from benchmarks.loadgen.cli import RESULTS_DIR, config_from, main, parser
@@ -14,7 +14,7 @@ from benchmarks.loadgen.prompts import WORDS, Session, build_sessions, fit_text,
 from benchmarks.loadgen.report import format_result, timestamp
 from benchmarks.loadgen.results import RequestRecord, Result, aggregate
 from benchmarks.loadgen.runner import measure_ceiling, run_async, run_load, run_sweep
-from benchmarks.loadgen.sse import SSEDecoder, StreamAccumulator, sse_events
+from benchmarks.loadgen.sse import SSEDecoder, StreamAccumulator
 from benchmarks.loadgen.stats import Stats, percentile, tpot
 from benchmarks.loadgen.tokenizer import ServerTokenizer, get_tokenizer, root_url
 
@@ -49,7 +49,6 @@ __all__ = [
     "run_sweep",
     "send_request",
     "sessions_needed",
-    "sse_events",
     "timestamp",
     "tpot",
 ]

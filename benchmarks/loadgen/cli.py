@@ -58,9 +58,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ceiling-duration", type=float, default=2.0,
                    help="after each run: seconds of the same load against the instant endpoint (benchmarks.instant_endpoint), "
                         "the client's ceiling, reported beside the run")
-    p.add_argument("--http-client", choices=("aiohttp", "wire"), default="aiohttp",
-                   help="aiohttp (default), or wire: a lean keep-alive HTTP/1.1 client on httptools' parser "
-                        "(benchmarks.loadgen.wire), for servers that answer more than a few thousand requests a second")
     p.add_argument("--no-ceiling", dest="ceiling_duration", action="store_const", const=0.0,
                    help="skip the ceiling run")
     return p
@@ -95,7 +92,6 @@ def config_from(args: argparse.Namespace) -> LoadConfig:
         progress=args.progress and sys.stderr.isatty(),
         keep_records=args.save_requests,
         ceiling_s=args.ceiling_duration,
-        http_client=args.http_client,
     )
 
 

@@ -39,7 +39,6 @@ class LoadConfig:
     progress: bool = False
     keep_records: bool = False  # put every request's record in Result.to_dict()
     ceiling_s: float = 0.0  # after the run: seconds of the same load against the instant endpoint (0: none)
-    http_client: Literal["aiohttp", "wire"] = "aiohttp"  # wire: loadgen.wire, for servers past ~5,000 req/s
     label: str = ""
 
     def to_dict(self) -> dict[str, Any]:

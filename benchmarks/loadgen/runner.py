@@ -142,7 +142,7 @@ async def run_load(
 ) -> Result:
     """One measured run at one concurrency (or request rate). Stops after num_requests or duration_s."""
     own = client is None
-    client = client or make_client(config, config.concurrency)
+    client = client or make_client(config)
     try:
         model = config.model or await discover_model(client, config.base_url)
         sessions, warmup_sessions = await _prepare_sessions(config, client, model, sessions, warmup_sessions)
@@ -212,7 +212,7 @@ async def _measure(
 async def run_sweep(config: LoadConfig, levels: Sequence[int], waves: int | None = None) -> list[Result]:
     """One run per concurrency level, each with its own fresh prompts (no prefix-cache help across levels)."""
     results = []
-    async with make_client(config, max(levels)) as client:
+    async with make_client(config) as client:
         for i, level in enumerate(levels):
             n = max(config.num_requests, waves * level) if waves else config.num_requests
             cfg = dataclasses.replace(config, concurrency=level, num_requests=n, seed=config.seed + 1000 * i,

@@ -6,7 +6,7 @@ text (`StreamAccumulator`).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from benchmarks.loadgen.codec import loads
@@ -89,17 +89,6 @@ class SSEDecoder:
         data = "\n".join(self._data)
         self._data = []
         return data
-
-
-async def sse_events(lines: AsyncIterable[str]) -> AsyncIterator[str]:
-    decoder = SSEDecoder()
-    async for line in lines:
-        data = decoder.feed(line)
-        if data is not None:
-            yield data
-    tail = decoder.flush()
-    if tail is not None:
-        yield tail
 
 
 def _piece_of(choice: dict[str, Any]) -> str:

@@ -1,11 +1,10 @@
-"""A lean keep-alive HTTP/1.1 client for the load generator's fastest targets (`--http-client wire`):
-each request one pre-built write, the answer parsed by httptools, a few microseconds a request
-where aiohttp costs about 60 (benchmarks/README.md says why that matters).
+"""The load generator's HTTP/1.1 client: each request one pre-built write on a keep-alive connection,
+the answer parsed by httptools (benchmarks/README.md says why not aiohttp).
 
-`WireSession` has the part of `aiohttp.ClientSession` that `loadgen.client` uses (`post`, `get`,
-`request`, responses with `status`, `headers`, `read()`, `content.iter_any()`,
-`raise_for_status()`), one keep-alive connection per request in flight, dropped after `idle_s`
-idle. Errors are those `loadgen.client.CLIENT_ERRORS` counts.
+`WireSession` offers `post`, `get` and `request` as async context managers giving responses with
+`status`, `headers`, `read()`, `content.iter_any()` and `raise_for_status()`; one keep-alive
+connection per request in flight, dropped after `idle_s` idle. Errors are those
+`loadgen.client.CLIENT_ERRORS` counts.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ Origin = tuple[str, int, bool]  # host, port, TLS
 
 
 class WireStatusError(ValueError):
-    """A non-2xx answer, from `raise_for_status` (as aiohttp's ClientResponseError)."""
+    """A non-2xx answer, from `raise_for_status`."""
 
     def __init__(self, status: int, url: str) -> None:
         super().__init__(f"HTTP {status} from {url}")

@@ -165,14 +165,8 @@ async def scripted() -> AsyncIterator[tuple[str, _Script]]:
         await runner.cleanup()
 
 
-@pytest.fixture(params=["aiohttp", "wire"])
-def http_client(request: pytest.FixtureRequest) -> str:
-    """Each of the load generator's HTTP clients (`LoadConfig.http_client`)."""
-    return str(request.param)
-
-
-async def _send(url: str, http_client: str = "aiohttp", **kwargs: object) -> RequestRecord:
-    async with loadgen.make_client(LoadConfig(http_client=http_client)) as client:  # type: ignore[arg-type]
+async def _send(url: str, **kwargs: object) -> RequestRecord:
+    async with loadgen.make_client(LoadConfig()) as client:
         return await loadgen.send_request(client, url, {"stream": True}, RequestRecord(), **kwargs)  # type: ignore[arg-type]
 
 
@@ -180,12 +174,12 @@ def _completion_chunk(text: str) -> dict:
     return {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
 
 
-async def test_send_request_times_a_stream_and_takes_usage(scripted, http_client) -> None:
+async def test_send_request_times_a_stream_and_takes_usage(scripted) -> None:
     url, script = scripted
     script.parts = _sse(*(_completion_chunk(f" w{i}") for i in range(4)),
                         {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}, "[DONE]")
     script.delay, script.split = 0.01, True
-    record = await _send(url, http_client, count_headers=["x-cache"])
+    record = await _send(url, count_headers=["x-cache"])
     assert record.ok, record.error
     assert script.bodies == [{"stream": True}]
     assert record.output_tokens == 4 and record.input_tokens == 7 and record.usage_reported
@@ -196,28 +190,28 @@ async def test_send_request_times_a_stream_and_takes_usage(scripted, http_client
     assert record.text == " w0 w1 w2 w3"
 
 
-async def test_send_request_counts_chunks_without_usage(scripted, http_client) -> None:
+async def test_send_request_counts_chunks_without_usage(scripted) -> None:
     url, script = scripted
     script.parts = _sse(*(_completion_chunk("x") for i in range(3)), "[DONE]")
-    record = await _send(url, http_client, estimate_input=12)
+    record = await _send(url, estimate_input=12)
     assert record.ok and record.output_tokens == 3 and record.input_tokens == 12 and not record.usage_reported
 
 
-async def test_send_request_reports_errors(scripted, http_client) -> None:
+async def test_send_request_reports_errors(scripted) -> None:
     url, script = scripted
     script.status, script.parts = 429, [b'{"error": {"message": "nope"}}']
-    record = await _send(url, http_client)
+    record = await _send(url)
     assert not record.ok and record.status == 429 and record.error.startswith("HTTP 429")
     script.status, script.parts = 200, _sse(_completion_chunk("x"))  # no [DONE]
-    record = await _send(url, http_client)
+    record = await _send(url)
     assert not record.ok and "without [DONE]" in record.error
     script.parts = _sse({"error": {"message": "engine died"}}, "[DONE]")
-    record = await _send(url, http_client)
+    record = await _send(url)
     assert not record.ok and record.error == "engine died"
 
 
-async def test_send_request_reports_a_refused_connection_as_an_error(http_client) -> None:
-    record = await _send(f"http://127.0.0.1:{_closed_port()}/v1/completions", http_client)
+async def test_send_request_reports_a_refused_connection_as_an_error() -> None:
+    record = await _send(f"http://127.0.0.1:{_closed_port()}/v1/completions")
     assert not record.ok and not record.cancelled and record.error and record.e2e is not None
 
 
@@ -308,11 +302,10 @@ async def echo_gateway() -> AsyncIterator[tuple[str, FakeEngine]]:
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
-async def test_loadgen_end_to_end_on_the_echo_gateway(echo_gateway, endpoint, http_client) -> None:
+async def test_loadgen_end_to_end_on_the_echo_gateway(echo_gateway, endpoint) -> None:
     base_url, engine = echo_gateway
     config = LoadConfig(base_url=base_url, endpoint=endpoint, concurrency=4, num_requests=12, input_tokens=16,
-                        output_tokens=8, ignore_eos=True, duration_s=30, warmup_requests=2, keep_records=True,
-                        http_client=http_client)
+                        output_tokens=8, ignore_eos=True, duration_s=30, warmup_requests=2, keep_records=True)
     result = await loadgen.run_load(config)
     assert result.completed == 12 and result.failed == 0, result.errors
     assert len(engine.requests) == 14  # with the warm-up

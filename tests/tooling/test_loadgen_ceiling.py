@@ -126,7 +126,7 @@ async def test_instant_endpoint_answers_many_requests_on_one_keep_alive_connecti
 async def test_a_run_against_the_instant_endpoint_is_on_one_time_line(instant) -> None:
     base_url = f"http://127.0.0.1:{instant}/v1"
     config = LoadConfig(base_url=base_url, endpoint="completions", concurrency=4, num_requests=40, input_tokens=6,
-                        output_tokens=5, tokenizer="words", warmup_requests=4, keep_records=True, http_client="wire")
+                        output_tokens=5, tokenizer="words", warmup_requests=4, keep_records=True)
     result = await run_load(config)
     assert result.completed == 40 and result.failed == 0 and result.cancelled == 0, result.errors
     assert result.concurrency == 4 and result.config["model"] == "inst"

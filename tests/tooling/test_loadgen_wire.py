@@ -1,8 +1,7 @@
 """The load generator's lean HTTP client (`benchmarks.loadgen.wire`) against real sockets: a raw
 scripted server (what it answers and how it closes is up to each test) and the instant endpoint.
-What it must do as aiohttp does for the load generator: keep-alive reuse, chunked bodies, status
-and headers, and every failure an error the load generator counts (never a hang). The same
-`send_request` tests run on both clients in test_loadgen.py."""
+What the load generator needs of it: keep-alive reuse, chunked bodies, status and headers, and every
+failure an error the load generator counts (never a hang). `send_request` over it: test_loadgen.py."""
 
 from __future__ import annotations
 

@@ -199,7 +199,7 @@ def test_echo_part_ratios_to_the_bare_stack_and_its_table() -> None:
     assert "| stream | 16 | chunks/s | 25600.0 | 25600.0 | 32000.0 | 0.800 ✓ |" in table
     assert "| 0 | 10.0 / 3.0 |" in table  # failed, then the client's headroom over echo and over bare
     notes: list[str] = []
-    race._target_notes(notes, plain, None, "echo non-stream ")
+    race_report.target_notes(notes, plain, None, "echo non-stream ")
     assert notes == ["echo non-stream c=16: the client's ceiling was only 3.0x bare's rate (wanted 5x): "
                      "the client may be part of that measurement"]
 
@@ -213,11 +213,9 @@ def test_race_parser_offers_both_clients_and_the_aa_switch() -> None:
 
 
 def test_echo_runs_measure_the_clients_ceiling() -> None:
-    from benchmarks import race_echo
-
     args = race.parser().parse_args(["--parts", "echo", "--ceiling-duration", "1.5"])
-    config = race_echo.scenario_config(args, "stream", "http://127.0.0.1:1", 16, 7, "echo stream r0 c16")
-    assert config.ceiling_s == 1.5 and config.http_client == "wire" and config.stream and config.concurrency == 16
+    config = race.scenario_config(args, "stream", "http://127.0.0.1:1", 16, 7, "echo stream r0 c16")
+    assert config.ceiling_s == 1.5 and config.stream and config.concurrency == 16
 
 
 # ---------------------------------------------------------------------------------------------
