@@ -1,5 +1,5 @@
 """How the gateway's cost grows with the work: prompt length, open idle streams, cached entries,
-memory over a soak (benchmarks/README.md, "Growth").
+memory over a soak (benchmarks/README.md, "Growth"), and its markdown tables.
 
     python -m benchmarks.growth                      # small sizes, a few minutes, the echo engine
     python -m benchmarks.growth --full               # 128 -> 4,096 tokens, 1,000 streams, 10,000 entries, 100,000 requests
@@ -23,11 +23,10 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import aiohttp
+import httpx
 import psutil
 
 from benchmarks import loadgen
-from benchmarks.growth_report import markdown
 from benchmarks.loadgen import LoadConfig, Result
 from benchmarks.procs import REPO, STARTED, Proc, free_port, log, machine, versions
 
@@ -100,11 +99,10 @@ async def part_prompt(args: argparse.Namespace, logs: Path) -> list[dict[str, An
 
 async def _sample(server: Proc, stop: asyncio.Event, samples: list[dict[str, Any]]) -> None:
     """Every 0.25 s: the gateway's RSS and the latency of GET /health, as a client sees it."""
-    async with aiohttp.ClientSession() as session:
+    async with httpx.AsyncClient() as client:
         while not stop.is_set():
             started = time.perf_counter()
-            async with session.get(f"http://127.0.0.1:{server.port}/health") as response:
-                await response.read()
+            await client.get(f"http://127.0.0.1:{server.port}/health")
             samples.append({"t": time.perf_counter(), "health_ms": (time.perf_counter() - started) * 1000, "rss": rss(server)})
             try:
                 await asyncio.wait_for(stop.wait(), 0.25)
@@ -113,8 +111,8 @@ async def _sample(server: Proc, stop: asyncio.Event, samples: list[dict[str, Any
 
 
 async def _lag(server: Proc) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{server.port}/_bench/lag") as response:
-        return dict(await response.json())
+    async with httpx.AsyncClient() as client:
+        return dict((await client.get(f"http://127.0.0.1:{server.port}/_bench/lag")).json())
 
 
 async def part_streams(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -200,6 +198,71 @@ async def part_soak(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     return {"requests": total, "failed": failed, "points": points, "cache_bound_entries": bound_entries,
             "rss_at_bound_mib": bound and bound["rss_mib"], "rss_end_mib": points[-1]["rss_mib"],
             "growth_after_bound_mib": bound and points[-1]["rss_mib"] - bound["rss_mib"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The report: a table per part measured
+
+
+def _n(value: Any, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _table(header: str, *rows: str) -> list[str]:
+    names = header.split(" | ")
+    return [f"| {header} |", "|" + "|".join("---" if n in TEXT_COLUMNS else "---:" for n in names) + "|", *rows]
+
+
+TEXT_COLUMNS = ("prompts", "hits counted")
+
+
+def _prompt(rows: list[dict[str, Any]]) -> list[str]:
+    return _table("prompt tokens | prompts | mean input tokens | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | req/s | "
+                  "gateway CPU ms/request | failed",
+                  *(f"| {r['tokens']} | {r['prompts']} | {_n(r['mean_input_tokens'])} | {_n(r['ttft_p50_ms'], 2)} | "
+                    f"{_n(r['ttft_p99_ms'], 2)} | {_n(r['e2e_p50_ms'], 2)} | {_n(r['req_s'])} | "
+                    f"{_n(r['gateway_cpu_ms_per_request'], 3)} | {r['failed']} |" for r in rows))
+
+
+def _streams(s: dict[str, Any]) -> list[str]:
+    held, idle = s["loop_lag_held"], s["loop_lag_idle"]
+    slash = lambda *values: " / ".join(_n(v, 2) for v in values)  # noqa: E731
+    return _table("streams held | RSS before MiB | RSS held MiB | KiB per open stream | loop lag idle p99 / max ms | "
+                  "loop lag held p50 / p99 / max ms | GET /health p50 / p99 / max ms | failed",
+                  f"| {s['streams']} | {_n(s['rss_before_mib'])} | {_n(s['rss_held_mib'])} | {_n(s['kib_per_stream'])} | "
+                  f"{slash(idle.get('p99_ms'), idle.get('max_ms'))} | {slash(held.get('p50_ms'), held.get('p99_ms'), held.get('max_ms'))} | "
+                  f"{slash(s['health_p50_ms'], s['health_p99_ms'], s['health_max_ms'])} | {s['load']['failed']} |")
+
+
+def _cache(c: dict[str, Any]) -> list[str]:
+    small, full = c["hit_nearly_empty"], c["hit_full"]
+    return _table("entries | tokens per answer | RSS before MiB | RSS after MiB | bytes per entry | "
+                  "hit e2e p50 / p99 ms, 10 entries | hit e2e p50 / p99 ms, full | hits counted",
+                  f"| {c['entries']} | {c['answer_tokens']} | {_n(c['rss_before_mib'])} | {_n(c['rss_after_mib'])} | "
+                  f"{_n(c['bytes_per_entry'], 0)} | {_n(small['e2e_p50_ms'], 3)} / {_n(small['e2e_p99_ms'], 3)} | "
+                  f"{_n(full['e2e_p50_ms'], 3)} / {_n(full['e2e_p99_ms'], 3)} | {full['x_cache']} |")
+
+
+def _soak(s: dict[str, Any]) -> list[str]:
+    points = ", ".join(f"{p['requests']}: {p['rss_mib']:.0f}" for p in s["points"])
+    bound = s["cache_bound_entries"]
+    return [f"- {s['requests']} requests ({s['failed']} failed); RSS (MiB) after each step: {points}",
+            f"- the cache's bound ({bound} entries) was not reached: growth after it not measured"
+            if s.get("rss_at_bound_mib") is None else
+            f"- RSS when the cache reached its bound ({bound} entries): {s['rss_at_bound_mib']:.1f} MiB; at the end: "
+            f"{s['rss_end_mib']:.1f} MiB; growth after the bound: {s['growth_after_bound_mib']:+.1f} MiB"]
+
+
+def markdown(document: dict[str, Any]) -> str:
+    lines = [f"Growth ({document['started']}): `{document['command']}`", ""]
+    sections = (("prompt", "Cost against prompt length", _prompt), ("streams", "Open idle streams", _streams),
+                ("cache", "Cached entries", _cache), ("soak", "Memory over many requests (echo engine)", _soak))
+    for key, title, render in sections:
+        if document.get(key):
+            lines += [f"### {title}", "", *render(document[key]), ""]
+    if document.get("error"):
+        lines.append(f"INCOMPLETE: {document['error']}")
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------
