@@ -77,7 +77,7 @@ async def send_request(
     try:
         async with client.post(url, data=dumps(body)) as response:
             record.status = response.status
-            record.headers = {h: response.headers[h] for h in count_headers if h in response.headers}
+            record.headers = {h: response.headers[h.lower()] for h in count_headers if h.lower() in response.headers}
             if response.status != 200:
                 record.e2e = record.ttft = time.perf_counter() - started
                 record.error = f"HTTP {response.status}: {(await response.read())[:200].decode(errors='replace')}"

@@ -14,8 +14,6 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from yarl import URL
-
 from benchmarks.loadgen import ceiling
 from benchmarks.loadgen.client import Client, discover_model, make_client, send_request
 from benchmarks.loadgen.config import LoadConfig
@@ -35,7 +33,7 @@ class Runner:
         self.model = model
         self.sessions = sessions
         path = "chat/completions" if config.endpoint == "chat" else "completions"
-        self.url = URL(f"{config.base_url.rstrip('/')}/{path}")  # parsed once, not per request
+        self.url = f"{config.base_url.rstrip('/')}/{path}"
         self.records: list[RequestRecord] = []
         self.issued = 0
         self.next_session = 0
@@ -80,13 +78,10 @@ class Runner:
 
     async def arrivals(self, rng: random.Random) -> None:
         """Poisson arrivals of sessions, at most `concurrency` running (when set)."""
-        limit = asyncio.Semaphore(self.config.concurrency) if self.config.concurrency else None
+        limit = asyncio.Semaphore(self.config.concurrency or 1 << 30)
         tasks: set[asyncio.Task[None]] = set()
 
         async def start(session: Session) -> None:
-            if limit is None:
-                await self.run_session(session)
-                return
             async with limit:
                 await self.run_session(session)
 
@@ -111,13 +106,10 @@ class Runner:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def run(self, origin: float | None = None) -> float:
-        """Run until the count or the time limit; returns the measured duration in seconds. With an
-        `origin` (a `time.perf_counter()` value, the same in every process): start then, and time from it."""
+    async def run(self) -> float:
+        """Run until the count or the time limit; returns the measured duration in seconds."""
         cfg = self.config
-        if origin is not None and origin > time.perf_counter():
-            await asyncio.sleep(origin - time.perf_counter())
-        self.origin = time.perf_counter() if origin is None else origin
+        self.origin = time.perf_counter()
         self.deadline = self.origin + cfg.duration_s if cfg.duration_s else math.inf
         if cfg.request_rate:
             main = asyncio.ensure_future(self.arrivals(random.Random(cfg.seed + 1)))

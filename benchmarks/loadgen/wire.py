@@ -1,7 +1,7 @@
 """The load generator's HTTP/1.1 client: each request one pre-built write on a keep-alive connection,
 the answer parsed by httptools (benchmarks/README.md says why not aiohttp).
 
-`WireSession` offers `post`, `get` and `request` as async context managers giving responses with
+`WireSession` offers `post` and `request` as async context managers giving responses with
 `status`, `headers`, `read()`, `content.iter_any()` and `raise_for_status()`; one keep-alive
 connection per request in flight, dropped after `idle_s` idle. Errors are those
 `loadgen.client.CLIENT_ERRORS` counts.
@@ -14,10 +14,9 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from urllib.parse import urlsplit
 
 import httptools
-from yarl import URL
 
 Origin = tuple[str, int, bool]  # host, port, TLS
 
@@ -28,19 +27,6 @@ class WireStatusError(ValueError):
     def __init__(self, status: int, url: str) -> None:
         super().__init__(f"HTTP {status} from {url}")
         self.status = status
-
-
-class Headers(dict[str, str]):
-    """Response headers with lower-case names, looked up case-insensitively."""
-
-    def __getitem__(self, name: str) -> str:
-        return super().__getitem__(name.lower())
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and super().__contains__(name.lower())
-
-    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
-        return super().get(name.lower(), default)
 
 
 class _Body:
@@ -67,7 +53,7 @@ class WireResponse:
         self.url = url
         self.deadline = deadline
         self.status = 0
-        self.headers = Headers()
+        self.headers: dict[str, str] = {}  # names in lower case
         self.content = _Body(self)
         self.complete = False
         self.error: BaseException | None = None
@@ -209,7 +195,7 @@ class _Exchange:
     """`async with session.post(...) as response`: the request goes out on enter; on exit the
     connection goes back to the pool when its answer was read to the end, else it is closed."""
 
-    def __init__(self, session: WireSession, method: str, url: str | URL, data: bytes | None) -> None:
+    def __init__(self, session: WireSession, method: str, url: str, data: bytes | None) -> None:
         self.session, self.method, self.url, self.data = session, method, url, data
         self.response: WireResponse | None = None
 
@@ -233,40 +219,34 @@ class WireSession:
 
     def __init__(
         self, headers: Mapping[str, str] | None = None, total_timeout_s: float = 600.0, idle_s: float = 3.0,
-        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.fixed = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items() if k.lower() not in _OWN_HEADERS)
         self.total_timeout_s = total_timeout_s
         self.idle_s = idle_s
-        self.ssl_context = ssl_context
         self.closed = False
         self._idle: dict[Origin, list[_Connection]] = {}
         self._busy: set[_Connection] = set()
         self._targets: dict[tuple[str, str], tuple[Origin, bytes, str]] = {}
         self._sweeper: asyncio.TimerHandle | None = None
 
-    def post(self, url: str | URL, data: bytes | None = None) -> _Exchange:
+    def post(self, url: str, data: bytes | None = None) -> _Exchange:
         return _Exchange(self, "POST", url, data)
 
-    def get(self, url: str | URL) -> _Exchange:
-        return _Exchange(self, "GET", url, None)
-
-    def request(self, method: str, url: str | URL, data: bytes | None = None) -> _Exchange:
+    def request(self, method: str, url: str, data: bytes | None = None) -> _Exchange:
         return _Exchange(self, method.upper(), url, data)
 
-    def _target(self, method: str, url: str | URL) -> tuple[Origin, bytes, str]:
+    def _target(self, method: str, url: str) -> tuple[Origin, bytes, str]:
         """(origin, the request's head up to its length, the URL as text), built once per URL."""
-        text = str(url)
-        found = self._targets.get((method, text))
+        found = self._targets.get((method, url))
         if found is None:
-            parsed = URL(text)
-            if parsed.scheme not in ("http", "https") or not parsed.host:
-                raise ValueError(f"not an http(s) URL: {text}")
+            parsed = urlsplit(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ValueError(f"not an http(s) URL: {url}")
             tls = parsed.scheme == "https"
             port = parsed.port or (443 if tls else 80)
-            host = parsed.host if parsed.is_default_port() else f"{parsed.host}:{port}"
-            head = f"{method} {parsed.raw_path_qs} HTTP/1.1\r\nhost: {host}\r\n{self.fixed}".encode("latin-1")
-            found = self._targets[(method, text)] = ((parsed.host, port, tls), head, text)
+            target = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
+            head = f"{method} {target} HTTP/1.1\r\nhost: {parsed.netloc}\r\n{self.fixed}".encode("latin-1")
+            found = self._targets[(method, url)] = ((parsed.hostname, port, tls), head, url)
         return found
 
     async def _connection(self, origin: Origin, deadline: float) -> _Connection:
@@ -278,7 +258,7 @@ class WireSession:
                 return connection
             connection.close()
         host, port, tls = origin
-        context = (self.ssl_context or ssl.create_default_context()) if tls else None
+        context = ssl.create_default_context() if tls else None
         loop = asyncio.get_running_loop()
         async with asyncio.timeout_at(deadline):
             _, connection = await loop.create_connection(_Connection, host, port, ssl=context)
@@ -296,7 +276,7 @@ class WireSession:
                 connection.close()
         self._sweeper = loop.call_later(SWEEP_EVERY_S, self._sweep) if not self.closed else None
 
-    async def _send(self, method: str, url: str | URL, data: bytes | None) -> WireResponse:
+    async def _send(self, method: str, url: str, data: bytes | None) -> WireResponse:
         if self.closed:
             raise RuntimeError("the session is closed")
         origin, head, text = self._target(method, url)
