@@ -105,7 +105,7 @@ async def _read_stream(response: Any, acc: StreamAccumulator) -> None:
     async for chunk in response.content.iter_any():
         if not acc.done:
             now = time.perf_counter()
-            for data in decoder.feed_raw(chunk):
+            for data in decoder.feed(chunk):
                 if acc.feed(data, now):
                     break
     if not acc.done:

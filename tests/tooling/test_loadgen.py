@@ -87,12 +87,10 @@ def test_aggregate_throughput_and_counts() -> None:
 
 def test_sse_decoder_follows_the_event_stream_rules() -> None:
     decoder = SSEDecoder()
-    lines = [": keep-alive", "data: {\"a\": 1}", "", "event: x", "data: line1", "data:line2", "", "data: [DONE]\r", ""]
-    events = [e for e in (decoder.feed(line) for line in lines) if e is not None]
-    assert events == ['{"a": 1}', "line1\nline2", "[DONE]"]
-    decoder.feed("data: tail")
-    assert decoder.flush() == "tail"
-    assert decoder.flush() is None
+    body = b': keep-alive\n\ndata: {"a": 1}\n\nevent: x\ndata: line1\ndata:line2\n\ndata: [DONE]\r\n\r\ndata: tail'
+    assert decoder.feed(body) == [b'{"a": 1}', "line1\nline2", b"[DONE]"]
+    assert decoder.finish() == ["tail"]
+    assert decoder.finish() == []
 
 
 def test_stream_accumulator_counts_text_chunks_only() -> None:
@@ -221,30 +219,16 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_sse_bytes_cut_anywhere_give_the_same_events() -> None:
-    body = 'data: {"t": "caf\u00e9 \u00e9t\u00e9"}\r\n\r\n: ping\n\ndata: a\ndata: b\n\ndata: [DONE]'.encode()
-    whole = SSEDecoder()
-    expected = whole.feed_bytes(body) + whole.finish()
-    assert [json.loads(expected[0])["t"], *expected[1:]] == ["café été", "a\nb", "[DONE]"]
-    for cut in range(1, len(body)):  # every cut, including inside the two-byte é
-        decoder = SSEDecoder()
-        assert decoder.feed_bytes(body[:cut]) + decoder.feed_bytes(body[cut:]) + decoder.finish() == expected
-
-
 @pytest.mark.parametrize("newline", ["\n", "\r\n"])
-def test_sse_raw_events_cut_anywhere_are_the_same_events(newline) -> None:
-    """feed_raw (the client's path: one-line events as undecoded bytes) agrees with feed_bytes."""
-    text = 'data: {"t": "caf\u00e9"}\n\n: ping\n\ndata: a\ndata: b\n\nevent: x\ndata: c\n\ndata: [DONE]\n'
+def test_sse_events_cut_anywhere_are_the_same_events(newline) -> None:
+    text = 'data: {"t": "caf\u00e9 \u00e9t\u00e9"}\n\n: ping\n\ndata: a\ndata: b\n\nevent: x\ndata: c\n\ndata: [DONE]\n'
     body = text.replace("\n", newline).encode()
-    whole = SSEDecoder()
-    expected = whole.feed_bytes(body) + whole.finish()
-    assert expected == ['{"t": "caf\u00e9"}', "a\nb", "c", "[DONE]"]
-    for cut in range(len(body) + 1):
+    expected = ['{"t": "caf\u00e9 \u00e9t\u00e9"}', "a\nb", "c", "[DONE]"]
+    for cut in range(len(body) + 1):  # every cut, including inside a two-byte é and between CR and LF
         decoder = SSEDecoder()
-        events = decoder.feed_raw(body[:cut]) + decoder.feed_raw(body[cut:]) + decoder.finish()
+        events = decoder.feed(body[:cut]) + decoder.feed(body[cut:]) + decoder.finish()
         assert [e.decode() if isinstance(e, bytes) else e for e in events] == expected
-    raw = SSEDecoder().feed_raw(b'data: {"x": 1}\n\n')
-    assert raw == [b'{"x": 1}']  # the common case: bytes, never decoded
+    assert SSEDecoder().feed(b'data: {"x": 1}\n\n') == [b'{"x": 1}']  # the common case: bytes, never decoded
 
 
 def test_request_bodies() -> None:
@@ -393,6 +377,6 @@ def test_bare_app_answers_a_fixed_completion_plain_and_streamed() -> None:
         streamed = client.post("/v1/completions", json=body)
     assert streamed.headers["content-type"].startswith("text/event-stream")
     decoder, acc = SSEDecoder(), StreamAccumulator(0.0)
-    for data in decoder.feed_bytes(streamed.content) + decoder.finish():
+    for data in decoder.feed(streamed.content) + decoder.finish():
         acc.feed(data, 1.0)
     assert acc.done and acc.chunks == 4 and acc.text == " bare" * 4 and acc.usage["completion_tokens"] == 4

@@ -64,7 +64,7 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
 def _events(body: bytes) -> StreamAccumulator:
     """The stream as the load generator reads it."""
     decoder, acc = SSEDecoder(), StreamAccumulator(0.0)
-    for data in decoder.feed_raw(body) + decoder.finish():
+    for data in decoder.feed(body) + decoder.finish():
         acc.feed(data, 1.0)
     return acc
 
