@@ -115,7 +115,7 @@ ECHO_ENV = {"GATEWAY_WARMUP": "false", "GATEWAY_LOG_LEVEL": "info", "GATEWAY_LOG
 
 
 class EngineAlone(Controlled):
-    """The engine alone (benchmarks.engine_direct --control): runs the plan's runs on command."""
+    """The engine alone (benchmarks.engine_direct): runs the plan's runs on command."""
 
     def __init__(self, args: argparse.Namespace, logs: Path) -> None:
         plan_path = logs / "engine-plan.json"
@@ -123,7 +123,7 @@ class EngineAlone(Controlled):
                     "max_model_len": args.max_model_len, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
                     "enforce_eager": args.eager, "seed": 0}
         plan_path.write_text(json.dumps({"engine": settings, "load": load_config(args, "http://engine.invalid/v1", 1, 1).to_dict()}))
-        super().__init__("engine", python_m("benchmarks.engine_direct", "--plan", str(plan_path), "--control"), logs / "engine.log")
+        super().__init__("engine", python_m("benchmarks.engine_direct", "--plan", str(plan_path)), logs / "engine.log")
         self.logs = logs
         self.index: dict[tuple[int, int], int] = {}
 
