@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.loadgen.config import LoadConfig
-from benchmarks.loadgen.plot import plot_sweep
-from benchmarks.loadgen.report import format_result, timestamp
+from benchmarks.loadgen.report import format_result, plot_sweep, timestamp
 from benchmarks.loadgen.results import Result
 from benchmarks.loadgen.runner import run_async, run_load, run_sweep
 

@@ -17,11 +17,9 @@ from typing import Any, TypeVar
 from benchmarks.loadgen import ceiling
 from benchmarks.loadgen.client import Client, discover_model, make_client, send_request
 from benchmarks.loadgen.config import LoadConfig
-from benchmarks.loadgen.progress import Bar, open_bar
-from benchmarks.loadgen.prompts import Session, build_sessions, request_body, sessions_needed
+from benchmarks.loadgen.prompts import Session, build_sessions, get_tokenizer, request_body, sessions_needed
 from benchmarks.loadgen.report import format_result
 from benchmarks.loadgen.results import RequestRecord, Result, aggregate
-from benchmarks.loadgen.tokenizer import get_tokenizer
 
 
 class Runner:
@@ -40,7 +38,7 @@ class Runner:
         self.origin = 0.0
         self.deadline = math.inf
         self.last_end = 0.0
-        self.bar: Bar | None = None
+        self.bar: Any = None  # a tqdm bar when config.progress
 
     def _take_session(self) -> Session:
         session = self.sessions[self.next_session % len(self.sessions)]
@@ -191,7 +189,10 @@ async def _measure(
 ) -> tuple[list[RequestRecord], float, float]:
     """The measured run: its records, its duration in seconds and this process's CPU seconds meanwhile."""
     runner = Runner(config, client, model, sessions)
-    runner.bar = open_bar(config)
+    if config.progress:  # the CLI on a terminal: tqdm imported only then
+        from tqdm import tqdm
+
+        runner.bar = tqdm(total=config.num_requests, desc=config.label or f"c={config.concurrency}", unit="req", leave=False)
     cpu = time.process_time()
     try:
         duration = await runner.run()
