@@ -208,39 +208,38 @@ def _n(value: Any, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def _table(header: str, *rows: str) -> list[str]:
+def _table(header: str, rows: list[list[Any]]) -> list[str]:
+    """A markdown table: the header's names split at " | ", numbers right-aligned, text left."""
     names = header.split(" | ")
-    return [f"| {header} |", "|" + "|".join("---" if n in TEXT_COLUMNS else "---:" for n in names) + "|", *rows]
-
-
-TEXT_COLUMNS = ("prompts", "hits counted")
+    rule = "|" + "|".join("---" if n in ("prompts", "hits counted") else "---:" for n in names) + "|"
+    return [f"| {header} |", rule, *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
 
 
 def _prompt(rows: list[dict[str, Any]]) -> list[str]:
     return _table("prompt tokens | prompts | mean input tokens | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | req/s | "
                   "gateway CPU ms/request | failed",
-                  *(f"| {r['tokens']} | {r['prompts']} | {_n(r['mean_input_tokens'])} | {_n(r['ttft_p50_ms'], 2)} | "
-                    f"{_n(r['ttft_p99_ms'], 2)} | {_n(r['e2e_p50_ms'], 2)} | {_n(r['req_s'])} | "
-                    f"{_n(r['gateway_cpu_ms_per_request'], 3)} | {r['failed']} |" for r in rows))
+                  [[r["tokens"], r["prompts"], _n(r["mean_input_tokens"]), _n(r["ttft_p50_ms"], 2), _n(r["ttft_p99_ms"], 2),
+                    _n(r["e2e_p50_ms"], 2), _n(r["req_s"]), _n(r["gateway_cpu_ms_per_request"], 3), r["failed"]] for r in rows])
 
 
 def _streams(s: dict[str, Any]) -> list[str]:
-    held, idle = s["loop_lag_held"], s["loop_lag_idle"]
-    slash = lambda *values: " / ".join(_n(v, 2) for v in values)  # noqa: E731
+    def slash(stats: dict[str, Any], *keys: str, digits: int = 2) -> str:
+        return " / ".join(_n(stats.get(k), digits) for k in keys)
+
     return _table("streams held | RSS before MiB | RSS held MiB | KiB per open stream | loop lag idle p99 / max ms | "
                   "loop lag held p50 / p99 / max ms | GET /health p50 / p99 / max ms | failed",
-                  f"| {s['streams']} | {_n(s['rss_before_mib'])} | {_n(s['rss_held_mib'])} | {_n(s['kib_per_stream'])} | "
-                  f"{slash(idle.get('p99_ms'), idle.get('max_ms'))} | {slash(held.get('p50_ms'), held.get('p99_ms'), held.get('max_ms'))} | "
-                  f"{slash(s['health_p50_ms'], s['health_p99_ms'], s['health_max_ms'])} | {s['load']['failed']} |")
+                  [[s["streams"], _n(s["rss_before_mib"]), _n(s["rss_held_mib"]), _n(s["kib_per_stream"]),
+                    slash(s["loop_lag_idle"], "p99_ms", "max_ms"), slash(s["loop_lag_held"], "p50_ms", "p99_ms", "max_ms"),
+                    slash(s, "health_p50_ms", "health_p99_ms", "health_max_ms"), s["load"]["failed"]]])
 
 
 def _cache(c: dict[str, Any]) -> list[str]:
     small, full = c["hit_nearly_empty"], c["hit_full"]
     return _table("entries | tokens per answer | RSS before MiB | RSS after MiB | bytes per entry | "
                   "hit e2e p50 / p99 ms, 10 entries | hit e2e p50 / p99 ms, full | hits counted",
-                  f"| {c['entries']} | {c['answer_tokens']} | {_n(c['rss_before_mib'])} | {_n(c['rss_after_mib'])} | "
-                  f"{_n(c['bytes_per_entry'], 0)} | {_n(small['e2e_p50_ms'], 3)} / {_n(small['e2e_p99_ms'], 3)} | "
-                  f"{_n(full['e2e_p50_ms'], 3)} / {_n(full['e2e_p99_ms'], 3)} | {full['x_cache']} |")
+                  [[c["entries"], c["answer_tokens"], _n(c["rss_before_mib"]), _n(c["rss_after_mib"]),
+                    _n(c["bytes_per_entry"], 0), f"{_n(small['e2e_p50_ms'], 3)} / {_n(small['e2e_p99_ms'], 3)}",
+                    f"{_n(full['e2e_p50_ms'], 3)} / {_n(full['e2e_p99_ms'], 3)}", full["x_cache"]]])
 
 
 def _soak(s: dict[str, Any]) -> list[str]:
