@@ -16,29 +16,13 @@ from benchmarks import loadgen
 SERVED_NAME = "smollm2-135m-instruct"
 TARGETS = ("gateway", "gateway-aa", "vllm", "engine")  # the table's order; gateway-aa: the A/A twin
 
-# metric name -> (what it is, higher is better)
-METRICS: dict[str, tuple[str, bool]] = {
-    "output_tok_s": ("output tokens per second", True),
-    "req_s": ("requests per second", True),
-    "ttft_p50_ms": ("time to first token, median", False),
-    "ttft_p99_ms": ("time to first token, 99th percentile", False),
-    "tpot_p50_ms": ("time per output token after the first, median", False),
-    "itl_p99_ms": ("inter-token latency, 99th percentile", False),
-    "e2e_p50_ms": ("end-to-end latency, median", False),
-    "front_cpu_ms_per_token": ("CPU of the front-end process (not its engine core and worker) per output token", False),
-}
+# medians and paired ratios of these (README.md, "The race", says what each is)
+METRICS = ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p99_ms", "e2e_p50_ms",
+           "front_cpu_ms_per_token")
 EXTRA = ("mean_output_tokens", "client_headroom", "e2e_p99_ms")  # medians kept, no ratios
 # (metric, against, bound, higher is better): what the race is judged on
-TARGET_RULES = [
-    ("output_tok_s", "vllm", 1.00, True),
-    ("output_tok_s", "engine", 0.95, True),
-    ("ttft_p50_ms", "vllm", 1.00, False),
-    ("ttft_p99_ms", "vllm", 1.00, False),
-]
-
-
-# ----------------------------------------------------------------------------------------------
-# Numbers
+TARGET_RULES = [("output_tok_s", "vllm", 1.00, True), ("output_tok_s", "engine", 0.95, True),
+                ("ttft_p50_ms", "vllm", 1.00, False), ("ttft_p99_ms", "vllm", 1.00, False)]
 
 
 def metrics_of(result: dict[str, Any]) -> dict[str, float | None]:
@@ -69,9 +53,7 @@ def median(values: Sequence[float | None]) -> float | None:
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
+    return None if a is None or not b else a / b
 
 
 def summarize(runs: Sequence[dict[str, Any]], levels: Sequence[int], reference: str = "gateway") -> list[dict[str, Any]]:
@@ -297,26 +279,21 @@ KEEP_MARKER = "<!-- Written by hand: race.py --write-results-md keeps what follo
 def kept_part(results: Path) -> str:
     """What follows KEEP_MARKER in the RESULTS.md being replaced (the reading of runs, the
     profile, the measured changes), so a new race does not wipe it."""
-    try:
-        text = results.read_text()
-    except OSError:
-        return ""
+    text = results.read_text() if results.exists() else ""
     at = text.find(KEEP_MARKER)
     return "" if at < 0 else "\n" + text[at:]
 
 
 def plot(document: dict[str, Any], path: Path) -> Path | None:
+    """The medians as loadgen.plot_sweep draws a sweep: one series per target."""
     series: dict[str, list[Any]] = {}
+    s = lambda ms: (ms or math.nan) / 1000  # noqa: E731 - ms to seconds, None to NaN
     for row in document.get("summary", []):
         for target, m in row["medians"].items():
-            if m.get("output_tok_s") is None:
-                continue
-            series.setdefault(target, []).append(SimpleNamespace(
-                concurrency=row["concurrency"],
-                output_throughput=m["output_tok_s"],
-                ttft=SimpleNamespace(p50=(m["ttft_p50_ms"] or math.nan) / 1000, p99=(m["ttft_p99_ms"] or math.nan) / 1000),
-                tpot=SimpleNamespace(p50=(m["tpot_p50_ms"] or math.nan) / 1000),
-            ))
+            if m.get("output_tok_s") is not None:
+                series.setdefault(target, []).append(SimpleNamespace(
+                    concurrency=row["concurrency"], output_throughput=m["output_tok_s"],
+                    ttft=SimpleNamespace(p50=s(m["ttft_p50_ms"]), p99=s(m["ttft_p99_ms"])), tpot=SimpleNamespace(p50=s(m["tpot_p50_ms"]))))
     if not series:
         return None
     return loadgen.plot_sweep(series, path, title="gateway vs vLLM's server vs engine alone (medians)")
