@@ -14,7 +14,7 @@ from benchmarks.loadgen.codec import dumps, loads
 from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.results import RequestRecord
 from benchmarks.loadgen.sse import SSEDecoder, StreamAccumulator
-from benchmarks.loadgen.wire import WireSession
+from benchmarks.loadgen.wire import WireResponse, WireSession
 
 Client = WireSession
 
@@ -98,11 +98,11 @@ async def send_request(
     return record
 
 
-async def _read_stream(response: Any, acc: StreamAccumulator) -> None:
+async def _read_stream(response: WireResponse, acc: StreamAccumulator) -> None:
     """Time each event carrying text until `[DONE]`, then read the body to its end (the chunked
     terminator follows [DONE]) so that the connection goes back to the pool."""
     decoder = SSEDecoder()
-    async for chunk in response.content.iter_any():
+    async for chunk in response.iter_chunks():
         if not acc.done:
             now = time.perf_counter()
             for data in decoder.feed(chunk):

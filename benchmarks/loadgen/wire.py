@@ -2,7 +2,7 @@
 the answer parsed by httptools (benchmarks/README.md says why not aiohttp).
 
 `WireSession` offers `post` and `request` as async context managers giving responses with
-`status`, `headers`, `read()`, `content.iter_any()` and `raise_for_status()`; one keep-alive
+`status`, `headers`, `read()`, `iter_chunks()` and `raise_for_status()`; one keep-alive
 connection per request in flight, dropped after `idle_s` idle. Errors are those
 `loadgen.client.CLIENT_ERRORS` counts.
 """
@@ -29,21 +29,6 @@ class WireStatusError(ValueError):
         self.status = status
 
 
-class _Body:
-    """The answer's body as it arrives: `iter_any()` yields what has come since the last step."""
-
-    def __init__(self, response: WireResponse) -> None:
-        self._response = response
-
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        response = self._response
-        while True:
-            chunk = await response.next_chunk()
-            if not chunk:
-                return
-            yield chunk
-
-
 class WireResponse:
     """One answer on one connection, filled by the connection's parser callbacks."""
 
@@ -54,7 +39,6 @@ class WireResponse:
         self.deadline = deadline
         self.status = 0
         self.headers: dict[str, str] = {}  # names in lower case
-        self.content = _Body(self)
         self.complete = False
         self.error: BaseException | None = None
         self._chunks: list[bytes] = []
@@ -106,6 +90,11 @@ class WireResponse:
             return b""
         chunks, self._chunks = self._chunks, []
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives: what came since the last step."""
+        while chunk := await self.next_chunk():
+            yield chunk
 
     async def read(self) -> bytes:
         while not self.complete:

@@ -88,7 +88,7 @@ async def test_reads_a_chunked_body_as_it_comes(scripted) -> None:
     script.answer = lambda request: chunked
     async with WireSession() as session:
         async with session.post(url, data=b"{}") as response:
-            parts = [chunk async for chunk in response.content.iter_any()]
+            parts = [chunk async for chunk in response.iter_chunks()]
         assert b"".join(parts) == b"hello world"
         async with session.post(url, data=b"{}") as response:  # the same connection, still in step
             assert await response.read() == b"hello world"
