@@ -10,7 +10,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.loadgen.codec import dumps, loads
+import orjson
+
 from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.results import RequestRecord
 from benchmarks.loadgen.sse import SSEDecoder, StreamAccumulator
@@ -33,9 +34,9 @@ def make_client(config: LoadConfig) -> Client:
 async def get_json(client: Client, url: str, body: Any = None) -> Any:
     """GET (or POST `body`) and decode the JSON answer; raises WireStatusError on a non-2xx."""
     method = "POST" if body is not None else "GET"
-    async with client.request(method, url, data=None if body is None else dumps(body)) as response:
+    async with client.request(method, url, data=None if body is None else orjson.dumps(body)) as response:
         response.raise_for_status()
-        return loads(await response.read())
+        return orjson.loads(await response.read())
 
 
 async def discover_model(client: Client, base_url: str) -> str:
@@ -75,7 +76,7 @@ async def send_request(
     record.start = started - origin
     acc = StreamAccumulator(started)
     try:
-        async with client.post(url, data=dumps(body)) as response:
+        async with client.post(url, data=orjson.dumps(body)) as response:
             record.status = response.status
             record.headers = {h: response.headers[h.lower()] for h in count_headers if h.lower() in response.headers}
             if response.status != 200:
@@ -132,7 +133,7 @@ def _finish_stream(record: RequestRecord, acc: StreamAccumulator, estimate_input
 def _finish_plain(record: RequestRecord, payload: bytes, started: float, estimate_input: int) -> None:
     """A request without streaming: the first token is the whole answer (TTFT = e2e)."""
     record.e2e = record.ttft = time.perf_counter() - started
-    obj = loads(payload)
+    obj = orjson.loads(payload)
     record.text = "".join((c.get("text") or (c.get("message") or {}).get("content") or "") for c in obj.get("choices") or [])
     _apply_usage(record, obj.get("usage"), 1 if record.text else 0, estimate_input)
     record.ok = True

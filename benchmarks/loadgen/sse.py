@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from benchmarks.loadgen.codec import loads
+import orjson
 
 
 class SSEDecoder:
@@ -82,7 +82,7 @@ class StreamAccumulator:
         if data == b"[DONE]":
             return self._done(now)
         try:
-            obj = loads(data)
+            obj = orjson.loads(data)
         except ValueError:  # not JSON: [DONE] with spaces around, or garbage
             if data.strip() in ("[DONE]", b"[DONE]"):
                 return self._done(now)

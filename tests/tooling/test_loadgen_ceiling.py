@@ -10,11 +10,11 @@ import json
 from collections.abc import AsyncIterator
 
 import httptools
+import orjson
 import pytest
 
 from benchmarks import instant_endpoint
 from benchmarks.loadgen import LoadConfig, SSEDecoder, StreamAccumulator, aggregate, ceiling, run_load
-from benchmarks.loadgen.codec import loads
 from benchmarks.loadgen.results import Result
 
 
@@ -77,14 +77,14 @@ async def test_instant_endpoint_answers_many_requests_on_one_keep_alive_connecti
 
         status, plain = await _exchange(reader, writer, "POST", "/v1/completions",
                                         {"model": "m", "prompt": "one two three", "max_tokens": 3})
-        answer = loads(plain.body)
+        answer = orjson.loads(plain.body)
         assert status == 200 and plain.headers["content-type"] == "application/json"
         assert answer["choices"][0]["text"] == " bare bare bare" and answer["model"] == "m"
         assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
         status, chat = await _exchange(reader, writer, "POST", "/v1/chat/completions",
                                        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2})
-        assert loads(chat.body)["choices"][0]["message"] == {"role": "assistant", "content": " bare bare"}
+        assert orjson.loads(chat.body)["choices"][0]["message"] == {"role": "assistant", "content": " bare bare"}
 
         body = {"prompt": "x", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
         status, streamed = await _exchange(reader, writer, "POST", "/v1/completions", body)
@@ -99,7 +99,7 @@ async def test_instant_endpoint_answers_many_requests_on_one_keep_alive_connecti
         status, chat_stream = await _exchange(reader, writer, "POST", "/v1/chat/completions", body)
         acc = _events(chat_stream.body)
         assert acc.done and acc.chunks == 3 and acc.usage is None  # no usage event unless asked for
-        first = loads(chat_stream.body.split(b"\n\n")[0].split(b"data: ", 1)[1])
+        first = orjson.loads(chat_stream.body.split(b"\n\n")[0].split(b"data: ", 1)[1])
         assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
 
         status, health = await _exchange(reader, writer, "GET", "/health")
