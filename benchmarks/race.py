@@ -304,7 +304,7 @@ async def run_models(args: argparse.Namespace, logs: Path, document: dict[str, A
     targets = model_targets(args, wanted, logs)
     client = None
     if args.client == "vllm" and {"gateway", "vllm"} & set(wanted):
-        client = Controlled("vllm-bench", python_m("benchmarks.vllm_bench", "--control"), logs / "vllm-bench.log")
+        client = Controlled("vllm-bench", python_m("benchmarks.vllm_bench"), logs / "vllm-bench.log")
     groups = [list(targets)] if layout == "interleaved" else [[n for n in targets if n in (t, AA if t == "gateway" else t)] for t in wanted]
     plan: Plan | None = None
     try:
