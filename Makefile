@@ -56,9 +56,9 @@ clean:
 	rm -rf $(VENV) .pytest_cache
 
 # Failure drills on the real engine (flood, disconnects, Redis and upstream killed, SIGTERM, engine
-# core killed); rewrites RELIABILITY.md with the figures. Several minutes.
+# core killed): the pytest group tests/drills, marked `drill`; figures in benchmarks/results/. Several minutes.
 chaos: model system-deps
-	$(PY) -m benchmarks.chaos --write-md
+	$(PY) -m pytest -m drill tests/drills $(PYTEST_ARGS)
 
 # The conformance suite against vLLM's own OpenAI server (same model and engine settings)
 conformance-vllm: model

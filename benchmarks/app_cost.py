@@ -1,23 +1,11 @@
-"""The gateway app's own CPU per request, in process: no sockets, no HTTP parser, no client.
+"""The gateway app's own CPU per request, in process: hand-made ASGI messages, no sockets, no client.
 
     python -m benchmarks.app_cost [--scenario non-stream|stream|cache-hit|models] [--concurrency 16]
                                   [--requests 20000] [--bare] [--without log metrics keys cache tokenizer]
                                   [--profile out.pstats]
 
-The app (the gateway on `benchmarks.echo_engine`, set up as the race's echo part deploys it: JSON
-access lines at info, metrics, an API key, request ids, the memory response cache; or with
-`--bare` the bare Starlette app) is called with hand-made ASGI messages, `--concurrency` requests
-at a time, each with its own 128-word prompt (cache misses; `cache-hit`: one prompt again).
-It prints requests per second and the process's CPU per request: what the app itself costs,
-without the ~50 µs per request that uvicorn and the sockets add to the gateway and the bare app
-alike. Quicker and steadier than the race for comparing two versions of the request path: run it
-on both, alternating.
-
-`--without` switches parts off to see what each costs: the access line, metrics, the API key (auth
-without keys), the response cache, the echo engine's tokenizer (a fixed 128 tokens).
-`--profile` writes cProfile statistics of the measured part (a profiler roughly doubles the cost).
-
-No vllm import.
+The app is the gateway on the echo engine as the race's echo part deploys it (or `--bare`);
+`--without` switches parts off to see what each costs. No vllm import.
 """
 
 from __future__ import annotations
@@ -62,8 +50,8 @@ class _NoMetric:
 
 def switch_off(without: set[str]) -> None:
     """Parts that settings cannot turn off, replaced in process (this benchmark's process only)."""
-    from benchmarks import echo_engine
     from gateway.telemetry import logs, metrics
+    from tests import fakes
 
     if "log" in without:
         logs._access = _Silent()
@@ -71,13 +59,13 @@ def switch_off(without: set[str]) -> None:
         metrics.labelled = lambda metric, *values: _NoMetric()  # type: ignore[assignment]
         metrics.Observations = lambda child: _NoMetric()  # type: ignore[assignment,misc]
     if "tokenizer" in without:
-        echo_engine.WordTokenizer.encode = lambda self, text, add_special_tokens=True: [100] * 128  # type: ignore[method-assign]
+        fakes.FakeTokenizer.encode = lambda self, text, add_special_tokens=True: [100] * 128  # type: ignore[method-assign]
 
 
 def make_app(bare: bool, without: set[str], log_path: str) -> Any:
     os.environ.update(environment(without))
     from benchmarks.bare_app import create_bare_app
-    from benchmarks.echo_engine import EchoEngine, create_echo_app
+    from benchmarks.echo_engine import create_echo_app, echo_engine
     from gateway.settings import Settings
     from gateway.telemetry.logs import configure
 
@@ -87,7 +75,7 @@ def make_app(bare: bool, without: set[str], log_path: str) -> Any:
     configure(settings.log_level, settings.log_format)
     logging.getLogger().handlers[0].setStream(open(log_path, "w"))  # noqa: SIM115 - lives as long as the process
     switch_off(without)
-    return create_echo_app(settings, EchoEngine(NAME))
+    return create_echo_app(settings, echo_engine(NAME))
 
 
 def bodies(scenario: str, count: int, seed: int = 1) -> list[bytes]:

@@ -1,19 +1,8 @@
-"""The stack's limit: a bare Starlette + uvicorn app that answers every completion at once.
+"""The stack's limit: a bare Starlette + uvicorn app answering every completion at once (the race's
+`bare` target): it parses the JSON body and answers `max_tokens` words, plain or streamed, with no
+validation, middleware, logs or metrics.
 
     python -m benchmarks.bare_app --port 8200
-
-It parses the JSON body of `POST /v1/completions` and `POST /v1/chat/completions` and answers a
-fixed completion of `max_tokens` tokens (one word each): one JSON document, or, with `"stream":
-true`, one SSE chunk per token (orjson-encoded, as the gateway encodes its chunks), the usage
-chunk when `stream_options.include_usage` asks for it, and `data: [DONE]`. `GET /v1/models` and
-`GET /health` answer too. No validation, no model, no middleware, no logs, no metrics: what is
-left is what Starlette, uvicorn (uvloop, httptools, the gateway's own server settings) and JSON
-parsing cost, so the gateway on the echo engine divided by this app is the gateway's own share.
-
-The load generator also uses it as its instant endpoint (`benchmarks.loadgen.ceiling`): the rate
-a client reaches against it bounds what that client can measure anywhere.
-
-`create_bare_app()` is the ASGI app; no vllm import, no gateway import.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
-"""The engine alone: vLLM's AsyncLLM in this process, no HTTP. The upper limit of the race.
+"""The engine alone: vLLM's AsyncLLM in this process, no HTTP; the upper limit of the race.
 
-    python -m benchmarks.engine_direct --plan plan.json --out results.json   # every run in turn
-    python -m benchmarks.engine_direct --plan plan.json --control [--answer-fd N]  # runs on command
+    python -m benchmarks.engine_direct --plan plan.json [--answer-fd N]   # as race.py starts it
 
-The plan (written by `benchmarks.race`) holds the engine settings and, per run, the same sessions
-(prompts) and concurrency the servers got. With `--control` the engine starts and prints
-`{"ready": seconds}`, then takes commands on stdin, one JSON line each: `{"sessions": "file"}`
-(warm-up and runs; answered `{"warm": true}` after the warm-up) and `{"run": N}` (answered
-`{"key": ..., "result": ...}`). Answers are JSON lines on file descriptor N (default stdout; vLLM
-logs to stdout, so the race passes a pipe of its own). So the race interleaves the engine's runs
-with the servers' (gateway, vllm, engine, ...) rather than running them at another time.
-
-Each request is tokenized here (the servers tokenize
-too), submitted with `AsyncLLM.generate` in DELTA mode (what streaming servers use) and timed the
-same way the load generator times a stream: TTFT at the first output carrying tokens, TPOT =
-(e2e - TTFT) / (output tokens - 1), inter-token latencies between outputs carrying tokens.
-
-Imports vllm; the engine core starts with `spawn`, hence the main guard.
+It answers `{"ready": seconds}`, then takes JSON lines on stdin, `{"sessions": "file"}` (answered
+`{"warm": true}`) and `{"run": N}` (answered `{"key": ..., "result": ...}`) on descriptor N. Requests are tokenized here, submitted in DELTA mode and timed as the load
+generator times a stream. The engine core starts with `spawn`, hence the main guard.
 """
 
 from __future__ import annotations
@@ -39,16 +27,7 @@ from benchmarks.loadgen import LoadConfig, RequestRecord, Result, Session, aggre
 def start_engine(engine: dict[str, Any]) -> Any:
     from vllm import AsyncEngineArgs, AsyncLLMEngine
 
-    args = AsyncEngineArgs(
-        model=engine["model"],
-        served_model_name=engine.get("served_model_name"),
-        dtype=engine.get("dtype", "float32"),
-        max_model_len=engine.get("max_model_len", 2048),
-        kv_cache_memory_bytes=engine.get("kv_cache_memory_bytes", 2 * 1024**3),
-        enforce_eager=bool(engine.get("enforce_eager", False)),
-        seed=engine.get("seed", 0),
-    )
-    return AsyncLLMEngine.from_engine_args(args)
+    return AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**engine))  # the settings race.EngineAlone writes
 
 
 class Driver:
@@ -77,12 +56,9 @@ class Driver:
         else:
             text = body["prompt"]
             ids = self.tokenizer.encode(text)
-        try:
-            from vllm.inputs import tokens_input
+        from vllm.inputs import tokens_input
 
-            return tokens_input(ids, prompt=text)
-        except ImportError:  # older vLLM: the TypedDict
-            return {"prompt_token_ids": ids, "prompt": text}
+        return tokens_input(ids, prompt=text)
 
     async def one(self, session: Session, record: RequestRecord, origin: float) -> None:
         started = time.perf_counter()
@@ -113,7 +89,7 @@ class Driver:
         except asyncio.CancelledError:
             record.cancelled = True
             raise
-        except Exception as exc:  # noqa: BLE001 - a failed request is a data point
+        except Exception as exc:
             record.e2e = time.perf_counter() - started
             record.error = f"{exc.__class__.__name__}: {exc}"[:300]
 
@@ -141,42 +117,20 @@ def sessions_of(items: list[dict[str, Any]]) -> list[Session]:
     return [Session(**item) for item in items]
 
 
-async def _start(plan: dict[str, Any], log) -> tuple[Any, Driver, float]:
-    started = time.perf_counter()
-    llm = start_engine(plan["engine"])
-    startup = time.perf_counter() - started
-    log(f"engine ready in {startup:.0f} s")
-    return llm, Driver(llm, LoadConfig(**plan.get("load", {}))), startup
-
-
 async def _warm_up(driver: Driver, plan: dict[str, Any]) -> None:
     for warm in plan.get("warmup", []):
         await driver.run(sessions_of(warm["sessions"]), warm["concurrency"], "warmup")
 
 
-async def _one_run(driver: Driver, run: dict[str, Any], log) -> dict[str, Any]:
-    result = await driver.run(sessions_of(run["sessions"]), run["concurrency"], run.get("label", ""))
-    log(f"engine {run.get('label', '')}: {result.output_throughput:.1f} output tok/s, "
-        f"TTFT p50 {result.ttft.p50 * 1000:.1f} ms, TPOT p50 {result.tpot.p50 * 1000:.1f} ms")
-    return {"key": run.get("key"), "result": result.to_dict()}
-
-
-async def run_plan(plan: dict[str, Any], log=print) -> dict[str, Any]:
-    llm, driver, startup = await _start(plan, log)
-    try:
-        await _warm_up(driver, plan)
-        results = [await _one_run(driver, run, log) for run in plan["runs"]]
-        return {"startup_s": startup, "results": results}
-    finally:
-        llm.shutdown()
-
-
 async def serve_plan(plan: dict[str, Any], commands: Any, answer: Any, log=print) -> None:
     """Runs on command, one JSON line each: {"sessions": path} reads the warm-up and runs from a
     plan file and warms up (answer {"warm": true}); {"run": N} runs runs[N]. EOF or an empty line ends."""
-    llm, driver, startup = await _start(plan, log)
+    started = time.perf_counter()
+    llm = start_engine(plan["engine"])
+    driver = Driver(llm, LoadConfig(**plan.get("load", {})))
+    log(f"engine ready in {time.perf_counter() - started:.0f} s")
     try:
-        answer({"ready": startup})
+        answer({"ready": time.perf_counter() - started})
         runs = plan.get("runs", [])
         while line := (await asyncio.to_thread(commands.readline)).strip():
             command = json.loads(line)
@@ -186,33 +140,28 @@ async def serve_plan(plan: dict[str, Any], commands: Any, answer: Any, log=print
                 runs = sessions["runs"]
                 answer({"warm": True})
             else:
-                answer(await _one_run(driver, runs[int(command["run"])], log))
+                run = runs[int(command["run"])]
+                result = await driver.run(sessions_of(run["sessions"]), run["concurrency"], run.get("label", ""))
+                log(f"engine {run.get('label', '')}: {result.output_throughput:.1f} output tok/s, "
+                    f"TTFT p50 {result.ttft.p50 * 1000:.1f} ms, TPOT p50 {result.tpot.p50 * 1000:.1f} ms")
+                answer({"key": run.get("key"), "result": result.to_dict()})
     finally:
         llm.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Drive vLLM's AsyncLLM in-process with a race plan (no HTTP)")
+    p = argparse.ArgumentParser(description="Drive vLLM's AsyncLLM in-process with a race plan (no HTTP), on command")
     p.add_argument("--plan", type=Path, required=True)
-    p.add_argument("--out", type=Path, help="where the results go (without --control)")
-    p.add_argument("--control", action="store_true", help="run on command: run numbers on stdin, results as JSON lines")
-    p.add_argument("--answer-fd", type=int, default=1, help="with --control: where the JSON lines go")
+    p.add_argument("--answer-fd", type=int, default=1, help="where the JSON lines go")
     args = p.parse_args(argv)
     plan = json.loads(args.plan.read_text())
-    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    if args.control:
-        with open(args.answer_fd, "w", closefd=args.answer_fd > 2) as answers:
+    with open(args.answer_fd, "w", closefd=args.answer_fd > 2) as answers:
 
-            def answer(item: dict[str, Any]) -> None:
-                answers.write(json.dumps(item) + "\n")
-                answers.flush()
+        def answer(item: dict[str, Any]) -> None:
+            answers.write(json.dumps(item) + "\n")
+            answers.flush()
 
-            asyncio.run(serve_plan(plan, sys.stdin, answer, log=log))
-        return 0
-    if args.out is None:
-        p.error("--out is required without --control")
-    output = asyncio.run(run_plan(plan, log=log))
-    args.out.write_text(json.dumps(output, indent=2))
+        asyncio.run(serve_plan(plan, sys.stdin, answer, log=lambda m: print(m, file=sys.stderr, flush=True)))
     return 0
 
 

@@ -2,14 +2,9 @@
 
     python3 -m benchmarks.gpu_check [--dry-run] [--results-dir DIR]
 
-With a GPU it installs the `gpu` extra (vLLM's CUDA build, pinned to the release the CPU tests run)
-into its own venv (.venv-gpu, so a CPU venv is left alone), prepares the default model, runs the
-integration suite and the race there, and writes REPORT.md (GPU, versions, each step's status and
-time, the suite's counts, the race's files) under benchmarks/results/gpu-check-<time>/. It exits
-non-zero when a step failed. Without a GPU (no working `nvidia-smi`, and no CUDA device that torch
-can see) it prints what it would do and exits 0: nothing is installed or run.
-
-Standard library only: it runs before any venv exists.
+Installs the `gpu` extra into .venv-gpu, prepares the model, runs the integration suite and the
+race there, and writes REPORT.md under benchmarks/results/gpu-check-<time>/. Without a GPU it
+prints what it would do and exits 0. Standard library only: it runs before any venv exists.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
-"""How the gateway's cost grows with the work (issue 15, part 4).
+"""How the gateway's cost grows with the work: prompt length, open idle streams, cached entries,
+memory over a soak (benchmarks/README.md, "Growth"), and its markdown tables.
 
     python -m benchmarks.growth                      # small sizes, a few minutes, the echo engine
     python -m benchmarks.growth --full               # 128 -> 4,096 tokens, 1,000 streams, 10,000 entries, 100,000 requests
     python -m benchmarks.growth --parts prompt --engine real [--eager]   # prompt lengths on the real engine
 
-Parts (`--parts`, all by default), each against a server of its own started here:
-
-  prompt   cost against prompt length (`--lengths`, 128 -> 4,096 with --full), random prompts and
-           prompts sharing all but their last 32 tokens: TTFT, e2e and the gateway process's CPU
-           per request. On the echo engine (default) that is the gateway's own work (parsing,
-           tokenizing, validation); with `--engine real` the real engine's prefill too, where the
-           shared prefix shows vLLM's prefix cache (max_model_len 8192 there).
-  streams  `--streams` concurrent streams held open and mostly idle (the echo engine sends one
-           token per `--stream-token-delay` seconds): the gateway's memory per open stream, and
-           the event loop's lag meanwhile (in-process, `benchmarks.lag_probe`, and the latency of
-           GET /health as a client sees it).
-  cache    `--cache-entries` distinct answers cached (memory backend): memory per entry, and the
-           latency of a hit with the cache nearly empty and full.
-  soak     `--soak-requests` distinct requests on the echo engine with the memory cache bounded at
-           `--soak-cache-entries` (10,000, the default bound) and access lines on: the gateway's RSS
-           every 1/20 of the way; once the cache's bound is reached it should stay flat.
-
-Writes benchmarks/results/growth-<time>.json and prints a markdown summary (paste it into
-RESULTS.md with the command that made it).
+Writes benchmarks/results/growth-<time>.json and prints a markdown summary.
 """
 
 from __future__ import annotations
@@ -40,11 +23,10 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import aiohttp
+import httpx
 import psutil
 
 from benchmarks import loadgen
-from benchmarks.growth_report import markdown
 from benchmarks.loadgen import LoadConfig, Result
 from benchmarks.procs import REPO, STARTED, Proc, free_port, log, machine, versions
 
@@ -80,7 +62,7 @@ def config(server: Proc, **kwargs: Any) -> LoadConfig:
 
 
 def summary(result: Result) -> dict[str, Any]:
-    ms = lambda v: None if v is None or v != v else round(v * 1000, 3)  # noqa: E731 - NaN -> None
+    ms = lambda v: None if v is None or v != v else round(v * 1000, 3)
     return {"completed": result.completed, "failed": result.failed + result.cancelled, "req_s": round(result.request_throughput, 2),
             "ttft_p50_ms": ms(result.ttft.p50), "ttft_p99_ms": ms(result.ttft.p99), "e2e_p50_ms": ms(result.e2e.p50),
             "e2e_p99_ms": ms(result.e2e.p99), "x_cache": result.header_counts.get("x-cache", {}),
@@ -117,11 +99,10 @@ async def part_prompt(args: argparse.Namespace, logs: Path) -> list[dict[str, An
 
 async def _sample(server: Proc, stop: asyncio.Event, samples: list[dict[str, Any]]) -> None:
     """Every 0.25 s: the gateway's RSS and the latency of GET /health, as a client sees it."""
-    async with aiohttp.ClientSession() as session:
+    async with httpx.AsyncClient() as client:
         while not stop.is_set():
             started = time.perf_counter()
-            async with session.get(f"http://127.0.0.1:{server.port}/health") as response:
-                await response.read()
+            await client.get(f"http://127.0.0.1:{server.port}/health")
             samples.append({"t": time.perf_counter(), "health_ms": (time.perf_counter() - started) * 1000, "rss": rss(server)})
             try:
                 await asyncio.wait_for(stop.wait(), 0.25)
@@ -130,8 +111,8 @@ async def _sample(server: Proc, stop: asyncio.Event, samples: list[dict[str, Any
 
 
 async def _lag(server: Proc) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{server.port}/_bench/lag") as response:
-        return dict(await response.json())
+    async with httpx.AsyncClient() as client:
+        return dict((await client.get(f"http://127.0.0.1:{server.port}/_bench/lag")).json())
 
 
 async def part_streams(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -217,6 +198,70 @@ async def part_soak(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     return {"requests": total, "failed": failed, "points": points, "cache_bound_entries": bound_entries,
             "rss_at_bound_mib": bound and bound["rss_mib"], "rss_end_mib": points[-1]["rss_mib"],
             "growth_after_bound_mib": bound and points[-1]["rss_mib"] - bound["rss_mib"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The report: a table per part measured
+
+
+def _n(value: Any, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _table(header: str, rows: list[list[Any]]) -> list[str]:
+    """A markdown table: the header's names split at " | ", numbers right-aligned, text left."""
+    names = header.split(" | ")
+    rule = "|" + "|".join("---" if n in ("prompts", "hits counted") else "---:" for n in names) + "|"
+    return [f"| {header} |", rule, *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
+
+
+def _prompt(rows: list[dict[str, Any]]) -> list[str]:
+    return _table("prompt tokens | prompts | mean input tokens | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | req/s | "
+                  "gateway CPU ms/request | failed",
+                  [[r["tokens"], r["prompts"], _n(r["mean_input_tokens"]), _n(r["ttft_p50_ms"], 2), _n(r["ttft_p99_ms"], 2),
+                    _n(r["e2e_p50_ms"], 2), _n(r["req_s"]), _n(r["gateway_cpu_ms_per_request"], 3), r["failed"]] for r in rows])
+
+
+def _streams(s: dict[str, Any]) -> list[str]:
+    def slash(stats: dict[str, Any], *keys: str, digits: int = 2) -> str:
+        return " / ".join(_n(stats.get(k), digits) for k in keys)
+
+    return _table("streams held | RSS before MiB | RSS held MiB | KiB per open stream | loop lag idle p99 / max ms | "
+                  "loop lag held p50 / p99 / max ms | GET /health p50 / p99 / max ms | failed",
+                  [[s["streams"], _n(s["rss_before_mib"]), _n(s["rss_held_mib"]), _n(s["kib_per_stream"]),
+                    slash(s["loop_lag_idle"], "p99_ms", "max_ms"), slash(s["loop_lag_held"], "p50_ms", "p99_ms", "max_ms"),
+                    slash(s, "health_p50_ms", "health_p99_ms", "health_max_ms"), s["load"]["failed"]]])
+
+
+def _cache(c: dict[str, Any]) -> list[str]:
+    small, full = c["hit_nearly_empty"], c["hit_full"]
+    return _table("entries | tokens per answer | RSS before MiB | RSS after MiB | bytes per entry | "
+                  "hit e2e p50 / p99 ms, 10 entries | hit e2e p50 / p99 ms, full | hits counted",
+                  [[c["entries"], c["answer_tokens"], _n(c["rss_before_mib"]), _n(c["rss_after_mib"]),
+                    _n(c["bytes_per_entry"], 0), f"{_n(small['e2e_p50_ms'], 3)} / {_n(small['e2e_p99_ms'], 3)}",
+                    f"{_n(full['e2e_p50_ms'], 3)} / {_n(full['e2e_p99_ms'], 3)}", full["x_cache"]]])
+
+
+def _soak(s: dict[str, Any]) -> list[str]:
+    points = ", ".join(f"{p['requests']}: {p['rss_mib']:.0f}" for p in s["points"])
+    bound = s["cache_bound_entries"]
+    return [f"- {s['requests']} requests ({s['failed']} failed); RSS (MiB) after each step: {points}",
+            f"- the cache's bound ({bound} entries) was not reached: growth after it not measured"
+            if s.get("rss_at_bound_mib") is None else
+            f"- RSS when the cache reached its bound ({bound} entries): {s['rss_at_bound_mib']:.1f} MiB; at the end: "
+            f"{s['rss_end_mib']:.1f} MiB; growth after the bound: {s['growth_after_bound_mib']:+.1f} MiB"]
+
+
+def markdown(document: dict[str, Any]) -> str:
+    lines = [f"Growth ({document['started']}): `{document['command']}`", ""]
+    sections = (("prompt", "Cost against prompt length", _prompt), ("streams", "Open idle streams", _streams),
+                ("cache", "Cached entries", _cache), ("soak", "Memory over many requests (echo engine)", _soak))
+    for key, title, render in sections:
+        if document.get(key):
+            lines += [f"### {title}", "", *render(document[key]), ""]
+    if document.get("error"):
+        lines.append(f"INCOMPLETE: {document['error']}")
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,33 +1,17 @@
-"""The instant endpoint: an OpenAI-compatible server that costs nearly nothing, so that a client's
-rate against it is the client's own limit (the load generator's ceiling, `benchmarks.loadgen.ceiling`).
+"""The instant endpoint: an OpenAI-compatible server that costs nearly nothing (a raw uvloop protocol
+with httptools, canned answers built once per shape), so that a client's rate against it is the
+client's own limit (`benchmarks.loadgen.ceiling`).
 
-    python -m benchmarks.instant_endpoint --port 8300 [--name bare]
+    python -m benchmarks.instant_endpoint --port 8300 [--name bare] [--paced]
 
-A raw asyncio `Protocol` (uvloop) with httptools' HTTP/1.1 parser (the C parser uvicorn uses), no
-framework: keep-alive connections (requests on one connection answered in order), and canned,
-well-formed answers, built once per shape and kept:
-  POST /v1/completions, /v1/chat/completions   the body's `stream`, `max_tokens` (or
-        `max_completion_tokens`, default 16) and `stream_options.include_usage` read with orjson;
-        non-streamed: one JSON completion of `max_tokens` words with its usage; streamed (SSE,
-        chunked): one event per token, each its own HTTP chunk, the usage event when asked for,
-        `data: [DONE]`, all written at once (one system call: a write per event would make the
-        endpoint, not the client, the limit; the client still parses every event)
-  GET /v1/models, GET /health
-  anything else: 404 in the API's error shape; a body that is not a JSON object: 400
-prompt_tokens in the usage counts the prompt's (or the messages' contents') spaces + 1, cheaply.
-
-`benchmarks.bare_app` is the other bare server: Starlette + uvicorn, what that stack costs (the
-race's "bare" target). This one is not a stack to compare with; it is the floor below any server.
-
-`serve(host, port, name)` starts it in a running loop (returns the `asyncio.Server`); no vllm or
-gateway import.
+POST /v1/completions and /v1/chat/completions (plain, or streamed: one chunk per token, all written
+at once unless --paced), GET /v1/models, GET /health; anything else 404. No vllm or gateway import.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import sys
 import time
 from pathlib import Path
@@ -41,10 +25,8 @@ if __package__ in (None, ""):  # `python benchmarks/instant_endpoint.py`
 
 NAME = "bare"
 WORD = " bare"
-CACHE_LIMIT = 4096  # canned answers kept (one per shape: endpoint, stream, max_tokens, usage, model)
 CREATED = int(time.time())
 CHAT = b"/v1/chat/completions"
-COMPLETIONS = b"/v1/completions"
 
 
 def _head(status: str, content_type: str, length: int | None, keep_alive: bool) -> bytes:
@@ -53,13 +35,12 @@ def _head(status: str, content_type: str, length: int | None, keep_alive: bool) 
     return f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\n{size}{connection}\r\n".encode()
 
 
-def _whole(status: str, body: bytes, keep_alive: bool, content_type: str = "application/json") -> bytes:
-    return _head(status, content_type, len(body), keep_alive) + body
+def _whole(status: str, body: bytes, keep_alive: bool) -> bytes:
+    return _head(status, "application/json", len(body), keep_alive) + body
 
 
 def _error(status: str, message: str, keep_alive: bool) -> bytes:
-    code = int(status.split()[0])
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": int(status.split()[0])}}
     return _whole(status, orjson.dumps(body), keep_alive)
 
 
@@ -70,51 +51,47 @@ def _event(obj: Any) -> bytes:
 
 
 def _prompt_tokens(body: dict[str, Any]) -> int:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt.count(" ") + 1
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        return sum(str(m.get("content", "")).count(" ") + 1 for m in messages if isinstance(m, dict))
-    return 0
+    if isinstance(body.get("prompt"), str):
+        return body["prompt"].count(" ") + 1
+    return sum(str(m.get("content", "")).count(" ") + 1 for m in body.get("messages") or [] if isinstance(m, dict))
 
 
 def _usage(prompt: int, tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}
 
 
+DONE = _event(b"[DONE]") + b"0\r\n\r\n"
+
+
 class Canned:
-    """The answers of one served model name, built on first use per shape and kept."""
+    """The answers of one served model name, built on first use per shape (chat, tokens, model) and kept."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.plain: dict[tuple[bool, int, str], tuple[bytes, bytes]] = {}  # before and after the usage
         self.streams: dict[tuple[bool, int, str], list[bytes]] = {}
-        models = {"object": "list", "data": [{"id": name, "object": "model", "created": CREATED, "owned_by": "bench"}]}
-        self.models = orjson.dumps(models)
+        self.models = orjson.dumps({"object": "list", "data": [{"id": name, "object": "model", "created": CREATED,
+                                                                "owned_by": "bench"}]})
 
     def answer(self, chat: bool, tokens: int, model: str, prompt: int) -> bytes:
         """A non-streamed completion (JSON), its usage filled in."""
-        key = (chat, tokens, model)
-        parts = self.plain.get(key)
+        parts = self.plain.get((chat, tokens, model))
         if parts is None:
-            text = WORD * tokens
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            choice.update({"message": {"role": "assistant", "content": WORD * tokens}} if chat else {"text": WORD * tokens})
             doc = {"id": "instant-0", "object": "chat.completion" if chat else "text_completion",
                    "created": CREATED, "model": model, "choices": [choice], "usage": None}
             before, _, after = orjson.dumps(doc).rpartition(b"null")
-            parts = self._keep(self.plain, key, (before, after))
+            parts = self.plain[(chat, tokens, model)] = (before, after)
         return parts[0] + orjson.dumps(_usage(prompt, tokens)) + parts[1]
 
     def stream(self, chat: bool, tokens: int, model: str) -> list[bytes]:
         """The events of a streamed completion (each one chunk), without the usage and [DONE]."""
-        key = (chat, tokens, model)
-        events = self.streams.get(key)
+        events = self.streams.get((chat, tokens, model))
         if events is None:
             head = {"id": "instant-0", "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": CREATED, "model": model}
-            events = []
+            events = self.streams[(chat, tokens, model)] = []
             for step in range(tokens):
                 choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if step == tokens - 1 else None}
                 if chat:
@@ -122,7 +99,6 @@ class Canned:
                 else:
                     choice["text"] = WORD
                 events.append(_event({**head, "choices": [choice]}))
-            events = self._keep(self.streams, key, events)
         return events
 
     def usage_event(self, chat: bool, model: str, prompt: int, tokens: int) -> bytes:
@@ -130,51 +106,30 @@ class Canned:
         return _event({"id": "instant-0", "object": obj, "created": CREATED, "model": model, "choices": [],
                        "usage": _usage(prompt, tokens)})
 
-    @staticmethod
-    def _keep(cache: dict[Any, Any], key: Any, value: Any) -> Any:
-        if len(cache) >= CACHE_LIMIT:
-            cache.clear()
-        cache[key] = value
-        return value
-
-
-DONE = _event(b"[DONE]") + b"0\r\n\r\n"
-
 
 class InstantProtocol(asyncio.Protocol):
-    """One connection: httptools parses; complete requests are answered in order, at once (a paced
-    stream holds the requests after it until its last event is written)."""
+    """One connection: httptools parses, each request is answered as it completes (the load
+    generator's clients send one request at a time on a connection)."""
 
     def __init__(self, canned: Canned, paced: bool) -> None:
-        self.canned = canned
-        self.paced = paced
+        self.canned, self.paced = canned, paced
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
         self.body: list[bytes] = []
-        self.queue: collections.deque[tuple[bytes, bytes, bytes, bool]] = collections.deque()
-        self.stream: list[bytes] = []  # a paced stream's parts still to write
-        self.close_after = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        self.stream = []
 
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
-            if self.transport is not None:
-                self.transport.write(_error("400 Bad Request", "malformed HTTP request", False))
-                self.transport.close()
+            self._write([_error("400 Bad Request", "malformed HTTP request", False)], close=True)
 
     # httptools' callbacks
     def on_message_begin(self) -> None:
-        self.url = b""
-        self.body = []
+        self.url, self.body = b"", []
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -183,80 +138,43 @@ class InstantProtocol(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        path = self.url.partition(b"?")[0]
-        self.queue.append((self.parser.get_method(), path, b"".join(self.body), self.parser.should_keep_alive()))
-        if not self.stream:
-            self._answer_queued()
-
-    def _answer_queued(self) -> None:
-        """Answer the requests that came, in order, until a paced stream is under way."""
-        while self.queue and not self.stream:
-            transport = self.transport
-            if transport is None or transport.is_closing():
-                return
-            method, path, body, keep_alive = self.queue.popleft()
-            self._answer(transport, method, path, body, keep_alive)
-            if not keep_alive:
-                if self.stream:
-                    self.close_after = True
-                else:
-                    transport.close()
-                return
-
-    def _answer(self, transport: asyncio.Transport, method: bytes, path: bytes, body: bytes, keep_alive: bool) -> None:
-        if method == b"POST" and path in (CHAT, COMPLETIONS):
-            self._complete(transport, path == CHAT, body, keep_alive)
-        elif method == b"GET" and path == b"/v1/models":
-            transport.write(_whole("200 OK", self.canned.models, keep_alive))
-        elif method == b"GET" and path == b"/health":
-            transport.write(_whole("200 OK", b"{}", keep_alive))
+        method, path, keep_alive = self.parser.get_method(), self.url.partition(b"?")[0], self.parser.should_keep_alive()
+        if method == b"POST" and path in (CHAT, b"/v1/completions"):
+            parts = self._complete(path == CHAT, b"".join(self.body), keep_alive)
+        elif method == b"GET" and path in (b"/v1/models", b"/health"):
+            parts = [_whole("200 OK", self.canned.models if path == b"/v1/models" else b"{}", keep_alive)]
         else:
-            transport.write(_error("404 Not Found", f"no route {method.decode()} {path.decode(errors='replace')}", keep_alive))
+            parts = [_error("404 Not Found", f"no route {method.decode()} {path.decode(errors='replace')}", keep_alive)]
+        self._write(parts, close=not keep_alive)
 
-    def _complete(self, transport: asyncio.Transport, chat: bool, raw: bytes, keep_alive: bool) -> None:
+    def _complete(self, chat: bool, raw: bytes, keep_alive: bool) -> list[bytes]:
         try:
             body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            body = None
-        if not isinstance(body, dict):
-            transport.write(_error("400 Bad Request", "the body is not a JSON object", keep_alive))
-            return
-        try:
             tokens = max(1, int(body.get("max_tokens") or body.get("max_completion_tokens") or 16))
-        except (TypeError, ValueError):
-            transport.write(_error("400 Bad Request", "max_tokens is not an integer", keep_alive))
-            return
-        requested = body.get("model")
-        model = requested if isinstance(requested, str) else self.canned.name
+        except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+            return [_error("400 Bad Request", "the body is not a JSON object with an integer max_tokens", keep_alive)]
+        model = body["model"] if isinstance(body.get("model"), str) else self.canned.name
         prompt = _prompt_tokens(body)
         if not body.get("stream"):
-            transport.write(_whole("200 OK", self.canned.answer(chat, tokens, model, prompt), keep_alive))
-            return
+            return [_whole("200 OK", self.canned.answer(chat, tokens, model, prompt), keep_alive)]
         parts = [_head("200 OK", "text/event-stream", None, keep_alive), *self.canned.stream(chat, tokens, model)]
-        options = body.get("stream_options")
-        if isinstance(options, dict) and options.get("include_usage"):
+        if (body.get("stream_options") or {}).get("include_usage"):
             parts.append(self.canned.usage_event(chat, model, prompt, tokens))
-        parts.append(DONE)
-        if not self.paced:
-            transport.writelines(parts)  # each event its own HTTP chunk, all in one system call
-            return
-        parts.reverse()
-        self.stream = parts
-        self._next_event()
+        return [*parts, DONE]
 
-    def _next_event(self) -> None:
-        """A paced stream: one event written per turn of the loop (other connections' turns between)."""
+    def _write(self, parts: list[bytes], close: bool) -> None:
+        """All at once (each event its own HTTP chunk, one system call), or paced: one part per turn
+        of the loop, as a server generating them does (other connections' turns between)."""
         transport = self.transport
-        if transport is None or transport.is_closing() or not self.stream:
-            self.stream = []
+        if transport is None or transport.is_closing():
             return
-        transport.write(self.stream.pop())
-        if self.stream:
-            asyncio.get_running_loop().call_soon(self._next_event)
-        elif self.close_after:
-            transport.close()
-        else:
-            self._answer_queued()
+        if not self.paced or len(parts) == 1:
+            transport.writelines(parts)
+            if close:
+                transport.close()
+            return
+        transport.write(parts[0])
+        asyncio.get_running_loop().call_soon(self._write, parts[1:], close)
 
 
 async def serve(host: str = "127.0.0.1", port: int = 0, name: str = NAME, paced: bool = False) -> asyncio.Server:

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from benchmarks.loadgen.stats import percentile
+from benchmarks.loadgen.results import percentile
 
 PATH = "/_bench/lag"
 

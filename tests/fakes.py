@@ -1,7 +1,9 @@
-"""A test double of the engine for unit tests: deterministic, instant, and it records aborts.
+"""The one test double of the engine, for the unit tests and the benchmarks (`python -m
+benchmarks.echo_engine` serves it): deterministic, instant, and it records what it was asked.
 
 It "tokenizes" by whitespace-separated words over a growing vocabulary and answers by echoing
-words of a fixed reply, one token per output, so tests can predict every chunk.
+words of a fixed reply, one token per output, so tests can predict every chunk. Its records are
+bounded (`Recent`), so a benchmark's soak of 100,000 requests does not grow it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ from engine.types import ChoiceDelta, EmbedRequest, GenerationOutput, Generation
 
 REPLY = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
 EMBEDDING_SIZE = 8
+KEEP = 10_000  # requests, aborts and finishes remembered
+
+
+class Recent(list):  # type: ignore[type-arg]
+    """A list that forgets its older half past 2 x KEEP items (compares equal to a plain list)."""
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        if len(self) > 2 * KEEP:
+            del self[:KEEP]
 
 
 class FakeTokenizer:
@@ -54,13 +66,13 @@ class FakeEngine:
         self._info = ModelInfo(name=name, max_model_len=max_model_len, root="fake", created=1, task=task,
                                embedding_size=size, matryoshka=matryoshka, extra=extra,
                                sampling_defaults=defaults or SamplingDefaults())
-        self.embedded: list[EmbedRequest] = []
+        self.embedded: list[EmbedRequest] = Recent()
         self._tokenizer = FakeTokenizer()
         self.delay = delay
-        self.requests: list[GenerationRequest] = []
+        self.requests: list[GenerationRequest] = Recent()
         self.running: set[str] = set()
-        self.aborted: list[str] = []
-        self.finished: list[str] = []
+        self.aborted: list[str] = Recent()
+        self.finished: list[str] = Recent()
         self.dead = False
         self.fail_after: int | None = None  # raise after this many outputs
         self.reply: list[str] | None = None  # pieces to answer with instead of REPLY; then "stop"

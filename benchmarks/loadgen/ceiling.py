@@ -1,15 +1,6 @@
-"""The client's ceiling: after a measured run, the same load (concurrency, streaming, prompt and
-answer sizes, endpoint, client processes) sent for `ceiling_s` seconds to the instant endpoint,
-`benchmarks.instant_endpoint` (a raw uvloop protocol with httptools answering canned completions,
-a few microseconds a request), started once per process on a free loopback port. What the client
-reaches there bounds what it can measure anywhere; `compare` puts that beside the measured run
-(headroom: ceiling ÷ measured, wanted ≥ `WANTED_HEADROOM`).
-
-On one machine the endpoint and the client share the cores, so the ceiling is a lower bound of
-the client's own limit; the measured run's `client_cpu_s` (the client's CPU time during the run)
-says how busy the client itself was. At concurrency 1 the ceiling is bound by latency, not CPU:
-one request at a time over one connection, each a loopback round trip through two event loops,
-so the headroom there is whatever that round trip allows (`describe` says so).
+"""The client's ceiling: after a measured run, the same load sent for `ceiling_s` seconds to the
+instant endpoint (started once per process), beside the run as the client's headroom (wanted >=
+`WANTED_HEADROOM`). At concurrency 1 it is bound by a loopback round trip's latency, not by CPU.
 """
 
 from __future__ import annotations
@@ -20,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loadgen.config import LoadConfig, client_processes
+from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.results import Result
 from benchmarks.procs import Proc, free_port
 
@@ -56,11 +47,6 @@ def ceiling_config(config: LoadConfig, base_url: str) -> LoadConfig:
     )
 
 
-def processes_used(config: dict[str, Any]) -> int:
-    """The client processes a run used, from its recorded config (`config.client_processes`)."""
-    return client_processes(config.get("processes"), config.get("concurrency"))
-
-
 def latency_bound(config: dict[str, Any]) -> bool:
     """One request at a time (concurrency 1): the ceiling is a round trip's latency, not the client's CPU."""
     return config.get("concurrency") == 1 and not config.get("request_rate")
@@ -83,7 +69,6 @@ def compare(bare: Result, measured: Result) -> dict[str, Any]:
         "failed": bare.failed,
         "duration_s": bare.duration_s,
         "client_cpu_s": bare.client_cpu_s,
-        "processes": processes_used(bare.config),
         "endpoint": "benchmarks.instant_endpoint",
         "latency_bound": latency_bound(bare.config),
         "headroom_req_s": req,
@@ -96,10 +81,7 @@ def compare(bare: Result, measured: Result) -> dict[str, Any]:
 def describe(ceiling: dict[str, Any]) -> str:
     """One line for people."""
     headroom = ceiling.get("headroom")
-    procs = ceiling.get("processes") or 1
-    text = (f"client ceiling (instant endpoint, same load, {ceiling['duration_s']:.1f} s"
-            + (f", {procs} processes" if procs > 1 else "")
-            + f"): {ceiling['req_s']:.0f} req/s, {ceiling['output_tok_s']:.0f} tok/s")
+    text = (f"client ceiling (instant endpoint, same load, {ceiling['duration_s']:.1f} s): {ceiling['req_s']:.0f} req/s, {ceiling['output_tok_s']:.0f} tok/s")
     if headroom is None:
         return text + " (nothing measured to compare)"
     text += f" = {headroom:.1f}x this run"
@@ -107,5 +89,5 @@ def describe(ceiling: dict[str, Any]) -> str:
         text += f" - below {WANTED_HEADROOM:.0f}x: the client may be part of what this run measured"
         if ceiling.get("latency_bound"):
             text += (" (at concurrency 1 the ceiling is one loopback round trip at a time, bound by latency, "
-                     "not by the client's CPU: more processes cannot raise it)")
+                     "not by the client's CPU)")
     return text + (f"; {ceiling['failed']} failed" if ceiling.get("failed") else "")

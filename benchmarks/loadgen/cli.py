@@ -6,20 +6,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.loadgen.config import LoadConfig
-from benchmarks.loadgen.plot import plot_sweep
-from benchmarks.loadgen.report import format_result, timestamp
+from benchmarks.loadgen.report import format_result, plot_sweep, timestamp
 from benchmarks.loadgen.results import Result
 from benchmarks.loadgen.runner import run_async, run_load, run_sweep
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
-MAX_DEFAULT_PROCESSES = 4
-DEFAULT_PROCESSES = max(1, min(MAX_DEFAULT_PROCESSES, os.cpu_count() or 1))
 DESCRIPTION = "A load generator for any OpenAI-compatible server (this gateway, vLLM's server, others)."
 
 
@@ -61,12 +57,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ceiling-duration", type=float, default=2.0,
                    help="after each run: seconds of the same load against the instant endpoint (benchmarks.instant_endpoint), "
                         "the client's ceiling, reported beside the run")
-    p.add_argument("--processes", type=int, default=DEFAULT_PROCESSES,
-                   help="client processes sharing each run's load, at most one per request in flight (default: the "
-                        f"cores, at most {MAX_DEFAULT_PROCESSES}, here {DEFAULT_PROCESSES}); one process tops out near one core")
-    p.add_argument("--http-client", choices=("aiohttp", "wire"), default="aiohttp",
-                   help="aiohttp (default), or wire: a lean keep-alive HTTP/1.1 client on httptools' parser "
-                        "(benchmarks.loadgen.wire), for servers that answer more than a few thousand requests a second")
     p.add_argument("--no-ceiling", dest="ceiling_duration", action="store_const", const=0.0,
                    help="skip the ceiling run")
     return p
@@ -101,8 +91,6 @@ def config_from(args: argparse.Namespace) -> LoadConfig:
         progress=args.progress and sys.stderr.isatty(),
         keep_records=args.save_requests,
         ceiling_s=args.ceiling_duration,
-        processes=max(1, args.processes),
-        http_client=args.http_client,
     )
 
 

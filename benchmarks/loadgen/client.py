@@ -1,62 +1,42 @@
-"""The HTTP side: one client session per run (`make_client`), the model a server offers, and
-`send_request`, which sends one request (streamed or not) and times it into a `RequestRecord`.
-
-Built for load, so that the client is not what a run measures: aiohttp (C-accelerated HTTP
-parser, the client vLLM's own benchmark uses), one keep-alive connection per request in flight,
-the request body encoded once with orjson, headers set once per session, streams read as raw
-chunks and split into events at blank lines without decoding (`sse.SSEDecoder.feed_raw`). The
-connection pool drops idle connections after `KEEPALIVE_S`, before uvicorn's own 5-second
-keep-alive timeout closes them from the other end: a request never goes out on a connection the
-server is closing (with httpx that race showed up as `ReadError`s under load).
+"""The HTTP side: one `loadgen.wire` session per run (`make_client`), the model a server offers, and
+`send_request`, which sends one request and times it into a record. Idle connections are dropped
+after `KEEPALIVE_S`, before uvicorn's 5-second keep-alive closes them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
-from yarl import URL
+import orjson
 
-from benchmarks.loadgen.codec import dumps, loads
 from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.results import RequestRecord
 from benchmarks.loadgen.sse import SSEDecoder, StreamAccumulator
-from benchmarks.loadgen.wire import WireSession
+from benchmarks.loadgen.wire import WireResponse, WireSession
 
-Client = aiohttp.ClientSession | WireSession  # the same calls on both (`loadgen.wire`)
+Client = WireSession
 
 KEEPALIVE_S = 3.0  # below uvicorn's default timeout_keep_alive (5 s), which vLLM's server keeps too
-CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
+CLIENT_ERRORS = (asyncio.TimeoutError, OSError, ValueError)  # WireStatusError is a ValueError
 
 
-def make_client(config: LoadConfig, concurrency: int | None = None) -> Client:
-    """One session for a whole run: no connection limit (the load decides), keep-alive, JSON headers;
-    aiohttp's, or with `config.http_client == "wire"` the leaner `loadgen.wire` client.
-
-    Call it inside a running event loop (aiohttp's rule)."""
+def make_client(config: LoadConfig) -> Client:
+    """One session for a whole run: no connection limit (the load decides), keep-alive, JSON headers."""
     headers = {"content-type": "application/json", **config.headers}
     if config.api_key:
         headers["authorization"] = f"Bearer {config.api_key}"
-    if config.http_client == "wire":
-        return WireSession(headers, total_timeout_s=config.request_timeout_s, idle_s=KEEPALIVE_S)
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S, ttl_dns_cache=None)
-    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=30.0)
-    return aiohttp.ClientSession(
-        connector=connector, headers=headers, timeout=timeout,
-        cookie_jar=aiohttp.DummyCookieJar(),  # no cookie bookkeeping per response
-        skip_auto_headers=("User-Agent", "Accept-Encoding"),  # no compression: servers send plain bytes
-    )
+    return WireSession(headers, total_timeout_s=config.request_timeout_s, idle_s=KEEPALIVE_S)
 
 
 async def get_json(client: Client, url: str, body: Any = None) -> Any:
-    """GET (or POST `body`) and decode the JSON answer; raises aiohttp.ClientResponseError on a non-2xx."""
+    """GET (or POST `body`) and decode the JSON answer; raises WireStatusError on a non-2xx."""
     method = "POST" if body is not None else "GET"
-    async with client.request(method, url, data=None if body is None else dumps(body)) as response:
+    async with client.request(method, url, data=None if body is None else orjson.dumps(body)) as response:
         response.raise_for_status()
-        return loads(await response.read())
+        return orjson.loads(await response.read())
 
 
 async def discover_model(client: Client, base_url: str) -> str:
@@ -80,13 +60,9 @@ def _apply_usage(record: RequestRecord, usage: dict[str, Any] | None, fallback_o
         record.input_tokens = estimate_input
 
 
-def _counted(headers: Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
-    return {h: headers[h] for h in names if h in headers}
-
-
 async def send_request(
     client: Client,
-    url: str | URL,
+    url: str,
     body: dict[str, Any],
     record: RequestRecord,
     *,
@@ -98,13 +74,19 @@ async def send_request(
     `ttft` is kept when the first token had come)."""
     started = time.perf_counter()
     record.start = started - origin
-    content = dumps(body)
     acc = StreamAccumulator(started)
     try:
-        if body.get("stream"):
-            await _send_streaming(client, url, content, record, acc, count_headers, estimate_input)
-        else:
-            await _send_plain(client, url, content, record, started, count_headers, estimate_input)
+        async with client.post(url, data=orjson.dumps(body)) as response:
+            record.status = response.status
+            record.headers = {h: response.headers[h.lower()] for h in count_headers if h.lower() in response.headers}
+            if response.status != 200:
+                record.e2e = record.ttft = time.perf_counter() - started
+                record.error = f"HTTP {response.status}: {(await response.read())[:200].decode(errors='replace')}"
+            elif body.get("stream"):
+                await _read_stream(response, acc)
+                _finish_stream(record, acc, estimate_input)
+            else:
+                _finish_plain(record, await response.read(), started, estimate_input)
     except asyncio.CancelledError:
         record.cancelled = True
         record.e2e = time.perf_counter() - started
@@ -117,41 +99,24 @@ async def send_request(
     return record
 
 
-async def _send_streaming(
-    client: Client,
-    url: str | URL,
-    content: bytes,
-    record: RequestRecord,
-    acc: StreamAccumulator,
-    count_headers: Sequence[str],
-    estimate_input: int,
-) -> None:
-    """A streamed request: time each event carrying text until `[DONE]`."""
-    async with client.post(url, data=content) as response:
-        record.status = response.status
-        record.headers = _counted(response.headers, count_headers)
-        if response.status != 200:
-            detail = (await response.read()).decode(errors="replace")
-            record.error = f"HTTP {response.status}: {detail[:200]}"
-            return
-        decoder = SSEDecoder()
-        # read to the end of the body even after [DONE] (the chunked terminator follows it), so
-        # that the connection goes back to the pool instead of being closed
-        async for chunk in response.content.iter_any():
-            if not acc.done:
-                now = time.perf_counter()
-                for data in decoder.feed_raw(chunk):
-                    if acc.feed(data, now):
-                        break
+async def _read_stream(response: WireResponse, acc: StreamAccumulator) -> None:
+    """Time each event carrying text until `[DONE]`, then read the body to its end (the chunked
+    terminator follows [DONE]) so that the connection goes back to the pool."""
+    decoder = SSEDecoder()
+    async for chunk in response.iter_chunks():
         if not acc.done:
-            for data in decoder.finish():
-                acc.feed(data, time.perf_counter())
-    _finish_stream(record, acc, (acc.done_at or time.perf_counter()) - acc.started, estimate_input)
+            now = time.perf_counter()
+            for data in decoder.feed(chunk):
+                if acc.feed(data, now):
+                    break
+    if not acc.done:
+        for data in decoder.finish():
+            acc.feed(data, time.perf_counter())
 
 
-def _finish_stream(record: RequestRecord, acc: StreamAccumulator, e2e: float, estimate_input: int) -> None:
+def _finish_stream(record: RequestRecord, acc: StreamAccumulator, estimate_input: int) -> None:
     """Copy what the stream said into the record; ok only with `[DONE]` and no error event."""
-    record.e2e = e2e
+    record.e2e = (acc.done_at or time.perf_counter()) - acc.started
     record.chunks = acc.chunks
     record.itl = acc.itl
     record.text = acc.text
@@ -165,28 +130,10 @@ def _finish_stream(record: RequestRecord, acc: StreamAccumulator, e2e: float, es
         record.ok = True
 
 
-async def _send_plain(
-    client: Client,
-    url: str | URL,
-    content: bytes,
-    record: RequestRecord,
-    started: float,
-    count_headers: Sequence[str],
-    estimate_input: int,
-) -> None:
+def _finish_plain(record: RequestRecord, payload: bytes, started: float, estimate_input: int) -> None:
     """A request without streaming: the first token is the whole answer (TTFT = e2e)."""
-    async with client.post(url, data=content) as response:
-        record.status = response.status
-        record.headers = _counted(response.headers, count_headers)
-        payload = await response.read()
     record.e2e = record.ttft = time.perf_counter() - started
-    if record.status != 200:
-        record.error = f"HTTP {record.status}: {payload[:200].decode(errors='replace')}"
-        return
-    obj = loads(payload)
-    choices = obj.get("choices") or []
-    record.text = "".join(
-        (c.get("text") or (c.get("message") or {}).get("content") or "") for c in choices
-    )
+    obj = orjson.loads(payload)
+    record.text = "".join((c.get("text") or (c.get("message") or {}).get("content") or "") for c in obj.get("choices") or [])
     _apply_usage(record, obj.get("usage"), 1 if record.text else 0, estimate_input)
     record.ok = True

@@ -7,12 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
-def client_processes(processes: int | None, concurrency: int | None) -> int:
-    """How many client processes a run uses: `processes`, but never more than requests in flight."""
-    wanted = max(1, processes or 1)
-    return max(1, min(wanted, concurrency)) if concurrency is not None else wanted
-
-
 @dataclass
 class LoadConfig:
     """One run: the load's shape, the prompts, the request options (the CLI's flags, nearly one for one)."""
@@ -45,8 +39,6 @@ class LoadConfig:
     progress: bool = False
     keep_records: bool = False  # put every request's record in Result.to_dict()
     ceiling_s: float = 0.0  # after the run: seconds of the same load against the instant endpoint (0: none)
-    processes: int = 1  # client processes sharing the load (at most one per request in flight)
-    http_client: Literal["aiohttp", "wire"] = "aiohttp"  # wire: loadgen.wire, for servers past ~5,000 req/s
     label: str = ""
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,13 +1,11 @@
 """Running the load: `run_load` (one measured run at one concurrency or request rate, with its
-warm-up, and the client's ceiling after it when `ceiling_s` asks; from several processes when
-`processes` asks, `workers`) and `run_sweep` (one run per
+warm-up, and the client's ceiling after it when `ceiling_s` asks) and `run_sweep` (one run per
 concurrency level). Workers or Poisson arrivals send the sessions' requests until the request
 count or the time limit. `run_async` runs a coroutine on uvloop when it is installed."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import math
 import random
@@ -16,17 +14,12 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from yarl import URL
-
 from benchmarks.loadgen import ceiling
 from benchmarks.loadgen.client import Client, discover_model, make_client, send_request
 from benchmarks.loadgen.config import LoadConfig
-from benchmarks.loadgen.progress import Bar, open_bar
-from benchmarks.loadgen.prompts import Session, build_sessions, request_body, sessions_needed
+from benchmarks.loadgen.prompts import Session, build_sessions, get_tokenizer, request_body, sessions_needed
 from benchmarks.loadgen.report import format_result
 from benchmarks.loadgen.results import RequestRecord, Result, aggregate
-from benchmarks.loadgen.tokenizer import get_tokenizer
-from benchmarks.loadgen.workers import WorkerPool, workers_for
 
 
 class Runner:
@@ -38,14 +31,14 @@ class Runner:
         self.model = model
         self.sessions = sessions
         path = "chat/completions" if config.endpoint == "chat" else "completions"
-        self.url = URL(f"{config.base_url.rstrip('/')}/{path}")  # parsed once, not per request
+        self.url = f"{config.base_url.rstrip('/')}/{path}"
         self.records: list[RequestRecord] = []
         self.issued = 0
         self.next_session = 0
         self.origin = 0.0
         self.deadline = math.inf
         self.last_end = 0.0
-        self.bar: Bar | None = None
+        self.bar: Any = None  # a tqdm bar when config.progress
 
     def _take_session(self) -> Session:
         session = self.sessions[self.next_session % len(self.sessions)]
@@ -83,13 +76,10 @@ class Runner:
 
     async def arrivals(self, rng: random.Random) -> None:
         """Poisson arrivals of sessions, at most `concurrency` running (when set)."""
-        limit = asyncio.Semaphore(self.config.concurrency) if self.config.concurrency else None
+        limit = asyncio.Semaphore(self.config.concurrency or 1 << 30)
         tasks: set[asyncio.Task[None]] = set()
 
         async def start(session: Session) -> None:
-            if limit is None:
-                await self.run_session(session)
-                return
             async with limit:
                 await self.run_session(session)
 
@@ -114,13 +104,10 @@ class Runner:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def run(self, origin: float | None = None) -> float:
-        """Run until the count or the time limit; returns the measured duration in seconds. With an
-        `origin` (a `time.perf_counter()` value, the same in every process): start then, and time from it."""
+    async def run(self) -> float:
+        """Run until the count or the time limit; returns the measured duration in seconds."""
         cfg = self.config
-        if origin is not None and origin > time.perf_counter():
-            await asyncio.sleep(origin - time.perf_counter())
-        self.origin = time.perf_counter() if origin is None else origin
+        self.origin = time.perf_counter()
         self.deadline = self.origin + cfg.duration_s if cfg.duration_s else math.inf
         if cfg.request_rate:
             main = asyncio.ensure_future(self.arrivals(random.Random(cfg.seed + 1)))
@@ -142,26 +129,17 @@ async def run_load(
     sessions: Sequence[Session] | None = None,
     client: Client | None = None,
     warmup_sessions: Sequence[Session] | None = None,
-    pool: WorkerPool | None = None,
 ) -> Result:
-    """One measured run at one concurrency (or request rate). Stops after num_requests or duration_s.
-    With `config.processes` > 1 the load is sent from that many worker processes (`pool`'s, else
-    a pool of its own for this run and its ceiling)."""
-    if pool is None and workers_for(config) > 1:
-        async with WorkerPool(workers_for(config)) as own_pool:
-            return await run_load(config, sessions, client, warmup_sessions, own_pool)
+    """One measured run at one concurrency (or request rate). Stops after num_requests or duration_s."""
     own = client is None
-    client = client or make_client(config, config.concurrency)
+    client = client or make_client(config)
     try:
         model = config.model or await discover_model(client, config.base_url)
         sessions, warmup_sessions = await _prepare_sessions(config, client, model, sessions, warmup_sessions)
-        if pool is not None and workers_for(config) > 1:
-            records, duration, cpu = await _measure_split(config, pool, model, sessions, warmup_sessions)
-        else:
-            if config.warmup_requests and warmup_sessions:
-                warm_cfg = dataclasses.replace(config, num_requests=config.warmup_requests, duration_s=None)
-                await Runner(warm_cfg, client, model, warmup_sessions).run()
-            records, duration, cpu = await _measure(config, client, model, sessions)
+        if config.warmup_requests and warmup_sessions:
+            warm_cfg = dataclasses.replace(config, num_requests=config.warmup_requests, duration_s=None)
+            await Runner(warm_cfg, client, model, warmup_sessions).run()
+        records, duration, cpu = await _measure(config, client, model, sessions)
     finally:
         if own:
             await client.close()
@@ -176,14 +154,14 @@ async def run_load(
     )
     result.client_cpu_s = cpu
     if config.ceiling_s > 0:
-        result.ceiling = await measure_ceiling(config, result, pool)
+        result.ceiling = await measure_ceiling(config, result)
     return result
 
 
-async def measure_ceiling(config: LoadConfig, measured: Result, pool: WorkerPool | None = None) -> dict[str, Any]:
+async def measure_ceiling(config: LoadConfig, measured: Result) -> dict[str, Any]:
     """The same load against the instant endpoint for `config.ceiling_s` seconds, beside `measured`."""
     endpoint = await ceiling.shared_endpoint()
-    bare = await run_load(ceiling.ceiling_config(config, endpoint.base_url), pool=pool)
+    bare = await run_load(ceiling.ceiling_config(config, endpoint.base_url))
     return ceiling.compare(bare, measured)
 
 
@@ -211,7 +189,10 @@ async def _measure(
 ) -> tuple[list[RequestRecord], float, float]:
     """The measured run: its records, its duration in seconds and this process's CPU seconds meanwhile."""
     runner = Runner(config, client, model, sessions)
-    runner.bar = open_bar(config)
+    if config.progress:  # the CLI on a terminal: tqdm imported only then
+        from tqdm import tqdm
+
+        runner.bar = tqdm(total=config.num_requests, desc=config.label or f"c={config.concurrency}", unit="req", leave=False)
     cpu = time.process_time()
     try:
         duration = await runner.run()
@@ -221,28 +202,15 @@ async def _measure(
     return runner.records, duration, time.process_time() - cpu
 
 
-async def _measure_split(
-    config: LoadConfig, pool: WorkerPool, model: str, sessions: Sequence[Session], warmup_sessions: Sequence[Session] | None
-) -> tuple[list[RequestRecord], float, float]:
-    """The measured run from the pool's processes (each warmed up first): merged records, duration, their CPU."""
-    bar = open_bar(config)
-    try:
-        return await pool.measure(config, model, sessions, warmup_sessions, bar)
-    finally:
-        if bar is not None:
-            bar.close()
-
-
 async def run_sweep(config: LoadConfig, levels: Sequence[int], waves: int | None = None) -> list[Result]:
     """One run per concurrency level, each with its own fresh prompts (no prefix-cache help across levels)."""
     results = []
-    async with make_client(config, max(levels)) as client, contextlib.AsyncExitStack() as stack:
-        pool = await stack.enter_async_context(WorkerPool(config.processes)) if config.processes > 1 else None
+    async with make_client(config) as client:
         for i, level in enumerate(levels):
             n = max(config.num_requests, waves * level) if waves else config.num_requests
             cfg = dataclasses.replace(config, concurrency=level, num_requests=n, seed=config.seed + 1000 * i,
                                       label=config.label or f"c={level}")
-            results.append(await run_load(cfg, client=client, pool=pool))
+            results.append(await run_load(cfg, client=client))
             print(format_result(results[-1]), file=sys.stderr)
     return results
 

@@ -1,104 +1,48 @@
-"""Reading a streamed response: Server-Sent Events into event data (`SSEDecoder`: by lines, or
-straight from the raw chunks of a body with `feed_bytes`, or `feed_raw`, the client's cheaper path), event data into the timing and text
-of one answer (`StreamAccumulator`)."""
+"""Reading a stream: Server-Sent Events into event data (`SSEDecoder`), and event data into one
+answer's timing and text (`StreamAccumulator`)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-from benchmarks.loadgen.codec import loads
+import orjson
 
 
 class SSEDecoder:
-    """Turns lines of a `text/event-stream` into the data of each event (WHATWG rules, data only)."""
+    """Splits a `text/event-stream` body (bytes, cut anywhere) into the data of each event (WHATWG
+    rules, data fields only; LF or CRLF line ends). The hot path: an event of one `data: ` line, what
+    servers send, comes back as its raw bytes, never decoded (orjson reads UTF-8 bytes as they are);
+    any other event comes back as str."""
 
     def __init__(self) -> None:
-        self._data: list[str] = []
         self._pending = b""
-        self._lines = False  # feed_raw: a CR was seen, so events are read line by line from then on
 
-    def feed_raw(self, chunk: bytes) -> list[bytes | str]:
-        """`feed_bytes` for the hot path: events of one `data: ` line each (what servers send)
-        come back as their raw bytes, found by splitting at blank lines, with no decoding (orjson
-        reads UTF-8 bytes as they are); any other event (comments, several data lines, other
-        fields) goes through `feed` and comes back as str. CRLF line ends switch to `feed_bytes`."""
-        if self._lines or b"\r" in chunk:
-            self._lines = True
-            return list(self.feed_bytes(chunk))
-        parts = (self._pending + chunk).split(b"\n\n") if self._pending else chunk.split(b"\n\n")
+    def feed(self, chunk: bytes) -> list[bytes | str]:
+        """The data of every event that `chunk` completes."""
+        buffer = self._pending + chunk
+        if b"\r" in buffer:
+            buffer = buffer.replace(b"\r\n", b"\n")  # a CR cut from its LF stays for the next chunk
+        parts = buffer.split(b"\n\n")
         self._pending = parts.pop()
-        events: list[bytes | str] = []
-        for part in parts:
-            if part.startswith(b"data: ") and b"\n" not in part:
-                events.append(part[6:])
-                continue
-            for raw in part.split(b"\n"):
-                self.feed(raw.decode("utf-8", "replace"))
-            data = self.flush()
-            if data is not None:
-                events.append(data)
-        return events
+        events = [part[6:] if part.startswith(b"data: ") and b"\n" not in part else _data(part) for part in parts]
+        return [e for e in events if e is not None]
 
-    def feed_bytes(self, chunk: bytes) -> list[str]:
-        """Feed raw bytes of the body (cut anywhere); return the data of every event they complete.
-        Lines end in LF or CRLF; a line is decoded only once whole, so UTF-8 cut across chunks is safe."""
-        lines = (self._pending + chunk).split(b"\n") if self._pending else chunk.split(b"\n")
-        self._pending = lines.pop()
-        events = []
-        for raw in lines:
-            data = self.feed(raw.decode("utf-8", "replace"))
-            if data is not None:
-                events.append(data)
-        return events
+    def finish(self) -> list[bytes | str]:
+        """The end of the body: the event it ends, if any."""
+        data, self._pending = _data(self._pending.rstrip(b"\r\n")), b""
+        return [] if data is None else [data]
 
-    def finish(self) -> list[str]:
-        """The end of the body: the last line (when it had no newline) and the event it ends."""
-        events = []
-        if self._pending:  # one line (feed_bytes) or the lines of an event without its blank line (feed_raw)
-            for raw in self._pending.split(b"\n"):
-                data = self.feed(raw.decode("utf-8", "replace"))
-                if data is not None:
-                    events.append(data)
-            self._pending = b""
-        tail = self.flush()
-        return events + ([tail] if tail is not None else [])
 
-    def feed(self, line: str) -> str | None:
-        """Feed one line without its newline; return the event's data when a blank line ends it."""
-        if line.startswith("data: ") and not line.endswith("\r"):  # the common case, fast
-            self._data.append(line[6:])
-            return None
-        line = line.removesuffix("\r")
-        if not line:
-            return self.flush()
-        if line.startswith(":"):  # a comment (keep-alive)
-            return None
+def _data(event: bytes) -> str | None:
+    """The data of one event's lines (None for an event without data: a comment, a keep-alive)."""
+    values = []
+    for line in event.decode("utf-8", "replace").split("\n"):
         name, colon, value = line.partition(":")
-        if colon and value.startswith(" "):
-            value = value[1:]
         if name == "data":
-            self._data.append(value)
-        return None
-
-    def flush(self) -> str | None:
-        if not self._data:
-            return None
-        data = "\n".join(self._data)
-        self._data = []
-        return data
-
-
-async def sse_events(lines: AsyncIterable[str]) -> AsyncIterator[str]:
-    decoder = SSEDecoder()
-    async for line in lines:
-        data = decoder.feed(line)
-        if data is not None:
-            yield data
-    tail = decoder.flush()
-    if tail is not None:
-        yield tail
+            values.append(value[1:] if value.startswith(" ") else value)
+    return "\n".join(values) if values else None
 
 
 def _piece_of(choice: dict[str, Any]) -> str:
@@ -134,11 +78,11 @@ class StreamAccumulator:
         self.finish_reason: str | None = None
 
     def feed(self, data: str | bytes, now: float) -> bool:
-        """Take one event's data (str, or bytes from `SSEDecoder.feed_raw`); return True at `[DONE]`."""
+        """Take one event's data (str, or bytes from `SSEDecoder.feed`); return True at `[DONE]`."""
         if data == b"[DONE]":
             return self._done(now)
         try:
-            obj = loads(data)
+            obj = orjson.loads(data)
         except ValueError:  # not JSON: [DONE] with spaces around, or garbage
             if data.strip() in ("[DONE]", b"[DONE]"):
                 return self._done(now)

@@ -1,22 +1,10 @@
-"""A lean keep-alive HTTP/1.1 client for the load generator's fastest targets (`--http-client wire`).
+"""The load generator's HTTP/1.1 client: each request one pre-built write on a keep-alive connection,
+the answer parsed by httptools (benchmarks/README.md says why not aiohttp).
 
-Why: aiohttp costs the client about 60 µs of CPU per small request on this machine (its request
-and response objects, header handling, payload and timer machinery). Against a server that
-answers 10,000+ requests a second on two shared cores (the bare app, the gateway on the echo
-engine) one aiohttp process cannot send five times what it measures, so its own limit shows in
-what it measures. This client does what the load generator needs and nothing else: it writes
-each request in one pre-built write and parses the answer with httptools (the C parser uvicorn
-uses, and `benchmarks.instant_endpoint`), a few microseconds a request.
-
-`WireSession` has the part of `aiohttp.ClientSession` that `loadgen.client` uses: `post`/`get`/
-`request` as async context managers giving a response with `status`, `headers` (case-insensitive),
-`read()`, `content.iter_any()` and `raise_for_status()`; `close()`. One keep-alive connection per
-request in flight, dropped after `idle_s` without use (before the server's own keep-alive timeout
-can close it under a new request), closed when the server says `Connection: close` or a response
-is left unread. HTTP and HTTPS (`ssl`); no proxies, redirects, cookies or compression, which the
-load generator never uses. Errors are the ones `loadgen.client.CLIENT_ERRORS` counts:
-`ConnectionError` when the server closes mid-answer, `ValueError` for a malformed answer,
-`TimeoutError` past the session's total timeout (checked once a second), `WireStatusError` from `raise_for_status`.
+`WireSession` offers `post` and `request` as async context managers giving responses with
+`status`, `headers`, `read()`, `iter_chunks()` and `raise_for_status()`; one keep-alive
+connection per request in flight, dropped after `idle_s` idle. Errors are those
+`loadgen.client.CLIENT_ERRORS` counts.
 """
 
 from __future__ import annotations
@@ -26,48 +14,19 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from urllib.parse import urlsplit
 
 import httptools
-from yarl import URL
 
 Origin = tuple[str, int, bool]  # host, port, TLS
 
 
 class WireStatusError(ValueError):
-    """A non-2xx answer, from `raise_for_status` (as aiohttp's ClientResponseError)."""
+    """A non-2xx answer, from `raise_for_status`."""
 
     def __init__(self, status: int, url: str) -> None:
         super().__init__(f"HTTP {status} from {url}")
         self.status = status
-
-
-class Headers(dict[str, str]):
-    """Response headers with lower-case names, looked up case-insensitively."""
-
-    def __getitem__(self, name: str) -> str:
-        return super().__getitem__(name.lower())
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and super().__contains__(name.lower())
-
-    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
-        return super().get(name.lower(), default)
-
-
-class _Body:
-    """The answer's body as it arrives: `iter_any()` yields what has come since the last step."""
-
-    def __init__(self, response: WireResponse) -> None:
-        self._response = response
-
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        response = self._response
-        while True:
-            chunk = await response.next_chunk()
-            if not chunk:
-                return
-            yield chunk
 
 
 class WireResponse:
@@ -79,8 +38,7 @@ class WireResponse:
         self.url = url
         self.deadline = deadline
         self.status = 0
-        self.headers = Headers()
-        self.content = _Body(self)
+        self.headers: dict[str, str] = {}  # names in lower case
         self.complete = False
         self.error: BaseException | None = None
         self._chunks: list[bytes] = []
@@ -132,6 +90,11 @@ class WireResponse:
             return b""
         chunks, self._chunks = self._chunks, []
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives: what came since the last step."""
+        while chunk := await self.next_chunk():
+            yield chunk
 
     async def read(self) -> bytes:
         while not self.complete:
@@ -221,7 +184,7 @@ class _Exchange:
     """`async with session.post(...) as response`: the request goes out on enter; on exit the
     connection goes back to the pool when its answer was read to the end, else it is closed."""
 
-    def __init__(self, session: WireSession, method: str, url: str | URL, data: bytes | None) -> None:
+    def __init__(self, session: WireSession, method: str, url: str, data: bytes | None) -> None:
         self.session, self.method, self.url, self.data = session, method, url, data
         self.response: WireResponse | None = None
 
@@ -245,40 +208,34 @@ class WireSession:
 
     def __init__(
         self, headers: Mapping[str, str] | None = None, total_timeout_s: float = 600.0, idle_s: float = 3.0,
-        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.fixed = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items() if k.lower() not in _OWN_HEADERS)
         self.total_timeout_s = total_timeout_s
         self.idle_s = idle_s
-        self.ssl_context = ssl_context
         self.closed = False
         self._idle: dict[Origin, list[_Connection]] = {}
         self._busy: set[_Connection] = set()
         self._targets: dict[tuple[str, str], tuple[Origin, bytes, str]] = {}
         self._sweeper: asyncio.TimerHandle | None = None
 
-    def post(self, url: str | URL, data: bytes | None = None) -> _Exchange:
+    def post(self, url: str, data: bytes | None = None) -> _Exchange:
         return _Exchange(self, "POST", url, data)
 
-    def get(self, url: str | URL) -> _Exchange:
-        return _Exchange(self, "GET", url, None)
-
-    def request(self, method: str, url: str | URL, data: bytes | None = None) -> _Exchange:
+    def request(self, method: str, url: str, data: bytes | None = None) -> _Exchange:
         return _Exchange(self, method.upper(), url, data)
 
-    def _target(self, method: str, url: str | URL) -> tuple[Origin, bytes, str]:
+    def _target(self, method: str, url: str) -> tuple[Origin, bytes, str]:
         """(origin, the request's head up to its length, the URL as text), built once per URL."""
-        text = str(url)
-        found = self._targets.get((method, text))
+        found = self._targets.get((method, url))
         if found is None:
-            parsed = URL(text)
-            if parsed.scheme not in ("http", "https") or not parsed.host:
-                raise ValueError(f"not an http(s) URL: {text}")
+            parsed = urlsplit(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ValueError(f"not an http(s) URL: {url}")
             tls = parsed.scheme == "https"
             port = parsed.port or (443 if tls else 80)
-            host = parsed.host if parsed.is_default_port() else f"{parsed.host}:{port}"
-            head = f"{method} {parsed.raw_path_qs} HTTP/1.1\r\nhost: {host}\r\n{self.fixed}".encode("latin-1")
-            found = self._targets[(method, text)] = ((parsed.host, port, tls), head, text)
+            target = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
+            head = f"{method} {target} HTTP/1.1\r\nhost: {parsed.netloc}\r\n{self.fixed}".encode("latin-1")
+            found = self._targets[(method, url)] = ((parsed.hostname, port, tls), head, url)
         return found
 
     async def _connection(self, origin: Origin, deadline: float) -> _Connection:
@@ -290,7 +247,7 @@ class WireSession:
                 return connection
             connection.close()
         host, port, tls = origin
-        context = (self.ssl_context or ssl.create_default_context()) if tls else None
+        context = ssl.create_default_context() if tls else None
         loop = asyncio.get_running_loop()
         async with asyncio.timeout_at(deadline):
             _, connection = await loop.create_connection(_Connection, host, port, ssl=context)
@@ -308,7 +265,7 @@ class WireSession:
                 connection.close()
         self._sweeper = loop.call_later(SWEEP_EVERY_S, self._sweep) if not self.closed else None
 
-    async def _send(self, method: str, url: str | URL, data: bytes | None) -> WireResponse:
+    async def _send(self, method: str, url: str, data: bytes | None) -> WireResponse:
         if self.closed:
             raise RuntimeError("the session is closed")
         origin, head, text = self._target(method, url)

@@ -12,7 +12,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from benchmarks import growth, growth_report, targets
+from benchmarks import growth, targets
 from benchmarks.lag_probe import PATH, LagProbe
 from benchmarks.loadgen import RequestRecord, aggregate
 
@@ -50,11 +50,11 @@ def test_growth_report_renders_every_part() -> None:
         "soak": {"requests": 20000, "failed": 0, "points": [{"requests": 0, "rss_mib": 60.0}, {"requests": 20000, "rss_mib": 61.0}],
                  "cache_bound_entries": 10000, "rss_at_bound_mib": None, "rss_end_mib": 61.0, "growth_after_bound_mib": None},
     }
-    text = growth_report.markdown(document)
+    text = growth.markdown(document)
     assert "| 128 | random | 128.0 |" in text and "| 1000 | 70.0 | 100.0 | 30.7 |" in text
     assert "| 10000 | 64 | 60.0 | 90.0 | 3145 |" in text and "was not reached" in text
     document["soak"].update(rss_at_bound_mib=60.5, growth_after_bound_mib=0.5)
-    assert "growth after the bound: +0.5 MiB" in growth_report.markdown(document)
+    assert "growth after the bound: +0.5 MiB" in growth.markdown(document)
 
 
 def _result(records: list[RequestRecord]) -> object:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -14,9 +15,9 @@ import uvicorn
 from aiohttp import web
 
 from benchmarks import loadgen
-from benchmarks.echo_engine import EchoEngine, create_echo_app
+from benchmarks.echo_engine import create_echo_app, echo_engine
 from benchmarks.loadgen import LoadConfig, RequestRecord, SSEDecoder, Stats, StreamAccumulator
-from tests.ports import closed_port
+from tests.fakes import FakeEngine
 
 # ---------------------------------------------------------------------------------------------
 # statistics
@@ -86,12 +87,10 @@ def test_aggregate_throughput_and_counts() -> None:
 
 def test_sse_decoder_follows_the_event_stream_rules() -> None:
     decoder = SSEDecoder()
-    lines = [": keep-alive", "data: {\"a\": 1}", "", "event: x", "data: line1", "data:line2", "", "data: [DONE]\r", ""]
-    events = [e for e in (decoder.feed(line) for line in lines) if e is not None]
-    assert events == ['{"a": 1}', "line1\nline2", "[DONE]"]
-    decoder.feed("data: tail")
-    assert decoder.flush() == "tail"
-    assert decoder.flush() is None
+    body = b': keep-alive\n\ndata: {"a": 1}\n\nevent: x\ndata: line1\ndata:line2\n\ndata: [DONE]\r\n\r\ndata: tail'
+    assert decoder.feed(body) == [b'{"a": 1}', "line1\nline2", b"[DONE]"]
+    assert decoder.finish() == ["tail"]
+    assert decoder.finish() == []
 
 
 def test_stream_accumulator_counts_text_chunks_only() -> None:
@@ -164,14 +163,8 @@ async def scripted() -> AsyncIterator[tuple[str, _Script]]:
         await runner.cleanup()
 
 
-@pytest.fixture(params=["aiohttp", "wire"])
-def http_client(request: pytest.FixtureRequest) -> str:
-    """Each of the load generator's HTTP clients (`LoadConfig.http_client`)."""
-    return str(request.param)
-
-
-async def _send(url: str, http_client: str = "aiohttp", **kwargs: object) -> RequestRecord:
-    async with loadgen.make_client(LoadConfig(http_client=http_client)) as client:  # type: ignore[arg-type]
+async def _send(url: str, **kwargs: object) -> RequestRecord:
+    async with loadgen.make_client(LoadConfig()) as client:
         return await loadgen.send_request(client, url, {"stream": True}, RequestRecord(), **kwargs)  # type: ignore[arg-type]
 
 
@@ -179,12 +172,12 @@ def _completion_chunk(text: str) -> dict:
     return {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
 
 
-async def test_send_request_times_a_stream_and_takes_usage(scripted, http_client) -> None:
+async def test_send_request_times_a_stream_and_takes_usage(scripted) -> None:
     url, script = scripted
     script.parts = _sse(*(_completion_chunk(f" w{i}") for i in range(4)),
                         {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}, "[DONE]")
     script.delay, script.split = 0.01, True
-    record = await _send(url, http_client, count_headers=["x-cache"])
+    record = await _send(url, count_headers=["x-cache"])
     assert record.ok, record.error
     assert script.bodies == [{"stream": True}]
     assert record.output_tokens == 4 and record.input_tokens == 7 and record.usage_reported
@@ -195,56 +188,47 @@ async def test_send_request_times_a_stream_and_takes_usage(scripted, http_client
     assert record.text == " w0 w1 w2 w3"
 
 
-async def test_send_request_counts_chunks_without_usage(scripted, http_client) -> None:
+async def test_send_request_counts_chunks_without_usage(scripted) -> None:
     url, script = scripted
     script.parts = _sse(*(_completion_chunk("x") for i in range(3)), "[DONE]")
-    record = await _send(url, http_client, estimate_input=12)
+    record = await _send(url, estimate_input=12)
     assert record.ok and record.output_tokens == 3 and record.input_tokens == 12 and not record.usage_reported
 
 
-async def test_send_request_reports_errors(scripted, http_client) -> None:
+async def test_send_request_reports_errors(scripted) -> None:
     url, script = scripted
     script.status, script.parts = 429, [b'{"error": {"message": "nope"}}']
-    record = await _send(url, http_client)
+    record = await _send(url)
     assert not record.ok and record.status == 429 and record.error.startswith("HTTP 429")
     script.status, script.parts = 200, _sse(_completion_chunk("x"))  # no [DONE]
-    record = await _send(url, http_client)
+    record = await _send(url)
     assert not record.ok and "without [DONE]" in record.error
     script.parts = _sse({"error": {"message": "engine died"}}, "[DONE]")
-    record = await _send(url, http_client)
+    record = await _send(url)
     assert not record.ok and record.error == "engine died"
 
 
-async def test_send_request_reports_a_refused_connection_as_an_error(http_client) -> None:
-    with closed_port() as port:
-        record = await _send(f"http://127.0.0.1:{port}/v1/completions", http_client)
+async def test_send_request_reports_a_refused_connection_as_an_error() -> None:
+    record = await _send(f"http://127.0.0.1:{_closed_port()}/v1/completions")
     assert not record.ok and not record.cancelled and record.error and record.e2e is not None
 
 
-def test_sse_bytes_cut_anywhere_give_the_same_events() -> None:
-    body = 'data: {"t": "caf\u00e9 \u00e9t\u00e9"}\r\n\r\n: ping\n\ndata: a\ndata: b\n\ndata: [DONE]'.encode()
-    whole = SSEDecoder()
-    expected = whole.feed_bytes(body) + whole.finish()
-    assert [json.loads(expected[0])["t"], *expected[1:]] == ["café été", "a\nb", "[DONE]"]
-    for cut in range(1, len(body)):  # every cut, including inside the two-byte é
-        decoder = SSEDecoder()
-        assert decoder.feed_bytes(body[:cut]) + decoder.feed_bytes(body[cut:]) + decoder.finish() == expected
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("newline", ["\n", "\r\n"])
-def test_sse_raw_events_cut_anywhere_are_the_same_events(newline) -> None:
-    """feed_raw (the client's path: one-line events as undecoded bytes) agrees with feed_bytes."""
-    text = 'data: {"t": "caf\u00e9"}\n\n: ping\n\ndata: a\ndata: b\n\nevent: x\ndata: c\n\ndata: [DONE]\n'
+def test_sse_events_cut_anywhere_are_the_same_events(newline) -> None:
+    text = 'data: {"t": "caf\u00e9 \u00e9t\u00e9"}\n\n: ping\n\ndata: a\ndata: b\n\nevent: x\ndata: c\n\ndata: [DONE]\n'
     body = text.replace("\n", newline).encode()
-    whole = SSEDecoder()
-    expected = whole.feed_bytes(body) + whole.finish()
-    assert expected == ['{"t": "caf\u00e9"}', "a\nb", "c", "[DONE]"]
-    for cut in range(len(body) + 1):
+    expected = ['{"t": "caf\u00e9 \u00e9t\u00e9"}', "a\nb", "c", "[DONE]"]
+    for cut in range(len(body) + 1):  # every cut, including inside a two-byte é and between CR and LF
         decoder = SSEDecoder()
-        events = decoder.feed_raw(body[:cut]) + decoder.feed_raw(body[cut:]) + decoder.finish()
+        events = decoder.feed(body[:cut]) + decoder.feed(body[cut:]) + decoder.finish()
         assert [e.decode() if isinstance(e, bytes) else e for e in events] == expected
-    raw = SSEDecoder().feed_raw(b'data: {"x": 1}\n\n')
-    assert raw == [b'{"x": 1}']  # the common case: bytes, never decoded
+    assert SSEDecoder().feed(b'data: {"x": 1}\n\n') == [b'{"x": 1}']  # the common case: bytes, never decoded
 
 
 def test_request_bodies() -> None:
@@ -281,10 +265,10 @@ async def test_sessions_are_deterministic_and_shaped() -> None:
 
 
 @pytest.fixture
-async def echo_gateway() -> AsyncIterator[tuple[str, EchoEngine]]:
+async def echo_gateway() -> AsyncIterator[tuple[str, FakeEngine]]:
     from gateway.settings import Settings
 
-    engine = EchoEngine("echo-model")
+    engine = echo_engine("echo-model")
     app = create_echo_app(Settings(warmup=False, log_level="warning", cache={"backend": "off"}), engine)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="on"))
     task = asyncio.create_task(server.serve())
@@ -302,14 +286,13 @@ async def echo_gateway() -> AsyncIterator[tuple[str, EchoEngine]]:
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
-async def test_loadgen_end_to_end_on_the_echo_gateway(echo_gateway, endpoint, http_client) -> None:
+async def test_loadgen_end_to_end_on_the_echo_gateway(echo_gateway, endpoint) -> None:
     base_url, engine = echo_gateway
     config = LoadConfig(base_url=base_url, endpoint=endpoint, concurrency=4, num_requests=12, input_tokens=16,
-                        output_tokens=8, ignore_eos=True, duration_s=30, warmup_requests=2, keep_records=True,
-                        http_client=http_client)
+                        output_tokens=8, ignore_eos=True, duration_s=30, warmup_requests=2, keep_records=True)
     result = await loadgen.run_load(config)
     assert result.completed == 12 and result.failed == 0, result.errors
-    assert engine.requests == 14  # with the warm-up
+    assert len(engine.requests) == 14  # with the warm-up
     assert result.config["model"] == "echo-model"  # found with GET /v1/models
     assert result.usage_reported and result.mean_output_tokens == 8
     # /tokenize of the echo gateway counts words: prompts are exactly 16 tokens (plus the chat template)
@@ -331,16 +314,16 @@ async def test_loadgen_multi_turn_rate_and_cycling(echo_gateway) -> None:
                                                 num_requests=10, input_tokens=4, output_tokens=2, stream=False))
     assert poisson.completed == 10 and poisson.request_rate == 200.0
     assert poisson.ttft.p50 == poisson.e2e.p50  # no stream: first token = whole answer
-    before = len(engine.tokenizer._words)
+    before = len(engine.tokenizer.words)
     same = await loadgen.run_load(LoadConfig(base_url=base_url, unique_prompts=1, concurrency=3, num_requests=9,
                                              input_tokens=4, output_tokens=2, keep_records=True))
     assert same.completed == 9 and len({r.input_tokens for r in same.records}) == 1
-    assert len(engine.tokenizer._words) - before <= 4
+    assert len(engine.tokenizer.words) - before <= 4
 
 
 async def test_loadgen_time_limit_stops_a_run(echo_gateway) -> None:
     base_url, engine = echo_gateway
-    engine.token_delay = 0.05  # 64 tokens take 3 s; the limit is 0.3 s
+    engine.delay = 0.05  # 64 tokens take 3 s; the limit is 0.3 s
     result = await loadgen.run_load(LoadConfig(base_url=base_url, concurrency=2, num_requests=100,
                                                output_tokens=64, input_tokens=4, duration_s=0.3))
     assert result.completed == 0 and result.cancelled == 2 and result.failed == 0
@@ -394,6 +377,6 @@ def test_bare_app_answers_a_fixed_completion_plain_and_streamed() -> None:
         streamed = client.post("/v1/completions", json=body)
     assert streamed.headers["content-type"].startswith("text/event-stream")
     decoder, acc = SSEDecoder(), StreamAccumulator(0.0)
-    for data in decoder.feed_bytes(streamed.content) + decoder.finish():
+    for data in decoder.feed(streamed.content) + decoder.finish():
         acc.feed(data, 1.0)
     assert acc.done and acc.chunks == 4 and acc.text == " bare" * 4 and acc.usage["completion_tokens"] == 4

@@ -73,7 +73,7 @@ def test_race_commands_use_the_same_engine_settings() -> None:
 
 def test_benchmark_modules_do_not_import_vllm() -> None:
     code = ("import sys, benchmarks.loadgen, benchmarks.echo_engine, benchmarks.race, benchmarks.engine_direct, "
-            "benchmarks.bare_app, benchmarks.instant_endpoint, benchmarks.loadgen.worker, benchmarks.vllm_bench, benchmarks.growth, "
+            "benchmarks.bare_app, benchmarks.instant_endpoint, benchmarks.vllm_bench, benchmarks.growth, "
             "benchmarks.targets, benchmarks.lag_probe; "
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'imported vllm'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
@@ -107,7 +107,7 @@ class _FakeLLM:
     def get_tokenizer(self) -> _Tokenizer:
         return _Tokenizer()
 
-    async def generate(self, prompt, params, request_id):  # noqa: ANN001, ANN201
+    async def generate(self, prompt, params, request_id):
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt.prompt_token_ids
         self.requests.append((ids, params.max_tokens))
         for i in range(params.max_tokens):
@@ -199,7 +199,7 @@ def test_echo_part_ratios_to_the_bare_stack_and_its_table() -> None:
     assert "| stream | 16 | chunks/s | 25600.0 | 25600.0 | 32000.0 | 0.800 ✓ |" in table
     assert "| 0 | 10.0 / 3.0 |" in table  # failed, then the client's headroom over echo and over bare
     notes: list[str] = []
-    race._target_notes(notes, plain, None, "echo non-stream ")
+    race_report.target_notes(notes, plain, None, "echo non-stream ")
     assert notes == ["echo non-stream c=16: the client's ceiling was only 3.0x bare's rate (wanted 5x): "
                      "the client may be part of that measurement"]
 
@@ -210,15 +210,12 @@ def test_race_parser_offers_both_clients_and_the_aa_switch() -> None:
     defaults = race.parser().parse_args([])
     assert defaults.client == "ours" and defaults.aa is True and defaults.ceiling_duration > 0
     assert "echo" in defaults.parts and defaults.echo_scenarios == ["non-stream", "stream", "cache hit"]
-    assert defaults.echo_processes == 1
 
 
-def test_echo_runs_measure_the_clients_ceiling_with_the_asked_processes() -> None:
-    from benchmarks import race_echo
-
-    args = race.parser().parse_args(["--parts", "echo", "--echo-processes", "2", "--ceiling-duration", "1.5"])
-    config = race_echo.scenario_config(args, "stream", "http://127.0.0.1:1", 16, 7, "echo stream r0 c16")
-    assert config.ceiling_s == 1.5 and config.processes == 2 and config.stream and config.concurrency == 16
+def test_echo_runs_measure_the_clients_ceiling() -> None:
+    args = race.parser().parse_args(["--parts", "echo", "--ceiling-duration", "1.5"])
+    config = race.scenario_config(args, "stream", "http://127.0.0.1:1", 16, 7, "echo stream r0 c16")
+    assert config.ceiling_s == 1.5 and config.stream and config.concurrency == 16
 
 
 # ---------------------------------------------------------------------------------------------
