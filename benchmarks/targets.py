@@ -24,6 +24,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import contextlib
+
 import httpx
 import psutil
 
@@ -118,10 +120,8 @@ async def sample_memory(server: Proc, stop: asyncio.Event, samples: list[dict[st
         while not stop.is_set():
             rss = 0
             for proc in [root, *root.children(recursive=True)]:
-                try:
+                with contextlib.suppress(psutil.NoSuchProcess):
                     rss += proc.memory_info().rss
-                except psutil.NoSuchProcess:
-                    pass
             try:
                 metrics = (await client.get(f"http://127.0.0.1:{server.port}/metrics")).text.splitlines()
                 kv = max((float(line.rsplit(" ", 1)[1]) for line in metrics if line.startswith("vllm:kv_cache_usage_perc")),
@@ -130,10 +130,8 @@ async def sample_memory(server: Proc, stop: asyncio.Event, samples: list[dict[st
                 kv = None
             samples.append({"gateway": rss / total, "machine": 1 - meminfo().get("MemAvailable", 0) / total,
                             "cgroup": cgroup_share(), "kv_cache": kv, "gpu": await asyncio.to_thread(gpu_share)})
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
-            except TimeoutError:
-                pass
 
 
 def memory_summary(samples: list[dict[str, float | None]]) -> dict[str, Any]:

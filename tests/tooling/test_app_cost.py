@@ -20,7 +20,8 @@ def run(*args: str) -> re.Match[str]:
     assert result.returncode == 0, result.stderr[-2000:]
     found = LINE.match(result.stdout.strip().splitlines()[-1])
     assert found, result.stdout
-    assert float(found["rate"]) > 0 and float(found["cpu"]) > 0
+    assert float(found["rate"]) > 0
+    assert float(found["cpu"]) > 0
     return found
 
 

@@ -26,9 +26,12 @@ def test_without_a_gpu_it_prints_the_plan_and_exits_0(tmp_path: Path) -> None:
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     said = result.stdout
-    assert "No NVIDIA GPU here" in said and "nothing installed or run" in said
-    assert "ENGINE=gpu VENV=.venv-gpu" in said and " install" in said
-    assert "-m pytest tests/integration" in said and "-m benchmarks.race" in said
+    assert "No NVIDIA GPU here" in said
+    assert "nothing installed or run" in said
+    assert "ENGINE=gpu VENV=.venv-gpu" in said
+    assert " install" in said
+    assert "-m pytest tests/integration" in said
+    assert "-m benchmarks.race" in said
     assert str(tmp_path / "out" / "REPORT.md") in said
     assert not (tmp_path / "out").exists()
 
@@ -54,6 +57,9 @@ def test_report(tmp_path: Path) -> None:
     steps = {step.name: step for step in gpu_check.plan(sys.executable, tmp_path)}
     outcomes = [gpu_check.Outcome(steps["install"], 0, 100), gpu_check.Outcome(steps["integration"], 1, 300)]
     text = gpu_check.report("GPU 0: NVIDIA L4", outcomes, tmp_path).read_text()
-    assert "GPU: GPU 0: NVIDIA L4" in text and "vllm==0.32.0, torch==2.13.0" in text
-    assert "| integration | failed (1) | 300 s |" in text and "| install | ok | 100 s |" in text
-    assert "55 passed, 1 failed, 0 errors, 4 skipped" in text and "race-1.md" in text
+    assert "GPU: GPU 0: NVIDIA L4" in text
+    assert "vllm==0.32.0, torch==2.13.0" in text
+    assert "| integration | failed (1) | 300 s |" in text
+    assert "| install | ok | 100 s |" in text
+    assert "55 passed, 1 failed, 0 errors, 4 skipped" in text
+    assert "race-1.md" in text

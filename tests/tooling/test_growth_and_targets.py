@@ -24,7 +24,8 @@ def test_lag_probe_answers_its_path_and_passes_everything_else_on() -> None:
         time.sleep(0.05)
         first = client.get(PATH).json()
         again = client.get(PATH).json()
-    assert first["samples"] > 0 and first["max_ms"] >= first["p99_ms"] >= first["p50_ms"] >= 0
+    assert first["samples"] > 0
+    assert first["max_ms"] >= first["p99_ms"] >= first["p50_ms"] >= 0
     assert again["samples"] < first["samples"] or again["samples"] <= 5  # read and started afresh
 
 
@@ -33,7 +34,9 @@ def test_growth_defaults_are_small_and_full_is_the_issues_sizes() -> None:
                            "soak_requests": 100000}
     assert all(growth.SMALL[k] <= growth.FULL[k] for k in ("streams", "cache_entries", "soak_requests"))
     args = growth.parser().parse_args(["--parts", "soak"])
-    assert args.parts == ["soak"] and args.soak_requests is None and args.soak_cache_entries == 10_000
+    assert args.parts == ["soak"]
+    assert args.soak_requests is None
+    assert args.soak_cache_entries == 10_000
 
 
 def test_growth_report_renders_every_part() -> None:
@@ -51,8 +54,10 @@ def test_growth_report_renders_every_part() -> None:
                  "cache_bound_entries": 10000, "rss_at_bound_mib": None, "rss_end_mib": 61.0, "growth_after_bound_mib": None},
     }
     text = growth.markdown(document)
-    assert "| 128 | random | 128.0 |" in text and "| 1000 | 70.0 | 100.0 | 30.7 |" in text
-    assert "| 10000 | 64 | 60.0 | 90.0 | 3145 |" in text and "was not reached" in text
+    assert "| 128 | random | 128.0 |" in text
+    assert "| 1000 | 70.0 | 100.0 | 30.7 |" in text
+    assert "| 10000 | 64 | 60.0 | 90.0 | 3145 |" in text
+    assert "was not reached" in text
     document["soak"].update(rss_at_bound_mib=60.5, growth_after_bound_mib=0.5)
     assert "growth after the bound: +0.5 MiB" in growth.markdown(document)
 
@@ -77,13 +82,19 @@ def test_targets_verdicts_say_met_or_missed_and_by_how_much() -> None:
     main_run = {"rate": 55.0, "sustained_req_s": 2.0, "ttft_p99_ms": 5000.0}
     memory = {"judged": "the gateway's processes", "judged_share": 0.2}
     sustained, ttft, mem = targets.verdicts(main_run, memory)
-    assert not sustained["met"] and sustained["factor"] == pytest.approx(25.0)
-    assert not ttft["met"] and ttft["factor"] == pytest.approx(10.0)
-    assert mem["met"] and mem["factor"] == pytest.approx(0.25)
+    assert not sustained["met"]
+    assert sustained["factor"] == pytest.approx(25.0)
+    assert not ttft["met"]
+    assert ttft["factor"] == pytest.approx(10.0)
+    assert mem["met"]
+    assert mem["factor"] == pytest.approx(0.25)
     fine = targets.verdicts({"rate": 55.0, "sustained_req_s": 54.0, "ttft_p99_ms": 120.0}, memory)
     assert all(v["met"] for v in fine)
     text = targets.report({"verdicts": [sustained, ttft, mem], "memory": {**memory, "gateway_peak": 0.2, "samples": 3},
                            "capacity": [{"rate": 27.5, "ttft_p99_ms": 9e9, "failed": 3, "sustained_req_s": 2.0, "duration_s": 20.0},
                                         {"rate": 1.7, "ttft_p99_ms": 300.0, "failed": 0, "sustained_req_s": 1.7, "duration_s": 20.0}]})
-    assert "MISSED by 25.0x" in text and "MISSED by 10.0x" in text and "| met |" in text
-    assert "held at 1.7 req/s offered (TTFT p99 300 ms over 20 s)" in text and f"{50 / 1.7:.1f}x below" in text
+    assert "MISSED by 25.0x" in text
+    assert "MISSED by 10.0x" in text
+    assert "| met |" in text
+    assert "held at 1.7 req/s offered (TTFT p99 300 ms over 20 s)" in text
+    assert f"{50 / 1.7:.1f}x below" in text

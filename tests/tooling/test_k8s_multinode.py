@@ -36,12 +36,14 @@ def test_multinode_parallelism(clean_env: pytest.MonkeyPatch) -> None:
     env = container_env(objects, leader_container)
     assert [key for key in env if key.startswith("GATEWAY_") and not is_settings_field(key)] == []
     engine = settings_from(clean_env, env).engine
-    assert engine.tensor_parallel_size == 8 and engine.pipeline_parallel_size == 2
+    assert engine.tensor_parallel_size == 8
+    assert engine.pipeline_parallel_size == 2
     assert engine.engine_args == {"distributed_executor_backend": "ray"}
     # TP within a node (its GPUs), PP across the nodes of the group
     for container in (leader_container, worker_container):
         assert container["resources"]["limits"]["nvidia.com/gpu"] == engine.tensor_parallel_size
-        assert container["image"] == leader_container["image"] and container["image"].endswith(
+        assert container["image"] == leader_container["image"]
+        assert container["image"].endswith(
             "-gpu"
         )
         assert any(
@@ -64,7 +66,8 @@ def test_multinode_commands() -> None:
     )
     assert syntax.returncode == 0, syntax.stderr
     waiting = re.search(r"<<'PY'\n(.*?)\nPY\n", script, re.DOTALL)
-    assert waiting and "LWS_GROUP_SIZE" in waiting.group(1)
+    assert waiting
+    assert "LWS_GROUP_SIZE" in waiting.group(1)
     compile(waiting.group(1), "leader-wait", "exec")
     assert "ray start --address=$(LWS_LEADER_ADDRESS):6379 --block" in " ".join(
         worker_container["command"]

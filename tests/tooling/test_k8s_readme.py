@@ -144,13 +144,15 @@ def test_readme_tls_overlays_build(mtls_build: list[dict], clean_env: pytest.Mon
              one(objects, "Certificate", "llm-gateway-edge")["spec"]["dnsNames"]]
     assert hosts == [["llm.mycompany.com"]] * 3
     tls = settings_from(clean_env, gateway_env(objects)).tls
-    assert tls.client_auth == "required" and tls.ca_file.parent == tls.cert_file.parent
+    assert tls.client_auth == "required"
+    assert tls.ca_file.parent == tls.cert_file.parent
     _, _, container = gateway_pod(objects)
     assert container["startupProbe"]["tcpSocket"]["port"] == "http"
     for probe, path in (("readinessProbe", "/ready"), ("livenessProbe", "/health")):
         assert "httpGet" not in container[probe]
         command = container[probe]["exec"]["command"]
-        assert command[:2] == ["python", "-c"] and command[3] == path
+        assert command[:2] == ["python", "-c"]
+        assert command[3] == path
         assert f":{named_port(container, 'http')}'" in command[2]
 
 
@@ -207,4 +209,6 @@ def test_readme_tenants_overlay_builds_and_mounts_a_valid_keys_file(tmp_path: Pa
     copy.write_text(config_data(objects, "ConfigMap", volume["configMap"]["name"])[keys_path.name])
     assert set(read_keys_file(copy).keys) == {"research-batch", "support-bot"}
     redis_line = re.search(r"^(GATEWAY_LIMITS__REDIS_URL)=redis://", (K8S / "README.md").read_text(), re.MULTILINE)
-    assert redis_line and is_settings_field(redis_line.group(1)) and is_settings_field("GATEWAY_KEYS_FILE")
+    assert redis_line
+    assert is_settings_field(redis_line.group(1))
+    assert is_settings_field("GATEWAY_KEYS_FILE")

@@ -79,7 +79,8 @@ def test_edge_certificate_covers_the_ingress() -> None:
     certificate = certificate_for_secret(objects, tls["secretName"])
     assert set(tls["hosts"]) <= set(certificate["spec"]["dnsNames"])
     assert {rule["host"] for rule in ingress["spec"]["rules"]} <= set(tls["hosts"])
-    assert certificate["spec"]["issuerRef"]["kind"] == "ClusterIssuer" and issuer_resolves(objects, certificate)
+    assert certificate["spec"]["issuerRef"]["kind"] == "ClusterIssuer"
+    assert issuer_resolves(objects, certificate)
     assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/force-ssl-redirect"] == "true"
 
 
@@ -91,7 +92,8 @@ def test_ingress_serves_the_api_routes_only() -> None:
     rules = ingress_paths(ingress)
     for rule in rules:
         backend = rule["backend"]["service"]
-        assert backend["name"] == service["metadata"]["name"] and backend["port"]["name"] in ports
+        assert backend["name"] == service["metadata"]["name"]
+        assert backend["port"]["name"] in ports
     public = TABLE.paths("api", "open")
     unserved = [path for path in public if not any(path_matches(r, path) for r in rules)]
     assert not unserved, "API routes the Ingress does not pass on"
@@ -103,7 +105,8 @@ def test_ingress_passes_streams_long_answers_and_large_bodies(clean_env: pytest.
     annotations = one(built("tls"), "Ingress", "llm-gateway")["metadata"]["annotations"]
     nginx = {k.removeprefix("nginx.ingress.kubernetes.io/"): v for k, v in annotations.items()}
     assert nginx["proxy-buffering"] == "off"
-    assert int(nginx["proxy-read-timeout"]) >= 300 and int(nginx["proxy-send-timeout"]) >= 300
+    assert int(nginx["proxy-read-timeout"]) >= 300
+    assert int(nginx["proxy-send-timeout"]) >= 300
     number, unit = re.fullmatch(r"(\d+)([kmg]?)", nginx["proxy-body-size"].lower()).groups()
     assert int(number) * SIZE_UNITS.get(unit, 1) >= default_settings().max_body_bytes, (
         "the gateway, not nginx, should answer an oversized body (OpenAI's error shape)"
@@ -118,7 +121,8 @@ def test_pods_serve_https_from_the_serving_certificate(clean_env: pytest.MonkeyP
     objects = built("tls")
     _, template, container = gateway_pod(objects)
     settings = settings_from(clean_env, gateway_env(objects)).tls
-    assert settings.enabled and settings.reload_interval_s > 0
+    assert settings.enabled
+    assert settings.reload_interval_s > 0
     volumes = {v["name"]: v for v in template["spec"]["volumes"]}
     for file in (settings.cert_file, settings.key_file):
         [mount] = [m for m in container["volumeMounts"] if file.parent == Path(m["mountPath"])]
@@ -145,7 +149,8 @@ def test_prometheus_and_the_ingress_verify_the_pods() -> None:
     [endpoint] = one(objects, "ServiceMonitor", "llm-gateway")["spec"]["endpoints"]
     assert endpoint["scheme"] == "https"
     tls = endpoint["tlsConfig"]
-    assert tls["serverName"] in names and tls["ca"]["secret"] == {"name": secret, "key": "ca.crt"}
+    assert tls["serverName"] in names
+    assert tls["ca"]["secret"] == {"name": secret, "key": "ca.crt"}
     assert tls["cert"]["secret"] == {"name": secret, "key": "tls.crt"}
     assert tls["keySecret"] == {"name": secret, "key": "tls.key"}
     nginx = one(objects, "Ingress", "llm-gateway")["metadata"]["annotations"]

@@ -45,9 +45,11 @@ def test_stats_skip_missing_values_and_serialize_nan_as_null() -> None:
     assert stats.n == 2
     assert stats.mean == pytest.approx(0.2)
     assert stats.p50 == pytest.approx(0.2)
-    assert stats.min == 0.1 and stats.max == 0.3
+    assert stats.min == 0.1
+    assert stats.max == 0.3
     empty = Stats.of([]).to_dict()
-    assert empty["n"] == 0 and empty["p99"] is None
+    assert empty["n"] == 0
+    assert empty["p99"] is None
 
 
 def test_tpot_is_decode_time_per_token_after_the_first() -> None:
@@ -102,8 +104,11 @@ def test_stream_accumulator_counts_text_chunks_only() -> None:
     acc.feed(json.dumps({"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]}), 0.3)
     acc.feed(json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}), 0.31)
     assert acc.feed("[DONE]", 0.32)
-    assert acc.first == 0.1 and acc.chunks == 2 and acc.itl == [pytest.approx(0.2)]
-    assert acc.text == "Hello" and acc.finish_reason == "length"
+    assert acc.first == 0.1
+    assert acc.chunks == 2
+    assert acc.itl == [pytest.approx(0.2)]
+    assert acc.text == "Hello"
+    assert acc.finish_reason == "length"
     assert acc.usage == {"prompt_tokens": 5, "completion_tokens": 3}
     errored = StreamAccumulator(0.0)
     errored.feed(json.dumps({"error": {"message": "engine died", "type": "server_error"}}), 0.1)
@@ -180,8 +185,11 @@ async def test_send_request_times_a_stream_and_takes_usage(scripted) -> None:
     record = await _send(url, count_headers=["x-cache"])
     assert record.ok, record.error
     assert script.bodies == [{"stream": True}]
-    assert record.output_tokens == 4 and record.input_tokens == 7 and record.usage_reported
-    assert record.chunks == 4 and len(record.itl) == 3
+    assert record.output_tokens == 4
+    assert record.input_tokens == 7
+    assert record.usage_reported
+    assert record.chunks == 4
+    assert len(record.itl) == 3
     assert 0 < record.ttft < record.e2e
     assert record.tpot == pytest.approx((record.e2e - record.ttft) / 3)
     assert record.headers == {"x-cache": "MISS"}
@@ -192,25 +200,35 @@ async def test_send_request_counts_chunks_without_usage(scripted) -> None:
     url, script = scripted
     script.parts = _sse(*(_completion_chunk("x") for i in range(3)), "[DONE]")
     record = await _send(url, estimate_input=12)
-    assert record.ok and record.output_tokens == 3 and record.input_tokens == 12 and not record.usage_reported
+    assert record.ok
+    assert record.output_tokens == 3
+    assert record.input_tokens == 12
+    assert not record.usage_reported
 
 
 async def test_send_request_reports_errors(scripted) -> None:
     url, script = scripted
     script.status, script.parts = 429, [b'{"error": {"message": "nope"}}']
     record = await _send(url)
-    assert not record.ok and record.status == 429 and record.error.startswith("HTTP 429")
+    assert not record.ok
+    assert record.status == 429
+    assert record.error.startswith("HTTP 429")
     script.status, script.parts = 200, _sse(_completion_chunk("x"))  # no [DONE]
     record = await _send(url)
-    assert not record.ok and "without [DONE]" in record.error
+    assert not record.ok
+    assert "without [DONE]" in record.error
     script.parts = _sse({"error": {"message": "engine died"}}, "[DONE]")
     record = await _send(url)
-    assert not record.ok and record.error == "engine died"
+    assert not record.ok
+    assert record.error == "engine died"
 
 
 async def test_send_request_reports_a_refused_connection_as_an_error() -> None:
     record = await _send(f"http://127.0.0.1:{_closed_port()}/v1/completions")
-    assert not record.ok and not record.cancelled and record.error and record.e2e is not None
+    assert not record.ok
+    assert not record.cancelled
+    assert record.error
+    assert record.e2e is not None
 
 
 def _closed_port() -> int:
@@ -240,11 +258,15 @@ def test_request_bodies() -> None:
         {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
         {"role": "user", "content": "q2"},
     ]
-    assert chat["ignore_eos"] is True and chat["max_tokens"] == 8
-    assert chat["stream_options"] == {"include_usage": True} and chat["temperature"] == 0.0
+    assert chat["ignore_eos"] is True
+    assert chat["max_tokens"] == 8
+    assert chat["stream_options"] == {"include_usage": True}
+    assert chat["temperature"] == 0.0
     plain = loadgen.request_body(LoadConfig(endpoint="completions", stream=False, temperature=None), "m", session, [], "hi")
     assert plain["prompt"] == "shared prefix\nhi"
-    assert "stream_options" not in plain and "temperature" not in plain and "ignore_eos" not in plain
+    assert "stream_options" not in plain
+    assert "temperature" not in plain
+    assert "ignore_eos" not in plain
 
 
 async def test_sessions_are_deterministic_and_shaped() -> None:
@@ -257,7 +279,8 @@ async def test_sessions_are_deterministic_and_shaped() -> None:
     assert all(s.input_tokens == 40 for s in first)
     assert len({s.turns[0] for s in first}) == 6
     multi = await loadgen.build_sessions(LoadConfig(prompts="multi-turn", turns=3, input_tokens=4), 2, tokenizer=None)
-    assert [len(s.turns) for s in multi] == [3, 3] and multi[0].system is None
+    assert [len(s.turns) for s in multi] == [3, 3]
+    assert multi[0].system is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,11 +317,15 @@ async def test_loadgen_end_to_end_on_the_echo_gateway(echo_gateway, endpoint) ->
     assert result.completed == 12 and result.failed == 0, result.errors
     assert len(engine.requests) == 14  # with the warm-up
     assert result.config["model"] == "echo-model"  # found with GET /v1/models
-    assert result.usage_reported and result.mean_output_tokens == 8
+    assert result.usage_reported
+    assert result.mean_output_tokens == 8
     # /tokenize of the echo gateway counts words: prompts are exactly 16 tokens (plus the chat template)
     assert result.mean_input_tokens == (18 if endpoint == "chat" else 16)
-    assert result.ttft.n == 12 and result.tpot.n == 12 and result.e2e.p99 >= result.e2e.p50
-    assert result.output_throughput > 0 and result.request_throughput > 0
+    assert result.ttft.n == 12
+    assert result.tpot.n == 12
+    assert result.e2e.p99 >= result.e2e.p50
+    assert result.output_throughput > 0
+    assert result.request_throughput > 0
     assert all(len(r.text.split()) == 8 for r in result.records)
     json.dumps(result.to_dict(records=True))
 
@@ -309,15 +336,18 @@ async def test_loadgen_multi_turn_rate_and_cycling(echo_gateway) -> None:
                                               num_requests=6, input_tokens=5, output_tokens=4, keep_records=True))
     assert multi.completed == 6
     inputs = sorted({r.input_tokens for r in multi.records})
-    assert len(inputs) == 3 and inputs[0] < inputs[1] < inputs[2]  # conversations grow
+    assert len(inputs) == 3
+    assert inputs[0] < inputs[1] < inputs[2]
     poisson = await loadgen.run_load(LoadConfig(base_url=base_url, request_rate=200.0, concurrency=None,
                                                 num_requests=10, input_tokens=4, output_tokens=2, stream=False))
-    assert poisson.completed == 10 and poisson.request_rate == 200.0
+    assert poisson.completed == 10
+    assert poisson.request_rate == 200.0
     assert poisson.ttft.p50 == poisson.e2e.p50  # no stream: first token = whole answer
     before = len(engine.tokenizer.words)
     same = await loadgen.run_load(LoadConfig(base_url=base_url, unique_prompts=1, concurrency=3, num_requests=9,
                                              input_tokens=4, output_tokens=2, keep_records=True))
-    assert same.completed == 9 and len({r.input_tokens for r in same.records}) == 1
+    assert same.completed == 9
+    assert len({r.input_tokens for r in same.records}) == 1
     assert len(engine.tokenizer.words) - before <= 4
 
 
@@ -326,7 +356,9 @@ async def test_loadgen_time_limit_stops_a_run(echo_gateway) -> None:
     engine.delay = 0.05  # 64 tokens take 3 s; the limit is 0.3 s
     result = await loadgen.run_load(LoadConfig(base_url=base_url, concurrency=2, num_requests=100,
                                                output_tokens=64, input_tokens=4, duration_s=0.3))
-    assert result.completed == 0 and result.cancelled == 2 and result.failed == 0
+    assert result.completed == 0
+    assert result.cancelled == 2
+    assert result.failed == 0
     assert result.duration_s < 5
 
 
@@ -338,11 +370,16 @@ async def test_loadgen_cli_writes_json(echo_gateway, tmp_path) -> None:
     assert await asyncio.to_thread(loadgen.main, argv) == 0  # its own event loop, in a thread
     document = json.loads(output.read_text())
     (result,) = document["results"]
-    assert result["completed"] == 4 and result["concurrency"] == 2 and result["mean_output_tokens"] == 3
-    assert result["client_cpu_s"] > 0 and result["client_cpu_share"] > 0
+    assert result["completed"] == 4
+    assert result["concurrency"] == 2
+    assert result["mean_output_tokens"] == 3
+    assert result["client_cpu_s"] > 0
+    assert result["client_cpu_share"] > 0
     # the client's ceiling, measured by default: the same load against the instant endpoint, beside the run
     ceiling = result["ceiling"]
-    assert ceiling["completed"] > 0 and ceiling["failed"] == 0 and ceiling["req_s"] > 0
+    assert ceiling["completed"] > 0
+    assert ceiling["failed"] == 0
+    assert ceiling["req_s"] > 0
     assert ceiling["headroom"] == pytest.approx(min(ceiling["headroom_req_s"], ceiling["headroom_tok_s"]))
     assert ceiling["enough"] == (ceiling["headroom"] >= 5)
 
@@ -355,7 +392,8 @@ async def test_loadgen_sweep_writes_json_and_plot(echo_gateway, tmp_path) -> Non
     assert [r.completed for r in results] == [4, 6]
     pytest.importorskip("matplotlib")
     path = loadgen.plot_sweep({"": results}, tmp_path / "sweep.png")
-    assert path is not None and path.stat().st_size > 1000
+    assert path is not None
+    assert path.stat().st_size > 1000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,7 +408,8 @@ def test_bare_app_answers_a_fixed_completion_plain_and_streamed() -> None:
     with TestClient(create_bare_app("b")) as client:
         assert client.get("/v1/models").json()["data"][0]["id"] == "b"
         plain = client.post("/v1/completions", json={"model": "b", "prompt": "one two three", "max_tokens": 3}).json()
-        assert plain["choices"][0]["text"] == " bare bare bare" and plain["usage"]["completion_tokens"] == 3
+        assert plain["choices"][0]["text"] == " bare bare bare"
+        assert plain["usage"]["completion_tokens"] == 3
         chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
         assert chat["choices"][0]["message"]["content"] == " bare bare"
         body = {"prompt": "x", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
@@ -379,4 +418,7 @@ def test_bare_app_answers_a_fixed_completion_plain_and_streamed() -> None:
     decoder, acc = SSEDecoder(), StreamAccumulator(0.0)
     for data in decoder.feed(streamed.content) + decoder.finish():
         acc.feed(data, 1.0)
-    assert acc.done and acc.chunks == 4 and acc.text == " bare" * 4 and acc.usage["completion_tokens"] == 4
+    assert acc.done
+    assert acc.chunks == 4
+    assert acc.text == " bare" * 4
+    assert acc.usage["completion_tokens"] == 4

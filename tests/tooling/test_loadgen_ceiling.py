@@ -73,13 +73,16 @@ async def test_instant_endpoint_answers_many_requests_on_one_keep_alive_connecti
     reader, writer = await asyncio.open_connection("127.0.0.1", instant)
     try:
         status, models = await _exchange(reader, writer, "GET", "/v1/models")
-        assert status == 200 and json.loads(models.body)["data"][0]["id"] == "inst"
+        assert status == 200
+        assert json.loads(models.body)["data"][0]["id"] == "inst"
 
         status, plain = await _exchange(reader, writer, "POST", "/v1/completions",
                                         {"model": "m", "prompt": "one two three", "max_tokens": 3})
         answer = orjson.loads(plain.body)
-        assert status == 200 and plain.headers["content-type"] == "application/json"
-        assert answer["choices"][0]["text"] == " bare bare bare" and answer["model"] == "m"
+        assert status == 200
+        assert plain.headers["content-type"] == "application/json"
+        assert answer["choices"][0]["text"] == " bare bare bare"
+        assert answer["model"] == "m"
         assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
         status, chat = await _exchange(reader, writer, "POST", "/v1/chat/completions",
@@ -88,32 +91,44 @@ async def test_instant_endpoint_answers_many_requests_on_one_keep_alive_connecti
 
         body = {"prompt": "x", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
         status, streamed = await _exchange(reader, writer, "POST", "/v1/completions", body)
-        assert status == 200 and streamed.headers["content-type"] == "text/event-stream"
+        assert status == 200
+        assert streamed.headers["content-type"] == "text/event-stream"
         assert streamed.headers["transfer-encoding"] == "chunked"
         acc = _events(streamed.body)
-        assert acc.done and acc.error is None and acc.chunks == 5 and acc.text == " bare" * 5
+        assert acc.done
+        assert acc.error is None
+        assert acc.chunks == 5
+        assert acc.text == " bare" * 5
         assert acc.usage == {"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}
         assert acc.finish_reason == "length"
 
         body = {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 3, "stream": True}
         status, chat_stream = await _exchange(reader, writer, "POST", "/v1/chat/completions", body)
         acc = _events(chat_stream.body)
-        assert acc.done and acc.chunks == 3 and acc.usage is None  # no usage event unless asked for
+        assert acc.done
+        assert acc.chunks == 3
+        assert acc.usage is None
         first = orjson.loads(chat_stream.body.split(b"\n\n")[0].split(b"data: ", 1)[1])
-        assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+        assert first["object"] == "chat.completion.chunk"
+        assert first["choices"][0]["delta"]["role"] == "assistant"
 
         status, health = await _exchange(reader, writer, "GET", "/health")
-        assert status == 200 and health.body == b"{}"
+        assert status == 200
+        assert health.body == b"{}"
         status, missing = await _exchange(reader, writer, "GET", "/v1/nothing")
-        assert status == 404 and "error" in json.loads(missing.body)
+        assert status == 404
+        assert "error" in json.loads(missing.body)
         status, bad = await _exchange(reader, writer, "POST", "/v1/completions", b"[1, 2]")
-        assert status == 400 and json.loads(bad.body)["error"]["code"] == 400
+        assert status == 400
+        assert json.loads(bad.body)["error"]["code"] == 400
         status, bad = await _exchange(reader, writer, "POST", "/v1/completions", {"max_tokens": "many"})
-        assert status == 400 and "max_tokens" in json.loads(bad.body)["error"]["message"]
+        assert status == 400
+        assert "max_tokens" in json.loads(bad.body)["error"]["message"]
 
         # still the same connection; `connection: close` ends it after the answer
         status, last = await _exchange(reader, writer, "GET", "/health", close=True)
-        assert status == 200 and last.headers["connection"] == "close"
+        assert status == 200
+        assert last.headers["connection"] == "close"
         assert await asyncio.wait_for(reader.read(), 10) == b""
     finally:
         writer.close()
@@ -129,12 +144,17 @@ async def test_a_run_against_the_instant_endpoint_is_on_one_time_line(instant) -
                         output_tokens=5, tokenizer="words", warmup_requests=4, keep_records=True)
     result = await run_load(config)
     assert result.completed == 40 and result.failed == 0 and result.cancelled == 0, result.errors
-    assert result.concurrency == 4 and result.config["model"] == "inst"
-    assert len(result.records) == 40 and all(r.text == " bare" * 5 for r in result.records)
+    assert result.concurrency == 4
+    assert result.config["model"] == "inst"
+    assert len(result.records) == 40
+    assert all(r.text == " bare" * 5 for r in result.records)
     assert min(r.start for r in result.records) >= 0
     assert max(r.start + r.e2e for r in result.records) <= result.duration_s + 1e-6
-    assert result.usage_reported and result.mean_output_tokens == 5 and result.tpot.n == 40
-    assert result.client_cpu_s is not None and result.client_cpu_s > 0
+    assert result.usage_reported
+    assert result.mean_output_tokens == 5
+    assert result.tpot.n == 40
+    assert result.client_cpu_s is not None
+    assert result.client_cpu_s > 0
     json.dumps(result.to_dict(records=True))
 
 
@@ -144,9 +164,12 @@ async def test_the_ceiling_beside_the_run(instant) -> None:
                         output_tokens=3, tokenizer="words", ceiling_s=0.3)
     result = await run_load(config)
     top = result.ceiling
-    assert result.completed == 10 and top is not None
-    assert top["completed"] > 0 and top["failed"] == 0
-    assert top["endpoint"] == "benchmarks.instant_endpoint" and top["latency_bound"] is False
+    assert result.completed == 10
+    assert top is not None
+    assert top["completed"] > 0
+    assert top["failed"] == 0
+    assert top["endpoint"] == "benchmarks.instant_endpoint"
+    assert top["latency_bound"] is False
     assert "client ceiling" in ceiling.describe(top)
 
 
@@ -158,10 +181,14 @@ def _result(concurrency: int, req_s: float) -> Result:
 
 def test_the_ceiling_line_says_when_it_is_bound_by_latency() -> None:
     low = ceiling.compare(_result(1, 300.0), _result(1, 100.0))
-    assert low["headroom"] == pytest.approx(3.0) and not low["enough"] and low["latency_bound"]
+    assert low["headroom"] == pytest.approx(3.0)
+    assert not low["enough"]
+    assert low["latency_bound"]
     assert "bound by latency" in ceiling.describe(low)
     busy = ceiling.compare(_result(16, 300.0), _result(16, 100.0))
-    assert not busy["latency_bound"] and "below 5x" in ceiling.describe(busy)
+    assert not busy["latency_bound"]
+    assert "below 5x" in ceiling.describe(busy)
     assert "latency" not in ceiling.describe(busy)
     fine = ceiling.compare(_result(1, 600.0), _result(1, 100.0))
-    assert fine["enough"] and "below" not in ceiling.describe(fine)
+    assert fine["enough"]
+    assert "below" not in ceiling.describe(fine)

@@ -75,10 +75,12 @@ async def test_keeps_one_connection_alive_and_sends_its_headers(scripted) -> Non
                 assert response.status == 200
                 assert response.headers["x-cache"] == "HIT"
                 assert await response.read() == b'{"a": 1}'
-    assert script.connections == 1 and len(script.requests) == 3
+    assert script.connections == 1
+    assert len(script.requests) == 3
     first = script.requests[0]
     assert first.startswith(b"POST /v1/completions HTTP/1.1\r\n")
-    assert b"authorization: Bearer k\r\n" in first and b"content-length: 8\r\n" in first
+    assert b"authorization: Bearer k\r\n" in first
+    assert b"content-length: 8\r\n" in first
     assert first.endswith(b'\r\n\r\n{"x": 1}')
 
 
@@ -102,7 +104,8 @@ async def test_a_server_closing_the_connection_gets_a_new_one(scripted) -> None:
     async with WireSession() as session:
         for _ in range(2):
             async with session.post(url, data=b"{}") as response:
-                assert response.status == 200 and await response.read() == b"{}"
+                assert response.status == 200
+                assert await response.read() == b"{}"
     assert script.connections == 2
 
 
@@ -166,7 +169,8 @@ async def test_raise_for_status_and_get(scripted) -> None:
         assert response.status == 404
         with pytest.raises(WireStatusError) as caught:
             response.raise_for_status()
-        assert caught.value.status == 404 and isinstance(caught.value, CLIENT_ERRORS)
+        assert caught.value.status == 404
+        assert isinstance(caught.value, CLIENT_ERRORS)
     assert script.requests[0].startswith(b"GET /v1/models HTTP/1.1\r\n")
 
 

@@ -46,7 +46,9 @@ def test_race_summary_medians_ratios_and_targets() -> None:
     assert row["targets"]["ttft_p99_ms vs vllm"]["met"] is True
     document = {"settings": {"repeats": 3}, "summary": [row], "notes": ["a note"]}
     table = race_report.markdown(document)
-    assert "| 4 | gateway | 100.0 |" in table and "1.000 ✓" in table and "- a note" in table
+    assert "| 4 | gateway | 100.0 |" in table
+    assert "1.000 ✓" in table
+    assert "- a note" in table
 
 
 def test_race_metrics_of_a_result() -> None:
@@ -67,7 +69,8 @@ def test_race_commands_use_the_same_engine_settings() -> None:
                             ("--kv-cache-memory-bytes", str(2 * 1024**3)), ("--served-model-name", "smollm2-135m-instruct")):
             assert command[command.index(flag) + 1] == value
         assert "--enforce-eager" in command
-    assert vllm[2] == "vllm.entrypoints.openai.api_server" and gateway[2:4] == ["gateway", "serve"]
+    assert vllm[2] == "vllm.entrypoints.openai.api_server"
+    assert gateway[2:4] == ["gateway", "serve"]
     assert "--enforce-eager" not in race.gateway_command(args, 1234, eager=False)
 
 
@@ -137,11 +140,15 @@ async def test_engine_alone_runs_the_plan_on_command(monkeypatch: pytest.MonkeyP
     answers: list[dict] = []
     await engine_direct.serve_plan({"engine": {}, "load": config.to_dict()}, stdin, answers.append, log=lambda m: None)
 
-    assert "ready" in answers[0] and answers[1] == {"warm": True}
+    assert "ready" in answers[0]
+    assert answers[1] == {"warm": True}
     assert [a["key"] for a in answers[2:]] == [{"repeat": 0, "concurrency": 1}, {"repeat": 0, "concurrency": 2}]
-    assert answers[2]["result"]["completed"] == 2 and answers[3]["result"]["completed"] == 3
-    assert answers[3]["result"]["total_output_tokens"] == 15 and answers[3]["result"]["failed"] == 0
-    assert len(llm.requests) == 1 + 2 + 3 and all(n == 5 for _, n in llm.requests)
+    assert answers[2]["result"]["completed"] == 2
+    assert answers[3]["result"]["completed"] == 3
+    assert answers[3]["result"]["total_output_tokens"] == 15
+    assert answers[3]["result"]["failed"] == 0
+    assert len(llm.requests) == 1 + 2 + 3
+    assert all(n == 5 for _, n in llm.requests)
     assert llm.shut
 
 
@@ -150,7 +157,9 @@ def test_results_md_keeps_the_hand_written_part(tmp_path: Path) -> None:
     assert race_report.kept_part(results) == ""
     results.write_text(f"# old table\n| 1 | 2 |\n{race_report.KEEP_MARKER}\n## Profile\nby hand\n")
     kept = race_report.kept_part(results)
-    assert kept.startswith(f"\n{race_report.KEEP_MARKER}") and "by hand" in kept and "old table" not in kept
+    assert kept.startswith(f"\n{race_report.KEEP_MARKER}")
+    assert "by hand" in kept
+    assert "old table" not in kept
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,9 +176,11 @@ def test_race_summary_keeps_the_spread_of_the_aa_twin() -> None:
     assert row["ratios"]["gateway-aa"]["output_tok_s"] == pytest.approx(100 / 98)
     # gateway ÷ vllm: median of 1.0, 1.04, 0.8 = 1.0, inside the A/A range: not told apart from noise
     assert race_report.within(row["ratios"]["vllm"]["output_tok_s"], (low, high)) is True
-    assert race_report.within(0.5, (low, high)) is False and race_report.within(None, (low, high)) is None
+    assert race_report.within(0.5, (low, high)) is False
+    assert race_report.within(None, (low, high)) is None
     # the band is symmetric about 1.0: an A/A of 0.8 says 1.2 could come from noise as easily
-    assert race_report.within(1.2, (0.8, 0.8)) is True and race_report.within(0.7, (0.8, 0.8)) is False
+    assert race_report.within(1.2, (0.8, 0.8)) is True
+    assert race_report.within(0.7, (0.8, 0.8)) is False
     table = race_report.markdown({"settings": {"repeats": 3}, "summary": [row], "notes": []})
     assert "| 4 | gateway-aa |" in table
     assert f"| 4 | output_tok_s | 1.000 ✓ ≈ | - | {100 / 98:.3f} [{96 / 101:.3f}, {104 / 100:.3f}] |" in table
@@ -206,16 +217,23 @@ def test_echo_part_ratios_to_the_bare_stack_and_its_table() -> None:
 
 def test_race_parser_offers_both_clients_and_the_aa_switch() -> None:
     args = race.parser().parse_args(["--client", "vllm", "--no-aa", "--parts", "gateway", "echo"])
-    assert args.client == "vllm" and args.aa is False and args.parts == ["gateway", "echo"]
+    assert args.client == "vllm"
+    assert args.aa is False
+    assert args.parts == ["gateway", "echo"]
     defaults = race.parser().parse_args([])
-    assert defaults.client == "ours" and defaults.aa is True and defaults.ceiling_duration > 0
-    assert "echo" in defaults.parts and defaults.echo_scenarios == ["non-stream", "stream", "cache hit"]
+    assert defaults.client == "ours"
+    assert defaults.aa is True
+    assert defaults.ceiling_duration > 0
+    assert "echo" in defaults.parts
+    assert defaults.echo_scenarios == ["non-stream", "stream", "cache hit"]
 
 
 def test_echo_runs_measure_the_clients_ceiling() -> None:
     args = race.parser().parse_args(["--parts", "echo", "--ceiling-duration", "1.5"])
     config = race.scenario_config(args, "stream", "http://127.0.0.1:1", 16, 7, "echo stream r0 c16")
-    assert config.ceiling_s == 1.5 and config.stream and config.concurrency == 16
+    assert config.ceiling_s == 1.5
+    assert config.stream
+    assert config.concurrency == 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +265,10 @@ def test_vllm_bench_argv_is_what_vllms_own_parser_takes() -> None:
     args = parser.parse_args(argv)
     assert (args.base_url, args.endpoint, args.backend) == ("http://127.0.0.1:8000", "/v1/completions", "openai")
     assert (args.max_concurrency, args.num_prompts, args.random_input_len, args.random_output_len) == (16, 64, 128, 64)
-    assert args.ignore_eos and args.temperature == 0 and args.seed == 7 and args.dataset_name == "random"
+    assert args.ignore_eos
+    assert args.temperature == 0
+    assert args.seed == 7
+    assert args.dataset_name == "random"
     chat = parser.parse_args(vllm_bench.bench_argv(base_url="http://h:1", model="m", tokenizer="t", endpoint="chat",
                                                    concurrency=1, num_prompts=1, input_len=1, output_len=1, seed=0))
     assert (chat.backend, chat.endpoint) == ("openai-chat", "/v1/chat/completions")
