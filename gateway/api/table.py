@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, compile_path
+from starlette.types import Receive, Scope, Send
 
 from gateway.errors import Dialect
 
@@ -38,6 +39,22 @@ class Endpoint:
         return compile_path(self.path)[1]
 
 
+class Handled:
+    """A handler as the ASGI app Starlette's `Route` takes (its documented form for a class endpoint):
+    request in, response sent. Its errors go up to the app's one exception middleware, which
+    answers them (`api.application.error_response`); a function endpoint would get Starlette's own
+    exception wrapper as well, a second layer around every message a stream sends."""
+
+    __slots__ = ("handler",)
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await self.handler(Request(scope, receive, send))
+        await response(scope, receive, send)
+
+
 class RouteTable:
     def __init__(self, endpoints: Iterable[Endpoint]) -> None:
         self.endpoints = tuple(endpoints)
@@ -57,7 +74,7 @@ class RouteTable:
         for path, endpoints in by_path.items():
             if len({e.handler for e in endpoints}) != 1:
                 raise ValueError(f"{path}: one handler per path (it may dispatch on the method)")
-            routes.append(Route(path, endpoints[0].handler, methods=[e.method for e in endpoints]))
+            routes.append(Route(path, Handled(endpoints[0].handler), methods=[e.method for e in endpoints]))
         return routes
 
     def paths(self, *access: Access) -> frozenset[str]:
