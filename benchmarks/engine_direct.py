@@ -135,7 +135,7 @@ async def serve_plan(plan: dict[str, Any], commands: Any, answer: Any, log=print
         while line := (await asyncio.to_thread(commands.readline)).strip():
             command = json.loads(line)
             if "sessions" in command:
-                sessions = json.loads(Path(command["sessions"]).read_text())
+                sessions = json.loads(await asyncio.to_thread(Path(command["sessions"]).read_text))
                 await _warm_up(driver, sessions)
                 runs = sessions["runs"]
                 answer({"warm": True})

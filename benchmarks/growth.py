@@ -292,8 +292,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 async def run(args: argparse.Namespace, document: dict[str, Any]) -> None:
-    logs = Path(document["logs"])
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = Path(document["logs"])  # made by main(), before the event loop
     parts = {"prompt": part_prompt, "streams": part_streams, "cache": part_cache, "soak": part_soak}
     for name in args.parts:
         log(f"growth: {name}")
@@ -314,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "command": shlex.join(["python", "-m", "benchmarks.growth", *argv]),
                                 "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                                 "logs": str(args.results_dir / f"growth-{stamp}-logs")}
+    Path(document["logs"]).mkdir(parents=True, exist_ok=True)
     code = 0
     try:
         loadgen.run_async(run(args, document))

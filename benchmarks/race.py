@@ -317,7 +317,7 @@ async def run_models(args: argparse.Namespace, logs: Path, document: dict[str, A
             for t in started:
                 t.start()
             startup = await asyncio.gather(*(t.wait_ready(args.start_timeout) for t in started))
-            document.setdefault("startup_s", {}).update({t.name: round(s, 1) for t, s in zip(started, startup)})
+            document.setdefault("startup_s", {}).update({t.name: round(s, 1) for t, s in zip(started, startup, strict=True)})
             if plan is None:
                 servers = [t for t in started if isinstance(t, Proc)]
                 plan = await make_plan(args, servers[0].base_url if servers else None)
@@ -412,8 +412,7 @@ def new_document(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
 async def race(args: argparse.Namespace, document: dict[str, Any]) -> None:
     """Fills `document` part by part (so an interrupted race still leaves what it measured)."""
-    logs = Path(document["logs"])
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = Path(document["logs"])  # made by main(), before the event loop
     log(f"machine: {document['machine']}")
     busy = procs.busy_processes()
     if busy:
@@ -451,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None:
         args.model = prepare_model()
     document = new_document(args, argv)
+    Path(document["logs"]).mkdir(parents=True, exist_ok=True)
     code = 0
     try:
         loadgen.run_async(race(args, document))

@@ -159,8 +159,8 @@ def _model_tables(document: dict[str, Any]) -> list[str]:
     lines += [
         "",
         ("Ratios gateway ÷ other, each the median of the per-repetition (paired) ratios; tok/s: higher is better, "
-         "latencies: lower is better. ✓/✗: the targets (tok/s ≥ 1.00× vLLM's server and ≥ 0.95× the engine alone; "
-         "TTFT p50/p99 ≤ 1.00× vLLM's server). A/A: gateway ÷ gateway-aa, median [smallest, largest per-repetition "
+         "latencies: lower is better. ✓/✗: the targets (tok/s ≥ 1.00× vLLM's server and ≥ 0.95× the engine alone; "  # noqa: RUF001 - the multiplication sign is deliberate typography in RESULTS.md
+         "TTFT p50/p99 ≤ 1.00× vLLM's server). A/A: gateway ÷ gateway-aa, median [smallest, largest per-repetition "  # noqa: RUF001 - the multiplication sign is deliberate typography in RESULTS.md
          "ratio], the noise floor; ≈ marks a ratio no farther from 1.0 than the A/A ratios strayed (not told "
          "apart from noise)."),
         "",
@@ -258,7 +258,7 @@ def results_md(document: dict[str, Any], json_name: str) -> str:
          f"{'eager (--enforce-eager)' if s['eager'] else 'compiled (torch.compile)'}"),
         (f"- load: {s['endpoint']} endpoint, streaming, {s['input_tokens']}-token prompts, {s['output_tokens']} output tokens "
          f"(ignore_eos), temperature 0, concurrency {', '.join(map(str, s['concurrency']))}, "
-         f"max({s['min_requests']}, {s['waves']} × concurrency) requests per run, {s['repeats']} repetition(s), "
+         f"max({s['min_requests']}, {s['waves']} × concurrency) requests per run, {s['repeats']} repetition(s), "  # noqa: RUF001 - the multiplication sign is deliberate typography in RESULTS.md
          f"targets {document.get('layout', '?')}"),
         "",
         "## Command",

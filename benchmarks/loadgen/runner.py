@@ -74,6 +74,9 @@ class Runner:
         while self._may_issue():
             await self.run_session(self._take_session())
 
+    async def workers(self, count: int) -> None:
+        await asyncio.gather(*(self.worker() for _ in range(count)))
+
     async def arrivals(self, rng: random.Random) -> None:
         """Poisson arrivals of sessions, at most `concurrency` running (when set)."""
         limit = asyncio.Semaphore(self.config.concurrency or 1 << 30)
@@ -110,10 +113,9 @@ class Runner:
         self.origin = time.perf_counter()
         self.deadline = self.origin + cfg.duration_s if cfg.duration_s else math.inf
         if cfg.request_rate:
-            main = asyncio.ensure_future(self.arrivals(random.Random(cfg.seed + 1)))
+            main = asyncio.create_task(self.arrivals(random.Random(cfg.seed + 1)))
         else:
-            workers = max(1, cfg.concurrency or 1)
-            main = asyncio.ensure_future(asyncio.gather(*(self.worker() for _ in range(workers))))
+            main = asyncio.create_task(self.workers(max(1, cfg.concurrency or 1)))
         timeout = None if self.deadline == math.inf else max(0.0, self.deadline - time.perf_counter())
         done, _ = await asyncio.wait({main}, timeout=timeout)
         if not done:  # the time limit: requests still in flight are cancelled and counted as such

@@ -39,7 +39,7 @@ def _data(event: bytes) -> str | None:
     """The data of one event's lines (None for an event without data: a comment, a keep-alive)."""
     values = []
     for line in event.decode("utf-8", "replace").split("\n"):
-        name, colon, value = line.partition(":")
+        name, _, value = line.partition(":")
         if name == "data":
             values.append(value[1:] if value.startswith(" ") else value)
     return "\n".join(values) if values else None

@@ -10,6 +10,7 @@ connection per request in flight, dropped after `idle_s` idle. Errors are those
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 import time
@@ -122,10 +123,8 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):  # not TCP
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:  # pragma: no cover - not TCP
-                pass
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
