@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # `python benchmarks/echo_engine.py`: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.fakes import FakeEngine
 

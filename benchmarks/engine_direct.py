@@ -18,9 +18,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.loadgen import LoadConfig, RequestRecord, Result, Session, aggregate, request_body
 
 

@@ -14,14 +14,10 @@ import argparse
 import asyncio
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httptools
 import orjson
-
-if __package__ in (None, ""):  # `python benchmarks/instant_endpoint.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 NAME = "bare"
 WORD = " bare"

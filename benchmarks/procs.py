@@ -3,6 +3,7 @@ whatever happens) and what it notes of the machine they share."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -16,7 +17,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,44 @@ GIB = 1024**3
 
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def timestamp() -> str:
+    """Now in UTC, e.g. 20261130T002618Z: the name of a run's result files."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def new_document(tool: str, argv: list[str], args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
+    """The JSON document of one command (race, growth, targets): what ran, on what; its logs folder made."""
+    stamp = timestamp()
+    logs = results_dir / f"{tool}-{stamp}-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return {"tool": f"benchmarks.{tool}", "started": stamp, "command": shlex.join(["python", "-m", f"benchmarks.{tool}", *argv]),
+            "machine": machine(), "versions": versions(), "logs": str(logs),
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+
+def run_to_end(work: Coroutine[Any, Any, None], document: dict[str, Any]) -> int:
+    """Runs `work`, which fills `document` as it goes (so an interrupted run keeps what it measured);
+    every process started is stopped whatever happens. Exit status 0, 130 when interrupted (Ctrl-C,
+    SIGTERM), 1 after an error (kept in the document)."""
+    from benchmarks.loadgen import run_async  # loadgen imports this module
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM unwinds like Ctrl-C
+    try:
+        run_async(work)
+        return 0
+    except KeyboardInterrupt:
+        log("interrupted")
+        document["error"] = "interrupted"
+        return 130
+    except Exception as exc:
+        log(f"failed: {traceback.format_exc()}")
+        document["error"] = f"{exc.__class__.__name__}: {str(exc)[:2000]}"
+        return 1
+    finally:
+        for proc in reversed(STARTED):
+            proc.stop()
 
 
 # ----------------------------------------------------------------------------------------------

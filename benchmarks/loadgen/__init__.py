@@ -12,7 +12,7 @@ from benchmarks.loadgen.cli import main
 from benchmarks.loadgen.client import make_client, send_request
 from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.prompts import ServerTokenizer, Session, build_sessions, request_body, sessions_needed
-from benchmarks.loadgen.report import plot_sweep, timestamp
+from benchmarks.loadgen.report import plot_sweep
 from benchmarks.loadgen.results import RequestRecord, Result, Stats, aggregate, percentile, tpot
 from benchmarks.loadgen.runner import run_async, run_load, run_sweep
 from benchmarks.loadgen.sse import SSEDecoder, StreamAccumulator
@@ -20,5 +20,5 @@ from benchmarks.loadgen.sse import SSEDecoder, StreamAccumulator
 __all__ = [
     "LoadConfig", "RequestRecord", "Result", "SSEDecoder", "ServerTokenizer", "Session", "Stats", "StreamAccumulator",
     "aggregate", "build_sessions", "ceiling", "main", "make_client", "percentile", "plot_sweep", "request_body",
-    "run_async", "run_load", "run_sweep", "send_request", "sessions_needed", "timestamp", "tpot",
+    "run_async", "run_load", "run_sweep", "send_request", "sessions_needed", "tpot",
 ]

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.loadgen.config import LoadConfig
-from benchmarks.loadgen.report import format_result, plot_sweep, timestamp
+from benchmarks.loadgen.report import format_result, plot_sweep
 from benchmarks.loadgen.results import Result
 from benchmarks.loadgen.runner import run_async, run_load, run_sweep
+from benchmarks.procs import timestamp
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 DESCRIPTION = "A load generator for any OpenAI-compatible server (this gateway, vLLM's server, others)."

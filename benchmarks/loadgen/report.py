@@ -1,12 +1,11 @@
-"""A run for people: the summary printed on stderr, the sweep plot (matplotlib, imported only when a
-plot is drawn; without it there is no plot, and a note), and the UTC timestamp that names result files."""
+"""A run for people: the summary printed on stderr, and the sweep plot (matplotlib, imported only when
+a plot is drawn; without it there is no plot, and a note)."""
 
 from __future__ import annotations
 
 import math
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,11 +45,6 @@ def format_result(r: Result) -> str:
     if r.ceiling:
         lines.append("  " + describe(r.ceiling))
     return "\n".join(lines)
-
-
-def timestamp() -> str:
-    """Now in UTC, e.g. 20261130T002618Z."""
-    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 def plot_sweep(series: dict[str, Sequence[Result]], path: Path, title: str = "") -> Path | None:
