@@ -47,18 +47,9 @@ def _data(event: bytes) -> str | None:
 
 def _piece_of(choice: dict[str, Any]) -> str:
     """The text a streamed choice carries (completions: text; chat: delta content/reasoning/tools)."""
-    text = choice.get("text")
-    if text:
-        return text
-    delta = choice.get("delta")
-    if not delta:
-        return ""
-    content = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
-    if content:
-        return content
-    if delta.get("tool_calls"):
-        return json.dumps(delta["tool_calls"])
-    return ""
+    delta = choice.get("delta") or {}
+    text = choice.get("text") or delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+    return text or (json.dumps(delta["tool_calls"]) if delta.get("tool_calls") else "")
 
 
 class StreamAccumulator:
@@ -100,8 +91,7 @@ class StreamAccumulator:
         return False
 
     def _done(self, now: float) -> bool:
-        self.done = True
-        self.done_at = now
+        self.done, self.done_at = True, now
         return True
 
     def _take_choices(self, choices: Iterable[dict[str, Any]], now: float) -> None:
