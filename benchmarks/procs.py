@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,14 @@ def _die_with_parent() -> None:
 _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # resolved here, not in the forked child (Linux only)
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 class Proc:
     """A child process in a session of its own (so its engine-core children can be found and stopped)."""
 
@@ -142,13 +150,6 @@ class Proc:
                 await asyncio.sleep(1)
         raise RuntimeError(f"{self.name} did not start in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}")
 
-    def _group_alive(self, pgid: int) -> bool:
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
-
     def stop(self, timeout_s: float = 30) -> None:
         """SIGTERM to the server (it stops its engine), then SIGKILL to what is left of its group."""
         if self.process is None or self._stopped:
@@ -161,16 +162,14 @@ class Proc:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 log(f"{self.name} ignored SIGTERM for {timeout_s:.0f} s: killing its process group")
-        deadline = time.monotonic() + 15
-        while self._group_alive(pgid) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 15  # its engine core and workers leave after it: give them time
+        while _group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.5)
-        if self._group_alive(pgid):
+        if _group_alive(pgid):
             os.killpg(pgid, signal.SIGKILL)
         if self.process.poll() is None:
             self.process.wait(timeout=10)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        self._log.close()
         log(f"{self.name} stopped")
 
     def cpu_seconds(self, front_only: bool = False) -> float | None:
@@ -185,9 +184,20 @@ class Proc:
             return None
         total = 0.0
         for proc in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
+            with contextlib.suppress(psutil.NoSuchProcess):  # a child gone meanwhile
                 total += sum(proc.cpu_times()[:2])
         return total
+
+
+def answer_on(fd: int | None) -> Callable[[dict[str, Any]], None]:
+    """How a Controlled child answers: a JSON line per answer on descriptor `fd` (`--answer-fd`), flushed."""
+    out = os.fdopen(fd, "w") if fd is not None else sys.stdout
+
+    def answer(item: dict[str, Any]) -> None:
+        out.write(json.dumps(item) + "\n")
+        out.flush()
+
+    return answer
 
 
 class Controlled:
