@@ -1,9 +1,4 @@
 """The gateway app's own CPU per request, in process: hand-made ASGI messages, no sockets, no client.
-
-    python -m benchmarks.app_cost [--scenario non-stream|stream|cache-hit|models] [--concurrency 16]
-                                  [--requests 20000] [--bare] [--without log metrics keys cache tokenizer]
-                                  [--profile out.pstats]
-
 The app is the gateway on the echo engine as the race's echo part deploys it (or `--bare`);
 `--without` switches parts off to see what each costs. No vllm import.
 """

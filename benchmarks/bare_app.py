@@ -1,8 +1,6 @@
 """The stack's limit: a bare Starlette + uvicorn app answering every completion at once (the race's
 `bare` target): it parses the JSON body and answers `max_tokens` words, plain or streamed, with no
-validation, middleware, logs or metrics.
-
-    python -m benchmarks.bare_app --port 8200
+validation, middleware, logs or metrics. `python -m benchmarks.bare_app --port 8200`
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """The gateway on the test double of the engine (`tests.fakes.FakeEngine`, the one echo engine of
-the tests and the benchmarks): what the gateway itself costs, with no model.
-
-    python -m benchmarks.echo_engine --port 8100 [--token-delay 0] [--lag-probe]
+the tests and the benchmarks): what the gateway itself costs, with no model (benchmarks/README.md).
 """
 
 from __future__ import annotations

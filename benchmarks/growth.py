@@ -1,11 +1,6 @@
 """How the gateway's cost grows with the work: prompt length, open idle streams, cached entries,
-memory over a soak (benchmarks/README.md, "Growth"), and its markdown tables.
-
-    python -m benchmarks.growth                      # small sizes, a few minutes, the echo engine
-    python -m benchmarks.growth --full               # 128 -> 4,096 tokens, 1,000 streams, 10,000 entries, 100,000 requests
-    python -m benchmarks.growth --parts prompt --engine real [--eager]   # prompt lengths on the real engine
-
-Writes benchmarks/results/growth-<time>.json and prints a markdown summary.
+memory over a soak (benchmarks/README.md, "Growth"), and its markdown tables. Writes
+benchmarks/results/growth-<time>.json and prints the tables.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The race (benchmarks/README.md, "The race"): the gateway against vLLM's own server and the engine
 alone, each ratio beside its A/A twin, with our client or `vllm bench serve` (`--client vllm`); then
 the gateway on the echo engine against the bare app (`--parts echo`). Numbers and tables: race_report.py.
-
-    python -m benchmarks.race [--repeats 3] [--concurrency 1 4 16 64] [--eager] [--client ours|vllm]
-                              [--parts gateway vllm engine echo] [--no-aa] [--write-results-md]
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The design's deployment targets (TTFT p99 < 500 ms above 50 requests/s, memory <= 80%) checked on
-this hardware (`make targets`; benchmarks/README.md, "The deployment targets", says how).
-
-    python -m benchmarks.targets [--eager] [--rate 55] [--duration 60] [-- gateway serve flags...]
-
-Exit status 0 only when all targets are met; JSON in benchmarks/results/. Memory is judged on the
-pod's cgroup (v2 `memory.current` ÷ `memory.max`) when it has a limit, else on the gateway's
-processes' RSS ÷ the machine's memory; the machine's use, vLLM's KV-cache use and GPU memory beside.
+this hardware (`make targets`; benchmarks/README.md, "The deployment targets", says how). Exit
+status 0 only when all targets are met; JSON in benchmarks/results/. Memory is judged on the pod's
+cgroup (v2 `memory.current` ÷ `memory.max`) when it has a limit, else on the gateway's processes'
+RSS ÷ the machine's memory; the machine's use, vLLM's KV-cache use and GPU memory beside.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """A load generator for any OpenAI-compatible server: `python -m benchmarks.loadgen`, or
-`await run_load(LoadConfig(...)) -> Result` (benchmarks/README.md says what it measures).
-
-Modules, in the order a request flows: config (LoadConfig), prompts (the workload, sized with the
-server's tokenizer), runner (run_load, run_sweep, run_async), client + sse + wire (the HTTP client),
-ceiling (the same load against the instant endpoint), results (records, Result, Stats), report (the
-summary, the plot), cli.
+`await run_load(LoadConfig(...)) -> Result` (benchmarks/README.md says what it measures and which
+module does what).
 """
 
 from benchmarks.loadgen import ceiling
