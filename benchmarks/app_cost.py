@@ -1,9 +1,4 @@
 """The gateway app's own CPU per request, in process: hand-made ASGI messages, no sockets, no client.
-
-    python -m benchmarks.app_cost [--scenario non-stream|stream|cache-hit|models] [--concurrency 16]
-                                  [--requests 20000] [--bare] [--without log metrics keys cache tokenizer]
-                                  [--profile out.pstats]
-
 The app is the gateway on the echo engine as the race's echo part deploys it (or `--bare`);
 `--without` switches parts off to see what each costs. No vllm import.
 """
@@ -62,7 +57,7 @@ def switch_off(without: set[str]) -> None:
         fakes.FakeTokenizer.encode = lambda self, text, add_special_tokens=True: [100] * 128  # type: ignore[method-assign]
 
 
-def make_app(bare: bool, without: set[str], log_path: str) -> Any:
+def make_app(bare: bool, without: set[str]) -> Any:
     os.environ.update(environment(without))
     from benchmarks.bare_app import create_bare_app
     from benchmarks.echo_engine import create_echo_app, echo_engine
@@ -73,7 +68,7 @@ def make_app(bare: bool, without: set[str], log_path: str) -> Any:
         return create_bare_app(NAME)
     settings = Settings(warmup=False)
     configure(settings.log_level, settings.log_format)
-    logging.getLogger().handlers[0].setStream(open(log_path, "w"))  # noqa: SIM115 - lives as long as the process
+    logging.getLogger().handlers[0].setStream(open(os.devnull, "w"))  # noqa: SIM115 - formatted, then dropped
     switch_off(without)
     return create_echo_app(settings, echo_engine(NAME))
 
@@ -158,11 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bare", action="store_true", help="the bare Starlette app instead of the gateway")
     p.add_argument("--without", nargs="*", choices=PARTS, default=[], help="parts of the gateway switched off")
     p.add_argument("--profile", help="write cProfile statistics of the measured part here")
-    p.add_argument("--log", default=os.devnull, help="where the gateway's log lines go (default: nowhere)")
     args = p.parse_args(argv)
     import uvloop
 
-    app = make_app(args.bare, set(args.without), args.log)
+    app = make_app(args.bare, set(args.without))
     result = uvloop.run(measure(app, args.scenario, args.requests, args.concurrency, args.profile))
     what = "bare" if args.bare else "gateway" + (f" without {', '.join(args.without)}" if args.without else "")
     print(f"{what}, {args.scenario}, concurrency {args.concurrency}: {result['req_s']:.0f} req/s, "

@@ -1,8 +1,6 @@
 """The stack's limit: a bare Starlette + uvicorn app answering every completion at once (the race's
 `bare` target): it parses the JSON body and answers `max_tokens` words, plain or streamed, with no
-validation, middleware, logs or metrics.
-
-    python -m benchmarks.bare_app --port 8200
+validation, middleware, logs or metrics. `python -m benchmarks.bare_app --port 8200`
 """
 
 from __future__ import annotations
@@ -25,14 +23,8 @@ WORD = " bare"
 _ids = itertools.count()
 
 
-def _max_tokens(body: dict[str, Any]) -> int:
-    value = body.get("max_tokens") or body.get("max_completion_tokens") or 16
-    return max(1, int(value))
-
-
 def _usage(body: dict[str, Any], tokens: int) -> dict[str, int]:
-    prompt = body.get("prompt") or body.get("messages") or ""
-    prompt_tokens = len(str(prompt).split())
+    prompt_tokens = len(str(body.get("prompt") or body.get("messages") or "").split())
     return {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
 
 
@@ -52,8 +44,7 @@ async def _chunks(body: dict[str, Any], chat: bool, tokens: int) -> AsyncIterato
     head = {"id": f"bare-{next(_ids)}", "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": body.get("model") or NAME}
     for step in range(tokens):
-        last = step == tokens - 1
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if step == tokens - 1 else None}
         choice.update({"delta": {"content": WORD}} if chat else {"text": WORD})
         yield b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
     if (body.get("stream_options") or {}).get("include_usage"):
@@ -64,7 +55,7 @@ async def _chunks(body: dict[str, Any], chat: bool, tokens: int) -> AsyncIterato
 def _completion_route(chat: bool) -> Any:
     async def endpoint(request: Request) -> Response:
         body = orjson.loads(await request.body())
-        tokens = _max_tokens(body)
+        tokens = max(1, int(body.get("max_tokens") or body.get("max_completion_tokens") or 16))
         if body.get("stream"):
             return StreamingResponse(_chunks(body, chat, tokens), media_type="text/event-stream")
         return Response(orjson.dumps(_answer(body, chat, tokens)), media_type="application/json")
@@ -72,23 +63,19 @@ def _completion_route(chat: bool) -> Any:
     return endpoint
 
 
-async def models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [{"id": request.app.state.name, "object": "model", "owned_by": "bench"}]})
-
-
-async def health(request: Request) -> Response:
-    return Response(b"{}", media_type="application/json")
-
-
 def create_bare_app(name: str = NAME) -> Starlette:
-    app = Starlette(routes=[
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "bench"}]})
+
+    async def health(request: Request) -> Response:
+        return Response(b"{}", media_type="application/json")
+
+    return Starlette(routes=[
         Route("/v1/completions", _completion_route(chat=False), methods=["POST"]),
         Route("/v1/chat/completions", _completion_route(chat=True), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ])
-    app.state.name = name
-    return app
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,18 +1,12 @@
 """The gateway on the test double of the engine (`tests.fakes.FakeEngine`, the one echo engine of
-the tests and the benchmarks): what the gateway itself costs, with no model.
-
-    python -m benchmarks.echo_engine --port 8100 [--token-delay 0] [--lag-probe]
+the tests and the benchmarks): what the gateway itself costs, with no model (benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # `python benchmarks/echo_engine.py`: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.fakes import FakeEngine
 

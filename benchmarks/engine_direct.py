@@ -3,8 +3,9 @@
     python -m benchmarks.engine_direct --plan plan.json [--answer-fd N]   # as race.py starts it
 
 It answers `{"ready": seconds}`, then takes JSON lines on stdin, `{"sessions": "file"}` (answered
-`{"warm": true}`) and `{"run": N}` (answered `{"key": ..., "result": ...}`) on descriptor N. Requests are tokenized here, submitted in DELTA mode and timed as the load
-generator times a stream. The engine core starts with `spawn`, hence the main guard.
+`{"warm": true}`) and `{"run": N}` (answered `{"key": ..., "result": ...}`) on descriptor N. Requests
+are tokenized here, submitted in DELTA mode and timed as the load generator times a stream. The
+engine core starts with `spawn`, hence the main guard.
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.loadgen import LoadConfig, RequestRecord, Result, Session, aggregate, request_body
+from benchmarks.procs import answer_on
 
 
 def start_engine(engine: dict[str, Any]) -> Any:
@@ -81,11 +80,9 @@ class Driver:
                 if out.finished:
                     record.input_tokens = len(out.prompt_token_ids or ())
                     record.cached_tokens = out.num_cached_tokens or 0
-            ended = time.perf_counter()
-            record.e2e = ended - started
+            record.e2e = time.perf_counter() - started
             record.ttft = (first - started) if first is not None else record.e2e
-            record.usage_reported = True
-            record.ok = True
+            record.usage_reported = record.ok = True
         except asyncio.CancelledError:
             record.cancelled = True
             raise
@@ -117,11 +114,6 @@ def sessions_of(items: list[dict[str, Any]]) -> list[Session]:
     return [Session(**item) for item in items]
 
 
-async def _warm_up(driver: Driver, plan: dict[str, Any]) -> None:
-    for warm in plan.get("warmup", []):
-        await driver.run(sessions_of(warm["sessions"]), warm["concurrency"], "warmup")
-
-
 async def serve_plan(plan: dict[str, Any], commands: Any, answer: Any, log=print) -> None:
     """Runs on command, one JSON line each: {"sessions": path} reads the warm-up and runs from a
     plan file and warms up (answer {"warm": true}); {"run": N} runs runs[N]. EOF or an empty line ends."""
@@ -131,12 +123,13 @@ async def serve_plan(plan: dict[str, Any], commands: Any, answer: Any, log=print
     log(f"engine ready in {time.perf_counter() - started:.0f} s")
     try:
         answer({"ready": time.perf_counter() - started})
-        runs = plan.get("runs", [])
+        runs: list[dict[str, Any]] = []
         while line := (await asyncio.to_thread(commands.readline)).strip():
             command = json.loads(line)
             if "sessions" in command:
-                sessions = json.loads(Path(command["sessions"]).read_text())
-                await _warm_up(driver, sessions)
+                sessions = json.loads(await asyncio.to_thread(Path(command["sessions"]).read_text))
+                for warm in sessions["warmup"]:
+                    await driver.run(sessions_of(warm["sessions"]), warm["concurrency"], "warmup")
                 runs = sessions["runs"]
                 answer({"warm": True})
             else:
@@ -152,16 +145,10 @@ async def serve_plan(plan: dict[str, Any], commands: Any, answer: Any, log=print
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Drive vLLM's AsyncLLM in-process with a race plan (no HTTP), on command")
     p.add_argument("--plan", type=Path, required=True)
-    p.add_argument("--answer-fd", type=int, default=1, help="where the JSON lines go")
+    p.add_argument("--answer-fd", type=int, help="where the JSON lines go (default stdout)")
     args = p.parse_args(argv)
     plan = json.loads(args.plan.read_text())
-    with open(args.answer_fd, "w", closefd=args.answer_fd > 2) as answers:
-
-        def answer(item: dict[str, Any]) -> None:
-            answers.write(json.dumps(item) + "\n")
-            answers.flush()
-
-        asyncio.run(serve_plan(plan, sys.stdin, answer, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    asyncio.run(serve_plan(plan, sys.stdin, answer_on(args.answer_fd), log=lambda m: print(m, file=sys.stderr, flush=True)))
     return 0
 
 

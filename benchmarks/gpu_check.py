@@ -1,7 +1,5 @@
 """`make gpu-check`: the GPU path run for real, on a machine with an NVIDIA GPU.
 
-    python3 -m benchmarks.gpu_check [--dry-run] [--results-dir DIR]
-
 Installs the `gpu` extra into .venv-gpu, prepares the model, runs the integration suite and the
 race there, and writes REPORT.md under benchmarks/results/gpu-check-<time>/. Without a GPU it
 prints what it would do and exits 0. Standard library only: it runs before any venv exists.

@@ -1,41 +1,35 @@
 """How the gateway's cost grows with the work: prompt length, open idle streams, cached entries,
-memory over a soak (benchmarks/README.md, "Growth"), and its markdown tables.
-
-    python -m benchmarks.growth                      # small sizes, a few minutes, the echo engine
-    python -m benchmarks.growth --full               # 128 -> 4,096 tokens, 1,000 streams, 10,000 entries, 100,000 requests
-    python -m benchmarks.growth --parts prompt --engine real [--eager]   # prompt lengths on the real engine
-
-Writes benchmarks/results/growth-<time>.json and prints a markdown summary.
+memory over a soak (benchmarks/README.md, "Growth"), and its markdown tables. Writes
+benchmarks/results/growth-<time>.json and prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import contextlib
-
 import httpx
 import psutil
 
-from benchmarks import loadgen
+from benchmarks import loadgen, procs
 from benchmarks.loadgen import LoadConfig, Result
-from benchmarks.procs import REPO, STARTED, Proc, free_port, log, machine, versions
+from benchmarks.procs import REPO, Proc, free_port, log
 
 PARTS = ("prompt", "streams", "cache", "soak")
 SMALL = {"lengths": [128, 512, 1024], "streams": 200, "cache_entries": 2000, "soak_requests": 20000}
 FULL = {"lengths": [128, 256, 512, 1024, 2048, 4096], "streams": 1000, "cache_entries": 10000, "soak_requests": 100000}
 MODEL = "growth"
+RESULTS = REPO / "benchmarks" / "results"
+STREAM_TOKEN_DELAY_S, STREAM_TOKENS, STREAM_RAMP_S = 1.0, 15, 4.0  # a held stream: one token a second for 15 s
+CACHE_ANSWER_TOKENS, HIT_REQUESTS = 64, 300  # tokens per cached answer; hits timed, one at a time
+SOAK_CACHE_ENTRIES = 10_000  # the soak's cache bound (the gateway's default)
 QUIET = {"GATEWAY_WARMUP": "false", "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CACHE__BACKEND": "off"}
 
 
@@ -84,7 +78,7 @@ async def part_prompt(args: argparse.Namespace, logs: Path) -> list[dict[str, An
             for mode in ("random", "shared-prefix"):
                 shared = mode == "shared-prefix"
                 cfg = config(server, prompts=mode, input_tokens=32 if shared else length, prefix_tokens=max(1, length - 32),
-                             concurrency=args.prompt_concurrency, num_requests=args.prompt_requests, output_tokens=16,
+                             concurrency=4, num_requests=32 if real else 500, output_tokens=16,
                              stream=True, tokenizer="auto", warmup_requests=2, seed=length)
                 cpu = server.cpu_seconds(front_only=True) or 0.0
                 result = await loadgen.run_load(cfg)
@@ -116,7 +110,7 @@ async def _lag(server: Proc) -> dict[str, Any]:
 
 
 async def part_streams(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
-    n, delay, tokens = args.streams, args.stream_token_delay, args.stream_tokens
+    n, delay, tokens, ramp = args.streams, STREAM_TOKEN_DELAY_S, STREAM_TOKENS, STREAM_RAMP_S
     env = {**QUIET, "GATEWAY_ADMISSION__MAX_RUNNING": str(n + 100), "GATEWAY_ADMISSION__MAX_WAITING": str(n + 100)}
     server = await start_server("streams", logs, env, "--token-delay", str(delay), "--lag-probe")
     try:
@@ -130,9 +124,9 @@ async def part_streams(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         started = time.perf_counter()
         cfg = config(server, concurrency=n, num_requests=n, output_tokens=tokens, input_tokens=16, stream=True)
         load = asyncio.create_task(loadgen.run_load(cfg))
-        await asyncio.sleep(args.stream_ramp)
+        await asyncio.sleep(ramp)
         await _lag(server)  # from here on: all streams open
-        await asyncio.sleep(max(0.5, tokens * delay - args.stream_ramp - 2 * delay))
+        await asyncio.sleep(max(0.5, tokens * delay - ramp - 2 * delay))
         held_lag = await _lag(server)
         held_until = time.perf_counter()
         result = await load
@@ -140,7 +134,7 @@ async def part_streams(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         await sampler
     finally:
         server.stop()
-    held = [s for s in samples if started + args.stream_ramp <= s["t"] <= held_until] or samples
+    held = [s for s in samples if started + ramp <= s["t"] <= held_until] or samples
     peak = max(s["rss"] for s in held)
     health = sorted(s["health_ms"] for s in held)
     return {"streams": n, "token_delay_s": delay, "tokens": tokens, "rss_before_mib": base / 2**20, "rss_held_mib": peak / 2**20,
@@ -155,12 +149,12 @@ async def part_cache(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
            "GATEWAY_CACHE__MAX_BYTES": str(4 * 2**30)}
     server = await start_server("cache", logs, env)
     try:
-        fill = config(server, concurrency=16, num_requests=n, output_tokens=args.cache_output_tokens, stream=False,
+        fill = config(server, concurrency=16, num_requests=n, output_tokens=CACHE_ANSWER_TOKENS, stream=False,
                       input_tokens=128, seed=1)
         few = dataclasses.replace(fill, num_requests=10, seed=2)
         few_sessions = await loadgen.build_sessions(few, 10, None)
         await loadgen.run_load(few, sessions=few_sessions)
-        hit = dict(concurrency=1, num_requests=args.hit_requests)
+        hit = dict(concurrency=1, num_requests=HIT_REQUESTS)
         small = await loadgen.run_load(dataclasses.replace(few, **hit), sessions=few_sessions)
         await asyncio.sleep(1)
         before = rss(server)
@@ -168,16 +162,16 @@ async def part_cache(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         filled = await loadgen.run_load(fill, sessions=sessions)
         await asyncio.sleep(1)
         after = rss(server)
-        full = await loadgen.run_load(dataclasses.replace(fill, **hit), sessions=sessions[: args.hit_requests])
+        full = await loadgen.run_load(dataclasses.replace(fill, **hit), sessions=sessions[:HIT_REQUESTS])
     finally:
         server.stop()
-    return {"entries": n, "answer_tokens": args.cache_output_tokens, "rss_before_mib": before / 2**20,
+    return {"entries": n, "answer_tokens": CACHE_ANSWER_TOKENS, "rss_before_mib": before / 2**20,
             "rss_after_mib": after / 2**20, "bytes_per_entry": (after - before) / n, "fill": summary(filled),
             "hit_nearly_empty": summary(small), "hit_full": summary(full)}
 
 
 async def part_soak(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
-    total, bound_entries = args.soak_requests, args.soak_cache_entries
+    total, bound_entries = args.soak_requests, SOAK_CACHE_ENTRIES
     env = {**QUIET, "GATEWAY_CACHE__BACKEND": "memory", "GATEWAY_CACHE__MAX_ENTRIES": str(bound_entries),
            "GATEWAY_LOG_LEVEL": "info", "GATEWAY_LOG_FORMAT": "json"}
     server = await start_server("soak", logs, env)
@@ -276,24 +270,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["echo", "real"], default="echo", help="the prompt part's engine")
     p.add_argument("--eager", action="store_true", help="--engine real: --enforce-eager (quick start)")
     p.add_argument("--lengths", type=int, nargs="+", help=f"prompt lengths in tokens (default {SMALL['lengths']})")
-    p.add_argument("--prompt-concurrency", type=int, default=4)
-    p.add_argument("--prompt-requests", type=int, help="requests per prompt length and kind (default 500 echo, 32 real)")
     p.add_argument("--streams", type=int, help=f"streams held open (default {SMALL['streams']})")
-    p.add_argument("--stream-token-delay", type=float, default=1.0, help="seconds between a held stream's tokens")
-    p.add_argument("--stream-tokens", type=int, default=15, help="tokens per held stream")
-    p.add_argument("--stream-ramp", type=float, default=4.0, help="seconds allowed for all streams to open")
     p.add_argument("--cache-entries", type=int, help=f"distinct cached answers (default {SMALL['cache_entries']})")
-    p.add_argument("--cache-output-tokens", type=int, default=64, help="tokens per cached answer")
-    p.add_argument("--hit-requests", type=int, default=300, help="hits timed, one at a time")
     p.add_argument("--soak-requests", type=int, help=f"requests of the soak (default {SMALL['soak_requests']})")
-    p.add_argument("--soak-cache-entries", type=int, default=10_000, help="the soak's cache bound (the gateway's default)")
-    p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
     return p
 
 
 async def run(args: argparse.Namespace, document: dict[str, Any]) -> None:
     logs = Path(document["logs"])
-    logs.mkdir(parents=True, exist_ok=True)
     parts = {"prompt": part_prompt, "streams": part_streams, "cache": part_cache, "soak": part_soak}
     for name in args.parts:
         log(f"growth: {name}")
@@ -307,22 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("lengths", "streams", "cache_entries", "soak_requests"):
         if getattr(args, key) is None:
             setattr(args, key, sizes[key])
-    if args.prompt_requests is None:
-        args.prompt_requests = 32 if args.engine == "real" else 500
-    stamp = loadgen.timestamp()
-    document: dict[str, Any] = {"tool": "benchmarks.growth", "started": stamp, "machine": machine(), "versions": versions(),
-                                "command": shlex.join(["python", "-m", "benchmarks.growth", *argv]),
-                                "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                                "logs": str(args.results_dir / f"growth-{stamp}-logs")}
-    code = 0
-    try:
-        loadgen.run_async(run(args, document))
-    except KeyboardInterrupt:
-        document["error"], code = "interrupted", 130
-    finally:
-        for proc in reversed(STARTED):
-            proc.stop()
-    out = args.results_dir / f"growth-{stamp}.json"
+    document = procs.new_document("growth", argv, args, RESULTS)
+    code = procs.run_to_end(run(args, document), document)
+    out = RESULTS / f"growth-{document['started']}.json"
     out.write_text(json.dumps(document, indent=2))
     print(markdown(document))
     log(f"results: {out}")

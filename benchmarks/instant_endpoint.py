@@ -1,27 +1,23 @@
 """The instant endpoint: an OpenAI-compatible server that costs nearly nothing (a raw uvloop protocol
 with httptools, canned answers built once per shape), so that a client's rate against it is the
-client's own limit (`benchmarks.loadgen.ceiling`).
-
-    python -m benchmarks.instant_endpoint --port 8300 [--name bare] [--paced]
-
-POST /v1/completions and /v1/chat/completions (plain, or streamed: one chunk per token, all written
-at once unless --paced), GET /v1/models, GET /health; anything else 404. No vllm or gateway import.
+client's own limit (`benchmarks.loadgen.ceiling`). POST /v1/completions and /v1/chat/completions
+(plain, or streamed: one chunk per token, all written at once unless --paced), GET /v1/models, GET
+/health; anything else 404. No vllm or gateway import.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httptools
 import orjson
-
-if __package__ in (None, ""):  # `python benchmarks/instant_endpoint.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import uvloop
 
 NAME = "bare"
 WORD = " bare"
@@ -62,57 +58,50 @@ def _usage(prompt: int, tokens: int) -> dict[str, int]:
 
 DONE = _event(b"[DONE]") + b"0\r\n\r\n"
 
+# The canned answers, built on first use per shape (chat, tokens, model) and kept.
 
-class Canned:
-    """The answers of one served model name, built on first use per shape (chat, tokens, model) and kept."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.plain: dict[tuple[bool, int, str], tuple[bytes, bytes]] = {}  # before and after the usage
-        self.streams: dict[tuple[bool, int, str], list[bytes]] = {}
-        self.models = orjson.dumps({"object": "list", "data": [{"id": name, "object": "model", "created": CREATED,
-                                                                "owned_by": "bench"}]})
+@functools.cache
+def _models(name: str) -> bytes:
+    return orjson.dumps({"object": "list", "data": [{"id": name, "object": "model", "created": CREATED, "owned_by": "bench"}]})
 
-    def answer(self, chat: bool, tokens: int, model: str, prompt: int) -> bytes:
-        """A non-streamed completion (JSON), its usage filled in."""
-        parts = self.plain.get((chat, tokens, model))
-        if parts is None:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-            choice.update({"message": {"role": "assistant", "content": WORD * tokens}} if chat else {"text": WORD * tokens})
-            doc = {"id": "instant-0", "object": "chat.completion" if chat else "text_completion",
-                   "created": CREATED, "model": model, "choices": [choice], "usage": None}
-            before, _, after = orjson.dumps(doc).rpartition(b"null")
-            parts = self.plain[(chat, tokens, model)] = (before, after)
-        return parts[0] + orjson.dumps(_usage(prompt, tokens)) + parts[1]
 
-    def stream(self, chat: bool, tokens: int, model: str) -> list[bytes]:
-        """The events of a streamed completion (each one chunk), without the usage and [DONE]."""
-        events = self.streams.get((chat, tokens, model))
-        if events is None:
-            head = {"id": "instant-0", "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": CREATED, "model": model}
-            events = self.streams[(chat, tokens, model)] = []
-            for step in range(tokens):
-                choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if step == tokens - 1 else None}
-                if chat:
-                    choice["delta"] = {"role": "assistant", "content": WORD} if step == 0 else {"content": WORD}
-                else:
-                    choice["text"] = WORD
-                events.append(_event({**head, "choices": [choice]}))
-        return events
+@functools.cache
+def _plain(chat: bool, tokens: int, model: str) -> tuple[bytes, bytes]:
+    """A non-streamed completion's JSON, cut where its usage goes."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+    choice.update({"message": {"role": "assistant", "content": WORD * tokens}} if chat else {"text": WORD * tokens})
+    doc = {"id": "instant-0", "object": "chat.completion" if chat else "text_completion", "created": CREATED,
+           "model": model, "choices": [choice], "usage": None}
+    before, _, after = orjson.dumps(doc).rpartition(b"null")
+    return before, after
 
-    def usage_event(self, chat: bool, model: str, prompt: int, tokens: int) -> bytes:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        return _event({"id": "instant-0", "object": obj, "created": CREATED, "model": model, "choices": [],
-                       "usage": _usage(prompt, tokens)})
+
+def _head_of_chunk(chat: bool, model: str) -> dict[str, Any]:
+    return {"id": "instant-0", "object": "chat.completion.chunk" if chat else "text_completion", "created": CREATED,
+            "model": model}
+
+
+@functools.cache
+def _stream(chat: bool, tokens: int, model: str) -> tuple[bytes, ...]:
+    """The events of a streamed completion (each one chunk), without the usage and [DONE]."""
+    events = []
+    for step in range(tokens):
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if step == tokens - 1 else None}
+        if chat:
+            choice["delta"] = {"role": "assistant", "content": WORD} if step == 0 else {"content": WORD}
+        else:
+            choice["text"] = WORD
+        events.append(_event({**_head_of_chunk(chat, model), "choices": [choice]}))
+    return tuple(events)
 
 
 class InstantProtocol(asyncio.Protocol):
     """One connection: httptools parses, each request is answered as it completes (the load
     generator's clients send one request at a time on a connection)."""
 
-    def __init__(self, canned: Canned, paced: bool) -> None:
-        self.canned, self.paced = canned, paced
+    def __init__(self, name: str, paced: bool) -> None:
+        self.name, self.paced = name, paced
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
@@ -142,7 +131,7 @@ class InstantProtocol(asyncio.Protocol):
         if method == b"POST" and path in (CHAT, b"/v1/completions"):
             parts = self._complete(path == CHAT, b"".join(self.body), keep_alive)
         elif method == b"GET" and path in (b"/v1/models", b"/health"):
-            parts = [_whole("200 OK", self.canned.models if path == b"/v1/models" else b"{}", keep_alive)]
+            parts = [_whole("200 OK", _models(self.name) if path == b"/v1/models" else b"{}", keep_alive)]
         else:
             parts = [_error("404 Not Found", f"no route {method.decode()} {path.decode(errors='replace')}", keep_alive)]
         self._write(parts, close=not keep_alive)
@@ -153,13 +142,14 @@ class InstantProtocol(asyncio.Protocol):
             tokens = max(1, int(body.get("max_tokens") or body.get("max_completion_tokens") or 16))
         except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
             return [_error("400 Bad Request", "the body is not a JSON object with an integer max_tokens", keep_alive)]
-        model = body["model"] if isinstance(body.get("model"), str) else self.canned.name
-        prompt = _prompt_tokens(body)
+        model = body["model"] if isinstance(body.get("model"), str) else self.name
+        usage = _usage(_prompt_tokens(body), tokens)
         if not body.get("stream"):
-            return [_whole("200 OK", self.canned.answer(chat, tokens, model, prompt), keep_alive)]
-        parts = [_head("200 OK", "text/event-stream", None, keep_alive), *self.canned.stream(chat, tokens, model)]
+            before, after = _plain(chat, tokens, model)
+            return [_whole("200 OK", before + orjson.dumps(usage) + after, keep_alive)]
+        parts = [_head("200 OK", "text/event-stream", None, keep_alive), *_stream(chat, tokens, model)]
         if (body.get("stream_options") or {}).get("include_usage"):
-            parts.append(self.canned.usage_event(chat, model, prompt, tokens))
+            parts.append(_event({**_head_of_chunk(chat, model), "choices": [], "usage": usage}))
         return [*parts, DONE]
 
     def _write(self, parts: list[bytes], close: bool) -> None:
@@ -179,14 +169,11 @@ class InstantProtocol(asyncio.Protocol):
 
 async def serve(host: str = "127.0.0.1", port: int = 0, name: str = NAME, paced: bool = False) -> asyncio.Server:
     """Start listening in the running loop; the port is `server.sockets[0].getsockname()[1]`."""
-    canned = Canned(name)
-    loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: InstantProtocol(canned, paced), host, port, backlog=4096)
+    return await asyncio.get_running_loop().create_server(lambda: InstantProtocol(name, paced), host, port, backlog=4096)
 
 
-async def _main(host: str, port: int, name: str, paced: bool) -> None:
-    server = await serve(host, port, name, paced)
-    async with server:
+async def _serve_forever(args: argparse.Namespace) -> None:
+    async with await serve(args.host, args.port, args.name, args.paced) as server:
         await server.serve_forever()
 
 
@@ -195,16 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--name", default=NAME, help="served model name")
-    p.add_argument("--paced", action="store_true",
-                   help="write a stream's events one per turn of the loop (as a server generating them does), "
-                        "not all at once")
-    args = p.parse_args(argv)
-    try:
-        import uvloop
-
-        uvloop.run(_main(args.host, args.port, args.name, args.paced))
-    except KeyboardInterrupt:
-        pass
+    p.add_argument("--paced", action="store_true", help="a stream's events one per turn of the loop, not all at once")
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(_serve_forever(p.parse_args(argv)))
     return 0
 
 

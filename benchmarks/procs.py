@@ -3,6 +3,7 @@ whatever happens) and what it notes of the machine they share."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -16,7 +17,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,44 @@ GIB = 1024**3
 
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def timestamp() -> str:
+    """Now in UTC, e.g. 20261130T002618Z: the name of a run's result files."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def new_document(tool: str, argv: list[str], args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
+    """The JSON document of one command (race, growth, targets): what ran, on what; its logs folder made."""
+    stamp = timestamp()
+    logs = results_dir / f"{tool}-{stamp}-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return {"tool": f"benchmarks.{tool}", "started": stamp, "command": shlex.join(["python", "-m", f"benchmarks.{tool}", *argv]),
+            "machine": machine(), "versions": versions(), "logs": str(logs),
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+
+def run_to_end(work: Coroutine[Any, Any, None], document: dict[str, Any]) -> int:
+    """Runs `work`, which fills `document` as it goes (so an interrupted run keeps what it measured);
+    every process started is stopped whatever happens. Exit status 0, 130 when interrupted (Ctrl-C,
+    SIGTERM), 1 after an error (kept in the document)."""
+    from benchmarks.loadgen import run_async  # loadgen imports this module
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM unwinds like Ctrl-C
+    try:
+        run_async(work)
+        return 0
+    except KeyboardInterrupt:
+        log("interrupted")
+        document["error"] = "interrupted"
+        return 130
+    except Exception as exc:
+        log(f"failed: {traceback.format_exc()}")
+        document["error"] = f"{exc.__class__.__name__}: {str(exc)[:2000]}"
+        return 1
+    finally:
+        for proc in reversed(STARTED):
+            proc.stop()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -50,6 +90,14 @@ def _die_with_parent() -> None:
 
 
 _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # resolved here, not in the forked child (Linux only)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 class Proc:
@@ -102,13 +150,6 @@ class Proc:
                 await asyncio.sleep(1)
         raise RuntimeError(f"{self.name} did not start in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}")
 
-    def _group_alive(self, pgid: int) -> bool:
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
-
     def stop(self, timeout_s: float = 30) -> None:
         """SIGTERM to the server (it stops its engine), then SIGKILL to what is left of its group."""
         if self.process is None or self._stopped:
@@ -121,16 +162,14 @@ class Proc:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 log(f"{self.name} ignored SIGTERM for {timeout_s:.0f} s: killing its process group")
-        deadline = time.monotonic() + 15
-        while self._group_alive(pgid) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 15  # its engine core and workers leave after it: give them time
+        while _group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.5)
-        if self._group_alive(pgid):
+        if _group_alive(pgid):
             os.killpg(pgid, signal.SIGKILL)
         if self.process.poll() is None:
             self.process.wait(timeout=10)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        self._log.close()
         log(f"{self.name} stopped")
 
     def cpu_seconds(self, front_only: bool = False) -> float | None:
@@ -145,9 +184,20 @@ class Proc:
             return None
         total = 0.0
         for proc in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
+            with contextlib.suppress(psutil.NoSuchProcess):  # a child gone meanwhile
                 total += sum(proc.cpu_times()[:2])
         return total
+
+
+def answer_on(fd: int | None) -> Callable[[dict[str, Any]], None]:
+    """How a Controlled child answers: a JSON line per answer on descriptor `fd` (`--answer-fd`), flushed."""
+    out = os.fdopen(fd, "w") if fd is not None else sys.stdout
+
+    def answer(item: dict[str, Any]) -> None:
+        out.write(json.dumps(item) + "\n")
+        out.flush()
+
+    return answer
 
 
 class Controlled:

@@ -1,9 +1,6 @@
 """The race (benchmarks/README.md, "The race"): the gateway against vLLM's own server and the engine
 alone, each ratio beside its A/A twin, with our client or `vllm bench serve` (`--client vllm`); then
 the gateway on the echo engine against the bare app (`--parts echo`). Numbers and tables: race_report.py.
-
-    python -m benchmarks.race [--repeats 3] [--concurrency 1 4 16 64] [--eager] [--client ours|vllm]
-                              [--parts gateway vllm engine echo] [--no-aa] [--write-results-md]
 """
 
 from __future__ import annotations
@@ -12,19 +9,14 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks import loadgen, procs, vllm_bench
 from benchmarks.loadgen import LoadConfig, Session, ceiling
-from benchmarks.procs import GIB, REPO, STARTED, Controlled, Proc, free_port, log
+from benchmarks.procs import GIB, REPO, Controlled, Proc, free_port, log
 from benchmarks.race_report import SERVED_NAME, TARGETS, finish, kept_part, markdown, metrics_of, num, plot, results_md
 
 BENCH = REPO / "benchmarks"
@@ -32,6 +24,8 @@ PARTS = ("gateway", "vllm", "engine", "echo")
 AA = "gateway-aa"
 ENGINE_OVERHEAD_BYTES = int(1.5 * GIB)  # per engine beyond its KV cache (python, torch, the front end)
 BENCH_KEY = "sk-race-bench"  # the echo gateway's API key: auth is on there, as in production
+RUN_TIMEOUT_S = START_TIMEOUT_S = 900.0  # the time limit of one run, and of a server's start
+ECHO_PAUSE_S = 0.5  # quiet before each echo-part run
 SCENARIOS = {"non-stream": (False, False), "stream": (True, False), "cache hit": (False, True),
              "cache hit, stream": (True, True)}  # echo part: name -> (streamed, cache hit)
 
@@ -64,13 +58,9 @@ def parser() -> argparse.ArgumentParser:
     add("--kv-cache-memory-bytes", type=int, default=2 * GIB,
         help="KV cache of every engine; a fixed size, unlike a memory fraction, lets three engines start on one node")
     add("--pause", type=float, default=2.0, help="seconds of quiet before each run")
-    add("--start-timeout", type=float, default=900)
-    add("--run-timeout", type=float, default=900, help="time limit of one run")
     add("--echo-concurrency", type=int, nargs="+", default=[1, 16, 64])
     add("--echo-requests", type=int, default=2000, help="requests per echo-part run")
     add("--echo-scenarios", nargs="+", choices=list(SCENARIOS), default=["non-stream", "stream", "cache hit"])
-    add("--echo-pause", type=float, default=0.5, help="seconds of quiet before each echo-part run")
-    add("--seed", type=int, default=0)
     add("--results-dir", type=Path, default=BENCH / "results")
     add("--write-results-md", action="store_true", help="rewrite benchmarks/RESULTS.md with this race")
     return p
@@ -143,7 +133,7 @@ class EngineAlone(Controlled):
         path = self.logs / "engine-sessions.json"
         path.write_text(json.dumps({"warmup": warmup, "runs": runs}))
         self.command({"sessions": str(path)})
-        await self.answer(args.run_timeout * 2)
+        await self.answer(RUN_TIMEOUT_S * 2)
         log("engine warmed up")
 
     async def run(self, repeat: int, level: int, timeout_s: float) -> dict[str, Any]:
@@ -183,14 +173,14 @@ class Plan:
 def load_config(args: argparse.Namespace, base_url: str, level: int, n: int, label: str = "") -> LoadConfig:
     return LoadConfig(
         base_url=base_url, model=SERVED_NAME, endpoint=args.endpoint, concurrency=level, num_requests=n,
-        duration_s=args.run_timeout, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
-        ignore_eos=True, temperature=0.0, stream=True, label=label, request_timeout_s=args.run_timeout, progress=False,
+        duration_s=RUN_TIMEOUT_S, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+        ignore_eos=True, temperature=0.0, stream=True, label=label, request_timeout_s=RUN_TIMEOUT_S, progress=False,
     )
 
 
-def run_seed(args: argparse.Namespace, repeat: int, index: int) -> int:
+def run_seed(repeat: int, index: int) -> int:
     """The prompts' seed of one repetition and level: the same for every target."""
-    return int(args.seed + 100_000 * (repeat + 1) + 1000 * index)
+    return 100_000 * (repeat + 1) + 1000 * index
 
 
 async def make_plan(args: argparse.Namespace, base_url: str | None) -> Plan:
@@ -204,10 +194,10 @@ async def make_plan(args: argparse.Namespace, base_url: str | None) -> Plan:
         async def build(n: int, seed: int) -> list[Session]:
             return await loadgen.build_sessions(probe, n, tokenizer, seed=seed)
 
-        sessions = {(r, level): await build(max(args.min_requests, args.waves * level), run_seed(args, r, i))
+        sessions = {(r, level): await build(max(args.min_requests, args.waves * level), run_seed(r, i))
                     for r in range(args.repeats) for i, level in enumerate(args.concurrency)}
         top = max(args.concurrency)
-        return Plan(sessions, [(top, await build(top, args.seed + 1)), (1, await build(2, args.seed + 2))])
+        return Plan(sessions, [(top, await build(top, 1)), (1, await build(2, 2))])
 
 
 async def warm_up(server: Proc, plan: Plan, args: argparse.Namespace) -> None:
@@ -237,13 +227,13 @@ async def vllm_client_run(client: Controlled, target: Target, args: argparse.Nam
     """One run of `vllm bench serve`, then the same run against the instant endpoint (its ceiling)."""
     common = dict(model=SERVED_NAME, tokenizer=args.model, endpoint=args.endpoint, concurrency=level, num_prompts=n,
                   input_len=args.input_tokens, output_len=args.output_tokens,
-                  seed=run_seed(args, repeat, args.concurrency.index(level)))
+                  seed=run_seed(repeat, args.concurrency.index(level)))
 
     async def run(base_url: str, timeout_s: float) -> dict[str, Any]:
         client.command({"argv": vllm_bench.bench_argv(base_url=base_url, **common)})
         return dict((await client.answer(timeout_s))["result"])
 
-    data = await run(target.base_url, args.run_timeout + 120)
+    data = await run(target.base_url, RUN_TIMEOUT_S + 120)
     metrics = vllm_bench.metrics_of(data)
     if args.ceiling_duration > 0:
         top = vllm_bench.metrics_of(await run((await ceiling.shared_endpoint()).base_url, 600))
@@ -259,7 +249,7 @@ async def measure(target: Target, plan: Plan, args: argparse.Namespace, repeat: 
     cpu_before = {p.name: p.cpu_seconds() for p in [target, *others]}
     front_before = target.cpu_seconds(front_only=True)
     if isinstance(target, EngineAlone):
-        data = await target.run(repeat, level, args.run_timeout + 60)
+        data = await target.run(repeat, level, RUN_TIMEOUT_S + 60)
         metrics = metrics_of(data)
     elif client is not None:
         data, metrics = await vllm_client_run(client, target, args, repeat, level, len(sessions))
@@ -316,8 +306,8 @@ async def run_models(args: argparse.Namespace, logs: Path, document: dict[str, A
             started = [t for t in alive if not isinstance(t, Again)]
             for t in started:
                 t.start()
-            startup = await asyncio.gather(*(t.wait_ready(args.start_timeout) for t in started))
-            document.setdefault("startup_s", {}).update({t.name: round(s, 1) for t, s in zip(started, startup)})
+            startup = await asyncio.gather(*(t.wait_ready(START_TIMEOUT_S) for t in started))
+            document.setdefault("startup_s", {}).update({t.name: round(s, 1) for t, s in zip(started, startup, strict=True)})
             if plan is None:
                 servers = [t for t in started if isinstance(t, Proc)]
                 plan = await make_plan(args, servers[0].base_url if servers else None)
@@ -348,16 +338,16 @@ def scenario_config(args: argparse.Namespace, scenario: str, base_url: str, leve
     stream, hit = SCENARIOS[scenario]
     return LoadConfig(
         base_url=base_url, model=SERVED_NAME, endpoint="completions", concurrency=level,
-        num_requests=args.echo_requests, duration_s=args.run_timeout, input_tokens=args.input_tokens,
+        num_requests=args.echo_requests, duration_s=RUN_TIMEOUT_S, input_tokens=args.input_tokens,
         output_tokens=args.output_tokens if stream else 1, ignore_eos=True, temperature=0.0, stream=stream,
         api_key=BENCH_KEY, tokenizer="words", seed=seed, unique_prompts=1 if hit else None,
         warmup_requests=1 if hit else min(2 * level, args.echo_requests), count_headers=["x-cache"],
-        request_timeout_s=args.run_timeout, label=label, ceiling_s=args.ceiling_duration,
+        request_timeout_s=RUN_TIMEOUT_S, label=label, ceiling_s=args.ceiling_duration,
     )
 
 
 async def measure_echo(target: Target, args: argparse.Namespace, scenario: str, repeat: int, level: int, seed: int) -> dict[str, Any]:
-    await asyncio.sleep(args.echo_pause)
+    await asyncio.sleep(ECHO_PAUSE_S)
     cfg = scenario_config(args, scenario, target.base_url, level, seed, f"{target.name} {scenario} r{repeat} c{level}")
     sessions = await loadgen.build_sessions(cfg, loadgen.sessions_needed(cfg), None, seed=seed)
     warm = await loadgen.build_sessions(cfg, 1, None, seed=seed) if SCENARIOS[scenario][1] else None
@@ -388,7 +378,7 @@ async def run_echo(args: argparse.Namespace, logs: Path, document: dict[str, Any
             for s, scenario in enumerate(args.echo_scenarios):
                 for i, level in enumerate(args.echo_concurrency):
                     for j, target in enumerate(rotated(alive, r + s + i)):
-                        seed = args.seed + 10_000_000 * (r + 1) + 100_000 * s + 1000 * i + 10 * j  # fresh prompts every run
+                        seed = 10_000_000 * (r + 1) + 100_000 * s + 1000 * i + 10 * j  # fresh prompts every run
                         runs.append(await measure_echo(target, args, scenario, r, level, seed))
     finally:
         echo.stop()
@@ -399,21 +389,9 @@ async def run_echo(args: argparse.Namespace, logs: Path, document: dict[str, Any
 # The command
 
 
-def new_document(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    stamp = loadgen.timestamp()
-    return {
-        "tool": "benchmarks.race", "started": stamp, "complete": False,
-        "command": shlex.join(["python", "-m", "benchmarks.race", *argv]),
-        "machine": procs.machine(), "versions": procs.versions(),
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "runs": [], "notes": [], "logs": str(args.results_dir / f"race-{stamp}-logs"),
-    }
-
-
 async def race(args: argparse.Namespace, document: dict[str, Any]) -> None:
     """Fills `document` part by part (so an interrupted race still leaves what it measured)."""
     logs = Path(document["logs"])
-    logs.mkdir(parents=True, exist_ok=True)
     log(f"machine: {document['machine']}")
     busy = procs.busy_processes()
     if busy:
@@ -427,7 +405,6 @@ async def race(args: argparse.Namespace, document: dict[str, Any]) -> None:
 
 def write_outputs(document: dict[str, Any], args: argparse.Namespace) -> None:
     out = args.results_dir / f"race-{document['started']}.json"
-    args.results_dir.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=2))
     table = markdown(document)
     out.with_suffix(".md").write_text(table)
@@ -447,22 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if any(c < 1 for c in args.concurrency) or args.repeats < 1:
         raise SystemExit("concurrency levels and --repeats must be positive")
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM unwinds like Ctrl-C
     if args.model is None:
         args.model = prepare_model()
-    document = new_document(args, argv)
-    code = 0
-    try:
-        loadgen.run_async(race(args, document))
-    except KeyboardInterrupt:
-        log("interrupted")
-        document["error"], code = "interrupted", 130
-    except Exception as exc:
-        log(f"failed: {exc.__class__.__name__}: {exc}")
-        document["error"], code = f"{exc.__class__.__name__}: {str(exc)[:2000]}", 1
-    finally:
-        for proc in reversed(STARTED):
-            proc.stop()
+    document = procs.new_document("race", argv, args, args.results_dir) | {"complete": False, "runs": [], "notes": []}
+    code = procs.run_to_end(race(args, document), document)
     finish(document, args)
     if document["runs"] or document.get("echo_runs"):
         write_outputs(document, args)

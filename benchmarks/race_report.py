@@ -19,6 +19,7 @@ TARGETS = ("gateway", "gateway-aa", "vllm", "engine")  # the table's order; gate
 # medians and paired ratios of these (README.md, "The race", says what each is)
 METRICS = ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p99_ms", "e2e_p50_ms",
            "front_cpu_ms_per_token")
+LATENCIES = (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("itl", "p99"), ("e2e", "p50"), ("e2e", "p99"))
 EXTRA = ("mean_output_tokens", "client_headroom", "e2e_p99_ms")  # medians kept, no ratios
 # (metric, against, bound, higher is better): what the race is judged on
 TARGET_RULES = [("output_tok_s", "vllm", 1.00, True), ("output_tok_s", "engine", 0.95, True),
@@ -27,24 +28,12 @@ TARGET_RULES = [("output_tok_s", "vllm", 1.00, True), ("output_tok_s", "engine",
 
 def metrics_of(result: dict[str, Any]) -> dict[str, float | None]:
     """The race's numbers from a Result.to_dict()."""
-
-    def ms(stat: str, key: str) -> float | None:
-        value = (result.get(stat) or {}).get(key)
-        return None if value is None else value * 1000
-
-    return {
-        "output_tok_s": result.get("output_throughput"),
-        "req_s": result.get("request_throughput"),
-        "ttft_p50_ms": ms("ttft", "p50"),
-        "ttft_p99_ms": ms("ttft", "p99"),
-        "tpot_p50_ms": ms("tpot", "p50"),
-        "itl_p99_ms": ms("itl", "p99"),
-        "e2e_p50_ms": ms("e2e", "p50"),
-        "e2e_p99_ms": ms("e2e", "p99"),
-        "mean_output_tokens": result.get("mean_output_tokens"),
-        "failed": result.get("failed", 0) + result.get("cancelled", 0),
-        "client_headroom": (result.get("ceiling") or {}).get("headroom"),  # the client's ceiling ÷ this run
-    }
+    latencies = {f"{stat}_{p}_ms": (result.get(stat) or {}).get(p) for stat, p in LATENCIES}
+    return {"output_tok_s": result.get("output_throughput"), "req_s": result.get("request_throughput"),
+            **{name: None if s is None else s * 1000 for name, s in latencies.items()},
+            "mean_output_tokens": result.get("mean_output_tokens"),
+            "failed": result.get("failed", 0) + result.get("cancelled", 0),
+            "client_headroom": (result.get("ceiling") or {}).get("headroom")}  # the client's ceiling ÷ this run
 
 
 def median(values: Sequence[float | None]) -> float | None:
@@ -106,15 +95,6 @@ def num(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _r(value: float | None, bound: float | None = None, higher: bool = True) -> str:
-    if value is None:
-        return "-"
-    text = f"{value:.3f}"
-    if bound is not None:
-        text += " ✓" if (value >= bound if higher else value <= bound) else " ✗"
-    return text
-
-
 def _aa(row: dict[str, Any], name: str, aa: str) -> str:
     value = row["ratios"].get(aa, {}).get(name)
     floor = row["spread"].get(aa, {}).get(name)
@@ -122,11 +102,12 @@ def _aa(row: dict[str, Any], name: str, aa: str) -> str:
 
 
 def _vs(row: dict[str, Any], name: str, other: str, aa: str, bound: float | None = None, higher: bool = True) -> str:
+    """The ratio to `other`, ✓/✗ against the bound, ≈ when it lies within the A/A noise band."""
     value = row["ratios"].get(other, {}).get(name)
-    text = _r(value, bound, higher)
-    if within(value, row["spread"].get(aa, {}).get(name)):
-        text += " ≈"
-    return text
+    if value is None:
+        return "-"
+    met = "" if bound is None else " ✓" if (value >= bound if higher else value <= bound) else " ✗"
+    return f"{value:.3f}{met}" + (" ≈" if within(value, row["spread"].get(aa, {}).get(name)) else "")
 
 
 RATIO_ROWS = (("output_tok_s", 1.00, 0.95, True), ("ttft_p50_ms", 1.00, None, False),
@@ -159,8 +140,8 @@ def _model_tables(document: dict[str, Any]) -> list[str]:
     lines += [
         "",
         ("Ratios gateway ÷ other, each the median of the per-repetition (paired) ratios; tok/s: higher is better, "
-         "latencies: lower is better. ✓/✗: the targets (tok/s ≥ 1.00× vLLM's server and ≥ 0.95× the engine alone; "
-         "TTFT p50/p99 ≤ 1.00× vLLM's server). A/A: gateway ÷ gateway-aa, median [smallest, largest per-repetition "
+         "latencies: lower is better. ✓/✗: the targets (tok/s ≥ 1.00× vLLM's server and ≥ 0.95× the engine alone; "  # noqa: RUF001 - the multiplication sign is deliberate typography in RESULTS.md
+         "TTFT p50/p99 ≤ 1.00× vLLM's server). A/A: gateway ÷ gateway-aa, median [smallest, largest per-repetition "  # noqa: RUF001 - the multiplication sign is deliberate typography in RESULTS.md
          "ratio], the noise floor; ≈ marks a ratio no farther from 1.0 than the A/A ratios strayed (not told "
          "apart from noise)."),
         "",
@@ -258,7 +239,7 @@ def results_md(document: dict[str, Any], json_name: str) -> str:
          f"{'eager (--enforce-eager)' if s['eager'] else 'compiled (torch.compile)'}"),
         (f"- load: {s['endpoint']} endpoint, streaming, {s['input_tokens']}-token prompts, {s['output_tokens']} output tokens "
          f"(ignore_eos), temperature 0, concurrency {', '.join(map(str, s['concurrency']))}, "
-         f"max({s['min_requests']}, {s['waves']} × concurrency) requests per run, {s['repeats']} repetition(s), "
+         f"max({s['min_requests']}, {s['waves']} × concurrency) requests per run, {s['repeats']} repetition(s), "  # noqa: RUF001 - the multiplication sign is deliberate typography in RESULTS.md
          f"targets {document.get('layout', '?')}"),
         "",
         "## Command",

@@ -1,43 +1,38 @@
 """The design's deployment targets (TTFT p99 < 500 ms above 50 requests/s, memory <= 80%) checked on
-this hardware (`make targets`; benchmarks/README.md, "The deployment targets", says how).
-
-    python -m benchmarks.targets [--eager] [--rate 55] [--duration 60] [-- gateway serve flags...]
-
-Exit status 0 only when all targets are met; JSON in benchmarks/results/. Memory is judged on the
-pod's cgroup (v2 `memory.current` ÷ `memory.max`) when it has a limit, else on the gateway's
-processes' RSS ÷ the machine's memory; the machine's use, vLLM's KV-cache use and GPU memory beside.
+this hardware (`make targets`; benchmarks/README.md, "The deployment targets", says how). Exit
+status 0 only when all targets are met; JSON in benchmarks/results/. Memory is judged on the pod's
+cgroup (v2 `memory.current` ÷ `memory.max`) when it has a limit, else on the gateway's processes'
+RSS ÷ the machine's memory; the machine's use, vLLM's KV-cache use and GPU memory beside.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
-import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import contextlib
-
 import httpx
 import psutil
 
-from benchmarks import loadgen
+from benchmarks import loadgen, procs
 from benchmarks.loadgen import LoadConfig, Result
-from benchmarks.procs import REPO, STARTED, Proc, free_port, log, machine, meminfo, versions
+from benchmarks.procs import REPO, Proc, free_port, log, meminfo
 
 TTFT_P99_MS = 500.0
 MIN_RATE = 50.0
 MEMORY_SHARE = 0.80
 SERVED = "targets"
 CGROUP = Path("/sys/fs/cgroup")
+RESULTS = REPO / "benchmarks" / "results"
+INPUT_TOKENS, OUTPUT_TOKENS = 128, 64
+SETTLE_S = 5.0  # quiet before each capacity probe
 
 
 def ttft_p99_ms(result: Result, bound_ms: float = TTFT_P99_MS) -> float:
@@ -58,8 +53,8 @@ def ttft_p99_ms(result: Result, bound_ms: float = TTFT_P99_MS) -> float:
 async def offered(server: Proc, args: argparse.Namespace, rate: float, duration: float, seed: int) -> dict[str, Any]:
     """Poisson arrivals at `rate` for `duration` seconds; the numbers the targets are judged on."""
     cfg = LoadConfig(base_url=server.base_url, model=SERVED, endpoint="completions", request_rate=rate, concurrency=None,
-                     num_requests=max(1, math.ceil(rate * duration)), duration_s=duration, input_tokens=args.input_tokens,
-                     output_tokens=args.output_tokens, ignore_eos=True, temperature=0.0, stream=True, seed=seed,
+                     num_requests=max(1, math.ceil(rate * duration)), duration_s=duration, input_tokens=INPUT_TOKENS,
+                     output_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0, stream=True, seed=seed,
                      keep_records=True, label=f"rate={rate:g}", request_timeout_s=duration + 60)
     result = await loadgen.run_load(cfg)
     p99 = ttft_p99_ms(result)
@@ -150,7 +145,7 @@ async def capacity(server: Proc, args: argparse.Namespace) -> list[dict[str, Any
     """Halve the rate until TTFT p99 < 500 ms holds (or the rate falls below --min-probe-rate)."""
     probes, rate = [], args.rate / 2
     while rate >= args.min_probe_rate:
-        await asyncio.sleep(args.settle)
+        await asyncio.sleep(SETTLE_S)
         probe = await offered(server, args, rate, args.probe_duration, seed=len(probes) + 10)
         probes.append({k: v for k, v in probe.items() if k != "result"})
         if probe["ttft_p99_ms"] < TTFT_P99_MS and probe["failed"] == 0:
@@ -167,9 +162,9 @@ async def check(args: argparse.Namespace, document: dict[str, Any]) -> None:
     server = Proc("gateway", command, {"GATEWAY_LOG_LEVEL": "warning"}, logs / "gateway.log", port=port)
     server.start()
     try:
-        document["startup_s"] = await server.wait_ready(args.start_timeout)
+        document["startup_s"] = await server.wait_ready(900)
         warm = LoadConfig(base_url=server.base_url, model=SERVED, endpoint="completions", concurrency=4, num_requests=8,
-                          input_tokens=args.input_tokens, output_tokens=args.output_tokens, ignore_eos=True)
+                          input_tokens=INPUT_TOKENS, output_tokens=OUTPUT_TOKENS, ignore_eos=True)
         await loadgen.run_load(warm)
         stop, samples = asyncio.Event(), []
         task = asyncio.create_task(sample_memory(server, stop, samples))
@@ -214,14 +209,9 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rate", type=float, default=55.0, help="requests per second offered (Poisson)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of the main run")
-    p.add_argument("--input-tokens", type=int, default=128)
-    p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--eager", action="store_true", help="--enforce-eager: quick start, slower decoding (not how to serve)")
     p.add_argument("--probe-duration", type=float, default=20.0, help="seconds of each capacity probe")
     p.add_argument("--min-probe-rate", type=float, default=0.25, help="lowest rate probed (0: no capacity search)")
-    p.add_argument("--settle", type=float, default=5.0, help="seconds of quiet before each probe")
-    p.add_argument("--start-timeout", type=float, default=900)
-    p.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("gateway_args", nargs=argparse.REMAINDER, help="-- then flags for `gateway serve` (e.g. --model DIR)")
     return p
 
@@ -230,19 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     args.gateway_args = [a for a in args.gateway_args if a != "--"]
-    stamp = loadgen.timestamp()
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    document: dict[str, Any] = {"tool": "benchmarks.targets", "started": stamp, "machine": machine(), "versions": versions(),
-                                "command": shlex.join(["python", "-m", "benchmarks.targets", *argv]),
-                                "logs": str(args.results_dir / f"targets-{stamp}-logs")}
-    try:
-        loadgen.run_async(check(args, document))
-    except KeyboardInterrupt:
-        document["error"] = "interrupted"
-    finally:
-        for proc in reversed(STARTED):
-            proc.stop()
-    out = args.results_dir / f"targets-{stamp}.json"
+    document = procs.new_document("targets", argv, args, RESULTS)
+    procs.run_to_end(check(args, document), document)
+    out = RESULTS / f"targets-{document['started']}.json"
     out.write_text(json.dumps(document, indent=2, default=str))
     print(report(document))
     log(f"results: {out}")

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
 from typing import IO, Any
 
+from benchmarks.procs import answer_on
+
+NAMES = {"output_tok_s": "output_throughput", "req_s": "request_throughput", "ttft_p50_ms": "median_ttft_ms",
+         "ttft_p99_ms": "p99_ttft_ms", "tpot_p50_ms": "median_tpot_ms", "itl_p99_ms": "p99_itl_ms",
+         "e2e_p50_ms": "median_e2el_ms"}  # the race's names (race_report.metrics_of) for vLLM's
 BULKY = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts", "errors")
 
 
@@ -41,19 +45,9 @@ def bench_argv(
 
 def metrics_of(result: dict[str, Any]) -> dict[str, float | None]:
     """The race's numbers (race_report.metrics_of's keys) from vLLM's result document."""
-    completed = result.get("completed") or 0
-    output = result.get("total_output_tokens") or 0
-    return {
-        "output_tok_s": result.get("output_throughput"),
-        "req_s": result.get("request_throughput"),
-        "ttft_p50_ms": result.get("median_ttft_ms"),
-        "ttft_p99_ms": result.get("p99_ttft_ms"),
-        "tpot_p50_ms": result.get("median_tpot_ms"),
-        "itl_p99_ms": result.get("p99_itl_ms"),
-        "e2e_p50_ms": result.get("median_e2el_ms"),
-        "mean_output_tokens": output / completed if completed else None,
-        "failed": int(result.get("failed") or 0),
-    }
+    completed, output = result.get("completed") or 0, result.get("total_output_tokens") or 0
+    return {ours: result.get(theirs) for ours, theirs in NAMES.items()} | {
+        "mean_output_tokens": output / completed if completed else None, "failed": int(result.get("failed") or 0)}
 
 
 def run(argv: list[str]) -> dict[str, Any]:
@@ -81,14 +75,7 @@ def serve(stdin: IO[str], answer: Callable[[dict[str, Any]], None]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="vLLM's benchmark client (vllm bench serve), runs on command")
     p.add_argument("--answer-fd", type=int, help="file descriptor for the answers (default stdout)")
-    args = p.parse_args(argv)
-    out = os.fdopen(args.answer_fd, "w") if args.answer_fd is not None else sys.stdout
-
-    def answer(data: dict[str, Any]) -> None:
-        out.write(json.dumps(data) + "\n")
-        out.flush()
-
-    serve(sys.stdin, answer)
+    serve(sys.stdin, answer_on(p.parse_args(argv).answer_fd))
     return 0
 
 

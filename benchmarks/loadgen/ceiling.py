@@ -47,35 +47,18 @@ def ceiling_config(config: LoadConfig, base_url: str) -> LoadConfig:
     )
 
 
-def latency_bound(config: dict[str, Any]) -> bool:
-    """One request at a time (concurrency 1): the ceiling is a round trip's latency, not the client's CPU."""
-    return config.get("concurrency") == 1 and not config.get("request_rate")
-
-
 def compare(bare: Result, measured: Result) -> dict[str, Any]:
-    """The ceiling beside the measured run: rates, the headroom (ceiling ÷ measured) and whether it is enough."""
-
-    def ratio(a: float, b: float) -> float | None:
-        return a / b if b > 0 else None
-
-    req = ratio(bare.request_throughput, measured.request_throughput)
-    tok = ratio(bare.output_throughput, measured.output_throughput)
-    present = [r for r in (req, tok) if r is not None]
-    headroom = min(present) if present else None
-    return {
-        "req_s": bare.request_throughput,
-        "output_tok_s": bare.output_throughput,
-        "completed": bare.completed,
-        "failed": bare.failed,
-        "duration_s": bare.duration_s,
-        "client_cpu_s": bare.client_cpu_s,
-        "endpoint": "benchmarks.instant_endpoint",
-        "latency_bound": latency_bound(bare.config),
-        "headroom_req_s": req,
-        "headroom_tok_s": tok,
-        "headroom": headroom,
-        "enough": headroom is not None and headroom >= WANTED_HEADROOM,
-    }
+    """The ceiling beside the measured run: rates, the headroom (ceiling ÷ measured) and whether it is
+    enough; `latency_bound`: one request at a time, so a round trip's latency, not the client's CPU."""
+    req = bare.request_throughput / measured.request_throughput if measured.request_throughput > 0 else None
+    tok = bare.output_throughput / measured.output_throughput if measured.output_throughput > 0 else None
+    headroom = min((r for r in (req, tok) if r is not None), default=None)
+    return {"req_s": bare.request_throughput, "output_tok_s": bare.output_throughput, "completed": bare.completed,
+            "failed": bare.failed, "duration_s": bare.duration_s, "client_cpu_s": bare.client_cpu_s,
+            "endpoint": "benchmarks.instant_endpoint",
+            "latency_bound": bare.config.get("concurrency") == 1 and not bare.config.get("request_rate"),
+            "headroom_req_s": req, "headroom_tok_s": tok, "headroom": headroom,
+            "enough": headroom is not None and headroom >= WANTED_HEADROOM}
 
 
 def describe(ceiling: dict[str, Any]) -> str:

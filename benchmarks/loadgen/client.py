@@ -60,16 +60,8 @@ def _apply_usage(record: RequestRecord, usage: dict[str, Any] | None, fallback_o
         record.input_tokens = estimate_input
 
 
-async def send_request(
-    client: Client,
-    url: str,
-    body: dict[str, Any],
-    record: RequestRecord,
-    *,
-    count_headers: Sequence[str] = (),
-    estimate_input: int = 0,
-    origin: float = 0.0,
-) -> RequestRecord:
+async def send_request(client: Client, url: str, body: dict[str, Any], record: RequestRecord, *,
+                       count_headers: Sequence[str] = (), estimate_input: int = 0, origin: float = 0.0) -> RequestRecord:
     """Send one request and fill `record` (also when cancelled: then `cancelled` is True, and
     `ttft` is kept when the first token had come)."""
     started = time.perf_counter()
@@ -117,9 +109,7 @@ async def _read_stream(response: WireResponse, acc: StreamAccumulator) -> None:
 def _finish_stream(record: RequestRecord, acc: StreamAccumulator, estimate_input: int) -> None:
     """Copy what the stream said into the record; ok only with `[DONE]` and no error event."""
     record.e2e = (acc.done_at or time.perf_counter()) - acc.started
-    record.chunks = acc.chunks
-    record.itl = acc.itl
-    record.text = acc.text
+    record.chunks, record.itl, record.text = acc.chunks, acc.itl, acc.text
     record.ttft = (acc.first - acc.started) if acc.first is not None else record.e2e
     _apply_usage(record, acc.usage, acc.chunks, estimate_input)
     if acc.error:

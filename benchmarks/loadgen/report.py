@@ -1,20 +1,15 @@
-"""A run for people: the summary printed on stderr, the sweep plot (matplotlib, imported only when a
-plot is drawn; without it there is no plot, and a note), and the UTC timestamp that names result files."""
+"""A run for people: the summary printed on stderr, and the sweep plot (matplotlib, imported only when
+a plot is drawn; without it there is no plot, and a note)."""
 
 from __future__ import annotations
 
 import math
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from benchmarks.loadgen.ceiling import describe
 from benchmarks.loadgen.results import Result, Stats
-
-if TYPE_CHECKING:  # matplotlib is optional: imported for real only in plot_sweep
-    from matplotlib.axes import Axes
 
 
 def _ms(value: float | None) -> str:
@@ -48,13 +43,9 @@ def format_result(r: Result) -> str:
     return "\n".join(lines)
 
 
-def timestamp() -> str:
-    """Now in UTC, e.g. 20261130T002618Z."""
-    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-
-
 def plot_sweep(series: dict[str, Sequence[Result]], path: Path, title: str = "") -> Path | None:
-    """Latency (TTFT p50/p99, TPOT p50) and output throughput against concurrency, one line per series."""
+    """Latency (TTFT p50/p99, TPOT p50; left) and output throughput (right) against concurrency, one colour
+    per series."""
     try:
         import matplotlib
 
@@ -65,8 +56,20 @@ def plot_sweep(series: dict[str, Sequence[Result]], path: Path, title: str = "")
         return None
     fig, (lat, thr) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, results in series.items():
-        _draw(lat, thr, results, prefix=f"{name} " if len(series) > 1 else "")
-    _label(lat, thr)
+        prefix = f"{name} " if len(series) > 1 else ""
+        points = sorted((r for r in results if r.concurrency), key=lambda r: r.concurrency or 0)
+        xs = [r.concurrency for r in points]
+        color = lat.plot(xs, [r.ttft.p50 * 1000 for r in points], marker="o", label=f"{prefix}TTFT p50")[0].get_color()
+        lat.plot(xs, [r.ttft.p99 * 1000 for r in points], marker="^", linestyle="--", color=color, label=f"{prefix}TTFT p99")
+        lat.plot(xs, [r.tpot.p50 * 1000 for r in points], marker="s", linestyle=":", color=color, label=f"{prefix}TPOT p50")
+        thr.plot(xs, [r.output_throughput for r in points], marker="o", color=color, label=f"{prefix}output tok/s")
+    for ax, ylabel, name in ((lat, "ms", "latency"), (thr, "output tokens / s", "throughput")):
+        ax.set(xlabel="concurrency (requests in flight)", ylabel=ylabel, title=name)
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    lat.set_yscale("log")
+    thr.set_ylim(bottom=0)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -74,28 +77,3 @@ def plot_sweep(series: dict[str, Sequence[Result]], path: Path, title: str = "")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def _draw(lat: Axes, thr: Axes, results: Sequence[Result], prefix: str) -> None:
-    """One series: three latency lines on the left, throughput on the right, in one colour."""
-    points = sorted((r for r in results if r.concurrency), key=lambda r: r.concurrency)  # type: ignore[arg-type, return-value]
-    xs = [r.concurrency for r in points]
-    line = lat.plot(xs, [r.ttft.p50 * 1000 for r in points], marker="o", label=f"{prefix}TTFT p50")[0]
-    lat.plot(xs, [r.ttft.p99 * 1000 for r in points], marker="^", linestyle="--", color=line.get_color(), label=f"{prefix}TTFT p99")
-    lat.plot(xs, [r.tpot.p50 * 1000 for r in points], marker="s", linestyle=":", color=line.get_color(), label=f"{prefix}TPOT p50")
-    thr.plot(xs, [r.output_throughput for r in points], marker="o", color=line.get_color(), label=f"{prefix}output tok/s")
-
-
-def _label(lat: Axes, thr: Axes) -> None:
-    """Axes, scales, grids, legends and titles of both panels."""
-    for ax in (lat, thr):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    lat.set_yscale("log")
-    lat.set_ylabel("ms")
-    lat.set_title("latency")
-    thr.set_ylim(bottom=0)
-    thr.set_ylabel("output tokens / s")
-    thr.set_title("throughput")

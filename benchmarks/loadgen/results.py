@@ -17,13 +17,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return math.nan
     ordered = sorted(values)
-    if len(ordered) == 1:
-        return float(ordered[0])
     rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = math.ceil(rank)
-    fraction = rank - low
-    return float(ordered[low] + (ordered[high] - ordered[low]) * fraction)
+    low, high = math.floor(rank), math.ceil(rank)
+    return float(ordered[low] + (ordered[high] - ordered[low]) * (rank - low))
 
 
 @dataclass
@@ -43,15 +39,8 @@ class Stats:
         values = [v for v in values if v is not None and not math.isnan(v)]
         if not values:
             return cls()
-        return cls(
-            n=len(values),
-            mean=sum(values) / len(values),
-            p50=percentile(values, 50),
-            p90=percentile(values, 90),
-            p99=percentile(values, 99),
-            min=min(values),
-            max=max(values),
-        )
+        p50, p90, p99 = (percentile(values, q) for q in (50, 90, 99))
+        return cls(len(values), sum(values) / len(values), p50, p90, p99, min(values), max(values))
 
     def to_dict(self) -> dict[str, float | int | None]:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in dataclasses.asdict(self).items()}
@@ -59,9 +48,7 @@ class Stats:
 
 def tpot(e2e: float, ttft: float, output_tokens: int) -> float | None:
     """Time per output token after the first: (e2e - ttft) / (output_tokens - 1)."""
-    if output_tokens is None or output_tokens < 2:
-        return None
-    return (e2e - ttft) / (output_tokens - 1)
+    return None if output_tokens is None or output_tokens < 2 else (e2e - ttft) / (output_tokens - 1)
 
 
 @dataclass
@@ -137,9 +124,7 @@ class Result:
         return self.client_cpu_s / self.duration_s
 
     def to_dict(self, records: bool = False) -> dict[str, Any]:
-        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("records",)}
-        for name in ("ttft", "tpot", "itl", "e2e"):
-            data[name] = getattr(self, name).to_dict()
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k != "records"}
         data["client_cpu_share"] = self.client_cpu_share
         if records:
             data["records"] = [r.to_dict() for r in self.records]
@@ -157,57 +142,29 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def _header_counts(records: Sequence[RequestRecord]) -> dict[str, dict[str, int]]:
-    """How often each value of each counted response header came back."""
-    counts: dict[str, Counter[str]] = {}
-    for r in records:
-        for name, value in r.headers.items():
-            counts.setdefault(name, Counter())[value] += 1
-    return {k: dict(v) for k, v in counts.items()}
-
-
-def aggregate(
-    records: Sequence[RequestRecord],
-    duration_s: float,
-    *,
-    label: str = "",
-    concurrency: int | None = None,
-    request_rate: float | None = None,
-    config: dict[str, Any] | None = None,
-    keep_records: bool = False,
-) -> Result:
+def aggregate(records: Sequence[RequestRecord], duration_s: float, *, label: str = "", concurrency: int | None = None,
+              request_rate: float | None = None, config: dict[str, Any] | None = None, keep_records: bool = False) -> Result:
     """The `Result` of a run's records: throughput over `duration_s`, latencies of the completed ones."""
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok and not r.cancelled]
-    cancelled = [r for r in records if r.cancelled]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.input_tokens for r in ok)
+    out_tokens, in_tokens = sum(r.output_tokens for r in ok), sum(r.input_tokens for r in ok)
     duration = max(duration_s, 1e-9)
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    headers: dict[str, Counter[str]] = {}  # how often each value of each counted header came back
+    for r in records:
+        for name, value in r.headers.items():
+            headers.setdefault(name, Counter())[value] += 1
     return Result(
-        label=label,
-        concurrency=concurrency,
-        request_rate=request_rate,
-        duration_s=duration_s,
-        completed=len(ok),
-        failed=len(failed),
-        cancelled=len(cancelled),
-        total_input_tokens=in_tokens,
-        total_output_tokens=out_tokens,
-        request_throughput=len(ok) / duration,
-        output_throughput=out_tokens / duration,
-        input_throughput=in_tokens / duration,
-        total_token_throughput=(in_tokens + out_tokens) / duration,
-        ttft=Stats.of([r.ttft for r in ok if r.ttft is not None]),
-        tpot=Stats.of([t for r in ok if (t := r.tpot) is not None]),
-        itl=Stats.of([x for r in ok for x in r.itl]),
-        e2e=Stats.of([r.e2e for r in ok if r.e2e is not None]),
+        label, concurrency, request_rate, duration_s, len(ok), len(failed), sum(r.cancelled for r in records),
+        in_tokens, out_tokens, len(ok) / duration, out_tokens / duration, in_tokens / duration,
+        (in_tokens + out_tokens) / duration,
+        ttft=Stats.of([r.ttft for r in ok if r.ttft is not None]), tpot=Stats.of([t for r in ok if (t := r.tpot) is not None]),
+        itl=Stats.of([x for r in ok for x in r.itl]), e2e=Stats.of([r.e2e for r in ok if r.e2e is not None]),
         mean_input_tokens=in_tokens / len(ok) if ok else math.nan,
         mean_output_tokens=out_tokens / len(ok) if ok else math.nan,
         mean_cached_tokens=(sum(cached) / len(cached)) if cached else None,
         usage_reported=bool(ok) and all(r.usage_reported for r in ok),
         errors=dict(Counter((r.error or "unknown error")[:200] for r in failed)),
-        header_counts=_header_counts(records),
-        config=config or {},
+        header_counts={k: dict(v) for k, v in headers.items()}, config=config or {},
         records=list(records) if keep_records else [],
     )

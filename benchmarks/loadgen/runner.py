@@ -1,7 +1,7 @@
 """Running the load: `run_load` (one measured run at one concurrency or request rate, with its
 warm-up, and the client's ceiling after it when `ceiling_s` asks) and `run_sweep` (one run per
 concurrency level). Workers or Poisson arrivals send the sessions' requests until the request
-count or the time limit. `run_async` runs a coroutine on uvloop when it is installed."""
+count or the time limit. `run_async` runs a coroutine on uvloop."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import sys
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
+
+import uvloop
 
 from benchmarks.loadgen import ceiling
 from benchmarks.loadgen.client import Client, discover_model, make_client, send_request
@@ -74,6 +76,9 @@ class Runner:
         while self._may_issue():
             await self.run_session(self._take_session())
 
+    async def workers(self, count: int) -> None:
+        await asyncio.gather(*(self.worker() for _ in range(count)))
+
     async def arrivals(self, rng: random.Random) -> None:
         """Poisson arrivals of sessions, at most `concurrency` running (when set)."""
         limit = asyncio.Semaphore(self.config.concurrency or 1 << 30)
@@ -110,10 +115,9 @@ class Runner:
         self.origin = time.perf_counter()
         self.deadline = self.origin + cfg.duration_s if cfg.duration_s else math.inf
         if cfg.request_rate:
-            main = asyncio.ensure_future(self.arrivals(random.Random(cfg.seed + 1)))
+            main = asyncio.create_task(self.arrivals(random.Random(cfg.seed + 1)))
         else:
-            workers = max(1, cfg.concurrency or 1)
-            main = asyncio.ensure_future(asyncio.gather(*(self.worker() for _ in range(workers))))
+            main = asyncio.create_task(self.workers(max(1, cfg.concurrency or 1)))
         timeout = None if self.deadline == math.inf else max(0.0, self.deadline - time.perf_counter())
         done, _ = await asyncio.wait({main}, timeout=timeout)
         if not done:  # the time limit: requests still in flight are cancelled and counted as such
@@ -124,82 +128,47 @@ class Runner:
         return (self.last_end or time.perf_counter()) - self.origin
 
 
-async def run_load(
-    config: LoadConfig,
-    sessions: Sequence[Session] | None = None,
-    client: Client | None = None,
-    warmup_sessions: Sequence[Session] | None = None,
-) -> Result:
-    """One measured run at one concurrency (or request rate). Stops after num_requests or duration_s."""
+async def run_load(config: LoadConfig, sessions: Sequence[Session] | None = None, client: Client | None = None,
+                   warmup_sessions: Sequence[Session] | None = None) -> Result:
+    """One measured run at one concurrency (or request rate), after its warm-up; it stops after num_requests
+    or duration_s. Sessions not given are built (the warm-up's from a seed of their own)."""
     own = client is None
     client = client or make_client(config)
+    warm_cfg = dataclasses.replace(config, num_requests=config.warmup_requests, duration_s=None)
     try:
         model = config.model or await discover_model(client, config.base_url)
-        sessions, warmup_sessions = await _prepare_sessions(config, client, model, sessions, warmup_sessions)
+        build_warmup = bool(config.warmup_requests) and warmup_sessions is None
+        if sessions is None or build_warmup:
+            tokenizer = await get_tokenizer(config, client, model)
+            if sessions is None:
+                sessions = await build_sessions(config, sessions_needed(config), tokenizer)
+            if build_warmup:
+                warmup_sessions = await build_sessions(warm_cfg, sessions_needed(warm_cfg), tokenizer, seed=config.seed + 7919)
         if config.warmup_requests and warmup_sessions:
-            warm_cfg = dataclasses.replace(config, num_requests=config.warmup_requests, duration_s=None)
             await Runner(warm_cfg, client, model, warmup_sessions).run()
-        records, duration, cpu = await _measure(config, client, model, sessions)
+        runner = Runner(config, client, model, sessions)
+        if config.progress:  # the CLI on a terminal: tqdm imported only then
+            from tqdm import tqdm
+
+            runner.bar = tqdm(total=config.num_requests, desc=config.label or f"c={config.concurrency}", unit="req", leave=False)
+        cpu = time.process_time()
+        try:
+            duration = await runner.run()
+        finally:
+            if runner.bar is not None:
+                runner.bar.close()
+        cpu = time.process_time() - cpu
     finally:
         if own:
             await client.close()
-    result = aggregate(
-        records,
-        duration,
-        label=config.label,
-        concurrency=config.concurrency,
-        request_rate=config.request_rate,
-        config={**config.to_dict(), "model": model},
-        keep_records=config.keep_records,
-    )
+    result = aggregate(runner.records, duration, label=config.label, concurrency=config.concurrency,
+                       request_rate=config.request_rate, config={**config.to_dict(), "model": model},
+                       keep_records=config.keep_records)
     result.client_cpu_s = cpu
-    if config.ceiling_s > 0:
-        result.ceiling = await measure_ceiling(config, result)
+    if config.ceiling_s > 0:  # the same load against the instant endpoint, beside this run
+        endpoint = await ceiling.shared_endpoint()
+        result.ceiling = ceiling.compare(await run_load(ceiling.ceiling_config(config, endpoint.base_url)), result)
     return result
-
-
-async def measure_ceiling(config: LoadConfig, measured: Result) -> dict[str, Any]:
-    """The same load against the instant endpoint for `config.ceiling_s` seconds, beside `measured`."""
-    endpoint = await ceiling.shared_endpoint()
-    bare = await run_load(ceiling.ceiling_config(config, endpoint.base_url))
-    return ceiling.compare(bare, measured)
-
-
-async def _prepare_sessions(
-    config: LoadConfig,
-    client: Client,
-    model: str,
-    sessions: Sequence[Session] | None,
-    warmup_sessions: Sequence[Session] | None,
-) -> tuple[Sequence[Session], Sequence[Session] | None]:
-    """The sessions given, else fresh ones (the warm-up's from a seed of their own)."""
-    build_warmup = bool(config.warmup_requests) and warmup_sessions is None
-    if sessions is None or build_warmup:
-        tokenizer = await get_tokenizer(config, client, model)
-        if sessions is None:
-            sessions = await build_sessions(config, sessions_needed(config), tokenizer)
-        if build_warmup:
-            warm_cfg = dataclasses.replace(config, num_requests=config.warmup_requests)
-            warmup_sessions = await build_sessions(warm_cfg, sessions_needed(warm_cfg), tokenizer, seed=config.seed + 7919)
-    return sessions, warmup_sessions
-
-
-async def _measure(
-    config: LoadConfig, client: Client, model: str, sessions: Sequence[Session]
-) -> tuple[list[RequestRecord], float, float]:
-    """The measured run: its records, its duration in seconds and this process's CPU seconds meanwhile."""
-    runner = Runner(config, client, model, sessions)
-    if config.progress:  # the CLI on a terminal: tqdm imported only then
-        from tqdm import tqdm
-
-        runner.bar = tqdm(total=config.num_requests, desc=config.label or f"c={config.concurrency}", unit="req", leave=False)
-    cpu = time.process_time()
-    try:
-        duration = await runner.run()
-    finally:
-        if runner.bar is not None:
-            runner.bar.close()
-    return runner.records, duration, time.process_time() - cpu
 
 
 async def run_sweep(config: LoadConfig, levels: Sequence[int], waves: int | None = None) -> list[Result]:
@@ -219,9 +188,5 @@ T = TypeVar("T")
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run` on uvloop when installed (uvicorn[standard] brings it): less loop overhead per request."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop comes with the gateway's dependencies
-        return asyncio.run(coro)
+    """`asyncio.run` on uvloop (uvicorn[standard] brings it): less loop overhead per request."""
     return uvloop.run(coro)

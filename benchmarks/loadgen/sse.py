@@ -39,7 +39,7 @@ def _data(event: bytes) -> str | None:
     """The data of one event's lines (None for an event without data: a comment, a keep-alive)."""
     values = []
     for line in event.decode("utf-8", "replace").split("\n"):
-        name, colon, value = line.partition(":")
+        name, _, value = line.partition(":")
         if name == "data":
             values.append(value[1:] if value.startswith(" ") else value)
     return "\n".join(values) if values else None
@@ -47,18 +47,9 @@ def _data(event: bytes) -> str | None:
 
 def _piece_of(choice: dict[str, Any]) -> str:
     """The text a streamed choice carries (completions: text; chat: delta content/reasoning/tools)."""
-    text = choice.get("text")
-    if text:
-        return text
-    delta = choice.get("delta")
-    if not delta:
-        return ""
-    content = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
-    if content:
-        return content
-    if delta.get("tool_calls"):
-        return json.dumps(delta["tool_calls"])
-    return ""
+    delta = choice.get("delta") or {}
+    text = choice.get("text") or delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+    return text or (json.dumps(delta["tool_calls"]) if delta.get("tool_calls") else "")
 
 
 class StreamAccumulator:
@@ -100,8 +91,7 @@ class StreamAccumulator:
         return False
 
     def _done(self, now: float) -> bool:
-        self.done = True
-        self.done_at = now
+        self.done, self.done_at = True, now
         return True
 
     def _take_choices(self, choices: Iterable[dict[str, Any]], now: float) -> None:

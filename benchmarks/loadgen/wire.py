@@ -10,6 +10,7 @@ connection per request in flight, dropped after `idle_s` idle. Errors are those
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 import time
@@ -33,29 +34,15 @@ class WireResponse:
     """One answer on one connection, filled by the connection's parser callbacks."""
 
     def __init__(self, connection: _Connection, origin: Origin, url: str, deadline: float) -> None:
-        self.connection = connection
-        self.origin = origin
-        self.url = url
-        self.deadline = deadline
-        self.status = 0
+        self.connection, self.origin, self.url, self.deadline = connection, origin, url, deadline
+        self.status = 0  # set with the headers; the connection's parser fills all of these
         self.headers: dict[str, str] = {}  # names in lower case
         self.complete = False
         self.error: BaseException | None = None
-        self._chunks: list[bytes] = []
-        self._headers_done = False
+        self.chunks: list[bytes] = []  # of the body, not yet read
         self._waiter: asyncio.Future[None] | None = None
 
     # the connection's side (it wakes the reader once per read from the socket, `wake`)
-    def on_headers(self, status: int) -> None:
-        self.status = status
-        self._headers_done = True
-
-    def on_body(self, data: bytes) -> None:
-        self._chunks.append(data)
-
-    def on_complete(self) -> None:
-        self.complete = True
-
     def fail(self, error: BaseException) -> None:
         if not self.complete and self.error is None:
             self.error = error
@@ -79,27 +66,23 @@ class WireResponse:
             raise self.error
 
     async def wait_headers(self) -> None:
-        while not self._headers_done:
+        while not self.status:
             await self._wait()
-
-    async def next_chunk(self) -> bytes:
-        """What came of the body since the last call (b"" at its end)."""
-        while not self._chunks and not self.complete:
-            await self._wait()
-        if not self._chunks:
-            return b""
-        chunks, self._chunks = self._chunks, []
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives: what came since the last step."""
-        while chunk := await self.next_chunk():
-            yield chunk
+        while True:
+            while not self.chunks and not self.complete:
+                await self._wait()
+            if not self.chunks:
+                return
+            chunks, self.chunks = self.chunks, []
+            yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def read(self) -> bytes:
         while not self.complete:
             await self._wait()
-        chunks, self._chunks = self._chunks, []
+        chunks, self.chunks = self.chunks, []
         return b"".join(chunks)
 
     def raise_for_status(self) -> None:
@@ -122,10 +105,8 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):  # not TCP
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:  # pragma: no cover - not TCP
-                pass
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -154,16 +135,16 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         if self.response is not None:
-            self.response.on_headers(self.parser.get_status_code())
+            self.response.status = self.parser.get_status_code()
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None:
-            self.response.on_body(body)  # a chunk of a chunked body each: one per event of a stream
+            self.response.chunks.append(body)  # a chunk of a chunked body each: one per event of a stream
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
         if self.response is not None:
-            self.response.on_complete()
+            self.response.complete = True
 
     # the session's side
     def send(self, data: bytes, response: WireResponse) -> None:
@@ -298,12 +279,9 @@ class WireSession:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        for connections in self._idle.values():
-            for connection in connections:
-                connection.close()
-        self._idle.clear()
-        for connection in list(self._busy):
+        for connection in [*(c for idle in self._idle.values() for c in idle), *self._busy]:
             connection.close()
+        self._idle.clear()
         self._busy.clear()
 
     async def __aenter__(self) -> WireSession:

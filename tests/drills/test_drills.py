@@ -34,6 +34,8 @@ from tests.redis_server import RedisServer
 pytestmark = pytest.mark.drill
 REPO = Path(__file__).resolve().parents[2]
 RUNNING, WAITING = 4, 4
+DISCONNECTS = 100  # streams the disconnect drill cuts mid-answer
+REDIS_DRILL_S = 30.0  # seconds of the Redis outage drill (before, down, after)
 QUESTION = [{"role": "user", "content": "Tell me about the sea."}]
 PROMPTS = ["What is the capital of France?", "Name a colour.", "Say hello.", "Count to three.", "Name a fruit."]
 FIGURES: dict[str, Any] = {}
@@ -229,7 +231,8 @@ async def test_a_flood_at_10x_the_bounds_is_refused_before_the_first_byte(phase_
     assert peak <= RUNNING
 
 
-async def test_mid_stream_disconnects_leave_nothing_running(phase_a, total: int = 100) -> None:
+async def test_mid_stream_disconnects_leave_nothing_running(phase_a) -> None:
+    total = DISCONNECTS
     base = phase_a[0].base
     body = {"model": "smol", "messages": QUESTION, "max_tokens": 1000, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=600) as client:
@@ -253,7 +256,8 @@ async def test_mid_stream_disconnects_leave_nothing_running(phase_a, total: int 
     assert counted >= left
 
 
-async def test_redis_killed_and_restarted_costs_hits_not_requests(phase_a, seconds: float = 30) -> None:
+async def test_redis_killed_and_restarted_costs_hits_not_requests(phase_a) -> None:
+    seconds = REDIS_DRILL_S
     base, redis = phase_a[0].base, phase_a[1]
     phases = {p: {"ok": 0, "failed": 0, "hits": 0} for p in ("before", "down", "after")}
     phase, stop, failures = "before", time.monotonic() + seconds, []

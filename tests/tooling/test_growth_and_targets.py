@@ -36,7 +36,7 @@ def test_growth_defaults_are_small_and_full_is_the_issues_sizes() -> None:
     args = growth.parser().parse_args(["--parts", "soak"])
     assert args.parts == ["soak"]
     assert args.soak_requests is None
-    assert args.soak_cache_entries == 10_000
+    assert growth.SOAK_CACHE_ENTRIES == 10_000  # the gateway's default bound
 
 
 def test_growth_report_renders_every_part() -> None:

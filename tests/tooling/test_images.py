@@ -39,7 +39,8 @@ def test_dockerfile_agrees_with_gateway(image: str, clean_env: pytest.MonkeyPatc
     keywords = [keyword for keyword, _ in instructions]
     [base] = [rest for keyword, rest in instructions if keyword == "FROM"]
     name, _, tag = base.partition(":")
-    assert tag and tag != "latest", "pin the base image"
+    assert tag, "pin the base image"
+    assert tag != "latest", "pin the base image"
     if image.endswith("gpu"):
         assert name in ("nvidia/cuda", "vllm/vllm-openai")
     else:

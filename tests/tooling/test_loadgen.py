@@ -314,7 +314,8 @@ async def test_loadgen_end_to_end_on_the_echo_gateway(echo_gateway, endpoint) ->
     config = LoadConfig(base_url=base_url, endpoint=endpoint, concurrency=4, num_requests=12, input_tokens=16,
                         output_tokens=8, ignore_eos=True, duration_s=30, warmup_requests=2, keep_records=True)
     result = await loadgen.run_load(config)
-    assert result.completed == 12 and result.failed == 0, result.errors
+    assert result.completed == 12, result.errors
+    assert result.failed == 0, result.errors
     assert len(engine.requests) == 14  # with the warm-up
     assert result.config["model"] == "echo-model"  # found with GET /v1/models
     assert result.usage_reported

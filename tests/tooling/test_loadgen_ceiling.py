@@ -143,7 +143,9 @@ async def test_a_run_against_the_instant_endpoint_is_on_one_time_line(instant) -
     config = LoadConfig(base_url=base_url, endpoint="completions", concurrency=4, num_requests=40, input_tokens=6,
                         output_tokens=5, tokenizer="words", warmup_requests=4, keep_records=True)
     result = await run_load(config)
-    assert result.completed == 40 and result.failed == 0 and result.cancelled == 0, result.errors
+    assert result.completed == 40, result.errors
+    assert result.failed == 0, result.errors
+    assert result.cancelled == 0, result.errors
     assert result.concurrency == 4
     assert result.config["model"] == "inst"
     assert len(result.records) == 40

