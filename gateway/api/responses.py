@@ -109,6 +109,7 @@ async def by_id(request: Request) -> Response:
     """GET (retrieve) and DELETE /v1/responses/{response_id}."""
     store, scope, response_id = _store(request), _scope(request), request.path_params["response_id"]
     if request.method == "DELETE":
+        await store.get(scope, response_id)  # another tenant's (or none): 404 before anything is touched
         run = store.running.get(response_id)
         if run is not None:
             await run.cancel()

@@ -72,10 +72,12 @@ def _add(group: argparse._ArgumentGroup, option: Option) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="llm-gateway", description="OpenAI-compatible LLM gateway")
+    # no abbreviated flags: with a flag per setting, a prefix that is unique today is ambiguous tomorrow
+    root = argparse.ArgumentParser(prog="llm-gateway", description="OpenAI-compatible LLM gateway", allow_abbrev=False)
     commands = root.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
+        allow_abbrev=False,
         help="start the gateway",
         usage="llm-gateway serve [--FLAG VALUE ...]",
         description="Start the gateway. Every flag has an environment variable (in brackets); a flag given wins. "

@@ -113,6 +113,7 @@ def test_the_log_format_flag_reaches_vllms_log_lines_too() -> None:
     ["serve", "--engine-arg", "no-equals-sign"],
     ["serve", "--admission-queue-share", "{not json"],
     ["serve", "--api-keys", '["sk-a"]'],  # secrets: the environment only
+    ["serve", "--served", "x"],  # no abbreviations: a unique prefix today is ambiguous once a setting is added
     [],
 ])
 def test_a_bad_command_line_exits_2(argv: list[str], capsys) -> None:

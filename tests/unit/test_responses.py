@@ -448,3 +448,22 @@ async def test_a_stream_whose_client_leaves_is_stored_cancelled(engine: FakeEngi
         stored = await state["gateway"].responses.get("anonymous", first["response"]["id"])
     assert engine.aborted == [engine.requests[0].request_id]
     assert stored.response.status == "cancelled"
+
+
+def test_another_key_cannot_cancel_or_delete_a_running_background_response(engine: FakeEngine) -> None:
+    """Key B's DELETE of key A's running response is a 404 that touches nothing: the run goes on."""
+    engine.delay = 0.02
+    with TestClient(app_with(engine, api_keys=["sk-a", "sk-b"])) as client:
+        a, b = {"authorization": "Bearer sk-a"}, {"authorization": "Bearer sk-b"}
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 20, "background": True}
+        started = client.post("/v1/responses", json=body, headers=a).json()
+        refused = client.delete(f"/v1/responses/{started['id']}", headers=b)
+        assert refused.status_code == 404
+        assert refused.json()["error"]["param"] == "response_id"
+        for _ in range(200):  # bounded: the run ends after 20 tokens of 0.02 s
+            found = client.get(f"/v1/responses/{started['id']}", headers=a).json()
+            if found["status"] not in ("queued", "in_progress"):
+                break
+            time.sleep(0.02)
+        assert found["status"] == "incomplete"  # ran to its max_output_tokens, not cancelled
+        assert engine.aborted == []
