@@ -1,4 +1,4 @@
-"""Remote models under the same policies as embedded ones (serving.remote, api.dispatch): charged
+"""Remote models under the same policies as embedded ones (serving.remote, pipeline.attempt): charged
 (estimated before, settled to the upstream's usage after), cached (whole and streamed answers),
 measured (time to first token, in flight, tokens). The upstream is a real gateway on the fake
 engine behind a real uvicorn server on loopback; the front gateway has only remote models, as in
