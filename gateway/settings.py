@@ -7,6 +7,7 @@ variables prefixed `GATEWAY_` (nested with `__`, e.g. `GATEWAY_ENGINE__MAX_MODEL
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -154,11 +155,17 @@ class Settings(BaseSettings):
         None, gt=0, description="Tokens (prompt + max output, counted up front as OpenAI does) per minute per API key"
     )
     auth_failures_per_minute: int = Field(
-        10, gt=0, description="Failed API-key attempts per client address per minute; more are refused 429"
+        10, gt=0,
+        description="Unknown API keys per client address per minute; more are refused 429 (a known key never is)",
     )
     forwarded_allow_ips: str = Field(
-        "127.0.0.1",
-        description="Proxies (comma-separated addresses, or *) whose X-Forwarded-For names the client address",
+        "",
+        description="Trusted proxies (comma-separated addresses or networks such as 10.0.0.0/8, or *) whose "
+        "forwarded header names the client address; empty: none, the peer is the client",
+    )
+    forwarded_header: Literal["x-forwarded-for", "forwarded"] = Field(
+        "x-forwarded-for",
+        description="The header trusted proxies name the client in: X-Forwarded-For, or RFC 7239 Forwarded",
     )
     key_id_secret: SecretStr | None = Field(
         None, description="Secret of the keyed hash that names API keys in logs; unset: a random one per process"
@@ -215,6 +222,13 @@ class Settings(BaseSettings):
     def _one_body_fits_in_flight(self) -> Settings:
         if self.max_body_bytes_in_flight < self.max_body_bytes:
             raise ValueError("max_body_bytes_in_flight must be at least max_body_bytes")
+        return self
+
+    @model_validator(mode="after")
+    def _proxies_are_addresses(self) -> Settings:
+        for entry in self.forwarded_allow_ips.split(","):
+            if entry.strip() not in ("", "*"):
+                ipaddress.ip_network(entry.strip(), strict=False)  # ValueError: "... does not appear to be ..."
         return self
 
     @model_validator(mode="after")

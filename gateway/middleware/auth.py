@@ -9,28 +9,24 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.api.errors import dialect_of, send_error
 from gateway.errors import APIError
 from gateway.pipeline.context import context_of
-from gateway.tenancy.keys import AttemptThrottle, Authenticator, KeyRing
-from gateway.tenancy.tenants import Tenants
+from gateway.tenancy.keys import Authenticator
 
 
 class AuthMiddleware:
     """`open_paths`: the routes that take no key (from the route table)."""
 
-    def __init__(
-        self, app: ASGIApp, keys: KeyRing, open_paths: frozenset[str], throttle: AttemptThrottle,
-        tenants: Tenants | None = None,
-    ) -> None:
+    def __init__(self, app: ASGIApp, authenticator: Authenticator, open_paths: frozenset[str]) -> None:
         self.app = app
         self.open = open_paths
-        self.authenticator = Authenticator(keys, throttle, tenants)
+        self.authenticator = authenticator
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open:
             await self.app(scope, receive, send)
             return
-        address = (scope.get("client") or ("unknown",))[0]
+        peer = (scope.get("client") or ("unknown",))[0]
         try:
-            identity = self.authenticator.identify(scope["method"], scope.get("headers", ()), address)
+            identity = self.authenticator.identify(scope["method"], scope.get("headers", ()), peer)
         except APIError as error:
             await send_error(send, error, dialect=dialect_of(scope))
             return

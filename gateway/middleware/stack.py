@@ -13,20 +13,22 @@ from gateway.middleware.lifecycle import LifecycleMiddleware
 from gateway.middleware.rate_limit import RateLimitMiddleware
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.settings import Settings
-from gateway.tenancy.keys import AttemptThrottle, KeyRing
+from gateway.tenancy.keys import AttemptThrottle, Authenticator, KeyRing, TrustedProxies
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
 
 
 def stack(settings: Settings, lifecycle: Lifecycle, quota: Quota, tenants: Tenants, table: RouteTable) -> list[Middleware]:
     keyless = table.paths("open") if settings.auth_ops_routes else table.paths("open", "ops")
-    keys = KeyRing(settings.api_keys, settings.key_id_secret)
-    throttle = AttemptThrottle(settings.auth_failures_per_minute)
+    authenticator = Authenticator(
+        KeyRing(settings.api_keys, settings.key_id_secret), AttemptThrottle(settings.auth_failures_per_minute), tenants,
+        TrustedProxies(settings.forwarded_allow_ips, settings.forwarded_header),
+    )
     return [
         Middleware(AccessLogMiddleware, route_label=table.label, log_content=settings.log_prompts,
                    dialect=table.dialect),
         Middleware(LifecycleMiddleware, lifecycle=lifecycle, ops_paths=table.paths("ops")),
-        Middleware(AuthMiddleware, keys=keys, open_paths=keyless, throttle=throttle, tenants=tenants),
+        Middleware(AuthMiddleware, authenticator=authenticator, open_paths=keyless),
         Middleware(RateLimitMiddleware, quota=quota, tenants=tenants, open_paths=keyless),
         Middleware(BodyMiddleware, budget=BodyBudget(settings.max_body_bytes_in_flight), timeout_s=settings.body_timeout_s),
     ]

@@ -163,7 +163,7 @@ def server_config(app: Any, settings: Settings, tls_options: dict[str, Any] | No
         http=http_protocol(settings.header_timeout_s),
         timeout_keep_alive=settings.keep_alive_timeout_s,
         limit_concurrency=settings.max_connections,
-        forwarded_allow_ips=settings.forwarded_allow_ips,  # the client address the auth throttle counts
+        proxy_headers=False,  # the client address is decided once, by tenancy.keys.TrustedProxies
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=5,  # the drain already waited for requests in progress

@@ -3,10 +3,17 @@ refusal (`Authenticator.identify`), without a web framework (`middleware.auth` c
 
 A key on every route but the open ones, as `Authorization: Bearer` (OpenAI's clients) or
 `x-api-key` (Anthropic's). Keys come from settings and are kept only as SHA-256 hashes; a
-presented key is hashed and compared with every stored hash in constant time. Exactly one key is
-taken; two are a 401. Failed attempts are throttled per client address
-(`auth_failures_per_minute`): past the limit every attempt from that address is refused with 429
-until its bucket refills, so keys cannot be guessed at speed.
+presented key is hashed and compared with every stored hash in constant time. Exactly one
+credential is taken: two different keys (in `Authorization` and `x-api-key`, or one header
+twice), in whatever order, are a 401; the same key sent twice is one credential.
+
+Unknown keys are throttled per client address (`auth_failures_per_minute`): past the limit, an
+unknown key from that address is refused with 429 until its bucket refills, which bounds what a
+flood of wrong keys costs. A known key is never refused by the throttle (it is looked up first),
+so one client sending bad keys cannot lock out the tenants that share its address behind a load
+balancer. The client's address is the peer's, or, when the peer is a trusted proxy
+(`forwarded_allow_ips`), the one the proxy names in `X-Forwarded-For` (or RFC 7239 `Forwarded`,
+`forwarded_header`): `TrustedProxies.client`, the one decision.
 
 Each key has two names, neither of them the key: its *id*, a keyed hash (HMAC-SHA-256 with
 `key_id_secret`, a random one per process when unset) that goes into logs and rate limits, and
@@ -24,10 +31,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import SecretStr
 
@@ -119,30 +128,110 @@ def _declares_json(headers: Headers) -> bool:
     return len(values) == 1 and values[0].split(b";")[0].strip().lower() == b"application/json"
 
 
-def presented_keys(headers: Headers) -> list[str]:
-    """The keys a request presents: its `Authorization` headers (a Bearer token each: OpenAI's
-    clients; any other scheme counts as a wrong key), else its `x-api-key` headers (Anthropic's)."""
-    authorization = header_values(headers, b"authorization")
-    if authorization:
-        schemes = [value.decode("latin-1").partition(" ") for value in authorization]
-        return [token.strip() if scheme.lower() == "bearer" else "" for scheme, _, token in schemes]
-    return [value.decode("latin-1").strip() for value in header_values(headers, b"x-api-key")]
+def presented_keys(headers: Headers) -> set[str]:
+    """The different keys a request presents: each `Authorization` header's Bearer token (OpenAI's
+    clients; any other scheme counts as a wrong key, "") and each `x-api-key` (Anthropic's)."""
+    keys = set()
+    for value in header_values(headers, b"authorization"):
+        scheme, _, token = value.decode("latin-1").partition(" ")
+        keys.add(token.strip() if scheme.lower() == "bearer" else "")
+    keys.update(value.decode("latin-1").strip() for value in header_values(headers, b"x-api-key"))
+    return keys
+
+
+ForwardedHeader = Literal["x-forwarded-for", "forwarded"]
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class TrustedProxies:
+    """Which peers may name the client (`forwarded_allow_ips`: addresses or networks, comma
+    separated, `*` for any), and by which header. The client is the nearest hop that is not a
+    trusted proxy, read from the right, where each proxy appends the address it saw."""
+
+    def __init__(self, spec: str = "", header: ForwardedHeader = "x-forwarded-for") -> None:
+        entries = [entry.strip() for entry in spec.split(",") if entry.strip()]
+        self.any = "*" in entries
+        self.networks: list[Network] = [ipaddress.ip_network(e, strict=False) for e in entries if e != "*"]
+        self.header = header
+
+    def trusts(self, address: str) -> bool:
+        if self.any:
+            return True
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in network for network in self.networks)
+
+    def client(self, peer: str, headers: Headers) -> str:
+        if not (self.any or self.networks) or not self.trusts(peer):
+            return peer
+        hops = _forwarded_for(headers) if self.header == "forwarded" else _x_forwarded_for(headers)
+        for hop in reversed(hops):
+            if not self.trusts(hop):
+                return hop
+        return hops[0] if hops else peer
+
+
+def _x_forwarded_for(headers: Headers) -> list[str]:
+    values = b",".join(header_values(headers, b"x-forwarded-for")).decode("latin-1")
+    return [hop.strip() for hop in values.split(",") if hop.strip()]
+
+
+def _forwarded_for(headers: Headers) -> list[str]:
+    """The `for=` of each element of RFC 7239 `Forwarded` headers, without quotes, brackets or port."""
+    hops = []
+    for element in b",".join(header_values(headers, b"forwarded")).decode("latin-1").split(","):
+        for pair in element.split(";"):
+            name, _, value = pair.strip().partition("=")
+            if name.lower() == "for" and value:
+                hops.append(_node(value.strip().strip('"')))
+    return hops
+
+
+def _node(value: str) -> str:
+    """`192.0.2.1:80` → `192.0.2.1`, `[2001:db8::1]:80` → `2001:db8::1`; others as they are."""
+    if value.startswith("["):
+        return value[1:].partition("]")[0]
+    host, sep, port = value.rpartition(":")
+    return host if sep and port.isdigit() and ":" not in host else value
 
 
 class Authenticator:
     """Settings keys (`keys`), the keys file's (`tenants`) and the failed-attempt throttle."""
 
-    def __init__(self, keys: KeyRing, throttle: AttemptThrottle, tenants: Tenants | None = None) -> None:
+    def __init__(
+        self, keys: KeyRing, throttle: AttemptThrottle, tenants: Tenants | None = None,
+        proxies: TrustedProxies | None = None,
+    ) -> None:
         self.keys = keys
         self.throttle = throttle
         self.tenants = tenants
+        self.proxies = proxies or TrustedProxies()
 
-    def identify(self, method: str, headers: Headers, address: str) -> Identity:
+    def identify(self, method: str, headers: Headers, peer: str) -> Identity:
         """The request's identity, or the `APIError` that refuses it."""
         if not self.keys.enabled and not (self.tenants and self.tenants.enabled):
             if method == "POST" and _has_body(headers) and not _declares_json(headers):
                 raise UnsupportedMediaType("Send the request body as JSON, with 'Content-Type: application/json'.")
             return NOBODY
+        presented = presented_keys(headers)
+        if not presented:
+            raise AuthenticationFailed(
+                "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY' (or 'x-api-key: YOUR_KEY')."
+            )
+        if len(presented) > 1:  # which one counts is for no layer to guess
+            self._failed(peer, headers)
+            raise AuthenticationFailed("This request presents more than one API key; send exactly one.")
+        identity = self._lookup(presented.pop())
+        if identity is None:
+            self._failed(peer, headers)
+            raise AuthenticationFailed("Incorrect API key provided.")
+        return identity
+
+    def _failed(self, peer: str, headers: Headers) -> None:
+        """Count an unknown key against its client's address; past the limit, 429 instead of 401."""
+        address = self.proxies.client(peer, headers)
         wait = self.throttle.wait_s(address)
         if wait > 0:
             metrics.labelled(metrics.RATE_LIMITED, "auth_failures").inc()
@@ -150,20 +239,12 @@ class Authenticator:
                 "Too many failed API key attempts from this address; please try again later.",
                 headers={"Retry-After": str(max(1, round(wait)))},
             )
-        presented = presented_keys(headers)
-        if not presented:
-            raise AuthenticationFailed(
-                "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY' (or 'x-api-key: YOUR_KEY')."
-            )
-        # two keys: which one counts is for no layer to guess
-        identity = self._lookup(presented[0]) if len(presented) == 1 and presented[0] else None
-        if identity is None:
-            self.throttle.failed(address)
-            raise AuthenticationFailed("Incorrect API key provided.")
-        return identity
+        self.throttle.failed(address)
 
     def _lookup(self, presented: str) -> Identity | None:
-        """A keys-file key by the id the file gives it (its tenant the same, stable), else a settings key."""
+        """None for "" (no Bearer token); a keys-file key by the id the file gives it (its tenant the same, stable), else a settings key."""
+        if not presented:
+            return None
         file_id = self.tenants.identify(presented) if self.tenants and self.tenants.enabled else None
         if file_id is not None:
             return Identity(file_id, f"keys-file:{file_id}")

@@ -6,11 +6,14 @@ import hashlib
 import hmac
 import json
 
+import pytest
 import structlog.testing
 from pydantic import SecretStr
 from starlette.testclient import TestClient
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.tenancy.keys import AttemptThrottle, KeyRing
+from gateway.settings import Settings
+from gateway.tenancy.keys import AttemptThrottle, ForwardedHeader, KeyRing, TrustedProxies
 from tests.fakes import FakeEngine, app_with, chat_body
 
 
@@ -59,39 +62,91 @@ def test_keys_are_kept_as_hashes_and_logged_by_a_keyed_hash() -> None:
     assert identity.tenant not in str(logs)
 
 
-def test_two_authorization_headers_are_refused() -> None:
+ONE, TWO = ("Authorization", "Bearer sk-one"), ("Authorization", "Bearer sk-two")
+X_ONE, X_TWO = ("x-api-key", "sk-one"), ("x-api-key", "sk-two")
+
+
+@pytest.mark.parametrize("headers", [
+    [ONE, TWO], [TWO, ONE], [ONE, X_TWO], [X_TWO, ONE], [X_ONE, X_TWO], [TWO, X_ONE],
+    [ONE, ("Authorization", "Basic c2stb25lOg==")], [("Authorization", "Basic c2stb25lOg=="), X_ONE],
+    [ONE, ("x-api-key", "")], [ONE, X_ONE, X_TWO],
+])
+def test_two_different_credentials_are_refused_whatever_their_order(headers: list[tuple[str, str]]) -> None:
     with TestClient(app_with(api_keys=["sk-one", "sk-two"])) as client:
-        headers = [("Authorization", "Bearer sk-one"), ("Authorization", "Bearer sk-two")]
-        refused = client.post("/v1/chat/completions", json=chat_body(), headers=headers)
-        assert refused.status_code == 401
-        assert refused.json()["error"]["code"] == "invalid_api_key"
-        assert client.post("/v1/chat/completions", json=chat_body(), headers=headers[:1]).status_code == 200
+        for path, body in [("/v1/chat/completions", chat_body()), ("/v1/messages", None)]:
+            refused = client.post(path, json=body or {}, headers=headers)
+            assert refused.status_code == 401
+            assert "more than one" in str(refused.json())
+        for alone in headers:
+            if alone[1] not in ("", "Basic c2stb25lOg=="):
+                assert client.post("/v1/chat/completions", json=chat_body(), headers=[alone]).status_code == 200
 
 
-def test_failed_key_attempts_are_throttled_per_client_address() -> None:
-    app, address = app_with(api_keys=["sk-right"], auth_failures_per_minute=3), ["10.0.0.1"]
+@pytest.mark.parametrize("headers", [[ONE, ONE], [ONE, X_ONE], [X_ONE, ONE], [X_ONE, X_ONE]])
+def test_the_same_key_sent_twice_is_one_credential(headers: list[tuple[str, str]]) -> None:
+    with TestClient(app_with(api_keys=["sk-one", "sk-two"])) as client:
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=headers).status_code == 200
 
-    async def from_address(scope, receive, send):
+
+def _from(app: ASGIApp, peer: list[str]) -> ASGIApp:
+    async def from_address(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            scope["client"] = (address[0], 5000)
+            scope["client"] = (peer[0], 5000)
         await app(scope, receive, send)
 
+    return from_address
+
+
+def test_unknown_keys_are_throttled_per_client_address_and_a_known_key_never() -> None:
+    """Behind a balancer every client shares one address: one client's bad keys lock out only more
+    bad keys from it, never a tenant with a valid key."""
+    peer = ["10.0.0.1"]
     right, wrong = {"Authorization": "Bearer sk-right"}, {"Authorization": "Bearer sk-guess"}
-    with TestClient(from_address) as client:
+    with TestClient(_from(app_with(api_keys=["sk-right"], auth_failures_per_minute=3), peer)) as client:
         statuses = [client.post("/v1/chat/completions", json=chat_body(), headers=wrong).status_code for _ in range(3)]
         assert statuses == [401, 401, 401]
-        throttled = client.post("/v1/chat/completions", json=chat_body(), headers=right)
+        throttled = client.post("/v1/chat/completions", json=chat_body(), headers=wrong)
         assert throttled.status_code == 429
         assert int(throttled.headers["retry-after"]) >= 1
         assert throttled.json()["error"]["code"] == "rate_limit_exceeded"
         assert "failed" in throttled.json()["error"]["message"]
-        address[0] = "10.0.0.2"  # another client is not held back
-        assert client.post("/v1/chat/completions", json=chat_body(), headers=right).status_code == 200
+        for _ in range(3):  # from the same address, while it is throttled
+            assert client.post("/v1/chat/completions", json=chat_body(), headers=right).status_code == 200
+            assert client.get("/v1/models", headers={"x-api-key": "sk-right"}).status_code == 200
+        peer[0] = "10.0.0.2"  # another address is not held back
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=wrong).status_code == 401
     throttle = AttemptThrottle(per_minute=1, max_addresses=2)
     for name in ("a", "b", "c"):
         throttle.failed(name)
     assert throttle.wait_s("a") == 0
     assert throttle.wait_s("c") > 0
+
+
+@pytest.mark.parametrize(("trusted", "header", "peer", "headers", "client"), [
+    ("", "x-forwarded-for", "10.0.0.9", [(b"x-forwarded-for", b"1.2.3.4")], "10.0.0.9"),  # trusts nobody
+    ("10.0.0.0/8", "x-forwarded-for", "10.0.0.9", [(b"x-forwarded-for", b"1.2.3.4")], "1.2.3.4"),
+    ("10.0.0.0/8", "x-forwarded-for", "192.0.2.7", [(b"x-forwarded-for", b"1.2.3.4")], "192.0.2.7"),  # untrusted peer
+    # the client forges a first hop: the nearest untrusted hop, read from the right, counts
+    ("10.0.0.0/8", "x-forwarded-for", "10.0.0.9", [(b"x-forwarded-for", b"6.6.6.6, 1.2.3.4, 10.0.0.3")], "1.2.3.4"),
+    ("10.0.0.0/8", "x-forwarded-for", "10.0.0.9",
+     [(b"x-forwarded-for", b"6.6.6.6"), (b"x-forwarded-for", b"1.2.3.4")], "1.2.3.4"),
+    ("10.0.0.0/8", "x-forwarded-for", "10.0.0.9", [], "10.0.0.9"),
+    ("10.0.0.0/8", "x-forwarded-for", "10.0.0.9", [(b"forwarded", b"for=1.2.3.4")], "10.0.0.9"),  # not the header
+    ("10.0.0.0/8", "forwarded", "10.0.0.9", [(b"x-forwarded-for", b"1.2.3.4")], "10.0.0.9"),
+    ("10.0.0.0/8", "forwarded", "10.0.0.9",
+     [(b"forwarded", b'for=6.6.6.6, for="[2001:db8::17]:4711";proto=https, for=10.0.0.3:80')], "2001:db8::17"),
+    ("*", "x-forwarded-for", "192.0.2.7", [(b"x-forwarded-for", b"1.2.3.4, 5.6.7.8")], "1.2.3.4"),
+    ("127.0.0.1, ::1", "x-forwarded-for", "::1", [(b"x-forwarded-for", b"1.2.3.4")], "1.2.3.4"),
+])
+def test_the_client_address_comes_from_trusted_proxies_only(
+    trusted: str, header: ForwardedHeader, peer: str, headers: list[tuple[bytes, bytes]], client: str
+) -> None:
+    assert TrustedProxies(trusted, header).client(peer, headers) == client
+
+
+def test_a_proxy_setting_that_is_no_address_stops_the_start() -> None:
+    with pytest.raises(ValueError, match="does not appear to be"):
+        Settings(forwarded_allow_ips="10.0.0.0/8, lb.internal")
 
 
 def test_without_keys_a_post_must_declare_json() -> None:

@@ -256,18 +256,20 @@ def test_connections_past_the_cap_get_503() -> None:
             sock.close()
 
 
-def test_the_auth_throttle_counts_the_client_behind_a_trusted_proxy() -> None:
+@pytest.mark.parametrize(("trusted", "expected"), [("127.0.0.1", [401, 429, 401, 200]), ("", [401, 429, 429, 200])])
+def test_the_auth_throttle_counts_the_client_behind_a_trusted_proxy(trusted: str, expected: list[int]) -> None:
     """From a trusted proxy (here loopback), X-Forwarded-For names the client: one client's
-    failed attempts do not lock out every other client behind the same balancer."""
-    settings = {"api_keys": ["sk-right"], "auth_failures_per_minute": 1, "forwarded_allow_ips": "127.0.0.1"}
+    failed attempts do not lock out every other client behind the same balancer; from a peer not
+    trusted, the header is the client's own word and is ignored. A valid key always passes."""
+    settings = {"api_keys": ["sk-right"], "auth_failures_per_minute": 1, "forwarded_allow_ips": trusted}
     with Running(FakeEngine(), **settings) as server:
-        def attempt(client: str) -> int:
+        def attempt(client: str, key: str = "sk-guess") -> int:
             connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-            headers = {"Authorization": "Bearer sk-guess", "X-Forwarded-For": client}
+            headers = {"Authorization": f"Bearer {key}", "X-Forwarded-For": client}
             connection.request("GET", "/v1/models", headers=headers)
             return connection.getresponse().status
 
-        assert [attempt("10.0.0.1"), attempt("10.0.0.1"), attempt("10.0.0.2")] == [401, 429, 401]
+        assert [attempt("10.0.0.1"), attempt("10.0.0.1"), attempt("10.0.0.2"), attempt("10.0.0.1", "sk-right")] == expected
 
 
 def test_an_error_before_the_router_has_its_length_for_an_http_1_0_client() -> None:
