@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.answers import json_response, respond
-from gateway.api.requests import context, key_models, parse, state_of
+from gateway.api.requests import access, context, parse, state_of
 from gateway.errors import ModelNotFound
 from gateway.pipeline.dispatch import dispatch
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -26,10 +26,8 @@ async def text_completions(request: Request) -> Response:
 
 
 def _cards(request: Request) -> list[ModelCard]:
-    """The models the key may use (the keys file's `models`; every model for other keys)."""
-    cards = state_of(request).models.listing().data
-    allows = key_models(request)
-    return cards if allows is None else [card for card in cards if allows(card.id, card.root or card.id)]
+    """The names the key may use (those that reach a model it may: `ModelRegistry.listing`)."""
+    return state_of(request).models.listing(access(request)).data
 
 
 async def list_models(request: Request) -> Response:

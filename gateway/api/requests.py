@@ -3,7 +3,6 @@ read and JSON parsing into a protocol model (malformed input is a 400, a large b
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
@@ -11,9 +10,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope
 
 from engine.types import Engine
+from gateway.backends.registry import Access
 from gateway.errors import InvalidRequest, PayloadTooLarge, invalid_body
 from gateway.pipeline.context import Gone, RequestContext, context_of
-from gateway.pipeline.dispatch import policy_of
+from gateway.pipeline.dispatch import access_of
 from gateway.pipeline.state import GatewayState
 
 M = TypeVar("M", bound=BaseModel)
@@ -28,10 +28,9 @@ def state_of(request: Request) -> GatewayState:
         return cast(GatewayState, request.state.gateway)  # none: request.state's AttributeError
 
 
-def key_models(request: Request) -> Callable[..., bool] | None:
-    """The request's key's `KeyPolicy.allows` when the keys file limits it to some models, else None."""
-    policy = policy_of(context_of(request.scope), state_of(request))
-    return policy.allows if policy.models is not None else None
+def access(request: Request) -> Access:
+    """The models the request's key may reach (`pipeline.dispatch.access_of`)."""
+    return access_of(context_of(request.scope), state_of(request))
 
 
 def gone_of(receive: Receive) -> Gone:
@@ -58,12 +57,12 @@ def engine_for(request: Request, name: str | None) -> Engine:
     """The embedded engine `name` answers with (None: the default model) for the routes that use a
     model's tokenizer, among the models the request's key may use (the keys file's `models`), as
     the dispatcher holds every other route to them."""
-    return state_of(request).models.engine(name, key_models(request))
+    return state_of(request).models.engine(name, access(request))
 
 
 def default_model(request: Request) -> str:
     """The native routes' model when a request names none: the first generating one the key may use."""
-    return state_of(request).models.default_name(key_models(request))
+    return state_of(request).models.default_name(access(request))
 
 
 def _first_header(scope: Scope, name: bytes) -> str | None:

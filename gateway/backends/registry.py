@@ -1,19 +1,27 @@
 """Public model names → what answers them: embedded engines and remote upstreams ("backends"),
 aliases, SemVer versions (`name`, `name@1`, `name@1.4.2`: `backends.versions`), A/B splits between
-versions, and fallback chains."""
+versions, and fallback chains.
+
+Which models a request can reach is one decision, `ModelRegistry.reach`: a key's `models` entries
+grant concrete backends (`access`: an entry names a model or a version range of one, an alias: what
+it points to, or a split: its arms), and whatever way a request names a model, what it reaches is
+among them: the version range's newest granted version, the split's granted arms (weights among
+them), the fallback hops granted (the others skipped). Nothing granted: the same 404 as a model
+that does not exist. `/v1/models`, the tokenizer routes and the dispatcher all ask it.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SamplingDefaults
 from engine.types import Engine
 from gateway.backends.admission import Admission
 from gateway.backends.upstream import Upstream
-from gateway.backends.versions import Catalog, VersionNotFound
+from gateway.backends.versions import Catalog, VersionNotFound, covers
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.protocol.openai import ModelCard, ModelList
 
@@ -43,18 +51,37 @@ class Split:
     sticky: bool = False
     created: int = 0
 
-    def choose(self, sticky_key: str | None) -> str:
-        total = sum(weight for _, weight in self.versions)
+    def choose(self, sticky_key: str | None, permitted: Callable[[str], bool] = lambda _: True) -> str | None:
+        """An arm among the `permitted` ones, by weight (None: none permitted)."""
+        arms = [(name, weight) for name, weight in self.versions if permitted(name)]
+        if not arms:
+            return None
+        total = sum(weight for _, weight in arms)
         if self.sticky and sticky_key:
             digest = hashlib.sha256(f"{self.name}\0{sticky_key}".encode()).digest()
             point = int.from_bytes(digest[:8], "big") / 2**64 * total
         else:
             point = random.random() * total
-        for name, weight in self.versions:
+        for name, weight in arms:
             if point < weight:
                 return name
             point -= weight
-        return self.versions[-1][0]
+        return arms[-1][0]
+
+
+Access = frozenset[str] | None  # the backends a key may reach (None: every one)
+
+
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """The models one request can reach: `version` answers first, then `chain[1:]` in order."""
+
+    version: str
+    chain: list[Backend]
+
+
+def not_found(name: str) -> ModelNotFound:
+    return ModelNotFound(f"The model '{name}' does not exist or you do not have access to it.", "model")
 
 
 @dataclass(slots=True)
@@ -63,19 +90,39 @@ class ModelRegistry:
     splits: dict[str, Split] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     catalog: Catalog = field(default_factory=Catalog)
+    _grants: dict[tuple[str, ...], frozenset[str]] = field(default_factory=dict)
 
-    def resolve(self, name: str, sticky_key: str | None = None) -> tuple[str, list[Backend]]:
-        """(the version that should answer, then its fallback chain in order)."""
+    def access(self, entries: Sequence[str] | None) -> Access:
+        """The backends a key's `models` entries grant (None: no list, every model)."""
+        if entries is None:
+            return None
+        key = tuple(entries)
+        found = self._grants.get(key)
+        if found is None:
+            found = self._grants[key] = frozenset(name for entry in key for name in self._granted(entry))
+            if len(self._grants) > 4096:  # keys-file reloads with ever new lists: keep it bounded
+                self._grants.clear()
+        return found
+
+    def _granted(self, entry: str) -> Iterable[str]:
+        target = self.aliases.get(entry, entry)
+        if target in self.splits:
+            return [arm for arm, _ in self.splits[target].versions]
+        return [name for name in self.backends if covers(entry, name) or covers(target, name)]
+
+    def reach(self, name: str, access: Access = None, sticky_key: str | None = None) -> Reach:
+        """What a request for `name` reaches with `access`: the one decision (see the module)."""
+        permitted = (lambda _: True) if access is None else access.__contains__
         canonical = self.aliases.get(name, name)
         try:
-            canonical = self.catalog.lookup(canonical) or canonical
-        except VersionNotFound as exc:
-            raise ModelNotFound(str(exc), param="model") from exc
+            canonical = self.catalog.lookup(canonical, permitted) or canonical
+        except VersionNotFound as exc:  # the versions there are: for a key that may see them all
+            raise (ModelNotFound(str(exc), param="model") if access is None else not_found(name)) from exc
         split = self.splits.get(canonical)
-        version = split.choose(sticky_key) if split else canonical
-        if version not in self.backends:
-            raise ModelNotFound(f"The model '{name}' does not exist", param="model")
-        return version, self._chain(version)
+        version = split.choose(sticky_key, permitted) if split else canonical
+        if version is None or version not in self.backends or not permitted(version):
+            raise not_found(name)
+        return Reach(version, [backend for backend in self._chain(version) if permitted(backend.name)])
 
     def _chain(self, name: str) -> list[Backend]:
         order: list[Backend] = []
@@ -91,41 +138,55 @@ class ModelRegistry:
         visit(name)
         return order
 
-    def default_name(self, allows: Callable[..., bool] | None = None) -> str:
-        """The first generating embedded model (with `allows`, a key's `KeyPolicy.allows`: the first
-        the key may use), for the tokenizer and native routes when a request names none."""
+    def default_name(self, access: Access = None) -> str:
+        """The first generating embedded model (the first the key may reach), for the tokenizer and
+        native routes when a request names none."""
         for version, backend in self.backends.items():
             engine = backend.engine
-            if engine is not None and engine.info.task == "generate" and (allows is None or allows(version)):
+            if engine is not None and engine.info.task == "generate" and (access is None or version in access):
                 return version
-        which = " that this key may use" if allows is not None else ""
+        which = " that this key may use" if access is not None else ""
         raise InvalidRequest(f"No embedded model is served here{which}; name one", "model")
 
-    def engine(self, name: str | None, allows: Callable[..., bool] | None = None) -> Engine:
-        """An embedded engine by public name (None: `default_name`); with `allows`, only a model the
-        key may use, as the dispatcher holds every other route to them."""
-        name = self.default_name(allows) if name is None else name
-        version, chain = self.resolve(name)
-        if allows is not None and not allows(name, version):
-            raise ModelNotFound(f"The model '{name}' does not exist or you do not have access to it.", "model")
-        if chain[0].engine is None:
+    def engine(self, name: str | None, access: Access = None) -> Engine:
+        """The embedded engine a request for `name` reaches (None: `default_name`), for the routes
+        that use a model's tokenizer."""
+        name = self.default_name(access) if name is None else name
+        first = self.reach(name, access).chain[0]
+        if first.engine is None:
             raise InvalidRequest(f"The model '{name}' is remote: its tokenizer is not here", "model")
-        return chain[0].engine
+        return first.engine
 
     def engines(self) -> Iterable[tuple[str, Engine]]:
         return [(name, b.engine) for name, b in self.backends.items() if b.engine is not None]
 
-    def listing(self) -> ModelList:
+    def listing(self, access: Access = None) -> ModelList:
+        """A card for each name a request may use with `access` (one that reaches a model)."""
         cards = []
         for name, backend in self.backends.items():
+            if access is not None and name not in access:
+                continue
             engine = backend.engine
             cards.append(ModelCard(
                 id=name, created=backend.created, root=engine.info.root if engine else name,
                 max_model_len=engine.info.max_model_len if engine else None, version=backend.version,
             ))
-        for family in self.catalog.families:  # `name` alone: its newest stable version, if any
-            if (newest := self.catalog.newest_stable(family)) is not None:
+        for family in self.catalog.families:  # `name` alone: its newest stable version (granted), if any
+            if (newest := self._reachable(family, access)) is not None:
                 cards.append(ModelCard(id=family, created=self.backends[newest].created, root=newest))
-        cards += [ModelCard(id=name, created=split.created, root=name) for name, split in self.splits.items()]
-        cards += [ModelCard(id=alias, created=0, root=target) for alias, target in self.aliases.items()]
+        cards += [ModelCard(id=name, created=split.created, root=name) for name, split in self.splits.items()
+                  if self._reachable(name, access) is not None]
+        cards += [ModelCard(id=alias, created=0, root=target) for alias, target in self.aliases.items()
+                  if self._reachable(alias, access) is not None]
         return ModelList(data=cards)
+
+    def _reachable(self, name: str, access: Access) -> str | None:
+        """The model a request for `name` would reach first (a split: any granted arm), or None."""
+        canonical = self.aliases.get(name, name)
+        split = self.splits.get(canonical)
+        if split is not None:
+            return next((arm for arm, _ in split.versions if access is None or arm in access), None)
+        try:
+            return self.reach(name, access).version
+        except ModelNotFound:
+            return None

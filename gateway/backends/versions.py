@@ -14,6 +14,7 @@ metadata ignored). A request no version satisfies is a `VersionNotFound` that li
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import semver
@@ -51,14 +52,17 @@ class Catalog:
         entries.sort(key=lambda entry: entry[0], reverse=True)
         return model_id(name, version)
 
-    def lookup(self, requested: str) -> str | None:
-        """The id `requested` names; None when it names no versioned model (an unversioned model,
-        an alias, or nothing: the caller decides). Raises VersionNotFound when no version fits."""
+    def lookup(self, requested: str, permitted: Callable[[str], bool] | None = None) -> str | None:
+        """The id `requested` names, among the `permitted` ids; None when it names no versioned
+        model (an unversioned model, an alias, or nothing) or none permitted: the caller decides.
+        Raises VersionNotFound when no version fits."""
         name, sep, wanted = requested.rpartition(SEPARATOR)
         if not sep:
             name, wanted = requested, ""
         entries = self.families.get(name)
-        if entries is None:
+        if entries is not None and permitted is not None:
+            entries = [entry for entry in entries if permitted(entry[1])]
+        if not entries:
             return None
         chosen = _choose(entries, wanted)
         if chosen is None:
@@ -81,6 +85,24 @@ class Catalog:
             return (f"The model '{name}' has no stable version; pre-releases are served only when asked for "
                     f"exactly ({name}@VERSION); {name} has versions {existing}")
         return f"The model '{requested}' does not exist: {name} has versions {existing}"
+
+
+def covers(entry: str, name: str) -> bool:
+    """Whether a keys file's model entry grants the model id `name`: `assistant` every version of
+    assistant, `assistant@1` its 1.x.y, `assistant@1.4` its 1.4.y, `assistant@1.4.2` that version
+    only; any other entry itself."""
+    if entry == name:
+        return True
+    family, sep, wanted = entry.partition(SEPARATOR)
+    got_family, got_sep, got = name.partition(SEPARATOR)
+    if got_family != family or not got_sep:
+        return False
+    if not sep:
+        return True
+    parts = wanted.split(".")
+    if len(parts) >= 3 or not all(p.isdigit() for p in parts):
+        return False  # an exact version: only itself (compared above)
+    return got.split("+")[0].split("-")[0].split(".")[: len(parts)] == parts
 
 
 def _choose(entries: list[tuple[semver.Version, str]], wanted: str) -> str | None:

@@ -1,5 +1,6 @@
-"""From a validated request to an answer: pick the model (alias, version, A/B split; one the key
-may use), then try it and its fallbacks in order (`attempt.Attempt`: one model's try). Only
+"""From a validated request to an answer: pick the models it reaches (`access_of`, then
+`ModelRegistry.reach`: alias, version, A/B split arm, fallback hops, only those the key may use),
+then try them in order (`attempt.Attempt`: one model's try). Only
 *fallible* errors (`gateway.errors`: the model overloaded, its engine dead, its upstream down),
 which happen before the first byte, move on to the next model; the last one is the answer when no
 model is left. The request's `Charge` settles when its answer ends.
@@ -7,7 +8,8 @@ model is left. The request's `Charge` settles when its answer ends.
 
 from __future__ import annotations
 
-from gateway.errors import APIError, BackendUnavailable, InvalidRequest, ModelNotFound, from_exception
+from gateway.backends.registry import Access
+from gateway.errors import APIError, BackendUnavailable, InvalidRequest, from_exception
 from gateway.pipeline.answer import Answer
 from gateway.pipeline.attempt import Attempt, Shape
 from gateway.pipeline.context import RequestContext
@@ -23,6 +25,11 @@ def policy_of(context: RequestContext, state: GatewayState) -> KeyPolicy:
     if context.policy is None:
         context.policy = state.tenants.policy(context.key_id)
     return context.policy
+
+
+def access_of(context: RequestContext, state: GatewayState) -> Access:
+    """The models the request's key may reach (the keys file's `models`; None: every model)."""
+    return state.models.access(policy_of(context, state).models)
 
 
 def _check_prompts(state: GatewayState, body: RequestT) -> None:
@@ -44,10 +51,9 @@ async def dispatch(
     _check_prompts(state, body)
     policy = policy_of(context, state)
     sticky = body.user or (context.tenant if context.tenant != ANONYMOUS else None)
-    version, chain = state.models.resolve(body.model, sticky)
+    reach = state.models.reach(body.model, state.models.access(policy.models), sticky)
+    version, chain = reach.version, reach.chain
     record.model, record.version = body.model, version
-    if not policy.allows(body.model, version):  # the keys file's `models`
-        raise ModelNotFound(f"The model '{body.model}' does not exist or you do not have access to it.", "model")
     record.response_headers["x-model-version"] = version
     guard = state.guards.for_request(context.key_id, body.model, version)
     attempt = Attempt(context, state, body, service, guard, shape, policy)

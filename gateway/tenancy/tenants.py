@@ -129,32 +129,11 @@ class KeyPolicy:
     tpm: int | None = None
     budget_day: int | None = None
     budget_month: int | None = None
-    models: tuple[str, ...] | None = None  # None: every model
+    models: tuple[str, ...] | None = None  # None: every model; what they grant: ModelRegistry.access
     guards: str | None = None
     priority: Priority = "normal"
     team: str = ""
     owner: str = ""
-
-    def allows(self, *names: str) -> bool:
-        """May this key use a model asked for (or answering) under any of `names`?"""
-        return self.models is None or any(_covers(entry, name) for entry in self.models for name in names)
-
-
-def _covers(entry: str, name: str) -> bool:
-    """`assistant` covers every version of assistant, `assistant@1` its 1.x.y, `assistant@1.4`
-    its 1.4.y, `assistant@1.4.2` that version only; any other name covers itself."""
-    if entry == name:
-        return True
-    family, sep, wanted = entry.partition("@")
-    got_family, got_sep, got = name.partition("@")
-    if got_family != family or not got_sep:
-        return False
-    if not sep:
-        return True
-    parts = wanted.split(".")
-    if len(parts) >= 3 or not all(p.isdigit() for p in parts):
-        return False  # an exact version: only itself (compared above)
-    return got.split("+")[0].split("-")[0].split(".")[: len(parts)] == parts
 
 
 @dataclass(frozen=True, slots=True)
