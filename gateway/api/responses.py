@@ -8,13 +8,13 @@ response is that same stream, played to nobody by a task that holds the admissio
 it ends; a cancel hangs up on it (the engine request is aborted) and stores it as cancelled. It
 counts as work in progress (`Lifecycle.hold`): a drain waits for it as for a request, and the
 shutdown after the drain's timeout cancels what is still running.
-Responses are scoped by API key, by its tenant (`anonymous` when keys are off).
+Responses are the tenant's of the asking key (`anonymous` when keys are off), reached only through
+the store's view of that owner (`stores.responses`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import NoReturn
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -30,40 +30,35 @@ from gateway.pipeline.dispatch import dispatch
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.protocol.responses import InputItemsQuery, Item, ResponseDeleted, ResponseItemList, ResponsesRequest
 from gateway.serving.responses import ResponsesService
-from gateway.stores.responses import BackgroundRun, ResponseStore, StoredResponse
-
-RUNNING = ("queued", "in_progress")
+from gateway.stores.responses import RUNNING, BackgroundRun, OwnedResponses
 
 
-def _scope(request: Request) -> str:
-    """The key's tenant: the same on every replica (its id in logs may not be: `tenancy.keys`)."""
-    return context_of(request.scope).tenant
-
-
-def _store(request: Request) -> ResponseStore:
-    return state_of(request).responses
+def _mine(request: Request) -> OwnedResponses:
+    """The asking key's stored responses: its tenant's, the same on every replica (its id in logs
+    may not be: `tenancy.keys`)."""
+    return state_of(request).responses.of(context_of(request.scope).tenant)
 
 
 async def create(request: Request) -> Response:
     body = await parse(request, ResponsesRequest)
-    state, scope = state_of(request), _scope(request)
-    history = await _history(state.responses, scope, body.previous_response_id)
-    service = ResponsesService(body, history, state.responses, scope)
+    state, mine = state_of(request), _mine(request)
+    history = await _history(mine, body.previous_response_id)
+    service = ResponsesService(body, history, mine)
     answer = await dispatch(context(request), state, service.chat_request(), service)
     if isinstance(answer, Stream):
         if body.background:
-            return await _in_background(service, stream_response(answer, NAMED), state.responses, state.lifecycle)
+            return await _in_background(service, stream_response(answer, NAMED), state.lifecycle)
         return stream_response(answer, NAMED)
     await service.save()
     return respond(answer)
 
 
-async def _history(store: ResponseStore, scope: str, previous_id: str | None) -> list[Item]:
+async def _history(mine: OwnedResponses, previous_id: str | None) -> list[Item]:
     """The conversation so far: the previous response's input items, then its output."""
     if previous_id is None:
         return []
     try:
-        previous = await store.get(scope, previous_id)
+        previous = await mine.get(previous_id)
     except NotFound:
         raise NotFound(f"Previous response with id '{previous_id}' not found.", "previous_response_id") from None
     if previous.response.status in RUNNING:  # its output is not all there yet: the history would lack it
@@ -74,21 +69,14 @@ async def _history(store: ResponseStore, scope: str, previous_id: str | None) ->
     return [*previous.input_items, *previous.response.output]
 
 
-async def _in_background(
-    service: ResponsesService, stream: EventStreamResponse, store: ResponseStore, lifecycle: Lifecycle
-) -> Response:
+async def _in_background(service: ResponsesService, stream: EventStreamResponse, lifecycle: Lifecycle) -> Response:
     accepted = service.skeleton("in_progress")
     await service.save(accepted)  # retrievable at once (the stream's own saves come later)
     hang_up = asyncio.Event()
     release = lifecycle.hold()  # a drain waits for it
     task = asyncio.create_task(_play(stream, hang_up))
-    store.running[service.id] = BackgroundRun(task, hang_up, service.cancelled)
-
-    def ended(_: object) -> None:
-        store.running.pop(service.id, None)
-        release()
-
-    task.add_done_callback(ended)
+    service.mine.track(service.id, BackgroundRun(task, hang_up, service.cancelled))
+    task.add_done_callback(lambda _: release())
     return json_response(accepted)
 
 
@@ -107,22 +95,19 @@ async def _play(stream: EventStreamResponse, hang_up: asyncio.Event) -> None:
 
 async def by_id(request: Request) -> Response:
     """GET (retrieve) and DELETE /v1/responses/{response_id}."""
-    store, scope, response_id = _store(request), _scope(request), request.path_params["response_id"]
+    mine, response_id = _mine(request), request.path_params["response_id"]
     if request.method == "DELETE":
-        await store.get(scope, response_id)  # another tenant's (or none): 404 before anything is touched
-        run = store.running.get(response_id)
-        if run is not None:
-            await run.cancel()
-        await store.delete(scope, response_id)
+        await mine.delete(response_id)
         return json_response(ResponseDeleted(id=response_id))
+    stored = await mine.get(response_id)
     if request.query_params.get("stream", "false").lower() not in ("false", "0"):
         raise InvalidRequest("Streaming a stored response again is not supported here; retrieve it whole", "stream")
-    return json_response((await store.get(scope, response_id)).response)
+    return json_response(stored.response)
 
 
 async def input_items(request: Request) -> Response:
     query = InputItemsQuery.model_validate(dict(request.query_params))
-    stored = await _store(request).get(_scope(request), request.path_params["response_id"])
+    stored = await _mine(request).get(request.path_params["response_id"])
     items = stored.input_items if query.order == "asc" else stored.input_items[::-1]
     start = 0
     if query.after is not None:
@@ -138,20 +123,4 @@ async def input_items(request: Request) -> Response:
 
 
 async def cancel(request: Request) -> Response:
-    store, scope, response_id = _store(request), _scope(request), request.path_params["response_id"]
-    stored = await store.get(scope, response_id)
-    if not stored.response.background:
-        _refuse_foreground()
-    if stored.response.status not in RUNNING:
-        return json_response(stored.response)  # done already: cancelling again changes nothing
-    run = store.running.get(response_id)
-    if run is not None:
-        return json_response(await run.cancel())
-    # running on another replica: it reads the cancel from the store and stops at its next check
-    cancelled = stored.response.model_copy(update={"status": "cancelled"})
-    await store.put(scope, StoredResponse(response=cancelled, input_items=stored.input_items))
-    return json_response(cancelled)
-
-
-def _refuse_foreground() -> NoReturn:
-    raise InvalidRequest("Only responses created with background set to true can be cancelled", "response_id")
+    return json_response(await _mine(request).cancel(request.path_params["response_id"]))

@@ -51,7 +51,7 @@ from gateway.serving.generation import ChoiceState, Run, now
 from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.response_events import ResponseEvents, new_id
 from gateway.serving.service import OnDone
-from gateway.stores.responses import ResponseStore, StoredResponse
+from gateway.stores.responses import RUNNING, OwnedResponses, StoredResponse
 
 log = structlog.get_logger(__name__)
 CANCEL_CHECK_S = 1.0  # a background response looks this often for a cancel made on another replica
@@ -102,8 +102,8 @@ class ResponsesService:
     task: Task = "generate"
     answer_type = Response
 
-    def __init__(self, request: ResponsesRequest, history: list[Item], store: ResponseStore, scope: str) -> None:
-        self.request, self.store, self.scope = request, store, scope
+    def __init__(self, request: ResponsesRequest, history: list[Item], mine: OwnedResponses) -> None:
+        self.request, self.mine = request, mine  # `mine`: the asking tenant's stored responses
         self.items = [*history, *response_input.request_items(request)]  # what the model reads, as kept
         self.id, self.created = new_id("resp"), now()
         self.model = request.model
@@ -186,14 +186,14 @@ class ResponsesService:
         """Store the response (the whole answer when none is named), if the request says store."""
         response = response or self.answer
         if self.request.store and response is not None:
-            await self.store.put(self.scope, StoredResponse(response=response, input_items=self.items))
+            await self.mine.put(StoredResponse(response=response, input_items=self.items))
 
     async def cancelled(self) -> Response:
         """A background response after its stop: as stored (cancelled by its stream, or ended
         before the stop), or, when its stream never ran, stored now as cancelled."""
         try:
-            stored = await self.store.get(self.scope, self.id)
-            if stored.response.status not in ("queued", "in_progress"):
+            stored = await self.mine.get(self.id)
+            if stored.response.status not in RUNNING:
                 return stored.response
         except APIError:
             pass
@@ -278,7 +278,7 @@ class ResponsesService:
     async def _withdrawn(self) -> bool:
         """Whether a background response was cancelled or deleted meanwhile (on any replica)."""
         try:
-            stored = await self.store.get(self.scope, self.id)
+            stored = await self.mine.get(self.id)
         except NotFound:
             return True
         except APIError:  # the store unavailable: keep going

@@ -445,7 +445,7 @@ async def test_a_stream_whose_client_leaves_is_stored_cancelled(engine: FakeEngi
 
         sent = await drive(with_state, body, disconnect_after_chunks=5, path="/v1/responses")
         first = json.loads(sent[1]["body"].split(b"data: ", 1)[1])
-        stored = await state["gateway"].responses.get("anonymous", first["response"]["id"])
+        stored = await state["gateway"].responses.of("anonymous").get(first["response"]["id"])
     assert engine.aborted == [engine.requests[0].request_id]
     assert stored.response.status == "cancelled"
 
