@@ -8,6 +8,7 @@ import asyncio
 import json
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +45,11 @@ models:
     versions: {{smol: 1, smol-remote: 1}}
     sticky: true
 """
+KEYS_FILE = """
+keys:
+  narrow: {key: sk-narrow, models: [smol-remote, dead-remote]}   # the remote only (dead-remote falls back to it)
+  edge: {key: sk-edge, models: [dead-remote]}                    # its only fallback hop is not granted
+"""
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +63,10 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 def second(server: str, redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen]]:
     """Gateway B: a real engine of its own, and gateway A (the session's) as its remote upstream."""
     folder = tmp_path_factory.mktemp("second")
-    models = folder / "models.yaml"
+    models, keys = folder / "models.yaml", folder / "keys.yaml"
+    keys.write_text(KEYS_FILE)
     env = {
-        "GATEWAY_MODELS_FILE": str(models), "GATEWAY_API_KEYS": '["sk-integration"]',
+        "GATEWAY_MODELS_FILE": str(models), "GATEWAY_API_KEYS": '["sk-integration"]', "GATEWAY_KEYS_FILE": str(keys),
         "GATEWAY_CACHE__BACKEND": "redis", "GATEWAY_CACHE__REDIS_URL": redis.url, "GATEWAY_CACHE__REDIS_TIMEOUT_S": "0.3",
         "GATEWAY_WARMUP": "false", "GATEWAY_DRAIN_TIMEOUT_S": "120", "GATEWAY_LOG_FORMAT": "json",
     }
@@ -126,6 +133,62 @@ def test_split_is_sticky_and_says_which_version(second) -> None:
     assert versions <= {"smol", "smol-remote"}
     seen = {post(base, {**body, "user": f"user-{i}"}).headers["x-model-version"] for i in range(12)}
     assert seen == {"smol", "smol-remote"}
+
+
+def test_a_keys_models_hold_through_splits_fallbacks_and_aliases(second) -> None:
+    """A key granted only the remote model: the split chooses the remote arm for every user, the
+    alias of the embedded model answers as an unknown model, a fallback chain skips hops not granted."""
+    base, _ = second
+    narrow, edge = {"Authorization": "Bearer sk-narrow"}, {"Authorization": "Bearer sk-edge"}
+    body = {"messages": QUESTION, "max_tokens": 5, "temperature": 1}
+    for user in ("ann", "bob", "cy", "dee", "eve", "fay"):
+        split = post(base, {**body, "model": "chat", "user": user}, headers=narrow)
+        assert split.status_code == 200, split.text
+        assert split.headers["x-served-model"] == "smol-remote", user
+    unknown = post(base, {**body, "model": "no-such-model"}, headers=narrow)
+    for name in ("default", "smol"):
+        denied = post(base, {**body, "model": name}, headers=narrow)
+        assert denied.status_code == 404
+        assert denied.json() == {"error": {**unknown.json()["error"], "message": unknown.json()["error"]["message"]
+                                           .replace("no-such-model", name)}}
+    hop = post(base, {**body, "model": "dead-remote"}, headers=narrow)
+    assert (hop.status_code, hop.headers["x-served-model"]) == (200, "smol-remote")
+    skipped = post(base, {**body, "model": "dead-remote"}, headers=edge)
+    assert skipped.status_code == 503  # dead, and its one fallback is not this key's
+    listed = {m["id"] for m in httpx.get(f"{base}/v1/models", headers=narrow).json()["data"]}
+    assert listed == {"smol-remote", "dead-remote", "chat"}
+    embedded = httpx.post(f"{base}/tokenize", json={"model": "smol", "prompt": "hi"}, headers=narrow)
+    assert embedded.status_code == 404
+
+
+def test_another_tenants_responses_on_the_real_engine(second) -> None:
+    """A stored response and a running background one, on the real engine: another key's every
+    action answers as for an unknown id, and the run goes on to its end."""
+    base, _ = second
+    owner = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-integration", max_retries=0, timeout=120)
+    done = owner.responses.create(model="smol", input="Hi", max_output_tokens=16)
+    running = owner.responses.create(model="smol", input="Write a long story.", max_output_tokens=200,
+                                     temperature=1, background=True)
+    other = {"Authorization": "Bearer sk-narrow"}
+    unknown = "resp_0123456789abcdef0123456789abcdef"
+    for theirs in (done.id, running.id):
+        for method, path in [("GET", "/v1/responses/{}"), ("GET", "/v1/responses/{}/input_items"),
+                             ("POST", "/v1/responses/{}/cancel"), ("DELETE", "/v1/responses/{}")]:
+            refused = httpx.request(method, base + path.format(theirs), headers=other, timeout=30)
+            expected = httpx.request(method, base + path.format(unknown), headers=other, timeout=30)
+            assert refused.status_code == expected.status_code == 404, path
+            assert refused.json()["error"]["message"] == expected.json()["error"]["message"].replace(unknown, theirs)
+        follow = httpx.post(f"{base}/v1/responses", headers=other, timeout=30, json={
+            "model": "smol-remote", "input": "and?", "previous_response_id": theirs})
+        assert follow.status_code == 404
+        assert follow.json()["error"]["param"] == "previous_response_id"
+    for _ in range(600):  # bounded: 200 tokens on the CPU
+        status = owner.responses.retrieve(running.id).status
+        if status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.2)
+    assert status in ("completed", "incomplete")  # ran to its end: not cancelled, not deleted
+    assert owner.responses.retrieve(done.id).output_text == done.output_text
 
 
 async def test_flood_holds_the_bound_and_admitted_requests_complete(second) -> None:
