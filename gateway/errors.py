@@ -112,6 +112,11 @@ class NotFound(APIError):
     status, type, code = 404, "invalid_request_error", "not_found"
 
 
+def no_route(headers: dict[str, str] | None = None) -> NotFound:
+    """A path no route answers (or one the edge never lets reach a route)."""
+    return NotFound("Not found: no route for this path", headers=headers)
+
+
 class ModelNotFound(NotFound):
     code = "model_not_found"
 
@@ -134,6 +139,12 @@ class UnsupportedMediaType(APIError):
     """A POST whose body is not declared JSON (without API keys: what a web page could send cross-site)."""
 
     status, type, code = 415, "invalid_request_error", "unsupported_media_type"
+
+
+class HeadersTooLarge(APIError):
+    """More request headers, or bytes of them, than the edge takes (RFC 6585)."""
+
+    status, type, code = 431, "invalid_request_error", "request_header_fields_too_large"
 
 
 class RateLimited(APIError):

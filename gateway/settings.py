@@ -185,7 +185,14 @@ class Settings(BaseSettings):
         60, gt=0, description="A stream whose client reads nothing for this long (its send waits) is ended as a "
         "disconnect: its engine request aborted, its admission slot given back"
     )
-    keep_alive_timeout_s: int = Field(5, gt=0, description="An idle keep-alive connection is closed after this")
+    keep_alive_timeout_s: int = Field(
+        5, gt=0, description="An idle connection (a kept-alive one, or a new one that sends nothing) is closed after this"
+    )
+    max_request_headers: int = Field(100, gt=0, description="Most headers one request may carry (else 431)")
+    max_request_header_bytes: int = Field(
+        32 * 1024, gt=0, le=64 * 1024,
+        description="Most bytes of headers one request may carry (else 431; past 64 KiB the connection is closed)",
+    )
     max_connections: int = Field(
         2048, gt=0, description="Connections (and requests in progress) at once; beyond, new requests get 503"
     )

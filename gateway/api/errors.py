@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Send
 
 from gateway import errors
-from gateway.errors import APIError, ClientDisconnected, Dialect, MethodNotAllowed, NotFound
+from gateway.errors import APIError, ClientDisconnected, Dialect, MethodNotAllowed, no_route
 from gateway.pipeline.context import SCOPE_KEY, RequestContext
 
 
@@ -36,7 +36,7 @@ def from_exception(exc: BaseException) -> APIError:
 def _http_exception(exc: HTTPException) -> APIError:
     headers = dict(exc.headers or {})
     if exc.status_code == 404:
-        return NotFound("Not found: no route for this path", headers=headers)
+        return no_route(headers)
     if exc.status_code == 405:
         allowed = headers.get("Allow", "")
         return MethodNotAllowed(f"Method not allowed here; allowed: {allowed}", headers=headers)

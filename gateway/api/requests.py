@@ -45,12 +45,22 @@ def gone_of(receive: Receive) -> Gone:
 
 def context(request: Request) -> RequestContext:
     """The request's context for the pipeline: how to notice the client leaving, and whether it
-    asked for a fresh answer (`Cache-Control: no-cache`, the first such header)."""
+    asked for a fresh answer or that its answer not be stored (`cache_directives`)."""
     found = context_of(request.scope)
     found.client_gone = gone_of(request.receive)
-    control = _first_header(request.scope, b"cache-control")
-    found.no_cache = control is not None and "no-cache" in control.lower()
+    directives = cache_directives(request.scope)
+    found.no_cache, found.no_store = "no-cache" in directives, "no-store" in directives
     return found
+
+
+def cache_directives(scope: Scope) -> frozenset[str]:
+    """The request's Cache-Control directives (RFC 9111 5.2.1), every such header, names only,
+    lowercased: `no-cache` skips a stored answer, `no-store` keeps this one out of the cache."""
+    names: set[str] = set()
+    for key, value in scope["headers"]:
+        if key == b"cache-control":
+            names.update(part.partition(b"=")[0].strip().lower().decode("latin-1") for part in value.split(b","))
+    return frozenset(names)
 
 
 def engine_for(request: Request, name: str | None) -> Engine:

@@ -77,6 +77,11 @@ class RouteTable:
             routes.append(Route(path, Handled(endpoints[0].handler), methods=[e.method for e in endpoints]))
         return routes
 
+    def free_tails(self) -> tuple[str, ...]:
+        """Prefixes of the routes whose last parameter takes the rest of the path (`{model:path}`):
+        there an encoded slash belongs to the parameter's value (`org%2Fmodel`, as the SDKs send it)."""
+        return tuple(e.path.partition("{")[0] for e in self.endpoints if e.path.endswith(":path}"))
+
     def paths(self, *access: Access) -> frozenset[str]:
         return frozenset(e.path for e in self.endpoints if e.access in access)
 

@@ -1,4 +1,4 @@
-"""The middleware stack, outermost first: access log → lifecycle → auth → rate limits → request
+"""The middleware stack, outermost first: access log → the HTTP edge → lifecycle → auth → rate limits → request
 bodies, each given its paths by the route table."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from gateway.api.table import RouteTable
 from gateway.middleware.access_log import AccessLogMiddleware
 from gateway.middleware.auth import AuthMiddleware
 from gateway.middleware.body import BodyBudget, BodyMiddleware
+from gateway.middleware.edge import EdgeMiddleware
 from gateway.middleware.lifecycle import LifecycleMiddleware
 from gateway.middleware.rate_limit import RateLimitMiddleware
 from gateway.pipeline.lifecycle import Lifecycle
@@ -27,6 +28,8 @@ def stack(settings: Settings, lifecycle: Lifecycle, quota: Quota, tenants: Tenan
     return [
         Middleware(AccessLogMiddleware, route_label=table.label, log_content=settings.log_prompts,
                    dialect=table.dialect),
+        Middleware(EdgeMiddleware, max_headers=settings.max_request_headers,
+                   max_header_bytes=settings.max_request_header_bytes, free_tails=table.free_tails()),
         Middleware(LifecycleMiddleware, lifecycle=lifecycle, ops_paths=table.paths("ops")),
         Middleware(AuthMiddleware, authenticator=authenticator, open_paths=keyless),
         Middleware(RateLimitMiddleware, quota=quota, tenants=tenants, open_paths=keyless),

@@ -119,14 +119,15 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         """(where to store the answer, or the answer found) in the response cache, scoped per tenant."""
         record, cache = self.context.record, self.state.cache
         model = backend.name + self.guard.cache_tag
-        key = cache.key_for(self.service.route, model, self.body, self.context.no_cache, self.cache_scope)
-        if key is None:
+        key = cache.key_for(self.service.route, model, self.body, self.cache_scope)
+        fresh, unstored = self.context.no_cache, self.context.no_store  # the request's Cache-Control
+        if key is None or (fresh and unstored):
             record.response_headers["x-cache"] = "MISS"
             return None, None
-        hit = await cache.get(key, backend.name, self.service.answer_type)
+        hit = None if fresh else await cache.get(key, backend.name, self.service.answer_type)
         record.cache = "hit" if hit is not None else "miss"
         record.response_headers["x-cache"] = record.cache.upper()
-        return (cache.storer(key) if hit is None else None), hit
+        return (cache.storer(key) if hit is None and not unstored else None), hit
 
     async def _generate(self, prepared: PreparedT, permit: Permit, on_done: OnDone[AnswerT] | None) -> Answer:
         gone = self.context.client_gone

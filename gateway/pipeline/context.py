@@ -36,7 +36,8 @@ class RequestContext:
     body_bytes: int = 0  # the size of the body the route parsed
     release_body: Callable[[], None] = _nothing  # the body's bytes leave the in-flight budget
     client_gone: Gone | None = None  # None: nobody to watch (a background run, a unit test)
-    no_cache: bool = False  # the client asked for a fresh answer (Cache-Control: no-cache)
+    no_cache: bool = False  # the client asked for a fresh answer, not a stored one (Cache-Control: no-cache)
+    no_store: bool = False  # the client asked that its answer not be stored (Cache-Control: no-store)
 
 
 def context_of(scope: MutableMapping[str, Any]) -> RequestContext:

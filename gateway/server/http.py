@@ -13,13 +13,15 @@ What can be read again without a restart (the TLS certificate, `gateway.server.t
 `reloadables`: SIGHUP reloads them (SIGHUP keeps its default, exit, when there are none), and the
 main loop lets each poll its files every tick.
 
-Slow and idle clients: a connection must deliver a request's headers within `header_timeout_s` of
-its first byte (or of the connection's start), and at most `MAX_HEADER_BYTES` of them, or it is
+Slow and idle clients: a new connection that sends nothing is closed after
+`keep_alive_timeout_s`, as an idle kept-alive one is; a connection must deliver a request's headers
+within `header_timeout_s` of their first byte, and at most `MAX_HEADER_BYTES` of them, or it is
 closed (`HeaderTimeout`, mixed into uvicorn's HTTP protocol: uvicorn itself waits for headers for
 ever); idle keep-alive connections close after `keep_alive_timeout_s`; past `max_connections`
 connections and requests in progress, uvicorn answers new requests 503. Bodies have their own
 timeout (`middleware.body`). What uvicorn's parser refuses is a 400 in the API's error shape
-(`HeaderTimeout.send_400_response`).
+(`HeaderTimeout.send_400_response`). An answer of unknown length to an HTTP/1.0 client is
+close-delimited, never chunked (`_close_delimited`).
 """
 
 from __future__ import annotations
@@ -55,16 +57,22 @@ class HeaderTimeout(asyncio.Protocol):
     headers are done when uvicorn starts its request cycle (`self.cycle` changes)."""
 
     header_timeout_s = 10.0
+    idle_timeout_s = 5.0  # a new connection that sends nothing (uvicorn's keep-alive timer: between requests)
     _timer: asyncio.TimerHandle | None = None
+    _idle = False  # the timer running is the idle one: no byte yet
     _header_bytes = 0
     _connection: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._connection = cast(asyncio.Transport, transport)  # a stream's: uvicorn serves TCP and unix sockets
         super().connection_made(transport)
-        self._arm()  # a connection that never sends a request is closed too
+        self._arm(self.idle_timeout_s)  # a connection that never sends a byte is closed as an idle one
+        self._idle = True
 
     def data_received(self, data: bytes) -> None:
+        if self._idle:  # the first bytes: from now on the headers' own timeout
+            self._idle = False
+            self._disarm()
         before = getattr(self, "cycle", None)
         held = len(before.body) if before is not None else 0
         super().data_received(data)
@@ -75,9 +83,11 @@ class HeaderTimeout(asyncio.Protocol):
                 cycle.scope.setdefault("extensions", {})[ABORT] = self._drop
                 if getattr(cycle, "waiting_for_100_continue", False):
                     _close_if_answered_unread(cycle)
+                if cycle.scope.get("http_version") == "1.0":
+                    _close_delimited(cycle)
             return  # (the usual case: whole headers in one read, so no timer is made per request)
         if before is None or before.response_complete:  # between requests: these bytes began headers
-            self._arm()
+            self._arm(self.header_timeout_s)
         elif len(before.body) > held:  # the body of the request in progress: uvicorn bounds what it holds
             self._header_bytes = 0
             return
@@ -88,6 +98,13 @@ class HeaderTimeout(asyncio.Protocol):
         self._header_bytes += len(data)
         if self._header_bytes > MAX_HEADER_BYTES:
             self._expire()
+
+    def on_headers_complete(self) -> None:
+        """(httptools) The request's headers as they are now: httptools' protocol appends a chunked
+        body's trailers to the same list, which the app must not read as headers."""
+        getattr(super(), "on_headers_complete")()  # noqa: B009 - asyncio.Protocol declares no such hook
+        if (cycle := getattr(self, "cycle", None)) is not None:
+            cycle.scope["headers"] = list(cycle.scope["headers"])
 
     def _drop(self) -> None:
         """Drop the connection at once, unsent bytes and all (a client that stopped reading)."""
@@ -118,10 +135,10 @@ class HeaderTimeout(asyncio.Protocol):
             self._connection.write(b"HTTP/1.1 400 Bad Request\r\n" + head + b"\r\n" + body)
             self._connection.close()
 
-    def _arm(self) -> None:
+    def _arm(self, timeout_s: float) -> None:
         if self._timer is None:
             self._header_bytes = 0
-            self._timer = asyncio.get_running_loop().call_later(self.header_timeout_s, self._expire)
+            self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -149,9 +166,33 @@ def _close_if_answered_unread(cycle: Any) -> None:
     cycle.send = closing_send
 
 
-def http_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+def _close_delimited(cycle: Any) -> None:
+    """An answer to an HTTP/1.0 client without a Content-Length (a stream) is sent as its bytes up
+    to the connection's close: HTTP/1.0 has no chunked encoding, which uvicorn's httptools
+    protocol would use (its cycle's `chunked_encoding`, pinned with uvicorn's version). h11 does
+    this by itself, and its cycle has no such attribute."""
+    if not hasattr(cycle, "chunked_encoding"):
+        return
+    send, delimited = cycle.send, False
+
+    async def delimited_send(message: Any) -> None:
+        nonlocal delimited
+        if message["type"] == "http.response.start":
+            framing = {name.lower() for name, _ in message.get("headers", ())} & {b"content-length", b"transfer-encoding"}
+            if not framing:
+                delimited = True
+                cycle.chunked_encoding, cycle.keep_alive = False, False  # the close ends the body
+        elif message["type"] == "http.response.body" and delimited:
+            cycle.expected_content_length += len(message.get("body", b""))  # uvicorn counts down what it was told
+        await send(message)
+
+    cycle.send = delimited_send
+
+
+def http_protocol(header_timeout_s: float, idle_timeout_s: float = 5.0) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (httptools when installed, else h11) with `HeaderTimeout`."""
-    return type("GatewayHTTPProtocol", (HeaderTimeout, AutoHTTPProtocol), {"header_timeout_s": header_timeout_s})
+    attributes = {"header_timeout_s": header_timeout_s, "idle_timeout_s": idle_timeout_s}
+    return type("GatewayHTTPProtocol", (HeaderTimeout, AutoHTTPProtocol), attributes)
 
 
 def server_config(app: Any, settings: Settings, tls_options: dict[str, Any] | None = None) -> uvicorn.Config:
@@ -160,7 +201,7 @@ def server_config(app: Any, settings: Settings, tls_options: dict[str, Any] | No
         app,
         host=settings.host,
         port=settings.port,
-        http=http_protocol(settings.header_timeout_s),
+        http=http_protocol(settings.header_timeout_s, settings.keep_alive_timeout_s),
         timeout_keep_alive=settings.keep_alive_timeout_s,
         limit_concurrency=settings.max_connections,
         proxy_headers=False,  # the client address is decided once, by tenancy.keys.TrustedProxies

@@ -153,8 +153,8 @@ class ResponseCache:
     def __init__(self, backend: CacheBackend | None) -> None:
         self.backend = backend
 
-    def key_for(self, route: str, model: str, body: BaseModel, no_cache: bool, tenant: str = "") -> str | None:
-        if self.backend is None or no_cache or not is_deterministic(body):
+    def key_for(self, route: str, model: str, body: BaseModel, tenant: str = "") -> str | None:
+        if self.backend is None or not is_deterministic(body):
             return None
         return cache_key(route, model, body, tenant)
 

@@ -253,3 +253,28 @@ def test_keys_stay_the_same_for_the_same_request() -> None:
     )
     assert cache_key("/v1/chat/completions", "served", chat) == cache_key("/v1/chat/completions", "served", reordered)
     assert cache_key("/v1/chat/completions", "served", chat) != cache_key("/v1/chat/completions", "served", chat, "t")
+
+
+@pytest.mark.parametrize(("control", "looked_up", "stored"), [
+    (["no-cache"], False, True),
+    (["No-Cache, max-age=0"], False, True),
+    (["no-store"], True, False),
+    (["max-age=0", "no-store"], True, False),  # every Cache-Control header counts, not only the first
+    (["no-cache, no-store"], False, False),
+    (["max-age=60"], True, True),
+    (["no-cache-please"], True, True),  # a directive is a whole name
+])
+def test_cache_control_of_a_request(control: list[str], looked_up: bool, stored: bool) -> None:
+    """RFC 9111: a request's `no-cache` skips a stored answer (its fresh one is stored), `no-store`
+    keeps its answer out of the cache (a stored one may still answer it)."""
+    engine = FakeEngine()
+    body = chat_body(temperature=0)
+    with TestClient(app_with(engine, cache={"backend": "memory"})) as client:
+        client.post("/v1/chat/completions", json=body)  # stored
+        asked = client.post("/v1/chat/completions", json=body, headers=[("Cache-Control", c) for c in control])
+        assert asked.headers["x-cache"] == ("HIT" if looked_up else "MISS")
+        assert len(engine.requests) == (1 if looked_up else 2)
+        other = chat_body(temperature=0, max_tokens=4)
+        client.post("/v1/chat/completions", json=other, headers=[("Cache-Control", c) for c in control])
+        again = client.post("/v1/chat/completions", json=other)
+        assert again.headers["x-cache"] == ("HIT" if stored else "MISS")

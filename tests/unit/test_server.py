@@ -141,9 +141,9 @@ def test_whole_headers_in_one_read_make_no_timer(monkeypatch: pytest.MonkeyPatch
     armed: list[int] = []
     arm = HeaderTimeout._arm
 
-    def counting(self: HeaderTimeout) -> None:
+    def counting(self: HeaderTimeout, timeout_s: float) -> None:
         armed.append(1)
-        arm(self)
+        arm(self, timeout_s)
 
     monkeypatch.setattr(HeaderTimeout, "_arm", counting)
     with Running(FakeEngine(), header_timeout_s=5) as server:
@@ -430,3 +430,100 @@ def test_bad_bytes_after_a_request_let_its_answer_end_first(engine: FakeEngine) 
         assert answer.startswith(b"HTTP/1.1 200")
         assert answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
         assert b"HTTP/1.1 400" not in answer
+
+
+CHAT = json.dumps(chat_body(max_tokens=3)).encode()
+
+
+def _post(extra: bytes, path: bytes = b"/v1/chat/completions", body: bytes = CHAT) -> bytes:
+    return (b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + extra
+            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+@pytest.mark.parametrize(("request_bytes", "status"), [
+    (_post(b"Transfer_Encoding: chunked\r\n"), 400),
+    (_post(b"Content_Length: 5\r\n"), 400),
+    (_post(b"X_Forwarded_For: 10.0.0.1\r\n"), 400),
+    (_post(b"x_api_key: sk-other\r\n"), 400),
+    (_post(b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n"), 400),  # with the Content-Length below
+    (_post(b"Content-Length: %d\r\n" % len(CHAT)), 400),  # the same length twice
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\r\n folded\r\n\r\n", 400),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(120)) + b"\r\n", 431),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 40_000 + b"\r\n\r\n", 431),
+    (b"GET /v1%2Fmodels HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"GET /v1%2fmodels HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"GET /v1%5Cmodels HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"GET /v1/../v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"GET /v1/./models HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"GET /v1/%2e%2e/v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"GET /v1/%2E/models HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"GET /v1%2Fmodels/org%2Fm HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"GET /v1/models/../models/x HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+])
+def test_the_edge_refuses_what_a_proxy_could_read_another_way(running: Running, request_bytes: bytes, status: int) -> None:
+    """As nginx and Envoy hold it: framing and identity headers spelt with `_`, conflicting or
+    folded framing, too many or too large headers, encoded slashes and dot segments never reach a
+    route; each refusal in the API's error shape, the connection closed, the server serving on."""
+    with running.connect() as sock:
+        sock.sendall(request_bytes)
+        answer = b""
+        while chunk := sock.recv(65536):  # the server closes the connection after its answer
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d" % status), head
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert running.engine.requests == []
+    connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
+    connection.request("GET", "/v1/models")
+    assert connection.getresponse().status == 200
+
+
+def test_an_encoded_slash_in_a_model_id_is_the_id_s(running: Running) -> None:
+    """`/v1/models/{model:path}`: the SDKs send `org/model` as `org%2Fmodel`; it names that model."""
+    connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
+    connection.request("GET", "/v1/models/org%2Fghost")
+    answer = connection.getresponse()
+    assert answer.status == 404
+    assert json.loads(answer.read())["error"]["code"] == "model_not_found"  # the route's answer, not the edge's
+
+
+def test_headers_within_the_bounds_and_plain_paths_are_served(running: Running) -> None:
+    with running.connect() as sock:
+        extra = b"".join(b"X-H%d: v\r\n" % i for i in range(90)) + b"X_Custom_Trace: fine\r\n"
+        sock.sendall(_post(extra)[:-len(CHAT)].replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n") + CHAT)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+def test_a_stream_to_an_http_1_0_client_is_close_delimited(running: Running) -> None:
+    """HTTP/1.0 has no chunked encoding: the stream's bytes are the body, up to the close."""
+    body = json.dumps(chat_body(max_tokens=3, stream=True)).encode()
+    with running.connect() as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, events = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"transfer-encoding" not in head.lower()
+    assert b"connection: close" in head.lower()
+    lines = [line for line in events.split(b"\n") if line]
+    assert lines[-1] == b"data: [DONE]"
+    assert all(line.startswith(b"data: ") for line in lines)
+    whole = b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    with running.connect() as sock:
+        sock.sendall(whole % len(CHAT) + CHAT)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert b"content-length: %d" % len(rest) in head.lower()
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_keep_alive_timeout(engine: FakeEngine) -> None:
+    """Not after the (longer) header timeout: an idle new connection is an idle connection."""
+    with Running(engine, header_timeout_s=60, keep_alive_timeout_s=1) as server, server.connect() as sock:
+        assert closed_by_server(sock)  # within the socket's 10 s, long before the header timeout
