@@ -161,7 +161,8 @@ class TrustedProxies:
             ip = ipaddress.ip_address(address)
         except ValueError:
             return False
-        return any(ip in network for network in self.networks)
+        mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None  # ::ffff:10.0.0.1 (a dual-stack socket)
+        return any(ip in network or (mapped is not None and mapped in network) for network in self.networks)
 
     def client(self, peer: str, headers: Headers) -> str:
         if not (self.any or self.networks) or not self.trusts(peer):
@@ -174,8 +175,10 @@ class TrustedProxies:
 
 
 def _x_forwarded_for(headers: Headers) -> list[str]:
+    """Each hop of `X-Forwarded-For` headers, without brackets or port (some balancers, Azure's
+    among them, write `192.0.2.1:51234`: a port per connection would make each one a new client)."""
     values = b",".join(header_values(headers, b"x-forwarded-for")).decode("latin-1")
-    return [hop.strip() for hop in values.split(",") if hop.strip()]
+    return [_node(hop.strip()) for hop in values.split(",") if hop.strip()]
 
 
 def _forwarded_for(headers: Headers) -> list[str]:

@@ -137,6 +137,12 @@ def test_unknown_keys_are_throttled_per_client_address_and_a_known_key_never() -
      [(b"forwarded", b'for=6.6.6.6, for="[2001:db8::17]:4711";proto=https, for=10.0.0.3:80')], "2001:db8::17"),
     ("*", "x-forwarded-for", "192.0.2.7", [(b"x-forwarded-for", b"1.2.3.4, 5.6.7.8")], "1.2.3.4"),
     ("127.0.0.1, ::1", "x-forwarded-for", "::1", [(b"x-forwarded-for", b"1.2.3.4")], "1.2.3.4"),
+    # hops with a port (Azure's balancers write them): the address, not one client per connection
+    ("10.0.0.0/8", "x-forwarded-for", "10.0.0.9", [(b"x-forwarded-for", b"1.2.3.4:51234, 10.0.0.3:443")], "1.2.3.4"),
+    ("10.0.0.0/8", "x-forwarded-for", "10.0.0.9", [(b"x-forwarded-for", b"[2001:db8::17]:4711")], "2001:db8::17"),
+    ("10.0.0.0/8", "x-forwarded-for", "10.0.0.9", [(b"x-forwarded-for", b"2001:db8::17")], "2001:db8::17"),
+    # a dual-stack socket names an IPv4 peer ::ffff:10.0.0.9: still the trusted proxy 10.0.0.9
+    ("10.0.0.0/8", "x-forwarded-for", "::ffff:10.0.0.9", [(b"x-forwarded-for", b"1.2.3.4")], "1.2.3.4"),
 ])
 def test_the_client_address_comes_from_trusted_proxies_only(
     trusted: str, header: ForwardedHeader, peer: str, headers: list[tuple[bytes, bytes]], client: str
