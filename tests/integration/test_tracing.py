@@ -76,7 +76,7 @@ def receiver() -> Iterator[tuple[Receiver, int]]:
     spans = Receiver()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        def do_POST(self) -> None:
             spans.take(self.rfile.read(int(self.headers["Content-Length"])))
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")
