@@ -80,12 +80,10 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         client that leaves while it waits for them leaves the queue (499): it would hold its place
         there for up to `wait_timeout_s`, then run."""
         admission, count = backend.admission, self.body.engine_requests()
-        with stage(self.context.record.trace, "gateway.admission", **{"gateway.admission.permits": count}) as span:
-            permit = admission.admit_now(count)  # room, nobody ahead: no wait to watch (nearly always)
-            if permit is not None:
-                return permit
-            if span is not None:
-                span.set_attribute("gateway.admission.queued", True)
+        permit = admission.admit_now(count)  # room, nobody ahead: no wait to watch (nearly always)
+        if permit is not None:
+            return permit
+        with stage(self.context.record.trace, "gateway.admission.wait", **{"gateway.admission.permits": count}):
             return await unless_gone(self.context.client_gone, admission.acquire(count, self.policy.priority))
 
     async def _embedded(self, backend: Backend) -> Answer:

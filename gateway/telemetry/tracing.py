@@ -11,7 +11,7 @@ that answered), `gen_ai.usage.input_tokens` / `output_tokens` and
 `gen_ai.response.finish_reasons`; prompt and output text (`gen_ai.input.messages`,
 `gen_ai.output.messages`) only when `log_prompts` is on. Its children: `gateway.prepare` (chat
 template, tokens, input guards), `gateway.guards.moderation`, `gateway.cache.lookup`,
-`gateway.admission`, `engine.first_token` (queue and prefill), `engine.decode`, and
+`gateway.admission.wait` (only when the request queued), `engine.first_token` (queue and prefill), `engine.decode`, and
 `upstream.request` (a remote model; its traceparent goes on with the request).
 
 The gateway's provider is its own and is not installed as OpenTelemetry's global one: vLLM's
@@ -31,7 +31,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace import NonRecordingSpan, Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway.settings import TracingSettings
@@ -105,11 +105,14 @@ class RequestTrace:
     """One request's server span and what its end reports (finish reasons); in the request's
     record (`telemetry.record.RequestRecord.trace`) while the request runs."""
 
-    __slots__ = ("_failed", "_finish_reasons", "_overrides", "log_content", "server", "tracer")
+    __slots__ = ("_failed", "_finish_reasons", "_overrides", "log_content", "recording", "server", "tracer")
 
     def __init__(self, tracer: Tracer, server: Span, log_content: bool = False) -> None:
         self.tracer = tracer
         self.server = server
+        # sampled: a request not sampled gets no child spans (only its traceparent goes on), so that
+        # a low sample_ratio costs little more than tracing off
+        self.recording = server.is_recording()
         self.log_content = log_content
         self._finish_reasons: list[str] = []
         self._overrides: dict[int, str] = {}  # choice index → the chat layer's reason (tool_calls)
@@ -120,11 +123,13 @@ class RequestTrace:
         span_context = self.server.get_span_context()
         return {"trace_id": f"{span_context.trace_id:032x}", "span_id": f"{span_context.span_id:016x}"}
 
-    def start(self, name: str, kind: SpanKind = SpanKind.INTERNAL, attributes: Mapping[str, Any] | None = None,
-              start_time: int | None = None) -> Span:
+    def start(self, name: str, kind: SpanKind = SpanKind.INTERNAL, attributes: Mapping[str, Any] | None = None) -> Span:
         """A child span of the current one, not made current: for a stage that spans the yields of
-        a stream, ended by its owner (`span.end()`)."""
-        return self.tracer.start_span(name, kind=kind, attributes=attributes, start_time=start_time)
+        a stream, ended by its owner (`span.end()`). Not sampled: the server span itself (its
+        traceparent passed on; ending it there changes nothing, the tracing middleware ends it)."""
+        if not self.recording:
+            return NonRecordingSpan(self.server.get_span_context())  # its end() does nothing
+        return self.tracer.start_span(name, kind=kind, attributes=attributes)
 
     @contextlib.contextmanager
     def stage(self, name: str, kind: SpanKind = SpanKind.INTERNAL, **attributes: Any) -> Iterator[Span]:
@@ -137,6 +142,8 @@ class RequestTrace:
     def request(self, route: str, model: str, body: object) -> None:
         """The request's operation, model and sampling parameters, once parsed; the span is renamed
         `{operation} {model}` as the conventions name an inference span."""
+        if not self.recording:
+            return
         operation = OPERATIONS.get(route, "chat")
         span = self.server
         span.update_name(f"{operation} {model}")
@@ -243,4 +250,5 @@ _UNTRACED: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 def stage(trace: RequestTrace | None, name: str, **attributes: Any) -> contextlib.AbstractContextManager[Span | None]:
     """`trace.stage(name)`, or nothing (one shared null context) when the request is not traced."""
-    return _UNTRACED if trace is None else trace.stage(name, **attributes)
+    return _UNTRACED if trace is None or not trace.recording else trace.stage(name, **attributes)
+

@@ -126,7 +126,8 @@ def test_the_stages_are_child_spans_of_the_server_span(client: TestClient, expor
     assert client.post("/v1/chat/completions", json=chat_body(stream=True)).status_code == 200
     span = server_span(exporter)
     stages = children(exporter, span)
-    assert {"gateway.prepare", "gateway.admission", "engine.first_token", "engine.decode"} <= set(stages)
+    assert {"gateway.prepare", "engine.first_token", "engine.decode"} <= set(stages)
+    assert "gateway.admission.wait" not in stages  # admitted at once: nothing waited
     first, decode = stages["engine.first_token"], stages["engine.decode"]
     assert first.end_time <= decode.start_time
     assert decode.attributes["gen_ai.usage.output_tokens"] == 3
