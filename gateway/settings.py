@@ -97,6 +97,41 @@ class LimitsSettings(BaseModel):
     redis_retry_s: float = Field(5, gt=0, description="After a Redis failure, count locally this long before trying again")
 
 
+class TracingSettings(BaseModel):
+    """OpenTelemetry traces, exported over OTLP/HTTP; off (no tracing middleware at all) until
+    `otlp_endpoint` is set. docs/operations.md, Traces, lists the spans and their attributes."""
+
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces; set: a span per API request, "
+        "with the caller's traceparent continued and passed on; unset: tracing off",
+    )
+    service_name: str = Field("llm-gateway", min_length=1, description="The traces' service.name")
+    sample_ratio: float = Field(
+        1.0, ge=0, le=1,
+        description="Share of new traces kept (by trace id); a caller's traceparent decides for its own requests",
+    )
+    export_timeout_s: float = Field(10, gt=0, description="Give up on one export of a batch of spans after this")
+    engine_spans: bool = Field(
+        False,
+        description="Also export vLLM's own span per engine request (queue, prefill and decode times) to the same "
+        "endpoint, under the gateway's engine span",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.otlp_endpoint is not None
+
+    @model_validator(mode="after")
+    def _endpoint_is_http(self) -> TracingSettings:
+        endpoint = self.otlp_endpoint
+        if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"tracing.otlp_endpoint must be an http:// or https:// URL (OTLP/HTTP), not {endpoint!r}")
+        if self.engine_spans and endpoint is None:
+            raise ValueError("tracing.engine_spans needs tracing.otlp_endpoint")
+        return self
+
+
 class Settings(BaseSettings):
     """The gateway's own settings: its HTTP server, logs, request bounds, API keys and the files it reads."""
 
@@ -222,6 +257,7 @@ class Settings(BaseSettings):
         "(vLLM's pooling runner; a second engine); unset: none",
     )
     cache: CacheSettings = Field(default_factory=CacheSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
 
@@ -246,4 +282,11 @@ class Settings(BaseSettings):
             self.engine.log_format = "json" if self.log_format == "json" else "text"
         if self.engine.log_level is None:
             self.engine.log_level = self.log_level
+        return self
+
+    @model_validator(mode="after")
+    def _engine_spans_follow(self) -> Settings:
+        """With `tracing.engine_spans`, the engines export vLLM's spans to the gateway's endpoint."""
+        if self.tracing.engine_spans and self.engine.otlp_traces_endpoint is None:
+            self.engine.otlp_traces_endpoint = self.tracing.otlp_endpoint
         return self

@@ -21,6 +21,7 @@ from engine.errors import EngineError
 from gateway.api.errors import dialect_of, from_exception, render
 from gateway.api.routes import TABLE
 from gateway.errors import APIError
+from gateway.telemetry.record import current_record
 
 log = structlog.get_logger(__name__)
 Lifespan = Callable[[Any], AbstractAsyncContextManager[Any]]
@@ -38,6 +39,8 @@ async def error_response(request: Request, exc: Exception) -> Response:
     if error.status == 499:
         log.info("client_disconnected")
     elif error.status >= 500:
+        if (trace := current_record().trace) is not None:
+            trace.failed(error.code or error.type, exc)
         # a traceback (without locals: gateway.telemetry.logs) for the server's own failures, not for refusals
         log.error("request_failed", status=error.status, error=error.message, exc_info=exc if error.status == 500 else None)
     status, headers, body = render(error, dialect_of(request.scope))

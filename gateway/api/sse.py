@@ -156,6 +156,8 @@ class EventStreamResponse(Response):
                 raise  # the client is gone: nobody to tell
             except Exception as exc:
                 log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
+                if (trace := current_record().trace) is not None:
+                    trace.failed(type(exc).__qualname__, exc)
                 body = encode_error(exc, framing)
                 sends.since = time()
                 await send({"type": "http.response.body", "body": body, "more_body": True})

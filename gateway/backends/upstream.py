@@ -26,11 +26,14 @@ from typing import Any
 
 import httpx
 import structlog
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
 from gateway.errors import APIError, BackendUnavailable, BadGateway
 from gateway.telemetry import metrics
+from gateway.telemetry.record import current_record
+from gateway.telemetry.tracing import headers_of
 
 log = structlog.get_logger(__name__)
 PASSED_ON = frozenset({400, 413, 422})  # the client's own mistakes: the upstream's answer explains them
@@ -68,11 +71,37 @@ class Upstream:
         """Forward; `on_close` runs once the answer has been passed on (or failed)."""
         payload = {**body, "model": self.upstream_model}
         request = self._client.build_request("POST", path, json=payload)
+        trace = current_record().trace
+        if trace is None:
+            return await self._forward(request, stream, on_close)
+        # the request's span, its traceparent passed on; ended when the answer has been passed on
+        span = trace.start(f"POST {path}", SpanKind.CLIENT, {
+            "http.request.method": "POST", "url.full": str(request.url), "server.address": request.url.host,
+            "gen_ai.request.model": self.upstream_model,
+        })
+        request.headers.update(headers_of(span))
+
+        def closed() -> None:
+            if span.is_recording():  # not when a failure ended it already
+                span.end()
+            on_close()
+
+        try:
+            return await self._forward(request, stream, closed, span)
+        except BaseException as exc:
+            _failed_span(span, exc)
+            raise
+
+    async def _forward(
+        self, request: httpx.Request, stream: bool, on_close: Callable[[], None], span: Span | None = None
+    ) -> UpstreamAnswer:
         try:
             response = await self._client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
         status = response.status_code
+        if span is not None:
+            span.set_attribute("http.response.status_code", status)
         if status != 200 and status not in PASSED_ON:
             excerpt = await _excerpt(response)
             kind = BackendUnavailable if status in UNAVAILABLE else BadGateway
@@ -87,14 +116,16 @@ class Upstream:
                 await response.aclose()
             on_close()
             return UpstreamAnswer(status, media_type, body=content)
-        return UpstreamAnswer(200, media_type, events=self._events(response, on_close))
+        return UpstreamAnswer(200, media_type, events=self._events(response, on_close, span))
 
     def _failed(self, kind: type[APIError], why: str) -> APIError:
         metrics.labelled(metrics.UPSTREAM_ERRORS, self.name).inc()
         log.warning("upstream_failed", model=self.name, why=why)
         return kind(f"The model '{self.name}' is unavailable: its upstream server failed. Please retry later.")
 
-    async def _events(self, response: httpx.Response, on_close: Callable[[], None]) -> AsyncGenerator[bytes, None]:
+    async def _events(
+        self, response: httpx.Response, on_close: Callable[[], None], span: Span | None
+    ) -> AsyncGenerator[bytes, None]:
         """The stream's events as they complete (an event cut by a failure is not passed on)."""
         pending = b""
         try:
@@ -107,6 +138,8 @@ class Upstream:
             if pending.strip():
                 yield pending
         except httpx.HTTPError as exc:
+            if span is not None:
+                _failed_span(span, exc)
             raise self._failed(BackendUnavailable, f"mid-stream: {type(exc).__name__}: {exc}") from exc
         finally:
             on_close()
@@ -138,6 +171,13 @@ def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, ou
         values.pop("max_tokens", None)
     silent = {key: value for key, value in values.items() if payload.get(key) is None}
     return {**payload, **silent}
+
+
+def _failed_span(span: Span, exc: BaseException) -> None:
+    """The upstream request's span, failed (recorded) and ended."""
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+    span.end()
 
 
 async def _excerpt(response: httpx.Response) -> str:

@@ -1,5 +1,5 @@
-"""The middleware stack, outermost first: access log → the HTTP edge → lifecycle → auth → rate limits → request
-bodies, each given its paths by the route table."""
+"""The middleware stack, outermost first: access log → the HTTP edge → traces (only when tracing
+is on) → lifecycle → auth → rate limits → request bodies, each given its paths by the route table."""
 
 from __future__ import annotations
 
@@ -12,24 +12,34 @@ from gateway.middleware.body import BodyBudget, BodyMiddleware
 from gateway.middleware.edge import EdgeMiddleware
 from gateway.middleware.lifecycle import LifecycleMiddleware
 from gateway.middleware.rate_limit import RateLimitMiddleware
+from gateway.middleware.tracing import TracingMiddleware
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.settings import Settings
+from gateway.telemetry.tracing import Tracing
 from gateway.tenancy.keys import AttemptThrottle, Authenticator, KeyRing, TrustedProxies
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
 
 
-def stack(settings: Settings, lifecycle: Lifecycle, quota: Quota, tenants: Tenants, table: RouteTable) -> list[Middleware]:
+def stack(
+    settings: Settings, lifecycle: Lifecycle, quota: Quota, tenants: Tenants, table: RouteTable,
+    tracing: Tracing | None = None,
+) -> list[Middleware]:
+    """`tracing`: the traces' provider; None: no tracing layer at all (nothing to pay per request)."""
     keyless = table.paths("open") if settings.auth_ops_routes else table.paths("open", "ops")
     authenticator = Authenticator(
         KeyRing(settings.api_keys, settings.key_id_secret), AttemptThrottle(settings.auth_failures_per_minute), tenants,
         TrustedProxies(settings.forwarded_allow_ips, settings.forwarded_header),
     )
+    traced = [] if tracing is None else [
+        Middleware(TracingMiddleware, tracing=tracing, route_label=table.label, log_content=settings.log_prompts)
+    ]
     return [
         Middleware(AccessLogMiddleware, route_label=table.label, log_content=settings.log_prompts,
                    dialect=table.dialect),
         Middleware(EdgeMiddleware, max_headers=settings.max_request_headers,
                    max_header_bytes=settings.max_request_header_bytes, free_tails=table.free_tails()),
+        *traced,
         Middleware(LifecycleMiddleware, lifecycle=lifecycle, ops_paths=table.paths("ops")),
         Middleware(AuthMiddleware, authenticator=authenticator, open_paths=keyless),
         Middleware(RateLimitMiddleware, quota=quota, tenants=tenants, open_paths=keyless),

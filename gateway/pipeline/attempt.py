@@ -25,6 +25,8 @@ from gateway.serving.guards.pipeline import RequestGuard
 from gateway.serving.guards.requests import guarded
 from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service, check_task
 from gateway.stores.cache import Hit, Storer
+from gateway.telemetry.record import RequestRecord
+from gateway.telemetry.tracing import stage
 from gateway.tenancy.tenants import KeyPolicy
 
 Shape = Callable[[Event], BaseModel]  # answers and chunks in another form (the native API's)
@@ -81,17 +83,21 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         permit = admission.admit_now(count)  # room, nobody ahead: no wait to watch (nearly always)
         if permit is not None:
             return permit
-        return await unless_gone(self.context.client_gone, admission.acquire(count, self.policy.priority))
+        with stage(self.context.record.trace, "gateway.admission.wait", **{"gateway.admission.permits": count}):
+            return await unless_gone(self.context.client_gone, admission.acquire(count, self.policy.priority))
 
     async def _embedded(self, backend: Backend) -> Answer:
         engine = backend.engine
         assert engine is not None
         check_task(engine.info, self.service.task, self.service.route)
         default_max_tokens, size = self.state.settings.default_max_tokens, self.context.body_bytes
-        if offload.inline(size):  # nearly always: no coroutine to await
-            prepared = self.service.prepare(self.body, engine, default_max_tokens, self.guard)
-        else:
-            prepared = await offload.by_size(size, self.service.prepare, self.body, engine, default_max_tokens, self.guard)
+        with stage(self.context.record.trace, "gateway.prepare"):  # template, tokens, input guards
+            if offload.inline(size):  # nearly always: no coroutine to await
+                prepared = self.service.prepare(self.body, engine, default_max_tokens, self.guard)
+            else:
+                prepared = await offload.by_size(
+                    size, self.service.prepare, self.body, engine, default_max_tokens, self.guard
+                )
         self.context.release_body()  # read and tokenized: its bytes leave the in-flight budget
         prepared.model = backend.name
         self._check_output(prepared.output_tokens())
@@ -124,7 +130,12 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if key is None or (fresh and unstored):
             record.response_headers["x-cache"] = "MISS"
             return None, None
-        hit = None if fresh else await cache.get(key, backend.name, self.service.answer_type)
+        hit = None
+        if not fresh:
+            with stage(record.trace, "gateway.cache.lookup") as span:
+                hit = await cache.get(key, backend.name, self.service.answer_type)
+                if span is not None:
+                    span.set_attribute("gateway.cache.hit", hit is not None)
         record.cache = "hit" if hit is not None else "miss"
         record.response_headers["x-cache"] = record.cache.upper()
         return (cache.storer(key) if hit is None and not unstored else None), hit
@@ -141,6 +152,8 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         return Whole(self.shape(answer) if self.shape else answer)
 
     def _replay(self, hit: Hit[AnswerT]) -> Answer:
+        if self.context.record.trace is not None:
+            _traced_hit(self.context.record, hit.answer())
         if self.body.streams:
             return Stream(self._shaped(self.service.replay(hit.answer(), self.body)))
         if self.shape is None and (renewed := self.service.renewed(hit.raw)) is not None:
@@ -160,7 +173,8 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             route = self.service.route
             raise InvalidRequest(f"{route} serves embedded models only; '{backend.name}' is remote", "model")
         # input checks only: the answer passes through unread by the guards (redacted values stay placeholders)
-        body = await offload.by_size(self.context.body_bytes, guarded, self.body, self.guard)
+        with stage(self.context.record.trace, "gateway.prepare"):
+            body = await offload.by_size(self.context.body_bytes, guarded, self.body, self.guard)
         self.context.release_body()
         await self.guard.moderate_input()
         payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)
@@ -186,6 +200,20 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             permit.release()
             watch.end()
             raise
+
+
+def _traced_hit(record: RequestRecord, answer: BaseModel) -> None:
+    """A cached answer's usage and finish reasons, for its trace (the access line counts no tokens
+    for a hit: none were generated)."""
+    assert record.trace is not None
+    choices = getattr(answer, "choices", None) or ()
+    record.trace.finished(getattr(choice, "finish_reason", None) for choice in choices)
+    usage = getattr(answer, "usage", None)
+    if usage is not None and record.trace.server.is_recording():
+        record.trace.server.set_attributes({
+            "gen_ai.usage.input_tokens": getattr(usage, "prompt_tokens", 0) or getattr(usage, "input_tokens", 0),
+            "gen_ai.usage.output_tokens": getattr(usage, "completion_tokens", 0) or getattr(usage, "output_tokens", 0),
+        })
 
 
 async def _reshaped(events: AsyncGenerator[Event, None], shape: Shape) -> AsyncGenerator[Event, None]:

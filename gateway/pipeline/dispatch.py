@@ -54,6 +54,8 @@ async def dispatch(
     reach = state.models.reach(body.model, state.models.access(policy.models), sticky)
     version, chain = reach.version, reach.chain
     record.model, record.version = body.model, version
+    if record.trace is not None:
+        record.trace.request(service.route, body.model, body)
     record.response_headers["x-model-version"] = version
     guard = state.guards.for_request(context.key_id, body.model, version)
     attempt = Attempt(context, state, body, service, guard, shape, policy)

@@ -37,6 +37,7 @@ from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.guards.requests import guarded_chat
 from gateway.serving.service import OnDone
 from gateway.serving.tools import HeldText
+from gateway.telemetry.record import current_record
 
 
 @dataclass(slots=True)
@@ -171,9 +172,17 @@ def _choice(prepared: PreparedChat, state: ChoiceState) -> dict[str, Any]:
     return {
         "index": state.index,
         "message": {"content": content, "tool_calls": [c.as_openai() for c in calls] or None},
-        "finish_reason": prepared.tools.finish_reason(calls, state.finish_reason),
+        "finish_reason": _finished(state.index, prepared.tools.finish_reason(calls, state.finish_reason)),
         "logprobs": _logprobs(state.logprobs) if prepared.request.logprobs else None,
     }
+
+
+def _finished(index: int, reason: str | None) -> str | None:
+    """A choice's finish reason as the answer says it (tool_calls for calls), for the request's trace."""
+    trace = current_record().trace
+    if trace is not None:
+        trace.finished_as(index, reason)
+    return reason
 
 
 def _answer(prepared: PreparedChat, run: Run) -> ChatCompletion:
@@ -222,7 +231,8 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
             return None
         content, calls = plan.parse("".join(state.text))
         body = ChunkDelta(role="assistant", content=content, tool_calls=[c.as_openai(i) for i, c in enumerate(calls)] or None)
-        whole = ChunkChoice(index=state.index, delta=body, finish_reason=plan.finish_reason(calls, finish))
+        reason = _finished(state.index, plan.finish_reason(calls, finish))
+        whole = ChunkChoice(index=state.index, delta=body, finish_reason=reason)
         return whole.model_dump(mode="json", exclude_none=True)
     role = None if state.started else "assistant"
     state.started = True
@@ -258,7 +268,8 @@ def _auto_chunk(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta, 
     content = piece + held.rest(calls=bool(calls))
     state.started = True
     body = ChunkDelta(role=role, content=content or None, tool_calls=[c.as_openai(i) for i, c in enumerate(calls)] or None)
-    whole = ChunkChoice(index=state.index, delta=body, finish_reason=prepared.tools.finish_reason(calls, finish))
+    reason = _finished(state.index, prepared.tools.finish_reason(calls, finish))
+    whole = ChunkChoice(index=state.index, delta=body, finish_reason=reason)
     return whole.model_dump(mode="json", exclude_none=True)
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from opentelemetry.trace import Span
 
 from engine.config import SamplingDefaults
 from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, SamplingOptions, TokenLogprob
@@ -18,6 +20,7 @@ from gateway.protocol.openai import SamplingFields, Usage
 from gateway.serving.guards.stream import OutputGuard, visible
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
+from gateway.telemetry.tracing import headers_of
 
 
 def new_id(prefix: str) -> str:
@@ -190,9 +193,13 @@ class Run:
         self.prompt_tokens = len(request.prompt_token_ids)
         self.cached_tokens = 0
         self.choices = [ChoiceState(i) for i in range(request.sampling.n)]
+        self._record = record = current_record()
+        self._span: Span | None = None  # traced: the engine's first token, then its decoding
+        if record.trace is not None:
+            self._span = record.trace.start("engine.first_token", attributes={"gen_ai.request.id": request.request_id})
+            self.request = request = replace(request, trace_headers=headers_of(self._span))
         self._outputs = engine.generate(request)
         self._first: GenerationOutput | None = None
-        self._record = record = current_record()
         self._model = model = engine.info.name
         record.model = record.model or model
         self._itl: metrics.Observations | None = None  # from the second token on (none for a one-token answer)
@@ -266,6 +273,10 @@ class Run:
             metrics.labelled(metrics.TIME_TO_FIRST_TOKEN, self._model).observe(ttft)
             if self._record.ttft_s is None:
                 self._record.ttft_s = ttft
+            if self._span is not None:
+                self._span.end()
+                assert self._record.trace is not None
+                self._span = self._record.trace.start("engine.decode", attributes={"gen_ai.request.id": self.request.request_id})
         elif self._last_token_at is not None:
             if self._itl is None:
                 self._itl = metrics.Observations(metrics.labelled(metrics.INTER_TOKEN_LATENCY, self._model))
@@ -287,10 +298,24 @@ class Run:
             record.output = (record.output or []) + ["".join(choice.text) for choice in self.choices]
         record.prompt_tokens = (record.prompt_tokens or 0) + prompt
         record.completion_tokens = (record.completion_tokens or 0) + completion
+        if self._span is not None:
+            self._end_span(prompt, completion)
         per_choice = completion / max(1, len(self.choices))
         if self._first_token_at is not None and self._last_token_at is not None and per_choice > 1:
             tpot = (self._last_token_at - self._first_token_at) / (per_choice - 1)
             metrics.labelled(metrics.TIME_PER_OUTPUT_TOKEN, self._model).observe(tpot)
+
+    def _end_span(self, prompt: int, completion: int) -> None:
+        assert self._span is not None
+        assert self._record.trace is not None
+        reasons = [choice.finish_reason for choice in self.choices]
+        self._record.trace.finished(reasons)
+        if self._span.is_recording():
+            self._span.set_attributes({"gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion})
+            if None in reasons:  # closed before every choice finished: the client left, or an error
+                self._span.set_attribute("gateway.engine.aborted", True)
+        self._span.end()
+        self._span = None
 
     async def collect(self, each: Callable[[GenerationOutput], object] | None = None) -> Run:
         """Every output taken (and handed to `each`), then closed: what `outputs` does, without

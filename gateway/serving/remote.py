@@ -184,6 +184,8 @@ class RemoteAnswer(Generic[AnswerT]):
             self._token()
             data = orjson.loads(body)
             usage = data.get("usage") or {} if isinstance(data, dict) else {}
+            if self.record.trace is not None and isinstance(data, dict):
+                self.record.trace.finished(c.get("finish_reason") for c in data.get("choices") or () if isinstance(c, dict))
             self._count(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
             if self.on_done is not None:
                 await self._store(data)
@@ -237,6 +239,8 @@ class RemoteAnswer(Generic[AnswerT]):
     async def _stream_ended(self) -> None:
         joined = self.joined
         usage = joined.usage or {}
+        if self.record.trace is not None:
+            self.record.trace.finished(joined.choices[index].finish_reason for index in sorted(joined.choices))
         prompt = int(usage.get("prompt_tokens") or self.prompt_estimate)
         completion = int(usage.get("completion_tokens") or joined.content_chunks)
         self._count(prompt, completion)

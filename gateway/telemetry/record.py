@@ -10,6 +10,8 @@ from __future__ import annotations
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field, fields
 
+from gateway.telemetry.tracing import RequestTrace
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -31,17 +33,20 @@ class RequestRecord:
     prompt: str | None = None
     output: list[str] | None = None
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the response
+    trace: RequestTrace | None = None  # the request's trace, when tracing is on (its ids go in the access line)
 
     def as_fields(self) -> dict[str, object]:
         """The fields that are set, for the access line (a shallow read: no copy of the record)."""
         logged = {name: value for name in _LOGGED if (value := getattr(self, name)) is not None and value is not False}
         if self.ttft_s is not None:
             logged["ttft_s"] = round(self.ttft_s, 4)
+        if self.trace is not None:
+            logged.update(self.trace.ids())
         return logged
 
 
 _LOGGED = tuple(f.name for f in fields(RequestRecord)
-                if f.name not in ("arrival", "log_content", "response_headers", "status"))
+                if f.name not in ("arrival", "log_content", "response_headers", "status", "trace"))
 
 
 _record: ContextVar[RequestRecord | None] = ContextVar("gateway_request_record", default=None)

@@ -33,6 +33,7 @@ from gateway.serving.guards.patterns import (
 from gateway.serving.guards.stream import OutputGuard
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
+from gateway.telemetry.tracing import stage
 
 
 def scanner(checks: Checks) -> Scanner:
@@ -177,7 +178,8 @@ class RequestGuard:
         """The moderation upstream's verdict on the prompt, when the profile asks for one."""
         if self.profile is None or self.profile.profile.input.moderation == "off" or not self.prompt_text:
             return
-        verdict = await self.moderate("input", self.prompt_text, self.profile.profile.input.moderation)
+        with stage(current_record().trace, "gateway.guards.moderation"):
+            verdict = await self.moderate("input", self.prompt_text, self.profile.profile.input.moderation)
         if verdict == "block":
             raise ContentPolicyViolation("The prompt was refused by the content policy: guard moderation", None)
 

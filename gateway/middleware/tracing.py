@@ -1,0 +1,56 @@
+"""Traces (pure ASGI, just inside the access log; in the stack only when tracing is on): a server
+span per request, continuing the caller's W3C `traceparent`, current (OpenTelemetry's context)
+while the layers below run, and put in the request's record (`RequestRecord.trace`) for the
+pipeline's stages and the access line (its trace and span ids). Its end reports the record
+(`telemetry.tracing.RequestTrace.end`); it ends when the response has been sent, or the stream
+ended however it ended (a client gone included)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.pipeline.context import context_of
+from gateway.telemetry.tracing import RequestTrace, Tracing, continued
+
+RouteLabel = Callable[[str], str]  # a path → its route's label (the route table's)
+
+
+class TracingMiddleware:
+    def __init__(self, app: ASGIApp, tracing: Tracing, route_label: RouteLabel, log_content: bool = False) -> None:
+        self.app = app
+        self.tracer = tracing.tracer
+        self.route_label = route_label
+        self.log_content = log_content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        parent = continued(scope.get("headers", ()))
+        route, method = self.route_label(scope["path"]), scope["method"]
+        attributes = {"http.request.method": method, "http.route": route, "url.path": scope["path"]}
+        span = self.tracer.start_span(f"{method} {route}", parent, SpanKind.SERVER, attributes)
+        record = context_of(scope).record
+        trace = record.trace = RequestTrace(self.tracer, span, self.log_content)
+        ids = trace.ids()
+        attached = otel_context.attach(set_span_in_context(span, parent))
+        bound = structlog.contextvars.bind_contextvars(**ids)  # every log line of the request carries them
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            raise  # the server cancelled the request (its client gone): not an error of ours
+        except Exception as exc:  # answered 500 by the access log above
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}"))
+            span.set_attribute("error.type", type(exc).__qualname__)
+            raise
+        finally:
+            trace.end(record)
+            otel_context.detach(attached)
+            structlog.contextvars.reset_contextvars(**bound)
