@@ -186,7 +186,7 @@ def count_tokens(request: CountTokensRequest, engine: Engine) -> MessageTokensCo
         model=request.model, messages=chat_messages(request), **chat_tools(request)
     )
     prompt = chat.render(as_chat, tools.plan(as_chat), engine.tokenizer)
-    return MessageTokensCount(input_tokens=len(engine.tokenizer.encode(prompt, add_special_tokens=False)))
+    return MessageTokensCount(input_tokens=len(prompt.token_ids))
 
 
 # --- answer: the engine's output → a Message ----------------------------------------------------
