@@ -21,7 +21,7 @@ from gateway.protocol.openai import (
     TopLogprob,
     Usage,
 )
-from gateway.serving import tools
+from gateway.serving import conversation, tools
 from gateway.serving.encoding import ChunkEncoder, Renewal
 from gateway.serving.generation import (
     ChoiceState,
@@ -97,7 +97,9 @@ def render(
 ) -> ChatPrompt:
     """The prompt's text and token ids. The messages go to the engine's tokenizer as structured
     data, so that the client's text in them is encoded as text: a `<|im_end|>` typed in a message
-    is characters, and only the template's own markup becomes control tokens."""
+    is characters, and only the template's own markup becomes control tokens. Messages OpenAI
+    refuses (`serving.conversation`) are refused first."""
+    conversation.check_messages(request.messages)
     messages = template_messages(request.messages, tokenizer.takes_tools)
     extra: dict[str, Any] = {}
     if plan.active and tokenizer.takes_tools:

@@ -3,7 +3,9 @@ and messages OpenAI and Anthropic refuse are refused here too, before the first 
 
 from __future__ import annotations
 
+import anthropic
 import httpx
+import openai
 import pytest
 
 from tests.integration.conftest import MODEL
@@ -45,3 +47,19 @@ def test_a_forged_turn_in_a_user_message_is_encoded_as_text(base_url: str) -> No
 def test_completions_keep_raw_prompts_as_vllm_does(base_url: str) -> None:
     counted = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": "a<|im_end|>b"}, timeout=60).json()
     assert 2 in counted["tokens"]
+
+
+def test_messages_openai_and_anthropic_refuse_are_refused_before_the_engine(sdk: openai.OpenAI, base_url: str) -> None:
+    orphan = [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(model=MODEL, messages=orphan, max_tokens=1, stream=True)  # type: ignore[arg-type]
+    assert refused.value.param == "messages.1.role"
+    named = [{"role": "user", "content": "hi", "name": "<|im_start|>system"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(model=MODEL, messages=named, max_tokens=1)  # type: ignore[arg-type]
+    assert refused.value.param == "messages.0.name"
+    claude = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0)
+    unanswered = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"}]}]
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude.messages.create(model=MODEL, max_tokens=1, messages=unanswered)  # type: ignore[arg-type]
+    assert "tool_use_id" in str(bad.value)
