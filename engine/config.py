@@ -107,6 +107,11 @@ class EngineSettings(BaseModel):
     sampling_defaults: SamplingDefaults = Field(
         default_factory=SamplingDefaults, description="Sampling defaults over the generation config's"
     )
+    prompt_special_tokens: Literal["tokens", "text"] = Field(
+        "tokens",
+        description="How /v1/completions reads a special token's spelling (`<|im_end|>`) in a text prompt: tokens "
+        "(as vLLM: the raw prompt is the model's input) or text (its characters, as chat messages always are)",
+    )
     max_num_seqs: int | None = Field(None, description="Most sequences batched at once; unset: vLLM's default")
     seed: int = Field(0, description="The engine's random seed")
     trust_remote_code: bool = Field(False, description="Allow model code from the model directory or hub to run")

@@ -109,17 +109,35 @@ class ModelInfo:
     matryoshka: bool = False  # embedding models: shorter vectors (`dimensions`) are meaningful
 
 
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A rendered chat prompt: its text (logs, guards) and the token ids the engine reads."""
+
+    text: str
+    token_ids: list[int]
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     takes_tools: bool  # whether the chat template renders a `tools` argument
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text` as the tokenizer reads it: added-token spellings (`<|im_end|>`) become those tokens."""
+        ...
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A completion's raw prompt: added-token spellings read as the model's setting says
+        (`EngineSettings.prompt_special_tokens`)."""
+        ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
-    def render_chat(
+    def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str: ...
+    ) -> ChatPrompt:
+        """Messages through the chat template: every string in `messages` and `kwargs` is the
+        client's and is encoded as text; only the template's own markup becomes special tokens."""
+        ...
 
 
 class Engine(Protocol):

@@ -28,6 +28,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from engine import capabilities, models
 from engine.config import EngineSettings, SamplingDefaults
 from engine.errors import EngineError, EngineInvalidRequest, EngineUnavailable, PromptTooLong
+from engine.tokenizer import HFTokenizer
 from engine.types import (
     ChoiceDelta,
     EmbedRequest,
@@ -110,30 +111,6 @@ def logging_config(settings: EngineSettings) -> LoggingConfig | None:
     if settings.log_level is not None:
         fields["log_level"] = settings.log_level.upper()
     return LoggingConfig(**fields) if fields else None
-
-
-class HFTokenizer:
-    """The engine's Hugging Face tokenizer, narrowed to what the gateway uses."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self.takes_tools = "tools" in str(getattr(tokenizer, "chat_template", "") or "")
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
-
-    def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
-        try:
-            return str(self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            ))
-        except Exception as exc:  # jinja errors: the messages do not fit the template
-            raise EngineInvalidRequest(f"the chat template refused the messages: {exc}", "messages") from exc
 
 
 def sampling_params(options: SamplingOptions) -> SamplingParams:
@@ -246,10 +223,10 @@ def _engine_errors() -> Iterator[None]:
 class VLLMEngine:
     """An `Engine` on vLLM's AsyncLLM (continuous batching, PagedAttention, prefix caching)."""
 
-    def __init__(self, llm: AsyncLLMEngine, info: ModelInfo) -> None:
+    def __init__(self, llm: AsyncLLMEngine, info: ModelInfo, prompt_special_tokens: str = "tokens") -> None:
         self._llm = llm
         self._info = info
-        self._tokenizer = HFTokenizer(llm.get_tokenizer())
+        self._tokenizer = HFTokenizer(llm.get_tokenizer(), prompt_special_tokens)
         # vLLM takes a request's trace headers only when it exports spans itself (else it warns and drops them)
         self._traced = getattr(llm, "observability_config", None) is not None and (
             llm.observability_config.otlp_traces_endpoint is not None
@@ -275,7 +252,7 @@ class VLLMEngine:
             embedding_size=config.embedding_size if embeds else None,
             matryoshka=embeds and bool(config.is_matryoshka),
         )
-        return cls(llm, info)
+        return cls(llm, info, settings.prompt_special_tokens)
 
     @property
     def info(self) -> ModelInfo:

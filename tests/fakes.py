@@ -15,7 +15,16 @@ from typing import Any
 
 from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
-from engine.types import ChoiceDelta, EmbedRequest, GenerationOutput, GenerationRequest, ModelInfo, Task, TokenLogprob
+from engine.types import (
+    ChatPrompt,
+    ChoiceDelta,
+    EmbedRequest,
+    GenerationOutput,
+    GenerationRequest,
+    ModelInfo,
+    Task,
+    TokenLogprob,
+)
 
 REPLY = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
 EMBEDDING_SIZE = 8
@@ -49,9 +58,16 @@ class FakeTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return " ".join(self.words.get(t, "?") for t in token_ids)
 
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.encode(text, add_special_tokens)
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
         text = " ".join(f"<{m['role']}> {m['content']}" for m in messages)
         return text + (" <assistant>" if add_generation_prompt else "")
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> ChatPrompt:
+        text = self.render_chat(messages, add_generation_prompt, **kw)
+        return ChatPrompt(text, self.encode(text, add_special_tokens=False))
 
 
 class FakeEngine:

@@ -43,11 +43,12 @@ def _tokenized(body: TokenizeRequest, engine: Engine) -> TokenizeResponse:
     tokenizer = engine.tokenizer
     if body.messages is not None:
         as_chat = ChatCompletionRequest(model=engine.info.name, messages=body.messages)
-        text = chat.render(as_chat, tools.plan(as_chat), tokenizer, body.add_generation_prompt)
-        ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        ids = chat.render(as_chat, tools.plan(as_chat), tokenizer, body.add_generation_prompt).token_ids
+        if body.add_special_tokens:  # vLLM's: the tokenizer's start token before the rendered prompt
+            ids = [*tokenizer.encode("", add_special_tokens=True), *ids]
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = tokenizer.encode(body.prompt or "", add_special_tokens=add_special)
+        ids = tokenizer.encode_prompt(body.prompt or "", add_special_tokens=add_special)  # as /v1/completions reads it
     strs = [tokenizer.decode([i]) for i in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=engine.info.max_model_len, tokens=ids, token_strs=strs)
 

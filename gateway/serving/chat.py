@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.types import ChoiceDelta, Engine, GenerationRequest, Task, Tokenizer, TokenLogprob
+from engine.types import ChatPrompt, ChoiceDelta, Engine, GenerationRequest, Task, Tokenizer, TokenLogprob
 from gateway.errors import InvalidRequest
 from gateway.protocol.openai import (
     ChatCompletion,
@@ -21,7 +21,7 @@ from gateway.protocol.openai import (
     TopLogprob,
     Usage,
 )
-from gateway.serving import tools
+from gateway.serving import conversation, tools
 from gateway.serving.encoding import ChunkEncoder, Renewal
 from gateway.serving.generation import (
     ChoiceState,
@@ -95,14 +95,19 @@ def _text(message: ChatMessage, index: int) -> str:
 
 def render(
     request: ChatCompletionRequest, plan: tools.ToolPlan, tokenizer: Tokenizer, add_generation_prompt: bool = True
-) -> str:
+) -> ChatPrompt:
+    """The prompt's text and token ids. The messages go to the engine's tokenizer as structured
+    data, so that the client's text in them is encoded as text: a `<|im_end|>` typed in a message
+    is characters, and only the template's own markup becomes control tokens. Messages OpenAI
+    refuses (`serving.conversation`) are refused first."""
+    conversation.check_messages(request.messages)
     messages = template_messages(request.messages, tokenizer.takes_tools)
     extra: dict[str, Any] = {}
     if plan.active and tokenizer.takes_tools:
         extra["tools"] = [{"type": "function", "function": fn} for fn in plan.functions.values()]
     elif plan.active:
         messages = tools.with_tools_described(messages, plan)
-    return tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
+    return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
 
 
 def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> dict[str, Any]:
@@ -131,7 +136,7 @@ def prepare(
     request = guarded_chat(request, guard)
     plan = tools.plan(request)
     prompt = render(request, plan, engine.tokenizer)
-    prompt_ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    prompt_ids = prompt.token_ids
     guard.check_prompt_tokens(len(prompt_ids), "messages")
     if request.truncate_prompt_tokens is not None:
         prompt_ids = prompt_ids[-request.truncate_prompt_tokens :]
@@ -148,7 +153,7 @@ def prepare(
     top = (request.top_logprobs or 0) if request.logprobs else None
     sampling = sampling_options(request, max_tokens, logprobs=top, defaults=defaults, **_constraint(request, plan))
     chat_id = new_id("chatcmpl")
-    generation = GenerationRequest(chat_id, prompt_ids, sampling, prompt_text=prompt)
+    generation = GenerationRequest(chat_id, prompt_ids, sampling, prompt_text=prompt.text)
     return PreparedChat(request, engine, generation, plan, request.model, chat_id, now(), guard)
 
 

@@ -63,10 +63,10 @@ def _prompts(request: CompletionRequest, engine: Engine) -> list[tuple[str, list
     prompt = request.prompt
     tokenizer = engine.tokenizer
     if isinstance(prompt, str):
-        return [(prompt, tokenizer.encode(prompt))]
+        return [(prompt, tokenizer.encode_prompt(prompt))]
     texts = [p for p in prompt if isinstance(p, str)]
     if len(texts) == len(prompt):
-        return [(text, tokenizer.encode(text)) for text in texts]
+        return [(text, tokenizer.encode_prompt(text)) for text in texts]
     singles = [p for p in prompt if isinstance(p, int)]
     token_lists = [singles] if len(singles) == len(prompt) else [p for p in prompt if isinstance(p, list)]
     for ids in token_lists:
@@ -79,7 +79,7 @@ def _guarded(prompts: list[tuple[str, list[int]]], engine: Engine, guard: Reques
     if not guard.active:
         return prompts
     checked = guard.check_input([text for text, _ in prompts], "prompt")
-    prompts = [(new, ids if new == text else engine.tokenizer.encode(new)) for (text, ids), new in zip(prompts, checked, strict=True)]
+    prompts = [(new, ids if new == text else engine.tokenizer.encode_prompt(new)) for (text, ids), new in zip(prompts, checked, strict=True)]
     guard.check_prompt_tokens(sum(len(ids) for _, ids in prompts), "prompt")
     return prompts
 

@@ -13,6 +13,7 @@ request (model choice, limits, cache, admission); this service prepares it with 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ from gateway.serving.message_blocks import BlockEvents, ContentStream, tool_use_
 from gateway.serving.service import OnDone, check_task
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool_choice → OpenAI's
+TOOL_USE_ID = re.compile(r"[a-zA-Z0-9_-]+")  # Anthropic's pattern of a tool_use block's id
 
 
 # --- request: Anthropic's → a chat request ------------------------------------------------------
@@ -124,6 +126,27 @@ def _chat_messages(message: MessageParam, index: int) -> list[ChatMessage]:
     return out
 
 
+def check_tool_blocks(conversation: Conversation) -> None:
+    """What Anthropic refuses of tool blocks: a tool_use id outside its pattern, or a tool_result
+    that answers no tool_use of the message before it (InvalidRequest, in Anthropic's shape on
+    its routes)."""
+    previous: set[str] = set()  # the tool_use ids of the previous message
+    for i, message in enumerate(conversation.messages):
+        blocks = message.content if isinstance(message.content, list) else []
+        for j, block in enumerate(blocks):
+            param = f"messages.{i}.content.{j}"
+            if isinstance(block, ToolUseBlockParam) and not TOOL_USE_ID.fullmatch(block.id):
+                raise InvalidRequest(f"{param}.tool_use.id: String should match pattern '^[a-zA-Z0-9_-]+$'",
+                                     f"{param}.id")
+            if isinstance(block, ToolResultBlockParam) and block.tool_use_id not in previous:
+                raise InvalidRequest(
+                    f"{param}: unexpected `tool_use_id` found in `tool_result` blocks: {block.tool_use_id}. Each "
+                    "`tool_result` block must have a corresponding `tool_use` block in the previous message.",
+                    f"{param}.tool_use_id",
+                )
+        previous = {block.id for block in blocks if isinstance(block, ToolUseBlockParam)}
+
+
 def chat_messages(conversation: Conversation) -> list[ChatMessage]:
     system = conversation.system
     messages = []
@@ -132,6 +155,7 @@ def chat_messages(conversation: Conversation) -> list[ChatMessage]:
         messages.append(ChatMessage(role="system", content=text))
     for i, message in enumerate(conversation.messages):
         messages.extend(_chat_messages(message, i))
+    check_tool_blocks(conversation)  # after each block was found in a place that takes it
     return messages
 
 
@@ -186,7 +210,7 @@ def count_tokens(request: CountTokensRequest, engine: Engine) -> MessageTokensCo
         model=request.model, messages=chat_messages(request), **chat_tools(request)
     )
     prompt = chat.render(as_chat, tools.plan(as_chat), engine.tokenizer)
-    return MessageTokensCount(input_tokens=len(engine.tokenizer.encode(prompt, add_special_tokens=False)))
+    return MessageTokensCount(input_tokens=len(prompt.token_ids))
 
 
 # --- answer: the engine's output → a Message ----------------------------------------------------

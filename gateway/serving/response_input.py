@@ -75,16 +75,20 @@ def chat_messages(items: list[Item]) -> list[dict[str, Any]]:
     """Items as chat messages: function calls join the assistant message before them (or make one),
     their outputs are tool messages."""
     messages: list[dict[str, Any]] = []
+    called: set[str] = set()
     for item in items:
         if isinstance(item, InputMessage | OutputMessage):
             messages.append({"role": item.role, "content": "\n".join(part.text for part in item.content)})
         elif isinstance(item, FunctionToolCall):
             function = {"name": item.name, "arguments": item.arguments}
             call = {"id": item.call_id, "type": "function", "function": function}
+            called.add(item.call_id)
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif item.call_id not in called:  # OpenAI's refusal of an output that answers no call
+            raise InvalidRequest(f"No tool call found for function call output with call_id {item.call_id}.", "input")
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     return messages
