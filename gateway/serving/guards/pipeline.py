@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.errors import ContentPolicyViolation, ServiceUnavailable
-from gateway.serving.guards import config, injection, pii
+from gateway.serving.guards import config, injection, normalize, pii
 from gateway.serving.guards.config import Checks, GuardsFile, ModelGuards, Profile
 from gateway.serving.guards.moderation import Moderation
 from gateway.serving.guards.patterns import (
@@ -37,7 +37,8 @@ from gateway.telemetry.record import current_record
 
 def scanner(checks: Checks) -> Scanner:
     """A direction's detectors: its deny patterns, the injection list, personal data."""
-    rules = [Detector(r.name, r.action, _label(r.name), regex_spans(re.compile(r.pattern))) for r in checks.rules()]
+    rules = [Detector(r.name, r.action, _label(r.name), regex_spans(re.compile(normalize.pattern(r.pattern))))
+             for r in checks.rules()]
     return Scanner([*rules, *injection.detectors(checks.injection), *pii.detectors(checks.pii)], checks.allow)
 
 
