@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.backends.versions import covers
-from gateway.tenancy.tenants import KeyPolicy, KeysFileError, Tenants
+from gateway.tenancy.tenants import KeysFileError, Tenants
 from tests.fakes import FakeEngine, app_with, chat_body, fake_settings
 
 # chat_body's prompt on the fake engine: "<user> hi <assistant>", 3 tokens; max_tokens 3
