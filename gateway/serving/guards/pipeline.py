@@ -114,6 +114,14 @@ class RequestGuard:
         return self.profile is not None
 
     @property
+    def reads_input(self) -> bool:
+        """Whether the prompt's text is read on the way in (a check of it is configured)."""
+        if self.profile is None:
+            return False
+        checks = self.profile.profile.input
+        return bool(self.profile.input) or checks.max_chars is not None or checks.moderation != "off"
+
+    @property
     def cache_tag(self) -> str:
         return f"#guards:{self.profile.fingerprint}" if self.profile else ""
 
@@ -142,7 +150,7 @@ class RequestGuard:
         checks = self.profile.profile.input
         size = sum(len(text) for text in texts)
         if checks.max_chars is not None and size > checks.max_chars:
-            self._refuse("prompt_size", param, f"{size} characters; the limit is {checks.max_chars}")
+            self.refuse("prompt_size", param, f"{size} characters; the limit is {checks.max_chars}")
         checked = [self._check_text(text, param) for text in texts]
         self.prompt_text = "\n".join(checked)  # what moderation sees: redacted values stay redacted
         return checked
@@ -168,9 +176,9 @@ class RequestGuard:
     def check_prompt_tokens(self, tokens: int, param: str) -> None:
         limit = self.profile.profile.input.max_tokens if self.profile else None
         if limit is not None and tokens > limit:
-            self._refuse("prompt_size", param, f"{tokens} tokens; the limit is {limit}")
+            self.refuse("prompt_size", param, f"{tokens} tokens; the limit is {limit}")
 
-    def _refuse(self, guard: str, param: str, why: str) -> None:
+    def refuse(self, guard: str, param: str, why: str) -> None:
         self.note("input", guard, "block")
         raise ContentPolicyViolation(f"The prompt was refused by the content policy: guard {guard} ({why})", param)
 
