@@ -92,7 +92,7 @@ def guarded_chat(request: ChatT, guard: RequestGuard) -> ChatT:
     if not guard.active:
         return request
     per_field = chat_texts(request)
-    checked = iter(guard.check_input([t for texts in per_field for t in texts], "messages"))
+    checked = iter(guard.check_input([t for texts in per_field for t in texts], "messages", together=True))
     rebuilt = [[next(checked) for _ in texts] for texts in per_field]
     if rebuilt == per_field:
         return request
