@@ -112,13 +112,15 @@ class Normalized:
     def span(self, start: int, end: int) -> tuple[int, int]:
         """The original span of the normalized span [start, end) (non-empty): from the beginning
         of the original character that made `start` to the end of the one that made `end - 1`,
-        the characters removed inside it included."""
+        the characters removed inside it and right after it included."""
         if self._norm is None:
             return start, end
         i = bisect_right(self._norm, start) - 1
         first = self._orig[i] + (start - self._norm[i]) if self._exact[i] else self._orig[i]
         j = bisect_right(self._norm, end - 1) - 1
         last = self._orig[j] + (end - self._norm[j]) if self._exact[j] else self._orig_end[j]
+        if last == self._orig_end[j]:  # the invisible characters right after it go with it (a trailing selector)
+            last = self._orig[j + 1] if j + 1 < len(self._orig) else len(self.original)
         return first, last
 
     def position(self, index: int) -> int:
