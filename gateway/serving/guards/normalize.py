@@ -70,7 +70,7 @@ DROPPED = frozenset(
 )
 SPACES = frozenset("\u2800")  # the Braille blank looks like a space; Zs covers the rest
 DASHES = frozenset("\u2212\u2043\u02d7\u2796\ufe63")  # minus signs and hyphen bullets; Pd covers the rest
-_NON_ASCII = re.compile(r"[\x00-\x7f]?[^\x00-\x7f]+")  # with the character before: a mark may combine with it
+_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
 
 
 @lru_cache(maxsize=8192)
@@ -103,7 +103,7 @@ class Normalized:
         self.original, self.text = original, text
         # None: the text is its own normalization. Else, per segment of the normalized text: where
         # it starts there and in the original, where it ends in the original, and whether it maps
-        # character for character (else any position in it maps to the whole original segment).
+        # one character to one (else any position in it maps to the whole original segment).
         self._norm = [s[0] for s in segments] if segments is not None else None
         self._orig = [s[1] for s in segments] if segments is not None else []
         self._orig_end = [s[2] for s in segments] if segments is not None else []
@@ -132,10 +132,28 @@ class Normalized:
         return self.span(index, index + 1)[0]
 
 
+class _Folds(dict[int, str]):
+    """`fold` of each character seen, by code point: a table for `str.translate`, filled as it is
+    read (the characters of Unicode bound it)."""
+
+    def __missing__(self, code: int) -> str:
+        folded = self[code] = fold(chr(code))
+        return folded
+
+
+_FOLDS = _Folds()
+
+
 def normalize(text: str) -> Normalized:
     """The text as every guard reads it (see the module's docstring), with its way back."""
     if text.isascii():
         return Normalized(text, text)
+    composed = unicodedata.is_normalized("NFC", text)  # nothing for NFKC to compose across characters
+    if composed and len(text.encode("utf-8", "surrogatepass")) - len(text) > len(text) // 8:
+        # much of it is not ASCII (another script): folded at once, in C, when nothing is removed or expanded
+        folded = text.translate(_FOLDS)
+        if len(folded) == len(text):
+            return Normalized(text, folded, [(0, 0, len(text), True)])
     parts: list[str] = []
     segments: list[tuple[int, int, int, bool]] = []
     size = 0  # of the normalized text so far
@@ -144,23 +162,31 @@ def normalize(text: str) -> Normalized:
         nonlocal size
         if not out:
             return  # removed: the characters fall between two segments
-        exact = out == text[original_start:original_end]
+        one_to_one = len(out) == original_end - original_start
         last = segments[-1] if segments else None
-        if exact and last is not None and last[3] and last[2] == original_start:
-            segments[-1] = (last[0], last[1], original_end, True)  # one run of unchanged text
+        if one_to_one and last is not None and last[3] and last[2] == original_start:
+            segments[-1] = (last[0], last[1], original_end, True)
         else:
-            segments.append((size, original_start, original_end, exact))
+            segments.append((size, original_start, original_end, one_to_one))
         parts.append(out)
         size += len(out)
 
     at = 0
     for run in _NON_ASCII.finditer(text):
-        keep(at, run.start(), text[at : run.start()])
-        start = run.start()
-        for i in range(run.start() + 1, run.end() + 1):
-            if i == run.end() or not unicodedata.combining(text[i]):
-                keep(start, i, fold(text[start:i]))
-                start = i
+        begin = run.start()
+        if begin > at and unicodedata.combining(text[begin]):
+            begin -= 1  # a mark on the ASCII letter before it: the two compose
+        keep(at, begin, text[at:begin])
+        chars = text[begin : run.end()]
+        folded = chars.translate(_FOLDS)  # per character, in C: the common case
+        if len(folded) == len(chars) and (composed or unicodedata.is_normalized("NFC", chars)):
+            keep(begin, run.end(), folded)
+        else:  # characters removed or expanded, or marks to compose: one character (and its marks) at a time
+            start = begin
+            for i in range(begin + 1, run.end() + 1):
+                if i == run.end() or not unicodedata.combining(text[i]):
+                    keep(start, i, fold(text[start:i]))
+                    start = i
         at = run.end()
     keep(at, len(text), text[at:])
     return Normalized(text, "".join(parts), segments)

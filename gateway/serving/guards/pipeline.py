@@ -49,6 +49,9 @@ def _label(name: str) -> str:
     return re.sub(r"[^A-Z0-9]+", "_", name.upper())
 
 
+ACROSS_CHARS = 256  # a match split across a chat's texts is looked for this far on each side of the join
+
+
 @dataclass(frozen=True, slots=True)
 class CompiledProfile:
     name: str
@@ -187,24 +190,28 @@ class RequestGuard:
                       else self.placeholders.name(m.detector.label, value))
 
     def _across(self, texts: Sequence[str], param: str) -> dict[int, list[tuple[Match, str]]]:
-        """The matches that only the texts joined find (they span two or more): blocked, noted, or
-        split into the pieces each text redacts."""
+        """The matches that only the texts joined find (they span two or more), looked for within
+        `ACROSS_CHARS` of each join: blocked, noted, or split into the pieces each text redacts."""
         assert self.profile is not None
         starts, at = [], 0
         for text in texts:
             starts.append(at)
             at += len(text) + 1
         joined = " ".join(texts)
+        found: dict[tuple[int, int, str], Match] = {}
+        for join in starts[1:]:
+            low = max(0, join - 1 - ACROSS_CHARS)
+            for m in self.profile.input.scan(joined[low : join + ACROSS_CHARS]):
+                if low + m.start < join - 1 and low + m.end > join:  # it takes from both sides of the join
+                    found.setdefault((low + m.start, low + m.end, m.detector.guard), Match(m.detector, low + m.start, low + m.end))
         pieces: dict[int, list[tuple[Match, str]]] = {}
-        for match in self.profile.input.scan(joined):
-            first, last = bisect_right(starts, match.start) - 1, bisect_right(starts, match.end - 1) - 1
-            if first == last:
-                continue  # inside one text: found there
+        for match in sorted(found.values(), key=lambda m: (m.start, -m.end)):
             if match.action == "block":
                 self._blocked(match, joined, param)
             self.note_match("input", match, joined)
             if match.action != "redact":
                 continue
+            first, last = bisect_right(starts, match.start) - 1, bisect_right(starts, match.end - 1) - 1
             name = self.placeholders.name(match.detector.label, joined[match.start : match.end])
             for i in range(first, last + 1):
                 start, end = max(match.start, starts[i]) - starts[i], min(match.end, starts[i] + len(texts[i])) - starts[i]
