@@ -49,7 +49,7 @@ def _label(name: str) -> str:
     return re.sub(r"[^A-Z0-9]+", "_", name.upper())
 
 
-ACROSS_CHARS = 256  # a match split across a chat's texts is looked for this far on each side of the join
+ACROSS_CHARS = 128  # a match split across a chat's texts is looked for this far on each side of the join
 
 
 @dataclass(frozen=True, slots=True)
