@@ -24,6 +24,7 @@ from gateway.serving.guards.normalize import Normalized, normalize
 from gateway.serving.guards.patterns import Match, Placeholders, Scanner, disjoint, first_block, redact
 
 CONTENT_FILTER = "content_filter"
+ALTERNATIVE_CONTEXT = 64  # the text before a logprob's alternatives that they are read after (one scan each)
 
 
 class Notes(Protocol):
@@ -49,7 +50,7 @@ class ChoiceFilter:
         self.tail = ""  # the end of what was passed on (as the model wrote it), still in view
         self.at = 0  # how much of the model's text was passed on (where `pending` begins in it)
         self.before = 0  # `at` before the last feed
-        self.logprobs = LogprobFilter(scanner, self.window)
+        self.logprobs = LogprobFilter(scanner, min(self.window, ALTERNATIVE_CONTEXT))
         self.done = False
         self.cut = False
 
