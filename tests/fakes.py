@@ -92,6 +92,7 @@ class FakeEngine:
         self.dead = False
         self.fail_after: int | None = None  # raise after this many outputs
         self.reply: list[str] | None = None  # pieces to answer with instead of REPLY; then "stop"
+        self.alternatives: dict[int, list[str]] = {}  # a reply's step → the other tokens its top logprobs name
 
     @property
     def info(self) -> ModelInfo:
@@ -147,7 +148,11 @@ class FakeEngine:
             await asyncio.sleep(0)
             last = step == len(pieces) - 1
             text = "" if piece == stop else piece
-            choices = [ChoiceDelta(i, text, [2000 + step], "stop" if last else None, stop if last else None)
+            logprobs = None
+            if request.sampling.logprobs is not None:  # the piece is one token, its alternatives after it
+                top = ((2000 + step, text, -0.5), *((3000 + k, alt, -2.0) for k, alt in enumerate(self.alternatives.get(step, []))))
+                logprobs = (TokenLogprob(2000 + step, text, -0.5, 1, top[: request.sampling.logprobs]),)
+            choices = [ChoiceDelta(i, text, [2000 + step], "stop" if last else None, stop if last else None, logprobs)
                        for i in range(request.sampling.n)]
             yield GenerationOutput(len(request.prompt_token_ids), choices, finished=last)
         self.finished.append(request.request_id)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from gateway.serving.guards.normalize import pattern
 from gateway.serving.guards.patterns import Detector, regex_spans
 
 LIST = Path(__file__).with_name("injection.yaml")
@@ -31,7 +32,7 @@ class InjectionPattern:
 def patterns() -> tuple[InjectionPattern, ...]:
     entries = yaml.safe_load(LIST.read_text())["patterns"]
     return tuple(
-        InjectionPattern(e["id"], e["category"], e["source"], re.compile(e["regex"], re.IGNORECASE), tuple(e["examples"]))
+        InjectionPattern(e["id"], e["category"], e["source"], re.compile(pattern(e["regex"]), re.IGNORECASE), tuple(e["examples"]))
         for e in entries
     )
 

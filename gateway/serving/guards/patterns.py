@@ -9,6 +9,8 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from gateway.serving.guards.normalize import Normalized, normalize, pattern
+
 Spans = Callable[[str], Iterator[tuple[int, int]]]
 
 
@@ -46,16 +48,21 @@ class Scanner:
 
     def __init__(self, detectors: Iterable[Detector], allow: Iterable[str] = ()) -> None:
         self.detectors = [d for d in detectors if d.action != "off"]
-        self.allow = [re.compile(p) for p in allow]
+        self.allow = [re.compile(pattern(p)) for p in allow]
 
     def __bool__(self) -> bool:
         return bool(self.detectors)
 
     def scan(self, text: str) -> list[Match]:
-        """Every match outside the allowed spans, by position."""
+        """Every match outside the allowed spans, by position in `text`; the detectors read it
+        normalized (`guards.normalize`), the matches are its own spans."""
+        return self.scan_normalized(normalize(text))
+
+    def scan_normalized(self, normalized: Normalized) -> list[Match]:
+        text = normalized.text
         allowed = [(m.start(), m.end()) for p in self.allow for m in p.finditer(text)]
         found = [
-            Match(d, start, end)
+            Match(d, *normalized.span(start, end))
             for d in self.detectors
             for start, end in d.spans(text)
             if not any(a <= start and end <= b for a, b in allowed)

@@ -20,7 +20,7 @@ from gateway.serving.guards.patterns import Detector, Spans, regex_spans
 
 EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9][A-Za-z0-9._%+-]*@[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
 CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])")
-IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b")
+IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?:[ -]?[A-Z0-9]){11,30}\b")
 PHONE_CANDIDATE = re.compile(r"(?:\+|\(|\b)\d[\d \t().\-/]{5,}\d(?:\s*(?:ext\.?|x|#)\s*\d+)?")
 IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
 IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|(?:\d{1,3}\.){3}\d{1,3})?(?![\w:])")
@@ -38,7 +38,7 @@ def iban_spans(text: str) -> Iterator[tuple[int, int]]:
         candidate = match.group()
         # the pattern may run on into the next word group: try the longest valid prefix
         for end in range(len(candidate), 14, -1):
-            if candidate[end - 1] != " " and iban.is_valid(candidate[:end]):
+            if candidate[end - 1] not in " -" and iban.is_valid(candidate[:end]):
                 yield match.start(), match.start() + end
                 break
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import re
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from gateway.errors import ContentPolicyViolation, ServiceUnavailable
-from gateway.serving.guards import config, injection, pii
+from gateway.serving.guards import config, injection, normalize, pii
 from gateway.serving.guards.config import Checks, GuardsFile, ModelGuards, Profile
 from gateway.serving.guards.moderation import Moderation
 from gateway.serving.guards.patterns import (
@@ -38,13 +40,17 @@ from gateway.telemetry.tracing import stage
 
 def scanner(checks: Checks) -> Scanner:
     """A direction's detectors: its deny patterns, the injection list, personal data."""
-    rules = [Detector(r.name, r.action, _label(r.name), regex_spans(re.compile(r.pattern))) for r in checks.rules()]
+    rules = [Detector(r.name, r.action, _label(r.name), regex_spans(re.compile(normalize.pattern(r.pattern))))
+             for r in checks.rules()]
     return Scanner([*rules, *injection.detectors(checks.injection), *pii.detectors(checks.pii)], checks.allow)
 
 
 def _label(name: str) -> str:
     """A placeholder's word for a pattern named `name`: [DENY_1], [PROJECT_NAME_1], ..."""
     return re.sub(r"[^A-Z0-9]+", "_", name.upper())
+
+
+ACROSS_CHARS = 128  # a match split across a chat's texts is looked for this far on each side of the join
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +120,14 @@ class RequestGuard:
         return self.profile is not None
 
     @property
+    def reads_input(self) -> bool:
+        """Whether the prompt's text is read on the way in (a check of it is configured)."""
+        if self.profile is None:
+            return False
+        checks = self.profile.profile.input
+        return bool(self.profile.input) or checks.max_chars is not None or checks.moderation != "off"
+
+    @property
     def cache_tag(self) -> str:
         return f"#guards:{self.profile.fingerprint}" if self.profile else ""
 
@@ -134,43 +148,84 @@ class RequestGuard:
 
     # --- on the way in --------------------------------------------------------------------
 
-    def check_input(self, texts: Sequence[str], param: str) -> list[str]:
+    def check_input(self, texts: Sequence[str], param: str, together: bool = False) -> list[str]:
         """The prompt's texts as the engine may see them (redacted); refuses a prompt a guard
-        blocks (ContentPolicyViolation, a 400 before any byte)."""
+        blocks (ContentPolicyViolation, a 400 before any byte). Texts read `together` (one chat's
+        messages, which the model reads as one prompt) are also read joined by a space, so that a
+        match split across two of them is found."""
         if self.profile is None:
             return list(texts)
         checks = self.profile.profile.input
         size = sum(len(text) for text in texts)
         if checks.max_chars is not None and size > checks.max_chars:
-            self._refuse("prompt_size", param, f"{size} characters; the limit is {checks.max_chars}")
-        checked = [self._check_text(text, param) for text in texts]
+            self.refuse("prompt_size", param, f"{size} characters; the limit is {checks.max_chars}")
+        across = self._across(texts, param) if together and len(texts) > 1 else {}
+        checked = [self._check_text(text, param, across.get(i, [])) for i, text in enumerate(texts)]
         self.prompt_text = "\n".join(checked)  # what moderation sees: redacted values stay redacted
         return checked
 
-    def _check_text(self, text: str, param: str) -> str:
+    def _blocked(self, match: Match, text: str, param: str) -> NoReturn:
+        self.note_match("input", match, text)
+        detail = f" ({match.detector.detail})" if match.detector.detail else ""
+        raise ContentPolicyViolation(f"The prompt was refused by the content policy: guard {match.detector.guard}{detail}", param)
+
+    def _check_text(self, text: str, param: str, pieces: list[tuple[Match, str]]) -> str:
+        """One text checked; `pieces`: its parts of redacted matches that span texts, with what
+        replaces each (the first part the placeholder, the others nothing)."""
         assert self.profile is not None
         matches = self.profile.input.scan(text)
         blocking = first_block(matches)
         if blocking is not None:
-            self.note_match("input", blocking, text)
-            detail = f" ({blocking.detector.detail})" if blocking.detector.detail else ""
-            raise ContentPolicyViolation(
-                f"The prompt was refused by the content policy: guard {blocking.detector.guard}{detail}", param
-            )
+            self._blocked(blocking, text, param)
         for match in matches:
             if match.action == "flag":
                 self.note_match("input", match, text)
         redacted = disjoint(matches, "redact")
         for match in redacted:
             self.note_match("input", match, text)
-        return redact(text, redacted, lambda m, value: self.placeholders.name(m.detector.label, value))
+        if not pieces:
+            return redact(text, redacted, lambda m, value: self.placeholders.name(m.detector.label, value))
+        given = {id(match): replacement for match, replacement in pieces}
+        kept = disjoint(sorted([*redacted, *(m for m, _ in pieces)], key=lambda m: (m.start, -m.end)), "redact")
+        return redact(text, kept, lambda m, value: given[id(m)] if id(m) in given
+                      else self.placeholders.name(m.detector.label, value))
+
+    def _across(self, texts: Sequence[str], param: str) -> dict[int, list[tuple[Match, str]]]:
+        """The matches that only the texts joined find (they span two or more), looked for within
+        `ACROSS_CHARS` of each join: blocked, noted, or split into the pieces each text redacts."""
+        assert self.profile is not None
+        starts, at = [], 0
+        for text in texts:
+            starts.append(at)
+            at += len(text) + 1
+        joined = " ".join(texts)
+        found: dict[tuple[int, int, str], Match] = {}
+        for join in starts[1:]:
+            low = max(0, join - 1 - ACROSS_CHARS)
+            for m in self.profile.input.scan(joined[low : join + ACROSS_CHARS]):
+                if low + m.start < join - 1 and low + m.end > join:  # it takes from both sides of the join
+                    found.setdefault((low + m.start, low + m.end, m.detector.guard), Match(m.detector, low + m.start, low + m.end))
+        pieces: dict[int, list[tuple[Match, str]]] = {}
+        for match in sorted(found.values(), key=lambda m: (m.start, -m.end)):
+            if match.action == "block":
+                self._blocked(match, joined, param)
+            self.note_match("input", match, joined)
+            if match.action != "redact":
+                continue
+            first, last = bisect_right(starts, match.start) - 1, bisect_right(starts, match.end - 1) - 1
+            name = self.placeholders.name(match.detector.label, joined[match.start : match.end])
+            for i in range(first, last + 1):
+                start, end = max(match.start, starts[i]) - starts[i], min(match.end, starts[i] + len(texts[i])) - starts[i]
+                if end > start:
+                    pieces.setdefault(i, []).append((Match(match.detector, start, end), name if i == first else ""))
+        return pieces
 
     def check_prompt_tokens(self, tokens: int, param: str) -> None:
         limit = self.profile.profile.input.max_tokens if self.profile else None
         if limit is not None and tokens > limit:
-            self._refuse("prompt_size", param, f"{tokens} tokens; the limit is {limit}")
+            self.refuse("prompt_size", param, f"{tokens} tokens; the limit is {limit}")
 
-    def _refuse(self, guard: str, param: str, why: str) -> None:
+    def refuse(self, guard: str, param: str, why: str) -> NoReturn:
         self.note("input", guard, "block")
         raise ContentPolicyViolation(f"The prompt was refused by the content policy: guard {guard} ({why})", param)
 

@@ -17,11 +17,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
-from engine.types import ChoiceDelta, GenerationOutput
+from engine.types import ChoiceDelta, GenerationOutput, TokenLogprob
 from gateway.serving.guards.config import OutputChecks
+from gateway.serving.guards.logprobs import LogprobFilter
+from gateway.serving.guards.normalize import Normalized, normalize
 from gateway.serving.guards.patterns import Match, Placeholders, Scanner, disjoint, first_block, redact
 
 CONTENT_FILTER = "content_filter"
+ALTERNATIVE_CONTEXT = 64  # the text before a logprob's alternatives that they are read after (one scan each)
 
 
 class Notes(Protocol):
@@ -45,6 +48,9 @@ class ChoiceFilter:
         self.holdback, self.window, self.batch = checks.holdback_chars, checks.window_chars, batch
         self.pending = ""  # the model's text not passed on yet
         self.tail = ""  # the end of what was passed on (as the model wrote it), still in view
+        self.at = 0  # how much of the model's text was passed on (where `pending` begins in it)
+        self.before = 0  # `at` before the last feed
+        self.logprobs = LogprobFilter(scanner, min(self.window, ALTERNATIVE_CONTEXT))
         self.done = False
         self.cut = False
 
@@ -53,22 +59,27 @@ class ChoiceFilter:
         `cut` when a guard blocked."""
         if self.done:
             return ""
+        self.before = self.at
         self.pending += text
         view, offset = self.tail + self.pending, len(self.tail)
-        matches = self.scanner.scan(view) if self.scanner else []
+        normalized = normalize(view)
+        matches = self.scanner.scan_normalized(normalized) if self.scanner else []
         blocking = first_block(matches, after=offset)
         if blocking is not None:
             self.note(blocking, view)
             self.done = self.cut = True
             return self._pass(view, offset, max(offset, blocking.start), matches)
-        safe = len(view) if final else self._safe(view, offset, matches)
+        safe = len(view) if final else self._safe(normalized, offset, matches)
         self.done = final
         return self._pass(view, offset, safe, matches)
 
-    def _safe(self, view: str, offset: int, matches: list[Match]) -> int:
-        """How far the text may be passed: not into the held-back end, nor into a match that runs
-        past that point (it may still grow), nor into a placeholder still being written."""
-        safe = len(view) - self.holdback
+    def _safe(self, normalized: Normalized, offset: int, matches: list[Match]) -> int:
+        """How far the text may be passed: not into the held-back end (counted in the text as the
+        guards read it, so that invisible characters padding a word do not push its beginning
+        out), nor into a match that runs past that point (it may still grow), nor into a
+        placeholder still being written."""
+        view = normalized.original
+        safe = normalized.position(max(0, len(normalized.text) - self.holdback))
         for match in matches:
             if match.end > offset and match.start < safe < match.end:
                 safe = max(offset, match.start)
@@ -90,11 +101,28 @@ class ChoiceFilter:
         redacted = disjoint(clipped, "redact")
         for match in redacted:
             self.note(match, passed)
+            self.logprobs.redacted(self.at + match.start, self.at + match.end, _output_placeholder(match, ""))
+        self.at += len(passed)
         self.pending = view[upto:]
         self.tail = (self.tail + passed)[-self.window :] if self.window else ""
         if self.cut:
             self.pending = ""
         return redact(passed, redacted, _output_placeholder)
+
+    def retract(self) -> None:
+        """The text of the last feed is not passed on after all (output moderation cut it)."""
+        self.at = self.before
+        self.done = self.cut = True
+
+    def passed_logprobs(self, entries: tuple[TokenLogprob, ...] | None) -> tuple[TokenLogprob, ...] | None:
+        """The logprobs that may go out with the text passed on so far (`entries`: the delta's)."""
+        if entries is None:
+            return None
+        self.logprobs.add(entries)
+        shown = self.logprobs.release(self.at, everything=self.done and not self.cut)
+        if self.cut:
+            self.logprobs.drop()
+        return shown
 
 
 class OutputGuard:
@@ -127,12 +155,12 @@ class OutputGuard:
             return replace(delta, text="", finish_reason=None, logprobs=None)
         text = choice.feed(delta.text, final=delta.finish_reason is not None)
         if text and self.moderation != "off" and await self._moderate(delta.index, text):
-            choice.done = choice.cut = True
+            choice.retract()
             text = ""
         if self.restore is not None:
             text = self.restore.restore(text)
         finish = CONTENT_FILTER if choice.cut else delta.finish_reason
-        return replace(delta, text=text, finish_reason=finish)
+        return replace(delta, text=text, finish_reason=finish, logprobs=choice.passed_logprobs(delta.logprobs))
 
     async def _moderate(self, index: int, text: str) -> bool:
         """True when the moderation upstream blocks the choice's text so far with `text` added

@@ -1,0 +1,198 @@
+"""Text as the guards read it: what the model reads, without the disguises that only fool a regex.
+
+`normalize(text)` is the one normalization every guard uses (deny and allow patterns, the injection
+list, personal data, the output guard's window); patterns are read through it too (`pattern`), so
+a pattern and the text it is matched on are in the same form. It does, per character:
+
+- Unicode NFKC: fullwidth and mathematical letters and digits, ligatures, circled and superscript
+  characters become their plain forms (`ｃｏｎｆｉｄｅｎｔｉａｌ`, `𝐜𝐨𝐧𝐟`, `①`);
+- format and invisible characters are removed: Unicode's Cf category (zero-width space and
+  joiners, the soft hyphen, bidirectional controls, tag characters, the BOM), variation selectors,
+  the combining grapheme joiner, Hangul fillers;
+- confusables: the Cyrillic, Greek, Armenian and Cherokee letters that look like Latin ones (the
+  entries of Unicode TR39's confusables.txt that map one letter to one Latin letter) become that
+  Latin letter, as TR39's skeleton does: `Ꮲrоjеct` (Cherokee, Cyrillic о and е) reads `Project`;
+- every Unicode space (Zs, and the Braille blank) is a plain space, every dash (Pd, the minus sign)
+  a hyphen-minus, so a pattern's ` ` or `-` takes any of them;
+- digits of every script (Nd: Arabic-Indic, Devanagari, fullwidth, ...) are ASCII digits, so card
+  and phone numbers and IBANs are found however they are written.
+
+A match on the normalized text is mapped back to the original (`Normalized.span`): the client's
+text is redacted where the value really is, whatever was inserted into or substituted in it.
+
+Why a table of our own for the confusables: the PyPI packages on them (`confusable-homoglyphs`,
+`confusables`) detect mixed scripts or expand a string into every string it could be confused with;
+neither maps a character to one skeleton character with its position kept, which the redaction
+needs, and the letters that matter for Latin patterns are a few dozen.
+
+ASCII text is its own normalization (no copy, no offset map): the cost is paid by text that has
+other characters, and only when a guard is configured (nothing calls this otherwise).
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from bisect import bisect_right
+from functools import lru_cache
+
+# One letter → one Latin letter, after TR39 confusables.txt (its entries whose target is one Latin
+# letter). Where TR39 maps a capital only (Cyrillic К, Н, Т, М, В), its small letter is mapped to
+# the same letter's small form, so that a case-insensitive pattern written in that script still
+# matches either case once both are normalized; Greek η, ν, μ look like other letters than their
+# capitals do, and follow TR39 (η → n, ν → v, μ unchanged).
+CONFUSABLES = {
+    # Cyrillic
+    "А": "A", "а": "a", "В": "B", "в": "b", "Е": "E", "е": "e", "К": "K", "к": "k", "М": "M", "м": "m",
+    "Н": "H", "н": "h", "О": "O", "о": "o", "Р": "P", "р": "p", "С": "C", "с": "c", "Т": "T", "т": "t",
+    "Х": "X", "х": "x", "У": "Y", "у": "y", "Ү": "Y", "ү": "y", "Ѕ": "S", "ѕ": "s", "І": "I", "і": "i",
+    "Ї": "I", "ї": "i", "Ј": "J", "ј": "j", "Һ": "H", "һ": "h", "Ԁ": "D", "ԁ": "d", "Ԛ": "Q", "ԛ": "q",
+    "Ԝ": "W", "ԝ": "w", "Ӏ": "I", "ӏ": "l", "Ԍ": "G", "ԍ": "g",
+    # Greek
+    "Α": "A", "α": "a", "Β": "B", "β": "b", "Ε": "E", "ε": "e", "Ζ": "Z", "ζ": "z", "Η": "H", "η": "n",
+    "Ι": "I", "ι": "i", "Κ": "K", "κ": "k", "Μ": "M", "Ν": "N", "ν": "v", "Ο": "O", "ο": "o", "Ρ": "P",
+    "ρ": "p", "Τ": "T", "τ": "t", "Υ": "Y", "υ": "u", "Χ": "X", "χ": "x", "Ϲ": "C", "ϲ": "c", "Ϳ": "J",
+    "ϳ": "j", "ϒ": "Y",
+    # Armenian
+    "Օ": "O", "օ": "o", "Ս": "U", "ս": "u", "հ": "h", "ո": "n", "ց": "g", "զ": "q",
+    # Cherokee (capitals)
+    "Ꭺ": "A", "Ᏼ": "B", "Ꮯ": "C", "Ꭼ": "E", "Ꮐ": "G", "Ꮋ": "H", "Ꭻ": "J", "Ꮶ": "K", "Ꮇ": "M",
+    "Ꮲ": "P", "Ꮪ": "S", "Ꭲ": "T", "Ꮩ": "V", "Ꮃ": "W", "Ꮓ": "Z",
+    # Latin letters that stand in for plainer ones
+    "ı": "i", "ȷ": "j", "ɑ": "a", "ɡ": "g", "ɩ": "i", "ʏ": "y", "ᴄ": "c", "ᴏ": "o", "ᴠ": "v", "ᴡ": "w", "ᴢ": "z",
+}
+DROPPED = frozenset(
+    "\u034f"  # combining grapheme joiner
+    "\u115f\u1160\u3164\uffa0"  # Hangul fillers
+    "\u180b\u180c\u180d\u180f"  # Mongolian variation selectors
+    + "".join(chr(c) for c in range(0xFE00, 0xFE10))  # variation selectors
+    + "".join(chr(c) for c in range(0xE0100, 0xE01F0))
+)
+SPACES = frozenset("\u2800")  # the Braille blank looks like a space; Zs covers the rest
+DASHES = frozenset("\u2212\u2043\u02d7\u2796\ufe63")  # minus signs and hyphen bullets; Pd covers the rest
+_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+
+
+@lru_cache(maxsize=8192)
+def fold(chunk: str) -> str:
+    """One character (with the marks that combine with it) as the guards read it."""
+    out = []
+    for char in unicodedata.normalize("NFKC", chunk):
+        category = unicodedata.category(char)
+        if category == "Cf" or char in DROPPED:
+            continue
+        char = CONFUSABLES.get(char, char)
+        if category == "Zs" or char in SPACES:
+            char = " "
+        elif category == "Pd" or char in DASHES:
+            char = "-"
+        elif category == "Nd":
+            char = str(unicodedata.decimal(char))
+        elif category in ("Zl", "Zp"):
+            char = "\n"
+        out.append(char)
+    return "".join(out)
+
+
+class Normalized:
+    """A text as the guards read it (`text`), and the way back to the original (`span`)."""
+
+    __slots__ = ("_exact", "_norm", "_orig", "_orig_end", "original", "text")
+
+    def __init__(self, original: str, text: str, segments: list[tuple[int, int, int, bool]] | None = None) -> None:
+        self.original, self.text = original, text
+        # None: the text is its own normalization. Else, per segment of the normalized text: where
+        # it starts there and in the original, where it ends in the original, and whether it maps
+        # one character to one (else any position in it maps to the whole original segment).
+        self._norm = [s[0] for s in segments] if segments is not None else None
+        self._orig = [s[1] for s in segments] if segments is not None else []
+        self._orig_end = [s[2] for s in segments] if segments is not None else []
+        self._exact = [s[3] for s in segments] if segments is not None else []
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """The original span of the normalized span [start, end) (non-empty): from the beginning
+        of the original character that made `start` to the end of the one that made `end - 1`,
+        the characters removed inside it and right after it included."""
+        if self._norm is None:
+            return start, end
+        i = bisect_right(self._norm, start) - 1
+        first = self._orig[i] + (start - self._norm[i]) if self._exact[i] else self._orig[i]
+        j = bisect_right(self._norm, end - 1) - 1
+        last = self._orig[j] + (end - self._norm[j]) if self._exact[j] else self._orig_end[j]
+        if last == self._orig_end[j]:  # the invisible characters right after it go with it (a trailing selector)
+            last = self._orig[j + 1] if j + 1 < len(self._orig) else len(self.original)
+        return first, last
+
+    def position(self, index: int) -> int:
+        """The original position of the normalized position `index` (a character boundary there)."""
+        if self._norm is None:
+            return index
+        if index >= len(self.text):
+            return len(self.original)
+        return self.span(index, index + 1)[0]
+
+
+class _Folds(dict[int, str]):
+    """`fold` of each character seen, by code point: a table for `str.translate`, filled as it is
+    read (the characters of Unicode bound it)."""
+
+    def __missing__(self, code: int) -> str:
+        folded = self[code] = fold(chr(code))
+        return folded
+
+
+_FOLDS = _Folds()
+
+
+def normalize(text: str) -> Normalized:
+    """The text as every guard reads it (see the module's docstring), with its way back."""
+    if text.isascii():
+        return Normalized(text, text)
+    composed = unicodedata.is_normalized("NFC", text)  # nothing for NFKC to compose across characters
+    if composed and len(text.encode("utf-8", "surrogatepass")) - len(text) > len(text) // 8:
+        # much of it is not ASCII (another script): folded at once, in C, when nothing is removed or expanded
+        folded = text.translate(_FOLDS)
+        if len(folded) == len(text):
+            return Normalized(text, folded, [(0, 0, len(text), True)])
+    parts: list[str] = []
+    segments: list[tuple[int, int, int, bool]] = []
+    size = 0  # of the normalized text so far
+
+    def keep(original_start: int, original_end: int, out: str) -> None:
+        nonlocal size
+        if not out:
+            return  # removed: the characters fall between two segments
+        one_to_one = len(out) == original_end - original_start
+        last = segments[-1] if segments else None
+        if one_to_one and last is not None and last[3] and last[2] == original_start:
+            segments[-1] = (last[0], last[1], original_end, True)
+        else:
+            segments.append((size, original_start, original_end, one_to_one))
+        parts.append(out)
+        size += len(out)
+
+    at = 0
+    for run in _NON_ASCII.finditer(text):
+        begin = run.start()
+        if begin > at and unicodedata.combining(text[begin]):
+            begin -= 1  # a mark on the ASCII letter before it: the two compose
+        keep(at, begin, text[at:begin])
+        chars = text[begin : run.end()]
+        folded = chars.translate(_FOLDS)  # per character, in C: the common case
+        if len(folded) == len(chars) and (composed or unicodedata.is_normalized("NFC", chars)):
+            keep(begin, run.end(), folded)
+        else:  # characters removed or expanded, or marks to compose: one character (and its marks) at a time
+            start = begin
+            for i in range(begin + 1, run.end() + 1):
+                if i == run.end() or not unicodedata.combining(text[i]):
+                    keep(start, i, fold(text[start:i]))
+                    start = i
+        at = run.end()
+    keep(at, len(text), text[at:])
+    return Normalized(text, "".join(parts), segments)
+
+
+def pattern(source: str) -> str:
+    """A regular expression's source read the same way as the text it is matched on: its literal
+    letters, spaces, dashes and digits (a pattern is ASCII nearly always: then as it is)."""
+    return normalize(source).text
