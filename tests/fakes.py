@@ -15,7 +15,16 @@ from typing import Any
 
 from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
-from engine.types import ChoiceDelta, EmbedRequest, GenerationOutput, GenerationRequest, ModelInfo, Task, TokenLogprob
+from engine.types import (
+    ChoiceDelta,
+    EmbedRequest,
+    EngineLoad,
+    GenerationOutput,
+    GenerationRequest,
+    ModelInfo,
+    Task,
+    TokenLogprob,
+)
 
 REPLY = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
 EMBEDDING_SIZE = 8
@@ -76,6 +85,8 @@ class FakeEngine:
         self.dead = False
         self.fail_after: int | None = None  # raise after this many outputs
         self.reply: list[str] | None = None  # pieces to answer with instead of REPLY; then "stop"
+        # what `load()` reports: the requests running are its own, the rest as a test sets them
+        self.scheduler = EngineLoad(block_size=16, num_blocks=1000)
 
     @property
     def info(self) -> ModelInfo:
@@ -150,6 +161,11 @@ class FakeEngine:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(len(self.running), s.waiting, s.kv_cache_usage, s.block_size, s.num_blocks, s.max_lora,
+                          s.running_lora_adapters, s.waiting_lora_adapters)
 
     async def check_health(self) -> None:
         if self.dead:
