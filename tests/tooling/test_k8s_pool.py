@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from gateway.api.routes import TABLE
-from tests.tooling.k8s import BUILDS, CRDS, built, gateway_pod, matches, named_port, one
+from tests.tooling.k8s import BUILDS, CRDS, K8S, built, gateway_pod, matches, named_port, one
 
 CRD_DIR = Path(__file__).parent / "crds"
 ROUTED = "routed"
@@ -244,6 +244,18 @@ def test_the_go_types_check_accepts_the_router_s_own_samples(sample: str) -> Non
     assert {"EndpointPickerConfig", "PluginSpec", "SchedulingProfile", "DataLayerConfig"} <= set(go_structs())
     config = yaml.safe_load((CRD_DIR / "epp-examples" / sample).read_text())
     assert picker_config_problems(config) == []
+
+
+def test_the_local_recipe_s_picker_config_fits_its_types() -> None:
+    """k8s/examples/picker-local (the picker without Kubernetes): file discovery, the router page."""
+    recipe = K8S / "examples" / "picker-local"
+    config = yaml.safe_load((recipe / "picker-config.yaml").read_text())
+    assert picker_config_problems(config) == []
+    plugins = {p.get("name") or p["type"]: p for p in config["plugins"]}
+    assert config["dataLayer"]["discovery"]["pluginRef"] == "file-discovery"
+    assert plugins["metrics-data-source"]["parameters"]["path"] == "/metrics/router"
+    endpoints = yaml.safe_load((recipe / "endpoints.yaml").read_text())["endpoints"]
+    assert all(isinstance(e["port"], str) and e["address"].count(".") == 3 for e in endpoints)
 
 
 def test_the_picker_s_config_fits_its_types_and_reads_the_router_page() -> None:
