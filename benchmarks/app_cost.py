@@ -23,7 +23,9 @@ from typing import Any
 
 KEY = "sk-app-cost"
 NAME = "smol"
-SCENARIOS = ("non-stream", "stream", "cache-hit", "models")
+SCENARIOS = ("non-stream", "stream", "cache-hit", "models", "router-page", "metrics")
+# the GET scenarios: the model list, the router's page (an endpoint picker scrapes it every 100 ms), /metrics
+GETS = {"models": "/v1/models", "router-page": "/metrics/router", "metrics": "/metrics"}
 PARTS = ("log", "metrics", "keys", "cache", "tokenizer")
 
 
@@ -118,7 +120,7 @@ def bodies(scenario: str, count: int, seed: int = 1) -> list[bytes]:
 
 
 def caller(app: Any, scenario: str, state: dict[str, Any]) -> Callable[[bytes], Any]:
-    method, path = ("GET", "/v1/models") if scenario == "models" else ("POST", "/v1/completions")
+    method, path = ("GET", GETS[scenario]) if scenario in GETS else ("POST", "/v1/completions")
 
     async def call(body: bytes) -> None:
         scope = {

@@ -117,6 +117,21 @@ class ChatPrompt:
     token_ids: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The engine's scheduler at its last step, as a request router reads it (vLLM's `vllm:*` gauges
+    of the same meaning): built by the engine as it steps, so reading it costs nothing."""
+
+    running: int = 0  # requests in the running batch
+    waiting: int = 0  # requests queued in the engine (deferred ones included)
+    kv_cache_usage: float = 0.0  # fraction of the KV cache's blocks in use, 0 to 1
+    block_size: int = 0  # tokens per KV-cache block
+    num_blocks: int = 0  # KV-cache blocks (vLLM's num_gpu_blocks, on the CPU too)
+    max_lora: int = 0  # LoRA adapters the engine can hold at once (0: LoRA off)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     takes_tools: bool  # whether the chat template renders a `tools` argument
@@ -159,6 +174,11 @@ class Engine(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    def load(self) -> EngineLoad:
+        """The scheduler's numbers at its last step (no I/O, no lock: a router scrapes them every
+        100 ms)."""
+        ...
 
     async def check_health(self) -> None:
         """Return if the engine can serve; raise EngineUnavailable if not."""

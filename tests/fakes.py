@@ -19,6 +19,7 @@ from engine.types import (
     ChatPrompt,
     ChoiceDelta,
     EmbedRequest,
+    EngineLoad,
     GenerationOutput,
     GenerationRequest,
     ModelInfo,
@@ -93,6 +94,8 @@ class FakeEngine:
         self.fail_after: int | None = None  # raise after this many outputs
         self.reply: list[str] | None = None  # pieces to answer with instead of REPLY; then "stop"
         self.alternatives: dict[int, list[str]] = {}  # a reply's step → the other tokens its top logprobs name
+        # what `load()` reports: the requests running are its own, the rest as a test sets them
+        self.scheduler = EngineLoad(block_size=16, num_blocks=1000)
 
     @property
     def info(self) -> ModelInfo:
@@ -171,6 +174,11 @@ class FakeEngine:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(len(self.running), s.waiting, s.kv_cache_usage, s.block_size, s.num_blocks, s.max_lora,
+                          s.running_lora_adapters, s.waiting_lora_adapters)
 
     async def check_health(self) -> None:
         if self.dead:

@@ -1,4 +1,4 @@
-"""Operations routes: liveness, readiness and the Prometheus exposition."""
+"""Operations routes: liveness, readiness, the Prometheus exposition and the router's page."""
 
 from __future__ import annotations
 
@@ -9,12 +9,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.api.requests import state_of
-from gateway.telemetry import metrics
+from gateway.telemetry import metrics, router
 
 
 async def prometheus(request: Request) -> Response:
     body, content_type = metrics.exposition()
     return Response(body, media_type=content_type)
+
+
+async def router_metrics(request: Request) -> Response:
+    """The pod's load in the five series an endpoint picker reads, one sample each
+    (`telemetry.router`): scraped every 100 ms by a picker, so no registry collect here."""
+    models = state_of(request).models
+    loads = [backend.engine.load() for backend in models.backends.values() if backend.engine is not None]
+    waiting = sum(backend.admission.waiting for backend in models.backends.values())
+    return Response(router.page(loads, waiting), media_type=router.CONTENT_TYPE)
 
 
 async def _failure(check: Awaitable[None]) -> str | None:

@@ -5,7 +5,7 @@ all from here (tests/unit/test_routes.py fails when a route escapes the table).
 
 Access classes:
 - `api`: needs an API key (when keys are set), rate-limited, counted in flight, refused while draining;
-- `ops`: probes and scraping (/health, /ready, /metrics): open unless `auth_ops_routes`, never
+- `ops`: probes and scraping (/health, /ready, /metrics, /metrics/router): open unless `auth_ops_routes`, never
   refused while draining;
 - `open`: no key ever (/openapi.json), but refused while draining like any API route.
 """
@@ -63,6 +63,8 @@ TABLE = RouteTable([
              p.NativeChatRequest, p.GenerateResponse, streams=True),
     Endpoint("GET", "/openapi.json", openapi, "open", "This document"),
     Endpoint("GET", "/metrics", ops.prometheus, "ops", "Prometheus metrics"),
+    Endpoint("GET", "/metrics/router", ops.router_metrics, "ops",
+             "The pod's load for an endpoint picker: vLLM's five series it reads, one sample each"),
     Endpoint("GET", "/health", ops.health, "ops", "Liveness"),
     Endpoint("GET", "/ready", ops.ready, "ops", "Readiness"),
 ])

@@ -117,7 +117,7 @@ def _bounded(path: str) -> str:
 def observe_request(record: RequestRecord, route: str, status: int, duration: float) -> None:
     model = record.version or record.model or ""
     metrics.labelled(metrics.REQUESTS, model, route, str(status)).inc()
-    if route != "/metrics":
+    if route not in ("/metrics", "/metrics/router"):  # scrapes, not requests to time
         metrics.labelled(metrics.REQUEST_DURATION, model, route).observe(duration)
     if record.disconnected:
         metrics.labelled(metrics.DISCONNECTS, model).inc()

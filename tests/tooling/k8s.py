@@ -32,13 +32,19 @@ BUILDS = {
     "gpu": K8S / "overlays" / "gpu",
     "cpu": K8S / "overlays" / "cpu",
     "tls": K8S / "overlays" / "tls",  # gpu with components/tls-edge and components/tls-pod
+    "routed": K8S / "overlays" / "routed",  # gpu with components/inference-pool
     "multinode": K8S / "examples" / "multinode",
 }
-SERVING = ("base", "gpu", "cpu", "tls")  # the builds with the gateway's Deployment
+SERVING = ("base", "gpu", "cpu", "tls", "routed")  # the builds with the gateway's Deployment
 COMPONENTS = K8S / "components"
 KUBERNETES_VERSION = "1.30.0"  # the oldest Kubernetes the manifests target
-# Custom resources: kubernetes-validate ships only the built-in schemas (see test_k8s_manifests.py).
+# Custom resources: kubernetes-validate ships only the built-in schemas (see test_k8s_manifests.py);
+# those of the Gateway API and the Inference Extension are validated against their CRDs in
+# tests/tooling/crds (test_k8s_pool.py).
 CRDS = {
+    ("inference.networking.k8s.io/v1", "InferencePool"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+    ("gateway.networking.k8s.io/v1", "Gateway"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),

@@ -81,12 +81,19 @@ def test_readme_production_overlay_builds(tmp_path: Path) -> None:
 
 def test_readme_routing_examples_match_the_manifests() -> None:
     blocks = readme_yaml_blocks()
-    [pool] = [
-        d for b in blocks for d in yaml.safe_load_all(b) if d and d.get("kind") == "InferencePool"
-    ]
     _, template, container = gateway_pod(built("gpu"))
-    assert matches(pool["spec"]["selector"]["matchLabels"], template["metadata"]["labels"])
-    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [named_port(container, "http")]
+    for pool in [d for b in blocks for d in yaml.safe_load_all(b) if d and d.get("kind") == "InferencePool"]:
+        assert matches(pool["spec"]["selector"]["matchLabels"], template["metadata"]["labels"])
+        assert [p["number"] for p in pool["spec"]["targetPorts"]] == [named_port(container, "http")]
+    # section 8 deploys the component and names only the current API (v1), none of v1alpha2's fields
+    readme = (K8S / "README.md").read_text()
+    routing = readme[readme.index("## 8. Routing"):readme.index("## 9. TLS")]
+    assert "/metrics/router" in routing
+    for path in ("components/inference-pool", "overlays/routed", "examples/picker-local"):
+        assert path in routing, path
+        assert (K8S / path).is_dir(), path
+    for removed in ("inference.networking.x-k8s.io", "v1alpha2", "targetPortNumber", "extensionRef", "InferenceModel "):
+        assert removed not in routing, removed
 
     [front] = [yaml.safe_load(b) for b in blocks if "kind: remote" in b]
     services = {

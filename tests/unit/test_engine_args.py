@@ -171,3 +171,30 @@ def test_logprobs_the_sampler_ruled_out_are_floored_as_vllms_server_does() -> No
     assert chosen is not None
     assert chosen.logprob == LOGPROB_FLOOR == -9999.0
     assert chosen.top == ((7, "b", -0.1), (5, "a", -9999.0))
+
+
+def test_the_engine_s_load_follows_vllm_s_scheduler_stats() -> None:
+    """`Engine.load()` (the router's page reads it): vLLM's stat logger interface, fed as AsyncLLM feeds
+    it (log_engine_initialized once the KV cache is sized, record per step); data-parallel ranks add up."""
+    from types import SimpleNamespace
+
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from engine.types import EngineLoad
+    from engine.vllm_engine import LoadRecorder
+
+    recorder = LoadRecorder()
+    config = SimpleNamespace(lora_config=SimpleNamespace(max_loras=4),
+                             cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=1000))
+    first = recorder.factory(config, 0)
+    first.log_engine_initialized()
+    assert recorder.current == EngineLoad(block_size=16, num_blocks=1000, max_lora=4)
+    first.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, num_skipped_waiting_reqs=1,
+                                kv_cache_usage=0.5, running_lora_adapters={"sql": 1}), None)
+    assert recorder.current == EngineLoad(3, 3, 0.5, 16, 1000, 4, ("sql",), ())
+    first.record(None, None)  # an output without scheduler stats changes nothing
+    assert recorder.current.running == 3
+    second = recorder.factory(config, 1)
+    second.log_engine_initialized()
+    second.record(SchedulerStats(num_running_reqs=1, kv_cache_usage=0.75, waiting_lora_adapters={"fr": 1}), None)
+    assert recorder.current == EngineLoad(4, 3, 0.75, 16, 2000, 4, ("sql",), ("fr",))
