@@ -35,6 +35,7 @@ _ONE_DATA = {"items", "additionalProperties", "additionalItems"}
 _MAP = {"$defs", "definitions", "dependentSchemas"}
 _MAP_DATA = {"properties", "patternProperties"}
 _LISTS = {"anyOf", "oneOf", "allOf"}
+MAX_JSON_NESTING = 64  # vLLM refuses deeper schemas (MAX_STRUCTURED_OUTPUT_JSON_NESTING); json.dumps would recurse
 _SCALARS = {"string", "number", "integer", "boolean", "null"}
 _PY_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "number": (int, float), "integer": (int,), "boolean": (bool,), "null": (type(None),),
@@ -89,6 +90,8 @@ def check_schema(schema: Any, limits: StructuredOutputSettings, param: str) -> N
     points nowhere, or that no finite JSON value satisfies."""
     if not isinstance(schema, dict):
         raise refuse(param, "a schema must be a JSON object")
+    if _too_deep(schema, MAX_JSON_NESTING):
+        raise refuse(param, f"its JSON nests more than {MAX_JSON_NESTING} levels deep (objects and arrays)")
     size = len(json.dumps(schema, separators=(",", ":")))
     if size > limits.max_schema_bytes:
         raise refuse(param, f"it is {size} bytes; at most {limits.max_schema_bytes} are allowed")
@@ -109,6 +112,18 @@ def check_schema(schema: Any, limits: StructuredOutputSettings, param: str) -> N
     if not Finite(schema, nodes).admits(schema):
         raise refuse(param, "no finite JSON value satisfies it (a required property, an array item or a $ref "
                             "leads back to itself without end, or a required property is not allowed)")
+
+
+def _too_deep(document: Any, most: int) -> bool:
+    """Whether objects and arrays nest more than `most` levels (iteratively: no recursion limit)."""
+    stack = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > most:
+                return True
+            stack.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return False
 
 
 def _over(value: int, most: int, what: str, param: str) -> None:
