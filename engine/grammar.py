@@ -170,6 +170,10 @@ class GrammarCompiler:
         worker.ready = kind == "ready"
         self._idle.put_nowait(worker)
 
+    async def started(self) -> None:
+        """Return once the workers starting now are up (or died trying)."""
+        await asyncio.gather(*list(self._starting), return_exceptions=True)
+
     def known(self, key: str) -> Verdict | None:
         verdict = self._verdicts.get(key)
         if verdict is not None:

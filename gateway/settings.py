@@ -160,8 +160,8 @@ class StructuredOutputSettings(BaseModel):
     )
     compile_workers: int = Field(
         2, ge=0,
-        description="Processes per model that compile new schemas before the engine does (each loads the tokenizer, "
-        "about 150 MB); 0: no compile check (the size limits still hold)",
+        description="Processes per model that compile new schemas before the engine does (each loads xgrammar, torch and the "
+        "tokenizer: about 570 MB resident here); 0: no compile check (the size limits still hold)",
     )
     compile_verdicts: int = Field(4096, gt=0, description="Compile verdicts kept per model (by schema hash), least recently used out")
 
