@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from engine.config import EngineSettings
-from engine.types import Engine
+from engine.types import Engine, GrammarCheck
 
 
 def start_engine(settings: EngineSettings) -> Engine:
@@ -24,4 +24,18 @@ def check_engine_settings(settings: EngineSettings) -> None:
     engine_args(settings)
 
 
-__all__ = ["Engine", "EngineSettings", "check_engine_settings", "start_engine"]
+def start_grammar_check(engine: Engine, workers: int, verdicts: int) -> GrammarCheck | None:
+    """Processes that compile structured-output constraints for `engine`'s model as vLLM will
+    (`engine.grammar`); None for a model without a local directory or a known vocabulary size.
+    Call from the event loop: the workers start in the background (a few seconds)."""
+    from pathlib import Path
+
+    from engine.grammar import GrammarCompiler
+
+    vocab_size = engine.info.extra.get("vocab_size")
+    if workers <= 0 or engine.info.task != "generate" or not vocab_size or not Path(engine.info.root).is_dir():
+        return None
+    return GrammarCompiler(engine.info.root, int(vocab_size), workers, verdicts).start()
+
+
+__all__ = ["Engine", "EngineSettings", "GrammarCheck", "check_engine_settings", "start_engine", "start_grammar_check"]

@@ -132,6 +132,34 @@ class EngineLoad:
     waiting_lora_adapters: tuple[str, ...] = ()
 
 
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A constraint's compile check: `error` None when it compiled (in `seconds`)."""
+
+    error: str | None
+    seconds: float = 0.0
+    timed_out: bool = False
+    cached: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class GrammarCheck(Protocol):
+    """Compiles structured-output constraints as the engine will, before it sees them
+    (`engine.grammar`): bounded in time, cancelled with the caller."""
+
+    async def check(self, kind: ConstraintKind, spec: str, any_whitespace: bool, timeout_s: float) -> Verdict:
+        """The constraint's verdict; a compile past `timeout_s` is stopped and refused."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     takes_tools: bool  # whether the chat template renders a `tools` argument

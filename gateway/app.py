@@ -14,12 +14,14 @@ from collections.abc import AsyncIterator, Iterator
 import structlog
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from engine import start_grammar_check
 from gateway.api.application import App, application
 from gateway.api.routes import TABLE
 from gateway.backends import modelfile
 from gateway.backends.startup import (
     EngineCheck,
     EngineStarter,
+    GrammarStarter,
     build_registry,
     check_embedded,
     start_embedded,
@@ -80,11 +82,13 @@ def create_app(
     engine_check: EngineCheck | None = None,
     tenants: Tenants | None = None,
     trace_exporter: SpanExporter | None = None,
+    grammar_starter: GrammarStarter = start_grammar_check,
 ) -> App:
     """Bad configuration (models file, guards, keys file, cache backend and, with `engine_check`,
     engine settings the model or platform cannot use) is refused here, before anything starts.
     `tenants`: the keys file, when the caller reloads it (the server, on SIGHUP); else read here.
-    `trace_exporter`: where spans go in place of the OTLP endpoint (tests), when tracing is on."""
+    `trace_exporter`: where spans go in place of the OTLP endpoint (tests), when tracing is on.
+    `grammar_starter`: each embedded model's structured-output compiler (`engine.grammar`; tests: a fake)."""
     models = modelfile.load(settings)
     guards = Guards.load(settings.guards_file, modelfile.guard_profiles(models))
     lifecycle = lifecycle or Lifecycle()
@@ -101,7 +105,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: object) -> AsyncIterator[dict[str, GatewayState]]:
-        registry = build_registry(models, settings, engine_starter)
+        registry = build_registry(models, settings, engine_starter, grammar_starter)
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
         try:

@@ -132,6 +132,40 @@ class TracingSettings(BaseModel):
         return self
 
 
+class StructuredOutputSettings(BaseModel):
+    """Bounds on what constrains an answer (`response_format` schemas, the parameters of a forced
+    tool call): checked before the engine sees them, refused with a 400 naming the field. The size
+    limits default to what OpenAI documents for strict structured outputs."""
+
+    max_schema_bytes: int = Field(
+        256 * 1024, gt=0, description="Most bytes of one schema (as compact JSON)"
+    )
+    max_depth: int = Field(10, gt=0, description="Most levels of nesting (properties, items) in a schema (OpenAI: 10)")
+    max_properties: int = Field(5000, gt=0, description="Most object properties in a schema, all objects together (OpenAI: 5000)")
+    max_enum_values: int = Field(1000, gt=0, description="Most enum values in a schema, all enums together (OpenAI: 1000)")
+    max_string_chars: int = Field(
+        120_000, gt=0,
+        description="Most characters of property names, definition names, enum and const strings together (OpenAI: 120,000)",
+    )
+    max_alternatives: int = Field(
+        1000, gt=0, description="Most anyOf, oneOf and allOf branches in a schema, all together"
+    )
+    compile_timeout_s: float = Field(
+        2.0, gt=0,
+        description="A schema the engine's grammar compiler (xgrammar) cannot compile within this is refused (400); "
+        "real schemas compile in milliseconds, a 10,000-value enum takes seconds and would hold back every other one",
+    )
+    compile_wait_s: float = Field(
+        10, gt=0, description="Longest wait for a free compiler process (all busy with new schemas); beyond: 503"
+    )
+    compile_workers: int = Field(
+        2, ge=0,
+        description="Processes per model that compile new schemas before the engine does (each loads xgrammar, torch and the "
+        "tokenizer: about 570 MB resident here); 0: no compile check (the size limits still hold)",
+    )
+    compile_verdicts: int = Field(4096, gt=0, description="Compile verdicts kept per model (by schema hash), least recently used out")
+
+
 class Settings(BaseSettings):
     """The gateway's own settings: its HTTP server, logs, request bounds, API keys and the files it reads."""
 
@@ -259,6 +293,7 @@ class Settings(BaseSettings):
     cache: CacheSettings = Field(default_factory=CacheSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    structured_output: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
 
     @model_validator(mode="after")

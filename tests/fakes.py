@@ -25,6 +25,7 @@ from engine.types import (
     ModelInfo,
     Task,
     TokenLogprob,
+    Verdict,
 )
 
 REPLY = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
@@ -96,6 +97,7 @@ class FakeEngine:
         self.alternatives: dict[int, list[str]] = {}  # a reply's step → the other tokens its top logprobs name
         # what `load()` reports: the requests running are its own, the rest as a test sets them
         self.scheduler = EngineLoad(block_size=16, num_blocks=1000)
+        self.last_finish = "stop"  # the engine's finish reason of a scripted reply's last piece ("error": vLLM's failure)
 
     @property
     def info(self) -> ModelInfo:
@@ -155,7 +157,8 @@ class FakeEngine:
             if request.sampling.logprobs is not None:  # the piece is one token, its alternatives after it
                 top = ((2000 + step, text, -0.5), *((3000 + k, alt, -2.0) for k, alt in enumerate(self.alternatives.get(step, []))))
                 logprobs = (TokenLogprob(2000 + step, text, -0.5, 1, top[: request.sampling.logprobs]),)
-            choices = [ChoiceDelta(i, text, [2000 + step], "stop" if last else None, stop if last else None, logprobs)
+            tokens = [] if last and not text and self.last_finish == "error" else [2000 + step]
+            choices = [ChoiceDelta(i, text, tokens, self.last_finish if last else None, stop if last else None, logprobs)
                        for i in range(request.sampling.n)]
             yield GenerationOutput(len(request.prompt_token_ids), choices, finished=last)
         self.finished.append(request.request_id)
@@ -186,6 +189,36 @@ class FakeEngine:
 
     async def shutdown(self) -> None:
         pass
+
+
+class FakeGrammar:
+    """A grammar compiler (`engine.types.GrammarCheck`): refuses specs holding one of `refuse`'s
+    keys (with its message), takes `delay` seconds (forever for specs holding `hang`), and notes
+    what it was asked and what was cancelled."""
+
+    def __init__(self) -> None:
+        self.refuse: dict[str, str] = {}
+        self.hang = "\0never"
+        self.delay = 0.0
+        self.checked: list[str] = []
+        self.cancelled: list[str] = []
+        self.closed = False
+
+    async def check(self, kind: str, spec: str, any_whitespace: bool, timeout_s: float) -> Verdict:
+        self.checked.append(spec)
+        try:
+            if self.hang in spec:
+                await asyncio.sleep(timeout_s)
+                return Verdict(f"it did not compile within {timeout_s:g} s", timeout_s, timed_out=True)
+            await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.cancelled.append(spec)
+            raise
+        error = next((why for key, why in self.refuse.items() if key in spec), None)
+        return Verdict(error)
+
+    async def close(self) -> None:
+        self.closed = True
 
 
 def fake_settings(**overrides: Any):

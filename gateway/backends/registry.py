@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SamplingDefaults
-from engine.types import Engine
+from engine.types import Engine, GrammarCheck
 from gateway.backends.admission import Admission
 from gateway.backends.upstream import Upstream
 from gateway.backends.versions import Catalog, VersionNotFound, covers
@@ -32,6 +32,7 @@ class Backend:
     admission: Admission
     fallback: tuple[str, ...] = ()
     engine: Engine | None = None
+    grammar: GrammarCheck | None = None  # compiles structured-output constraints for the engine's model
     upstream: Upstream | None = None
     created: int = 0
     version: str | None = None  # its SemVer version, when declared

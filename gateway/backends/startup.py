@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import structlog
 
-from engine import check_engine_settings, start_engine
+from engine import check_engine_settings, start_engine, start_grammar_check
 from engine.config import EngineSettings
-from engine.types import Engine, GenerationRequest, SamplingOptions
+from engine.types import Engine, GenerationRequest, GrammarCheck, SamplingOptions
 from gateway.backends.admission import Admission
 from gateway.backends.modelfile import ConfigError, ModelsFile, catalog
 from gateway.backends.registry import Backend, ModelRegistry, Split
@@ -24,6 +24,7 @@ EngineStarter = Callable[[EngineSettings], Engine]
 
 
 EngineCheck = Callable[[EngineSettings], None]
+GrammarStarter = Callable[[Engine, int, int], GrammarCheck | None]  # (engine, workers, verdicts kept)
 
 
 def start_embedded(settings: EngineSettings) -> Engine:
@@ -43,7 +44,11 @@ def check_embedded(models: ModelsFile, settings: Settings, check: EngineCheck = 
             raise ConfigError(f"model '{spec.id}': {exc}") from exc
 
 
-def build_registry(models: ModelsFile, settings: Settings, start: EngineStarter) -> ModelRegistry:
+def build_registry(
+    models: ModelsFile, settings: Settings, start: EngineStarter, grammar: GrammarStarter = start_grammar_check
+) -> ModelRegistry:
+    """The backends of the models file, embedded engines started (each with its grammar compiler
+    processes, `engine.grammar`, when `structured_output.compile_workers` asks for them)."""
     backends: dict[str, Backend] = {}
     splits: dict[str, Split] = {}
     aliases: dict[str, str] = {}
@@ -63,6 +68,8 @@ def build_registry(models: ModelsFile, settings: Settings, start: EngineStarter)
         else:
             log.info("engine_starting", model=spec.id)
             backend.engine = start(spec.engine_settings(settings.engine))
+            structured = settings.structured_output
+            backend.grammar = grammar(backend.engine, structured.compile_workers, structured.compile_verdicts)
             log.info("sampling_defaults", model=spec.id, **backend.engine.info.sampling_defaults.model_dump(exclude_none=True))
         backends[spec.id] = backend
     return ModelRegistry(backends, splits, aliases, catalog(models))
@@ -83,6 +90,8 @@ async def warm_up(name: str, engine: Engine) -> None:
 
 async def stop(registry: ModelRegistry) -> None:
     for name, backend in registry.backends.items():
+        if backend.grammar is not None:
+            await backend.grammar.close()
         if backend.engine is not None:
             log.info("engine_shutdown", model=name)
             await backend.engine.shutdown()

@@ -20,10 +20,11 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.disconnect import unless_gone
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest
-from gateway.serving import offload, remote
+from gateway.serving import offload, remote, structured
 from gateway.serving.guards.pipeline import RequestGuard
 from gateway.serving.guards.requests import guarded
 from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service, check_task
+from gateway.serving.structured import Constraint
 from gateway.stores.cache import Hit, Storer
 from gateway.telemetry.record import RequestRecord
 from gateway.telemetry.tracing import stage
@@ -101,6 +102,8 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         self.context.release_body()  # read and tokenized: its bytes leave the in-flight budget
         prepared.model = backend.name
         self._check_output(prepared.output_tokens())
+        if prepared.constraint is not None:
+            await self._constrained(backend, prepared.constraint, size)
         await self._charge(prepared.token_budget())
         on_done, hit = await self._cached(backend)
         if hit is not None:
@@ -111,6 +114,18 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         except BaseException:
             permit.release()
             raise
+
+    async def _constrained(self, backend: Backend, constraint: Constraint, size: int) -> None:
+        """A structured-output constraint within its bounds and compiled by the model's grammar
+        compiler (`serving.structured`), before any quota, cache or engine: a client that leaves
+        meanwhile stops its compile."""
+        limits = self.state.settings.structured_output
+        await offload.by_size(size, structured.check_constraint, constraint, limits)
+        if backend.grammar is None:
+            return
+        with stage(self.context.record.trace, "gateway.structured.compile"):
+            compiled = structured.compile_constraint(backend.grammar, constraint, limits)
+            await unless_gone(self.context.client_gone, compiled)
 
     def _on_close(self, permit: Permit) -> Callable[[], None]:
         settle = self._held()
@@ -138,7 +153,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
                     span.set_attribute("gateway.cache.hit", hit is not None)
         record.cache = "hit" if hit is not None else "miss"
         record.response_headers["x-cache"] = record.cache.upper()
-        return (cache.storer(key) if hit is None and not unstored else None), hit
+        return (cache.storer(key, record) if hit is None and not unstored else None), hit
 
     async def _generate(self, prepared: PreparedT, permit: Permit, on_done: OnDone[AnswerT] | None) -> Answer:
         gone = self.context.client_gone

@@ -21,10 +21,11 @@ from gateway.protocol.openai import (
     TopLogprob,
     Usage,
 )
-from gateway.serving import conversation, tools
+from gateway.serving import conversation, structured, tools
 from gateway.serving.encoding import ChunkEncoder, Renewal
 from gateway.serving.generation import (
     ChoiceState,
+    GenerationFailed,
     Run,
     check_sampling,
     check_schema_numbers,
@@ -36,6 +37,7 @@ from gateway.serving.generation import (
 from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.guards.requests import guarded_chat
 from gateway.serving.service import OnDone
+from gateway.serving.structured import Constraint
 from gateway.serving.tools import HeldText
 from gateway.telemetry.record import current_record
 
@@ -51,6 +53,7 @@ class PreparedChat:
     created: int
     guard: RequestGuard = UNGUARDED
     held: dict[int, HeldText] = field(default_factory=dict)  # a stream's text per choice (tool_choice auto)
+    constraint: Constraint | None = None  # what the output is constrained to (checked in the pipeline)
 
     def token_budget(self) -> int:
         """Prompt plus the most the answer may take, for tokens-per-minute limits."""
@@ -110,22 +113,37 @@ def render(
     return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
 
 
-def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> dict[str, Any]:
+def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> tuple[dict[str, Any], str, tuple[tuple[Any, str], ...]]:
+    """The sampling fields that constrain the output, the request field they come from, and the
+    schemas the client sent in it, each with its own field (`serving.structured`)."""
     fmt = request.response_format
     schema = plan.json_schema()
     if schema is not None:
         if fmt is not None and fmt.type != "text":
             raise InvalidRequest("response_format cannot be combined with a forced tool_choice", "response_format")
         check_schema_numbers(schema, "tools")
+        pieces = _tool_schemas(request, plan)
+        param = pieces[0][1] if plan.mode == "named" and pieces else "tools"
         # tool calls carry no layout: without free whitespace, small models do not wander off
-        return {"json_schema": schema, "compact_json": True}
+        return {"json_schema": schema, "compact_json": True}, param, pieces
     if fmt is None or fmt.type == "text":
-        return {}
+        return {}, "response_format", ()
     if fmt.type == "json_object":
-        return {"json_object": True}
+        return {"json_object": True}, "response_format", ()
     assert fmt.json_schema is not None
-    check_schema_numbers(fmt.json_schema.schema_, "response_format.json_schema.schema")
-    return {"json_schema": fmt.json_schema.schema_ or {"type": "object"}}
+    param = "response_format.json_schema.schema"
+    check_schema_numbers(fmt.json_schema.schema_, param)
+    return {"json_schema": fmt.json_schema.schema_ or {"type": "object"}}, param, ()
+
+
+def _tool_schemas(request: ChatCompletionRequest, plan: tools.ToolPlan) -> tuple[tuple[Any, str], ...]:
+    """The parameter schemas of the tools a forced call may use, each with its field."""
+    return tuple(
+        (tool["function"]["parameters"], f"tools.{i}.function.parameters")
+        for i, tool in enumerate(request.tools or ())
+        if tool["function"].get("parameters") is not None and plan.mode in ("named", "required")
+        and (plan.mode == "required" or tool["function"]["name"] == plan.named)
+    )
 
 
 def prepare(
@@ -151,10 +169,12 @@ def prepare(
     )
     check_sampling(request, engine, max_tokens)
     top = (request.top_logprobs or 0) if request.logprobs else None
-    sampling = sampling_options(request, max_tokens, logprobs=top, defaults=defaults, **_constraint(request, plan))
+    fields, param, pieces = _constraint(request, plan)
+    sampling = sampling_options(request, max_tokens, logprobs=top, defaults=defaults, **fields)
     chat_id = new_id("chatcmpl")
     generation = GenerationRequest(chat_id, prompt_ids, sampling, prompt_text=prompt.text)
-    return PreparedChat(request, engine, generation, plan, request.model, chat_id, now(), guard)
+    constraint = Constraint.of(sampling, param, pieces)
+    return PreparedChat(request, engine, generation, plan, request.model, chat_id, now(), guard, constraint=constraint)
 
 
 def _logprobs(entries: Sequence[TokenLogprob | None]) -> ChoiceLogprobs:
@@ -212,7 +232,12 @@ async def start_run(prepared: PreparedChat) -> Run:
     service on chat (chat, Messages, Responses) runs."""
     await prepared.guard.moderate_input()
     guard = prepared.guard.output(prepared.generation.sampling.n)
-    return await Run(prepared.engine, prepared.generation, guard).start()
+    try:
+        return await Run(prepared.engine, prepared.generation, guard).start()
+    except GenerationFailed as exc:
+        if prepared.constraint is None:
+            raise
+        raise structured.refuse(prepared.constraint.param, "the engine could not compile it") from exc
 
 
 async def complete(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> ChatCompletion:

@@ -34,6 +34,7 @@ from gateway.serving.generation import (
 )
 from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.service import OnDone
+from gateway.serving.structured import Constraint
 
 
 @dataclass(slots=True)
@@ -46,6 +47,7 @@ class PreparedCompletion:
     id: str
     created: int
     guard: RequestGuard = UNGUARDED
+    constraint: Constraint | None = None  # completions take no response_format
 
     def token_budget(self) -> int:
         return sum(len(g.prompt_token_ids) for g in self.generations) + self.output_tokens()

@@ -22,6 +22,7 @@ from gateway.protocol.embeddings import CreateEmbeddingResponse, Embedding, Embe
 from gateway.serving.generation import check_token_ids, new_id
 from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.service import OnDone
+from gateway.serving.structured import Constraint
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
 
@@ -34,6 +35,7 @@ class PreparedEmbeddings:
     dimensions: int | None
     model: str  # the name the answer carries: the model (version) that answers
     id: str
+    constraint: Constraint | None = None  # vectors: nothing to constrain
 
     def token_budget(self) -> int:
         return sum(len(ids) for ids in self.inputs)

@@ -14,6 +14,7 @@ from typing import Any
 from opentelemetry.trace import Span
 
 from engine.config import SamplingDefaults
+from engine.errors import EngineError
 from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, SamplingOptions, TokenLogprob
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol.openai import SamplingFields, Usage
@@ -162,6 +163,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offset: int = 0  # characters streamed so far, for completions' logprobs.text_offset
     cumulative_logprob: float | None = None
+    failed: bool = False  # the engine ended it with an error (vLLM: a grammar that did not compile)
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text.append(delta.text)
@@ -173,6 +175,12 @@ class ChoiceState:
         if delta.finish_reason is not None:
             self.finish_reason = finish_reason(delta.finish_reason)
             self.stop_reason = delta.stop_reason
+            self.failed = delta.finish_reason == "error"
+
+
+class GenerationFailed(EngineError):
+    """The engine ended a request with an error before its first token (vLLM's FINISHED_ERROR: for
+    a constrained request, a grammar that did not compile). Never answered as an empty 200."""
 
 
 def finish_reason(engine_reason: str) -> str:
@@ -220,6 +228,10 @@ class Run:
         except BaseException:
             await self.close()
             raise
+        first = self._first
+        if first is not None and any(d.finish_reason == "error" and not d.token_ids for d in first.choices):
+            await self.close()
+            raise GenerationFailed("The engine ended the request with an error before its first token")
         return self
 
     async def outputs(self) -> AsyncGenerator[GenerationOutput, None]:
@@ -284,6 +296,7 @@ class Run:
         self._last_token_at = at
 
     def _finish(self) -> None:
+        self._judge()
         if self._in_flight:
             metrics.labelled(metrics.IN_FLIGHT, self._model).dec()
             self._in_flight = False
@@ -304,6 +317,17 @@ class Run:
         if self._first_token_at is not None and self._last_token_at is not None and per_choice > 1:
             tpot = (self._last_token_at - self._first_token_at) / (per_choice - 1)
             metrics.labelled(metrics.TIME_PER_OUTPUT_TOKEN, self._model).observe(tpot)
+
+    def _judge(self) -> None:
+        """Mark the request's answer as not to be cached when a choice failed, or came out empty
+        although its output was constrained (JSON is never empty): `stores.cache.Storer` reads it."""
+        sampling = self.request.sampling
+        constrained = sampling.json_schema is not None or sampling.json_object
+        for choice in self.choices:
+            if choice.failed:
+                self._record.unkeepable = "the engine failed a choice"
+            elif constrained and choice.finish_reason is not None and not "".join(choice.text).strip():
+                self._record.unkeepable = "a constrained choice came out empty"
 
     def _end_span(self, prompt: int, completion: int) -> None:
         assert self._span is not None

@@ -60,6 +60,7 @@ from gateway.serving.generation import ChoiceState, Run
 from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.message_blocks import BlockEvents, ContentStream, tool_use_id
 from gateway.serving.service import OnDone, check_task
+from gateway.serving.structured import Constraint
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool_choice → OpenAI's
 TOOL_USE_ID = re.compile(r"[a-zA-Z0-9_-]+")  # Anthropic's pattern of a tool_use block's id
@@ -221,6 +222,7 @@ class PreparedMessage:
     chat: chat.PreparedChat
     model: str  # the name the answer carries: the model (version) that answers
     id: str
+    constraint: Constraint | None = None  # the chat's (output_config.format, a forced tool's input_schema)
 
     def token_budget(self) -> int:
         return self.chat.token_budget()
@@ -237,7 +239,8 @@ def prepare(
     request: ChatCompletionRequest, engine: Engine, default_max_tokens: int | None, guard: RequestGuard = UNGUARDED
 ) -> PreparedMessage:
     """Chat's prepare (templates, tools, input guards) under a message id."""
-    return PreparedMessage(chat.prepare(request, engine, default_max_tokens, guard), request.model, new_message_id())
+    prepared = chat.prepare(request, engine, default_max_tokens, guard)
+    return PreparedMessage(prepared, request.model, new_message_id(), prepared.constraint)
 
 
 def _stop(state: ChoiceState, called: bool) -> tuple[StopReason, str | None]:

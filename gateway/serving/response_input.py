@@ -124,14 +124,21 @@ def chat_request(request: ResponsesRequest, conversation: list[Item]) -> ChatCom
     return ChatCompletionRequest.model_validate(fields, strict=False)
 
 
-def renamed(error: InvalidRequest) -> InvalidRequest:
-    """A refusal of the chat pipeline in the Responses API's terms (its parameter names)."""
-    param = error.param or ""
+def renamed_param(param: str) -> str:
+    """A chat field as the Responses API names it."""
     head, _, rest = param.partition(".")
     if head == "tools":  # chat's tools.N.function.parameters is the Responses tools.N.parameters
-        param = param.replace(".function.", ".")
-    elif head in RENAMED:
-        param = RENAMED[head] if head == "messages" else RENAMED[head] + (f".{rest}" if rest else "")
+        return param.replace(".function.", ".")
+    if head == "response_format":  # response_format.json_schema.schema is text.format.schema
+        return "text.format" + (".schema" if rest.endswith("schema") else "")
+    if head in RENAMED:
+        return RENAMED[head] if head == "messages" else RENAMED[head] + (f".{rest}" if rest else "")
+    return param
+
+
+def renamed(error: InvalidRequest) -> InvalidRequest:
+    """A refusal of the chat pipeline in the Responses API's terms (its parameter names)."""
+    param = renamed_param(error.param or "")
     message = error.message
     for chat_name, name in RENAMED.items():
         if chat_name != "messages":

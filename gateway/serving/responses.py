@@ -120,9 +120,12 @@ class ResponsesService:
         guard: RequestGuard = UNGUARDED,
     ) -> PreparedChat:
         try:
-            return chat.prepare(request, engine, default_max_tokens, guard)
+            prepared = chat.prepare(request, engine, default_max_tokens, guard)
         except InvalidRequest as error:
             raise response_input.renamed(error) from None
+        if prepared.constraint is not None:  # its refusals, later in the pipeline, in this API's terms
+            prepared.constraint = prepared.constraint.renamed(response_input.renamed_param)
+        return prepared
 
     async def complete(self, prepared: PreparedChat, on_done: OnDone[Response] | None = None) -> Response:
         run = await chat.start_run(prepared)

@@ -21,6 +21,7 @@ from engine.types import Engine, ModelInfo, Task
 from gateway.errors import InvalidRequest
 from gateway.protocol.openai import ModelRequest
 from gateway.serving.guards.pipeline import RequestGuard
+from gateway.serving.structured import Constraint
 
 RequestT = TypeVar("RequestT", bound=ModelRequest)
 PreparedT = TypeVar("PreparedT", bound="Prepared")
@@ -34,6 +35,7 @@ class Prepared(Protocol):
     """A request ready for the engine."""
 
     model: str  # the name the answer carries: the model (version) that answers
+    constraint: Constraint | None  # what the output is constrained to (structured output), checked before the engine
 
     def token_budget(self) -> int:
         """Prompt plus the most the answer may take, for tokens-per-minute limits."""
