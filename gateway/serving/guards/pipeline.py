@@ -32,6 +32,7 @@ from gateway.serving.guards.patterns import (
     redact,
     regex_spans,
 )
+from gateway.serving.guards.relay import RelayGuard
 from gateway.serving.guards.stream import OutputGuard
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
@@ -266,6 +267,12 @@ class RequestGuard:
         if not self.profile.output and checks.moderation == "off" and not (restore and self.placeholders):
             return None
         return OutputGuard(self, self.profile.output, checks, restore, n)
+
+    def relay(self) -> RelayGuard | None:
+        """The guard of a remote model's answer (None: nothing to check or restore: it passes
+        through unread)."""
+        output = self.output(0)
+        return RelayGuard(output) if output is not None else None
 
 
 UNGUARDED = RequestGuard(None)
