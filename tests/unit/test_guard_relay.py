@@ -15,7 +15,14 @@ from starlette.testclient import TestClient
 
 from tests.fakes import FakeEngine
 from tests.served import gateway
-from tests.unit.test_guard_evasion import CHUNKINGS, LOOKUP, guarded_client, sampled_tokens, shown
+from tests.unit.test_guard_evasion import (  # noqa: F401  # its fixture: guard actions counted apart
+    CHUNKINGS,
+    LOOKUP,
+    _own_guard_counter,
+    guarded_client,
+    sampled_tokens,
+    shown,
+)
 
 
 @pytest.fixture(scope="module")
