@@ -462,3 +462,17 @@ def test_cached_replays_and_stored_responses_hold_no_denied_word(tmp_path: Path,
         stored = client.get(f"/v1/responses/{response_id['response']['id']}")
         assert stored.status_code == 200
         assert "hydra" not in shown(stored.text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echoed_prompt_logprobs_name_no_alternative_that_would_complete_a_match(client: TestClient, engine: FakeEngine,
+                                                                                stream: bool) -> None:
+    """With echo, the prompt's tokens come back with what the model weighed in each one's place:
+    the model's text as much as its answer's alternatives are."""
+    engine.reply = ["ok"]
+    engine.prompt_alternatives = {4: [" Hydra", " Hyena"]}
+    answer = client.post("/v1/completions", json={"model": MODEL, "prompt": "We call it Project X", "echo": True,
+                                                  "logprobs": 3, "max_tokens": 1, "stream": stream})
+    assert answer.status_code == 200
+    assert "hyena" in shown(answer.text)
+    assert "hydra" not in shown(answer.text)
