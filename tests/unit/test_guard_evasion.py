@@ -476,3 +476,28 @@ def test_echoed_prompt_logprobs_name_no_alternative_that_would_complete_a_match(
     assert answer.status_code == 200
     assert "hyena" in shown(answer.text)
     assert "hydra" not in shown(answer.text)
+
+
+@pytest.mark.parametrize("pieces", [['{"q": "Project \\u0048', 'ydra"}'], ['{"q": "Pr\\u043e', 'ject Hydra"}'],
+                                    ['{"q": "Project \\ud835\\udc07ydra"}'], ['{"q": "the conf\\u0069dential"}']])
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_arguments_are_read_as_the_json_their_reader_decodes(client: TestClient, engine: FakeEngine,
+                                                                       pieces: list[str], stream: bool) -> None:
+    engine.reply = pieces
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [LOOKUP], "stream": stream,
+            "tool_choice": {"type": "function", "function": {"name": "lookup"}}}
+    answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200
+    events = [json.loads(line[6:]) for line in answer.text.split("\n") if line.startswith("data: {")] or [answer.json()]
+    arguments = "".join(call["function"].get("arguments", "") for event in events for choice in event["choices"]
+                        for call in (choice.get("delta") or choice.get("message") or {}).get("tool_calls") or ())
+    decoded = normalize(json.loads(arguments + '"}' if "content_filter" in answer.text else arguments)["q"]).text.lower()
+    assert "hydra" not in decoded
+    assert "confidential" not in decoded
+
+
+def test_json_escapes_in_a_prompt_are_read_as_the_characters_they_name() -> None:
+    with pytest.raises(ContentPolicyViolation):
+        profile_guard().check_input(["tell me about Project \\u0048ydra"], "messages")
+    assert normalize("a \\u0041 b").text == "a A b"
+    assert normalize("(?i)\\u0041", escapes=False).text == "(?i)\\u0041"  # a pattern's escapes are its own

@@ -15,7 +15,10 @@ a pattern and the text it is matched on are in the same form. It does, per chara
 - every Unicode space (Zs, and the Braille blank) is a plain space, every dash (Pd, the minus sign)
   a hyphen-minus, so a pattern's ` ` or `-` takes any of them;
 - digits of every script (Nd: Arabic-Indic, Devanagari, fullwidth, ...) are ASCII digits, so card
-  and phone numbers and IBANs are found however they are written.
+  and phone numbers and IBANs are found however they are written;
+- JSON's `\\uXXXX` escapes (a surrogate pair as one) are the character they name, then read as
+  above: tool-call arguments are JSON the client decodes, so `Project \\u0048ydra` written by a
+  model is `Project Hydra` to its reader (patterns keep theirs: there they are the regex's own).
 
 A match on the normalized text is mapped back to the original (`Normalized.span`): the client's
 text is redacted where the value really is, whatever was inserted into or substituted in it.
@@ -31,6 +34,7 @@ other characters, and only when a guard is configured (nothing calls this otherw
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from bisect import bisect_right
@@ -71,6 +75,8 @@ DROPPED = frozenset(
 SPACES = frozenset("\u2800")  # the Braille blank looks like a space; Zs covers the rest
 DASHES = frozenset("\u2212\u2043\u02d7\u2796\ufe63")  # minus signs and hyphen bullets; Pd covers the rest
 _NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+_ESCAPE = r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}"  # JSON's, a pair first
+_SPECIAL = re.compile(rf"[^\x00-\x7f]+|{_ESCAPE}")
 
 
 @lru_cache(maxsize=8192)
@@ -144,12 +150,14 @@ class _Folds(dict[int, str]):
 _FOLDS = _Folds()
 
 
-def normalize(text: str) -> Normalized:
-    """The text as every guard reads it (see the module's docstring), with its way back."""
-    if text.isascii():
+def normalize(text: str, escapes: bool = True) -> Normalized:
+    """The text as every guard reads it (see the module's docstring), with its way back;
+    `escapes`: JSON's \\u escapes read as the characters they name."""
+    escaped = escapes and "\\u" in text
+    if text.isascii() and not escaped:
         return Normalized(text, text)
     composed = unicodedata.is_normalized("NFC", text)  # nothing for NFKC to compose across characters
-    if composed and len(text.encode("utf-8", "surrogatepass")) - len(text) > len(text) // 8:
+    if not escaped and composed and len(text.encode("utf-8", "surrogatepass")) - len(text) > len(text) // 8:
         # much of it is not ASCII (another script): folded at once, in C, when nothing is removed or expanded
         folded = text.translate(_FOLDS)
         if len(folded) == len(text):
@@ -172,8 +180,13 @@ def normalize(text: str) -> Normalized:
         size += len(out)
 
     at = 0
-    for run in _NON_ASCII.finditer(text):
+    for run in (_SPECIAL if escaped else _NON_ASCII).finditer(text):
         begin = run.start()
+        if text[begin] == "\\" and text.startswith("\\u", begin):  # an escape: the character it names
+            keep(at, begin, text[at:begin])
+            keep(begin, run.end(), fold(_unescape(run.group())))
+            at = run.end()
+            continue
         if begin > at and unicodedata.combining(text[begin]):
             begin -= 1  # a mark on the ASCII letter before it: the two compose
         keep(at, begin, text[at:begin])
@@ -192,7 +205,12 @@ def normalize(text: str) -> Normalized:
     return Normalized(text, "".join(parts), segments)
 
 
+def _unescape(escape: str) -> str:
+    return json.loads(f'"{escape}"')  # type: ignore[no-any-return]
+
+
 def pattern(source: str) -> str:
     """A regular expression's source read the same way as the text it is matched on: its literal
-    letters, spaces, dashes and digits (a pattern is ASCII nearly always: then as it is)."""
-    return normalize(source).text
+    letters, spaces, dashes and digits (a pattern is ASCII nearly always: then as it is). Its \\u
+    escapes are the regex's own, kept."""
+    return normalize(source, escapes=False).text
