@@ -50,6 +50,7 @@ def _own_guard_counter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 CYRILLIC = str.maketrans("aceopxyijsHBEKMOPCTXAS", "асеорхуіјѕНВЕКМОРСТХАЅ")
 GREEK = str.maketrans("oiAEHIKMNOPTXYZ", "οιΑΕΗΙΚΜΝΟΡΤΧΥΖ")
+SMALL_CAPITALS = str.maketrans("abcdefghijklmnoprstuvwyz", "ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘʀꜱᴛᴜᴠᴡʏᴢ")
 CHEROKEE = str.maketrans("ABCEGHJKMPSTVWZ", "ᎪᏴᏟᎬᏀᎻᎫᏦᎷᏢᏚᎢᏙᎳᏃ")
 
 
@@ -105,6 +106,16 @@ LETTERS: dict[str, Callable[[str], str]] = {  # disguises of words
     "thin space": spaces("\u2009"),
     "ideographic space": spaces("\u3000"),
     "mixed scripts": mixed,
+    "negative squared": lambda t: "".join(chr(0x1F170 + ord(c.upper()) - 65) if c.isalpha() else c for c in t),
+    "negative circled": lambda t: "".join(chr(0x1F150 + ord(c.upper()) - 65) if c.isalpha() else c for c in t),
+    "regional indicators": lambda t: "".join(chr(0x1F1E6 + ord(c.upper()) - 65) if c.isalpha() else c for c in t),
+    "parenthesized": lambda t: "".join(chr(0x249C + ord(c.lower()) - 97) if c.isalpha() else c for c in t),
+    "small capitals": lambda t: t.lower().translate(SMALL_CAPITALS),
+    "strike-through": after_each("\u0336"),
+    "underlined": after_each("\u0332"),
+    "enclosing circles": after_each("\u20dd"),
+    "Khmer inherent vowels": between("\u17b4"),
+    "JSON escapes": lambda t: "".join(f"\\u{ord(c):04x}" if c.isalpha() and i % 2 else c for i, c in enumerate(t)),
 }
 NUMBERS: dict[str, Callable[[str], str]] = {  # disguises of numbers
     "Arabic-Indic digits": digits(0x0660),

@@ -6,9 +6,13 @@ a pattern and the text it is matched on are in the same form. It does, per chara
 
 - Unicode NFKC: fullwidth and mathematical letters and digits, ligatures, circled and superscript
   characters become their plain forms (`ｃｏｎｆｉｄｅｎｔｉａｌ`, `𝐜𝐨𝐧𝐟`, `①`);
+- letters in boxes and circles that NFKC leaves alone (negative squared `🅷`, negative circled
+  `🅗`, regional indicators `🇭`, parenthesized `⒣`) and small capitals (`ʜʏᴅʀᴀ`) are the letter;
 - format and invisible characters are removed: Unicode's Cf category (zero-width space and
   joiners, the soft hyphen, bidirectional controls, tag characters, the BOM), variation selectors,
-  the combining grapheme joiner, Hangul fillers;
+  the combining grapheme joiner, Hangul fillers, Khmer's invisible vowels, and the combining
+  marks that only decorate (enclosing circles and keycaps, strike-through overlays, underlines and
+  overlines: `p̶r̶o̶j̶e̶c̶t̶`); accents stay (`ë` is not `e`, as TR39 keeps them);
 - confusables: the Cyrillic, Greek, Armenian and Cherokee letters that look like Latin ones (the
   entries of Unicode TR39's confusables.txt that map one letter to one Latin letter) become that
   Latin letter, as TR39's skeleton does: `Ꮲrоjеct` (Cherokee, Cyrillic о and е) reads `Project`;
@@ -64,13 +68,27 @@ CONFUSABLES = {
     "Ꮲ": "P", "Ꮪ": "S", "Ꭲ": "T", "Ꮩ": "V", "Ꮃ": "W", "Ꮓ": "Z",
     # Latin letters that stand in for plainer ones
     "ı": "i", "ȷ": "j", "ɑ": "a", "ɡ": "g", "ɩ": "i", "ʏ": "y", "ᴄ": "c", "ᴏ": "o", "ᴠ": "v", "ᴡ": "w", "ᴢ": "z",
+    # small capitals (the "fancy text" of letter generators; NFKC leaves them)
+    "ᴀ": "a", "ʙ": "b", "ᴅ": "d", "ᴇ": "e", "ꜰ": "f", "ɢ": "g", "ʜ": "h", "ɪ": "i", "ᴊ": "j", "ᴋ": "k", "ʟ": "l",
+    "ᴍ": "m", "ɴ": "n", "ᴘ": "p", "ʀ": "r", "ꜱ": "s", "ᴛ": "t", "ᴜ": "u",
+}
+# Letters drawn in a box or a circle, or as flag halves, that NFKC leaves as symbols (or makes "(a)"
+# of): read as the letter, before NFKC.
+ENCLOSED = {
+    **{0x1F1E6 + i: chr(65 + i) for i in range(26)},  # regional indicators (🇦)
+    **{0x1F150 + i: chr(65 + i) for i in range(26)},  # negative circled (🅐)
+    **{0x1F170 + i: chr(65 + i) for i in range(26)},  # negative squared (🅰)
+    **{0x249C + i: chr(97 + i) for i in range(26)},  # parenthesized (⒜)
 }
 DROPPED = frozenset(
     "\u034f"  # combining grapheme joiner
+    "\u17b4\u17b5"  # Khmer inherent vowels (invisible)
+    "\u0305\u0332\u0333\u0334\u0335\u0336\u0337\u0338\u033f"  # overlines, low lines, overlays: decoration
     "\u115f\u1160\u3164\uffa0"  # Hangul fillers
     "\u180b\u180c\u180d\u180f"  # Mongolian variation selectors
     + "".join(chr(c) for c in range(0xFE00, 0xFE10))  # variation selectors
     + "".join(chr(c) for c in range(0xE0100, 0xE01F0))
+    + "".join(chr(c) for c in range(0x20D0, 0x20F1))  # combining marks for symbols (enclosing circles, ...)
 )
 SPACES = frozenset("\u2800")  # the Braille blank looks like a space; Zs covers the rest
 DASHES = frozenset("\u2212\u2043\u02d7\u2796\ufe63")  # minus signs and hyphen bullets; Pd covers the rest
@@ -83,9 +101,9 @@ _SPECIAL = re.compile(rf"[^\x00-\x7f]+|{_ESCAPE}")
 def fold(chunk: str) -> str:
     """One character (with the marks that combine with it) as the guards read it."""
     out = []
-    for char in unicodedata.normalize("NFKC", chunk):
+    for char in unicodedata.normalize("NFKC", chunk.translate(ENCLOSED)):
         category = unicodedata.category(char)
-        if category == "Cf" or char in DROPPED:
+        if category in ("Cf", "Me") or char in DROPPED:
             continue
         char = CONFUSABLES.get(char, char)
         if category == "Zs" or char in SPACES:
