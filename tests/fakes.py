@@ -98,6 +98,7 @@ class FakeEngine:
         # what `load()` reports: the requests running are its own, the rest as a test sets them
         self.scheduler = EngineLoad(block_size=16, num_blocks=1000)
         self.last_finish = "stop"  # the engine's finish reason of a scripted reply's last piece ("error": vLLM's failure)
+        self.prompt_alternatives: dict[int, list[str]] = {}  # a prompt token's place → what the model weighed there
 
     @property
     def info(self) -> ModelInfo:
@@ -149,6 +150,7 @@ class FakeEngine:
         pieces = self.reply or [""]
         stop = next((p for p in pieces if p in request.sampling.stop), None)
         pieces = pieces[: pieces.index(stop) + 1] if stop is not None else pieces
+        prompt_logprobs = self._prompt_logprobs(request)
         for step, piece in enumerate(pieces):
             await asyncio.sleep(0)
             last = step == len(pieces) - 1
@@ -160,8 +162,19 @@ class FakeEngine:
             tokens = [] if last and not text and self.last_finish == "error" else [2000 + step]
             choices = [ChoiceDelta(i, text, tokens, self.last_finish if last else None, stop if last else None, logprobs)
                        for i in range(request.sampling.n)]
-            yield GenerationOutput(len(request.prompt_token_ids), choices, finished=last)
+            yield GenerationOutput(len(request.prompt_token_ids), choices, finished=last,
+                                   prompt_logprobs=prompt_logprobs if step == 0 else None)
         self.finished.append(request.request_id)
+
+    def _prompt_logprobs(self, request: GenerationRequest) -> tuple[TokenLogprob | None, ...] | None:
+        """vLLM's prompt logprobs: none for the first token, then each token with what the model
+        weighed in its place (`prompt_alternatives`)."""
+        if request.sampling.prompt_logprobs is None:
+            return None
+        ids = request.prompt_token_ids
+        return (None, *(TokenLogprob(i, self._tokenizer.decode([i]), -1.0, 1, tuple(
+            (4000 + k, alt, -2.0) for k, alt in enumerate(self.prompt_alternatives.get(place, [])))) for place, i in
+            enumerate(ids) if place > 0))
 
     async def embed(self, request: EmbedRequest) -> list[float]:
         """A unit vector that depends on the token ids only (shortened and re-normalised to

@@ -2,7 +2,7 @@
 refusals, and the request's bounds: prompts, output tokens), the key's tokens per minute and
 budgets (`tenancy.quota`; a remote model's tokens estimated), the response cache (scoped per
 tenant), admission (as many permits as engine requests, by the key's priority class), then the
-embedded engine or the remote upstream (its answer read on the way: `serving.remote`)."""
+embedded engine or the remote upstream (its answer read on the way, and guarded: `serving.remote`)."""
 
 from __future__ import annotations
 
@@ -136,10 +136,10 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
 
         return close
 
-    async def _cached(self, backend: Backend) -> tuple[OnDone[AnswerT] | None, Hit[AnswerT] | None]:
+    async def _cached(self, backend: Backend, tag: str = "") -> tuple[OnDone[AnswerT] | None, Hit[AnswerT] | None]:
         """(where to store the answer, or the answer found) in the response cache, scoped per tenant."""
         record, cache = self.context.record, self.state.cache
-        model = backend.name + self.guard.cache_tag
+        model = backend.name + self.guard.cache_tag + tag
         key = cache.key_for(self.service.route, model, self.body, self.cache_scope)
         fresh, unstored = self.context.no_cache, self.context.no_store  # the request's Cache-Control
         if key is None or (fresh and unstored):
@@ -187,7 +187,6 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if not self.service.upstream_path:
             route = self.service.route
             raise InvalidRequest(f"{route} serves embedded models only; '{backend.name}' is remote", "model")
-        # input checks only: the answer passes through unread by the guards (redacted values stay placeholders)
         with stage(self.context.record.trace, "gateway.prepare"):
             body = await offload.by_size(self.context.body_bytes, guarded, self.body, self.guard)
         self.context.release_body()
@@ -196,17 +195,20 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
         prompt, output = remote.estimate(payload)
         await self._charge(prompt + output, reconcile=True)
-        on_done, hit = await self._cached(backend)
+        # the output guards read the answer when the profile checks answers (or restores what it
+        # redacted); else it passes through unread. Guarded answers are cached under a key of their own.
+        relay = self.guard.relay() if self.service.task == "generate" else None
+        on_done, hit = await self._cached(backend, "#relay" if relay is not None else "")
         if hit is not None:
             return self._replay(hit)
         permit = await self._admit(backend)
-        watch = remote.RemoteAnswer(backend.name, self.service.answer_type, prompt, on_done)
+        watch = remote.RemoteAnswer(backend.name, self.service.answer_type, prompt, on_done, guard=relay)
         try:
             path, streams = self.service.upstream_path, self.body.streams
             answer = await backend.upstream.forward(path, payload, streams, permit.release)
             if answer.events is None:
-                await watch.whole(answer.status, answer.body)
-                return Whole(answer.body, answer.status, answer.media_type)
+                body = await watch.whole(answer.status, answer.body)
+                return Whole(body, answer.status, answer.media_type)
             watch.on_end = self._held()
             # up to its first event, so that an upstream failing before it can still fall back
             events = await unless_gone(self.context.client_gone, primed(watch.events(answer.events)))

@@ -147,7 +147,7 @@ class _Answer:
         self.prepared = prepared
         self.runs = [Run(prepared.engine, g, prepared.guard.output(g.sampling.n)) for g in prepared.generations]
         self.n = prepared.request.n
-        self.prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
+        self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}
 
     async def start(self) -> _Answer:
         if len(self.runs) == 1:  # one prompt (nearly always): no task for it (Run.start closes itself on failure)
@@ -172,16 +172,16 @@ class _Answer:
             return
         ids = self.prepared.generations[prompt].prompt_token_ids
         decode = self.prepared.engine.tokenizer.decode
-        self.prompt_logprobs[prompt] = [
+        self.prompt_logprobs[prompt] = self.prepared.guard.weighed([  # the alternatives are the model's text
             entry or TokenLogprob(token_id, decode([token_id]), None)
             for token_id, entry in zip(ids, output.prompt_logprobs, strict=False)
-        ]
+        ])
 
     def choice_logprobs(self, prompt: int, entries: Sequence[TokenLogprob | None]) -> CompletionLogprobs | None:
         if self.prepared.request.logprobs is None:
             return None
         if self.prepared.request.echo:
-            entries = self.prompt_logprobs.get(prompt, []) + list(entries)
+            entries = [*self.prompt_logprobs.get(prompt, []), *entries]
         return _logprobs(entries, 0)
 
     def usage(self) -> Usage:
@@ -334,7 +334,7 @@ def _chunk_choice(answer: _Answer, p: int, delta: ChoiceDelta) -> dict[str, Any]
     if request.logprobs is not None:
         entries: list[TokenLogprob | None] = [] if zero else list(delta.logprobs or ())
         if not state.started and request.echo:
-            entries = answer.prompt_logprobs.get(p, []) + entries
+            entries = [*answer.prompt_logprobs.get(p, []), *entries]
         logprobs = _logprobs(entries, state.text_offset)
         state.text_offset += sum(len(token) for token in logprobs.tokens)
         choice["logprobs"] = logprobs.model_dump(mode="json")

@@ -14,8 +14,15 @@ the measurements embedded ones get.
   and keeps the model's in-flight gauge up until the answer has been passed on; and rebuilds a
   deterministic answer whole (a stream's chunks joined per choice) for the response cache, which
   then serves it, streamed or not, as it serves an embedded model's.
+- With an output guard (`guards.relay.RelayGuard`: the request's profile checks answers, or
+  restores what its input redacted), the answer's text is guarded as an embedded model's is: a
+  whole answer parsed, guarded and written again; a stream's chunks each parsed, guarded (text held
+  back across chunks) and written again. What the cache keeps is the guarded answer; usage and
+  time to first token are read from the upstream's chunks as they came. An answer that cannot be
+  read cannot be checked: it is not passed on (a whole one is a 502).
 
-The bytes pass through unchanged and unbuffered: reading a stream only looks at its events.
+Without an output guard the bytes pass through unchanged and unbuffered: reading a stream only
+looks at its events.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ import orjson
 import structlog
 from pydantic import ValidationError
 
+from gateway.errors import BadGateway
 from gateway.protocol.openai import ChatCompletion, Completion
+from gateway.serving.guards.relay import RelayGuard
 from gateway.serving.service import AnswerT, OnDone
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
@@ -97,8 +106,9 @@ class _Joined:
         self.done = False  # `data: [DONE]` seen
         self.failed = False  # an error event, or a chunk that is not JSON
 
-    def add(self, chunk: dict[str, Any]) -> bool:
-        """Take one chunk; True when it carries generated content."""
+    def add(self, chunk: dict[str, Any], count: bool = True) -> bool:
+        """Take one chunk; True when it carries generated content (counted unless `count` is
+        False: a guarded chunk, whose upstream form was counted)."""
         if "error" in chunk:
             self.failed = True
             return False
@@ -109,6 +119,12 @@ class _Joined:
         for raw in chunk.get("choices") or ():
             choice = self.choices.setdefault(int(raw.get("index", 0)), _Choice())
             content = self._add_choice(choice, raw) or content
+        self.content_chunks += content and count
+        return content
+
+    def count(self, chunk: dict[str, Any]) -> bool:
+        """Count a chunk as it came (before a guard rewrites it); True when it carries content."""
+        content = any(isinstance(raw, dict) and _carries(raw) for raw in chunk.get("choices") or ())
         self.content_chunks += content
         return content
 
@@ -160,13 +176,23 @@ class _Joined:
                 "model": self.first.get("model", "")}
 
 
+def _carries(raw: dict[str, Any]) -> bool:
+    """Whether a chunk's choice carries generated content."""
+    delta = raw.get("delta")
+    if isinstance(delta, dict):
+        return bool(delta.get("content") or delta.get("tool_calls"))
+    return bool(raw.get("text"))
+
+
 class RemoteAnswer(Generic[AnswerT]):
     """One forwarded request's answer, watched: usage, latency, in-flight, the cache's copy.
     `on_end` runs once the answer has been passed on (a stream's charge settles there)."""
 
     def __init__(self, model: str, answer_type: type[AnswerT], prompt_estimate: int,
-                 on_done: OnDone[AnswerT] | None = None, on_end: Callable[[], None] | None = None) -> None:
+                 on_done: OnDone[AnswerT] | None = None, on_end: Callable[[], None] | None = None,
+                 guard: RelayGuard | None = None) -> None:
         self.model, self.answer_type = model, answer_type
+        self.guard = guard
         self.prompt_estimate = prompt_estimate
         self.on_done, self.on_end = on_done, on_end
         self.record = current_record()
@@ -176,13 +202,16 @@ class RemoteAnswer(Generic[AnswerT]):
         self._ended = False
         metrics.labelled(metrics.IN_FLIGHT, model).inc()
 
-    async def whole(self, status: int, body: bytes) -> None:
-        """A whole answer (or an error the upstream answered with)."""
+    async def whole(self, status: int, body: bytes) -> bytes:
+        """A whole answer (or an error the upstream answered with), as it may be passed on."""
         try:
             if status != 200:
-                return
+                return body
             self._token()
             data = orjson.loads(body)
+            if self.guard is not None:
+                data = await self.guard.answer(data)
+                body = orjson.dumps(data)
             usage = data.get("usage") or {} if isinstance(data, dict) else {}
             if self.record.trace is not None and isinstance(data, dict):
                 self.record.trace.finished(c.get("finish_reason") for c in data.get("choices") or () if isinstance(c, dict))
@@ -191,8 +220,11 @@ class RemoteAnswer(Generic[AnswerT]):
                 await self._store(data)
         except orjson.JSONDecodeError:
             log.warning("upstream_answer_unreadable", model=self.model)
+            if self.guard is not None:  # what cannot be read cannot be checked
+                raise BadGateway(f"The model '{self.model}' answered with what is not JSON") from None
         finally:
             self.end()
+        return body
 
     async def chunks(self, chunks: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         """A stream's bytes as they come (any cut), passed on unchanged; events read on the way."""
@@ -211,14 +243,52 @@ class RemoteAnswer(Generic[AnswerT]):
             self.end()
 
     async def events(self, events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
-        """The same for a stream already cut into events (one event's lines each)."""
+        """The same for a stream already cut into events (one event's lines each); with a guard,
+        the events as it rewrites them."""
         try:
-            async for event in events:
-                self.event(event)
-                yield event
+            if self.guard is None:
+                async for event in events:
+                    self.event(event)
+                    yield event
+            else:
+                async for event in events:
+                    guarded = await self.guarded(event, self.guard)
+                    if guarded is not None:
+                        yield guarded
             await self._stream_ended()
         finally:
             self.end()
+
+    async def guarded(self, event: bytes, guard: RelayGuard) -> bytes | None:
+        """One event read, then guarded and written again (None: nothing of it to pass on). Data
+        that is not JSON is not passed on: it cannot be checked."""
+        lines, data_lines, kept = [], 0, 0
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                lines.append(line)
+                continue
+            data_lines += 1
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.joined.done = True
+                lines.append(line)
+                kept += 1
+                continue
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                self.joined.failed = True
+                continue
+            if not isinstance(chunk, dict):
+                continue
+            if self.joined.count(chunk):
+                self._token()
+            chunk = await guard.chunk(chunk)
+            if chunk is not None:
+                self.joined.add(chunk, count=False)
+                lines.append(b"data: " + orjson.dumps(chunk))
+                kept += 1
+        return b"\n".join(lines) if kept or not data_lines else None
 
     def event(self, event: bytes) -> None:
         for line in event.split(b"\n"):

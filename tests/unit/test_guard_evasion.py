@@ -50,6 +50,7 @@ def _own_guard_counter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 CYRILLIC = str.maketrans("aceopxyijsHBEKMOPCTXAS", "асеорхуіјѕНВЕКМОРСТХАЅ")
 GREEK = str.maketrans("oiAEHIKMNOPTXYZ", "οιΑΕΗΙΚΜΝΟΡΤΧΥΖ")
+SMALL_CAPITALS = str.maketrans("abcdefghijklmnoprstuvwyz", "ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘʀꜱᴛᴜᴠᴡʏᴢ")
 CHEROKEE = str.maketrans("ABCEGHJKMPSTVWZ", "ᎪᏴᏟᎬᏀᎻᎫᏦᎷᏢᏚᎢᏙᎳᏃ")
 
 
@@ -105,6 +106,16 @@ LETTERS: dict[str, Callable[[str], str]] = {  # disguises of words
     "thin space": spaces("\u2009"),
     "ideographic space": spaces("\u3000"),
     "mixed scripts": mixed,
+    "negative squared": lambda t: "".join(chr(0x1F170 + ord(c.upper()) - 65) if c.isalpha() else c for c in t),
+    "negative circled": lambda t: "".join(chr(0x1F150 + ord(c.upper()) - 65) if c.isalpha() else c for c in t),
+    "regional indicators": lambda t: "".join(chr(0x1F1E6 + ord(c.upper()) - 65) if c.isalpha() else c for c in t),
+    "parenthesized": lambda t: "".join(chr(0x249C + ord(c.lower()) - 97) if c.isalpha() else c for c in t),
+    "small capitals": lambda t: t.lower().translate(SMALL_CAPITALS),
+    "strike-through": after_each("\u0336"),
+    "underlined": after_each("\u0332"),
+    "enclosing circles": after_each("\u20dd"),
+    "Khmer inherent vowels": between("\u17b4"),
+    "JSON escapes": lambda t: "".join(f"\\u{ord(c):04x}" if c.isalpha() and i % 2 else c for i, c in enumerate(t)),
 }
 NUMBERS: dict[str, Callable[[str], str]] = {  # disguises of numbers
     "Arabic-Indic digits": digits(0x0660),
@@ -462,3 +473,42 @@ def test_cached_replays_and_stored_responses_hold_no_denied_word(tmp_path: Path,
         stored = client.get(f"/v1/responses/{response_id['response']['id']}")
         assert stored.status_code == 200
         assert "hydra" not in shown(stored.text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echoed_prompt_logprobs_name_no_alternative_that_would_complete_a_match(client: TestClient, engine: FakeEngine,
+                                                                                stream: bool) -> None:
+    """With echo, the prompt's tokens come back with what the model weighed in each one's place:
+    the model's text as much as its answer's alternatives are."""
+    engine.reply = ["ok"]
+    engine.prompt_alternatives = {4: [" Hydra", " Hyena"]}
+    answer = client.post("/v1/completions", json={"model": MODEL, "prompt": "We call it Project X", "echo": True,
+                                                  "logprobs": 3, "max_tokens": 1, "stream": stream})
+    assert answer.status_code == 200
+    assert "hyena" in shown(answer.text)
+    assert "hydra" not in shown(answer.text)
+
+
+@pytest.mark.parametrize("pieces", [['{"q": "Project \\u0048', 'ydra"}'], ['{"q": "Pr\\u043e', 'ject Hydra"}'],
+                                    ['{"q": "Project \\ud835\\udc07ydra"}'], ['{"q": "the conf\\u0069dential"}']])
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_arguments_are_read_as_the_json_their_reader_decodes(client: TestClient, engine: FakeEngine,
+                                                                       pieces: list[str], stream: bool) -> None:
+    engine.reply = pieces
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [LOOKUP], "stream": stream,
+            "tool_choice": {"type": "function", "function": {"name": "lookup"}}}
+    answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200
+    events = [json.loads(line[6:]) for line in answer.text.split("\n") if line.startswith("data: {")] or [answer.json()]
+    arguments = "".join(call["function"].get("arguments", "") for event in events for choice in event["choices"]
+                        for call in (choice.get("delta") or choice.get("message") or {}).get("tool_calls") or ())
+    decoded = normalize(json.loads(arguments + '"}' if "content_filter" in answer.text else arguments)["q"]).text.lower()
+    assert "hydra" not in decoded
+    assert "confidential" not in decoded
+
+
+def test_json_escapes_in_a_prompt_are_read_as_the_characters_they_name() -> None:
+    with pytest.raises(ContentPolicyViolation):
+        profile_guard().check_input(["tell me about Project \\u0048ydra"], "messages")
+    assert normalize("a \\u0041 b").text == "a A b"
+    assert normalize("(?i)\\u0041", escapes=False).text == "(?i)\\u0041"  # a pattern's escapes are its own

@@ -375,8 +375,8 @@ def test_remote_models_get_the_input_checks(tmp_path: Path, moderation: Loopback
         answer = client.post(ROUTE, json=body)
         assert answer.status_code == 200
         assert moderation.chats[-1]["messages"][0]["content"] == "write to [EMAIL_1]"
-        # the upstream's answer passes through unread: its placeholders stay
-        assert answer.json()["choices"][0]["message"]["content"] == "write to [EMAIL_1]"
+        # the upstream's answer is read as an embedded model's: the placeholders it repeats are restored
+        assert answer.json()["choices"][0]["message"]["content"] == "write to bob@corp.example"
 
 
 def test_the_documented_examples_are_valid_configuration(tmp_path: Path) -> None:

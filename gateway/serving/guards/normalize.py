@@ -6,16 +6,23 @@ a pattern and the text it is matched on are in the same form. It does, per chara
 
 - Unicode NFKC: fullwidth and mathematical letters and digits, ligatures, circled and superscript
   characters become their plain forms (`ｃｏｎｆｉｄｅｎｔｉａｌ`, `𝐜𝐨𝐧𝐟`, `①`);
+- letters in boxes and circles that NFKC leaves alone (negative squared `🅷`, negative circled
+  `🅗`, regional indicators `🇭`, parenthesized `⒣`) and small capitals (`ʜʏᴅʀᴀ`) are the letter;
 - format and invisible characters are removed: Unicode's Cf category (zero-width space and
   joiners, the soft hyphen, bidirectional controls, tag characters, the BOM), variation selectors,
-  the combining grapheme joiner, Hangul fillers;
+  the combining grapheme joiner, Hangul fillers, Khmer's invisible vowels, and the combining
+  marks that only decorate (enclosing circles and keycaps, strike-through overlays, underlines and
+  overlines: `p̶r̶o̶j̶e̶c̶t̶`); accents stay (`ë` is not `e`, as TR39 keeps them);
 - confusables: the Cyrillic, Greek, Armenian and Cherokee letters that look like Latin ones (the
   entries of Unicode TR39's confusables.txt that map one letter to one Latin letter) become that
   Latin letter, as TR39's skeleton does: `Ꮲrоjеct` (Cherokee, Cyrillic о and е) reads `Project`;
 - every Unicode space (Zs, and the Braille blank) is a plain space, every dash (Pd, the minus sign)
   a hyphen-minus, so a pattern's ` ` or `-` takes any of them;
 - digits of every script (Nd: Arabic-Indic, Devanagari, fullwidth, ...) are ASCII digits, so card
-  and phone numbers and IBANs are found however they are written.
+  and phone numbers and IBANs are found however they are written;
+- JSON's `\\uXXXX` escapes (a surrogate pair as one) are the character they name, then read as
+  above: tool-call arguments are JSON the client decodes, so `Project \\u0048ydra` written by a
+  model is `Project Hydra` to its reader (patterns keep theirs: there they are the regex's own).
 
 A match on the normalized text is mapped back to the original (`Normalized.span`): the client's
 text is redacted where the value really is, whatever was inserted into or substituted in it.
@@ -31,6 +38,7 @@ other characters, and only when a guard is configured (nothing calls this otherw
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from bisect import bisect_right
@@ -60,26 +68,42 @@ CONFUSABLES = {
     "Ꮲ": "P", "Ꮪ": "S", "Ꭲ": "T", "Ꮩ": "V", "Ꮃ": "W", "Ꮓ": "Z",
     # Latin letters that stand in for plainer ones
     "ı": "i", "ȷ": "j", "ɑ": "a", "ɡ": "g", "ɩ": "i", "ʏ": "y", "ᴄ": "c", "ᴏ": "o", "ᴠ": "v", "ᴡ": "w", "ᴢ": "z",
+    # small capitals (the "fancy text" of letter generators; NFKC leaves them)
+    "ᴀ": "a", "ʙ": "b", "ᴅ": "d", "ᴇ": "e", "ꜰ": "f", "ɢ": "g", "ʜ": "h", "ɪ": "i", "ᴊ": "j", "ᴋ": "k", "ʟ": "l",
+    "ᴍ": "m", "ɴ": "n", "ᴘ": "p", "ʀ": "r", "ꜱ": "s", "ᴛ": "t", "ᴜ": "u",
+}
+# Letters drawn in a box or a circle, or as flag halves, that NFKC leaves as symbols (or makes "(a)"
+# of): read as the letter, before NFKC.
+ENCLOSED = {
+    **{0x1F1E6 + i: chr(65 + i) for i in range(26)},  # regional indicators (🇦)
+    **{0x1F150 + i: chr(65 + i) for i in range(26)},  # negative circled (🅐)
+    **{0x1F170 + i: chr(65 + i) for i in range(26)},  # negative squared (🅰)
+    **{0x249C + i: chr(97 + i) for i in range(26)},  # parenthesized (⒜)
 }
 DROPPED = frozenset(
     "\u034f"  # combining grapheme joiner
+    "\u17b4\u17b5"  # Khmer inherent vowels (invisible)
+    "\u0305\u0332\u0333\u0334\u0335\u0336\u0337\u0338\u033f"  # overlines, low lines, overlays: decoration
     "\u115f\u1160\u3164\uffa0"  # Hangul fillers
     "\u180b\u180c\u180d\u180f"  # Mongolian variation selectors
     + "".join(chr(c) for c in range(0xFE00, 0xFE10))  # variation selectors
     + "".join(chr(c) for c in range(0xE0100, 0xE01F0))
+    + "".join(chr(c) for c in range(0x20D0, 0x20F1))  # combining marks for symbols (enclosing circles, ...)
 )
 SPACES = frozenset("\u2800")  # the Braille blank looks like a space; Zs covers the rest
 DASHES = frozenset("\u2212\u2043\u02d7\u2796\ufe63")  # minus signs and hyphen bullets; Pd covers the rest
 _NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+_ESCAPE = r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}"  # JSON's, a pair first
+_SPECIAL = re.compile(rf"[^\x00-\x7f]+|{_ESCAPE}")
 
 
 @lru_cache(maxsize=8192)
 def fold(chunk: str) -> str:
     """One character (with the marks that combine with it) as the guards read it."""
     out = []
-    for char in unicodedata.normalize("NFKC", chunk):
+    for char in unicodedata.normalize("NFKC", chunk.translate(ENCLOSED)):
         category = unicodedata.category(char)
-        if category == "Cf" or char in DROPPED:
+        if category in ("Cf", "Me") or char in DROPPED:
             continue
         char = CONFUSABLES.get(char, char)
         if category == "Zs" or char in SPACES:
@@ -144,12 +168,14 @@ class _Folds(dict[int, str]):
 _FOLDS = _Folds()
 
 
-def normalize(text: str) -> Normalized:
-    """The text as every guard reads it (see the module's docstring), with its way back."""
-    if text.isascii():
+def normalize(text: str, escapes: bool = True) -> Normalized:
+    """The text as every guard reads it (see the module's docstring), with its way back;
+    `escapes`: JSON's \\u escapes read as the characters they name."""
+    escaped = escapes and "\\u" in text
+    if text.isascii() and not escaped:
         return Normalized(text, text)
     composed = unicodedata.is_normalized("NFC", text)  # nothing for NFKC to compose across characters
-    if composed and len(text.encode("utf-8", "surrogatepass")) - len(text) > len(text) // 8:
+    if not escaped and composed and len(text.encode("utf-8", "surrogatepass")) - len(text) > len(text) // 8:
         # much of it is not ASCII (another script): folded at once, in C, when nothing is removed or expanded
         folded = text.translate(_FOLDS)
         if len(folded) == len(text):
@@ -172,8 +198,13 @@ def normalize(text: str) -> Normalized:
         size += len(out)
 
     at = 0
-    for run in _NON_ASCII.finditer(text):
+    for run in (_SPECIAL if escaped else _NON_ASCII).finditer(text):
         begin = run.start()
+        if text[begin] == "\\" and text.startswith("\\u", begin):  # an escape: the character it names
+            keep(at, begin, text[at:begin])
+            keep(begin, run.end(), fold(_unescape(run.group())))
+            at = run.end()
+            continue
         if begin > at and unicodedata.combining(text[begin]):
             begin -= 1  # a mark on the ASCII letter before it: the two compose
         keep(at, begin, text[at:begin])
@@ -192,7 +223,12 @@ def normalize(text: str) -> Normalized:
     return Normalized(text, "".join(parts), segments)
 
 
+def _unescape(escape: str) -> str:
+    return json.loads(f'"{escape}"')  # type: ignore[no-any-return]
+
+
 def pattern(source: str) -> str:
     """A regular expression's source read the same way as the text it is matched on: its literal
-    letters, spaces, dashes and digits (a pattern is ASCII nearly always: then as it is)."""
-    return normalize(source).text
+    letters, spaces, dashes and digits (a pattern is ASCII nearly always: then as it is). Its \\u
+    escapes are the regex's own, kept."""
+    return normalize(source, escapes=False).text

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from engine.types import TokenLogprob
 from gateway.errors import ContentPolicyViolation, ServiceUnavailable
 from gateway.serving.guards import config, injection, normalize, pii
 from gateway.serving.guards.config import Checks, GuardsFile, ModelGuards, Profile
+from gateway.serving.guards.logprobs import LogprobFilter
 from gateway.serving.guards.moderation import Moderation
 from gateway.serving.guards.patterns import (
     Detector,
@@ -32,7 +34,8 @@ from gateway.serving.guards.patterns import (
     redact,
     regex_spans,
 )
-from gateway.serving.guards.stream import OutputGuard
+from gateway.serving.guards.relay import RelayGuard
+from gateway.serving.guards.stream import ALTERNATIVE_CONTEXT, OutputGuard
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
 from gateway.telemetry.tracing import stage
@@ -266,6 +269,22 @@ class RequestGuard:
         if not self.profile.output and checks.moderation == "off" and not (restore and self.placeholders):
             return None
         return OutputGuard(self, self.profile.output, checks, restore, n)
+
+    def weighed(self, entries: Sequence[TokenLogprob]) -> list[TokenLogprob]:
+        """The logprobs of text the model read rather than wrote (an echoed prompt's), whose
+        alternatives are still what the model weighed: those that would complete a match of the
+        output checks, read after the text before them, are left out."""
+        if self.profile is None or not self.profile.output:
+            return list(entries)
+        alternatives = LogprobFilter(self.profile.output, ALTERNATIVE_CONTEXT)
+        alternatives.add(entries)
+        return list(alternatives.release(0, everything=True))
+
+    def relay(self) -> RelayGuard | None:
+        """The guard of a remote model's answer (None: nothing to check or restore: it passes
+        through unread)."""
+        output = self.output(0)
+        return RelayGuard(output) if output is not None else None
 
 
 UNGUARDED = RequestGuard(None)

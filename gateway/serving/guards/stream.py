@@ -126,16 +126,28 @@ class ChoiceFilter:
 
 
 class OutputGuard:
-    """The output guard of one generation (n choices): rewrites each engine output's deltas."""
+    """The output guard of one generation (n choices): rewrites each engine output's deltas. Its
+    filters are slots, one per choice here; a remote model's relay (`guards.relay`) adds one per
+    field of each choice (`add_slot`), through the same `feed`."""
 
     def __init__(self, notes: Notes, scanner: Scanner, checks: OutputChecks, restore: Placeholders | None,
                  n: int) -> None:
         self.notes = notes
+        self.scanner, self.checks = scanner, checks
         self.restore = restore
         self.moderation = checks.moderation
-        batch = checks.moderation_chars if self.moderation != "off" else 0
-        self.filters = [ChoiceFilter(scanner, checks, restore, self._note, batch) for _ in range(n)]
-        self.passed = [""] * n  # what each choice passed on so far, for moderation
+        self.batch = checks.moderation_chars if self.moderation != "off" else 0
+        self.filters: list[ChoiceFilter] = []
+        self.passed: list[str] = []  # what each slot passed on so far, for moderation
+        for _ in range(n):
+            self.add_slot()
+
+    def add_slot(self, moderated: bool = True) -> int:
+        """A new filter (an index into `filters`); `moderated`: its text goes to output moderation."""
+        batch = self.batch if moderated else 0
+        self.filters.append(ChoiceFilter(self.scanner, self.checks, self.restore, self._note, batch))
+        self.passed.append("")
+        return len(self.filters) - 1
 
     def _note(self, match: Match, text: str) -> None:
         self.notes.note_match("output", match, text)
@@ -153,14 +165,21 @@ class OutputGuard:
         choice = self.filters[delta.index]
         if choice.done:  # cut earlier: the engine's tokens still count, nothing more is shown
             return replace(delta, text="", finish_reason=None, logprobs=None)
-        text = choice.feed(delta.text, final=delta.finish_reason is not None)
-        if text and self.moderation != "off" and await self._moderate(delta.index, text):
-            choice.retract()
-            text = ""
-        if self.restore is not None:
-            text = self.restore.restore(text)
+        text = await self.feed(delta.index, delta.text, final=delta.finish_reason is not None)
         finish = CONTENT_FILTER if choice.cut else delta.finish_reason
         return replace(delta, text=text, finish_reason=finish, logprobs=choice.passed_logprobs(delta.logprobs))
+
+    async def feed(self, index: int, text: str, final: bool) -> str:
+        """What of slot `index`'s text so far may go out now: checked, moderated (when its slot is),
+        placeholders restored; the slot's filter says whether it was `cut`."""
+        choice = self.filters[index]
+        if choice.done:
+            return ""
+        text = choice.feed(text, final)
+        if text and choice.batch and await self._moderate(index, text):
+            choice.retract()
+            text = ""
+        return self.restore.restore(text) if self.restore is not None else text
 
     async def _moderate(self, index: int, text: str) -> bool:
         """True when the moderation upstream blocks the choice's text so far with `text` added
