@@ -26,6 +26,7 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
 GIB = 1024**3
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import loadgen, procs, vllm_bench
-from benchmarks.loadgen import LoadConfig, Session, ceiling
+from benchmarks.loadgen import LoadConfig, Session
 from benchmarks.procs import GIB, REPO, Controlled, Proc, free_port, log
 from benchmarks.race_report import SERVED_NAME, TARGETS, finish, kept_part, markdown, metrics_of, num, plot, results_md
 
@@ -236,7 +236,7 @@ async def vllm_client_run(client: Controlled, target: Target, args: argparse.Nam
     data = await run(target.base_url, RUN_TIMEOUT_S + 120)
     metrics = vllm_bench.metrics_of(data)
     if args.ceiling_duration > 0:
-        top = vllm_bench.metrics_of(await run((await ceiling.shared_endpoint()).base_url, 600))
+        top = vllm_bench.metrics_of(await run((await loadgen.shared_endpoint()).base_url, 600))
         if metrics["req_s"] and top["req_s"]:
             metrics["client_headroom"] = top["req_s"] / metrics["req_s"]
     return data, metrics

@@ -8,7 +8,6 @@ import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from benchmarks import loadgen
@@ -267,17 +266,12 @@ def kept_part(results: Path) -> str:
 
 def plot(document: dict[str, Any], path: Path) -> Path | None:
     """The medians as loadgen.plot_sweep draws a sweep: one series per target."""
-    series: dict[str, list[Any]] = {}
-    s = lambda ms: (ms or math.nan) / 1000
+    series: dict[str, list[dict[str, Any]]] = {}
     for row in document.get("summary", []):
         for target, m in row["medians"].items():
             if m.get("output_tok_s") is not None:
-                series.setdefault(target, []).append(SimpleNamespace(
-                    concurrency=row["concurrency"], output_throughput=m["output_tok_s"],
-                    ttft=SimpleNamespace(p50=s(m["ttft_p50_ms"]), p99=s(m["ttft_p99_ms"])), tpot=SimpleNamespace(p50=s(m["tpot_p50_ms"]))))
-    if not series:
-        return None
-    return loadgen.plot_sweep(series, path, title="gateway vs vLLM's server vs engine alone (medians)")
+                series.setdefault(target, []).append({**m, "concurrency": row["concurrency"]})
+    return loadgen.plot_sweep(series, path, title="gateway vs vLLM's server vs engine alone (medians)") if series else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,7 +302,7 @@ def finish(document: dict[str, Any], args: Any) -> None:
 def target_notes(notes: list[str], row: dict[str, Any], output_tokens: int | None, prefix: str = "") -> None:
     """Failures, wrong answer lengths and a client too close to its ceiling, per target."""
     where = f"{prefix}c={row['concurrency']}"
-    wanted = loadgen.ceiling.WANTED_HEADROOM
+    wanted = loadgen.WANTED_HEADROOM
     for target, m in row["medians"].items():
         made = m.get("mean_output_tokens")
         if output_tokens is not None and made is not None and abs(made - output_tokens) > 0.5:
