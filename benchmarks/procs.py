@@ -1,5 +1,6 @@
-"""The race's child processes (servers and the engine alone, each in a session of its own, stopped
-whatever happens) and what it notes of the machine they share."""
+"""What the benchmark commands share: their child processes (servers and the engine alone, each in a
+session of its own, stopped whatever happens), what they note of the machine, their JSON document and
+their markdown tables."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,12 @@ def new_document(tool: str, argv: list[str], args: argparse.Namespace, results_d
     return {"tool": f"benchmarks.{tool}", "started": stamp, "command": shlex.join(["python", "-m", f"benchmarks.{tool}", *argv]),
             "machine": machine(), "versions": versions(), "logs": str(logs),
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+
+def md_table(header: str, rows: Iterable[Sequence[Any]], left: Sequence[str] = ()) -> list[str]:
+    """A markdown table: the header's names split at " | ", right-aligned but for the `left` ones."""
+    rule = "|" + "|".join("---" if name in left else "---:" for name in header.split(" | ")) + "|"
+    return [f"| {header} |", rule, *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
 
 
 def run_to_end(work: Coroutine[Any, Any, None], document: dict[str, Any]) -> int:
