@@ -20,7 +20,7 @@ import psutil
 
 from benchmarks import loadgen, procs
 from benchmarks.loadgen import LoadConfig, Result
-from benchmarks.procs import RESULTS, Proc, free_port, log, md_table
+from benchmarks.procs import Proc, free_port, log, md_table
 
 PARTS = ("prompt", "streams", "cache", "soak")
 SMALL = {"lengths": [128, 512, 1024], "streams": 200, "cache_entries": 2000, "soak_requests": 20000}
@@ -279,17 +279,10 @@ async def run(args: argparse.Namespace, document: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    sizes = FULL if args.full else SMALL
-    for key in ("lengths", "streams", "cache_entries", "soak_requests"):
+    for key, value in (FULL if args.full else SMALL).items():
         if getattr(args, key) is None:
-            setattr(args, key, sizes[key])
-    document = procs.new_document("growth", argv, args, RESULTS)
-    code = procs.run_to_end(run(args, document), document)
-    out = RESULTS / f"growth-{document['started']}.json"
-    out.write_text(json.dumps(document, indent=2))
-    print(markdown(document))
-    log(f"results: {out}")
-    return code
+            setattr(args, key, value)
+    return procs.run_command("growth", argv, args, run, markdown)[0]
 
 
 if __name__ == "__main__":

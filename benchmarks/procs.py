@@ -50,6 +50,23 @@ def new_document(tool: str, argv: list[str], args: argparse.Namespace, results_d
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
 
 
+def run_command(tool: str, argv: list[str], args: argparse.Namespace,
+                work: Callable[[argparse.Namespace, dict[str, Any]], Coroutine[Any, Any, None]],
+                render: Callable[[dict[str, Any]], str], results_dir: Path = RESULTS,
+                finish: Callable[[dict[str, Any]], None] | None = None) -> tuple[int, dict[str, Any], Path]:
+    """A command's life (race, growth, targets): its document, `work` run to the end (`run_to_end`),
+    `finish` (the summaries), then `results_dir/<tool>-<time>.json` written and `render`'s text printed."""
+    document = new_document(tool, argv, args, results_dir)
+    code = run_to_end(work(args, document), document)
+    if finish is not None:
+        finish(document)
+    out = results_dir / f"{tool}-{document['started']}.json"
+    out.write_text(json.dumps(document, indent=2, default=str))
+    print(render(document))
+    log(f"results: {out}")
+    return code, document, out
+
+
 def md_table(header: str, rows: Iterable[Sequence[Any]], left: Sequence[str] = ()) -> list[str]:
     """A markdown table: the header's names split at " | ", right-aligned but for the `left` ones."""
     rule = "|" + "|".join("---" if name in left else "---:" for name in header.split(" | ")) + "|"

@@ -391,6 +391,7 @@ async def run_echo(args: argparse.Namespace, logs: Path, document: dict[str, Any
 
 async def race(args: argparse.Namespace, document: dict[str, Any]) -> None:
     """Fills `document` part by part (so an interrupted race still leaves what it measured)."""
+    document.update(complete=False, runs=[], notes=[])
     logs = Path(document["logs"])
     log(f"machine: {document['machine']}")
     busy = procs.busy_processes()
@@ -403,34 +404,22 @@ async def race(args: argparse.Namespace, document: dict[str, Any]) -> None:
     document["complete"] = True
 
 
-def write_outputs(document: dict[str, Any], args: argparse.Namespace) -> None:
-    out = args.results_dir / f"race-{document['started']}.json"
-    out.write_text(json.dumps(document, indent=2))
-    table = markdown(document)
-    out.with_suffix(".md").write_text(table)
-    picture = plot(document, out.with_suffix(".png"))
-    if args.write_results_md and document["complete"]:
-        results = BENCH / "RESULTS.md"
-        results.write_text(results_md(document, out.name) + kept_part(results))
-        log(f"rewrote {results}")
-    elif args.write_results_md:
-        log("the race is incomplete: RESULTS.md left as it was")
-    print(table)
-    log(f"results: {out}" + (f", plot: {picture}" if picture else ""))
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     if any(c < 1 for c in args.concurrency) or args.repeats < 1:
         raise SystemExit("concurrency levels and --repeats must be positive")
-    if args.model is None:
-        args.model = prepare_model()
-    document = procs.new_document("race", argv, args, args.results_dir) | {"complete": False, "runs": [], "notes": []}
-    code = procs.run_to_end(race(args, document), document)
-    finish(document, args)
-    if document["runs"] or document.get("echo_runs"):
-        write_outputs(document, args)
+    args.model = args.model or prepare_model()
+    code, document, out = procs.run_command("race", argv, args, race, markdown, args.results_dir,
+                                            finish=lambda document: finish(document, args))
+    out.with_suffix(".md").write_text(markdown(document))
+    if picture := plot(document, out.with_suffix(".png")):
+        log(f"plot: {picture}")
+    if args.write_results_md and document["complete"]:
+        (BENCH / "RESULTS.md").write_text(results_md(document, out.name) + kept_part(BENCH / "RESULTS.md"))
+        log("rewrote benchmarks/RESULTS.md")
+    elif args.write_results_md:
+        log("the race is incomplete: RESULTS.md left as it was")
     return code
 
 

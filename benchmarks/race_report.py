@@ -267,6 +267,8 @@ def plot(document: dict[str, Any], path: Path) -> Path | None:
 
 def finish(document: dict[str, Any], args: Any) -> None:
     """The summaries, and the notes they call for."""
+    for key, empty in (("complete", False), ("runs", []), ("notes", [])):
+        document.setdefault(key, empty)  # a race stopped before it began
     notes = document["notes"]
     document["summary"] = summarize(document["runs"], args.concurrency) if document["runs"] else []
     for row in document["summary"]:
