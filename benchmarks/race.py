@@ -174,7 +174,7 @@ def load_config(args: argparse.Namespace, base_url: str, level: int, n: int, lab
     return LoadConfig(
         base_url=base_url, model=SERVED_NAME, endpoint=args.endpoint, concurrency=level, num_requests=n,
         duration_s=RUN_TIMEOUT_S, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
-        ignore_eos=True, temperature=0.0, stream=True, label=label, request_timeout_s=RUN_TIMEOUT_S, progress=False,
+        ignore_eos=True, temperature=0.0, stream=True, label=label, request_timeout_s=RUN_TIMEOUT_S,
     )
 
 

@@ -50,7 +50,6 @@ def parser() -> argparse.ArgumentParser:
     add("--plot", type=Path, help="PNG plot (default: next to the JSON when several levels are run)")
     add("--no-plot", action="store_true")
     add("--save-requests", dest="keep_records", action="store_true", help="put every request's record in the JSON")
-    add("--no-progress", dest="progress", action="store_false")
     add("--ceiling-duration", dest="ceiling_s", type=float, default=2.0,
         help="after each run: seconds of the same load against the instant endpoint (benchmarks.instant_endpoint), "
              "the client's ceiling, reported beside the run")
@@ -64,7 +63,7 @@ def config_from(args: argparse.Namespace) -> LoadConfig:
         LoadConfig(**given),
         concurrency=args.concurrency[0] if args.concurrency else (None if args.request_rate else 8),
         duration_s=args.duration_s or None, temperature=None if args.temperature < 0 else args.temperature,
-        count_headers=[h.lower() for h in args.count_headers or ["x-cache"]], progress=args.progress and sys.stderr.isatty(),
+        count_headers=[h.lower() for h in args.count_headers or ["x-cache"]],
     )
 
 

@@ -40,7 +40,6 @@ class Runner:
         self.origin = 0.0
         self.deadline = math.inf
         self.last_end = 0.0
-        self.bar: Any = None  # a tqdm bar when config.progress
 
     def _take_session(self) -> Session:
         session = self.sessions[self.next_session % len(self.sessions)]
@@ -66,8 +65,6 @@ class Runner:
                 count_headers=self.config.count_headers, estimate_input=estimate, origin=self.origin,
             )
             self.last_end = time.perf_counter()
-            if self.bar is not None:
-                self.bar.update(1)
             if not record.ok:
                 return
             history.append((turn, record.text))
@@ -147,16 +144,8 @@ async def run_load(config: LoadConfig, sessions: Sequence[Session] | None = None
         if config.warmup_requests and warmup_sessions:
             await Runner(warm_cfg, client, model, warmup_sessions).run()
         runner = Runner(config, client, model, sessions)
-        if config.progress:  # the CLI on a terminal: tqdm imported only then
-            from tqdm import tqdm
-
-            runner.bar = tqdm(total=config.num_requests, desc=config.label or f"c={config.concurrency}", unit="req", leave=False)
         cpu = time.process_time()
-        try:
-            duration = await runner.run()
-        finally:
-            if runner.bar is not None:
-                runner.bar.close()
+        duration = await runner.run()
         cpu = time.process_time() - cpu
     finally:
         if own:
@@ -195,7 +184,7 @@ def ceiling_config(config: LoadConfig, base_url: str) -> LoadConfig:
         config, base_url=base_url, model=BARE_MODEL, tokenizer="words", api_key=None, headers={},
         concurrency=concurrency, request_rate=None, num_requests=10**9, duration_s=config.ceiling_s,
         unique_prompts=min(256, max(1, config.num_requests)), warmup_requests=2 * concurrency,
-        progress=False, keep_records=False, ceiling_s=0.0, label=f"{config.label or 'run'} ceiling",
+        keep_records=False, ceiling_s=0.0, label=f"{config.label or 'run'} ceiling",
     )
 
 

@@ -367,7 +367,7 @@ async def test_loadgen_cli_writes_json(echo_gateway, tmp_path) -> None:
     base_url, _ = echo_gateway
     output = tmp_path / "out.json"
     argv = ["--base-url", base_url, "--concurrency", "2", "--num-requests", "4", "--input-tokens", "4",
-            "--output-tokens", "3", "--endpoint", "completions", "--output", str(output), "--no-progress"]
+            "--output-tokens", "3", "--endpoint", "completions", "--output", str(output)]
     assert await asyncio.to_thread(loadgen.main, argv) == 0  # its own event loop, in a thread
     document = json.loads(output.read_text())
     (result,) = document["results"]
