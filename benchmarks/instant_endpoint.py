@@ -1,6 +1,6 @@
 """The instant endpoint: an OpenAI-compatible server that costs nearly nothing (a raw uvloop protocol
 with httptools, canned answers built once per shape), so that a client's rate against it is the
-client's own limit (`benchmarks.loadgen.ceiling`). POST /v1/completions and /v1/chat/completions
+client's own limit (the ceiling of `benchmarks.loadgen`). POST /v1/completions and /v1/chat/completions
 (plain, or streamed: one chunk per token, all written at once unless --paced), GET /v1/models, GET
 /health; anything else 404. No vllm or gateway import.
 """
