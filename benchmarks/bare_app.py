@@ -18,8 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from benchmarks.instant_endpoint import chunk, completion
+
 NAME = "bare"
-WORD = " bare"
 _ids = itertools.count()
 
 
@@ -28,27 +29,13 @@ def _usage(body: dict[str, Any], tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
 
 
-def _answer(body: dict[str, Any], chat: bool, tokens: int) -> dict[str, Any]:
-    text = WORD * tokens
-    choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-    return {
-        "id": f"bare-{next(_ids)}", "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()), "model": body.get("model") or NAME, "choices": [choice],
-        "usage": _usage(body, tokens),
-    }
-
-
 async def _chunks(body: dict[str, Any], chat: bool, tokens: int) -> AsyncIterator[bytes]:
     """One SSE event per token, encoded per chunk as a server does, then usage and [DONE]."""
-    head = {"id": f"bare-{next(_ids)}", "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": body.get("model") or NAME}
+    model, ids = body.get("model") or NAME, {"id": f"bare-{next(_ids)}", "created": int(time.time())}
     for step in range(tokens):
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if step == tokens - 1 else None}
-        choice.update({"delta": {"content": WORD}} if chat else {"text": WORD})
-        yield b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
+        yield b"data: " + orjson.dumps(chunk(chat, model, step, tokens, **ids)) + b"\n\n"
     if (body.get("stream_options") or {}).get("include_usage"):
-        yield b"data: " + orjson.dumps({**head, "choices": [], "usage": _usage(body, tokens)}) + b"\n\n"
+        yield b"data: " + orjson.dumps({**chunk(chat, model, None, tokens, **ids), "usage": _usage(body, tokens)}) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 
@@ -58,7 +45,8 @@ def _completion_route(chat: bool) -> Any:
         tokens = max(1, int(body.get("max_tokens") or body.get("max_completion_tokens") or 16))
         if body.get("stream"):
             return StreamingResponse(_chunks(body, chat, tokens), media_type="text/event-stream")
-        return Response(orjson.dumps(_answer(body, chat, tokens)), media_type="application/json")
+        answer = completion(chat, tokens, body.get("model") or NAME, _usage(body, tokens), f"bare-{next(_ids)}", int(time.time()))
+        return Response(orjson.dumps(answer), media_type="application/json")
 
     return endpoint
 

@@ -20,13 +20,12 @@ import psutil
 
 from benchmarks import loadgen, procs
 from benchmarks.loadgen import LoadConfig, Result
-from benchmarks.procs import REPO, Proc, free_port, log
+from benchmarks.procs import Proc, free_port, log, md_table
 
 PARTS = ("prompt", "streams", "cache", "soak")
 SMALL = {"lengths": [128, 512, 1024], "streams": 200, "cache_entries": 2000, "soak_requests": 20000}
 FULL = {"lengths": [128, 256, 512, 1024, 2048, 4096], "streams": 1000, "cache_entries": 10000, "soak_requests": 100000}
 MODEL = "growth"
-RESULTS = REPO / "benchmarks" / "results"
 STREAM_TOKEN_DELAY_S, STREAM_TOKENS, STREAM_RAMP_S = 1.0, 15, 4.0  # a held stream: one token a second for 15 s
 CACHE_ANSWER_TOKENS, HIT_REQUESTS = 64, 300  # tokens per cached answer; hits timed, one at a time
 SOAK_CACHE_ENTRIES = 10_000  # the soak's cache bound (the gateway's default)
@@ -202,25 +201,18 @@ def _n(value: Any, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def _table(header: str, rows: list[list[Any]]) -> list[str]:
-    """A markdown table: the header's names split at " | ", numbers right-aligned, text left."""
-    names = header.split(" | ")
-    rule = "|" + "|".join("---" if n in ("prompts", "hits counted") else "---:" for n in names) + "|"
-    return [f"| {header} |", rule, *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
-
-
 def _prompt(rows: list[dict[str, Any]]) -> list[str]:
-    return _table("prompt tokens | prompts | mean input tokens | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | req/s | "
+    return md_table("prompt tokens | prompts | mean input tokens | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | req/s | "
                   "gateway CPU ms/request | failed",
                   [[r["tokens"], r["prompts"], _n(r["mean_input_tokens"]), _n(r["ttft_p50_ms"], 2), _n(r["ttft_p99_ms"], 2),
-                    _n(r["e2e_p50_ms"], 2), _n(r["req_s"]), _n(r["gateway_cpu_ms_per_request"], 3), r["failed"]] for r in rows])
+                    _n(r["e2e_p50_ms"], 2), _n(r["req_s"]), _n(r["gateway_cpu_ms_per_request"], 3), r["failed"]] for r in rows], left=("prompts",))
 
 
 def _streams(s: dict[str, Any]) -> list[str]:
     def slash(stats: dict[str, Any], *keys: str, digits: int = 2) -> str:
         return " / ".join(_n(stats.get(k), digits) for k in keys)
 
-    return _table("streams held | RSS before MiB | RSS held MiB | KiB per open stream | loop lag idle p99 / max ms | "
+    return md_table("streams held | RSS before MiB | RSS held MiB | KiB per open stream | loop lag idle p99 / max ms | "
                   "loop lag held p50 / p99 / max ms | GET /health p50 / p99 / max ms | failed",
                   [[s["streams"], _n(s["rss_before_mib"]), _n(s["rss_held_mib"]), _n(s["kib_per_stream"]),
                     slash(s["loop_lag_idle"], "p99_ms", "max_ms"), slash(s["loop_lag_held"], "p50_ms", "p99_ms", "max_ms"),
@@ -229,11 +221,11 @@ def _streams(s: dict[str, Any]) -> list[str]:
 
 def _cache(c: dict[str, Any]) -> list[str]:
     small, full = c["hit_nearly_empty"], c["hit_full"]
-    return _table("entries | tokens per answer | RSS before MiB | RSS after MiB | bytes per entry | "
+    return md_table("entries | tokens per answer | RSS before MiB | RSS after MiB | bytes per entry | "
                   "hit e2e p50 / p99 ms, 10 entries | hit e2e p50 / p99 ms, full | hits counted",
                   [[c["entries"], c["answer_tokens"], _n(c["rss_before_mib"]), _n(c["rss_after_mib"]),
                     _n(c["bytes_per_entry"], 0), f"{_n(small['e2e_p50_ms'], 3)} / {_n(small['e2e_p99_ms'], 3)}",
-                    f"{_n(full['e2e_p50_ms'], 3)} / {_n(full['e2e_p99_ms'], 3)}", full["x_cache"]]])
+                    f"{_n(full['e2e_p50_ms'], 3)} / {_n(full['e2e_p99_ms'], 3)}", full["x_cache"]]], left=("hits counted",))
 
 
 def _soak(s: dict[str, Any]) -> list[str]:
@@ -287,17 +279,10 @@ async def run(args: argparse.Namespace, document: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    sizes = FULL if args.full else SMALL
-    for key in ("lengths", "streams", "cache_entries", "soak_requests"):
+    for key, value in (FULL if args.full else SMALL).items():
         if getattr(args, key) is None:
-            setattr(args, key, sizes[key])
-    document = procs.new_document("growth", argv, args, RESULTS)
-    code = procs.run_to_end(run(args, document), document)
-    out = RESULTS / f"growth-{document['started']}.json"
-    out.write_text(json.dumps(document, indent=2))
-    print(markdown(document))
-    log(f"results: {out}")
-    return code
+            setattr(args, key, value)
+    return procs.run_command("growth", argv, args, run, markdown)[0]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The instant endpoint: an OpenAI-compatible server that costs nearly nothing (a raw uvloop protocol
 with httptools, canned answers built once per shape), so that a client's rate against it is the
-client's own limit (`benchmarks.loadgen.ceiling`). POST /v1/completions and /v1/chat/completions
+client's own limit (the ceiling of `benchmarks.loadgen`). POST /v1/completions and /v1/chat/completions
 (plain, or streamed: one chunk per token, all written at once unless --paced), GET /v1/models, GET
 /health; anything else 404. No vllm or gateway import.
 """
@@ -58,9 +58,29 @@ def _usage(prompt: int, tokens: int) -> dict[str, int]:
 
 DONE = _event(b"[DONE]") + b"0\r\n\r\n"
 
+
+def completion(chat: bool, tokens: int, model: str, usage: Any = None, id: str = "instant-0", created: int = CREATED) -> dict[str, Any]:
+    """A non-streamed completion of `tokens` words (the bare app's too)."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+    choice.update({"message": {"role": "assistant", "content": WORD * tokens}} if chat else {"text": WORD * tokens})
+    return {"id": id, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage}
+
+
+def chunk(chat: bool, model: str, step: int | None, tokens: int, id: str = "instant-0", created: int = CREATED) -> dict[str, Any]:
+    """The stream's chunk carrying word `step` of `tokens` (None: the chunk without choices, for the usage)."""
+    choices: list[dict[str, Any]] = []
+    if step is not None:
+        choices.append({"index": 0, "finish_reason": "length" if step == tokens - 1 else None})
+        if chat:
+            choices[0]["delta"] = {"role": "assistant", "content": WORD} if step == 0 else {"content": WORD}
+        else:
+            choices[0]["text"] = WORD
+    return {"id": id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": choices}
+
+
 # The canned answers, built on first use per shape (chat, tokens, model) and kept.
-
-
 @functools.cache
 def _models(name: str) -> bytes:
     return orjson.dumps({"object": "list", "data": [{"id": name, "object": "model", "created": CREATED, "owned_by": "bench"}]})
@@ -68,32 +88,15 @@ def _models(name: str) -> bytes:
 
 @functools.cache
 def _plain(chat: bool, tokens: int, model: str) -> tuple[bytes, bytes]:
-    """A non-streamed completion's JSON, cut where its usage goes."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-    choice.update({"message": {"role": "assistant", "content": WORD * tokens}} if chat else {"text": WORD * tokens})
-    doc = {"id": "instant-0", "object": "chat.completion" if chat else "text_completion", "created": CREATED,
-           "model": model, "choices": [choice], "usage": None}
-    before, _, after = orjson.dumps(doc).rpartition(b"null")
+    """A non-streamed completion's JSON, cut where its usage goes (the last null)."""
+    before, _, after = orjson.dumps(completion(chat, tokens, model)).rpartition(b"null")
     return before, after
-
-
-def _head_of_chunk(chat: bool, model: str) -> dict[str, Any]:
-    return {"id": "instant-0", "object": "chat.completion.chunk" if chat else "text_completion", "created": CREATED,
-            "model": model}
 
 
 @functools.cache
 def _stream(chat: bool, tokens: int, model: str) -> tuple[bytes, ...]:
     """The events of a streamed completion (each one chunk), without the usage and [DONE]."""
-    events = []
-    for step in range(tokens):
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if step == tokens - 1 else None}
-        if chat:
-            choice["delta"] = {"role": "assistant", "content": WORD} if step == 0 else {"content": WORD}
-        else:
-            choice["text"] = WORD
-        events.append(_event({**_head_of_chunk(chat, model), "choices": [choice]}))
-    return tuple(events)
+    return tuple(_event(chunk(chat, model, step, tokens)) for step in range(tokens))
 
 
 class InstantProtocol(asyncio.Protocol):
@@ -149,7 +152,7 @@ class InstantProtocol(asyncio.Protocol):
             return [_whole("200 OK", before + orjson.dumps(usage) + after, keep_alive)]
         parts = [_head("200 OK", "text/event-stream", None, keep_alive), *_stream(chat, tokens, model)]
         if (body.get("stream_options") or {}).get("include_usage"):
-            parts.append(_event({**_head_of_chunk(chat, model), "choices": [], "usage": usage}))
+            parts.append(_event({**chunk(chat, model, None, tokens), "usage": usage}))
         return [*parts, DONE]
 
     def _write(self, parts: list[bytes], close: bool) -> None:

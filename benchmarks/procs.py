@@ -1,5 +1,6 @@
-"""The race's child processes (servers and the engine alone, each in a session of its own, stopped
-whatever happens) and what it notes of the machine they share."""
+"""What the benchmark commands share: their child processes (servers and the engine alone, each in a
+session of its own, stopped whatever happens), what they note of the machine, their JSON document and
+their markdown tables."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
 GIB = 1024**3
 
 
@@ -46,6 +48,29 @@ def new_document(tool: str, argv: list[str], args: argparse.Namespace, results_d
     return {"tool": f"benchmarks.{tool}", "started": stamp, "command": shlex.join(["python", "-m", f"benchmarks.{tool}", *argv]),
             "machine": machine(), "versions": versions(), "logs": str(logs),
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+
+def run_command(tool: str, argv: list[str], args: argparse.Namespace,
+                work: Callable[[argparse.Namespace, dict[str, Any]], Coroutine[Any, Any, None]],
+                render: Callable[[dict[str, Any]], str], results_dir: Path = RESULTS,
+                finish: Callable[[dict[str, Any]], None] | None = None) -> tuple[int, dict[str, Any], Path]:
+    """A command's life (race, growth, targets): its document, `work` run to the end (`run_to_end`),
+    `finish` (the summaries), then `results_dir/<tool>-<time>.json` written and `render`'s text printed."""
+    document = new_document(tool, argv, args, results_dir)
+    code = run_to_end(work(args, document), document)
+    if finish is not None:
+        finish(document)
+    out = results_dir / f"{tool}-{document['started']}.json"
+    out.write_text(json.dumps(document, indent=2, default=str))
+    print(render(document))
+    log(f"results: {out}")
+    return code, document, out
+
+
+def md_table(header: str, rows: Iterable[Sequence[Any]], left: Sequence[str] = ()) -> list[str]:
+    """A markdown table: the header's names split at " | ", right-aligned but for the `left` ones."""
+    rule = "|" + "|".join("---" if name in left else "---:" for name in header.split(" | ")) + "|"
+    return [f"| {header} |", rule, *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
 
 
 def run_to_end(work: Coroutine[Any, Any, None], document: dict[str, Any]) -> int:

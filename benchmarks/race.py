@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import loadgen, procs, vllm_bench
-from benchmarks.loadgen import LoadConfig, Session, ceiling
+from benchmarks.loadgen import LoadConfig, Session
 from benchmarks.procs import GIB, REPO, Controlled, Proc, free_port, log
 from benchmarks.race_report import SERVED_NAME, TARGETS, finish, kept_part, markdown, metrics_of, num, plot, results_md
 
@@ -174,7 +174,7 @@ def load_config(args: argparse.Namespace, base_url: str, level: int, n: int, lab
     return LoadConfig(
         base_url=base_url, model=SERVED_NAME, endpoint=args.endpoint, concurrency=level, num_requests=n,
         duration_s=RUN_TIMEOUT_S, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
-        ignore_eos=True, temperature=0.0, stream=True, label=label, request_timeout_s=RUN_TIMEOUT_S, progress=False,
+        ignore_eos=True, temperature=0.0, stream=True, label=label, request_timeout_s=RUN_TIMEOUT_S,
     )
 
 
@@ -236,7 +236,7 @@ async def vllm_client_run(client: Controlled, target: Target, args: argparse.Nam
     data = await run(target.base_url, RUN_TIMEOUT_S + 120)
     metrics = vllm_bench.metrics_of(data)
     if args.ceiling_duration > 0:
-        top = vllm_bench.metrics_of(await run((await ceiling.shared_endpoint()).base_url, 600))
+        top = vllm_bench.metrics_of(await run((await loadgen.shared_endpoint()).base_url, 600))
         if metrics["req_s"] and top["req_s"]:
             metrics["client_headroom"] = top["req_s"] / metrics["req_s"]
     return data, metrics
@@ -391,6 +391,7 @@ async def run_echo(args: argparse.Namespace, logs: Path, document: dict[str, Any
 
 async def race(args: argparse.Namespace, document: dict[str, Any]) -> None:
     """Fills `document` part by part (so an interrupted race still leaves what it measured)."""
+    document.update(complete=False, runs=[], notes=[])
     logs = Path(document["logs"])
     log(f"machine: {document['machine']}")
     busy = procs.busy_processes()
@@ -403,34 +404,22 @@ async def race(args: argparse.Namespace, document: dict[str, Any]) -> None:
     document["complete"] = True
 
 
-def write_outputs(document: dict[str, Any], args: argparse.Namespace) -> None:
-    out = args.results_dir / f"race-{document['started']}.json"
-    out.write_text(json.dumps(document, indent=2))
-    table = markdown(document)
-    out.with_suffix(".md").write_text(table)
-    picture = plot(document, out.with_suffix(".png"))
-    if args.write_results_md and document["complete"]:
-        results = BENCH / "RESULTS.md"
-        results.write_text(results_md(document, out.name) + kept_part(results))
-        log(f"rewrote {results}")
-    elif args.write_results_md:
-        log("the race is incomplete: RESULTS.md left as it was")
-    print(table)
-    log(f"results: {out}" + (f", plot: {picture}" if picture else ""))
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     if any(c < 1 for c in args.concurrency) or args.repeats < 1:
         raise SystemExit("concurrency levels and --repeats must be positive")
-    if args.model is None:
-        args.model = prepare_model()
-    document = procs.new_document("race", argv, args, args.results_dir) | {"complete": False, "runs": [], "notes": []}
-    code = procs.run_to_end(race(args, document), document)
-    finish(document, args)
-    if document["runs"] or document.get("echo_runs"):
-        write_outputs(document, args)
+    args.model = args.model or prepare_model()
+    code, document, out = procs.run_command("race", argv, args, race, markdown, args.results_dir,
+                                            finish=lambda document: finish(document, args))
+    out.with_suffix(".md").write_text(markdown(document))
+    if picture := plot(document, out.with_suffix(".png")):
+        log(f"plot: {picture}")
+    if args.write_results_md and document["complete"]:
+        (BENCH / "RESULTS.md").write_text(results_md(document, out.name) + kept_part(BENCH / "RESULTS.md"))
+        log("rewrote benchmarks/RESULTS.md")
+    elif args.write_results_md:
+        log("the race is incomplete: RESULTS.md left as it was")
     return code
 
 

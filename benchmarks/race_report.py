@@ -8,10 +8,10 @@ import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from benchmarks import loadgen
+from benchmarks.procs import md_table
 
 SERVED_NAME = "smollm2-135m-instruct"
 TARGETS = ("gateway", "gateway-aa", "vllm", "engine")  # the table's order; gateway-aa: the A/A twin
@@ -118,26 +118,21 @@ def _model_tables(document: dict[str, Any]) -> list[str]:
     rows = document.get("summary", [])
     if not rows:
         return []
-    client = document["settings"].get("client", "ours")
-    lines = [
-        (f"Medians over {document['settings']['repeats']} repetition(s), client: {client}; gateway = this gateway, "
-         "gateway-aa = the same gateway measured again in each round (A/A), vllm = vLLM's OpenAI server, engine = "
-         "AsyncLLM in-process without HTTP. Client headroom: the client's ceiling (the same load against the instant "
-         "endpoint) ÷ the run's req/s."),
+    cells = ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p99_ms", "e2e_p50_ms", "mean_output_tokens")
+    medians = [[row["concurrency"], target, *(num(m[c], 2 if c == "req_s" else 1) for c in cells), m["failed"],
+                num(m.get("front_cpu_ms_per_token"), 3), num(m.get("client_headroom"))]
+               for row in rows for target in TARGETS if (m := row["medians"].get(target))]
+    ratios = [[row["concurrency"], name, _vs(row, name, "vllm", "gateway-aa", vllm_bound, higher),
+               _vs(row, name, "engine", "gateway-aa", engine_bound, higher), _aa(row, name, "gateway-aa")]
+              for row in rows for name, vllm_bound, engine_bound, higher in RATIO_ROWS]
+    return [
+        (f"Medians over {document['settings']['repeats']} repetition(s), client: {document['settings'].get('client', 'ours')}; "
+         "gateway = this gateway, gateway-aa = the same gateway measured again in each round (A/A), vllm = vLLM's OpenAI "
+         "server, engine = AsyncLLM in-process without HTTP. Client headroom: the client's ceiling (the same load against "
+         "the instant endpoint) ÷ the run's req/s."),
         "",
-        "| concurrency | target | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms | e2e p50 ms | out tokens | failed | front-end CPU ms/token | client headroom |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        for target in TARGETS:
-            m = row["medians"].get(target)
-            if m:
-                lines.append(
-                    f"| {row['concurrency']} | {target} | {num(m['output_tok_s'])} | {num(m['req_s'], 2)} | "
-                    f"{num(m['ttft_p50_ms'])} | {num(m['ttft_p99_ms'])} | {num(m['tpot_p50_ms'])} | {num(m['itl_p99_ms'])} | "
-                    f"{num(m['e2e_p50_ms'])} | {num(m['mean_output_tokens'])} | {m['failed']} | "
-                    f"{num(m.get('front_cpu_ms_per_token'), 3)} | {num(m.get('client_headroom'))} |")
-    lines += [
+        *md_table("concurrency | target | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms | "
+                  "e2e p50 ms | out tokens | failed | front-end CPU ms/token | client headroom", medians, left=("target",)),
         "",
         ("Ratios gateway ÷ other, each the median of the per-repetition (paired) ratios; tok/s: higher is better, "
          "latencies: lower is better. ✓/✗: the targets (tok/s ≥ 1.00× vLLM's server and ≥ 0.95× the engine alone; "  # noqa: RUF001 - the multiplication sign is deliberate typography in RESULTS.md
@@ -145,14 +140,8 @@ def _model_tables(document: dict[str, Any]) -> list[str]:
          "ratio], the noise floor; ≈ marks a ratio no farther from 1.0 than the A/A ratios strayed (not told "
          "apart from noise)."),
         "",
-        "| concurrency | metric | ÷ vllm | ÷ engine | A/A (noise floor) |",
-        "|---:|---|---:|---:|---:|",
+        *md_table("concurrency | metric | ÷ vllm | ÷ engine | A/A (noise floor)", ratios, left=("metric",)),
     ]
-    for row in rows:
-        for name, vllm_bound, engine_bound, higher in RATIO_ROWS:
-            lines.append(f"| {row['concurrency']} | {name} | {_vs(row, name, 'vllm', 'gateway-aa', vllm_bound, higher)} | "
-                         f"{_vs(row, name, 'engine', 'gateway-aa', engine_bound, higher)} | {_aa(row, name, 'gateway-aa')} |")
-    return lines
 
 
 ECHO_BOUND = 0.5  # the gateway's own cost: at least half of the bare stack's rate
@@ -177,7 +166,17 @@ def _echo_tables(document: dict[str, Any]) -> list[str]:
     summary = document.get("echo_summary") or {}
     if not summary:
         return []
-    lines = [
+    rows = []
+    for scenario, levels in summary.items():
+        metric = echo_metric(scenario)
+        for row in levels:
+            m = {t: row["medians"].get(t, {}) for t in ECHO_NAMES}
+            rows.append([scenario, row["concurrency"], "chunks/s" if metric == "output_tok_s" else "req/s",
+                         *(num(m[t].get(metric)) for t in ECHO_NAMES), _vs(row, metric, "bare", "echo-aa", ECHO_BOUND),
+                         _aa(row, metric, "echo-aa"), num(m["echo"].get("e2e_p50_ms"), 2), num(m["bare"].get("e2e_p50_ms"), 2),
+                         sum(m[t].get("failed", 0) for t in ECHO_NAMES),
+                         f"{num(m['echo'].get('client_headroom'))} / {num(m['bare'].get('client_headroom'))}"])
+    return [
         "",
         ("The gateway's own cost, where no model works: echo = the gateway on the instant echo engine with access "
          "logs, metrics, an API key and request ids on (and the memory response cache: the non-stream and stream "
@@ -187,22 +186,9 @@ def _echo_tables(document: dict[str, Any]) -> list[str]:
          "Client headroom: the client's ceiling (the same load against the instant endpoint, after every run) ÷ "
          "echo's and bare's rates, medians."),
         "",
-        "| scenario | concurrency | rate | echo | echo-aa | bare | echo ÷ bare | A/A (noise floor) | echo e2e p50 ms | bare e2e p50 ms | failed | client headroom, echo / bare |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *md_table("scenario | concurrency | rate | echo | echo-aa | bare | echo ÷ bare | A/A (noise floor) | echo e2e p50 ms | "
+                  "bare e2e p50 ms | failed | client headroom, echo / bare", rows, left=("scenario", "rate")),
     ]
-    for scenario, rows in summary.items():
-        metric = echo_metric(scenario)
-        for row in rows:
-            m = row["medians"]
-            rate = {t: num(m.get(t, {}).get(metric)) for t in ECHO_NAMES}
-            failed = sum(m.get(t, {}).get("failed", 0) for t in ECHO_NAMES)
-            lines.append(
-                f"| {scenario} | {row['concurrency']} | {'chunks/s' if metric == 'output_tok_s' else 'req/s'} | "
-                f"{rate['echo']} | {rate['echo-aa']} | {rate['bare']} | {_vs(row, metric, 'bare', 'echo-aa', ECHO_BOUND)} | "
-                f"{_aa(row, metric, 'echo-aa')} | {num(m.get('echo', {}).get('e2e_p50_ms'), 2)} | "
-                f"{num(m.get('bare', {}).get('e2e_p50_ms'), 2)} | {failed} | "
-                f"{num(m.get('echo', {}).get('client_headroom'))} / {num(m.get('bare', {}).get('client_headroom'))} |")
-    return lines
 
 
 def markdown(document: dict[str, Any]) -> str:
@@ -267,17 +253,12 @@ def kept_part(results: Path) -> str:
 
 def plot(document: dict[str, Any], path: Path) -> Path | None:
     """The medians as loadgen.plot_sweep draws a sweep: one series per target."""
-    series: dict[str, list[Any]] = {}
-    s = lambda ms: (ms or math.nan) / 1000
+    series: dict[str, list[dict[str, Any]]] = {}
     for row in document.get("summary", []):
         for target, m in row["medians"].items():
             if m.get("output_tok_s") is not None:
-                series.setdefault(target, []).append(SimpleNamespace(
-                    concurrency=row["concurrency"], output_throughput=m["output_tok_s"],
-                    ttft=SimpleNamespace(p50=s(m["ttft_p50_ms"]), p99=s(m["ttft_p99_ms"])), tpot=SimpleNamespace(p50=s(m["tpot_p50_ms"]))))
-    if not series:
-        return None
-    return loadgen.plot_sweep(series, path, title="gateway vs vLLM's server vs engine alone (medians)")
+                series.setdefault(target, []).append({**m, "concurrency": row["concurrency"]})
+    return loadgen.plot_sweep(series, path, title="gateway vs vLLM's server vs engine alone (medians)") if series else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,6 +267,8 @@ def plot(document: dict[str, Any], path: Path) -> Path | None:
 
 def finish(document: dict[str, Any], args: Any) -> None:
     """The summaries, and the notes they call for."""
+    for key, empty in (("complete", False), ("runs", []), ("notes", [])):
+        document.setdefault(key, empty)  # a race stopped before it began
     notes = document["notes"]
     document["summary"] = summarize(document["runs"], args.concurrency) if document["runs"] else []
     for row in document["summary"]:
@@ -308,7 +291,7 @@ def finish(document: dict[str, Any], args: Any) -> None:
 def target_notes(notes: list[str], row: dict[str, Any], output_tokens: int | None, prefix: str = "") -> None:
     """Failures, wrong answer lengths and a client too close to its ceiling, per target."""
     where = f"{prefix}c={row['concurrency']}"
-    wanted = loadgen.ceiling.WANTED_HEADROOM
+    wanted = loadgen.WANTED_HEADROOM
     for target, m in row["medians"].items():
         made = m.get("mean_output_tokens")
         if output_tokens is not None and made is not None and abs(made - output_tokens) > 0.5:

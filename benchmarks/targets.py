@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import shutil
 import subprocess
@@ -23,14 +22,13 @@ import psutil
 
 from benchmarks import loadgen, procs
 from benchmarks.loadgen import LoadConfig, Result
-from benchmarks.procs import REPO, Proc, free_port, log, meminfo
+from benchmarks.procs import Proc, free_port, log, meminfo
 
 TTFT_P99_MS = 500.0
 MIN_RATE = 50.0
 MEMORY_SHARE = 0.80
 SERVED = "targets"
 CGROUP = Path("/sys/fs/cgroup")
-RESULTS = REPO / "benchmarks" / "results"
 INPUT_TOKENS, OUTPUT_TOKENS = 128, 64
 SETTLE_S = 5.0  # quiet before each capacity probe
 
@@ -220,13 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     args.gateway_args = [a for a in args.gateway_args if a != "--"]
-    document = procs.new_document("targets", argv, args, RESULTS)
-    procs.run_to_end(check(args, document), document)
-    out = RESULTS / f"targets-{document['started']}.json"
-    out.write_text(json.dumps(document, indent=2, default=str))
-    print(report(document))
-    log(f"results: {out}")
-    verdicts_ = document.get("verdicts") or []
+    verdicts_ = procs.run_command("targets", argv, args, check, report)[1].get("verdicts") or []
     return 0 if verdicts_ and all(v["met"] for v in verdicts_) else 1
 
 

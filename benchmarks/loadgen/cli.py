@@ -10,11 +10,9 @@ import sys
 from pathlib import Path
 
 from benchmarks.loadgen.config import LoadConfig
-from benchmarks.loadgen.report import format_result, plot_sweep
+from benchmarks.loadgen.results import format_result, plot_sweep, point
 from benchmarks.loadgen.runner import run_async, run_load, run_sweep
-from benchmarks.procs import timestamp
-
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+from benchmarks.procs import RESULTS, timestamp
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,7 +50,6 @@ def parser() -> argparse.ArgumentParser:
     add("--plot", type=Path, help="PNG plot (default: next to the JSON when several levels are run)")
     add("--no-plot", action="store_true")
     add("--save-requests", dest="keep_records", action="store_true", help="put every request's record in the JSON")
-    add("--no-progress", dest="progress", action="store_false")
     add("--ceiling-duration", dest="ceiling_s", type=float, default=2.0,
         help="after each run: seconds of the same load against the instant endpoint (benchmarks.instant_endpoint), "
              "the client's ceiling, reported beside the run")
@@ -66,7 +63,7 @@ def config_from(args: argparse.Namespace) -> LoadConfig:
         LoadConfig(**given),
         concurrency=args.concurrency[0] if args.concurrency else (None if args.request_rate else 8),
         duration_s=args.duration_s or None, temperature=None if args.temperature < 0 else args.temperature,
-        count_headers=[h.lower() for h in args.count_headers or ["x-cache"]], progress=args.progress and sys.stderr.isatty(),
+        count_headers=[h.lower() for h in args.count_headers or ["x-cache"]],
     )
 
 
@@ -81,14 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         results = run_async(run_sweep(config, args.concurrency or [8], args.waves))
     stamp = timestamp()
-    output = args.output or RESULTS_DIR / f"loadgen-{stamp}.json"
+    output = args.output or RESULTS / f"loadgen-{stamp}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     document = {"tool": "benchmarks.loadgen", "started": stamp, "argv": sys.argv if argv is None else ["loadgen", *argv],
                 "config": config.to_dict(), "results": [r.to_dict(records=args.keep_records) for r in results]}
     output.write_text(json.dumps(document, indent=2))
     print(f"results: {output}", file=sys.stderr)
     if not args.no_plot and (args.plot or len(results) > 1):
-        plot = plot_sweep({"": results}, args.plot or output.with_suffix(".png"), title=args.base_url)
+        plot = plot_sweep({"": [point(r) for r in results]}, args.plot or output.with_suffix(".png"), title=args.base_url)
         if plot:
             print(f"plot: {plot}", file=sys.stderr)
     return 0 if all(r.completed for r in results) else 1

@@ -36,7 +36,6 @@ class LoadConfig:
     seed: int = 0
     warmup_requests: int = 0  # sent before the measured run, with their own prompts, not counted
     request_timeout_s: float = 600.0
-    progress: bool = False
     keep_records: bool = False  # put every request's record in Result.to_dict()
     ceiling_s: float = 0.0  # after the run: seconds of the same load against the instant endpoint (0: none)
     label: str = ""

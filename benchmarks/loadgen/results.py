@@ -1,15 +1,19 @@
-"""What a run measured: one `RequestRecord` per request, and their `aggregate`, a `Result` (counts,
-throughput, latency statistics: `Stats`, percentiles as numpy computes them) that `to_dict()` turns
-into plain JSON."""
+"""What a run measured: one `RequestRecord` per request, their `aggregate` (a `Result`: counts,
+throughput, `Stats` of the latencies, percentiles as numpy computes them), the client's ceiling
+beside it (`compare`, `describe`), and a run for people: `format_result`, `plot_sweep`."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+WANTED_HEADROOM = 5.0  # the client's ceiling ÷ the run's rate, below which the client may be what was measured
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -41,9 +45,6 @@ class Stats:
             return cls()
         p50, p90, p99 = (percentile(values, q) for q in (50, 90, 99))
         return cls(len(values), sum(values) / len(values), p50, p90, p99, min(values), max(values))
-
-    def to_dict(self) -> dict[str, float | int | None]:
-        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in dataclasses.asdict(self).items()}
 
 
 def tpot(e2e: float, ttft: float, output_tokens: int) -> float | None:
@@ -77,12 +78,6 @@ class RequestRecord:
             return None
         return tpot(self.e2e, self.ttft, self.output_tokens)
 
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data.pop("text")
-        data["tpot"] = self.tpot
-        return data
-
 
 @dataclass
 class Result:
@@ -95,12 +90,10 @@ class Result:
     completed: int
     failed: int
     cancelled: int
-    total_input_tokens: int
     total_output_tokens: int
     request_throughput: float  # completed requests per second
     output_throughput: float  # output tokens of completed requests per second
     input_throughput: float
-    total_token_throughput: float
     ttft: Stats
     tpot: Stats
     itl: Stats
@@ -114,20 +107,18 @@ class Result:
     config: dict[str, Any] = field(default_factory=dict)
     records: list[RequestRecord] = field(default_factory=list)
     client_cpu_s: float | None = None  # the load generator's own CPU seconds during the run
-    ceiling: dict[str, Any] | None = None  # the client's ceiling beside this run (loadgen.ceiling.compare)
+    ceiling: dict[str, Any] | None = None  # the client's ceiling beside this run (`compare`)
 
     @property
     def client_cpu_share(self) -> float | None:
         """The client's CPU during the run in cores (1.0: one core busy all the time)."""
-        if self.client_cpu_s is None or self.duration_s <= 0:
-            return None
-        return self.client_cpu_s / self.duration_s
+        return None if self.client_cpu_s is None or self.duration_s <= 0 else self.client_cpu_s / self.duration_s
 
     def to_dict(self, records: bool = False) -> dict[str, Any]:
         data = {k: v for k, v in dataclasses.asdict(self).items() if k != "records"}
         data["client_cpu_share"] = self.client_cpu_share
         if records:
-            data["records"] = [r.to_dict() for r in self.records]
+            data["records"] = [{k: v for k, v in dataclasses.asdict(r).items() if k != "text"} | {"tpot": r.tpot} for r in self.records]
         return _clean(data)
 
 
@@ -137,9 +128,7 @@ def _clean(value: Any) -> Any:
         return None
     if isinstance(value, dict):
         return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    return value
+    return [_clean(v) for v in value] if isinstance(value, list) else value
 
 
 def aggregate(records: Sequence[RequestRecord], duration_s: float, *, label: str = "", concurrency: int | None = None,
@@ -156,8 +145,7 @@ def aggregate(records: Sequence[RequestRecord], duration_s: float, *, label: str
             headers.setdefault(name, Counter())[value] += 1
     return Result(
         label, concurrency, request_rate, duration_s, len(ok), len(failed), sum(r.cancelled for r in records),
-        in_tokens, out_tokens, len(ok) / duration, out_tokens / duration, in_tokens / duration,
-        (in_tokens + out_tokens) / duration,
+        out_tokens, len(ok) / duration, out_tokens / duration, in_tokens / duration,
         ttft=Stats.of([r.ttft for r in ok if r.ttft is not None]), tpot=Stats.of([t for r in ok if (t := r.tpot) is not None]),
         itl=Stats.of([x for r in ok for x in r.itl]), e2e=Stats.of([r.e2e for r in ok if r.e2e is not None]),
         mean_input_tokens=in_tokens / len(ok) if ok else math.nan,
@@ -168,3 +156,105 @@ def aggregate(records: Sequence[RequestRecord], duration_s: float, *, label: str
         header_counts={k: dict(v) for k, v in headers.items()}, config=config or {},
         records=list(records) if keep_records else [],
     )
+
+
+def compare(bare: Result, measured: Result) -> dict[str, Any]:
+    """The client's ceiling (`bare`, the same load against the instant endpoint) beside the measured
+    run: rates, the headroom (ceiling ÷ measured) and whether it is enough; `latency_bound`: one
+    request at a time, so a loopback round trip's latency, not the client's CPU."""
+    req = bare.request_throughput / measured.request_throughput if measured.request_throughput > 0 else None
+    tok = bare.output_throughput / measured.output_throughput if measured.output_throughput > 0 else None
+    headroom = min((r for r in (req, tok) if r is not None), default=None)
+    return {"req_s": bare.request_throughput, "output_tok_s": bare.output_throughput, "completed": bare.completed,
+            "failed": bare.failed, "duration_s": bare.duration_s, "client_cpu_s": bare.client_cpu_s,
+            "endpoint": "benchmarks.instant_endpoint",
+            "latency_bound": bare.config.get("concurrency") == 1 and not bare.config.get("request_rate"),
+            "headroom_req_s": req, "headroom_tok_s": tok, "headroom": headroom,
+            "enough": headroom is not None and headroom >= WANTED_HEADROOM}
+
+
+def describe(ceiling: dict[str, Any]) -> str:
+    """The ceiling in one line for people."""
+    headroom = ceiling.get("headroom")
+    text = (f"client ceiling (instant endpoint, same load, {ceiling['duration_s']:.1f} s): {ceiling['req_s']:.0f} req/s, "
+            f"{ceiling['output_tok_s']:.0f} tok/s")
+    if headroom is None:
+        return text + " (nothing measured to compare)"
+    text += f" = {headroom:.1f}x this run"
+    if not ceiling["enough"]:
+        text += f" - below {WANTED_HEADROOM:.0f}x: the client may be part of what this run measured"
+        if ceiling.get("latency_bound"):
+            text += (" (at concurrency 1 the ceiling is one loopback round trip at a time, bound by latency, "
+                     "not by the client's CPU)")
+    return text + (f"; {ceiling['failed']} failed" if ceiling.get("failed") else "")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value * 1000:.1f}"
+
+
+def format_result(r: Result) -> str:
+    """A few lines: counts, throughput, then mean/p50/p90/p99 of TTFT, TPOT, ITL and e2e in ms."""
+    mode = f"rate={r.request_rate}/s" if r.request_rate else f"concurrency={r.concurrency}"
+    lines = [
+        f"[{r.label or mode}] {mode}: {r.completed} ok, {r.failed} failed, {r.cancelled} cancelled in {r.duration_s:.2f} s",
+        f"  throughput: {r.request_throughput:.2f} req/s, {r.output_throughput:.1f} output tok/s, "
+        f"{r.input_throughput:.1f} input tok/s (mean {r.mean_input_tokens:.1f} in / {r.mean_output_tokens:.1f} out"
+        + (f", {r.mean_cached_tokens:.1f} cached" if r.mean_cached_tokens is not None else "")
+        + (", usage from server)" if r.usage_reported else ", output tokens counted as chunks)"),
+    ]
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        s: Stats = getattr(r, name)
+        lines.append(f"  {name:5s} ms: mean {_ms(s.mean)}  p50 {_ms(s.p50)}  p90 {_ms(s.p90)}  p99 {_ms(s.p99)}  (n={s.n})")
+    if r.errors:
+        lines.append("  errors: " + "; ".join(f"{n}x {e}" for e, n in list(r.errors.items())[:5]))
+    if r.header_counts:
+        lines.append("  headers: " + ", ".join(f"{h}: {dict(c)}" for h, c in r.header_counts.items()))
+    if (share := r.client_cpu_share) is not None and r.client_cpu_s is not None:
+        lines.append(f"  client CPU: {share:.2f} of a core ({r.client_cpu_s * 1e6 / max(1, r.completed + r.failed):.0f} us per request)")
+    if r.ceiling:
+        lines.append("  " + describe(r.ceiling))
+    return "\n".join(lines)
+
+
+def plot_sweep(series: dict[str, Sequence[dict[str, float]]], path: Path, title: str = "") -> Path | None:
+    """Latency (TTFT p50/p99, TPOT p50, ms; left) and output tok/s (right) against concurrency, a colour per
+    series; each point a dict with those keys (`point`). matplotlib is imported only here: without it, no plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    fig, (lat, thr) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, points in series.items():
+        prefix = f"{name} " if len(series) > 1 else ""
+        points = sorted((p for p in points if p["concurrency"]), key=lambda p: p["concurrency"])
+        xs = [p["concurrency"] for p in points]
+        color = None
+        for key, marker, style in (("ttft_p50_ms", "o", "-"), ("ttft_p99_ms", "^", "--"), ("tpot_p50_ms", "s", ":")):
+            line = lat.plot(xs, [p[key] for p in points], marker=marker, linestyle=style, color=color,
+                            label=prefix + key.removesuffix("_ms").replace("_", " ").upper().replace(" P", " p"))
+            color = line[0].get_color()
+        thr.plot(xs, [p["output_tok_s"] for p in points], marker="o", color=color, label=f"{prefix}output tok/s")
+    for ax, ylabel, name in ((lat, "ms", "latency"), (thr, "output tokens / s", "throughput")):
+        ax.set(xlabel="concurrency (requests in flight)", ylabel=ylabel, title=name)
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    lat.set_yscale("log")
+    thr.set_ylim(bottom=0)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def point(r: Result) -> dict[str, float]:
+    """A `plot_sweep` point of a run."""
+    return {"concurrency": r.concurrency or 0, "output_tok_s": r.output_throughput, "ttft_p50_ms": r.ttft.p50 * 1000,
+            "ttft_p99_ms": r.ttft.p99 * 1000, "tpot_p50_ms": r.tpot.p50 * 1000}

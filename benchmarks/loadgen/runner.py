@@ -1,11 +1,12 @@
 """Running the load: `run_load` (one measured run at one concurrency or request rate, with its
-warm-up, and the client's ceiling after it when `ceiling_s` asks) and `run_sweep` (one run per
-concurrency level). Workers or Poisson arrivals send the sessions' requests until the request
-count or the time limit. `run_async` runs a coroutine on uvloop."""
+warm-up, and the client's ceiling after it when `ceiling_s` asks: the same load for `ceiling_s`
+seconds against the instant endpoint, started once per process) and `run_sweep` (one run per
+concurrency level). `run_async` runs a coroutine on uvloop."""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import math
 import random
@@ -16,12 +17,11 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from benchmarks.loadgen import ceiling
 from benchmarks.loadgen.client import Client, discover_model, make_client, send_request
 from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.prompts import Session, build_sessions, get_tokenizer, request_body, sessions_needed
-from benchmarks.loadgen.report import format_result
-from benchmarks.loadgen.results import RequestRecord, Result, aggregate
+from benchmarks.loadgen.results import RequestRecord, Result, aggregate, compare, format_result
+from benchmarks.procs import RESULTS, Proc, free_port
 
 
 class Runner:
@@ -40,7 +40,6 @@ class Runner:
         self.origin = 0.0
         self.deadline = math.inf
         self.last_end = 0.0
-        self.bar: Any = None  # a tqdm bar when config.progress
 
     def _take_session(self) -> Session:
         session = self.sessions[self.next_session % len(self.sessions)]
@@ -66,8 +65,6 @@ class Runner:
                 count_headers=self.config.count_headers, estimate_input=estimate, origin=self.origin,
             )
             self.last_end = time.perf_counter()
-            if self.bar is not None:
-                self.bar.update(1)
             if not record.ok:
                 return
             history.append((turn, record.text))
@@ -147,16 +144,8 @@ async def run_load(config: LoadConfig, sessions: Sequence[Session] | None = None
         if config.warmup_requests and warmup_sessions:
             await Runner(warm_cfg, client, model, warmup_sessions).run()
         runner = Runner(config, client, model, sessions)
-        if config.progress:  # the CLI on a terminal: tqdm imported only then
-            from tqdm import tqdm
-
-            runner.bar = tqdm(total=config.num_requests, desc=config.label or f"c={config.concurrency}", unit="req", leave=False)
         cpu = time.process_time()
-        try:
-            duration = await runner.run()
-        finally:
-            if runner.bar is not None:
-                runner.bar.close()
+        duration = await runner.run()
         cpu = time.process_time() - cpu
     finally:
         if own:
@@ -166,9 +155,37 @@ async def run_load(config: LoadConfig, sessions: Sequence[Session] | None = None
                        keep_records=config.keep_records)
     result.client_cpu_s = cpu
     if config.ceiling_s > 0:  # the same load against the instant endpoint, beside this run
-        endpoint = await ceiling.shared_endpoint()
-        result.ceiling = ceiling.compare(await run_load(ceiling.ceiling_config(config, endpoint.base_url)), result)
+        endpoint = await shared_endpoint()
+        result.ceiling = compare(await run_load(ceiling_config(config, endpoint.base_url)), result)
     return result
+
+
+BARE_MODEL = "bare"
+_endpoint: Proc | None = None
+
+
+async def shared_endpoint(start_timeout_s: float = 60.0) -> Proc:
+    """The instant endpoint, started on first use and stopped when this process exits."""
+    global _endpoint
+    if _endpoint is None or _endpoint.process is None or _endpoint.process.poll() is not None:
+        port = free_port()
+        command = [sys.executable, "-m", "benchmarks.instant_endpoint", "--port", str(port), "--name", BARE_MODEL]
+        _endpoint = Proc("instant-endpoint", command, {}, RESULTS / f"instant-endpoint-{port}.log", port=port)
+        _endpoint.start()
+        atexit.register(_endpoint.stop)
+        await _endpoint.wait_ready(start_timeout_s)
+    return _endpoint
+
+
+def ceiling_config(config: LoadConfig, base_url: str) -> LoadConfig:
+    """The measured run's load, sent to the instant endpoint for `ceiling_s` seconds (no request cap)."""
+    concurrency = config.concurrency or 64
+    return dataclasses.replace(
+        config, base_url=base_url, model=BARE_MODEL, tokenizer="words", api_key=None, headers={},
+        concurrency=concurrency, request_rate=None, num_requests=10**9, duration_s=config.ceiling_s,
+        unique_prompts=min(256, max(1, config.num_requests)), warmup_requests=2 * concurrency,
+        keep_records=False, ceiling_s=0.0, label=f"{config.label or 'run'} ceiling",
+    )
 
 
 async def run_sweep(config: LoadConfig, levels: Sequence[int], waves: int | None = None) -> list[Result]:

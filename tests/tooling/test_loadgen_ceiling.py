@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from benchmarks import instant_endpoint
-from benchmarks.loadgen import LoadConfig, SSEDecoder, StreamAccumulator, aggregate, ceiling, run_load
+from benchmarks.loadgen import LoadConfig, SSEDecoder, StreamAccumulator, aggregate, compare, describe, run_load
 from benchmarks.loadgen.results import Result
 
 
@@ -172,7 +172,7 @@ async def test_the_ceiling_beside_the_run(instant) -> None:
     assert top["failed"] == 0
     assert top["endpoint"] == "benchmarks.instant_endpoint"
     assert top["latency_bound"] is False
-    assert "client ceiling" in ceiling.describe(top)
+    assert "client ceiling" in describe(top)
 
 
 def _result(concurrency: int, req_s: float) -> Result:
@@ -182,15 +182,15 @@ def _result(concurrency: int, req_s: float) -> Result:
 
 
 def test_the_ceiling_line_says_when_it_is_bound_by_latency() -> None:
-    low = ceiling.compare(_result(1, 300.0), _result(1, 100.0))
+    low = compare(_result(1, 300.0), _result(1, 100.0))
     assert low["headroom"] == pytest.approx(3.0)
     assert not low["enough"]
     assert low["latency_bound"]
-    assert "bound by latency" in ceiling.describe(low)
-    busy = ceiling.compare(_result(16, 300.0), _result(16, 100.0))
+    assert "bound by latency" in describe(low)
+    busy = compare(_result(16, 300.0), _result(16, 100.0))
     assert not busy["latency_bound"]
-    assert "below 5x" in ceiling.describe(busy)
-    assert "latency" not in ceiling.describe(busy)
-    fine = ceiling.compare(_result(1, 600.0), _result(1, 100.0))
+    assert "below 5x" in describe(busy)
+    assert "latency" not in describe(busy)
+    fine = compare(_result(1, 600.0), _result(1, 100.0))
     assert fine["enough"]
-    assert "below" not in ceiling.describe(fine)
+    assert "below" not in describe(fine)
