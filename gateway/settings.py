@@ -184,6 +184,11 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Bearer API keys (JSON list); empty: no auth. Kept only as SHA-256 hashes",
     )
+    admin_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Bearer keys of the admin API (loading and unloading LoRA adapters; JSON list), never valid "
+        "on the other routes, as API keys are not on the admin API; empty: the admin API answers 404",
+    )
     auth_ops_routes: bool = Field(False, description="Require a key on /health, /ready and /metrics too")
     rate_limit_rpm: int | None = Field(None, gt=0, description="Requests per minute per API key")
     rate_limit_tpm: int | None = Field(
