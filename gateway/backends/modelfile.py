@@ -223,7 +223,9 @@ def check(models: ModelsFile) -> None:
     _adapters(models, canonical, versioned)
 
 
-MAX_DERIVED_LORAS = 8  # a batch's adapter slots derived from the file: each costs memory on the device
+# a batch's adapter slots derived from the file: each costs memory on the device (on the CPU, max_loras
+# also bounds the adapters loaded at once: engine.vllm_engine.CPU_SPARE_LORA_SLOTS)
+MAX_DERIVED_LORAS = 8
 
 
 def _adapters(models: ModelsFile, canonical: dict[str, ModelSpec], versioned: versions.Catalog) -> None:
