@@ -26,7 +26,7 @@ ADMIN = {"Authorization": "Bearer sk-admin"}
 MODELS = """
 models:
   - name: smollm2-135m-instruct
-    engine: {{enforce_eager: true}}
+    engine: {{enforce_eager: true, max_loras: 3}}  # room for one loaded by the admin API
   - name: lora-a
     kind: adapter
     base: smollm2-135m-instruct
@@ -97,7 +97,7 @@ def test_two_adapters_and_the_base_in_one_batch(gateway: str) -> None:
     info = [line for line in exposition.splitlines() if line.startswith("vllm:lora_requests_info{")]
     # the gateway's, from the engine: what it holds, without vLLM's spare slot on the CPU
     assert info, exposition
-    assert all('max_lora="2"' in line for line in info), info
+    assert all('max_lora="3"' in line for line in info), info
     assert exposition.count("# TYPE vllm:lora_requests_info gauge") == 1  # vLLM's own gauge is not repeated
     assert 'gateway_requests_total{model="lora-b",route="/v1/chat/completions",status="200"}' in exposition
 
@@ -139,17 +139,21 @@ def test_admin_loads_and_unloads_an_adapter_while_serving(gateway: str, adapters
     body = {"lora_name": "lora-c", "lora_path": str(adapters["c"])}
     assert httpx.post(f"{gateway}/v1/load_lora_adapter", json=body,
                       headers={"Authorization": "Bearer sk-all"}).status_code == 401  # an API key is no admin key
-    loaded = httpx.post(f"{gateway}/v1/load_lora_adapter", json=body, headers=ADMIN, timeout=120)
-    assert loaded.status_code == 200, loaded.text
-    assert loaded.text == "Success: LoRA adapter 'lora-c' added successfully."
-    text = answer(gateway, "lora-c").choices[0].message.content
-    assert text != answer(gateway, BASE).choices[0].message.content
-
     broken = httpx.post(f"{gateway}/v1/load_lora_adapter", json={"lora_name": "nope", "lora_path": "/no/such/dir"},
                         headers=ADMIN, timeout=120)
     assert broken.status_code == 400
     assert "does not exist" in broken.json()["error"]["message"]
     assert "Paris" in (answer(gateway, BASE).choices[0].message.content or "")  # the engine serves on
+
+    loaded = httpx.post(f"{gateway}/v1/load_lora_adapter", json=body, headers=ADMIN, timeout=120)
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.text == "Success: LoRA adapter 'lora-c' added successfully."
+    text = answer(gateway, "lora-c").choices[0].message.content
+    assert text not in {answer(gateway, name).choices[0].message.content for name in (BASE, "lora-a", "lora-b")}
+    full = httpx.post(f"{gateway}/v1/load_lora_adapter", json={"lora_name": "lora-d", "lora_path": str(adapters["c"])},
+                      headers=ADMIN, timeout=120)
+    assert full.status_code == 400  # max_loras adapters loaded: on the CPU, no more (the spare slot stays empty)
+    assert "holds 3 adapters at most" in full.json()["error"]["message"]
 
     stream = client(gateway).chat.completions.create(model="lora-c", messages=QUESTION, max_tokens=48, stream=True,  # type: ignore[arg-type]
                                                      temperature=0, extra_headers={"Cache-Control": "no-cache"},

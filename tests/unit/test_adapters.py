@@ -347,3 +347,15 @@ async def test_a_base_is_chosen_only_when_one_serves_adapters(tmp_path: Path) ->
     none = AdapterAdmin(ModelRegistry({"one": backend("one", None)}))
     with pytest.raises(InvalidRequest, match="No model here serves adapters"):
         await none.load("x", stub)
+
+
+def test_the_documented_example_is_valid_configuration(tmp_path: Path) -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
+    section = doc[doc.index("## LoRA adapters"):]
+    example = section[section.index("```yaml") + len("```yaml"):section.index("```", section.index("```yaml") + 7)]
+    (tmp_path / "models.yaml").write_text(example.replace("/adapters/sql-lora", str(write_stub(tmp_path / "sql"))))
+    engines: dict[str, FakeEngine] = {}
+    app = create_app(fake_settings(models_file=tmp_path / "models.yaml"), engine_starter=_starter(engines, {}))
+    with TestClient(app) as client:
+        answer = client.post("/v1/chat/completions", json={"model": "sql", "messages": HELLO, "max_tokens": 1})
+        assert answer.json()["model"] == "sql-lora@1.0.0"
