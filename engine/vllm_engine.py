@@ -316,9 +316,9 @@ class VLLMEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         prompt = tokens_input(request.prompt_token_ids, prompt=request.prompt_text)
+        lora = self._adapter(request.adapter) if request.adapter is not None else None  # its own error, not wrapped
         with _engine_errors():
             headers = request.trace_headers if self._traced else None
-            lora = self._adapter(request.adapter) if request.adapter is not None else None
             stream = self._llm.generate(
                 prompt, sampling_params(request.sampling), request.request_id, lora_request=lora,
                 trace_headers=headers,
@@ -363,6 +363,9 @@ class VLLMEngine:
             files = adapters.read(path)
         except adapters.AdapterError as exc:
             raise EngineInvalidRequest(f"the adapter '{name}': {exc}") from exc
+        misfit = files.misfit(self._llm.model_config.get_hidden_size())
+        if misfit is not None:
+            raise EngineInvalidRequest(f"the adapter '{name}' does not fit '{self._info.name}': {misfit}")
         limit = self._llm.vllm_config.lora_config.max_lora_rank
         if files.rank > limit:
             raise EngineInvalidRequest(

@@ -43,11 +43,17 @@ def write_adapter(folder: Path, seed: int, rank: int = 8, alpha: int = 16, scale
     return folder
 
 
-def write_stub(folder: Path, rank: int = 8) -> Path:
-    """An adapter directory as the fake engine reads it (a config and a weights file, whose bytes
-    it never reads): for the unit tests."""
+def write_stub(folder: Path, rank: int = 8, hidden: int = 4) -> Path:
+    """An adapter directory as the fake engine reads it (a config, and a safetensors file whose
+    header names rank-`rank` q_proj weights of a `hidden`-wide model; its data, zeros, is never
+    read): for the unit tests, without torch."""
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": ["q_proj"]}
     (folder / "adapter_config.json").write_text(json.dumps(config))
-    (folder / "adapter_model.safetensors").write_bytes(b"")
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    size = rank * hidden * 4
+    header = {f"{prefix}.lora_A.weight": {"dtype": "F32", "shape": [rank, hidden], "data_offsets": [0, size]},
+              f"{prefix}.lora_B.weight": {"dtype": "F32", "shape": [hidden, rank], "data_offsets": [size, 2 * size]}}
+    encoded = json.dumps(header).encode()
+    (folder / "adapter_model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + bytes(2 * size))
     return folder

@@ -143,6 +143,12 @@ def test_admin_loads_and_unloads_an_adapter_while_serving(gateway: str, adapters
                         headers=ADMIN, timeout=120)
     assert broken.status_code == 400
     assert "does not exist" in broken.json()["error"]["message"]
+    misfit = write_adapter(adapters["c"].parent / "misfit", seed=4, shape={"layers": 30, "q_proj": (512, 512),
+                                                                           "v_proj": (512, 192)})
+    wrong = httpx.post(f"{gateway}/v1/load_lora_adapter", json={"lora_name": "misfit", "lora_path": str(misfit)},
+                       headers=ADMIN, timeout=120)  # vLLM itself would take it, and compute with a part of it
+    assert wrong.status_code == 400
+    assert "q_proj takes 512 inputs, the model's hidden size is 576" in wrong.json()["error"]["message"]
     assert "Paris" in (answer(gateway, BASE).choices[0].message.content or "")  # the engine serves on
 
     loaded = httpx.post(f"{gateway}/v1/load_lora_adapter", json=body, headers=ADMIN, timeout=120)

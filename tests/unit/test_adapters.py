@@ -359,3 +359,26 @@ def test_the_documented_example_is_valid_configuration(tmp_path: Path) -> None:
     with TestClient(app) as client:
         answer = client.post("/v1/chat/completions", json={"model": "sql", "messages": HELLO, "max_tokens": 1})
         assert answer.json()["model"] == "sql-lora@1.0.0"
+
+
+@pytest.mark.parametrize(("weights", "refusal"), [
+    (b"not safetensors at all", "is not a safetensors file"),
+    (None, "has rank 4, its config says r=8"),
+])
+def test_weights_that_are_not_the_config_s_are_refused_at_start(tmp_path: Path, weights: bytes | None, refusal: str) -> None:
+    folder = write_stub(tmp_path / "bad", rank=8)
+    if weights is None:  # a rank-4 adapter's weights under a rank-8 config
+        (folder / "adapter_model.safetensors").write_bytes((write_stub(tmp_path / "r4", rank=4) / "adapter_model.safetensors").read_bytes())
+    else:
+        (folder / "adapter_model.safetensors").write_bytes(weights)
+    path = tmp_path / "models.yaml"
+    path.write_text(f"models:\n  - {{name: base}}\n  - {{name: x, kind: adapter, base: base, path: {folder}}}\n")
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        modelfile.load(fake_settings(models_file=path))
+
+
+def test_an_adapter_of_another_model_s_size_is_seen_not_to_fit(tmp_path: Path) -> None:
+    from engine.adapters import read
+
+    assert read(write_stub(tmp_path / "a", hidden=4)).misfit(4) is None
+    assert read(write_stub(tmp_path / "b", hidden=4)).misfit(576) == "its q_proj takes 4 inputs, the model's hidden size is 576"
