@@ -273,6 +273,13 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _admin_keys_are_not_api_keys(self) -> Settings:
+        api = {key.get_secret_value() for key in self.api_keys}
+        if any(key.get_secret_value() in api for key in self.admin_keys):
+            raise ValueError("an admin key (admin_keys) is also an API key (api_keys): give admins keys of their own")
+        return self
+
+    @model_validator(mode="after")
     def _proxies_are_addresses(self) -> Settings:
         for entry in self.forwarded_allow_ips.split(","):
             if entry.strip() not in ("", "*"):

@@ -382,3 +382,8 @@ def test_an_adapter_of_another_model_s_size_is_seen_not_to_fit(tmp_path: Path) -
 
     assert read(write_stub(tmp_path / "a", hidden=4)).misfit(4) is None
     assert read(write_stub(tmp_path / "b", hidden=4)).misfit(576) == "its q_proj takes 4 inputs, the model's hidden size is 576"
+
+
+def test_an_admin_key_may_not_also_be_an_api_key() -> None:
+    with pytest.raises(ValueError, match="also an API key"):
+        fake_settings(api_keys=["sk-same"], admin_keys=["sk-same"])
