@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.adapters import LORA_RANKS
 
 # vLLM's names of the sampling parameters a generation config may set (HF's max_new_tokens is
 # vLLM's max_tokens), as `vllm.config.ModelConfig.get_diff_sampling_param` reads them.
@@ -113,6 +115,24 @@ class EngineSettings(BaseModel):
         "(as vLLM: the raw prompt is the model's input) or text (its characters, as chat messages always are)",
     )
     max_num_seqs: int | None = Field(None, description="Most sequences batched at once; unset: vLLM's default")
+    enable_lora: bool = Field(
+        False,
+        description="Serve LoRA adapters on this model (on by itself when the models file declares adapters of it; "
+        "on the CPU it runs the engine eager)",
+    )
+    max_loras: int | None = Field(
+        None, ge=1, description="LoRA: adapters one batch may hold; unset: the models file's adapters of this model (at most 8)"
+    )
+    max_lora_rank: int | None = Field(
+        None,
+        description="LoRA: the highest adapter rank (1, 8, 16, 32, 64, 128, 256, 320 or 512); unset: the models "
+        "file's highest, else 16",
+    )
+    max_cpu_loras: int | None = Field(
+        None, ge=1,
+        description="LoRA: adapters kept loaded in host memory (beyond: the least recently used is read from disk "
+        "again when asked for); unset: the models file's adapters of this model, at least max_loras",
+    )
     seed: int = Field(0, description="The engine's random seed")
     trust_remote_code: bool = Field(False, description="Allow model code from the model directory or hub to run")
     log_format: Literal["text", "json"] | None = Field(
@@ -133,3 +153,10 @@ class EngineSettings(BaseModel):
         description="Any other vLLM engine argument by name, e.g. {\"kv_offloading_size\": 4} for CPU KV "
         "offloading; unknown names are refused at start",
     )
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _a_rank_vllm_serves(cls, rank: int | None) -> int | None:
+        if rank is not None and rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}, not {rank}")
+        return rank

@@ -84,6 +84,7 @@ class GenerationRequest:
     sampling: SamplingOptions
     prompt_text: str | None = None
     trace_headers: Mapping[str, str] | None = None  # W3C traceparent (and tracestate) of the caller's span
+    adapter: str | None = None  # a LoRA adapter loaded into this engine (`Engine.load_adapter`), by name
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,17 @@ class ModelInfo:
     task: Task = "generate"
     embedding_size: int | None = None  # embedding models: the vector's length
     matryoshka: bool = False  # embedding models: shorter vectors (`dimensions`) are meaningful
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterLoad:
+    """An engine's LoRA adapters at work, as vLLM's scheduler last reported them (what its
+    `vllm:lora_requests_info` carries): engine requests running and waiting per adapter name."""
+
+    max_loras: int  # adapters one batch may hold
+    running: Mapping[str, int] = field(default_factory=dict)
+    waiting: Mapping[str, int] = field(default_factory=dict)
+    updated: float = 0.0  # Unix time of that report (0: none yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +218,19 @@ class Engine(Protocol):
     def load(self) -> EngineLoad:
         """The scheduler's numbers at its last step (no I/O, no lock: a router scrapes them every
         100 ms)."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load the LoRA adapter in `path` under `name`, for requests that name it (`GenerationRequest.
+        adapter`); EngineInvalidRequest when it cannot be (LoRA off, a bad directory, too high a rank)."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forget the adapter `name`; requests that still name it are refused (EngineInvalidRequest)."""
+        ...
+
+    def adapter_load(self) -> AdapterLoad | None:
+        """The adapters at work (None: this engine serves no adapters, LoRA off)."""
         ...
 
     async def check_health(self) -> None:

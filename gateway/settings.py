@@ -218,6 +218,11 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Bearer API keys (JSON list); empty: no auth. Kept only as SHA-256 hashes",
     )
+    admin_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Bearer keys of the admin API (loading and unloading LoRA adapters; JSON list), never valid "
+        "on the other routes, as API keys are not on the admin API; empty: the admin API answers 404",
+    )
     auth_ops_routes: bool = Field(False, description="Require a key on /health, /ready and /metrics too")
     rate_limit_rpm: int | None = Field(None, gt=0, description="Requests per minute per API key")
     rate_limit_tpm: int | None = Field(
@@ -300,6 +305,13 @@ class Settings(BaseSettings):
     def _one_body_fits_in_flight(self) -> Settings:
         if self.max_body_bytes_in_flight < self.max_body_bytes:
             raise ValueError("max_body_bytes_in_flight must be at least max_body_bytes")
+        return self
+
+    @model_validator(mode="after")
+    def _admin_keys_are_not_api_keys(self) -> Settings:
+        api = {key.get_secret_value() for key in self.api_keys}
+        if any(key.get_secret_value() in api for key in self.admin_keys):
+            raise ValueError("an admin key (admin_keys) is also an API key (api_keys): give admins keys of their own")
         return self
 
     @model_validator(mode="after")

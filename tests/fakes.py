@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from engine.config import SamplingDefaults
-from engine.errors import EngineUnavailable
+from engine.errors import EngineInvalidRequest, EngineUnavailable
 from engine.types import (
+    AdapterLoad,
     ChatPrompt,
     ChoiceDelta,
     EmbedRequest,
@@ -76,9 +78,14 @@ class FakeEngine:
     def __init__(
         self, name: str = "fake-model", max_model_len: int = 64, delay: float = 0.0, task: Task = "generate",
         matryoshka: bool = False, defaults: SamplingDefaults | None = None, vocab_size: int | None = None,
+        max_loras: int | None = None,
     ) -> None:
         """`defaults`: the sampling defaults the model reports (vLLM: its generation config with the
-        models file's `defaults` over it)."""
+        models file's `defaults` over it). `max_loras`: LoRA on (None: off); a request naming an
+        adapter gets the reply's words prefixed with the adapter's name (`name:the`)."""
+        self.max_loras = max_loras
+        self.adapters: dict[str, str] = {}  # loaded: name → path
+        self.adapter_calls: list[tuple[str, str]] = []  # ("load" | "unload", name), in order
         size = EMBEDDING_SIZE if task == "embed" else None
         extra = {"vocab_size": vocab_size} if vocab_size else {}
         self._info = ModelInfo(name=name, max_model_len=max_model_len, root="fake", created=1, task=task,
@@ -111,6 +118,8 @@ class FakeEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         if self.dead:
             raise EngineUnavailable("the fake engine is dead")
+        if request.adapter is not None and request.adapter not in self.adapters:
+            raise EngineInvalidRequest(f"the adapter '{request.adapter}' is not loaded", "model")
         self.requests.append(request)
         self.running.add(request.request_id)
         sampling = request.sampling
@@ -128,6 +137,7 @@ class FakeEngine:
                     await asyncio.sleep(0)
                 last = step == sampling.max_tokens - 1
                 word = REPLY[step % len(REPLY)]
+                word = word if request.adapter is None else f"{request.adapter}:{word}"
                 text = word if step == 0 else " " + word
                 logprobs = None
                 if sampling.logprobs is not None:
@@ -199,6 +209,35 @@ class FakeEngine:
     async def check_health(self) -> None:
         if self.dead:
             raise EngineUnavailable("the fake engine is dead")
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """As the vLLM engine: checks the directory (`engine.adapters.read`), refuses a second load."""
+        from engine.adapters import AdapterError, read
+
+        if self.max_loras is None:
+            raise EngineInvalidRequest(f"the model '{self._info.name}' serves no adapters: its engine runs without LoRA")
+        if name in self.adapters:
+            raise EngineInvalidRequest(f"the adapter '{name}' is already loaded")
+        try:
+            read(path)
+        except AdapterError as exc:
+            raise EngineInvalidRequest(f"the adapter '{name}': {exc}") from exc
+        self.adapters[name] = path
+        self.adapter_calls.append(("load", name))
+
+    async def unload_adapter(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise EngineInvalidRequest(f"the adapter '{name}' is not loaded")
+        self.adapter_calls.append(("unload", name))
+
+    def adapter_load(self) -> AdapterLoad | None:
+        if self.max_loras is None:
+            return None
+        running: dict[str, int] = {}
+        for request in self.requests:
+            if request.request_id in self.running and request.adapter is not None:
+                running[request.adapter] = running.get(request.adapter, 0) + 1
+        return AdapterLoad(self.max_loras, running, {}, time.time())
 
     async def shutdown(self) -> None:
         pass

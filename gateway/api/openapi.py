@@ -38,9 +38,15 @@ def _schemas(endpoints: Sequence[Endpoint]) -> dict[str, Any]:
     return dict(schemas.get("$defs", {}))
 
 
+def _body(endpoint: Endpoint) -> dict[str, Any]:
+    if endpoint.request is None:
+        return {}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(endpoint.request)}}}}
+
+
 def _operation(endpoint: Endpoint) -> dict[str, Any]:
-    if endpoint.response is None:  # ops and this document: no schema of their own
-        return {"summary": endpoint.summary, "responses": {"200": {"description": "OK"}}}
+    if endpoint.response is None:  # ops, admin and this document: no schema of their own (text, or none)
+        return {"summary": endpoint.summary, "responses": {"200": {"description": "OK"}}, **_body(endpoint)}
     content: dict[str, Any] = {"application/json": {"schema": _ref(endpoint.response)}}
     if endpoint.streams:
         content["text/event-stream"] = {"schema": {"type": "string"}, "description": "with stream: true"}
@@ -56,9 +62,7 @@ def _operation(endpoint: Endpoint) -> dict[str, Any]:
                   for name in compile_path(endpoint.path)[2]]
     if parameters:
         operation["parameters"] = parameters
-    if endpoint.request is not None:
-        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(endpoint.request)}}}
-    return operation
+    return {**operation, **_body(endpoint)}
 
 
 @cache

@@ -20,9 +20,10 @@ async def prometheus(request: Request) -> Response:
 async def router_metrics(request: Request) -> Response:
     """The pod's load in the five series an endpoint picker reads, one sample each
     (`telemetry.router`): scraped every 100 ms by a picker, so no registry collect here."""
-    models = state_of(request).models
-    loads = [backend.engine.load() for backend in models.backends.values() if backend.engine is not None]
-    waiting = sum(backend.admission.waiting for backend in models.backends.values())
+    backends = state_of(request).models.backends.values()
+    # each engine once (an adapter's is its base's), each admission queue once (an adapter may share its base's)
+    loads = [backend.engine.load() for backend in backends if backend.engine is not None and backend.base is None]
+    waiting = sum(admission.waiting for admission in {id(b.admission): b.admission for b in backends}.values())
     return Response(router.page(loads, waiting), media_type=router.CONTENT_TYPE)
 
 

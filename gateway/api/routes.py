@@ -8,6 +8,8 @@ Access classes:
 - `ops`: probes and scraping (/health, /ready, /metrics, /metrics/router): open unless `auth_ops_routes`, never
   refused while draining;
 - `open`: no key ever (/openapi.json), but refused while draining like any API route.
+- `admin`: an admin key (`admin_keys`) only, never an API key; 404 when no admin key is set; not
+  rate-limited; refused while draining.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.api import embeddings, handlers, messages, native, ops, responses
+from gateway.api import admin, embeddings, handlers, messages, native, ops, responses
 from gateway.api.openapi import document
 from gateway.api.table import Endpoint, RouteTable
+from gateway.protocol import adapters as ad
 from gateway.protocol import anthropic as a
 from gateway.protocol import embeddings as e
 from gateway.protocol import openai as p
@@ -61,6 +64,10 @@ TABLE = RouteTable([
              p.GenerateRequest, p.GenerateResponse, streams=True),
     Endpoint("POST", "/chat", native.chat_native, "api", "Native API: chat messages in, text out (SSE with stream)",
              p.NativeChatRequest, p.GenerateResponse, streams=True),
+    Endpoint("POST", "/v1/load_lora_adapter", admin.load_adapter, "admin", "Load a LoRA adapter (admin keys only)",
+             ad.LoadAdapterRequest),
+    Endpoint("POST", "/v1/unload_lora_adapter", admin.unload_adapter, "admin",
+             "Unload a LoRA adapter once its requests in flight finish (admin keys only)", ad.UnloadAdapterRequest),
     Endpoint("GET", "/openapi.json", openapi, "open", "This document"),
     Endpoint("GET", "/metrics", ops.prometheus, "ops", "Prometheus metrics"),
     Endpoint("GET", "/metrics/router", ops.router_metrics, "ops",

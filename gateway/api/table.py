@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.errors import Dialect
 
-Access = Literal["api", "ops", "open"]
+Access = Literal["api", "ops", "open", "admin"]
 Handler = Callable[[Request], Awaitable[Response]]
 UNMATCHED = "unmatched"
 

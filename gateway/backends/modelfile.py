@@ -25,6 +25,14 @@
       - name: smol-embed                   # an embedded engine that embeds (vLLM's pooling runner)
         kind: embedding                    # for /v1/embeddings; generating routes refuse it
         engine: {enforce_eager: true}
+      - name: sql-lora                     # a LoRA adapter (PEFT directory) served by its base's engine
+        kind: adapter
+        base: smollm2-135m-instruct        # an embedded generating model of this file
+        path: /adapters/sql-lora           # relative: to this file's folder
+
+A base with adapters gets LoRA on, with `max_loras` (its adapters, at most 8), `max_lora_rank` (the
+highest adapter rank, as vLLM sizes it) and `max_cpu_loras` (its adapters) derived here; its own
+`engine:` settings override them.
 
 A reference (split versions, fallbacks) names a model, or a version as clients ask for one
 (`assistant`: the newest stable, `assistant@1`, `assistant@1.4.2`); it is resolved to one
@@ -39,8 +47,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from engine import adapters
 from engine.config import EngineSettings, SamplingDefaults
 from gateway.backends import versions
 from gateway.settings import AdmissionSettings, Settings
@@ -55,7 +64,7 @@ class ModelSpec(BaseModel):
 
     name: str = Field(min_length=1)
     version: str | None = None  # SemVer: served as `name@version`
-    kind: Literal["embedded", "embedding", "remote", "split"] = "embedded"
+    kind: Literal["embedded", "embedding", "remote", "split", "adapter"] = "embedded"
     aliases: list[str] = Field(default_factory=list)
     fallback: list[str] = Field(default_factory=list)
     admission: AdmissionSettings | None = None
@@ -68,6 +77,9 @@ class ModelSpec(BaseModel):
     versions: dict[str, float] = Field(default_factory=dict)  # split: version name → weight
     sticky: bool = False
     defaults: SamplingDefaults | None = None  # sampling defaults (embedded: over generation_config.json)
+    base: str | None = None  # adapter: the embedded model whose engine serves it
+    path: str | None = None  # adapter: its PEFT directory
+    _lora: dict[str, Any] = PrivateAttr(default_factory=dict)  # a base: LoRA settings its adapters need
 
     @property
     def id(self) -> str:
@@ -101,15 +113,19 @@ class ModelSpec(BaseModel):
                 raise ValueError(f"split model '{self.name}' needs versions")
             if any(weight <= 0 for weight in self.versions.values()):
                 raise ValueError(f"split model '{self.name}' has a weight that is not positive")
-        if self.kind in ("remote", "split") and self.engine:
+        if self.kind in ("remote", "split", "adapter") and self.engine:
             raise ValueError(f"only embedded models take engine settings ('{self.name}')")
+        if self.kind == "adapter" and not (self.base and self.path):
+            raise ValueError(f"adapter '{self.name}' needs a base (the model it adapts) and a path (its directory)")
+        if self.kind != "adapter" and (self.base or self.path):
+            raise ValueError(f"only adapters take a base and a path ('{self.name}')")
         return self
 
     def engine_settings(self, defaults: EngineSettings) -> EngineSettings:
         try:
             task = {"task": "embed"} if self.kind == "embedding" else {}
             merged = EngineSettings.model_validate(
-                {**defaults.model_dump(), **self.engine, "served_model_name": self.id, **task}
+                {**defaults.model_dump(), **self._lora, **self.engine, "served_model_name": self.id, **task}
             )
         except ValidationError as exc:
             raise ConfigError(f"model '{self.id}': bad engine settings: {exc}") from exc
@@ -122,7 +138,7 @@ class ModelSpec(BaseModel):
         """What an engine of this entry does (None: a remote upstream or a split, not known here)."""
         if self.kind == "embedding" or (self.kind == "embedded" and self.engine.get("task") == "embed"):
             return "embed"
-        return "generate" if self.kind == "embedded" else None
+        return "generate" if self.kind in ("embedded", "adapter") else None
 
 
 class ModelsFile(BaseModel):
@@ -157,6 +173,9 @@ def load(settings: Settings) -> ModelsFile:
         raise ConfigError(f"the models file {path} is not valid {path.suffix[1:] or 'YAML'}: {exc}") from exc
     except ValidationError as exc:
         raise ConfigError(f"the models file {path} is not valid: {exc}") from exc
+    for spec in parsed.models:  # an adapter's relative path is the file's folder's
+        if spec.path is not None:
+            spec.path = str(path.parent / spec.path)
     check(parsed)
     return parsed
 
@@ -201,6 +220,44 @@ def check(models: ModelsFile) -> None:
     for spec in models.models:
         _one_task(spec, canonical)
         _no_cycle(spec.id, canonical, [])
+    _adapters(models, canonical, versioned)
+
+
+# a batch's adapter slots derived from the file: each costs memory on the device (on the CPU, max_loras
+# also bounds the adapters loaded at once: engine.vllm_engine.CPU_SPARE_LORA_SLOTS)
+MAX_DERIVED_LORAS = 8
+
+
+def _adapters(models: ModelsFile, canonical: dict[str, ModelSpec], versioned: versions.Catalog) -> None:
+    """Each adapter's base resolved to one embedded generating model, its directory read (a missing or
+    malformed one refused here), and each base given the LoRA settings its adapters need."""
+    ranks: dict[str, list[int]] = {}
+    for spec in models.models:
+        if spec.kind != "adapter":
+            continue
+        assert spec.base is not None
+        assert spec.path is not None
+        spec.base = _resolve(spec.base, spec, canonical, versioned)
+        base = canonical[spec.base]
+        if base.kind != "embedded" or base.task != "generate":
+            raise ConfigError(f"adapter '{spec.id}': its base '{spec.base}' is not an embedded model that generates")
+        try:
+            found = adapters.read(spec.path)
+        except adapters.AdapterError as exc:
+            raise ConfigError(f"adapter '{spec.id}': {exc}") from exc
+        ranks.setdefault(spec.base, []).append(found.rank)
+    for name, adapter_ranks in ranks.items():
+        base = canonical[name]
+        lora = {
+            "enable_lora": True, "max_loras": min(len(adapter_ranks), MAX_DERIVED_LORAS),
+            "max_lora_rank": adapters.rank_slot(max(adapter_ranks)), "max_cpu_loras": len(adapter_ranks),
+        }
+        if base.engine.get("enable_lora") is False:
+            raise ConfigError(f"model '{name}' has adapters but its engine sets enable_lora: false")
+        rank = base.engine.get("max_lora_rank")
+        if isinstance(rank, int) and rank < max(adapter_ranks):
+            raise ConfigError(f"model '{name}': an adapter has rank {max(adapter_ranks)}, above its max_lora_rank ({rank})")
+        base._lora = lora
 
 
 def _resolve(ref: str, spec: ModelSpec, canonical: dict[str, ModelSpec], versioned: versions.Catalog) -> str:

@@ -37,6 +37,7 @@ class Backend:
     created: int = 0
     version: str | None = None  # its SemVer version, when declared
     defaults: SamplingDefaults | None = None  # remote: sent where a request is silent (embedded: in the engine)
+    base: str | None = None  # a LoRA adapter: the model whose engine serves it (`backends.adapters`)
 
     async def check_health(self) -> None:
         if self.engine is not None:
@@ -159,7 +160,27 @@ class ModelRegistry:
         return first.engine
 
     def engines(self) -> Iterable[tuple[str, Engine]]:
-        return [(name, b.engine) for name, b in self.backends.items() if b.engine is not None]
+        """The engines, each once (an adapter is its base's engine)."""
+        return [(name, b.engine) for name, b in self.backends.items() if b.engine is not None and b.base is None]
+
+    def public_names(self) -> set[str]:
+        return {*self.backends, *self.splits, *self.aliases, *self.catalog.families}
+
+    def referrers(self, name: str) -> list[str]:
+        """The splits and models that name `name` as a version or a fallback."""
+        return sorted({*(s.name for s in self.splits.values() if any(arm == name for arm, _ in s.versions)),
+                       *(b.name for b in self.backends.values() if name in b.fallback)})
+
+    def add(self, backend: Backend) -> None:
+        """A model added while serving (a LoRA adapter loaded); grants are worked out again."""
+        self.backends[backend.name] = backend
+        self._grants.clear()
+
+    def remove(self, name: str) -> None:
+        """A model taken away while serving (an adapter unloaded): the next request for it is a 404."""
+        del self.backends[name]
+        self.aliases = {alias: target for alias, target in self.aliases.items() if target != name}
+        self._grants.clear()
 
     def listing(self, access: Access = None) -> ModelList:
         """A card for each name a request may use with `access` (one that reaches a model)."""
@@ -171,6 +192,7 @@ class ModelRegistry:
             cards.append(ModelCard(
                 id=name, created=backend.created, root=engine.info.root if engine else name,
                 max_model_len=engine.info.max_model_len if engine else None, version=backend.version,
+                parent=backend.base,
             ))
         for family in self.catalog.families:  # `name` alone: its newest stable version (granted), if any
             if (newest := self._reachable(family, access)) is not None:

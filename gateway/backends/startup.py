@@ -12,6 +12,7 @@ import structlog
 from engine import check_engine_settings, start_engine, start_grammar_check
 from engine.config import EngineSettings
 from engine.types import Engine, GenerationRequest, GrammarCheck, SamplingOptions
+from gateway.backends.adapters import adapter_backend
 from gateway.backends.admission import Admission
 from gateway.backends.modelfile import ConfigError, ModelsFile, catalog
 from gateway.backends.registry import Backend, ModelRegistry, Split
@@ -58,6 +59,8 @@ def build_registry(
         if spec.kind == "split":
             splits[spec.id] = Split(spec.id, list(spec.versions.items()), spec.sticky, created)
             continue
+        if spec.kind == "adapter":
+            continue  # once its base is there, below
         admission = Admission(spec.id, spec.admission or settings.admission)
         backend = Backend(spec.id, admission, tuple(spec.fallback), created=created, version=spec.version)
         if spec.kind == "remote":
@@ -72,6 +75,13 @@ def build_registry(
             backend.grammar = grammar(backend.engine, structured.compile_workers, structured.compile_verdicts)
             log.info("sampling_defaults", model=spec.id, **backend.engine.info.sampling_defaults.model_dump(exclude_none=True))
         backends[spec.id] = backend
+    for spec in models.models:
+        if spec.kind == "adapter":
+            assert spec.base is not None
+            assert spec.path is not None
+            own = Admission(spec.id, spec.admission) if spec.admission else None
+            backends[spec.id] = adapter_backend(spec.id, backends[spec.base], spec.path, created, spec.version,
+                                                tuple(spec.fallback), spec.defaults, own)
     return ModelRegistry(backends, splits, aliases, catalog(models))
 
 
@@ -92,7 +102,7 @@ async def stop(registry: ModelRegistry) -> None:
     for name, backend in registry.backends.items():
         if backend.grammar is not None:
             await backend.grammar.close()
-        if backend.engine is not None:
+        if backend.engine is not None and backend.base is None:  # an adapter's engine is its base's
             log.info("engine_shutdown", model=name)
             await backend.engine.shutdown()
         if backend.upstream is not None:

@@ -1,13 +1,14 @@
 """API keys (pure ASGI): every route but the open ones asks `tenancy.keys.Authenticator` who is
 asking, and the answer goes into the request's context (its key id and tenant) and record (the
-key id); a refusal is answered here, in the route's error shape."""
+key id); a refusal is answered here, in the route's error shape. The admin routes ask the admin
+keys' authenticator instead (none: those routes do not exist, 404)."""
 
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api.errors import dialect_of, send_error
-from gateway.errors import APIError
+from gateway.errors import APIError, no_route
 from gateway.pipeline.context import context_of
 from gateway.tenancy.keys import Authenticator
 
@@ -15,18 +16,26 @@ from gateway.tenancy.keys import Authenticator
 class AuthMiddleware:
     """`open_paths`: the routes that take no key (from the route table)."""
 
-    def __init__(self, app: ASGIApp, authenticator: Authenticator, open_paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, authenticator: Authenticator, open_paths: frozenset[str],
+                 admin: Authenticator | None = None, admin_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.open = open_paths
         self.authenticator = authenticator
+        self.admin = admin
+        self.admin_paths = admin_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open:
             await self.app(scope, receive, send)
             return
         peer = (scope.get("client") or ("unknown",))[0]
+        authenticator = self.authenticator
         try:
-            identity = self.authenticator.identify(scope["method"], scope.get("headers", ()), peer)
+            if scope["path"] in self.admin_paths:
+                if self.admin is None:
+                    raise no_route()
+                authenticator = self.admin
+            identity = authenticator.identify(scope["method"], scope.get("headers", ()), peer)
         except APIError as error:
             await send_error(send, error, dialect=dialect_of(scope))
             return

@@ -31,6 +31,9 @@ def stack(
         KeyRing(settings.api_keys, settings.key_id_secret), AttemptThrottle(settings.auth_failures_per_minute), tenants,
         TrustedProxies(settings.forwarded_allow_ips, settings.forwarded_header),
     )
+    throttle = authenticator.throttle  # unknown admin keys count against the same addresses
+    admin = Authenticator(KeyRing(settings.admin_keys, settings.key_id_secret), throttle, None, authenticator.proxies) \
+        if settings.admin_keys else None
     traced = [] if tracing is None else [
         Middleware(TracingMiddleware, tracing=tracing, route_label=table.label, log_content=settings.log_prompts)
     ]
@@ -41,7 +44,8 @@ def stack(
                    max_header_bytes=settings.max_request_header_bytes, free_tails=table.free_tails()),
         *traced,
         Middleware(LifecycleMiddleware, lifecycle=lifecycle, ops_paths=table.paths("ops")),
-        Middleware(AuthMiddleware, authenticator=authenticator, open_paths=keyless),
-        Middleware(RateLimitMiddleware, quota=quota, tenants=tenants, open_paths=keyless),
+        Middleware(AuthMiddleware, authenticator=authenticator, open_paths=keyless, admin=admin,
+                   admin_paths=table.paths("admin")),
+        Middleware(RateLimitMiddleware, quota=quota, tenants=tenants, open_paths=keyless | table.paths("admin")),
         Middleware(BodyMiddleware, budget=BodyBudget(settings.max_body_bytes_in_flight), timeout_s=settings.body_timeout_s),
     ]

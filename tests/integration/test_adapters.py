@@ -1,0 +1,196 @@
+"""LoRA adapters on the real engine: two rank-8 adapters of the default model, made here with
+deterministic non-zero weights, served beside their base by one engine; a third loaded and unloaded
+through the admin API; per-key reach, the response cache and the metrics with adapters."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.adapters import write_adapter
+from tests.integration.conftest import REPO, gateway_process
+
+pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("adapters as models are the gateway's own")]
+BASE = "smollm2-135m-instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+ADMIN = {"Authorization": "Bearer sk-admin"}
+MODELS = """
+models:
+  - name: smollm2-135m-instruct
+    engine: {{enforce_eager: true, max_loras: 3}}  # room for one loaded by the admin API
+  - name: lora-a
+    kind: adapter
+    base: smollm2-135m-instruct
+    path: {a}
+    aliases: [la]
+  - name: lora-b
+    kind: adapter
+    base: smollm2-135m-instruct
+    path: {b}
+"""
+KEYS = """
+keys:
+  adapter-only: {key: sk-adapter, models: [lora-a]}
+  base-only: {key: sk-base, models: [smollm2-135m-instruct]}
+  everything: {key: sk-all}
+"""
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("adapters")
+    return {name: write_adapter(folder / name, seed=seed, scale=0.1) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+
+
+@pytest.fixture(scope="module")
+def gateway(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    folder = tmp_path_factory.mktemp("lora-gateway")
+    (folder / "models.yaml").write_text(MODELS.format(a=adapters["a"], b=adapters["b"]))
+    (folder / "keys.yaml").write_text(KEYS)
+    env = {"GATEWAY_MODELS_FILE": str(folder / "models.yaml"), "GATEWAY_KEYS_FILE": str(folder / "keys.yaml"),
+           "GATEWAY_ADMIN_KEYS": '["sk-admin"]', "GATEWAY_CACHE__BACKEND": "memory", "GATEWAY_LOG_FORMAT": "json"}
+    with gateway_process(folder, env) as (base, _):
+        yield base
+
+
+def client(base: str, key: str = "sk-all") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=300)
+
+
+def answer(base: str, model: str, key: str = "sk-all", **extra: object) -> openai.types.chat.ChatCompletion:
+    return client(base, key).chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16,
+                                                     extra_headers={"Cache-Control": "no-cache"}, **extra)  # type: ignore[arg-type]
+
+
+def test_each_adapter_answers_as_itself_beside_its_base(gateway: str) -> None:
+    base, a, b = (answer(gateway, name) for name in (BASE, "lora-a", "lora-b"))
+    assert "Paris" in (base.choices[0].message.content or "")
+    texts = {base.choices[0].message.content, a.choices[0].message.content, b.choices[0].message.content}
+    assert len(texts) == 3, texts  # three different models at temperature 0
+    assert (base.model, a.model, b.model) == (BASE, "lora-a", "lora-b")
+    assert answer(gateway, "la").choices[0].message.content == a.choices[0].message.content  # the alias
+
+
+def test_two_adapters_and_the_base_in_one_batch(gateway: str) -> None:
+    alone = {name: answer(gateway, name).choices[0].message.content for name in (BASE, "lora-a", "lora-b")}
+    sdk = openai.AsyncOpenAI(base_url=f"{gateway}/v1", api_key="sk-all", max_retries=0, timeout=300)
+
+    async def together() -> list[tuple[str, str | None]]:
+        async def one(name: str) -> tuple[str, str | None]:
+            made = await sdk.chat.completions.create(model=name, messages=QUESTION, temperature=0, max_tokens=16,  # type: ignore[arg-type]
+                                                     extra_headers={"Cache-Control": "no-cache"})
+            return made.model, made.choices[0].message.content
+        return await asyncio.gather(*(one(name) for name in ("lora-a", "lora-b", BASE) * 3))
+
+    for model, text in asyncio.run(together()):
+        assert text == alone[model], model  # each request got its own adapter, batched with the others
+    exposition = httpx.get(f"{gateway}/metrics").text
+    info = [line for line in exposition.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    # the gateway's, from the engine: what it holds, without vLLM's spare slot on the CPU
+    assert info, exposition
+    assert all('max_lora="3"' in line for line in info), info
+    assert exposition.count("# TYPE vllm:lora_requests_info gauge") == 1  # vLLM's own gauge is not repeated
+    assert 'gateway_requests_total{model="lora-b",route="/v1/chat/completions",status="200"}' in exposition
+
+
+def test_a_key_reaches_only_what_it_is_granted(gateway: str) -> None:
+    assert answer(gateway, "lora-a", key="sk-adapter").model == "lora-a"
+    assert answer(gateway, "la", key="sk-adapter").model == "lora-a"
+    for key, refused in (("sk-adapter", BASE), ("sk-adapter", "lora-b"), ("sk-base", "lora-a"), ("sk-base", "la")):
+        with pytest.raises(openai.NotFoundError):
+            answer(gateway, refused, key=key)
+    listed = {m.id for m in client(gateway, "sk-adapter").models.list()}
+    assert listed == {"lora-a", "la"}
+    cards = {m.id: m for m in client(gateway).models.list()}
+    assert cards["lora-a"].model_extra["parent"] == BASE  # type: ignore[index]
+
+
+def cache_hits(gateway: str, model: str) -> float:
+    for line in httpx.get(f"{gateway}/metrics").text.splitlines():
+        if line.startswith(f'gateway_cache_hits_total{{model="{model}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_the_cache_keeps_an_adapter_s_answers_apart(gateway: str) -> None:
+    sdk = client(gateway)
+    hits = cache_hits(gateway, "lora-b")
+    ask = {"messages": QUESTION, "temperature": 0, "max_tokens": 12}
+    first = sdk.chat.completions.create(model="lora-b", **ask)  # type: ignore[arg-type]
+    again = sdk.chat.completions.create(model="lora-b", **ask)  # type: ignore[arg-type]
+    other = sdk.chat.completions.create(model=BASE, **ask)  # type: ignore[arg-type]
+    assert again.model == "lora-b"
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert cache_hits(gateway, "lora-b") == hits + 1  # served from the cache
+    assert other.model == BASE
+    assert other.choices[0].message.content != first.choices[0].message.content
+
+
+def test_admin_loads_and_unloads_an_adapter_while_serving(gateway: str, adapters: dict[str, Path]) -> None:
+    body = {"lora_name": "lora-c", "lora_path": str(adapters["c"])}
+    assert httpx.post(f"{gateway}/v1/load_lora_adapter", json=body,
+                      headers={"Authorization": "Bearer sk-all"}).status_code == 401  # an API key is no admin key
+    broken = httpx.post(f"{gateway}/v1/load_lora_adapter", json={"lora_name": "nope", "lora_path": "/no/such/dir"},
+                        headers=ADMIN, timeout=120)
+    assert broken.status_code == 400
+    assert "does not exist" in broken.json()["error"]["message"]
+    misfit = write_adapter(adapters["c"].parent / "misfit", seed=4, shape={"layers": 30, "q_proj": (512, 512),
+                                                                           "v_proj": (512, 192)})
+    wrong = httpx.post(f"{gateway}/v1/load_lora_adapter", json={"lora_name": "misfit", "lora_path": str(misfit)},
+                       headers=ADMIN, timeout=120)  # vLLM itself would take it, and compute with a part of it
+    assert wrong.status_code == 400
+    assert "q_proj takes 512 inputs, the model's hidden size is 576" in wrong.json()["error"]["message"]
+    assert "Paris" in (answer(gateway, BASE).choices[0].message.content or "")  # the engine serves on
+
+    loaded = httpx.post(f"{gateway}/v1/load_lora_adapter", json=body, headers=ADMIN, timeout=120)
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.text == "Success: LoRA adapter 'lora-c' added successfully."
+    text = answer(gateway, "lora-c").choices[0].message.content
+    assert text not in {answer(gateway, name).choices[0].message.content for name in (BASE, "lora-a", "lora-b")}
+    full = httpx.post(f"{gateway}/v1/load_lora_adapter", json={"lora_name": "lora-d", "lora_path": str(adapters["c"])},
+                      headers=ADMIN, timeout=120)
+    assert full.status_code == 400  # max_loras adapters loaded: on the CPU, no more (the spare slot stays empty)
+    assert "holds 3 adapters at most" in full.json()["error"]["message"]
+
+    stream = client(gateway).chat.completions.create(model="lora-c", messages=QUESTION, max_tokens=48, stream=True,  # type: ignore[arg-type]
+                                                     temperature=0, extra_headers={"Cache-Control": "no-cache"},
+                                                     stream_options={"include_usage": True})
+    chunks = iter(stream)
+    next(chunks)  # the stream is running on lora-c
+    unloaded: list[httpx.Response] = []
+    unloading = threading.Thread(target=lambda: unloaded.append(httpx.post(
+        f"{gateway}/v1/unload_lora_adapter", json={"lora_name": "lora-c"}, headers=ADMIN, timeout=300)))
+    unloading.start()
+    time.sleep(0.5)
+    with pytest.raises(openai.NotFoundError):  # gone for new requests at once
+        answer(gateway, "lora-c")
+    rest = list(chunks)
+    unloading.join(timeout=300)
+    assert rest[-1].usage is not None
+    assert rest[-1].usage.completion_tokens == 48
+    assert [answer.status_code for answer in unloaded] == [200]
+    assert httpx.post(f"{gateway}/v1/unload_lora_adapter", json={"lora_name": "lora-c"},
+                      headers=ADMIN).status_code == 404
+
+
+def test_a_missing_adapter_stops_the_start_with_status_2(tmp_path: Path) -> None:
+    (tmp_path / "models.yaml").write_text(MODELS.format(a=tmp_path / "missing", b=tmp_path / "missing"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "adapter_config.json").write_text("{not json")
+    for models in (MODELS.format(a=tmp_path / "missing", b=tmp_path / "missing"),
+                   MODELS.format(a=tmp_path / "broken", b=tmp_path / "broken")):
+        (tmp_path / "models.yaml").write_text(models)
+        done = subprocess.run([sys.executable, "-m", "gateway", "serve", "--port", "0"], cwd=REPO, capture_output=True,
+                              text=True, timeout=120, env={"GATEWAY_MODELS_FILE": str(tmp_path / "models.yaml"),
+                                                           "PATH": "/usr/bin:/bin"})
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "adapter 'lora-a'" in done.stderr
