@@ -387,3 +387,16 @@ def test_an_adapter_of_another_model_s_size_is_seen_not_to_fit(tmp_path: Path) -
 def test_an_admin_key_may_not_also_be_an_api_key() -> None:
     with pytest.raises(ValueError, match="also an API key"):
         fake_settings(api_keys=["sk-same"], admin_keys=["sk-same"])
+
+
+def test_the_router_page_counts_the_base_s_engine_once(client: TestClient, engines: dict[str, FakeEngine]) -> None:
+    """Adapters are served by their base's engine and share its admission queue: the picker's page
+    counts that engine's requests and that queue once, not once per adapter."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.types import EngineLoad
+
+    engines["base"].scheduler = EngineLoad(waiting=3, block_size=16, num_blocks=100)
+    engines["spare"].scheduler = EngineLoad(waiting=1, block_size=16, num_blocks=100)
+    page = {f.name: f.samples[0].value for f in text_string_to_metric_families(client.get("/metrics/router").text)}
+    assert page["vllm:num_requests_waiting"] == 4  # not 3 once per adapter as well
