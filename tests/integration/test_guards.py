@@ -182,3 +182,32 @@ def test_every_guard_action_is_counted(guarded) -> None:
     for guard, stage, action in [("deny", "output", "block"), ("pii.email", "input", "redact"),
                                  ("injection", "input", "block"), ("moderation", "input", "block")]:
         assert total(snapshot, "gateway_guard_actions_total", guard=guard, stage=stage, action=action) >= 1
+
+
+DISGUISES = [  # written with escapes: the characters themselves look like "France"
+    "What is the capital of \uff26\uff52\uff41\uff4e\uff43\uff45?",  # fullwidth
+    "What is the capital of Fr\u200bance?",  # a zero-width space inside
+    "What is the capital of Fr\u0430nce?",  # a Cyrillic a
+    "What is the capital of \U0001d405\U0001d42b\U0001d41a\U0001d427\U0001d41c\U0001d41e?",  # mathematical bold
+    "What is the capital of F\u00adr\u2060ance?",  # a soft hyphen and a word joiner
+]
+
+
+@pytest.mark.parametrize("question", DISGUISES)
+def test_a_disguised_word_is_read_as_the_model_reads_it_on_every_api(guarded, question: str) -> None:
+    """The model profile's input `deny: (?i)france` blocks the word however it is disguised, by the
+    chat, Responses and Messages APIs alike (one normalization, one extraction of what the model reads)."""
+    import anthropic
+
+    base, _ = guarded
+    with pytest.raises(openai.BadRequestError) as chat:
+        client(base).chat.completions.create(model="smol-strict", messages=[{"role": "user", "content": question}],
+                                             max_tokens=5)
+    assert chat.value.code == "content_policy_violation"
+    with pytest.raises(openai.BadRequestError) as responses:
+        client(base).responses.create(model="smol-strict", input=question, max_output_tokens=16)
+    assert responses.value.code == "content_policy_violation"
+    messages = anthropic.Anthropic(base_url=base, api_key="sk-guarded", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.BadRequestError):
+        messages.messages.create(model="smol-strict", max_tokens=5, system=question,
+                                 messages=[{"role": "user", "content": "hi"}])
