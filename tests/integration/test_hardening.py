@@ -104,3 +104,35 @@ def test_an_abandoned_upload_is_a_499(base_url: str) -> None:
     while requests_with(base_url, "499") == before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert requests_with(base_url, "499") == before + 1
+
+
+def _raw(base_url: str, request: bytes) -> bytes:
+    """One request's whole answer, read to the close the server makes after it."""
+    address = urlsplit(base_url)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize(("request_bytes", "status"), [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+     b"Transfer_Encoding: chunked\r\nContent-Length: 2\r\n\r\n{}", b"400"),
+    (b"GET /v1%2Fmodels HTTP/1.1\r\nHost: x\r\n\r\n", b"404"),
+    (b"GET /v1/./models HTTP/1.1\r\nHost: x\r\n\r\n", b"404"),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(150)) + b"\r\n", b"431"),
+])
+def test_the_http_edge_on_the_real_server(base_url: str, request_bytes: bytes, status: bytes) -> None:
+    """As `python -m gateway serve` has it (tests/unit/test_server.py has the whole table)."""
+    assert _raw(base_url, request_bytes).startswith(b"HTTP/1.1 " + status)
+
+
+def test_a_stream_to_an_http_1_0_client_is_close_delimited_on_the_real_server(base_url: str) -> None:
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": true}' % MODEL.encode()
+    head, _, events = _raw(base_url, b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n" % len(body) + body).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"transfer-encoding" not in head.lower()
+    assert events.rstrip().endswith(b"data: [DONE]")
