@@ -269,17 +269,12 @@ class RemoteAnswer(Generic[AnswerT]):
                 continue
             data_lines += 1
             data = line[5:].strip()
+            chunk = self._parsed(data)
             if data == b"[DONE]":
-                self.joined.done = True
                 lines.append(line)
                 kept += 1
                 continue
-            try:
-                chunk = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                self.joined.failed = True
-                continue
-            if not isinstance(chunk, dict):
+            if chunk is None:
                 continue
             if self.joined.count(chunk):
                 self._token()
@@ -292,19 +287,22 @@ class RemoteAnswer(Generic[AnswerT]):
 
     def event(self, event: bytes) -> None:
         for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                self.joined.done = True
-                continue
-            try:
-                chunk = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                self.joined.failed = True
-                continue
-            if isinstance(chunk, dict) and self.joined.add(chunk):
+            chunk = self._parsed(line[5:].strip()) if line.startswith(b"data:") else None
+            if chunk is not None and self.joined.add(chunk):
                 self._token()
+
+    def _parsed(self, data: bytes) -> dict[str, Any] | None:
+        """An event's data as a chunk; None for `[DONE]` (the stream's end, noted) and for what is
+        not a JSON object (data that is not JSON noted as a failure)."""
+        if data == b"[DONE]":
+            self.joined.done = True
+            return None
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self.joined.failed = True
+            return None
+        return chunk if isinstance(chunk, dict) else None
 
     async def _stream_ended(self) -> None:
         joined = self.joined
