@@ -74,6 +74,7 @@ class ModelSpec(BaseModel):
     api_key: str | None = None  # remote: sent as Bearer
     timeout_s: float = Field(600, gt=0)
     connect_timeout_s: float = Field(5, gt=0)
+    max_connections: int = Field(256, gt=0)  # remote: connections open at once, each kept alive between requests
     versions: dict[str, float] = Field(default_factory=dict)  # split: version name → weight
     sticky: bool = False
     defaults: SamplingDefaults | None = None  # sampling defaults (embedded: over generation_config.json)

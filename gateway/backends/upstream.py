@@ -1,11 +1,21 @@
-"""Remote models: any OpenAI-compatible server (another replica, vLLM's server) reached with httpx.
+"""Remote models: any OpenAI-compatible server (another replica, vLLM's server) reached with aiohttp.
 
 Requests are forwarded as validated, with `model` renamed to the upstream's name; streams pass
 through event by event, unbuffered, decoded from any `Content-Encoding` the upstream chose (the
 header is not passed on: the client gets plain bytes).
 
-The upstream's failures become the gateway's own errors, mapped here once; what the upstream
-said goes to the log (`upstream_failed`), never to the client or /ready:
+One aiohttp session per upstream, made on first use (in the serving loop), its pool sized by the
+model's `max_connections`, every connection kept alive between requests (for `KEEP_ALIVE_S`,
+under the 5 s after which uvicorn-based upstreams, vLLM's server among them, close an idle one).
+aiohttp, not httpx: httpx's pool looks at every pooled connection on each request (a poll of each
+idle socket through anyio's attributes), so its cost per request grows with the requests in
+flight: 1.1-2.2 ms of CPU per request at 16-64 in flight against an instant upstream, where
+aiohttp's pool (a deque of idle connections) costs 0.07 ms (httpx over aiohttp's transport: 0.23;
+benchmarks/RESULTS.md, "Remote path (issue 27)").
+
+The upstream's failures become the gateway's own errors, mapped here once (`FAILURES`: aiohttp's
+errors and its timeouts); what the upstream said goes to the log (`upstream_failed`), never to the
+client or /ready:
 
     connection error, timeout, 408, 429, 502, 503, 504   → BackendUnavailable (503, fallible)
     401, 403 (our key refused), 404, any other status     → BadGateway (502, fallible)
@@ -24,9 +34,12 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
+import orjson
 import structlog
+from aiohttp.helpers import get_env_proxy_for_url
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from yarl import URL
 
 from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
@@ -39,6 +52,9 @@ log = structlog.get_logger(__name__)
 PASSED_ON = frozenset({400, 413, 422})  # the client's own mistakes: the upstream's answer explains them
 UNAVAILABLE = frozenset({408, 429, 502, 503, 504})  # busy or briefly down: another model may answer
 LOGGED_BYTES = 500  # of an upstream's error body, for the log
+KEEP_ALIVE_S = 4.0  # an idle connection's life: under uvicorn's 5 s, so we close it before the upstream does
+HEALTH_TIMEOUT_S = 5.0
+FAILURES = (aiohttp.ClientError, TimeoutError)  # what aiohttp raises when the upstream fails us
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,32 +70,53 @@ class UpstreamAnswer:
 
 class Upstream:
     def __init__(self, name: str, url: str, upstream_model: str, api_key: str | None,
-                 timeout_s: float, connect_timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 timeout_s: float, connect_timeout_s: float, max_connections: int = 256) -> None:
         self.name = name
         self.upstream_model = upstream_model
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=url.rstrip("/"),
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            transport=transport,
-        )
+        self._base = url.rstrip("/")
+        self._host = URL(self._base).host or ""
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        # as httpx's Timeout(timeout_s, connect=...): each read (not the whole answer) within
+        # timeout_s, and a free connection of the pool too; a new connection within connect_timeout_s
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=connect_timeout_s,
+                                              sock_read=timeout_s)
+        self._max_connections = max_connections
+        self._proxy, self._proxy_auth = _env_proxy(self._base)  # HTTP(S)_PROXY and NO_PROXY, read once (as httpx did)
+        self._urls: dict[str, URL] = {}  # path → URL, built once
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """Made on first use: an aiohttp session belongs to the loop that serves."""
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
+                                             keepalive_timeout=KEEP_ALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers,
+                                                  proxy=self._proxy, proxy_auth=self._proxy_auth)
+        return self._session
+
+    def _url(self, path: str) -> URL:
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = URL(self._base + path)
+        return url
 
     async def forward(
         self, path: str, body: dict[str, Any], stream: bool, on_close: Callable[[], None]
     ) -> UpstreamAnswer:
         """Forward; `on_close` runs once the answer has been passed on (or failed)."""
-        payload = {**body, "model": self.upstream_model}
-        request = self._client.build_request("POST", path, json=payload)
+        payload = orjson.dumps({**body, "model": self.upstream_model})
+        url = self._url(path)
         trace = current_record().trace
         if trace is None:
-            return await self._forward(request, stream, on_close)
+            return await self._forward(url, payload, None, stream, on_close)
         # the request's span, its traceparent passed on; ended when the answer has been passed on
         span = trace.start(f"POST {path}", SpanKind.CLIENT, {
-            "http.request.method": "POST", "url.full": str(request.url), "server.address": request.url.host,
+            "http.request.method": "POST", "url.full": str(url), "server.address": self._host,
             "gen_ai.request.model": self.upstream_model,
         })
-        request.headers.update(headers_of(span))
 
         def closed() -> None:
             if span.is_recording():  # not when a failure ended it already
@@ -87,33 +124,34 @@ class Upstream:
             on_close()
 
         try:
-            return await self._forward(request, stream, closed, span)
+            return await self._forward(url, payload, headers_of(span), stream, closed, span)
         except BaseException as exc:
             _failed_span(span, exc)
             raise
 
     async def _forward(
-        self, request: httpx.Request, stream: bool, on_close: Callable[[], None], span: Span | None = None
+        self, url: URL, payload: bytes, headers: dict[str, str] | None, stream: bool,
+        on_close: Callable[[], None], span: Span | None = None,
     ) -> UpstreamAnswer:
         try:
-            response = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            response = await self.session.post(url, data=payload, headers=headers)
+        except FAILURES as exc:
             raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
-        status = response.status_code
+        status = response.status
         if span is not None:
             span.set_attribute("http.response.status_code", status)
         if status != 200 and status not in PASSED_ON:
             excerpt = await _excerpt(response)
             kind = BackendUnavailable if status in UNAVAILABLE else BadGateway
             raise self._failed(kind, f"answered {status}: {excerpt}")
-        media_type = response.headers.get("content-type", "application/json")
+        media_type = response.headers.get("Content-Type", "application/json")
         if not stream or status != 200:
             try:
-                content = await response.aread()  # decoded: gzip and the like are undone here
-            except httpx.HTTPError as exc:
+                content = await response.read()  # decoded: gzip and the like are undone here
+            except FAILURES as exc:
                 raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
             finally:
-                await response.aclose()
+                response.release()  # the connection back to the pool (closed when the answer was cut)
             on_close()
             return UpstreamAnswer(status, media_type, body=content)
         return UpstreamAnswer(200, media_type, events=self._events(response, on_close, span))
@@ -124,12 +162,12 @@ class Upstream:
         return kind(f"The model '{self.name}' is unavailable: its upstream server failed. Please retry later.")
 
     async def _events(
-        self, response: httpx.Response, on_close: Callable[[], None], span: Span | None
+        self, response: aiohttp.ClientResponse, on_close: Callable[[], None], span: Span | None
     ) -> AsyncGenerator[bytes, None]:
         """The stream's events as they complete (an event cut by a failure is not passed on)."""
         pending = b""
         try:
-            async for chunk in response.aiter_bytes():
+            async for chunk in response.content.iter_any():
                 pending = (pending + chunk).replace(b"\r\n", b"\n")
                 *complete, pending = pending.split(b"\n\n")
                 for event in complete:
@@ -137,27 +175,32 @@ class Upstream:
                         yield event
             if pending.strip():
                 yield pending
-        except httpx.HTTPError as exc:
+        except FAILURES as exc:
             if span is not None:
                 _failed_span(span, exc)
             raise self._failed(BackendUnavailable, f"mid-stream: {type(exc).__name__}: {exc}") from exc
         finally:
             on_close()
-            await response.aclose()  # a client gone mid-stream closes the upstream request too
+            # a stream read to its end leaves its connection in the pool; one cut short (a client
+            # gone mid-stream) closes it, which ends the upstream's request too
+            response.release()
 
     async def check_health(self) -> None:
         """For /ready: a short reason of ours; the upstream's details go to the log."""
         try:
-            response = await self._client.get("/models", timeout=5)
-        except httpx.HTTPError as exc:
+            async with self.session.get(self._url("/models"), timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
+                status = response.status
+                text = "" if status == 200 else (await response.content.read(LOGGED_BYTES)).decode("utf-8", "replace")
+        except FAILURES as exc:
             log.warning("upstream_unhealthy", model=self.name, why=f"{type(exc).__name__}: {exc}")
             raise EngineUnavailable("upstream unreachable") from exc
-        if response.status_code != 200:
-            log.warning("upstream_unhealthy", model=self.name, why=f"answered {response.status_code}: {response.text[:LOGGED_BYTES]}")
-            raise EngineUnavailable(f"upstream answered {response.status_code}")
+        if status != 200:
+            log.warning("upstream_unhealthy", model=self.name, why=f"answered {status}: {text}")
+            raise EngineUnavailable(f"upstream answered {status}")
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
 
 def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, output_budget: bool) -> dict[str, Any]:
@@ -180,13 +223,20 @@ def _failed_span(span: Span, exc: BaseException) -> None:
     span.end()
 
 
-async def _excerpt(response: httpx.Response) -> str:
-    """The start of an error body, for the log; the response is closed."""
+async def _excerpt(response: aiohttp.ClientResponse) -> str:
+    """The start of an error body, for the log; the response is released (its connection closed
+    when the rest was not read)."""
     try:
-        async for chunk in response.aiter_bytes():
-            return chunk[:LOGGED_BYTES].decode("utf-8", "replace")
-        return ""
-    except httpx.HTTPError as exc:
+        return (await response.content.read(LOGGED_BYTES)).decode("utf-8", "replace")
+    except FAILURES as exc:
         return f"(unreadable: {type(exc).__name__})"
     finally:
-        await response.aclose()
+        response.release()
+
+
+def _env_proxy(url: str) -> tuple[URL | None, aiohttp.BasicAuth | None]:
+    """The proxy the environment names for `url` (HTTP_PROXY, HTTPS_PROXY, NO_PROXY), if any."""
+    try:
+        return get_env_proxy_for_url(URL(url))
+    except LookupError:
+        return None, None

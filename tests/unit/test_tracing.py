@@ -23,6 +23,7 @@ from gateway.app import create_app
 from gateway.middleware.tracing import TracingMiddleware
 from gateway.settings import Settings
 from tests.fakes import FakeEngine, chat_body, fake_settings
+from tests.scripted_upstream import scripted
 from tests.unit.test_disconnect import drive
 
 ENDPOINT = "http://collector.invalid/v1/traces"  # never reached: the in-memory exporter takes the spans
@@ -253,8 +254,11 @@ models:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_trace_goes_on_to_a_remote_upstream(tmp_path: Path, exporter: InMemorySpanExporter, stream: bool) -> None:
-    models = tmp_path / "models.yaml"
-    models.write_text(MODELS)
+    def models(base: str) -> Path:
+        path = tmp_path / "models.yaml"
+        path.write_text(MODELS.replace("http://upstream.test", base))
+        return path
+
     seen: list[httpx.Request] = []
     chat = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
@@ -269,10 +273,7 @@ def test_the_trace_goes_on_to_a_remote_upstream(tmp_path: Path, exporter: InMemo
             return httpx.Response(200, content=sse, headers={"content-type": "text/event-stream"})
         return httpx.Response(200, json=chat)
 
-    app = traced_app(FakeEngine(), exporter, models_file=models)
-    with TestClient(app) as client:
-        upstream = client.app_state["gateway"].models.backends["remote"].upstream
-        upstream._client = httpx.AsyncClient(base_url="http://upstream.test/v1", transport=httpx.MockTransport(answer))
+    with scripted(answer) as base, TestClient(traced_app(FakeEngine(), exporter, models_file=models(base))) as client:
         body = chat_body(model="remote", stream=stream)
         assert client.post("/v1/chat/completions", json=body, headers={"traceparent": TRACEPARENT}).status_code == 200
     span = server_span(exporter)

@@ -1,4 +1,5 @@
-"""Remote models (backends.upstream) against a scripted upstream (httpx.MockTransport): its failures
+"""Remote models (backends.upstream) against a scripted upstream (a real server on loopback that
+answers with httpx.Response objects: tests/scripted_upstream.py): its failures
 become the gateway's own errors with fallbacks, its words stay in the log, its encodings are
 undone, and a stream it breaks ends with one error event."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,7 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from tests.fakes import FakeEngine, chat_body, fake_settings
+from tests.scripted_upstream import Script, scripted
 
 MODELS = """
 models:
@@ -44,23 +46,16 @@ class Broken(httpx.AsyncByteStream):
         raise httpx.ReadError("connection reset by peer")
 
 
-Script = Callable[[httpx.Request], httpx.Response]
-
-
 @pytest.fixture
 def upstream(tmp_path: Path) -> Iterator[tuple[TestClient, list[Script]]]:
     """The gateway with `local` (fake engine) and two remotes; set script[0] to answer as the upstream."""
-    models = tmp_path / "models.yaml"
-    models.write_text(MODELS)
-    app = create_app(fake_settings(models_file=models), engine_starter=lambda es: FakeEngine(es.served_model_name))
     script: list[Script] = [lambda request: httpx.Response(200, json={})]
-    with TestClient(app, raise_server_exceptions=False) as client:
-        registry = client.app_state["gateway"].models  # the lifespan state
-        for name in ("remote", "lonely"):
-            upstream = registry.backends[name].upstream
-            upstream._client = httpx.AsyncClient(base_url="http://upstream.test/v1",
-                                                 transport=httpx.MockTransport(lambda request: script[0](request)))
-        yield client, script
+    with scripted(lambda request: script[0](request)) as base:
+        models = tmp_path / "models.yaml"
+        models.write_text(MODELS.replace("http://upstream.test", base))
+        app = create_app(fake_settings(models_file=models), engine_starter=lambda es: FakeEngine(es.served_model_name))
+        with TestClient(app, raise_server_exceptions=False) as client:
+            yield client, script
 
 
 def test_an_upstream_that_refuses_our_key_is_a_502_and_falls_back(upstream) -> None:
