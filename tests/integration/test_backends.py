@@ -102,7 +102,9 @@ def test_ready_lists_every_model(second) -> None:
 
 def test_remote_upstream_streams_through(second) -> None:
     base, _ = second
-    body = {"model": "smol-remote", "messages": QUESTION, "max_tokens": 20, "temperature": 0, "stream": True}
+    # a stop string of its own: no other test's answer in the upstream's cache (a hit is one chunk)
+    body = {"model": "smol-remote", "messages": QUESTION, "max_tokens": 20, "temperature": 0, "stream": True,
+            "stop": ["<streams-through>"]}
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=KEY, timeout=120) as response:
         assert response.headers["x-served-model"] == "smol-remote"
         lines = [line for line in response.iter_lines() if line]
