@@ -89,28 +89,28 @@ async def test_the_priority_reaches_the_engine_and_the_answer_names_its_tier(
 ) -> None:
     engine, started = FakeEngine(), []
     app = _app(tmp_path, engine, started)
-    async with app.router.lifespan_context(app) as state:
-        async with await _client(app, state) as client:
-            whole = await client.post("/v1/chat/completions", json=chat_body(**fields), headers=bearer(key))
-            assert whole.status_code == 200, whole.text
-            assert whole.json()["service_tier"] == tier
-            assert engine.requests[-1].priority == priority
-            streamed = await client.post("/v1/chat/completions", json=chat_body(stream=True, **fields),
-                                         headers=bearer(key))
-            chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
-                      if line.startswith("data: {")]
-            assert chunks and all(chunk["service_tier"] == tier for chunk in chunks)
-            assert engine.requests[-1].priority == priority
-            completion = {"model": "fake-model", "prompt": "hi", "max_tokens": 2, **fields}
-            assert (await client.post("/v1/completions", json=completion, headers=bearer(key))).status_code == 200
-            assert engine.requests[-1].priority == priority
-            response = await client.post(
-                "/v1/responses", json={"model": "fake-model", "input": "hi", "max_output_tokens": 16, **fields},
-                headers=bearer(key),
-            )
-            assert response.status_code == 200, response.text
-            assert response.json()["service_tier"] == tier
-            assert engine.requests[-1].priority == priority
+    async with app.router.lifespan_context(app) as state, await _client(app, state) as client:
+        whole = await client.post("/v1/chat/completions", json=chat_body(**fields), headers=bearer(key))
+        assert whole.status_code == 200, whole.text
+        assert whole.json()["service_tier"] == tier
+        assert engine.requests[-1].priority == priority
+        streamed = await client.post("/v1/chat/completions", json=chat_body(stream=True, **fields),
+                                     headers=bearer(key))
+        chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                  if line.startswith("data: {")]
+        assert chunks
+        assert all(chunk["service_tier"] == tier for chunk in chunks)
+        assert engine.requests[-1].priority == priority
+        completion = {"model": "fake-model", "prompt": "hi", "max_tokens": 2, **fields}
+        assert (await client.post("/v1/completions", json=completion, headers=bearer(key))).status_code == 200
+        assert engine.requests[-1].priority == priority
+        response = await client.post(
+            "/v1/responses", json={"model": "fake-model", "input": "hi", "max_output_tokens": 16, **fields},
+            headers=bearer(key),
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["service_tier"] == tier
+        assert engine.requests[-1].priority == priority
     assert started[0].scheduling_policy == "priority"  # the keys have classes: auto is priority
 
 
