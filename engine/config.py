@@ -115,6 +115,12 @@ class EngineSettings(BaseModel):
         "(as vLLM: the raw prompt is the model's input) or text (its characters, as chat messages always are)",
     )
     max_num_seqs: int | None = Field(None, description="Most sequences batched at once; unset: vLLM's default")
+    scheduling_policy: Literal["auto", "fcfs", "priority"] = Field(
+        "auto",
+        description="vLLM's scheduler: fcfs (arrival order) or priority (a request's priority, lower first: it is "
+        "queued ahead and preempted last); auto: priority when the keys file gives a key a class other than "
+        "normal or lets requests choose theirs (request_priority), else fcfs",
+    )
     enable_lora: bool = Field(
         False,
         description="Serve LoRA adapters on this model (on by itself when the models file declares adapters of it; "

@@ -85,6 +85,7 @@ class GenerationRequest:
     prompt_text: str | None = None
     trace_headers: Mapping[str, str] | None = None  # W3C traceparent (and tracestate) of the caller's span
     adapter: str | None = None  # a LoRA adapter loaded into this engine (`Engine.load_adapter`), by name
+    priority: int = 0  # vLLM's: lower runs first (and is preempted last) under priority scheduling
 
 
 @dataclass(frozen=True, slots=True)

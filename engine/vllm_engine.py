@@ -103,6 +103,8 @@ def engine_args(settings: EngineSettings, platform: Any = current_platform) -> A
         # the models file's `defaults` over the model's generation_config.json, as vLLM's server does
         "override_generation_config": settings.sampling_defaults.as_generation_config(),
         "max_num_seqs": settings.max_num_seqs,
+        # "auto" is the gateway's to resolve (priority when keys have classes); unresolved: vLLM's default
+        "scheduling_policy": "fcfs" if settings.scheduling_policy == "auto" else settings.scheduling_policy,
         "seed": settings.seed,
         "trust_remote_code": settings.trust_remote_code,
         "logging_config": logging_config(settings),
@@ -394,7 +396,7 @@ class VLLMEngine:
             headers = request.trace_headers if self._traced else None
             stream = self._llm.generate(
                 prompt, sampling_params(request.sampling), request.request_id, lora_request=lora,
-                trace_headers=headers,
+                trace_headers=headers, priority=request.priority,
             )
             async for out in stream:
                 yield to_output(out, request.sampling)

@@ -107,7 +107,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: object) -> AsyncIterator[dict[str, GatewayState]]:
-        registry = build_registry(models, settings, engine_starter, grammar_starter)
+        registry = build_registry(models, settings, engine_starter, grammar_starter, tenants.prioritized)
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
         try:

@@ -54,6 +54,12 @@ class AdmissionSettings(BaseModel):
         description="The share of max_waiting each priority class (the keys file's `priority`) may fill; "
         "a class not named: 1. Low is refused first as the queue fills; lower normal's to hold room for high",
     )
+    key_share: float | None = Field(
+        None, gt=0, le=1,
+        description="The share of max_running one key may hold while requests of other keys wait (at least one "
+        "engine request); unset: no bound per key. Waiting requests of a key at its share are passed over, "
+        "in every class, for other keys' requests",
+    )
 
 
 class TLSSettings(BaseModel):

@@ -8,30 +8,47 @@ request waits, in arrival order (a large request at the head is not overtaken), 
 `wait_timeout_s`; when `max_waiting` would be passed, or after the wait, it is refused at once
 with 429 (and Retry-After) or 503, as configured: errors the dispatcher may answer with a fallback.
 
-Priority classes (the keys file's `priority`): each may fill only its share of `max_waiting`
-(`queue_share`, by default low half of it, normal and high all of it), so as the queue fills, low
-requests are refused first, and a lower share for normal holds room for high.
+Priority classes (`tenancy.priority`: the key's class, or what the request asks for where the key
+allows it): waiting requests are admitted high first, then normal, then low, each class in arrival
+order; each class may fill only its share of `max_waiting` (`queue_share`, by default low half of
+it, normal and high all of it), so as the queue fills, low requests are refused first, and a lower
+share for normal holds room for high. Within the engine, vLLM's priority scheduling orders them again.
+
+Tenants (`key_share`): while requests of other keys wait, one key holds at most that share of
+`max_running`; its waiting requests are passed over for theirs. With nobody else waiting a key may
+use the whole model (no slot idles for fairness' sake).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from gateway.errors import InvalidRequest, ModelOverloaded, ModelUnavailable
 from gateway.settings import AdmissionSettings, Priority
 from gateway.telemetry import metrics
 
+_ORDER: tuple[Priority, ...] = ("high", "normal", "low")
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    count: int
+    key: str
+    future: asyncio.Future[None]
+
 
 class Permit:
-    def __init__(self, admission: Admission, count: int) -> None:
+    def __init__(self, admission: Admission, count: int, key: str = "") -> None:
         self._admission: Admission | None = admission
         self.count = count
+        self.key = key
 
     def release(self) -> None:
         if self._admission is not None:
-            self._admission._release(self.count)
+            self._admission._release(self.count, self.key)
             self._admission = None
 
 
@@ -41,17 +58,19 @@ class Admission:
         self.settings = settings
         self.running = 0  # engine requests admitted
         self.waiting = 0  # engine requests waiting
-        self._queue: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._queues: dict[Priority, deque[_Waiter]] = {klass: deque() for klass in _ORDER}
+        self._held: dict[str, int] = {}  # engine requests admitted, per key (with key_share)
+        self._queued: dict[str, int] = {}  # requests waiting, per key (with key_share)
 
-    def admit_now(self, count: int = 1) -> Permit | None:
+    def admit_now(self, count: int = 1, key: str = "") -> Permit | None:
         """The permits when `acquire` would take them at once (room, nobody ahead), without a
         coroutine to await; None otherwise (then `acquire` waits, refuses or says it never can)."""
-        if not self._queue and self.running + count <= self.settings.max_running:  # count > max_running never fits
-            self.running += count
-            return Permit(self, count)
+        if self.running + count <= self.settings.max_running and not self._anyone_waiting():
+            self._take(count, key)  # count > max_running never fits
+            return Permit(self, count, key)
         return None
 
-    async def acquire(self, count: int = 1, priority: Priority = "normal") -> Permit:
+    async def acquire(self, count: int = 1, priority: Priority = "normal", key: str = "") -> Permit:
         if count > self.settings.max_running:
             raise InvalidRequest(
                 f"This request would run {count} engine requests at once (each choice of each prompt), "
@@ -59,64 +78,107 @@ class Admission:
                 "lower n, best_of or the number of prompts",
                 param="n",
             )
-        permit = self.admit_now(count)  # room, and nobody ahead: taken at once, without suspending
+        permit = self.admit_now(count, key)  # room, and nobody ahead: taken at once, without suspending
         if permit is None:
-            await self._wait(count, priority)
-            permit = Permit(self, count)
+            await self._wait(count, priority, key)
+            permit = Permit(self, count, key)
         return permit
 
-    async def _wait(self, count: int, priority: Priority = "normal") -> None:
+    def _anyone_waiting(self) -> bool:
+        queues = self._queues
+        return bool(queues["high"] or queues["normal"] or queues["low"])
+
+    async def _wait(self, count: int, priority: Priority = "normal", key: str = "") -> None:
         if self.waiting + count > self.settings.max_waiting * self.settings.queue_share.get(priority, 1.0):
             raise self._refuse("queue_full", "too many requests are waiting for this model")
-        entry = (count, asyncio.get_running_loop().create_future())
-        self._queue.append(entry)
+        waiter = _Waiter(count, key, asyncio.get_running_loop().create_future())
+        self._queues[priority].append(waiter)
+        self._queued[key] = self._queued.get(key, 0) + 1
         self._waiting(count)
+        self._wake()  # a key at its share ahead of it may be passed over: then it runs at once
         try:
             async with asyncio.timeout(self.settings.wait_timeout_s):
-                await entry[1]
+                await waiter.future
         except TimeoutError:
-            if not self._granted(entry):
-                self._leave(entry)
+            if not self._granted(waiter):
+                self._leave(priority, waiter)
                 raise self._refuse("queue_timeout", "the request waited too long for this model") from None
             # admitted at the deadline: the permits are ours, keep them
         except BaseException:
-            if self._granted(entry):
-                self._release(count)  # admitted, then cancelled (the client left) before it ran
+            if self._granted(waiter):
+                self._release(count, key)  # admitted, then cancelled (the client left) before it ran
             else:
-                self._leave(entry)
+                self._leave(priority, waiter)
             raise
         finally:
             self._waiting(-count)
 
     @staticmethod
-    def _granted(entry: tuple[int, asyncio.Future[None]]) -> bool:
-        return entry[1].done() and not entry[1].cancelled()
+    def _granted(waiter: _Waiter) -> bool:
+        return waiter.future.done() and not waiter.future.cancelled()
 
     def _waiting(self, change: int) -> None:
         self.waiting += change
         metrics.labelled(metrics.WAITING, self.model).set(self.waiting)
 
-    def _leave(self, entry: tuple[int, asyncio.Future[None]]) -> None:
-        with contextlib.suppress(ValueError):
-            self._queue.remove(entry)
+    def _take(self, count: int, key: str) -> None:
+        self.running += count
+        self._held[key] = self._held.get(key, 0) + count
+
+    def _dequeued(self, queue: deque[_Waiter], waiter: _Waiter) -> bool:
+        try:
+            queue.remove(waiter)
+        except ValueError:
+            return False  # already taken off (granted, or passed by `_wake` once it gave up)
+        left = self._queued[waiter.key] - 1
+        if left:
+            self._queued[waiter.key] = left
+        else:
+            del self._queued[waiter.key]
+        return True
+
+    def _leave(self, priority: Priority, waiter: _Waiter) -> None:
+        self._dequeued(self._queues[priority], waiter)
         self._wake()  # it may have held up smaller requests behind it
 
-    def _release(self, count: int) -> None:
+    def _release(self, count: int, key: str = "") -> None:
         self.running -= count
+        left = self._held.get(key, 0) - count
+        if left > 0:
+            self._held[key] = left
+        else:
+            self._held.pop(key, None)
         self._wake()
 
     def _wake(self) -> None:
-        """Admit waiting requests from the head of the queue while they fit."""
-        while self._queue:
-            count, future = self._queue[0]
-            if future.done():  # its waiter gave up (timeout or cancel) and will leave
-                self._queue.popleft()
-                continue
-            if self.running + count > self.settings.max_running:
+        """Admit waiting requests, high class first, each class from its head while they fit (a
+        large request at a head is not overtaken: it holds up the rest, lower classes too)."""
+        share = self.settings.key_share
+        limit = None if share is None else max(1, int(share * self.settings.max_running))
+        for klass in _ORDER:
+            if not self._wake_class(self._queues[klass], limit):
                 return
-            self._queue.popleft()
-            self.running += count
-            future.set_result(None)
+
+    def _wake_class(self, queue: deque[_Waiter], limit: int | None) -> bool:
+        """False when a waiter of this class does not fit (nothing after it may go first)."""
+        for waiter in list(queue) if limit is not None else _heads(queue):
+            if waiter.future.done():  # its waiter gave up (timeout or cancel) and will leave
+                self._dequeued(queue, waiter)
+                continue
+            if limit is not None and self._over_share(waiter, limit):
+                continue
+            if self.running + waiter.count > self.settings.max_running:
+                return False
+            self._dequeued(queue, waiter)
+            self._take(waiter.count, waiter.key)
+            waiter.future.set_result(None)
+        return True
+
+    def _over_share(self, waiter: _Waiter, limit: int) -> bool:
+        """Its key would pass its share while another key waits: it is passed over."""
+        if self._held.get(waiter.key, 0) + waiter.count <= limit:
+            return False
+        return len(self._queued) > 1 or waiter.key not in self._queued
 
     def _refuse(self, reason: str, why: str) -> ModelOverloaded | ModelUnavailable:
         metrics.labelled(metrics.REJECTED, self.model, reason).inc()
@@ -125,3 +187,9 @@ class Admission:
         if self.settings.reject_status == 503:
             return ModelUnavailable(message, headers=headers)
         return ModelOverloaded(message, headers=headers)
+
+
+def _heads(queue: deque[_Waiter]) -> Iterator[_Waiter]:
+    """The queue's head, again and again, while it has one (the caller takes it off or stops)."""
+    while queue:
+        yield queue[0]

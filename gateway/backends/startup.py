@@ -46,10 +46,12 @@ def check_embedded(models: ModelsFile, settings: Settings, check: EngineCheck = 
 
 
 def build_registry(
-    models: ModelsFile, settings: Settings, start: EngineStarter, grammar: GrammarStarter = start_grammar_check
+    models: ModelsFile, settings: Settings, start: EngineStarter, grammar: GrammarStarter = start_grammar_check,
+    prioritized: bool = False,
 ) -> ModelRegistry:
     """The backends of the models file, embedded engines started (each with its grammar compiler
-    processes, `engine.grammar`, when `structured_output.compile_workers` asks for them)."""
+    processes, `engine.grammar`, when `structured_output.compile_workers` asks for them), under
+    priority scheduling when `prioritized` (keys with classes) and their `scheduling_policy` is auto."""
     backends: dict[str, Backend] = {}
     splits: dict[str, Split] = {}
     aliases: dict[str, str] = {}
@@ -70,7 +72,7 @@ def build_registry(
             backend.defaults = spec.defaults
         else:
             log.info("engine_starting", model=spec.id)
-            backend.engine = start(spec.engine_settings(settings.engine))
+            backend.engine = start(scheduling(spec.engine_settings(settings.engine), prioritized))
             structured = settings.structured_output
             backend.grammar = grammar(backend.engine, structured.compile_workers, structured.compile_verdicts)
             log.info("sampling_defaults", model=spec.id, **backend.engine.info.sampling_defaults.model_dump(exclude_none=True))
@@ -83,6 +85,13 @@ def build_registry(
             backends[spec.id] = adapter_backend(spec.id, backends[spec.base], spec.path, created, spec.version,
                                                 tuple(spec.fallback), spec.defaults, own)
     return ModelRegistry(backends, splits, aliases, catalog(models))
+
+
+def scheduling(engine: EngineSettings, prioritized: bool) -> EngineSettings:
+    """`scheduling_policy: auto` resolved: priority when requests have priorities to be ordered by."""
+    if engine.scheduling_policy != "auto":
+        return engine
+    return engine.model_copy(update={"scheduling_policy": "priority" if prioritized else "fcfs"})
 
 
 async def warm_up(name: str, engine: Engine) -> None:

@@ -28,6 +28,7 @@ from gateway.serving.structured import Constraint
 from gateway.stores.cache import Hit, Storer
 from gateway.telemetry.record import RequestRecord
 from gateway.telemetry.tracing import stage
+from gateway.tenancy import priority
 from gateway.tenancy.tenants import KeyPolicy
 
 Shape = Callable[[Event], BaseModel]  # answers and chunks in another form (the native API's)
@@ -46,6 +47,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
     ) -> None:
         self.context, self.state, self.body, self.service = context, state, body, service
         self.guard, self.shape, self.policy = guard, shape, policy
+        self.scheduled = priority.of(policy, body)  # the class admission orders by, the engine's priority
         keys_scope = (state.settings.api_keys or state.tenants.enabled) and not state.settings.cache.shared_across_keys
         self.cache_scope = context.tenant if keys_scope else ""
 
@@ -80,12 +82,13 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         """As many permits as the engine requests this one makes, in the key's priority class. A
         client that leaves while it waits for them leaves the queue (499): it would hold its place
         there for up to `wait_timeout_s`, then run."""
-        admission, count = backend.admission, self.body.engine_requests()
-        permit = admission.admit_now(count)  # room, nobody ahead: no wait to watch (nearly always)
+        admission, count, key = backend.admission, self.body.engine_requests(), self.context.tenant
+        permit = admission.admit_now(count, key)  # room, nobody ahead: no wait to watch (nearly always)
         if permit is not None:
             return permit
         with stage(self.context.record.trace, "gateway.admission.wait", **{"gateway.admission.permits": count}):
-            return await unless_gone(self.context.client_gone, admission.acquire(count, self.policy.priority))
+            waited = admission.acquire(count, self.scheduled.klass, key)
+            return await unless_gone(self.context.client_gone, waited)
 
     async def _embedded(self, backend: Backend) -> Answer:
         engine = backend.engine
@@ -101,6 +104,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
                 )
         self.context.release_body()  # read and tokenized: its bytes leave the in-flight budget
         prepared.model = backend.name
+        prepared.schedule(self.scheduled)
         self._check_output(prepared.output_tokens())
         if prepared.constraint is not None:
             await self._constrained(backend, prepared.constraint, size)

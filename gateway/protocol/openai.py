@@ -88,6 +88,10 @@ class SamplingFields(ModelRequest):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # priority (tenancy.priority): OpenAI's tier, and vLLM's integer (lower first); raising it above
+    # the key's class needs the key's `request_priority`
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
 
     @property
     def streams(self) -> bool:
@@ -264,6 +268,7 @@ class ChatCompletion(_Response):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    service_tier: str | None = None  # the tier the request ran in (tenancy.priority)
 
 
 class ChunkDelta(_Response):
@@ -286,6 +291,7 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    service_tier: str | None = None
 
 
 class CompletionLogprobs(_Response):

@@ -178,7 +178,9 @@ class ResponsesRequest(_Request):
     # accepted, with no effect on an open model served here
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = None
+    # the request's priority (tenancy.priority), as chat's: OpenAI's tier, vLLM's integer
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 

@@ -40,6 +40,7 @@ from gateway.serving.service import OnDone
 from gateway.serving.structured import Constraint
 from gateway.serving.tools import HeldText
 from gateway.telemetry.record import current_record
+from gateway.tenancy.priority import NORMAL, Scheduled
 
 
 @dataclass(slots=True)
@@ -54,6 +55,10 @@ class PreparedChat:
     guard: RequestGuard = UNGUARDED
     held: dict[int, HeldText] = field(default_factory=dict)  # a stream's text per choice (tool_choice auto)
     constraint: Constraint | None = None  # what the output is constrained to (checked in the pipeline)
+    scheduled: Scheduled = NORMAL  # its priority (the pipeline's decision, `tenancy.priority`)
+
+    def schedule(self, scheduled: Scheduled) -> None:
+        self.scheduled = scheduled
 
     def token_budget(self) -> int:
         """Prompt plus the most the answer may take, for tokens-per-minute limits."""
@@ -219,6 +224,7 @@ def _answer(prepared: PreparedChat, run: Run) -> ChatCompletion:
         "model": prepared.model,
         "choices": [_choice(prepared, state) for state in run.choices],
         "usage": run.usage_fields(),
+        "service_tier": prepared.scheduled.tier,
     }
     answer: ChatCompletion = _VALIDATE_CHAT(fields)
     return answer
@@ -233,7 +239,7 @@ async def start_run(prepared: PreparedChat) -> Run:
     await prepared.guard.moderate_input()
     guard = prepared.guard.output(prepared.generation.sampling.n)
     try:
-        return await Run(prepared.engine, prepared.generation, guard).start()
+        return await Run(prepared.engine, prepared.generation, guard, prepared.scheduled.priority).start()
     except GenerationFailed as exc:
         if prepared.constraint is None:
             raise
@@ -309,7 +315,8 @@ async def stream(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None 
     options = prepared.request.stream_options
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)
-    chunk = ChunkEncoder(prepared.id, "chat.completion.chunk", prepared.created, prepared.model)
+    chunk = ChunkEncoder(prepared.id, "chat.completion.chunk", prepared.created, prepared.model,
+                         prepared.scheduled.tier)
 
     async for output in run.outputs():
         choices = [_chunk_choice(prepared, run.choices[d.index], d) for d in output.choices]

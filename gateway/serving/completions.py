@@ -35,6 +35,7 @@ from gateway.serving.generation import (
 from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.service import OnDone
 from gateway.serving.structured import Constraint
+from gateway.tenancy.priority import NORMAL, Scheduled
 
 
 @dataclass(slots=True)
@@ -48,6 +49,10 @@ class PreparedCompletion:
     created: int
     guard: RequestGuard = UNGUARDED
     constraint: Constraint | None = None  # completions take no response_format
+    scheduled: Scheduled = NORMAL  # its priority (the pipeline's decision, `tenancy.priority`)
+
+    def schedule(self, scheduled: Scheduled) -> None:
+        self.scheduled = scheduled
 
     def token_budget(self) -> int:
         return sum(len(g.prompt_token_ids) for g in self.generations) + self.output_tokens()
@@ -145,7 +150,8 @@ class _Answer:
 
     def __init__(self, prepared: PreparedCompletion) -> None:
         self.prepared = prepared
-        self.runs = [Run(prepared.engine, g, prepared.guard.output(g.sampling.n)) for g in prepared.generations]
+        priority = prepared.scheduled.priority
+        self.runs = [Run(prepared.engine, g, prepared.guard.output(g.sampling.n), priority) for g in prepared.generations]
         self.n = prepared.request.n
         self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}
 

@@ -25,6 +25,7 @@ from gateway.serving.service import OnDone
 from gateway.serving.structured import Constraint
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
+from gateway.tenancy.priority import Scheduled
 
 
 @dataclass(slots=True)
@@ -36,6 +37,9 @@ class PreparedEmbeddings:
     model: str  # the name the answer carries: the model (version) that answers
     id: str
     constraint: Constraint | None = None  # vectors: nothing to constrain
+
+    def schedule(self, scheduled: Scheduled) -> None:
+        """Embeddings run in arrival order (only admission reads the class)."""
 
     def token_budget(self) -> int:
         return sum(len(ids) for ids in self.inputs)

@@ -16,8 +16,10 @@ class ChunkEncoder:
     serialized once per stream; per token only the choices, JSON-ready dicts, go through orjson
     (pydantic per token cost ~10% of a streamed token's CPU: benchmarks/RESULTS.md)."""
 
-    def __init__(self, id: str, object: str, created: int, model: str) -> None:
-        head = {"id": id, "object": object, "created": created, "model": model}
+    def __init__(self, id: str, object: str, created: int, model: str, service_tier: str | None = None) -> None:
+        head: dict[str, Any] = {"id": id, "object": object, "created": created, "model": model}
+        if service_tier is not None:
+            head["service_tier"] = service_tier
         self._head = orjson.dumps(head)[:-1] + b',"choices":'
 
     def __call__(self, choices: list[dict[str, Any]], usage: BaseModel | None = None) -> bytes:

@@ -194,8 +194,12 @@ class Run:
     latency metrics (time to first token, inter-token latency, time per output token). With an
     output guard, outputs pass it first, and the engine request ends once it has cut every choice."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest, guard: OutputGuard | None = None) -> None:
+    def __init__(
+        self, engine: Engine, request: GenerationRequest, guard: OutputGuard | None = None, priority: int = 0
+    ) -> None:
         self.engine = engine
+        if priority != request.priority:  # prepared before the pipeline chose its priority
+            request = replace(request, priority=priority)
         self.request = request
         self.guard = guard
         self.prompt_tokens = len(request.prompt_token_ids)

@@ -61,6 +61,7 @@ from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.message_blocks import BlockEvents, ContentStream, tool_use_id
 from gateway.serving.service import OnDone, check_task
 from gateway.serving.structured import Constraint
+from gateway.tenancy.priority import Scheduled
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool_choice → OpenAI's
 TOOL_USE_ID = re.compile(r"[a-zA-Z0-9_-]+")  # Anthropic's pattern of a tool_use block's id
@@ -223,6 +224,9 @@ class PreparedMessage:
     model: str  # the name the answer carries: the model (version) that answers
     id: str
     constraint: Constraint | None = None  # the chat's (output_config.format, a forced tool's input_schema)
+
+    def schedule(self, scheduled: Scheduled) -> None:
+        self.chat.schedule(scheduled)
 
     def token_budget(self) -> int:
         return self.chat.token_budget()

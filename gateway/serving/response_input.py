@@ -104,6 +104,7 @@ def chat_request(request: ResponsesRequest, conversation: list[Item]) -> ChatCom
         "model": request.model, "messages": messages, "stream": request.stream or request.background,
         "temperature": request.temperature, "top_p": request.top_p, "user": request.user,
         "max_completion_tokens": request.max_output_tokens, "parallel_tool_calls": request.parallel_tool_calls,
+        "service_tier": request.service_tier, "priority": request.priority,
     }
     if request.tools:
         described = {"name", "description", "parameters"}

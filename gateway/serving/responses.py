@@ -107,6 +107,7 @@ class ResponsesService:
         self.items = [*history, *response_input.request_items(request)]  # what the model reads, as kept
         self.id, self.created = new_id("resp"), now()
         self.model = request.model
+        self.service_tier = "default"  # the tier it ran in (tenancy.priority), once prepared
         self.answer: Response | None = None  # the whole answer, once known (for `save`)
         self.events: ResponseEvents | None = None  # a stream's state (for a cancel)
 
@@ -130,7 +131,7 @@ class ResponsesService:
     async def complete(self, prepared: PreparedChat, on_done: OnDone[Response] | None = None) -> Response:
         run = await chat.start_run(prepared)
         await run.collect()
-        self.model = prepared.model
+        self.model, self.service_tier = prepared.model, prepared.scheduled.tier
         answer = self._finished(output_items(prepared.tools, run.choices[0]), run.usage(), run.choices[0])
         if on_done is not None:
             await on_done(answer)
@@ -171,6 +172,7 @@ class ResponsesService:
             parallel_tool_calls=r.parallel_tool_calls, previous_response_id=r.previous_response_id, store=r.store,
             temperature=1.0 if r.temperature is None else r.temperature, top_p=1.0 if r.top_p is None else r.top_p,
             text=text, tool_choice=choice or "auto", user=r.user, metadata=r.metadata or {},
+            service_tier=self.service_tier,
             tools=[tool.model_dump(mode="json", exclude_none=True) for tool in r.tools or []],
         )
 
@@ -214,7 +216,7 @@ class ResponsesService:
 
     async def _stream(self, prepared: PreparedChat, on_done: OnDone[Response] | None) -> AsyncGenerator[BaseModel, None]:
         run = await chat.start_run(prepared)  # refusals before the first event
-        self.model = prepared.model
+        self.model, self.service_tier = prepared.model, prepared.scheduled.tier
         events = self.events = ResponseEvents(self.skeleton("in_progress"))
         await self.save(events.response)
         try:

@@ -22,6 +22,7 @@ from gateway.errors import InvalidRequest
 from gateway.protocol.openai import ModelRequest
 from gateway.serving.guards.pipeline import RequestGuard
 from gateway.serving.structured import Constraint
+from gateway.tenancy.priority import Scheduled
 
 RequestT = TypeVar("RequestT", bound=ModelRequest)
 PreparedT = TypeVar("PreparedT", bound="Prepared")
@@ -36,6 +37,10 @@ class Prepared(Protocol):
 
     model: str  # the name the answer carries: the model (version) that answers
     constraint: Constraint | None  # what the output is constrained to (structured output), checked before the engine
+
+    def schedule(self, scheduled: Scheduled) -> None:
+        """Run at this priority (`tenancy.priority`: the engine's, and the tier the answer names)."""
+        ...
 
     def token_budget(self) -> int:
         """Prompt plus the most the answer may take, for tokens-per-minute limits."""

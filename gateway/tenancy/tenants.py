@@ -10,7 +10,8 @@ runs under.
         tpm: 20000                        # tokens per minute (omitted: GATEWAY_RATE_LIMIT_TPM)
         budget: {day: 200000, month: 5000000}  # tokens (prompt + completion) per UTC day, month
         guards: strict                    # a guard profile (over the guards file's `keys:`)
-        priority: low                     # high, normal (default) or low: admission refuses low first
+        priority: low                     # high, normal (default) or low: admission and the engine order by it
+        request_priority: false           # true: a request may raise its own (service_tier, priority)
         team: research                    # metadata: the usage metrics' `team` label
         owner: alice@example.com
 
@@ -81,6 +82,7 @@ class KeySpec(BaseModel):
     budget: Budget = Field(default_factory=Budget)
     guards: str | None = None
     priority: Priority = "normal"
+    request_priority: bool = False
     team: str | None = Field(None, max_length=64)
     owner: str | None = Field(None, max_length=200)
 
@@ -132,6 +134,7 @@ class KeyPolicy:
     models: tuple[str, ...] | None = None  # None: every model; what they grant: ModelRegistry.access
     guards: str | None = None
     priority: Priority = "normal"
+    request_priority: bool = False  # a request may raise its priority above the class (tenancy.priority)
     team: str = ""
     owner: str = ""
 
@@ -195,6 +198,12 @@ class Tenants:
         return found.guards if found else None
 
     @property
+    def prioritized(self) -> bool:
+        """Whether any key has a class other than normal, or may choose its requests' priority: then
+        the engines schedule by priority (`engine.scheduling_policy: auto`)."""
+        return any(p.priority != "normal" or p.request_priority for p in self._table.policies.values())
+
+    @property
     def key_ids(self) -> list[str]:
         return sorted(self._table.policies)
 
@@ -234,7 +243,8 @@ class Tenants:
         return KeyPolicy(
             key_id, rpm=spec.rpm or self.rpm, tpm=spec.tpm or self.tpm, budget_day=spec.budget.day,
             budget_month=spec.budget.month, models=tuple(spec.models) if spec.models is not None else None,
-            guards=spec.guards, priority=spec.priority, team=spec.team or "", owner=spec.owner or "",
+            guards=spec.guards, priority=spec.priority, request_priority=spec.request_priority,
+            team=spec.team or "", owner=spec.owner or "",
         )
 
     def _validate(self, table: _Table) -> None:

@@ -152,7 +152,8 @@ def _chat_model_by_model(answer: ChatCompletion) -> ChatCompletion:
     u = answer.usage
     usage = Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                   total_tokens=u.total_tokens, prompt_tokens_details=u.prompt_tokens_details)
-    return ChatCompletion(id=answer.id, created=answer.created, model=answer.model, choices=choices, usage=usage)
+    return ChatCompletion(id=answer.id, created=answer.created, model=answer.model, choices=choices, usage=usage,
+                          service_tier=answer.service_tier)
 
 
 @pytest.mark.parametrize(

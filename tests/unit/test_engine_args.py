@@ -210,3 +210,9 @@ def test_lora_on_the_cpu_keeps_a_spare_slot_and_on_a_gpu_not(tmp_path: Path) -> 
     assert args_for(tmp_path, H100, enable_lora=True, max_loras=2, max_cpu_loras=6).max_cpu_loras == 6
     assert args_for(tmp_path, H100, enable_lora=True).max_lora_rank == 16  # vLLM's default
     assert not args_for(tmp_path, CPU).enable_lora
+
+
+@pytest.mark.parametrize(("setting", "policy"), [("auto", "fcfs"), ("fcfs", "fcfs"), ("priority", "priority")])
+def test_the_scheduling_policy(tmp_path: Path, setting: str, policy: str) -> None:
+    """auto is the gateway's to resolve (keys with classes: priority); unresolved, vLLM's default."""
+    assert args_for(tmp_path, CPU, scheduling_policy=setting).scheduling_policy == policy
