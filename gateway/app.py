@@ -35,6 +35,7 @@ from gateway.pipeline.state import GatewayState
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
 from gateway.stores.cache import ResponseCache, make_backend
+from gateway.stores.files import FileStore
 from gateway.stores.redis import RedisPools
 from gateway.stores.responses import ResponseStore, make_store_backend
 from gateway.telemetry import metrics
@@ -116,7 +117,9 @@ def create_app(
             if settings.warmup:
                 for name, engine in registry.engines():
                     await warm_up(name, engine)
-            state = GatewayState(settings, registry, lifecycle, quota, cache, guards, responses, tenants)
+            state = GatewayState(
+                settings, registry, lifecycle, quota, cache, guards, responses, tenants, FileStore.at(settings.files.dir)
+            )
             log.info("ready", models=sorted(registry.backends), splits=sorted(registry.splits), aliases=sorted(registry.aliases))
             with serving_heap(settings.freeze_startup_heap, settings.gc_young_threshold):
                 yield {"gateway": state}

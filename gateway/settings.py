@@ -172,6 +172,37 @@ class StructuredOutputSettings(BaseModel):
     compile_verdicts: int = Field(4096, gt=0, description="Compile verdicts kept per model (by schema hash), least recently used out")
 
 
+class FilesSettings(BaseModel):
+    """The Files API (`/v1/files`): uploads kept on local disk, each tenant's in a directory of its own.
+    Files are the first part of the batch lane: a `batch` file is checked, line by line, as batch input."""
+
+    dir: Path = Field(
+        "~/.local/state/llm-gateway/files",  # made a Path by validate_default
+        validate_default=True,
+        description="Where uploaded files are kept (created on the first upload); replicas that share files need a "
+        "shared volume here",
+    )
+    max_bytes: int = Field(
+        200 * 1024 * 1024, gt=0,
+        description="Largest file one upload may carry (OpenAI's limit on batch input: 200 MB); streamed to disk, "
+        "never held in memory; larger: 413",
+    )
+    max_lines: int = Field(50_000, gt=0, description="Most requests (lines) in a batch file (OpenAI's limit: 50,000)")
+    max_line_bytes: int = Field(
+        4 * 1024 * 1024, gt=0, description="Longest line of a batch file (one request, as a request body would be)"
+    )
+    upload_timeout_s: float = Field(
+        600, gt=0,
+        description="An upload's body must arrive within this (else 408), in place of body_timeout_s; its bytes go to "
+        "disk and do not count in max_body_bytes_in_flight",
+    )
+    expires_after_s: int = Field(
+        30 * 86400, ge=3600, le=30 * 86400,
+        description="A file expires this long after its upload unless the upload asks otherwise (expires_after; "
+        "OpenAI's default for batch files: 30 days)",
+    )
+
+
 class Settings(BaseSettings):
     """The gateway's own settings: its HTTP server, logs, request bounds, API keys and the files it reads."""
 
@@ -302,6 +333,7 @@ class Settings(BaseSettings):
         "(vLLM's pooling runner; a second engine); unset: none",
     )
     cache: CacheSettings = Field(default_factory=CacheSettings)
+    files: FilesSettings = Field(default_factory=FilesSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     structured_output: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)

@@ -9,6 +9,7 @@ bounded (`Recent`), so a benchmark's soak of 100,000 requests does not grow it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -273,6 +274,13 @@ class FakeGrammar:
         self.closed = True
 
 
+@functools.cache
+def _files_dir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="gateway-files-")
+
+
 def fake_settings(**overrides: Any):
     """Settings for unit tests: the fake engine's name, no warm-up, no cache unless asked, no heap
     freezing (a full collection per app start-up is seconds over a suite)."""
@@ -281,6 +289,7 @@ def fake_settings(**overrides: Any):
 
     values: dict[str, Any] = {"warmup": False, "freeze_startup_heap": False, "engine": EngineSettings(served_model_name="fake-model")}
     values.setdefault("cache", {"backend": "off"})
+    values.setdefault("files", {"dir": _files_dir()})  # never the home directory's
     return Settings(**{**values, **overrides})
 
 

@@ -38,7 +38,20 @@ def _schemas(endpoints: Sequence[Endpoint]) -> dict[str, Any]:
     return dict(schemas.get("$defs", {}))
 
 
+_UPLOAD = {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {
+        "file": {"type": "string", "format": "binary", "description": "JSONL: one batch request a line"},
+        "purpose": {"type": "string", "enum": ["batch"]},
+        "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+        "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2592000},
+    },
+}}}
+
+
 def _body(endpoint: Endpoint) -> dict[str, Any]:
+    if endpoint.upload:
+        return {"requestBody": {"required": True, "content": _UPLOAD}}
     if endpoint.request is None:
         return {}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(endpoint.request)}}}}

@@ -17,12 +17,13 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.api import admin, embeddings, handlers, messages, native, ops, responses
+from gateway.api import admin, embeddings, files, handlers, messages, native, ops, responses
 from gateway.api.openapi import document
 from gateway.api.table import Endpoint, RouteTable
 from gateway.protocol import adapters as ad
 from gateway.protocol import anthropic as a
 from gateway.protocol import embeddings as e
+from gateway.protocol import files as f
 from gateway.protocol import openai as p
 from gateway.protocol import responses as r
 
@@ -54,6 +55,12 @@ TABLE = RouteTable([
              "List the items a response took as input", None, r.ResponseItemList),
     Endpoint("POST", "/v1/responses/{response_id}/cancel", responses.cancel, "api", "Cancel a background response",
              None, r.Response),
+    Endpoint("POST", "/v1/files", files.collection, "api", "Upload a file (multipart/form-data: file, purpose batch)",
+             None, f.FileObject, upload=True),
+    Endpoint("GET", "/v1/files", files.collection, "api", "List the key's files", None, f.FileList),
+    Endpoint("GET", "/v1/files/{file_id}", files.by_id, "api", "Retrieve a file's object", None, f.FileObject),
+    Endpoint("DELETE", "/v1/files/{file_id}", files.by_id, "api", "Delete a file", None, f.FileDeleted),
+    Endpoint("GET", "/v1/files/{file_id}/content", files.content, "api", "Download a file's content"),
     Endpoint("POST", "/tokenize", native.tokenize, "api", "Tokenize a prompt or chat messages",
              p.TokenizeRequest, p.TokenizeResponse),
     Endpoint("POST", "/detokenize", native.detokenize, "api", "Turn token ids into text",

@@ -32,6 +32,7 @@ class Endpoint:
     response: type[BaseModel] | None = None  # the JSON answer (OpenAPI)
     streams: bool = False  # answers with Server-Sent Events when the body says `stream: true`
     dialect: Dialect = "openai"  # whose API it is: the shape of its errors and its SSE framing
+    upload: bool = False  # its POST body is a multipart/form-data upload, streamed to disk (not JSON)
 
     @property
     def template(self) -> str:
@@ -81,6 +82,11 @@ class RouteTable:
         """Prefixes of the routes whose last parameter takes the rest of the path (`{model:path}`):
         there an encoded slash belongs to the parameter's value (`org%2Fmodel`, as the SDKs send it)."""
         return tuple(e.path.partition("{")[0] for e in self.endpoints if e.path.endswith(":path}"))
+
+    def upload_paths(self) -> frozenset[str]:
+        """The paths whose POST body is an upload streamed to disk: a form (not JSON), its own deadline,
+        and none of the in-memory body budget."""
+        return frozenset(e.path for e in self.endpoints if e.upload)
 
     def paths(self, *access: Access) -> frozenset[str]:
         return frozenset(e.path for e in self.endpoints if e.access in access)

@@ -17,8 +17,10 @@ class AuthMiddleware:
     """`open_paths`: the routes that take no key (from the route table)."""
 
     def __init__(self, app: ASGIApp, authenticator: Authenticator, open_paths: frozenset[str],
-                 admin: Authenticator | None = None, admin_paths: frozenset[str] = frozenset()) -> None:
+                 admin: Authenticator | None = None, admin_paths: frozenset[str] = frozenset(),
+                 upload_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
+        self.upload_paths = upload_paths
         self.open = open_paths
         self.authenticator = authenticator
         self.admin = admin
@@ -35,7 +37,8 @@ class AuthMiddleware:
                 if self.admin is None:
                     raise no_route()
                 authenticator = self.admin
-            identity = authenticator.identify(scope["method"], scope.get("headers", ()), peer)
+            upload = scope["path"] in self.upload_paths
+            identity = authenticator.identify(scope["method"], scope.get("headers", ()), peer, upload)
         except APIError as error:
             await send_error(send, error, dialect=dialect_of(scope))
             return

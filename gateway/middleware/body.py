@@ -8,6 +8,9 @@
   is read (its declared Content-Length counts from the start). A request's bytes count from its
   first read until its input is prepared (the context's `release_body`, called by the pipeline) or its
   response starts, whichever comes first.
+- An upload (the route table's `upload` routes: a multipart form streamed to disk, `api.multipart`)
+  holds one chunk in memory at a time: its bytes are not counted in the budget, and it has its own
+  deadline (`files.upload_timeout_s`), long enough for hundreds of megabytes.
 - A compressed body (`Content-Encoding` other than identity) is a 415 before it is read: the
   gateway reads JSON as sent, and gzip bytes would only fail as invalid JSON.
 
@@ -60,7 +63,8 @@ def _declared(scope: Scope) -> tuple[int, bytes | None]:
 class _Reading:
     """One request's body: its deadline and the bytes it holds of the budget."""
 
-    def __init__(self, receive: Receive, budget: BodyBudget, deadline: float, declared: int) -> None:
+    def __init__(self, receive: Receive, budget: BodyBudget | None, deadline: float, declared: int) -> None:
+        """`budget`: None for an upload, whose bytes go to disk (nothing is held of a budget)."""
         self._receive = receive
         self.budget = budget
         self.deadline = deadline
@@ -69,7 +73,7 @@ class _Reading:
         self.read = 0
         self.held = 0
         self.complete = False
-        self.released = False
+        self.released = budget is None
         self.expired = False
 
     async def receive(self) -> Message:
@@ -117,6 +121,7 @@ class _Reading:
     def _hold(self, needed: int) -> None:
         if self.released or needed <= self.held:
             return
+        assert self.budget is not None
         if not self.budget.take(needed - self.held):
             self.release()
             metrics.labelled(metrics.REJECTED, "", "body_bytes_in_flight").inc()
@@ -129,15 +134,19 @@ class _Reading:
     def release(self) -> None:
         if not self.released:
             self.released = True
+            assert self.budget is not None
             self.budget.give_back(self.held)
             self.held = 0
 
 
 class BodyMiddleware:
-    def __init__(self, app: ASGIApp, budget: BodyBudget, timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, budget: BodyBudget, timeout_s: float,
+                 upload_paths: frozenset[str] = frozenset(), upload_timeout_s: float = 600) -> None:
         self.app = app
         self.budget = budget
         self.timeout_s = timeout_s
+        self.upload_paths = upload_paths
+        self.upload_timeout_s = upload_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -149,8 +158,9 @@ class BodyMiddleware:
             error = UnsupportedMediaType(f"Content-Encoding '{named}' is not supported: send the body uncompressed.")
             await send_error(send, error, dialect=dialect_of(scope))  # before a byte of it is read
             return
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
-        reading = _Reading(receive, self.budget, deadline, length)
+        upload = scope["method"] == "POST" and scope["path"] in self.upload_paths
+        deadline = asyncio.get_running_loop().time() + (self.upload_timeout_s if upload else self.timeout_s)
+        reading = _Reading(receive, None if upload else self.budget, deadline, length)
         context_of(scope).release_body = reading.release  # the pipeline calls it once the input is prepared
 
         async def send_releasing(message: Message) -> None:

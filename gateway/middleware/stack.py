@@ -45,7 +45,8 @@ def stack(
         *traced,
         Middleware(LifecycleMiddleware, lifecycle=lifecycle, ops_paths=table.paths("ops")),
         Middleware(AuthMiddleware, authenticator=authenticator, open_paths=keyless, admin=admin,
-                   admin_paths=table.paths("admin")),
+                   admin_paths=table.paths("admin"), upload_paths=table.upload_paths()),
         Middleware(RateLimitMiddleware, quota=quota, tenants=tenants, open_paths=keyless | table.paths("admin")),
-        Middleware(BodyMiddleware, budget=BodyBudget(settings.max_body_bytes_in_flight), timeout_s=settings.body_timeout_s),
+        Middleware(BodyMiddleware, budget=BodyBudget(settings.max_body_bytes_in_flight), timeout_s=settings.body_timeout_s,
+                   upload_paths=table.upload_paths(), upload_timeout_s=settings.files.upload_timeout_s),
     ]

@@ -10,6 +10,7 @@ from gateway.pipeline.lifecycle import Lifecycle
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
 from gateway.stores.cache import ResponseCache
+from gateway.stores.files import FileStore
 from gateway.stores.responses import ResponseStore
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
@@ -25,6 +26,7 @@ class GatewayState:
     guards: Guards
     responses: ResponseStore  # the Responses API's stored responses
     tenants: Tenants  # the keys file: each key's policy
+    files: FileStore  # the Files API's uploads, on disk
     adapters: AdapterAdmin = field(init=False)  # LoRA adapters loaded and unloaded while serving
 
     def __post_init__(self) -> None:

@@ -24,7 +24,10 @@ whose keys are named by their id there).
 Without keys nothing proves that a request comes from a client and not from a web page the
 client has open: a POST must then declare a JSON body (`Content-Type: application/json`), which
 a page cannot send to another site without that site's CORS consent; anything else is a 415
-(a POST without a body, such as a cancel, declares nothing).
+(a POST without a body, such as a cancel, declares nothing). An upload route takes
+`multipart/form-data` instead, which a page's form *can* send cross-site: there the request must
+also carry an `Authorization` or `x-api-key` header (any value: the SDKs always send one), which
+a page cannot add to a cross-site request without that site's consent either.
 """
 
 from __future__ import annotations
@@ -128,6 +131,13 @@ def _declares_json(headers: Headers) -> bool:
     return len(values) == 1 and values[0].split(b";")[0].strip().lower() == b"application/json"
 
 
+def _declares_upload(headers: Headers) -> bool:
+    """A multipart form with a credential header (see the module's docstring: no cross-site form)."""
+    values = header_values(headers, b"content-type")
+    form = len(values) == 1 and values[0].split(b";")[0].strip().lower() == b"multipart/form-data"
+    return form and bool(header_values(headers, b"authorization") or header_values(headers, b"x-api-key"))
+
+
 def presented_keys(headers: Headers) -> set[str]:
     """The different keys a request presents: each `Authorization` header's Bearer token (OpenAI's
     clients; any other scheme counts as a wrong key, "") and each `x-api-key` (Anthropic's)."""
@@ -212,11 +222,15 @@ class Authenticator:
         self.tenants = tenants
         self.proxies = proxies or TrustedProxies()
 
-    def identify(self, method: str, headers: Headers, peer: str) -> Identity:
-        """The request's identity, or the `APIError` that refuses it."""
+    def identify(self, method: str, headers: Headers, peer: str, upload: bool = False) -> Identity:
+        """The request's identity, or the `APIError` that refuses it. `upload`: the route takes a
+        multipart form (the route table's `upload`), not JSON."""
         if not self.keys.enabled and not (self.tenants and self.tenants.enabled):
-            if method == "POST" and _has_body(headers) and not _declares_json(headers):
-                raise UnsupportedMediaType("Send the request body as JSON, with 'Content-Type: application/json'.")
+            if method == "POST" and _has_body(headers) and not (_declares_upload if upload else _declares_json)(headers):
+                raise UnsupportedMediaType(
+                    "Send the upload as multipart/form-data, with an 'Authorization' header." if upload
+                    else "Send the request body as JSON, with 'Content-Type: application/json'."
+                )
             return NOBODY
         presented = presented_keys(headers)
         if not presented:

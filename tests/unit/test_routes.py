@@ -47,9 +47,20 @@ def app_with(**overrides: Any) -> Any:
         es.served_model_name, task=es.task, max_loras=2 if es.enable_lora and es.task == "generate" else None))
 
 
+BATCH_LINE = b'{"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "fake-model"}}\n'
+
+
+def upload(client: TestClient, headers: dict[str, str]) -> Any:
+    return client.post("/v1/files", files={"file": ("in.jsonl", BATCH_LINE)}, data={"purpose": "batch"},
+                       headers={"authorization": "Bearer unused", **headers})
+
+
 def concrete(client: TestClient, path: str, headers: dict[str, str]) -> str:
     """A path with its parameters filled in: /v1/responses/{response_id} names a fresh (background)
-    response, when the app lets one be made."""
+    response, /v1/files/{file_id} a fresh upload, when the app lets one be made."""
+    if "{file_id}" in path:
+        made = upload(client, headers)
+        return path.replace("{file_id}", made.json()["id"] if made.status_code == 200 else "file-none")
     if "{response_id}" not in path:
         return path.replace("{model:path}", "fake-model")
     made = client.post("/v1/responses", json={**BODIES["/v1/responses"], "background": True}, headers=headers)
@@ -60,6 +71,8 @@ def call(client: TestClient, endpoint: Endpoint, **headers: str) -> Any:
     """The endpoint called with `headers` (an admin route without any: with the admin key)."""
     if endpoint.access == "admin" and not headers:
         headers = {"authorization": f"Bearer {ADMIN_KEY}"}
+    if endpoint.upload:
+        return upload(client, headers)
     path = concrete(client, endpoint.path, headers)
     return client.request(endpoint.method, path, json=BODIES.get(endpoint.path), headers=headers)
 
@@ -144,7 +157,9 @@ def test_openapi_documents_every_route_of_the_table() -> None:
     }
     for endpoint in TABLE.endpoints:
         operation = paths[endpoint.template][endpoint.method.lower()]
-        if endpoint.request is not None:
+        if endpoint.upload:
+            assert set(operation["requestBody"]["content"]["multipart/form-data"]["schema"]["required"]) == {"file", "purpose"}
+        elif endpoint.request is not None:
             body = operation["requestBody"]
             assert body["content"]["application/json"]["schema"]["$ref"].endswith(endpoint.request.__name__)
         if "{response_id}" in endpoint.path:

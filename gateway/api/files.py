@@ -1,0 +1,115 @@
+"""The Files API's routes: upload, list, retrieve, download the content, delete.
+
+Files are the asking key's tenant's (`anonymous` when keys are off), reached only through the store's
+view of that owner (`stores.files`): another tenant's id is a 404 exactly as an unknown one. An upload
+is a multipart form (`api.multipart`) streamed to disk; a `batch` file is checked line by line
+(`serving.batch_input`) before it is stored, and every refusal is an error before the first byte.
+Files are the first part of the batch lane (the batches that read them come next).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import BinaryIO
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from gateway.api.answers import json_response
+from gateway.api.multipart import read_form
+from gateway.api.requests import state_of
+from gateway.errors import InvalidRequest
+from gateway.pipeline.context import context_of
+from gateway.protocol.files import PURPOSES, FileDeleted, FileList, FileListQuery
+from gateway.serving.batch_input import check_batch_file
+from gateway.stores.files import OwnedFiles
+
+CHUNK = 256 * 1024
+_FIELDS = ("purpose", "expires_after[anchor]", "expires_after[seconds]")
+_MIN_EXPIRY_S, _MAX_EXPIRY_S = 3600, 30 * 86400  # OpenAI's bounds on expires_after.seconds
+
+
+def _mine(request: Request) -> OwnedFiles:
+    """The asking key's files: its tenant's."""
+    return state_of(request).files.of(context_of(request.scope).tenant)
+
+
+async def collection(request: Request) -> Response:
+    """POST (upload) and GET (list) /v1/files."""
+    return await (_upload(request) if request.method == "POST" else _list(request))
+
+
+def _check_field(name: str, value: str) -> None:
+    if name not in _FIELDS:
+        raise InvalidRequest(f"Unrecognized request argument supplied: {name[:64]}", param=name[:64])
+    if name == "purpose" and value not in PURPOSES:
+        raise InvalidRequest(
+            f"Invalid value for 'purpose': '{value[:64]}'. This gateway takes files of purpose "
+            f"{', '.join(repr(p) for p in PURPOSES)} (the input of a batch).", param="purpose",
+        )
+    if name == "expires_after[anchor]" and value != "created_at":
+        raise InvalidRequest("Invalid value for 'expires_after.anchor': it must be 'created_at'.", "expires_after.anchor")
+
+
+def _expiry(fields: dict[str, str], default_s: int) -> int:
+    raw = fields.get("expires_after[seconds]")
+    if raw is None:
+        return default_s
+    if not (raw.isascii() and raw.isdigit()) or not _MIN_EXPIRY_S <= int(raw) <= _MAX_EXPIRY_S:
+        raise InvalidRequest(
+            f"Invalid value for 'expires_after.seconds': it must be an integer from {_MIN_EXPIRY_S} to {_MAX_EXPIRY_S}.",
+            "expires_after.seconds",
+        )
+    return int(raw)
+
+
+async def _upload(request: Request) -> Response:
+    settings, mine = state_of(request).settings.files, _mine(request)
+    form = await read_form(request, mine.stage, settings.max_bytes, _check_field)
+    try:
+        if "purpose" not in form.fields:
+            raise InvalidRequest("Missing required parameter: 'purpose'", param="purpose")
+        if form.file is None:
+            raise InvalidRequest("Missing required parameter: 'file'", param="file")
+        expires_after_s = _expiry(form.fields, settings.expires_after_s)
+        await asyncio.to_thread(check_batch_file, form.file.path, settings.max_lines, settings.max_line_bytes)
+        stored = await mine.put(form.file, form.filename, "batch", expires_after_s)
+    finally:
+        if form.file is not None:
+            await form.file.discard()  # nothing left to remove once stored
+    return json_response(stored)
+
+
+async def _list(request: Request) -> Response:
+    query = FileListQuery.model_validate(dict(request.query_params))
+    page, more = await _mine(request).page(query.purpose, query.after, query.limit, query.order == "desc")
+    return json_response(FileList(
+        data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None, has_more=more,
+    ))
+
+
+async def by_id(request: Request) -> Response:
+    """GET (retrieve) and DELETE /v1/files/{file_id}."""
+    mine, file_id = _mine(request), request.path_params["file_id"]
+    if request.method == "DELETE":
+        await mine.delete(file_id)
+        return json_response(FileDeleted(id=file_id))
+    return json_response(await mine.get(file_id))
+
+
+async def content(request: Request) -> Response:
+    """GET /v1/files/{file_id}/content: the file as uploaded, streamed from disk (opened before the
+    answer starts: an unknown id is a 404, and a delete meanwhile does not cut the download short)."""
+    _, opened = await _mine(request).open(request.path_params["file_id"])
+    headers = {"content-length": str(os.fstat(opened.fileno()).st_size)}
+    return StreamingResponse(_chunks(opened), media_type="application/octet-stream", headers=headers)
+
+
+async def _chunks(opened: BinaryIO) -> AsyncIterator[bytes]:
+    try:
+        while chunk := await asyncio.to_thread(opened.read, CHUNK):
+            yield chunk
+    finally:
+        opened.close()
