@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
+import unicodedata
 from collections.abc import AsyncGenerator
 
 import structlog
@@ -38,6 +40,10 @@ from gateway.backends.versions import SEPARATOR
 from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
 
 log = structlog.get_logger(__name__)
+MAX_NAME = 256
+# a name loaded while serving is a model id in logs and metrics, and one of the router page's
+# comma-separated adapters (`telemetry.router`): a comma in it would read as two adapters there
+_NAME = re.compile(rf"[^\s,]{{1,{MAX_NAME}}}")
 
 
 class AdapterEngine:
@@ -131,8 +137,12 @@ class AdapterAdmin:
 
     async def load(self, name: str, path: str, base: str | None = None) -> None:
         async with self._lock:
-            if not name or SEPARATOR in name:
-                raise InvalidRequest(f"'{name}' cannot name an adapter: give a name without '{SEPARATOR}'", "lora_name")
+            if not name or SEPARATOR in name or not _NAME.fullmatch(name) or any(
+                unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp", "Zs") for c in name
+            ):
+                raise InvalidRequest(f"'{name[:100]}' cannot name an adapter: give a name of at most {MAX_NAME} "
+                                     f"characters without '{SEPARATOR}', commas, whitespace or control characters",
+                                     "lora_name")
             if name in self.registry.public_names():
                 raise InvalidRequest(f"The lora adapter '{name}' conflicts with a served model, alias or adapter.",
                                      "lora_name")

@@ -2,14 +2,15 @@
 request reaches a route, so that no proxy in front of the gateway and the gateway itself can
 read one request two ways.
 
-- A header name that is a framing or identity header with `_` for `-` (`Transfer_Encoding`,
-  `Content_Length`, `X_Forwarded_For`, ...): 400. Some proxies map `_` to `-` (or drop such
-  headers, as nginx does by default), so the two would disagree on the request's length or sender.
+- A header name that is a framing or identity header with `_` for any `-` (`Transfer_Encoding`,
+  `Content_Length`, `X_Forwarded_For`, `X-Forwarded_For`, ...): 400. Some proxies map `_` to `-`
+  (or drop such headers, as nginx does by default), so the two would disagree on the request's length or sender.
 - More headers than `max_request_headers`, or more bytes of them than `max_request_header_bytes`:
   431 (RFC 6585). (Past 64 KiB the server closes the connection before a request exists:
   `server.http.HeaderTimeout`.)
 - A path whose raw form holds an encoded slash or backslash (`%2F`, `%5C`) or a dot segment
-  (`.`, `..`, also percent-encoded): 404, as for any unknown path, never the route it decodes to.
+  (`.`, `..`, also percent-encoded, also between backslashes or encoded slashes): 404, as for any
+  unknown path, never the route it decodes to.
   Only in the value of a route's last `{name:path}` parameter (a model id, `/v1/models/org%2Fm`,
   as the SDKs encode it) is an encoded slash part of that value.
 
@@ -32,7 +33,10 @@ SMUGGLED = frozenset(name.replace("-", "_").encode() for name in (
     "authorization", "x-api-key", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "forwarded",
     "x-real-ip", "proxy-authorization", "content-encoding", "content-type",
 ))
-DOT_SEGMENT = re.compile(rb"(?:^|/)(?:\.|%2e){1,2}(?:/|$)", re.IGNORECASE)
+# a separator: `/`, and what a proxy may read as one (`\\`, and both encoded: in a `{name:path}` tail
+# an encoded slash is part of the value, but `org%2F..` is still a dot segment to a proxy that decodes it)
+_SEPARATOR = rb"(?:/|\\|%2f|%5c)"
+DOT_SEGMENT = re.compile(rb"(?:^|" + _SEPARATOR + rb")(?:\.|%2e){1,2}(?:" + _SEPARATOR + rb"|$)", re.IGNORECASE)
 ENCODED_SEPARATOR = re.compile(rb"%(?:2f|5c)", re.IGNORECASE)
 
 
@@ -47,7 +51,7 @@ def refusal(
     if size > max_header_bytes:
         return HeadersTooLarge(f"Request headers too large: {size} bytes, at most {max_header_bytes}")
     for name, _ in headers:
-        if b"_" in name and name.lower() in SMUGGLED:
+        if b"_" in name and name.lower().replace(b"-", b"_") in SMUGGLED:  # `X-Forwarded_For` too
             return InvalidRequest(f"Header name '{name.decode('latin-1')}' is refused: write it with '-', not '_'")
     raw = scope.get("raw_path") or scope["path"].encode()
     path = raw.partition(b"?")[0]

@@ -278,6 +278,13 @@ def test_admin_api_loads_serves_and_unloads(client: TestClient, engines: dict[st
     ({"lora_name": "base", "lora_path": "{c}"}, "conflicts with a served model"),
     ({"lora_name": "la", "lora_path": "{c}"}, "conflicts with a served model"),
     ({"lora_name": "x@1", "lora_path": "{c}"}, "without '@'"),
+    # the router page lists adapters comma-separated (an endpoint picker would read two adapters),
+    # and a name is a model id in logs and metrics: no commas, whitespace or control characters
+    ({"lora_name": "lora-a,la", "lora_path": "{c}"}, "cannot name an adapter"),
+    ({"lora_name": "x\ny", "lora_path": "{c}"}, "cannot name an adapter"),
+    ({"lora_name": "x y", "lora_path": "{c}"}, "cannot name an adapter"),
+    ({"lora_name": "x\u200by", "lora_path": "{c}"}, "cannot name an adapter"),
+    ({"lora_name": "x" * 257, "lora_path": "{c}"}, "cannot name an adapter"),
     ({"lora_name": "x", "lora_path": "{c}", "base": "spare"}, "runs without LoRA"),
     ({"lora_name": "x", "lora_path": "{c}", "base": "lora-a"}, "not an embedded model"),
     ({"lora_name": "x", "lora_path": "{c}", "load_inplace": True}, "load_inplace is not supported"),

@@ -445,6 +445,8 @@ def _post(extra: bytes, path: bytes = b"/v1/chat/completions", body: bytes = CHA
     (_post(b"Content_Length: 5\r\n"), 400),
     (_post(b"X_Forwarded_For: 10.0.0.1\r\n"), 400),
     (_post(b"x_api_key: sk-other\r\n"), 400),
+    (_post(b"X-Forwarded_For: 10.0.0.1\r\n"), 400),  # `_` for one `-` of two
+    (_post(b"X-Api_Key: sk-other\r\n"), 400),
     (_post(b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n"), 400),  # with the Content-Length below
     (_post(b"Content-Length: %d\r\n" % len(CHAT)), 400),  # the same length twice
     (b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\r\n folded\r\n\r\n", 400),
@@ -459,6 +461,12 @@ def _post(extra: bytes, path: bytes = b"/v1/chat/completions", body: bytes = CHA
     (b"GET /v1/%2E/models HTTP/1.1\r\nHost: x\r\n\r\n", 404),
     (b"GET /v1%2Fmodels/org%2Fm HTTP/1.1\r\nHost: x\r\n\r\n", 404),
     (b"GET /v1/models/../models/x HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    # in a model id an encoded slash is the id's, but a dot segment between encoded slashes (or
+    # backslashes) is one to a proxy that decodes them: `/health`, not the model `../../health`
+    (b"GET /v1/models/..%2F..%2Fhealth HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"GET /v1/models/org%2f.. HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"GET /v1/models/org%5C%2e%2e%5Cx HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"GET /v1/models/org\\..\\x HTTP/1.1\r\nHost: x\r\n\r\n", 404),
 ])
 def test_the_edge_refuses_what_a_proxy_could_read_another_way(running: Running, request_bytes: bytes, status: int) -> None:
     """As nginx and Envoy hold it: framing and identity headers spelt with `_`, conflicting or
@@ -472,6 +480,7 @@ def test_the_edge_refuses_what_a_proxy_could_read_another_way(running: Running, 
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 %d" % status), head
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert status != 404 or json.loads(body)["error"]["code"] == "not_found"  # the edge's, not a route's model_not_found
     assert running.engine.requests == []
     connection = http.client.HTTPConnection("127.0.0.1", running.port, timeout=10)
     connection.request("GET", "/v1/models")
