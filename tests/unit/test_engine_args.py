@@ -180,8 +180,8 @@ def test_the_engine_s_load_follows_vllm_s_scheduler_stats() -> None:
 
     from vllm.v1.metrics.stats import SchedulerStats
 
-    from engine.types import EngineLoad
     from engine.load import LoadRecorder
+    from engine.types import EngineLoad
 
     recorder = LoadRecorder()
     config = SimpleNamespace(lora_config=SimpleNamespace(max_loras=4),
