@@ -77,6 +77,14 @@ def closed_by_server(sock: socket.socket) -> bool:
         return False
 
 
+def read_to_close(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    return answer
+
+
 def test_port_0_listens_on_a_free_port_and_says_which(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """`gateway serve --port 0`: the server binds any free port and logs `listening` with the port it
     got (what the integration tests read back instead of picking a port that could be taken)."""
@@ -195,9 +203,7 @@ def test_an_expect_100_continue_request_answered_before_its_body_closes_the_conn
     with Running(FakeEngine(), api_keys=["sk-test"], header_timeout_s=30) as server, server.connect() as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 40\r\nExpect: 100-continue\r\n\r\n")
-        answer = b""
-        while chunk := sock.recv(65536):  # the server closes after the answer
-            answer += chunk
+        answer = read_to_close(sock)
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 401")
         assert b"connection: close" in head.lower()
@@ -277,9 +283,7 @@ def test_an_error_before_the_router_has_its_length_for_an_http_1_0_client() -> N
     sends them chunked, which an HTTP/1.0 client takes for the body itself."""
     with Running(FakeEngine(), api_keys=["sk-right"]) as server, server.connect() as sock:
         sock.sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+        answer = read_to_close(sock)
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 401")
         assert b"transfer-encoding" not in head.lower()
@@ -296,9 +300,7 @@ def test_a_request_that_is_not_http_gets_a_400_in_the_api_shape(running: Running
     answered in the API's error shape, not uvicorn's plain text, and the connection closed."""
     with running.connect() as sock:
         sock.sendall(request_bytes)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+        answer = read_to_close(sock)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400")
     assert b"content-type: application/json" in head
@@ -474,9 +476,7 @@ def test_the_edge_refuses_what_a_proxy_could_read_another_way(running: Running, 
     route; each refusal in the API's error shape, the connection closed, the server serving on."""
     with running.connect() as sock:
         sock.sendall(request_bytes)
-        answer = b""
-        while chunk := sock.recv(65536):  # the server closes the connection after its answer
-            answer += chunk
+        answer = read_to_close(sock)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 %d" % status), head
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
@@ -500,9 +500,7 @@ def test_headers_within_the_bounds_and_plain_paths_are_served(running: Running) 
     with running.connect() as sock:
         extra = b"".join(b"X-H%d: v\r\n" % i for i in range(90)) + b"X_Custom_Trace: fine\r\n"
         sock.sendall(_post(extra)[:-len(CHAT)].replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n") + CHAT)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+        answer = read_to_close(sock)
     assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
 
 
@@ -512,9 +510,7 @@ def test_a_stream_to_an_http_1_0_client_is_close_delimited(running: Running) -> 
     with running.connect() as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+        answer = read_to_close(sock)
     head, _, events = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
     assert b"transfer-encoding" not in head.lower()
@@ -525,9 +521,7 @@ def test_a_stream_to_an_http_1_0_client_is_close_delimited(running: Running) -> 
     whole = b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
     with running.connect() as sock:
         sock.sendall(whole % len(CHAT) + CHAT)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+        answer = read_to_close(sock)
     head, _, rest = answer.partition(b"\r\n\r\n")
     assert b"content-length: %d" % len(rest) in head.lower()
 
