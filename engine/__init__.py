@@ -5,8 +5,27 @@
 
 from __future__ import annotations
 
+from multiprocessing.context import BaseContext
+from typing import Any, Protocol
+
 from engine.config import EngineSettings
 from engine.types import Engine, GrammarCheck
+
+
+class SharedEngine(Protocol):
+    """One embedded model's engine core, started in the parent for several worker processes
+    (`engine.shared.SharedCore`)."""
+
+    @property
+    def pids(self) -> list[int]: ...
+
+    def seat(self, index: int) -> Any: ...  # a worker's `engine.shared.CoreSeat`, for `attach_shared`
+
+    def handed_over(self) -> None: ...
+
+    def alive(self) -> bool: ...
+
+    def shutdown(self) -> None: ...
 
 
 def start_engine(settings: EngineSettings) -> Engine:
@@ -14,6 +33,21 @@ def start_engine(settings: EngineSettings) -> Engine:
     from engine.vllm_engine import VLLMEngine
 
     return VLLMEngine.start(settings)
+
+
+def launch_shared(settings: EngineSettings, clients: int, context: BaseContext) -> SharedEngine:
+    """Start the engine core of an embedded model for `clients` worker processes (imports vllm, loads
+    the model); each worker then calls `attach_shared` with its seat."""
+    from engine.shared import SharedCore
+
+    return SharedCore(settings, clients, context)
+
+
+def attach_shared(seat: Any) -> Engine:
+    """In a worker process: the engine of a core started by `launch_shared` (`seat`: its `seat(i)`)."""
+    from engine.shared import attach
+
+    return attach(seat)
 
 
 def check_engine_settings(settings: EngineSettings) -> None:
@@ -38,4 +72,7 @@ def start_grammar_check(engine: Engine, workers: int, verdicts: int) -> GrammarC
     return GrammarCompiler(engine.info.root, int(vocab_size), workers, verdicts).start()
 
 
-__all__ = ["Engine", "EngineSettings", "GrammarCheck", "check_engine_settings", "start_engine", "start_grammar_check"]
+__all__ = [
+    "Engine", "EngineSettings", "GrammarCheck", "SharedEngine", "attach_shared", "check_engine_settings",
+    "launch_shared", "start_engine", "start_grammar_check",
+]

@@ -269,12 +269,18 @@ class VLLMEngine:
             os.environ.setdefault(OTLP_PROTOCOL_VARIABLE, "http/protobuf")  # read by vLLM's exporter, in this process
         recorder = LoadRecorder()
         llm = AsyncLLMEngine.from_engine_args(args, stat_loggers=[recorder.factory])
+        return cls.over(llm, settings, str(args.model), recorder)
+
+    @classmethod
+    def over(cls, llm: AsyncLLMEngine, settings: EngineSettings, model: str, recorder: LoadRecorder) -> VLLMEngine:
+        """The engine on an AsyncLLM already made (`start`, or `engine.shared.attach`: a client of a
+        shared engine core)."""
         config = llm.model_config
         embeds = settings.task == "embed"
         info = ModelInfo(
             name=settings.served_model_name,
             max_model_len=config.max_model_len,
-            root=str(args.model),
+            root=model,
             created=int(time.time()),
             extra={"vocab_size": config.get_vocab_size()},
             # vLLM's own reading of generation_config.json with the overrides above (what its server uses)

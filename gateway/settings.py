@@ -215,6 +215,11 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on")
+    workers: int = Field(
+        1, ge=1, le=64,
+        description="Gateway processes serving the one listening socket, each embedded model's engine core shared "
+        "by all (docs/deployment.md, Workers); 1: one process, as before. Above 1, rate limits need limits.redis_url",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Lowest level of the gateway's log lines (vLLM's follow unless engine.log_level says)"
     )
@@ -343,6 +348,16 @@ class Settings(BaseSettings):
     def _one_body_fits_in_flight(self) -> Settings:
         if self.max_body_bytes_in_flight < self.max_body_bytes:
             raise ValueError("max_body_bytes_in_flight must be at least max_body_bytes")
+        return self
+
+    @model_validator(mode="after")
+    def _workers_share_limits(self) -> Settings:
+        """Counted in each worker's memory, a limit would let N workers pass N times it."""
+        if self.workers > 1 and self.limits.redis_url is None and (self.rate_limit_rpm or self.rate_limit_tpm):
+            raise ValueError(
+                "workers > 1 with rate_limit_rpm or rate_limit_tpm needs limits.redis_url "
+                "(counted in each worker's memory, every worker would allow the whole limit)"
+            )
         return self
 
     @model_validator(mode="after")

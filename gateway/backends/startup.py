@@ -45,6 +45,13 @@ def check_embedded(models: ModelsFile, settings: Settings, check: EngineCheck = 
             raise ConfigError(f"model '{spec.id}': {exc}") from exc
 
 
+def embedded_settings(models: ModelsFile, settings: Settings, prioritized: bool = False) -> dict[str, EngineSettings]:
+    """Each embedded model's engine settings, as `build_registry` starts its engine with them (the
+    parent of worker processes starts the shared engine cores with these)."""
+    return {spec.id: scheduling(spec.engine_settings(settings.engine), prioritized)
+            for spec in models.models if spec.kind == "embedded"}
+
+
 def build_registry(
     models: ModelsFile, settings: Settings, start: EngineStarter, grammar: GrammarStarter = start_grammar_check,
     prioritized: bool = False,

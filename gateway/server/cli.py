@@ -17,12 +17,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine import check_engine_settings
-from gateway.app import create_app, tenants_of
+from gateway.app import create_app
 from gateway.backends.modelfile import ConfigError
-from gateway.pipeline.lifecycle import Lifecycle
-from gateway.server.http import DrainingServer, Reloadable, server_config
 from gateway.server.options import ENGINE_ARG_FLAG, Option, groups, options
-from gateway.server.tls import ServerTLS
+from gateway.server.supervisor import STARTUP_FAILED  # the engines did not start (uvicorn's own status)
+from gateway.server.workers import gateway_server, serve_workers
 from gateway.settings import Settings
 from gateway.telemetry.logs import configure
 
@@ -113,20 +112,15 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(**overrides(args))
 
 
-STARTUP_FAILED = 3  # the engines did not start (uvicorn's own status for a failed start-up)
 
 
 def serve(settings: Settings) -> int:
+    """One process (`workers` 1), or a parent supervising worker processes (`gateway.server.workers`)."""
+    if settings.workers > 1:
+        return serve_workers(settings)
     configure(settings.log_level, settings.log_format)
-    tls = ServerTLS(settings.tls) if settings.tls.enabled else None  # bad files stop us before the engine loads
-    lifecycle = Lifecycle()
-    tenants = tenants_of(settings)  # a bad keys file stops us here too
-    app = create_app(settings, lifecycle=lifecycle, engine_check=check_engine_settings, tenants=tenants)
-    config = server_config(app, settings, tls.uvicorn_options() if tls else None)
-    reloadables: list[Reloadable] = [tls] if tls else []
-    if tenants.enabled:
-        reloadables.append(tenants)
-    server = DrainingServer(config, lifecycle, settings.drain_timeout_s, reloadables=reloadables)
+    server = gateway_server(settings, lambda lifecycle, tenants: create_app(
+        settings, lifecycle=lifecycle, engine_check=check_engine_settings, tenants=tenants))
     server.run()
     return 0 if server.started else STARTUP_FAILED
 

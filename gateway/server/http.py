@@ -32,7 +32,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from types import FrameType
 from typing import Any, Protocol, cast
 
@@ -225,8 +225,12 @@ class DrainingServer(uvicorn.Server):
         lifecycle: Lifecycle,
         drain_timeout_s: float,
         reloadables: Sequence[Reloadable] = (),
+        announce: Callable[[], None] | None = None,
     ) -> None:
+        """`announce`: a worker's (`gateway.server.supervisor`): called once serving, in place of
+        the `listening` line, which the parent logs once every worker serves."""
         super().__init__(config)
+        self.announce = announce
         self.lifecycle = lifecycle
         self.drain_timeout_s = drain_timeout_s
         self.reloadables = tuple(reloadables)
@@ -248,7 +252,9 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
-        if self.started:
+        if self.started and self.announce is not None:
+            self.announce()
+        elif self.started:
             scheme = "https" if self.config.ssl else "http"
             for host, port in self.addresses():
                 log.info("listening", host=host, port=port, scheme=scheme)

@@ -15,12 +15,14 @@ from typing import Any, TypeVar
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
+    CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.values import MutexValue
 
@@ -49,8 +51,9 @@ TIME_PER_OUTPUT_TOKEN = Histogram(
 )
 PROMPT_TOKENS = Counter("gateway_prompt_tokens_total", "Prompt tokens processed", ["model"])
 COMPLETION_TOKENS = Counter("gateway_completion_tokens_total", "Completion tokens generated", ["model"])
-IN_FLIGHT = Gauge("gateway_requests_in_flight", "Requests being generated", ["model"])
-WAITING = Gauge("gateway_requests_waiting", "Requests waiting for admission", ["model"])
+# with worker processes (`aggregate_workers`): the sum over the workers alive
+IN_FLIGHT = Gauge("gateway_requests_in_flight", "Requests being generated", ["model"], multiprocess_mode="livesum")
+WAITING = Gauge("gateway_requests_waiting", "Requests waiting for admission", ["model"], multiprocess_mode="livesum")
 CACHE_HITS = Counter("gateway_cache_hits_total", "Response cache hits", ["model"])
 CACHE_MISSES = Counter("gateway_cache_misses_total", "Response cache misses", ["model"])
 CACHE_ERRORS = Counter("gateway_cache_errors_total", "Cache backend failures (served uncached)", ["backend"])
@@ -291,5 +294,21 @@ class Observations:
         self._sum, self._pending = 0.0, 0
 
 
+_exposed: CollectorRegistry = REGISTRY
+
+
+def aggregate_workers() -> None:
+    """In a worker process (`gateway.server.workers`; the parent set PROMETHEUS_MULTIPROC_DIR before
+    starting it, so prometheus_client keeps every value in files there): the exposition adds up the
+    files of every worker (counters and histograms summed, the in-flight gauges summed over the
+    workers alive, vLLM's gauges the most recent value written). `AdapterInfo`, read from this
+    process's engines at scrape time, is served as this worker sees it."""
+    global _exposed
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    registry.register(ADAPTER_INFO)
+    _exposed = registry
+
+
 def exposition() -> tuple[bytes, str]:
-    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+    return generate_latest(_exposed), CONTENT_TYPE_LATEST

@@ -1,0 +1,219 @@
+"""Worker processes serving one listening socket, and the parent that supervises them.
+
+The parent binds the socket once (`listen`: port 0 gives any free port, which the parent then
+knows) and hands it to every worker (a `spawn` process inherits it: multiprocessing passes a socket
+given in a process's arguments as a file descriptor); the kernel spreads new connections over the
+workers accepting on it. Each worker says when it serves (`WorkerSeat.announce`).
+
+Supervision (`Supervisor.run`):
+- SIGTERM or SIGINT: forwarded to every worker as SIGTERM (each drains, `gateway.server.http`), the
+  workers awaited (up to `stop_timeout_s`, then killed); exit 0 when every worker exited 0.
+- SIGHUP: forwarded (each worker reloads the keys file and the TLS certificate).
+- A worker that exits by itself: the others are stopped as on SIGTERM and the parent exits 1. No
+  restart: a worker dies of what would kill its replacement too (a bug, memory), and the orchestrator
+  restarting the whole pod starts from a known state; a crash loop is visible there.
+- A worker that exits before it serves: the others stopped, `STARTUP_FAILED`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import SpawnContext, SpawnProcess
+from types import FrameType
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+STARTUP_FAILED = 3  # uvicorn's own status for a failed start-up (as `gateway.server.cli`)
+WORKER_DIED = 1
+BACKLOG = 2048  # uvicorn's default backlog
+TICK_S = 0.5
+
+
+def listen(host: str, port: int, backlog: int = BACKLOG) -> socket.socket:
+    """A TCP socket bound to (host, port) and listening, as uvicorn binds one."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:  # a name: what it resolves to first
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass(frozen=True)
+class WorkerSeat:
+    """What a worker process gets: its index among `count`, the listening socket, and the pipe on
+    which it says it serves."""
+
+    index: int
+    count: int
+    sock: socket.socket
+    ready: Connection
+
+    def announce(self) -> None:
+        self.ready.send("ready")
+        self.ready.close()
+
+
+WorkerMain = Callable[[WorkerSeat, Any], int]  # (seat, payload) → exit status; a module-level function
+
+
+def _nothing() -> None:
+    pass
+
+
+def _worker(main: WorkerMain, seat: WorkerSeat, payload: Any) -> None:
+    sys.exit(main(seat, payload))
+
+
+class Supervisor:
+    """Starts `len(payloads)` workers running `main(seat, payloads[i])` on `sock`, and supervises them."""
+
+    def __init__(self, main: WorkerMain, payloads: Sequence[Any], sock: socket.socket, stop_timeout_s: float,
+                 context: SpawnContext | None = None) -> None:
+        self.main = main
+        self.payloads = list(payloads)
+        self.sock = sock
+        self.stop_timeout_s = stop_timeout_s
+        self.context = context or self.spawn_context()
+        self.workers: list[SpawnProcess] = []
+        self._signals: list[int] = []
+        self._stopping = False
+        self._deadline = 0.0
+
+    @staticmethod
+    def spawn_context() -> SpawnContext:
+        return multiprocessing.get_context("spawn")
+
+    def run(self, on_ready: Callable[[], None] = _nothing, on_tick: Callable[[], None] = _nothing,
+            on_spawned: Callable[[], None] = _nothing) -> int:
+        """Start the workers (then `on_spawned`: what they inherited can be closed here), wait for
+        every one to serve (then `on_ready`), supervise until they have all exited (`on_tick` every
+        half second). The exit status."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        try:
+            self._start()
+            on_spawned()
+            if not self._await_ready():
+                self._stop("start-up failed")
+                self._await_exit()
+                return STARTUP_FAILED
+            on_ready()
+            return self._supervise(on_tick)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            for worker in self.workers:
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join(5)
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        self._signals.append(sig)  # acted on in the loop, outside the handler
+
+    def _start(self) -> None:
+        self._pipes: list[Connection] = []
+        for index, payload in enumerate(self.payloads):
+            receiving, sending = self.context.Pipe(duplex=False)
+            seat = WorkerSeat(index, len(self.payloads), self.sock, sending)
+            worker = self.context.Process(target=_worker, args=(self.main, seat, payload), name=f"gateway-worker-{index}")
+            worker.start()
+            sending.close()
+            self.workers.append(worker)
+            self._pipes.append(receiving)
+        log.info("workers_started", workers=len(self.workers), pids=[w.pid for w in self.workers])
+
+    def _await_ready(self) -> bool:
+        waiting = {pipe: worker for pipe, worker in zip(self._pipes, self.workers, strict=True)}
+        while waiting:
+            if self._handle_signals():
+                return False
+            for ready in wait([*waiting, *(w.sentinel for w in waiting.values())], TICK_S):
+                if ready in waiting and isinstance(ready, Connection):
+                    with contextlib.suppress(EOFError, OSError):
+                        if ready.recv() == "ready":
+                            del waiting[ready]
+                            continue
+                    log.error("worker_failed_to_start", pid=waiting[ready].pid, exitcode=waiting[ready].exitcode)
+                    return False
+                if any(w.sentinel == ready for w in waiting.values()):
+                    return False
+        return True
+
+    def _handle_signals(self) -> bool:
+        """Forward the signals received; True once stopping."""
+        while self._signals:
+            sig = self._signals.pop(0)
+            if sig == signal.SIGHUP:
+                log.info("reload_forwarded", workers=len(self.workers))
+                self._send(signal.SIGHUP)
+            else:
+                self._stop(signal.Signals(sig).name)
+        return self._stopping
+
+    def _send(self, sig: int) -> None:
+        for worker in self.workers:
+            if worker.is_alive() and worker.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, sig)
+
+    def _stop(self, reason: str) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._deadline = time.monotonic() + self.stop_timeout_s
+        log.info("workers_stopping", reason=reason, timeout_s=self.stop_timeout_s)
+        self._send(signal.SIGTERM)
+
+    def _supervise(self, on_tick: Callable[[], None]) -> int:
+        died = False
+        while any(w.is_alive() for w in self.workers):
+            self._handle_signals()
+            on_tick()
+            wait([w.sentinel for w in self.workers if w.is_alive()], TICK_S)
+            for worker in self.workers:
+                if not worker.is_alive() and not self._stopping:
+                    log.error("worker_died", pid=worker.pid, exitcode=worker.exitcode)
+                    died = True
+                    self._stop(f"worker {worker.pid} exited with {worker.exitcode}")
+            if self._stopping and time.monotonic() >= self._deadline:
+                self._kill_rest()
+        codes = [w.exitcode for w in self.workers]
+        log.info("workers_stopped", exitcodes=codes)
+        return WORKER_DIED if died or any(code != 0 for code in codes) else 0
+
+    def _kill_rest(self) -> None:
+        for worker in self.workers:
+            if worker.is_alive():
+                log.warning("worker_killed", pid=worker.pid, timeout_s=self.stop_timeout_s)
+                worker.kill()
+
+    def _await_exit(self) -> None:
+        while any(w.is_alive() for w in self.workers):
+            wait([w.sentinel for w in self.workers if w.is_alive()], TICK_S)
+            if time.monotonic() >= self._deadline:
+                self._kill_rest()
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers if w.pid is not None]
