@@ -124,6 +124,8 @@ class SharedCore:
         if self._launch.coordinator is not None:
             self._launch.coordinator.shutdown()
         self._listeners.cleanup()
+        self._listeners.inputs.clear()  # (its __del__ would clean up again, late in the interpreter's exit)
+        self._listeners.outputs.clear()
 
 
 def attach(seat: CoreSeat) -> Engine:

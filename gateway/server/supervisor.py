@@ -40,6 +40,9 @@ STARTUP_FAILED = 3  # uvicorn's own status for a failed start-up (as `gateway.se
 WORKER_DIED = 1
 BACKLOG = 2048  # uvicorn's default backlog
 TICK_S = 0.5
+# a worker that drained and stopped: 0, or the SIGTERM it was sent, raised again by uvicorn once
+# it has stopped (uvicorn.Server.capture_signals), as the one-process gateway ends too
+CLEAN_EXITS = (0, -signal.SIGTERM)
 
 
 def listen(host: str, port: int, backlog: int = BACKLOG) -> socket.socket:
@@ -200,7 +203,7 @@ class Supervisor:
                 self._kill_rest()
         codes = [w.exitcode for w in self.workers]
         log.info("workers_stopped", exitcodes=codes)
-        return WORKER_DIED if died or any(code != 0 for code in codes) else 0
+        return WORKER_DIED if died or any(code not in CLEAN_EXITS for code in codes) else 0
 
     def _kill_rest(self) -> None:
         for worker in self.workers:
