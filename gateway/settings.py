@@ -208,8 +208,8 @@ class BatchesSettings(BaseModel):
     models at the lowest priority, their state and output on local disk, resumed after a restart."""
 
     enabled: bool = Field(
-        True, description="Serve /v1/batches and run batches (the embedded engines then schedule by priority when "
-        "their scheduling_policy is auto)",
+        True, description="Run batches on this replica (the embedded engines then schedule by priority when their "
+        "scheduling_policy is auto); off: /v1/batches still creates and answers them, a replica with it on runs them",
     )
     dir: Path = Field(
         "~/.local/state/llm-gateway/batches",  # made a Path by validate_default

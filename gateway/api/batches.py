@@ -48,7 +48,8 @@ async def _create(request: Request) -> Response:
     owner = Owner(key_id=context.key_id, tenant=context.tenant, keyed=state.tenants.known(context.key_id))
     expires = body.output_expires_after.seconds if body.output_expires_after else state.settings.batches.output_expires_after_s
     try:
-        await _mine(request).create(StoredBatch(batch=batch, owner=owner, output_expires_after_s=expires), content)
+        await _mine(request).create(StoredBatch(batch=batch, owner=owner, output_expires_after_s=expires,
+                                                     created_ns=time.time_ns()), content)
     except FileNotFoundError:  # deleted meanwhile
         raise file_not_found(body.input_file_id) from None
     state.lane.wake()

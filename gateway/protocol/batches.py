@@ -142,6 +142,7 @@ class StoredBatch(BaseModel):
     batch: Batch
     owner: Owner
     output_expires_after_s: int
+    created_ns: int = 0  # orders batches made within one second (created_at counts seconds)
 
 
 class LineResponse(BaseModel):

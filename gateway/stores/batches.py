@@ -257,8 +257,9 @@ class OwnedBatches:
     async def page(self, after: str | None, limit: int) -> tuple[list[Batch], bool]:
         """A page of this owner's batches, newest first, after the batch `after` (a 400 naming `after`
         when it is none of this owner's), and whether more follow."""
-        batches = await asyncio.to_thread(self._all)
-        batches.sort(key=lambda b: (b.created_at, b.id), reverse=True)
+        stored = await asyncio.to_thread(self._all)
+        stored.sort(key=lambda s: (s.batch.created_at, s.created_ns, s.batch.id), reverse=True)
+        batches = [s.batch for s in stored]
         start = 0
         if after is not None:
             ids = [b.id for b in batches]
@@ -267,14 +268,14 @@ class OwnedBatches:
             start = ids.index(after) + 1
         return batches[start : start + limit], start + limit < len(batches)
 
-    def _all(self) -> list[Batch]:
+    def _all(self) -> list[StoredBatch]:
         if not self.home.is_dir():
             return []
         found = []
         for record in self.home.glob("batch_*/record.json"):
             with contextlib.suppress(FileNotFoundError, ValueError):
                 if ID.fullmatch(record.parent.name):
-                    found.append(BatchDir(record.parent).read().batch)
+                    found.append(BatchDir(record.parent).read())
         return found
 
 
