@@ -127,7 +127,7 @@ def create_app(
             if settings.batches.enabled:  # pending batches resumed, once the models are up
                 runner = BatchRunner(state, state.batches)
                 runner.start()
-                state.lane = runner
+                state.batch_runner = runner
             log.info("ready", models=sorted(registry.backends), splits=sorted(registry.splits), aliases=sorted(registry.aliases))
             with serving_heap(settings.freeze_startup_heap, settings.gc_young_threshold):
                 yield {"gateway": state}

@@ -52,7 +52,7 @@ async def _create(request: Request) -> Response:
                                                      created_ns=time.time_ns()), content)
     except FileNotFoundError:  # deleted meanwhile
         raise file_not_found(body.input_file_id) from None
-    state.lane.wake()
+    state.batch_runner.wake()
     return json_response(batch)
 
 
@@ -71,5 +71,5 @@ async def retrieve(request: Request) -> Response:
 async def cancel(request: Request) -> Response:
     batch_id = request.path_params["batch_id"]
     cancelling = await _mine(request).cancel(batch_id)
-    state_of(request).lane.cancel(batch_id)
+    state_of(request).batch_runner.cancel(batch_id)
     return json_response(cancelling)

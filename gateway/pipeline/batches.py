@@ -71,6 +71,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._resting: dict[str, float] = {}  # batch id → when to try again a run that failed unexpectedly
+        self._done: set[str] = set()  # batches found done: never read again
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -109,8 +110,10 @@ class BatchRunner:
             self._wake.clear()
 
     async def _take_free(self) -> None:
+        if self.state.lifecycle.draining:  # shutting down: no new batch taken
+            return
         now = time.monotonic()
-        for batch in await self.store.pending():
+        for batch in await self.store.pending(self._done):
             if batch.id in self.runs or self._resting.get(batch.id, 0) > now:
                 continue
             lease = await asyncio.to_thread(Lease.take, batch, self.holder, self.settings.lease_s)
@@ -209,6 +212,9 @@ class BatchRun:
                 if line.custom_id in self.progress.done:
                     continue
                 await self.runner.slots.acquire()
+                if self.runner.state.lifecycle.draining:  # no new line: those in flight finish or are cancelled
+                    self.runner.slots.release()
+                    await asyncio.Event().wait()  # until the shutdown cancels this run
                 task = asyncio.create_task(self._one(line))
                 flight.add(task)
                 task.add_done_callback(self._done)  # the slot freed however the line ends, even cancelled unstarted

@@ -18,7 +18,7 @@ from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
 
 
-class BatchLane(Protocol):
+class BatchSignals(Protocol):
     """What the routes tell the batch runner (`pipeline.batches.BatchRunner`)."""
 
     def wake(self) -> None: ...
@@ -26,7 +26,7 @@ class BatchLane(Protocol):
     def cancel(self, batch_id: str) -> None: ...
 
 
-class NoLane:
+class NoRunner:
     """No runner (batches off, or a unit test's state): batches wait on disk."""
 
     def wake(self) -> None:
@@ -48,7 +48,7 @@ class GatewayState:
     tenants: Tenants  # the keys file: each key's policy
     files: FileStore  # the Files API's uploads, on disk
     batches: BatchStore  # the Batches API's batches, on disk
-    lane: BatchLane = field(default_factory=NoLane)  # the batch runner, once started
+    batch_runner: BatchSignals = field(default_factory=NoRunner)  # the batch runner, once started
     adapters: AdapterAdmin = field(init=False)  # LoRA adapters loaded and unloaded while serving
 
     def __post_init__(self) -> None:

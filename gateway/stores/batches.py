@@ -191,21 +191,24 @@ class BatchStore:
     def of(self, owner: str) -> OwnedBatches:
         return OwnedBatches(self.root / hashlib.sha256(owner.encode()).hexdigest()[:32])
 
-    async def pending(self) -> list[BatchDir]:
-        """Every batch of every owner that is not done yet, oldest first (for the runner)."""
-        return await asyncio.to_thread(self._pending)
+    async def pending(self, done: set[str]) -> list[BatchDir]:
+        """Every batch of every owner that is not done yet, oldest first (for the runner). `done`: ids
+        known to be done, not read again (a done batch never changes); those found done are added."""
+        return await asyncio.to_thread(self._pending, done)
 
-    def _pending(self) -> list[BatchDir]:
+    def _pending(self, done: set[str]) -> list[BatchDir]:
         found: list[tuple[int, BatchDir]] = []
         for record in self.root.glob("*/batch_*/record.json"):
             batch = BatchDir(record.parent)
-            if not ID.fullmatch(batch.id):
+            if batch.id in done or not ID.fullmatch(batch.id):
                 continue
             try:
                 stored = batch.read()
             except (FileNotFoundError, ValueError):
                 continue
-            if stored.batch.status not in DONE:
+            if stored.batch.status in DONE:
+                done.add(batch.id)
+            else:
                 found.append((stored.batch.created_at, batch))
         return [batch for _, batch in sorted(found, key=lambda item: (item[0], item[1].id))]
 

@@ -382,3 +382,24 @@ def test_a_removed_key_fails_its_batchs_lines(tmp_path: Path) -> None:
     errors = BatchDir(next((tmp_path / "batches").glob(f"*/{batch_id}"))).errors
     [line] = [json.loads(x) for x in errors.read_bytes().splitlines()]
     assert line["response"]["status_code"] == 401
+
+
+def test_a_drain_starts_no_new_line_and_leaves_the_batch_in_progress(tmp_path: Path) -> None:
+    from gateway.app import create_app
+    from gateway.pipeline.lifecycle import Lifecycle
+    from tests.fakes import fake_settings
+
+    engine, lifecycle = FakeEngine(delay=0.02), Lifecycle()
+    app = create_app(fake_settings(**settings(tmp_path, max_in_flight=1)), engine_starter=lambda es: engine,
+                     lifecycle=lifecycle)
+    with TestClient(app) as client:
+        sdk = sdk_for(client)
+        batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=5) for i in range(10))))
+        wait(sdk, batch.id, ("in_progress",))
+        lifecycle.start_drain()
+        started = len(engine.requests)
+        time.sleep(0.5)  # ten lines' time: none of them starts
+        assert len(engine.requests) == started < 10
+    stored = BatchDir(next((tmp_path / "batches").glob(f"*/{batch.id}"))).read()
+    assert stored.batch.status == "in_progress"
+    assert stored.batch.request_counts.completed < 10
