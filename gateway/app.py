@@ -1,7 +1,8 @@
 """The app factory: the ASGI app (`api.application`: the route table's routes, the middleware stack
 of `middleware.stack`, the one exception handler) and the lifespan that starts the models
-(embedded engines, remote upstreams), the response cache and the Responses API's store, and stops
-them after the drain. Bad configuration is refused here, before anything starts.
+(embedded engines, remote upstreams), the response cache, the Responses API's store and, once the
+models are up, the batch runner (pending batches resumed), and stops them after the drain (the
+batch runner first, before the engines). Bad configuration is refused here, before anything starts.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from gateway.backends.startup import (
     warm_up,
 )
 from gateway.middleware.stack import stack
+from gateway.pipeline.batches import BatchRunner
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.pipeline.state import GatewayState
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
+from gateway.stores.batches import BatchStore
 from gateway.stores.cache import ResponseCache, make_backend
 from gateway.stores.files import FileStore
 from gateway.stores.redis import RedisPools
@@ -108,23 +111,30 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: object) -> AsyncIterator[dict[str, GatewayState]]:
-        registry = build_registry(models, settings, engine_starter, grammar_starter, tenants.prioritized)
+        prioritized = tenants.prioritized or settings.batches.enabled  # batch lines run below every key's class
+        registry = build_registry(models, settings, engine_starter, grammar_starter, prioritized)
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
+        runner: BatchRunner | None = None
         try:
             await load_declared(registry)
             metrics.export_adapter_load(lambda: [engine.adapter_load() for _, engine in registry.engines()])
             if settings.warmup:
                 for name, engine in registry.engines():
                     await warm_up(name, engine)
-            state = GatewayState(
-                settings, registry, lifecycle, quota, cache, guards, responses, tenants, FileStore.at(settings.files.dir)
-            )
+            state = GatewayState(settings, registry, lifecycle, quota, cache, guards, responses, tenants,
+                                 FileStore.at(settings.files.dir), BatchStore.at(settings.batches.dir))
+            if settings.batches.enabled:  # pending batches resumed, once the models are up
+                runner = BatchRunner(state, state.batches)
+                runner.start()
+                state.batch_runner = runner
             log.info("ready", models=sorted(registry.backends), splits=sorted(registry.splits), aliases=sorted(registry.aliases))
             with serving_heap(settings.freeze_startup_heap, settings.gc_young_threshold):
                 yield {"gateway": state}
         finally:
             lifecycle.start_drain()
+            if runner is not None:
+                await runner.stop()  # lines in flight cancelled (they run again after a restart), leases freed
             await responses.aclose()  # background responses stop before their engines do
             await stop(registry)
             if cache.backend is not None:

@@ -203,6 +203,42 @@ class FilesSettings(BaseModel):
     )
 
 
+class BatchesSettings(BaseModel):
+    """The Batches API (`/v1/batches`): batches of a key's uploaded requests run by this gateway's own
+    models at the lowest priority, their state and output on local disk, resumed after a restart."""
+
+    enabled: bool = Field(
+        True, description="Run batches on this replica (the embedded engines then schedule by priority when their "
+        "scheduling_policy is auto); off: /v1/batches still creates and answers them, a replica with it on runs them",
+    )
+    dir: Path = Field(
+        "~/.local/state/llm-gateway/batches",  # made a Path by validate_default
+        validate_default=True,
+        description="Where batches, their progress and their leases are kept; replicas that share batches need a "
+        "shared volume here (and for files.dir)",
+    )
+    max_in_flight: int = Field(
+        4, gt=0, description="Batch lines this replica runs at once, across all batches (each at the lowest priority)",
+    )
+    lease_s: float = Field(
+        30, gt=0, description="A replica running a batch holds its lease this long, renewed every third of it; "
+        "another replica takes the batch over only once the lease has expired",
+    )
+    poll_s: float = Field(
+        1, gt=0, description="How often the runner looks for batches to run (created on other replicas, leases "
+        "expired) and a running batch for a cancel from another replica",
+    )
+    retry_s: float = Field(
+        5, gt=0, description="A line refused by the key's rate limits (requests or tokens per minute) waits this "
+        "long, at least, before it is tried again",
+    )
+    output_expires_after_s: int = Field(
+        30 * 86400, ge=3600, le=30 * 86400,
+        description="A batch's output and error files expire this long after they are written, unless the batch "
+        "asks otherwise (output_expires_after)",
+    )
+
+
 class Settings(BaseSettings):
     """The gateway's own settings: its HTTP server, logs, request bounds, API keys and the files it reads."""
 
@@ -339,6 +375,7 @@ class Settings(BaseSettings):
     )
     cache: CacheSettings = Field(default_factory=CacheSettings)
     files: FilesSettings = Field(default_factory=FilesSettings)
+    batches: BatchesSettings = Field(default_factory=BatchesSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     structured_output: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)

@@ -284,12 +284,15 @@ def _files_dir() -> str:
 def fake_settings(**overrides: Any):
     """Settings for unit tests: the fake engine's name, no warm-up, no cache unless asked, no heap
     freezing (a full collection per app start-up is seconds over a suite)."""
+    import tempfile
+
     from engine.config import EngineSettings
     from gateway.settings import Settings
 
     values: dict[str, Any] = {"warmup": False, "freeze_startup_heap": False, "engine": EngineSettings(served_model_name="fake-model")}
     values.setdefault("cache", {"backend": "off"})
     values.setdefault("files", {"dir": _files_dir()})  # never the home directory's
+    values.setdefault("batches", {"dir": tempfile.mkdtemp(prefix="gateway-batches-")})  # each app its own
     return Settings(**{**values, **overrides})
 
 

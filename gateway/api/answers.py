@@ -8,7 +8,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from gateway.api.sse import RELAYED, EventStreamResponse, Framing
-from gateway.pipeline.answer import Answer, Stream
+from gateway.pipeline.answer import Answer, Stream, json_bytes
 
 
 class JSONBytes(Response):
@@ -26,8 +26,7 @@ class JSONBytes(Response):
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:
-    body = model.__pydantic_serializer__.to_json(model, exclude_none=True)
-    return Response(body, status_code=status, media_type="application/json")
+    return Response(json_bytes(model), status_code=status, media_type="application/json")
 
 
 def respond(answer: Answer, framing: Framing | None = None) -> Response:

@@ -23,14 +23,14 @@ from starlette.types import Message
 from gateway.api.answers import json_response, respond, stream_response
 from gateway.api.requests import context, parse, state_of
 from gateway.api.sse import NAMED, EventStreamResponse
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest
 from gateway.pipeline.answer import Stream
 from gateway.pipeline.context import context_of
 from gateway.pipeline.dispatch import dispatch
 from gateway.pipeline.lifecycle import Lifecycle
-from gateway.protocol.responses import InputItemsQuery, Item, ResponseDeleted, ResponseItemList, ResponsesRequest
-from gateway.serving.responses import ResponsesService
-from gateway.stores.responses import RUNNING, BackgroundRun, OwnedResponses
+from gateway.protocol.responses import InputItemsQuery, ResponseDeleted, ResponseItemList, ResponsesRequest
+from gateway.serving.responses import ResponsesService, history_of
+from gateway.stores.responses import BackgroundRun, OwnedResponses
 
 
 def _mine(request: Request) -> OwnedResponses:
@@ -42,7 +42,7 @@ def _mine(request: Request) -> OwnedResponses:
 async def create(request: Request) -> Response:
     body = await parse(request, ResponsesRequest)
     state, mine = state_of(request), _mine(request)
-    history = await _history(mine, body.previous_response_id)
+    history = await history_of(mine, body.previous_response_id)
     service = ResponsesService(body, history, mine)
     answer = await dispatch(context(request), state, service.chat_request(), service)
     if isinstance(answer, Stream):
@@ -51,22 +51,6 @@ async def create(request: Request) -> Response:
         return stream_response(answer, NAMED)
     await service.save()
     return respond(answer)
-
-
-async def _history(mine: OwnedResponses, previous_id: str | None) -> list[Item]:
-    """The conversation so far: the previous response's input items, then its output."""
-    if previous_id is None:
-        return []
-    try:
-        previous = await mine.get(previous_id)
-    except NotFound:
-        raise NotFound(f"Previous response with id '{previous_id}' not found.", "previous_response_id") from None
-    if previous.response.status in RUNNING:  # its output is not all there yet: the history would lack it
-        raise InvalidRequest(
-            f"Previous response with id '{previous_id}' is still {previous.response.status}; "
-            "continue from it once it has completed", "previous_response_id",
-        )
-    return [*previous.input_items, *previous.response.output]
 
 
 async def _in_background(service: ResponsesService, stream: EventStreamResponse, lifecycle: Lifecycle) -> Response:

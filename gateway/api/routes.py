@@ -17,11 +17,12 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.api import admin, embeddings, files, handlers, messages, native, ops, responses
+from gateway.api import admin, batches, embeddings, files, handlers, messages, native, ops, responses
 from gateway.api.openapi import document
 from gateway.api.table import Endpoint, RouteTable
 from gateway.protocol import adapters as ad
 from gateway.protocol import anthropic as a
+from gateway.protocol import batches as b
 from gateway.protocol import embeddings as e
 from gateway.protocol import files as f
 from gateway.protocol import openai as p
@@ -61,6 +62,11 @@ TABLE = RouteTable([
     Endpoint("GET", "/v1/files/{file_id}", files.by_id, "api", "Retrieve a file's object", None, f.FileObject),
     Endpoint("DELETE", "/v1/files/{file_id}", files.by_id, "api", "Delete a file", None, f.FileDeleted),
     Endpoint("GET", "/v1/files/{file_id}/content", files.content, "api", "Download a file's content"),
+    Endpoint("POST", "/v1/batches", batches.collection, "api", "Create a batch of requests from an uploaded file",
+             b.BatchCreate, b.Batch),
+    Endpoint("GET", "/v1/batches", batches.collection, "api", "List the key's batches, newest first", None, b.BatchList),
+    Endpoint("GET", "/v1/batches/{batch_id}", batches.retrieve, "api", "Retrieve a batch", None, b.Batch),
+    Endpoint("POST", "/v1/batches/{batch_id}/cancel", batches.cancel, "api", "Cancel a batch", None, b.Batch),
     Endpoint("POST", "/tokenize", native.tokenize, "api", "Tokenize a prompt or chat messages",
              p.TokenizeRequest, p.TokenizeResponse),
     Endpoint("POST", "/detokenize", native.detokenize, "api", "Turn token ids into text",

@@ -58,7 +58,8 @@ def build_registry(
 ) -> ModelRegistry:
     """The backends of the models file, embedded engines started (each with its grammar compiler
     processes, `engine.grammar`, when `structured_output.compile_workers` asks for them), under
-    priority scheduling when `prioritized` (keys with classes) and their `scheduling_policy` is auto."""
+    priority scheduling when `prioritized` (keys with classes, or batches on: their lines run below
+    everything) and their `scheduling_policy` is auto."""
     backends: dict[str, Backend] = {}
     splits: dict[str, Split] = {}
     aliases: dict[str, str] = {}

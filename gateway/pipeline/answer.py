@@ -30,6 +30,16 @@ class Stream:
 Answer = Whole | Stream
 
 
+def json_bytes(model: BaseModel) -> bytes:
+    """A model as the API writes it: JSON without its unset (None) fields."""
+    return model.__pydantic_serializer__.to_json(model, exclude_none=True)
+
+
+def whole_json(answer: Whole) -> bytes:
+    """A whole answer's body as JSON bytes, exactly as the api layer sends it (a batch line's body)."""
+    return json_bytes(answer.body) if isinstance(answer.body, BaseModel) else answer.body
+
+
 async def _nothing() -> AsyncGenerator[Event, None]:
     return
     yield

@@ -47,7 +47,8 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
     ) -> None:
         self.context, self.state, self.body, self.service = context, state, body, service
         self.guard, self.shape, self.policy = guard, shape, policy
-        self.scheduled = priority.of(policy, body)  # the class admission orders by, the engine's priority
+        # the class admission orders by, the engine's priority (a batch line's: the batch lane, below every key's)
+        self.scheduled = context.lane or priority.of(policy, body)
         keys_scope = (state.settings.api_keys or state.tenants.enabled) and not state.settings.cache.shared_across_keys
         self.cache_scope = context.tenant if keys_scope else ""
 

@@ -12,6 +12,7 @@ from typing import Any
 from gateway.errors import Dialect
 from gateway.telemetry.record import RequestRecord
 from gateway.tenancy.keys import ANONYMOUS
+from gateway.tenancy.priority import Scheduled
 from gateway.tenancy.quota import Charge
 from gateway.tenancy.tenants import KeyPolicy
 
@@ -38,6 +39,7 @@ class RequestContext:
     client_gone: Gone | None = None  # None: nobody to watch (a background run, a unit test)
     no_cache: bool = False  # the client asked for a fresh answer, not a stored one (Cache-Control: no-cache)
     no_store: bool = False  # the client asked that its answer not be stored (Cache-Control: no-store)
+    lane: Scheduled | None = None  # a fixed place in the queues, in place of the key's (a batch line's: the lowest)
 
 
 def context_of(scope: MutableMapping[str, Any]) -> RequestContext:

@@ -3,17 +3,37 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.backends.adapters import AdapterAdmin
 from gateway.backends.registry import ModelRegistry
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
+from gateway.stores.batches import BatchStore
 from gateway.stores.cache import ResponseCache
 from gateway.stores.files import FileStore
 from gateway.stores.responses import ResponseStore
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
+
+
+class BatchSignals(Protocol):
+    """What the routes tell the batch runner (`pipeline.batches.BatchRunner`)."""
+
+    def wake(self) -> None: ...
+
+    def cancel(self, batch_id: str) -> None: ...
+
+
+class NoRunner:
+    """No runner (batches off, or a unit test's state): batches wait on disk."""
+
+    def wake(self) -> None:
+        pass
+
+    def cancel(self, batch_id: str) -> None:
+        pass
 
 
 @dataclass(slots=True)
@@ -27,6 +47,8 @@ class GatewayState:
     responses: ResponseStore  # the Responses API's stored responses
     tenants: Tenants  # the keys file: each key's policy
     files: FileStore  # the Files API's uploads, on disk
+    batches: BatchStore  # the Batches API's batches, on disk
+    batch_runner: BatchSignals = field(default_factory=NoRunner)  # the batch runner, once started
     adapters: AdapterAdmin = field(init=False)  # LoRA adapters loaded and unloaded while serving
 
     def __post_init__(self) -> None:

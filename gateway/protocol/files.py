@@ -7,8 +7,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Purpose = Literal["batch"]  # what the gateway takes: the batch lane's input (others are a 400 naming `purpose`)
-PURPOSES: tuple[str, ...] = ("batch",)
+# `batch`: a batch's input, the one purpose an upload may have (others are a 400 naming `purpose`);
+# `batch_output`: a batch's output or error file, written by the gateway (`stores.batches`)
+Purpose = Literal["batch", "batch_output"]
+PURPOSES: tuple[str, ...] = ("batch",)  # what an upload may name
 
 
 class FileObject(BaseModel):

@@ -301,3 +301,19 @@ class ResponsesService:
                 yield event
         await self.save(answer)
         yield events.lifecycle("response.completed" if answer.status == "completed" else "response.incomplete", answer)
+
+
+async def history_of(mine: OwnedResponses, previous_id: str | None) -> list[Item]:
+    """The conversation so far: the previous response's input items, then its output."""
+    if previous_id is None:
+        return []
+    try:
+        previous = await mine.get(previous_id)
+    except NotFound:
+        raise NotFound(f"Previous response with id '{previous_id}' not found.", "previous_response_id") from None
+    if previous.response.status in RUNNING:  # its output is not all there yet: the history would lack it
+        raise InvalidRequest(
+            f"Previous response with id '{previous_id}' is still {previous.response.status}; "
+            "continue from it once it has completed", "previous_response_id",
+        )
+    return [*previous.input_items, *previous.response.output]

@@ -24,6 +24,7 @@ import hashlib
 import os
 import re
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,11 @@ def not_found(file_id: str) -> NotFound:
 
 def _new_id() -> str:
     return "file-" + secrets.token_hex(12)
+
+
+def derived_id(name: str) -> str:
+    """A file id that is always the same for `name` (a batch's output: written again, not twice)."""
+    return "file-" + hashlib.sha256(name.encode()).hexdigest()[:24]
 
 
 class Staged:
@@ -104,12 +110,15 @@ class OwnedFiles:
 
         return await asyncio.to_thread(make)
 
-    async def put(self, staged: Staged, filename: str, purpose: Purpose, expires_after_s: int) -> FileObject:
-        """Store an upload under a new id: its content renamed into place, then its metadata written."""
+    async def put(
+        self, staged: Staged, filename: str, purpose: Purpose, expires_after_s: int, file_id: str | None = None,
+    ) -> FileObject:
+        """Store an upload under a new id (or `file_id`, replaced when it exists: a batch's output
+        written again after a restart): its content renamed into place, then its metadata written."""
         await staged.close()
         now = int(time.time())
-        stored = FileObject(id=_new_id(), bytes=staged.size, created_at=now, filename=filename, purpose=purpose,
-                            expires_at=now + expires_after_s)
+        stored = FileObject(id=file_id or _new_id(), bytes=staged.size, created_at=now, filename=filename,
+                            purpose=purpose, expires_at=now + expires_after_s)
         content, meta = self._paths(stored.id)
 
         def write() -> None:
@@ -120,6 +129,17 @@ class OwnedFiles:
 
         await asyncio.to_thread(write)
         return stored
+
+    async def publish(self, source: Path, filename: str, file_id: str, expires_after_s: int) -> FileObject:
+        """A copy of `source` stored as the file `file_id` of purpose `batch_output` (a batch's output)."""
+        staged = await self.stage()
+        try:
+            await staged.close()
+            await asyncio.to_thread(shutil.copyfile, source, staged.path)
+            staged.size = await asyncio.to_thread(lambda: staged.path.stat().st_size)
+            return await self.put(staged, filename, "batch_output", expires_after_s, file_id)
+        finally:
+            await staged.discard()
 
     async def get(self, file_id: str) -> FileObject:
         content, meta = self._paths(file_id)
@@ -145,6 +165,11 @@ class OwnedFiles:
         if result is None:
             raise not_found(file_id)
         return result
+
+    async def content_of(self, file_id: str) -> tuple[FileObject, Path]:
+        """A file's object and where its content is (a batch links it; it may be deleted meanwhile)."""
+        found = await self.get(file_id)
+        return found, self._paths(file_id)[0]
 
     async def delete(self, file_id: str) -> None:
         content, meta = self._paths(file_id)

@@ -7,6 +7,7 @@ its queue order and share) and by the engine (the integer: vLLM's priority sched
     high     -1                priority
     normal    0 (vLLM's own)   default
     low       1                flex
+    (batch)   2                flex      a batch's lines (`BATCH`): below every key's class, admitted as low
 
 A request may always *lower* its priority (`service_tier: flex`, an integer above its class's):
 yielding to others harms no one. Raising it (`service_tier: priority`, a lower integer) needs the
@@ -43,6 +44,7 @@ class Scheduled:
 
 
 NORMAL = Scheduled()
+BATCH = Scheduled("low", ENGINE_PRIORITY["low"] + 1)  # the batch lane: after everything interactive
 
 
 def class_of(priority: int) -> Priority:

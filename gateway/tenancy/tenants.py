@@ -193,6 +193,10 @@ class Tenants:
     def policy(self, key_id: str) -> KeyPolicy:
         return self._table.policies.get(key_id) or KeyPolicy(key_id, rpm=self.rpm, tpm=self.tpm)
 
+    def known(self, key_id: str) -> bool:
+        """Whether the keys file (as last read) lists this key."""
+        return key_id in self._table.policies
+
     def guard_profile(self, key_id: str) -> str | None:
         found = self._table.policies.get(key_id)
         return found.guards if found else None

@@ -115,20 +115,22 @@ async def test_the_priority_reaches_the_engine_and_the_answer_names_its_tier(
 
 
 @pytest.mark.parametrize(
-    ("keys", "setting", "policy"),
+    ("keys", "setting", "batches", "policy"),
     [
-        (None, "auto", "fcfs"),
-        ("keys:\n  a: {key: sk-a}\n", "auto", "fcfs"),
-        ("keys:\n  a: {key: sk-a, request_priority: true}\n", "auto", "priority"),
-        ("keys:\n  a: {key: sk-a, priority: low}\n", "fcfs", "fcfs"),
-        (None, "priority", "priority"),
+        (None, "auto", False, "fcfs"),
+        ("keys:\n  a: {key: sk-a}\n", "auto", False, "fcfs"),
+        ("keys:\n  a: {key: sk-a, request_priority: true}\n", "auto", False, "priority"),
+        ("keys:\n  a: {key: sk-a, priority: low}\n", "fcfs", True, "fcfs"),
+        (None, "priority", False, "priority"),
+        (None, "auto", True, "priority"),  # batch lines run below every key's class
     ],
 )
-async def test_engines_schedule_by_priority_when_keys_have_classes(
-    tmp_path: Path, keys: str | None, setting: str, policy: str
+async def test_engines_schedule_by_priority_when_keys_have_classes_or_batches_run(
+    tmp_path: Path, keys: str | None, setting: str, batches: bool, policy: str
 ) -> None:
     started: list[EngineSettings] = []
-    app = _app(tmp_path, FakeEngine(), started, keys=keys, engine={"scheduling_policy": setting})
+    app = _app(tmp_path, FakeEngine(), started, keys=keys, engine={"scheduling_policy": setting},
+               batches={"enabled": batches, "dir": tmp_path / "batches"})
     async with app.router.lifespan_context(app):
         pass
     assert [s.scheduling_policy for s in started] == [policy]

@@ -42,6 +42,8 @@ def app_with(**overrides: Any) -> Any:
     """A chat model (fake-model, serving adapters) and an embedding model (fake-embed), on fake
     engines; an admin key."""
     engine = EngineSettings(served_model_name="fake-model", enable_lora=True)
+    # batches created here wait on disk (no runner): retrieved and cancelled whatever the timing
+    overrides.setdefault("batches", {"enabled": False, "dir": tempfile.mkdtemp(prefix="route-batches-")})
     settings = fake_settings(embedding_model="fake-embed", admin_keys=[ADMIN_KEY], engine=engine, **overrides)
     return create_app(settings, engine_starter=lambda es: FakeEngine(
         es.served_model_name, task=es.task, max_loras=2 if es.enable_lora and es.task == "generate" else None))
@@ -61,10 +63,20 @@ def concrete(client: TestClient, path: str, headers: dict[str, str]) -> str:
     if "{file_id}" in path:
         made = upload(client, headers)
         return path.replace("{file_id}", made.json()["id"] if made.status_code == 200 else "file-none")
+    if "{batch_id}" in path:
+        made = client.post("/v1/batches", json=batch_body(client, headers), headers=headers)
+        return path.replace("{batch_id}", made.json()["id"] if made.status_code == 200 else "batch_none")
     if "{response_id}" not in path:
         return path.replace("{model:path}", "fake-model")
     made = client.post("/v1/responses", json={**BODIES["/v1/responses"], "background": True}, headers=headers)
     return path.replace("{response_id}", made.json()["id"] if made.status_code == 200 else "resp_none")
+
+
+def batch_body(client: TestClient, headers: dict[str, str]) -> dict[str, Any]:
+    """A batch of a fresh upload (when the app lets one be made)."""
+    made = upload(client, headers)
+    file_id = made.json()["id"] if made.status_code == 200 else "file-none"
+    return {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
 
 
 def call(client: TestClient, endpoint: Endpoint, **headers: str) -> Any:
@@ -74,7 +86,8 @@ def call(client: TestClient, endpoint: Endpoint, **headers: str) -> Any:
     if endpoint.upload:
         return upload(client, headers)
     path = concrete(client, endpoint.path, headers)
-    return client.request(endpoint.method, path, json=BODIES.get(endpoint.path), headers=headers)
+    body = batch_body(client, headers) if (endpoint.method, path) == ("POST", "/v1/batches") else BODIES.get(endpoint.path)
+    return client.request(endpoint.method, path, json=body, headers=headers)
 
 
 def test_every_route_of_the_app_is_in_the_table() -> None:

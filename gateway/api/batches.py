@@ -1,0 +1,75 @@
+"""The Batches API's routes: create, list, retrieve, cancel.
+
+Batches are the asking key's tenant's, reached only through the store's view of that owner
+(`stores.batches`): another tenant's batch is a 404 exactly as an unknown one, and so is another
+tenant's input file. A batch is created `validating` and handed to the runner
+(`pipeline.batches`), which checks its lines, runs them and writes its status; these routes only
+read it (and ask for a cancel, which the runner carries out).
+"""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.answers import json_response
+from gateway.api.requests import parse, state_of
+from gateway.errors import InvalidRequest
+from gateway.pipeline.context import context_of
+from gateway.protocol.batches import WINDOW_S, Batch, BatchCreate, BatchList, BatchListQuery, Owner, StoredBatch
+from gateway.stores.batches import OwnedBatches, new_id
+from gateway.stores.files import not_found as file_not_found
+
+
+def _mine(request: Request) -> OwnedBatches:
+    return state_of(request).batches.of(context_of(request.scope).tenant)
+
+
+async def collection(request: Request) -> Response:
+    """POST (create) and GET (list) /v1/batches."""
+    return await (_create(request) if request.method == "POST" else _list(request))
+
+
+async def _create(request: Request) -> Response:
+    body = await parse(request, BatchCreate)
+    state, context = state_of(request), context_of(request.scope)
+    files = state.files.of(context.tenant)
+    found, content = await files.content_of(body.input_file_id)
+    if found.purpose != "batch":
+        raise InvalidRequest(
+            f"The file '{body.input_file_id}' has purpose '{found.purpose}'; a batch's input must be a file of "
+            "purpose 'batch'.", param="input_file_id",
+        )
+    now = int(time.time())
+    batch = Batch(id=new_id(), endpoint=body.endpoint, input_file_id=found.id, status="validating", created_at=now,
+                  expires_at=now + WINDOW_S, metadata=body.metadata)
+    owner = Owner(key_id=context.key_id, tenant=context.tenant, keyed=state.tenants.known(context.key_id))
+    expires = body.output_expires_after.seconds if body.output_expires_after else state.settings.batches.output_expires_after_s
+    try:
+        await _mine(request).create(StoredBatch(batch=batch, owner=owner, output_expires_after_s=expires,
+                                                     created_ns=time.time_ns()), content)
+    except FileNotFoundError:  # deleted meanwhile
+        raise file_not_found(body.input_file_id) from None
+    state.batch_runner.wake()
+    return json_response(batch)
+
+
+async def _list(request: Request) -> Response:
+    query = BatchListQuery.model_validate(dict(request.query_params))
+    page, more = await _mine(request).page(query.after, query.limit)
+    return json_response(BatchList(
+        data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None, has_more=more,
+    ))
+
+
+async def retrieve(request: Request) -> Response:
+    return json_response(await _mine(request).get(request.path_params["batch_id"]))
+
+
+async def cancel(request: Request) -> Response:
+    batch_id = request.path_params["batch_id"]
+    cancelling = await _mine(request).cancel(batch_id)
+    state_of(request).batch_runner.cancel(batch_id)
+    return json_response(cancelling)

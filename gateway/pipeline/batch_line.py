@@ -1,0 +1,152 @@
+"""One line of a batch, run as the same request sent to its route would be: its body parsed with the
+route's protocol model, then the whole pipeline (`dispatch`: the key's models, guards, token
+limits and budget, cache, admission, the engine, usage accounting), as the key that created the
+batch, with its policy read again for this line, and answered as the route encodes its answer.
+
+What differs from the route: the line runs in the batch lane (`priority.BATCH`: below every key's
+class, in admission and in the engine), nobody can disconnect (`client_gone=None`), a stream
+(`stream: true`, a background response) is refused, and a refusal by the key's requests or tokens
+per minute (or a model's full queue) is not an answer but `Retry`: the line waits and runs again
+(the batch pauses, it does not fail). A spent budget is an answer (429 `insufficient_quota`): the
+line fails, and so does every later line until the budget renews. A key removed from the keys file
+since the batch was created fails each remaining line (401).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from gateway.errors import APIError, AuthenticationFailed, InvalidRequest, RateLimited, from_exception, invalid_body
+from gateway.pipeline.answer import Stream, Whole, whole_json
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.dispatch import dispatch
+from gateway.pipeline.state import GatewayState
+from gateway.protocol.batches import Owner
+from gateway.protocol.embeddings import EmbeddingRequest
+from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+from gateway.protocol.responses import ResponsesRequest
+from gateway.serving.chat import CHAT
+from gateway.serving.completions import COMPLETIONS
+from gateway.serving.embeddings import EMBEDDINGS
+from gateway.serving.responses import ResponsesService, history_of
+from gateway.telemetry.record import close_record, open_record
+from gateway.tenancy import priority
+
+_CANCELLED = 499  # the status a line's usage is counted under when its run was cancelled
+
+
+class Retry(Exception):
+    """The key's rate limits (or a full queue) refused the line for now: run it again after `wait_s`."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(f"retry in {wait_s:g} s")
+        self.wait_s = wait_s
+
+
+@dataclass(slots=True, frozen=True)
+class LineAnswer:
+    """What the route would have answered: its status and JSON body (an error's too), and the tokens."""
+
+    status: int
+    body: bytes
+    request_id: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+
+Run = Callable[[RequestContext, GatewayState, bytes], Awaitable[Whole]]
+
+
+def _parsed(model: type[Any], body: bytes) -> Any:
+    try:
+        parsed = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise invalid_body(exc, body) from exc
+    if getattr(parsed, "stream", False):
+        raise InvalidRequest("A batch's requests are not streamed: leave out 'stream' (or set it to false)", "stream")
+    if getattr(parsed, "background", False):
+        raise InvalidRequest("A batch's requests already run in the background: leave out 'background'", "background")
+    return parsed
+
+
+def _whole(answer: Any) -> Whole:
+    assert not isinstance(answer, Stream)  # streams are refused above
+    return answer  # type: ignore[no-any-return]
+
+
+async def _chat(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
+    return _whole(await dispatch(context, state, _parsed(ChatCompletionRequest, body), CHAT))
+
+
+async def _completions(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
+    return _whole(await dispatch(context, state, _parsed(CompletionRequest, body), COMPLETIONS))
+
+
+async def _embeddings(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
+    return _whole(await dispatch(context, state, _parsed(EmbeddingRequest, body), EMBEDDINGS))
+
+
+async def _responses(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
+    """As `api.responses.create` runs a whole response: its history read, stored when it asks to be."""
+    request: ResponsesRequest = _parsed(ResponsesRequest, body)
+    mine = state.responses.of(context.tenant)
+    service = ResponsesService(request, await history_of(mine, request.previous_response_id), mine)
+    answer = _whole(await dispatch(context, state, service.chat_request(), service))
+    await service.save()
+    return answer
+
+
+ROUTES: dict[str, Run] = {
+    "/v1/chat/completions": _chat,
+    "/v1/completions": _completions,
+    "/v1/embeddings": _embeddings,
+    "/v1/responses": _responses,
+}
+
+
+def new_request_id() -> str:
+    return "req_" + secrets.token_hex(16)
+
+
+async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, retry_s: float) -> LineAnswer:
+    """The line's answer (an error is an answer too); `Retry` when the key's rate limits refuse it for now."""
+    context = RequestContext(request_id=new_request_id(), key_id=owner.key_id, tenant=owner.tenant,
+                             lane=priority.BATCH, body_bytes=len(body))
+    record = context.record
+    record.api_key_id = owner.key_id
+    opened = open_record(record)
+    status = _CANCELLED
+    try:
+        try:
+            answer = await _answer(context, state, owner, url, body)
+            status, data = answer.status, whole_json(answer)
+        except RateLimited as refused:
+            status = refused.status
+            wait = record.response_headers.get("retry-after", "0")
+            raise Retry(max(retry_s, float(wait) if wait.isdigit() else 0.0)) from None
+        except Exception as exc:  # an error is this line's answer, as the route would render it
+            error: APIError = from_exception(exc)
+            status, data = error.status, orjson.dumps(error.body())
+        return LineAnswer(status, data, context.request_id, record.prompt_tokens or 0, record.completion_tokens or 0)
+    finally:
+        if context.policy is not None:  # the request's usage counted and its charge settled, as the middleware does
+            state.quota.finish(context.policy, status, context.charge)
+        close_record(opened)
+
+
+async def _answer(context: RequestContext, state: GatewayState, owner: Owner, url: str, body: bytes) -> Whole:
+    if owner.keyed and not state.tenants.known(owner.key_id):
+        raise AuthenticationFailed("The API key that created this batch is no longer valid.")
+    policy = context.policy = state.tenants.policy(owner.key_id)
+    await state.quota.take_request(policy)
+    return await ROUTES[url](context, state, body)

@@ -1,0 +1,322 @@
+"""The batch runner: runs the batches kept in `stores.batches`, each line through the pipeline as its
+route would run it (`pipeline.batch_line`), in the batch lane (the lowest priority), at most
+`batches.max_in_flight` lines at once on this replica across all batches (the engine stays free for
+interactive requests, and an idle engine still gets that many lines at once).
+
+A batch's life, as OpenAI's: `validating` (its input checked: `failed` with `errors`) →
+`in_progress` (its lines run) → `finalizing` (its output and error files published as files of
+its owner, purpose `batch_output`) → `completed`; or, on a cancel, `cancelling` (the lines in
+flight cancelled: their engine requests aborted) → `cancelled`, with the partial output; or, 24 h
+after its creation, `expired` (the lines not run written to the error file, code `batch_expired`).
+
+Durability: each answered line is appended to the output or error file (fsynced) before it counts;
+a runner that starts on a batch skips the custom_ids already there, so a batch interrupted by a crash
+or a shutdown resumes where it was and answers every line once. Shutdown (`stop`) cancels the
+lines in flight (they run again after the restart), leaves the batch `in_progress` and frees its
+lease. With replicas on one directory, a batch runs on the replica holding its lease
+(`stores.batches.Lease`), renewed every third of `lease_s`; every replica looks for batches to take
+every `poll_s`, and notices a cancel asked on another replica as often.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import secrets
+import socket
+import time
+from typing import Literal
+
+import orjson
+import structlog
+
+from gateway.pipeline.batch_line import LineAnswer, Retry, run_line
+from gateway.pipeline.state import GatewayState
+from gateway.protocol.batches import DONE, Errors, RequestCounts, StoredBatch
+from gateway.serving.batch_input import BatchLine, check_batch_input, read_lines
+from gateway.stores.batches import BatchDir, BatchStore, Lease, Progress
+from gateway.stores.files import derived_id
+
+log = structlog.get_logger(__name__)
+
+Ending = Literal["completed", "cancelled", "expired", "lost"]
+EXPIRED = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
+
+
+def _line_id() -> str:
+    return "batch_req_" + secrets.token_hex(16)
+
+
+def result_line(custom_id: str, answer: LineAnswer) -> bytes:
+    """A line of the output (or error) file, as OpenAI's: the route's status and body."""
+    head = orjson.dumps({"id": _line_id(), "custom_id": custom_id})[:-1]
+    response = b'{"status_code":%d,"request_id":%s,"body":%s}' % (answer.status, orjson.dumps(answer.request_id), answer.body)
+    return head + b',"response":' + response + b',"error":null}'
+
+
+def expired_line(custom_id: str) -> bytes:
+    return orjson.dumps({"id": _line_id(), "custom_id": custom_id, "response": None, "error": EXPIRED})
+
+
+class BatchRunner:
+    """This replica's runs of batches, and the one bound on their lines in flight."""
+
+    def __init__(self, state: GatewayState, store: BatchStore, holder: str | None = None) -> None:
+        self.state, self.store, self.settings = state, store, state.settings.batches
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.slots = asyncio.Semaphore(self.settings.max_in_flight)
+        self.runs: dict[str, BatchRun] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._resting: dict[str, float] = {}  # batch id → when to try again a run that failed unexpectedly
+        self._done: set[str] = set()  # batches found done: never read again
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    def wake(self) -> None:
+        """Look for batches to run now (one was just created here)."""
+        self._wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        """A cancel asked here: the run of this replica notices it now rather than at its next poll."""
+        run = self.runs.get(batch_id)
+        if run is not None:
+            run.cancel_asked.set()
+        self.wake()
+
+    async def stop(self) -> None:
+        """Shutdown: no new lines; the lines in flight cancelled (they run again after a restart), the
+        batches left `in_progress` and their leases freed."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        tasks = [run.task for run in self.runs.values() if run.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._take_free()
+            except OSError as exc:  # the directory unreadable for now: try again at the next poll
+                log.warning("batches_scan_failed", error=str(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
+            self._wake.clear()
+
+    async def _take_free(self) -> None:
+        if self.state.lifecycle.draining:  # shutting down: no new batch taken
+            return
+        now = time.monotonic()
+        for batch in await self.store.pending(self._done):
+            if batch.id in self.runs or self._resting.get(batch.id, 0) > now:
+                continue
+            lease = await asyncio.to_thread(Lease.take, batch, self.holder, self.settings.lease_s)
+            if lease is None:
+                continue
+            run = self.runs[batch.id] = BatchRun(self, batch, lease)
+            run.task = asyncio.create_task(run.run())
+            run.task.add_done_callback(functools.partial(self._ended, run))
+
+    def _ended(self, run: BatchRun, task: asyncio.Task[None]) -> None:
+        self.runs.pop(run.dir.id, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("batch_run_failed", batch_id=run.dir.id, error=repr(task.exception()))
+            self._resting[run.dir.id] = time.monotonic() + self.settings.lease_s
+
+
+class BatchRun:
+    """One batch run by this replica, under its lease."""
+
+    def __init__(self, runner: BatchRunner, batch: BatchDir, lease: Lease) -> None:
+        self.runner, self.dir, self.lease = runner, batch, lease
+        self.task: asyncio.Task[None] | None = None
+        self.cancel_asked = asyncio.Event()
+        self.progress = Progress()
+        self._lock = asyncio.Lock()  # one result written at a time: the line, then the record
+        self._writes: set[asyncio.Task[None]] = set()
+        self._stored: StoredBatch | None = None
+
+    @property
+    def stored(self) -> StoredBatch:
+        assert self._stored is not None
+        return self._stored
+
+    async def run(self) -> None:
+        try:
+            self._stored = await asyncio.to_thread(self.dir.read)
+            if self.stored.batch.status == "validating":
+                await self._validate()
+            if self.stored.batch.status in DONE:
+                return
+            ending = await self._run_lines()
+            if ending != "lost":
+                await self._finish(ending)
+        finally:
+            if self._writes:
+                await asyncio.gather(*self._writes, return_exceptions=True)
+            await asyncio.to_thread(self.lease.release)
+
+    async def _save(self) -> None:
+        await asyncio.to_thread(self.dir.write, self.stored)
+
+    async def _validate(self) -> None:
+        batch = self.stored.batch
+        total, problems = await asyncio.to_thread(check_batch_input, self.dir.input, batch.endpoint)
+        now = int(time.time())
+        if problems:
+            batch.status, batch.failed_at, batch.errors = "failed", now, Errors(data=problems)
+            log.info("batch_failed", batch_id=batch.id, errors=len(problems))
+        else:
+            batch.status, batch.in_progress_at = "in_progress", now
+            batch.request_counts = RequestCounts(total=total)
+            log.info("batch_started", batch_id=batch.id, lines=total)
+        await self._save()
+
+    def _expired(self) -> bool:
+        expires = self.stored.batch.expires_at
+        return expires is not None and time.time() >= expires
+
+    async def _run_lines(self) -> Ending:
+        self.progress = await asyncio.to_thread(self.dir.progress)  # a line torn by a crash cut off
+        self._count()
+        if self.stored.batch.status in ("cancelling", "finalizing"):
+            return "cancelled" if self.stored.batch.status == "cancelling" else "completed"
+        if self._expired():
+            return "expired"
+        feeder = asyncio.create_task(self._feed())
+        watcher = asyncio.create_task(self._watch())
+        try:
+            await asyncio.wait({feeder, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (feeder, watcher):
+                task.cancel()
+            await asyncio.gather(feeder, watcher, return_exceptions=True)
+        if not feeder.cancelled() and feeder.exception() is None:
+            return "completed"
+        if not watcher.cancelled() and watcher.exception() is None:
+            return watcher.result()
+        raise (feeder.exception() or watcher.exception() or RuntimeError("batch run stopped"))
+
+    async def _feed(self) -> None:
+        """Every line not answered yet, each once a slot is free; then the last ones awaited."""
+        lines = await asyncio.to_thread(read_lines, self.dir.input)
+        flight: set[asyncio.Task[None]] = set()
+        try:
+            while (line := await asyncio.to_thread(next, lines, None)) is not None:
+                if line.custom_id in self.progress.done:
+                    continue
+                await self.runner.slots.acquire()
+                if self.runner.state.lifecycle.draining:  # no new line: those in flight finish or are cancelled
+                    self.runner.slots.release()
+                    await asyncio.Event().wait()  # until the shutdown cancels this run
+                task = asyncio.create_task(self._one(line))
+                flight.add(task)
+                task.add_done_callback(self._done)  # the slot freed however the line ends, even cancelled unstarted
+                task.add_done_callback(flight.discard)
+            while flight:
+                await asyncio.gather(*flight)
+        finally:
+            for task in flight:
+                task.cancel()  # the engine requests aborted
+            await asyncio.gather(*flight, return_exceptions=True)
+            with contextlib.suppress(ValueError):  # still being read in its thread: closed when collected
+                lines.close()
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self.runner.slots.release()
+
+    async def _one(self, line: BatchLine) -> None:
+        settings, owner = self.runner.settings, self.stored.owner
+        while True:
+            try:
+                answer = await run_line(self.runner.state, owner, line.url, line.body, settings.retry_s)
+                break
+            except Retry as retry:  # the key's rate limits: this line waits, holding its slot
+                await asyncio.sleep(retry.wait_s)
+        write = asyncio.create_task(self._write(line.custom_id, answer))
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
+        await asyncio.shield(write)  # a cancel now does not lose an answer already had
+
+    async def _write(self, custom_id: str, answer: LineAnswer) -> None:
+        async with self._lock:
+            path = self.dir.output if answer.ok else self.dir.errors
+            await asyncio.to_thread(BatchDir.append, path, result_line(custom_id, answer))
+            self.progress.count(custom_id, answer.ok, answer.prompt_tokens, answer.completion_tokens)
+            self._count()
+            await self._save()
+
+    def _count(self) -> None:
+        batch = self.stored.batch
+        batch.request_counts = RequestCounts(total=batch.request_counts.total, completed=self.progress.completed,
+                                             failed=self.progress.failed)
+        batch.usage = self.progress.usage
+
+    async def _watch(self) -> Ending:
+        """Until a cancel (asked here or on another replica), the batch's expiry or the lease lost;
+        the lease renewed meanwhile."""
+        settings = self.runner.settings
+        every = settings.lease_s / 3
+        renew_at = time.monotonic() + every
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.cancel_asked.wait(), min(settings.poll_s, every))
+            if self.cancel_asked.is_set() or await asyncio.to_thread(self.dir.cancel_asked) is not None:
+                return "cancelled"
+            if self._expired():
+                return "expired"
+            if time.monotonic() >= renew_at:
+                if not await asyncio.to_thread(self.lease.renew):
+                    log.warning("batch_lease_lost", batch_id=self.dir.id)
+                    return "lost"
+                renew_at = time.monotonic() + every
+
+    async def _finish(self, ending: Ending) -> None:
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+        batch = self.stored.batch
+        if ending == "cancelled" and batch.cancelling_at is None:
+            batch.status, batch.cancelling_at = "cancelling", self.dir.cancel_asked() or int(time.time())
+        elif ending == "completed":
+            batch.status, batch.finalizing_at = "finalizing", batch.finalizing_at or int(time.time())
+        await self._save()
+        if ending == "expired":
+            await asyncio.to_thread(self._expire_rest)
+        self.progress = await asyncio.to_thread(self.dir.progress)
+        self._count()
+        await self._publish()
+        now = int(time.time())
+        if ending == "cancelled":
+            batch.status, batch.cancelled_at = "cancelled", now
+        elif ending == "expired":
+            batch.status, batch.expired_at = "expired", now
+        else:
+            batch.status, batch.completed_at = "completed", now
+        await self._save()
+        log.info("batch_" + batch.status, batch_id=batch.id, completed=batch.request_counts.completed,
+                 failed=batch.request_counts.failed)
+
+    def _expire_rest(self) -> None:
+        done = self.dir.progress().done
+        rest = (line.custom_id for line in read_lines(self.dir.input) if line.custom_id not in done)
+        lines = b"".join(expired_line(custom_id) + b"\n" for custom_id in rest)
+        if lines:
+            BatchDir.append(self.dir.errors, lines.rstrip(b"\n"))
+
+    async def _publish(self) -> None:
+        """The output and error files as files of the batch's owner (ids derived from the batch's:
+        published again after a crash, they replace themselves)."""
+        batch, files = self.stored.batch, self.runner.state.files.of(self.stored.owner.tenant)
+        expires = self.stored.output_expires_after_s
+        if self.progress.completed:
+            made = await files.publish(self.dir.output, f"{batch.id}_output.jsonl", derived_id(f"{batch.id}/output"), expires)
+            batch.output_file_id = made.id
+        if self.progress.failed:
+            made = await files.publish(self.dir.errors, f"{batch.id}_error.jsonl", derived_id(f"{batch.id}/error"), expires)
+            batch.error_file_id = made.id

@@ -1,0 +1,165 @@
+"""The Batches API's objects, field by field as OpenAI's (the `openai` SDK's `Batch`, `BatchError`,
+`BatchRequestCounts`, `BatchUsage`, the create body of `batches.create` and the page of
+`batches.list`), the lines of a batch's output and error files, and what the store keeps of a batch
+beside its object (who created it)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Status = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
+Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
+ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+DONE: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})  # nothing more will happen
+WINDOW_S = 24 * 3600  # completion_window "24h"
+MAX_METADATA, MAX_KEY, MAX_VALUE = 16, 64, 512
+
+
+class BatchError(BaseModel):
+    code: str | None = None
+    line: int | None = None
+    message: str | None = None
+    param: str | None = None
+
+
+class Errors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class RequestCounts(BaseModel):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class BatchUsage(BaseModel):
+    input_tokens: int = 0
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int = 0
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int = 0
+
+    def add(self, prompt: int, completion: int) -> None:
+        self.input_tokens += prompt
+        self.output_tokens += completion
+        self.total_tokens += prompt + completion
+
+
+class Batch(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: Errors | None = None
+    input_file_id: str
+    completion_window: str = "24h"
+    status: Status
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    metadata: dict[str, str] | None = None
+    usage: BatchUsage = Field(default_factory=BatchUsage)
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if len(metadata) > MAX_METADATA:
+        raise ValueError(f"at most {MAX_METADATA} key-value pairs are allowed")
+    for key, value in metadata.items():
+        if len(key) > MAX_KEY:
+            raise ValueError(f"a key is at most {MAX_KEY} characters long")
+        if len(value) > MAX_VALUE:
+            raise ValueError(f"a value is at most {MAX_VALUE} characters long")
+    return metadata
+
+
+class OutputExpiresAfter(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    anchor: Literal["created_at"]
+    seconds: Annotated[int, Field(ge=3600, le=30 * 86400)]
+
+
+class BatchCreate(BaseModel):
+    """POST /v1/batches: unknown fields are a 400 naming them."""
+
+    model_config = ConfigDict(extra="forbid")
+    input_file_id: str
+    endpoint: Endpoint
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = None
+    output_expires_after: OutputExpiresAfter | None = None
+
+    _metadata = field_validator("metadata")(_check_metadata)
+
+
+class BatchList(BaseModel):
+    """GET /v1/batches: a page of the asking key's batches, newest first."""
+
+    object: Literal["list"] = "list"
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class BatchListQuery(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=False)
+    after: str | None = None
+    limit: Annotated[int, Field(ge=1, le=100)] = 20
+
+
+class Owner(BaseModel):
+    """Who created a batch: its lines run as that key (its policy read again for each line)."""
+
+    key_id: str
+    tenant: str
+    keyed: bool = False  # the key was in the keys file then: a line finds it gone when it was removed since
+
+
+class StoredBatch(BaseModel):
+    """A batch as kept on disk: its object and its creator."""
+
+    batch: Batch
+    owner: Owner
+    output_expires_after_s: int
+    created_ns: int = 0  # orders batches made within one second (created_at counts seconds)
+
+
+class LineResponse(BaseModel):
+    status_code: int
+    request_id: str
+    body: Any
+
+
+class LineError(BaseModel):
+    code: str
+    message: str
+
+
+class OutputLine(BaseModel):
+    """One line of a batch's output (or error) file, as OpenAI's."""
+
+    id: str
+    custom_id: str
+    response: LineResponse | None = None
+    error: LineError | None = None
