@@ -93,7 +93,7 @@ def targets(real: bool, logs: Path) -> list[tuple[str, str, Proc]]:
 
         vllm = [*me, "vllm-serve", str(default_model_dir()), "--served-model-name", MODEL, "--host", "127.0.0.1",
                 "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048",
-                "--kv-cache-memory-bytes", str(2 * 1024**3), "--disable-log-requests"]
+                "--kv-cache-memory-bytes", str(2 * 1024**3)]
         gateway = [sys.executable, "-m", "gateway", "serve", "--enforce-eager"]
         found += [("real", f"gateway {n} worker{'s' * (n > 1)}", proc(f"gateway-{n}", [*gateway, "--workers", str(n)], REAL_ENV))
                   for n in (1, 2)]
