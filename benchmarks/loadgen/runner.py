@@ -116,10 +116,13 @@ class Runner:
         else:
             main = asyncio.create_task(self.workers(max(1, cfg.concurrency or 1)))
         timeout = None if self.deadline == math.inf else max(0.0, self.deadline - time.perf_counter())
-        done, _ = await asyncio.wait({main}, timeout=timeout)
-        if not done:  # the time limit: requests still in flight are cancelled and counted as such
-            main.cancel()
-            await asyncio.gather(main, return_exceptions=True)
+        try:
+            done, _ = await asyncio.wait({main}, timeout=timeout)
+        finally:  # the time limit, or this run cancelled: requests in flight are cancelled and counted as such
+            if not main.done():
+                main.cancel()
+                await asyncio.gather(main, return_exceptions=True)
+        if not done:
             return time.perf_counter() - self.origin
         main.result()
         return (self.last_end or time.perf_counter()) - self.origin
