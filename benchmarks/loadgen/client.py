@@ -13,8 +13,7 @@ from typing import Any
 
 import orjson
 
-from benchmarks.loadgen.config import LoadConfig
-from benchmarks.loadgen.results import RequestRecord
+from benchmarks.loadgen.results import LoadConfig, RequestRecord
 from benchmarks.loadgen.wire import WireResponse, WireSession
 
 Client = WireSession

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.loadgen.client import CLIENT_ERRORS, Client, get_json
-from benchmarks.loadgen.config import LoadConfig
+from benchmarks.loadgen.results import LoadConfig
 
 
 def root_url(base_url: str) -> str:
