@@ -40,18 +40,12 @@ class Runner:
     """One run's state: the requests issued so far, their records, the time limit."""
 
     def __init__(self, config: LoadConfig, client: Client, model: str, sessions: Sequence[Session]) -> None:
-        self.config = config
-        self.client = client
-        self.model = model
-        self.sessions = sessions
+        self.config, self.client, self.model, self.sessions = config, client, model, sessions
         path = "chat/completions" if config.endpoint == "chat" else "completions"
         self.url = f"{config.base_url.rstrip('/')}/{path}"
         self.records: list[RequestRecord] = []
-        self.issued = 0
-        self.next_session = 0
-        self.origin = 0.0
-        self.deadline = math.inf
-        self.last_end = 0.0
+        self.issued = self.next_session = 0
+        self.origin, self.deadline, self.last_end = 0.0, math.inf, 0.0
 
     def _take_session(self) -> Session:
         session = self.sessions[self.next_session % len(self.sessions)]
@@ -68,25 +62,21 @@ class Runner:
             if not self._may_issue():
                 return
             self.issued += 1
-            body = request_body(self.config, self.model, session, history, turn)
-            record = RequestRecord()
-            self.records.append(record)
-            estimate = session.input_tokens if not history else 0
-            await send_request(
-                self.client, self.url, body, record,
-                count_headers=self.config.count_headers, estimate_input=estimate, origin=self.origin,
-            )
+            self.records.append(record := RequestRecord())
+            await send_request(self.client, self.url, request_body(self.config, self.model, session, history, turn), record,
+                               count_headers=self.config.count_headers, origin=self.origin,
+                               estimate_input=0 if history else session.input_tokens)
             self.last_end = time.perf_counter()
             if not record.ok:
                 return
             history.append((turn, record.text))
 
-    async def worker(self) -> None:
-        while self._may_issue():
-            await self.run_session(self._take_session())
-
     async def workers(self, count: int) -> None:
-        await asyncio.gather(*(self.worker() for _ in range(count)))
+        async def worker() -> None:
+            while self._may_issue():
+                await self.run_session(self._take_session())
+
+        await asyncio.gather(*(worker() for _ in range(count)))
 
     async def arrivals(self, rng: random.Random) -> None:
         """Poisson arrivals of sessions, at most `concurrency` running (when set)."""
