@@ -81,7 +81,7 @@ def switch_off(without: set[str]) -> None:
         logs._access = _Silent()
     if "metrics" in without:
         metrics.labelled = lambda metric, *values: _NoMetric()  # type: ignore[assignment]
-        metrics.Observations = lambda child: _NoMetric()  # type: ignore[assignment,misc]
+        metrics.Observations = lambda child: _NoMetric()  # type: ignore[assignment,misc,return-value]
     if "tokenizer" in without:
         fakes.FakeTokenizer.encode = lambda self, text, add_special_tokens=True: [100] * 128  # type: ignore[method-assign]
 
@@ -97,7 +97,9 @@ def make_app(bare: bool, without: set[str]) -> Any:
         return create_bare_app(NAME)
     settings = Settings(warmup=False)
     configure(settings.log_level, settings.log_format)
-    logging.getLogger().handlers[0].setStream(open(os.devnull, "w"))  # noqa: SIM115 - formatted, then dropped
+    handler = logging.getLogger().handlers[0]
+    assert isinstance(handler, logging.StreamHandler)
+    handler.setStream(open(os.devnull, "w"))  # noqa: SIM115 - formatted, then dropped
     switch_off(without)
     return create_echo_app(settings, echo_engine(NAME))
 

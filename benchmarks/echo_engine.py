@@ -8,7 +8,7 @@ import argparse
 import asyncio
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -27,13 +27,14 @@ def echo_engine(name: str = NAME, token_delay: float = 0.0) -> FakeEngine:
 
 def create_echo_app(settings: Any = None, engine: FakeEngine | None = None) -> Any:
     """The real gateway app (`gateway.app.create_app`) serving the echo engine under its name."""
+    from engine.types import Engine
     from gateway.app import create_app
     from gateway.settings import Settings
 
     engine = engine or echo_engine()
     settings = settings or Settings(warmup=False)
     update = {"engine": settings.engine.model_copy(update={"served_model_name": engine.info.name})}
-    return create_app(settings.model_copy(update=update), engine_starter=lambda engine_settings: engine)
+    return create_app(settings.model_copy(update=update), engine_starter=lambda engine_settings: cast("Engine", engine))
 
 
 class LagProbe:

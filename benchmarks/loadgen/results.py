@@ -8,7 +8,7 @@ import dataclasses
 import math
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -156,7 +156,7 @@ class Result:
         data["client_cpu_share"] = self.client_cpu_share
         if records:
             data["records"] = [{k: v for k, v in dataclasses.asdict(r).items() if k != "text"} | {"tpot": r.tpot} for r in self.records]
-        return _clean(data)
+        return dict(_clean(data))
 
 
 def _clean(value: Any) -> Any:
@@ -254,7 +254,7 @@ def point(r: Result) -> dict[str, float]:
             "ttft_p99_ms": r.ttft.p99 * 1000, "tpot_p50_ms": r.tpot.p50 * 1000}
 
 
-def plot_sweep(series: dict[str, Sequence[dict[str, float]]], path: Path, title: str = "") -> Path | None:
+def plot_sweep(series: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, title: str = "") -> Path | None:
     """Latency (TTFT p50/p99, TPOT p50, ms; left) and output tok/s (right) against concurrency, a colour
     per series of `point`s. Without matplotlib (imported only here), no plot."""
     try:
