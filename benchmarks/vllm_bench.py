@@ -5,6 +5,8 @@ the first run only."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 NAMES = {"output_tok_s": "output_throughput", "req_s": "request_throughput", "ttft_p50_ms": "median_ttft_ms",
@@ -35,11 +37,12 @@ def metrics_of(result: dict[str, Any]) -> dict[str, float | None]:
 
 
 async def run(argv: list[str]) -> dict[str, Any]:
-    """One `vllm bench serve` run; vLLM's result without its per-request lists."""
+    """One `vllm bench serve` run (what it prints goes to stderr); vLLM's result without its per-request lists."""
     from vllm.benchmarks.serve import add_cli_args, main_async
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
-    result = await main_async(parser.parse_args(argv))
+    with contextlib.redirect_stdout(sys.stderr):
+        result = await main_async(parser.parse_args(argv))
     return {k: v for k, v in result.items() if k not in BULKY}
