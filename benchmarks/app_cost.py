@@ -1,16 +1,12 @@
 """The gateway app's own CPU per request, in process: hand-made ASGI messages, no sockets, no client.
-The app is the gateway on the echo engine as the race's echo part deploys it (or `--bare`);
-`--without` switches parts off to see what each costs; `--traced` turns tracing on, every request
-sampled (or the ratio given), its spans batched, encoded and exported over OTLP/HTTP as in production
-to a sink in a child process (the export thread's CPU is counted, the sink's is not). No vllm import.
-"""
+The gateway on the echo engine as the race's echo part deploys it (or `--bare`), `--without` parts,
+or `--traced`: spans exported over OTLP/HTTP to a sink in a child process (whose CPU is not counted)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import cProfile
 import json
 import logging
 import os
@@ -85,7 +81,7 @@ def switch_off(without: set[str]) -> None:
         logs._access = _Silent()
     if "metrics" in without:
         metrics.labelled = lambda metric, *values: _NoMetric()  # type: ignore[assignment]
-        metrics.Observations = lambda child: _NoMetric()  # type: ignore[assignment,misc]
+        metrics.Observations = lambda child: _NoMetric()  # type: ignore[assignment,misc,return-value]
     if "tokenizer" in without:
         fakes.FakeTokenizer.encode = lambda self, text, add_special_tokens=True: [100] * 128  # type: ignore[method-assign]
 
@@ -101,7 +97,9 @@ def make_app(bare: bool, without: set[str]) -> Any:
         return create_bare_app(NAME)
     settings = Settings(warmup=False)
     configure(settings.log_level, settings.log_format)
-    logging.getLogger().handlers[0].setStream(open(os.devnull, "w"))  # noqa: SIM115 - formatted, then dropped
+    handler = logging.getLogger().handlers[0]
+    assert isinstance(handler, logging.StreamHandler)
+    handler.setStream(open(os.devnull, "w"))  # noqa: SIM115 - formatted, then dropped
     switch_off(without)
     return create_echo_app(settings, echo_engine(NAME))
 
@@ -155,26 +153,20 @@ def caller(app: Any, scenario: str, state: dict[str, Any]) -> Callable[[bytes], 
     return call
 
 
-async def measure(app: Any, scenario: str, requests: int, concurrency: int, profile: str | None) -> dict[str, float]:
+async def measure(app: Any, scenario: str, requests: int, concurrency: int) -> dict[str, float]:
     async with app.router.lifespan_context(app) as state:
         call = caller(app, scenario, state or {})
         for body in bodies(scenario, 200, seed=2):  # warm-up (and the cache-hit's one answer stored)
             await call(body)
         queue = iter(bodies(scenario, requests))
-        profiler = cProfile.Profile() if profile else None
 
         async def worker() -> None:
             for body in queue:
                 await call(body)
 
-        if profiler:
-            profiler.enable()
         started, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
-        if profiler:
-            profiler.disable()
-            profiler.dump_stats(profile)  # type: ignore[arg-type]
     return {"req_s": requests / elapsed, "cpu_us_per_request": cpu / requests * 1e6}
 
 
@@ -185,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--bare", action="store_true", help="the bare Starlette app instead of the gateway")
     p.add_argument("--without", nargs="*", choices=PARTS, default=[], help="parts of the gateway switched off")
-    p.add_argument("--profile", help="write cProfile statistics of the measured part here")
     p.add_argument("--traced", type=float, nargs="?", const=1.0, metavar="RATIO",
                    help="tracing on, exported over OTLP/HTTP to a sink, this share of requests sampled (default 1)")
     args = p.parse_args(argv)
@@ -196,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["GATEWAY_TRACING__OTLP_ENDPOINT"] = stack.enter_context(otlp_sink())
             os.environ["GATEWAY_TRACING__SAMPLE_RATIO"] = str(args.traced)
         app = make_app(args.bare, set(args.without))
-        result = uvloop.run(measure(app, args.scenario, args.requests, args.concurrency, args.profile))
+        result = uvloop.run(measure(app, args.scenario, args.requests, args.concurrency))
     what = "bare" if args.bare else "gateway" + (f" without {', '.join(args.without)}" if args.without else "")
     what += f", traced (ratio {args.traced})" if args.traced is not None else ""
     print(f"{what}, {args.scenario}, concurrency {args.concurrency}: {result['req_s']:.0f} req/s, "

@@ -1,12 +1,8 @@
-"""The engine alone: vLLM's AsyncLLM in this process, no HTTP; the upper limit of the race.
-
-    python -m benchmarks.engine_direct --plan plan.json [--answer-fd N]   # as race.py starts it
-
-It answers `{"ready": seconds}`, then takes JSON lines on stdin, `{"sessions": "file"}` (answered
-`{"warm": true}`) and `{"run": N}` (answered `{"key": ..., "result": ...}`) on descriptor N. Requests
-are tokenized here, submitted in DELTA mode and timed as the load generator times a stream. The
-engine core starts with `spawn`, hence the main guard.
-"""
+"""The engine alone: vLLM's AsyncLLM in this process, no HTTP; the upper limit of the race, which
+starts it as `python -m benchmarks.engine_direct --settings JSON` and sends it one run per line on
+stdin, `{"concurrency", "sessions", "label"}`, each answered `{"result": ...}` on stdout (after
+`{"ready": seconds}`). Requests are tokenized as the servers do, submitted in DELTA mode and timed as
+the load generator times a stream. The engine core starts with `spawn`, hence the main guard."""
 
 from __future__ import annotations
 
@@ -16,11 +12,11 @@ import json
 import sys
 import time
 import uuid
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import IO, Any
 
 from benchmarks.loadgen import LoadConfig, RequestRecord, Result, Session, aggregate, request_body
-from benchmarks.procs import answer_on
+from benchmarks.procs import answers
 
 
 def start_engine(engine: dict[str, Any]) -> Any:
@@ -36,44 +32,34 @@ class Driver:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        self.llm = llm
-        self.config = config
-        self.tokenizer = llm.get_tokenizer()
-        self.params = SamplingParams(
-            max_tokens=config.output_tokens,
-            temperature=1.0 if config.temperature is None else config.temperature,
-            ignore_eos=config.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        self.llm, self.config, self.tokenizer = llm, config, llm.get_tokenizer()
+        self.params = SamplingParams(max_tokens=config.output_tokens, ignore_eos=config.ignore_eos,
+                                     temperature=1.0 if config.temperature is None else config.temperature,
+                                     output_kind=RequestOutputKind.DELTA)
 
     def prompt(self, session: Session) -> Any:
         """What the server would submit for this session's first turn: token ids and text."""
+        from vllm.inputs import tokens_input
+
         body = request_body(self.config, "engine", session, [], session.turns[0])
         if self.config.endpoint == "chat":
             text = self.tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            text = body["prompt"]
-            ids = self.tokenizer.encode(text)
-        from vllm.inputs import tokens_input
-
-        return tokens_input(ids, prompt=text)
+            return tokens_input(self.tokenizer.encode(text, add_special_tokens=False), prompt=text)
+        return tokens_input(self.tokenizer.encode(body["prompt"]), prompt=body["prompt"])
 
     async def one(self, session: Session, record: RequestRecord, origin: float) -> None:
         started = time.perf_counter()
         record.start = started - origin
         first = last = None
         try:
-            prompt = self.prompt(session)
-            async for out in self.llm.generate(prompt, self.params, uuid.uuid4().hex):
+            async for out in self.llm.generate(self.prompt(session), self.params, uuid.uuid4().hex):
                 now = time.perf_counter()
-                completion = out.outputs[0] if out.outputs else None
-                count = len(completion.token_ids) if completion is not None else 0
+                count = len(out.outputs[0].token_ids) if out.outputs else 0
                 if count:
                     if first is None:
                         first = now
-                    else:
-                        record.itl.append(now - last)  # type: ignore[operator]
+                    elif last is not None:
+                        record.itl.append(now - last)
                     last = now
                     record.chunks += 1
                     record.output_tokens += count
@@ -98,57 +84,39 @@ class Driver:
 
         async def worker() -> None:
             while pending:
-                session = pending.pop()
-                record = RequestRecord()
-                records.append(record)
-                await self.one(session, record, origin)
+                records.append(record := RequestRecord())
+                await self.one(pending.pop(), record, origin)
                 ends.append(time.perf_counter())
 
         await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
-        duration = (max(ends) if ends else time.perf_counter()) - origin
-        return aggregate(records, duration, label=label, concurrency=concurrency,
-                         config={"target": "engine", "concurrency": concurrency, "requests": len(sessions)})
+        return aggregate(records, (max(ends) if ends else time.perf_counter()) - origin, label=label,
+                         concurrency=concurrency, config={"target": "engine", "concurrency": concurrency})
 
 
-def sessions_of(items: list[dict[str, Any]]) -> list[Session]:
-    return [Session(**item) for item in items]
-
-
-async def serve_plan(plan: dict[str, Any], commands: Any, answer: Any, log=print) -> None:
-    """Runs on command, one JSON line each: {"sessions": path} reads the warm-up and runs from a
-    plan file and warms up (answer {"warm": true}); {"run": N} runs runs[N]. EOF or an empty line ends."""
+async def serve(settings: dict[str, Any], commands: IO[str], answer: Callable[[dict[str, Any]], None],
+                log: Callable[[str], None] = print) -> None:
+    """Starts the engine of `settings["engine"]`, then runs on command until EOF or an empty line."""
     started = time.perf_counter()
-    llm = start_engine(plan["engine"])
-    driver = Driver(llm, LoadConfig(**plan.get("load", {})))
-    log(f"engine ready in {time.perf_counter() - started:.0f} s")
+    llm = start_engine(settings["engine"])
+    driver = Driver(llm, LoadConfig(**settings.get("load", {})))
     try:
         answer({"ready": time.perf_counter() - started})
-        runs: list[dict[str, Any]] = []
         while line := (await asyncio.to_thread(commands.readline)).strip():
-            command = json.loads(line)
-            if "sessions" in command:
-                sessions = json.loads(await asyncio.to_thread(Path(command["sessions"]).read_text))
-                for warm in sessions["warmup"]:
-                    await driver.run(sessions_of(warm["sessions"]), warm["concurrency"], "warmup")
-                runs = sessions["runs"]
-                answer({"warm": True})
-            else:
-                run = runs[int(command["run"])]
-                result = await driver.run(sessions_of(run["sessions"]), run["concurrency"], run.get("label", ""))
-                log(f"engine {run.get('label', '')}: {result.output_throughput:.1f} output tok/s, "
-                    f"TTFT p50 {result.ttft.p50 * 1000:.1f} ms, TPOT p50 {result.tpot.p50 * 1000:.1f} ms")
-                answer({"key": run.get("key"), "result": result.to_dict()})
+            run = json.loads(line)
+            result = await driver.run([Session(**s) for s in run["sessions"]], run["concurrency"], run.get("label", ""))
+            log(f"engine {run.get('label', '')}: {result.output_throughput:.1f} output tok/s, "
+                f"TTFT p50 {result.ttft.p50 * 1000:.1f} ms, TPOT p50 {result.tpot.p50 * 1000:.1f} ms")
+            answer({"result": result.to_dict()})
     finally:
         llm.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Drive vLLM's AsyncLLM in-process with a race plan (no HTTP), on command")
-    p.add_argument("--plan", type=Path, required=True)
-    p.add_argument("--answer-fd", type=int, help="where the JSON lines go (default stdout)")
-    args = p.parse_args(argv)
-    plan = json.loads(args.plan.read_text())
-    asyncio.run(serve_plan(plan, sys.stdin, answer_on(args.answer_fd), log=lambda m: print(m, file=sys.stderr, flush=True)))
+    p = argparse.ArgumentParser(description="Drive vLLM's AsyncLLM in-process (no HTTP), runs on command")
+    p.add_argument("--settings", type=json.loads, required=True, help='{"engine": AsyncEngineArgs, "load": LoadConfig}')
+    settings = p.parse_args(argv).settings
+    answer = answers()
+    asyncio.run(serve(settings, sys.stdin, answer, log=lambda m: print(m, file=sys.stderr, flush=True)))
     return 0
 
 

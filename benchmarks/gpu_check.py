@@ -1,9 +1,7 @@
-"""`make gpu-check`: the GPU path run for real, on a machine with an NVIDIA GPU.
-
-Installs the `gpu` extra into .venv-gpu, prepares the model, runs the integration suite and the
-race there, and writes REPORT.md under benchmarks/results/gpu-check-<time>/. Without a GPU it
-prints what it would do and exits 0. Standard library only: it runs before any venv exists.
-"""
+"""`make gpu-check`: on a machine with an NVIDIA GPU, the `gpu` extra installed into .venv-gpu, the
+model prepared, the integration suite and the race run there, REPORT.md written under
+benchmarks/results/gpu-check-<time>/. Without a GPU it prints what it would do and exits 0.
+Standard library only: it runs before any venv exists."""
 
 from __future__ import annotations
 
@@ -38,23 +36,22 @@ class Outcome:
     seconds: float
 
 
+def _output(command: list[str], timeout: float) -> str | None:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def detect_gpu() -> str | None:
     """A description of the NVIDIA GPUs here (`nvidia-smi -L`, else torch's view), or None."""
     smi = shutil.which("nvidia-smi")
-    if smi is not None:
-        try:
-            listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            listed = None
-        if listed is not None and listed.returncode == 0 and "GPU" in listed.stdout:
-            return listed.stdout.strip()
-    try:
-        probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0)) "
-                                "if torch.cuda.is_available() else None"], capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    name = probe.stdout.strip()
-    return name if probe.returncode == 0 and name and name != "None" else None
+    if smi is not None and "GPU" in (listed := _output([smi, "-L"], 30) or ""):
+        return listed
+    name = _output([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0)) "
+                    "if torch.cuda.is_available() else None"], 120)
+    return name if name and name != "None" else None
 
 
 def plan(python: str, results: Path) -> list[Step]:

@@ -1,7 +1,5 @@
-"""How the gateway's cost grows with the work: prompt length, open idle streams, cached entries,
-memory over a soak (benchmarks/README.md, "Growth"), and its markdown tables. Writes
-benchmarks/results/growth-<time>.json and prints the tables.
-"""
+"""How the gateway's cost grows with the work: prompt length, open idle streams, cached entries and
+memory over a soak (benchmarks/README.md, "Growth"), with a markdown table per part."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ import psutil
 
 from benchmarks import loadgen, procs
 from benchmarks.loadgen import LoadConfig, Result
-from benchmarks.procs import Proc, free_port, log, md_table
+from benchmarks.procs import Proc, free_port, log, md_table, num
 
 PARTS = ("prompt", "streams", "cache", "soak")
 SMALL = {"lengths": [128, 512, 1024], "streams": 200, "cache_entries": 2000, "soak_requests": 20000}
@@ -30,6 +28,7 @@ STREAM_TOKEN_DELAY_S, STREAM_TOKENS, STREAM_RAMP_S = 1.0, 15, 4.0  # a held stre
 CACHE_ANSWER_TOKENS, HIT_REQUESTS = 64, 300  # tokens per cached answer; hits timed, one at a time
 SOAK_CACHE_ENTRIES = 10_000  # the soak's cache bound (the gateway's default)
 QUIET = {"GATEWAY_WARMUP": "false", "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CACHE__BACKEND": "off"}
+MIB = 2**20
 
 
 def rss(proc: Proc) -> int:
@@ -51,44 +50,39 @@ async def start_server(name: str, logs: Path, env: dict[str, str], *extra: str, 
 
 
 def config(server: Proc, **kwargs: Any) -> LoadConfig:
-    base = dict(base_url=server.base_url, model=MODEL, endpoint="completions", temperature=0.0, ignore_eos=True,
-                tokenizer="words", duration_s=600.0, request_timeout_s=600.0)
+    base: dict[str, Any] = dict(base_url=server.base_url, model=MODEL, endpoint="completions", temperature=0.0,
+                                ignore_eos=True, tokenizer="words", duration_s=600.0, request_timeout_s=600.0)
     return LoadConfig(**{**base, **kwargs})
 
 
 def summary(result: Result) -> dict[str, Any]:
-    ms = lambda v: None if v is None or v != v else round(v * 1000, 3)
+    def ms(v: float) -> float | None:
+        return None if v != v else round(v * 1000, 3)
+
     return {"completed": result.completed, "failed": result.failed + result.cancelled, "req_s": round(result.request_throughput, 2),
             "ttft_p50_ms": ms(result.ttft.p50), "ttft_p99_ms": ms(result.ttft.p99), "e2e_p50_ms": ms(result.e2e.p50),
             "e2e_p99_ms": ms(result.e2e.p99), "x_cache": result.header_counts.get("x-cache", {}),
             "client_cpu_share": result.client_cpu_share}
 
 
-# ----------------------------------------------------------------------------------------------
-# Parts
-
-
 async def part_prompt(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     real = args.engine == "real"
     server = await start_server("prompt", logs, QUIET, real=real, eager=args.eager)
     rows = []
-    try:
-        for length in args.lengths:
-            for mode in ("random", "shared-prefix"):
-                shared = mode == "shared-prefix"
-                cfg = config(server, prompts=mode, input_tokens=32 if shared else length, prefix_tokens=max(1, length - 32),
-                             concurrency=4, num_requests=32 if real else 500, output_tokens=16,
-                             stream=True, tokenizer="auto", warmup_requests=2, seed=length)
-                cpu = server.cpu_seconds(front_only=True) or 0.0
-                result = await loadgen.run_load(cfg)
-                cpu_ms = ((server.cpu_seconds(front_only=True) or 0.0) - cpu) * 1000 / max(1, result.completed)
-                row = {"tokens": length, "prompts": mode, "mean_input_tokens": result.mean_input_tokens,
-                       "gateway_cpu_ms_per_request": round(cpu_ms, 3), **summary(result)}
-                log(f"prompt {length:5d} {mode:13s}: TTFT p50 {row['ttft_p50_ms']} ms, e2e p50 {row['e2e_p50_ms']} ms, "
-                    f"gateway CPU {row['gateway_cpu_ms_per_request']} ms/request")
-                rows.append(row)
-    finally:
-        server.stop()
+    for length in args.lengths:
+        for mode in ("random", "shared-prefix"):
+            shared = mode == "shared-prefix"
+            cfg = config(server, prompts=mode, input_tokens=32 if shared else length, prefix_tokens=max(1, length - 32),
+                         concurrency=4, num_requests=32 if real else 500, output_tokens=16, stream=True,
+                         tokenizer="auto", warmup_requests=2, seed=length)
+            cpu = server.cpu_seconds(front_only=True) or 0.0
+            result = await loadgen.run_load(cfg)
+            cpu_ms = ((server.cpu_seconds(front_only=True) or 0.0) - cpu) * 1000 / max(1, result.completed)
+            rows.append({"tokens": length, "prompts": mode, "mean_input_tokens": result.mean_input_tokens,
+                         "gateway_cpu_ms_per_request": round(cpu_ms, 3), **summary(result)})
+            log(f"prompt {length:5d} {mode:13s}: TTFT p50 {rows[-1]['ttft_p50_ms']} ms, e2e p50 {rows[-1]['e2e_p50_ms']} ms, "
+                f"gateway CPU {rows[-1]['gateway_cpu_ms_per_request']} ms/request")
+    server.stop()
     return rows
 
 
@@ -112,31 +106,26 @@ async def part_streams(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     n, delay, tokens, ramp = args.streams, STREAM_TOKEN_DELAY_S, STREAM_TOKENS, STREAM_RAMP_S
     env = {**QUIET, "GATEWAY_ADMISSION__MAX_RUNNING": str(n + 100), "GATEWAY_ADMISSION__MAX_WAITING": str(n + 100)}
     server = await start_server("streams", logs, env, "--token-delay", str(delay), "--lag-probe")
-    try:
-        await loadgen.run_load(config(server, concurrency=4, num_requests=8, output_tokens=2, stream=True))
-        await asyncio.sleep(1)
-        base = rss(server)
-        idle_lag = await _lag(server)
-        samples: list[dict[str, Any]] = []
-        stop = asyncio.Event()
-        sampler = asyncio.create_task(_sample(server, stop, samples))
-        started = time.perf_counter()
-        cfg = config(server, concurrency=n, num_requests=n, output_tokens=tokens, input_tokens=16, stream=True)
-        load = asyncio.create_task(loadgen.run_load(cfg))
-        await asyncio.sleep(ramp)
-        await _lag(server)  # from here on: all streams open
-        await asyncio.sleep(max(0.5, tokens * delay - ramp - 2 * delay))
-        held_lag = await _lag(server)
-        held_until = time.perf_counter()
-        result = await load
-        stop.set()
-        await sampler
-    finally:
-        server.stop()
+    await loadgen.run_load(config(server, concurrency=4, num_requests=8, output_tokens=2, stream=True))
+    await asyncio.sleep(1)
+    base, idle_lag = rss(server), await _lag(server)
+    samples: list[dict[str, Any]] = []
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(_sample(server, stop, samples))
+    started = time.perf_counter()
+    load = asyncio.create_task(loadgen.run_load(config(server, concurrency=n, num_requests=n, output_tokens=tokens,
+                                                       input_tokens=16, stream=True)))
+    await asyncio.sleep(ramp)
+    await _lag(server)  # from here on: all streams open
+    await asyncio.sleep(max(0.5, tokens * delay - ramp - 2 * delay))
+    held_lag, held_until = await _lag(server), time.perf_counter()
+    result = await load
+    stop.set()
+    await sampler
+    server.stop()
     held = [s for s in samples if started + ramp <= s["t"] <= held_until] or samples
-    peak = max(s["rss"] for s in held)
-    health = sorted(s["health_ms"] for s in held)
-    return {"streams": n, "token_delay_s": delay, "tokens": tokens, "rss_before_mib": base / 2**20, "rss_held_mib": peak / 2**20,
+    peak, health = max(s["rss"] for s in held), sorted(s["health_ms"] for s in held)
+    return {"streams": n, "token_delay_s": delay, "tokens": tokens, "rss_before_mib": base / MIB, "rss_held_mib": peak / MIB,
             "kib_per_stream": (peak - base) / n / 1024, "loop_lag_idle": idle_lag, "loop_lag_held": held_lag,
             "health_p50_ms": loadgen.percentile(health, 50), "health_p99_ms": loadgen.percentile(health, 99),
             "health_max_ms": health[-1] if health else None, "load": summary(result)}
@@ -147,26 +136,22 @@ async def part_cache(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     env = {**QUIET, "GATEWAY_CACHE__BACKEND": "memory", "GATEWAY_CACHE__MAX_ENTRIES": str(n + 1000),
            "GATEWAY_CACHE__MAX_BYTES": str(4 * 2**30)}
     server = await start_server("cache", logs, env)
-    try:
-        fill = config(server, concurrency=16, num_requests=n, output_tokens=CACHE_ANSWER_TOKENS, stream=False,
-                      input_tokens=128, seed=1)
-        few = dataclasses.replace(fill, num_requests=10, seed=2)
-        few_sessions = await loadgen.build_sessions(few, 10, None)
-        await loadgen.run_load(few, sessions=few_sessions)
-        hit = dict(concurrency=1, num_requests=HIT_REQUESTS)
-        small = await loadgen.run_load(dataclasses.replace(few, **hit), sessions=few_sessions)
-        await asyncio.sleep(1)
-        before = rss(server)
-        sessions = await loadgen.build_sessions(fill, n, None)
-        filled = await loadgen.run_load(fill, sessions=sessions)
-        await asyncio.sleep(1)
-        after = rss(server)
-        full = await loadgen.run_load(dataclasses.replace(fill, **hit), sessions=sessions[:HIT_REQUESTS])
-    finally:
-        server.stop()
-    return {"entries": n, "answer_tokens": CACHE_ANSWER_TOKENS, "rss_before_mib": before / 2**20,
-            "rss_after_mib": after / 2**20, "bytes_per_entry": (after - before) / n, "fill": summary(filled),
-            "hit_nearly_empty": summary(small), "hit_full": summary(full)}
+    fill = config(server, concurrency=16, num_requests=n, output_tokens=CACHE_ANSWER_TOKENS, stream=False, input_tokens=128, seed=1)
+    few = dataclasses.replace(fill, num_requests=10, seed=2)
+    few_sessions = await loadgen.build_sessions(few, 10, None)
+    await loadgen.run_load(few, sessions=few_sessions)
+    small = await loadgen.run_load(dataclasses.replace(few, concurrency=1, num_requests=HIT_REQUESTS), sessions=few_sessions)
+    await asyncio.sleep(1)
+    before = rss(server)
+    sessions = await loadgen.build_sessions(fill, n, None)
+    filled = await loadgen.run_load(fill, sessions=sessions)
+    await asyncio.sleep(1)
+    after = rss(server)
+    full = await loadgen.run_load(dataclasses.replace(fill, concurrency=1, num_requests=HIT_REQUESTS), sessions=sessions[:HIT_REQUESTS])
+    server.stop()
+    return {"entries": n, "answer_tokens": CACHE_ANSWER_TOKENS, "rss_before_mib": before / MIB, "rss_after_mib": after / MIB,
+            "bytes_per_entry": (after - before) / n, "fill": summary(filled), "hit_nearly_empty": summary(small),
+            "hit_full": summary(full)}
 
 
 async def part_soak(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -174,58 +159,49 @@ async def part_soak(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     env = {**QUIET, "GATEWAY_CACHE__BACKEND": "memory", "GATEWAY_CACHE__MAX_ENTRIES": str(bound_entries),
            "GATEWAY_LOG_LEVEL": "info", "GATEWAY_LOG_FORMAT": "json"}
     server = await start_server("soak", logs, env)
-    points = [{"requests": 0, "rss_mib": rss(server) / 2**20}]
+    points: list[dict[str, Any]] = [{"requests": 0, "rss_mib": rss(server) / MIB}]
     failed, step = 0, max(1, total // 20)
-    try:
-        async with loadgen.make_client(config(server)) as client:
-            for i, done in enumerate(range(step, total + 1, step)):
-                cfg = config(server, concurrency=16, num_requests=step, output_tokens=16, stream=i % 2 == 1,
-                             input_tokens=64, seed=1000 + i)
-                result = await loadgen.run_load(cfg, client=client)
-                failed += result.failed + result.cancelled
-                points.append({"requests": done, "rss_mib": rss(server) / 2**20, "req_s": result.request_throughput})
-                log(f"soak: {done} requests, RSS {points[-1]['rss_mib']:.1f} MiB, {result.request_throughput:.0f} req/s")
-    finally:
-        server.stop()
+    async with loadgen.make_client(config(server)) as client:
+        for i, done in enumerate(range(step, total + 1, step)):
+            cfg = config(server, concurrency=16, num_requests=step, output_tokens=16, stream=i % 2 == 1, input_tokens=64, seed=1000 + i)
+            result = await loadgen.run_load(cfg, client=client)
+            failed += result.failed + result.cancelled
+            points.append({"requests": done, "rss_mib": rss(server) / MIB, "req_s": result.request_throughput})
+            log(f"soak: {done} requests, RSS {points[-1]['rss_mib']:.1f} MiB, {result.request_throughput:.0f} req/s")
+    server.stop()
     bound = next((p for p in points if p["requests"] >= bound_entries), None)  # every request a new entry
     return {"requests": total, "failed": failed, "points": points, "cache_bound_entries": bound_entries,
             "rss_at_bound_mib": bound and bound["rss_mib"], "rss_end_mib": points[-1]["rss_mib"],
             "growth_after_bound_mib": bound and points[-1]["rss_mib"] - bound["rss_mib"]}
 
 
-# ----------------------------------------------------------------------------------------------
-# The report: a table per part measured
-
-
-def _n(value: Any, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+def _slash(stats: dict[str, Any], *keys: str, digits: int = 2) -> str:
+    return " / ".join(num(stats.get(k), digits) for k in keys)
 
 
 def _prompt(rows: list[dict[str, Any]]) -> list[str]:
     return md_table("prompt tokens | prompts | mean input tokens | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | req/s | "
-                  "gateway CPU ms/request | failed",
-                  [[r["tokens"], r["prompts"], _n(r["mean_input_tokens"]), _n(r["ttft_p50_ms"], 2), _n(r["ttft_p99_ms"], 2),
-                    _n(r["e2e_p50_ms"], 2), _n(r["req_s"]), _n(r["gateway_cpu_ms_per_request"], 3), r["failed"]] for r in rows], left=("prompts",))
+                    "gateway CPU ms/request | failed",
+                    [[r["tokens"], r["prompts"], num(r["mean_input_tokens"]), num(r["ttft_p50_ms"], 2), num(r["ttft_p99_ms"], 2),
+                      num(r["e2e_p50_ms"], 2), num(r["req_s"]), num(r["gateway_cpu_ms_per_request"], 3), r["failed"]]
+                     for r in rows], left=("prompts",))
 
 
 def _streams(s: dict[str, Any]) -> list[str]:
-    def slash(stats: dict[str, Any], *keys: str, digits: int = 2) -> str:
-        return " / ".join(_n(stats.get(k), digits) for k in keys)
-
     return md_table("streams held | RSS before MiB | RSS held MiB | KiB per open stream | loop lag idle p99 / max ms | "
-                  "loop lag held p50 / p99 / max ms | GET /health p50 / p99 / max ms | failed",
-                  [[s["streams"], _n(s["rss_before_mib"]), _n(s["rss_held_mib"]), _n(s["kib_per_stream"]),
-                    slash(s["loop_lag_idle"], "p99_ms", "max_ms"), slash(s["loop_lag_held"], "p50_ms", "p99_ms", "max_ms"),
-                    slash(s, "health_p50_ms", "health_p99_ms", "health_max_ms"), s["load"]["failed"]]])
+                    "loop lag held p50 / p99 / max ms | GET /health p50 / p99 / max ms | failed",
+                    [[s["streams"], num(s["rss_before_mib"]), num(s["rss_held_mib"]), num(s["kib_per_stream"]),
+                      _slash(s["loop_lag_idle"], "p99_ms", "max_ms"), _slash(s["loop_lag_held"], "p50_ms", "p99_ms", "max_ms"),
+                      _slash(s, "health_p50_ms", "health_p99_ms", "health_max_ms"), s["load"]["failed"]]])
 
 
 def _cache(c: dict[str, Any]) -> list[str]:
-    small, full = c["hit_nearly_empty"], c["hit_full"]
     return md_table("entries | tokens per answer | RSS before MiB | RSS after MiB | bytes per entry | "
-                  "hit e2e p50 / p99 ms, 10 entries | hit e2e p50 / p99 ms, full | hits counted",
-                  [[c["entries"], c["answer_tokens"], _n(c["rss_before_mib"]), _n(c["rss_after_mib"]),
-                    _n(c["bytes_per_entry"], 0), f"{_n(small['e2e_p50_ms'], 3)} / {_n(small['e2e_p99_ms'], 3)}",
-                    f"{_n(full['e2e_p50_ms'], 3)} / {_n(full['e2e_p99_ms'], 3)}", full["x_cache"]]], left=("hits counted",))
+                    "hit e2e p50 / p99 ms, 10 entries | hit e2e p50 / p99 ms, full | hits counted",
+                    [[c["entries"], c["answer_tokens"], num(c["rss_before_mib"]), num(c["rss_after_mib"]),
+                      num(c["bytes_per_entry"], 0), _slash(c["hit_nearly_empty"], "e2e_p50_ms", "e2e_p99_ms", digits=3),
+                      _slash(c["hit_full"], "e2e_p50_ms", "e2e_p99_ms", digits=3), c["hit_full"]["x_cache"]]],
+                    left=("hits counted",))
 
 
 def _soak(s: dict[str, Any]) -> list[str]:
@@ -240,18 +216,13 @@ def _soak(s: dict[str, Any]) -> list[str]:
 
 def markdown(document: dict[str, Any]) -> str:
     lines = [f"Growth ({document['started']}): `{document['command']}`", ""]
-    sections = (("prompt", "Cost against prompt length", _prompt), ("streams", "Open idle streams", _streams),
-                ("cache", "Cached entries", _cache), ("soak", "Memory over many requests (echo engine)", _soak))
-    for key, title, render in sections:
+    for key, title, render in (("prompt", "Cost against prompt length", _prompt), ("streams", "Open idle streams", _streams),
+                               ("cache", "Cached entries", _cache), ("soak", "Memory over many requests (echo engine)", _soak)):
         if document.get(key):
             lines += [f"### {title}", "", *render(document[key]), ""]
     if document.get("error"):
         lines.append(f"INCOMPLETE: {document['error']}")
     return "\n".join(lines) + "\n"
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
 
 
 def parser() -> argparse.ArgumentParser:
@@ -269,11 +240,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 async def run(args: argparse.Namespace, document: dict[str, Any]) -> None:
-    logs = Path(document["logs"])
     parts = {"prompt": part_prompt, "streams": part_streams, "cache": part_cache, "soak": part_soak}
     for name in args.parts:
         log(f"growth: {name}")
-        document[name] = await parts[name](args, logs)
+        document[name] = await parts[name](args, Path(document["logs"]))
 
 
 def main(argv: list[str] | None = None) -> int:

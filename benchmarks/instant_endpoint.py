@@ -1,9 +1,7 @@
 """The instant endpoint: an OpenAI-compatible server that costs nearly nothing (a raw uvloop protocol
 with httptools, canned answers built once per shape), so that a client's rate against it is the
-client's own limit (the ceiling of `benchmarks.loadgen`). POST /v1/completions and /v1/chat/completions
-(plain, or streamed: one chunk per token, all written at once unless --paced), GET /v1/models, GET
-/health; anything else 404. No vllm or gateway import.
-"""
+client's own limit (`benchmarks.loadgen`'s ceiling). Completions and chat completions (streams: one
+chunk per token, written at once unless --paced), GET /v1/models and /health; anything else 404."""
 
 from __future__ import annotations
 
@@ -46,25 +44,28 @@ def _event(obj: Any) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-def _prompt_tokens(body: dict[str, Any]) -> int:
-    if isinstance(body.get("prompt"), str):
-        return body["prompt"].count(" ") + 1
-    return sum(str(m.get("content", "")).count(" ") + 1 for m in body.get("messages") or [] if isinstance(m, dict))
+def usage(body: dict[str, Any], tokens: int) -> dict[str, int]:
+    """A word per token of the prompt (or of each message)."""
+    if isinstance(prompt := body.get("prompt"), str):
+        words = prompt.count(" ") + 1
+    else:
+        words = sum(str(m.get("content", "")).count(" ") + 1 for m in body.get("messages") or [] if isinstance(m, dict))
+    return {"prompt_tokens": words, "completion_tokens": tokens, "total_tokens": words + tokens}
 
 
-def _usage(prompt: int, tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}
+def max_tokens(body: dict[str, Any]) -> int:
+    return max(1, int(body.get("max_tokens") or body.get("max_completion_tokens") or 16))
 
 
 DONE = _event(b"[DONE]") + b"0\r\n\r\n"
 
 
-def completion(chat: bool, tokens: int, model: str, usage: Any = None, id: str = "instant-0", created: int = CREATED) -> dict[str, Any]:
+def completion(chat: bool, tokens: int, model: str, used: Any = None, id: str = "instant-0", created: int = CREATED) -> dict[str, Any]:
     """A non-streamed completion of `tokens` words (the bare app's too)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
     choice.update({"message": {"role": "assistant", "content": WORD * tokens}} if chat else {"text": WORD * tokens})
     return {"id": id, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage}
+            "choices": [choice], "usage": used}
 
 
 def chunk(chat: bool, model: str, step: int | None, tokens: int, id: str = "instant-0", created: int = CREATED) -> dict[str, Any]:
@@ -80,8 +81,7 @@ def chunk(chat: bool, model: str, step: int | None, tokens: int, id: str = "inst
             "model": model, "choices": choices}
 
 
-# The canned answers, built on first use per shape (chat, tokens, model) and kept.
-@functools.cache
+@functools.cache  # the canned answers: built on first use per shape (chat, tokens, model) and kept
 def _models(name: str) -> bytes:
     return orjson.dumps({"object": "list", "data": [{"id": name, "object": "model", "created": CREATED, "owned_by": "bench"}]})
 
@@ -142,17 +142,16 @@ class InstantProtocol(asyncio.Protocol):
     def _complete(self, chat: bool, raw: bytes, keep_alive: bool) -> list[bytes]:
         try:
             body = orjson.loads(raw)
-            tokens = max(1, int(body.get("max_tokens") or body.get("max_completion_tokens") or 16))
+            tokens = max_tokens(body)
         except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
             return [_error("400 Bad Request", "the body is not a JSON object with an integer max_tokens", keep_alive)]
         model = body["model"] if isinstance(body.get("model"), str) else self.name
-        usage = _usage(_prompt_tokens(body), tokens)
         if not body.get("stream"):
             before, after = _plain(chat, tokens, model)
-            return [_whole("200 OK", before + orjson.dumps(usage) + after, keep_alive)]
+            return [_whole("200 OK", before + orjson.dumps(usage(body, tokens)) + after, keep_alive)]
         parts = [_head("200 OK", "text/event-stream", None, keep_alive), *_stream(chat, tokens, model)]
         if (body.get("stream_options") or {}).get("include_usage"):
-            parts.append(_event({**chunk(chat, model, None, tokens), "usage": usage}))
+            parts.append(_event({**chunk(chat, model, None, tokens), "usage": usage(body, tokens)}))
         return [*parts, DONE]
 
     def _write(self, parts: list[bytes], close: bool) -> None:
@@ -175,19 +174,20 @@ async def serve(host: str = "127.0.0.1", port: int = 0, name: str = NAME, paced:
     return await asyncio.get_running_loop().create_server(lambda: InstantProtocol(name, paced), host, port, backlog=4096)
 
 
-async def _serve_forever(args: argparse.Namespace) -> None:
-    async with await serve(args.host, args.port, args.name, args.paced) as server:
-        await server.serve_forever()
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="An instant OpenAI-compatible endpoint (the load generator's ceiling)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--name", default=NAME, help="served model name")
     p.add_argument("--paced", action="store_true", help="a stream's events one per turn of the loop, not all at once")
+    args = p.parse_args(argv)
+
+    async def forever() -> None:
+        async with await serve(args.host, args.port, args.name, args.paced) as server:
+            await server.serve_forever()
+
     with contextlib.suppress(KeyboardInterrupt):
-        uvloop.run(_serve_forever(p.parse_args(argv)))
+        uvloop.run(forever())
     return 0
 
 

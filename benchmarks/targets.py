@@ -1,9 +1,6 @@
-"""The design's deployment targets (TTFT p99 < 500 ms above 50 requests/s, memory <= 80%) checked on
-this hardware (`make targets`; benchmarks/README.md, "The deployment targets", says how). Exit
-status 0 only when all targets are met; JSON in benchmarks/results/. Memory is judged on the pod's
-cgroup (v2 `memory.current` ÷ `memory.max`) when it has a limit, else on the gateway's processes'
-RSS ÷ the machine's memory; the machine's use, vLLM's KV-cache use and GPU memory beside.
-"""
+"""The design's deployment targets (TTFT p99 < 500 ms above 50 requests/s, memory <= 80%) on this
+hardware (`make targets`; benchmarks/README.md, "The deployment targets"). Exit status 0 only when
+all are met."""
 
 from __future__ import annotations
 
@@ -80,10 +77,6 @@ def verdicts(main_run: dict[str, Any], memory: dict[str, Any]) -> list[dict[str,
     ]
 
 
-# ----------------------------------------------------------------------------------------------
-# Memory, sampled every second while the main run lasts
-
-
 def cgroup_share() -> float | None:
     """This cgroup's memory use ÷ its limit (None when unlimited or not cgroup v2)."""
     try:
@@ -135,13 +128,10 @@ def memory_summary(samples: list[dict[str, float | None]]) -> dict[str, Any]:
             **{f"{key}_peak": value for key, value in peak.items() if key != "cgroup"}, "samples": len(samples)}
 
 
-# ----------------------------------------------------------------------------------------------
-# The run
-
-
 async def capacity(server: Proc, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Halve the rate until TTFT p99 < 500 ms holds (or the rate falls below --min-probe-rate)."""
-    probes, rate = [], args.rate / 2
+    probes: list[dict[str, Any]] = []
+    rate = args.rate / 2
     while rate >= args.min_probe_rate:
         await asyncio.sleep(SETTLE_S)
         probe = await offered(server, args, rate, args.probe_duration, seed=len(probes) + 10)
@@ -156,28 +146,23 @@ async def check(args: argparse.Namespace, document: dict[str, Any]) -> None:
     port = free_port()
     command = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--served-model-name", SERVED,
                *(["--enforce-eager"] if args.eager else []), *args.gateway_args]
-    logs = Path(document["logs"])
-    server = Proc("gateway", command, {"GATEWAY_LOG_LEVEL": "warning"}, logs / "gateway.log", port=port)
+    server = Proc("gateway", command, {"GATEWAY_LOG_LEVEL": "warning"}, Path(document["logs"]) / "gateway.log", port=port)
     server.start()
+    document["startup_s"] = await server.wait_ready(900)
+    await loadgen.run_load(LoadConfig(base_url=server.base_url, model=SERVED, endpoint="completions", concurrency=4,
+                                      num_requests=8, input_tokens=INPUT_TOKENS, output_tokens=OUTPUT_TOKENS, ignore_eos=True))
+    stop, samples = asyncio.Event(), list[dict[str, float | None]]()
+    task = asyncio.create_task(sample_memory(server, stop, samples))
     try:
-        document["startup_s"] = await server.wait_ready(900)
-        warm = LoadConfig(base_url=server.base_url, model=SERVED, endpoint="completions", concurrency=4, num_requests=8,
-                          input_tokens=INPUT_TOKENS, output_tokens=OUTPUT_TOKENS, ignore_eos=True)
-        await loadgen.run_load(warm)
-        stop, samples = asyncio.Event(), []
-        task = asyncio.create_task(sample_memory(server, stop, samples))
-        try:
-            main_run = await offered(server, args, args.rate, args.duration, seed=1)
-        finally:
-            stop.set()
-            await task
-        document["main"] = main_run
-        document["memory"] = memory_summary(samples)
-        document["verdicts"] = verdicts(main_run, document["memory"])
-        if not all(v["met"] for v in document["verdicts"][:2]) and args.min_probe_rate > 0:
-            document["capacity"] = await capacity(server, args)
+        document["main"] = await offered(server, args, args.rate, args.duration, seed=1)
     finally:
-        server.stop()
+        stop.set()
+        await task
+    document["memory"] = memory_summary(samples)
+    document["verdicts"] = verdicts(document["main"], document["memory"])
+    if not all(v["met"] for v in document["verdicts"][:2]) and args.min_probe_rate > 0:
+        document["capacity"] = await capacity(server, args)
+    server.stop()
 
 
 def report(document: dict[str, Any]) -> str:

@@ -1,12 +1,11 @@
 """A load generator for any OpenAI-compatible server: `python -m benchmarks.loadgen`, or
 `await run_load(LoadConfig(...)) -> Result` (benchmarks/README.md says what it measures)."""
 
-from benchmarks.loadgen.cli import main
 from benchmarks.loadgen.client import SSEDecoder, StreamAccumulator, make_client, send_request
-from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.prompts import ServerTokenizer, Session, build_sessions, request_body, sessions_needed
 from benchmarks.loadgen.results import (
     WANTED_HEADROOM,
+    LoadConfig,
     RequestRecord,
     Result,
     Stats,
@@ -18,7 +17,7 @@ from benchmarks.loadgen.results import (
     point,
     tpot,
 )
-from benchmarks.loadgen.runner import run_async, run_load, run_sweep, shared_endpoint
+from benchmarks.loadgen.runner import main, run_async, run_load, run_sweep, shared_endpoint
 
 __all__ = [
     "WANTED_HEADROOM", "LoadConfig", "RequestRecord", "Result", "SSEDecoder", "ServerTokenizer", "Session", "Stats",

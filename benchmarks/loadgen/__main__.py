@@ -1,7 +1,7 @@
-"""`python -m benchmarks.loadgen`: runs the load generator's command line."""
+"""`python -m benchmarks.loadgen`: the load generator's command line (runner.main)."""
 
 import sys
 
-from benchmarks.loadgen import main
+from benchmarks.loadgen.runner import main
 
 sys.exit(main())

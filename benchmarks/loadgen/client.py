@@ -1,7 +1,6 @@
-"""The HTTP side: one `loadgen.wire` session per run (`make_client`), the model a server offers,
-`send_request` (one request sent and timed into a record) and the reading of a stream: Server-Sent
-Events into event data (`SSEDecoder`), event data into one answer's timing and text (`StreamAccumulator`).
-"""
+"""The HTTP side: one `loadgen.wire` session per run (`make_client`), `send_request` (one request
+sent and timed into a record) and the reading of a stream: Server-Sent Events into event data
+(`SSEDecoder`), event data into one answer's timing and text (`StreamAccumulator`)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ from typing import Any
 
 import orjson
 
-from benchmarks.loadgen.config import LoadConfig
-from benchmarks.loadgen.results import RequestRecord
-from benchmarks.loadgen.wire import WireResponse, WireSession
+from benchmarks.loadgen.results import LoadConfig, RequestRecord
+from benchmarks.loadgen.wire import WireSession
 
 Client = WireSession
 KEEPALIVE_S = 3.0  # idle connections dropped before uvicorn's 5-second keep-alive closes them under a request
@@ -32,15 +30,13 @@ def make_client(config: LoadConfig) -> Client:
 
 async def get_json(client: Client, url: str, body: Any = None) -> Any:
     """GET (or POST `body`) and decode the JSON answer; raises WireStatusError on a non-2xx."""
-    method = "POST" if body is not None else "GET"
-    async with client.request(method, url, data=None if body is None else orjson.dumps(body)) as response:
+    async with client.request("GET" if body is None else "POST", url, None if body is None else orjson.dumps(body)) as response:
         response.raise_for_status()
         return orjson.loads(await response.read())
 
 
 async def discover_model(client: Client, base_url: str) -> str:
-    models = (await get_json(client, f"{base_url.rstrip('/')}/models")).get("data") or []
-    if not models:
+    if not (models := (await get_json(client, f"{base_url.rstrip('/')}/models")).get("data")):
         raise RuntimeError(f"{base_url}/models lists no model; pass --model")
     return str(models[0]["id"])
 
@@ -87,7 +83,6 @@ class StreamAccumulator:
         self.last: float | None = None
         self.done_at: float | None = None
         self.itl: list[float] = []
-        self.chunks = 0
         self.pieces: list[str] = []
         self.usage: dict[str, Any] | None = None
         self.error: str | None = None
@@ -121,12 +116,15 @@ class StreamAccumulator:
         if text:
             if self.first is None:
                 self.first = now
-            else:
-                self.itl.append(now - self.last)  # type: ignore[operator]
+            elif self.last is not None:
+                self.itl.append(now - self.last)
             self.last = now
-            self.chunks += 1
             self.pieces.append(text)
         return False
+
+    @property
+    def chunks(self) -> int:
+        return len(self.pieces)
 
     @property
     def text(self) -> str:
@@ -157,7 +155,17 @@ async def send_request(client: Client, url: str, body: dict[str, Any], record: R
                 record.e2e = record.ttft = time.perf_counter() - started
                 record.error = f"HTTP {response.status}: {(await response.read())[:200].decode(errors='replace')}"
             elif body.get("stream"):
-                await _read_stream(response, acc)
+                # each event carrying text timed until [DONE]; then the body read to its end (the chunked
+                # terminator follows [DONE]) so that the connection goes back to the pool
+                decoder = SSEDecoder()
+                async for chunk in response.iter_chunks():
+                    if not acc.done:
+                        now = time.perf_counter()
+                        for data in decoder.feed(chunk):
+                            if acc.feed(data, now):
+                                break
+                for data in [] if acc.done else decoder.finish():
+                    acc.feed(data, time.perf_counter())
                 record.e2e = (acc.done_at or time.perf_counter()) - started
                 record.chunks, record.itl, record.text = acc.chunks, acc.itl, acc.text
                 record.ttft = (acc.first - started) if acc.first is not None else record.e2e
@@ -183,17 +191,3 @@ async def send_request(client: Client, url: str, body: dict[str, Any], record: R
         record.error = f"{exc.__class__.__name__}: {exc}"[:300] or exc.__class__.__name__
     return record
 
-
-async def _read_stream(response: WireResponse, acc: StreamAccumulator) -> None:
-    """Time each event carrying text until `[DONE]`, then read the body to its end (the chunked
-    terminator follows [DONE]) so that the connection goes back to the pool."""
-    decoder = SSEDecoder()
-    async for chunk in response.iter_chunks():
-        if not acc.done:
-            now = time.perf_counter()
-            for data in decoder.feed(chunk):
-                if acc.feed(data, now):
-                    break
-    if not acc.done:
-        for data in decoder.finish():
-            acc.feed(data, time.perf_counter())

@@ -11,13 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.loadgen.client import CLIENT_ERRORS, Client, get_json
-from benchmarks.loadgen.config import LoadConfig
+from benchmarks.loadgen.results import LoadConfig
 
 
 def root_url(base_url: str) -> str:
     """http://host:port/v1 -> http://host:port (where /tokenize and /health live)."""
-    base = base_url.rstrip("/")
-    return base.removesuffix("/v1")
+    return base_url.rstrip("/").removesuffix("/v1")
 
 
 class ServerTokenizer:
@@ -56,31 +55,16 @@ async def get_tokenizer(config: LoadConfig, client: Client, model: str) -> Serve
 
 
 # Common English words; with a BPE tokenizer each is about one token when preceded by a space.
-_WORDS_TEXT = """
-time year people way day man thing woman life child world school state family student group
-country problem hand part place case week company system program question work government number
-night point home water room mother area money story fact month lot right study book eye job word
-business issue side kind head house service friend father power hour game line end member law car
-city community name president team minute idea kid body information back parent face others level
-office door health person art war history party result change morning reason research girl guy
-moment air teacher force education foot boy age policy music market sense nation plan college
-interest death experience effect use class control care field development role effort rate heart
-drug show leader light voice wife police mind price report decision son view relationship town
-road arm difference value building action model season society tax director position player record
-paper space ground form event official matter center couple site project activity star table need
-court oil situation cost industry figure street image phone data picture practice piece land
-product doctor wall patient worker news test movie north love support technology step baby
-computer type attention film tree source organization hair window evidence population truth song
-river garden green blue red small large early young important few public bad same able late hard
-major better economic strong possible whole free military true federal international full special
-easy clear recent certain personal open difficult available likely short single medical current
-wrong private past foreign fine common poor natural significant similar hot dead central happy
-serious ready simple left physical general environmental financial democratic dark various entire
-close legal religious cold final main huge popular traditional cultural apple river mountain ocean
-forest silver golden quiet rapid gentle ancient modern bright narrow wide deep shallow heavy light
-soft
+_WORDS = """
+time year people way day man thing woman life child world school state family student group country problem hand
+part place case week company system program question work government number night point home water room mother area
+money story fact month lot right study book eye job word business issue side kind head house service friend father
+power hour game line end member law car city community name president team minute idea kid body information back
+parent face others level office door health person art war history party result change morning reason research girl
+guy moment air teacher force education foot boy age policy music market sense nation plan college interest death
+experience effect use class control care field development role effort rate heart drug show leader light voice wife
 """
-WORDS = _WORDS_TEXT.split()
+WORDS = _WORDS.split()
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""What a run measured: one `RequestRecord` per request, their `aggregate` (a `Result`: counts,
-throughput, `Stats` of the latencies, percentiles as numpy computes them), the client's ceiling
-beside it (`compare`, `describe`), and a run for people: `format_result`, `plot_sweep`."""
+"""What one run is (`LoadConfig`: the CLI's flags, nearly one for one) and what it measured: a
+`RequestRecord` per request, their `aggregate` (a `Result`), the client's ceiling beside it
+(`compare`, `describe`), and a run for people (`format_result`, `plot_sweep`)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,50 @@ import dataclasses
 import math
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 WANTED_HEADROOM = 5.0  # the client's ceiling ÷ the run's rate, below which the client may be what was measured
+
+
+@dataclass
+class LoadConfig:
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str | None = None  # None: the first of GET /models
+    endpoint: Literal["chat", "completions"] = "chat"
+    concurrency: int | None = 8  # requests in flight; with request_rate: a cap (None: no cap)
+    request_rate: float | None = None  # Poisson arrivals per second (None: as fast as concurrency allows)
+    num_requests: int = 64
+    duration_s: float | None = 300.0  # hard time limit of the measured run
+    prompts: Literal["random", "shared-prefix", "multi-turn"] = "random"
+    input_tokens: int = 128
+    output_tokens: int = 64
+    prefix_tokens: int = 512  # shared-prefix: length of the common prefix
+    num_prefixes: int = 1  # shared-prefix: how many distinct prefixes
+    turns: int = 4  # multi-turn: user turns per conversation
+    unique_prompts: int | None = None  # cycle through this many prompts (None: every one new)
+    ignore_eos: bool = False  # vLLM's extension: always generate output_tokens tokens
+    temperature: float | None = 0.0  # None: the server's default
+    stream: bool = True
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+    api_key: str | None = None
+    count_headers: list[str] = field(default_factory=lambda: ["x-cache"])
+    tokenizer: Literal["auto", "server", "words"] = "auto"
+    seed: int = 0
+    warmup_requests: int = 0  # sent before the measured run, with their own prompts, not counted
+    request_timeout_s: float = 600.0
+    keep_records: bool = False  # put every request's record in Result.to_dict()
+    ceiling_s: float = 0.0  # after the run: seconds of the same load against the instant endpoint (0: none)
+    label: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if data.get("api_key"):
+            data["api_key"] = "***"
+        return data
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -40,8 +78,7 @@ class Stats:
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Stats:
-        values = [v for v in values if v is not None and not math.isnan(v)]
-        if not values:
+        if not (values := [v for v in values if v is not None and not math.isnan(v)]):
             return cls()
         p50, p90, p99 = (percentile(values, q) for q in (50, 90, 99))
         return cls(len(values), sum(values) / len(values), p50, p90, p99, min(values), max(values))
@@ -81,7 +118,7 @@ class RequestRecord:
 
 @dataclass
 class Result:
-    """One run at one concurrency (or request rate), summed up."""
+    """One run at one concurrency (or request rate), summed up; throughputs per second of the run."""
 
     label: str
     concurrency: int | None
@@ -91,8 +128,8 @@ class Result:
     failed: int
     cancelled: int
     total_output_tokens: int
-    request_throughput: float  # completed requests per second
-    output_throughput: float  # output tokens of completed requests per second
+    request_throughput: float
+    output_throughput: float  # output tokens of completed requests
     input_throughput: float
     ttft: Stats
     tpot: Stats
@@ -119,7 +156,7 @@ class Result:
         data["client_cpu_share"] = self.client_cpu_share
         if records:
             data["records"] = [{k: v for k, v in dataclasses.asdict(r).items() if k != "text"} | {"tpot": r.tpot} for r in self.records]
-        return _clean(data)
+        return dict(_clean(data))
 
 
 def _clean(value: Any) -> Any:
@@ -148,8 +185,7 @@ def aggregate(records: Sequence[RequestRecord], duration_s: float, *, label: str
         out_tokens, len(ok) / duration, out_tokens / duration, in_tokens / duration,
         ttft=Stats.of([r.ttft for r in ok if r.ttft is not None]), tpot=Stats.of([t for r in ok if (t := r.tpot) is not None]),
         itl=Stats.of([x for r in ok for x in r.itl]), e2e=Stats.of([r.e2e for r in ok if r.e2e is not None]),
-        mean_input_tokens=in_tokens / len(ok) if ok else math.nan,
-        mean_output_tokens=out_tokens / len(ok) if ok else math.nan,
+        mean_input_tokens=in_tokens / len(ok) if ok else math.nan, mean_output_tokens=out_tokens / len(ok) if ok else math.nan,
         mean_cached_tokens=(sum(cached) / len(cached)) if cached else None,
         usage_reported=bool(ok) and all(r.usage_reported for r in ok),
         errors=dict(Counter((r.error or "unknown error")[:200] for r in failed)),
@@ -159,9 +195,9 @@ def aggregate(records: Sequence[RequestRecord], duration_s: float, *, label: str
 
 
 def compare(bare: Result, measured: Result) -> dict[str, Any]:
-    """The client's ceiling (`bare`, the same load against the instant endpoint) beside the measured
-    run: rates, the headroom (ceiling ÷ measured) and whether it is enough; `latency_bound`: one
-    request at a time, so a loopback round trip's latency, not the client's CPU."""
+    """The client's ceiling (`bare`: the same load against the instant endpoint) beside the measured
+    run: its rates, the headroom (ceiling ÷ measured) and whether it is enough; `latency_bound`: one
+    request at a time, bound by a loopback round trip's latency, not by the client's CPU."""
     req = bare.request_throughput / measured.request_throughput if measured.request_throughput > 0 else None
     tok = bare.output_throughput / measured.output_throughput if measured.output_throughput > 0 else None
     headroom = min((r for r in (req, tok) if r is not None), default=None)
@@ -175,17 +211,15 @@ def compare(bare: Result, measured: Result) -> dict[str, Any]:
 
 def describe(ceiling: dict[str, Any]) -> str:
     """The ceiling in one line for people."""
-    headroom = ceiling.get("headroom")
     text = (f"client ceiling (instant endpoint, same load, {ceiling['duration_s']:.1f} s): {ceiling['req_s']:.0f} req/s, "
             f"{ceiling['output_tok_s']:.0f} tok/s")
-    if headroom is None:
+    if (headroom := ceiling.get("headroom")) is None:
         return text + " (nothing measured to compare)"
     text += f" = {headroom:.1f}x this run"
     if not ceiling["enough"]:
         text += f" - below {WANTED_HEADROOM:.0f}x: the client may be part of what this run measured"
         if ceiling.get("latency_bound"):
-            text += (" (at concurrency 1 the ceiling is one loopback round trip at a time, bound by latency, "
-                     "not by the client's CPU)")
+            text += " (at concurrency 1 the ceiling is one loopback round trip at a time, bound by latency, not by the client's CPU)"
     return text + (f"; {ceiling['failed']} failed" if ceiling.get("failed") else "")
 
 
@@ -202,24 +236,27 @@ def format_result(r: Result) -> str:
         f"{r.input_throughput:.1f} input tok/s (mean {r.mean_input_tokens:.1f} in / {r.mean_output_tokens:.1f} out"
         + (f", {r.mean_cached_tokens:.1f} cached" if r.mean_cached_tokens is not None else "")
         + (", usage from server)" if r.usage_reported else ", output tokens counted as chunks)"),
+        *(f"  {name:5s} ms: mean {_ms(s.mean)}  p50 {_ms(s.p50)}  p90 {_ms(s.p90)}  p99 {_ms(s.p99)}  (n={s.n})"
+          for name, s in (("ttft", r.ttft), ("tpot", r.tpot), ("itl", r.itl), ("e2e", r.e2e))),
     ]
-    for name in ("ttft", "tpot", "itl", "e2e"):
-        s: Stats = getattr(r, name)
-        lines.append(f"  {name:5s} ms: mean {_ms(s.mean)}  p50 {_ms(s.p50)}  p90 {_ms(s.p90)}  p99 {_ms(s.p99)}  (n={s.n})")
     if r.errors:
         lines.append("  errors: " + "; ".join(f"{n}x {e}" for e, n in list(r.errors.items())[:5]))
     if r.header_counts:
         lines.append("  headers: " + ", ".join(f"{h}: {dict(c)}" for h, c in r.header_counts.items()))
     if (share := r.client_cpu_share) is not None and r.client_cpu_s is not None:
         lines.append(f"  client CPU: {share:.2f} of a core ({r.client_cpu_s * 1e6 / max(1, r.completed + r.failed):.0f} us per request)")
-    if r.ceiling:
-        lines.append("  " + describe(r.ceiling))
-    return "\n".join(lines)
+    return "\n".join(lines + (["  " + describe(r.ceiling)] if r.ceiling else []))
 
 
-def plot_sweep(series: dict[str, Sequence[dict[str, float]]], path: Path, title: str = "") -> Path | None:
-    """Latency (TTFT p50/p99, TPOT p50, ms; left) and output tok/s (right) against concurrency, a colour per
-    series; each point a dict with those keys (`point`). matplotlib is imported only here: without it, no plot."""
+def point(r: Result) -> dict[str, float]:
+    """A `plot_sweep` point of a run."""
+    return {"concurrency": r.concurrency or 0, "output_tok_s": r.output_throughput, "ttft_p50_ms": r.ttft.p50 * 1000,
+            "ttft_p99_ms": r.ttft.p99 * 1000, "tpot_p50_ms": r.tpot.p50 * 1000}
+
+
+def plot_sweep(series: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, title: str = "") -> Path | None:
+    """Latency (TTFT p50/p99, TPOT p50, ms; left) and output tok/s (right) against concurrency, a colour
+    per series of `point`s. Without matplotlib (imported only here), no plot."""
     try:
         import matplotlib
 
@@ -234,10 +271,10 @@ def plot_sweep(series: dict[str, Sequence[dict[str, float]]], path: Path, title:
         points = sorted((p for p in points if p["concurrency"]), key=lambda p: p["concurrency"])
         xs = [p["concurrency"] for p in points]
         color = None
-        for key, marker, style in (("ttft_p50_ms", "o", "-"), ("ttft_p99_ms", "^", "--"), ("tpot_p50_ms", "s", ":")):
-            line = lat.plot(xs, [p[key] for p in points], marker=marker, linestyle=style, color=color,
-                            label=prefix + key.removesuffix("_ms").replace("_", " ").upper().replace(" P", " p"))
-            color = line[0].get_color()
+        for key, label, marker, style in (("ttft_p50_ms", "TTFT p50", "o", "-"), ("ttft_p99_ms", "TTFT p99", "^", "--"),
+                                          ("tpot_p50_ms", "TPOT p50", "s", ":")):
+            color = lat.plot(xs, [p[key] for p in points], marker=marker, linestyle=style, color=color,
+                             label=prefix + label)[0].get_color()
         thr.plot(xs, [p["output_tok_s"] for p in points], marker="o", color=color, label=f"{prefix}output tok/s")
     for ax, ylabel, name in ((lat, "ms", "latency"), (thr, "output tokens / s", "throughput")):
         ax.set(xlabel="concurrency (requests in flight)", ylabel=ylabel, title=name)
@@ -252,9 +289,3 @@ def plot_sweep(series: dict[str, Sequence[dict[str, float]]], path: Path, title:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def point(r: Result) -> dict[str, float]:
-    """A `plot_sweep` point of a run."""
-    return {"concurrency": r.concurrency or 0, "output_tok_s": r.output_throughput, "ttft_p50_ms": r.ttft.p50 * 1000,
-            "ttft_p99_ms": r.ttft.p99 * 1000, "tpot_p50_ms": r.tpot.p50 * 1000}

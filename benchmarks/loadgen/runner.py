@@ -1,45 +1,51 @@
 """Running the load: `run_load` (one measured run at one concurrency or request rate, with its
 warm-up, and the client's ceiling after it when `ceiling_s` asks: the same load for `ceiling_s`
-seconds against the instant endpoint, started once per process) and `run_sweep` (one run per
-concurrency level). `run_async` runs a coroutine on uvloop."""
+seconds against the instant endpoint, started once per process), `run_sweep` (one run per
+concurrency level), `run_async` (on uvloop), and the command line: `python -m benchmarks.loadgen`
+(flags into a `LoadConfig`: each flag's dest is the field's name; the JSON and the plot)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import atexit
 import dataclasses
+import json
 import math
 import random
 import sys
 import time
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import uvloop
 
 from benchmarks.loadgen.client import Client, discover_model, make_client, send_request
-from benchmarks.loadgen.config import LoadConfig
 from benchmarks.loadgen.prompts import Session, build_sessions, get_tokenizer, request_body, sessions_needed
-from benchmarks.loadgen.results import RequestRecord, Result, aggregate, compare, format_result
-from benchmarks.procs import RESULTS, Proc, free_port
+from benchmarks.loadgen.results import (
+    LoadConfig,
+    RequestRecord,
+    Result,
+    aggregate,
+    compare,
+    format_result,
+    plot_sweep,
+    point,
+)
+from benchmarks.procs import RESULTS, Proc, free_port, timestamp
 
 
 class Runner:
     """One run's state: the requests issued so far, their records, the time limit."""
 
     def __init__(self, config: LoadConfig, client: Client, model: str, sessions: Sequence[Session]) -> None:
-        self.config = config
-        self.client = client
-        self.model = model
-        self.sessions = sessions
+        self.config, self.client, self.model, self.sessions = config, client, model, sessions
         path = "chat/completions" if config.endpoint == "chat" else "completions"
         self.url = f"{config.base_url.rstrip('/')}/{path}"
         self.records: list[RequestRecord] = []
-        self.issued = 0
-        self.next_session = 0
-        self.origin = 0.0
-        self.deadline = math.inf
-        self.last_end = 0.0
+        self.issued = self.next_session = 0
+        self.origin, self.deadline, self.last_end = 0.0, math.inf, 0.0
 
     def _take_session(self) -> Session:
         session = self.sessions[self.next_session % len(self.sessions)]
@@ -56,25 +62,21 @@ class Runner:
             if not self._may_issue():
                 return
             self.issued += 1
-            body = request_body(self.config, self.model, session, history, turn)
-            record = RequestRecord()
-            self.records.append(record)
-            estimate = session.input_tokens if not history else 0
-            await send_request(
-                self.client, self.url, body, record,
-                count_headers=self.config.count_headers, estimate_input=estimate, origin=self.origin,
-            )
+            self.records.append(record := RequestRecord())
+            await send_request(self.client, self.url, request_body(self.config, self.model, session, history, turn), record,
+                               count_headers=self.config.count_headers, origin=self.origin,
+                               estimate_input=0 if history else session.input_tokens)
             self.last_end = time.perf_counter()
             if not record.ok:
                 return
             history.append((turn, record.text))
 
-    async def worker(self) -> None:
-        while self._may_issue():
-            await self.run_session(self._take_session())
-
     async def workers(self, count: int) -> None:
-        await asyncio.gather(*(self.worker() for _ in range(count)))
+        async def worker() -> None:
+            while self._may_issue():
+                await self.run_session(self._take_session())
+
+        await asyncio.gather(*(worker() for _ in range(count)))
 
     async def arrivals(self, rng: random.Random) -> None:
         """Poisson arrivals of sessions, at most `concurrency` running (when set)."""
@@ -116,10 +118,13 @@ class Runner:
         else:
             main = asyncio.create_task(self.workers(max(1, cfg.concurrency or 1)))
         timeout = None if self.deadline == math.inf else max(0.0, self.deadline - time.perf_counter())
-        done, _ = await asyncio.wait({main}, timeout=timeout)
-        if not done:  # the time limit: requests still in flight are cancelled and counted as such
-            main.cancel()
-            await asyncio.gather(main, return_exceptions=True)
+        try:
+            done, _ = await asyncio.wait({main}, timeout=timeout)
+        finally:  # the time limit, or this run cancelled: requests in flight are cancelled and counted as such
+            if not main.done():
+                main.cancel()
+                await asyncio.gather(main, return_exceptions=True)
+        if not done:
             return time.perf_counter() - self.origin
         main.result()
         return (self.last_end or time.perf_counter()) - self.origin
@@ -207,3 +212,83 @@ T = TypeVar("T")
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     """`asyncio.run` on uvloop (uvicorn[standard] brings it): less loop overhead per request."""
     return uvloop.run(coro)
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loadgen",
+                                description="A load generator for any OpenAI-compatible server (benchmarks/README.md)")
+    add = p.add_argument
+    add("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (with /v1)")
+    add("--model", help="model name (default: the first of GET /models)")
+    add("--endpoint", choices=["chat", "completions"], default="chat")
+    add("--concurrency", type=int, nargs="+",
+        help="requests in flight (default 8); several levels: a sweep; with --request-rate: a cap (default none)")
+    add("--request-rate", type=float, help="Poisson arrivals per second instead (concurrency becomes a cap)")
+    add("--num-requests", type=int, default=64, help="requests per run (per concurrency level)")
+    add("--waves", type=int, help="at least WAVES x concurrency requests per level")
+    add("--duration", dest="duration_s", type=float, default=300.0, help="time limit of each run in seconds (0: none)")
+    add("--prompts", choices=["random", "shared-prefix", "multi-turn"], default="random")
+    add("--input-tokens", type=int, default=128, help="tokens per prompt (per user turn)")
+    add("--output-tokens", type=int, default=64, help="max_tokens of every request")
+    add("--prefix-tokens", type=int, default=512, help="shared-prefix: tokens of the common prefix")
+    add("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes")
+    add("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
+    add("--unique-prompts", type=int, help="cycle through this many prompts (1: the same request again)")
+    add("--ignore-eos", action="store_true", help="send ignore_eos (vLLM): exactly --output-tokens tokens")
+    add("--temperature", type=float, default=0.0, help="sampling temperature (negative: server default)")
+    add("--no-stream", dest="stream", action="store_false", help="non-streaming requests (TTFT = e2e)")
+    add("--extra-body", type=json.loads, default={}, help="JSON object merged into every request body")
+    add("--api-key")
+    add("--count-header", dest="count_headers", action="append", help="response header whose values are counted (default x-cache)")
+    add("--tokenizer", choices=["auto", "server", "words"], default="auto",
+        help="count prompt tokens with the server's /tokenize (auto: when present) or as words")
+    add("--seed", type=int, default=0)
+    add("--warmup", dest="warmup_requests", type=int, default=0, help="warm-up requests before each run (not measured)")
+    add("--request-timeout", dest="request_timeout_s", type=float, default=600.0)
+    add("--output", type=Path, help="JSON results file (default benchmarks/results/loadgen-<time>.json)")
+    add("--plot", type=Path, help="PNG plot (default: next to the JSON when several levels are run)")
+    add("--no-plot", action="store_true")
+    add("--save-requests", dest="keep_records", action="store_true", help="put every request's record in the JSON")
+    add("--ceiling-duration", dest="ceiling_s", type=float, default=2.0,
+        help="after each run: seconds of the same load against the instant endpoint (benchmarks.instant_endpoint), "
+             "the client's ceiling, reported beside the run")
+    add("--no-ceiling", dest="ceiling_s", action="store_const", const=0.0, help="skip the ceiling run")
+    return p
+
+
+def config_from(args: argparse.Namespace) -> LoadConfig:
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(LoadConfig) if hasattr(args, f.name)}
+    return dataclasses.replace(
+        LoadConfig(**given),
+        concurrency=args.concurrency[0] if args.concurrency else (None if args.request_rate else 8),
+        duration_s=args.duration_s or None, temperature=None if args.temperature < 0 else args.temperature,
+        count_headers=[h.lower() for h in args.count_headers or ["x-cache"]],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run (one Poisson run at --request-rate, else a sweep of the --concurrency levels), write the JSON
+    (and the plot of a sweep); exit status 1 when a run completed nothing."""
+    args = parser().parse_args(argv)
+    config = config_from(args)
+    if args.request_rate:
+        results = [run_async(run_load(dataclasses.replace(config, label=f"rate={args.request_rate}")))]
+        print(format_result(results[0]), file=sys.stderr)
+    else:
+        results = run_async(run_sweep(config, args.concurrency or [8], args.waves))
+    stamp = timestamp()
+    output = args.output or RESULTS / f"loadgen-{stamp}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    document = {"tool": "benchmarks.loadgen", "started": stamp, "argv": sys.argv if argv is None else ["loadgen", *argv],
+                "config": config.to_dict(), "results": [r.to_dict(records=args.keep_records) for r in results]}
+    output.write_text(json.dumps(document, indent=2))
+    print(f"results: {output}", file=sys.stderr)
+    if not args.no_plot and (args.plot or len(results) > 1):
+        plot = plot_sweep({"": [point(r) for r in results]}, args.plot or output.with_suffix(".png"), title=args.base_url)
+        if plot:
+            print(f"plot: {plot}", file=sys.stderr)
+    return 0 if all(r.completed for r in results) else 1

@@ -13,7 +13,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from benchmarks import growth, targets
-from benchmarks.lag_probe import PATH, LagProbe
+from benchmarks.echo_engine import PATH, LagProbe
 from benchmarks.loadgen import RequestRecord, aggregate
 
 

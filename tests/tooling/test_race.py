@@ -77,7 +77,7 @@ def test_race_commands_use_the_same_engine_settings() -> None:
 def test_benchmark_modules_do_not_import_vllm() -> None:
     code = ("import sys, benchmarks.loadgen, benchmarks.echo_engine, benchmarks.race, benchmarks.engine_direct, "
             "benchmarks.bare_app, benchmarks.instant_endpoint, benchmarks.vllm_bench, benchmarks.growth, "
-            "benchmarks.targets, benchmarks.lag_probe; "
+            "benchmarks.targets; "
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'imported vllm'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
@@ -121,7 +121,7 @@ class _FakeLLM:
         self.shut = True
 
 
-async def test_engine_alone_runs_the_plan_on_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+async def test_engine_alone_runs_on_command(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("vllm")  # SamplingParams comes from vLLM even with a stand-in engine
     from benchmarks import engine_direct
 
@@ -129,25 +129,19 @@ async def test_engine_alone_runs_the_plan_on_command(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(engine_direct, "start_engine", lambda settings: llm)
     config = LoadConfig(base_url="http://engine.invalid/v1", endpoint="completions", output_tokens=5, ignore_eos=True)
     sessions = [dataclasses.asdict(s) for s in await loadgen.build_sessions(config, 3, None, seed=1)]
-    plan_file = tmp_path / "sessions.json"
-    plan_file.write_text(json.dumps({
-        "warmup": [{"concurrency": 1, "sessions": sessions[:1]}],
-        "runs": [{"key": {"repeat": 0, "concurrency": 2}, "concurrency": 2, "label": "r0 c2", "sessions": sessions},
-                 {"key": {"repeat": 0, "concurrency": 1}, "concurrency": 1, "label": "r0 c1", "sessions": sessions[:2]}],
-    }))
-    commands = iter([json.dumps({"sessions": str(plan_file)}), json.dumps({"run": 1}), json.dumps({"run": 0}), ""])
+    commands = iter([json.dumps({"concurrency": 1, "label": "r0 c1", "sessions": sessions[:2]}),
+                     json.dumps({"concurrency": 2, "label": "r0 c2", "sessions": sessions}), ""])
     stdin = type("Lines", (), {"readline": lambda self: next(commands) + "\n"})()
     answers: list[dict] = []
-    await engine_direct.serve_plan({"engine": {}, "load": config.to_dict()}, stdin, answers.append, log=lambda m: None)
+    await engine_direct.serve({"engine": {}, "load": config.to_dict()}, stdin, answers.append, log=lambda m: None)
 
     assert "ready" in answers[0]
-    assert answers[1] == {"warm": True}
-    assert [a["key"] for a in answers[2:]] == [{"repeat": 0, "concurrency": 1}, {"repeat": 0, "concurrency": 2}]
-    assert answers[2]["result"]["completed"] == 2
-    assert answers[3]["result"]["completed"] == 3
-    assert answers[3]["result"]["total_output_tokens"] == 15
-    assert answers[3]["result"]["failed"] == 0
-    assert len(llm.requests) == 1 + 2 + 3
+    assert [a["result"]["concurrency"] for a in answers[1:]] == [1, 2]
+    assert answers[1]["result"]["completed"] == 2
+    assert answers[2]["result"]["completed"] == 3
+    assert answers[2]["result"]["total_output_tokens"] == 15
+    assert answers[2]["result"]["failed"] == 0
+    assert len(llm.requests) == 2 + 3
     assert all(n == 5 for _, n in llm.requests)
     assert llm.shut
 
@@ -272,3 +266,18 @@ def test_vllm_bench_argv_is_what_vllms_own_parser_takes() -> None:
     chat = parser.parse_args(vllm_bench.bench_argv(base_url="http://h:1", model="m", tokenizer="t", endpoint="chat",
                                                    concurrency=1, num_prompts=1, input_len=1, output_len=1, seed=0))
     assert (chat.backend, chat.endpoint) == ("openai-chat", "/v1/chat/completions")
+
+
+async def test_a_commanded_child_answers_on_its_stdout_and_logs_its_prints(tmp_path: Path) -> None:
+    from benchmarks.procs import Proc
+
+    child = ("from benchmarks.procs import answers\nimport json, sys\nanswer = answers()\nprint('chatter')\n"
+             "for line in sys.stdin:\n    answer({'twice': 2 * json.loads(line)['n']})\n")
+    proc = Proc("child", [sys.executable, "-c", child], {}, tmp_path / "child.log", commanded=True)
+    proc.start()
+    try:
+        proc.send({"n": 21})
+        assert await proc.answer(30) == {"twice": 42}
+    finally:
+        proc.stop()
+    assert "chatter" in (tmp_path / "child.log").read_text()
