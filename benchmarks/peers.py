@@ -174,7 +174,8 @@ async def measure(target: Target, level: int, repeat: int, stream: bool, args: a
     cpu_ms = (after - before) / done * 1e3 if before is not None and after is not None and done else None
     return {"mode": "stream" if stream else "plain", "repeat": repeat, "level": level, "target": target.name,
             "req_s": result.request_throughput, "p50_ms": result.e2e.p50 * 1e3, "p99_ms": result.e2e.p99 * 1e3,
-            "ttfb_p50_ms": result.ttft.p50 * 1e3 if stream else None, "failed": result.failed,
+            "ttfb_p50_ms": result.ttft.p50 * 1e3 if stream else None,
+            "ttfb_p99_ms": result.ttft.p99 * 1e3 if stream else None, "failed": result.failed,
             "errors": result.errors, "cpu_ms": cpu_ms}
 
 
@@ -262,13 +263,15 @@ def summarize(document: dict[str, Any]) -> None:
             if not mine:
                 continue
             paired = [(r, mock[r["repeat"]]) for r in mine if r["repeat"] in mock and target != MOCK]
-            ttfb = [r["ttfb_p50_ms"] - m["ttfb_p50_ms"] for r, m in paired if r.get("ttfb_p50_ms") is not None]
+            ttfb = [(r["ttfb_p50_ms"] - m["ttfb_p50_ms"], r["ttfb_p99_ms"] - m["ttfb_p99_ms"])
+                    for r, m in paired if r.get("ttfb_p50_ms") is not None]
             rows.append({"mode": mode, "level": level, "target": target,
                          "req_s": _median([r["req_s"] for r in mine]), "p50_ms": _median([r["p50_ms"] for r in mine]),
                          "p99_ms": _median([r["p99_ms"] for r in mine]),
                          "added_p50_ms": _median([r["p50_ms"] - m["p50_ms"] for r, m in paired]),
                          "added_p99_ms": _median([r["p99_ms"] - m["p99_ms"] for r, m in paired]),
-                         "added_ttfb_ms": _median(ttfb),
+                         "added_ttfb_ms": _median([t[0] for t in ttfb]),
+                         "added_ttfb_p99_ms": _median([t[1] for t in ttfb]),
                          "cpu_ms": _median([r["cpu_ms"] for r in mine if r["cpu_ms"] is not None]),
                          "failed": sum(r["failed"] for r in mine), "runs": len(mine)})
         base = {r["repeat"]: r["req_s"] for r in at if r["target"] == OURS}
@@ -291,37 +294,41 @@ def title(document: dict[str, Any], target: str) -> str:
     return f"{name} {peer['version']} ({language}" if language else f"{name} {peer['version']}"
 
 
+ADDED = {"plain": (("added_p50_ms", "added p50 ms"), ("added_p99_ms", "added p99 ms")),
+         "stream": (("added_ttfb_ms", "added TTFB p50 ms"), ("added_ttfb_p99_ms", "added TTFB p99 ms"))}
+
+
 def headline(document: dict[str, Any], mode: str) -> list[str]:
-    """One row per target: req/s at every level, latency added at the first level, CPU per request."""
+    """One row per target: req/s at the first level, the latency it adds there (p50, p99; time to
+    first byte for streams), req/s at the other levels, CPU per request at every level."""
     rows = [r for r in document.get("summary", []) if r["mode"] == mode]
     levels = sorted({r["level"] for r in rows})
     if not levels:
         return []
-    first = levels[0]
-    by = {(r["target"], r["level"]): r for r in rows}
-    added = "added TTFB p50 ms" if mode == "stream" else "added p50 ms"
-    header = " | ".join(["gateway", *(f"c={c} req/s" for c in levels), f"{added} at c={first}",
-                         f"added p99 ms at c={first}", *(f"CPU ms/req c={c}" for c in levels), "failed"])
+    first, by = levels[0], {(r["target"], r["level"]): r for r in rows}
+    added = ADDED[mode]
+    header = " | ".join(["gateway", f"c={first} req/s", *(f"{label} at c={first}" for _, label in added),
+                         *(f"c={c} req/s" for c in levels[1:]), *(f"CPU ms/req c={c}" for c in levels), "failed"])
     table = []
     for target in document.get("targets", []):
-        if not any((target, c) in by for c in levels):
-            continue
         cells = [by.get((target, c)) for c in levels]
-        one = by.get((target, first))
-        extra = (one or {}).get("added_ttfb_ms" if mode == "stream" else "added_p50_ms")
-        table.append([title(document, target), *(_fmt(c["req_s"], 0) if c else "" for c in cells),
-                      "—" if target == MOCK else _fmt(extra), "—" if target == MOCK else _fmt((one or {}).get("added_p99_ms")),
-                      *("—" if target == MOCK else _fmt(c["cpu_ms"]) if c else "" for c in cells),
+        if not any(cells):
+            continue
+        mock = target == MOCK
+        rates = [_fmt(c["req_s"], 0) if c else "" for c in cells]
+        extra = ["—" if mock else _fmt((cells[0] or {}).get(key)) for key, _ in added]
+        cpu = ["—" if mock else _fmt(c["cpu_ms"]) if c else "" for c in cells]
+        table.append([title(document, target), rates[0], *extra, *rates[1:], *cpu,
                       str(sum(c["failed"] for c in cells if c))])
     return md_table(header, table, left=("gateway",))
 
 
 def details(document: dict[str, Any]) -> list[str]:
     rows = [(r["mode"], r["level"], r["target"], _fmt(r["req_s"], 0), _fmt(r["p50_ms"]), _fmt(r["p99_ms"]),
-             _fmt(r["added_p50_ms"]), _fmt(r["added_p99_ms"]), _fmt(r["added_ttfb_ms"]), _fmt(r["cpu_ms"]), r["failed"])
+             _fmt(r["added_p50_ms"]), _fmt(r["added_p99_ms"]), _fmt(r["added_ttfb_ms"]), _fmt(r["added_ttfb_p99_ms"]), _fmt(r["cpu_ms"]), r["failed"])
             for r in document.get("summary", [])]
     return md_table("mode | c | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | added TTFB p50 ms | "
-                    "CPU ms/request | failed", rows, left=("mode", "target"))
+                    "added TTFB p99 ms | CPU ms/request | failed", rows, left=("mode", "target"))
 
 
 def render(document: dict[str, Any]) -> str:
