@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -176,7 +177,7 @@ async def measure(target: Target, level: int, repeat: int, stream: bool, args: a
             "req_s": result.request_throughput, "p50_ms": result.e2e.p50 * 1e3, "p99_ms": result.e2e.p99 * 1e3,
             "ttfb_p50_ms": result.ttft.p50 * 1e3 if stream else None,
             "ttfb_p99_ms": result.ttft.p99 * 1e3 if stream else None, "failed": result.failed,
-            "errors": result.errors, "cpu_ms": cpu_ms}
+            "errors": result.errors, "cpu_ms": cpu_ms, "load1": os.getloadavg()[0]}
 
 
 def rotation(slots: list[Target], turn: int) -> list[Target]:
@@ -340,6 +341,11 @@ def render(document: dict[str, Any]) -> str:
         if table:
             lines += ["", f"{'Streamed' if mode == 'stream' else 'Non-streamed'} chat completions, medians of "
                       f"{document['settings']['repeats']} rounds:", "", *table]
+    loads = [r["load1"] for r in document.get("runs", []) if r.get("load1") is not None]
+    if loads:
+        lines += ["", f"Load average (1 min) over the runs: {min(loads):.1f} to {max(loads):.1f}, median "
+                  f"{statistics.median(loads):.1f}, on {document.get('machine', {}).get('nproc', '?')} cores (the other "
+                  "work on the machine shows here)."]
     if document.get("aa"):
         lines += ["", "A/A (llm-gateway measured twice, req/s ratio, median [smallest, largest] of the rounds): "
                   + "; ".join(f"{a['mode']} c={a['level']} {a['median']:.2f} [{a['min']:.2f}, {a['max']:.2f}]"

@@ -112,7 +112,7 @@ def _run(target: str, repeat: int, level: int, req_s: float, p50: float, mode: s
          ttfb: float | None = None, cpu: float | None = 0.5, failed: int = 0) -> dict[str, Any]:
     return {"mode": mode, "repeat": repeat, "level": level, "target": target, "req_s": req_s, "p50_ms": p50,
             "p99_ms": 2 * p50, "ttfb_p50_ms": ttfb, "ttfb_p99_ms": None if ttfb is None else 3 * ttfb,
-            "failed": failed, "errors": {}, "cpu_ms": cpu}
+            "failed": failed, "errors": {}, "cpu_ms": cpu, "load1": 1.0 + repeat}
 
 
 def _document() -> dict[str, Any]:
@@ -122,7 +122,7 @@ def _document() -> dict[str, Any]:
                  _run("llm-gateway-aa", repeat, 1, 1000 / aa, aa), _run("smg", repeat, 1, 1000 / smg, smg, failed=1)]
         runs += [_run("mock", repeat, 1, 5000, mock, "stream", ttfb=0.1, cpu=None),
                  _run("llm-gateway", repeat, 1, 800, ours, "stream", ttfb=0.1 + ours)]
-    return {"command": "python -m benchmarks.peers", "settings": {"repeats": 3}, "runs": runs,
+    return {"command": "python -m benchmarks.peers", "settings": {"repeats": 3}, "runs": runs, "machine": {"nproc": 2},
             "targets": ["mock", "llm-gateway", "llm-gateway-aa", "smg"],
             "peers": [{"name": "smg", "title": "SGLang Model Gateway smg (Rust)", "version": "1.13.0", "status": "ran",
                        "reason": "answered"},
@@ -166,3 +166,4 @@ def test_render_lists_every_peer_and_a_headline_per_mode() -> None:
     assert not any("SGLang" in line for line in stream)  # no streamed runs of smg
     assert "A/A" in text
     assert "plain c=1 1.00 [0.92, 1.36]" in text
+    assert "Load average (1 min) over the runs: 1.0 to 3.0, median 2.0, on 2 cores" in text
