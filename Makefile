@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test unit integration lint docs clean conformance-vllm system-deps gpu-check targets race growth chaos
+.PHONY: install model serve test unit integration lint docs clean conformance-vllm system-deps gpu-check targets race growth chaos peers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -82,3 +82,8 @@ race: model
 # How cost grows with the work (prompt length, open streams, cached entries, a soak); ARGS=--full for the full sizes
 growth: install
 	$(PY) -m benchmarks.growth $(ARGS)
+
+# The race's peers part (issue 27): our remote path against LiteLLM, Portkey, TensorZero and smg, each
+# installed on first use under ~/.cache/llm-gateway/peers (not the venv), all forwarding to one instant mock
+peers: install
+	$(PY) -m benchmarks.peers $(ARGS)
