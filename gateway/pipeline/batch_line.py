@@ -37,6 +37,7 @@ from gateway.serving.embeddings import EMBEDDINGS
 from gateway.serving.responses import ResponsesService, history_of
 from gateway.telemetry.record import close_record, open_record
 from gateway.tenancy import priority
+from gateway.tenancy.keys import Identity
 
 _CANCELLED = 499  # the status a line's usage is counted under when its run was cancelled
 
@@ -145,8 +146,10 @@ async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, ret
 
 
 async def _answer(context: RequestContext, state: GatewayState, owner: Owner, url: str, body: bytes) -> Whole:
-    if owner.keyed and not state.tenants.known(owner.key_id):
+    identity = state.identities.reidentify(Identity(owner.key_id, owner.tenant))
+    if identity is None:
         raise AuthenticationFailed("The API key that created this batch is no longer valid.")
-    policy = context.policy = state.tenants.policy(owner.key_id)
+    context.key_id = context.record.api_key_id = identity.key_id
+    policy = context.policy = state.tenants.policy(identity.key_id)
     await state.quota.take_request(policy)
     return await ROUTES[url](context, state, body)

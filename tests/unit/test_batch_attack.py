@@ -1,0 +1,352 @@
+"""The batch lane attacked as a hostile tenant and a careless client (issue 29): a batch's lines pass
+every boundary a request to their route passes (who is asking, which models, guards, priority),
+a batch runs only as an identity that still exists, and malformed input and races end in a clear
+4xx or a batch that ends, never a 5xx or a batch that runs forever."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.stores.batches import BatchStore
+from tests.fakes import FakeEngine, app_with, fake_settings
+from tests.unit.test_batches import (
+    _stored,
+    by_custom_id,
+    chat_line,
+    jsonl,
+    lines_of,
+    on_disk,
+    settings,
+    submit,
+    wait,
+)
+from tests.unit.test_reach import MODELS, REFERENCES, _engines
+from tests.unit.test_responses import sdk_for
+from tests.unit.test_tenants import keys_file
+
+# --- which models: every way a line names a model, as the route ------------------------------------
+
+
+def test_a_lines_model_reaches_only_what_the_key_may_use(tmp_path: Path) -> None:
+    """The narrow key of test_reach: each reference a line of one batch; a denied model is the same
+    404 line as a model that does not exist, and no engine it may not use runs."""
+    engines = _engines()
+    (tmp_path / "models.yaml").write_text(MODELS)
+    keys = keys_file(tmp_path, "keys:\n  narrow: {key: sk-narrow, models: [small, assistant@1, vec]}\n")
+    app = create_app(fake_settings(models_file=tmp_path / "models.yaml", keys_file=keys, **settings(tmp_path)),
+                     engine_starter=lambda es: engines[es.served_model_name])
+    with TestClient(app) as client:
+        sdk = sdk_for(client, "sk-narrow")
+        lines = [chat_line(f"{n}:{reference}", model=reference) for n, (reference, _) in enumerate(REFERENCES)]
+        done = wait(sdk, submit(sdk, jsonl(*lines)).id)
+        answers = by_custom_id(lines_of(sdk, done.output_file_id) + lines_of(sdk, done.error_file_id))
+    unknown = answers[f"{len(REFERENCES) - 1}:ghost"]["response"]
+    for n, (reference, reaches) in enumerate(REFERENCES):
+        response = answers[f"{n}:{reference}"]["response"]
+        if reaches is None:
+            assert response["status_code"] == unknown["status_code"] == 404, reference
+            error, expected = response["body"]["error"], unknown["body"]["error"]
+            assert {**error, "message": ""} == {**expected, "message": ""}, reference
+            assert error["message"] == expected["message"].replace("'ghost'", f"'{reference}'")
+        else:
+            assert response["status_code"] == 200, (reference, response)
+            assert response["body"]["model"] == reaches, reference
+    assert not engines["big"].requests
+    assert not engines["assistant@2.0.0"].requests
+
+
+# --- priority: a line stays in the batch lane ----------------------------------------------------
+
+PRIORITY_KEYS = "keys:\n  boss: {key: sk-boss, priority: high, request_priority: true}\n"
+
+
+def test_a_line_cannot_raise_itself_out_of_the_batch_lane(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    with TestClient(app_with(engine, keys_file=keys_file(tmp_path, PRIORITY_KEYS), **settings(tmp_path))) as client:
+        sdk = sdk_for(client, "sk-boss")  # a key that may raise its own requests: not its batch's lines
+        lines = [chat_line("tier", service_tier="priority"), chat_line("int", priority=-5),
+                 chat_line("both", service_tier="priority", priority=-100)]
+        done = wait(sdk, submit(sdk, jsonl(*lines)).id)
+        output = by_custom_id(lines_of(sdk, done.output_file_id))
+    assert set(output) == {"tier", "int", "both"}
+    assert [request.priority for request in engine.requests] == [2, 2, 2]
+    assert {line["response"]["body"]["service_tier"] for line in output.values()} == {"flex"}
+
+
+def _front(tmp_path: Path, upstream: str, keys: str) -> Any:
+    models = tmp_path / "front-models.yaml"
+    models.write_text(f"models:\n  - {{name: far, kind: remote, url: '{upstream}/v1', upstream_model: fake-model,"
+                      " api_key: sk-up}\n")
+    return app_with(models_file=models, keys_file=keys_file(tmp_path, keys), **settings(tmp_path))
+
+
+@pytest.fixture
+def upstream(tmp_path: Path) -> Iterator[tuple[str, FakeEngine]]:
+    """A gateway whose key `sk-up` may choose its requests' priority: it runs what the front sends."""
+    from tests.served import gateway
+
+    engine = FakeEngine()
+    keys = tmp_path / "up-keys.yaml"
+    keys.write_text("keys:\n  front: {key: sk-up, request_priority: true}\n")
+    with gateway(engine, keys_file=keys) as base:
+        yield base, engine
+
+
+def test_a_remote_model_gets_the_priority_decided_not_the_one_asked(tmp_path: Path, upstream: Any) -> None:
+    """A key that may not raise its priority, and a batch's lines, do not raise it at a remote model
+    either: what the front decided is what it forwards (service_tier, vLLM's priority)."""
+    base, engine = upstream
+    with TestClient(_front(tmp_path, base, "keys:\n  plain: {key: sk-plain}\n")) as client:
+        asked = {"service_tier": "priority", "priority": -5}
+        answer = client.post("/v1/chat/completions", headers={"Authorization": "Bearer sk-plain"},
+                             json={"model": "far", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                   **asked})
+        assert answer.status_code == 200, answer.text
+        assert engine.requests[-1].priority == 0  # the key's class: normal
+        sdk = sdk_for(client, "sk-plain")
+        done = wait(sdk, submit(sdk, jsonl(chat_line("x", model="far", **asked))).id)
+        assert done.request_counts.completed == 1, lines_of(sdk, done.error_file_id)
+    assert engine.requests[-1].priority == 2  # the batch lane's, not -5
+
+
+# --- who is asking: a batch runs only as an identity that still exists ------------------------------
+
+
+def test_an_anonymous_batch_does_not_spend_a_key_named_anonymous(tmp_path: Path) -> None:
+    """A batch made with keys off, still pending when a keys file names a key `anonymous`: its lines
+    are nobody's now (401), not that key's (its models, its budget)."""
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl(chat_line("a")))
+    batch_id = _stored(BatchStore.at(tmp_path / "batches"), source)  # owner: anonymous, keys off
+    keys = keys_file(tmp_path, "keys:\n  anonymous: {key: sk-anon, budget: {day: 1000}}\n")
+    engine = FakeEngine()
+    with TestClient(app_with(engine, keys_file=keys, **settings(tmp_path))):
+        assert on_disk(tmp_path, batch_id).status == "completed"
+    assert engine.requests == []
+    errors = next((tmp_path / "batches").glob(f"*/{batch_id}/errors.jsonl")).read_bytes().splitlines()
+    assert [json.loads(line)["response"]["status_code"] for line in errors] == [401]
+
+
+def test_a_settings_key_removed_since_fails_its_batchs_lines(tmp_path: Path) -> None:
+    engine = FakeEngine(delay=0.02)
+    with TestClient(app_with(engine, api_keys=["sk-old"], **settings(tmp_path, max_in_flight=1))) as client:
+        sdk = sdk_for(client, "sk-old")
+        batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(30))))
+        wait(sdk, batch.id, ("in_progress",))
+    ran = len(engine.requests)
+    assert ran < 30
+    with TestClient(app_with(engine, api_keys=["sk-new"], **settings(tmp_path))):
+        done = on_disk(tmp_path, batch.id)
+    assert done.status == "completed"
+    assert len(engine.requests) == ran  # not one line more for a key that is gone
+    assert done.request_counts.failed == 30 - done.request_counts.completed
+
+
+def test_a_settings_keys_batch_runs_as_that_key_after_a_restart(tmp_path: Path) -> None:
+    """Without `key_id_secret` each process names a key by an id of its own: a batch resumed by
+    another process (a restart, another worker) runs as the key's id there (its limits, its guards)."""
+    engine = FakeEngine(delay=0.02)
+    with TestClient(app_with(engine, api_keys=["sk-k"], **settings(tmp_path, max_in_flight=1))) as client:
+        sdk = sdk_for(client, "sk-k")
+        batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(30))))
+        wait(sdk, batch.id, ("in_progress",))
+    with TestClient(app_with(engine, api_keys=["sk-k"], **settings(tmp_path))) as client:
+        done = wait(sdk_for(client, "sk-k"), batch.id)
+    assert (done.status, done.request_counts.completed) == ("completed", 30)
+
+
+# --- guards: a line passes the key's input and output guards, normalized ------------------------
+
+GUARDS = """
+profiles:
+  strict:
+    input:
+      deny: ["(?i)project hydra"]
+    output:
+      deny: [{pattern: "(?i)confidential", action: redact, name: secret}]
+"""
+
+
+def test_a_lines_input_and_output_pass_the_keys_guards(tmp_path: Path) -> None:
+    (tmp_path / "guards.yaml").write_text(textwrap.dedent(GUARDS))
+    keys = keys_file(tmp_path, "keys:\n  guarded: {key: sk-g, guards: strict}\n  free: {key: sk-f}\n")
+    engine = FakeEngine()
+    engine.reply = ["the", " confidential", " plan"]
+    app = app_with(engine, keys_file=keys, guards_file=tmp_path / "guards.yaml", **settings(tmp_path))
+    disguised = "project\u200b \uff48\uff59\uff44\uff52\uff41"  # a zero-width space and fullwidth letters
+    with TestClient(app) as client:
+        direct = client.post("/v1/chat/completions", headers={"Authorization": "Bearer sk-g"},
+                             json={"model": "fake-model", "messages": [{"role": "user", "content": disguised}]})
+        sdk = sdk_for(client, "sk-g")
+        done = wait(sdk, submit(sdk, jsonl(chat_line("blocked", disguised), chat_line("answered", "hello"))).id)
+        answers = by_custom_id(lines_of(sdk, done.output_file_id) + lines_of(sdk, done.error_file_id))
+        free = sdk_for(client, "sk-f")
+        unguarded = wait(free, submit(free, jsonl(chat_line("answered", "hello"))).id)
+        free_answer = lines_of(free, unguarded.output_file_id)[0]["response"]["body"]
+    assert direct.status_code == answers["blocked"]["response"]["status_code"] == 400
+    assert answers["blocked"]["response"]["body"]["error"]["code"] == direct.json()["error"]["code"]
+    text = answers["answered"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert "confidential" not in text
+    assert "confidential" in free_answer["choices"][0]["message"]["content"]
+
+
+# --- logs: no prompt, output or key ------------------------------------------------------------
+
+
+def test_a_batch_logs_no_prompt_output_or_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    from gateway.telemetry.logs import configure
+
+    configure("debug", "json")
+    try:
+        engine = FakeEngine()
+        engine.reply = ["SECRET-OUTPUT-0815"]
+        with TestClient(app_with(engine, api_keys=["sk-LEAK-4711"], **settings(tmp_path))) as client:
+            sdk = sdk_for(client, "sk-LEAK-4711")
+            lines = [chat_line("ok", "PRIVATE-PROMPT-1234"), chat_line("bad", "PRIVATE-PROMPT-1234", model="nope"),
+                     chat_line("err", "PRIVATE-PROMPT-1234", max_tokens=-1)]
+            done = wait(sdk, submit(sdk, jsonl(*lines)).id)
+            assert done.request_counts.completed == 1
+    finally:
+        logging.getLogger().handlers.clear()
+    captured = capsys.readouterr()
+    logged = captured.out + captured.err
+    assert "batch_completed" in logged
+    for secret in ("PRIVATE-PROMPT-1234", "SECRET-OUTPUT-0815", "sk-LEAK-4711"):
+        assert secret not in logged
+
+
+# --- malformed files and requests: a clear 400 before anything is stored -------------------------
+
+GOOD = json.dumps(chat_line("a")).encode()
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    (b"\xef\xbb\xbf" + GOOD + b"\n", "Line 1 of the batch file is not valid JSON"),
+    (GOOD[:-2] + b'"\xff"}\n', "Line 1 of the batch file is not valid JSON"),
+    (GOOD + b"\n\n" + GOOD.replace(b'"a"', b'"b"') + b"\n", "Line 2 of the batch file is empty"),
+    (b"[1, 2]\n", "Line 1 of the batch file is not a JSON object"),
+    (b'"just a string"\n', "Line 1 of the batch file is not a JSON object"),
+    (GOOD.replace(b'"custom_id": "a"', b'"custom_id": 7') + b"\n", "has no 'custom_id'"),
+    (GOOD.replace(b'"custom_id": "a"', b'"custom_id": "' + b"c" * (4 << 20) + b'"') + b"\n", "is longer than"),
+    (GOOD + b"\n" + GOOD + b"\n", "repeats the custom_id 'a'"),
+    (GOOD.replace(b'"POST"', b'"GET"') + b"\n", "must have 'method': 'POST'"),
+    (GOOD.replace(b'"/v1/chat/completions"', b'"/v1/chat/completions/../../admin"') + b"\n", "unsupported 'url'"),
+    (json.dumps({**chat_line("a"), "body": "text"}).encode() + b"\n", "has no 'body' object"),
+    (json.dumps({**chat_line("a"), "body": [1]}).encode() + b"\n", "has no 'body' object"),
+    (b'{"custom_id": "\\ud800", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n', "not valid JSON"),
+])
+def test_a_malformed_batch_file_is_refused(tmp_path: Path, content: bytes, problem: str) -> None:
+    with TestClient(app_with(FakeEngine(), **settings(tmp_path, ))) as client:
+        answer = client.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"},
+                             headers={"authorization": "Bearer x"})
+        assert answer.status_code == 400, answer.text
+        assert problem in answer.json()["error"]["message"]
+        assert answer.json()["error"]["param"] == "file"
+        assert client.get("/v1/files").json()["data"] == []
+
+
+def test_crlf_lines_and_a_missing_last_newline_are_a_good_file(tmp_path: Path) -> None:
+    content = GOOD + b"\r\n" + GOOD.replace(b'"a"', b'"b"')
+    with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
+        sdk = sdk_for(client)
+        done = wait(sdk, submit(sdk, content).id)
+        assert set(by_custom_id(lines_of(sdk, done.output_file_id))) == {"a", "b"}
+
+
+def test_custom_ids_that_differ_only_by_normalization_are_two_lines(tmp_path: Path) -> None:
+    """NFC and NFD spellings of one name are different strings, each answered once under its own."""
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
+        sdk = sdk_for(client)
+        done = wait(sdk, submit(sdk, jsonl(chat_line(nfc), chat_line(nfd))).id)
+        assert set(by_custom_id(lines_of(sdk, done.output_file_id))) == {nfc, nfd}
+
+
+@pytest.mark.parametrize("metadata", [{"k": 1}, {"k": None}, {"k": ["v"]}, {"k": {"v": 1}}, "text", [["k", "v"]]])
+def test_metadata_takes_only_strings(tmp_path: Path, metadata: Any) -> None:
+    with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
+        made = sdk_for(client).files.create(file=("in.jsonl", jsonl(chat_line("a"))), purpose="batch")
+        answer = client.post("/v1/batches", json={"input_file_id": made.id, "endpoint": "/v1/chat/completions",
+                                                  "completion_window": "24h", "metadata": metadata})
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"].startswith("metadata")
+
+
+@pytest.mark.parametrize("batch_id", [
+    "batch_" + "0" * 31 + "\u0660", "batch_%2e%2e", "batch_" + "0" * 4000, "batch_" + "0" * 32 + "%00", "%C0%AE%C0%AE",
+    "batch_" + "\uff10" * 32,
+])
+def test_odd_batch_ids_are_404(tmp_path: Path, batch_id: str) -> None:
+    with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
+        for method, path in (("GET", f"/v1/batches/{batch_id}"), ("POST", f"/v1/batches/{batch_id}/cancel")):
+            answer = client.request(method, path)
+            assert answer.status_code == 404, (method, batch_id, answer.text)
+            assert answer.json()["error"]["type"] == "invalid_request_error"
+
+
+# --- another key's objects, everywhere --------------------------------------------------------
+
+
+def test_a_foreign_after_lists_as_an_unknown_one(tmp_path: Path) -> None:
+    with TestClient(app_with(FakeEngine(), api_keys=["sk-a", "sk-b"], **settings(tmp_path))) as client:
+        mine = sdk_for(client, "sk-a")
+        batch = submit(mine, jsonl(chat_line("a")))
+        for query in (f"after={batch.id}", "after=batch_" + "0" * 32):
+            answer = client.get(f"/v1/batches?{query}", headers={"authorization": "Bearer sk-b"})
+            assert answer.status_code == 400
+            assert answer.json()["error"]["param"] == "after"
+        wait(mine, batch.id)
+
+
+# --- races ------------------------------------------------------------------------------------
+
+
+def test_cancel_twice_then_after_done(tmp_path: Path) -> None:
+    with TestClient(app_with(FakeEngine(delay=0.05), **settings(tmp_path, max_in_flight=1))) as client:
+        sdk = sdk_for(client)
+        batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=8) for i in range(10))))
+        first, second = sdk.batches.cancel(batch.id), sdk.batches.cancel(batch.id)
+        assert first.status in ("cancelling", "cancelled")
+        assert second.status in ("cancelling", "cancelled")
+        assert second.cancelling_at == first.cancelling_at
+        done = wait(sdk, batch.id)
+        assert done.status == "cancelled"
+        with pytest.raises(openai.BadRequestError, match="status 'cancelled'"):
+            sdk.batches.cancel(batch.id)
+
+
+def test_a_batch_cancelled_while_validating_runs_no_line(tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl(*(chat_line(f"r{i}") for i in range(5))))
+    store = BatchStore.at(tmp_path / "batches")
+    batch_id = _stored(store, source)
+    store.of("anonymous").dir_of(batch_id).ask_cancel()  # asked before any runner looked at it
+    engine = FakeEngine()
+    with TestClient(app_with(engine, **settings(tmp_path))) as client:
+        done = wait(sdk_for(client), batch_id)
+    assert done.status == "cancelled"
+    assert engine.requests == []
+
+
+def test_deleting_the_input_or_the_output_file(tmp_path: Path) -> None:
+    with TestClient(app_with(FakeEngine(delay=0.01), **settings(tmp_path))) as client:
+        sdk = sdk_for(client)
+        batch = submit(sdk, jsonl(*(chat_line(f"r{i}") for i in range(5))))
+        sdk.files.delete(batch.input_file_id)  # the batch holds its own link to the lines
+        done = wait(sdk, batch.id)
+        assert (done.status, done.request_counts.completed) == ("completed", 5)
+        sdk.files.delete(done.output_file_id)
+        with pytest.raises(openai.NotFoundError):
+            sdk.files.content(done.output_file_id)
+        assert sdk.batches.retrieve(batch.id).output_file_id == done.output_file_id  # still the batch's record
