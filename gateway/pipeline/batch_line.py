@@ -6,10 +6,12 @@ batch, with its policy read again for this line, and answered as the route encod
 What differs from the route: the line runs in the batch lane (`priority.BATCH`: below every key's
 class, in admission and in the engine), nobody can disconnect (`client_gone=None`), a stream
 (`stream: true`, a background response) is refused, and a refusal by the key's requests or tokens
-per minute (or a model's full queue) is not an answer but `Retry`: the line waits and runs again
-(the batch pauses, it does not fail). A spent budget is an answer (429 `insufficient_quota`): the
-line fails, and so does every later line until the budget renews. A key removed from the keys file
-since the batch was created fails each remaining line (401).
+per minute (or a model's full queue, refused with 429 or 503 as `reject_status` says) is not an
+answer but `Retry`: the line waits and runs again (the batch pauses, it does not fail). A spent
+budget is an answer (429 `insufficient_quota`): the line fails, and so does every later line until
+the budget renews. The key that created the batch is found again for each line
+(`tenancy.keys.Authenticator.reidentify`): gone since (removed from the keys file or the settings,
+or keys turned on or off), each remaining line fails (401).
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from gateway.errors import APIError, AuthenticationFailed, InvalidRequest, RateLimited, from_exception, invalid_body
+from gateway.errors import (
+    APIError,
+    AuthenticationFailed,
+    InvalidRequest,
+    ModelUnavailable,
+    RateLimited,
+    from_exception,
+    invalid_body,
+)
 from gateway.pipeline.answer import Stream, Whole, whole_json
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import dispatch
@@ -131,9 +141,9 @@ async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, ret
         try:
             answer = await _answer(context, state, owner, url, body)
             status, data = answer.status, whole_json(answer)
-        except RateLimited as refused:
+        except (RateLimited, ModelUnavailable) as refused:  # a full queue pauses the line whatever its status
             status = refused.status
-            wait = record.response_headers.get("retry-after", "0")
+            wait = refused.headers.get("Retry-After") or record.response_headers.get("retry-after", "0")
             raise Retry(max(retry_s, float(wait) if wait.isdigit() else 0.0)) from None
         except Exception as exc:  # an error is this line's answer, as the route would render it
             error: APIError = from_exception(exc)

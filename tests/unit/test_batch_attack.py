@@ -350,3 +350,36 @@ def test_deleting_the_input_or_the_output_file(tmp_path: Path) -> None:
         with pytest.raises(openai.NotFoundError):
             sdk.files.content(done.output_file_id)
         assert sdk.batches.retrieve(batch.id).output_file_id == done.output_file_id  # still the batch's record
+
+
+# --- a busy model pauses lines, whatever status it refuses with ---------------------------------
+
+
+@pytest.mark.parametrize("reject_status", [429, 503])
+def test_a_full_queue_pauses_lines_instead_of_failing_them(tmp_path: Path, reject_status: int) -> None:
+    admission = {"max_running": 1, "max_waiting": 0, "reject_status": reject_status}
+    engine = FakeEngine(delay=0.01)
+    with TestClient(app_with(engine, admission=admission, **settings(tmp_path, max_in_flight=3))) as client:
+        sdk = sdk_for(client)
+        done = wait(sdk, submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(6)))).id)
+        failed = lines_of(sdk, done.error_file_id)
+    assert done.request_counts.model_dump() == {"total": 6, "completed": 6, "failed": 0}, failed
+
+
+# --- workers: one key, one id in every worker ---------------------------------------------------
+
+
+def test_every_worker_names_a_key_by_the_same_id() -> None:
+    """Without `key_id_secret` each process would draw its own: the workers' rate limits in Redis
+    (`requests:<key id>`) would be one bucket per worker, each allowing the whole limit."""
+    from gateway.server.workers import worker_settings
+    from gateway.settings import Settings
+    from gateway.tenancy.keys import authenticator_of
+    from gateway.tenancy.tenants import Tenants
+
+    parent = Settings(workers=2, api_keys=["sk-w"])
+    shared = worker_settings(parent)
+    ids = {authenticator_of(shared, Tenants(None)).keys.identify("sk-w") for _ in range(2)}
+    assert len(ids) == 1
+    assert worker_settings(shared) == shared  # a secret set is kept
+    assert parent.key_id_secret is None  # the parent's own settings untouched
