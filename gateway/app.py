@@ -26,6 +26,7 @@ from gateway.backends.startup import (
     GrammarStarter,
     build_registry,
     check_embedded,
+    prioritized,
     start_embedded,
     stop,
     warm_up,
@@ -113,8 +114,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: object) -> AsyncIterator[dict[str, GatewayState]]:
-        prioritized = tenants.prioritized or settings.batches.enabled  # batch lines run below every key's class
-        registry = build_registry(models, settings, engine_starter, grammar_starter, prioritized)
+        registry = build_registry(models, settings, engine_starter, grammar_starter, prioritized(settings, tenants))
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
         runner: BatchRunner | None = None

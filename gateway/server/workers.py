@@ -34,7 +34,7 @@ from engine.types import Engine
 from gateway.app import create_app, tenants_of
 from gateway.backends import modelfile
 from gateway.backends.modelfile import ConfigError
-from gateway.backends.startup import embedded_settings
+from gateway.backends.startup import embedded_settings, prioritized
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.server.http import DrainingServer, Reloadable, server_config
 from gateway.server.supervisor import STARTUP_FAILED, Supervisor, WorkerSeat, listen
@@ -137,6 +137,12 @@ def worker_settings(settings: Settings) -> Settings:
     return settings.model_copy(update={"key_id_secret": SecretStr(secrets.token_hex(32))})
 
 
+def shared_engines(settings: Settings, tenants: Tenants) -> dict[str, EngineSettings]:
+    """The engine cores the parent starts: each with the settings a worker's app asks for
+    (`SeatStarter` finds its core by them)."""
+    return embedded_settings(modelfile.load(settings), settings, prioritized(settings, tenants))
+
+
 def refuse_unshared(settings: Settings, engines: dict[str, EngineSettings]) -> None:
     """What workers cannot share: limits and budgets counted in each worker's memory (each would
     allow the whole limit), and LoRA adapters (loaded per client; vLLM refuses runtime LoRA changes
@@ -175,7 +181,7 @@ def serve_workers(settings: Settings, worker: Callable[[WorkerSeat, WorkerPlan],
         ServerTLS(settings.tls)  # bad files stop us here, before any engine starts
     tenants = tenants_of(settings)
     create_app(settings, engine_check=check_engine_settings, tenants=tenants)  # refuses bad configuration; starts nothing
-    engines = embedded_settings(modelfile.load(settings), settings, tenants.prioritized)
+    engines = shared_engines(settings, tenants)
     refuse_unshared(settings, engines)
     supervisor: Supervisor | None = None
     cores: list[SharedEngine] = []

@@ -383,3 +383,58 @@ def test_every_worker_names_a_key_by_the_same_id() -> None:
     assert len(ids) == 1
     assert worker_settings(shared) == shared  # a secret set is kept
     assert parent.key_id_secret is None  # the parent's own settings untouched
+
+
+def test_a_lines_lora_adapter_is_reached_only_as_the_key_may(tmp_path: Path) -> None:
+    """The adapters of test_adapters, each reference a line of the adapter-only and the base-only
+    key's batches: what the base engine is asked for is what the route would ask for."""
+    from tests.unit.test_adapters import REFERENCES as ADAPTER_REFERENCES
+    from tests.unit.test_adapters import _starter, _write
+
+    engines: dict[str, FakeEngine] = {}
+    app = create_app(fake_settings(models_file=_write(tmp_path), keys_file=tmp_path / "keys.yaml", **settings(tmp_path)),
+                     engine_starter=_starter(engines, {}))
+    with TestClient(app) as client:
+        for key, column in (("sk-adapter", 1), ("sk-base", 2)):
+            sdk = sdk_for(client, key)
+            lines = [chat_line(f"{n}:{ref[0]}", model=ref[0]) for n, ref in enumerate(ADAPTER_REFERENCES)]
+            before = len(engines["base"].requests)
+            done = wait(sdk, submit(sdk, jsonl(*lines)).id)
+            answers = by_custom_id(lines_of(sdk, done.output_file_id) + lines_of(sdk, done.error_file_id))
+            asked = {request.adapter or "base" for request in engines["base"].requests[before:]}
+            granted = {ref[column] for ref in ADAPTER_REFERENCES} - {None}
+            assert asked <= granted, (key, asked)
+            for n, ref in enumerate(ADAPTER_REFERENCES):
+                status = answers[f"{n}:{ref[0]}"]["response"]["status_code"]
+                assert status == (404 if ref[column] is None else 200), (key, ref)
+
+
+@pytest.mark.parametrize("batches", [True, False])
+def test_the_parent_starts_the_engine_cores_the_workers_ask_for(tmp_path: Path, batches: bool) -> None:
+    """`--workers 2`: each worker's app finds its model's shared core by its engine settings; the
+    parent must start the cores with the scheduling the app resolves (batches on: priority, for the
+    batch lane), else no worker starts, or the batch lane is fcfs in the engine."""
+    from gateway.app import tenants_of
+    from gateway.server.workers import SeatStarter, shared_engines
+
+    config = fake_settings(workers=2, **{**settings(tmp_path), "batches": {**settings(tmp_path)["batches"],
+                                                                           "enabled": batches}})
+    tenants = tenants_of(config)
+    cores = shared_engines(config, tenants)
+
+    class Seat:
+        def __init__(self, engine_settings: Any) -> None:
+            self.settings = engine_settings
+
+    asked: list[Any] = []
+
+    def attach(seat: Seat) -> FakeEngine:
+        asked.append(seat.settings)
+        return FakeEngine()
+
+    starter = SeatStarter([Seat(s) for s in cores.values()])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("gateway.server.workers.attach_shared", attach)
+        with TestClient(create_app(config, engine_starter=starter, tenants=tenants)):
+            pass
+    assert [s.scheduling_policy for s in asked] == ["priority" if batches else "fcfs"]
