@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -438,3 +439,25 @@ def test_the_parent_starts_the_engine_cores_the_workers_ask_for(tmp_path: Path, 
         with TestClient(create_app(config, engine_starter=starter, tenants=tenants)):
             pass
     assert [s.scheduling_policy for s in asked] == ["priority" if batches else "fcfs"]
+
+
+def test_a_runner_that_lost_its_lease_writes_no_more_answers(tmp_path: Path) -> None:
+    """Another replica took the batch over (a higher lease generation: this one stalled past its
+    expiry): the answers of the lines this one still had in flight are not written (the new holder
+    runs those lines and answers them), and neither is this one's record."""
+    from gateway.stores.batches import BatchDir
+
+    engine = FakeEngine(delay=0.05)
+    with TestClient(app_with(engine, **settings(tmp_path, max_in_flight=2, lease_s=30))) as client:
+        sdk = sdk_for(client)
+        batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=6) for i in range(10))))
+        deadline = time.monotonic() + 10
+        while len(engine.running) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        path = next((tmp_path / "batches").glob(f"*/{batch.id}"))
+        generation = max(int(p.name.split(".")[1]) for p in path.glob("lease.*"))
+        (path / f"lease.{generation + 1}").write_text(json.dumps({"holder": "other", "expires": time.time() + 60}))
+        taken = BatchDir(path).progress().done
+        time.sleep(1.0)  # the lines in flight here finish meanwhile
+        assert BatchDir(path).progress().done == taken
+        assert BatchDir(path).read().batch.status == "in_progress"
