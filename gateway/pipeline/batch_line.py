@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from gateway.errors import (
     APIError,
     AuthenticationFailed,
+    BadGateway,
     InvalidRequest,
     ModelUnavailable,
     RateLimited,
@@ -140,7 +141,7 @@ async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, ret
     try:
         try:
             answer = await _answer(context, state, owner, url, body)
-            status, data = answer.status, whole_json(answer)
+            status, data = _one_line(answer.status, whole_json(answer))
         except (RateLimited, ModelUnavailable) as refused:  # a full queue pauses the line whatever its status
             status = refused.status
             wait = refused.headers.get("Retry-After") or record.response_headers.get("retry-after", "0")
@@ -153,6 +154,17 @@ async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, ret
         if context.policy is not None:  # the request's usage counted and its charge settled, as the middleware does
             state.quota.finish(context.policy, status, context.charge)
         close_record(opened)
+
+
+def _one_line(status: int, data: bytes) -> tuple[int, bytes]:
+    """An answer's body as one line of JSON, for the output file (JSON Lines, read back on a resume):
+    a remote model's body comes as the upstream wrote it, maybe over several lines, maybe not JSON
+    (a proxy's error page: a 502, as the route's unreadable answer is)."""
+    try:
+        return status, orjson.dumps(orjson.loads(data))
+    except orjson.JSONDecodeError:
+        error = BadGateway("The model answered with what is not JSON.")
+        return error.status, orjson.dumps(error.body())
 
 
 async def _answer(context: RequestContext, state: GatewayState, owner: Owner, url: str, body: bytes) -> Whole:

@@ -461,3 +461,52 @@ def test_a_runner_that_lost_its_lease_writes_no_more_answers(tmp_path: Path) -> 
         time.sleep(1.0)  # the lines in flight here finish meanwhile
         assert BatchDir(path).progress().done == taken
         assert BatchDir(path).read().batch.status == "in_progress"
+
+
+def _odd_upstream() -> Any:
+    """A remote model that answers a 200 pretty-printed over several lines, and a 502 in HTML (a
+    proxy's page), as upstreams do."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def chat(request: Request) -> Response:
+        body = await request.json()
+        content = body["messages"][-1]["content"]
+        if content == "proxy":
+            return Response("<html>\n<h1>502 Bad Gateway</h1>\n</html>\n", 502, media_type="text/html")
+        if content == "refused":
+            error = {"error": {"message": "no", "type": "invalid_request_error", "param": None, "code": None}}
+            return Response(json.dumps(error, indent=2), 400, media_type="application/json")
+        if content == "text":
+            return Response("plain\ntext", media_type="text/plain")
+        answer = {"id": "chatcmpl-x", "object": "chat.completion", "created": 0, "model": body["model"],
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+        return Response(json.dumps(answer, indent=2), media_type="application/json")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def test_a_remote_models_odd_answers_are_one_json_line_each(tmp_path: Path) -> None:
+    """Each answer is one line of the output file, its body JSON: a batch's files stay JSON Lines
+    (a resume reads them back; a client parses them), whatever the upstream wrote."""
+    from tests.served import served
+
+    with served(_odd_upstream()) as base:
+        models = tmp_path / "models.yaml"
+        models.write_text(f"models:\n  - {{name: far, kind: remote, url: '{base}/v1', upstream_model: up}}\n")
+        with TestClient(app_with(models_file=models, **settings(tmp_path))) as client:
+            sdk = sdk_for(client)
+            lines = [chat_line(content, content, model="far") for content in ("pretty", "proxy", "refused", "text")]
+            done = wait(sdk, submit(sdk, jsonl(*lines)).id)
+            written = [sdk.files.content(f).read().splitlines() for f in (done.output_file_id, done.error_file_id)]
+    assert done.request_counts.model_dump() == {"total": 4, "completed": 1, "failed": 3}
+    answers = by_custom_id([json.loads(line) for lines in written for line in lines])
+    assert answers["pretty"]["response"]["body"]["choices"][0]["message"]["content"] == "ok"
+    assert answers["proxy"]["response"]["status_code"] == 503  # as the route answers an upstream's 502
+    assert answers["refused"]["response"]["status_code"] == 400
+    assert answers["refused"]["response"]["body"]["error"]["message"] == "no"
+    assert answers["text"]["response"]["status_code"] == 502
+    assert answers["text"]["response"]["body"]["error"]["code"] == "bad_gateway"
