@@ -174,8 +174,16 @@ class BatchRun:
                 await asyncio.gather(*self._writes, return_exceptions=True)
             await asyncio.to_thread(self.lease.release)
 
+    async def _holding(self) -> bool:
+        """Whether the lease is still ours; taken over (this replica stalled past its expiry), the
+        new holder answers the lines and writes the record from now on: `lost`, and nothing more here."""
+        if not self.lost.is_set() and not await asyncio.to_thread(self.lease.held):
+            self.lost.set()
+        return not self.lost.is_set()
+
     async def _save(self) -> None:
-        await asyncio.to_thread(self.dir.write, self.stored)
+        if await self._holding():
+            await asyncio.to_thread(self.dir.write, self.stored)
 
     async def _validate(self) -> None:
         batch = self.stored.batch
@@ -258,8 +266,7 @@ class BatchRun:
 
     async def _write(self, custom_id: str, answer: LineAnswer) -> None:
         async with self._lock:
-            if self.lost.is_set() or not await asyncio.to_thread(self.lease.held):
-                self.lost.set()  # taken over: the new holder answers this line (and writes the record)
+            if not await self._holding():
                 return
             path = self.dir.output if answer.ok else self.dir.errors
             await asyncio.to_thread(BatchDir.append, path, result_line(custom_id, answer))
@@ -297,6 +304,8 @@ class BatchRun:
     async def _finish(self, ending: Ending) -> None:
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
+        if not await self._holding():
+            return
         batch = self.stored.batch
         if ending == "cancelled" and batch.cancelling_at is None:
             batch.status, batch.cancelling_at = "cancelling", self.dir.cancel_asked() or int(time.time())

@@ -461,6 +461,9 @@ def test_a_runner_that_lost_its_lease_writes_no_more_answers(tmp_path: Path) -> 
         time.sleep(1.0)  # the lines in flight here finish meanwhile
         assert BatchDir(path).progress().done == taken
         assert BatchDir(path).read().batch.status == "in_progress"
+        started = len(engine.requests)
+        time.sleep(0.5)
+        assert len(engine.requests) == started < 10  # it stopped: no line more
 
 
 def _odd_upstream() -> Any:
@@ -510,3 +513,19 @@ def test_a_remote_models_odd_answers_are_one_json_line_each(tmp_path: Path) -> N
     assert answers["refused"]["response"]["body"]["error"]["message"] == "no"
     assert answers["text"]["response"]["status_code"] == 502
     assert answers["text"]["response"]["body"]["error"]["code"] == "bad_gateway"
+
+
+def test_each_line_is_counted_and_charged_to_the_key(tmp_path: Path) -> None:
+    """Per line, as per request: the key's tokens counted (its budget: test_batches)."""
+    from tests.unit.test_remote_policies import metric
+
+    keys = keys_file(tmp_path, "keys:\n  counted: {key: sk-c, team: t}\n")
+    names = [f"gateway_key_{kind}_total" for kind in ("prompt_tokens", "completion_tokens")]
+    before = [metric(name, key="counted", team="t") for name in names]
+    with TestClient(app_with(FakeEngine(), keys_file=keys, **settings(tmp_path))) as client:
+        sdk = sdk_for(client, "sk-c")
+        done = wait(sdk, submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=3) for i in range(3)))).id)
+        after = [metric(name, key="counted", team="t") for name in names]
+    assert done.request_counts.completed == 3
+    assert [a - b for a, b in zip(after, before, strict=True)] == [done.usage.input_tokens, done.usage.output_tokens]
+    assert done.usage.output_tokens == 9
