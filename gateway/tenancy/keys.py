@@ -19,7 +19,9 @@ Each key has two names, neither of them the key: its *id*, a keyed hash (HMAC-SH
 `key_id_secret`, a random one per process when unset) that goes into logs and rate limits, and
 its *tenant*, stable across processes, that scopes the response cache, stored responses and
 sticky A/B splits and is never logged. Keys come from the keys file too (`tenancy.tenants`,
-whose keys are named by their id there).
+whose keys are named by their id there). Work kept on disk for a key (a batch) is run as that key
+only while a key still answers to its identity (`Authenticator.reidentify`, by the tenant: stable
+where the id is not), decided here as every request's identity is.
 
 Without keys nothing proves that a request comes from a client and not from a web page the
 client has open: a POST must then declare a JSON body (`Content-Type: application/json`), which
@@ -85,7 +87,6 @@ class KeyRing:
             if hmac.compare_digest(stored, digest):
                 found = stored
         return None if found is None else self._identities[found]
-
 
     def by_tenant(self, tenant: str) -> Identity | None:
         """The key whose tenant this is (stable across processes), with its id in this process."""

@@ -529,3 +529,24 @@ def test_each_line_is_counted_and_charged_to_the_key(tmp_path: Path) -> None:
     assert done.request_counts.completed == 3
     assert [a - b for a, b in zip(after, before, strict=True)] == [done.usage.input_tokens, done.usage.output_tokens]
     assert done.usage.output_tokens == 9
+
+
+def test_a_lines_fallback_hops_only_to_models_the_key_may_use(tmp_path: Path) -> None:
+    """`small` falls back to `big`: with small's engine dead, the narrow key's line is not answered
+    by big (not granted), the wide key's is."""
+    engines = _engines()
+    engines["small"].dead = True
+    (tmp_path / "models.yaml").write_text(MODELS)
+    keys = keys_file(tmp_path, "keys:\n  narrow: {key: sk-narrow, models: [small]}\n  wide: {key: sk-wide}\n")
+    app = create_app(fake_settings(models_file=tmp_path / "models.yaml", keys_file=keys, **settings(tmp_path)),
+                     engine_starter=lambda es: engines[es.served_model_name])
+    with TestClient(app) as client:
+        statuses = {}
+        for key in ("sk-narrow", "sk-wide"):
+            sdk = sdk_for(client, key)
+            done = wait(sdk, submit(sdk, jsonl(chat_line("x", model="small"), chat_line("y", model="tiny"))).id)
+            answers = lines_of(sdk, done.output_file_id) + lines_of(sdk, done.error_file_id)
+            statuses[key] = sorted(line["response"]["status_code"] for line in answers)
+            if key == "sk-narrow":
+                assert engines["big"].requests == []
+    assert statuses == {"sk-narrow": [503, 503], "sk-wide": [200, 200]}
