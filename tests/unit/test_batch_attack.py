@@ -550,3 +550,23 @@ def test_a_lines_fallback_hops_only_to_models_the_key_may_use(tmp_path: Path) ->
             if key == "sk-narrow":
                 assert engines["big"].requests == []
     assert statuses == {"sk-narrow": [503, 503], "sk-wide": [200, 200]}
+
+
+@pytest.mark.parametrize(("one", "other"), [("t", "t:x"), ("t", "t/"), ("t", "T"), ("anonymous", "keys-file:anonymous"),
+                                            ("a/../b", "b"), ("", " ")])
+def test_look_alike_owners_have_directories_and_objects_of_their_own(tmp_path: Path, one: str, other: str) -> None:
+    import asyncio
+
+    from gateway.stores.files import FileStore
+
+    store = BatchStore.at(tmp_path / "batches")
+    assert store.of(one).home != store.of(other).home
+    assert store.of(one).home.parent == store.of(other).home.parent == store.root  # no owner names a path
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl(chat_line("a")))
+    batch_id = _stored(store, source, owner=one)
+    assert asyncio.run(store.of(one).get(batch_id)).id == batch_id
+    with pytest.raises(Exception, match="No batch found"):
+        asyncio.run(store.of(other).get(batch_id))
+    files = FileStore.at(tmp_path / "files")
+    assert files.of(one).home != files.of(other).home
