@@ -43,12 +43,12 @@ class Scheduled:
         return _CLASS_TIER[self.klass]
 
     def forwarded(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """A request for a remote model, its priority fields (those it sent) saying what was decided
-        here: the upstream must not run at a priority the key may not raise to (or a batch line
-        above the batch lane)."""
-        if "priority" in payload:
+        """A request for a remote model, its priority fields (those given a value) saying what was
+        decided here: the upstream must not run at a priority the key may not raise to (or a batch
+        line above the batch lane)."""
+        if payload.get("priority") is not None:
             payload["priority"] = self.priority
-        if "service_tier" in payload:
+        if payload.get("service_tier") is not None:
             payload["service_tier"] = self.tier
         return payload
 
