@@ -26,6 +26,7 @@ from gateway.backends.startup import (
     GrammarStarter,
     build_registry,
     check_embedded,
+    prioritized,
     start_embedded,
     stop,
     warm_up,
@@ -43,6 +44,7 @@ from gateway.stores.redis import RedisPools
 from gateway.stores.responses import ResponseStore, make_store_backend
 from gateway.telemetry import metrics
 from gateway.telemetry.tracing import Tracing
+from gateway.tenancy.keys import authenticator_of
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
 
@@ -108,11 +110,11 @@ def create_app(
         check_embedded(models, settings, engine_check)
     store_backend = make_store_backend(settings.cache, pools)
     tracing = Tracing(settings.tracing, trace_exporter) if settings.tracing.enabled else None
+    authenticator = authenticator_of(settings, tenants)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: object) -> AsyncIterator[dict[str, GatewayState]]:
-        prioritized = tenants.prioritized or settings.batches.enabled  # batch lines run below every key's class
-        registry = build_registry(models, settings, engine_starter, grammar_starter, prioritized)
+        registry = build_registry(models, settings, engine_starter, grammar_starter, prioritized(settings, tenants))
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
         runner: BatchRunner | None = None
@@ -123,7 +125,7 @@ def create_app(
                 for name, engine in registry.engines():
                     await warm_up(name, engine)
             state = GatewayState(settings, registry, lifecycle, quota, cache, guards, responses, tenants,
-                                 FileStore.at(settings.files.dir), BatchStore.at(settings.batches.dir))
+                                 FileStore.at(settings.files.dir), BatchStore.at(settings.batches.dir), authenticator)
             if settings.batches.enabled:  # pending batches resumed, once the models are up
                 runner = BatchRunner(state, state.batches)
                 runner.start()
@@ -145,4 +147,4 @@ def create_app(
             if tracing is not None:
                 await asyncio.to_thread(tracing.shutdown)  # the last batch exported (bounded by tracing.export_timeout_s)
 
-    return application(stack(settings, lifecycle, quota, tenants, TABLE, tracing), lifespan)
+    return application(stack(settings, lifecycle, quota, tenants, TABLE, tracing, authenticator), lifespan)

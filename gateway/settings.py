@@ -320,7 +320,8 @@ class Settings(BaseSettings):
         description="The header trusted proxies name the client in: X-Forwarded-For, or RFC 7239 Forwarded",
     )
     key_id_secret: SecretStr | None = Field(
-        None, description="Secret of the keyed hash that names API keys in logs; unset: a random one per process"
+        None, description="Secret of the keyed hash that names API keys in logs, limits and budgets; unset: a random "
+        "one per process (per server: its workers share one); replicas sharing Redis limits need the same one"
     )
     max_prompts_per_request: int = Field(256, gt=0, description="Most prompts in one completions request")
     max_output_tokens_per_request: int = Field(

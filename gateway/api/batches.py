@@ -45,7 +45,7 @@ async def _create(request: Request) -> Response:
     now = int(time.time())
     batch = Batch(id=new_id(), endpoint=body.endpoint, input_file_id=found.id, status="validating", created_at=now,
                   expires_at=now + WINDOW_S, metadata=body.metadata)
-    owner = Owner(key_id=context.key_id, tenant=context.tenant, keyed=state.tenants.known(context.key_id))
+    owner = Owner(key_id=context.key_id, tenant=context.tenant)
     expires = body.output_expires_after.seconds if body.output_expires_after else state.settings.batches.output_expires_after_s
     try:
         await _mine(request).create(StoredBatch(batch=batch, owner=owner, output_expires_after_s=expires,

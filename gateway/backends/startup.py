@@ -18,6 +18,7 @@ from gateway.backends.modelfile import ConfigError, ModelsFile, catalog
 from gateway.backends.registry import Backend, ModelRegistry, Split
 from gateway.backends.upstream import Upstream
 from gateway.settings import Settings
+from gateway.tenancy.tenants import Tenants
 
 log = structlog.get_logger(__name__)
 
@@ -93,6 +94,13 @@ def build_registry(
             backends[spec.id] = adapter_backend(spec.id, backends[spec.base], spec.path, created, spec.version,
                                                 tuple(spec.fallback), spec.defaults, own)
     return ModelRegistry(backends, splits, aliases, catalog(models))
+
+
+def prioritized(settings: Settings, tenants: Tenants) -> bool:
+    """Whether requests have priorities for the engines to order by (`scheduling_policy: auto`):
+    keys with classes, or batches run here (their lines below everything). The one decision, for the
+    engines a process starts and the shared cores the parent of workers starts for them."""
+    return tenants.prioritized or settings.batches.enabled
 
 
 def scheduling(engine: EngineSettings, prioritized: bool) -> EngineSettings:

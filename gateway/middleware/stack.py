@@ -16,21 +16,19 @@ from gateway.middleware.tracing import TracingMiddleware
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.settings import Settings
 from gateway.telemetry.tracing import Tracing
-from gateway.tenancy.keys import AttemptThrottle, Authenticator, KeyRing, TrustedProxies
+from gateway.tenancy.keys import Authenticator, KeyRing, authenticator_of
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
 
 
 def stack(
     settings: Settings, lifecycle: Lifecycle, quota: Quota, tenants: Tenants, table: RouteTable,
-    tracing: Tracing | None = None,
+    tracing: Tracing | None = None, authenticator: Authenticator | None = None,
 ) -> list[Middleware]:
-    """`tracing`: the traces' provider; None: no tracing layer at all (nothing to pay per request)."""
+    """`tracing`: the traces' provider; None: no tracing layer at all (nothing to pay per request).
+    `authenticator`: the API keys' (`tenancy.keys.authenticator_of`), when the app shares it."""
     keyless = table.paths("open") if settings.auth_ops_routes else table.paths("open", "ops")
-    authenticator = Authenticator(
-        KeyRing(settings.api_keys, settings.key_id_secret), AttemptThrottle(settings.auth_failures_per_minute), tenants,
-        TrustedProxies(settings.forwarded_allow_ips, settings.forwarded_header),
-    )
+    authenticator = authenticator or authenticator_of(settings, tenants)
     throttle = authenticator.throttle  # unknown admin keys count against the same addresses
     admin = Authenticator(KeyRing(settings.admin_keys, settings.key_id_secret), throttle, None, authenticator.proxies) \
         if settings.admin_keys else None

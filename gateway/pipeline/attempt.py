@@ -198,6 +198,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         await self.guard.moderate_input()
         payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)
         payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
+        payload = self.scheduled.forwarded(payload)
         prompt, output = remote.estimate(payload)
         await self._charge(prompt + output, reconcile=True)
         # the output guards read the answer when the profile checks answers (or restores what it

@@ -6,10 +6,12 @@ batch, with its policy read again for this line, and answered as the route encod
 What differs from the route: the line runs in the batch lane (`priority.BATCH`: below every key's
 class, in admission and in the engine), nobody can disconnect (`client_gone=None`), a stream
 (`stream: true`, a background response) is refused, and a refusal by the key's requests or tokens
-per minute (or a model's full queue) is not an answer but `Retry`: the line waits and runs again
-(the batch pauses, it does not fail). A spent budget is an answer (429 `insufficient_quota`): the
-line fails, and so does every later line until the budget renews. A key removed from the keys file
-since the batch was created fails each remaining line (401).
+per minute (or a model's full queue, refused with 429 or 503 as `reject_status` says) is not an
+answer but `Retry`: the line waits and runs again (the batch pauses, it does not fail). A spent
+budget is an answer (429 `insufficient_quota`): the line fails, and so does every later line until
+the budget renews. The key that created the batch is found again for each line
+(`tenancy.keys.Authenticator.reidentify`): gone since (removed from the keys file or the settings,
+or keys turned on or off), each remaining line fails (401).
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from gateway.errors import APIError, AuthenticationFailed, InvalidRequest, RateLimited, from_exception, invalid_body
+from gateway.errors import (
+    APIError,
+    AuthenticationFailed,
+    BadGateway,
+    InvalidRequest,
+    ModelUnavailable,
+    RateLimited,
+    from_exception,
+    invalid_body,
+)
 from gateway.pipeline.answer import Stream, Whole, whole_json
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import dispatch
@@ -37,6 +48,7 @@ from gateway.serving.embeddings import EMBEDDINGS
 from gateway.serving.responses import ResponsesService, history_of
 from gateway.telemetry.record import close_record, open_record
 from gateway.tenancy import priority
+from gateway.tenancy.keys import Identity
 
 _CANCELLED = 499  # the status a line's usage is counted under when its run was cancelled
 
@@ -129,10 +141,10 @@ async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, ret
     try:
         try:
             answer = await _answer(context, state, owner, url, body)
-            status, data = answer.status, whole_json(answer)
-        except RateLimited as refused:
+            status, data = _one_line(answer.status, whole_json(answer))
+        except (RateLimited, ModelUnavailable) as refused:  # a full queue pauses the line whatever its status
             status = refused.status
-            wait = record.response_headers.get("retry-after", "0")
+            wait = refused.headers.get("Retry-After") or record.response_headers.get("retry-after", "0")
             raise Retry(max(retry_s, float(wait) if wait.isdigit() else 0.0)) from None
         except Exception as exc:  # an error is this line's answer, as the route would render it
             error: APIError = from_exception(exc)
@@ -144,9 +156,22 @@ async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, ret
         close_record(opened)
 
 
+def _one_line(status: int, data: bytes) -> tuple[int, bytes]:
+    """An answer's body as one line of JSON, for the output file (JSON Lines, read back on a resume):
+    a remote model's body comes as the upstream wrote it, maybe over several lines, maybe not JSON
+    (a proxy's error page: a 502, as the route's unreadable answer is)."""
+    try:
+        return status, orjson.dumps(orjson.loads(data))
+    except orjson.JSONDecodeError:
+        error = BadGateway("The model answered with what is not JSON.")
+        return error.status, orjson.dumps(error.body())
+
+
 async def _answer(context: RequestContext, state: GatewayState, owner: Owner, url: str, body: bytes) -> Whole:
-    if owner.keyed and not state.tenants.known(owner.key_id):
+    identity = state.identities.reidentify(Identity(owner.key_id, owner.tenant))
+    if identity is None:
         raise AuthenticationFailed("The API key that created this batch is no longer valid.")
-    policy = context.policy = state.tenants.policy(owner.key_id)
+    context.key_id = context.record.api_key_id = identity.key_id
+    policy = context.policy = state.tenants.policy(identity.key_id)
     await state.quota.take_request(policy)
     return await ROUTES[url](context, state, body)

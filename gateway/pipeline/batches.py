@@ -14,8 +14,9 @@ a runner that starts on a batch skips the custom_ids already there, so a batch i
 or a shutdown resumes where it was and answers every line once. Shutdown (`stop`) cancels the
 lines in flight (they run again after the restart), leaves the batch `in_progress` and frees its
 lease. With replicas on one directory, a batch runs on the replica holding its lease
-(`stores.batches.Lease`), renewed every third of `lease_s`; every replica looks for batches to take
-every `poll_s`, and notices a cancel asked on another replica as often.
+(`stores.batches.Lease`), renewed every third of `lease_s` and checked before each answer is
+written (a replica that finds it taken over writes nothing more and stops); every replica looks for
+batches to take every `poll_s`, and notices a cancel asked on another replica as often.
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ def result_line(custom_id: str, answer: LineAnswer) -> bytes:
 
 def expired_line(custom_id: str) -> bytes:
     return orjson.dumps({"id": _line_id(), "custom_id": custom_id, "response": None, "error": EXPIRED})
+
+
+async def _either(one: asyncio.Event, other: asyncio.Event, timeout_s: float) -> None:
+    """Until either event is set, or `timeout_s`."""
+    waits = {asyncio.ensure_future(one.wait()), asyncio.ensure_future(other.wait())}
+    try:
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 class BatchRunner:
@@ -137,6 +148,7 @@ class BatchRun:
         self.runner, self.dir, self.lease = runner, batch, lease
         self.task: asyncio.Task[None] | None = None
         self.cancel_asked = asyncio.Event()
+        self.lost = asyncio.Event()  # another replica holds the lease now: write nothing more
         self.progress = Progress()
         self._lock = asyncio.Lock()  # one result written at a time: the line, then the record
         self._writes: set[asyncio.Task[None]] = set()
@@ -162,8 +174,16 @@ class BatchRun:
                 await asyncio.gather(*self._writes, return_exceptions=True)
             await asyncio.to_thread(self.lease.release)
 
+    async def _holding(self) -> bool:
+        """Whether the lease is still ours; taken over (this replica stalled past its expiry), the
+        new holder answers the lines and writes the record from now on: `lost`, and nothing more here."""
+        if not self.lost.is_set() and not await asyncio.to_thread(self.lease.held):
+            self.lost.set()
+        return not self.lost.is_set()
+
     async def _save(self) -> None:
-        await asyncio.to_thread(self.dir.write, self.stored)
+        if await self._holding():
+            await asyncio.to_thread(self.dir.write, self.stored)
 
     async def _validate(self) -> None:
         batch = self.stored.batch
@@ -212,7 +232,7 @@ class BatchRun:
                 if line.custom_id in self.progress.done:
                     continue
                 await self.runner.slots.acquire()
-                if self.runner.state.lifecycle.draining:  # no new line: those in flight finish or are cancelled
+                if self.runner.state.lifecycle.draining or self.lost.is_set():  # no new line: those in flight end
                     self.runner.slots.release()
                     await asyncio.Event().wait()  # until the shutdown cancels this run
                 task = asyncio.create_task(self._one(line))
@@ -246,6 +266,8 @@ class BatchRun:
 
     async def _write(self, custom_id: str, answer: LineAnswer) -> None:
         async with self._lock:
+            if not await self._holding():
+                return
             path = self.dir.output if answer.ok else self.dir.errors
             await asyncio.to_thread(BatchDir.append, path, result_line(custom_id, answer))
             self.progress.count(custom_id, answer.ok, answer.prompt_tokens, answer.completion_tokens)
@@ -265,8 +287,10 @@ class BatchRun:
         every = settings.lease_s / 3
         renew_at = time.monotonic() + every
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.cancel_asked.wait(), min(settings.poll_s, every))
+            await _either(self.cancel_asked, self.lost, min(settings.poll_s, every))
+            if self.lost.is_set():
+                log.warning("batch_lease_lost", batch_id=self.dir.id)
+                return "lost"
             if self.cancel_asked.is_set() or await asyncio.to_thread(self.dir.cancel_asked) is not None:
                 return "cancelled"
             if self._expired():
@@ -280,6 +304,8 @@ class BatchRun:
     async def _finish(self, ending: Ending) -> None:
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
+        if not await self._holding():
+            return
         batch = self.stored.batch
         if ending == "cancelled" and batch.cancelling_at is None:
             batch.status, batch.cancelling_at = "cancelling", self.dir.cancel_asked() or int(time.time())

@@ -14,6 +14,7 @@ from gateway.stores.batches import BatchStore
 from gateway.stores.cache import ResponseCache
 from gateway.stores.files import FileStore
 from gateway.stores.responses import ResponseStore
+from gateway.tenancy.keys import Authenticator
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
 
@@ -48,6 +49,7 @@ class GatewayState:
     tenants: Tenants  # the keys file: each key's policy
     files: FileStore  # the Files API's uploads, on disk
     batches: BatchStore  # the Batches API's batches, on disk
+    identities: Authenticator  # who is asking: the API keys (a batch's lines find their creator again)
     batch_runner: BatchSignals = field(default_factory=NoRunner)  # the batch runner, once started
     adapters: AdapterAdmin = field(init=False)  # LoRA adapters loaded and unloaded while serving
 

@@ -129,11 +129,11 @@ class BatchListQuery(BaseModel):
 
 
 class Owner(BaseModel):
-    """Who created a batch: its lines run as that key (its policy read again for each line)."""
+    """Who created a batch: its lines run as that key, found again for each line
+    (`tenancy.keys.Authenticator.reidentify`: gone since, each line is a 401), its policy read again."""
 
     key_id: str
     tenant: str
-    keyed: bool = False  # the key was in the keys file then: a line finds it gone when it was removed since
 
 
 class StoredBatch(BaseModel):

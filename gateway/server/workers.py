@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -26,13 +27,14 @@ from types import FrameType
 from typing import Any
 
 import structlog
+from pydantic import SecretStr
 
 from engine import EngineSettings, SharedEngine, attach_shared, check_engine_settings, launch_shared
 from engine.types import Engine
 from gateway.app import create_app, tenants_of
 from gateway.backends import modelfile
 from gateway.backends.modelfile import ConfigError
-from gateway.backends.startup import embedded_settings
+from gateway.backends.startup import embedded_settings, prioritized
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.server.http import DrainingServer, Reloadable, server_config
 from gateway.server.supervisor import STARTUP_FAILED, Supervisor, WorkerSeat, listen
@@ -125,6 +127,22 @@ def gateway_worker(seat: WorkerSeat, plan: WorkerPlan) -> int:
         plan.settings, engine_starter=starter, lifecycle=lifecycle, tenants=tenants))
 
 
+def worker_settings(settings: Settings) -> Settings:
+    """The settings every worker gets: with one `key_id_secret` for all, drawn here when unset. A
+    key's id (logs, the guards file, rate limits and budgets in Redis, a batch's lines) is then the
+    same in every worker; each drawing its own, a key would have a bucket per worker in Redis,
+    each allowing the whole limit."""
+    if settings.key_id_secret is not None:
+        return settings
+    return settings.model_copy(update={"key_id_secret": SecretStr(secrets.token_hex(32))})
+
+
+def shared_engines(settings: Settings, tenants: Tenants) -> dict[str, EngineSettings]:
+    """The engine cores the parent starts: each with the settings a worker's app asks for
+    (`SeatStarter` finds its core by them)."""
+    return embedded_settings(modelfile.load(settings), settings, prioritized(settings, tenants))
+
+
 def refuse_unshared(settings: Settings, engines: dict[str, EngineSettings]) -> None:
     """What workers cannot share: limits and budgets counted in each worker's memory (each would
     allow the whole limit), and LoRA adapters (loaded per client; vLLM refuses runtime LoRA changes
@@ -158,11 +176,12 @@ def _interrupt(sig: int, frame: FrameType | None) -> None:
 def serve_workers(settings: Settings, worker: Callable[[WorkerSeat, WorkerPlan], int] = gateway_worker) -> int:
     """The parent: configuration checked, socket bound, engine cores started, workers supervised."""
     configure(settings.log_level, settings.log_format)
+    settings = worker_settings(settings)
     if settings.tls.enabled:
         ServerTLS(settings.tls)  # bad files stop us here, before any engine starts
     tenants = tenants_of(settings)
     create_app(settings, engine_check=check_engine_settings, tenants=tenants)  # refuses bad configuration; starts nothing
-    engines = embedded_settings(modelfile.load(settings), settings, tenants.prioritized)
+    engines = shared_engines(settings, tenants)
     refuse_unshared(settings, engines)
     supervisor: Supervisor | None = None
     cores: list[SharedEngine] = []

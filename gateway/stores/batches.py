@@ -23,8 +23,9 @@ Leases: with replicas sharing the directory, one runs a batch at a time. The lea
 `lease.<n>` of the highest generation n, holding its holder and an expiry. A replica takes a free
 batch by creating generation 1 (O_CREAT|O_EXCL: one of two racing replicas wins), an expired
 lease by creating generation n+1 the same way, renews its own by rewriting it (rename in place),
-and has lost it when a higher generation exists. A holder that stalls past its expiry may overlap
-with the one that took over until its next renewal finds that out.
+and has lost it when a higher generation exists. A holder that stalls past its expiry may still
+have lines in flight when another takes over: it checks that it holds the lease before it writes
+each answer (and the record), so the lines it loses are answered once, by the new holder.
 
 The interface (`BatchStore`, `OwnedBatches`, `BatchDir`, `Lease`) is what a Redis or S3 store
 would implement; only this local one exists.
@@ -318,10 +319,13 @@ class Lease:
     def _content(self, expires: float | None = None) -> bytes:
         return orjson.dumps({"holder": self.holder, "expires": time.time() + self.lease_s if expires is None else expires})
 
+    def held(self) -> bool:
+        """Still this replica's: no other has taken it over (a higher generation)."""
+        return _newest(self.batch)[0] == self.generation
+
     def renew(self) -> bool:
         """Held for another `lease_s`; False when another replica has taken it over meanwhile."""
-        generation, _ = _newest(self.batch)
-        if generation != self.generation:
+        if not self.held():
             return False
         _write_atomic(self.path, self._content())
         return True

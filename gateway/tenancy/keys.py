@@ -19,7 +19,9 @@ Each key has two names, neither of them the key: its *id*, a keyed hash (HMAC-SH
 `key_id_secret`, a random one per process when unset) that goes into logs and rate limits, and
 its *tenant*, stable across processes, that scopes the response cache, stored responses and
 sticky A/B splits and is never logged. Keys come from the keys file too (`tenancy.tenants`,
-whose keys are named by their id there).
+whose keys are named by their id there). Work kept on disk for a key (a batch) is run as that key
+only while a key still answers to its identity (`Authenticator.reidentify`, by the tenant: stable
+where the id is not), decided here as every request's identity is.
 
 Without keys nothing proves that a request comes from a client and not from a web page the
 client has open: a POST must then declare a JSON body (`Content-Type: application/json`), which
@@ -44,6 +46,7 @@ from typing import Literal
 from pydantic import SecretStr
 
 from gateway.errors import AuthenticationFailed, RateLimited, UnsupportedMediaType
+from gateway.settings import Settings
 from gateway.telemetry import metrics
 from gateway.tenancy.limits import TokenBucket
 from gateway.tenancy.tenants import Tenants
@@ -70,6 +73,7 @@ class KeyRing:
             digest: Identity(_key_id(digest, self._id_secret), hashlib.sha256(b"tenant\0" + digest).hexdigest())
             for digest in self._hashes
         }
+        self._by_tenant = {identity.tenant: identity for identity in self._identities.values()}
 
     @property
     def enabled(self) -> bool:
@@ -83,6 +87,10 @@ class KeyRing:
             if hmac.compare_digest(stored, digest):
                 found = stored
         return None if found is None else self._identities[found]
+
+    def by_tenant(self, tenant: str) -> Identity | None:
+        """The key whose tenant this is (stable across processes), with its id in this process."""
+        return self._by_tenant.get(tenant)
 
 
 def _key_id(digest: bytes, secret: bytes) -> str:
@@ -246,6 +254,18 @@ class Authenticator:
             raise AuthenticationFailed("Incorrect API key provided.")
         return identity
 
+    def reidentify(self, stored: Identity) -> Identity | None:
+        """Who an identity kept on disk (a batch's creator) is now: the same key, with the id this
+        process gives it, or None when no key answers to it any longer (its key removed from the keys
+        file or the settings, or keys turned on or off since: an anonymous batch is nobody's once keys
+        are on, and never the key the keys file happens to name `anonymous`)."""
+        keyed = self.keys.enabled or bool(self.tenants and self.tenants.enabled)
+        if not keyed:
+            return NOBODY if stored == NOBODY else None
+        if stored.tenant == _file_tenant(stored.key_id):
+            return stored if self.tenants and self.tenants.enabled and self.tenants.known(stored.key_id) else None
+        return self.keys.by_tenant(stored.tenant)
+
     def _failed(self, peer: str, headers: Headers) -> None:
         """Count an unknown key against its client's address; past the limit, 429 instead of 401."""
         address = self.proxies.client(peer, headers)
@@ -264,5 +284,19 @@ class Authenticator:
             return None
         file_id = self.tenants.identify(presented) if self.tenants and self.tenants.enabled else None
         if file_id is not None:
-            return Identity(file_id, f"keys-file:{file_id}")
+            return Identity(file_id, _file_tenant(file_id))
         return self.keys.identify(presented)
+
+
+def _file_tenant(key_id: str) -> str:
+    """A keys-file key's tenant: its id there, in a namespace no settings key's tenant (a hex digest) is in."""
+    return f"keys-file:{key_id}"
+
+
+def authenticator_of(settings: Settings, tenants: Tenants) -> Authenticator:
+    """The API keys' authenticator: one per process, shared by the auth layer and the batch runner,
+    so that both name a key by the same id."""
+    return Authenticator(
+        KeyRing(settings.api_keys, settings.key_id_secret), AttemptThrottle(settings.auth_failures_per_minute), tenants,
+        TrustedProxies(settings.forwarded_allow_ips, settings.forwarded_header),
+    )

@@ -18,7 +18,7 @@ key's `request_priority`; without it the request runs at its key's class, and it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.settings import Priority
 from gateway.tenancy.tenants import KeyPolicy
@@ -41,6 +41,16 @@ class Scheduled:
     @property
     def tier(self) -> str:
         return _CLASS_TIER[self.klass]
+
+    def forwarded(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """A request for a remote model, its priority fields (those given a value) saying what was
+        decided here: the upstream must not run at a priority the key may not raise to (or a batch
+        line above the batch lane)."""
+        if payload.get("priority") is not None:
+            payload["priority"] = self.priority
+        if payload.get("service_tier") is not None:
+            payload["service_tier"] = self.tier
+        return payload
 
 
 NORMAL = Scheduled()

@@ -190,13 +190,13 @@ def test_a_repeated_custom_id_fails_the_batch(tmp_path: Path) -> None:
 
 
 def _stored(store: BatchStore, source: Path, owner: str = "anonymous", expires_at: int | None = None,
-            keyed: bool = False) -> str:
+            tenant: str | None = None) -> str:
     import asyncio
 
     now = int(time.time())
     batch = Batch(id=new_id(), endpoint="/v1/chat/completions", input_file_id="file-0123456789abcdef01234567",
                   status="validating", created_at=now, expires_at=expires_at or now + 86400)
-    stored = StoredBatch(batch=batch, owner=Owner(key_id=owner, tenant=owner, keyed=keyed), output_expires_after_s=3600)
+    stored = StoredBatch(batch=batch, owner=Owner(key_id=owner, tenant=tenant or owner), output_expires_after_s=3600)
     asyncio.run(store.of(owner).create(stored, source))
     return batch.id
 
@@ -376,7 +376,7 @@ def test_a_removed_key_fails_its_batchs_lines(tmp_path: Path) -> None:
     path = keys_file(tmp_path, "keys:\n  stays: {key: sk-s}\n")
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl(chat_line("a")))
-    batch_id = _stored(BatchStore.at(tmp_path / "batches"), source, owner="gone", keyed=True)
+    batch_id = _stored(BatchStore.at(tmp_path / "batches"), source, owner="gone", tenant="keys-file:gone")
     with TestClient(app_with(FakeEngine(), keys_file=path, **settings(tmp_path))):
         assert on_disk(tmp_path, batch_id).status == "completed"
     errors = BatchDir(next((tmp_path / "batches").glob(f"*/{batch_id}"))).errors
