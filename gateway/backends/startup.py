@@ -77,7 +77,8 @@ def build_registry(
         if spec.kind == "remote":
             assert spec.url is not None
             backend.upstream = Upstream(spec.id, spec.url, spec.upstream_model or spec.name, spec.api_key,
-                                        spec.timeout_s, spec.connect_timeout_s, spec.max_connections)
+                                        spec.timeout_s, spec.connect_timeout_s, spec.max_connections,
+                                        log_bodies=settings.log_prompts)
             backend.defaults = spec.defaults
         else:
             log.info("engine_starting", model=spec.id)

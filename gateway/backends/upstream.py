@@ -14,8 +14,9 @@ aiohttp's pool (a deque of idle connections) costs 0.07 ms (httpx over aiohttp's
 benchmarks/RESULTS.md, "Remote path (issue 27)").
 
 The upstream's failures become the gateway's own errors, mapped here once (`FAILURES`: aiohttp's
-errors and its timeouts); what the upstream said goes to the log (`upstream_failed`), never to the
-client or /ready:
+errors and its timeouts); why goes to the log (`upstream_failed`), never to the client or /ready:
+its status and, from a JSON error body, the error's `type` and `code`; the body's text itself (which
+may echo the request) only with `log_prompts`:
 
     connection error, timeout, 408, 429, 502, 503, 504   → BackendUnavailable (503, fallible)
     401, 403 (our key refused), 404, any other status     → BadGateway (502, fallible)
@@ -70,8 +71,10 @@ class UpstreamAnswer:
 
 class Upstream:
     def __init__(self, name: str, url: str, upstream_model: str, api_key: str | None,
-                 timeout_s: float, connect_timeout_s: float, max_connections: int = 256) -> None:
+                 timeout_s: float, connect_timeout_s: float, max_connections: int = 256,
+                 log_bodies: bool = False) -> None:
         self.name = name
+        self._log_bodies = log_bodies  # an error body's text in the log (log_prompts): it may echo the request
         self.upstream_model = upstream_model
         self._base = url.rstrip("/")
         self._host = URL(self._base).host or ""
@@ -142,6 +145,8 @@ class Upstream:
             span.set_attribute("http.response.status_code", status)
         if status != 200 and status not in PASSED_ON:
             excerpt = await _excerpt(response)
+            if not self._log_bodies:
+                excerpt = _error_kind(excerpt)
             kind = BackendUnavailable if status in UNAVAILABLE else BadGateway
             raise self._failed(kind, f"answered {status}: {excerpt}")
         media_type = response.headers.get("Content-Type", "application/json")
@@ -221,6 +226,20 @@ def _failed_span(span: Span, exc: BaseException) -> None:
     span.record_exception(exc)
     span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
     span.end()
+
+
+def _error_kind(excerpt: str) -> str:
+    """What of an error body is safe to log whatever it holds: the `type` and `code` of a JSON error
+    (OpenAI's and Anthropic's shapes), short strings only; never its message."""
+    try:
+        body = orjson.loads(excerpt)
+    except orjson.JSONDecodeError:
+        return "(a body that is not JSON; its text is logged with log_prompts)"
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return "(its text is logged with log_prompts)"
+    named = {key: error[key] for key in ("type", "code") if isinstance(error.get(key), str) and len(error[key]) <= 64}
+    return ", ".join(f"{key} {value}" for key, value in named.items()) or "(its text is logged with log_prompts)"
 
 
 async def _excerpt(response: aiohttp.ClientResponse) -> str:

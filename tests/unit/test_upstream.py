@@ -47,13 +47,15 @@ class Broken(httpx.AsyncByteStream):
 
 
 @pytest.fixture
-def upstream(tmp_path: Path) -> Iterator[tuple[TestClient, list[Script]]]:
-    """The gateway with `local` (fake engine) and two remotes; set script[0] to answer as the upstream."""
+def upstream(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[TestClient, list[Script]]]:
+    """The gateway with `local` (fake engine) and two remotes; set script[0] to answer as the upstream.
+    Indirectly parametrized: the gateway's `log_prompts` (default off)."""
     script: list[Script] = [lambda request: httpx.Response(200, json={})]
     with scripted(lambda request: script[0](request)) as base:
         models = tmp_path / "models.yaml"
         models.write_text(MODELS.replace("http://upstream.test", base))
-        app = create_app(fake_settings(models_file=models), engine_starter=lambda es: FakeEngine(es.served_model_name))
+        settings = fake_settings(models_file=models, log_prompts=getattr(request, "param", False))
+        app = create_app(settings, engine_starter=lambda es: FakeEngine(es.served_model_name))
         with TestClient(app, raise_server_exceptions=False) as client:
             yield client, script
 
@@ -70,7 +72,28 @@ def test_an_upstream_that_refuses_our_key_is_a_502_and_falls_back(upstream) -> N
     assert "sk-up" not in alone.text
     assert rescued.status_code == 200
     assert rescued.headers["x-served-model"] == "local"
+    failed = [str(entry.get("why")) for entry in logs if entry["event"] == "upstream_failed"]
+    assert set(failed) == {"answered 401: (its text is logged with log_prompts)"}  # what it said may echo the request
+
+
+@pytest.mark.parametrize("upstream", [True], indirect=True)
+def test_an_upstreams_error_text_is_logged_only_with_log_prompts(upstream) -> None:
+    client, script = upstream
+    script[0] = lambda request: httpx.Response(401, json={"error": {"message": SECRET_TEXT}})
+    with structlog.testing.capture_logs() as logs:
+        assert client.post("/v1/chat/completions", json=chat_body("lonely")).status_code == 502
     assert any(SECRET_TEXT in str(entry.get("why")) for entry in logs if entry["event"] == "upstream_failed")
+
+
+def test_an_upstreams_error_type_and_code_are_logged_not_its_message(upstream) -> None:
+    client, script = upstream
+    script[0] = lambda request: httpx.Response(
+        500, json={"error": {"message": SECRET_TEXT, "type": "server_error", "code": "engine_dead"}})
+    with structlog.testing.capture_logs() as logs:
+        assert client.post("/v1/chat/completions", json=chat_body("lonely")).status_code == 502
+    failed = [str(entry.get("why")) for entry in logs if entry["event"] == "upstream_failed"]
+    assert failed == ["answered 500: type server_error, code engine_dead"]
+    assert SECRET_TEXT not in str(logs)
 
 
 @pytest.mark.parametrize(("status", "expected"), [(500, 502), (403, 502), (404, 502), (503, 503), (429, 503), (504, 503)])
