@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import structlog
 from pydantic import ValidationError
 
 from gateway.errors import (
@@ -50,6 +51,7 @@ from gateway.telemetry.record import close_record, open_record
 from gateway.tenancy import priority
 from gateway.tenancy.keys import Identity
 
+log = structlog.get_logger(__name__)
 _CANCELLED = 499  # the status a line's usage is counted under when its run was cancelled
 
 
@@ -148,6 +150,8 @@ async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, ret
             raise Retry(max(retry_s, float(wait) if wait.isdigit() else 0.0)) from None
         except Exception as exc:  # an error is this line's answer, as the route would render it
             error: APIError = from_exception(exc)
+            if not isinstance(exc, APIError):  # a bug: logged as the route's exception handler logs it
+                log.exception("batch_line_failed", request_id=context.request_id, error=type(exc).__name__)
             status, data = error.status, orjson.dumps(error.body())
         return LineAnswer(status, data, context.request_id, record.prompt_tokens or 0, record.completion_tokens or 0)
     finally:

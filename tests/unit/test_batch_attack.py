@@ -570,3 +570,19 @@ def test_look_alike_owners_have_directories_and_objects_of_their_own(tmp_path: P
         asyncio.run(store.of(other).get(batch_id))
     files = FileStore.at(tmp_path / "files")
     assert files.of(one).home != files.of(other).home
+
+
+def test_a_bug_in_a_line_is_a_500_line_and_logged_with_its_traceback(tmp_path: Path) -> None:
+    """As the route's exception handler does: the client sees a 500, the operator the traceback."""
+    import structlog.testing
+
+    engine = FakeEngine()
+    engine.fail_after = 0  # a RuntimeError from inside the engine: no error of ours
+    with TestClient(app_with(engine, **settings(tmp_path))) as client, structlog.testing.capture_logs() as logs:
+        sdk = sdk_for(client, "unused")  # keys off: any bearer is anonymous
+        done = wait(sdk, submit(sdk, jsonl(chat_line("boom", max_tokens=3))).id)
+    assert done.request_counts.failed == 1
+    failed = [entry for entry in logs if entry["event"] == "batch_line_failed"]
+    assert len(failed) == 1
+    assert failed[0]["error"] == "RuntimeError"
+    assert failed[0]["exc_info"] is True
