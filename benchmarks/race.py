@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import loadgen, procs, vllm_bench
-from benchmarks.loadgen import LoadConfig, Session
+from benchmarks.loadgen import LoadConfig, Session, metrics_of
 from benchmarks.procs import GIB, REPO, Proc, free_port, log, num, rotated
-from benchmarks.race_report import SERVED_NAME, TARGETS, finish, kept_part, markdown, metrics_of, plot, results_md
+from benchmarks.race_report import SERVED_NAME, TARGETS, finish, kept_part, markdown, results_md
 
 BENCH = REPO / "benchmarks"
 PARTS = ("gateway", "vllm", "engine", "echo")
@@ -361,8 +361,6 @@ def main(argv: list[str] | None = None) -> int:
     code, document, out = procs.run_command("race", argv, args, race, markdown, args.results_dir,
                                             finish=lambda document: finish(document, args))
     out.with_suffix(".md").write_text(markdown(document))
-    if picture := plot(document, out.with_suffix(".png")):
-        log(f"plot: {picture}")
     if args.write_results_md and document["complete"]:
         (BENCH / "RESULTS.md").write_text(results_md(document, out.name) + kept_part(BENCH / "RESULTS.md"))
         log("rewrote benchmarks/RESULTS.md")

@@ -2,7 +2,7 @@
 warm-up, and the client's ceiling after it when `ceiling_s` asks: the same load for `ceiling_s`
 seconds against the instant endpoint, started once per process), `run_sweep` (one run per
 concurrency level), `run_async` (on uvloop), and the command line: `python -m benchmarks.loadgen`
-(flags into a `LoadConfig`: each flag's dest is the field's name; the JSON and the plot)."""
+(a flag per `LoadConfig` field; the JSON)."""
 
 from __future__ import annotations
 
@@ -15,24 +15,16 @@ import math
 import random
 import sys
 import time
+import typing
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import uvloop
 
 from benchmarks.loadgen.client import Client, discover_model, make_client, send_request
 from benchmarks.loadgen.prompts import Session, build_sessions, get_tokenizer, request_body, sessions_needed
-from benchmarks.loadgen.results import (
-    LoadConfig,
-    RequestRecord,
-    Result,
-    aggregate,
-    compare,
-    format_result,
-    plot_sweep,
-    point,
-)
+from benchmarks.loadgen.results import LoadConfig, RequestRecord, Result, aggregate, compare, format_result
 from benchmarks.procs import RESULTS, Proc, free_port, timestamp
 
 
@@ -215,68 +207,54 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 
 # ----------------------------------------------------------------------------------------------
-# The command line
+# The command line: a flag per LoadConfig field, typed and defaulted by it (benchmarks/README.md says
+# what each does), a few of them renamed or shaped for people
+
+FLAGS = {"duration_s": "--duration", "warmup_requests": "--warmup", "request_timeout_s": "--request-timeout",
+         "keep_records": "--save-requests", "ceiling_s": "--ceiling-duration", "count_headers": "--count-header"}
+OWN = ("concurrency", "stream", "headers", "label")  # flags of their own below, or none
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.loadgen",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loadgen", argument_default=argparse.SUPPRESS,
                                 description="A load generator for any OpenAI-compatible server (benchmarks/README.md)")
-    add = p.add_argument
-    add("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (with /v1)")
-    add("--model", help="model name (default: the first of GET /models)")
-    add("--endpoint", choices=["chat", "completions"], default="chat")
-    add("--concurrency", type=int, nargs="+",
-        help="requests in flight (default 8); several levels: a sweep; with --request-rate: a cap (default none)")
-    add("--request-rate", type=float, help="Poisson arrivals per second instead (concurrency becomes a cap)")
-    add("--num-requests", type=int, default=64, help="requests per run (per concurrency level)")
-    add("--waves", type=int, help="at least WAVES x concurrency requests per level")
-    add("--duration", dest="duration_s", type=float, default=300.0, help="time limit of each run in seconds (0: none)")
-    add("--prompts", choices=["random", "shared-prefix", "multi-turn"], default="random")
-    add("--input-tokens", type=int, default=128, help="tokens per prompt (per user turn)")
-    add("--output-tokens", type=int, default=64, help="max_tokens of every request")
-    add("--prefix-tokens", type=int, default=512, help="shared-prefix: tokens of the common prefix")
-    add("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes")
-    add("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
-    add("--unique-prompts", type=int, help="cycle through this many prompts (1: the same request again)")
-    add("--ignore-eos", action="store_true", help="send ignore_eos (vLLM): exactly --output-tokens tokens")
-    add("--temperature", type=float, default=0.0, help="sampling temperature (negative: server default)")
-    add("--no-stream", dest="stream", action="store_false", help="non-streaming requests (TTFT = e2e)")
-    add("--extra-body", type=json.loads, default={}, help="JSON object merged into every request body")
-    add("--api-key")
-    add("--count-header", dest="count_headers", action="append", help="response header whose values are counted (default x-cache)")
-    add("--tokenizer", choices=["auto", "server", "words"], default="auto",
-        help="count prompt tokens with the server's /tokenize (auto: when present) or as words")
-    add("--seed", type=int, default=0)
-    add("--warmup", dest="warmup_requests", type=int, default=0, help="warm-up requests before each run (not measured)")
-    add("--request-timeout", dest="request_timeout_s", type=float, default=600.0)
-    add("--output", type=Path, help="JSON results file (default benchmarks/results/loadgen-<time>.json)")
-    add("--plot", type=Path, help="PNG plot (default: next to the JSON when several levels are run)")
-    add("--no-plot", action="store_true")
-    add("--save-requests", dest="keep_records", action="store_true", help="put every request's record in the JSON")
-    add("--ceiling-duration", dest="ceiling_s", type=float, default=2.0,
-        help="after each run: seconds of the same load against the instant endpoint (benchmarks.instant_endpoint), "
-             "the client's ceiling, reported beside the run")
-    add("--no-ceiling", dest="ceiling_s", action="store_const", const=0.0, help="skip the ceiling run")
+    hints = typing.get_type_hints(LoadConfig)
+    for f in (f for f in dataclasses.fields(LoadConfig) if f.name not in OWN):
+        flag, kind = FLAGS.get(f.name, "--" + f.name.replace("_", "-")), hints[f.name]
+        if kind is bool:
+            p.add_argument(flag, dest=f.name, action="store_true")
+        elif typing.get_origin(kind) is Literal:
+            p.add_argument(flag, dest=f.name, choices=typing.get_args(kind))
+        elif typing.get_origin(kind) in (dict, list):
+            p.add_argument(flag, dest=f.name, **({"type": json.loads} if typing.get_origin(kind) is dict else {"action": "append"}))
+        else:  # int, float, str, or one of them or None
+            p.add_argument(flag, dest=f.name, type=next(a for a in typing.get_args(kind) or (kind,) if a is not type(None)))
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="several levels: a sweep; with --request-rate: a cap")
+    p.add_argument("--no-stream", dest="stream", action="store_false")
+    p.add_argument("--no-ceiling", dest="ceiling_s", action="store_const", const=0.0)
+    p.add_argument("--waves", type=int, default=None, help="at least WAVES x concurrency requests per level")
+    p.add_argument("--output", type=Path, default=None, help="the JSON file (default benchmarks/results/loadgen-<time>.json)")
     return p
 
 
 def config_from(args: argparse.Namespace) -> LoadConfig:
+    """The flags given into a LoadConfig; unlike LoadConfig's, the CLI's defaults measure the client's
+    ceiling for 2 s; --duration 0 is no limit, a negative --temperature the server's default."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(LoadConfig) if hasattr(args, f.name)}
+    config = LoadConfig(**{"ceiling_s": 2.0, **given, "concurrency": None})
     return dataclasses.replace(
-        LoadConfig(**given),
-        concurrency=args.concurrency[0] if args.concurrency else (None if args.request_rate else 8),
-        duration_s=args.duration_s or None, temperature=None if args.temperature < 0 else args.temperature,
-        count_headers=[h.lower() for h in args.count_headers or ["x-cache"]],
-    )
+        config, concurrency=args.concurrency[0] if args.concurrency else (None if config.request_rate else 8),
+        duration_s=config.duration_s or None, temperature=None if (config.temperature or 0) < 0 else config.temperature,
+        count_headers=[h.lower() for h in config.count_headers])
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run (one Poisson run at --request-rate, else a sweep of the --concurrency levels), write the JSON
-    (and the plot of a sweep); exit status 1 when a run completed nothing."""
+    """Run (one Poisson run at --request-rate, else a sweep of the --concurrency levels) and write the
+    JSON; exit status 1 when a run completed nothing."""
     args = parser().parse_args(argv)
     config = config_from(args)
-    if args.request_rate:
-        results = [run_async(run_load(dataclasses.replace(config, label=f"rate={args.request_rate}")))]
+    if config.request_rate:
+        results = [run_async(run_load(dataclasses.replace(config, label=f"rate={config.request_rate}")))]
         print(format_result(results[0]), file=sys.stderr)
     else:
         results = run_async(run_sweep(config, args.concurrency or [8], args.waves))
@@ -284,11 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or RESULTS / f"loadgen-{stamp}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     document = {"tool": "benchmarks.loadgen", "started": stamp, "argv": sys.argv if argv is None else ["loadgen", *argv],
-                "config": config.to_dict(), "results": [r.to_dict(records=args.keep_records) for r in results]}
+                "config": config.to_dict(), "results": [r.to_dict(records=config.keep_records) for r in results]}
     output.write_text(json.dumps(document, indent=2))
     print(f"results: {output}", file=sys.stderr)
-    if not args.no_plot and (args.plot or len(results) > 1):
-        plot = plot_sweep({"": [point(r) for r in results]}, args.plot or output.with_suffix(".png"), title=args.base_url)
-        if plot:
-            print(f"plot: {plot}", file=sys.stderr)
     return 0 if all(r.completed for r in results) else 1

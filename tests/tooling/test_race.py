@@ -53,7 +53,7 @@ def test_race_summary_medians_ratios_and_targets() -> None:
 
 def test_race_metrics_of_a_result() -> None:
     result = loadgen.aggregate([RequestRecord(ok=True, ttft=0.1, e2e=0.5, output_tokens=5, chunks=5, itl=[0.1] * 4)], 1.0)
-    metrics = race_report.metrics_of(result.to_dict())
+    metrics = loadgen.metrics_of(result.to_dict())
     assert metrics["output_tok_s"] == pytest.approx(5.0)
     assert metrics["ttft_p50_ms"] == pytest.approx(100.0)
     assert metrics["tpot_p50_ms"] == pytest.approx(100.0)
@@ -242,7 +242,7 @@ def test_vllm_bench_result_into_the_race_metrics() -> None:
     metrics = vllm_bench.metrics_of(result)
     assert metrics == {"output_tok_s": 64.0, "req_s": 1.0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 200.0, "tpot_p50_ms": 20.0,
                        "itl_p99_ms": 40.0, "e2e_p50_ms": 1400.0, "mean_output_tokens": 64.0, "failed": 1}
-    assert set(metrics) <= set(race_report.metrics_of({})) | {"failed"}
+    assert set(metrics) <= set(loadgen.metrics_of({})) | {"failed"}
 
 
 def test_vllm_bench_argv_is_what_vllms_own_parser_takes() -> None:
