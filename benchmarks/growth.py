@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import sys
@@ -14,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from benchmarks import loadgen, procs
 from benchmarks.loadgen import LoadConfig, Result
@@ -29,11 +27,6 @@ CACHE_ANSWER_TOKENS, HIT_REQUESTS = 64, 300  # tokens per cached answer; hits ti
 SOAK_CACHE_ENTRIES = 10_000  # the soak's cache bound (the gateway's default)
 QUIET = {"GATEWAY_WARMUP": "false", "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CACHE__BACKEND": "off"}
 MIB = 2**20
-
-
-def rss(proc: Proc) -> int:
-    assert proc.process is not None
-    return int(psutil.Process(proc.process.pid).memory_info().rss)
 
 
 async def start_server(name: str, logs: Path, env: dict[str, str], *extra: str, real: bool = False, eager: bool = False) -> Proc:
@@ -56,12 +49,7 @@ def config(server: Proc, **kwargs: Any) -> LoadConfig:
 
 
 def summary(result: Result) -> dict[str, Any]:
-    def ms(v: float) -> float | None:
-        return None if v != v else round(v * 1000, 3)
-
-    return {"completed": result.completed, "failed": result.failed + result.cancelled, "req_s": round(result.request_throughput, 2),
-            "ttft_p50_ms": ms(result.ttft.p50), "ttft_p99_ms": ms(result.ttft.p99), "e2e_p50_ms": ms(result.e2e.p50),
-            "e2e_p99_ms": ms(result.e2e.p99), "x_cache": result.header_counts.get("x-cache", {}),
+    return {**loadgen.metrics_of(result.to_dict()), "x_cache": result.header_counts.get("x-cache", {}),
             "client_cpu_share": result.client_cpu_share}
 
 
@@ -86,15 +74,15 @@ async def part_prompt(args: argparse.Namespace, logs: Path) -> list[dict[str, An
     return rows
 
 
-async def _sample(server: Proc, stop: asyncio.Event, samples: list[dict[str, Any]]) -> None:
-    """Every 0.25 s: the gateway's RSS and the latency of GET /health, as a client sees it."""
-    async with httpx.AsyncClient() as client:
-        while not stop.is_set():
-            started = time.perf_counter()
-            await client.get(f"http://127.0.0.1:{server.port}/health")
-            samples.append({"t": time.perf_counter(), "health_ms": (time.perf_counter() - started) * 1000, "rss": rss(server)})
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.25)
+def rss(proc: Proc) -> int:
+    return proc.rss(front_only=True) or 0
+
+
+async def _sample(server: Proc, client: httpx.AsyncClient) -> dict[str, Any]:
+    """The gateway's RSS and the latency of GET /health, as a client sees it."""
+    started = time.perf_counter()
+    await client.get(f"http://127.0.0.1:{server.port}/health")
+    return {"t": time.perf_counter(), "health_ms": (time.perf_counter() - started) * 1000, "rss": rss(server)}
 
 
 async def _lag(server: Proc) -> dict[str, Any]:
@@ -109,19 +97,15 @@ async def part_streams(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     await loadgen.run_load(config(server, concurrency=4, num_requests=8, output_tokens=2, stream=True))
     await asyncio.sleep(1)
     base, idle_lag = rss(server), await _lag(server)
-    samples: list[dict[str, Any]] = []
-    stop = asyncio.Event()
-    sampler = asyncio.create_task(_sample(server, stop, samples))
-    started = time.perf_counter()
-    load = asyncio.create_task(loadgen.run_load(config(server, concurrency=n, num_requests=n, output_tokens=tokens,
-                                                       input_tokens=16, stream=True)))
-    await asyncio.sleep(ramp)
-    await _lag(server)  # from here on: all streams open
-    await asyncio.sleep(max(0.5, tokens * delay - ramp - 2 * delay))
-    held_lag, held_until = await _lag(server), time.perf_counter()
-    result = await load
-    stop.set()
-    await sampler
+    async with httpx.AsyncClient() as client, procs.sampling(0.25, lambda: _sample(server, client)) as samples:
+        started = time.perf_counter()
+        load = asyncio.create_task(loadgen.run_load(config(server, concurrency=n, num_requests=n, output_tokens=tokens,
+                                                           input_tokens=16, stream=True)))
+        await asyncio.sleep(ramp)
+        await _lag(server)  # from here on: all streams open
+        await asyncio.sleep(max(0.5, tokens * delay - ramp - 2 * delay))
+        held_lag, held_until = await _lag(server), time.perf_counter()
+        result = await load
     server.stop()
     held = [s for s in samples if started + ramp <= s["t"] <= held_until] or samples
     peak, health = max(s["rss"] for s in held), sorted(s["health_ms"] for s in held)

@@ -21,9 +21,9 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 import psutil
@@ -31,6 +31,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 GIB = 1024**3
+T = TypeVar("T")
 
 
 def log(message: str) -> None:
@@ -106,10 +107,6 @@ def median(values: Iterable[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
-
-
 def paired(runs: Sequence[dict[str, Any]], level: int, reference: str, metrics: Sequence[str],
            extra: Sequence[str] = ()) -> dict[str, Any]:
     """One level's runs ({"target", "repeat", "concurrency", "metrics"}): medians over repetitions per
@@ -124,31 +121,36 @@ def paired(runs: Sequence[dict[str, Any]], level: int, reference: str, metrics: 
                | {"failed": sum(m.get("failed") or 0 for m in reps.values()), "repeats": len(reps)}
                for target, reps in by_target.items()}
     ours = by_target.get(reference, {})
-    pairs = {other: {name: [x for r in ours if r in theirs if (x := ratio(ours[r].get(name), theirs[r].get(name))) is not None]
-                     for name in metrics}
+    pairs = {other: {name: [a / b for r in ours if r in theirs
+                            if (a := ours[r].get(name)) is not None and (b := theirs[r].get(name))] for name in metrics}
              for other, theirs in by_target.items() if other != reference and ours}
     return {"concurrency": level, "medians": medians,
             "ratios": {other: {name: median(v) for name, v in p.items()} for other, p in pairs.items()},
             "spread": {other: {name: (min(v), max(v)) if v else None for name, v in p.items()} for other, p in pairs.items()}}
 
 
-def within(value: float | None, floor: Sequence[float] | None) -> bool | None:
-    """Whether a ratio lies inside the A/A noise band: symmetric about 1.0 and as wide as the A/A
-    ratios strayed either way ([1/m, m], m the largest of hi and 1/lo: an A/A 0.9 says 1.1 could come as easily)."""
-    if value is None or floor is None or floor[0] <= 0:
-        return None
-    m = max(floor[1], 1 / floor[0], 1.0)
-    return 1 / m <= value <= m
-
-
-def spread_text(row: dict[str, Any], name: str, other: str) -> str:
-    """A ratio as median [smallest, largest]."""
-    value, floor = row["ratios"].get(other, {}).get(name), row["spread"].get(other, {}).get(name)
-    return "-" if value is None else f"{value:.3f} [{floor[0]:.3f}, {floor[1]:.3f}]" if floor else f"{value:.3f}"
-
-
 # ----------------------------------------------------------------------------------------------
 # Processes
+
+
+@contextlib.asynccontextmanager
+async def sampling(every_s: float, take: Callable[[], Awaitable[T]]) -> AsyncIterator[list[T]]:
+    """`take()` every `every_s` seconds while the block runs (and once at its start): the list of what it gave."""
+    samples: list[T] = []
+    stop = asyncio.Event()
+
+    async def loop() -> None:
+        while not stop.is_set():
+            samples.append(await take())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield samples
+    finally:
+        stop.set()
+        await task
 
 
 def free_port() -> int:
@@ -268,9 +270,9 @@ class Proc:
                 stream.close()
         log(f"{self.name} stopped")
 
-    def cpu_seconds(self, front_only: bool = False) -> float | None:
-        """User + system CPU seconds of the process and its children so far (None once it is gone);
-        `front_only`: of the process itself, the front end without its engine core and worker."""
+    def _total(self, front_only: bool, measure: Callable[[psutil.Process], float]) -> float | None:
+        """`measure` summed over the process and its children (None once it is gone); `front_only`: of
+        the process itself, the front end without its engine core and worker."""
         if self.process is None or self.process.poll() is not None:
             return None
         try:
@@ -281,8 +283,17 @@ class Proc:
         total = 0.0
         for proc in procs:
             with contextlib.suppress(psutil.NoSuchProcess):  # a child gone meanwhile
-                total += sum(proc.cpu_times()[:2])
+                total += measure(proc)
         return total
+
+    def cpu_seconds(self, front_only: bool = False) -> float | None:
+        """User + system CPU seconds so far."""
+        return self._total(front_only, lambda proc: sum(proc.cpu_times()[:2]))
+
+    def rss(self, front_only: bool = False) -> int | None:
+        """Resident memory in bytes now."""
+        total = self._total(front_only, lambda proc: proc.memory_info().rss)
+        return None if total is None else int(total)
 
 
 def answers() -> Callable[[dict[str, Any]], None]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.loadgen.results import WANTED_HEADROOM
-from benchmarks.procs import md_table, num, paired, spread_text, within
+from benchmarks.procs import md_table, num, paired
 
 SERVED_NAME = "smollm2-135m-instruct"
 TARGETS = ("gateway", "gateway-aa", "vllm", "engine")  # the table's order; gateway-aa: the A/A twin
@@ -35,6 +35,22 @@ def summarize(runs: Sequence[dict[str, Any]], levels: Sequence[int], reference: 
                                                           "met": value >= bound if higher else value <= bound}
         rows.append(row)
     return rows
+
+
+def within(value: float | None, floor: Sequence[float] | None) -> bool | None:
+    """Whether a ratio lies inside the A/A noise band: symmetric about 1.0 and as wide as the A/A
+    ratios strayed either way ([1/m, m], m the largest of hi and 1/lo: an A/A 0.9 says 1.1 could come as easily)."""
+    if value is None or floor is None or floor[0] <= 0:
+        return None
+    m = max(floor[1], 1 / floor[0], 1.0)
+    return 1 / m <= value <= m
+
+
+def spread_text(row: dict[str, Any], name: str, other: str) -> str:
+    """A ratio as median [smallest, largest]."""
+    value, floor = row["ratios"].get(other, {}).get(name), row["spread"].get(other, {}).get(name)
+    return "-" if value is None else f"{value:.3f} [{floor[0]:.3f}, {floor[1]:.3f}]" if floor else f"{value:.3f}"
+
 
 
 def _vs(row: dict[str, Any], name: str, other: str, aa: str, bound: float | None = None, higher: bool = True) -> str:

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import atexit
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -29,23 +30,16 @@ from benchmarks.procs import RESULTS, Proc, free_port, timestamp
 
 
 class Runner:
-    """One run's state: the requests issued so far, their records, the time limit."""
+    """One run's state: its records (one per request issued so far), the sessions in turn, the time limit."""
 
     def __init__(self, config: LoadConfig, client: Client, model: str, sessions: Sequence[Session]) -> None:
-        self.config, self.client, self.model, self.sessions = config, client, model, sessions
-        path = "chat/completions" if config.endpoint == "chat" else "completions"
-        self.url = f"{config.base_url.rstrip('/')}/{path}"
+        self.config, self.client, self.model, self.sessions = config, client, model, itertools.cycle(sessions)
+        self.url = f"{config.base_url.rstrip('/')}/{'chat/completions' if config.endpoint == 'chat' else 'completions'}"
         self.records: list[RequestRecord] = []
-        self.issued = self.next_session = 0
         self.origin, self.deadline, self.last_end = 0.0, math.inf, 0.0
 
-    def _take_session(self) -> Session:
-        session = self.sessions[self.next_session % len(self.sessions)]
-        self.next_session += 1
-        return session
-
     def _may_issue(self) -> bool:
-        return self.issued < self.config.num_requests and time.perf_counter() < self.deadline
+        return len(self.records) < self.config.num_requests and time.perf_counter() < self.deadline
 
     async def run_session(self, session: Session) -> None:
         """The session's turns one after the other, each carrying the real answers so far."""
@@ -53,7 +47,6 @@ class Runner:
         for turn in session.turns:
             if not self._may_issue():
                 return
-            self.issued += 1
             self.records.append(record := RequestRecord())
             await send_request(self.client, self.url, request_body(self.config, self.model, session, history, turn), record,
                                count_headers=self.config.count_headers, origin=self.origin,
@@ -66,59 +59,41 @@ class Runner:
     async def workers(self, count: int) -> None:
         async def worker() -> None:
             while self._may_issue():
-                await self.run_session(self._take_session())
+                await self.run_session(next(self.sessions))
 
         await asyncio.gather(*(worker() for _ in range(count)))
 
-    async def arrivals(self, rng: random.Random) -> None:
+    async def arrivals(self, rate: float, rng: random.Random) -> None:
         """Poisson arrivals of sessions, at most `concurrency` running (when set)."""
         limit = asyncio.Semaphore(self.config.concurrency or 1 << 30)
-        tasks: set[asyncio.Task[None]] = set()
 
         async def start(session: Session) -> None:
             async with limit:
                 await self.run_session(session)
 
-        try:
-            next_at = time.perf_counter()
-            launched = 0
-            turns = self.config.turns if self.config.prompts == "multi-turn" else 1
-            while launched * turns < self.config.num_requests and time.perf_counter() < self.deadline:
-                task = asyncio.create_task(start(self._take_session()))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                launched += 1
-                next_at += rng.expovariate(self.config.request_rate)  # type: ignore[arg-type]
-                delay = next_at - time.perf_counter()
-                if delay > 0:
+        turns = self.config.turns if self.config.prompts == "multi-turn" else 1
+        next_at = time.perf_counter()
+        async with asyncio.TaskGroup() as group:  # cancelled with the run: its requests in flight too
+            for _ in range(math.ceil(self.config.num_requests / turns)):
+                if time.perf_counter() >= self.deadline:
+                    break
+                group.create_task(start(next(self.sessions)))
+                next_at += rng.expovariate(rate)
+                if (delay := next_at - time.perf_counter()) > 0:
                     await asyncio.sleep(delay)
-            if tasks:
-                await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
 
     async def run(self) -> float:
-        """Run until the count or the time limit; returns the measured duration in seconds."""
+        """Run until the count or the time limit; returns the measured duration in seconds. At the time
+        limit (or when this run is cancelled), the requests in flight are cancelled and counted as such."""
         cfg = self.config
         self.origin = time.perf_counter()
         self.deadline = self.origin + cfg.duration_s if cfg.duration_s else math.inf
-        if cfg.request_rate:
-            main = asyncio.create_task(self.arrivals(random.Random(cfg.seed + 1)))
-        else:
-            main = asyncio.create_task(self.workers(max(1, cfg.concurrency or 1)))
-        timeout = None if self.deadline == math.inf else max(0.0, self.deadline - time.perf_counter())
+        work = self.arrivals(cfg.request_rate, random.Random(cfg.seed + 1)) if cfg.request_rate else \
+            self.workers(max(1, cfg.concurrency or 1))
         try:
-            done, _ = await asyncio.wait({main}, timeout=timeout)
-        finally:  # the time limit, or this run cancelled: requests in flight are cancelled and counted as such
-            if not main.done():
-                main.cancel()
-                await asyncio.gather(main, return_exceptions=True)
-        if not done:
+            await asyncio.wait_for(work, cfg.duration_s or None)
+        except TimeoutError:
             return time.perf_counter() - self.origin
-        main.result()
         return (self.last_end or time.perf_counter()) - self.origin
 
 
@@ -131,14 +106,14 @@ async def run_load(config: LoadConfig, sessions: Sequence[Session] | None = None
     warm_cfg = dataclasses.replace(config, num_requests=config.warmup_requests, duration_s=None)
     try:
         model = config.model or await discover_model(client, config.base_url)
-        build_warmup = bool(config.warmup_requests) and warmup_sessions is None
-        if sessions is None or build_warmup:
+        tokenizer = None
+        if sessions is None or (config.warmup_requests and warmup_sessions is None):
             tokenizer = await get_tokenizer(config, client, model)
-            if sessions is None:
-                sessions = await build_sessions(config, sessions_needed(config), tokenizer)
-            if build_warmup:
-                warmup_sessions = await build_sessions(warm_cfg, sessions_needed(warm_cfg), tokenizer, seed=config.seed + 7919)
-        if config.warmup_requests and warmup_sessions:
+        if sessions is None:
+            sessions = await build_sessions(config, sessions_needed(config), tokenizer)
+        if config.warmup_requests:
+            warmup_sessions = warmup_sessions or await build_sessions(warm_cfg, sessions_needed(warm_cfg), tokenizer,
+                                                                      seed=config.seed + 7919)
             await Runner(warm_cfg, client, model, warmup_sessions).run()
         runner = Runner(config, client, model, sessions)
         cpu = time.process_time()
