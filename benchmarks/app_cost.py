@@ -88,8 +88,8 @@ def switch_off(without: set[str]) -> None:
 
 def make_app(bare: bool, without: set[str]) -> Any:
     os.environ.update(environment(without))
-    from benchmarks.bare_app import create_bare_app
     from benchmarks.echo_engine import create_echo_app, echo_engine
+    from benchmarks.instant_endpoint import create_bare_app
     from gateway.settings import Settings
     from gateway.telemetry.logs import configure
 

@@ -16,7 +16,7 @@ import httpx
 
 from benchmarks import loadgen, procs
 from benchmarks.loadgen import LoadConfig, Result
-from benchmarks.procs import Proc, free_port, log, md_table, num
+from benchmarks.procs import Proc, log, md_table, num
 
 PARTS = ("prompt", "streams", "cache", "soak")
 SMALL = {"lengths": [128, 512, 1024], "streams": 200, "cache_entries": 2000, "soak_requests": 20000}
@@ -30,16 +30,12 @@ MIB = 2**20
 
 
 async def start_server(name: str, logs: Path, env: dict[str, str], *extra: str, real: bool = False, eager: bool = False) -> Proc:
-    port = free_port()
     if real:
-        command = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--served-model-name", MODEL,
-                   "--max-model-len", "8192", *(["--enforce-eager"] if eager else [])]
+        command = [sys.executable, "-m", "gateway", "serve", "--served-model-name", MODEL, "--max-model-len", "8192",
+                   *(["--enforce-eager"] if eager else [])]
     else:
-        command = [sys.executable, "-m", "benchmarks.echo_engine", "--port", str(port), "--name", MODEL, *extra]
-    server = Proc(name, command, env, logs / f"{name}.log", port=port)
-    server.start()
-    await server.wait_ready(900 if real else 120)
-    return server
+        command = [sys.executable, "-m", "benchmarks.echo_engine", "--name", MODEL, *extra]
+    return await Proc.on_free_port(name, command, env, logs).launch(900 if real else 120)
 
 
 def config(server: Proc, **kwargs: Any) -> LoadConfig:

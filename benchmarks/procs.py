@@ -190,9 +190,21 @@ class Proc:
         self._log: IO[bytes] | None = None
         self._stopped = False
 
+    @classmethod
+    def on_free_port(cls, name: str, command: list[str], env: dict[str, str], logs: Path, **kwargs: Any) -> Proc:
+        """`command --port P` on a free loopback port P, its log logs/<name>.log (not started yet)."""
+        port = free_port()
+        return cls(name, [*command, "--port", str(port)], env, logs / f"{name}.log", port=port, **kwargs)
+
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+    async def launch(self, timeout_s: float) -> Proc:
+        """Started, then ready within `timeout_s` (wait_ready)."""
+        self.start()
+        await self.wait_ready(timeout_s)
+        return self
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

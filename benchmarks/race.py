@@ -15,7 +15,7 @@ from typing import Any
 
 from benchmarks import loadgen, procs, vllm_bench
 from benchmarks.loadgen import LoadConfig, Session, metrics_of
-from benchmarks.procs import GIB, REPO, Proc, free_port, log, num, rotated
+from benchmarks.procs import GIB, REPO, Proc, log, num, rotated
 from benchmarks.race_report import SERVED_NAME, TARGETS, finish, kept_part, markdown, results_md
 
 BENCH = REPO / "benchmarks"
@@ -85,19 +85,19 @@ def prepare_model() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def _engine_flags(args: argparse.Namespace, port: int, eager: bool) -> list[str]:
-    return ["--host", "127.0.0.1", "--port", str(port), "--model", args.model, "--served-model-name", SERVED_NAME,
+def _engine_flags(args: argparse.Namespace, eager: bool) -> list[str]:
+    return ["--host", "127.0.0.1", "--model", args.model, "--served-model-name", SERVED_NAME,
             "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
             "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)] + (["--enforce-eager"] if eager else [])
 
 
-def gateway_command(args: argparse.Namespace, port: int, eager: bool) -> list[str]:
-    return python_m("gateway", "serve", *_engine_flags(args, port, eager))
+def gateway_command(args: argparse.Namespace, eager: bool) -> list[str]:
+    return python_m("gateway", "serve", *_engine_flags(args, eager))
 
 
-def vllm_command(args: argparse.Namespace, port: int, eager: bool) -> list[str]:
+def vllm_command(args: argparse.Namespace, eager: bool) -> list[str]:
     """vLLM 0.32's server (pinned in pyproject.toml) with request logs and uvicorn's access log off."""
-    return python_m("vllm.entrypoints.openai.api_server", *_engine_flags(args, port, eager), "--seed", "0",
+    return python_m("vllm.entrypoints.openai.api_server", *_engine_flags(args, eager), "--seed", "0",
                     "--no-enable-log-requests", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
 
 
@@ -244,13 +244,11 @@ async def measure(target: Target, plan: Plan, args: argparse.Namespace, repeat: 
 def model_targets(args: argparse.Namespace, wanted: list[str], logs: Path) -> dict[str, Target]:
     targets: dict[str, Target] = {}
     if "gateway" in wanted:
-        port = free_port()
-        targets["gateway"] = Proc("gateway", gateway_command(args, port, args.eager), GATEWAY_ENV, logs / "gateway.log", port=port)
+        targets["gateway"] = Proc.on_free_port("gateway", gateway_command(args, args.eager), GATEWAY_ENV, logs)
         if args.aa:
             targets[AA] = Again(targets["gateway"], AA)
     if "vllm" in wanted:
-        port = free_port()
-        targets["vllm"] = Proc("vllm", vllm_command(args, port, args.eager), {}, logs / "vllm.log", port=port)
+        targets["vllm"] = Proc.on_free_port("vllm", vllm_command(args, args.eager), {}, logs)
     if "engine" in wanted:
         targets["engine"] = EngineAlone(args, logs)
     return targets
@@ -319,16 +317,12 @@ async def measure_echo(target: Target, args: argparse.Namespace, scenario: str, 
 
 
 async def run_echo(args: argparse.Namespace, logs: Path, document: dict[str, Any]) -> None:
-    echo_port, bare_port = free_port(), free_port()
-    echo = Proc("echo", python_m("benchmarks.echo_engine", "--port", str(echo_port), "--name", SERVED_NAME), ECHO_ENV,
-                logs / "echo.log", port=echo_port, api_key=BENCH_KEY)
-    bare = Proc("bare", python_m("benchmarks.bare_app", "--port", str(bare_port), "--name", SERVED_NAME), {},
-                logs / "bare.log", port=bare_port)
+    echo, bare = await asyncio.gather(
+        Proc.on_free_port("echo", python_m("benchmarks.echo_engine", "--name", SERVED_NAME), ECHO_ENV, logs,
+                          api_key=BENCH_KEY).launch(120),
+        Proc.on_free_port("bare", python_m("benchmarks.instant_endpoint", "--starlette", "--name", SERVED_NAME), {}, logs).launch(60))
     alive: list[Target] = [echo, Again(echo, "echo-aa"), bare] if args.aa else [echo, bare]
     runs = document.setdefault("echo_runs", [])
-    echo.start()
-    bare.start()
-    await asyncio.gather(echo.wait_ready(120), bare.wait_ready(60))
     for r in range(args.repeats):
         for s, scenario in enumerate(args.echo_scenarios):
             for i, level in enumerate(args.echo_concurrency):

@@ -17,7 +17,7 @@ import httpx
 
 from benchmarks import loadgen, procs
 from benchmarks.loadgen import LoadConfig, Result
-from benchmarks.procs import Proc, free_port, log, meminfo
+from benchmarks.procs import Proc, log, meminfo
 
 TTFT_P99_MS = 500.0
 MIN_RATE = 50.0
@@ -131,10 +131,9 @@ async def capacity(server: Proc, args: argparse.Namespace) -> list[dict[str, Any
 
 
 async def check(args: argparse.Namespace, document: dict[str, Any]) -> None:
-    port = free_port()
-    command = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--served-model-name", SERVED,
+    command = [sys.executable, "-m", "gateway", "serve", "--served-model-name", SERVED,
                *(["--enforce-eager"] if args.eager else []), *args.gateway_args]
-    server = Proc("gateway", command, {"GATEWAY_LOG_LEVEL": "warning"}, Path(document["logs"]) / "gateway.log", port=port)
+    server = Proc.on_free_port("gateway", command, {"GATEWAY_LOG_LEVEL": "warning"}, Path(document["logs"]))
     server.start()
     document["startup_s"] = await server.wait_ready(900)
     await loadgen.run_load(LoadConfig(base_url=server.base_url, model=SERVED, endpoint="completions", concurrency=4,

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -26,7 +27,7 @@ import uvloop
 from benchmarks.loadgen.client import Client, discover_model, make_client, send_request
 from benchmarks.loadgen.prompts import Session, build_sessions, get_tokenizer, request_body, sessions_needed
 from benchmarks.loadgen.results import LoadConfig, RequestRecord, Result, aggregate, compare, format_result
-from benchmarks.procs import RESULTS, Proc, free_port, timestamp
+from benchmarks.procs import RESULTS, Proc, timestamp
 
 
 class Runner:
@@ -140,12 +141,10 @@ async def shared_endpoint(start_timeout_s: float = 60.0) -> Proc:
     """The instant endpoint, started on first use and stopped when this process exits."""
     global _endpoint
     if _endpoint is None or _endpoint.process is None or _endpoint.process.poll() is not None:
-        port = free_port()
-        command = [sys.executable, "-m", "benchmarks.instant_endpoint", "--port", str(port), "--name", BARE_MODEL]
-        _endpoint = Proc("instant-endpoint", command, {}, RESULTS / f"instant-endpoint-{port}.log", port=port)
-        _endpoint.start()
+        command = [sys.executable, "-m", "benchmarks.instant_endpoint", "--name", BARE_MODEL]
+        _endpoint = Proc.on_free_port(f"instant-endpoint-{os.getpid()}", command, {}, RESULTS)
         atexit.register(_endpoint.stop)
-        await _endpoint.wait_ready(start_timeout_s)
+        await _endpoint.launch(start_timeout_s)
     return _endpoint
 
 

@@ -422,7 +422,7 @@ def test_the_command_line_is_loadconfigs_fields() -> None:
 def test_bare_app_answers_a_fixed_completion_plain_and_streamed() -> None:
     from starlette.testclient import TestClient
 
-    from benchmarks.bare_app import create_bare_app
+    from benchmarks.instant_endpoint import create_bare_app
 
     with TestClient(create_bare_app("b")) as client:
         assert client.get("/v1/models").json()["data"][0]["id"] == "b"

@@ -62,8 +62,8 @@ def test_race_metrics_of_a_result() -> None:
 def test_race_commands_use_the_same_engine_settings() -> None:
     args = race.parser().parse_args(["--eager"])
     args.model = "/models/m"
-    gateway = race.gateway_command(args, 1234, eager=True)
-    vllm = race.vllm_command(args, 1235, eager=True)
+    gateway = race.gateway_command(args, eager=True)
+    vllm = race.vllm_command(args, eager=True)
     for command in (gateway, vllm):
         for flag, value in (("--model", "/models/m"), ("--dtype", "float32"), ("--max-model-len", "2048"),
                             ("--kv-cache-memory-bytes", str(2 * 1024**3)), ("--served-model-name", "smollm2-135m-instruct")):
@@ -71,12 +71,12 @@ def test_race_commands_use_the_same_engine_settings() -> None:
         assert "--enforce-eager" in command
     assert vllm[2] == "vllm.entrypoints.openai.api_server"
     assert gateway[2:4] == ["gateway", "serve"]
-    assert "--enforce-eager" not in race.gateway_command(args, 1234, eager=False)
+    assert "--enforce-eager" not in race.gateway_command(args, eager=False)
 
 
 def test_benchmark_modules_do_not_import_vllm() -> None:
     code = ("import sys, benchmarks.loadgen, benchmarks.echo_engine, benchmarks.race, benchmarks.engine_direct, "
-            "benchmarks.bare_app, benchmarks.instant_endpoint, benchmarks.vllm_bench, benchmarks.growth, "
+            "benchmarks.instant_endpoint, benchmarks.vllm_bench, benchmarks.growth, "
             "benchmarks.targets; "
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'imported vllm'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
