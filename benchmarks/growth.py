@@ -64,8 +64,8 @@ async def part_prompt(args: argparse.Namespace, logs: Path) -> list[dict[str, An
             cpu_ms = ((server.cpu_seconds(front_only=True) or 0.0) - cpu) * 1000 / max(1, result.completed)
             rows.append({"tokens": length, "prompts": mode, "mean_input_tokens": result.mean_input_tokens,
                          "gateway_cpu_ms_per_request": round(cpu_ms, 3), **summary(result)})
-            log(f"prompt {length:5d} {mode:13s}: TTFT p50 {rows[-1]['ttft_p50_ms']} ms, e2e p50 {rows[-1]['e2e_p50_ms']} ms, "
-                f"gateway CPU {rows[-1]['gateway_cpu_ms_per_request']} ms/request")
+            log(f"prompt {length:5d} {mode:13s}: TTFT p50 {num(rows[-1]['ttft_p50_ms'], 2)} ms, e2e p50 "
+                f"{num(rows[-1]['e2e_p50_ms'], 2)} ms, gateway CPU {cpu_ms:.3f} ms/request")
     server.stop()
     return rows
 
