@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,16 +53,11 @@ def otlp_sink() -> Iterator[str]:
         sink.wait(10)
 
 
-class _Silent:
-    def info(self, *args: Any, **kwargs: Any) -> None:
-        return None
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
-class _NoMetric:
-    def inc(self, *args: Any) -> None:
-        return None
-
-    dec = observe = set = add = flush = inc
+NO_METRIC = types.SimpleNamespace(**dict.fromkeys(("inc", "dec", "observe", "set", "add", "flush"), _nothing))
 
 
 def switch_off(without: set[str]) -> None:
@@ -70,10 +66,10 @@ def switch_off(without: set[str]) -> None:
     from tests import fakes
 
     if "log" in without:
-        logs._access = _Silent()
+        logs._access = types.SimpleNamespace(info=_nothing)
     if "metrics" in without:
-        metrics.labelled = lambda metric, *values: _NoMetric()  # type: ignore[assignment]
-        metrics.Observations = lambda child: _NoMetric()  # type: ignore[assignment,misc,return-value]
+        metrics.labelled = lambda metric, *values: NO_METRIC  # type: ignore[assignment]
+        metrics.Observations = lambda child: NO_METRIC  # type: ignore[assignment,misc,return-value]
     if "tokenizer" in without:
         fakes.FakeTokenizer.encode = lambda self, text, add_special_tokens=True: [100] * 128  # type: ignore[method-assign]
 

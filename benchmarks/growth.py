@@ -16,6 +16,7 @@ import httpx
 
 from benchmarks import loadgen, procs
 from benchmarks.loadgen import LoadConfig, Result
+from benchmarks.loadgen.results import Stats
 from benchmarks.procs import Proc, log, md_table, num
 
 PARTS = ("prompt", "streams", "cache", "soak")
@@ -104,11 +105,10 @@ async def part_streams(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         result = await load
     server.stop()
     held = [s for s in samples if started + ramp <= s["t"] <= held_until] or samples
-    peak, health = max(s["rss"] for s in held), sorted(s["health_ms"] for s in held)
+    peak, health = max(s["rss"] for s in held), Stats.of([s["health_ms"] for s in held])
     return {"streams": n, "token_delay_s": delay, "tokens": tokens, "rss_before_mib": base / MIB, "rss_held_mib": peak / MIB,
             "kib_per_stream": (peak - base) / n / 1024, "loop_lag_idle": idle_lag, "loop_lag_held": held_lag,
-            "health_p50_ms": loadgen.percentile(health, 50), "health_p99_ms": loadgen.percentile(health, 99),
-            "health_max_ms": health[-1] if health else None, "load": summary(result)}
+            "health_p50_ms": health.p50, "health_p99_ms": health.p99, "health_max_ms": health.max, "load": summary(result)}
 
 
 async def part_cache(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -118,16 +118,14 @@ async def part_cache(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     server = await start_server("cache", logs, env)
     fill = config(server, concurrency=16, num_requests=n, output_tokens=CACHE_ANSWER_TOKENS, stream=False, input_tokens=128, seed=1)
     few = dataclasses.replace(fill, num_requests=10, seed=2)
-    few_sessions = await loadgen.build_sessions(few, 10, None)
+    hits = dataclasses.replace(fill, concurrency=1, num_requests=HIT_REQUESTS)  # one at a time, answers cached before
+    few_sessions, sessions = await loadgen.build_sessions(few, 10, None), await loadgen.build_sessions(fill, n, None)
     await loadgen.run_load(few, sessions=few_sessions)
-    small = await loadgen.run_load(dataclasses.replace(few, concurrency=1, num_requests=HIT_REQUESTS), sessions=few_sessions)
+    small = await loadgen.run_load(hits, sessions=few_sessions)
     await asyncio.sleep(1)
-    before = rss(server)
-    sessions = await loadgen.build_sessions(fill, n, None)
-    filled = await loadgen.run_load(fill, sessions=sessions)
+    before, filled = rss(server), await loadgen.run_load(fill, sessions=sessions)
     await asyncio.sleep(1)
-    after = rss(server)
-    full = await loadgen.run_load(dataclasses.replace(fill, concurrency=1, num_requests=HIT_REQUESTS), sessions=sessions[:HIT_REQUESTS])
+    after, full = rss(server), await loadgen.run_load(hits, sessions=sessions[:HIT_REQUESTS])
     server.stop()
     return {"entries": n, "answer_tokens": CACHE_ANSWER_TOKENS, "rss_before_mib": before / MIB, "rss_after_mib": after / MIB,
             "bytes_per_entry": (after - before) / n, "fill": summary(filled), "hit_nearly_empty": summary(small),

@@ -54,9 +54,6 @@ def parser() -> argparse.ArgumentParser:
     add("--no-aa", dest="aa", action="store_false", help="no A/A twin (gateway-aa, echo-aa)")
     add("--ceiling-duration", type=float, default=2.0,
         help="after every server run: seconds of the same load against the instant endpoint (0: none)")
-    add("--layout", choices=["auto", "interleaved", "sequential"], default="auto",
-        help="interleaved: all targets up, runs take turns; sequential: one target at a time "
-             "(auto: interleaved when memory allows an engine per target)")
     add("--model", help="model directory (default: the prepared default model)")
     add("--dtype", default="float32")
     add("--max-model-len", type=int, default=2048)
@@ -191,8 +188,7 @@ async def warm_up(target: Target, plan: Plan, args: argparse.Namespace) -> None:
 
 
 def choose_layout(args: argparse.Namespace, notes: list[str], engines: int) -> str:
-    if args.layout != "auto":
-        return str(args.layout)
+    """Interleaved when memory allows an engine per target, else one target at a time (sequential)."""
     need = engines * (args.kv_cache_memory_bytes + ENGINE_OVERHEAD_BYTES)
     if (available := procs.meminfo().get("MemAvailable", 0)) >= need:
         return "interleaved"

@@ -54,10 +54,7 @@ async def work(args: argparse.Namespace, document: dict[str, Any]) -> None:
                                    logs).launch(60)
     versions = [spec.split("=", 1) for spec in args.versions]
     servers = {name: gateway(name, Path(directory), mock.base_url, logs) for name, directory in versions}
-    for server in servers.values():
-        server.start()
-    for server in servers.values():
-        await server.wait_ready(120)
+    await asyncio.gather(*(server.launch(120) for server in servers.values()))
     slots: list[tuple[str, Proc]] = [("mock", mock), *servers.items()]
     if not args.no_aa:
         slots.append((f"{versions[0][0]}-aa", servers[versions[0][0]]))

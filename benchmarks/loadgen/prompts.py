@@ -35,6 +35,7 @@ class ServerTokenizer:
 
     @classmethod
     async def probe(cls, client: Client, base_url: str, model: str) -> ServerTokenizer | None:
+        """The server's tokenizer when it answers (None: count one word as one token)."""
         tokenizer = cls(client, root_url(base_url), model)
         try:
             ids = await tokenizer.tokenize("hello world")
