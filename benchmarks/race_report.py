@@ -52,7 +52,6 @@ def spread_text(row: dict[str, Any], name: str, other: str) -> str:
     return "-" if value is None else f"{value:.3f} [{floor[0]:.3f}, {floor[1]:.3f}]" if floor else f"{value:.3f}"
 
 
-
 def _vs(row: dict[str, Any], name: str, other: str, aa: str, bound: float | None = None, higher: bool = True) -> str:
     """The ratio to `other`, ✓/✗ against the bound, ≈ when it lies within the A/A noise band."""
     value = row["ratios"].get(other, {}).get(name)
