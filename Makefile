@@ -64,11 +64,36 @@ chaos: model system-deps
 conformance-vllm: model
 	GATEWAY_TEST_TARGET=vllm $(PY) -m pytest tests/integration/test_conformance.py tests/integration/test_real_engine.py -rs $(PYTEST_ARGS)
 
-# The GPU path for real (on an NVIDIA machine): the gpu extra into .venv-gpu, the integration suite
-# and the race on the GPU, and a report under benchmarks/results/gpu-check-<time>/. Without a GPU it
-# prints what it would do and exits 0. It always takes the gpu extra, whatever ENGINE says.
+# The GPU path for real (on an NVIDIA machine): the gpu extra into .venv-gpu, the model, the integration
+# suite and the race on the GPU, each step's log and REPORT.md (the GPU, the versions, each step's status,
+# time and last line) under GPU_OUT; it fails when a step failed. Without a GPU (no working `nvidia-smi -L`,
+# no CUDA device for torch), or with DRY_RUN=1, it prints the steps and exits 0, whatever ENGINE says.
+GPU_OUT := benchmarks/results/gpu-check-$(shell date -u +%Y%m%dT%H%M%SZ)
+GPU_PY := .venv-gpu/bin/python
+GPU_TORCH := $(PYTHON) -c 'import torch; torch.cuda.is_available() and print(torch.cuda.get_device_name(0))'
+GPU_MAKE := $(MAKE) --no-print-directory ENGINE=gpu VENV=.venv-gpu PYTHON=$(PYTHON)
+# name|command. Several engines share the GPU in the suite: a quarter of its memory each, not vLLM's 0.9.
+GPU_STEPS := "install|$(GPU_MAKE) install" "model|$(GPU_MAKE) model" "versions|$(GPU_PY) -m pip list --format=freeze" \
+	"integration|GATEWAY_ENGINE__GPU_MEMORY_UTILIZATION=0.25 $(GPU_PY) -m pytest tests/integration -p no:cacheprovider -rfEs" \
+	"race|$(GPU_PY) -m benchmarks.race --repeats 1 --dtype bfloat16 --results-dir $(GPU_OUT)/race"
 gpu-check:
-	$(PYTHON) -m benchmarks.gpu_check $(ARGS)
+	@gpu=$$(nvidia-smi -L 2>/dev/null | grep GPU || $(GPU_TORCH) 2>/dev/null); \
+	if [ -z "$$gpu" ] || [ -n "$(DRY_RUN)" ]; then \
+		echo "gpu-check: $${gpu:-No NVIDIA GPU here (no working nvidia-smi, torch sees no CUDA device)}: nothing installed or run."; \
+		echo "On a GPU machine it runs, from $(CURDIR):"; \
+		for step in $(GPU_STEPS); do echo "  $${step%%|*}: $${step#*|} > $(GPU_OUT)/$${step%%|*}.log"; done; \
+		echo "  report: $(GPU_OUT)/REPORT.md"; exit 0; fi; \
+	mkdir -p $(GPU_OUT); echo "gpu-check on $$gpu; results in $(GPU_OUT)"; failed=0; \
+	printf '# gpu-check\n\nGPU: %s\n\n| step | status | time | last line of its log |\n|---|---|---|---|\n' "$$gpu" > $(GPU_OUT)/REPORT.md; \
+	for step in $(GPU_STEPS); do name=$${step%%|*}; start=$$(date +%s); echo "gpu-check: $$name ..."; \
+		sh -c "$${step#*|}" > $(GPU_OUT)/$$name.log 2>&1 && status=ok || { status="failed ($$?)"; failed=1; }; \
+		echo "| $$name | $$status | $$(( $$(date +%s) - start )) s | $$(tail -n 1 $(GPU_OUT)/$$name.log | tr '|' '/') |" \
+			>> $(GPU_OUT)/REPORT.md; \
+		case "$$name $$failed" in "install 1"|"model 1") break;; esac; done; \
+	printf '\nVersions: %s\n' "$$(grep -isE '^(vllm|torch|transformers|llm-gateway)==' $(GPU_OUT)/versions.log | paste -sd ' ')" \
+		>> $(GPU_OUT)/REPORT.md; \
+	echo "gpu-check: report at $(GPU_OUT)/REPORT.md"; exit $$failed
+
 # The design's deployment targets (TTFT p99 < 500 ms at more than 50 requests/s, memory <= 80%) on
 # this hardware: prints which are met or missed and by how much; exit 0 only when all are met
 # (on a GPU machine, `make targets ENGINE=gpu` is the acceptance test). ARGS go to benchmarks.targets.

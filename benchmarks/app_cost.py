@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,24 +53,11 @@ def otlp_sink() -> Iterator[str]:
         sink.wait(10)
 
 
-def environment(without: set[str]) -> dict[str, str]:
-    return {
-        "GATEWAY_WARMUP": "false", "GATEWAY_LOG_LEVEL": "info", "GATEWAY_LOG_FORMAT": "json",
-        "GATEWAY_API_KEYS": "[]" if "keys" in without else json.dumps([KEY]),
-        "GATEWAY_CACHE__BACKEND": "off" if "cache" in without else "memory",
-    }
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
-class _Silent:
-    def info(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-class _NoMetric:
-    def inc(self, *args: Any) -> None:
-        return None
-
-    dec = observe = set = add = flush = inc
+NO_METRIC = types.SimpleNamespace(**dict.fromkeys(("inc", "dec", "observe", "set", "add", "flush"), _nothing))
 
 
 def switch_off(without: set[str]) -> None:
@@ -78,18 +66,20 @@ def switch_off(without: set[str]) -> None:
     from tests import fakes
 
     if "log" in without:
-        logs._access = _Silent()
+        logs._access = types.SimpleNamespace(info=_nothing)
     if "metrics" in without:
-        metrics.labelled = lambda metric, *values: _NoMetric()  # type: ignore[assignment]
-        metrics.Observations = lambda child: _NoMetric()  # type: ignore[assignment,misc,return-value]
+        metrics.labelled = lambda metric, *values: NO_METRIC  # type: ignore[assignment]
+        metrics.Observations = lambda child: NO_METRIC  # type: ignore[assignment,misc,return-value]
     if "tokenizer" in without:
         fakes.FakeTokenizer.encode = lambda self, text, add_special_tokens=True: [100] * 128  # type: ignore[method-assign]
 
 
 def make_app(bare: bool, without: set[str]) -> Any:
-    os.environ.update(environment(without))
-    from benchmarks.bare_app import create_bare_app
+    os.environ.update(GATEWAY_WARMUP="false", GATEWAY_LOG_LEVEL="info", GATEWAY_LOG_FORMAT="json",
+                      GATEWAY_API_KEYS="[]" if "keys" in without else json.dumps([KEY]),
+                      GATEWAY_CACHE__BACKEND="off" if "cache" in without else "memory")
     from benchmarks.echo_engine import create_echo_app, echo_engine
+    from benchmarks.instant_endpoint import create_bare_app
     from gateway.settings import Settings
     from gateway.telemetry.logs import configure
 
@@ -108,13 +98,9 @@ def bodies(scenario: str, count: int, seed: int = 1) -> list[bytes]:
     from benchmarks.loadgen.prompts import WORDS
 
     rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        prompt = " ".join(WORDS[:128] if scenario == "cache-hit" else (rng.choice(WORDS) for _ in range(128)))
-        body = {"model": NAME, "prompt": prompt, "max_tokens": 64 if scenario == "stream" else 1,
-                "temperature": 0, "ignore_eos": True, "stream": scenario == "stream"}
-        out.append(json.dumps(body).encode())
-    return out
+    return [json.dumps({"model": NAME, "prompt": " ".join(WORDS[:128] if scenario == "cache-hit" else rng.choices(WORDS, k=128)),
+                        "max_tokens": 64 if scenario == "stream" else 1, "temperature": 0, "ignore_eos": True,
+                        "stream": scenario == "stream"}).encode() for _ in range(count)]
 
 
 def caller(app: Any, scenario: str, state: dict[str, Any]) -> Callable[[bytes], Any]:

@@ -13,7 +13,7 @@ from typing import Any, cast
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from benchmarks.loadgen.results import percentile
+from benchmarks.loadgen.results import Stats
 from tests.fakes import FakeEngine
 
 NAME = "echo"
@@ -56,9 +56,8 @@ class LagProbe:
 
     def report(self) -> dict[str, Any]:
         """The loop's lag since the last report, in milliseconds; then start afresh."""
-        ms, self.lags = [x * 1000 for x in self.lags], []
-        return {"samples": len(ms), "interval_ms": self.interval_s * 1000, "p50_ms": percentile(ms, 50) if ms else None,
-                "p99_ms": percentile(ms, 99) if ms else None, "max_ms": max(ms) if ms else None}
+        lags, self.lags = Stats.of([x * 1000 for x in self.lags]), []
+        return {"samples": lags.n, "interval_ms": self.interval_s * 1000, "p50_ms": lags.p50, "p99_ms": lags.p99, "max_ms": lags.max}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._task is None:

@@ -78,19 +78,18 @@ class Driver:
 
     async def run(self, sessions: list[Session], concurrency: int, label: str = "") -> Result:
         records: list[RequestRecord] = []
-        pending = list(reversed(sessions))
-        origin = time.perf_counter()
-        ends: list[float] = []
+        pending, origin, end = iter(sessions), time.perf_counter(), 0.0
 
         async def worker() -> None:
-            while pending:
+            nonlocal end
+            for session in pending:
                 records.append(record := RequestRecord())
-                await self.one(pending.pop(), record, origin)
-                ends.append(time.perf_counter())
+                await self.one(session, record, origin)
+                end = time.perf_counter()
 
         await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
-        return aggregate(records, (max(ends) if ends else time.perf_counter()) - origin, label=label,
-                         concurrency=concurrency, config={"target": "engine", "concurrency": concurrency})
+        return aggregate(records, (end or time.perf_counter()) - origin, label=label, concurrency=concurrency,
+                         config={"target": "engine", "concurrency": concurrency})
 
 
 async def serve(settings: dict[str, Any], commands: IO[str], answer: Callable[[dict[str, Any]], None],
@@ -114,8 +113,7 @@ async def serve(settings: dict[str, Any], commands: IO[str], answer: Callable[[d
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Drive vLLM's AsyncLLM in-process (no HTTP), runs on command")
     p.add_argument("--settings", type=json.loads, required=True, help='{"engine": AsyncEngineArgs, "load": LoadConfig}')
-    settings = p.parse_args(argv).settings
-    answer = answers()
+    settings, answer = p.parse_args(argv).settings, answers()
     asyncio.run(serve(settings, sys.stdin, answer, log=lambda m: print(m, file=sys.stderr, flush=True)))
     return 0
 

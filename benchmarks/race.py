@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import loadgen, procs, vllm_bench
-from benchmarks.loadgen import LoadConfig, Session
-from benchmarks.procs import GIB, REPO, Proc, free_port, log, num, rotated
-from benchmarks.race_report import SERVED_NAME, TARGETS, finish, kept_part, markdown, metrics_of, plot, results_md
+from benchmarks.loadgen import LoadConfig, Session, metrics_of
+from benchmarks.procs import GIB, REPO, Proc, log, num, rotated
+from benchmarks.race_report import SERVED_NAME, TARGETS, finish, kept_part, markdown, results_md
 
 BENCH = REPO / "benchmarks"
 PARTS = ("gateway", "vllm", "engine", "echo")
@@ -54,9 +54,6 @@ def parser() -> argparse.ArgumentParser:
     add("--no-aa", dest="aa", action="store_false", help="no A/A twin (gateway-aa, echo-aa)")
     add("--ceiling-duration", type=float, default=2.0,
         help="after every server run: seconds of the same load against the instant endpoint (0: none)")
-    add("--layout", choices=["auto", "interleaved", "sequential"], default="auto",
-        help="interleaved: all targets up, runs take turns; sequential: one target at a time "
-             "(auto: interleaved when memory allows an engine per target)")
     add("--model", help="model directory (default: the prepared default model)")
     add("--dtype", default="float32")
     add("--max-model-len", type=int, default=2048)
@@ -85,19 +82,19 @@ def prepare_model() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def _engine_flags(args: argparse.Namespace, port: int, eager: bool) -> list[str]:
-    return ["--host", "127.0.0.1", "--port", str(port), "--model", args.model, "--served-model-name", SERVED_NAME,
+def _engine_flags(args: argparse.Namespace, eager: bool) -> list[str]:
+    return ["--host", "127.0.0.1", "--model", args.model, "--served-model-name", SERVED_NAME,
             "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
             "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)] + (["--enforce-eager"] if eager else [])
 
 
-def gateway_command(args: argparse.Namespace, port: int, eager: bool) -> list[str]:
-    return python_m("gateway", "serve", *_engine_flags(args, port, eager))
+def gateway_command(args: argparse.Namespace, eager: bool) -> list[str]:
+    return python_m("gateway", "serve", *_engine_flags(args, eager))
 
 
-def vllm_command(args: argparse.Namespace, port: int, eager: bool) -> list[str]:
+def vllm_command(args: argparse.Namespace, eager: bool) -> list[str]:
     """vLLM 0.32's server (pinned in pyproject.toml) with request logs and uvicorn's access log off."""
-    return python_m("vllm.entrypoints.openai.api_server", *_engine_flags(args, port, eager), "--seed", "0",
+    return python_m("vllm.entrypoints.openai.api_server", *_engine_flags(args, eager), "--seed", "0",
                     "--no-enable-log-requests", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
 
 
@@ -191,8 +188,7 @@ async def warm_up(target: Target, plan: Plan, args: argparse.Namespace) -> None:
 
 
 def choose_layout(args: argparse.Namespace, notes: list[str], engines: int) -> str:
-    if args.layout != "auto":
-        return str(args.layout)
+    """Interleaved when memory allows an engine per target, else one target at a time (sequential)."""
     need = engines * (args.kv_cache_memory_bytes + ENGINE_OVERHEAD_BYTES)
     if (available := procs.meminfo().get("MemAvailable", 0)) >= need:
         return "interleaved"
@@ -244,13 +240,11 @@ async def measure(target: Target, plan: Plan, args: argparse.Namespace, repeat: 
 def model_targets(args: argparse.Namespace, wanted: list[str], logs: Path) -> dict[str, Target]:
     targets: dict[str, Target] = {}
     if "gateway" in wanted:
-        port = free_port()
-        targets["gateway"] = Proc("gateway", gateway_command(args, port, args.eager), GATEWAY_ENV, logs / "gateway.log", port=port)
+        targets["gateway"] = Proc.on_free_port("gateway", gateway_command(args, args.eager), GATEWAY_ENV, logs)
         if args.aa:
             targets[AA] = Again(targets["gateway"], AA)
     if "vllm" in wanted:
-        port = free_port()
-        targets["vllm"] = Proc("vllm", vllm_command(args, port, args.eager), {}, logs / "vllm.log", port=port)
+        targets["vllm"] = Proc.on_free_port("vllm", vllm_command(args, args.eager), {}, logs)
     if "engine" in wanted:
         targets["engine"] = EngineAlone(args, logs)
     return targets
@@ -319,16 +313,12 @@ async def measure_echo(target: Target, args: argparse.Namespace, scenario: str, 
 
 
 async def run_echo(args: argparse.Namespace, logs: Path, document: dict[str, Any]) -> None:
-    echo_port, bare_port = free_port(), free_port()
-    echo = Proc("echo", python_m("benchmarks.echo_engine", "--port", str(echo_port), "--name", SERVED_NAME), ECHO_ENV,
-                logs / "echo.log", port=echo_port, api_key=BENCH_KEY)
-    bare = Proc("bare", python_m("benchmarks.bare_app", "--port", str(bare_port), "--name", SERVED_NAME), {},
-                logs / "bare.log", port=bare_port)
+    echo, bare = await asyncio.gather(
+        Proc.on_free_port("echo", python_m("benchmarks.echo_engine", "--name", SERVED_NAME), ECHO_ENV, logs,
+                          api_key=BENCH_KEY).launch(120),
+        Proc.on_free_port("bare", python_m("benchmarks.instant_endpoint", "--starlette", "--name", SERVED_NAME), {}, logs).launch(60))
     alive: list[Target] = [echo, Again(echo, "echo-aa"), bare] if args.aa else [echo, bare]
     runs = document.setdefault("echo_runs", [])
-    echo.start()
-    bare.start()
-    await asyncio.gather(echo.wait_ready(120), bare.wait_ready(60))
     for r in range(args.repeats):
         for s, scenario in enumerate(args.echo_scenarios):
             for i, level in enumerate(args.echo_concurrency):
@@ -361,8 +351,6 @@ def main(argv: list[str] | None = None) -> int:
     code, document, out = procs.run_command("race", argv, args, race, markdown, args.results_dir,
                                             finish=lambda document: finish(document, args))
     out.with_suffix(".md").write_text(markdown(document))
-    if picture := plot(document, out.with_suffix(".png")):
-        log(f"plot: {picture}")
     if args.write_results_md and document["complete"]:
         (BENCH / "RESULTS.md").write_text(results_md(document, out.name) + kept_part(BENCH / "RESULTS.md"))
         log("rewrote benchmarks/RESULTS.md")

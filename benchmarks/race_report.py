@@ -1,5 +1,5 @@
 """The race's report, functions of its document: medians, paired ratios and the targets
-(procs.paired), the notes they call for, the markdown tables, benchmarks/RESULTS.md and the plot."""
+(procs.paired), the notes they call for, the markdown tables and benchmarks/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -7,15 +7,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import loadgen
-from benchmarks.procs import md_table, num, paired, spread_text, within
+from benchmarks.loadgen.results import WANTED_HEADROOM
+from benchmarks.procs import md_table, num, paired
 
-__all__ = ["num", "within"]  # the race's names for procs' helpers
 SERVED_NAME = "smollm2-135m-instruct"
 TARGETS = ("gateway", "gateway-aa", "vllm", "engine")  # the table's order; gateway-aa: the A/A twin
 METRICS = ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p99_ms", "e2e_p50_ms",
            "front_cpu_ms_per_token")  # medians and paired ratios (README.md, "The race", says what each is)
-LATENCIES = (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("itl", "p99"), ("e2e", "p50"), ("e2e", "p99"))
 EXTRA = ("mean_output_tokens", "client_headroom", "e2e_p99_ms")  # medians kept, no ratios
 # (metric, against, bound, higher is better): what the race is judged on
 TARGET_RULES = [("output_tok_s", "vllm", 1.00, True), ("output_tok_s", "engine", 0.95, True),
@@ -23,16 +21,6 @@ TARGET_RULES = [("output_tok_s", "vllm", 1.00, True), ("output_tok_s", "engine",
 ECHO_BOUND = 0.5  # the gateway's own cost: at least half of the bare stack's rate
 ECHO_NAMES = ("echo", "echo-aa", "bare")
 KEEP_MARKER = "<!-- Written by hand: race.py --write-results-md keeps what follows. -->"
-
-
-def metrics_of(result: dict[str, Any]) -> dict[str, float | None]:
-    """The race's numbers from a Result.to_dict()."""
-    latencies = {f"{stat}_{p}_ms": (result.get(stat) or {}).get(p) for stat, p in LATENCIES}
-    return {"output_tok_s": result.get("output_throughput"), "req_s": result.get("request_throughput"),
-            **{name: None if s is None else s * 1000 for name, s in latencies.items()},
-            "mean_output_tokens": result.get("mean_output_tokens"),
-            "failed": result.get("failed", 0) + result.get("cancelled", 0),
-            "client_headroom": (result.get("ceiling") or {}).get("headroom")}  # the client's ceiling ÷ this run
 
 
 def summarize(runs: Sequence[dict[str, Any]], levels: Sequence[int], reference: str = "gateway") -> list[dict[str, Any]]:
@@ -49,6 +37,21 @@ def summarize(runs: Sequence[dict[str, Any]], levels: Sequence[int], reference: 
     return rows
 
 
+def within(value: float | None, floor: Sequence[float] | None) -> bool | None:
+    """Whether a ratio lies inside the A/A noise band: symmetric about 1.0 and as wide as the A/A
+    ratios strayed either way ([1/m, m], m the largest of hi and 1/lo: an A/A 0.9 says 1.1 could come as easily)."""
+    if value is None or floor is None or floor[0] <= 0:
+        return None
+    m = max(floor[1], 1 / floor[0], 1.0)
+    return 1 / m <= value <= m
+
+
+def spread_text(row: dict[str, Any], name: str, other: str) -> str:
+    """A ratio as median [smallest, largest]."""
+    value, floor = row["ratios"].get(other, {}).get(name), row["spread"].get(other, {}).get(name)
+    return "-" if value is None else f"{value:.3f} [{floor[0]:.3f}, {floor[1]:.3f}]" if floor else f"{value:.3f}"
+
+
 def _vs(row: dict[str, Any], name: str, other: str, aa: str, bound: float | None = None, higher: bool = True) -> str:
     """The ratio to `other`, ✓/✗ against the bound, ≈ when it lies within the A/A noise band."""
     value = row["ratios"].get(other, {}).get(name)
@@ -58,8 +61,8 @@ def _vs(row: dict[str, Any], name: str, other: str, aa: str, bound: float | None
     return f"{value:.3f}{met}" + (" ≈" if within(value, row["spread"].get(aa, {}).get(name)) else "")
 
 
-RATIO_ROWS = (("output_tok_s", 1.00, 0.95, True), ("ttft_p50_ms", 1.00, None, False),
-              ("ttft_p99_ms", 1.00, None, False), ("tpot_p50_ms", None, None, False))
+BOUNDS = {(name, against): (bound, higher) for name, against, bound, higher in TARGET_RULES}
+RATIO_ROWS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 CELLS = ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p99_ms", "e2e_p50_ms", "mean_output_tokens")
 
 
@@ -70,9 +73,9 @@ def _model_tables(document: dict[str, Any]) -> list[str]:
     medians = [[row["concurrency"], target, *(num(m[c], 2 if c == "req_s" else 1) for c in CELLS), m["failed"],
                 num(m.get("front_cpu_ms_per_token"), 3), num(m.get("client_headroom"))]
                for row in rows for target in TARGETS if (m := row["medians"].get(target))]
-    ratios = [[row["concurrency"], name, _vs(row, name, "vllm", "gateway-aa", vllm_bound, higher),
-               _vs(row, name, "engine", "gateway-aa", engine_bound, higher), spread_text(row, name, "gateway-aa")]
-              for row in rows for name, vllm_bound, engine_bound, higher in RATIO_ROWS]
+    ratios = [[row["concurrency"], name, *(_vs(row, name, other, "gateway-aa", *BOUNDS.get((name, other), (None, True)))
+                                           for other in ("vllm", "engine")), spread_text(row, name, "gateway-aa")]
+              for row in rows for name in RATIO_ROWS]
     return [
         (f"Medians over {document['settings']['repeats']} repetition(s), client: {document['settings'].get('client', 'ours')}; "
          "gateway-aa: the same gateway measured again in each round (A/A); engine: AsyncLLM in-process without HTTP; "
@@ -161,16 +164,6 @@ def kept_part(results: Path) -> str:
     return "" if at < 0 else "\n" + text[at:]
 
 
-def plot(document: dict[str, Any], path: Path) -> Path | None:
-    """The medians as loadgen.plot_sweep draws a sweep: one series per target."""
-    series: dict[str, list[dict[str, Any]]] = {}
-    for row in document.get("summary", []):
-        for target, m in row["medians"].items():
-            if m.get("output_tok_s") is not None:
-                series.setdefault(target, []).append({**m, "concurrency": row["concurrency"]})
-    return loadgen.plot_sweep(series, path, title="gateway vs vLLM's server vs engine alone (medians)") if series else None
-
-
 def finish(document: dict[str, Any], args: Any) -> None:
     """The summaries, and the notes they call for."""
     for key, empty in (("complete", False), ("runs", []), ("notes", [])):
@@ -195,7 +188,7 @@ def finish(document: dict[str, Any], args: Any) -> None:
 
 def target_notes(notes: list[str], row: dict[str, Any], output_tokens: int | None, prefix: str = "") -> None:
     """Failures, wrong answer lengths and a client too close to its ceiling, per target."""
-    where, wanted = f"{prefix}c={row['concurrency']}", loadgen.WANTED_HEADROOM
+    where, wanted = f"{prefix}c={row['concurrency']}", WANTED_HEADROOM
     for target, m in row["medians"].items():
         made = m.get("mean_output_tokens")
         if output_tokens is not None and made is not None and abs(made - output_tokens) > 0.5:

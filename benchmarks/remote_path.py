@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks.loadgen import LoadConfig, run_load
 from benchmarks.loadgen.client import make_client
-from benchmarks.procs import RESULTS, Proc, free_port, log, md_table, num, paired, rotated, run_command
+from benchmarks.procs import RESULTS, Proc, log, md_table, num, paired, rotated, run_command
 
 # the gateway as deployed but for the response cache (every request would be stored: not the remote path)
 GATEWAY_ENV = {"GATEWAY_WARMUP": "false", "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_LOG_LEVEL": "info",
@@ -44,23 +44,17 @@ def gateway(name: str, directory: Path, upstream: str, logs: Path) -> Proc:
     """A gateway of the checkout in `directory` whose one model is a remote one at `upstream`."""
     models = logs / f"models-{name}.yaml"
     models.write_text(f"models:\n  - {{name: {MODEL}, kind: remote, url: '{upstream}', upstream_model: {MODEL}}}\n")
-    port = free_port()
-    command = [sys.executable, "-P", "-m", "gateway", "serve", "--port", str(port), "--models-file", str(models)]
-    return Proc(name, command, {**GATEWAY_ENV, "PYTHONPATH": str(directory.resolve())}, logs / f"{name}.log", port=port)
+    command = [sys.executable, "-P", "-m", "gateway", "serve", "--models-file", str(models)]
+    return Proc.on_free_port(name, command, {**GATEWAY_ENV, "PYTHONPATH": str(directory.resolve())}, logs)
 
 
 async def work(args: argparse.Namespace, document: dict[str, Any]) -> None:
-    logs, port = Path(document["logs"]), free_port()
-    mock = Proc("mock", [sys.executable, "-m", "benchmarks.instant_endpoint", "--port", str(port), "--name", MODEL],
-                {}, logs / "mock.log", port=port)
-    mock.start()
-    await mock.wait_ready(60)
+    logs = Path(document["logs"])
+    mock = await Proc.on_free_port("mock", [sys.executable, "-m", "benchmarks.instant_endpoint", "--name", MODEL], {},
+                                   logs).launch(60)
     versions = [spec.split("=", 1) for spec in args.versions]
     servers = {name: gateway(name, Path(directory), mock.base_url, logs) for name, directory in versions}
-    for server in servers.values():
-        server.start()
-    for server in servers.values():
-        await server.wait_ready(120)
+    await asyncio.gather(*(server.launch(120) for server in servers.values()))
     slots: list[tuple[str, Proc]] = [("mock", mock), *servers.items()]
     if not args.no_aa:
         slots.append((f"{versions[0][0]}-aa", servers[versions[0][0]]))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
 import shutil
 import subprocess
@@ -15,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from benchmarks import loadgen, procs
 from benchmarks.loadgen import LoadConfig, Result
-from benchmarks.procs import Proc, free_port, log, meminfo
+from benchmarks.procs import Proc, log, meminfo
 
 TTFT_P99_MS = 500.0
 MIN_RATE = 50.0
@@ -52,8 +50,7 @@ async def offered(server: Proc, args: argparse.Namespace, rate: float, duration:
                      output_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0, stream=True, seed=seed,
                      keep_records=True, label=f"rate={rate:g}", request_timeout_s=duration + 60)
     result = await loadgen.run_load(cfg)
-    p99 = ttft_p99_ms(result)
-    sent = len(result.records)
+    p99, sent = ttft_p99_ms(result), len(result.records)
     log(f"rate {rate:g}/s for {duration:g} s: {sent} sent, {result.completed} completed ({result.completed / duration:.2f}/s), "
         f"{result.failed} failed, {result.cancelled} cut off, TTFT p99 {p99:.0f} ms")
     waits = [r.e2e for r in result.records if r.cancelled and r.ttft is None and r.e2e is not None]
@@ -98,26 +95,17 @@ def gpu_share() -> float | None:
     return sum(u for u, _ in pairs) / total if total else None
 
 
-async def sample_memory(server: Proc, stop: asyncio.Event, samples: list[dict[str, float | None]]) -> None:
-    assert server.process is not None
+async def memory_sample(server: Proc, client: httpx.AsyncClient) -> dict[str, float | None]:
+    """The gateway's processes' and the machine's memory, the cgroup's and the GPUs' share, vLLM's KV cache use."""
     total = meminfo().get("MemTotal", 1)
-    root = psutil.Process(server.process.pid)
-    async with httpx.AsyncClient() as client:
-        while not stop.is_set():
-            rss = 0
-            for proc in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    rss += proc.memory_info().rss
-            try:
-                metrics = (await client.get(f"http://127.0.0.1:{server.port}/metrics")).text.splitlines()
-                kv = max((float(line.rsplit(" ", 1)[1]) for line in metrics if line.startswith("vllm:kv_cache_usage_perc")),
-                         default=None)
-            except (httpx.HTTPError, ValueError, IndexError):
-                kv = None
-            samples.append({"gateway": rss / total, "machine": 1 - meminfo().get("MemAvailable", 0) / total,
-                            "cgroup": cgroup_share(), "kv_cache": kv, "gpu": await asyncio.to_thread(gpu_share)})
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
+    try:
+        metrics = (await client.get(f"http://127.0.0.1:{server.port}/metrics")).text.splitlines()
+        kv = max((float(line.rsplit(" ", 1)[1]) for line in metrics if line.startswith("vllm:kv_cache_usage_perc")),
+                 default=None)
+    except (httpx.HTTPError, ValueError, IndexError):
+        kv = None
+    return {"gateway": (server.rss() or 0) / total, "machine": 1 - meminfo().get("MemAvailable", 0) / total,
+            "cgroup": cgroup_share(), "kv_cache": kv, "gpu": await asyncio.to_thread(gpu_share)}
 
 
 def memory_summary(samples: list[dict[str, float | None]]) -> dict[str, Any]:
@@ -143,21 +131,15 @@ async def capacity(server: Proc, args: argparse.Namespace) -> list[dict[str, Any
 
 
 async def check(args: argparse.Namespace, document: dict[str, Any]) -> None:
-    port = free_port()
-    command = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--served-model-name", SERVED,
+    command = [sys.executable, "-m", "gateway", "serve", "--served-model-name", SERVED,
                *(["--enforce-eager"] if args.eager else []), *args.gateway_args]
-    server = Proc("gateway", command, {"GATEWAY_LOG_LEVEL": "warning"}, Path(document["logs"]) / "gateway.log", port=port)
+    server = Proc.on_free_port("gateway", command, {"GATEWAY_LOG_LEVEL": "warning"}, Path(document["logs"]))
     server.start()
     document["startup_s"] = await server.wait_ready(900)
     await loadgen.run_load(LoadConfig(base_url=server.base_url, model=SERVED, endpoint="completions", concurrency=4,
                                       num_requests=8, input_tokens=INPUT_TOKENS, output_tokens=OUTPUT_TOKENS, ignore_eos=True))
-    stop, samples = asyncio.Event(), list[dict[str, float | None]]()
-    task = asyncio.create_task(sample_memory(server, stop, samples))
-    try:
+    async with httpx.AsyncClient() as client, procs.sampling(1.0, lambda: memory_sample(server, client)) as samples:
         document["main"] = await offered(server, args, args.rate, args.duration, seed=1)
-    finally:
-        stop.set()
-        await task
     document["memory"] = memory_summary(samples)
     document["verdicts"] = verdicts(document["main"], document["memory"])
     if not all(v["met"] for v in document["verdicts"][:2]) and args.min_probe_rate > 0:

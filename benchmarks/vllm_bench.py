@@ -11,7 +11,7 @@ from typing import Any
 
 NAMES = {"output_tok_s": "output_throughput", "req_s": "request_throughput", "ttft_p50_ms": "median_ttft_ms",
          "ttft_p99_ms": "p99_ttft_ms", "tpot_p50_ms": "median_tpot_ms", "itl_p99_ms": "p99_itl_ms",
-         "e2e_p50_ms": "median_e2el_ms"}  # the race's names (race_report.metrics_of) for vLLM's
+         "e2e_p50_ms": "median_e2el_ms"}  # the race's names (loadgen.metrics_of) for vLLM's
 BULKY = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts", "errors")
 
 
@@ -30,7 +30,7 @@ def bench_argv(*, base_url: str, model: str, tokenizer: str, endpoint: str, conc
 
 
 def metrics_of(result: dict[str, Any]) -> dict[str, float | None]:
-    """The race's numbers (race_report.metrics_of's keys) from vLLM's result document."""
+    """The race's numbers (loadgen.metrics_of's keys) from vLLM's result document."""
     completed, output = result.get("completed") or 0, result.get("total_output_tokens") or 0
     return {ours: result.get(theirs) for ours, theirs in NAMES.items()} | {
         "mean_output_tokens": output / completed if completed else None, "failed": int(result.get("failed") or 0)}

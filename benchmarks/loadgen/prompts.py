@@ -35,6 +35,7 @@ class ServerTokenizer:
 
     @classmethod
     async def probe(cls, client: Client, base_url: str, model: str) -> ServerTokenizer | None:
+        """The server's tokenizer when it answers (None: count one word as one token)."""
         tokenizer = cls(client, root_url(base_url), model)
         try:
             ids = await tokenizer.tokenize("hello world")
@@ -140,37 +141,19 @@ def sessions_needed(config: LoadConfig) -> int:
 
 
 def request_body(config: LoadConfig, model: str, session: Session, history: list[tuple[str, str]], turn: str) -> dict[str, Any]:
-    """The JSON body of one request: the session's turn after the conversation so far."""
+    """The JSON body of one request: the session's shared prefix (chat: the system message), the
+    conversation so far, then this turn (completions: the same parts, one per line)."""
     body: dict[str, Any] = {"model": model, "max_tokens": config.output_tokens, "stream": config.stream}
     if config.stream:
         body["stream_options"] = {"include_usage": True}
+    said = [(role, text) for user, answer in history for role, text in (("user", user), ("assistant", answer))]
+    parts = [*([("system", session.system)] if session.system else []), *said, ("user", turn)]
     if config.endpoint == "chat":
-        body["messages"] = _messages(session, history, turn)
+        body["messages"] = [{"role": role, "content": text} for role, text in parts]
     else:
-        body["prompt"] = _prompt(session, history, turn)
+        body["prompt"] = "\n".join(text for _, text in parts)
     if config.temperature is not None:
         body["temperature"] = config.temperature
     if config.ignore_eos:
         body["ignore_eos"] = True
-    body.update(config.extra_body)
-    return body
-
-
-def _messages(session: Session, history: list[tuple[str, str]], turn: str) -> list[dict[str, str]]:
-    """Chat: the shared prefix as the system message, the conversation so far, then this turn."""
-    messages: list[dict[str, str]] = []
-    if session.system:
-        messages.append({"role": "system", "content": session.system})
-    for user, assistant in history:
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-    messages.append({"role": "user", "content": turn})
-    return messages
-
-
-def _prompt(session: Session, history: list[tuple[str, str]], turn: str) -> str:
-    """Completions: the same parts as the chat, one per line."""
-    parts = [session.system] if session.system else []
-    for user, assistant in history:
-        parts += [user, assistant]
-    parts.append(turn)
-    return "\n".join(parts)
+    return body | config.extra_body

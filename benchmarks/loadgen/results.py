@@ -1,16 +1,14 @@
-"""What one run is (`LoadConfig`: the CLI's flags, nearly one for one) and what it measured: a
-`RequestRecord` per request, their `aggregate` (a `Result`), the client's ceiling beside it
-(`compare`, `describe`), and a run for people (`format_result`, `plot_sweep`)."""
+"""What one run is (`LoadConfig`: the CLI's flags, one for one) and what it measured: a
+`RequestRecord` per request, their `aggregate` (a `Result`), its numbers flat (`metrics_of`), the
+client's ceiling beside it (`compare`, `describe`), and a run for people (`format_result`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 WANTED_HEADROOM = 5.0  # the client's ceiling ÷ the run's rate, below which the client may be what was measured
@@ -194,6 +192,20 @@ def aggregate(records: Sequence[RequestRecord], duration_s: float, *, label: str
     )
 
 
+LATENCIES = (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("itl", "p99"), ("e2e", "p50"), ("e2e", "p99"))
+
+
+def metrics_of(result: dict[str, Any]) -> dict[str, Any]:
+    """A `Result.to_dict()` as the commands' tables read it: rates, latencies in ms (`ttft_p50_ms`, ...),
+    failed (cancelled included) and the client's headroom (its ceiling ÷ this run)."""
+    stats = {f"{stat}_{p}_ms": (result.get(stat) or {}).get(p) for stat, p in LATENCIES}
+    return {"output_tok_s": result.get("output_throughput"), "req_s": result.get("request_throughput"),
+            **{name: None if s is None else s * 1000 for name, s in stats.items()},
+            "mean_output_tokens": result.get("mean_output_tokens"), "completed": result.get("completed", 0),
+            "failed": result.get("failed", 0) + result.get("cancelled", 0),
+            "client_headroom": (result.get("ceiling") or {}).get("headroom")}
+
+
 def compare(bare: Result, measured: Result) -> dict[str, Any]:
     """The client's ceiling (`bare`: the same load against the instant endpoint) beside the measured
     run: its rates, the headroom (ceiling ÷ measured) and whether it is enough; `latency_bound`: one
@@ -246,46 +258,3 @@ def format_result(r: Result) -> str:
     if (share := r.client_cpu_share) is not None and r.client_cpu_s is not None:
         lines.append(f"  client CPU: {share:.2f} of a core ({r.client_cpu_s * 1e6 / max(1, r.completed + r.failed):.0f} us per request)")
     return "\n".join(lines + (["  " + describe(r.ceiling)] if r.ceiling else []))
-
-
-def point(r: Result) -> dict[str, float]:
-    """A `plot_sweep` point of a run."""
-    return {"concurrency": r.concurrency or 0, "output_tok_s": r.output_throughput, "ttft_p50_ms": r.ttft.p50 * 1000,
-            "ttft_p99_ms": r.ttft.p99 * 1000, "tpot_p50_ms": r.tpot.p50 * 1000}
-
-
-def plot_sweep(series: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, title: str = "") -> Path | None:
-    """Latency (TTFT p50/p99, TPOT p50, ms; left) and output tok/s (right) against concurrency, a colour
-    per series of `point`s. Without matplotlib (imported only here), no plot."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
-        return None
-    fig, (lat, thr) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, points in series.items():
-        prefix = f"{name} " if len(series) > 1 else ""
-        points = sorted((p for p in points if p["concurrency"]), key=lambda p: p["concurrency"])
-        xs = [p["concurrency"] for p in points]
-        color = None
-        for key, label, marker, style in (("ttft_p50_ms", "TTFT p50", "o", "-"), ("ttft_p99_ms", "TTFT p99", "^", "--"),
-                                          ("tpot_p50_ms", "TPOT p50", "s", ":")):
-            color = lat.plot(xs, [p[key] for p in points], marker=marker, linestyle=style, color=color,
-                             label=prefix + label)[0].get_color()
-        thr.plot(xs, [p["output_tok_s"] for p in points], marker="o", color=color, label=f"{prefix}output tok/s")
-    for ax, ylabel, name in ((lat, "ms", "latency"), (thr, "output tokens / s", "throughput")):
-        ax.set(xlabel="concurrency (requests in flight)", ylabel=ylabel, title=name)
-        ax.set_xscale("log", base=2)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    lat.set_yscale("log")
-    thr.set_ylim(bottom=0)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

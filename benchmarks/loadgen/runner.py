@@ -2,7 +2,7 @@
 warm-up, and the client's ceiling after it when `ceiling_s` asks: the same load for `ceiling_s`
 seconds against the instant endpoint, started once per process), `run_sweep` (one run per
 concurrency level), `run_async` (on uvloop), and the command line: `python -m benchmarks.loadgen`
-(flags into a `LoadConfig`: each flag's dest is the field's name; the JSON and the plot)."""
+(a flag per `LoadConfig` field; the JSON)."""
 
 from __future__ import annotations
 
@@ -10,50 +10,37 @@ import argparse
 import asyncio
 import atexit
 import dataclasses
+import itertools
 import json
 import math
+import os
 import random
 import sys
 import time
+import typing
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import uvloop
 
 from benchmarks.loadgen.client import Client, discover_model, make_client, send_request
 from benchmarks.loadgen.prompts import Session, build_sessions, get_tokenizer, request_body, sessions_needed
-from benchmarks.loadgen.results import (
-    LoadConfig,
-    RequestRecord,
-    Result,
-    aggregate,
-    compare,
-    format_result,
-    plot_sweep,
-    point,
-)
-from benchmarks.procs import RESULTS, Proc, free_port, timestamp
+from benchmarks.loadgen.results import LoadConfig, RequestRecord, Result, aggregate, compare, format_result
+from benchmarks.procs import RESULTS, Proc, timestamp
 
 
 class Runner:
-    """One run's state: the requests issued so far, their records, the time limit."""
+    """One run's state: its records (one per request issued so far), the sessions in turn, the time limit."""
 
     def __init__(self, config: LoadConfig, client: Client, model: str, sessions: Sequence[Session]) -> None:
-        self.config, self.client, self.model, self.sessions = config, client, model, sessions
-        path = "chat/completions" if config.endpoint == "chat" else "completions"
-        self.url = f"{config.base_url.rstrip('/')}/{path}"
+        self.config, self.client, self.model, self.sessions = config, client, model, itertools.cycle(sessions)
+        self.url = f"{config.base_url.rstrip('/')}/{'chat/completions' if config.endpoint == 'chat' else 'completions'}"
         self.records: list[RequestRecord] = []
-        self.issued = self.next_session = 0
         self.origin, self.deadline, self.last_end = 0.0, math.inf, 0.0
 
-    def _take_session(self) -> Session:
-        session = self.sessions[self.next_session % len(self.sessions)]
-        self.next_session += 1
-        return session
-
     def _may_issue(self) -> bool:
-        return self.issued < self.config.num_requests and time.perf_counter() < self.deadline
+        return len(self.records) < self.config.num_requests and time.perf_counter() < self.deadline
 
     async def run_session(self, session: Session) -> None:
         """The session's turns one after the other, each carrying the real answers so far."""
@@ -61,7 +48,6 @@ class Runner:
         for turn in session.turns:
             if not self._may_issue():
                 return
-            self.issued += 1
             self.records.append(record := RequestRecord())
             await send_request(self.client, self.url, request_body(self.config, self.model, session, history, turn), record,
                                count_headers=self.config.count_headers, origin=self.origin,
@@ -74,59 +60,41 @@ class Runner:
     async def workers(self, count: int) -> None:
         async def worker() -> None:
             while self._may_issue():
-                await self.run_session(self._take_session())
+                await self.run_session(next(self.sessions))
 
         await asyncio.gather(*(worker() for _ in range(count)))
 
-    async def arrivals(self, rng: random.Random) -> None:
+    async def arrivals(self, rate: float, rng: random.Random) -> None:
         """Poisson arrivals of sessions, at most `concurrency` running (when set)."""
         limit = asyncio.Semaphore(self.config.concurrency or 1 << 30)
-        tasks: set[asyncio.Task[None]] = set()
 
         async def start(session: Session) -> None:
             async with limit:
                 await self.run_session(session)
 
-        try:
-            next_at = time.perf_counter()
-            launched = 0
-            turns = self.config.turns if self.config.prompts == "multi-turn" else 1
-            while launched * turns < self.config.num_requests and time.perf_counter() < self.deadline:
-                task = asyncio.create_task(start(self._take_session()))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                launched += 1
-                next_at += rng.expovariate(self.config.request_rate)  # type: ignore[arg-type]
-                delay = next_at - time.perf_counter()
-                if delay > 0:
+        turns = self.config.turns if self.config.prompts == "multi-turn" else 1
+        next_at = time.perf_counter()
+        async with asyncio.TaskGroup() as group:  # cancelled with the run: its requests in flight too
+            for _ in range(math.ceil(self.config.num_requests / turns)):
+                if time.perf_counter() >= self.deadline:
+                    break
+                group.create_task(start(next(self.sessions)))
+                next_at += rng.expovariate(rate)
+                if (delay := next_at - time.perf_counter()) > 0:
                     await asyncio.sleep(delay)
-            if tasks:
-                await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
 
     async def run(self) -> float:
-        """Run until the count or the time limit; returns the measured duration in seconds."""
+        """Run until the count or the time limit; returns the measured duration in seconds. At the time
+        limit (or when this run is cancelled), the requests in flight are cancelled and counted as such."""
         cfg = self.config
         self.origin = time.perf_counter()
         self.deadline = self.origin + cfg.duration_s if cfg.duration_s else math.inf
-        if cfg.request_rate:
-            main = asyncio.create_task(self.arrivals(random.Random(cfg.seed + 1)))
-        else:
-            main = asyncio.create_task(self.workers(max(1, cfg.concurrency or 1)))
-        timeout = None if self.deadline == math.inf else max(0.0, self.deadline - time.perf_counter())
+        work = self.arrivals(cfg.request_rate, random.Random(cfg.seed + 1)) if cfg.request_rate else \
+            self.workers(max(1, cfg.concurrency or 1))
         try:
-            done, _ = await asyncio.wait({main}, timeout=timeout)
-        finally:  # the time limit, or this run cancelled: requests in flight are cancelled and counted as such
-            if not main.done():
-                main.cancel()
-                await asyncio.gather(main, return_exceptions=True)
-        if not done:
+            await asyncio.wait_for(work, cfg.duration_s or None)
+        except TimeoutError:
             return time.perf_counter() - self.origin
-        main.result()
         return (self.last_end or time.perf_counter()) - self.origin
 
 
@@ -139,14 +107,14 @@ async def run_load(config: LoadConfig, sessions: Sequence[Session] | None = None
     warm_cfg = dataclasses.replace(config, num_requests=config.warmup_requests, duration_s=None)
     try:
         model = config.model or await discover_model(client, config.base_url)
-        build_warmup = bool(config.warmup_requests) and warmup_sessions is None
-        if sessions is None or build_warmup:
+        tokenizer = None
+        if sessions is None or (config.warmup_requests and warmup_sessions is None):
             tokenizer = await get_tokenizer(config, client, model)
-            if sessions is None:
-                sessions = await build_sessions(config, sessions_needed(config), tokenizer)
-            if build_warmup:
-                warmup_sessions = await build_sessions(warm_cfg, sessions_needed(warm_cfg), tokenizer, seed=config.seed + 7919)
-        if config.warmup_requests and warmup_sessions:
+        if sessions is None:
+            sessions = await build_sessions(config, sessions_needed(config), tokenizer)
+        if config.warmup_requests:
+            warmup_sessions = warmup_sessions or await build_sessions(warm_cfg, sessions_needed(warm_cfg), tokenizer,
+                                                                      seed=config.seed + 7919)
             await Runner(warm_cfg, client, model, warmup_sessions).run()
         runner = Runner(config, client, model, sessions)
         cpu = time.process_time()
@@ -173,12 +141,10 @@ async def shared_endpoint(start_timeout_s: float = 60.0) -> Proc:
     """The instant endpoint, started on first use and stopped when this process exits."""
     global _endpoint
     if _endpoint is None or _endpoint.process is None or _endpoint.process.poll() is not None:
-        port = free_port()
-        command = [sys.executable, "-m", "benchmarks.instant_endpoint", "--port", str(port), "--name", BARE_MODEL]
-        _endpoint = Proc("instant-endpoint", command, {}, RESULTS / f"instant-endpoint-{port}.log", port=port)
-        _endpoint.start()
+        command = [sys.executable, "-m", "benchmarks.instant_endpoint", "--name", BARE_MODEL]
+        _endpoint = Proc.on_free_port(f"instant-endpoint-{os.getpid()}", command, {}, RESULTS)
         atexit.register(_endpoint.stop)
-        await _endpoint.wait_ready(start_timeout_s)
+        await _endpoint.launch(start_timeout_s)
     return _endpoint
 
 
@@ -215,68 +181,54 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 
 # ----------------------------------------------------------------------------------------------
-# The command line
+# The command line: a flag per LoadConfig field, typed and defaulted by it (benchmarks/README.md says
+# what each does), a few of them renamed or shaped for people
+
+FLAGS = {"duration_s": "--duration", "warmup_requests": "--warmup", "request_timeout_s": "--request-timeout",
+         "keep_records": "--save-requests", "ceiling_s": "--ceiling-duration", "count_headers": "--count-header"}
+OWN = ("concurrency", "stream", "headers", "label")  # flags of their own below, or none
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.loadgen",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loadgen", argument_default=argparse.SUPPRESS,
                                 description="A load generator for any OpenAI-compatible server (benchmarks/README.md)")
-    add = p.add_argument
-    add("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (with /v1)")
-    add("--model", help="model name (default: the first of GET /models)")
-    add("--endpoint", choices=["chat", "completions"], default="chat")
-    add("--concurrency", type=int, nargs="+",
-        help="requests in flight (default 8); several levels: a sweep; with --request-rate: a cap (default none)")
-    add("--request-rate", type=float, help="Poisson arrivals per second instead (concurrency becomes a cap)")
-    add("--num-requests", type=int, default=64, help="requests per run (per concurrency level)")
-    add("--waves", type=int, help="at least WAVES x concurrency requests per level")
-    add("--duration", dest="duration_s", type=float, default=300.0, help="time limit of each run in seconds (0: none)")
-    add("--prompts", choices=["random", "shared-prefix", "multi-turn"], default="random")
-    add("--input-tokens", type=int, default=128, help="tokens per prompt (per user turn)")
-    add("--output-tokens", type=int, default=64, help="max_tokens of every request")
-    add("--prefix-tokens", type=int, default=512, help="shared-prefix: tokens of the common prefix")
-    add("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes")
-    add("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
-    add("--unique-prompts", type=int, help="cycle through this many prompts (1: the same request again)")
-    add("--ignore-eos", action="store_true", help="send ignore_eos (vLLM): exactly --output-tokens tokens")
-    add("--temperature", type=float, default=0.0, help="sampling temperature (negative: server default)")
-    add("--no-stream", dest="stream", action="store_false", help="non-streaming requests (TTFT = e2e)")
-    add("--extra-body", type=json.loads, default={}, help="JSON object merged into every request body")
-    add("--api-key")
-    add("--count-header", dest="count_headers", action="append", help="response header whose values are counted (default x-cache)")
-    add("--tokenizer", choices=["auto", "server", "words"], default="auto",
-        help="count prompt tokens with the server's /tokenize (auto: when present) or as words")
-    add("--seed", type=int, default=0)
-    add("--warmup", dest="warmup_requests", type=int, default=0, help="warm-up requests before each run (not measured)")
-    add("--request-timeout", dest="request_timeout_s", type=float, default=600.0)
-    add("--output", type=Path, help="JSON results file (default benchmarks/results/loadgen-<time>.json)")
-    add("--plot", type=Path, help="PNG plot (default: next to the JSON when several levels are run)")
-    add("--no-plot", action="store_true")
-    add("--save-requests", dest="keep_records", action="store_true", help="put every request's record in the JSON")
-    add("--ceiling-duration", dest="ceiling_s", type=float, default=2.0,
-        help="after each run: seconds of the same load against the instant endpoint (benchmarks.instant_endpoint), "
-             "the client's ceiling, reported beside the run")
-    add("--no-ceiling", dest="ceiling_s", action="store_const", const=0.0, help="skip the ceiling run")
+    hints = typing.get_type_hints(LoadConfig)
+    for f in (f for f in dataclasses.fields(LoadConfig) if f.name not in OWN):
+        flag, kind = FLAGS.get(f.name, "--" + f.name.replace("_", "-")), hints[f.name]
+        if kind is bool:
+            p.add_argument(flag, dest=f.name, action="store_true")
+        elif typing.get_origin(kind) is Literal:
+            p.add_argument(flag, dest=f.name, choices=typing.get_args(kind))
+        elif typing.get_origin(kind) in (dict, list):
+            p.add_argument(flag, dest=f.name, **({"type": json.loads} if typing.get_origin(kind) is dict else {"action": "append"}))
+        else:  # int, float, str, or one of them or None
+            p.add_argument(flag, dest=f.name, type=next(a for a in typing.get_args(kind) or (kind,) if a is not type(None)))
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="several levels: a sweep; with --request-rate: a cap")
+    p.add_argument("--no-stream", dest="stream", action="store_false")
+    p.add_argument("--no-ceiling", dest="ceiling_s", action="store_const", const=0.0)
+    p.add_argument("--waves", type=int, default=None, help="at least WAVES x concurrency requests per level")
+    p.add_argument("--output", type=Path, default=None, help="the JSON file (default benchmarks/results/loadgen-<time>.json)")
     return p
 
 
 def config_from(args: argparse.Namespace) -> LoadConfig:
+    """The flags given into a LoadConfig; unlike LoadConfig's, the CLI's defaults measure the client's
+    ceiling for 2 s; --duration 0 is no limit, a negative --temperature the server's default."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(LoadConfig) if hasattr(args, f.name)}
+    config = LoadConfig(**{"ceiling_s": 2.0, **given, "concurrency": None})
     return dataclasses.replace(
-        LoadConfig(**given),
-        concurrency=args.concurrency[0] if args.concurrency else (None if args.request_rate else 8),
-        duration_s=args.duration_s or None, temperature=None if args.temperature < 0 else args.temperature,
-        count_headers=[h.lower() for h in args.count_headers or ["x-cache"]],
-    )
+        config, concurrency=args.concurrency[0] if args.concurrency else (None if config.request_rate else 8),
+        duration_s=config.duration_s or None, temperature=None if (config.temperature or 0) < 0 else config.temperature,
+        count_headers=[h.lower() for h in config.count_headers])
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run (one Poisson run at --request-rate, else a sweep of the --concurrency levels), write the JSON
-    (and the plot of a sweep); exit status 1 when a run completed nothing."""
+    """Run (one Poisson run at --request-rate, else a sweep of the --concurrency levels) and write the
+    JSON; exit status 1 when a run completed nothing."""
     args = parser().parse_args(argv)
     config = config_from(args)
-    if args.request_rate:
-        results = [run_async(run_load(dataclasses.replace(config, label=f"rate={args.request_rate}")))]
+    if config.request_rate:
+        results = [run_async(run_load(dataclasses.replace(config, label=f"rate={config.request_rate}")))]
         print(format_result(results[0]), file=sys.stderr)
     else:
         results = run_async(run_sweep(config, args.concurrency or [8], args.waves))
@@ -284,11 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or RESULTS / f"loadgen-{stamp}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     document = {"tool": "benchmarks.loadgen", "started": stamp, "argv": sys.argv if argv is None else ["loadgen", *argv],
-                "config": config.to_dict(), "results": [r.to_dict(records=args.keep_records) for r in results]}
+                "config": config.to_dict(), "results": [r.to_dict(records=config.keep_records) for r in results]}
     output.write_text(json.dumps(document, indent=2))
     print(f"results: {output}", file=sys.stderr)
-    if not args.no_plot and (args.plot or len(results) > 1):
-        plot = plot_sweep({"": [point(r) for r in results]}, args.plot or output.with_suffix(".png"), title=args.base_url)
-        if plot:
-            print(f"plot: {plot}", file=sys.stderr)
     return 0 if all(r.completed for r in results) else 1

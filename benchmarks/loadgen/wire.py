@@ -73,9 +73,6 @@ class WireResponse(asyncio.Protocol):
             self.close()
         self.wake()  # one wake for all the events this read brought
 
-    def eof_received(self) -> bool | None:
-        return None  # close the transport: connection_lost fails an unfinished answer
-
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 

@@ -5,6 +5,7 @@ tests are in test_race.py. Behaviour only, never timings."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import socket
@@ -16,7 +17,8 @@ from aiohttp import web
 
 from benchmarks import loadgen
 from benchmarks.echo_engine import create_echo_app, echo_engine
-from benchmarks.loadgen import LoadConfig, RequestRecord, SSEDecoder, Stats, StreamAccumulator
+from benchmarks.loadgen import LoadConfig, RequestRecord, SSEDecoder, StreamAccumulator, runner
+from benchmarks.loadgen.results import Stats, tpot
 from tests.fakes import FakeEngine
 
 # ---------------------------------------------------------------------------------------------
@@ -53,9 +55,9 @@ def test_stats_skip_missing_values_and_serialize_nan_as_null() -> None:
 
 
 def test_tpot_is_decode_time_per_token_after_the_first() -> None:
-    assert loadgen.tpot(e2e=1.0, ttft=0.2, output_tokens=5) == pytest.approx(0.2)
-    assert loadgen.tpot(e2e=1.0, ttft=0.2, output_tokens=1) is None
-    assert loadgen.tpot(e2e=1.0, ttft=0.2, output_tokens=0) is None
+    assert tpot(e2e=1.0, ttft=0.2, output_tokens=5) == pytest.approx(0.2)
+    assert tpot(e2e=1.0, ttft=0.2, output_tokens=1) is None
+    assert tpot(e2e=1.0, ttft=0.2, output_tokens=0) is None
     record = RequestRecord(ok=True, ttft=0.1, e2e=0.9, output_tokens=9, chunks=9)
     assert record.tpot == pytest.approx(0.1)
 
@@ -385,16 +387,32 @@ async def test_loadgen_cli_writes_json(echo_gateway, tmp_path) -> None:
     assert ceiling["enough"] == (ceiling["headroom"] >= 5)
 
 
-async def test_loadgen_sweep_writes_json_and_plot(echo_gateway, tmp_path) -> None:
+async def test_loadgen_sweep_runs_each_level(echo_gateway) -> None:
     base_url, _ = echo_gateway
     config = LoadConfig(base_url=base_url, num_requests=4, input_tokens=4, output_tokens=3)
     results = await loadgen.run_sweep(config, [1, 2], waves=3)
     assert [r.concurrency for r in results] == [1, 2]
     assert [r.completed for r in results] == [4, 6]
-    pytest.importorskip("matplotlib")
-    path = loadgen.plot_sweep({"": [loadgen.point(r) for r in results]}, tmp_path / "sweep.png")
-    assert path is not None
-    assert path.stat().st_size > 1000
+
+
+def test_the_command_line_is_loadconfigs_fields() -> None:
+    def config(*argv: str) -> LoadConfig:
+        return runner.config_from(runner.parser().parse_args(list(argv)))
+
+    default = config()
+    assert default == LoadConfig(ceiling_s=2.0)  # the CLI measures the client's ceiling by default
+    given = config("--base-url", "http://h:1/v1", "--concurrency", "4", "16", "--endpoint", "completions", "--ignore-eos",
+                   "--no-stream", "--duration", "0", "--warmup", "3", "--save-requests", "--extra-body", '{"top_k": 20}',
+                   "--count-header", "X-Served-By", "--unique-prompts", "1", "--temperature", "-1", "--no-ceiling",
+                   "--request-timeout", "5")
+    assert given == LoadConfig(base_url="http://h:1/v1", concurrency=4, endpoint="completions", ignore_eos=True, stream=False,
+                               duration_s=None, warmup_requests=3, keep_records=True, extra_body={"top_k": 20},
+                               count_headers=["x-served-by"], unique_prompts=1, temperature=None, ceiling_s=0.0,
+                               request_timeout_s=5.0)
+    assert config("--request-rate", "5").concurrency is None  # a Poisson run has no cap unless one is given
+    for field in dataclasses.fields(LoadConfig):
+        if field.name not in ("headers", "label"):
+            assert any(field.name == action.dest for action in runner.parser()._actions), field.name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +422,7 @@ async def test_loadgen_sweep_writes_json_and_plot(echo_gateway, tmp_path) -> Non
 def test_bare_app_answers_a_fixed_completion_plain_and_streamed() -> None:
     from starlette.testclient import TestClient
 
-    from benchmarks.bare_app import create_bare_app
+    from benchmarks.instant_endpoint import create_bare_app
 
     with TestClient(create_bare_app("b")) as client:
         assert client.get("/v1/models").json()["data"][0]["id"] == "b"

@@ -14,8 +14,8 @@ import orjson
 import pytest
 
 from benchmarks import instant_endpoint
-from benchmarks.loadgen import LoadConfig, SSEDecoder, StreamAccumulator, aggregate, compare, describe, run_load
-from benchmarks.loadgen.results import Result
+from benchmarks.loadgen import LoadConfig, SSEDecoder, StreamAccumulator, aggregate, run_load
+from benchmarks.loadgen.results import Result, compare, describe
 
 
 @pytest.fixture

@@ -53,7 +53,7 @@ def test_race_summary_medians_ratios_and_targets() -> None:
 
 def test_race_metrics_of_a_result() -> None:
     result = loadgen.aggregate([RequestRecord(ok=True, ttft=0.1, e2e=0.5, output_tokens=5, chunks=5, itl=[0.1] * 4)], 1.0)
-    metrics = race_report.metrics_of(result.to_dict())
+    metrics = loadgen.metrics_of(result.to_dict())
     assert metrics["output_tok_s"] == pytest.approx(5.0)
     assert metrics["ttft_p50_ms"] == pytest.approx(100.0)
     assert metrics["tpot_p50_ms"] == pytest.approx(100.0)
@@ -62,8 +62,8 @@ def test_race_metrics_of_a_result() -> None:
 def test_race_commands_use_the_same_engine_settings() -> None:
     args = race.parser().parse_args(["--eager"])
     args.model = "/models/m"
-    gateway = race.gateway_command(args, 1234, eager=True)
-    vllm = race.vllm_command(args, 1235, eager=True)
+    gateway = race.gateway_command(args, eager=True)
+    vllm = race.vllm_command(args, eager=True)
     for command in (gateway, vllm):
         for flag, value in (("--model", "/models/m"), ("--dtype", "float32"), ("--max-model-len", "2048"),
                             ("--kv-cache-memory-bytes", str(2 * 1024**3)), ("--served-model-name", "smollm2-135m-instruct")):
@@ -71,12 +71,12 @@ def test_race_commands_use_the_same_engine_settings() -> None:
         assert "--enforce-eager" in command
     assert vllm[2] == "vllm.entrypoints.openai.api_server"
     assert gateway[2:4] == ["gateway", "serve"]
-    assert "--enforce-eager" not in race.gateway_command(args, 1234, eager=False)
+    assert "--enforce-eager" not in race.gateway_command(args, eager=False)
 
 
 def test_benchmark_modules_do_not_import_vllm() -> None:
     code = ("import sys, benchmarks.loadgen, benchmarks.echo_engine, benchmarks.race, benchmarks.engine_direct, "
-            "benchmarks.bare_app, benchmarks.instant_endpoint, benchmarks.vllm_bench, benchmarks.growth, "
+            "benchmarks.instant_endpoint, benchmarks.vllm_bench, benchmarks.growth, "
             "benchmarks.targets; "
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'imported vllm'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
@@ -242,7 +242,7 @@ def test_vllm_bench_result_into_the_race_metrics() -> None:
     metrics = vllm_bench.metrics_of(result)
     assert metrics == {"output_tok_s": 64.0, "req_s": 1.0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 200.0, "tpot_p50_ms": 20.0,
                        "itl_p99_ms": 40.0, "e2e_p50_ms": 1400.0, "mean_output_tokens": 64.0, "failed": 1}
-    assert set(metrics) <= set(race_report.metrics_of({})) | {"failed"}
+    assert set(metrics) <= set(loadgen.metrics_of({})) | {"failed"}
 
 
 def test_vllm_bench_argv_is_what_vllms_own_parser_takes() -> None:
