@@ -202,7 +202,7 @@ def table(result: dict[str, Any]) -> list[str]:
              f"{ratios[name + ' / idle']:.2f}" if name != "idle" else "1.00"] for name in LATENCY]
     rows += [[f"throughput, {arm}", f"{thr[arm]['lines_s']:.2f} lines/s", f"{thr[arm]['tokens_s']:.0f} tok/s",
               f"{ratios['batch / load (tok/s)']:.2f}" if arm == "batch" else "1.00"] for arm in ("batch", "load")]
-    return md_table("| measure | p50 / lines/s | p99 / tok/s | ratio (median of rounds) |", rows, left=["measure"])
+    return md_table("measure | p50 / lines/s | p99 / tok/s | ratio (median of rounds)", rows, left=["measure"])
 
 
 def main(argv: list[str] | None = None) -> int:
