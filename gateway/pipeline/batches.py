@@ -161,7 +161,8 @@ class BatchRun:
         finally:
             if self._writes:
                 await asyncio.gather(*self._writes, return_exceptions=True)
-            await asyncio.to_thread(self.lease.release)
+            with contextlib.suppress(FileNotFoundError):  # a Message Batch deleted as soon as it ended
+                await asyncio.to_thread(self.lease.release)
 
     async def _save(self) -> None:
         await asyncio.to_thread(self.dir.write, self.stored)
