@@ -58,7 +58,8 @@ async def _create(request: Request) -> Response:
 
 async def _list(request: Request) -> Response:
     query = BatchListQuery.model_validate(dict(request.query_params))
-    page, more = await _mine(request).page(query.after, query.limit)
+    stored, more = await _mine(request).page(query.after, query.limit)
+    page = [s.batch for s in stored]
     return json_response(BatchList(
         data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None, has_more=more,
     ))

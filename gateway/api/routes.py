@@ -17,7 +17,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.api import admin, batches, embeddings, files, handlers, messages, native, ops, responses
+from gateway.api import admin, batches, embeddings, files, handlers, message_batches, messages, native, ops, responses
 from gateway.api.openapi import document
 from gateway.api.table import Endpoint, RouteTable
 from gateway.protocol import adapters as ad
@@ -25,6 +25,7 @@ from gateway.protocol import anthropic as a
 from gateway.protocol import batches as b
 from gateway.protocol import embeddings as e
 from gateway.protocol import files as f
+from gateway.protocol import message_batches as mb
 from gateway.protocol import openai as p
 from gateway.protocol import responses as r
 
@@ -44,6 +45,19 @@ TABLE = RouteTable([
              a.MessagesRequest, a.Message, streams=True, dialect="anthropic"),
     Endpoint("POST", "/v1/messages/count_tokens", messages.count_tokens, "api", "Count a message's input tokens "
              "(Anthropic's API)", a.CountTokensRequest, a.MessageTokensCount, dialect="anthropic"),
+    Endpoint("POST", "/v1/messages/batches", message_batches.collection, "api", "Create a Message Batch "
+             "(Anthropic's API)", mb.MessageBatchCreate, mb.MessageBatch, dialect="anthropic"),
+    Endpoint("GET", "/v1/messages/batches", message_batches.collection, "api", "List the key's Message Batches, "
+             "newest first (Anthropic's API)", None, mb.MessageBatchList, dialect="anthropic"),
+    Endpoint("GET", "/v1/messages/batches/{message_batch_id}", message_batches.by_id, "api",
+             "Retrieve a Message Batch (Anthropic's API)", None, mb.MessageBatch, dialect="anthropic"),
+    Endpoint("DELETE", "/v1/messages/batches/{message_batch_id}", message_batches.by_id, "api",
+             "Delete a Message Batch that has ended (Anthropic's API)", None, mb.DeletedMessageBatch,
+             dialect="anthropic"),
+    Endpoint("POST", "/v1/messages/batches/{message_batch_id}/cancel", message_batches.cancel, "api",
+             "Cancel a Message Batch (Anthropic's API)", None, mb.MessageBatch, dialect="anthropic"),
+    Endpoint("GET", "/v1/messages/batches/{message_batch_id}/results", message_batches.results, "api",
+             "A Message Batch's results, one JSON line per request (Anthropic's API)", dialect="anthropic"),
     Endpoint("GET", "/v1/models", handlers.list_models, "api", "List the served models", None, p.ModelList),
     Endpoint("GET", "/v1/models/{model:path}", handlers.retrieve_model, "api", "Retrieve a served model",
              None, p.ModelCard),

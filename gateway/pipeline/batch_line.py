@@ -5,7 +5,8 @@ batch, with its policy read again for this line, and answered as the route encod
 
 What differs from the route: the line runs in the batch lane (`priority.BATCH`: below every key's
 class, in admission and in the engine), nobody can disconnect (`client_gone=None`), a stream
-(`stream: true`, a background response) is refused, and a refusal by the key's requests or tokens
+(`stream: true`, a background response) is refused (an error answer, in Anthropic's shape for a
+Message Batch's request), and a refusal by the key's requests or tokens
 per minute (or a model's full queue, refused with 429 or 503 as `reject_status` says) is not an
 answer but `Retry`: the line waits and runs again (the batch pauses, it does not fail). A spent
 budget is an answer (429 `insufficient_quota`): the line fails, and so does every later line until
@@ -29,6 +30,7 @@ from gateway.errors import (
     APIError,
     AuthenticationFailed,
     BadGateway,
+    Dialect,
     InvalidRequest,
     ModelUnavailable,
     RateLimited,
@@ -39,13 +41,17 @@ from gateway.pipeline.answer import Stream, Whole, whole_json
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import dispatch
 from gateway.pipeline.state import GatewayState
+from gateway.protocol.anthropic import MessagesRequest
 from gateway.protocol.batches import Owner
 from gateway.protocol.embeddings import EmbeddingRequest
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.protocol.responses import ResponsesRequest
+from gateway.serving import messages
+from gateway.serving.batch_input import MESSAGES
 from gateway.serving.chat import CHAT
 from gateway.serving.completions import COMPLETIONS
 from gateway.serving.embeddings import EMBEDDINGS
+from gateway.serving.messages import MESSAGES as MESSAGES_SERVICE
 from gateway.serving.responses import ResponsesService, history_of
 from gateway.telemetry.record import close_record, open_record
 from gateway.tenancy import priority
@@ -120,12 +126,20 @@ async def _responses(context: RequestContext, state: GatewayState, body: bytes) 
     return answer
 
 
+async def _messages(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
+    """A request of Anthropic's Message Batches, as `api.messages.create` runs it."""
+    request: MessagesRequest = _parsed(MessagesRequest, body)
+    return _whole(await dispatch(context, state, messages.to_chat(request), MESSAGES_SERVICE))
+
+
 ROUTES: dict[str, Run] = {
     "/v1/chat/completions": _chat,
     "/v1/completions": _completions,
     "/v1/embeddings": _embeddings,
     "/v1/responses": _responses,
+    MESSAGES: _messages,
 }
+DIALECTS: dict[str, Dialect] = {MESSAGES: "anthropic"}  # whose shape a line's error has (else OpenAI's)
 
 
 def new_request_id() -> str:
@@ -152,7 +166,7 @@ async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, ret
             error: APIError = from_exception(exc)
             if not isinstance(exc, APIError):  # a bug: logged as the route's exception handler logs it
                 log.exception("batch_line_failed", request_id=context.request_id, error=type(exc).__name__)
-            status, data = error.status, orjson.dumps(error.body())
+            status, data = error.status, orjson.dumps(error.body(DIALECTS.get(url, "openai")))
         return LineAnswer(status, data, context.request_id, record.prompt_tokens or 0, record.completion_tokens or 0)
     finally:
         if context.policy is not None:  # the request's usage counted and its charge settled, as the middleware does

@@ -5,7 +5,8 @@ interactive requests, and an idle engine still gets that many lines at once).
 
 A batch's life, as OpenAI's: `validating` (its input checked: `failed` with `errors`) →
 `in_progress` (its lines run) → `finalizing` (its output and error files published as files of
-its owner, purpose `batch_output`) → `completed`; or, on a cancel, `cancelling` (the lines in
+its owner, purpose `batch_output`; not for Anthropic's Message Batches, whose results are read
+from the batch's own files) → `completed`; or, on a cancel, `cancelling` (the lines in
 flight cancelled: their engine requests aborted) → `cancelled`, with the partial output; or, 24 h
 after its creation, `expired` (the lines not run written to the error file, code `batch_expired`).
 
@@ -36,7 +37,7 @@ import structlog
 from gateway.pipeline.batch_line import LineAnswer, Retry, run_line
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.batches import DONE, Errors, RequestCounts, StoredBatch
-from gateway.serving.batch_input import BatchLine, check_batch_input, read_lines
+from gateway.serving.batch_input import MESSAGES, BatchLine, check_batch_input, read_lines
 from gateway.stores.batches import BatchDir, BatchStore, Lease, Progress
 from gateway.stores.files import derived_id
 
@@ -172,7 +173,8 @@ class BatchRun:
         finally:
             if self._writes:
                 await asyncio.gather(*self._writes, return_exceptions=True)
-            await asyncio.to_thread(self.lease.release)
+            with contextlib.suppress(FileNotFoundError):  # a Message Batch deleted as soon as it ended
+                await asyncio.to_thread(self.lease.release)
 
     async def _holding(self) -> bool:
         """Whether the lease is still ours; taken over (this replica stalled past its expiry), the
@@ -313,7 +315,7 @@ class BatchRun:
             batch.status, batch.finalizing_at = "finalizing", batch.finalizing_at or int(time.time())
         await self._save()
         if ending == "expired":
-            await asyncio.to_thread(self._expire_rest)
+            self.stored.expired_lines = await asyncio.to_thread(self._expire_rest)
         self.progress = await asyncio.to_thread(self.dir.progress)
         self._count()
         await self._publish()
@@ -328,17 +330,22 @@ class BatchRun:
         log.info("batch_" + batch.status, batch_id=batch.id, completed=batch.request_counts.completed,
                  failed=batch.request_counts.failed)
 
-    def _expire_rest(self) -> None:
+    def _expire_rest(self) -> int:
+        """The lines not run written to the error file as expired; how many."""
         done = self.dir.progress().done
-        rest = (line.custom_id for line in read_lines(self.dir.input) if line.custom_id not in done)
+        rest = [line.custom_id for line in read_lines(self.dir.input) if line.custom_id not in done]
         lines = b"".join(expired_line(custom_id) + b"\n" for custom_id in rest)
         if lines:
             BatchDir.append(self.dir.errors, lines.rstrip(b"\n"))
+        return len(rest)
 
     async def _publish(self) -> None:
         """The output and error files as files of the batch's owner (ids derived from the batch's:
-        published again after a crash, they replace themselves)."""
+        published again after a crash, they replace themselves). A Message Batch's results are read from
+        its directory (`serving.message_batches`), not kept as files of the Files API."""
         batch, files = self.stored.batch, self.runner.state.files.of(self.stored.owner.tenant)
+        if batch.endpoint == MESSAGES:
+            return
         expires = self.stored.output_expires_after_s
         if self.progress.completed:
             made = await files.publish(self.dir.output, f"{batch.id}_output.jsonl", derived_id(f"{batch.id}/output"), expires)

@@ -143,6 +143,7 @@ class StoredBatch(BaseModel):
     owner: Owner
     output_expires_after_s: int
     created_ns: int = 0  # orders batches made within one second (created_at counts seconds)
+    expired_lines: int = 0  # lines never run, written to the error file as expired (a batch that expired)
 
 
 class LineResponse(BaseModel):

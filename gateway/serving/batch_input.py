@@ -19,7 +19,8 @@ import orjson
 from gateway.errors import InvalidRequest
 from gateway.protocol.batches import BatchError
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")  # of an uploaded file
+MESSAGES = "/v1/messages"  # the lines of Anthropic's Message Batches (never of an uploaded file)
 
 
 def check_batch_file(path: Path, max_lines: int, max_line_bytes: int) -> int:
@@ -33,13 +34,13 @@ def check_batch_file(path: Path, max_lines: int, max_line_bytes: int) -> int:
                 raise _bad(number, f"is longer than {max_line_bytes} bytes")
             if number > max_lines:
                 raise InvalidRequest(f"The batch file has more than {max_lines} requests (lines)", param="file")
-            _check_line(line, number, seen)
+            _check_line(line, number, seen, URLS)
     if number == 0:
         raise InvalidRequest("The batch file is empty: it needs one request per line", param="file")
     return number
 
 
-def _check_line(line: bytes, number: int, seen: set[str]) -> None:
+def _check_line(line: bytes, number: int, seen: set[str], urls: tuple[str, ...]) -> None:
     if not line.strip():
         raise _bad(number, "is empty: each line must be one request")
     try:
@@ -56,8 +57,8 @@ def _check_line(line: bytes, number: int, seen: set[str]) -> None:
     seen.add(custom_id)
     if request.get("method") != "POST":
         raise _bad(number, "must have 'method': 'POST'")
-    if request.get("url") not in URLS:
-        raise _bad(number, f"has an unsupported 'url': it must be one of {', '.join(URLS)}")
+    if request.get("url") not in urls:
+        raise _bad(number, f"has an unsupported 'url': it must be one of {', '.join(urls)}")
     if not isinstance(request.get("body"), dict):
         raise _bad(number, "has no 'body' object (the request's JSON body)")
     extra = sorted(set(request) - {"custom_id", "method", "url", "body"})
@@ -98,7 +99,7 @@ def check_batch_input(path: Path, endpoint: str, max_errors: int = 100) -> tuple
             if len(problems) >= max_errors:
                 break
             try:
-                _check_line(line, number, seen)
+                _check_line(line, number, seen, (*URLS, MESSAGES))
             except InvalidRequest as exc:
                 code = "duplicate_custom_id" if "repeats the custom_id" in exc.message else "invalid_request"
                 problems.append(BatchError(code=code, line=number, message=exc.message, param="custom_id"

@@ -10,7 +10,9 @@ directory, named by a hash of the owner (as `stores.files` does):
 
 A batch is reached only through its owner's view (`BatchStore.of`): another owner's id is a 404
 exactly as an unknown one. An id is checked to be an id (`batch_` and 32 lowercase hex) before any
-path is built from it. A new batch's directory is made under a temporary name and renamed, so a
+path is built from it. Anthropic's Message Batches live beside OpenAI's batches, as the same records,
+under ids of their own (`msgbatch_` and 32 hex, `of(owner, MESSAGE_BATCH)`): each API's view sees only
+its own kind, so neither lists nor answers the other's. A new batch's directory is made under a temporary name and renamed, so a
 reader (another replica's runner) sees a whole batch or none.
 
 Who writes what: the record is written by its creator, then only by the replica holding its lease
@@ -49,16 +51,17 @@ import orjson
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.batches import DONE, Batch, BatchUsage, StoredBatch
 
-ID = re.compile(r"batch_[0-9a-f]{32}")
+BATCH, MESSAGE_BATCH = "batch_", "msgbatch_"  # the id prefixes of OpenAI's batches and Anthropic's
+ID = re.compile(r"(?:msg)?batch_[0-9a-f]{32}")
 _MAKING = ".making-"
 
 
-def not_found(batch_id: str) -> NotFound:
-    return NotFound(f"No batch found with id '{batch_id}'.", param="batch_id")
+def not_found(batch_id: str, param: str = "batch_id") -> NotFound:
+    return NotFound(f"No batch found with id '{batch_id}'.", param=param)
 
 
-def new_id() -> str:
-    return "batch_" + secrets.token_hex(16)
+def new_id(kind: str = BATCH) -> str:
+    return kind + secrets.token_hex(16)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -189,8 +192,9 @@ class BatchStore:
     def at(cls, directory: Path) -> BatchStore:
         return cls(directory.expanduser())
 
-    def of(self, owner: str) -> OwnedBatches:
-        return OwnedBatches(self.root / hashlib.sha256(owner.encode()).hexdigest()[:32])
+    def of(self, owner: str, kind: str = BATCH) -> OwnedBatches:
+        """The owner's batches of one kind (`BATCH`: OpenAI's, `MESSAGE_BATCH`: Anthropic's)."""
+        return OwnedBatches(self.root / hashlib.sha256(owner.encode()).hexdigest()[:32], kind)
 
     async def pending(self, done: set[str]) -> list[BatchDir]:
         """Every batch of every owner that is not done yet, oldest first (for the runner). `done`: ids
@@ -199,7 +203,7 @@ class BatchStore:
 
     def _pending(self, done: set[str]) -> list[BatchDir]:
         found: list[tuple[int, BatchDir]] = []
-        for record in self.root.glob("*/batch_*/record.json"):
+        for record in self.root.glob("*/*batch_*/record.json"):
             batch = BatchDir(record.parent)
             if batch.id in done or not ID.fullmatch(batch.id):
                 continue
@@ -216,27 +220,35 @@ class BatchStore:
 
 @dataclass(slots=True, frozen=True)
 class OwnedBatches:
-    """One owner's batches."""
+    """One owner's batches of one kind (ids starting with `kind`)."""
 
     home: Path
+    kind: str = BATCH
 
-    def dir_of(self, batch_id: str) -> BatchDir:
+    def _is_id(self, batch_id: str) -> bool:
+        return batch_id.startswith(self.kind) and ID.fullmatch(batch_id) is not None
+
+    def dir_of(self, batch_id: str, param: str = "batch_id") -> BatchDir:
         """The batch's directory (a 404 for anything that is not an id of one of this owner's)."""
-        if not ID.fullmatch(batch_id) or not (self.home / batch_id / "record.json").exists():
-            raise not_found(batch_id)
+        if not self._is_id(batch_id) or not (self.home / batch_id / "record.json").exists():
+            raise not_found(batch_id, param)
         return BatchDir(self.home / batch_id)
 
-    async def create(self, stored: StoredBatch, input_path: Path) -> None:
-        """A new batch, whole or not at all: its input and record made under a temporary name, renamed."""
+    async def create(self, stored: StoredBatch, source: Path | bytes) -> None:
+        """A new batch, whole or not at all: its input (the file at `source`, or these bytes) and
+        record made under a temporary name, renamed."""
 
         def make() -> None:
             making = self.home / f"{_MAKING}{stored.batch.id}"
             making.mkdir(parents=True)
             try:
-                try:
-                    os.link(input_path, making / "input.jsonl")  # the same disk: no copy
-                except OSError:
-                    shutil.copyfile(input_path, making / "input.jsonl")
+                if isinstance(source, bytes):
+                    (making / "input.jsonl").write_bytes(source)
+                else:
+                    try:
+                        os.link(source, making / "input.jsonl")  # the same disk: no copy
+                    except OSError:
+                        shutil.copyfile(source, making / "input.jsonl")
                 BatchDir(making).write(stored)
                 os.replace(making, self.home / stored.batch.id)
             except BaseException:
@@ -258,27 +270,46 @@ class OwnedBatches:
         await asyncio.to_thread(batch.ask_cancel)
         return (await asyncio.to_thread(batch.read)).batch
 
-    async def page(self, after: str | None, limit: int) -> tuple[list[Batch], bool]:
-        """A page of this owner's batches, newest first, after the batch `after` (a 400 naming `after`
-        when it is none of this owner's), and whether more follow."""
+    async def delete(self, batch_id: str, param: str = "batch_id") -> None:
+        """Remove a batch that is done (a 400 while it runs): renamed away first, so that it is gone for
+        every reader at once, then removed."""
+        batch = self.dir_of(batch_id, param)
+        stored = await asyncio.to_thread(batch.read)
+        if stored.batch.status not in DONE:
+            raise InvalidRequest(f"Batch '{batch_id}' is still being processed: cancel it and delete it once it "
+                                 "has ended.", param=param)
+
+        def remove() -> None:
+            doomed = self.home / f"{_MAKING}{batch_id}.deleted"
+            os.replace(batch.path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+        await asyncio.to_thread(remove)
+
+    async def page(self, after: str | None, limit: int, before: str | None = None,
+                   names: tuple[str, str] = ("after", "before")) -> tuple[list[StoredBatch], bool]:
+        """A page of this owner's batches, newest first: those right after the batch `after`, or right
+        before the batch `before` (a 400 naming the parameter, `names`, when it is none of this
+        owner's), and whether more follow (or precede, with `before`)."""
         stored = await asyncio.to_thread(self._all)
         stored.sort(key=lambda s: (s.batch.created_at, s.created_ns, s.batch.id), reverse=True)
-        batches = [s.batch for s in stored]
-        start = 0
-        if after is not None:
-            ids = [b.id for b in batches]
-            if after not in ids:
-                raise InvalidRequest(f"No batch to list after: {after}", param="after")
-            start = ids.index(after) + 1
-        return batches[start : start + limit], start + limit < len(batches)
+        ids = [s.batch.id for s in stored]
+        for cursor, name in ((after, names[0]), (before, names[1])):
+            if cursor is not None and cursor not in ids:
+                raise InvalidRequest(f"No batch to list {name.partition('_')[0]}: {cursor}", param=name)
+        if before is not None:
+            end = ids.index(before)
+            return stored[max(0, end - limit) : end], end - limit > 0
+        start = 0 if after is None else ids.index(after) + 1
+        return stored[start : start + limit], start + limit < len(stored)
 
     def _all(self) -> list[StoredBatch]:
         if not self.home.is_dir():
             return []
         found = []
-        for record in self.home.glob("batch_*/record.json"):
+        for record in self.home.glob(f"{self.kind}*/record.json"):
             with contextlib.suppress(FileNotFoundError, ValueError):
-                if ID.fullmatch(record.parent.name):
+                if self._is_id(record.parent.name):
                     found.append(BatchDir(record.parent).read())
         return found
 

@@ -250,7 +250,7 @@ def test_errors_come_in_anthropic_s_shape(app_client: TestClient) -> None:
     assert "image" in anthropic_error(app_client.post("/v1/messages", json=body(messages=[image])), 400,
                                       "invalid_request_error")
     anthropic_error(app_client.post("/v1/messages", json=body(model="ghost")), 404, "not_found_error")
-    anthropic_error(app_client.post("/v1/messages/batches", json=body()), 404, "not_found_error")  # under its route
+    anthropic_error(app_client.post("/v1/messages/nothing", json=body()), 404, "not_found_error")  # under its route
     assert "stop_sequences" in anthropic_error(app_client.post("/v1/messages", json=body(stop_sequences=[""])), 400,
                                                "invalid_request_error")
     anthropic_error(app_client.post("/v1/messages", content=b"{not json", headers={"content-type": "application/json"}), 400, "invalid_request_error")

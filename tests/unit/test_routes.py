@@ -4,6 +4,7 @@ lifecycle and the OpenAPI document all take their paths from it."""
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from engine.config import EngineSettings
 from gateway.api.routes import TABLE
 from gateway.api.table import Endpoint, RouteTable
 from gateway.app import create_app
+from gateway.stores.batches import BatchDir
 from tests.adapters import write_stub
 from tests.fakes import FakeEngine, fake_settings
 
@@ -26,6 +28,8 @@ BODIES: dict[str, dict[str, Any]] = {
     "/v1/completions": {"model": "fake-model", "prompt": "hi", "max_tokens": 2},
     "/v1/embeddings": {"model": "fake-embed", "input": "hi"},
     "/v1/messages": {"model": "fake-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages/batches": {"requests": [{"custom_id": "r1", "params": {
+        "model": "fake-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}}]},
     "/v1/messages/count_tokens": {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]},
     "/tokenize": {"model": "fake-model", "prompt": "hi"},
     "/detokenize": {"model": "fake-model", "tokens": [10]},
@@ -66,10 +70,25 @@ def concrete(client: TestClient, path: str, headers: dict[str, str]) -> str:
     if "{batch_id}" in path:
         made = client.post("/v1/batches", json=batch_body(client, headers), headers=headers)
         return path.replace("{batch_id}", made.json()["id"] if made.status_code == 200 else "batch_none")
+    if "{message_batch_id}" in path:
+        made = client.post("/v1/messages/batches", json=BODIES["/v1/messages/batches"], headers=headers)
+        batch_id = made.json()["id"] if made.status_code == 200 else "msgbatch_none"
+        if made.status_code == 200 and not path.endswith("/cancel"):
+            ended(client, batch_id)  # its results and its delete need it ended
+        return path.replace("{message_batch_id}", batch_id)
     if "{response_id}" not in path:
         return path.replace("{model:path}", "fake-model")
     made = client.post("/v1/responses", json={**BODIES["/v1/responses"], "background": True}, headers=headers)
     return path.replace("{response_id}", made.json()["id"] if made.status_code == 200 else "resp_none")
+
+
+def ended(client: TestClient, batch_id: str) -> None:
+    """The batch marked completed on disk, as a runner would leave it (none runs here)."""
+    store = client.app_state["gateway"].batches
+    batch = BatchDir(next(store.root.glob(f"*/{batch_id}")))
+    stored = batch.read()
+    stored.batch.status, stored.batch.completed_at = "completed", int(time.time())
+    batch.write(stored)
 
 
 def batch_body(client: TestClient, headers: dict[str, str]) -> dict[str, Any]:

@@ -1,0 +1,115 @@
+"""Anthropic's Message Batches routes: create, list, retrieve, cancel, delete, results. Errors in
+Anthropic's shape (the route table's dialect).
+
+A Message Batch is a batch of the Batches API (the same store, runner, lane, limits and leases; see
+`serving.message_batches` for how it is shown), kept under an id of its own kind (`msgbatch_`): the
+asking key's tenant's view of that kind is the only way to one, so another tenant's id is a 404
+exactly as an unknown one, and neither API lists or answers the other's batches. Its requests are
+kept in the batch's own directory, not as a file of the Files API.
+
+Limits: the create body is JSON read in memory, so `max_body_bytes` bounds it (raise it for large
+batches; `/v1/batches` takes an uploaded file instead); at most `files.max_lines` requests, each
+`params` at most `files.max_line_bytes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from gateway.api.answers import json_response
+from gateway.api.requests import parse, state_of
+from gateway.errors import InvalidRequest
+from gateway.pipeline.context import context_of
+from gateway.protocol.batches import WINDOW_S, Batch, Owner, RequestCounts, StoredBatch
+from gateway.protocol.message_batches import (
+    DeletedMessageBatch,
+    MessageBatchCreate,
+    MessageBatchList,
+    MessageBatchListQuery,
+)
+from gateway.serving import message_batches as mb
+from gateway.serving.batch_input import MESSAGES
+from gateway.stores.batches import MESSAGE_BATCH, OwnedBatches, new_id
+
+PARAM = "message_batch_id"
+RESULT_LINES = 256  # lines read per hop to the worker thread
+
+
+def _mine(request: Request) -> OwnedBatches:
+    return state_of(request).batches.of(context_of(request.scope).tenant, MESSAGE_BATCH)
+
+
+async def collection(request: Request) -> Response:
+    """POST (create) and GET (list) /v1/messages/batches."""
+    return await (_create(request) if request.method == "POST" else _list(request))
+
+
+async def _create(request: Request) -> Response:
+    body = await parse(request, MessageBatchCreate)
+    state, context = state_of(request), context_of(request.scope)
+    files = state.settings.files
+    content = await asyncio.to_thread(mb.input_lines, body, files.max_lines, files.max_line_bytes)
+    now, batch_id = int(time.time()), new_id(MESSAGE_BATCH)
+    batch = Batch(id=batch_id, endpoint=MESSAGES, input_file_id=batch_id, status="validating", created_at=now,
+                  expires_at=now + WINDOW_S, request_counts=RequestCounts(total=len(body.requests)))
+    owner = Owner(key_id=context.key_id, tenant=context.tenant, keyed=state.tenants.known(context.key_id))
+    stored = StoredBatch(batch=batch, owner=owner, output_expires_after_s=state.settings.batches.output_expires_after_s,
+                         created_ns=time.time_ns())
+    await _mine(request).create(stored, content)
+    state.batch_runner.wake()
+    return json_response(mb.view(stored))
+
+
+async def _list(request: Request) -> Response:
+    query = MessageBatchListQuery.model_validate(dict(request.query_params))
+    if query.before_id is not None and query.after_id is not None:
+        raise InvalidRequest("Give before_id or after_id, not both", param="before_id")
+    page, more = await _mine(request).page(query.after_id, query.limit, query.before_id, ("after_id", "before_id"))
+    data = [mb.view(stored) for stored in page]
+    return json_response(MessageBatchList(
+        data=data, has_more=more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+    ))
+
+
+async def by_id(request: Request) -> Response:
+    """GET (retrieve) and DELETE /v1/messages/batches/{message_batch_id}."""
+    mine, batch_id = _mine(request), request.path_params[PARAM]
+    if request.method == "DELETE":
+        await mine.delete(batch_id, PARAM)
+        return json_response(DeletedMessageBatch(id=batch_id))
+    found = mine.dir_of(batch_id, PARAM)
+    return json_response(mb.view(await asyncio.to_thread(found.read)))
+
+
+async def cancel(request: Request) -> Response:
+    batch_id = request.path_params[PARAM]
+    mine = _mine(request)
+    mine.dir_of(batch_id, PARAM)  # a 404 naming message_batch_id before the store's check
+    await mine.cancel(batch_id)
+    state_of(request).batch_runner.cancel(batch_id)
+    return json_response(mb.view(await asyncio.to_thread(mine.dir_of(batch_id, PARAM).read)))
+
+
+async def results(request: Request) -> Response:
+    """GET /v1/messages/batches/{message_batch_id}/results: JSONL, once the batch has ended (400 before)."""
+    batch_id = request.path_params[PARAM]
+    found = _mine(request).dir_of(batch_id, PARAM)
+    stored = await asyncio.to_thread(found.read)
+    if mb.view(stored).processing_status != "ended":
+        raise InvalidRequest(f"Batch '{batch_id}' has not ended yet: its results are available once it has.",
+                             param=PARAM)
+    return StreamingResponse(_chunks(mb.results(found, stored)), media_type="application/x-jsonl")
+
+
+def _take(lines: Iterator[bytes]) -> bytes:
+    return b"".join(line for _, line in zip(range(RESULT_LINES), lines, strict=False))
+
+
+async def _chunks(lines: Iterator[bytes]) -> AsyncIterator[bytes]:
+    while chunk := await asyncio.to_thread(_take, lines):
+        yield chunk

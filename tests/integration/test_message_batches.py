@@ -1,0 +1,112 @@
+"""Anthropic's Message Batches on the real engine through the official `anthropic` SDK
+(`client.messages.batches.create/retrieve/results/cancel/list/delete`): each result compared with
+the same request made interactively at temperature 0; a second key sees none of it; a cancel of a
+running batch leaves its unrun requests `canceled`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import pytest
+
+from tests.integration.conftest import MODEL, gateway_process
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.gateway_only("Message Batches run on the gateway's own engine")]
+KEYS = ("sk-msgbatch-owner", "sk-msgbatch-other")
+QUESTIONS = ["What is the capital of France?", "Name a colour.", "Say hello.", "What is 2+2?"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    folder = tmp_path_factory.mktemp("message-batches")
+    env = {
+        "GATEWAY_API_KEYS": json.dumps(list(KEYS)), "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_WARMUP": "false",
+        "GATEWAY_ENGINE__ENFORCE_EAGER": "true", "GATEWAY_LOG_FORMAT": "json",
+        "GATEWAY_FILES__DIR": str(folder / "files"), "GATEWAY_BATCHES__DIR": str(folder / "batches"),
+        "GATEWAY_BATCHES__POLL_S": "0.2",
+    }
+    with gateway_process(folder, env) as (started, _):
+        yield started
+
+
+def claude(base: str, key: str = KEYS[0]) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base, api_key=key, max_retries=0, timeout=120)
+
+
+def params(question: str, max_tokens: int = 12) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": question}]}
+
+
+def ended(client: anthropic.Anthropic, batch_id: str, timeout: float = 150) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = client.messages.batches.retrieve(batch_id)
+        if found.processing_status == "ended":
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id}: {found.processing_status}, {found.request_counts}")
+
+
+def test_a_message_batch_answers_as_interactive_requests_do(base: str) -> None:
+    with claude(base) as owner:
+        requests = [{"custom_id": f"q{i}", "params": params(q)} for i, q in enumerate(QUESTIONS)]
+        requests.append({"custom_id": "streamed", "params": {**params("hi"), "stream": True}})
+        batch = owner.messages.batches.create(requests=requests)  # type: ignore[arg-type]
+        assert batch.id.startswith("msgbatch_")
+        assert batch.processing_status == "in_progress"
+        assert batch.request_counts.processing == 5
+        done = ended(owner, batch.id)
+        assert (done.request_counts.succeeded, done.request_counts.errored, done.request_counts.processing) == (4, 1, 0)
+        assert done.results_url is not None
+        assert done.ended_at is not None
+        results = {line.custom_id: line.result for line in owner.messages.batches.results(batch.id)}
+        assert set(results) == {*(f"q{i}" for i in range(len(QUESTIONS))), "streamed"}
+        streamed = results["streamed"]
+        assert streamed.type == "errored"
+        assert streamed.error.error.type == "invalid_request_error"
+        for i, question in enumerate(QUESTIONS):
+            result = results[f"q{i}"]
+            assert result.type == "succeeded", result
+            asked = params(question)  # this SDK's create takes no temperature argument: sent as a body field
+            interactive = owner.messages.create(model=MODEL, max_tokens=asked["max_tokens"], messages=asked["messages"],
+                                                extra_body={"temperature": 0})
+            assert result.message.content == interactive.content
+            assert result.message.usage.input_tokens == interactive.usage.input_tokens
+            assert result.message.stop_reason == interactive.stop_reason
+        assert next(iter(owner.messages.batches.list(limit=10))).id == batch.id
+
+        with claude(base, KEYS[1]) as other:  # a second key sees none of it
+            assert list(other.messages.batches.list()) == []
+            with pytest.raises(anthropic.NotFoundError):
+                other.messages.batches.retrieve(batch.id)
+            with pytest.raises(anthropic.NotFoundError):
+                other.messages.batches.delete(batch.id)
+        assert owner.messages.batches.delete(batch.id).id == batch.id
+        with pytest.raises(anthropic.NotFoundError):
+            owner.messages.batches.retrieve(batch.id)
+
+
+def test_a_running_message_batch_is_canceled(base: str) -> None:
+    with claude(base) as owner:
+        requests = [{"custom_id": f"c{i}", "params": params(QUESTIONS[i % 4], 48)} for i in range(12)]
+        batch = owner.messages.batches.create(requests=requests)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 60
+        while owner.messages.batches.retrieve(batch.id).request_counts.succeeded < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        canceling = owner.messages.batches.cancel(batch.id)
+        assert canceling.processing_status in ("canceling", "ended")
+        assert canceling.cancel_initiated_at is not None
+        done = ended(owner, batch.id, timeout=60)
+        counts = done.request_counts
+        assert counts.canceled > 0
+        assert counts.succeeded + counts.errored + counts.canceled == 12
+        kinds = [line.result.type for line in owner.messages.batches.results(batch.id)]
+        assert len(kinds) == 12
+        assert kinds.count("canceled") == counts.canceled
+        assert kinds.count("succeeded") == counts.succeeded
