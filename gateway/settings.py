@@ -203,6 +203,30 @@ class FilesSettings(BaseModel):
     )
 
 
+class StoreSettings(BaseModel):
+    """Where the batch lane keeps its files and batches (their state, progress and leases): on local
+    disk (`files.dir`, `batches.dir`: a shared volume for replicas), in Redis, or in an S3-compatible
+    bucket. Replicas that share batches share this store; a batch runs on one of them at a time (a lease)."""
+
+    backend: Literal["disk", "redis", "s3"] = Field(
+        "disk", description="disk (files.dir and batches.dir), redis (redis_url) or s3 (s3_bucket at s3_endpoint_url)"
+    )
+    redis_url: str | None = Field(None, description="Redis backend: redis://host:port/db (persistence on: AOF)")
+    redis_prefix: str = Field("llm-gateway:store:", description="Redis backend: prefix of the store's keys")
+    redis_timeout_s: float = Field(10, gt=0, description="Redis backend: a call gives up after this (a 503)")
+    s3_endpoint_url: str | None = Field(
+        None, description="S3 backend: the service's URL (unset: AWS S3 of s3_region); MinIO, Ceph, R2 and others"
+    )
+    s3_bucket: str | None = Field(None, description="S3 backend: the bucket (it must exist)")
+    s3_prefix: str = Field("llm-gateway/", description="S3 backend: prefix of the store's object keys")
+    s3_region: str = Field("us-east-1", description="S3 backend: the region")
+    s3_access_key_id: SecretStr | None = Field(
+        None, description="S3 backend: the access key (unset: the usual AWS_* variables, profile or role)"
+    )
+    s3_secret_access_key: SecretStr | None = Field(None, description="S3 backend: the secret key")
+    s3_timeout_s: float = Field(30, gt=0, description="S3 backend: a call gives up after this (a 503)")
+
+
 class BatchesSettings(BaseModel):
     """The Batches API (`/v1/batches`): batches of a key's uploaded requests run by this gateway's own
     models at the lowest priority, their state and output on local disk, resumed after a restart."""
@@ -377,6 +401,7 @@ class Settings(BaseSettings):
     cache: CacheSettings = Field(default_factory=CacheSettings)
     files: FilesSettings = Field(default_factory=FilesSettings)
     batches: BatchesSettings = Field(default_factory=BatchesSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     structured_output: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)

@@ -1,0 +1,20 @@
+"""The batch lane's store (`stores.blobs`) chosen by `store.backend`: one for the Files API's files and
+one for the Batches API's batches (two directories on disk; two key prefixes in Redis or S3)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from gateway.settings import Settings
+from gateway.stores.blobs import Blobs, DiskBlobs
+from gateway.stores.redis import RedisPools
+
+Part = Literal["files", "batches"]
+
+
+def open_blobs(settings: Settings, pools: RedisPools, part: Part) -> Blobs:
+    """The store of `part` (files or batches) in the configured backend."""
+    store = settings.store
+    if store.backend == "disk":
+        return DiskBlobs.at(settings.files.dir if part == "files" else settings.batches.dir)
+    raise NotImplementedError(f"store.backend {store.backend} is not built yet")

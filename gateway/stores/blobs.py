@@ -1,0 +1,283 @@
+"""Where the batch lane keeps what must outlive a process (the Files API's files, the Batches API's
+batches, their progress and leases): named objects ("blobs") in one of three places, chosen by
+`store.backend` — a local directory (`disk`, the default; `DiskBlobs` here), Redis (`redis`) or an
+S3-compatible bucket (`s3`). `stores.files` and `stores.batches` are written once on top of this
+interface: owners, ids, expiry, progress and leases are decided there, never in a backend, so every
+backend keeps the same boundaries.
+
+Names are `/`-separated segments of `[A-Za-z0-9._-]` (never `.` or `..`), built by the stores from
+hashes and checked ids; a backend may refuse any other name (ValueError).
+
+What every backend guarantees (tests/unit/test_blobs.py checks each against the same cases):
+- `put`, `put_file`: a reader sees the old object or the new one, whole, never a part.
+- `create`: exclusive among every process and replica sharing the store (one of two racing wins).
+- `append`: the bytes are kept once it returns (a crash after it loses nothing); one writer at a time
+  per object (the batch's lease holder), so appends are never interleaved.
+- `open`: the content is fixed when it returns (a delete or replace after it does not change or cut
+  short what is read).
+- `copy`: the copy is independent of the source (deleting the source keeps it).
+- `list`: the names below a prefix, without scanning unrelated objects of the store.
+- Nothing blocks the event loop: blocking work runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import secrets
+import shutil
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
+_TEMPORARY = ".tmp-"  # disk: a name being written (never listed)
+
+
+def check_name(name: str) -> str:
+    """`name` when it is a valid object name (see the module's docstring); else ValueError."""
+    parts = name.split("/")
+    if not all(SEGMENT.fullmatch(p) and p not in (".", "..") and not p.startswith(_TEMPORARY) for p in parts):
+        raise ValueError(f"not an object name: {name!r}")
+    return name
+
+
+@dataclass(slots=True)
+class Opened:
+    """An object opened for reading: its size and its content, chunk by chunk (`aclose` when not read
+    to its end)."""
+
+    size: int
+    chunks: AsyncIterator[bytes]
+
+    async def aclose(self) -> None:
+        closing = getattr(self.chunks, "aclose", None)
+        if closing is not None:
+            await closing()
+
+
+class Blobs(Protocol):
+    """A store of named objects (see the module's docstring for what each call guarantees)."""
+
+    async def get(self, name: str) -> bytes | None:
+        """The whole object (small ones: records, leases, markers); None when there is none."""
+        ...
+
+    async def put(self, name: str, data: bytes) -> None:
+        """`data` as the whole object `name`, replacing any."""
+        ...
+
+    async def create(self, name: str, data: bytes) -> bool:
+        """`data` as the object `name` only if there is none: True when made, False when it existed."""
+        ...
+
+    async def put_file(self, name: str, path: Path) -> int:
+        """The content of the local file `path` as the object `name`, replacing any; its size. The file
+        is the store's afterwards (moved or removed): the caller does not use it again."""
+        ...
+
+    async def append(self, name: str, data: bytes) -> None:
+        """`data` added at the end of `name` (made when missing), kept once this returns."""
+        ...
+
+    async def open(self, name: str, chunk_bytes: int = 256 * 1024) -> Opened | None:
+        """The object for reading, chunk by chunk; None when there is none."""
+        ...
+
+    def local(self, name: str) -> contextlib.AbstractAsyncContextManager[Path | None]:
+        """A local file holding the object's content, for blocking reads in a worker thread (the object
+        itself on disk, else a temporary copy removed on exit); None when there is none. Read only."""
+        ...
+
+    async def copy(self, source: str, target: str) -> bool:
+        """`source`'s content as the object `target` (independent of it); False when `source` is none."""
+        ...
+
+    async def delete(self, *names: str) -> None:
+        """These objects removed (those that are none ignored)."""
+        ...
+
+    async def list(self, prefix: str) -> list[str]:
+        """The names of the objects whose names start with `prefix` (a prefix ending in `/`), any order."""
+        ...
+
+    async def aclose(self) -> None:
+        """Connections closed (at shutdown)."""
+        ...
+
+
+@dataclass(slots=True, frozen=True)
+class DiskBlobs:
+    """Objects as files below a directory (a shared volume for replicas): writes go to a temporary name
+    and are renamed in place; `create` is O_CREAT|O_EXCL; appends are flushed and fsynced."""
+
+    root: Path
+
+    @classmethod
+    def at(cls, directory: Path) -> DiskBlobs:
+        return cls(directory.expanduser())
+
+    def _path(self, name: str) -> Path:
+        return self.root / check_name(name)
+
+    def _temporary(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.with_name(f"{_TEMPORARY}{secrets.token_hex(8)}-{path.name}")
+
+    async def get(self, name: str) -> bytes | None:
+        path = self._path(name)
+
+        def read() -> bytes | None:
+            try:
+                return path.read_bytes()
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+
+        return await asyncio.to_thread(read)
+
+    async def put(self, name: str, data: bytes) -> None:
+        path = self._path(name)
+
+        def write() -> None:
+            temporary = self._temporary(path)
+            try:
+                with temporary.open("wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(temporary, path)
+            except BaseException:
+                temporary.unlink(missing_ok=True)
+                raise
+
+        await asyncio.to_thread(write)
+
+    async def create(self, name: str, data: bytes) -> bool:
+        path = self._path(name)
+
+        def make() -> bool:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = self._temporary(path)
+            with temporary.open("wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            try:
+                os.link(temporary, path)  # fails when `path` exists: whole content or nothing, exclusively
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                temporary.unlink(missing_ok=True)
+
+        return await asyncio.to_thread(make)
+
+    async def put_file(self, name: str, path: Path) -> int:
+        target = self._path(name)
+
+        def move() -> int:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            size = path.stat().st_size
+            try:
+                os.replace(path, target)  # the same disk: a rename
+            except OSError:  # another disk: copied to a temporary name beside the target, renamed
+                temporary = self._temporary(target)
+                shutil.copyfile(path, temporary)
+                os.replace(temporary, target)
+                path.unlink(missing_ok=True)
+            return size
+
+        return await asyncio.to_thread(move)
+
+    async def append(self, name: str, data: bytes) -> None:
+        path = self._path(name)
+
+        def add() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("ab") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+
+        await asyncio.to_thread(add)
+
+    async def open(self, name: str, chunk_bytes: int = 256 * 1024) -> Opened | None:
+        path = self._path(name)
+
+        def opened() -> tuple[int, BinaryIO] | None:
+            try:
+                file = path.open("rb")
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            return os.fstat(file.fileno()).st_size, file
+
+        found = await asyncio.to_thread(opened)
+        if found is None:
+            return None
+        size, file = found
+        return Opened(size, _read_chunks(file, chunk_bytes))
+
+    @contextlib.asynccontextmanager
+    async def local(self, name: str) -> AsyncIterator[Path | None]:
+        path = self._path(name)
+        yield path if await asyncio.to_thread(path.is_file) else None
+
+    async def copy(self, source: str, target: str) -> bool:
+        source_path, target_path = self._path(source), self._path(target)
+
+        def link() -> bool:
+            temporary = self._temporary(target_path)
+            try:
+                os.link(source_path, temporary)  # the same inode: a delete of the source keeps it
+            except FileNotFoundError:
+                return False
+            except OSError:
+                try:
+                    shutil.copyfile(source_path, temporary)
+                except FileNotFoundError:
+                    return False
+            os.replace(temporary, target_path)
+            return True
+
+        return await asyncio.to_thread(link)
+
+    async def delete(self, *names: str) -> None:
+        paths = [self._path(name) for name in names]
+
+        def remove() -> None:
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    path.unlink()  # its directory stays: a writer may be making a file in it right now
+
+        await asyncio.to_thread(remove)
+
+    async def list(self, prefix: str) -> list[str]:
+        directory = prefix.rpartition("/")[0]
+        base = self.root / check_name(directory) if directory else self.root
+
+        def walk() -> list[str]:
+            names = []
+            for top, dirs, files in os.walk(base):
+                relative = Path(top).relative_to(self.root)
+                dirs[:] = [d for d in dirs if not d.startswith(_TEMPORARY)]
+                for file in files:
+                    name = (relative / file).as_posix()
+                    if not file.startswith(_TEMPORARY) and name.startswith(prefix):
+                        names.append(name)
+            return names
+
+        return await asyncio.to_thread(walk)
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def _read_chunks(file: BinaryIO, chunk_bytes: int) -> AsyncIterator[bytes]:
+    try:
+        while chunk := await asyncio.to_thread(file.read, chunk_bytes):
+            yield chunk
+    finally:
+        await asyncio.to_thread(file.close)
