@@ -226,6 +226,12 @@ class StoreSettings(BaseModel):
     s3_secret_access_key: SecretStr | None = Field(None, description="S3 backend: the secret key")
     s3_timeout_s: float = Field(30, gt=0, description="S3 backend: a call gives up after this (a 503)")
 
+    @model_validator(mode="after")
+    def _redis_needs_its_url(self) -> StoreSettings:
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("store.backend redis needs store.redis_url (redis://host:port/db)")
+        return self
+
 
 class BatchesSettings(BaseModel):
     """The Batches API (`/v1/batches`): batches of a key's uploaded requests run by this gateway's own

@@ -7,6 +7,7 @@ from typing import Literal
 
 from gateway.settings import Settings
 from gateway.stores.blobs import Blobs, DiskBlobs
+from gateway.stores.blobs_redis import RedisBlobs
 from gateway.stores.redis import RedisPools
 
 Part = Literal["files", "batches"]
@@ -17,4 +18,6 @@ def open_blobs(settings: Settings, pools: RedisPools, part: Part) -> Blobs:
     store = settings.store
     if store.backend == "disk":
         return DiskBlobs.at(settings.files.dir if part == "files" else settings.batches.dir)
+    if store.backend == "redis" and store.redis_url is not None:  # the URL: checked by StoreSettings
+        return RedisBlobs(pools.client(store.redis_url, store.redis_timeout_s), f"{store.redis_prefix}{part}:")
     raise NotImplementedError(f"store.backend {store.backend} is not built yet")

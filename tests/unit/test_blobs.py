@@ -5,22 +5,41 @@ listing by prefix, names checked)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import secrets
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from gateway.stores.blobs import Blobs, DiskBlobs
+from gateway.stores.blobs_redis import RedisBlobs
+from gateway.stores.redis import RedisPools
+from tests.redis_server import RedisServer
 
-BACKENDS = ["disk"]
+BACKENDS = ["disk", "redis"]
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One redis-server for the module's tests (each test's keys under a prefix of its own)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(params=BACKENDS)
 async def blobs(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Blobs]:
-    makers: dict[str, Callable[[], Blobs]] = {"disk": lambda: DiskBlobs.at(tmp_path / "store")}
+    pools = RedisPools()
+
+    def on_redis() -> Blobs:
+        server: RedisServer = request.getfixturevalue("redis_server")  # started only for this backend
+        return RedisBlobs(pools.client(server.url, 5), f"test-{secrets.token_hex(4)}:files:")
+
+    makers: dict[str, Callable[[], Blobs]] = {"disk": lambda: DiskBlobs.at(tmp_path / "store"), "redis": on_redis}
     store = makers[request.param]()
     yield store
     await store.aclose()
+    await pools.aclose()
 
 
 async def _read(blobs: Blobs, name: str) -> bytes | None:

@@ -1,0 +1,243 @@
+"""The batch lane's store (`stores.blobs`) in Redis (`store.backend: redis`), over the process's shared
+connection pools (`stores.redis`). Each part (files, batches) keeps its keys below a base of its own,
+`store.redis_prefix` + part + `:`, so the two parts, the cache and the limits never share a key:
+
+    <base>o:<name>      an object's content (a string; Redis keeps strings up to 512 MB)
+    <base>index         every object's name, in one sorted set ordered by name (all scores 0)
+    <base>tmp:<hex>     an upload being written, or a snapshot being read (expiring: never listed)
+
+How each guarantee of `Blobs` is kept:
+- Every write changes the object and the index together (one MULTI, or one Lua script where a step
+  depends on another), so the index lists exactly the objects there are. `list(prefix)` is one
+  ZRANGEBYLEX of the names starting with the prefix: the objects below `pending/` or an owner's folder
+  are found without reading any other name (one index rather than one per folder: a lexical range
+  is a folder and everything below it).
+- `put` is a SET and `create` a SET NX (exclusive for every replica on this Redis). `put_file`
+  streams the local file in chunks: APPENDs into a temporary key, renamed onto the name at the end,
+  so a reader sees the old object or the whole new one and the gateway never holds the file at once.
+- `append` is an APPEND, kept by Redis once it returns. A crash of the gateway loses nothing; a crash
+  of Redis itself loses what its persistence had not written: run Redis with AOF (`appendonly yes`;
+  `appendfsync always` loses nothing, `everysec` at most the last second, and Redis restarts from a
+  prefix of its history, so a batch resumes at an earlier line and answers each line once still).
+  No WAIT for replicas of Redis: a failover to a replica that lagged behaves as that crash does.
+- `open` reads an object of one chunk at once; a larger one is first copied (COPY, Redis 6.2 or later)
+  to an expiring snapshot in the same script that reads its size, then read from the snapshot with
+  GETRANGE: a delete, replace or append after `open` returns changes nothing of what is read. The
+  snapshot costs memory the object's size while it is read; its expiry, renewed with each chunk,
+  reclaims one whose reader went away, and a reader that stalled past it gets an error, never a
+  short read. `local` downloads the same way into a temporary file.
+- Every Redis call is bounded by `store.redis_timeout_s`; a Redis that is down or slow raises
+  `BlobsUnavailable` (the API's 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import tempfile
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import structlog
+
+from gateway.stores.blobs import BlobsUnavailable, Opened, check_name
+from gateway.stores.redis import ERRORS, Client
+
+T = TypeVar("T")
+log = structlog.get_logger(__name__)
+
+WRITE_CHUNK_BYTES = 1024 * 1024  # put_file: the most of a local file held at once
+TEMPORARY_TTL_MS = 10 * 60 * 1000  # an upload or snapshot left behind expires this long after its last chunk
+
+_OPEN = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local size = redis.call('STRLEN', KEYS[1])
+if size <= tonumber(ARGV[1]) then return {size, redis.call('GET', KEYS[1])} end
+redis.call('COPY', KEYS[1], KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return {size}
+"""
+_COPY = """
+if redis.call('COPY', KEYS[1], KEYS[2], 'REPLACE') == 0 then return 0 end
+redis.call('ZADD', KEYS[3], 0, ARGV[1])
+return 1
+"""
+_MOVE_IN = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('RENAME', KEYS[1], KEYS[2])
+redis.call('PERSIST', KEYS[2])
+redis.call('ZADD', KEYS[3], 0, ARGV[1])
+return 1
+"""
+
+
+class RedisBlobs:
+    """Objects in Redis below `base` (see the module's docstring for the keys and the guarantees)."""
+
+    def __init__(self, client: Client, base: str) -> None:
+        self._client, self._base = client, base
+        self._redis = client.redis
+        self._index = f"{base}index"
+        self._open, self._copy, self._move_in = (self._redis.register_script(s) for s in (_OPEN, _COPY, _MOVE_IN))
+        self._durability_checked = False
+
+    def _key(self, name: str) -> str:
+        return f"{self._base}o:{check_name(name)}"
+
+    def _temporary(self) -> str:
+        return f"{self._base}tmp:{secrets.token_hex(12)}"
+
+    async def _call(self, call: Awaitable[T]) -> T:
+        """`call` bounded by the store's timeout; a Redis down or slow: BlobsUnavailable."""
+        try:
+            result = await self._client.bounded(call)
+        except ERRORS as exc:
+            raise BlobsUnavailable(f"the store's Redis is unavailable: {exc}") from exc
+        if not self._durability_checked:
+            self._durability_checked = True
+            await self._check_durability()
+        return result
+
+    async def _check_durability(self) -> None:
+        """A warning, once, when Redis keeps nothing on disk: its restart would lose every batch."""
+        with contextlib.suppress(*ERRORS):  # INFO may be refused (a managed Redis): no warning then
+            info = await self._client.bounded(self._redis.info("persistence"))
+            if not info.get("aof_enabled"):
+                log.warning("store_redis_not_durable", advice="run Redis with appendonly yes (AOF)")
+
+    async def _transaction(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """These commands (name, arguments...) as one MULTI/EXEC; their results."""
+        pipe = self._redis.pipeline(transaction=True)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(await self._call(pipe.execute()))
+
+    async def get(self, name: str) -> bytes | None:
+        return cast(bytes | None, await self._call(self._redis.get(self._key(name))))
+
+    async def put(self, name: str, data: bytes) -> None:
+        await self._transaction(("SET", self._key(name), data), ("ZADD", self._index, 0, name))
+
+    async def create(self, name: str, data: bytes) -> bool:
+        # indexed either way: when SET NX fails the object exists, so the name belongs in the index
+        made, _ = await self._transaction(("SET", self._key(name), data, "NX"), ("ZADD", self._index, 0, name))
+        return bool(made)
+
+    async def put_file(self, name: str, path: Path) -> int:
+        key, temporary = self._key(name), self._temporary()
+        try:
+            size = await self._upload(path, temporary)
+            if not await self._call(self._move_in(keys=[temporary, key, self._index], args=[name])):
+                raise BlobsUnavailable(f"the upload of {name} expired in Redis before it was complete")
+            return size
+        except BaseException:
+            with contextlib.suppress(BlobsUnavailable):
+                await self._call(self._redis.delete(temporary))
+            raise
+        finally:
+            await asyncio.to_thread(path.unlink, missing_ok=True)
+
+    async def _upload(self, path: Path, temporary: str) -> int:
+        """The local file's content into the expiring key `temporary`, a chunk at a time; its size."""
+        await self._transaction(("SET", temporary, b"", "PX", TEMPORARY_TTL_MS))
+        size = 0
+        with path.open("rb") as file:
+            while chunk := await asyncio.to_thread(file.read, WRITE_CHUNK_BYTES):
+                await self._transaction(("APPEND", temporary, chunk), ("PEXPIRE", temporary, TEMPORARY_TTL_MS))
+                size += len(chunk)
+        return size
+
+    async def append(self, name: str, data: bytes) -> None:
+        await self._transaction(("APPEND", self._key(name), data), ("ZADD", self._index, 0, name))
+
+    async def open(self, name: str, chunk_bytes: int = 256 * 1024) -> Opened | None:
+        snapshot = self._temporary()
+        found = await self._call(self._open(keys=[self._key(name), snapshot], args=[chunk_bytes, TEMPORARY_TTL_MS]))
+        if found is None:
+            return None
+        size = int(found[0])
+        if len(found) > 1:
+            return Opened(size, _whole(bytes(found[1])))
+        return Opened(size, _SnapshotReader(self, snapshot, size, chunk_bytes))
+
+    @contextlib.asynccontextmanager
+    async def local(self, name: str) -> AsyncIterator[Path | None]:
+        opened = await self.open(name, WRITE_CHUNK_BYTES)
+        if opened is None:
+            yield None
+            return
+        descriptor, temporary = tempfile.mkstemp(prefix="llm-gateway-blob-")
+        path = Path(temporary)
+        try:
+            with os.fdopen(descriptor, "wb") as out:
+                try:
+                    async for chunk in opened.chunks:
+                        await asyncio.to_thread(out.write, chunk)
+                finally:
+                    await opened.aclose()
+            yield path
+        finally:
+            await asyncio.to_thread(path.unlink, missing_ok=True)
+
+    async def copy(self, source: str, target: str) -> bool:
+        keys = [self._key(source), self._key(target), self._index]
+        return bool(await self._call(self._copy(keys=keys, args=[target])))
+
+    async def delete(self, *names: str) -> None:
+        if names:
+            keys = [self._key(name) for name in names]
+            await self._transaction(("DEL", *keys), ("ZREM", self._index, *names))
+
+    async def list(self, prefix: str) -> list[str]:
+        directory = prefix.rpartition("/")[0]
+        if directory:
+            check_name(directory)
+        low, high = (b"[" + prefix.encode(), b"(" + prefix.encode() + b"\xff") if prefix else (b"-", b"+")
+        names = cast(list[bytes], await self._call(self._redis.zrangebylex(self._index, low, high)))
+        return [name.decode() for name in names]
+
+    async def aclose(self) -> None:
+        """Nothing of its own to close: the pools are the process's (`RedisPools.aclose`)."""
+
+
+class _SnapshotReader:
+    """A snapshot's content, a GETRANGE at a time (its expiry renewed with each), removed once read to
+    its end or closed (a reader that never closes it leaves it to its expiry)."""
+
+    def __init__(self, blobs: RedisBlobs, snapshot: str, size: int, chunk_bytes: int) -> None:
+        self._blobs, self._snapshot, self._size, self._chunk_bytes = blobs, snapshot, size, chunk_bytes
+        self._offset, self._closed = 0, False
+
+    def __aiter__(self) -> _SnapshotReader:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._closed or self._offset >= self._size:
+            await self.aclose()
+            raise StopAsyncIteration
+        last = min(self._offset + self._chunk_bytes, self._size) - 1
+        try:
+            chunk, _ = await self._blobs._transaction(
+                ("GETRANGE", self._snapshot, self._offset, last), ("PEXPIRE", self._snapshot, TEMPORARY_TTL_MS)
+            )
+            if len(chunk) != last - self._offset + 1:
+                raise BlobsUnavailable("an object being read expired in Redis (its reader stalled too long)")
+        except BaseException:
+            await self.aclose()
+            raise
+        self._offset = last + 1
+        return bytes(chunk)
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(BlobsUnavailable):
+                await self._blobs._call(self._blobs._redis.delete(self._snapshot))
+
+
+async def _whole(data: bytes) -> AsyncIterator[bytes]:
+    if data:
+        yield data
