@@ -133,9 +133,10 @@ class RedisBlobs:
             if not await self._call(self._move_in(keys=[temporary, key, self._index], args=[name])):
                 raise BlobsUnavailable(f"the upload of {name} expired in Redis before it was complete")
             return size
-        except BaseException:
-            with contextlib.suppress(BlobsUnavailable):
-                await self._call(self._redis.delete(temporary))
+        except Exception as exc:
+            if not isinstance(exc, BlobsUnavailable):  # Redis is up: the part uploaded goes now, not at its expiry
+                with contextlib.suppress(BlobsUnavailable):
+                    await self._call(self._redis.delete(temporary))
             raise
         finally:
             await asyncio.to_thread(path.unlink, missing_ok=True)
@@ -226,7 +227,7 @@ class _SnapshotReader:
             if len(chunk) != last - self._offset + 1:
                 raise BlobsUnavailable("an object being read expired in Redis (its reader stalled too long)")
         except BaseException:
-            await self.aclose()
+            self._closed = True  # Redis down or the reader cancelled: the snapshot is left to its expiry
             raise
         self._offset = last + 1
         return bytes(chunk)
