@@ -20,6 +20,7 @@ How each guarantee of `Blobs` is kept:
   `appendfsync always` loses nothing, `everysec` at most the last second, and Redis restarts from a
   prefix of its history, so a batch resumes at an earlier line and answers each line once still).
   No WAIT for replicas of Redis: a failover to a replica that lagged behaves as that crash does.
+  The first call that reaches Redis logs a warning when it has no AOF or may evict keys.
 - `open` reads an object of one chunk at once; a larger one is first copied (COPY, Redis 6.2 or later)
   to an expiring snapshot in the same script that reads its size, then read from the snapshot with
   GETRANGE: a delete, replace or append after `open` returns changes nothing of what is read. The
@@ -102,11 +103,18 @@ class RedisBlobs:
         return result
 
     async def _check_durability(self) -> None:
-        """A warning, once, when Redis keeps nothing on disk: its restart would lose every batch."""
+        """A warning, once, when Redis would lose the store: nothing kept on disk (a restart of Redis
+        loses every file and batch), or keys evicted when its memory is full (files, leases dropped)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.execute_command("INFO", "persistence")
+        pipe.execute_command("INFO", "memory")
         with contextlib.suppress(*ERRORS):  # INFO may be refused (a managed Redis): no warning then
-            info = await self._client.bounded(self._redis.info("persistence"))
-            if not info.get("aof_enabled"):
+            persistence, memory = await self._client.bounded(pipe.execute())
+            if not persistence.get("aof_enabled"):
                 log.warning("store_redis_not_durable", advice="run Redis with appendonly yes (AOF)")
+            if memory.get("maxmemory_policy", "noeviction") != "noeviction":
+                log.warning("store_redis_evicts", maxmemory_policy=memory["maxmemory_policy"],
+                            advice="give the store a Redis with maxmemory-policy noeviction")
 
     async def _transaction(self, *commands: tuple[Any, ...]) -> list[Any]:
         """These commands (name, arguments...) as one MULTI/EXEC; their results."""

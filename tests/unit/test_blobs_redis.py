@@ -243,13 +243,15 @@ async def test_two_replicas_racing_to_create_one_wins(redis_server: RedisServer)
             await pools.aclose()
 
 
-async def test_a_redis_without_persistence_is_warned_of_once(redis_server: RedisServer, pools: RedisPools) -> None:
+async def test_a_redis_that_would_lose_the_store_is_warned_of_once(redis_server: RedisServer, pools: RedisPools) -> None:
     client = pools.client(redis_server.url, 5)
+    await client.redis.config_set("maxmemory-policy", "allkeys-lru")  # a cache's Redis
     with structlog.testing.capture_logs() as logs:
         blobs = RedisBlobs(client, BASE)
         await blobs.put("a", b"x")
         await blobs.get("a")
-    assert [line["event"] for line in logs] == ["store_redis_not_durable"]
+    assert [line["event"] for line in logs] == ["store_redis_not_durable", "store_redis_evicts"]
+    await client.redis.config_set("maxmemory-policy", "noeviction")
     await client.redis.config_set("appendonly", "yes")
     try:
         with structlog.testing.capture_logs() as logs:
