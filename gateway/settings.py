@@ -226,6 +226,15 @@ class StoreSettings(BaseModel):
     s3_secret_access_key: SecretStr | None = Field(None, description="S3 backend: the secret key")
     s3_timeout_s: float = Field(30, gt=0, description="S3 backend: a call gives up after this (a 503)")
 
+    @model_validator(mode="after")
+    def _s3_is_complete(self) -> StoreSettings:
+        if self.backend == "s3" and not self.s3_bucket:
+            raise ValueError("store.backend s3 needs store.s3_bucket (an existing bucket)")
+        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
+            raise ValueError("store.s3_access_key_id and store.s3_secret_access_key go together (or neither: "
+                             "boto3's usual credentials)")
+        return self
+
 
 class BatchesSettings(BaseModel):
     """The Batches API (`/v1/batches`): batches of a key's uploaded requests run by this gateway's own
