@@ -18,7 +18,9 @@ def open_blobs(settings: Settings, pools: RedisPools, part: Part) -> Blobs:
     if store.backend == "disk":
         return DiskBlobs.at(settings.files.dir if part == "files" else settings.batches.dir)
     if store.backend == "s3":
-        from gateway.stores.blobs_s3 import S3Blobs  # boto3 (the `s3` extra) only where it is used
-
+        try:  # boto3 (the `s3` extra) only where it is used
+            from gateway.stores.blobs_s3 import S3Blobs
+        except ImportError as exc:
+            raise ValueError("store.backend s3 needs boto3: pip install 'llm-gateway[s3]'") from exc
         return S3Blobs.from_settings(store, part)
     raise NotImplementedError(f"store.backend {store.backend} is not built yet")
