@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 APPENDS = "appends"  # the base's metadata naming its generation of parts
+CREATED_BY = "created-by"  # metadata of an object made by `create`: a token of that call
 PARTS = "~/"  # below the store's root: the parts of appended objects
 ATTEMPTS = 3  # requests tried at most (botocore), and reads or appends tried again when raced
 PART_READERS = 8  # parts of an appended object fetched at once
@@ -74,6 +75,17 @@ Keys = list[str]  # (`list` is also a method of the store)
 
 class _Changed(Exception):
     """The object was replaced or deleted while its parts were read."""
+
+
+@dataclass(slots=True, frozen=True)
+class _Head:
+    etag: str
+    metadata: dict[str, str]
+
+    @property
+    def generation(self) -> str | None:
+        """The generation of its parts (an appended object's base); None for a plain object."""
+        return self.metadata.get(APPENDS)
 
 
 def _status(exc: ClientError) -> int:
@@ -256,27 +268,30 @@ class S3Blobs:
     # blocking work, in a worker thread
 
     def _create(self, key: str, data: bytes, metadata: dict[str, str] | None = None) -> bool:
+        """`data` at `key` unless it exists. A token of this call goes with it: when botocore tried again
+        after an answer was lost, the 412 of the second try is our own first write, not another's."""
+        token = secrets.token_hex(8)
         for _ in range(ATTEMPTS):
             try:
                 self.client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*",
-                                       Metadata=metadata or {})
+                                       Metadata={**(metadata or {}), CREATED_BY: token})
                 return True
             except ClientError as exc:
                 if _status(exc) == 412:
-                    return False
+                    head = self._head(key)
+                    return head is not None and head.metadata.get(CREATED_BY) == token
                 if _status(exc) != 409:  # 409: a concurrent conditional write in progress; AWS says try again
                     raise
         raise BlobsUnavailable("The S3 store kept answering a conditional write with a conflict (409).")
 
-    def _head(self, key: str) -> tuple[str, str | None] | None:
-        """The object's ETag and generation of parts; None when there is none."""
+    def _head(self, key: str) -> _Head | None:
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=key)
         except ClientError as exc:
             if _missing(exc):
                 return None
             raise
-        return head["ETag"], head.get("Metadata", {}).get(APPENDS)
+        return _Head(head["ETag"], head.get("Metadata", {}))
 
     def _fetch(self, name: str, key: str, sink: IO[bytes]) -> bool:
         """The whole object written to `sink`, one version of it; False when there is none."""
@@ -299,7 +314,7 @@ class S3Blobs:
             except _Changed:
                 continue
             head = self._head(key)
-            if head is not None and head[1] == generation:  # not replaced meanwhile: those were its parts
+            if head is not None and head.generation == generation:  # not replaced meanwhile: those were its parts
                 return True
         raise BlobsUnavailable(f"The S3 store's object {name} kept changing while it was read.")
 
@@ -338,8 +353,8 @@ class S3Blobs:
         """The generation of `name`'s parts, the base made or marked with a new one when it has none."""
         for _ in range(ATTEMPTS):
             head = self._head(key)
-            if head is not None and head[1] is not None:
-                return head[1]
+            if head is not None and head.generation is not None:
+                return head.generation
             generation = secrets.token_hex(8)
             if head is None:
                 if not self._create(key, b"", {APPENDS: generation}):
@@ -348,7 +363,7 @@ class S3Blobs:
                 try:
                     self.client.copy_object(
                         Bucket=self.bucket, Key=key, CopySource={"Bucket": self.bucket, "Key": key},
-                        CopySourceIfMatch=head[0], Metadata={APPENDS: generation}, MetadataDirective="REPLACE",
+                        CopySourceIfMatch=head.etag, Metadata={APPENDS: generation}, MetadataDirective="REPLACE",
                     )
                 except ClientError as exc:
                     if _missing(exc) or _status(exc) == 412:
@@ -368,7 +383,7 @@ class S3Blobs:
             head = self._head(source_key)
             if head is None:
                 return False
-            if head[1] is not None:  # appended: assembled here, uploaded as one object
+            if head.generation is not None:  # appended: assembled here, uploaded as one object
                 with tempfile.TemporaryFile(prefix=TEMPORARY) as file:
                     if not self._fetch(source, source_key, file):
                         return False
@@ -378,7 +393,7 @@ class S3Blobs:
             try:
                 self.client.copy_object(
                     Bucket=self.bucket, Key=target_key, CopySource={"Bucket": self.bucket, "Key": source_key},
-                    CopySourceIfMatch=head[0], MetadataDirective="REPLACE",
+                    CopySourceIfMatch=head.etag, MetadataDirective="REPLACE",
                 )
                 return True
             except ClientError as exc:

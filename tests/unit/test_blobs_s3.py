@@ -130,6 +130,34 @@ async def test_copy_of_an_appended_object_is_one_object(blobs: S3Blobs, bucket: 
     assert _keys(bucket) == [f"{PREFIX}batches/files/o/out"]
 
 
+def _answer_lost_once(blobs: S3Blobs) -> None:
+    """The next conditional PutObject that succeeds is sent again, as botocore does when its answer is lost."""
+    sent: list[bool] = []
+
+    def again(request_dict: dict[str, Any], response: Any, **_: Any) -> int | None:
+        ok = response is not None and response[0].status_code == 200
+        if not sent and ok and request_dict["headers"].get("If-None-Match") == "*":
+            sent.append(True)
+            return 0  # try again at once
+        return None
+
+    blobs.client.meta.events.register("needs-retry.s3.PutObject", again)
+
+
+async def test_a_create_whose_answer_was_lost_is_still_ours(blobs: S3Blobs) -> None:
+    _answer_lost_once(blobs)
+    assert await blobs.create("lease.1", b"me") is True  # the second try's 412 is our own first write
+    assert await blobs.create("lease.1", b"me") is False
+
+
+async def test_an_append_whose_answer_was_lost_is_kept_once(blobs: S3Blobs) -> None:
+    await blobs.append("b/output", b"1\n")
+    _answer_lost_once(blobs)
+    await blobs.append("b/output", b"2\n")
+    await blobs.append("b/output", b"3\n")
+    assert await blobs.get("b/output") == b"1\n2\n3\n"  # not the line written twice
+
+
 def _after_get(blobs: S3Blobs, action: Any, parts: bool = False) -> None:
     """`action` once, as soon as the store's first GET (of a part, with `parts`) has its answer's head."""
     done: list[bool] = []
