@@ -8,11 +8,14 @@ of the store lives outside `<s3_prefix><part>/`. Each guarantee of `stores.blobs
   shows the new object only once it is whole.
 - `create`: PutObject with `If-None-Match: *` (a 412 when the key exists: False). The service must
   honour conditional writes (AWS S3 since 2024, MinIO, R2); one that ignores the header breaks leases.
+  The object carries a token of the call (metadata `created-by`): when botocore sent it again after
+  losing the answer, the second try's 412 is recognised as the first try's write, not another's.
 - `append`: S3 objects are immutable, so an appended object is a base object plus part objects, one
   per append, read back in order. The base carries a generation (metadata `appends`, a random token);
   its parts are `<part>/~/<name>/~<generation>/<number>`, outside every name's prefix (`~` is in no
-  name). An append makes part n+1 with `create`, so two writers cannot both write part n+1; it reads
-  the base's generation first (a HEAD), so a part always joins the object as it is now. The first
+  name). An append makes part n+1 with `create`, so two writers cannot both write part n+1 (n is
+  remembered from the last append here, else counted with a LIST; a 412 counts again); it reads the
+  base's generation first (a HEAD), so a part always joins the object as it is now. The first
   append to a plain object copies it in place with a new generation (CopyObject, server side), and
   removes the parts of older generations. `put` writes a plain base: the parts of the generation it
   replaced are no longer read (and are removed at the next new generation or at `delete`), so
@@ -25,6 +28,7 @@ of the store lives outside `<s3_prefix><part>/`. Each guarantee of `stores.blobs
   system's temporary directory), so what they read is fixed when they return.
 - `copy`: CopyObject conditional on the source's ETag (a plain object, up to S3's 5 GB for one copy);
   an appended object is assembled locally and uploaded as one plain object.
+- `delete`: DeleteObjects for the names, then for the parts of each (a LIST per name).
 - `list`: ListObjectsV2 below the prefix, paged; part objects are not below any name's prefix.
 
 Every request gives up after `store.s3_timeout_s` (connect and read timeouts of a third of it, three
