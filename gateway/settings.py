@@ -232,6 +232,15 @@ class StoreSettings(BaseModel):
             raise ValueError("store.backend redis needs store.redis_url (redis://host:port/db)")
         return self
 
+    @model_validator(mode="after")
+    def _s3_is_complete(self) -> StoreSettings:
+        if self.backend == "s3" and not self.s3_bucket:
+            raise ValueError("store.backend s3 needs store.s3_bucket (an existing bucket)")
+        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
+            raise ValueError("store.s3_access_key_id and store.s3_secret_access_key go together (or neither: "
+                             "boto3's usual credentials)")
+        return self
+
 
 class BatchesSettings(BaseModel):
     """The Batches API (`/v1/batches`): batches of a key's uploaded requests run by this gateway's own

@@ -1,6 +1,7 @@
 """Every backend of `stores.blobs` against the same cases: what `stores.files` and `stores.batches`
 rely on (atomic replace, exclusive create, durable append, open fixed at open, independent copy,
-listing by prefix, names checked)."""
+listing by prefix, names checked). The S3 backend runs against moto's S3 server (tests/s3_server.py),
+one for the session, a bucket per test."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from gateway.stores.blobs_redis import RedisBlobs
 from gateway.stores.redis import RedisPools
 from tests.redis_server import RedisServer
 
-BACKENDS = ["disk", "redis"]
+BACKENDS = ["disk", "redis", "s3"]
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.stop()
 
 
+def _s3() -> Blobs:
+    from gateway.settings import StoreSettings
+    from gateway.stores.blobs_s3 import S3Blobs
+    from tests.s3_server import shared
+
+    server = shared()
+    store = StoreSettings(backend="s3", s3_endpoint_url=server.url, s3_bucket=server.bucket(), s3_prefix="gw/",
+                          s3_access_key_id="test", s3_secret_access_key="test", s3_timeout_s=10)
+    return S3Blobs.from_settings(store, "batches")
+
+
 @pytest.fixture(params=BACKENDS)
 async def blobs(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Blobs]:
     pools = RedisPools()
@@ -35,7 +47,8 @@ async def blobs(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         server: RedisServer = request.getfixturevalue("redis_server")  # started only for this backend
         return RedisBlobs(pools.client(server.url, 5), f"test-{secrets.token_hex(4)}:files:")
 
-    makers: dict[str, Callable[[], Blobs]] = {"disk": lambda: DiskBlobs.at(tmp_path / "store"), "redis": on_redis}
+    makers: dict[str, Callable[[], Blobs]] = {"disk": lambda: DiskBlobs.at(tmp_path / "store"), "redis": on_redis,
+                                             "s3": _s3}
     store = makers[request.param]()
     yield store
     await store.aclose()

@@ -82,8 +82,10 @@ def test_every_flag_sets_its_setting_and_only_that(option: Any) -> None:
 def test_flags_are_unique_and_secrets_have_none() -> None:
     flags = [o.flag for o in options() if o.flag]
     assert len(flags) == len(set(flags))
-    assert {o.name for o in options() if o.flag is None} == {"api_keys", "admin_keys", "key_id_secret", "tls.key_password",
-                                                               "store.s3_access_key_id", "store.s3_secret_access_key"}
+    assert {o.name for o in options() if o.flag is None} == {
+        "api_keys", "admin_keys", "key_id_secret", "tls.key_password", "store.s3_access_key_id",
+        "store.s3_secret_access_key",
+    }
 
 
 def test_flags_override_the_environment_and_nested_settings_merge(monkeypatch) -> None:
