@@ -79,4 +79,4 @@ async def cancel(request: Request) -> Response:
     batch_id = request.path_params["batch_id"]
     cancelling = await _mine(request).cancel(batch_id)
     state_of(request).batch_runner.cancel(batch_id)
-    return json_response(cancelling)
+    return json_response(cancelling.batch)

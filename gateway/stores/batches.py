@@ -164,6 +164,9 @@ class BatchObjects:
         raw = await self.blobs.get(self.name(RECORD))
         return None if raw is None else _merge_cancel(StoredBatch.model_validate_json(raw), await self.cancel_asked())
 
+    async def exists(self) -> bool:
+        return await self.blobs.get(self.name(RECORD)) is not None
+
     async def read(self) -> StoredBatch:
         """The batch as `load` reads it; a 404 when there is none."""
         stored = await self.load()
@@ -262,7 +265,7 @@ class BatchStore:
         """An entry without a record: a create in progress, or one that crashed (removed once old)."""
         raw = await self.blobs.get(batch.entry)
         made = orjson.loads(raw).get("created", 0) if raw else 0
-        if made + ORPHAN_S < time.time() and await batch.load() is None:
+        if made + ORPHAN_S < time.time() and not await batch.exists():
             await self.blobs.delete(batch.entry, *await self.blobs.list(batch.prefix))
 
     async def index_unlisted(self) -> int:
@@ -422,7 +425,7 @@ class Lease:
     async def release(self) -> None:
         """Expired at once, so that another replica may take the batch now (a clean shutdown); nothing
         when the batch is gone (a Message Batch deleted as soon as it ended)."""
-        if await self.held() and await self.batch.load() is not None:
+        if await self.held() and await self.batch.exists():
             await self.batch.blobs.put(self.name, self._content(expires=0))
 
 
