@@ -244,7 +244,8 @@ class BatchRun:
             return "completed"
         if not watcher.cancelled() and watcher.exception() is None:
             return watcher.result()
-        raise (feeder.exception() or watcher.exception() or RuntimeError("batch run stopped"))
+        failed = [task.exception() for task in (feeder, watcher) if not task.cancelled()]  # the other was cancelled
+        raise next((exc for exc in failed if exc is not None), RuntimeError("batch run stopped"))
 
     async def _feed(self) -> None:
         """Every line not answered yet, each once a slot is free; then the last ones awaited (the input
