@@ -23,6 +23,7 @@ that is down is a `StoreUnavailable` (503, `stores.guarded`).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import secrets
@@ -156,7 +157,7 @@ class OwnedFiles:
     async def _all(self) -> list[FileObject]:
         names = await self.blobs.list(f"{self.home}/")
         ids = sorted(n[len(self.home) + 1 : -len(_META)] for n in names if n.endswith(_META))
-        found = [await self._read(*self._names(i)) for i in ids if ID.fullmatch(i)]
+        found = await asyncio.gather(*(self._read(*self._names(i)) for i in ids if ID.fullmatch(i)))
         return [f for f in found if f is not None]
 
     async def _read(self, content: str, meta: str) -> FileObject | None:
