@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from gateway.errors import StoreUnavailable
 from gateway.protocol.batches import Batch, Owner, StoredBatch
 from gateway.stores.batches import INPUT, ORPHAN_S, PENDING, RECORD, BatchStore, new_id
-from gateway.stores.blobs import DiskBlobs
+from gateway.stores.blobs import BlobsUnavailable, DiskBlobs
+from gateway.stores.guarded import Guarded
 from gateway.stores.spool import Spool
 from tests.fakes import FakeEngine, app_with
 from tests.stores import Flaky
@@ -69,7 +71,7 @@ async def test_the_runner_reads_the_index_not_the_store(flaky: Flaky, tmp_path: 
     assert len(await store.pending(set())) == 2
     assert [name for method, name in flaky.calls if method == "list"] == [PENDING]
     assert {method for method, _ in flaky.calls} == {"list", "get"}
-    assert all(name.endswith(("/record.json", "/cancel")) for _, name in flaky.calls if _ == "get")
+    assert all(name.endswith(("/record.json", "/cancel")) for method, name in flaky.calls if method == "get")
 
 
 async def test_a_create_cut_short_loses_no_batch(flaky: Flaky, tmp_path: Path) -> None:
@@ -129,6 +131,16 @@ async def test_a_deleted_batch_leaves_nothing(flaky: Flaky, tmp_path: Path) -> N
 
 
 # --- a store that is down -----------------------------------------------------------------------
+
+
+async def test_a_disk_that_fails_is_unavailable_and_an_object_that_is_none_is_not(tmp_path: Path) -> None:
+    (tmp_path / "not-a-directory").write_text("x")
+    blobs = DiskBlobs.at(tmp_path / "not-a-directory")
+    assert await blobs.get("a/b") is None  # none: no error
+    with pytest.raises(BlobsUnavailable, match="disk store failed"):
+        await blobs.put("a/b", b"x")
+    with pytest.raises(StoreUnavailable):  # as the stores see it: the API's 503
+        await Guarded(blobs).append("a/b", b"x")
 
 
 @pytest.fixture
