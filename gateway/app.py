@@ -37,11 +37,13 @@ from gateway.pipeline.lifecycle import Lifecycle
 from gateway.pipeline.state import GatewayState
 from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
+from gateway.stores.backends import open_blobs
 from gateway.stores.batches import BatchStore
 from gateway.stores.cache import ResponseCache, make_backend
 from gateway.stores.files import FileStore
 from gateway.stores.redis import RedisPools
 from gateway.stores.responses import ResponseStore, make_store_backend
+from gateway.stores.spool import Spool
 from gateway.telemetry import metrics
 from gateway.telemetry.tracing import Tracing
 from gateway.tenancy.keys import authenticator_of
@@ -83,6 +85,14 @@ def tenants_of(settings: Settings) -> Tenants:
     return Tenants(settings.keys_file, settings.rate_limit_rpm, settings.rate_limit_tpm, settings.keys_reload_interval_s)
 
 
+def batch_lane_stores(settings: Settings, pools: RedisPools) -> tuple[FileStore, BatchStore]:
+    """The Files API's and the Batches API's stores in the configured backend (`store.backend`), each
+    with its local spool beside its disk directory."""
+    files = FileStore.on(open_blobs(settings, pools, "files"), Spool.at(settings.files.dir / ".spool"))
+    batches = BatchStore.on(open_blobs(settings, pools, "batches"), Spool.at(settings.batches.dir / ".spool"))
+    return files, batches
+
+
 def create_app(
     settings: Settings,
     engine_starter: EngineStarter = start_embedded,
@@ -118,6 +128,7 @@ def create_app(
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
         runner: BatchRunner | None = None
+        files, batches = batch_lane_stores(settings, pools)
         try:
             await load_declared(registry)
             metrics.export_adapter_load(lambda: [engine.adapter_load() for _, engine in registry.engines()])
@@ -125,7 +136,7 @@ def create_app(
                 for name, engine in registry.engines():
                     await warm_up(name, engine)
             state = GatewayState(settings, registry, lifecycle, quota, cache, guards, responses, tenants,
-                                 FileStore.at(settings.files.dir), BatchStore.at(settings.batches.dir), authenticator)
+                                 files, batches, authenticator)
             if settings.batches.enabled:  # pending batches resumed, once the models are up
                 runner = BatchRunner(state, state.batches)
                 runner.start()
@@ -142,6 +153,8 @@ def create_app(
             if cache.backend is not None:
                 await cache.backend.aclose()
             await guards.aclose()
+            await files.aclose()
+            await batches.aclose()
             await quota.aclose()
             await pools.aclose()
             if tracing is not None:

@@ -20,7 +20,8 @@
     ├── BadGateway              502 server_error / bad_gateway           (fallible)
     └── ServiceUnavailable      503 server_error / service_unavailable
         ├── BackendUnavailable  503 server_error / service_unavailable   (fallible)
-        └── ModelUnavailable    503 server_error / model_overloaded      (fallible)
+        ├── ModelUnavailable    503 server_error / model_overloaded      (fallible)
+        └── StoreUnavailable    503 server_error / service_unavailable   (the batch lane's store)
 
 A *fallible* error is a model's failure before the first byte (overloaded, its engine dead, its
 upstream down): the dispatcher tries the model's fallbacks before answering with it.
@@ -203,11 +204,17 @@ class ModelUnavailable(ServiceUnavailable):
     fallible = True
 
 
+class StoreUnavailable(ServiceUnavailable):
+    """The batch lane's store (files, batches: `stores.blobs`) cannot be reached right now: its
+    backend is down or failing; the client may try again later."""
+
+
 # Every error the API answers with, as documented in docs/api.md's error table.
 ERROR_CLASSES: tuple[type[APIError], ...] = (
     InvalidRequest, ContextLengthExceeded, ContentPolicyViolation, OverTokenLimit, AuthenticationFailed, NotFound,
     ModelNotFound, MethodNotAllowed, RequestTimeout, PayloadTooLarge, UnsupportedMediaType, RateLimited,
     ModelOverloaded, QuotaExceeded, InternalError, BadGateway, ServiceUnavailable, BackendUnavailable, ModelUnavailable,
+    StoreUnavailable,
 )
 
 

@@ -173,14 +173,15 @@ class StructuredOutputSettings(BaseModel):
 
 
 class FilesSettings(BaseModel):
-    """The Files API (`/v1/files`): uploads kept on local disk, each tenant's in a directory of its own.
-    Files are the first part of the batch lane: a `batch` file is checked, line by line, as batch input."""
+    """The Files API (`/v1/files`): uploads kept in the batch lane's store (`store`: local disk by
+    default), each tenant's under a prefix of its own. Files are the first part of the batch lane: a
+    `batch` file is checked, line by line, as batch input."""
 
     dir: Path = Field(
         "~/.local/state/llm-gateway/files",  # made a Path by validate_default
         validate_default=True,
-        description="Where uploaded files are kept (created on the first upload); replicas that share files need a "
-        "shared volume here",
+        description="Where uploaded files are kept with store.backend disk (created on the first upload; replicas "
+        "that share files need a shared volume here); with every backend, uploads are received in its .spool",
     )
     max_bytes: int = Field(
         200 * 1024 * 1024, gt=0,
@@ -244,7 +245,8 @@ class StoreSettings(BaseModel):
 
 class BatchesSettings(BaseModel):
     """The Batches API (`/v1/batches`): batches of a key's uploaded requests run by this gateway's own
-    models at the lowest priority, their state and output on local disk, resumed after a restart."""
+    models at the lowest priority, their state and output in the batch lane's store (`store`: local
+    disk by default), resumed after a restart."""
 
     enabled: bool = Field(
         True, description="Run batches on this replica (the embedded engines then schedule by priority when their "
@@ -253,8 +255,9 @@ class BatchesSettings(BaseModel):
     dir: Path = Field(
         "~/.local/state/llm-gateway/batches",  # made a Path by validate_default
         validate_default=True,
-        description="Where batches, their progress and their leases are kept; replicas that share batches need a "
-        "shared volume here (and for files.dir)",
+        description="Where batches, their progress and their leases are kept with store.backend disk (replicas that "
+        "share batches need a shared volume here, and for files.dir); with every backend, inputs are copied "
+        "through its .spool",
     )
     max_in_flight: int = Field(
         4, gt=0, description="Batch lines this replica runs at once, across all batches (each at the lowest priority)",

@@ -19,8 +19,8 @@ from gateway.api.requests import parse, state_of
 from gateway.errors import InvalidRequest
 from gateway.pipeline.context import context_of
 from gateway.protocol.batches import WINDOW_S, Batch, BatchCreate, BatchList, BatchListQuery, Owner, StoredBatch
+from gateway.protocol.files import FileObject
 from gateway.stores.batches import OwnedBatches, new_id
-from gateway.stores.files import not_found as file_not_found
 
 
 def _mine(request: Request) -> OwnedBatches:
@@ -36,7 +36,19 @@ async def _create(request: Request) -> Response:
     body = await parse(request, BatchCreate)
     state, context = state_of(request), context_of(request.scope)
     files = state.files.of(context.tenant)
-    found, content = await files.content_of(body.input_file_id)
+    found, content = await files.open(body.input_file_id)  # its content fixed: a delete meanwhile changes nothing
+    try:
+        batch = _record(request, body, found)
+        await _mine(request).create(batch, content)
+    finally:
+        await content.aclose()
+    state.batch_runner.wake()
+    return json_response(batch.batch)
+
+
+def _record(request: Request, body: BatchCreate, found: FileObject) -> StoredBatch:
+    """The new batch's record (a 400 when its input is no batch file)."""
+    state, context = state_of(request), context_of(request.scope)
     if found.purpose != "batch":
         raise InvalidRequest(
             f"The file '{body.input_file_id}' has purpose '{found.purpose}'; a batch's input must be a file of "
@@ -47,13 +59,7 @@ async def _create(request: Request) -> Response:
                   expires_at=now + WINDOW_S, metadata=body.metadata)
     owner = Owner(key_id=context.key_id, tenant=context.tenant)
     expires = body.output_expires_after.seconds if body.output_expires_after else state.settings.batches.output_expires_after_s
-    try:
-        await _mine(request).create(StoredBatch(batch=batch, owner=owner, output_expires_after_s=expires,
-                                                     created_ns=time.time_ns()), content)
-    except FileNotFoundError:  # deleted meanwhile
-        raise file_not_found(body.input_file_id) from None
-    state.batch_runner.wake()
-    return json_response(batch)
+    return StoredBatch(batch=batch, owner=owner, output_expires_after_s=expires, created_ns=time.time_ns())
 
 
 async def _list(request: Request) -> Response:
@@ -73,4 +79,4 @@ async def cancel(request: Request) -> Response:
     batch_id = request.path_params["batch_id"]
     cancelling = await _mine(request).cancel(batch_id)
     state_of(request).batch_runner.cancel(batch_id)
-    return json_response(cancelling)
+    return json_response(cancelling.batch)

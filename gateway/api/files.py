@@ -2,17 +2,15 @@
 
 Files are the asking key's tenant's (`anonymous` when keys are off), reached only through the store's
 view of that owner (`stores.files`): another tenant's id is a 404 exactly as an unknown one. An upload
-is a multipart form (`api.multipart`) streamed to disk; a `batch` file is checked line by line
-(`serving.batch_input`) before it is stored, and every refusal is an error before the first byte.
+is a multipart form (`api.multipart`) streamed to a local spool file; a `batch` file is checked line by
+line there (`serving.batch_input`) before it is handed to the store, and every refusal is an error
+before the first byte (a store that is down too: a 503).
 Files are the first part of the batch lane (the batches that read them come next).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import AsyncIterator
-from typing import BinaryIO
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -26,7 +24,6 @@ from gateway.protocol.files import PURPOSES, FileDeleted, FileList, FileListQuer
 from gateway.serving.batch_input import check_batch_file
 from gateway.stores.files import OwnedFiles
 
-CHUNK = 256 * 1024
 _FIELDS = ("purpose", "expires_after[anchor]", "expires_after[seconds]")
 _MIN_EXPIRY_S, _MAX_EXPIRY_S = 3600, 30 * 86400  # OpenAI's bounds on expires_after.seconds
 
@@ -100,16 +97,8 @@ async def by_id(request: Request) -> Response:
 
 
 async def content(request: Request) -> Response:
-    """GET /v1/files/{file_id}/content: the file as uploaded, streamed from disk (opened before the
+    """GET /v1/files/{file_id}/content: the file as uploaded, streamed from the store (opened before the
     answer starts: an unknown id is a 404, and a delete meanwhile does not cut the download short)."""
     _, opened = await _mine(request).open(request.path_params["file_id"])
-    headers = {"content-length": str(os.fstat(opened.fileno()).st_size)}
-    return StreamingResponse(_chunks(opened), media_type="application/octet-stream", headers=headers)
-
-
-async def _chunks(opened: BinaryIO) -> AsyncIterator[bytes]:
-    try:
-        while chunk := await asyncio.to_thread(opened.read, CHUNK):
-            yield chunk
-    finally:
-        opened.close()
+    headers = {"content-length": str(opened.size)}
+    return StreamingResponse(opened.chunks, media_type="application/octet-stream", headers=headers)

@@ -5,7 +5,7 @@ A Message Batch is a batch of the Batches API (the same store, runner, lane, lim
 `serving.message_batches` for how it is shown), kept under an id of its own kind (`msgbatch_`): the
 asking key's tenant's view of that kind is the only way to one, so another tenant's id is a 404
 exactly as an unknown one, and neither API lists or answers the other's batches. Its requests are
-kept in the batch's own directory, not as a file of the Files API.
+kept among the batch's own objects, not as a file of the Files API.
 
 Limits: the create body is JSON read in memory, so `max_body_bytes` bounds it (raise it for large
 batches; `/v1/batches` takes an uploaded file instead); at most `files.max_lines` requests, each
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -37,7 +36,6 @@ from gateway.serving.batch_input import MESSAGES
 from gateway.stores.batches import MESSAGE_BATCH, OwnedBatches, new_id
 
 PARAM = "message_batch_id"
-RESULT_LINES = 256  # lines read per hop to the worker thread
 
 
 def _mine(request: Request) -> OwnedBatches:
@@ -82,34 +80,22 @@ async def by_id(request: Request) -> Response:
     if request.method == "DELETE":
         await mine.delete(batch_id, PARAM)
         return json_response(DeletedMessageBatch(id=batch_id))
-    found = mine.dir_of(batch_id, PARAM)
-    return json_response(mb.view(await asyncio.to_thread(found.read)))
+    _, stored = await mine.find(batch_id, PARAM)
+    return json_response(mb.view(stored))
 
 
 async def cancel(request: Request) -> Response:
     batch_id = request.path_params[PARAM]
-    mine = _mine(request)
-    mine.dir_of(batch_id, PARAM)  # a 404 naming message_batch_id before the store's check
-    await mine.cancel(batch_id)
+    cancelling = await _mine(request).cancel(batch_id, PARAM)
     state_of(request).batch_runner.cancel(batch_id)
-    return json_response(mb.view(await asyncio.to_thread(mine.dir_of(batch_id, PARAM).read)))
+    return json_response(mb.view(cancelling))
 
 
 async def results(request: Request) -> Response:
     """GET /v1/messages/batches/{message_batch_id}/results: JSONL, once the batch has ended (400 before)."""
     batch_id = request.path_params[PARAM]
-    found = _mine(request).dir_of(batch_id, PARAM)
-    stored = await asyncio.to_thread(found.read)
+    found, stored = await _mine(request).find(batch_id, PARAM)
     if mb.view(stored).processing_status != "ended":
         raise InvalidRequest(f"Batch '{batch_id}' has not ended yet: its results are available once it has.",
                              param=PARAM)
-    return StreamingResponse(_chunks(mb.results(found, stored)), media_type="application/x-jsonl")
-
-
-def _take(lines: Iterator[bytes]) -> bytes:
-    return b"".join(line for _, line in zip(range(RESULT_LINES), lines, strict=False))
-
-
-async def _chunks(lines: Iterator[bytes]) -> AsyncIterator[bytes]:
-    while chunk := await asyncio.to_thread(_take, lines):
-        yield chunk
+    return StreamingResponse(mb.results(found, stored), media_type="application/x-jsonl")

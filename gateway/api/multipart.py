@@ -1,5 +1,5 @@
 """A `multipart/form-data` upload, read as it arrives: its one file part written to disk chunk by
-chunk (a `Staged` file of the store), never held whole in memory; its other fields small strings.
+chunk (a `Staged` file of the store's local spool), never held whole in memory; its other fields small strings.
 Bounded: at most `MAX_PARTS` parts, `MAX_FIELD_BYTES` per field, one file, `max_file_bytes` of it
 (413; a declared Content-Length past it is refused before a byte is read). Parsed by python-multipart
 (the parser Starlette's `request.form()` uses), fed straight from `request.receive`: Starlette's form
@@ -16,7 +16,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from gateway.errors import InvalidRequest, PayloadTooLarge
-from gateway.stores.files import Staged
+from gateway.stores.spool import Staged
 
 MAX_PARTS = 16
 MAX_FIELD_BYTES = 1024
@@ -122,7 +122,7 @@ async def read_form(
     request: Request, stage: Callable[[], Awaitable[Staged]], max_file_bytes: int,
     on_field: Callable[[str, str], None],
 ) -> Form:
-    """The form of an upload, its file staged on disk (the caller stores or discards it, also on error).
+    """The form of an upload, its file staged on local disk (the caller stores or discards it, also on error).
     `on_field` is called with each field as it arrives, and may refuse it by raising."""
     boundary = _boundary(request)
     declared = request.headers.get("content-length", "")

@@ -14,10 +14,15 @@ Durability: each answered line is appended to the output or error file (fsynced)
 a runner that starts on a batch skips the custom_ids already there, so a batch interrupted by a crash
 or a shutdown resumes where it was and answers every line once. Shutdown (`stop`) cancels the
 lines in flight (they run again after the restart), leaves the batch `in_progress` and frees its
-lease. With replicas on one directory, a batch runs on the replica holding its lease
+lease. With replicas on one store, a batch runs on the replica holding its lease
 (`stores.batches.Lease`), renewed every third of `lease_s` and checked before each answer is
 written (a replica that finds it taken over writes nothing more and stops); every replica looks for
-batches to take every `poll_s`, and notices a cancel asked on another replica as often.
+batches to take every `poll_s` (the store's index of batches not done, `BatchStore.pending`), and
+notices a cancel asked on another replica as often.
+
+A store that is down (`StoreUnavailable`) stops nothing but the work that needs it: the poll logs it
+and tries again at the next one; a run that fails on it ends here (its lines not written run again)
+and its batch is taken again once its lease has expired, here or on another replica.
 """
 
 from __future__ import annotations
@@ -29,17 +34,19 @@ import os
 import secrets
 import socket
 import time
+from pathlib import Path
 from typing import Literal
 
 import orjson
 import structlog
 
+from gateway.errors import StoreUnavailable
 from gateway.pipeline.batch_line import LineAnswer, Retry, run_line
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.batches import DONE, Errors, RequestCounts, StoredBatch
 from gateway.serving.batch_input import MESSAGES, BatchLine, check_batch_input, read_lines
-from gateway.stores.batches import BatchDir, BatchStore, Lease, Progress
-from gateway.stores.files import derived_id
+from gateway.stores.batches import ERRORS, INPUT, OUTPUT, BatchObjects, BatchStore, Lease, Progress, Results
+from gateway.stores.files import OwnedFiles, derived_id
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +67,11 @@ def result_line(custom_id: str, answer: LineAnswer) -> bytes:
 
 def expired_line(custom_id: str) -> bytes:
     return orjson.dumps({"id": _line_id(), "custom_id": custom_id, "response": None, "error": EXPIRED})
+
+
+def _unrun(path: Path, done: set[str]) -> list[str]:
+    """The custom_ids of a batch's input not in `done`, in order. Blocking."""
+    return [line.custom_id for line in read_lines(path) if line.custom_id not in done]
 
 
 async def _either(one: asyncio.Event, other: asyncio.Event, timeout_s: float) -> None:
@@ -112,10 +124,14 @@ class BatchRunner:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _loop(self) -> None:
+        indexed = False
         while True:
             try:
+                if not indexed:  # a store older than its index of pending batches: entered once
+                    await self.store.index_unlisted()
+                    indexed = True
                 await self._take_free()
-            except OSError as exc:  # the directory unreadable for now: try again at the next poll
+            except (StoreUnavailable, OSError) as exc:  # the store down for now: try again at the next poll
                 log.warning("batches_scan_failed", error=str(exc))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
@@ -128,7 +144,7 @@ class BatchRunner:
         for batch in await self.store.pending(self._done):
             if batch.id in self.runs or self._resting.get(batch.id, 0) > now:
                 continue
-            lease = await asyncio.to_thread(Lease.take, batch, self.holder, self.settings.lease_s)
+            lease = await Lease.take(batch, self.holder, self.settings.lease_s)
             if lease is None:
                 continue
             run = self.runs[batch.id] = BatchRun(self, batch, lease)
@@ -136,17 +152,17 @@ class BatchRunner:
             run.task.add_done_callback(functools.partial(self._ended, run))
 
     def _ended(self, run: BatchRun, task: asyncio.Task[None]) -> None:
-        self.runs.pop(run.dir.id, None)
+        self.runs.pop(run.batch.id, None)
         if not task.cancelled() and task.exception() is not None:
-            log.error("batch_run_failed", batch_id=run.dir.id, error=repr(task.exception()))
-            self._resting[run.dir.id] = time.monotonic() + self.settings.lease_s
+            log.error("batch_run_failed", batch_id=run.batch.id, error=repr(task.exception()))
+            self._resting[run.batch.id] = time.monotonic() + self.settings.lease_s
 
 
 class BatchRun:
     """One batch run by this replica, under its lease."""
 
-    def __init__(self, runner: BatchRunner, batch: BatchDir, lease: Lease) -> None:
-        self.runner, self.dir, self.lease = runner, batch, lease
+    def __init__(self, runner: BatchRunner, batch: BatchObjects, lease: Lease) -> None:
+        self.runner, self.batch, self.lease = runner, batch, lease
         self.task: asyncio.Task[None] | None = None
         self.cancel_asked = asyncio.Event()
         self.lost = asyncio.Event()  # another replica holds the lease now: write nothing more
@@ -162,7 +178,7 @@ class BatchRun:
 
     async def run(self) -> None:
         try:
-            self._stored = await asyncio.to_thread(self.dir.read)
+            self._stored = await self.batch.read()
             if self.stored.batch.status == "validating":
                 await self._validate()
             if self.stored.batch.status in DONE:
@@ -173,23 +189,28 @@ class BatchRun:
         finally:
             if self._writes:
                 await asyncio.gather(*self._writes, return_exceptions=True)
-            with contextlib.suppress(FileNotFoundError):  # a Message Batch deleted as soon as it ended
-                await asyncio.to_thread(self.lease.release)
+            try:
+                await self.lease.release()
+            except StoreUnavailable:  # the store down: the lease expires by itself
+                log.warning("batch_lease_not_released", batch_id=self.batch.id)
 
     async def _holding(self) -> bool:
         """Whether the lease is still ours; taken over (this replica stalled past its expiry), the
         new holder answers the lines and writes the record from now on: `lost`, and nothing more here."""
-        if not self.lost.is_set() and not await asyncio.to_thread(self.lease.held):
+        if not self.lost.is_set() and not await self.lease.held():
             self.lost.set()
         return not self.lost.is_set()
 
     async def _save(self) -> None:
         if await self._holding():
-            await asyncio.to_thread(self.dir.write, self.stored)
+            await self.batch.write(self.stored)
 
     async def _validate(self) -> None:
         batch = self.stored.batch
-        total, problems = await asyncio.to_thread(check_batch_input, self.dir.input, batch.endpoint)
+        async with self.batch.local(INPUT) as path:
+            if path is None:
+                raise RuntimeError(f"batch {batch.id} has no input")
+            total, problems = await asyncio.to_thread(check_batch_input, path, batch.endpoint)
         now = int(time.time())
         if problems:
             batch.status, batch.failed_at, batch.errors = "failed", now, Errors(data=problems)
@@ -205,7 +226,7 @@ class BatchRun:
         return expires is not None and time.time() >= expires
 
     async def _run_lines(self) -> Ending:
-        self.progress = await asyncio.to_thread(self.dir.progress)  # a line torn by a crash cut off
+        self.progress = await self.batch.progress()  # a line torn by a crash cut off
         self._count()
         if self.stored.batch.status in ("cancelling", "finalizing"):
             return "cancelled" if self.stored.batch.status == "cancelling" else "completed"
@@ -223,11 +244,19 @@ class BatchRun:
             return "completed"
         if not watcher.cancelled() and watcher.exception() is None:
             return watcher.result()
-        raise (feeder.exception() or watcher.exception() or RuntimeError("batch run stopped"))
+        failed = [task.exception() for task in (feeder, watcher) if not task.cancelled()]  # the other was cancelled
+        raise next((exc for exc in failed if exc is not None), RuntimeError("batch run stopped"))
 
     async def _feed(self) -> None:
-        """Every line not answered yet, each once a slot is free; then the last ones awaited."""
-        lines = await asyncio.to_thread(read_lines, self.dir.input)
+        """Every line not answered yet, each once a slot is free; then the last ones awaited (the input
+        read from a local file held for the run: the object itself on disk, a copy otherwise)."""
+        async with self.batch.local(INPUT) as path:
+            if path is None:
+                raise RuntimeError(f"batch {self.batch.id} has no input")
+            await self._feed_from(path)
+
+    async def _feed_from(self, path: Path) -> None:
+        lines = await asyncio.to_thread(read_lines, path)
         flight: set[asyncio.Task[None]] = set()
         try:
             while (line := await asyncio.to_thread(next, lines, None)) is not None:
@@ -270,8 +299,7 @@ class BatchRun:
         async with self._lock:
             if not await self._holding():
                 return
-            path = self.dir.output if answer.ok else self.dir.errors
-            await asyncio.to_thread(BatchDir.append, path, result_line(custom_id, answer))
+            await self.batch.append(OUTPUT if answer.ok else ERRORS, result_line(custom_id, answer) + b"\n")
             self.progress.count(custom_id, answer.ok, answer.prompt_tokens, answer.completion_tokens)
             self._count()
             await self._save()
@@ -291,15 +319,15 @@ class BatchRun:
         while True:
             await _either(self.cancel_asked, self.lost, min(settings.poll_s, every))
             if self.lost.is_set():
-                log.warning("batch_lease_lost", batch_id=self.dir.id)
+                log.warning("batch_lease_lost", batch_id=self.batch.id)
                 return "lost"
-            if self.cancel_asked.is_set() or await asyncio.to_thread(self.dir.cancel_asked) is not None:
+            if self.cancel_asked.is_set() or await self.batch.cancel_asked() is not None:
                 return "cancelled"
             if self._expired():
                 return "expired"
             if time.monotonic() >= renew_at:
-                if not await asyncio.to_thread(self.lease.renew):
-                    log.warning("batch_lease_lost", batch_id=self.dir.id)
+                if not await self.lease.renew():
+                    log.warning("batch_lease_lost", batch_id=self.batch.id)
                     return "lost"
                 renew_at = time.monotonic() + every
 
@@ -310,13 +338,13 @@ class BatchRun:
             return
         batch = self.stored.batch
         if ending == "cancelled" and batch.cancelling_at is None:
-            batch.status, batch.cancelling_at = "cancelling", self.dir.cancel_asked() or int(time.time())
+            batch.status, batch.cancelling_at = "cancelling", await self.batch.cancel_asked() or int(time.time())
         elif ending == "completed":
             batch.status, batch.finalizing_at = "finalizing", batch.finalizing_at or int(time.time())
         await self._save()
         if ending == "expired":
-            self.stored.expired_lines = await asyncio.to_thread(self._expire_rest)
-        self.progress = await asyncio.to_thread(self.dir.progress)
+            self.stored.expired_lines = await self._expire_rest()
+        self.progress = await self.batch.progress()
         self._count()
         await self._publish()
         now = int(time.time())
@@ -327,29 +355,43 @@ class BatchRun:
         else:
             batch.status, batch.completed_at = "completed", now
         await self._save()
+        if not self.lost.is_set():
+            await self.batch.done()  # out of the index of batches to run (else the next poll takes it out)
         log.info("batch_" + batch.status, batch_id=batch.id, completed=batch.request_counts.completed,
                  failed=batch.request_counts.failed)
 
-    def _expire_rest(self) -> int:
-        """The lines not run written to the error file as expired; how many."""
-        done = self.dir.progress().done
-        rest = [line.custom_id for line in read_lines(self.dir.input) if line.custom_id not in done]
+    async def _expire_rest(self) -> int:
+        """The lines not run written to the error object as expired; how many."""
+        done = (await self.batch.progress()).done
+        async with self.batch.local(INPUT) as path:
+            if path is None:
+                raise RuntimeError(f"batch {self.batch.id} has no input")
+            rest = await asyncio.to_thread(_unrun, path, done)
         lines = b"".join(expired_line(custom_id) + b"\n" for custom_id in rest)
         if lines:
-            BatchDir.append(self.dir.errors, lines.rstrip(b"\n"))
+            await self.batch.append(ERRORS, lines)
         return len(rest)
 
     async def _publish(self) -> None:
         """The output and error files as files of the batch's owner (ids derived from the batch's:
         published again after a crash, they replace themselves). A Message Batch's results are read from
-        its directory (`serving.message_batches`), not kept as files of the Files API."""
+        the batch's own objects (`serving.message_batches`), not kept as files of the Files API."""
         batch, files = self.stored.batch, self.runner.state.files.of(self.stored.owner.tenant)
         if batch.endpoint == MESSAGES:
             return
-        expires = self.stored.output_expires_after_s
         if self.progress.completed:
-            made = await files.publish(self.dir.output, f"{batch.id}_output.jsonl", derived_id(f"{batch.id}/output"), expires)
-            batch.output_file_id = made.id
+            batch.output_file_id = await self._publish_one(files, OUTPUT, f"{batch.id}_output.jsonl", "output")
         if self.progress.failed:
-            made = await files.publish(self.dir.errors, f"{batch.id}_error.jsonl", derived_id(f"{batch.id}/error"), expires)
-            batch.error_file_id = made.id
+            batch.error_file_id = await self._publish_one(files, ERRORS, f"{batch.id}_error.jsonl", "error")
+
+    async def _publish_one(self, files: OwnedFiles, part: Results, filename: str, kind: str) -> str:
+        """One of the batch's result objects copied to the Files API's store (streamed); its file id."""
+        opened = await self.batch.open(part)
+        if opened is None:
+            raise RuntimeError(f"batch {self.batch.id} has no {part}")
+        try:
+            file_id = derived_id(f"{self.batch.id}/{kind}")
+            made = await files.publish(opened, filename, file_id, self.stored.output_expires_after_s)
+        finally:
+            await opened.aclose()
+        return made.id

@@ -28,7 +28,7 @@ class BatchSignals(Protocol):
 
 
 class NoRunner:
-    """No runner (batches off, or a unit test's state): batches wait on disk."""
+    """No runner (batches off, or a unit test's state): batches wait in the store."""
 
     def wake(self) -> None:
         pass
@@ -47,8 +47,8 @@ class GatewayState:
     guards: Guards
     responses: ResponseStore  # the Responses API's stored responses
     tenants: Tenants  # the keys file: each key's policy
-    files: FileStore  # the Files API's uploads, on disk
-    batches: BatchStore  # the Batches API's batches, on disk
+    files: FileStore  # the Files API's uploads, in the batch lane's store (`store.backend`)
+    batches: BatchStore  # the Batches API's batches, in the same kind of store
     identities: Authenticator  # who is asking: the API keys (a batch's lines find their creator again)
     batch_runner: BatchSignals = field(default_factory=NoRunner)  # the batch runner, once started
     adapters: AdapterAdmin = field(init=False)  # LoRA adapters loaded and unloaded while serving

@@ -2,7 +2,7 @@
 (`stores.batches`, run by `pipeline.batches`) whose lines go to `/v1/messages`, shown in Anthropic's
 shapes. Here: the batch's input made from a create body (`input_lines`), the MessageBatch view of a
 stored batch (`view`), and its results (`results`), one line per request, read from the batch's
-output and error files.
+output, error and input objects in the store (local files: `Blobs.local`, parsed in a worker thread).
 
 How OpenAI's states and counts map to Anthropic's:
 - `validating`, `in_progress`, `finalizing` → `in_progress`; `cancelling` → `canceling`; done → `ended`;
@@ -17,8 +17,11 @@ How OpenAI's states and counts map to Anthropic's:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -32,7 +35,7 @@ from gateway.protocol.message_batches import (
     ProcessingStatus,
 )
 from gateway.serving.batch_input import MESSAGES, read_lines
-from gateway.stores.batches import BatchDir
+from gateway.stores.batches import ERRORS, INPUT, OUTPUT, BatchObjects
 
 STATUSES: dict[str, ProcessingStatus] = {"cancelling": "canceling", **{status: "ended" for status in DONE}}
 
@@ -121,18 +124,36 @@ def _unrun(status: str) -> dict[str, Any]:
     return {"type": "errored", "error": _error("api_error", f"The request was not run: the batch ended {status}.")}
 
 
-def results(batch: BatchDir, stored: StoredBatch) -> Iterator[bytes]:
-    """The results of an ended batch, one JSON line per request: those answered (in the order they were
-    answered), then those never run. Blocking reads: iterate it in a worker thread."""
+RESULT_LINES = 256  # result lines made per hop to the worker thread
+
+
+async def results(batch: BatchObjects, stored: StoredBatch) -> AsyncIterator[bytes]:
+    """The results of an ended batch, one JSON line per request (up to `RESULT_LINES` per chunk): those
+    answered (in the order they were answered), then those never run."""
+    async with AsyncExitStack() as stack:
+        output, errors, requests = [await stack.enter_async_context(batch.local(part)) for part in (OUTPUT, ERRORS, INPUT)]
+        if requests is None:
+            raise RuntimeError(f"batch {batch.id} has no input")
+        lines = _results(output, errors, requests, stored.batch.status)
+        while chunk := await asyncio.to_thread(_take, lines):
+            yield chunk
+
+
+def _take(lines: Iterator[bytes]) -> bytes:
+    return b"".join(line for _, line in zip(range(RESULT_LINES), lines, strict=False))
+
+
+def _results(output: Path | None, errors: Path | None, requests: Path, status: str) -> Iterator[bytes]:
+    """The result lines of these local files. Blocking reads: iterate it in a worker thread."""
     seen: set[str] = set()
-    for path, ok in ((batch.output, True), (batch.errors, False)):
-        if not path.exists():
+    for path, ok in ((output, True), (errors, False)):
+        if path is None:
             continue
         with path.open("rb") as lines:
             for raw in lines:
                 line = orjson.loads(raw)
                 seen.add(line["custom_id"])
                 yield orjson.dumps({"custom_id": line["custom_id"], "result": _result(line, ok)}) + b"\n"
-    for request in read_lines(batch.input):
+    for request in read_lines(requests):
         if request.custom_id not in seen:
-            yield orjson.dumps({"custom_id": request.custom_id, "result": _unrun(stored.batch.status)}) + b"\n"
+            yield orjson.dumps({"custom_id": request.custom_id, "result": _unrun(status)}) + b"\n"

@@ -1,59 +1,79 @@
-"""The Batches API's store: each batch a directory on local disk (`batches.dir`), under its owner's
-directory, named by a hash of the owner (as `stores.files` does):
+"""The Batches API's store: each batch a few objects of a `Blobs` store (`stores.blobs`: local disk
+under `batches.dir` by default, Redis or S3 as `store.backend` says), under its owner's prefix, named
+by a hash of the owner (as `stores.files` does):
 
-    <dir>/<sha256(owner)[:32]>/batch_<32 hex>/record.json    the batch (`StoredBatch`): written whole, renamed in place
-    .../batch_<32 hex>/input.jsonl     the input file's lines, linked or copied at create (a delete of the file does not stop it)
-    .../batch_<32 hex>/output.jsonl    answered lines, appended one at a time (flushed and fsynced)
+    <sha256(owner)[:32]>/batch_<32 hex>/record.json    the batch (`StoredBatch`): written whole (`put`)
+    .../batch_<32 hex>/input.jsonl     the input file's lines, copied at create (a delete of the file does not stop it)
+    .../batch_<32 hex>/output.jsonl    answered lines, appended one at a time (kept once appended)
     .../batch_<32 hex>/errors.jsonl    failed lines, the same way
     .../batch_<32 hex>/cancel          a cancel asked for (by any replica): its time
     .../batch_<32 hex>/lease.<n>       who runs it (`Lease`), generation n
+    pending/<sha256(owner)[:32]>.<batch id>   the index of batches not done yet (what the runner reads)
 
-A batch is reached only through its owner's view (`BatchStore.of`): another owner's id is a 404
-exactly as an unknown one. An id is checked to be an id (`batch_` and 32 lowercase hex) before any
-path is built from it. Anthropic's Message Batches live beside OpenAI's batches, as the same records,
-under ids of their own (`msgbatch_` and 32 hex, `of(owner, MESSAGE_BATCH)`): each API's view sees only
-its own kind, so neither lists nor answers the other's. A new batch's directory is made under a temporary name and renamed, so a
-reader (another replica's runner) sees a whole batch or none.
+(On disk these are files below `batches.dir`, the layout of earlier versions.) A batch is reached
+only through its owner's view (`BatchStore.of`): another owner's id is a 404 exactly as an unknown
+one. An id is checked to be an id (`batch_` and 32 lowercase hex) before any name is built from it.
+Anthropic's Message Batches live beside OpenAI's batches, as the same records, under ids of their own
+(`msgbatch_` and 32 hex, `of(owner, MESSAGE_BATCH)`): each API's view sees only its own kind, so
+neither lists nor answers the other's.
+
+A batch exists once its record does: its input is written first, then its entry in the pending
+index, then its record, so a reader (another replica's runner) sees a whole batch or none, and a
+crash between the steps loses no batch that was made (an entry whose record never came is removed
+by the runner once it is old). Its entry is removed once the batch is done (by the runner that ends
+it, or by the next one that finds it done), so a runner lists only the batches it may have to run
+(`pending`), never the whole store. Deleting removes the record first (the batch is gone for every
+reader), then the rest.
 
 Who writes what: the record is written by its creator, then only by the replica holding its lease
-(the runner); a cancel only creates the `cancel` file, which a reader merges into the status it
+(the runner); a cancel only creates the `cancel` object, which a reader merges into the status it
 shows (`cancelling`) until the runner writes `cancelled`. The progress of a batch is the set of
-custom_ids in its output and error files: a runner that starts on it reads them (a last line torn
-by a crash is cut off) and runs only the others, so every line is answered once.
+custom_ids in its output and error objects: a runner that starts on it reads them (a last line torn
+by a crash, on disk, is cut off by writing the good part back) and runs only the others, so every
+line is answered once.
 
-Leases: with replicas sharing the directory, one runs a batch at a time. The lease is the file
+Leases: with replicas sharing the store, one runs a batch at a time. The lease is the object
 `lease.<n>` of the highest generation n, holding its holder and an expiry. A replica takes a free
-batch by creating generation 1 (O_CREAT|O_EXCL: one of two racing replicas wins), an expired
-lease by creating generation n+1 the same way, renews its own by rewriting it (rename in place),
-and has lost it when a higher generation exists. A holder that stalls past its expiry may still
-have lines in flight when another takes over: it checks that it holds the lease before it writes
-each answer (and the record), so the lines it loses are answered once, by the new holder.
+batch by creating generation 1 (`create`: one of two racing replicas wins), an expired lease by
+creating generation n+1 the same way, renews its own by rewriting it (`put`), and has lost it when a
+higher generation exists. A holder that stalls past its expiry may still have lines in flight when
+another takes over: it checks that it holds the lease before it writes each answer (and the record),
+so the lines it loses are answered once, by the new holder.
 
-The interface (`BatchStore`, `OwnedBatches`, `BatchDir`, `Lease`) is what a Redis or S3 store
-would implement; only this local one exists.
+A store that is down is a `StoreUnavailable` (503, `stores.guarded`); the runner logs it and tries
+again at its next poll.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
-import os
 import re
 import secrets
-import shutil
 import time
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import orjson
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.batches import DONE, Batch, BatchUsage, StoredBatch
+from gateway.stores.blobs import Blobs, Opened
+from gateway.stores.files import owner_prefix
+from gateway.stores.guarded import Guarded
+from gateway.stores.spool import Spool
 
 BATCH, MESSAGE_BATCH = "batch_", "msgbatch_"  # the id prefixes of OpenAI's batches and Anthropic's
 ID = re.compile(r"(?:msg)?batch_[0-9a-f]{32}")
-_MAKING = ".making-"
+HOME = re.compile(r"[0-9a-f]{32}")
+RECORD, INPUT, CANCEL = "record.json", "input.jsonl", "cancel"
+Results = Literal["output.jsonl", "errors.jsonl"]
+OUTPUT: Results = "output.jsonl"
+ERRORS: Results = "errors.jsonl"
+PENDING = "pending/"
+INDEXED = "pending.indexed"  # the batches of a store older than the index entered in it (once)
+ORPHAN_S = 3600  # an index entry whose record has not come this long after: a create that crashed
 
 
 def not_found(batch_id: str, param: str = "batch_id") -> NotFound:
@@ -64,18 +84,9 @@ def new_id(kind: str = BATCH) -> str:
     return kind + secrets.token_hex(16)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f"{_MAKING}{path.name}.{secrets.token_hex(4)}")
-    with temporary.open("wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, path)
-
-
 @dataclass(slots=True)
 class Progress:
-    """What a batch's output and error files hold: the custom_ids answered, counts and usage."""
+    """What a batch's output and error objects hold: the custom_ids answered, counts and usage."""
 
     done: set[str] = field(default_factory=set)
     completed: int = 0
@@ -101,12 +112,11 @@ def tokens_of(body: object) -> tuple[int, int]:
     return (prompt if isinstance(prompt, int) else 0), (completion if isinstance(completion, int) else 0)
 
 
-def _read_lines(path: Path, progress: Progress, ok: bool) -> None:
-    """Count a result file's lines into `progress`; a last line cut short by a crash is removed."""
-    if not path.exists():
-        return
-    with path.open("r+b") as results:
-        good = 0
+def _count_lines(path: Path, progress: Progress, ok: bool) -> int | None:
+    """Count a result file's lines into `progress`; the length of its good part when its last line was
+    cut short by a crash (and anything after it is to be cut off), else None. Blocking."""
+    good, size = 0, path.stat().st_size
+    with path.open("rb") as results:
         for line in results:
             try:
                 parsed = orjson.loads(line) if line.endswith(b"\n") else None
@@ -118,180 +128,236 @@ def _read_lines(path: Path, progress: Progress, ok: bool) -> None:
             body = response.get("body") if isinstance(response, dict) else None
             progress.count(parsed["custom_id"], ok, *tokens_of(body))
             good += len(line)
-        results.truncate(good)
+    return good if good < size else None
+
+
+def _merge_cancel(stored: StoredBatch, cancelled: int | None) -> StoredBatch:
+    if cancelled is not None and stored.batch.status not in DONE and stored.batch.status != "cancelling":
+        stored.batch.status, stored.batch.cancelling_at = "cancelling", cancelled
+    return stored
 
 
 @dataclass(slots=True, frozen=True)
-class BatchDir:
-    """One batch's directory and every file in it."""
+class BatchObjects:
+    """One batch's objects, and every operation on them."""
 
-    path: Path
+    blobs: Blobs
+    spool: Spool
+    home: str  # its owner's prefix
+    id: str
 
-    @property
-    def id(self) -> str:
-        return self.path.name
-
-    @property
-    def input(self) -> Path:
-        return self.path / "input.jsonl"
+    def name(self, part: str) -> str:
+        return f"{self.home}/{self.id}/{part}"
 
     @property
-    def output(self) -> Path:
-        return self.path / "output.jsonl"
+    def prefix(self) -> str:
+        return f"{self.home}/{self.id}/"
 
     @property
-    def errors(self) -> Path:
-        return self.path / "errors.jsonl"
+    def entry(self) -> str:
+        """Its entry in the index of batches not done yet."""
+        return f"{PENDING}{self.home}.{self.id}"
 
-    def read(self) -> StoredBatch:
-        """The batch as last written, with a cancel asked for since shown as `cancelling`."""
-        stored = StoredBatch.model_validate_json((self.path / "record.json").read_bytes())
-        cancelled = self.cancel_asked()
-        if cancelled is not None and stored.batch.status not in DONE and stored.batch.status != "cancelling":
-            stored.batch.status, stored.batch.cancelling_at = "cancelling", cancelled
+    async def load(self) -> StoredBatch | None:
+        """The batch as last written, with a cancel asked for since shown as `cancelling`; None when
+        there is none (never made, or deleted)."""
+        raw = await self.blobs.get(self.name(RECORD))
+        return None if raw is None else _merge_cancel(StoredBatch.model_validate_json(raw), await self.cancel_asked())
+
+    async def exists(self) -> bool:
+        return await self.blobs.get(self.name(RECORD)) is not None
+
+    async def read(self) -> StoredBatch:
+        """The batch as `load` reads it; a 404 when there is none."""
+        stored = await self.load()
+        if stored is None:
+            raise not_found(self.id)
         return stored
 
-    def write(self, stored: StoredBatch) -> None:
-        _write_atomic(self.path / "record.json", stored.model_dump_json().encode())
+    async def write(self, stored: StoredBatch) -> None:
+        await self.blobs.put(self.name(RECORD), stored.model_dump_json().encode())
 
-    def ask_cancel(self) -> None:
-        with contextlib.suppress(FileExistsError):
-            fd = os.open(self.path / "cancel", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            with os.fdopen(fd, "wb") as marker:
-                marker.write(str(int(time.time())).encode())
+    async def ask_cancel(self) -> None:
+        await self.blobs.create(self.name(CANCEL), str(int(time.time())).encode())
 
-    def cancel_asked(self) -> int | None:
+    async def cancel_asked(self) -> int | None:
+        raw = await self.blobs.get(self.name(CANCEL))
         try:
-            return int((self.path / "cancel").read_bytes() or b"0")
-        except (FileNotFoundError, ValueError):
+            return None if raw is None else int(raw or b"0")
+        except ValueError:
             return None
 
-    def progress(self) -> Progress:
+    async def progress(self) -> Progress:
+        """The custom_ids answered so far, counted from the output and error objects (a torn last line
+        cut off: the good part written back)."""
         progress = Progress()
-        _read_lines(self.output, progress, ok=True)
-        _read_lines(self.errors, progress, ok=False)
+        for part, ok in ((OUTPUT, True), (ERRORS, False)):
+            async with self.local(part) as path:
+                if path is None:
+                    continue
+                good = await asyncio.to_thread(_count_lines, path, progress, ok)
+                staged = None if good is None else await self.spool.head(path, good)
+            if staged is not None:
+                try:
+                    await self.blobs.put_file(self.name(part), staged.path)
+                finally:
+                    await staged.discard()
         return progress
 
-    @staticmethod
-    def append(path: Path, line: bytes) -> None:
-        """One result line, on disk before this returns (the progress a restart resumes from)."""
-        with path.open("ab") as results:
-            results.write(line + b"\n")
-            results.flush()
-            os.fsync(results.fileno())
+    async def append(self, part: Results, lines: bytes) -> None:
+        """Result lines (each ending in a newline), kept before this returns (the progress a restart
+        resumes from)."""
+        await self.blobs.append(self.name(part), lines)
+
+    def local(self, part: str) -> AbstractAsyncContextManager[Path | None]:
+        """A local file of one of its objects, for blocking reads (see `Blobs.local`)."""
+        return self.blobs.local(self.name(part))
+
+    async def open(self, part: str) -> Opened | None:
+        return await self.blobs.open(self.name(part))
+
+    async def done(self) -> None:
+        """Out of the index of batches not done yet (its record says it is done)."""
+        await self.blobs.delete(self.entry)
 
 
 @dataclass(slots=True, frozen=True)
 class BatchStore:
     """Every batch has an owner, and the only way to one is through its owner's view (`of`); the
-    runner alone walks them all (`pending`)."""
+    runner alone walks the batches not done yet (`pending`)."""
 
-    root: Path
+    blobs: Blobs
+    spool: Spool
 
     @classmethod
-    def at(cls, directory: Path) -> BatchStore:
-        return cls(directory.expanduser())
+    def on(cls, blobs: Blobs, spool: Spool) -> BatchStore:
+        """The store on `blobs` (its failures the API's 503), copying inputs through `spool`."""
+        return cls(Guarded(blobs), spool)
 
     def of(self, owner: str, kind: str = BATCH) -> OwnedBatches:
         """The owner's batches of one kind (`BATCH`: OpenAI's, `MESSAGE_BATCH`: Anthropic's)."""
-        return OwnedBatches(self.root / hashlib.sha256(owner.encode()).hexdigest()[:32], kind)
+        return OwnedBatches(self.blobs, self.spool, owner_prefix(owner), kind)
 
-    async def pending(self, done: set[str]) -> list[BatchDir]:
-        """Every batch of every owner that is not done yet, oldest first (for the runner). `done`: ids
-        known to be done, not read again (a done batch never changes); those found done are added."""
-        return await asyncio.to_thread(self._pending, done)
+    def _batch(self, home: str, batch_id: str) -> BatchObjects:
+        return BatchObjects(self.blobs, self.spool, home, batch_id)
 
-    def _pending(self, done: set[str]) -> list[BatchDir]:
-        found: list[tuple[int, BatchDir]] = []
-        for record in self.root.glob("*/*batch_*/record.json"):
-            batch = BatchDir(record.parent)
-            if batch.id in done or not ID.fullmatch(batch.id):
+    async def pending(self, done: set[str]) -> list[BatchObjects]:
+        """Every batch of every owner that is not done yet, oldest first (for the runner), from the
+        index. `done`: ids known to be done, not read again; those found done are added (and leave the
+        index), and entries whose batch never came are removed once old."""
+        found: list[tuple[int, BatchObjects]] = []
+        for entry in await self.blobs.list(PENDING):
+            home, _, batch_id = entry.removeprefix(PENDING).partition(".")
+            if batch_id in done or not (HOME.fullmatch(home) and ID.fullmatch(batch_id)):
                 continue
-            try:
-                stored = batch.read()
-            except (FileNotFoundError, ValueError):
-                continue
-            if stored.batch.status in DONE:
-                done.add(batch.id)
+            batch = self._batch(home, batch_id)
+            stored = await batch.load()
+            if stored is None:
+                await self._orphan(batch)
+            elif stored.batch.status in DONE:
+                done.add(batch_id)
+                await batch.done()
             else:
                 found.append((stored.batch.created_at, batch))
         return [batch for _, batch in sorted(found, key=lambda item: (item[0], item[1].id))]
+
+    async def _orphan(self, batch: BatchObjects) -> None:
+        """An entry without a record: a create in progress, or one that crashed (removed once old)."""
+        raw = await self.blobs.get(batch.entry)
+        made = orjson.loads(raw).get("created", 0) if raw else 0
+        if made + ORPHAN_S < time.time() and not await batch.exists():
+            await self.blobs.delete(batch.entry, *await self.blobs.list(batch.prefix))
+
+    async def index_unlisted(self) -> int:
+        """The batches not done of a store made before the pending index, entered in it (the whole
+        store listed once, then never again); how many."""
+        if await self.blobs.get(INDEXED) is not None:
+            return 0
+        added = 0
+        for name in await self.blobs.list(""):
+            home, _, rest = name.partition("/")
+            batch_id, _, part = rest.partition("/")
+            if part != RECORD or not (HOME.fullmatch(home) and ID.fullmatch(batch_id)):
+                continue
+            batch = self._batch(home, batch_id)
+            stored = await batch.load()
+            if stored is not None and stored.batch.status not in DONE:
+                added += await self.blobs.create(batch.entry, orjson.dumps({"created": time.time()}))
+        await self.blobs.put(INDEXED, b"")
+        return added
+
+    async def aclose(self) -> None:
+        await self.blobs.aclose()
 
 
 @dataclass(slots=True, frozen=True)
 class OwnedBatches:
     """One owner's batches of one kind (ids starting with `kind`)."""
 
-    home: Path
+    blobs: Blobs
+    spool: Spool
+    home: str
     kind: str = BATCH
 
     def _is_id(self, batch_id: str) -> bool:
         return batch_id.startswith(self.kind) and ID.fullmatch(batch_id) is not None
 
-    def dir_of(self, batch_id: str, param: str = "batch_id") -> BatchDir:
-        """The batch's directory (a 404 for anything that is not an id of one of this owner's)."""
-        if not self._is_id(batch_id) or not (self.home / batch_id / "record.json").exists():
+    def _batch(self, batch_id: str) -> BatchObjects:
+        return BatchObjects(self.blobs, self.spool, self.home, batch_id)
+
+    async def find(self, batch_id: str, param: str = "batch_id") -> tuple[BatchObjects, StoredBatch]:
+        """The batch and its record (a 404 naming `param` for anything that is not an id of one of this
+        owner's batches of this kind)."""
+        if not self._is_id(batch_id):
             raise not_found(batch_id, param)
-        return BatchDir(self.home / batch_id)
+        batch = self._batch(batch_id)
+        stored = await batch.load()
+        if stored is None:
+            raise not_found(batch_id, param)
+        return batch, stored
 
-    async def create(self, stored: StoredBatch, source: Path | bytes) -> None:
-        """A new batch, whole or not at all: its input (the file at `source`, or these bytes) and
-        record made under a temporary name, renamed."""
-
-        def make() -> None:
-            making = self.home / f"{_MAKING}{stored.batch.id}"
-            making.mkdir(parents=True)
+    async def create(self, stored: StoredBatch, source: Opened | bytes) -> None:
+        """A new batch, whole or not at all: its input (the content opened at `source`, streamed through
+        the spool, or these bytes), its entry in the pending index, then its record."""
+        batch = self._batch(stored.batch.id)
+        if isinstance(source, bytes):
+            await self.blobs.put(batch.name(INPUT), source)
+        else:
+            staged = await self.spool.fill(source.chunks, "input")
             try:
-                if isinstance(source, bytes):
-                    (making / "input.jsonl").write_bytes(source)
-                else:
-                    try:
-                        os.link(source, making / "input.jsonl")  # the same disk: no copy
-                    except OSError:
-                        shutil.copyfile(source, making / "input.jsonl")
-                BatchDir(making).write(stored)
-                os.replace(making, self.home / stored.batch.id)
-            except BaseException:
-                shutil.rmtree(making, ignore_errors=True)
-                raise
-
-        await asyncio.to_thread(make)
+                await self.blobs.put_file(batch.name(INPUT), staged.path)
+            finally:
+                await staged.discard()
+        await self.blobs.put(batch.entry, orjson.dumps({"created": time.time()}))
+        await batch.write(stored)
 
     async def get(self, batch_id: str) -> Batch:
-        batch = self.dir_of(batch_id)
-        return (await asyncio.to_thread(batch.read)).batch
+        return (await self.find(batch_id))[1].batch
 
-    async def cancel(self, batch_id: str) -> Batch:
+    async def cancel(self, batch_id: str, param: str = "batch_id") -> StoredBatch:
         """Ask for a cancel (the runner holding the batch carries it out); a batch already done is a 400."""
-        batch = self.dir_of(batch_id)
-        stored = await asyncio.to_thread(batch.read)
+        batch, stored = await self.find(batch_id, param)
         if stored.batch.status in DONE:
-            raise InvalidRequest(f"Cannot cancel a batch with status '{stored.batch.status}'.", param="batch_id")
-        await asyncio.to_thread(batch.ask_cancel)
-        return (await asyncio.to_thread(batch.read)).batch
+            raise InvalidRequest(f"Cannot cancel a batch with status '{stored.batch.status}'.", param=param)
+        await batch.ask_cancel()
+        return await batch.read()
 
     async def delete(self, batch_id: str, param: str = "batch_id") -> None:
-        """Remove a batch that is done (a 400 while it runs): renamed away first, so that it is gone for
-        every reader at once, then removed."""
-        batch = self.dir_of(batch_id, param)
-        stored = await asyncio.to_thread(batch.read)
+        """Remove a batch that is done (a 400 while it runs): its record first, so that it is gone for
+        every reader at once, then the rest."""
+        batch, stored = await self.find(batch_id, param)
         if stored.batch.status not in DONE:
             raise InvalidRequest(f"Batch '{batch_id}' is still being processed: cancel it and delete it once it "
                                  "has ended.", param=param)
-
-        def remove() -> None:
-            doomed = self.home / f"{_MAKING}{batch_id}.deleted"
-            os.replace(batch.path, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
-
-        await asyncio.to_thread(remove)
+        await self.blobs.delete(batch.name(RECORD))
+        await self.blobs.delete(batch.entry, *await self.blobs.list(batch.prefix))
 
     async def page(self, after: str | None, limit: int, before: str | None = None,
                    names: tuple[str, str] = ("after", "before")) -> tuple[list[StoredBatch], bool]:
         """A page of this owner's batches, newest first: those right after the batch `after`, or right
         before the batch `before` (a 400 naming the parameter, `names`, when it is none of this
         owner's), and whether more follow (or precede, with `before`)."""
-        stored = await asyncio.to_thread(self._all)
+        stored = await self._all()
         stored.sort(key=lambda s: (s.batch.created_at, s.created_ns, s.batch.id), reverse=True)
         ids = [s.batch.id for s in stored]
         for cursor, name in ((after, names[0]), (before, names[1])):
@@ -303,15 +369,14 @@ class OwnedBatches:
         start = 0 if after is None else ids.index(after) + 1
         return stored[start : start + limit], start + limit < len(stored)
 
-    def _all(self) -> list[StoredBatch]:
-        if not self.home.is_dir():
-            return []
-        found = []
-        for record in self.home.glob(f"{self.kind}*/record.json"):
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                if self._is_id(record.parent.name):
-                    found.append(BatchDir(record.parent).read())
-        return found
+    async def _all(self) -> list[StoredBatch]:
+        ids = []
+        for name in await self.blobs.list(f"{self.home}/"):
+            batch_id, _, part = name.removeprefix(f"{self.home}/").partition("/")
+            if part == RECORD and self._is_id(batch_id):
+                ids.append(batch_id)
+        found = await asyncio.gather(*(self._batch(batch_id).load() for batch_id in ids))
+        return [stored for stored in found if stored is not None]
 
 
 LEASE = re.compile(r"lease\.([0-9]+)")
@@ -321,60 +386,60 @@ LEASE = re.compile(r"lease\.([0-9]+)")
 class Lease:
     """A replica's hold on one batch (see the module's docstring)."""
 
-    batch: BatchDir
+    batch: BatchObjects
     holder: str
     generation: int
     lease_s: float
 
     @classmethod
-    def take(cls, batch: BatchDir, holder: str, lease_s: float) -> Lease | None:
+    async def take(cls, batch: BatchObjects, holder: str, lease_s: float) -> Lease | None:
         """The batch's lease, when it is free or its holder's has expired; None when another holds it."""
-        generation, current = _newest(batch)
+        generation, current = await _newest(batch)
         if current is not None and current.get("expires", 0) > time.time():
             return None
         lease = cls(batch, holder, generation + 1, lease_s)
-        try:
-            fd = os.open(lease.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
+        if not await batch.blobs.create(lease.name, lease._content()):
             return None  # another replica took this generation first
-        with os.fdopen(fd, "wb") as out:
-            out.write(lease._content())
-        for older in range(max(1, generation - 1), generation + 1):  # the ones before are gone already
-            (batch.path / f"lease.{older}").unlink(missing_ok=True)
+        older = range(max(1, generation - 1), generation + 1)  # the ones before are gone already
+        await batch.blobs.delete(*(batch.name(f"lease.{n}") for n in older))
         return lease
 
     @property
-    def path(self) -> Path:
-        return self.batch.path / f"lease.{self.generation}"
+    def name(self) -> str:
+        return self.batch.name(f"lease.{self.generation}")
 
     def _content(self, expires: float | None = None) -> bytes:
         return orjson.dumps({"holder": self.holder, "expires": time.time() + self.lease_s if expires is None else expires})
 
-    def held(self) -> bool:
+    async def held(self) -> bool:
         """Still this replica's: no other has taken it over (a higher generation)."""
-        return _newest(self.batch)[0] == self.generation
+        return (await _newest(self.batch))[0] == self.generation
 
-    def renew(self) -> bool:
+    async def renew(self) -> bool:
         """Held for another `lease_s`; False when another replica has taken it over meanwhile."""
-        if not self.held():
+        if not await self.held():
             return False
-        _write_atomic(self.path, self._content())
+        await self.batch.blobs.put(self.name, self._content())
         return True
 
-    def release(self) -> None:
-        """Expired at once, so that another replica may take the batch now (a clean shutdown)."""
-        if _newest(self.batch)[0] == self.generation:
-            _write_atomic(self.path, self._content(expires=0))
+    async def release(self) -> None:
+        """Expired at once, so that another replica may take the batch now (a clean shutdown); nothing
+        when the batch is gone (a Message Batch deleted as soon as it ended)."""
+        if await self.held() and await self.batch.exists():
+            await self.batch.blobs.put(self.name, self._content(expires=0))
 
 
-def _newest(batch: BatchDir) -> tuple[int, dict[str, float] | None]:
+async def _newest(batch: BatchObjects) -> tuple[int, dict[str, float] | None]:
     """The highest lease generation and its content (0, None: never leased)."""
-    generations = [int(m.group(1)) for p in batch.path.iterdir() if (m := LEASE.fullmatch(p.name))]
+    names = await batch.blobs.list(batch.prefix)
+    generations = [int(m.group(1)) for n in names if (m := LEASE.fullmatch(n.rpartition("/")[2]))]
     if not generations:
         return 0, None
     newest = max(generations)
+    raw = await batch.blobs.get(batch.name(f"lease.{newest}"))
     try:
-        content = orjson.loads((batch.path / f"lease.{newest}").read_bytes())
-    except (FileNotFoundError, orjson.JSONDecodeError):
-        content = {"expires": time.time() + 1}  # being written right now: held
+        content = orjson.loads(raw) if raw is not None else {"expires": 0}  # removed meanwhile: taken over
+    except orjson.JSONDecodeError:
+        content = {"expires": time.time() + 1}  # unreadable: held, until its holder writes it again
     return newest, content if isinstance(content, dict) else None
+

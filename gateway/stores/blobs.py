@@ -18,6 +18,9 @@ What every backend guarantees (tests/unit/test_blobs.py checks each against the 
 - `copy`: the copy is independent of the source (deleting the source keeps it).
 - `list`: the names below a prefix, without scanning unrelated objects of the store.
 - Nothing blocks the event loop: blocking work runs in a worker thread.
+- A backend that cannot be reached (down, timed out, a disk that fails) raises `BlobsUnavailable`,
+  whatever its library raised; an object that is none is never an error (None, False or nothing).
+  The stores turn it into the API's 503 (`stores.guarded`).
 """
 
 from __future__ import annotations
@@ -28,13 +31,26 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Protocol, TypeVar
 
 SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 _TEMPORARY = ".tmp-"  # disk: a name being written (never listed)
+T = TypeVar("T")
+
+
+class BlobsUnavailable(Exception):
+    """The store cannot be reached or fails right now (the backend's own error is its cause)."""
+
+
+async def _thread(work: Callable[[], T]) -> T:
+    """`work` in a worker thread, a disk's failure (OSError) raised as `BlobsUnavailable`."""
+    try:
+        return await asyncio.to_thread(work)
+    except OSError as exc:
+        raise BlobsUnavailable(f"the disk store failed: {exc}") from exc
 
 
 def check_name(name: str) -> str:
@@ -140,7 +156,7 @@ class DiskBlobs:
             except (FileNotFoundError, NotADirectoryError):
                 return None
 
-        return await asyncio.to_thread(read)
+        return await _thread(read)
 
     async def put(self, name: str, data: bytes) -> None:
         path = self._path(name)
@@ -157,7 +173,7 @@ class DiskBlobs:
                 temporary.unlink(missing_ok=True)
                 raise
 
-        await asyncio.to_thread(write)
+        await _thread(write)
 
     async def create(self, name: str, data: bytes) -> bool:
         path = self._path(name)
@@ -177,7 +193,7 @@ class DiskBlobs:
             finally:
                 temporary.unlink(missing_ok=True)
 
-        return await asyncio.to_thread(make)
+        return await _thread(make)
 
     async def put_file(self, name: str, path: Path) -> int:
         target = self._path(name)
@@ -194,7 +210,7 @@ class DiskBlobs:
                 path.unlink(missing_ok=True)
             return size
 
-        return await asyncio.to_thread(move)
+        return await _thread(move)
 
     async def append(self, name: str, data: bytes) -> None:
         path = self._path(name)
@@ -206,7 +222,7 @@ class DiskBlobs:
                 out.flush()
                 os.fsync(out.fileno())
 
-        await asyncio.to_thread(add)
+        await _thread(add)
 
     async def open(self, name: str, chunk_bytes: int = 256 * 1024) -> Opened | None:
         path = self._path(name)
@@ -218,7 +234,7 @@ class DiskBlobs:
                 return None
             return os.fstat(file.fileno()).st_size, file
 
-        found = await asyncio.to_thread(opened)
+        found = await _thread(opened)
         if found is None:
             return None
         size, file = found
@@ -227,7 +243,7 @@ class DiskBlobs:
     @contextlib.asynccontextmanager
     async def local(self, name: str) -> AsyncIterator[Path | None]:
         path = self._path(name)
-        yield path if await asyncio.to_thread(path.is_file) else None
+        yield path if await _thread(path.is_file) else None
 
     async def copy(self, source: str, target: str) -> bool:
         source_path, target_path = self._path(source), self._path(target)
@@ -246,7 +262,7 @@ class DiskBlobs:
             os.replace(temporary, target_path)
             return True
 
-        return await asyncio.to_thread(link)
+        return await _thread(link)
 
     async def delete(self, *names: str) -> None:
         paths = [self._path(name) for name in names]
@@ -256,7 +272,7 @@ class DiskBlobs:
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                     path.unlink()  # its directory stays: a writer may be making a file in it right now
 
-        await asyncio.to_thread(remove)
+        await _thread(remove)
 
     async def list(self, prefix: str) -> list[str]:
         directory = prefix.rpartition("/")[0]
@@ -273,7 +289,7 @@ class DiskBlobs:
                         names.append(name)
             return names
 
-        return await asyncio.to_thread(walk)
+        return await _thread(walk)
 
     async def aclose(self) -> None:
         pass
@@ -281,7 +297,7 @@ class DiskBlobs:
 
 async def _read_chunks(file: BinaryIO, chunk_bytes: int) -> AsyncIterator[bytes]:
     try:
-        while chunk := await asyncio.to_thread(file.read, chunk_bytes):
+        while chunk := await _thread(lambda: file.read(chunk_bytes)):
             yield chunk
     finally:
         await asyncio.to_thread(file.close)

@@ -1,40 +1,43 @@
-"""The Files API's store: uploaded files on local disk (`files.dir`), each tenant's in a directory of
+"""The Files API's store: uploaded files as objects of a `Blobs` store (`stores.blobs`: local disk
+under `files.dir` by default, Redis or S3 as `store.backend` says), each tenant's under a prefix of
 its own, named by a hash of the tenant (never the tenant itself, which may hold any character):
 
-    <dir>/<sha256(owner)[:32]>/file-<24 hex>        the content, as uploaded
-    <dir>/<sha256(owner)[:32]>/file-<24 hex>.json   its FileObject; a file exists once this does
-    <dir>/<sha256(owner)[:32]>/.upload-<hex>        an upload being received (same disk: renamed in place)
+    <sha256(owner)[:32]>/file-<24 hex>        the content, as uploaded
+    <sha256(owner)[:32]>/file-<24 hex>.json   its FileObject; a file exists once this does
+
+(On disk these are files below `files.dir`, the layout of earlier versions.) An upload is received
+into a local spool file first (`stores.spool`: checked there, line by line) and handed to the store
+whole (`put_file`).
 
 Every file has an owner (the tenant of the key that uploaded it) and is reached only through its
 owner's view (`FileStore.of`): another owner's id is a 404 exactly as an unknown one, and nothing is
 read or deleted before that check. An id is checked to be an id (`file-` and 24 lowercase hex)
-before any path is built from it, so no id names a path outside its owner's directory.
+before any name is built from it, so no id names an object outside its owner's prefix.
 
-Writes are atomic: the content and then its metadata are each written to a temporary name and
-renamed, so a reader sees a whole file or none. Deleting removes the metadata first (the file is
-gone for every reader from then on), then the content. An expired file (`expires_at` passed) is
-gone: removed when next asked for or listed. Blocking disk calls run in a worker thread.
+Writes are atomic (the store's `put_file` and `put`): the content and then its metadata, so a reader
+sees a whole file or none. Deleting removes the metadata first (the file is gone for every reader
+from then on), then the content; a download opened before (`open`: its content fixed) is not cut
+short. An expired file (`expires_at` passed) is gone: removed when next asked for or listed. A store
+that is down is a `StoreUnavailable` (503, `stores.guarded`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import os
 import re
 import secrets
-import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import BinaryIO
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.files import FileObject, Purpose
+from gateway.stores.blobs import Blobs, Opened
+from gateway.stores.guarded import Guarded
+from gateway.stores.spool import Spool, Staged
 
 ID = re.compile(r"file-[0-9a-f]{24}")
-_UPLOAD_PREFIX = ".upload-"
+_META = ".json"
 
 
 def not_found(file_id: str) -> NotFound:
@@ -50,139 +53,96 @@ def derived_id(name: str) -> str:
     return "file-" + hashlib.sha256(name.encode()).hexdigest()[:24]
 
 
-class Staged:
-    """An upload being received: a temporary file in its owner's directory, written chunk by chunk
-    and either stored (`OwnedFiles.put`: renamed to its id) or discarded."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.size = 0
-        self._file: BinaryIO | None = path.open("xb")
-
-    async def write(self, data: bytes) -> None:
-        assert self._file is not None
-        self.size += len(data)
-        await asyncio.to_thread(self._file.write, data)
-
-    async def close(self) -> None:
-        if self._file is not None:
-            file, self._file = self._file, None
-            await asyncio.to_thread(file.close)
-
-    async def discard(self) -> None:
-        """Remove it, unless it was stored (then there is nothing left under its temporary name)."""
-        await self.close()
-        with contextlib.suppress(FileNotFoundError):
-            await asyncio.to_thread(self.path.unlink)
+def owner_prefix(owner: str) -> str:
+    """The name segment of an owner's objects (a hash: no owner names anything)."""
+    return hashlib.sha256(owner.encode()).hexdigest()[:32]
 
 
 @dataclass(slots=True, frozen=True)
 class FileStore:
     """Every stored file has an owner, and the only way to one is through its owner's view (`of`)."""
 
-    root: Path
+    blobs: Blobs
+    spool: Spool
 
     @classmethod
-    def at(cls, directory: Path) -> FileStore:
-        return cls(directory.expanduser())
+    def on(cls, blobs: Blobs, spool: Spool) -> FileStore:
+        """The store on `blobs` (its failures the API's 503), staging uploads in `spool`."""
+        return cls(Guarded(blobs), spool)
 
     def of(self, owner: str) -> OwnedFiles:
-        return OwnedFiles(self.root / hashlib.sha256(owner.encode()).hexdigest()[:32])
+        return OwnedFiles(self.blobs, self.spool, owner_prefix(owner))
+
+    async def aclose(self) -> None:
+        await self.blobs.aclose()
 
 
 @dataclass(slots=True, frozen=True)
 class OwnedFiles:
-    """One owner's files: its directory, and every operation on what is in it."""
+    """One owner's files: its prefix, and every operation on what is under it."""
 
-    home: Path
+    blobs: Blobs
+    spool: Spool
+    home: str
 
-    def _paths(self, file_id: str) -> tuple[Path, Path]:
-        """The content's and the metadata's paths of an id (404 for anything that is not one of ours)."""
+    def _names(self, file_id: str) -> tuple[str, str]:
+        """The content's and the metadata's names of an id (404 for anything that is not one of ours)."""
         if not ID.fullmatch(file_id):
             raise not_found(file_id)
-        return self.home / file_id, self.home / f"{file_id}.json"
+        return f"{self.home}/{file_id}", f"{self.home}/{file_id}{_META}"
 
     async def stage(self) -> Staged:
-        """A new upload's temporary file (the owner's directory made when it is first needed)."""
-        def make() -> Staged:
-            self.home.mkdir(parents=True, exist_ok=True)
-            return Staged(self.home / f"{_UPLOAD_PREFIX}{secrets.token_hex(16)}")
-
-        return await asyncio.to_thread(make)
+        """A new upload's spool file."""
+        return await self.spool.stage()
 
     async def put(
         self, staged: Staged, filename: str, purpose: Purpose, expires_after_s: int, file_id: str | None = None,
     ) -> FileObject:
         """Store an upload under a new id (or `file_id`, replaced when it exists: a batch's output
-        written again after a restart): its content renamed into place, then its metadata written."""
+        written again after a restart): its content handed to the store, then its metadata written."""
         await staged.close()
         now = int(time.time())
         stored = FileObject(id=file_id or _new_id(), bytes=staged.size, created_at=now, filename=filename,
                             purpose=purpose, expires_at=now + expires_after_s)
-        content, meta = self._paths(stored.id)
-
-        def write() -> None:
-            os.replace(staged.path, content)
-            temporary = self.home / f"{_UPLOAD_PREFIX}{stored.id}.json"
-            temporary.write_bytes(stored.model_dump_json().encode())
-            os.replace(temporary, meta)
-
-        await asyncio.to_thread(write)
+        content, meta = self._names(stored.id)
+        await self.blobs.put_file(content, staged.path)
+        await self.blobs.put(meta, stored.model_dump_json().encode())
         return stored
 
-    async def publish(self, source: Path, filename: str, file_id: str, expires_after_s: int) -> FileObject:
-        """A copy of `source` stored as the file `file_id` of purpose `batch_output` (a batch's output)."""
-        staged = await self.stage()
+    async def publish(self, source: Opened, filename: str, file_id: str, expires_after_s: int) -> FileObject:
+        """A copy of `source` (an object of another store, streamed through the spool, never whole in
+        memory) stored as the file `file_id` of purpose `batch_output` (a batch's output)."""
+        staged = await self.spool.fill(source.chunks, "publish")
         try:
-            await staged.close()
-            await asyncio.to_thread(shutil.copyfile, source, staged.path)
-            staged.size = await asyncio.to_thread(lambda: staged.path.stat().st_size)
             return await self.put(staged, filename, "batch_output", expires_after_s, file_id)
         finally:
             await staged.discard()
 
     async def get(self, file_id: str) -> FileObject:
-        content, meta = self._paths(file_id)
-        found = await asyncio.to_thread(self._read, content, meta)
+        content, meta = self._names(file_id)
+        found = await self._read(content, meta)
         if found is None:
             raise not_found(file_id)
         return found
 
-    async def open(self, file_id: str) -> tuple[FileObject, BinaryIO]:
+    async def open(self, file_id: str) -> tuple[FileObject, Opened]:
         """A file's object and its content, opened: a delete after this does not cut the read short."""
-        content, meta = self._paths(file_id)
-
-        def opened() -> tuple[FileObject, BinaryIO] | None:
-            found = self._read(content, meta)
-            if found is None:
-                return None
-            try:
-                return found, content.open("rb")
-            except FileNotFoundError:  # deleted between the two reads
-                return None
-
-        result = await asyncio.to_thread(opened)
-        if result is None:
-            raise not_found(file_id)
-        return result
-
-    async def content_of(self, file_id: str) -> tuple[FileObject, Path]:
-        """A file's object and where its content is (a batch links it; it may be deleted meanwhile)."""
+        content, _ = self._names(file_id)
         found = await self.get(file_id)
-        return found, self._paths(file_id)[0]
+        opened = await self.blobs.open(content)
+        if opened is None:  # deleted between the two reads
+            raise not_found(file_id)
+        return found, opened
 
     async def delete(self, file_id: str) -> None:
-        content, meta = self._paths(file_id)
+        content, meta = self._names(file_id)
         await self.get(file_id)  # none of this owner's (or expired): 404 before anything is touched
-        try:
-            await asyncio.to_thread(self._remove, content, meta)
-        except FileNotFoundError:  # deleted meanwhile by another request
-            raise not_found(file_id) from None
+        await self._remove(content, meta)
 
     async def page(self, purpose: str | None, after: str | None, limit: int, descending: bool) -> tuple[list[FileObject], bool]:
         """A page of this owner's files (oldest first, or newest first when `descending`) after the
         file `after` (a 400 naming `after` when it is none of this owner's), and whether more follow."""
-        files = await asyncio.to_thread(self._all)
+        files = await self._all()
         files.sort(key=lambda f: (f.created_at, f.id), reverse=descending)
         if purpose is not None:
             files = [f for f in files if f.purpose == purpose]
@@ -194,25 +154,23 @@ class OwnedFiles:
             start = ids.index(after) + 1
         return files[start : start + limit], start + limit < len(files)
 
-    def _all(self) -> list[FileObject]:
-        if not self.home.is_dir():
-            return []
-        found = (self._read(self.home / p.stem, p) for p in self.home.glob("file-*.json") if ID.fullmatch(p.stem))
+    async def _all(self) -> list[FileObject]:
+        names = await self.blobs.list(f"{self.home}/")
+        ids = sorted(n[len(self.home) + 1 : -len(_META)] for n in names if n.endswith(_META))
+        found = await asyncio.gather(*(self._read(*self._names(i)) for i in ids if ID.fullmatch(i)))
         return [f for f in found if f is not None]
 
-    def _read(self, content: Path, meta: Path) -> FileObject | None:
+    async def _read(self, content: str, meta: str) -> FileObject | None:
         """The metadata of a file that exists and has not expired (an expired one is removed)."""
-        try:
-            found = FileObject.model_validate_json(meta.read_bytes())
-        except FileNotFoundError:
+        raw = await self.blobs.get(meta)
+        if raw is None:
             return None
+        found = FileObject.model_validate_json(raw)
         if found.expires_at is not None and found.expires_at <= time.time():
-            with contextlib.suppress(FileNotFoundError):
-                self._remove(content, meta)
+            await self._remove(content, meta)
             return None
         return found
 
-    @staticmethod
-    def _remove(content: Path, meta: Path) -> None:
-        meta.unlink()  # from here on the file is gone for every reader
-        content.unlink(missing_ok=True)
+    async def _remove(self, content: str, meta: str) -> None:
+        await self.blobs.delete(meta)  # from here on the file is gone for every reader
+        await self.blobs.delete(content)

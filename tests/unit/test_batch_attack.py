@@ -5,6 +5,7 @@ a batch runs only as an identity that still exists, and malformed input and race
 
 from __future__ import annotations
 
+import asyncio
 import json
 import textwrap
 import time
@@ -17,8 +18,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.stores.batches import BatchStore
+from gateway.stores.batches import ERRORS
 from tests.fakes import FakeEngine, app_with, fake_settings
+from tests.stores import batch_in, disk_batches, disk_files, read
 from tests.unit.test_batches import (
     _stored,
     by_custom_id,
@@ -127,13 +129,13 @@ def test_an_anonymous_batch_does_not_spend_a_key_named_anonymous(tmp_path: Path)
     are nobody's now (401), not that key's (its models, its budget)."""
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl(chat_line("a")))
-    batch_id = _stored(BatchStore.at(tmp_path / "batches"), source)  # owner: anonymous, keys off
+    batch_id = _stored(disk_batches(tmp_path / "batches"), source)  # owner: anonymous, keys off
     keys = keys_file(tmp_path, "keys:\n  anonymous: {key: sk-anon, budget: {day: 1000}}\n")
     engine = FakeEngine()
     with TestClient(app_with(engine, keys_file=keys, **settings(tmp_path))):
         assert on_disk(tmp_path, batch_id).status == "completed"
     assert engine.requests == []
-    errors = next((tmp_path / "batches").glob(f"*/{batch_id}/errors.jsonl")).read_bytes().splitlines()
+    errors = (read(batch_in(tmp_path / "batches", batch_id), ERRORS) or b"").splitlines()
     assert [json.loads(line)["response"]["status_code"] for line in errors] == [401]
 
 
@@ -330,9 +332,9 @@ def test_cancel_twice_then_after_done(tmp_path: Path) -> None:
 def test_a_batch_cancelled_while_validating_runs_no_line(tmp_path: Path) -> None:
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl(*(chat_line(f"r{i}") for i in range(5))))
-    store = BatchStore.at(tmp_path / "batches")
+    store = disk_batches(tmp_path / "batches")
     batch_id = _stored(store, source)
-    store.of("anonymous").dir_of(batch_id).ask_cancel()  # asked before any runner looked at it
+    asyncio.run(store.of("anonymous").cancel(batch_id))  # asked before any runner looked at it
     engine = FakeEngine()
     with TestClient(app_with(engine, **settings(tmp_path))) as client:
         done = wait(sdk_for(client), batch_id)
@@ -445,8 +447,6 @@ def test_a_runner_that_lost_its_lease_writes_no_more_answers(tmp_path: Path) -> 
     """Another replica took the batch over (a higher lease generation: this one stalled past its
     expiry): the answers of the lines this one still had in flight are not written (the new holder
     runs those lines and answers them), and neither is this one's record."""
-    from gateway.stores.batches import BatchDir
-
     engine = FakeEngine(delay=0.05)
     with TestClient(app_with(engine, **settings(tmp_path, max_in_flight=2, lease_s=30))) as client:
         sdk = sdk_for(client)
@@ -454,13 +454,15 @@ def test_a_runner_that_lost_its_lease_writes_no_more_answers(tmp_path: Path) -> 
         deadline = time.monotonic() + 10
         while len(engine.running) < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
-        path = next((tmp_path / "batches").glob(f"*/{batch.id}"))
-        generation = max(int(p.name.split(".")[1]) for p in path.glob("lease.*"))
-        (path / f"lease.{generation + 1}").write_text(json.dumps({"holder": "other", "expires": time.time() + 60}))
-        taken = BatchDir(path).progress().done
+        objects = batch_in(tmp_path / "batches", batch.id)
+        names = asyncio.run(objects.blobs.list(objects.prefix))
+        generation = max(int(n.rpartition(".")[2]) for n in names if "/lease." in n)
+        taken_over = json.dumps({"holder": "other", "expires": time.time() + 60}).encode()
+        assert asyncio.run(objects.blobs.create(objects.name(f"lease.{generation + 1}"), taken_over))
+        taken = asyncio.run(objects.progress()).done
         time.sleep(1.0)  # the lines in flight here finish meanwhile
-        assert BatchDir(path).progress().done == taken
-        assert BatchDir(path).read().batch.status == "in_progress"
+        assert asyncio.run(objects.progress()).done == taken
+        assert asyncio.run(objects.read()).batch.status == "in_progress"
         started = len(engine.requests)
         time.sleep(0.5)
         assert len(engine.requests) == started < 10  # it stopped: no line more
@@ -555,20 +557,17 @@ def test_a_lines_fallback_hops_only_to_models_the_key_may_use(tmp_path: Path) ->
 @pytest.mark.parametrize(("one", "other"), [("t", "t:x"), ("t", "t/"), ("t", "T"), ("anonymous", "keys-file:anonymous"),
                                             ("a/../b", "b"), ("", " ")])
 def test_look_alike_owners_have_directories_and_objects_of_their_own(tmp_path: Path, one: str, other: str) -> None:
-    import asyncio
-
-    from gateway.stores.files import FileStore
-
-    store = BatchStore.at(tmp_path / "batches")
+    store = disk_batches(tmp_path / "batches")
     assert store.of(one).home != store.of(other).home
-    assert store.of(one).home.parent == store.of(other).home.parent == store.root  # no owner names a path
+    assert "/" not in store.of(one).home  # no owner names a path
+    assert "/" not in store.of(other).home
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl(chat_line("a")))
     batch_id = _stored(store, source, owner=one)
     assert asyncio.run(store.of(one).get(batch_id)).id == batch_id
     with pytest.raises(Exception, match="No batch found"):
         asyncio.run(store.of(other).get(batch_id))
-    files = FileStore.at(tmp_path / "files")
+    files = disk_files(tmp_path / "files")
     assert files.of(one).home != files.of(other).home
 
 

@@ -5,6 +5,7 @@ two runners on one directory."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -16,8 +17,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.protocol.batches import Batch, Owner, StoredBatch
-from gateway.stores.batches import BatchDir, BatchStore, new_id
+from gateway.stores.batches import ERRORS, OUTPUT, BatchStore, new_id
 from tests.fakes import FakeEngine, app_with
+from tests.stores import batch_in, disk_batches, read
 from tests.unit.test_responses import sdk_for
 from tests.unit.test_tenants import keys_file
 
@@ -179,7 +181,7 @@ def test_lines_for_another_endpoint_fail_the_batch_with_errors(client: TestClien
 
 def test_a_repeated_custom_id_fails_the_batch(tmp_path: Path) -> None:
     """The upload refuses one; a file stored otherwise (an older gateway's) is caught before it runs."""
-    store = BatchStore.at(tmp_path / "batches")
+    store = disk_batches(tmp_path / "batches")
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl(chat_line("a"), chat_line("a")))
     batch_id = _stored(store, source)
@@ -191,13 +193,11 @@ def test_a_repeated_custom_id_fails_the_batch(tmp_path: Path) -> None:
 
 def _stored(store: BatchStore, source: Path, owner: str = "anonymous", expires_at: int | None = None,
             tenant: str | None = None) -> str:
-    import asyncio
-
     now = int(time.time())
     batch = Batch(id=new_id(), endpoint="/v1/chat/completions", input_file_id="file-0123456789abcdef01234567",
                   status="validating", created_at=now, expires_at=expires_at or now + 86400)
     stored = StoredBatch(batch=batch, owner=Owner(key_id=owner, tenant=tenant or owner), output_expires_after_s=3600)
-    asyncio.run(store.of(owner).create(stored, source))
+    asyncio.run(store.of(owner).create(stored, source.read_bytes()))
     return batch.id
 
 
@@ -274,12 +274,15 @@ def test_a_batch_resumes_after_a_crash_and_answers_each_line_once(tmp_path: Path
         while sdk.batches.retrieve(batch.id).request_counts.completed < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
     # the shutdown left it in progress, its lines in flight cancelled; a crash tears the last line
-    batch_dir = next((tmp_path / "batches").glob(f"*/{batch.id}"))
-    stored = BatchDir(batch_dir).read()
+    objects = batch_in(tmp_path / "batches", batch.id)
+    stored = asyncio.run(objects.read())
     assert stored.batch.status == "in_progress"
     assert 4 <= stored.batch.request_counts.completed < 12
-    written = (batch_dir / "output.jsonl").read_bytes().splitlines(keepends=True)
-    (batch_dir / "output.jsonl").write_bytes(b"".join(written[:-1]) + written[-1][:20])  # torn mid-line
+    output = read(objects, OUTPUT)
+    assert output is not None
+    written = output.splitlines(keepends=True)
+    torn = b"".join(written[:-1]) + written[-1][:20]  # torn mid-line
+    asyncio.run(objects.blobs.put(objects.name(OUTPUT), torn))
     before = len(written) - 1
     second = FakeEngine()
     with TestClient(app_with(second, **settings(tmp_path))) as client:
@@ -304,33 +307,34 @@ def test_two_runners_on_one_directory_run_a_batch_once(tmp_path: Path) -> None:
     assert sorted([len(one.requests), len(two.requests)]) == [0, 10]  # one replica held the lease
 
 
-def test_the_lease(tmp_path: Path) -> None:
-    from gateway.stores.batches import Lease
+async def test_the_lease(tmp_path: Path) -> None:
+    from gateway.stores.batches import RECORD, BatchObjects, Lease
 
-    batch = BatchDir(tmp_path / ("batch_" + "1" * 32))
-    batch.path.mkdir()
-    first = Lease.take(batch, "a", lease_s=30)
+    store = disk_batches(tmp_path)
+    batch = BatchObjects(store.blobs, store.spool, "0" * 32, "batch_" + "1" * 32)
+    await batch.blobs.put(batch.name(RECORD), b"{}")
+    first = await Lease.take(batch, "a", lease_s=30)
     assert first is not None
-    assert Lease.take(batch, "b", lease_s=30) is None
-    assert first.renew()
-    first.release()
-    second = Lease.take(batch, "b", lease_s=0.05)  # released: taken at once
+    assert await Lease.take(batch, "b", lease_s=30) is None
+    assert await first.renew()
+    await first.release()
+    second = await Lease.take(batch, "b", lease_s=0.05)  # released: taken at once
     assert second is not None
     assert second.generation == 2
-    assert not first.renew()  # taken over: the old holder finds out
-    assert Lease.take(batch, "c", lease_s=30) is None
-    time.sleep(0.1)
-    third = Lease.take(batch, "c", lease_s=30)  # expired: taken over
+    assert not await first.renew()  # taken over: the old holder finds out
+    assert await Lease.take(batch, "c", lease_s=30) is None
+    await asyncio.sleep(0.1)
+    third = await Lease.take(batch, "c", lease_s=30)  # expired: taken over
     assert third is not None
-    assert not second.renew()
-    assert third.renew()
-    assert sorted(p.name for p in batch.path.iterdir()) == ["lease.3"]
+    assert not await second.renew()
+    assert await third.renew()
+    assert sorted(await store.blobs.list(batch.prefix)) == [batch.name("lease.3"), batch.name(RECORD)]
 
 
 def test_an_expired_batch_fails_its_remaining_lines(tmp_path: Path) -> None:
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl(chat_line("a"), chat_line("b")))
-    batch_id = _stored(BatchStore.at(tmp_path / "batches"), source, expires_at=int(time.time()) - 1)
+    batch_id = _stored(disk_batches(tmp_path / "batches"), source, expires_at=int(time.time()) - 1)
     with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
         sdk = sdk_for(client)
         done = wait(sdk, batch_id)
@@ -366,8 +370,8 @@ def test_a_rate_limit_pauses_lines_instead_of_failing_them(tmp_path: Path) -> No
 def on_disk(tmp_path: Path, batch_id: str, timeout: float = 10) -> Batch:
     """A batch once done, read from its record (for tests whose key cannot spare requests)."""
     deadline = time.monotonic() + timeout
-    batch = BatchDir(next((tmp_path / "batches").glob(f"*/{batch_id}")))
-    while (found := batch.read().batch).status not in DONE and time.monotonic() < deadline:
+    batch = batch_in(tmp_path / "batches", batch_id)
+    while (found := asyncio.run(batch.read()).batch).status not in DONE and time.monotonic() < deadline:
         time.sleep(0.02)
     return found
 
@@ -376,11 +380,12 @@ def test_a_removed_key_fails_its_batchs_lines(tmp_path: Path) -> None:
     path = keys_file(tmp_path, "keys:\n  stays: {key: sk-s}\n")
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl(chat_line("a")))
-    batch_id = _stored(BatchStore.at(tmp_path / "batches"), source, owner="gone", tenant="keys-file:gone")
+    batch_id = _stored(disk_batches(tmp_path / "batches"), source, owner="gone", tenant="keys-file:gone")
     with TestClient(app_with(FakeEngine(), keys_file=path, **settings(tmp_path))):
         assert on_disk(tmp_path, batch_id).status == "completed"
-    errors = BatchDir(next((tmp_path / "batches").glob(f"*/{batch_id}"))).errors
-    [line] = [json.loads(x) for x in errors.read_bytes().splitlines()]
+    errors = read(batch_in(tmp_path / "batches", batch_id), ERRORS)
+    assert errors is not None
+    [line] = [json.loads(x) for x in errors.splitlines()]
     assert line["response"]["status_code"] == 401
 
 
@@ -400,6 +405,6 @@ def test_a_drain_starts_no_new_line_and_leaves_the_batch_in_progress(tmp_path: P
         started = len(engine.requests)
         time.sleep(0.5)  # ten lines' time: none of them starts
         assert len(engine.requests) == started < 10
-    stored = BatchDir(next((tmp_path / "batches").glob(f"*/{batch.id}"))).read()
+    stored = asyncio.run(batch_in(tmp_path / "batches", batch.id).read())
     assert stored.batch.status == "in_progress"
     assert stored.batch.request_counts.completed < 10

@@ -16,8 +16,8 @@ from starlette.testclient import TestClient
 
 from gateway.errors import NotFound
 from gateway.stores import files as store
-from gateway.stores.files import FileStore
 from tests.fakes import app_with
+from tests.stores import disk_files
 from tests.unit.test_responses import sdk_for
 
 KEYS = ["sk-owner", "sk-other"]
@@ -234,8 +234,9 @@ def test_another_key_s_file_answers_as_an_unknown_one_and_touches_nothing(client
 def test_each_tenant_has_a_directory_not_named_by_the_tenant(client: TestClient, tmp_path: Path) -> None:
     upload(client, GOOD, key="sk-owner")
     upload(client, GOOD, key="sk-other")
-    homes = sorted(p.name for p in (tmp_path / "files").iterdir())
+    homes = sorted(p.name for p in (tmp_path / "files").iterdir() if p.name != ".spool")
     assert len(homes) == 2
+    assert list((tmp_path / "files" / ".spool").iterdir()) == []  # the uploads' spool: each handed to the store
     assert all(len(home) == 32 and all(c in "0123456789abcdef" for c in home) for home in homes)
 
 
@@ -260,7 +261,7 @@ def test_an_odd_id_is_a_404_on_every_route(client: TestClient, tmp_path: Path, o
 @pytest.mark.parametrize("odd", ["../x", "..", "/etc/passwd", "file-0123456789abcdef01234567/../x", "", "a\x00b",
                                  f"{UNKNOWN}.json"])
 async def test_the_store_builds_no_path_from_what_is_not_an_id(tmp_path: Path, odd: str) -> None:
-    mine = FileStore.at(tmp_path).of("t")
+    mine = disk_files(tmp_path).of("t")
     for call in (mine.get(odd), mine.open(odd), mine.delete(odd)):
         with pytest.raises(NotFound):
             await call
@@ -268,7 +269,7 @@ async def test_the_store_builds_no_path_from_what_is_not_an_id(tmp_path: Path, o
 
 
 async def test_an_expired_file_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    mine = FileStore.at(tmp_path).of("t")
+    mine = disk_files(tmp_path).of("t")
     staged = await mine.stage()
     await staged.write(GOOD)
     made = await mine.put(staged, "a.jsonl", "batch", 3600)
@@ -282,11 +283,11 @@ async def test_an_expired_file_is_gone(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 async def test_a_download_outlives_a_delete_meanwhile(tmp_path: Path) -> None:
-    mine = FileStore.at(tmp_path).of("t")
+    mine = disk_files(tmp_path).of("t")
     staged = await mine.stage()
     await staged.write(GOOD)
     made = await mine.put(staged, "a.jsonl", "batch", 3600)
     _, opened = await mine.open(made.id)
     await mine.delete(made.id)
-    with opened:
-        assert await asyncio.to_thread(opened.read) == GOOD
+    assert opened.size == len(GOOD)
+    assert b"".join([chunk async for chunk in opened.chunks]) == GOOD

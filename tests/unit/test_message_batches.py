@@ -19,8 +19,9 @@ from starlette.testclient import TestClient
 
 from gateway.protocol.batches import Batch, Owner, RequestCounts, StoredBatch
 from gateway.serving.batch_input import MESSAGES
-from gateway.stores.batches import MESSAGE_BATCH, BatchStore, new_id
+from gateway.stores.batches import MESSAGE_BATCH, new_id
 from tests.fakes import FakeEngine, app_with
+from tests.stores import disk_batches
 from tests.unit.test_batches import KEYS, chat_line, jsonl, settings
 
 BATCHES = "/v1/messages/batches"
@@ -244,7 +245,7 @@ def test_cancel_ends_the_batch_and_the_unrun_requests_are_canceled(tmp_path: Pat
 
 
 def test_an_expired_batch_ends_with_expired_results(tmp_path: Path) -> None:
-    store, now = BatchStore.at(tmp_path / "batches"), int(time.time())
+    store, now = disk_batches(tmp_path / "batches"), int(time.time())
     batch_id = new_id(MESSAGE_BATCH)
     batch = Batch(id=batch_id, endpoint=MESSAGES, input_file_id=batch_id, status="validating", created_at=now - 86400,
                   expires_at=now - 1, request_counts=RequestCounts(total=2))

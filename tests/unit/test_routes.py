@@ -3,6 +3,7 @@ lifecycle and the OpenAPI document all take their paths from it."""
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 import time
 from pathlib import Path
@@ -16,7 +17,6 @@ from engine.config import EngineSettings
 from gateway.api.routes import TABLE
 from gateway.api.table import Endpoint, RouteTable
 from gateway.app import create_app
-from gateway.stores.batches import BatchDir
 from tests.adapters import write_stub
 from tests.fakes import FakeEngine, fake_settings
 
@@ -85,10 +85,10 @@ def concrete(client: TestClient, path: str, headers: dict[str, str]) -> str:
 def ended(client: TestClient, batch_id: str) -> None:
     """The batch marked completed on disk, as a runner would leave it (none runs here)."""
     store = client.app_state["gateway"].batches
-    batch = BatchDir(next(store.root.glob(f"*/{batch_id}")))
-    stored = batch.read()
+    batch = next(b for b in asyncio.run(store.pending(set())) if b.id == batch_id)
+    stored = asyncio.run(batch.read())
     stored.batch.status, stored.batch.completed_at = "completed", int(time.time())
-    batch.write(stored)
+    asyncio.run(batch.write(stored))
 
 
 def batch_body(client: TestClient, headers: dict[str, str]) -> dict[str, Any]:
