@@ -15,6 +15,8 @@ from gateway.settings import Settings
 from gateway.telemetry import logs
 from tests.fakes import FakeEngine, fake_settings
 
+pytest_plugins = ["tests.blob_backends"]  # `blobs`: the batch lane's store on each backend
+
 
 @pytest.fixture(autouse=True)
 def _logging_as_it_was() -> Iterator[None]:

@@ -61,10 +61,6 @@ def check_name(name: str) -> str:
     return name
 
 
-class BlobsUnavailable(Exception):
-    """The store's backend could not be reached (a 503)."""
-
-
 @dataclass(slots=True)
 class Opened:
     """An object opened for reading: its size and its content, chunk by chunk (`aclose` when not read

@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 from gateway.errors import StoreUnavailable
 from gateway.protocol.batches import Batch, Owner, StoredBatch
 from gateway.stores.batches import INPUT, ORPHAN_S, PENDING, RECORD, BatchStore, new_id
-from gateway.stores.blobs import BlobsUnavailable, DiskBlobs
+from gateway.stores.blobs import Blobs, BlobsUnavailable, DiskBlobs
 from gateway.stores.guarded import Guarded
 from gateway.stores.spool import Spool
 from tests.fakes import FakeEngine, app_with
@@ -32,8 +32,9 @@ LINES = jsonl(chat_line("a"), chat_line("b"))
 
 
 @pytest.fixture
-def flaky(tmp_path: Path) -> Flaky:
-    return Flaky(DiskBlobs.at(tmp_path / "batches"))
+def flaky(blobs: Blobs) -> Flaky:
+    """The store on each backend (disk, Redis, S3), able to be taken down."""
+    return Flaky(blobs)
 
 
 def store_on(blobs: Flaky, tmp_path: Path) -> BatchStore:
