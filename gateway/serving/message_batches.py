@@ -17,6 +17,7 @@ How OpenAI's states and counts map to Anthropic's:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -39,7 +40,7 @@ STATUSES: dict[str, ProcessingStatus] = {"cancelling": "canceling", **{status: "
 
 def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: int) -> bytes:
     """The batch's input file (`{"custom_id", "method", "url": "/v1/messages", "body"}` per line), or a
-    400 naming the first request that is too large or repeats a custom_id."""
+    400 naming the first request that is too large, repeats a custom_id or holds a number JSON has not."""
     if len(create.requests) > max_requests:
         raise InvalidRequest(f"requests: a batch has at most {max_requests} requests", param="requests")
     seen: set[str] = set()
@@ -49,6 +50,9 @@ def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: i
             raise InvalidRequest(f"requests.{i}.custom_id: '{request.custom_id}' is not unique: each request of a "
                                  "batch needs a custom_id of its own", param=f"requests.{i}.custom_id")
         seen.add(request.custom_id)
+        if not _finite(request.params):
+            raise InvalidRequest(f"requests.{i}.params: NaN and Infinity are not JSON numbers",
+                                 param=f"requests.{i}.params")
         try:
             line = orjson.dumps({"custom_id": request.custom_id, "method": "POST", "url": MESSAGES,
                                  "body": request.params})
@@ -59,6 +63,22 @@ def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: i
             raise InvalidRequest(f"requests.{i}.params: larger than {max_line_bytes} bytes", param=f"requests.{i}.params")
         lines.append(line)
     return b"\n".join(lines) + b"\n"
+
+
+def _finite(params: dict[str, Any]) -> bool:
+    """Whether no number in `params` is NaN or infinite: the body's parser takes them (`NaN`,
+    `Infinity`, `1e400`), a JSON line cannot keep them (orjson writes null), and the request would
+    run with a value it did not ask for."""
+    pending: list[Any] = [params]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return True
 
 
 def _time(seconds: int | None) -> datetime | None:

@@ -1,0 +1,63 @@
+"""Anthropic's Message Batches attacked as a careless client and a second tenant would (through the
+official `anthropic` SDK where it can): each request's model and text pass what /v1/messages passes,
+per request, in Anthropic's shape; nothing is run that the create body did not say; error messages
+echo no huge input; another tenant's ids, and the other API's, are unknown ids everywhere; a
+batch deleted meanwhile is a 404, never a 500."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import anthropic.types.messages as sdk
+import pytest
+from starlette.testclient import TestClient
+
+from gateway.app import create_app
+from tests.fakes import FakeEngine, app_with, fake_settings
+from tests.unit.test_batches import KEYS, settings
+from tests.unit.test_message_batches import BATCHES, create, headers, params, retrieve, wait
+from tests.unit.test_reach import MODELS, REFERENCES, _engines
+from tests.unit.test_tenants import keys_file
+
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    with TestClient(app_with(FakeEngine(), api_keys=KEYS, **settings(tmp_path))) as test_client:
+        yield test_client
+
+
+def claude(client: TestClient, key: str = "sk-owner") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=str(client.base_url), api_key=key, http_client=client, max_retries=0)
+
+
+def results_of(client: TestClient, batch_id: str, key: str = "sk-owner") -> dict[str, Any]:
+    done = wait(client, batch_id) if key == "sk-owner" else None
+    assert done is None or done.processing_status == "ended"
+    lines = claude(client, key).messages.batches.results(batch_id)
+    return {line.custom_id: line.result for line in lines}
+
+
+# --- what runs is what the create body said ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_a_number_json_has_not_is_refused_not_run_as_null(client: TestClient, number: str) -> None:
+    """Python's JSON reader takes NaN and Infinity (and 1e400 as infinity), JSON Lines cannot keep
+    them (written as null): the request would run with a parameter it did not ask for (a
+    temperature of NaN, which /v1/messages refuses, run as the default)."""
+    asked = '{"model": "fake-model", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], "temperature": %s}'
+    assert client.post("/v1/messages", content=asked % number, headers={**headers(), **JSON}).status_code == 400
+    body = '{"requests": [{"custom_id": "a", "params": {}}, {"custom_id": "b", "params": %s}]}' % (asked % number)
+    response = client.post(BATCHES, content=body, headers={**headers(), **JSON})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert "requests.1.params" in response.json()["error"]["message"]
+    assert client.get(BATCHES, headers=headers()).json()["data"] == []
