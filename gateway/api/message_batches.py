@@ -15,6 +15,7 @@ batches; `/v1/batches` takes an uploaded file instead); at most `files.max_lines
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -34,7 +35,7 @@ from gateway.protocol.message_batches import (
 )
 from gateway.serving import message_batches as mb
 from gateway.serving.batch_input import MESSAGES
-from gateway.stores.batches import MESSAGE_BATCH, OwnedBatches, new_id
+from gateway.stores.batches import MESSAGE_BATCH, OwnedBatches, new_id, not_found
 
 PARAM = "message_batch_id"
 RESULT_LINES = 256  # lines read per hop to the worker thread
@@ -42,6 +43,16 @@ RESULT_LINES = 256  # lines read per hop to the worker thread
 
 def _mine(request: Request) -> OwnedBatches:
     return state_of(request).batches.of(context_of(request.scope).tenant, MESSAGE_BATCH)
+
+
+@contextlib.contextmanager
+def _deleted_is_not_found(batch_id: str) -> Iterator[None]:
+    """A batch deleted after it was found (by another request, or a DELETE sent twice) is a 404
+    like any batch not found, not a 500 of its files gone."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise not_found(batch_id, PARAM) from None
 
 
 async def collection(request: Request) -> Response:
@@ -79,31 +90,35 @@ async def _list(request: Request) -> Response:
 async def by_id(request: Request) -> Response:
     """GET (retrieve) and DELETE /v1/messages/batches/{message_batch_id}."""
     mine, batch_id = _mine(request), request.path_params[PARAM]
-    if request.method == "DELETE":
-        await mine.delete(batch_id, PARAM)
-        return json_response(DeletedMessageBatch(id=batch_id))
-    found = mine.dir_of(batch_id, PARAM)
-    return json_response(mb.view(await asyncio.to_thread(found.read)))
+    with _deleted_is_not_found(batch_id):
+        if request.method == "DELETE":
+            await mine.delete(batch_id, PARAM)
+            return json_response(DeletedMessageBatch(id=batch_id))
+        found = mine.dir_of(batch_id, PARAM)
+        return json_response(mb.view(await asyncio.to_thread(found.read)))
 
 
 async def cancel(request: Request) -> Response:
     batch_id = request.path_params[PARAM]
     mine = _mine(request)
-    mine.dir_of(batch_id, PARAM)  # a 404 naming message_batch_id before the store's check
-    await mine.cancel(batch_id)
-    state_of(request).batch_runner.cancel(batch_id)
-    return json_response(mb.view(await asyncio.to_thread(mine.dir_of(batch_id, PARAM).read)))
+    with _deleted_is_not_found(batch_id):
+        mine.dir_of(batch_id, PARAM)  # a 404 naming message_batch_id before the store's check
+        await mine.cancel(batch_id)
+        state_of(request).batch_runner.cancel(batch_id)
+        return json_response(mb.view(await asyncio.to_thread(mine.dir_of(batch_id, PARAM).read)))
 
 
 async def results(request: Request) -> Response:
     """GET /v1/messages/batches/{message_batch_id}/results: JSONL, once the batch has ended (400 before)."""
     batch_id = request.path_params[PARAM]
-    found = _mine(request).dir_of(batch_id, PARAM)
-    stored = await asyncio.to_thread(found.read)
-    if mb.view(stored).processing_status != "ended":
-        raise InvalidRequest(f"Batch '{batch_id}' has not ended yet: its results are available once it has.",
-                             param=PARAM)
-    return StreamingResponse(_chunks(mb.results(found, stored)), media_type="application/x-jsonl")
+    with _deleted_is_not_found(batch_id):
+        found = _mine(request).dir_of(batch_id, PARAM)
+        stored = await asyncio.to_thread(found.read)
+        if mb.view(stored).processing_status != "ended":
+            raise InvalidRequest(f"Batch '{batch_id}' has not ended yet: its results are available once it has.",
+                                 param=PARAM)
+        lines = await asyncio.to_thread(mb.results, found, stored)
+    return StreamingResponse(_chunks(lines), media_type="application/x-jsonl")
 
 
 def _take(lines: Iterator[bytes]) -> bytes:

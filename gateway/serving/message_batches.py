@@ -17,10 +17,11 @@ How OpenAI's states and counts map to Anthropic's:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -32,7 +33,7 @@ from gateway.protocol.message_batches import (
     MessageBatchRequestCounts,
     ProcessingStatus,
 )
-from gateway.serving.batch_input import MESSAGES, read_lines
+from gateway.serving.batch_input import MESSAGES
 from gateway.stores.batches import BatchDir
 
 STATUSES: dict[str, ProcessingStatus] = {"cancelling": "canceling", **{status: "ended" for status in DONE}}
@@ -143,16 +144,27 @@ def _unrun(status: str) -> dict[str, Any]:
 
 def results(batch: BatchDir, stored: StoredBatch) -> Iterator[bytes]:
     """The results of an ended batch, one JSON line per request: those answered (in the order they were
-    answered), then those never run. Blocking reads: iterate it in a worker thread."""
-    seen: set[str] = set()
-    for path, ok in ((batch.output, True), (batch.errors, False)):
-        if not path.exists():
-            continue
-        with path.open("rb") as lines:
+    answered), then those never run. Its files are opened here, before the first line is read, so
+    that a delete of the batch meanwhile does not cut the answer short once it has started
+    (FileNotFoundError when the batch is gone already). Blocking reads: call and iterate it in a
+    worker thread."""
+    with contextlib.ExitStack() as opened:
+        answered = [(opened.enter_context(path.open("rb")), ok)
+                    for path, ok in ((batch.output, True), (batch.errors, False)) if path.exists()]
+        asked = opened.enter_context(batch.input.open("rb"))
+        return _results(opened.pop_all(), answered, asked, stored.batch.status)
+
+
+def _results(opened: contextlib.ExitStack, answered: Sequence[tuple[BinaryIO, bool]], asked: BinaryIO,
+             status: str) -> Iterator[bytes]:
+    with opened:
+        seen: set[str] = set()
+        for lines, ok in answered:
             for raw in lines:
                 line = orjson.loads(raw)
                 seen.add(line["custom_id"])
                 yield orjson.dumps({"custom_id": line["custom_id"], "result": _result(line, ok)}) + b"\n"
-    for request in read_lines(batch.input):
-        if request.custom_id not in seen:
-            yield orjson.dumps({"custom_id": request.custom_id, "result": _unrun(stored.batch.status)}) + b"\n"
+        for raw in asked:
+            custom_id = orjson.loads(raw)["custom_id"]
+            if custom_id not in seen:
+                yield orjson.dumps({"custom_id": custom_id, "result": _unrun(status)}) + b"\n"

@@ -7,23 +7,17 @@ batch deleted meanwhile is a 404, never a 500."""
 from __future__ import annotations
 
 import json
-import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
-import anthropic.types.messages as sdk
 import pytest
 from starlette.testclient import TestClient
 
-from gateway.app import create_app
-from tests.fakes import FakeEngine, app_with, fake_settings
+from tests.fakes import FakeEngine, app_with
 from tests.unit.test_batches import KEYS, settings
-from tests.unit.test_message_batches import BATCHES, create, headers, params, retrieve, wait
-from tests.unit.test_reach import MODELS, REFERENCES, _engines
-from tests.unit.test_tenants import keys_file
+from tests.unit.test_message_batches import BATCHES, create, headers, params, wait
 
 JSON = {"content-type": "application/json"}
 
@@ -61,3 +55,47 @@ def test_a_number_json_has_not_is_refused_not_run_as_null(client: TestClient, nu
     assert response.json()["error"]["type"] == "invalid_request_error"
     assert "requests.1.params" in response.json()["error"]["message"]
     assert client.get(BATCHES, headers=headers()).json()["data"] == []
+
+
+# --- a batch deleted meanwhile: a 404, never a 500 ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", ""), ("POST", "/cancel"), ("GET", "/results"), ("DELETE", "")])
+def test_a_batch_deleted_between_lookup_and_read_is_a_404(client: TestClient, monkeypatch: pytest.MonkeyPatch,
+                                                         method: str, path: str) -> None:
+    """Two clients (or a retried DELETE) on one batch: the other deletes it after this request
+    found it and before it read it."""
+    import shutil
+
+    from gateway.stores.batches import BatchDir
+
+    batch = create(client, [{"custom_id": "a", "params": params()}])
+    wait(client, batch.id)
+    read = BatchDir.read
+
+    def deleted_first(self: BatchDir) -> Any:
+        shutil.rmtree(self.path, ignore_errors=True)
+        return read(self)
+
+    monkeypatch.setattr(BatchDir, "read", deleted_first)
+    response = client.request(method, f"{BATCHES}/{batch.id}{path}", headers=headers())
+    assert response.status_code == 404, response.text
+    assert response.json()["error"] == {"type": "not_found_error", "message": f"No batch found with id '{batch.id}'."}
+
+
+def test_results_already_streaming_survive_a_delete(client: TestClient, tmp_path: Path) -> None:
+    """The results' files are opened before the answer starts: a delete then does not cut the JSONL
+    short after a 200 (the server's error, mid-stream)."""
+    import shutil
+
+    from gateway.serving import message_batches as mb
+    from gateway.stores.batches import BatchDir
+
+    batch = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(3)] +
+                   [{"custom_id": "bad", "params": params(model="nope")}])
+    wait(client, batch.id)
+    (home,) = (tmp_path / "batches").glob(f"*/{batch.id}")
+    found = BatchDir(home)
+    lines = mb.results(found, found.read())
+    shutil.rmtree(found.path)
+    assert sorted(json.loads(line)["custom_id"] for line in lines) == ["bad", "r0", "r1", "r2"]
