@@ -102,7 +102,10 @@ async def cancel(request: Request) -> Response:
     batch_id = request.path_params[PARAM]
     mine = _mine(request)
     with _deleted_is_not_found(batch_id):
-        mine.dir_of(batch_id, PARAM)  # a 404 naming message_batch_id before the store's check
+        found = await asyncio.to_thread(mine.dir_of(batch_id, PARAM).read)  # a 404 naming message_batch_id
+        if mb.view(found).processing_status == "ended":  # in Anthropic's words before the store's (OpenAI's)
+            raise InvalidRequest(f"Batch '{batch_id}' has already ended: only a batch still in progress can be "
+                                 "canceled.", param=PARAM)
         await mine.cancel(batch_id)
         state_of(request).batch_runner.cancel(batch_id)
         return json_response(mb.view(await asyncio.to_thread(mine.dir_of(batch_id, PARAM).read)))

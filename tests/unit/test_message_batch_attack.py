@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 
 from tests.fakes import FakeEngine, app_with
 from tests.unit.test_batches import KEYS, settings
-from tests.unit.test_message_batches import BATCHES, create, headers, params, wait
+from tests.unit.test_message_batches import BATCHES, create, headers, params, retrieve, wait
 
 JSON = {"content-type": "application/json"}
 
@@ -99,3 +99,26 @@ def test_results_already_streaming_survive_a_delete(client: TestClient, tmp_path
     lines = mb.results(found, found.read())
     shutil.rmtree(found.path)
     assert sorted(json.loads(line)["custom_id"] for line in lines) == ["bad", "r0", "r1", "r2"]
+
+
+# --- cancel: twice while it runs, and after it ended ---------------------------------------------------
+
+
+def test_cancel_twice_keeps_its_first_time_and_a_cancel_after_the_end_speaks_anthropics_words(tmp_path: Path) -> None:
+    engine = FakeEngine(delay=0.05)
+    with TestClient(app_with(engine, api_keys=KEYS, **settings(tmp_path, max_in_flight=1))) as client:
+        claude_sdk = claude(client)
+        batch = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(20)])
+        first = claude_sdk.messages.batches.cancel(batch.id)
+        again = claude_sdk.messages.batches.cancel(batch.id)
+        assert first.cancel_initiated_at is not None
+        assert again.cancel_initiated_at == first.cancel_initiated_at
+        done = wait(client, batch.id)
+        assert done.cancel_initiated_at == first.cancel_initiated_at
+        assert done.request_counts.canceled > 0
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            claude_sdk.messages.batches.cancel(batch.id)
+        message = refused.value.body["error"]["message"]  # type: ignore[index]
+        assert "has already ended" in message
+        assert "cancelled" not in message  # OpenAI's status words
+        assert retrieve(client, batch.id) == done
