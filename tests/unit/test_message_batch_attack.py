@@ -122,3 +122,36 @@ def test_cancel_twice_keeps_its_first_time_and_a_cancel_after_the_end_speaks_ant
         assert "has already ended" in message
         assert "cancelled" not in message  # OpenAI's status words
         assert retrieve(client, batch.id) == done
+
+
+# --- error messages: no huge echo of what was sent ---------------------------------------------------
+
+HUGE = "Z" * 200_000
+BOUND = 2_000  # characters of an error object: the message and param that quote the input are bounded
+
+
+def test_error_messages_do_not_echo_huge_inputs(client: TestClient) -> None:
+    """A name, key or id of any length is quoted in part: an error (and a batch's result line) stays
+    small whatever was sent, and still says which input it is about."""
+    asked = {"requests": [{"custom_id": "a", "params": params()}], HUGE: 1}
+    refusals = [
+        client.post(BATCHES, json=asked, headers=headers()),
+        client.get(f"{BATCHES}?before_id={HUGE[:20_000]}", headers=headers()),
+        client.get(f"{BATCHES}/msgbatch_{HUGE[:20_000]}", headers=headers()),
+        client.post("/v1/messages", json=params(**{HUGE: 1}), headers=headers()),
+        client.post("/v1/chat/completions", json={"model": HUGE, "messages": [{"role": "user", "content": "hi"}]},
+                    headers={"authorization": "Bearer sk-owner"}),
+    ]
+    for response in refusals:
+        assert 400 <= response.status_code < 500, response.text[:200]
+        assert len(response.content) < BOUND, response.text[:200]
+        assert "ZZZZ" in response.text
+    batch = create(client, [{"custom_id": "model", "params": params(model=HUGE)},
+                            {"custom_id": "key", "params": params(**{HUGE: 1})},
+                            {"custom_id": "tag", "params": params(tool_choice={"type": HUGE})}])
+    found = results_of(client, batch.id)
+    for custom_id, result in found.items():
+        assert result.type == "errored", custom_id
+        assert len(result.error.error.message) < BOUND, custom_id
+        assert "ZZZZ" in result.error.error.message
+    assert "does not exist" in found["model"].error.error.message  # the end of the message is kept
