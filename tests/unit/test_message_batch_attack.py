@@ -219,6 +219,16 @@ def test_another_tenants_ids_are_unknown_ids_on_every_way_in(client: TestClient)
                                             "completion_window": "24h"}, headers=owner)
     assert made.status_code == 404
     assert client.get(f"/v1/batches?after={mine.id}", headers=owner).status_code == 400
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}}
+    upload = client.post("/v1/files", files={"file": ("in.jsonl", json.dumps(line).encode())}, data={"purpose": "batch"},
+                         headers=owner).json()
+    openai_batch = client.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
+                                                    "completion_window": "24h"}, headers=owner).json()["id"]
+    for method, path in (("GET", ""), ("POST", "/cancel"), ("GET", "/results"), ("DELETE", "")):
+        assert client.request(method, f"{BATCHES}/{openai_batch}{path}", headers=headers()).status_code == 404
+    assert client.get(f"{BATCHES}?after_id={openai_batch}", headers=headers()).status_code == 400
+    assert client.get(f"/v1/batches/{openai_batch}", headers=owner).json()["status"] not in ("cancelling", "cancelled")
     assert client.get(BATCHES, headers={"x-api-key": "sk-admin"}).status_code == 401  # an admin key is no API key
     assert retrieve(client, mine.id).processing_status == "ended"
 
