@@ -426,3 +426,41 @@ def test_error_messages_do_not_echo_huge_inputs(client: TestClient) -> None:
         assert len(result.error.error.message) < BOUND, custom_id
         assert "ZZZZ" in result.error.error.message
     assert "does not exist" in found["model"].error.error.message  # the end of the message is kept
+
+
+# --- the lane is shared: one key's rate limit does not hold another's batch ------------------------------
+
+
+def test_a_rate_limited_keys_batch_does_not_hold_the_lane_for_another_key(tmp_path: Path) -> None:
+    """A key at its requests per minute waits for its next request; its lines that wait give their
+    slots of `max_in_flight` back meanwhile, so another key's batch runs (it waited behind the slow
+    key's lines, which held every slot asleep, for as long as that key's limit said: a minute)."""
+    keys = keys_file(tmp_path, "keys:\n  slow: {key: sk-slow, rpm: 1}\n  fast: {key: sk-fast}\n")
+    engine = FakeEngine()
+    with TestClient(app_with(engine, keys_file=keys, **settings(tmp_path, max_in_flight=2))) as client:
+        refused = _refusals()
+        slow = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(6)], key="sk-slow")
+        deadline = time.monotonic() + 10
+        while _refusals() == refused:  # its create took the key's one request of this minute: lines wait
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        fast = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(4)], key="sk-fast")
+        done = ended(client, fast.id, "sk-fast", timeout=20)
+        assert done.request_counts.succeeded == 4
+        assert _status(tmp_path, slow.id) == "in_progress"  # still waiting for its limit
+        from gateway.stores.batches import BatchDir
+
+        (home,) = (tmp_path / "batches").glob(f"*/{slow.id}")
+        BatchDir(home).ask_cancel()  # its key may not ask for a minute: as another replica would
+        runner = client.app_state["gateway"].batch_runner
+        runner.cancel(slow.id)
+        while _status(tmp_path, slow.id) != "cancelled":
+            assert time.monotonic() < deadline + 20
+            time.sleep(0.02)
+        assert runner.slots._value == 2  # every slot back: none lost, none counted twice, by the lines cancelled asleep
+
+
+def _refusals() -> float:
+    import prometheus_client
+
+    return prometheus_client.REGISTRY.get_sample_value("gateway_rate_limited_total", {"limit": "requests"}) or 0.0
