@@ -50,6 +50,19 @@ ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "n
                    413: "request_too_large", 429: "rate_limit_error"}
 
 
+MAX_MESSAGE, MAX_PARAM = 1000, 200  # characters of an error's message and param (see `bounded`)
+
+
+def bounded(text: str, limit: int) -> str:
+    """At most `limit` characters: a longer text keeps its head and tail around an ellipsis. An error
+    quotes what was sent (a model's name, an unknown key, an id in the path), which may be megabytes:
+    the answer, a batch's result line and the log then hold a part of it, enough to recognize it."""
+    if len(text) <= limit:
+        return text
+    half = (limit - 1) // 2
+    return f"{text[:half]}\u2026{text[len(text) - half:]}"
+
+
 class APIError(Exception):
     status: int = 500
     type: str = "server_error"
@@ -63,9 +76,10 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = bounded(message, MAX_MESSAGE)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = None if param is None else bounded(param, MAX_PARAM)
         self.code = code or self.code
         self.headers = headers or {}
 

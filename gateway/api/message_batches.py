@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -86,7 +87,12 @@ async def by_id(request: Request) -> Response:
 
 async def cancel(request: Request) -> Response:
     batch_id = request.path_params[PARAM]
-    cancelling = await _mine(request).cancel(batch_id, PARAM)
+    mine = _mine(request)
+    _, found = await mine.find(batch_id, PARAM)
+    if mb.view(found).processing_status == "ended":  # in Anthropic's words before the store's (OpenAI's)
+        raise InvalidRequest(f"Batch '{batch_id}' has already ended: only a batch still in progress can be "
+                             "canceled.", param=PARAM)
+    cancelling = await mine.cancel(batch_id, PARAM)
     state_of(request).batch_runner.cancel(batch_id)
     return json_response(mb.view(cancelling))
 
@@ -98,4 +104,5 @@ async def results(request: Request) -> Response:
     if mb.view(stored).processing_status != "ended":
         raise InvalidRequest(f"Batch '{batch_id}' has not ended yet: its results are available once it has.",
                              param=PARAM)
-    return StreamingResponse(mb.results(found, stored), media_type="application/x-jsonl")
+    lines = await mb.results(found, stored, PARAM)
+    return StreamingResponse(lines.chunks(), media_type="application/x-jsonl", background=BackgroundTask(lines.aclose))

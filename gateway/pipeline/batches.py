@@ -1,7 +1,9 @@
 """The batch runner: runs the batches kept in `stores.batches`, each line through the pipeline as its
 route would run it (`pipeline.batch_line`), in the batch lane (the lowest priority), at most
 `batches.max_in_flight` lines at once on this replica across all batches (the engine stays free for
-interactive requests, and an idle engine still gets that many lines at once).
+interactive requests, and an idle engine still gets that many lines at once). A line the key's rate
+limits refuse for now waits without its slot, and its batch starts no new line until then: a key at
+its limit does not hold the lane that other keys' batches share.
 
 A batch's life, as OpenAI's: `validating` (its input checked: `failed` with `errors`) →
 `in_progress` (its lines run) → `finalizing` (its output and error files published as files of
@@ -170,6 +172,8 @@ class BatchRun:
         self._lock = asyncio.Lock()  # one result written at a time: the line, then the record
         self._writes: set[asyncio.Task[None]] = set()
         self._stored: StoredBatch | None = None
+        self._resume_at = 0.0  # (monotonic) the key's limits refused a line: no new line of this batch before
+        self._unslotted: set[asyncio.Task[None]] = set()  # lines waiting for the key's limits, their slots given back
 
     @property
     def stored(self) -> StoredBatch:
@@ -262,7 +266,7 @@ class BatchRun:
             while (line := await asyncio.to_thread(next, lines, None)) is not None:
                 if line.custom_id in self.progress.done:
                     continue
-                await self.runner.slots.acquire()
+                await self._slot()
                 if self.runner.state.lifecycle.draining or self.lost.is_set():  # no new line: those in flight end
                     self.runner.slots.release()
                     await asyncio.Event().wait()  # until the shutdown cancels this run
@@ -280,7 +284,34 @@ class BatchRun:
                 lines.close()
 
     def _done(self, task: asyncio.Task[None]) -> None:
+        if task in self._unslotted:  # ended while it waited without its slot
+            self._unslotted.discard(task)
+        else:
+            self.runner.slots.release()
+
+    async def _slot(self) -> None:
+        """A slot of `max_in_flight` for the next line, once the key's limits let this batch go on."""
+        while True:
+            pause = self._resume_at - time.monotonic()
+            if pause > 0:
+                await asyncio.sleep(pause)
+                continue
+            await self.runner.slots.acquire()
+            if self._resume_at <= time.monotonic():
+                return
+            self.runner.slots.release()  # paused while it waited for the slot
+
+    async def _wait_unslotted(self, wait_s: float) -> None:
+        """A line the key's limits refused waits without its slot, and the batch starts no new line
+        meanwhile: the lane's slots go to other keys' batches, not to lines asleep."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._resume_at = max(self._resume_at, time.monotonic() + wait_s)
+        self._unslotted.add(task)
         self.runner.slots.release()
+        await asyncio.sleep(wait_s)
+        await self.runner.slots.acquire()
+        self._unslotted.discard(task)  # cancelled before this line: `_done` frees no slot it does not hold
 
     async def _one(self, line: BatchLine) -> None:
         settings, owner = self.runner.settings, self.stored.owner
@@ -288,8 +319,8 @@ class BatchRun:
             try:
                 answer = await run_line(self.runner.state, owner, line.url, line.body, settings.retry_s)
                 break
-            except Retry as retry:  # the key's rate limits: this line waits, holding its slot
-                await asyncio.sleep(retry.wait_s)
+            except Retry as retry:  # the key's rate limits: this line waits, its slot given back meanwhile
+                await self._wait_unslotted(retry.wait_s)
         write = asyncio.create_task(self._write(line.custom_id, answer))
         self._writes.add(write)
         write.add_done_callback(self._writes.discard)

@@ -18,11 +18,12 @@ How OpenAI's states and counts map to Anthropic's:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack
+import math
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import AsyncExitStack, ExitStack
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -34,15 +35,15 @@ from gateway.protocol.message_batches import (
     MessageBatchRequestCounts,
     ProcessingStatus,
 )
-from gateway.serving.batch_input import MESSAGES, read_lines
-from gateway.stores.batches import ERRORS, INPUT, OUTPUT, BatchObjects
+from gateway.serving.batch_input import MESSAGES
+from gateway.stores.batches import ERRORS, INPUT, OUTPUT, BatchObjects, not_found
 
 STATUSES: dict[str, ProcessingStatus] = {"cancelling": "canceling", **{status: "ended" for status in DONE}}
 
 
 def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: int) -> bytes:
     """The batch's input file (`{"custom_id", "method", "url": "/v1/messages", "body"}` per line), or a
-    400 naming the first request that is too large or repeats a custom_id."""
+    400 naming the first request that is too large, repeats a custom_id or holds a number JSON has not."""
     if len(create.requests) > max_requests:
         raise InvalidRequest(f"requests: a batch has at most {max_requests} requests", param="requests")
     seen: set[str] = set()
@@ -52,6 +53,9 @@ def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: i
             raise InvalidRequest(f"requests.{i}.custom_id: '{request.custom_id}' is not unique: each request of a "
                                  "batch needs a custom_id of its own", param=f"requests.{i}.custom_id")
         seen.add(request.custom_id)
+        if not _finite(request.params):
+            raise InvalidRequest(f"requests.{i}.params: NaN and Infinity are not JSON numbers",
+                                 param=f"requests.{i}.params")
         try:
             line = orjson.dumps({"custom_id": request.custom_id, "method": "POST", "url": MESSAGES,
                                  "body": request.params})
@@ -62,6 +66,22 @@ def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: i
             raise InvalidRequest(f"requests.{i}.params: larger than {max_line_bytes} bytes", param=f"requests.{i}.params")
         lines.append(line)
     return b"\n".join(lines) + b"\n"
+
+
+def _finite(params: dict[str, Any]) -> bool:
+    """Whether no number in `params` is NaN or infinite: the body's parser takes them (`NaN`,
+    `Infinity`, `1e400`), a JSON line cannot keep them (orjson writes null), and the request would
+    run with a value it did not ask for."""
+    pending: list[Any] = [params]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return True
 
 
 def _time(seconds: int | None) -> datetime | None:
@@ -127,33 +147,59 @@ def _unrun(status: str) -> dict[str, Any]:
 RESULT_LINES = 256  # result lines made per hop to the worker thread
 
 
-async def results(batch: BatchObjects, stored: StoredBatch) -> AsyncIterator[bytes]:
+@dataclass(slots=True)
+class Results:
+    """The result lines of an ended batch, its objects opened before the answer starts (a delete of the
+    batch meanwhile does not cut them short): `chunks` to stream, `aclose` once sent (or not)."""
+
+    stack: AsyncExitStack
+    lines: Iterator[bytes]
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        async with self.stack:
+            while chunk := await asyncio.to_thread(_take, self.lines):
+                yield chunk
+
+    async def aclose(self) -> None:
+        await self.stack.aclose()
+
+
+async def results(batch: BatchObjects, stored: StoredBatch, param: str) -> Results:
     """The results of an ended batch, one JSON line per request (up to `RESULT_LINES` per chunk): those
-    answered (in the order they were answered), then those never run."""
-    async with AsyncExitStack() as stack:
+    answered (in the order they were answered), then those never run. A batch deleted before its
+    objects are open is a 404 naming `param`."""
+    stack = AsyncExitStack()
+    try:
         output, errors, requests = [await stack.enter_async_context(batch.local(part)) for part in (OUTPUT, ERRORS, INPUT)]
         if requests is None:
-            raise RuntimeError(f"batch {batch.id} has no input")
-        lines = _results(output, errors, requests, stored.batch.status)
-        while chunk := await asyncio.to_thread(_take, lines):
-            yield chunk
+            raise not_found(batch.id, param)
+        opened = ExitStack()
+        stack.callback(opened.close)
+        try:
+            answered = [(opened.enter_context(path.open("rb")), ok) for path, ok in ((output, True), (errors, False))
+                        if path is not None]
+            asked = opened.enter_context(requests.open("rb"))
+        except FileNotFoundError:  # deleted between the two steps (the disk's objects are its files)
+            raise not_found(batch.id, param) from None
+        return Results(stack, _results(answered, asked, stored.batch.status))
+    except BaseException:
+        await stack.aclose()
+        raise
 
 
 def _take(lines: Iterator[bytes]) -> bytes:
     return b"".join(line for _, line in zip(range(RESULT_LINES), lines, strict=False))
 
 
-def _results(output: Path | None, errors: Path | None, requests: Path, status: str) -> Iterator[bytes]:
-    """The result lines of these local files. Blocking reads: iterate it in a worker thread."""
+def _results(answered: Sequence[tuple[BinaryIO, bool]], asked: BinaryIO, status: str) -> Iterator[bytes]:
+    """The result lines of these open files. Blocking reads: iterate it in a worker thread."""
     seen: set[str] = set()
-    for path, ok in ((output, True), (errors, False)):
-        if path is None:
-            continue
-        with path.open("rb") as lines:
-            for raw in lines:
-                line = orjson.loads(raw)
-                seen.add(line["custom_id"])
-                yield orjson.dumps({"custom_id": line["custom_id"], "result": _result(line, ok)}) + b"\n"
-    for request in read_lines(requests):
-        if request.custom_id not in seen:
-            yield orjson.dumps({"custom_id": request.custom_id, "result": _unrun(status)}) + b"\n"
+    for lines, ok in answered:
+        for raw in lines:
+            line = orjson.loads(raw)
+            seen.add(line["custom_id"])
+            yield orjson.dumps({"custom_id": line["custom_id"], "result": _result(line, ok)}) + b"\n"
+    for raw in asked:
+        custom_id = orjson.loads(raw)["custom_id"]
+        if custom_id not in seen:
+            yield orjson.dumps({"custom_id": custom_id, "result": _unrun(status)}) + b"\n"
