@@ -9,21 +9,19 @@ interactively at temperature 0, and another key sees none of it."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
-import psutil
 import pytest
 
 from tests.integration.conftest import MODEL, gateway_process
+from tests.integration.test_batches import kill, wait
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("the batch lane's stores are the gateway's own")]
 KEYS = ("sk-store-owner", "sk-store-other")
-DONE = ("completed", "failed", "expired", "cancelled")
 QUESTIONS = ["What is the capital of France?", "Name a colour.", "Say hello.", "Count to three.", "What is 2+2?"]
 MODELS = """
 models:
@@ -71,24 +69,6 @@ def line(custom_id: str, question: str) -> dict[str, Any]:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
-def wait(client: openai.OpenAI, batch_id: str, until: Any, timeout: float = 180) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = client.batches.retrieve(batch_id)
-        if until(found):
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"batch {batch_id}: {found.status}, {found.request_counts}")
-
-
-def kill(process: Any) -> None:
-    family = psutil.Process(process.pid).children(recursive=True)
-    process.kill()
-    for child in family:
-        child.kill()
-    process.wait(timeout=30)
-
-
 @pytest.mark.parametrize("backend", ["redis", "s3"])
 def test_a_batch_survives_its_replica_on_a_shared_store(
     backend: str, server: str, redis: RedisServer, tmp_path: Path,
@@ -107,12 +87,12 @@ def test_a_batch_survives_its_replica_on_a_shared_store(
         batch = owner.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                      completion_window="24h")
         with gateway_process(runner_dirs[0], replica_env(runner_dirs[0], store, runs_batches=True)) as (_, process):
-            running = wait(owner, batch.id, lambda b: b.request_counts.completed >= 3)
+            running = wait(owner, batch.id, lambda b: b.request_counts.completed >= 3, timeout=180)
             kill(process)  # mid-batch: no drain, its lease left to expire
         assert running.status == "in_progress"
         assert wait(owner, batch.id, lambda b: True).request_counts.completed < len(lines)
         with gateway_process(runner_dirs[1], replica_env(runner_dirs[1], store, runs_batches=True)):
-            done = wait(owner, batch.id, lambda b: b.status in DONE)
+            done = wait(owner, batch.id, timeout=180)
         assert done.status == "completed"
         assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (24, 24, 0)
         answers = [json.loads(raw) for raw in owner.files.content(done.output_file_id).read().splitlines()]
