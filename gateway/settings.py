@@ -266,6 +266,11 @@ class BatchesSettings(BaseModel):
         30, gt=0, description="A replica running a batch holds its lease this long, renewed every third of it; "
         "another replica takes the batch over only once the lease has expired",
     )
+    record_every_s: float = Field(
+        1, ge=0, description="A running batch's record (its request_counts and usage, as GET /v1/batches shows them) "
+        "is written at most this often, once for the lines answered meanwhile, and always when the run ends; 0: after "
+        "every line. A restart resumes from the output and error objects, written before a line counts, not from it",
+    )
     poll_s: float = Field(
         1, gt=0, description="How often the runner looks for batches to run (created on other replicas, leases "
         "expired) and a running batch for a cancel from another replica",

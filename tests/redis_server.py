@@ -20,11 +20,13 @@ START_S = 10  # a bound on waiting for redis-server, not a measurement
 
 
 class RedisServer:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, appendfsync: str | None = None) -> None:
+        """`appendfsync` (always, everysec, no): AOF on with that policy, as docs/deployment.md asks of
+        the batch lane's store (the benchmarks measure it so); None: no persistence (the tests)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed: run `make system-deps`")
-        self.binary, self.directory = binary, directory
+        self.binary, self.directory, self.appendfsync = binary, directory, appendfsync
         # a short folder of its own: a unix socket's path is at most 107 bytes (pytest's folders run long)
         folder = tempfile.mkdtemp(prefix="redis-")
         weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)
@@ -37,7 +39,8 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         command = [self.binary, "--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
-                   "--save", "", "--appendonly", "no", "--dir", str(self.directory)]
+                   "--save", "", "--dir", str(self.directory),
+                   *(["--appendonly", "yes", "--appendfsync", self.appendfsync] if self.appendfsync else ["--appendonly", "no"])]
         log_path = self.directory / "redis.log"
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -14,11 +14,20 @@ after its creation, `expired` (the lines not run written to the error file, code
 
 Durability: each answered line is appended to the output or error file (fsynced) before it counts;
 a runner that starts on a batch skips the custom_ids already there, so a batch interrupted by a crash
-or a shutdown resumes where it was and answers every line once. Shutdown (`stop`) cancels the
+or a shutdown resumes where it was and answers every line once. The answers that come while another
+is being written are appended together (one append per object for the group), and the record (its
+request_counts and usage) is written at most every `batches.record_every_s`, always when the run
+ends or stops: it is what readers see, not what a restart resumes from, so a record behind its
+objects costs a reader's freshness, never a line. On a store whose round trips take tens of
+milliseconds (S3) a line then costs a fraction of an append (HEAD and PUT) instead of five calls in a
+row under the lock (the lease's LIST and GET, the append's two, the record's PUT). Shutdown (`stop`) cancels the
 lines in flight (they run again after the restart), leaves the batch `in_progress` and frees its
 lease. With replicas on one store, a batch runs on the replica holding its lease
 (`stores.batches.Lease`), renewed every third of `lease_s` and checked before each answer is
-written (a replica that finds it taken over writes nothing more and stops); every replica looks for
+written (a replica that finds it taken over writes nothing more and stops): from memory while the
+lease is surely held (`Lease.surely_held`: more than a third of `lease_s` left of the expiry this
+replica last wrote; no other replica may take it before that expiry), from the store once a stall
+has eaten that margin; every replica looks for
 batches to take every `poll_s` (the store's index of batches not done, `BatchStore.pending`), and
 notices a cancel asked on another replica as often.
 
@@ -169,8 +178,12 @@ class BatchRun:
         self.cancel_asked = asyncio.Event()
         self.lost = asyncio.Event()  # another replica holds the lease now: write nothing more
         self.progress = Progress()
-        self._lock = asyncio.Lock()  # one result written at a time: the line, then the record
+        self._lock = asyncio.Lock()  # one group of results written at a time: the lines, then the record
+        self._queue: list[tuple[str, LineAnswer]] = []  # answers waiting for the lock: written as one group
         self._writes: set[asyncio.Task[None]] = set()
+        self._saved_at = 0.0  # (monotonic) the record's last write
+        self._record_due: asyncio.Task[None] | None = None  # the record's next write, once record_every_s has passed
+        self._save_now = asyncio.Event()  # the run ends: the record written at once, never later
         self._stored: StoredBatch | None = None
         self._resume_at = 0.0  # (monotonic) the key's limits refused a line: no new line of this batch before
         self._unslotted: set[asyncio.Task[None]] = set()  # lines waiting for the key's limits, their slots given back
@@ -191,8 +204,7 @@ class BatchRun:
             if ending != "lost":
                 await self._finish(ending)
         finally:
-            if self._writes:
-                await asyncio.gather(*self._writes, return_exceptions=True)
+            await self._written()
             try:
                 await self.lease.release()
             except StoreUnavailable:  # the store down: the lease expires by itself
@@ -200,8 +212,13 @@ class BatchRun:
 
     async def _holding(self) -> bool:
         """Whether the lease is still ours; taken over (this replica stalled past its expiry), the
-        new holder answers the lines and writes the record from now on: `lost`, and nothing more here."""
-        if not self.lost.is_set() and not await self.lease.held():
+        new holder answers the lines and writes the record from now on: `lost`, and nothing more here.
+        The store is asked only once the lease is no longer surely held: less than a third of
+        `lease_s` before the expiry this replica last wrote (renewed every third, a lease on time is
+        always surely held; a stall past that margin asks the store before the next write)."""
+        if self.lost.is_set():
+            return False
+        if not self.lease.surely_held(self.runner.settings.lease_s / 3) and not await self.lease.held():
             self.lost.set()
         return not self.lost.is_set()
 
@@ -327,13 +344,55 @@ class BatchRun:
         await asyncio.shield(write)  # a cancel now does not lose an answer already had
 
     async def _write(self, custom_id: str, answer: LineAnswer) -> None:
+        """The answer appended to the output or error object, then counted. The answers that come while
+        another group is written wait for the lock together and go as one group (one append per
+        object: the store's round trips per line shrink as the lines in flight grow)."""
+        entry = (custom_id, answer)
+        self._queue.append(entry)
         async with self._lock:
+            if not any(queued is entry for queued in self._queue):
+                return  # written with an earlier group
+            group, self._queue = self._queue, []
             if not await self._holding():
                 return
-            await self.batch.append(OUTPUT if answer.ok else ERRORS, result_line(custom_id, answer) + b"\n")
-            self.progress.count(custom_id, answer.ok, answer.prompt_tokens, answer.completion_tokens)
+            for part, ok in ((OUTPUT, True), (ERRORS, False)):
+                lines = b"".join(result_line(c, a) + b"\n" for c, a in group if a.ok is ok)
+                if lines:
+                    await self.batch.append(part, lines)
+            for c, a in group:
+                self.progress.count(c, a.ok, a.prompt_tokens, a.completion_tokens)
             self._count()
+            await self._record()
+
+    async def _record(self) -> None:
+        """The record after lines were counted (under the lock): written now when its last write is
+        `record_every_s` old or the run ends, else once that much has passed, one write for the lines
+        counted meanwhile. A record behind its objects loses nothing: a restart counts the progress
+        from the output and error objects (`BatchObjects.progress`), and the run ends with the record
+        written (`_written`)."""
+        wait = self._saved_at + self.runner.settings.record_every_s - time.monotonic()
+        if wait <= 0 or self._save_now.is_set():
+            self._saved_at = time.monotonic()
             await self._save()
+        elif self._record_due is None:
+            self._record_due = asyncio.create_task(self._record_later(wait))
+            self._writes.add(self._record_due)
+            self._record_due.add_done_callback(self._writes.discard)
+
+    async def _record_later(self, wait_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._save_now.wait(), wait_s)
+        async with self._lock:
+            self._record_due = None
+            self._saved_at = time.monotonic()
+            await self._save()
+
+    async def _written(self) -> None:
+        """Every answer had written and the record with them (now, not `record_every_s` later): before
+        the run's last record and before its lease is released."""
+        self._save_now.set()
+        while self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
 
     def _count(self) -> None:
         batch = self.stored.batch
@@ -363,8 +422,7 @@ class BatchRun:
                 renew_at = time.monotonic() + every
 
     async def _finish(self, ending: Ending) -> None:
-        if self._writes:
-            await asyncio.gather(*self._writes, return_exceptions=True)
+        await self._written()
         if not await self._holding():
             return
         batch = self.stored.batch

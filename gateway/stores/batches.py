@@ -38,7 +38,12 @@ batch by creating generation 1 (`create`: one of two racing replicas wins), an e
 creating generation n+1 the same way, renews its own by rewriting it (`put`), and has lost it when a
 higher generation exists. A holder that stalls past its expiry may still have lines in flight when
 another takes over: it checks that it holds the lease before it writes each answer (and the record),
-so the lines it loses are answered once, by the new holder.
+so the lines it loses are answered once, by the new holder. That check asks the store only when it
+must (`Lease.surely_held`): no replica takes a lease over before the expiry its holder last wrote, so
+a holder that wrote an expiry (taken, or renewed before the previous one passed) holds it until then
+without asking; it asks again once less than a margin is left (the runner's: a third of `lease_s`,
+for clocks that disagree and writes slow to land), which a holder renewing on time never reaches and
+a stalled one always does. A holder that finds itself taken over forgets that certainty.
 
 A store that is down is a `StoreUnavailable` (503, `stores.guarded`); the runner logs it and tries
 again at its next poll.
@@ -390,6 +395,7 @@ class Lease:
     holder: str
     generation: int
     lease_s: float
+    until: float = 0.0  # (monotonic) no other replica can take it over before this (see `surely_held`)
 
     @classmethod
     async def take(cls, batch: BatchObjects, holder: str, lease_s: float) -> Lease | None:
@@ -398,8 +404,10 @@ class Lease:
         if current is not None and current.get("expires", 0) > time.time():
             return None
         lease = cls(batch, holder, generation + 1, lease_s)
+        written = time.monotonic()
         if not await batch.blobs.create(lease.name, lease._content()):
             return None  # another replica took this generation first
+        lease.until = written + lease_s
         older = range(max(1, generation - 1), generation + 1)  # the ones before are gone already
         await batch.blobs.delete(*(batch.name(f"lease.{n}") for n in older))
         return lease
@@ -413,18 +421,35 @@ class Lease:
 
     async def held(self) -> bool:
         """Still this replica's: no other has taken it over (a higher generation)."""
-        return (await _newest(self.batch))[0] == self.generation
+        if (await _newest(self.batch))[0] == self.generation:
+            return True
+        self.until = 0.0
+        return False
+
+    def surely_held(self, margin_s: float) -> bool:
+        """Held for at least `margin_s` more, known without asking the store: another replica takes a
+        lease over only once the expiry its holder last wrote has passed, and this one wrote it (at
+        `take`, or at a `renew` that landed before the expiry before it) at `until - lease_s` or
+        later. The margin covers the clocks of the replicas disagreeing and a write that is slow to
+        land; a replica that stalls past it asks the store again (`held`)."""
+        return time.monotonic() < self.until - margin_s
 
     async def renew(self) -> bool:
         """Held for another `lease_s`; False when another replica has taken it over meanwhile."""
         if not await self.held():
             return False
+        written = time.monotonic()
         await self.batch.blobs.put(self.name, self._content())
+        # sure until the new expiry when the write landed before the old one (none could take it in
+        # between), or when the lease is still this one's after the write (a taker then sees the new one)
+        if time.monotonic() < self.until or await self.held():
+            self.until = written + self.lease_s
         return True
 
     async def release(self) -> None:
         """Expired at once, so that another replica may take the batch now (a clean shutdown); nothing
         when the batch is gone (a Message Batch deleted as soon as it ended)."""
+        self.until = 0.0
         if await self.held() and await self.batch.exists():
             await self.batch.blobs.put(self.name, self._content(expires=0))
 

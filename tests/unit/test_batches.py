@@ -24,7 +24,7 @@ from tests.unit.test_responses import sdk_for
 from tests.unit.test_tenants import keys_file
 
 KEYS = ["sk-owner", "sk-other"]
-FAST = {"poll_s": 0.05, "retry_s": 0.1, "lease_s": 3}
+FAST = {"poll_s": 0.05, "retry_s": 0.1, "lease_s": 3, "record_every_s": 0.05}  # counts fresh enough to watch
 DONE = ("completed", "failed", "expired", "cancelled")
 
 
