@@ -87,12 +87,8 @@ async def by_id(request: Request) -> Response:
 
 async def cancel(request: Request) -> Response:
     batch_id = request.path_params[PARAM]
-    mine = _mine(request)
-    _, found = await mine.find(batch_id, PARAM)
-    if mb.view(found).processing_status == "ended":  # in Anthropic's words before the store's (OpenAI's)
-        raise InvalidRequest(f"Batch '{batch_id}' has already ended: only a batch still in progress can be "
-                             "canceled.", param=PARAM)
-    cancelling = await mine.cancel(batch_id, PARAM)
+    ended = f"Batch '{batch_id}' has already ended: only a batch still in progress can be canceled."
+    cancelling = await _mine(request).cancel(batch_id, PARAM, ended)
     state_of(request).batch_runner.cancel(batch_id)
     return json_response(mb.view(cancelling))
 

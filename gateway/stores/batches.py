@@ -339,11 +339,12 @@ class OwnedBatches:
     async def get(self, batch_id: str) -> Batch:
         return (await self.find(batch_id))[1].batch
 
-    async def cancel(self, batch_id: str, param: str = "batch_id") -> StoredBatch:
-        """Ask for a cancel (the runner holding the batch carries it out); a batch already done is a 400."""
+    async def cancel(self, batch_id: str, param: str = "batch_id", ended: str | None = None) -> StoredBatch:
+        """Ask for a cancel (the runner holding the batch carries it out); a batch already done is a 400
+        (its message `ended` when given: in the words of the API asked)."""
         batch, stored = await self.find(batch_id, param)
         if stored.batch.status in DONE:
-            raise InvalidRequest(f"Cannot cancel a batch with status '{stored.batch.status}'.", param=param)
+            raise InvalidRequest(ended or f"Cannot cancel a batch with status '{stored.batch.status}'.", param=param)
         await batch.ask_cancel()
         return await batch.read()
 
