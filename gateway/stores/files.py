@@ -15,7 +15,8 @@ read or deleted before that check. An id is checked to be an id (`file-` and 24 
 before any name is built from it, so no id names an object outside its owner's prefix.
 
 Writes are atomic (the store's `put_file` and `put`): the content and then its metadata, so a reader
-sees a whole file or none. Deleting removes the metadata first (the file is gone for every reader
+sees a whole file or none; a new file whose metadata the store failed to take has its content removed
+(while the store answers: no listing or delete would ever reach it). Deleting removes the metadata first (the file is gone for every reader
 from then on), then the content; a download opened before (`open`: its content fixed) is not cut
 short. An expired file (`expires_at` passed) is gone: removed when next asked for or listed. A store
 that is down is a `StoreUnavailable` (503, `stores.guarded`).
@@ -24,13 +25,14 @@ that is down is a `StoreUnavailable` (503, `stores.guarded`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
 import secrets
 import time
 from dataclasses import dataclass
 
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
 from gateway.protocol.files import FileObject, Purpose
 from gateway.stores.blobs import Blobs, Opened
 from gateway.stores.guarded import Guarded
@@ -106,7 +108,13 @@ class OwnedFiles:
                             purpose=purpose, expires_at=now + expires_after_s)
         content, meta = self._names(stored.id)
         await self.blobs.put_file(content, staged.path)
-        await self.blobs.put(meta, stored.model_dump_json().encode())
+        try:
+            await self.blobs.put(meta, stored.model_dump_json().encode())
+        except BaseException:
+            if file_id is None:  # a new id's content, which no listing or delete would ever reach
+                with contextlib.suppress(StoreUnavailable):
+                    await self.blobs.delete(content)
+            raise
         return stored
 
     async def publish(self, source: Opened, filename: str, file_id: str, expires_after_s: int) -> FileObject:

@@ -1,0 +1,160 @@
+"""The batch lane's store layer attacked on every backend (disk, a real redis-server, moto's S3): a
+store that fails at each step of an upload or a batch create leaves nothing behind that nobody will
+ever remove; two replicas on one store answer every line once; a store that fails after a route has
+checked its id is still a 503 before the first byte; nothing secret reaches the logs."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from gateway.errors import StoreUnavailable
+from gateway.protocol.batches import Batch, Owner, StoredBatch
+from gateway.stores.batches import new_id
+from gateway.stores.blobs import Blobs, BlobsUnavailable
+from gateway.stores.files import FileStore, owner_prefix
+from gateway.stores.spool import Spool
+from tests.blob_backends import BACKENDS
+from tests.fakes import FakeEngine, app_with
+from tests.stores import Flaky
+from tests.unit.test_batches import by_custom_id, chat_line, jsonl, lines_of, settings, submit, wait
+from tests.unit.test_responses import sdk_for
+
+LINES = jsonl(chat_line("a"), chat_line("b"))
+
+
+class FailsAt(Flaky):
+    """A store that refuses the calls `refuse` picks (method, name), as a backend that went down
+    right then; every other call goes through."""
+
+    def __init__(self, blobs: Blobs, refuse: Callable[[str, str], bool]) -> None:
+        super().__init__(blobs)
+        self.refuse = refuse
+
+    def _call(self, method: str, name: str) -> None:
+        super()._call(method, name)
+        if self.refuse(method, name):
+            self.refused += 1
+            raise BlobsUnavailable("connection refused (a test's store fails right here)")
+
+
+def _stored(owner: str = "t") -> StoredBatch:
+    now = int(time.time())
+    batch = Batch(id=new_id(), endpoint="/v1/chat/completions", input_file_id="file-" + "0" * 24, status="validating",
+                  created_at=now, expires_at=now + 86400)
+    return StoredBatch(batch=batch, owner=Owner(key_id=owner, tenant=owner), output_expires_after_s=3600)
+
+
+# --- a store failing mid-way leaves nothing no one removes ---------------------------------------------
+
+
+@pytest.mark.parametrize("failing", ["put_file", "put"])
+async def test_an_upload_cut_short_by_the_store_leaves_no_object(blobs: Blobs, tmp_path: Path, failing: str) -> None:
+    """The content is handed over, then the metadata written: when the second fails, the content (an
+    object no listing shows, that no delete reaches) is not left behind."""
+    store = FileStore.on(FailsAt(blobs, lambda method, name: method == failing), Spool.at(tmp_path / "spool"))
+    mine = store.of("t")
+    staged = await mine.stage()
+    await staged.write(LINES)
+    with pytest.raises(StoreUnavailable):
+        await mine.put(staged, "in.jsonl", "batch", 3600)
+    await staged.discard()
+    assert await blobs.list(f"{owner_prefix('t')}/") == []
+    assert list((tmp_path / "spool").iterdir()) == []
+
+
+# --- two replicas on one store, on each backend -----------------------------------------------------------
+
+
+@pytest.fixture(params=BACKENDS)
+def store_settings(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """The `store` settings of an app on each backend (a fresh prefix or bucket per test)."""
+    if request.param == "disk":
+        yield {}
+    elif request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        yield {"store": {"backend": "redis", "redis_url": server.url, "redis_prefix": f"t{secrets.token_hex(4)}:"}}
+    else:
+        from tests.s3_server import shared
+
+        s3 = shared()
+        yield {"store": {"backend": "s3", "s3_endpoint_url": s3.url, "s3_bucket": s3.bucket(),
+                         "s3_access_key_id": "test", "s3_secret_access_key": "test", "s3_timeout_s": 10}}
+
+
+def test_two_replicas_on_one_store_answer_each_line_once(tmp_path: Path, store_settings: dict[str, Any]) -> None:
+    one, two = FakeEngine(delay=0.02), FakeEngine(delay=0.02)
+    config = {**settings(tmp_path, max_in_flight=3, lease_s=1.5), **store_settings}
+    with TestClient(app_with(one, **config)) as a, TestClient(app_with(two, **config)) as b:
+        batches = [submit(sdk_for(a if i % 2 else b), jsonl(*(chat_line(f"r{i}.{n}") for n in range(8))))
+                   for i in range(4)]
+        for i, batch in enumerate(batches):
+            done = wait(sdk_for(b), batch.id, timeout=60)
+            assert done.status == "completed"
+            assert done.request_counts.model_dump() == {"total": 8, "completed": 8, "failed": 0}
+            output = by_custom_id(lines_of(sdk_for(a if i % 2 else b), done.output_file_id))
+            assert set(output) == {f"r{i}.{n}" for n in range(8)}
+    assert len(one.requests) + len(two.requests) == 32  # every line run once, on one replica or the other
+
+
+def test_a_replica_killed_mid_batch_is_taken_over_once_its_lease_expires(tmp_path: Path, store_settings: dict[str, Any],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A's leases are never released (a kill, not a shutdown): B takes the batch once A's lease has
+    expired, and every line is answered once."""
+    from gateway.stores.batches import Lease
+
+    async def kept(self: Lease) -> None:
+        return None
+
+    monkeypatch.setattr(Lease, "release", kept)
+    one, two = FakeEngine(delay=0.05), FakeEngine(delay=0.01)
+    config = {**settings(tmp_path, max_in_flight=2, lease_s=1.0), **store_settings}
+    with TestClient(app_with(one, **config)) as a:
+        sdk = sdk_for(a)
+        batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(16))))
+        deadline = time.monotonic() + 20
+        while sdk.batches.retrieve(batch.id).request_counts.completed < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    with TestClient(app_with(two, **config)) as b:
+        done = wait(sdk_for(b), batch.id, timeout=60)
+        output = by_custom_id(lines_of(sdk_for(b), done.output_file_id))
+    assert done.status == "completed"
+    assert set(output) == {f"r{i}" for i in range(16)}
+    assert done.request_counts.model_dump() == {"total": 16, "completed": 16, "failed": 0}
+
+
+# --- nothing secret in the logs -----------------------------------------------------------------------
+
+
+async def test_a_store_that_is_down_logs_no_password_or_secret_key(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
+    from gateway.settings import StoreSettings
+    from gateway.stores.blobs_redis import RedisBlobs
+    from gateway.stores.blobs_s3 import S3Blobs
+    from gateway.stores.guarded import Guarded
+    from gateway.stores.redis import RedisPools
+
+    pools = RedisPools()
+    redis_url = f"unix://:redis-password-1234@{tmp_path / 'none.sock'}?db=0"
+    s3 = StoreSettings(backend="s3", s3_endpoint_url="http://127.0.0.1:9", s3_bucket="b", s3_timeout_s=1,
+                       s3_access_key_id="AKIAEXAMPLE", s3_secret_access_key="s3-secret-key-5678")
+    stores = [RedisBlobs(pools.client(redis_url, 1), "x:files:"), S3Blobs.from_settings(s3, "files")]
+    for store in stores:
+        with pytest.raises(StoreUnavailable):
+            await Guarded(store).get("a/b")
+        await store.aclose()
+    await pools.aclose()
+    captured = capsys.readouterr()
+    logged = captured.out + captured.err
+    assert "store_unavailable" in logged
+    for secret in ("redis-password-1234", "s3-secret-key-5678"):
+        assert secret not in logged
+    json.dumps(logged)
