@@ -17,10 +17,11 @@ Anthropic's Message Batches live beside OpenAI's batches, as the same records, u
 (`msgbatch_` and 32 hex, `of(owner, MESSAGE_BATCH)`): each API's view sees only its own kind, so
 neither lists nor answers the other's.
 
-A batch exists once its record does: its input is written first, then its entry in the pending
-index, then its record, so a reader (another replica's runner) sees a whole batch or none, and a
-crash between the steps loses no batch that was made (an entry whose record never came is removed
-by the runner once it is old). Its entry is removed once the batch is done (by the runner that ends
+A batch exists once its record does: its entry in the pending index is written first, then its
+input, then its record, so a reader (another replica's runner) sees a whole batch or none, and a
+crash or a store failing between the steps loses no batch that was made and leaves nothing behind
+for good (an entry whose record never came is removed by the runner once it is old, with the input
+written under it). Its entry is removed once the batch is done (by the runner that ends
 it, or by the next one that finds it done), so a runner lists only the batches it may have to run
 (`pending`), never the whole store. Deleting removes the record first (the batch is gone for every
 reader), then the rest.
@@ -317,9 +318,11 @@ class OwnedBatches:
         return batch, stored
 
     async def create(self, stored: StoredBatch, source: Opened | bytes) -> None:
-        """A new batch, whole or not at all: its input (the content opened at `source`, streamed through
-        the spool, or these bytes), its entry in the pending index, then its record."""
+        """A new batch, whole or not at all: its entry in the pending index (first: what is written
+        after it is removed with it when the create does not end), its input (the content opened at
+        `source`, streamed through the spool, or these bytes), then its record."""
         batch = self._batch(stored.batch.id)
+        await self.blobs.put(batch.entry, orjson.dumps({"created": time.time()}))
         if isinstance(source, bytes):
             await self.blobs.put(batch.name(INPUT), source)
         else:
@@ -328,7 +331,6 @@ class OwnedBatches:
                 await self.blobs.put_file(batch.name(INPUT), staged.path)
             finally:
                 await staged.discard()
-        await self.blobs.put(batch.entry, orjson.dumps({"created": time.time()}))
         await batch.write(stored)
 
     async def get(self, batch_id: str) -> Batch:

@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 
 from gateway.errors import StoreUnavailable
 from gateway.protocol.batches import Batch, Owner, StoredBatch
-from gateway.stores.batches import new_id
+from gateway.stores.batches import PENDING, BatchStore, new_id
 from gateway.stores.blobs import Blobs, BlobsUnavailable
 from gateway.stores.files import FileStore, owner_prefix
 from gateway.stores.spool import Spool
@@ -68,6 +68,27 @@ async def test_an_upload_cut_short_by_the_store_leaves_no_object(blobs: Blobs, t
     await staged.discard()
     assert await blobs.list(f"{owner_prefix('t')}/") == []
     assert list((tmp_path / "spool").iterdir()) == []
+
+
+@pytest.mark.parametrize("step", ["input", "entry", "record"])
+async def test_a_create_cut_short_at_any_step_leaves_nothing_once_swept(blobs: Blobs, tmp_path: Path, step: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch create that the store fails at one of its three writes: the batch is not there, and
+    the runner's sweep of old index entries removes whatever was written (a 200 MB input is not kept
+    forever under a batch that does not exist)."""
+    made = _stored()
+    names = {"input": "/input.jsonl", "entry": f"{PENDING}", "record": "/record.json"}
+
+    def refuse(method: str, name: str) -> bool:
+        return method in ("put", "put_file") and made.batch.id in name and (
+            name.startswith(PENDING) if step == "entry" else name.endswith(names[step]))
+
+    store = BatchStore.on(FailsAt(blobs, refuse), Spool.at(tmp_path / "spool"))
+    with pytest.raises(StoreUnavailable):
+        await store.of("t").create(made, LINES)
+    monkeypatch.setattr("gateway.stores.batches.ORPHAN_S", -60)  # every entry without a record is old now
+    assert await store.pending(set()) == []
+    assert await blobs.list("") == []
 
 
 # --- two replicas on one store, on each backend -----------------------------------------------------------
