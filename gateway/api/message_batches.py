@@ -98,4 +98,4 @@ async def results(request: Request) -> Response:
     if mb.view(stored).processing_status != "ended":
         raise InvalidRequest(f"Batch '{batch_id}' has not ended yet: its results are available once it has.",
                              param=PARAM)
-    return StreamingResponse(mb.results(found, stored), media_type="application/x-jsonl")
+    return StreamingResponse(await mb.results(found, stored), media_type="application/x-jsonl")

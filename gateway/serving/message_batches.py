@@ -129,7 +129,27 @@ RESULT_LINES = 256  # result lines made per hop to the worker thread
 
 async def results(batch: BatchObjects, stored: StoredBatch) -> AsyncIterator[bytes]:
     """The results of an ended batch, one JSON line per request (up to `RESULT_LINES` per chunk): those
-    answered (in the order they were answered), then those never run."""
+    answered (in the order they were answered), then those never run. The store is read before this
+    returns (its first chunk made): a store that fails is an error before the answer starts, never a
+    200 whose body stops short."""
+    chunks = _chunks(batch, stored)
+    first = await anext(chunks, b"")
+    return _after(first, chunks)
+
+
+async def _after(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        if first:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        closing = getattr(chunks, "aclose", None)
+        if closing is not None:
+            await closing()
+
+
+async def _chunks(batch: BatchObjects, stored: StoredBatch) -> AsyncIterator[bytes]:
     async with AsyncExitStack() as stack:
         output, errors, requests = [await stack.enter_async_context(batch.local(part)) for part in (OUTPUT, ERRORS, INPUT)]
         if requests is None:

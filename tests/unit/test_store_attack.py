@@ -91,6 +91,37 @@ async def test_a_create_cut_short_at_any_step_leaves_nothing_once_swept(blobs: B
     assert await blobs.list("") == []
 
 
+# --- a store failing after the id was checked: a 503 before the first byte ------------------------------
+
+
+def test_a_message_batchs_results_are_a_503_when_the_store_fails_after_the_check(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch is found (its record read), then the store fails as its results are read: the answer
+    is a 503 in Anthropic's shape, not a 200 whose body stops short."""
+    from gateway.stores.blobs import DiskBlobs
+    from tests.unit.test_message_batches import BATCHES, params
+
+    made: dict[str, FailsAt] = {}
+
+    def open_blobs(settings: Any, pools: Any, part: str) -> FailsAt:
+        directory = settings.files.dir if part == "files" else settings.batches.dir
+        made[part] = FailsAt(DiskBlobs.at(directory), lambda method, name: False)
+        return made[part]
+
+    monkeypatch.setattr("gateway.app.open_blobs", open_blobs)
+    anthropic = {"x-api-key": "sk-owner", "anthropic-version": "2023-06-01"}
+    with TestClient(app_with(FakeEngine(), api_keys=["sk-owner"], **settings(tmp_path))) as client:
+        batch = client.post(BATCHES, json={"requests": [{"custom_id": "a", "params": params()}]}, headers=anthropic).json()
+        deadline = time.monotonic() + 20
+        while client.get(f"{BATCHES}/{batch['id']}", headers=anthropic).json()["processing_status"] != "ended":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        made["batches"].refuse = lambda method, name: method == "local"
+        answer = client.get(f"{BATCHES}/{batch['id']}/results", headers=anthropic)
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["type"] == "api_error"
+
+
 # --- two replicas on one store, on each backend -----------------------------------------------------------
 
 
