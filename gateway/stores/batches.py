@@ -74,6 +74,7 @@ OUTPUT: Results = "output.jsonl"
 ERRORS: Results = "errors.jsonl"
 PENDING = "pending/"
 INDEXED = "pending.indexed"  # the batches of a store older than the index entered in it (once)
+EXPIRED_CODE = "batch_expired"  # the error of a line a batch past its window never ran
 ORPHAN_S = 3600  # an index entry whose record has not come this long after: a create that crashed
 
 
@@ -92,6 +93,7 @@ class Progress:
     done: set[str] = field(default_factory=set)
     completed: int = 0
     failed: int = 0
+    expired: int = 0  # of the failed: lines never run, written as expired (`batch_expired`)
     usage: BatchUsage = field(default_factory=BatchUsage)
 
     def count(self, custom_id: str, ok: bool, prompt: int = 0, completion: int = 0) -> None:
@@ -128,6 +130,8 @@ def _count_lines(path: Path, progress: Progress, ok: bool) -> int | None:
             response = parsed.get("response")
             body = response.get("body") if isinstance(response, dict) else None
             progress.count(parsed["custom_id"], ok, *tokens_of(body))
+            error = parsed.get("error")
+            progress.expired += not ok and isinstance(error, dict) and error.get("code") == EXPIRED_CODE
             good += len(line)
     return good if good < size else None
 

@@ -210,3 +210,37 @@ async def test_a_store_that_is_down_logs_no_password_or_secret_key(capsys: pytes
     for secret in ("redis-password-1234", "s3-secret-key-5678"):
         assert secret not in logged
     json.dumps(logged)
+
+
+# --- a run killed mid-way ----------------------------------------------------------------------------------
+
+
+def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: Path) -> None:
+    """The unrun lines were written as expired, then the runner died before the record said `expired`:
+    the next run finds nothing left to expire, and still counts those lines as expired, not errored."""
+    import asyncio
+
+    from gateway.pipeline.batches import expired_line
+    from gateway.protocol.batches import RequestCounts
+    from gateway.serving.batch_input import MESSAGES
+    from gateway.stores.batches import ERRORS, MESSAGE_BATCH
+    from tests.stores import disk_batches
+    from tests.unit.test_message_batches import params, results
+    from tests.unit.test_message_batches import wait as wait_ended
+
+    store, now = disk_batches(tmp_path / "batches"), int(time.time())
+    batch_id = new_id(MESSAGE_BATCH)
+    batch = Batch(id=batch_id, endpoint=MESSAGES, input_file_id=batch_id, status="in_progress", created_at=now - 86400,
+                  expires_at=now - 1, in_progress_at=now - 86400, request_counts=RequestCounts(total=2))
+    stored = StoredBatch(batch=batch, owner=Owner(key_id="anonymous", tenant="anonymous"), output_expires_after_s=3600)
+    lines = b"".join(json.dumps({"custom_id": c, "method": "POST", "url": MESSAGES, "body": params()}).encode() + b"\n"
+                     for c in ("a", "b"))
+    mine = store.of("anonymous", MESSAGE_BATCH)
+    asyncio.run(mine.create(stored, lines))
+    asyncio.run(mine._batch(batch_id).append(ERRORS, expired_line("a") + b"\n" + expired_line("b") + b"\n"))
+    with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
+        done = wait_ended(client, batch_id)
+        found = results(client, done)
+    assert done.request_counts.model_dump() == {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0,
+                                                "expired": 2}
+    assert set(found) == {"a", "b"}
