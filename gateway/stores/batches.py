@@ -60,7 +60,7 @@ import orjson
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.batches import DONE, Batch, BatchUsage, StoredBatch
-from gateway.stores.blobs import Blobs, Opened
+from gateway.stores.blobs import Blobs, Opened, each
 from gateway.stores.files import owner_prefix
 from gateway.stores.guarded import Guarded
 from gateway.stores.spool import Spool
@@ -381,7 +381,7 @@ class OwnedBatches:
             batch_id, _, part = name.removeprefix(f"{self.home}/").partition("/")
             if part == RECORD and self._is_id(batch_id):
                 ids.append(batch_id)
-        found = await asyncio.gather(*(self._batch(batch_id).load() for batch_id in ids))
+        found = await each(ids, lambda batch_id: self._batch(batch_id).load())
         return [stored for stored in found if stored is not None]
 
 

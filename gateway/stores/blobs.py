@@ -31,7 +31,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar
@@ -51,6 +51,22 @@ async def _thread(work: Callable[[], T]) -> T:
         return await asyncio.to_thread(work)
     except OSError as exc:
         raise BlobsUnavailable(f"the disk store failed: {exc}") from exc
+
+
+READS_AT_ONCE = 16  # objects a store reads at once for one request (a listing): a bound on connections
+
+
+async def each(names: Iterable[str], read: Callable[[str], Awaitable[T]], at_once: int = READS_AT_ONCE) -> list[T]:
+    """`read` of every name, in order, at most `at_once` at a time: a listing of thousands of objects
+    takes a few of the backend's connections (Redis: from the process's pool, shared with the cache
+    and the limits), not one each."""
+    bound = asyncio.Semaphore(at_once)
+
+    async def one(name: str) -> T:
+        async with bound:
+            return await read(name)
+
+    return list(await asyncio.gather(*(one(name) for name in names)))
 
 
 def check_name(name: str) -> str:

@@ -30,7 +30,9 @@ How each guarantee of `Blobs` is kept:
   never for as long as a slow or departed client takes (many large downloads started and dropped
   would otherwise fill Redis). A copy whose snapshot expired mid-way is an error, never a short read.
 - Every Redis call is bounded by `store.redis_timeout_s`; a Redis that is down or slow raises
-  `BlobsUnavailable` (the API's 503).
+  `BlobsUnavailable` (the API's 503). Each part has at most `CONNECTIONS` calls in flight (the others
+  wait their turn): however many objects are read at once, the process's pool for this Redis keeps
+  connections for the cache and the limits that share it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ log = structlog.get_logger(__name__)
 
 WRITE_CHUNK_BYTES = 1024 * 1024  # put_file: the most of a local file held at once
 TEMPORARY_TTL_MS = 10 * 60 * 1000  # an upload or snapshot left behind expires this long after its last chunk
+CONNECTIONS = 24  # calls in flight at once, each part: the pool (100) is shared with the cache and the limits
 TEMPORARY_FILE = "llm-gateway-blob-"  # local temporary files' prefix (downloads)
 
 _OPEN = """
@@ -87,6 +90,7 @@ class RedisBlobs:
         self._index = f"{base}index"
         self._open, self._copy, self._move_in = (self._redis.register_script(s) for s in (_OPEN, _COPY, _MOVE_IN))
         self._durability_checked = False
+        self._connections = asyncio.Semaphore(CONNECTIONS)
 
     def _key(self, name: str) -> str:
         return f"{self._base}o:{check_name(name)}"
@@ -95,9 +99,11 @@ class RedisBlobs:
         return f"{self._base}tmp:{secrets.token_hex(12)}"
 
     async def _call(self, call: Awaitable[T]) -> T:
-        """`call` bounded by the store's timeout; a Redis down or slow: BlobsUnavailable."""
+        """`call` bounded by the store's timeout, once one of the store's connections is free; a Redis
+        down or slow: BlobsUnavailable."""
         try:
-            result = await self._client.bounded(call)
+            async with self._connections:
+                result = await self._client.bounded(call)
         except ERRORS as exc:
             raise BlobsUnavailable(f"the store's Redis is unavailable: {exc}") from exc
         if not self._durability_checked:

@@ -24,7 +24,6 @@ that is down is a `StoreUnavailable` (503, `stores.guarded`).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import re
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 
 from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
 from gateway.protocol.files import FileObject, Purpose
-from gateway.stores.blobs import Blobs, Opened
+from gateway.stores.blobs import Blobs, Opened, each
 from gateway.stores.guarded import Guarded
 from gateway.stores.spool import Spool, Staged
 
@@ -165,7 +164,7 @@ class OwnedFiles:
     async def _all(self) -> list[FileObject]:
         names = await self.blobs.list(f"{self.home}/")
         ids = sorted(n[len(self.home) + 1 : -len(_META)] for n in names if n.endswith(_META))
-        found = await asyncio.gather(*(self._read(*self._names(i)) for i in ids if ID.fullmatch(i)))
+        found = await each([i for i in ids if ID.fullmatch(i)], lambda i: self._read(*self._names(i)))
         return [f for f in found if f is not None]
 
     async def _read(self, content: str, meta: str) -> FileObject | None:

@@ -244,3 +244,34 @@ def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: 
     assert done.request_counts.model_dump() == {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0,
                                                 "expired": 2}
     assert set(found) == {"a", "b"}
+
+
+# --- many objects at once ------------------------------------------------------------------------------------
+
+
+async def test_an_owner_with_many_files_and_batches_lists_them(blobs: Blobs, tmp_path: Path) -> None:
+    """A listing reads each object's record: not all at once (on Redis, 150 reads at once took more
+    connections than the process's pool has, shared with the cache and the limits: a 503 for the
+    owner, and the pool exhausted for everyone meanwhile)."""
+    import asyncio
+
+    from gateway.protocol.files import FileObject
+
+    files, batches = FileStore.on(blobs, Spool.at(tmp_path / "spool")), BatchStore.on(blobs, Spool.at(tmp_path / "spool"))
+    mine, now = files.of("t"), int(time.time())
+    ids = [f"file-{i:024x}" for i in range(150)]
+
+    async def one(i: int) -> None:
+        made = FileObject(id=ids[i], bytes=1, created_at=now, filename="f", purpose="batch", expires_at=now + 3600)
+        await blobs.put(f"{mine.home}/{ids[i]}", b"x")
+        await blobs.put(f"{mine.home}/{ids[i]}.json", made.model_dump_json().encode())
+        await batches.of("t").create(_stored(), LINES)
+
+    for start in range(0, 150, 10):
+        await asyncio.gather(*(one(i) for i in range(start, start + 10)))
+    clients = 2 if type(blobs).__name__ == "S3Blobs" else 8  # moto answers one request at a time: slow
+    for page, more in await asyncio.gather(*(mine.page(None, None, 200, False) for _ in range(clients))):
+        assert [f.id for f in page] == ids
+        assert not more
+    for listed, _ in await asyncio.gather(*(batches.of("t").page(None, 200) for _ in range(clients))):
+        assert len(listed) == 150
