@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import secrets
 import tempfile
@@ -99,17 +100,28 @@ class RedisBlobs:
         return f"{self._base}tmp:{secrets.token_hex(12)}"
 
     async def _call(self, call: Awaitable[T]) -> T:
-        """`call` bounded by the store's timeout, once one of the store's connections is free; a Redis
-        down or slow: BlobsUnavailable."""
+        """`call` once one of the store's connections is free, the wait and the call bounded by the
+        store's timeout; a Redis down or slow: BlobsUnavailable."""
         try:
-            async with self._connections:
-                result = await self._client.bounded(call)
+            result = await self._client.bounded(self._in_turn(call))
         except ERRORS as exc:
             raise BlobsUnavailable(f"the store's Redis is unavailable: {exc}") from exc
         if not self._durability_checked:
             self._durability_checked = True
             await self._check_durability()
         return result
+
+    async def _in_turn(self, call: Awaitable[T]) -> T:
+        try:
+            await self._connections.acquire()
+        except BaseException:  # given up waiting: the call never made
+            if inspect.iscoroutine(call):
+                call.close()
+            raise
+        try:
+            return await call
+        finally:
+            self._connections.release()
 
     async def _check_durability(self) -> None:
         """A warning, once, when Redis would lose the store: nothing kept on disk (a restart of Redis
