@@ -162,10 +162,10 @@ class RedisBlobs:
             if not await self._call(self._move_in(keys=[temporary, key, self._index], args=[name])):
                 raise BlobsUnavailable(f"the upload of {name} expired in Redis before it was complete")
             return size
-        except Exception as exc:
+        except BaseException as exc:  # also cancelled (a shutdown)
             if not isinstance(exc, BlobsUnavailable):  # Redis is up: the part uploaded goes now, not at its expiry
                 with contextlib.suppress(BlobsUnavailable):
-                    await self._call(self._redis.delete(temporary))
+                    await asyncio.shield(self._call(self._redis.delete(temporary)))
             raise
         finally:
             await asyncio.to_thread(path.unlink, missing_ok=True)

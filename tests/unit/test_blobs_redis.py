@@ -283,3 +283,17 @@ def test_the_redis_backend_needs_its_url() -> None:
     with pytest.raises(pydantic.ValidationError, match=r"store\.backend redis needs store\.redis_url"):
         StoreSettings(backend="redis")
     assert StoreSettings(backend="redis", redis_url="redis://127.0.0.1:6379/0").redis_url
+
+
+async def test_an_upload_cancelled_mid_way_leaves_no_part_in_redis(blobs: RedisBlobs, tmp_path: Path) -> None:
+    """A put_file cancelled (a shutdown, a client gone) removes what it had sent rather than leave up
+    to 200 MB in Redis until the temporary key expires."""
+    for delay in (0.001, 0.005, 0.02, 0.05):
+        upload = tmp_path / "upload"
+        upload.write_bytes(b"u" * (8 * MB))
+        putting = asyncio.ensure_future(blobs.put_file("f", upload))
+        await asyncio.sleep(delay)
+        putting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await putting
+        assert [key for key in await keys(blobs) if ":tmp:" in key] == []
