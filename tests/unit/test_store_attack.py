@@ -275,3 +275,55 @@ async def test_an_owner_with_many_files_and_batches_lists_them(blobs: Blobs, tmp
         assert not more
     for listed, _ in await asyncio.gather(*(batches.of("t").page(None, 200) for _ in range(clients))):
         assert len(listed) == 150
+
+
+# --- tenancy: ids crafted, or another owner's ------------------------------------------------------------
+
+CRAFTED = ["file-" + "A" * 24, "file-" + "0" * 24 + "\n", "file-" + "\u0660" * 24, "file-" + "0" * 25, "file-" + "0" * 10_000,
+           "file-../" + "0" * 19, "file-" + "0" * 23 + "/", "FILE-" + "0" * 24, " file-" + "0" * 24]
+
+
+def _batch_crafted(kind: str) -> list[str]:
+    hexes = "0" * 32
+    return [kind + "A" * 32, kind + hexes + "\n", kind + "\u0660" * 32, kind + hexes + "0", kind + "0" * 10_000,
+            kind + "../" + hexes[:29], kind.upper() + hexes, " " + kind + hexes, kind + hexes[:31] + "/"]
+
+
+async def test_another_owners_or_a_crafted_id_is_none_of_mine(blobs: Blobs, tmp_path: Path) -> None:
+    from gateway.errors import InvalidRequest, NotFound
+    from gateway.stores.batches import MESSAGE_BATCH
+
+    spool = Spool.at(tmp_path / "spool")
+    files, batches = FileStore.on(blobs, spool), BatchStore.on(blobs, spool)
+    staged = await files.of("owner").stage()
+    await staged.write(LINES)
+    theirs = await files.of("owner").put(staged, "in.jsonl", "batch", 3600)
+    made, message = _stored("owner"), _stored("owner")
+    message.batch.id = new_id(MESSAGE_BATCH)
+    await batches.of("owner").create(made, LINES)
+    await batches.of("owner", MESSAGE_BATCH).create(message, LINES)
+    for owner in ("other", "owner/..", "owner\n", "Owner", ""):
+        mine = files.of(owner)
+        for file_id in [theirs.id, *CRAFTED]:
+            for call in (mine.get, mine.open, mine.delete):
+                with pytest.raises(NotFound):
+                    await call(file_id)
+        with pytest.raises(InvalidRequest):
+            await mine.page(None, theirs.id, 10, False)
+        for kind, batch_id in (("batch_", made.batch.id), (MESSAGE_BATCH, message.batch.id)):
+            view = batches.of(owner, kind)
+            for crafted in [batch_id, *_batch_crafted(kind)]:
+                for find in (view.find, view.get, view.cancel, view.delete):
+                    with pytest.raises(NotFound):
+                        await find(crafted)
+            with pytest.raises(InvalidRequest):
+                await view.page(batch_id, 10)
+            with pytest.raises(InvalidRequest):
+                await view.page(None, 10, before=batch_id)
+    with pytest.raises(NotFound):  # each API's view sees only its own kind, for the owner too
+        await batches.of("owner").find(message.batch.id)
+    with pytest.raises(NotFound):
+        await batches.of("owner", MESSAGE_BATCH).find(made.batch.id)
+    assert (await files.of("owner").get(theirs.id)).id == theirs.id  # nothing of the owner's was touched
+    assert (await batches.of("owner").get(made.batch.id)).status == "validating"
+    assert await blobs.get(f"{owner_prefix('owner')}/{made.batch.id}/cancel") is None
