@@ -31,7 +31,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar
@@ -39,6 +39,10 @@ from typing import BinaryIO, Protocol, TypeVar
 SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 _TEMPORARY = ".tmp-"  # disk: a name being written (never listed)
 T = TypeVar("T")
+
+
+class _Missing(Exception):
+    """A disk copy's source that is none."""
 
 
 class BlobsUnavailable(Exception):
@@ -159,6 +163,18 @@ class DiskBlobs:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path.with_name(f"{_TEMPORARY}{secrets.token_hex(8)}-{path.name}")
 
+    @contextlib.contextmanager
+    def _replacing(self, path: Path) -> Iterator[Path]:
+        """A temporary name beside `path` to write, renamed onto it once written; removed when the
+        write fails (a full disk: nothing would ever remove it, it is never listed)."""
+        temporary = self._temporary(path)
+        try:
+            yield temporary
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
     async def get(self, name: str) -> bytes | None:
         path = self._path(name)
 
@@ -174,16 +190,10 @@ class DiskBlobs:
         path = self._path(name)
 
         def write() -> None:
-            temporary = self._temporary(path)
-            try:
-                with temporary.open("wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(temporary, path)
-            except BaseException:
-                temporary.unlink(missing_ok=True)
-                raise
+            with self._replacing(path) as temporary, temporary.open("wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
 
         await _thread(write)
 
@@ -193,11 +203,11 @@ class DiskBlobs:
         def make() -> bool:
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = self._temporary(path)
-            with temporary.open("wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
             try:
+                with temporary.open("wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
                 os.link(temporary, path)  # fails when `path` exists: whole content or nothing, exclusively
                 return True
             except FileExistsError:
@@ -216,9 +226,8 @@ class DiskBlobs:
             try:
                 os.replace(path, target)  # the same disk: a rename
             except OSError:  # another disk: copied to a temporary name beside the target, renamed
-                temporary = self._temporary(target)
-                shutil.copyfile(path, temporary)
-                os.replace(temporary, target)
+                with self._replacing(target) as temporary:
+                    shutil.copyfile(path, temporary)
                 path.unlink(missing_ok=True)
             return size
 
@@ -261,20 +270,21 @@ class DiskBlobs:
         source_path, target_path = self._path(source), self._path(target)
 
         def link() -> bool:
-            temporary = self._temporary(target_path)
-            try:
-                os.link(source_path, temporary)  # the same inode: a delete of the source keeps it
-            except FileNotFoundError:
-                return False
-            except OSError:
+            with self._replacing(target_path) as temporary:
                 try:
-                    shutil.copyfile(source_path, temporary)
+                    os.link(source_path, temporary)  # the same inode: a delete of the source keeps it
                 except FileNotFoundError:
-                    return False
-            os.replace(temporary, target_path)
+                    raise _Missing from None
+                except OSError:
+                    try:
+                        shutil.copyfile(source_path, temporary)
+                    except FileNotFoundError:
+                        raise _Missing from None
             return True
 
-        return await _thread(link)
+        with contextlib.suppress(_Missing):
+            return await _thread(link)
+        return False
 
     async def delete(self, *names: str) -> None:
         paths = [self._path(name) for name in names]

@@ -5,6 +5,7 @@ checked its id is still a 503 before the first byte; nothing secret reaches the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import time
@@ -327,3 +328,41 @@ async def test_another_owners_or_a_crafted_id_is_none_of_mine(blobs: Blobs, tmp_
     assert (await files.of("owner").get(theirs.id)).id == theirs.id  # nothing of the owner's was touched
     assert (await batches.of("owner").get(made.batch.id)).status == "validating"
     assert await blobs.get(f"{owner_prefix('owner')}/{made.batch.id}/cancel") is None
+
+
+# --- the disk backend: a write that fails leaves no temporary file -----------------------------------------
+
+
+def test_a_disk_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that fails mid-write (full: ENOSPC at the write or the fsync) fails the call, and leaves no
+    temporary file beside the object (no one would ever remove it: it is never listed)."""
+    import asyncio
+    import errno
+    import os
+    import shutil
+
+    from gateway.stores.blobs import DiskBlobs
+
+    store = DiskBlobs.at(tmp_path / "store")
+    source = tmp_path / "source"
+    asyncio.run(store.put("o/source", b"content"))
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def not_linked(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    calls = [lambda: store.create("o/made", b"x"), lambda: store.put("o/put", b"x"),
+             lambda: store.copy("o/source", "o/copy"), lambda: store.put_file("o/moved", source)]
+    for module, failing in ((os, "fsync"), (shutil, "copyfile")):
+        for n, call in enumerate(calls):
+            source.write_bytes(b"upload")
+            with monkeypatch.context() as patch:
+                patch.setattr(os, "replace", not_linked)  # another disk: the copying paths
+                patch.setattr(os, "link", not_linked)
+                patch.setattr(module, failing, full)
+                with contextlib.suppress(BlobsUnavailable):
+                    asyncio.run(call())
+            litter = [p.name for p in (tmp_path / "store").rglob("*") if p.name.startswith(".tmp-")]
+            assert litter == [], (failing, n, litter)
