@@ -366,3 +366,42 @@ def test_a_disk_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkey
                     asyncio.run(call())
             litter = [p.name for p in (tmp_path / "store").rglob("*") if p.name.startswith(".tmp-")]
             assert litter == [], (failing, n, litter)
+
+
+# --- the routes with the store failing at each of its calls ------------------------------------------------
+
+
+@pytest.mark.parametrize("step", [("files", "put_file"), ("files", "put"), ("files", "open"), ("batches", "put"),
+                                  ("batches", "put_file")])
+def test_an_upload_or_create_failing_at_each_call_is_a_503_and_leaves_no_spool_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: tuple[str, str]) -> None:
+    from gateway.stores.blobs import DiskBlobs
+
+    made: dict[str, FailsAt] = {}
+
+    def open_blobs(settings: Any, pools: Any, part: str) -> FailsAt:
+        directory = settings.files.dir if part == "files" else settings.batches.dir
+        made[part] = FailsAt(DiskBlobs.at(directory), lambda method, name: False)
+        return made[part]
+
+    monkeypatch.setattr("gateway.app.open_blobs", open_blobs)
+    big = jsonl(*(chat_line(f"r{i}", content="x" * 1000) for i in range(300)))  # over a chunk: streamed
+    with TestClient(app_with(FakeEngine(), api_keys=["sk-owner"], **settings(tmp_path, enabled=False))) as client:
+        headers = {"authorization": "Bearer sk-owner"}
+        part, method = step
+        if part == "files" and method != "open":
+            made[part].refuse = lambda called, name: called == method
+            answer = client.post("/v1/files", files={"file": ("in.jsonl", big)}, data={"purpose": "batch"},
+                                 headers=headers)
+        else:
+            uploaded = client.post("/v1/files", files={"file": ("in.jsonl", big)}, data={"purpose": "batch"},
+                                   headers=headers).json()
+            made[part].refuse = lambda called, name: called == method
+            answer = client.post("/v1/batches", headers=headers, json={
+                "input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "service_unavailable"
+        made[part].refuse = lambda called, name: False
+        assert client.get("/v1/batches", headers=headers).json()["data"] == []
+    for spool in (tmp_path / "files" / ".spool", tmp_path / "batches" / ".spool"):
+        assert not spool.exists() or list(spool.iterdir()) == []
