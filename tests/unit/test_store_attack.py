@@ -405,3 +405,31 @@ def test_an_upload_or_create_failing_at_each_call_is_a_503_and_leaves_no_spool_f
         assert client.get("/v1/batches", headers=headers).json()["data"] == []
     for spool in (tmp_path / "files" / ".spool", tmp_path / "batches" / ".spool"):
         assert not spool.exists() or list(spool.iterdir()) == []
+
+
+def test_a_run_that_dies_between_publishing_and_completed_publishes_once(
+        tmp_path: Path, store_settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output published as a file, then the run dies before the record says `completed`: the next
+    run publishes it again under the same id (replaced, not a second file) and completes."""
+    from gateway.stores.files import OwnedFiles
+
+    publish, died = OwnedFiles.publish, []
+
+    async def dies_after(self: OwnedFiles, *args: Any, **kwargs: Any) -> Any:
+        made = await publish(self, *args, **kwargs)
+        if not died:
+            died.append(made.id)
+            raise RuntimeError("killed right after publishing")
+        return made
+
+    monkeypatch.setattr(OwnedFiles, "publish", dies_after)
+    config = {**settings(tmp_path, lease_s=0.5), **store_settings}
+    with TestClient(app_with(FakeEngine(), **config)) as client:
+        sdk = sdk_for(client)
+        done = wait(sdk, submit(sdk, jsonl(*(chat_line(f"r{i}") for i in range(5)))).id, timeout=30)
+        output = by_custom_id(lines_of(sdk, done.output_file_id))
+        listed = [f.id for f in sdk.files.list().data]
+    assert died == [done.output_file_id]
+    assert done.status == "completed"
+    assert set(output) == {f"r{i}" for i in range(5)}
+    assert len(listed) == 2  # the input and one output
