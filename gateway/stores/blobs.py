@@ -73,6 +73,18 @@ async def each(names: Iterable[str], read: Callable[[str], Awaitable[T]], at_onc
     return list(await asyncio.gather(*(one(name) for name in names)))
 
 
+def _once_more(write: Callable[[], T]) -> Callable[[], T]:
+    """A disk write tried again once when a folder on its way was removed under it (a delete emptied
+    it right then): the write makes its folders again."""
+    def again() -> T:
+        try:
+            return write()
+        except FileNotFoundError:
+            return write()
+
+    return again
+
+
 def check_name(name: str) -> str:
     """`name` when it is a valid object name (see the module's docstring); else ValueError."""
     parts = name.split("/")
@@ -148,7 +160,9 @@ class Blobs(Protocol):
 @dataclass(slots=True, frozen=True)
 class DiskBlobs:
     """Objects as files below a directory (a shared volume for replicas): writes go to a temporary name
-    and are renamed in place; `create` is O_CREAT|O_EXCL; appends are flushed and fsynced."""
+    and are renamed in place; `create` is O_CREAT|O_EXCL; appends are flushed and fsynced. A folder
+    below the top level that a delete empties is removed (a deleted batch leaves no directory), and a
+    write whose folder was removed under it makes it again."""
 
     root: Path
 
@@ -195,7 +209,7 @@ class DiskBlobs:
                 out.flush()
                 os.fsync(out.fileno())
 
-        await _thread(write)
+        await _thread(_once_more(write))
 
     async def create(self, name: str, data: bytes) -> bool:
         path = self._path(name)
@@ -215,7 +229,7 @@ class DiskBlobs:
             finally:
                 temporary.unlink(missing_ok=True)
 
-        return await _thread(make)
+        return await _thread(_once_more(make))
 
     async def put_file(self, name: str, path: Path) -> int:
         target = self._path(name)
@@ -231,7 +245,7 @@ class DiskBlobs:
                 path.unlink(missing_ok=True)
             return size
 
-        return await _thread(move)
+        return await _thread(_once_more(move))
 
     async def append(self, name: str, data: bytes) -> None:
         path = self._path(name)
@@ -243,7 +257,7 @@ class DiskBlobs:
                 out.flush()
                 os.fsync(out.fileno())
 
-        await _thread(add)
+        await _thread(_once_more(add))
 
     async def open(self, name: str, chunk_bytes: int = 256 * 1024) -> Opened | None:
         path = self._path(name)
@@ -292,7 +306,10 @@ class DiskBlobs:
         def remove() -> None:
             for path in paths:
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                    path.unlink()  # its directory stays: a writer may be making a file in it right now
+                    path.unlink()
+            for folder in {path.parent for path in paths if path.parent.parent != self.root and path.parent != self.root}:
+                with contextlib.suppress(OSError):  # not empty (or gone): kept
+                    folder.rmdir()
 
         await _thread(remove)
 

@@ -433,3 +433,32 @@ def test_a_run_that_dies_between_publishing_and_completed_publishes_once(
     assert done.status == "completed"
     assert set(output) == {f"r{i}" for i in range(5)}
     assert len(listed) == 2  # the input and one output
+
+
+async def test_a_deleted_batch_leaves_no_directory_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the path-based version did: a batch deleted leaves no empty directory behind (each one a
+    step more for every listing of its owner's batches, forever); the owner's own folder stays."""
+    from gateway.stores.blobs import DiskBlobs
+
+    disk = DiskBlobs.at(tmp_path / "batches")
+    store = BatchStore.on(disk, Spool.at(tmp_path / "spool"))
+    made = _stored()
+    made.batch.status = "completed"
+    kept = _stored()
+    for batch in (made, kept):
+        await store.of("t").create(batch, LINES)
+    await store.of("t").delete(made.batch.id)
+    home = tmp_path / "batches" / owner_prefix("t")
+    assert sorted(p.name for p in home.iterdir()) == [kept.batch.id]
+
+    real = DiskBlobs._temporary
+
+    def emptied_meanwhile(self: DiskBlobs, path: Path) -> Path:  # a delete empties the folder right then
+        temporary = real(self, path)
+        monkeypatch.setattr(DiskBlobs, "_temporary", real)
+        path.parent.rmdir()
+        return temporary
+
+    monkeypatch.setattr(DiskBlobs, "_temporary", emptied_meanwhile)
+    await disk.put(f"{owner_prefix('t')}/batch_{'1' * 32}/record.json", b"{}")  # a writer racing it: made again
+    assert await disk.get(f"{owner_prefix('t')}/batch_{'1' * 32}/record.json") == b"{}"
