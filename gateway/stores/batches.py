@@ -57,6 +57,8 @@ from pathlib import Path
 from typing import Literal
 
 import orjson
+import structlog
+from pydantic import ValidationError
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.batches import DONE, Batch, BatchUsage, StoredBatch
@@ -66,6 +68,8 @@ from gateway.stores.guarded import Guarded
 from gateway.stores.spool import Spool
 
 BATCH, MESSAGE_BATCH = "batch_", "msgbatch_"  # the id prefixes of OpenAI's batches and Anthropic's
+log = structlog.get_logger(__name__)
+
 ID = re.compile(r"(?:msg)?batch_[0-9a-f]{32}")
 HOME = re.compile(r"[0-9a-f]{32}")
 RECORD, INPUT, CANCEL = "record.json", "input.jsonl", "cancel"
@@ -165,9 +169,18 @@ class BatchObjects:
 
     async def load(self) -> StoredBatch | None:
         """The batch as last written, with a cancel asked for since shown as `cancelling`; None when
-        there is none (never made, or deleted)."""
+        there is none (never made, or deleted) or its record cannot be read (logged: a disk that
+        corrupted it, a hand edit, a version whose record this one does not know), so that one such
+        batch fails nothing but itself."""
         raw = await self.blobs.get(self.name(RECORD))
-        return None if raw is None else _merge_cancel(StoredBatch.model_validate_json(raw), await self.cancel_asked())
+        if raw is None:
+            return None
+        try:
+            stored = StoredBatch.model_validate_json(raw)
+        except ValidationError as exc:
+            log.warning("batch_record_unreadable", batch_id=self.id, errors=exc.error_count())
+            return None
+        return _merge_cancel(stored, await self.cancel_asked())
 
     async def exists(self) -> bool:
         return await self.blobs.get(self.name(RECORD)) is not None
@@ -257,7 +270,9 @@ class BatchStore:
                 continue
             batch = self._batch(home, batch_id)
             stored = await batch.load()
-            if stored is None:
+            if stored is None and await batch.exists():  # there but unreadable (logged): not read again here
+                done.add(batch_id)
+            elif stored is None:
                 await self._orphan(batch)
             elif stored.batch.status in DONE:
                 done.add(batch_id)
@@ -269,7 +284,10 @@ class BatchStore:
     async def _orphan(self, batch: BatchObjects) -> None:
         """An entry without a record: a create in progress, or one that crashed (removed once old)."""
         raw = await self.blobs.get(batch.entry)
-        made = orjson.loads(raw).get("created", 0) if raw else 0
+        try:
+            made = orjson.loads(raw).get("created", 0) if raw else 0
+        except (orjson.JSONDecodeError, AttributeError):  # unreadable: as old as can be
+            made = 0
         if made + ORPHAN_S < time.time() and not await batch.exists():
             await self.blobs.delete(batch.entry, *await self.blobs.list(batch.prefix))
 

@@ -31,11 +31,16 @@ import secrets
 import time
 from dataclasses import dataclass
 
+import structlog
+from pydantic import ValidationError
+
 from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
 from gateway.protocol.files import FileObject, Purpose
 from gateway.stores.blobs import Blobs, Opened, each
 from gateway.stores.guarded import Guarded
 from gateway.stores.spool import Spool, Staged
+
+log = structlog.get_logger(__name__)
 
 ID = re.compile(r"file-[0-9a-f]{24}")
 _META = ".json"
@@ -172,7 +177,11 @@ class OwnedFiles:
         raw = await self.blobs.get(meta)
         if raw is None:
             return None
-        found = FileObject.model_validate_json(raw)
+        try:
+            found = FileObject.model_validate_json(raw)
+        except ValidationError as exc:  # a disk that corrupted it, a hand edit: that file alone is gone
+            log.warning("file_record_unreadable", name=meta, errors=exc.error_count())
+            return None
         if found.expires_at is not None and found.expires_at <= time.time():
             await self._remove(content, meta)
             return None

@@ -462,3 +462,29 @@ async def test_a_deleted_batch_leaves_no_directory_on_disk(tmp_path: Path, monke
     monkeypatch.setattr(DiskBlobs, "_temporary", emptied_meanwhile)
     await disk.put(f"{owner_prefix('t')}/batch_{'1' * 32}/record.json", b"{}")  # a writer racing it: made again
     assert await disk.get(f"{owner_prefix('t')}/batch_{'1' * 32}/record.json") == b"{}"
+
+
+def test_one_unreadable_record_stops_no_other_batch(tmp_path: Path) -> None:
+    """A record the runner cannot read (a disk that corrupted it, a hand edit, a version whose record
+    this one does not know) fails that batch alone: the runner keeps running every other."""
+    import asyncio
+
+    from tests.stores import disk_batches
+
+    store = disk_batches(tmp_path / "batches")
+    bad = _stored("anonymous")
+    asyncio.run(store.of("anonymous").create(bad, LINES))
+    asyncio.run(store.blobs.put(f"{owner_prefix('anonymous')}/{bad.batch.id}/record.json", b'{"batch": {"id": 1'))
+    with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
+        sdk = sdk_for(client)
+        done = wait(sdk, submit(sdk, LINES).id, timeout=10)
+        corrupt = sdk.files.create(file=("in.jsonl", LINES), purpose="batch")
+        (tmp_path / "files" / owner_prefix("anonymous") / f"{corrupt.id}.json").write_bytes(b"{")
+        listed = [b.id for b in sdk.batches.list().data]
+        files = [f.id for f in sdk.files.list().data]
+        missing = client.get(f"/v1/batches/{bad.batch.id}")
+    assert done.status == "completed"
+    assert listed == [done.id]  # the owner's listing still answers, without the unreadable one
+    assert corrupt.id not in files
+    assert done.input_file_id in files
+    assert missing.status_code == 404
