@@ -143,6 +143,8 @@ class BatchRunner:
                 await self._take_free()
             except (StoreUnavailable, OSError) as exc:  # the store down for now: try again at the next poll
                 log.warning("batches_scan_failed", error=str(exc))
+            except Exception as exc:  # unforeseen: logged, and the next poll comes (this loop is the only one)
+                log.error("batches_scan_failed", error=repr(exc), exc_info=exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
             self._wake.clear()

@@ -488,3 +488,22 @@ def test_one_unreadable_record_stops_no_other_batch(tmp_path: Path) -> None:
     assert corrupt.id not in files
     assert done.input_file_id in files
     assert missing.status_code == 404
+
+
+def test_the_runner_outlives_a_poll_that_fails_unexpectedly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poll that raises what no one foresaw (a bug, a record of a kind not known) is logged and the
+    next poll comes: the runner's loop is the only one, and it must not end."""
+    pending, failed = BatchStore.pending, []
+
+    async def fails_once(self: BatchStore, done: set[str]) -> Any:
+        if not failed:
+            failed.append(True)
+            raise KeyError("unforeseen")
+        return await pending(self, done)
+
+    monkeypatch.setattr(BatchStore, "pending", fails_once)
+    with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
+        sdk = sdk_for(client)
+        done = wait(sdk, submit(sdk, LINES).id, timeout=10)
+    assert failed
+    assert done.status == "completed"
