@@ -56,13 +56,23 @@ from gateway.pipeline.batch_line import LineAnswer, Retry, run_line
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.batches import DONE, Errors, RequestCounts, StoredBatch
 from gateway.serving.batch_input import MESSAGES, BatchLine, check_batch_input, read_lines
-from gateway.stores.batches import ERRORS, INPUT, OUTPUT, BatchObjects, BatchStore, Lease, Progress, Results
+from gateway.stores.batches import (
+    ERRORS,
+    EXPIRED_CODE,
+    INPUT,
+    OUTPUT,
+    BatchObjects,
+    BatchStore,
+    Lease,
+    Progress,
+    Results,
+)
 from gateway.stores.files import OwnedFiles, derived_id
 
 log = structlog.get_logger(__name__)
 
 Ending = Literal["completed", "cancelled", "expired", "lost"]
-EXPIRED = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
+EXPIRED = {"code": EXPIRED_CODE, "message": "This request could not be executed before the completion window expired."}
 
 
 def _line_id() -> str:
@@ -144,6 +154,8 @@ class BatchRunner:
                 await self._take_free()
             except (StoreUnavailable, OSError) as exc:  # the store down for now: try again at the next poll
                 log.warning("batches_scan_failed", error=str(exc))
+            except Exception as exc:  # unforeseen: logged, and the next poll comes (this loop is the only one)
+                log.error("batches_scan_failed", error=repr(exc), exc_info=exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
             self._wake.clear()
@@ -432,9 +444,11 @@ class BatchRun:
             batch.status, batch.finalizing_at = "finalizing", batch.finalizing_at or int(time.time())
         await self._save()
         if ending == "expired":
-            self.stored.expired_lines = await self._expire_rest()
+            await self._expire_rest()
         self.progress = await self.batch.progress()
         self._count()
+        if ending == "expired":  # counted from the error object: also those a run that died here wrote
+            self.stored.expired_lines = self.progress.expired
         await self._publish()
         now = int(time.time())
         if ending == "cancelled":

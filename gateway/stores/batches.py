@@ -17,10 +17,11 @@ Anthropic's Message Batches live beside OpenAI's batches, as the same records, u
 (`msgbatch_` and 32 hex, `of(owner, MESSAGE_BATCH)`): each API's view sees only its own kind, so
 neither lists nor answers the other's.
 
-A batch exists once its record does: its input is written first, then its entry in the pending
-index, then its record, so a reader (another replica's runner) sees a whole batch or none, and a
-crash between the steps loses no batch that was made (an entry whose record never came is removed
-by the runner once it is old). Its entry is removed once the batch is done (by the runner that ends
+A batch exists once its record does: its entry in the pending index is written first, then its
+input, then its record, so a reader (another replica's runner) sees a whole batch or none, and a
+crash or a store failing between the steps loses no batch that was made and leaves nothing behind
+for good (an entry whose record never came is removed by the runner once it is old, with the input
+written under it). Its entry is removed once the batch is done (by the runner that ends
 it, or by the next one that finds it done), so a runner lists only the batches it may have to run
 (`pending`), never the whole store. Deleting removes the record first (the batch is gone for every
 reader), then the rest.
@@ -61,15 +62,19 @@ from pathlib import Path
 from typing import Literal
 
 import orjson
+import structlog
+from pydantic import ValidationError
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.batches import DONE, Batch, BatchUsage, StoredBatch
-from gateway.stores.blobs import Blobs, Opened
+from gateway.stores.blobs import Blobs, Opened, each
 from gateway.stores.files import owner_prefix
 from gateway.stores.guarded import Guarded
 from gateway.stores.spool import Spool
 
 BATCH, MESSAGE_BATCH = "batch_", "msgbatch_"  # the id prefixes of OpenAI's batches and Anthropic's
+log = structlog.get_logger(__name__)
+
 ID = re.compile(r"(?:msg)?batch_[0-9a-f]{32}")
 HOME = re.compile(r"[0-9a-f]{32}")
 RECORD, INPUT, CANCEL = "record.json", "input.jsonl", "cancel"
@@ -78,6 +83,7 @@ OUTPUT: Results = "output.jsonl"
 ERRORS: Results = "errors.jsonl"
 PENDING = "pending/"
 INDEXED = "pending.indexed"  # the batches of a store older than the index entered in it (once)
+EXPIRED_CODE = "batch_expired"  # the error of a line a batch past its window never ran
 ORPHAN_S = 3600  # an index entry whose record has not come this long after: a create that crashed
 
 
@@ -96,6 +102,7 @@ class Progress:
     done: set[str] = field(default_factory=set)
     completed: int = 0
     failed: int = 0
+    expired: int = 0  # of the failed: lines never run, written as expired (`batch_expired`)
     usage: BatchUsage = field(default_factory=BatchUsage)
 
     def count(self, custom_id: str, ok: bool, prompt: int = 0, completion: int = 0) -> None:
@@ -132,6 +139,8 @@ def _count_lines(path: Path, progress: Progress, ok: bool) -> int | None:
             response = parsed.get("response")
             body = response.get("body") if isinstance(response, dict) else None
             progress.count(parsed["custom_id"], ok, *tokens_of(body))
+            error = parsed.get("error")
+            progress.expired += not ok and isinstance(error, dict) and error.get("code") == EXPIRED_CODE
             good += len(line)
     return good if good < size else None
 
@@ -165,9 +174,18 @@ class BatchObjects:
 
     async def load(self) -> StoredBatch | None:
         """The batch as last written, with a cancel asked for since shown as `cancelling`; None when
-        there is none (never made, or deleted)."""
+        there is none (never made, or deleted) or its record cannot be read (logged: a disk that
+        corrupted it, a hand edit, a version whose record this one does not know), so that one such
+        batch fails nothing but itself."""
         raw = await self.blobs.get(self.name(RECORD))
-        return None if raw is None else _merge_cancel(StoredBatch.model_validate_json(raw), await self.cancel_asked())
+        if raw is None:
+            return None
+        try:
+            stored = StoredBatch.model_validate_json(raw)
+        except ValidationError as exc:
+            log.warning("batch_record_unreadable", batch_id=self.id, errors=exc.error_count())
+            return None
+        return _merge_cancel(stored, await self.cancel_asked())
 
     async def exists(self) -> bool:
         return await self.blobs.get(self.name(RECORD)) is not None
@@ -257,7 +275,9 @@ class BatchStore:
                 continue
             batch = self._batch(home, batch_id)
             stored = await batch.load()
-            if stored is None:
+            if stored is None and await batch.exists():  # there but unreadable (logged): not read again here
+                done.add(batch_id)
+            elif stored is None:
                 await self._orphan(batch)
             elif stored.batch.status in DONE:
                 done.add(batch_id)
@@ -269,7 +289,10 @@ class BatchStore:
     async def _orphan(self, batch: BatchObjects) -> None:
         """An entry without a record: a create in progress, or one that crashed (removed once old)."""
         raw = await self.blobs.get(batch.entry)
-        made = orjson.loads(raw).get("created", 0) if raw else 0
+        try:
+            made = orjson.loads(raw).get("created", 0) if raw else 0
+        except (orjson.JSONDecodeError, AttributeError):  # unreadable: as old as can be
+            made = 0
         if made + ORPHAN_S < time.time() and not await batch.exists():
             await self.blobs.delete(batch.entry, *await self.blobs.list(batch.prefix))
 
@@ -322,9 +345,11 @@ class OwnedBatches:
         return batch, stored
 
     async def create(self, stored: StoredBatch, source: Opened | bytes) -> None:
-        """A new batch, whole or not at all: its input (the content opened at `source`, streamed through
-        the spool, or these bytes), its entry in the pending index, then its record."""
+        """A new batch, whole or not at all: its entry in the pending index (first: what is written
+        after it is removed with it when the create does not end), its input (the content opened at
+        `source`, streamed through the spool, or these bytes), then its record."""
         batch = self._batch(stored.batch.id)
+        await self.blobs.put(batch.entry, orjson.dumps({"created": time.time()}))
         if isinstance(source, bytes):
             await self.blobs.put(batch.name(INPUT), source)
         else:
@@ -333,7 +358,6 @@ class OwnedBatches:
                 await self.blobs.put_file(batch.name(INPUT), staged.path)
             finally:
                 await staged.discard()
-        await self.blobs.put(batch.entry, orjson.dumps({"created": time.time()}))
         await batch.write(stored)
 
     async def get(self, batch_id: str) -> Batch:
@@ -381,7 +405,7 @@ class OwnedBatches:
             batch_id, _, part = name.removeprefix(f"{self.home}/").partition("/")
             if part == RECORD and self._is_id(batch_id):
                 ids.append(batch_id)
-        found = await asyncio.gather(*(self._batch(batch_id).load() for batch_id in ids))
+        found = await each(ids, lambda batch_id: self._batch(batch_id).load())
         return [stored for stored in found if stored is not None]
 
 

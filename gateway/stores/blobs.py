@@ -31,7 +31,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar
@@ -39,6 +39,10 @@ from typing import BinaryIO, Protocol, TypeVar
 SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 _TEMPORARY = ".tmp-"  # disk: a name being written (never listed)
 T = TypeVar("T")
+
+
+class _Missing(Exception):
+    """A disk copy's source that is none."""
 
 
 class BlobsUnavailable(Exception):
@@ -51,6 +55,34 @@ async def _thread(work: Callable[[], T]) -> T:
         return await asyncio.to_thread(work)
     except OSError as exc:
         raise BlobsUnavailable(f"the disk store failed: {exc}") from exc
+
+
+READS_AT_ONCE = 16  # objects a store reads at once for one request (a listing): a bound on connections
+
+
+async def each(names: Iterable[str], read: Callable[[str], Awaitable[T]], at_once: int = READS_AT_ONCE) -> list[T]:
+    """`read` of every name, in order, at most `at_once` at a time: a listing of thousands of objects
+    takes a few of the backend's connections (Redis: from the process's pool, shared with the cache
+    and the limits), not one each."""
+    bound = asyncio.Semaphore(at_once)
+
+    async def one(name: str) -> T:
+        async with bound:
+            return await read(name)
+
+    return list(await asyncio.gather(*(one(name) for name in names)))
+
+
+def _once_more(write: Callable[[], T]) -> Callable[[], T]:
+    """A disk write tried again once when a folder on its way was removed under it (a delete emptied
+    it right then): the write makes its folders again."""
+    def again() -> T:
+        try:
+            return write()
+        except FileNotFoundError:
+            return write()
+
+    return again
 
 
 def check_name(name: str) -> str:
@@ -128,7 +160,9 @@ class Blobs(Protocol):
 @dataclass(slots=True, frozen=True)
 class DiskBlobs:
     """Objects as files below a directory (a shared volume for replicas): writes go to a temporary name
-    and are renamed in place; `create` is O_CREAT|O_EXCL; appends are flushed and fsynced."""
+    and are renamed in place; `create` is O_CREAT|O_EXCL; appends are flushed and fsynced. A folder
+    below the top level that a delete empties is removed (a deleted batch leaves no directory), and a
+    write whose folder was removed under it makes it again."""
 
     root: Path
 
@@ -142,6 +176,18 @@ class DiskBlobs:
     def _temporary(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path.with_name(f"{_TEMPORARY}{secrets.token_hex(8)}-{path.name}")
+
+    @contextlib.contextmanager
+    def _replacing(self, path: Path) -> Iterator[Path]:
+        """A temporary name beside `path` to write, renamed onto it once written; removed when the
+        write fails (a full disk: nothing would ever remove it, it is never listed)."""
+        temporary = self._temporary(path)
+        try:
+            yield temporary
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
 
     async def get(self, name: str) -> bytes | None:
         path = self._path(name)
@@ -158,18 +204,12 @@ class DiskBlobs:
         path = self._path(name)
 
         def write() -> None:
-            temporary = self._temporary(path)
-            try:
-                with temporary.open("wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(temporary, path)
-            except BaseException:
-                temporary.unlink(missing_ok=True)
-                raise
+            with self._replacing(path) as temporary, temporary.open("wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
 
-        await _thread(write)
+        await _thread(_once_more(write))
 
     async def create(self, name: str, data: bytes) -> bool:
         path = self._path(name)
@@ -177,11 +217,11 @@ class DiskBlobs:
         def make() -> bool:
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = self._temporary(path)
-            with temporary.open("wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
             try:
+                with temporary.open("wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
                 os.link(temporary, path)  # fails when `path` exists: whole content or nothing, exclusively
                 return True
             except FileExistsError:
@@ -189,7 +229,7 @@ class DiskBlobs:
             finally:
                 temporary.unlink(missing_ok=True)
 
-        return await _thread(make)
+        return await _thread(_once_more(make))
 
     async def put_file(self, name: str, path: Path) -> int:
         target = self._path(name)
@@ -200,13 +240,12 @@ class DiskBlobs:
             try:
                 os.replace(path, target)  # the same disk: a rename
             except OSError:  # another disk: copied to a temporary name beside the target, renamed
-                temporary = self._temporary(target)
-                shutil.copyfile(path, temporary)
-                os.replace(temporary, target)
+                with self._replacing(target) as temporary:
+                    shutil.copyfile(path, temporary)
                 path.unlink(missing_ok=True)
             return size
 
-        return await _thread(move)
+        return await _thread(_once_more(move))
 
     async def append(self, name: str, data: bytes) -> None:
         path = self._path(name)
@@ -218,7 +257,7 @@ class DiskBlobs:
                 out.flush()
                 os.fsync(out.fileno())
 
-        await _thread(add)
+        await _thread(_once_more(add))
 
     async def open(self, name: str, chunk_bytes: int = 256 * 1024) -> Opened | None:
         path = self._path(name)
@@ -245,20 +284,21 @@ class DiskBlobs:
         source_path, target_path = self._path(source), self._path(target)
 
         def link() -> bool:
-            temporary = self._temporary(target_path)
-            try:
-                os.link(source_path, temporary)  # the same inode: a delete of the source keeps it
-            except FileNotFoundError:
-                return False
-            except OSError:
+            with self._replacing(target_path) as temporary:
                 try:
-                    shutil.copyfile(source_path, temporary)
+                    os.link(source_path, temporary)  # the same inode: a delete of the source keeps it
                 except FileNotFoundError:
-                    return False
-            os.replace(temporary, target_path)
+                    raise _Missing from None
+                except OSError:
+                    try:
+                        shutil.copyfile(source_path, temporary)
+                    except FileNotFoundError:
+                        raise _Missing from None
             return True
 
-        return await _thread(link)
+        with contextlib.suppress(_Missing):
+            return await _thread(link)
+        return False
 
     async def delete(self, *names: str) -> None:
         paths = [self._path(name) for name in names]
@@ -266,7 +306,10 @@ class DiskBlobs:
         def remove() -> None:
             for path in paths:
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                    path.unlink()  # its directory stays: a writer may be making a file in it right now
+                    path.unlink()
+            for folder in {path.parent for path in paths if path.parent.parent != self.root and path.parent != self.root}:
+                with contextlib.suppress(OSError):  # not empty (or gone): kept
+                    folder.rmdir()
 
         await _thread(remove)
 

@@ -4,7 +4,7 @@ connection pools (`stores.redis`). Each part (files, batches) keeps its keys bel
 
     <base>o:<name>      an object's content (a string; Redis keeps strings up to 512 MB)
     <base>index         every object's name, in one sorted set ordered by name (all scores 0)
-    <base>tmp:<hex>     an upload being written, or a snapshot being read (expiring: never listed)
+    <base>tmp:<hex>     an upload being written, or a snapshot being copied out (expiring: never listed)
 
 How each guarantee of `Blobs` is kept:
 - Every write changes the object and the index together (one MULTI, or one Lua script where a step
@@ -21,30 +21,35 @@ How each guarantee of `Blobs` is kept:
   prefix of its history, so a batch resumes at an earlier line and answers each line once still).
   No WAIT for replicas of Redis: a failover to a replica that lagged behaves as that crash does.
   The first call that reaches Redis logs a warning when it has no AOF or may evict keys.
-- `open` reads an object of one chunk at once; a larger one is first copied (COPY, Redis 6.2 or later)
-  to an expiring snapshot in the same script that reads its size, then read from the snapshot with
-  GETRANGE: a delete, replace or append after `open` returns changes nothing of what is read. The
-  snapshot costs memory the object's size while it is read; its expiry, renewed with each chunk,
-  reclaims one whose reader went away, and a reader that stalled past it gets an error, never a
-  short read. `local` downloads the same way into a temporary file.
+- `open` and `local` copy the object out of Redis before they return, to a local temporary file (the
+  system's temporary directory; `open`'s has no name): an object of one chunk with one GET, a larger
+  one first copied (COPY, Redis 6.2 or later) to an expiring snapshot in the same script that reads
+  its size, then read from the snapshot with GETRANGE, a MiB at a time, and the snapshot removed
+  however that ends (even cancelled). So what is read is fixed when they return (a delete, replace or
+  append after it changes nothing), and Redis holds a copy only while it is read at Redis's own speed,
+  never for as long as a slow or departed client takes (many large downloads started and dropped
+  would otherwise fill Redis). A copy whose snapshot expired mid-way is an error, never a short read.
 - Every Redis call is bounded by `store.redis_timeout_s`; a Redis that is down or slow raises
-  `BlobsUnavailable` (the API's 503).
+  `BlobsUnavailable` (the API's 503). Each part has at most `CONNECTIONS` calls in flight (the others
+  wait their turn): however many objects are read at once, the process's pool for this Redis keeps
+  connections for the cache and the limits that share it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import secrets
 import tempfile
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import IO, Any, BinaryIO, TypeVar, cast
 
 import structlog
 
-from gateway.stores.blobs import BlobsUnavailable, Opened, check_name
+from gateway.stores.blobs import BlobsUnavailable, Opened, _read_chunks, check_name
 from gateway.stores.redis import ERRORS, Client
 
 T = TypeVar("T")
@@ -52,6 +57,8 @@ log = structlog.get_logger(__name__)
 
 WRITE_CHUNK_BYTES = 1024 * 1024  # put_file: the most of a local file held at once
 TEMPORARY_TTL_MS = 10 * 60 * 1000  # an upload or snapshot left behind expires this long after its last chunk
+CONNECTIONS = 24  # calls in flight at once, each part: the pool (100) is shared with the cache and the limits
+TEMPORARY_FILE = "llm-gateway-blob-"  # local temporary files' prefix (downloads)
 
 _OPEN = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
@@ -84,6 +91,7 @@ class RedisBlobs:
         self._index = f"{base}index"
         self._open, self._copy, self._move_in = (self._redis.register_script(s) for s in (_OPEN, _COPY, _MOVE_IN))
         self._durability_checked = False
+        self._connections = asyncio.Semaphore(CONNECTIONS)
 
     def _key(self, name: str) -> str:
         return f"{self._base}o:{check_name(name)}"
@@ -92,15 +100,28 @@ class RedisBlobs:
         return f"{self._base}tmp:{secrets.token_hex(12)}"
 
     async def _call(self, call: Awaitable[T]) -> T:
-        """`call` bounded by the store's timeout; a Redis down or slow: BlobsUnavailable."""
+        """`call` once one of the store's connections is free, the wait and the call bounded by the
+        store's timeout; a Redis down or slow: BlobsUnavailable."""
         try:
-            result = await self._client.bounded(call)
+            result = await self._client.bounded(self._in_turn(call))
         except ERRORS as exc:
             raise BlobsUnavailable(f"the store's Redis is unavailable: {exc}") from exc
         if not self._durability_checked:
             self._durability_checked = True
             await self._check_durability()
         return result
+
+    async def _in_turn(self, call: Awaitable[T]) -> T:
+        try:
+            await self._connections.acquire()
+        except BaseException:  # given up waiting: the call never made
+            if inspect.iscoroutine(call):
+                call.close()
+            raise
+        try:
+            return await call
+        finally:
+            self._connections.release()
 
     async def _check_durability(self) -> None:
         """A warning, once, when Redis would lose the store: nothing kept on disk (a restart of Redis
@@ -141,10 +162,10 @@ class RedisBlobs:
             if not await self._call(self._move_in(keys=[temporary, key, self._index], args=[name])):
                 raise BlobsUnavailable(f"the upload of {name} expired in Redis before it was complete")
             return size
-        except Exception as exc:
+        except BaseException as exc:  # also cancelled (a shutdown)
             if not isinstance(exc, BlobsUnavailable):  # Redis is up: the part uploaded goes now, not at its expiry
                 with contextlib.suppress(BlobsUnavailable):
-                    await self._call(self._redis.delete(temporary))
+                    await asyncio.shield(self._call(self._redis.delete(temporary)))
             raise
         finally:
             await asyncio.to_thread(path.unlink, missing_ok=True)
@@ -163,33 +184,57 @@ class RedisBlobs:
         await self._transaction(("APPEND", self._key(name), data), ("ZADD", self._index, 0, name))
 
     async def open(self, name: str, chunk_bytes: int = 256 * 1024) -> Opened | None:
-        snapshot = self._temporary()
-        found = await self._call(self._open(keys=[self._key(name), snapshot], args=[chunk_bytes, TEMPORARY_TTL_MS]))
-        if found is None:
-            return None
-        size = int(found[0])
-        if len(found) > 1:
-            return Opened(size, _whole(bytes(found[1])))
-        return Opened(size, _SnapshotReader(self, snapshot, size, chunk_bytes))
+        file = await asyncio.to_thread(_nameless)
+        try:
+            size = await self._download(name, _writer(file), chunk_bytes)
+            if size is None:
+                await asyncio.to_thread(file.close)
+                return None
+            await asyncio.to_thread(file.seek, 0)
+        except BaseException:
+            await asyncio.to_thread(file.close)
+            raise
+        return Opened(size, _read_chunks(file, chunk_bytes))
 
     @contextlib.asynccontextmanager
     async def local(self, name: str) -> AsyncIterator[Path | None]:
-        opened = await self.open(name, WRITE_CHUNK_BYTES)
-        if opened is None:
-            yield None
-            return
-        descriptor, temporary = tempfile.mkstemp(prefix="llm-gateway-blob-")
+        descriptor, temporary = tempfile.mkstemp(prefix=TEMPORARY_FILE)
         path = Path(temporary)
         try:
             with os.fdopen(descriptor, "wb") as out:
-                try:
-                    async for chunk in opened.chunks:
-                        await asyncio.to_thread(out.write, chunk)
-                finally:
-                    await opened.aclose()
-            yield path
+                size = await self._download(name, _writer(out))
+            yield None if size is None else path
         finally:
             await asyncio.to_thread(path.unlink, missing_ok=True)
+
+    async def _download(self, name: str, write: Callable[[bytes], Awaitable[object]],
+                        whole_bytes: int = WRITE_CHUNK_BYTES) -> int | None:
+        """The object's content, as it is now, handed to `write` chunk by chunk; its size (None when
+        there is none). An object larger than `whole_bytes` is copied to an expiring snapshot and read
+        from it, and the snapshot is removed before this returns, however it ends."""
+        key, snapshot = self._key(name), self._temporary()
+        found: list[Any] | None = [0]  # until Redis answers, a snapshot may have been made
+        try:
+            found = await self._call(self._open(keys=[key, snapshot], args=[whole_bytes, TEMPORARY_TTL_MS]))
+            if found is None:
+                return None
+            size = int(found[0])
+            if len(found) > 1:
+                await write(bytes(found[1]))
+                return size
+            for offset in range(0, size, WRITE_CHUNK_BYTES):
+                await write(await self._snapshot_range(snapshot, offset, min(offset + WRITE_CHUNK_BYTES, size) - 1))
+            return size
+        finally:  # even when cancelled: no copy of the object left in Redis until its expiry
+            if found is not None and len(found) == 1:
+                with contextlib.suppress(BlobsUnavailable):
+                    await asyncio.shield(self._call(self._redis.delete(snapshot)))
+
+    async def _snapshot_range(self, snapshot: str, first: int, last: int) -> bytes:
+        chunk, _ = await self._transaction(("GETRANGE", snapshot, first, last), ("PEXPIRE", snapshot, TEMPORARY_TTL_MS))
+        if len(chunk) != last - first + 1:
+            raise BlobsUnavailable("an object being read expired in Redis (it was read too slowly)")
+        return bytes(chunk)
 
     async def copy(self, source: str, target: str) -> bool:
         keys = [self._key(source), self._key(target), self._index]
@@ -212,41 +257,14 @@ class RedisBlobs:
         """Nothing of its own to close: the pools are the process's (`RedisPools.aclose`)."""
 
 
-class _SnapshotReader:
-    """A snapshot's content, a GETRANGE at a time (its expiry renewed with each), removed once read to
-    its end or closed (a reader that never closes it leaves it to its expiry)."""
-
-    def __init__(self, blobs: RedisBlobs, snapshot: str, size: int, chunk_bytes: int) -> None:
-        self._blobs, self._snapshot, self._size, self._chunk_bytes = blobs, snapshot, size, chunk_bytes
-        self._offset, self._closed = 0, False
-
-    def __aiter__(self) -> _SnapshotReader:
-        return self
-
-    async def __anext__(self) -> bytes:
-        if self._closed or self._offset >= self._size:
-            await self.aclose()
-            raise StopAsyncIteration
-        last = min(self._offset + self._chunk_bytes, self._size) - 1
-        try:
-            chunk, _ = await self._blobs._transaction(
-                ("GETRANGE", self._snapshot, self._offset, last), ("PEXPIRE", self._snapshot, TEMPORARY_TTL_MS)
-            )
-            if len(chunk) != last - self._offset + 1:
-                raise BlobsUnavailable("an object being read expired in Redis (its reader stalled too long)")
-        except BaseException:
-            self._closed = True  # Redis down or the reader cancelled: the snapshot is left to its expiry
-            raise
-        self._offset = last + 1
-        return bytes(chunk)
-
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            with contextlib.suppress(BlobsUnavailable):
-                await self._blobs._call(self._blobs._redis.delete(self._snapshot))
+def _nameless() -> BinaryIO:
+    """A local temporary file without a name (gone when closed, or when its process ends)."""
+    return cast(BinaryIO, tempfile.TemporaryFile(prefix=TEMPORARY_FILE))
 
 
-async def _whole(data: bytes) -> AsyncIterator[bytes]:
-    if data:
-        yield data
+def _writer(file: IO[bytes]) -> Callable[[bytes], Awaitable[int]]:
+    """Writes to `file` in a worker thread."""
+    async def write(data: bytes) -> int:
+        return await asyncio.to_thread(file.write, data)
+
+    return write

@@ -15,7 +15,8 @@ read or deleted before that check. An id is checked to be an id (`file-` and 24 
 before any name is built from it, so no id names an object outside its owner's prefix.
 
 Writes are atomic (the store's `put_file` and `put`): the content and then its metadata, so a reader
-sees a whole file or none. Deleting removes the metadata first (the file is gone for every reader
+sees a whole file or none; a new file whose metadata the store failed to take has its content removed
+(while the store answers: no listing or delete would ever reach it). Deleting removes the metadata first (the file is gone for every reader
 from then on), then the content; a download opened before (`open`: its content fixed) is not cut
 short. An expired file (`expires_at` passed) is gone: removed when next asked for or listed. A store
 that is down is a `StoreUnavailable` (503, `stores.guarded`).
@@ -23,18 +24,23 @@ that is down is a `StoreUnavailable` (503, `stores.guarded`).
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import hashlib
 import re
 import secrets
 import time
 from dataclasses import dataclass
 
-from gateway.errors import InvalidRequest, NotFound
+import structlog
+from pydantic import ValidationError
+
+from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
 from gateway.protocol.files import FileObject, Purpose
-from gateway.stores.blobs import Blobs, Opened
+from gateway.stores.blobs import Blobs, Opened, each
 from gateway.stores.guarded import Guarded
 from gateway.stores.spool import Spool, Staged
+
+log = structlog.get_logger(__name__)
 
 ID = re.compile(r"file-[0-9a-f]{24}")
 _META = ".json"
@@ -106,7 +112,13 @@ class OwnedFiles:
                             purpose=purpose, expires_at=now + expires_after_s)
         content, meta = self._names(stored.id)
         await self.blobs.put_file(content, staged.path)
-        await self.blobs.put(meta, stored.model_dump_json().encode())
+        try:
+            await self.blobs.put(meta, stored.model_dump_json().encode())
+        except BaseException:
+            if file_id is None:  # a new id's content, which no listing or delete would ever reach
+                with contextlib.suppress(StoreUnavailable):
+                    await self.blobs.delete(content)
+            raise
         return stored
 
     async def publish(self, source: Opened, filename: str, file_id: str, expires_after_s: int) -> FileObject:
@@ -157,7 +169,7 @@ class OwnedFiles:
     async def _all(self) -> list[FileObject]:
         names = await self.blobs.list(f"{self.home}/")
         ids = sorted(n[len(self.home) + 1 : -len(_META)] for n in names if n.endswith(_META))
-        found = await asyncio.gather(*(self._read(*self._names(i)) for i in ids if ID.fullmatch(i)))
+        found = await each([i for i in ids if ID.fullmatch(i)], lambda i: self._read(*self._names(i)))
         return [f for f in found if f is not None]
 
     async def _read(self, content: str, meta: str) -> FileObject | None:
@@ -165,7 +177,11 @@ class OwnedFiles:
         raw = await self.blobs.get(meta)
         if raw is None:
             return None
-        found = FileObject.model_validate_json(raw)
+        try:
+            found = FileObject.model_validate_json(raw)
+        except ValidationError as exc:  # a disk that corrupted it, a hand edit: that file alone is gone
+            log.warning("file_record_unreadable", name=meta, errors=exc.error_count())
+            return None
         if found.expires_at is not None and found.expires_at <= time.time():
             await self._remove(content, meta)
             return None

@@ -76,13 +76,13 @@ async def test_the_runner_reads_the_index_not_the_store(flaky: Flaky, tmp_path: 
 
 
 async def test_a_create_cut_short_loses_no_batch(flaky: Flaky, tmp_path: Path) -> None:
-    """The input, then the index entry, then the record: a crash before the record leaves an entry
+    """The index entry, then the input, then the record: a crash before the record leaves an entry
     that waits for it (a create in progress) and is removed only once old, with what was written."""
     store = store_on(flaky, tmp_path)
     mine, made = store.of("t"), stored()
     batch = mine._batch(made.batch.id)
-    await flaky.put(batch.name(INPUT), LINES)
     await flaky.put(batch.entry, json.dumps({"created": time.time()}).encode())
+    await flaky.put(batch.name(INPUT), LINES)
     assert await store.pending(set()) == []  # no record yet: not a batch yet
     assert await flaky.list(PENDING) == [batch.entry]  # ...and its entry kept meanwhile
     await batch.write(made)  # the create goes on: the batch is there, and pending

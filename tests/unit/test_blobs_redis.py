@@ -6,6 +6,7 @@ stalls (BlobsUnavailable, never a hang), and two replicas racing for one name.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -97,29 +98,46 @@ async def test_a_download_is_not_cut_short_by_a_delete_or_replace(blobs: RedisBl
     assert await keys(blobs) == [f"{BASE}index", f"{BASE}o:batches/b/output"]  # the snapshot removed
 
 
-async def test_a_download_left_half_read_removes_its_snapshot_when_closed(blobs: RedisBlobs) -> None:
-    await blobs.put("f", b"x" * 1000)
+async def test_a_download_holds_no_copy_in_redis_however_its_reader_behaves(blobs: RedisBlobs) -> None:
+    """A download is copied out of Redis before `open` returns: a reader that stalls, hangs up before
+    the first chunk or is cancelled mid-way leaves no snapshot behind (a tenant starting many large
+    downloads and dropping them would otherwise fill Redis, the object's size each, for minutes)."""
+    await blobs.put("f", b"x" * (3 * MB))
     opened = await blobs.open("f", chunk_bytes=100)
     assert opened is not None
-    assert len(await keys(blobs)) == 3  # the object, the index and the snapshot (with an expiry)
-    assert await anext(opened.chunks) == b"x" * 100
-    await opened.aclose()
+    assert await anext(opened.chunks) == b"x" * 100  # a reader that stalls here
     assert await keys(blobs) == [f"{BASE}index", f"{BASE}o:f"]
-    never_read = await blobs.open("f", chunk_bytes=100)
+    never_read = await blobs.open("f", chunk_bytes=100)  # a client that hung up before the first byte
     assert never_read is not None
-    await never_read.aclose()
     assert await keys(blobs) == [f"{BASE}index", f"{BASE}o:f"]
+    await opened.aclose()
+    await never_read.aclose()
+    for delay in (0, 0.001, 0.005, 0.02):  # cancelled at different points of the copy out of Redis
+        opening = asyncio.ensure_future(blobs.open("f"))
+        await asyncio.sleep(delay)
+        opening.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            if (late := await opening) is not None:
+                await late.aclose()
+        assert await keys(blobs) == [f"{BASE}index", f"{BASE}o:f"]
 
 
-async def test_a_snapshot_gone_mid_read_is_an_error_not_a_short_read(blobs: RedisBlobs) -> None:
-    await blobs.put("f", b"y" * 1000)
-    opened = await blobs.open("f", chunk_bytes=100)
-    assert opened is not None
-    await anext(opened.chunks)
-    [snapshot] = [key for key in await keys(blobs) if ":tmp:" in key]
-    await blobs._client.redis.delete(snapshot)  # as its expiry would after a reader stalled
+async def test_a_snapshot_gone_mid_read_is_an_error_not_a_short_read(blobs: RedisBlobs,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    await blobs.put("f", b"y" * (3 * MB))
+    chunks = 0
+
+    async def transaction(*commands: tuple[object, ...]) -> list[object]:
+        nonlocal chunks
+        if commands[0][0] == "GETRANGE" and (chunks := chunks + 1) == 2:
+            [snapshot] = [key for key in await keys(blobs) if ":tmp:" in key]
+            await blobs._client.redis.delete(snapshot)  # as its expiry would after a reader stalled
+        return await original(*commands)
+
+    original = blobs._transaction
+    monkeypatch.setattr(blobs, "_transaction", transaction)
     with pytest.raises(BlobsUnavailable, match="expired"):
-        await anext(opened.chunks)
+        await blobs.open("f")
 
 
 async def test_the_index_lists_exactly_the_objects_there_are(blobs: RedisBlobs, tmp_path: Path) -> None:
@@ -199,11 +217,11 @@ async def test_a_killed_redis_is_unavailable_at_once(blobs: RedisBlobs, redis_se
     calls = [
         blobs.get("a"), blobs.put("a", b"x"), blobs.create("a", b"x"), blobs.append("a", b"x"),
         blobs.put_file("a", upload), blobs.open("a"), blobs.copy("a", "b"), blobs.delete("a"), blobs.list("a/"),
-        anext(opened.chunks),
     ]
     for call in calls:
         with pytest.raises(BlobsUnavailable, match="unavailable"):
             await call
+    assert b"".join([chunk async for chunk in opened.chunks]) == b"z" * 1000  # copied out at open: read whole
     with pytest.raises(BlobsUnavailable):
         async with blobs.local("a"):
             pass
@@ -265,3 +283,17 @@ def test_the_redis_backend_needs_its_url() -> None:
     with pytest.raises(pydantic.ValidationError, match=r"store\.backend redis needs store\.redis_url"):
         StoreSettings(backend="redis")
     assert StoreSettings(backend="redis", redis_url="redis://127.0.0.1:6379/0").redis_url
+
+
+async def test_an_upload_cancelled_mid_way_leaves_no_part_in_redis(blobs: RedisBlobs, tmp_path: Path) -> None:
+    """A put_file cancelled (a shutdown, a client gone) removes what it had sent rather than leave up
+    to 200 MB in Redis until the temporary key expires."""
+    for delay in (0.001, 0.005, 0.02, 0.05):
+        upload = tmp_path / "upload"
+        upload.write_bytes(b"u" * (8 * MB))
+        putting = asyncio.ensure_future(blobs.put_file("f", upload))
+        await asyncio.sleep(delay)
+        putting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await putting
+        assert [key for key in await keys(blobs) if ":tmp:" in key] == []

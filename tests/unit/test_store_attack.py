@@ -1,0 +1,509 @@
+"""The batch lane's store layer attacked on every backend (disk, a real redis-server, moto's S3): a
+store that fails at each step of an upload or a batch create leaves nothing behind that nobody will
+ever remove; two replicas on one store answer every line once; a store that fails after a route has
+checked its id is still a 503 before the first byte; nothing secret reaches the logs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from gateway.errors import StoreUnavailable
+from gateway.protocol.batches import Batch, Owner, StoredBatch
+from gateway.stores.batches import PENDING, BatchStore, new_id
+from gateway.stores.blobs import Blobs, BlobsUnavailable
+from gateway.stores.files import FileStore, owner_prefix
+from gateway.stores.spool import Spool
+from tests.blob_backends import BACKENDS
+from tests.fakes import FakeEngine, app_with
+from tests.stores import Flaky
+from tests.unit.test_batches import by_custom_id, chat_line, jsonl, lines_of, settings, submit, wait
+from tests.unit.test_responses import sdk_for
+
+LINES = jsonl(chat_line("a"), chat_line("b"))
+
+
+class FailsAt(Flaky):
+    """A store that refuses the calls `refuse` picks (method, name), as a backend that went down
+    right then; every other call goes through."""
+
+    def __init__(self, blobs: Blobs, refuse: Callable[[str, str], bool]) -> None:
+        super().__init__(blobs)
+        self.refuse = refuse
+
+    def _call(self, method: str, name: str) -> None:
+        super()._call(method, name)
+        if self.refuse(method, name):
+            self.refused += 1
+            raise BlobsUnavailable("connection refused (a test's store fails right here)")
+
+
+def _stored(owner: str = "t") -> StoredBatch:
+    now = int(time.time())
+    batch = Batch(id=new_id(), endpoint="/v1/chat/completions", input_file_id="file-" + "0" * 24, status="validating",
+                  created_at=now, expires_at=now + 86400)
+    return StoredBatch(batch=batch, owner=Owner(key_id=owner, tenant=owner), output_expires_after_s=3600)
+
+
+# --- a store failing mid-way leaves nothing no one removes ---------------------------------------------
+
+
+@pytest.mark.parametrize("failing", ["put_file", "put"])
+async def test_an_upload_cut_short_by_the_store_leaves_no_object(blobs: Blobs, tmp_path: Path, failing: str) -> None:
+    """The content is handed over, then the metadata written: when the second fails, the content (an
+    object no listing shows, that no delete reaches) is not left behind."""
+    store = FileStore.on(FailsAt(blobs, lambda method, name: method == failing), Spool.at(tmp_path / "spool"))
+    mine = store.of("t")
+    staged = await mine.stage()
+    await staged.write(LINES)
+    with pytest.raises(StoreUnavailable):
+        await mine.put(staged, "in.jsonl", "batch", 3600)
+    await staged.discard()
+    assert await blobs.list(f"{owner_prefix('t')}/") == []
+    assert list((tmp_path / "spool").iterdir()) == []
+
+
+@pytest.mark.parametrize("step", ["input", "entry", "record"])
+async def test_a_create_cut_short_at_any_step_leaves_nothing_once_swept(blobs: Blobs, tmp_path: Path, step: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch create that the store fails at one of its three writes: the batch is not there, and
+    the runner's sweep of old index entries removes whatever was written (a 200 MB input is not kept
+    forever under a batch that does not exist)."""
+    made = _stored()
+    names = {"input": "/input.jsonl", "entry": f"{PENDING}", "record": "/record.json"}
+
+    def refuse(method: str, name: str) -> bool:
+        return method in ("put", "put_file") and made.batch.id in name and (
+            name.startswith(PENDING) if step == "entry" else name.endswith(names[step]))
+
+    store = BatchStore.on(FailsAt(blobs, refuse), Spool.at(tmp_path / "spool"))
+    with pytest.raises(StoreUnavailable):
+        await store.of("t").create(made, LINES)
+    monkeypatch.setattr("gateway.stores.batches.ORPHAN_S", -60)  # every entry without a record is old now
+    assert await store.pending(set()) == []
+    assert await blobs.list("") == []
+
+
+# --- a store failing after the id was checked: a 503 before the first byte ------------------------------
+
+
+def test_a_message_batchs_results_are_a_503_when_the_store_fails_after_the_check(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch is found (its record read), then the store fails as its results are read: the answer
+    is a 503 in Anthropic's shape, not a 200 whose body stops short."""
+    from gateway.stores.blobs import DiskBlobs
+    from tests.unit.test_message_batches import BATCHES, params
+
+    made: dict[str, FailsAt] = {}
+
+    def open_blobs(settings: Any, pools: Any, part: str) -> FailsAt:
+        directory = settings.files.dir if part == "files" else settings.batches.dir
+        made[part] = FailsAt(DiskBlobs.at(directory), lambda method, name: False)
+        return made[part]
+
+    monkeypatch.setattr("gateway.app.open_blobs", open_blobs)
+    anthropic = {"x-api-key": "sk-owner", "anthropic-version": "2023-06-01"}
+    with TestClient(app_with(FakeEngine(), api_keys=["sk-owner"], **settings(tmp_path))) as client:
+        batch = client.post(BATCHES, json={"requests": [{"custom_id": "a", "params": params()}]}, headers=anthropic).json()
+        deadline = time.monotonic() + 20
+        while client.get(f"{BATCHES}/{batch['id']}", headers=anthropic).json()["processing_status"] != "ended":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        made["batches"].refuse = lambda method, name: method == "local"
+        answer = client.get(f"{BATCHES}/{batch['id']}/results", headers=anthropic)
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["type"] == "api_error"
+
+
+# --- two replicas on one store, on each backend -----------------------------------------------------------
+
+
+@pytest.fixture(params=BACKENDS)
+def store_settings(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """The `store` settings of an app on each backend (a fresh prefix or bucket per test)."""
+    if request.param == "disk":
+        yield {}
+    elif request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        yield {"store": {"backend": "redis", "redis_url": server.url, "redis_prefix": f"t{secrets.token_hex(4)}:"}}
+    else:
+        from tests.s3_server import shared
+
+        s3 = shared()
+        yield {"store": {"backend": "s3", "s3_endpoint_url": s3.url, "s3_bucket": s3.bucket(),
+                         "s3_access_key_id": "test", "s3_secret_access_key": "test", "s3_timeout_s": 10}}
+
+
+def test_two_replicas_on_one_store_answer_each_line_once(tmp_path: Path, store_settings: dict[str, Any]) -> None:
+    one, two = FakeEngine(delay=0.02), FakeEngine(delay=0.02)
+    config = {**settings(tmp_path, max_in_flight=3, lease_s=1.5), **store_settings}
+    with TestClient(app_with(one, **config)) as a, TestClient(app_with(two, **config)) as b:
+        batches = [submit(sdk_for(a if i % 2 else b), jsonl(*(chat_line(f"r{i}.{n}") for n in range(8))))
+                   for i in range(4)]
+        for i, batch in enumerate(batches):
+            done = wait(sdk_for(b), batch.id, timeout=60)
+            assert done.status == "completed"
+            assert done.request_counts.model_dump() == {"total": 8, "completed": 8, "failed": 0}
+            output = by_custom_id(lines_of(sdk_for(a if i % 2 else b), done.output_file_id))
+            assert set(output) == {f"r{i}.{n}" for n in range(8)}
+    assert len(one.requests) + len(two.requests) == 32  # every line run once, on one replica or the other
+
+
+def test_a_replica_killed_mid_batch_is_taken_over_once_its_lease_expires(tmp_path: Path, store_settings: dict[str, Any],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A's leases are never released (a kill, not a shutdown): B takes the batch once A's lease has
+    expired, and every line is answered once."""
+    from gateway.stores.batches import Lease
+
+    async def kept(self: Lease) -> None:
+        return None
+
+    monkeypatch.setattr(Lease, "release", kept)
+    one, two = FakeEngine(delay=0.05), FakeEngine(delay=0.01)
+    config = {**settings(tmp_path, max_in_flight=2, lease_s=1.0), **store_settings}
+    with TestClient(app_with(one, **config)) as a:
+        sdk = sdk_for(a)
+        batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(16))))
+        deadline = time.monotonic() + 20
+        while sdk.batches.retrieve(batch.id).request_counts.completed < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    with TestClient(app_with(two, **config)) as b:
+        done = wait(sdk_for(b), batch.id, timeout=60)
+        output = by_custom_id(lines_of(sdk_for(b), done.output_file_id))
+    assert done.status == "completed"
+    assert set(output) == {f"r{i}" for i in range(16)}
+    assert done.request_counts.model_dump() == {"total": 16, "completed": 16, "failed": 0}
+
+
+# --- nothing secret in the logs -----------------------------------------------------------------------
+
+
+async def test_a_store_that_is_down_logs_no_password_or_secret_key(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
+    from gateway.settings import StoreSettings
+    from gateway.stores.blobs_redis import RedisBlobs
+    from gateway.stores.blobs_s3 import S3Blobs
+    from gateway.stores.guarded import Guarded
+    from gateway.stores.redis import RedisPools
+
+    pools = RedisPools()
+    redis_url = f"unix://:redis-password-1234@{tmp_path / 'none.sock'}?db=0"
+    s3 = StoreSettings(backend="s3", s3_endpoint_url="http://127.0.0.1:9", s3_bucket="b", s3_timeout_s=1,
+                       s3_access_key_id="AKIAEXAMPLE", s3_secret_access_key="s3-secret-key-5678")
+    stores = [RedisBlobs(pools.client(redis_url, 1), "x:files:"), S3Blobs.from_settings(s3, "files")]
+    for store in stores:
+        with pytest.raises(StoreUnavailable):
+            await Guarded(store).get("a/b")
+        await store.aclose()
+    await pools.aclose()
+    captured = capsys.readouterr()
+    logged = captured.out + captured.err
+    assert "store_unavailable" in logged
+    for secret in ("redis-password-1234", "s3-secret-key-5678"):
+        assert secret not in logged
+    json.dumps(logged)
+
+
+# --- a run killed mid-way ----------------------------------------------------------------------------------
+
+
+def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: Path) -> None:
+    """The unrun lines were written as expired, then the runner died before the record said `expired`:
+    the next run finds nothing left to expire, and still counts those lines as expired, not errored."""
+    import asyncio
+
+    from gateway.pipeline.batches import expired_line
+    from gateway.protocol.batches import RequestCounts
+    from gateway.serving.batch_input import MESSAGES
+    from gateway.stores.batches import ERRORS, MESSAGE_BATCH
+    from tests.stores import disk_batches
+    from tests.unit.test_message_batches import params, results
+    from tests.unit.test_message_batches import wait as wait_ended
+
+    store, now = disk_batches(tmp_path / "batches"), int(time.time())
+    batch_id = new_id(MESSAGE_BATCH)
+    batch = Batch(id=batch_id, endpoint=MESSAGES, input_file_id=batch_id, status="in_progress", created_at=now - 86400,
+                  expires_at=now - 1, in_progress_at=now - 86400, request_counts=RequestCounts(total=2))
+    stored = StoredBatch(batch=batch, owner=Owner(key_id="anonymous", tenant="anonymous"), output_expires_after_s=3600)
+    lines = b"".join(json.dumps({"custom_id": c, "method": "POST", "url": MESSAGES, "body": params()}).encode() + b"\n"
+                     for c in ("a", "b"))
+    mine = store.of("anonymous", MESSAGE_BATCH)
+    asyncio.run(mine.create(stored, lines))
+    asyncio.run(mine._batch(batch_id).append(ERRORS, expired_line("a") + b"\n" + expired_line("b") + b"\n"))
+    with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
+        done = wait_ended(client, batch_id)
+        found = results(client, done)
+    assert done.request_counts.model_dump() == {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0,
+                                                "expired": 2}
+    assert set(found) == {"a", "b"}
+
+
+# --- many objects at once ------------------------------------------------------------------------------------
+
+
+async def test_an_owner_with_many_files_and_batches_lists_them(blobs: Blobs, tmp_path: Path) -> None:
+    """A listing reads each object's record: not all at once (on Redis, 150 reads at once took more
+    connections than the process's pool has, shared with the cache and the limits: a 503 for the
+    owner, and the pool exhausted for everyone meanwhile)."""
+    import asyncio
+
+    from gateway.protocol.files import FileObject
+
+    files, batches = FileStore.on(blobs, Spool.at(tmp_path / "spool")), BatchStore.on(blobs, Spool.at(tmp_path / "spool"))
+    mine, now = files.of("t"), int(time.time())
+    ids = [f"file-{i:024x}" for i in range(150)]
+
+    async def one(i: int) -> None:
+        made = FileObject(id=ids[i], bytes=1, created_at=now, filename="f", purpose="batch", expires_at=now + 3600)
+        await blobs.put(f"{mine.home}/{ids[i]}", b"x")
+        await blobs.put(f"{mine.home}/{ids[i]}.json", made.model_dump_json().encode())
+        await batches.of("t").create(_stored(), LINES)
+
+    for start in range(0, 150, 10):
+        await asyncio.gather(*(one(i) for i in range(start, start + 10)))
+    clients = 2 if type(blobs).__name__ == "S3Blobs" else 8  # moto answers one request at a time: slow
+    for page, more in await asyncio.gather(*(mine.page(None, None, 200, False) for _ in range(clients))):
+        assert [f.id for f in page] == ids
+        assert not more
+    for listed, _ in await asyncio.gather(*(batches.of("t").page(None, 200) for _ in range(clients))):
+        assert len(listed) == 150
+
+
+# --- tenancy: ids crafted, or another owner's ------------------------------------------------------------
+
+CRAFTED = ["file-" + "A" * 24, "file-" + "0" * 24 + "\n", "file-" + "\u0660" * 24, "file-" + "0" * 25, "file-" + "0" * 10_000,
+           "file-../" + "0" * 19, "file-" + "0" * 23 + "/", "FILE-" + "0" * 24, " file-" + "0" * 24]
+
+
+def _batch_crafted(kind: str) -> list[str]:
+    hexes = "0" * 32
+    return [kind + "A" * 32, kind + hexes + "\n", kind + "\u0660" * 32, kind + hexes + "0", kind + "0" * 10_000,
+            kind + "../" + hexes[:29], kind.upper() + hexes, " " + kind + hexes, kind + hexes[:31] + "/"]
+
+
+async def test_another_owners_or_a_crafted_id_is_none_of_mine(blobs: Blobs, tmp_path: Path) -> None:
+    from gateway.errors import InvalidRequest, NotFound
+    from gateway.stores.batches import MESSAGE_BATCH
+
+    spool = Spool.at(tmp_path / "spool")
+    files, batches = FileStore.on(blobs, spool), BatchStore.on(blobs, spool)
+    staged = await files.of("owner").stage()
+    await staged.write(LINES)
+    theirs = await files.of("owner").put(staged, "in.jsonl", "batch", 3600)
+    made, message = _stored("owner"), _stored("owner")
+    message.batch.id = new_id(MESSAGE_BATCH)
+    await batches.of("owner").create(made, LINES)
+    await batches.of("owner", MESSAGE_BATCH).create(message, LINES)
+    for owner in ("other", "owner/..", "owner\n", "Owner", ""):
+        mine = files.of(owner)
+        for file_id in [theirs.id, *CRAFTED]:
+            for call in (mine.get, mine.open, mine.delete):
+                with pytest.raises(NotFound):
+                    await call(file_id)
+        with pytest.raises(InvalidRequest):
+            await mine.page(None, theirs.id, 10, False)
+        for kind, batch_id in (("batch_", made.batch.id), (MESSAGE_BATCH, message.batch.id)):
+            view = batches.of(owner, kind)
+            for crafted in [batch_id, *_batch_crafted(kind)]:
+                for find in (view.find, view.get, view.cancel, view.delete):
+                    with pytest.raises(NotFound):
+                        await find(crafted)
+            with pytest.raises(InvalidRequest):
+                await view.page(batch_id, 10)
+            with pytest.raises(InvalidRequest):
+                await view.page(None, 10, before=batch_id)
+    with pytest.raises(NotFound):  # each API's view sees only its own kind, for the owner too
+        await batches.of("owner").find(message.batch.id)
+    with pytest.raises(NotFound):
+        await batches.of("owner", MESSAGE_BATCH).find(made.batch.id)
+    assert (await files.of("owner").get(theirs.id)).id == theirs.id  # nothing of the owner's was touched
+    assert (await batches.of("owner").get(made.batch.id)).status == "validating"
+    assert await blobs.get(f"{owner_prefix('owner')}/{made.batch.id}/cancel") is None
+
+
+# --- the disk backend: a write that fails leaves no temporary file -----------------------------------------
+
+
+def test_a_disk_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that fails mid-write (full: ENOSPC at the write or the fsync) fails the call, and leaves no
+    temporary file beside the object (no one would ever remove it: it is never listed)."""
+    import asyncio
+    import errno
+    import os
+    import shutil
+
+    from gateway.stores.blobs import DiskBlobs
+
+    store = DiskBlobs.at(tmp_path / "store")
+    source = tmp_path / "source"
+    asyncio.run(store.put("o/source", b"content"))
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def not_linked(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    calls = [lambda: store.create("o/made", b"x"), lambda: store.put("o/put", b"x"),
+             lambda: store.copy("o/source", "o/copy"), lambda: store.put_file("o/moved", source)]
+    for module, failing in ((os, "fsync"), (shutil, "copyfile")):
+        for n, call in enumerate(calls):
+            source.write_bytes(b"upload")
+            with monkeypatch.context() as patch:
+                patch.setattr(os, "replace", not_linked)  # another disk: the copying paths
+                patch.setattr(os, "link", not_linked)
+                patch.setattr(module, failing, full)
+                with contextlib.suppress(BlobsUnavailable):
+                    asyncio.run(call())
+            litter = [p.name for p in (tmp_path / "store").rglob("*") if p.name.startswith(".tmp-")]
+            assert litter == [], (failing, n, litter)
+
+
+# --- the routes with the store failing at each of its calls ------------------------------------------------
+
+
+@pytest.mark.parametrize("step", [("files", "put_file"), ("files", "put"), ("files", "open"), ("batches", "put"),
+                                  ("batches", "put_file")])
+def test_an_upload_or_create_failing_at_each_call_is_a_503_and_leaves_no_spool_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: tuple[str, str]) -> None:
+    from gateway.stores.blobs import DiskBlobs
+
+    made: dict[str, FailsAt] = {}
+
+    def open_blobs(settings: Any, pools: Any, part: str) -> FailsAt:
+        directory = settings.files.dir if part == "files" else settings.batches.dir
+        made[part] = FailsAt(DiskBlobs.at(directory), lambda method, name: False)
+        return made[part]
+
+    monkeypatch.setattr("gateway.app.open_blobs", open_blobs)
+    big = jsonl(*(chat_line(f"r{i}", content="x" * 1000) for i in range(300)))  # over a chunk: streamed
+    with TestClient(app_with(FakeEngine(), api_keys=["sk-owner"], **settings(tmp_path, enabled=False))) as client:
+        headers = {"authorization": "Bearer sk-owner"}
+        part, method = step
+        if part == "files" and method != "open":
+            made[part].refuse = lambda called, name: called == method
+            answer = client.post("/v1/files", files={"file": ("in.jsonl", big)}, data={"purpose": "batch"},
+                                 headers=headers)
+        else:
+            uploaded = client.post("/v1/files", files={"file": ("in.jsonl", big)}, data={"purpose": "batch"},
+                                   headers=headers).json()
+            made[part].refuse = lambda called, name: called == method
+            answer = client.post("/v1/batches", headers=headers, json={
+                "input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "service_unavailable"
+        made[part].refuse = lambda called, name: False
+        assert client.get("/v1/batches", headers=headers).json()["data"] == []
+    for spool in (tmp_path / "files" / ".spool", tmp_path / "batches" / ".spool"):
+        assert not spool.exists() or list(spool.iterdir()) == []
+
+
+def test_a_run_that_dies_between_publishing_and_completed_publishes_once(
+        tmp_path: Path, store_settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output published as a file, then the run dies before the record says `completed`: the next
+    run publishes it again under the same id (replaced, not a second file) and completes."""
+    from gateway.stores.files import OwnedFiles
+
+    publish, died = OwnedFiles.publish, []
+
+    async def dies_after(self: OwnedFiles, *args: Any, **kwargs: Any) -> Any:
+        made = await publish(self, *args, **kwargs)
+        if not died:
+            died.append(made.id)
+            raise RuntimeError("killed right after publishing")
+        return made
+
+    monkeypatch.setattr(OwnedFiles, "publish", dies_after)
+    config = {**settings(tmp_path, lease_s=0.5), **store_settings}
+    with TestClient(app_with(FakeEngine(), **config)) as client:
+        sdk = sdk_for(client)
+        done = wait(sdk, submit(sdk, jsonl(*(chat_line(f"r{i}") for i in range(5)))).id, timeout=30)
+        output = by_custom_id(lines_of(sdk, done.output_file_id))
+        listed = [f.id for f in sdk.files.list().data]
+    assert died == [done.output_file_id]
+    assert done.status == "completed"
+    assert set(output) == {f"r{i}" for i in range(5)}
+    assert len(listed) == 2  # the input and one output
+
+
+async def test_a_deleted_batch_leaves_no_directory_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the path-based version did: a batch deleted leaves no empty directory behind (each one a
+    step more for every listing of its owner's batches, forever); the owner's own folder stays."""
+    from gateway.stores.blobs import DiskBlobs
+
+    disk = DiskBlobs.at(tmp_path / "batches")
+    store = BatchStore.on(disk, Spool.at(tmp_path / "spool"))
+    made = _stored()
+    made.batch.status = "completed"
+    kept = _stored()
+    for batch in (made, kept):
+        await store.of("t").create(batch, LINES)
+    await store.of("t").delete(made.batch.id)
+    home = tmp_path / "batches" / owner_prefix("t")
+    assert sorted(p.name for p in home.iterdir()) == [kept.batch.id]
+
+    real = DiskBlobs._temporary
+
+    def emptied_meanwhile(self: DiskBlobs, path: Path) -> Path:  # a delete empties the folder right then
+        temporary = real(self, path)
+        monkeypatch.setattr(DiskBlobs, "_temporary", real)
+        path.parent.rmdir()
+        return temporary
+
+    monkeypatch.setattr(DiskBlobs, "_temporary", emptied_meanwhile)
+    await disk.put(f"{owner_prefix('t')}/batch_{'1' * 32}/record.json", b"{}")  # a writer racing it: made again
+    assert await disk.get(f"{owner_prefix('t')}/batch_{'1' * 32}/record.json") == b"{}"
+
+
+def test_one_unreadable_record_stops_no_other_batch(tmp_path: Path) -> None:
+    """A record the runner cannot read (a disk that corrupted it, a hand edit, a version whose record
+    this one does not know) fails that batch alone: the runner keeps running every other."""
+    import asyncio
+
+    from tests.stores import disk_batches
+
+    store = disk_batches(tmp_path / "batches")
+    bad = _stored("anonymous")
+    asyncio.run(store.of("anonymous").create(bad, LINES))
+    asyncio.run(store.blobs.put(f"{owner_prefix('anonymous')}/{bad.batch.id}/record.json", b'{"batch": {"id": 1'))
+    with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
+        sdk = sdk_for(client)
+        done = wait(sdk, submit(sdk, LINES).id, timeout=10)
+        corrupt = sdk.files.create(file=("in.jsonl", LINES), purpose="batch")
+        (tmp_path / "files" / owner_prefix("anonymous") / f"{corrupt.id}.json").write_bytes(b"{")
+        listed = [b.id for b in sdk.batches.list().data]
+        files = [f.id for f in sdk.files.list().data]
+        missing = client.get(f"/v1/batches/{bad.batch.id}")
+    assert done.status == "completed"
+    assert listed == [done.id]  # the owner's listing still answers, without the unreadable one
+    assert corrupt.id not in files
+    assert done.input_file_id in files
+    assert missing.status_code == 404
+
+
+def test_the_runner_outlives_a_poll_that_fails_unexpectedly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poll that raises what no one foresaw (a bug, a record of a kind not known) is logged and the
+    next poll comes: the runner's loop is the only one, and it must not end."""
+    pending, failed = BatchStore.pending, []
+
+    async def fails_once(self: BatchStore, done: set[str]) -> Any:
+        if not failed:
+            failed.append(True)
+            raise KeyError("unforeseen")
+        return await pending(self, done)
+
+    monkeypatch.setattr(BatchStore, "pending", fails_once)
+    with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
+        sdk = sdk_for(client)
+        done = wait(sdk, submit(sdk, LINES).id, timeout=10)
+    assert failed
+    assert done.status == "completed"
