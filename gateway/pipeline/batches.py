@@ -142,7 +142,14 @@ class BatchRunner:
         tasks = [run.task for run in self.runs.values() if run.task is not None]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if not tasks:
+            return
+        # bounded: a run's last writes are each bounded by the store's timeout, and past `lease_s` its
+        # lease has expired anyway; a shutdown never waits on the batch lane for ever
+        _, stuck = await asyncio.wait(tasks, timeout=self.settings.lease_s)
+        if stuck:
+            log.error("batch_runs_not_stopped", batches=sorted(run.batch.id for run in self.runs.values()
+                                                                if run.task in stuck))
 
     async def _loop(self) -> None:
         indexed = False
