@@ -66,7 +66,9 @@ from gateway.stores.batches import (
     Lease,
     Progress,
     Results,
+    unique_lines,
 )
+from gateway.stores.blobs import Opened
 from gateway.stores.files import OwnedFiles, derived_id
 
 log = structlog.get_logger(__name__)
@@ -489,19 +491,22 @@ class BatchRun:
         batch, files = self.stored.batch, self.runner.state.files.of(self.stored.owner.tenant)
         if batch.endpoint == MESSAGES:
             return
+        seen: set[str] = set()  # each custom_id once across both files: an answer before an error
         if self.progress.completed:
-            batch.output_file_id = await self._publish_one(files, OUTPUT, f"{batch.id}_output.jsonl", "output")
+            batch.output_file_id = await self._publish_one(files, OUTPUT, f"{batch.id}_output.jsonl", "output", seen)
         if self.progress.failed:
-            batch.error_file_id = await self._publish_one(files, ERRORS, f"{batch.id}_error.jsonl", "error")
+            batch.error_file_id = await self._publish_one(files, ERRORS, f"{batch.id}_error.jsonl", "error", seen)
 
-    async def _publish_one(self, files: OwnedFiles, part: Results, filename: str, kind: str) -> str:
-        """One of the batch's result objects copied to the Files API's store (streamed); its file id."""
+    async def _publish_one(self, files: OwnedFiles, part: Results, filename: str, kind: str, seen: set[str]) -> str:
+        """One of the batch's result objects copied to the Files API's store (streamed, each custom_id
+        not in `seen` once: `unique_lines`); its file id."""
         opened = await self.batch.open(part)
         if opened is None:
             raise RuntimeError(f"batch {self.batch.id} has no {part}")
         try:
             file_id = derived_id(f"{self.batch.id}/{kind}")
-            made = await files.publish(opened, filename, file_id, self.stored.output_expires_after_s)
+            unique = Opened(opened.size, unique_lines(opened.chunks, seen))
+            made = await files.publish(unique, filename, file_id, self.stored.output_expires_after_s)
         finally:
             await opened.aclose()
         return made.id

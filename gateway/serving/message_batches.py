@@ -197,6 +197,8 @@ def _results(answered: Sequence[tuple[BinaryIO, bool]], asked: BinaryIO, status:
     for lines, ok in answered:
         for raw in lines:
             line = orjson.loads(raw)
+            if line["custom_id"] in seen:  # written twice (see `stores.batches.unique_lines`): the first
+                continue
             seen.add(line["custom_id"])
             yield orjson.dumps({"custom_id": line["custom_id"], "result": _result(line, ok)}) + b"\n"
     for raw in asked:

@@ -56,6 +56,7 @@ import asyncio
 import re
 import secrets
 import time
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,13 +137,45 @@ def _count_lines(path: Path, progress: Progress, ok: bool) -> int | None:
                 parsed = None
             if not isinstance(parsed, dict) or not isinstance(parsed.get("custom_id"), str):
                 break  # torn: this line and anything after it were not finished
+            good += len(line)
+            if parsed["custom_id"] in progress.done:  # written twice (see `unique_lines`): counted once
+                continue
             response = parsed.get("response")
             body = response.get("body") if isinstance(response, dict) else None
             progress.count(parsed["custom_id"], ok, *tokens_of(body))
             error = parsed.get("error")
             progress.expired += not ok and isinstance(error, dict) and error.get("code") == EXPIRED_CODE
-            good += len(line)
     return good if good < size else None
+
+
+async def unique_lines(chunks: AsyncIterator[bytes], seen: set[str]) -> AsyncIterator[bytes]:
+    """The result lines of `chunks` whose custom_id is not in `seen` (added as they pass): each
+    custom_id once, the first written. A holder that stalled past its lease may append a line after
+    the replica that took the batch over read its progress and answered it again (its lease is checked
+    before a write, not fenced during one); what a client reads (the published files, a Message
+    Batch's results) and what is counted (`_count_lines`) keep the first, so each line is answered
+    once whatever reached the store."""
+    rest = b""
+    async for chunk in chunks:
+        *lines, rest = (rest + chunk).split(b"\n")
+        kept = [line + b"\n" for line in lines if _first(line, seen)]
+        if kept:
+            yield b"".join(kept)
+    if rest and _first(rest, seen):
+        yield rest
+
+
+def _first(line: bytes, seen: set[str]) -> bool:
+    try:
+        custom_id = orjson.loads(line).get("custom_id")
+    except (orjson.JSONDecodeError, AttributeError):
+        return True  # not a result line: passed on as it is
+    if not isinstance(custom_id, str):
+        return True
+    if custom_id in seen:
+        return False
+    seen.add(custom_id)
+    return True
 
 
 def _merge_cancel(stored: StoredBatch, cancelled: int | None) -> StoredBatch:

@@ -408,3 +408,31 @@ def test_a_drain_starts_no_new_line_and_leaves_the_batch_in_progress(tmp_path: P
     stored = asyncio.run(batch_in(tmp_path / "batches", batch.id).read())
     assert stored.batch.status == "in_progress"
     assert stored.batch.request_counts.completed < 10
+
+
+def test_a_line_a_stalled_holder_wrote_again_is_answered_once(tmp_path: Path) -> None:
+    """A holder that stalled past its lease may append an answer the new holder already wrote (or is
+    about to): the counts, the published output and error files keep each custom_id once, the first."""
+    lines = [chat_line(f"r{i}", max_tokens=4) for i in range(6)]
+    with TestClient(app_with(FakeEngine(delay=0.02), **settings(tmp_path, max_in_flight=1))) as client:
+        batch = submit(sdk_for(client), jsonl(*lines))
+        deadline = time.monotonic() + 10
+        while sdk_for(client).batches.retrieve(batch.id).request_counts.completed < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    objects = batch_in(tmp_path / "batches", batch.id)
+    output = read(objects, OUTPUT)
+    assert output is not None
+    first = output.splitlines(keepends=True)[0]
+    late = json.loads(first)
+    late["response"]["body"]["choices"][0]["message"]["content"] = "written again, late"
+    asyncio.run(objects.append(OUTPUT, first + json.dumps(late).encode() + b"\n"))  # twice more, a torn read apart
+    error = {"id": "batch_req_x", "custom_id": late["custom_id"], "response": None, "error": {"code": "x", "message": "x"}}
+    asyncio.run(objects.append(ERRORS, json.dumps(error).encode() + b"\n"))
+    with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
+        sdk = sdk_for(client)
+        done = wait(sdk, batch.id)
+        answered, failed = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
+    assert sorted(line["custom_id"] for line in answered) == [f"r{i}" for i in range(6)]
+    assert failed == []
+    assert by_custom_id(answered)[late["custom_id"]] == json.loads(first)  # the first written
+    assert done.request_counts.model_dump() == {"total": 6, "completed": 6, "failed": 0}

@@ -466,3 +466,18 @@ def _refusals() -> float:
     import prometheus_client
 
     return prometheus_client.REGISTRY.get_sample_value("gateway_rate_limited_total", {"limit": "requests"}) or 0.0
+
+
+def test_a_result_written_twice_is_read_once(client: TestClient, tmp_path: Path) -> None:
+    """A holder that stalled past its lease appending an answer again, even after the batch ended:
+    the results keep each custom_id once, the first written."""
+    batch = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(3)])
+    wait(client, batch.id)
+    objects = batch_in(tmp_path / "batches", batch.id)
+    output = asyncio.run(objects.blobs.get(objects.name("output.jsonl")))
+    assert output is not None
+    asyncio.run(objects.append("output.jsonl", output.splitlines(keepends=True)[0]))
+    found = results_of(client, batch.id)
+    assert sorted(found) == ["r0", "r1", "r2"]
+    raw = client.get(f"{BATCHES}/{batch.id}/results", headers=headers()).text.splitlines()
+    assert len(raw) == 3
