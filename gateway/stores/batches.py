@@ -39,7 +39,10 @@ batch by creating generation 1 (`create`: one of two racing replicas wins), an e
 creating generation n+1 the same way, renews its own by rewriting it (`put`), and has lost it when a
 higher generation exists. A holder that stalls past its expiry may still have lines in flight when
 another takes over: it checks that it holds the lease before it writes each answer (and the record),
-so the lines it loses are answered once, by the new holder. That check asks the store only when it
+so the lines it loses are answered once, by the new holder. A write already under way when the
+lease passes may still land after the new holder read the progress (a check, not a fence): the same
+custom_id then appears twice in the objects, and everything that reads them keeps the first
+(`unique_lines`: the counts, the published files, a Message Batch's results). That check asks the store only when it
 must (`Lease.surely_held`): no replica takes a lease over before the expiry its holder last wrote, so
 a holder that wrote an expiry (taken, or renewed before the previous one passed) holds it until then
 without asking; it asks again once less than a margin is left (the runner's: a third of `lease_s`,
