@@ -97,9 +97,11 @@ def _unrun(path: Path, done: set[str]) -> list[str]:
     return [line.custom_id for line in read_lines(path) if line.custom_id not in done]
 
 
-async def _either(one: asyncio.Event, other: asyncio.Event, timeout_s: float) -> None:
-    """Until either event is set, or `timeout_s`."""
-    waits = {asyncio.ensure_future(one.wait()), asyncio.ensure_future(other.wait())}
+async def _until(timeout_s: float, *events: asyncio.Event) -> None:
+    """Until one of the events is set, or `timeout_s`. Never `asyncio.wait_for`: on Python 3.11 it
+    returns, its cancel swallowed, when it is cancelled just after the event was set (a wake right
+    before a shutdown), and a loop that swallowed its cancel never ends; `asyncio.wait` raises it."""
+    waits = {asyncio.ensure_future(event.wait()) for event in events}
     try:
         await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -137,10 +139,9 @@ class BatchRunner:
     async def stop(self) -> None:
         """Shutdown: no new lines; the lines in flight cancelled (they run again after a restart), the
         batches left `in_progress` and their leases freed."""
-        if self._task is not None:
+        if self._task is not None:  # ends at its next await (`asyncio.wait`: a cancel of this shutdown not swallowed)
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait({self._task}, timeout=self.settings.lease_s)
         tasks = [run.task for run in self.runs.values() if run.task is not None]
         for task in tasks:
             task.cancel()
@@ -165,8 +166,7 @@ class BatchRunner:
                 log.warning("batches_scan_failed", error=str(exc))
             except Exception as exc:  # unforeseen: logged, and the next poll comes (this loop is the only one)
                 log.error("batches_scan_failed", error=repr(exc), exc_info=exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
+            await _until(self.settings.poll_s, self._wake)
             self._wake.clear()
 
     async def _take_free(self) -> None:
@@ -401,8 +401,7 @@ class BatchRun:
             self._record_due.add_done_callback(self._writes.discard)
 
     async def _record_later(self, wait_s: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._save_now.wait(), wait_s)
+        await _until(wait_s, self._save_now)
         async with self._lock:
             self._record_due = None
             self._saved_at = time.monotonic()
@@ -428,7 +427,7 @@ class BatchRun:
         every = settings.lease_s / 3
         renew_at = time.monotonic() + every
         while True:
-            await _either(self.cancel_asked, self.lost, min(settings.poll_s, every))
+            await _until(min(settings.poll_s, every), self.cancel_asked, self.lost)
             if self.lost.is_set():
                 log.warning("batch_lease_lost", batch_id=self.batch.id)
                 return "lost"

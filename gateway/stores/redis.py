@@ -27,9 +27,18 @@ class Client:
         self.timeout_s = timeout_s
 
     async def bounded(self, call: Awaitable[T]) -> T:
-        """`call`, given up after the user's timeout (TimeoutError)."""
+        """`call`, given up after the user's timeout (TimeoutError). A cancel of the caller that came
+        during the call is raised even when redis-py lost it: it sends each command under
+        `asyncio.wait_for`, which on Python 3.11 returns, the cancel swallowed, when it is cancelled
+        just after the send completed. A task that runs until it is cancelled (the batch runner's
+        watch of a lease) would otherwise go on for ever, and whatever waits for it."""
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
         async with asyncio.timeout(self.timeout_s):
-            return await call
+            result = await call
+        if task is not None and task.cancelling() > cancels:  # asked during the call, and never raised
+            raise asyncio.CancelledError
+        return result
 
 
 class RedisPools:

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
+from gateway.app import create_app
 from gateway.pipeline.batches import BatchRun
-from gateway.stores.batches import RECORD, BatchObjects, Lease
+from gateway.stores.batches import RECORD, BatchObjects, BatchStore, Lease
 from gateway.stores.blobs import DiskBlobs
-from tests.fakes import FakeEngine, app_with
+from tests.fakes import FakeEngine, app_with, fake_settings
 from tests.stores import Flaky, batch_in, disk_batches
 from tests.unit.test_batch_store import stores  # noqa: F401 - the fixture: the app's stores, calls recorded
 from tests.unit.test_batches import by_custom_id, chat_line, jsonl, lines_of, settings, submit, wait
@@ -129,3 +130,32 @@ def test_a_shutdown_does_not_wait_for_ever_on_a_run_that_will_not_end(tmp_path: 
         leaving = time.monotonic()
     stopped = time.monotonic()
     assert stopped - leaving < 5  # it returned before the run's 6 s were over (a bound, not a measurement)
+
+
+async def test_a_shutdown_just_after_a_wake_ends_the_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch created (the runner woken) just before a shutdown: the shutdown ends the runner's loop.
+    Python 3.11's `asyncio.wait_for` returned, the cancel swallowed, when it was cancelled just after
+    its event was set: the loop went on polling and the lifespan's shutdown waited for it for ever."""
+    scanned = asyncio.Event()
+    pending = BatchStore.pending
+
+    async def noted(self: BatchStore, done: set[str]) -> list[BatchObjects]:
+        found = await pending(self, done)
+        scanned.set()
+        return found
+
+    monkeypatch.setattr(BatchStore, "pending", noted)
+    app = create_app(fake_settings(**settings(tmp_path)), engine_starter=lambda _: FakeEngine())
+    lifespan = app.router.lifespan_context(app)
+    runner = (await lifespan.__aenter__())["gateway"].batch_runner
+    await scanned.wait()
+    for _ in range(3):  # its first look for batches over: it waits for a wake or the next poll
+        await asyncio.sleep(0)
+    runner.wake()
+    shutdown = asyncio.ensure_future(lifespan.__aexit__(None, None, None))
+    await asyncio.wait({shutdown}, timeout=20)  # a guard on the test (it hung for ever before), not a measurement
+    if not shutdown.done():
+        shutdown.cancel()  # the loop taken down by a second cancel, for the next tests
+        await asyncio.wait({shutdown})
+        pytest.fail("the shutdown waited for the runner's loop, which had swallowed its cancel")
+    assert runner._task.done()

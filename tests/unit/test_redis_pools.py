@@ -4,6 +4,8 @@ limits share it, each with its own bound on a call."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ from gateway.stores.cache import RedisCache, make_backend
 from gateway.stores.redis import RedisPools
 from gateway.stores.responses import RedisStore, make_store_backend
 from gateway.tenancy.quota import Quota
+from tests.redis_server import RedisServer
 
 URL = "redis://127.0.0.1:1/0"  # never connected to here
 
@@ -40,3 +43,31 @@ async def test_a_call_is_given_up_after_its_user_s_bound() -> None:
     with pytest.raises(TimeoutError):
         await client.bounded(asyncio.sleep(5))
     assert await client.bounded(asyncio.sleep(0, "done")) == "done"
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+async def test_a_cancel_during_a_call_is_never_lost(redis_server: RedisServer) -> None:
+    """A task cancelled while its call is under way ends cancelled, wherever the cancel lands: redis-py
+    lost one that came just after a command was sent (Python 3.11's `asyncio.wait_for`), and the
+    batch runner's watch of a lease, which runs until it is cancelled, went on for ever."""
+    pools = RedisPools()
+    client = pools.client(redis_server.url, 10)
+    await client.bounded(client.redis.set("k", b"v"))
+    try:
+        for turns in range(1, 10):  # the cancel after this many turns of the event loop
+            call = asyncio.ensure_future(client.bounded(client.redis.get("k")))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            if call.done():  # answered before the cancel: every point of the call was tried
+                break
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+    finally:
+        await pools.aclose()
