@@ -426,7 +426,7 @@ def test_a_run_that_dies_between_publishing_and_completed_publishes_once(
     config = {**settings(tmp_path, lease_s=0.5), **store_settings}
     with TestClient(app_with(FakeEngine(), **config)) as client:
         sdk = sdk_for(client)
-        done = wait(sdk, submit(sdk, jsonl(*(chat_line(f"r{i}") for i in range(5)))).id, timeout=30)
+        done = wait(sdk, submit(sdk, jsonl(*(chat_line(f"r{i}") for i in range(5)))).id, timeout=90)  # a bound on a loaded machine
         output = by_custom_id(lines_of(sdk, done.output_file_id))
         listed = [f.id for f in sdk.files.list().data]
     assert died == [done.output_file_id]
