@@ -99,17 +99,9 @@ def test_a_message_batchs_results_are_a_503_when_the_store_fails_after_the_check
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The batch is found (its record read), then the store fails as its results are read: the answer
     is a 503 in Anthropic's shape, not a 200 whose body stops short."""
-    from gateway.stores.blobs import DiskBlobs
     from tests.unit.test_message_batches import BATCHES, params
 
-    made: dict[str, FailsAt] = {}
-
-    def open_blobs(settings: Any, pools: Any, part: str) -> FailsAt:
-        directory = settings.files.dir if part == "files" else settings.batches.dir
-        made[part] = FailsAt(DiskBlobs.at(directory), lambda method, name: False)
-        return made[part]
-
-    monkeypatch.setattr("gateway.app.open_blobs", open_blobs)
+    made = failing_stores(monkeypatch)
     anthropic = {"x-api-key": "sk-owner", "anthropic-version": "2023-06-01"}
     with TestClient(app_with(FakeEngine(), api_keys=["sk-owner"], **settings(tmp_path))) as client:
         batch = client.post(BATCHES, json={"requests": [{"custom_id": "a", "params": params()}]}, headers=anthropic).json()
@@ -375,16 +367,7 @@ def test_a_disk_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkey
                                   ("batches", "put_file")])
 def test_an_upload_or_create_failing_at_each_call_is_a_503_and_leaves_no_spool_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: tuple[str, str]) -> None:
-    from gateway.stores.blobs import DiskBlobs
-
-    made: dict[str, FailsAt] = {}
-
-    def open_blobs(settings: Any, pools: Any, part: str) -> FailsAt:
-        directory = settings.files.dir if part == "files" else settings.batches.dir
-        made[part] = FailsAt(DiskBlobs.at(directory), lambda method, name: False)
-        return made[part]
-
-    monkeypatch.setattr("gateway.app.open_blobs", open_blobs)
+    made = failing_stores(monkeypatch)
     big = jsonl(*(chat_line(f"r{i}", content="x" * 1000) for i in range(300)))  # over a chunk: streamed
     with TestClient(app_with(FakeEngine(), api_keys=["sk-owner"], **settings(tmp_path, enabled=False))) as client:
         headers = {"authorization": "Bearer sk-owner"}
@@ -507,3 +490,18 @@ def test_the_runner_outlives_a_poll_that_fails_unexpectedly(tmp_path: Path, monk
         done = wait(sdk, submit(sdk, LINES).id, timeout=10)
     assert failed
     assert done.status == "completed"
+
+
+def failing_stores(monkeypatch: pytest.MonkeyPatch) -> dict[str, FailsAt]:
+    """The app's two stores on disk, each made to refuse the calls a test picks (`FailsAt.refuse`), by part."""
+    from gateway.stores.blobs import DiskBlobs
+
+    made: dict[str, FailsAt] = {}
+
+    def open_blobs(settings: Any, pools: Any, part: str) -> FailsAt:
+        directory = settings.files.dir if part == "files" else settings.batches.dir
+        made[part] = FailsAt(DiskBlobs.at(directory), lambda method, name: False)
+        return made[part]
+
+    monkeypatch.setattr("gateway.app.open_blobs", open_blobs)
+    return made
