@@ -56,7 +56,8 @@ clean:
 	rm -rf $(VENV) .pytest_cache
 
 # Failure drills on the real engine (flood, disconnects, Redis and upstream killed, SIGTERM, engine
-# core killed): the pytest group tests/drills, marked `drill`; figures in benchmarks/results/. Several minutes.
+# core killed, priority order), and every check that depends on the machine's speed: the pytest group
+# tests/drills, marked `drill`; figures in benchmarks/results/. Several minutes.
 chaos: model system-deps
 	$(PY) -m pytest -m drill tests/drills $(PYTEST_ARGS)
 

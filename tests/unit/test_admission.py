@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from engine.types import GenerationOutput, GenerationRequest
 from tests.fakes import FakeEngine, app_with, chat_body
+from tests.waits import until
 
 
 async def test_flood_holds_the_bound_and_admitted_requests_complete() -> None:
@@ -207,3 +211,49 @@ async def test_admit_now_takes_what_acquire_takes_at_once_and_nothing_else() -> 
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
+
+
+class HeldEngine(FakeEngine):
+    """The fake engine holding every generation before its first token until `go` is set: the
+    requests it was given stay running exactly as long as the test says, whatever the machine's speed."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.go = asyncio.Event()
+        self.held: list[str] = []
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        self.held.append(request.request_id)
+        await self.go.wait()
+        async for output in super().generate(request):
+            yield output
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_full_queue_refuses_at_once_with_429_and_retry_after_before_the_first_byte(stream: bool) -> None:
+    """What the flood drill (tests/drills/test_flood.py) shows on the real engine, without timing:
+    with the engine's slots and the queue full, one more request is refused at once (long before
+    `wait_timeout_s`), with 429 and Retry-After and the API's error, not a stream; those admitted complete."""
+    engine = HeldEngine()
+    app = app_with(engine, admission={"max_running": 2, "max_waiting": 2, "wait_timeout_s": 600, "retry_after_s": 7})
+    async with app.router.lifespan_context(app) as state:
+        async def with_state(scope, receive, send):
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        admission = state["gateway"].models.backends["fake-model"].admission
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://test") as client:
+            admitted = [asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(stream=stream)))
+                        for _ in range(4)]
+            await until(lambda: len(engine.held) == 2 and admission.waiting == 2, what="2 running, 2 waiting")
+            refused = await asyncio.wait_for(client.post("/v1/chat/completions", json=chat_body(stream=stream)), 60)
+            assert not engine.go.is_set()  # answered while the others were still held: it did not wait
+            assert refused.status_code == 429
+            assert refused.headers["retry-after"] == "7"
+            assert refused.headers["content-type"].startswith("application/json")
+            assert refused.json()["error"]["code"] == "model_overloaded"
+            assert len(engine.held) == 2
+            engine.go.set()
+            answers = await asyncio.gather(*admitted)
+    assert [answer.status_code for answer in answers] == [200] * 4
+    assert len(engine.finished) == 4

@@ -18,7 +18,9 @@ from gateway.backends.admission import Admission
 from gateway.settings import AdmissionSettings, Priority
 from gateway.tenancy.priority import Scheduled, scheduled
 from tests.fakes import FakeEngine, chat_body, fake_settings
+from tests.unit.test_admission import HeldEngine
 from tests.unit.test_tenants import bearer, keys_file
+from tests.waits import until
 
 KEYS = """\
 keys:
@@ -185,3 +187,25 @@ async def test_one_key_cannot_hold_the_model_while_another_waits(
             responses = await asyncio.gather(*flood, b)
     assert [r.status_code for r in responses] == [200] * 7
     assert [r.sampling.max_tokens for r in engine.requests].index(7) == b_started_at
+
+
+async def test_through_the_app_queued_classes_reach_the_engine_high_then_normal_then_low(tmp_path: Path) -> None:
+    """What the priority drill (tests/drills/test_priority.py) shows on the real engine, in order and
+    without timing: behind a request holding the only slot, lows, a normal and a high queue in that
+    order (each seen waiting before the next is sent); once the slot frees, the engine gets the high
+    first, then the normal, then the lows in arrival order."""
+    engine, started = HeldEngine(), []
+    app = _app(tmp_path, engine, started, admission={"max_running": 1, "max_waiting": 10, "wait_timeout_s": 600})
+    async with app.router.lifespan_context(app) as state, await _client(app, state) as client:
+        admission = state["gateway"].models.backends["fake-model"].admission
+        sent = []
+        for number, key in enumerate(["sk-plain", "sk-batch", "sk-batch", "sk-plain", "sk-web"]):
+            body = chat_body(messages=[{"role": "user", "content": f"request {number}"}])
+            sent.append(asyncio.create_task(client.post("/v1/chat/completions", json=body, headers=bearer(key))))
+            await until(lambda n=number: len(engine.held) + admission.waiting == n + 1, what=f"request {number} queued")
+        engine.go.set()
+        answers = await asyncio.gather(*sent)
+    assert [answer.status_code for answer in answers] == [200] * 5
+    order = [engine.tokenizer.decode(request.prompt_token_ids).split()[2] for request in engine.requests]
+    assert order == ["0", "4", "3", "1", "2"]
+    assert [request.priority for request in engine.requests] == [0, -1, 0, 1, 1]

@@ -1,7 +1,9 @@
-"""Priority on the real engine (#28 item 2): an engine "full" of low-priority work (max_num_seqs 2, a
+"""A drill (`make chaos`; an order of completion depends on the machine's speed, so it is not in
+`make test`): priority on the real engine (#28 item 2): an engine "full" of low-priority work (max_num_seqs 2, a
 KV cache that two long generations overflow) gets a high-priority request: vLLM's priority
 scheduling puts it ahead of the low ones waiting, and preempts low ones (not it) when the cache runs
-out, so it finishes first; the low ones are resumed and complete in full. Ordering, not timing."""
+out, so it finishes first; the low ones are resumed and complete in full. What the gateway does
+for it without timing: tests/unit/test_priority.py (classes admitted in order, the engine's priority)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 
 from tests.integration.conftest import gateway_process
 
-pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("priority classes are the gateway's own")]
+pytestmark = pytest.mark.drill
 MODEL = "smollm2-135m-instruct"
 # 512 tokens of context; a KV cache of about 600 float32 tokens (46 KB each for SmolLM2-135M): two
 # low generations of ~370 tokens cannot both finish without one being preempted

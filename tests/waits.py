@@ -1,0 +1,35 @@
+"""Waiting for a condition in tests, never for a fixed time: a test polls what it waits for and
+goes on as soon as it holds, on a fast machine or a loaded one. The bound is only how long to wait
+before failing (a generous one: it costs nothing when the condition comes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+BOUND_S = 30.0
+STEP_S = 0.005
+
+
+def _failed(what: str, within_s: float) -> AssertionError:
+    return AssertionError(f"not within {within_s:g} s: {what}")
+
+
+async def until(condition: Callable[[], object], within_s: float = BOUND_S, what: str = "the condition") -> None:
+    """Returns once `condition()` is true (checked at once, then every few milliseconds, yielding
+    to the event loop); AssertionError naming `what` after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            raise _failed(what, within_s)
+        await asyncio.sleep(STEP_S)
+
+
+def until_sync(condition: Callable[[], object], within_s: float = BOUND_S, what: str = "the condition") -> None:
+    """`until` for code outside an event loop (a server in a thread, a subprocess, a file)."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            raise _failed(what, within_s)
+        time.sleep(STEP_S)
