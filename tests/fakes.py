@@ -244,6 +244,22 @@ class FakeEngine:
         pass
 
 
+class HeldEngine(FakeEngine):
+    """The fake engine holding every generation before its first token until `go` is set: the
+    requests it was given stay running exactly as long as the test says, whatever the machine's speed."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.go = asyncio.Event()
+        self.held: list[str] = []  # every request it was given (each held until `go`)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        self.held.append(request.request_id)
+        await self.go.wait()
+        async for output in super().generate(request):
+            yield output
+
+
 class FakeGrammar:
     """A grammar compiler (`engine.types.GrammarCheck`): refuses specs holding one of `refuse`'s
     keys (with its message), takes `delay` seconds (forever for specs holding `hang`), and notes

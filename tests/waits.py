@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 BOUND_S = 30.0
 STEP_S = 0.005
@@ -16,20 +19,24 @@ def _failed(what: str, within_s: float) -> AssertionError:
     return AssertionError(f"not within {within_s:g} s: {what}")
 
 
-async def until(condition: Callable[[], object], within_s: float = BOUND_S, what: str = "the condition") -> None:
-    """Returns once `condition()` is true (checked at once, then every few milliseconds, yielding
-    to the event loop); AssertionError naming `what` after `within_s`."""
+async def until(condition: Callable[[], T], within_s: float = BOUND_S, what: str = "the condition") -> T:
+    """`condition()`'s first true value (checked at once, then every few milliseconds, yielding to
+    the event loop); AssertionError naming `what` after `within_s`."""
     deadline = time.monotonic() + within_s
-    while not condition():
+    while not (value := condition()):
         if time.monotonic() >= deadline:
             raise _failed(what, within_s)
         await asyncio.sleep(STEP_S)
+    return value
 
 
-def until_sync(condition: Callable[[], object], within_s: float = BOUND_S, what: str = "the condition") -> None:
-    """`until` for code outside an event loop (a server in a thread, a subprocess, a file)."""
+def until_sync(condition: Callable[[], T], within_s: float = BOUND_S, what: str = "the condition",
+               step_s: float = STEP_S) -> T:
+    """`until` for code outside an event loop (a server in a thread, a subprocess, a file); `step_s`
+    longer where one check is costly (a request to a real engine's server)."""
     deadline = time.monotonic() + within_s
-    while not condition():
+    while not (value := condition()):
         if time.monotonic() >= deadline:
             raise _failed(what, within_s)
-        time.sleep(STEP_S)
+        time.sleep(step_s)
+    return value

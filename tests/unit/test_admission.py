@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from engine.types import GenerationOutput, GenerationRequest
-from tests.fakes import FakeEngine, app_with, chat_body
+from tests.fakes import FakeEngine, HeldEngine, app_with, chat_body
 from tests.waits import until
 
 
@@ -83,15 +80,15 @@ async def serve(app, requests):
 
 async def test_a_request_takes_a_permit_per_engine_request() -> None:
     """4 prompts x n=2 is 8 engine requests: with 8 running, a single request beside it waits."""
-    engine = FakeEngine(delay=0.02)
+    engine = HeldEngine()
     app = app_with(engine, admission={"max_running": 8, "max_waiting": 0})
     fanned = {"model": "fake-model", "prompt": ["a", "b", "c", "d"], "n": 2, "max_tokens": 10}
 
     async def both(client: httpx.AsyncClient) -> list[httpx.Response]:
         big = asyncio.create_task(client.post("/v1/completions", json=fanned))
-        while not engine.running:  # noqa: ASYNC110 - polls the fake engine's state; no event to wait on
-            await asyncio.sleep(0.001)
+        await until(lambda: engine.held, what="the big request running")
         single = await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+        engine.go.set()
         return [await big, single]
 
     big, single = await serve(app, both)
@@ -211,22 +208,6 @@ async def test_admit_now_takes_what_acquire_takes_at_once_and_nothing_else() -> 
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
-
-
-class HeldEngine(FakeEngine):
-    """The fake engine holding every generation before its first token until `go` is set: the
-    requests it was given stay running exactly as long as the test says, whatever the machine's speed."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.go = asyncio.Event()
-        self.held: list[str] = []
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        self.held.append(request.request_id)
-        await self.go.wait()
-        async for output in super().generate(request):
-            yield output
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -24,9 +24,10 @@ from gateway.stores.guarded import Guarded
 from gateway.stores.spool import Spool
 from tests.fakes import FakeEngine, app_with
 from tests.stores import Flaky
-from tests.unit.test_batches import KEYS, by_custom_id, chat_line, jsonl, lines_of, settings, submit, wait
+from tests.unit.test_batches import KEYS, by_custom_id, chat_line, completed, jsonl, lines_of, settings, submit, wait
 from tests.unit.test_message_batches import BATCHES, params
 from tests.unit.test_responses import sdk_for
+from tests.waits import until_sync
 
 LINES = jsonl(chat_line("a"), chat_line("b"))
 
@@ -229,19 +230,14 @@ def test_the_runner_outlives_a_store_outage_and_answers_each_line_once(tmp_path:
     with TestClient(app) as client:
         batches = stores["batches"]  # opened as the app starts
         down(stores)  # down as the runner polls: its polls refused, it polls again
-        deadline = time.monotonic() + 10
-        while batches.refused < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert batches.refused >= 2
+        until_sync(lambda: batches.refused >= 2, what="two polls refused")
         down(stores, False)
         sdk = sdk_for(client)
         batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(12))))
-        while sdk.batches.retrieve(batch.id).request_counts.completed < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        completed(sdk, batch.id, 3)
         refused = batches.refused
         down(stores)  # down mid-run: the run fails here; the batch is taken again once its lease expires
-        while batches.refused < refused + 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until_sync(lambda: batches.refused >= refused + 2, what="two more refusals")
         down(stores, False)
         assert any(method == "local" and name.endswith("/input.jsonl") for method, name in batches.calls)
         done = wait(sdk, batch.id)
@@ -257,10 +253,8 @@ def test_a_message_batchs_results_are_read_through_the_store(tmp_path: Path, sto
     with TestClient(app_with(FakeEngine(), api_keys=KEYS, **settings(tmp_path))) as client:
         made = client.post(BATCHES, json={"requests": [{"custom_id": c, "params": params()} for c in "ab"]},
                            headers=ANTHROPIC).json()
-        deadline = time.monotonic() + 20
-        while client.get(f"{BATCHES}/{made['id']}", headers=ANTHROPIC).json()["processing_status"] != "ended":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        until_sync(lambda: client.get(f"{BATCHES}/{made['id']}", headers=ANTHROPIC).json()["processing_status"] == "ended",
+                   what="the batch ended")
         stores["batches"].calls.clear()
         answer = client.get(f"{BATCHES}/{made['id']}/results", headers=ANTHROPIC)
     assert [json.loads(line)["custom_id"] for line in answer.text.splitlines()] == ["a", "b"]

@@ -22,6 +22,7 @@ from tests.fakes import FakeEngine, app_with
 from tests.stores import batch_in, disk_batches, read
 from tests.unit.test_responses import sdk_for
 from tests.unit.test_tenants import keys_file
+from tests.waits import until_sync
 
 KEYS = ["sk-owner", "sk-other"]
 FAST = {"poll_s": 0.05, "retry_s": 0.1, "lease_s": 3, "record_every_s": 0.05}  # counts fresh enough to watch
@@ -59,13 +60,12 @@ def submit(sdk: openai.OpenAI, content: bytes, endpoint: Any = "/v1/chat/complet
 
 
 def wait(sdk: openai.OpenAI, batch_id: str, statuses: tuple[str, ...] = DONE, timeout: float = 20) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = sdk.batches.retrieve(batch_id)
-        if found.status in statuses:
-            return found
-        time.sleep(0.02)
-    raise AssertionError(f"batch {batch_id} still {found.status}")
+    return until_sync(lambda: (found := sdk.batches.retrieve(batch_id)).status in statuses and found, timeout,
+                      f"batch {batch_id} {statuses}")
+
+
+def completed(sdk: openai.OpenAI, batch_id: str, lines: int) -> None:
+    until_sync(lambda: sdk.batches.retrieve(batch_id).request_counts.completed >= lines, what=f"{lines} lines done")
 
 
 def lines_of(sdk: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
@@ -247,9 +247,7 @@ def test_a_cancel_aborts_the_lines_in_flight_and_keeps_the_partial_output(tmp_pa
         lines = [chat_line(f"r{i}", max_tokens=8) for i in range(20)]
         batch = submit(sdk, jsonl(*lines))
         wait(sdk, batch.id, ("in_progress",))
-        deadline = time.monotonic() + 10
-        while sdk.batches.retrieve(batch.id).request_counts.completed < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        completed(sdk, batch.id, 2)
         cancelling = sdk.batches.cancel(batch.id)
         assert cancelling.status in ("cancelling", "cancelled")
         assert cancelling.cancelling_at is not None
@@ -270,9 +268,7 @@ def test_a_batch_resumes_after_a_crash_and_answers_each_line_once(tmp_path: Path
     with TestClient(app_with(first, **settings(tmp_path, max_in_flight=2))) as client:
         sdk = sdk_for(client)
         batch = submit(sdk, jsonl(*lines))
-        deadline = time.monotonic() + 10
-        while sdk.batches.retrieve(batch.id).request_counts.completed < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        completed(sdk, batch.id, 4)
     # the shutdown left it in progress, its lines in flight cancelled; a crash tears the last line
     objects = batch_in(tmp_path / "batches", batch.id)
     stored = asyncio.run(objects.read())
@@ -307,7 +303,10 @@ def test_two_runners_on_one_directory_run_a_batch_once(tmp_path: Path) -> None:
     assert sorted([len(one.requests), len(two.requests)]) == [0, 10]  # one replica held the lease
 
 
-async def test_the_lease(tmp_path: Path) -> None:
+async def test_the_lease(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from gateway.stores import batches
     from gateway.stores.batches import RECORD, BatchObjects, Lease
 
     store = disk_batches(tmp_path)
@@ -318,12 +317,13 @@ async def test_the_lease(tmp_path: Path) -> None:
     assert await Lease.take(batch, "b", lease_s=30) is None
     assert await first.renew()
     await first.release()
-    second = await Lease.take(batch, "b", lease_s=0.05)  # released: taken at once
+    second = await Lease.take(batch, "b", lease_s=30)  # released: taken at once
     assert second is not None
     assert second.generation == 2
     assert not await first.renew()  # taken over: the old holder finds out
     assert await Lease.take(batch, "c", lease_s=30) is None
-    await asyncio.sleep(0.1)
+    later = SimpleNamespace(time=lambda: time.time() + 60, monotonic=time.monotonic)  # the clock past its expiry
+    monkeypatch.setattr(batches, "time", later)
     third = await Lease.take(batch, "c", lease_s=30)  # expired: taken over
     assert third is not None
     assert not await second.renew()
@@ -369,11 +369,9 @@ def test_a_rate_limit_pauses_lines_instead_of_failing_them(tmp_path: Path) -> No
 
 def on_disk(tmp_path: Path, batch_id: str, timeout: float = 10) -> Batch:
     """A batch once done, read from its record (for tests whose key cannot spare requests)."""
-    deadline = time.monotonic() + timeout
     batch = batch_in(tmp_path / "batches", batch_id)
-    while (found := asyncio.run(batch.read()).batch).status not in DONE and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return found
+    return until_sync(lambda: (found := asyncio.run(batch.read()).batch).status in DONE and found, timeout,
+                      f"batch {batch_id} done")
 
 
 def test_a_removed_key_fails_its_batchs_lines(tmp_path: Path) -> None:
@@ -403,7 +401,7 @@ def test_a_drain_starts_no_new_line_and_leaves_the_batch_in_progress(tmp_path: P
         wait(sdk, batch.id, ("in_progress",))
         lifecycle.start_drain()
         started = len(engine.requests)
-        time.sleep(0.5)  # ten lines' time: none of them starts
+        time.sleep(0.5)  # a window for what must not happen (ten lines' time): none of them starts
         assert len(engine.requests) == started < 10
     stored = asyncio.run(batch_in(tmp_path / "batches", batch.id).read())
     assert stored.batch.status == "in_progress"
@@ -416,9 +414,7 @@ def test_a_line_a_stalled_holder_wrote_again_is_answered_once(tmp_path: Path) ->
     lines = [chat_line(f"r{i}", max_tokens=4) for i in range(6)]
     with TestClient(app_with(FakeEngine(delay=0.02), **settings(tmp_path, max_in_flight=1))) as client:
         batch = submit(sdk_for(client), jsonl(*lines))
-        deadline = time.monotonic() + 10
-        while sdk_for(client).batches.retrieve(batch.id).request_counts.completed < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        completed(sdk_for(client), batch.id, 2)
     objects = batch_in(tmp_path / "batches", batch.id)
     output = read(objects, OUTPUT)
     assert output is not None

@@ -23,6 +23,7 @@ from gateway.stores.batches import MESSAGE_BATCH, new_id
 from tests.fakes import FakeEngine, app_with
 from tests.stores import disk_batches
 from tests.unit.test_batches import KEYS, chat_line, jsonl, settings
+from tests.waits import until_sync
 
 BATCHES = "/v1/messages/batches"
 
@@ -59,13 +60,8 @@ def retrieve(client: TestClient, batch_id: str, key: str = "sk-owner") -> sdk.Me
 
 
 def wait(client: TestClient, batch_id: str, timeout: float = 20) -> sdk.MessageBatch:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = retrieve(client, batch_id)
-        if found.processing_status == "ended":
-            return found
-        time.sleep(0.02)
-    raise AssertionError(f"batch {batch_id} still {found.processing_status}")
+    return until_sync(lambda: (found := retrieve(client, batch_id)).processing_status == "ended" and found, timeout,
+                      f"batch {batch_id} ended")
 
 
 def results(client: TestClient, batch: sdk.MessageBatch) -> dict[str, sdk.MessageBatchIndividualResponse]:
@@ -218,9 +214,7 @@ def test_cancel_ends_the_batch_and_the_unrun_requests_are_canceled(tmp_path: Pat
     with TestClient(app_with(engine, **settings(tmp_path, max_in_flight=2))) as client:
         requests = [{"custom_id": f"r{i}", "params": params(max_tokens=8)} for i in range(20)]
         batch = create(client, requests)
-        deadline = time.monotonic() + 10
-        while retrieve(client, batch.id).request_counts.succeeded < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        until_sync(lambda: retrieve(client, batch.id).request_counts.succeeded >= 2, what="2 requests done")
         assert client.get(f"{BATCHES}/{batch.id}/results").status_code == 400  # not ended yet
         assert client.delete(f"{BATCHES}/{batch.id}").status_code == 400  # nor can it be deleted
         response = client.post(f"{BATCHES}/{batch.id}/cancel")

@@ -12,6 +12,7 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from gateway.server.http import HeldHead, http_protocol
+from tests.waits import until
 
 App = Callable[[Any, Any, Any], Awaitable[None]]
 GET = b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -52,10 +53,10 @@ def _served(app: App, *requests: bytes, between: Callable[[_Transport], None] | 
         protocol.connection_made(transport)
         for request in requests:
             protocol.data_received(request)
-            await asyncio.sleep(0.02)
             if between is not None:
+                await until(lambda: transport.writes, what="the head written")
                 between(transport)
-                await asyncio.sleep(0.02)
+            await until(lambda: len(asyncio.all_tasks()) == 1, what="the answer over (no task but this one left)")
         protocol.connection_lost(None)
         return transport
 

@@ -17,8 +17,7 @@ from gateway.app import create_app
 from gateway.backends.admission import Admission
 from gateway.settings import AdmissionSettings, Priority
 from gateway.tenancy.priority import Scheduled, scheduled
-from tests.fakes import FakeEngine, chat_body, fake_settings
-from tests.unit.test_admission import HeldEngine
+from tests.fakes import FakeEngine, HeldEngine, chat_body, fake_settings
 from tests.unit.test_tenants import bearer, keys_file
 from tests.waits import until
 
@@ -170,7 +169,7 @@ async def test_one_key_cannot_hold_the_model_while_another_waits(
     starts as soon as a slot frees, ahead of A's waiting ones, with key_share 0.5 (A holds one slot
     while B waits); without it, after all of A's."""
     keys = "keys:\n  a: {key: sk-a}\n  b: {key: sk-b}\n"
-    engine, started = FakeEngine(delay=0.02), []
+    engine, started = HeldEngine(), []
     app = _app(tmp_path, engine, started, keys=keys,
                admission={"max_running": 2, "max_waiting": 10, "wait_timeout_s": 30, "key_share": key_share})
     async with app.router.lifespan_context(app) as state:
@@ -181,9 +180,10 @@ async def test_one_key_cannot_hold_the_model_while_another_waits(
                 return asyncio.create_task(client.post("/v1/chat/completions", json=body, headers=bearer(key)))
 
             flood = [post("sk-a", 5) for _ in range(6)]
-            while admission.waiting < 4:  # noqa: ASYNC110 - polls admission's state; no event to wait on
-                await asyncio.sleep(0.001)
+            await until(lambda: len(engine.held) == 2 and admission.waiting == 4, what="A's 2 running, 4 waiting")
             b = post("sk-b", 7)
+            await until(lambda: admission.waiting == 5, what="B waiting")
+            engine.go.set()
             responses = await asyncio.gather(*flood, b)
     assert [r.status_code for r in responses] == [200] * 7
     assert [r.sampling.max_tokens for r in engine.requests].index(7) == b_started_at

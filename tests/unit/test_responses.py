@@ -5,7 +5,6 @@ conversation chains, tools, structured outputs, background runs and cancels, the
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from gateway.serving import responses
 from tests.fakes import FakeEngine, app_with
 from tests.redis_server import RedisServer
 from tests.unit.test_disconnect import drive
+from tests.waits import until_sync
 
 MODEL = "fake-model"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -299,12 +299,8 @@ def test_unknown_ids_and_models_are_404s(client: TestClient) -> None:
 
 
 def wait_for(sdk: openai.OpenAI, response_id: str, *statuses: str) -> Any:
-    for _ in range(200):
-        found = sdk.responses.retrieve(response_id)
-        if found.status in statuses:
-            return found
-        time.sleep(0.02)
-    raise AssertionError(f"{response_id} is still {found.status}")
+    return until_sync(lambda: (found := sdk.responses.retrieve(response_id)).status in statuses and found,
+                      what=f"{response_id} {statuses}")
 
 
 def test_background_runs_and_a_cancel_aborts_the_engine(sdk: openai.OpenAI, engine: FakeEngine) -> None:
@@ -349,14 +345,10 @@ def test_a_background_response_is_work_in_progress_for_the_drain(engine: FakeEng
     with TestClient(app) as client:
         sdk = sdk_for(client)
         started = sdk.responses.create(model=MODEL, input="hi", background=True)
-        time.sleep(0.3)  # its request is over
-        assert lifecycle.active == 1
+        until_sync(lambda: lifecycle.active == 1, what="its request over, the background run counted")
         assert engine.running
         assert sdk.responses.cancel(started.id).status == "cancelled"
-        deadline = time.monotonic() + 5
-        while lifecycle.active and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert lifecycle.active == 0
+        until_sync(lambda: lifecycle.active == 0, what="the cancelled run over")
         assert not engine.running
 
 
@@ -428,10 +420,7 @@ def test_a_cancel_on_another_replica_stops_a_background_response(redis: RedisSer
     with TestClient(apps[0]) as one, TestClient(apps[1]) as two:
         started = sdk_for(one).responses.create(model=MODEL, input="hi", background=True)
         assert sdk_for(two).responses.cancel(started.id).status == "cancelled"
-        for _ in range(200):
-            if runner.aborted:
-                break
-            time.sleep(0.02)
+        until_sync(lambda: runner.aborted, what="the run aborted")
         assert runner.aborted == [runner.requests[0].request_id]
         assert sdk_for(one).responses.retrieve(started.id).status == "cancelled"
 
@@ -460,10 +449,7 @@ def test_another_key_cannot_cancel_or_delete_a_running_background_response(engin
         refused = client.delete(f"/v1/responses/{started['id']}", headers=b)
         assert refused.status_code == 404
         assert refused.json()["error"]["param"] == "response_id"
-        for _ in range(200):  # bounded: the run ends after 20 tokens of 0.02 s
-            found = client.get(f"/v1/responses/{started['id']}", headers=a).json()
-            if found["status"] not in ("queued", "in_progress"):
-                break
-            time.sleep(0.02)
+        found = until_sync(lambda: (got := client.get(f"/v1/responses/{started['id']}", headers=a).json())["status"]
+                           not in ("queued", "in_progress") and got, what="the run over")
         assert found["status"] == "incomplete"  # ran to its max_output_tokens, not cancelled
         assert engine.aborted == []

@@ -27,6 +27,7 @@ from tests.fakes import FakeEngine, app_with
 from tests.stores import Flaky
 from tests.unit.test_batches import by_custom_id, chat_line, jsonl, lines_of, settings, submit, wait
 from tests.unit.test_responses import sdk_for
+from tests.waits import until_sync
 
 LINES = jsonl(chat_line("a"), chat_line("b"))
 
@@ -105,10 +106,8 @@ def test_a_message_batchs_results_are_a_503_when_the_store_fails_after_the_check
     anthropic = {"x-api-key": "sk-owner", "anthropic-version": "2023-06-01"}
     with TestClient(app_with(FakeEngine(), api_keys=["sk-owner"], **settings(tmp_path))) as client:
         batch = client.post(BATCHES, json={"requests": [{"custom_id": "a", "params": params()}]}, headers=anthropic).json()
-        deadline = time.monotonic() + 20
-        while client.get(f"{BATCHES}/{batch['id']}", headers=anthropic).json()["processing_status"] != "ended":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        until_sync(lambda: client.get(f"{BATCHES}/{batch['id']}", headers=anthropic).json()["processing_status"] == "ended",
+                   what="the batch ended")
         made["batches"].refuse = lambda method, name: method == "local"
         answer = client.get(f"{BATCHES}/{batch['id']}/results", headers=anthropic)
     assert answer.status_code == 503, answer.text
@@ -164,10 +163,7 @@ def test_a_replica_killed_mid_batch_is_taken_over_once_its_lease_expires(tmp_pat
     with TestClient(app_with(one, **config)) as a:
         sdk = sdk_for(a)
         batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(16))))
-        deadline = time.monotonic() + 60  # a bound on a loaded machine, not a measurement
-        while sdk.batches.retrieve(batch.id).request_counts.completed < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        until_sync(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 3, 60, "3 lines done")
     with TestClient(app_with(two, **config)) as b:
         done = wait(sdk_for(b), batch.id, timeout=60)
         output = by_custom_id(lines_of(sdk_for(b), done.output_file_id))

@@ -19,7 +19,8 @@ from starlette.testclient import TestClient
 from gateway.app import create_app
 from gateway.backends.versions import covers
 from gateway.tenancy.tenants import KeysFileError, Tenants
-from tests.fakes import FakeEngine, app_with, chat_body, fake_settings
+from tests.fakes import FakeEngine, HeldEngine, app_with, chat_body, fake_settings
+from tests.waits import until
 
 # chat_body's prompt on the fake engine: "<user> hi <assistant>", 3 tokens; max_tokens 3
 PROMPT_TOKENS = 3
@@ -272,7 +273,7 @@ def test_the_keys_guard_profile_comes_before_the_guards_file(tmp_path: Path) -> 
 async def test_low_priority_is_refused_first_as_the_queue_fills(tmp_path: Path) -> None:
     """max_running 1, max_waiting 4: low may fill half of the queue, normal all of it."""
     path = keys_file(tmp_path, "keys:\n  batch: {key: sk-low, priority: low}\n  web: {key: sk-web}\n")
-    engine = FakeEngine(delay=0.05)
+    engine = HeldEngine()
     app = app_with(engine, keys_file=path, admission={"max_running": 1, "max_waiting": 4, "wait_timeout_s": 30})
     async with app.router.lifespan_context(app) as state:
         async def with_state(scope, receive, send):
@@ -284,14 +285,14 @@ async def test_low_priority_is_refused_first_as_the_queue_fills(tmp_path: Path) 
                 return await client.post("/v1/chat/completions", json=chat_body(max_tokens=5), headers=bearer(key))
 
             running = asyncio.create_task(post("sk-web"))
-            while not engine.running:  # noqa: ASYNC110 - polls the fake engine's state; no event to wait on
-                await asyncio.sleep(0.001)
+            await until(lambda: engine.held, what="one running")
             waiting = [asyncio.create_task(post("sk-web")), asyncio.create_task(post("sk-web"))]
             admission = state["gateway"].models.backends["fake-model"].admission
-            while admission.waiting < 2:  # noqa: ASYNC110 - both queued: the queue is half full
-                await asyncio.sleep(0.001)
+            await until(lambda: admission.waiting == 2, what="both queued: the queue half full")
             low = await post("sk-low")
             normal = asyncio.create_task(post("sk-web"))
+            await until(lambda: admission.waiting == 3, what="normal queued")
+            engine.go.set()
             results = await asyncio.gather(running, *waiting, normal)
     assert low.status_code == 429
     assert low.json()["error"]["code"] == "model_overloaded"
