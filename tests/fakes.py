@@ -255,7 +255,12 @@ class HeldEngine(FakeEngine):
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         self.held.append(request.request_id)
-        await self.go.wait()
+        self.running.add(request.request_id)  # running, as in vLLM, while held
+        try:
+            await self.go.wait()
+        except BaseException:
+            self.running.discard(request.request_id)
+            raise
         async for output in super().generate(request):
             yield output
 

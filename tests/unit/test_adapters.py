@@ -326,7 +326,7 @@ async def test_an_unload_waits_for_the_requests_in_flight_on_the_adapter(tmp_pat
     stream = adapter.generate(request)
     await stream.__anext__()  # in flight
     unloading = asyncio.create_task(admin.unload("ad"))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # a window for what must not happen: the unload ending before the request
     assert not unloading.done()
     assert "ad" in base_engine.adapters
     with pytest.raises(ModelNotFound):

@@ -35,6 +35,7 @@ from tests.unit.test_batches import (
 from tests.unit.test_reach import MODELS, REFERENCES, _engines
 from tests.unit.test_responses import sdk_for
 from tests.unit.test_tenants import keys_file
+from tests.waits import until_sync
 
 # --- which models: every way a line names a model, as the route ------------------------------------
 
@@ -459,21 +460,16 @@ def test_a_runner_that_lost_its_lease_writes_no_more_answers(tmp_path: Path, mon
     with TestClient(app_with(engine, **settings(tmp_path, max_in_flight=2, lease_s=1))) as client:
         sdk = sdk_for(client)
         batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=6) for i in range(40))))
-        deadline = time.monotonic() + 10
-        while len(engine.running) < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        until_sync(lambda: len(engine.running) >= 2, what="2 lines running")
         objects = batch_in(tmp_path / "batches", batch.id)
-        other = None
-        while other is None and time.monotonic() < deadline:  # taken over as a replica takes it: once expired
-            time.sleep(0.02)
-            other = asyncio.run(Lease.take(objects, "other", lease_s=60))
-        assert other is not None
+        # taken over as a replica takes it: once expired
+        until_sync(lambda: asyncio.run(Lease.take(objects, "other", lease_s=60)), what="the lease taken over")
         taken = asyncio.run(objects.progress()).done
-        time.sleep(1.0)  # the lines in flight here finish meanwhile
+        time.sleep(1.0)  # a window for what must not happen: the lines in flight here finish meanwhile
         assert asyncio.run(objects.progress()).done == taken
         assert asyncio.run(objects.read()).batch.status == "in_progress"
         started = len(engine.requests)
-        time.sleep(0.5)
+        time.sleep(0.5)  # a window for what must not happen
         assert len(engine.requests) == started < 40  # it stopped: no line more
 
 

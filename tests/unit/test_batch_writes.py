@@ -22,6 +22,7 @@ from tests.stores import Flaky, batch_in, disk_batches
 from tests.unit.test_batch_store import stores  # noqa: F401 - the fixture: the app's stores, calls recorded
 from tests.unit.test_batches import by_custom_id, chat_line, jsonl, lines_of, settings, submit, wait
 from tests.unit.test_responses import sdk_for
+from tests.waits import until_sync
 
 
 def calls(blobs: Flaky, method: str, suffix: str) -> int:
@@ -51,9 +52,7 @@ def test_a_shutdown_writes_the_record_it_held_back(tmp_path: Path) -> None:
     with TestClient(app_with(engine, **settings(tmp_path, max_in_flight=2, record_every_s=60))) as client:
         sdk = sdk_for(client)
         batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(60))))
-        deadline = time.monotonic() + 10
-        while len(engine.requests) < 8 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until_sync(lambda: len(engine.requests) >= 8, what="8 lines sent")
         objects = batch_in(tmp_path / "batches", batch.id)
         assert asyncio.run(objects.read()).batch.request_counts.completed < asyncio.run(objects.progress()).completed
     stored, progress = asyncio.run(objects.read()), asyncio.run(objects.progress())
@@ -66,7 +65,7 @@ def test_answers_that_come_together_are_appended_together(tmp_path: Path, stores
     append = DiskBlobs.append
 
     async def slow(self: DiskBlobs, name: str, data: bytes) -> None:  # a store with long round trips
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the round trip is the behaviour: answers pile up meanwhile
         await append(self, name, data)
 
     monkeypatch.setattr(DiskBlobs, "append", slow)
@@ -124,9 +123,7 @@ def test_a_shutdown_does_not_wait_for_ever_on_a_run_that_will_not_end(tmp_path: 
     engine = FakeEngine(delay=0.01)
     with TestClient(app_with(engine, **settings(tmp_path, lease_s=1))) as client:
         submit(sdk_for(client), jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(20))))
-        deadline = time.monotonic() + 10
-        while not engine.requests and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until_sync(lambda: engine.requests, what="a line sent")
         leaving = time.monotonic()
     stopped = time.monotonic()
     assert stopped - leaving < 5  # it returned before the run's 6 s were over (a bound, not a measurement)

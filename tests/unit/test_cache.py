@@ -84,7 +84,7 @@ async def test_memory_cache_bounds_and_ttl() -> None:
     assert await cache.get("d") == b"123456789"
     expiring = MemoryCache(max_entries=10, max_bytes=100, ttl_s=0.01)
     await expiring.set("x", b"1")
-    await asyncio.sleep(0.02)
+    await asyncio.sleep(0.02)  # time passing is the behaviour: past the ttl
     assert await expiring.get("x") is None
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from tests.unit.test_batches import KEYS, settings
 from tests.unit.test_message_batches import BATCHES, create, headers, params, retrieve, wait
 from tests.unit.test_reach import MODELS, REFERENCES, _engines
 from tests.unit.test_tenants import keys_file
+from tests.waits import until_sync
 
 JSON = {"content-type": "application/json"}
 
@@ -42,11 +42,8 @@ def claude(client: TestClient, key: str = "sk-owner") -> anthropic.Anthropic:
 
 
 def ended(client: TestClient, batch_id: str, key: str = "sk-owner", timeout: float = 20) -> sdk.MessageBatch:
-    deadline = time.monotonic() + timeout
-    while (found := retrieve(client, batch_id, key)).processing_status != "ended":
-        assert time.monotonic() < deadline, found
-        time.sleep(0.02)
-    return found
+    return until_sync(lambda: (found := retrieve(client, batch_id, key)).processing_status == "ended" and found,
+                      timeout, f"batch {batch_id} ended")
 
 
 def results_of(client: TestClient, batch_id: str, key: str = "sk-owner") -> dict[str, Any]:
@@ -247,17 +244,12 @@ def test_a_key_removed_while_its_batch_runs_fails_the_rest(tmp_path: Path) -> No
                      engine_starter=lambda es: engine, tenants=tenants)
     with TestClient(app) as client:
         batch = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(30)], key="sk-one")
-        deadline = time.monotonic() + 10
-        while retrieve(client, batch.id, "sk-one").request_counts.succeeded < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        until_sync(lambda: retrieve(client, batch.id, "sk-one").request_counts.succeeded >= 1, what="a request done")
         path.write_text("keys:\n  two: {key: sk-two}\n")
         assert tenants.reload("test")
         assert client.get(f"{BATCHES}/{batch.id}", headers=headers("sk-one")).status_code == 401
         ran = len(engine.requests)
-        deadline = time.monotonic() + 20
-        while _status(tmp_path, batch.id) != "completed":  # on disk: no key may read it now
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        until_sync(lambda: _status(tmp_path, batch.id) == "completed", what="completed (on disk: no key may read it now)")
         assert len(engine.requests) <= ran + 1  # the one in flight, at most
         path.write_text("keys:\n  one: {key: sk-one}\n  two: {key: sk-two}\n")
         assert tenants.reload("test")
@@ -445,10 +437,8 @@ def test_a_rate_limited_keys_batch_does_not_hold_the_lane_for_another_key(tmp_pa
     with TestClient(app_with(engine, keys_file=keys, **settings(tmp_path, max_in_flight=2))) as client:
         refused = _refusals()
         slow = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(6)], key="sk-slow")
-        deadline = time.monotonic() + 10
-        while _refusals() == refused:  # its create took the key's one request of this minute: lines wait
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        # its create took the key's one request of this minute: lines wait
+        until_sync(lambda: _refusals() != refused, what="a line refused by the key's limit")
         fast = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(4)], key="sk-fast")
         done = ended(client, fast.id, "sk-fast", timeout=20)
         assert done.request_counts.succeeded == 4
@@ -456,9 +446,7 @@ def test_a_rate_limited_keys_batch_does_not_hold_the_lane_for_another_key(tmp_pa
         asyncio.run(batch_in(tmp_path / "batches", slow.id).ask_cancel())  # its key may not ask for a minute: as another replica would
         runner = client.app_state["gateway"].batch_runner
         runner.cancel(slow.id)
-        while _status(tmp_path, slow.id) != "cancelled":
-            assert time.monotonic() < deadline + 20
-            time.sleep(0.02)
+        until_sync(lambda: _status(tmp_path, slow.id) == "cancelled", what="the slow batch cancelled")
         assert runner.slots._value == 2  # every slot back: none lost, none counted twice, by the lines cancelled asleep
 
 

@@ -5,7 +5,6 @@ by every way in, and touches nothing: no read, no cancel, no delete, no engine r
 from __future__ import annotations
 
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from gateway.errors import NotFound
 from gateway.protocol.responses import Response
 from gateway.stores.responses import MemoryStore, ResponseStore, StoredResponse
 from tests.fakes import FakeEngine, app_with
+from tests.waits import until_sync
 
 MODEL = "fake-model"
 UNKNOWN = "resp_0123456789abcdef0123456789abcdef"
@@ -77,11 +77,8 @@ def test_another_tenants_ids_answer_as_unknown_ids_and_touch_nothing(keys: Path)
                 assert (status, refused) == (expected[0], _renamed(expected[1], UNKNOWN, theirs)), (method, path)
         assert len(engine.requests) == requests_before  # no follow-up reached the engine
         assert engine.aborted == []  # the running one was not cancelled
-        for _ in range(300):  # bounded: 25 tokens of 0.02 s
-            status_now = client.get(f"/v1/responses/{running['id']}", headers=auth("sk-owner")).json()["status"]
-            if status_now not in ("queued", "in_progress"):
-                break
-            time.sleep(0.02)
+        status_now = until_sync(lambda: (now := client.get(f"/v1/responses/{running['id']}", headers=auth("sk-owner"))
+                                         .json()["status"]) not in ("queued", "in_progress") and now, what="the run over")
         assert status_now == "incomplete"  # ran to its max_output_tokens
         kept = client.get(f"/v1/responses/{done['id']}", headers=auth("sk-owner")).json()
         assert kept == done  # unchanged, not deleted

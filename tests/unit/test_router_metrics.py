@@ -20,7 +20,8 @@ from engine.config import EngineSettings
 from engine.types import EngineLoad
 from gateway.app import create_app
 from gateway.telemetry import router
-from tests.fakes import FakeEngine, app_with, chat_body, fake_settings
+from tests.fakes import FakeEngine, HeldEngine, app_with, chat_body, fake_settings
+from tests.waits import until
 
 PICKER_READS = {  # llm-d-router v0.10.0, core-metrics-extractor's built-in "vllm" engine config
     "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
@@ -67,7 +68,7 @@ def test_the_page_holds_exactly_the_series_the_picker_reads_one_sample_each() ->
 async def test_requests_waiting_for_admission_are_counted_as_waiting() -> None:
     """One request runs (the engine's), two wait in the gateway's admission queue, one in the
     engine's queue: the picker sees 3 waiting and 1 running."""
-    engine = FakeEngine(delay=0.05)
+    engine = HeldEngine()
     engine.scheduler = EngineLoad(waiting=1, block_size=16, num_blocks=64)
     app = app_with(engine, admission={"max_running": 1, "max_waiting": 5, "wait_timeout_s": 30})
     async with app.router.lifespan_context(app) as state:
@@ -81,9 +82,9 @@ async def test_requests_waiting_for_admission_are_counted_as_waiting() -> None:
             posts = [asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(max_tokens=4)))
                      for _ in range(3)]
             admission = state["gateway"].models.backends["fake-model"].admission
-            while not (engine.running and admission.waiting == 2):  # noqa: ASYNC110 - no event to wait on
-                await asyncio.sleep(0.001)
+            await until(lambda: engine.held and admission.waiting == 2, what="1 running, 2 waiting")
             busy = parse((await client.get("/metrics/router")).text)
+            engine.go.set()
             responses = await asyncio.gather(*posts)
             after = parse((await client.get("/metrics/router")).text)
     assert [r.status_code for r in responses] == [200, 200, 200]

@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY
 from tests.fakes import FakeEngine, chat_body
 from tests.redis_server import RedisServer
 from tests.served import gateway
+from tests.waits import until_sync
 
 WAIT_S = 10  # a bound on waiting for an off-path correction, not a measurement
 
@@ -44,10 +45,7 @@ def post(base: str, key: str, **extra: object) -> httpx.Response:
 
 
 def settled(stored: redis.Redis, counter: str, tokens: int) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while int(stored.get(counter) or 0) != tokens:
-        assert time.monotonic() < deadline, f"{counter} is {stored.get(counter)!r}, not {tokens}"
-        time.sleep(0.01)
+    until_sync(lambda: int(stored.get(counter) or 0) == tokens, WAIT_S, f"{counter} at {tokens}")
 
 
 def metric(name: str, **labels: str) -> float:

@@ -40,7 +40,7 @@ def answer_index(seat: WorkerSeat, payload: Any) -> int:
 def die_after_start(seat: WorkerSeat, payload: Any) -> int:
     if seat.index == 1:
         seat.announce()
-        time.sleep(0.5)
+        time.sleep(0.5)  # the behaviour: a worker that served a while, then died
         return 7
     return answer_index(seat, payload)
 
