@@ -248,8 +248,8 @@ class HeldEngine(FakeEngine):
     """The fake engine holding every generation before its first token until `go` is set: the
     requests it was given stay running exactly as long as the test says, whatever the machine's speed."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.go = asyncio.Event()
         self.held: list[str] = []  # every request it was given (each held until `go`)
 

@@ -184,6 +184,16 @@ def wait_until_up(base: str, process: subprocess.Popen, log_path: Path, verify: 
     raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()[-5000:]}")
 
 
+def in_front_of(server: str, folder: Path) -> dict[str, str]:
+    """The env of a gateway whose one model (MODEL) is the session's gateway, reached as a remote
+    upstream: for a test about the gateway (TLS, batches, stores, replicas), a gateway that starts in
+    seconds without an engine of its own."""
+    folder.mkdir(parents=True, exist_ok=True)
+    models = folder / "models.yaml"
+    models.write_text(f"models:\n  - name: {MODEL}\n    kind: remote\n    url: {server}/v1\n    upstream_model: {MODEL}\n")
+    return {"GATEWAY_MODELS_FILE": str(models)}
+
+
 @pytest.fixture(scope="session")
 def base_url(server: str) -> str:
     return server

@@ -8,7 +8,6 @@ import asyncio
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from tests.adapters import write_adapter
 from tests.integration.conftest import REPO, gateway_process
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("adapters as models are the gateway's own")]
 BASE = "smollm2-135m-instruct"
@@ -170,9 +170,15 @@ def test_admin_loads_and_unloads_an_adapter_while_serving(gateway: str, adapters
     unloading = threading.Thread(target=lambda: unloaded.append(httpx.post(
         f"{gateway}/v1/unload_lora_adapter", json={"lora_name": "lora-c"}, headers=ADMIN, timeout=300)))
     unloading.start()
-    time.sleep(0.5)
-    with pytest.raises(openai.NotFoundError):  # gone for new requests at once
-        answer(gateway, "lora-c")
+
+    def refused() -> bool:  # gone for new requests once the unload has begun, while the stream runs on
+        try:
+            answer(gateway, "lora-c")
+        except openai.NotFoundError:
+            return True
+        return False
+
+    until_sync(refused, 60, "lora-c refused to new requests", step_s=0.1)
     rest = list(chunks)
     unloading.join(timeout=300)
     assert rest[-1].usage is not None

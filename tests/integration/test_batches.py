@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from tests.integration.conftest import MODEL, gateway_process
+from tests.integration.conftest import MODEL, gateway_process, in_front_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("the Batches API runs on the gateway's own engine")]
 KEYS = ("sk-batch-owner", "sk-batch-other")
@@ -24,10 +24,11 @@ DONE = ("completed", "failed", "expired", "cancelled")
 QUESTIONS = ["What is the capital of France?", "Name a colour.", "Say hello.", "Count to three.", "What is 2+2?"]
 
 
-def env_for(folder: Path) -> dict[str, str]:
+def env_for(server: str, folder: Path) -> dict[str, str]:
+    """A gateway in front of the session's (the batch lane is the gateway's: no engine of its own to start)."""
     return {
-        "GATEWAY_API_KEYS": json.dumps(list(KEYS)), "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_WARMUP": "false",
-        "GATEWAY_ENGINE__ENFORCE_EAGER": "true", "GATEWAY_LOG_FORMAT": "json",
+        **in_front_of(server, folder / "front"), "GATEWAY_API_KEYS": json.dumps(list(KEYS)),
+        "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_WARMUP": "false", "GATEWAY_LOG_FORMAT": "json",
         "GATEWAY_FILES__DIR": str(folder / "files"), "GATEWAY_BATCHES__DIR": str(folder / "batches"),
         "GATEWAY_BATCHES__POLL_S": "0.2", "GATEWAY_BATCHES__LEASE_S": "6",  # a killed replica's lease expires soon
     }
@@ -74,8 +75,8 @@ def lines_of(client: openai.OpenAI, file_id: str | None) -> dict[str, dict[str, 
 
 
 @pytest.fixture(scope="module")
-def first(folder: Path) -> Iterator[tuple[str, Any]]:
-    with gateway_process(folder, env_for(folder)) as started:
+def first(server: str, folder: Path) -> Iterator[tuple[str, Any]]:
+    with gateway_process(folder, env_for(server, folder)) as started:
         yield started
 
 
@@ -130,7 +131,7 @@ def kill(process: Any) -> None:
     process.wait(timeout=30)
 
 
-def test_a_killed_gateway_resumes_its_batch_after_a_restart(first: tuple[str, Any], folder: Path) -> None:
+def test_a_killed_gateway_resumes_its_batch_after_a_restart(first: tuple[str, Any], folder: Path, server: str) -> None:
     base, process = first
     lines = [line(f"k{i}", QUESTIONS[i % 5], max_tokens=32) for i in range(20)]
     batch = submit(sdk(base), lines)
@@ -139,7 +140,7 @@ def test_a_killed_gateway_resumes_its_batch_after_a_restart(first: tuple[str, An
     record = json.loads(next((folder / "batches").glob(f"*/{batch.id}/record.json")).read_text())
     assert record["batch"]["status"] == "in_progress"
     assert record["batch"]["request_counts"]["completed"] < 20  # killed mid-batch
-    with gateway_process(folder, env_for(folder)) as (again, _):
+    with gateway_process(folder, env_for(server, folder)) as (again, _):
         owner = sdk(again)
         done = wait(owner, batch.id)
         output = lines_of(owner, done.output_file_id)  # (each custom_id once: checked there)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -16,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import MODEL
+from tests.waits import until, until_sync
 
 pytestmark = pytest.mark.integration
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -345,12 +345,8 @@ def engine_running(base_url: str) -> float:
 
 
 def wait_for_idle(base_url: str, timeout: float = 20.0) -> float:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (running := engine_running(base_url)) == 0:
-            return running
-        time.sleep(0.2)
-    return engine_running(base_url)
+    until_sync(lambda: engine_running(base_url) == 0, timeout, "the engine idle", step_s=0.2)
+    return 0
 
 
 def test_stream_disconnect_frees_the_engine(base_url: str) -> None:
@@ -359,8 +355,7 @@ def test_stream_disconnect_frees_the_engine(base_url: str) -> None:
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
-        time.sleep(1.0)  # vLLM publishes its gauges every engine step; let them show the request
-        assert engine_running(base_url) >= 1
+        until_sync(lambda: engine_running(base_url) >= 1, what="the request in vLLM's gauges", step_s=0.1)
     assert wait_for_idle(base_url) == 0
 
 
@@ -368,8 +363,7 @@ async def test_non_stream_disconnect_frees_the_engine(base_url: str) -> None:
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1500, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=60) as client:
         task = asyncio.create_task(client.post(f"{base_url}/v1/chat/completions", json=body))
-        await asyncio.sleep(2.0)
-        assert engine_running(base_url) >= 1
+        await until(lambda: engine_running(base_url) >= 1, what="the request in vLLM's gauges")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert wait_for_idle(base_url) == 0

@@ -99,7 +99,7 @@ def test_an_abandoned_upload_is_a_499(base_url: str) -> None:
     with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 5000\r\n\r\n{\"model\": ")
-        time.sleep(0.5)
+        time.sleep(0.5)  # the behaviour: a client that stalls mid-upload, then leaves
     deadline = time.monotonic() + 20
     while requests_with(base_url, "499") == before and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -13,7 +13,7 @@ from typing import Any
 import anthropic
 import pytest
 
-from tests.integration.conftest import MODEL, gateway_process
+from tests.integration.conftest import MODEL, gateway_process, in_front_of
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.gateway_only("Message Batches run on the gateway's own engine")]
@@ -22,11 +22,11 @@ QUESTIONS = ["What is the capital of France?", "Name a colour.", "Say hello.", "
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def base(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("message-batches")
     env = {
-        "GATEWAY_API_KEYS": json.dumps(list(KEYS)), "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_WARMUP": "false",
-        "GATEWAY_ENGINE__ENFORCE_EAGER": "true", "GATEWAY_LOG_FORMAT": "json",
+        **in_front_of(server, folder), "GATEWAY_API_KEYS": json.dumps(list(KEYS)), "GATEWAY_CACHE__BACKEND": "off",
+        "GATEWAY_WARMUP": "false", "GATEWAY_LOG_FORMAT": "json",
         "GATEWAY_FILES__DIR": str(folder / "files"), "GATEWAY_BATCHES__DIR": str(folder / "batches"),
         "GATEWAY_BATCHES__POLL_S": "0.2",
     }

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import MODEL
 from tests.tooling.monitoring import all_exprs, exposed_names, is_exposed, metric_names
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("vLLM's server has no gateway_* metrics")]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -41,8 +42,13 @@ def test_metrics_after_real_traffic(sdk: openai.OpenAI, base_url: str) -> None:
         usage_tokens += sdk.chat.completions.create(model=MODEL, messages=SHARED, max_tokens=8).usage.completion_tokens
     stream = sdk.chat.completions.create(model=MODEL, messages=SHARED, max_tokens=8, stream=True, stream_options={"include_usage": True})
     usage_tokens += [c for c in stream][-1].usage.completion_tokens
-    time.sleep(1.5)  # vLLM's gauges and counters are updated from engine steps
-    after = samples(base_url)
+
+    def settled(now: dict[tuple[str, tuple], float]) -> bool:  # vLLM's gauges and counters follow its engine steps
+        return (total(now, "vllm:request_success_total") - total(before, "vllm:request_success_total") >= 4
+                and total(now, "vllm:num_requests_running") == 0
+                and total(now, "gateway_requests_in_flight", model=MODEL) == 0)
+
+    after = until_sync(lambda: settled(now := samples(base_url)) and now, what="the metrics settled", step_s=0.2)
 
     def delta(name: str, **labels: str) -> float:
         return total(after, name, **labels) - total(before, name, **labels)

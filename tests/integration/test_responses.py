@@ -6,7 +6,6 @@ through Redis is in test_backends.py (it needs a second gateway)."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -14,6 +13,7 @@ import pytest
 
 from tests.integration.conftest import MODEL
 from tests.integration.test_conformance import engine_running, wait_for_idle
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("stored responses and chains need the gateway's store")]
 QUESTION = "What is the capital of France?"
@@ -101,9 +101,8 @@ def test_previous_response_id_keeps_the_conversation(sdk: openai.OpenAI) -> None
 def test_background_completes(sdk: openai.OpenAI) -> None:
     started = sdk.responses.create(model=MODEL, input=QUESTION, background=True, temperature=0, max_output_tokens=20)
     assert started.status == "in_progress"
-    deadline = time.monotonic() + 120
-    while (found := sdk.responses.retrieve(started.id)).status == "in_progress" and time.monotonic() < deadline:
-        time.sleep(0.2)
+    found = until_sync(lambda: (got := sdk.responses.retrieve(started.id)).status != "in_progress" and got, 120,
+                       "the response done", step_s=0.2)
     assert found.status in ("completed", "incomplete")
     assert "Paris" in found.output_text
 
@@ -111,8 +110,7 @@ def test_background_completes(sdk: openai.OpenAI) -> None:
 def test_cancel_stops_a_background_response(sdk: openai.OpenAI, base_url: str) -> None:
     started = sdk.responses.create(model=MODEL, input="Write the numbers from 1 to 1000, separated by commas.",
                                    background=True, temperature=0, max_output_tokens=1500)
-    time.sleep(1.0)  # vLLM publishes its gauges every engine step; let them show the request
-    assert engine_running(base_url) >= 1
+    until_sync(lambda: engine_running(base_url) >= 1, what="the request in vLLM's gauges", step_s=0.1)
     cancelled = sdk.responses.cancel(started.id)
     assert cancelled.status == "cancelled"
     assert sdk.responses.retrieve(started.id).status == "cancelled"

@@ -117,7 +117,7 @@ async def test_the_compiler_stops_a_slow_compile_and_goes_on() -> None:
         assert (await compiler.check("json_schema", simple, True, 30)).cached
         assert not (await compiler.check("json_schema", '{"anyOf": []}', True, 30)).ok  # admits nothing
         task = asyncio.create_task(compiler.check("json_schema", slow, False, 60))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the cancel comes mid-compile (the slow schema takes far longer)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

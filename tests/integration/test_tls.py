@@ -21,7 +21,7 @@ import openai
 import pytest
 import trustme
 
-from tests.integration.conftest import MODEL, gateway_process
+from tests.integration.conftest import MODEL, gateway_process, in_front_of
 from tests.tls_support import Files, client_context, handshake, served_certificate
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("TLS settings are the gateway's own")]
@@ -43,7 +43,7 @@ class Secure:
 
 
 @pytest.fixture(scope="module")
-def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
+def secure(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
     folder = tmp_path_factory.mktemp("tls")
     server_ca, clients = trustme.CA(), trustme.CA()
     files = Files(folder / "certs", server_ca)
@@ -54,7 +54,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
         "GATEWAY_TLS__CA_FILE": str(folder / "certs" / "clients-ca.pem"),
         "GATEWAY_TLS__CLIENT_AUTH": "required", "GATEWAY_TLS__MIN_VERSION": "TLSv1.3",
         "GATEWAY_TLS__RELOAD_INTERVAL_S": "0",  # SIGHUP only: the reload test shows that it works
-        "GATEWAY_ENGINE__ENFORCE_EAGER": "true", "GATEWAY_WARMUP": "false", "GATEWAY_CACHE__BACKEND": "off",
+        **in_front_of(server, folder), "GATEWAY_WARMUP": "false", "GATEWAY_CACHE__BACKEND": "off",
         "GATEWAY_LOG_FORMAT": "json",
     }
     with gateway_process(folder, env, tls=client_context(server_ca, client)) as (base, process):

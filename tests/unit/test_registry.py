@@ -11,7 +11,8 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.backends.modelfile import ConfigError
-from tests.fakes import FakeEngine, chat_body, fake_settings
+from tests.fakes import FakeEngine, HeldEngine, chat_body, fake_settings
+from tests.waits import until
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -64,7 +65,7 @@ def test_fallback_when_the_engine_is_dead(tmp_path: Path) -> None:
 
 
 async def test_fallback_when_overloaded(tmp_path: Path) -> None:
-    engines = {"primary": FakeEngine("primary", delay=0.05), "backup": FakeEngine("backup")}
+    engines = {"primary": HeldEngine("primary"), "backup": FakeEngine("backup")}
     app = multi_app(tmp_path, engines)
     async with app.router.lifespan_context(app) as state:
         async def with_state(scope, receive, send):
@@ -72,7 +73,10 @@ async def test_fallback_when_overloaded(tmp_path: Path) -> None:
             await app(scope, receive, send)
 
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://test") as client:
-            answers = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat_body("primary")) for _ in range(3)))
+            posts = [asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("primary"))) for _ in range(3)]
+            await until(lambda: len(engines["backup"].finished) == 2, what="two fell back while the primary is full")
+            engines["primary"].go.set()
+            answers = await asyncio.gather(*posts)
     served = sorted(a.headers["x-served-model"] for a in answers)
     assert all(a.status_code == 200 for a in answers)
     assert served == ["backup", "backup", "primary"]
