@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 
 from tests.fakes import FakeEngine, app_with
+from tests.waits import until_sync
 
 HOST = "127.0.0.1"
 WAIT_S = 30  # a bound on waiting for the server, not a measurement
@@ -34,10 +34,7 @@ def running(server: uvicorn.Server) -> Iterator[int]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + WAIT_S
-        while not server.started and thread.is_alive():
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
+        until_sync(lambda: server.started or not thread.is_alive(), WAIT_S, "the server started")
         assert server.started, "the server did not start"
         yield int(sock.getsockname()[1])
     finally:

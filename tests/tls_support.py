@@ -9,7 +9,6 @@ import contextlib
 import os
 import socket
 import ssl
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from gateway.server.tls import ServerTLS
 from gateway.settings import TLSSettings
 from tests.fakes import FakeEngine, fake_settings
 from tests.served import running
+from tests.waits import until_sync
 
 HOST = "127.0.0.1"
 WAIT_S = 30  # a bound on waiting for an event, not a measurement
@@ -106,7 +106,4 @@ def serving(tls: TLSSettings | ServerTLS) -> Iterator[str]:
 
 
 def wait_for(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+    until_sync(condition, WAIT_S)

@@ -23,6 +23,7 @@ import openai
 import psutil
 import pytest
 
+from tests.otlp_receiver import Receiver, receiver
 from tests.ports import listening_line
 
 REPO = Path(__file__).parents[2]
@@ -32,6 +33,7 @@ START_TIMEOUT_S = 600
 # (same model, same engine settings); tests of what only the gateway offers are skipped there.
 TARGET = os.environ.get("GATEWAY_TEST_TARGET", "gateway")
 VLLM_ATTEMPTS = 5  # vLLM's server on a port picked here: tried again on another when it was taken
+SERVICE_NAME = "gateway-under-test"
 
 
 def gateway_command(*flags: str) -> list[str]:
@@ -73,8 +75,17 @@ def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def server(server_log: Path) -> Iterator[str]:
-    env = {**os.environ, "GATEWAY_LOG_FORMAT": "json", "GATEWAY_HEADER_TIMEOUT_S": "3"}
+def otlp() -> Iterator[tuple[Receiver, int]]:
+    """The receiver the session's gateway sends its traces to (test_tracing reads them), and its port."""
+    with receiver() as found:
+        yield found
+
+
+@pytest.fixture(scope="session")
+def server(server_log: Path, otlp: tuple[Receiver, int]) -> Iterator[str]:
+    env = {**os.environ, "GATEWAY_LOG_FORMAT": "json", "GATEWAY_HEADER_TIMEOUT_S": "3",
+           "GATEWAY_TRACING__OTLP_ENDPOINT": f"http://127.0.0.1:{otlp[1]}/v1/traces",
+           "GATEWAY_TRACING__SERVICE_NAME": SERVICE_NAME, "GATEWAY_TRACING__ENGINE_SPANS": "true"}
     starting = vllm_server(server_log, env) if TARGET == "vllm" else session_gateway(server_log, env)
     with starting as base:
         yield base

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import gateway_process, in_front_of
+from tests.integration.conftest import gateway_process
 from tests.ports import closed_port
 from tests.redis_server import RedisServer
 from tests.waits import until_sync
@@ -202,11 +202,11 @@ async def test_overloaded_model_falls_back(second) -> None:
 
 
 @pytest.fixture
-def replica(server: str, redis: RedisServer, tmp_path: Path) -> Iterator[str]:
-    """Gateway C: another replica on the same Redis (and keys) as B, in front of the session's gateway
-    (what it shares with B is the store, not an engine); up for one test."""
-    env = {**in_front_of(server, tmp_path), "GATEWAY_API_KEYS": '["sk-integration", "sk-other"]',
-           "GATEWAY_CACHE__BACKEND": "redis", "GATEWAY_CACHE__REDIS_URL": redis.url, "GATEWAY_WARMUP": "false"}
+def replica(redis: RedisServer, tmp_path: Path) -> Iterator[str]:
+    """Gateway C: another replica on the same Redis (and keys) as B, its own engine (the Responses API
+    serves embedded models only); up for one test."""
+    env = {"GATEWAY_API_KEYS": '["sk-integration", "sk-other"]', "GATEWAY_CACHE__BACKEND": "redis",
+           "GATEWAY_CACHE__REDIS_URL": redis.url, "GATEWAY_WARMUP": "false", "GATEWAY_ENGINE__ENFORCE_EAGER": "true"}
     with gateway_process(tmp_path, env) as (base, _):
         yield base
 

@@ -7,7 +7,6 @@ every custom_id answered exactly once."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import psutil
 import pytest
 
 from tests.integration.conftest import MODEL, gateway_process, in_front_of
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("the Batches API runs on the gateway's own engine")]
 KEYS = ("sk-batch-owner", "sk-batch-other")
@@ -56,13 +56,8 @@ def submit(client: openai.OpenAI, lines: list[dict[str, Any]]) -> Any:
 
 
 def wait(client: openai.OpenAI, batch_id: str, until: Any = lambda b: b.status in DONE, timeout: float = 150) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = client.batches.retrieve(batch_id)
-        if until(found):
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"batch {batch_id}: {found.status}, {found.request_counts}")
+    return until_sync(lambda: until(found := client.batches.retrieve(batch_id)) and found, timeout,
+                      f"batch {batch_id} as awaited", step_s=0.2)
 
 
 def lines_of(client: openai.OpenAI, file_id: str | None) -> dict[str, dict[str, Any]]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -15,6 +14,7 @@ import psutil
 import pytest
 
 from tests.integration.conftest import gateway_process
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("fallbacks and engine liveness are the gateway's own")]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -62,11 +62,8 @@ def test_a_killed_engine_fails_liveness_and_its_requests_fall_back(doomed) -> No
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
 
     engine_core(gateway).send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    health = httpx.get(f"{base}/health")
-    while health.status_code == 200 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        health = httpx.get(f"{base}/health")
+    health = until_sync(lambda: (now := httpx.get(f"{base}/health")).status_code != 200 and now, 60, "liveness failed",
+                        step_s=0.2)
     assert health.status_code == 503
     assert health.json()["status"] == "dead"
     assert health.json()["models"]["doomed"].startswith("dead: ")

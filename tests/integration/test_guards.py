@@ -10,7 +10,6 @@ holding an email address, which the engine only ever sees as a placeholder.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from gateway.tenancy.keys import key_id
 from tests.integration.conftest import gateway_process
 from tests.integration.test_conformance import wait_for_idle
 from tests.loopback_server import LoopbackServer
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("guardrails are the gateway's own")]
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
@@ -89,12 +89,13 @@ def total(snapshot: dict, name: str, **labels: str) -> float:
 
 
 def access_line(log: Path, request_id: str) -> dict:
-    for _ in range(50):
+    def found() -> dict | None:
         for line in log.read_text().splitlines():
             if request_id in line and (fields := json.loads(line)).get("event") == "request":
                 return dict(fields)
-        time.sleep(0.1)
-    raise AssertionError(f"no access line for {request_id}")
+        return None
+
+    return until_sync(found, 30, f"an access line for {request_id}", step_s=0.1)
 
 
 def test_an_output_guard_cuts_a_stream_with_content_filter_and_stops_the_engine(guarded) -> None:

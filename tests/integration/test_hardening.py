@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import MODEL
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("the gateway's own hardening")]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -100,9 +101,7 @@ def test_an_abandoned_upload_is_a_499(base_url: str) -> None:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 5000\r\n\r\n{\"model\": ")
         time.sleep(0.5)  # the behaviour: a client that stalls mid-upload, then leaves
-    deadline = time.monotonic() + 20
-    while requests_with(base_url, "499") == before and time.monotonic() < deadline:
-        time.sleep(0.2)
+    until_sync(lambda: requests_with(base_url, "499") != before, 20, "a 499 counted", step_s=0.2)
     assert requests_with(base_url, "499") == before + 1
 
 

@@ -6,14 +6,14 @@ running batch leaves its unrun requests `canceled`."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import pytest
 
-from tests.integration.conftest import MODEL, gateway_process, in_front_of
+from tests.integration.conftest import MODEL, gateway_process
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.gateway_only("Message Batches run on the gateway's own engine")]
@@ -22,11 +22,11 @@ QUESTIONS = ["What is the capital of France?", "Name a colour.", "Say hello.", "
 
 
 @pytest.fixture(scope="module")
-def base(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("message-batches")
     env = {
-        **in_front_of(server, folder), "GATEWAY_API_KEYS": json.dumps(list(KEYS)), "GATEWAY_CACHE__BACKEND": "off",
-        "GATEWAY_WARMUP": "false", "GATEWAY_LOG_FORMAT": "json",
+        "GATEWAY_API_KEYS": json.dumps(list(KEYS)), "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_WARMUP": "false",
+        "GATEWAY_ENGINE__ENFORCE_EAGER": "true", "GATEWAY_LOG_FORMAT": "json",
         "GATEWAY_FILES__DIR": str(folder / "files"), "GATEWAY_BATCHES__DIR": str(folder / "batches"),
         "GATEWAY_BATCHES__POLL_S": "0.2",
     }
@@ -44,13 +44,8 @@ def params(question: str, max_tokens: int = 12) -> dict[str, Any]:
 
 
 def ended(client: anthropic.Anthropic, batch_id: str, timeout: float = 150) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = client.messages.batches.retrieve(batch_id)
-        if found.processing_status == "ended":
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"batch {batch_id}: {found.processing_status}, {found.request_counts}")
+    return until_sync(lambda: (found := client.messages.batches.retrieve(batch_id)).processing_status == "ended"
+                      and found, timeout, f"batch {batch_id} ended", step_s=0.2)
 
 
 def test_a_message_batch_answers_as_interactive_requests_do(base: str) -> None:
@@ -96,9 +91,8 @@ def test_a_running_message_batch_is_canceled(base: str) -> None:
     with claude(base) as owner:
         requests = [{"custom_id": f"c{i}", "params": params(QUESTIONS[i % 4], 48)} for i in range(12)]
         batch = owner.messages.batches.create(requests=requests)  # type: ignore[arg-type]
-        deadline = time.monotonic() + 60
-        while owner.messages.batches.retrieve(batch.id).request_counts.succeeded < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        until_sync(lambda: owner.messages.batches.retrieve(batch.id).request_counts.succeeded >= 1, 60, "one answered",
+                   step_s=0.1)
         canceling = owner.messages.batches.cancel(batch.id)
         assert canceling.processing_status in ("canceling", "ended")
         assert canceling.cancel_initiated_at is not None

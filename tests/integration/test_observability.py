@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import httpx
@@ -89,16 +88,13 @@ def test_access_log_line_carries_request_id_and_tokens(base_url: str, server_log
     usage = response.json()["usage"]
     generated = httpx.get(f"{base_url}/health").headers["x-request-id"]
     assert len(generated) == 32
-    deadline = time.monotonic() + 5
-    line = None
-    while line is None and time.monotonic() < deadline:
-        for raw in server_log.read_text().splitlines():
-            if raw.startswith("{") and '"obs-test-123"' in raw:
-                record = json.loads(raw)
-                if record.get("event") == "request":
-                    line = record
-        time.sleep(0.1)
-    assert line is not None
+
+    def logged() -> dict | None:
+        records = [json.loads(raw) for raw in server_log.read_text().splitlines()
+                   if raw.startswith("{") and '"obs-test-123"' in raw]
+        return next((record for record in records if record.get("event") == "request"), None)
+
+    line = until_sync(logged, 30, "the access line", step_s=0.1)
     assert line["status"] == 200
     assert line["model"] == MODEL
     assert line["path"] == ROUTE

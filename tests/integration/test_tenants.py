@@ -19,6 +19,7 @@ import redis
 
 from tests.integration.conftest import gateway_process
 from tests.redis_server import RedisServer
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("tenants are the gateway's own")]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -139,12 +140,12 @@ def test_sighup_reloads_the_keys_file(front) -> None:
         sdk(base, "sk-late").models.list()
     keys.write_text(KEYS + "  late: {key: sk-late, team: late}\n")
     process.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + WAIT_S
-    while True:
+
+    def listed() -> list[str] | None:
         try:
-            assert [m.id for m in sdk(base, "sk-late").models.list()] == ["smol-remote", "other-remote"]
-            break
+            return [m.id for m in sdk(base, "sk-late").models.list()]
         except openai.AuthenticationError:
-            assert time.monotonic() < deadline, "the keys file was not reloaded"
-            time.sleep(0.2)
+            return None
+
+    assert until_sync(listed, WAIT_S, "the keys file reloaded", step_s=0.2) == ["smol-remote", "other-remote"]
     assert process.poll() is None  # SIGHUP reloads, it does not stop the server

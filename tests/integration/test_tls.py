@@ -11,7 +11,6 @@ import os
 import signal
 import ssl
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import trustme
 
 from tests.integration.conftest import MODEL, gateway_process, in_front_of
 from tests.tls_support import Files, client_context, handshake, served_certificate
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("TLS settings are the gateway's own")]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -106,11 +106,9 @@ def test_sighup_serves_a_rotated_certificate(secure: Secure) -> None:
     new_client = client_context(new_ca, secure.client)
     assert served_certificate(secure.base, secure.context()) == before
     os.kill(secure.process.pid, signal.SIGHUP)
-    deadline = time.monotonic() + 60
-    while served_certificate(secure.base, new_client) != rotated:
-        assert time.monotonic() < deadline
-        assert secure.process.poll() is None
-        time.sleep(0.2)
+    until_sync(lambda: secure.process.poll() is not None or served_certificate(secure.base, new_client) == rotated,
+               60, "the new certificate served", step_s=0.2)
+    assert secure.process.poll() is None
     with sdk(secure, new_client) as client:
         answer = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16)
         assert "Paris" in (answer.choices[0].message.content or "")

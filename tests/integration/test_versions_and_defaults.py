@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 from engine.models import default_model_dir
 from tests.integration.conftest import MODEL, REPO, gateway_process
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("versions and per-model defaults are the gateway's")]
 STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to fly."}]
@@ -74,14 +74,13 @@ def client(versioned: tuple[str, Path]) -> openai.OpenAI:
 
 def access_line(log: Path, request_id: str) -> dict:
     """The request's access line, written just after its last byte was sent (so it may lag a little)."""
-    deadline = time.monotonic() + 30
-    while True:
+    def found() -> list[dict]:
         lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-        found = [line for line in lines if line.get("event") == "request" and line.get("request_id") == request_id]
-        if found or time.monotonic() > deadline:
-            assert len(found) == 1, f"no single access line for {request_id}"
-            return found[0]
-        time.sleep(0.2)
+        return [line for line in lines if line.get("event") == "request" and line.get("request_id") == request_id]
+
+    lines = until_sync(found, 30, f"the access line of {request_id}", step_s=0.2)
+    assert len(lines) == 1, f"no single access line for {request_id}"
+    return lines[0]
 
 
 def test_models_lists_every_version(client: openai.OpenAI) -> None:

@@ -21,7 +21,7 @@ def test_lag_probe_answers_its_path_and_passes_everything_else_on() -> None:
     inner = Starlette(routes=[Route("/x", lambda request: PlainTextResponse("inner"))])
     with TestClient(LagProbe(inner, interval_s=0.001)) as client:
         assert client.get("/x").text == "inner"
-        time.sleep(0.05)
+        time.sleep(0.05)  # time passing is the behaviour: the probe samples the loop's lag meanwhile
         first = client.get(PATH).json()
         again = client.get(PATH).json()
     assert first["samples"] > 0

@@ -20,6 +20,7 @@ from benchmarks.echo_engine import create_echo_app, echo_engine
 from benchmarks.loadgen import LoadConfig, RequestRecord, SSEDecoder, StreamAccumulator, runner
 from benchmarks.loadgen.results import Stats, tpot
 from tests.fakes import FakeEngine
+from tests.waits import until
 
 # ---------------------------------------------------------------------------------------------
 # statistics
@@ -297,10 +298,7 @@ async def echo_gateway() -> AsyncIterator[tuple[str, FakeEngine]]:
     app = create_echo_app(Settings(warmup=False, log_level="warning", cache={"backend": "off"}), engine)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="on"))
     task = asyncio.create_task(server.serve())
-    for _ in range(500):
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: server.started or task.done(), what="the echo gateway started")
     assert server.started, "the echo gateway did not start"
     port = server.servers[0].sockets[0].getsockname()[1]
     try:

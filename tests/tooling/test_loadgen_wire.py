@@ -115,7 +115,7 @@ async def test_a_connection_idle_too_long_is_not_reused(scripted) -> None:
         for _ in range(2):
             async with session.post(url, data=b"{}") as response:
                 await response.read()
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # time passing is the behaviour: past idle_s
     assert script.connections == 2
 
 
