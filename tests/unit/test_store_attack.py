@@ -135,7 +135,8 @@ def store_settings(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
 
 def test_two_replicas_on_one_store_answer_each_line_once(tmp_path: Path, store_settings: dict[str, Any]) -> None:
     one, two = FakeEngine(delay=0.02), FakeEngine(delay=0.02)
-    config = {**settings(tmp_path, max_in_flight=3, lease_s=1.5), **store_settings}
+    # leases that do not run out, however slow the machine: no take-over, so each line runs once
+    config = {**settings(tmp_path, max_in_flight=3, lease_s=30), **store_settings}
     with TestClient(app_with(one, **config)) as a, TestClient(app_with(two, **config)) as b:
         batches = [submit(sdk_for(a if i % 2 else b), jsonl(*(chat_line(f"r{i}.{n}") for n in range(8))))
                    for i in range(4)]
