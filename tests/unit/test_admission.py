@@ -13,7 +13,7 @@ from tests.waits import until
 
 
 async def test_flood_holds_the_bound_and_admitted_requests_complete() -> None:
-    engine = FakeEngine(delay=0.02)
+    engine = HeldEngine()  # the admitted hold their slots until all twelve have been seen
     app = app_with(engine, admission={"max_running": 2, "max_waiting": 3, "wait_timeout_s": 30, "retry_after_s": 2})
     peak = 0
 
@@ -32,7 +32,10 @@ async def test_flood_holds_the_bound_and_admitted_requests_complete() -> None:
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             watcher = asyncio.create_task(watch())
             bodies = [chat_body(max_tokens=10, stream=i % 2 == 0) for i in range(12)]
-            responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+            posts = [asyncio.create_task(client.post("/v1/chat/completions", json=b)) for b in bodies]
+            await until(lambda: sum(post.done() for post in posts) == 7, what="7 refused")
+            engine.go.set()
+            responses = await asyncio.gather(*posts)
             watcher.cancel()
     statuses = sorted(r.status_code for r in responses)
     assert statuses.count(200) == 5
@@ -50,7 +53,7 @@ async def test_flood_holds_the_bound_and_admitted_requests_complete() -> None:
 
 
 async def test_waiting_past_the_timeout_is_refused_with_503_when_configured() -> None:
-    engine = FakeEngine(delay=0.05)
+    engine = HeldEngine()
     app = app_with(engine, admission={"max_running": 1, "max_waiting": 5, "wait_timeout_s": 0.1, "reject_status": 503})
     async with app.router.lifespan_context(app) as state:
         async def with_state(scope, receive, send):
@@ -58,10 +61,11 @@ async def test_waiting_past_the_timeout_is_refused_with_503_when_configured() ->
             await app(scope, receive, send)
 
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://test") as client:
-            slow, late = await asyncio.gather(
-                client.post("/v1/chat/completions", json=chat_body(max_tokens=10)),
-                client.post("/v1/chat/completions", json=chat_body(max_tokens=10)),
-            )
+            slow = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(max_tokens=10)))
+            await until(lambda: engine.held, what="the first running")
+            late = await client.post("/v1/chat/completions", json=chat_body(max_tokens=10))  # waits 0.1 s, refused
+            engine.go.set()
+            slow = await slow
     assert slow.status_code == 200
     assert late.status_code == 503
     assert late.json()["error"]["code"] == "model_overloaded"
