@@ -85,7 +85,10 @@ def otlp() -> Iterator[tuple[Receiver, int]]:
 def server(server_log: Path, otlp: tuple[Receiver, int]) -> Iterator[str]:
     env = {**os.environ, "GATEWAY_LOG_FORMAT": "json", "GATEWAY_HEADER_TIMEOUT_S": "3",
            "GATEWAY_TRACING__OTLP_ENDPOINT": f"http://127.0.0.1:{otlp[1]}/v1/traces",
-           "GATEWAY_TRACING__SERVICE_NAME": SERVICE_NAME, "GATEWAY_TRACING__ENGINE_SPANS": "true"}
+           "GATEWAY_TRACING__SERVICE_NAME": SERVICE_NAME, "GATEWAY_TRACING__ENGINE_SPANS": "true",
+           # the batch lane (test_message_batches) in the session's folder, looking for work often
+           "GATEWAY_FILES__DIR": str(server_log.parent / "files"), "GATEWAY_BATCHES__DIR": str(server_log.parent / "batches"),
+           "GATEWAY_BATCHES__POLL_S": "0.2"}
     starting = vllm_server(server_log, env) if TARGET == "vllm" else session_gateway(server_log, env)
     with starting as base:
         yield base

@@ -1,40 +1,29 @@
-"""Anthropic's Message Batches on the real engine through the official `anthropic` SDK
-(`client.messages.batches.create/retrieve/results/cancel/list/delete`): each result compared with
-the same request made interactively at temperature 0; a second key sees none of it; a cancel of a
-running batch leaves its unrun requests `canceled`."""
+"""Anthropic's Message Batches on the real engine (the session's gateway) through the official
+`anthropic` SDK (`client.messages.batches.create/retrieve/results/cancel/list/delete`): each result
+compared with the same request made interactively at temperature 0; a cancel of a running batch
+leaves its unrun requests `canceled`. That another key sees none of it: tests/unit/test_message_batch_attack.py."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import pytest
 
-from tests.integration.conftest import MODEL, gateway_process
+from tests.integration.conftest import MODEL
 from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.gateway_only("Message Batches run on the gateway's own engine")]
-KEYS = ("sk-msgbatch-owner", "sk-msgbatch-other")
 QUESTIONS = ["What is the capital of France?", "Name a colour.", "Say hello.", "What is 2+2?"]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    folder = tmp_path_factory.mktemp("message-batches")
-    env = {
-        "GATEWAY_API_KEYS": json.dumps(list(KEYS)), "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_WARMUP": "false",
-        "GATEWAY_ENGINE__ENFORCE_EAGER": "true", "GATEWAY_LOG_FORMAT": "json",
-        "GATEWAY_FILES__DIR": str(folder / "files"), "GATEWAY_BATCHES__DIR": str(folder / "batches"),
-        "GATEWAY_BATCHES__POLL_S": "0.2",
-    }
-    with gateway_process(folder, env) as (started, _):
-        yield started
+def base(server: str) -> str:
+    return server  # the session's gateway: its batch lane polls often (conftest)
 
 
-def claude(base: str, key: str = KEYS[0]) -> anthropic.Anthropic:
+def claude(base: str, key: str = "unused") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=base, api_key=key, max_retries=0, timeout=120)
 
 
@@ -76,12 +65,6 @@ def test_a_message_batch_answers_as_interactive_requests_do(base: str) -> None:
             assert result.message.stop_reason == interactive.stop_reason
         assert next(iter(owner.messages.batches.list(limit=10))).id == batch.id
 
-        with claude(base, KEYS[1]) as other:  # a second key sees none of it
-            assert list(other.messages.batches.list()) == []
-            with pytest.raises(anthropic.NotFoundError):
-                other.messages.batches.retrieve(batch.id)
-            with pytest.raises(anthropic.NotFoundError):
-                other.messages.batches.delete(batch.id)
         assert owner.messages.batches.delete(batch.id).id == batch.id
         with pytest.raises(anthropic.NotFoundError):
             owner.messages.batches.retrieve(batch.id)
