@@ -11,10 +11,13 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import gateway_process
+from tests.waits import until
 
 pytestmark = pytest.mark.drill
 MODEL = "smollm2-135m-instruct"
@@ -31,6 +34,12 @@ keys:
   web: {key: sk-web, priority: high}
 """
 LOW_TOKENS, HIGH_TOKENS = 340, 24
+
+
+def engine_full(base: str) -> bool:
+    """vLLM's gauges (the gateway's /metrics) show two requests running and one waiting in the engine."""
+    families = {f.name: sum(s.value for s in f.samples) for f in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)}
+    return families.get("vllm:num_requests_running", 0) >= 2 and families.get("vllm:num_requests_waiting", 0) >= 1
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +67,7 @@ async def test_a_high_request_finishes_before_the_low_ones_that_fill_the_engine(
 
     lows = [asyncio.create_task(chat(f"low-{i}", "sk-batch", LOW_TOKENS, topic))
             for i, topic in enumerate(["a ship", "a forest", "a city"])]
-    await asyncio.sleep(3)  # the engine full: two low generating, one waiting in it
+    await until(lambda: engine_full(gateway), 300, "the engine full: two low generating, one waiting in it")
     high = asyncio.create_task(chat("high", "sk-web", HIGH_TOKENS, "a cat"))
     await asyncio.gather(*lows, high)
 
