@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.api import stalls
 from gateway.api.errors import dialect_of, from_exception
 from gateway.api.requests import gone_of
-from gateway.errors import Dialect
+from gateway.errors import ClientDisconnected, Dialect
 from gateway.pipeline.answer import Events, Primed
 from gateway.pipeline.disconnect import Watch
 from gateway.telemetry.record import current_record
@@ -113,19 +113,17 @@ class EventStreamResponse(Response):
         # Plain asyncio, not an anyio cancel scope: cancelling the task once lets the engine's
         # cleanup (its abort) still await; a level-triggered scope would cancel that too.
         watch = Watch(gone_of(receive))
-        sends, sweep = _stall_watch(scope)
+        sends, sweep = _stall_watch(scope, watch)
         try:
-            await self._stream(send, framing, sends)
-        except asyncio.CancelledError:
-            if not watch.disconnected() and not (sends.stalled and sends.task.uncancel() == 0):
-                raise
+            async with watch:
+                await self._stream(send, framing, sends)
+        except ClientDisconnected:
             self.disconnected = True
         except OSError:
             self.disconnected = True  # the socket went away under send
         except Exception:  # the response has started: nothing left to tell the client
             pass
         finally:
-            watch.stop()
             if sweep is not None:
                 sweep.discard(sends)
             current_record().disconnected = self.disconnected
@@ -169,14 +167,13 @@ class EventStreamResponse(Response):
             await self._close()
 
 
-def _stall_watch(scope: Scope) -> tuple[stalls.Sends, stalls.Sweep | None]:
+def _stall_watch(scope: Scope, watch: Watch) -> tuple[stalls.Sends, stalls.Sweep | None]:
     """This stream's sends, watched for a client that stops reading when the stream is served to
-    one (the gateway's state in the scope: not a background response, played to nobody)."""
+    one (the gateway's state in the scope: not a background response, played to nobody). A stall
+    drops the connection (the server's extension), or else expires the disconnect watch."""
     state = scope.get("state") or {}
     gateway = state.get("gateway")
-    task = asyncio.current_task()
-    assert task is not None
-    abort = (scope.get("extensions") or {}).get(stalls.ABORT)
+    abort = (scope.get("extensions") or {}).get(stalls.ABORT) or watch.expire
     if gateway is None:
-        return stalls.Sends(task, abort), None
-    return stalls.watch(gateway.settings.stream_write_timeout_s, task, abort)
+        return stalls.Sends(abort), None
+    return stalls.watch(gateway.settings.stream_write_timeout_s, abort)
