@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import orjson
 import structlog
 from pydantic import BaseModel
-from starlette.responses import Response
+from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.api import stalls
@@ -35,11 +35,11 @@ from gateway.pipeline.disconnect import Watch
 from gateway.telemetry.record import current_record
 
 DONE = b"data: [DONE]\n\n"
-HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),  # proxies such as nginx must not buffer the stream
-]
+HEADERS = {
+    "content-type": "text/event-stream; charset=utf-8",
+    "cache-control": "no-cache",
+    "x-accel-buffering": "no",  # proxies such as nginx must not buffer the stream
+}
 
 log = structlog.get_logger(__name__)
 
@@ -84,9 +84,8 @@ def encode_error(exc: BaseException, framing: Framing = FRAMINGS["openai"]) -> b
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-class EventStreamResponse(Response):
-    """An ASGI response streaming models as SSE (a Response as Starlette's StreamingResponse is:
-    its own `__call__`, no body).
+class EventStreamResponse(StreamingResponse):
+    """An ASGI response streaming models as SSE (Starlette's StreamingResponse, its own `__call__`).
 
     It watches for the client going away (`pipeline.disconnect.Watch`): on a disconnect the stream's
     task is cancelled, which closes the event iterator and so aborts the engine request. A client
@@ -103,9 +102,7 @@ class EventStreamResponse(Response):
         self.events = events
         self.framing = framing  # None: the route's dialect decides (in __call__)
         self.on_close = on_close  # e.g. the admission permit's release, held for the whole stream
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        super().__init__((), headers={**HEADERS, **(headers or {})})  # its events are self.events, sent by __call__
         self.disconnected = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
