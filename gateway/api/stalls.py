@@ -18,6 +18,7 @@ those past the timeout. A stall is noticed within the timeout and one sweep.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 
 import structlog
@@ -53,7 +54,11 @@ class Sweep:
     def add(self, sends: Sends) -> None:
         self.streams[sends] = None
         if self.timer is None:
-            self.timer = self.loop.call_later(self.every, self._sweep)
+            self.timer = self._later()
+
+    def _later(self) -> asyncio.TimerHandle:
+        # in an empty context: not that of the stream whose send set it (its log fields)
+        return self.loop.call_later(self.every, self._sweep, context=contextvars.Context())
 
     def discard(self, sends: Sends) -> None:
         self.streams.pop(sends, None)
@@ -65,7 +70,7 @@ class Sweep:
             log.warning("stream_stalled", waited_s=round(now - sends.since, 1), timeout_s=self.timeout_s)
             sends.stall()
         if self.streams:
-            self.timer = self.loop.call_later(self.every, self._sweep)
+            self.timer = self._later()
 
 
 _sweep: Sweep | None = None  # the running loop's (one loop at a time: the server's)

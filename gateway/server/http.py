@@ -22,6 +22,9 @@ connections and requests in progress, uvicorn answers new requests 503. Bodies h
 timeout (`middleware.body`). What uvicorn's parser refuses is a 400 in the API's error shape
 (`HeaderTimeout.send_400_response`). An answer of unknown length to an HTTP/1.0 client is
 close-delimited, never chunked (`_close_delimited`).
+
+Where this reaches into uvicorn without a public hook is listed in docs/development.md ("Seams")
+and checked by tests/unit/test_seams.py.
 """
 
 from __future__ import annotations
