@@ -69,6 +69,7 @@ def switch_off(without: set[str]) -> None:
         logs._access = types.SimpleNamespace(info=_nothing)
     if "metrics" in without:
         metrics.labelled = lambda metric, *values: NO_METRIC  # type: ignore[assignment]
+        metrics.Observations = lambda child: NO_METRIC  # type: ignore[assignment,misc,return-value]
     if "tokenizer" in without:
         fakes.FakeTokenizer.encode = lambda self, text, add_special_tokens=True: [100] * 128  # type: ignore[method-assign]
 

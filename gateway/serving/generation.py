@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from opentelemetry.trace import Span
-from prometheus_client import Histogram
 
 from engine.config import SamplingDefaults
 from engine.errors import EngineError
@@ -215,7 +214,7 @@ class Run:
         self._first: GenerationOutput | None = None
         self._model = model = engine.info.name
         record.model = record.model or model
-        self._itl: Histogram | None = None  # from the second token on (none for a one-token answer)
+        self._itl: metrics.Observations | None = None  # from the second token on (none for a one-token answer)
         self._started = record.arrival or time.perf_counter()
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -296,8 +295,8 @@ class Run:
                 self._span = self._record.trace.start("engine.decode", attributes={"gen_ai.request.id": self.request.request_id})
         elif self._last_token_at is not None:
             if self._itl is None:
-                self._itl = metrics.labelled(metrics.INTER_TOKEN_LATENCY, self._model)
-            self._itl.observe(at - self._last_token_at)
+                self._itl = metrics.Observations(metrics.labelled(metrics.INTER_TOKEN_LATENCY, self._model))
+            self._itl.add(at - self._last_token_at)
         self._last_token_at = at
 
     def _finish(self) -> None:
@@ -305,6 +304,8 @@ class Run:
         if self._in_flight:
             metrics.labelled(metrics.IN_FLIGHT, self._model).dec()
             self._in_flight = False
+        if self._itl is not None:
+            self._itl.flush()
         prompt, completion = self.prompt_tokens, self.completion_tokens()
         metrics.labelled(metrics.PROMPT_TOKENS, self._model).inc(prompt)
         metrics.labelled(metrics.COMPLETION_TOKENS, self._model).inc(completion)

@@ -8,6 +8,7 @@ gateway's instead: `vllm:lora_requests_info` (`AdapterInfo`), from each engine's
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -158,6 +159,48 @@ class _Exposed(CollectorRegistry):
 
 
 _exposed = _Exposed(REGISTRY)
+
+
+class Observations:
+    """Observations of one histogram child, counted per bucket here and added to it together
+    (`flush`: every `FLUSH_EVERY` observations, and at the end of their run). prometheus_client's
+    `observe` takes two locks and scans the buckets on every call, and the inter-token latency is
+    observed once per streamed token.
+
+    A seam (docs/development.md, "Seams": it pays, benchmarks/RESULTS.md): it adds to the child's
+    own bucket and sum values (prometheus_client's `_upper_bounds`, `_buckets`, `_sum`: no public
+    call adds many observations at once); tests/unit/test_seams.py checks the exposition against
+    the same values passed to `observe`."""
+
+    FLUSH_EVERY = 64
+
+    __slots__ = ("_bounds", "_child", "_counts", "_pending", "_sum")
+
+    def __init__(self, child: Histogram) -> None:
+        self._child = child
+        self._bounds: list[float] = child._upper_bounds  # noqa: SLF001 - a seam (docs/development.md); ends with +Inf
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._pending = 0
+
+    def add(self, value: float) -> None:
+        self._counts[bisect_left(self._bounds, value)] += 1  # the first bucket with value <= bound, as observe
+        self._sum += value
+        self._pending += 1
+        if self._pending >= self.FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        buckets = self._child._buckets  # noqa: SLF001 - a seam (docs/development.md)
+        for index, count in enumerate(self._counts):
+            if count:
+                buckets[index].inc(count)
+                self._counts[index] = 0
+        self._child._sum.inc(self._sum)  # noqa: SLF001 - a seam (docs/development.md)
+        self._sum, self._pending = 0.0, 0
+
 
 
 def aggregate_workers() -> None:

@@ -1,5 +1,5 @@
-"""The seams docs/development.md lists ("Seams"): where the gateway reaches into a dependency
-without a public hook, each named here, so that a release that moves one fails here, by name,
+"""The seams docs/development.md lists ("Seams"): where the gateway reaches into a dependency's
+internals, each named here, so that a release that moves one fails here, by name,
 before the behaviour tests (test_server.py, test_workers) fail in some roundabout way. The pin in
 pyproject.toml says which uvicorn releases were tested."""
 
@@ -28,8 +28,9 @@ def test_every_seam_is_listed_once() -> None:
     """The table in docs/development.md is the one list: each of its rows names code that exists."""
     text = (ROOT / "docs/development.md").read_text()
     rows = [line for line in text[text.index("- Seams:"):].splitlines() if line.startswith("  | ")][1:]
-    assert len(rows) == 7
-    source = (ROOT / "gateway/server/http.py").read_text() + (ROOT / "engine/shared.py").read_text()
+    assert len(rows) == 8
+    source = "".join((ROOT / path).read_text()
+                     for path in ("gateway/server/http.py", "engine/shared.py", "gateway/telemetry/metrics.py"))
     for row in rows:
         for name in re.findall(r"`([\w.]+)`", row.split("|")[2]):  # where: the module, the class or function
             if not name.endswith(".py"):
@@ -86,3 +87,38 @@ def test_vllm_takes_the_api_process_fields_the_shared_core_sets() -> None:
     arguments = source[source.index("class EngineArgs"):]
     for name in ("_api_process_count", "_api_process_rank"):
         assert re.search(rf"^    {name}: int\b", arguments, re.MULTILINE), name
+
+
+def test_observations_add_up_to_the_same_exposition_as_observe() -> None:
+    """metrics.Observations writes into prometheus_client's histogram child (`_upper_bounds`,
+    `_buckets`, `_sum`): the exposition must equal observe's, bucket by bucket, for values on,
+    between and past the bounds, before and after a flush."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.telemetry.metrics import TOKEN_BUCKETS, Observations
+
+    values = [0.0, 0.001, 0.0011, 0.05, 0.3, 4.9, 5.0, 7.5, 1e9, -0.5] * 10  # more than FLUSH_EVERY in all
+    registry = {name: CollectorRegistry() for name in ("observe", "observations")}
+    histograms = {
+        name: Histogram("gaps_seconds", "gaps", ["model"], buckets=TOKEN_BUCKETS, registry=registry[name])
+        for name in registry
+    }
+    for value in values:
+        histograms["observe"].labels("m").observe(value)
+    observations = Observations(histograms["observations"].labels("m"))
+    for value in values[:70]:
+        observations.add(value)
+
+    def exposed(name: str) -> dict[tuple[str, str], float]:
+        families = text_string_to_metric_families(generate_latest(registry[name]).decode())
+        return {(s.name, s.labels.get("le", "")): s.value for f in families for s in f.samples if "_created" not in s.name}
+
+    assert exposed("observations") != exposed("observe")  # 6 still pending
+    for value in values[70:]:
+        observations.add(value)
+    observations.flush()
+    observations.flush()  # nothing pending: adds nothing
+    observed, added = exposed("observe"), exposed("observations")
+    assert added == pytest.approx(observed, rel=1e-12)  # the sum adds in another order
+    assert len(observed) == len(TOKEN_BUCKETS) + 3  # the buckets, +Inf, count, sum
