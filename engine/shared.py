@@ -20,6 +20,7 @@ cache use: `Engine.load`, the `vllm:` gauges) to client 0 only; the other worker
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -54,9 +55,9 @@ class CoreSeat:
 
 
 def _args(settings: EngineSettings, count: int, rank: int) -> AsyncEngineArgs:
-    args = engine_args(settings)
-    args._api_process_count = count
-    args._api_process_rank = rank  # -1: the parent, which runs no client
+    # vLLM's fields for API processes sharing one core (its own API server sets them so too): a
+    # seam, docs/development.md "Seams"; rank -1 is the parent, which runs no client
+    args = dataclasses.replace(engine_args(settings), _api_process_count=count, _api_process_rank=rank)
     if args.otlp_traces_endpoint is not None:
         os.environ.setdefault(OTLP_PROTOCOL_VARIABLE, "http/protobuf")
     return args

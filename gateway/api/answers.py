@@ -1,6 +1,5 @@
 """The pipeline's answers as HTTP responses: a whole answer as JSON (a model written once, or JSON
-already written, sent as Starlette's `Response` would send it), a stream as Server-Sent Events
-(`api.sse`)."""
+already written), a stream as Server-Sent Events (`api.sse`)."""
 
 from __future__ import annotations
 
@@ -9,20 +8,6 @@ from starlette.responses import Response
 
 from gateway.api.sse import RELAYED, EventStreamResponse, Framing
 from gateway.pipeline.answer import Answer, Stream, json_bytes
-
-
-class JSONBytes(Response):
-    """A 200 of JSON already written: what `Response(body, media_type="application/json")` makes
-    (the same headers in the same order: content-length, content-type), without its rendering
-    and header-building layers."""
-
-    media_type = "application/json"
-
-    def __init__(self, body: bytes) -> None:
-        self.status_code = 200
-        self.background = None
-        self.body = body
-        self.raw_headers = [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")]
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:
@@ -36,8 +21,6 @@ def respond(answer: Answer, framing: Framing | None = None) -> Response:
     body = answer.body
     if isinstance(body, BaseModel):
         return json_response(body, answer.status)
-    if answer.status == 200 and answer.media_type == "application/json":
-        return JSONBytes(body)
     return Response(body, status_code=answer.status, media_type=answer.media_type)
 
 

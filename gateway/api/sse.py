@@ -23,23 +23,23 @@ from dataclasses import dataclass
 import orjson
 import structlog
 from pydantic import BaseModel
-from starlette.responses import Response
+from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.api import stalls
 from gateway.api.errors import dialect_of, from_exception
 from gateway.api.requests import gone_of
-from gateway.errors import Dialect
+from gateway.errors import ClientDisconnected, Dialect
 from gateway.pipeline.answer import Events, Primed
 from gateway.pipeline.disconnect import Watch
 from gateway.telemetry.record import current_record
 
 DONE = b"data: [DONE]\n\n"
-HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),  # proxies such as nginx must not buffer the stream
-]
+HEADERS = {
+    "content-type": "text/event-stream; charset=utf-8",
+    "cache-control": "no-cache",
+    "x-accel-buffering": "no",  # proxies such as nginx must not buffer the stream
+}
 
 log = structlog.get_logger(__name__)
 
@@ -84,9 +84,8 @@ def encode_error(exc: BaseException, framing: Framing = FRAMINGS["openai"]) -> b
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-class EventStreamResponse(Response):
-    """An ASGI response streaming models as SSE (a Response as Starlette's StreamingResponse is:
-    its own `__call__`, no body).
+class EventStreamResponse(StreamingResponse):
+    """An ASGI response streaming models as SSE (Starlette's StreamingResponse, its own `__call__`).
 
     It watches for the client going away (`pipeline.disconnect.Watch`): on a disconnect the stream's
     task is cancelled, which closes the event iterator and so aborts the engine request. A client
@@ -103,9 +102,7 @@ class EventStreamResponse(Response):
         self.events = events
         self.framing = framing  # None: the route's dialect decides (in __call__)
         self.on_close = on_close  # e.g. the admission permit's release, held for the whole stream
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        super().__init__((), headers={**HEADERS, **(headers or {})})  # its events are self.events, sent by __call__
         self.disconnected = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -113,19 +110,17 @@ class EventStreamResponse(Response):
         # Plain asyncio, not an anyio cancel scope: cancelling the task once lets the engine's
         # cleanup (its abort) still await; a level-triggered scope would cancel that too.
         watch = Watch(gone_of(receive))
-        sends, sweep = _stall_watch(scope)
+        sends, sweep = _stall_watch(scope, watch)
         try:
-            await self._stream(send, framing, sends)
-        except asyncio.CancelledError:
-            if not watch.disconnected() and not (sends.stalled and sends.task.uncancel() == 0):
-                raise
+            async with watch:
+                await self._stream(send, framing, sends)
+        except ClientDisconnected:
             self.disconnected = True
         except OSError:
             self.disconnected = True  # the socket went away under send
         except Exception:  # the response has started: nothing left to tell the client
             pass
         finally:
-            watch.stop()
             if sweep is not None:
                 sweep.discard(sends)
             current_record().disconnected = self.disconnected
@@ -169,14 +164,13 @@ class EventStreamResponse(Response):
             await self._close()
 
 
-def _stall_watch(scope: Scope) -> tuple[stalls.Sends, stalls.Sweep | None]:
+def _stall_watch(scope: Scope, watch: Watch) -> tuple[stalls.Sends, stalls.Sweep | None]:
     """This stream's sends, watched for a client that stops reading when the stream is served to
-    one (the gateway's state in the scope: not a background response, played to nobody)."""
+    one (the gateway's state in the scope: not a background response, played to nobody). A stall
+    drops the connection (the server's extension), or else expires the disconnect watch."""
     state = scope.get("state") or {}
     gateway = state.get("gateway")
-    task = asyncio.current_task()
-    assert task is not None
-    abort = (scope.get("extensions") or {}).get(stalls.ABORT)
+    abort = (scope.get("extensions") or {}).get(stalls.ABORT) or watch.expire
     if gateway is None:
-        return stalls.Sends(task, abort), None
-    return stalls.watch(gateway.settings.stream_write_timeout_s, task, abort)
+        return stalls.Sends(abort), None
+    return stalls.watch(gateway.settings.stream_write_timeout_s, abort)

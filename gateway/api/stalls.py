@@ -6,23 +6,22 @@ permit and its engine request, and a few such clients starve every tenant of the
 that waits longer than `stream_write_timeout_s` ends the stream as if the client had left: the
 connection is dropped (uvicorn's `gateway.abort` extension, which `gateway.server.http`'s protocol puts
 in the scope), so the request's disconnect watch ends it (engine request aborted, permit given
-back, counted as a disconnect); under a server without that extension the stream's task is
-cancelled instead.
+back, counted as a disconnect); under a server without that extension the watch is expired
+(`pipeline.disconnect.Watch.expire`) instead.
 
 One sweep serves all streams: a stream notes when its send began (`Sends.since`, 0 between sends:
 two stores per event, no deadline set and cancelled per event), and a sweep every `SWEEP_S` (or a
-quarter of the timeout, if shorter; a deadline of the loop's timers, `pipeline.timers`) stops
+quarter of the timeout, if shorter; a loop timer) stops
 those past the timeout. A stall is noticed within the timeout and one sweep.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 
 import structlog
-
-from gateway.pipeline.timers import Timer, timers
 
 log = structlog.get_logger(__name__)
 SWEEP_S = 1.0
@@ -32,20 +31,16 @@ ABORT = "gateway.abort"  # the scope's extension: drop the connection (gateway.s
 class Sends:
     """One stream's sends, as the sweep sees them."""
 
-    __slots__ = ("abort", "since", "stalled", "task")
+    __slots__ = ("abort", "since", "stalled")
 
-    def __init__(self, task: asyncio.Task[object], abort: Callable[[], None] | None) -> None:
-        self.task = task
-        self.abort = abort
+    def __init__(self, abort: Callable[[], None]) -> None:
+        self.abort = abort  # the connection dropped, or else the stream's disconnect watch expired
         self.since = 0.0  # loop time when the send in progress began; 0: none in progress
         self.stalled = False
 
     def stall(self) -> None:
         self.stalled = True
-        if self.abort is not None:
-            self.abort()  # the disconnect watch takes it from here
-        else:
-            self.task.cancel()
+        self.abort()
 
 
 class Sweep:
@@ -54,12 +49,16 @@ class Sweep:
         self.timeout_s = timeout_s
         self.every = min(SWEEP_S, timeout_s / 4)
         self.streams: dict[Sends, None] = {}
-        self.timer: Timer | None = None
+        self.timer: asyncio.TimerHandle | None = None
 
     def add(self, sends: Sends) -> None:
         self.streams[sends] = None
         if self.timer is None:
-            self.timer = timers().later(self.every, self._sweep)
+            self.timer = self._later()
+
+    def _later(self) -> asyncio.TimerHandle:
+        # in an empty context: not that of the stream whose send set it (its log fields)
+        return self.loop.call_later(self.every, self._sweep, context=contextvars.Context())
 
     def discard(self, sends: Sends) -> None:
         self.streams.pop(sends, None)
@@ -71,18 +70,18 @@ class Sweep:
             log.warning("stream_stalled", waited_s=round(now - sends.since, 1), timeout_s=self.timeout_s)
             sends.stall()
         if self.streams:
-            self.timer = timers().later(self.every, self._sweep)
+            self.timer = self._later()
 
 
 _sweep: Sweep | None = None  # the running loop's (one loop at a time: the server's)
 
 
-def watch(timeout_s: float, task: asyncio.Task[object], abort: Callable[[], None] | None) -> tuple[Sends, Sweep]:
-    """`task`'s stream, watched until `sweep.discard(sends)`."""
+def watch(timeout_s: float, abort: Callable[[], None]) -> tuple[Sends, Sweep]:
+    """A stream, watched until `sweep.discard(sends)`."""
     global _sweep
     loop = asyncio.get_running_loop()
     if _sweep is None or _sweep.loop is not loop or _sweep.timeout_s != timeout_s:
         _sweep = Sweep(loop, timeout_s)  # another loop or setting (a test's); the old sweep ends with its streams
-    sends = Sends(task, abort)
+    sends = Sends(abort)
     _sweep.add(sends)
     return sends, _sweep

@@ -48,7 +48,7 @@ class Permit:
 
     def release(self) -> None:
         if self._admission is not None:
-            self._admission._release(self.count, self.key)
+            self._admission.give_back(self.count, self.key)
             self._admission = None
 
 
@@ -106,7 +106,7 @@ class Admission:
             # admitted at the deadline: the permits are ours, keep them
         except BaseException:
             if self._granted(waiter):
-                self._release(count, key)  # admitted, then cancelled (the client left) before it ran
+                self.give_back(count, key)  # admitted, then cancelled (the client left) before it ran
             else:
                 self._leave(priority, waiter)
             raise
@@ -141,7 +141,8 @@ class Admission:
         self._dequeued(self._queues[priority], waiter)
         self._wake()  # it may have held up smaller requests behind it
 
-    def _release(self, count: int, key: str = "") -> None:
+    def give_back(self, count: int, key: str = "") -> None:
+        """Permits a `Permit` held, returned (`Permit.release`)."""
         self.running -= count
         left = self._held.get(key, 0) - count
         if left > 0:

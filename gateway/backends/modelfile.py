@@ -96,6 +96,11 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> ModelSpec:
+        self._check_name_and_version()
+        self._check_kind()
+        return self
+
+    def _check_name_and_version(self) -> None:
         for name in (self.name, *self.aliases):
             if versions.SEPARATOR in name:
                 raise ValueError(f"model name or alias '{name}' has an '@': give a version as `version:`")
@@ -107,6 +112,8 @@ class ModelSpec(BaseModel):
                                  "(MAJOR.MINOR.PATCH, e.g. 1.4.2 or 2.0.0-rc.1)") from None
             if self.kind == "split":
                 raise ValueError(f"split '{self.name}' cannot have a version: its versions are what it splits")
+
+    def _check_kind(self) -> None:
         if self.kind == "remote" and not self.url:
             raise ValueError(f"remote model '{self.name}' needs a url")
         if self.kind == "split":
@@ -120,7 +127,10 @@ class ModelSpec(BaseModel):
             raise ValueError(f"adapter '{self.name}' needs a base (the model it adapts) and a path (its directory)")
         if self.kind != "adapter" and (self.base or self.path):
             raise ValueError(f"only adapters take a base and a path ('{self.name}')")
-        return self
+
+    def serve_adapters(self, lora: dict[str, Any]) -> None:
+        """A base's LoRA settings, derived from the adapters it serves (`_derive_lora`)."""
+        self._lora = lora
 
     def engine_settings(self, defaults: EngineSettings) -> EngineSettings:
         try:
@@ -258,7 +268,7 @@ def _adapters(models: ModelsFile, canonical: dict[str, ModelSpec], versioned: ve
         rank = base.engine.get("max_lora_rank")
         if isinstance(rank, int) and rank < max(adapter_ranks):
             raise ConfigError(f"model '{name}': an adapter has rank {max(adapter_ranks)}, above its max_lora_rank ({rank})")
-        base._lora = lora
+        base.serve_adapters(lora)
 
 
 def _resolve(ref: str, spec: ModelSpec, canonical: dict[str, ModelSpec], versioned: versions.Catalog) -> str:

@@ -20,14 +20,12 @@ It wraps `receive`: handlers read bodies as usual, and these errors come out of 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api.errors import dialect_of, send_error
 from gateway.errors import ClientDisconnected, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
 from gateway.pipeline.context import context_of
-from gateway.pipeline.timers import timers
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
 
@@ -69,40 +67,26 @@ class _Reading:
         self.budget = budget
         self.deadline = deadline
         self.declared = declared
-        self._task: asyncio.Task[Any] | None = None  # the task of the read waiting for its message
         self.read = 0
         self.held = 0
         self.complete = False
         self.released = budget is None
-        self.expired = False
 
     async def receive(self) -> Message:
         if self.complete:
             return await self._receive()  # after the body: disconnect watching, untouched
         self._hold(max(self.declared, self.read))
-        # the next message unless the deadline passes first (408): asyncio.timeout_at's rule, with
-        # a deadline of the loop's timers (pipeline.timers) in place of its own loop timer; a
-        # cancellation of the task's own (its request cancelled meanwhile too) goes up as a
-        # cancellation, as from asyncio.timeout_at
-        task = self._task = asyncio.current_task()
-        assert task is not None
-        cancelling = task.cancelling()
-        timer = timers().at(self.deadline, self._expire)
+        cut = asyncio.timeout_at(self.deadline)  # a cancellation of the request's own stays one
         try:
-            message = await self._receive()
-        except asyncio.CancelledError:
-            if self.expired and task.uncancel() <= cancelling:
-                self.release()
-                raise RequestTimeout(
-                    "The request body was not received in time", headers={"Connection": "close"}
-                ) from None
-            raise
-        finally:
-            timer.cancel()
-            self._task = None
-        if self.expired:  # cut, but the receive kept its message: the cut taken back, as timeout_at does
-            task.uncancel()
-            self.expired = False  # a later cancellation of this request is not this cut
+            async with cut:
+                message = await self._receive()
+        except TimeoutError:
+            if not cut.expired():
+                raise
+            self.release()
+            raise RequestTimeout(
+                "The request body was not received in time", headers={"Connection": "close"}
+            ) from None
         if message["type"] == "http.disconnect":
             self.complete = True
             self.release()
@@ -112,11 +96,6 @@ class _Reading:
         self._hold(max(self.declared, self.read))
         self.complete = not message.get("more_body", False)
         return message
-
-    def _expire(self) -> None:
-        if self._task is not None:
-            self.expired = True
-            self._task.cancel()
 
     def _hold(self, needed: int) -> None:
         if self.released or needed <= self.held:

@@ -23,11 +23,8 @@ timeout (`middleware.body`). What uvicorn's parser refuses is a 400 in the API's
 (`HeaderTimeout.send_400_response`). An answer of unknown length to an HTTP/1.0 client is
 close-delimited, never chunked (`_close_delimited`).
 
-A whole answer (one with a Content-Length) goes out in one write, its head with its body
-(`HeldHead`): uvicorn writes the head on `http.response.start` and the body on the next message,
-two sends where one does; the second send, and the client's second wake-up to read it, were about
-5% of the gateway's CPU on the remote path (benchmarks/RESULTS.md, "Remote path: where the time
-goes"). The bytes are the same; a stream's head still goes out at once.
+Where this reaches into uvicorn without a public hook is listed in docs/development.md ("Seams")
+and checked by tests/unit/test_seams.py.
 """
 
 from __future__ import annotations
@@ -45,7 +42,6 @@ from typing import Any, Protocol, cast
 import structlog
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.api.errors import render
 from gateway.api.routes import TABLE
@@ -72,8 +68,7 @@ class HeaderTimeout(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._connection = cast(asyncio.Transport, transport)  # a stream's: uvicorn serves TCP and unix sockets
-        # (h11's protocol, where httptools is missing, writes as it always did)
-        super().connection_made(HeldHead(self._connection) if isinstance(self, HttpToolsProtocol) else transport)
+        super().connection_made(transport)
         self._arm(self.idle_timeout_s)  # a connection that never sends a byte is closed as an idle one
         self._idle = True
 
@@ -113,8 +108,6 @@ class HeaderTimeout(asyncio.Protocol):
         getattr(super(), "on_headers_complete")()  # noqa: B009 - asyncio.Protocol declares no such hook
         if (cycle := getattr(self, "cycle", None)) is not None:
             cycle.scope["headers"] = list(cycle.scope["headers"])
-            if type(cycle) is RequestResponseCycle and isinstance(cycle.transport, HeldHead):
-                cycle.__class__ = OneWriteCycle  # a class of the same layout: no allocation per request
 
     def _drop(self) -> None:
         """Drop the connection at once, unsent bytes and all (a client that stopped reading)."""
@@ -159,92 +152,6 @@ class HeaderTimeout(asyncio.Protocol):
         self._disarm()
         if self._connection is not None and not self._connection.is_closing():
             self._connection.close()
-
-
-class HeldHead(asyncio.Transport):
-    """A connection's transport as uvicorn's httptools protocol sees it: `hold()` keeps the next
-    write (an answer's head) to go out with the one after it (its body) in one send. What is held
-    goes out before a close, and is dropped by an abort (as the transport drops what it has not
-    sent). Everything else is the transport's."""
-
-    __slots__ = ("_held", "_hold", "_transport")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        super().__init__()
-        self._transport = transport
-        self._hold = False
-        self._held: bytes | None = None
-
-    def hold(self) -> None:
-        self._hold = True
-
-    def release(self) -> None:
-        """What is held, written now (and no longer holding)."""
-        self._hold = False
-        if (held := self._held) is not None:
-            self._held = None
-            self._transport.write(held)
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        if self._hold:
-            self._hold = False
-            self._held = bytes(data)
-            return
-        if (held := self._held) is not None:
-            self._held = None
-            data = held + data
-        self._transport.write(data)
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def close(self) -> None:
-        self.release()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._hold, self._held = False, None
-        self._transport.abort()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._transport.get_extra_info(name, default)
-
-    def pause_reading(self) -> None:
-        self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        self._transport.resume_reading()
-
-    def is_reading(self) -> bool:
-        return self._transport.is_reading()
-
-    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
-        self._transport.set_protocol(protocol)
-
-    def get_protocol(self) -> asyncio.BaseProtocol:
-        return self._transport.get_protocol()
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + len(self._held or b"")
-
-
-class OneWriteCycle(RequestResponseCycle):
-    """uvicorn's httptools request cycle, its head held (`HeldHead`) when the answer has a
-    Content-Length and a body to follow: head and body then leave in one send."""
-
-    async def send(self, message: Any) -> None:
-        transport = self.transport
-        if message["type"] != "http.response.start" or self.response_started or not isinstance(transport, HeldHead):
-            await super().send(message)
-            return
-        transport.hold()
-        try:
-            await super().send(message)
-        finally:
-            # held only for a body that follows at once: not for a stream, a HEAD or an empty body
-            if not (self.chunked_encoding is False and self.expected_content_length > 0
-                    and self.scope["method"] != "HEAD"):
-                transport.release()
 
 
 def _close_if_answered_unread(cycle: Any) -> None:
@@ -371,7 +278,6 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and not self._drain_requested and not self.should_exit:
-            self._captured_signals.append(sig)
             self._drain_requested = True  # acted on in on_tick, outside the signal handler
             return
         super().handle_exit(sig, frame)
@@ -385,7 +291,10 @@ class DrainingServer(uvicorn.Server):
         drained = self.lifecycle.active == 0 or time.monotonic() >= self._deadline
         if self.lifecycle.draining and not self.should_exit and drained:
             log.info("drained", left_in_flight=self.lifecycle.active)
-            self.should_exit = True
+            if self._drain_requested:  # uvicorn's own exit on the signal (raised again once it stopped)
+                super().handle_exit(signal.SIGTERM, None)
+            else:
+                self.should_exit = True
         return await super().on_tick(counter)
 
     def _reload(self) -> None:

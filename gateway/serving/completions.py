@@ -262,7 +262,16 @@ async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | Non
     options = prepared.request.stream_options
     include_usage = bool(options and options.include_usage)
     chunk = ChunkEncoder(prepared.id, "text_completion", prepared.created, prepared.model)
-    request = prepared.request
+    async for encoded in _chunks(answer, chunk, prepared.request):
+        yield encoded
+    if on_done is not None:
+        await on_done(_whole(answer))
+    if include_usage:
+        yield chunk([], answer.usage())
+
+
+async def _chunks(answer: _Answer, chunk: ChunkEncoder, request: CompletionRequest) -> AsyncGenerator[bytes, None]:
+    """The answer's chunks before the usage one."""
     if len(answer.runs) == 1 and not request.echo and request.logprobs is None:  # nearly always: text only
         async for output in answer.runs[0].outputs():
             if output.choices:
@@ -275,10 +284,6 @@ async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | Non
         async for p, output in _merged(answer):
             if (encoded := _encoded(answer, chunk, p, output)) is not None:
                 yield encoded
-    if on_done is not None:
-        await on_done(_whole(answer))
-    if include_usage:
-        yield chunk([], answer.usage())
 
 
 async def _merged(answer: _Answer) -> AsyncGenerator[tuple[int, GenerationOutput], None]:

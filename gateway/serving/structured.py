@@ -142,21 +142,26 @@ def _subschemas(schema: Any, param: str) -> Iterator[tuple[Any, int, str]]:
             continue
         for key, value in node.items():
             nested = depth + 1 if key in _ONE_DATA or key in _MAP_DATA or key == "prefixItems" else depth
-            at = f"{pointer}/{key}"
-            if key in _ONE or key in _ONE_DATA:
-                if isinstance(value, dict | bool):
-                    stack.append((value, nested, at))
-                elif key == "items" and isinstance(value, list):  # draft 4-7 tuples
-                    stack.extend((item, nested, f"{at}/{i}") for i, item in enumerate(value))
-            elif key in _MAP or key in _MAP_DATA:
-                if isinstance(value, dict):
-                    stack.extend((sub, nested, f"{at}/{name}") for name, sub in value.items())
-            elif key in _LISTS or key == "prefixItems":
-                if not isinstance(value, list):
-                    raise refuse(param, f"{at} must be a list of schemas")
-                if not value and key != "prefixItems":
-                    raise refuse(param, f"{at} must hold at least one schema")
-                stack.extend((item, nested, f"{at}/{i}") for i, item in enumerate(value))
+            stack.extend(_children(key, value, nested, f"{pointer}/{key}", param))
+
+
+def _children(key: str, value: Any, depth: int, at: str, param: str) -> list[tuple[Any, int, str]]:
+    """The subschemas under one keyword of a schema (none when the keyword holds none)."""
+    if key in _ONE or key in _ONE_DATA:
+        if isinstance(value, dict | bool):
+            return [(value, depth, at)]
+        if key == "items" and isinstance(value, list):  # draft 4-7 tuples
+            return [(item, depth, f"{at}/{i}") for i, item in enumerate(value)]
+    elif key in _MAP or key in _MAP_DATA:
+        if isinstance(value, dict):
+            return [(sub, depth, f"{at}/{name}") for name, sub in value.items()]
+    elif key in _LISTS or key == "prefixItems":
+        if not isinstance(value, list):
+            raise refuse(param, f"{at} must be a list of schemas")
+        if not value and key != "prefixItems":
+            raise refuse(param, f"{at} must hold at least one schema")
+        return [(item, depth, f"{at}/{i}") for i, item in enumerate(value)]
+    return []
 
 
 def _count(node: dict[str, Any], pointer: str, count: _Count, param: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -24,7 +24,6 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
-from prometheus_client.values import MutexValue
 
 from engine.types import AdapterLoad
 
@@ -87,6 +86,10 @@ TLS_RELOADS = Counter("gateway_tls_reloads_total", "Reloads of the TLS certifica
 LORA_INFO = "vllm:lora_requests_info"
 
 
+class _Ours(GaugeMetricFamily):
+    """`AdapterInfo`'s family: told apart from vLLM's gauge of the same name in the exposition."""
+
+
 class AdapterInfo(Collector):
     """`vllm:lora_requests_info` as vLLM's PrometheusStatLogger writes it (labels `max_lora`,
     `waiting_lora_adapters` and `running_lora_adapters`, the adapter names comma-joined; the value
@@ -97,6 +100,7 @@ class AdapterInfo(Collector):
 
     def __init__(self) -> None:
         self.loads: Callable[[], Iterable[AdapterLoad | None]] = lambda: ()
+        self.serving = False  # once the engines started: vLLM's own gauge is left out of the exposition
 
     def collect(self) -> Iterator[Metric]:
         series: dict[tuple[str, str, str], float] = {}
@@ -106,8 +110,8 @@ class AdapterInfo(Collector):
                 series[labels] = max(series.get(labels, 0.0), load.updated)
         if not series:
             return
-        family = GaugeMetricFamily(LORA_INFO, "Running stats on lora requests.",
-                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        family = _Ours(LORA_INFO, "Running stats on lora requests.",
+                       labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
         for labels, updated in series.items():
             family.add_metric(list(labels), updated)
         yield family
@@ -120,10 +124,8 @@ REGISTRY.register(ADAPTER_INFO)  # it names nothing until an engine serves adapt
 def export_adapter_load(loads: Callable[[], Iterable[AdapterLoad | None]]) -> None:
     """Serve `vllm:lora_requests_info` from `loads` (once the engines have started), in place of the
     gauge each vLLM engine registers, which would repeat it."""
-    for collector in list(REGISTRY._collector_to_names):
-        if getattr(collector, "_name", None) == LORA_INFO:  # vLLM's Gauge (prometheus_client keeps the name there)
-            REGISTRY.unregister(collector)
     ADAPTER_INFO.loads = loads
+    ADAPTER_INFO.serving = True
 
 
 M = TypeVar("M", Counter, Gauge, Histogram)
@@ -134,143 +136,49 @@ def labelled(metric: M, *values: str) -> M:
     """`metric.labels(*values)`, remembered: prometheus_client takes a lock and builds a tuple on
     every `labels()` call (a dozen per request on the hot path). The label sets are the ones
     prometheus_client keeps forever anyway (models, routes, statuses, keys), so this holds nothing
-    more than it does.
-
-    For the metrics in `LOOP_ONLY`, the child's values are made lock-free (`_LoopValue`) and what
-    comes back is a front that changes them directly (`_CounterFront`, `_GaugeFront`,
-    `_HistogramFront`: the calls the gateway makes, without prometheus_client's checks and lock)."""
+    more than it does."""
     key = (id(metric), values)
     child = _children.get(key)
     if child is None:
-        child = _children[key] = _front(metric, metric.labels(*values))
+        child = _children[key] = metric.labels(*values)
     return child  # type: ignore[return-value]
 
 
-class _LoopValue(MutexValue):
-    """prometheus_client's value of a metric child (`MutexValue`) without its lock, for the metrics
-    that only the event loop's thread changes (`LOOP_ONLY`): the lock is ~0.3 us per change, and
-    a request makes a dozen. Reading it from another thread (a scrape, a test) is safe: a float's
-    attribute is read whole under the GIL."""
+class _Exposed(CollectorRegistry):
+    """What GET /metrics serves: a registry's families, less vLLM's `vllm:lora_requests_info` once
+    `AdapterInfo` serves it."""
 
-    def __init__(self, value: float) -> None:  # not MutexValue's: no lock to make
-        self._value = value
-        self._exemplar = None
+    def __init__(self, source: CollectorRegistry) -> None:
+        super().__init__(auto_describe=False)
+        self.source = source
 
-    def inc(self, amount: float) -> None:
-        self._value += amount
-
-    def set(self, value: float, timestamp: float | None = None) -> None:
-        self._value = value
-
-    def set_exemplar(self, exemplar: Any) -> None:
-        self._exemplar = exemplar
-
-    def get(self) -> float:
-        return self._value
-
-    def get_exemplar(self) -> Any:
-        return self._exemplar
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            if family.name != LORA_INFO or isinstance(family, _Ours) or not ADAPTER_INFO.serving:
+                yield family
 
 
-def _unlocked(value: Any) -> _LoopValue:
-    return _LoopValue(value.get())
-
-
-class _CounterFront:
-    """A `LOOP_ONLY` counter child's `inc`, as `Counter.inc` without exemplars."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, child: Counter) -> None:
-        self._value = child._value = _unlocked(child._value)
-
-    def inc(self, amount: float = 1) -> None:
-        if amount < 0:
-            raise ValueError("Counters can only be incremented by non-negative amounts.")
-        self._value._value += amount
-
-
-class _GaugeFront:
-    """A `LOOP_ONLY` gauge child's `inc`, `dec` and `set`, as `Gauge`'s (not in its mostrecent modes)."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, child: Gauge) -> None:
-        self._value = child._value = _unlocked(child._value)
-
-    def inc(self, amount: float = 1) -> None:
-        self._value._value += amount
-
-    def dec(self, amount: float = 1) -> None:
-        self._value._value += -amount
-
-    def set(self, value: float) -> None:
-        self._value._value = float(value)
-
-
-class _HistogramFront:
-    """A `LOOP_ONLY` histogram child's `observe`, as `Histogram.observe` without exemplars: the sum,
-    then the first bucket whose bound is >= the value (bisect instead of a scan; none for a NaN,
-    as observe's scan finds none). Its values stay the child's (`Observations` adds to them too)."""
-
-    __slots__ = ("_bounds", "_buckets", "_child", "_sum")
-
-    def __init__(self, child: Histogram) -> None:
-        self._child = child  # `Observations` of this child are made from it (metrics.Observations)
-        self._bounds: list[float] = child._upper_bounds
-        child._buckets = self._buckets = [_unlocked(bucket) for bucket in child._buckets]
-        child._sum = self._sum = _unlocked(child._sum)
-
-    def observe(self, amount: float) -> None:
-        self._sum._value += amount
-        index = bisect_left(self._bounds, amount)
-        if index < len(self._bounds) and amount <= self._bounds[index]:
-            self._buckets[index]._value += 1
-
-
-def _front(metric: Counter | Gauge | Histogram, child: Any) -> object:
-    """The child itself, or for a `LOOP_ONLY` metric (and prometheus_client's in-process values,
-    not its multiprocess files) its lock-free front."""
-    if metric not in LOOP_ONLY:
-        return child
-    if isinstance(metric, Histogram):
-        return _HistogramFront(child) if type(child._sum) is MutexValue else child
-    if type(child._value) is not MutexValue:
-        return child
-    if isinstance(metric, Counter):
-        return _CounterFront(child)
-    return child if metric._is_most_recent else _GaugeFront(child)
-
-
-# Changed per request and only by the event loop's thread (the request path's coroutines; never the
-# offload thread, `serving.offload`): their children lock-free (`labelled`). A metric changed from
-# another thread too must not be listed here: two threads adding at once could lose an addition.
-LOOP_ONLY: frozenset[Counter | Gauge | Histogram] = frozenset({
-    REQUESTS, REQUEST_DURATION, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, TIME_PER_OUTPUT_TOKEN,
-    PROMPT_TOKENS, COMPLETION_TOKENS, IN_FLIGHT, CACHE_HITS, CACHE_MISSES, DISCONNECTS,
-    KEY_REQUESTS, KEY_PROMPT_TOKENS, KEY_COMPLETION_TOKENS,
-})
+_exposed = _Exposed(REGISTRY)
 
 
 class Observations:
     """Observations of one histogram child, counted per bucket here and added to it together
     (`flush`: every `FLUSH_EVERY` observations, and at the end of their run). prometheus_client's
-    `observe` takes two locks and scans the buckets on every call, which for the inter-token
-    latency, observed once per streamed token, was a tenth of a token's cost in the gateway.
+    `observe` takes two locks and scans the buckets on every call, and the inter-token latency is
+    observed once per streamed token.
 
-    It adds to the child's own bucket and sum values (prometheus_client's `_upper_bounds`,
-    `_buckets`, `_sum`: no public call adds many observations at once); tests/unit/test_metrics.py
-    checks the exposition against the same values passed to `observe`."""
+    A seam (docs/development.md, "Seams": it pays, benchmarks/RESULTS.md): it adds to the child's
+    own bucket and sum values (prometheus_client's `_upper_bounds`, `_buckets`, `_sum`: no public
+    call adds many observations at once); tests/unit/test_seams.py checks the exposition against
+    the same values passed to `observe`."""
 
     FLUSH_EVERY = 64
 
     __slots__ = ("_bounds", "_child", "_counts", "_pending", "_sum")
 
-    def __init__(self, child: Histogram | _HistogramFront) -> None:
-        if isinstance(child, _HistogramFront):  # what `labelled` gives for a LOOP_ONLY histogram
-            child = child._child
+    def __init__(self, child: Histogram) -> None:
         self._child = child
-        self._bounds: list[float] = child._upper_bounds  # ends with +Inf
+        self._bounds: list[float] = child._upper_bounds  # noqa: SLF001 - a seam (docs/development.md); ends with +Inf
         self._counts = [0] * len(self._bounds)
         self._sum = 0.0
         self._pending = 0
@@ -285,16 +193,14 @@ class Observations:
     def flush(self) -> None:
         if not self._pending:
             return
-        buckets = self._child._buckets
+        buckets = self._child._buckets  # noqa: SLF001 - a seam (docs/development.md)
         for index, count in enumerate(self._counts):
             if count:
                 buckets[index].inc(count)
                 self._counts[index] = 0
-        self._child._sum.inc(self._sum)
+        self._child._sum.inc(self._sum)  # noqa: SLF001 - a seam (docs/development.md)
         self._sum, self._pending = 0.0, 0
 
-
-_exposed: CollectorRegistry = REGISTRY
 
 
 def aggregate_workers() -> None:
@@ -307,7 +213,7 @@ def aggregate_workers() -> None:
     registry = CollectorRegistry()
     MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     registry.register(ADAPTER_INFO)
-    _exposed = registry
+    _exposed = _Exposed(registry)
 
 
 def exposition() -> tuple[bytes, str]:

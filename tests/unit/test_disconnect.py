@@ -27,7 +27,7 @@ async def drive(app, body: dict, disconnect_after_chunks: int | None, within_s: 
             body_sent = True
             return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
         if disconnect_after_chunks is None:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the behaviour: the client leaves a moment after sending
             return {"type": "http.disconnect"}
         await gone.wait()
         return {"type": "http.disconnect"}
@@ -140,7 +140,7 @@ async def test_quick_work_starts_no_watcher_and_returns_its_value() -> None:
         return "answer"
 
     assert await unless_gone(gone_of(receive), work()) == "answer"
-    await asyncio.sleep(WATCH_AFTER_S * 3)
+    await asyncio.sleep(WATCH_AFTER_S * 3)  # the behaviour: the watch's start passes, and starts nothing
     assert calls == 0  # the answer came before the watch began: receive was never called
 
 
@@ -169,38 +169,56 @@ async def test_work_that_swallows_the_cancellation_leaves_no_stray_cancel_behind
     async with asyncio.timeout(2):
         assert await unless_gone(gone_of(gone_receive()), work()) == "finished anyway"
     assert asyncio.current_task().cancelling() == 0
-    await asyncio.sleep(0.01)  # and the task goes on: no cancellation waiting for its next await
+    await asyncio.sleep(0)  # and the task goes on: no cancellation waiting for its next await
 
 
-async def test_watches_share_a_timer_and_each_watcher_runs_in_its_own_request_context() -> None:
-    """The shared queue starts each watch's watcher at its due time, in the context of the request
-    that made it (not of the one whose watch set the timer), and never a stopped watch's."""
+async def test_each_watcher_runs_in_its_own_request_context_and_never_a_stopped_watchs() -> None:
+    """Each watch's watcher starts at its time in the context of the request that made it, and a
+    watch whose work ended first starts none."""
     from gateway.pipeline.disconnect import Watch
 
     who: contextvars.ContextVar[str] = contextvars.ContextVar("who", default="nobody")
     seen: list[str] = []
+    all_seen = asyncio.Event()
 
     async def receive() -> dict:
         seen.append(who.get())
-        await asyncio.sleep(3600)
+        if len(seen) == 2:
+            all_seen.set()
+        await asyncio.Event().wait()
         return {"type": "http.disconnect"}
 
-    async def request(name: str, stop_after_s: float) -> bool:
+    async def request(name: str, until: asyncio.Event | None) -> bool:
         who.set(name)
-        watch = Watch(gone_of(receive))
-        await asyncio.sleep(stop_after_s)
-        started = watch._watcher is not None
-        watch.stop()
-        return started
+        async with Watch(gone_of(receive), after_s=0.01 if until else 3600) as watch:
+            if until is not None:
+                await until.wait()
+        return watch.watcher is not None
 
-    quick = asyncio.create_task(request("quick", 0))  # sets the timer, gone before it fires
-    await asyncio.sleep(WATCH_AFTER_S / 4)
-    slow = [asyncio.create_task(request(f"slow{i}", WATCH_AFTER_S * 2)) for i in range(2)]
-    stopped = asyncio.create_task(request("stopped", WATCH_AFTER_S / 2))
+    quick = asyncio.create_task(request("quick", None))  # over before its watch would start
+    slow = [asyncio.create_task(request(f"slow{i}", all_seen)) for i in range(2)]
     assert await quick is False
-    assert await stopped is False
-    assert await asyncio.gather(*slow) == [True, True]
-    assert seen == ["slow0", "slow1"]
+    async with asyncio.timeout(10):
+        assert await asyncio.gather(*slow) == [True, True]
+    assert sorted(seen) == ["slow0", "slow1"]
+
+
+async def test_an_expired_watch_ends_its_work_as_a_disconnect() -> None:
+    """`expire()` (a stalled stream without the server's abort) ends the work as a disconnect;
+    after the block it changes nothing."""
+    from gateway.pipeline.disconnect import Watch
+
+    watch = Watch(gone_of(staying_receive()), after_s=3600)
+
+    async def stalled() -> None:
+        async with asyncio.timeout(10), watch:
+            asyncio.get_running_loop().call_soon(watch.expire)
+            await asyncio.Event().wait()
+
+    with pytest.raises(ClientDisconnected):
+        await stalled()
+    watch.expire()
+    assert asyncio.current_task().cancelling() == 0
 
 
 async def test_a_client_that_leaves_while_queued_for_admission_leaves_the_queue() -> None:
@@ -215,8 +233,9 @@ async def test_a_client_that_leaves_while_queued_for_admission_leaves_the_queue(
             await app(scope, receive, send)
 
         running = asyncio.create_task(drive(with_state, body, disconnect_after_chunks=50, within_s=30))
-        while not engine.requests:  # noqa: ASYNC110 - polls the fake engine's state; no event to wait on
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):
+            while not engine.requests:  # noqa: ASYNC110 - polls the fake engine's state; no event to wait on
+                await asyncio.sleep(0.01)
         queued = await drive(with_state, {**body, "stream": False}, disconnect_after_chunks=None)
         assert queued[0]["status"] == 499
         admission = state["gateway"].models.backends[engine.info.name].admission

@@ -27,6 +27,14 @@ from tests.fakes import FakeEngine, chat_body, fake_settings
 from tests.ports import listening_line
 
 
+def until(condition: Any, what: str, within_s: float = 10) -> None:
+    """Wait for `condition()` (polled), at most `within_s`."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
 class Running:
     """The server on port 0 (any free port) in a thread; `port`: the one it got, once entered."""
 
@@ -41,10 +49,7 @@ class Running:
 
     def __enter__(self) -> Running:
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert self.server.started
+        until(lambda: self.server.started, "the server never started", 30)
         [(_, self.port)] = self.server.addresses()
         return self
 
@@ -162,7 +167,7 @@ def test_whole_headers_in_one_read_make_no_timer(monkeypatch: pytest.MonkeyPatch
         assert len(armed) == 1  # connection_made's
         with server.connect() as slow:  # headers in two reads: the timer runs between them
             slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-            time.sleep(0.2)
+            until(lambda: len(armed) == 3, "the first piece's timer was never set")  # read apart from the rest
             slow.sendall(b"\r\n")
             assert slow.recv(1024).startswith(b"HTTP/1.1 200")
         assert len(armed) == 3  # the second connection's, and its first read's
@@ -180,10 +185,7 @@ def test_a_stream_whose_client_reads_nothing_is_dropped_and_aborted() -> None:
         body = json.dumps({"model": "fake-model", "prompt": "hi", "max_tokens": 200_000, "stream": True}).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        deadline = time.monotonic() + 60
-        while not engine.aborted and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine.aborted
+        until(lambda: engine.aborted, "the stalled stream was never aborted", 60)
         assert not engine.running
         sock.settimeout(10)
         try:  # dropped: what the kernel held is delivered, then the end (or a reset)
@@ -225,8 +227,11 @@ def test_a_500_keeps_the_connection_and_says_its_request_id(running: Running, en
     engine.fail_after = 0
     body = chat_body()
     headers = {"Content-Type": "application/json", "X-Request-ID": "broken-1"}
-    connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
-    failed = connection.getresponse()
+    # captured, not rendered: a traceback with its locals, rendered, took longer than the client's timeout
+    with structlog.testing.capture_logs() as captured:
+        connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
+        failed = connection.getresponse()
+    assert [line["error_type"] for line in captured if line["event"] == "request_failed"] == ["RuntimeError"]
     assert failed.status == 500
     assert failed.getheader("x-request-id") == "broken-1"
     assert b"internal_error" in failed.read()
@@ -243,18 +248,16 @@ def test_an_abandoned_upload_is_counted_as_499(running: Running, engine: FakeEng
     with running.connect() as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"model\": ")
-        time.sleep(0.2)
-    deadline = time.monotonic() + 10
-    while metrics.REQUESTS.labels("", "/v1/chat/completions", "499")._value.get() == before:
-        assert time.monotonic() < deadline, "the abandoned upload was never logged"
-        time.sleep(0.05)
+        until(lambda: running.server.lifecycle.active == 1, "the upload never began")  # then abandoned
+    until(lambda: metrics.REQUESTS.labels("", "/v1/chat/completions", "499")._value.get() != before,
+          "the abandoned upload was never logged")
     assert engine.requests == []
 
 
 def test_connections_past_the_cap_get_503() -> None:
     with Running(FakeEngine(), max_connections=2, header_timeout_s=30) as server:
         held = [server.connect() for _ in range(2)]
-        time.sleep(0.2)
+        until(lambda: len(server.server.server_state.connections) == 2, "the held connections were never accepted")
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
         connection.request("GET", "/health")
         assert connection.getresponse().status == 503
@@ -407,7 +410,9 @@ def test_a_body_that_ends_in_one_large_read_is_not_taken_for_headers() -> None:
         body = b"x" * (2 * MAX_HEADER_BYTES)
         protocol.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
         protocol.data_received(body)
-        await asyncio.sleep(0.05)
+        async with asyncio.timeout(10):
+            while not transport.written:  # noqa: ASYNC110 - the answer, written by the app's task
+                await asyncio.sleep(0.001)
         assert not transport.closed  # answered, and kept for the next request
         protocol.connection_lost(None)
         return transport

@@ -168,6 +168,31 @@ class _Folds(dict[int, str]):
 _FOLDS = _Folds()
 
 
+class _Built:
+    """The normalized text as it is made: its parts, and its segments (normalized start, original
+    start, original end, one to one)."""
+
+    __slots__ = ("parts", "segments", "size")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.segments: list[tuple[int, int, int, bool]] = []
+        self.size = 0  # of the normalized text so far
+
+    def keep(self, original_start: int, original_end: int, out: str) -> None:
+        if not out:
+            return  # removed: the characters fall between two segments
+        one_to_one = len(out) == original_end - original_start
+        segments = self.segments
+        last = segments[-1] if segments else None
+        if one_to_one and last is not None and last[3] and last[2] == original_start:
+            segments[-1] = (last[0], last[1], original_end, True)
+        else:
+            segments.append((self.size, original_start, original_end, one_to_one))
+        self.parts.append(out)
+        self.size += len(out)
+
+
 def normalize(text: str, escapes: bool = True) -> Normalized:
     """The text as every guard reads it (see the module's docstring), with its way back;
     `escapes`: JSON's \\u escapes read as the characters they name."""
@@ -180,22 +205,8 @@ def normalize(text: str, escapes: bool = True) -> Normalized:
         folded = text.translate(_FOLDS)
         if len(folded) == len(text):
             return Normalized(text, folded, [(0, 0, len(text), True)])
-    parts: list[str] = []
-    segments: list[tuple[int, int, int, bool]] = []
-    size = 0  # of the normalized text so far
-
-    def keep(original_start: int, original_end: int, out: str) -> None:
-        nonlocal size
-        if not out:
-            return  # removed: the characters fall between two segments
-        one_to_one = len(out) == original_end - original_start
-        last = segments[-1] if segments else None
-        if one_to_one and last is not None and last[3] and last[2] == original_start:
-            segments[-1] = (last[0], last[1], original_end, True)
-        else:
-            segments.append((size, original_start, original_end, one_to_one))
-        parts.append(out)
-        size += len(out)
+    built = _Built()
+    keep = built.keep
 
     at = 0
     for run in (_SPECIAL if escaped else _NON_ASCII).finditer(text):
@@ -220,7 +231,7 @@ def normalize(text: str, escapes: bool = True) -> Normalized:
                     start = i
         at = run.end()
     keep(at, len(text), text[at:])
-    return Normalized(text, "".join(parts), segments)
+    return Normalized(text, "".join(built.parts), built.segments)
 
 
 def _unescape(escape: str) -> str:
