@@ -1,12 +1,5 @@
-"""OpenAI's API as pydantic models: requests (validated strictly) and responses.
-
-Field names, types and ranges follow OpenAI's API reference and the openai SDK's types; the
-vLLM-only sampling parameters (top_k, min_p, ...) follow vLLM's OpenAI server. Requests forbid
-unknown fields, as OpenAI does, so a typo is a 400 and not a silently ignored parameter. Every
-integer is bounded (to int64, as vLLM's server bounds `seed`, or tighter): no client-sent number
-reaches the engine, the cache key or a tokenizer unbounded. Token ids are checked against the
-model's vocabulary when the engine is known (`serving.generation.check_token_ids`).
-"""
+"""OpenAI's API as pydantic models. Requests forbid unknown fields (a typo is a 400) and every integer is bounded, so
+no client-sent number reaches the engine, the cache key or a tokenizer unbounded."""
 
 from __future__ import annotations
 
