@@ -49,7 +49,6 @@ def new_id(kind: str = BATCH) -> str:
 
 @dataclass(slots=True)
 class Progress:
-
     done: set[str] = field(default_factory=set)
     completed: int = 0
     failed: int = 0
@@ -133,7 +132,6 @@ def _merge_cancel(stored: StoredBatch, cancelled: int | None) -> StoredBatch:
 
 @dataclass(slots=True, frozen=True)
 class BatchObjects:
-
     blobs: Blobs
     spool: Spool
     home: str  # its owner's prefix
@@ -286,7 +284,6 @@ class BatchStore:
 
 @dataclass(slots=True, frozen=True)
 class OwnedBatches:
-
     blobs: Blobs
     spool: Spool
     home: str

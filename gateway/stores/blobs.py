@@ -19,8 +19,7 @@ _TEMPORARY = ".tmp-"  # disk: a name being written (never listed)
 T = TypeVar("T")
 
 
-class _Missing(Exception):
-    ...
+class _Missing(Exception): ...
 
 
 class BlobsUnavailable(Exception):

@@ -40,8 +40,7 @@ TEMPORARY = "llm-gateway-s3-"  # local temporary files' prefix
 Keys = list[str]  # (`list` is also a method of the store)
 
 
-class _Changed(Exception):
-    ...
+class _Changed(Exception): ...
 
 
 @dataclass(slots=True, frozen=True)

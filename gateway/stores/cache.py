@@ -141,7 +141,6 @@ def make_backend(settings: CacheSettings, pools: RedisPools) -> CacheBackend | N
 
 
 class ResponseCache:
-
     def __init__(self, backend: CacheBackend | None) -> None:
         self.backend = backend
 

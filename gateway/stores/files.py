@@ -45,7 +45,6 @@ def owner_prefix(owner: str) -> str:
 
 @dataclass(slots=True, frozen=True)
 class FileStore:
-
     blobs: Blobs
     spool: Spool
 

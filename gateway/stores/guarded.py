@@ -38,7 +38,6 @@ async def _guarded_chunks(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 @dataclass(slots=True, frozen=True)
 class Guarded:
-
     blobs: Blobs
 
     async def get(self, name: str) -> bytes | None:

@@ -16,7 +16,6 @@ ERRORS = (redis.RedisError, OSError, TimeoutError)  # what a Redis that is down 
 
 
 class Client:
-
     def __init__(self, redis_client: redis.Redis, timeout_s: float) -> None:
         self.redis = redis_client
         self.timeout_s = timeout_s

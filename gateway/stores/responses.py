@@ -46,7 +46,6 @@ class MemoryStore(MemoryCache):
 
 
 class RedisStore:
-
     def __init__(self, pools: RedisPools, url: str, prefix: str, ttl_s: float, timeout_s: float) -> None:
         self._client = pools.client(url, timeout_s)
         self.prefix, self.ttl_s = prefix, ttl_s
@@ -75,7 +74,6 @@ def make_store_backend(settings: CacheSettings, pools: RedisPools) -> StoreBacke
 
 @dataclass(slots=True)
 class BackgroundRun:
-
     task: asyncio.Task[None]
     hang_up: asyncio.Event  # set: the stream ends as if its client had left (the engine request is aborted)
     cancelled: Callable[[], Awaitable[Response]]  # stores the response as it stands, cancelled, and returns it
@@ -97,7 +95,6 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class ResponseStore:
-
     backend: StoreBackend
     _running: dict[tuple[str, str], BackgroundRun] = field(default_factory=dict)
 

@@ -43,7 +43,6 @@ class Staged:
 
 @dataclass(slots=True, frozen=True)
 class Spool:
-
     directory: Path
 
     @classmethod
@@ -90,7 +89,6 @@ class Spool:
 
 @dataclass(slots=True)
 class _Limited:
-
     file: BinaryIO
     left: int
 
