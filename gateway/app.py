@@ -47,6 +47,8 @@ from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
 
 log = structlog.get_logger(__name__)
+
+
 @contextlib.contextmanager
 def serving_heap(freeze: bool, young_threshold: int) -> Iterator[None]:
     """The garbage collector as the gateway serves, put back when serving ends. `freeze`: start-up's heap out of the

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -110,10 +111,8 @@ class RequestTrace:
             return NonRecordingSpan(self.server.get_span_context())  # its end() does nothing
         return self.tracer.start_span(name, kind=kind, attributes=attributes)
 
-    @contextlib.contextmanager
-    def stage(self, name: str, kind: SpanKind = SpanKind.INTERNAL, **attributes: Any) -> Iterator[Span]:
-        with self.tracer.start_as_current_span(name, kind=kind, attributes=attributes or None) as span:
-            yield span
+    def stage(self, name: str, kind: SpanKind = SpanKind.INTERNAL, **attributes: Any) -> AbstractContextManager[Span]:
+        return self.tracer.start_as_current_span(name, kind=kind, attributes=attributes or None)
 
     # --- what the request is and what it answered -----------------------------------------------
 
@@ -181,26 +180,19 @@ def parameters(body: object) -> dict[str, Any]:
 
 
 def _answered(record: Any, reasons: list[str]) -> dict[str, Any]:
-    attributes: dict[str, Any] = {"http.response.status_code": record.status or 500}
-    if record.version is not None:
-        attributes["gen_ai.response.model"] = record.version
-    if record.prompt_tokens is not None:
-        attributes["gen_ai.usage.input_tokens"] = record.prompt_tokens
-    if record.completion_tokens is not None:
-        attributes["gen_ai.usage.output_tokens"] = record.completion_tokens
-    if reasons:
-        attributes["gen_ai.response.finish_reasons"] = reasons
-    if record.cache is not None:
-        attributes["gateway.cache"] = record.cache
-    if record.api_key_id is not None:
-        attributes["gateway.api_key_id"] = record.api_key_id
-    if record.guards:
-        attributes["gateway.guards"] = list(record.guards)
-    if record.disconnected:
-        attributes["gateway.client_disconnected"] = True
-    if record.ttft_s is not None:
-        attributes["gateway.ttft_s"] = record.ttft_s
-    return attributes
+    attributes = {
+        "http.response.status_code": record.status or 500,
+        "gen_ai.response.model": record.version,
+        "gen_ai.usage.input_tokens": record.prompt_tokens,
+        "gen_ai.usage.output_tokens": record.completion_tokens,
+        "gen_ai.response.finish_reasons": reasons or None,
+        "gateway.cache": record.cache,
+        "gateway.api_key_id": record.api_key_id,
+        "gateway.guards": list(record.guards) if record.guards else None,
+        "gateway.client_disconnected": True if record.disconnected else None,
+        "gateway.ttft_s": record.ttft_s,
+    }
+    return {name: value for name, value in attributes.items() if value is not None}
 
 
 def _content(record: Any, reasons: list[str]) -> dict[str, str]:

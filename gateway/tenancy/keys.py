@@ -100,16 +100,15 @@ def _has_body(headers: Headers) -> bool:
     return bool(header_values(headers, b"transfer-encoding")) or any(value.strip() != b"0" for value in length)
 
 
-def _declares_json(headers: Headers) -> bool:
+def _declares(headers: Headers, media_type: bytes) -> bool:
     values = header_values(headers, b"content-type")
-    return len(values) == 1 and values[0].split(b";")[0].strip().lower() == b"application/json"
+    return len(values) == 1 and values[0].split(b";")[0].strip().lower() == media_type
 
 
 def _declares_upload(headers: Headers) -> bool:
     """A multipart form with a credential header: a web page cannot add one to a cross-site form."""
-    values = header_values(headers, b"content-type")
-    form = len(values) == 1 and values[0].split(b";")[0].strip().lower() == b"multipart/form-data"
-    return form and bool(header_values(headers, b"authorization") or header_values(headers, b"x-api-key"))
+    credential = header_values(headers, b"authorization") or header_values(headers, b"x-api-key")
+    return _declares(headers, b"multipart/form-data") and bool(credential)
 
 
 def presented_keys(headers: Headers) -> set[str]:
@@ -198,7 +197,8 @@ class Authenticator:
     def identify(self, method: str, headers: Headers, peer: str, upload: bool = False) -> Identity:
         """The request's identity, or the `APIError` that refuses it. `upload`: the route takes a multipart form."""
         if not self.keys.enabled and not (self.tenants and self.tenants.enabled):
-            if method == "POST" and _has_body(headers) and not (_declares_upload if upload else _declares_json)(headers):
+            declared = _declares_upload(headers) if upload else _declares(headers, b"application/json")
+            if method == "POST" and _has_body(headers) and not declared:
                 raise UnsupportedMediaType(
                     "Send the upload as multipart/form-data, with an 'Authorization' header." if upload
                     else "Send the request body as JSON, with 'Content-Type: application/json'."
