@@ -59,6 +59,12 @@ def _once_more(write: Callable[[], T]) -> Callable[[], T]:
     return again
 
 
+def _durable(out: BinaryIO, data: bytes) -> None:
+    out.write(data)
+    out.flush()
+    os.fsync(out.fileno())
+
+
 def check_name(name: str) -> str:
     """`name` when it is `/`-separated segments of `[A-Za-z0-9._-]` (never `.` or `..`); else ValueError."""
     parts = name.split("/")
@@ -87,44 +93,31 @@ class Blobs(Protocol):
     nothing blocks the event loop; an unreachable backend raises `BlobsUnavailable`, a missing object is never an
     error."""
 
-    async def get(self, name: str) -> bytes | None:
-        ...
-
-    async def put(self, name: str, data: bytes) -> None:
-        ...
+    async def get(self, name: str) -> bytes | None: ...
+    async def put(self, name: str, data: bytes) -> None: ...
 
     async def create(self, name: str, data: bytes) -> bool:
         """`data` as `name` only if there is none: True when made."""
-        ...
 
     async def put_file(self, name: str, path: Path) -> int:
         """The local file `path` as `name`; its size. The file is the store's afterwards (moved or removed)."""
-        ...
 
-    async def append(self, name: str, data: bytes) -> None:
-        ...
-
-    async def open(self, name: str, chunk_bytes: int = 256 * 1024) -> Opened | None:
-        ...
+    async def append(self, name: str, data: bytes) -> None: ...
+    async def open(self, name: str, chunk_bytes: int = 256 * 1024) -> Opened | None: ...
 
     def local(self, name: str) -> contextlib.AbstractAsyncContextManager[Path | None]:
         """A local file holding the object's content for blocking reads (the object itself on disk, else a temporary
         copy removed on exit); None when there is none. Read only."""
-        ...
 
     async def copy(self, source: str, target: str) -> bool:
         """`source`'s content as `target`, independent of it; False when `source` is none."""
-        ...
 
-    async def delete(self, *names: str) -> None:
-        ...
+    async def delete(self, *names: str) -> None: ...
 
     async def list(self, prefix: str) -> list[str]:
         """The names starting with `prefix` (ending in `/`), any order."""
-        ...
 
-    async def aclose(self) -> None:
-        ...
+    async def aclose(self) -> None: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -173,9 +166,7 @@ class DiskBlobs:
 
         def write() -> None:
             with self._replacing(path) as temporary, temporary.open("wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
+                _durable(out, data)
 
         await _thread(_once_more(write))
 
@@ -187,9 +178,7 @@ class DiskBlobs:
             temporary = self._temporary(path)
             try:
                 with temporary.open("wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
+                    _durable(out, data)
                 os.link(temporary, path)  # fails when `path` exists: whole content or nothing, exclusively
                 return True
             except FileExistsError:
@@ -221,9 +210,7 @@ class DiskBlobs:
         def add() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("ab") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
+                _durable(out, data)
 
         await _thread(_once_more(add))
 

@@ -26,9 +26,7 @@ AnswerT = TypeVar("AnswerT", bound=BaseModel)
 
 class CacheBackend(Protocol):
     async def get(self, key: str) -> bytes | None: ...
-
     async def set(self, key: str, value: bytes) -> None: ...
-
     async def aclose(self) -> None: ...
 
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
 from gateway.protocol.responses import Item, Response
 from gateway.settings import CacheSettings
-from gateway.stores.cache import MemoryCache
+from gateway.stores.cache import CacheBackend, MemoryCache
 from gateway.stores.redis import ERRORS, RedisPools
 from gateway.telemetry import metrics
 
@@ -27,14 +27,8 @@ class StoredResponse(BaseModel):
     input_items: list[Item]  # everything the model read: earlier turns first, then this request's input
 
 
-class StoreBackend(Protocol):
-    async def get(self, key: str) -> bytes | None: ...
-
-    async def set(self, key: str, value: bytes) -> None: ...
-
+class StoreBackend(CacheBackend, Protocol):
     async def delete(self, key: str) -> bool: ...
-
-    async def aclose(self) -> None: ...
 
 
 class MemoryStore(MemoryCache):
