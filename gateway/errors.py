@@ -186,7 +186,6 @@ _NO_BODY = object()  # a validation error of no request body (a query, a model b
 
 
 def invalid_body(exc: ValidationError, body: bytes) -> InvalidRequest:
-    """A request body's validation error, its param the field's path in the body as sent."""
     try:
         data = json.loads(body)  # the error path only; the stdlib's parser takes what pydantic's did (NaN)
     except (ValueError, RecursionError):
@@ -235,7 +234,6 @@ def _field_path(loc: tuple[int | str, ...], data: Any, missing: bool) -> list[st
 
 
 def from_exception(exc: BaseException) -> APIError:
-    """Any exception as the API error the client sees; unknown ones are 500s."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValidationError):

@@ -65,7 +65,6 @@ class Progress:
 
 
 def tokens_of(body: object) -> tuple[int, int]:
-    """(prompt, completion) tokens of an answer's `usage`, in any of the endpoints' shapes."""
     usage = body.get("usage") if isinstance(body, dict) else None
     if not isinstance(usage, dict):
         return 0, 0
@@ -184,7 +183,7 @@ class BatchObjects:
             return None
 
     async def progress(self) -> Progress:
-        """The custom_ids answered so far; a torn last line is cut off by writing the good part back."""
+        """A torn last line is cut off by writing the good part back."""
         progress = Progress()
         for part, ok in ((OUTPUT, True), (ERRORS, False)):
             async with self.local(part) as path:
@@ -330,7 +329,7 @@ class OwnedBatches:
         return await batch.read()
 
     async def delete(self, batch_id: str, param: str = "batch_id") -> None:
-        """Remove a batch that is done: its record first, so it is gone for every reader at once."""
+        """Its record first, so it is gone for every reader at once."""
         batch, stored = await self.find(batch_id, param)
         if stored.batch.status not in DONE:
             raise InvalidRequest(f"Batch '{batch_id}' is still being processed: cancel it and delete it once it "

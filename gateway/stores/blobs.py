@@ -22,8 +22,7 @@ T = TypeVar("T")
 class _Missing(Exception): ...
 
 
-class BlobsUnavailable(Exception):
-    """The store cannot be reached or fails right now (the backend's own error is its cause)."""
+class BlobsUnavailable(Exception): ...
 
 
 async def _thread(work: Callable[[], T]) -> T:
@@ -75,8 +74,6 @@ def check_name(name: str) -> str:
 
 @dataclass(slots=True)
 class Opened:
-    """An object opened for reading: its size and its content, chunk by chunk (`aclose` when not read to the end)."""
-
     size: int
     chunks: AsyncIterator[bytes]
 
@@ -110,12 +107,12 @@ class Blobs(Protocol):
         copy removed on exit); None when there is none. Read only."""
 
     async def copy(self, source: str, target: str) -> bool:
-        """`source`'s content as `target`, independent of it; False when `source` is none."""
+        ...
 
     async def delete(self, *names: str) -> None: ...
 
     async def list(self, prefix: str) -> list[str]:
-        """The names starting with `prefix` (ending in `/`), any order."""
+        ...
 
     async def aclose(self) -> None: ...
 

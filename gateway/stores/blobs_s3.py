@@ -50,7 +50,6 @@ class _Head:
 
     @property
     def generation(self) -> str | None:
-        """The generation of its parts (an appended object's base); None for a plain object."""
         return self.metadata.get(APPENDS)
 
 
@@ -262,7 +261,6 @@ class S3Blobs:
         return _Head(head["ETag"], head.get("Metadata", {}))
 
     def _fetch(self, name: str, key: str, sink: IO[bytes]) -> bool:
-        """The whole object written to `sink`, one version of it; False when there is none."""
         for _ in range(ATTEMPTS):
             sink.seek(0)
             sink.truncate()

@@ -111,7 +111,7 @@ class OwnedFiles:
         return found
 
     async def open(self, file_id: str) -> tuple[FileObject, Opened]:
-        """A file's object and its content, opened: a delete after this does not cut the read short."""
+        """A delete after this does not cut the read short."""
         content, _ = self._names(file_id)
         found = await self.get(file_id)
         opened = await self.blobs.open(content)
@@ -144,7 +144,6 @@ class OwnedFiles:
         return [f for f in found if f is not None]
 
     async def _read(self, content: str, meta: str) -> FileObject | None:
-        """The metadata of a file that exists and has not expired (an expired one is removed)."""
         raw = await self.blobs.get(meta)
         if raw is None:
             return None

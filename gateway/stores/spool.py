@@ -16,8 +16,6 @@ from gateway.stores.guarded import unavailable
 
 
 class Staged:
-    """A file being received in the spool, then handed to a store (which takes it) or discarded."""
-
     def __init__(self, path: Path) -> None:
         self.path = path
         self.size = 0
@@ -58,7 +56,6 @@ class Spool:
             return await asyncio.to_thread(make)
 
     async def fill(self, chunks: AsyncIterator[bytes], kind: str = "copy") -> Staged:
-        """A staged file holding these chunks, closed (discarded if they fail)."""
         staged = await self.stage(kind)
         try:
             async for chunk in chunks:

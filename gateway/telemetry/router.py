@@ -69,7 +69,6 @@ def page(loads: Iterable[EngineLoad], admission_waiting: int, now: float | None 
 
 
 def _names(adapters: set[str]) -> str:
-    """A label value: the adapters' names, comma-separated, escaped as the text format wants."""
     if not adapters:
         return ""
     joined = ",".join(sorted(adapters))

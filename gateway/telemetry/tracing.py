@@ -69,7 +69,6 @@ class Tracing:
 
 
 def continued(headers: Iterable[tuple[bytes, bytes]]) -> otel_context.Context:
-    """The caller's trace, from its `traceparent` and `tracestate` headers (a new trace without)."""
     carrier = {}
     for key, value in headers:
         if key in (b"traceparent", b"tracestate"):
@@ -85,8 +84,6 @@ def headers_of(span: Span) -> dict[str, str]:
 
 
 class RequestTrace:
-    """One request's server span and what its end reports, in the request's record while it runs."""
-
     __slots__ = ("_failed", "_finish_reasons", "_overrides", "log_content", "recording", "server", "tracer")
 
     def __init__(self, tracer: Tracer, server: Span, log_content: bool = False) -> None:
@@ -132,7 +129,6 @@ class RequestTrace:
         self._finish_reasons.extend(reason or "stop" for reason in reasons)
 
     def finished_as(self, index: int, reason: str | None) -> None:
-        """A choice's finish reason as the answer says it (chat's tool_calls), over the engine's."""
         if reason is not None:
             self._overrides[index] = reason
 
@@ -196,7 +192,6 @@ def _answered(record: Any, reasons: list[str]) -> dict[str, Any]:
 
 
 def _content(record: Any, reasons: list[str]) -> dict[str, str]:
-    """Prompt and outputs in the conventions' message shape (only with `log_prompts`)."""
     content = {}
     if record.prompt is not None:
         messages = [{"role": "user", "parts": [{"type": "text", "content": record.prompt}]}]
@@ -215,6 +210,5 @@ _UNTRACED: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
 def stage(trace: RequestTrace | None, name: str, **attributes: Any) -> contextlib.AbstractContextManager[Span | None]:
-    """`trace.stage(name)`, or one shared null context when the request is not traced."""
     return _UNTRACED if trace is None or not trace.recording else trace.stage(name, **attributes)
 

@@ -57,7 +57,6 @@ class KeyRing:
         return None if found is None else self._identities[found]
 
     def by_tenant(self, tenant: str) -> Identity | None:
-        """The key whose tenant this is (stable across processes), with its id in this process."""
         return self._by_tenant.get(tenant)
 
 
@@ -195,7 +194,7 @@ class Authenticator:
         self.proxies = proxies or TrustedProxies()
 
     def identify(self, method: str, headers: Headers, peer: str, upload: bool = False) -> Identity:
-        """The request's identity, or the `APIError` that refuses it. `upload`: the route takes a multipart form."""
+        """`upload`: the route takes a multipart form."""
         if not self.keys.enabled and not (self.tenants and self.tenants.enabled):
             declared = _declares_upload(headers) if upload else _declares(headers, b"application/json")
             if method == "POST" and _has_body(headers) and not declared:

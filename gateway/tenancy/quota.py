@@ -184,8 +184,6 @@ class Charge:
 
 
 class Quota:
-    """`pools`: the app's Redis pools (None: pools of its own, closed with it)."""
-
     def __init__(self, settings: LimitsSettings, pools: RedisPools | None = None) -> None:
         self.settings = settings
         self.local = LocalCounts()
@@ -202,7 +200,6 @@ class Quota:
             _report("requests", policy.rpm, 1, allowed, tokens)
 
     async def charge(self, policy: KeyPolicy, tokens: int, reconcile: bool = False) -> Charge:
-        """Budgets reserved, then tokens per minute taken: QuotaExceeded or RateLimited when they refuse."""
         if policy.tpm is not None and tokens > policy.tpm:  # waiting cannot help: a 400, no Retry-After
             metrics.labelled(metrics.RATE_LIMITED, "tokens").inc()
             raise OverTokenLimit(
@@ -283,7 +280,6 @@ class Quota:
             charge.settle()
 
     def later(self, work: Coroutine[Any, Any, None]) -> None:
-        """Corrections run off the request's path; kept referenced until done."""
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -97,8 +97,6 @@ class KeysFile(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class KeyPolicy:
-    """What one request's key may do: its limits and budgets, models, guard profile, priority class and metadata."""
-
     key_id: str
     rpm: int | None = None
     tpm: int | None = None
@@ -180,7 +178,6 @@ class Tenants:
         return any(p.priority != "normal" or p.request_priority for p in self._table.policies.values())
 
     def reload(self, reason: str) -> bool:
-        """Read the file again; False (and the table in service kept) when it cannot be used."""
         if self.path is None:
             return False
         stamp = self._file_stamp()
