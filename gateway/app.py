@@ -73,13 +73,6 @@ def tenants_of(settings: Settings) -> Tenants:
     return Tenants(settings.keys_file, settings.rate_limit_rpm, settings.rate_limit_tpm, settings.keys_reload_interval_s)
 
 
-def batch_lane_stores(settings: Settings, pools: RedisPools) -> tuple[FileStore, BatchStore]:
-    """The Files API's and the Batches API's stores in the configured backend, each with its local spool."""
-    files = FileStore.on(open_blobs(settings, pools, "files"), Spool.at(settings.files.dir / ".spool"))
-    batches = BatchStore.on(open_blobs(settings, pools, "batches"), Spool.at(settings.batches.dir / ".spool"))
-    return files, batches
-
-
 def create_app(
     settings: Settings,
     engine_starter: EngineStarter = start_embedded,
@@ -112,7 +105,8 @@ def create_app(
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
         runner: BatchRunner | None = None
-        files, batches = batch_lane_stores(settings, pools)
+        files = FileStore.on(open_blobs(settings, pools, "files"), Spool.at(settings.files.dir / ".spool"))
+        batches = BatchStore.on(open_blobs(settings, pools, "batches"), Spool.at(settings.batches.dir / ".spool"))
         try:
             await load_declared(registry)
             metrics.export_adapter_load(lambda: [engine.adapter_load() for _, engine in registry.engines()])

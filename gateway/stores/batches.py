@@ -123,12 +123,6 @@ def _first(line: bytes, seen: set[str]) -> bool:
     return True
 
 
-def _merge_cancel(stored: StoredBatch, cancelled: int | None) -> StoredBatch:
-    if cancelled is not None and stored.batch.status not in DONE and stored.batch.status != "cancelling":
-        stored.batch.status, stored.batch.cancelling_at = "cancelling", cancelled
-    return stored
-
-
 @dataclass(slots=True, frozen=True)
 class BatchObjects:
     blobs: Blobs
@@ -158,7 +152,10 @@ class BatchObjects:
         except ValidationError as exc:
             log.warning("batch_record_unreadable", batch_id=self.id, errors=exc.error_count())
             return None
-        return _merge_cancel(stored, await self.cancel_asked())
+        cancelled, batch = await self.cancel_asked(), stored.batch
+        if cancelled is not None and batch.status not in DONE and batch.status != "cancelling":
+            batch.status, batch.cancelling_at = "cancelling", cancelled
+        return stored
 
     async def exists(self) -> bool:
         return await self.blobs.get(self.name(RECORD)) is not None
