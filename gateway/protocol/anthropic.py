@@ -18,9 +18,6 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-# --- request parts -----------------------------------------------------------------------------
-
-
 class CacheControl(_Request):
     type: Literal["ephemeral"]
     ttl: str | None = None
@@ -152,8 +149,6 @@ class CountTokensRequest(Conversation):
     """POST /v1/messages/count_tokens (the SDK's MessageCountTokensParams)."""
 
 
-# --- answers -----------------------------------------------------------------------------------
-
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]  # refusal: an output guard cut it
 
 
@@ -266,9 +261,6 @@ class MessageStopEvent(_Response):
 
 class PingEvent(_Response):
     type: Literal["ping"] = "ping"
-
-
-# --- errors ------------------------------------------------------------------------------------
 
 
 class AnthropicError(_Response):

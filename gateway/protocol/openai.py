@@ -23,9 +23,6 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-# --- shared request parts -----------------------------------------------------------------
-
-
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -109,9 +106,6 @@ class SamplingFields(ModelRequest):
         return self.prompt_count() * self.n
 
 
-# --- chat ---------------------------------------------------------------------------------
-
-
 class TextPart(_Request):
     type: Literal["text"]
     text: str
@@ -185,8 +179,6 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
-# --- completions --------------------------------------------------------------------------
-
 Prompt = (
     str
     | Annotated[list[str], Field(min_length=1)]
@@ -212,9 +204,6 @@ class CompletionRequest(SamplingFields):
 
     def engine_requests(self) -> int:
         return self.prompt_count() * max(self.n, self.best_of or 1)
-
-
-# --- responses ----------------------------------------------------------------------------
 
 
 class Usage(_Response):
@@ -335,9 +324,6 @@ class ErrorBody(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorBody
-
-
-# --- vLLM's tokenizer routes and the native API ------------------------------------------
 
 
 class TokenizeRequest(_Request):

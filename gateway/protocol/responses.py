@@ -43,9 +43,6 @@ class _Out(BaseModel):
         return {**ordered, **data}
 
 
-# --- the request ----------------------------------------------------------------------------
-
-
 class InputPart(_Request):
     """A content part of an input message: text (`input_text`, or `output_text` and `refusal` in an
     earlier assistant turn sent back). Images, files and audio are refused when the input is read."""
@@ -200,9 +197,6 @@ class ResponsesRequest(_Request):
         return self
 
 
-# --- the Response object and its items --------------------------------------------------------
-
-
 class InputText(_Out):
     type: Literal["input_text"] = "input_text"
     text: str
@@ -350,9 +344,6 @@ class InputItemsQuery(_Request):
     after: str | None = None
     limit: Annotated[int, Field(ge=1, le=100)] = 20
     order: Literal["asc", "desc"] = "desc"
-
-
-# --- stream events ----------------------------------------------------------------------------
 
 
 class _Event(BaseModel):

@@ -111,8 +111,6 @@ class RequestTrace:
     def stage(self, name: str, kind: SpanKind = SpanKind.INTERNAL, **attributes: Any) -> AbstractContextManager[Span]:
         return self.tracer.start_as_current_span(name, kind=kind, attributes=attributes or None)
 
-    # --- what the request is and what it answered -----------------------------------------------
-
     def request(self, route: str, model: str, body: object) -> None:
         """The request's operation, model and sampling parameters; the span renamed `{operation} {model}` as the
         conventions name an inference span."""
