@@ -40,7 +40,6 @@ async def _create(request: Request) -> Response:
 
 
 def _record(request: Request, body: BatchCreate, found: FileObject) -> StoredBatch:
-    """The new batch's record (a 400 when its input is no batch file)."""
     state, context = state_of(request), context_of(request.scope)
     if found.purpose != "batch":
         raise InvalidRequest(

@@ -82,7 +82,6 @@ async def cancel(request: Request) -> Response:
 
 
 async def results(request: Request) -> Response:
-    """JSONL, once the batch has ended (400 before)."""
     batch_id = request.path_params[PARAM]
     found, stored = await _mine(request).find(batch_id, PARAM)
     if mb.view(stored).processing_status != "ended":

@@ -35,8 +35,6 @@ class _Part:
 
 
 class _Reader:
-    """python-multipart's callbacks: they collect; `read_form` awaits the disk writes between chunks."""
-
     def __init__(self, max_file_bytes: int, on_field: Callable[[str, str], None]) -> None:
         self.form = Form()
         self.max_file_bytes = max_file_bytes

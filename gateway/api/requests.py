@@ -58,12 +58,11 @@ def cache_directives(scope: Scope) -> frozenset[str]:
 
 
 def engine_for(request: Request, name: str | None) -> Engine:
-    """The embedded engine `name` answers with (None: the default model), among the models the request's key may use."""
     return state_of(request).models.engine(name, access(request))
 
 
 def default_model(request: Request) -> str:
-    """The native routes' model when a request names none: the first generating one the key may use."""
+    """The native routes' model when a request names none."""
     return state_of(request).models.default_name(access(request))
 
 

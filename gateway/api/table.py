@@ -88,13 +88,11 @@ class RouteTable:
         return frozenset(e.path for e in self.endpoints if e.access in access)
 
     def label(self, path: str) -> str:
-        """The route label of a request path, bounded whatever clients send (its template)."""
         if path in self._paths:
             return path
         return next((template for regex, template in self._templates if regex.match(path)), UNMATCHED)
 
     def dialect(self, path: str) -> Dialect:
-        """The error dialect of a path: its route's, or that of the route it is under; OpenAI's outside the table."""
         found = self._dialects.get(path)
         if found is not None:
             return found

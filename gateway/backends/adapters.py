@@ -91,7 +91,7 @@ class AdapterEngine:
         await self.base.check_health()
 
     async def shutdown(self) -> None:
-        """Nothing: the base's engine is stopped with the base."""
+        ...
 
     async def drained(self) -> None:
         await self._idle.wait()

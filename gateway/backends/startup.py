@@ -29,7 +29,6 @@ GrammarStarter = Callable[[Engine, int, int], GrammarCheck | None]  # (engine, w
 
 
 def start_embedded(settings: EngineSettings) -> Engine:
-    """The real engine (`engine.start_engine` imports vllm only when a model is started)."""
     return start_engine(settings)
 
 
@@ -46,8 +45,6 @@ def check_embedded(models: ModelsFile, settings: Settings, check: EngineCheck = 
 
 
 def embedded_settings(models: ModelsFile, settings: Settings, prioritized: bool = False) -> dict[str, EngineSettings]:
-    """Each embedded model's engine settings as `build_registry` starts it (the parent of workers starts the shared
-    cores with these)."""
     return {spec.id: scheduling(spec.engine_settings(settings.engine), prioritized)
             for spec in models.models if spec.kind == "embedded"}
 

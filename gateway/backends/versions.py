@@ -57,7 +57,6 @@ class Catalog:
         return chosen
 
     def versions(self, name: str) -> list[str]:
-        """Oldest first, as people list them."""
         return [str(version) for version, _ in reversed(self.families[name])]
 
     def _missing(self, requested: str, name: str, wanted: str) -> str:
