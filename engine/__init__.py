@@ -1,7 +1,5 @@
-"""The engine layer: the only package that imports vllm (in `engine.vllm_engine`, lazily).
-
-`engine.types` is the interface the gateway codes against; `engine.errors` what it may raise.
-"""
+"""The engine layer: the only package that imports vllm (lazily); `engine.types` is the interface the gateway codes
+against, `engine.errors` what it may raise."""
 
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ class SharedEngine(Protocol):
 
 
 def start_engine(settings: EngineSettings) -> Engine:
-    """Start the embedded vLLM engine (imports vllm, loads the model: tens of seconds)."""
+    """Start the embedded vLLM engine (imports vllm, loads the model)."""
     from engine.vllm_engine import VLLMEngine
 
     return VLLMEngine.start(settings)
@@ -59,9 +57,9 @@ def check_engine_settings(settings: EngineSettings) -> None:
 
 
 def start_grammar_check(engine: Engine, workers: int, verdicts: int) -> GrammarCheck | None:
-    """Processes that compile structured-output constraints for `engine`'s model as vLLM will
-    (`engine.grammar`); None for a model without a local directory or a known vocabulary size.
-    Call from the event loop: the workers start in the background (a few seconds)."""
+    """Processes that compile structured-output constraints for `engine`'s model as vLLM will; None for a model
+    without a local directory or a known vocabulary size. Call from the event loop: the workers start in the
+    background."""
     from pathlib import Path
 
     from engine.grammar import GrammarCompiler

@@ -1,11 +1,5 @@
-"""LoRA adapters as files: what a PEFT adapter directory holds, read without vllm (the gateway checks
-the models file's adapters at start with it; the engine checks a run-time load the same way).
-
-A PEFT LoRA adapter is a directory with `adapter_config.json` (`peft_type: LORA`, its rank `r`,
-`lora_alpha`, `target_modules`) and its weights, `adapter_model.safetensors` (or the older
-`adapter_model.bin`). vLLM loads it into a base engine started with LoRA on, whose `max_lora_rank`
-must be at least the adapter's rank and one of vLLM's sizes (`LORA_RANKS`).
-"""
+"""LoRA adapters as files: what a PEFT adapter directory holds (`adapter_config.json` and its weights), read without
+vllm, and the `max_lora_rank` slot each needs."""
 
 from __future__ import annotations
 

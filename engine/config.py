@@ -1,14 +1,6 @@
-"""Engine settings: what the gateway's one Settings object holds for the embedded engine.
-
-A plain pydantic model (no vllm import); `engine.vllm_engine` turns it into vLLM's engine args,
-after `engine.capabilities` has refused what the model or the platform cannot use.
-The GPU path is configuration only: install the `gpu` extra and set, say,
-`GATEWAY_ENGINE__GPU_MEMORY_UTILIZATION=0.9`, `GATEWAY_ENGINE__TENSOR_PARALLEL_SIZE=2`.
-
-Sampling defaults (what a request leaves unsaid) come, strongest first, from `sampling_defaults`
-(the models file's `defaults:`), the model's `generation_config.json` (`generation_config`), and
-OpenAI's own defaults last: vLLM's order (`ModelConfig.get_diff_sampling_param`).
-"""
+"""Engine settings as a plain pydantic model (no vllm import), turned into vLLM's engine args by `engine.vllm_engine`.
+Sampling defaults, strongest first: `sampling_defaults`, the model's `generation_config.json`, OpenAI's (vLLM's
+order)."""
 
 from __future__ import annotations
 

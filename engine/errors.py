@@ -1,12 +1,4 @@
-"""Errors an engine raises. The vLLM adapter maps vLLM's exceptions onto these, once, at its edge.
-
-    EngineError                  something went wrong inside the engine (500)
-    ├── EngineInvalidRequest     the engine refused the request's parameters (400)
-    │   └── PromptTooLong        prompt and output exceed the model's context (400)
-    └── EngineUnavailable        the engine is dead or not started (503)
-
-    EngineConfigError            a setting the model or the platform cannot use (refused at start)
-"""
+"""Errors an engine raises; the vLLM adapter maps vLLM's exceptions onto these, once, at its edge."""
 
 from __future__ import annotations
 

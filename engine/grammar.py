@@ -1,25 +1,7 @@
-"""A structured-output constraint compiled before the engine sees it, in processes of its own.
-
-Why: vLLM compiles a request's grammar inside the engine core, in a thread pool of (CPUs + 1) // 2
-workers (one on a 2-core machine) that a finished or aborted request does not cancel. One slow
-schema (a 10,000-value enum: 1-8 s with xgrammar here) holds back every other structured request
-behind it, and runs on after its client has gone. So the gateway compiles the constraint first,
-the way vLLM will (xgrammar, the model's tokenizer, its vocabulary size), in worker processes:
-
-- bounded in time: a compile past its deadline is killed with its process (a thread cannot be
-  stopped), and the constraint refused; a replacement process starts at once;
-- cancelled with its request: cancelling `check` kills the worker too;
-- never holding back other constraints: each compile has a process to itself, and a verdict once
-  known (compiled, or refused with xgrammar's message) is kept per constraint hash, so a schema
-  seen before costs a dictionary lookup.
-
-A compiled grammar is also probed: if it lets the model write no first token but the end of the
-text, no answer can satisfy it (`{"anyOf": []}`, `{"$ref": "#"}`) and it is refused, instead of
-generating an empty answer.
-
-This module imports neither vllm nor xgrammar in the gateway's process; the workers import
-xgrammar and transformers (about 6 s each at start, in parallel with the engine's own start).
-"""
+"""Structured-output constraints compiled before the engine sees them, in worker processes of their own: vLLM compiles
+a grammar inside the engine core in a small thread pool that a gone request does not cancel, so one slow schema
+holds back every structured request. Here a compile is bounded in time (killed with its process), cancelled with
+its request, and its verdict kept per constraint hash. Imports neither vllm nor xgrammar in the gateway's process."""
 
 from __future__ import annotations
 
@@ -133,9 +115,9 @@ class _Worker:
 
 
 class GrammarCompiler:
-    """Compile checks of structured-output constraints in `workers` processes, with verdicts kept
-    (up to `verdicts` of them, least recently used out). `check` never raises for the constraint's
-    sake: it answers a `Verdict`."""
+    """Compile checks in `workers` processes, with up to `verdicts` kept (LRU). `check` never raises for the
+    constraint's sake: it answers a `Verdict`. A compiled grammar that lets the model write nothing but the end of
+    the text is refused too."""
 
     def __init__(self, model: str, vocab_size: int, workers: int = 2, verdicts: int = 4096) -> None:
         self.model, self.vocab_size, self.size = model, vocab_size, workers
@@ -171,7 +153,6 @@ class GrammarCompiler:
         self._idle.put_nowait(worker)
 
     async def started(self) -> None:
-        """Return once the workers starting now are up (or died trying)."""
         await asyncio.gather(*list(self._starting), return_exceptions=True)
 
     def known(self, key: str) -> Verdict | None:

@@ -1,6 +1,5 @@
-"""The engine's load as a request router reads it: a stat logger of vLLM's (one per engine core)
-keeping `EngineLoad` and the LoRA adapters' request counts current, so that reading them costs
-nothing (`VLLMEngine.load`, `VLLMEngine.adapter_load`)."""
+"""The engine's load as a request router reads it, kept current by a stat logger of vLLM's so that reading it costs
+nothing."""
 
 from __future__ import annotations
 
@@ -14,10 +13,9 @@ from engine.types import EngineLoad
 
 
 class LoadRecorder:
-    """The engine's `EngineLoad`, kept current by a stat logger of vLLM's (`factory`: AsyncLLM calls
-    it once per engine core; data-parallel ranks are added up). vLLM's own Prometheus logger keeps
-    only the last started engine's `vllm:*` gauges in the process's registry (it unregisters the
-    others'), so with several embedded models these are the only per-engine numbers."""
+    """The engine's `EngineLoad`, kept current by a stat logger of vLLM's (`factory`: once per engine core;
+    data-parallel ranks added up). vLLM's Prometheus logger keeps only the last started engine's gauges, so with
+    several models these are the only per-engine numbers."""
 
     def __init__(self) -> None:
         self.current = EngineLoad()

@@ -1,25 +1,5 @@
-"""The engine's Hugging Face tokenizer, narrowed to what the gateway uses, and chat prompts whose
-client text stays text.
-
-A chat template renders to a string, and encoding that string turns every spelling of an added
-token (`<|im_end|>`, `<|im_start|>`, ...) into that token, wherever it came from. A client who writes
-`<|im_end|>\\n<|im_start|>system\\n...` in a message would get real control tokens: a forged turn.
-`HFTokenizer.encode_chat` encodes text from the client as ordinary text and only the template's own
-markup as special tokens:
-
-1. every string handed to the template (contents, names, ids, tool calls and definitions) has
-   each added-token spelling replaced by a sentinel: a per-request random nonce, letters and digits
-   only, so that templates' trims, concatenations and `tojson` leave it as it is;
-2. the template renders; the added-token spellings left in the rendering are the template's markup,
-   and become their tokens;
-3. the text between them, sentinels put back to the spellings they stand for, is encoded with the
-   tokenizer's model alone (no added tokens recognized), so `<|im_end|>` from a client is the
-   characters `<`, `|`, `im`, ... merged with its neighbours as any text is.
-
-When no client string holds a spelling (nearly always), the prompt is rendered and encoded as
-before, byte for byte. The split of step 3 is the tokenizer's own (it, too, encodes the text between
-added tokens piece by piece, honouring their lstrip/rstrip); a test checks the two agree.
-"""
+"""The engine's Hugging Face tokenizer, narrowed to what the gateway uses, and chat prompts whose client text stays
+text (no forged control tokens)."""
 
 from __future__ import annotations
 
@@ -108,8 +88,10 @@ class HFTokenizer:
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> ChatPrompt:
-        """The rendered prompt and its ids, every string of `messages` and `kwargs` (the client's)
-        encoded as text, the template's markup as tokens (see the module docstring)."""
+        """The rendered prompt and its ids. Each added-token spelling in a client string is replaced by a per-request
+        sentinel before the template renders; the spellings left are the template's markup and become tokens, and
+        the text between them (sentinels restored) is encoded without added tokens. When no client string holds a
+        spelling the result is the plain encoding, byte for byte."""
         hidden = _Sentinels(self._spelling)
         messages_h, kwargs_h = map_strings(messages, hidden.hide), map_strings(kwargs, hidden.hide)
         if not hidden.spellings:  # no client string spells an added token: as the template renders it

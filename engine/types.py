@@ -1,8 +1,4 @@
-"""The engine interface: what the gateway may ask of an engine, in the gateway's own terms.
-
-Nothing here imports vllm. `engine.vllm_engine` implements `Engine` on vLLM's AsyncLLM; unit tests
-implement it with a test double.
-"""
+"""The engine interface, in the gateway's own terms; nothing here imports vllm."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ Task = Literal["generate", "embed"]  # what a model does: generate text, or embe
 from engine.config import SamplingDefaults
 
 
-@dataclass(slots=True)  # not frozen, as ChoiceDelta: built per request; a frozen init of 22 fields costs ~1.3 us more
+@dataclass(slots=True)  # not frozen: built per request, and a frozen init costs more
 class SamplingOptions:
     """Everything that shapes the output of one generation (OpenAI's and vLLM's parameters); read-only
     once built."""
@@ -53,7 +49,7 @@ class TokenLogprob:
     top: tuple[tuple[int, str, float], ...] = ()  # (token id, token text, logprob), best first
 
 
-@dataclass(slots=True)  # not frozen, as GenerationOutput: built per token, and a frozen init costs ~0.45 us more
+@dataclass(slots=True)  # not frozen: built per token, and a frozen init costs more
 class ChoiceDelta:
     """What one choice (of n) produced since the previous output of the same request."""
 
@@ -217,8 +213,7 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def load(self) -> EngineLoad:
-        """The scheduler's numbers at its last step (no I/O, no lock: a router scrapes them every
-        100 ms)."""
+        """The scheduler's numbers at its last step (no I/O, no lock: a router scrapes them often)."""
         ...
 
     async def load_adapter(self, name: str, path: str) -> None:

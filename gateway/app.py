@@ -1,9 +1,5 @@
-"""The app factory: the ASGI app (`api.application`: the route table's routes, the middleware stack
-of `middleware.stack`, the one exception handler) and the lifespan that starts the models
-(embedded engines, remote upstreams), the response cache, the Responses API's store and, once the
-models are up, the batch runner (pending batches resumed), and stops them after the drain (the
-batch runner first, before the engines). Bad configuration is refused here, before anything starts.
-"""
+"""The app factory: the ASGI app and the lifespan that starts the models, stores and batch runner and stops them after
+the drain. Bad configuration is refused here, before anything starts."""
 
 from __future__ import annotations
 
@@ -51,21 +47,14 @@ from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
 
 log = structlog.get_logger(__name__)
+
+
 @contextlib.contextmanager
 def serving_heap(freeze: bool, young_threshold: int) -> Iterator[None]:
-    """The garbage collector as the gateway serves, put back as it was when serving ends.
-
-    - `freeze`: move what start-up built (modules, settings, models, tokenizers) out of the
-      collector's sight, as vLLM's own server does after its start-up (`freeze_gc_heap`): its full
-      passes then walk only what the requests allocate. On the echo engine, 64 requests in flight,
-      this was +25-30% requests per second (the full passes over the start-up heap had stalled
-      every request).
-    - `young_threshold`: allocations between passes over the youngest objects (Python's default is
-      700; 0 leaves it). Nearly everything a request allocates is freed by its reference count
-      well before a pass, so the passes mostly walk the same objects in flight again; at 10,000 the
-      gateway's CPU per request (benchmarks/app_cost.py, 64 in flight) was 3-7% lower.
-
-    Refcounted objects are freed as before either way."""
+    """The garbage collector as the gateway serves, put back when serving ends. `freeze`: start-up's heap out of the
+    full passes' sight, as vLLM's server does. `young_threshold`: a request's allocations are nearly all freed by
+    refcount before a young pass, so rarer passes walk less (0 leaves Python's default). Figures in
+    benchmarks/RESULTS.md."""
     threshold = gc.get_threshold()
     if freeze:
         gc.collect()
@@ -81,16 +70,7 @@ def serving_heap(freeze: bool, young_threshold: int) -> Iterator[None]:
 
 
 def tenants_of(settings: Settings) -> Tenants:
-    """The keys file (none: only GATEWAY_API_KEYS), with the global limits for keys without their own."""
     return Tenants(settings.keys_file, settings.rate_limit_rpm, settings.rate_limit_tpm, settings.keys_reload_interval_s)
-
-
-def batch_lane_stores(settings: Settings, pools: RedisPools) -> tuple[FileStore, BatchStore]:
-    """The Files API's and the Batches API's stores in the configured backend (`store.backend`), each
-    with its local spool beside its disk directory."""
-    files = FileStore.on(open_blobs(settings, pools, "files"), Spool.at(settings.files.dir / ".spool"))
-    batches = BatchStore.on(open_blobs(settings, pools, "batches"), Spool.at(settings.batches.dir / ".spool"))
-    return files, batches
 
 
 def create_app(
@@ -102,11 +82,8 @@ def create_app(
     trace_exporter: SpanExporter | None = None,
     grammar_starter: GrammarStarter = start_grammar_check,
 ) -> App:
-    """Bad configuration (models file, guards, keys file, cache backend and, with `engine_check`,
-    engine settings the model or platform cannot use) is refused here, before anything starts.
-    `tenants`: the keys file, when the caller reloads it (the server, on SIGHUP); else read here.
-    `trace_exporter`: where spans go in place of the OTLP endpoint (tests), when tracing is on.
-    `grammar_starter`: each embedded model's structured-output compiler (`engine.grammar`; tests: a fake)."""
+    """`tenants`: the keys file, when the caller reloads it (the server, on SIGHUP); else read here. `trace_exporter`:
+    where spans go (tests). `grammar_starter`: each embedded model's structured-output compiler (tests: a fake)."""
     models = modelfile.load(settings)
     guards = Guards.load(settings.guards_file, modelfile.guard_profiles(models))
     lifecycle = lifecycle or Lifecycle()
@@ -128,7 +105,8 @@ def create_app(
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
         runner: BatchRunner | None = None
-        files, batches = batch_lane_stores(settings, pools)
+        files = FileStore.on(open_blobs(settings, pools, "files"), Spool.at(settings.files.dir / ".spool"))
+        batches = BatchStore.on(open_blobs(settings, pools, "batches"), Spool.at(settings.batches.dir / ".spool"))
         try:
             await load_declared(registry)
             metrics.export_adapter_load(lambda: [engine.adapter_load() for _, engine in registry.engines()])

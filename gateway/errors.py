@@ -1,39 +1,5 @@
-"""Typed errors: each one's HTTP status and its OpenAI (or Anthropic) error object.
-
-    APIError(status, type, code)                         body: {"error": {message, type, param, code}}
-    ├── InvalidRequest          400 invalid_request_error
-    │   ├── ContextLengthExceeded  400 invalid_request_error / context_length_exceeded
-    │   └── ContentPolicyViolation 400 invalid_request_error / content_policy_violation
-    │   └── OverTokenLimit      400 invalid_request_error / tokens_over_limit  (can never fit a limit)
-    ├── AuthenticationFailed    401 invalid_request_error / invalid_api_key
-    ├── NotFound                404 invalid_request_error / not_found
-    │   └── ModelNotFound       404 invalid_request_error / model_not_found
-    ├── MethodNotAllowed        405 invalid_request_error / method_not_allowed
-    ├── RequestTimeout          408 invalid_request_error / request_timeout
-    ├── PayloadTooLarge         413 invalid_request_error / request_too_large
-    ├── UnsupportedMediaType    415 invalid_request_error / unsupported_media_type
-    ├── RateLimited             429 rate_limit_error / rate_limit_exceeded
-    │   └── ModelOverloaded     429 rate_limit_error / model_overloaded      (fallible)
-    ├── QuotaExceeded           429 insufficient_quota / insufficient_quota  (a key's token budget)
-    ├── ClientDisconnected      499 (no body: the client is gone)
-    ├── InternalError           500 server_error / internal_error
-    ├── BadGateway              502 server_error / bad_gateway           (fallible)
-    └── ServiceUnavailable      503 server_error / service_unavailable
-        ├── BackendUnavailable  503 server_error / service_unavailable   (fallible)
-        ├── ModelUnavailable    503 server_error / model_overloaded      (fallible)
-        └── StoreUnavailable    503 server_error / service_unavailable   (the batch lane's store)
-
-A *fallible* error is a model's failure before the first byte (overloaded, its engine dead, its
-upstream down): the dispatcher tries the model's fallbacks before answering with it.
-
-`from_exception` maps every other exception onto this tree, once: the engine's errors and pydantic's
-validation errors; anything unknown is a 500. This module knows no web framework: `gateway.api.errors`
-adds the HTTP server's own exceptions and renders an error as an HTTP answer.
-
-The body speaks the route's *dialect* (the route table says which): OpenAI's object, or on
-Anthropic's routes `{"type": "error", "error": {"type", "message"}}` with the same status and
-Anthropic's type for it.
-"""
+"""Typed errors, each with its HTTP status and its OpenAI (or Anthropic) error object; `from_exception` maps every
+other exception onto them, once. No web framework here: `gateway.api.errors` renders them."""
 
 from __future__ import annotations
 
@@ -54,9 +20,8 @@ MAX_MESSAGE, MAX_PARAM = 1000, 200  # characters of an error's message and param
 
 
 def bounded(text: str, limit: int) -> str:
-    """At most `limit` characters: a longer text keeps its head and tail around an ellipsis. An error
-    quotes what was sent (a model's name, an unknown key, an id in the path), which may be megabytes:
-    the answer, a batch's result line and the log then hold a part of it, enough to recognize it."""
+    """At most `limit` characters, head and tail around an ellipsis: an error quotes what was sent, which may be
+    megabytes."""
     if len(text) <= limit:
         return text
     half = (limit - 1) // 2
@@ -107,14 +72,12 @@ class ContextLengthExceeded(InvalidRequest):
 
 
 class ContentPolicyViolation(InvalidRequest):
-    """A guard refused the prompt (`gateway.serving.guards`)."""
-
     code = "content_policy_violation"
 
 
 class OverTokenLimit(InvalidRequest):
-    """The request asks for more tokens than a per-minute limit ever allows: waiting cannot help,
-    so it is no 429 (which clients retry) and has no Retry-After."""
+    """More tokens than a per-minute limit ever allows: waiting cannot help, so no 429 (which clients retry) and no
+    Retry-After."""
 
     code = "tokens_over_limit"
 
@@ -128,7 +91,6 @@ class NotFound(APIError):
 
 
 def no_route(headers: dict[str, str] | None = None) -> NotFound:
-    """A path no route answers (or one the edge never lets reach a route)."""
     return NotFound("Not found: no route for this path", headers=headers)
 
 
@@ -141,8 +103,6 @@ class MethodNotAllowed(APIError):
 
 
 class RequestTimeout(APIError):
-    """The client sent its body too slowly (`body_timeout_s`)."""
-
     status, type, code = 408, "invalid_request_error", "request_timeout"
 
 
@@ -151,14 +111,10 @@ class PayloadTooLarge(APIError):
 
 
 class UnsupportedMediaType(APIError):
-    """A POST whose body is not declared JSON (without API keys: what a web page could send cross-site)."""
-
     status, type, code = 415, "invalid_request_error", "unsupported_media_type"
 
 
 class HeadersTooLarge(APIError):
-    """More request headers, or bytes of them, than the edge takes (RFC 6585)."""
-
     status, type, code = 431, "invalid_request_error", "request_header_fields_too_large"
 
 
@@ -167,21 +123,18 @@ class RateLimited(APIError):
 
 
 class ModelOverloaded(RateLimited):
-    """The model's admission bounds are full (or the wait timed out)."""
-
     code = "model_overloaded"
     fallible = True
 
 
 class QuotaExceeded(APIError):
-    """The key's token budget (per day or month, `gateway.tenancy.tenants`) is spent: OpenAI's answer when
-    an account's quota is. Retry-After only when the budget's next period can take the request."""
+    """The key's token budget is spent. Retry-After only when the next period can take the request."""
 
     status, type, code = 429, "insufficient_quota", "insufficient_quota"
 
 
 class ClientDisconnected(APIError):
-    """The client closed the connection before its answer was ready: logged as 499, no body."""
+    """The client left before its answer was ready: logged as 499, no body."""
 
     status, type, code = 499, "client_disconnected", None
 
@@ -194,8 +147,7 @@ class InternalError(APIError):
 
 
 class BadGateway(APIError):
-    """A remote model's upstream answered with an error of its own (refused our key, failed):
-    the upstream's text goes to the log, never to the client."""
+    """A remote upstream answered with an error of its own: its text goes to the log, never to the client."""
 
     status, type, code = 502, "server_error", "bad_gateway"
     fallible = True
@@ -206,21 +158,15 @@ class ServiceUnavailable(APIError):
 
 
 class BackendUnavailable(ServiceUnavailable):
-    """A model's engine is dead or its remote upstream failed, before the first byte."""
-
     fallible = True
 
 
 class ModelUnavailable(ServiceUnavailable):
-    """Overloaded, when the model is configured to refuse with 503."""
-
     code = "model_overloaded"
     fallible = True
 
 
-class StoreUnavailable(ServiceUnavailable):
-    """The batch lane's store (files, batches: `stores.blobs`) cannot be reached right now: its
-    backend is down or failing; the client may try again later."""
+class StoreUnavailable(ServiceUnavailable): ...
 
 
 # Every error the API answers with, as documented in docs/api.md's error table.
@@ -240,7 +186,6 @@ _NO_BODY = object()  # a validation error of no request body (a query, a model b
 
 
 def invalid_body(exc: ValidationError, body: bytes) -> InvalidRequest:
-    """A request body's validation error, its param the field's path in the body as sent."""
     try:
         data = json.loads(body)  # the error path only; the stdlib's parser takes what pydantic's did (NaN)
     except (ValueError, RecursionError):
@@ -271,9 +216,8 @@ def _validation_error(exc: ValidationError, data: Any = _NO_BODY) -> InvalidRequ
 
 
 def _field_path(loc: tuple[int | str, ...], data: Any, missing: bool) -> list[str]:
-    """The field path of an error's location. Pydantic's location also names the union member it
-    tried ("str", "list[...]", a model's class name, a tagged union's tag): with the body, the path
-    is the parts found in it (and a missing field's name); without, the parts that look like fields."""
+    """The field path of an error's location. Pydantic's location also names the union member it tried; with the body,
+    the path is the parts found in it (and a missing field's name), without, the parts that look like fields."""
     if data is _NO_BODY:
         location = [str(part) for part in loc if not str(part).startswith(("function-", "json-"))]
         return [part for part in location if not any(c in part for c in "[]") and part not in ("str", "int", "float", "bool")]
@@ -290,7 +234,6 @@ def _field_path(loc: tuple[int | str, ...], data: Any, missing: bool) -> list[st
 
 
 def from_exception(exc: BaseException) -> APIError:
-    """Map any exception to the API error the client sees; unknown ones are 500s."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValidationError):

@@ -1,9 +1,5 @@
-"""The gateway's one Settings object.
-
-Sources, strongest first: keyword arguments (the CLI passes its flags this way), environment
-variables prefixed `GATEWAY_` (nested with `__`, e.g. `GATEWAY_ENGINE__MAX_MODEL_LEN=4096`), a
-`.env` file. Built once at the entry point and passed in; nothing else reads the environment.
-"""
+"""The gateway's one Settings object, from keyword arguments (the CLI's flags), `GATEWAY_`-prefixed environment
+variables (nested with `__`) and a `.env` file, strongest first; built once at the entry point and passed in."""
 
 from __future__ import annotations
 
@@ -462,8 +458,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _engine_logs_follow(self) -> Settings:
-        """vLLM's own log lines (the engine core and worker processes included) take the gateway's
-        format and level unless `engine` says otherwise: JSON logs stay JSON lines throughout."""
+        """vLLM's own log lines take the gateway's format and level unless `engine` says otherwise."""
         if self.engine.log_format is None:
             self.engine.log_format = "json" if self.log_format == "json" else "text"
         if self.engine.log_level is None:
@@ -472,7 +467,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _engine_spans_follow(self) -> Settings:
-        """With `tracing.engine_spans`, the engines export vLLM's spans to the gateway's endpoint."""
         if self.tracing.engine_spans and self.engine.otlp_traces_endpoint is None:
             self.engine.otlp_traces_endpoint = self.tracing.otlp_endpoint
         return self

@@ -1,5 +1,5 @@
-"""The admin API (admin keys only, `admin_keys`): LoRA adapters loaded and unloaded while serving,
-answered as vLLM's server answers (200 with a plain-text line; errors as OpenAI error objects)."""
+"""The admin API (admin keys only): LoRA adapters loaded and unloaded while serving, answered as vLLM's server
+answers."""
 
 from __future__ import annotations
 

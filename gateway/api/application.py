@@ -1,7 +1,5 @@
-"""The ASGI app: Starlette's app and router over the route table's routes, the middleware stack
-the app factory hands over, and the one exception handler (`error_response`) for every error kind
-a handler raises (`HANDLED`). Paths are matched exactly: no slash redirects (a redirect would echo
-the client's Host header)."""
+"""The ASGI app: Starlette over the route table, the middleware stack and the one exception handler. Paths match
+exactly: a slash redirect would echo the client's Host header."""
 
 from __future__ import annotations
 
@@ -34,7 +32,6 @@ HANDLED = (APIError, ValidationError, EngineError, HTTPException)
 
 
 async def error_response(request: Request, exc: Exception) -> Response:
-    """Every exception a handler raises, answered as its API error (`gateway.errors`)."""
     error = from_exception(exc)
     if error.status == 499:
         log.info("client_disconnected")

@@ -1,11 +1,5 @@
-"""The Batches API's routes: create, list, retrieve, cancel.
-
-Batches are the asking key's tenant's, reached only through the store's view of that owner
-(`stores.batches`): another tenant's batch is a 404 exactly as an unknown one, and so is another
-tenant's input file. A batch is created `validating` and handed to the runner
-(`pipeline.batches`), which checks its lines, runs them and writes its status; these routes only
-read it (and ask for a cancel, which the runner carries out).
-"""
+"""The Batches API's routes: create, list, retrieve, cancel. The runner (`pipeline.batches`) runs a batch and writes
+its status; these routes only read it and ask for a cancel."""
 
 from __future__ import annotations
 
@@ -28,7 +22,6 @@ def _mine(request: Request) -> OwnedBatches:
 
 
 async def collection(request: Request) -> Response:
-    """POST (create) and GET (list) /v1/batches."""
     return await (_create(request) if request.method == "POST" else _list(request))
 
 
@@ -47,7 +40,6 @@ async def _create(request: Request) -> Response:
 
 
 def _record(request: Request, body: BatchCreate, found: FileObject) -> StoredBatch:
-    """The new batch's record (a 400 when its input is no batch file)."""
     state, context = state_of(request), context_of(request.scope)
     if found.purpose != "batch":
         raise InvalidRequest(

@@ -1,7 +1,5 @@
-"""Errors as HTTP answers, the one place: Starlette's own exceptions (a 404 or 405 of the router, a
-client gone while its body was read) mapped onto the error tree (`gateway.errors`), and an error
-rendered as status, headers and body in the route's dialect, for the app's exception handler and
-the pure ASGI middleware alike."""
+"""Errors as HTTP answers, the one place: Starlette's own exceptions mapped onto the error tree, and an error rendered
+in the route's dialect for the exception handler and pure ASGI middleware alike."""
 
 from __future__ import annotations
 
@@ -19,13 +17,11 @@ from gateway.pipeline.context import SCOPE_KEY, RequestContext
 
 
 def dialect_of(scope: MutableMapping[str, Any]) -> Dialect:
-    """The error dialect of the request's route (in its context, put there by the access log)."""
     context = scope.get(SCOPE_KEY)
     return context.dialect if isinstance(context, RequestContext) else "openai"
 
 
 def from_exception(exc: BaseException) -> APIError:
-    """Any exception as the API error the client sees (`gateway.errors.from_exception`), Starlette's too."""
     if isinstance(exc, HTTPException):
         return _http_exception(exc)
     if isinstance(exc, ClientDisconnect):  # gone while its body was read
@@ -47,7 +43,6 @@ def _http_exception(exc: HTTPException) -> APIError:
 
 
 def render(error: APIError, dialect: Dialect = "openai") -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """The error as an HTTP answer: status, headers, body (none for a client that is gone)."""
     headers = [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
     if isinstance(error, ClientDisconnected):
         return error.status, headers, b""
@@ -57,8 +52,8 @@ def render(error: APIError, dialect: Dialect = "openai") -> tuple[int, list[tupl
 async def send_error(
     send: Send, error: APIError, extra_headers: Sequence[tuple[bytes, bytes]] = (), dialect: Dialect = "openai"
 ) -> None:
-    """Answer with an API error from pure ASGI code (middleware that runs before the router). With
-    its length: without one the server sends it chunked, which an HTTP/1.0 client cannot read."""
+    """Answer with an API error from pure ASGI code, with its length: sent chunked, an HTTP/1.0 client could not read
+    it."""
     status, headers, body = render(error, dialect)
     length = (b"content-length", str(len(body)).encode())
     await send({"type": "http.response.start", "status": status, "headers": [*headers, length, *extra_headers]})

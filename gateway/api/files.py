@@ -1,12 +1,5 @@
-"""The Files API's routes: upload, list, retrieve, download the content, delete.
-
-Files are the asking key's tenant's (`anonymous` when keys are off), reached only through the store's
-view of that owner (`stores.files`): another tenant's id is a 404 exactly as an unknown one. An upload
-is a multipart form (`api.multipart`) streamed to a local spool file; a `batch` file is checked line by
-line there (`serving.batch_input`) before it is handed to the store, and every refusal is an error
-before the first byte (a store that is down too: a 503).
-Files are the first part of the batch lane (the batches that read them come next).
-"""
+"""The Files API's routes: upload, list, retrieve, download, delete; each through the asking tenant's view of the
+store."""
 
 from __future__ import annotations
 
@@ -29,12 +22,10 @@ _MIN_EXPIRY_S, _MAX_EXPIRY_S = 3600, 30 * 86400  # OpenAI's bounds on expires_af
 
 
 def _mine(request: Request) -> OwnedFiles:
-    """The asking key's files: its tenant's."""
     return state_of(request).files.of(context_of(request.scope).tenant)
 
 
 async def collection(request: Request) -> Response:
-    """POST (upload) and GET (list) /v1/files."""
     return await (_upload(request) if request.method == "POST" else _list(request))
 
 
@@ -88,7 +79,6 @@ async def _list(request: Request) -> Response:
 
 
 async def by_id(request: Request) -> Response:
-    """GET (retrieve) and DELETE /v1/files/{file_id}."""
     mine, file_id = _mine(request), request.path_params["file_id"]
     if request.method == "DELETE":
         await mine.delete(file_id)
@@ -97,8 +87,7 @@ async def by_id(request: Request) -> Response:
 
 
 async def content(request: Request) -> Response:
-    """GET /v1/files/{file_id}/content: the file as uploaded, streamed from the store (opened before the
-    answer starts: an unknown id is a 404, and a delete meanwhile does not cut the download short)."""
+    """The file as uploaded, streamed; opened before the answer starts, so a delete meanwhile does not cut it short."""
     _, opened = await _mine(request).open(request.path_params["file_id"])
     headers = {"content-length": str(opened.size)}
     return StreamingResponse(opened.chunks, media_type="application/octet-stream", headers=headers)

@@ -1,16 +1,6 @@
-"""Anthropic's Message Batches routes: create, list, retrieve, cancel, delete, results. Errors in
-Anthropic's shape (the route table's dialect).
-
-A Message Batch is a batch of the Batches API (the same store, runner, lane, limits and leases; see
-`serving.message_batches` for how it is shown), kept under an id of its own kind (`msgbatch_`): the
-asking key's tenant's view of that kind is the only way to one, so another tenant's id is a 404
-exactly as an unknown one, and neither API lists or answers the other's batches. Its requests are
-kept among the batch's own objects, not as a file of the Files API.
-
-Limits: the create body is JSON read in memory, so `max_body_bytes` bounds it (raise it for large
-batches; `/v1/batches` takes an uploaded file instead); at most `files.max_lines` requests, each
-`params` at most `files.max_line_bytes`.
-"""
+"""Anthropic's Message Batches routes: create, list, retrieve, cancel, delete, results. A Message Batch is a batch of
+the Batches API under an id of its own kind (`msgbatch_`), its requests kept among the batch's objects; the create
+body is read in memory (bounded by `max_body_bytes`)."""
 
 from __future__ import annotations
 
@@ -44,7 +34,6 @@ def _mine(request: Request) -> OwnedBatches:
 
 
 async def collection(request: Request) -> Response:
-    """POST (create) and GET (list) /v1/messages/batches."""
     return await (_create(request) if request.method == "POST" else _list(request))
 
 
@@ -76,7 +65,6 @@ async def _list(request: Request) -> Response:
 
 
 async def by_id(request: Request) -> Response:
-    """GET (retrieve) and DELETE /v1/messages/batches/{message_batch_id}."""
     mine, batch_id = _mine(request), request.path_params[PARAM]
     if request.method == "DELETE":
         await mine.delete(batch_id, PARAM)
@@ -94,7 +82,6 @@ async def cancel(request: Request) -> Response:
 
 
 async def results(request: Request) -> Response:
-    """GET /v1/messages/batches/{message_batch_id}/results: JSONL, once the batch has ended (400 before)."""
     batch_id = request.path_params[PARAM]
     found, stored = await _mine(request).find(batch_id, PARAM)
     if mb.view(stored).processing_status != "ended":

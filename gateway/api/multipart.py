@@ -1,10 +1,6 @@
-"""A `multipart/form-data` upload, read as it arrives: its one file part written to disk chunk by
-chunk (a `Staged` file of the store's local spool), never held whole in memory; its other fields small strings.
-Bounded: at most `MAX_PARTS` parts, `MAX_FIELD_BYTES` per field, one file, `max_file_bytes` of it
-(413; a declared Content-Length past it is refused before a byte is read). Parsed by python-multipart
-(the parser Starlette's `request.form()` uses), fed straight from `request.receive`: Starlette's form
-parser would spool the file to the system's temporary directory, and a 200 MB upload would then be
-copied once more into the store."""
+"""A `multipart/form-data` upload read as it arrives by python-multipart, its one file part written chunk by chunk to
+the store's local spool (Starlette's parser would spool it to a temporary directory first), bounded in parts, field
+size and file size."""
 
 from __future__ import annotations
 
@@ -39,8 +35,6 @@ class _Part:
 
 
 class _Reader:
-    """python-multipart's callbacks: they collect; `read_form` awaits the disk writes between chunks."""
-
     def __init__(self, max_file_bytes: int, on_field: Callable[[str, str], None]) -> None:
         self.form = Form()
         self.max_file_bytes = max_file_bytes
@@ -122,8 +116,8 @@ async def read_form(
     request: Request, stage: Callable[[], Awaitable[Staged]], max_file_bytes: int,
     on_field: Callable[[str, str], None],
 ) -> Form:
-    """The form of an upload, its file staged on local disk (the caller stores or discards it, also on error).
-    `on_field` is called with each field as it arrives, and may refuse it by raising."""
+    """The form of an upload, its file staged (the caller stores or discards it, also on error); `on_field` may refuse
+    a field by raising."""
     boundary = _boundary(request)
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > max_file_bytes + _MULTIPART_SLACK:

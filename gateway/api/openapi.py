@@ -1,5 +1,4 @@
-"""GET /openapi.json: the API described from the route table and the same pydantic models that
-validate it."""
+"""GET /openapi.json: the API described from the route table and the pydantic models that validate it."""
 
 from __future__ import annotations
 

@@ -18,8 +18,6 @@ async def prometheus(request: Request) -> Response:
 
 
 async def router_metrics(request: Request) -> Response:
-    """The pod's load in the five series an endpoint picker reads, one sample each
-    (`telemetry.router`): scraped every 100 ms by a picker, so no registry collect here."""
     backends = state_of(request).models.backends.values()
     # each engine once (an adapter's is its base's), each admission queue once (an adapter may share its base's)
     loads = [backend.engine.load() for backend in backends if backend.engine is not None and backend.base is None]
@@ -37,9 +35,8 @@ async def _failure(check: Awaitable[None]) -> str | None:
 
 
 async def health(request: Request) -> Response:
-    """Liveness: 200 while every embedded engine is alive. A dead engine (its engine core process
-    gone) never comes back in this process, so 503 here lets the orchestrator restart us
-    (Kubernetes' livenessProbe); remote upstreams are not checked, restarting us cures nothing there."""
+    """Liveness: 200 while every embedded engine is alive. A dead engine never comes back in this process, so 503 lets
+    the orchestrator restart us; remote upstreams are not checked (restarting cures nothing there)."""
     dead = {}
     for name, engine in state_of(request).models.engines():
         if (failure := await _failure(engine.check_health())) is not None:
@@ -50,7 +47,6 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """Every model loaded and healthy: 200; otherwise (or while draining) 503, per model."""
     state = state_of(request)
     models = {}
     for name, backend in state.models.backends.items():

@@ -1,5 +1,5 @@
-"""Request helpers for the handlers: the lifespan state, the request's context, the bounded body
-read and JSON parsing into a protocol model (malformed input is a 400, a large body a 413)."""
+"""Request helpers for the handlers: the lifespan state, the request's context, the bounded body read and parsing into
+a protocol model."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def state_of(request: Request) -> GatewayState:
-    """The lifespan's state, from the scope's state (which `request.state` wraps) without a State
-    object and its `__getattr__` per call (twice a request)."""
+    """The lifespan's state straight from the scope, without a State object and its `__getattr__` per call."""
     try:
         return cast(GatewayState, request.scope["state"]["gateway"])
     except KeyError:
@@ -29,13 +28,10 @@ def state_of(request: Request) -> GatewayState:
 
 
 def access(request: Request) -> Access:
-    """The models the request's key may reach (`pipeline.dispatch.access_of`)."""
     return access_of(context_of(request.scope), state_of(request))
 
 
 def gone_of(receive: Receive) -> Gone:
-    """What returns when the client disconnects (to await after the request body has been read)."""
-
     async def gone() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
@@ -44,8 +40,6 @@ def gone_of(receive: Receive) -> Gone:
 
 
 def context(request: Request) -> RequestContext:
-    """The request's context for the pipeline: how to notice the client leaving, and whether it
-    asked for a fresh answer or that its answer not be stored (`cache_directives`)."""
     found = context_of(request.scope)
     found.client_gone = gone_of(request.receive)
     directives = cache_directives(request.scope)
@@ -54,8 +48,8 @@ def context(request: Request) -> RequestContext:
 
 
 def cache_directives(scope: Scope) -> frozenset[str]:
-    """The request's Cache-Control directives (RFC 9111 5.2.1), every such header, names only,
-    lowercased: `no-cache` skips a stored answer, `no-store` keeps this one out of the cache."""
+    """The request's Cache-Control directive names (RFC 9111 5.2.1), lowercased: `no-cache` skips a stored answer,
+    `no-store` keeps this one out."""
     names: set[str] = set()
     for key, value in scope["headers"]:
         if key == b"cache-control":
@@ -64,19 +58,16 @@ def cache_directives(scope: Scope) -> frozenset[str]:
 
 
 def engine_for(request: Request, name: str | None) -> Engine:
-    """The embedded engine `name` answers with (None: the default model) for the routes that use a
-    model's tokenizer, among the models the request's key may use (the keys file's `models`), as
-    the dispatcher holds every other route to them."""
     return state_of(request).models.engine(name, access(request))
 
 
 def default_model(request: Request) -> str:
-    """The native routes' model when a request names none: the first generating one the key may use."""
+    """The native routes' model when a request names none."""
     return state_of(request).models.default_name(access(request))
 
 
 def _first_header(scope: Scope, name: bytes) -> str | None:
-    """`request.headers.get(name)` (the first such header, latin-1) without building Headers."""
+    """`request.headers.get(name)` without building Headers."""
     for key, value in scope["headers"]:
         if key == name:
             return str(value.decode("latin-1"))
@@ -84,9 +75,8 @@ def _first_header(scope: Scope, name: bytes) -> str | None:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, at most `limit` bytes (413 past it). Read from `request.receive` as Starlette's
-    `request.stream()` reads it (a client gone is its `ClientDisconnect`), without an async
-    generator per request: nothing reads a request's body twice."""
+    """The body, at most `limit` bytes (413 past it), read as `request.stream()` would, without an async generator per
+    request."""
     declared = _first_header(request.scope, b"content-length")
     if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:  # isdigit alone takes '²'
         raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes")
@@ -122,5 +112,4 @@ async def parse(request: Request, model: type[M]) -> M:
 
 
 def body_size(request: Request) -> int:
-    """Bytes of the body `parse` read (0 before it)."""
     return context_of(request.scope).body_bytes

@@ -1,16 +1,5 @@
-"""The one route table (`TABLE`): every path the gateway serves, once, with what the other layers need to
-know of it. The app builds Starlette's routes from it; the access log takes its route labels, auth
-and rate limits their open paths, the lifecycle its ops paths, and /openapi.json its operations,
-all from here (tests/unit/test_routes.py fails when a route escapes the table).
-
-Access classes:
-- `api`: needs an API key (when keys are set), rate-limited, counted in flight, refused while draining;
-- `ops`: probes and scraping (/health, /ready, /metrics, /metrics/router): open unless `auth_ops_routes`, never
-  refused while draining;
-- `open`: no key ever (/openapi.json), but refused while draining like any API route.
-- `admin`: an admin key (`admin_keys`) only, never an API key; 404 when no admin key is set; not
-  rate-limited; refused while draining.
-"""
+"""The one route table (`TABLE`): every path the gateway serves, once, with its access class (`api`, `ops`, `open`,
+`admin`); every layer reads its routes from here (tests/unit/test_routes.py)."""
 
 from __future__ import annotations
 

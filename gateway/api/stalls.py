@@ -1,19 +1,5 @@
-"""Streams whose client stopped reading (`api.sse.EventStreamResponse`).
-
-A client that keeps its connection open but never reads fills its receive window, then uvicorn's
-write buffer, and a stream's next send waits for room forever: the stream holds its admission
-permit and its engine request, and a few such clients starve every tenant of the model. A send
-that waits longer than `stream_write_timeout_s` ends the stream as if the client had left: the
-connection is dropped (uvicorn's `gateway.abort` extension, which `gateway.server.http`'s protocol puts
-in the scope), so the request's disconnect watch ends it (engine request aborted, permit given
-back, counted as a disconnect); under a server without that extension the watch is expired
-(`pipeline.disconnect.Watch.expire`) instead.
-
-One sweep serves all streams: a stream notes when its send began (`Sends.since`, 0 between sends:
-two stores per event, no deadline set and cancelled per event), and a sweep every `SWEEP_S` (or a
-quarter of the timeout, if shorter; a loop timer) stops
-those past the timeout. A stall is noticed within the timeout and one sweep.
-"""
+"""Streams whose client stopped reading: a send that waits past `stream_write_timeout_s` drops the connection, so the
+stream's permit and engine request are not held for ever. One periodic sweep serves all streams."""
 
 from __future__ import annotations
 
@@ -29,7 +15,8 @@ ABORT = "gateway.abort"  # the scope's extension: drop the connection (gateway.s
 
 
 class Sends:
-    """One stream's sends, as the sweep sees them."""
+    """One stream's sends: `since` is when the pending send began (0 between sends), so there is no deadline set and
+    cancelled per event."""
 
     __slots__ = ("abort", "since", "stalled")
 
@@ -77,7 +64,6 @@ _sweep: Sweep | None = None  # the running loop's (one loop at a time: the serve
 
 
 def watch(timeout_s: float, abort: Callable[[], None]) -> tuple[Sends, Sweep]:
-    """A stream, watched until `sweep.discard(sends)`."""
     global _sweep
     loop = asyncio.get_running_loop()
     if _sweep is None or _sweep.loop is not loop or _sweep.timeout_s != timeout_s:

@@ -1,6 +1,5 @@
-"""What a route table is: endpoints (method, path, handler, access class, OpenAPI description,
-error dialect) and what the layers ask of them (Starlette's routes, paths by access class, route
-labels, the dialect of a path's errors and streams). `gateway.api.routes` holds the one table."""
+"""What a route table is: endpoints and what the layers ask of them (Starlette's routes, paths by access class, route
+labels, a path's error dialect)."""
 
 from __future__ import annotations
 
@@ -41,10 +40,8 @@ class Endpoint:
 
 
 class Handled:
-    """A handler as the ASGI app Starlette's `Route` takes (its documented form for a class endpoint):
-    request in, response sent. Its errors go up to the app's one exception middleware, which
-    answers them (`api.application.error_response`); a function endpoint would get Starlette's own
-    exception wrapper as well, a second layer around every message a stream sends."""
+    """A handler as the ASGI app Starlette's `Route` takes for a class endpoint: a function endpoint would get
+    Starlette's own exception wrapper as well, a second layer around every message a stream sends."""
 
     __slots__ = ("handler",)
 
@@ -67,7 +64,6 @@ class RouteTable:
         self._templates = [(compile_path(path)[0], path) for path in sorted(self._paths) if "{" in path]
 
     def routes(self) -> list[Route]:
-        """Starlette's routes: one per path, with all its methods."""
         by_path: dict[str, list[Endpoint]] = {}
         for endpoint in self.endpoints:
             by_path.setdefault(endpoint.path, []).append(endpoint)
@@ -79,28 +75,24 @@ class RouteTable:
         return routes
 
     def free_tails(self) -> tuple[str, ...]:
-        """Prefixes of the routes whose last parameter takes the rest of the path (`{model:path}`):
-        there an encoded slash belongs to the parameter's value (`org%2Fmodel`, as the SDKs send it)."""
+        """Prefixes of the routes whose last parameter takes the rest of the path: there an encoded slash belongs to
+        the value (`org%2Fmodel`, as the SDKs send it)."""
         return tuple(e.path.partition("{")[0] for e in self.endpoints if e.path.endswith(":path}"))
 
     def upload_paths(self) -> frozenset[str]:
-        """The paths whose POST body is an upload streamed to disk: a form (not JSON), its own deadline,
-        and none of the in-memory body budget."""
+        """The paths whose POST body is an upload streamed to disk: a form, its own deadline, outside the in-memory
+        body budget."""
         return frozenset(e.path for e in self.endpoints if e.upload)
 
     def paths(self, *access: Access) -> frozenset[str]:
         return frozenset(e.path for e in self.endpoints if e.access in access)
 
     def label(self, path: str) -> str:
-        """The route label of a request path (metrics, access log): bounded, whatever clients send
-        (a concrete /v1/responses/resp_1 is labelled with its template, /v1/responses/{response_id})."""
         if path in self._paths:
             return path
         return next((template for regex, template in self._templates if regex.match(path)), UNMATCHED)
 
     def dialect(self, path: str) -> Dialect:
-        """The error dialect of a request path: its route's, or that of the route it is under
-        (/v1/messages/batches: Anthropic's); OpenAI's for other paths outside the table."""
         found = self._dialects.get(path)
         if found is not None:
             return found

@@ -1,15 +1,5 @@
-"""LoRA adapters as models: an adapter is served under its own name by its base model's engine.
-
-Each adapter is a `Backend` of the registry like any model (so aliases, versions, splits, fallbacks,
-per-key reach, limits, budgets, guards, the response cache, usage and metrics treat it as one),
-whose engine is an `AdapterEngine`: the base's engine seen through the adapter, which names the
-adapter in every generation it passes on (`GenerationRequest.adapter`) and answers with the
-adapter's name. The base model's engine was started with LoRA on (`modelfile`).
-
-`AdapterAdmin` loads and unloads adapters while serving (the admin API, `api.admin`): a load puts
-the adapter in the engine, then in the registry; an unload takes it out of the registry first (new
-requests: 404), lets the requests in flight on it finish, then takes it out of the engine.
-"""
+"""LoRA adapters as models: each a registry `Backend` like any model, served by its base model's engine, and loaded
+and unloaded while serving."""
 
 from __future__ import annotations
 
@@ -47,8 +37,8 @@ _NAME = re.compile(rf"[^\s,]{{1,{MAX_NAME}}}")
 
 
 class AdapterEngine:
-    """An adapter as an `Engine`: its base's engine, every generation naming the adapter. It counts
-    its generations in flight, so that an unload can wait for them (`drained`)."""
+    """The base's engine seen through an adapter: every generation names it. Counts its generations in flight so an
+    unload can wait for them."""
 
     def __init__(self, base: Engine, name: str, path: str, defaults: SamplingDefaults | None = None) -> None:
         self.base = base
@@ -101,18 +91,16 @@ class AdapterEngine:
         await self.base.check_health()
 
     async def shutdown(self) -> None:
-        """Nothing: the base's engine is stopped with the base."""
+        ...
 
     async def drained(self) -> None:
-        """Return once no generation of this adapter is in flight."""
         await self._idle.wait()
 
 
 def adapter_backend(name: str, base: Backend, path: str, created: int, version: str | None = None,
                     fallback: tuple[str, ...] = (), defaults: SamplingDefaults | None = None,
                     admission: Admission | None = None) -> Backend:
-    """The backend of an adapter of `base`: its engine seen through the adapter, and (unless it has
-    its own) the base's admission: one engine, one bound on what runs on it."""
+    """The backend of an adapter of `base`; unless it has its own, the base's admission: one engine, one bound."""
     assert base.engine is not None
     engine = AdapterEngine(base.engine, name, path, defaults)
     return Backend(name, admission or base.admission, fallback, engine=engine, created=created,
@@ -120,7 +108,6 @@ def adapter_backend(name: str, base: Backend, path: str, created: int, version: 
 
 
 async def load_declared(registry: ModelRegistry) -> None:
-    """Put the models file's adapters into their bases' engines (at start, before serving)."""
     for backend in registry.backends.values():
         engine = backend.engine
         if isinstance(engine, AdapterEngine):
@@ -129,7 +116,8 @@ async def load_declared(registry: ModelRegistry) -> None:
 
 
 class AdapterAdmin:
-    """Loads and unloads adapters while serving, one change at a time."""
+    """Loads and unloads adapters while serving, one change at a time. An unload leaves the registry first (new
+    requests: 404), waits for those in flight, then leaves the engine."""
 
     def __init__(self, registry: ModelRegistry) -> None:
         self.registry = registry
@@ -158,7 +146,6 @@ class AdapterAdmin:
             log.info("adapter_loaded", model=name, base=base_backend.name, path=path)
 
     def _base(self, base: str | None) -> Backend:
-        """The base model named, or the one model that serves adapters."""
         if base is not None:
             found = self.registry.backends.get(base)
             if found is None or found.engine is None or found.base is not None:

@@ -1,6 +1,5 @@
-"""Starting and stopping what answers: the registry built from the models file (embedded engines
-started, remote upstreams connected), the structured-output warm-up, and the stop after the drain.
-"""
+"""Starting and stopping what answers: the registry from the models file, the structured-output warm-up, and the stop
+after the drain."""
 
 from __future__ import annotations
 
@@ -30,13 +29,12 @@ GrammarStarter = Callable[[Engine, int, int], GrammarCheck | None]  # (engine, w
 
 
 def start_embedded(settings: EngineSettings) -> Engine:
-    """The real engine (`engine.start_engine` imports vllm only when a model is started)."""
     return start_engine(settings)
 
 
 def check_embedded(models: ModelsFile, settings: Settings, check: EngineCheck = check_engine_settings) -> None:
-    """Every embedded model's engine settings against its model and the platform, before anything
-    starts: a setting they cannot use is a ConfigError naming the model and the setting."""
+    """Every embedded model's engine settings against its model and the platform, before anything starts: a
+    ConfigError naming the model and setting."""
     for spec in models.models:
         if spec.kind != "embedded":
             continue
@@ -47,8 +45,6 @@ def check_embedded(models: ModelsFile, settings: Settings, check: EngineCheck = 
 
 
 def embedded_settings(models: ModelsFile, settings: Settings, prioritized: bool = False) -> dict[str, EngineSettings]:
-    """Each embedded model's engine settings, as `build_registry` starts its engine with them (the
-    parent of worker processes starts the shared engine cores with these)."""
     return {spec.id: scheduling(spec.engine_settings(settings.engine), prioritized)
             for spec in models.models if spec.kind == "embedded"}
 
@@ -57,10 +53,8 @@ def build_registry(
     models: ModelsFile, settings: Settings, start: EngineStarter, grammar: GrammarStarter = start_grammar_check,
     prioritized: bool = False,
 ) -> ModelRegistry:
-    """The backends of the models file, embedded engines started (each with its grammar compiler
-    processes, `engine.grammar`, when `structured_output.compile_workers` asks for them), under
-    priority scheduling when `prioritized` (keys with classes, or batches on: their lines run below
-    everything) and their `scheduling_policy` is auto."""
+    """The backends of the models file, embedded engines started (with grammar compiler processes when asked), under
+    priority scheduling when `prioritized` and their policy is auto."""
     backends: dict[str, Backend] = {}
     splits: dict[str, Split] = {}
     aliases: dict[str, str] = {}
@@ -98,22 +92,19 @@ def build_registry(
 
 
 def prioritized(settings: Settings, tenants: Tenants) -> bool:
-    """Whether requests have priorities for the engines to order by (`scheduling_policy: auto`):
-    keys with classes, or batches run here (their lines below everything). The one decision, for the
-    engines a process starts and the shared cores the parent of workers starts for them."""
+    """Whether requests have priorities for the engines to order by: keys with classes, or batches run here. The one
+    decision, for this process's engines and the workers' shared cores."""
     return tenants.prioritized or settings.batches.enabled
 
 
 def scheduling(engine: EngineSettings, prioritized: bool) -> EngineSettings:
-    """`scheduling_policy: auto` resolved: priority when requests have priorities to be ordered by."""
     if engine.scheduling_policy != "auto":
         return engine
     return engine.model_copy(update={"scheduling_policy": "priority" if prioritized else "fcfs"})
 
 
 async def warm_up(name: str, engine: Engine) -> None:
-    """One tiny JSON-constrained generation: compiles the structured-output grammar machinery
-    (embedding models have none)."""
+    """One tiny JSON-constrained generation, so the grammar machinery is compiled before the first request."""
     if engine.info.task != "generate":
         return
     started = time.perf_counter()

@@ -1,15 +1,5 @@
-"""Model versions (Semantic Versioning): a model declared with `version: 1.4.2` is served as the id
-`name@1.4.2`, and a client may ask for
-
-    name              the newest stable version (no pre-release)
-    name@1            the newest stable 1.x.y
-    name@1.4          the newest stable 1.4.y
-    name@1.4.2        exactly 1.4.2
-    name@2.0.0-rc.1   exactly this pre-release (pre-releases are only ever chosen when named)
-
-Parsing and precedence are the `semver` package's (semver.org 2.0.0: `1.4.2-rc.1 < 1.4.2`, build
-metadata ignored). A request no version satisfies is a `VersionNotFound` that lists what exists.
-"""
+"""Model versions (semver): a model declared with `version: 1.4.2` is served as `name@1.4.2`; `name`, `name@1` and
+`name@1.4` ask for the newest stable match, a pre-release only when named exactly."""
 
 from __future__ import annotations
 
@@ -24,16 +14,14 @@ _PARTIAL = re.compile(r"^(0|[1-9]\d*)(?:\.(0|[1-9]\d*))?$")  # MAJOR or MAJOR.MI
 
 
 class VersionNotFound(LookupError):
-    """No declared version of a model satisfies the request; the message lists those that exist."""
+    """No declared version satisfies the request; the message lists those that exist."""
 
 
 def model_id(name: str, version: str | None) -> str:
-    """The id a model (version) is served under: `name@version`, or `name` without a version."""
     return f"{name}{SEPARATOR}{version}" if version else name
 
 
 def parse(version: str) -> semver.Version:
-    """A declared version (MAJOR.MINOR.PATCH[-pre][+build]); ValueError if it is not one."""
     return semver.Version.parse(version)
 
 
@@ -53,9 +41,8 @@ class Catalog:
         return model_id(name, version)
 
     def lookup(self, requested: str, permitted: Callable[[str], bool] | None = None) -> str | None:
-        """The id `requested` names, among the `permitted` ids; None when it names no versioned
-        model (an unversioned model, an alias, or nothing) or none permitted: the caller decides.
-        Raises VersionNotFound when no version fits."""
+        """The id `requested` names among the `permitted` ids; None when it names no versioned model or none permitted
+        (the caller decides); VersionNotFound when no version fits."""
         name, sep, wanted = requested.rpartition(SEPARATOR)
         if not sep:
             name, wanted = requested, ""
@@ -69,11 +56,7 @@ class Catalog:
             raise VersionNotFound(self._missing(requested, name, wanted))
         return chosen
 
-    def newest_stable(self, name: str) -> str | None:
-        return _choose(self.families[name], "")
-
     def versions(self, name: str) -> list[str]:
-        """Oldest first, as people list them."""
         return [str(version) for version, _ in reversed(self.families[name])]
 
     def _missing(self, requested: str, name: str, wanted: str) -> str:
@@ -88,9 +71,8 @@ class Catalog:
 
 
 def covers(entry: str, name: str) -> bool:
-    """Whether a keys file's model entry grants the model id `name`: `assistant` every version of
-    assistant, `assistant@1` its 1.x.y, `assistant@1.4` its 1.4.y, `assistant@1.4.2` that version
-    only; any other entry itself."""
+    """Whether a keys file's model entry grants the model id `name`: `assistant` every version, `assistant@1` its
+    1.x.y, `assistant@1.4.2` that one only; any other entry itself."""
     if entry == name:
         return True
     family, sep, wanted = entry.partition(SEPARATOR)
@@ -106,7 +88,6 @@ def covers(entry: str, name: str) -> bool:
 
 
 def _choose(entries: list[tuple[semver.Version, str]], wanted: str) -> str | None:
-    """The newest stable version matching `wanted` ("", "1", "1.4"), or the exact one it names."""
     if semver.Version.is_valid(wanted):
         exact = semver.Version.parse(wanted)
         return next((id_ for version, id_ in entries if version.compare(exact) == 0), None)  # build ignored

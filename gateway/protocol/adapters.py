@@ -1,5 +1,4 @@
-"""The admin API's bodies for LoRA adapters, as vLLM's server takes them (`POST /v1/load_lora_adapter`,
-`POST /v1/unload_lora_adapter`), with `base` added: the model to load into, when several serve adapters."""
+"""The admin API's LoRA adapter bodies, as vLLM's server takes them, with `base` added: the model to load into."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Anthropic's Messages API as pydantic models: `/v1/messages` and `/v1/messages/count_tokens`
-requests (validated strictly), the Message answer, the stream events and the error object.
-
-Field names and types follow the `anthropic` SDK's types (`anthropic/types/`) and Anthropic's API
-reference; `temperature`, `top_p` and `top_k` as the API reference has them (the 2.x SDK sends them
-in `extra_body`). Requests forbid unknown fields, as Anthropic's API does. Accepted but without
-effect here: `cache_control` (vLLM's prefix cache is automatic), `service_tier`,
-`output_config.effort`, `metadata` beyond its `user_id`, text blocks' `citations`. Image and
-document blocks are known, so that refusing them (400) names the block. Names that OpenAI's module also uses carry an `Anthropic` prefix, so that
-/openapi.json has one schema per name.
-"""
+"""Anthropic's Messages API as pydantic models, after the `anthropic` SDK's types. Requests forbid unknown fields;
+names OpenAI's module also uses carry an `Anthropic` prefix so /openapi.json has one schema per name."""
 
 from __future__ import annotations
 
@@ -25,9 +16,6 @@ class _Request(BaseModel):
 
 class _Response(BaseModel):
     model_config = ConfigDict(extra="allow")
-
-
-# --- request parts -----------------------------------------------------------------------------
 
 
 class CacheControl(_Request):
@@ -161,8 +149,6 @@ class CountTokensRequest(Conversation):
     """POST /v1/messages/count_tokens (the SDK's MessageCountTokensParams)."""
 
 
-# --- answers -----------------------------------------------------------------------------------
-
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]  # refusal: an output guard cut it
 
 
@@ -275,9 +261,6 @@ class MessageStopEvent(_Response):
 
 class PingEvent(_Response):
     type: Literal["ping"] = "ping"
-
-
-# --- errors ------------------------------------------------------------------------------------
 
 
 class AnthropicError(_Response):

@@ -1,17 +1,14 @@
-"""The Batches API's objects, field by field as OpenAI's (the `openai` SDK's `Batch`, `BatchError`,
-`BatchRequestCounts`, `BatchUsage`, the create body of `batches.create` and the page of
-`batches.list`), the lines of a batch's output and error files, and what the store keeps of a batch
-beside its object (who created it)."""
+"""The Batches API's objects, field by field as the `openai` SDK's, and what the store keeps of a batch beside its
+object (who created it)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Status = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
-ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 DONE: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})  # nothing more will happen
 WINDOW_S = 24 * 3600  # completion_window "24h"
 MAX_METADATA, MAX_KEY, MAX_VALUE = 16, 64, 512
@@ -145,22 +142,3 @@ class StoredBatch(BaseModel):
     created_ns: int = 0  # orders batches made within one second (created_at counts seconds)
     expired_lines: int = 0  # lines never run, written to the error file as expired (a batch that expired)
 
-
-class LineResponse(BaseModel):
-    status_code: int
-    request_id: str
-    body: Any
-
-
-class LineError(BaseModel):
-    code: str
-    message: str
-
-
-class OutputLine(BaseModel):
-    """One line of a batch's output (or error) file, as OpenAI's."""
-
-    id: str
-    custom_id: str
-    response: LineResponse | None = None
-    error: LineError | None = None

@@ -1,5 +1,4 @@
-"""OpenAI's embeddings API (`POST /v1/embeddings`) as pydantic models, after the openai SDK's
-`EmbeddingCreateParams`, `CreateEmbeddingResponse` and `Embedding`."""
+"""OpenAI's embeddings API as pydantic models, after the openai SDK's types."""
 
 from __future__ import annotations
 

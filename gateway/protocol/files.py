@@ -1,5 +1,4 @@
-"""The Files API's objects, field by field as OpenAI's (the `openai` SDK's `FileObject`, `FileDeleted`,
-the list page of `files.list`), and the list's query."""
+"""The Files API's objects, field by field as the `openai` SDK's, and the list's query."""
 
 from __future__ import annotations
 

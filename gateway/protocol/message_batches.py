@@ -1,10 +1,5 @@
-"""Anthropic's Message Batches API, field by field as the `anthropic` SDK's types
-(`types/messages/message_batch*.py`, `batch_create_params.py`, `batch_list_params.py`,
-`deleted_message_batch.py`): the create body, the MessageBatch object and its request counts, a page
-of `batches.list`, a deleted batch, and the lines of a batch's results (`MessageBatchIndividualResponse`).
-
-A request's `params` is kept as sent (a JSON object): it is checked when its line runs, as Anthropic
-does, and a bad one is an `errored` result rather than a refusal of the whole batch."""
+"""Anthropic's Message Batches API, field by field as the `anthropic` SDK's types. A request's `params` is kept as
+sent and checked when its line runs, as Anthropic does (a bad one is an `errored` result)."""
 
 from __future__ import annotations
 

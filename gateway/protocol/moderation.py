@@ -1,6 +1,4 @@
-"""OpenAI's moderations API (`POST /v1/moderations`), as the guards call an upstream of it: the
-request the gateway sends and the part of the answer it reads (`openai.types.ModerationCreateResponse`).
-"""
+"""OpenAI's moderations API as the guards call an upstream of it: the request sent and the part of the answer read."""
 
 from __future__ import annotations
 

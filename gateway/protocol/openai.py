@@ -1,12 +1,5 @@
-"""OpenAI's API as pydantic models: requests (validated strictly) and responses.
-
-Field names, types and ranges follow OpenAI's API reference and the openai SDK's types; the
-vLLM-only sampling parameters (top_k, min_p, ...) follow vLLM's OpenAI server. Requests forbid
-unknown fields, as OpenAI does, so a typo is a 400 and not a silently ignored parameter. Every
-integer is bounded (to int64, as vLLM's server bounds `seed`, or tighter): no client-sent number
-reaches the engine, the cache key or a tokenizer unbounded. Token ids are checked against the
-model's vocabulary when the engine is known (`serving.generation.check_token_ids`).
-"""
+"""OpenAI's API as pydantic models. Requests forbid unknown fields (a typo is a 400) and every integer is bounded, so
+no client-sent number reaches the engine, the cache key or a tokenizer unbounded."""
 
 from __future__ import annotations
 
@@ -28,9 +21,6 @@ class _Request(BaseModel):
 
 class _Response(BaseModel):
     model_config = ConfigDict(extra="allow")
-
-
-# --- shared request parts -----------------------------------------------------------------
 
 
 class StreamOptions(_Request):
@@ -116,9 +106,6 @@ class SamplingFields(ModelRequest):
         return self.prompt_count() * self.n
 
 
-# --- chat ---------------------------------------------------------------------------------
-
-
 class TextPart(_Request):
     type: Literal["text"]
     text: str
@@ -192,8 +179,6 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
-# --- completions --------------------------------------------------------------------------
-
 Prompt = (
     str
     | Annotated[list[str], Field(min_length=1)]
@@ -219,9 +204,6 @@ class CompletionRequest(SamplingFields):
 
     def engine_requests(self) -> int:
         return self.prompt_count() * max(self.n, self.best_of or 1)
-
-
-# --- responses ----------------------------------------------------------------------------
 
 
 class Usage(_Response):
@@ -342,9 +324,6 @@ class ErrorBody(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorBody
-
-
-# --- vLLM's tokenizer routes and the native API ------------------------------------------
 
 
 class TokenizeRequest(_Request):

@@ -1,15 +1,5 @@
-"""OpenAI's Responses API (`/v1/responses`) as pydantic models: the request, the Response object
-and its output items, the items a response keeps as its input, and the stream's events.
-
-Field names and types follow the openai SDK's types (`openai.types.responses`). Requests forbid
-unknown fields, as OpenAI does. Answers keep their nulls, as OpenAI sends them (`"error": null`),
-whatever the serializer is asked (`_Out`), so the JSON helpers and the SSE framing that leave
-nulls out for chat completions serve these unchanged.
-
-Supported input items: messages (a string or text parts), `function_call` and
-`function_call_output`; tools: functions. Other kinds (images, files, hosted tools) are refused
-with a 400 that names them.
-"""
+"""OpenAI's Responses API as pydantic models, after `openai.types.responses`. Answers keep their nulls as OpenAI sends
+them (`_Out`), whatever the serializer is asked."""
 
 from __future__ import annotations
 
@@ -51,9 +41,6 @@ class _Out(BaseModel):
             key = (field.serialization_alias or field.alias or name) if info.by_alias else name
             ordered[key] = data.get(key)
         return {**ordered, **data}
-
-
-# --- the request ----------------------------------------------------------------------------
 
 
 class InputPart(_Request):
@@ -210,9 +197,6 @@ class ResponsesRequest(_Request):
         return self
 
 
-# --- the Response object and its items --------------------------------------------------------
-
-
 class InputText(_Out):
     type: Literal["input_text"] = "input_text"
     text: str
@@ -360,9 +344,6 @@ class InputItemsQuery(_Request):
     after: str | None = None
     limit: Annotated[int, Field(ge=1, le=100)] = 20
     order: Literal["asc", "desc"] = "desc"
-
-
-# --- stream events ----------------------------------------------------------------------------
 
 
 class _Event(BaseModel):

@@ -1,5 +1,4 @@
-"""The batch lane's store (`stores.blobs`) chosen by `store.backend`: one for the Files API's files and
-one for the Batches API's batches (two directories on disk; two key prefixes in Redis or S3)."""
+"""The batch lane's `Blobs` store chosen by `store.backend`, one for files and one for batches."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ Part = Literal["files", "batches"]
 
 
 def open_blobs(settings: Settings, pools: RedisPools, part: Part) -> Blobs:
-    """The store of `part` (files or batches) in the configured backend."""
     store = settings.store
     if store.backend == "disk":
         return DiskBlobs.at(settings.files.dir if part == "files" else settings.batches.dir)

@@ -1,57 +1,5 @@
-"""The Batches API's store: each batch a few objects of a `Blobs` store (`stores.blobs`: local disk
-under `batches.dir` by default, Redis or S3 as `store.backend` says), under its owner's prefix, named
-by a hash of the owner (as `stores.files` does):
-
-    <sha256(owner)[:32]>/batch_<32 hex>/record.json    the batch (`StoredBatch`): written whole (`put`)
-    .../batch_<32 hex>/input.jsonl     the input file's lines, copied at create (a delete of the file does not stop it)
-    .../batch_<32 hex>/output.jsonl    answered lines, appended one at a time (kept once appended)
-    .../batch_<32 hex>/errors.jsonl    failed lines, the same way
-    .../batch_<32 hex>/cancel          a cancel asked for (by any replica): its time
-    .../batch_<32 hex>/lease.<n>       who runs it (`Lease`), generation n
-    pending/<sha256(owner)[:32]>.<batch id>   the index of batches not done yet (what the runner reads)
-
-(On disk these are files below `batches.dir`, the layout of earlier versions.) A batch is reached
-only through its owner's view (`BatchStore.of`): another owner's id is a 404 exactly as an unknown
-one. An id is checked to be an id (`batch_` and 32 lowercase hex) before any name is built from it.
-Anthropic's Message Batches live beside OpenAI's batches, as the same records, under ids of their own
-(`msgbatch_` and 32 hex, `of(owner, MESSAGE_BATCH)`): each API's view sees only its own kind, so
-neither lists nor answers the other's.
-
-A batch exists once its record does: its entry in the pending index is written first, then its
-input, then its record, so a reader (another replica's runner) sees a whole batch or none, and a
-crash or a store failing between the steps loses no batch that was made and leaves nothing behind
-for good (an entry whose record never came is removed by the runner once it is old, with the input
-written under it). Its entry is removed once the batch is done (by the runner that ends
-it, or by the next one that finds it done), so a runner lists only the batches it may have to run
-(`pending`), never the whole store. Deleting removes the record first (the batch is gone for every
-reader), then the rest.
-
-Who writes what: the record is written by its creator, then only by the replica holding its lease
-(the runner); a cancel only creates the `cancel` object, which a reader merges into the status it
-shows (`cancelling`) until the runner writes `cancelled`. The progress of a batch is the set of
-custom_ids in its output and error objects: a runner that starts on it reads them (a last line torn
-by a crash, on disk, is cut off by writing the good part back) and runs only the others, so every
-line is answered once.
-
-Leases: with replicas sharing the store, one runs a batch at a time. The lease is the object
-`lease.<n>` of the highest generation n, holding its holder and an expiry. A replica takes a free
-batch by creating generation 1 (`create`: one of two racing replicas wins), an expired lease by
-creating generation n+1 the same way, renews its own by rewriting it (`put`), and has lost it when a
-higher generation exists. A holder that stalls past its expiry may still have lines in flight when
-another takes over: it checks that it holds the lease before it writes each answer (and the record),
-so the lines it loses are answered once, by the new holder. A write already under way when the
-lease passes may still land after the new holder read the progress (a check, not a fence): the same
-custom_id then appears twice in the objects, and everything that reads them keeps the first
-(`unique_lines`: the counts, the published files, a Message Batch's results). That check asks the store only when it
-must (`Lease.surely_held`): no replica takes a lease over before the expiry its holder last wrote, so
-a holder that wrote an expiry (taken, or renewed before the previous one passed) holds it until then
-without asking; it asks again once less than a margin is left (the runner's: a third of `lease_s`,
-for clocks that disagree and writes slow to land), which a holder renewing on time never reaches and
-a stalled one always does. A holder that finds itself taken over forgets that certainty.
-
-A store that is down is a `StoreUnavailable` (503, `stores.guarded`); the runner logs it and tries
-again at its next poll.
-"""
+"""The Batches API's and Message Batches API's store: each batch a few objects (record, input, output, errors, cancel,
+leases) under its owner's prefix of a `Blobs` store, plus an index of the batches not done yet."""
 
 from __future__ import annotations
 
@@ -101,8 +49,6 @@ def new_id(kind: str = BATCH) -> str:
 
 @dataclass(slots=True)
 class Progress:
-    """What a batch's output and error objects hold: the custom_ids answered, counts and usage."""
-
     done: set[str] = field(default_factory=set)
     completed: int = 0
     failed: int = 0
@@ -119,7 +65,6 @@ class Progress:
 
 
 def tokens_of(body: object) -> tuple[int, int]:
-    """(prompt, completion) tokens of an answer's `usage`, in any of the endpoints' shapes."""
     usage = body.get("usage") if isinstance(body, dict) else None
     if not isinstance(usage, dict):
         return 0, 0
@@ -129,8 +74,8 @@ def tokens_of(body: object) -> tuple[int, int]:
 
 
 def _count_lines(path: Path, progress: Progress, ok: bool) -> int | None:
-    """Count a result file's lines into `progress`; the length of its good part when its last line was
-    cut short by a crash (and anything after it is to be cut off), else None. Blocking."""
+    """Count a result file's lines into `progress`; the length of its good part when its last line was torn by a
+    crash, else None. Blocking."""
     good, size = 0, path.stat().st_size
     with path.open("rb") as results:
         for line in results:
@@ -152,12 +97,9 @@ def _count_lines(path: Path, progress: Progress, ok: bool) -> int | None:
 
 
 async def unique_lines(chunks: AsyncIterator[bytes], seen: set[str]) -> AsyncIterator[bytes]:
-    """The result lines of `chunks` whose custom_id is not in `seen` (added as they pass): each
-    custom_id once, the first written. A holder that stalled past its lease may append a line after
-    the replica that took the batch over read its progress and answered it again (its lease is checked
-    before a write, not fenced during one); what a client reads (the published files, a Message
-    Batch's results) and what is counted (`_count_lines`) keep the first, so each line is answered
-    once whatever reached the store."""
+    """The result lines of `chunks` whose custom_id is not in `seen`, the first written kept: a holder that stalled
+    past its lease may append a line the next holder answers again (the lease is checked before a write, not fenced
+    during one)."""
     rest = b""
     async for chunk in chunks:
         *lines, rest = (rest + chunk).split(b"\n")
@@ -181,16 +123,8 @@ def _first(line: bytes, seen: set[str]) -> bool:
     return True
 
 
-def _merge_cancel(stored: StoredBatch, cancelled: int | None) -> StoredBatch:
-    if cancelled is not None and stored.batch.status not in DONE and stored.batch.status != "cancelling":
-        stored.batch.status, stored.batch.cancelling_at = "cancelling", cancelled
-    return stored
-
-
 @dataclass(slots=True, frozen=True)
 class BatchObjects:
-    """One batch's objects, and every operation on them."""
-
     blobs: Blobs
     spool: Spool
     home: str  # its owner's prefix
@@ -205,14 +139,11 @@ class BatchObjects:
 
     @property
     def entry(self) -> str:
-        """Its entry in the index of batches not done yet."""
         return f"{PENDING}{self.home}.{self.id}"
 
     async def load(self) -> StoredBatch | None:
-        """The batch as last written, with a cancel asked for since shown as `cancelling`; None when
-        there is none (never made, or deleted) or its record cannot be read (logged: a disk that
-        corrupted it, a hand edit, a version whose record this one does not know), so that one such
-        batch fails nothing but itself."""
+        """The batch as last written, a pending cancel shown as `cancelling`; None when there is none or its record is
+        unreadable (logged), so one bad record fails only its batch."""
         raw = await self.blobs.get(self.name(RECORD))
         if raw is None:
             return None
@@ -221,13 +152,15 @@ class BatchObjects:
         except ValidationError as exc:
             log.warning("batch_record_unreadable", batch_id=self.id, errors=exc.error_count())
             return None
-        return _merge_cancel(stored, await self.cancel_asked())
+        cancelled, batch = await self.cancel_asked(), stored.batch
+        if cancelled is not None and batch.status not in DONE and batch.status != "cancelling":
+            batch.status, batch.cancelling_at = "cancelling", cancelled
+        return stored
 
     async def exists(self) -> bool:
         return await self.blobs.get(self.name(RECORD)) is not None
 
     async def read(self) -> StoredBatch:
-        """The batch as `load` reads it; a 404 when there is none."""
         stored = await self.load()
         if stored is None:
             raise not_found(self.id)
@@ -247,8 +180,7 @@ class BatchObjects:
             return None
 
     async def progress(self) -> Progress:
-        """The custom_ids answered so far, counted from the output and error objects (a torn last line
-        cut off: the good part written back)."""
+        """A torn last line is cut off by writing the good part back."""
         progress = Progress()
         for part, ok in ((OUTPUT, True), (ERRORS, False)):
             async with self.local(part) as path:
@@ -264,46 +196,40 @@ class BatchObjects:
         return progress
 
     async def append(self, part: Results, lines: bytes) -> None:
-        """Result lines (each ending in a newline), kept before this returns (the progress a restart
-        resumes from)."""
         await self.blobs.append(self.name(part), lines)
 
     def local(self, part: str) -> AbstractAsyncContextManager[Path | None]:
-        """A local file of one of its objects, for blocking reads (see `Blobs.local`)."""
         return self.blobs.local(self.name(part))
 
     async def open(self, part: str) -> Opened | None:
         return await self.blobs.open(self.name(part))
 
     async def done(self) -> None:
-        """Out of the index of batches not done yet (its record says it is done)."""
         await self.blobs.delete(self.entry)
 
 
 @dataclass(slots=True, frozen=True)
 class BatchStore:
-    """Every batch has an owner, and the only way to one is through its owner's view (`of`); the
-    runner alone walks the batches not done yet (`pending`)."""
+    """A batch is reached only through its owner's view (`of`); only the runner walks the pending index. The index
+    entry is written first, then the input, then the record, so a reader sees a whole batch or none and a crash
+    leaves an orphan entry the runner removes once old."""
 
     blobs: Blobs
     spool: Spool
 
     @classmethod
     def on(cls, blobs: Blobs, spool: Spool) -> BatchStore:
-        """The store on `blobs` (its failures the API's 503), copying inputs through `spool`."""
         return cls(Guarded(blobs), spool)
 
     def of(self, owner: str, kind: str = BATCH) -> OwnedBatches:
-        """The owner's batches of one kind (`BATCH`: OpenAI's, `MESSAGE_BATCH`: Anthropic's)."""
         return OwnedBatches(self.blobs, self.spool, owner_prefix(owner), kind)
 
     def _batch(self, home: str, batch_id: str) -> BatchObjects:
         return BatchObjects(self.blobs, self.spool, home, batch_id)
 
     async def pending(self, done: set[str]) -> list[BatchObjects]:
-        """Every batch of every owner that is not done yet, oldest first (for the runner), from the
-        index. `done`: ids known to be done, not read again; those found done are added (and leave the
-        index), and entries whose batch never came are removed once old."""
+        """Every batch not done yet, oldest first. `done`: ids known to be done, skipped; those found done are added
+        and leave the index."""
         found: list[tuple[int, BatchObjects]] = []
         for entry in await self.blobs.list(PENDING):
             home, _, batch_id = entry.removeprefix(PENDING).partition(".")
@@ -323,7 +249,6 @@ class BatchStore:
         return [batch for _, batch in sorted(found, key=lambda item: (item[0], item[1].id))]
 
     async def _orphan(self, batch: BatchObjects) -> None:
-        """An entry without a record: a create in progress, or one that crashed (removed once old)."""
         raw = await self.blobs.get(batch.entry)
         try:
             made = orjson.loads(raw).get("created", 0) if raw else 0
@@ -333,8 +258,7 @@ class BatchStore:
             await self.blobs.delete(batch.entry, *await self.blobs.list(batch.prefix))
 
     async def index_unlisted(self) -> int:
-        """The batches not done of a store made before the pending index, entered in it (the whole
-        store listed once, then never again); how many."""
+        """Batches not done of a store made before the pending index, entered in it once; how many."""
         if await self.blobs.get(INDEXED) is not None:
             return 0
         added = 0
@@ -356,8 +280,6 @@ class BatchStore:
 
 @dataclass(slots=True, frozen=True)
 class OwnedBatches:
-    """One owner's batches of one kind (ids starting with `kind`)."""
-
     blobs: Blobs
     spool: Spool
     home: str
@@ -370,8 +292,6 @@ class OwnedBatches:
         return BatchObjects(self.blobs, self.spool, self.home, batch_id)
 
     async def find(self, batch_id: str, param: str = "batch_id") -> tuple[BatchObjects, StoredBatch]:
-        """The batch and its record (a 404 naming `param` for anything that is not an id of one of this
-        owner's batches of this kind)."""
         if not self._is_id(batch_id):
             raise not_found(batch_id, param)
         batch = self._batch(batch_id)
@@ -381,9 +301,6 @@ class OwnedBatches:
         return batch, stored
 
     async def create(self, stored: StoredBatch, source: Opened | bytes) -> None:
-        """A new batch, whole or not at all: its entry in the pending index (first: what is written
-        after it is removed with it when the create does not end), its input (the content opened at
-        `source`, streamed through the spool, or these bytes), then its record."""
         batch = self._batch(stored.batch.id)
         await self.blobs.put(batch.entry, orjson.dumps({"created": time.time()}))
         if isinstance(source, bytes):
@@ -400,8 +317,8 @@ class OwnedBatches:
         return (await self.find(batch_id))[1].batch
 
     async def cancel(self, batch_id: str, param: str = "batch_id", ended: str | None = None) -> StoredBatch:
-        """Ask for a cancel (the runner holding the batch carries it out); a batch already done is a 400
-        (its message `ended` when given: in the words of the API asked)."""
+        """Ask for a cancel (the runner holding the batch carries it out); a batch already done is a 400 (message
+        `ended` when given)."""
         batch, stored = await self.find(batch_id, param)
         if stored.batch.status in DONE:
             raise InvalidRequest(ended or f"Cannot cancel a batch with status '{stored.batch.status}'.", param=param)
@@ -409,8 +326,7 @@ class OwnedBatches:
         return await batch.read()
 
     async def delete(self, batch_id: str, param: str = "batch_id") -> None:
-        """Remove a batch that is done (a 400 while it runs): its record first, so that it is gone for
-        every reader at once, then the rest."""
+        """Its record first, so it is gone for every reader at once."""
         batch, stored = await self.find(batch_id, param)
         if stored.batch.status not in DONE:
             raise InvalidRequest(f"Batch '{batch_id}' is still being processed: cancel it and delete it once it "
@@ -420,9 +336,8 @@ class OwnedBatches:
 
     async def page(self, after: str | None, limit: int, before: str | None = None,
                    names: tuple[str, str] = ("after", "before")) -> tuple[list[StoredBatch], bool]:
-        """A page of this owner's batches, newest first: those right after the batch `after`, or right
-        before the batch `before` (a 400 naming the parameter, `names`, when it is none of this
-        owner's), and whether more follow (or precede, with `before`)."""
+        """A page of this owner's batches, newest first, after `after` or before `before` (a 400 naming `names` when
+        unknown), and whether more follow."""
         stored = await self._all()
         stored.sort(key=lambda s: (s.batch.created_at, s.created_ns, s.batch.id), reverse=True)
         ids = [s.batch.id for s in stored]
@@ -450,7 +365,9 @@ LEASE = re.compile(r"lease\.([0-9]+)")
 
 @dataclass(slots=True)
 class Lease:
-    """A replica's hold on one batch (see the module's docstring)."""
+    """A replica's hold on one batch: the object `lease.<n>` of the highest generation n. Taking one is an exclusive
+    create of the next generation; a holder has lost it when a higher one exists. A holder checks before each
+    write, but asks the store only when less than a margin of its own last expiry is left (`surely_held`)."""
 
     batch: BatchObjects
     holder: str
@@ -460,7 +377,6 @@ class Lease:
 
     @classmethod
     async def take(cls, batch: BatchObjects, holder: str, lease_s: float) -> Lease | None:
-        """The batch's lease, when it is free or its holder's has expired; None when another holds it."""
         generation, current = await _newest(batch)
         if current is not None and current.get("expires", 0) > time.time():
             return None
@@ -481,22 +397,17 @@ class Lease:
         return orjson.dumps({"holder": self.holder, "expires": time.time() + self.lease_s if expires is None else expires})
 
     async def held(self) -> bool:
-        """Still this replica's: no other has taken it over (a higher generation)."""
         if (await _newest(self.batch))[0] == self.generation:
             return True
         self.until = 0.0
         return False
 
     def surely_held(self, margin_s: float) -> bool:
-        """Held for at least `margin_s` more, known without asking the store: another replica takes a
-        lease over only once the expiry its holder last wrote has passed, and this one wrote it (at
-        `take`, or at a `renew` that landed before the expiry before it) at `until - lease_s` or
-        later. The margin covers the clocks of the replicas disagreeing and a write that is slow to
-        land; a replica that stalls past it asks the store again (`held`)."""
+        """No replica takes a lease over before the expiry its holder last wrote; the margin covers clock skew and
+        slow writes."""
         return time.monotonic() < self.until - margin_s
 
     async def renew(self) -> bool:
-        """Held for another `lease_s`; False when another replica has taken it over meanwhile."""
         if not await self.held():
             return False
         written = time.monotonic()
@@ -508,15 +419,13 @@ class Lease:
         return True
 
     async def release(self) -> None:
-        """Expired at once, so that another replica may take the batch now (a clean shutdown); nothing
-        when the batch is gone (a Message Batch deleted as soon as it ended)."""
+        """Expired at once so another replica may take it (a clean shutdown); nothing when the batch is gone."""
         self.until = 0.0
         if await self.held() and await self.batch.exists():
             await self.batch.blobs.put(self.name, self._content(expires=0))
 
 
 async def _newest(batch: BatchObjects) -> tuple[int, dict[str, float] | None]:
-    """The highest lease generation and its content (0, None: never leased)."""
     names = await batch.blobs.list(batch.prefix)
     generations = [int(m.group(1)) for n in names if (m := LEASE.fullmatch(n.rpartition("/")[2]))]
     if not generations:

@@ -1,27 +1,5 @@
-"""Where the batch lane keeps what must outlive a process (the Files API's files, the Batches API's
-batches, their progress and leases): named objects ("blobs") in one of three places, chosen by
-`store.backend` — a local directory (`disk`, the default; `DiskBlobs` here), Redis (`redis`) or an
-S3-compatible bucket (`s3`). `stores.files` and `stores.batches` are written once on top of this
-interface: owners, ids, expiry, progress and leases are decided there, never in a backend, so every
-backend keeps the same boundaries.
-
-Names are `/`-separated segments of `[A-Za-z0-9._-]` (never `.` or `..`), built by the stores from
-hashes and checked ids; a backend may refuse any other name (ValueError).
-
-What every backend guarantees (tests/unit/test_blobs.py checks each against the same cases):
-- `put`, `put_file`: a reader sees the old object or the new one, whole, never a part.
-- `create`: exclusive among every process and replica sharing the store (one of two racing wins).
-- `append`: the bytes are kept once it returns (a crash after it loses nothing); one writer at a time
-  per object (the batch's lease holder), so appends are never interleaved.
-- `open`: the content is fixed when it returns (a delete or replace after it does not change or cut
-  short what is read).
-- `copy`: the copy is independent of the source (deleting the source keeps it).
-- `list`: the names below a prefix, without scanning unrelated objects of the store.
-- Nothing blocks the event loop: blocking work runs in a worker thread.
-- A backend that cannot be reached (down, timed out, a disk that fails) raises `BlobsUnavailable`,
-  whatever its library raised; an object that is none is never an error (None, False or nothing).
-  The stores turn it into the API's 503 (`stores.guarded`).
-"""
+"""The `Blobs` interface of the batch lane's durable store (files, batches, progress, leases) and its disk backend;
+Redis and S3 backends live beside it."""
 
 from __future__ import annotations
 
@@ -41,16 +19,13 @@ _TEMPORARY = ".tmp-"  # disk: a name being written (never listed)
 T = TypeVar("T")
 
 
-class _Missing(Exception):
-    """A disk copy's source that is none."""
+class _Missing(Exception): ...
 
 
-class BlobsUnavailable(Exception):
-    """The store cannot be reached or fails right now (the backend's own error is its cause)."""
+class BlobsUnavailable(Exception): ...
 
 
 async def _thread(work: Callable[[], T]) -> T:
-    """`work` in a worker thread, a disk's failure (OSError) raised as `BlobsUnavailable`."""
     try:
         return await asyncio.to_thread(work)
     except OSError as exc:
@@ -61,9 +36,8 @@ READS_AT_ONCE = 16  # objects a store reads at once for one request (a listing):
 
 
 async def each(names: Iterable[str], read: Callable[[str], Awaitable[T]], at_once: int = READS_AT_ONCE) -> list[T]:
-    """`read` of every name, in order, at most `at_once` at a time: a listing of thousands of objects
-    takes a few of the backend's connections (Redis: from the process's pool, shared with the cache
-    and the limits), not one each."""
+    """`read` of every name, in order, at most `at_once` at a time, so a long listing takes a few of the backend's
+    connections, not one each."""
     bound = asyncio.Semaphore(at_once)
 
     async def one(name: str) -> T:
@@ -74,8 +48,7 @@ async def each(names: Iterable[str], read: Callable[[str], Awaitable[T]], at_onc
 
 
 def _once_more(write: Callable[[], T]) -> Callable[[], T]:
-    """A disk write tried again once when a folder on its way was removed under it (a delete emptied
-    it right then): the write makes its folders again."""
+    """A disk write tried again once when a delete removed a folder on its way right then."""
     def again() -> T:
         try:
             return write()
@@ -85,8 +58,14 @@ def _once_more(write: Callable[[], T]) -> Callable[[], T]:
     return again
 
 
+def _durable(out: BinaryIO, data: bytes) -> None:
+    out.write(data)
+    out.flush()
+    os.fsync(out.fileno())
+
+
 def check_name(name: str) -> str:
-    """`name` when it is a valid object name (see the module's docstring); else ValueError."""
+    """`name` when it is `/`-separated segments of `[A-Za-z0-9._-]` (never `.` or `..`); else ValueError."""
     parts = name.split("/")
     if not all(SEGMENT.fullmatch(p) and p not in (".", "..") and not p.startswith(_TEMPORARY) for p in parts):
         raise ValueError(f"not an object name: {name!r}")
@@ -95,9 +74,6 @@ def check_name(name: str) -> str:
 
 @dataclass(slots=True)
 class Opened:
-    """An object opened for reading: its size and its content, chunk by chunk (`aclose` when not read
-    to its end)."""
-
     size: int
     chunks: AsyncIterator[bytes]
 
@@ -108,61 +84,43 @@ class Opened:
 
 
 class Blobs(Protocol):
-    """A store of named objects (see the module's docstring for what each call guarantees)."""
+    """Named objects. Every backend guarantees (tests/unit/test_blobs.py checks each): `put`/`put_file` replace whole,
+    never a part; `create` is exclusive across replicas; `append` is kept once it returns (one writer per object:
+    the lease holder); `open`/`local` content is fixed when they return; `list` scans only below the prefix;
+    nothing blocks the event loop; an unreachable backend raises `BlobsUnavailable`, a missing object is never an
+    error."""
 
-    async def get(self, name: str) -> bytes | None:
-        """The whole object (small ones: records, leases, markers); None when there is none."""
-        ...
-
-    async def put(self, name: str, data: bytes) -> None:
-        """`data` as the whole object `name`, replacing any."""
-        ...
+    async def get(self, name: str) -> bytes | None: ...
+    async def put(self, name: str, data: bytes) -> None: ...
 
     async def create(self, name: str, data: bytes) -> bool:
-        """`data` as the object `name` only if there is none: True when made, False when it existed."""
-        ...
+        """`data` as `name` only if there is none: True when made."""
 
     async def put_file(self, name: str, path: Path) -> int:
-        """The content of the local file `path` as the object `name`, replacing any; its size. The file
-        is the store's afterwards (moved or removed): the caller does not use it again."""
-        ...
+        """The local file `path` as `name`; its size. The file is the store's afterwards (moved or removed)."""
 
-    async def append(self, name: str, data: bytes) -> None:
-        """`data` added at the end of `name` (made when missing), kept once this returns."""
-        ...
-
-    async def open(self, name: str, chunk_bytes: int = 256 * 1024) -> Opened | None:
-        """The object for reading, chunk by chunk; None when there is none."""
-        ...
+    async def append(self, name: str, data: bytes) -> None: ...
+    async def open(self, name: str, chunk_bytes: int = 256 * 1024) -> Opened | None: ...
 
     def local(self, name: str) -> contextlib.AbstractAsyncContextManager[Path | None]:
-        """A local file holding the object's content, for blocking reads in a worker thread (the object
-        itself on disk, else a temporary copy removed on exit); None when there is none. Read only."""
-        ...
+        """A local file holding the object's content for blocking reads (the object itself on disk, else a temporary
+        copy removed on exit); None when there is none. Read only."""
 
     async def copy(self, source: str, target: str) -> bool:
-        """`source`'s content as the object `target` (independent of it); False when `source` is none."""
         ...
 
-    async def delete(self, *names: str) -> None:
-        """These objects removed (those that are none ignored)."""
-        ...
+    async def delete(self, *names: str) -> None: ...
 
     async def list(self, prefix: str) -> list[str]:
-        """The names of the objects whose names start with `prefix` (a prefix ending in `/`), any order."""
         ...
 
-    async def aclose(self) -> None:
-        """Connections closed (at shutdown)."""
-        ...
+    async def aclose(self) -> None: ...
 
 
 @dataclass(slots=True, frozen=True)
 class DiskBlobs:
-    """Objects as files below a directory (a shared volume for replicas): writes go to a temporary name
-    and are renamed in place; `create` is O_CREAT|O_EXCL; appends are flushed and fsynced. A folder
-    below the top level that a delete empties is removed (a deleted batch leaves no directory), and a
-    write whose folder was removed under it makes it again."""
+    """Objects as files below a directory (a shared volume for replicas): writes go to a temporary name renamed in
+    place; `create` is O_CREAT|O_EXCL; appends are fsynced. A folder a delete empties is removed."""
 
     root: Path
 
@@ -179,8 +137,8 @@ class DiskBlobs:
 
     @contextlib.contextmanager
     def _replacing(self, path: Path) -> Iterator[Path]:
-        """A temporary name beside `path` to write, renamed onto it once written; removed when the
-        write fails (a full disk: nothing would ever remove it, it is never listed)."""
+        """A temporary name beside `path`, renamed onto it once written; removed when the write fails (it is never
+        listed, so nothing else would)."""
         temporary = self._temporary(path)
         try:
             yield temporary
@@ -205,9 +163,7 @@ class DiskBlobs:
 
         def write() -> None:
             with self._replacing(path) as temporary, temporary.open("wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
+                _durable(out, data)
 
         await _thread(_once_more(write))
 
@@ -219,9 +175,7 @@ class DiskBlobs:
             temporary = self._temporary(path)
             try:
                 with temporary.open("wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
+                    _durable(out, data)
                 os.link(temporary, path)  # fails when `path` exists: whole content or nothing, exclusively
                 return True
             except FileExistsError:
@@ -253,9 +207,7 @@ class DiskBlobs:
         def add() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("ab") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
+                _durable(out, data)
 
         await _thread(_once_more(add))
 

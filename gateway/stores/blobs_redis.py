@@ -1,39 +1,5 @@
-"""The batch lane's store (`stores.blobs`) in Redis (`store.backend: redis`), over the process's shared
-connection pools (`stores.redis`). Each part (files, batches) keeps its keys below a base of its own,
-`store.redis_prefix` + part + `:`, so the two parts, the cache and the limits never share a key:
-
-    <base>o:<name>      an object's content (a string; Redis keeps strings up to 512 MB)
-    <base>index         every object's name, in one sorted set ordered by name (all scores 0)
-    <base>tmp:<hex>     an upload being written, or a snapshot being copied out (expiring: never listed)
-
-How each guarantee of `Blobs` is kept:
-- Every write changes the object and the index together (one MULTI, or one Lua script where a step
-  depends on another), so the index lists exactly the objects there are. `list(prefix)` is one
-  ZRANGEBYLEX of the names starting with the prefix: the objects below `pending/` or an owner's folder
-  are found without reading any other name (one index rather than one per folder: a lexical range
-  is a folder and everything below it).
-- `put` is a SET and `create` a SET NX (exclusive for every replica on this Redis). `put_file`
-  streams the local file in chunks: APPENDs into a temporary key, renamed onto the name at the end,
-  so a reader sees the old object or the whole new one and the gateway never holds the file at once.
-- `append` is an APPEND, kept by Redis once it returns. A crash of the gateway loses nothing; a crash
-  of Redis itself loses what its persistence had not written: run Redis with AOF (`appendonly yes`;
-  `appendfsync always` loses nothing, `everysec` at most the last second, and Redis restarts from a
-  prefix of its history, so a batch resumes at an earlier line and answers each line once still).
-  No WAIT for replicas of Redis: a failover to a replica that lagged behaves as that crash does.
-  The first call that reaches Redis logs a warning when it has no AOF or may evict keys.
-- `open` and `local` copy the object out of Redis before they return, to a local temporary file (the
-  system's temporary directory; `open`'s has no name): an object of one chunk with one GET, a larger
-  one first copied (COPY, Redis 6.2 or later) to an expiring snapshot in the same script that reads
-  its size, then read from the snapshot with GETRANGE, a MiB at a time, and the snapshot removed
-  however that ends (even cancelled). So what is read is fixed when they return (a delete, replace or
-  append after it changes nothing), and Redis holds a copy only while it is read at Redis's own speed,
-  never for as long as a slow or departed client takes (many large downloads started and dropped
-  would otherwise fill Redis). A copy whose snapshot expired mid-way is an error, never a short read.
-- Every Redis call is bounded by `store.redis_timeout_s`; a Redis that is down or slow raises
-  `BlobsUnavailable` (the API's 503). Each part has at most `CONNECTIONS` calls in flight (the others
-  wait their turn): however many objects are read at once, the process's pool for this Redis keeps
-  connections for the cache and the limits that share it.
-"""
+"""The batch lane's `Blobs` store in Redis: objects as strings under `<base>o:<name>`, one sorted set `<base>index` of
+every name (a prefix listing is a ZRANGEBYLEX), uploads and snapshots under expiring `<base>tmp:` keys."""
 
 from __future__ import annotations
 
@@ -83,7 +49,10 @@ return 1
 
 
 class RedisBlobs:
-    """Objects in Redis below `base` (see the module's docstring for the keys and the guarantees)."""
+    """Every write changes the object and the index together (MULTI or a Lua script). `put_file` streams APPENDs into
+    a temporary key renamed at the end; `open`/`local` copy a large object to an expiring snapshot (COPY) read with
+    GETRANGE, so Redis holds a copy only at its own speed, never a slow client's. At most `CONNECTIONS` calls in
+    flight per part, leaving the shared pool to the cache and limits."""
 
     def __init__(self, client: Client, base: str) -> None:
         self._client, self._base = client, base
@@ -100,8 +69,8 @@ class RedisBlobs:
         return f"{self._base}tmp:{secrets.token_hex(12)}"
 
     async def _call(self, call: Awaitable[T]) -> T:
-        """`call` once one of the store's connections is free, the wait and the call bounded by the
-        store's timeout; a Redis down or slow: BlobsUnavailable."""
+        """`call` once a connection is free, wait and call bounded by the store's timeout; a Redis down or slow:
+        BlobsUnavailable."""
         try:
             result = await self._client.bounded(self._in_turn(call))
         except ERRORS as exc:
@@ -124,8 +93,7 @@ class RedisBlobs:
             self._connections.release()
 
     async def _check_durability(self) -> None:
-        """A warning, once, when Redis would lose the store: nothing kept on disk (a restart of Redis
-        loses every file and batch), or keys evicted when its memory is full (files, leases dropped)."""
+        """A warning, once, when Redis would lose the store: no AOF, or an evicting memory policy."""
         pipe = self._redis.pipeline(transaction=False)
         pipe.execute_command("INFO", "persistence")
         pipe.execute_command("INFO", "memory")
@@ -138,7 +106,6 @@ class RedisBlobs:
                             advice="give the store a Redis with maxmemory-policy noeviction")
 
     async def _transaction(self, *commands: tuple[Any, ...]) -> list[Any]:
-        """These commands (name, arguments...) as one MULTI/EXEC; their results."""
         pipe = self._redis.pipeline(transaction=True)
         for command in commands:
             pipe.execute_command(*command)
@@ -171,7 +138,6 @@ class RedisBlobs:
             await asyncio.to_thread(path.unlink, missing_ok=True)
 
     async def _upload(self, path: Path, temporary: str) -> int:
-        """The local file's content into the expiring key `temporary`, a chunk at a time; its size."""
         await self._transaction(("SET", temporary, b"", "PX", TEMPORARY_TTL_MS))
         size = 0
         with path.open("rb") as file:
@@ -209,9 +175,8 @@ class RedisBlobs:
 
     async def _download(self, name: str, write: Callable[[bytes], Awaitable[object]],
                         whole_bytes: int = WRITE_CHUNK_BYTES) -> int | None:
-        """The object's content, as it is now, handed to `write` chunk by chunk; its size (None when
-        there is none). An object larger than `whole_bytes` is copied to an expiring snapshot and read
-        from it, and the snapshot is removed before this returns, however it ends."""
+        """The object's content as it is now, handed to `write` chunk by chunk; its size (None when there is none). A
+        large one is read from an expiring snapshot, removed however this ends."""
         key, snapshot = self._key(name), self._temporary()
         found: list[Any] | None = [0]  # until Redis answers, a snapshot may have been made
         try:
@@ -254,16 +219,14 @@ class RedisBlobs:
         return [name.decode() for name in names]
 
     async def aclose(self) -> None:
-        """Nothing of its own to close: the pools are the process's (`RedisPools.aclose`)."""
+        """Nothing of its own to close: the pools are the process's."""
 
 
 def _nameless() -> BinaryIO:
-    """A local temporary file without a name (gone when closed, or when its process ends)."""
     return cast(BinaryIO, tempfile.TemporaryFile(prefix=TEMPORARY_FILE))
 
 
 def _writer(file: IO[bytes]) -> Callable[[bytes], Awaitable[int]]:
-    """Writes to `file` in a worker thread."""
     async def write(data: bytes) -> int:
         return await asyncio.to_thread(file.write, data)
 

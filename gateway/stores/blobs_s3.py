@@ -1,42 +1,5 @@
-"""The batch lane's store (`stores.blobs`) in an S3-compatible bucket (`store.backend: s3`): AWS S3,
-MinIO, Ceph RGW, Cloudflare R2 and the like, through boto3 called in worker threads.
-
-Keys: the object `name` of part `files` or `batches` is the key `<s3_prefix><part>/<name>`; nothing
-of the store lives outside `<s3_prefix><part>/`. Each guarantee of `stores.blobs` on S3 semantics:
-
-- `put`, `put_file`: one PutObject, or a multipart upload streamed from disk for a large file; S3
-  shows the new object only once it is whole.
-- `create`: PutObject with `If-None-Match: *` (a 412 when the key exists: False). The service must
-  honour conditional writes (AWS S3 since 2024, MinIO, R2); one that ignores the header breaks leases.
-  The object carries a token of the call (metadata `created-by`): when botocore sent it again after
-  losing the answer, the second try's 412 is recognised as the first try's write, not another's.
-- `append`: S3 objects are immutable, so an appended object is a base object plus part objects, one
-  per append, read back in order. The base carries a generation (metadata `appends`, a random token);
-  its parts are `<part>/~/<name>/~<generation>/<number>`, outside every name's prefix (`~` is in no
-  name). An append makes part n+1 with `create`, so two writers cannot both write part n+1 (n is
-  remembered from the last append here, else counted with a LIST; a 412 counts again); it reads the
-  base's generation first (a HEAD), so a part always joins the object as it is now. The first
-  append to a plain object copies it in place with a new generation (CopyObject, server side), and
-  removes the parts of older generations. `put` writes a plain base: the parts of the generation it
-  replaced are no longer read (and are removed at the next new generation or at `delete`), so
-  put-then-append is put's content and the append. Cost: two requests per appended line (HEAD, PUT),
-  and a read of the whole object one GET per part (eight at a time): fine for batch output, written a
-  line at a time and read a few times.
-- A read (`get`, `open`, `local`) fetches the base, then its generation's parts, then checks with a
-  HEAD that the base still has that generation: a `put` or `delete` in between makes it read again,
-  so it sees one whole version. `open` and `local` download to a local temporary file first (the
-  system's temporary directory), so what they read is fixed when they return.
-- `copy`: CopyObject conditional on the source's ETag (a plain object, up to S3's 5 GB for one copy);
-  an appended object is assembled locally and uploaded as one plain object.
-- `delete`: DeleteObjects for the names, then for the parts of each (a LIST per name).
-- `list`: ListObjectsV2 below the prefix, paged; part objects are not below any name's prefix.
-
-Every request gives up after `store.s3_timeout_s` (connect and read timeouts of a third of it, three
-attempts at most); a service that is down, refuses the credentials or fails the request raises
-`BlobsUnavailable` (a 503), mapped once here from botocore's and boto3's errors. A missing object is
-not an error (None, False). Credentials come from the settings when set, else boto3's usual chain
-(AWS_* variables, profile, instance or pod role); they are never logged.
-"""
+"""The batch lane's `Blobs` store in an S3-compatible bucket (AWS S3, MinIO, R2...), through boto3 in worker threads;
+object `name` of a part is the key `<s3_prefix><part>/<name>`."""
 
 from __future__ import annotations
 
@@ -77,8 +40,7 @@ TEMPORARY = "llm-gateway-s3-"  # local temporary files' prefix
 Keys = list[str]  # (`list` is also a method of the store)
 
 
-class _Changed(Exception):
-    """The object was replaced or deleted while its parts were read."""
+class _Changed(Exception): ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,7 +50,6 @@ class _Head:
 
     @property
     def generation(self) -> str | None:
-        """The generation of its parts (an appended object's base); None for a plain object."""
         return self.metadata.get(APPENDS)
 
 
@@ -101,7 +62,6 @@ def _missing(exc: ClientError) -> bool:
 
 
 def _client(store: StoreSettings) -> S3Client:
-    """A client of the configured service, each request bounded by `s3_timeout_s`."""
     custom = store.s3_endpoint_url is not None
     config = Config(
         region_name=store.s3_region,
@@ -127,7 +87,11 @@ def _client(store: StoreSettings) -> S3Client:
 
 @dataclass(slots=True)
 class S3Blobs:
-    """Objects as keys below `root` in `bucket` (see the module's docstring for the layout)."""
+    """S3 objects are immutable, so an appended object is a base object carrying a generation (metadata `appends`)
+    plus one part object per append, `<part>/~/<name>/~<generation>/<number>` (outside every name's prefix), each
+    made with a conditional `create` so two writers cannot write the same part. A read fetches the base, its parts,
+    then checks the base's generation again, so it sees one whole version. `create` needs a service honouring
+    `If-None-Match: *`."""
 
     client: S3Client
     bucket: str
@@ -158,7 +122,6 @@ class S3Blobs:
     # the calls
 
     async def _run(self, what: str, work: Callable[[], T]) -> T:
-        """`work` in a worker thread; the service's failures as `BlobsUnavailable`."""
         try:
             return await asyncio.to_thread(work)
         except ClientError as exc:
@@ -272,8 +235,8 @@ class S3Blobs:
     # blocking work, in a worker thread
 
     def _create(self, key: str, data: bytes, metadata: dict[str, str] | None = None) -> bool:
-        """`data` at `key` unless it exists. A token of this call goes with it: when botocore tried again
-        after an answer was lost, the 412 of the second try is our own first write, not another's."""
+        """`data` at `key` unless it exists. A token of this call goes with it: when botocore retried after a lost
+        answer, the second try's 412 is recognised as our own write."""
         token = secrets.token_hex(8)
         for _ in range(ATTEMPTS):
             try:
@@ -298,7 +261,6 @@ class S3Blobs:
         return _Head(head["ETag"], head.get("Metadata", {}))
 
     def _fetch(self, name: str, key: str, sink: IO[bytes]) -> bool:
-        """The whole object written to `sink`, one version of it; False when there is none."""
         for _ in range(ATTEMPTS):
             sink.seek(0)
             sink.truncate()
@@ -354,7 +316,7 @@ class S3Blobs:
         raise BlobsUnavailable(f"The S3 store's object {name} has another writer appending to it.")
 
     def _generation(self, name: str, key: str) -> str:
-        """The generation of `name`'s parts, the base made or marked with a new one when it has none."""
+        """The generation of `name`'s parts, the base given a new one when it has none."""
         for _ in range(ATTEMPTS):
             head = self._head(key)
             if head is not None and head.generation is not None:

@@ -1,11 +1,5 @@
-"""Response cache for deterministic requests (temperature 0, or a fixed seed).
-
-The key is a hash of the canonical request: route, the model that answers, the tenant (with API
-keys, each key has its own answers unless `shared_across_keys`) and every field that changes the
-output (`stream`, `stream_options` and `user` do not). Two backends: in memory (LRU
-bounded by entries and bytes, with a TTL) and Redis (shared by replicas, TTL by Redis). When Redis
-fails the gateway serves uncached, and says so in its log and in gateway_cache_errors_total.
-"""
+"""Response cache for deterministic requests (temperature 0, or a fixed seed), keyed by a hash of the canonical
+request; in memory (LRU with TTL) or in Redis (a Redis that fails means uncached, never an error)."""
 
 from __future__ import annotations
 
@@ -32,9 +26,7 @@ AnswerT = TypeVar("AnswerT", bound=BaseModel)
 
 class CacheBackend(Protocol):
     async def get(self, key: str) -> bytes | None: ...
-
     async def set(self, key: str, value: bytes) -> None: ...
-
     async def aclose(self) -> None: ...
 
 
@@ -63,7 +55,6 @@ class MemoryCache:
         return self.peek(key)
 
     def peek(self, key: str) -> bytes | None:
-        """`get` without a coroutine (ResponseCache calls it directly)."""
         item = self._items.get(key)
         if item is None:
             return None
@@ -122,8 +113,7 @@ class RedisCache:
 
 
 class Hit(Generic[AnswerT]):
-    """A cached answer as it was stored (its JSON), validated into its model only when asked:
-    a non-streamed hit is answered from the bytes (`Service.renewed`), with no parse."""
+    """A cached answer's JSON, parsed into its model only when asked: a non-streamed hit is answered from the bytes."""
 
     __slots__ = ("_answer", "_kind", "raw")
 
@@ -149,8 +139,6 @@ def make_backend(settings: CacheSettings, pools: RedisPools) -> CacheBackend | N
 
 
 class ResponseCache:
-    """Looks up and stores whole answers (as the non-streaming JSON) by request key."""
-
     def __init__(self, backend: CacheBackend | None) -> None:
         self.backend = backend
 
@@ -170,22 +158,21 @@ class ResponseCache:
         return Hit(raw, kind)
 
     async def put(self, key: str, answer: BaseModel) -> bytes:
-        """Store the answer's JSON (without None fields, as `api.requests.json_response` writes it);
-        the JSON back."""
+        """Store the answer's JSON (without None fields, as `api.requests.json_response` writes it); the JSON back."""
         assert self.backend is not None
         raw = answer.__pydantic_serializer__.to_json(answer, exclude_none=True)
         await self.backend.set(key, raw)
         return raw
 
     def storer(self, key: str, record: RequestRecord | None = None) -> Storer:
-        """The hand-off that stores a whole answer under `key` once a service has it (unless the
-        request's `record` says its generation failed or came out empty under a constraint)."""
+        """The hand-off that stores a whole answer under `key` once a service has it (unless `record` says it failed
+        or came out empty under a constraint)."""
         return Storer(self, key, record)
 
 
 class Storer:
-    """Stores a whole answer in the cache (called by a service with it), and keeps what it wrote:
-    a non-streamed answer goes out as those bytes (`written`) instead of being serialized again."""
+    """Stores a whole answer and keeps what it wrote, so a non-streamed answer goes out as those bytes instead of
+    being serialized again."""
 
     __slots__ = ("_answer", "_cache", "_key", "_raw", "_record")
 
@@ -202,5 +189,4 @@ class Storer:
         self._answer = answer
 
     def written(self, answer: BaseModel) -> bytes | None:
-        """The JSON stored of `answer`, if this very answer was stored (else None)."""
         return self._raw if answer is self._answer else None

@@ -1,26 +1,5 @@
-"""The Files API's store: uploaded files as objects of a `Blobs` store (`stores.blobs`: local disk
-under `files.dir` by default, Redis or S3 as `store.backend` says), each tenant's under a prefix of
-its own, named by a hash of the tenant (never the tenant itself, which may hold any character):
-
-    <sha256(owner)[:32]>/file-<24 hex>        the content, as uploaded
-    <sha256(owner)[:32]>/file-<24 hex>.json   its FileObject; a file exists once this does
-
-(On disk these are files below `files.dir`, the layout of earlier versions.) An upload is received
-into a local spool file first (`stores.spool`: checked there, line by line) and handed to the store
-whole (`put_file`).
-
-Every file has an owner (the tenant of the key that uploaded it) and is reached only through its
-owner's view (`FileStore.of`): another owner's id is a 404 exactly as an unknown one, and nothing is
-read or deleted before that check. An id is checked to be an id (`file-` and 24 lowercase hex)
-before any name is built from it, so no id names an object outside its owner's prefix.
-
-Writes are atomic (the store's `put_file` and `put`): the content and then its metadata, so a reader
-sees a whole file or none; a new file whose metadata the store failed to take has its content removed
-(while the store answers: no listing or delete would ever reach it). Deleting removes the metadata first (the file is gone for every reader
-from then on), then the content; a download opened before (`open`: its content fixed) is not cut
-short. An expired file (`expires_at` passed) is gone: removed when next asked for or listed. A store
-that is down is a `StoreUnavailable` (503, `stores.guarded`).
-"""
+"""The Files API's store: each upload's content and its FileObject (written last: a file exists once it does) under
+its owner's hashed prefix of a `Blobs` store."""
 
 from __future__ import annotations
 
@@ -55,25 +34,22 @@ def _new_id() -> str:
 
 
 def derived_id(name: str) -> str:
-    """A file id that is always the same for `name` (a batch's output: written again, not twice)."""
+    """A file id always the same for `name` (a batch's output: rewritten, not duplicated)."""
     return "file-" + hashlib.sha256(name.encode()).hexdigest()[:24]
 
 
 def owner_prefix(owner: str) -> str:
-    """The name segment of an owner's objects (a hash: no owner names anything)."""
+    """The name segment of an owner's objects: a hash, as an owner may hold any character."""
     return hashlib.sha256(owner.encode()).hexdigest()[:32]
 
 
 @dataclass(slots=True, frozen=True)
 class FileStore:
-    """Every stored file has an owner, and the only way to one is through its owner's view (`of`)."""
-
     blobs: Blobs
     spool: Spool
 
     @classmethod
     def on(cls, blobs: Blobs, spool: Spool) -> FileStore:
-        """The store on `blobs` (its failures the API's 503), staging uploads in `spool`."""
         return cls(Guarded(blobs), spool)
 
     def of(self, owner: str) -> OwnedFiles:
@@ -85,27 +61,26 @@ class FileStore:
 
 @dataclass(slots=True, frozen=True)
 class OwnedFiles:
-    """One owner's files: its prefix, and every operation on what is under it."""
+    """One owner's files; another owner's id is a 404 exactly as an unknown one, checked before anything is read or
+    deleted."""
 
     blobs: Blobs
     spool: Spool
     home: str
 
     def _names(self, file_id: str) -> tuple[str, str]:
-        """The content's and the metadata's names of an id (404 for anything that is not one of ours)."""
         if not ID.fullmatch(file_id):
             raise not_found(file_id)
         return f"{self.home}/{file_id}", f"{self.home}/{file_id}{_META}"
 
     async def stage(self) -> Staged:
-        """A new upload's spool file."""
         return await self.spool.stage()
 
     async def put(
         self, staged: Staged, filename: str, purpose: Purpose, expires_after_s: int, file_id: str | None = None,
     ) -> FileObject:
-        """Store an upload under a new id (or `file_id`, replaced when it exists: a batch's output
-        written again after a restart): its content handed to the store, then its metadata written."""
+        """Store an upload under a new id (or `file_id`, replaced: a batch's output written again after a restart):
+        content first, then metadata."""
         await staged.close()
         now = int(time.time())
         stored = FileObject(id=file_id or _new_id(), bytes=staged.size, created_at=now, filename=filename,
@@ -122,8 +97,6 @@ class OwnedFiles:
         return stored
 
     async def publish(self, source: Opened, filename: str, file_id: str, expires_after_s: int) -> FileObject:
-        """A copy of `source` (an object of another store, streamed through the spool, never whole in
-        memory) stored as the file `file_id` of purpose `batch_output` (a batch's output)."""
         staged = await self.spool.fill(source.chunks, "publish")
         try:
             return await self.put(staged, filename, "batch_output", expires_after_s, file_id)
@@ -138,7 +111,7 @@ class OwnedFiles:
         return found
 
     async def open(self, file_id: str) -> tuple[FileObject, Opened]:
-        """A file's object and its content, opened: a delete after this does not cut the read short."""
+        """A delete after this does not cut the read short."""
         content, _ = self._names(file_id)
         found = await self.get(file_id)
         opened = await self.blobs.open(content)
@@ -152,8 +125,6 @@ class OwnedFiles:
         await self._remove(content, meta)
 
     async def page(self, purpose: str | None, after: str | None, limit: int, descending: bool) -> tuple[list[FileObject], bool]:
-        """A page of this owner's files (oldest first, or newest first when `descending`) after the
-        file `after` (a 400 naming `after` when it is none of this owner's), and whether more follow."""
         files = await self._all()
         files.sort(key=lambda f: (f.created_at, f.id), reverse=descending)
         if purpose is not None:
@@ -173,7 +144,6 @@ class OwnedFiles:
         return [f for f in found if f is not None]
 
     async def _read(self, content: str, meta: str) -> FileObject | None:
-        """The metadata of a file that exists and has not expired (an expired one is removed)."""
         raw = await self.blobs.get(meta)
         if raw is None:
             return None

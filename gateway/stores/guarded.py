@@ -1,8 +1,4 @@
-"""The one place where the batch lane's store failing becomes the API's error: `Guarded` wraps a
-`Blobs` (any backend) and raises `StoreUnavailable` (a 503 in the route's own error shape) where the
-backend raised `BlobsUnavailable`, the backend's error logged. `stores.files` and `stores.batches`
-hold their store through it, and their local spool (`stores.spool`) uses `unavailable` the same way,
-so a store that is down is a 503 on every route of the lane and never a 500."""
+"""The one place where the batch lane's store failing becomes the API's 503 (`StoreUnavailable`), never a 500."""
 
 from __future__ import annotations
 
@@ -21,7 +17,6 @@ log = structlog.get_logger(__name__)
 
 @contextlib.contextmanager
 def unavailable() -> Iterator[None]:
-    """`BlobsUnavailable` and a local disk's OSError raised as `StoreUnavailable` (the cause logged)."""
     try:
         yield
     except (BlobsUnavailable, OSError) as exc:
@@ -43,8 +38,6 @@ async def _guarded_chunks(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 @dataclass(slots=True, frozen=True)
 class Guarded:
-    """A `Blobs` whose unavailability is the API's `StoreUnavailable` (see the module's docstring)."""
-
     blobs: Blobs
 
     async def get(self, name: str) -> bytes | None:

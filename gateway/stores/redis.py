@@ -1,9 +1,5 @@
-"""One Redis connection pool per Redis address for the whole process: the response cache, the
-stored responses and the shared limits (`tenancy.quota`) each get a client over it, where each
-made its own pool before. Each user keeps its own bound on a call (`Client.bounded`: the cache
-gives up after `cache.redis_timeout_s`, the limits after `limits.redis_timeout_s`); the pool's
-sockets time out at the longest of them. No retries: a user that gives up serves without Redis
-(uncached, counted in process) rather than wait."""
+"""One Redis connection pool per address for the whole process; each user (cache, stored responses, limits) bounds its
+own calls. No retries: a user that gives up serves without Redis."""
 
 from __future__ import annotations
 
@@ -20,18 +16,13 @@ ERRORS = (redis.RedisError, OSError, TimeoutError)  # what a Redis that is down 
 
 
 class Client:
-    """A user's client over the shared pool, with the user's bound on each call."""
-
     def __init__(self, redis_client: redis.Redis, timeout_s: float) -> None:
         self.redis = redis_client
         self.timeout_s = timeout_s
 
     async def bounded(self, call: Awaitable[T]) -> T:
-        """`call`, given up after the user's timeout (TimeoutError). A cancel of the caller that came
-        during the call is raised even when redis-py lost it: it sends each command under
-        `asyncio.wait_for`, which on Python 3.11 returns, the cancel swallowed, when it is cancelled
-        just after the send completed. A task that runs until it is cancelled (the batch runner's
-        watch of a lease) would otherwise go on for ever, and whatever waits for it."""
+        """`call`, given up after the user's timeout. A cancel that redis-py swallowed (its `asyncio.wait_for` on
+        Python 3.11 can return after a cancel) is raised, so a task cancelled mid-call still ends."""
         task = asyncio.current_task()
         cancels = task.cancelling() if task is not None else 0
         async with asyncio.timeout(self.timeout_s):

@@ -1,18 +1,5 @@
-"""The Responses API's store: stored responses and the input items each took, so that
-`GET /v1/responses/{id}`, its input items and `previous_response_id` work on any replica.
-
-It lives in the response cache's backend: Redis when the cache is configured with Redis (shared
-by replicas), in memory otherwise (an LRU bounded like the cache), both with their own TTL
-(`cache.store_ttl_s`). Every response has an owner (the tenant of the key that made it) and is
-reached only through its owner's view (`ResponseStore.of`): another owner's id is a 404 exactly as
-an unknown one, and nothing is read, cancelled or deleted before that check.
-
-Unlike the cache, a store that cannot be read is an error (503), not a miss: a follow-up must not
-quietly lose its conversation. A failed write is logged and counted, and the answer still served.
-
-Background responses running in this process are tracked by (owner, id), so an owner's cancel or
-delete reaches them; one running on another replica sees its cancel in the store at its next check.
-"""
+"""The Responses API's store: stored responses and their input items in the cache's backend (Redis or memory), reached
+only through their owner's view, plus the background runs of this process."""
 
 from __future__ import annotations
 
@@ -28,7 +15,7 @@ from pydantic import BaseModel
 from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
 from gateway.protocol.responses import Item, Response
 from gateway.settings import CacheSettings
-from gateway.stores.cache import MemoryCache
+from gateway.stores.cache import CacheBackend, MemoryCache
 from gateway.stores.redis import ERRORS, RedisPools
 from gateway.telemetry import metrics
 
@@ -40,14 +27,8 @@ class StoredResponse(BaseModel):
     input_items: list[Item]  # everything the model read: earlier turns first, then this request's input
 
 
-class StoreBackend(Protocol):
-    async def get(self, key: str) -> bytes | None: ...
-
-    async def set(self, key: str, value: bytes) -> None: ...
-
+class StoreBackend(CacheBackend, Protocol):
     async def delete(self, key: str) -> bool: ...
-
-    async def aclose(self) -> None: ...
 
 
 class MemoryStore(MemoryCache):
@@ -59,8 +40,6 @@ class MemoryStore(MemoryCache):
 
 
 class RedisStore:
-    """Redis, raising on failure (the store's callers decide what a failure means)."""
-
     def __init__(self, pools: RedisPools, url: str, prefix: str, ttl_s: float, timeout_s: float) -> None:
         self._client = pools.client(url, timeout_s)
         self.prefix, self.ttl_s = prefix, ttl_s
@@ -89,8 +68,6 @@ def make_store_backend(settings: CacheSettings, pools: RedisPools) -> StoreBacke
 
 @dataclass(slots=True)
 class BackgroundRun:
-    """A background response generating in this process: its stream, played to nobody."""
-
     task: asyncio.Task[None]
     hang_up: asyncio.Event  # set: the stream ends as if its client had left (the engine request is aborted)
     cancelled: Callable[[], Awaitable[Response]]  # stores the response as it stands, cancelled, and returns it
@@ -112,10 +89,6 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class ResponseStore:
-    """Every stored response has an owner (the tenant that made it), and the only way to one is
-    through its owner's view (`of`): no code path reaches a response, or the background run
-    making it, without naming whose it is. Another owner's id is exactly an unknown id."""
-
     backend: StoreBackend
     running: dict[tuple[str, str], BackgroundRun] = field(default_factory=dict)
 
@@ -129,7 +102,8 @@ class ResponseStore:
 
 @dataclass(slots=True, frozen=True)
 class OwnedResponses:
-    """One owner's stored responses and background runs."""
+    """One owner's stored responses and background runs; another owner's id is an unknown id. Unlike the cache, a read
+    that fails is a 503, not a miss (a follow-up must not lose its conversation); a failed write is only logged."""
 
     store: ResponseStore
     owner: str
@@ -153,7 +127,6 @@ class OwnedResponses:
             _failed("set", exc)
 
     async def delete(self, response_id: str) -> None:
-        """Delete a response, first stopping its background run if it is this owner's and running here."""
         await self.get(response_id)  # none of this owner's: 404 before anything is touched
         run = self.store.running.get((self.owner, response_id))
         if run is not None:
@@ -162,8 +135,8 @@ class OwnedResponses:
             raise not_found(response_id)
 
     async def cancel(self, response_id: str) -> Response:
-        """Stop a background response: here if it runs here; on another replica it reads the
-        cancel from the store at its next check. A finished one is returned as it is."""
+        """Stop a background response: here if it runs here; on another replica it reads the cancel from the store at
+        its next check."""
         stored = await self.get(response_id)
         if not stored.response.background:
             raise InvalidRequest("Only responses created with background set to true can be cancelled", "response_id")
@@ -177,13 +150,11 @@ class OwnedResponses:
         return cancelled
 
     def track(self, response_id: str, run: BackgroundRun) -> None:
-        """A background run of this owner's, running here until its task ends."""
         key = (self.owner, response_id)
         self.store.running[key] = run
         run.task.add_done_callback(lambda _: self.store.running.pop(key, None))
 
     async def _needed(self, operation: str, call: Awaitable[T]) -> T:
-        """A store call whose failure the client must hear of: 503 (a put's failure is only logged)."""
         try:
             return await call
         except ERRORS as exc:

@@ -1,10 +1,5 @@
-"""The batch lane's local spool: files on this machine's disk that an upload, a copy between the two
-stores or a rewrite is written to before it is handed to the store whole (`Blobs.put_file`). It is
-local for every backend (`files.dir/.spool` and `batches.dir/.spool`: for the disk backend the same
-disk as the store, so handing a file over is a rename), and what is in it is never read by another
-process: a file left by a crash is only litter.
-
-A disk that fails here is the store being unavailable (`StoreUnavailable`, `stores.guarded`)."""
+"""The batch lane's local spool: an upload, copy or rewrite is written here before it is handed whole to the store (on
+the disk backend, the same disk, so the hand-over is a rename)."""
 
 from __future__ import annotations
 
@@ -21,9 +16,6 @@ from gateway.stores.guarded import unavailable
 
 
 class Staged:
-    """A file being received in the spool: written chunk by chunk, then handed to a store (which
-    takes it: nothing is left under its name) or discarded."""
-
     def __init__(self, path: Path) -> None:
         self.path = path
         self.size = 0
@@ -42,7 +34,6 @@ class Staged:
                 await asyncio.to_thread(file.close)
 
     async def discard(self) -> None:
-        """Remove it, unless a store took it (then there is nothing left under its name)."""
         await self.close()
         with contextlib.suppress(FileNotFoundError):
             await asyncio.to_thread(self.path.unlink)
@@ -50,8 +41,6 @@ class Staged:
 
 @dataclass(slots=True, frozen=True)
 class Spool:
-    """A local directory of staged files (made when first needed)."""
-
     directory: Path
 
     @classmethod
@@ -59,7 +48,6 @@ class Spool:
         return cls(directory.expanduser())
 
     async def stage(self, kind: str = "upload") -> Staged:
-        """A new, empty staged file."""
         def make() -> Staged:
             self.directory.mkdir(parents=True, exist_ok=True)
             return Staged(self.directory / f"{kind}-{secrets.token_hex(16)}")
@@ -68,7 +56,6 @@ class Spool:
             return await asyncio.to_thread(make)
 
     async def fill(self, chunks: AsyncIterator[bytes], kind: str = "copy") -> Staged:
-        """A staged file holding these chunks, closed (discarded if they fail)."""
         staged = await self.stage(kind)
         try:
             async for chunk in chunks:
@@ -80,7 +67,6 @@ class Spool:
         return staged
 
     async def head(self, path: Path, size: int) -> Staged:
-        """A staged file holding the first `size` bytes of the local file `path`, closed."""
         staged = await self.stage("head")
         await staged.close()
 
@@ -100,8 +86,6 @@ class Spool:
 
 @dataclass(slots=True)
 class _Limited:
-    """A file read no further than `left` bytes."""
-
     file: BinaryIO
     left: int
 

@@ -1,16 +1,5 @@
-"""Log set-up (structlog): JSON lines in production, readable lines in development, one handler
-for our lines, uvicorn's and the libraries' alike. The access line is `middleware.access_log`'s.
-
-The access line, one per request, skips the standard library's logging: it is rendered by the same
-processors and written to the same handler's stream (under the handler's lock, one line per write),
-without a `LogRecord`, a caller lookup and a formatter hop on the way, which cost about a sixth of a
-small request's CPU on the echo engine. In JSON, it skips structlog's processor chain too
-(`_JsonAccessLine`): the same line, built in one step (tests/unit/test_logs.py compares the two).
-
-Tracebacks never show local variables, in either format: a frame's locals hold the request's
-headers (its API key) and its prompt, which `log_prompts` keeps out of the log. JSON lines carry
-the traceback as structured data (`exception`: frames and exception types), console lines as text.
-"""
+"""Log set-up (structlog): JSON lines in production, readable lines in development, one handler for ours, uvicorn's
+and the libraries' lines; and the access line's fast writer."""
 
 from __future__ import annotations
 
@@ -28,13 +17,12 @@ _access: Any = structlog.get_logger("gateway.access")  # until `configure`: the 
 
 
 def access_logger() -> Any:
-    """The access line's logger (`middleware.access_log`)."""
+    """The access line's logger: rendered by the same processors but written straight to the handler's stream, without
+    a `LogRecord`, caller lookup and formatter hop."""
     return _access
 
 
 class _HandlerLines:
-    """A structlog logger writing each rendered line to a logging handler's stream."""
-
     def __init__(self, handler: logging.StreamHandler[Any]) -> None:
         self._handler = handler
 
@@ -51,11 +39,9 @@ class _HandlerLines:
 
 
 class _JsonAccessLine:
-    """The access line in JSON as structlog's chain for it renders it (`configure`: merge the
-    contextvars, add the level, stamp the time in ISO UTC, render JSON), in one call instead of a
-    bound logger, its filtering and five processors: the fields in the order given, then `event`,
-    then the bound contextvars (never over a field), `level` and `timestamp`. Only the access
-    line's calls (`info`, no positional arguments, no exception) are needed here."""
+    """The access line in JSON exactly as structlog's chain renders it (tests/unit/test_logs.py compares the two),
+    built in one call: the fields in order, then `event`, the bound contextvars (never over a field), `level` and
+    `timestamp`. Only the access line's calls are supported."""
 
     def __init__(self, lines: _HandlerLines, level: int) -> None:
         self._lines = lines
@@ -77,19 +63,19 @@ MAX_FRAMES = 50
 
 
 def renderer(fmt: str, colors: bool) -> list[Any]:
-    """The last processors of a line: exception rendering, then the format."""
+    """The last processors of a line: exception rendering (never with local variables, which hold keys and prompts),
+    then the format."""
     if fmt == "json":
         tracebacks = structlog.processors.ExceptionRenderer(
             ExceptionDictTransformer(show_locals=False, max_frames=MAX_FRAMES)
         )
         return [tracebacks, structlog.processors.JSONRenderer(serializer=_json)]
-    # plain text: a rich traceback (even without locals) took 2-6 ms of the event loop here, plain 0.1 ms
+    # plain text: a rich traceback (even without locals) blocks the event loop far longer than a plain one
     return [structlog.dev.ConsoleRenderer(colors=colors, exception_formatter=structlog.dev.plain_traceback)]
 
 
 def _json(value: Any, **kwargs: Any) -> str:
-    """orjson for the log lines (the stdlib's json was ~4% of a request's CPU under load); the
-    stdlib's for what orjson refuses (integers past 64 bits, keys that are not strings)."""
+    """orjson for the log lines; the stdlib's for what orjson refuses (integers past 64 bits, non-string keys)."""
     try:
         return orjson.dumps(value, default=str).decode()
     except TypeError:
@@ -97,7 +83,6 @@ def _json(value: Any, **kwargs: Any) -> str:
 
 
 def shared_processors() -> list[Any]:
-    """The first processors of every line: the bound contextvars, the level, the time."""
     return [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,

@@ -1,27 +1,6 @@
-"""The router's page (`GET /metrics/router`): the pod's load as an endpoint picker reads it, and
-nothing else.
-
-An endpoint picker (llm-d's router, the Gateway API Inference Extension's EPP) scrapes every pod
-of its pool every 50 to 100 ms and reads five of vLLM's series; where a family has several series it
-takes one of them (the first, or for LoRA the newest), so a pod serving two models on /metrics
-would be judged by one model's numbers. Here each family has exactly one series, the pod's:
-
-- `vllm:num_requests_waiting`: the engines' queues plus the requests waiting in the gateway's
-  admission queues, of all models (a request the gateway holds back is queued as surely as one
-  vLLM holds back);
-- `vllm:num_requests_running`: the engines' running batches, added up;
-- `vllm:kv_cache_usage_perc`: the fullest embedded engine's KV cache (the max, not the mean: the
-  picker cannot tell which model a pod's full engine serves, and a mean would hide it);
-- `vllm:cache_config_info{block_size, num_gpu_blocks}`: the smallest block size of the engines
-  and their blocks added up (the prefix-cache scorer sizes its per-pod index with them);
-- `vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}`: the engines'
-  adapters (union) and slots (sum), valued with the time as vLLM's is.
-
-It is formatted by hand from the engines' `EngineLoad` (kept current by the engines as they step)
-and the admission queues' counters: no registry collect. Measured (2026-12, this machine's CPU):
-3.5 us a page; 44 us of CPU a request through the whole app (`python -m benchmarks.app_cost
---scenario router-page`), against 235 us for /metrics on the echo engine (more with vLLM's series).
-"""
+"""The router's page (`GET /metrics/router`): the pod's load as an endpoint picker (llm-d, the Gateway API Inference
+Extension) reads it. A picker takes one series of a family, so each family here has exactly one, the pod's,
+formatted by hand from the engines' loads and the admission counters."""
 
 from __future__ import annotations
 
@@ -59,7 +38,8 @@ _TEMPLATE = (
 
 
 def page(loads: Iterable[EngineLoad], admission_waiting: int, now: float | None = None) -> bytes:
-    """The exposition for the embedded engines' `loads` and the requests waiting for admission."""
+    """The exposition: waiting counts the engines' queues plus the gateway's admission queues; KV cache usage is the
+    fullest engine's (a mean would hide a full one); block size the smallest, blocks and LoRA slots summed."""
     running = waiting = blocks = max_lora = 0
     kv = 0.0
     block_size = 0
@@ -89,7 +69,6 @@ def page(loads: Iterable[EngineLoad], admission_waiting: int, now: float | None 
 
 
 def _names(adapters: set[str]) -> str:
-    """A label value: the adapters' names, comma-separated, escaped as the text format wants."""
     if not adapters:
         return ""
     joined = ",".join(sorted(adapters))

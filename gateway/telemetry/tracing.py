@@ -1,28 +1,13 @@
-"""OpenTelemetry traces: the provider the app factory makes when `tracing.otlp_endpoint` is set
-(`Tracing`), and one request's trace (`RequestTrace`), which the tracing middleware opens and puts
-in the request's record, where every stage that costs time finds it (`stage`, `RequestTrace.start`).
-
-With tracing off there is no provider, no middleware and no `RequestTrace`: a stage costs one
-check of `record.trace`, which is None.
-
-The server span follows the OpenTelemetry GenAI semantic conventions: `gen_ai.operation.name`,
-`gen_ai.request.model` and the request's sampling parameters, `gen_ai.response.model` (the model
-that answered), `gen_ai.usage.input_tokens` / `output_tokens` and
-`gen_ai.response.finish_reasons`; prompt and output text (`gen_ai.input.messages`,
-`gen_ai.output.messages`) only when `log_prompts` is on. Its children: `gateway.prepare` (chat
-template, tokens, input guards), `gateway.guards.moderation`, `gateway.cache.lookup`,
-`gateway.admission.wait` (only when the request queued), `engine.first_token` (queue and prefill), `engine.decode`, and
-`upstream.request` (a remote model; its traceparent goes on with the request).
-
-The gateway's provider is its own and is not installed as OpenTelemetry's global one: vLLM's
-front end installs a global provider of its own when it exports spans (`tracing.engine_spans`).
-"""
+"""OpenTelemetry traces after the GenAI semantic conventions: the gateway's own provider (never installed as the
+global one: vLLM installs its own) and one request's trace. With tracing off there is no `RequestTrace`: a stage
+costs one check of `record.trace`."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -64,9 +49,8 @@ PARAMETERS = (
 
 
 class Tracing:
-    """The gateway's tracer provider: spans sampled by trace id (`sample_ratio`; a caller's
-    traceparent decides for its own trace), batched and exported over OTLP/HTTP. `exporter`: another
-    exporter (tests pass the SDK's InMemorySpanExporter), exported span by span."""
+    """The gateway's tracer provider: spans sampled by trace id (a caller's traceparent decides for its own trace),
+    batched and exported over OTLP/HTTP. `exporter`: another exporter (tests), exported span by span."""
 
     def __init__(self, settings: TracingSettings, exporter: SpanExporter | None = None) -> None:
         resource = Resource.create({"service.name": settings.service_name})
@@ -81,12 +65,10 @@ class Tracing:
         self.tracer: Tracer = self.provider.get_tracer(SCOPE_NAME)
 
     def shutdown(self) -> None:
-        """The spans still batched are exported (within the export timeout), then nothing more."""
         self.provider.shutdown()
 
 
 def continued(headers: Iterable[tuple[bytes, bytes]]) -> otel_context.Context:
-    """The caller's trace, from its `traceparent` and `tracestate` headers (a new trace without)."""
     carrier = {}
     for key, value in headers:
         if key in (b"traceparent", b"tracestate"):
@@ -95,16 +77,13 @@ def continued(headers: Iterable[tuple[bytes, bytes]]) -> otel_context.Context:
 
 
 def headers_of(span: Span) -> dict[str, str]:
-    """`traceparent` (and `tracestate`) naming `span` as the parent: for a remote upstream, the engine."""
+    """`traceparent` (and `tracestate`) naming `span` as the parent: for a remote upstream."""
     carrier: dict[str, str] = {}
     PROPAGATOR.inject(carrier, context=set_span_in_context(span))
     return carrier
 
 
 class RequestTrace:
-    """One request's server span and what its end reports (finish reasons); in the request's
-    record (`telemetry.record.RequestRecord.trace`) while the request runs."""
-
     __slots__ = ("_failed", "_finish_reasons", "_overrides", "log_content", "recording", "server", "tracer")
 
     def __init__(self, tracer: Tracer, server: Span, log_content: bool = False) -> None:
@@ -119,29 +98,22 @@ class RequestTrace:
         self._failed = False
 
     def ids(self) -> dict[str, str]:
-        """The trace and server span ids in hex, as the access line and the log lines carry them."""
         span_context = self.server.get_span_context()
         return {"trace_id": f"{span_context.trace_id:032x}", "span_id": f"{span_context.span_id:016x}"}
 
     def start(self, name: str, kind: SpanKind = SpanKind.INTERNAL, attributes: Mapping[str, Any] | None = None) -> Span:
-        """A child span of the current one, not made current: for a stage that spans the yields of
-        a stream, ended by its owner (`span.end()`). Not sampled: the server span itself (its
-        traceparent passed on; ending it there changes nothing, the tracing middleware ends it)."""
+        """A child span not made current, for a stage that spans a stream's yields, ended by its owner. Not sampled:
+        the server span itself, which the tracing middleware ends."""
         if not self.recording:
             return NonRecordingSpan(self.server.get_span_context())  # its end() does nothing
         return self.tracer.start_span(name, kind=kind, attributes=attributes)
 
-    @contextlib.contextmanager
-    def stage(self, name: str, kind: SpanKind = SpanKind.INTERNAL, **attributes: Any) -> Iterator[Span]:
-        """A child span, current while the block runs; an exception leaving the block is recorded."""
-        with self.tracer.start_as_current_span(name, kind=kind, attributes=attributes or None) as span:
-            yield span
-
-    # --- what the request is and what it answered -----------------------------------------------
+    def stage(self, name: str, kind: SpanKind = SpanKind.INTERNAL, **attributes: Any) -> AbstractContextManager[Span]:
+        return self.tracer.start_as_current_span(name, kind=kind, attributes=attributes or None)
 
     def request(self, route: str, model: str, body: object) -> None:
-        """The request's operation, model and sampling parameters, once parsed; the span is renamed
-        `{operation} {model}` as the conventions name an inference span."""
+        """The request's operation, model and sampling parameters; the span renamed `{operation} {model}` as the
+        conventions name an inference span."""
         if not self.recording:
             return
         operation = OPERATIONS.get(route, "chat")
@@ -152,24 +124,20 @@ class RequestTrace:
         span.set_attributes(parameters(body))
 
     def finished(self, reasons: Iterable[str | None]) -> None:
-        """The finish reasons of one generation's choices (a request of several prompts has several)."""
         self._finish_reasons.extend(reason or "stop" for reason in reasons)
 
     def finished_as(self, index: int, reason: str | None) -> None:
-        """A choice's finish reason as the answer says it (chat's tool_calls), over the engine's."""
         if reason is not None:
             self._overrides[index] = reason
 
     def failed(self, error_type: str, exc: BaseException) -> None:
-        """A server error the API answered (it raised no further), or a stream's failure after its
-        first byte: the exception recorded, the span's status and error.type."""
+        """A server error the API answered, or a stream's failure after its first byte: recorded on the span."""
         self._failed = True
         self.server.record_exception(exc)
         self.server.set_attribute("error.type", error_type)
         self.server.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}"))
 
     def end(self, record: Any) -> None:
-        """The request's record (`telemetry.record.RequestRecord`) reported on the server span, ended."""
         span = self.server
         if span.is_recording():
             span.set_attributes(_answered(record, self._reasons()))
@@ -192,7 +160,6 @@ class RequestTrace:
 
 
 def parameters(body: object) -> dict[str, Any]:
-    """The request's sampling parameters it sent, as gen_ai.request.* attributes."""
     attributes: dict[str, Any] = {}
     for field, attribute in PARAMETERS:
         value = getattr(body, field, None)
@@ -207,30 +174,22 @@ def parameters(body: object) -> dict[str, Any]:
 
 
 def _answered(record: Any, reasons: list[str]) -> dict[str, Any]:
-    attributes: dict[str, Any] = {"http.response.status_code": record.status or 500}
-    if record.version is not None:
-        attributes["gen_ai.response.model"] = record.version
-    if record.prompt_tokens is not None:
-        attributes["gen_ai.usage.input_tokens"] = record.prompt_tokens
-    if record.completion_tokens is not None:
-        attributes["gen_ai.usage.output_tokens"] = record.completion_tokens
-    if reasons:
-        attributes["gen_ai.response.finish_reasons"] = reasons
-    if record.cache is not None:
-        attributes["gateway.cache"] = record.cache
-    if record.api_key_id is not None:
-        attributes["gateway.api_key_id"] = record.api_key_id
-    if record.guards:
-        attributes["gateway.guards"] = list(record.guards)
-    if record.disconnected:
-        attributes["gateway.client_disconnected"] = True
-    if record.ttft_s is not None:
-        attributes["gateway.ttft_s"] = record.ttft_s
-    return attributes
+    attributes = {
+        "http.response.status_code": record.status or 500,
+        "gen_ai.response.model": record.version,
+        "gen_ai.usage.input_tokens": record.prompt_tokens,
+        "gen_ai.usage.output_tokens": record.completion_tokens,
+        "gen_ai.response.finish_reasons": reasons or None,
+        "gateway.cache": record.cache,
+        "gateway.api_key_id": record.api_key_id,
+        "gateway.guards": list(record.guards) if record.guards else None,
+        "gateway.client_disconnected": True if record.disconnected else None,
+        "gateway.ttft_s": record.ttft_s,
+    }
+    return {name: value for name, value in attributes.items() if value is not None}
 
 
 def _content(record: Any, reasons: list[str]) -> dict[str, str]:
-    """Prompt and outputs in the conventions' message shape (only with `log_prompts`)."""
     content = {}
     if record.prompt is not None:
         messages = [{"role": "user", "parts": [{"type": "text", "content": record.prompt}]}]
@@ -249,6 +208,5 @@ _UNTRACED: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
 def stage(trace: RequestTrace | None, name: str, **attributes: Any) -> contextlib.AbstractContextManager[Span | None]:
-    """`trace.stage(name)`, or nothing (one shared null context) when the request is not traced."""
     return _UNTRACED if trace is None or not trace.recording else trace.stage(name, **attributes)
 

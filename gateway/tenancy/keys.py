@@ -1,36 +1,5 @@
-"""Who is asking: the one decision, from a request's headers and address to an `Identity` or a
-refusal (`Authenticator.identify`), without a web framework (`middleware.auth` calls it).
-
-A key on every route but the open ones, as `Authorization: Bearer` (OpenAI's clients) or
-`x-api-key` (Anthropic's). Keys come from settings and are kept only as SHA-256 hashes; a
-presented key is hashed and compared with every stored hash in constant time. Exactly one
-credential is taken: two different keys (in `Authorization` and `x-api-key`, or one header
-twice), in whatever order, are a 401; the same key sent twice is one credential.
-
-Unknown keys are throttled per client address (`auth_failures_per_minute`): past the limit, an
-unknown key from that address is refused with 429 until its bucket refills, which bounds what a
-flood of wrong keys costs. A known key is never refused by the throttle (it is looked up first),
-so one client sending bad keys cannot lock out the tenants that share its address behind a load
-balancer. The client's address is the peer's, or, when the peer is a trusted proxy
-(`forwarded_allow_ips`), the one the proxy names in `X-Forwarded-For` (or RFC 7239 `Forwarded`,
-`forwarded_header`): `TrustedProxies.client`, the one decision.
-
-Each key has two names, neither of them the key: its *id*, a keyed hash (HMAC-SHA-256 with
-`key_id_secret`, a random one per process when unset) that goes into logs and rate limits, and
-its *tenant*, stable across processes, that scopes the response cache, stored responses and
-sticky A/B splits and is never logged. Keys come from the keys file too (`tenancy.tenants`,
-whose keys are named by their id there). Work kept on disk for a key (a batch) is run as that key
-only while a key still answers to its identity (`Authenticator.reidentify`, by the tenant: stable
-where the id is not), decided here as every request's identity is.
-
-Without keys nothing proves that a request comes from a client and not from a web page the
-client has open: a POST must then declare a JSON body (`Content-Type: application/json`), which
-a page cannot send to another site without that site's CORS consent; anything else is a 415
-(a POST without a body, such as a cancel, declares nothing). An upload route takes
-`multipart/form-data` instead, which a page's form *can* send cross-site: there the request must
-also carry an `Authorization` or `x-api-key` header (any value: the SDKs always send one), which
-a page cannot add to a cross-site request without that site's consent either.
-"""
+"""Who is asking: from a request's headers and address to an `Identity` or a refusal (`Authenticator.identify`),
+without a web framework."""
 
 from __future__ import annotations
 
@@ -80,7 +49,6 @@ class KeyRing:
         return bool(self._hashes)
 
     def identify(self, presented: str) -> Identity | None:
-        """The key's names, or None for an unknown key."""
         digest = hashlib.sha256(presented.encode()).digest()
         found = None
         for stored in self._hashes:  # no early exit: the time taken does not depend on which key
@@ -89,7 +57,6 @@ class KeyRing:
         return None if found is None else self._identities[found]
 
     def by_tenant(self, tenant: str) -> Identity | None:
-        """The key whose tenant this is (stable across processes), with its id in this process."""
         return self._by_tenant.get(tenant)
 
 
@@ -98,13 +65,13 @@ def _key_id(digest: bytes, secret: bytes) -> str:
 
 
 def key_id(key: str, secret: str) -> str:
-    """The id logs and the guards file name a key by, with `key_id_secret` set to `secret`."""
+    """The id logs and the guards file name a key by (HMAC with `key_id_secret`), never the key."""
     return _key_id(hashlib.sha256(key.encode()).digest(), secret.encode())
 
 
 class AttemptThrottle:
-    """Failed key attempts per client address: a token bucket each (`per_minute`), at most
-    `max_addresses` remembered (the least recently failing forgotten first)."""
+    """Failed key attempts per client address, a token bucket each, at most `max_addresses` remembered. Known keys are
+    looked up first, so one client sending bad keys cannot lock out tenants sharing its address."""
 
     def __init__(self, per_minute: int, max_addresses: int = 10_000) -> None:
         self.per_minute = per_minute
@@ -112,7 +79,6 @@ class AttemptThrottle:
         self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
 
     def wait_s(self, address: str) -> float:
-        """Seconds until `address` may try again (0: now)."""
         bucket = self._buckets.get(address)
         return 0.0 if bucket is None else bucket.wait_for(1)
 
@@ -129,26 +95,24 @@ def header_values(headers: Headers, name: bytes) -> list[bytes]:
 
 
 def _has_body(headers: Headers) -> bool:
-    """Whether the request sends a body (a POST without one, e.g. a cancel, declares no type)."""
     length = header_values(headers, b"content-length")
     return bool(header_values(headers, b"transfer-encoding")) or any(value.strip() != b"0" for value in length)
 
 
-def _declares_json(headers: Headers) -> bool:
+def _declares(headers: Headers, media_type: bytes) -> bool:
     values = header_values(headers, b"content-type")
-    return len(values) == 1 and values[0].split(b";")[0].strip().lower() == b"application/json"
+    return len(values) == 1 and values[0].split(b";")[0].strip().lower() == media_type
 
 
 def _declares_upload(headers: Headers) -> bool:
-    """A multipart form with a credential header (see the module's docstring: no cross-site form)."""
-    values = header_values(headers, b"content-type")
-    form = len(values) == 1 and values[0].split(b";")[0].strip().lower() == b"multipart/form-data"
-    return form and bool(header_values(headers, b"authorization") or header_values(headers, b"x-api-key"))
+    """A multipart form with a credential header: a web page cannot add one to a cross-site form."""
+    credential = header_values(headers, b"authorization") or header_values(headers, b"x-api-key")
+    return _declares(headers, b"multipart/form-data") and bool(credential)
 
 
 def presented_keys(headers: Headers) -> set[str]:
-    """The different keys a request presents: each `Authorization` header's Bearer token (OpenAI's
-    clients; any other scheme counts as a wrong key, "") and each `x-api-key` (Anthropic's)."""
+    """The different keys a request presents (each Bearer token, any other scheme as "", and each `x-api-key`): two
+    different ones are a 401."""
     keys = set()
     for value in header_values(headers, b"authorization"):
         scheme, _, token = value.decode("latin-1").partition(" ")
@@ -162,9 +126,8 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class TrustedProxies:
-    """Which peers may name the client (`forwarded_allow_ips`: addresses or networks, comma
-    separated, `*` for any), and by which header. The client is the nearest hop that is not a
-    trusted proxy, read from the right, where each proxy appends the address it saw."""
+    """Which peers may name the client, and by which header. The client is the nearest hop that is not a trusted
+    proxy, read from the right."""
 
     def __init__(self, spec: str = "", header: ForwardedHeader = "x-forwarded-for") -> None:
         entries = [entry.strip() for entry in spec.split(",") if entry.strip()]
@@ -193,14 +156,13 @@ class TrustedProxies:
 
 
 def _x_forwarded_for(headers: Headers) -> list[str]:
-    """Each hop of `X-Forwarded-For` headers, without brackets or port (some balancers, Azure's
-    among them, write `192.0.2.1:51234`: a port per connection would make each one a new client)."""
+    """Each hop of `X-Forwarded-For`, without brackets or port (some balancers add a port per connection, which would
+    make each one a new client)."""
     values = b",".join(header_values(headers, b"x-forwarded-for")).decode("latin-1")
     return [_node(hop.strip()) for hop in values.split(",") if hop.strip()]
 
 
 def _forwarded_for(headers: Headers) -> list[str]:
-    """The `for=` of each element of RFC 7239 `Forwarded` headers, without quotes, brackets or port."""
     hops = []
     for element in b",".join(header_values(headers, b"forwarded")).decode("latin-1").split(","):
         for pair in element.split(";"):
@@ -219,7 +181,8 @@ def _node(value: str) -> str:
 
 
 class Authenticator:
-    """Settings keys (`keys`), the keys file's (`tenants`) and the failed-attempt throttle."""
+    """Settings keys, the keys file's keys, and the failed-attempt throttle. Without keys, a POST must declare JSON
+    (or be a credentialed upload), which a web page cannot send cross-site."""
 
     def __init__(
         self, keys: KeyRing, throttle: AttemptThrottle, tenants: Tenants | None = None,
@@ -231,10 +194,10 @@ class Authenticator:
         self.proxies = proxies or TrustedProxies()
 
     def identify(self, method: str, headers: Headers, peer: str, upload: bool = False) -> Identity:
-        """The request's identity, or the `APIError` that refuses it. `upload`: the route takes a
-        multipart form (the route table's `upload`), not JSON."""
+        """`upload`: the route takes a multipart form."""
         if not self.keys.enabled and not (self.tenants and self.tenants.enabled):
-            if method == "POST" and _has_body(headers) and not (_declares_upload if upload else _declares_json)(headers):
+            declared = _declares_upload(headers) if upload else _declares(headers, b"application/json")
+            if method == "POST" and _has_body(headers) and not declared:
                 raise UnsupportedMediaType(
                     "Send the upload as multipart/form-data, with an 'Authorization' header." if upload
                     else "Send the request body as JSON, with 'Content-Type: application/json'."
@@ -255,10 +218,8 @@ class Authenticator:
         return identity
 
     def reidentify(self, stored: Identity) -> Identity | None:
-        """Who an identity kept on disk (a batch's creator) is now: the same key, with the id this
-        process gives it, or None when no key answers to it any longer (its key removed from the keys
-        file or the settings, or keys turned on or off since: an anonymous batch is nobody's once keys
-        are on, and never the key the keys file happens to name `anonymous`)."""
+        """Who an identity kept on disk (a batch's creator) is now, looked up by tenant (stable where the id is not);
+        None when no key answers to it any longer."""
         keyed = self.keys.enabled or bool(self.tenants and self.tenants.enabled)
         if not keyed:
             return NOBODY if stored == NOBODY else None
@@ -267,7 +228,6 @@ class Authenticator:
         return self.keys.by_tenant(stored.tenant)
 
     def _failed(self, peer: str, headers: Headers) -> None:
-        """Count an unknown key against its client's address; past the limit, 429 instead of 401."""
         address = self.proxies.client(peer, headers)
         wait = self.throttle.wait_s(address)
         if wait > 0:
@@ -279,7 +239,6 @@ class Authenticator:
         self.throttle.failed(address)
 
     def _lookup(self, presented: str) -> Identity | None:
-        """None for "" (no Bearer token); a keys-file key by the id the file gives it (its tenant the same, stable), else a settings key."""
         if not presented:
             return None
         file_id = self.tenants.identify(presented) if self.tenants and self.tenants.enabled else None
@@ -294,8 +253,7 @@ def _file_tenant(key_id: str) -> str:
 
 
 def authenticator_of(settings: Settings, tenants: Tenants) -> Authenticator:
-    """The API keys' authenticator: one per process, shared by the auth layer and the batch runner,
-    so that both name a key by the same id."""
+    """One per process, shared by the auth layer and the batch runner, so both name a key by the same id."""
     return Authenticator(
         KeyRing(settings.api_keys, settings.key_id_secret), AttemptThrottle(settings.auth_failures_per_minute), tenants,
         TrustedProxies(settings.forwarded_allow_ips, settings.forwarded_header),

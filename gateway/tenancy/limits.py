@@ -1,6 +1,4 @@
-"""Token buckets (refilled continuously, `capacity` a minute) and OpenAI's duration format for
-reset headers: what the per-key limits count with in process (`gateway.tenancy.quota`, which also keeps the
-same bucket in Redis for every replica)."""
+"""Token buckets and OpenAI's reset duration format, as the per-key limits count in process."""
 
 from __future__ import annotations
 
@@ -37,11 +35,6 @@ class TokenBucket:
         self.tokens -= amount
         return True
 
-    def reset_after(self) -> float:
-        """Seconds until the bucket is full again."""
-        return (self.capacity - self.tokens) * 60.0 / self.capacity
-
     def wait_for(self, amount: float) -> float:
-        """Seconds until `amount` can be taken."""
         self._refill(time.monotonic())
         return max(0.0, (amount - self.tokens) * 60.0 / self.capacity)

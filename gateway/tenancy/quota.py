@@ -1,28 +1,5 @@
-"""Rate limits and token budgets per API key, counted where every replica sees them.
-
-Per key (its `KeyPolicy`, `gateway.tenancy.tenants`):
-- token buckets for requests per minute (taken by `middleware.rate_limit` before the route runs)
-  and tokens per minute (the prompt plus the requested output budget, counted up front as OpenAI
-  does, taken by the dispatcher once the prompt is known);
-- token budgets per UTC day and month, reserved up front with the same count and settled, once the
-  answer is done, to the tokens the request really used (`Charge.settle`; a cache hit uses none).
-
-Where they are counted: with `limits.redis_url`, in Redis, each decision one Lua script (atomic:
-two replicas never both take the last token; the bucket on Redis's clock). Without Redis, or while
-it is down, in this process: each replica then counts alone, so N replicas let a key through up
-to N times. A Redis failure is logged (`limits_redis_unavailable`) and counted
-(gateway_limits_redis_errors_total; each decision made in process meanwhile in
-gateway_limits_local_decisions_total), and Redis is tried again after `redis_retry_s`.
-
-Every check adds OpenAI's x-ratelimit-* headers; a refusal also Retry-After. A spent budget is a
-429 `insufficient_quota`, with Retry-After until the period renews when the request fits a fresh
-budget, and none when it can never fit (it alone asks more than the whole budget).
-
-Why a Lua script and not the `limits` package: its strategies are windows (fixed, sliding
-counter, moving log), these limits are token buckets (continuous refill, OpenAI's reset headers),
-and in process and in Redis they must count the same way, so that degrading changes where a key
-is counted, not how.
-"""
+"""Rate limits and token budgets per API key: in Redis where every replica sees them, in process when Redis is absent
+or down."""
 
 from __future__ import annotations
 
@@ -87,8 +64,6 @@ return {0, 0}
 
 @dataclass(frozen=True, slots=True)
 class Period:
-    """One budget's current period: its counter's name, its size and when it renews."""
-
     name: str  # "day" or "month"
     counter: str
     limit: int
@@ -116,7 +91,8 @@ def periods(policy: KeyPolicy, now: datetime | None = None) -> list[Period]:
 
 
 class LocalCounts:
-    """In this process: when no Redis is configured, and while it is down."""
+    """In this process: when no Redis is configured, and while it is down. Counts the same way as the Redis scripts
+    (token buckets, not the `limits` package's windows), so degrading changes where a key is counted, not how."""
 
     def __init__(self) -> None:
         self._buckets: dict[str, TokenBucket] = {}
@@ -177,8 +153,8 @@ class RedisCounts:
 
 @dataclass(slots=True)
 class Charge:
-    """One request's tokens: what was counted up front, and where; `settle` counts its usage and
-    corrects its budgets (and, for a remote model's estimate, its tokens per minute) to what it used."""
+    """One request's tokens, counted up front (prompt plus requested output, as OpenAI does); `settle` corrects the
+    budgets to what it used."""
 
     quota: Quota
     policy: KeyPolicy
@@ -208,8 +184,6 @@ class Charge:
 
 
 class Quota:
-    """`pools`: the app's Redis pools (None: pools of its own, closed with it)."""
-
     def __init__(self, settings: LimitsSettings, pools: RedisPools | None = None) -> None:
         self.settings = settings
         self.local = LocalCounts()
@@ -226,7 +200,6 @@ class Quota:
             _report("requests", policy.rpm, 1, allowed, tokens)
 
     async def charge(self, policy: KeyPolicy, tokens: int, reconcile: bool = False) -> Charge:
-        """Budgets reserved, then tokens per minute taken: QuotaExceeded or RateLimited when they refuse."""
         if policy.tpm is not None and tokens > policy.tpm:  # waiting cannot help: a 400, no Retry-After
             metrics.labelled(metrics.RATE_LIMITED, "tokens").inc()
             raise OverTokenLimit(
@@ -278,8 +251,8 @@ class Quota:
             _refuse_budget(charge.policy, charge.periods[index - 1], charge.estimate, used)
 
     def correct(self, charge: Charge, delta: int) -> None:
-        """Budgets (and, for an estimate, tokens per minute) moved by `delta` tokens, where they were
-        counted: in process at once, in Redis off the request's path."""
+        """Budgets (and, for an estimate, tokens per minute) moved by `delta` tokens, where they were counted: in
+        process at once, in Redis off the request's path."""
         tokens = charge.reconcile and charge.policy.tpm is not None
         if charge.periods and not charge.budgets_shared:
             for period in charge.periods:
@@ -300,15 +273,13 @@ class Quota:
             self._failed("settle", exc)  # Redis counted the estimate; this correction is lost
 
     def finish(self, policy: KeyPolicy, status: int, charge: Charge | None) -> None:
-        """The end of a request (`middleware.rate_limit`): its usage counted and its charge settled,
-        unless a stream holds it (it settles when the stream ends)."""
+        """Usage counted and the charge settled, unless a stream holds it (it settles when the stream ends)."""
         if 200 <= status < 300:
             metrics.labelled(metrics.KEY_REQUESTS, policy.key_id, policy.team).inc()
         if charge is not None and not charge.held:
             charge.settle()
 
     def later(self, work: Coroutine[Any, Any, None]) -> None:
-        """Corrections run off the request's path; kept referenced until done."""
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -340,7 +311,6 @@ class Quota:
 
 
 def _report(kind: str, limit: int, amount: float, allowed: bool, tokens: float) -> None:
-    """OpenAI's x-ratelimit-* headers; a refusal with Retry-After."""
     headers = current_record().response_headers
     headers[f"x-ratelimit-limit-{kind}"] = str(limit)
     headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, int(tokens)))

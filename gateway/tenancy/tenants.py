@@ -1,28 +1,5 @@
-"""Tenants: API keys with their own settings, from the keys file (YAML), and the policy each request
-runs under.
-
-    keys:
-      team-a-batch:                       # the key's id: what logs, metrics and the guards file name
-        key_sha256: "9f86d081884c7d65..." # the key's SHA-256 in hex, quoted (printf %s "$KEY" | sha256sum)
-        # key: sk-team-a-...              # ... or the key itself (hashed when read, never kept)
-        models: [smollm2-135m-instruct, assistant@1]  # what it may use (omitted: every model)
-        rpm: 60                           # requests per minute (omitted: GATEWAY_RATE_LIMIT_RPM)
-        tpm: 20000                        # tokens per minute (omitted: GATEWAY_RATE_LIMIT_TPM)
-        budget: {day: 200000, month: 5000000}  # tokens (prompt + completion) per UTC day, month
-        guards: strict                    # a guard profile (over the guards file's `keys:`)
-        priority: low                     # high, normal (default) or low: admission and the engine order by it
-        request_priority: false           # true: a request may raise its own (service_tier, priority)
-        team: research                    # metadata: the usage metrics' `team` label
-        owner: alice@example.com
-
-`Tenants` holds the file's table: it names a presented key (`identify`, constant time over every
-stored hash), gives a key's `KeyPolicy` (keys of `GATEWAY_API_KEYS` and anonymous requests get the
-global limits and nothing else), and reloads the file in place on SIGHUP (`reload`) or when it
-changes (`poll`, from the server's main loop), as `gateway.server.tls` does the certificate. A file that
-cannot be used is refused: at start the gateway does not start; on reload the table in service
-stays (logged as `keys_reload_failed`, counted in gateway_keys_reloads_total). With a keys file,
-keys are always required, even when the file lists none.
-"""
+"""Tenants: the keys file (YAML, see docs/tenants-and-guards.md), reloaded in place, and the `KeyPolicy` each request
+runs under."""
 
 from __future__ import annotations
 
@@ -58,8 +35,7 @@ KeyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0
 Stamp = tuple[int, int, int] | None
 
 
-class KeysFileError(ValueError):
-    """The keys file cannot be used; the message says why."""
+class KeysFileError(ValueError): ...
 
 
 class Budget(BaseModel):
@@ -70,8 +46,6 @@ class Budget(BaseModel):
 
 
 class KeySpec(BaseModel):
-    """One key of the file."""
-
     model_config = ConfigDict(extra="forbid")
 
     key: SecretStr | None = None
@@ -123,9 +97,6 @@ class KeysFile(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class KeyPolicy:
-    """What one request's key may do: the limits and budgets it is counted against, the models it
-    may use, its guard profile and priority class, and its metadata (for the usage metrics)."""
-
     key_id: str
     rpm: int | None = None
     tpm: int | None = None
@@ -158,8 +129,8 @@ def read(path: Path) -> KeysFile:
 
 
 class Tenants:
-    """The keys file's table, swapped whole on reload; `rpm`/`tpm` are the global limits that keys
-    without their own (and keys of GATEWAY_API_KEYS) get."""
+    """The keys file's table, swapped whole on reload (a file that cannot be used keeps the one in service);
+    `rpm`/`tpm` are the global limits for keys without their own."""
 
     def __init__(self, path: Path | None, rpm: int | None = None, tpm: int | None = None,
                  reload_interval_s: float = 10) -> None:
@@ -194,7 +165,6 @@ class Tenants:
         return self._table.policies.get(key_id) or KeyPolicy(key_id, rpm=self.rpm, tpm=self.tpm)
 
     def known(self, key_id: str) -> bool:
-        """Whether the keys file (as last read) lists this key."""
         return key_id in self._table.policies
 
     def guard_profile(self, key_id: str) -> str | None:
@@ -203,16 +173,11 @@ class Tenants:
 
     @property
     def prioritized(self) -> bool:
-        """Whether any key has a class other than normal, or may choose its requests' priority: then
-        the engines schedule by priority (`engine.scheduling_policy: auto`)."""
+        """Whether any key has a class other than normal or may choose its requests' priority: then the engine
+        schedules by priority."""
         return any(p.priority != "normal" or p.request_priority for p in self._table.policies.values())
 
-    @property
-    def key_ids(self) -> list[str]:
-        return sorted(self._table.policies)
-
     def reload(self, reason: str) -> bool:
-        """Read the file again; False (and the table in service kept) when it cannot be used."""
         if self.path is None:
             return False
         stamp = self._file_stamp()
@@ -230,7 +195,6 @@ class Tenants:
         return True
 
     def poll(self) -> None:
-        """Reload when the file changed (checked at most every `reload_interval_s`)."""
         now = time.monotonic()
         if self.path is None or self.reload_interval_s <= 0 or now < self._next_poll:
             return
