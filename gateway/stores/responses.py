@@ -90,13 +90,17 @@ T = TypeVar("T")
 @dataclass(slots=True)
 class ResponseStore:
     backend: StoreBackend
-    running: dict[tuple[str, str], BackgroundRun] = field(default_factory=dict)
+    _runs: dict[str, dict[str, BackgroundRun]] = field(default_factory=dict)  # owner -> response id -> run
 
     def of(self, owner: str) -> OwnedResponses:
         return OwnedResponses(self, owner)
 
+    def runs_of(self, owner: str) -> dict[str, BackgroundRun]:
+        """The background runs of one owner in this process (never another owner's)."""
+        return self._runs.setdefault(owner, {})
+
     async def aclose(self) -> None:
-        await asyncio.gather(*(run.cancel() for run in list(self.running.values())))
+        await asyncio.gather(*(run.cancel() for runs in self._runs.values() for run in list(runs.values())))
         await self.backend.aclose()
 
 
@@ -128,7 +132,7 @@ class OwnedResponses:
 
     async def delete(self, response_id: str) -> None:
         await self.get(response_id)  # none of this owner's: 404 before anything is touched
-        run = self.store.running.get((self.owner, response_id))
+        run = self.store.runs_of(self.owner).get(response_id)
         if run is not None:
             await run.cancel()
         if not await self._needed("delete", self.store.backend.delete(self._key(response_id))):
@@ -142,7 +146,7 @@ class OwnedResponses:
             raise InvalidRequest("Only responses created with background set to true can be cancelled", "response_id")
         if stored.response.status not in RUNNING:
             return stored.response  # done already: cancelling again changes nothing
-        run = self.store.running.get((self.owner, response_id))
+        run = self.store.runs_of(self.owner).get(response_id)
         if run is not None:
             return await run.cancel()
         cancelled = stored.response.model_copy(update={"status": "cancelled"})
@@ -150,9 +154,9 @@ class OwnedResponses:
         return cancelled
 
     def track(self, response_id: str, run: BackgroundRun) -> None:
-        key = (self.owner, response_id)
-        self.store.running[key] = run
-        run.task.add_done_callback(lambda _: self.store.running.pop(key, None))
+        runs = self.store.runs_of(self.owner)
+        runs[response_id] = run
+        run.task.add_done_callback(lambda _: runs.pop(response_id, None))
 
     async def _needed(self, operation: str, call: Awaitable[T]) -> T:
         try:

@@ -116,4 +116,4 @@ async def test_the_store_is_reached_only_through_an_owner() -> None:
         with pytest.raises(NotFound):
             await action(made["id"])
     assert (await mine.get(made["id"])).response.id == made["id"]
-    assert not [name for name in vars(ResponseStore) if name in ("get", "put", "delete", "running")]
+    assert not [name for name in vars(ResponseStore) if name in ("get", "put", "delete", "running", "track", "cancel")]
