@@ -59,7 +59,7 @@ def submit(sdk: openai.OpenAI, content: bytes, endpoint: Any = "/v1/chat/complet
                                                    **extra).model_dump())
 
 
-def wait(sdk: openai.OpenAI, batch_id: str, statuses: tuple[str, ...] = DONE, timeout: float = 20) -> Any:
+def wait(sdk: openai.OpenAI, batch_id: str, statuses: tuple[str, ...] = DONE, timeout: float = 90) -> Any:
     return until_sync(lambda: (found := sdk.batches.retrieve(batch_id)).status in statuses and found, timeout,
                       f"batch {batch_id} {statuses}")
 
@@ -367,7 +367,7 @@ def test_a_rate_limit_pauses_lines_instead_of_failing_them(tmp_path: Path) -> No
     assert done.request_counts.model_dump() == {"total": 62, "completed": 62, "failed": 0}
 
 
-def on_disk(tmp_path: Path, batch_id: str, timeout: float = 10) -> Batch:
+def on_disk(tmp_path: Path, batch_id: str, timeout: float = 60) -> Batch:
     """A batch once done, read from its record (for tests whose key cannot spare requests)."""
     batch = batch_in(tmp_path / "batches", batch_id)
     return until_sync(lambda: (found := asyncio.run(batch.read()).batch).status in DONE and found, timeout,

@@ -41,7 +41,7 @@ def claude(client: TestClient, key: str = "sk-owner") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=str(client.base_url), api_key=key, http_client=client, max_retries=0)
 
 
-def ended(client: TestClient, batch_id: str, key: str = "sk-owner", timeout: float = 20) -> sdk.MessageBatch:
+def ended(client: TestClient, batch_id: str, key: str = "sk-owner", timeout: float = 90) -> sdk.MessageBatch:
     return until_sync(lambda: (found := retrieve(client, batch_id, key)).processing_status == "ended" and found,
                       timeout, f"batch {batch_id} ended")
 

@@ -59,7 +59,7 @@ def retrieve(client: TestClient, batch_id: str, key: str = "sk-owner") -> sdk.Me
     return sdk.MessageBatch.model_validate(response.json())
 
 
-def wait(client: TestClient, batch_id: str, timeout: float = 20) -> sdk.MessageBatch:
+def wait(client: TestClient, batch_id: str, timeout: float = 90) -> sdk.MessageBatch:
     return until_sync(lambda: (found := retrieve(client, batch_id)).processing_status == "ended" and found, timeout,
                       f"batch {batch_id} ended")
 
