@@ -56,7 +56,6 @@ class ServerTLS:
         return [f for f in (s.cert_file, s.key_file, s.ca_file) if f is not None]
 
     def reload(self, reason: str) -> bool:
-        """Read the files again into the live context; False (and the old ones kept) if they are unusable."""
         stamp = self._files_stamp()
         try:
             self._load(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))  # refused here, the live context is untouched

@@ -85,8 +85,6 @@ def serve_worker(seat: WorkerSeat, settings: Settings, make_app: AppFactory) -> 
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """What the parent gives a gateway worker: the settings, and its seat at each shared engine core."""
-
     settings: Settings
     seats: tuple[Any, ...]
 
