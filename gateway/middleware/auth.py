@@ -1,7 +1,5 @@
-"""API keys (pure ASGI): every route but the open ones asks `tenancy.keys.Authenticator` who is
-asking, and the answer goes into the request's context (its key id and tenant) and record (the
-key id); a refusal is answered here, in the route's error shape. The admin routes ask the admin
-keys' authenticator instead (none: those routes do not exist, 404)."""
+"""API keys: who is asking, into the request's context, or a refusal in the route's error shape. Without admin
+keys the admin routes do not exist (404)."""
 
 from __future__ import annotations
 
@@ -14,8 +12,6 @@ from gateway.tenancy.keys import Authenticator
 
 
 class AuthMiddleware:
-    """`open_paths`: the routes that take no key (from the route table)."""
-
     def __init__(self, app: ASGIApp, authenticator: Authenticator, open_paths: frozenset[str],
                  admin: Authenticator | None = None, admin_paths: frozenset[str] = frozenset(),
                  upload_paths: frozenset[str] = frozenset()) -> None:

@@ -1,21 +1,6 @@
-"""Request bodies (pure ASGI, the innermost layer): slow, abandoned and too many bodies.
-
-- A body must arrive within `body_timeout_s` of the request's start: 408 (and the connection
-  closed) otherwise, so a client trickling bytes cannot hold a request open for ever.
-- A client that leaves in the middle of its body is a 499 (client gone), not a server error.
-- `BodyBudget`: the bytes of the bodies being read and prepared (parsed, tokenized), all requests
-  together, are bounded; a body that does not fit is refused with 503 and `Retry-After` before it
-  is read (its declared Content-Length counts from the start). A request's bytes count from its
-  first read until its input is prepared (the context's `release_body`, called by the pipeline) or its
-  response starts, whichever comes first.
-- An upload (the route table's `upload` routes: a multipart form streamed to disk, `api.multipart`)
-  holds one chunk in memory at a time: its bytes are not counted in the budget, and it has its own
-  deadline (`files.upload_timeout_s`), long enough for hundreds of megabytes.
-- A compressed body (`Content-Encoding` other than identity) is a 415 before it is read: the
-  gateway reads JSON as sent, and gzip bytes would only fail as invalid JSON.
-
-It wraps `receive`: handlers read bodies as usual, and these errors come out of their reads.
-"""
+"""Request bodies: a deadline for each (408), a client gone mid-body (499), no compressed bodies (415), and a
+budget of the bytes all bodies hold until their input is prepared (503). It wraps `receive`, so these errors come
+out of the handlers' reads."""
 
 from __future__ import annotations
 
@@ -31,6 +16,9 @@ from gateway.telemetry.record import current_record
 
 
 class BodyBudget:
+    """The bytes of the bodies being read and prepared, all requests together; a request's declared Content-Length
+    counts from the start, so a body that cannot fit is refused before it is read."""
+
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
@@ -46,8 +34,7 @@ class BodyBudget:
 
 
 def _declared(scope: Scope) -> tuple[int, bytes | None]:
-    """The body's declared length (its first Content-Length; 0 when none or not digits) and its
-    Content-Encoding (None: none)."""
+    """The first Content-Length (0 when none or not digits) and the Content-Encoding."""
     length: int | None = None
     encoding = None
     for key, value in scope.get("headers", ()):
@@ -59,10 +46,10 @@ def _declared(scope: Scope) -> tuple[int, bytes | None]:
 
 
 class _Reading:
-    """One request's body: its deadline and the bytes it holds of the budget."""
+    """One request's body: its deadline and the bytes it holds of the budget (None for an upload: its bytes go to
+    disk a chunk at a time)."""
 
     def __init__(self, receive: Receive, budget: BodyBudget | None, deadline: float, declared: int) -> None:
-        """`budget`: None for an upload, whose bytes go to disk (nothing is held of a budget)."""
         self._receive = receive
         self.budget = budget
         self.deadline = deadline
@@ -135,7 +122,7 @@ class BodyMiddleware:
         if encoding is not None and encoding.strip().lower() not in (b"", b"identity"):
             named = encoding.decode("latin-1")[:40]
             error = UnsupportedMediaType(f"Content-Encoding '{named}' is not supported: send the body uncompressed.")
-            await send_error(send, error, dialect=dialect_of(scope))  # before a byte of it is read
+            await send_error(send, error, dialect=dialect_of(scope))  # gzip bytes would only fail as invalid JSON
             return
         upload = scope["method"] == "POST" and scope["path"] in self.upload_paths
         deadline = asyncio.get_running_loop().time() + (self.upload_timeout_s if upload else self.timeout_s)

@@ -1,6 +1,4 @@
-"""Lifecycle (pure ASGI): API requests counted in progress, and refused while the server drains
-(`pipeline.lifecycle.Lifecycle`; `gateway.server.http` starts the drain on SIGTERM and waits for
-the count to reach 0)."""
+"""API requests counted while in progress, and refused while the server drains."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ from gateway.pipeline.lifecycle import Lifecycle
 
 
 class LifecycleMiddleware:
-    """`ops_paths` (from the route table) are neither counted nor refused: probes keep answering."""
+    """`ops_paths` are neither counted nor refused: probes keep answering during a drain."""
 
     def __init__(self, app: ASGIApp, lifecycle: Lifecycle, ops_paths: frozenset[str]) -> None:
         self.app = app

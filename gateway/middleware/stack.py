@@ -1,5 +1,4 @@
-"""The middleware stack, outermost first: access log → the HTTP edge → traces (only when tracing
-is on) → lifecycle → auth → rate limits → request bodies, each given its paths by the route table."""
+"""The middleware stack, outermost first: access log, HTTP edge, traces, lifecycle, auth, rate limits, bodies."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ def stack(
     settings: Settings, lifecycle: Lifecycle, quota: Quota, tenants: Tenants, table: RouteTable,
     tracing: Tracing | None = None, authenticator: Authenticator | None = None,
 ) -> list[Middleware]:
-    """`tracing`: the traces' provider; None: no tracing layer at all (nothing to pay per request).
-    `authenticator`: the API keys' (`tenancy.keys.authenticator_of`), when the app shares it."""
+    """`tracing` None: no tracing layer at all, so nothing to pay per request."""
     keyless = table.paths("open") if settings.auth_ops_routes else table.paths("open", "ops")
     authenticator = authenticator or authenticator_of(settings, tenants)
     throttle = authenticator.throttle  # unknown admin keys count against the same addresses

@@ -1,9 +1,5 @@
-"""Traces (pure ASGI, just inside the access log; in the stack only when tracing is on): a server
-span per request, continuing the caller's W3C `traceparent`, current (OpenTelemetry's context)
-while the layers below run, and put in the request's record (`RequestRecord.trace`) for the
-pipeline's stages and the access line (its trace and span ids). Its end reports the record
-(`telemetry.tracing.RequestTrace.end`); it ends when the response has been sent, or the stream
-ended however it ended (a client gone included)."""
+"""A server span per request, continuing the caller's `traceparent`, current while the layers below run and
+ended once the response is sent or the stream ended however it ended."""
 
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.pipeline.context import context_of
 from gateway.telemetry.tracing import RequestTrace, Tracing, continued
 
-RouteLabel = Callable[[str], str]  # a path → its route's label (the route table's)
+RouteLabel = Callable[[str], str]
 
 
 class TracingMiddleware:

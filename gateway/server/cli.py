@@ -1,10 +1,5 @@
-"""Command line: `python -m gateway serve [flags]` (or the `llm-gateway` script).
-
-The flags are generated from the Settings classes (gateway.server.options: one flag per setting,
-its help the field's description), not kept by hand. Flags override environment variables: the
-flags given become keyword arguments of Settings, its strongest source, deep-merged over the
-environment (`--max-model-len 512` keeps `GATEWAY_ENGINE__ENFORCE_EAGER`).
-"""
+"""Command line: `python -m gateway serve [flags]`, one flag per setting (`options`), deep-merged over the
+environment (`--max-model-len 512` keeps `GATEWAY_ENGINE__ENFORCE_EAGER`)."""
 
 from __future__ import annotations
 
@@ -71,7 +66,7 @@ def _add(group: argparse._ArgumentGroup, option: Option) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    # no abbreviated flags: with a flag per setting, a prefix that is unique today is ambiguous tomorrow
+    # no abbreviated flags: with a flag per setting, a unique prefix turns ambiguous when a setting is added
     root = argparse.ArgumentParser(prog="llm-gateway", description="OpenAI-compatible LLM gateway", allow_abbrev=False)
     commands = root.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
@@ -108,14 +103,10 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    """Environment first, flags on top (only the flags given)."""
-    return Settings(**overrides(args))
-
-
+    return Settings(**overrides(args))  # the strongest source: flags given win over the environment
 
 
 def serve(settings: Settings) -> int:
-    """One process (`workers` 1), or a parent supervising worker processes (`gateway.server.workers`)."""
     if settings.workers > 1:
         return serve_workers(settings)
     configure(settings.log_level, settings.log_format)

@@ -1,12 +1,5 @@
-"""The configuration reference, docs/configuration.md, generated from the Settings classes.
-
-    python -m gateway.server.config_doc > docs/configuration.md     # or: make docs
-
-One table per settings class (the gateway's own, then limits, tls, cache, admission, engine and its
-sampling defaults): each setting's name, environment variable, flag, type, default and
-description, as gateway.server.options walks them. tests/unit/test_config_doc.py fails when the
-file in docs/ is not what this prints.
-"""
+"""The configuration reference generated from the Settings classes (`make docs`):
+`python -m gateway.server.config_doc > docs/configuration.md`."""
 
 from __future__ import annotations
 

@@ -1,31 +1,5 @@
-"""The HTTP server: uvicorn, with SIGTERM meaning a graceful drain, and slow clients bounded.
-
-On SIGTERM the server does not stop listening at once: readiness turns 503 (so the load balancer
-takes the pod out), new requests get 503 (`middleware.lifecycle`), requests and streams in progress
-finish for up to `drain_timeout_s`, and only then does uvicorn shut down and the lifespan stop the
-engines. A second signal exits at once.
-
-Once its sockets are bound (after the engines started), the server logs `listening` with the host,
-port and scheme of each: the port it got, also with `port` 0 (any free port; what the tests use).
-
-What can be read again without a restart (the TLS certificate, `gateway.server.tls`; the keys file,
-`gateway.tenancy.tenants`) is given as
-`reloadables`: SIGHUP reloads them (SIGHUP keeps its default, exit, when there are none), and the
-main loop lets each poll its files every tick.
-
-Slow and idle clients: a new connection that sends nothing is closed after
-`keep_alive_timeout_s`, as an idle kept-alive one is; a connection must deliver a request's headers
-within `header_timeout_s` of their first byte, and at most `MAX_HEADER_BYTES` of them, or it is
-closed (`HeaderTimeout`, mixed into uvicorn's HTTP protocol: uvicorn itself waits for headers for
-ever); idle keep-alive connections close after `keep_alive_timeout_s`; past `max_connections`
-connections and requests in progress, uvicorn answers new requests 503. Bodies have their own
-timeout (`middleware.body`). What uvicorn's parser refuses is a 400 in the API's error shape
-(`HeaderTimeout.send_400_response`). An answer of unknown length to an HTTP/1.0 client is
-close-delimited, never chunked (`_close_delimited`).
-
-Where this reaches into uvicorn without a public hook is listed in docs/development.md ("Seams")
-and checked by tests/unit/test_seams.py.
-"""
+"""The HTTP server: uvicorn with SIGTERM as a graceful drain, SIGHUP as a reload, and slow clients bounded. Its
+reaches into uvicorn are listed in docs/development.md ("Seams") and checked by tests/unit/test_seams.py."""
 
 from __future__ import annotations
 
@@ -55,9 +29,9 @@ MAX_HEADER_BYTES = 64 * 1024
 
 
 class HeaderTimeout(asyncio.Protocol):
-    """Mixed in before uvicorn's HTTP protocol (`http_protocol`): closes a connection whose request
-    headers take longer than `header_timeout_s`, or more than `MAX_HEADER_BYTES`. A request's
-    headers are done when uvicorn starts its request cycle (`self.cycle` changes)."""
+    """Mixed in before uvicorn's HTTP protocol, which waits for headers for ever: closes a connection whose request
+    headers take longer than `header_timeout_s`, or more than `MAX_HEADER_BYTES`. A request's headers are done when
+    uvicorn starts its request cycle (`self.cycle` changes)."""
 
     header_timeout_s = 10.0
     idle_timeout_s = 5.0  # a new connection that sends nothing (uvicorn's keep-alive timer: between requests)
@@ -110,7 +84,7 @@ class HeaderTimeout(asyncio.Protocol):
             cycle.scope["headers"] = list(cycle.scope["headers"])
 
     def _drop(self) -> None:
-        """Drop the connection at once, unsent bytes and all (a client that stopped reading)."""
+        """Unsent bytes and all: for a client that stopped reading."""
         if self._connection is not None and not self._connection.is_closing():
             self._connection.abort()
 
@@ -119,11 +93,9 @@ class HeaderTimeout(asyncio.Protocol):
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        """A request uvicorn cannot parse (request line, headers, body framing): the API's 400, in
-        its error shape (Anthropic's on its routes), not uvicorn's plain text; then the connection
-        closes, as uvicorn closes it. But when an answer is under way, or due to a request before
-        the bad one (pipelined), that answer ends first and then the connection closes, without
-        the 400: written now, it would land inside that answer or be taken for it."""
+        """The API's 400 in its route's error shape, not uvicorn's plain text, then the connection closed. When an
+        answer is under way, or due to a pipelined request before the bad one, that answer ends first and the
+        connection closes without the 400: written now, it would land inside that answer or be taken for it."""
         cycle = getattr(self, "cycle", None)
         if cycle is not None and not cycle.response_complete and (cycle.response_started or not cycle.more_body):
             cycle.keep_alive = False
@@ -155,10 +127,8 @@ class HeaderTimeout(asyncio.Protocol):
 
 
 def _close_if_answered_unread(cycle: Any) -> None:
-    """A request sent with `Expect: 100-continue` and answered before its body was asked for (a
-    401, a 413, a 404): the connection closes after the answer. The client may never send that
-    body, and on a kept connection its next request would be read as the body (RFC 9110 10.1.1:
-    say whether the connection stays)."""
+    """A request sent with `Expect: 100-continue` and answered before its body was asked for: the connection closes
+    after the answer, since the client may never send that body and its next request would be read as one."""
     send = cycle.send
 
     async def closing_send(message: Any) -> None:
@@ -170,10 +140,8 @@ def _close_if_answered_unread(cycle: Any) -> None:
 
 
 def _close_delimited(cycle: Any) -> None:
-    """An answer to an HTTP/1.0 client without a Content-Length (a stream) is sent as its bytes up
-    to the connection's close: HTTP/1.0 has no chunked encoding, which uvicorn's httptools
-    protocol would use (its cycle's `chunked_encoding`, pinned with uvicorn's version). h11 does
-    this by itself, and its cycle has no such attribute."""
+    """An answer to an HTTP/1.0 client without a Content-Length is delimited by the connection's close: HTTP/1.0 has
+    no chunked encoding, which uvicorn's httptools protocol would use (h11 does this by itself)."""
     if not hasattr(cycle, "chunked_encoding"):
         return
     send, delimited = cycle.send, False
@@ -193,13 +161,11 @@ def _close_delimited(cycle: Any) -> None:
 
 
 def http_protocol(header_timeout_s: float, idle_timeout_s: float = 5.0) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol (httptools when installed, else h11) with `HeaderTimeout`."""
     attributes = {"header_timeout_s": header_timeout_s, "idle_timeout_s": idle_timeout_s}
     return type("GatewayHTTPProtocol", (HeaderTimeout, AutoHTTPProtocol), attributes)
 
 
 def server_config(app: Any, settings: Settings, tls_options: dict[str, Any] | None = None) -> uvicorn.Config:
-    """uvicorn's configuration from the settings; `tls_options` from `gateway.server.tls` (HTTPS)."""
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -216,12 +182,17 @@ def server_config(app: Any, settings: Settings, tls_options: dict[str, Any] | No
 
 
 class Reloadable(Protocol):
+    """Read again on SIGHUP (`reload`) and polled every tick of the main loop for changed files (`poll`)."""
+
     def reload(self, reason: str) -> bool: ...
 
     def poll(self) -> None: ...
 
 
 class DrainingServer(uvicorn.Server):
+    """On SIGTERM readiness and new requests turn 503 while requests in progress finish, for up to
+    `drain_timeout_s`; only then does uvicorn shut down. A second signal exits at once."""
+
     def __init__(
         self,
         config: uvicorn.Config,
@@ -230,8 +201,7 @@ class DrainingServer(uvicorn.Server):
         reloadables: Sequence[Reloadable] = (),
         announce: Callable[[], None] | None = None,
     ) -> None:
-        """`announce`: a worker's (`gateway.server.supervisor`): called once serving, in place of
-        the `listening` line, which the parent logs once every worker serves."""
+        """`announce`: a worker's, called once serving in place of the `listening` line (the parent logs that)."""
         super().__init__(config)
         self.announce = announce
         self.lifecycle = lifecycle
@@ -263,8 +233,7 @@ class DrainingServer(uvicorn.Server):
                 log.info("listening", host=host, port=port, scheme=scheme)
 
     def addresses(self) -> list[tuple[str, int]]:
-        """The (host, port) of each TCP socket the server listens on, once started: with `port` 0,
-        the port the system gave."""
+        """With `port` 0, the port the system gave each TCP socket."""
         bound = []
         for server in getattr(self, "servers", ()):
             for sock in server.sockets:

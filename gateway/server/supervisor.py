@@ -1,19 +1,5 @@
-"""Worker processes serving one listening socket, and the parent that supervises them.
-
-The parent binds the socket once (`listen`: port 0 gives any free port, which the parent then
-knows) and hands it to every worker (a `spawn` process inherits it: multiprocessing passes a socket
-given in a process's arguments as a file descriptor); the kernel spreads new connections over the
-workers accepting on it. Each worker says when it serves (`WorkerSeat.announce`).
-
-Supervision (`Supervisor.run`):
-- SIGTERM or SIGINT: forwarded to every worker as SIGTERM (each drains, `gateway.server.http`), the
-  workers awaited (up to `stop_timeout_s`, then killed); exit 0 when every worker exited 0.
-- SIGHUP: forwarded (each worker reloads the keys file and the TLS certificate).
-- A worker that exits by itself: the others are stopped as on SIGTERM and the parent exits 1. No
-  restart: a worker dies of what would kill its replacement too (a bug, memory), and the orchestrator
-  restarting the whole pod starts from a known state; a crash loop is visible there.
-- A worker that exits before it serves: the others stopped, `STARTUP_FAILED`.
-"""
+"""Worker processes serving one listening socket, and the parent that supervises them: signals forwarded, and
+one worker's exit stops them all."""
 
 from __future__ import annotations
 
@@ -45,8 +31,8 @@ TICK_S = 0.5
 CLEAN_EXITS = (0, -signal.SIGTERM)
 
 
-def listen(host: str, port: int, backlog: int = BACKLOG) -> socket.socket:
-    """A TCP socket bound to (host, port) and listening, as uvicorn binds one."""
+def listen(host: str, port: int) -> socket.socket:
+    """As uvicorn binds one; inherited by `spawn` workers (multiprocessing passes it as a file descriptor)."""
     try:
         family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     except ValueError:  # a name: what it resolves to first
@@ -55,7 +41,7 @@ def listen(host: str, port: int, backlog: int = BACKLOG) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(backlog)
+        sock.listen(BACKLOG)
     except BaseException:
         sock.close()
         raise
@@ -65,11 +51,9 @@ def listen(host: str, port: int, backlog: int = BACKLOG) -> socket.socket:
 
 @dataclass(frozen=True)
 class WorkerSeat:
-    """What a worker process gets: its index among `count`, the listening socket, and the pipe on
-    which it says it serves."""
+    """What a worker process gets: its index, the listening socket, and the pipe on which it says it serves."""
 
     index: int
-    count: int
     sock: socket.socket
     ready: Connection
 
@@ -90,15 +74,16 @@ def _worker(main: WorkerMain, seat: WorkerSeat, payload: Any) -> None:
 
 
 class Supervisor:
-    """Starts `len(payloads)` workers running `main(seat, payloads[i])` on `sock`, and supervises them."""
+    """Starts `len(payloads)` workers running `main(seat, payloads[i])` on `sock`, and supervises them. A worker that
+    exits by itself stops the others and the parent exits 1, with no restart: a worker dies of what would kill its
+    replacement too, and the orchestrator restarting the whole pod starts from a known state."""
 
-    def __init__(self, main: WorkerMain, payloads: Sequence[Any], sock: socket.socket, stop_timeout_s: float,
-                 context: SpawnContext | None = None) -> None:
+    def __init__(self, main: WorkerMain, payloads: Sequence[Any], sock: socket.socket, stop_timeout_s: float) -> None:
         self.main = main
         self.payloads = list(payloads)
         self.sock = sock
         self.stop_timeout_s = stop_timeout_s
-        self.context = context or self.spawn_context()
+        self.context = self.spawn_context()
         self.workers: list[SpawnProcess] = []
         self._signals: list[int] = []
         self._stopping = False
@@ -110,9 +95,7 @@ class Supervisor:
 
     def run(self, on_ready: Callable[[], None] = _nothing, on_tick: Callable[[], None] = _nothing,
             on_spawned: Callable[[], None] = _nothing) -> int:
-        """Start the workers (then `on_spawned`: what they inherited can be closed here), wait for
-        every one to serve (then `on_ready`), supervise until they have all exited (`on_tick` every
-        half second). The exit status."""
+        """`on_spawned`: what the workers inherited can be closed there. The exit status."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
             self._start()
@@ -138,7 +121,7 @@ class Supervisor:
         self._pipes: list[Connection] = []
         for index, payload in enumerate(self.payloads):
             receiving, sending = self.context.Pipe(duplex=False)
-            seat = WorkerSeat(index, len(self.payloads), self.sock, sending)
+            seat = WorkerSeat(index, self.sock, sending)
             worker = self.context.Process(target=_worker, args=(self.main, seat, payload), name=f"gateway-worker-{index}")
             worker.start()
             sending.close()

@@ -1,16 +1,4 @@
-"""HTTPS: the server's one `ssl.SSLContext`, built from `TLSSettings` and reloaded in place.
-
-uvicorn gets this context (`uvicorn_options`) instead of file names, since it would build its own
-once and never read the files again. Reloading calls `load_cert_chain` on the same context, which
-every later handshake uses: a renewed certificate (cert-manager, a Kubernetes Secret update, a
-renewal by hand) is served to new connections without a restart; established ones keep theirs.
-The server reloads on SIGHUP (`reload`) and when the files change (`poll`, from its main loop).
-
-A reload first loads the files into a scratch context: a half-written or mismatched pair is
-refused (logged, counted) and the certificate in service stays. CA certificates (`ca_file`) are
-added on reload; one removed from the file stays trusted until a restart (OpenSSL's store only
-grows).
-"""
+"""HTTPS: the server's one `ssl.SSLContext`, built from `TLSSettings` and reloaded in place."""
 
 from __future__ import annotations
 
@@ -39,6 +27,10 @@ class TLSConfigError(ValueError):
 
 
 class ServerTLS:
+    """Reloads call `load_cert_chain` on the live context, so new connections get a renewed certificate without a
+    restart; a pair that fails in a scratch context first is refused and the one in service stays. CA certificates
+    are only added on reload (OpenSSL's store only grows)."""
+
     def __init__(self, settings: TLSSettings) -> None:
         if settings.cert_file is None:
             raise TLSConfigError("tls: no cert_file")
@@ -55,7 +47,7 @@ class ServerTLS:
             raise TLSConfigError(f"tls: cannot use {', '.join(map(str, self.files))}: {exc}") from exc
 
     def uvicorn_options(self) -> dict[str, Any]:
-        """What uvicorn.Config takes to serve with this context (its `ssl_context_factory`)."""
+        """uvicorn is given the context, not file names: it would build its own once and never read the files again."""
         return {"ssl_context_factory": lambda config, default: self.context}
 
     @property
@@ -64,7 +56,6 @@ class ServerTLS:
         return [f for f in (s.cert_file, s.key_file, s.ca_file) if f is not None]
 
     def reload(self, reason: str) -> bool:
-        """Read the files again into the live context; False (and the old ones kept) if they are unusable."""
         stamp = self._files_stamp()
         try:
             self._load(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))  # refused here, the live context is untouched

@@ -1,18 +1,5 @@
-"""`workers` > 1: N gateway processes on one listening socket, each embedded model's engine core
-shared by all of them (docs/deployment.md, Workers).
-
-The parent (`serve_workers`) refuses bad configuration as one process would (the app is built once,
-not started), binds the socket, sets PROMETHEUS_MULTIPROC_DIR to a fresh directory (every worker's
-metrics in files there, added up by any worker's /metrics), starts one engine core per embedded
-model (`engine.launch_shared`), then the workers (`gateway.server.supervisor`), and logs `listening`
-once every worker serves. Each worker (`gateway_worker`) is the one-process gateway with its engines
-attached to the shared cores (`engine.attach_shared`) instead of started; remote models' clients,
-the echo engine, caches, limits and stores are its own (shared only through Redis). After the
-workers have exited, the parent stops the engine cores.
-
-Each answer of a worker carries `x-gateway-worker: <index>` (only with workers > 1), to tell which
-process answered.
-"""
+"""`workers` > 1: N gateway processes on one listening socket, each embedded model's engine core started once by
+the parent and shared by all of them; everything else (remote clients, caches, limits, stores) is each worker's."""
 
 from __future__ import annotations
 
@@ -55,7 +42,6 @@ AppFactory = Callable[[Lifecycle, Tenants], Any]
 
 
 def gateway_server(settings: Settings, make_app: AppFactory, announce: Callable[[], None] | None = None) -> DrainingServer:
-    """The gateway's HTTP server (one process, or one worker) on the app `make_app` builds."""
     tls = ServerTLS(settings.tls) if settings.tls.enabled else None  # bad files stop us before the engine loads
     lifecycle = Lifecycle()
     tenants = tenants_of(settings)  # a bad keys file stops us here too
@@ -68,7 +54,7 @@ def gateway_server(settings: Settings, make_app: AppFactory, announce: Callable[
 
 
 class WorkerHeader:
-    """Pure ASGI: `x-gateway-worker: <index>` on every answer of this worker."""
+    """`x-gateway-worker: <index>` on every answer, to tell which process answered."""
 
     def __init__(self, app: Any, index: int) -> None:
         self.app = app
@@ -88,7 +74,6 @@ class WorkerHeader:
 
 
 def serve_worker(seat: WorkerSeat, settings: Settings, make_app: AppFactory) -> int:
-    """A worker's life: its logs, metrics in the shared directory, its server on the shared socket."""
     configure(settings.log_level, settings.log_format)
     structlog.contextvars.bind_contextvars(worker=seat.index)
     metrics.aggregate_workers()
@@ -100,15 +85,13 @@ def serve_worker(seat: WorkerSeat, settings: Settings, make_app: AppFactory) -> 
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """What the parent gives a gateway worker: the settings, and its seat at each shared engine core."""
-
     settings: Settings
     seats: tuple[Any, ...]
 
 
 class SeatStarter:
-    """The worker's engine starter: an embedded model's engine attached to its shared core (found by
-    the engine settings, computed alike in the parent and the worker)."""
+    """An embedded model's engine attached to its shared core, found by the engine settings (computed alike in the
+    parent and the worker)."""
 
     def __init__(self, seats: Sequence[Any]) -> None:
         self.seats = list(seats)
@@ -121,32 +104,26 @@ class SeatStarter:
 
 
 def gateway_worker(seat: WorkerSeat, plan: WorkerPlan) -> int:
-    """The worker process of `python -m gateway serve --workers N`."""
     starter = SeatStarter(plan.seats)
     return serve_worker(seat, plan.settings, lambda lifecycle, tenants: create_app(
         plan.settings, engine_starter=starter, lifecycle=lifecycle, tenants=tenants))
 
 
 def worker_settings(settings: Settings) -> Settings:
-    """The settings every worker gets: with one `key_id_secret` for all, drawn here when unset. A
-    key's id (logs, the guards file, rate limits and budgets in Redis, a batch's lines) is then the
-    same in every worker; each drawing its own, a key would have a bucket per worker in Redis,
-    each allowing the whole limit."""
+    """One `key_id_secret` for all workers, drawn here when unset: each drawing its own, a key would have a bucket
+    per worker in Redis, each allowing the whole limit."""
     if settings.key_id_secret is not None:
         return settings
     return settings.model_copy(update={"key_id_secret": SecretStr(secrets.token_hex(32))})
 
 
 def shared_engines(settings: Settings, tenants: Tenants) -> dict[str, EngineSettings]:
-    """The engine cores the parent starts: each with the settings a worker's app asks for
-    (`SeatStarter` finds its core by them)."""
     return embedded_settings(modelfile.load(settings), settings, prioritized(settings, tenants))
 
 
 def refuse_unshared(settings: Settings, engines: dict[str, EngineSettings]) -> None:
-    """What workers cannot share: limits and budgets counted in each worker's memory (each would
-    allow the whole limit), and LoRA adapters (loaded per client; vLLM refuses runtime LoRA changes
-    with several API servers too)."""
+    """What workers cannot share: limits and budgets counted in each worker's memory (each would allow the whole
+    limit), and LoRA adapters (vLLM refuses runtime LoRA changes with several API servers too)."""
     if settings.keys_file is not None and settings.limits.redis_url is None:
         limited = [key_id for key_id, spec in read_keys(settings.keys_file).keys.items()
                    if spec.rpm or spec.tpm or spec.budget.day or spec.budget.month]
@@ -160,7 +137,7 @@ def refuse_unshared(settings: Settings, engines: dict[str, EngineSettings]) -> N
 
 @contextlib.contextmanager
 def metrics_directory() -> Iterator[str]:
-    """A fresh PROMETHEUS_MULTIPROC_DIR for the workers (inherited from this environment)."""
+    """Every worker's metrics in files there, added up by any worker's /metrics."""
     with tempfile.TemporaryDirectory(prefix="llm-gateway-metrics-") as directory:
         os.environ[MULTIPROC_VARIABLE] = directory
         try:
@@ -174,7 +151,6 @@ def _interrupt(sig: int, frame: FrameType | None) -> None:
 
 
 def serve_workers(settings: Settings, worker: Callable[[WorkerSeat, WorkerPlan], int] = gateway_worker) -> int:
-    """The parent: configuration checked, socket bound, engine cores started, workers supervised."""
     configure(settings.log_level, settings.log_format)
     settings = worker_settings(settings)
     if settings.tls.enabled:
