@@ -14,7 +14,7 @@ from gateway.app import create_app
 from tests.fakes import FakeEngine, fake_settings
 
 
-async def drive(app, body: dict, disconnect_after_chunks: int | None, within_s: float = 5.0,
+async def drive(app, body: dict, disconnect_after_chunks: int | None, within_s: float = 60.0,
                 path: str = "/v1/chat/completions") -> list[dict]:
     """Send one POST; disconnect once `disconnect_after_chunks` body messages arrived (None: at once)."""
     sent: list[dict] = []

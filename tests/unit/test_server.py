@@ -27,7 +27,7 @@ from tests.fakes import FakeEngine, chat_body, fake_settings
 from tests.ports import listening_line
 
 
-def until(condition: Any, what: str, within_s: float = 10) -> None:
+def until(condition: Any, what: str, within_s: float = 60) -> None:
     """Wait for `condition()` (polled), at most `within_s`."""
     deadline = time.monotonic() + within_s
     while not condition():
