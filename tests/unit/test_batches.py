@@ -363,7 +363,7 @@ def test_a_rate_limit_pauses_lines_instead_of_failing_them(tmp_path: Path) -> No
     with TestClient(app_with(FakeEngine(), keys_file=path, **settings(tmp_path))) as client:
         sdk = sdk_for(client, "sk-s")
         batch = submit(sdk, jsonl(*(chat_line(f"r{i}") for i in range(62))))  # 2 requests of the 60 taken
-        done = on_disk(tmp_path, batch.id, timeout=30)  # polled on disk: polling by HTTP takes requests too
+        done = on_disk(tmp_path, batch.id, timeout=90)  # polled on disk: polling by HTTP takes requests too
     assert done.request_counts.model_dump() == {"total": 62, "completed": 62, "failed": 0}
 
 

@@ -232,7 +232,7 @@ async def test_a_client_that_leaves_while_queued_for_admission_leaves_the_queue(
             scope["state"] = dict(state)
             await app(scope, receive, send)
 
-        running = asyncio.create_task(drive(with_state, body, disconnect_after_chunks=50, within_s=30))
+        running = asyncio.create_task(drive(with_state, body, disconnect_after_chunks=50, within_s=60))
         async with asyncio.timeout(10):
             while not engine.requests:  # noqa: ASYNC110 - polls the fake engine's state; no event to wait on
                 await asyncio.sleep(0.01)

@@ -440,7 +440,7 @@ def test_a_rate_limited_keys_batch_does_not_hold_the_lane_for_another_key(tmp_pa
         # its create took the key's one request of this minute: lines wait
         until_sync(lambda: _refusals() != refused, what="a line refused by the key's limit")
         fast = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(4)], key="sk-fast")
-        done = ended(client, fast.id, "sk-fast", timeout=20)
+        done = ended(client, fast.id, "sk-fast", timeout=90)
         assert done.request_counts.succeeded == 4
         assert _status(tmp_path, slow.id) == "in_progress"  # still waiting for its limit
         asyncio.run(batch_in(tmp_path / "batches", slow.id).ask_cancel())  # its key may not ask for a minute: as another replica would
