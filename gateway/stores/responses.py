@@ -117,13 +117,23 @@ class ResponseStore:
     making it, without naming whose it is. Another owner's id is exactly an unknown id."""
 
     backend: StoreBackend
-    running: dict[tuple[str, str], BackgroundRun] = field(default_factory=dict)
+    _running: dict[tuple[str, str], BackgroundRun] = field(default_factory=dict)
 
     def of(self, owner: str) -> OwnedResponses:
         return OwnedResponses(self, owner)
 
+    def run_of(self, owner: str, response_id: str) -> BackgroundRun | None:
+        """The background run of this owner's response, if it runs here."""
+        return self._running.get((owner, response_id))
+
+    def track(self, owner: str, response_id: str, run: BackgroundRun) -> None:
+        """A background run of this owner's, running here until its task ends."""
+        key = (owner, response_id)
+        self._running[key] = run
+        run.task.add_done_callback(lambda _: self._running.pop(key, None))
+
     async def aclose(self) -> None:
-        await asyncio.gather(*(run.cancel() for run in list(self.running.values())))
+        await asyncio.gather(*(run.cancel() for run in list(self._running.values())))
         await self.backend.aclose()
 
 
@@ -155,7 +165,7 @@ class OwnedResponses:
     async def delete(self, response_id: str) -> None:
         """Delete a response, first stopping its background run if it is this owner's and running here."""
         await self.get(response_id)  # none of this owner's: 404 before anything is touched
-        run = self.store.running.get((self.owner, response_id))
+        run = self.store.run_of(self.owner, response_id)
         if run is not None:
             await run.cancel()
         if not await self._needed("delete", self.store.backend.delete(self._key(response_id))):
@@ -169,7 +179,7 @@ class OwnedResponses:
             raise InvalidRequest("Only responses created with background set to true can be cancelled", "response_id")
         if stored.response.status not in RUNNING:
             return stored.response  # done already: cancelling again changes nothing
-        run = self.store.running.get((self.owner, response_id))
+        run = self.store.run_of(self.owner, response_id)
         if run is not None:
             return await run.cancel()
         cancelled = stored.response.model_copy(update={"status": "cancelled"})
@@ -178,9 +188,7 @@ class OwnedResponses:
 
     def track(self, response_id: str, run: BackgroundRun) -> None:
         """A background run of this owner's, running here until its task ends."""
-        key = (self.owner, response_id)
-        self.store.running[key] = run
-        run.task.add_done_callback(lambda _: self.store.running.pop(key, None))
+        self.store.track(self.owner, response_id, run)
 
     async def _needed(self, operation: str, call: Awaitable[T]) -> T:
         """A store call whose failure the client must hear of: 503 (a put's failure is only logged)."""
