@@ -28,7 +28,8 @@ async def router_metrics(request: Request) -> Response:
 async def _failure(check: Awaitable[None]) -> str | None:
     """What is wrong with a model by its health check (None: healthy), waiting 5 s at most."""
     try:
-        await asyncio.wait_for(check, timeout=5)
+        async with asyncio.timeout(5):  # not wait_for: on Python 3.11 it can swallow the caller's cancel
+            await check
     except Exception as exc:  # any failure of a health check
         return str(exc)
     return None
