@@ -45,6 +45,7 @@ from yarl import URL
 from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
 from gateway.errors import APIError, BackendUnavailable, BadGateway
+from gateway.protocol import sse_wire
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
 from gateway.telemetry.tracing import headers_of
@@ -170,16 +171,9 @@ class Upstream:
         self, response: aiohttp.ClientResponse, on_close: Callable[[], None], span: Span | None
     ) -> AsyncGenerator[bytes, None]:
         """The stream's events as they complete (an event cut by a failure is not passed on)."""
-        pending = b""
         try:
-            async for chunk in response.content.iter_any():
-                pending = (pending + chunk).replace(b"\r\n", b"\n")
-                *complete, pending = pending.split(b"\n\n")
-                for event in complete:
-                    if event.strip():
-                        yield event
-            if pending.strip():
-                yield pending
+            async for event in sse_wire.split(response.content.iter_any()):
+                yield event
         except FAILURES as exc:
             if span is not None:
                 _failed_span(span, exc)

@@ -38,6 +38,7 @@ import structlog
 from pydantic import ValidationError
 
 from gateway.errors import BadGateway
+from gateway.protocol import sse_wire
 from gateway.protocol.openai import ChatCompletion, Completion
 from gateway.serving.guards.relay import RelayGuard
 from gateway.serving.service import AnswerT, OnDone
@@ -226,22 +227,6 @@ class RemoteAnswer(Generic[AnswerT]):
             self.end()
         return body
 
-    async def chunks(self, chunks: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
-        """A stream's bytes as they come (any cut), passed on unchanged; events read on the way."""
-        pending = b""
-        try:
-            async for chunk in chunks:
-                pending = (pending + chunk).replace(b"\r\n", b"\n")
-                *events, pending = pending.split(b"\n\n")
-                for event in events:
-                    self.event(event)
-                yield chunk
-            if pending.strip():
-                self.event(pending)
-            await self._stream_ended()
-        finally:
-            self.end()
-
     async def events(self, events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         """The same for a stream already cut into events (one event's lines each); with a guard,
         the events as it rewrites them."""
@@ -262,47 +247,34 @@ class RemoteAnswer(Generic[AnswerT]):
     async def guarded(self, event: bytes, guard: RelayGuard) -> bytes | None:
         """One event read, then guarded and written again (None: nothing of it to pass on). Data
         that is not JSON is not passed on: it cannot be checked."""
-        lines, data_lines, kept = [], 0, 0
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                lines.append(line)
-                continue
+        lines = [line for line in event.split(b"\n") if not line.startswith(b"data:")]
+        data_lines = kept = 0
+        for chunk in sse_wire.payloads(event):
             data_lines += 1
-            data = line[5:].strip()
-            chunk = self._parsed(data)
-            if data == b"[DONE]":
-                lines.append(line)
+            if chunk == sse_wire.DONE_MARK:
+                self.joined.done = True
+                lines.append(b"data: [DONE]")
                 kept += 1
-                continue
-            if chunk is None:
-                continue
-            if self.joined.count(chunk):
-                self._token()
-            chunk = await guard.chunk(chunk)
-            if chunk is not None:
-                self.joined.add(chunk, count=False)
-                lines.append(b"data: " + orjson.dumps(chunk))
-                kept += 1
+            elif isinstance(chunk, str):
+                self.joined.failed = True
+            else:
+                if self.joined.count(chunk):
+                    self._token()
+                guarded = await guard.chunk(chunk)
+                if guarded is not None:
+                    self.joined.add(guarded, count=False)
+                    lines.append(sse_wire.data_line(guarded))
+                    kept += 1
         return b"\n".join(lines) if kept or not data_lines else None
 
     def event(self, event: bytes) -> None:
-        for line in event.split(b"\n"):
-            chunk = self._parsed(line[5:].strip()) if line.startswith(b"data:") else None
-            if chunk is not None and self.joined.add(chunk):
+        for chunk in sse_wire.payloads(event):
+            if chunk == sse_wire.DONE_MARK:
+                self.joined.done = True
+            elif isinstance(chunk, str):
+                self.joined.failed = True
+            elif self.joined.add(chunk):
                 self._token()
-
-    def _parsed(self, data: bytes) -> dict[str, Any] | None:
-        """An event's data as a chunk; None for `[DONE]` (the stream's end, noted) and for what is
-        not a JSON object (data that is not JSON noted as a failure)."""
-        if data == b"[DONE]":
-            self.joined.done = True
-            return None
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            self.joined.failed = True
-            return None
-        return chunk if isinstance(chunk, dict) else None
 
     async def _stream_ended(self) -> None:
         joined = self.joined
