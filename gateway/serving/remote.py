@@ -28,7 +28,6 @@ looks at its events.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic
@@ -41,8 +40,8 @@ from gateway.errors import BadGateway
 from gateway.protocol import sse_wire
 from gateway.protocol.openai import ChatCompletion, Completion
 from gateway.serving.guards.relay import RelayGuard
+from gateway.serving.meter import Meter
 from gateway.serving.service import AnswerT, OnDone
-from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
 
 log = structlog.get_logger(__name__)
@@ -197,18 +196,17 @@ class RemoteAnswer(Generic[AnswerT]):
         self.prompt_estimate = prompt_estimate
         self.on_done, self.on_end = on_done, on_end
         self.record = current_record()
-        self.started = self.record.arrival or time.perf_counter()
+        self.meter = Meter(model, self.record)
+        self.meter.begin()
         self.joined = _Joined()
-        self._first_token = False
         self._ended = False
-        metrics.labelled(metrics.IN_FLIGHT, model).inc()
 
     async def whole(self, status: int, body: bytes) -> bytes:
         """A whole answer (or an error the upstream answered with), as it may be passed on."""
         try:
             if status != 200:
                 return body
-            self._token()
+            self.meter.token()
             data = orjson.loads(body)
             if self.guard is not None:
                 data = await self.guard.answer(data)
@@ -216,7 +214,7 @@ class RemoteAnswer(Generic[AnswerT]):
             usage = data.get("usage") or {} if isinstance(data, dict) else {}
             if self.record.trace is not None and isinstance(data, dict):
                 self.record.trace.finished(c.get("finish_reason") for c in data.get("choices") or () if isinstance(c, dict))
-            self._count(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+            self.meter.count(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
             if self.on_done is not None:
                 await self._store(data)
         except orjson.JSONDecodeError:
@@ -259,7 +257,7 @@ class RemoteAnswer(Generic[AnswerT]):
                 self.joined.failed = True
             else:
                 if self.joined.count(chunk):
-                    self._token()
+                    self.meter.token()
                 guarded = await guard.chunk(chunk)
                 if guarded is not None:
                     self.joined.add(guarded, count=False)
@@ -274,7 +272,7 @@ class RemoteAnswer(Generic[AnswerT]):
             elif isinstance(chunk, str):
                 self.joined.failed = True
             elif self.joined.add(chunk):
-                self._token()
+                self.meter.token()
 
     async def _stream_ended(self) -> None:
         joined = self.joined
@@ -283,7 +281,7 @@ class RemoteAnswer(Generic[AnswerT]):
             self.record.trace.finished(joined.choices[index].finish_reason for index in sorted(joined.choices))
         prompt = int(usage.get("prompt_tokens") or self.prompt_estimate)
         completion = int(usage.get("completion_tokens") or joined.content_chunks)
-        self._count(prompt, completion)
+        self.meter.count(prompt, completion)
         if self.on_done is None or not joined.complete:
             return
         totals = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -301,26 +299,11 @@ class RemoteAnswer(Generic[AnswerT]):
             return
         await self.on_done(answer)
 
-    def _token(self) -> None:
-        if self._first_token:
-            return
-        self._first_token = True
-        ttft = time.perf_counter() - self.started
-        metrics.labelled(metrics.TIME_TO_FIRST_TOKEN, self.model).observe(ttft)
-        if self.record.ttft_s is None:
-            self.record.ttft_s = ttft
-
-    def _count(self, prompt: int, completion: int) -> None:
-        metrics.labelled(metrics.PROMPT_TOKENS, self.model).inc(prompt)
-        metrics.labelled(metrics.COMPLETION_TOKENS, self.model).inc(completion)
-        self.record.prompt_tokens = (self.record.prompt_tokens or 0) + prompt
-        self.record.completion_tokens = (self.record.completion_tokens or 0) + completion
-
     def end(self) -> None:
         """The answer is passed on (or failed): out of the in-flight gauge, `on_end` run; once."""
         if self._ended:
             return
         self._ended = True
-        metrics.labelled(metrics.IN_FLIGHT, self.model).dec()
+        self.meter.end()
         if self.on_end is not None:
             self.on_end()
