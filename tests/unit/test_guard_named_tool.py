@@ -26,7 +26,7 @@ def test_a_named_tool_calls_arguments_are_guarded_in_responses(tmp_path: Path, s
     assert answer.status_code == 200
     if stream:
         events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
-        done = [e for e in events if e.get("type") == "response.completed"][0]["response"]
+        done = next(e for e in events if e.get("type") == "response.completed")["response"]
         streamed = "".join(e["delta"] for e in events if e.get("type") == "response.function_call_arguments.delta")
         assert "eve@" not in streamed
     else:
