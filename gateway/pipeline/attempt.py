@@ -170,7 +170,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
                     span.set_attribute("gateway.cache.hit", hit is not None)
         record.cache = "hit" if hit is not None else "miss"
         record.response_headers["x-cache"] = record.cache.upper()
-        return (cache.storer(key, record) if hit is None and not unstored else None), hit
+        return (cache.storer(key) if hit is None and not unstored else None), hit
 
     async def _generate(self, prepared: PreparedT, permit: Permit, on_done: OnDone[AnswerT] | None) -> Answer:
         gone = self.context.client_gone

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
+import structlog
 from opentelemetry.trace import Span
 
 from engine.config import SamplingDefaults
@@ -22,6 +23,9 @@ from gateway.serving.guards.stream import OutputGuard, visible
 from gateway.serving.meter import Meter
 from gateway.telemetry.record import current_record
 from gateway.telemetry.tracing import headers_of
+
+log = structlog.get_logger(__name__)
+AnswerT = TypeVar("AnswerT")
 
 
 def new_id(prefix: str) -> str:
@@ -178,6 +182,15 @@ class ChoiceState:
             self.failed = delta.finish_reason == "error"
 
 
+async def hand_over(on_done: Callable[[AnswerT], Awaitable[None]] | None, answer: AnswerT, *runs: Run) -> None:
+    """A whole answer to the cache's hand-off, unless one of its runs judged it not to be kept."""
+    reason = next((run.unkeepable for run in runs if run.unkeepable), None)
+    if reason is not None:
+        log.info("cache_skipped", reason=reason)
+    elif on_done is not None:
+        await on_done(answer)
+
+
 class GenerationFailed(EngineError):
     """The engine ended a request with an error before its first token (vLLM's FINISHED_ERROR: for
     a constrained request, a grammar that did not compile). Never answered as an empty 200."""
@@ -214,6 +227,7 @@ class Run:
         self._first: GenerationOutput | None = None
         record.model = record.model or engine.info.name
         self._meter = Meter(engine.info.name, record)
+        self.unkeepable: str | None = None  # why the answer must not be cached
         self._closed = False
 
     async def start(self) -> Run:
@@ -290,15 +304,15 @@ class Run:
             self._end_span(prompt, completion)
 
     def _judge(self) -> None:
-        """Mark the request's answer as not to be cached when a choice failed, or came out empty
-        although its output was constrained (JSON is never empty): `stores.cache.Storer` reads it."""
+        """Mark the answer as not to be cached when a choice failed, or came out empty although its
+        output was constrained (JSON is never empty): `hand_over` reads it."""
         sampling = self.request.sampling
         constrained = sampling.json_schema is not None or sampling.json_object
         for choice in self.choices:
             if choice.failed:
-                self._record.unkeepable = "the engine failed a choice"
+                self.unkeepable = "the engine failed a choice"
             elif constrained and choice.finish_reason is not None and not "".join(choice.text).strip():
-                self._record.unkeepable = "a constrained choice came out empty"
+                self.unkeepable = "a constrained choice came out empty"
 
     def _end_span(self, prompt: int, completion: int) -> None:
         assert self._span is not None

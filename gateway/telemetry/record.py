@@ -33,7 +33,6 @@ class RequestRecord:
     prompt: str | None = None
     output: list[str] | None = None
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the response
-    unkeepable: str | None = None  # why the answer must not be cached (a failed or empty constrained generation)
     trace: RequestTrace | None = None  # the request's trace, when tracing is on (its ids go in the access line)
 
     def as_fields(self) -> dict[str, object]:
