@@ -29,7 +29,7 @@ class RateLimitMiddleware:
         policy = context.policy = self.tenants.policy(context.key_id)
         try:
             if policy.rpm is not None:  # no coroutine to make and await for a key without one
-                await self.quota.take_request(policy)
+                context.record.response_headers.update(await self.quota.take_request(policy))
         except RateLimited as error:
             await send_error(send, error, dialect=dialect_of(scope))
             return

@@ -89,6 +89,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if self.context.charge is None:  # a fallback does not charge the same request twice
             # settled at the request's end (middleware.rate_limit), or the stream's (_held)
             self.context.charge = await self.state.quota.charge(self.policy, tokens, reconcile)
+            self.context.record.response_headers.update(self.context.charge.headers)
 
     def _held(self) -> Callable[[], None]:
         """A stream's charge settles when the stream ends (it knows its tokens then), not when the

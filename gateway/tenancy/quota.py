@@ -189,6 +189,7 @@ class Charge:
     tokens_shared: bool = False  # the tokens per minute taken in Redis
     reconcile: bool = False  # tokens per minute too: the estimate was a guess (remote models)
     held: bool = False  # a stream settles when it ends, not when the handler returns
+    headers: dict[str, str] = field(default_factory=dict)  # the tokens per minute's x-ratelimit-* headers
     settled: bool = False
 
     def settle(self) -> None:
@@ -220,10 +221,12 @@ class Quota:
         self._down_until = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def take_request(self, policy: KeyPolicy) -> None:
-        if policy.rpm is not None:
-            allowed, tokens = await self._bucket(f"requests:{policy.key_id}", policy.rpm, 1)
-            _report("requests", policy.rpm, 1, allowed, tokens)
+    async def take_request(self, policy: KeyPolicy) -> dict[str, str]:
+        """The request counted against the key's requests per minute: its x-ratelimit-* headers."""
+        if policy.rpm is None:
+            return {}
+        allowed, tokens = await self._bucket(f"requests:{policy.key_id}", policy.rpm, 1)
+        return _report("requests", policy.rpm, 1, allowed, tokens)
 
     async def charge(self, policy: KeyPolicy, tokens: int, reconcile: bool = False) -> Charge:
         """Budgets reserved, then tokens per minute taken: QuotaExceeded or RateLimited when they refuse."""
@@ -240,7 +243,7 @@ class Quota:
         if policy.tpm is not None:
             allowed, left, shared = await self._bucket_where(f"tokens:{policy.key_id}", policy.tpm, tokens, False)
             try:
-                _report("tokens", policy.tpm, tokens, allowed, left)
+                charge.headers = _report("tokens", policy.tpm, tokens, allowed, left)
             except RateLimited:
                 if charge.periods:
                     self.correct(replace(charge, reconcile=False), -tokens)  # not served: the reservation goes back
@@ -339,20 +342,20 @@ class Quota:
             await self._pools.aclose()
 
 
-def _report(kind: str, limit: int, amount: float, allowed: bool, tokens: float) -> None:
-    """OpenAI's x-ratelimit-* headers; a refusal with Retry-After."""
-    headers = current_record().response_headers
+def _report(kind: str, limit: int, amount: float, allowed: bool, tokens: float) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers; a refusal (with them and Retry-After) raised."""
+    headers: dict[str, str] = {}
     headers[f"x-ratelimit-limit-{kind}"] = str(limit)
     headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, int(tokens)))
     headers[f"x-ratelimit-reset-{kind}"] = duration(max(0.0, (limit - tokens) * 60.0 / limit))
     if allowed:
-        return
+        return headers
     metrics.labelled(metrics.RATE_LIMITED, kind).inc()
     wait = max(0.0, (amount - tokens) * 60.0 / limit) if amount <= limit else 60.0
     headers["retry-after"] = str(max(1, round(wait)))
     raise RateLimited(
         f"Rate limit reached for {kind} per minute: limit {limit}, asked {int(amount)}. "
-        f"Please try again in {duration(wait)}.",
+        f"Please try again in {duration(wait)}.", headers=headers,
     )
 
 
