@@ -225,7 +225,6 @@ class Run:
             self.request = request = replace(request, trace_headers=headers_of(self._span))
         self._outputs = engine.generate(request)
         self._first: GenerationOutput | None = None
-        record.model = record.model or engine.info.name
         self._meter = Meter(engine.info.name, record)
         self.unkeepable: str | None = None  # why the answer must not be cached
         self._closed = False

@@ -1,28 +1,17 @@
 """A remote model's answer, read on its way through, so that remote models get the policies and
-the measurements embedded ones get.
+measurements embedded ones get.
 
-- Before: `estimate` counts a request's tokens for tokens per minute and token budgets, as there
-  is no tokenizer of the upstream's model here: the prompt's text at 4 characters a token
-  (OpenAI's rule of thumb for English), token-id prompts by their length, plus the output budget
-  asked for (max_tokens, or max_completion_tokens, times n and the prompts; completions' default
-  16; chat without one: 0, the answer's tokens are counted after).
-- After: `RemoteAnswer` reads the upstream's `usage` (a whole answer's; a stream's last usage
-  chunk, sent when the request sets `stream_options.include_usage`; without it, the estimate for
-  the prompt and one token per content chunk, as vLLM and OpenAI stream them) into the request's
-  record (the access line, the key's usage metrics, its budgets settled to it) and the token
-  metrics; observes time to first token (a stream's first content chunk, a whole answer's arrival)
-  and keeps the model's in-flight gauge up until the answer has been passed on; and rebuilds a
-  deterministic answer whole (a stream's chunks joined per choice) for the response cache, which
-  then serves it, streamed or not, as it serves an embedded model's.
-- With an output guard (`guards.relay.RelayGuard`: the request's profile checks answers, or
-  restores what its input redacted), the answer's text is guarded as an embedded model's is: a
-  whole answer parsed, guarded and written again; a stream's chunks each parsed, guarded (text held
-  back across chunks) and written again. What the cache keeps is the guarded answer; usage and
-  time to first token are read from the upstream's chunks as they came. An answer that cannot be
-  read cannot be checked: it is not passed on (a whole one is a 502).
-
-Without an output guard the bytes pass through unchanged and unbuffered: reading a stream only
-looks at its events.
+- Before: `estimate` counts a request's tokens (no tokenizer of the upstream's model here): the
+  prompt's text at 4 characters a token (OpenAI's rule of thumb), token-id prompts by their length,
+  plus the output budget asked for (max_tokens or max_completion_tokens, times n and the prompts;
+  completions' default 16; chat without one: 0, counted after).
+- After: `RemoteAnswer` reads the upstream's `usage` (a whole answer's, a stream's usage chunk;
+  without one, the estimate and one token per content chunk) and times its chunks (`serving.meter`);
+  it rebuilds a deterministic answer whole (a stream's chunks joined per choice) for the cache.
+- With an output guard (`guards.relay.RelayGuard`), each field that carries text is guarded as an
+  embedded model's is, a stream's chunks held back across chunks; what cannot be read cannot be
+  checked and is not passed on (a whole answer that is not JSON is a 502). Without one the events
+  pass through as the upstream framed them, byte for byte (fields unknown here included).
 """
 
 from __future__ import annotations
@@ -229,15 +218,12 @@ class RemoteAnswer(Generic[AnswerT]):
         """The same for a stream already cut into events (one event's lines each); with a guard,
         the events as it rewrites them."""
         try:
-            if self.guard is None:
-                async for event in events:
+            async for event in events:
+                if self.guard is None:
                     self.event(event)
                     yield event
-            else:
-                async for event in events:
-                    guarded = await self.guarded(event, self.guard)
-                    if guarded is not None:
-                        yield guarded
+                elif (guarded := await self.guarded(event, self.guard)) is not None:
+                    yield guarded
             await self._stream_ended()
         finally:
             self.end()
