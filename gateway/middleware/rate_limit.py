@@ -36,4 +36,6 @@ class RateLimitMiddleware:
         try:
             await self.app(scope, receive, send)  # send unwrapped: the access log records the status
         finally:
-            self.quota.finish(policy, context.record.status or 500, context.charge)
+            record = context.record
+            usage = (record.prompt_tokens or 0, record.completion_tokens or 0)
+            self.quota.finish(policy, record.status or 500, context.charge, usage)

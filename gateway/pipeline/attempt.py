@@ -98,7 +98,8 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if charge is None:
             return lambda: None
         charge.held = True
-        return charge.settle
+        record = self.context.record
+        return lambda: charge.settle(record.prompt_tokens or 0, record.completion_tokens or 0)
 
     async def _admit(self, backend: Backend) -> Permit:
         """As many permits as the engine requests this one makes, in the key's priority class. A

@@ -170,7 +170,7 @@ async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, ret
         return LineAnswer(status, data, context.request_id, record.prompt_tokens or 0, record.completion_tokens or 0)
     finally:
         if context.policy is not None:  # the request's usage counted and its charge settled, as the middleware does
-            state.quota.finish(context.policy, status, context.charge)
+            state.quota.finish(context.policy, status, context.charge, (record.prompt_tokens or 0, record.completion_tokens or 0))
         close_record(opened)
 
 

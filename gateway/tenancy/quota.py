@@ -39,7 +39,6 @@ from gateway.errors import OverTokenLimit, QuotaExceeded, RateLimited
 from gateway.settings import LimitsSettings
 from gateway.stores.redis import ERRORS, RedisPools
 from gateway.telemetry import metrics
-from gateway.telemetry.record import RequestRecord, current_record
 from gateway.tenancy.limits import TokenBucket, duration
 from gateway.tenancy.tenants import KeyPolicy
 
@@ -183,7 +182,6 @@ class Charge:
     quota: Quota
     policy: KeyPolicy
     estimate: int
-    record: RequestRecord
     periods: list[Period] = field(default_factory=list)
     budgets_shared: bool = False  # the budgets reserved in Redis (else in process)
     tokens_shared: bool = False  # the tokens per minute taken in Redis
@@ -192,11 +190,11 @@ class Charge:
     headers: dict[str, str] = field(default_factory=dict)  # the tokens per minute's x-ratelimit-* headers
     settled: bool = False
 
-    def settle(self) -> None:
+    def settle(self, prompt: int, completion: int) -> None:
+        """Settled to the tokens the request used (once)."""
         if self.settled:
             return
         self.settled = True
-        prompt, completion = self.record.prompt_tokens or 0, self.record.completion_tokens or 0
         labels = (self.policy.key_id, self.policy.team)
         prompts = metrics.labelled(metrics.KEY_PROMPT_TOKENS, *labels)
         completions = metrics.labelled(metrics.KEY_COMPLETION_TOKENS, *labels)
@@ -237,7 +235,7 @@ class Quota:
                 f"than the limit of {policy.tpm} tokens per minute allows: reduce the prompt, max_tokens or n.",
                 param="max_tokens",
             )
-        charge = Charge(self, policy, tokens, current_record(), periods(policy), reconcile=reconcile)
+        charge = Charge(self, policy, tokens, periods(policy), reconcile=reconcile)
         if charge.periods:
             await self._reserve(charge)
         if policy.tpm is not None:
@@ -302,13 +300,13 @@ class Quota:
         except ERRORS as exc:
             self._failed("settle", exc)  # Redis counted the estimate; this correction is lost
 
-    def finish(self, policy: KeyPolicy, status: int, charge: Charge | None) -> None:
-        """The end of a request (`middleware.rate_limit`): its usage counted and its charge settled,
-        unless a stream holds it (it settles when the stream ends)."""
+    def finish(self, policy: KeyPolicy, status: int, charge: Charge | None, usage: tuple[int, int]) -> None:
+        """The end of a request (`middleware.rate_limit`): its usage (prompt, completion tokens)
+        counted and its charge settled, unless a stream holds it (it settles when the stream ends)."""
         if 200 <= status < 300:
             metrics.labelled(metrics.KEY_REQUESTS, policy.key_id, policy.team).inc()
         if charge is not None and not charge.held:
-            charge.settle()
+            charge.settle(*usage)
 
     def later(self, work: Coroutine[Any, Any, None]) -> None:
         """Corrections run off the request's path; kept referenced until done."""
