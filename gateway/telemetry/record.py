@@ -37,7 +37,8 @@ class RequestRecord:
 
     def as_fields(self) -> dict[str, object]:
         """The fields that are set, for the access line (a shallow read: no copy of the record)."""
-        logged = {name: value for name in _LOGGED if (value := getattr(self, name)) is not None and value is not False}
+        logged = {name: value for name in _LOGGED if (value := getattr(self, name)) is not None
+                  and value is not False and value != []}
         if self.ttft_s is not None:
             logged["ttft_s"] = round(self.ttft_s, 4)
         if self.trace is not None:
