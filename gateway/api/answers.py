@@ -6,8 +6,9 @@ from __future__ import annotations
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from gateway.api.sse import RELAYED, EventStreamResponse, Framing
+from gateway.api.sse import EventStreamResponse
 from gateway.pipeline.answer import Answer, Stream, json_bytes
+from gateway.protocol.sse_wire import RELAYED, Framing
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:

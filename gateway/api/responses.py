@@ -22,13 +22,14 @@ from starlette.types import Message
 
 from gateway.api.answers import json_response, respond, stream_response
 from gateway.api.requests import context, parse, state_of
-from gateway.api.sse import NAMED, EventStreamResponse
+from gateway.api.sse import EventStreamResponse
 from gateway.errors import InvalidRequest
 from gateway.pipeline.answer import Stream
 from gateway.pipeline.context import context_of
 from gateway.pipeline.dispatch import dispatch
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.protocol.responses import InputItemsQuery, ResponseDeleted, ResponseItemList, ResponsesRequest
+from gateway.protocol.sse_wire import NAMED
 from gateway.serving.responses import ResponsesService, history_of
 from gateway.stores.responses import BackgroundRun, OwnedResponses
 

@@ -1,40 +1,25 @@
-"""Server-Sent Events: the one place that frames stream events, in the dialect of the route
-(`gateway.errors.dialect_of`, from the route table).
-
-- OpenAI: each event is `data: <json>\n\n`; the stream ends with `data: [DONE]\n\n`. An error after
-  the stream has started is one event `data: {"error": {...}}` followed by `[DONE]`.
-- Anthropic: each event is named by its model's `type` (`event: message_start\ndata: <json>\n\n`;
-  Anthropic's SDK skips events without a name), nothing follows `message_stop`, and an error after
-  the start is `event: error` with Anthropic's error object.
-- Typed events in OpenAI's dialect (the Responses API) are framed `NAMED`: named as Anthropic's,
-  no end marker, an error `event: error` with `{"type": "error", "error": {...}}`. The handler
-  sets it on the response; otherwise the route's dialect decides.
-- A remote model's stream (OpenAI's framing) is relayed event by event as it was framed
-  (`RELAYED`, its own `[DONE]` included), and ends with an error event and `[DONE]` when its
-  upstream fails in the middle.
+"""Server-Sent Events as an HTTP response: `EventStreamResponse` streams the pipeline's events, framed
+by `protocol.sse_wire` in the route's dialect (or the framing the handler sets).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
-import orjson
 import structlog
-from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.api import stalls
 from gateway.api.errors import dialect_of, from_exception
 from gateway.api.requests import gone_of
-from gateway.errors import ClientDisconnected, Dialect
+from gateway.errors import ClientDisconnected
 from gateway.pipeline.answer import Events, Primed
 from gateway.pipeline.disconnect import Watch
+from gateway.protocol.sse_wire import DONE, FRAMINGS, Framing, error_frame, frame
 from gateway.telemetry.record import current_record
 
-DONE = b"data: [DONE]\n\n"
 HEADERS = {
     "content-type": "text/event-stream; charset=utf-8",
     "cache-control": "no-cache",
@@ -44,44 +29,8 @@ HEADERS = {
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class Framing:
-    dialect: Dialect
-    named: bool  # an `event: <type>` line before each data line
-    end: bytes  # what closes the stream
-    relayed: bool = False  # events are bytes already framed by a remote upstream (one event's lines each)
-
-
-FRAMINGS: dict[Dialect, Framing] = {
-    "openai": Framing("openai", named=False, end=DONE),
-    "anthropic": Framing("anthropic", named=True, end=b""),
-}
-NAMED = Framing("openai", named=True, end=b"")  # the Responses API's typed events
-RELAYED = Framing("openai", named=False, end=b"", relayed=True)  # a remote model's own events, its [DONE] too
-
-
-def encode(event: BaseModel | bytes, named: bool = False) -> bytes:
-    """One event; bytes are JSON the producer encoded itself (the per-token chunks, ChunkEncoder)."""
-    if isinstance(event, bytes):
-        return b"data: " + event + b"\n\n"
-    data = b"data: " + event.__pydantic_serializer__.to_json(event, exclude_none=True) + b"\n\n"
-    if named:
-        return b"event: " + str(getattr(event, "type", "message")).encode() + b"\n" + data
-    return data
-
-
-def frame(event: BaseModel | bytes, framing: Framing) -> bytes:
-    """One event as `framing` puts it on the wire (a relayed event's lines are framed already)."""
-    if framing.relayed and isinstance(event, bytes):
-        return event + b"\n\n"
-    return encode(event, framing.named)
-
-
 def encode_error(exc: BaseException, framing: Framing = FRAMINGS["openai"]) -> bytes:
-    body = from_exception(exc).body(framing.dialect)
-    if framing.named:  # Anthropic's body is already {"type": "error", "error": {...}}
-        return b"event: error\ndata: " + orjson.dumps({"type": "error", **body}) + b"\n\n"
-    return b"data: " + orjson.dumps(body) + b"\n\n"
+    return error_frame(from_exception(exc).body(framing.dialect), framing)
 
 
 class EventStreamResponse(StreamingResponse):

@@ -5,13 +5,10 @@ through event by event, unbuffered, decoded from any `Content-Encoding` the upst
 header is not passed on: the client gets plain bytes).
 
 One aiohttp session per upstream, made on first use (in the serving loop), its pool sized by the
-model's `max_connections`, every connection kept alive between requests (for `KEEP_ALIVE_S`,
-under the 5 s after which uvicorn-based upstreams, vLLM's server among them, close an idle one).
-aiohttp, not httpx: httpx's pool looks at every pooled connection on each request (a poll of each
-idle socket through anyio's attributes), so its cost per request grows with the requests in
-flight: 1.1-2.2 ms of CPU per request at 16-64 in flight against an instant upstream, where
-aiohttp's pool (a deque of idle connections) costs 0.07 ms (httpx over aiohttp's transport: 0.23;
-benchmarks/RESULTS.md, "Remote path (issue 27)").
+model's `max_connections`, every connection kept alive between requests for `KEEP_ALIVE_S` (under
+the idle timeout of uvicorn-based upstreams, vLLM's server among them). aiohttp, not httpx: httpx's
+pool polls every pooled connection on each request, so its cost grows with the requests in flight
+(benchmarks/RESULTS.md, "Remote path (issue 27)").
 
 The upstream's failures become the gateway's own errors, mapped here once (`FAILURES`: aiohttp's
 errors and its timeouts); why goes to the log (`upstream_failed`), never to the client or /ready:
@@ -45,6 +42,7 @@ from yarl import URL
 from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
 from gateway.errors import APIError, BackendUnavailable, BadGateway
+from gateway.protocol import sse_wire
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
 from gateway.telemetry.tracing import headers_of
@@ -170,16 +168,9 @@ class Upstream:
         self, response: aiohttp.ClientResponse, on_close: Callable[[], None], span: Span | None
     ) -> AsyncGenerator[bytes, None]:
         """The stream's events as they complete (an event cut by a failure is not passed on)."""
-        pending = b""
         try:
-            async for chunk in response.content.iter_any():
-                pending = (pending + chunk).replace(b"\r\n", b"\n")
-                *complete, pending = pending.split(b"\n\n")
-                for event in complete:
-                    if event.strip():
-                        yield event
-            if pending.strip():
-                yield pending
+            async for event in sse_wire.split(response.content.iter_any()):
+                yield event
         except FAILURES as exc:
             if span is not None:
                 _failed_span(span, exc)

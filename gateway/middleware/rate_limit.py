@@ -29,11 +29,13 @@ class RateLimitMiddleware:
         policy = context.policy = self.tenants.policy(context.key_id)
         try:
             if policy.rpm is not None:  # no coroutine to make and await for a key without one
-                await self.quota.take_request(policy)
+                context.record.response_headers.update(await self.quota.take_request(policy))
         except RateLimited as error:
             await send_error(send, error, dialect=dialect_of(scope))
             return
         try:
             await self.app(scope, receive, send)  # send unwrapped: the access log records the status
         finally:
-            self.quota.finish(policy, context.record.status or 500, context.charge)
+            record = context.record
+            usage = (record.prompt_tokens or 0, record.completion_tokens or 0)
+            self.quota.finish(policy, record.status or 500, context.charge, usage)

@@ -7,6 +7,7 @@ embedded engine or the remote upstream (its answer read on the way, and guarded:
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Generic
 
 from pydantic import BaseModel
@@ -34,6 +35,14 @@ from gateway.tenancy.tenants import KeyPolicy
 Shape = Callable[[Event], BaseModel]  # answers and chunks in another form (the native API's)
 
 
+@dataclass(frozen=True, slots=True)
+class Start(Generic[AnswerT]):
+    """A backend's generation, prepared: started once admitted; `tag`: its answers' cache key's."""
+
+    run: Callable[[Permit, OnDone[AnswerT] | None], Awaitable[Answer]]
+    tag: str = ""
+
+
 class Attempt(Generic[RequestT, PreparedT, AnswerT]):
     def __init__(
         self,
@@ -52,9 +61,20 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         keys_scope = (state.settings.api_keys or state.tenants.enabled) and not state.settings.cache.shared_across_keys
         self.cache_scope = context.tenant if keys_scope else ""
 
-    def on(self, backend: Backend) -> Awaitable[Answer]:
-        # the coroutine itself (no layer of its own to await)
-        return self._remote(backend) if backend.upstream is not None else self._embedded(backend)
+    async def on(self, backend: Backend) -> Answer:
+        """The one journey on either backend: its preparation (every refusal, the tokens to charge),
+        the output bound, the charge, the cache, admission, then the generation, the permit held
+        until the answer has been passed on."""
+        start = await (self._remote(backend) if backend.upstream is not None else self._embedded(backend))
+        on_done, hit = await self._cached(backend, start.tag)
+        if hit is not None:
+            return self._replay(hit)
+        permit = await self._admit(backend)
+        try:
+            return await start.run(permit, on_done)
+        except BaseException:
+            permit.release()
+            raise
 
     def _check_output(self, tokens: int) -> None:
         most = self.state.settings.max_output_tokens_per_request
@@ -69,6 +89,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if self.context.charge is None:  # a fallback does not charge the same request twice
             # settled at the request's end (middleware.rate_limit), or the stream's (_held)
             self.context.charge = await self.state.quota.charge(self.policy, tokens, reconcile)
+            self.context.record.response_headers.update(self.context.charge.headers)
 
     def _held(self) -> Callable[[], None]:
         """A stream's charge settles when the stream ends (it knows its tokens then), not when the
@@ -77,7 +98,8 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if charge is None:
             return lambda: None
         charge.held = True
-        return charge.settle
+        record = self.context.record
+        return lambda: charge.settle(record.prompt_tokens or 0, record.completion_tokens or 0)
 
     async def _admit(self, backend: Backend) -> Permit:
         """As many permits as the engine requests this one makes, in the key's priority class. A
@@ -91,7 +113,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             waited = admission.acquire(count, self.scheduled.klass, key)
             return await unless_gone(self.context.client_gone, waited)
 
-    async def _embedded(self, backend: Backend) -> Answer:
+    async def _embedded(self, backend: Backend) -> Start[AnswerT]:
         engine = backend.engine
         assert engine is not None
         check_task(engine.info, self.service.task, self.service.route)
@@ -110,15 +132,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if prepared.constraint is not None:
             await self._constrained(backend, prepared.constraint, size)
         await self._charge(prepared.token_budget())
-        on_done, hit = await self._cached(backend)
-        if hit is not None:
-            return self._replay(hit)
-        permit = await self._admit(backend)
-        try:
-            return await self._generate(prepared, permit, on_done)
-        except BaseException:
-            permit.release()
-            raise
+        return Start(lambda permit, on_done: self._generate(prepared, permit, on_done))
 
     async def _constrained(self, backend: Backend, constraint: Constraint, size: int) -> None:
         """A structured-output constraint within its bounds and compiled by the model's grammar
@@ -158,7 +172,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
                     span.set_attribute("gateway.cache.hit", hit is not None)
         record.cache = "hit" if hit is not None else "miss"
         record.response_headers["x-cache"] = record.cache.upper()
-        return (cache.storer(key, record) if hit is None and not unstored else None), hit
+        return (cache.storer(key) if hit is None and not unstored else None), hit
 
     async def _generate(self, prepared: PreparedT, permit: Permit, on_done: OnDone[AnswerT] | None) -> Answer:
         gone = self.context.client_gone
@@ -185,7 +199,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         """The events in the native API's shape; as they are (no layer per event) for the others."""
         return events if self.shape is None else _reshaped(events, self.shape)
 
-    async def _remote(self, backend: Backend) -> Answer:
+    async def _remote(self, backend: Backend) -> Start[AnswerT]:
         assert backend.upstream is not None
         if self.shape is not None:
             raise InvalidRequest("The native API serves embedded models only", "model")
@@ -200,29 +214,27 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
         payload = self.scheduled.forwarded(payload)
         prompt, output = remote.estimate(payload)
+        self._check_output(output)
         await self._charge(prompt + output, reconcile=True)
         # the output guards read the answer when the profile checks answers (or restores what it
         # redacted); else it passes through unread. Guarded answers are cached under a key of their own.
         relay = self.guard.relay() if self.service.task == "generate" else None
-        on_done, hit = await self._cached(backend, "#relay" if relay is not None else "")
-        if hit is not None:
-            return self._replay(hit)
-        permit = await self._admit(backend)
-        watch = remote.RemoteAnswer(backend.name, self.service.answer_type, prompt, on_done, guard=relay)
-        try:
-            path, streams = self.service.upstream_path, self.body.streams
-            answer = await backend.upstream.forward(path, payload, streams, permit.release)
-            if answer.events is None:
-                body = await watch.whole(answer.status, answer.body)
-                return Whole(body, answer.status, answer.media_type)
-            watch.on_end = self._held()
-            # up to its first event, so that an upstream failing before it can still fall back
-            events = await unless_gone(self.context.client_gone, primed(watch.events(answer.events)))
-            return Stream(events, on_close=permit.release, relayed=True)
-        except BaseException:
-            permit.release()
-            watch.end()
-            raise
+        upstream, path = backend.upstream, self.service.upstream_path
+
+        async def run(permit: Permit, on_done: OnDone[AnswerT] | None) -> Answer:
+            watch = remote.RemoteAnswer(backend.name, self.service.answer_type, prompt, on_done, guard=relay)
+            try:
+                answer = await upstream.forward(path, payload, self.body.streams, permit.release)
+                if answer.events is None:
+                    return Whole(await watch.whole(answer.status, answer.body), answer.status, answer.media_type)
+                # up to its first event, so that an upstream failing before it can still fall back
+                events = await unless_gone(self.context.client_gone, primed(watch.events(answer.events)))
+                return Stream(events, on_close=self._on_close(permit), relayed=True)
+            except BaseException:
+                watch.end()
+                raise
+
+        return Start(run, "#relay" if relay is not None else "")
 
 
 def _traced_hit(record: RequestRecord, answer: BaseModel) -> None:

@@ -160,7 +160,7 @@ async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, ret
             status, data = _one_line(answer.status, whole_json(answer))
         except (RateLimited, ModelUnavailable) as refused:  # a full queue pauses the line whatever its status
             status = refused.status
-            wait = refused.headers.get("Retry-After") or record.response_headers.get("retry-after", "0")
+            wait = refused.headers.get("Retry-After") or refused.headers.get("retry-after", "0")
             raise Retry(max(retry_s, float(wait) if wait.isdigit() else 0.0)) from None
         except Exception as exc:  # an error is this line's answer, as the route would render it
             error: APIError = from_exception(exc)
@@ -170,7 +170,7 @@ async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, ret
         return LineAnswer(status, data, context.request_id, record.prompt_tokens or 0, record.completion_tokens or 0)
     finally:
         if context.policy is not None:  # the request's usage counted and its charge settled, as the middleware does
-            state.quota.finish(context.policy, status, context.charge)
+            state.quota.finish(context.policy, status, context.charge, (record.prompt_tokens or 0, record.completion_tokens or 0))
         close_record(opened)
 
 
@@ -191,5 +191,5 @@ async def _answer(context: RequestContext, state: GatewayState, owner: Owner, ur
         raise AuthenticationFailed("The API key that created this batch is no longer valid.")
     context.key_id = context.record.api_key_id = identity.key_id
     policy = context.policy = state.tenants.policy(identity.key_id)
-    await state.quota.take_request(policy)
+    context.record.response_headers.update(await state.quota.take_request(policy))
     return await ROUTES[url](context, state, body)

@@ -57,7 +57,9 @@ async def dispatch(
     if record.trace is not None:
         record.trace.request(service.route, body.model, body)
     record.response_headers["x-model-version"] = version
-    guard = state.guards.for_request(context.key_id, body.model, version)
+    guard = state.guards.for_request(context.key_id, body.model, version, log_content=record.log_content)
+    if guard.active:  # its notes are the access line's (the same lists, filled as the request goes)
+        record.guards, record.guard_matches = guard.actions, guard.matches
     attempt = Attempt(context, state, body, service, guard, shape, policy)
     failure: APIError | None = None
     for backend in chain:

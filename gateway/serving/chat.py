@@ -29,6 +29,7 @@ from gateway.serving.generation import (
     Run,
     check_sampling,
     check_schema_numbers,
+    hand_over,
     new_id,
     now,
     resolve_max_tokens,
@@ -250,8 +251,7 @@ async def complete(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | Non
     run = await start_run(prepared)
     await run.collect()
     answer = _answer(prepared, run)
-    if on_done is not None:
-        await on_done(answer)
+    await hand_over(on_done, answer, run)
     return answer
 
 
@@ -324,7 +324,7 @@ async def stream(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None 
         if present:
             yield chunk(present, run.usage() if include_usage and continuous else None)
     if on_done is not None:
-        await on_done(_answer(prepared, run))
+        await hand_over(on_done, _answer(prepared, run), run)
     if include_usage:
         yield chunk([], run.usage())
 

@@ -27,6 +27,7 @@ from gateway.serving.generation import (
     check_sampling,
     check_token_ids,
     finish_reason,
+    hand_over,
     new_id,
     now,
     resolve_max_tokens,
@@ -213,8 +214,7 @@ async def complete(prepared: PreparedCompletion, on_done: OnDone[Completion] | N
         await asyncio.gather(*(run.close() for run in answer.runs), return_exceptions=True)
         raise
     whole = _whole(answer)
-    if on_done is not None:
-        await on_done(whole)
+    await hand_over(on_done, whole, *answer.runs)
     return whole
 
 
@@ -265,7 +265,7 @@ async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | Non
     async for encoded in _chunks(answer, chunk, prepared.request):
         yield encoded
     if on_done is not None:
-        await on_done(_whole(answer))
+        await hand_over(on_done, _whole(answer), *answer.runs)
     if include_usage:
         yield chunk([], answer.usage())
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 class ChunkEncoder:
     """A stream's chunks as JSON: the fields that never change (id, object, created, model) are
     serialized once per stream; per token only the choices, JSON-ready dicts, go through orjson
-    (pydantic per token cost ~10% of a streamed token's CPU: benchmarks/RESULTS.md)."""
+    (pydantic per token costs more: benchmarks/RESULTS.md)."""
 
     def __init__(self, id: str, object: str, created: int, model: str, service_tier: str | None = None) -> None:
         head: dict[str, Any] = {"id": id, "object": object, "created": created, "model": model}

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
+import structlog
 from opentelemetry.trace import Span
 
 from engine.config import SamplingDefaults
@@ -19,9 +20,12 @@ from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationReques
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol.openai import SamplingFields, Usage
 from gateway.serving.guards.stream import OutputGuard, visible
-from gateway.telemetry import metrics
+from gateway.serving.meter import Meter
 from gateway.telemetry.record import current_record
 from gateway.telemetry.tracing import headers_of
+
+log = structlog.get_logger(__name__)
+AnswerT = TypeVar("AnswerT")
 
 
 def new_id(prefix: str) -> str:
@@ -178,6 +182,15 @@ class ChoiceState:
             self.failed = delta.finish_reason == "error"
 
 
+async def hand_over(on_done: Callable[[AnswerT], Awaitable[None]] | None, answer: AnswerT, *runs: Run) -> None:
+    """A whole answer to the cache's hand-off, unless one of its runs judged it not to be kept."""
+    reason = next((run.unkeepable for run in runs if run.unkeepable), None)
+    if reason is not None:
+        log.info("cache_skipped", reason=reason)
+    elif on_done is not None:
+        await on_done(answer)
+
+
 class GenerationFailed(EngineError):
     """The engine ended a request with an error before its first token (vLLM's FINISHED_ERROR: for
     a constrained request, a grammar that did not compile). Never answered as an empty 200."""
@@ -212,19 +225,13 @@ class Run:
             self.request = request = replace(request, trace_headers=headers_of(self._span))
         self._outputs = engine.generate(request)
         self._first: GenerationOutput | None = None
-        self._model = model = engine.info.name
-        record.model = record.model or model
-        self._itl: metrics.Observations | None = None  # from the second token on (none for a one-token answer)
-        self._started = record.arrival or time.perf_counter()
-        self._first_token_at: float | None = None
-        self._last_token_at: float | None = None
-        self._in_flight = False
+        self._meter = Meter(engine.info.name, record)
+        self.unkeepable: str | None = None  # why the answer must not be cached
         self._closed = False
 
     async def start(self) -> Run:
         """Wait for the first output, so that the engine's refusals come before any byte is sent."""
-        metrics.labelled(metrics.IN_FLIGHT, self._model).inc()
-        self._in_flight = True
+        self._meter.begin()
         try:
             self._first = await anext(self._outputs)
         except StopAsyncIteration:
@@ -277,61 +284,34 @@ class Run:
         for delta in output.choices:
             self.choices[delta.index].add(delta)
             tokens = tokens or bool(delta.token_ids)
-        if tokens:
-            self._time_token()
+        if tokens and self._meter.token() and self._span is not None:
+            self._span.end()
+            assert self._record.trace is not None
+            self._span = self._record.trace.start("engine.decode", attributes={"gen_ai.request.id": self.request.request_id})
         return output
-
-    def _time_token(self) -> None:
-        at = time.perf_counter()
-        if self._first_token_at is None:
-            self._first_token_at = at
-            ttft = at - self._started
-            metrics.labelled(metrics.TIME_TO_FIRST_TOKEN, self._model).observe(ttft)
-            if self._record.ttft_s is None:
-                self._record.ttft_s = ttft
-            if self._span is not None:
-                self._span.end()
-                assert self._record.trace is not None
-                self._span = self._record.trace.start("engine.decode", attributes={"gen_ai.request.id": self.request.request_id})
-        elif self._last_token_at is not None:
-            if self._itl is None:
-                self._itl = metrics.Observations(metrics.labelled(metrics.INTER_TOKEN_LATENCY, self._model))
-            self._itl.add(at - self._last_token_at)
-        self._last_token_at = at
 
     def _finish(self) -> None:
         self._judge()
-        if self._in_flight:
-            metrics.labelled(metrics.IN_FLIGHT, self._model).dec()
-            self._in_flight = False
-        if self._itl is not None:
-            self._itl.flush()
+        self._meter.end()
         prompt, completion = self.prompt_tokens, self.completion_tokens()
-        metrics.labelled(metrics.PROMPT_TOKENS, self._model).inc(prompt)
-        metrics.labelled(metrics.COMPLETION_TOKENS, self._model).inc(completion)
+        self._meter.count(prompt, completion, len(self.choices))
         record = self._record
         if record.log_content:
             record.prompt = self.request.prompt_text
             record.output = (record.output or []) + ["".join(choice.text) for choice in self.choices]
-        record.prompt_tokens = (record.prompt_tokens or 0) + prompt
-        record.completion_tokens = (record.completion_tokens or 0) + completion
         if self._span is not None:
             self._end_span(prompt, completion)
-        per_choice = completion / max(1, len(self.choices))
-        if self._first_token_at is not None and self._last_token_at is not None and per_choice > 1:
-            tpot = (self._last_token_at - self._first_token_at) / (per_choice - 1)
-            metrics.labelled(metrics.TIME_PER_OUTPUT_TOKEN, self._model).observe(tpot)
 
     def _judge(self) -> None:
-        """Mark the request's answer as not to be cached when a choice failed, or came out empty
-        although its output was constrained (JSON is never empty): `stores.cache.Storer` reads it."""
+        """Mark the answer as not to be cached when a choice failed, or came out empty although its
+        output was constrained (JSON is never empty): `hand_over` reads it."""
         sampling = self.request.sampling
         constrained = sampling.json_schema is not None or sampling.json_object
         for choice in self.choices:
             if choice.failed:
-                self._record.unkeepable = "the engine failed a choice"
+                self.unkeepable = "the engine failed a choice"
             elif constrained and choice.finish_reason is not None and not "".join(choice.text).strip():
-                self._record.unkeepable = "a constrained choice came out empty"
+                self.unkeepable = "a constrained choice came out empty"
 
     def _end_span(self, prompt: int, completion: int) -> None:
         assert self._span is not None

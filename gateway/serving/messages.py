@@ -56,7 +56,7 @@ from gateway.protocol.openai import (
     ToolCall,
 )
 from gateway.serving import chat, tools
-from gateway.serving.generation import ChoiceState, Run
+from gateway.serving.generation import ChoiceState, Run, hand_over
 from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.message_blocks import BlockEvents, ContentStream, tool_use_id
 from gateway.serving.service import OnDone, check_task
@@ -293,8 +293,7 @@ async def complete(prepared: PreparedMessage, on_done: OnDone[Message] | None = 
     run = await chat.start_run(prepared.chat)
     await run.collect()
     answer, _ = _answer(prepared, run)
-    if on_done is not None:
-        await on_done(answer)
+    await hand_over(on_done, answer, run)
     return answer
 
 
@@ -326,8 +325,7 @@ async def stream(prepared: PreparedMessage, on_done: OnDone[Message] | None = No
     answer, calls = _answer(prepared, run)
     for event in [*content.finish(calls), *_end(answer)]:
         yield event
-    if on_done is not None:
-        await on_done(answer)
+    await hand_over(on_done, answer, run)
     yield MessageStopEvent()
 
 

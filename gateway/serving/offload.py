@@ -1,10 +1,7 @@
-"""Large inputs are prepared (chat template, tokenizing) off the event loop.
-
-Tokenizing 1 MB of text held the event loop for 0.9 s on this machine: every stream in progress
-stalled that long, and a 4 MB body (the default limit) is ~3 s. In a worker thread the loop's
-longest gap was 11 ms, since the Rust tokenizers release the GIL. Small inputs stay inline, where
-a thread hop would cost more than they do. One worker: large inputs queue behind each other
-instead of taking every core.
+"""Large inputs are prepared (chat template, tokenizing) off the event loop, in one worker thread:
+tokenizing a large body inline would stall every stream in progress, and the Rust tokenizers
+release the GIL. Small inputs stay inline, where a thread hop costs more than they do; large ones
+queue behind each other instead of taking every core (figures: benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

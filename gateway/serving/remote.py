@@ -1,34 +1,22 @@
 """A remote model's answer, read on its way through, so that remote models get the policies and
-the measurements embedded ones get.
+measurements embedded ones get.
 
-- Before: `estimate` counts a request's tokens for tokens per minute and token budgets, as there
-  is no tokenizer of the upstream's model here: the prompt's text at 4 characters a token
-  (OpenAI's rule of thumb for English), token-id prompts by their length, plus the output budget
-  asked for (max_tokens, or max_completion_tokens, times n and the prompts; completions' default
-  16; chat without one: 0, the answer's tokens are counted after).
-- After: `RemoteAnswer` reads the upstream's `usage` (a whole answer's; a stream's last usage
-  chunk, sent when the request sets `stream_options.include_usage`; without it, the estimate for
-  the prompt and one token per content chunk, as vLLM and OpenAI stream them) into the request's
-  record (the access line, the key's usage metrics, its budgets settled to it) and the token
-  metrics; observes time to first token (a stream's first content chunk, a whole answer's arrival)
-  and keeps the model's in-flight gauge up until the answer has been passed on; and rebuilds a
-  deterministic answer whole (a stream's chunks joined per choice) for the response cache, which
-  then serves it, streamed or not, as it serves an embedded model's.
-- With an output guard (`guards.relay.RelayGuard`: the request's profile checks answers, or
-  restores what its input redacted), the answer's text is guarded as an embedded model's is: a
-  whole answer parsed, guarded and written again; a stream's chunks each parsed, guarded (text held
-  back across chunks) and written again. What the cache keeps is the guarded answer; usage and
-  time to first token are read from the upstream's chunks as they came. An answer that cannot be
-  read cannot be checked: it is not passed on (a whole one is a 502).
-
-Without an output guard the bytes pass through unchanged and unbuffered: reading a stream only
-looks at its events.
+- Before: `estimate` counts a request's tokens (no tokenizer of the upstream's model here): the
+  prompt's text at 4 characters a token (OpenAI's rule of thumb), token-id prompts by their length,
+  plus the output budget asked for (max_tokens or max_completion_tokens, times n and the prompts;
+  completions' default 16; chat without one: 0, counted after).
+- After: `RemoteAnswer` reads the upstream's `usage` (a whole answer's, a stream's usage chunk;
+  without one, the estimate and one token per content chunk) and times its chunks (`serving.meter`);
+  it rebuilds a deterministic answer whole (a stream's chunks joined per choice) for the cache.
+- With an output guard (`guards.relay.RelayGuard`), each field that carries text is guarded as an
+  embedded model's is, a stream's chunks held back across chunks; what cannot be read cannot be
+  checked and is not passed on (a whole answer that is not JSON is a 502). Without one the events
+  pass through as the upstream framed them, byte for byte (fields unknown here included).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic
@@ -38,10 +26,11 @@ import structlog
 from pydantic import ValidationError
 
 from gateway.errors import BadGateway
+from gateway.protocol import sse_wire
 from gateway.protocol.openai import ChatCompletion, Completion
 from gateway.serving.guards.relay import RelayGuard
+from gateway.serving.meter import Meter
 from gateway.serving.service import AnswerT, OnDone
-from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
 
 log = structlog.get_logger(__name__)
@@ -196,18 +185,17 @@ class RemoteAnswer(Generic[AnswerT]):
         self.prompt_estimate = prompt_estimate
         self.on_done, self.on_end = on_done, on_end
         self.record = current_record()
-        self.started = self.record.arrival or time.perf_counter()
+        self.meter = Meter(model, self.record)
+        self.meter.begin()
         self.joined = _Joined()
-        self._first_token = False
         self._ended = False
-        metrics.labelled(metrics.IN_FLIGHT, model).inc()
 
     async def whole(self, status: int, body: bytes) -> bytes:
         """A whole answer (or an error the upstream answered with), as it may be passed on."""
         try:
             if status != 200:
                 return body
-            self._token()
+            self.meter.token()
             data = orjson.loads(body)
             if self.guard is not None:
                 data = await self.guard.answer(data)
@@ -215,7 +203,7 @@ class RemoteAnswer(Generic[AnswerT]):
             usage = data.get("usage") or {} if isinstance(data, dict) else {}
             if self.record.trace is not None and isinstance(data, dict):
                 self.record.trace.finished(c.get("finish_reason") for c in data.get("choices") or () if isinstance(c, dict))
-            self._count(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+            self.meter.count(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
             if self.on_done is not None:
                 await self._store(data)
         except orjson.JSONDecodeError:
@@ -226,35 +214,16 @@ class RemoteAnswer(Generic[AnswerT]):
             self.end()
         return body
 
-    async def chunks(self, chunks: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
-        """A stream's bytes as they come (any cut), passed on unchanged; events read on the way."""
-        pending = b""
-        try:
-            async for chunk in chunks:
-                pending = (pending + chunk).replace(b"\r\n", b"\n")
-                *events, pending = pending.split(b"\n\n")
-                for event in events:
-                    self.event(event)
-                yield chunk
-            if pending.strip():
-                self.event(pending)
-            await self._stream_ended()
-        finally:
-            self.end()
-
     async def events(self, events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         """The same for a stream already cut into events (one event's lines each); with a guard,
         the events as it rewrites them."""
         try:
-            if self.guard is None:
-                async for event in events:
+            async for event in events:
+                if self.guard is None:
                     self.event(event)
                     yield event
-            else:
-                async for event in events:
-                    guarded = await self.guarded(event, self.guard)
-                    if guarded is not None:
-                        yield guarded
+                elif (guarded := await self.guarded(event, self.guard)) is not None:
+                    yield guarded
             await self._stream_ended()
         finally:
             self.end()
@@ -262,47 +231,34 @@ class RemoteAnswer(Generic[AnswerT]):
     async def guarded(self, event: bytes, guard: RelayGuard) -> bytes | None:
         """One event read, then guarded and written again (None: nothing of it to pass on). Data
         that is not JSON is not passed on: it cannot be checked."""
-        lines, data_lines, kept = [], 0, 0
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                lines.append(line)
-                continue
+        lines = [line for line in event.split(b"\n") if not line.startswith(b"data:")]
+        data_lines = kept = 0
+        for chunk in sse_wire.payloads(event):
             data_lines += 1
-            data = line[5:].strip()
-            chunk = self._parsed(data)
-            if data == b"[DONE]":
-                lines.append(line)
+            if chunk == sse_wire.DONE_MARK:
+                self.joined.done = True
+                lines.append(b"data: [DONE]")
                 kept += 1
-                continue
-            if chunk is None:
-                continue
-            if self.joined.count(chunk):
-                self._token()
-            chunk = await guard.chunk(chunk)
-            if chunk is not None:
-                self.joined.add(chunk, count=False)
-                lines.append(b"data: " + orjson.dumps(chunk))
-                kept += 1
+            elif isinstance(chunk, str):
+                self.joined.failed = True
+            else:
+                if self.joined.count(chunk):
+                    self.meter.token()
+                guarded = await guard.chunk(chunk)
+                if guarded is not None:
+                    self.joined.add(guarded, count=False)
+                    lines.append(sse_wire.data_line(guarded))
+                    kept += 1
         return b"\n".join(lines) if kept or not data_lines else None
 
     def event(self, event: bytes) -> None:
-        for line in event.split(b"\n"):
-            chunk = self._parsed(line[5:].strip()) if line.startswith(b"data:") else None
-            if chunk is not None and self.joined.add(chunk):
-                self._token()
-
-    def _parsed(self, data: bytes) -> dict[str, Any] | None:
-        """An event's data as a chunk; None for `[DONE]` (the stream's end, noted) and for what is
-        not a JSON object (data that is not JSON noted as a failure)."""
-        if data == b"[DONE]":
-            self.joined.done = True
-            return None
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            self.joined.failed = True
-            return None
-        return chunk if isinstance(chunk, dict) else None
+        for chunk in sse_wire.payloads(event):
+            if chunk == sse_wire.DONE_MARK:
+                self.joined.done = True
+            elif isinstance(chunk, str):
+                self.joined.failed = True
+            elif self.joined.add(chunk):
+                self.meter.token()
 
     async def _stream_ended(self) -> None:
         joined = self.joined
@@ -311,7 +267,7 @@ class RemoteAnswer(Generic[AnswerT]):
             self.record.trace.finished(joined.choices[index].finish_reason for index in sorted(joined.choices))
         prompt = int(usage.get("prompt_tokens") or self.prompt_estimate)
         completion = int(usage.get("completion_tokens") or joined.content_chunks)
-        self._count(prompt, completion)
+        self.meter.count(prompt, completion)
         if self.on_done is None or not joined.complete:
             return
         totals = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -329,26 +285,11 @@ class RemoteAnswer(Generic[AnswerT]):
             return
         await self.on_done(answer)
 
-    def _token(self) -> None:
-        if self._first_token:
-            return
-        self._first_token = True
-        ttft = time.perf_counter() - self.started
-        metrics.labelled(metrics.TIME_TO_FIRST_TOKEN, self.model).observe(ttft)
-        if self.record.ttft_s is None:
-            self.record.ttft_s = ttft
-
-    def _count(self, prompt: int, completion: int) -> None:
-        metrics.labelled(metrics.PROMPT_TOKENS, self.model).inc(prompt)
-        metrics.labelled(metrics.COMPLETION_TOKENS, self.model).inc(completion)
-        self.record.prompt_tokens = (self.record.prompt_tokens or 0) + prompt
-        self.record.completion_tokens = (self.record.completion_tokens or 0) + completion
-
     def end(self) -> None:
         """The answer is passed on (or failed): out of the in-flight gauge, `on_end` run; once."""
         if self._ended:
             return
         self._ended = True
-        metrics.labelled(metrics.IN_FLIGHT, self.model).dec()
+        self.meter.end()
         if self.on_end is not None:
             self.on_end()

@@ -47,7 +47,7 @@ from gateway.protocol.responses import (
 )
 from gateway.serving import chat, response_input, tools
 from gateway.serving.chat import PreparedChat
-from gateway.serving.generation import ChoiceState, Run, now
+from gateway.serving.generation import ChoiceState, Run, hand_over, now
 from gateway.serving.guards.pipeline import UNGUARDED, RequestGuard
 from gateway.serving.response_events import ResponseEvents, new_id
 from gateway.serving.service import OnDone
@@ -133,8 +133,7 @@ class ResponsesService:
         await run.collect()
         self.model, self.service_tier = prepared.model, prepared.scheduled.tier
         answer = self._finished(output_items(prepared.tools, run.choices[0]), run.usage(), run.choices[0])
-        if on_done is not None:
-            await on_done(answer)
+        await hand_over(on_done, answer, run)
         self.answer = answer
         return answer
 
@@ -247,8 +246,7 @@ class ResponsesService:
         for event in self._finish(events, plan, run.choices[0]):
             yield event
         answer = self._finished(events.response.output, run.usage(), run.choices[0])
-        if on_done is not None:
-            await on_done(answer)
+        await hand_over(on_done, answer, run)
         if not (self.request.background and await self._withdrawn()):
             await self.save(answer)
         yield events.lifecycle("response.completed" if answer.status == "completed" else "response.incomplete", answer)

@@ -16,7 +16,6 @@ from pydantic import BaseModel
 from gateway.settings import CacheSettings
 from gateway.stores.redis import ERRORS, RedisPools
 from gateway.telemetry import metrics
-from gateway.telemetry.record import RequestRecord
 
 log = structlog.get_logger(__name__)
 NOT_IN_KEY = {"stream", "stream_options", "user"}
@@ -164,27 +163,23 @@ class ResponseCache:
         await self.backend.set(key, raw)
         return raw
 
-    def storer(self, key: str, record: RequestRecord | None = None) -> Storer:
-        """The hand-off that stores a whole answer under `key` once a service has it (unless `record` says it failed
-        or came out empty under a constraint)."""
-        return Storer(self, key, record)
+    def storer(self, key: str) -> Storer:
+        """The hand-off that stores a whole answer under `key` once a service has it."""
+        return Storer(self, key)
 
 
 class Storer:
     """Stores a whole answer and keeps what it wrote, so a non-streamed answer goes out as those bytes instead of
     being serialized again."""
 
-    __slots__ = ("_answer", "_cache", "_key", "_raw", "_record")
+    __slots__ = ("_answer", "_cache", "_key", "_raw")
 
-    def __init__(self, cache: ResponseCache, key: str, record: RequestRecord | None = None) -> None:
-        self._cache, self._key, self._record = cache, key, record
+    def __init__(self, cache: ResponseCache, key: str) -> None:
+        self._cache, self._key = cache, key
         self._answer: BaseModel | None = None
         self._raw = b""
 
     async def __call__(self, answer: BaseModel) -> None:
-        if self._record is not None and self._record.unkeepable:
-            log.info("cache_skipped", reason=self._record.unkeepable)
-            return
         self._raw = await self._cache.put(self._key, answer)
         self._answer = answer
 

@@ -33,12 +33,12 @@ class RequestRecord:
     prompt: str | None = None
     output: list[str] | None = None
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the response
-    unkeepable: str | None = None  # why the answer must not be cached (a failed or empty constrained generation)
     trace: RequestTrace | None = None  # the request's trace, when tracing is on (its ids go in the access line)
 
     def as_fields(self) -> dict[str, object]:
         """The fields that are set, for the access line (a shallow read: no copy of the record)."""
-        logged = {name: value for name in _LOGGED if (value := getattr(self, name)) is not None and value is not False}
+        logged = {name: value for name in _LOGGED if (value := getattr(self, name)) is not None
+                  and value is not False and value != []}
         if self.ttft_s is not None:
             logged["ttft_s"] = round(self.ttft_s, 4)
         if self.trace is not None:

@@ -16,7 +16,6 @@ from gateway.errors import OverTokenLimit, QuotaExceeded, RateLimited
 from gateway.settings import LimitsSettings
 from gateway.stores.redis import ERRORS, RedisPools
 from gateway.telemetry import metrics
-from gateway.telemetry.record import RequestRecord, current_record
 from gateway.tenancy.limits import TokenBucket, duration
 from gateway.tenancy.tenants import KeyPolicy
 
@@ -159,19 +158,19 @@ class Charge:
     quota: Quota
     policy: KeyPolicy
     estimate: int
-    record: RequestRecord
     periods: list[Period] = field(default_factory=list)
     budgets_shared: bool = False  # the budgets reserved in Redis (else in process)
     tokens_shared: bool = False  # the tokens per minute taken in Redis
     reconcile: bool = False  # tokens per minute too: the estimate was a guess (remote models)
     held: bool = False  # a stream settles when it ends, not when the handler returns
+    headers: dict[str, str] = field(default_factory=dict)  # the tokens per minute's x-ratelimit-* headers
     settled: bool = False
 
-    def settle(self) -> None:
+    def settle(self, prompt: int, completion: int) -> None:
+        """Settled to the tokens the request used (once)."""
         if self.settled:
             return
         self.settled = True
-        prompt, completion = self.record.prompt_tokens or 0, self.record.completion_tokens or 0
         labels = (self.policy.key_id, self.policy.team)
         prompts = metrics.labelled(metrics.KEY_PROMPT_TOKENS, *labels)
         completions = metrics.labelled(metrics.KEY_COMPLETION_TOKENS, *labels)
@@ -194,10 +193,12 @@ class Quota:
         self._down_until = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def take_request(self, policy: KeyPolicy) -> None:
-        if policy.rpm is not None:
-            allowed, tokens = await self._bucket(f"requests:{policy.key_id}", policy.rpm, 1)
-            _report("requests", policy.rpm, 1, allowed, tokens)
+    async def take_request(self, policy: KeyPolicy) -> dict[str, str]:
+        """The request counted against the key's requests per minute: its x-ratelimit-* headers."""
+        if policy.rpm is None:
+            return {}
+        allowed, tokens = await self._bucket(f"requests:{policy.key_id}", policy.rpm, 1)
+        return _report("requests", policy.rpm, 1, allowed, tokens)
 
     async def charge(self, policy: KeyPolicy, tokens: int, reconcile: bool = False) -> Charge:
         if policy.tpm is not None and tokens > policy.tpm:  # waiting cannot help: a 400, no Retry-After
@@ -207,13 +208,13 @@ class Quota:
                 f"than the limit of {policy.tpm} tokens per minute allows: reduce the prompt, max_tokens or n.",
                 param="max_tokens",
             )
-        charge = Charge(self, policy, tokens, current_record(), periods(policy), reconcile=reconcile)
+        charge = Charge(self, policy, tokens, periods(policy), reconcile=reconcile)
         if charge.periods:
             await self._reserve(charge)
         if policy.tpm is not None:
             allowed, left, shared = await self._bucket_where(f"tokens:{policy.key_id}", policy.tpm, tokens, False)
             try:
-                _report("tokens", policy.tpm, tokens, allowed, left)
+                charge.headers = _report("tokens", policy.tpm, tokens, allowed, left)
             except RateLimited:
                 if charge.periods:
                     self.correct(replace(charge, reconcile=False), -tokens)  # not served: the reservation goes back
@@ -272,12 +273,13 @@ class Quota:
         except ERRORS as exc:
             self._failed("settle", exc)  # Redis counted the estimate; this correction is lost
 
-    def finish(self, policy: KeyPolicy, status: int, charge: Charge | None) -> None:
-        """Usage counted and the charge settled, unless a stream holds it (it settles when the stream ends)."""
+    def finish(self, policy: KeyPolicy, status: int, charge: Charge | None, usage: tuple[int, int]) -> None:
+        """The end of a request (`middleware.rate_limit`): its usage (prompt, completion tokens)
+        counted and its charge settled, unless a stream holds it (it settles when the stream ends)."""
         if 200 <= status < 300:
             metrics.labelled(metrics.KEY_REQUESTS, policy.key_id, policy.team).inc()
         if charge is not None and not charge.held:
-            charge.settle()
+            charge.settle(*usage)
 
     def later(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -310,19 +312,20 @@ class Quota:
             await self._pools.aclose()
 
 
-def _report(kind: str, limit: int, amount: float, allowed: bool, tokens: float) -> None:
-    headers = current_record().response_headers
+def _report(kind: str, limit: int, amount: float, allowed: bool, tokens: float) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers; a refusal (with them and Retry-After) raised."""
+    headers: dict[str, str] = {}
     headers[f"x-ratelimit-limit-{kind}"] = str(limit)
     headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, int(tokens)))
     headers[f"x-ratelimit-reset-{kind}"] = duration(max(0.0, (limit - tokens) * 60.0 / limit))
     if allowed:
-        return
+        return headers
     metrics.labelled(metrics.RATE_LIMITED, kind).inc()
     wait = max(0.0, (amount - tokens) * 60.0 / limit) if amount <= limit else 60.0
     headers["retry-after"] = str(max(1, round(wait)))
     raise RateLimited(
         f"Rate limit reached for {kind} per minute: limit {limit}, asked {int(amount)}. "
-        f"Please try again in {duration(wait)}.",
+        f"Please try again in {duration(wait)}.", headers=headers,
     )
 
 

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 from starlette.testclient import TestClient
 
+from gateway.protocol import sse_wire
 from gateway.protocol.openai import ChatCompletion, Completion
 from gateway.serving.remote import RemoteAnswer, estimate
 from tests.fakes import FakeEngine, app_with, chat_body
@@ -122,8 +123,8 @@ async def test_in_flight_while_a_remote_stream_is_passed_on() -> None:
 
     before = metric("gateway_time_to_first_token_seconds_count", model="watched")
     watch = RemoteAnswer("watched", ChatCompletion, 1)
-    passed = [chunk async for chunk in watch.chunks(chunks())]
-    assert b"".join(passed).endswith(b"data: [DONE]\n\n")
+    passed = [event async for event in watch.events(sse_wire.split(chunks()))]
+    assert passed[-1] == b"data: [DONE]"
     assert len(passed) == 3
     assert metric("gateway_requests_in_flight", model="watched") == 0
     assert metric("gateway_time_to_first_token_seconds_count", model="watched") == before + 1

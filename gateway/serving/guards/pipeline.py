@@ -99,9 +99,9 @@ class Guards:
                 return self.by_model[model]
         return self.default
 
-    def for_request(self, key_id: str | None, *models: str) -> RequestGuard:
+    def for_request(self, key_id: str | None, *models: str, log_content: bool = False) -> RequestGuard:
         name = self.profile_for(key_id, *models)
-        return RequestGuard(self.profiles[name], self.moderation) if name else UNGUARDED
+        return RequestGuard(self.profiles[name], self.moderation, log_content) if name else UNGUARDED
 
     async def aclose(self) -> None:
         if self.moderation is not None:
@@ -109,11 +109,16 @@ class Guards:
 
 
 class RequestGuard:
-    """One request's guard: its profile, the placeholders its redactions made, what it noted."""
+    """One request's guard: its profile, the placeholders its redactions made, what it noted
+    (`actions` as "stage:guard:action", and with `log_content` the matched text: the access line's)."""
 
-    def __init__(self, profile: CompiledProfile | None, moderation: Moderation | None = None) -> None:
+    def __init__(self, profile: CompiledProfile | None, moderation: Moderation | None = None,
+                 log_content: bool = False) -> None:
         self.profile = profile
         self.moderation = moderation
+        self.log_content = log_content
+        self.actions: list[str] = []
+        self.matches: list[str] = []
         self.placeholders = Placeholders()
         self.prompt_text = ""
         self._noted: set[tuple[str, str, str, str]] = set()
@@ -141,10 +146,9 @@ class RequestGuard:
             return
         self._noted.add(key)
         metrics.labelled(metrics.GUARD_ACTIONS, guard, stage, action).inc()
-        record = current_record()
-        record.guards = [*(record.guards or []), f"{stage}:{guard}{'/' + detail if detail else ''}:{action}"]
-        if record.log_content and text is not None:
-            record.guard_matches = [*(record.guard_matches or []), f"{guard}: {text}"]
+        self.actions.append(f"{stage}:{guard}{'/' + detail if detail else ''}:{action}")
+        if self.log_content and text is not None:
+            self.matches.append(f"{guard}: {text}")
 
     def note_match(self, stage: str, match: Match, text: str) -> None:
         self.note(stage, match.detector.guard, match.action, match.detector.detail, text[match.start : match.end])

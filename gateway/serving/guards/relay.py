@@ -1,20 +1,13 @@
-"""Output guards on a remote model's answers: the OpenAI JSON an upstream answers with (a whole chat
-completion or completion, or a stream's chunks) read field by field through the filters that read an
-embedded model's text (`stream.OutputGuard`), so that a remote model's text passes the same checks.
+"""Output guards on a remote model's answers: the OpenAI JSON an upstream answers with (a whole
+answer, or a stream's chunks) read field by field through the filters that read an embedded
+model's text (`stream.OutputGuard`).
 
-Each string a choice carries (`content`, `reasoning_content`, `refusal`, each tool call's
-`arguments`, a completion's `text`, and any other the upstream adds) is a *slot*: a sliding window of
-its own, fed as the chunks come, held back and checked as an embedded choice's text is. Structural
-fields (`index`, `role`, `type`, `id`, `finish_reason`, ...) pass as they are; `name`s are checked
-whole as they come (they are not streamed in pieces). The sampled tokens of `logprobs` (chat's
-`content[]`, completions' `tokens`) are a slot too, the text they spell: each token goes out once
-that text has passed, a token inside a redacted span shows the placeholder (`bytes` rewritten, no
-alternatives), alternatives that would complete a match are left out, as for an embedded model.
-
-A blocking match in any slot cuts the choice: its slots keep what they passed before the match,
-the rest of the choice (later fields, later chunks) is dropped, and it finishes with
-`content_filter`. In a stream, a choice's held-back text goes out with its finishing chunk; chunks
-left with nothing to show are not sent.
+Each string a choice carries (content, reasoning, refusal, tool-call arguments, a completion's
+text, and any other the upstream adds) is a *slot*: a sliding window of its own. Structural fields
+pass as they are; `name`s are checked whole. The tokens of `logprobs` are a slot too (the text
+they spell): each goes out once that text has passed, a token inside a redacted span shows the
+placeholder, and alternatives that would complete a match are left out. A blocking match in any
+slot cuts the choice (`content_filter`); chunks left with nothing to show are not sent.
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""Server-Sent Events on the wire, both ways: framing our events, and reading an upstream's.
+
+Framing, in the dialect of the route (`gateway.errors.dialect_of`, from the route table):
+- OpenAI: each event is `data: <json>\n\n`; the stream ends with `data: [DONE]\n\n`. An error after
+  the stream has started is one event `data: {"error": {...}}` followed by `[DONE]`.
+- Anthropic: each event is named by its model's `type` (`event: message_start\ndata: <json>\n\n`;
+  Anthropic's SDK skips events without a name), nothing follows `message_stop`, and an error after
+  the start is `event: error` with Anthropic's error object.
+- Typed events in OpenAI's dialect (the Responses API) are framed `NAMED`: named as Anthropic's,
+  no end marker, an error `event: error` with `{"type": "error", "error": {...}}`.
+- A remote model's stream is relayed event by event as it was framed (`RELAYED`, its own `[DONE]`
+  included), and ends with an error event and `[DONE]` when its upstream fails in the middle.
+
+Reading: `split` cuts a byte stream into events (any cut, `\r\n` or `\n`), `payloads` reads an
+event's data lines (a JSON object, `DONE`, or `UNREADABLE` for data that is not one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+from pydantic import BaseModel
+
+from gateway.errors import Dialect
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Framing:
+    dialect: Dialect
+    named: bool  # an `event: <type>` line before each data line
+    end: bytes  # what closes the stream
+    relayed: bool = False  # events are bytes already framed by a remote upstream (one event's lines each)
+
+
+FRAMINGS: dict[Dialect, Framing] = {
+    "openai": Framing("openai", named=False, end=DONE),
+    "anthropic": Framing("anthropic", named=True, end=b""),
+}
+NAMED = Framing("openai", named=True, end=b"")  # the Responses API's typed events
+RELAYED = Framing("openai", named=False, end=b"", relayed=True)  # a remote model's own events, its [DONE] too
+
+
+def encode(event: BaseModel | bytes, named: bool = False) -> bytes:
+    """One event; bytes are JSON the producer encoded itself (the per-token chunks, ChunkEncoder)."""
+    if isinstance(event, bytes):
+        return b"data: " + event + b"\n\n"
+    data = b"data: " + event.__pydantic_serializer__.to_json(event, exclude_none=True) + b"\n\n"
+    if named:
+        return b"event: " + str(getattr(event, "type", "message")).encode() + b"\n" + data
+    return data
+
+
+def frame(event: BaseModel | bytes, framing: Framing) -> bytes:
+    """One event as `framing` puts it on the wire (a relayed event's lines are framed already)."""
+    if framing.relayed and isinstance(event, bytes):
+        return event + b"\n\n"
+    return encode(event, framing.named)
+
+
+def error_frame(body: dict[str, Any], framing: Framing) -> bytes:
+    """An error event after the stream started; `body` is the dialect's error object."""
+    if framing.named:  # Anthropic's body is already {"type": "error", "error": {...}}
+        return b"event: error\ndata: " + orjson.dumps({"type": "error", **body}) + b"\n\n"
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+async def split(chunks: AsyncIterable[bytes]) -> AsyncGenerator[bytes, None]:
+    """A byte stream's events as they complete, each one block of lines without the blank line
+    that ends it (an event cut short by the stream's end is passed on; empty ones are not)."""
+    pending = b""
+    async for chunk in chunks:
+        pending = (pending + chunk).replace(b"\r\n", b"\n")
+        *complete, pending = pending.split(b"\n\n")
+        for event in complete:
+            if event.strip():
+                yield event
+    if pending.strip():
+        yield pending
+
+
+DONE_MARK: Final = "DONE"
+UNREADABLE: Final = "UNREADABLE"
+Payload = dict[str, Any] | str  # a JSON object, DONE_MARK or UNREADABLE
+
+
+def payloads(event: bytes) -> Iterator[Payload]:
+    """An event's data lines, read (data that is JSON but not an object is skipped)."""
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            yield DONE_MARK
+            continue
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            yield UNREADABLE
+            continue
+        if isinstance(chunk, dict):
+            yield chunk
+
+
+def data_line(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(chunk)

@@ -1,0 +1,277 @@
+"""The same pipeline cases against both backends, with the same expectations: the engine's test
+double (tests/fakes.py) and a scripted upstream (tests/scripted_upstream.py) that answers as an
+OpenAI-compatible server would with the same script. Output guards on every field that carries
+model text (content, a named tool call's arguments, structured output, logprobs), the output
+bound, usage, errors before and after the first byte, and a client that leaves mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import REGISTRY
+from starlette.testclient import TestClient
+
+from gateway.app import create_app
+from tests.fakes import FakeEngine, fake_settings
+from tests.scripted_upstream import scripted
+from tests.unit.test_disconnect import drive
+
+GUARDS = """
+default: out
+profiles:
+  out:
+    output:
+      deny: ["(?i)hydra"]
+      pii: {email: redact}
+      holdback_chars: 8
+"""
+TOOLS = [{"type": "function", "function": {"name": "mail", "parameters": {"type": "object"}}}]
+NAMED = {"type": "function", "function": {"name": "mail"}}
+EMAIL = ["Ask eve@", "evil.example", " now"]
+ARGUMENTS = ['{"to": "eve@', "evil.example", '"}']
+
+
+@dataclass
+class Script:
+    """What the backend answers with, whichever it is."""
+
+    pieces: list[str] = field(default_factory=lambda: ["Hello", " there", " you"])
+    dead: bool = False  # refuses before the first token
+    fail_mid: bool = False  # fails after the first piece
+    endless: bool = False  # generates until stopped
+    requests: int = 0
+    stopped: threading.Event = field(default_factory=threading.Event)  # an endless generation was stopped
+
+
+class Upstream:
+    """An OpenAI-compatible server playing a Script: a chat completion, or its chunks."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        script, body = self.script, json.loads(request.content)
+        script.requests += 1
+        if script.dead:
+            return httpx.Response(503, json={"error": {"message": "down", "type": "unavailable"}})
+        named = body.get("tool_choice") is not None
+        logprobs = bool(body.get("logprobs"))
+        usage = {"prompt_tokens": 5, "completion_tokens": len(script.pieces), "total_tokens": 5 + len(script.pieces)}
+        if not body.get("stream"):
+            text = "".join(script.pieces)
+            message: dict[str, Any] = {"role": "assistant", "content": None if named else text}
+            if named:
+                message["tool_calls"] = [{"id": "call_1", "type": "function", "function": {"name": "mail", "arguments": text}}]
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "stop"}
+            if logprobs:
+                choice["logprobs"] = {"content": [_logprob(p) for p in script.pieces]}
+            return httpx.Response(200, json={"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+                                             "choices": [choice], "usage": usage})
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=self._chunks(named, logprobs, usage if include_usage else None))
+
+    async def _chunks(self, named: bool, logprobs: bool, usage: dict[str, int] | None) -> AsyncIterator[bytes]:
+        script = self.script
+        try:
+            for i, piece in enumerate(script.pieces if not script.endless else iter(lambda: "x", None)):
+                if script.fail_mid and i == 1:
+                    raise httpx.ReadError("connection reset by peer")
+                delta: dict[str, Any] = {"content": piece}
+                if named:
+                    call: dict[str, Any] = {"index": 0, "function": {"arguments": piece}}
+                    if i == 0:
+                        call.update(id="call_1", type="function", function={"name": "mail", "arguments": piece})
+                    delta = {"tool_calls": [call]}
+                last = not script.endless and i == len(script.pieces) - 1
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": "stop" if last else None}
+                if logprobs:
+                    choice["logprobs"] = {"content": [_logprob(piece)]}
+                yield _event({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice]})
+                await asyncio.sleep(0.01 if script.endless else 0)
+            if usage is not None:
+                yield _event({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+                              "usage": usage})
+            yield b"data: [DONE]\n\n"
+        finally:
+            if script.endless:
+                script.stopped.set()
+
+
+async def aenumerate(items: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
+    step = 0
+    async for item in items:
+        yield step, item
+        step += 1
+
+
+def _logprob(piece: str) -> dict[str, Any]:
+    return {"token": piece, "logprob": -0.5, "bytes": list(piece.encode()), "top_logprobs": []}
+
+
+def _event(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+class Engine(FakeEngine):
+    """The engine's test double playing a Script."""
+
+    def __init__(self, script: Script) -> None:
+        super().__init__(max_model_len=100_000)
+        self.script = script
+
+    async def generate(self, request: Any) -> AsyncIterator[Any]:  # type: ignore[override]
+        script = self.script
+        script.requests += 1
+        self.dead, self.reply = script.dead, None if script.endless else script.pieces
+        self.delay = 0.01 if script.endless else 0.0
+        try:
+            async for step, output in aenumerate(super().generate(request)):
+                if script.fail_mid and step == 1:
+                    raise RuntimeError("the engine failed")
+                yield output
+        finally:
+            if script.endless and self.aborted:
+                script.stopped.set()
+
+
+@dataclass
+class Side:
+    model: str
+    script: Script
+    settings: dict[str, Any]
+    engine: Engine
+
+
+@pytest.fixture(params=["embedded", "remote"])
+def side(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Side]:
+    script = Script()
+    engine = Engine(script)
+    guards = tmp_path / "guards.yaml"
+    guards.write_text(GUARDS)
+    settings: dict[str, Any] = {"guards_file": guards, "max_output_tokens_per_request": 100}
+    if request.param == "embedded":
+        yield Side("fake-model", script, settings, engine)
+        return
+    with scripted(Upstream(script)) as base:
+        models = tmp_path / "models.yaml"
+        models.write_text(f"models: [{{name: far, kind: remote, url: '{base}/v1', upstream_model: up}}]")
+        yield Side("far", script, {**settings, "models_file": models}, engine)
+
+
+@pytest.fixture
+def client(side: Side) -> Iterator[TestClient]:
+    app = create_app(fake_settings(**side.settings), engine_starter=lambda es: side.engine)
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+def post(client: TestClient, side: Side, **body: Any) -> httpx.Response:
+    body = {"model": side.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, **body}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def chunks(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
+
+
+def said(answer: httpx.Response, stream: bool) -> tuple[str, str]:
+    """(content, the tool call's arguments) of the first choice, joined across a stream's chunks."""
+    parts = [c["choices"][0].get("delta" if stream else "message") or {} for c in
+             (chunks(answer.text) if stream else [answer.json()]) if c.get("choices")]
+    content = "".join(p.get("content") or "" for p in parts)
+    arguments = "".join(call["function"].get("arguments") or "" for p in parts for call in p.get("tool_calls") or ())
+    return content, arguments
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+GUARDED = [  # (the script's pieces, the request's fields, what the answer says: content, arguments)
+    ("content", EMAIL, {}, ("Ask [EMAIL] now", "")),
+    ("named tool", ARGUMENTS, {"tools": TOOLS, "tool_choice": NAMED}, ("", '{"to": "[EMAIL]"}')),
+    ("structured", ARGUMENTS, {"response_format": {"type": "json_object"}}, ('{"to": "[EMAIL]"}', "")),
+    ("logprobs", EMAIL, {"logprobs": True}, ("Ask [EMAIL] now", "")),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("pieces", "fields", "expected"), [case[1:] for case in GUARDED], ids=[c[0] for c in GUARDED])
+def test_the_output_guard_reads_every_field(client: TestClient, side: Side, stream: bool, pieces: list[str],
+                                            fields: dict[str, Any], expected: tuple[str, str]) -> None:
+    side.script.pieces = pieces
+    answer = post(client, side, stream=stream, **fields)
+    assert answer.status_code == 200, answer.text
+    assert "eve@" not in answer.text
+    assert "evil.example" not in answer.text  # nor in a logprob's token
+    assert said(answer, stream) == expected
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_blocked_match_cuts_the_answer(client: TestClient, side: Side, stream: bool) -> None:
+    side.script.pieces = ["Our plan is Hy", "dra and", " more"]
+    answer = post(client, side, stream=stream)
+    assert answer.status_code == 200
+    assert "ydra" not in answer.text
+    assert "content_filter" in answer.text
+    assert said(answer, stream)[0].startswith("Our plan is")
+
+
+def test_the_output_bound_holds(client: TestClient, side: Side) -> None:
+    answer = post(client, side, max_tokens=60, n=2)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "max_tokens"
+    assert side.script.requests == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_usage_is_the_backends_and_counted(client: TestClient, side: Side, stream: bool) -> None:
+    before = metric("gateway_completion_tokens_total", model=side.model)
+    answer = post(client, side, stream=stream, stream_options={"include_usage": True} if stream else None)
+    assert answer.status_code == 200
+    usage = chunks(answer.text)[-1]["usage"] if stream else answer.json()["usage"]
+    assert usage["completion_tokens"] == 3
+    assert metric("gateway_completion_tokens_total", model=side.model) == before + 3
+    assert metric("gateway_requests_in_flight", model=side.model) == 0
+
+
+def test_a_backend_down_before_the_first_byte_is_a_503(client: TestClient, side: Side) -> None:
+    side.script.dead = True
+    for stream in (False, True):
+        answer = post(client, side, stream=stream)
+        assert answer.status_code == 503
+        assert "error" in answer.json()
+
+
+def test_a_failure_mid_stream_ends_it_with_an_error_event(client: TestClient, side: Side) -> None:
+    side.script.fail_mid = True
+    side.script.pieces = ["A first piece longer than the holdback", " then more"]
+    answer = post(client, side, stream=True)
+    assert answer.status_code == 200
+    assert "error" in chunks(answer.text)[-1]
+    assert answer.text.endswith("data: [DONE]\n\n")
+    assert metric("gateway_requests_in_flight", model=side.model) == 0
+
+
+async def test_a_client_that_leaves_mid_stream_stops_the_generation(side: Side) -> None:
+    side.script.endless = True
+    app = create_app(fake_settings(**side.settings), engine_starter=lambda es: side.engine)
+    body = {"model": side.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 90, "stream": True}
+    async with app.router.lifespan_context(app) as state:
+        async def with_state(scope: Any, receive: Any, send: Any) -> None:
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        sent = await drive(with_state, body, disconnect_after_chunks=3)
+        assert sent[0]["status"] == 200
+        assert await asyncio.to_thread(side.script.stopped.wait, 5)  # the upstream's server runs in a thread
+    assert metric("gateway_requests_in_flight", model=side.model) == 0
