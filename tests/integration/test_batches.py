@@ -107,7 +107,8 @@ def test_a_batch_answers_as_interactive_requests_do(first: tuple[str, Any]) -> N
 
 def test_a_running_batch_is_cancelled(first: tuple[str, Any]) -> None:
     owner = sdk(first[0])
-    batch = submit(owner, [line(f"c{i}", QUESTIONS[i % 5], max_tokens=48) for i in range(12)])
+    batch = submit(owner, [line(f"c{i}", f"{QUESTIONS[i % 5]} (question {i} of a batch cancelled)", max_tokens=48)
+                           for i in range(12)])  # questions of their own: none answered from the upstream's cache
     wait(owner, batch.id, lambda b: b.status == "in_progress", timeout=60)
     cancelling = owner.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
