@@ -270,8 +270,8 @@ async def test_sigterm_drains_without_losing_admitted_requests(second) -> None:
         tasks = [asyncio.create_task(stream(client, e)) for e in events]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
         process.send_signal(signal.SIGTERM)
-        ready = await client.get(f"{base}/ready")
-        while ready.status_code == 200:  # until the signal is handled (bounded by the test's timeout)
+        ready = await client.get(f"{base}/ready")  # (503 already: dead-remote is unavailable)
+        while ready.json()["status"] != "draining":  # until the signal is handled (bounded by the test's timeout)
             await asyncio.sleep(0.05)
             ready = await client.get(f"{base}/ready")
         refused = await client.post(f"{base}/v1/chat/completions", json={**body, "stream": False}, headers=KEY)

@@ -107,7 +107,8 @@ def test_a_batch_answers_as_interactive_requests_do(first: tuple[str, Any]) -> N
 
 def test_a_running_batch_is_cancelled(first: tuple[str, Any]) -> None:
     owner = sdk(first[0])
-    batch = submit(owner, [line(f"c{i}", QUESTIONS[i % 5], max_tokens=48) for i in range(12)])
+    batch = submit(owner, [line(f"c{i}", f"{QUESTIONS[i % 5]} (question {i} of a batch cancelled)", max_tokens=48)
+                           for i in range(12)])  # questions of their own: none answered from the upstream's cache
     wait(owner, batch.id, lambda b: b.status == "in_progress", timeout=60)
     cancelling = owner.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
@@ -128,7 +129,8 @@ def kill(process: Any) -> None:
 
 def test_a_killed_gateway_resumes_its_batch_after_a_restart(first: tuple[str, Any], folder: Path, server: str) -> None:
     base, process = first
-    lines = [line(f"k{i}", QUESTIONS[i % 5], max_tokens=32) for i in range(20)]
+    # questions of their own: no answer from the upstream's cache, so the kill comes mid-batch
+    lines = [line(f"k{i}", f"{QUESTIONS[i % 5]} (question {i} of a batch cut short)", max_tokens=32) for i in range(20)]
     batch = submit(sdk(base), lines)
     wait(sdk(base), batch.id, lambda b: b.request_counts.completed >= 4, timeout=120)
     kill(process)
