@@ -26,7 +26,7 @@ LIBRARIES = (  # path prefix → part, the first that matches
     (("aiohttp/", "yarl/", "multidict/", "propcache/", "gateway/backends/upstream.py"), "upstream client (aiohttp)"),
     (("uvicorn/", "httptools/", "gateway/server/http.py"), "HTTP server (uvicorn, httptools)"),
     (("starlette/",), "ASGI framework (Starlette routing, its two middlewares)"),
-    (("gateway/api/",), "API layer (read body, encode answer)"),
+    (("gateway/web/",), "API layer (read body, encode answer)"),
     (("gateway/pipeline/", "gateway/serving/", "gateway/backends/", "gateway/tenancy/", "gateway/stores/"), "pipeline"),
 )
 SOCKET_WRITE = "transport.write("

@@ -12,8 +12,9 @@ import structlog
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from engine import start_grammar_check
-from gateway.api.application import App, application
-from gateway.api.routes import TABLE
+from gateway.apis.application import App, application
+from gateway.apis.batches.batches_runner import BatchRunner
+from gateway.apis.routes import TABLE
 from gateway.backends import modelfile
 from gateway.backends.adapters import load_declared
 from gateway.backends.startup import (
@@ -27,11 +28,10 @@ from gateway.backends.startup import (
     stop,
     warm_up,
 )
+from gateway.guards.guarding import Guards
 from gateway.middleware.stack import stack
-from gateway.pipeline.batches import BatchRunner
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.pipeline.state import GatewayState
-from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
 from gateway.stores.backends import open_blobs
 from gateway.stores.batches import BatchStore

@@ -1,5 +1,5 @@
 """Typed errors, each with its HTTP status and its OpenAI (or Anthropic) error object; `from_exception` maps every
-other exception onto them, once. No web framework here: `gateway.api.errors` renders them."""
+other exception onto them, once. No web framework here: `gateway.web.error_render` renders them."""
 
 from __future__ import annotations
 

@@ -22,12 +22,12 @@ from collections.abc import Callable
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.api.errors import dialect_of, from_exception, send_error
 from gateway.errors import Dialect
 from gateway.pipeline.context import SCOPE_KEY, RequestContext
 from gateway.telemetry import metrics
 from gateway.telemetry.logs import access_logger
 from gateway.telemetry.record import RequestRecord, close_record, open_record
+from gateway.web.error_render import dialect_of, from_exception, send_error
 
 log = structlog.get_logger(__name__)
 REQUEST_ID_MAX = 200

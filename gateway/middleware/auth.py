@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.api.errors import dialect_of, send_error
 from gateway.errors import APIError, no_route
 from gateway.pipeline.context import context_of
 from gateway.tenancy.keys import Authenticator
+from gateway.web.error_render import dialect_of, send_error
 
 
 class AuthMiddleware:

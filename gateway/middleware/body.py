@@ -8,11 +8,11 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.api.errors import dialect_of, send_error
 from gateway.errors import ClientDisconnected, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
 from gateway.pipeline.context import context_of
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_record
+from gateway.web.error_render import dialect_of, send_error
 
 
 class BodyBudget:

@@ -7,8 +7,8 @@ import re
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.api.errors import dialect_of, send_error
 from gateway.errors import HeadersTooLarge, InvalidRequest, NotFound, no_route
+from gateway.web.error_render import dialect_of, send_error
 
 # framing, routing and identity headers: with `_` for `-` they are refused (400), since some proxies map `_` to
 # `-` and others drop them, and the two would disagree on the request's length or sender

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.api.errors import dialect_of, send_error
 from gateway.errors import RateLimited
 from gateway.pipeline.context import context_of
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
+from gateway.web.error_render import dialect_of, send_error
 
 
 class RateLimitMiddleware:

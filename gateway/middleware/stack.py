@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from starlette.middleware import Middleware
 
-from gateway.api.table import RouteTable
 from gateway.middleware.access_log import AccessLogMiddleware
 from gateway.middleware.auth import AuthMiddleware
 from gateway.middleware.body import BodyBudget, BodyMiddleware
+from gateway.middleware.drain import LifecycleMiddleware
 from gateway.middleware.edge import EdgeMiddleware
-from gateway.middleware.lifecycle import LifecycleMiddleware
 from gateway.middleware.rate_limit import RateLimitMiddleware
-from gateway.middleware.tracing import TracingMiddleware
+from gateway.middleware.trace_context import TracingMiddleware
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.settings import Settings
 from gateway.telemetry.tracing import Tracing
 from gateway.tenancy.keys import Authenticator, KeyRing, authenticator_of
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
+from gateway.web.table import RouteTable
 
 
 def stack(

@@ -16,14 +16,14 @@ from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
 from gateway.backends.upstream import with_defaults
 from gateway.errors import InvalidRequest
+from gateway.guards.guarding import RequestGuard
+from gateway.guards.inbound import guarded
 from gateway.pipeline.answer import Answer, Event, Stream, Whole, primed
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.disconnect import unless_gone
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.serving import offload, remote, structured
-from gateway.serving.guards.pipeline import RequestGuard
-from gateway.serving.guards.requests import guarded
 from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service, check_task
 from gateway.serving.structured import Constraint
 from gateway.stores.cache import Hit, Storer

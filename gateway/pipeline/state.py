@@ -7,8 +7,8 @@ from typing import Protocol
 
 from gateway.backends.adapters import AdapterAdmin
 from gateway.backends.registry import ModelRegistry
+from gateway.guards.guarding import Guards
 from gateway.pipeline.lifecycle import Lifecycle
-from gateway.serving.guards.pipeline import Guards
 from gateway.settings import Settings
 from gateway.stores.batches import BatchStore
 from gateway.stores.cache import ResponseCache

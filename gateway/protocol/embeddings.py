@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from gateway.protocol.openai import ModelRequest
 
@@ -35,25 +35,3 @@ class EmbeddingRequest(ModelRequest):
         if not isinstance(value, str) and len(value) > MAX_INPUTS:
             raise ValueError(f"at most {MAX_INPUTS} inputs in one request")
         return value
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class Embedding(_Response):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str  # str: base64 of little-endian float32, with encoding_format "base64"
-
-
-class EmbeddingUsage(_Response):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class CreateEmbeddingResponse(_Response):
-    object: Literal["list"] = "list"
-    data: list[Embedding]
-    model: str
-    usage: EmbeddingUsage

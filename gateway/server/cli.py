@@ -15,7 +15,7 @@ from engine import check_engine_settings
 from gateway.app import create_app
 from gateway.backends.modelfile import ConfigError
 from gateway.server.options import ENGINE_ARG_FLAG, Option, groups, options
-from gateway.server.supervisor import STARTUP_FAILED  # the engines did not start (uvicorn's own status)
+from gateway.server.supervisor import STARTUP_FAILED
 from gateway.server.workers import gateway_server, serve_workers
 from gateway.settings import Settings
 from gateway.telemetry.logs import configure

@@ -17,12 +17,12 @@ import structlog
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from gateway.api.errors import render
-from gateway.api.routes import TABLE
-from gateway.api.stalls import ABORT
+from gateway.apis.routes import TABLE
 from gateway.errors import InvalidRequest
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.settings import Settings
+from gateway.web.error_render import render
+from gateway.web.stalls import ABORT
 
 log = structlog.get_logger(__name__)
 MAX_HEADER_BYTES = 64 * 1024

@@ -18,8 +18,8 @@ from engine.config import SamplingDefaults
 from engine.errors import EngineError
 from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, SamplingOptions, TokenLogprob
 from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.guards.stream import OutputGuard, visible
 from gateway.protocol.openai import SamplingFields, Usage
-from gateway.serving.guards.stream import OutputGuard, visible
 from gateway.serving.meter import Meter
 from gateway.telemetry.record import current_record
 from gateway.telemetry.tracing import headers_of

@@ -26,9 +26,9 @@ import structlog
 from pydantic import ValidationError
 
 from gateway.errors import BadGateway
+from gateway.guards.relay import RelayGuard
 from gateway.protocol import sse_wire
 from gateway.protocol.openai import ChatCompletion, Completion
-from gateway.serving.guards.relay import RelayGuard
 from gateway.serving.meter import Meter
 from gateway.serving.service import AnswerT, OnDone
 from gateway.telemetry.record import current_record

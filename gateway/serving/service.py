@@ -19,8 +19,8 @@ from pydantic import BaseModel
 
 from engine.types import Engine, ModelInfo, Task
 from gateway.errors import InvalidRequest
+from gateway.guards.guarding import RequestGuard
 from gateway.protocol.openai import ModelRequest
-from gateway.serving.guards.pipeline import RequestGuard
 from gateway.serving.structured import Constraint
 from gateway.tenancy.priority import Scheduled
 

@@ -18,7 +18,7 @@ import structlog
 from pydantic import ValidationError
 
 from gateway.errors import InvalidRequest, NotFound
-from gateway.protocol.batches import DONE, Batch, BatchUsage, StoredBatch
+from gateway.protocol.batch_objects import DONE, Batch, BatchUsage, StoredBatch
 from gateway.stores.blobs import Blobs, Opened, each
 from gateway.stores.files import owner_prefix
 from gateway.stores.guarded import Guarded

@@ -14,7 +14,7 @@ import structlog
 from pydantic import ValidationError
 
 from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
-from gateway.protocol.files import FileObject, Purpose
+from gateway.protocol.file_objects import FileObject, Purpose
 from gateway.stores.blobs import Blobs, Opened, each
 from gateway.stores.guarded import Guarded
 from gateway.stores.spool import Spool, Staged

@@ -13,7 +13,7 @@ import structlog
 from pydantic import BaseModel
 
 from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
-from gateway.protocol.responses import Item, Response
+from gateway.protocol.response_objects import Item, Response
 from gateway.settings import CacheSettings
 from gateway.stores.cache import CacheBackend, MemoryCache
 from gateway.stores.redis import ERRORS, RedisPools

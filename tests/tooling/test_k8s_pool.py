@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 import yaml
 
-from gateway.api.routes import TABLE
+from gateway.apis.routes import TABLE
 from tests.tooling.k8s import BUILDS, CRDS, K8S, built, gateway_pod, matches, named_port, one
 
 CRD_DIR = Path(__file__).parent / "crds"

@@ -13,7 +13,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from gateway.api.routes import TABLE
+from gateway.apis.routes import TABLE
 from tests.tooling.k8s import (
     BUILDS,
     COMPONENTS,

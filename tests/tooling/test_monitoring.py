@@ -10,8 +10,8 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
-from gateway.api.routes import TABLE
-from gateway.api.table import UNMATCHED
+from gateway.apis.routes import TABLE
+from gateway.web.table import UNMATCHED
 from tests.tooling.k8s import K8S, SERVING, built, matches, one
 from tests.tooling.monitoring import (
     alert_rules,

@@ -62,7 +62,7 @@ def test_gateway_imports_without_vllm_or_torch() -> None:
                 if name.split(".")[0] in ("vllm", "torch", "transformers"):
                     raise ImportError("blocked: " + name)
         sys.meta_path.insert(0, Block())
-        import gateway.app, gateway.server.cli, gateway.api.routes, engine
+        import gateway.app, gateway.server.cli, gateway.apis.routes, engine
         print("ok")
         """
     )

@@ -17,7 +17,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.errors import StoreUnavailable
-from gateway.protocol.batches import Batch, Owner, StoredBatch
+from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
 from gateway.stores.batches import INPUT, ORPHAN_S, PENDING, RECORD, BatchStore, new_id
 from gateway.stores.blobs import Blobs, BlobsUnavailable, DiskBlobs
 from gateway.stores.guarded import Guarded

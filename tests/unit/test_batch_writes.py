@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
+from gateway.apis.batches.batches_runner import BatchRun
 from gateway.app import create_app
-from gateway.pipeline.batches import BatchRun
 from gateway.stores.batches import RECORD, BatchObjects, BatchStore, Lease
 from gateway.stores.blobs import DiskBlobs
 from tests.fakes import FakeEngine, app_with, fake_settings

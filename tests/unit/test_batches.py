@@ -16,7 +16,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from gateway.protocol.batches import Batch, Owner, StoredBatch
+from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
 from gateway.stores.batches import ERRORS, OUTPUT, BatchStore, new_id
 from tests.fakes import FakeEngine, app_with
 from tests.stores import batch_in, disk_batches, read

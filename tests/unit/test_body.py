@@ -148,7 +148,7 @@ def _read(messages: list[dict], limit: int, length: int | None = None, starlette
     """`requests.read_body` (or Starlette's `request.body()`) on these receive messages."""
     from starlette.requests import Request
 
-    from gateway.api.requests import read_body
+    from gateway.web.requests import read_body
 
     pending = list(messages)
 

@@ -11,6 +11,8 @@ import pytest
 from pydantic import BaseModel
 from starlette.testclient import TestClient
 
+from gateway.apis.chat.chat_serving import CHAT
+from gateway.apis.completions.completions_serving import COMPLETIONS
 from gateway.protocol.openai import (
     AssistantMessage,
     ChatChoice,
@@ -20,8 +22,6 @@ from gateway.protocol.openai import (
     CompletionLogprobs,
     Usage,
 )
-from gateway.serving.chat import CHAT
-from gateway.serving.completions import COMPLETIONS
 from gateway.serving.encoding import Renewal
 from tests.fakes import FakeEngine, app_with, chat_body
 from tests.unit.test_chat import sse_events

@@ -170,12 +170,12 @@ def test_whole_chat_answer_is_what_the_models_one_by_one_make(fields: dict, repl
     as building each choice, message, logprobs and usage apart."""
     import asyncio
 
-    from gateway.serving import chat
+    from gateway.apis.chat import chat_serving
 
     engine = FakeEngine()
     engine.reply = reply
     request = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields})
-    answer = asyncio.run(chat.complete(chat.prepare(request, engine, None)))
+    answer = asyncio.run(chat_serving.complete(chat_serving.prepare(request, engine, None)))
     again = _chat_model_by_model(answer)
     assert all(type(c) is ChatChoice and type(c.message) is AssistantMessage for c in answer.choices)
     assert type(answer.usage) is Usage

@@ -7,8 +7,8 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
+from gateway.apis.completions import completions_serving
 from gateway.protocol.openai import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
-from gateway.serving import completions
 from tests.fakes import FakeEngine
 from tests.unit.test_chat import sse_events
 
@@ -153,7 +153,7 @@ def test_whole_answer_is_what_the_models_one_by_one_make(fields: dict[str, objec
     set) and the same JSON, byte for byte, as building each choice, logprobs and usage apart."""
     engine = FakeEngine()
     request = CompletionRequest.model_validate({"model": MODEL, **fields})
-    answer = asyncio.run(completions.complete(completions.prepare(request, engine, None)))
+    answer = asyncio.run(completions_serving.complete(completions_serving.prepare(request, engine, None)))
     again = _model_by_model(answer)
     assert all(type(c) is CompletionChoice for c in answer.choices)
     assert type(answer.usage) is Usage
@@ -166,7 +166,7 @@ def test_whole_answer_is_what_the_models_one_by_one_make(fields: dict[str, objec
 
 def test_whole_answer_json() -> None:
     request = CompletionRequest.model_validate({"model": MODEL, "prompt": "a b", "max_tokens": 2})
-    answer = asyncio.run(completions.complete(completions.prepare(request, FakeEngine(), None)))
+    answer = asyncio.run(completions_serving.complete(completions_serving.prepare(request, FakeEngine(), None)))
     written = json.loads(Completion.__pydantic_serializer__.to_json(answer, exclude_none=True))
     assert written == {
         "id": answer.id,
@@ -191,7 +191,7 @@ def test_a_failing_prompt_ends_the_other_prompts_runs_at_once() -> None:
 
     async def go() -> None:
         with pytest.raises(RuntimeError, match="fake engine failure"):
-            await completions.complete(completions.prepare(request, engine, None))
+            await completions_serving.complete(completions_serving.prepare(request, engine, None))
         assert not engine.running
         assert in_flight._value.get() == 0
 

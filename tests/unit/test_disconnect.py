@@ -89,9 +89,9 @@ async def test_finished_stream_is_not_aborted() -> None:
 
 import pytest
 
-from gateway.api.requests import gone_of
 from gateway.errors import ClientDisconnected
 from gateway.pipeline.disconnect import WATCH_AFTER_S, unless_gone
+from gateway.web.requests import gone_of
 
 
 def gone_receive(after_s: float = 0.0):

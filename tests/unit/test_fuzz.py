@@ -18,7 +18,8 @@ from pydantic import BaseModel, ValidationError
 from schemathesis.generation.modes import GenerationMode
 from starlette.testclient import TestClient
 
-from gateway.api.routes import TABLE
+from gateway.apis.native import native_wire
+from gateway.apis.routes import TABLE
 from gateway.errors import from_exception
 from gateway.protocol import openai as p
 from gateway.stores.cache import cache_key
@@ -41,16 +42,16 @@ MESSAGES = [{"role": "user", "content": "hello there"}]
 BASES: dict[type[BaseModel], dict[str, Any]] = {
     p.ChatCompletionRequest: {"model": MODEL, "messages": MESSAGES, "max_tokens": 4},
     p.CompletionRequest: {"model": MODEL, "prompt": "hello there", "max_tokens": 4},
-    p.GenerateRequest: {"prompt": "hello there", "max_tokens": 4},
-    p.TokenizeRequest: {"model": MODEL, "prompt": "hello there"},
-    p.DetokenizeRequest: {"model": MODEL, "tokens": [10, 11]},
+    native_wire.GenerateRequest: {"prompt": "hello there", "max_tokens": 4},
+    native_wire.TokenizeRequest: {"model": MODEL, "prompt": "hello there"},
+    native_wire.DetokenizeRequest: {"model": MODEL, "tokens": [10, 11]},
 }
 ROUTES = {
     p.ChatCompletionRequest: "/v1/chat/completions",
     p.CompletionRequest: "/v1/completions",
-    p.GenerateRequest: "/generate",
-    p.TokenizeRequest: "/tokenize",
-    p.DetokenizeRequest: "/detokenize",
+    native_wire.GenerateRequest: "/generate",
+    native_wire.TokenizeRequest: "/tokenize",
+    native_wire.DetokenizeRequest: "/detokenize",
 }
 
 

@@ -17,9 +17,9 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.errors import ContentPolicyViolation
-from gateway.serving.guards.config import GuardsFile
-from gateway.serving.guards.normalize import normalize
-from gateway.serving.guards.pipeline import Guards, RequestGuard
+from gateway.guards.config import GuardsFile
+from gateway.guards.guarding import Guards, RequestGuard
+from gateway.guards.normalize import normalize
 from gateway.telemetry import metrics
 from tests.fakes import FakeEngine, fake_settings
 from tests.loopback_server import LoopbackServer

@@ -14,7 +14,7 @@ import structlog.testing
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.serving.guards.config import GuardConfigError
+from gateway.guards.config import GuardConfigError
 from gateway.tenancy.keys import key_id
 from tests.fakes import FakeEngine, fake_settings
 from tests.loopback_server import LoopbackServer

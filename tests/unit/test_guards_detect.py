@@ -1,4 +1,4 @@
-"""The guards' detectors (gateway.serving.guards: pii, injection, patterns) and the streaming
+"""The guards' detectors (gateway.guards: pii, injection, patterns) and the streaming
 window (stream.ChoiceFilter), without an app."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from gateway.serving.guards import injection, pii
-from gateway.serving.guards.config import OutputChecks, PIIChecks
-from gateway.serving.guards.patterns import Detector, Match, Placeholders, Scanner, regex_spans
-from gateway.serving.guards.stream import ChoiceFilter
+from gateway.guards import injection, pii
+from gateway.guards.config import OutputChecks, PIIChecks
+from gateway.guards.patterns import Detector, Match, Placeholders, Scanner, regex_spans
+from gateway.guards.stream import ChoiceFilter
 
 
 def found(spans, text: str) -> list[str]:

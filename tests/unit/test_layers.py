@@ -10,16 +10,16 @@ ROOT = Path(__file__).parents[2]
 GATEWAY = ROOT / "gateway"
 TOP = ("gateway.app", "gateway.server", "gateway.__main__")  # the app factory and the process: may import anything
 CORE = {"errors", "settings", "protocol", "telemetry", "tenancy", "stores"}
-LAYERS = ("gateway.api", "gateway.middleware", "gateway.pipeline", "gateway.serving", "gateway.backends")
+LAYERS = ("gateway.web", "gateway.middleware", "gateway.pipeline", "gateway.serving", "gateway.backends")
 HTTP = ("starlette", "uvicorn")  # the web framework and the server: only api/, middleware/ and server/
-UPPER = ("gateway.api", "gateway.middleware", *TOP)
+UPPER = ("gateway.web", "gateway.middleware", *TOP)
 
 # what each layer must not import (prefixes); the request path runs api → pipeline → serving → backends
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "gateway.api": ("gateway.middleware", *TOP),
+    "gateway.web": ("gateway.middleware", *TOP),
     # the middleware renders errors (api.errors) and fills the request's context (pipeline.context)
     "gateway.middleware": ("starlette.requests", "starlette.responses", "starlette.routing", "starlette.applications",
-                           "gateway.api.answers", "gateway.api.handlers", "gateway.api.routes", "gateway.api.sse",
+                           "gateway.web.answers", "gateway.web.handlers", "gateway.apis.routes", "gateway.web.sse",
                            "gateway.pipeline.dispatch", "gateway.pipeline.attempt", "gateway.serving",
                            "gateway.backends", *TOP),
     "gateway.pipeline": (*HTTP, *UPPER),
@@ -67,7 +67,7 @@ def test_the_top_holds_the_app_factory_settings_errors_and_main_only() -> None:
 
 def test_only_the_http_edge_imports_the_web_framework() -> None:
     """Starlette and uvicorn only in api/, middleware/ and server/: the pipeline and below are plain Python."""
-    edge = ("gateway.api", "gateway.middleware", "gateway.server")
+    edge = ("gateway.web", "gateway.middleware", "gateway.server")
     found = sorted(name for name, tree in modules().items()
                    if any(t.split(".")[0] in HTTP for t in imported(tree, top_level_only=False))
                    and not name.startswith(edge))
@@ -155,7 +155,7 @@ def test_the_circle_finder_finds_a_circle() -> None:
 def test_the_layer_rule_catches_a_forbidden_import() -> None:
     tree = ast.parse("from starlette.requests import Request\n")
     assert "starlette.requests" in imported(tree, top_level_only=False)
-    assert layer_of("gateway.serving.chat") == "gateway.serving"
+    assert layer_of("gateway.apis.chat.chat_serving") == "gateway.serving"
     assert layer_of("gateway.pipeline.dispatch") == "gateway.pipeline"
     assert layer_of("gateway.stores.cache") == "core"
     assert layer_of("gateway.errors") == "core"

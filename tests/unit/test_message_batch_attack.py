@@ -350,7 +350,7 @@ def test_a_batch_deleted_between_lookup_and_read_is_never_a_5xx(client: TestClie
 def test_results_already_streaming_survive_a_delete(client: TestClient, tmp_path: Path) -> None:
     """The results' objects are opened before the answer starts: a delete then does not cut the JSONL
     short after a 200 (the server's error, mid-stream)."""
-    from gateway.serving import message_batches as mb
+    from gateway.apis.message_batches import message_batches_serving as mb
 
     batch = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(3)] +
                    [{"custom_id": "bad", "params": params(model="nope")}])

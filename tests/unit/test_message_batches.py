@@ -17,8 +17,8 @@ import pytest
 from anthropic.types import Message
 from starlette.testclient import TestClient
 
-from gateway.protocol.batches import Batch, Owner, RequestCounts, StoredBatch
-from gateway.serving.batch_input import MESSAGES
+from gateway.apis.batches.batches_input import MESSAGES
+from gateway.protocol.batch_objects import Batch, Owner, RequestCounts, StoredBatch
 from gateway.stores.batches import MESSAGE_BATCH, new_id
 from tests.fakes import FakeEngine, app_with
 from tests.stores import disk_batches

@@ -12,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.errors import NotFound
-from gateway.protocol.responses import Response
+from gateway.protocol.response_objects import Response
 from gateway.stores.responses import MemoryStore, ResponseStore, StoredResponse
 from tests.fakes import FakeEngine, app_with
 from tests.waits import until_sync

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
+from gateway.apis.chat.chat_serving import CHAT
 from gateway.errors import ModelNotFound
 from gateway.pipeline.answer import Stream, Whole
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import dispatch
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletion, ChatCompletionRequest
-from gateway.serving.chat import CHAT
 from gateway.tenancy.tenants import KeyPolicy
 from tests.fakes import HELLO, FakeEngine, app_with
 

@@ -1,4 +1,4 @@
-"""The handlers' request helpers (gateway.api.requests) read the scope directly where Starlette's
+"""The handlers' request helpers (gateway.web.requests) read the scope directly where Starlette's
 Request would build objects: the same values as through the Request."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from starlette.requests import Request
 
-from gateway.api.requests import _first_header, body_size, state_of
 from gateway.pipeline.context import SCOPE_KEY, context_of
+from gateway.web.requests import _first_header, body_size, state_of
 
 
 @pytest.mark.parametrize("headers", [
@@ -37,7 +37,7 @@ def test_the_state_is_the_lifespan_s_and_the_body_size_the_request_context_s() -
 
 async def test_a_content_length_of_other_digits_is_not_a_server_error() -> None:
     """'²' passes str.isdigit() but not int(): the declared length is ignored, the body read as it comes."""
-    from gateway.api.requests import read_body
+    from gateway.web.requests import read_body
 
     messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
 

@@ -14,7 +14,7 @@ import pytest
 from redis import Redis
 from starlette.testclient import TestClient
 
-from gateway.serving import responses
+from gateway.apis.responses import responses_serving as responses
 from tests.fakes import FakeEngine, app_with
 from tests.redis_server import RedisServer
 from tests.unit.test_disconnect import drive

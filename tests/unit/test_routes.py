@@ -14,9 +14,9 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from engine.config import EngineSettings
-from gateway.api.routes import TABLE
-from gateway.api.table import Endpoint, RouteTable
+from gateway.apis.routes import TABLE
 from gateway.app import create_app
+from gateway.web.table import Endpoint, RouteTable
 from tests.adapters import write_stub
 from tests.fakes import FakeEngine, fake_settings
 

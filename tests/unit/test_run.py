@@ -7,15 +7,15 @@ import asyncio
 import pytest
 
 from engine.types import GenerationOutput, GenerationRequest
+from gateway.apis.completions import completions_serving
 from gateway.protocol.openai import CompletionRequest
-from gateway.serving import completions
 from gateway.serving.generation import Run
 from tests.fakes import FakeEngine
 
 
 def _generation(engine: FakeEngine, max_tokens: int = 3, n: int = 1) -> GenerationRequest:
     request = CompletionRequest.model_validate({"model": "fake-model", "prompt": "a b", "max_tokens": max_tokens, "n": n})
-    return completions.prepare(request, engine, None).generations[0]
+    return completions_serving.prepare(request, engine, None).generations[0]
 
 
 async def _collected(engine: FakeEngine, generation: GenerationRequest, seen: list[GenerationOutput] | None) -> Run:

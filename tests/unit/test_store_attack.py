@@ -17,7 +17,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.errors import StoreUnavailable
-from gateway.protocol.batches import Batch, Owner, StoredBatch
+from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
 from gateway.stores.batches import PENDING, BatchStore, new_id
 from gateway.stores.blobs import Blobs, BlobsUnavailable
 from gateway.stores.files import FileStore, owner_prefix
@@ -210,9 +210,9 @@ def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: 
     the next run finds nothing left to expire, and still counts those lines as expired, not errored."""
     import asyncio
 
-    from gateway.pipeline.batches import expired_line
-    from gateway.protocol.batches import RequestCounts
-    from gateway.serving.batch_input import MESSAGES
+    from gateway.apis.batches.batches_input import MESSAGES
+    from gateway.apis.batches.batches_runner import expired_line
+    from gateway.protocol.batch_objects import RequestCounts
     from gateway.stores.batches import ERRORS, MESSAGE_BATCH
     from tests.stores import disk_batches
     from tests.unit.test_message_batches import params, results
@@ -245,7 +245,7 @@ async def test_an_owner_with_many_files_and_batches_lists_them(blobs: Blobs, tmp
     owner, and the pool exhausted for everyone meanwhile)."""
     import asyncio
 
-    from gateway.protocol.files import FileObject
+    from gateway.protocol.file_objects import FileObject
 
     files, batches = FileStore.on(blobs, Spool.at(tmp_path / "spool")), BatchStore.on(blobs, Spool.at(tmp_path / "spool"))
     mine, now = files.of("t"), int(time.time())

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.middleware.tracing import TracingMiddleware
+from gateway.middleware.trace_context import TracingMiddleware
 from gateway.settings import Settings
 from tests.fakes import FakeEngine, chat_body, fake_settings
 from tests.scripted_upstream import scripted

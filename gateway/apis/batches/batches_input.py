@@ -1,0 +1,116 @@
+"""A batch file's check (purpose `batch`), read from disk line by line, never whole: each line one
+JSON object `{"custom_id", "method": "POST", "url", "body"}`, as OpenAI's batch input is. The first
+bad line is a 400 that names its number (1-based), so a client can find and fix it.
+
+A batch checks its input again before it runs (`check_batch_input`: each line a request to the batch's
+endpoint, each custom_id once), then reads it one request at a time (`read_lines`).
+
+Run in a worker thread (`asyncio.to_thread`): parsing 200 MB of JSON is seconds of CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from gateway.errors import InvalidRequest
+from gateway.protocol.batch_objects import BatchError
+
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")  # of an uploaded file
+MESSAGES = "/v1/messages"  # the lines of Anthropic's Message Batches (never of an uploaded file)
+
+
+def check_batch_file(path: Path, max_lines: int, max_line_bytes: int) -> int:
+    """The number of requests in a valid batch file; a 400 (param `file`) naming the first bad line."""
+    seen: set[str] = set()
+    number = 0
+    with path.open("rb") as lines:
+        while line := lines.readline(max_line_bytes + 1):
+            number += 1
+            if len(line.rstrip(b"\r\n")) > max_line_bytes:
+                raise _bad(number, f"is longer than {max_line_bytes} bytes")
+            if number > max_lines:
+                raise InvalidRequest(f"The batch file has more than {max_lines} requests (lines)", param="file")
+            _check_line(line, number, seen, URLS)
+    if number == 0:
+        raise InvalidRequest("The batch file is empty: it needs one request per line", param="file")
+    return number
+
+
+def _check_line(line: bytes, number: int, seen: set[str], urls: tuple[str, ...]) -> None:
+    if not line.strip():
+        raise _bad(number, "is empty: each line must be one request")
+    try:
+        request: Any = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        raise _bad(number, "is not valid JSON") from None
+    if not isinstance(request, dict):
+        raise _bad(number, "is not a JSON object")
+    custom_id = request.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise _bad(number, "has no 'custom_id' (a non-empty string)")
+    if custom_id in seen:
+        raise _bad(number, f"repeats the custom_id '{custom_id[:64]}': each must be unique within the file")
+    seen.add(custom_id)
+    if request.get("method") != "POST":
+        raise _bad(number, "must have 'method': 'POST'")
+    if request.get("url") not in urls:
+        raise _bad(number, f"has an unsupported 'url': it must be one of {', '.join(urls)}")
+    if not isinstance(request.get("body"), dict):
+        raise _bad(number, "has no 'body' object (the request's JSON body)")
+    extra = sorted(set(request) - {"custom_id", "method", "url", "body"})
+    if extra:
+        raise _bad(number, f"has an unrecognized field '{extra[0][:64]}'")
+
+
+def _bad(number: int, problem: str) -> InvalidRequest:
+    return InvalidRequest(f"Line {number} of the batch file {problem}.", param="file")
+
+
+@dataclass(slots=True, frozen=True)
+class BatchLine:
+    """One request of a batch: its custom_id, url and body (JSON, as a request to its route carries)."""
+
+    number: int
+    custom_id: str
+    url: str
+    body: bytes
+
+
+def read_lines(path: Path) -> Generator[BatchLine, None, None]:
+    """The requests of a batch file already checked (`check_batch_input`), in order."""
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            request = orjson.loads(line)
+            yield BatchLine(number, request["custom_id"], request["url"], orjson.dumps(request["body"]))
+
+
+def check_batch_input(path: Path, endpoint: str, max_errors: int = 100) -> tuple[int, list[BatchError]]:
+    """A batch's check of its input before it runs: every line a request to the batch's `endpoint`,
+    each custom_id once. (The number of lines, the first `max_errors` problems found.)"""
+    seen: set[str] = set()
+    problems: list[BatchError] = []
+    number = 0
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            if len(problems) >= max_errors:
+                break
+            try:
+                _check_line(line, number, seen, (*URLS, MESSAGES))
+            except InvalidRequest as exc:
+                code = "duplicate_custom_id" if "repeats the custom_id" in exc.message else "invalid_request"
+                problems.append(BatchError(code=code, line=number, message=exc.message, param="custom_id"
+                                           if code == "duplicate_custom_id" else None))
+                continue
+            url = orjson.loads(line)["url"]
+            if url != endpoint:
+                problems.append(BatchError(
+                    code="mismatched_endpoint", line=number, param="url",
+                    message=f"Line {number} of the batch file asks for {url}, but the batch's endpoint is {endpoint}.",
+                ))
+    if number == 0:
+        problems.append(BatchError(code="empty_file", message="The batch's input file has no requests."))
+    return number, problems

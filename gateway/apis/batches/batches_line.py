@@ -1,0 +1,195 @@
+"""One line of a batch, run as the same request sent to its route would be: its body parsed with the
+route's protocol model, then the whole pipeline (`dispatch`: the key's models, guards, token
+limits and budget, cache, admission, the engine, usage accounting), as the key that created the
+batch, with its policy read again for this line, and answered as the route encodes its answer.
+
+What differs from the route: the line runs in the batch lane (`priority.BATCH`: below every key's
+class, in admission and in the engine), nobody can disconnect (`client_gone=None`), a stream
+(`stream: true`, a background response) is refused (an error answer, in Anthropic's shape for a
+Message Batch's request), and a refusal by the key's requests or tokens
+per minute (or a model's full queue, refused with 429 or 503 as `reject_status` says) is not an
+answer but `Retry`: the line waits and runs again (the batch pauses, it does not fail). A spent
+budget is an answer (429 `insufficient_quota`): the line fails, and so does every later line until
+the budget renews. The key that created the batch is found again for each line
+(`tenancy.keys.Authenticator.reidentify`): gone since (removed from the keys file or the settings,
+or keys turned on or off), each remaining line fails (401).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import structlog
+from pydantic import ValidationError
+
+from gateway.apis.batches.batches_input import MESSAGES
+from gateway.apis.chat.chat_serving import CHAT
+from gateway.apis.completions.completions_serving import COMPLETIONS
+from gateway.apis.embeddings.embeddings_serving import EMBEDDINGS
+from gateway.apis.messages import messages_serving
+from gateway.apis.messages.messages_serving import MESSAGES as MESSAGES_SERVICE
+from gateway.apis.messages.messages_wire import MessagesRequest
+from gateway.apis.responses.responses_serving import ResponsesService, history_of
+from gateway.apis.responses.responses_wire import ResponsesRequest
+from gateway.errors import (
+    APIError,
+    AuthenticationFailed,
+    BadGateway,
+    Dialect,
+    InvalidRequest,
+    ModelUnavailable,
+    RateLimited,
+    from_exception,
+    invalid_body,
+)
+from gateway.pipeline.answer import Stream, Whole, whole_json
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.dispatch import dispatch
+from gateway.pipeline.state import GatewayState
+from gateway.protocol.batch_objects import Owner
+from gateway.protocol.embeddings import EmbeddingRequest
+from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+from gateway.telemetry.record import close_record, open_record
+from gateway.tenancy import priority
+from gateway.tenancy.keys import Identity
+
+log = structlog.get_logger(__name__)
+_CANCELLED = 499  # the status a line's usage is counted under when its run was cancelled
+
+
+class Retry(Exception):
+    """The key's rate limits (or a full queue) refused the line for now: run it again after `wait_s`."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(f"retry in {wait_s:g} s")
+        self.wait_s = wait_s
+
+
+@dataclass(slots=True, frozen=True)
+class LineAnswer:
+    """What the route would have answered: its status and JSON body (an error's too), and the tokens."""
+
+    status: int
+    body: bytes
+    request_id: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+
+Run = Callable[[RequestContext, GatewayState, bytes], Awaitable[Whole]]
+
+
+def _parsed(model: type[Any], body: bytes) -> Any:
+    try:
+        parsed = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise invalid_body(exc, body) from exc
+    if getattr(parsed, "stream", False):
+        raise InvalidRequest("A batch's requests are not streamed: leave out 'stream' (or set it to false)", "stream")
+    if getattr(parsed, "background", False):
+        raise InvalidRequest("A batch's requests already run in the background: leave out 'background'", "background")
+    return parsed
+
+
+def _whole(answer: Any) -> Whole:
+    assert not isinstance(answer, Stream)  # streams are refused above
+    return answer  # type: ignore[no-any-return]
+
+
+async def _chat(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
+    return _whole(await dispatch(context, state, _parsed(ChatCompletionRequest, body), CHAT))
+
+
+async def _completions(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
+    return _whole(await dispatch(context, state, _parsed(CompletionRequest, body), COMPLETIONS))
+
+
+async def _embeddings(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
+    return _whole(await dispatch(context, state, _parsed(EmbeddingRequest, body), EMBEDDINGS))
+
+
+async def _responses(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
+    """As `api.responses.create` runs a whole response: its history read, stored when it asks to be."""
+    request: ResponsesRequest = _parsed(ResponsesRequest, body)
+    mine = state.responses.of(context.tenant)
+    service = ResponsesService(request, await history_of(mine, request.previous_response_id), mine)
+    answer = _whole(await dispatch(context, state, service.chat_request(), service))
+    await service.save()
+    return answer
+
+
+async def _messages(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
+    """A request of Anthropic's Message Batches, as `api.messages.create` runs it."""
+    request: MessagesRequest = _parsed(MessagesRequest, body)
+    return _whole(await dispatch(context, state, messages_serving.to_chat(request), MESSAGES_SERVICE))
+
+
+ROUTES: dict[str, Run] = {
+    "/v1/chat/completions": _chat,
+    "/v1/completions": _completions,
+    "/v1/embeddings": _embeddings,
+    "/v1/responses": _responses,
+    MESSAGES: _messages,
+}
+DIALECTS: dict[str, Dialect] = {MESSAGES: "anthropic"}  # whose shape a line's error has (else OpenAI's)
+
+
+def new_request_id() -> str:
+    return "req_" + secrets.token_hex(16)
+
+
+async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, retry_s: float) -> LineAnswer:
+    """The line's answer (an error is an answer too); `Retry` when the key's rate limits refuse it for now."""
+    context = RequestContext(request_id=new_request_id(), key_id=owner.key_id, tenant=owner.tenant,
+                             lane=priority.BATCH, body_bytes=len(body))
+    record = context.record
+    record.api_key_id = owner.key_id
+    opened = open_record(record)
+    status = _CANCELLED
+    try:
+        try:
+            answer = await _answer(context, state, owner, url, body)
+            status, data = _one_line(answer.status, whole_json(answer))
+        except (RateLimited, ModelUnavailable) as refused:  # a full queue pauses the line whatever its status
+            status = refused.status
+            wait = refused.headers.get("Retry-After") or refused.headers.get("retry-after", "0")
+            raise Retry(max(retry_s, float(wait) if wait.isdigit() else 0.0)) from None
+        except Exception as exc:  # an error is this line's answer, as the route would render it
+            error: APIError = from_exception(exc)
+            if not isinstance(exc, APIError):  # a bug: logged as the route's exception handler logs it
+                log.exception("batch_line_failed", request_id=context.request_id, error=type(exc).__name__)
+            status, data = error.status, orjson.dumps(error.body(DIALECTS.get(url, "openai")))
+        return LineAnswer(status, data, context.request_id, record.prompt_tokens or 0, record.completion_tokens or 0)
+    finally:
+        if context.policy is not None:  # the request's usage counted and its charge settled, as the middleware does
+            state.quota.finish(context.policy, status, context.charge, (record.prompt_tokens or 0, record.completion_tokens or 0))
+        close_record(opened)
+
+
+def _one_line(status: int, data: bytes) -> tuple[int, bytes]:
+    """An answer's body as one line of JSON, for the output file (JSON Lines, read back on a resume):
+    a remote model's body comes as the upstream wrote it, maybe over several lines, maybe not JSON
+    (a proxy's error page: a 502, as the route's unreadable answer is)."""
+    try:
+        return status, orjson.dumps(orjson.loads(data))
+    except orjson.JSONDecodeError:
+        error = BadGateway("The model answered with what is not JSON.")
+        return error.status, orjson.dumps(error.body())
+
+
+async def _answer(context: RequestContext, state: GatewayState, owner: Owner, url: str, body: bytes) -> Whole:
+    identity = state.identities.reidentify(Identity(owner.key_id, owner.tenant))
+    if identity is None:
+        raise AuthenticationFailed("The API key that created this batch is no longer valid.")
+    context.key_id = context.record.api_key_id = identity.key_id
+    policy = context.policy = state.tenants.policy(identity.key_id)
+    context.record.response_headers.update(await state.quota.take_request(policy))
+    return await ROUTES[url](context, state, body)

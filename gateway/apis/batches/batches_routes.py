@@ -1,0 +1,75 @@
+"""The Batches API's routes: create, list, retrieve, cancel. The runner (`pipeline.batches`) runs a batch and writes
+its status; these routes only read it and ask for a cancel."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.apis.batches.batches_wire import WINDOW_S, BatchCreate, BatchList, BatchListQuery
+from gateway.errors import InvalidRequest
+from gateway.pipeline.context import context_of
+from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
+from gateway.protocol.file_objects import FileObject
+from gateway.stores.batches import OwnedBatches, new_id
+from gateway.web.answers import json_response
+from gateway.web.requests import parse, state_of
+
+
+def _mine(request: Request) -> OwnedBatches:
+    return state_of(request).batches.of(context_of(request.scope).tenant)
+
+
+async def collection(request: Request) -> Response:
+    return await (_create(request) if request.method == "POST" else _list(request))
+
+
+async def _create(request: Request) -> Response:
+    body = await parse(request, BatchCreate)
+    state, context = state_of(request), context_of(request.scope)
+    files = state.files.of(context.tenant)
+    found, content = await files.open(body.input_file_id)  # its content fixed: a delete meanwhile changes nothing
+    try:
+        batch = _record(request, body, found)
+        await _mine(request).create(batch, content)
+    finally:
+        await content.aclose()
+    state.batch_runner.wake()
+    return json_response(batch.batch)
+
+
+def _record(request: Request, body: BatchCreate, found: FileObject) -> StoredBatch:
+    state, context = state_of(request), context_of(request.scope)
+    if found.purpose != "batch":
+        raise InvalidRequest(
+            f"The file '{body.input_file_id}' has purpose '{found.purpose}'; a batch's input must be a file of "
+            "purpose 'batch'.", param="input_file_id",
+        )
+    now = int(time.time())
+    batch = Batch(id=new_id(), endpoint=body.endpoint, input_file_id=found.id, status="validating", created_at=now,
+                  expires_at=now + WINDOW_S, metadata=body.metadata)
+    owner = Owner(key_id=context.key_id, tenant=context.tenant)
+    expires = body.output_expires_after.seconds if body.output_expires_after else state.settings.batches.output_expires_after_s
+    return StoredBatch(batch=batch, owner=owner, output_expires_after_s=expires, created_ns=time.time_ns())
+
+
+async def _list(request: Request) -> Response:
+    query = BatchListQuery.model_validate(dict(request.query_params))
+    stored, more = await _mine(request).page(query.after, query.limit)
+    page = [s.batch for s in stored]
+    return json_response(BatchList(
+        data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None, has_more=more,
+    ))
+
+
+async def retrieve(request: Request) -> Response:
+    return json_response(await _mine(request).get(request.path_params["batch_id"]))
+
+
+async def cancel(request: Request) -> Response:
+    batch_id = request.path_params["batch_id"]
+    cancelling = await _mine(request).cancel(batch_id)
+    state_of(request).batch_runner.cancel(batch_id)
+    return json_response(cancelling.batch)

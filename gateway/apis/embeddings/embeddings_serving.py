@@ -1,0 +1,178 @@
+"""Embeddings: input(s) → token ids → one engine request each (the engine batches them) →
+CreateEmbeddingResponse, as floats or base64 (little-endian float32, as OpenAI sends them).
+
+`input` is a string, a list of strings, a list of token ids or a list of lists of them; each item is
+one vector, answered at its index. `dimensions` asks a Matryoshka model for a shorter vector; other
+models answer 400 unless it is their own size. Embeddings do not stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from engine.types import EmbedRequest, Engine, ModelInfo, Task
+from gateway.apis.embeddings.embeddings_wire import CreateEmbeddingResponse, Embedding, EmbeddingUsage
+from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.guards.guarding import UNGUARDED, RequestGuard
+from gateway.protocol.embeddings import EmbeddingRequest
+from gateway.serving.generation import check_token_ids, new_id
+from gateway.serving.service import OnDone
+from gateway.serving.structured import Constraint
+from gateway.telemetry import metrics
+from gateway.telemetry.record import current_record
+from gateway.tenancy.priority import Scheduled
+
+
+@dataclass(slots=True)
+class PreparedEmbeddings:
+    request: EmbeddingRequest
+    engine: Engine
+    inputs: list[list[int]]  # each input's token ids
+    dimensions: int | None
+    model: str  # the name the answer carries: the model (version) that answers
+    id: str
+    constraint: Constraint | None = None  # vectors: nothing to constrain
+
+    def schedule(self, scheduled: Scheduled) -> None:
+        """Embeddings run in arrival order (only admission reads the class)."""
+
+    def token_budget(self) -> int:
+        return sum(len(ids) for ids in self.inputs)
+
+    def output_tokens(self) -> int:
+        return 0  # vectors, no generated tokens
+
+
+def _token_ids(request: EmbeddingRequest, engine: Engine, guard: RequestGuard) -> list[list[int]]:
+    """Each input's token ids, its text (token-id inputs decoded) through the input guards first."""
+    value = request.input
+    texts = [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)]
+    if isinstance(value, str) or len(texts) == len(value):
+        return [engine.tokenizer.encode(text) for text in _guarded(texts, guard)]
+    singles = [v for v in value if isinstance(v, int)]
+    lists = [singles] if len(singles) == len(value) else [list(v) for v in value if isinstance(v, list)]
+    for ids in lists:
+        check_token_ids(ids, engine.info.extra.get("vocab_size"), "input")
+    if not guard.active:
+        return lists
+    decoded = [engine.tokenizer.decode(ids) for ids in lists]
+    checked = _guarded(decoded, guard)
+    return [ids if text == seen else engine.tokenizer.encode(text) for ids, text, seen in zip(lists, checked, decoded, strict=True)]
+
+
+def _guarded(texts: list[str], guard: RequestGuard) -> list[str]:
+    """The inputs as the guards let them through (a blocked one raises ContentPolicyViolation)."""
+    return guard.check_input(texts, "input") if guard.active else texts
+
+
+def _dimensions(requested: int | None, info: ModelInfo) -> int | None:
+    """The length asked of the engine; None: the model's own."""
+    size = info.embedding_size
+    if requested is None or requested == size:
+        return None
+    if not info.matryoshka:
+        raise InvalidRequest(
+            f"The model '{info.name}' makes {size}-dimension embeddings and cannot shorten them (it is not a "
+            f"Matryoshka model): leave 'dimensions' out", "dimensions",
+        )
+    if size is not None and requested > size:
+        raise InvalidRequest(f"'dimensions' must be at most {size} for the model '{info.name}'", "dimensions")
+    return requested
+
+
+def prepare(
+    request: EmbeddingRequest, engine: Engine, default_max_tokens: int | None = None, guard: RequestGuard = UNGUARDED
+) -> PreparedEmbeddings:
+    """Every refusal before the engine: input guards, vocabulary, context length, dimensions."""
+    inputs = _token_ids(request, engine, guard)
+    limit = engine.info.max_model_len
+    for i, ids in enumerate(inputs):
+        if len(ids) > limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, input {i} has {len(ids)} "
+                "tokens. Please reduce the length of the input.", param="input",
+            )
+    dimensions = _dimensions(request.dimensions, engine.info)
+    return PreparedEmbeddings(request, engine, inputs, dimensions, request.model, new_id("embd"))
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
+
+
+async def _embed_all(prepared: PreparedEmbeddings) -> list[list[float]]:
+    """One engine request per input, all at once (the engine batches them); a failure or a
+    disconnect cancels the rest."""
+    engine, name = prepared.engine, prepared.engine.info.name
+    requests = [EmbedRequest(f"{prepared.id}-{i}", ids, prepared.dimensions) for i, ids in enumerate(prepared.inputs)]
+    metrics.labelled(metrics.IN_FLIGHT, name).inc()
+    tasks = [asyncio.ensure_future(engine.embed(request)) for request in requests]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        metrics.labelled(metrics.IN_FLIGHT, name).dec()
+        tokens = prepared.token_budget()
+        metrics.labelled(metrics.PROMPT_TOKENS, name).inc(tokens)
+        record = current_record()
+        record.prompt_tokens = (record.prompt_tokens or 0) + tokens
+
+
+async def complete(
+    prepared: PreparedEmbeddings, on_done: OnDone[CreateEmbeddingResponse] | None = None
+) -> CreateEmbeddingResponse:
+    vectors = await _embed_all(prepared)
+    encoding = prepared.request.encoding_format
+    data = [Embedding(index=i, embedding=_encoded(vector, encoding)) for i, vector in enumerate(vectors)]
+    tokens = prepared.token_budget()
+    usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+    answer = CreateEmbeddingResponse(data=data, model=prepared.model, usage=usage)
+    if on_done is not None:
+        await on_done(answer)
+    return answer
+
+
+class EmbeddingsService:
+    """/v1/embeddings for the dispatcher (`serving.service.Service`); remote upstreams get it as is."""
+
+    route = "/v1/embeddings"
+    upstream_path: str | None = "/embeddings"
+    answer_type = CreateEmbeddingResponse
+    task: Task = "embed"
+
+    def prepare(
+        self, request: EmbeddingRequest, engine: Engine, default_max_tokens: int | None,
+        guard: RequestGuard = UNGUARDED,
+    ) -> PreparedEmbeddings:
+        return prepare(request, engine, guard=guard)
+
+    async def complete(
+        self, prepared: PreparedEmbeddings, on_done: OnDone[CreateEmbeddingResponse] | None = None
+    ) -> CreateEmbeddingResponse:
+        return await complete(prepared, on_done)
+
+    def stream(
+        self, prepared: PreparedEmbeddings, on_done: OnDone[CreateEmbeddingResponse] | None = None
+    ) -> AsyncGenerator[bytes, None]:
+        raise InvalidRequest("Embeddings do not stream")  # EmbeddingRequest.streams is always False
+
+    def replay(self, answer: CreateEmbeddingResponse, request: EmbeddingRequest) -> AsyncGenerator[BaseModel, None]:
+        raise InvalidRequest("Embeddings do not stream")
+
+    def fresh(self, answer: CreateEmbeddingResponse) -> CreateEmbeddingResponse:
+        return answer
+
+    def renewed(self, raw: bytes) -> bytes | None:
+        return None  # never cached (no temperature or seed); `fresh` would do
+
+
+EMBEDDINGS = EmbeddingsService()

@@ -1,0 +1,1 @@
+"""The files API."""

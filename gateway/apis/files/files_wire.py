@@ -1,0 +1,38 @@
+"""The files API's wire models."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.protocol.file_objects import FileObject
+
+PURPOSES: tuple[str, ...] = ("batch",)  # what an upload may name
+
+
+class FileList(BaseModel):
+    """GET /v1/files: a page of the asking key's files."""
+
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class FileListQuery(BaseModel):
+    """The query of GET /v1/files (values arrive as strings)."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+    purpose: str | None = None
+    after: str | None = None
+    limit: Annotated[int, Field(ge=1, le=10_000)] = 10_000
+    order: Literal["asc", "desc"] = "desc"
+

@@ -1,0 +1,92 @@
+"""Anthropic's Message Batches routes: create, list, retrieve, cancel, delete, results. A Message Batch is a batch of
+the Batches API under an id of its own kind (`msgbatch_`), its requests kept among the batch's objects; the create
+body is read in memory (bounded by `max_body_bytes`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from gateway.apis.batches.batches_input import MESSAGES
+from gateway.apis.batches.batches_wire import WINDOW_S
+from gateway.apis.message_batches import message_batches_serving as mb
+from gateway.apis.message_batches.message_batches_wire import (
+    DeletedMessageBatch,
+    MessageBatchCreate,
+    MessageBatchList,
+    MessageBatchListQuery,
+)
+from gateway.errors import InvalidRequest
+from gateway.pipeline.context import context_of
+from gateway.protocol.batch_objects import Batch, Owner, RequestCounts, StoredBatch
+from gateway.stores.batches import MESSAGE_BATCH, OwnedBatches, new_id
+from gateway.web.answers import json_response
+from gateway.web.requests import parse, state_of
+
+PARAM = "message_batch_id"
+
+
+def _mine(request: Request) -> OwnedBatches:
+    return state_of(request).batches.of(context_of(request.scope).tenant, MESSAGE_BATCH)
+
+
+async def collection(request: Request) -> Response:
+    return await (_create(request) if request.method == "POST" else _list(request))
+
+
+async def _create(request: Request) -> Response:
+    body = await parse(request, MessageBatchCreate)
+    state, context = state_of(request), context_of(request.scope)
+    files = state.settings.files
+    content = await asyncio.to_thread(mb.input_lines, body, files.max_lines, files.max_line_bytes)
+    now, batch_id = int(time.time()), new_id(MESSAGE_BATCH)
+    batch = Batch(id=batch_id, endpoint=MESSAGES, input_file_id=batch_id, status="validating", created_at=now,
+                  expires_at=now + WINDOW_S, request_counts=RequestCounts(total=len(body.requests)))
+    owner = Owner(key_id=context.key_id, tenant=context.tenant, keyed=state.tenants.known(context.key_id))
+    stored = StoredBatch(batch=batch, owner=owner, output_expires_after_s=state.settings.batches.output_expires_after_s,
+                         created_ns=time.time_ns())
+    await _mine(request).create(stored, content)
+    state.batch_runner.wake()
+    return json_response(mb.view(stored))
+
+
+async def _list(request: Request) -> Response:
+    query = MessageBatchListQuery.model_validate(dict(request.query_params))
+    if query.before_id is not None and query.after_id is not None:
+        raise InvalidRequest("Give before_id or after_id, not both", param="before_id")
+    page, more = await _mine(request).page(query.after_id, query.limit, query.before_id, ("after_id", "before_id"))
+    data = [mb.view(stored) for stored in page]
+    return json_response(MessageBatchList(
+        data=data, has_more=more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+    ))
+
+
+async def by_id(request: Request) -> Response:
+    mine, batch_id = _mine(request), request.path_params[PARAM]
+    if request.method == "DELETE":
+        await mine.delete(batch_id, PARAM)
+        return json_response(DeletedMessageBatch(id=batch_id))
+    _, stored = await mine.find(batch_id, PARAM)
+    return json_response(mb.view(stored))
+
+
+async def cancel(request: Request) -> Response:
+    batch_id = request.path_params[PARAM]
+    ended = f"Batch '{batch_id}' has already ended: only a batch still in progress can be canceled."
+    cancelling = await _mine(request).cancel(batch_id, PARAM, ended)
+    state_of(request).batch_runner.cancel(batch_id)
+    return json_response(mb.view(cancelling))
+
+
+async def results(request: Request) -> Response:
+    batch_id = request.path_params[PARAM]
+    found, stored = await _mine(request).find(batch_id, PARAM)
+    if mb.view(stored).processing_status != "ended":
+        raise InvalidRequest(f"Batch '{batch_id}' has not ended yet: its results are available once it has.",
+                             param=PARAM)
+    lines = await mb.results(found, stored, PARAM)
+    return StreamingResponse(lines.chunks(), media_type="application/x-jsonl", background=BackgroundTask(lines.aclose))

@@ -1,0 +1,207 @@
+"""Anthropic's Message Batches on the batch lane: a Message Batch is a batch of the Batches API
+(`stores.batches`, run by `pipeline.batches`) whose lines go to `/v1/messages`, shown in Anthropic's
+shapes. Here: the batch's input made from a create body (`input_lines`), the MessageBatch view of a
+stored batch (`view`), and its results (`results`), one line per request, read from the batch's
+output, error and input objects in the store (local files: `Blobs.local`, parsed in a worker thread).
+
+How OpenAI's states and counts map to Anthropic's:
+- `validating`, `in_progress`, `finalizing` → `in_progress`; `cancelling` → `canceling`; done → `ended`;
+- request_counts: `succeeded` the lines answered 2xx, `errored` the others (a Messages error, in
+  Anthropic's error shape), `expired` the lines a batch past its 24 h never ran, `canceled` those a
+  cancel left unrun (once ended), `processing` the rest. The counts move as lines are answered,
+  where Anthropic's stay at `processing` until the batch ends; they sum to the requests either way.
+- results: available once the batch has ended, as Anthropic's; a line answered 2xx is `succeeded`
+  (its Message), a line answered otherwise `errored` (its error), an expired one `expired`, and a
+  request a cancel left unrun `canceled`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import AsyncExitStack, ExitStack
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, BinaryIO
+
+import orjson
+
+from gateway.apis.batches.batches_input import MESSAGES
+from gateway.apis.message_batches.message_batches_wire import (
+    MessageBatch,
+    MessageBatchCreate,
+    MessageBatchRequestCounts,
+    ProcessingStatus,
+)
+from gateway.errors import InvalidRequest
+from gateway.protocol.batch_objects import DONE, StoredBatch
+from gateway.stores.batches import ERRORS, INPUT, OUTPUT, BatchObjects, not_found
+
+STATUSES: dict[str, ProcessingStatus] = {"cancelling": "canceling", **{status: "ended" for status in DONE}}
+
+
+def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: int) -> bytes:
+    """The batch's input file (`{"custom_id", "method", "url": "/v1/messages", "body"}` per line), or a
+    400 naming the first request that is too large, repeats a custom_id or holds a number JSON has not."""
+    if len(create.requests) > max_requests:
+        raise InvalidRequest(f"requests: a batch has at most {max_requests} requests", param="requests")
+    seen: set[str] = set()
+    lines = []
+    for i, request in enumerate(create.requests):
+        if request.custom_id in seen:
+            raise InvalidRequest(f"requests.{i}.custom_id: '{request.custom_id}' is not unique: each request of a "
+                                 "batch needs a custom_id of its own", param=f"requests.{i}.custom_id")
+        seen.add(request.custom_id)
+        if not _finite(request.params):
+            raise InvalidRequest(f"requests.{i}.params: NaN and Infinity are not JSON numbers",
+                                 param=f"requests.{i}.params")
+        try:
+            line = orjson.dumps({"custom_id": request.custom_id, "method": "POST", "url": MESSAGES,
+                                 "body": request.params})
+        except TypeError:  # an integer past 64 bits: no request takes one
+            raise InvalidRequest(f"requests.{i}.params: an integer is out of range",
+                                 param=f"requests.{i}.params") from None
+        if len(line) > max_line_bytes:
+            raise InvalidRequest(f"requests.{i}.params: larger than {max_line_bytes} bytes", param=f"requests.{i}.params")
+        lines.append(line)
+    return b"\n".join(lines) + b"\n"
+
+
+def _finite(params: dict[str, Any]) -> bool:
+    """Whether no number in `params` is NaN or infinite: the body's parser takes them (`NaN`,
+    `Infinity`, `1e400`), a JSON line cannot keep them (orjson writes null), and the request would
+    run with a value it did not ask for."""
+    pending: list[Any] = [params]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return True
+
+
+def _time(seconds: int | None) -> datetime | None:
+    return None if seconds is None else datetime.fromtimestamp(seconds, tz=UTC)
+
+
+def _counts(stored: StoredBatch, ended: bool) -> MessageBatchRequestCounts:
+    batch = stored.batch
+    total, succeeded, failed = batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed
+    expired = stored.expired_lines
+    unrun = max(0, total - succeeded - failed)
+    if not ended:
+        return MessageBatchRequestCounts(processing=unrun, succeeded=succeeded, errored=failed)
+    if batch.status == "cancelled":
+        return MessageBatchRequestCounts(succeeded=succeeded, errored=failed - expired, expired=expired, canceled=unrun)
+    return MessageBatchRequestCounts(succeeded=succeeded, errored=failed - expired + unrun, expired=expired)
+
+
+def view(stored: StoredBatch) -> MessageBatch:
+    """The MessageBatch of a stored batch."""
+    batch = stored.batch
+    status = STATUSES.get(batch.status, "in_progress")
+    ended = status == "ended"
+    ended_at = batch.completed_at or batch.cancelled_at or batch.expired_at or batch.failed_at
+    return MessageBatch(
+        id=batch.id, processing_status=status, request_counts=_counts(stored, ended),
+        created_at=datetime.fromtimestamp(batch.created_at, tz=UTC),
+        expires_at=datetime.fromtimestamp(batch.expires_at or batch.created_at, tz=UTC),
+        ended_at=_time(ended_at) if ended else None, cancel_initiated_at=_time(batch.cancelling_at),
+        results_url=results_path(batch.id) if ended else None,
+    )
+
+
+def results_path(batch_id: str) -> str:
+    """Relative (the SDK joins it to its base URL): right behind a proxy that adds a path prefix."""
+    return f"/v1/messages/batches/{batch_id}/results"
+
+
+def _result(line: dict[str, Any], ok: bool) -> dict[str, Any]:
+    response = line.get("response")
+    if isinstance(response, dict):
+        body = response.get("body")
+        if ok:
+            return {"type": "succeeded", "message": body}
+        error = body if isinstance(body, dict) and body.get("type") == "error" else _error("api_error", str(body))
+        return {"type": "errored", "error": {**error, "request_id": response.get("request_id")}}
+    problem = line.get("error") or {}
+    if problem.get("code") == "batch_expired":
+        return {"type": "expired"}
+    return {"type": "errored", "error": _error("api_error", str(problem.get("message", "The request failed.")))}
+
+
+def _error(kind: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _unrun(status: str) -> dict[str, Any]:
+    if status == "cancelled":
+        return {"type": "canceled"}
+    return {"type": "errored", "error": _error("api_error", f"The request was not run: the batch ended {status}.")}
+
+
+RESULT_LINES = 256  # result lines made per hop to the worker thread
+
+
+@dataclass(slots=True)
+class Results:
+    """The result lines of an ended batch, its objects opened before the answer starts (a delete of the
+    batch meanwhile does not cut them short): `chunks` to stream, `aclose` once sent (or not)."""
+
+    stack: AsyncExitStack
+    lines: Iterator[bytes]
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        async with self.stack:
+            while chunk := await asyncio.to_thread(_take, self.lines):
+                yield chunk
+
+    async def aclose(self) -> None:
+        await self.stack.aclose()
+
+
+async def results(batch: BatchObjects, stored: StoredBatch, param: str) -> Results:
+    """The results of an ended batch, one JSON line per request (up to `RESULT_LINES` per chunk): those
+    answered (in the order they were answered), then those never run. A batch deleted before its
+    objects are open is a 404 naming `param`."""
+    stack = AsyncExitStack()
+    try:
+        output, errors, requests = [await stack.enter_async_context(batch.local(part)) for part in (OUTPUT, ERRORS, INPUT)]
+        if requests is None:
+            raise not_found(batch.id, param)
+        opened = ExitStack()
+        stack.callback(opened.close)
+        try:
+            answered = [(opened.enter_context(path.open("rb")), ok) for path, ok in ((output, True), (errors, False))
+                        if path is not None]
+            asked = opened.enter_context(requests.open("rb"))
+        except FileNotFoundError:  # deleted between the two steps (the disk's objects are its files)
+            raise not_found(batch.id, param) from None
+        return Results(stack, _results(answered, asked, stored.batch.status))
+    except BaseException:
+        await stack.aclose()
+        raise
+
+
+def _take(lines: Iterator[bytes]) -> bytes:
+    return b"".join(line for _, line in zip(range(RESULT_LINES), lines, strict=False))
+
+
+def _results(answered: Sequence[tuple[BinaryIO, bool]], asked: BinaryIO, status: str) -> Iterator[bytes]:
+    """The result lines of these open files. Blocking reads: iterate it in a worker thread."""
+    seen: set[str] = set()
+    for lines, ok in answered:
+        for raw in lines:
+            line = orjson.loads(raw)
+            if line["custom_id"] in seen:  # written twice (see `stores.batches.unique_lines`): the first
+                continue
+            seen.add(line["custom_id"])
+            yield orjson.dumps({"custom_id": line["custom_id"], "result": _result(line, ok)}) + b"\n"
+    for raw in asked:
+        custom_id = orjson.loads(raw)["custom_id"]
+        if custom_id not in seen:
+            yield orjson.dumps({"custom_id": custom_id, "result": _unrun(status)}) + b"\n"

@@ -1,0 +1,87 @@
+"""The native API's wire models."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from gateway.protocol.openai import INT64_MAX, ChatMessage, Seed, Stop, TokenId, Usage, _Request, _Response
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: either a completion prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        return self
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class GenerateRequest(_Request):
+    """The native API: a completion request whose `model` may be left out (the default model)."""
+
+    model: str | None = None
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = 16
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    stop: Stop = None
+    seed: Seed | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    ignore_eos: bool = False
+
+
+class GenerateResponse(_Response):
+    output: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class NativeChatRequest(_Request):
+    """The native chat API: messages in, text out (`{"output"}`, or SSE with `stream`); `model` may
+    be left out (the default model)."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    stop: Stop = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+

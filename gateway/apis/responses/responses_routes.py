@@ -1,0 +1,111 @@
+"""The Responses API's routes: create (whole, streamed, or in the background), retrieve, delete,
+list input items, cancel.
+
+`POST /v1/responses` reads the `previous_response_id` chain from the store (404 when it is not
+this key's), then hands the chat request that the `ResponsesService` made of it to the pipeline
+(model choice, limits, cache, admission). A stream is framed with named events. A background
+response is that same stream, played to nobody by a task that holds the admission permit until
+it ends; a cancel hangs up on it (the engine request is aborted) and stores it as cancelled. It
+counts as work in progress (`Lifecycle.hold`): a drain waits for it as for a request, and the
+shutdown after the drain's timeout cancels what is still running.
+Responses are the tenant's of the asking key (`anonymous` when keys are off), reached only through
+the store's view of that owner (`stores.responses`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Message
+
+from gateway.apis.responses.responses_serving import ResponsesService, history_of
+from gateway.apis.responses.responses_wire import InputItemsQuery, ResponseDeleted, ResponseItemList, ResponsesRequest
+from gateway.errors import InvalidRequest
+from gateway.pipeline.answer import Stream
+from gateway.pipeline.context import context_of
+from gateway.pipeline.dispatch import dispatch
+from gateway.pipeline.lifecycle import Lifecycle
+from gateway.protocol.sse_wire import NAMED
+from gateway.stores.responses import BackgroundRun, OwnedResponses
+from gateway.web.answers import json_response, respond, stream_response
+from gateway.web.requests import context, parse, state_of
+from gateway.web.sse import EventStreamResponse
+
+
+def _mine(request: Request) -> OwnedResponses:
+    """The asking key's stored responses: its tenant's, the same on every replica (its id in logs
+    may not be: `tenancy.keys`)."""
+    return state_of(request).responses.of(context_of(request.scope).tenant)
+
+
+async def create(request: Request) -> Response:
+    body = await parse(request, ResponsesRequest)
+    state, mine = state_of(request), _mine(request)
+    history = await history_of(mine, body.previous_response_id)
+    service = ResponsesService(body, history, mine)
+    answer = await dispatch(context(request), state, service.chat_request(), service)
+    if isinstance(answer, Stream):
+        if body.background:
+            return await _in_background(service, stream_response(answer, NAMED), state.lifecycle)
+        return stream_response(answer, NAMED)
+    await service.save()
+    return respond(answer)
+
+
+async def _in_background(service: ResponsesService, stream: EventStreamResponse, lifecycle: Lifecycle) -> Response:
+    accepted = service.skeleton("in_progress")
+    await service.save(accepted)  # retrievable at once (the stream's own saves come later)
+    hang_up = asyncio.Event()
+    release = lifecycle.hold()  # a drain waits for it
+    task = asyncio.create_task(_play(stream, hang_up))
+    service.mine.track(service.id, BackgroundRun(task, hang_up, service.cancelled))
+    task.add_done_callback(lambda _: release())
+    return json_response(accepted)
+
+
+async def _play(stream: EventStreamResponse, hang_up: asyncio.Event) -> None:
+    """Run a stream to its end with nobody listening; `hang_up` plays its client leaving."""
+
+    async def receive() -> Message:
+        await hang_up.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        pass
+
+    await stream({"type": "http"}, receive, send)
+
+
+async def by_id(request: Request) -> Response:
+    """GET (retrieve) and DELETE /v1/responses/{response_id}."""
+    mine, response_id = _mine(request), request.path_params["response_id"]
+    if request.method == "DELETE":
+        await mine.delete(response_id)
+        return json_response(ResponseDeleted(id=response_id))
+    stored = await mine.get(response_id)
+    if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+        raise InvalidRequest("Streaming a stored response again is not supported here; retrieve it whole", "stream")
+    return json_response(stored.response)
+
+
+async def input_items(request: Request) -> Response:
+    query = InputItemsQuery.model_validate(dict(request.query_params))
+    stored = await _mine(request).get(request.path_params["response_id"])
+    items = stored.input_items if query.order == "asc" else stored.input_items[::-1]
+    start = 0
+    if query.after is not None:
+        ids = [item.id for item in items]
+        if query.after not in ids:
+            raise InvalidRequest(f"No input item with id '{query.after}' in this response", "after")
+        start = ids.index(query.after) + 1
+    page = items[start : start + query.limit]
+    return json_response(ResponseItemList(
+        data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+        has_more=start + query.limit < len(items),
+    ))
+
+
+async def cancel(request: Request) -> Response:
+    return json_response(await _mine(request).cancel(request.path_params["response_id"]))

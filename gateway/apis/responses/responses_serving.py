@@ -1,0 +1,319 @@
+"""The Responses API (`/v1/responses`) on the chat pipeline.
+
+One `ResponsesService` per request: the dispatcher drives it as any service (`serving.service`),
+with the chat request that `response_input` made of it as the body, so that model choice, limits,
+the response cache, admission, metrics and logs are the chat pipeline's. The service prepares as
+chat does (template, tools, `text.format` as structured outputs, the output budget), runs the
+engine, and answers with a `Response` object or its stream of events (`response_events`):
+
+- `max_output_tokens` reached: status `incomplete`, `incomplete_details.reason: max_output_tokens`;
+  an output guard's cut: the same, with `content_filter`;
+- tool calls: `tool_choice` named streams the arguments as they come; `auto` and `required`
+  calls are read from the whole text (as chat does), then sent as whole items;
+- an engine failure after the first event: `response.failed`, the response stored as failed.
+
+Storing (`store: true`, the default): a stream stores its response from `response.created` on and
+again before its last event (as cancelled, with the items done so far, if it stops early: its
+client gone, a background cancel); a whole answer is stored by the route once the dispatcher has
+it (`save`). A cached answer gets new ids and this request's own fields (`fresh`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from typing import Any, Literal
+
+import structlog
+from pydantic import BaseModel
+
+from engine.types import Engine, Task
+from gateway.apis.chat import chat_serving
+from gateway.apis.chat.chat_serving import PreparedChat
+from gateway.apis.responses import responses_input
+from gateway.apis.responses.responses_events import ResponseEvents, new_id
+from gateway.apis.responses.responses_wire import ResponsesRequest
+from gateway.errors import APIError, InvalidRequest, NotFound, from_exception
+from gateway.guards.guarding import UNGUARDED, RequestGuard
+from gateway.protocol.openai import ChatCompletionRequest, Usage
+from gateway.protocol.response_objects import (
+    FunctionToolCall,
+    IncompleteDetails,
+    InputTokensDetails,
+    Item,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    Response,
+    ResponseError,
+    ResponseUsage,
+    Status,
+)
+from gateway.serving import tools
+from gateway.serving.generation import ChoiceState, Run, hand_over, now
+from gateway.serving.service import OnDone
+from gateway.stores.responses import RUNNING, OwnedResponses, StoredResponse
+
+log = structlog.get_logger(__name__)
+CANCEL_CHECK_S = 1.0  # a background response looks this often for a cancel made on another replica
+
+
+def usage_of(usage: Usage) -> ResponseUsage:
+    cached = (usage.prompt_tokens_details or {}).get("cached_tokens", 0)
+    details = InputTokensDetails(cached_tokens=cached)
+    return ResponseUsage(input_tokens=usage.prompt_tokens, input_tokens_details=details,
+                         output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
+
+
+def item_status(state: ChoiceState) -> Literal["completed", "incomplete"]:
+    """A generation cut short (its output budget spent, or an output guard's cut) ends incomplete."""
+    return "incomplete" if state.finish_reason in ("length", "content_filter") else "completed"
+
+
+def incomplete_reason(state: ChoiceState) -> Literal["max_output_tokens", "content_filter"]:
+    return "content_filter" if state.finish_reason == "content_filter" else "max_output_tokens"
+
+
+def output_items(plan: tools.ToolPlan, state: ChoiceState) -> list[OutputItem]:
+    """The output of a finished generation: a message (its text), then the function calls."""
+    status = item_status(state)
+    content, calls = plan.parse("".join(state.text))
+    items: list[OutputItem] = []
+    if content or not calls:
+        items.append(OutputMessage(id=new_id("msg"), status=status, content=[OutputText(text=content or "")]))
+    items += [FunctionToolCall(id=new_id("fc"), status=status, call_id=new_id("call"), name=call.name,
+                               arguments=call.arguments) for call in calls]
+    for item in items[:-1]:  # a cut answer cut its last item only
+        item.status = "completed"
+    return items
+
+
+def renewed(item: OutputItem) -> OutputItem:
+    """An item of a cached answer under new ids."""
+    if isinstance(item, FunctionToolCall):
+        return item.model_copy(update={"id": new_id("fc"), "call_id": new_id("call")})
+    return item.model_copy(update={"id": new_id("msg")})
+
+
+class ResponsesService:
+    """/v1/responses for the dispatcher (`serving.service.Service`), one per request."""
+
+    route = "/v1/responses"
+    upstream_path = ""  # no remote upstream: the conversation and its store live here
+    task: Task = "generate"
+    answer_type = Response
+
+    def __init__(self, request: ResponsesRequest, history: list[Item], mine: OwnedResponses) -> None:
+        self.request, self.mine = request, mine  # `mine`: the asking tenant's stored responses
+        self.items = [*history, *responses_input.request_items(request)]  # what the model reads, as kept
+        self.id, self.created = new_id("resp"), now()
+        self.model = request.model
+        self.service_tier = "default"  # the tier it ran in (tenancy.priority), once prepared
+        self.answer: Response | None = None  # the whole answer, once known (for `save`)
+        self.events: ResponseEvents | None = None  # a stream's state (for a cancel)
+
+    def chat_request(self) -> ChatCompletionRequest:
+        return responses_input.chat_request(self.request, self.items)
+
+    # --- the Service protocol ------------------------------------------------------------------
+
+    def prepare(
+        self, request: ChatCompletionRequest, engine: Engine, default_max_tokens: int | None,
+        guard: RequestGuard = UNGUARDED,
+    ) -> PreparedChat:
+        try:
+            prepared = chat_serving.prepare(request, engine, default_max_tokens, guard)
+        except InvalidRequest as error:
+            raise responses_input.renamed(error) from None
+        if prepared.constraint is not None:  # its refusals, later in the pipeline, in this API's terms
+            prepared.constraint = prepared.constraint.renamed(responses_input.renamed_param)
+        return prepared
+
+    async def complete(self, prepared: PreparedChat, on_done: OnDone[Response] | None = None) -> Response:
+        run = await chat_serving.start_run(prepared)
+        await run.collect()
+        self.model, self.service_tier = prepared.model, prepared.scheduled.tier
+        answer = self._finished(output_items(prepared.tools, run.choices[0]), run.usage(), run.choices[0])
+        await hand_over(on_done, answer, run)
+        self.answer = answer
+        return answer
+
+    def stream(self, prepared: PreparedChat, on_done: OnDone[Response] | None = None) -> AsyncGenerator[BaseModel, None]:
+        return self._stream(prepared, on_done)
+
+    def replay(self, answer: Response, request: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
+        return self._replay(answer)
+
+    def fresh(self, answer: Response) -> Response:
+        self.model = answer.model
+        fresh = self.skeleton(answer.status)
+        fresh.output = [renewed(item) for item in answer.output]
+        fresh.usage, fresh.incomplete_details = answer.usage, answer.incomplete_details
+        fresh.completed_at = now() if answer.status == "completed" else None
+        self.answer = fresh
+        return fresh
+
+    def renewed(self, raw: bytes) -> bytes | None:
+        return None  # new ids throughout, this request's fields, and kept for `save`: `fresh` does it
+
+    # --- the Response object -------------------------------------------------------------------
+
+    def skeleton(self, status: Status) -> Response:
+        """The response with this request's fields, no output yet."""
+        r = self.request
+        text: dict[str, Any] = {"format": r.text.format.model_dump(mode="json", by_alias=True, exclude_none=True)
+                                if r.text and r.text.format else {"type": "text"}}
+        if r.text and r.text.verbosity:
+            text["verbosity"] = r.text.verbosity
+        choice = r.tool_choice.model_dump(mode="json") if isinstance(r.tool_choice, BaseModel) else r.tool_choice
+        return Response(
+            id=self.id, created_at=self.created, status=status, background=r.background, model=self.model,
+            instructions=r.instructions, max_output_tokens=r.max_output_tokens,
+            parallel_tool_calls=r.parallel_tool_calls, previous_response_id=r.previous_response_id, store=r.store,
+            temperature=1.0 if r.temperature is None else r.temperature, top_p=1.0 if r.top_p is None else r.top_p,
+            text=text, tool_choice=choice or "auto", user=r.user, metadata=r.metadata or {},
+            service_tier=self.service_tier,
+            tools=[tool.model_dump(mode="json", exclude_none=True) for tool in r.tools or []],
+        )
+
+    def _finished(self, output: list[OutputItem], usage: Usage | None, state: ChoiceState) -> Response:
+        cut = any(item.status == "incomplete" for item in output)
+        response = self.skeleton("incomplete" if cut else "completed")
+        response.output = output
+        response.usage = usage_of(usage) if usage is not None else None
+        if cut:
+            response.incomplete_details = IncompleteDetails(reason=incomplete_reason(state))
+        else:
+            response.completed_at = now()
+        return response
+
+    async def save(self, response: Response | None = None) -> None:
+        """Store the response (the whole answer when none is named), if the request says store."""
+        response = response or self.answer
+        if self.request.store and response is not None:
+            await self.mine.put(StoredResponse(response=response, input_items=self.items))
+
+    async def cancelled(self) -> Response:
+        """A background response after its stop: as stored (cancelled by its stream, or ended
+        before the stop), or, when its stream never ran, stored now as cancelled."""
+        try:
+            stored = await self.mine.get(self.id)
+            if stored.response.status not in RUNNING:
+                return stored.response
+        except APIError:
+            pass
+        response = self._stopped(self.events)
+        await self.save(response)
+        return response
+
+    def _stopped(self, events: ResponseEvents | None) -> Response:
+        """The response as it stands (the items done so far), cancelled."""
+        response = events.response.model_copy(deep=True) if events else self.skeleton("cancelled")
+        response.status = "cancelled"
+        return response
+
+    # --- streams ------------------------------------------------------------------------------
+
+    async def _stream(self, prepared: PreparedChat, on_done: OnDone[Response] | None) -> AsyncGenerator[BaseModel, None]:
+        run = await chat_serving.start_run(prepared)  # refusals before the first event
+        self.model, self.service_tier = prepared.model, prepared.scheduled.tier
+        events = self.events = ResponseEvents(self.skeleton("in_progress"))
+        await self.save(events.response)
+        try:
+            yield events.lifecycle("response.created")
+            yield events.lifecycle("response.in_progress")
+            async for event in self._generated(events, prepared, run, on_done):
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away, or a cancel hung up
+            if not events.ended:
+                await self.save(self._stopped(events))
+            raise
+        except Exception as exc:  # after the first event: the stream says it failed
+            yield await self._failed(events, exc)
+
+    async def _generated(
+        self, events: ResponseEvents, prepared: PreparedChat, run: Run, on_done: OnDone[Response] | None
+    ) -> AsyncGenerator[BaseModel, None]:
+        plan, checked = prepared.tools, time.monotonic()
+        async for output in run.outputs():
+            for delta in output.choices:
+                for event in self._deltas(events, plan, delta.text):
+                    yield event
+            if self.request.background and time.monotonic() - checked > CANCEL_CHECK_S:
+                checked = time.monotonic()
+                if await self._withdrawn():
+                    await run.close()
+                    return
+        for event in self._finish(events, plan, run.choices[0]):
+            yield event
+        answer = self._finished(events.response.output, run.usage(), run.choices[0])
+        await hand_over(on_done, answer, run)
+        if not (self.request.background and await self._withdrawn()):
+            await self.save(answer)
+        yield events.lifecycle("response.completed" if answer.status == "completed" else "response.incomplete", answer)
+
+    @staticmethod
+    def _deltas(events: ResponseEvents, plan: tools.ToolPlan, text: str) -> list[BaseModel]:
+        if not text or plan.mode in ("auto", "required"):  # calls are read from the whole text, at its end
+            return []
+        if plan.mode == "named":
+            return list(events.arguments(text, plan.named or ""))
+        return list(events.text(text))
+
+    @staticmethod
+    def _finish(events: ResponseEvents, plan: tools.ToolPlan, state: ChoiceState) -> list[BaseModel]:
+        status = item_status(state)
+        closed: list[BaseModel] = list(events.close(status))
+        if closed:
+            return closed
+        finished: list[BaseModel] = []
+        for item in output_items(plan, state):  # nothing streamed: auto and required calls, or no text at all
+            finished += events.whole(item)
+        return finished
+
+    async def _failed(self, events: ResponseEvents, exc: Exception) -> BaseModel:
+        log.warning("response_failed", error=str(exc), error_type=type(exc).__name__)
+        failed = events.response.model_copy(deep=True)
+        failed.status = "failed"
+        failed.error = ResponseError(code="server_error", message=from_exception(exc).message)
+        await self.save(failed)
+        return events.lifecycle("response.failed", failed)
+
+    async def _withdrawn(self) -> bool:
+        """Whether a background response was cancelled or deleted meanwhile (on any replica)."""
+        try:
+            stored = await self.mine.get(self.id)
+        except NotFound:
+            return True
+        except APIError:  # the store unavailable: keep going
+            return False
+        return stored.response.status == "cancelled"
+
+    async def _replay(self, hit: Response) -> AsyncGenerator[BaseModel, None]:
+        answer = self.fresh(hit)
+        events = self.events = ResponseEvents(self.skeleton("in_progress"))
+        await self.save(events.response)
+        yield events.lifecycle("response.created")
+        yield events.lifecycle("response.in_progress")
+        for item in answer.output:
+            for event in events.whole(item):
+                yield event
+        await self.save(answer)
+        yield events.lifecycle("response.completed" if answer.status == "completed" else "response.incomplete", answer)
+
+
+async def history_of(mine: OwnedResponses, previous_id: str | None) -> list[Item]:
+    """The conversation so far: the previous response's input items, then its output."""
+    if previous_id is None:
+        return []
+    try:
+        previous = await mine.get(previous_id)
+    except NotFound:
+        raise NotFound(f"Previous response with id '{previous_id}' not found.", "previous_response_id") from None
+    if previous.response.status in RUNNING:  # its output is not all there yet: the history would lack it
+        raise InvalidRequest(
+            f"Previous response with id '{previous_id}' is still {previous.response.status}; "
+            "continue from it once it has completed", "previous_response_id",
+        )
+    return [*previous.input_items, *previous.response.output]

@@ -1,0 +1,282 @@
+"""The responses API's wire models."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
+
+from gateway.protocol.response_objects import (
+    Item,
+    ItemStatus,
+    Metadata,
+    OutputItem,
+    OutputText,
+    Response,
+    _item_kind,
+    _Out,
+)
+
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+INPUT_ITEMS = ("message", "function_call", "function_call_output")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class InputPart(_Request):
+    """A content part of an input message: text (`input_text`, or `output_text` and `refusal` in an
+    earlier assistant turn sent back). Images, files and audio are refused when the input is read."""
+
+    type: Literal["input_text", "output_text", "text", "refusal", "input_image", "input_file", "input_audio"]
+    text: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    file_data: str | None = None
+    file_url: str | None = None
+    filename: str | None = None
+    detail: str | None = None
+    input_audio: dict[str, Any] | None = None
+
+
+class MessageInput(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: list[InputPart] | str
+    id: str | None = None
+    status: ItemStatus | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
+
+
+class FunctionCallInput(_Request):
+    """A call the model made earlier (an item of an earlier response's output, sent back)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: ItemStatus | None = None
+    namespace: str | None = None
+
+
+class FunctionCallOutputInput(_Request):
+    """What the client's function returned for a call."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: list[InputPart] | str
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+InputItem = Annotated[
+    Annotated[MessageInput, Tag("message")]
+    | Annotated[FunctionCallInput, Tag("function_call")]
+    | Annotated[FunctionCallOutputInput, Tag("function_call_output")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceFunction(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Request):
+    """`text.format`: plain text, any JSON object, or JSON following a schema (named)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and (self.schema_ is None or not self.name):
+            raise ValueError("a text.format of type json_schema needs a name and a schema")
+        return self
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesRequest(_Request):
+    """POST /v1/responses."""
+
+    model: str
+    input: list[InputItem] | str | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=16)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool = True
+    metadata: Metadata | None = None
+    user: str | None = None
+    store: bool = True
+    background: bool = False
+    stream: bool = False
+    # accepted, with no effect on an open model served here
+    include: list[str] | None = None
+    truncation: Literal["disabled"] | None = None
+    # the request's priority (tenancy.priority), as chat's: OpenAI's tier, vLLM's integer
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_items(cls, value: Any) -> Any:
+        for i, item in enumerate(value if isinstance(value, list) else []):
+            kind = _item_kind(item)
+            if kind not in INPUT_ITEMS:
+                raise ValueError(f"input[{i}] is a {kind!r} item; this server takes {', '.join(INPUT_ITEMS)} items")
+        return value
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, value: Any) -> Any:
+        for i, tool in enumerate(value if isinstance(value, list) else []):
+            if isinstance(tool, dict) and tool.get("type") != "function":
+                raise ValueError(f"tools[{i}] is a {tool.get('type')!r} tool; this server runs function tools only")
+        return value
+
+    @model_validator(mode="after")
+    def _modes(self) -> ResponsesRequest:
+        if self.background and not self.store:
+            raise ValueError("background responses need store set to true")
+        if self.background and self.stream:
+            raise ValueError("background responses are not streamed here; poll GET /v1/responses/{id} instead")
+        return self
+
+
+class ResponseDeleted(_Out):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
+
+
+class ResponseItemList(_Out):
+    """GET /v1/responses/{id}/input_items: a page of the items the response took as input."""
+
+    object: Literal["list"] = "list"
+    data: list[Item]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class InputItemsQuery(_Request):
+    """The query of GET /v1/responses/{id}/input_items (values arrive as strings)."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+    after: str | None = None
+    limit: Annotated[int, Field(ge=1, le=100)] = 20
+    order: Literal["asc", "desc"] = "desc"
+
+
+class _Event(BaseModel):
+    """A stream event: `type` (also the SSE event name), then `sequence_number` (0, 1, 2, ... in a
+    stream). No field of an event is ever null (its response and items keep theirs), so events skip
+    `_Out`'s serializer: a delta event is on the per-token path."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ResponseLifecycleEvent(_Event):
+    """response.created, response.in_progress, response.completed, response.incomplete, response.failed."""
+
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete",
+                  "response.failed"]
+    sequence_number: int
+    response: Response
+
+
+class OutputItemEvent(_Event):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    sequence_number: int
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartEvent(_Event):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class OutputTextDelta(_Event):
+    type: Literal["response.output_text.delta"] = "response.output_text.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputTextDone(_Event):
+    type: Literal["response.output_text.done"] = "response.output_text.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class FunctionCallArgumentsDelta(_Event):
+    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDone(_Event):
+    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+StreamEvent = (
+    ResponseLifecycleEvent | OutputItemEvent | ContentPartEvent | OutputTextDelta | OutputTextDone
+    | FunctionCallArgumentsDelta | FunctionCallArgumentsDone
+)
+

@@ -1,0 +1,197 @@
+"""Output guards, streaming-aware: each choice's text passes a sliding window as the engine
+produces it, so that a match spanning chunks is caught.
+
+Per choice, text is held back until `holdback_chars` follow it (a match that may still grow is not
+passed half-done), and `window_chars` of what was already passed stay in view, so a pattern that
+straddles the two is still seen. A blocking match cuts the choice: what came before it is passed,
+the rest is dropped, and it finishes with `content_filter`, as OpenAI's content filter does; once
+every choice is done the engine request ends (`Run` aborts it). Redactions are replaced as text is
+passed; placeholders of the prompt's redactions are restored last, after the checks (which see the
+model's text, not the user's values). With output moderation, text is passed in batches of
+`moderation_chars`, each checked with everything before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol
+
+from engine.types import ChoiceDelta, GenerationOutput, TokenLogprob
+from gateway.guards.config import OutputChecks
+from gateway.guards.logprobs import LogprobFilter
+from gateway.guards.normalize import Normalized, normalize
+from gateway.guards.patterns import Match, Placeholders, Scanner, disjoint, first_block, redact
+
+CONTENT_FILTER = "content_filter"
+ALTERNATIVE_CONTEXT = 64  # the text before a logprob's alternatives that they are read after (one scan each)
+
+
+class Notes(Protocol):
+    """What the output guard tells its request guard (`pipeline.RequestGuard`)."""
+
+    def note_match(self, stage: str, match: Match, text: str) -> None: ...
+
+    async def moderate(self, stage: str, text: str, action: str) -> str | None: ...
+
+
+def _output_placeholder(match: Match, value: str) -> str:
+    return f"[{match.detector.label}]"  # the model's own personal data: nothing to restore
+
+
+class ChoiceFilter:
+    """One choice's sliding window: `feed` text as it comes, get back what may be passed on."""
+
+    def __init__(self, scanner: Scanner, checks: OutputChecks, restore: Placeholders | None,
+                 note: Callable[[Match, str], None], batch: int = 0) -> None:
+        self.scanner, self.restore, self.note = scanner, restore, note
+        self.holdback, self.window, self.batch = checks.holdback_chars, checks.window_chars, batch
+        self.pending = ""  # the model's text not passed on yet
+        self.tail = ""  # the end of what was passed on (as the model wrote it), still in view
+        self.at = 0  # how much of the model's text was passed on (where `pending` begins in it)
+        self.before = 0  # `at` before the last feed
+        self.logprobs = LogprobFilter(scanner, min(self.window, ALTERNATIVE_CONTEXT))
+        self.done = False
+        self.cut = False
+
+    def feed(self, text: str, final: bool) -> str:
+        """What of the text so far may go on now (redacted, placeholders not yet restored); sets
+        `cut` when a guard blocked."""
+        if self.done:
+            return ""
+        self.before = self.at
+        self.pending += text
+        view, offset = self.tail + self.pending, len(self.tail)
+        normalized = normalize(view)
+        matches = self.scanner.scan_normalized(normalized) if self.scanner else []
+        blocking = first_block(matches, after=offset)
+        if blocking is not None:
+            self.note(blocking, view)
+            self.done = self.cut = True
+            return self._pass(view, offset, max(offset, blocking.start), matches)
+        safe = len(view) if final else self._safe(normalized, offset, matches)
+        self.done = final
+        return self._pass(view, offset, safe, matches)
+
+    def _safe(self, normalized: Normalized, offset: int, matches: list[Match]) -> int:
+        """How far the text may be passed: not into the held-back end (counted in the text as the
+        guards read it, so that invisible characters padding a word do not push its beginning
+        out), nor into a match that runs past that point (it may still grow), nor into a
+        placeholder still being written."""
+        view = normalized.original
+        safe = normalized.position(max(0, len(normalized.text) - self.holdback))
+        for match in matches:
+            if match.end > offset and match.start < safe < match.end:
+                safe = max(offset, match.start)
+        if self.restore is not None:
+            safe = min(safe, self.restore.unfinished(view[:safe]))
+        if safe - offset < self.batch:
+            return offset  # output moderation checks text in batches
+        return max(offset, safe)
+
+    def _pass(self, view: str, offset: int, upto: int, matches: list[Match]) -> str:
+        passed = view[offset:upto]
+        # what ends in the text passed now; a match that began in text already passed (a holdback
+        # shorter than the match) is redacted from where that text ends
+        inside = [m for m in matches if offset < m.end <= upto and m.action != "block"]
+        for match in inside:
+            if match.action == "flag":
+                self.note(match, view)
+        clipped = [Match(m.detector, max(m.start, offset) - offset, m.end - offset) for m in inside]
+        redacted = disjoint(clipped, "redact")
+        for match in redacted:
+            self.note(match, passed)
+            self.logprobs.redacted(self.at + match.start, self.at + match.end, _output_placeholder(match, ""))
+        self.at += len(passed)
+        self.pending = view[upto:]
+        self.tail = (self.tail + passed)[-self.window :] if self.window else ""
+        if self.cut:
+            self.pending = ""
+        return redact(passed, redacted, _output_placeholder)
+
+    def retract(self) -> None:
+        """The text of the last feed is not passed on after all (output moderation cut it)."""
+        self.at = self.before
+        self.done = self.cut = True
+
+    def passed_logprobs(self, entries: tuple[TokenLogprob, ...] | None) -> tuple[TokenLogprob, ...] | None:
+        """The logprobs that may go out with the text passed on so far (`entries`: the delta's)."""
+        if entries is None:
+            return None
+        self.logprobs.add(entries)
+        shown = self.logprobs.release(self.at, everything=self.done and not self.cut)
+        if self.cut:
+            self.logprobs.drop()
+        return shown
+
+
+class OutputGuard:
+    """The output guard of one generation (n choices): rewrites each engine output's deltas. Its
+    filters are slots, one per choice here; a remote model's relay (`guards.relay`) adds one per
+    field of each choice (`add_slot`), through the same `feed`."""
+
+    def __init__(self, notes: Notes, scanner: Scanner, checks: OutputChecks, restore: Placeholders | None,
+                 n: int) -> None:
+        self.notes = notes
+        self.scanner, self.checks = scanner, checks
+        self.restore = restore
+        self.moderation = checks.moderation
+        self.batch = checks.moderation_chars if self.moderation != "off" else 0
+        self.filters: list[ChoiceFilter] = []
+        self.passed: list[str] = []  # what each slot passed on so far, for moderation
+        for _ in range(n):
+            self.add_slot()
+
+    def add_slot(self, moderated: bool = True) -> int:
+        """A new filter (an index into `filters`); `moderated`: its text goes to output moderation."""
+        batch = self.batch if moderated else 0
+        self.filters.append(ChoiceFilter(self.scanner, self.checks, self.restore, self._note, batch))
+        self.passed.append("")
+        return len(self.filters) - 1
+
+    def _note(self, match: Match, text: str) -> None:
+        self.notes.note_match("output", match, text)
+
+    @property
+    def stopped(self) -> bool:
+        """A choice was cut and every other one is done: nothing more the engine makes can be
+        passed on, so its request may end now."""
+        return all(f.done for f in self.filters) and any(f.cut for f in self.filters)
+
+    async def apply(self, output: GenerationOutput) -> GenerationOutput:
+        return replace(output, choices=[await self._delta(delta) for delta in output.choices])
+
+    async def _delta(self, delta: ChoiceDelta) -> ChoiceDelta:
+        choice = self.filters[delta.index]
+        if choice.done:  # cut earlier: the engine's tokens still count, nothing more is shown
+            return replace(delta, text="", finish_reason=None, logprobs=None)
+        text = await self.feed(delta.index, delta.text, final=delta.finish_reason is not None)
+        finish = CONTENT_FILTER if choice.cut else delta.finish_reason
+        return replace(delta, text=text, finish_reason=finish, logprobs=choice.passed_logprobs(delta.logprobs))
+
+    async def feed(self, index: int, text: str, final: bool) -> str:
+        """What of slot `index`'s text so far may go out now: checked, moderated (when its slot is),
+        placeholders restored; the slot's filter says whether it was `cut`."""
+        choice = self.filters[index]
+        if choice.done:
+            return ""
+        text = choice.feed(text, final)
+        if text and choice.batch and await self._moderate(index, text):
+            choice.retract()
+            text = ""
+        return self.restore.restore(text) if self.restore is not None else text
+
+    async def _moderate(self, index: int, text: str) -> bool:
+        """True when the moderation upstream blocks the choice's text so far with `text` added
+        (as the model wrote it: the user's redacted values are not sent there)."""
+        verdict = await self.notes.moderate("output", self.passed[index] + text, self.moderation)
+        if verdict == "block":
+            return True
+        self.passed[index] += text
+        return False
+
+
+def visible(output: GenerationOutput) -> GenerationOutput:
+    """The output without the deltas that carry nothing to show (text held back)."""
+    shown = [d for d in output.choices if d.text or d.finish_reason or d.logprobs]
+    return output if len(shown) == len(output.choices) else replace(output, choices=shown)

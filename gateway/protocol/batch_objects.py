@@ -1,0 +1,94 @@
+"""The Batches API's objects, field by field as the `openai` SDK's, and what the store keeps of a batch beside its
+object (who created it)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+Status = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
+Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
+DONE: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})  # nothing more will happen
+MAX_METADATA, MAX_KEY, MAX_VALUE = 16, 64, 512
+
+
+class BatchError(BaseModel):
+    code: str | None = None
+    line: int | None = None
+    message: str | None = None
+    param: str | None = None
+
+
+class Errors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class RequestCounts(BaseModel):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class BatchUsage(BaseModel):
+    input_tokens: int = 0
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int = 0
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int = 0
+
+    def add(self, prompt: int, completion: int) -> None:
+        self.input_tokens += prompt
+        self.output_tokens += completion
+        self.total_tokens += prompt + completion
+
+
+class Batch(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: Errors | None = None
+    input_file_id: str
+    completion_window: str = "24h"
+    status: Status
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    metadata: dict[str, str] | None = None
+    usage: BatchUsage = Field(default_factory=BatchUsage)
+
+
+class Owner(BaseModel):
+    """Who created a batch: its lines run as that key, found again for each line
+    (`tenancy.keys.Authenticator.reidentify`: gone since, each line is a 401), its policy read again."""
+
+    key_id: str
+    tenant: str
+
+
+class StoredBatch(BaseModel):
+    """A batch as kept on disk: its object and its creator."""
+
+    batch: Batch
+    owner: Owner
+    output_expires_after_s: int
+    created_ns: int = 0  # orders batches made within one second (created_at counts seconds)
+    expired_lines: int = 0  # lines never run, written to the error file as expired (a batch that expired)

@@ -1,0 +1,30 @@
+"""The pipeline's answers as HTTP responses: a whole answer as JSON (a model written once, or JSON
+already written), a stream as Server-Sent Events (`api.sse`)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+from starlette.responses import Response
+
+from gateway.pipeline.answer import Answer, Stream, json_bytes
+from gateway.protocol.sse_wire import RELAYED, Framing
+from gateway.web.sse import EventStreamResponse
+
+
+def json_response(model: BaseModel, status: int = 200) -> Response:
+    return Response(json_bytes(model), status_code=status, media_type="application/json")
+
+
+def respond(answer: Answer, framing: Framing | None = None) -> Response:
+    """`framing`: how a stream's events are put on the wire (None: the route's dialect decides)."""
+    if isinstance(answer, Stream):
+        return stream_response(answer, framing)
+    body = answer.body
+    if isinstance(body, BaseModel):
+        return json_response(body, answer.status)
+    return Response(body, status_code=answer.status, media_type=answer.media_type)
+
+
+def stream_response(stream: Stream, framing: Framing | None = None) -> EventStreamResponse:
+    """A stream as SSE: a remote model's events relayed as they were framed (its own `[DONE]`)."""
+    return EventStreamResponse(stream.events, on_close=stream.on_close, framing=RELAYED if stream.relayed else framing)
