@@ -9,17 +9,21 @@ from pathlib import Path
 ROOT = Path(__file__).parents[2]
 GATEWAY = ROOT / "gateway"
 TOP = ("gateway.app", "gateway.server", "gateway.__main__")  # the app factory and the process: may import anything
-CORE = {"errors", "settings", "protocol", "telemetry", "tenancy", "stores"}
-LAYERS = ("gateway.web", "gateway.middleware", "gateway.pipeline", "gateway.serving", "gateway.backends")
-HTTP = ("starlette", "uvicorn")  # the web framework and the server: only api/, middleware/ and server/
-UPPER = ("gateway.web", "gateway.middleware", *TOP)
+CORE = {"errors", "settings", "protocol", "guards", "telemetry", "tenancy", "stores"}
+LAYERS = ("gateway.apis", "gateway.web", "gateway.middleware", "gateway.pipeline", "gateway.serving",
+          "gateway.backends")
+HTTP = ("starlette", "uvicorn")  # the web framework and the server: only the HTTP edge (EDGE)
+EDGE = ("gateway.apis", "gateway.web", "gateway.middleware", "gateway.server")
+UPPER = ("gateway.apis", "gateway.web", "gateway.middleware", *TOP)
 
-# what each layer must not import (prefixes); the request path runs api → pipeline → serving → backends
+# what each layer must not import (prefixes); a request runs apis → pipeline → serving → backends, and
+# web/ holds the HTTP edge's shared pieces (answers, SSE, error rendering) that every API uses
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "gateway.web": ("gateway.middleware", *TOP),
-    # the middleware renders errors (api.errors) and fills the request's context (pipeline.context)
+    "gateway.apis": ("gateway.middleware", *TOP),
+    "gateway.web": ("gateway.apis", "gateway.middleware", *TOP),
+    # the middleware renders errors (web.error_render) and fills the request's context (pipeline.context)
     "gateway.middleware": ("starlette.requests", "starlette.responses", "starlette.routing", "starlette.applications",
-                           "gateway.web.answers", "gateway.web.handlers", "gateway.apis.routes", "gateway.web.sse",
+                           "gateway.apis", "gateway.web.answers", "gateway.web.sse",
                            "gateway.pipeline.dispatch", "gateway.pipeline.attempt", "gateway.serving",
                            "gateway.backends", *TOP),
     "gateway.pipeline": (*HTTP, *UPPER),
@@ -66,11 +70,10 @@ def test_the_top_holds_the_app_factory_settings_errors_and_main_only() -> None:
 
 
 def test_only_the_http_edge_imports_the_web_framework() -> None:
-    """Starlette and uvicorn only in api/, middleware/ and server/: the pipeline and below are plain Python."""
-    edge = ("gateway.web", "gateway.middleware", "gateway.server")
+    """Starlette and uvicorn only at the HTTP edge: the pipeline and below are plain Python."""
     found = sorted(name for name, tree in modules().items()
                    if any(t.split(".")[0] in HTTP for t in imported(tree, top_level_only=False))
-                   and not name.startswith(edge))
+                   and not name.startswith(EDGE))
     assert found == []
 
 
@@ -155,8 +158,23 @@ def test_the_circle_finder_finds_a_circle() -> None:
 def test_the_layer_rule_catches_a_forbidden_import() -> None:
     tree = ast.parse("from starlette.requests import Request\n")
     assert "starlette.requests" in imported(tree, top_level_only=False)
-    assert layer_of("gateway.apis.chat.chat_serving") == "gateway.serving"
+    assert layer_of("gateway.apis.chat.chat_serving") == "gateway.apis"
+    assert layer_of("gateway.serving.generation") == "gateway.serving"
+    assert layer_of("gateway.guards.stream") == "core"
     assert layer_of("gateway.pipeline.dispatch") == "gateway.pipeline"
     assert layer_of("gateway.stores.cache") == "core"
     assert layer_of("gateway.errors") == "core"
     assert layer_of("gateway.protocol.openai") == "core"
+
+
+def test_no_module_name_repeats_in_gateway() -> None:
+    """One name, one module: a name found in a traceback or a grep says which file it is."""
+    names = sorted(p.name for p in GATEWAY.rglob("*.py") if p.name != "__init__.py")
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def test_an_api_package_names_its_modules_after_itself() -> None:
+    """gateway/apis/<api>/<api>_routes.py, <api>_serving.py, <api>_wire.py: the convention that keeps names apart."""
+    strays = [str(p.relative_to(GATEWAY)) for p in GATEWAY.glob("apis/*/*.py")
+              if p.name != "__init__.py" and not p.stem.startswith(p.parent.name + "_")]
+    assert strays == []
