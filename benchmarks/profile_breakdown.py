@@ -26,8 +26,9 @@ LIBRARIES = (  # path prefix → part, the first that matches
     (("aiohttp/", "yarl/", "multidict/", "propcache/", "gateway/backends/upstream.py"), "upstream client (aiohttp)"),
     (("uvicorn/", "httptools/", "gateway/server/http.py"), "HTTP server (uvicorn, httptools)"),
     (("starlette/",), "ASGI framework (Starlette routing, its two middlewares)"),
-    (("gateway/web/",), "API layer (read body, encode answer)"),
-    (("gateway/pipeline/", "gateway/serving/", "gateway/backends/", "gateway/tenancy/", "gateway/stores/"), "pipeline"),
+    (("gateway/apis/", "gateway/web/"), "API layer (read body, encode answer)"),
+    (("gateway/pipeline/", "gateway/serving/", "gateway/guards/", "gateway/backends/", "gateway/tenancy/",
+      "gateway/stores/"), "pipeline"),
 )
 SOCKET_WRITE = "transport.write("
 LOOP = "event loop (uvloop: poll, socket reads, callbacks)"

@@ -1,5 +1,5 @@
 """Guardrails on prompts and outputs, configured as named profiles (`config`: the guards file, the
-models file's `guards:`), picked per request by API key, model or default (`pipeline`).
+models file's `guards:`), picked per request by API key, model or default (`guarding`).
 
     config      the guards file, validated at start
     normalize   text as every guard reads it (NFKC, invisibles out, confusables, spaces, dashes,
@@ -8,8 +8,8 @@ models file's `guards:`), picked per request by API key, model or default (`pipe
     pii         emails, phone numbers, card numbers (Luhn), IBANs (mod 97), IP addresses
     injection   the shipped prompt-injection list (injection.yaml)
     moderation  the optional /v1/moderations upstream (httpx)
-    pipeline    Guards (profiles, profile_for) and RequestGuard (input checks, moderation)
+    guarding    Guards (profiles, profile_for) and RequestGuard (input checks, moderation)
     stream      the output guard: a sliding window per choice, cuts with finish_reason content_filter
     logprobs    a choice's logprobs, passed on with the text they belong to
-    requests    every text of a request that the model reads, checked and rewritten
+    inbound     every text of a request that the model reads, checked and rewritten
 """

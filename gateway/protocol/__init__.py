@@ -1,1 +1,1 @@
-"""The APIs' wire formats as pydantic models, one module per API."""
+"""The wire models more than one layer speaks; a model only one API uses lives in `apis/<api>/<api>_wire.py`."""

@@ -1,2 +1,3 @@
-"""From an API request to engine calls and back: chat, completions, tool calls, chunk encoding.
-No Starlette here (a test says so): this layer works on validated protocol models and engines."""
+"""What every API's translation shares: the Service protocol, per-choice generation state, chunk
+encoding, structured output, tool calls, remote answers. No Starlette here (a test says so): this layer
+works on validated protocol models and engines."""

@@ -1,3 +1,2 @@
-"""Everything that knows Starlette: the app (`application`), the one route table, request helpers,
-the handlers (parse, call the pipeline, encode: `answers`), errors as HTTP answers (`errors`),
-Server-Sent Events and the OpenAPI document."""
+"""The HTTP edge's shared pieces, used by every API package: answers as responses (`answers`), request
+parsing and state (`requests`), errors in the route's shape (`error_render`), Server-Sent Events (`sse`)."""
