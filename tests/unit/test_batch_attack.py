@@ -221,11 +221,18 @@ def test_a_batch_logs_no_prompt_output_or_key(tmp_path: Path, capsys: pytest.Cap
                      chat_line("err", "PRIVATE-PROMPT-1234", max_tokens=-1)]
             done = wait(sdk, submit(sdk, jsonl(*lines)).id)
             assert done.request_counts.completed == 1
+            out: list[str] = []
+
+            def completed_logged() -> bool:  # logged just after the record that says so is written
+                captured = capsys.readouterr()
+                out.append(captured.out + captured.err)
+                return "batch_completed" in "".join(out)
+
+            until_sync(completed_logged, what="batch_completed logged")
     finally:
         logging.getLogger().handlers.clear()
     captured = capsys.readouterr()
-    logged = captured.out + captured.err
-    assert "batch_completed" in logged
+    logged = "".join(out) + captured.out + captured.err
     for secret in ("PRIVATE-PROMPT-1234", "SECRET-OUTPUT-0815", "sk-LEAK-4711"):
         assert secret not in logged
 
