@@ -188,6 +188,7 @@ class RemoteAnswer(Generic[AnswerT]):
         self.meter = Meter(model, self.record)
         self.meter.begin()
         self.joined = _Joined()
+        self._counted = False
         self._ended = False
 
     async def whole(self, status: int, body: bytes) -> bytes:
@@ -225,6 +226,10 @@ class RemoteAnswer(Generic[AnswerT]):
                 elif (guarded := await self.guarded(event, self.guard)) is not None:
                     yield guarded
             await self._stream_ended()
+        except BaseException:  # cut short (its client gone, its upstream failed) once it generated: that is its usage
+            if not self._counted and self.meter.first_at is not None:
+                self._count(self.prompt_estimate, self.joined.content_chunks)
+            raise
         finally:
             self.end()
 
@@ -267,7 +272,7 @@ class RemoteAnswer(Generic[AnswerT]):
             self.record.trace.finished(joined.choices[index].finish_reason for index in sorted(joined.choices))
         prompt = int(usage.get("prompt_tokens") or self.prompt_estimate)
         completion = int(usage.get("completion_tokens") or joined.content_chunks)
-        self.meter.count(prompt, completion)
+        self._count(prompt, completion)
         if self.on_done is None or not joined.complete:
             return
         totals = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -275,6 +280,10 @@ class RemoteAnswer(Generic[AnswerT]):
             await self._store(joined.chat(totals))
         elif self.answer_type is Completion:
             await self._store(joined.completion(totals))
+
+    def _count(self, prompt: int, completion: int) -> None:
+        self._counted = True
+        self.meter.count(prompt, completion)
 
     async def _store(self, data: object) -> None:
         assert self.on_done is not None
