@@ -236,10 +236,10 @@ class RemoteAnswer(Generic[AnswerT]):
     async def guarded(self, event: bytes, guard: RelayGuard) -> bytes | None:
         """One event read, then guarded and written again (None: nothing of it to pass on). Data
         that is not JSON is not passed on: it cannot be checked."""
-        lines = [line for line in event.split(b"\n") if not line.startswith(b"data:")]
-        data_lines = kept = 0
+        every = event.split(b"\n")
+        lines = [line for line in every if not line.startswith(b"data:")]
+        data_lines, kept = len(every) - len(lines), 0  # JSON that is no object counts too (payloads skips it)
         for chunk in sse_wire.payloads(event):
-            data_lines += 1
             if chunk == sse_wire.DONE_MARK:
                 self.joined.done = True
                 lines.append(b"data: [DONE]")
