@@ -317,3 +317,15 @@ async def test_a_client_that_leaves_mid_stream_gives_back_its_permit_and_settles
         assert line["prompt_tokens"] > 0
         assert line["completion_tokens"] > 0
         assert metric("gateway_key_completion_tokens_total", key="anonymous", team="") == before + line["completion_tokens"]
+
+
+def test_a_remote_whole_answer_times_no_output_tokens(client: TestClient, side: Side) -> None:
+    """A whole answer arrives at one time: it has no time per output token to observe (a zero would
+    drag the histogram down), though a stream of the same model has."""
+    count = "gateway_time_per_output_token_seconds_count"
+    before = metric(count, model=side.model)
+    assert post(client, side).status_code == 200
+    if side.model == "far":
+        assert metric(count, model=side.model) == before
+    assert post(client, side, stream=True).status_code == 200
+    assert metric(count, model=side.model) > before
