@@ -188,6 +188,7 @@ class RemoteAnswer(Generic[AnswerT]):
         self.meter = Meter(model, self.record)
         self.meter.begin()
         self.joined = _Joined()
+        self._counted = False
         self._ended = False
 
     async def whole(self, status: int, body: bytes) -> bytes:
@@ -203,7 +204,7 @@ class RemoteAnswer(Generic[AnswerT]):
             usage = data.get("usage") or {} if isinstance(data, dict) else {}
             if self.record.trace is not None and isinstance(data, dict):
                 self.record.trace.finished(c.get("finish_reason") for c in data.get("choices") or () if isinstance(c, dict))
-            self.meter.count(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+            self.meter.count(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), timed=False)
             if self.on_done is not None:
                 await self._store(data)
         except orjson.JSONDecodeError:
@@ -225,16 +226,20 @@ class RemoteAnswer(Generic[AnswerT]):
                 elif (guarded := await self.guarded(event, self.guard)) is not None:
                     yield guarded
             await self._stream_ended()
+        except BaseException:  # cut short (its client gone, its upstream failed) once it generated: that is its usage
+            if not self._counted and self.meter.first_at is not None:
+                self._count(self.prompt_estimate, self.joined.content_chunks)
+            raise
         finally:
             self.end()
 
     async def guarded(self, event: bytes, guard: RelayGuard) -> bytes | None:
         """One event read, then guarded and written again (None: nothing of it to pass on). Data
         that is not JSON is not passed on: it cannot be checked."""
-        lines = [line for line in event.split(b"\n") if not line.startswith(b"data:")]
-        data_lines = kept = 0
+        every = event.split(b"\n")
+        lines = [line for line in every if not line.startswith(b"data:")]
+        data_lines, kept = len(every) - len(lines), 0  # JSON that is no object counts too (payloads skips it)
         for chunk in sse_wire.payloads(event):
-            data_lines += 1
             if chunk == sse_wire.DONE_MARK:
                 self.joined.done = True
                 lines.append(b"data: [DONE]")
@@ -267,7 +272,7 @@ class RemoteAnswer(Generic[AnswerT]):
             self.record.trace.finished(joined.choices[index].finish_reason for index in sorted(joined.choices))
         prompt = int(usage.get("prompt_tokens") or self.prompt_estimate)
         completion = int(usage.get("completion_tokens") or joined.content_chunks)
-        self.meter.count(prompt, completion)
+        self._count(prompt, completion)
         if self.on_done is None or not joined.complete:
             return
         totals = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -275,6 +280,10 @@ class RemoteAnswer(Generic[AnswerT]):
             await self._store(joined.chat(totals))
         elif self.answer_type is Completion:
             await self._store(joined.completion(totals))
+
+    def _count(self, prompt: int, completion: int) -> None:
+        self._counted = True
+        self.meter.count(prompt, completion)
 
     async def _store(self, data: object) -> None:
         assert self.on_done is not None

@@ -225,6 +225,26 @@ def test_tokens_per_minute_count_prompt_and_budget() -> None:
         assert len(engine.requests) == 1
 
 
+def test_rate_limit_headers_on_every_kind_of_answer() -> None:
+    """Streamed, replayed from the cache, and refused for tokens (in either API's shape): the key's
+    x-ratelimit-* headers for requests and tokens, and the refusal's Retry-After."""
+    limits = ("x-ratelimit-remaining-requests", "x-ratelimit-remaining-tokens")
+    with TestClient(app_with(rate_limit_rpm=10, rate_limit_tpm=60, cache={"backend": "memory"})) as client:
+        streamed = client.post("/v1/chat/completions", json=chat_body(max_tokens=5, stream=True, temperature=0))
+        replayed = client.post("/v1/chat/completions", json=chat_body(max_tokens=5, temperature=0))
+        assert replayed.headers["x-cache"] == "HIT"
+        for answer in (streamed, replayed):
+            assert answer.status_code == 200
+            assert all(name in answer.headers for name in limits), answer.headers
+        messages = {"model": "fake-model", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+        for path, body in (("/v1/chat/completions", chat_body(max_tokens=50, stream=True)), ("/v1/messages", messages)):
+            refused = client.post(path, json=body)
+            assert refused.status_code == 429
+            assert all(name in refused.headers for name in limits), refused.headers
+            assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["type"] == "error"  # Anthropic's shape on its route
+
+
 def test_a_request_that_can_never_fit_the_tokens_per_minute_is_told_so_once() -> None:
     engine = FakeEngine()
     with TestClient(app_with(engine, rate_limit_tpm=30)) as client:

@@ -9,10 +9,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 from starlette.testclient import TestClient
 
+from gateway.guards.relay import RelayGuard
+from gateway.protocol.openai import ChatCompletion
+from gateway.serving.remote import RemoteAnswer
 from tests.fakes import FakeEngine
 from tests.served import gateway
 from tests.unit.test_guard_evasion import (  # noqa: F401  # its fixture: guard actions counted apart
@@ -193,3 +197,13 @@ def test_an_unguarded_remote_answer_passes_through_as_the_upstream_wrote_it(tmp_
             answer = client.post("/v1/chat/completions", json={"model": "far", "stream": stream,
                                                                "messages": [{"role": "user", "content": "hi"}]})
             assert "project hydra" in shown(answer.text)
+
+
+async def test_an_event_whose_data_is_no_json_object_is_not_passed_on() -> None:
+    """What cannot be checked is not relayed: not even the event's other lines, as an event of its own."""
+    watch = RemoteAnswer("far", ChatCompletion, 1)
+    try:
+        for event in (b"data: 5", b"event: x\ndata: [1, 2]", b"data: not json"):
+            assert await watch.guarded(event, cast(RelayGuard, object())) is None, event
+    finally:
+        watch.end()

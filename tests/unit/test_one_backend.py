@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import structlog.testing
 from prometheus_client import REGISTRY
 from starlette.testclient import TestClient
 
@@ -275,3 +276,56 @@ async def test_a_client_that_leaves_mid_stream_stops_the_generation(side: Side) 
         assert sent[0]["status"] == 200
         assert await asyncio.to_thread(side.script.stopped.wait, 5)  # the upstream's server runs in a thread
     assert metric("gateway_requests_in_flight", model=side.model) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_the_access_line_and_the_keys_usage(client: TestClient, side: Side, stream: bool) -> None:
+    side.script.pieces = EMAIL
+    before = metric("gateway_key_completion_tokens_total", key="anonymous", team="")
+    with structlog.testing.capture_logs() as logs:
+        answer = post(client, side, stream=stream, stream_options={"include_usage": True} if stream else None)
+    assert answer.status_code == 200
+    line = next(log for log in logs if log["event"] == "request")
+    assert line["model"] == side.model
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (5 if side.model == "far" else line["prompt_tokens"], 3)
+    assert line["ttft_s"] is not None
+    assert line["guards"] == ["output:pii.email:redact"]
+    assert metric("gateway_key_completion_tokens_total", key="anonymous", team="") == before + 3
+
+
+async def test_a_client_that_leaves_mid_stream_gives_back_its_permit_and_settles(side: Side) -> None:
+    side.script.endless = True
+    settings = {**side.settings, "rate_limit_tpm": 10_000}
+    app = create_app(fake_settings(**settings), engine_starter=lambda es: side.engine)
+    body = {"model": side.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 90, "stream": True}
+    async with app.router.lifespan_context(app) as state:
+        async def with_state(scope: Any, receive: Any, send: Any) -> None:
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        gateway = state["gateway"]
+        before = metric("gateway_key_completion_tokens_total", key="anonymous", team="")
+        with structlog.testing.capture_logs() as logs:
+            sent = await drive(with_state, body, disconnect_after_chunks=3)
+        assert sent[0]["status"] == 200
+        assert await asyncio.to_thread(side.script.stopped.wait, 5)
+        assert gateway.models.backends[side.model].admission.running == 0
+        line = next(log for log in logs if log["event"] == "request")
+        assert line["disconnected"] is True
+        assert line["model"] == side.model
+        # what was generated before the client left is its usage (the access line's, the key's budget)
+        assert line["prompt_tokens"] > 0
+        assert line["completion_tokens"] > 0
+        assert metric("gateway_key_completion_tokens_total", key="anonymous", team="") == before + line["completion_tokens"]
+
+
+def test_a_remote_whole_answer_times_no_output_tokens(client: TestClient, side: Side) -> None:
+    """A whole answer arrives at one time: it has no time per output token to observe (a zero would
+    drag the histogram down), though a stream of the same model has."""
+    count = "gateway_time_per_output_token_seconds_count"
+    before = metric(count, model=side.model)
+    assert post(client, side).status_code == 200
+    if side.model == "far":
+        assert metric(count, model=side.model) == before
+    assert post(client, side, stream=True).status_code == 200
+    assert metric(count, model=side.model) > before
