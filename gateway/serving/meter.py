@@ -40,15 +40,15 @@ class Meter:
         self.last_at = at
         return first
 
-    def count(self, prompt: int, completion: int, choices: int = 1, timed: bool = True) -> None:
-        """The generation's tokens, once it is over (`choices`: completion tokens spread over them;
-        not `timed`: they arrived at one time, a whole remote answer, with no time per token to tell)."""
+    def count(self, prompt: int, completion: int, choices: int = 1) -> None:
+        """The generation's tokens, once it is over (`choices`: completion tokens spread over them). No time
+        per output token when they all arrived at one time (a whole remote answer): there is none to tell."""
         metrics.labelled(metrics.PROMPT_TOKENS, self.model).inc(prompt)
         metrics.labelled(metrics.COMPLETION_TOKENS, self.model).inc(completion)
         self.record.prompt_tokens = (self.record.prompt_tokens or 0) + prompt
         self.record.completion_tokens = (self.record.completion_tokens or 0) + completion
         per_choice = completion / max(1, choices)
-        if timed and self.first_at is not None and self.last_at is not None and per_choice > 1:
+        if self.first_at is not None and self.last_at is not None and self.last_at > self.first_at and per_choice > 1:
             tpot = (self.last_at - self.first_at) / (per_choice - 1)
             metrics.labelled(metrics.TIME_PER_OUTPUT_TOKEN, self.model).observe(tpot)
 

@@ -204,7 +204,7 @@ class RemoteAnswer(Generic[AnswerT]):
             usage = data.get("usage") or {} if isinstance(data, dict) else {}
             if self.record.trace is not None and isinstance(data, dict):
                 self.record.trace.finished(c.get("finish_reason") for c in data.get("choices") or () if isinstance(c, dict))
-            self.meter.count(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), timed=False)
+            self.meter.count(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
             if self.on_done is not None:
                 await self._store(data)
         except orjson.JSONDecodeError:

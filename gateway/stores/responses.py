@@ -95,9 +95,21 @@ class ResponseStore:
     def of(self, owner: str) -> OwnedResponses:
         return OwnedResponses(self, owner)
 
-    def runs_of(self, owner: str) -> dict[str, BackgroundRun]:
-        """The background runs of one owner in this process (never another owner's)."""
-        return self._runs.setdefault(owner, {})
+    def run_of(self, owner: str, response_id: str) -> BackgroundRun | None:
+        """One owner's background run in this process (never another owner's)."""
+        return self._runs.get(owner, {}).get(response_id)
+
+    def add_run(self, owner: str, response_id: str, run: BackgroundRun) -> None:
+        """Tracked until its task ends; an owner with no run left leaves no entry behind."""
+        runs = self._runs.setdefault(owner, {})
+        runs[response_id] = run
+
+        def done(_: object) -> None:
+            runs.pop(response_id, None)
+            if not runs and self._runs.get(owner) is runs:
+                del self._runs[owner]
+
+        run.task.add_done_callback(done)
 
     async def aclose(self) -> None:
         await asyncio.gather(*(run.cancel() for runs in self._runs.values() for run in list(runs.values())))
@@ -132,7 +144,7 @@ class OwnedResponses:
 
     async def delete(self, response_id: str) -> None:
         await self.get(response_id)  # none of this owner's: 404 before anything is touched
-        run = self.store.runs_of(self.owner).get(response_id)
+        run = self.store.run_of(self.owner, response_id)
         if run is not None:
             await run.cancel()
         if not await self._needed("delete", self.store.backend.delete(self._key(response_id))):
@@ -146,7 +158,7 @@ class OwnedResponses:
             raise InvalidRequest("Only responses created with background set to true can be cancelled", "response_id")
         if stored.response.status not in RUNNING:
             return stored.response  # done already: cancelling again changes nothing
-        run = self.store.runs_of(self.owner).get(response_id)
+        run = self.store.run_of(self.owner, response_id)
         if run is not None:
             return await run.cancel()
         cancelled = stored.response.model_copy(update={"status": "cancelled"})
@@ -154,9 +166,7 @@ class OwnedResponses:
         return cancelled
 
     def track(self, response_id: str, run: BackgroundRun) -> None:
-        runs = self.store.runs_of(self.owner)
-        runs[response_id] = run
-        run.task.add_done_callback(lambda _: runs.pop(response_id, None))
+        self.store.add_run(self.owner, response_id, run)
 
     async def _needed(self, operation: str, call: Awaitable[T]) -> T:
         try:
