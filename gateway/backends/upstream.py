@@ -44,7 +44,7 @@ from engine.errors import EngineUnavailable
 from gateway.errors import APIError, BackendUnavailable, BadGateway
 from gateway.protocol import sse_wire
 from gateway.telemetry import metrics
-from gateway.telemetry.record import current_record
+from gateway.telemetry.record import current_trace
 from gateway.telemetry.tracing import headers_of
 
 log = structlog.get_logger(__name__)
@@ -110,7 +110,7 @@ class Upstream:
         """Forward; `on_close` runs once the answer has been passed on (or failed)."""
         payload = orjson.dumps({**body, "model": self.upstream_model})
         url = self._url(path)
-        trace = current_record().trace
+        trace = current_trace()
         if trace is None:
             return await self._forward(url, payload, None, stream, on_close)
         # the request's span, its traceparent passed on; ended when the answer has been passed on

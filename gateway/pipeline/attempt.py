@@ -24,6 +24,7 @@ from gateway.pipeline.disconnect import unless_gone
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.serving import offload, remote, structured
+from gateway.serving.meter import Readings
 from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service, check_task
 from gateway.serving.structured import Constraint
 from gateway.stores.cache import Hit, Storer
@@ -60,6 +61,9 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         self.scheduled = context.lane or priority.of(policy, body)
         keys_scope = (state.settings.api_keys or state.tenants.enabled) and not state.settings.cache.shared_across_keys
         self.cache_scope = context.tenant if keys_scope else ""
+        # what the generation measures, handed down and reported here (`_report`), once
+        self.readings = Readings(started=context.record.arrival, log_content=context.record.log_content)
+        self._reported = False
 
     async def on(self, backend: Backend) -> Answer:
         """The one journey on either backend: its preparation (every refusal, the tokens to charge),
@@ -71,10 +75,31 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             return self._replay(hit)
         permit = await self._admit(backend)
         try:
-            return await start.run(permit, on_done)
+            answer = await start.run(permit, on_done)
         except BaseException:
             permit.release()
+            self._report()
             raise
+        if isinstance(answer, Whole):
+            self._report()
+        return answer
+
+    def _report(self) -> None:
+        """The generation's readings into the request's record (the access line, metrics, the
+        trace, the charge's settlement), once; a fallback's add to those of the model before it."""
+        if self._reported:
+            return
+        self._reported = True
+        readings, record = self.readings, self.context.record
+        if readings.prompt_tokens is not None:
+            record.prompt_tokens = (record.prompt_tokens or 0) + readings.prompt_tokens
+            record.completion_tokens = (record.completion_tokens or 0) + (readings.completion_tokens or 0)
+        if record.ttft_s is None:
+            record.ttft_s = readings.ttft_s
+        if readings.prompt is not None:  # kept only with prompt logging on
+            record.prompt = readings.prompt
+        if readings.output:
+            record.output = (record.output or []) + readings.output
 
     def _check_output(self, tokens: int) -> None:
         most = self.state.settings.max_output_tokens_per_request
@@ -127,7 +152,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
                 )
         self.context.release_body()  # read and tokenized: its bytes leave the in-flight budget
         prepared.model = backend.name
-        prepared.schedule(self.scheduled)
+        prepared.schedule(self.scheduled, self.readings)
         self._check_output(prepared.output_tokens())
         if prepared.constraint is not None:
             await self._constrained(backend, prepared.constraint, size)
@@ -151,6 +176,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
 
         def close() -> None:
             permit.release()
+            self._report()
             settle()
 
         return close
@@ -222,7 +248,8 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         upstream, path = backend.upstream, self.service.upstream_path
 
         async def run(permit: Permit, on_done: OnDone[AnswerT] | None) -> Answer:
-            watch = remote.RemoteAnswer(backend.name, self.service.answer_type, prompt, on_done, guard=relay)
+            watch = remote.RemoteAnswer(backend.name, self.service.answer_type, prompt, on_done, guard=relay,
+                                        readings=self.readings)
             try:
                 answer = await upstream.forward(path, payload, self.body.streams, permit.release)
                 if answer.events is None:

@@ -20,8 +20,8 @@ from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationReques
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.guards.stream import OutputGuard, visible
 from gateway.protocol.openai import SamplingFields, Usage
-from gateway.serving.meter import Meter
-from gateway.telemetry.record import current_record
+from gateway.serving.meter import Meter, Readings
+from gateway.telemetry.record import current_trace
 from gateway.telemetry.tracing import headers_of
 
 log = structlog.get_logger(__name__)
@@ -208,7 +208,8 @@ class Run:
     output guard, outputs pass it first, and the engine request ends once it has cut every choice."""
 
     def __init__(
-        self, engine: Engine, request: GenerationRequest, guard: OutputGuard | None = None, priority: int = 0
+        self, engine: Engine, request: GenerationRequest, guard: OutputGuard | None = None, priority: int = 0,
+        readings: Readings | None = None,
     ) -> None:
         self.engine = engine
         if priority != request.priority:  # prepared before the pipeline chose its priority
@@ -218,14 +219,14 @@ class Run:
         self.prompt_tokens = len(request.prompt_token_ids)
         self.cached_tokens = 0
         self.choices = [ChoiceState(i) for i in range(request.sampling.n)]
-        self._record = record = current_record()
+        self._trace = trace = current_trace()
         self._span: Span | None = None  # traced: the engine's first token, then its decoding
-        if record.trace is not None:
-            self._span = record.trace.start("engine.first_token", attributes={"gen_ai.request.id": request.request_id})
+        if trace is not None:
+            self._span = trace.start("engine.first_token", attributes={"gen_ai.request.id": request.request_id})
             self.request = request = replace(request, trace_headers=headers_of(self._span))
         self._outputs = engine.generate(request)
         self._first: GenerationOutput | None = None
-        self._meter = Meter(engine.info.name, record)
+        self._meter = Meter(engine.info.name, readings)
         self.unkeepable: str | None = None  # why the answer must not be cached
         self._closed = False
 
@@ -286,8 +287,8 @@ class Run:
             tokens = tokens or bool(delta.token_ids)
         if tokens and self._meter.token() and self._span is not None:
             self._span.end()
-            assert self._record.trace is not None
-            self._span = self._record.trace.start("engine.decode", attributes={"gen_ai.request.id": self.request.request_id})
+            assert self._trace is not None
+            self._span = self._trace.start("engine.decode", attributes={"gen_ai.request.id": self.request.request_id})
         return output
 
     def _finish(self) -> None:
@@ -295,10 +296,10 @@ class Run:
         self._meter.end()
         prompt, completion = self.prompt_tokens, self.completion_tokens()
         self._meter.count(prompt, completion, len(self.choices))
-        record = self._record
-        if record.log_content:
-            record.prompt = self.request.prompt_text
-            record.output = (record.output or []) + ["".join(choice.text) for choice in self.choices]
+        readings = self._meter.readings
+        if readings.log_content:
+            readings.prompt = self.request.prompt_text
+            readings.output.extend("".join(choice.text) for choice in self.choices)
         if self._span is not None:
             self._end_span(prompt, completion)
 
@@ -315,9 +316,9 @@ class Run:
 
     def _end_span(self, prompt: int, completion: int) -> None:
         assert self._span is not None
-        assert self._record.trace is not None
+        assert self._trace is not None
         reasons = [choice.finish_reason for choice in self.choices]
-        self._record.trace.finished(reasons)
+        self._trace.finished(reasons)
         if self._span.is_recording():
             self._span.set_attributes({"gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion})
             if None in reasons:  # closed before every choice finished: the client left, or an error

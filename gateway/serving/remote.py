@@ -29,9 +29,9 @@ from gateway.errors import BadGateway
 from gateway.guards.relay import RelayGuard
 from gateway.protocol import sse_wire
 from gateway.protocol.openai import ChatCompletion, Completion
-from gateway.serving.meter import Meter
+from gateway.serving.meter import Meter, Readings
 from gateway.serving.service import AnswerT, OnDone
-from gateway.telemetry.record import current_record
+from gateway.telemetry.record import current_trace
 
 log = structlog.get_logger(__name__)
 CHARS_PER_TOKEN = 4
@@ -179,13 +179,13 @@ class RemoteAnswer(Generic[AnswerT]):
 
     def __init__(self, model: str, answer_type: type[AnswerT], prompt_estimate: int,
                  on_done: OnDone[AnswerT] | None = None, on_end: Callable[[], None] | None = None,
-                 guard: RelayGuard | None = None) -> None:
+                 guard: RelayGuard | None = None, readings: Readings | None = None) -> None:
         self.model, self.answer_type = model, answer_type
         self.guard = guard
         self.prompt_estimate = prompt_estimate
         self.on_done, self.on_end = on_done, on_end
-        self.record = current_record()
-        self.meter = Meter(model, self.record)
+        self.trace = current_trace()
+        self.meter = Meter(model, readings)
         self.meter.begin()
         self.joined = _Joined()
         self._counted = False
@@ -202,8 +202,8 @@ class RemoteAnswer(Generic[AnswerT]):
                 data = await self.guard.answer(data)
                 body = orjson.dumps(data)
             usage = data.get("usage") or {} if isinstance(data, dict) else {}
-            if self.record.trace is not None and isinstance(data, dict):
-                self.record.trace.finished(c.get("finish_reason") for c in data.get("choices") or () if isinstance(c, dict))
+            if self.trace is not None and isinstance(data, dict):
+                self.trace.finished(c.get("finish_reason") for c in data.get("choices") or () if isinstance(c, dict))
             self.meter.count(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
             if self.on_done is not None:
                 await self._store(data)
@@ -268,8 +268,8 @@ class RemoteAnswer(Generic[AnswerT]):
     async def _stream_ended(self) -> None:
         joined = self.joined
         usage = joined.usage or {}
-        if self.record.trace is not None:
-            self.record.trace.finished(joined.choices[index].finish_reason for index in sorted(joined.choices))
+        if self.trace is not None:
+            self.trace.finished(joined.choices[index].finish_reason for index in sorted(joined.choices))
         prompt = int(usage.get("prompt_tokens") or self.prompt_estimate)
         completion = int(usage.get("completion_tokens") or joined.content_chunks)
         self._count(prompt, completion)
