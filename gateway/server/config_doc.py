@@ -8,7 +8,7 @@ import sys
 
 from pydantic import BaseModel
 
-from gateway.server.options import ENGINE_ARG_FLAG, ENV_DELIMITER, ENV_PREFIX, Option, groups, options, type_name
+from gateway.server.options import ENGINE_ARG_FLAG, ENV_DELIMITER, ENV_PREFIX, Option, groups, options, summary
 
 HEADER = f"""\
 # Configuration reference
@@ -48,15 +48,14 @@ def row(option: Option) -> str:
         flag += f", `--no-{option.flag[2:]}`"
     elif option.flag == ENGINE_ARG_FLAG:
         flag = f"`{option.flag} KEY=VALUE` (repeatable)"
-    cells = [f"`{option.name}`", f"`{option.env}`", flag, cell(type_name(option)), cell(shown(option)),
+    cells = [f"`{option.name}`", f"`{option.env}`", flag, cell(option.type_name), cell(shown(option)),
              cell(option.description)]
     return "| " + " | ".join(cells) + " |"
 
 
 def title(prefix: tuple[str, ...], model: type[BaseModel]) -> str:
-    summary = " ".join((model.__doc__ or "").strip().split("\n\n")[0].split())
     heading = f"## `{'.'.join(prefix)}`" if prefix else "## The gateway"
-    return heading + ("\n\n" + summary if summary else "")
+    return heading + ("\n\n" + summary(model) if summary(model) else "")
 
 
 def render() -> str:

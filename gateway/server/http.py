@@ -193,14 +193,8 @@ class DrainingServer(uvicorn.Server):
     """On SIGTERM readiness and new requests turn 503 while requests in progress finish, for up to
     `drain_timeout_s`; only then does uvicorn shut down. A second signal exits at once."""
 
-    def __init__(
-        self,
-        config: uvicorn.Config,
-        lifecycle: Lifecycle,
-        drain_timeout_s: float,
-        reloadables: Sequence[Reloadable] = (),
-        announce: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, drain_timeout_s: float,
+                 reloadables: Sequence[Reloadable] = (), announce: Callable[[], None] | None = None) -> None:
         """`announce`: a worker's, called once serving in place of the `listening` line (the parent logs that)."""
         super().__init__(config)
         self.announce = announce
