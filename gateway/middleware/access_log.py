@@ -73,7 +73,7 @@ class AccessLogMiddleware:
             nonlocal status, first_byte, started_response
             if message["type"] == "http.response.start":
                 status, started_response = message["status"], True
-                record.status = status  # for the layers below that count by status (rate_limit)
+                record.status = status  # for the layers below that count by status (auth)
                 extra = [(k.encode(), v.encode()) for k, v in record.response_headers.items()]
                 message["headers"] = [*message.get("headers", []), *extra, (b"x-request-id", request_id.encode())]
             elif first_byte is None and message["type"] == "http.response.body":

@@ -274,7 +274,7 @@ class Quota:
             self._failed("settle", exc)  # Redis counted the estimate; this correction is lost
 
     def finish(self, policy: KeyPolicy, status: int, charge: Charge | None, usage: tuple[int, int]) -> None:
-        """The end of a request (`middleware.rate_limit`): its usage (prompt, completion tokens)
+        """The end of a request (`middleware.auth`): its usage (prompt, completion tokens)
         counted and its charge settled, unless a stream holds it (it settles when the stream ends)."""
         if 200 <= status < 300:
             metrics.labelled(metrics.KEY_REQUESTS, policy.key_id, policy.team).inc()
