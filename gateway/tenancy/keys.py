@@ -18,7 +18,7 @@ from gateway.errors import AuthenticationFailed, RateLimited, UnsupportedMediaTy
 from gateway.settings import Settings
 from gateway.telemetry import metrics
 from gateway.tenancy.limits import TokenBucket
-from gateway.tenancy.tenants import Tenants
+from gateway.tenancy.tenants import Tenants, find
 
 ANONYMOUS = "anonymous"
 Headers = Sequence[tuple[bytes, bytes]]  # a request's headers as the server read them (names lower-case)
@@ -36,25 +36,20 @@ NOBODY = Identity(ANONYMOUS, ANONYMOUS)
 class KeyRing:
     def __init__(self, keys: Iterable[SecretStr], id_secret: SecretStr | None = None) -> None:
         self._hashes = [hashlib.sha256(k.get_secret_value().encode()).digest() for k in keys]
-        self._id_secret = id_secret.get_secret_value().encode() if id_secret else os.urandom(32)
+        secret = id_secret.get_secret_value().encode() if id_secret else os.urandom(32)
         # each stored key's names, computed once (an HMAC and a hash per request otherwise)
-        self._identities = {
-            digest: Identity(_key_id(digest, self._id_secret), hashlib.sha256(b"tenant\0" + digest).hexdigest())
+        self._identities = [
+            (digest, Identity(_key_id(digest, secret), hashlib.sha256(b"tenant\0" + digest).hexdigest()))
             for digest in self._hashes
-        }
-        self._by_tenant = {identity.tenant: identity for identity in self._identities.values()}
+        ]
+        self._by_tenant = {identity.tenant: identity for _, identity in self._identities}
 
     @property
     def enabled(self) -> bool:
-        return bool(self._hashes)
+        return bool(self._identities)
 
     def identify(self, presented: str) -> Identity | None:
-        digest = hashlib.sha256(presented.encode()).digest()
-        found = None
-        for stored in self._hashes:  # no early exit: the time taken does not depend on which key
-            if hmac.compare_digest(stored, digest):
-                found = stored
-        return None if found is None else self._identities[found]
+        return find(self._identities, presented)
 
     def by_tenant(self, tenant: str) -> Identity | None:
         return self._by_tenant.get(tenant)

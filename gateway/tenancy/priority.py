@@ -60,6 +60,4 @@ def scheduled(key_class: Priority, may_raise: bool, tier: str | None = None, pri
 
 def of(policy: KeyPolicy, body: object) -> Scheduled:
     tier, wanted = getattr(body, "service_tier", None), getattr(body, "priority", None)
-    if tier is None and wanted is None:
-        return NORMAL if policy.priority == "normal" else Scheduled(policy.priority, ENGINE_PRIORITY[policy.priority])
     return scheduled(policy.priority, policy.request_priority, tier, wanted)

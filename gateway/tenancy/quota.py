@@ -197,7 +197,7 @@ class Quota:
         """The request counted against the key's requests per minute: its x-ratelimit-* headers."""
         if policy.rpm is None:
             return {}
-        allowed, tokens = await self._bucket(f"requests:{policy.key_id}", policy.rpm, 1)
+        allowed, tokens, _ = await self._bucket(f"requests:{policy.key_id}", policy.rpm, 1, False)
         return _report("requests", policy.rpm, 1, allowed, tokens)
 
     async def charge(self, policy: KeyPolicy, tokens: int, reconcile: bool = False) -> Charge:
@@ -212,7 +212,7 @@ class Quota:
         if charge.periods:
             await self._reserve(charge)
         if policy.tpm is not None:
-            allowed, left, shared = await self._bucket_where(f"tokens:{policy.key_id}", policy.tpm, tokens, False)
+            allowed, left, shared = await self._bucket(f"tokens:{policy.key_id}", policy.tpm, tokens, False)
             try:
                 charge.headers = _report("tokens", policy.tpm, tokens, allowed, left)
             except RateLimited:
@@ -222,11 +222,7 @@ class Quota:
             charge.tokens_shared = shared
         return charge
 
-    async def _bucket(self, name: str, capacity: int, amount: float, force: bool = False) -> tuple[bool, float]:
-        allowed, tokens, _ = await self._bucket_where(name, capacity, amount, force)
-        return allowed, tokens
-
-    async def _bucket_where(self, name: str, capacity: int, amount: float, force: bool) -> tuple[bool, float, bool]:
+    async def _bucket(self, name: str, capacity: int, amount: float, force: bool) -> tuple[bool, float, bool]:
         """(allowed, tokens left, counted in Redis)."""
         if self._shared_up():
             assert self.shared is not None

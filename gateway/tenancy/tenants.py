@@ -11,7 +11,7 @@ import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import structlog
 import yaml
@@ -33,6 +33,7 @@ log = structlog.get_logger(__name__)
 
 KeyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")]
 Stamp = tuple[int, int, int] | None
+T = TypeVar("T")
 
 
 class KeysFileError(ValueError): ...
@@ -116,6 +117,16 @@ class _Table:
     policies: dict[str, KeyPolicy]
 
 
+def find(stored: Iterable[tuple[bytes, T]], presented: str) -> T | None:
+    """What the stored SHA-256 digest of `presented` names; every digest compared, so the time does not tell which."""
+    digest = hashlib.sha256(presented.encode()).digest()
+    found = None
+    for candidate, value in stored:
+        if hmac.compare_digest(candidate, digest):
+            found = value
+    return found
+
+
 def read(path: Path) -> KeysFile:
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -154,12 +165,7 @@ class Tenants:
         self._validate(self._table)
 
     def identify(self, presented: str) -> str | None:
-        digest = hashlib.sha256(presented.encode()).digest()
-        found = None
-        for stored, key_id in self._table.digests:  # no early exit: the time does not tell which key
-            if hmac.compare_digest(stored, digest):
-                found = key_id
-        return found
+        return find(self._table.digests, presented)
 
     def policy(self, key_id: str) -> KeyPolicy:
         return self._table.policies.get(key_id) or KeyPolicy(key_id, rpm=self.rpm, tpm=self.tpm)
@@ -204,16 +210,13 @@ class Tenants:
             self.reload("file changed")
 
     def _build(self, file: KeysFile) -> _Table:
-        policies = {key_id: self._policy(key_id, spec) for key_id, spec in file.keys.items()}
-        return _Table(tuple((spec.digest(), key_id) for key_id, spec in file.keys.items()), policies)
-
-    def _policy(self, key_id: str, spec: KeySpec) -> KeyPolicy:
-        return KeyPolicy(
+        policies = {key_id: KeyPolicy(
             key_id, rpm=spec.rpm or self.rpm, tpm=spec.tpm or self.tpm, budget_day=spec.budget.day,
             budget_month=spec.budget.month, models=tuple(spec.models) if spec.models is not None else None,
             guards=spec.guards, priority=spec.priority, request_priority=spec.request_priority,
             team=spec.team or "", owner=spec.owner or "",
-        )
+        ) for key_id, spec in file.keys.items()}
+        return _Table(tuple((spec.digest(), key_id) for key_id, spec in file.keys.items()), policies)
 
     def _validate(self, table: _Table) -> None:
         for key_id, policy in table.policies.items():
