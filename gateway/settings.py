@@ -1,18 +1,25 @@
 """The gateway's one Settings object, from keyword arguments (the CLI's flags), `GATEWAY_`-prefixed environment
-variables (nested with `__`) and a `.env` file, strongest first; built once at the entry point and passed in."""
+variables (nested with `__`) and a `.env` file, strongest first; built once at the entry point and passed in. And
+`Reloadable`: the files it names that are read again in place (TLS, the keys file)."""
 
 from __future__ import annotations
 
 import ipaddress
+import os
+import time
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
+import structlog
+from prometheus_client import Counter
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineSettings
 
 Priority = Literal["high", "normal", "low"]  # an API key's priority class (the keys file's `priority`)
+Stamp = tuple[tuple[int, int, int] | None, ...]
+log = structlog.get_logger(__name__)
 
 
 class CacheSettings(BaseModel):
@@ -445,3 +452,57 @@ class Settings(BaseSettings):
         if self.tracing.engine_spans and self.engine.otlp_traces_endpoint is None:
             self.engine.otlp_traces_endpoint = self.tracing.otlp_endpoint
         return self
+
+
+class Reloadable:
+    """Files read again in place: on SIGHUP (`reload`) and, every `interval_s`, when one changed (`poll`: by mtime,
+    size and inode, as a mounted Secret or ConfigMap swaps a symlink). A version `apply` refuses (OSError,
+    ValueError) is logged and counted once, and the one in service stays."""
+
+    what = "files"  # the log events' prefix: `<what>_reloaded`, `<what>_reload_failed`
+
+    def __init__(self, files: list[Path], interval_s: float, reloads: Counter) -> None:
+        self.files, self.interval_s, self._reloads = files, interval_s, reloads
+        self._stamp = self._stamp_now()
+        self._refused: Stamp | None = None
+        self._next_poll = time.monotonic() + interval_s
+
+    def apply(self) -> dict[str, Any]:
+        """The files read and put in service: what the log line says of them."""
+        raise NotImplementedError
+
+    def reload(self, reason: str) -> bool:
+        if not self.files:
+            return False
+        stamp = self._stamp_now()
+        try:
+            fields = self.apply()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            self._refused = stamp
+            self._reloads.labels(result="error").inc()
+            log.error(f"{self.what}_reload_failed", reason=reason, error=str(exc), files=[str(f) for f in self.files])
+            return False
+        self._stamp, self._refused = stamp, None
+        self._reloads.labels(result="ok").inc()
+        log.info(f"{self.what}_reloaded", reason=reason, **fields)
+        return True
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if not self.files or self.interval_s <= 0 or now < self._next_poll:
+            return
+        self._next_poll = now + self.interval_s
+        stamp = self._stamp_now()
+        if stamp != self._stamp and stamp != self._refused:
+            self.reload("files changed")
+
+    def _stamp_now(self) -> Stamp:
+        stamps: list[tuple[int, int, int] | None] = []
+        for path in self.files:
+            try:
+                st = os.stat(path)
+            except OSError:
+                stamps.append(None)
+            else:
+                stamps.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(stamps)

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from types import FrameType
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import structlog
 import uvicorn
@@ -20,7 +20,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from gateway.apis.routes import TABLE
 from gateway.errors import InvalidRequest
 from gateway.pipeline.lifecycle import Lifecycle
-from gateway.settings import Settings
+from gateway.settings import Reloadable, Settings
 from gateway.web.error_render import render
 from gateway.web.stalls import ABORT
 
@@ -179,14 +179,6 @@ def server_config(app: Any, settings: Settings, tls_options: dict[str, Any] | No
         timeout_graceful_shutdown=5,  # the drain already waited for requests in progress
         **(tls_options or {}),
     )
-
-
-class Reloadable(Protocol):
-    """Read again on SIGHUP (`reload`) and polled every tick of the main loop for changed files (`poll`)."""
-
-    def reload(self, reason: str) -> bool: ...
-
-    def poll(self) -> None: ...
 
 
 class DrainingServer(uvicorn.Server):

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import re
-import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
-import structlog
 import yaml
 from pydantic import (
     BaseModel,
@@ -26,13 +23,10 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.settings import Priority
+from gateway.settings import Priority, Reloadable
 from gateway.telemetry.metrics import KEYS_RELOADS
 
-log = structlog.get_logger(__name__)
-
 KeyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")]
-Stamp = tuple[int, int, int] | None
 T = TypeVar("T")
 
 
@@ -139,19 +133,17 @@ def read(path: Path) -> KeysFile:
         raise KeysFileError(f"keys file {path}: {where}: {first['msg']}") from exc
 
 
-class Tenants:
-    """The keys file's table, swapped whole on reload (a file that cannot be used keeps the one in service);
-    `rpm`/`tpm` are the global limits for keys without their own."""
+class Tenants(Reloadable):
+    """The keys file's table, swapped whole on reload; `rpm`/`tpm` are the global limits for keys without their own."""
+
+    what = "keys"
 
     def __init__(self, path: Path | None, rpm: int | None = None, tpm: int | None = None,
                  reload_interval_s: float = 10) -> None:
+        super().__init__([path] if path is not None else [], reload_interval_s, KEYS_RELOADS)
         self.path, self.rpm, self.tpm = path, rpm, tpm
-        self.reload_interval_s = reload_interval_s
         self._known_models: Collection[str] | None = None
         self._profiles: Collection[str] | None = None
-        self._stamp: Stamp = self._file_stamp()
-        self._refused: Stamp = None
-        self._next_poll = time.monotonic() + reload_interval_s
         self._table = self._build(read(path)) if path is not None else _Table((), {})
 
     @property
@@ -183,31 +175,12 @@ class Tenants:
         schedules by priority."""
         return any(p.priority != "normal" or p.request_priority for p in self._table.policies.values())
 
-    def reload(self, reason: str) -> bool:
-        if self.path is None:
-            return False
-        stamp = self._file_stamp()
-        try:
-            table = self._build(read(self.path))
-            self._validate(table)
-        except KeysFileError as exc:
-            self._refused = stamp
-            KEYS_RELOADS.labels(result="error").inc()
-            log.error("keys_reload_failed", reason=reason, error=str(exc))
-            return False
-        self._table, self._stamp, self._refused = table, stamp, None
-        KEYS_RELOADS.labels(result="ok").inc()
-        log.info("keys_reloaded", reason=reason, keys=len(table.policies))
-        return True
-
-    def poll(self) -> None:
-        now = time.monotonic()
-        if self.path is None or self.reload_interval_s <= 0 or now < self._next_poll:
-            return
-        self._next_poll = now + self.reload_interval_s
-        stamp = self._file_stamp()
-        if stamp != self._stamp and stamp != self._refused:
-            self.reload("file changed")
+    def apply(self) -> dict[str, Any]:
+        assert self.path is not None
+        table = self._build(read(self.path))
+        self._validate(table)
+        self._table = table
+        return {"keys": len(table.policies)}
 
     def _build(self, file: KeysFile) -> _Table:
         policies = {key_id: KeyPolicy(
@@ -226,16 +199,6 @@ class Tenants:
             for entry in policy.models or ():
                 if self._known_models is not None and not _known(entry, self._known_models):
                     raise KeysFileError(f"keys file: key '{key_id}': no model '{entry}' is served here")
-
-    def _file_stamp(self) -> Stamp:
-        """What tells a changed file: mtime, size and inode (a ConfigMap volume swaps a symlink)."""
-        if self.path is None:
-            return None
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 def _known(entry: str, known: Collection[str]) -> bool:
