@@ -136,6 +136,6 @@ def create_app(
             await quota.aclose()
             await pools.aclose()
             if tracing is not None:
-                await asyncio.to_thread(tracing.shutdown)  # the last batch exported (bounded by tracing.export_timeout_s)
+                await asyncio.to_thread(tracing.provider.shutdown)  # the last batch exported (bounded by tracing.export_timeout_s)
 
     return application(stack(settings, lifecycle, quota, tenants, TABLE, tracing, authenticator), lifespan)

@@ -39,9 +39,7 @@ def _json(text: str) -> Any:
 
 
 def _help(option: Option) -> str:
-    default = option.default
-    shown = "unset" if default is None else json.dumps(default) if option.is_json or option.is_bool else str(default)
-    text = f"{option.description} [{option.env}; default: {shown}]"
+    text = f"{option.description} [{option.env}; default: {option.shown_default}]"
     return text.replace("%", "%%")  # argparse formats help with %
 
 

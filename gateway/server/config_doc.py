@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 from pydantic import BaseModel
@@ -35,20 +34,13 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def shown(option: Option) -> str:
-    default = option.default
-    if default is None:
-        return "unset"
-    return f"`{default}`" if isinstance(default, str) else f"`{json.dumps(default)}`"
-
-
 def row(option: Option) -> str:
     flag = f"`{option.flag}`" if option.flag else ""
     if option.flag and option.is_bool:
         flag += f", `--no-{option.flag[2:]}`"
     elif option.flag == ENGINE_ARG_FLAG:
         flag = f"`{option.flag} KEY=VALUE` (repeatable)"
-    cells = [f"`{option.name}`", f"`{option.env}`", flag, cell(option.type_name), cell(shown(option)),
+    cells = [f"`{option.name}`", f"`{option.env}`", flag, cell(option.type_name), cell("unset" if option.default is None else f"`{option.shown_default}`"),
              cell(option.description)]
     return "| " + " | ".join(cells) + " |"
 

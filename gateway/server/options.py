@@ -7,6 +7,7 @@ own names (`--max-model-len`) unless a top-level flag has it. Secrets get no fla
 
 from __future__ import annotations
 
+import json
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -75,6 +76,12 @@ class Option:
         if self.info.default_factory is not None:
             return self.info.default_factory()  # type: ignore[call-arg]
         return None if self.info.default is PydanticUndefined else self.info.default
+
+    @property
+    def shown_default(self) -> str:
+        """The default as `--help` and the reference show it: strings as they are, other values as JSON."""
+        default = self.default
+        return "unset" if default is None else default if isinstance(default, str) else json.dumps(default)
 
     @property
     def description(self) -> str:

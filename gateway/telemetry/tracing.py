@@ -64,9 +64,6 @@ class Tracing:
             self.provider.add_span_processor(SimpleSpanProcessor(exporter))
         self.tracer: Tracer = self.provider.get_tracer(SCOPE_NAME)
 
-    def shutdown(self) -> None:
-        self.provider.shutdown()
-
 
 def continued(headers: Iterable[tuple[bytes, bytes]]) -> otel_context.Context:
     carrier = {}
