@@ -13,7 +13,7 @@ from gateway.middleware.trace_context import TracingMiddleware
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.settings import Settings
 from gateway.telemetry.tracing import Tracing
-from gateway.tenancy.keys import Authenticator, KeyRing, authenticator_of
+from gateway.tenancy.keys import Authenticator, KeyRing
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
 from gateway.web.table import RouteTable
@@ -21,11 +21,10 @@ from gateway.web.table import RouteTable
 
 def stack(
     settings: Settings, lifecycle: Lifecycle, quota: Quota, tenants: Tenants, table: RouteTable,
-    tracing: Tracing | None = None, authenticator: Authenticator | None = None,
+    tracing: Tracing | None, authenticator: Authenticator,
 ) -> list[Middleware]:
     """`tracing` None: no tracing layer at all, so nothing to pay per request."""
     keyless = table.paths("open") if settings.auth_ops_routes else table.paths("open", "ops")
-    authenticator = authenticator or authenticator_of(settings, tenants)
     throttle = authenticator.throttle  # unknown admin keys count against the same addresses
     admin = Authenticator(KeyRing(settings.admin_keys, settings.key_id_secret), throttle, None, authenticator.proxies) \
         if settings.admin_keys else None

@@ -40,8 +40,8 @@ def row(option: Option) -> str:
         flag += f", `--no-{option.flag[2:]}`"
     elif option.flag == ENGINE_ARG_FLAG:
         flag = f"`{option.flag} KEY=VALUE` (repeatable)"
-    cells = [f"`{option.name}`", f"`{option.env}`", flag, cell(option.type_name), cell("unset" if option.default is None else f"`{option.shown_default}`"),
-             cell(option.description)]
+    default = "unset" if option.default is None else f"`{option.shown_default}`"
+    cells = [f"`{option.name}`", f"`{option.env}`", flag, cell(option.type_name), cell(default), cell(option.description)]
     return "| " + " | ".join(cells) + " |"
 
 

@@ -238,7 +238,12 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
-        self._reload()
+        if self._reload_requested:
+            self._reload_requested = False
+            for reloadable in self.reloadables:
+                reloadable.reload("SIGHUP")
+        for reloadable in self.reloadables:
+            reloadable.poll()
         if self._drain_requested and not self.lifecycle.draining:
             self.lifecycle.start_drain()
             self._deadline = time.monotonic() + self.drain_timeout_s
@@ -251,11 +256,3 @@ class DrainingServer(uvicorn.Server):
             else:
                 self.should_exit = True
         return await super().on_tick(counter)
-
-    def _reload(self) -> None:
-        if self._reload_requested:
-            self._reload_requested = False
-            for reloadable in self.reloadables:
-                reloadable.reload("SIGHUP")
-        for reloadable in self.reloadables:
-            reloadable.poll()

@@ -55,10 +55,6 @@ class Option:
         return strip_none(self.info.annotation)
 
     @property
-    def optional(self) -> bool:
-        return self.info.annotation is not self.annotation
-
-    @property
     def is_bool(self) -> bool:
         return self.annotation is bool
 
@@ -103,7 +99,7 @@ class Option:
             text = "any"
         else:
             text = getattr(annotation, "__name__", str(annotation))
-        return text + (" (optional)" if self.optional else "")
+        return text + (" (optional)" if self.info.annotation is not annotation else "")
 
 
 def summary(model: type[BaseModel]) -> str:
