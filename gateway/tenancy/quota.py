@@ -183,12 +183,9 @@ class Charge:
 
 
 class Quota:
-    def __init__(self, settings: LimitsSettings, pools: RedisPools | None = None) -> None:
+    def __init__(self, settings: LimitsSettings, pools: RedisPools) -> None:
         self.settings = settings
         self.local = LocalCounts()
-        self._pools: RedisPools | None = None
-        if pools is None:
-            pools = self._pools = RedisPools()  # its own, closed with it
         self.shared = RedisCounts(settings, pools) if settings.redis_url else None
         self._down_until = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -304,8 +301,6 @@ class Quota:
     async def aclose(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._pools is not None:
-            await self._pools.aclose()
 
 
 def _report(kind: str, limit: int, amount: float, allowed: bool, tokens: float) -> dict[str, str]:
