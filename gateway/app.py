@@ -51,10 +51,8 @@ log = structlog.get_logger(__name__)
 
 @contextlib.contextmanager
 def serving_heap(freeze: bool, young_threshold: int) -> Iterator[None]:
-    """The garbage collector as the gateway serves, put back when serving ends. `freeze`: start-up's heap out of the
-    full passes' sight, as vLLM's server does. `young_threshold`: a request's allocations are nearly all freed by
-    refcount before a young pass, so rarer passes walk less (0 leaves Python's default). Figures in
-    benchmarks/RESULTS.md."""
+    """The garbage collector as the gateway serves (why: the settings `freeze_startup_heap` and `gc_young_threshold`),
+    put back when serving ends."""
     threshold = gc.get_threshold()
     if freeze:
         gc.collect()

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from engine.types import AdapterLoad
 
-# Buckets wide enough for a 2-core CPU (seconds per token) and a GPU (milliseconds per token).
+# Buckets wide enough for a CPU (seconds per token) and a GPU (milliseconds per token).
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 
