@@ -179,18 +179,14 @@ class Authenticator:
     """Settings keys, the keys file's keys, and the failed-attempt throttle. Without keys, a POST must declare JSON
     (or be a credentialed upload), which a web page cannot send cross-site."""
 
-    def __init__(
-        self, keys: KeyRing, throttle: AttemptThrottle, tenants: Tenants | None = None,
-        proxies: TrustedProxies | None = None,
-    ) -> None:
-        self.keys = keys
-        self.throttle = throttle
-        self.tenants = tenants
-        self.proxies = proxies or TrustedProxies()
+    def __init__(self, keys: KeyRing, throttle: AttemptThrottle, tenants: Tenants | None, proxies: TrustedProxies) -> None:
+        self.keys, self.throttle, self.proxies = keys, throttle, proxies
+        self.tenants = tenants if tenants is not None and tenants.enabled else None  # the keys file, when there is one
+        self.keyed = keys.enabled or self.tenants is not None
 
     def identify(self, method: str, headers: Headers, peer: str, upload: bool = False) -> Identity:
         """`upload`: the route takes a multipart form."""
-        if not self.keys.enabled and not (self.tenants and self.tenants.enabled):
+        if not self.keyed:
             declared = _declares_upload(headers) if upload else _declares(headers, b"application/json")
             if method == "POST" and _has_body(headers) and not declared:
                 raise UnsupportedMediaType(
@@ -215,11 +211,10 @@ class Authenticator:
     def reidentify(self, stored: Identity) -> Identity | None:
         """Who an identity kept on disk (a batch's creator) is now, looked up by tenant (stable where the id is not);
         None when no key answers to it any longer."""
-        keyed = self.keys.enabled or bool(self.tenants and self.tenants.enabled)
-        if not keyed:
+        if not self.keyed:
             return NOBODY if stored == NOBODY else None
         if stored.tenant == _file_tenant(stored.key_id):
-            return stored if self.tenants and self.tenants.enabled and self.tenants.known(stored.key_id) else None
+            return stored if self.tenants and self.tenants.known(stored.key_id) else None
         return self.keys.by_tenant(stored.tenant)
 
     def _failed(self, peer: str, headers: Headers) -> None:
@@ -236,7 +231,7 @@ class Authenticator:
     def _lookup(self, presented: str) -> Identity | None:
         if not presented:
             return None
-        file_id = self.tenants.identify(presented) if self.tenants and self.tenants.enabled else None
+        file_id = self.tenants.identify(presented) if self.tenants else None
         if file_id is not None:
             return Identity(file_id, _file_tenant(file_id))
         return self.keys.identify(presented)

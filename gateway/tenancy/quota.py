@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import structlog
 
@@ -254,7 +252,9 @@ class Quota:
         if tokens and not charge.tokens_shared:
             self.local.bucket(f"tokens:{charge.policy.key_id}", charge.policy.tpm or 0, delta, force=True)
         if (charge.periods and charge.budgets_shared) or (tokens and charge.tokens_shared):
-            self.later(self._correct_shared(charge, delta))
+            task = asyncio.get_running_loop().create_task(self._correct_shared(charge, delta))
+            self._tasks.add(task)  # off the request's path, awaited by `aclose`
+            task.add_done_callback(self._tasks.discard)
 
     async def _correct_shared(self, charge: Charge, delta: int) -> None:
         assert self.shared is not None
@@ -273,11 +273,6 @@ class Quota:
             metrics.labelled(metrics.KEY_REQUESTS, policy.key_id, policy.team).inc()
         if charge is not None and not charge.held:
             charge.settle(*usage)
-
-    def later(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def _shared_up(self) -> bool:
         if self.shared is None:
