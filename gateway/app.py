@@ -73,7 +73,8 @@ def tenants_of(settings: Settings) -> Tenants:
 
 def create_app(settings: Settings, engine_starter: EngineStarter = start_embedded, lifecycle: Lifecycle | None = None,
                engine_check: EngineCheck | None = None, tenants: Tenants | None = None,
-               trace_exporter: SpanExporter | None = None, grammar_starter: GrammarStarter = start_grammar_check) -> App:
+               trace_exporter: SpanExporter | None = None,
+               grammar_starter: GrammarStarter = start_grammar_check) -> App:
     """`tenants`: the keys file, when the caller reloads it (the server, on SIGHUP); else read here. `trace_exporter`:
     where spans go (tests). `grammar_starter`: each embedded model's structured-output compiler (tests: a fake)."""
     models = modelfile.load(settings)

@@ -35,7 +35,8 @@ class AuthMiddleware:
             if authenticator is None:
                 raise no_route()
             peer = (scope.get("client") or ("unknown",))[0]
-            identity = authenticator.identify(scope["method"], scope.get("headers", ()), peer, path in self.upload_paths)
+            upload = path in self.upload_paths
+            identity = authenticator.identify(scope["method"], scope.get("headers", ()), peer, upload)
             context.key_id, context.tenant = identity.key_id, identity.tenant
             context.record.api_key_id = identity.key_id
             if admin:  # no limits on the admin API

@@ -41,7 +41,8 @@ def row(option: Option) -> str:
     elif option.flag == ENGINE_ARG_FLAG:
         flag = f"`{option.flag} KEY=VALUE` (repeatable)"
     default = "unset" if option.default is None else f"`{option.shown_default}`"
-    cells = [f"`{option.name}`", f"`{option.env}`", flag, cell(option.type_name), cell(default), cell(option.description)]
+    cells = [f"`{option.name}`", f"`{option.env}`", flag, cell(option.type_name), cell(default),
+             cell(option.description)]
     return "| " + " | ".join(cells) + " |"
 
 

@@ -179,7 +179,8 @@ class Authenticator:
     """Settings keys, the keys file's keys, and the failed-attempt throttle. Without keys, a POST must declare JSON
     (or be a credentialed upload), which a web page cannot send cross-site."""
 
-    def __init__(self, keys: KeyRing, throttle: AttemptThrottle, tenants: Tenants | None, proxies: TrustedProxies) -> None:
+    def __init__(self, keys: KeyRing, throttle: AttemptThrottle, tenants: Tenants | None,
+                 proxies: TrustedProxies) -> None:
         self.keys, self.throttle, self.proxies = keys, throttle, proxies
         self.tenants = tenants if tenants is not None and tenants.enabled else None  # the keys file, when there is one
         self.keyed = keys.enabled or self.tenants is not None
