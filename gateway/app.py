@@ -51,10 +51,8 @@ log = structlog.get_logger(__name__)
 
 @contextlib.contextmanager
 def serving_heap(freeze: bool, young_threshold: int) -> Iterator[None]:
-    """The garbage collector as the gateway serves, put back when serving ends. `freeze`: start-up's heap out of the
-    full passes' sight, as vLLM's server does. `young_threshold`: a request's allocations are nearly all freed by
-    refcount before a young pass, so rarer passes walk less (0 leaves Python's default). Figures in
-    benchmarks/RESULTS.md."""
+    """The garbage collector as the gateway serves (why: the settings `freeze_startup_heap` and `gc_young_threshold`),
+    put back when serving ends."""
     threshold = gc.get_threshold()
     if freeze:
         gc.collect()
@@ -73,15 +71,10 @@ def tenants_of(settings: Settings) -> Tenants:
     return Tenants(settings.keys_file, settings.rate_limit_rpm, settings.rate_limit_tpm, settings.keys_reload_interval_s)
 
 
-def create_app(
-    settings: Settings,
-    engine_starter: EngineStarter = start_embedded,
-    lifecycle: Lifecycle | None = None,
-    engine_check: EngineCheck | None = None,
-    tenants: Tenants | None = None,
-    trace_exporter: SpanExporter | None = None,
-    grammar_starter: GrammarStarter = start_grammar_check,
-) -> App:
+def create_app(settings: Settings, engine_starter: EngineStarter = start_embedded, lifecycle: Lifecycle | None = None,
+               engine_check: EngineCheck | None = None, tenants: Tenants | None = None,
+               trace_exporter: SpanExporter | None = None,
+               grammar_starter: GrammarStarter = start_grammar_check) -> App:
     """`tenants`: the keys file, when the caller reloads it (the server, on SIGHUP); else read here. `trace_exporter`:
     where spans go (tests). `grammar_starter`: each embedded model's structured-output compiler (tests: a fake)."""
     models = modelfile.load(settings)
@@ -136,6 +129,6 @@ def create_app(
             await quota.aclose()
             await pools.aclose()
             if tracing is not None:
-                await asyncio.to_thread(tracing.shutdown)  # the last batch exported (bounded by tracing.export_timeout_s)
+                await asyncio.to_thread(tracing.provider.shutdown)  # the last batch exported (bounded by tracing.export_timeout_s)
 
     return application(stack(settings, lifecycle, quota, tenants, TABLE, tracing, authenticator), lifespan)

@@ -34,13 +34,8 @@ class APIError(Exception):
     code: str | None = None
     fallible: bool = False  # a model's failure before the first byte: its fallbacks may answer
 
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         message = bounded(message, MAX_MESSAGE)
         super().__init__(message)
         self.message = message
@@ -51,9 +46,7 @@ class APIError(Exception):
     def body(self, dialect: Dialect = "openai") -> dict[str, Any]:
         if dialect == "anthropic":
             return {"type": "error", "error": {"type": self.anthropic_type(), "message": self.message}}
-        return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        }
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def anthropic_type(self) -> str:
         if self.code == "model_overloaded":

@@ -1,18 +1,25 @@
 """The gateway's one Settings object, from keyword arguments (the CLI's flags), `GATEWAY_`-prefixed environment
-variables (nested with `__`) and a `.env` file, strongest first; built once at the entry point and passed in."""
+variables (nested with `__`) and a `.env` file, strongest first; built once at the entry point and passed in. And
+`Reloadable`: the files it names that are read again in place (TLS, the keys file)."""
 
 from __future__ import annotations
 
 import ipaddress
+import os
+import time
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
+import structlog
+from prometheus_client import Counter
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineSettings
 
 Priority = Literal["high", "normal", "low"]  # an API key's priority class (the keys file's `priority`)
+Stamp = tuple[tuple[int, int, int] | None, ...]
+log = structlog.get_logger(__name__)
 
 
 class CacheSettings(BaseModel):
@@ -139,9 +146,7 @@ class StructuredOutputSettings(BaseModel):
     tool call): checked before the engine sees them, refused with a 400 naming the field. The size
     limits default to what OpenAI documents for strict structured outputs."""
 
-    max_schema_bytes: int = Field(
-        256 * 1024, gt=0, description="Most bytes of one schema (as compact JSON)"
-    )
+    max_schema_bytes: int = Field(256 * 1024, gt=0, description="Most bytes of one schema (as compact JSON)")
     max_depth: int = Field(10, gt=0, description="Most levels of nesting (properties, items) in a schema (OpenAI: 10)")
     max_properties: int = Field(5000, gt=0, description="Most object properties in a schema, all objects together (OpenAI: 5000)")
     max_enum_values: int = Field(1000, gt=0, description="Most enum values in a schema, all enums together (OpenAI: 1000)")
@@ -153,17 +158,15 @@ class StructuredOutputSettings(BaseModel):
         1000, gt=0, description="Most anyOf, oneOf and allOf branches in a schema, all together"
     )
     compile_timeout_s: float = Field(
-        2.0, gt=0,
-        description="A schema the engine's grammar compiler (xgrammar) cannot compile within this is refused (400); "
-        "real schemas compile in milliseconds, a 10,000-value enum takes seconds and would hold back every other one",
+        2.0, gt=0, description="A schema the engine's grammar compiler (xgrammar) cannot compile within this is "
+        "refused (400), so that one huge schema does not hold back every other one",
     )
     compile_wait_s: float = Field(
         10, gt=0, description="Longest wait for a free compiler process (all busy with new schemas); beyond: 503"
     )
     compile_workers: int = Field(
-        2, ge=0,
-        description="Processes per model that compile new schemas before the engine does (each loads xgrammar, torch and the "
-        "tokenizer: about 570 MB resident here); 0: no compile check (the size limits still hold)",
+        2, ge=0, description="Processes per model that compile new schemas before the engine does (each loads "
+        "xgrammar, torch and the tokenizer); 0: no compile check (the size limits still hold)",
     )
     compile_verdicts: int = Field(4096, gt=0, description="Compile verdicts kept per model (by schema hash), least recently used out")
 
@@ -315,22 +318,17 @@ class Settings(BaseSettings):
         "Sampling defaults); unset: what the context leaves",
     )
     warmup: bool = Field(
-        True,
-        description="Before serving, run one structured-output request so that xgrammar's one-time "
-        "set-up (about 30 s on the CPU) is not paid by the first client asking for JSON",
+        True, description="Before serving, run one structured-output request so that xgrammar's one-time set-up "
+        "is not paid by the first client asking for JSON",
     )
     freeze_startup_heap: bool = Field(
-        True,
-        description="Once started, move the start-up heap out of the garbage collector's passes "
-        "(gc.freeze, as vLLM's server does): full collections then walk only what requests allocate "
-        "(+25-30% requests/s at 64 in flight on the echo engine)",
+        True, description="Once started, move the start-up heap out of the garbage collector's passes (gc.freeze, "
+        "as vLLM's server does): full collections then walk only what requests allocate (benchmarks/RESULTS.md)",
     )
     gc_young_threshold: int = Field(
-        10_000,
-        ge=0,
-        description="While serving: allocations between the garbage collector's passes over the youngest "
-        "objects (Python's default 700; 0 leaves it): requests free nearly all they allocate by reference count, "
-        "so frequent passes mostly walked the objects in flight again (3-7% of a request's CPU at 64 in flight)",
+        10_000, ge=0, description="While serving: allocations between the garbage collector's passes over the "
+        "youngest objects (Python's default 700; 0 leaves it): requests free nearly all they allocate by reference "
+        "count, so frequent passes mostly walked the objects in flight again (benchmarks/RESULTS.md)",
     )
     drain_timeout_s: float = Field(
         30, ge=0, description="On SIGTERM: how long in-flight requests may finish before the engines stop"
@@ -427,46 +425,84 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
 
     @model_validator(mode="after")
-    def _one_body_fits_in_flight(self) -> Settings:
+    def _coherent(self) -> Settings:
         if self.max_body_bytes_in_flight < self.max_body_bytes:
             raise ValueError("max_body_bytes_in_flight must be at least max_body_bytes")
-        return self
-
-    @model_validator(mode="after")
-    def _workers_share_limits(self) -> Settings:
-        """Counted in each worker's memory, a limit would let N workers pass N times it."""
         if self.workers > 1 and self.limits.redis_url is None and (self.rate_limit_rpm or self.rate_limit_tpm):
             raise ValueError(
                 "workers > 1 with rate_limit_rpm or rate_limit_tpm needs limits.redis_url "
                 "(counted in each worker's memory, every worker would allow the whole limit)"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _admin_keys_are_not_api_keys(self) -> Settings:
         api = {key.get_secret_value() for key in self.api_keys}
         if any(key.get_secret_value() in api for key in self.admin_keys):
             raise ValueError("an admin key (admin_keys) is also an API key (api_keys): give admins keys of their own")
-        return self
-
-    @model_validator(mode="after")
-    def _proxies_are_addresses(self) -> Settings:
         for entry in self.forwarded_allow_ips.split(","):
             if entry.strip() not in ("", "*"):
                 ipaddress.ip_network(entry.strip(), strict=False)  # ValueError: "... does not appear to be ..."
         return self
 
     @model_validator(mode="after")
-    def _engine_logs_follow(self) -> Settings:
-        """vLLM's own log lines take the gateway's format and level unless `engine` says otherwise."""
+    def _engine_follows(self) -> Settings:
+        """vLLM's own log lines take the gateway's format and level, and its spans the gateway's endpoint, unless
+        `engine` says otherwise."""
         if self.engine.log_format is None:
             self.engine.log_format = "json" if self.log_format == "json" else "text"
         if self.engine.log_level is None:
             self.engine.log_level = self.log_level
-        return self
-
-    @model_validator(mode="after")
-    def _engine_spans_follow(self) -> Settings:
         if self.tracing.engine_spans and self.engine.otlp_traces_endpoint is None:
             self.engine.otlp_traces_endpoint = self.tracing.otlp_endpoint
         return self
+
+
+class Reloadable:
+    """Files read again in place: on SIGHUP (`reload`) and, every `interval_s`, when one changed (`poll`: by mtime,
+    size and inode, as a mounted Secret or ConfigMap swaps a symlink). A version `apply` refuses (OSError,
+    ValueError) is logged and counted once, and the one in service stays."""
+
+    what = "files"  # the log events' prefix: `<what>_reloaded`, `<what>_reload_failed`
+
+    def __init__(self, files: list[Path], interval_s: float, reloads: Counter) -> None:
+        self.files, self.interval_s, self._reloads = files, interval_s, reloads
+        self._stamp = self._stamp_now()
+        self._refused: Stamp | None = None
+        self._next_poll = time.monotonic() + interval_s
+
+    def apply(self) -> dict[str, Any]:
+        """The files read and put in service: what the log line says of them."""
+        raise NotImplementedError
+
+    def reload(self, reason: str) -> bool:
+        if not self.files:
+            return False
+        stamp = self._stamp_now()
+        try:
+            fields = self.apply()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            self._refused = stamp
+            self._reloads.labels(result="error").inc()
+            log.error(f"{self.what}_reload_failed", reason=reason, error=str(exc), files=[str(f) for f in self.files])
+            return False
+        self._stamp, self._refused = stamp, None
+        self._reloads.labels(result="ok").inc()
+        log.info(f"{self.what}_reloaded", reason=reason, **fields)
+        return True
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if not self.files or self.interval_s <= 0 or now < self._next_poll:
+            return
+        self._next_poll = now + self.interval_s
+        stamp = self._stamp_now()
+        if stamp != self._stamp and stamp != self._refused:
+            self.reload("files changed")
+
+    def _stamp_now(self) -> Stamp:
+        stamps: list[tuple[int, int, int] | None] = []
+        for path in self.files:
+            try:
+                st = os.stat(path)
+            except OSError:
+                stamps.append(None)
+            else:
+                stamps.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(stamps)

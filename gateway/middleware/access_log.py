@@ -1,15 +1,8 @@
-"""Access log (pure ASGI, the outermost layer): binds the request id to every log line of the
-request, returns it as `X-Request-ID` (the client's, or one we generate), makes the request's
-context (`pipeline.context`: its id, its route's error dialect, its record) for the layers below, adds the headers the layers below
-asked for, and logs one access line and the request metrics at the end.
-
-It is also the last catch of errors: an exception no layer below answered becomes a 500 in the
-API's error shape here, inside the request's log context and with its `X-Request-ID`, logged with
-a traceback (no locals: `gateway.telemetry.logs`), and is not raised on to the server, which would reset
-the client's keep-alive connection.
-
-Pure ASGI and not `BaseHTTPMiddleware`, which would lose the contextvars that structlog binds the
-request id in.
+"""Access log (pure ASGI, the outermost layer): the request's id (the client's `X-Request-ID`, or a new one) bound to
+every log line and returned, the request's context (`pipeline.context`) made for the layers below, the headers they
+asked for added, and one access line and the request metrics at the end. Also the last catch of errors: what no layer
+below answered becomes a 500 in the API's error shape here, never raised on to the server (which would reset the
+keep-alive connection). Not `BaseHTTPMiddleware`, which would lose the contextvars structlog binds the id in.
 """
 
 from __future__ import annotations
@@ -38,7 +31,7 @@ DialectOf = Callable[[str], Dialect]  # a path → its route's error dialect (th
 
 
 def request_id_from(scope: Scope) -> str:
-    """The client's X-Request-ID when it is 1 to 200 visible ASCII characters, else a new one."""
+    """The client's X-Request-ID when it is 1 to `REQUEST_ID_MAX` visible ASCII characters, else a new one."""
     for key, value in scope.get("headers", ()):
         if key == b"x-request-id":
             if 0 < len(value) <= REQUEST_ID_MAX and all(0x21 <= byte <= 0x7E for byte in value):
@@ -73,15 +66,14 @@ class AccessLogMiddleware:
             nonlocal status, first_byte, started_response
             if message["type"] == "http.response.start":
                 status, started_response = message["status"], True
-                record.status = status  # for the layers below that count by status (rate_limit)
+                record.status = status  # for the layers below that count by status (auth)
                 extra = [(k.encode(), v.encode()) for k, v in record.response_headers.items()]
                 message["headers"] = [*message.get("headers", []), *extra, (b"x-request-id", request_id.encode())]
             elif first_byte is None and message["type"] == "http.response.body":
                 first_byte = time.perf_counter() - started
             await send(message)
 
-        # structlog's bind and reset of the request id, and the record's contextvar set and reset,
-        # without two context managers (`bound_contextvars` reads the whole context on the way in)
+        # without two context managers: `bound_contextvars` reads the whole context on the way in
         bound = structlog.contextvars.bind_contextvars(request_id=request_id)
         opened = open_record(record)
         try:

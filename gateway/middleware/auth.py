@@ -1,5 +1,7 @@
-"""API keys: who is asking, into the request's context, or a refusal in the route's error shape. Without admin
-keys the admin routes do not exist (404)."""
+"""API keys and their limits (pure ASGI): who is asking, into the request's context, or a refusal in the route's error
+shape (without admin keys the admin routes do not exist: 404). On the API routes then the key's policy
+(`tenancy.tenants`) and its requests per minute (`tenancy.quota`), and at the end its usage counted and its token
+charge settled. Tokens per minute and budgets are taken later, by the pipeline, once the prompt is known."""
 
 from __future__ import annotations
 
@@ -8,37 +10,48 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.errors import APIError, no_route
 from gateway.pipeline.context import context_of
 from gateway.tenancy.keys import Authenticator
+from gateway.tenancy.quota import Quota
+from gateway.tenancy.tenants import Tenants
 from gateway.web.error_render import dialect_of, send_error
 
 
 class AuthMiddleware:
-    def __init__(self, app: ASGIApp, authenticator: Authenticator, open_paths: frozenset[str],
-                 admin: Authenticator | None = None, admin_paths: frozenset[str] = frozenset(),
-                 upload_paths: frozenset[str] = frozenset()) -> None:
+    def __init__(self, app: ASGIApp, authenticator: Authenticator, quota: Quota, tenants: Tenants,
+                 open_paths: frozenset[str], admin: Authenticator | None = None,
+                 admin_paths: frozenset[str] = frozenset(), upload_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
-        self.upload_paths = upload_paths
-        self.open = open_paths
-        self.authenticator = authenticator
-        self.admin = admin
-        self.admin_paths = admin_paths
+        self.authenticator, self.quota, self.tenants = authenticator, quota, tenants
+        self.open, self.admin, self.admin_paths, self.upload_paths = open_paths, admin, admin_paths, upload_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open:
             await self.app(scope, receive, send)
             return
-        peer = (scope.get("client") or ("unknown",))[0]
-        authenticator = self.authenticator
+        path = scope["path"]
+        context = context_of(scope)
+        admin = path in self.admin_paths
         try:
-            if scope["path"] in self.admin_paths:
-                if self.admin is None:
-                    raise no_route()
-                authenticator = self.admin
-            upload = scope["path"] in self.upload_paths
+            authenticator = self.admin if admin else self.authenticator
+            if authenticator is None:
+                raise no_route()
+            peer = (scope.get("client") or ("unknown",))[0]
+            upload = path in self.upload_paths
             identity = authenticator.identify(scope["method"], scope.get("headers", ()), peer, upload)
+            context.key_id, context.tenant = identity.key_id, identity.tenant
+            context.record.api_key_id = identity.key_id
+            if admin:  # no limits on the admin API
+                policy = None
+            else:
+                policy = context.policy = self.tenants.policy(context.key_id)
+                if policy.rpm is not None:  # no coroutine to make and await for a key without one
+                    context.record.response_headers.update(await self.quota.take_request(policy))
         except APIError as error:
             await send_error(send, error, dialect=dialect_of(scope))
             return
-        context = context_of(scope)
-        context.key_id, context.tenant = identity.key_id, identity.tenant
-        context.record.api_key_id = identity.key_id
-        await self.app(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)  # send unwrapped: the access log records the status
+        finally:
+            if policy is not None:
+                record = context.record
+                usage = (record.prompt_tokens or 0, record.completion_tokens or 0)
+                self.quota.finish(policy, record.status or 500, context.charge, usage)

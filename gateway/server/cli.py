@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from engine import check_engine_settings
 from gateway.app import create_app
 from gateway.backends.modelfile import ConfigError
-from gateway.server.options import ENGINE_ARG_FLAG, Option, groups, options
+from gateway.server.options import ENGINE_ARG_FLAG, Option, groups, options, summary
 from gateway.server.supervisor import STARTUP_FAILED
 from gateway.server.workers import gateway_server, serve_workers
 from gateway.settings import Settings
@@ -39,9 +39,7 @@ def _json(text: str) -> Any:
 
 
 def _help(option: Option) -> str:
-    default = option.default
-    shown = "unset" if default is None else json.dumps(default) if option.is_json or option.is_bool else str(default)
-    text = f"{option.description} [{option.env}; default: {shown}]"
+    text = f"{option.description} [{option.env}; default: {option.shown_default}]"
     return text.replace("%", "%%")  # argparse formats help with %
 
 
@@ -77,9 +75,8 @@ def parser() -> argparse.ArgumentParser:
         description="Start the gateway. Every flag has an environment variable (in brackets); a flag given wins. "
         "Secrets (API keys, the key-id secret, the TLS key's password) are set in the environment only.",
     )
-    sections = {prefix: serve.add_argument_group(
-        ".".join(prefix) or "gateway", (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ") or None,
-    ) for prefix, model in groups()}
+    sections = {prefix: serve.add_argument_group(".".join(prefix) or "gateway", summary(model) or None)
+                for prefix, model in groups()}
     for option in options():
         if option.flag is not None:
             _add(sections[option.group], option)
@@ -117,16 +114,9 @@ def serve(settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parser().parse_args(argv)  # `serve`, the one command
     try:
-        settings = settings_from(args)
-        if args.command == "serve":
-            return serve(settings)
+        return serve(settings_from(args))
     except (ConfigError, ValidationError, ValueError) as exc:  # KeysFileError and TLSConfigError are ValueErrors
         print(f"llm-gateway: configuration error: {exc}", file=sys.stderr)
         return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

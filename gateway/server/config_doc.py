@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 from pydantic import BaseModel
 
-from gateway.server.options import ENGINE_ARG_FLAG, ENV_DELIMITER, ENV_PREFIX, Option, groups, options, type_name
+from gateway.server.options import ENGINE_ARG_FLAG, ENV_DELIMITER, ENV_PREFIX, Option, groups, options, summary
 
 HEADER = f"""\
 # Configuration reference
@@ -35,28 +34,21 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def shown(option: Option) -> str:
-    default = option.default
-    if default is None:
-        return "unset"
-    return f"`{default}`" if isinstance(default, str) else f"`{json.dumps(default)}`"
-
-
 def row(option: Option) -> str:
     flag = f"`{option.flag}`" if option.flag else ""
     if option.flag and option.is_bool:
         flag += f", `--no-{option.flag[2:]}`"
     elif option.flag == ENGINE_ARG_FLAG:
         flag = f"`{option.flag} KEY=VALUE` (repeatable)"
-    cells = [f"`{option.name}`", f"`{option.env}`", flag, cell(type_name(option)), cell(shown(option)),
+    default = "unset" if option.default is None else f"`{option.shown_default}`"
+    cells = [f"`{option.name}`", f"`{option.env}`", flag, cell(option.type_name), cell(default),
              cell(option.description)]
     return "| " + " | ".join(cells) + " |"
 
 
 def title(prefix: tuple[str, ...], model: type[BaseModel]) -> str:
-    summary = " ".join((model.__doc__ or "").strip().split("\n\n")[0].split())
     heading = f"## `{'.'.join(prefix)}`" if prefix else "## The gateway"
-    return heading + ("\n\n" + summary if summary else "")
+    return heading + ("\n\n" + summary(model) if summary(model) else "")
 
 
 def render() -> str:

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from types import FrameType
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import structlog
 import uvicorn
@@ -20,7 +20,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from gateway.apis.routes import TABLE
 from gateway.errors import InvalidRequest
 from gateway.pipeline.lifecycle import Lifecycle
-from gateway.settings import Settings
+from gateway.settings import Reloadable, Settings
 from gateway.web.error_render import render
 from gateway.web.stalls import ABORT
 
@@ -181,26 +181,12 @@ def server_config(app: Any, settings: Settings, tls_options: dict[str, Any] | No
     )
 
 
-class Reloadable(Protocol):
-    """Read again on SIGHUP (`reload`) and polled every tick of the main loop for changed files (`poll`)."""
-
-    def reload(self, reason: str) -> bool: ...
-
-    def poll(self) -> None: ...
-
-
 class DrainingServer(uvicorn.Server):
     """On SIGTERM readiness and new requests turn 503 while requests in progress finish, for up to
     `drain_timeout_s`; only then does uvicorn shut down. A second signal exits at once."""
 
-    def __init__(
-        self,
-        config: uvicorn.Config,
-        lifecycle: Lifecycle,
-        drain_timeout_s: float,
-        reloadables: Sequence[Reloadable] = (),
-        announce: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, drain_timeout_s: float,
+                 reloadables: Sequence[Reloadable] = (), announce: Callable[[], None] | None = None) -> None:
         """`announce`: a worker's, called once serving in place of the `listening` line (the parent logs that)."""
         super().__init__(config)
         self.announce = announce
@@ -252,7 +238,12 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
-        self._reload()
+        if self._reload_requested:
+            self._reload_requested = False
+            for reloadable in self.reloadables:
+                reloadable.reload("SIGHUP")
+        for reloadable in self.reloadables:
+            reloadable.poll()
         if self._drain_requested and not self.lifecycle.draining:
             self.lifecycle.start_drain()
             self._deadline = time.monotonic() + self.drain_timeout_s
@@ -265,11 +256,3 @@ class DrainingServer(uvicorn.Server):
             else:
                 self.should_exit = True
         return await super().on_tick(counter)
-
-    def _reload(self) -> None:
-        if self._reload_requested:
-            self._reload_requested = False
-            for reloadable in self.reloadables:
-                reloadable.reload("SIGHUP")
-        for reloadable in self.reloadables:
-            reloadable.poll()

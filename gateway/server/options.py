@@ -1,20 +1,13 @@
-"""Every setting once, as the command line and the configuration reference see it.
+"""Every setting once, as the command line (`cli`) and the configuration reference (`config_doc`) see it: one
+`Option` per leaf field of the Settings classes, so a new field gets its flag and its row without a table kept by hand.
 
-`options()` walks the Settings classes (gateway.settings.Settings and the models nested in it,
-engine.config.EngineSettings among them) and yields one `Option` per leaf field: its dotted path,
-environment variable, flag, type and default. The CLI's parser (gateway.server.cli) and the
-generated reference (gateway.server.config_doc, docs/configuration.md) are both built from it, so
-a field added to Settings gets its flag and its row without a table to keep by hand.
-
-Flags are named by one rule: a top-level field is `--field-name`; a nested one is
-`--group-field-name` (`--tls-cert-file`, `--cache-backend`), except the engine's fields, which take
-vLLM's own names (`--max-model-len`, `--enforce-eager`) unless that name is already a top-level
-flag (`--engine-log-level`). Secrets get no flag (a command line shows in `ps` and shell history):
-set them in the environment. The engine's `engine_args` is `--engine-arg KEY=VALUE`, repeatable.
+A top-level field's flag is `--field-name`, a nested one's `--group-field-name`; the engine's fields take vLLM's
+own names (`--max-model-len`) unless a top-level flag has it. Secrets get no flag: a command line shows in `ps`.
 """
 
 from __future__ import annotations
 
+import json
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,10 +55,6 @@ class Option:
         return strip_none(self.info.annotation)
 
     @property
-    def optional(self) -> bool:
-        return self.info.annotation is not self.annotation
-
-    @property
     def is_bool(self) -> bool:
         return self.annotation is bool
 
@@ -85,8 +74,37 @@ class Option:
         return None if self.info.default is PydanticUndefined else self.info.default
 
     @property
+    def shown_default(self) -> str:
+        """The default as `--help` and the reference show it: strings as they are, other values as JSON."""
+        default = self.default
+        return "unset" if default is None else default if isinstance(default, str) else json.dumps(default)
+
+    @property
     def description(self) -> str:
         return self.info.description or ""
+
+    @property
+    def type_name(self) -> str:
+        """The type as the reference shows it: `int`, `float`, `path`, `"a" | "b"`, `JSON object`."""
+        annotation = self.annotation
+        if self.choices is not None:
+            text = " | ".join(f'"{c}"' if isinstance(c, str) else str(c) for c in self.choices)
+        elif self.is_json:
+            text = "JSON " + ("list" if get_origin(annotation) is list else "object")
+        elif annotation is Path:
+            text = "path"
+        elif annotation is SecretStr:
+            text = "secret"
+        elif annotation is Any:
+            text = "any"
+        else:
+            text = getattr(annotation, "__name__", str(annotation))
+        return text + (" (optional)" if self.info.annotation is not annotation else "")
+
+
+def summary(model: type[BaseModel]) -> str:
+    """A settings class's docstring's first paragraph, on one line: its group's heading."""
+    return " ".join((model.__doc__ or "").strip().split("\n\n")[0].split())
 
 
 def strip_none(annotation: Any) -> Any:
@@ -134,21 +152,3 @@ def options() -> list[Option]:
                 path = (*prefix, name)
                 found.append(Option(path, info, flag_for(path, info)))
     return found
-
-
-def type_name(option: Option) -> str:
-    """The type as the reference shows it: `int`, `float`, `path`, `"a" | "b"`, `{"low": 0.5}`-like JSON."""
-    annotation = option.annotation
-    if option.choices is not None:
-        text = " | ".join(f'"{c}"' if isinstance(c, str) else str(c) for c in option.choices)
-    elif option.is_json:
-        text = "JSON " + ("list" if get_origin(annotation) is list else "object")
-    elif annotation is Path:
-        text = "path"
-    elif annotation is SecretStr:
-        text = "secret"
-    elif annotation is Any:
-        text = "any"
-    else:
-        text = getattr(annotation, "__name__", str(annotation))
-    return text + (" (optional)" if option.optional else "")

@@ -102,7 +102,7 @@ class Supervisor:
             on_spawned()
             if not self._await_ready():
                 self._stop("start-up failed")
-                self._await_exit()
+                self._supervise(_nothing)  # until they are gone
                 return STARTUP_FAILED
             on_ready()
             return self._supervise(on_tick)
@@ -193,12 +193,6 @@ class Supervisor:
             if worker.is_alive():
                 log.warning("worker_killed", pid=worker.pid, timeout_s=self.stop_timeout_s)
                 worker.kill()
-
-    def _await_exit(self) -> None:
-        while any(w.is_alive() for w in self.workers):
-            wait([w.sentinel for w in self.workers if w.is_alive()], TICK_S)
-            if time.monotonic() >= self._deadline:
-                self._kill_rest()
 
     @property
     def pids(self) -> list[int]:

@@ -23,10 +23,10 @@ from gateway.backends import modelfile
 from gateway.backends.modelfile import ConfigError
 from gateway.backends.startup import embedded_settings, prioritized
 from gateway.pipeline.lifecycle import Lifecycle
-from gateway.server.http import DrainingServer, Reloadable, server_config
+from gateway.server.http import DrainingServer, server_config
 from gateway.server.supervisor import STARTUP_FAILED, Supervisor, WorkerSeat, listen
 from gateway.server.tls import ServerTLS
-from gateway.settings import Settings
+from gateway.settings import Reloadable, Settings
 from gateway.telemetry import metrics
 from gateway.telemetry.logs import configure
 from gateway.tenancy.tenants import Tenants

@@ -1,10 +1,5 @@
-"""Every Prometheus metric of the gateway, declared once; call sites use these objects.
-
-The engine's own statistics are vLLM's, registered by its PrometheusStatLogger in the same
-default registry under their usual `vllm:` names (vllm:num_requests_running,
-vllm:kv_cache_usage_perc, ...), so GET /metrics serves both in one exposition. One is the
-gateway's instead: `vllm:lora_requests_info` (`AdapterInfo`), from each engine's `adapter_load`.
-"""
+"""Every Prometheus metric of the gateway, declared once, and the exposition GET /metrics serves: these and vLLM's
+own `vllm:` statistics, registered in the same default registry, except `vllm:lora_requests_info` (`AdapterInfo`)."""
 
 from __future__ import annotations
 
@@ -27,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from engine.types import AdapterLoad
 
-# Buckets wide enough for a 2-core CPU (seconds per token) and a GPU (milliseconds per token).
+# Buckets wide enough for a CPU (seconds per token) and a GPU (milliseconds per token).
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 
@@ -91,12 +86,9 @@ class _Ours(GaugeMetricFamily):
 
 
 class AdapterInfo(Collector):
-    """`vllm:lora_requests_info` as vLLM's PrometheusStatLogger writes it (labels `max_lora`,
-    `waiting_lora_adapters` and `running_lora_adapters`, the adapter names comma-joined; the value
-    the Unix time of the scheduler's report), read from each engine's `adapter_load` at scrape time:
-    its numbers come through the engine interface, and on the CPU `max_lora` is what the engine
-    holds (vLLM's own counts a spare slot, `engine.vllm_engine.CPU_SPARE_LORA_SLOTS`). With several
-    engines serving adapters, one series each (the same labels twice: once, the latest)."""
+    """`vllm:lora_requests_info` with vLLM's labels and value, read from each engine's `adapter_load` at scrape time:
+    through the engine interface, and on the CPU `max_lora` is what the engine holds (vLLM's own counts a spare
+    slot, `engine.vllm_engine.CPU_SPARE_LORA_SLOTS`). One series per engine (the same labels twice: the latest)."""
 
     def __init__(self) -> None:
         self.loads: Callable[[], Iterable[AdapterLoad | None]] = lambda: ()
@@ -122,8 +114,7 @@ REGISTRY.register(ADAPTER_INFO)  # it names nothing until an engine serves adapt
 
 
 def export_adapter_load(loads: Callable[[], Iterable[AdapterLoad | None]]) -> None:
-    """Serve `vllm:lora_requests_info` from `loads` (once the engines have started), in place of the
-    gauge each vLLM engine registers, which would repeat it."""
+    """Serve `vllm:lora_requests_info` from `loads` in place of the gauge each vLLM engine registers."""
     ADAPTER_INFO.loads = loads
     ADAPTER_INFO.serving = True
 
@@ -133,10 +124,8 @@ _children: dict[tuple[int, tuple[str, ...]], object] = {}
 
 
 def labelled(metric: M, *values: str) -> M:
-    """`metric.labels(*values)`, remembered: prometheus_client takes a lock and builds a tuple on
-    every `labels()` call (a dozen per request on the hot path). The label sets are the ones
-    prometheus_client keeps forever anyway (models, routes, statuses, keys), so this holds nothing
-    more than it does."""
+    """`metric.labels(*values)`, remembered: prometheus_client takes a lock on every `labels()` call, and keeps every
+    label set for ever anyway, so this holds nothing more than it does."""
     key = (id(metric), values)
     child = _children.get(key)
     if child is None:
@@ -145,8 +134,7 @@ def labelled(metric: M, *values: str) -> M:
 
 
 class _Exposed(CollectorRegistry):
-    """What GET /metrics serves: a registry's families, less vLLM's `vllm:lora_requests_info` once
-    `AdapterInfo` serves it."""
+    """A registry's families, less vLLM's `vllm:lora_requests_info` once `AdapterInfo` serves it."""
 
     def __init__(self, source: CollectorRegistry) -> None:
         super().__init__(auto_describe=False)
@@ -162,15 +150,9 @@ _exposed = _Exposed(REGISTRY)
 
 
 class Observations:
-    """Observations of one histogram child, counted per bucket here and added to it together
-    (`flush`: every `FLUSH_EVERY` observations, and at the end of their run). prometheus_client's
-    `observe` takes two locks and scans the buckets on every call, and the inter-token latency is
-    observed once per streamed token.
-
-    A seam (docs/development.md, "Seams": it pays, benchmarks/RESULTS.md): it adds to the child's
-    own bucket and sum values (prometheus_client's `_upper_bounds`, `_buckets`, `_sum`: no public
-    call adds many observations at once); tests/unit/test_seams.py checks the exposition against
-    the same values passed to `observe`."""
+    """Observations of one histogram child, counted per bucket here and added to it every `FLUSH_EVERY` and at the end
+    (`flush`): prometheus_client's `observe` takes two locks and scans the buckets, once per streamed token here.
+    A seam (docs/development.md, "Seams"): no public call adds many observations at once."""
 
     FLUSH_EVERY = 64
 
@@ -202,13 +184,9 @@ class Observations:
         self._sum, self._pending = 0.0, 0
 
 
-
 def aggregate_workers() -> None:
-    """In a worker process (`gateway.server.workers`; the parent set PROMETHEUS_MULTIPROC_DIR before
-    starting it, so prometheus_client keeps every value in files there): the exposition adds up the
-    files of every worker (counters and histograms summed, the in-flight gauges summed over the
-    workers alive, vLLM's gauges the most recent value written). `AdapterInfo`, read from this
-    process's engines at scrape time, is served as this worker sees it."""
+    """In a worker process (its parent set PROMETHEUS_MULTIPROC_DIR): the exposition adds up every worker's files;
+    `AdapterInfo` is served as this worker's engines see it."""
     global _exposed
     registry = CollectorRegistry()
     MultiProcessCollector(registry)  # type: ignore[no-untyped-call]

@@ -64,9 +64,6 @@ class Tracing:
             self.provider.add_span_processor(SimpleSpanProcessor(exporter))
         self.tracer: Tracer = self.provider.get_tracer(SCOPE_NAME)
 
-    def shutdown(self) -> None:
-        self.provider.shutdown()
-
 
 def continued(headers: Iterable[tuple[bytes, bytes]]) -> otel_context.Context:
     carrier = {}
@@ -108,9 +105,6 @@ class RequestTrace:
             return NonRecordingSpan(self.server.get_span_context())  # its end() does nothing
         return self.tracer.start_span(name, kind=kind, attributes=attributes)
 
-    def stage(self, name: str, kind: SpanKind = SpanKind.INTERNAL, **attributes: Any) -> AbstractContextManager[Span]:
-        return self.tracer.start_as_current_span(name, kind=kind, attributes=attributes or None)
-
     def request(self, route: str, model: str, body: object) -> None:
         """The request's operation, model and sampling parameters; the span renamed `{operation} {model}` as the
         conventions name an inference span."""
@@ -140,23 +134,20 @@ class RequestTrace:
     def end(self, record: Any) -> None:
         span = self.server
         if span.is_recording():
-            span.set_attributes(_answered(record, self._reasons()))
+            reasons = list(self._finish_reasons)
+            for index, reason in self._overrides.items():  # the chat layer's, over the engine's
+                if index < len(reasons):
+                    reasons[index] = reason
+                else:
+                    reasons.append(reason)
+            span.set_attributes(_answered(record, reasons))
             if self.log_content:
-                span.set_attributes(_content(record, self._reasons()))
+                span.set_attributes(_content(record, reasons))
             status = record.status or 500
             if status >= 500 and not record.disconnected and not self._failed:
                 span.set_attribute("error.type", str(status))
                 span.set_status(Status(StatusCode.ERROR))
         span.end()
-
-    def _reasons(self) -> list[str]:
-        reasons = list(self._finish_reasons)
-        for index, reason in self._overrides.items():
-            if index < len(reasons):
-                reasons[index] = reason
-            else:
-                reasons.append(reason)
-        return reasons
 
 
 def parameters(body: object) -> dict[str, Any]:
@@ -207,6 +198,9 @@ def _content(record: Any, reasons: list[str]) -> dict[str, str]:
 _UNTRACED: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
-def stage(trace: RequestTrace | None, name: str, **attributes: Any) -> contextlib.AbstractContextManager[Span | None]:
-    return _UNTRACED if trace is None or not trace.recording else trace.stage(name, **attributes)
+def stage(trace: RequestTrace | None, name: str, **attributes: Any) -> AbstractContextManager[Span | None]:
+    """A child span made current for a stage that runs within one await (none when not sampled)."""
+    if trace is None or not trace.recording:
+        return _UNTRACED
+    return trace.tracer.start_as_current_span(name, attributes=attributes or None)
 

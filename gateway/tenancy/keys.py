@@ -18,7 +18,7 @@ from gateway.errors import AuthenticationFailed, RateLimited, UnsupportedMediaTy
 from gateway.settings import Settings
 from gateway.telemetry import metrics
 from gateway.tenancy.limits import TokenBucket
-from gateway.tenancy.tenants import Tenants
+from gateway.tenancy.tenants import Tenants, find
 
 ANONYMOUS = "anonymous"
 Headers = Sequence[tuple[bytes, bytes]]  # a request's headers as the server read them (names lower-case)
@@ -36,25 +36,20 @@ NOBODY = Identity(ANONYMOUS, ANONYMOUS)
 class KeyRing:
     def __init__(self, keys: Iterable[SecretStr], id_secret: SecretStr | None = None) -> None:
         self._hashes = [hashlib.sha256(k.get_secret_value().encode()).digest() for k in keys]
-        self._id_secret = id_secret.get_secret_value().encode() if id_secret else os.urandom(32)
+        secret = id_secret.get_secret_value().encode() if id_secret else os.urandom(32)
         # each stored key's names, computed once (an HMAC and a hash per request otherwise)
-        self._identities = {
-            digest: Identity(_key_id(digest, self._id_secret), hashlib.sha256(b"tenant\0" + digest).hexdigest())
+        self._identities = [
+            (digest, Identity(_key_id(digest, secret), hashlib.sha256(b"tenant\0" + digest).hexdigest()))
             for digest in self._hashes
-        }
-        self._by_tenant = {identity.tenant: identity for identity in self._identities.values()}
+        ]
+        self._by_tenant = {identity.tenant: identity for _, identity in self._identities}
 
     @property
     def enabled(self) -> bool:
-        return bool(self._hashes)
+        return bool(self._identities)
 
     def identify(self, presented: str) -> Identity | None:
-        digest = hashlib.sha256(presented.encode()).digest()
-        found = None
-        for stored in self._hashes:  # no early exit: the time taken does not depend on which key
-            if hmac.compare_digest(stored, digest):
-                found = stored
-        return None if found is None else self._identities[found]
+        return find(self._identities, presented)
 
     def by_tenant(self, tenant: str) -> Identity | None:
         return self._by_tenant.get(tenant)
@@ -184,18 +179,15 @@ class Authenticator:
     """Settings keys, the keys file's keys, and the failed-attempt throttle. Without keys, a POST must declare JSON
     (or be a credentialed upload), which a web page cannot send cross-site."""
 
-    def __init__(
-        self, keys: KeyRing, throttle: AttemptThrottle, tenants: Tenants | None = None,
-        proxies: TrustedProxies | None = None,
-    ) -> None:
-        self.keys = keys
-        self.throttle = throttle
-        self.tenants = tenants
-        self.proxies = proxies or TrustedProxies()
+    def __init__(self, keys: KeyRing, throttle: AttemptThrottle, tenants: Tenants | None,
+                 proxies: TrustedProxies) -> None:
+        self.keys, self.throttle, self.proxies = keys, throttle, proxies
+        self.tenants = tenants if tenants is not None and tenants.enabled else None  # the keys file, when there is one
+        self.keyed = keys.enabled or self.tenants is not None
 
     def identify(self, method: str, headers: Headers, peer: str, upload: bool = False) -> Identity:
         """`upload`: the route takes a multipart form."""
-        if not self.keys.enabled and not (self.tenants and self.tenants.enabled):
+        if not self.keyed:
             declared = _declares_upload(headers) if upload else _declares(headers, b"application/json")
             if method == "POST" and _has_body(headers) and not declared:
                 raise UnsupportedMediaType(
@@ -220,11 +212,10 @@ class Authenticator:
     def reidentify(self, stored: Identity) -> Identity | None:
         """Who an identity kept on disk (a batch's creator) is now, looked up by tenant (stable where the id is not);
         None when no key answers to it any longer."""
-        keyed = self.keys.enabled or bool(self.tenants and self.tenants.enabled)
-        if not keyed:
+        if not self.keyed:
             return NOBODY if stored == NOBODY else None
         if stored.tenant == _file_tenant(stored.key_id):
-            return stored if self.tenants and self.tenants.enabled and self.tenants.known(stored.key_id) else None
+            return stored if self.tenants and self.tenants.known(stored.key_id) else None
         return self.keys.by_tenant(stored.tenant)
 
     def _failed(self, peer: str, headers: Headers) -> None:
@@ -241,7 +232,7 @@ class Authenticator:
     def _lookup(self, presented: str) -> Identity | None:
         if not presented:
             return None
-        file_id = self.tenants.identify(presented) if self.tenants and self.tenants.enabled else None
+        file_id = self.tenants.identify(presented) if self.tenants else None
         if file_id is not None:
             return Identity(file_id, _file_tenant(file_id))
         return self.keys.identify(presented)

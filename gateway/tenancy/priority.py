@@ -37,10 +37,6 @@ NORMAL = Scheduled()
 BATCH = Scheduled("low", ENGINE_PRIORITY["low"] + 1)  # the batch lane: after everything interactive
 
 
-def class_of(priority: int) -> Priority:
-    return "high" if priority < 0 else "low" if priority > 0 else "normal"
-
-
 def scheduled(key_class: Priority, may_raise: bool, tier: str | None = None, priority: int | None = None) -> Scheduled:
     """The key's class, or what the request asks for (`priority` over `tier`) when lower, or when the key may raise
     it."""
@@ -53,13 +49,9 @@ def scheduled(key_class: Priority, may_raise: bool, tier: str | None = None, pri
         wanted = own
     if wanted < own and not may_raise:
         wanted = own
-    if wanted == own:
-        return Scheduled(key_class, own) if key_class != "normal" else NORMAL
-    return Scheduled(class_of(wanted), wanted)
+    return NORMAL if wanted == 0 else Scheduled("high" if wanted < 0 else "low", wanted)
 
 
 def of(policy: KeyPolicy, body: object) -> Scheduled:
     tier, wanted = getattr(body, "service_tier", None), getattr(body, "priority", None)
-    if tier is None and wanted is None:
-        return NORMAL if policy.priority == "normal" else Scheduled(policy.priority, ENGINE_PRIORITY[policy.priority])
     return scheduled(policy.priority, policy.request_priority, tier, wanted)

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import structlog
 
@@ -183,12 +181,9 @@ class Charge:
 
 
 class Quota:
-    def __init__(self, settings: LimitsSettings, pools: RedisPools | None = None) -> None:
+    def __init__(self, settings: LimitsSettings, pools: RedisPools) -> None:
         self.settings = settings
         self.local = LocalCounts()
-        self._pools: RedisPools | None = None
-        if pools is None:
-            pools = self._pools = RedisPools()  # its own, closed with it
         self.shared = RedisCounts(settings, pools) if settings.redis_url else None
         self._down_until = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -197,7 +192,7 @@ class Quota:
         """The request counted against the key's requests per minute: its x-ratelimit-* headers."""
         if policy.rpm is None:
             return {}
-        allowed, tokens = await self._bucket(f"requests:{policy.key_id}", policy.rpm, 1)
+        allowed, tokens, _ = await self._bucket(f"requests:{policy.key_id}", policy.rpm, 1, False)
         return _report("requests", policy.rpm, 1, allowed, tokens)
 
     async def charge(self, policy: KeyPolicy, tokens: int, reconcile: bool = False) -> Charge:
@@ -212,7 +207,7 @@ class Quota:
         if charge.periods:
             await self._reserve(charge)
         if policy.tpm is not None:
-            allowed, left, shared = await self._bucket_where(f"tokens:{policy.key_id}", policy.tpm, tokens, False)
+            allowed, left, shared = await self._bucket(f"tokens:{policy.key_id}", policy.tpm, tokens, False)
             try:
                 charge.headers = _report("tokens", policy.tpm, tokens, allowed, left)
             except RateLimited:
@@ -222,11 +217,7 @@ class Quota:
             charge.tokens_shared = shared
         return charge
 
-    async def _bucket(self, name: str, capacity: int, amount: float, force: bool = False) -> tuple[bool, float]:
-        allowed, tokens, _ = await self._bucket_where(name, capacity, amount, force)
-        return allowed, tokens
-
-    async def _bucket_where(self, name: str, capacity: int, amount: float, force: bool) -> tuple[bool, float, bool]:
+    async def _bucket(self, name: str, capacity: int, amount: float, force: bool) -> tuple[bool, float, bool]:
         """(allowed, tokens left, counted in Redis)."""
         if self._shared_up():
             assert self.shared is not None
@@ -261,7 +252,9 @@ class Quota:
         if tokens and not charge.tokens_shared:
             self.local.bucket(f"tokens:{charge.policy.key_id}", charge.policy.tpm or 0, delta, force=True)
         if (charge.periods and charge.budgets_shared) or (tokens and charge.tokens_shared):
-            self.later(self._correct_shared(charge, delta))
+            task = asyncio.get_running_loop().create_task(self._correct_shared(charge, delta))
+            self._tasks.add(task)  # off the request's path, awaited by `aclose`
+            task.add_done_callback(self._tasks.discard)
 
     async def _correct_shared(self, charge: Charge, delta: int) -> None:
         assert self.shared is not None
@@ -274,17 +267,12 @@ class Quota:
             self._failed("settle", exc)  # Redis counted the estimate; this correction is lost
 
     def finish(self, policy: KeyPolicy, status: int, charge: Charge | None, usage: tuple[int, int]) -> None:
-        """The end of a request (`middleware.rate_limit`): its usage (prompt, completion tokens)
+        """The end of a request (`middleware.auth`): its usage (prompt, completion tokens)
         counted and its charge settled, unless a stream holds it (it settles when the stream ends)."""
         if 200 <= status < 300:
             metrics.labelled(metrics.KEY_REQUESTS, policy.key_id, policy.team).inc()
         if charge is not None and not charge.held:
             charge.settle(*usage)
-
-    def later(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def _shared_up(self) -> bool:
         if self.shared is None:
@@ -308,8 +296,6 @@ class Quota:
     async def aclose(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._pools is not None:
-            await self._pools.aclose()
 
 
 def _report(kind: str, limit: int, amount: float, allowed: bool, tokens: float) -> dict[str, str]:

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import re
-import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
-import structlog
 import yaml
 from pydantic import (
     BaseModel,
@@ -26,13 +23,11 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.settings import Priority
+from gateway.settings import Priority, Reloadable
 from gateway.telemetry.metrics import KEYS_RELOADS
 
-log = structlog.get_logger(__name__)
-
 KeyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")]
-Stamp = tuple[int, int, int] | None
+T = TypeVar("T")
 
 
 class KeysFileError(ValueError): ...
@@ -116,6 +111,16 @@ class _Table:
     policies: dict[str, KeyPolicy]
 
 
+def find(stored: Iterable[tuple[bytes, T]], presented: str) -> T | None:
+    """What the stored SHA-256 digest of `presented` names; every digest compared, so the time does not tell which."""
+    digest = hashlib.sha256(presented.encode()).digest()
+    found = None
+    for candidate, value in stored:
+        if hmac.compare_digest(candidate, digest):
+            found = value
+    return found
+
+
 def read(path: Path) -> KeysFile:
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -128,19 +133,17 @@ def read(path: Path) -> KeysFile:
         raise KeysFileError(f"keys file {path}: {where}: {first['msg']}") from exc
 
 
-class Tenants:
-    """The keys file's table, swapped whole on reload (a file that cannot be used keeps the one in service);
-    `rpm`/`tpm` are the global limits for keys without their own."""
+class Tenants(Reloadable):
+    """The keys file's table, swapped whole on reload; `rpm`/`tpm` are the global limits for keys without their own."""
+
+    what = "keys"
 
     def __init__(self, path: Path | None, rpm: int | None = None, tpm: int | None = None,
                  reload_interval_s: float = 10) -> None:
+        super().__init__([path] if path is not None else [], reload_interval_s, KEYS_RELOADS)
         self.path, self.rpm, self.tpm = path, rpm, tpm
-        self.reload_interval_s = reload_interval_s
         self._known_models: Collection[str] | None = None
         self._profiles: Collection[str] | None = None
-        self._stamp: Stamp = self._file_stamp()
-        self._refused: Stamp = None
-        self._next_poll = time.monotonic() + reload_interval_s
         self._table = self._build(read(path)) if path is not None else _Table((), {})
 
     @property
@@ -154,12 +157,7 @@ class Tenants:
         self._validate(self._table)
 
     def identify(self, presented: str) -> str | None:
-        digest = hashlib.sha256(presented.encode()).digest()
-        found = None
-        for stored, key_id in self._table.digests:  # no early exit: the time does not tell which key
-            if hmac.compare_digest(stored, digest):
-                found = key_id
-        return found
+        return find(self._table.digests, presented)
 
     def policy(self, key_id: str) -> KeyPolicy:
         return self._table.policies.get(key_id) or KeyPolicy(key_id, rpm=self.rpm, tpm=self.tpm)
@@ -177,43 +175,21 @@ class Tenants:
         schedules by priority."""
         return any(p.priority != "normal" or p.request_priority for p in self._table.policies.values())
 
-    def reload(self, reason: str) -> bool:
-        if self.path is None:
-            return False
-        stamp = self._file_stamp()
-        try:
-            table = self._build(read(self.path))
-            self._validate(table)
-        except KeysFileError as exc:
-            self._refused = stamp
-            KEYS_RELOADS.labels(result="error").inc()
-            log.error("keys_reload_failed", reason=reason, error=str(exc))
-            return False
-        self._table, self._stamp, self._refused = table, stamp, None
-        KEYS_RELOADS.labels(result="ok").inc()
-        log.info("keys_reloaded", reason=reason, keys=len(table.policies))
-        return True
-
-    def poll(self) -> None:
-        now = time.monotonic()
-        if self.path is None or self.reload_interval_s <= 0 or now < self._next_poll:
-            return
-        self._next_poll = now + self.reload_interval_s
-        stamp = self._file_stamp()
-        if stamp != self._stamp and stamp != self._refused:
-            self.reload("file changed")
+    def apply(self) -> dict[str, Any]:
+        assert self.path is not None
+        table = self._build(read(self.path))
+        self._validate(table)
+        self._table = table
+        return {"keys": len(table.policies)}
 
     def _build(self, file: KeysFile) -> _Table:
-        policies = {key_id: self._policy(key_id, spec) for key_id, spec in file.keys.items()}
-        return _Table(tuple((spec.digest(), key_id) for key_id, spec in file.keys.items()), policies)
-
-    def _policy(self, key_id: str, spec: KeySpec) -> KeyPolicy:
-        return KeyPolicy(
+        policies = {key_id: KeyPolicy(
             key_id, rpm=spec.rpm or self.rpm, tpm=spec.tpm or self.tpm, budget_day=spec.budget.day,
             budget_month=spec.budget.month, models=tuple(spec.models) if spec.models is not None else None,
             guards=spec.guards, priority=spec.priority, request_priority=spec.request_priority,
             team=spec.team or "", owner=spec.owner or "",
-        )
+        ) for key_id, spec in file.keys.items()}
+        return _Table(tuple((spec.digest(), key_id) for key_id, spec in file.keys.items()), policies)
 
     def _validate(self, table: _Table) -> None:
         for key_id, policy in table.policies.items():
@@ -223,16 +199,6 @@ class Tenants:
             for entry in policy.models or ():
                 if self._known_models is not None and not _known(entry, self._known_models):
                     raise KeysFileError(f"keys file: key '{key_id}': no model '{entry}' is served here")
-
-    def _file_stamp(self) -> Stamp:
-        """What tells a changed file: mtime, size and inode (a ConfigMap volume swaps a symlink)."""
-        if self.path is None:
-            return None
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 def _known(entry: str, known: Collection[str]) -> bool:

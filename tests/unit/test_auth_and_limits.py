@@ -1,4 +1,4 @@
-"""API keys (middleware.auth) and per-key rate limits (limits, middleware.rate_limit)."""
+"""API keys (middleware.auth) and per-key rate limits (limits, middleware.auth)."""
 
 from __future__ import annotations
 
