@@ -1,43 +1,8 @@
-"""The models file: several models in one gateway, declared in YAML or TOML.
-
-    models:
-      - name: smollm2-135m-instruct        # an embedded vLLM engine
-        engine: {enforce_eager: true}      # overrides of the `engine` settings
-        aliases: [smol, default]
-        admission: {max_running: 32, max_waiting: 64, reject_status: 429}
-        fallback: [smol-remote]            # tried in order when this one is dead or overloaded
-        defaults: {temperature: 0.7, top_p: 0.9, max_tokens: 512}  # over the generation_config.json's
-      - name: smol-remote                  # a remote OpenAI-compatible upstream (httpx)
-        kind: remote
-        url: http://10.0.0.7:8000/v1
-        upstream_model: smollm2-135m-instruct
-      - name: assistant                    # versions (SemVer): served as assistant@1.4.2, ...
-        version: 1.4.2
-      - name: assistant
-        version: 2.0.0-rc.1                # a pre-release: only served when asked for exactly
-        kind: remote
-        url: http://10.0.0.8:8000/v1
-      - name: chat                         # one public name split by weight between versions
-        kind: split
-        versions: {smollm2-135m-instruct: 90, assistant@1: 10}
-        sticky: true                       # the same API key (or `user`) keeps its version
-        guards: strict                     # a guard profile of the guards file, or one inline
-      - name: smol-embed                   # an embedded engine that embeds (vLLM's pooling runner)
-        kind: embedding                    # for /v1/embeddings; generating routes refuse it
-        engine: {enforce_eager: true}
-      - name: sql-lora                     # a LoRA adapter (PEFT directory) served by its base's engine
-        kind: adapter
-        base: smollm2-135m-instruct        # an embedded generating model of this file
-        path: /adapters/sql-lora           # relative: to this file's folder
-
-A base with adapters gets LoRA on, with `max_loras` (its adapters, at most 8), `max_lora_rank` (the
-highest adapter rank, as vLLM sizes it) and `max_cpu_loras` (its adapters) derived here; its own
-`engine:` settings override them.
-
-A reference (split versions, fallbacks) names a model, or a version as clients ask for one
-(`assistant`: the newest stable, `assistant@1`, `assistant@1.4.2`); it is resolved to one
-model (version) at start. Everything is checked at start-up: a bad file is refused with a message
-naming the problem.
+"""The models file (YAML or TOML; docs/models.md): several models in one gateway, embedded,
+embedding, remote, split between versions, or LoRA adapters of an embedded base (whose LoRA
+settings are derived here from its adapters). References (split versions, fallbacks, an adapter's
+base) name a model or a version as clients ask for one, and are resolved to one model version at
+start; everything is checked then, and a bad file is refused with a message naming the problem.
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""The guards file: named guard profiles, which one a request gets, and the moderation upstream.
-
-    default: standard                 # profile of requests that no key or model names (optional)
-    keys: {3f2a9c1b0d4e: strict}      # API key id (the hash prefix the access log shows) → profile
-    moderation:                       # an OpenAI-compatible /v1/moderations upstream (optional)
-      url: http://127.0.0.1:9000/v1
-      timeout_s: 2
-      fail: open                      # open: serve when it fails; closed: refuse
-    profiles:
-      standard:
-        input:
-          max_chars: 20000
-          max_tokens: 4000
-          deny: ["(?i)\\bproject hydra\\b", {pattern: "(?i)internal only", action: flag}]
-          allow: ["support@example\\.com"]   # spans exempt from every other check
-          injection: block
-          pii: {email: redact, phone: redact, card: block, iban: redact, ip: flag}
-          moderation: block
-        output:
-          deny: ["(?i)\\bconfidential\\b"]
-          pii: {card: redact}
-
-A model of the models file names a profile (`guards: strict`) or carries one inline. Everything
-is checked at start: a bad pattern or an unknown profile is refused with a message naming it.
+"""The guards file (YAML or TOML; docs/tenants-and-guards.md): named guard profiles (input and
+output checks), which one a request gets (`default`, per API key `keys`, or a model's `guards:`
+in the models file, by name or inline), and the moderation upstream. Everything is checked at
+start: a bad pattern or an unknown profile is refused with a message naming it.
 """
 
 from __future__ import annotations

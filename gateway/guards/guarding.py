@@ -1,11 +1,8 @@
 """The guard pipeline: the compiled profiles (`Guards`, one per gateway), the choice of a request's
 profile (`profile_for`: the API key's, else the model's, else the default), and a request's guard
-(`RequestGuard`): input checks before the engine, the moderation call, and the output guard of
-each generation (`gateway.guards.stream`).
-
-Every action is counted in `gateway_guard_actions_total` by guard, stage and action, and named in
-the request's access line as "stage:guard:action"; the matched text goes to the access line only
-when prompts are logged.
+(`RequestGuard`): input checks, the moderation call, and each generation's output guard. Every
+action is counted (`gateway_guard_actions_total`) and named in the access line; the matched text
+only when prompts are logged.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Anthropic's Messages API on the chat pipeline.
-
-A Messages request becomes a chat request (`to_chat`): `system` and the messages' text, tool_use and
-tool_result blocks become chat messages, `tools` and `tool_choice` OpenAI's (auto → auto, any →
-required, tool → a named function, none → none; `disable_parallel_tool_use` → one call at most), and
-`stop_sequences`, `temperature`, `top_p`, `top_k`, `max_tokens`, `metadata.user_id` and
-`output_config.format` (structured outputs) their chat fields. The dispatcher runs it as any chat
-request (model choice, limits, cache, admission); this service prepares it with the chat service
-(template, tools, context checks) and answers a Message, or Anthropic's event stream
-(`serving.message_blocks` writes the content blocks).
+"""Anthropic's Messages API on the chat pipeline: a Messages request becomes a chat request
+(`to_chat`: blocks as chat messages, Anthropic's tools and tool_choice as OpenAI's, `output_config`
+as structured outputs), which the dispatcher runs as any chat request; this service prepares it with
+chat's and answers a Message or Anthropic's event stream (`messages_blocks`).
 """
 
 from __future__ import annotations
