@@ -7,16 +7,15 @@ start; everything is checked then, and a bad file is refused with a message nami
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from engine import adapters
 from engine.config import EngineSettings, SamplingDefaults
 from gateway.backends import versions
+from gateway.guards.config import read_file
 from gateway.settings import AdmissionSettings, Settings
 
 
@@ -122,33 +121,19 @@ class ModelsFile(BaseModel):
     models: list[ModelSpec] = Field(min_length=1)
 
 
-def default_models(settings: Settings) -> ModelsFile:
-    """Without a models file: the one embedded model of the `engine` settings, and an embedding
-    model of the same weights when `embedding_model` names one."""
-    models = [ModelSpec(name=settings.engine.served_model_name)]
-    if settings.embedding_model:
-        models.append(ModelSpec(name=settings.embedding_model, kind="embedding"))
-    return ModelsFile(models=models)
-
-
 def load(settings: Settings) -> ModelsFile:
+    """The models file; without one, the one embedded model of the `engine` settings, and an embedding
+    model of the same weights when `embedding_model` names one."""
     if settings.models_file is None:
-        return default_models(settings)
+        models = [ModelSpec(name=settings.engine.served_model_name)]
+        if settings.embedding_model:
+            models.append(ModelSpec(name=settings.embedding_model, kind="embedding"))
+        return ModelsFile(models=models)
     if settings.embedding_model:
         raise ConfigError("embedding_model (GATEWAY_EMBEDDING_MODEL) is for the set-up without a models file; "
                           "declare the model in the file instead (kind: embedding)")
     path = Path(settings.models_file)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the models file {path}: {exc.strerror}") from exc
-    try:
-        raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-        parsed = ModelsFile.model_validate(raw)
-    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"the models file {path} is not valid {path.suffix[1:] or 'YAML'}: {exc}") from exc
-    except ValidationError as exc:
-        raise ConfigError(f"the models file {path} is not valid: {exc}") from exc
+    parsed = read_file(path, ModelsFile, "the models file", ConfigError)
     for spec in parsed.models:  # an adapter's relative path is the file's folder's
         if spec.path is not None:
             spec.path = str(path.parent / spec.path)
@@ -166,6 +151,8 @@ def catalog(models: ModelsFile) -> versions.Catalog:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
     return found
+
+
 def public_names(models: ModelsFile) -> set[str]:
     """Every name a client may ask for: ids (`name@version`), names (of versioned models too), aliases."""
     return {name for spec in models.models for name in (spec.id, spec.name, *spec.aliases)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 Action = Literal["off", "flag", "redact", "block"]
 Verdict = Literal["off", "flag", "block"]  # for checks that find no span to redact (injection, moderation)
 PII_KINDS = ("email", "phone", "card", "iban", "ip")
+FileT = TypeVar("FileT", bound=BaseModel)
 
 
 class GuardConfigError(ValueError):
@@ -121,20 +122,22 @@ class GuardsFile(_Strict):
 ModelGuards = dict[str, str | dict[str, Any]]  # public model name → a profile's name, or a profile inline
 
 
-def read(path: Path | None) -> GuardsFile:
-    if path is None:
-        return GuardsFile()
+def read_file(path: Path, kind: type[FileT], what: str, error: type[ValueError]) -> FileT:
+    """A configuration file (TOML by its suffix, else YAML) as `kind`; `error` names what is wrong with it."""
     try:
-        text = Path(path).read_text()
+        text = path.read_text()
     except OSError as exc:
-        raise GuardConfigError(f"cannot read the guards file {path}: {exc.strerror}") from exc
+        raise error(f"cannot read {what} {path}: {exc.strerror}") from exc
     try:
-        raw = tomllib.loads(text) if Path(path).suffix == ".toml" else yaml.safe_load(text)
-        return GuardsFile.model_validate(raw or {})
+        return kind.model_validate((tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)) or {})
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-        raise GuardConfigError(f"the guards file {path} is not valid YAML or TOML: {exc}") from exc
+        raise error(f"{what} {path} is not valid {path.suffix[1:].upper() or 'YAML'}: {exc}") from exc
     except ValidationError as exc:
-        raise GuardConfigError(f"the guards file {path} is not valid: {exc}") from exc
+        raise error(f"{what} {path} is not valid: {exc}") from exc
+
+
+def read(path: Path | None) -> GuardsFile:
+    return GuardsFile() if path is None else read_file(Path(path), GuardsFile, "the guards file", GuardConfigError)
 
 
 def resolve(config: GuardsFile, models: ModelGuards) -> tuple[dict[str, Profile], dict[str, str]]:

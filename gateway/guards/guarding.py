@@ -30,15 +30,11 @@ from gateway.telemetry.tracing import stage
 
 
 def scanner(checks: Checks) -> Scanner:
-    """A direction's detectors: its deny patterns, the injection list, personal data."""
-    rules = [Detector(r.name, r.action, _label(r.name), regex_spans(re.compile(normalize.pattern(r.pattern))))
-             for r in checks.rules()]
+    """A direction's detectors: its deny patterns (a pattern named `project.name` redacts as
+    [PROJECT_NAME_1]), the injection list, personal data."""
+    rules = [Detector(r.name, r.action, re.sub(r"[^A-Z0-9]+", "_", r.name.upper()),
+                      regex_spans(re.compile(normalize.pattern(r.pattern)))) for r in checks.rules()]
     return Scanner([*rules, *injection.detectors(checks.injection), *pii.detectors(checks.pii)], checks.allow)
-
-
-def _label(name: str) -> str:
-    """A placeholder's word for a pattern named `name`: [DENY_1], [PROJECT_NAME_1], ..."""
-    return re.sub(r"[^A-Z0-9]+", "_", name.upper())
 
 
 ACROSS_CHARS = 128  # a match split across a chat's texts is looked for this far on each side of the join

@@ -191,7 +191,7 @@ def normalize(text: str, escapes: bool = True) -> Normalized:
         begin = run.start()
         if text[begin] == "\\" and text.startswith("\\u", begin):  # an escape: the character it names
             keep(at, begin, text[at:begin])
-            keep(begin, run.end(), fold(_unescape(run.group())))
+            keep(begin, run.end(), fold(json.loads(f'"{run.group()}"')))
             at = run.end()
             continue
         if begin > at and unicodedata.combining(text[begin]):
@@ -210,10 +210,6 @@ def normalize(text: str, escapes: bool = True) -> Normalized:
         at = run.end()
     keep(at, len(text), text[at:])
     return Normalized(text, "".join(built.parts), built.segments)
-
-
-def _unescape(escape: str) -> str:
-    return json.loads(f'"{escape}"')  # type: ignore[no-any-return]
 
 
 def pattern(source: str) -> str:

@@ -5,17 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
-from gateway.protocol.openai import INT64_MAX
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="allow")
+from gateway.protocol.openai import INT64_MAX, _Request, _Response
 
 
 class CacheControl(_Request):

@@ -1,19 +1,12 @@
-"""The responses API's wire models."""
+"""The Responses API's request, list and stream event models (its answer is `protocol.response_objects`)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from gateway.protocol.openai import _Request
 from gateway.protocol.response_objects import (
     Item,
     ItemStatus,
@@ -27,10 +20,6 @@ from gateway.protocol.response_objects import (
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 INPUT_ITEMS = ("message", "function_call", "function_call_output")
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class InputPart(_Request):
