@@ -124,17 +124,14 @@ class ModelRegistry:
         return Reach(version, [backend for backend in self._chain(version) if permitted(backend.name)])
 
     def _chain(self, name: str) -> list[Backend]:
+        """`name`, then its fallbacks depth first, each once."""
         order: list[Backend] = []
-
-        def visit(current: str) -> None:
-            backend = self.backends[current]
-            if backend in order:
-                return
-            order.append(backend)
-            for next_name in backend.fallback:
-                visit(next_name)
-
-        visit(name)
+        stack = [name]
+        while stack:
+            backend = self.backends[stack.pop()]
+            if backend not in order:
+                order.append(backend)
+                stack += reversed(backend.fallback)
         return order
 
     def default_name(self, access: Access = None) -> str:
