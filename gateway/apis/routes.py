@@ -9,9 +9,10 @@ from starlette.responses import JSONResponse, Response
 from gateway.apis.admin import admin_routes
 from gateway.apis.admin import admin_wire as ad
 from gateway.apis.batches import batches_routes, batches_wire
-from gateway.apis.chat import chat_routes
-from gateway.apis.completions import completions_routes
-from gateway.apis.embeddings import embeddings_routes, embeddings_wire
+from gateway.apis.chat.chat_serving import CHAT
+from gateway.apis.completions.completions_serving import COMPLETIONS
+from gateway.apis.embeddings import embeddings_wire
+from gateway.apis.embeddings.embeddings_serving import EMBEDDINGS
 from gateway.apis.files import files_routes, files_wire
 from gateway.apis.message_batches import message_batches_routes
 from gateway.apis.message_batches import message_batches_wire as mb
@@ -27,6 +28,7 @@ from gateway.protocol import embeddings as e
 from gateway.protocol import file_objects as f
 from gateway.protocol import openai as p
 from gateway.protocol import response_objects as r
+from gateway.web.answers import served
 from gateway.web.table import Endpoint, RouteTable
 
 
@@ -35,12 +37,12 @@ async def openapi(request: Request) -> Response:
 
 
 TABLE = RouteTable([
-    Endpoint("POST", "/v1/chat/completions", chat_routes.chat_completions, "api", "Create a chat completion",
+    Endpoint("POST", "/v1/chat/completions", served(p.ChatCompletionRequest, CHAT), "api", "Create a chat completion",
              p.ChatCompletionRequest, p.ChatCompletion, streams=True),
-    Endpoint("POST", "/v1/completions", completions_routes.text_completions, "api", "Create a completion",
+    Endpoint("POST", "/v1/completions", served(p.CompletionRequest, COMPLETIONS), "api", "Create a completion",
              p.CompletionRequest, p.Completion, streams=True),
-    Endpoint("POST", "/v1/embeddings", embeddings_routes.create, "api", "Create embeddings", e.EmbeddingRequest,
-             embeddings_wire.CreateEmbeddingResponse),
+    Endpoint("POST", "/v1/embeddings", served(e.EmbeddingRequest, EMBEDDINGS), "api", "Create embeddings",
+             e.EmbeddingRequest, embeddings_wire.CreateEmbeddingResponse),
     Endpoint("POST", "/v1/messages", messages_routes.create, "api", "Create a message (Anthropic's Messages API)",
              a.MessagesRequest, a.Message, streams=True, dialect="anthropic"),
     Endpoint("POST", "/v1/messages/count_tokens", messages_routes.count_tokens, "api", "Count a message's input tokens "

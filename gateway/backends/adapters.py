@@ -45,18 +45,11 @@ class AdapterEngine:
         self.name = name  # the adapter's name in the engine: its public id (vLLM's metrics label it so)
         self.path = path
         sampling = base.info.sampling_defaults if defaults is None else defaults.over(base.info.sampling_defaults)
-        self._info = dataclasses.replace(base.info, name=name, root=path, sampling_defaults=sampling)
+        self.info: ModelInfo = dataclasses.replace(base.info, name=name, root=path, sampling_defaults=sampling)
+        self.tokenizer: Tokenizer = base.tokenizer
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.base.tokenizer
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         self.in_flight += 1

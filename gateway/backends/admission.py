@@ -1,22 +1,15 @@
 """Admission control: per model, a bound on engine requests running and on engine requests waiting.
 
-A request counts as many engine requests as the engine runs for it (every choice of every prompt:
-a completions request of 100 prompts with n=4 is 400), takes that many permits before its
-response starts, and holds them for the life of its answer (the whole stream). A request that
-asks for more than `max_running` at once can never run: it is a 400. Beyond `max_running` a
-request waits, in arrival order (a large request at the head is not overtaken), for at most
-`wait_timeout_s`; when `max_waiting` would be passed, or after the wait, it is refused at once
-with 429 (and Retry-After) or 503, as configured: errors the dispatcher may answer with a fallback.
+A request takes as many permits as the engine runs requests for it (every choice of every prompt)
+before its response starts, and holds them for the life of its answer; one that asks for more than
+`max_running` can never run (400). Beyond that it waits, in arrival order (a large request at the
+head is not overtaken), at most `wait_timeout_s`, and is refused with 429 (Retry-After) or 503 when
+the queue is full or the wait is over: errors the dispatcher may answer with a fallback.
 
-Priority classes (`tenancy.priority`: the key's class, or what the request asks for where the key
-allows it): waiting requests are admitted high first, then normal, then low, each class in arrival
-order; each class may fill only its share of `max_waiting` (`queue_share`, by default low half of
-it, normal and high all of it), so as the queue fills, low requests are refused first, and a lower
-share for normal holds room for high. Within the engine, vLLM's priority scheduling orders them again.
-
-Tenants (`key_share`): while requests of other keys wait, one key holds at most that share of
-`max_running`; its waiting requests are passed over for theirs. With nobody else waiting a key may
-use the whole model (no slot idles for fairness' sake).
+Priority classes (`tenancy.priority`) are admitted high, normal, low, each filling only its share of
+`max_waiting` (`queue_share`), so low requests are refused first as the queue fills. With
+`key_share`, one key holds at most that share of `max_running` while other keys wait (with nobody
+else waiting it may use the whole model).
 """
 
 from __future__ import annotations

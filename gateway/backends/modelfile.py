@@ -1,57 +1,21 @@
-"""The models file: several models in one gateway, declared in YAML or TOML.
-
-    models:
-      - name: smollm2-135m-instruct        # an embedded vLLM engine
-        engine: {enforce_eager: true}      # overrides of the `engine` settings
-        aliases: [smol, default]
-        admission: {max_running: 32, max_waiting: 64, reject_status: 429}
-        fallback: [smol-remote]            # tried in order when this one is dead or overloaded
-        defaults: {temperature: 0.7, top_p: 0.9, max_tokens: 512}  # over the generation_config.json's
-      - name: smol-remote                  # a remote OpenAI-compatible upstream (httpx)
-        kind: remote
-        url: http://10.0.0.7:8000/v1
-        upstream_model: smollm2-135m-instruct
-      - name: assistant                    # versions (SemVer): served as assistant@1.4.2, ...
-        version: 1.4.2
-      - name: assistant
-        version: 2.0.0-rc.1                # a pre-release: only served when asked for exactly
-        kind: remote
-        url: http://10.0.0.8:8000/v1
-      - name: chat                         # one public name split by weight between versions
-        kind: split
-        versions: {smollm2-135m-instruct: 90, assistant@1: 10}
-        sticky: true                       # the same API key (or `user`) keeps its version
-        guards: strict                     # a guard profile of the guards file, or one inline
-      - name: smol-embed                   # an embedded engine that embeds (vLLM's pooling runner)
-        kind: embedding                    # for /v1/embeddings; generating routes refuse it
-        engine: {enforce_eager: true}
-      - name: sql-lora                     # a LoRA adapter (PEFT directory) served by its base's engine
-        kind: adapter
-        base: smollm2-135m-instruct        # an embedded generating model of this file
-        path: /adapters/sql-lora           # relative: to this file's folder
-
-A base with adapters gets LoRA on, with `max_loras` (its adapters, at most 8), `max_lora_rank` (the
-highest adapter rank, as vLLM sizes it) and `max_cpu_loras` (its adapters) derived here; its own
-`engine:` settings override them.
-
-A reference (split versions, fallbacks) names a model, or a version as clients ask for one
-(`assistant`: the newest stable, `assistant@1`, `assistant@1.4.2`); it is resolved to one
-model (version) at start. Everything is checked at start-up: a bad file is refused with a message
-naming the problem.
+"""The models file (YAML or TOML; docs/models.md): several models in one gateway, embedded,
+embedding, remote, split between versions, or LoRA adapters of an embedded base (whose LoRA
+settings are derived here from its adapters). References (split versions, fallbacks, an adapter's
+base) name a model or a version as clients ask for one, and are resolved to one model version at
+start; everything is checked then, and a bad file is refused with a message naming the problem.
 """
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from engine import adapters
 from engine.config import EngineSettings, SamplingDefaults
 from gateway.backends import versions
+from gateway.guards.config import read_file
 from gateway.settings import AdmissionSettings, Settings
 
 
@@ -157,33 +121,19 @@ class ModelsFile(BaseModel):
     models: list[ModelSpec] = Field(min_length=1)
 
 
-def default_models(settings: Settings) -> ModelsFile:
-    """Without a models file: the one embedded model of the `engine` settings, and an embedding
-    model of the same weights when `embedding_model` names one."""
-    models = [ModelSpec(name=settings.engine.served_model_name)]
-    if settings.embedding_model:
-        models.append(ModelSpec(name=settings.embedding_model, kind="embedding"))
-    return ModelsFile(models=models)
-
-
 def load(settings: Settings) -> ModelsFile:
+    """The models file; without one, the one embedded model of the `engine` settings, and an embedding
+    model of the same weights when `embedding_model` names one."""
     if settings.models_file is None:
-        return default_models(settings)
+        models = [ModelSpec(name=settings.engine.served_model_name)]
+        if settings.embedding_model:
+            models.append(ModelSpec(name=settings.embedding_model, kind="embedding"))
+        return ModelsFile(models=models)
     if settings.embedding_model:
         raise ConfigError("embedding_model (GATEWAY_EMBEDDING_MODEL) is for the set-up without a models file; "
                           "declare the model in the file instead (kind: embedding)")
     path = Path(settings.models_file)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the models file {path}: {exc.strerror}") from exc
-    try:
-        raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-        parsed = ModelsFile.model_validate(raw)
-    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"the models file {path} is not valid {path.suffix[1:] or 'YAML'}: {exc}") from exc
-    except ValidationError as exc:
-        raise ConfigError(f"the models file {path} is not valid: {exc}") from exc
+    parsed = read_file(path, ModelsFile, "the models file", ConfigError)
     for spec in parsed.models:  # an adapter's relative path is the file's folder's
         if spec.path is not None:
             spec.path = str(path.parent / spec.path)
@@ -201,6 +151,8 @@ def catalog(models: ModelsFile) -> versions.Catalog:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
     return found
+
+
 def public_names(models: ModelsFile) -> set[str]:
     """Every name a client may ask for: ids (`name@version`), names (of versioned models too), aliases."""
     return {name for spec in models.models for name in (spec.id, spec.name, *spec.aliases)}

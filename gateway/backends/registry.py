@@ -1,12 +1,9 @@
 """Public model names → what answers them: embedded engines and remote upstreams ("backends"),
-aliases, SemVer versions (`name`, `name@1`, `name@1.4.2`: `backends.versions`), A/B splits between
-versions, and fallback chains.
+aliases, SemVer versions (`backends.versions`), A/B splits between versions, and fallback chains.
 
 Which models a request can reach is one decision, `ModelRegistry.reach`: a key's `models` entries
-grant concrete backends (`access`: an entry names a model or a version range of one, an alias: what
-it points to, or a split: its arms), and whatever way a request names a model, what it reaches is
-among them: the version range's newest granted version, the split's granted arms (weights among
-them), the fallback hops granted (the others skipped). Nothing granted: the same 404 as a model
+grant concrete backends (`access`), and whatever way a request names a model (a version range, an
+alias, a split, a fallback hop) it reaches only those; nothing granted is the same 404 as a model
 that does not exist. `/v1/models`, the tokenizer routes and the dispatcher all ask it.
 """
 
@@ -127,17 +124,14 @@ class ModelRegistry:
         return Reach(version, [backend for backend in self._chain(version) if permitted(backend.name)])
 
     def _chain(self, name: str) -> list[Backend]:
+        """`name`, then its fallbacks depth first, each once."""
         order: list[Backend] = []
-
-        def visit(current: str) -> None:
-            backend = self.backends[current]
-            if backend in order:
-                return
-            order.append(backend)
-            for next_name in backend.fallback:
-                visit(next_name)
-
-        visit(name)
+        stack = [name]
+        while stack:
+            backend = self.backends[stack.pop()]
+            if backend not in order:
+                order.append(backend)
+                stack += reversed(backend.fallback)
         return order
 
     def default_name(self, access: Access = None) -> str:

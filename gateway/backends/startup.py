@@ -22,14 +22,9 @@ from gateway.tenancy.tenants import Tenants
 log = structlog.get_logger(__name__)
 
 EngineStarter = Callable[[EngineSettings], Engine]
-
-
 EngineCheck = Callable[[EngineSettings], None]
 GrammarStarter = Callable[[Engine, int, int], GrammarCheck | None]  # (engine, workers, verdicts kept)
-
-
-def start_embedded(settings: EngineSettings) -> Engine:
-    return start_engine(settings)
+start_embedded: EngineStarter = start_engine
 
 
 def check_embedded(models: ModelsFile, settings: Settings, check: EngineCheck = check_engine_settings) -> None:

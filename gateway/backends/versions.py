@@ -56,11 +56,8 @@ class Catalog:
             raise VersionNotFound(self._missing(requested, name, wanted))
         return chosen
 
-    def versions(self, name: str) -> list[str]:
-        return [str(version) for version, _ in reversed(self.families[name])]
-
     def _missing(self, requested: str, name: str, wanted: str) -> str:
-        existing = ", ".join(self.versions(name))
+        existing = ", ".join(str(version) for version, _ in reversed(self.families[name]))
         if wanted and not (_PARTIAL.match(wanted) or semver.Version.is_valid(wanted)):
             return (f"The model '{requested}' does not exist: '{wanted}' is not a version (ask for {name}, "
                     f"{name}@MAJOR, {name}@MAJOR.MINOR or {name}@MAJOR.MINOR.PATCH); {name} has versions {existing}")

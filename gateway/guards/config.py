@@ -1,27 +1,7 @@
-"""The guards file: named guard profiles, which one a request gets, and the moderation upstream.
-
-    default: standard                 # profile of requests that no key or model names (optional)
-    keys: {3f2a9c1b0d4e: strict}      # API key id (the hash prefix the access log shows) → profile
-    moderation:                       # an OpenAI-compatible /v1/moderations upstream (optional)
-      url: http://127.0.0.1:9000/v1
-      timeout_s: 2
-      fail: open                      # open: serve when it fails; closed: refuse
-    profiles:
-      standard:
-        input:
-          max_chars: 20000
-          max_tokens: 4000
-          deny: ["(?i)\\bproject hydra\\b", {pattern: "(?i)internal only", action: flag}]
-          allow: ["support@example\\.com"]   # spans exempt from every other check
-          injection: block
-          pii: {email: redact, phone: redact, card: block, iban: redact, ip: flag}
-          moderation: block
-        output:
-          deny: ["(?i)\\bconfidential\\b"]
-          pii: {card: redact}
-
-A model of the models file names a profile (`guards: strict`) or carries one inline. Everything
-is checked at start: a bad pattern or an unknown profile is refused with a message naming it.
+"""The guards file (YAML or TOML; docs/tenants-and-guards.md): named guard profiles (input and
+output checks), which one a request gets (`default`, per API key `keys`, or a model's `guards:`
+in the models file, by name or inline), and the moderation upstream. Everything is checked at
+start: a bad pattern or an unknown profile is refused with a message naming it.
 """
 
 from __future__ import annotations
@@ -29,7 +9,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
@@ -37,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 Action = Literal["off", "flag", "redact", "block"]
 Verdict = Literal["off", "flag", "block"]  # for checks that find no span to redact (injection, moderation)
 PII_KINDS = ("email", "phone", "card", "iban", "ip")
+FileT = TypeVar("FileT", bound=BaseModel)
 
 
 class GuardConfigError(ValueError):
@@ -141,20 +122,22 @@ class GuardsFile(_Strict):
 ModelGuards = dict[str, str | dict[str, Any]]  # public model name → a profile's name, or a profile inline
 
 
-def read(path: Path | None) -> GuardsFile:
-    if path is None:
-        return GuardsFile()
+def read_file(path: Path, kind: type[FileT], what: str, error: type[ValueError]) -> FileT:
+    """A configuration file (TOML by its suffix, else YAML) as `kind`; `error` names what is wrong with it."""
     try:
-        text = Path(path).read_text()
+        text = path.read_text()
     except OSError as exc:
-        raise GuardConfigError(f"cannot read the guards file {path}: {exc.strerror}") from exc
+        raise error(f"cannot read {what} {path}: {exc.strerror}") from exc
     try:
-        raw = tomllib.loads(text) if Path(path).suffix == ".toml" else yaml.safe_load(text)
-        return GuardsFile.model_validate(raw or {})
+        return kind.model_validate((tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)) or {})
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-        raise GuardConfigError(f"the guards file {path} is not valid YAML or TOML: {exc}") from exc
+        raise error(f"{what} {path} is not valid {path.suffix[1:].upper() or 'YAML'}: {exc}") from exc
     except ValidationError as exc:
-        raise GuardConfigError(f"the guards file {path} is not valid: {exc}") from exc
+        raise error(f"{what} {path} is not valid: {exc}") from exc
+
+
+def read(path: Path | None) -> GuardsFile:
+    return GuardsFile() if path is None else read_file(Path(path), GuardsFile, "the guards file", GuardConfigError)
 
 
 def resolve(config: GuardsFile, models: ModelGuards) -> tuple[dict[str, Profile], dict[str, str]]:

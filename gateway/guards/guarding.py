@@ -1,11 +1,8 @@
 """The guard pipeline: the compiled profiles (`Guards`, one per gateway), the choice of a request's
 profile (`profile_for`: the API key's, else the model's, else the default), and a request's guard
-(`RequestGuard`): input checks before the engine, the moderation call, and the output guard of
-each generation (`gateway.guards.stream`).
-
-Every action is counted in `gateway_guard_actions_total` by guard, stage and action, and named in
-the request's access line as "stage:guard:action"; the matched text goes to the access line only
-when prompts are logged.
+(`RequestGuard`): input checks, the moderation call, and each generation's output guard. Every
+action is counted (`gateway_guard_actions_total`) and named in the access line; the matched text
+only when prompts are logged.
 """
 
 from __future__ import annotations
@@ -33,15 +30,11 @@ from gateway.telemetry.tracing import stage
 
 
 def scanner(checks: Checks) -> Scanner:
-    """A direction's detectors: its deny patterns, the injection list, personal data."""
-    rules = [Detector(r.name, r.action, _label(r.name), regex_spans(re.compile(normalize.pattern(r.pattern))))
-             for r in checks.rules()]
+    """A direction's detectors: its deny patterns (a pattern named `project.name` redacts as
+    [PROJECT_NAME_1]), the injection list, personal data."""
+    rules = [Detector(r.name, r.action, re.sub(r"[^A-Z0-9]+", "_", r.name.upper()),
+                      regex_spans(re.compile(normalize.pattern(r.pattern)))) for r in checks.rules()]
     return Scanner([*rules, *injection.detectors(checks.injection), *pii.detectors(checks.pii)], checks.allow)
-
-
-def _label(name: str) -> str:
-    """A placeholder's word for a pattern named `name`: [DENY_1], [PROJECT_NAME_1], ..."""
-    return re.sub(r"[^A-Z0-9]+", "_", name.upper())
 
 
 ACROSS_CHARS = 128  # a match split across a chat's texts is looked for this far on each side of the join

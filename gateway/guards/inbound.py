@@ -1,16 +1,11 @@
 """Every text of a request that the model will read, checked by the input guards, and the request
 rebuilt from the checked (possibly redacted) texts.
 
-Every API that generates reaches the engine as a chat request or a completions request: Anthropic's
-Messages (system, text blocks, tool_use inputs, tool_result contents) and the Responses API
-(instructions, input items, function calls and their outputs, the earlier responses of a
-`previous_response_id` chain) are made chat requests before they are prepared, so `chat_texts` is
-where they are read too. What a chat request's model reads: each message's text (string content
-and text parts), its `name`, its earlier tool calls (the function's name and its arguments, read
-as decoded JSON: `\\u0041` escapes are what the model reads as `A`), and the tool definitions (as
-the JSON the template or the tool prompt shows). Completion prompts and embedding inputs are their
-text; token-id prompts are read decoded where the engine's tokenizer is at hand (`serving.
-completions`, `serving.embeddings`), and refused for a remote model, which has none here.
+Messages and Responses requests are made chat requests before they are prepared, so `chat_texts`
+reads theirs too: each message's text and `name`, its earlier tool calls (the name, and the arguments
+as decoded JSON: `\\u0041` is what the model reads as `A`) and the tool definitions (as the JSON the
+template shows). Completion prompts and embedding inputs are their text; token ids are read decoded
+by the embedded services and refused for a remote model (no tokenizer here reads them).
 """
 
 from __future__ import annotations
@@ -27,7 +22,6 @@ from gateway.protocol.openai import ChatCompletionRequest, ChatMessage, Completi
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 ChatT = TypeVar("ChatT", bound=ChatCompletionRequest)
-CompletionT = TypeVar("CompletionT", bound=CompletionRequest)
 
 
 def decoded_json(text: str) -> str:
@@ -101,37 +95,16 @@ def guarded_chat(request: ChatT, guard: RequestGuard) -> ChatT:
     return request.model_copy(update={"messages": messages, "tools": tools or request.tools})
 
 
-def _unreadable(guard: RequestGuard, param: str) -> None:
-    """Token ids for a remote model: no tokenizer here reads them, so a guard that reads prompts
-    refuses them rather than pass what it cannot see."""
-    if guard.reads_input:
-        guard.refuse("unreadable", param, "token ids cannot be read by the guards for this model; send text")
-
-
-def guarded_completion(request: CompletionT, guard: RequestGuard) -> CompletionT:
-    """Completions whose prompts are text; for an embedded model, token-id prompts are checked once
-    decoded (`serving.completions.prepare`), here (a remote model's) they are refused."""
-    prompt = request.prompt
-    if not guard.active:
-        return request
-    if isinstance(prompt, str):
-        return request.model_copy(update={"prompt": guard.check_input([prompt], "prompt")[0]})
-    if prompt and all(isinstance(p, str) for p in prompt):
-        return request.model_copy(update={"prompt": guard.check_input([str(p) for p in prompt], "prompt")})
-    _unreadable(guard, "prompt")
-    return request
-
-
-def guarded_embeddings(request: EmbeddingRequest, guard: RequestGuard) -> EmbeddingRequest:
-    """A remote model's embedding inputs: text checked, token ids refused (as completions')."""
-    value = request.input
-    if not guard.active:
-        return request
+def _guarded_prompts(request: RequestT, field: str, guard: RequestGuard) -> RequestT:
+    """A remote model's completion prompts or embedding inputs: text checked, token ids refused (no
+    tokenizer here reads them; an embedded model's are checked decoded, by its service)."""
+    value = getattr(request, field)
     if isinstance(value, str):
-        return request.model_copy(update={"input": guard.check_input([value], "input")[0]})
+        return request.model_copy(update={field: guard.check_input([value], field)[0]})
     if value and all(isinstance(v, str) for v in value):
-        return request.model_copy(update={"input": guard.check_input([str(v) for v in value], "input")})
-    _unreadable(guard, "input")
+        return request.model_copy(update={field: guard.check_input(list(value), field)})
+    if guard.reads_input:
+        guard.refuse("unreadable", field, "token ids cannot be read by the guards for this model; send text")
     return request
 
 
@@ -139,8 +112,6 @@ def guarded(request: RequestT, guard: RequestGuard) -> RequestT:
     """Any request the gateway forwards (to a remote upstream), checked as its shape allows."""
     if isinstance(request, ChatCompletionRequest):
         return guarded_chat(request, guard)
-    if isinstance(request, CompletionRequest):
-        return guarded_completion(request, guard)
-    if isinstance(request, EmbeddingRequest):
-        return guarded_embeddings(request, guard)  # type: ignore[return-value]  # RequestT is EmbeddingRequest here
+    if isinstance(request, CompletionRequest | EmbeddingRequest) and guard.active:
+        return _guarded_prompts(request, "prompt" if isinstance(request, CompletionRequest) else "input", guard)
     return request

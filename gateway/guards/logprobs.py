@@ -1,12 +1,8 @@
-"""The logprobs of a choice's text, passed on with that text and no sooner: a token's logprob
-carries its text (`token`, and in the API `bytes`) and the alternatives the model weighed
-(`top_logprobs`), each a way out for what the output guards keep in.
-
-A token goes out once the text it belongs to was passed on (`stream.ChoiceFilter`): not while it is
-held back, never after a cut. A token inside a redacted span shows the placeholder instead (the
-first token of the span; the others are empty) and no alternatives; an alternative that would
-complete a match of a blocking or redacting check, read after the text before it, is left out.
-Tokens are placed in the text by their lengths, as the engine's detokenizer wrote them.
+"""The logprobs of a choice's text, passed on with that text and no sooner: a token's text and the
+alternatives the model weighed are each a way out for what the output guards keep in. A token goes
+out once its text was passed on (`stream.ChoiceFilter`), never after a cut; inside a redacted span
+it shows the placeholder (on the span's first token) and no alternatives; an alternative that would
+complete a blocking or redacting match is left out.
 """
 
 from __future__ import annotations

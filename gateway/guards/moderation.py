@@ -48,7 +48,7 @@ class Moderation:
         except (httpx.HTTPError, ValueError, ValidationError) as exc:
             log.warning("moderation_failed", error=f"{type(exc).__name__}: {exc}", fail="closed" if self.fail_closed else "open")
             return None
-        categories = tuple(sorted({c for result in results for c in result.flagged_categories()}))
+        categories = tuple(sorted({c for result in results for c, hit in result.categories.items() if hit}))
         return Verdict(any(result.flagged for result in results), categories)
 
     async def aclose(self) -> None:

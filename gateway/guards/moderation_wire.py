@@ -16,9 +16,6 @@ class ModerationResult(BaseModel):
     flagged: bool
     categories: dict[str, bool | None] = {}
 
-    def flagged_categories(self) -> list[str]:
-        return sorted(name for name, hit in self.categories.items() if hit)
-
 
 class ModerationResponse(BaseModel):
     model_config = ConfigDict(extra="ignore")

@@ -1,39 +1,17 @@
 """Text as the guards read it: what the model reads, without the disguises that only fool a regex.
 
-`normalize(text)` is the one normalization every guard uses (deny and allow patterns, the injection
-list, personal data, the output guard's window); patterns are read through it too (`pattern`), so
-a pattern and the text it is matched on are in the same form. It does, per character:
+`normalize(text)` is the one normalization every guard uses, and patterns are read through it too
+(`pattern`), so a pattern and its text are in the same form. Per character: Unicode NFKC; letters in
+boxes, circles and small capitals that NFKC leaves are the letter; format and invisible characters
+and decorating marks are removed (accents stay, as Unicode TR39 keeps them); TR39's one-letter
+confusables become the Latin letter; every space is a space, every dash a hyphen-minus, every digit
+an ASCII digit; and JSON's `\\uXXXX` escapes are the character they name (tool-call arguments are
+JSON their reader decodes). A match is mapped back to the original (`Normalized.span`), so the
+client's text is redacted where the value really is.
 
-- Unicode NFKC: fullwidth and mathematical letters and digits, ligatures, circled and superscript
-  characters become their plain forms (`ｃｏｎｆｉｄｅｎｔｉａｌ`, `𝐜𝐨𝐧𝐟`, `①`);
-- letters in boxes and circles that NFKC leaves alone (negative squared `🅷`, negative circled
-  `🅗`, regional indicators `🇭`, parenthesized `⒣`) and small capitals (`ʜʏᴅʀᴀ`) are the letter;
-- format and invisible characters are removed: Unicode's Cf category (zero-width space and
-  joiners, the soft hyphen, bidirectional controls, tag characters, the BOM), variation selectors,
-  the combining grapheme joiner, Hangul fillers, Khmer's invisible vowels, and the combining
-  marks that only decorate (enclosing circles and keycaps, strike-through overlays, underlines and
-  overlines: `p̶r̶o̶j̶e̶c̶t̶`); accents stay (`ë` is not `e`, as TR39 keeps them);
-- confusables: the Cyrillic, Greek, Armenian and Cherokee letters that look like Latin ones (the
-  entries of Unicode TR39's confusables.txt that map one letter to one Latin letter) become that
-  Latin letter, as TR39's skeleton does: `Ꮲrоjеct` (Cherokee, Cyrillic о and е) reads `Project`;
-- every Unicode space (Zs, and the Braille blank) is a plain space, every dash (Pd, the minus sign)
-  a hyphen-minus, so a pattern's ` ` or `-` takes any of them;
-- digits of every script (Nd: Arabic-Indic, Devanagari, fullwidth, ...) are ASCII digits, so card
-  and phone numbers and IBANs are found however they are written;
-- JSON's `\\uXXXX` escapes (a surrogate pair as one) are the character they name, then read as
-  above: tool-call arguments are JSON the client decodes, so `Project \\u0048ydra` written by a
-  model is `Project Hydra` to its reader (patterns keep theirs: there they are the regex's own).
-
-A match on the normalized text is mapped back to the original (`Normalized.span`): the client's
-text is redacted where the value really is, whatever was inserted into or substituted in it.
-
-Why a table of our own for the confusables: the PyPI packages on them (`confusable-homoglyphs`,
-`confusables`) detect mixed scripts or expand a string into every string it could be confused with;
-neither maps a character to one skeleton character with its position kept, which the redaction
-needs, and the letters that matter for Latin patterns are a few dozen.
-
-ASCII text is its own normalization (no copy, no offset map): the cost is paid by text that has
-other characters, and only when a guard is configured (nothing calls this otherwise).
+A table of our own for the confusables: the PyPI packages on them detect mixed scripts or expand a
+string into its variants; none maps a character to one skeleton character with its position kept,
+which redaction needs. ASCII text is its own normalization (no copy, no offset map).
 """
 
 from __future__ import annotations
@@ -213,7 +191,7 @@ def normalize(text: str, escapes: bool = True) -> Normalized:
         begin = run.start()
         if text[begin] == "\\" and text.startswith("\\u", begin):  # an escape: the character it names
             keep(at, begin, text[at:begin])
-            keep(begin, run.end(), fold(_unescape(run.group())))
+            keep(begin, run.end(), fold(json.loads(f'"{run.group()}"')))
             at = run.end()
             continue
         if begin > at and unicodedata.combining(text[begin]):
@@ -232,10 +210,6 @@ def normalize(text: str, escapes: bool = True) -> Normalized:
         at = run.end()
     keep(at, len(text), text[at:])
     return Normalized(text, "".join(built.parts), built.segments)
-
-
-def _unescape(escape: str) -> str:
-    return json.loads(f'"{escape}"')  # type: ignore[no-any-return]
 
 
 def pattern(source: str) -> str:

@@ -58,7 +58,7 @@ def ip_spans(text: str) -> Iterator[tuple[int, int]]:
 
 def phone_spans(region: str | None) -> Spans:
     """libphonenumber's matcher, run only where a cheap pattern sees enough digits for a phone
-    number (over a whole prompt it took 5 s a megabyte here; on the candidates, a fraction)."""
+    number: over a whole prompt it is slow."""
 
     def spans(text: str) -> Iterator[tuple[int, int]]:
         for candidate in PHONE_CANDIDATE.finditer(text):

@@ -57,7 +57,6 @@ class ModelRequest(_Request):
 class SamplingFields(ModelRequest):
     """Parameters shared by chat and completions (OpenAI's, then vLLM's extras)."""
 
-    model: str
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
@@ -68,7 +67,6 @@ class SamplingFields(ModelRequest):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    user: str | None = None
     # vLLM's extra sampling parameters (the openai SDK sends them through `extra_body`)
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None

@@ -85,30 +85,45 @@ class MemoryCache:
         self._items.clear()
 
 
-class RedisCache:
+class RedisStore:
+    """Values in Redis under a prefix, each kept `ttl_s`; a Redis that fails raises (`stores.redis.ERRORS`)."""
+
     def __init__(self, pools: RedisPools, url: str, prefix: str, ttl_s: float, timeout_s: float) -> None:
         self._client = pools.client(url, timeout_s)
         self.prefix, self.ttl_s = prefix, ttl_s
 
+    async def get(self, key: str) -> bytes | None:  # no decode_responses: bytes
+        return cast(bytes | None, await self._client.bounded(self._client.redis.get(self.prefix + key)))
+
+    async def set(self, key: str, value: bytes) -> None:
+        await self._client.bounded(self._client.redis.set(self.prefix + key, value, px=int(self.ttl_s * 1000)))
+
+    async def delete(self, key: str) -> bool:
+        return bool(await self._client.bounded(self._client.redis.delete(self.prefix + key)))
+
+    async def aclose(self) -> None:
+        pass  # the pool is the app's (stores.redis)
+
+
+class RedisCache(RedisStore):
+    """The cache's Redis: one that fails is a miss, never an error."""
+
     async def get(self, key: str) -> bytes | None:
-        try:  # no decode_responses: bytes
-            return cast(bytes | None, await self._client.bounded(self._client.redis.get(self.prefix + key)))
+        try:
+            return await super().get(key)
         except ERRORS as exc:
             self._failed("get", exc)
             return None
 
     async def set(self, key: str, value: bytes) -> None:
         try:
-            await self._client.bounded(self._client.redis.set(self.prefix + key, value, px=int(self.ttl_s * 1000)))
+            await super().set(key, value)
         except ERRORS as exc:
             self._failed("set", exc)
 
     def _failed(self, operation: str, exc: BaseException) -> None:
         metrics.labelled(metrics.CACHE_ERRORS, "redis").inc()
         log.warning("cache_unavailable", backend="redis", operation=operation, error=str(exc), serving="uncached")
-
-    async def aclose(self) -> None:
-        pass  # the pool is the app's (stores.redis)
 
 
 class Hit(Generic[AnswerT]):

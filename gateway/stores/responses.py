@@ -7,7 +7,7 @@ import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, cast
+from typing import Protocol, TypeVar
 
 import structlog
 from pydantic import BaseModel
@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
 from gateway.protocol.response_objects import Item, Response
 from gateway.settings import CacheSettings
-from gateway.stores.cache import CacheBackend, MemoryCache
+from gateway.stores.cache import CacheBackend, MemoryCache, RedisStore
 from gateway.stores.redis import ERRORS, RedisPools
 from gateway.telemetry import metrics
 
@@ -37,24 +37,6 @@ class MemoryStore(MemoryCache):
         if found:
             self._drop(key)
         return found
-
-
-class RedisStore:
-    def __init__(self, pools: RedisPools, url: str, prefix: str, ttl_s: float, timeout_s: float) -> None:
-        self._client = pools.client(url, timeout_s)
-        self.prefix, self.ttl_s = prefix, ttl_s
-
-    async def get(self, key: str) -> bytes | None:
-        return cast(bytes | None, await self._client.bounded(self._client.redis.get(self.prefix + key)))
-
-    async def set(self, key: str, value: bytes) -> None:
-        await self._client.bounded(self._client.redis.set(self.prefix + key, value, px=int(self.ttl_s * 1000)))
-
-    async def delete(self, key: str) -> bool:
-        return bool(await self._client.bounded(self._client.redis.delete(self.prefix + key)))
-
-    async def aclose(self) -> None:
-        pass  # the pool is the app's (stores.redis)
 
 
 def make_store_backend(settings: CacheSettings, pools: RedisPools) -> StoreBackend:

@@ -1,14 +1,24 @@
 """The pipeline's answers as HTTP responses: a whole answer as JSON (a model written once, or JSON
-already written), a stream as Server-Sent Events (`api.sse`)."""
+already written), a stream as Server-Sent Events (`web.sse`)."""
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 from pydantic import BaseModel
+from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.pipeline.answer import Answer, Stream, json_bytes
+from gateway.pipeline.dispatch import dispatch
+from gateway.protocol.openai import ModelRequest
 from gateway.protocol.sse_wire import RELAYED, Framing
+from gateway.serving.service import Service
+from gateway.web.requests import context, parse, state_of
 from gateway.web.sse import EventStreamResponse
+from gateway.web.table import Handler
+
+RequestT = TypeVar("RequestT", bound=ModelRequest)
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:
@@ -28,3 +38,13 @@ def respond(answer: Answer, framing: Framing | None = None) -> Response:
 def stream_response(stream: Stream, framing: Framing | None = None) -> EventStreamResponse:
     """A stream as SSE: a remote model's events relayed as they were framed (its own `[DONE]`)."""
     return EventStreamResponse(stream.events, on_close=stream.on_close, framing=RELAYED if stream.relayed else framing)
+
+
+def served(model: type[RequestT], service: Service[RequestT, Any, Any]) -> Handler:
+    """The handler of a route that is only parse, the pipeline, answer: the body as `model`, answered by `service`."""
+
+    async def handler(request: Request) -> Response:
+        body = await parse(request, model)
+        return respond(await dispatch(context(request), state_of(request), body, service))
+
+    return handler

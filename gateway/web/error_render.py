@@ -22,14 +22,10 @@ def dialect_of(scope: MutableMapping[str, Any]) -> Dialect:
 
 
 def from_exception(exc: BaseException) -> APIError:
-    if isinstance(exc, HTTPException):
-        return _http_exception(exc)
     if isinstance(exc, ClientDisconnect):  # gone while its body was read
         return ClientDisconnected()
-    return errors.from_exception(exc)
-
-
-def _http_exception(exc: HTTPException) -> APIError:
+    if not isinstance(exc, HTTPException):
+        return errors.from_exception(exc)
     headers = dict(exc.headers or {})
     if exc.status_code == 404:
         return no_route(headers)

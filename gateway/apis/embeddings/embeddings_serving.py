@@ -52,11 +52,12 @@ class PreparedEmbeddings:
 
 
 def _token_ids(request: EmbeddingRequest, engine: Engine, guard: RequestGuard) -> list[list[int]]:
-    """Each input's token ids, its text (token-id inputs decoded) through the input guards first."""
+    """Each input's token ids, its text (token-id inputs decoded) through the input guards first (a blocked one
+    raises ContentPolicyViolation)."""
     value = request.input
     texts = [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)]
     if isinstance(value, str) or len(texts) == len(value):
-        return [engine.tokenizer.encode(text) for text in _guarded(texts, guard)]
+        return [engine.tokenizer.encode(text) for text in guard.check_input(texts, "input")]
     singles = [v for v in value if isinstance(v, int)]
     lists = [singles] if len(singles) == len(value) else [list(v) for v in value if isinstance(v, list)]
     for ids in lists:
@@ -64,13 +65,8 @@ def _token_ids(request: EmbeddingRequest, engine: Engine, guard: RequestGuard) -
     if not guard.active:
         return lists
     decoded = [engine.tokenizer.decode(ids) for ids in lists]
-    checked = _guarded(decoded, guard)
+    checked = guard.check_input(decoded, "input")
     return [ids if text == seen else engine.tokenizer.encode(text) for ids, text, seen in zip(lists, checked, decoded, strict=True)]
-
-
-def _guarded(texts: list[str], guard: RequestGuard) -> list[str]:
-    """The inputs as the guards let them through (a blocked one raises ContentPolicyViolation)."""
-    return guard.check_input(texts, "input") if guard.active else texts
 
 
 def _dimensions(requested: int | None, info: ModelInfo) -> int | None:
@@ -86,22 +82,6 @@ def _dimensions(requested: int | None, info: ModelInfo) -> int | None:
     if size is not None and requested > size:
         raise InvalidRequest(f"'dimensions' must be at most {size} for the model '{info.name}'", "dimensions")
     return requested
-
-
-def prepare(
-    request: EmbeddingRequest, engine: Engine, default_max_tokens: int | None = None, guard: RequestGuard = UNGUARDED
-) -> PreparedEmbeddings:
-    """Every refusal before the engine: input guards, vocabulary, context length, dimensions."""
-    inputs = _token_ids(request, engine, guard)
-    limit = engine.info.max_model_len
-    for i, ids in enumerate(inputs):
-        if len(ids) > limit:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, input {i} has {len(ids)} "
-                "tokens. Please reduce the length of the input.", param="input",
-            )
-    dimensions = _dimensions(request.dimensions, engine.info)
-    return PreparedEmbeddings(request, engine, inputs, dimensions, request.model, new_id("embd"))
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -128,20 +108,6 @@ async def _embed_all(prepared: PreparedEmbeddings) -> list[list[float]]:
         prepared.readings.count(tokens, 0)
 
 
-async def complete(
-    prepared: PreparedEmbeddings, on_done: OnDone[CreateEmbeddingResponse] | None = None
-) -> CreateEmbeddingResponse:
-    vectors = await _embed_all(prepared)
-    encoding = prepared.request.encoding_format
-    data = [Embedding(index=i, embedding=_encoded(vector, encoding)) for i, vector in enumerate(vectors)]
-    tokens = prepared.token_budget()
-    usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
-    answer = CreateEmbeddingResponse(data=data, model=prepared.model, usage=usage)
-    if on_done is not None:
-        await on_done(answer)
-    return answer
-
-
 class EmbeddingsService:
     """/v1/embeddings for the dispatcher (`serving.service.Service`); remote upstreams get it as is."""
 
@@ -154,12 +120,30 @@ class EmbeddingsService:
         self, request: EmbeddingRequest, engine: Engine, default_max_tokens: int | None,
         guard: RequestGuard = UNGUARDED,
     ) -> PreparedEmbeddings:
-        return prepare(request, engine, guard=guard)
+        """Every refusal before the engine: input guards, vocabulary, context length, dimensions."""
+        inputs = _token_ids(request, engine, guard)
+        limit = engine.info.max_model_len
+        for i, ids in enumerate(inputs):
+            if len(ids) > limit:
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {limit} tokens. However, input {i} has {len(ids)} "
+                    "tokens. Please reduce the length of the input.", param="input",
+                )
+        dimensions = _dimensions(request.dimensions, engine.info)
+        return PreparedEmbeddings(request, engine, inputs, dimensions, request.model, new_id("embd"))
 
     async def complete(
         self, prepared: PreparedEmbeddings, on_done: OnDone[CreateEmbeddingResponse] | None = None
     ) -> CreateEmbeddingResponse:
-        return await complete(prepared, on_done)
+        vectors = await _embed_all(prepared)
+        encoding = prepared.request.encoding_format
+        data = [Embedding(index=i, embedding=_encoded(vector, encoding)) for i, vector in enumerate(vectors)]
+        tokens = prepared.token_budget()
+        usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+        answer = CreateEmbeddingResponse(data=data, model=prepared.model, usage=usage)
+        if on_done is not None:
+            await on_done(answer)
+        return answer
 
     def stream(
         self, prepared: PreparedEmbeddings, on_done: OnDone[CreateEmbeddingResponse] | None = None

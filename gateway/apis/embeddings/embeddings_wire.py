@@ -1,14 +1,10 @@
-"""The embeddings API's wire models."""
+"""The embeddings API's answer (its request is `protocol.embeddings`: the guards read it too)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="allow")
+from gateway.protocol.openai import _Response
 
 
 class Embedding(_Response):
@@ -27,4 +23,3 @@ class CreateEmbeddingResponse(_Response):
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
-

@@ -1,16 +1,8 @@
-"""A Message's content blocks as Anthropic's stream events, while the engine's text arrives.
-
-`BlockEvents` numbers the blocks and keeps one open at a time (content_block_start, its deltas,
-content_block_stop). `ContentStream` decides per tool mode (`serving.tools`) what a piece of text
-becomes:
-
-- no tools: text deltas as they come;
-- a named tool (`tool_choice: tool`): the text is the tool's input, streamed as `input_json_delta`;
-- `any` (OpenAI's `required`): the output is a JSON array of calls, sent as tool_use blocks at the end;
-- `auto`: text deltas, held back where a `<tool_call>` may begin; calls become tool_use blocks at the end.
-
-The blocks it streams are the ones `serving.messages` builds for the whole answer, with the same
-tool_use ids, so that a streamed answer and a cached one agree.
+"""A Message's content blocks as Anthropic's stream events, while the engine's text arrives:
+`BlockEvents` numbers the blocks and keeps one open at a time; `ContentStream` decides per tool mode
+(`serving.tools`) what text becomes (text deltas, held back where a `<tool_call>` may begin; a named
+tool's input as `input_json_delta`; parsed calls as tool_use blocks at the end). Its tool_use ids are
+those of the whole answer (`tool_use_id`), so a streamed answer and a cached one agree.
 """
 
 from __future__ import annotations

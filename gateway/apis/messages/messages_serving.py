@@ -1,13 +1,7 @@
-"""Anthropic's Messages API on the chat pipeline.
-
-A Messages request becomes a chat request (`to_chat`): `system` and the messages' text, tool_use and
-tool_result blocks become chat messages, `tools` and `tool_choice` OpenAI's (auto → auto, any →
-required, tool → a named function, none → none; `disable_parallel_tool_use` → one call at most), and
-`stop_sequences`, `temperature`, `top_p`, `top_k`, `max_tokens`, `metadata.user_id` and
-`output_config.format` (structured outputs) their chat fields. The dispatcher runs it as any chat
-request (model choice, limits, cache, admission); this service prepares it with the chat service
-(template, tools, context checks) and answers a Message, or Anthropic's event stream
-(`serving.message_blocks` writes the content blocks).
+"""Anthropic's Messages API on the chat pipeline: a Messages request becomes a chat request
+(`to_chat`: blocks as chat messages, Anthropic's tools and tool_choice as OpenAI's, `output_config`
+as structured outputs), which the dispatcher runs as any chat request; this service prepares it with
+chat's and answers a Message or Anthropic's event stream (`messages_blocks`).
 """
 
 from __future__ import annotations
@@ -16,13 +10,13 @@ import json
 import re
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
 from engine.types import Engine, Task
 from gateway.apis.chat import chat_serving as chat
+from gateway.apis.chat.chat_serving import PreparedChat
 from gateway.apis.messages.messages_blocks import BlockEvents, ContentStream, tool_use_id
 from gateway.apis.messages.messages_wire import (
     AnthropicUsage,
@@ -60,10 +54,7 @@ from gateway.protocol.openai import (
 )
 from gateway.serving import tools
 from gateway.serving.generation import ChoiceState, Run, hand_over
-from gateway.serving.meter import Readings
 from gateway.serving.service import OnDone, check_task
-from gateway.serving.structured import Constraint
-from gateway.tenancy.priority import Scheduled
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool_choice → OpenAI's
 TOOL_USE_ID = re.compile(r"[a-zA-Z0-9_-]+")  # Anthropic's pattern of a tool_use block's id
@@ -220,33 +211,8 @@ def count_tokens(request: CountTokensRequest, engine: Engine) -> MessageTokensCo
 # --- answer: the engine's output → a Message ----------------------------------------------------
 
 
-@dataclass(slots=True)
-class PreparedMessage:
-    chat: chat.PreparedChat
-    model: str  # the name the answer carries: the model (version) that answers
-    id: str
-    constraint: Constraint | None = None  # the chat's (output_config.format, a forced tool's input_schema)
-
-    def schedule(self, scheduled: Scheduled, readings: Readings) -> None:
-        self.chat.schedule(scheduled, readings)
-
-    def token_budget(self) -> int:
-        return self.chat.token_budget()
-
-    def output_tokens(self) -> int:
-        return self.chat.output_tokens()
-
-
 def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
-
-
-def prepare(
-    request: ChatCompletionRequest, engine: Engine, default_max_tokens: int | None, guard: RequestGuard = UNGUARDED
-) -> PreparedMessage:
-    """Chat's prepare (templates, tools, input guards) under a message id."""
-    prepared = chat.prepare(request, engine, default_max_tokens, guard)
-    return PreparedMessage(prepared, request.model, new_message_id(), prepared.constraint)
 
 
 def _stop(state: ChoiceState, called: bool) -> tuple[StopReason, str | None]:
@@ -278,9 +244,9 @@ def _input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _answer(prepared: PreparedMessage, run: Run) -> tuple[Message, list[tools.ToolCall]]:
+def _answer(prepared: PreparedChat, run: Run) -> tuple[Message, list[tools.ToolCall]]:
     state = run.choices[0]
-    content, calls = prepared.chat.tools.parse("".join(state.text))
+    content, calls = prepared.tools.parse("".join(state.text))
     blocks: list[ContentBlock] = [TextBlock(text=content)] if content else []
     for call in calls:
         block_id = tool_use_id(prepared.id, len(blocks))
@@ -289,14 +255,6 @@ def _answer(prepared: PreparedMessage, run: Run) -> tuple[Message, list[tools.To
     message = Message(id=prepared.id, content=blocks, model=prepared.model, stop_reason=reason, stop_sequence=sequence,
                       usage=_usage(run))
     return message, calls
-
-
-async def complete(prepared: PreparedMessage, on_done: OnDone[Message] | None = None) -> Message:
-    run = await chat.start_run(prepared.chat)
-    await run.collect()
-    answer, _ = _answer(prepared, run)
-    await hand_over(on_done, answer, run)
-    return answer
 
 
 def _start(answer_id: str, model: str, input_tokens: int) -> list[BaseModel]:
@@ -313,47 +271,6 @@ def _end(answer: Message) -> list[BaseModel]:
     return [MessageDeltaEvent(delta=delta, usage=totals)]
 
 
-async def stream(prepared: PreparedMessage, on_done: OnDone[Message] | None = None) -> AsyncGenerator[BaseModel, None]:
-    """message_start, ping, the content blocks as they come, message_delta (stop reason, usage),
-    message_stop: Anthropic's order."""
-    run = await chat.start_run(prepared.chat)
-    for event in _start(prepared.id, prepared.model, run.prompt_tokens):
-        yield event
-    content = ContentStream(prepared.id, prepared.chat.tools)
-    async for output in run.outputs():
-        for delta in output.choices:
-            for event in content.feed(delta.text):
-                yield event
-    answer, calls = _answer(prepared, run)
-    for event in [*content.finish(calls), *_end(answer)]:
-        yield event
-    await hand_over(on_done, answer, run)
-    yield MessageStopEvent()
-
-
-async def replay(answer: Message, request: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
-    """A whole (cached) answer as a stream, under a new id: each block in one delta."""
-    answer = fresh(answer)
-    usage = answer.usage
-    for event in _start(answer.id, answer.model, usage.input_tokens + (usage.cache_read_input_tokens or 0)):
-        yield event
-    blocks = BlockEvents(answer.id)
-    for block in answer.content:
-        if isinstance(block, TextBlock):
-            events = blocks.text(block.text)
-        else:
-            events = blocks.tool(block.name, json.dumps(block.input), block.id)
-        for event in [*events, *blocks.close()]:
-            yield event
-    for event in [*_end(answer), MessageStopEvent()]:
-        yield event
-
-
-def fresh(answer: Message) -> Message:
-    """A cached answer under a new id."""
-    return answer.model_copy(update={"id": new_message_id()})
-
-
 class MessagesService:
     """/v1/messages for the dispatcher (`serving.service.Service`): embedded models only."""
 
@@ -365,20 +282,58 @@ class MessagesService:
     def prepare(
         self, request: ChatCompletionRequest, engine: Engine, default_max_tokens: int | None,
         guard: RequestGuard = UNGUARDED,
-    ) -> PreparedMessage:
-        return prepare(request, engine, default_max_tokens, guard)
+    ) -> PreparedChat:
+        """Chat's prepare (templates, tools, input guards) under a message id."""
+        prepared = chat.prepare(request, engine, default_max_tokens, guard)
+        prepared.id = new_message_id()
+        return prepared
 
-    async def complete(self, prepared: PreparedMessage, on_done: OnDone[Message] | None = None) -> Message:
-        return await complete(prepared, on_done)
+    async def complete(self, prepared: PreparedChat, on_done: OnDone[Message] | None = None) -> Message:
+        run = await chat.start_run(prepared)
+        await run.collect()
+        answer, _ = _answer(prepared, run)
+        await hand_over(on_done, answer, run)
+        return answer
 
-    def stream(self, prepared: PreparedMessage, on_done: OnDone[Message] | None = None) -> AsyncGenerator[BaseModel, None]:
-        return stream(prepared, on_done)
+    async def stream(
+        self, prepared: PreparedChat, on_done: OnDone[Message] | None = None
+    ) -> AsyncGenerator[BaseModel, None]:
+        """message_start, ping, the content blocks as they come, message_delta (stop reason, usage),
+        message_stop: Anthropic's order."""
+        run = await chat.start_run(prepared)
+        for event in _start(prepared.id, prepared.model, run.prompt_tokens):
+            yield event
+        content = ContentStream(prepared.id, prepared.tools)
+        async for output in run.outputs():
+            for delta in output.choices:
+                for event in content.feed(delta.text):
+                    yield event
+        answer, calls = _answer(prepared, run)
+        for event in [*content.finish(calls), *_end(answer)]:
+            yield event
+        await hand_over(on_done, answer, run)
+        yield MessageStopEvent()
 
-    def replay(self, answer: Message, request: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
-        return replay(answer, request)
+    async def replay(self, answer: Message, request: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
+        """A whole (cached) answer as a stream, under a new id: each block in one delta."""
+        answer = self.fresh(answer)
+        usage = answer.usage
+        for event in _start(answer.id, answer.model, usage.input_tokens + (usage.cache_read_input_tokens or 0)):
+            yield event
+        blocks = BlockEvents(answer.id)
+        for block in answer.content:
+            if isinstance(block, TextBlock):
+                events = blocks.text(block.text)
+            else:
+                events = blocks.tool(block.name, json.dumps(block.input), block.id)
+            for event in [*events, *blocks.close()]:
+                yield event
+        for event in [*_end(answer), MessageStopEvent()]:
+            yield event
 
     def fresh(self, answer: Message) -> Message:
-        return fresh(answer)
+        """A cached answer under a new id."""
+        return answer.model_copy(update={"id": new_message_id()})
 
     def renewed(self, raw: bytes) -> bytes | None:
         return None  # its own serializer (the stop fields): the model writes it

@@ -5,17 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
-from gateway.protocol.openai import INT64_MAX
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="allow")
+from gateway.protocol.openai import INT64_MAX, _Request, _Response
 
 
 class CacheControl(_Request):
@@ -173,24 +165,24 @@ class AnthropicUsage(_Response):
     cache_read_input_tokens: int | None = None
 
 
-def _with_stop_fields(data: dict[str, Any], stop_reason: str | None, stop_sequence: str | None) -> dict[str, Any]:
-    """Anthropic always sends both fields, null or not (the gateway's encoders drop Nones)."""
-    return {**data, "stop_reason": stop_reason, "stop_sequence": stop_sequence}
+class _StopFields(_Response):
+    """Anthropic always sends `stop_reason` and `stop_sequence`, null or not (the gateway's encoders drop Nones)."""
+
+    stop_reason: StopReason | None = None
+    stop_sequence: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _stop_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {**handler(self), "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
 
 
-class Message(_Response):
+class Message(_StopFields):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     content: list[ContentBlock]
     model: str
-    stop_reason: StopReason | None = None
-    stop_sequence: str | None = None
     usage: AnthropicUsage
-
-    @model_serializer(mode="wrap")
-    def _stop_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _with_stop_fields(handler(self), self.stop_reason, self.stop_sequence)
 
 
 class MessageTokensCount(_Response):
@@ -232,13 +224,8 @@ class ContentBlockStopEvent(_Response):
     index: int
 
 
-class MessageDelta(_Response):
-    stop_reason: StopReason | None = None
-    stop_sequence: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _stop_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _with_stop_fields(handler(self), self.stop_reason, self.stop_sequence)
+class MessageDelta(_StopFields):
+    pass
 
 
 class MessageDeltaUsage(_Response):

@@ -5,6 +5,8 @@ out; SSE with `stream`), the same over the chat service.
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
@@ -25,10 +27,12 @@ from gateway.apis.native.native_wire import (
     TokenizeResponse,
 )
 from gateway.pipeline.dispatch import dispatch
-from gateway.protocol.openai import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
+from gateway.protocol.openai import ChatChoice, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
 from gateway.serving import offload, tools
 from gateway.web.answers import json_response, respond
 from gateway.web.requests import body_size, context, default_model, engine_for, parse, state_of
+
+M = TypeVar("M", bound=BaseModel)
 
 
 async def tokenize(request: Request) -> Response:
@@ -59,12 +63,11 @@ async def detokenize(request: Request) -> Response:
     return json_response(DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)))
 
 
-async def _native(request: Request) -> tuple[GenerateRequest, CompletionRequest]:
-    body = await parse(request, GenerateRequest)
+def _as(request: Request, body: GenerateRequest | NativeChatRequest, kind: type[M], **fields: Any) -> M:
+    """The native body as the OpenAI request it is (the default model when it names none)."""
     name = body.model or default_model(request)
-    fields = body.model_dump(exclude_unset=True, exclude={"model"})
-    fields["stream"] = request.url.path == "/stream-generate"
-    return body, CompletionRequest.model_validate({**fields, "model": name}, strict=False)
+    given = body.model_dump(exclude_unset=True, exclude={"model"})
+    return kind.model_validate({**given, **fields, "model": name}, strict=False)
 
 
 def _shape(answer: BaseModel | bytes) -> GenerateResponse:
@@ -81,7 +84,8 @@ def _shape(answer: BaseModel | bytes) -> GenerateResponse:
 
 async def generate(request: Request) -> Response:
     """The same dispatch as /v1/completions (cache, limits, fallbacks), answered as {"output"}."""
-    _, as_completion = await _native(request)
+    body = await parse(request, GenerateRequest)
+    as_completion = _as(request, body, CompletionRequest, stream=request.url.path == "/stream-generate")
     return respond(await dispatch(context(request), state_of(request), as_completion, COMPLETIONS, shape=_shape))
 
 
@@ -92,21 +96,15 @@ def _chat_shape(answer: BaseModel | bytes) -> GenerateResponse:
     """A chat answer (whole, a chunk, or a chunk's JSON) in the native shape: its first choice's text."""
     if isinstance(answer, bytes):
         answer = ChatCompletionChunk.model_validate_json(answer)
-    if isinstance(answer, ChatCompletion):
-        whole = answer.choices[0] if answer.choices else None
-        text = (whole.message.content or "") if whole else ""
-        return GenerateResponse(output=text, finish_reason=whole.finish_reason if whole else None, usage=answer.usage)
-    assert isinstance(answer, ChatCompletionChunk)
-    part = answer.choices[0] if answer.choices else None
-    text = (part.delta.content or "") if part else ""
-    return GenerateResponse(output=text, finish_reason=part.finish_reason if part else None, usage=answer.usage)
+    assert isinstance(answer, ChatCompletion | ChatCompletionChunk)
+    choice = answer.choices[0] if answer.choices else None
+    said = (choice.message if isinstance(choice, ChatChoice) else choice.delta) if choice else None
+    return GenerateResponse(output=(said.content if said else None) or "",
+                            finish_reason=choice.finish_reason if choice else None, usage=answer.usage)
 
 
 async def chat_native(request: Request) -> Response:
     """/chat: the same dispatch as /v1/chat/completions (defaults, cache, limits, fallbacks),
     answered as {"output"}, or streamed as /stream-generate streams when the body says `stream`."""
-    body = await parse(request, NativeChatRequest)
-    name = body.model or default_model(request)
-    fields = body.model_dump(exclude_unset=True, exclude={"model"})
-    as_chat = ChatCompletionRequest.model_validate({**fields, "model": name}, strict=False)
+    as_chat = _as(request, await parse(request, NativeChatRequest), ChatCompletionRequest)
     return respond(await dispatch(context(request), state_of(request), as_chat, CHAT, shape=_chat_shape))

@@ -42,12 +42,11 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
-class GenerateRequest(_Request):
-    """The native API: a completion request whose `model` may be left out (the default model)."""
+class _Sampling(_Request):
+    """The sampling parameters the native routes take; `model` may be left out (the default model)."""
 
     model: str | None = None
-    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = 16
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
@@ -60,28 +59,21 @@ class GenerateRequest(_Request):
     ignore_eos: bool = False
 
 
+class GenerateRequest(_Sampling):
+    """The native API: a completion's prompt in, text out."""
+
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = 16
+
+
 class GenerateResponse(_Response):
     output: str
     finish_reason: str | None = None
     usage: Usage | None = None
 
 
-class NativeChatRequest(_Request):
-    """The native chat API: messages in, text out (`{"output"}`, or SSE with `stream`); `model` may
-    be left out (the default model)."""
+class NativeChatRequest(_Sampling):
+    """The native chat API: messages in, text out (`{"output"}`, or SSE with `stream`)."""
 
-    model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    stop: Stop = None
-    seed: int | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
-    ignore_eos: bool = False
     stream: bool = False
-

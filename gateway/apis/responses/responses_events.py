@@ -1,6 +1,4 @@
-"""The Responses API's stream of events, in OpenAI's order, each with the next `sequence_number`
-(0, 1, 2, ...). One `ResponseEvents` per stream holds the counter, the response as it grows
-(output items are added when done) and the item being streamed:
+"""The Responses API's stream of events, in OpenAI's order, each with the next `sequence_number`:
 
     response.created, response.in_progress
     per output item:  response.output_item.added
@@ -10,8 +8,8 @@
                       response.output_item.done
     response.completed | response.incomplete | response.failed
 
-The serving code says what happened (`text`, `arguments`, `close`, `whole`, `lifecycle`); this
-module turns it into events. It knows nothing of engines or transports.
+One `ResponseEvents` per stream holds the counter, the response as it grows and the item being
+streamed; the serving code says what happened, this turns it into events.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""A Responses request as the chat pipeline takes it.
-
-The request's `input` becomes items, as a response keeps them (`input_items`): messages,
-function calls and their outputs, each with an id. The conversation - the items of the
-`previous_response_id` chain (its input items, then its output), then these - becomes the chat
-messages of a `ChatCompletionRequest`, with `instructions` as the system message, `tools` and
-`tool_choice` as chat's, `text.format` as `response_format` and `max_output_tokens` as
-`max_completion_tokens`: the chat service then renders, constrains and limits it as any chat.
+"""A Responses request as the chat pipeline takes it: its `input` as items (as a response keeps them),
+and the conversation (the `previous_response_id` chain's items, then these) as a chat request's
+messages, with `instructions`, `tools`, `tool_choice`, `text.format` and `max_output_tokens` as
+chat's fields, and chat's refusals renamed in this API's terms.
 """
 
 from __future__ import annotations

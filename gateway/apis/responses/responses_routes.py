@@ -1,15 +1,8 @@
-"""The Responses API's routes: create (whole, streamed, or in the background), retrieve, delete,
-list input items, cancel.
-
-`POST /v1/responses` reads the `previous_response_id` chain from the store (404 when it is not
-this key's), then hands the chat request that the `ResponsesService` made of it to the pipeline
-(model choice, limits, cache, admission). A stream is framed with named events. A background
-response is that same stream, played to nobody by a task that holds the admission permit until
-it ends; a cancel hangs up on it (the engine request is aborted) and stores it as cancelled. It
-counts as work in progress (`Lifecycle.hold`): a drain waits for it as for a request, and the
-shutdown after the drain's timeout cancels what is still running.
-Responses are the tenant's of the asking key (`anonymous` when keys are off), reached only through
-the store's view of that owner (`stores.responses`).
+"""The Responses API's routes: create (whole, streamed, or in the background), retrieve, delete, list
+input items, cancel. Responses are the asking key's tenant's, reached only through the store's view
+of that owner (`stores.responses`). A background response is the same stream played to nobody by a
+task that holds the admission permit until it ends and counts as work in progress for the drain
+(`Lifecycle.hold`); a cancel hangs up on it and stores it as cancelled.
 """
 
 from __future__ import annotations

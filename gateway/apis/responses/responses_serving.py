@@ -1,21 +1,10 @@
-"""The Responses API (`/v1/responses`) on the chat pipeline.
-
-One `ResponsesService` per request: the dispatcher drives it as any service (`serving.service`),
-with the chat request that `response_input` made of it as the body, so that model choice, limits,
-the response cache, admission, metrics and logs are the chat pipeline's. The service prepares as
-chat does (template, tools, `text.format` as structured outputs, the output budget), runs the
-engine, and answers with a `Response` object or its stream of events (`response_events`):
-
-- `max_output_tokens` reached: status `incomplete`, `incomplete_details.reason: max_output_tokens`;
-  an output guard's cut: the same, with `content_filter`;
-- tool calls: `tool_choice` named streams the arguments as they come; `auto` and `required`
-  calls are read from the whole text (as chat does), then sent as whole items;
-- an engine failure after the first event: `response.failed`, the response stored as failed.
-
-Storing (`store: true`, the default): a stream stores its response from `response.created` on and
-again before its last event (as cancelled, with the items done so far, if it stops early: its
-client gone, a background cancel); a whole answer is stored by the route once the dispatcher has
-it (`save`). A cached answer gets new ids and this request's own fields (`fresh`).
+"""The Responses API (`/v1/responses`) as a service on the chat pipeline (`serving.service`): the
+dispatcher runs the chat request `responses_input` made of it, so model choice, limits, the cache,
+admission, metrics and logs are chat's; this answers a `Response` or its events (`responses_events`).
+A cut answer is `incomplete` (max_output_tokens, or content_filter for an output guard's cut); a
+failure after the first event is `response.failed`. With `store`, a stream stores its response from
+`response.created` on and again before its last event (cancelled, with the items done so far, if it
+stops early); a whole answer is stored by the route (`save`).
 """
 
 from __future__ import annotations
@@ -69,10 +58,6 @@ def usage_of(usage: Usage) -> ResponseUsage:
 def item_status(state: ChoiceState) -> Literal["completed", "incomplete"]:
     """A generation cut short (its output budget spent, or an output guard's cut) ends incomplete."""
     return "incomplete" if state.finish_reason in ("length", "content_filter") else "completed"
-
-
-def incomplete_reason(state: ChoiceState) -> Literal["max_output_tokens", "content_filter"]:
-    return "content_filter" if state.finish_reason == "content_filter" else "max_output_tokens"
 
 
 def output_items(plan: tools.ToolPlan, state: ChoiceState) -> list[OutputItem]:
@@ -139,12 +124,6 @@ class ResponsesService:
         self.answer = answer
         return answer
 
-    def stream(self, prepared: PreparedChat, on_done: OnDone[Response] | None = None) -> AsyncGenerator[BaseModel, None]:
-        return self._stream(prepared, on_done)
-
-    def replay(self, answer: Response, request: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
-        return self._replay(answer)
-
     def fresh(self, answer: Response) -> Response:
         self.model = answer.model
         fresh = self.skeleton(answer.status)
@@ -183,7 +162,8 @@ class ResponsesService:
         response.output = output
         response.usage = usage_of(usage) if usage is not None else None
         if cut:
-            response.incomplete_details = IncompleteDetails(reason=incomplete_reason(state))
+            reason = "content_filter" if state.finish_reason == "content_filter" else "max_output_tokens"
+            response.incomplete_details = IncompleteDetails(reason=reason)
         else:
             response.completed_at = now()
         return response
@@ -215,7 +195,9 @@ class ResponsesService:
 
     # --- streams ------------------------------------------------------------------------------
 
-    async def _stream(self, prepared: PreparedChat, on_done: OnDone[Response] | None) -> AsyncGenerator[BaseModel, None]:
+    async def stream(
+        self, prepared: PreparedChat, on_done: OnDone[Response] | None = None
+    ) -> AsyncGenerator[BaseModel, None]:
         run = await chat_serving.start_run(prepared)  # refusals before the first event
         self.model, self.service_tier = prepared.model, prepared.scheduled.tier
         events = self.events = ResponseEvents(self.skeleton("in_progress"))
@@ -290,7 +272,7 @@ class ResponsesService:
             return False
         return stored.response.status == "cancelled"
 
-    async def _replay(self, hit: Response) -> AsyncGenerator[BaseModel, None]:
+    async def replay(self, hit: Response, request: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
         answer = self.fresh(hit)
         events = self.events = ResponseEvents(self.skeleton("in_progress"))
         await self.save(events.response)

@@ -1,19 +1,12 @@
-"""The responses API's wire models."""
+"""The Responses API's request, list and stream event models (its answer is `protocol.response_objects`)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from gateway.protocol.openai import _Request
 from gateway.protocol.response_objects import (
     Item,
     ItemStatus,
@@ -26,13 +19,7 @@ from gateway.protocol.response_objects import (
 )
 
 TEXT_PARTS = ("input_text", "output_text", "text")
-
-
 INPUT_ITEMS = ("message", "function_call", "function_call_output")
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class InputPart(_Request):
@@ -211,66 +198,56 @@ class _Event(BaseModel):
     `_Out`'s serializer: a delta event is on the per-token path."""
 
     model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int
 
 
 class ResponseLifecycleEvent(_Event):
-    """response.created, response.in_progress, response.completed, response.incomplete, response.failed."""
-
     type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete",
                   "response.failed"]
-    sequence_number: int
     response: Response
 
 
 class OutputItemEvent(_Event):
     type: Literal["response.output_item.added", "response.output_item.done"]
-    sequence_number: int
     output_index: int
     item: OutputItem
 
 
-class ContentPartEvent(_Event):
-    type: Literal["response.content_part.added", "response.content_part.done"]
-    sequence_number: int
+class _ItemEvent(_Event):
+    """An event about one output item's content."""
+
     item_id: str
     output_index: int
+
+
+class ContentPartEvent(_ItemEvent):
+    type: Literal["response.content_part.added", "response.content_part.done"]
     content_index: int
     part: OutputText
 
 
-class OutputTextDelta(_Event):
+class OutputTextDelta(_ItemEvent):
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    sequence_number: int
-    item_id: str
-    output_index: int
     content_index: int
     delta: str
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class OutputTextDone(_Event):
+class OutputTextDone(_ItemEvent):
     type: Literal["response.output_text.done"] = "response.output_text.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
     content_index: int
     text: str
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class FunctionCallArgumentsDelta(_Event):
+class FunctionCallArgumentsDelta(_ItemEvent):
     type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
-    sequence_number: int
-    item_id: str
-    output_index: int
     delta: str
 
 
-class FunctionCallArgumentsDone(_Event):
+class FunctionCallArgumentsDone(_ItemEvent):
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
     name: str
     arguments: str
 
