@@ -155,25 +155,34 @@ class SqliteRecords:
     processes sharing the file (on one node) see each other's writes whole."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # an answer kept is on disk before its line counts
-        self._db.executescript(SCHEMA)
+        self._path = path
+        self._db_open: sqlite3.Connection | None = None
         self._lock = threading.Lock()
+
+    def _db(self) -> sqlite3.Connection:
+        """The connection, opened at the first call (a gateway that never uses the batch lane writes nothing)."""
+        if self._db_open is None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=30)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")  # an answer kept is on disk before its line counts
+            db.executescript(SCHEMA)
+            self._db_open = db
+        return self._db_open
 
     async def _run(self, work: Callable[[sqlite3.Connection], T], write: bool = False) -> T:
         def locked() -> T:
             with self._lock:
+                db = self._db()
                 if not write:
-                    return work(self._db)
-                self._db.execute("BEGIN IMMEDIATE")
+                    return work(db)
+                db.execute("BEGIN IMMEDIATE")
                 try:
-                    result = work(self._db)
+                    result = work(db)
                 except BaseException:
-                    self._db.execute("ROLLBACK")
+                    db.execute("ROLLBACK")
                     raise
-                self._db.execute("COMMIT")
+                db.execute("COMMIT")
                 return result
 
         with unavailable():
@@ -286,6 +295,7 @@ class SqliteRecords:
     async def aclose(self) -> None:
         def close() -> None:
             with self._lock:  # after a call still running in its thread (its caller cancelled), never during it
-                self._db.close()
+                if self._db_open is not None:
+                    self._db_open.close()
 
         await asyncio.to_thread(close)

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, BinaryIO, TypeVar
+from typing import IO, TYPE_CHECKING, TypeVar
 
 import boto3
 from boto3.exceptions import Boto3Error
@@ -20,7 +20,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gateway.settings import StoreSettings
-from gateway.stores.blobs import BlobsUnavailable, Opened, check_name, read_chunks
+from gateway.stores.blobs import BlobsUnavailable, Opened, check_name, read_chunks, unavailable
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -84,13 +84,14 @@ class S3Blobs:
         return self.root + check_name(name)
 
     async def _run(self, what: str, work: Callable[[], T]) -> T:
-        try:
-            return await asyncio.to_thread(work)
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "?")
-            raise BlobsUnavailable(f"The S3 store failed to {what} ({code}, HTTP {_status(exc)}).") from exc
-        except (BotoCoreError, Boto3Error) as exc:
-            raise BlobsUnavailable(f"The S3 store could not {what}: {type(exc).__name__}.") from exc
+        with unavailable():  # the API's 503
+            try:
+                return await asyncio.to_thread(work)
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code", "?")
+                raise BlobsUnavailable(f"The S3 store failed to {what} ({code}, HTTP {_status(exc)}).") from exc
+            except (BotoCoreError, Boto3Error) as exc:
+                raise BlobsUnavailable(f"The S3 store could not {what}: {type(exc).__name__}.") from exc
 
     async def put_file(self, name: str, path: Path) -> int:
         key = self._key(name)
@@ -117,19 +118,11 @@ class S3Blobs:
         return True
 
     async def open(self, name: str) -> Opened | None:
-        key = self._key(name)
-
-        def download() -> BinaryIO | None:
-            with contextlib.ExitStack() as closing:
-                file = closing.enter_context(tempfile.TemporaryFile(prefix=TEMPORARY))  # nameless: gone when closed
-                if not self._fetch(key, file):
-                    return None
-                file.seek(0)
-                closing.pop_all()
-                return file
-
-        file = await self._run("read an object", download)
-        return None if file is None else Opened(os.fstat(file.fileno()).st_size, read_chunks(file))
+        async with self.local(name) as path:
+            if path is None:
+                return None
+            file = await asyncio.to_thread(path.open, "rb")  # still readable once its name is removed
+        return Opened(os.fstat(file.fileno()).st_size, read_chunks(file))
 
     @contextlib.asynccontextmanager
     async def local(self, name: str) -> AsyncIterator[Path | None]:

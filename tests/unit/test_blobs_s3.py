@@ -128,6 +128,7 @@ async def test_the_s3_backend_keeps_contents_in_s3_and_records_in_sqlite(bucket:
     files, batches = open_stores(settings, RedisPools())
     assert isinstance(files.blobs, S3Blobs)
     assert files.blobs.root == f"{PREFIX}files/"
+    assert await files.records.files("t") == []
     assert (tmp_path / "files" / "files.sqlite3").exists()  # one node: SQLite (with redis_url: Redis)
     await files.aclose()
     await batches.aclose()

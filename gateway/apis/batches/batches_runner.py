@@ -12,17 +12,13 @@ whose results are read from the answers) → `completed`; or, on a cancel, `canc
 flight cancelled: their engine requests aborted) → `cancelled`, with the partial output; or, 24 h
 after its creation, `expired` (the lines not run answered as expired, code `batch_expired`).
 
-The loop: every `poll_s` (or at once when a batch is created or cancelled here) it claims each
-runnable batch no one holds (`Records.claim`: a fencing token), and runs it: its unanswered lines,
-each answer kept in the database before it counts (`Records.answer`: once per line, the first),
-the claim renewed every third of `lease_s`. Every write names the run's token, so a replica that
-stalled past its claim while another took the batch over has its late writes refused (`Fenced`) and
-stops. A crash or a shutdown at any point leaves the batch to be claimed again (here after a
-restart, or by another replica once the claim has lapsed), resumed from the answers kept.
-Shutdown (`stop`) cancels the lines in flight (they run again after the restart), leaves the batch
-`in_progress` and frees its claim. A store that is down (`StoreUnavailable`) stops nothing but the
-work that needs it: the poll logs it and tries again; a run that fails on it ends (its lines not
-kept run again) and its batch is claimed again once its claim has lapsed.
+The loop: every `poll_s` (at once when a batch is created or cancelled here) it claims each
+runnable batch no one holds (`Records.claim`: a fencing token, renewed every third of `lease_s`) and
+runs its unanswered lines, each answer kept in the database before it counts (`Records.answer`: once
+per line). Every write names the run's token: a replica that stalled past its claim while another
+took over has its late writes refused (`Fenced`) and stops. A crash, a shutdown (the lines in flight
+cancelled, the batch left `in_progress`, its claim freed) or a store that is down (`StoreUnavailable`:
+the poll tries again) leaves the batch to be claimed again, resumed from the answers kept.
 """
 
 from __future__ import annotations
