@@ -1,8 +1,9 @@
-"""The batch lane's store backends side by side (issue 29): what a batch costs on disk (the default),
-on Redis (a real redis-server, AOF on with `appendfsync everysec` as docs/deployment.md recommends)
-and on S3 (moto's S3 server, `tests/s3_server.py`: an in-memory stand-in on loopback, one request at
-a time, a few ms a call; real S3 takes ~10-30 ms a round trip), against the same lines sent through
-the plain interactive path.
+"""The batch lane's store backends side by side (issues 29, 38): what a batch costs with
+`store.backend` disk (the default: records in SQLite, contents in local files), redis (records in a
+real redis-server, AOF on with `appendfsync everysec` as docs/deployment.md recommends; contents in
+local files) and s3 (contents in moto's S3 server, `tests/s3_server.py`: an in-memory stand-in on
+loopback, one request at a time, a few ms a call; real S3 takes ~10-30 ms a round trip; records in
+SQLite), against the same lines sent through the plain interactive path.
 
 One gateway per backend (`python -m gateway serve --port 0`, its port read back from its log), each
 serving one remote model: the instant endpoint (`benchmarks.instant_endpoint`, served in this
@@ -47,9 +48,8 @@ BACKENDS = ("disk", "redis", "s3")
 ENDED = frozenset({"completed", "failed", "cancelled", "expired"})
 METRICS = ("lines_s", "upload_s", "download_s")
 MOTO_NOTE = ("s3 is moto's S3 server (tests/s3_server.py): an in-memory stand-in on loopback, one request at a "
-             "time (measured here: GET ~5 ms, PUT ~9 ms, LIST ~30 ms and growing with the bucket's objects); real S3 "
-             "takes ~10-30 ms a round trip (LIST more), so its numbers say how many calls a line costs, not what "
-             "S3 would give")
+             "time; its contents (the input, the output file) are a few uploads and downloads a batch, its lines "
+             "are SQLite records: the upload and download times say what S3 adds, not what real S3 would give")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -80,15 +80,17 @@ def batch_content(lines: int, tokens: int, tag: str) -> bytes:
 
 
 def store_env(backend: str, folder: Path, redis: RedisServer | None, s3: S3Server | None) -> dict[str, str]:
+    """Every backend keeps something in files.dir and batches.dir (SQLite, contents, the spool): the run's folder."""
+    dirs = {"GATEWAY_FILES__DIR": str(folder / "files"), "GATEWAY_BATCHES__DIR": str(folder / "batches")}
     if backend == "redis":
         assert redis is not None
-        return {"GATEWAY_STORE__BACKEND": "redis", "GATEWAY_STORE__REDIS_URL": redis.url}
+        return {**dirs, "GATEWAY_STORE__BACKEND": "redis", "GATEWAY_STORE__REDIS_URL": redis.url}
     if backend == "s3":
         assert s3 is not None
-        return {"GATEWAY_STORE__BACKEND": "s3", "GATEWAY_STORE__S3_ENDPOINT_URL": s3.url,
+        return {**dirs, "GATEWAY_STORE__BACKEND": "s3", "GATEWAY_STORE__S3_ENDPOINT_URL": s3.url,
                 "GATEWAY_STORE__S3_BUCKET": s3.bucket(), "GATEWAY_STORE__S3_ACCESS_KEY_ID": "test",
                 "GATEWAY_STORE__S3_SECRET_ACCESS_KEY": "test"}
-    return {"GATEWAY_FILES__DIR": str(folder / "files"), "GATEWAY_BATCHES__DIR": str(folder / "batches")}
+    return dirs
 
 
 def gateway(backend: str, logs: Path, upstream: str, args: argparse.Namespace, redis: RedisServer | None,

@@ -33,13 +33,10 @@ from gateway.middleware.stack import stack
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.pipeline.state import GatewayState
 from gateway.settings import Settings
-from gateway.stores.backends import open_blobs
-from gateway.stores.batches import BatchStore
+from gateway.stores.backends import open_stores
 from gateway.stores.cache import ResponseCache, make_backend
-from gateway.stores.files import FileStore
 from gateway.stores.redis import RedisPools
 from gateway.stores.responses import ResponseStore, make_store_backend
-from gateway.stores.spool import Spool
 from gateway.telemetry import metrics
 from gateway.telemetry.tracing import Tracing
 from gateway.tenancy.keys import authenticator_of
@@ -98,8 +95,7 @@ def create_app(settings: Settings, engine_starter: EngineStarter = start_embedde
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
         runner: BatchRunner | None = None
-        files = FileStore.on(open_blobs(settings, pools, "files"), Spool.at(settings.files.dir / ".spool"))
-        batches = BatchStore.on(open_blobs(settings, pools, "batches"), Spool.at(settings.batches.dir / ".spool"))
+        files, batches = open_stores(settings, pools)
         try:
             await load_declared(registry)
             metrics.export_adapter_load(lambda: [engine.adapter_load() for _, engine in registry.engines()])

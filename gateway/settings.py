@@ -173,14 +173,14 @@ class StructuredOutputSettings(BaseModel):
 
 class FilesSettings(BaseModel):
     """The Files API (`/v1/files`): uploads kept in the batch lane's store (`store`: local disk by
-    default), each tenant's under a prefix of its own. Files are the first part of the batch lane: a
-    `batch` file is checked, line by line, as batch input."""
+    default), each file a record of its owner's and a content written once. Files are the first part
+    of the batch lane: a `batch` file is checked, line by line, as batch input."""
 
     dir: Path = Field(
         "~/.local/state/llm-gateway/files",  # made a Path by validate_default
         validate_default=True,
-        description="Where uploaded files are kept with store.backend disk (created on the first upload; replicas "
-        "that share files need a shared volume here); with every backend, uploads are received in its .spool",
+        description="Where files are kept: their records in files.sqlite3 (store.backend disk, or s3 without "
+        "redis_url) and their contents (unless in S3); with every backend, uploads are received in its .spool",
     )
     max_bytes: int = Field(
         200 * 1024 * 1024, gt=0,
@@ -204,20 +204,26 @@ class FilesSettings(BaseModel):
 
 
 class StoreSettings(BaseModel):
-    """Where the batch lane keeps its files and batches (their state, progress and leases): on local
-    disk (`files.dir`, `batches.dir`: a shared volume for replicas), in Redis, or in an S3-compatible
-    bucket. Replicas that share batches share this store; a batch runs on one of them at a time (a lease)."""
+    """Where the batch lane keeps its files and batches: records (files, batches, their counts, each
+    line's answer) in a database, and contents (uploads, inputs, output files) written once each.
+    disk: SQLite files under `files.dir` and `batches.dir`, contents beside them (one node). redis:
+    records in Redis (replicas), contents in those directories (a shared volume) or in S3 when
+    `s3_bucket` is set. s3: contents in S3, records in Redis when `redis_url` is set, else SQLite.
+    Replicas that share batches share this store; a batch runs on one of them at a time (a claim
+    with a fencing token)."""
 
     backend: Literal["disk", "redis", "s3"] = Field(
-        "disk", description="disk (files.dir and batches.dir), redis (redis_url) or s3 (s3_bucket at s3_endpoint_url)"
+        "disk", description="disk (SQLite and files in files.dir, batches.dir), redis (records at redis_url) or s3 "
+        "(contents in s3_bucket at s3_endpoint_url)"
     )
-    redis_url: str | None = Field(None, description="Redis backend: redis://host:port/db (persistence on: AOF)")
+    redis_url: str | None = Field(None, description="Records in Redis (backend redis, or s3): redis://host:port/db "
+                                  "(persistence on: AOF)")
     redis_prefix: str = Field("llm-gateway:store:", description="Redis backend: prefix of the store's keys")
     redis_timeout_s: float = Field(10, gt=0, description="Redis backend: a call gives up after this (a 503)")
     s3_endpoint_url: str | None = Field(
         None, description="S3 backend: the service's URL (unset: AWS S3 of s3_region); MinIO, Ceph, R2 and others"
     )
-    s3_bucket: str | None = Field(None, description="S3 backend: the bucket (it must exist)")
+    s3_bucket: str | None = Field(None, description="Contents in S3 (backend s3, or redis): the bucket (it must exist)")
     s3_prefix: str = Field("llm-gateway/", description="S3 backend: prefix of the store's object keys")
     s3_region: str = Field("us-east-1", description="S3 backend: the region")
     s3_access_key_id: SecretStr | None = Field(
@@ -244,8 +250,8 @@ class StoreSettings(BaseModel):
 
 class BatchesSettings(BaseModel):
     """The Batches API (`/v1/batches`): batches of a key's uploaded requests run by this gateway's own
-    models at the lowest priority, their state and output in the batch lane's store (`store`: local
-    disk by default), resumed after a restart."""
+    models at the lowest priority, their records and answers in the batch lane's store (`store`:
+    SQLite and local disk by default), resumed after a restart."""
 
     enabled: bool = Field(
         True, description="Run batches on this replica (the embedded engines then schedule by priority when their "
@@ -254,25 +260,19 @@ class BatchesSettings(BaseModel):
     dir: Path = Field(
         "~/.local/state/llm-gateway/batches",  # made a Path by validate_default
         validate_default=True,
-        description="Where batches, their progress and their leases are kept with store.backend disk (replicas that "
-        "share batches need a shared volume here, and for files.dir); with every backend, inputs are copied "
-        "through its .spool",
+        description="Where batches are kept: their records and answers in batches.sqlite3 (store.backend disk, or "
+        "s3 without redis_url) and their inputs (unless in S3); with every backend, contents are staged in its .spool",
     )
     max_in_flight: int = Field(
         4, gt=0, description="Batch lines this replica runs at once, across all batches (each at the lowest priority)",
     )
     lease_s: float = Field(
-        30, gt=0, description="A replica running a batch holds its lease this long, renewed every third of it; "
-        "another replica takes the batch over only once the lease has expired",
-    )
-    record_every_s: float = Field(
-        1, ge=0, description="A running batch's record (its request_counts and usage, as GET /v1/batches shows them) "
-        "is written at most this often, once for the lines answered meanwhile, and always when the run ends; 0: after "
-        "every line. A restart resumes from the output and error objects, written before a line counts, not from it",
+        30, gt=0, description="A replica running a batch holds its claim this long, renewed every third of it; "
+        "another replica claims the batch only once the claim has lapsed, and the first one's writes are refused then",
     )
     poll_s: float = Field(
-        1, gt=0, description="How often the runner looks for batches to run (created on other replicas, leases "
-        "expired) and a running batch for a cancel from another replica",
+        1, gt=0, description="How often the runner looks for batches to run (created on other replicas, claims "
+        "lapsed) and a running batch for a cancel from another replica",
     )
     retry_s: float = Field(
         5, gt=0, description="A line refused by the key's rate limits (requests or tokens per minute) waits this "

@@ -1,99 +1,111 @@
 """The batch lane's stores on local disk for unit tests (as the app builds them with the default
-`store.backend`), and a batch's objects reached by its id alone, as a test that plays another
-replica, or a crash, needs them; and a store that can be taken down (`Flaky`)."""
+`store.backend`), and a batch reached by its id alone, as a test that plays another replica, or a
+crash, needs it; and stores that can be taken down (`Flaky`)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from gateway.stores.batches import BatchObjects, BatchStore
-from gateway.stores.blobs import Blobs, BlobsUnavailable, DiskBlobs, Opened
+import orjson
+
+from gateway.errors import StoreUnavailable
+from gateway.protocol.batch_objects import StoredBatch
+from gateway.stores.batchdb import SqliteRecords
+from gateway.stores.batches import BatchStore
+from gateway.stores.blobs import LocalBlobs
 from gateway.stores.files import FileStore
-from gateway.stores.spool import Spool
 
 
 def disk_files(directory: Path) -> FileStore:
-    return FileStore.on(DiskBlobs.at(directory), Spool.at(directory / ".spool"))
+    return FileStore(SqliteRecords(directory / "files.sqlite3"), LocalBlobs.at(directory))
 
 
 def disk_batches(directory: Path) -> BatchStore:
-    return BatchStore.on(DiskBlobs.at(directory), Spool.at(directory / ".spool"))
+    return BatchStore(SqliteRecords(directory / "batches.sqlite3"), LocalBlobs.at(directory))
 
 
-def batch_in(directory: Path, batch_id: str) -> BatchObjects:
-    """The objects of the batch `batch_id`, whoever its owner (a test's view, never the API's)."""
-    store = disk_batches(directory)
-    [record] = [n for n in asyncio.run(store.blobs.list("")) if n.endswith(f"/{batch_id}/record.json")]
-    return BatchObjects(store.blobs, store.spool, record.partition("/")[0], batch_id)
+def record(directory: Path, batch_id: str) -> StoredBatch:
+    """The batch `batch_id` as its readers see it, whoever its owner (a test's view, never the API's)."""
+    async def read() -> StoredBatch | None:
+        store = disk_batches(directory)
+        try:
+            return await store.records.batch(batch_id)
+        finally:
+            await store.aclose()
+
+    found = asyncio.run(read())
+    assert found is not None, batch_id
+    return found
 
 
-def read(batch: BatchObjects, part: str) -> bytes | None:
-    """One of a batch's objects, whole (None: there is none)."""
-    return asyncio.run(batch.blobs.get(batch.name(part)))
+def answers(directory: Path, batch_id: str, ok: bool | None = None) -> list[dict[str, object]]:
+    """The result lines kept for a batch (those answered 2xx, or not, or all), in the order they came."""
+    async def read() -> list[dict[str, object]]:
+        store = disk_batches(directory)
+        try:
+            return [orjson.loads(a.line) async for a in store.records.answers(batch_id) if ok is None or a.ok is ok]
+        finally:
+            await store.aclose()
+
+    return asyncio.run(read())
 
 
 class Flaky:
-    """A store that is down while `down` is set: every call raises `BlobsUnavailable`, as a backend
-    does when its server is unreachable; up, it is the `DiskBlobs` it wraps. `calls` records each
-    call's name and first argument (what a test may check was asked, or not), and `refused` counts the
-calls refused while down."""
+    """One part's stores (its records and its blobs, `wrap`ped) that refuse the calls `refuse` picks by
+    method name, or every call while `down` is set, as a backend unreachable right then does (the
+    API's 503: `StoreUnavailable`). `calls` records each call's method and first argument; `refused`
+    counts the calls refused."""
 
-    def __init__(self, blobs: Blobs) -> None:
-        self.blobs = blobs
+    def __init__(self) -> None:
         self.down = False
-        self.calls: list[tuple[str, str]] = []
-        self.refused = 0  # calls refused while down
+        self.refuse: Callable[[str], bool] = lambda method: False
+        self.calls: list[tuple[str, object]] = []
+        self.refused = 0
 
-    def _call(self, method: str, name: str) -> None:
-        self.calls.append((method, name))
-        if self.down:
+    def wrap(self, store: Any) -> Any:
+        return _Proxy(store, self)
+
+    def check(self, method: str, args: tuple[object, ...]) -> None:
+        self.calls.append((method, args[0] if args else None))
+        if self.down or self.refuse(method):
             self.refused += 1
-            raise BlobsUnavailable("connection refused (a test's store is down)")
+            raise StoreUnavailable("The batch lane's store is down (a test's)")
 
-    async def get(self, name: str) -> bytes | None:
-        self._call("get", name)
-        return await self.blobs.get(name)
 
-    async def put(self, name: str, data: bytes) -> None:
-        self._call("put", name)
-        await self.blobs.put(name, data)
+class _Proxy:
+    def __init__(self, store: Any, flaky: Flaky) -> None:
+        self._store, self._flaky = store, flaky
 
-    async def create(self, name: str, data: bytes) -> bool:
-        self._call("create", name)
-        return await self.blobs.create(name, data)
+    def __getattr__(self, method: str) -> Any:
+        attr = getattr(self._store, method)
+        if not callable(attr) or method == "aclose":
+            return attr
+        if method in ("local", "answers"):  # a context manager, an async iterator: checked when made
+            def made(*args: Any) -> Any:
+                self._flaky.check(method, args)
+                return attr(*args)
+            return made
 
-    async def put_file(self, name: str, path: Path) -> int:
-        self._call("put_file", name)
-        return await self.blobs.put_file(name, path)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            self._flaky.check(method, args)
+            return await attr(*args, **kwargs)
+        return call
 
-    async def append(self, name: str, data: bytes) -> None:
-        self._call("append", name)
-        await self.blobs.append(name, data)
 
-    async def open(self, name: str, chunk_bytes: int = 256 * 1024) -> Opened | None:
-        self._call("open", name)
-        return await self.blobs.open(name, chunk_bytes)
+def failing_stores(monkeypatch: Any) -> dict[str, Flaky]:
+    """The app's stores (as `store.backend` builds them), each part's made `Flaky`."""
+    from gateway.stores import backends
 
-    @contextlib.asynccontextmanager
-    async def local(self, name: str) -> AsyncIterator[Path | None]:
-        self._call("local", name)
-        async with self.blobs.local(name) as path:
-            yield path
+    made: dict[str, Flaky] = {"files": Flaky(), "batches": Flaky()}
+    real = backends.open_stores
 
-    async def copy(self, source: str, target: str) -> bool:
-        self._call("copy", source)
-        return await self.blobs.copy(source, target)
+    def open_stores(settings: Any, pools: Any) -> tuple[FileStore, BatchStore]:
+        files, batches = real(settings, pools)
+        return (FileStore(made["files"].wrap(files.records), made["files"].wrap(files.blobs)),
+                BatchStore(made["batches"].wrap(batches.records), made["batches"].wrap(batches.blobs)))
 
-    async def delete(self, *names: str) -> None:
-        self._call("delete", ",".join(names))
-        await self.blobs.delete(*names)
-
-    async def list(self, prefix: str) -> list[str]:
-        self._call("list", prefix)
-        return await self.blobs.list(prefix)
-
-    async def aclose(self) -> None:
-        await self.blobs.aclose()
+    monkeypatch.setattr("gateway.app.open_stores", open_stores)
+    return made

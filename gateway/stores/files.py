@@ -1,5 +1,5 @@
-"""The Files API's store: each upload's content and its FileObject (written last: a file exists once it does) under
-its owner's hashed prefix of a `Blobs` store."""
+"""The Files API's store: each upload's FileObject a record (`stores.batchdb`) under its owner, its content a blob
+written once (stored first: a file exists once its record does)."""
 
 from __future__ import annotations
 
@@ -10,27 +10,16 @@ import secrets
 import time
 from dataclasses import dataclass
 
-import structlog
-from pydantic import ValidationError
-
 from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
 from gateway.protocol.file_objects import FileObject, Purpose
-from gateway.stores.blobs import Blobs, Opened, each
-from gateway.stores.guarded import Guarded
-from gateway.stores.spool import Spool, Staged
-
-log = structlog.get_logger(__name__)
+from gateway.stores.batchdb import Records
+from gateway.stores.blobs import Blobs, Opened, Staged
 
 ID = re.compile(r"file-[0-9a-f]{24}")
-_META = ".json"
 
 
 def not_found(file_id: str) -> NotFound:
     return NotFound(f"No such File object: {file_id}", param="file_id")
-
-
-def _new_id() -> str:
-    return "file-" + secrets.token_hex(12)
 
 
 def derived_id(name: str) -> str:
@@ -38,24 +27,16 @@ def derived_id(name: str) -> str:
     return "file-" + hashlib.sha256(name.encode()).hexdigest()[:24]
 
 
-def owner_prefix(owner: str) -> str:
-    """The name segment of an owner's objects: a hash, as an owner may hold any character."""
-    return hashlib.sha256(owner.encode()).hexdigest()[:32]
-
-
 @dataclass(slots=True, frozen=True)
 class FileStore:
+    records: Records
     blobs: Blobs
-    spool: Spool
-
-    @classmethod
-    def on(cls, blobs: Blobs, spool: Spool) -> FileStore:
-        return cls(Guarded(blobs), spool)
 
     def of(self, owner: str) -> OwnedFiles:
-        return OwnedFiles(self.blobs, self.spool, owner_prefix(owner))
+        return OwnedFiles(self.records, self.blobs, owner)
 
     async def aclose(self) -> None:
+        await self.records.aclose()
         await self.blobs.aclose()
 
 
@@ -64,68 +45,56 @@ class OwnedFiles:
     """One owner's files; another owner's id is a 404 exactly as an unknown one, checked before anything is read or
     deleted."""
 
+    records: Records
     blobs: Blobs
-    spool: Spool
-    home: str
-
-    def _names(self, file_id: str) -> tuple[str, str]:
-        if not ID.fullmatch(file_id):
-            raise not_found(file_id)
-        return f"{self.home}/{file_id}", f"{self.home}/{file_id}{_META}"
+    owner: str
 
     async def stage(self) -> Staged:
-        return await self.spool.stage()
+        return await Staged.at(self.blobs.spool)
 
     async def put(
         self, staged: Staged, filename: str, purpose: Purpose, expires_after_s: int, file_id: str | None = None,
     ) -> FileObject:
         """Store an upload under a new id (or `file_id`, replaced: a batch's output written again after a restart):
-        content first, then metadata."""
+        content first, then its record."""
         await staged.close()
         now = int(time.time())
-        stored = FileObject(id=file_id or _new_id(), bytes=staged.size, created_at=now, filename=filename,
-                            purpose=purpose, expires_at=now + expires_after_s)
-        content, meta = self._names(stored.id)
-        await self.blobs.put_file(content, staged.path)
+        stored = FileObject(id=file_id or "file-" + secrets.token_hex(12), bytes=staged.size, created_at=now,
+                            filename=filename, purpose=purpose, expires_at=now + expires_after_s)
+        await self.blobs.put_file(stored.id, staged.path)
         try:
-            await self.blobs.put(meta, stored.model_dump_json().encode())
+            await self.records.add_file(self.owner, stored)
         except BaseException:
             if file_id is None:  # a new id's content, which no listing or delete would ever reach
                 with contextlib.suppress(StoreUnavailable):
-                    await self.blobs.delete(content)
+                    await self.blobs.delete(stored.id)
             raise
         return stored
 
-    async def publish(self, source: Opened, filename: str, file_id: str, expires_after_s: int) -> FileObject:
-        staged = await self.spool.fill(source.chunks, "publish")
-        try:
-            return await self.put(staged, filename, "batch_output", expires_after_s, file_id)
-        finally:
-            await staged.discard()
-
     async def get(self, file_id: str) -> FileObject:
-        content, meta = self._names(file_id)
-        found = await self._read(content, meta)
+        found = await self.records.file(self.owner, file_id) if ID.fullmatch(file_id) else None
+        if found is not None and found.expires_at is not None and found.expires_at <= time.time():
+            await self._remove(file_id)
+            found = None
         if found is None:
             raise not_found(file_id)
         return found
 
     async def open(self, file_id: str) -> tuple[FileObject, Opened]:
         """A delete after this does not cut the read short."""
-        content, _ = self._names(file_id)
         found = await self.get(file_id)
-        opened = await self.blobs.open(content)
+        opened = await self.blobs.open(file_id)
         if opened is None:  # deleted between the two reads
             raise not_found(file_id)
         return found, opened
 
     async def delete(self, file_id: str) -> None:
-        content, meta = self._names(file_id)
         await self.get(file_id)  # none of this owner's (or expired): 404 before anything is touched
-        await self._remove(content, meta)
+        await self._remove(file_id)
 
     async def page(self, purpose: str | None, after: str | None, limit: int, descending: bool) -> tuple[list[FileObject], bool]:
-        files = await self._all()
+        now = time.time()
+        files = [f for f in await self.records.files(self.owner) if f.expires_at is None or f.expires_at > now]
         files.sort(key=lambda f: (f.created_at, f.id), reverse=descending)
         if purpose is not None:
             files = [f for f in files if f.purpose == purpose]
@@ -137,26 +106,7 @@ class OwnedFiles:
             start = ids.index(after) + 1
         return files[start : start + limit], start + limit < len(files)
 
-    async def _all(self) -> list[FileObject]:
-        names = await self.blobs.list(f"{self.home}/")
-        ids = sorted(n[len(self.home) + 1 : -len(_META)] for n in names if n.endswith(_META))
-        found = await each([i for i in ids if ID.fullmatch(i)], lambda i: self._read(*self._names(i)))
-        return [f for f in found if f is not None]
+    async def _remove(self, file_id: str) -> None:
+        if await self.records.remove_file(self.owner, file_id):  # from here on the file is gone for every reader
+            await self.blobs.delete(file_id)
 
-    async def _read(self, content: str, meta: str) -> FileObject | None:
-        raw = await self.blobs.get(meta)
-        if raw is None:
-            return None
-        try:
-            found = FileObject.model_validate_json(raw)
-        except ValidationError as exc:  # a disk that corrupted it, a hand edit: that file alone is gone
-            log.warning("file_record_unreadable", name=meta, errors=exc.error_count())
-            return None
-        if found.expires_at is not None and found.expires_at <= time.time():
-            await self._remove(content, meta)
-            return None
-        return found
-
-    async def _remove(self, content: str, meta: str) -> None:
-        await self.blobs.delete(meta)  # from here on the file is gone for every reader
-        await self.blobs.delete(content)

@@ -1,5 +1,5 @@
-"""The batch lane on a shared store, as replicas run it: in Redis (a real redis-server) and in an
-S3-compatible bucket (moto's S3 over HTTP). Replica R runs batches; replica V (`batches.enabled`
+"""The batch lane on a shared store, as replicas run it: records in Redis (a real redis-server),
+contents on a shared volume or in an S3-compatible bucket (moto's S3 over HTTP). Replica R runs batches; replica V (`batches.enabled`
 off) only answers. Both are gateways whose model is the session's gateway (a remote upstream: no
 engine of their own, so they start in seconds). A batch uploaded and created on V runs on R; R is
 killed (SIGKILL) mid-batch and started again, and resumes it; V answers its status and serves its
@@ -45,19 +45,24 @@ def store_env(backend: str, redis: RedisServer) -> dict[str, str]:
     from tests.s3_server import shared
 
     s3 = shared()
-    return {"GATEWAY_STORE__BACKEND": "s3", "GATEWAY_STORE__S3_ENDPOINT_URL": s3.url,
-            "GATEWAY_STORE__S3_BUCKET": s3.bucket(), "GATEWAY_STORE__S3_ACCESS_KEY_ID": "test",
+    bucket = s3.bucket()
+    return {"GATEWAY_STORE__BACKEND": "s3", "GATEWAY_STORE__REDIS_URL": redis.url,
+            "GATEWAY_STORE__S3_ENDPOINT_URL": s3.url, "GATEWAY_STORE__REDIS_PREFIX": f"s3-{bucket}:",
+            "GATEWAY_STORE__S3_BUCKET": bucket, "GATEWAY_STORE__S3_ACCESS_KEY_ID": "test",
             "GATEWAY_STORE__S3_SECRET_ACCESS_KEY": "test"}
 
 
 def replica_env(folder: Path, store: dict[str, str], runs_batches: bool) -> dict[str, str]:
+    """Contents on S3, or else in one folder all replicas share (a shared volume)."""
+    if "GATEWAY_STORE__S3_BUCKET" not in store:
+        folder = folder.parent / "shared"
     return {
         **store, "GATEWAY_MODELS_FILE": str(folder.parent / "models.yaml"), "GATEWAY_API_KEYS": json.dumps(list(KEYS)),
         "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_WARMUP": "false", "GATEWAY_LOG_FORMAT": "json",
         "GATEWAY_FILES__DIR": str(folder / "spool"), "GATEWAY_BATCHES__DIR": str(folder / "batches"),
         "GATEWAY_BATCHES__ENABLED": str(runs_batches).lower(),
-        "GATEWAY_BATCHES__POLL_S": "0.2", "GATEWAY_BATCHES__LEASE_S": "4",  # a killed replica's lease expires soon
-        "GATEWAY_BATCHES__RECORD_EVERY_S": "0", "GATEWAY_BATCHES__MAX_IN_FLIGHT": "2",  # counts fresh, a slow batch
+        "GATEWAY_BATCHES__POLL_S": "0.2", "GATEWAY_BATCHES__LEASE_S": "4",  # a killed replica's claim lapses soon
+        "GATEWAY_BATCHES__MAX_IN_FLIGHT": "2",  # a slow batch
     }
 
 
@@ -77,9 +82,11 @@ def test_a_batch_survives_its_replica_on_a_shared_store(
     (tmp_path / "models.yaml").write_text(MODELS.format(upstream=server))
     store = store_env(backend, redis)
     runner_dirs = [tmp_path / "r1", tmp_path / "r2"]
-    for folder in [*runner_dirs, tmp_path / "v"]:
+    for folder in [*runner_dirs, tmp_path / "v", tmp_path / "shared"]:
         folder.mkdir()
-    lines = [line(f"k{i}", QUESTIONS[i % 5]) for i in range(24)]
+    # questions of this backend's own: no answer from the upstream's cache of the other's run, so the kill comes mid-batch
+    questions = [f"{question} ({backend})" for question in QUESTIONS]
+    lines = [line(f"k{i}", questions[i % 5]) for i in range(24)]
     with gateway_process(tmp_path / "v", replica_env(tmp_path / "v", store, runs_batches=False)) as (viewer, _):
         owner = sdk(viewer)
         content = b"".join(json.dumps(item).encode() + b"\n" for item in lines)
@@ -89,7 +96,7 @@ def test_a_batch_survives_its_replica_on_a_shared_store(
                                      completion_window="24h")
         with gateway_process(runner_dirs[0], replica_env(runner_dirs[0], store, runs_batches=True)) as (_, process):
             running = wait(owner, batch.id, lambda b: b.request_counts.completed >= 2, timeout=180)
-            kill(process)  # mid-batch: no drain, its lease left to expire
+            kill(process)  # mid-batch: no drain, its claim left to lapse
         assert running.status == "in_progress"
         assert wait(owner, batch.id, lambda b: True).request_counts.completed < len(lines)
         with gateway_process(runner_dirs[1], replica_env(runner_dirs[1], store, runs_batches=True)):
@@ -100,7 +107,7 @@ def test_a_batch_survives_its_replica_on_a_shared_store(
         assert sorted(a["custom_id"] for a in answers) == sorted(item["custom_id"] for item in lines)  # each once
 
         interactive = sdk(server)
-        for question in QUESTIONS:
+        for question in questions:
             expected = interactive.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=32,
             ).choices[0].message.content

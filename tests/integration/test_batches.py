@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from tests.integration.conftest import MODEL, gateway_process, in_front_of
+from tests.stores import record
 from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("the Batches API runs on the gateway's own engine")]
@@ -30,7 +31,7 @@ def env_for(server: str, folder: Path) -> dict[str, str]:
         **in_front_of(server, folder / "front"), "GATEWAY_API_KEYS": json.dumps(list(KEYS)),
         "GATEWAY_CACHE__BACKEND": "off", "GATEWAY_WARMUP": "false", "GATEWAY_LOG_FORMAT": "json",
         "GATEWAY_FILES__DIR": str(folder / "files"), "GATEWAY_BATCHES__DIR": str(folder / "batches"),
-        "GATEWAY_BATCHES__POLL_S": "0.2", "GATEWAY_BATCHES__LEASE_S": "6",  # a killed replica's lease expires soon
+        "GATEWAY_BATCHES__POLL_S": "0.2", "GATEWAY_BATCHES__LEASE_S": "6",  # a killed replica's claim lapses soon
     }
 
 
@@ -134,9 +135,9 @@ def test_a_killed_gateway_resumes_its_batch_after_a_restart(first: tuple[str, An
     batch = submit(sdk(base), lines)
     wait(sdk(base), batch.id, lambda b: b.request_counts.completed >= 4, timeout=120)
     kill(process)
-    record = json.loads(next((folder / "batches").glob(f"*/{batch.id}/record.json")).read_text())
-    assert record["batch"]["status"] == "in_progress"
-    assert record["batch"]["request_counts"]["completed"] < 20  # killed mid-batch
+    killed = record(folder / "batches", batch.id)  # as the killed gateway left it in its database
+    assert killed.batch.status == "in_progress"
+    assert killed.batch.request_counts.completed < 20  # killed mid-batch
     with gateway_process(folder, env_for(server, folder)) as (again, _):
         owner = sdk(again)
         done = wait(owner, batch.id)

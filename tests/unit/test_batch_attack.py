@@ -18,9 +18,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.stores.batches import ERRORS, Lease
+from gateway.stores.batchdb import SqliteRecords
 from tests.fakes import FakeEngine, app_with, fake_settings
-from tests.stores import batch_in, disk_batches, disk_files, read
+from tests.stores import answers, disk_batches, record
 from tests.unit.test_batches import (
     _stored,
     by_custom_id,
@@ -136,8 +136,8 @@ def test_an_anonymous_batch_does_not_spend_a_key_named_anonymous(tmp_path: Path)
     with TestClient(app_with(engine, keys_file=keys, **settings(tmp_path))):
         assert on_disk(tmp_path, batch_id).status == "completed"
     assert engine.requests == []
-    errors = (read(batch_in(tmp_path / "batches", batch_id), ERRORS) or b"").splitlines()
-    assert [json.loads(line)["response"]["status_code"] for line in errors] == [401]
+    errors = answers(tmp_path / "batches", batch_id, ok=False)
+    assert [line["response"]["status_code"] for line in errors] == [401]  # type: ignore[index]
 
 
 def test_a_settings_key_removed_since_fails_its_batchs_lines(tmp_path: Path) -> None:
@@ -455,26 +455,25 @@ def test_the_parent_starts_the_engine_cores_the_workers_ask_for(tmp_path: Path, 
     assert [s.scheduling_policy for s in asked] == ["priority" if batches else "fcfs"]
 
 
-def test_a_runner_that_lost_its_lease_writes_no_more_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another replica took the batch over once its lease had expired (this one stalled: its renewals
-    did not land): the answers of the lines this one still had in flight are not written (the new
-    holder runs those lines and answers them), and neither is this one's record."""
-    async def stalled(self: Lease) -> bool:  # the renewal never lands: the lease runs out
-        return True
+def test_a_runner_that_lost_its_claim_writes_no_more_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another replica claimed the batch once this one's claim had lapsed (this one stalled: its
+    renewals did not land): the answers of the lines this one still had in flight are refused (the
+    new holder runs those lines and answers them), and so is this one's record; it stops."""
+    async def stalled(self: SqliteRecords, batch_id: str, token: int, ttl_s: float) -> bool:
+        return True  # the renewal never lands: the claim runs out
 
-    monkeypatch.setattr(Lease, "renew", stalled)
+    monkeypatch.setattr(SqliteRecords, "renew", stalled)
     engine = FakeEngine(delay=0.05)
     with TestClient(app_with(engine, **settings(tmp_path, max_in_flight=2, lease_s=1))) as client:
         sdk = sdk_for(client)
         batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=6) for i in range(40))))
         until_sync(lambda: len(engine.running) >= 2, what="2 lines running")
-        objects = batch_in(tmp_path / "batches", batch.id)
-        # taken over as a replica takes it: once expired
-        until_sync(lambda: asyncio.run(Lease.take(objects, "other", lease_s=60)), what="the lease taken over")
-        taken = asyncio.run(objects.progress()).done
+        other = SqliteRecords(tmp_path / "batches" / "batches.sqlite3")  # another replica, on the same database
+        until_sync(lambda: asyncio.run(other.claim(batch.id, "other", 60)), what="the batch claimed by another")
+        taken = len(answers(tmp_path / "batches", batch.id))
         time.sleep(1.0)  # a window for what must not happen: the lines in flight here finish meanwhile
-        assert asyncio.run(objects.progress()).done == taken
-        assert asyncio.run(objects.read()).batch.status == "in_progress"
+        assert len(answers(tmp_path / "batches", batch.id)) == taken
+        assert record(tmp_path / "batches", batch.id).batch.status == "in_progress"
         started = len(engine.requests)
         time.sleep(0.5)  # a window for what must not happen
         assert len(engine.requests) == started < 40  # it stopped: no line more
@@ -568,19 +567,14 @@ def test_a_lines_fallback_hops_only_to_models_the_key_may_use(tmp_path: Path) ->
 
 @pytest.mark.parametrize(("one", "other"), [("t", "t:x"), ("t", "t/"), ("t", "T"), ("anonymous", "keys-file:anonymous"),
                                             ("a/../b", "b"), ("", " ")])
-def test_look_alike_owners_have_directories_and_objects_of_their_own(tmp_path: Path, one: str, other: str) -> None:
+def test_look_alike_owners_have_batches_of_their_own(tmp_path: Path, one: str, other: str) -> None:
     store = disk_batches(tmp_path / "batches")
-    assert store.of(one).home != store.of(other).home
-    assert "/" not in store.of(one).home  # no owner names a path
-    assert "/" not in store.of(other).home
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl(chat_line("a")))
     batch_id = _stored(store, source, owner=one)
     assert asyncio.run(store.of(one).get(batch_id)).id == batch_id
     with pytest.raises(Exception, match="No batch found"):
         asyncio.run(store.of(other).get(batch_id))
-    files = disk_files(tmp_path / "files")
-    assert files.of(one).home != files.of(other).home
 
 
 def test_a_bug_in_a_line_is_a_500_line_and_logged_with_its_traceback(tmp_path: Path) -> None:

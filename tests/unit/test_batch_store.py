@@ -1,167 +1,202 @@
-"""The batch lane's stores on the `Blobs` interface: the index of batches not done (what the runner
-reads instead of the whole store: a done batch leaves it, a create or an end cut short by a crash
-loses no batch, an older store's batches are entered once), and a store that is down: a 503 in the
-route's own error shape on every route of the lane (the server serving the rest meanwhile), and a
-runner that outlives the outage and answers every line once."""
+"""The batch lane's records (`stores.batchdb`) on each backend (SQLite, a real redis-server): each
+line answered once (a constraint, not a convention), a batch claimed by one replica at a time and
+every write of a run fenced by its token (a replica that stalled past its claim cannot write after
+another took over), counts and a cancel kept beside the record; and a store that is down: a 503 in
+the route's own error shape on every route of the lane (the server serving the rest meanwhile), and
+a runner that outlives the outage and answers every line once."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from starlette.testclient import TestClient
 
 from gateway.errors import StoreUnavailable
 from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
-from gateway.stores.batches import INPUT, ORPHAN_S, PENDING, RECORD, BatchStore, new_id
-from gateway.stores.blobs import Blobs, BlobsUnavailable, DiskBlobs
-from gateway.stores.guarded import Guarded
-from gateway.stores.spool import Spool
+from gateway.stores.batchdb import Answer, Fenced, Records
+from gateway.stores.batchdb_redis import RedisRecords
+from gateway.stores.batches import input_name, new_id
+from gateway.stores.redis import RedisPools
 from tests.fakes import FakeEngine, app_with
-from tests.stores import Flaky
+from tests.redis_server import RedisServer
+from tests.stores import Flaky, failing_stores
 from tests.unit.test_batches import KEYS, by_custom_id, chat_line, completed, jsonl, lines_of, settings, submit, wait
 from tests.unit.test_message_batches import BATCHES, params
 from tests.unit.test_responses import sdk_for
-from tests.waits import until_sync
+from tests.waits import BOUND_S, until_sync
 
 LINES = jsonl(chat_line("a"), chat_line("b"))
 
 
-@pytest.fixture
-def flaky(blobs: Blobs) -> Flaky:
-    """The store on each backend (disk, Redis, S3), able to be taken down."""
-    return Flaky(blobs)
-
-
-def store_on(blobs: Flaky, tmp_path: Path) -> BatchStore:
-    return BatchStore.on(blobs, Spool.at(tmp_path / "spool"))
-
-
-def stored(status: str = "validating", owner: str = "t") -> StoredBatch:
+def stored(status: str = "in_progress", owner: str = "t") -> StoredBatch:
     now = int(time.time())
     batch = Batch(id=new_id(), endpoint="/v1/chat/completions", input_file_id="file-" + "0" * 24, status=status,
                   created_at=now, expires_at=now + 86400)
-    return StoredBatch(batch=batch, owner=Owner(key_id=owner, tenant=owner), output_expires_after_s=3600)
+    return StoredBatch(batch=batch, owner=Owner(key_id=owner, tenant=owner), output_expires_after_s=3600,
+                       created_ns=time.time_ns())
 
 
-async def test_a_batch_is_pending_from_its_create_until_it_is_done(flaky: Flaky, tmp_path: Path) -> None:
-    store = store_on(flaky, tmp_path)
+async def claimed(records: Records, batch_id: str, holder: str) -> int:
+    """The batch claimed by `holder` once the claim on it has lapsed (checked every few milliseconds, bounded)."""
+    deadline = time.monotonic() + BOUND_S
+    while (token := await records.claim(batch_id, holder, 30)) is None:
+        assert time.monotonic() < deadline, f"{holder} never claimed {batch_id}"
+        await asyncio.sleep(0.02)
+    return token
+
+
+def answer(custom_id: str, ok: bool = True, content: str = "x") -> Answer:
+    return Answer(custom_id, ok, orjson.dumps({"custom_id": custom_id, "content": content}), prompt=2, completion=3)
+
+
+# --- the records, on each backend ---------------------------------------------------------------------
+
+
+async def test_each_line_is_answered_once_the_first_kept(records: Records) -> None:
     made = stored()
-    await store.of("t").create(made, LINES)
-    assert [b.id for b in await store.pending(set())] == [made.batch.id]
-    [batch] = await store.pending(set())
+    await records.create(made)
+    token = await records.claim(made.batch.id, "a", 30)
+    assert token is not None
+    assert await records.answer(made.batch.id, token, answer("r1", content="first"))
+    assert not await records.answer(made.batch.id, token, answer("r1", content="again"))  # the constraint refuses it
+    assert not await records.answer(made.batch.id, token, answer("r1", ok=False))
+    assert await records.answer(made.batch.id, token, answer("r2", ok=False))
+    kept = [(a.custom_id, a.ok, orjson.loads(a.line)["content"]) async for a in records.answers(made.batch.id)]
+    assert kept == [("r1", True, "first"), ("r2", False, "x")]
+    assert await records.answered(made.batch.id) == {"r1", "r2"}
+    found = await records.batch(made.batch.id)
+    assert found is not None
+    assert (found.batch.request_counts.completed, found.batch.request_counts.failed) == (1, 1)  # counted once each
+    assert (found.batch.usage.input_tokens, found.batch.usage.output_tokens) == (4, 6)
+
+
+async def test_one_claim_at_a_time_and_a_stale_token_is_fenced(records: Records) -> None:
+    made = stored()
+    await records.create(made)
+    batch_id = made.batch.id
+    first = await records.claim(batch_id, "a", 30)
+    assert first is not None
+    assert await records.claim(batch_id, "b", 30) is None  # held
+    assert await records.renew(batch_id, first, 30)
+    await records.release(batch_id, first)
+    second = await records.claim(batch_id, "b", 30)  # released: claimed at once
+    assert second is not None
+    assert second > first
+    assert not await records.renew(batch_id, first, 30)  # the old holder finds out
+    with pytest.raises(Fenced):
+        await records.answer(batch_id, first, answer("late"))
+    with pytest.raises(Fenced):
+        await records.save(made, first)
+    assert await records.answered(batch_id) == set()
+    await records.save(made, second)
     made.batch.status = "completed"
-    await batch.write(made)
-    done: set[str] = set()
-    assert await store.pending(done) == []
-    assert done == {made.batch.id}
-    assert await flaky.list(PENDING) == []  # out of the index: never read again, by any replica
+    await records.save(made, second)
+    assert batch_id not in await records.runnable()  # done: never claimed again
+    await records.release(batch_id, second)
+    assert await records.claim(batch_id, "c", 30) is None
 
 
-async def test_the_runner_reads_the_index_not_the_store(flaky: Flaky, tmp_path: Path) -> None:
-    store = store_on(flaky, tmp_path)
-    for status in ("validating", "completed", "in_progress"):
-        made = stored(status)
-        await store.of("t").create(made, LINES)
-    await store.pending(set())  # the completed one leaves the index
-    flaky.calls.clear()
-    assert len(await store.pending(set())) == 2
-    assert [name for method, name in flaky.calls if method == "list"] == [PENDING]
-    assert {method for method, _ in flaky.calls} == {"list", "get"}
-    assert all(name.endswith(("/record.json", "/cancel")) for method, name in flaky.calls if method == "get")
-
-
-async def test_a_create_cut_short_loses_no_batch(flaky: Flaky, tmp_path: Path) -> None:
-    """The index entry, then the input, then the record: a crash before the record leaves an entry
-    that waits for it (a create in progress) and is removed only once old, with what was written."""
-    store = store_on(flaky, tmp_path)
-    mine, made = store.of("t"), stored()
-    batch = mine._batch(made.batch.id)
-    await flaky.put(batch.entry, json.dumps({"created": time.time()}).encode())
-    await flaky.put(batch.name(INPUT), LINES)
-    assert await store.pending(set()) == []  # no record yet: not a batch yet
-    assert await flaky.list(PENDING) == [batch.entry]  # ...and its entry kept meanwhile
-    await batch.write(made)  # the create goes on: the batch is there, and pending
-    assert [b.id for b in await store.pending(set())] == [made.batch.id]
-
-    crashed = mine._batch(new_id())
-    await flaky.put(crashed.name(INPUT), LINES)
-    await flaky.put(crashed.entry, json.dumps({"created": time.time() - ORPHAN_S - 1}).encode())
-    assert [b.id for b in await store.pending(set())] == [made.batch.id]
-    assert await flaky.list(PENDING) == [batch.entry]  # the old entry without a record: removed
-    assert await flaky.list(crashed.prefix) == []  # with its input
-
-
-async def test_a_batch_that_ended_before_leaving_the_index_leaves_it_at_the_next_poll(flaky: Flaky,
-                                                                                      tmp_path: Path) -> None:
-    store = store_on(flaky, tmp_path)
+async def test_a_claim_lapses_and_a_cancel_is_kept_beside_the_record(records: Records) -> None:
     made = stored()
-    await store.of("t").create(made, LINES)
-    [batch] = await store.pending(set())
-    made.batch.status = "cancelled"
-    await batch.write(made)  # a crash here: the record says cancelled, the entry is still there
-    assert await flaky.list(PENDING) == [batch.entry]
-    assert await store.pending(set()) == []
-    assert await flaky.list(PENDING) == []
+    await records.create(made)
+    batch_id = made.batch.id
+    assert await records.claim(batch_id, "a", 0.2) is not None
+    taken = await claimed(records, batch_id, "b")  # the lapsed claim taken
+    await records.ask_cancel(batch_id)
+    await records.save(made, taken)  # a runner's write of the record keeps the cancel asked
+    found = await records.batch(batch_id)
+    assert found is not None
+    assert found.batch.status == "cancelling"
+    assert found.batch.cancelling_at is not None
 
 
-async def test_the_batches_of_an_older_store_are_indexed_once(flaky: Flaky, tmp_path: Path) -> None:
-    store = store_on(flaky, tmp_path)
-    running, ended = stored("in_progress"), stored("completed")
-    for made in (running, ended):
-        await store.of("t").create(made, LINES)
-        await flaky.delete(store.of("t")._batch(made.batch.id).entry)  # as an older version left them
-    assert await store.pending(set()) == []
-    assert await store.index_unlisted() == 1
-    assert [b.id for b in await store.pending(set())] == [running.batch.id]
-    flaky.calls.clear()
-    assert await store.index_unlisted() == 0
-    assert ("list", "") not in flaky.calls  # the whole store listed once, never again
+async def test_a_batch_is_its_owners_and_leaves_nothing_when_removed(records: Records) -> None:
+    mine, theirs = stored(owner="t"), stored(owner="t:x")
+    for made in (mine, theirs):
+        await records.create(made)
+    assert [s.batch.id for s in await records.batches("t")] == [mine.batch.id]
+    assert await records.runnable() == [mine.batch.id, theirs.batch.id]  # oldest first
+    await records.remove(mine.batch.id)
+    assert await records.batch(mine.batch.id) is None
+    assert await records.batches("t") == []
+    assert await records.runnable() == [theirs.batch.id]
 
 
-async def test_a_deleted_batch_leaves_nothing(flaky: Flaky, tmp_path: Path) -> None:
-    store = store_on(flaky, tmp_path)
-    made = stored("completed")
-    await store.of("t").create(made, LINES)
-    await store.of("t").delete(made.batch.id)
-    assert await flaky.list("") == []
+async def test_a_replica_stalled_mid_write_on_redis_has_its_late_write_refused(redis_server: RedisServer) -> None:
+    """Two replicas (each its own connections) on one Redis. A claims a batch and answers a line,
+    then stalls mid-batch (its renewals never come: a pause, a partition): its claim lapses, B claims
+    the batch and answers; when A goes on, its late writes (the line B answered, the next line, its
+    record) are refused, and B's answers stand."""
+    replicas = [RedisPools(), RedisPools()]
+    a, b = (RedisRecords(pools.client(redis_server.url, 5), "stall:") for pools in replicas)
+    made = stored()
+    await a.create(made)
+    batch_id = made.batch.id
+    token_a = await a.claim(batch_id, "a", 0.3)
+    assert token_a is not None
+    assert await a.answer(batch_id, token_a, answer("r0"))
+    token_b = await claimed(b, batch_id, "b")  # A stalled: its claim lapsed
+    assert await b.answer(batch_id, token_b, answer("r1", content="B's"))
+    for late in (a.answer(batch_id, token_a, answer("r1", content="A's, late")), a.answer(batch_id, token_a, answer("r2")),
+                 a.save(made, token_a)):
+        with pytest.raises(Fenced):
+            await late
+    assert not await a.renew(batch_id, token_a, 30)
+    kept = {x.custom_id: orjson.loads(x.line)["content"] async for x in b.answers(batch_id)}
+    assert kept == {"r0": "x", "r1": "B's"}
+    for pools in replicas:
+        await pools.aclose()
 
 
-# --- a store that is down -----------------------------------------------------------------------
+async def test_a_killed_or_stalled_redis_is_unavailable(redis_server: RedisServer) -> None:
+    pools = RedisPools()
+    records = RedisRecords(pools.client(redis_server.url, 0.3), "down:")
+    made = stored()
+    await records.create(made)
+    assert redis_server.process is not None
+    redis_server.process.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await records.batch(made.batch.id)
+    finally:
+        redis_server.process.send_signal(signal.SIGCONT)
+    redis_server.process.kill()
+    redis_server.process.wait()
+    for call in (records.batch(made.batch.id), records.claim(made.batch.id, "a", 1), records.runnable(),
+                 records.file("t", "file-" + "0" * 24)):
+        with pytest.raises(StoreUnavailable):
+            await call
+    redis_server.start()  # back at the same address: the store serves again
+    assert await records.batch(made.batch.id) is None  # it kept nothing (no persistence in this test's Redis)
+    await pools.aclose()
 
 
-async def test_a_disk_that_fails_is_unavailable_and_an_object_that_is_none_is_not(tmp_path: Path) -> None:
-    (tmp_path / "not-a-directory").write_text("x")
-    blobs = DiskBlobs.at(tmp_path / "not-a-directory")
-    assert await blobs.get("a/b") is None  # none: no error
-    with pytest.raises(BlobsUnavailable, match="disk store failed"):
-        await blobs.put("a/b", b"x")
-    with pytest.raises(StoreUnavailable):  # as the stores see it: the API's 503
-        await Guarded(blobs).append("a/b", b"x")
+def test_the_redis_backend_needs_its_url() -> None:
+    from gateway.settings import StoreSettings
+
+    with pytest.raises(ValueError, match="redis_url"):
+        StoreSettings(backend="redis")
+
+
+# --- a store that is down -----------------------------------------------------------------------------
 
 
 @pytest.fixture
 def stores(monkeypatch: pytest.MonkeyPatch) -> dict[str, Flaky]:
-    """The app's two stores, each a `Flaky` on its disk directory."""
-    made: dict[str, Flaky] = {}
-
-    def open_blobs(settings: Any, pools: Any, part: str) -> Flaky:
-        directory = settings.files.dir if part == "files" else settings.batches.dir
-        made[part] = Flaky(DiskBlobs.at(directory))
-        return made[part]
-
-    monkeypatch.setattr("gateway.app.open_blobs", open_blobs)
-    return made
+    return failing_stores(monkeypatch)
 
 
 def down(stores: dict[str, Flaky], is_down: bool = True) -> None:
-    for blobs in stores.values():
-        blobs.down = is_down
+    for part in stores.values():
+        part.down = is_down
 
 
 OPENAI = {"authorization": "Bearer sk-owner"}
@@ -214,7 +249,6 @@ def test_a_store_that_is_down_is_a_503_on_every_route_of_the_lane(lane: TestClie
         else:
             assert (error["type"], error["code"]) == ("server_error", "service_unavailable")
         assert "store" in error["message"]
-        assert "refused" not in error["message"]  # the backend's own error is logged, not shown
     chat = lane.post("/v1/chat/completions", headers=OPENAI,
                      json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 200  # the rest of the gateway serves on
@@ -228,7 +262,7 @@ def test_the_runner_outlives_a_store_outage_and_answers_each_line_once(tmp_path:
     engine = FakeEngine(delay=0.05)  # 12 lines of 4 tokens, 2 at a time: the outage comes mid-run
     app = app_with(engine, **settings(tmp_path, max_in_flight=2, lease_s=0.5))
     with TestClient(app) as client:
-        batches = stores["batches"]  # opened as the app starts
+        batches = stores["batches"]
         down(stores)  # down as the runner polls: its polls refused, it polls again
         until_sync(lambda: batches.refused >= 2, what="two polls refused")
         down(stores, False)
@@ -236,10 +270,9 @@ def test_the_runner_outlives_a_store_outage_and_answers_each_line_once(tmp_path:
         batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(12))))
         completed(sdk, batch.id, 3)
         refused = batches.refused
-        down(stores)  # down mid-run: the run fails here; the batch is taken again once its lease expires
+        down(stores)  # down mid-run: the run fails here; the batch is claimed again once its claim lapses
         until_sync(lambda: batches.refused >= refused + 2, what="two more refusals")
         down(stores, False)
-        assert any(method == "local" and name.endswith("/input.jsonl") for method, name in batches.calls)
         done = wait(sdk, batch.id)
         output = by_custom_id(lines_of(sdk, done.output_file_id))
         again = wait(sdk, submit(sdk, jsonl(chat_line("after"))).id)  # the runner still runs
@@ -249,7 +282,7 @@ def test_the_runner_outlives_a_store_outage_and_answers_each_line_once(tmp_path:
     assert again.status == "completed"
 
 
-def test_a_message_batchs_results_are_read_through_the_store(tmp_path: Path, stores: dict[str, Flaky]) -> None:
+def test_a_message_batchs_results_are_read_from_its_answers(tmp_path: Path, stores: dict[str, Flaky]) -> None:
     with TestClient(app_with(FakeEngine(), api_keys=KEYS, **settings(tmp_path))) as client:
         made = client.post(BATCHES, json={"requests": [{"custom_id": c, "params": params()} for c in "ab"]},
                            headers=ANTHROPIC).json()
@@ -258,18 +291,25 @@ def test_a_message_batchs_results_are_read_through_the_store(tmp_path: Path, sto
         stores["batches"].calls.clear()
         answer = client.get(f"{BATCHES}/{made['id']}/results", headers=ANTHROPIC)
     assert [json.loads(line)["custom_id"] for line in answer.text.splitlines()] == ["a", "b"]
-    read = {name.rpartition("/")[2] for method, name in stores["batches"].calls if method == "local"}
-    assert read == {"output.jsonl", "errors.jsonl", "input.jsonl"}
+    assert ("answers", made["id"]) in stores["batches"].calls
+    assert ("local", input_name(made["id"])) in stores["batches"].calls
 
 
-def test_names_stay_under_the_owners_prefix(tmp_path: Path) -> None:
-    """The objects of a batch made through the API, as names: its owner's hash, its id, its parts."""
+def test_a_batch_keeps_its_input_and_its_records_only(tmp_path: Path) -> None:
+    """A batch made through the API: its input one blob named by its id, its answers in the database;
+    its output a file of the Files API (a blob named by its id). Nothing is named by its owner."""
     with TestClient(app_with(FakeEngine(), api_keys=KEYS, **settings(tmp_path))) as client:
         sdk = sdk_for(client, "sk-owner")
         done = wait(sdk, submit(sdk, LINES).id)
-    names = asyncio.run(DiskBlobs.at(tmp_path / "batches").list(""))
-    home = {n.partition("/")[0] for n in names if not n.startswith((".spool/", PENDING, "pending."))}
-    assert len(home) == 1
-    assert len(home.pop()) == 32
-    assert {n.rpartition("/")[2] for n in names if done.id in n} >= {RECORD, INPUT, "output.jsonl"}
-    assert not [n for n in names if n.startswith(PENDING)]  # done: out of the index
+    batches = sorted(p.name for p in (tmp_path / "batches").iterdir() if p.is_file())
+    assert [n for n in batches if not n.startswith("batches.sqlite3")] == [input_name(done.id)]
+    files = sorted(p.name for p in (tmp_path / "files").iterdir() if p.is_file())
+    assert [n for n in files if not n.startswith("files.sqlite3")] == sorted([done.input_file_id, done.output_file_id])
+    assert asyncio.run(_integrity(tmp_path / "batches" / "batches.sqlite3")) == "ok"
+
+
+async def _integrity(path: Path) -> str:
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        return str(db.execute("PRAGMA integrity_check").fetchone()[0])

@@ -17,15 +17,15 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
-from gateway.stores.batches import ERRORS, OUTPUT, BatchStore, new_id
+from gateway.stores.batches import BatchStore, new_id
 from tests.fakes import FakeEngine, app_with
-from tests.stores import batch_in, disk_batches, read
+from tests.stores import answers, disk_batches, record
 from tests.unit.test_responses import sdk_for
 from tests.unit.test_tenants import keys_file
 from tests.waits import until_sync
 
 KEYS = ["sk-owner", "sk-other"]
-FAST = {"poll_s": 0.05, "retry_s": 0.1, "lease_s": 3, "record_every_s": 0.05}  # counts fresh enough to watch
+FAST = {"poll_s": 0.05, "retry_s": 0.1, "lease_s": 3}
 DONE = ("completed", "failed", "expired", "cancelled")
 
 
@@ -269,17 +269,12 @@ def test_a_batch_resumes_after_a_crash_and_answers_each_line_once(tmp_path: Path
         sdk = sdk_for(client)
         batch = submit(sdk, jsonl(*lines))
         completed(sdk, batch.id, 4)
-    # the shutdown left it in progress, its lines in flight cancelled; a crash tears the last line
-    objects = batch_in(tmp_path / "batches", batch.id)
-    stored = asyncio.run(objects.read())
+    # the shutdown left it in progress, its lines in flight cancelled
+    stored = record(tmp_path / "batches", batch.id)
     assert stored.batch.status == "in_progress"
     assert 4 <= stored.batch.request_counts.completed < 12
-    output = read(objects, OUTPUT)
-    assert output is not None
-    written = output.splitlines(keepends=True)
-    torn = b"".join(written[:-1]) + written[-1][:20]  # torn mid-line
-    asyncio.run(objects.blobs.put(objects.name(OUTPUT), torn))
-    before = len(written) - 1
+    before = len(answers(tmp_path / "batches", batch.id))
+    assert before == stored.batch.request_counts.completed
     second = FakeEngine()
     with TestClient(app_with(second, **settings(tmp_path))) as client:
         sdk = sdk_for(client)
@@ -301,34 +296,6 @@ def test_two_runners_on_one_directory_run_a_batch_once(tmp_path: Path) -> None:
         output = by_custom_id(lines_of(sdk_for(a), done.output_file_id))
     assert len(output) == 10
     assert sorted([len(one.requests), len(two.requests)]) == [0, 10]  # one replica held the lease
-
-
-async def test_the_lease(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from types import SimpleNamespace
-
-    from gateway.stores import batches
-    from gateway.stores.batches import RECORD, BatchObjects, Lease
-
-    store = disk_batches(tmp_path)
-    batch = BatchObjects(store.blobs, store.spool, "0" * 32, "batch_" + "1" * 32)
-    await batch.blobs.put(batch.name(RECORD), b"{}")
-    first = await Lease.take(batch, "a", lease_s=30)
-    assert first is not None
-    assert await Lease.take(batch, "b", lease_s=30) is None
-    assert await first.renew()
-    await first.release()
-    second = await Lease.take(batch, "b", lease_s=30)  # released: taken at once
-    assert second is not None
-    assert second.generation == 2
-    assert not await first.renew()  # taken over: the old holder finds out
-    assert await Lease.take(batch, "c", lease_s=30) is None
-    later = SimpleNamespace(time=lambda: time.time() + 60, monotonic=time.monotonic)  # the clock past its expiry
-    monkeypatch.setattr(batches, "time", later)
-    third = await Lease.take(batch, "c", lease_s=30)  # expired: taken over
-    assert third is not None
-    assert not await second.renew()
-    assert await third.renew()
-    assert sorted(await store.blobs.list(batch.prefix)) == [batch.name("lease.3"), batch.name(RECORD)]
 
 
 def test_an_expired_batch_fails_its_remaining_lines(tmp_path: Path) -> None:
@@ -369,8 +336,7 @@ def test_a_rate_limit_pauses_lines_instead_of_failing_them(tmp_path: Path) -> No
 
 def on_disk(tmp_path: Path, batch_id: str, timeout: float = 60) -> Batch:
     """A batch once done, read from its record (for tests whose key cannot spare requests)."""
-    batch = batch_in(tmp_path / "batches", batch_id)
-    return until_sync(lambda: (found := asyncio.run(batch.read()).batch).status in DONE and found, timeout,
+    return until_sync(lambda: (found := record(tmp_path / "batches", batch_id).batch).status in DONE and found, timeout,
                       f"batch {batch_id} done")
 
 
@@ -381,10 +347,8 @@ def test_a_removed_key_fails_its_batchs_lines(tmp_path: Path) -> None:
     batch_id = _stored(disk_batches(tmp_path / "batches"), source, owner="gone", tenant="keys-file:gone")
     with TestClient(app_with(FakeEngine(), keys_file=path, **settings(tmp_path))):
         assert on_disk(tmp_path, batch_id).status == "completed"
-    errors = read(batch_in(tmp_path / "batches", batch_id), ERRORS)
-    assert errors is not None
-    [line] = [json.loads(x) for x in errors.splitlines()]
-    assert line["response"]["status_code"] == 401
+    [line] = answers(tmp_path / "batches", batch_id, ok=False)
+    assert line["response"]["status_code"] == 401  # type: ignore[index]
 
 
 def test_a_drain_starts_no_new_line_and_leaves_the_batch_in_progress(tmp_path: Path) -> None:
@@ -403,32 +367,6 @@ def test_a_drain_starts_no_new_line_and_leaves_the_batch_in_progress(tmp_path: P
         started = len(engine.requests)
         time.sleep(0.5)  # a window for what must not happen (ten lines' time): none of them starts
         assert len(engine.requests) == started < 10
-    stored = asyncio.run(batch_in(tmp_path / "batches", batch.id).read())
+    stored = record(tmp_path / "batches", batch.id)
     assert stored.batch.status == "in_progress"
     assert stored.batch.request_counts.completed < 10
-
-
-def test_a_line_a_stalled_holder_wrote_again_is_answered_once(tmp_path: Path) -> None:
-    """A holder that stalled past its lease may append an answer the new holder already wrote (or is
-    about to): the counts, the published output and error files keep each custom_id once, the first."""
-    lines = [chat_line(f"r{i}", max_tokens=4) for i in range(6)]
-    with TestClient(app_with(FakeEngine(delay=0.02), **settings(tmp_path, max_in_flight=1))) as client:
-        batch = submit(sdk_for(client), jsonl(*lines))
-        completed(sdk_for(client), batch.id, 2)
-    objects = batch_in(tmp_path / "batches", batch.id)
-    output = read(objects, OUTPUT)
-    assert output is not None
-    first = output.splitlines(keepends=True)[0]
-    late = json.loads(first)
-    late["response"]["body"]["choices"][0]["message"]["content"] = "written again, late"
-    asyncio.run(objects.append(OUTPUT, first + json.dumps(late).encode() + b"\n"))  # twice more, a torn read apart
-    error = {"id": "batch_req_x", "custom_id": late["custom_id"], "response": None, "error": {"code": "x", "message": "x"}}
-    asyncio.run(objects.append(ERRORS, json.dumps(error).encode() + b"\n"))
-    with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
-        sdk = sdk_for(client)
-        done = wait(sdk, batch.id)
-        answered, failed = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
-    assert sorted(line["custom_id"] for line in answered) == [f"r{i}" for i in range(6)]
-    assert failed == []
-    assert by_custom_id(answered)[late["custom_id"]] == json.loads(first)  # the first written
-    assert done.request_counts.model_dump() == {"total": 6, "completed": 6, "failed": 0}

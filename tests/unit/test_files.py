@@ -52,8 +52,13 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
         yield test_client
 
 
+def contents(directory: Path) -> list[Path]:
+    """The uploads' contents (the records are in the directory's database)."""
+    return sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith("files.sqlite3"))
+
+
 def stored_files(tmp_path: Path) -> list[Path]:
-    return sorted(p for p in (tmp_path / "files").rglob("*") if p.is_file())
+    return contents(tmp_path / "files")
 
 
 def test_the_sdk_uploads_lists_retrieves_downloads_and_deletes(client: TestClient, tmp_path: Path) -> None:
@@ -187,7 +192,7 @@ def test_an_oversize_file_is_a_413_declared_or_streamed(tmp_path: Path) -> None:
                                                          b"filename=\"a\"\r\n\r\n", big, b"\r\n--b--\r\n"]),
                               headers={**auth("sk-owner"), "content-type": "multipart/form-data; boundary=b"})
         assert chunked.status_code == 413  # no Content-Length: counted as it streams
-        assert len([p for p in stored_files(tmp_path) if not p.name.endswith(".json")]) == 1
+        assert len(stored_files(tmp_path)) == 1
 
 
 def test_an_upload_is_not_held_in_the_in_memory_body_budget(tmp_path: Path) -> None:
@@ -231,13 +236,10 @@ def test_another_key_s_file_answers_as_an_unknown_one_and_touches_nothing(client
     assert client.get(f"/v1/files/{theirs['id']}", headers=auth("sk-owner")).json() == theirs
 
 
-def test_each_tenant_has_a_directory_not_named_by_the_tenant(client: TestClient, tmp_path: Path) -> None:
-    upload(client, GOOD, key="sk-owner")
-    upload(client, GOOD, key="sk-other")
-    homes = sorted(p.name for p in (tmp_path / "files").iterdir() if p.name != ".spool")
-    assert len(homes) == 2
+def test_a_content_is_named_by_its_id_never_by_the_tenant(client: TestClient, tmp_path: Path) -> None:
+    made = [upload(client, GOOD, key=key).json()["id"] for key in KEYS]
+    assert sorted(p.name for p in stored_files(tmp_path) if p.parent.name != ".spool") == sorted(made)
     assert list((tmp_path / "files" / ".spool").iterdir()) == []  # the uploads' spool: each handed to the store
-    assert all(len(home) == 32 and all(c in "0123456789abcdef" for c in home) for home in homes)
 
 
 ODD_IDS = ["..", "../x", "..%2F..%2Fetc%2Fpasswd", "%2E%2E", "file-..", "file-0123456789abcdef01234567.json",
@@ -279,7 +281,7 @@ async def test_an_expired_file_is_gone(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(NotFound):
         await mine.get(made.id)
     assert await mine.page(None, None, 10, True) == ([], False)
-    assert await asyncio.to_thread(lambda: [p for p in tmp_path.rglob("*") if p.is_file()]) == []  # both removed
+    assert await asyncio.to_thread(contents, tmp_path) == []  # its content removed with its record
 
 
 async def test_a_download_outlives_a_delete_meanwhile(tmp_path: Path) -> None:

@@ -19,9 +19,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.stores.batches import BatchObjects
+from gateway.stores.batchdb import SqliteRecords
+from gateway.stores.batches import input_name
 from tests.fakes import FakeEngine, app_with, fake_settings
-from tests.stores import batch_in
+from tests.stores import disk_batches, record
 from tests.unit.test_batches import KEYS, settings
 from tests.unit.test_message_batches import BATCHES, create, headers, params, retrieve, wait
 from tests.unit.test_reach import MODELS, REFERENCES, _engines
@@ -263,7 +264,7 @@ def test_a_key_removed_while_its_batch_runs_fails_the_rest(tmp_path: Path) -> No
 
 
 def _status(tmp_path: Path, batch_id: str) -> str:
-    return asyncio.run(batch_in(tmp_path / "batches", batch_id).read()).batch.status
+    return record(tmp_path / "batches", batch_id).batch.status
 
 
 # --- the SDK end to end: pages both ways, results, delete ---------------------------------------------
@@ -327,20 +328,21 @@ def test_a_malformed_create_is_a_400_and_stores_nothing(client: TestClient, body
     ("GET", "", 200), ("POST", "/cancel", 400), ("GET", "/results", 404), ("DELETE", "", 200),
 ])
 def test_a_batch_deleted_between_lookup_and_read_is_never_a_5xx(client: TestClient, monkeypatch: pytest.MonkeyPatch,
-                                                                method: str, path: str, status: int) -> None:
+                                                                tmp_path: Path, method: str, path: str, status: int) -> None:
     """Two clients (or a retried DELETE) on one batch: the other deletes it right after this request
     found it. What was found answers (its view; a cancel of an ended batch refused; a delete done
     twice is done), and results whose objects are gone are a 404: never a 500."""
-    load = BatchObjects.load
+    load = SqliteRecords.batch
 
-    async def deleted_after(self: BatchObjects) -> Any:
-        found = await load(self)
-        await self.blobs.delete(*await self.blobs.list(self.prefix))
+    async def deleted_after(self: SqliteRecords, batch_id: str) -> Any:
+        found = await load(self, batch_id)
+        await self.remove(batch_id)
+        await asyncio.to_thread((tmp_path / "batches" / input_name(batch_id)).unlink, missing_ok=True)
         return found
 
     batch = create(client, [{"custom_id": "a", "params": params()}])
     wait(client, batch.id)
-    monkeypatch.setattr(BatchObjects, "load", deleted_after)
+    monkeypatch.setattr(SqliteRecords, "batch", deleted_after)
     response = client.request(method, f"{BATCHES}/{batch.id}{path}", headers=headers())
     assert response.status_code == status, response.text
     if status == 404:
@@ -348,19 +350,24 @@ def test_a_batch_deleted_between_lookup_and_read_is_never_a_5xx(client: TestClie
 
 
 def test_results_already_streaming_survive_a_delete(client: TestClient, tmp_path: Path) -> None:
-    """The results' objects are opened before the answer starts: a delete then does not cut the JSONL
+    """The results are assembled before the answer starts: a delete then does not cut the JSONL
     short after a 200 (the server's error, mid-stream)."""
     from gateway.apis.message_batches import message_batches_serving as mb
 
     batch = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(3)] +
                    [{"custom_id": "bad", "params": params(model="nope")}])
     wait(client, batch.id)
-    found = batch_in(tmp_path / "batches", batch.id)
+    store = disk_batches(tmp_path / "batches")
 
     async def read_while_deleted() -> list[bytes]:
-        lines = await mb.results(found, await found.read(), "message_batch_id")
-        await found.blobs.delete(*await found.blobs.list(found.prefix))
-        return [chunk async for chunk in lines.chunks()]
+        stored = await store.records.batch(batch.id)
+        assert stored is not None
+        lines = await mb.results(store, stored, "message_batch_id")
+        await store.records.remove(batch.id)
+        await store.blobs.delete(input_name(batch.id))
+        chunks = [chunk async for chunk in lines.chunks]
+        await store.aclose()
+        return chunks
 
     chunks = asyncio.run(read_while_deleted())
     assert sorted(json.loads(line)["custom_id"] for line in b"".join(chunks).splitlines()) == ["bad", "r0", "r1", "r2"]
@@ -443,7 +450,8 @@ def test_a_rate_limited_keys_batch_does_not_hold_the_lane_for_another_key(tmp_pa
         done = ended(client, fast.id, "sk-fast", timeout=90)
         assert done.request_counts.succeeded == 4
         assert _status(tmp_path, slow.id) == "in_progress"  # still waiting for its limit
-        asyncio.run(batch_in(tmp_path / "batches", slow.id).ask_cancel())  # its key may not ask for a minute: as another replica would
+        other = SqliteRecords(tmp_path / "batches" / "batches.sqlite3")  # its key may not ask for a minute: as another replica would
+        asyncio.run(other.ask_cancel(slow.id))
         runner = client.app_state["gateway"].batch_runner
         runner.cancel(slow.id)
         until_sync(lambda: _status(tmp_path, slow.id) == "cancelled", what="the slow batch cancelled")
@@ -454,18 +462,3 @@ def _refusals() -> float:
     import prometheus_client
 
     return prometheus_client.REGISTRY.get_sample_value("gateway_rate_limited_total", {"limit": "requests"}) or 0.0
-
-
-def test_a_result_written_twice_is_read_once(client: TestClient, tmp_path: Path) -> None:
-    """A holder that stalled past its lease appending an answer again, even after the batch ended:
-    the results keep each custom_id once, the first written."""
-    batch = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(3)])
-    wait(client, batch.id)
-    objects = batch_in(tmp_path / "batches", batch.id)
-    output = asyncio.run(objects.blobs.get(objects.name("output.jsonl")))
-    assert output is not None
-    asyncio.run(objects.append("output.jsonl", output.splitlines(keepends=True)[0]))
-    found = results_of(client, batch.id)
-    assert sorted(found) == ["r0", "r1", "r2"]
-    raw = client.get(f"{BATCHES}/{batch.id}/results", headers=headers()).text.splitlines()
-    assert len(raw) == 3

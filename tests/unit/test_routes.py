@@ -84,11 +84,15 @@ def concrete(client: TestClient, path: str, headers: dict[str, str]) -> str:
 
 def ended(client: TestClient, batch_id: str) -> None:
     """The batch marked completed on disk, as a runner would leave it (none runs here)."""
-    store = client.app_state["gateway"].batches
-    batch = next(b for b in asyncio.run(store.pending(set())) if b.id == batch_id)
-    stored = asyncio.run(batch.read())
-    stored.batch.status, stored.batch.completed_at = "completed", int(time.time())
-    asyncio.run(batch.write(stored))
+    records = client.app_state["gateway"].batches.records
+
+    async def end() -> None:
+        token = await records.claim(batch_id, "test", 30)
+        stored = await records.batch(batch_id)
+        stored.batch.status, stored.batch.completed_at = "completed", int(time.time())
+        await records.save(stored, token)
+
+    asyncio.run(end())
 
 
 def batch_body(client: TestClient, headers: dict[str, str]) -> dict[str, Any]:

@@ -1,15 +1,17 @@
-"""The batch lane's store layer attacked on every backend (disk, a real redis-server, moto's S3): a
-store that fails at each step of an upload or a batch create leaves nothing behind that nobody will
-ever remove; two replicas on one store answer every line once; a store that fails after a route has
-checked its id is still a 503 before the first byte; nothing secret reaches the logs."""
+"""The batch lane's stores attacked on every backend (SQLite or a real redis-server for the records,
+a directory or moto's S3 for the contents): a store that fails at each step of an upload or a batch
+create leaves nothing behind that nobody will ever remove; two replicas on one store answer every
+line once; a store that fails after a route has checked its id is still a 503 before the first
+byte; nothing secret reaches the logs."""
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import json
 import secrets
+import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +20,13 @@ from starlette.testclient import TestClient
 
 from gateway.errors import StoreUnavailable
 from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
-from gateway.stores.batches import PENDING, BatchStore, new_id
-from gateway.stores.blobs import Blobs, BlobsUnavailable
-from gateway.stores.files import FileStore, owner_prefix
-from gateway.stores.spool import Spool
-from tests.blob_backends import BACKENDS
+from gateway.stores.batchdb import Records, SqliteRecords
+from gateway.stores.batchdb_redis import RedisRecords
+from gateway.stores.batches import BatchStore, new_id
+from gateway.stores.blobs import Blobs, LocalBlobs, unavailable
+from gateway.stores.files import FileStore
 from tests.fakes import FakeEngine, app_with
-from tests.stores import Flaky
+from tests.stores import Flaky, failing_stores
 from tests.unit.test_batches import by_custom_id, chat_line, jsonl, lines_of, settings, submit, wait
 from tests.unit.test_responses import sdk_for
 from tests.waits import until_sync
@@ -32,19 +34,12 @@ from tests.waits import until_sync
 LINES = jsonl(chat_line("a"), chat_line("b"))
 
 
-class FailsAt(Flaky):
-    """A store that refuses the calls `refuse` picks (method, name), as a backend that went down
-    right then; every other call goes through."""
-
-    def __init__(self, blobs: Blobs, refuse: Callable[[str, str], bool]) -> None:
-        super().__init__(blobs)
-        self.refuse = refuse
-
-    def _call(self, method: str, name: str) -> None:
-        super()._call(method, name)
-        if self.refuse(method, name):
-            self.refused += 1
-            raise BlobsUnavailable("connection refused (a test's store fails right here)")
+def contents(blobs: Blobs) -> list[str]:
+    """Every content the store holds, by name (a test's view)."""
+    if isinstance(blobs, LocalBlobs):
+        return sorted(p.name for p in blobs.root.iterdir() if p.is_file()) if blobs.root.exists() else []
+    listed = blobs.client.list_objects_v2(Bucket=blobs.bucket, Prefix=blobs.root)  # type: ignore[attr-defined]
+    return sorted(item["Key"] for item in listed.get("Contents", []))
 
 
 def _stored(owner: str = "t") -> StoredBatch:
@@ -57,40 +52,35 @@ def _stored(owner: str = "t") -> StoredBatch:
 # --- a store failing mid-way leaves nothing no one removes ---------------------------------------------
 
 
-@pytest.mark.parametrize("failing", ["put_file", "put"])
+@pytest.mark.parametrize("failing", ["put_file", "add_file"])
 async def test_an_upload_cut_short_by_the_store_leaves_no_object(blobs: Blobs, tmp_path: Path, failing: str) -> None:
-    """The content is handed over, then the metadata written: when the second fails, the content (an
-    object no listing shows, that no delete reaches) is not left behind."""
-    store = FileStore.on(FailsAt(blobs, lambda method, name: method == failing), Spool.at(tmp_path / "spool"))
-    mine = store.of("t")
+    """The content is handed over, then the record written: when the second fails, the content (one
+    no listing shows, that no delete reaches) is not left behind."""
+    flaky = Flaky()
+    flaky.refuse = lambda method: method == failing
+    mine = FileStore(flaky.wrap(SqliteRecords(tmp_path / "db.sqlite3")), flaky.wrap(blobs)).of("t")
     staged = await mine.stage()
     await staged.write(LINES)
     with pytest.raises(StoreUnavailable):
         await mine.put(staged, "in.jsonl", "batch", 3600)
     await staged.discard()
-    assert await blobs.list(f"{owner_prefix('t')}/") == []
-    assert list((tmp_path / "spool").iterdir()) == []
+    assert contents(blobs) == []
+    assert list(blobs.spool.iterdir()) == []
 
 
-@pytest.mark.parametrize("step", ["input", "entry", "record"])
-async def test_a_create_cut_short_at_any_step_leaves_nothing_once_swept(blobs: Blobs, tmp_path: Path, step: str,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch create that the store fails at one of its three writes: the batch is not there, and
-    the runner's sweep of old index entries removes whatever was written (a 200 MB input is not kept
-    forever under a batch that does not exist)."""
+@pytest.mark.parametrize("failing", ["put_file", "create"])
+async def test_a_create_cut_short_at_any_step_leaves_nothing(blobs: Blobs, tmp_path: Path, failing: str) -> None:
+    """A batch create that the store fails at its input or its record: the batch is not there, and its
+    input (a 200 MB blob no batch names) is not kept."""
+    flaky = Flaky()
+    flaky.refuse = lambda method: method == failing
+    store = BatchStore(flaky.wrap(SqliteRecords(tmp_path / "db.sqlite3")), flaky.wrap(blobs))
     made = _stored()
-    names = {"input": "/input.jsonl", "entry": f"{PENDING}", "record": "/record.json"}
-
-    def refuse(method: str, name: str) -> bool:
-        return method in ("put", "put_file") and made.batch.id in name and (
-            name.startswith(PENDING) if step == "entry" else name.endswith(names[step]))
-
-    store = BatchStore.on(FailsAt(blobs, refuse), Spool.at(tmp_path / "spool"))
     with pytest.raises(StoreUnavailable):
         await store.of("t").create(made, LINES)
-    monkeypatch.setattr("gateway.stores.batches.ORPHAN_S", -60)  # every entry without a record is old now
-    assert await store.pending(set()) == []
-    assert await blobs.list("") == []
+    flaky.refuse = lambda method: False
+    assert await store.records.runnable() == []
+    assert contents(blobs) == []
 
 
 # --- a store failing after the id was checked: a 503 before the first byte ------------------------------
@@ -108,7 +98,7 @@ def test_a_message_batchs_results_are_a_503_when_the_store_fails_after_the_check
         batch = client.post(BATCHES, json={"requests": [{"custom_id": "a", "params": params()}]}, headers=anthropic).json()
         until_sync(lambda: client.get(f"{BATCHES}/{batch['id']}", headers=anthropic).json()["processing_status"] == "ended",
                    what="the batch ended")
-        made["batches"].refuse = lambda method, name: method == "local"
+        made["batches"].refuse = lambda method: method == "answers"
         answer = client.get(f"{BATCHES}/{batch['id']}/results", headers=anthropic)
     assert answer.status_code == 503, answer.text
     assert answer.json()["error"]["type"] == "api_error"
@@ -117,7 +107,7 @@ def test_a_message_batchs_results_are_a_503_when_the_store_fails_after_the_check
 # --- two replicas on one store, on each backend -----------------------------------------------------------
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=["disk", "redis", "s3"])
 def store_settings(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     """The `store` settings of an app on each backend (a fresh prefix or bucket per test)."""
     if request.param == "disk":
@@ -149,16 +139,15 @@ def test_two_replicas_on_one_store_answer_each_line_once(tmp_path: Path, store_s
     assert len(one.requests) + len(two.requests) == 32  # every line run once, on one replica or the other
 
 
-def test_a_replica_killed_mid_batch_is_taken_over_once_its_lease_expires(tmp_path: Path, store_settings: dict[str, Any],
+def test_a_replica_killed_mid_batch_is_taken_over_once_its_claim_lapses(tmp_path: Path, store_settings: dict[str, Any],
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """A's leases are never released (a kill, not a shutdown): B takes the batch once A's lease has
-    expired, and every line is answered once."""
-    from gateway.stores.batches import Lease
-
-    async def kept(self: Lease) -> None:
+    """A's claims are never released (a kill, not a shutdown): B claims the batch once A's claim has
+    lapsed, and every line is answered once."""
+    async def kept(self: Records, batch_id: str, token: int) -> None:
         return None
 
-    monkeypatch.setattr(Lease, "release", kept)
+    monkeypatch.setattr(SqliteRecords, "release", kept)
+    monkeypatch.setattr(RedisRecords, "release", kept)
     one, two = FakeEngine(delay=0.05), FakeEngine(delay=0.01)
     config = {**settings(tmp_path, max_in_flight=2, lease_s=1.0), **store_settings}
     with TestClient(app_with(one, **config)) as a:
@@ -179,20 +168,19 @@ def test_a_replica_killed_mid_batch_is_taken_over_once_its_lease_expires(tmp_pat
 async def test_a_store_that_is_down_logs_no_password_or_secret_key(capsys: pytest.CaptureFixture[str],
                                                                    tmp_path: Path) -> None:
     from gateway.settings import StoreSettings
-    from gateway.stores.blobs_redis import RedisBlobs
     from gateway.stores.blobs_s3 import S3Blobs
-    from gateway.stores.guarded import Guarded
     from gateway.stores.redis import RedisPools
 
     pools = RedisPools()
     redis_url = f"unix://:redis-password-1234@{tmp_path / 'none.sock'}?db=0"
     s3 = StoreSettings(backend="s3", s3_endpoint_url="http://127.0.0.1:9", s3_bucket="b", s3_timeout_s=1,
                        s3_access_key_id="AKIAEXAMPLE", s3_secret_access_key="s3-secret-key-5678")
-    stores = [RedisBlobs(pools.client(redis_url, 1), "x:files:"), S3Blobs.from_settings(s3, "files")]
-    for store in stores:
-        with pytest.raises(StoreUnavailable):
-            await Guarded(store).get("a/b")
-        await store.aclose()
+    with pytest.raises(StoreUnavailable):
+        await RedisRecords(pools.client(redis_url, 1), "x:").file("t", "file-" + "0" * 24)
+    blobs = S3Blobs.from_settings(s3, "files", tmp_path)
+    with pytest.raises(StoreUnavailable), unavailable():
+        await blobs.open("a")
+    await blobs.aclose()
     await pools.aclose()
     captured = capsys.readouterr()
     logged = captured.out + captured.err
@@ -208,12 +196,11 @@ async def test_a_store_that_is_down_logs_no_password_or_secret_key(capsys: pytes
 def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: Path) -> None:
     """The unrun lines were written as expired, then the runner died before the record said `expired`:
     the next run finds nothing left to expire, and still counts those lines as expired, not errored."""
-    import asyncio
-
     from gateway.apis.batches.batches_input import MESSAGES
     from gateway.apis.batches.batches_runner import expired_line
     from gateway.protocol.batch_objects import RequestCounts
-    from gateway.stores.batches import ERRORS, MESSAGE_BATCH
+    from gateway.stores.batchdb import Answer
+    from gateway.stores.batches import MESSAGE_BATCH
     from tests.stores import disk_batches
     from tests.unit.test_message_batches import params, results
     from tests.unit.test_message_batches import wait as wait_ended
@@ -227,7 +214,14 @@ def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: 
                      for c in ("a", "b"))
     mine = store.of("anonymous", MESSAGE_BATCH)
     asyncio.run(mine.create(stored, lines))
-    asyncio.run(mine._batch(batch_id).append(ERRORS, expired_line("a") + b"\n" + expired_line("b") + b"\n"))
+
+    async def expired_then_killed() -> None:
+        token = await store.records.claim(batch_id, "killed", 0.01)  # its claim lapses at once: never released
+        assert token is not None
+        for custom_id in ("a", "b"):
+            await store.records.answer(batch_id, token, Answer(custom_id, False, expired_line(custom_id), expired=True))
+
+    asyncio.run(expired_then_killed())
     with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
         done = wait_ended(client, batch_id)
         found = results(client, done)
@@ -239,31 +233,21 @@ def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: 
 # --- many objects at once ------------------------------------------------------------------------------------
 
 
-async def test_an_owner_with_many_files_and_batches_lists_them(blobs: Blobs, tmp_path: Path) -> None:
-    """A listing reads each object's record: not all at once (on Redis, 150 reads at once took more
-    connections than the process's pool has, shared with the cache and the limits: a 503 for the
-    owner, and the pool exhausted for everyone meanwhile)."""
-    import asyncio
-
+async def test_an_owner_with_many_files_and_batches_lists_them(records: Records) -> None:
     from gateway.protocol.file_objects import FileObject
 
-    files, batches = FileStore.on(blobs, Spool.at(tmp_path / "spool")), BatchStore.on(blobs, Spool.at(tmp_path / "spool"))
-    mine, now = files.of("t"), int(time.time())
+    now = int(time.time())
     ids = [f"file-{i:024x}" for i in range(150)]
-
-    async def one(i: int) -> None:
-        made = FileObject(id=ids[i], bytes=1, created_at=now, filename="f", purpose="batch", expires_at=now + 3600)
-        await blobs.put(f"{mine.home}/{ids[i]}", b"x")
-        await blobs.put(f"{mine.home}/{ids[i]}.json", made.model_dump_json().encode())
-        await batches.of("t").create(_stored(), LINES)
-
-    for start in range(0, 150, 10):
-        await asyncio.gather(*(one(i) for i in range(start, start + 10)))
-    clients = 2 if type(blobs).__name__ == "S3Blobs" else 8  # moto answers one request at a time: slow
-    for page, more in await asyncio.gather(*(mine.page(None, None, 200, False) for _ in range(clients))):
+    for file_id in ids:
+        await records.add_file("t", FileObject(id=file_id, bytes=1, created_at=now, filename="f", purpose="batch",
+                                               expires_at=now + 3600))
+        await records.create(_stored())
+    mine = FileStore(records, LocalBlobs.at(Path("/nonexistent"))).of("t")
+    for page, more in await asyncio.gather(*(mine.page(None, None, 200, False) for _ in range(8))):
         assert [f.id for f in page] == ids
         assert not more
-    for listed, _ in await asyncio.gather(*(batches.of("t").page(None, 200) for _ in range(clients))):
+    batches = BatchStore(records, LocalBlobs.at(Path("/nonexistent")))
+    for listed, _ in await asyncio.gather(*(batches.of("t").page(None, 200) for _ in range(8))):
         assert len(listed) == 150
 
 
@@ -279,12 +263,12 @@ def _batch_crafted(kind: str) -> list[str]:
             kind + "../" + hexes[:29], kind.upper() + hexes, " " + kind + hexes, kind + hexes[:31] + "/"]
 
 
-async def test_another_owners_or_a_crafted_id_is_none_of_mine(blobs: Blobs, tmp_path: Path) -> None:
+async def test_another_owners_or_a_crafted_id_is_none_of_mine(records: Records, tmp_path: Path) -> None:
     from gateway.errors import InvalidRequest, NotFound
     from gateway.stores.batches import MESSAGE_BATCH
 
-    spool = Spool.at(tmp_path / "spool")
-    files, batches = FileStore.on(blobs, spool), BatchStore.on(blobs, spool)
+    blobs = LocalBlobs.at(tmp_path / "store")
+    files, batches = FileStore(records, blobs), BatchStore(records, blobs)
     staged = await files.of("owner").stage()
     await staged.write(LINES)
     theirs = await files.of("owner").put(staged, "in.jsonl", "batch", 3600)
@@ -315,26 +299,24 @@ async def test_another_owners_or_a_crafted_id_is_none_of_mine(blobs: Blobs, tmp_
     with pytest.raises(NotFound):
         await batches.of("owner", MESSAGE_BATCH).find(made.batch.id)
     assert (await files.of("owner").get(theirs.id)).id == theirs.id  # nothing of the owner's was touched
-    assert (await batches.of("owner").get(made.batch.id)).status == "validating"
-    assert await blobs.get(f"{owner_prefix('owner')}/{made.batch.id}/cancel") is None
+    found = await records.batch(made.batch.id)
+    assert found is not None
+    assert (found.batch.status, found.batch.cancelling_at) == ("validating", None)  # no cancel asked
 
 
 # --- the disk backend: a write that fails leaves no temporary file -----------------------------------------
 
 
 def test_a_disk_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A disk that fails mid-write (full: ENOSPC at the write or the fsync) fails the call, and leaves no
-    temporary file beside the object (no one would ever remove it: it is never listed)."""
-    import asyncio
+    """A disk that fails mid-write (full: ENOSPC as a content is copied in from another disk) fails the
+    call, and leaves no temporary file beside the contents (no one would ever remove it)."""
     import errno
     import os
     import shutil
 
-    from gateway.stores.blobs import DiskBlobs
-
-    store = DiskBlobs.at(tmp_path / "store")
+    store = LocalBlobs.at(tmp_path / "store")
     source = tmp_path / "source"
-    asyncio.run(store.put("o/source", b"content"))
+    source.write_bytes(b"upload")
 
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -342,26 +324,20 @@ def test_a_disk_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkey
     def not_linked(*args: object, **kwargs: object) -> None:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    calls = [lambda: store.create("o/made", b"x"), lambda: store.put("o/put", b"x"),
-             lambda: store.copy("o/source", "o/copy"), lambda: store.put_file("o/moved", source)]
-    for module, failing in ((os, "fsync"), (shutil, "copyfile")):
-        for n, call in enumerate(calls):
-            source.write_bytes(b"upload")
-            with monkeypatch.context() as patch:
-                patch.setattr(os, "replace", not_linked)  # another disk: the copying paths
-                patch.setattr(os, "link", not_linked)
-                patch.setattr(module, failing, full)
-                with contextlib.suppress(BlobsUnavailable):
-                    asyncio.run(call())
-            litter = [p.name for p in (tmp_path / "store").rglob("*") if p.name.startswith(".tmp-")]
-            assert litter == [], (failing, n, litter)
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", not_linked)  # another disk: the copying path
+        patch.setattr(shutil, "copyfile", full)
+        with pytest.raises(StoreUnavailable):
+            asyncio.run(store.put_file("moved", source))
+    assert [p.name for p in (tmp_path / "store").iterdir()] == []
+    assert not source.exists()  # the store's even when it failed
 
 
 # --- the routes with the store failing at each of its calls ------------------------------------------------
 
 
-@pytest.mark.parametrize("step", [("files", "put_file"), ("files", "put"), ("files", "open"), ("batches", "put"),
-                                  ("batches", "put_file")])
+@pytest.mark.parametrize("step", [("files", "put_file"), ("files", "add_file"), ("files", "open"),
+                                  ("batches", "put_file"), ("batches", "create")])
 def test_an_upload_or_create_failing_at_each_call_is_a_503_and_leaves_no_spool_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: tuple[str, str]) -> None:
     made = failing_stores(monkeypatch)
@@ -370,18 +346,18 @@ def test_an_upload_or_create_failing_at_each_call_is_a_503_and_leaves_no_spool_f
         headers = {"authorization": "Bearer sk-owner"}
         part, method = step
         if part == "files" and method != "open":
-            made[part].refuse = lambda called, name: called == method
+            made[part].refuse = lambda called: called == method
             answer = client.post("/v1/files", files={"file": ("in.jsonl", big)}, data={"purpose": "batch"},
                                  headers=headers)
         else:
             uploaded = client.post("/v1/files", files={"file": ("in.jsonl", big)}, data={"purpose": "batch"},
                                    headers=headers).json()
-            made[part].refuse = lambda called, name: called == method
+            made[part].refuse = lambda called: called == method
             answer = client.post("/v1/batches", headers=headers, json={
                 "input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
         assert answer.status_code == 503, answer.text
         assert answer.json()["error"]["code"] == "service_unavailable"
-        made[part].refuse = lambda called, name: False
+        made[part].refuse = lambda called: False
         assert client.get("/v1/batches", headers=headers).json()["data"] == []
     for spool in (tmp_path / "files" / ".spool", tmp_path / "batches" / ".spool"):
         assert not spool.exists() or list(spool.iterdir()) == []
@@ -393,16 +369,16 @@ def test_a_run_that_dies_between_publishing_and_completed_publishes_once(
     run publishes it again under the same id (replaced, not a second file) and completes."""
     from gateway.stores.files import OwnedFiles
 
-    publish, died = OwnedFiles.publish, []
+    put, died = OwnedFiles.put, []
 
     async def dies_after(self: OwnedFiles, *args: Any, **kwargs: Any) -> Any:
-        made = await publish(self, *args, **kwargs)
-        if not died:
+        made = await put(self, *args, **kwargs)
+        if not died and made.purpose == "batch_output":
             died.append(made.id)
             raise RuntimeError("killed right after publishing")
         return made
 
-    monkeypatch.setattr(OwnedFiles, "publish", dies_after)
+    monkeypatch.setattr(OwnedFiles, "put", dies_after)
     config = {**settings(tmp_path, lease_s=0.5), **store_settings}
     with TestClient(app_with(FakeEngine(), **config)) as client:
         sdk = sdk_for(client)
@@ -415,51 +391,23 @@ def test_a_run_that_dies_between_publishing_and_completed_publishes_once(
     assert len(listed) == 2  # the input and one output
 
 
-async def test_a_deleted_batch_leaves_no_directory_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As the path-based version did: a batch deleted leaves no empty directory behind (each one a
-    step more for every listing of its owner's batches, forever); the owner's own folder stays."""
-    from gateway.stores.blobs import DiskBlobs
-
-    disk = DiskBlobs.at(tmp_path / "batches")
-    store = BatchStore.on(disk, Spool.at(tmp_path / "spool"))
-    made = _stored()
-    made.batch.status = "completed"
-    kept = _stored()
-    for batch in (made, kept):
-        await store.of("t").create(batch, LINES)
-    await store.of("t").delete(made.batch.id)
-    home = tmp_path / "batches" / owner_prefix("t")
-    assert sorted(p.name for p in home.iterdir()) == [kept.batch.id]
-
-    real = DiskBlobs._temporary
-
-    def emptied_meanwhile(self: DiskBlobs, path: Path) -> Path:  # a delete empties the folder right then
-        temporary = real(self, path)
-        monkeypatch.setattr(DiskBlobs, "_temporary", real)
-        path.parent.rmdir()
-        return temporary
-
-    monkeypatch.setattr(DiskBlobs, "_temporary", emptied_meanwhile)
-    await disk.put(f"{owner_prefix('t')}/batch_{'1' * 32}/record.json", b"{}")  # a writer racing it: made again
-    assert await disk.get(f"{owner_prefix('t')}/batch_{'1' * 32}/record.json") == b"{}"
-
-
 def test_one_unreadable_record_stops_no_other_batch(tmp_path: Path) -> None:
     """A record the runner cannot read (a disk that corrupted it, a hand edit, a version whose record
     this one does not know) fails that batch alone: the runner keeps running every other."""
-    import asyncio
-
     from tests.stores import disk_batches
 
     store = disk_batches(tmp_path / "batches")
     bad = _stored("anonymous")
     asyncio.run(store.of("anonymous").create(bad, LINES))
-    asyncio.run(store.blobs.put(f"{owner_prefix('anonymous')}/{bad.batch.id}/record.json", b'{"batch": {"id": 1'))
+    asyncio.run(store.aclose())
+    with sqlite3.connect(tmp_path / "batches" / "batches.sqlite3") as db:
+        db.execute("UPDATE batches SET record = ? WHERE id = ?", ('{"batch": {"id": 1', bad.batch.id))
     with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
         sdk = sdk_for(client)
         done = wait(sdk, submit(sdk, LINES).id, timeout=10)
         corrupt = sdk.files.create(file=("in.jsonl", LINES), purpose="batch")
-        (tmp_path / "files" / owner_prefix("anonymous") / f"{corrupt.id}.json").write_bytes(b"{")
+        with sqlite3.connect(tmp_path / "files" / "files.sqlite3") as db:
+            db.execute("UPDATE files SET record = '{' WHERE id = ?", (corrupt.id,))
         listed = [b.id for b in sdk.batches.list().data]
         files = [f.id for f in sdk.files.list().data]
         missing = client.get(f"/v1/batches/{bad.batch.id}")
@@ -473,32 +421,17 @@ def test_one_unreadable_record_stops_no_other_batch(tmp_path: Path) -> None:
 def test_the_runner_outlives_a_poll_that_fails_unexpectedly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A poll that raises what no one foresaw (a bug, a record of a kind not known) is logged and the
     next poll comes: the runner's loop is the only one, and it must not end."""
-    pending, failed = BatchStore.pending, []
+    runnable, failed = SqliteRecords.runnable, []
 
-    async def fails_once(self: BatchStore, done: set[str]) -> Any:
+    async def fails_once(self: SqliteRecords) -> Any:
         if not failed:
             failed.append(True)
             raise KeyError("unforeseen")
-        return await pending(self, done)
+        return await runnable(self)
 
-    monkeypatch.setattr(BatchStore, "pending", fails_once)
+    monkeypatch.setattr(SqliteRecords, "runnable", fails_once)
     with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
         sdk = sdk_for(client)
         done = wait(sdk, submit(sdk, LINES).id, timeout=10)
     assert failed
     assert done.status == "completed"
-
-
-def failing_stores(monkeypatch: pytest.MonkeyPatch) -> dict[str, FailsAt]:
-    """The app's two stores on disk, each made to refuse the calls a test picks (`FailsAt.refuse`), by part."""
-    from gateway.stores.blobs import DiskBlobs
-
-    made: dict[str, FailsAt] = {}
-
-    def open_blobs(settings: Any, pools: Any, part: str) -> FailsAt:
-        directory = settings.files.dir if part == "files" else settings.batches.dir
-        made[part] = FailsAt(DiskBlobs.at(directory), lambda method, name: False)
-        return made[part]
-
-    monkeypatch.setattr("gateway.app.open_blobs", open_blobs)
-    return made

@@ -104,16 +104,12 @@ def _whole(answer: Any) -> Whole:
     return answer  # type: ignore[no-any-return]
 
 
-async def _chat(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
-    return _whole(await dispatch(context, state, _parsed(ChatCompletionRequest, body), CHAT))
+def _route(model: type[Any], service: Any) -> Run:
+    """A route whose body is `model`, run by `service` (chat, completions, embeddings)."""
+    async def run(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
+        return _whole(await dispatch(context, state, _parsed(model, body), service))
 
-
-async def _completions(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
-    return _whole(await dispatch(context, state, _parsed(CompletionRequest, body), COMPLETIONS))
-
-
-async def _embeddings(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
-    return _whole(await dispatch(context, state, _parsed(EmbeddingRequest, body), EMBEDDINGS))
+    return run
 
 
 async def _responses(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
@@ -133,9 +129,9 @@ async def _messages(context: RequestContext, state: GatewayState, body: bytes) -
 
 
 ROUTES: dict[str, Run] = {
-    "/v1/chat/completions": _chat,
-    "/v1/completions": _completions,
-    "/v1/embeddings": _embeddings,
+    "/v1/chat/completions": _route(ChatCompletionRequest, CHAT),
+    "/v1/completions": _route(CompletionRequest, COMPLETIONS),
+    "/v1/embeddings": _route(EmbeddingRequest, EMBEDDINGS),
     "/v1/responses": _responses,
     MESSAGES: _messages,
 }

@@ -12,7 +12,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from gateway.errors import InvalidRequest, PayloadTooLarge
-from gateway.stores.spool import Staged
+from gateway.stores.blobs import Staged
 
 MAX_PARTS = 16
 MAX_FIELD_BYTES = 1024

@@ -70,8 +70,7 @@ async def by_id(request: Request) -> Response:
     if request.method == "DELETE":
         await mine.delete(batch_id, PARAM)
         return json_response(DeletedMessageBatch(id=batch_id))
-    _, stored = await mine.find(batch_id, PARAM)
-    return json_response(mb.view(stored))
+    return json_response(mb.view(await mine.find(batch_id, PARAM)))
 
 
 async def cancel(request: Request) -> Response:
@@ -84,9 +83,9 @@ async def cancel(request: Request) -> Response:
 
 async def results(request: Request) -> Response:
     batch_id = request.path_params[PARAM]
-    found, stored = await _mine(request).find(batch_id, PARAM)
+    stored = await _mine(request).find(batch_id, PARAM)
     if mb.view(stored).processing_status != "ended":
         raise InvalidRequest(f"Batch '{batch_id}' has not ended yet: its results are available once it has.",
                              param=PARAM)
-    lines = await mb.results(found, stored, PARAM)
-    return StreamingResponse(lines.chunks(), media_type="application/x-jsonl", background=BackgroundTask(lines.aclose))
+    lines = await mb.results(state_of(request).batches, stored, PARAM)
+    return StreamingResponse(lines.chunks, media_type="application/x-jsonl", background=BackgroundTask(lines.aclose))

@@ -2,7 +2,7 @@
 (`stores.batches`, run by `pipeline.batches`) whose lines go to `/v1/messages`, shown in Anthropic's
 shapes. Here: the batch's input made from a create body (`input_lines`), the MessageBatch view of a
 stored batch (`view`), and its results (`results`), one line per request, read from the batch's
-output, error and input objects in the store (local files: `Blobs.local`, parsed in a worker thread).
+answers and its input.
 
 How OpenAI's states and counts map to Anthropic's:
 - `validating`, `in_progress`, `finalizing` → `in_progress`; `cancelling` → `canceling`; done → `ended`;
@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import AsyncExitStack, ExitStack
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, BinaryIO
+from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -36,7 +34,8 @@ from gateway.apis.message_batches.message_batches_wire import (
 )
 from gateway.errors import InvalidRequest
 from gateway.protocol.batch_objects import DONE, StoredBatch
-from gateway.stores.batches import ERRORS, INPUT, OUTPUT, BatchObjects, not_found
+from gateway.stores.batches import BatchStore, input_name, not_found
+from gateway.stores.blobs import Opened, Staged, read_chunks
 
 STATUSES: dict[str, ProcessingStatus] = {"cancelling": "canceling", **{status: "ended" for status in DONE}}
 
@@ -144,64 +143,38 @@ def _unrun(status: str) -> dict[str, Any]:
     return {"type": "errored", "error": _error("api_error", f"The request was not run: the batch ended {status}.")}
 
 
-RESULT_LINES = 256  # result lines made per hop to the worker thread
-
-
-@dataclass(slots=True)
-class Results:
-    """The result lines of an ended batch, its objects opened before the answer starts (a delete of the
-    batch meanwhile does not cut them short): `chunks` to stream, `aclose` once sent (or not)."""
-
-    stack: AsyncExitStack
-    lines: Iterator[bytes]
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        async with self.stack:
-            while chunk := await asyncio.to_thread(_take, self.lines):
-                yield chunk
-
-    async def aclose(self) -> None:
-        await self.stack.aclose()
-
-
-async def results(batch: BatchObjects, stored: StoredBatch, param: str) -> Results:
-    """The results of an ended batch, one JSON line per request (up to `RESULT_LINES` per chunk): those
-    answered (in the order they were answered), then those never run. A batch deleted before its
-    objects are open is a 404 naming `param`."""
-    stack = AsyncExitStack()
+async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
+    """The results of an ended batch, one JSON line per request: those answered (in the order they were answered),
+    then those never run; assembled in a local file opened before the answer starts (a delete of the batch meanwhile
+    does not cut them short). A batch deleted before its input is read is a 404 naming `param`."""
+    batch_id, status = stored.batch.id, stored.batch.status
+    staged = await Staged.at(store.blobs.spool, "results")
     try:
-        output, errors, requests = [await stack.enter_async_context(batch.local(part)) for part in (OUTPUT, ERRORS, INPUT)]
-        if requests is None:
-            raise not_found(batch.id, param)
-        opened = ExitStack()
-        stack.callback(opened.close)
-        try:
-            answered = [(opened.enter_context(path.open("rb")), ok) for path, ok in ((output, True), (errors, False))
-                        if path is not None]
-            asked = opened.enter_context(requests.open("rb"))
-        except FileNotFoundError:  # deleted between the two steps (the disk's objects are its files)
-            raise not_found(batch.id, param) from None
-        return Results(stack, _results(answered, asked, stored.batch.status))
-    except BaseException:
-        await stack.aclose()
-        raise
+        seen: set[str] = set()
+        lines: list[bytes] = []
+        async for answer in store.records.answers(batch_id):
+            seen.add(answer.custom_id)
+            line = orjson.loads(answer.line)
+            lines.append(orjson.dumps({"custom_id": answer.custom_id, "result": _result(line, answer.ok)}) + b"\n")
+            if len(lines) >= RESULT_LINES:
+                await staged.write(b"".join(lines))
+                lines.clear()
+        await staged.write(b"".join(lines))
+        async with store.blobs.local(input_name(batch_id)) as requests:
+            if requests is None:
+                raise not_found(batch_id, param)
+            await staged.write(await asyncio.to_thread(_unrun_lines, requests, seen, status))
+        await staged.close()
+        opened = await asyncio.to_thread(staged.path.open, "rb")
+    finally:
+        await staged.discard()  # once open, its content stays readable until closed
+    return Opened(staged.size, read_chunks(opened))
 
 
-def _take(lines: Iterator[bytes]) -> bytes:
-    return b"".join(line for _, line in zip(range(RESULT_LINES), lines, strict=False))
+RESULT_LINES = 256  # result lines gathered before a write to the file being assembled
 
 
-def _results(answered: Sequence[tuple[BinaryIO, bool]], asked: BinaryIO, status: str) -> Iterator[bytes]:
-    """The result lines of these open files. Blocking reads: iterate it in a worker thread."""
-    seen: set[str] = set()
-    for lines, ok in answered:
-        for raw in lines:
-            line = orjson.loads(raw)
-            if line["custom_id"] in seen:  # written twice (see `stores.batches.unique_lines`): the first
-                continue
-            seen.add(line["custom_id"])
-            yield orjson.dumps({"custom_id": line["custom_id"], "result": _result(line, ok)}) + b"\n"
-    for raw in asked:
-        custom_id = orjson.loads(raw)["custom_id"]
-        if custom_id not in seen:
-            yield orjson.dumps({"custom_id": custom_id, "result": _unrun(status)}) + b"\n"
+def _unrun_lines(requests: Path, seen: set[str], status: str) -> bytes:
+    with requests.open("rb") as asked:
+        ids = (orjson.loads(raw)["custom_id"] for raw in asked)
+        return b"".join(orjson.dumps({"custom_id": i, "result": _unrun(status)}) + b"\n" for i in ids if i not in seen)
