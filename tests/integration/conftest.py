@@ -54,7 +54,21 @@ def vllm_command(port: int) -> list[str]:
     ]
 
 
+# A module that shares a gateway with another (`restartable` below) runs right after it: the shared
+# gateway's engine is then up no longer than one module's own would be (engines are memory).
+FOLLOWS = {"test_engine_death.py": "test_adapters.py", "test_workers.py": "test_backends.py"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(item.path.name, index)
+
+    def place(item: pytest.Item) -> tuple[int, int]:
+        leader = FOLLOWS.get(item.path.name)
+        return (first[leader], 1) if leader in first else (first[item.path.name], 0)
+
+    items[:] = sorted(items, key=place)  # (stable: each module's own order stays)
     if TARGET != "vllm":
         return
     for item in items:
