@@ -34,11 +34,17 @@ serve: model
 system-deps:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
+# The unit and tooling tests on two processes (pytest-xdist, a file per process at a time: a module's
+# fixtures stay in one process); the integration tests in one, after them: their real engines take
+# both cores as it is.
+UNIT := $(PY) -m pytest -n 2 --dist loadfile tests/unit tests/tooling
+
 test: model system-deps
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(UNIT) $(PYTEST_ARGS)
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 unit: install system-deps
-	$(PY) -m pytest tests/unit tests/tooling $(PYTEST_ARGS)
+	$(UNIT) $(PYTEST_ARGS)
 
 integration: model
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)

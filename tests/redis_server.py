@@ -16,7 +16,7 @@ import time
 import weakref
 from pathlib import Path
 
-START_S = 10  # a bound on waiting for redis-server, not a measurement
+START_S = 60  # a bound on waiting for redis-server, not a measurement
 
 
 class RedisServer:

@@ -11,7 +11,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-BOUND_S = 30.0
+BOUND_S = 90.0
 STEP_S = 0.005
 
 

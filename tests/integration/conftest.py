@@ -15,7 +15,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -23,8 +23,10 @@ import openai
 import psutil
 import pytest
 
+from tests.adapters import write_adapter
 from tests.otlp_receiver import Receiver, receiver
 from tests.ports import listening_line
+from tests.redis_server import RedisServer
 
 REPO = Path(__file__).parents[2]
 MODEL = "smollm2-135m-instruct"
@@ -34,6 +36,7 @@ START_TIMEOUT_S = 600
 TARGET = os.environ.get("GATEWAY_TEST_TARGET", "gateway")
 VLLM_ATTEMPTS = 5  # vLLM's server on a port picked here: tried again on another when it was taken
 SERVICE_NAME = "gateway-under-test"
+Shared = tuple[str, subprocess.Popen, Path]  # a gateway several modules use: base URL, process, log
 
 
 def gateway_command(*flags: str) -> list[str]:
@@ -51,7 +54,21 @@ def vllm_command(port: int) -> list[str]:
     ]
 
 
+# A module that shares a gateway with another (`restartable` below) runs right after it: the shared
+# gateway's engine is then up no longer than one module's own would be (engines are memory).
+FOLLOWS = {"test_engine_death.py": "test_adapters.py", "test_workers.py": "test_backends.py"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(item.path.name, index)
+
+    def place(item: pytest.Item) -> tuple[int, int]:
+        leader = FOLLOWS.get(item.path.name)
+        return (first[leader], 1) if leader in first else (first[item.path.name], 0)
+
+    items[:] = sorted(items, key=place)  # (stable: each module's own order stays)
     if TARGET != "vllm":
         return
     for item in items:
@@ -146,13 +163,14 @@ def terminate(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def gateway_process(folder: Path, env: dict[str, str],
-                    tls: ssl.SSLContext | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+def gateway_process(folder: Path, env: dict[str, str], tls: ssl.SSLContext | None = None,
+                    flags: tuple[str, ...] = ()) -> Iterator[tuple[str, subprocess.Popen]]:
     """Another `python -m gateway serve` on a free port (port 0: the gateway logs which it got) with
     `env` added, logging to folder/gateway.log; up when entered, killed with its engine processes on
-    the way out. `tls`: the gateway serves https (env has GATEWAY_TLS__*), reached with this client context."""
+    the way out. `tls`: the gateway serves https (env has GATEWAY_TLS__*), reached with this client context;
+    `flags`: more of `gateway serve`'s flags."""
     log_path = folder / "gateway.log"
-    process = start(gateway_command(), {**os.environ, **env}, log_path)
+    process = start(gateway_command(*flags), {**os.environ, **env}, log_path)
     try:
         scheme, port = listening_on(process, log_path)
         assert scheme == ("https" if tls else "http"), f"the gateway listens on {scheme}"
@@ -206,6 +224,94 @@ def in_front_of(server: str, folder: Path) -> dict[str, str]:
     models = folder / "models.yaml"
     models.write_text(f"models:\n  - name: {MODEL}\n    kind: remote\n    url: {server}/v1\n    upstream_model: {MODEL}\n")
     return {"GATEWAY_MODELS_FILE": str(models)}
+
+
+# One engine with LoRA adapters for two modules: test_adapters (the adapters beside their base, the
+# admin API, per-key reach) and then test_engine_death (the base's engine core killed: liveness fails,
+# its requests go to `rescue`, the session's gateway). One engine start instead of two.
+LORA_BASE = MODEL
+LORA_MODELS = """
+models:
+  - name: smollm2-135m-instruct
+    engine: {{enforce_eager: true, max_loras: 3}}  # room for one loaded by the admin API
+    fallback: [rescue]
+  - name: lora-a
+    kind: adapter
+    base: smollm2-135m-instruct
+    path: {a}
+    aliases: [la]
+  - name: lora-b
+    kind: adapter
+    base: smollm2-135m-instruct
+    path: {b}
+  - name: rescue
+    kind: remote
+    url: {upstream}/v1
+    upstream_model: smollm2-135m-instruct
+"""
+LORA_KEYS = """
+keys:
+  adapter-only: {key: sk-adapter, models: [lora-a]}
+  base-only: {key: sk-base, models: [smollm2-135m-instruct]}
+  everything: {key: sk-all}
+"""
+
+
+@pytest.fixture(scope="session")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("adapters")
+    return {name: write_adapter(folder / name, seed=seed, scale=0.1) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+
+
+@pytest.fixture(scope="session")
+def lora_gateway(server: str, adapters: dict[str, Path],
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Shared]]:
+    """The LoRA gateway (LORA_MODELS, LORA_KEYS): `restartable` (test_engine_death stops it)."""
+    folder = tmp_path_factory.mktemp("lora-gateway")
+    (folder / "models.yaml").write_text(LORA_MODELS.format(a=adapters["a"], b=adapters["b"], upstream=server))
+    (folder / "keys.yaml").write_text(LORA_KEYS)
+    env = {"GATEWAY_MODELS_FILE": str(folder / "models.yaml"), "GATEWAY_KEYS_FILE": str(folder / "keys.yaml"),
+           "GATEWAY_ADMIN_KEYS": '["sk-admin"]', "GATEWAY_CACHE__BACKEND": "memory", "GATEWAY_LOG_FORMAT": "json"}
+    with restartable(folder, env) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server for the session: test_backends' gateways share it (a test there stops it and
+    starts it again, empty, at the same address)."""
+    found = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield found
+    found.stop()
+
+
+@pytest.fixture(scope="session")
+def two_workers(redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Shared]]:
+    """`--workers 2` on the default model with API keys and the Redis cache on `redis`: another
+    replica beside test_backends' second gateway (a Responses conversation continued on it), then
+    test_workers' subject (which stops it). One engine start instead of two."""
+    folder = tmp_path_factory.mktemp("workers")
+    env = {"GATEWAY_API_KEYS": '["sk-integration", "sk-other"]', "GATEWAY_CACHE__BACKEND": "redis",
+           "GATEWAY_CACHE__REDIS_URL": redis.url, "GATEWAY_WARMUP": "false", "GATEWAY_LOG_FORMAT": "json",
+           "GATEWAY_STRUCTURED_OUTPUT__COMPILE_WORKERS": "0"}
+    with restartable(folder, env, "--workers", "2", "--enforce-eager") as running:
+        yield running
+
+
+@contextlib.contextmanager
+def restartable(folder: Path, env: dict[str, str], *flags: str) -> Iterator[Callable[[], Shared]]:
+    """A `gateway_process` shared by modules, as (base URL, process, log): started on the first call, and again on a call after
+    one that found it stopped (a module that stops it comes last in file order, but may not run last)."""
+    with contextlib.ExitStack() as started:
+        current: list[Shared] = []
+
+        def running() -> Shared:
+            if not current or current[-1][1].poll() is not None:
+                base, process = started.enter_context(gateway_process(folder, env, flags=flags))
+                current.append((base, process, folder / "gateway.log"))
+            return current[-1]
+
+        yield running
 
 
 @pytest.fixture(scope="session")

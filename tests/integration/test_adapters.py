@@ -8,7 +8,7 @@ import asyncio
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -16,50 +16,21 @@ import openai
 import pytest
 
 from tests.adapters import write_adapter
-from tests.integration.conftest import REPO, gateway_process
+from tests.integration.conftest import LORA_BASE as BASE
+from tests.integration.conftest import LORA_MODELS as MODELS
+from tests.integration.conftest import REPO, Shared
 from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("adapters as models are the gateway's own")]
-BASE = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ADMIN = {"Authorization": "Bearer sk-admin"}
-MODELS = """
-models:
-  - name: smollm2-135m-instruct
-    engine: {{enforce_eager: true, max_loras: 3}}  # room for one loaded by the admin API
-  - name: lora-a
-    kind: adapter
-    base: smollm2-135m-instruct
-    path: {a}
-    aliases: [la]
-  - name: lora-b
-    kind: adapter
-    base: smollm2-135m-instruct
-    path: {b}
-"""
-KEYS = """
-keys:
-  adapter-only: {key: sk-adapter, models: [lora-a]}
-  base-only: {key: sk-base, models: [smollm2-135m-instruct]}
-  everything: {key: sk-all}
-"""
+UNUSED = "http://127.0.0.1:9"  # (the start stops at the adapter, before any upstream is asked)
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("adapters")
-    return {name: write_adapter(folder / name, seed=seed, scale=0.1) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
-
-
-@pytest.fixture(scope="module")
-def gateway(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    folder = tmp_path_factory.mktemp("lora-gateway")
-    (folder / "models.yaml").write_text(MODELS.format(a=adapters["a"], b=adapters["b"]))
-    (folder / "keys.yaml").write_text(KEYS)
-    env = {"GATEWAY_MODELS_FILE": str(folder / "models.yaml"), "GATEWAY_KEYS_FILE": str(folder / "keys.yaml"),
-           "GATEWAY_ADMIN_KEYS": '["sk-admin"]', "GATEWAY_CACHE__BACKEND": "memory", "GATEWAY_LOG_FORMAT": "json"}
-    with gateway_process(folder, env) as (base, _):
-        yield base
+def gateway(lora_gateway: Callable[[], Shared]) -> str:
+    """The LoRA gateway (tests/integration/conftest.py), shared with test_engine_death."""
+    return lora_gateway()[0]
 
 
 def client(base: str, key: str = "sk-all") -> openai.OpenAI:
@@ -189,11 +160,11 @@ def test_admin_loads_and_unloads_an_adapter_while_serving(gateway: str, adapters
 
 
 def test_a_missing_adapter_stops_the_start_with_status_2(tmp_path: Path) -> None:
-    (tmp_path / "models.yaml").write_text(MODELS.format(a=tmp_path / "missing", b=tmp_path / "missing"))
+    (tmp_path / "models.yaml").write_text(MODELS.format(a=tmp_path / "missing", b=tmp_path / "missing", upstream=UNUSED))
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "adapter_config.json").write_text("{not json")
-    for models in (MODELS.format(a=tmp_path / "missing", b=tmp_path / "missing"),
-                   MODELS.format(a=tmp_path / "broken", b=tmp_path / "broken")):
+    for models in (MODELS.format(a=tmp_path / "missing", b=tmp_path / "missing", upstream=UNUSED),
+                   MODELS.format(a=tmp_path / "broken", b=tmp_path / "broken", upstream=UNUSED)):
         (tmp_path / "models.yaml").write_text(models)
         done = subprocess.run([sys.executable, "-m", "gateway", "serve", "--port", "0"], cwd=REPO, capture_output=True,
                               text=True, timeout=120, env={"GATEWAY_MODELS_FILE": str(tmp_path / "models.yaml"),

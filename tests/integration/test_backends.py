@@ -8,14 +8,13 @@ import asyncio
 import json
 import signal
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import gateway_process
+from tests.integration.conftest import Shared, gateway_process
 from tests.ports import closed_port
 from tests.redis_server import RedisServer
 from tests.waits import until_sync
@@ -50,13 +49,6 @@ keys:
   narrow: {key: sk-narrow, models: [smol-remote, dead-remote]}   # the remote only (dead-remote falls back to it)
   edge: {key: sk-edge, models: [dead-remote]}                    # its only fallback hop is not granted
 """
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -202,13 +194,10 @@ async def test_overloaded_model_falls_back(second) -> None:
 
 
 @pytest.fixture
-def replica(redis: RedisServer, tmp_path: Path) -> Iterator[str]:
+def replica(two_workers: Callable[[], Shared]) -> str:
     """Gateway C: another replica on the same Redis (and keys) as B, its own engine (the Responses API
-    serves embedded models only); up for one test."""
-    env = {"GATEWAY_API_KEYS": '["sk-integration", "sk-other"]', "GATEWAY_CACHE__BACKEND": "redis",
-           "GATEWAY_CACHE__REDIS_URL": redis.url, "GATEWAY_WARMUP": "false", "GATEWAY_ENGINE__ENFORCE_EAGER": "true"}
-    with gateway_process(tmp_path, env) as (base, _):
-        yield base
+    serves embedded models only): the two-worker gateway of test_workers (tests/integration/conftest.py)."""
+    return two_workers()[0]
 
 
 def test_a_conversation_continues_on_another_replica(second, replica: str) -> None:
@@ -249,6 +238,7 @@ def test_redis_cache_hits_then_serves_on_without_redis(second, redis: RedisServe
     assert after.status_code == 200
     assert after.headers["x-cache"] == "MISS"
     assert 'gateway_cache_errors_total{backend="redis"}' in httpx.get(f"{base}/metrics").text
+    redis.start()  # (empty) for the session's other users of this Redis: test_workers' gateway
 
 
 async def test_sigterm_drains_without_losing_admitted_requests(second) -> None:

@@ -7,44 +7,32 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import gateway_process
+from tests.integration.conftest import LORA_BASE, Shared
 from tests.waits import until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("fallbacks and engine liveness are the gateway's own")]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-MODELS = """
-models:
-  - name: doomed
-    engine: {{enforce_eager: true}}
-    fallback: [rescue]
-  - name: rescue
-    kind: remote
-    url: {upstream}/v1
-    upstream_model: smollm2-135m-instruct
-"""
+KEY = "sk-all"
+MODEL = LORA_BASE
 
 
 @pytest.fixture(scope="module")
-def doomed(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A gateway with an engine of its own (`doomed`) and the session's gateway as its fallback."""
-    folder = tmp_path_factory.mktemp("doomed")
-    models = folder / "models.yaml"
-    models.write_text(MODELS.format(upstream=server))
-    env = {"GATEWAY_MODELS_FILE": str(models), "GATEWAY_WARMUP": "false", "GATEWAY_CACHE__BACKEND": "off",
-           "GATEWAY_LOG_FORMAT": "json"}
-    with gateway_process(folder, env) as started:
-        yield started
+def doomed(lora_gateway: Callable[[], Shared]) -> tuple[str, subprocess.Popen]:
+    """The LoRA gateway (tests/integration/conftest.py, after test_adapters): an engine of its own,
+    and the session's gateway as its model's fallback (`rescue`). Its engine dies here."""
+    return lora_gateway()[:2]
 
 
 def chat(base: str, stream: bool = False) -> httpx.Response:
-    body = {"model": "doomed", "messages": QUESTION, "max_tokens": 8, "temperature": 0, "stream": stream}
-    return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "temperature": 0, "stream": stream}
+    headers = {"Authorization": f"Bearer {KEY}", "Cache-Control": "no-cache"}  # (the same question each time)
+    return httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120)
 
 
 def engine_core(gateway: subprocess.Popen) -> psutil.Process:
@@ -58,7 +46,7 @@ def test_a_killed_engine_fails_liveness_and_its_requests_fall_back(doomed) -> No
     base, gateway = doomed
     alive = chat(base)
     assert alive.status_code == 200
-    assert alive.headers["x-served-model"] == "doomed"
+    assert alive.headers["x-served-model"] == MODEL
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
 
     engine_core(gateway).send_signal(signal.SIGKILL)
@@ -66,10 +54,10 @@ def test_a_killed_engine_fails_liveness_and_its_requests_fall_back(doomed) -> No
                         step_s=0.2)
     assert health.status_code == 503
     assert health.json()["status"] == "dead"
-    assert health.json()["models"]["doomed"].startswith("dead: ")
+    assert health.json()["models"][MODEL].startswith("dead: ")
     ready = httpx.get(f"{base}/ready", timeout=30)
     assert ready.status_code == 503
-    assert ready.json()["models"]["doomed"].startswith("unavailable")
+    assert ready.json()["models"][MODEL].startswith("unavailable")
     assert ready.json()["models"]["rescue"] == "ready"
 
     rescued = chat(base)
@@ -83,7 +71,7 @@ def test_a_killed_engine_fails_liveness_and_its_requests_fall_back(doomed) -> No
     assert events[-1] == "[DONE]"
     assert all("error" not in json.loads(e) for e in events[:-1])
     metrics = httpx.get(f"{base}/metrics").text
-    assert 'gateway_fallbacks_total{fallback="rescue",model="doomed"}' in metrics
+    assert f'gateway_fallbacks_total{{fallback="rescue",model="{MODEL}"}}' in metrics
 
 
 def test_a_gateway_with_a_dead_engine_still_stops_cleanly(doomed) -> None:

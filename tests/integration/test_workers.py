@@ -5,46 +5,32 @@ both (`gateway.server.workers`, `engine.shared`). Both answer, correctly, under 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import re
-import subprocess
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import MODEL, gateway_command, listening_on, start, wait_until_up
+from tests.integration.conftest import MODEL, Shared
 
 pytestmark = [pytest.mark.integration, pytest.mark.gateway_only("the gateway's own worker processes")]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CONCURRENT = 20
+KEY = {"Authorization": "Bearer sk-integration"}
 CHAT_COUNT = re.compile(r'^gateway_requests_total\{model="' + MODEL + r'",route="/v1/chat/completions",status="200"\} (\S+)$', re.M)
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
-    log_path = tmp_path_factory.mktemp("workers") / "gateway.log"
-    env = {**os.environ, "GATEWAY_LOG_FORMAT": "json", "GATEWAY_WARMUP": "false", "GATEWAY_CACHE__BACKEND": "off",
-           "GATEWAY_STRUCTURED_OUTPUT__COMPILE_WORKERS": "0"}
-    process = start(gateway_command("--workers", "2", "--enforce-eager"), env, log_path)
-    try:
-        scheme, port = listening_on(process, log_path)
-        base = f"{scheme}://127.0.0.1:{port}"
-        wait_until_up(base, process, log_path)
-        yield base, process, log_path
-    finally:
-        if process.poll() is None:
-            for child in psutil.Process(process.pid).children(recursive=True):
-                child.kill()
-            process.kill()
-            process.wait(30)
+def workers(two_workers: Callable[[], Shared]) -> Shared:
+    """The two-worker gateway (tests/integration/conftest.py: API keys, the Redis cache), which
+    test_backends also uses as a replica; stopped here."""
+    return two_workers()
 
 
 def chat(base: str) -> httpx.Response:
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 12, "temperature": 0}
-    return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
+    return httpx.post(f"{base}/v1/chat/completions", json=body, headers=KEY, timeout=300)
 
 
 def engine_cores(parent: int) -> list[psutil.Process]:

@@ -305,7 +305,7 @@ async def echo_gateway() -> AsyncIterator[tuple[str, FakeEngine]]:
         yield f"http://127.0.0.1:{port}/v1", engine
     finally:
         server.should_exit = True
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, 60)
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])

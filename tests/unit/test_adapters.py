@@ -334,7 +334,7 @@ async def test_an_unload_waits_for_the_requests_in_flight_on_the_adapter(tmp_pat
     outputs = [output async for output in stream]
     assert outputs[-1].finished
     assert len(outputs) == 19
-    await asyncio.wait_for(unloading, 5)
+    await asyncio.wait_for(unloading, 60)
     assert "ad" not in base_engine.adapters
     assert base_engine.adapter_calls == [("load", "ad"), ("unload", "ad")]
     with pytest.raises(NotFound):

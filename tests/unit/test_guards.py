@@ -15,6 +15,7 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.guards.config import GuardConfigError
+from gateway.telemetry.metrics import GUARD_ACTIONS
 from gateway.tenancy.keys import key_id
 from tests.fakes import FakeEngine, fake_settings
 from tests.loopback_server import LoopbackServer
@@ -67,11 +68,26 @@ def stream_events(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
 
 
+BEFORE: dict[tuple[str, str, str], float] = {}  # the guard actions counted before the running test
+
+
+@pytest.fixture(autouse=True)
+def _guard_actions_so_far() -> None:
+    """The counter is the process's: a test here counts what it caused, whichever tests ran before it
+    in this process (pytest-xdist runs the files in another order)."""
+    BEFORE.clear()
+    for metric in GUARD_ACTIONS.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                BEFORE[sample.labels["guard"], sample.labels["stage"], sample.labels["action"]] = sample.value
+
+
 def guard_count(client: TestClient, guard: str, stage: str, action: str) -> float:
+    """The action's count on /metrics, since the test began."""
     line = f'gateway_guard_actions_total{{action="{action}",guard="{guard}",stage="{stage}"}}'
     for row in client.get("/metrics").text.splitlines():
         if row.startswith(line):
-            return float(row.split()[-1])
+            return float(row.split()[-1]) - BEFORE.get((guard, stage, action), 0.0)
     return 0.0
 
 
