@@ -1,7 +1,8 @@
-"""Completions: prompt(s) → engine → Completion or chunks.
+"""Completions: prompt(s) → engine (or the request forwarded to a remote upstream) → Completion or chunks.
 
 A prompt is a string, a list of strings, a list of token ids or a list of lists of them; each prompt
-is one engine request of `n` choices, and choice `i` of prompt `p` is answered as index `p * n + i`.
+is one engine request of `n` choices, and choice `i` of prompt `p` is answered as index `p * n + i`
+(a remote upstream numbers them so itself, in its one request).
 """
 
 from __future__ import annotations
@@ -10,9 +11,19 @@ import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
-from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, Task, TokenLogprob
+from engine.types import (
+    ChoiceDelta,
+    Engine,
+    Forward,
+    GenerationOutput,
+    GenerationRequest,
+    Generator,
+    SamplingOptions,
+    Task,
+    TokenLogprob,
+)
 from gateway.errors import InvalidRequest
 from gateway.guards.guarding import UNGUARDED, RequestGuard
 from gateway.protocol.openai import Completion, CompletionLogprobs, CompletionRequest, Usage
@@ -37,7 +48,7 @@ from gateway.tenancy.priority import NORMAL, Scheduled
 @dataclass(slots=True)
 class PreparedCompletion:
     request: CompletionRequest
-    engine: Engine
+    engine: Generator
     generations: list[GenerationRequest]
     prompts: list[str]  # each prompt's text, for echo
     model: str  # the name the answer carries: the model (version) that answers
@@ -128,6 +139,16 @@ def prepare(
     return PreparedCompletion(request, engine, generations, texts, request.model, cmpl_id, now(), guard)
 
 
+def forwarded(request: CompletionRequest, forward: Forward, backend: Generator, guard: RequestGuard) -> PreparedCompletion:
+    """A remote model's request (its input guarded already): one upstream request for every prompt,
+    whose choices it numbers itself (echo and best_of its own)."""
+    prompt = request.prompt
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 1
+    sampling = SamplingOptions(request.max_tokens or 0, n=request.n * prompts)
+    generation = GenerationRequest(new_id("cmpl"), [], sampling, forward=forward)
+    return PreparedCompletion(request, backend, [generation], [""], request.model, generation.request_id, now(), guard)
+
+
 def _logprobs(entries: Sequence[TokenLogprob | None], start_offset: int) -> CompletionLogprobs:
     result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     offset = start_offset
@@ -148,7 +169,7 @@ class _Answer:
         self.prepared = prepared
         priority = prepared.scheduled.priority
         self.runs = [Run(prepared.engine, g, prepared.guard.output(g.sampling.n), priority) for g in prepared.generations]
-        self.n = prepared.request.n
+        self.n = prepared.generations[0].sampling.n if prepared.generations[0].forward else prepared.request.n
         self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}
 
     async def start(self) -> _Answer:
@@ -173,7 +194,7 @@ class _Answer:
         if not output.prompt_logprobs:
             return
         ids = self.prepared.generations[prompt].prompt_token_ids
-        decode = self.prepared.engine.tokenizer.decode
+        decode = cast(Engine, self.prepared.engine).tokenizer.decode  # only the engine reads prompts
         self.prompt_logprobs[prompt] = self.prepared.guard.weighed([  # the alternatives are the model's text
             entry or TokenLogprob(token_id, decode([token_id]), None)
             for token_id, entry in zip(ids, output.prompt_logprobs, strict=False)
@@ -220,7 +241,7 @@ def _whole(answer: _Answer) -> Completion:
     zero = prepared.request.max_tokens == 0
     choices = []
     for p, run in enumerate(answer.runs):
-        for rank, state in enumerate(_best(run.choices, prepared.request.n)):
+        for rank, state in enumerate(_best(run.choices, answer.n)):
             choices.append(
                 {
                     "index": answer.index(p, rank),
@@ -371,6 +392,7 @@ class CompletionsService:
 
     # the module's functions, as the Service protocol's methods
     prepare = staticmethod(prepare)
+    forwarded = staticmethod(forwarded)
     complete = staticmethod(complete)
     stream = staticmethod(stream)
     replay = staticmethod(replay)
