@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from engine.types import Forward
 from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
-from gateway.backends.upstream import Upstream, with_defaults
+from gateway.backends.upstream import Upstream, estimate, with_defaults
 from gateway.errors import BadGateway, InvalidRequest
 from gateway.guards.guarding import RequestGuard
 from gateway.guards.inbound import guarded
@@ -23,7 +23,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.disconnect import unless_gone
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest
-from gateway.serving import offload, remote, structured
+from gateway.serving import offload, structured
 from gateway.serving.meter import Meter
 from gateway.serving.service import AnswerT, Forwards, OnDone, PreparedT, RequestT, Service, check_task
 from gateway.serving.structured import Constraint
@@ -211,7 +211,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)
         payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
         payload = self.scheduled.forwarded(payload)
-        prompt, output = remote.estimate(payload)
+        prompt, output = estimate(payload)
         self._check_output(output)
         await self._charge(prompt + output, reconcile=True)
         if not isinstance(service, Forwards):  # embeddings: an answer, not a generation

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 from starlette.testclient import TestClient
 
-from gateway.serving.remote import estimate
+from gateway.backends.upstream import estimate
 from tests.fakes import FakeEngine, app_with, chat_body
 from tests.scripted_upstream import scripted
 from tests.served import gateway
