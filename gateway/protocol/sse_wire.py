@@ -51,11 +51,6 @@ def encode(event: BaseModel | bytes, named: bool = False) -> bytes:
     return data
 
 
-def frame(event: BaseModel | bytes, framing: Framing) -> bytes:
-    """One event as `framing` puts it on the wire."""
-    return encode(event, framing.named)
-
-
 def error_frame(body: dict[str, Any], framing: Framing) -> bytes:
     """An error event after the stream started; `body` is the dialect's error object."""
     if framing.named:  # Anthropic's body is already {"type": "error", "error": {...}}
