@@ -140,7 +140,10 @@ class OutputGuard:
         self.batch = checks.moderation_chars if self.moderation != "off" else 0
         self.filters: list[ChoiceFilter] = []
         self.passed: list[str] = []  # what each slot passed on so far, for moderation
-        self.fields: dict[tuple[int, str | int], int] = {}  # (choice, "reasoning" or a call's index) → slot
+        self.fields: dict[tuple[int, str | int], int] = {}  # (choice, "reasoning", "logprobs" or a call's index) → slot
+        # logprobs in a slot of their own, of the text they spell: a backend's whose logprobs may
+        # spell another field than the choice's text (a remote upstream's tool call)
+        self.apart = False
         for _ in range(n):
             self._add_slot()
 
@@ -166,7 +169,7 @@ class OutputGuard:
         if choice.done:  # cut earlier: the backend's tokens still count, nothing more is shown
             return replace(delta, text="", finish_reason=None, logprobs=None, reasoning="", tool_calls=())
         final = delta.finish_reason is not None
-        if delta.reasoning or delta.tool_calls or (final and self.fields):
+        if delta.reasoning or delta.tool_calls or (final and self.fields) or (self.apart and delta.logprobs):
             delta = await self._fields(delta, final)
             if choice.cut:
                 return delta
@@ -174,7 +177,8 @@ class OutputGuard:
         if choice.cut:
             self._cut(delta.index)
         finish = CONTENT_FILTER if choice.cut else delta.finish_reason
-        return replace(delta, text=text, finish_reason=finish, logprobs=choice.passed_logprobs(delta.logprobs))
+        logprobs = delta.logprobs if self.apart else choice.passed_logprobs(delta.logprobs)
+        return replace(delta, text=text, finish_reason=finish, logprobs=logprobs)
 
     async def _fields(self, delta: ChoiceDelta, final: bool) -> ChoiceDelta:
         """A delta's reasoning and tool-call arguments, each through a slot of its own (on the
@@ -183,6 +187,8 @@ class OutputGuard:
         pieces: dict[str | int, str] = {call.index: call.arguments for call in delta.tool_calls}
         if delta.reasoning:
             pieces["reasoning"] = delta.reasoning
+        if self.apart and delta.logprobs:
+            pieces["logprobs"] = "".join(entry.token for entry in delta.logprobs)
         if final:
             for choice, key in self.fields:
                 if choice == index:
@@ -198,8 +204,11 @@ class OutputGuard:
                 return replace(delta, text="", finish_reason=CONTENT_FILTER, logprobs=None, reasoning="", tool_calls=())
         calls = [replace(call, arguments=passed.pop(call.index)) for call in delta.tool_calls]
         reasoning = str(passed.pop("reasoning", ""))
+        logprobs, spelled = delta.logprobs, self.fields.get((index, "logprobs"))
+        if passed.pop("logprobs", None) is not None and spelled is not None:
+            logprobs = self.filters[spelled].passed_logprobs(delta.logprobs or ())
         calls += [ToolCallDelta(int(key), text) for key, text in passed.items() if text]
-        return replace(delta, reasoning=reasoning, tool_calls=tuple(calls))
+        return replace(delta, reasoning=reasoning, tool_calls=tuple(calls), logprobs=logprobs)
 
     def _cut(self, index: int) -> None:
         """Choice `index` cut: every slot of it done, what they held back dropped."""

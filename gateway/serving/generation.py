@@ -233,6 +233,8 @@ class Run:
             request = replace(request, priority=priority)
         self.request = request
         self.guard = guard
+        if guard is not None:
+            guard.apart = request.forward is not None  # an upstream's logprobs may spell its tool calls
         self.prompt_tokens = request.forward.prompt_tokens if request.forward else len(request.prompt_token_ids)
         self.cached_tokens = 0
         self.reported: int | None = None  # the completion tokens the backend counted (a remote upstream's usage)

@@ -219,6 +219,7 @@ GUARDED = [  # (the script's pieces, the request's fields, what the answer says:
     ("named tool", ARGUMENTS, {"tools": TOOLS, "tool_choice": NAMED}, ("", '{"to": "[EMAIL]"}')),
     ("structured", ARGUMENTS, {"response_format": {"type": "json_object"}}, ('{"to": "[EMAIL]"}', "")),
     ("logprobs", EMAIL, {"logprobs": True}, ("Ask [EMAIL] now", "")),
+    ("named tool, logprobs", ARGUMENTS, {"tools": TOOLS, "tool_choice": NAMED, "logprobs": True}, ("", '{"to": "[EMAIL]"}')),
 ]
 
 
