@@ -169,7 +169,9 @@ class _Answer:
         self.prepared = prepared
         priority = prepared.scheduled.priority
         self.runs = [Run(prepared.engine, g, prepared.guard.output(g.sampling.n), priority) for g in prepared.generations]
-        self.n = prepared.generations[0].sampling.n if prepared.generations[0].forward else prepared.request.n
+        remote = prepared.generations[0].forward is not None  # echo, best_of and max_tokens 0 are the upstream's
+        self.n = prepared.generations[0].sampling.n if remote else prepared.request.n
+        self.zero = prepared.request.max_tokens == 0 and not remote  # echo only: the engine made one token to drop
         self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}
 
     async def start(self) -> _Answer:
@@ -213,11 +215,11 @@ class _Answer:
 
     def usage_fields(self) -> dict[str, int]:
         prompt = sum(run.prompt_tokens for run in self.runs)
-        completion = 0 if self.prepared.request.max_tokens == 0 else sum(run.completion_tokens() for run in self.runs)
+        completion = 0 if self.zero else sum(run.completion_tokens() for run in self.runs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def text(self, state: ChoiceState) -> str:
-        return "" if self.prepared.request.max_tokens == 0 else "".join(state.text)
+        return "" if self.zero else "".join(state.text)
 
 
 async def complete(prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> Completion:
@@ -238,7 +240,7 @@ def _whole(answer: _Answer) -> Completion:
     """The answer validated in one step from plain fields (the choices and usage as dicts, not a
     model each: one validator call instead of one per object and their Python layers)."""
     prepared = answer.prepared
-    zero = prepared.request.max_tokens == 0
+    zero = answer.zero
     choices = []
     for p, run in enumerate(answer.runs):
         for rank, state in enumerate(_best(run.choices, answer.n)):
@@ -352,7 +354,7 @@ def _chunk_choice(answer: _Answer, p: int, delta: ChoiceDelta) -> dict[str, Any]
     """One engine delta of one choice as the CompletionChoice's JSON-ready dict, without pydantic
     for the per-token case (plain text)."""
     request = answer.prepared.request
-    zero = request.max_tokens == 0
+    zero = answer.zero
     state = answer.runs[p].choices[delta.index]
     prefix = "" if state.started else answer.echo(p)
     choice: dict[str, Any] = {"index": answer.index(p, delta.index), "text": prefix + ("" if zero else delta.text)}
