@@ -1,7 +1,8 @@
-"""Output guards, streaming-aware: each choice's text passes a sliding window as the engine
-produces it, so that a match spanning chunks is caught.
+"""Output guards, streaming-aware: each field of each choice (its text, and what a backend fills
+itself: reasoning, tool-call arguments) passes a sliding window as the backend produces it, so that
+a match spanning chunks is caught.
 
-Per choice, text is held back until `holdback_chars` follow it (a match that may still grow is not
+Per field, text is held back until `holdback_chars` follow it (a match that may still grow is not
 passed half-done), and `window_chars` of what was already passed stay in view, so a pattern that
 straddles the two is still seen. A blocking match cuts the choice: what came before it is passed,
 the rest is dropped, and it finishes with `content_filter`, as OpenAI's content filter does; once

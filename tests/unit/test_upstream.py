@@ -179,3 +179,20 @@ def test_an_upstream_that_breaks_before_its_first_event_falls_back(upstream) -> 
     assert answer.headers["x-served-model"] == "local"
     assert answer.text.endswith("data: [DONE]\n\n")
     assert '"error"' not in answer.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_an_answer_that_cannot_be_read_is_not_passed_on(upstream, stream: bool) -> None:
+    """What is not JSON cannot be checked nor rendered: a whole one is a 502 (its fallbacks may
+    answer), a stream's event ends the stream with an error."""
+    client, script = upstream
+    content = EVENT + b"\n\ndata: {not json\n\n" if stream else b"<html>busy</html>"
+    script[0] = lambda request: httpx.Response(200, content=content, headers={"content-type": "text/event-stream"})
+    answer = client.post("/v1/chat/completions", json=chat_body("lonely", stream=stream))
+    if not stream:
+        assert answer.status_code == 502
+        assert client.post("/v1/chat/completions", json=chat_body("remote")).headers["x-served-model"] == "local"
+        return
+    events = [e for e in answer.text.split("\n\n") if e]
+    assert json.loads(events[1][len("data: "):])["error"]["code"] == "service_unavailable"
+    assert "not json" not in answer.text
