@@ -222,12 +222,12 @@ def _choice(prepared: PreparedChat, state: ChoiceState) -> dict[str, Any]:
     """One choice as the ChatChoice's fields (its message as AssistantMessage's), validated with the answer."""
     content, calls = prepared.tools.parse("".join(state.text))
     message = {"content": content, "tool_calls": [c.as_openai() for c in calls] or None}
-    if state.calls or state.reasoning:  # parsed by a remote upstream
+    if state.calls:  # parsed by a remote upstream
         message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                 for _, c in sorted(state.calls.items())] or None
-        message["content"] = content or (None if state.calls else content)
-        if state.reasoning:
-            message["reasoning_content"] = "".join(state.reasoning)
+                                 for _, c in sorted(state.calls.items())]
+        message["content"] = content or None
+    if state.reasoning:
+        message["reasoning_content"] = "".join(state.reasoning)
     return {
         "index": state.index,
         "message": message,
