@@ -224,24 +224,21 @@ class Generator(Protocol):
     @property
     def info(self) -> ModelInfo: ...
 
-    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]: ...
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
+        """Stream outputs; closing or cancelling the iterator aborts the request in the backend."""
+        ...
 
-    async def check_health(self) -> None: ...
+    async def check_health(self) -> None:
+        """Return if the backend can serve; raise EngineUnavailable if not."""
+        ...
 
 
-class Engine(Protocol):
+class Engine(Generator, Protocol):
     """A loaded model that generates (or, when its `info.task` is "embed", embeds). All errors
     raised are `engine.errors.EngineError`s."""
 
     @property
-    def info(self) -> ModelInfo: ...
-
-    @property
     def tokenizer(self) -> Tokenizer: ...
-
-    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
-        """Stream outputs; closing or cancelling the iterator aborts the request in the engine."""
-        ...
 
     async def embed(self, request: EmbedRequest) -> list[float]:
         """The embedding of one input (embedding models only); cancelling aborts it in the engine."""
@@ -264,10 +261,6 @@ class Engine(Protocol):
 
     def adapter_load(self) -> AdapterLoad | None:
         """The adapters at work (None: this engine serves no adapters, LoRA off)."""
-        ...
-
-    async def check_health(self) -> None:
-        """Return if the engine can serve; raise EngineUnavailable if not."""
         ...
 
     async def shutdown(self) -> None: ...
