@@ -18,7 +18,7 @@ from starlette.responses import Response
 from engine.errors import EngineError
 from gateway.apis.routes import TABLE
 from gateway.errors import APIError
-from gateway.telemetry.record import current_record
+from gateway.telemetry.record import current_trace
 from gateway.web.error_render import dialect_of, from_exception, render
 
 log = structlog.get_logger(__name__)
@@ -36,7 +36,7 @@ async def error_response(request: Request, exc: Exception) -> Response:
     if error.status == 499:
         log.info("client_disconnected")
     elif error.status >= 500:
-        if (trace := current_record().trace) is not None:
+        if (trace := current_trace()) is not None:
             trace.failed(error.code or error.type, exc)
         # a traceback (without locals: gateway.telemetry.logs) for the server's own failures, not for refusals
         log.error("request_failed", status=error.status, error=error.message, exc_info=exc if error.status == 500 else None)

@@ -51,7 +51,7 @@ from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest, Model
 from gateway.errors import APIError, BackendUnavailable, BadGateway, Dialect
 from gateway.protocol import sse_wire
 from gateway.telemetry import metrics
-from gateway.telemetry.record import current_record
+from gateway.telemetry.record import current_trace
 from gateway.telemetry.tracing import headers_of
 
 log = structlog.get_logger(__name__)
@@ -158,7 +158,7 @@ class Upstream:
         the response held until the answer has been read; a failure before it is mapped here."""
         payload = orjson.dumps({**body, "model": self.upstream_model})
         url = self._url(path)
-        trace = current_record().trace
+        trace = current_trace()
         span = None if trace is None else trace.start(f"POST {path}", SpanKind.CLIENT, {
             "http.request.method": "POST", "url.full": str(url), "server.address": self._host,
             "gen_ai.request.model": self.upstream_model,

@@ -27,7 +27,7 @@ from gateway.guards.moderation import Moderation
 from gateway.guards.patterns import Detector, Match, Placeholders, Scanner, disjoint, first_block, redact, regex_spans
 from gateway.guards.stream import ALTERNATIVE_CONTEXT, OutputGuard
 from gateway.telemetry import metrics
-from gateway.telemetry.record import current_record
+from gateway.telemetry.record import current_trace
 from gateway.telemetry.tracing import stage
 
 
@@ -230,7 +230,7 @@ class RequestGuard:
         """The moderation upstream's verdict on the prompt, when the profile asks for one."""
         if self.profile is None or self.profile.profile.input.moderation == "off" or not self.prompt_text:
             return
-        with stage(current_record().trace, "gateway.guards.moderation"):
+        with stage(current_trace(), "gateway.guards.moderation"):
             verdict = await self.moderate("input", self.prompt_text, self.profile.profile.input.moderation)
         if verdict == "block":
             raise ContentPolicyViolation("The prompt was refused by the content policy: guard moderation", None)

@@ -24,7 +24,7 @@ from gateway.pipeline.disconnect import unless_gone
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.serving import offload, structured
-from gateway.serving.meter import Meter
+from gateway.serving.meter import Meter, Readings
 from gateway.serving.service import AnswerT, Forwards, OnDone, PreparedT, RequestT, Service, check_task
 from gateway.serving.structured import Constraint
 from gateway.stores.cache import Hit, Storer
@@ -56,6 +56,9 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         self.scheduled = context.lane or priority.of(policy, body)
         keys_scope = (state.settings.api_keys or state.tenants.enabled) and not state.settings.cache.shared_across_keys
         self.cache_scope = context.tenant if keys_scope else ""
+        # what the generation measures, handed down and reported here (`_report`), once
+        self.readings = Readings(started=context.record.arrival, log_content=context.record.log_content)
+        self._reported = False
 
     async def on(self, backend: Backend) -> Answer:
         """The one journey on either backend: its preparation (every refusal, the tokens to charge),
@@ -67,10 +70,31 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             return self._replay(hit)
         permit = await self._admit(backend)
         try:
-            return await start(permit, on_done)
+            answer = await start(permit, on_done)
         except BaseException:
             permit.release()
+            self._report()
             raise
+        if isinstance(answer, Whole):
+            self._report()
+        return answer
+
+    def _report(self) -> None:
+        """The generation's readings into the request's record (the access line, metrics, the
+        trace, the charge's settlement), once; a fallback's add to those of the model before it."""
+        if self._reported:
+            return
+        self._reported = True
+        readings, record = self.readings, self.context.record
+        if readings.prompt_tokens is not None:
+            record.prompt_tokens = (record.prompt_tokens or 0) + readings.prompt_tokens
+            record.completion_tokens = (record.completion_tokens or 0) + (readings.completion_tokens or 0)
+        if record.ttft_s is None:
+            record.ttft_s = readings.ttft_s
+        if readings.prompt is not None:  # kept only with prompt logging on
+            record.prompt = readings.prompt
+        if readings.output:
+            record.output = (record.output or []) + readings.output
 
     def _check_output(self, tokens: int) -> None:
         most = self.state.settings.max_output_tokens_per_request
@@ -123,7 +147,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
                 )
         self.context.release_body()  # read and tokenized: its bytes leave the in-flight budget
         prepared.model = backend.name
-        prepared.schedule(self.scheduled)
+        prepared.schedule(self.scheduled, self.readings)
         self._check_output(prepared.output_tokens())
         if prepared.constraint is not None:
             await self._constrained(backend, prepared.constraint, size)
@@ -147,6 +171,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
 
         def close() -> None:
             permit.release()
+            self._report()
             settle()
 
         return close
@@ -219,13 +244,13 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             return lambda permit, on_done: self._answered(upstream, path, payload, prompt, permit, on_done)
         prepared: PreparedT = service.forwarded(body, Forward(path, payload, prompt), upstream, self.guard)
         prepared.model = backend.name
-        prepared.schedule(self.scheduled)
+        prepared.schedule(self.scheduled, self.readings)
         return lambda permit, on_done: self._generate(prepared, permit, on_done)
 
     async def _answered(self, upstream: Upstream, path: str, payload: dict[str, Any], prompt: int, permit: Permit,
                         on_done: OnDone[AnswerT] | None) -> Answer:
         """A remote upstream's whole answer that is no generation (embeddings): read, counted, cached."""
-        meter = Meter(upstream.name, self.context.record)
+        meter = Meter(upstream.name, self.readings)
         meter.begin()
         try:
             body = await unless_gone(self.context.client_gone, upstream.whole(path, payload))

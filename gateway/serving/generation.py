@@ -28,8 +28,8 @@ from engine.types import (
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.guards.stream import OutputGuard, visible
 from gateway.protocol.openai import SamplingFields, Usage
-from gateway.serving.meter import Meter
-from gateway.telemetry.record import current_record
+from gateway.serving.meter import Meter, Readings
+from gateway.telemetry.record import current_trace
 from gateway.telemetry.tracing import headers_of
 
 log = structlog.get_logger(__name__)
@@ -226,7 +226,8 @@ class Run:
     ends once it has cut every choice."""
 
     def __init__(
-        self, engine: Generator, request: GenerationRequest, guard: OutputGuard | None = None, priority: int = 0
+        self, engine: Generator, request: GenerationRequest, guard: OutputGuard | None = None, priority: int = 0,
+        readings: Readings | None = None,
     ) -> None:
         self.engine = engine
         if priority != request.priority:  # prepared before the pipeline chose its priority
@@ -239,14 +240,14 @@ class Run:
         self.cached_tokens = 0
         self.reported: int | None = None  # the completion tokens the backend counted (a remote upstream's usage)
         self.choices = [ChoiceState(i) for i in range(request.sampling.n)]
-        self._record = record = current_record()
+        self._trace = trace = current_trace()
         self._span: Span | None = None  # traced: the engine's first token, then its decoding (an upstream traces its request)
-        if record.trace is not None and request.forward is None:
-            self._span = record.trace.start("engine.first_token", attributes={"gen_ai.request.id": request.request_id})
+        if trace is not None and request.forward is None:
+            self._span = trace.start("engine.first_token", attributes={"gen_ai.request.id": request.request_id})
             self.request = request = replace(request, trace_headers=headers_of(self._span))
         self._outputs = engine.generate(request)
         self._first: GenerationOutput | None = None
-        self._meter = Meter(engine.info.name, record)
+        self._meter = Meter(engine.info.name, readings)
         self.unkeepable: str | None = None  # why the answer must not be cached
         self._closed = False
 
@@ -309,8 +310,8 @@ class Run:
             tokens = tokens or bool(delta.token_ids)
         if tokens and self._meter.token() and self._span is not None:
             self._span.end()
-            assert self._record.trace is not None
-            self._span = self._record.trace.start("engine.decode", attributes={"gen_ai.request.id": self.request.request_id})
+            assert self._trace is not None
+            self._span = self._trace.start("engine.decode", attributes={"gen_ai.request.id": self.request.request_id})
         return output
 
     def _finish(self) -> None:
@@ -318,12 +319,12 @@ class Run:
         self._meter.end()
         prompt, completion = self.prompt_tokens, self.completion_tokens()
         self._meter.count(prompt, completion, len(self.choices))
-        record = self._record
-        if record.log_content:
-            record.prompt = self.request.prompt_text
-            record.output = (record.output or []) + ["".join(choice.text) for choice in self.choices]
-        if record.trace is not None:
-            record.trace.finished([choice.finish_reason for choice in self.choices])
+        readings = self._meter.readings
+        if readings.log_content:
+            readings.prompt = self.request.prompt_text
+            readings.output.extend("".join(choice.text) for choice in self.choices)
+        if self._trace is not None:
+            self._trace.finished([choice.finish_reason for choice in self.choices])
         if self._span is not None:
             self._end_span(prompt, completion)
 

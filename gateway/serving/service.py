@@ -22,6 +22,7 @@ from engine.types import Engine, Forward, Generator, ModelInfo, Task
 from gateway.errors import InvalidRequest
 from gateway.guards.guarding import RequestGuard
 from gateway.protocol.openai import ModelRequest
+from gateway.serving.meter import Readings
 from gateway.serving.structured import Constraint
 from gateway.tenancy.priority import Scheduled
 
@@ -40,8 +41,9 @@ class Prepared(Protocol):
     model: str  # the name the answer carries: the model (version) that answers
     constraint: Constraint | None  # what the output is constrained to (structured output), checked before the engine
 
-    def schedule(self, scheduled: Scheduled) -> None:
-        """Run at this priority (`tenancy.priority`: the engine's, and the tier the answer names)."""
+    def schedule(self, scheduled: Scheduled, readings: Readings) -> None:
+        """Run at this priority (`tenancy.priority`: the engine's, and the tier the answer names),
+        measured into `readings` (the pipeline reports them)."""
         ...
 
     def token_budget(self) -> int:

@@ -58,6 +58,12 @@ def current_record() -> RequestRecord:
     return _record.get() or RequestRecord()
 
 
+def current_trace() -> RequestTrace | None:
+    """This request's trace, when tracing is on: what the layers below the pipeline read of the record."""
+    record = _record.get()
+    return record.trace if record is not None else None
+
+
 def open_record(record: RequestRecord) -> Token[RequestRecord | None]:
     """Make `record` the current one, until `close_record` with what this returned (in a `finally`)."""
     return _record.set(record)

@@ -15,7 +15,7 @@ from gateway.errors import ClientDisconnected
 from gateway.pipeline.answer import Events, Primed
 from gateway.pipeline.disconnect import Watch
 from gateway.protocol.sse_wire import DONE, FRAMINGS, Framing, encode, error_frame
-from gateway.telemetry.record import current_record
+from gateway.telemetry.record import current_record, current_trace
 from gateway.web import stalls
 from gateway.web.error_render import dialect_of, from_exception
 from gateway.web.requests import gone_of
@@ -100,7 +100,7 @@ class EventStreamResponse(StreamingResponse):
                 raise  # the client is gone: nobody to tell
             except Exception as exc:
                 log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
-                if (trace := current_record().trace) is not None:
+                if (trace := current_trace()) is not None:
                     trace.failed(type(exc).__qualname__, exc)
                 body = encode_error(exc, framing)
                 sends.since = time()

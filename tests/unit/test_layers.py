@@ -178,3 +178,26 @@ def test_an_api_package_names_its_modules_after_itself() -> None:
     strays = [str(p.relative_to(GATEWAY)) for p in GATEWAY.glob("apis/*/*.py")
               if p.name != "__init__.py" and not p.stem.startswith(p.parent.name + "_")]
     assert strays == []
+
+
+# who may write the request's record (the access line's): the HTTP edge and the pipeline; below it,
+# a generation reports what it measured as values (`serving.meter.Readings`) the pipeline reports
+RECORD_WRITERS = ("gateway.middleware", "gateway.web", "gateway.pipeline", "gateway.telemetry", *TOP)
+RECORD_NAMES = {"current_record", "RequestRecord", "open_record"}
+
+
+def _reaches_the_record(tree: ast.Module) -> bool:
+    return any(isinstance(node, ast.ImportFrom) and node.module == "gateway.telemetry.record"
+               and any(alias.name in RECORD_NAMES for alias in node.names) for node in ast.walk(tree))
+
+
+def test_nothing_below_the_pipeline_reaches_the_request_record() -> None:
+    reaching = sorted(name for name, tree in modules().items()
+                      if _reaches_the_record(tree) and not name.startswith(RECORD_WRITERS)
+                      and not name.endswith("_routes") and not name.startswith("gateway.apis.batches.batches_line"))
+    assert reaching == []
+
+
+def test_the_record_rule_sees_an_import() -> None:
+    assert _reaches_the_record(ast.parse("from gateway.telemetry.record import current_record"))
+    assert not _reaches_the_record(ast.parse("from gateway.telemetry.record import current_trace"))

@@ -48,10 +48,11 @@ from gateway.serving.generation import (
     resolve_max_tokens,
     sampling_options,
 )
+from gateway.serving.meter import Readings
 from gateway.serving.service import OnDone
 from gateway.serving.structured import Constraint
 from gateway.serving.tools import HeldText
-from gateway.telemetry.record import current_record
+from gateway.telemetry.record import current_trace
 from gateway.tenancy.priority import NORMAL, Scheduled
 
 
@@ -68,9 +69,10 @@ class PreparedChat:
     held: dict[int, HeldText] = field(default_factory=dict)  # a stream's text per choice (tool_choice auto)
     constraint: Constraint | None = None  # what the output is constrained to (checked in the pipeline)
     scheduled: Scheduled = NORMAL  # its priority (the pipeline's decision, `tenancy.priority`)
+    readings: Readings = field(default_factory=Readings)  # what its run measured, for the pipeline
 
-    def schedule(self, scheduled: Scheduled) -> None:
-        self.scheduled = scheduled
+    def schedule(self, scheduled: Scheduled, readings: Readings) -> None:
+        self.scheduled, self.readings = scheduled, readings
 
     def token_budget(self) -> int:
         """Prompt plus the most the answer may take, for tokens-per-minute limits."""
@@ -238,7 +240,7 @@ def _choice(prepared: PreparedChat, state: ChoiceState) -> dict[str, Any]:
 
 def _finished(index: int, reason: str | None) -> str | None:
     """A choice's finish reason as the answer says it (tool_calls for calls), for the request's trace."""
-    trace = current_record().trace
+    trace = current_trace()
     if trace is not None:
         trace.finished_as(index, reason)
     return reason
@@ -268,7 +270,7 @@ async def start_run(prepared: PreparedChat) -> Run:
     await prepared.guard.moderate_input()
     guard = prepared.guard.output(prepared.generation.sampling.n)
     try:
-        return await Run(prepared.engine, prepared.generation, guard, prepared.scheduled.priority).start()
+        return await Run(prepared.engine, prepared.generation, guard, prepared.scheduled.priority, prepared.readings).start()
     except GenerationFailed as exc:
         if prepared.constraint is None:
             raise

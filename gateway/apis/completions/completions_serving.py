@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
 
@@ -40,6 +40,7 @@ from gateway.serving.generation import (
     resolve_max_tokens,
     sampling_options,
 )
+from gateway.serving.meter import Readings
 from gateway.serving.service import OnDone
 from gateway.serving.structured import Constraint
 from gateway.tenancy.priority import NORMAL, Scheduled
@@ -57,9 +58,10 @@ class PreparedCompletion:
     guard: RequestGuard = UNGUARDED
     constraint: Constraint | None = None  # completions take no response_format
     scheduled: Scheduled = NORMAL  # its priority (the pipeline's decision, `tenancy.priority`)
+    readings: Readings = field(default_factory=Readings)  # what its runs measured, for the pipeline
 
-    def schedule(self, scheduled: Scheduled) -> None:
-        self.scheduled = scheduled
+    def schedule(self, scheduled: Scheduled, readings: Readings) -> None:
+        self.scheduled, self.readings = scheduled, readings
 
     def token_budget(self) -> int:
         return sum(len(g.prompt_token_ids) for g in self.generations) + self.output_tokens()
@@ -167,8 +169,9 @@ class _Answer:
 
     def __init__(self, prepared: PreparedCompletion) -> None:
         self.prepared = prepared
-        priority = prepared.scheduled.priority
-        self.runs = [Run(prepared.engine, g, prepared.guard.output(g.sampling.n), priority) for g in prepared.generations]
+        priority, readings = prepared.scheduled.priority, prepared.readings
+        self.runs = [Run(prepared.engine, g, prepared.guard.output(g.sampling.n), priority, readings)
+                     for g in prepared.generations]
         remote = prepared.generations[0].forward is not None  # echo, best_of and max_tokens 0 are the upstream's
         self.n = prepared.generations[0].sampling.n if remote else prepared.request.n
         self.zero = prepared.request.max_tokens == 0 and not remote  # echo only: the engine made one token to drop

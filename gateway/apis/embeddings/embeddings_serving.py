@@ -12,7 +12,7 @@ import asyncio
 import base64
 import struct
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
@@ -22,10 +22,10 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.guards.guarding import UNGUARDED, RequestGuard
 from gateway.protocol.embeddings import EmbeddingRequest
 from gateway.serving.generation import check_token_ids, new_id
+from gateway.serving.meter import Readings
 from gateway.serving.service import OnDone
 from gateway.serving.structured import Constraint
 from gateway.telemetry import metrics
-from gateway.telemetry.record import current_record
 from gateway.tenancy.priority import Scheduled
 
 
@@ -38,9 +38,11 @@ class PreparedEmbeddings:
     model: str  # the name the answer carries: the model (version) that answers
     id: str
     constraint: Constraint | None = None  # vectors: nothing to constrain
+    readings: Readings = field(default_factory=Readings)  # its tokens, for the pipeline
 
-    def schedule(self, scheduled: Scheduled) -> None:
+    def schedule(self, scheduled: Scheduled, readings: Readings) -> None:
         """Embeddings run in arrival order (only admission reads the class)."""
+        self.readings = readings
 
     def token_budget(self) -> int:
         return sum(len(ids) for ids in self.inputs)
@@ -123,8 +125,7 @@ async def _embed_all(prepared: PreparedEmbeddings) -> list[list[float]]:
         metrics.labelled(metrics.IN_FLIGHT, name).dec()
         tokens = prepared.token_budget()
         metrics.labelled(metrics.PROMPT_TOKENS, name).inc(tokens)
-        record = current_record()
-        record.prompt_tokens = (record.prompt_tokens or 0) + tokens
+        prepared.readings.count(tokens, 0)
 
 
 async def complete(

@@ -60,6 +60,7 @@ from gateway.protocol.openai import (
 )
 from gateway.serving import tools
 from gateway.serving.generation import ChoiceState, Run, hand_over
+from gateway.serving.meter import Readings
 from gateway.serving.service import OnDone, check_task
 from gateway.serving.structured import Constraint
 from gateway.tenancy.priority import Scheduled
@@ -226,8 +227,8 @@ class PreparedMessage:
     id: str
     constraint: Constraint | None = None  # the chat's (output_config.format, a forced tool's input_schema)
 
-    def schedule(self, scheduled: Scheduled) -> None:
-        self.chat.schedule(scheduled)
+    def schedule(self, scheduled: Scheduled, readings: Readings) -> None:
+        self.chat.schedule(scheduled, readings)
 
     def token_budget(self) -> int:
         return self.chat.token_budget()
