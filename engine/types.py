@@ -49,6 +49,16 @@ class TokenLogprob:
     top: tuple[tuple[int, str, float], ...] = ()  # (token id, token text, logprob), best first
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of one tool call, as a backend that parses calls itself streams it (a remote upstream)."""
+
+    index: int
+    arguments: str = ""
+    name: str | None = None  # with the call's first piece
+    id: str | None = None
+
+
 @dataclass(slots=True)  # not frozen: built per token, and a frozen init costs more
 class ChoiceDelta:
     """What one choice (of n) produced since the previous output of the same request."""
@@ -60,6 +70,8 @@ class ChoiceDelta:
     stop_reason: int | str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     cumulative_logprob: float | None = None  # of the whole choice so far, when logprobs are on
+    reasoning: str = ""  # a backend's reasoning text, apart from the answer's (a remote upstream's)
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # calls the backend parsed itself (a remote upstream's)
 
 
 @dataclass(slots=True)
@@ -71,6 +83,7 @@ class GenerationOutput:
     finished: bool
     cached_tokens: int = 0
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    completion_tokens: int | None = None  # the backend's own count, with its last output (a remote upstream's usage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +95,17 @@ class GenerationRequest:
     trace_headers: Mapping[str, str] | None = None  # W3C traceparent (and tracestate) of the caller's span
     adapter: str | None = None  # a LoRA adapter loaded into this engine (`Engine.load_adapter`), by name
     priority: int = 0  # vLLM's: lower runs first (and is preempted last) under priority scheduling
+    forward: Forward | None = None  # a remote backend's request: what it is sent instead of the token ids
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """A generation as a remote upstream is asked for it: its route, the request it is sent, and the
+    prompt's tokens as estimated (no tokenizer of the upstream's model here)."""
+
+    path: str
+    payload: Mapping[str, Any]
+    prompt_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,19 +216,29 @@ class Tokenizer(Protocol):
         ...
 
 
-class Engine(Protocol):
-    """A loaded model that generates (or, when its `info.task` is "embed", embeds). All errors
-    raised are `engine.errors.EngineError`s."""
+class Generator(Protocol):
+    """What every backend is to the pipeline (the embedded engine, a remote upstream): its name (in
+    `info`), a generation started as a stream of outputs ending in a finish reason per choice and
+    the usage (closing it aborts the generation), and its health."""
 
     @property
     def info(self) -> ModelInfo: ...
 
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
+        """Stream outputs; closing or cancelling the iterator aborts the request in the backend."""
+        ...
+
+    async def check_health(self) -> None:
+        """Return if the backend can serve; raise EngineUnavailable if not."""
+        ...
+
+
+class Engine(Generator, Protocol):
+    """A loaded model that generates (or, when its `info.task` is "embed", embeds). All errors
+    raised are `engine.errors.EngineError`s."""
+
     @property
     def tokenizer(self) -> Tokenizer: ...
-
-    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
-        """Stream outputs; closing or cancelling the iterator aborts the request in the engine."""
-        ...
 
     async def embed(self, request: EmbedRequest) -> list[float]:
         """The embedding of one input (embedding models only); cancelling aborts it in the engine."""
@@ -227,10 +261,6 @@ class Engine(Protocol):
 
     def adapter_load(self) -> AdapterLoad | None:
         """The adapters at work (None: this engine serves no adapters, LoRA off)."""
-        ...
-
-    async def check_health(self) -> None:
-        """Return if the engine can serve; raise EngineUnavailable if not."""
         ...
 
     async def shutdown(self) -> None: ...

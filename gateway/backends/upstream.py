@@ -1,14 +1,14 @@
 """Remote models: any OpenAI-compatible server (another replica, vLLM's server) reached with aiohttp.
 
-Requests are forwarded as validated, with `model` renamed to the upstream's name; streams pass
-through event by event, unbuffered, decoded from any `Content-Encoding` the upstream chose (the
-header is not passed on: the client gets plain bytes).
+A remote backend (`engine.types.Generator`): requests are forwarded as validated, with `model`
+renamed to the upstream's name, and its answer (a whole JSON body, or SSE chunks as they come,
+decoded from any `Content-Encoding`) is read into typed outputs, as the engine's.
 
 One aiohttp session per upstream, made on first use (in the serving loop), its pool sized by the
 model's `max_connections`, every connection kept alive between requests for `KEEP_ALIVE_S` (under
 the idle timeout of uvicorn-based upstreams, vLLM's server among them). aiohttp, not httpx: httpx's
 pool polls every pooled connection on each request, so its cost grows with the requests in flight
-(benchmarks/RESULTS.md, "Remote path (issue 27)").
+(benchmarks/RESULTS.md).
 
 The upstream's failures become the gateway's own errors, mapped here once (`FAILURES`: aiohttp's
 errors and its timeouts); why goes to the log (`upstream_failed`), never to the client or /ready:
@@ -17,19 +17,25 @@ may echo the request) only with `log_prompts`:
 
     connection error, timeout, 408, 429, 502, 503, 504   → BackendUnavailable (503, fallible)
     401, 403 (our key refused), 404, any other status     → BadGateway (502, fallible)
-    400, 413, 422 (the request's own fault)               → passed on as the upstream answered
-    a failure in the middle of a stream                   → BackendUnavailable, raised from the
-                                                            events (the API layer ends the stream
+    400, 413, 422 (the request's own fault)               → `Refused`: passed on as it answered
+    a failure in the middle of a stream (an error event)  → BackendUnavailable, raised from the
+                                                            outputs (the API layer ends the stream
                                                             with one error event)
 
 Fallible errors happen before the first byte, so the dispatcher tries the model's fallbacks.
-What comes back is an `UpstreamAnswer`; the API layer makes the HTTP response of it.
+
+What it is sent: the request with the model's defaults where it is silent (`with_defaults`), its
+tokens estimated for the charge (`estimate`: no tokenizer of the upstream's model here; the prompt's
+text at 4 characters a token, OpenAI's rule of thumb, token-id prompts by their length, plus the
+output budget asked for, times n and the prompts; completions' default 16; chat without one: 0,
+counted after). The upstream's usage, when it reports one, is the count that stays.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+import math
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -41,7 +47,8 @@ from yarl import URL
 
 from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
-from gateway.errors import APIError, BackendUnavailable, BadGateway
+from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest, ModelInfo, TokenLogprob, ToolCallDelta
+from gateway.errors import APIError, BackendUnavailable, BadGateway, Dialect
 from gateway.protocol import sse_wire
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_trace
@@ -54,17 +61,26 @@ LOGGED_BYTES = 500  # of an upstream's error body, for the log
 KEEP_ALIVE_S = 4.0  # an idle connection's life: under uvicorn's 5 s, so we close it before the upstream does
 HEALTH_TIMEOUT_S = 5.0
 FAILURES = (aiohttp.ClientError, TimeoutError)  # what aiohttp raises when the upstream fails us
+CHARS_PER_TOKEN = 4
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) when a completions request sends none
 
 
-@dataclass(frozen=True, slots=True)
-class UpstreamAnswer:
-    """The upstream's answer: a whole body, or (a 200 stream) its SSE events, each one block of
-    lines without the blank line that ends it."""
+class Refused(APIError):
+    """The upstream refused the request as the client's own fault (`PASSED_ON`): its status and its
+    error body, passed on as it answered."""
 
-    status: int
-    media_type: str
-    body: bytes = b""
-    events: AsyncGenerator[bytes, None] | None = None
+    def __init__(self, status: int, body: bytes) -> None:
+        try:
+            error = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            error = None
+        self.error = error if isinstance(error, dict) else None
+        inner = (self.error or {}).get("error")
+        super().__init__(str(inner.get("message", "")) if isinstance(inner, dict) else body.decode("utf-8", "replace"))
+        self.status = status
+
+    def body(self, dialect: Dialect = "openai") -> dict[str, Any]:
+        return self.error if self.error is not None and dialect == "openai" else super().body(dialect)
 
 
 class Upstream:
@@ -74,6 +90,7 @@ class Upstream:
         self.name = name
         self._log_bodies = log_bodies  # an error body's text in the log (log_prompts): it may echo the request
         self.upstream_model = upstream_model
+        self.info = ModelInfo(name, max_model_len=0)  # what a backend tells of itself (the upstream's model is its own)
         self._base = url.rstrip("/")
         self._host = URL(self._base).host or ""
         self._headers = {"Content-Type": "application/json"}
@@ -104,82 +121,91 @@ class Upstream:
             url = self._urls[path] = URL(self._base + path)
         return url
 
-    async def forward(
-        self, path: str, body: dict[str, Any], stream: bool, on_close: Callable[[], None]
-    ) -> UpstreamAnswer:
-        """Forward; `on_close` runs once the answer has been passed on (or failed)."""
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
+        """The generation `request.forward` asks for, its answer read as typed outputs (a stream's
+        chunk by chunk; a whole answer as one output); closing it early ends the upstream's request."""
+        forward = request.forward
+        assert forward is not None
+        stream = bool(forward.payload.get("stream"))
+        async with self._request(forward.path, forward.payload) as (response, span):
+            if not stream:
+                try:
+                    answer = orjson.loads(await self._body(response))
+                except orjson.JSONDecodeError:
+                    raise self._failed(BadGateway, "an answer that is not JSON") from None
+                yield _output(answer, whole=True)
+                return
+            try:
+                async for event in sse_wire.split(response.content.iter_any()):
+                    for chunk in sse_wire.payloads(event):
+                        if chunk == sse_wire.UNREADABLE or (isinstance(chunk, dict) and "error" in chunk):
+                            raise self._failed(BackendUnavailable, "mid-stream: an error event, or data that is not JSON")
+                        if isinstance(chunk, dict):
+                            yield _output(chunk, whole=False)
+            except FAILURES as exc:
+                if span is not None:
+                    _failed_span(span, exc)
+                raise self._failed(BackendUnavailable, f"mid-stream: {type(exc).__name__}: {exc}") from exc
+
+    async def whole(self, path: str, payload: dict[str, Any]) -> bytes:
+        """A request whose answer is not a generation (embeddings): the upstream's body."""
+        async with self._request(path, payload) as (response, _):
+            return await self._body(response)
+
+    @asynccontextmanager
+    async def _request(self, path: str, body: Mapping[str, Any]) -> AsyncIterator[tuple[aiohttp.ClientResponse, Span | None]]:
+        """The request sent, its span (traced: the request's, its traceparent passed on) open and
+        the response held until the answer has been read; a failure before it is mapped here."""
         payload = orjson.dumps({**body, "model": self.upstream_model})
         url = self._url(path)
         trace = current_trace()
-        if trace is None:
-            return await self._forward(url, payload, None, stream, on_close)
-        # the request's span, its traceparent passed on; ended when the answer has been passed on
-        span = trace.start(f"POST {path}", SpanKind.CLIENT, {
+        span = None if trace is None else trace.start(f"POST {path}", SpanKind.CLIENT, {
             "http.request.method": "POST", "url.full": str(url), "server.address": self._host,
             "gen_ai.request.model": self.upstream_model,
         })
-
-        def closed() -> None:
-            if span.is_recording():  # not when a failure ended it already
-                span.end()
-            on_close()
-
         try:
-            return await self._forward(url, payload, headers_of(span), stream, closed, span)
-        except BaseException as exc:
-            _failed_span(span, exc)
+            try:
+                response = await self.session.post(url, data=payload, headers=None if span is None else headers_of(span))
+            except FAILURES as exc:
+                raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
+            try:
+                await self._check(response, span)
+                yield response, span
+            finally:
+                # a stream read to its end leaves its connection in the pool; one cut short (a client
+                # gone mid-stream) closes it, which ends the upstream's request too
+                response.release()
+        except Exception as exc:
+            if span is not None and span.is_recording():
+                _failed_span(span, exc)
             raise
+        finally:
+            if span is not None and span.is_recording():  # not when a failure ended it already
+                span.end()
 
-    async def _forward(
-        self, url: URL, payload: bytes, headers: dict[str, str] | None, stream: bool,
-        on_close: Callable[[], None], span: Span | None = None,
-    ) -> UpstreamAnswer:
-        try:
-            response = await self.session.post(url, data=payload, headers=headers)
-        except FAILURES as exc:
-            raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
+    async def _check(self, response: aiohttp.ClientResponse, span: Span | None) -> None:
         status = response.status
         if span is not None:
             span.set_attribute("http.response.status_code", status)
-        if status != 200 and status not in PASSED_ON:
+        if status in PASSED_ON:
+            raise Refused(status, await self._body(response))
+        if status != 200:
             excerpt = await _excerpt(response)
             if not self._log_bodies:
                 excerpt = _error_kind(excerpt)
             kind = BackendUnavailable if status in UNAVAILABLE else BadGateway
             raise self._failed(kind, f"answered {status}: {excerpt}")
-        media_type = response.headers.get("Content-Type", "application/json")
-        if not stream or status != 200:
-            try:
-                content = await response.read()  # decoded: gzip and the like are undone here
-            except FAILURES as exc:
-                raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
-            finally:
-                response.release()  # the connection back to the pool (closed when the answer was cut)
-            on_close()
-            return UpstreamAnswer(status, media_type, body=content)
-        return UpstreamAnswer(200, media_type, events=self._events(response, on_close, span))
+
+    async def _body(self, response: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await response.read()  # decoded: gzip and the like are undone here
+        except FAILURES as exc:
+            raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
 
     def _failed(self, kind: type[APIError], why: str) -> APIError:
         metrics.labelled(metrics.UPSTREAM_ERRORS, self.name).inc()
         log.warning("upstream_failed", model=self.name, why=why)
         return kind(f"The model '{self.name}' is unavailable: its upstream server failed. Please retry later.")
-
-    async def _events(
-        self, response: aiohttp.ClientResponse, on_close: Callable[[], None], span: Span | None
-    ) -> AsyncGenerator[bytes, None]:
-        """The stream's events as they complete (an event cut by a failure is not passed on)."""
-        try:
-            async for event in sse_wire.split(response.content.iter_any()):
-                yield event
-        except FAILURES as exc:
-            if span is not None:
-                _failed_span(span, exc)
-            raise self._failed(BackendUnavailable, f"mid-stream: {type(exc).__name__}: {exc}") from exc
-        finally:
-            on_close()
-            # a stream read to its end leaves its connection in the pool; one cut short (a client
-            # gone mid-stream) closes it, which ends the upstream's request too
-            response.release()
 
     async def check_health(self) -> None:
         """For /ready: a short reason of ours; the upstream's details go to the log."""
@@ -199,6 +225,72 @@ class Upstream:
             await self._session.close()
 
 
+def _output(data: Any, whole: bool) -> GenerationOutput:
+    """A whole answer, or one chunk of a stream, typed as the engine's outputs are: a chat choice's
+    content, reasoning and tool calls (parsed by the upstream), a completion's text, their logprobs,
+    the finish reasons, the usage."""
+    data = data if isinstance(data, dict) else {}
+    choices = [_delta(raw, whole) for raw in data.get("choices") or () if isinstance(raw, dict)]
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    completion = usage.get("completion_tokens")
+    return GenerationOutput(_int(usage.get("prompt_tokens")), choices, finished=whole or bool(usage),
+                            cached_tokens=_int(cached), completion_tokens=completion if isinstance(completion, int) else None)
+
+
+def _delta(raw: dict[str, Any], whole: bool) -> ChoiceDelta:
+    body = raw.get("message" if whole else "delta")
+    reason = raw.get("finish_reason")
+    index, finish = _int(raw.get("index")), reason if isinstance(reason, str) else None
+    if not isinstance(body, dict):  # a completion's choice
+        text = _str(raw.get("text"))
+        return ChoiceDelta(index, text, _ids(text), finish, logprobs=_completion_logprobs(raw.get("logprobs")))
+    text, reasoning = _str(body.get("content")), _str(body.get("reasoning_content") or body.get("reasoning"))
+    calls = tuple(_call(call, i) for i, call in enumerate(body.get("tool_calls") or ()) if isinstance(call, dict))
+    logprobs = raw.get("logprobs")
+    entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+    return ChoiceDelta(index, text, _ids(text or reasoning or calls), finish, reasoning=reasoning, tool_calls=calls,
+                       logprobs=None if not isinstance(entries, list) else tuple(
+                           _logprob(e.get("token"), e.get("logprob"), e.get("top_logprobs")) for e in entries if isinstance(e, dict)))
+
+
+def _ids(output: object) -> tuple[int, ...]:
+    """An upstream's token ids are not known: one stand-in for a choice's piece of output, so that it
+    counts as a token (and times as one) until the upstream's usage gives the count."""
+    return (0,) if output else ()
+
+
+def _call(call: dict[str, Any], position: int) -> ToolCallDelta:
+    function = call["function"] if isinstance(call.get("function"), dict) else {}
+    index, name, call_id = call.get("index", position), function.get("name"), call.get("id")
+    return ToolCallDelta(_int(index), _str(function.get("arguments")), name if isinstance(name, str) else None,
+                         call_id if isinstance(call_id, str) else None)
+
+
+def _completion_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...] | None:
+    if not isinstance(logprobs, dict) or not isinstance(logprobs.get("tokens"), list):
+        return None
+    values, tops = logprobs.get("token_logprobs") or [], logprobs.get("top_logprobs") or []
+    return tuple(_logprob(token, values[i] if i < len(values) else None, tops[i] if i < len(tops) else None)
+                 for i, token in enumerate(logprobs["tokens"]))
+
+
+def _logprob(token: Any, logprob: Any, top: Any) -> TokenLogprob:
+    """One token's logprob; its alternatives a chat list of {token, logprob} or a completion's map."""
+    pairs = top.items() if isinstance(top, dict) else ((t.get("token"), t.get("logprob")) for t in top or () if isinstance(t, dict))
+    alternatives = tuple((0, _str(t), float(lp)) for t, lp in pairs if isinstance(lp, int | float))
+    return TokenLogprob(0, _str(token), float(logprob) if isinstance(logprob, int | float) else None, None, alternatives)
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) else 0
+
+
 def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, output_budget: bool) -> dict[str, Any]:
     """The request with the model's sampling defaults (the models file's `defaults`) where it is
     silent: an upstream cannot know them. `max_tokens` only where the output budget is open (chat),
@@ -210,6 +302,43 @@ def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, ou
         values.pop("max_tokens", None)
     silent = {key: value for key, value in values.items() if payload.get(key) is None}
     return {**payload, **silent}
+
+
+def estimate(payload: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens, output budget) of a request about to be forwarded."""
+    prompts = payload.get("prompt", payload.get("input"))
+    prompt = _message_tokens(payload.get("messages") or []) + _prompt_tokens(prompts)
+    count = len(prompts) if isinstance(prompts, list) and prompts and isinstance(prompts[0], str | list) else 1
+    asked = payload.get("max_completion_tokens") or payload.get("max_tokens")
+    if asked is None and "prompt" in payload:
+        asked = COMPLETIONS_DEFAULT_MAX_TOKENS
+    choices = max(int(payload.get("n") or 1), int(payload.get("best_of") or 1))
+    return prompt, int(asked or 0) * choices * count
+
+
+def _chars(text: str) -> int:
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
+def _message_tokens(messages: list[dict[str, Any]]) -> int:
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += _chars(content)
+        elif isinstance(content, list):
+            total += sum(_chars(part.get("text") or "") for part in content if isinstance(part, dict))
+        for call in message.get("tool_calls") or ():
+            total += _chars(str((call.get("function") or {}).get("arguments") or ""))
+    return total
+
+
+def _prompt_tokens(prompt: object) -> int:
+    if isinstance(prompt, str):
+        return _chars(prompt)
+    if isinstance(prompt, list):
+        return sum(1 if isinstance(item, int) else _prompt_tokens(item) for item in prompt)
+    return 0
 
 
 def _failed_span(span: Span, exc: BaseException) -> None:

@@ -22,7 +22,6 @@ from gateway.guards.config import Checks, GuardsFile, ModelGuards, Profile
 from gateway.guards.logprobs import LogprobFilter
 from gateway.guards.moderation import Moderation
 from gateway.guards.patterns import Detector, Match, Placeholders, Scanner, disjoint, first_block, redact, regex_spans
-from gateway.guards.relay import RelayGuard
 from gateway.guards.stream import ALTERNATIVE_CONTEXT, OutputGuard
 from gateway.telemetry import metrics
 from gateway.telemetry.record import current_trace
@@ -267,12 +266,6 @@ class RequestGuard:
         alternatives = LogprobFilter(self.profile.output, ALTERNATIVE_CONTEXT)
         alternatives.add(entries)
         return list(alternatives.release(0, everything=True))
-
-    def relay(self) -> RelayGuard | None:
-        """The guard of a remote model's answer (None: nothing to check or restore: it passes
-        through unread)."""
-        output = self.output(0)
-        return RelayGuard(output) if output is not None else None
 
 
 UNGUARDED = RequestGuard(None)

@@ -1,11 +1,12 @@
-"""Output guards, streaming-aware: each choice's text passes a sliding window as the engine
-produces it, so that a match spanning chunks is caught.
+"""Output guards, streaming-aware: each field of each choice (its text, and what a backend fills
+itself: reasoning, tool-call arguments) passes a sliding window as the backend produces it, so that
+a match spanning chunks is caught.
 
-Per choice, text is held back until `holdback_chars` follow it (a match that may still grow is not
+Per field, text is held back until `holdback_chars` follow it (a match that may still grow is not
 passed half-done), and `window_chars` of what was already passed stay in view, so a pattern that
 straddles the two is still seen. A blocking match cuts the choice: what came before it is passed,
 the rest is dropped, and it finishes with `content_filter`, as OpenAI's content filter does; once
-every choice is done the engine request ends (`Run` aborts it). Redactions are replaced as text is
+every choice is done the generation ends (`Run` aborts it). Redactions are replaced as text is
 passed; placeholders of the prompt's redactions are restored last, after the checks (which see the
 model's text, not the user's values). With output moderation, text is passed in batches of
 `moderation_chars`, each checked with everything before it.
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
-from engine.types import ChoiceDelta, GenerationOutput, TokenLogprob
+from engine.types import ChoiceDelta, GenerationOutput, TokenLogprob, ToolCallDelta
 from gateway.guards.config import OutputChecks
 from gateway.guards.logprobs import LogprobFilter
 from gateway.guards.normalize import Normalized, normalize
@@ -126,9 +127,10 @@ class ChoiceFilter:
 
 
 class OutputGuard:
-    """The output guard of one generation (n choices): rewrites each engine output's deltas. Its
-    filters are slots, one per choice here; a remote model's relay (`guards.relay`) adds one per
-    field of each choice (`add_slot`), through the same `feed`."""
+    """The output guard of one generation (n choices): rewrites each output's deltas. Its filters
+    are slots: one per choice for its text (and the logprobs that spell it), and one per other field
+    a backend fills itself (reasoning, each tool call's arguments), added as they come. A blocking
+    match in any slot cuts the choice."""
 
     def __init__(self, notes: Notes, scanner: Scanner, checks: OutputChecks, restore: Placeholders | None,
                  n: int) -> None:
@@ -139,13 +141,15 @@ class OutputGuard:
         self.batch = checks.moderation_chars if self.moderation != "off" else 0
         self.filters: list[ChoiceFilter] = []
         self.passed: list[str] = []  # what each slot passed on so far, for moderation
+        self.fields: dict[tuple[int, str | int], int] = {}  # (choice, "reasoning", "logprobs" or a call's index) → slot
+        # logprobs in a slot of their own, of the text they spell: a backend's whose logprobs may
+        # spell another field than the choice's text (a remote upstream's tool call)
+        self.apart = False
         for _ in range(n):
-            self.add_slot()
+            self._add_slot()
 
-    def add_slot(self, moderated: bool = True) -> int:
-        """A new filter (an index into `filters`); `moderated`: its text goes to output moderation."""
-        batch = self.batch if moderated else 0
-        self.filters.append(ChoiceFilter(self.scanner, self.checks, self.restore, self._note, batch))
+    def _add_slot(self) -> int:
+        self.filters.append(ChoiceFilter(self.scanner, self.checks, self.restore, self._note, self.batch))
         self.passed.append("")
         return len(self.filters) - 1
 
@@ -163,11 +167,58 @@ class OutputGuard:
 
     async def _delta(self, delta: ChoiceDelta) -> ChoiceDelta:
         choice = self.filters[delta.index]
-        if choice.done:  # cut earlier: the engine's tokens still count, nothing more is shown
-            return replace(delta, text="", finish_reason=None, logprobs=None)
-        text = await self.feed(delta.index, delta.text, final=delta.finish_reason is not None)
+        if choice.done:  # cut earlier: the backend's tokens still count, nothing more is shown
+            return replace(delta, text="", finish_reason=None, logprobs=None, reasoning="", tool_calls=())
+        final = delta.finish_reason is not None
+        if delta.reasoning or delta.tool_calls or (final and self.fields) or (self.apart and delta.logprobs):
+            delta = await self._fields(delta, final)
+            if choice.cut:
+                return delta
+        text = await self.feed(delta.index, delta.text, final)
+        if choice.cut:
+            self._cut(delta.index)
         finish = CONTENT_FILTER if choice.cut else delta.finish_reason
-        return replace(delta, text=text, finish_reason=finish, logprobs=choice.passed_logprobs(delta.logprobs))
+        logprobs = delta.logprobs if self.apart else choice.passed_logprobs(delta.logprobs)
+        return replace(delta, text=text, finish_reason=finish, logprobs=logprobs)
+
+    async def _fields(self, delta: ChoiceDelta, final: bool) -> ChoiceDelta:
+        """A delta's reasoning and tool-call arguments, each through a slot of its own (on the
+        choice's last delta, what each slot still holds goes out with it)."""
+        index = delta.index
+        pieces: dict[str | int, str] = {call.index: call.arguments for call in delta.tool_calls}
+        if delta.reasoning:
+            pieces["reasoning"] = delta.reasoning
+        if self.apart and delta.logprobs:
+            pieces["logprobs"] = "".join(entry.token for entry in delta.logprobs)
+        if final:
+            for choice, key in self.fields:
+                if choice == index:
+                    pieces.setdefault(key, "")
+        passed: dict[str | int, str] = {}
+        for key, text in pieces.items():
+            slot = self.fields.get((index, key))
+            if slot is None:
+                slot = self.fields[(index, key)] = self._add_slot()
+            passed[key] = await self.feed(slot, text, final)
+            if self.filters[slot].cut:
+                self._cut(index)
+                return replace(delta, text="", finish_reason=CONTENT_FILTER, logprobs=None, reasoning="", tool_calls=())
+        calls = [replace(call, arguments=passed.pop(call.index)) for call in delta.tool_calls]
+        reasoning = str(passed.pop("reasoning", ""))
+        logprobs, spelled = delta.logprobs, self.fields.get((index, "logprobs"))
+        if passed.pop("logprobs", None) is not None and spelled is not None:
+            logprobs = self.filters[spelled].passed_logprobs(delta.logprobs or ())
+        calls += [ToolCallDelta(int(key), text) for key, text in passed.items() if text]
+        return replace(delta, reasoning=reasoning, tool_calls=tuple(calls), logprobs=logprobs)
+
+    def _cut(self, index: int) -> None:
+        """Choice `index` cut: every slot of it done, what they held back dropped."""
+        slots = [index, *(slot for (choice, _), slot in self.fields.items() if choice == index)]
+        for slot in slots:
+            choice_filter = self.filters[slot]
+            choice_filter.done = choice_filter.cut = True
+            choice_filter.pending = ""
+            choice_filter.logprobs.drop()
 
     async def feed(self, index: int, text: str, final: bool) -> str:
         """What of slot `index`'s text so far may go out now: checked, moderated (when its slot is),
@@ -193,5 +244,5 @@ class OutputGuard:
 
 def visible(output: GenerationOutput) -> GenerationOutput:
     """The output without the deltas that carry nothing to show (text held back)."""
-    shown = [d for d in output.choices if d.text or d.finish_reason or d.logprobs]
+    shown = [d for d in output.choices if d.text or d.finish_reason or d.logprobs or d.reasoning or d.tool_calls]
     return output if len(shown) == len(output.choices) else replace(output, choices=shown)

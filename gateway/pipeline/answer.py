@@ -24,7 +24,6 @@ class Whole:
 class Stream:
     events: Events
     on_close: Callable[[], None] | None = None  # called once when the stream ends, however it ends
-    relayed: bool = False  # a remote upstream's events, framed already (bytes: one event's lines each)
 
 
 Answer = Whole | Stream

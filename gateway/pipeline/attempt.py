@@ -1,21 +1,21 @@
 """One model's try at a request (`dispatch` tries the models in order). Per try: prepare (all
-refusals, and the request's bounds: prompts, output tokens), the key's tokens per minute and
-budgets (`tenancy.quota`; a remote model's tokens estimated), the response cache (scoped per
-tenant), admission (as many permits as engine requests, by the key's priority class), then the
-embedded engine or the remote upstream (its answer read on the way, and guarded: `serving.remote`)."""
+refusals, and the request's bounds: prompts, output tokens; for the engine a tokenized prompt, for
+a remote upstream the request it is forwarded, its tokens estimated), the key's tokens per minute
+and budgets (`tenancy.quota`), the response cache (scoped per tenant), admission (as many permits
+as engine requests, by the key's priority class), then the generation: one path for both backends."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Generic
+from typing import Any, Generic
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
+from engine.types import Forward
 from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
-from gateway.backends.upstream import with_defaults
-from gateway.errors import InvalidRequest
+from gateway.backends.upstream import Upstream, estimate, with_defaults
+from gateway.errors import BadGateway, InvalidRequest
 from gateway.guards.guarding import RequestGuard
 from gateway.guards.inbound import guarded
 from gateway.pipeline.answer import Answer, Event, Stream, Whole, primed
@@ -23,9 +23,9 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.disconnect import unless_gone
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest
-from gateway.serving import offload, remote, structured
-from gateway.serving.meter import Readings
-from gateway.serving.service import AnswerT, OnDone, PreparedT, RequestT, Service, check_task
+from gateway.serving import offload, structured
+from gateway.serving.meter import Meter, Readings
+from gateway.serving.service import AnswerT, Forwards, OnDone, PreparedT, RequestT, Service, check_task
 from gateway.serving.structured import Constraint
 from gateway.stores.cache import Hit, Storer
 from gateway.telemetry.record import RequestRecord
@@ -36,12 +36,7 @@ from gateway.tenancy.tenants import KeyPolicy
 Shape = Callable[[Event], BaseModel]  # answers and chunks in another form (the native API's)
 
 
-@dataclass(frozen=True, slots=True)
-class Start(Generic[AnswerT]):
-    """A backend's generation, prepared: started once admitted; `tag`: its answers' cache key's."""
-
-    run: Callable[[Permit, OnDone[AnswerT] | None], Awaitable[Answer]]
-    tag: str = ""
+Start = Callable[[Permit, "OnDone[AnswerT] | None"], Awaitable[Answer]]  # a prepared generation, started once admitted
 
 
 class Attempt(Generic[RequestT, PreparedT, AnswerT]):
@@ -70,12 +65,12 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         the output bound, the charge, the cache, admission, then the generation, the permit held
         until the answer has been passed on."""
         start = await (self._remote(backend) if backend.upstream is not None else self._embedded(backend))
-        on_done, hit = await self._cached(backend, start.tag)
+        on_done, hit = await self._cached(backend)
         if hit is not None:
             return self._replay(hit)
         permit = await self._admit(backend)
         try:
-            answer = await start.run(permit, on_done)
+            answer = await start(permit, on_done)
         except BaseException:
             permit.release()
             self._report()
@@ -157,7 +152,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if prepared.constraint is not None:
             await self._constrained(backend, prepared.constraint, size)
         await self._charge(prepared.token_budget())
-        return Start(lambda permit, on_done: self._generate(prepared, permit, on_done))
+        return lambda permit, on_done: self._generate(prepared, permit, on_done)
 
     async def _constrained(self, backend: Backend, constraint: Constraint, size: int) -> None:
         """A structured-output constraint within its bounds and compiled by the model's grammar
@@ -181,10 +176,11 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
 
         return close
 
-    async def _cached(self, backend: Backend, tag: str = "") -> tuple[OnDone[AnswerT] | None, Hit[AnswerT] | None]:
-        """(where to store the answer, or the answer found) in the response cache, scoped per tenant."""
+    async def _cached(self, backend: Backend) -> tuple[OnDone[AnswerT] | None, Hit[AnswerT] | None]:
+        """(where to store the answer, or the answer found) in the response cache, scoped per tenant
+        (a guarded answer under a key of its own)."""
         record, cache = self.context.record, self.state.cache
-        model = backend.name + self.guard.cache_tag + tag
+        model = backend.name + self.guard.cache_tag
         key = cache.key_for(self.service.route, model, self.body, self.cache_scope)
         fresh, unstored = self.context.no_cache, self.context.no_store  # the request's Cache-Control
         if key is None or (fresh and unstored):
@@ -226,42 +222,50 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         return events if self.shape is None else _reshaped(events, self.shape)
 
     async def _remote(self, backend: Backend) -> Start[AnswerT]:
-        assert backend.upstream is not None
+        """The request forwarded as the input guards let it through, with the model's defaults and
+        the priority's fields; its tokens estimated for the charge and the output bound."""
+        upstream, service, path = backend.upstream, self.service, self.service.upstream_path
+        assert upstream is not None
         if self.shape is not None:
             raise InvalidRequest("The native API serves embedded models only", "model")
-        if not self.service.upstream_path:
-            route = self.service.route
-            raise InvalidRequest(f"{route} serves embedded models only; '{backend.name}' is remote", "model")
+        if not path:
+            raise InvalidRequest(f"{service.route} serves embedded models only; '{backend.name}' is remote", "model")
         with stage(self.context.record.trace, "gateway.prepare"):
             body = await offload.by_size(self.context.body_bytes, guarded, self.body, self.guard)
         self.context.release_body()
-        await self.guard.moderate_input()
         payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)
         payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
         payload = self.scheduled.forwarded(payload)
-        prompt, output = remote.estimate(payload)
+        prompt, output = estimate(payload)
         self._check_output(output)
         await self._charge(prompt + output, reconcile=True)
-        # the output guards read the answer when the profile checks answers (or restores what it
-        # redacted); else it passes through unread. Guarded answers are cached under a key of their own.
-        relay = self.guard.relay() if self.service.task == "generate" else None
-        upstream, path = backend.upstream, self.service.upstream_path
+        if not isinstance(service, Forwards):  # embeddings: an answer, not a generation
+            await self.guard.moderate_input()
+            return lambda permit, on_done: self._answered(upstream, path, payload, prompt, permit, on_done)
+        prepared: PreparedT = service.forwarded(body, Forward(path, payload, prompt), upstream, self.guard)
+        prepared.model = backend.name
+        prepared.schedule(self.scheduled, self.readings)
+        return lambda permit, on_done: self._generate(prepared, permit, on_done)
 
-        async def run(permit: Permit, on_done: OnDone[AnswerT] | None) -> Answer:
-            watch = remote.RemoteAnswer(backend.name, self.service.answer_type, prompt, on_done, guard=relay,
-                                        readings=self.readings)
-            try:
-                answer = await upstream.forward(path, payload, self.body.streams, permit.release)
-                if answer.events is None:
-                    return Whole(await watch.whole(answer.status, answer.body), answer.status, answer.media_type)
-                # up to its first event, so that an upstream failing before it can still fall back
-                events = await unless_gone(self.context.client_gone, primed(watch.events(answer.events)))
-                return Stream(events, on_close=self._on_close(permit), relayed=True)
-            except BaseException:
-                watch.end()
-                raise
-
-        return Start(run, "#relay" if relay is not None else "")
+    async def _answered(self, upstream: Upstream, path: str, payload: dict[str, Any], prompt: int, permit: Permit,
+                        on_done: OnDone[AnswerT] | None) -> Answer:
+        """A remote upstream's whole answer that is no generation (embeddings): read, counted, cached."""
+        meter = Meter(upstream.name, self.readings)
+        meter.begin()
+        try:
+            body = await unless_gone(self.context.client_gone, upstream.whole(path, payload))
+            meter.token()
+            answer = self.service.answer_type.model_validate_json(body)
+        except ValidationError:
+            raise BadGateway(f"The model '{upstream.name}' answered with what is not its API's answer") from None
+        finally:
+            meter.end()
+            permit.release()
+        usage = getattr(answer, "usage", None)
+        meter.count(getattr(usage, "prompt_tokens", 0) or prompt, getattr(usage, "completion_tokens", 0) or 0)
+        if on_done is not None:
+            await on_done(answer)
+        return Whole(answer)
 
 
 def _traced_hit(record: RequestRecord, answer: BaseModel) -> None:

@@ -8,11 +8,9 @@ Framing, in the dialect of the route (`gateway.errors.dialect_of`, from the rout
   the start is `event: error` with Anthropic's error object.
 - Typed events in OpenAI's dialect (the Responses API) are framed `NAMED`: named as Anthropic's,
   no end marker, an error `event: error` with `{"type": "error", "error": {...}}`.
-- A remote model's stream is relayed event by event as it was framed (`RELAYED`, its own `[DONE]`
-  included), and ends with an error event and `[DONE]` when its upstream fails in the middle.
 
 Reading: `split` cuts a byte stream into events (any cut, `\r\n` or `\n`), `payloads` reads an
-event's data lines (a JSON object, `DONE`, or `UNREADABLE` for data that is not one).
+event's data lines (a JSON object, `DONE`, or `UNREADABLE` for data that is not JSON).
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ class Framing:
     dialect: Dialect
     named: bool  # an `event: <type>` line before each data line
     end: bytes  # what closes the stream
-    relayed: bool = False  # events are bytes already framed by a remote upstream (one event's lines each)
 
 
 FRAMINGS: dict[Dialect, Framing] = {
@@ -42,7 +39,6 @@ FRAMINGS: dict[Dialect, Framing] = {
     "anthropic": Framing("anthropic", named=True, end=b""),
 }
 NAMED = Framing("openai", named=True, end=b"")  # the Responses API's typed events
-RELAYED = Framing("openai", named=False, end=b"", relayed=True)  # a remote model's own events, its [DONE] too
 
 
 def encode(event: BaseModel | bytes, named: bool = False) -> bytes:
@@ -53,13 +49,6 @@ def encode(event: BaseModel | bytes, named: bool = False) -> bytes:
     if named:
         return b"event: " + str(getattr(event, "type", "message")).encode() + b"\n" + data
     return data
-
-
-def frame(event: BaseModel | bytes, framing: Framing) -> bytes:
-    """One event as `framing` puts it on the wire (a relayed event's lines are framed already)."""
-    if framing.relayed and isinstance(event, bytes):
-        return event + b"\n\n"
-    return encode(event, framing.named)
 
 
 def error_frame(body: dict[str, Any], framing: Framing) -> bytes:
@@ -104,7 +93,3 @@ def payloads(event: bytes) -> Iterator[Payload]:
             continue
         if isinstance(chunk, dict):
             yield chunk
-
-
-def data_line(chunk: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(chunk)

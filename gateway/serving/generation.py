@@ -1,6 +1,6 @@
 """What chat and completions share: ids, the output budget (context checks), sampling options,
-token-id checks, the small per-choice state that streaming and aggregation keep, and `Run`: one
-generation on an engine with its latency metrics.
+token-id checks, the per-choice state that streaming and aggregation keep, and `Run`: one
+generation on either backend (the engine, a remote upstream), guarded and measured.
 """
 
 from __future__ import annotations
@@ -16,7 +16,15 @@ from opentelemetry.trace import Span
 
 from engine.config import SamplingDefaults
 from engine.errors import EngineError
-from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, SamplingOptions, TokenLogprob
+from engine.types import (
+    ChoiceDelta,
+    Engine,
+    GenerationOutput,
+    GenerationRequest,
+    Generator,
+    SamplingOptions,
+    TokenLogprob,
+)
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.guards.stream import OutputGuard, visible
 from gateway.protocol.openai import SamplingFields, Usage
@@ -168,10 +176,19 @@ class ChoiceState:
     text_offset: int = 0  # characters streamed so far, for completions' logprobs.text_offset
     cumulative_logprob: float | None = None
     failed: bool = False  # the engine ended it with an error (vLLM: a grammar that did not compile)
+    reasoning: list[str] = field(default_factory=list)  # a remote upstream's, apart from the text
+    calls: dict[int, dict[str, str]] = field(default_factory=dict)  # a remote upstream's parsed calls: id, name, arguments
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text.append(delta.text)
         self.tokens += len(delta.token_ids)
+        if delta.reasoning:
+            self.reasoning.append(delta.reasoning)
+        for call in delta.tool_calls:
+            whole = self.calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
+            whole["id"] = call.id or whole["id"]
+            whole["name"] = call.name or whole["name"]
+            whole["arguments"] += call.arguments
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.cumulative_logprob is not None:
@@ -197,18 +214,19 @@ class GenerationFailed(EngineError):
 
 
 def finish_reason(engine_reason: str) -> str:
-    # vLLM says "abort" for requests it cancelled; OpenAI knows stop, length, tool_calls, content_filter
-    # (the output guards' cut)
-    return engine_reason if engine_reason in ("stop", "length", "content_filter") else "stop"
+    # vLLM says "abort" for requests it cancelled; OpenAI knows stop, length, tool_calls (a remote
+    # upstream's), content_filter (the output guards' cut)
+    return engine_reason if engine_reason in ("stop", "length", "content_filter", "tool_calls") else "stop"
 
 
 class Run:
-    """One generation on an engine, started: its outputs, the bookkeeping for usage, and its
-    latency metrics (time to first token, inter-token latency, time per output token). With an
-    output guard, outputs pass it first, and the engine request ends once it has cut every choice."""
+    """One generation on a backend, started: its outputs, the bookkeeping for usage (the backend's
+    own count when it reports one), and its latency metrics (time to first token, inter-token
+    latency, time per output token). With an output guard, outputs pass it first, and the generation
+    ends once it has cut every choice."""
 
     def __init__(
-        self, engine: Engine, request: GenerationRequest, guard: OutputGuard | None = None, priority: int = 0,
+        self, engine: Generator, request: GenerationRequest, guard: OutputGuard | None = None, priority: int = 0,
         readings: Readings | None = None,
     ) -> None:
         self.engine = engine
@@ -216,12 +234,15 @@ class Run:
             request = replace(request, priority=priority)
         self.request = request
         self.guard = guard
-        self.prompt_tokens = len(request.prompt_token_ids)
+        if guard is not None:
+            guard.apart = request.forward is not None  # an upstream's logprobs may spell its tool calls
+        self.prompt_tokens = request.forward.prompt_tokens if request.forward else len(request.prompt_token_ids)
         self.cached_tokens = 0
+        self.reported: int | None = None  # the completion tokens the backend counted (a remote upstream's usage)
         self.choices = [ChoiceState(i) for i in range(request.sampling.n)]
         self._trace = trace = current_trace()
-        self._span: Span | None = None  # traced: the engine's first token, then its decoding
-        if trace is not None:
+        self._span: Span | None = None  # traced: the engine's first token, then its decoding (an upstream traces its request)
+        if trace is not None and request.forward is None:
             self._span = trace.start("engine.first_token", attributes={"gen_ai.request.id": request.request_id})
             self.request = request = replace(request, trace_headers=headers_of(self._span))
         self._outputs = engine.generate(request)
@@ -281,6 +302,8 @@ class Run:
             self.prompt_tokens = output.prompt_tokens
         if output.cached_tokens:
             self.cached_tokens = output.cached_tokens
+        if output.completion_tokens is not None:
+            self.reported = output.completion_tokens
         tokens = False
         for delta in output.choices:
             self.choices[delta.index].add(delta)
@@ -300,28 +323,29 @@ class Run:
         if readings.log_content:
             readings.prompt = self.request.prompt_text
             readings.output.extend("".join(choice.text) for choice in self.choices)
+        if self._trace is not None:
+            self._trace.finished([choice.finish_reason for choice in self.choices])
         if self._span is not None:
             self._end_span(prompt, completion)
 
     def _judge(self) -> None:
-        """Mark the answer as not to be cached when a choice failed, or came out empty although its
-        output was constrained (JSON is never empty): `hand_over` reads it."""
+        """Mark the answer as not to be cached when a choice failed, never finished (a remote
+        upstream's stream that ended early), or came out empty although its output was constrained
+        (JSON is never empty): `hand_over` reads it."""
         sampling = self.request.sampling
         constrained = sampling.json_schema is not None or sampling.json_object
         for choice in self.choices:
-            if choice.failed:
-                self.unkeepable = "the engine failed a choice"
-            elif constrained and choice.finish_reason is not None and not "".join(choice.text).strip():
+            if choice.failed or choice.finish_reason is None:
+                self.unkeepable = "a choice failed, or never finished"
+            elif constrained and not "".join(choice.text).strip():
                 self.unkeepable = "a constrained choice came out empty"
 
     def _end_span(self, prompt: int, completion: int) -> None:
         assert self._span is not None
-        assert self._trace is not None
-        reasons = [choice.finish_reason for choice in self.choices]
-        self._trace.finished(reasons)
         if self._span.is_recording():
             self._span.set_attributes({"gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": completion})
-            if None in reasons:  # closed before every choice finished: the client left, or an error
+            # closed before every choice finished: the client left, or an error
+            if any(choice.finish_reason is None for choice in self.choices):
                 self._span.set_attribute("gateway.engine.aborted", True)
         self._span.end()
         self._span = None
@@ -347,6 +371,8 @@ class Run:
         return self
 
     def completion_tokens(self) -> int:
+        if self.reported is not None:
+            return self.reported
         choices = self.choices
         return choices[0].tokens if len(choices) == 1 else sum(choice.tokens for choice in choices)
 

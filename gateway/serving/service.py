@@ -2,7 +2,8 @@
 a reader and the type checker can follow the strategy.
 
 A service prepares a validated request for an engine (every refusal happens there, before the
-first byte, the input guards' too; the request's guard goes along to check the output), then
+first byte, the input guards' too; the request's guard goes along to check the output), or for a
+remote upstream (`Forwards`), then
 answers it whole (`complete`) or as a stream of events (`stream`: encoded JSON chunks or models),
 and replays a cached answer (whole: under a new id, from its stored JSON when the service can,
 `renewed`, else as a model, `fresh`; or as a stream, `replay`). Both `complete` and `stream` hand
@@ -13,11 +14,11 @@ non-streams alike (`complete` returns the very answer it handed over, unchanged)
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel
 
-from engine.types import Engine, ModelInfo, Task
+from engine.types import Engine, Forward, Generator, ModelInfo, Task
 from gateway.errors import InvalidRequest
 from gateway.guards.guarding import RequestGuard
 from gateway.protocol.openai import ModelRequest
@@ -27,6 +28,7 @@ from gateway.tenancy.priority import Scheduled
 
 RequestT = TypeVar("RequestT", bound=ModelRequest)
 PreparedT = TypeVar("PreparedT", bound="Prepared")
+PreparedT_co = TypeVar("PreparedT_co", bound="Prepared", covariant=True)
 AnswerT = TypeVar("AnswerT", bound=BaseModel)
 RequestT_contra = TypeVar("RequestT_contra", bound=ModelRequest, contravariant=True)
 
@@ -79,6 +81,15 @@ class Service(Protocol[RequestT_contra, PreparedT, AnswerT]):
     def renewed(self, raw: bytes) -> bytes | None:
         """A cached answer's stored JSON as `fresh` would answer it (new id and time), written
         without the model; None when only the model can."""
+        ...
+
+
+@runtime_checkable
+class Forwards(Protocol[RequestT_contra, PreparedT_co]):
+    """A service that also serves remote models' generations (chat, completions): the request as a
+    remote upstream is sent it, prepared for the same `complete` and `stream`."""
+
+    def forwarded(self, request: RequestT_contra, forward: Forward, backend: Generator, guard: RequestGuard) -> PreparedT_co:
         ...
 
 

@@ -12,7 +12,7 @@ from starlette.responses import Response
 from gateway.pipeline.answer import Answer, Stream, json_bytes
 from gateway.pipeline.dispatch import dispatch
 from gateway.protocol.openai import ModelRequest
-from gateway.protocol.sse_wire import RELAYED, Framing
+from gateway.protocol.sse_wire import Framing
 from gateway.serving.service import Service
 from gateway.web.requests import context, parse, state_of
 from gateway.web.sse import EventStreamResponse
@@ -36,8 +36,8 @@ def respond(answer: Answer, framing: Framing | None = None) -> Response:
 
 
 def stream_response(stream: Stream, framing: Framing | None = None) -> EventStreamResponse:
-    """A stream as SSE: a remote model's events relayed as they were framed (its own `[DONE]`)."""
-    return EventStreamResponse(stream.events, on_close=stream.on_close, framing=RELAYED if stream.relayed else framing)
+    """A stream as SSE."""
+    return EventStreamResponse(stream.events, on_close=stream.on_close, framing=framing)
 
 
 def served(model: type[RequestT], service: Service[RequestT, Any, Any]) -> Handler:

@@ -14,7 +14,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.errors import ClientDisconnected
 from gateway.pipeline.answer import Events, Primed
 from gateway.pipeline.disconnect import Watch
-from gateway.protocol.sse_wire import DONE, FRAMINGS, Framing, error_frame, frame
+from gateway.protocol.sse_wire import DONE, FRAMINGS, Framing, encode, error_frame
 from gateway.telemetry.record import current_record, current_trace
 from gateway.web import stalls
 from gateway.web.error_render import dialect_of, from_exception
@@ -91,10 +91,10 @@ class EventStreamResponse(StreamingResponse):
             try:
                 first, events = self.events.split() if isinstance(self.events, Primed) else (None, self.events)
                 if first is not None:
-                    await send({"type": "http.response.body", "body": frame(first, framing), "more_body": True})
+                    await send({"type": "http.response.body", "body": encode(first, framing.named), "more_body": True})
                 async for event in events:
                     sends.since = time()  # a send that waits (the client reads nothing) is seen by the sweep
-                    await send({"type": "http.response.body", "body": frame(event, framing), "more_body": True})
+                    await send({"type": "http.response.body", "body": encode(event, framing.named), "more_body": True})
                     sends.since = 0.0
             except OSError:
                 raise  # the client is gone: nobody to tell

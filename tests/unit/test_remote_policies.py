@@ -1,4 +1,4 @@
-"""Remote models under the same policies as embedded ones (serving.remote, pipeline.attempt): charged
+"""Remote models under the same policies as embedded ones (the one path of pipeline.attempt): charged
 (estimated before, settled to the upstream's usage after), cached (whole and streamed answers),
 measured (time to first token, in flight, tokens). The upstream is a real gateway on the fake
 engine behind a real uvicorn server on loopback; the front gateway has only remote models, as in
@@ -6,9 +6,9 @@ the documented front-gateway set-up."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -16,10 +16,9 @@ import pytest
 from prometheus_client import REGISTRY
 from starlette.testclient import TestClient
 
-from gateway.protocol import sse_wire
-from gateway.protocol.openai import ChatCompletion, Completion
-from gateway.serving.remote import RemoteAnswer, estimate
+from gateway.backends.upstream import estimate
 from tests.fakes import FakeEngine, app_with, chat_body
+from tests.scripted_upstream import scripted
 from tests.served import gateway
 
 # on the upstream's fake engine, chat_body's prompt is 3 tokens; the front estimates "hi" as 1
@@ -113,83 +112,82 @@ def test_remote_models_are_measured(tmp_path: Path, upstream) -> None:
     assert metric("gateway_prompt_tokens_total", model="far") == prompt + UPSTREAM_PROMPT + ESTIMATED_PROMPT
 
 
-async def test_in_flight_while_a_remote_stream_is_passed_on() -> None:
+def test_in_flight_while_a_remote_stream_is_passed_on(tmp_path: Path) -> None:
+    seen: dict[str, float] = {}
+
     async def chunks() -> AsyncIterator[bytes]:
         yield b'data: {"id": "c", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n'
-        assert metric("gateway_requests_in_flight", model="watched") == 1
-        assert metric("gateway_time_to_first_token_seconds_count", model="watched") == before  # no content yet
+        seen["in flight"] = metric("gateway_requests_in_flight", model="far")
+        seen["ttft"] = metric("gateway_time_to_first_token_seconds_count", model="far")  # no content yet
         yield b'data: {"id": "c", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n'
         yield b'\ndata: [DONE]\n\n'
 
-    before = metric("gateway_time_to_first_token_seconds_count", model="watched")
-    watch = RemoteAnswer("watched", ChatCompletion, 1)
-    passed = [event async for event in watch.events(sse_wire.split(chunks()))]
-    assert passed[-1] == b"data: [DONE]"
-    assert len(passed) == 3
-    assert metric("gateway_requests_in_flight", model="watched") == 0
-    assert metric("gateway_time_to_first_token_seconds_count", model="watched") == before + 1
+    before = metric("gateway_time_to_first_token_seconds_count", model="far")
+    events = httpx.Response(200, content=chunks(), headers={"content-type": "text/event-stream"})
+    with scripted(lambda request: events) as base, front(tmp_path, base) as client:
+        answer = post(client, stream=True)
+    assert '"content":"Hi"' in answer.text
+    assert seen == {"in flight": 1, "ttft": before}
+    assert metric("gateway_requests_in_flight", model="far") == 0
+    assert metric("gateway_time_to_first_token_seconds_count", model="far") == before + 1
 
 
-async def test_streams_join_into_whole_answers() -> None:
-    """Tool calls and logprobs (chat), logprobs (completions); the events of a stream already cut
-    into events (the form a relayed stream takes) read the same as raw chunks."""
-    stored: list[object] = []
-
-    async def store(answer: object) -> None:
-        stored.append(answer)
-
-    chat = [
-        {"id": "c1", "created": 5, "model": "up", "choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": [
-            {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]}}]},
-        {"id": "c1", "created": 5, "model": "up", "choices": [{"index": 0, "delta": {"tool_calls": [
-            {"index": 0, "function": {"arguments": '{"city": '}}]}, "logprobs": {"content": [
-                {"token": "a", "logprob": -0.1, "top_logprobs": []}]}}]},
-        {"id": "c1", "created": 5, "model": "up", "choices": [{"index": 0, "delta": {"tool_calls": [
-            {"index": 0, "function": {"arguments": '"Paris"}'}}]}, "finish_reason": "tool_calls"}]},
-    ]
-    await _drain(RemoteAnswer("m", ChatCompletion, 2, on_done=store), chat)
-    answer = stored.pop()
-    assert isinstance(answer, ChatCompletion)
-    call = answer.choices[0].message.tool_calls[0]  # type: ignore[index]
-    assert call == {"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    assert answer.choices[0].message.content is None
-    assert answer.choices[0].finish_reason == "tool_calls"
-    assert answer.choices[0].logprobs is not None
-    assert len(answer.choices[0].logprobs.content or []) == 1
-    assert answer.usage.completion_tokens == 3
-    assert answer.usage.prompt_tokens == 2
-
-    completion = [
-        {"id": "k", "created": 1, "model": "up", "choices": [{"index": 0, "text": "Hello", "logprobs": {
-            "tokens": ["Hello"], "token_logprobs": [-0.5], "top_logprobs": [None], "text_offset": [0]}}]},
-        {"id": "k", "created": 1, "model": "up", "choices": [{"index": 0, "text": " you", "finish_reason": "stop",
-            "logprobs": {"tokens": [" you"], "token_logprobs": [-0.2], "top_logprobs": [None], "text_offset": [5]}}]},
-        {"id": "k", "created": 1, "model": "up", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2,
-                                                                          "total_tokens": 6}},
-    ]
-    await _drain(RemoteAnswer("m", Completion, 9, on_done=store), completion)
-    whole = stored.pop()
-    assert isinstance(whole, Completion)
-    assert whole.choices[0].text == "Hello you"
-    assert whole.choices[0].logprobs is not None
-    assert whole.choices[0].logprobs.text_offset == [0, 5]
-    assert whole.usage is not None
-    assert whole.usage.prompt_tokens == 4
-
-    cut_short = chat[:2]  # no finish_reason, no [DONE]: not cached
-    await _drain(RemoteAnswer("m", ChatCompletion, 2, on_done=store), cut_short)
-    assert stored == []
+CHAT_CHUNKS = [
+    {"id": "c1", "created": 5, "model": "up", "choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]}}]},
+    {"id": "c1", "created": 5, "model": "up", "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": {"arguments": '{"city": '}}]}, "logprobs": {"content": [
+            {"token": "a", "logprob": -0.1, "top_logprobs": []}]}}]},
+    {"id": "c1", "created": 5, "model": "up", "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": {"arguments": '"Paris"}'}}]}, "finish_reason": "tool_calls"}]},
+]
+COMPLETION_CHUNKS = [
+    {"id": "k", "created": 1, "model": "up", "choices": [{"index": 0, "text": "Hello", "logprobs": {
+        "tokens": ["Hello"], "token_logprobs": [-0.5], "top_logprobs": [None], "text_offset": [0]}}]},
+    {"id": "k", "created": 1, "model": "up", "choices": [{"index": 0, "text": " you", "finish_reason": "stop",
+        "logprobs": {"tokens": [" you"], "token_logprobs": [-0.2], "top_logprobs": [None], "text_offset": [5]}}]},
+    {"id": "k", "created": 1, "model": "up", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2,
+                                                                      "total_tokens": 6}},
+]
 
 
-async def _drain(watch: RemoteAnswer, chunks: list[dict]) -> None:
-    async def events() -> AsyncIterator[bytes]:
-        for chunk in chunks:
-            yield b"data: " + orjson.dumps(chunk)
-        if chunks and any(c.get("finish_reason") for chunk in chunks for c in chunk["choices"]):
-            yield b"data: [DONE]"
+def _stream(chunks: list[dict[str, Any]]) -> httpx.Response:
+    events = b"".join(b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
+    return httpx.Response(200, content=events, headers={"content-type": "text/event-stream"})
 
-    async for _ in watch.events(events()):
-        await asyncio.sleep(0)
+
+def test_streams_join_into_whole_answers(tmp_path: Path) -> None:
+    """An upstream's stream read into typed outputs and answered as the gateway's own chunks; the
+    whole answer it joins into is cached: tool calls and logprobs (chat), logprobs (completions)."""
+    chunks = [CHAT_CHUNKS]
+    with scripted(lambda request: _stream(chunks[0])) as base, front(tmp_path, base, cache={"backend": "memory"}) as client:
+        fields = {"temperature": 0, "logprobs": True}
+        streamed = post(client, stream=True, **fields)
+        assert streamed.headers["x-cache"] == "MISS"
+        assert '"arguments":"{\\"city\\": "' in streamed.text
+        hit = post(client, **fields).json()
+        call = hit["choices"][0]["message"]["tool_calls"][0]
+        assert call == {"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        assert hit["choices"][0]["message"].get("content") is None
+        assert hit["choices"][0]["finish_reason"] == "tool_calls"
+        assert len(hit["choices"][0]["logprobs"]["content"]) == 1
+        assert hit["usage"]["completion_tokens"] == 3  # one a chunk, without the upstream's usage
+        assert hit["usage"]["prompt_tokens"] == ESTIMATED_PROMPT
+
+        chunks[0] = COMPLETION_CHUNKS
+        body = {"model": "far", "prompt": "hi", "temperature": 0, "logprobs": 1}
+        key = {"Authorization": "Bearer sk-b"}
+        assert client.post("/v1/completions", json={**body, "stream": True}, headers=key).status_code == 200
+        whole = client.post("/v1/completions", json=body, headers=key)
+        assert whole.headers["x-cache"] == "HIT"
+        choice = whole.json()["choices"][0]
+        assert choice["text"] == "Hello you"
+        assert choice["logprobs"]["text_offset"] == [0, 5]
+        assert whole.json()["usage"]["prompt_tokens"] == 4
+
+        chunks[0] = CHAT_CHUNKS[:2]  # no finish_reason: not cached
+        assert post(client, stream=True, temperature=0, max_tokens=7).status_code == 200
+        assert post(client, temperature=0, max_tokens=7).headers["x-cache"] == "MISS"
 
 
 def test_estimates() -> None:

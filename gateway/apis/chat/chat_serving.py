@@ -1,4 +1,5 @@
-"""Chat completions: messages → chat template → engine → ChatCompletion or chunks."""
+"""Chat completions: messages → chat template → engine (or the request forwarded to a remote
+upstream, which renders the prompt and parses tool calls itself) → ChatCompletion or chunks."""
 
 from __future__ import annotations
 
@@ -7,7 +8,19 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.types import ChatPrompt, ChoiceDelta, Engine, GenerationRequest, Task, Tokenizer, TokenLogprob
+from engine.types import (
+    ChatPrompt,
+    ChoiceDelta,
+    Engine,
+    Forward,
+    GenerationRequest,
+    Generator,
+    SamplingOptions,
+    Task,
+    Tokenizer,
+    TokenLogprob,
+    ToolCallDelta,
+)
 from gateway.apis.chat.chat_wire import ChatCompletionChunk, ChunkChoice, ChunkDelta
 from gateway.errors import InvalidRequest
 from gateway.guards.guarding import UNGUARDED, RequestGuard
@@ -46,7 +59,7 @@ from gateway.tenancy.priority import NORMAL, Scheduled
 @dataclass(slots=True)
 class PreparedChat:
     request: ChatCompletionRequest
-    engine: Engine
+    engine: Generator
     generation: GenerationRequest
     tools: tools.ToolPlan
     model: str  # the name the answer carries: the model (version) that answers
@@ -183,6 +196,16 @@ def prepare(
     return PreparedChat(request, engine, generation, plan, request.model, chat_id, now(), guard, constraint=constraint)
 
 
+def forwarded(request: ChatCompletionRequest, forward: Forward, backend: Generator, guard: RequestGuard) -> PreparedChat:
+    """A remote model's request (its input guarded already): the upstream renders the prompt and
+    parses its own tool calls, so their text passes through as it parsed it."""
+    budget = request.max_completion_tokens or request.max_tokens or 0
+    sampling = SamplingOptions(budget, n=request.n)
+    generation = GenerationRequest(new_id("chatcmpl"), [], sampling, forward=forward)
+    return PreparedChat(request, backend, generation, tools.ToolPlan("none", {}), request.model, generation.request_id,
+                        now(), guard)
+
+
 def _logprobs(entries: Sequence[TokenLogprob | None]) -> ChoiceLogprobs:
     content = [
         ChatTokenLogprob(
@@ -200,9 +223,16 @@ def _logprobs(entries: Sequence[TokenLogprob | None]) -> ChoiceLogprobs:
 def _choice(prepared: PreparedChat, state: ChoiceState) -> dict[str, Any]:
     """One choice as the ChatChoice's fields (its message as AssistantMessage's), validated with the answer."""
     content, calls = prepared.tools.parse("".join(state.text))
+    message = {"content": content, "tool_calls": [c.as_openai() for c in calls] or None}
+    if state.calls:  # parsed by a remote upstream
+        message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for _, c in sorted(state.calls.items())]
+        message["content"] = content or None
+    if state.reasoning:
+        message["reasoning_content"] = "".join(state.reasoning)
     return {
         "index": state.index,
-        "message": {"content": content, "tool_calls": [c.as_openai() for c in calls] or None},
+        "message": message,
         "finish_reason": _finished(state.index, prepared.tools.finish_reason(calls, state.finish_reason)),
         "logprobs": _logprobs(state.logprobs) if prepared.request.logprobs else None,
     }
@@ -281,12 +311,32 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
         choice = ChunkChoice(index=state.index, delta=ChunkDelta(role=role, tool_calls=[call]), finish_reason=finish, logprobs=logprobs)
         return choice.model_dump(mode="json", exclude_none=True)
     text: dict[str, Any] = {"role": role, "content": delta.text} if role else {"content": delta.text}
+    if delta.reasoning or delta.tool_calls:
+        text = _parsed(delta, role)
     plain: dict[str, Any] = {"index": state.index, "delta": text}
     if finish is not None:
         plain["finish_reason"] = finish
     if logprobs is not None:
         plain["logprobs"] = logprobs.model_dump(mode="json", exclude_none=True)
     return plain
+
+
+def _parsed(delta: ChoiceDelta, role: str | None) -> dict[str, Any]:
+    """A delta whose reasoning and tool calls a remote upstream parsed, as a chunk's delta."""
+    body: dict[str, Any] = {"role": role} if role else {}
+    if delta.reasoning:
+        body["reasoning_content"] = delta.reasoning
+    if delta.text or not delta.tool_calls:
+        body["content"] = delta.text
+    if delta.tool_calls:
+        body["tool_calls"] = [_call_piece(call) for call in delta.tool_calls]
+    return body
+
+
+def _call_piece(call: ToolCallDelta) -> dict[str, Any]:
+    function: dict[str, Any] = {"arguments": call.arguments} if call.name is None else {"name": call.name, "arguments": call.arguments}
+    piece: dict[str, Any] = {"index": call.index, "function": function}
+    return piece if call.id is None else {**piece, "id": call.id, "type": "function"}
 
 
 def _auto_chunk(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta, finish: str | None) -> dict[str, Any] | None:
@@ -361,6 +411,7 @@ class ChatService:
 
     # the module's functions, as the Service protocol's methods
     prepare = staticmethod(prepare)
+    forwarded = staticmethod(forwarded)
     complete = staticmethod(complete)
     stream = staticmethod(stream)
     replay = staticmethod(replay)

@@ -1,7 +1,8 @@
-"""Completions: prompt(s) → engine → Completion or chunks.
+"""Completions: prompt(s) → engine (or the request forwarded to a remote upstream) → Completion or chunks.
 
 A prompt is a string, a list of strings, a list of token ids or a list of lists of them; each prompt
-is one engine request of `n` choices, and choice `i` of prompt `p` is answered as index `p * n + i`.
+is one engine request of `n` choices, and choice `i` of prompt `p` is answered as index `p * n + i`
+(a remote upstream numbers them so itself, in its one request).
 """
 
 from __future__ import annotations
@@ -10,9 +11,19 @@ import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
-from engine.types import ChoiceDelta, Engine, GenerationOutput, GenerationRequest, Task, TokenLogprob
+from engine.types import (
+    ChoiceDelta,
+    Engine,
+    Forward,
+    GenerationOutput,
+    GenerationRequest,
+    Generator,
+    SamplingOptions,
+    Task,
+    TokenLogprob,
+)
 from gateway.errors import InvalidRequest
 from gateway.guards.guarding import UNGUARDED, RequestGuard
 from gateway.protocol.openai import Completion, CompletionLogprobs, CompletionRequest, Usage
@@ -38,7 +49,7 @@ from gateway.tenancy.priority import NORMAL, Scheduled
 @dataclass(slots=True)
 class PreparedCompletion:
     request: CompletionRequest
-    engine: Engine
+    engine: Generator
     generations: list[GenerationRequest]
     prompts: list[str]  # each prompt's text, for echo
     model: str  # the name the answer carries: the model (version) that answers
@@ -130,6 +141,16 @@ def prepare(
     return PreparedCompletion(request, engine, generations, texts, request.model, cmpl_id, now(), guard)
 
 
+def forwarded(request: CompletionRequest, forward: Forward, backend: Generator, guard: RequestGuard) -> PreparedCompletion:
+    """A remote model's request (its input guarded already): one upstream request for every prompt,
+    whose choices it numbers itself (echo and best_of its own)."""
+    prompt = request.prompt
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 1
+    sampling = SamplingOptions(request.max_tokens or 0, n=request.n * prompts)
+    generation = GenerationRequest(new_id("cmpl"), [], sampling, forward=forward)
+    return PreparedCompletion(request, backend, [generation], [""], request.model, generation.request_id, now(), guard)
+
+
 def _logprobs(entries: Sequence[TokenLogprob | None], start_offset: int) -> CompletionLogprobs:
     result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     offset = start_offset
@@ -151,7 +172,9 @@ class _Answer:
         priority, readings = prepared.scheduled.priority, prepared.readings
         self.runs = [Run(prepared.engine, g, prepared.guard.output(g.sampling.n), priority, readings)
                      for g in prepared.generations]
-        self.n = prepared.request.n
+        remote = prepared.generations[0].forward is not None  # echo, best_of and max_tokens 0 are the upstream's
+        self.n = prepared.generations[0].sampling.n if remote else prepared.request.n
+        self.zero = prepared.request.max_tokens == 0 and not remote  # echo only: the engine made one token to drop
         self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}
 
     async def start(self) -> _Answer:
@@ -176,7 +199,7 @@ class _Answer:
         if not output.prompt_logprobs:
             return
         ids = self.prepared.generations[prompt].prompt_token_ids
-        decode = self.prepared.engine.tokenizer.decode
+        decode = cast(Engine, self.prepared.engine).tokenizer.decode  # only the engine reads prompts
         self.prompt_logprobs[prompt] = self.prepared.guard.weighed([  # the alternatives are the model's text
             entry or TokenLogprob(token_id, decode([token_id]), None)
             for token_id, entry in zip(ids, output.prompt_logprobs, strict=False)
@@ -195,11 +218,11 @@ class _Answer:
 
     def usage_fields(self) -> dict[str, int]:
         prompt = sum(run.prompt_tokens for run in self.runs)
-        completion = 0 if self.prepared.request.max_tokens == 0 else sum(run.completion_tokens() for run in self.runs)
+        completion = 0 if self.zero else sum(run.completion_tokens() for run in self.runs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def text(self, state: ChoiceState) -> str:
-        return "" if self.prepared.request.max_tokens == 0 else "".join(state.text)
+        return "" if self.zero else "".join(state.text)
 
 
 async def complete(prepared: PreparedCompletion, on_done: OnDone[Completion] | None = None) -> Completion:
@@ -220,10 +243,10 @@ def _whole(answer: _Answer) -> Completion:
     """The answer validated in one step from plain fields (the choices and usage as dicts, not a
     model each: one validator call instead of one per object and their Python layers)."""
     prepared = answer.prepared
-    zero = prepared.request.max_tokens == 0
+    zero = answer.zero
     choices = []
     for p, run in enumerate(answer.runs):
-        for rank, state in enumerate(_best(run.choices, prepared.request.n)):
+        for rank, state in enumerate(_best(run.choices, answer.n)):
             choices.append(
                 {
                     "index": answer.index(p, rank),
@@ -334,7 +357,7 @@ def _chunk_choice(answer: _Answer, p: int, delta: ChoiceDelta) -> dict[str, Any]
     """One engine delta of one choice as the CompletionChoice's JSON-ready dict, without pydantic
     for the per-token case (plain text)."""
     request = answer.prepared.request
-    zero = request.max_tokens == 0
+    zero = answer.zero
     state = answer.runs[p].choices[delta.index]
     prefix = "" if state.started else answer.echo(p)
     choice: dict[str, Any] = {"index": answer.index(p, delta.index), "text": prefix + ("" if zero else delta.text)}
@@ -374,6 +397,7 @@ class CompletionsService:
 
     # the module's functions, as the Service protocol's methods
     prepare = staticmethod(prepare)
+    forwarded = staticmethod(forwarded)
     complete = staticmethod(complete)
     stream = staticmethod(stream)
     replay = staticmethod(replay)
