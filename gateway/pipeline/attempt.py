@@ -107,7 +107,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
 
     async def _charge(self, tokens: int, reconcile: bool = False) -> None:
         if self.context.charge is None:  # a fallback does not charge the same request twice
-            # settled at the request's end (middleware.rate_limit), or the stream's (_held)
+            # settled at the request's end (middleware.auth), or the stream's (_held)
             self.context.charge = await self.state.quota.charge(self.policy, tokens, reconcile)
             self.context.record.response_headers.update(self.context.charge.headers)
 
