@@ -185,15 +185,11 @@ class OutputGuard:
         """A delta's reasoning and tool-call arguments, each through a slot of its own (on the
         choice's last delta, what each slot still holds goes out with it)."""
         index = delta.index
-        pieces: dict[str | int, str] = {call.index: call.arguments for call in delta.tool_calls}
-        if delta.reasoning:
-            pieces["reasoning"] = delta.reasoning
-        if self.apart and delta.logprobs:
-            pieces["logprobs"] = "".join(entry.token for entry in delta.logprobs)
-        if final:
-            for choice, key in self.fields:
-                if choice == index:
-                    pieces.setdefault(key, "")
+        names = {call.index: await self._name(call.name) for call in delta.tool_calls if call.name}
+        if any(name is None for name in names.values()):
+            self._cut(index)
+            return replace(delta, text="", finish_reason=CONTENT_FILTER, logprobs=None, reasoning="", tool_calls=())
+        pieces = self._pieces(delta, final)
         passed: dict[str | int, str] = {}
         for key, text in pieces.items():
             slot = self.fields.get((index, key))
@@ -203,13 +199,37 @@ class OutputGuard:
             if self.filters[slot].cut:
                 self._cut(index)
                 return replace(delta, text="", finish_reason=CONTENT_FILTER, logprobs=None, reasoning="", tool_calls=())
-        calls = [replace(call, arguments=passed.pop(call.index)) for call in delta.tool_calls]
+        calls = [replace(call, arguments=passed.pop(call.index, ""), name=names[call.index] if call.name else None)
+                 for call in delta.tool_calls]
         reasoning = str(passed.pop("reasoning", ""))
         logprobs, spelled = delta.logprobs, self.fields.get((index, "logprobs"))
         if passed.pop("logprobs", None) is not None and spelled is not None:
             logprobs = self.filters[spelled].passed_logprobs(delta.logprobs or ())
         calls += [ToolCallDelta(int(key), text) for key, text in passed.items() if text]
         return replace(delta, reasoning=reasoning, tool_calls=tuple(calls), logprobs=logprobs)
+
+    def _pieces(self, delta: ChoiceDelta, final: bool) -> dict[str | int, str]:
+        """The delta's text per field slot: each call's arguments, reasoning, the logprobs' tokens."""
+        pieces: dict[str | int, str] = {}
+        for call in delta.tool_calls:  # a backend may send two pieces of one call in one delta
+            pieces[call.index] = pieces.get(call.index, "") + call.arguments
+        if delta.reasoning:
+            pieces["reasoning"] = delta.reasoning
+        if self.apart and delta.logprobs:
+            pieces["logprobs"] = "".join(entry.token for entry in delta.logprobs)
+        if final:
+            for choice, key in self.fields:
+                if choice == delta.index:
+                    pieces.setdefault(key, "")
+        return pieces
+
+    async def _name(self, name: str) -> str | None:
+        """A tool call's name, checked whole (it comes in one piece): redacted, or None when a guard blocks it."""
+        check = ChoiceFilter(self.scanner, self.checks, self.restore, self._note)
+        shown = check.feed(name, final=True)
+        if check.cut:
+            return None
+        return self.restore.restore(shown) if self.restore is not None else shown
 
     def _cut(self, index: int) -> None:
         """Choice `index` cut: every slot of it done, what they held back dropped."""
