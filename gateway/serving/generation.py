@@ -239,6 +239,7 @@ class Run:
         self.prompt_tokens = request.forward.prompt_tokens if request.forward else len(request.prompt_token_ids)
         self.cached_tokens = 0
         self.reported: int | None = None  # the completion tokens the backend counted (a remote upstream's usage)
+        self._read = False  # an output was read: an upstream that failed before answering counts no tokens
         self.choices = [ChoiceState(i) for i in range(request.sampling.n)]
         self._trace = trace = current_trace()
         self._span: Span | None = None  # traced: the engine's first token, then its decoding (an upstream traces its request)
@@ -298,6 +299,7 @@ class Run:
             self._finish()
 
     def _take(self, output: GenerationOutput) -> GenerationOutput:
+        self._read = True
         if output.prompt_tokens:
             self.prompt_tokens = output.prompt_tokens
         if output.cached_tokens:
@@ -318,7 +320,8 @@ class Run:
         self._judge()
         self._meter.end()
         prompt, completion = self.prompt_tokens, self.completion_tokens()
-        self._meter.count(prompt, completion, len(self.choices))
+        if self._read or self.request.forward is None:  # its prompt estimated, not read: nothing to count
+            self._meter.count(prompt, completion, len(self.choices))
         readings = self._meter.readings
         if readings.log_content:
             readings.prompt = self.request.prompt_text

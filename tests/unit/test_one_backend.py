@@ -294,6 +294,19 @@ def test_a_backend_down_before_the_first_byte_is_a_503(client: TestClient, side:
         assert "error" in answer.json()
 
 
+def test_an_upstream_down_before_answering_counts_no_tokens(client: TestClient, side: Side) -> None:
+    """Its prompt was only estimated, never read: the request is not charged for it."""
+    if side.model != "far":
+        pytest.skip("the engine read the prompt (its tokens count)")
+    side.script.dead = True
+    with structlog.testing.capture_logs() as logs:
+        answer = post(client, side, messages=[{"role": "user", "content": "x" * 4000}])
+    assert answer.status_code == 503
+    line = next(log for log in logs if log["event"] == "request")
+    assert line.get("prompt_tokens") is None
+    assert line.get("completion_tokens") is None
+
+
 def test_a_failure_mid_stream_ends_it_with_an_error_event(client: TestClient, side: Side) -> None:
     side.script.fail_mid = True
     side.script.pieces = ["A first piece longer than the holdback", " then more"]
