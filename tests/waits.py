@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -24,6 +24,17 @@ async def until(condition: Callable[[], T], within_s: float = BOUND_S, what: str
     the event loop); AssertionError naming `what` after `within_s`."""
     deadline = time.monotonic() + within_s
     while not (value := condition()):
+        if time.monotonic() >= deadline:
+            raise _failed(what, within_s)
+        await asyncio.sleep(STEP_S)
+    return value
+
+
+async def until_awaited(condition: Callable[[], Awaitable[T]], within_s: float = BOUND_S,
+                        what: str = "the condition") -> T:
+    """`until` for a condition that must be awaited (a store's call)."""
+    deadline = time.monotonic() + within_s
+    while not (value := await condition()):
         if time.monotonic() >= deadline:
             raise _failed(what, within_s)
         await asyncio.sleep(STEP_S)

@@ -31,7 +31,7 @@ from tests.stores import Flaky, failing_stores
 from tests.unit.test_batches import KEYS, by_custom_id, chat_line, completed, jsonl, lines_of, settings, submit, wait
 from tests.unit.test_message_batches import BATCHES, params
 from tests.unit.test_responses import sdk_for
-from tests.waits import BOUND_S, until_sync
+from tests.waits import until_awaited, until_sync
 
 LINES = jsonl(chat_line("a"), chat_line("b"))
 
@@ -45,11 +45,9 @@ def stored(status: str = "in_progress", owner: str = "t") -> StoredBatch:
 
 
 async def claimed(records: Records, batch_id: str, holder: str) -> int:
-    """The batch claimed by `holder` once the claim on it has lapsed (checked every few milliseconds, bounded)."""
-    deadline = time.monotonic() + BOUND_S
-    while (token := await records.claim(batch_id, holder, 30)) is None:
-        assert time.monotonic() < deadline, f"{holder} never claimed {batch_id}"
-        await asyncio.sleep(0.02)
+    """The batch claimed by `holder` once the claim on it has lapsed."""
+    token = await until_awaited(lambda: records.claim(batch_id, holder, 30), what=f"{holder} claims {batch_id}")
+    assert token is not None
     return token
 
 
