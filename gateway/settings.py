@@ -40,9 +40,6 @@ class CacheSettings(BaseModel):
     )
 
 
-_LOW_HALF: dict[Priority, float] = {"low": 0.5}
-
-
 class AdmissionSettings(BaseModel):
     """Per model (the models file may override): bounds on engine requests (each choice of each
     prompt of a request) running and waiting."""
@@ -53,7 +50,7 @@ class AdmissionSettings(BaseModel):
     reject_status: Literal[429, 503] = Field(429, description="Status of a refused request")
     retry_after_s: int = Field(1, ge=0, description="Retry-After sent with a refusal")
     queue_share: dict[Priority, Annotated[float, Field(ge=0, le=1)]] = Field(
-        default_factory=lambda: _LOW_HALF.copy(),
+        {"low": 0.5},  # copied per instance by pydantic
         description="The share of max_waiting each priority class (the keys file's `priority`) may fill; "
         "a class not named: 1. Low is refused first as the queue fills; lower normal's to hold room for high",
     )
@@ -233,13 +230,9 @@ class StoreSettings(BaseModel):
     s3_timeout_s: float = Field(30, gt=0, description="S3 backend: a call gives up after this (a 503)")
 
     @model_validator(mode="after")
-    def _redis_needs_its_url(self) -> StoreSettings:
+    def _complete(self) -> StoreSettings:
         if self.backend == "redis" and not self.redis_url:
             raise ValueError("store.backend redis needs store.redis_url (redis://host:port/db)")
-        return self
-
-    @model_validator(mode="after")
-    def _s3_is_complete(self) -> StoreSettings:
         if self.backend == "s3" and not self.s3_bucket:
             raise ValueError("store.backend s3 needs store.s3_bucket (an existing bucket)")
         if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):

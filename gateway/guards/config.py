@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 Action = Literal["off", "flag", "redact", "block"]
 Verdict = Literal["off", "flag", "block"]  # for checks that find no span to redact (injection, moderation)
@@ -32,6 +32,9 @@ def _compiles(pattern: str) -> str:
     return pattern
 
 
+Regex = Annotated[str, AfterValidator(_compiles)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -39,11 +42,9 @@ class _Strict(BaseModel):
 class PatternRule(_Strict):
     """A deny pattern with its own action; a bare string in `deny` is one that blocks."""
 
-    pattern: str
+    pattern: Regex
     action: Literal["flag", "redact", "block"] = "block"
     name: str = Field("deny", pattern=r"^[a-z][a-z0-9_.-]*$", description="the guard's name in metrics and logs")
-
-    _valid = field_validator("pattern")(_compiles)
 
 
 class PIIChecks(_Strict):
@@ -59,24 +60,11 @@ class PIIChecks(_Strict):
 
 
 class Checks(_Strict):
-    deny: list[str | PatternRule] = Field(default_factory=list)
-    allow: list[str] = Field(default_factory=list, description="spans matching these are exempt from the checks")
+    deny: list[Regex | PatternRule] = Field(default_factory=list)
+    allow: list[Regex] = Field(default_factory=list, description="spans matching these are exempt from the checks")
     injection: Verdict = "off"
     pii: PIIChecks = Field(default_factory=PIIChecks)
     moderation: Verdict = "off"
-
-    @field_validator("deny", mode="after")
-    @classmethod
-    def _deny_compiles(cls, rules: list[str | PatternRule]) -> list[str | PatternRule]:
-        for rule in rules:
-            if isinstance(rule, str):
-                _compiles(rule)
-        return rules
-
-    @field_validator("allow", mode="after")
-    @classmethod
-    def _allow_compiles(cls, patterns: list[str]) -> list[str]:
-        return [_compiles(p) for p in patterns]
 
     def rules(self) -> list[PatternRule]:
         return [PatternRule(pattern=r) if isinstance(r, str) else r for r in self.deny]

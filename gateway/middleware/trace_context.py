@@ -4,17 +4,15 @@ ended once the response is sent or the stream ended however it ended."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import structlog
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.middleware.access_log import RouteLabel
 from gateway.pipeline.context import context_of
 from gateway.telemetry.tracing import RequestTrace, Tracing, continued
-
-RouteLabel = Callable[[str], str]
 
 
 class TracingMiddleware:

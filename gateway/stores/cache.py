@@ -29,10 +29,6 @@ class CacheBackend(Protocol):
     async def aclose(self) -> None: ...
 
 
-def is_deterministic(body: BaseModel) -> bool:
-    return getattr(body, "temperature", None) == 0 or getattr(body, "seed", None) is not None
-
-
 def cache_key(route: str, model: str, body: BaseModel, tenant: str = "") -> str:
     serializer = body.__pydantic_serializer__  # what model_dump calls, without its Python layer
     fields = serializer.to_python(body, mode="json", by_alias=True, exclude=_NOT_IN_BODY)
@@ -157,7 +153,8 @@ class ResponseCache:
         self.backend = backend
 
     def key_for(self, route: str, model: str, body: BaseModel, tenant: str = "") -> str | None:
-        if self.backend is None or not is_deterministic(body):
+        deterministic = getattr(body, "temperature", None) == 0 or getattr(body, "seed", None) is not None
+        if self.backend is None or not deterministic:
             return None
         return cache_key(route, model, body, tenant)
 

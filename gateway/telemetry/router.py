@@ -40,36 +40,21 @@ _TEMPLATE = (
 def page(loads: Iterable[EngineLoad], admission_waiting: int, now: float | None = None) -> bytes:
     """The exposition: waiting counts the engines' queues plus the gateway's admission queues; KV cache usage is the
     fullest engine's (a mean would hide a full one); block size the smallest, blocks and LoRA slots summed."""
-    running = waiting = blocks = max_lora = 0
-    kv = 0.0
-    block_size = 0
-    running_lora: set[str] = set()
-    waiting_lora: set[str] = set()
-    for load in loads:
-        running += load.running
-        waiting += load.waiting
-        kv = max(kv, load.kv_cache_usage)
-        blocks += load.num_blocks
-        if load.block_size and (not block_size or load.block_size < block_size):
-            block_size = load.block_size
-        max_lora += load.max_lora
-        running_lora.update(load.running_lora_adapters)
-        waiting_lora.update(load.waiting_lora_adapters)
+    loads = list(loads)
+    sizes = [load.block_size for load in loads if load.block_size]
     return _TEMPLATE.format(
-        waiting=waiting + admission_waiting,
-        running=running,
-        kv=float(kv),
-        block_size=block_size,
-        blocks=blocks,
-        max_lora=max_lora,
-        running_lora=_names(running_lora),
-        waiting_lora=_names(waiting_lora),
+        waiting=sum(load.waiting for load in loads) + admission_waiting,
+        running=sum(load.running for load in loads),
+        kv=float(max((load.kv_cache_usage for load in loads), default=0.0)),
+        block_size=min(sizes, default=0),
+        blocks=sum(load.num_blocks for load in loads),
+        max_lora=sum(load.max_lora for load in loads),
+        running_lora=_names({name for load in loads for name in load.running_lora_adapters}),
+        waiting_lora=_names({name for load in loads for name in load.waiting_lora_adapters}),
         now=time.time() if now is None else now,
     ).encode()
 
 
 def _names(adapters: set[str]) -> str:
-    if not adapters:
-        return ""
     joined = ",".join(sorted(adapters))
     return joined.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

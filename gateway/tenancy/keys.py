@@ -42,7 +42,7 @@ class KeyRing:
             (digest, Identity(_key_id(digest, secret), hashlib.sha256(b"tenant\0" + digest).hexdigest()))
             for digest in self._hashes
         ]
-        self._by_tenant = {identity.tenant: identity for _, identity in self._identities}
+        self.by_tenant = {identity.tenant: identity for _, identity in self._identities}
 
     @property
     def enabled(self) -> bool:
@@ -50,9 +50,6 @@ class KeyRing:
 
     def identify(self, presented: str) -> Identity | None:
         return find(self._identities, presented)
-
-    def by_tenant(self, tenant: str) -> Identity | None:
-        return self._by_tenant.get(tenant)
 
 
 def _key_id(digest: bytes, secret: bytes) -> str:
@@ -216,7 +213,7 @@ class Authenticator:
             return NOBODY if stored == NOBODY else None
         if stored.tenant == _file_tenant(stored.key_id):
             return stored if self.tenants and self.tenants.known(stored.key_id) else None
-        return self.keys.by_tenant(stored.tenant)
+        return self.keys.by_tenant.get(stored.tenant)
 
     def _failed(self, peer: str, headers: Headers) -> None:
         address = self.proxies.client(peer, headers)

@@ -219,20 +219,18 @@ class Quota:
 
     async def _bucket(self, name: str, capacity: int, amount: float, force: bool) -> tuple[bool, float, bool]:
         """(allowed, tokens left, counted in Redis)."""
-        if self._shared_up():
-            assert self.shared is not None
+        if shared := self._shared_up():
             try:
-                return (*await self.shared.bucket(name, capacity, amount, force), True)
+                return (*await shared.bucket(name, capacity, amount, force), True)
             except ERRORS as exc:
                 self._failed("bucket", exc)
         return (*self.local.bucket(name, capacity, amount, force), False)
 
     async def _reserve(self, charge: Charge) -> None:
         result: tuple[int, int] | None = None
-        if self._shared_up():
-            assert self.shared is not None
+        if shared := self._shared_up():
             try:
-                result = await self.shared.reserve(charge.periods, charge.estimate)
+                result = await shared.reserve(charge.periods, charge.estimate)
                 charge.budgets_shared = True
             except ERRORS as exc:
                 self._failed("budget", exc)
@@ -274,16 +272,17 @@ class Quota:
         if charge is not None and not charge.held:
             charge.settle(*usage)
 
-    def _shared_up(self) -> bool:
+    def _shared_up(self) -> RedisCounts | None:
+        """Redis's counts, unless there is none or it failed less than `redis_retry_s` ago."""
         if self.shared is None:
-            return False
+            return None
         if time.monotonic() < self._down_until:
             metrics.LIMITS_LOCAL.inc()
-            return False
+            return None
         if self._down_until:
             self._down_until = 0.0
             log.info("limits_redis_restored")
-        return True
+        return self.shared
 
     def _failed(self, operation: str, exc: BaseException) -> None:
         metrics.labelled(metrics.LIMITS_REDIS_ERRORS, operation).inc()

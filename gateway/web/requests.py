@@ -42,19 +42,13 @@ def gone_of(receive: Receive) -> Gone:
 def context(request: Request) -> RequestContext:
     found = context_of(request.scope)
     found.client_gone = gone_of(request.receive)
-    directives = cache_directives(request.scope)
+    # Cache-Control's directive names (RFC 9111 5.2.1): `no-cache` skips a stored answer, `no-store` keeps this one out
+    directives: set[str] = set()
+    for key, value in request.scope["headers"]:
+        if key == b"cache-control":
+            directives.update(part.partition(b"=")[0].strip().lower().decode("latin-1") for part in value.split(b","))
     found.no_cache, found.no_store = "no-cache" in directives, "no-store" in directives
     return found
-
-
-def cache_directives(scope: Scope) -> frozenset[str]:
-    """The request's Cache-Control directive names (RFC 9111 5.2.1), lowercased: `no-cache` skips a stored answer,
-    `no-store` keeps this one out."""
-    names: set[str] = set()
-    for key, value in scope["headers"]:
-        if key == b"cache-control":
-            names.update(part.partition(b"=")[0].strip().lower().decode("latin-1") for part in value.split(b","))
-    return frozenset(names)
 
 
 def engine_for(request: Request, name: str | None) -> Engine:

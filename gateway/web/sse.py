@@ -29,10 +29,6 @@ HEADERS = {
 log = structlog.get_logger(__name__)
 
 
-def encode_error(exc: BaseException, framing: Framing = FRAMINGS["openai"]) -> bytes:
-    return error_frame(from_exception(exc).body(framing.dialect), framing)
-
-
 class EventStreamResponse(StreamingResponse):
     """An ASGI response streaming models as SSE (Starlette's StreamingResponse, its own `__call__`).
 
@@ -102,7 +98,7 @@ class EventStreamResponse(StreamingResponse):
                 log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
                 if (trace := current_trace()) is not None:
                     trace.failed(type(exc).__qualname__, exc)
-                body = encode_error(exc, framing)
+                body = error_frame(from_exception(exc).body(framing.dialect), framing)
                 sends.since = time()
                 await send({"type": "http.response.body", "body": body, "more_body": True})
                 ending = framing.end if framing.named else DONE
