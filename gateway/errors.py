@@ -188,10 +188,9 @@ def invalid_body(exc: ValidationError, body: bytes) -> InvalidRequest:
 
 def _validation_error(exc: ValidationError, data: Any = _NO_BODY) -> InvalidRequest:
     errors = exc.errors(include_url=False)
-    # a union (e.g. `prompt`) reports one error per member: the deepest is the one that explains
-    # ("[[2**70]]": the token id out of range, not "should be a valid string"), and at the same depth
-    # the member whose type matched ("[-1]": the id below 0; five stop strings: too many, not "should
-    # be a valid string")
+    # a union (e.g. `prompt`) reports one error per member: the deepest is the one that explains ("[[2**70]]": the token
+    # id out of range, not "should be a valid string"), and at the same depth the member whose type matched ("[-1]": the
+    # id below 0; five stop strings: too many, not "should be a valid string")
     first = max(
         (e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]),
         key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")),

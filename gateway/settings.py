@@ -201,13 +201,12 @@ class FilesSettings(BaseModel):
 
 
 class StoreSettings(BaseModel):
-    """Where the batch lane keeps its files and batches: records (files, batches, their counts, each
-    line's answer) in a database, and contents (uploads, inputs, output files) written once each.
-    disk: SQLite files under `files.dir` and `batches.dir`, contents beside them (one node). redis:
-    records in Redis (replicas), contents in those directories (a shared volume) or in S3 when
-    `s3_bucket` is set. s3: contents in S3, records in Redis when `redis_url` is set, else SQLite.
-    Replicas that share batches share this store; a batch runs on one of them at a time (a claim
-    with a fencing token)."""
+    """Where the batch lane keeps its files and batches: records (files, batches, their counts, each line's answer) in a
+    database, and contents (uploads, inputs, output files) written once each. disk: SQLite files under `files.dir` and
+    `batches.dir`, contents beside them (one node). redis: records in Redis (replicas), contents in those directories (a
+    shared volume) or in S3 when `s3_bucket` is set. s3: contents in S3, records in Redis when `redis_url` is set, else
+    SQLite. Replicas that share batches share this store; a batch runs on one of them at a time (a claim with a fencing
+    token)."""
 
     backend: Literal["disk", "redis", "s3"] = Field(
         "disk", description="disk (SQLite and files in files.dir, batches.dir), redis (records at redis_url) or s3 "

@@ -1,8 +1,7 @@
-"""The guards file (YAML or TOML; docs/tenants-and-guards.md): named guard profiles (input and
-output checks), which one a request gets (`default`, per API key `keys`, or a model's `guards:`
-in the models file, by name or inline), and the moderation upstream. Everything is checked at
-start: a bad pattern or an unknown profile is refused with a message naming it.
-"""
+"""The guards file (YAML or TOML; docs/tenants-and-guards.md): named guard profiles (input and output checks), which one
+a request gets (`default`, per API key `keys`, or a model's `guards:` in the models file, by name or inline), and the
+moderation upstream. Everything is checked at start: a bad pattern or an unknown profile is refused with a message
+naming it."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""Every text of a request that the model will read, checked by the input guards, and the request
-rebuilt from the checked (possibly redacted) texts.
+"""Every text of a request that the model will read, checked by the input guards, and the request rebuilt from the
+checked (possibly redacted) texts.
 
-Messages and Responses requests are made chat requests before they are prepared, so `chat_texts`
-reads theirs too: each message's text and `name`, its earlier tool calls (the name, and the arguments
-as decoded JSON: `\\u0041` is what the model reads as `A`) and the tool definitions (as the JSON the
-template shows). Completion prompts and embedding inputs are their text; token ids are read decoded
-by the embedded services and refused for a remote model (no tokenizer here reads them).
-"""
+Messages and Responses requests are made chat requests before they are prepared, so `chat_texts` reads theirs too: each
+message's text and `name`, its earlier tool calls (the name, and the arguments as decoded JSON: `\\u0041` is what the
+model reads as `A`) and the tool definitions (as the JSON the template shows). Completion prompts and embedding inputs
+are their text; token ids are read decoded by the embedded services and refused for a remote model (no tokenizer here
+reads them)."""
 
 from __future__ import annotations
 

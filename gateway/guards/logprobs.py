@@ -1,9 +1,7 @@
-"""The logprobs of a choice's text, passed on with that text and no sooner: a token's text and the
-alternatives the model weighed are each a way out for what the output guards keep in. A token goes
-out once its text was passed on (`stream.ChoiceFilter`), never after a cut; inside a redacted span
-it shows the placeholder (on the span's first token) and no alternatives; an alternative that would
-complete a blocking or redacting match is left out.
-"""
+"""The logprobs of a choice's text, passed on with that text and no sooner: a token's text and the alternatives the
+model weighed are each a way out for what the output guards keep in. A token goes out once its text was passed on
+(`stream.ChoiceFilter`), never after a cut; inside a redacted span it shows the placeholder (on the span's first token)
+and no alternatives; an alternative that would complete a blocking or redacting match is left out."""
 
 from __future__ import annotations
 

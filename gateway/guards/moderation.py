@@ -1,9 +1,7 @@
 """The optional moderation call: an OpenAI-compatible `/v1/moderations` upstream, reached with httpx.
 
-A call that fails (connection, timeout, a non-200 answer, a body that is not a moderation result)
-is logged and counted, and answers None: the guard then serves (fail open) or refuses (fail
-closed), as configured.
-"""
+A call that fails (connection, timeout, a non-200 answer, a body that is not a moderation result) is logged and counted,
+and answers None: the guard then serves (fail open) or refuses (fail closed), as configured."""
 
 from __future__ import annotations
 

@@ -1,18 +1,16 @@
 """Text as the guards read it: what the model reads, without the disguises that only fool a regex.
 
-`normalize(text)` is the one normalization every guard uses, and patterns are read through it too
-(`pattern`), so a pattern and its text are in the same form. Per character: Unicode NFKC; letters in
-boxes, circles and small capitals that NFKC leaves are the letter; format and invisible characters
-and decorating marks are removed (accents stay, as Unicode TR39 keeps them); TR39's one-letter
-confusables become the Latin letter; every space is a space, every dash a hyphen-minus, every digit
-an ASCII digit; and JSON's `\\uXXXX` escapes are the character they name (tool-call arguments are
-JSON their reader decodes). A match is mapped back to the original (`Normalized.span`), so the
-client's text is redacted where the value really is.
+`normalize(text)` is the one normalization every guard uses, and patterns are read through it too (`pattern`), so a
+pattern and its text are in the same form. Per character: Unicode NFKC; letters in boxes, circles and small capitals
+that NFKC leaves are the letter; format and invisible characters and decorating marks are removed (accents stay, as
+Unicode TR39 keeps them); TR39's one-letter confusables become the Latin letter; every space is a space, every dash a
+hyphen-minus, every digit an ASCII digit; and JSON's `\\uXXXX` escapes are the character they name (tool-call arguments
+are JSON their reader decodes). A match is mapped back to the original (`Normalized.span`), so the client's text is
+redacted where the value really is.
 
-A table of our own for the confusables: the PyPI packages on them detect mixed scripts or expand a
-string into its variants; none maps a character to one skeleton character with its position kept,
-which redaction needs. ASCII text is its own normalization (no copy, no offset map).
-"""
+A table of our own for the confusables: the PyPI packages on them detect mixed scripts or expand a string into its
+variants; none maps a character to one skeleton character with its position kept, which redaction needs. ASCII text is
+its own normalization (no copy, no offset map)."""
 
 from __future__ import annotations
 
@@ -22,11 +20,10 @@ import unicodedata
 from bisect import bisect_right
 from functools import lru_cache
 
-# One letter → one Latin letter, after TR39 confusables.txt (its entries whose target is one Latin
-# letter). Where TR39 maps a capital only (Cyrillic К, Н, Т, М, В), its small letter is mapped to
-# the same letter's small form, so that a case-insensitive pattern written in that script still
-# matches either case once both are normalized; Greek η, ν, μ look like other letters than their
-# capitals do, and follow TR39 (η → n, ν → v, μ unchanged).
+# One letter → one Latin letter, after TR39 confusables.txt (its entries whose target is one Latin letter). Where TR39
+# maps a capital only (Cyrillic К, Н, Т, М, В), its small letter is mapped to the same letter's small form, so that a
+# case-insensitive pattern written in that script still matches either case once both are normalized; Greek η, ν, μ look
+# like other letters than their capitals do, and follow TR39 (η → n, ν → v, μ unchanged).
 CONFUSABLES = {
     # Cyrillic
     "А": "A", "а": "a", "В": "B", "в": "b", "Е": "E", "е": "e", "К": "K", "к": "k", "М": "M", "м": "m",
@@ -213,7 +210,6 @@ def normalize(text: str, escapes: bool = True) -> Normalized:
 
 
 def pattern(source: str) -> str:
-    """A regular expression's source read the same way as the text it is matched on: its literal
-    letters, spaces, dashes and digits (a pattern is ASCII nearly always: then as it is). Its \\u
-    escapes are the regex's own, kept."""
+    """A regular expression's source read the same way as the text it is matched on: its literal letters, spaces, dashes
+    and digits (a pattern is ASCII nearly always: then as it is). Its \\u escapes are the regex's own, kept."""
     return normalize(source, escapes=False).text

@@ -1,7 +1,6 @@
-"""Finding spans in text: a `Detector` per check (a deny pattern, an injection pattern, a kind of
-personal data), a `Scanner` that runs a profile's detectors outside its allowed spans, and the
-`Placeholders` that redaction puts in the text and restoration takes out again.
-"""
+"""Finding spans in text: a `Detector` per check (a deny pattern, an injection pattern, a kind of personal data), a
+`Scanner` that runs a profile's detectors outside its allowed spans, and the `Placeholders` that redaction puts in the
+text and restoration takes out again."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Personal data in text: emails, phone numbers, payment card numbers, IBANs, IP addresses.
 
-Candidates are found with patterns and kept only when they check out: card numbers pass the
-Luhn check and IBANs their country's format and the mod-97 check (python-stdnum), IP addresses
-parse (`ipaddress`), and phone numbers are found and validated by Google's libphonenumber rules
-(the `phonenumbers` port), which know every country's numbering plan.
-"""
+Candidates are found with patterns and kept only when they check out: card numbers pass the Luhn check and IBANs their
+country's format and the mod-97 check (python-stdnum), IP addresses parse (`ipaddress`), and phone numbers are found and
+validated by Google's libphonenumber rules (the `phonenumbers` port), which know every country's numbering plan."""
 
 from __future__ import annotations
 

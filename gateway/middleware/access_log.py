@@ -2,8 +2,7 @@
 every log line and returned, the request's context (`pipeline.context`) made for the layers below, the headers they
 asked for added, and one access line and the request metrics at the end. Also the last catch of errors: what no layer
 below answered becomes a 500 in the API's error shape here, never raised on to the server (which would reset the
-keep-alive connection). Not `BaseHTTPMiddleware`, which would lose the contextvars structlog binds the id in.
-"""
+keep-alive connection). Not `BaseHTTPMiddleware`, which would lose the contextvars structlog binds the id in."""
 
 from __future__ import annotations
 

@@ -68,10 +68,9 @@ class HeaderTimeout(asyncio.Protocol):
         elif len(before.body) > held:  # the body of the request in progress: uvicorn bounds what it holds
             self._header_bytes = 0
             return
-        # else bytes that added nothing to the body of the request in progress: chunk framing, a
-        # chunked body's trailers, or the next request's headers sent while this one is answered
-        # (pipelined); headers, which uvicorn would hold all of: bounded, not timed (a stream in
-        # progress is not cut for slow pipelined headers)
+        # else bytes that added nothing to the body of the request in progress: chunk framing, a chunked body's
+        # trailers, or the next request's headers sent while this one is answered (pipelined); headers, which uvicorn
+        # would hold all of: bounded, not timed (a stream in progress is not cut for slow pipelined headers)
         self._header_bytes += len(data)
         if self._header_bytes > MAX_HEADER_BYTES:
             self._expire()

@@ -1,9 +1,8 @@
-"""Every setting once, as the command line (`cli`) and the configuration reference (`config_doc`) see it: one
-`Option` per leaf field of the Settings classes, so a new field gets its flag and its row without a table kept by hand.
+"""Every setting once, as the command line (`cli`) and the configuration reference (`config_doc`) see it: one `Option`
+per leaf field of the Settings classes, so a new field gets its flag and its row without a table kept by hand.
 
-A top-level field's flag is `--field-name`, a nested one's `--group-field-name`; the engine's fields take vLLM's
-own names (`--max-model-len`) unless a top-level flag has it. Secrets get no flag: a command line shows in `ps`.
-"""
+A top-level field's flag is `--field-name`, a nested one's `--group-field-name`; the engine's fields take vLLM's own
+names (`--max-model-len`) unless a top-level flag has it. Secrets get no flag: a command line shows in `ps`."""
 
 from __future__ import annotations
 

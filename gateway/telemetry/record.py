@@ -1,9 +1,8 @@
-"""The request context: one `RequestRecord` per request, filled in as the request goes, which the
-access line and the request metrics report at its end.
+"""The request context: one `RequestRecord` per request, filled in as the request goes, which the access line and the
+request metrics report at its end.
 
-A contextvar, so that every layer reaches the record of the request it serves without passing it
-down; the access-log middleware opens it (`open_record`) and reports it.
-"""
+A contextvar, so that every layer reaches the record of the request it serves without passing it down; the access-log
+middleware opens it (`open_record`) and reports it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Server-Sent Events as an HTTP response: `EventStreamResponse` streams the pipeline's events, framed
-by `protocol.sse_wire` in the route's dialect (or the framing the handler sets).
-"""
+"""Server-Sent Events as an HTTP response: `EventStreamResponse` streams the pipeline's events, framed by
+`protocol.sse_wire` in the route's dialect (or the framing the handler sets)."""
 
 from __future__ import annotations
 
@@ -32,10 +31,9 @@ log = structlog.get_logger(__name__)
 class EventStreamResponse(StreamingResponse):
     """An ASGI response streaming models as SSE (Starlette's StreamingResponse, its own `__call__`).
 
-    It watches for the client going away (`pipeline.disconnect.Watch`): on a disconnect the stream's
-    task is cancelled, which closes the event iterator and so aborts the engine request. A client
-    that stops reading is taken for gone after `stream_write_timeout_s` (`api.stalls`).
-    """
+    It watches for the client going away (`pipeline.disconnect.Watch`): on a disconnect the stream's task is cancelled,
+    which closes the event iterator and so aborts the engine request. A client that stops reading is taken for gone
+    after `stream_write_timeout_s` (`api.stalls`)."""
 
     def __init__(
         self,
