@@ -5,6 +5,7 @@ out of the handlers' reads."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -15,22 +16,13 @@ from gateway.telemetry.record import current_record
 from gateway.web.error_render import dialect_of, send_error
 
 
+@dataclass(slots=True)
 class BodyBudget:
     """The bytes of the bodies being read and prepared, all requests together; a request's declared Content-Length
     counts from the start, so a body that cannot fit is refused before it is read."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    def take(self, amount: int) -> bool:
-        if self.used + amount > self.limit:
-            return False
-        self.used += amount
-        return True
-
-    def give_back(self, amount: int) -> None:
-        self.used -= amount
+    limit: int
+    used: int = 0
 
 
 def _declared(scope: Scope) -> tuple[int, bytes | None]:
@@ -88,20 +80,21 @@ class _Reading:
         if self.released or needed <= self.held:
             return
         assert self.budget is not None
-        if not self.budget.take(needed - self.held):
+        if self.budget.used + needed - self.held > self.budget.limit:
             self.release()
             metrics.labelled(metrics.REJECTED, "", "body_bytes_in_flight").inc()
             raise ServiceUnavailable(
                 "The server is reading too many request bodies at once; please retry",
                 headers={"Retry-After": "1"},
             )
+        self.budget.used += needed - self.held
         self.held = needed
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             assert self.budget is not None
-            self.budget.give_back(self.held)
+            self.budget.used -= self.held
             self.held = 0
 
 

@@ -38,14 +38,10 @@ def _json(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"expected JSON, got {text!r} ({exc.msg})") from exc
 
 
-def _help(option: Option) -> str:
-    text = f"{option.description} [{option.env}; default: {option.shown_default}]"
-    return text.replace("%", "%%")  # argparse formats help with %
-
-
 def _add(group: argparse._ArgumentGroup, option: Option) -> None:
     assert option.flag is not None
-    kwargs: dict[str, Any] = {"dest": option.dest, "default": None, "help": _help(option)}
+    text = f"{option.description} [{option.env}; default: {option.shown_default}]".replace("%", "%%")  # argparse's %
+    kwargs: dict[str, Any] = {"dest": option.dest, "default": None, "help": text}
     if option.flag == ENGINE_ARG_FLAG:
         kwargs.update(type=_engine_arg, action="append", metavar="KEY=VALUE", help=(
             "any other vLLM engine argument by name, the value read as JSON when it parses (repeatable; "

@@ -8,7 +8,7 @@ import os
 import secrets
 import signal
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -89,22 +89,15 @@ class WorkerPlan:
     seats: tuple[Any, ...]
 
 
-class SeatStarter:
-    """An embedded model's engine attached to its shared core, found by the engine settings (computed alike in the
-    parent and the worker)."""
-
-    def __init__(self, seats: Sequence[Any]) -> None:
-        self.seats = list(seats)
-
-    def __call__(self, settings: EngineSettings) -> Engine:
-        for seat in self.seats:
-            if seat.settings == settings:
-                return attach_shared(seat)
+def gateway_worker(seat: WorkerSeat, plan: WorkerPlan) -> int:
+    def starter(settings: EngineSettings) -> Engine:
+        """An embedded model's engine attached to its shared core, found by the engine settings (computed alike in the
+        parent and the worker)."""
+        for shared in plan.seats:
+            if shared.settings == settings:
+                return attach_shared(shared)
         raise ConfigError(f"no shared engine core for the model '{settings.served_model_name}'")
 
-
-def gateway_worker(seat: WorkerSeat, plan: WorkerPlan) -> int:
-    starter = SeatStarter(plan.seats)
     return serve_worker(seat, plan.settings, lambda lifecycle, tenants: create_app(
         plan.settings, engine_starter=starter, lifecycle=lifecycle, tenants=tenants))
 

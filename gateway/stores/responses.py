@@ -72,29 +72,17 @@ T = TypeVar("T")
 @dataclass(slots=True)
 class ResponseStore:
     backend: StoreBackend
-    _runs: dict[str, dict[str, BackgroundRun]] = field(default_factory=dict)  # owner -> response id -> run
+    runs: dict[str, dict[str, BackgroundRun]] = field(default_factory=dict)  # owner -> response id -> run
 
     def of(self, owner: str) -> OwnedResponses:
         return OwnedResponses(self, owner)
 
     def run_of(self, owner: str, response_id: str) -> BackgroundRun | None:
         """One owner's background run in this process (never another owner's)."""
-        return self._runs.get(owner, {}).get(response_id)
-
-    def add_run(self, owner: str, response_id: str, run: BackgroundRun) -> None:
-        """Tracked until its task ends; an owner with no run left leaves no entry behind."""
-        runs = self._runs.setdefault(owner, {})
-        runs[response_id] = run
-
-        def done(_: object) -> None:
-            runs.pop(response_id, None)
-            if not runs and self._runs.get(owner) is runs:
-                del self._runs[owner]
-
-        run.task.add_done_callback(done)
+        return self.runs.get(owner, {}).get(response_id)
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(run.cancel() for runs in self._runs.values() for run in list(runs.values())))
+        await asyncio.gather(*(run.cancel() for runs in self.runs.values() for run in list(runs.values())))
         await self.backend.aclose()
 
 
@@ -148,7 +136,17 @@ class OwnedResponses:
         return cancelled
 
     def track(self, response_id: str, run: BackgroundRun) -> None:
-        self.store.add_run(self.owner, response_id, run)
+        """Tracked until its task ends; an owner with no run left leaves no entry behind."""
+        every = self.store.runs
+        runs = every.setdefault(self.owner, {})
+        runs[response_id] = run
+
+        def done(_: object) -> None:
+            runs.pop(response_id, None)
+            if not runs and every.get(self.owner) is runs:
+                del every[self.owner]
+
+        run.task.add_done_callback(done)
 
     async def _needed(self, operation: str, call: Awaitable[T]) -> T:
         try:

@@ -25,10 +25,6 @@ class Sends:
         self.since = 0.0  # loop time when the send in progress began; 0: none in progress
         self.stalled = False
 
-    def stall(self) -> None:
-        self.stalled = True
-        self.abort()
-
 
 class Sweep:
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
@@ -55,7 +51,8 @@ class Sweep:
         now = self.loop.time()
         for sends in [s for s in self.streams if s.since and now - s.since >= self.timeout_s and not s.stalled]:
             log.warning("stream_stalled", waited_s=round(now - sends.since, 1), timeout_s=self.timeout_s)
-            sends.stall()
+            sends.stalled = True
+            sends.abort()
         if self.streams:
             self.timer = self._later()
 
