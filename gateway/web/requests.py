@@ -7,7 +7,7 @@ from typing import TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
-from starlette.types import Receive, Scope
+from starlette.types import Receive
 
 from engine.types import Engine
 from gateway.backends.registry import Access
@@ -60,18 +60,10 @@ def default_model(request: Request) -> str:
     return state_of(request).models.default_name(access(request))
 
 
-def _first_header(scope: Scope, name: bytes) -> str | None:
-    """`request.headers.get(name)` without building Headers."""
-    for key, value in scope["headers"]:
-        if key == name:
-            return str(value.decode("latin-1"))
-    return None
-
-
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, at most `limit` bytes (413 past it), read as `request.stream()` would, without an async generator per
     request."""
-    declared = _first_header(request.scope, b"content-length")
+    declared = request.headers.get("content-length")
     if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:  # isdigit alone takes '²'
         raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes")
     chunks, size, receive = [], 0, request.receive

@@ -7,19 +7,7 @@ import pytest
 from starlette.requests import Request
 
 from gateway.pipeline.context import SCOPE_KEY, context_of
-from gateway.web.requests import _first_header, body_size, state_of
-
-
-@pytest.mark.parametrize("headers", [
-    [],
-    [(b"content-length", b"12")],
-    [(b"host", b"x"), (b"content-length", b"7"), (b"content-length", b"9")],  # the first, as get()
-    [(b"content-length", b"\xb2")],  # latin-1, as Headers decodes it
-    [(b"content-lengthy", b"3")],
-])
-def test_a_header_is_read_as_request_headers_get_reads_it(headers: list[tuple[bytes, bytes]]) -> None:
-    scope = {"type": "http", "headers": headers}
-    assert _first_header(scope, b"content-length") == Request(scope).headers.get("content-length")
+from gateway.web.requests import body_size, state_of
 
 
 def test_the_state_is_the_lifespan_s_and_the_body_size_the_request_context_s() -> None:
