@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import structlog
 from starlette.responses import StreamingResponse
@@ -35,17 +35,11 @@ class EventStreamResponse(StreamingResponse):
     which closes the event iterator and so aborts the engine request. A client that stops reading is taken for gone
     after `stream_write_timeout_s` (`api.stalls`)."""
 
-    def __init__(
-        self,
-        events: Events,
-        headers: Mapping[str, str] | None = None,
-        on_close: Callable[[], None] | None = None,
-        framing: Framing | None = None,
-    ) -> None:
+    def __init__(self, events: Events, on_close: Callable[[], None] | None = None, framing: Framing | None = None) -> None:
         self.events = events
         self.framing = framing  # None: the route's dialect decides (in __call__)
         self.on_close = on_close  # e.g. the admission permit's release, held for the whole stream
-        super().__init__((), headers={**HEADERS, **(headers or {})})  # its events are self.events, sent by __call__
+        super().__init__((), headers=HEADERS)  # its events are self.events, sent by __call__
         self.disconnected = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -57,10 +51,8 @@ class EventStreamResponse(StreamingResponse):
         try:
             async with watch:
                 await self._stream(send, framing, sends)
-        except ClientDisconnected:
+        except (ClientDisconnected, OSError):  # OSError: the socket went away under send
             self.disconnected = True
-        except OSError:
-            self.disconnected = True  # the socket went away under send
         except Exception:  # the response has started: nothing left to tell the client
             pass
         finally:
@@ -111,8 +103,7 @@ def _stall_watch(scope: Scope, watch: Watch) -> tuple[stalls.Sends, stalls.Sweep
     """This stream's sends, watched for a client that stops reading when the stream is served to
     one (the gateway's state in the scope: not a background response, played to nobody). A stall
     drops the connection (the server's extension), or else expires the disconnect watch."""
-    state = scope.get("state") or {}
-    gateway = state.get("gateway")
+    gateway = (scope.get("state") or {}).get("gateway")
     abort = (scope.get("extensions") or {}).get(stalls.ABORT) or watch.expire
     if gateway is None:
         return stalls.Sends(abort), None
