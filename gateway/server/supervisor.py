@@ -29,6 +29,7 @@ TICK_S = 0.5
 # a worker that drained and stopped: 0, or the SIGTERM it was sent, raised again by uvicorn once
 # it has stopped (uvicorn.Server.capture_signals), as the one-process gateway ends too
 CLEAN_EXITS = (0, -signal.SIGTERM)
+SPAWN: SpawnContext = multiprocessing.get_context("spawn")  # the workers and the shared engine cores
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -65,10 +66,6 @@ class WorkerSeat:
 WorkerMain = Callable[[WorkerSeat, Any], int]  # (seat, payload) → exit status; a module-level function
 
 
-def _nothing() -> None:
-    pass
-
-
 def _worker(main: WorkerMain, seat: WorkerSeat, payload: Any) -> None:
     sys.exit(main(seat, payload))
 
@@ -83,18 +80,13 @@ class Supervisor:
         self.payloads = list(payloads)
         self.sock = sock
         self.stop_timeout_s = stop_timeout_s
-        self.context = self.spawn_context()
         self.workers: list[SpawnProcess] = []
         self._signals: list[int] = []
         self._stopping = False
         self._deadline = 0.0
 
-    @staticmethod
-    def spawn_context() -> SpawnContext:
-        return multiprocessing.get_context("spawn")
-
-    def run(self, on_ready: Callable[[], None] = _nothing, on_tick: Callable[[], None] = _nothing,
-            on_spawned: Callable[[], None] = _nothing) -> int:
+    def run(self, on_ready: Callable[[], None] = lambda: None, on_tick: Callable[[], None] = lambda: None,
+            on_spawned: Callable[[], None] = lambda: None) -> int:
         """`on_spawned`: what the workers inherited can be closed there. The exit status."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
@@ -102,7 +94,7 @@ class Supervisor:
             on_spawned()
             if not self._await_ready():
                 self._stop("start-up failed")
-                self._supervise(_nothing)  # until they are gone
+                self._supervise(lambda: None)  # until they are gone
                 return STARTUP_FAILED
             on_ready()
             return self._supervise(on_tick)
@@ -120,9 +112,9 @@ class Supervisor:
     def _start(self) -> None:
         self._pipes: list[Connection] = []
         for index, payload in enumerate(self.payloads):
-            receiving, sending = self.context.Pipe(duplex=False)
+            receiving, sending = SPAWN.Pipe(duplex=False)
             seat = WorkerSeat(index, self.sock, sending)
-            worker = self.context.Process(target=_worker, args=(self.main, seat, payload), name=f"gateway-worker-{index}")
+            worker = SPAWN.Process(target=_worker, args=(self.main, seat, payload), name=f"gateway-worker-{index}")
             worker.start()
             sending.close()
             self.workers.append(worker)

@@ -24,7 +24,7 @@ from gateway.backends.modelfile import ConfigError
 from gateway.backends.startup import embedded_settings, prioritized
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.server.http import DrainingServer, server_config
-from gateway.server.supervisor import STARTUP_FAILED, Supervisor, WorkerSeat, listen
+from gateway.server.supervisor import SPAWN, STARTUP_FAILED, Supervisor, WorkerSeat, listen
 from gateway.server.tls import ServerTLS
 from gateway.settings import Reloadable, Settings
 from gateway.telemetry import metrics
@@ -159,7 +159,7 @@ def serve_workers(settings: Settings, worker: Callable[[WorkerSeat, WorkerPlan],
         with metrics_directory(), contextlib.closing(listen(settings.host, settings.port)) as sock:
             for name, engine in engines.items():
                 log.info("engine_starting", model=name, shared_by=settings.workers)
-                cores.append(launch_shared(engine, settings.workers, Supervisor.spawn_context()))
+                cores.append(launch_shared(engine, settings.workers, SPAWN))
             plans = [WorkerPlan(settings, tuple(core.seat(i) for core in cores)) for i in range(settings.workers)]
             supervisor = Supervisor(worker, plans, sock, settings.drain_timeout_s + STOP_MARGIN_S)
             host, port = sock.getsockname()[:2]

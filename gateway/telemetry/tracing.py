@@ -66,10 +66,7 @@ class Tracing:
 
 
 def continued(headers: Iterable[tuple[bytes, bytes]]) -> otel_context.Context:
-    carrier = {}
-    for key, value in headers:
-        if key in (b"traceparent", b"tracestate"):
-            carrier[key.decode("latin-1")] = value.decode("latin-1")
+    carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k in (b"traceparent", b"tracestate")}
     return PROPAGATOR.extract(carrier) if carrier else otel_context.Context()
 
 
