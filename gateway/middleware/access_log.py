@@ -57,15 +57,12 @@ class AccessLogMiddleware:
         record = RequestRecord(arrival=started, log_content=self.log_content)
         dialect = "openai" if self.dialect is None else self.dialect(scope["path"])
         scope[SCOPE_KEY] = RequestContext(request_id, dialect, record)
-        status = 500
         first_byte: float | None = None
-        started_response = False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status, first_byte, started_response
+            nonlocal first_byte
             if message["type"] == "http.response.start":
-                status, started_response = message["status"], True
-                record.status = status  # for the layers below that count by status (auth)
+                record.status = message["status"]  # also for the layers below that count by status (auth)
                 extra = [(k.encode(), v.encode()) for k, v in record.response_headers.items()]
                 message["headers"] = [*message.get("headers", []), *extra, (b"x-request-id", request_id.encode())]
             elif first_byte is None and message["type"] == "http.response.body":
@@ -79,12 +76,13 @@ class AccessLogMiddleware:
             await self.app(scope, receive, send_with_id)
         except Exception as exc:  # what no layer below answered: a 500, never raised on
             log.error("request_failed", error_type=type(exc).__name__, exc_info=exc)
-            if not started_response:
+            if record.status is None:  # no response started
                 with contextlib.suppress(OSError):  # the client may be gone too
                     await send_error(send_with_id, from_exception(exc), dialect=dialect_of(scope))
         finally:
             try:
                 duration = time.perf_counter() - started
+                status = record.status or 500
                 observe_request(record, self.route_label(scope["path"]), status, duration)
                 access_logger().info(
                     "request",

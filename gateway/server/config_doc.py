@@ -64,10 +64,5 @@ def render() -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def main() -> int:
-    sys.stdout.write(render())
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.stdout.write(render())

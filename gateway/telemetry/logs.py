@@ -58,17 +58,11 @@ class _JsonAccessLine:
         self._lines.msg(_json(fields))
 
 
-# No locals, and a bounded frame count: an error costs a few kilobytes of log, not hundreds.
-MAX_FRAMES = 50
-
-
 def renderer(fmt: str, colors: bool) -> list[Any]:
-    """The last processors of a line: exception rendering (never with local variables, which hold keys and prompts),
-    then the format."""
+    """The last processors of a line: exception rendering (never with local variables, which hold keys and prompts,
+    and a bounded frame count: an error costs a few kilobytes of log, not hundreds), then the format."""
     if fmt == "json":
-        tracebacks = structlog.processors.ExceptionRenderer(
-            ExceptionDictTransformer(show_locals=False, max_frames=MAX_FRAMES)
-        )
+        tracebacks = structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False, max_frames=50))
         return [tracebacks, structlog.processors.JSONRenderer(serializer=_json)]
     # plain text: a rich traceback (even without locals) blocks the event loop far longer than a plain one
     return [structlog.dev.ConsoleRenderer(colors=colors, exception_formatter=structlog.dev.plain_traceback)]

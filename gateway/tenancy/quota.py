@@ -112,13 +112,13 @@ class LocalCounts:
             used = self._used.get(period.counter, (0.0, 0))[1]
             if used + amount > period.limit:
                 return index, used
-        for period in found:
-            self.adjust(period, amount)
+        self.adjust(found, amount)
         return 0, 0
 
-    def adjust(self, period: Period, amount: int) -> None:
-        used = self._used.get(period.counter, (0.0, 0))[1]
-        self._used[period.counter] = (time.monotonic() + period.ttl_s(), used + amount)
+    def adjust(self, found: list[Period], amount: int) -> None:
+        for period in found:
+            used = self._used.get(period.counter, (0.0, 0))[1]
+            self._used[period.counter] = (time.monotonic() + period.ttl_s(), used + amount)
 
 
 class RedisCounts:
@@ -244,9 +244,8 @@ class Quota:
         """Budgets (and, for an estimate, tokens per minute) moved by `delta` tokens, where they were counted: in
         process at once, in Redis off the request's path."""
         tokens = charge.reconcile and charge.policy.tpm is not None
-        if charge.periods and not charge.budgets_shared:
-            for period in charge.periods:
-                self.local.adjust(period, delta)
+        if not charge.budgets_shared:
+            self.local.adjust(charge.periods, delta)
         if tokens and not charge.tokens_shared:
             self.local.bucket(f"tokens:{charge.policy.key_id}", charge.policy.tpm or 0, delta, force=True)
         if (charge.periods and charge.budgets_shared) or (tokens and charge.tokens_shared):
