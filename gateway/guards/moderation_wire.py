@@ -18,8 +18,6 @@ class ModerationResult(BaseModel):
 
 
 class ModerationResponse(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # id, model
 
-    id: str | None = None
-    model: str | None = None
     results: list[ModerationResult]

@@ -35,12 +35,11 @@ NOBODY = Identity(ANONYMOUS, ANONYMOUS)
 
 class KeyRing:
     def __init__(self, keys: Iterable[SecretStr], id_secret: SecretStr | None = None) -> None:
-        self._hashes = [hashlib.sha256(k.get_secret_value().encode()).digest() for k in keys]
         secret = id_secret.get_secret_value().encode() if id_secret else os.urandom(32)
         # each stored key's names, computed once (an HMAC and a hash per request otherwise)
         self._identities = [
             (digest, Identity(_key_id(digest, secret), hashlib.sha256(b"tenant\0" + digest).hexdigest()))
-            for digest in self._hashes
+            for digest in (hashlib.sha256(k.get_secret_value().encode()).digest() for k in keys)
         ]
         self.by_tenant = {identity.tenant: identity for _, identity in self._identities}
 

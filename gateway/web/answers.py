@@ -36,7 +36,6 @@ def respond(answer: Answer, framing: Framing | None = None) -> Response:
 
 
 def stream_response(stream: Stream, framing: Framing | None = None) -> EventStreamResponse:
-    """A stream as SSE."""
     return EventStreamResponse(stream.events, on_close=stream.on_close, framing=framing)
 
 
