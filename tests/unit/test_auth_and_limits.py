@@ -43,7 +43,7 @@ def test_ops_routes_closed_by_setting() -> None:
 
 def test_keys_are_kept_as_hashes_and_logged_by_a_keyed_hash() -> None:
     ring = KeyRing([SecretStr("sk-secret")], SecretStr("id-secret"))
-    assert b"sk-secret" not in b"".join(ring._hashes)
+    assert b"sk-secret" not in b"".join(digest for digest, _ in ring._identities)
     identity = ring.identify("sk-secret")
     assert identity
     assert ring.identify("sk-other") is None
