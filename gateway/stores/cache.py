@@ -70,6 +70,12 @@ class MemoryCache:
         while len(self._items) > self.max_entries or self.bytes > self.max_bytes:
             self._drop(next(iter(self._items)))
 
+    async def delete(self, key: str) -> bool:
+        found = self.peek(key) is not None
+        if found:
+            self._drop(key)
+        return found
+
     def _drop(self, key: str) -> None:
         _, value = self._items.pop(key)
         self.bytes -= len(value)

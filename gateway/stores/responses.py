@@ -31,21 +31,13 @@ class StoreBackend(CacheBackend, Protocol):
     async def delete(self, key: str) -> bool: ...
 
 
-class MemoryStore(MemoryCache):
-    async def delete(self, key: str) -> bool:
-        found = await self.get(key) is not None
-        if found:
-            self._drop(key)
-        return found
-
-
 def make_store_backend(settings: CacheSettings, pools: RedisPools) -> StoreBackend:
     if settings.backend == "redis":
         if not settings.redis_url:
             raise ValueError("cache backend redis needs cache.redis_url (GATEWAY_CACHE__REDIS_URL)")
         prefix = settings.redis_prefix + "responses:"
         return RedisStore(pools, settings.redis_url, prefix, settings.store_ttl_s, settings.redis_timeout_s)
-    return MemoryStore(settings.max_entries, settings.max_bytes, settings.store_ttl_s)
+    return MemoryCache(settings.max_entries, settings.max_bytes, settings.store_ttl_s)
 
 
 @dataclass(slots=True)

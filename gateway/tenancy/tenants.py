@@ -166,8 +166,7 @@ class Tenants(Reloadable):
         return key_id in self._table.policies
 
     def guard_profile(self, key_id: str) -> str | None:
-        found = self._table.policies.get(key_id)
-        return found.guards if found else None
+        return self.policy(key_id).guards
 
     @property
     def prioritized(self) -> bool:

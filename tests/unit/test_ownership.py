@@ -13,7 +13,8 @@ from starlette.testclient import TestClient
 
 from gateway.errors import NotFound
 from gateway.protocol.response_objects import Response
-from gateway.stores.responses import MemoryStore, ResponseStore, StoredResponse
+from gateway.stores.cache import MemoryCache
+from gateway.stores.responses import ResponseStore, StoredResponse
 from tests.fakes import FakeEngine, app_with
 from tests.waits import until_sync
 
@@ -105,7 +106,7 @@ def test_an_id_cannot_reach_into_a_tenant_whose_name_extends_the_askers(keys: Pa
 
 
 async def test_the_store_is_reached_only_through_an_owner() -> None:
-    store = ResponseStore(MemoryStore(100, 1 << 20, 60))
+    store = ResponseStore(MemoryCache(100, 1 << 20, 60))
     mine, theirs = store.of("a"), store.of("b")
     fresh = TestClient(app_with(FakeEngine()))  # only for a real Response object, made the API's way
     with fresh as client:
