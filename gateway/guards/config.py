@@ -15,7 +15,6 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, Va
 
 Action = Literal["off", "flag", "redact", "block"]
 Verdict = Literal["off", "flag", "block"]  # for checks that find no span to redact (injection, moderation)
-PII_KINDS = ("email", "phone", "card", "iban", "ip")
 FileT = TypeVar("FileT", bound=BaseModel)
 
 
@@ -53,9 +52,6 @@ class PIIChecks(_Strict):
     iban: Action = "off"  # country format and the mod-97 check
     ip: Action = "off"  # IPv4 and IPv6 addresses
     phone_region: str | None = Field("US", description="how to read numbers written without +country code")
-
-    def actions(self) -> dict[str, Action]:
-        return {kind: getattr(self, kind) for kind in PII_KINDS}
 
 
 class Checks(_Strict):

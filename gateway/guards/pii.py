@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import phonenumbers
 from stdnum import iban, luhn
 
-from gateway.guards.config import Action, PIIChecks
+from gateway.guards.config import PIIChecks
 from gateway.guards.patterns import Detector, Spans, regex_spans
 
 EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9][A-Za-z0-9._%+-]*@[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
@@ -77,5 +77,4 @@ def detectors(checks: PIIChecks) -> list[Detector]:
         "ip": ("IP", ip_spans),
         "phone": ("PHONE", phone_spans(checks.phone_region)),
     }
-    actions: dict[str, Action] = checks.actions()
-    return [Detector(f"pii.{kind}", actions[kind], label, find) for kind, (label, find) in spans.items()]
+    return [Detector(f"pii.{kind}", getattr(checks, kind), label, find) for kind, (label, find) in spans.items()]
