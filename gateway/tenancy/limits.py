@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 
 def duration(seconds: float) -> str:
@@ -14,14 +13,14 @@ def duration(seconds: float) -> str:
     return f"{minutes}m{secs}s" if minutes else f"{secs}s"
 
 
-@dataclass(slots=True)
 class TokenBucket:
-    capacity: float
-    tokens: float = field(init=False)
-    updated: float = field(default_factory=time.monotonic)
+    """Full at the start, refilled at `capacity` a minute."""
 
-    def __post_init__(self) -> None:
-        self.tokens = self.capacity
+    __slots__ = ("capacity", "tokens", "updated")
+
+    def __init__(self, capacity: float) -> None:
+        self.capacity = self.tokens = capacity
+        self.updated = time.monotonic()
 
     def _refill(self, now: float) -> None:
         self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.capacity / 60.0)
