@@ -23,6 +23,7 @@ ENV_PREFIX = str(Settings.model_config.get("env_prefix", ""))
 ENV_DELIMITER = str(Settings.model_config.get("env_nested_delimiter", "__"))
 FLATTENED = "engine"  # the group whose flags drop their prefix: vLLM's flag names
 ENGINE_ARG_FLAG = "--engine-arg"
+TYPE_NAMES: dict[Any, str] = {Path: "path", SecretStr: "secret", Any: "any"}  # the others: the type's own name
 
 
 @dataclass(frozen=True)
@@ -90,14 +91,8 @@ class Option:
             text = " | ".join(f'"{c}"' if isinstance(c, str) else str(c) for c in self.choices)
         elif self.is_json:
             text = "JSON " + ("list" if get_origin(annotation) is list else "object")
-        elif annotation is Path:
-            text = "path"
-        elif annotation is SecretStr:
-            text = "secret"
-        elif annotation is Any:
-            text = "any"
         else:
-            text = getattr(annotation, "__name__", str(annotation))
+            text = TYPE_NAMES.get(annotation) or str(getattr(annotation, "__name__", annotation))
         return text + (" (optional)" if self.info.annotation is not annotation else "")
 
 
