@@ -53,7 +53,7 @@ class KeySpec(BaseModel):
     priority: Priority = "normal"
     request_priority: bool = False
     team: str | None = Field(None, max_length=64)
-    owner: str | None = Field(None, max_length=200)
+    owner: str | None = Field(None, max_length=200)  # for people: read by no code
 
     @field_validator("key", "key_sha256", mode="before")
     @classmethod
@@ -102,7 +102,6 @@ class KeyPolicy:
     priority: Priority = "normal"
     request_priority: bool = False  # a request may raise its priority above the class (tenancy.priority)
     team: str = ""
-    owner: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +185,7 @@ class Tenants(Reloadable):
             key_id, rpm=spec.rpm or self.rpm, tpm=spec.tpm or self.tpm, budget_day=spec.budget.day,
             budget_month=spec.budget.month, models=tuple(spec.models) if spec.models is not None else None,
             guards=spec.guards, priority=spec.priority, request_priority=spec.request_priority,
-            team=spec.team or "", owner=spec.owner or "",
+            team=spec.team or "",
         ) for key_id, spec in file.keys.items()}
         return _Table(tuple((spec.digest(), key_id) for key_id, spec in file.keys.items()), policies)
 
