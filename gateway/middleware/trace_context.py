@@ -7,7 +7,7 @@ import asyncio
 
 import structlog
 from opentelemetry import context as otel_context
-from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace import SpanKind, set_span_in_context
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.middleware.access_log import RouteLabel
@@ -40,9 +40,7 @@ class TracingMiddleware:
         except asyncio.CancelledError:
             raise  # the server cancelled the request (its client gone): not an error of ours
         except Exception as exc:  # answered 500 by the access log above
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}"))
-            span.set_attribute("error.type", type(exc).__qualname__)
+            trace.failed(type(exc).__qualname__, exc)
             raise
         finally:
             trace.end(record)
