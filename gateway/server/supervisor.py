@@ -38,14 +38,8 @@ def listen(host: str, port: int) -> socket.socket:
         family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     except ValueError:  # a name: what it resolves to first
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(BACKLOG)
-    except BaseException:
-        sock.close()
-        raise
+    # SO_REUSEADDR, and an IPv6 socket takes IPv4 too (V6ONLY off, as uvicorn leaves it); closed if the bind fails
+    sock = socket.create_server((host, port), family=family, backlog=BACKLOG, dualstack_ipv6=family == socket.AF_INET6)
     sock.set_inheritable(True)
     return sock
 
