@@ -38,16 +38,19 @@ class ModelRequest(_Request):
 
     model: str
     user: str | None = None
-    prompts_param: ClassVar[str] = "prompt"  # the field `prompt_count` counts, for errors
+    prompts_param: ClassVar[str] = "prompt"  # the field that may hold several prompts (completions', embeddings')
 
     @property
     def streams(self) -> bool:
         return False
 
     def prompt_count(self) -> int:
-        """Prompts in the request (completions and embeddings may send several), each its own
-        engine request."""
-        return 1
+        """Prompts in the request, each its own engine request: a list of strings or of token id
+        lists is several, a string or a list of token ids one."""
+        value = getattr(self, self.prompts_param, None)
+        if not isinstance(value, list) or all(isinstance(item, int) for item in value):
+            return 1
+        return len(value)
 
     def engine_requests(self) -> int:
         """The requests the engine runs for this one, as it counts them."""
@@ -193,12 +196,6 @@ class CompletionRequest(SamplingFields):
     best_of: Annotated[int, Field(ge=1, le=20)] | None = None
     suffix: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
-
-    def prompt_count(self) -> int:
-        prompt = self.prompt
-        if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
-            return 1
-        return len(prompt)
 
     def engine_requests(self) -> int:
         return self.prompt_count() * max(self.n, self.best_of or 1)

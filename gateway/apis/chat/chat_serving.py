@@ -75,7 +75,6 @@ class PreparedChat:
         self.scheduled, self.readings = scheduled, readings
 
     def token_budget(self) -> int:
-        """Prompt plus the most the answer may take, for tokens-per-minute limits."""
         return len(self.generation.prompt_token_ids) + self.output_tokens()
 
     def output_tokens(self) -> int:
@@ -257,11 +256,7 @@ def _answer(prepared: PreparedChat, run: Run) -> ChatCompletion:
         "usage": run.usage_fields(),
         "service_tier": prepared.scheduled.tier,
     }
-    answer: ChatCompletion = _VALIDATE_CHAT(fields)
-    return answer
-
-
-_VALIDATE_CHAT = ChatCompletion.__pydantic_validator__.validate_python
+    return ChatCompletion.model_validate(fields)
 
 
 async def start_run(prepared: PreparedChat) -> Run:
@@ -296,10 +291,7 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
         if finish is None:
             return None
         content, calls = plan.parse("".join(state.text))
-        body = ChunkDelta(role="assistant", content=content, tool_calls=[c.as_openai(i) for i, c in enumerate(calls)] or None)
-        reason = _finished(state.index, plan.finish_reason(calls, finish))
-        whole = ChunkChoice(index=state.index, delta=body, finish_reason=reason)
-        return whole.model_dump(mode="json", exclude_none=True)
+        return _last_chunk(prepared, state, "assistant", content, calls, finish)
     role = None if state.started else "assistant"
     state.started = True
     logprobs = _logprobs(list(delta.logprobs)) if delta.logprobs else None
@@ -351,12 +343,18 @@ def _auto_chunk(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta, 
         state.started = True
         return {"index": state.index, "delta": {"role": role, "content": piece} if role else {"content": piece}}
     _, calls = prepared.tools.parse(held.text)
-    content = piece + held.rest(calls=bool(calls))
     state.started = True
+    return _last_chunk(prepared, state, role, piece + held.rest(calls=bool(calls)), calls, finish)
+
+
+def _last_chunk(
+    prepared: PreparedChat, state: ChoiceState, role: str | None, content: str | None, calls: list[tools.ToolCall],
+    finish: str,
+) -> dict[str, Any]:
+    """A choice's last chunk: the rest of its content and the calls parsed from its whole text."""
     body = ChunkDelta(role=role, content=content or None, tool_calls=[c.as_openai(i) for i, c in enumerate(calls)] or None)
     reason = _finished(state.index, prepared.tools.finish_reason(calls, finish))
-    whole = ChunkChoice(index=state.index, delta=body, finish_reason=reason)
-    return whole.model_dump(mode="json", exclude_none=True)
+    return ChunkChoice(index=state.index, delta=body, finish_reason=reason).model_dump(mode="json", exclude_none=True)
 
 
 async def stream(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> AsyncGenerator[bytes, None]:

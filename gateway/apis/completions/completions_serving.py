@@ -212,11 +212,8 @@ class _Answer:
             entries = [*self.prompt_logprobs.get(prompt, []), *entries]
         return _logprobs(entries, 0)
 
-    def usage(self) -> Usage:
-        """All prompts' (no cached-token details, as OpenAI's completions)."""
-        return Usage(**self.usage_fields())
-
     def usage_fields(self) -> dict[str, int]:
+        """All prompts' (no cached-token details, as OpenAI's completions)."""
         prompt = sum(run.prompt_tokens for run in self.runs)
         completion = 0 if self.zero else sum(run.completion_tokens() for run in self.runs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -262,11 +259,7 @@ def _whole(answer: _Answer) -> Completion:
         "choices": choices,
         "usage": answer.usage_fields(),
     }
-    answer_model: Completion = _VALIDATE_COMPLETION(fields)
-    return answer_model
-
-
-_VALIDATE_COMPLETION = Completion.__pydantic_validator__.validate_python
+    return Completion.model_validate(fields)
 
 
 def _best(states: list[ChoiceState], n: int) -> list[ChoiceState]:
@@ -288,7 +281,7 @@ async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | Non
     if on_done is not None:
         await hand_over(on_done, _whole(answer), *answer.runs)
     if include_usage:
-        yield chunk([], answer.usage())
+        yield chunk([], Usage(**answer.usage_fields()))
 
 
 async def _chunks(answer: _Answer, chunk: ChunkEncoder, request: CompletionRequest) -> AsyncGenerator[bytes, None]:
@@ -297,12 +290,10 @@ async def _chunks(answer: _Answer, chunk: ChunkEncoder, request: CompletionReque
         async for output in answer.runs[0].outputs():
             if output.choices:
                 yield chunk([_text_choice(delta) for delta in output.choices])
-    elif len(answer.runs) == 1:  # one prompt: its outputs as they come, no merging layer
-        async for output in answer.runs[0].outputs():
-            if (encoded := _encoded(answer, chunk, 0, output)) is not None:
-                yield encoded
-    else:
-        async for p, output in _merged(answer):
+    else:  # several prompts merged as they come (one prompt: no merging layer)
+        single = len(answer.runs) == 1
+        outputs = ((0, output) async for output in answer.runs[0].outputs()) if single else _merged(answer)
+        async for p, output in outputs:
             if (encoded := _encoded(answer, chunk, p, output)) is not None:
                 yield encoded
 

@@ -21,7 +21,6 @@ from gateway.apis.messages.messages_blocks import BlockEvents, ContentStream, to
 from gateway.apis.messages.messages_wire import (
     AnthropicUsage,
     ContentBlock,
-    ContentBlockParam,
     Conversation,
     CountTokensRequest,
     Message,
@@ -84,38 +83,31 @@ def _tool_result(block: ToolResultBlockParam, param: str) -> ChatMessage:
     return ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=text)
 
 
-def _assistant(blocks: list[ContentBlockParam], param: str) -> ChatMessage:
-    texts, calls = [], []
-    for j, block in enumerate(blocks):
-        if isinstance(block, TextBlockParam):
-            texts.append(block.text)
-        elif isinstance(block, ToolUseBlockParam):
-            function = FunctionCall(name=block.name, arguments=json.dumps(block.input))
-            calls.append(ToolCall(id=block.id, function=function))
-        else:
-            raise _unsupported(block, f"{param}.{j}", "an assistant message", "text and tool_use")
-    return ChatMessage(role="assistant", content="\n".join(texts) or None, tool_calls=calls or None)
-
-
 def _chat_messages(message: MessageParam, index: int) -> list[ChatMessage]:
-    """One Anthropic message as chat messages: its tool results become `tool` messages, in order."""
+    """One Anthropic message as chat messages: a user's tool results become `tool` messages, in
+    order; an assistant's tool_use blocks, its tool calls."""
     param = f"messages.{index}.content"
     if isinstance(message.content, str):
         return [ChatMessage(role=message.role, content=message.content)]
-    if message.role == "assistant":
-        return [_assistant(message.content, param)]
+    assistant = message.role == "assistant"
     out: list[ChatMessage] = []
     texts: list[str] = []
+    calls: list[ToolCall] = []
     for j, block in enumerate(message.content):
         if isinstance(block, TextBlockParam):
             texts.append(block.text)
-        elif isinstance(block, ToolResultBlockParam):
+        elif isinstance(block, ToolUseBlockParam) and assistant:
+            calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name, arguments=json.dumps(block.input))))
+        elif isinstance(block, ToolResultBlockParam) and not assistant:
             if texts:
                 out.append(ChatMessage(role=message.role, content="\n".join(texts)))
                 texts = []
             out.append(_tool_result(block, f"{param}.{j}"))
         else:
-            raise _unsupported(block, f"{param}.{j}", f"a {message.role} message", "text and tool_result")
+            where = "an assistant message" if assistant else f"a {message.role} message"
+            raise _unsupported(block, f"{param}.{j}", where, "text and tool_use" if assistant else "text and tool_result")
+    if assistant:
+        return [ChatMessage(role="assistant", content="\n".join(texts) or None, tool_calls=calls or None)]
     if texts or not out:
         out.append(ChatMessage(role=message.role, content="\n".join(texts)))
     return out

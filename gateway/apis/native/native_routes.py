@@ -5,6 +5,7 @@ out; SSE with `stream`), the same over the chat service.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -14,7 +15,7 @@ from starlette.responses import Response
 from engine.types import Engine
 from gateway.apis.chat import chat_serving
 from gateway.apis.chat.chat_serving import CHAT
-from gateway.apis.chat.chat_wire import ChatCompletionChunk
+from gateway.apis.chat.chat_wire import ChatCompletionChunk, ChunkChoice
 from gateway.apis.completions import completions_serving
 from gateway.apis.completions.completions_serving import COMPLETIONS
 from gateway.apis.native.native_wire import (
@@ -70,16 +71,22 @@ def _as(request: Request, body: GenerateRequest | NativeChatRequest, kind: type[
     return kind.model_validate({**given, **fields, "model": name}, strict=False)
 
 
-def _shape(answer: BaseModel | bytes) -> GenerateResponse:
-    """A completion (whole, a chunk, or a chunk's JSON as streams encode it) in the native shape:
-    its first choice's text."""
+def _shape(answer: BaseModel | bytes, chunk: type[Completion | ChatCompletionChunk] = Completion) -> GenerateResponse:
+    """A completion or chat answer (whole, a chunk, or a chunk's JSON as streams encode it) in the
+    native shape: its first choice's text."""
     if isinstance(answer, bytes):
-        answer = Completion.model_validate_json(answer)
-    assert isinstance(answer, Completion)
-    choice = answer.choices[0] if answer.choices else None
-    return GenerateResponse(
-        output=choice.text if choice else "", finish_reason=choice.finish_reason if choice else None, usage=answer.usage
-    )
+        answer = chunk.model_validate_json(answer)
+    assert isinstance(answer, Completion | ChatCompletion | ChatCompletionChunk)
+    if not answer.choices:
+        return GenerateResponse(output="", usage=answer.usage)
+    choice = answer.choices[0]
+    if isinstance(choice, ChatChoice):
+        output = choice.message.content
+    elif isinstance(choice, ChunkChoice):
+        output = choice.delta.content
+    else:
+        output = choice.text
+    return GenerateResponse(output=output or "", finish_reason=choice.finish_reason, usage=answer.usage)
 
 
 async def generate(request: Request) -> Response:
@@ -90,17 +97,7 @@ async def generate(request: Request) -> Response:
 
 
 stream_generate = generate  # the path decides: /stream-generate streams
-
-
-def _chat_shape(answer: BaseModel | bytes) -> GenerateResponse:
-    """A chat answer (whole, a chunk, or a chunk's JSON) in the native shape: its first choice's text."""
-    if isinstance(answer, bytes):
-        answer = ChatCompletionChunk.model_validate_json(answer)
-    assert isinstance(answer, ChatCompletion | ChatCompletionChunk)
-    choice = answer.choices[0] if answer.choices else None
-    said = (choice.message if isinstance(choice, ChatChoice) else choice.delta) if choice else None
-    return GenerateResponse(output=(said.content if said else None) or "",
-                            finish_reason=choice.finish_reason if choice else None, usage=answer.usage)
+_chat_shape = partial(_shape, chunk=ChatCompletionChunk)
 
 
 async def chat_native(request: Request) -> Response:

@@ -64,85 +64,73 @@ class ResponseEvents:
 
     def text(self, delta: str) -> list[StreamEvent]:
         """Text of the assistant's message; the first delta opens the message."""
-        events: list[StreamEvent] = []
-        if not isinstance(self._open, OutputMessage):
-            events += self._open_message(new_id("msg"))
-        assert isinstance(self._open, OutputMessage)
-        self._parts.append(delta)
-        events.append(OutputTextDelta(sequence_number=self._next(), item_id=self._open.id, output_index=self._index,
-                                      content_index=0, delta=delta))
-        return events
+        if isinstance(self._open, OutputMessage):
+            return [self._delta(delta)]
+        return [*self._opened(OutputMessage(id=new_id("msg"), status="in_progress", content=[])), self._delta(delta)]
 
     def arguments(self, delta: str, name: str) -> list[StreamEvent]:
         """Arguments of a function call; the first delta opens the call."""
-        events: list[StreamEvent] = []
-        if not isinstance(self._open, FunctionToolCall):
-            call = FunctionToolCall(id=new_id("fc"), status="in_progress", call_id=new_id("call"), name=name, arguments="")
-            events.append(self._open_call(call))
-        assert isinstance(self._open, FunctionToolCall)
-        self._parts.append(delta)
-        events.append(FunctionCallArgumentsDelta(sequence_number=self._next(), item_id=self._open.id,
-                                                 output_index=self._index, delta=delta))
-        return events
+        if isinstance(self._open, FunctionToolCall):
+            return [self._delta(delta)]
+        call = FunctionToolCall(id=new_id("fc"), status="in_progress", call_id=new_id("call"), name=name, arguments="")
+        return [*self._opened(call), self._delta(delta)]
 
     def close(self, status: ItemStatus) -> list[StreamEvent]:
         """Finish the item being streamed (nothing when none is open)."""
-        item, self._open = self._open, None
-        whole, self._parts = "".join(self._parts), []
-        if isinstance(item, OutputMessage):
-            return self._close_message(item.model_copy(update={"status": status, "content": [OutputText(text=whole)]}))
-        if isinstance(item, FunctionToolCall):
-            return self._close_call(item.model_copy(update={"status": status, "arguments": whole}))
+        whole = "".join(self._parts)
+        if isinstance(self._open, OutputMessage):
+            return self._closed(self._open.model_copy(update={"status": status, "content": [OutputText(text=whole)]}))
+        if isinstance(self._open, FunctionToolCall):
+            return self._closed(self._open.model_copy(update={"status": status, "arguments": whole}))
         return []
 
     def whole(self, item: OutputMessage | FunctionToolCall) -> list[StreamEvent]:
         """An item known whole at once (parsed tool calls, a cached answer replayed)."""
         if isinstance(item, OutputMessage):
-            events = self._open_message(item.id)
+            opened = self._opened(OutputMessage(id=item.id, status="in_progress", content=[]))
             text = "".join(part.text for part in item.content)
-            if text:
-                events += self.text(text)
-            self._open, self._parts = None, []
-            return events + self._close_message(item)
-        opened = self._open_call(item.model_copy(update={"status": "in_progress", "arguments": ""}))
-        delta = FunctionCallArgumentsDelta(sequence_number=self._next(), item_id=item.id, output_index=self._index,
-                                           delta=item.arguments)
-        self._open = None
-        return [opened, delta, *self._close_call(item)]
+            deltas = [self._delta(text)] if text else []
+        else:
+            opened = self._opened(item.model_copy(update={"status": "in_progress", "arguments": ""}))
+            deltas = [self._delta(item.arguments)]
+        return [*opened, *deltas, *self._closed(item)]
 
-    def _open_message(self, item_id: str) -> list[StreamEvent]:
-        self._open, self._parts = OutputMessage(id=item_id, status="in_progress", content=[]), []
-        added = OutputItemEvent(type="response.output_item.added", sequence_number=self._next(),
-                                output_index=self._index, item=self._open)
-        part = ContentPartEvent(type="response.content_part.added", sequence_number=self._next(), item_id=item_id,
-                                output_index=self._index, content_index=0, part=OutputText(text=""))
-        return [added, part]
-
-    def _close_message(self, item: OutputMessage) -> list[StreamEvent]:
-        index, text = self._index, "".join(part.text for part in item.content)
-        events: list[StreamEvent] = [
-            OutputTextDone(sequence_number=self._next(), item_id=item.id, output_index=index, content_index=0,
-                           text=text),
-            ContentPartEvent(type="response.content_part.done", sequence_number=self._next(), item_id=item.id,
-                             output_index=index, content_index=0, part=OutputText(text=text)),
-            OutputItemEvent(type="response.output_item.done", sequence_number=self._next(), output_index=index,
-                            item=item),
-        ]
-        self.response.output.append(item)
+    def _opened(self, item: OutputMessage | FunctionToolCall) -> list[StreamEvent]:
+        self._open, self._parts = item, []
+        events: list[StreamEvent] = [OutputItemEvent(type="response.output_item.added", sequence_number=self._next(),
+                                                     output_index=self._index, item=item)]
+        if isinstance(item, OutputMessage):
+            events.append(ContentPartEvent(type="response.content_part.added", sequence_number=self._next(),
+                                           item_id=item.id, output_index=self._index, content_index=0,
+                                           part=OutputText(text="")))
         return events
 
-    def _open_call(self, item: FunctionToolCall) -> OutputItemEvent:
-        self._open, self._parts = item, []
-        return OutputItemEvent(type="response.output_item.added", sequence_number=self._next(),
-                               output_index=self._index, item=item)
+    def _delta(self, delta: str) -> StreamEvent:
+        assert self._open is not None
+        self._parts.append(delta)
+        item_id, index = self._open.id, self._index
+        if isinstance(self._open, OutputMessage):
+            return OutputTextDelta(sequence_number=self._next(), item_id=item_id, output_index=index, content_index=0,
+                                   delta=delta)
+        return FunctionCallArgumentsDelta(sequence_number=self._next(), item_id=item_id, output_index=index, delta=delta)
 
-    def _close_call(self, item: FunctionToolCall) -> list[StreamEvent]:
+    def _closed(self, item: OutputMessage | FunctionToolCall) -> list[StreamEvent]:
+        """The item's closing events; it joins the response's output."""
+        self._open, self._parts = None, []
         index = self._index
-        events: list[StreamEvent] = [
-            FunctionCallArgumentsDone(sequence_number=self._next(), item_id=item.id, output_index=index,
-                                      name=item.name, arguments=item.arguments),
-            OutputItemEvent(type="response.output_item.done", sequence_number=self._next(), output_index=index,
-                            item=item),
-        ]
+        events: list[StreamEvent]
+        if isinstance(item, OutputMessage):
+            text = "".join(part.text for part in item.content)
+            events = [
+                OutputTextDone(sequence_number=self._next(), item_id=item.id, output_index=index, content_index=0,
+                               text=text),
+                ContentPartEvent(type="response.content_part.done", sequence_number=self._next(), item_id=item.id,
+                                 output_index=index, content_index=0, part=OutputText(text=text)),
+            ]
+        else:
+            events = [FunctionCallArgumentsDone(sequence_number=self._next(), item_id=item.id, output_index=index,
+                                                name=item.name, arguments=item.arguments)]
+        events.append(OutputItemEvent(type="response.output_item.done", sequence_number=self._next(),
+                                      output_index=index, item=item))
         self.response.output.append(item)
         return events
