@@ -300,28 +300,25 @@ async def _chunks(answer: _Answer, chunk: ChunkEncoder, request: CompletionReque
 
 async def _merged(answer: _Answer) -> AsyncGenerator[tuple[int, GenerationOutput], None]:
     """Outputs of all runs as they come, tagged with their prompt's index."""
-    queue: asyncio.Queue[tuple[int, GenerationOutput | None, Exception | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, GenerationOutput | None]] = asyncio.Queue()
 
     async def pump(p: int, run: Run) -> None:
         try:
             async for output in run.outputs():
-                await queue.put((p, output, None))
-        except Exception as exc:
-            await queue.put((p, None, exc))
+                queue.put_nowait((p, output))
         finally:
-            await queue.put((p, None, None))
+            queue.put_nowait((p, None))  # its end, or its failure
 
     tasks = [asyncio.create_task(pump(p, run)) for p, run in enumerate(answer.runs)]
     try:
         live = len(tasks)
         while live:
-            p, item, error = await queue.get()
-            if error is not None:
-                raise error
+            p, item = await queue.get()
             if item is None:
                 live -= 1
-                continue
-            yield p, item
+                await tasks[p]  # raises its failure
+            else:
+                yield p, item
     finally:
         for task in tasks:
             task.cancel()
