@@ -57,25 +57,30 @@ class ModelRequest(_Request):
         return self.prompt_count()
 
 
-class SamplingFields(ModelRequest):
-    """Parameters shared by chat and completions (OpenAI's, then vLLM's extras)."""
+class Sampling(_Request):
+    """The sampling parameters every generating request takes, the native API's too (OpenAI's, then vLLM's)."""
 
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
     stop: Stop = None
     seed: Seed | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # vLLM's extra sampling parameters (the openai SDK sends them through `extra_body`)
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
-    min_tokens: Count = 0
     ignore_eos: bool = False
+
+
+class SamplingFields(ModelRequest, Sampling):
+    """Parameters shared by chat and completions (OpenAI's, then vLLM's extras)."""
+
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    min_tokens: Count = 0
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -248,15 +248,10 @@ def _finished(index: int, reason: str | None) -> str | None:
 def _answer(prepared: PreparedChat, run: Run) -> ChatCompletion:
     """The answer validated in one step from plain fields (the choices, messages and usage as
     dicts: one validator call instead of one per object and their Python layers)."""
-    fields = {
-        "id": prepared.id,
-        "created": prepared.created,
-        "model": prepared.model,
-        "choices": [_choice(prepared, state) for state in run.choices],
-        "usage": run.usage_fields(),
-        "service_tier": prepared.scheduled.tier,
-    }
-    return ChatCompletion.model_validate(fields)
+    choices = [_choice(prepared, state) for state in run.choices]
+    return ChatCompletion.model_validate({"id": prepared.id, "created": prepared.created, "model": prepared.model,
+                                          "choices": choices, "usage": run.usage_fields(),
+                                          "service_tier": prepared.scheduled.tier})
 
 
 async def start_run(prepared: PreparedChat) -> Run:

@@ -239,27 +239,15 @@ async def complete(prepared: PreparedCompletion, on_done: OnDone[Completion] | N
 def _whole(answer: _Answer) -> Completion:
     """The answer validated in one step from plain fields (the choices and usage as dicts, not a
     model each: one validator call instead of one per object and their Python layers)."""
-    prepared = answer.prepared
-    zero = answer.zero
-    choices = []
-    for p, run in enumerate(answer.runs):
-        for rank, state in enumerate(_best(run.choices, answer.n)):
-            choices.append(
-                {
-                    "index": answer.index(p, rank),
-                    "text": answer.echo(p) + answer.text(state),
-                    "finish_reason": "length" if zero else state.finish_reason,
-                    "logprobs": answer.choice_logprobs(p, [] if zero else state.logprobs),
-                }
-            )
-    fields = {
-        "id": prepared.id,
-        "created": prepared.created,
-        "model": prepared.model,
-        "choices": choices,
-        "usage": answer.usage_fields(),
-    }
-    return Completion.model_validate(fields)
+    prepared, zero = answer.prepared, answer.zero
+    choices = [
+        {"index": answer.index(p, rank), "text": answer.echo(p) + answer.text(state),
+         "finish_reason": "length" if zero else state.finish_reason,
+         "logprobs": answer.choice_logprobs(p, [] if zero else state.logprobs)}
+        for p, run in enumerate(answer.runs) for rank, state in enumerate(_best(run.choices, answer.n))
+    ]
+    return Completion.model_validate({"id": prepared.id, "created": prepared.created, "model": prepared.model,
+                                      "choices": choices, "usage": answer.usage_fields()})
 
 
 def _best(states: list[ChoiceState], n: int) -> list[ChoiceState]:

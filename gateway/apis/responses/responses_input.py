@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.apis.responses.responses_events import new_id
 from gateway.apis.responses.responses_wire import (
     TEXT_PARTS,
     FunctionCallInput,
@@ -16,6 +15,7 @@ from gateway.apis.responses.responses_wire import (
     InputPart,
     MessageInput,
     ResponsesRequest,
+    new_id,
 )
 from gateway.errors import InvalidRequest
 from gateway.protocol.openai import ChatCompletionRequest
@@ -116,9 +116,7 @@ def chat_request(request: ResponsesRequest, conversation: list[Item]) -> ChatCom
     if text_format is not None and text_format.type == "json_object":
         fields["response_format"] = {"type": "json_object"}
     elif text_format is not None and text_format.type == "json_schema":
-        schema = {"name": text_format.name, "schema": text_format.schema_, "description": text_format.description,
-                  "strict": text_format.strict}
-        given = {key: value for key, value in schema.items() if value is not None}
+        given = text_format.model_dump(by_alias=True, exclude_none=True, exclude={"type"})
         fields["response_format"] = {"type": "json_schema", "json_schema": given}
     return ChatCompletionRequest.model_validate(fields, strict=False)
 

@@ -1,6 +1,6 @@
 """The Responses API (`/v1/responses`) as a service on the chat pipeline (`serving.service`): the
 dispatcher runs the chat request `responses_input` made of it, so model choice, limits, the cache,
-admission, metrics and logs are chat's; this answers a `Response` or its events (`responses_events`).
+admission, metrics and logs are chat's; this answers a `Response` or its events (`responses_wire.ResponseEvents`).
 A cut answer is `incomplete` (max_output_tokens, or content_filter for an output guard's cut); a
 failure after the first event is `response.failed`. With `store`, a stream stores its response from
 `response.created` on and again before its last event (cancelled, with the items done so far, if it
@@ -21,8 +21,7 @@ from engine.types import Engine, Task
 from gateway.apis.chat import chat_serving
 from gateway.apis.chat.chat_serving import PreparedChat
 from gateway.apis.responses import responses_input
-from gateway.apis.responses.responses_events import ResponseEvents, new_id
-from gateway.apis.responses.responses_wire import ResponsesRequest
+from gateway.apis.responses.responses_wire import ResponseEvents, ResponsesRequest, new_id
 from gateway.errors import APIError, InvalidRequest, NotFound, from_exception
 from gateway.guards.guarding import UNGUARDED, RequestGuard
 from gateway.protocol.openai import ChatCompletionRequest, Usage
