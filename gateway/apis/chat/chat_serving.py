@@ -140,7 +140,10 @@ def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> tuple[d
         if fmt is not None and fmt.type != "text":
             raise InvalidRequest("response_format cannot be combined with a forced tool_choice", "response_format")
         check_schema_numbers(schema, "tools")
-        pieces = _tool_schemas(request, plan)
+        # the parameter schemas of the tools a forced call may use, each with its field
+        pieces = tuple((tool["function"]["parameters"], f"tools.{i}.function.parameters")
+                       for i, tool in enumerate(request.tools or ()) if tool["function"].get("parameters") is not None
+                       and (plan.mode == "required" or tool["function"]["name"] == plan.named))
         param = pieces[0][1] if plan.mode == "named" and pieces else "tools"
         # tool calls carry no layout: without free whitespace, small models do not wander off
         return {"json_schema": schema, "compact_json": True}, param, pieces
@@ -152,16 +155,6 @@ def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> tuple[d
     param = "response_format.json_schema.schema"
     check_schema_numbers(fmt.json_schema.schema_, param)
     return {"json_schema": fmt.json_schema.schema_ or {"type": "object"}}, param, ()
-
-
-def _tool_schemas(request: ChatCompletionRequest, plan: tools.ToolPlan) -> tuple[tuple[Any, str], ...]:
-    """The parameter schemas of the tools a forced call may use, each with its field."""
-    return tuple(
-        (tool["function"]["parameters"], f"tools.{i}.function.parameters")
-        for i, tool in enumerate(request.tools or ())
-        if tool["function"].get("parameters") is not None and plan.mode in ("named", "required")
-        and (plan.mode == "required" or tool["function"]["name"] == plan.named)
-    )
 
 
 def prepare(
