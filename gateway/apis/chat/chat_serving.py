@@ -21,16 +21,18 @@ from engine.types import (
     TokenLogprob,
     ToolCallDelta,
 )
-from gateway.apis.chat.chat_wire import ChatCompletionChunk, ChunkChoice, ChunkDelta
 from gateway.errors import InvalidRequest
 from gateway.guards.guarding import UNGUARDED, RequestGuard
 from gateway.guards.inbound import guarded_chat
 from gateway.protocol.openai import (
     ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatMessage,
     ChatTokenLogprob,
     ChoiceLogprobs,
+    ChunkChoice,
+    ChunkDelta,
     TopLogprob,
     Usage,
 )
