@@ -42,7 +42,7 @@ class ModelRequest(_Request):
 
     @property
     def streams(self) -> bool:
-        return False
+        return bool(getattr(self, "stream", False))  # chat's and completions' field (embeddings never stream)
 
     def prompt_count(self) -> int:
         """Prompts in the request, each its own engine request: a list of strings or of token id
@@ -88,10 +88,6 @@ class SamplingFields(ModelRequest, Sampling):
     # the key's class needs the key's `request_priority`
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
-
-    @property
-    def streams(self) -> bool:
-        return self.stream
 
     @field_validator("logit_bias")
     @classmethod

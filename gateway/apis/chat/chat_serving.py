@@ -88,8 +88,8 @@ def template_messages(messages: list[ChatMessage], takes_tools: bool) -> list[di
     """OpenAI messages as chat templates take them: plain string content, known roles."""
     rendered = []
     for i, message in enumerate(messages):
-        item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
-        item["content"] = _text(message, i)
+        item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                                "content": _text(message, i)}
         if message.name:
             item["name"] = message.name
         if message.tool_calls and takes_tools:
@@ -173,13 +173,8 @@ def prepare(
         prompt_ids = prompt_ids[-request.truncate_prompt_tokens :]
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     defaults = engine.info.sampling_defaults  # the models file's over the model's generation_config.json
-    max_tokens = resolve_max_tokens(
-        request.max_completion_tokens or request.max_tokens,
-        len(prompt_ids),
-        engine.info.max_model_len,
-        defaults.max_tokens or default_max_tokens,
-        param,
-    )
+    max_tokens = resolve_max_tokens(request.max_completion_tokens or request.max_tokens, len(prompt_ids),
+                                    engine.info.max_model_len, defaults.max_tokens or default_max_tokens, param)
     check_sampling(request, engine, max_tokens)
     top = (request.top_logprobs or 0) if request.logprobs else None
     fields, param, pieces = _constraint(request, plan)

@@ -1,8 +1,6 @@
 """Completions: prompt(s) → engine (or the request forwarded to a remote upstream) → Completion or chunks.
-
-A prompt is a string, a list of strings, a list of token ids or a list of lists of them; each prompt
-is one engine request of `n` choices, and choice `i` of prompt `p` is answered as index `p * n + i`
-(a remote upstream numbers them so itself, in its one request).
+Each prompt (`CompletionRequest.prompt_count`) is one engine request of `n` choices, and choice `i` of prompt `p`
+is answered as index `p * n + i` (a remote upstream numbers them so itself, in its one request).
 """
 
 from __future__ import annotations
@@ -144,9 +142,7 @@ def prepare(
 def forwarded(request: CompletionRequest, forward: Forward, backend: Generator, guard: RequestGuard) -> PreparedCompletion:
     """A remote model's request (its input guarded already): one upstream request for every prompt,
     whose choices it numbers itself (echo and best_of its own)."""
-    prompt = request.prompt
-    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 1
-    sampling = SamplingOptions(request.max_tokens or 0, n=request.n * prompts)
+    sampling = SamplingOptions(request.max_tokens or 0, n=request.n * request.prompt_count())
     generation = GenerationRequest(new_id("cmpl"), [], sampling, forward=forward)
     return PreparedCompletion(request, backend, [generation], [""], request.model, generation.request_id, now(), guard)
 

@@ -172,16 +172,10 @@ def to_chat(request: MessagesRequest) -> ChatCompletionRequest:
     """The chat request that answers a Messages request. Built without the chat model's own
     validation (the Anthropic request was validated): Anthropic allows more than 4 stop sequences."""
     return ChatCompletionRequest.model_construct(
-        model=request.model,
-        messages=chat_messages(request),
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        stop=list(request.stop_sequences) if request.stop_sequences else None,
-        stream=request.stream,
-        user=request.metadata.user_id if request.metadata else None,
-        response_format=_response_format(request),
+        model=request.model, messages=chat_messages(request), max_tokens=request.max_tokens,
+        temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+        stop=list(request.stop_sequences) if request.stop_sequences else None, stream=request.stream,
+        user=request.metadata.user_id if request.metadata else None, response_format=_response_format(request),
         **chat_tools(request),
     )
 
