@@ -61,7 +61,7 @@ CANCEL_CHECK_S = 1.0  # a background response looks this often for a cancel made
 
 
 # chat's parameter names in its refusals, as the Responses API calls them
-RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 def request_items(request: ResponsesRequest) -> list[Item]:
@@ -159,9 +159,9 @@ def renamed_param(param: str) -> str:
         return param.replace(".function.", ".")
     if head == "response_format":  # response_format.json_schema.schema is text.format.schema
         return "text.format" + (".schema" if rest.endswith("schema") else "")
-    if head in RENAMED:
-        return RENAMED[head] if head == "messages" else RENAMED[head] + (f".{rest}" if rest else "")
-    return param
+    if head == "messages":  # the chat request's messages are the conversation, this request's input
+        return "input"
+    return RENAMED.get(head, head) + (f".{rest}" if rest else "")
 
 
 def renamed(error: InvalidRequest) -> InvalidRequest:
@@ -169,8 +169,7 @@ def renamed(error: InvalidRequest) -> InvalidRequest:
     param = renamed_param(error.param or "")
     message = error.message
     for chat_name, name in RENAMED.items():
-        if chat_name != "messages":
-            message = message.replace(chat_name, name)
+        message = message.replace(chat_name, name)
     error.param, error.message = param or None, message
     error.args = (message,)
     return error
