@@ -29,7 +29,6 @@ from gateway.apis.messages.messages_wire import (
     Message,
     MessageDelta,
     MessageDeltaEvent,
-    MessageDeltaUsage,
     MessageParam,
     MessagesRequest,
     MessageStartEvent,
@@ -254,11 +253,8 @@ def _start(answer_id: str, model: str, input_tokens: int) -> list[BaseModel]:
 
 
 def _end(answer: Message) -> list[BaseModel]:
-    usage = answer.usage
     delta = MessageDelta(stop_reason=answer.stop_reason, stop_sequence=answer.stop_sequence)
-    totals = MessageDeltaUsage(output_tokens=usage.output_tokens, input_tokens=usage.input_tokens,
-                               cache_read_input_tokens=usage.cache_read_input_tokens)
-    return [MessageDeltaEvent(delta=delta, usage=totals)]
+    return [MessageDeltaEvent(delta=delta, usage=answer.usage)]
 
 
 # --- stream: the content blocks as events ------------------------------------------------------
