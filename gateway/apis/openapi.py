@@ -10,7 +10,6 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.routing import compile_path
 
-from gateway.apis.chat import chat_wire
 from gateway.apis.messages import messages_wire as a
 from gateway.errors import Dialect
 from gateway.protocol import openai as p
@@ -30,7 +29,7 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 def _schemas(endpoints: Sequence[Endpoint]) -> dict[str, Any]:
     models = {m for e in endpoints for m in (e.request, e.response) if m is not None}
-    models |= {chat_wire.ChatCompletionChunk, *ERROR_MODELS.values()}
+    models |= {p.ChatCompletionChunk, *ERROR_MODELS.values()}
     _, schemas = models_json_schema(
         [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
         ref_template="#/components/schemas/{model}",

@@ -19,13 +19,6 @@ class EmbeddingRequest(ModelRequest):
     dimensions: Annotated[int, Field(ge=1)] | None = None
     prompts_param: ClassVar[str] = "input"
 
-    def prompt_count(self) -> int:
-        """Each input is its own engine request."""
-        value = self.input
-        if isinstance(value, str) or all(isinstance(item, int) for item in value):
-            return 1
-        return len(value)
-
     @field_validator("input")
     @classmethod
     def _not_empty(cls, value: EmbeddingInput) -> EmbeddingInput:

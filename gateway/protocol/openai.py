@@ -38,41 +38,49 @@ class ModelRequest(_Request):
 
     model: str
     user: str | None = None
-    prompts_param: ClassVar[str] = "prompt"  # the field `prompt_count` counts, for errors
+    prompts_param: ClassVar[str] = "prompt"  # the field that may hold several prompts (completions', embeddings')
 
     @property
     def streams(self) -> bool:
-        return False
+        return bool(getattr(self, "stream", False))  # chat's and completions' field (embeddings never stream)
 
     def prompt_count(self) -> int:
-        """Prompts in the request (completions and embeddings may send several), each its own
-        engine request."""
-        return 1
+        """Prompts in the request, each its own engine request: a list of strings or of token id
+        lists is several, a string or a list of token ids one."""
+        value = getattr(self, self.prompts_param, None)
+        if not isinstance(value, list) or all(isinstance(item, int) for item in value):
+            return 1
+        return len(value)
 
     def engine_requests(self) -> int:
         """The requests the engine runs for this one, as it counts them."""
         return self.prompt_count()
 
 
-class SamplingFields(ModelRequest):
-    """Parameters shared by chat and completions (OpenAI's, then vLLM's extras)."""
+class Sampling(_Request):
+    """The sampling parameters every generating request takes, the native API's too (OpenAI's, then vLLM's)."""
 
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
     stop: Stop = None
     seed: Seed | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # vLLM's extra sampling parameters (the openai SDK sends them through `extra_body`)
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
-    min_tokens: Count = 0
     ignore_eos: bool = False
+
+
+class SamplingFields(ModelRequest, Sampling):
+    """Parameters shared by chat and completions (OpenAI's, then vLLM's extras)."""
+
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    min_tokens: Count = 0
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -80,10 +88,6 @@ class SamplingFields(ModelRequest):
     # the key's class needs the key's `request_priority`
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
-
-    @property
-    def streams(self) -> bool:
-        return self.stream
 
     @field_validator("logit_bias")
     @classmethod
@@ -194,12 +198,6 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
 
-    def prompt_count(self) -> int:
-        prompt = self.prompt
-        if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
-            return 1
-        return len(prompt)
-
     def engine_requests(self) -> int:
         return self.prompt_count() * max(self.n, self.best_of or 1)
 
@@ -249,6 +247,29 @@ class ChatCompletion(_Response):
     usage: Usage
     system_fingerprint: str | None = None
     service_tier: str | None = None  # the tier the request ran in (tenancy.priority)
+
+
+class ChunkDelta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChunkChoice(_Response):
+    index: int
+    delta: ChunkDelta
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    service_tier: str | None = None
 
 
 class CompletionLogprobs(_Response):

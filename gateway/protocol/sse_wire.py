@@ -1,16 +1,9 @@
-"""Server-Sent Events on the wire, both ways: framing our events, and reading an upstream's.
+"""Server-Sent Events on the wire, both ways: framing our events in the route's dialect (`FRAMINGS`, and
+`NAMED` for the Responses API's typed events), and reading an upstream's (`split`, `payloads`).
 
-Framing, in the dialect of the route (`gateway.errors.dialect_of`, from the route table):
-- OpenAI: each event is `data: <json>\n\n`; the stream ends with `data: [DONE]\n\n`. An error after
-  the stream has started is one event `data: {"error": {...}}` followed by `[DONE]`.
-- Anthropic: each event is named by its model's `type` (`event: message_start\ndata: <json>\n\n`;
-  Anthropic's SDK skips events without a name), nothing follows `message_stop`, and an error after
-  the start is `event: error` with Anthropic's error object.
-- Typed events in OpenAI's dialect (the Responses API) are framed `NAMED`: named as Anthropic's,
-  no end marker, an error `event: error` with `{"type": "error", "error": {...}}`.
-
-Reading: `split` cuts a byte stream into events (any cut, `\r\n` or `\n`), `payloads` reads an
-event's data lines (a JSON object, `DONE`, or `UNREADABLE` for data that is not JSON).
+OpenAI's events are `data: <json>`, the stream ending in `data: [DONE]`; Anthropic's and the Responses API's are
+named by their `type` (`event: <type>`: Anthropic's SDK skips unnamed events), with no end marker. An error
+after the stream has started is one more event with the dialect's error object (`error_frame`).
 """
 
 from __future__ import annotations

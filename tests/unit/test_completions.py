@@ -206,3 +206,19 @@ def test_an_empty_prompt_or_stop_string_is_refused_with_its_param(client: TestCl
         assert response.status_code == 400, (extra, response.text)
         assert response.json()["error"]["param"] == param, (extra, response.json())
     assert client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "stop": ["ok"]}).status_code == 200
+
+
+def test_a_failing_prompt_fails_a_stream_of_several_prompts() -> None:
+    """Several prompts streamed (their outputs merged as they come): one prompt's failure is the
+    stream's, and the other runs end with it."""
+    engine = FakeEngine(name="fail-stream-model")
+    engine.fail_after = 1
+    request = CompletionRequest.model_validate({"model": MODEL, "prompt": ["a", "b"], "max_tokens": 3, "stream": True})
+
+    async def go() -> None:
+        with pytest.raises(RuntimeError, match="fake engine failure"):
+            async for _ in completions_serving.stream(completions_serving.prepare(request, engine, None)):
+                pass
+        assert not engine.running
+
+    asyncio.run(go())

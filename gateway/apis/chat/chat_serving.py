@@ -21,16 +21,18 @@ from engine.types import (
     TokenLogprob,
     ToolCallDelta,
 )
-from gateway.apis.chat.chat_wire import ChatCompletionChunk, ChunkChoice, ChunkDelta
 from gateway.errors import InvalidRequest
 from gateway.guards.guarding import UNGUARDED, RequestGuard
 from gateway.guards.inbound import guarded_chat
 from gateway.protocol.openai import (
     ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatMessage,
     ChatTokenLogprob,
     ChoiceLogprobs,
+    ChunkChoice,
+    ChunkDelta,
     TopLogprob,
     Usage,
 )
@@ -75,7 +77,6 @@ class PreparedChat:
         self.scheduled, self.readings = scheduled, readings
 
     def token_budget(self) -> int:
-        """Prompt plus the most the answer may take, for tokens-per-minute limits."""
         return len(self.generation.prompt_token_ids) + self.output_tokens()
 
     def output_tokens(self) -> int:
@@ -87,8 +88,8 @@ def template_messages(messages: list[ChatMessage], takes_tools: bool) -> list[di
     """OpenAI messages as chat templates take them: plain string content, known roles."""
     rendered = []
     for i, message in enumerate(messages):
-        item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
-        item["content"] = _text(message, i)
+        item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                                "content": _text(message, i)}
         if message.name:
             item["name"] = message.name
         if message.tool_calls and takes_tools:
@@ -141,7 +142,10 @@ def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> tuple[d
         if fmt is not None and fmt.type != "text":
             raise InvalidRequest("response_format cannot be combined with a forced tool_choice", "response_format")
         check_schema_numbers(schema, "tools")
-        pieces = _tool_schemas(request, plan)
+        # the parameter schemas of the tools a forced call may use, each with its field
+        pieces = tuple((tool["function"]["parameters"], f"tools.{i}.function.parameters")
+                       for i, tool in enumerate(request.tools or ()) if tool["function"].get("parameters") is not None
+                       and (plan.mode == "required" or tool["function"]["name"] == plan.named))
         param = pieces[0][1] if plan.mode == "named" and pieces else "tools"
         # tool calls carry no layout: without free whitespace, small models do not wander off
         return {"json_schema": schema, "compact_json": True}, param, pieces
@@ -153,16 +157,6 @@ def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> tuple[d
     param = "response_format.json_schema.schema"
     check_schema_numbers(fmt.json_schema.schema_, param)
     return {"json_schema": fmt.json_schema.schema_ or {"type": "object"}}, param, ()
-
-
-def _tool_schemas(request: ChatCompletionRequest, plan: tools.ToolPlan) -> tuple[tuple[Any, str], ...]:
-    """The parameter schemas of the tools a forced call may use, each with its field."""
-    return tuple(
-        (tool["function"]["parameters"], f"tools.{i}.function.parameters")
-        for i, tool in enumerate(request.tools or ())
-        if tool["function"].get("parameters") is not None and plan.mode in ("named", "required")
-        and (plan.mode == "required" or tool["function"]["name"] == plan.named)
-    )
 
 
 def prepare(
@@ -179,13 +173,8 @@ def prepare(
         prompt_ids = prompt_ids[-request.truncate_prompt_tokens :]
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     defaults = engine.info.sampling_defaults  # the models file's over the model's generation_config.json
-    max_tokens = resolve_max_tokens(
-        request.max_completion_tokens or request.max_tokens,
-        len(prompt_ids),
-        engine.info.max_model_len,
-        defaults.max_tokens or default_max_tokens,
-        param,
-    )
+    max_tokens = resolve_max_tokens(request.max_completion_tokens or request.max_tokens, len(prompt_ids),
+                                    engine.info.max_model_len, defaults.max_tokens or default_max_tokens, param)
     check_sampling(request, engine, max_tokens)
     top = (request.top_logprobs or 0) if request.logprobs else None
     fields, param, pieces = _constraint(request, plan)
@@ -249,19 +238,10 @@ def _finished(index: int, reason: str | None) -> str | None:
 def _answer(prepared: PreparedChat, run: Run) -> ChatCompletion:
     """The answer validated in one step from plain fields (the choices, messages and usage as
     dicts: one validator call instead of one per object and their Python layers)."""
-    fields = {
-        "id": prepared.id,
-        "created": prepared.created,
-        "model": prepared.model,
-        "choices": [_choice(prepared, state) for state in run.choices],
-        "usage": run.usage_fields(),
-        "service_tier": prepared.scheduled.tier,
-    }
-    answer: ChatCompletion = _VALIDATE_CHAT(fields)
-    return answer
-
-
-_VALIDATE_CHAT = ChatCompletion.__pydantic_validator__.validate_python
+    choices = [_choice(prepared, state) for state in run.choices]
+    return ChatCompletion.model_validate({"id": prepared.id, "created": prepared.created, "model": prepared.model,
+                                          "choices": choices, "usage": run.usage_fields(),
+                                          "service_tier": prepared.scheduled.tier})
 
 
 async def start_run(prepared: PreparedChat) -> Run:
@@ -296,10 +276,7 @@ def _chunk_choice(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta
         if finish is None:
             return None
         content, calls = plan.parse("".join(state.text))
-        body = ChunkDelta(role="assistant", content=content, tool_calls=[c.as_openai(i) for i, c in enumerate(calls)] or None)
-        reason = _finished(state.index, plan.finish_reason(calls, finish))
-        whole = ChunkChoice(index=state.index, delta=body, finish_reason=reason)
-        return whole.model_dump(mode="json", exclude_none=True)
+        return _last_chunk(prepared, state, "assistant", content, calls, finish)
     role = None if state.started else "assistant"
     state.started = True
     logprobs = _logprobs(list(delta.logprobs)) if delta.logprobs else None
@@ -351,12 +328,18 @@ def _auto_chunk(prepared: PreparedChat, state: ChoiceState, delta: ChoiceDelta, 
         state.started = True
         return {"index": state.index, "delta": {"role": role, "content": piece} if role else {"content": piece}}
     _, calls = prepared.tools.parse(held.text)
-    content = piece + held.rest(calls=bool(calls))
     state.started = True
+    return _last_chunk(prepared, state, role, piece + held.rest(calls=bool(calls)), calls, finish)
+
+
+def _last_chunk(
+    prepared: PreparedChat, state: ChoiceState, role: str | None, content: str | None, calls: list[tools.ToolCall],
+    finish: str,
+) -> dict[str, Any]:
+    """A choice's last chunk: the rest of its content and the calls parsed from its whole text."""
     body = ChunkDelta(role=role, content=content or None, tool_calls=[c.as_openai(i) for i, c in enumerate(calls)] or None)
     reason = _finished(state.index, prepared.tools.finish_reason(calls, finish))
-    whole = ChunkChoice(index=state.index, delta=body, finish_reason=reason)
-    return whole.model_dump(mode="json", exclude_none=True)
+    return ChunkChoice(index=state.index, delta=body, finish_reason=reason).model_dump(mode="json", exclude_none=True)
 
 
 async def stream(prepared: PreparedChat, on_done: OnDone[ChatCompletion] | None = None) -> AsyncGenerator[bytes, None]:

@@ -1,8 +1,6 @@
 """Completions: prompt(s) → engine (or the request forwarded to a remote upstream) → Completion or chunks.
-
-A prompt is a string, a list of strings, a list of token ids or a list of lists of them; each prompt
-is one engine request of `n` choices, and choice `i` of prompt `p` is answered as index `p * n + i`
-(a remote upstream numbers them so itself, in its one request).
+Each prompt (`CompletionRequest.prompt_count`) is one engine request of `n` choices, and choice `i` of prompt `p`
+is answered as index `p * n + i` (a remote upstream numbers them so itself, in its one request).
 """
 
 from __future__ import annotations
@@ -144,9 +142,7 @@ def prepare(
 def forwarded(request: CompletionRequest, forward: Forward, backend: Generator, guard: RequestGuard) -> PreparedCompletion:
     """A remote model's request (its input guarded already): one upstream request for every prompt,
     whose choices it numbers itself (echo and best_of its own)."""
-    prompt = request.prompt
-    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 1
-    sampling = SamplingOptions(request.max_tokens or 0, n=request.n * prompts)
+    sampling = SamplingOptions(request.max_tokens or 0, n=request.n * request.prompt_count())
     generation = GenerationRequest(new_id("cmpl"), [], sampling, forward=forward)
     return PreparedCompletion(request, backend, [generation], [""], request.model, generation.request_id, now(), guard)
 
@@ -212,11 +208,8 @@ class _Answer:
             entries = [*self.prompt_logprobs.get(prompt, []), *entries]
         return _logprobs(entries, 0)
 
-    def usage(self) -> Usage:
-        """All prompts' (no cached-token details, as OpenAI's completions)."""
-        return Usage(**self.usage_fields())
-
     def usage_fields(self) -> dict[str, int]:
+        """All prompts' (no cached-token details, as OpenAI's completions)."""
         prompt = sum(run.prompt_tokens for run in self.runs)
         completion = 0 if self.zero else sum(run.completion_tokens() for run in self.runs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -242,31 +235,15 @@ async def complete(prepared: PreparedCompletion, on_done: OnDone[Completion] | N
 def _whole(answer: _Answer) -> Completion:
     """The answer validated in one step from plain fields (the choices and usage as dicts, not a
     model each: one validator call instead of one per object and their Python layers)."""
-    prepared = answer.prepared
-    zero = answer.zero
-    choices = []
-    for p, run in enumerate(answer.runs):
-        for rank, state in enumerate(_best(run.choices, answer.n)):
-            choices.append(
-                {
-                    "index": answer.index(p, rank),
-                    "text": answer.echo(p) + answer.text(state),
-                    "finish_reason": "length" if zero else state.finish_reason,
-                    "logprobs": answer.choice_logprobs(p, [] if zero else state.logprobs),
-                }
-            )
-    fields = {
-        "id": prepared.id,
-        "created": prepared.created,
-        "model": prepared.model,
-        "choices": choices,
-        "usage": answer.usage_fields(),
-    }
-    answer_model: Completion = _VALIDATE_COMPLETION(fields)
-    return answer_model
-
-
-_VALIDATE_COMPLETION = Completion.__pydantic_validator__.validate_python
+    prepared, zero = answer.prepared, answer.zero
+    choices = [
+        {"index": answer.index(p, rank), "text": answer.echo(p) + answer.text(state),
+         "finish_reason": "length" if zero else state.finish_reason,
+         "logprobs": answer.choice_logprobs(p, [] if zero else state.logprobs)}
+        for p, run in enumerate(answer.runs) for rank, state in enumerate(_best(run.choices, answer.n))
+    ]
+    return Completion.model_validate({"id": prepared.id, "created": prepared.created, "model": prepared.model,
+                                      "choices": choices, "usage": answer.usage_fields()})
 
 
 def _best(states: list[ChoiceState], n: int) -> list[ChoiceState]:
@@ -288,7 +265,7 @@ async def stream(prepared: PreparedCompletion, on_done: OnDone[Completion] | Non
     if on_done is not None:
         await hand_over(on_done, _whole(answer), *answer.runs)
     if include_usage:
-        yield chunk([], answer.usage())
+        yield chunk([], Usage(**answer.usage_fields()))
 
 
 async def _chunks(answer: _Answer, chunk: ChunkEncoder, request: CompletionRequest) -> AsyncGenerator[bytes, None]:
@@ -297,40 +274,35 @@ async def _chunks(answer: _Answer, chunk: ChunkEncoder, request: CompletionReque
         async for output in answer.runs[0].outputs():
             if output.choices:
                 yield chunk([_text_choice(delta) for delta in output.choices])
-    elif len(answer.runs) == 1:  # one prompt: its outputs as they come, no merging layer
-        async for output in answer.runs[0].outputs():
-            if (encoded := _encoded(answer, chunk, 0, output)) is not None:
-                yield encoded
-    else:
-        async for p, output in _merged(answer):
+    else:  # several prompts merged as they come (one prompt: no merging layer)
+        single = len(answer.runs) == 1
+        outputs = ((0, output) async for output in answer.runs[0].outputs()) if single else _merged(answer)
+        async for p, output in outputs:
             if (encoded := _encoded(answer, chunk, p, output)) is not None:
                 yield encoded
 
 
 async def _merged(answer: _Answer) -> AsyncGenerator[tuple[int, GenerationOutput], None]:
     """Outputs of all runs as they come, tagged with their prompt's index."""
-    queue: asyncio.Queue[tuple[int, GenerationOutput | None, Exception | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, GenerationOutput | None]] = asyncio.Queue()
 
     async def pump(p: int, run: Run) -> None:
         try:
             async for output in run.outputs():
-                await queue.put((p, output, None))
-        except Exception as exc:
-            await queue.put((p, None, exc))
+                queue.put_nowait((p, output))
         finally:
-            await queue.put((p, None, None))
+            queue.put_nowait((p, None))  # its end, or its failure
 
     tasks = [asyncio.create_task(pump(p, run)) for p, run in enumerate(answer.runs)]
     try:
         live = len(tasks)
         while live:
-            p, item, error = await queue.get()
-            if error is not None:
-                raise error
+            p, item = await queue.get()
             if item is None:
                 live -= 1
-                continue
-            yield p, item
+                await tasks[p]  # raises its failure
+            else:
+                yield p, item
     finally:
         for task in tasks:
             task.cancel()

@@ -1,7 +1,7 @@
 """Anthropic's Messages API on the chat pipeline: a Messages request becomes a chat request
 (`to_chat`: blocks as chat messages, Anthropic's tools and tool_choice as OpenAI's, `output_config`
 as structured outputs), which the dispatcher runs as any chat request; this service prepares it with
-chat's and answers a Message or Anthropic's event stream (`messages_blocks`).
+chat's and answers a Message or Anthropic's event stream (`ContentStream`).
 """
 
 from __future__ import annotations
@@ -10,24 +10,25 @@ import json
 import re
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
 from engine.types import Engine, Task
 from gateway.apis.chat import chat_serving as chat
 from gateway.apis.chat.chat_serving import PreparedChat
-from gateway.apis.messages.messages_blocks import BlockEvents, ContentStream, tool_use_id
 from gateway.apis.messages.messages_wire import (
     AnthropicUsage,
     ContentBlock,
-    ContentBlockParam,
+    ContentBlockDeltaEvent,
+    ContentBlockStartEvent,
+    ContentBlockStopEvent,
     Conversation,
     CountTokensRequest,
+    InputJSONDelta,
     Message,
     MessageDelta,
     MessageDeltaEvent,
-    MessageDeltaUsage,
     MessageParam,
     MessagesRequest,
     MessageStartEvent,
@@ -37,6 +38,7 @@ from gateway.apis.messages.messages_wire import (
     StopReason,
     TextBlock,
     TextBlockParam,
+    TextDelta,
     ToolChoiceTool,
     ToolResultBlockParam,
     ToolUseBlock,
@@ -84,38 +86,31 @@ def _tool_result(block: ToolResultBlockParam, param: str) -> ChatMessage:
     return ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=text)
 
 
-def _assistant(blocks: list[ContentBlockParam], param: str) -> ChatMessage:
-    texts, calls = [], []
-    for j, block in enumerate(blocks):
-        if isinstance(block, TextBlockParam):
-            texts.append(block.text)
-        elif isinstance(block, ToolUseBlockParam):
-            function = FunctionCall(name=block.name, arguments=json.dumps(block.input))
-            calls.append(ToolCall(id=block.id, function=function))
-        else:
-            raise _unsupported(block, f"{param}.{j}", "an assistant message", "text and tool_use")
-    return ChatMessage(role="assistant", content="\n".join(texts) or None, tool_calls=calls or None)
-
-
 def _chat_messages(message: MessageParam, index: int) -> list[ChatMessage]:
-    """One Anthropic message as chat messages: its tool results become `tool` messages, in order."""
+    """One Anthropic message as chat messages: a user's tool results become `tool` messages, in
+    order; an assistant's tool_use blocks, its tool calls."""
     param = f"messages.{index}.content"
     if isinstance(message.content, str):
         return [ChatMessage(role=message.role, content=message.content)]
-    if message.role == "assistant":
-        return [_assistant(message.content, param)]
+    assistant = message.role == "assistant"
     out: list[ChatMessage] = []
     texts: list[str] = []
+    calls: list[ToolCall] = []
     for j, block in enumerate(message.content):
         if isinstance(block, TextBlockParam):
             texts.append(block.text)
-        elif isinstance(block, ToolResultBlockParam):
+        elif isinstance(block, ToolUseBlockParam) and assistant:
+            calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name, arguments=json.dumps(block.input))))
+        elif isinstance(block, ToolResultBlockParam) and not assistant:
             if texts:
                 out.append(ChatMessage(role=message.role, content="\n".join(texts)))
                 texts = []
             out.append(_tool_result(block, f"{param}.{j}"))
         else:
-            raise _unsupported(block, f"{param}.{j}", f"a {message.role} message", "text and tool_result")
+            where = "an assistant message" if assistant else f"a {message.role} message"
+            raise _unsupported(block, f"{param}.{j}", where, "text and tool_use" if assistant else "text and tool_result")
+    if assistant:
+        return [ChatMessage(role="assistant", content="\n".join(texts) or None, tool_calls=calls or None)]
     if texts or not out:
         out.append(ChatMessage(role=message.role, content="\n".join(texts)))
     return out
@@ -176,16 +171,10 @@ def to_chat(request: MessagesRequest) -> ChatCompletionRequest:
     """The chat request that answers a Messages request. Built without the chat model's own
     validation (the Anthropic request was validated): Anthropic allows more than 4 stop sequences."""
     return ChatCompletionRequest.model_construct(
-        model=request.model,
-        messages=chat_messages(request),
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        stop=list(request.stop_sequences) if request.stop_sequences else None,
-        stream=request.stream,
-        user=request.metadata.user_id if request.metadata else None,
-        response_format=_response_format(request),
+        model=request.model, messages=chat_messages(request), max_tokens=request.max_tokens,
+        temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+        stop=list(request.stop_sequences) if request.stop_sequences else None, stream=request.stream,
+        user=request.metadata.user_id if request.metadata else None, response_format=_response_format(request),
         **chat_tools(request),
     )
 
@@ -264,11 +253,81 @@ def _start(answer_id: str, model: str, input_tokens: int) -> list[BaseModel]:
 
 
 def _end(answer: Message) -> list[BaseModel]:
-    usage = answer.usage
     delta = MessageDelta(stop_reason=answer.stop_reason, stop_sequence=answer.stop_sequence)
-    totals = MessageDeltaUsage(output_tokens=usage.output_tokens, input_tokens=usage.input_tokens,
-                               cache_read_input_tokens=usage.cache_read_input_tokens)
-    return [MessageDeltaEvent(delta=delta, usage=totals)]
+    return [MessageDeltaEvent(delta=delta, usage=answer.usage)]
+
+
+# --- stream: the content blocks as events ------------------------------------------------------
+
+
+def tool_use_id(message_id: str, index: int) -> str:
+    """The id of the tool_use block at `index` of a message: the same when streamed and whole."""
+    return f"toolu_{message_id.removeprefix('msg_')[:20]}{index:04d}"
+
+
+class BlockEvents:
+    """Content blocks as events, numbered in order; one block open at a time."""
+
+    def __init__(self, message_id: str) -> None:
+        self.message_id = message_id
+        self.index = 0
+        self.open: Literal["text", "tool_use"] | None = None
+
+    def text(self, piece: str) -> list[BaseModel]:
+        if not piece:
+            return []
+        events: list[BaseModel] = []
+        if self.open != "text":
+            events = [*self.close(), ContentBlockStartEvent(index=self.index, content_block=TextBlock(text=""))]
+            self.open = "text"
+        return [*events, ContentBlockDeltaEvent(index=self.index, delta=TextDelta(text=piece))]
+
+    def tool(self, name: str, arguments: str = "", id: str | None = None) -> list[BaseModel]:
+        events = self.close()
+        block = ToolUseBlock(id=id or tool_use_id(self.message_id, self.index), name=name, input={})
+        self.open = "tool_use"
+        return [*events, ContentBlockStartEvent(index=self.index, content_block=block), *self.arguments(arguments)]
+
+    def arguments(self, piece: str) -> list[BaseModel]:
+        return [ContentBlockDeltaEvent(index=self.index, delta=InputJSONDelta(partial_json=piece))] if piece else []
+
+    def close(self) -> list[BaseModel]:
+        if self.open is None:
+            return []
+        self.open = None
+        self.index += 1
+        return [ContentBlockStopEvent(index=self.index - 1)]
+
+
+class ContentStream:
+    """One answer's content as events, as its text arrives (one choice: Anthropic has no `n`): per
+    tool mode, text deltas (held back where a `<tool_call>` may begin), a named tool's input as
+    `input_json_delta`, or the parsed calls as tool_use blocks at the end."""
+
+    def __init__(self, message_id: str, plan: tools.ToolPlan) -> None:
+        self.blocks = BlockEvents(message_id)
+        self.plan = plan
+        self.held = tools.HeldText(plan.mode)  # the text, and how much of it went out as text deltas
+
+    def feed(self, piece: str) -> list[BaseModel]:
+        if self.plan.mode == "named":
+            start = [] if self.blocks.open else self.blocks.tool(self.plan.named or "")
+            return [*start, *self.blocks.arguments(piece)]
+        if self.plan.mode == "required":  # the calls come at the end, parsed from the whole text
+            return []
+        return self.blocks.text(self.held.feed(piece))
+
+    def finish(self, calls: list[tools.ToolCall]) -> list[BaseModel]:
+        """What the whole text adds at its end (`calls` parsed from it), then the last block's stop."""
+        events: list[BaseModel] = []
+        if self.plan.mode == "named":
+            events = [] if self.blocks.open else self.blocks.tool(self.plan.named or "")
+        elif calls:
+            for call in calls:
+                events += self.blocks.tool(call.name, call.arguments)
+        elif self.plan.mode != "required":
+            events = self.blocks.text(self.held.rest(calls=False))
+        return [*events, *self.blocks.close()]
 
 
 class MessagesService:

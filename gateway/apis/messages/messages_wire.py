@@ -228,18 +228,10 @@ class MessageDelta(_StopFields):
     pass
 
 
-class MessageDeltaUsage(_Response):
-    """Cumulative counts; the SDK takes the input counts from here too when present."""
-
-    output_tokens: int
-    input_tokens: int | None = None
-    cache_read_input_tokens: int | None = None
-
-
 class MessageDeltaEvent(_Response):
     type: Literal["message_delta"] = "message_delta"
     delta: MessageDelta
-    usage: MessageDeltaUsage
+    usage: AnthropicUsage  # the answer's, cumulative: the SDK takes the input counts from here too
 
 
 class MessageStopEvent(_Response):

@@ -5,6 +5,7 @@ out; SSE with `stream`), the same over the chat service.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -14,7 +15,6 @@ from starlette.responses import Response
 from engine.types import Engine
 from gateway.apis.chat import chat_serving
 from gateway.apis.chat.chat_serving import CHAT
-from gateway.apis.chat.chat_wire import ChatCompletionChunk
 from gateway.apis.completions import completions_serving
 from gateway.apis.completions.completions_serving import COMPLETIONS
 from gateway.apis.native.native_wire import (
@@ -27,7 +27,7 @@ from gateway.apis.native.native_wire import (
     TokenizeResponse,
 )
 from gateway.pipeline.dispatch import dispatch
-from gateway.protocol.openai import ChatChoice, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
+from gateway.protocol import openai as p
 from gateway.serving import offload, tools
 from gateway.web.answers import json_response, respond
 from gateway.web.requests import body_size, context, default_model, engine_for, parse, state_of
@@ -45,7 +45,7 @@ async def tokenize(request: Request) -> Response:
 def _tokenized(body: TokenizeRequest, engine: Engine) -> TokenizeResponse:
     tokenizer = engine.tokenizer
     if body.messages is not None:
-        as_chat = ChatCompletionRequest(model=engine.info.name, messages=body.messages)
+        as_chat = p.ChatCompletionRequest(model=engine.info.name, messages=body.messages)
         ids = chat_serving.render(as_chat, tools.plan(as_chat), tokenizer, body.add_generation_prompt).token_ids
         if body.add_special_tokens:  # vLLM's: the tokenizer's start token before the rendered prompt
             ids = [*tokenizer.encode("", add_special_tokens=True), *ids]
@@ -70,41 +70,37 @@ def _as(request: Request, body: GenerateRequest | NativeChatRequest, kind: type[
     return kind.model_validate({**given, **fields, "model": name}, strict=False)
 
 
-def _shape(answer: BaseModel | bytes) -> GenerateResponse:
-    """A completion (whole, a chunk, or a chunk's JSON as streams encode it) in the native shape:
-    its first choice's text."""
+def _shape(answer: BaseModel | bytes, chunk: type[BaseModel] = p.Completion) -> GenerateResponse:
+    """A completion or chat answer (whole, a chunk, or a chunk's JSON as streams encode it) in the
+    native shape: its first choice's text."""
     if isinstance(answer, bytes):
-        answer = Completion.model_validate_json(answer)
-    assert isinstance(answer, Completion)
-    choice = answer.choices[0] if answer.choices else None
-    return GenerateResponse(
-        output=choice.text if choice else "", finish_reason=choice.finish_reason if choice else None, usage=answer.usage
-    )
+        answer = chunk.model_validate_json(answer)
+    assert isinstance(answer, p.Completion | p.ChatCompletion | p.ChatCompletionChunk)
+    if not answer.choices:
+        return GenerateResponse(output="", usage=answer.usage)
+    choice = answer.choices[0]
+    if isinstance(choice, p.ChatChoice):
+        output = choice.message.content
+    elif isinstance(choice, p.ChunkChoice):
+        output = choice.delta.content
+    else:
+        output = choice.text
+    return GenerateResponse(output=output or "", finish_reason=choice.finish_reason, usage=answer.usage)
 
 
 async def generate(request: Request) -> Response:
     """The same dispatch as /v1/completions (cache, limits, fallbacks), answered as {"output"}."""
     body = await parse(request, GenerateRequest)
-    as_completion = _as(request, body, CompletionRequest, stream=request.url.path == "/stream-generate")
+    as_completion = _as(request, body, p.CompletionRequest, stream=request.url.path == "/stream-generate")
     return respond(await dispatch(context(request), state_of(request), as_completion, COMPLETIONS, shape=_shape))
 
 
 stream_generate = generate  # the path decides: /stream-generate streams
-
-
-def _chat_shape(answer: BaseModel | bytes) -> GenerateResponse:
-    """A chat answer (whole, a chunk, or a chunk's JSON) in the native shape: its first choice's text."""
-    if isinstance(answer, bytes):
-        answer = ChatCompletionChunk.model_validate_json(answer)
-    assert isinstance(answer, ChatCompletion | ChatCompletionChunk)
-    choice = answer.choices[0] if answer.choices else None
-    said = (choice.message if isinstance(choice, ChatChoice) else choice.delta) if choice else None
-    return GenerateResponse(output=(said.content if said else None) or "",
-                            finish_reason=choice.finish_reason if choice else None, usage=answer.usage)
+_chat_shape = partial(_shape, chunk=p.ChatCompletionChunk)
 
 
 async def chat_native(request: Request) -> Response:
     """/chat: the same dispatch as /v1/chat/completions (defaults, cache, limits, fallbacks),
     answered as {"output"}, or streamed as /stream-generate streams when the body says `stream`."""
-    as_chat = _as(request, await parse(request, NativeChatRequest), ChatCompletionRequest)
+    as_chat = _as(request, await parse(request, NativeChatRequest), p.ChatCompletionRequest)
     return respond(await dispatch(context(request), state_of(request), as_chat, CHAT, shape=_chat_shape))

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from gateway.protocol.openai import INT64_MAX, ChatMessage, Seed, Stop, TokenId, Usage, _Request, _Response
+from gateway.protocol.openai import INT64_MAX, ChatMessage, Sampling, TokenId, Usage, _Request, _Response
 
 
 class TokenizeRequest(_Request):
@@ -42,21 +42,11 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
-class _Sampling(_Request):
+class _Sampling(Sampling):
     """The sampling parameters the native routes take; `model` may be left out (the default model)."""
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    stop: Stop = None
-    seed: Seed | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
-    ignore_eos: bool = False
 
 
 class GenerateRequest(_Sampling):

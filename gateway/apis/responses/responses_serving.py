@@ -1,10 +1,9 @@
-"""The Responses API (`/v1/responses`) as a service on the chat pipeline (`serving.service`): the
-dispatcher runs the chat request `responses_input` made of it, so model choice, limits, the cache,
-admission, metrics and logs are chat's; this answers a `Response` or its events (`responses_events`).
-A cut answer is `incomplete` (max_output_tokens, or content_filter for an output guard's cut); a
-failure after the first event is `response.failed`. With `store`, a stream stores its response from
-`response.created` on and again before its last event (cancelled, with the items done so far, if it
-stops early); a whole answer is stored by the route (`save`).
+"""The Responses API (`/v1/responses`) on the chat pipeline: the request's `input` becomes items (as a
+response keeps them), and the conversation (the `previous_response_id` chain's items, then these) a chat
+request, which the dispatcher runs as any (its refusals in this API's terms); this answers a `Response` or its
+events (`responses_wire.ResponseEvents`). A cut answer is `incomplete`; a failure after the first event is
+`response.failed`. With `store`, a stream stores its response from `response.created` on and again before its
+last event (cancelled, with the items done so far, if it stops early); a whole answer is stored by the route.
 """
 
 from __future__ import annotations
@@ -20,15 +19,25 @@ from pydantic import BaseModel
 from engine.types import Engine, Task
 from gateway.apis.chat import chat_serving
 from gateway.apis.chat.chat_serving import PreparedChat
-from gateway.apis.responses import responses_input
-from gateway.apis.responses.responses_events import ResponseEvents, new_id
-from gateway.apis.responses.responses_wire import ResponsesRequest
+from gateway.apis.responses.responses_wire import (
+    TEXT_PARTS,
+    FunctionCallInput,
+    FunctionCallOutputInput,
+    InputPart,
+    MessageInput,
+    ResponseEvents,
+    ResponsesRequest,
+    new_id,
+)
 from gateway.errors import APIError, InvalidRequest, NotFound, from_exception
 from gateway.guards.guarding import UNGUARDED, RequestGuard
 from gateway.protocol.openai import ChatCompletionRequest, Usage
 from gateway.protocol.response_objects import (
+    FunctionCallOutput,
     FunctionToolCall,
     IncompleteDetails,
+    InputMessage,
+    InputText,
     InputTokensDetails,
     Item,
     OutputItem,
@@ -46,6 +55,127 @@ from gateway.stores.responses import RUNNING, OwnedResponses, StoredResponse
 
 log = structlog.get_logger(__name__)
 CANCEL_CHECK_S = 1.0  # a background response looks this often for a cancel made on another replica
+
+
+# --- the request: its input as items, the conversation as a chat request ----------------------
+
+
+# chat's parameter names in its refusals, as the Responses API calls them
+RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def request_items(request: ResponsesRequest) -> list[Item]:
+    """The request's input as items (a string is one user message)."""
+    if request.input is None:
+        return []
+    if isinstance(request.input, str):
+        return [InputMessage(id=new_id("msg"), role="user", content=[InputText(text=request.input)])]
+    return [_item(item, f"input.{i}") for i, item in enumerate(request.input)]
+
+
+def _item(item: MessageInput | FunctionCallInput | FunctionCallOutputInput, param: str) -> Item:
+    if isinstance(item, FunctionCallInput):
+        return FunctionToolCall(id=item.id or new_id("fc"), status="completed", call_id=item.call_id, name=item.name,
+                            arguments=item.arguments)
+    if isinstance(item, FunctionCallOutputInput):
+        output = item.output if isinstance(item.output, str) else "\n".join(_texts(item.output, f"{param}.output"))
+        return FunctionCallOutput(id=item.id or new_id("fco"), call_id=item.call_id, output=output)
+    texts = [item.content] if isinstance(item.content, str) else _texts(item.content, f"{param}.content")
+    if item.role == "assistant":
+        content = [OutputText(text=text) for text in texts]
+        return OutputMessage(id=item.id or new_id("msg"), status="completed", content=content)
+    return InputMessage(id=item.id or new_id("msg"), role=item.role, content=[InputText(text=t) for t in texts])
+
+
+def _texts(parts: list[InputPart], param: str) -> list[str]:
+    texts = []
+    for i, part in enumerate(parts):
+        text = part.refusal if part.type == "refusal" else part.text
+        if part.type not in (*TEXT_PARTS, "refusal"):
+            raise InvalidRequest("Only text content parts are supported by this model", f"{param}.{i}")
+        if text is None:
+            field = "refusal" if part.type == "refusal" else "text"
+            raise InvalidRequest(f"A content part of type {part.type} needs its {field}", f"{param}.{i}")
+        texts.append(text)
+    return texts
+
+
+def chat_messages(items: list[Item]) -> list[dict[str, Any]]:
+    """Items as chat messages: function calls join the assistant message before them (or make one),
+    their outputs are tool messages."""
+    messages: list[dict[str, Any]] = []
+    called: set[str] = set()
+    for item in items:
+        if isinstance(item, InputMessage | OutputMessage):
+            messages.append({"role": item.role, "content": "\n".join(part.text for part in item.content)})
+        elif isinstance(item, FunctionToolCall):
+            function = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
+            called.add(item.call_id)
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif item.call_id not in called:  # OpenAI's refusal of an output that answers no call
+            raise InvalidRequest(f"No tool call found for function call output with call_id {item.call_id}.", "input")
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return messages
+
+
+def chat_request(request: ResponsesRequest, conversation: list[Item]) -> ChatCompletionRequest:
+    """The chat request that answers `request`, given the whole conversation."""
+    messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    messages += chat_messages(conversation)
+    if not messages:
+        raise InvalidRequest("Missing required parameter: 'input'", "input")
+    fields: dict[str, Any] = {
+        "model": request.model, "messages": messages, "stream": request.stream or request.background,
+        "temperature": request.temperature, "top_p": request.top_p, "user": request.user,
+        "max_completion_tokens": request.max_output_tokens, "parallel_tool_calls": request.parallel_tool_calls,
+        "service_tier": request.service_tier, "priority": request.priority,
+    }
+    if request.tools:
+        described = {"name", "description", "parameters"}
+        fields["tools"] = [{"type": "function", "function": tool.model_dump(include=described, exclude_none=True)}
+                           for tool in request.tools]
+    choice = request.tool_choice
+    if choice is not None and not (choice == "auto" and not request.tools):  # auto with no tools: no choice to make
+        named = {"type": "function", "function": {"name": choice.name}} if not isinstance(choice, str) else None
+        fields["tool_choice"] = named or choice
+    text_format = request.text.format if request.text else None
+    if text_format is not None and text_format.type == "json_object":
+        fields["response_format"] = {"type": "json_object"}
+    elif text_format is not None and text_format.type == "json_schema":
+        given = text_format.model_dump(by_alias=True, exclude_none=True, exclude={"type"})
+        fields["response_format"] = {"type": "json_schema", "json_schema": given}
+    return ChatCompletionRequest.model_validate(fields, strict=False)
+
+
+def renamed_param(param: str) -> str:
+    """A chat field as the Responses API names it."""
+    head, _, rest = param.partition(".")
+    if head == "tools":  # chat's tools.N.function.parameters is the Responses tools.N.parameters
+        return param.replace(".function.", ".")
+    if head == "response_format":  # response_format.json_schema.schema is text.format.schema
+        return "text.format" + (".schema" if rest.endswith("schema") else "")
+    if head == "messages":  # the chat request's messages are the conversation, this request's input
+        return "input"
+    return RENAMED.get(head, head) + (f".{rest}" if rest else "")
+
+
+def renamed(error: InvalidRequest) -> InvalidRequest:
+    """A refusal of the chat pipeline in the Responses API's terms (its parameter names)."""
+    param = renamed_param(error.param or "")
+    message = error.message
+    for chat_name, name in RENAMED.items():
+        message = message.replace(chat_name, name)
+    error.param, error.message = param or None, message
+    error.args = (message,)
+    return error
+
+
+# --- the answer: a Response, or its events -------------------------------------------------------
 
 
 def usage_of(usage: Usage) -> ResponseUsage:
@@ -91,7 +221,7 @@ class ResponsesService:
 
     def __init__(self, request: ResponsesRequest, history: list[Item], mine: OwnedResponses) -> None:
         self.request, self.mine = request, mine  # `mine`: the asking tenant's stored responses
-        self.items = [*history, *responses_input.request_items(request)]  # what the model reads, as kept
+        self.items = [*history, *request_items(request)]  # what the model reads, as kept
         self.id, self.created = new_id("resp"), now()
         self.model = request.model
         self.service_tier = "default"  # the tier it ran in (tenancy.priority), once prepared
@@ -99,7 +229,7 @@ class ResponsesService:
         self.events: ResponseEvents | None = None  # a stream's state (for a cancel)
 
     def chat_request(self) -> ChatCompletionRequest:
-        return responses_input.chat_request(self.request, self.items)
+        return chat_request(self.request, self.items)
 
     # --- the Service protocol ------------------------------------------------------------------
 
@@ -110,9 +240,9 @@ class ResponsesService:
         try:
             prepared = chat_serving.prepare(request, engine, default_max_tokens, guard)
         except InvalidRequest as error:
-            raise responses_input.renamed(error) from None
+            raise renamed(error) from None
         if prepared.constraint is not None:  # its refusals, later in the pipeline, in this API's terms
-            prepared.constraint = prepared.constraint.renamed(responses_input.renamed_param)
+            prepared.constraint = prepared.constraint.renamed(renamed_param)
         return prepared
 
     async def complete(self, prepared: PreparedChat, on_done: OnDone[Response] | None = None) -> Response:
@@ -141,10 +271,9 @@ class ResponsesService:
     def skeleton(self, status: Status) -> Response:
         """The response with this request's fields, no output yet."""
         r = self.request
-        text: dict[str, Any] = {"format": r.text.format.model_dump(mode="json", by_alias=True, exclude_none=True)
-                                if r.text and r.text.format else {"type": "text"}}
-        if r.text and r.text.verbosity:
-            text["verbosity"] = r.text.verbosity
+        text: dict[str, Any] = {"format": {"type": "text"}}
+        if r.text:  # its format (with the schema's own name, `schema`) and verbosity, as given
+            text.update(r.text.model_dump(mode="json", by_alias=True, exclude_none=True))
         choice = r.tool_choice.model_dump(mode="json") if isinstance(r.tool_choice, BaseModel) else r.tool_choice
         return Response(
             id=self.id, created_at=self.created, status=status, background=r.background, model=self.model,
@@ -245,14 +374,11 @@ class ResponsesService:
 
     @staticmethod
     def _finish(events: ResponseEvents, plan: tools.ToolPlan, state: ChoiceState) -> list[BaseModel]:
-        status = item_status(state)
-        closed: list[BaseModel] = list(events.close(status))
+        closed: list[BaseModel] = list(events.close(item_status(state)))
         if closed:
             return closed
-        finished: list[BaseModel] = []
-        for item in output_items(plan, state):  # nothing streamed: auto and required calls, or no text at all
-            finished += events.whole(item)
-        return finished
+        # nothing streamed: auto and required calls, or no text at all
+        return [event for item in output_items(plan, state) for event in events.whole(item)]
 
     async def _failed(self, events: ResponseEvents, exc: Exception) -> BaseModel:
         log.warning("response_failed", error=str(exc), error_type=type(exc).__name__)
