@@ -2,7 +2,9 @@
 
 A remote backend (`engine.types.Generator`): requests are forwarded as validated, with `model`
 renamed to the upstream's name, and its answer (a whole JSON body, or SSE chunks as they come,
-decoded from any `Content-Encoding`) is read into typed outputs, as the engine's.
+decoded from any `Content-Encoding`; embeddings' vectors) is read into typed outputs, as the
+engine's. An answer the gateway cannot take as the engine's (a choice's index outside the n asked
+for, a negative count, vectors that are not one per input) is a 502.
 
 One aiohttp session per upstream, made on first use (in the serving loop), its pool sized by the
 model's `max_connections`, every connection kept alive between requests for `KEEP_ALIVE_S` (under
@@ -43,11 +45,21 @@ import orjson
 import structlog
 from aiohttp.helpers import get_env_proxy_for_url
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from pydantic import BaseModel, NonNegativeInt, ValidationError
 from yarl import URL
 
 from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
-from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest, ModelInfo, TokenLogprob, ToolCallDelta
+from engine.types import (
+    ChoiceDelta,
+    Embeddings,
+    EmbedRequest,
+    GenerationOutput,
+    GenerationRequest,
+    ModelInfo,
+    TokenLogprob,
+    ToolCallDelta,
+)
 from gateway.errors import APIError, BackendUnavailable, BadGateway, Dialect
 from gateway.protocol import sse_wire
 from gateway.telemetry import metrics
@@ -58,11 +70,28 @@ log = structlog.get_logger(__name__)
 PASSED_ON = frozenset({400, 413, 422})  # the client's own mistakes: the upstream's answer explains them
 UNAVAILABLE = frozenset({408, 429, 502, 503, 504})  # busy or briefly down: another model may answer
 LOGGED_BYTES = 500  # of an upstream's error body, for the log
+REFUSAL_BYTES = 64 * 1024  # of an error body passed on to the client (`Refused`): an explanation, not a payload
 KEEP_ALIVE_S = 4.0  # an idle connection's life: under uvicorn's 5 s, so we close it before the upstream does
 HEALTH_TIMEOUT_S = 5.0
 FAILURES = (aiohttp.ClientError, TimeoutError)  # what aiohttp raises when the upstream fails us
 CHARS_PER_TOKEN = 4
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) when a completions request sends none
+
+
+class _Vector(BaseModel):
+    index: int
+    embedding: list[float] | str  # str: base64, as the request's encoding_format asked
+
+
+class _EmbeddingUsage(BaseModel):
+    prompt_tokens: NonNegativeInt | None = None
+
+
+class _Vectors(BaseModel):
+    """What of an upstream's embeddings answer is read."""
+
+    data: list[_Vector]
+    usage: _EmbeddingUsage | None = None
 
 
 class Refused(APIError):
@@ -124,7 +153,7 @@ class Upstream:
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         """The generation `request.forward` asks for, its answer read as typed outputs (a stream's
         chunk by chunk; a whole answer as one output); closing it early ends the upstream's request."""
-        forward = request.forward
+        forward, n = request.forward, request.sampling.n
         assert forward is not None
         stream = bool(forward.payload.get("stream"))
         async with self._request(forward.path, forward.payload) as (response, span):
@@ -133,7 +162,7 @@ class Upstream:
                     answer = orjson.loads(await self._body(response))
                 except orjson.JSONDecodeError:
                     raise self._failed(BadGateway, "an answer that is not JSON") from None
-                yield _output(answer, whole=True)
+                yield self._checked(_output(answer, whole=True), n)
                 return
             try:
                 async for event in sse_wire.split(response.content.iter_any()):
@@ -141,16 +170,36 @@ class Upstream:
                         if chunk == sse_wire.UNREADABLE or (isinstance(chunk, dict) and "error" in chunk):
                             raise self._failed(BackendUnavailable, "mid-stream: an error event, or data that is not JSON")
                         if isinstance(chunk, dict):
-                            yield _output(chunk, whole=False)
+                            yield self._checked(_output(chunk, whole=False), n)
             except FAILURES as exc:
                 if span is not None:
                     _failed_span(span, exc)
                 raise self._failed(BackendUnavailable, f"mid-stream: {type(exc).__name__}: {exc}") from exc
 
-    async def whole(self, path: str, payload: dict[str, Any]) -> bytes:
-        """A request whose answer is not a generation (embeddings): the upstream's body."""
-        async with self._request(path, payload) as (response, _):
-            return await self._body(response)
+    def _checked(self, output: GenerationOutput, n: int) -> GenerationOutput:
+        """An output whose choices are among the n asked for and whose counts are not negative, or a 502."""
+        if any(not 0 <= delta.index < n for delta in output.choices):
+            raise self._failed(BadGateway, f"a choice's index outside 0..{n - 1}")
+        if min(output.prompt_tokens, output.cached_tokens, output.completion_tokens or 0) < 0:
+            raise self._failed(BadGateway, "a negative token count in its usage")
+        return output
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """The vectors `request.forward` asks for, one per input (each index once), read from an
+        answer in OpenAI's shape; anything else is a 502. Its usage counts, else the estimate."""
+        forward = request.forward
+        assert forward is not None
+        async with self._request(forward.path, forward.payload) as (response, _):
+            body = await self._body(response)
+        try:
+            answer = _Vectors.model_validate_json(body)
+        except ValidationError:
+            raise self._failed(BadGateway, "an embeddings answer not in OpenAI's shape") from None
+        if sorted(vector.index for vector in answer.data) != list(range(_count(forward.payload.get("input")))):
+            raise self._failed(BadGateway, "not one vector for each input")
+        usage = answer.usage.prompt_tokens if answer.usage is not None else None
+        vectors = [vector.embedding for vector in sorted(answer.data, key=lambda vector: vector.index)]
+        return Embeddings(vectors, forward.prompt_tokens if usage is None else usage)
 
     @asynccontextmanager
     async def _request(self, path: str, body: Mapping[str, Any]) -> AsyncIterator[tuple[aiohttp.ClientResponse, Span | None]]:
@@ -188,7 +237,7 @@ class Upstream:
         if span is not None:
             span.set_attribute("http.response.status_code", status)
         if status in PASSED_ON:
-            raise Refused(status, await self._body(response))
+            raise Refused(status, await self._bounded(response))
         if status != 200:
             excerpt = await _excerpt(response)
             if not self._log_bodies:
@@ -201,6 +250,16 @@ class Upstream:
             return await response.read()  # decoded: gzip and the like are undone here
         except FAILURES as exc:
             raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
+
+    async def _bounded(self, response: aiohttp.ClientResponse) -> bytes:
+        """An error body passed on, at most `REFUSAL_BYTES` of it (the rest is not read)."""
+        body = b""
+        try:
+            while len(body) < REFUSAL_BYTES and (piece := await response.content.read(REFUSAL_BYTES - len(body))):
+                body += piece
+        except FAILURES as exc:
+            raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
+        return body
 
     def _failed(self, kind: type[APIError], why: str) -> APIError:
         metrics.labelled(metrics.UPSTREAM_ERRORS, self.name).inc()
@@ -220,7 +279,7 @@ class Upstream:
             log.warning("upstream_unhealthy", model=self.name, why=f"answered {status}: {text}")
             raise EngineUnavailable(f"upstream answered {status}")
 
-    async def aclose(self) -> None:
+    async def shutdown(self) -> None:
         if self._session is not None:
             await self._session.close()
 
@@ -308,12 +367,17 @@ def estimate(payload: dict[str, Any]) -> tuple[int, int]:
     """(prompt tokens, output budget) of a request about to be forwarded."""
     prompts = payload.get("prompt", payload.get("input"))
     prompt = _message_tokens(payload.get("messages") or []) + _prompt_tokens(prompts)
-    count = len(prompts) if isinstance(prompts, list) and prompts and isinstance(prompts[0], str | list) else 1
+    count = _count(prompts)
     asked = payload.get("max_completion_tokens") or payload.get("max_tokens")
     if asked is None and "prompt" in payload:
         asked = COMPLETIONS_DEFAULT_MAX_TOKENS
     choices = max(int(payload.get("n") or 1), int(payload.get("best_of") or 1))
     return prompt, int(asked or 0) * choices * count
+
+
+def _count(prompts: object) -> int:
+    """How many prompts (or inputs to embed) a request's `prompt` (`input`) holds."""
+    return len(prompts) if isinstance(prompts, list) and prompts and isinstance(prompts[0], str | list) else 1
 
 
 def _chars(text: str) -> int:

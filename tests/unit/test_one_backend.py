@@ -2,7 +2,8 @@
 double (tests/fakes.py) and a scripted upstream (tests/scripted_upstream.py) that answers as an
 OpenAI-compatible server would with the same script. Output guards on every field that carries
 model text (content, a named tool call's arguments, structured output, logprobs), the output
-bound, usage, errors before and after the first byte, and a client that leaves mid-stream."""
+bound, usage, errors before and after the first byte, and a client that leaves mid-stream; and the
+embeddings, through the same `embed` of either backend."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class Script:
     fail_mid: bool = False  # fails after the first piece
     endless: bool = False  # generates until stopped
     reasoning: bool = False  # a remote upstream: the pieces are its reasoning, the answer a short "ok"
+    vectors: Any = None  # a remote upstream's embeddings answer in place of a good one (garbage)
     requests: int = 0
     stopped: threading.Event = field(default_factory=threading.Event)  # an endless generation was stopped
 
@@ -64,6 +66,8 @@ class Upstream:
         script.requests += 1
         if script.dead:
             return httpx.Response(503, json={"error": {"message": "down", "type": "unavailable"}})
+        if request.url.path.endswith("/embeddings"):
+            return self._embeddings(body)
         named = body.get("tool_choice") is not None
         logprobs = bool(body.get("logprobs"))
         usage = {"prompt_tokens": 5, "completion_tokens": len(script.pieces), "total_tokens": 5 + len(script.pieces)}
@@ -84,6 +88,23 @@ class Upstream:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return httpx.Response(200, headers={"content-type": "text/event-stream"},
                               content=self._chunks(named, logprobs, usage if include_usage else None))
+
+    def _embeddings(self, body: dict[str, Any]) -> httpx.Response:
+        script = self.script
+        if script.endless:
+            return httpx.Response(200, headers={"content-type": "application/json"}, content=self._never())
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        data = [{"object": "embedding", "index": i, "embedding": [0.6, 0.8]} for i in range(len(inputs))]
+        answer = {"object": "list", "data": data, "model": "up", "usage": {"prompt_tokens": 7, "total_tokens": 7}}
+        return httpx.Response(200, json=answer if script.vectors is None else script.vectors)
+
+    async def _never(self) -> AsyncIterator[bytes]:
+        """An answer that never comes, until the gateway hangs up."""
+        try:
+            yield b"{"
+            await asyncio.Event().wait()
+        finally:
+            self.script.stopped.set()
 
     def _completion(self, body: dict[str, Any], usage: dict[str, int]) -> httpx.Response:
         pieces = self.script.pieces
@@ -161,6 +182,24 @@ class Engine(FakeEngine):
                 script.stopped.set()
 
 
+class Embedder(FakeEngine):
+    """The engine's test double as an embedding model playing a Script."""
+
+    def __init__(self, script: Script) -> None:
+        super().__init__(task="embed")
+        self.script = script
+
+    async def embed(self, request: Any) -> Any:
+        self.script.requests += 1
+        self.dead = self.script.dead
+        if self.script.endless:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self.script.stopped.set()
+        return await super().embed(request)
+
+
 @dataclass
 class Side:
     model: str
@@ -172,7 +211,7 @@ class Side:
 @pytest.fixture(params=["embedded", "remote"])
 def side(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Side]:
     script = Script()
-    engine = Engine(script)
+    engine = Engine(script) if "embed" not in request.fixturenames else Embedder(script)
     guards = tmp_path / "guards.yaml"
     guards.write_text(GUARDS)
     settings: dict[str, Any] = {"guards_file": guards, "max_output_tokens_per_request": 100}
@@ -383,3 +422,81 @@ def test_a_remote_whole_answer_times_no_output_tokens(client: TestClient, side: 
         assert metric(count, model=side.model) == before
     assert post(client, side, stream=True).status_code == 200
     assert metric(count, model=side.model) > before
+
+
+@pytest.fixture
+def embed() -> None:
+    """The side's engine is an embedding model."""
+
+
+def embeddings(client: TestClient, side: Side, **body: Any) -> httpx.Response:
+    return client.post("/v1/embeddings", json={"model": side.model, "input": ["one", "two words"], **body})
+
+
+@pytest.mark.usefixtures("embed")
+def test_embeddings_and_their_usage_are_counted(client: TestClient, side: Side) -> None:
+    before = metric("gateway_prompt_tokens_total", model=side.model)
+    with structlog.testing.capture_logs() as logs:
+        answer = embeddings(client, side)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["model"] == side.model
+    assert [item["index"] for item in body["data"]] == [0, 1]
+    tokens = body["usage"]["prompt_tokens"]
+    assert tokens == (7 if side.model == "far" else 3)  # the upstream's count; the engine's tokens
+    assert metric("gateway_prompt_tokens_total", model=side.model) == before + tokens
+    assert metric("gateway_requests_in_flight", model=side.model) == 0
+    line = next(log for log in logs if log["event"] == "request")
+    assert line["prompt_tokens"] == tokens
+
+
+@pytest.mark.usefixtures("embed")
+def test_embeddings_as_base64_from_either_backend(client: TestClient, side: Side) -> None:
+    answer = embeddings(client, side, encoding_format="base64")
+    assert answer.status_code == 200, answer.text
+    assert all(isinstance(item["embedding"], str) for item in answer.json()["data"])
+
+
+@pytest.mark.usefixtures("embed")
+def test_an_embedding_backend_down_is_a_503(client: TestClient, side: Side) -> None:
+    side.script.dead = True
+    answer = embeddings(client, side)
+    assert answer.status_code == 503
+    assert answer.json()["error"]["type"]
+
+
+GARBAGE = [  # a remote upstream's embeddings answer that is not OpenAI's
+    ("not a list", {"data": "x"}),
+    ("an index twice", {"data": [{"index": 0, "embedding": [1.0]}, {"index": 0, "embedding": [1.0]}]}),
+    ("an index past the inputs", {"data": [{"index": 0, "embedding": [1.0]}, {"index": 2, "embedding": [1.0]}]}),
+    ("a vector short of the inputs", {"data": [{"index": 0, "embedding": [1.0]}]}),
+    ("a negative usage", {"data": [{"index": 0, "embedding": [1.0]}, {"index": 1, "embedding": [1.0]}],
+                          "usage": {"prompt_tokens": -5}}),
+]
+
+
+@pytest.mark.usefixtures("embed")
+@pytest.mark.parametrize("garbage", [g for _, g in GARBAGE], ids=[name for name, _ in GARBAGE])
+def test_an_upstreams_garbage_embeddings_are_a_502_in_openais_shape(client: TestClient, side: Side, garbage: Any) -> None:
+    if side.model != "far":
+        pytest.skip("the engine's vectors are typed already")
+    side.script.vectors = garbage
+    answer = embeddings(client, side)
+    assert answer.status_code == 502
+    assert set(answer.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+@pytest.mark.usefixtures("embed")
+async def test_a_client_that_leaves_stops_its_embeddings(side: Side) -> None:
+    side.script.endless = True
+    app = create_app(fake_settings(**side.settings), engine_starter=lambda es: side.engine)
+    body = {"model": side.model, "input": "hi"}
+    async with app.router.lifespan_context(app) as state:
+        async def with_state(scope: Any, receive: Any, send: Any) -> None:
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        await drive(with_state, body, disconnect_after_chunks=None, path="/v1/embeddings")
+        assert await asyncio.to_thread(side.script.stopped.wait, 5)
+        assert state["gateway"].models.backends[side.model].admission.running == 0
+    assert metric("gateway_requests_in_flight", model=side.model) == 0
