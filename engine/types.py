@@ -100,12 +100,14 @@ class GenerationRequest:
 
 @dataclass(frozen=True, slots=True)
 class Forward:
-    """A generation as a remote upstream is asked for it: its route, the request it is sent, and the
-    prompt's tokens as estimated (no tokenizer of the upstream's model here)."""
+    """A generation as a remote upstream is asked for it: its route, the request it is sent, the
+    prompt's tokens as estimated (no tokenizer of the upstream's model here), and the most tokens
+    a choice may bring (an upstream that streams past it is cut)."""
 
     path: str
     payload: Mapping[str, Any]
     prompt_tokens: int
+    max_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

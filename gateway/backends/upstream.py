@@ -26,11 +26,13 @@ may echo the request) only with `log_prompts`:
 
 Fallible errors happen before the first byte, so the dispatcher tries the model's fallbacks.
 
-What it is sent: the request with the model's defaults where it is silent (`with_defaults`), its
-tokens estimated for the charge (`estimate`: no tokenizer of the upstream's model here; the prompt's
-text at 4 characters a token, OpenAI's rule of thumb, token-id prompts by their length, plus the
-output budget asked for, times n and the prompts; completions' default 16; chat without one: 0,
-counted after). The upstream's usage, when it reports one, is the count that stays.
+What it is sent: the request with the model's defaults where it is silent (`with_defaults`; a chat
+request's max_tokens the gateway's `default_max_tokens` after them, as for embedded models), its
+tokens estimated for the charge and the output bound (`estimate`: no tokenizer of the upstream's
+model here; the prompt's text at 4 characters a token, OpenAI's rule of thumb, token-id prompts by
+their length, plus the output budget asked for, times n and the prompts; completions' default 16;
+chat without one: 0, its stream cut at its share of the bound, `per_choice`). The upstream's usage,
+when it reports one, is the count that stays.
 """
 
 from __future__ import annotations
@@ -350,14 +352,15 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) else 0
 
 
-def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, output_budget: bool) -> dict[str, Any]:
+def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, output_budget: bool,
+                  default_max_tokens: int | None = None) -> dict[str, Any]:
     """The request with the model's sampling defaults (the models file's `defaults`) where it is
-    silent: an upstream cannot know them. `max_tokens` only where the output budget is open (chat),
-    as for embedded models."""
-    if defaults is None:
-        return payload
-    values = defaults.model_dump(exclude_none=True)
-    if not output_budget or "max_completion_tokens" in payload:
+    silent: an upstream cannot know them. `max_tokens` only where the output budget is open (chat):
+    the model's default, else the gateway's `default_max_tokens`, as for embedded models."""
+    values = defaults.model_dump(exclude_none=True) if defaults is not None else {}
+    if default_max_tokens is not None:
+        values.setdefault("max_tokens", default_max_tokens)
+    if not output_budget or payload.get("max_completion_tokens") is not None:
         values.pop("max_tokens", None)
     silent = {key: value for key, value in values.items() if payload.get(key) is None}
     return {**payload, **silent}
@@ -367,12 +370,26 @@ def estimate(payload: dict[str, Any]) -> tuple[int, int]:
     """(prompt tokens, output budget) of a request about to be forwarded."""
     prompts = payload.get("prompt", payload.get("input"))
     prompt = _message_tokens(payload.get("messages") or []) + _prompt_tokens(prompts)
-    count = _count(prompts)
+    return prompt, _asked(payload) * _choices(payload)
+
+
+def per_choice(payload: dict[str, Any], bound: int) -> int:
+    """The most tokens one choice of a forwarded request may bring: what it asks for, else its
+    choices' even share of `bound` (the gateway's `max_output_tokens_per_request`)."""
+    return _asked(payload) or max(1, bound // _choices(payload))
+
+
+def _asked(payload: dict[str, Any]) -> int:
+    """The output budget per choice (completions' default when unsaid; 0: none)."""
     asked = payload.get("max_completion_tokens") or payload.get("max_tokens")
     if asked is None and "prompt" in payload:
         asked = COMPLETIONS_DEFAULT_MAX_TOKENS
-    choices = max(int(payload.get("n") or 1), int(payload.get("best_of") or 1))
-    return prompt, int(asked or 0) * choices * count
+    return int(asked or 0)
+
+
+def _choices(payload: dict[str, Any]) -> int:
+    """Choices per prompt, times the prompts."""
+    return max(int(payload.get("n") or 1), int(payload.get("best_of") or 1)) * _count(payload.get("prompt", payload.get("input")))
 
 
 def _count(prompts: object) -> int:

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from engine.types import Engine, Forward
 from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
-from gateway.backends.upstream import estimate, with_defaults
+from gateway.backends.upstream import estimate, per_choice, with_defaults
 from gateway.errors import InvalidRequest
 from gateway.guards.guarding import RequestGuard
 from gateway.guards.inbound import guarded
@@ -232,12 +232,14 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             body = await offload.by_size(self.context.body_bytes, guarded, self.body, self.guard)
         self.context.release_body()
         payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)
-        payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
+        chat, most = isinstance(self.body, ChatCompletionRequest), self.state.settings.max_output_tokens_per_request
+        payload = with_defaults(payload, backend.defaults, chat, self.state.settings.default_max_tokens)
         payload = self.scheduled.forwarded(payload)
         prompt, output = estimate(payload)
         self._check_output(output)
         await self._charge(prompt + output, reconcile=True)
-        prepared: PreparedT = service.forwarded(body, Forward(path, payload, prompt), backend.generator, self.guard)
+        forward = Forward(path, payload, prompt, per_choice(payload, most))
+        prepared: PreparedT = service.forwarded(body, forward, backend.generator, self.guard)
         prepared.model = backend.name
         prepared.schedule(self.scheduled, self.readings)
         return lambda permit, on_done: self._generate(prepared, permit, on_done)

@@ -52,6 +52,7 @@ class Script:
     reasoning: bool = False  # a remote upstream: the pieces are its reasoning, the answer a short "ok"
     vectors: Any = None  # a remote upstream's embeddings answer in place of a good one (garbage)
     requests: int = 0
+    sent: dict[str, Any] = field(default_factory=dict)  # the last request a remote upstream was sent
     stopped: threading.Event = field(default_factory=threading.Event)  # an endless generation was stopped
 
 
@@ -63,7 +64,7 @@ class Upstream:
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         script, body = self.script, json.loads(request.content)
-        script.requests += 1
+        script.requests, script.sent = script.requests + 1, body
         if script.dead:
             return httpx.Response(503, json={"error": {"message": "down", "type": "unavailable"}})
         if request.url.path.endswith("/embeddings"):
@@ -170,7 +171,9 @@ class Engine(FakeEngine):
     async def generate(self, request: Any) -> AsyncIterator[Any]:  # type: ignore[override]
         script = self.script
         script.requests += 1
-        self.dead, self.reply = script.dead, None if script.endless else script.pieces
+        pieces = script.pieces[: request.sampling.max_tokens]  # an engine keeps to max_tokens
+        self.dead, self.reply = script.dead, None if script.endless else pieces
+        self.last_finish = "length" if len(pieces) < len(script.pieces) else "stop"
         self.delay = 0.01 if script.endless else 0.0
         try:
             async for step, output in aenumerate(super().generate(request)):
@@ -312,6 +315,46 @@ def test_the_output_bound_holds(client: TestClient, side: Side) -> None:
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "max_tokens"
     assert side.script.requests == 0
+
+
+def silent(side: Side, **settings: Any) -> TestClient:
+    """A client of a gateway with these settings, for requests silent on max_tokens."""
+    return TestClient(create_app(fake_settings(**{**side.settings, **settings}), engine_starter=lambda es: side.engine))
+
+
+def test_a_request_silent_on_max_tokens_is_bounded_by_the_default_before_the_backend(side: Side) -> None:
+    with silent(side, default_max_tokens=60) as client:
+        answer = client.post("/v1/chat/completions", json={"model": side.model, "messages": [{"role": "user", "content": "hi"}], "n": 2})
+    assert answer.status_code == 400  # 2 x 60 past the 100 a request may generate
+    assert answer.json()["error"]["param"] == "max_tokens"
+    assert side.script.requests == 0
+
+
+def test_a_request_silent_on_max_tokens_runs_with_the_default(side: Side) -> None:
+    """The engine keeps to it; an upstream that goes past what it was sent is cut there."""
+    with silent(side, default_max_tokens=2) as client:
+        body = {"model": side.model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200
+    assert said(answer, stream=True)[0] == "Hello there"
+    assert [c["choices"][0].get("finish_reason") for c in chunks(answer.text) if c["choices"]][-1] == "length"
+    sent = side.script.sent.get("max_tokens") if side.model == "far" else side.engine.requests[-1].sampling.max_tokens
+    assert sent == 2
+
+
+def test_a_remote_stream_without_a_budget_is_cut_at_the_gateways_bound(side: Side) -> None:
+    """Nothing to forward (no default): the upstream is asked for no budget, and cut past its share."""
+    if side.model != "far":
+        pytest.skip("the engine's budget is what the context leaves, checked before it starts")
+    side.script.endless = True
+    with silent(side, max_output_tokens_per_request=4) as client:
+        body = {"model": side.model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200
+    assert "max_tokens" not in side.script.sent
+    assert said(answer, stream=True)[0] == "xxxx"
+    assert [c["choices"][0].get("finish_reason") for c in chunks(answer.text) if c["choices"]][-1] == "length"
+    assert side.script.stopped.wait(5)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
