@@ -77,6 +77,7 @@ KEEP_ALIVE_S = 4.0  # an idle connection's life: under uvicorn's 5 s, so we clos
 HEALTH_TIMEOUT_S = 5.0
 FAILURES = (aiohttp.ClientError, TimeoutError)  # what aiohttp raises when the upstream fails us
 CHARS_PER_TOKEN = 4
+IMAGE_TOKENS = 85  # an image part of a message, estimated as OpenAI's base cost of one image (low detail)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) when a completions request sends none
 
 
@@ -369,7 +370,10 @@ def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, ou
 def estimate(payload: dict[str, Any]) -> tuple[int, int]:
     """(prompt tokens, output budget) of a request about to be forwarded."""
     prompts = payload.get("prompt", payload.get("input"))
-    prompt = _message_tokens(payload.get("messages") or []) + _prompt_tokens(prompts)
+    # tools and a response format's schema are rendered into the prompt: their JSON's length, roughly
+    schemas = sum(math.ceil(len(orjson.dumps(payload[key])) / CHARS_PER_TOKEN) for key in ("tools", "response_format")
+                  if payload.get(key))
+    prompt = _message_tokens(payload.get("messages") or []) + _prompt_tokens(prompts) + schemas
     return prompt, _asked(payload) * _choices(payload)
 
 
@@ -408,7 +412,8 @@ def _message_tokens(messages: list[dict[str, Any]]) -> int:
         if isinstance(content, str):
             total += _chars(content)
         elif isinstance(content, list):
-            total += sum(_chars(part.get("text") or "") for part in content if isinstance(part, dict))
+            total += sum(IMAGE_TOKENS if part.get("type") == "image_url" else _chars(part.get("text") or "")
+                         for part in content if isinstance(part, dict))
         for call in message.get("tool_calls") or ():
             total += _chars(str((call.get("function") or {}).get("arguments") or ""))
     return total

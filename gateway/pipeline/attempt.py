@@ -235,6 +235,8 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         chat, most = isinstance(self.body, ChatCompletionRequest), self.state.settings.max_output_tokens_per_request
         payload = with_defaults(payload, backend.defaults, chat, self.state.settings.default_max_tokens)
         payload = self.scheduled.forwarded(payload)
+        if payload.get("stream"):  # its usage, to settle the charge with: the client gets it only if it asked
+            payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
         prompt, output = estimate(payload)
         self._check_output(output)
         await self._charge(prompt + output, reconcile=True)
