@@ -287,9 +287,19 @@ class Run:
                 try:
                     output = await anext(self._outputs)
                 except StopAsyncIteration:
+                    if (rest := await self._flushed()).choices:
+                        yield self._take(rest)
                     return
         finally:
             await self.close()
+
+    async def _flushed(self) -> GenerationOutput:
+        """What the output guard still holds of choices the backend left unfinished (a remote
+        stream that ended without a finish reason), checked as their end; they stay unfinished."""
+        assert self.guard is not None
+        ends = [ChoiceDelta(choice.index, "", (), "stop") for choice in self.choices if choice.finish_reason is None]
+        rest = await self.guard.apply(GenerationOutput(0, ends, finished=True))
+        return visible(replace(rest, choices=[replace(delta, finish_reason=None) for delta in rest.choices]))
 
     async def close(self) -> None:
         if self._closed:

@@ -50,6 +50,7 @@ class Script:
     fail_mid: bool = False  # fails after the first piece
     endless: bool = False  # generates until stopped
     reasoning: bool = False  # a remote upstream: the pieces are its reasoning, the answer a short "ok"
+    unfinished: bool = False  # ends without a finish reason
     vectors: Any = None  # a remote upstream's embeddings answer in place of a good one (garbage)
     requests: int = 0
     sent: dict[str, Any] = field(default_factory=dict)  # the last request a remote upstream was sent
@@ -81,7 +82,7 @@ class Upstream:
                 message.update(content="ok", reasoning_content=text)
             if named:
                 message["tool_calls"] = [{"id": "call_1", "type": "function", "function": {"name": "mail", "arguments": text}}]
-            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "stop"}
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": None if script.unfinished else "stop"}
             if logprobs:
                 choice["logprobs"] = {"content": [_logprob(p) for p in script.pieces]}
             return httpx.Response(200, json={"id": "c", "object": "chat.completion", "created": 1, "model": "m",
@@ -131,7 +132,7 @@ class Upstream:
                     if i == 0:
                         call.update(id="call_1", type="function", function={"name": "mail", "arguments": piece})
                     delta = {"tool_calls": [call]}
-                last = not script.endless and i == len(script.pieces) - 1
+                last = not script.endless and not script.unfinished and i == len(script.pieces) - 1
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": "stop" if last else None}
                 if logprobs:
                     choice["logprobs"] = {"content": [_logprob(piece)]}
@@ -174,6 +175,8 @@ class Engine(FakeEngine):
         pieces = script.pieces[: request.sampling.max_tokens]  # an engine keeps to max_tokens
         self.dead, self.reply = script.dead, None if script.endless else pieces
         self.last_finish = "length" if len(pieces) < len(script.pieces) else "stop"
+        if script.unfinished:
+            self.last_finish = None  # type: ignore[assignment]
         self.delay = 0.01 if script.endless else 0.0
         try:
             async for step, output in aenumerate(super().generate(request)):
@@ -315,6 +318,28 @@ def test_the_output_bound_holds(client: TestClient, side: Side) -> None:
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "max_tokens"
     assert side.script.requests == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_what_the_guard_holds_back_is_passed_on_when_a_backend_ends_without_finishing(
+        client: TestClient, side: Side, stream: bool) -> None:
+    side.script.pieces, side.script.unfinished = EMAIL, True
+    answer = post(client, side, stream=stream)
+    assert answer.status_code == 200
+    assert said(answer, stream) == ("Ask [EMAIL] now", "")
+    assert "eve@" not in answer.text
+
+
+def test_a_cached_remote_answer_replayed_keeps_its_reasoning(side: Side) -> None:
+    if side.model != "far":
+        pytest.skip("the engine's reasoning is its text")
+    side.script.reasoning = True
+    with silent(side, cache={"backend": "memory"}) as client:
+        assert post(client, side, temperature=0).headers["x-cache"] == "MISS"
+        replayed = post(client, side, temperature=0, stream=True)
+    assert replayed.headers["x-cache"] == "HIT"
+    parts = [c["choices"][0]["delta"] for c in chunks(replayed.text) if c["choices"]]
+    assert "".join(p.get("reasoning_content") or "" for p in parts) == "Hello there you"
 
 
 def silent(side: Side, **settings: Any) -> TestClient:
