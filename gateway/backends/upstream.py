@@ -37,6 +37,7 @@ when it reports one, is the count that stays.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -240,9 +241,9 @@ class Upstream:
         if span is not None:
             span.set_attribute("http.response.status_code", status)
         if status in PASSED_ON:
-            raise Refused(status, await self._bounded(response))
+            raise Refused(status, await _start(response, REFUSAL_BYTES))
         if status != 200:
-            excerpt = await _excerpt(response)
+            excerpt = (await _start(response, LOGGED_BYTES)).decode("utf-8", "replace")
             if not self._log_bodies:
                 excerpt = _error_kind(excerpt)
             kind = BackendUnavailable if status in UNAVAILABLE else BadGateway
@@ -254,16 +255,6 @@ class Upstream:
         except FAILURES as exc:
             raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
 
-    async def _bounded(self, response: aiohttp.ClientResponse) -> bytes:
-        """An error body passed on, at most `REFUSAL_BYTES` of it (the rest is not read)."""
-        body = b""
-        try:
-            while len(body) < REFUSAL_BYTES and (piece := await response.content.read(REFUSAL_BYTES - len(body))):
-                body += piece
-        except FAILURES as exc:
-            raise self._failed(BackendUnavailable, f"{type(exc).__name__}: {exc}") from exc
-        return body
-
     def _failed(self, kind: type[APIError], why: str) -> APIError:
         metrics.labelled(metrics.UPSTREAM_ERRORS, self.name).inc()
         log.warning("upstream_failed", model=self.name, why=why)
@@ -274,7 +265,7 @@ class Upstream:
         try:
             async with self.session.get(self._url("/models"), timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
                 status = response.status
-                text = "" if status == 200 else (await response.content.read(LOGGED_BYTES)).decode("utf-8", "replace")
+                text = "" if status == 200 else (await _start(response, LOGGED_BYTES)).decode("utf-8", "replace")
         except FAILURES as exc:
             log.warning("upstream_unhealthy", model=self.name, why=f"{type(exc).__name__}: {exc}")
             raise EngineUnavailable("upstream unreachable") from exc
@@ -448,15 +439,14 @@ def _error_kind(excerpt: str) -> str:
     return ", ".join(f"{key} {value}" for key, value in named.items()) or "(its text is logged with log_prompts)"
 
 
-async def _excerpt(response: aiohttp.ClientResponse) -> str:
-    """The start of an error body, for the log; the response is released (its connection closed
-    when the rest was not read)."""
-    try:
-        return (await response.content.read(LOGGED_BYTES)).decode("utf-8", "replace")
-    except FAILURES as exc:
-        return f"(unreadable: {type(exc).__name__})"
-    finally:
-        response.release()
+async def _start(response: aiohttp.ClientResponse, most: int) -> bytes:
+    """An error body's first `most` bytes, as many as could be read (the rest is not read: the
+    response's release closes its connection)."""
+    body = b""
+    with contextlib.suppress(*FAILURES):
+        while len(body) < most and (piece := await response.content.read(most - len(body))):
+            body += piece
+    return body
 
 
 def _env_proxy(url: str) -> tuple[URL | None, aiohttp.BasicAuth | None]:
