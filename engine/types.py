@@ -100,21 +100,32 @@ class GenerationRequest:
 
 @dataclass(frozen=True, slots=True)
 class Forward:
-    """A generation as a remote upstream is asked for it: its route, the request it is sent, and the
-    prompt's tokens as estimated (no tokenizer of the upstream's model here)."""
+    """A generation as a remote upstream is asked for it: its route, the request it is sent, the
+    prompt's tokens as estimated (no tokenizer of the upstream's model here), and the most tokens
+    a choice may bring (an upstream that streams past it is cut)."""
 
     path: str
     payload: Mapping[str, Any]
     prompt_tokens: int
+    max_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
 class EmbedRequest:
-    """One input to embed; the engine answers one pooled, L2-normalised vector."""
+    """Inputs to embed, each answered with one pooled, L2-normalised vector, in order."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    inputs: list[list[int]]  # each input's token ids (a remote backend's: none, `forward` names them)
     dimensions: int | None = None  # a Matryoshka model's shorter vector (re-normalised); None: full size
+    forward: Forward | None = None  # a remote backend's request: what it is sent instead of the token ids
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """A backend's vectors for an EmbedRequest's inputs, in order, and the prompt tokens they took."""
+
+    vectors: list[list[float] | str]  # str: base64 of little-endian float32, as a remote upstream sent it
+    prompt_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +230,7 @@ class Tokenizer(Protocol):
 class Generator(Protocol):
     """What every backend is to the pipeline (the embedded engine, a remote upstream): its name (in
     `info`), a generation started as a stream of outputs ending in a finish reason per choice and
-    the usage (closing it aborts the generation), and its health."""
+    the usage (closing it aborts the generation), embeddings, its health and its shutdown."""
 
     @property
     def info(self) -> ModelInfo: ...
@@ -228,9 +239,15 @@ class Generator(Protocol):
         """Stream outputs; closing or cancelling the iterator aborts the request in the backend."""
         ...
 
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """The vectors of every input (embedding models only); cancelling aborts them in the backend."""
+        ...
+
     async def check_health(self) -> None:
         """Return if the backend can serve; raise EngineUnavailable if not."""
         ...
+
+    async def shutdown(self) -> None: ...
 
 
 class Engine(Generator, Protocol):
@@ -239,10 +256,6 @@ class Engine(Generator, Protocol):
 
     @property
     def tokenizer(self) -> Tokenizer: ...
-
-    async def embed(self, request: EmbedRequest) -> list[float]:
-        """The embedding of one input (embedding models only); cancelling aborts it in the engine."""
-        ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -262,5 +275,3 @@ class Engine(Generator, Protocol):
     def adapter_load(self) -> AdapterLoad | None:
         """The adapters at work (None: this engine serves no adapters, LoRA off)."""
         ...
-
-    async def shutdown(self) -> None: ...

@@ -30,6 +30,7 @@ from engine.tokenizer import HFTokenizer
 from engine.types import (
     AdapterLoad,
     ChoiceDelta,
+    Embeddings,
     EmbedRequest,
     EngineLoad,
     GenerationOutput,
@@ -306,11 +307,23 @@ class VLLMEngine:
             async for out in stream:
                 yield to_output(out, request.sampling)
 
-    async def embed(self, request: EmbedRequest) -> list[float]:
-        params = PoolingParams(task="embed", dimensions=request.dimensions)
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """One engine request per input, all at once (the engine batches them); a failure or a
+        cancellation cancels the rest."""
+        tasks = [asyncio.ensure_future(self._pooled(tokens, request.dimensions, f"{request.request_id}-{i}"))
+                 for i, tokens in enumerate(request.inputs)]
+        try:
+            vectors: list[list[float] | str] = list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+        return Embeddings(vectors, sum(len(tokens) for tokens in request.inputs))
+
+    async def _pooled(self, tokens: list[int], dimensions: int | None, request_id: str) -> list[float]:
+        params = PoolingParams(task="embed", dimensions=dimensions)  # its own: vLLM fills it in per request
         final = None
         with _engine_errors():
-            async for out in self._llm.encode(tokens_input(request.prompt_token_ids), params, request.request_id):
+            async for out in self._llm.encode(tokens_input(tokens), params, request_id):
                 final = out
         if final is None:
             raise EngineError("the engine returned no embedding")

@@ -21,6 +21,7 @@ from engine.types import (
     AdapterLoad,
     ChatPrompt,
     ChoiceDelta,
+    Embeddings,
     EmbedRequest,
     EngineLoad,
     GenerationOutput,
@@ -187,17 +188,19 @@ class FakeEngine:
             (4000 + k, alt, -2.0) for k, alt in enumerate(self.prompt_alternatives.get(place, [])))) for place, i in
             enumerate(ids) if place > 0))
 
-    async def embed(self, request: EmbedRequest) -> list[float]:
-        """A unit vector that depends on the token ids only (shortened and re-normalised to
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """Per input a unit vector that depends on its token ids only (shortened and re-normalised to
         `dimensions`, as a Matryoshka model's)."""
         if self.dead:
             raise EngineUnavailable("the fake engine is dead")
         self.embedded.append(request)
         await asyncio.sleep(self.delay)
-        vector = [sum(math.sin(t * (k + 1)) for t in request.prompt_token_ids) for k in range(EMBEDDING_SIZE)]
-        vector = vector[: request.dimensions or EMBEDDING_SIZE]
-        norm = math.sqrt(sum(v * v for v in vector)) or 1.0
-        return [v / norm for v in vector]
+        vectors: list[list[float] | str] = []
+        for ids in request.inputs:
+            vector = [sum(math.sin(t * (k + 1)) for t in ids) for k in range(EMBEDDING_SIZE)][: request.dimensions or EMBEDDING_SIZE]
+            norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+            vectors.append([v / norm for v in vector])
+        return Embeddings(vectors, sum(len(ids) for ids in request.inputs))
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -16,6 +16,7 @@ from engine.config import SamplingDefaults
 from engine.errors import EngineError, EngineInvalidRequest
 from engine.types import (
     AdapterLoad,
+    Embeddings,
     EmbedRequest,
     Engine,
     EngineLoad,
@@ -62,7 +63,7 @@ class AdapterEngine:
             if not self.in_flight:
                 self._idle.set()
 
-    async def embed(self, request: EmbedRequest) -> list[float]:
+    async def embed(self, request: EmbedRequest) -> Embeddings:
         raise EngineInvalidRequest(f"the adapter '{self.name}' generates; it does not embed", "model")
 
     async def abort(self, request_id: str) -> None:
@@ -96,8 +97,7 @@ def adapter_backend(name: str, base: Backend, path: str, created: int, version: 
     """The backend of an adapter of `base`; unless it has its own, the base's admission: one engine, one bound."""
     assert base.engine is not None
     engine = AdapterEngine(base.engine, name, path, defaults)
-    return Backend(name, admission or base.admission, fallback, engine=engine, created=created,
-                   version=version, base=base.name)
+    return Backend(name, admission or base.admission, engine, fallback, created=created, version=version, base=base.name)
 
 
 async def load_declared(registry: ModelRegistry) -> None:

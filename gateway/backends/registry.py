@@ -27,20 +27,18 @@ from gateway.protocol.openai import ModelCard, ModelList
 class Backend:
     name: str
     admission: Admission
+    generator: Engine | Upstream  # what answers (`engine.types.Generator`): its info, generations, health
     fallback: tuple[str, ...] = ()
-    engine: Engine | None = None
     grammar: GrammarCheck | None = None  # compiles structured-output constraints for the engine's model
-    upstream: Upstream | None = None
     created: int = 0
     version: str | None = None  # its SemVer version, when declared
     defaults: SamplingDefaults | None = None  # remote: sent where a request is silent (embedded: in the engine)
     base: str | None = None  # a LoRA adapter: the model whose engine serves it (`backends.adapters`)
 
-    async def check_health(self) -> None:
-        if self.engine is not None:
-            await self.engine.check_health()
-        elif self.upstream is not None:
-            await self.upstream.check_health()
+    @property
+    def engine(self) -> Engine | None:
+        """The embedded engine, for what only it has (its tokenizer, load, adapters); None: remote."""
+        return None if isinstance(self.generator, Upstream) else self.generator
 
 
 @dataclass(slots=True)
@@ -182,12 +180,9 @@ class ModelRegistry:
         for name, backend in self.backends.items():
             if access is not None and name not in access:
                 continue
-            engine = backend.engine
-            cards.append(ModelCard(
-                id=name, created=backend.created, root=engine.info.root if engine else name,
-                max_model_len=engine.info.max_model_len if engine else None, version=backend.version,
-                parent=backend.base,
-            ))
+            info = backend.generator.info
+            cards.append(ModelCard(id=name, created=backend.created, root=info.root or name,
+                                   max_model_len=info.max_model_len or None, version=backend.version, parent=backend.base))
         for family in self.catalog.families:  # `name` alone: its newest stable version (granted), if any
             if (newest := self._reachable(family, access)) is not None:
                 cards.append(ModelCard(id=family, created=self.backends[newest].created, root=newest))

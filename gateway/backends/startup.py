@@ -62,20 +62,19 @@ def build_registry(
         if spec.kind == "adapter":
             continue  # once its base is there, below
         admission = Admission(spec.id, spec.admission or settings.admission)
-        backend = Backend(spec.id, admission, tuple(spec.fallback), created=created, version=spec.version)
         if spec.kind == "remote":
             assert spec.url is not None
-            backend.upstream = Upstream(spec.id, spec.url, spec.upstream_model or spec.name, spec.api_key,
-                                        spec.timeout_s, spec.connect_timeout_s, spec.max_connections,
-                                        log_bodies=settings.log_prompts)
-            backend.defaults = spec.defaults
-        else:
-            log.info("engine_starting", model=spec.id)
-            backend.engine = start(scheduling(spec.engine_settings(settings.engine), prioritized))
-            structured = settings.structured_output
-            backend.grammar = grammar(backend.engine, structured.compile_workers, structured.compile_verdicts)
-            log.info("sampling_defaults", model=spec.id, **backend.engine.info.sampling_defaults.model_dump(exclude_none=True))
-        backends[spec.id] = backend
+            upstream = Upstream(spec.id, spec.url, spec.upstream_model or spec.name, spec.api_key, spec.timeout_s,
+                                spec.connect_timeout_s, spec.max_connections, log_bodies=settings.log_prompts)
+            backends[spec.id] = Backend(spec.id, admission, upstream, tuple(spec.fallback), created=created,
+                                        version=spec.version, defaults=spec.defaults)
+            continue
+        log.info("engine_starting", model=spec.id)
+        engine = start(scheduling(spec.engine_settings(settings.engine), prioritized))
+        structured = settings.structured_output
+        checker = grammar(engine, structured.compile_workers, structured.compile_verdicts)
+        log.info("sampling_defaults", model=spec.id, **engine.info.sampling_defaults.model_dump(exclude_none=True))
+        backends[spec.id] = Backend(spec.id, admission, engine, tuple(spec.fallback), checker, created, spec.version)
     for spec in models.models:
         if spec.kind == "adapter":
             assert spec.base is not None
@@ -114,8 +113,5 @@ async def stop(registry: ModelRegistry) -> None:
     for name, backend in registry.backends.items():
         if backend.grammar is not None:
             await backend.grammar.close()
-        if backend.engine is not None and backend.base is None:  # an adapter's engine is its base's
-            log.info("engine_shutdown", model=name)
-            await backend.engine.shutdown()
-        if backend.upstream is not None:
-            await backend.upstream.aclose()
+        log.info("backend_shutdown", model=name)
+        await backend.generator.shutdown()  # an adapter's does nothing: its engine is its base's

@@ -2,7 +2,9 @@
 
 A remote backend (`engine.types.Generator`): requests are forwarded as validated, with `model`
 renamed to the upstream's name, and its answer (a whole JSON body, or SSE chunks as they come,
-decoded from any `Content-Encoding`) is read into typed outputs, as the engine's.
+decoded from any `Content-Encoding`; embeddings' vectors) is read into typed outputs, as the
+engine's. An answer the gateway cannot take as the engine's (a choice's index outside the n asked
+for, a negative count, vectors that are not one per input) is a 502.
 
 One aiohttp session per upstream, made on first use (in the serving loop), its pool sized by the
 model's `max_connections`, every connection kept alive between requests for `KEEP_ALIVE_S` (under
@@ -24,15 +26,18 @@ may echo the request) only with `log_prompts`:
 
 Fallible errors happen before the first byte, so the dispatcher tries the model's fallbacks.
 
-What it is sent: the request with the model's defaults where it is silent (`with_defaults`), its
-tokens estimated for the charge (`estimate`: no tokenizer of the upstream's model here; the prompt's
-text at 4 characters a token, OpenAI's rule of thumb, token-id prompts by their length, plus the
-output budget asked for, times n and the prompts; completions' default 16; chat without one: 0,
-counted after). The upstream's usage, when it reports one, is the count that stays.
+What it is sent: the request with the model's defaults where it is silent (`with_defaults`; a chat
+request's max_tokens the gateway's `default_max_tokens` after them, as for embedded models), its
+tokens estimated for the charge and the output bound (`estimate`: no tokenizer of the upstream's
+model here; the prompt's text at 4 characters a token, OpenAI's rule of thumb, token-id prompts by
+their length, plus the output budget asked for, times n and the prompts; completions' default 16;
+chat without one: 0, its stream cut at its share of the bound, `per_choice`). The upstream's usage,
+when it reports one, is the count that stays.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -43,11 +48,21 @@ import orjson
 import structlog
 from aiohttp.helpers import get_env_proxy_for_url
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from pydantic import BaseModel, NonNegativeInt, ValidationError
 from yarl import URL
 
 from engine.config import SamplingDefaults
 from engine.errors import EngineUnavailable
-from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest, ModelInfo, TokenLogprob, ToolCallDelta
+from engine.types import (
+    ChoiceDelta,
+    Embeddings,
+    EmbedRequest,
+    GenerationOutput,
+    GenerationRequest,
+    ModelInfo,
+    TokenLogprob,
+    ToolCallDelta,
+)
 from gateway.errors import APIError, BackendUnavailable, BadGateway, Dialect
 from gateway.protocol import sse_wire
 from gateway.telemetry import metrics
@@ -58,11 +73,29 @@ log = structlog.get_logger(__name__)
 PASSED_ON = frozenset({400, 413, 422})  # the client's own mistakes: the upstream's answer explains them
 UNAVAILABLE = frozenset({408, 429, 502, 503, 504})  # busy or briefly down: another model may answer
 LOGGED_BYTES = 500  # of an upstream's error body, for the log
+REFUSAL_BYTES = 64 * 1024  # of an error body passed on to the client (`Refused`): an explanation, not a payload
 KEEP_ALIVE_S = 4.0  # an idle connection's life: under uvicorn's 5 s, so we close it before the upstream does
 HEALTH_TIMEOUT_S = 5.0
 FAILURES = (aiohttp.ClientError, TimeoutError)  # what aiohttp raises when the upstream fails us
 CHARS_PER_TOKEN = 4
+IMAGE_TOKENS = 85  # an image part of a message, estimated as OpenAI's base cost of one image (low detail)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) when a completions request sends none
+
+
+class _Vector(BaseModel):
+    index: int
+    embedding: list[float] | str  # str: base64, as the request's encoding_format asked
+
+
+class _EmbeddingUsage(BaseModel):
+    prompt_tokens: NonNegativeInt | None = None
+
+
+class _Vectors(BaseModel):
+    """What of an upstream's embeddings answer is read."""
+
+    data: list[_Vector]
+    usage: _EmbeddingUsage | None = None
 
 
 class Refused(APIError):
@@ -124,7 +157,7 @@ class Upstream:
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         """The generation `request.forward` asks for, its answer read as typed outputs (a stream's
         chunk by chunk; a whole answer as one output); closing it early ends the upstream's request."""
-        forward = request.forward
+        forward, n = request.forward, request.sampling.n
         assert forward is not None
         stream = bool(forward.payload.get("stream"))
         async with self._request(forward.path, forward.payload) as (response, span):
@@ -133,7 +166,7 @@ class Upstream:
                     answer = orjson.loads(await self._body(response))
                 except orjson.JSONDecodeError:
                     raise self._failed(BadGateway, "an answer that is not JSON") from None
-                yield _output(answer, whole=True)
+                yield self._checked(_output(answer, whole=True), n)
                 return
             try:
                 async for event in sse_wire.split(response.content.iter_any()):
@@ -141,16 +174,36 @@ class Upstream:
                         if chunk == sse_wire.UNREADABLE or (isinstance(chunk, dict) and "error" in chunk):
                             raise self._failed(BackendUnavailable, "mid-stream: an error event, or data that is not JSON")
                         if isinstance(chunk, dict):
-                            yield _output(chunk, whole=False)
+                            yield self._checked(_output(chunk, whole=False), n)
             except FAILURES as exc:
                 if span is not None:
                     _failed_span(span, exc)
                 raise self._failed(BackendUnavailable, f"mid-stream: {type(exc).__name__}: {exc}") from exc
 
-    async def whole(self, path: str, payload: dict[str, Any]) -> bytes:
-        """A request whose answer is not a generation (embeddings): the upstream's body."""
-        async with self._request(path, payload) as (response, _):
-            return await self._body(response)
+    def _checked(self, output: GenerationOutput, n: int) -> GenerationOutput:
+        """An output whose choices are among the n asked for and whose counts are not negative, or a 502."""
+        if any(not 0 <= delta.index < n for delta in output.choices):
+            raise self._failed(BadGateway, f"a choice's index outside 0..{n - 1}")
+        if min(output.prompt_tokens, output.cached_tokens, output.completion_tokens or 0) < 0:
+            raise self._failed(BadGateway, "a negative token count in its usage")
+        return output
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        """The vectors `request.forward` asks for, one per input (each index once), read from an
+        answer in OpenAI's shape; anything else is a 502. Its usage counts, else the estimate."""
+        forward = request.forward
+        assert forward is not None
+        async with self._request(forward.path, forward.payload) as (response, _):
+            body = await self._body(response)
+        try:
+            answer = _Vectors.model_validate_json(body)
+        except ValidationError:
+            raise self._failed(BadGateway, "an embeddings answer not in OpenAI's shape") from None
+        if sorted(vector.index for vector in answer.data) != list(range(_count(forward.payload.get("input")))):
+            raise self._failed(BadGateway, "not one vector for each input")
+        usage = answer.usage.prompt_tokens if answer.usage is not None else None
+        vectors = [vector.embedding for vector in sorted(answer.data, key=lambda vector: vector.index)]
+        return Embeddings(vectors, forward.prompt_tokens if usage is None else usage)
 
     @asynccontextmanager
     async def _request(self, path: str, body: Mapping[str, Any]) -> AsyncIterator[tuple[aiohttp.ClientResponse, Span | None]]:
@@ -188,9 +241,9 @@ class Upstream:
         if span is not None:
             span.set_attribute("http.response.status_code", status)
         if status in PASSED_ON:
-            raise Refused(status, await self._body(response))
+            raise Refused(status, await _start(response, REFUSAL_BYTES))
         if status != 200:
-            excerpt = await _excerpt(response)
+            excerpt = (await _start(response, LOGGED_BYTES)).decode("utf-8", "replace")
             if not self._log_bodies:
                 excerpt = _error_kind(excerpt)
             kind = BackendUnavailable if status in UNAVAILABLE else BadGateway
@@ -212,7 +265,7 @@ class Upstream:
         try:
             async with self.session.get(self._url("/models"), timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
                 status = response.status
-                text = "" if status == 200 else (await response.content.read(LOGGED_BYTES)).decode("utf-8", "replace")
+                text = "" if status == 200 else (await _start(response, LOGGED_BYTES)).decode("utf-8", "replace")
         except FAILURES as exc:
             log.warning("upstream_unhealthy", model=self.name, why=f"{type(exc).__name__}: {exc}")
             raise EngineUnavailable("upstream unreachable") from exc
@@ -220,7 +273,7 @@ class Upstream:
             log.warning("upstream_unhealthy", model=self.name, why=f"answered {status}: {text}")
             raise EngineUnavailable(f"upstream answered {status}")
 
-    async def aclose(self) -> None:
+    async def shutdown(self) -> None:
         if self._session is not None:
             await self._session.close()
 
@@ -291,14 +344,15 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) else 0
 
 
-def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, output_budget: bool) -> dict[str, Any]:
+def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, output_budget: bool,
+                  default_max_tokens: int | None = None) -> dict[str, Any]:
     """The request with the model's sampling defaults (the models file's `defaults`) where it is
-    silent: an upstream cannot know them. `max_tokens` only where the output budget is open (chat),
-    as for embedded models."""
-    if defaults is None:
-        return payload
-    values = defaults.model_dump(exclude_none=True)
-    if not output_budget or "max_completion_tokens" in payload:
+    silent: an upstream cannot know them. `max_tokens` only where the output budget is open (chat):
+    the model's default, else the gateway's `default_max_tokens`, as for embedded models."""
+    values = defaults.model_dump(exclude_none=True) if defaults is not None else {}
+    if default_max_tokens is not None:
+        values.setdefault("max_tokens", default_max_tokens)
+    if not output_budget or payload.get("max_completion_tokens") is not None:
         values.pop("max_tokens", None)
     silent = {key: value for key, value in values.items() if payload.get(key) is None}
     return {**payload, **silent}
@@ -307,13 +361,35 @@ def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, ou
 def estimate(payload: dict[str, Any]) -> tuple[int, int]:
     """(prompt tokens, output budget) of a request about to be forwarded."""
     prompts = payload.get("prompt", payload.get("input"))
-    prompt = _message_tokens(payload.get("messages") or []) + _prompt_tokens(prompts)
-    count = len(prompts) if isinstance(prompts, list) and prompts and isinstance(prompts[0], str | list) else 1
+    # tools and a response format's schema are rendered into the prompt: their JSON's length, roughly
+    schemas = sum(math.ceil(len(orjson.dumps(payload[key])) / CHARS_PER_TOKEN) for key in ("tools", "response_format")
+                  if payload.get(key))
+    prompt = _message_tokens(payload.get("messages") or []) + _prompt_tokens(prompts) + schemas
+    return prompt, _asked(payload) * _choices(payload)
+
+
+def per_choice(payload: dict[str, Any], bound: int) -> int:
+    """The most tokens one choice of a forwarded request may bring: what it asks for, else its
+    choices' even share of `bound` (the gateway's `max_output_tokens_per_request`)."""
+    return _asked(payload) or max(1, bound // _choices(payload))
+
+
+def _asked(payload: dict[str, Any]) -> int:
+    """The output budget per choice (completions' default when unsaid; 0: none)."""
     asked = payload.get("max_completion_tokens") or payload.get("max_tokens")
     if asked is None and "prompt" in payload:
         asked = COMPLETIONS_DEFAULT_MAX_TOKENS
-    choices = max(int(payload.get("n") or 1), int(payload.get("best_of") or 1))
-    return prompt, int(asked or 0) * choices * count
+    return int(asked or 0)
+
+
+def _choices(payload: dict[str, Any]) -> int:
+    """Choices per prompt, times the prompts."""
+    return max(int(payload.get("n") or 1), int(payload.get("best_of") or 1)) * _count(payload.get("prompt", payload.get("input")))
+
+
+def _count(prompts: object) -> int:
+    """How many prompts (or inputs to embed) a request's `prompt` (`input`) holds."""
+    return len(prompts) if isinstance(prompts, list) and prompts and isinstance(prompts[0], str | list) else 1
 
 
 def _chars(text: str) -> int:
@@ -327,7 +403,8 @@ def _message_tokens(messages: list[dict[str, Any]]) -> int:
         if isinstance(content, str):
             total += _chars(content)
         elif isinstance(content, list):
-            total += sum(_chars(part.get("text") or "") for part in content if isinstance(part, dict))
+            total += sum(IMAGE_TOKENS if part.get("type") == "image_url" else _chars(part.get("text") or "")
+                         for part in content if isinstance(part, dict))
         for call in message.get("tool_calls") or ():
             total += _chars(str((call.get("function") or {}).get("arguments") or ""))
     return total
@@ -362,15 +439,14 @@ def _error_kind(excerpt: str) -> str:
     return ", ".join(f"{key} {value}" for key, value in named.items()) or "(its text is logged with log_prompts)"
 
 
-async def _excerpt(response: aiohttp.ClientResponse) -> str:
-    """The start of an error body, for the log; the response is released (its connection closed
-    when the rest was not read)."""
-    try:
-        return (await response.content.read(LOGGED_BYTES)).decode("utf-8", "replace")
-    except FAILURES as exc:
-        return f"(unreadable: {type(exc).__name__})"
-    finally:
-        response.release()
+async def _start(response: aiohttp.ClientResponse, most: int) -> bytes:
+    """An error body's first `most` bytes, as many as could be read (the rest is not read: the
+    response's release closes its connection)."""
+    body = b""
+    with contextlib.suppress(*FAILURES):
+        while len(body) < most and (piece := await response.content.read(most - len(body))):
+            body += piece
+    return body
 
 
 def _env_proxy(url: str) -> tuple[URL | None, aiohttp.BasicAuth | None]:

@@ -7,15 +7,15 @@ as engine requests, by the key's priority class), then the generation: one path 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any, Generic
+from typing import Generic
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from engine.types import Forward
+from engine.types import Engine, Forward
 from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
-from gateway.backends.upstream import Upstream, estimate, with_defaults
-from gateway.errors import BadGateway, InvalidRequest
+from gateway.backends.upstream import estimate, per_choice, with_defaults
+from gateway.errors import InvalidRequest
 from gateway.guards.guarding import RequestGuard
 from gateway.guards.inbound import guarded
 from gateway.pipeline.answer import Answer, Event, Stream, Whole, primed
@@ -24,7 +24,7 @@ from gateway.pipeline.disconnect import unless_gone
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.serving import offload, structured
-from gateway.serving.meter import Meter, Readings
+from gateway.serving.meter import Readings
 from gateway.serving.service import AnswerT, Forwards, OnDone, PreparedT, RequestT, Service, check_task
 from gateway.serving.structured import Constraint
 from gateway.stores.cache import Hit, Storer
@@ -64,7 +64,8 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         """The one journey on either backend: its preparation (every refusal, the tokens to charge),
         the output bound, the charge, the cache, admission, then the generation, the permit held
         until the answer has been passed on."""
-        start = await (self._remote(backend) if backend.upstream is not None else self._embedded(backend))
+        engine = backend.engine
+        start = await (self._remote(backend) if engine is None else self._embedded(backend, engine))
         on_done, hit = await self._cached(backend)
         if hit is not None:
             return self._replay(hit)
@@ -133,9 +134,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             waited = admission.acquire(count, self.scheduled.klass, key)
             return await unless_gone(self.context.client_gone, waited)
 
-    async def _embedded(self, backend: Backend) -> Start[AnswerT]:
-        engine = backend.engine
-        assert engine is not None
+    async def _embedded(self, backend: Backend, engine: Engine) -> Start[AnswerT]:
         check_task(engine.info, self.service.task, self.service.route)
         default_max_tokens, size = self.state.settings.default_max_tokens, self.context.body_bytes
         with stage(self.context.record.trace, "gateway.prepare"):  # template, tokens, input guards
@@ -224,48 +223,28 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
     async def _remote(self, backend: Backend) -> Start[AnswerT]:
         """The request forwarded as the input guards let it through, with the model's defaults and
         the priority's fields; its tokens estimated for the charge and the output bound."""
-        upstream, service, path = backend.upstream, self.service, self.service.upstream_path
-        assert upstream is not None
+        service, path = self.service, self.service.upstream_path
         if self.shape is not None:
             raise InvalidRequest("The native API serves embedded models only", "model")
-        if not path:
+        if not path or not isinstance(service, Forwards):
             raise InvalidRequest(f"{service.route} serves embedded models only; '{backend.name}' is remote", "model")
         with stage(self.context.record.trace, "gateway.prepare"):
             body = await offload.by_size(self.context.body_bytes, guarded, self.body, self.guard)
         self.context.release_body()
         payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)
-        payload = with_defaults(payload, backend.defaults, output_budget=isinstance(self.body, ChatCompletionRequest))
+        chat, most = isinstance(self.body, ChatCompletionRequest), self.state.settings.max_output_tokens_per_request
+        payload = with_defaults(payload, backend.defaults, chat, self.state.settings.default_max_tokens)
         payload = self.scheduled.forwarded(payload)
+        if payload.get("stream"):  # its usage, to settle the charge with: the client gets it only if it asked
+            payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
         prompt, output = estimate(payload)
         self._check_output(output)
         await self._charge(prompt + output, reconcile=True)
-        if not isinstance(service, Forwards):  # embeddings: an answer, not a generation
-            await self.guard.moderate_input()
-            return lambda permit, on_done: self._answered(upstream, path, payload, prompt, permit, on_done)
-        prepared: PreparedT = service.forwarded(body, Forward(path, payload, prompt), upstream, self.guard)
+        forward = Forward(path, payload, prompt, per_choice(payload, most))
+        prepared: PreparedT = service.forwarded(body, forward, backend.generator, self.guard)
         prepared.model = backend.name
         prepared.schedule(self.scheduled, self.readings)
         return lambda permit, on_done: self._generate(prepared, permit, on_done)
-
-    async def _answered(self, upstream: Upstream, path: str, payload: dict[str, Any], prompt: int, permit: Permit,
-                        on_done: OnDone[AnswerT] | None) -> Answer:
-        """A remote upstream's whole answer that is no generation (embeddings): read, counted, cached."""
-        meter = Meter(upstream.name, self.readings)
-        meter.begin()
-        try:
-            body = await unless_gone(self.context.client_gone, upstream.whole(path, payload))
-            meter.token()
-            answer = self.service.answer_type.model_validate_json(body)
-        except ValidationError:
-            raise BadGateway(f"The model '{upstream.name}' answered with what is not its API's answer") from None
-        finally:
-            meter.end()
-            permit.release()
-        usage = getattr(answer, "usage", None)
-        meter.count(getattr(usage, "prompt_tokens", 0) or prompt, getattr(usage, "completion_tokens", 0) or 0)
-        if on_done is not None:
-            await on_done(answer)
-        return Whole(answer)
 
 
 def _traced_hit(record: RequestRecord, answer: BaseModel) -> None:

@@ -247,6 +247,8 @@ class Run:
             self._span = trace.start("engine.first_token", attributes={"gen_ai.request.id": request.request_id})
             self.request = request = replace(request, trace_headers=headers_of(self._span))
         self._outputs = engine.generate(request)
+        if request.forward is not None:
+            self._outputs = _bounded(self._outputs, request.sampling.n, request.forward.max_tokens)
         self._first: GenerationOutput | None = None
         self._meter = Meter(engine.info.name, readings)
         self.unkeepable: str | None = None  # why the answer must not be cached
@@ -285,9 +287,19 @@ class Run:
                 try:
                     output = await anext(self._outputs)
                 except StopAsyncIteration:
+                    if (rest := await self._flushed()).choices:
+                        yield self._take(rest)
                     return
         finally:
             await self.close()
+
+    async def _flushed(self) -> GenerationOutput:
+        """What the output guard still holds of choices the backend left unfinished (a remote
+        stream that ended without a finish reason), checked as their end; they stay unfinished."""
+        assert self.guard is not None
+        ends = [ChoiceDelta(choice.index, "", (), "stop") for choice in self.choices if choice.finish_reason is None]
+        rest = await self.guard.apply(GenerationOutput(0, ends, finished=True))
+        return visible(replace(rest, choices=[replace(delta, finish_reason=None) for delta in rest.choices]))
 
     async def close(self) -> None:
         if self._closed:
@@ -392,3 +404,26 @@ class Run:
             "total_tokens": self.prompt_tokens + completion,
             "prompt_tokens_details": details,
         }
+
+
+async def _bounded(outputs: AsyncGenerator[GenerationOutput, None], n: int, most: int) -> AsyncGenerator[GenerationOutput, None]:
+    """A remote upstream's outputs, a choice that brings more than the `most` tokens it was allowed
+    ended there ("length", what came past it dropped); once every choice is over, so is the request
+    (one that finished every choice itself goes on to its usage)."""
+    tokens, ended, cut = [0] * n, [False] * n, False
+    try:
+        async for output in outputs:
+            deltas = []
+            for delta in output.choices:
+                if ended[delta.index]:
+                    continue
+                tokens[delta.index] += len(delta.token_ids)
+                ended[delta.index] = delta.finish_reason is not None or tokens[delta.index] > most
+                if tokens[delta.index] > most:
+                    cut, delta = True, ChoiceDelta(delta.index, "", (), "length")
+                deltas.append(delta)
+            yield replace(output, choices=deltas) if cut else output
+            if cut and all(ended):
+                return
+    finally:
+        await outputs.aclose()

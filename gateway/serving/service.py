@@ -86,7 +86,7 @@ class Service(Protocol[RequestT_contra, PreparedT, AnswerT]):
 
 @runtime_checkable
 class Forwards(Protocol[RequestT_contra, PreparedT_co]):
-    """A service that also serves remote models' generations (chat, completions): the request as a
+    """A service that also serves remote models (chat, completions, embeddings): the request as a
     remote upstream is sent it, prepared for the same `complete` and `stream`."""
 
     def forwarded(self, request: RequestT_contra, forward: Forward, backend: Generator, guard: RequestGuard) -> PreparedT_co:

@@ -316,7 +316,7 @@ def test_without_admin_keys_the_admin_api_does_not_exist(tmp_path: Path) -> None
 
 async def test_an_unload_waits_for_the_requests_in_flight_on_the_adapter(tmp_path: Path) -> None:
     base_engine = FakeEngine("base", delay=0.01, max_loras=1)
-    base = Backend("base", Admission("base", AdmissionSettings()), engine=base_engine)
+    base = Backend("base", Admission("base", AdmissionSettings()), base_engine)
     registry = ModelRegistry({"base": base})
     admin = AdapterAdmin(registry)
     await admin.load("ad", str(write_stub(tmp_path / "ad")))
@@ -343,7 +343,7 @@ async def test_an_unload_waits_for_the_requests_in_flight_on_the_adapter(tmp_pat
 
 async def test_a_base_is_chosen_only_when_one_serves_adapters(tmp_path: Path) -> None:
     def backend(name: str, loras: int | None) -> Backend:
-        return Backend(name, Admission(name, AdmissionSettings()), engine=FakeEngine(name, max_loras=loras))
+        return Backend(name, Admission(name, AdmissionSettings()), FakeEngine(name, max_loras=loras))
 
     stub = str(write_stub(tmp_path / "x"))
     two = AdapterAdmin(ModelRegistry({"one": backend("one", 1), "two": backend("two", 1)}))

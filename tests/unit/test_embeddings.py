@@ -72,7 +72,7 @@ def test_one_input_is_one_unit_vector(api: TestClient, engines: dict[str, FakeEn
     assert len(item["embedding"]) == EMBEDDING_SIZE
     assert math.isclose(sum(v * v for v in item["embedding"]), 1.0, rel_tol=1e-9)
     assert answer["usage"] == {"prompt_tokens": 2, "total_tokens": 2}
-    assert engines["embed"].embedded[-1].prompt_token_ids == engines["embed"].tokenizer.encode("hello world")
+    assert engines["embed"].embedded[-1].inputs[0] == engines["embed"].tokenizer.encode("hello world")
 
 
 def test_a_batch_gives_the_vectors_of_its_inputs_one_by_one(api: TestClient) -> None:

@@ -2,7 +2,8 @@
 double (tests/fakes.py) and a scripted upstream (tests/scripted_upstream.py) that answers as an
 OpenAI-compatible server would with the same script. Output guards on every field that carries
 model text (content, a named tool call's arguments, structured output, logprobs), the output
-bound, usage, errors before and after the first byte, and a client that leaves mid-stream."""
+bound, usage, errors before and after the first byte, and a client that leaves mid-stream; and the
+embeddings, through the same `embed` of either backend."""
 
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ class Script:
     fail_mid: bool = False  # fails after the first piece
     endless: bool = False  # generates until stopped
     reasoning: bool = False  # a remote upstream: the pieces are its reasoning, the answer a short "ok"
+    unfinished: bool = False  # ends without a finish reason
+    vectors: Any = None  # a remote upstream's embeddings answer in place of a good one (garbage)
     requests: int = 0
+    sent: dict[str, Any] = field(default_factory=dict)  # the last request a remote upstream was sent
     stopped: threading.Event = field(default_factory=threading.Event)  # an endless generation was stopped
 
 
@@ -61,9 +65,11 @@ class Upstream:
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         script, body = self.script, json.loads(request.content)
-        script.requests += 1
+        script.requests, script.sent = script.requests + 1, body
         if script.dead:
             return httpx.Response(503, json={"error": {"message": "down", "type": "unavailable"}})
+        if request.url.path.endswith("/embeddings"):
+            return self._embeddings(body)
         named = body.get("tool_choice") is not None
         logprobs = bool(body.get("logprobs"))
         usage = {"prompt_tokens": 5, "completion_tokens": len(script.pieces), "total_tokens": 5 + len(script.pieces)}
@@ -76,7 +82,7 @@ class Upstream:
                 message.update(content="ok", reasoning_content=text)
             if named:
                 message["tool_calls"] = [{"id": "call_1", "type": "function", "function": {"name": "mail", "arguments": text}}]
-            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "stop"}
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": None if script.unfinished else "stop"}
             if logprobs:
                 choice["logprobs"] = {"content": [_logprob(p) for p in script.pieces]}
             return httpx.Response(200, json={"id": "c", "object": "chat.completion", "created": 1, "model": "m",
@@ -84,6 +90,23 @@ class Upstream:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return httpx.Response(200, headers={"content-type": "text/event-stream"},
                               content=self._chunks(named, logprobs, usage if include_usage else None))
+
+    def _embeddings(self, body: dict[str, Any]) -> httpx.Response:
+        script = self.script
+        if script.endless:
+            return httpx.Response(200, headers={"content-type": "application/json"}, content=self._never())
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        data = [{"object": "embedding", "index": i, "embedding": [0.6, 0.8]} for i in range(len(inputs))]
+        answer = {"object": "list", "data": data, "model": "up", "usage": {"prompt_tokens": 7, "total_tokens": 7}}
+        return httpx.Response(200, json=answer if script.vectors is None else script.vectors)
+
+    async def _never(self) -> AsyncIterator[bytes]:
+        """An answer that never comes, until the gateway hangs up."""
+        try:
+            yield b"{"
+            await asyncio.Event().wait()
+        finally:
+            self.script.stopped.set()
 
     def _completion(self, body: dict[str, Any], usage: dict[str, int]) -> httpx.Response:
         pieces = self.script.pieces
@@ -109,7 +132,7 @@ class Upstream:
                     if i == 0:
                         call.update(id="call_1", type="function", function={"name": "mail", "arguments": piece})
                     delta = {"tool_calls": [call]}
-                last = not script.endless and i == len(script.pieces) - 1
+                last = not script.endless and not script.unfinished and i == len(script.pieces) - 1
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": "stop" if last else None}
                 if logprobs:
                     choice["logprobs"] = {"content": [_logprob(piece)]}
@@ -149,7 +172,11 @@ class Engine(FakeEngine):
     async def generate(self, request: Any) -> AsyncIterator[Any]:  # type: ignore[override]
         script = self.script
         script.requests += 1
-        self.dead, self.reply = script.dead, None if script.endless else script.pieces
+        pieces = script.pieces[: request.sampling.max_tokens]  # an engine keeps to max_tokens
+        self.dead, self.reply = script.dead, None if script.endless else pieces
+        self.last_finish = "length" if len(pieces) < len(script.pieces) else "stop"
+        if script.unfinished:
+            self.last_finish = None  # type: ignore[assignment]
         self.delay = 0.01 if script.endless else 0.0
         try:
             async for step, output in aenumerate(super().generate(request)):
@@ -159,6 +186,24 @@ class Engine(FakeEngine):
         finally:
             if script.endless and self.aborted:
                 script.stopped.set()
+
+
+class Embedder(FakeEngine):
+    """The engine's test double as an embedding model playing a Script."""
+
+    def __init__(self, script: Script) -> None:
+        super().__init__(task="embed")
+        self.script = script
+
+    async def embed(self, request: Any) -> Any:
+        self.script.requests += 1
+        self.dead = self.script.dead
+        if self.script.endless:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self.script.stopped.set()
+        return await super().embed(request)
 
 
 @dataclass
@@ -172,7 +217,7 @@ class Side:
 @pytest.fixture(params=["embedded", "remote"])
 def side(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Side]:
     script = Script()
-    engine = Engine(script)
+    engine = Engine(script) if "embed" not in request.fixturenames else Embedder(script)
     guards = tmp_path / "guards.yaml"
     guards.write_text(GUARDS)
     settings: dict[str, Any] = {"guards_file": guards, "max_output_tokens_per_request": 100}
@@ -273,6 +318,68 @@ def test_the_output_bound_holds(client: TestClient, side: Side) -> None:
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "max_tokens"
     assert side.script.requests == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_what_the_guard_holds_back_is_passed_on_when_a_backend_ends_without_finishing(
+        client: TestClient, side: Side, stream: bool) -> None:
+    side.script.pieces, side.script.unfinished = EMAIL, True
+    answer = post(client, side, stream=stream)
+    assert answer.status_code == 200
+    assert said(answer, stream) == ("Ask [EMAIL] now", "")
+    assert "eve@" not in answer.text
+
+
+def test_a_cached_remote_answer_replayed_keeps_its_reasoning(side: Side) -> None:
+    if side.model != "far":
+        pytest.skip("the engine's reasoning is its text")
+    side.script.reasoning = True
+    with silent(side, cache={"backend": "memory"}) as client:
+        assert post(client, side, temperature=0).headers["x-cache"] == "MISS"
+        replayed = post(client, side, temperature=0, stream=True)
+    assert replayed.headers["x-cache"] == "HIT"
+    parts = [c["choices"][0]["delta"] for c in chunks(replayed.text) if c["choices"]]
+    assert "".join(p.get("reasoning_content") or "" for p in parts) == "Hello there you"
+
+
+def silent(side: Side, **settings: Any) -> TestClient:
+    """A client of a gateway with these settings, for requests silent on max_tokens."""
+    return TestClient(create_app(fake_settings(**{**side.settings, **settings}), engine_starter=lambda es: side.engine))
+
+
+def test_a_request_silent_on_max_tokens_is_bounded_by_the_default_before_the_backend(side: Side) -> None:
+    with silent(side, default_max_tokens=60) as client:
+        answer = client.post("/v1/chat/completions", json={"model": side.model, "messages": [{"role": "user", "content": "hi"}], "n": 2})
+    assert answer.status_code == 400  # 2 x 60 past the 100 a request may generate
+    assert answer.json()["error"]["param"] == "max_tokens"
+    assert side.script.requests == 0
+
+
+def test_a_request_silent_on_max_tokens_runs_with_the_default(side: Side) -> None:
+    """The engine keeps to it; an upstream that goes past what it was sent is cut there."""
+    with silent(side, default_max_tokens=2) as client:
+        body = {"model": side.model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200
+    assert said(answer, stream=True)[0] == "Hello there"
+    assert [c["choices"][0].get("finish_reason") for c in chunks(answer.text) if c["choices"]][-1] == "length"
+    sent = side.script.sent.get("max_tokens") if side.model == "far" else side.engine.requests[-1].sampling.max_tokens
+    assert sent == 2
+
+
+def test_a_remote_stream_without_a_budget_is_cut_at_the_gateways_bound(side: Side) -> None:
+    """Nothing to forward (no default): the upstream is asked for no budget, and cut past its share."""
+    if side.model != "far":
+        pytest.skip("the engine's budget is what the context leaves, checked before it starts")
+    side.script.endless = True
+    with silent(side, max_output_tokens_per_request=4) as client:
+        body = {"model": side.model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200
+    assert "max_tokens" not in side.script.sent
+    assert said(answer, stream=True)[0] == "xxxx"
+    assert [c["choices"][0].get("finish_reason") for c in chunks(answer.text) if c["choices"]][-1] == "length"
+    assert side.script.stopped.wait(5)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -383,3 +490,81 @@ def test_a_remote_whole_answer_times_no_output_tokens(client: TestClient, side: 
         assert metric(count, model=side.model) == before
     assert post(client, side, stream=True).status_code == 200
     assert metric(count, model=side.model) > before
+
+
+@pytest.fixture
+def embed() -> None:
+    """The side's engine is an embedding model."""
+
+
+def embeddings(client: TestClient, side: Side, **body: Any) -> httpx.Response:
+    return client.post("/v1/embeddings", json={"model": side.model, "input": ["one", "two words"], **body})
+
+
+@pytest.mark.usefixtures("embed")
+def test_embeddings_and_their_usage_are_counted(client: TestClient, side: Side) -> None:
+    before = metric("gateway_prompt_tokens_total", model=side.model)
+    with structlog.testing.capture_logs() as logs:
+        answer = embeddings(client, side)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["model"] == side.model
+    assert [item["index"] for item in body["data"]] == [0, 1]
+    tokens = body["usage"]["prompt_tokens"]
+    assert tokens == (7 if side.model == "far" else 3)  # the upstream's count; the engine's tokens
+    assert metric("gateway_prompt_tokens_total", model=side.model) == before + tokens
+    assert metric("gateway_requests_in_flight", model=side.model) == 0
+    line = next(log for log in logs if log["event"] == "request")
+    assert line["prompt_tokens"] == tokens
+
+
+@pytest.mark.usefixtures("embed")
+def test_embeddings_as_base64_from_either_backend(client: TestClient, side: Side) -> None:
+    answer = embeddings(client, side, encoding_format="base64")
+    assert answer.status_code == 200, answer.text
+    assert all(isinstance(item["embedding"], str) for item in answer.json()["data"])
+
+
+@pytest.mark.usefixtures("embed")
+def test_an_embedding_backend_down_is_a_503(client: TestClient, side: Side) -> None:
+    side.script.dead = True
+    answer = embeddings(client, side)
+    assert answer.status_code == 503
+    assert answer.json()["error"]["type"]
+
+
+GARBAGE = [  # a remote upstream's embeddings answer that is not OpenAI's
+    ("not a list", {"data": "x"}),
+    ("an index twice", {"data": [{"index": 0, "embedding": [1.0]}, {"index": 0, "embedding": [1.0]}]}),
+    ("an index past the inputs", {"data": [{"index": 0, "embedding": [1.0]}, {"index": 2, "embedding": [1.0]}]}),
+    ("a vector short of the inputs", {"data": [{"index": 0, "embedding": [1.0]}]}),
+    ("a negative usage", {"data": [{"index": 0, "embedding": [1.0]}, {"index": 1, "embedding": [1.0]}],
+                          "usage": {"prompt_tokens": -5}}),
+]
+
+
+@pytest.mark.usefixtures("embed")
+@pytest.mark.parametrize("garbage", [g for _, g in GARBAGE], ids=[name for name, _ in GARBAGE])
+def test_an_upstreams_garbage_embeddings_are_a_502_in_openais_shape(client: TestClient, side: Side, garbage: Any) -> None:
+    if side.model != "far":
+        pytest.skip("the engine's vectors are typed already")
+    side.script.vectors = garbage
+    answer = embeddings(client, side)
+    assert answer.status_code == 502
+    assert set(answer.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+@pytest.mark.usefixtures("embed")
+async def test_a_client_that_leaves_stops_its_embeddings(side: Side) -> None:
+    side.script.endless = True
+    app = create_app(fake_settings(**side.settings), engine_starter=lambda es: side.engine)
+    body = {"model": side.model, "input": "hi"}
+    async with app.router.lifespan_context(app) as state:
+        async def with_state(scope: Any, receive: Any, send: Any) -> None:
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        await drive(with_state, body, disconnect_after_chunks=None, path="/v1/embeddings")
+        assert await asyncio.to_thread(side.script.stopped.wait, 5)
+        assert state["gateway"].models.backends[side.model].admission.running == 0
+    assert metric("gateway_requests_in_flight", model=side.model) == 0

@@ -193,10 +193,10 @@ def test_a_shared_cache_answers_only_a_key_allowed_the_model_that_produced_it(
 
 def _registry() -> ModelRegistry:
     catalog = Catalog()
-    backends = {name: Backend(name, Admission(4, 4)) for name in ("small", "big", "family@0.1.0-beta")}
+    backends = {name: Backend(name, Admission(4, 4), FakeEngine(name)) for name in ("small", "big", "family@0.1.0-beta")}
     for version in ("1.0.0", "1.4.2", "2.0.0"):
         name = catalog.add("assistant", version)
-        backends[name] = Backend(name, Admission(4, 4))
+        backends[name] = Backend(name, Admission(4, 4), FakeEngine(name))
     catalog.add("family", "0.1.0-beta")
     splits = {"chat": Split("chat", [("small", 1), ("assistant@2.0.0", 1)])}
     return ModelRegistry(backends, splits, {"smol": "small", "helper": "assistant"}, catalog)

@@ -63,7 +63,8 @@ def test_remote_requests_are_estimated_then_settled_to_the_upstreams_usage(tmp_p
 
 
 @pytest.mark.parametrize("include_usage", [True, False])
-def test_streams_are_counted_from_the_usage_chunk_or_their_chunks(tmp_path: Path, upstream, include_usage) -> None:
+def test_streams_are_counted_from_the_upstreams_usage(tmp_path: Path, upstream, include_usage) -> None:
+    """The upstream is asked for its usage whatever the client asked; the client gets it only if it asked."""
     base, _ = upstream
     before = [metric(f"gateway_key_{kind}_tokens_total", key="team-b", team="b") for kind in ("prompt", "completion")]
     options = {"stream_options": {"include_usage": True}} if include_usage else {}
@@ -71,9 +72,9 @@ def test_streams_are_counted_from_the_usage_chunk_or_their_chunks(tmp_path: Path
         answer = post(client, stream=True, max_tokens=4, **options)
         assert answer.status_code == 200
         assert answer.text.endswith("data: [DONE]\n\n")
+    assert ('"usage":{' in answer.text) is include_usage
     after = [metric(f"gateway_key_{kind}_tokens_total", key="team-b", team="b") for kind in ("prompt", "completion")]
-    prompt = UPSTREAM_PROMPT if include_usage else ESTIMATED_PROMPT  # without usage: the estimate
-    assert [a - b for a, b in zip(after, before, strict=True)] == [prompt, 4]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [UPSTREAM_PROMPT, 4]
 
 
 def test_deterministic_remote_answers_are_cached_whole_and_streamed(tmp_path: Path, upstream) -> None:
@@ -109,7 +110,7 @@ def test_remote_models_are_measured(tmp_path: Path, upstream) -> None:
         assert post(client, stream=True).status_code == 200
         assert metric("gateway_requests_in_flight", model="far") == 0  # up while answering, down after
     assert metric("gateway_time_to_first_token_seconds_count", model="far") == ttft + 2
-    assert metric("gateway_prompt_tokens_total", model="far") == prompt + UPSTREAM_PROMPT + ESTIMATED_PROMPT
+    assert metric("gateway_prompt_tokens_total", model="far") == prompt + 2 * UPSTREAM_PROMPT  # a stream asks for usage too
 
 
 def test_in_flight_while_a_remote_stream_is_passed_on(tmp_path: Path) -> None:
@@ -200,3 +201,11 @@ def test_estimates() -> None:
     assert estimate({"prompt": ["abcd", "abcd"], "max_tokens": 3, "best_of": 2}) == (2, 12)
     assert estimate({"prompt": [[1, 2, 3], [4]], "max_tokens": 1}) == (4, 2)
     assert estimate({"input": ["abcd", "abcdefgh"]}) == (3, 0)  # embeddings
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 4000}}
+    bare = estimate({"messages": [{"role": "user", "content": "abcd"}]})[0]
+    assert estimate({"messages": [{"role": "user", "content": "abcd"}], "tools": tools})[0] > bare + 10
+    assert estimate({"messages": [{"role": "user", "content": "abcd"},
+                                  {"role": "user", "content": [image]}]})[0] == bare + 85  # not its URL's length
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object", "properties": {"a": {}}}}}
+    assert estimate({"messages": [{"role": "user", "content": "abcd"}], "response_format": schema})[0] > bare + 10

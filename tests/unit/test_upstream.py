@@ -196,3 +196,31 @@ def test_an_answer_that_cannot_be_read_is_not_passed_on(upstream, stream: bool) 
     events = [e for e in answer.text.split("\n\n") if e]
     assert json.loads(events[1][len("data: "):])["error"]["code"] == "service_unavailable"
     assert "not json" not in answer.text
+
+
+def _answer(index: int, usage: dict[str, int] | None = None) -> dict[str, object]:
+    choice = {"index": index, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}
+    return {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [choice],
+            "usage": usage or {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+@pytest.mark.parametrize(("index", "usage"), [(-1, None), (1, None), (0, {"prompt_tokens": -3, "completion_tokens": 1}),
+                                              (0, {"prompt_tokens": 1, "completion_tokens": -1})],
+                         ids=["negative index", "index past n", "negative prompt", "negative completion"])
+def test_an_answer_the_gateway_cannot_take_is_a_502(upstream, index: int, usage: dict[str, int] | None) -> None:
+    """A choice outside the n asked for, or a negative count: not an IndexError, a wrong slot, or a charge refunded."""
+    client, script = upstream
+    script[0] = lambda request: httpx.Response(200, json=_answer(index, usage))
+    answer = client.post("/v1/chat/completions", json=chat_body("lonely"))
+    assert answer.status_code == 502
+    assert answer.json()["error"]["code"] == "bad_gateway"
+    assert client.post("/v1/chat/completions", json=chat_body("remote")).headers["x-served-model"] == "local"
+
+
+def test_a_refusal_is_passed_on_only_so_far(upstream) -> None:
+    """An upstream's 400 body is read with a bound: a huge one is not held whole in memory."""
+    client, script = upstream
+    script[0] = lambda request: httpx.Response(400, text="x" * (1 << 20))
+    answer = client.post("/v1/chat/completions", json=chat_body("remote"))
+    assert answer.status_code == 400
+    assert 0 < len(answer.json()["error"]["message"]) <= 64 * 1024

@@ -372,7 +372,8 @@ async def replay(answer: ChatCompletion, request: ChatCompletionRequest) -> Asyn
     for choice in answer.choices:
         message = choice.message
         calls = [{**call, "index": i} for i, call in enumerate(message.tool_calls or [])] or None
-        delta = ChunkDelta(role="assistant", content=message.content, tool_calls=calls)
+        reasoning = {"reasoning_content": message.reasoning_content} if hasattr(message, "reasoning_content") else {}
+        delta = ChunkDelta(role="assistant", content=message.content, tool_calls=calls, **reasoning)
         yield chunk([ChunkChoice(index=choice.index, delta=delta, logprobs=choice.logprobs)])
         yield chunk([ChunkChoice(index=choice.index, delta=ChunkDelta(), finish_reason=choice.finish_reason)])
     if request.stream_options and request.stream_options.include_usage:

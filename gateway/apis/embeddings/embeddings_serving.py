@@ -1,5 +1,6 @@
-"""Embeddings: input(s) → token ids → one engine request each (the engine batches them) →
-CreateEmbeddingResponse, as floats or base64 (little-endian float32, as OpenAI sends them).
+"""Embeddings: input(s) → token ids → the backend's `embed` (the engine: one request each, batched;
+a remote upstream: the request forwarded) → CreateEmbeddingResponse, as floats or base64
+(little-endian float32, as OpenAI sends them), one path for both backends.
 
 `input` is a string, a list of strings, a list of token ids or a list of lists of them; each item is
 one vector, answered at its index. `dimensions` asks a Matryoshka model for a shorter vector; other
@@ -8,7 +9,6 @@ models answer 400 unless it is their own size. Embeddings do not stream.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 from collections.abc import AsyncGenerator
@@ -16,27 +16,25 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from engine.types import EmbedRequest, Engine, ModelInfo, Task
+from engine.types import EmbedRequest, Engine, Forward, Generator, ModelInfo, Task
 from gateway.apis.embeddings.embeddings_wire import CreateEmbeddingResponse, Embedding, EmbeddingUsage
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.guards.guarding import UNGUARDED, RequestGuard
 from gateway.protocol.embeddings import EmbeddingRequest
 from gateway.serving.generation import check_token_ids, new_id
-from gateway.serving.meter import Readings
+from gateway.serving.meter import Meter, Readings
 from gateway.serving.service import OnDone
 from gateway.serving.structured import Constraint
-from gateway.telemetry import metrics
 from gateway.tenancy.priority import Scheduled
 
 
 @dataclass(slots=True)
 class PreparedEmbeddings:
     request: EmbeddingRequest
-    engine: Engine
-    inputs: list[list[int]]  # each input's token ids
-    dimensions: int | None
+    backend: Generator
+    embed: EmbedRequest  # the engine's token ids, or the request a remote upstream is forwarded
     model: str  # the name the answer carries: the model (version) that answers
-    id: str
+    guard: RequestGuard = UNGUARDED
     constraint: Constraint | None = None  # vectors: nothing to constrain
     readings: Readings = field(default_factory=Readings)  # its tokens, for the pipeline
 
@@ -45,7 +43,7 @@ class PreparedEmbeddings:
         self.readings = readings
 
     def token_budget(self) -> int:
-        return sum(len(ids) for ids in self.inputs)
+        return sum(len(ids) for ids in self.embed.inputs)
 
     def output_tokens(self) -> int:
         return 0  # vectors, no generated tokens
@@ -84,28 +82,11 @@ def _dimensions(requested: int | None, info: ModelInfo) -> int | None:
     return requested
 
 
-def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
-    if encoding_format == "base64":
+def _encoded(vector: list[float] | str, encoding_format: str) -> list[float] | str:
+    """A vector as asked; one a remote upstream sent as base64 (it was asked so) as it came."""
+    if encoding_format == "base64" and not isinstance(vector, str):
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
     return vector
-
-
-async def _embed_all(prepared: PreparedEmbeddings) -> list[list[float]]:
-    """One engine request per input, all at once (the engine batches them); a failure or a
-    disconnect cancels the rest."""
-    engine, name = prepared.engine, prepared.engine.info.name
-    requests = [EmbedRequest(f"{prepared.id}-{i}", ids, prepared.dimensions) for i, ids in enumerate(prepared.inputs)]
-    metrics.labelled(metrics.IN_FLIGHT, name).inc()
-    tasks = [asyncio.ensure_future(engine.embed(request)) for request in requests]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        metrics.labelled(metrics.IN_FLIGHT, name).dec()
-        tokens = prepared.token_budget()
-        metrics.labelled(metrics.PROMPT_TOKENS, name).inc(tokens)
-        prepared.readings.count(tokens, 0)
 
 
 class EmbeddingsService:
@@ -129,16 +110,30 @@ class EmbeddingsService:
                     f"This model's maximum context length is {limit} tokens. However, input {i} has {len(ids)} "
                     "tokens. Please reduce the length of the input.", param="input",
                 )
-        dimensions = _dimensions(request.dimensions, engine.info)
-        return PreparedEmbeddings(request, engine, inputs, dimensions, request.model, new_id("embd"))
+        embed = EmbedRequest(new_id("embd"), inputs, _dimensions(request.dimensions, engine.info))
+        return PreparedEmbeddings(request, engine, embed, request.model, guard)
+
+    @staticmethod
+    def forwarded(request: EmbeddingRequest, forward: Forward, backend: Generator, guard: RequestGuard) -> PreparedEmbeddings:
+        """A remote model's request (its input guarded already), forwarded as it is."""
+        return PreparedEmbeddings(request, backend, EmbedRequest(new_id("embd"), [], forward=forward), request.model, guard)
 
     async def complete(
         self, prepared: PreparedEmbeddings, on_done: OnDone[CreateEmbeddingResponse] | None = None
     ) -> CreateEmbeddingResponse:
-        vectors = await _embed_all(prepared)
+        """The backend's vectors, measured (in flight, time to the answer, its prompt tokens)."""
+        await prepared.guard.moderate_input()
+        meter = Meter(prepared.backend.info.name, prepared.readings)
+        meter.begin()
+        try:
+            embedded = await prepared.backend.embed(prepared.embed)
+            meter.token()
+        finally:
+            meter.end()
+        meter.count(embedded.prompt_tokens, 0)
         encoding = prepared.request.encoding_format
-        data = [Embedding(index=i, embedding=_encoded(vector, encoding)) for i, vector in enumerate(vectors)]
-        tokens = prepared.token_budget()
+        data = [Embedding(index=i, embedding=_encoded(vector, encoding)) for i, vector in enumerate(embedded.vectors)]
+        tokens = embedded.prompt_tokens
         usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
         answer = CreateEmbeddingResponse(data=data, model=prepared.model, usage=usage)
         if on_done is not None:

@@ -51,7 +51,7 @@ async def ready(request: Request) -> Response:
     state = state_of(request)
     models = {}
     for name, backend in state.models.backends.items():
-        failure = await _failure(backend.check_health())
+        failure = await _failure(backend.generator.check_health())
         models[name] = "ready" if failure is None else f"unavailable: {failure}"
     ok = all(status == "ready" for status in models.values()) and not state.lifecycle.draining
     status = "ready" if ok else ("draining" if state.lifecycle.draining else "unavailable")
