@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from pydantic import ValidationError
@@ -151,19 +151,20 @@ def _stored(row: tuple[str, int | None, int, int, int, int, int]) -> StoredBatch
 
 
 class SqliteRecords:
-    """One connection, its calls one at a time in a worker thread; every change a transaction (`BEGIN IMMEDIATE`), so
-    processes sharing the file (on one node) see each other's writes whole."""
+    """One connection, in a thread of its own: the calls run there one at a time, whatever else keeps the default
+    executor busy. Every change a transaction (`BEGIN IMMEDIATE`), so processes sharing the file (on one node) see each
+    other's writes whole."""
 
     def __init__(self, path: Path) -> None:
         self._path = path
         self._db_open: sqlite3.Connection | None = None
-        self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="sqlite-records")
 
     def _db(self) -> sqlite3.Connection:
         """The connection, opened at the first call (a gateway that never uses the batch lane writes nothing)."""
         if self._db_open is None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=30)
+            db = sqlite3.connect(self._path, isolation_level=None, timeout=30)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")  # an answer kept is on disk before its line counts
             db.executescript(SCHEMA)
@@ -171,52 +172,49 @@ class SqliteRecords:
         return self._db_open
 
     async def _run(self, work: Callable[[sqlite3.Connection], T], write: bool = False) -> T:
-        def locked() -> T:
-            with self._lock:
-                db = self._db()
-                if not write:
-                    return work(db)
-                db.execute("BEGIN IMMEDIATE")
-                try:
-                    result = work(db)
-                except BaseException:
-                    db.execute("ROLLBACK")
-                    raise
-                db.execute("COMMIT")
-                return result
+        def call() -> T:
+            db = self._db()
+            if not write:
+                return work(db)
+            db.execute("BEGIN IMMEDIATE")
+            with db:  # committed, or rolled back on an error
+                return work(db)
 
-        with unavailable():
-            return await asyncio.to_thread(locked)
+        with unavailable():  # a caller cancelled leaves its call to end in the thread, before the next one starts
+            return await asyncio.get_running_loop().run_in_executor(self._thread, call)
+
+    async def _rows(self, sql: str, *args: object) -> list[Any]:
+        return await self._run(lambda db: db.execute(sql, args).fetchall())
+
+    async def _change(self, sql: str, *args: object) -> int:
+        """The rows changed."""
+        return await self._run(lambda db: db.execute(sql, args).rowcount, write=True)
 
     async def add_file(self, owner: str, file: FileObject) -> None:
-        await self._run(lambda db: db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?)",
-                                              (file.id, owner, file.model_dump_json())), write=True)
+        await self._change("INSERT OR REPLACE INTO files VALUES (?, ?, ?)", file.id, owner, file.model_dump_json())
 
     async def file(self, owner: str, file_id: str) -> FileObject | None:
-        row = await self._run(lambda db: db.execute("SELECT record FROM files WHERE id = ? AND owner = ?",
-                                                    (file_id, owner)).fetchone())
-        return None if row is None else parsed(FileObject, row[0])
+        rows = await self._rows("SELECT record FROM files WHERE id = ? AND owner = ?", file_id, owner)
+        return parsed(FileObject, rows[0][0]) if rows else None
 
     async def files(self, owner: str) -> list[FileObject]:
-        rows = await self._run(lambda db: db.execute("SELECT record FROM files WHERE owner = ?", (owner,)).fetchall())
+        rows = await self._rows("SELECT record FROM files WHERE owner = ?", owner)
         return [file for record, in rows if (file := parsed(FileObject, record)) is not None]
 
     async def remove_file(self, owner: str, file_id: str) -> bool:
-        return await self._run(lambda db: db.execute("DELETE FROM files WHERE id = ? AND owner = ?",
-                                                     (file_id, owner)).rowcount == 1, write=True)
+        return await self._change("DELETE FROM files WHERE id = ? AND owner = ?", file_id, owner) == 1
 
     async def create(self, stored: StoredBatch) -> None:
-        row = (stored.batch.id, stored.owner.tenant, stored.created_ns, stored.model_dump_json())
-        await self._run(lambda db: db.execute("INSERT INTO batches (id, owner, created_ns, record) VALUES (?, ?, ?, ?)",
-                                              row), write=True)
+        await self._change("INSERT INTO batches (id, owner, created_ns, record) VALUES (?, ?, ?, ?)",
+                           stored.batch.id, stored.owner.tenant, stored.created_ns, stored.model_dump_json())
 
     async def batch(self, batch_id: str) -> StoredBatch | None:
-        row = await self._run(lambda db: db.execute(f"{_BATCH} WHERE id = ?", (batch_id,)).fetchone())
-        return None if row is None else _stored(row)
+        rows = await self._rows(f"{_BATCH} WHERE id = ?", batch_id)
+        return _stored(rows[0]) if rows else None
 
     async def batches(self, owner: str) -> list[StoredBatch]:
-        rows = await self._run(lambda db: db.execute(f"{_BATCH} WHERE owner = ?", (owner,)).fetchall())
-        return [stored for row in rows if (stored := _stored(row)) is not None]
+        return [stored for row in await self._rows(f"{_BATCH} WHERE owner = ?", owner)
+                if (stored := _stored(row)) is not None]
 
     async def remove(self, batch_id: str) -> None:
         def remove(db: sqlite3.Connection) -> None:
@@ -226,38 +224,30 @@ class SqliteRecords:
         await self._run(remove, write=True)
 
     async def ask_cancel(self, batch_id: str) -> None:
-        await self._run(lambda db: db.execute("UPDATE batches SET cancel_at = ? WHERE id = ? AND cancel_at IS NULL",
-                                              (int(time.time()), batch_id)), write=True)
+        await self._change("UPDATE batches SET cancel_at = ? WHERE id = ? AND cancel_at IS NULL", int(time.time()),
+                           batch_id)
 
     async def runnable(self) -> list[str]:
-        rows = await self._run(lambda db: db.execute("SELECT id FROM batches WHERE done = 0 ORDER BY created_ns, id")
-                               .fetchall())
-        return [batch_id for batch_id, in rows]
+        return [batch_id for batch_id, in await self._rows("SELECT id FROM batches WHERE done = 0 ORDER BY created_ns, id")]
 
     async def claim(self, batch_id: str, holder: str, ttl_s: float) -> int | None:
         now = time.time()
-        row = await self._run(lambda db: db.execute(
+        rows = await self._run(lambda db: db.execute(
             "UPDATE batches SET token = token + 1, holder = ?, claim_until = ? WHERE id = ? AND done = 0 AND "
-            "claim_until <= ? RETURNING token", (holder, now + ttl_s, batch_id, now)).fetchone(), write=True)
-        return None if row is None else int(row[0])
+            "claim_until <= ? RETURNING token", (holder, now + ttl_s, batch_id, now)).fetchall(), write=True)
+        return int(rows[0][0]) if rows else None
 
     async def renew(self, batch_id: str, token: int, ttl_s: float) -> bool:
-        return await self._run(lambda db: db.execute(
-            "UPDATE batches SET claim_until = ? WHERE id = ? AND token = ?", (time.time() + ttl_s, batch_id, token),
-        ).rowcount == 1, write=True)
+        return await self._change("UPDATE batches SET claim_until = ? WHERE id = ? AND token = ?", time.time() + ttl_s,
+                                  batch_id, token) == 1
 
     async def release(self, batch_id: str, token: int) -> None:
-        await self._run(lambda db: db.execute("UPDATE batches SET claim_until = 0 WHERE id = ? AND token = ?",
-                                              (batch_id, token)), write=True)
+        await self._change("UPDATE batches SET claim_until = 0 WHERE id = ? AND token = ?", batch_id, token)
 
     async def save(self, stored: StoredBatch, token: int) -> None:
-        args = (stored.model_dump_json(), stored.batch.status in DONE, stored.batch.id, token)
-
-        def save(db: sqlite3.Connection) -> None:
-            if db.execute("UPDATE batches SET record = ?, done = ? WHERE id = ? AND token = ?", args).rowcount != 1:
-                raise Fenced(stored.batch.id)
-
-        await self._run(save, write=True)
+        if not await self._change("UPDATE batches SET record = ?, done = ? WHERE id = ? AND token = ?",
+                                  stored.model_dump_json(), stored.batch.status in DONE, stored.batch.id, token):
+            raise Fenced(stored.batch.id)
 
     async def answer(self, batch_id: str, token: int, answer: Answer) -> bool:
         a = answer
@@ -277,25 +267,26 @@ class SqliteRecords:
         return await self._run(add, write=True)
 
     async def answered(self, batch_id: str) -> set[str]:
-        rows = await self._run(lambda db: db.execute("SELECT custom_id FROM answers WHERE batch_id = ?",
-                                                     (batch_id,)).fetchall())
-        return {custom_id for custom_id, in rows}
+        return {custom_id for custom_id, in await self._rows("SELECT custom_id FROM answers WHERE batch_id = ?", batch_id)}
 
     async def answers(self, batch_id: str) -> AsyncIterator[Answer]:
-        def page(after: int) -> Callable[[sqlite3.Connection], list[tuple[int, str, int, int, bytes]]]:
-            return lambda db: db.execute("SELECT seq, custom_id, ok, expired, line FROM answers WHERE batch_id = ? AND "
-                                         "seq > ? ORDER BY seq LIMIT ?", (batch_id, after, PAGE)).fetchall()
-
-        rows = await self._run(page(-1))
-        while rows:
+        after = -1
+        while True:
+            rows = await self._rows("SELECT seq, custom_id, ok, expired, line FROM answers WHERE batch_id = ? AND seq > ? "
+                                    "ORDER BY seq LIMIT ?", batch_id, after, PAGE)
             for _, custom_id, ok, expired, line in rows:
                 yield Answer(custom_id, bool(ok), bytes(line), bool(expired))
-            rows = await self._run(page(rows[-1][0])) if len(rows) == PAGE else []
+            if len(rows) < PAGE:
+                return
+            after = rows[-1][0]
 
     async def aclose(self) -> None:
+        """The connection closed once the calls before have ended; a call after opens it again."""
         def close() -> None:
-            with self._lock:  # after a call still running in its thread (its caller cancelled), never during it
-                if self._db_open is not None:
-                    self._db_open.close()
+            if self._db_open is not None:
+                self._db_open.close()
+                self._db_open = None
 
-        await asyncio.to_thread(close)
+        thread, self._thread = self._thread, ThreadPoolExecutor(1, thread_name_prefix="sqlite-records")
+        await asyncio.get_running_loop().run_in_executor(thread, close)
+        thread.shutdown(wait=False)
