@@ -34,6 +34,7 @@ from gateway.apis.message_batches.message_batches_wire import (
 )
 from gateway.errors import InvalidRequest
 from gateway.protocol.batch_objects import DONE, StoredBatch
+from gateway.stores.batchdb import PAGE, Answer
 from gateway.stores.batches import BatchStore, input_name, not_found
 from gateway.stores.blobs import Opened, Staged, read_chunks
 
@@ -145,21 +146,21 @@ def _unrun(status: str) -> dict[str, Any]:
 
 async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
     """The results of an ended batch, one JSON line per request: those answered (in the order they were answered),
-    then those never run; assembled in a local file opened before the answer starts (a delete of the batch meanwhile
-    does not cut them short). A batch deleted before its input is read is a 404 naming `param`."""
+    then those never run; each line made in a worker thread (a large batch stalls no other request), assembled in a
+    local file opened before the answer starts (a delete of the batch meanwhile does not cut them short). A batch
+    deleted before its input is read is a 404 naming `param`."""
     batch_id, status = stored.batch.id, stored.batch.status
     staged = await Staged.at(store.blobs.spool, "results")
     try:
         seen: set[str] = set()
-        lines: list[bytes] = []
+        page: list[Answer] = []
         async for answer in store.records.answers(batch_id):
             seen.add(answer.custom_id)
-            line = orjson.loads(answer.line)
-            lines.append(orjson.dumps({"custom_id": answer.custom_id, "result": _result(line, answer.ok)}) + b"\n")
-            if len(lines) >= RESULT_LINES:
-                await staged.write(b"".join(lines))
-                lines.clear()
-        await staged.write(b"".join(lines))
+            page.append(answer)
+            if len(page) == PAGE:
+                await staged.write(await asyncio.to_thread(_result_lines, page))
+                page = []
+        await staged.write(await asyncio.to_thread(_result_lines, page))
         async with store.blobs.local(input_name(batch_id)) as requests:
             if requests is None:
                 raise not_found(batch_id, param)
@@ -171,7 +172,9 @@ async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
     return Opened(staged.size, read_chunks(opened))
 
 
-RESULT_LINES = 256  # result lines gathered before a write to the file being assembled
+def _result_lines(answers: list[Answer]) -> bytes:
+    return b"".join(orjson.dumps({"custom_id": a.custom_id, "result": _result(orjson.loads(a.line), a.ok)}) + b"\n"
+                    for a in answers)
 
 
 def _unrun_lines(requests: Path, seen: set[str], status: str) -> bytes:
