@@ -8,9 +8,8 @@ import asyncio
 import contextlib
 import os
 import secrets
-import shutil
 import sqlite3
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -44,15 +43,13 @@ class Opened:
     """A blob's content opened for reading: fixed once open (a delete meanwhile does not cut it short)."""
 
     size: int
-    chunks: AsyncIterator[bytes]
+    chunks: AsyncGenerator[bytes, None]
 
     async def aclose(self) -> None:
-        closing = getattr(self.chunks, "aclose", None)
-        if closing is not None:
-            await closing()
+        await self.chunks.aclose()
 
 
-async def read_chunks(file: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> AsyncIterator[bytes]:
+async def read_chunks(file: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> AsyncGenerator[bytes, None]:
     try:
         while True:
             with unavailable():
@@ -108,8 +105,6 @@ class Blobs(Protocol):
     async def put_file(self, name: str, path: Path) -> int:
         """The local file `path` as `name`; its size. The file is the store's afterwards (moved or removed)."""
 
-    async def open(self, name: str) -> Opened | None: ...
-
     def local(self, name: str) -> contextlib.AbstractAsyncContextManager[Path | None]:
         """A local file holding the content for blocking reads (the blob itself on a local directory, else a
         temporary copy removed on exit); None when there is none. Read only."""
@@ -138,6 +133,16 @@ async def put_chunks(blobs: Blobs, name: str, chunks: AsyncIterator[bytes]) -> N
         await staged.discard()
 
 
+async def open_blob(blobs: Blobs, name: str) -> Opened | None:
+    """The content `name` opened (None when there is none): still readable once deleted, or once its local copy is."""
+    async with blobs.local(name) as path:
+        if path is None:
+            return None
+        with unavailable():
+            file = await asyncio.to_thread(path.open, "rb")
+    return Opened(os.fstat(file.fileno()).st_size, read_chunks(file))
+
+
 def check_name(name: str) -> str:
     if not name or not all(c.isalnum() or c in "._-" for c in name) or name.startswith("."):
         raise ValueError(f"not a blob name: {name!r}")
@@ -146,13 +151,9 @@ def check_name(name: str) -> str:
 
 @dataclass(slots=True, frozen=True)
 class LocalBlobs:
-    """Contents as files of one directory (a shared volume for replicas): a file staged beside it, renamed in."""
+    """Contents as files of one directory (a shared volume for replicas): a file staged in its spool, renamed in."""
 
     root: Path
-
-    @classmethod
-    def at(cls, directory: Path) -> LocalBlobs:
-        return cls(directory.expanduser())
 
     @property
     def spool(self) -> Path:
@@ -165,37 +166,18 @@ class LocalBlobs:
         target = self._path(name)
 
         def move() -> int:
-            self.root.mkdir(parents=True, exist_ok=True)
-            size = path.stat().st_size
             try:
+                self.root.mkdir(parents=True, exist_ok=True)
                 with open(path, "rb") as written:
                     os.fsync(written.fileno())
-                os.replace(path, target)  # the same disk: a rename
-            except OSError:  # another disk: copied beside the target, renamed
-                temporary = self.root / f"{_TEMPORARY}{secrets.token_hex(8)}"
-                try:
-                    shutil.copyfile(path, temporary)
-                    os.replace(temporary, target)
-                finally:
-                    temporary.unlink(missing_ok=True)
-                    path.unlink(missing_ok=True)
-            return size
+                    size = os.fstat(written.fileno()).st_size
+                os.replace(path, target)  # staged in the spool, on the same disk: a rename
+                return size
+            finally:
+                path.unlink(missing_ok=True)
 
         with unavailable():
             return await asyncio.to_thread(move)
-
-    async def open(self, name: str) -> Opened | None:
-        path = self._path(name)
-
-        def opened() -> BinaryIO | None:
-            try:
-                return path.open("rb")
-            except FileNotFoundError:
-                return None
-
-        with unavailable():
-            file = await asyncio.to_thread(opened)
-        return None if file is None else Opened(os.fstat(file.fileno()).st_size, read_chunks(file))
 
     @contextlib.asynccontextmanager
     async def local(self, name: str) -> AsyncIterator[Path | None]:

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import boto3
 from boto3.exceptions import Boto3Error
@@ -20,7 +20,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gateway.settings import StoreSettings
-from gateway.stores.blobs import BlobsUnavailable, Opened, check_name, read_chunks, unavailable
+from gateway.stores.blobs import BlobsUnavailable, check_name, unavailable
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -106,40 +106,21 @@ class S3Blobs:
 
         return await self._run("upload a file", upload)
 
-    def _fetch(self, key: str, sink: IO[bytes]) -> bool:
-        try:
-            got = self.client.get_object(Bucket=self.bucket, Key=key)
-        except ClientError as exc:
-            if _missing(exc):
-                return False
-            raise
-        for chunk in got["Body"].iter_chunks(MIB):
-            sink.write(chunk)
-        return True
-
-    async def open(self, name: str) -> Opened | None:
-        async with self.local(name) as path:
-            if path is None:
-                return None
-            file = await asyncio.to_thread(path.open, "rb")  # still readable once its name is removed
-        return Opened(os.fstat(file.fileno()).st_size, read_chunks(file))
-
     @contextlib.asynccontextmanager
     async def local(self, name: str) -> AsyncIterator[Path | None]:
         key = self._key(name)
 
         def download() -> Path | None:
             descriptor, temporary = tempfile.mkstemp(prefix=TEMPORARY)
-            path = Path(temporary)
+            os.close(descriptor)
             try:
-                with os.fdopen(descriptor, "wb") as file:
-                    if self._fetch(key, file):
-                        return path
-            except BaseException:
-                path.unlink()
+                self.client.download_file(self.bucket, key, temporary, Config=self.transfer)
+                return Path(temporary)
+            except BaseException as exc:
+                os.unlink(temporary)
+                if isinstance(exc, ClientError) and _missing(exc):
+                    return None
                 raise
-            path.unlink()
-            return None
 
         path = await self._run("read an object", download)
         try:
