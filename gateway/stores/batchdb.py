@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,69 +47,31 @@ class Answer:
     completion: int = 0
 
 
-@dataclass(slots=True, frozen=True)
-class Counts:
-    completed: int = 0
-    failed: int = 0
-    expired: int = 0
-    prompt: int = 0
-    completion: int = 0
-
-
-def merged(stored: StoredBatch, counts: Counts, cancel_at: int | None) -> StoredBatch:
-    """The record as readers see it: its answers counted, a cancel asked shown as `cancelling`."""
-    batch = stored.batch
-    batch.request_counts = RequestCounts(total=batch.request_counts.total, completed=counts.completed,
-                                         failed=counts.failed)
-    batch.usage = BatchUsage()
-    batch.usage.add(counts.prompt, counts.completion)
-    stored.expired_lines = counts.expired
-    if cancel_at is not None and batch.status not in DONE and batch.status != "cancelling":
-        batch.status, batch.cancelling_at = "cancelling", cancel_at
-    return stored
-
-
 class Records(Protocol):
+    """Files: `remove_file` says whether it was there (and this call removed it). Batches: `batch` is the record as
+    `merged`, whoever its owner (the caller checks); `ask_cancel` keeps the first ask's time (its runner carries it
+    out); `runnable` the batches not done, oldest first. A run: `claim` hands a new fencing token when no claim on the
+    batch is live (else None); `renew` keeps it `ttl_s` longer, False once the batch was claimed again since `token`;
+    `save` (the record, its counts aside) and `answer` (kept and counted unless its line has one already: then False)
+    raise `Fenced` once claimed again since `token`; `answers` are every answer kept, in the order they came."""
+
     async def add_file(self, owner: str, file: FileObject) -> None: ...
     async def file(self, owner: str, file_id: str) -> FileObject | None: ...
     async def files(self, owner: str) -> list[FileObject]: ...
-
-    async def remove_file(self, owner: str, file_id: str) -> bool:
-        """Whether it was there (and this call removed it)."""
-
+    async def remove_file(self, owner: str, file_id: str) -> bool: ...
     async def create(self, stored: StoredBatch) -> None: ...
-
-    async def batch(self, batch_id: str) -> StoredBatch | None:
-        """Its record, counts and cancel merged (`merged`); whoever its owner (the caller checks)."""
-
+    async def batch(self, batch_id: str) -> StoredBatch | None: ...
     async def batches(self, owner: str) -> list[StoredBatch]: ...
     async def remove(self, batch_id: str) -> None: ...
-
-    async def ask_cancel(self, batch_id: str) -> None:
-        """A cancel asked (the first ask's time kept); its runner carries it out."""
-
-    async def runnable(self) -> list[str]:
-        """The batches not done, oldest first."""
-
-    async def claim(self, batch_id: str, holder: str, ttl_s: float) -> int | None:
-        """A new fencing token when no claim on the batch is live (else None)."""
-
-    async def renew(self, batch_id: str, token: int, ttl_s: float) -> bool:
-        """The claim kept `ttl_s` longer; False when the batch was claimed again since `token`."""
-
+    async def ask_cancel(self, batch_id: str) -> None: ...
+    async def runnable(self) -> list[str]: ...
+    async def claim(self, batch_id: str, holder: str, ttl_s: float) -> int | None: ...
+    async def renew(self, batch_id: str, token: int, ttl_s: float) -> bool: ...
     async def release(self, batch_id: str, token: int) -> None: ...
-
-    async def save(self, stored: StoredBatch, token: int) -> None:
-        """The record written (its counts aside); `Fenced` when claimed again since `token`."""
-
-    async def answer(self, batch_id: str, token: int, answer: Answer) -> bool:
-        """The answer kept and counted unless its line has one already (then False); `Fenced` as `save`."""
-
+    async def save(self, stored: StoredBatch, token: int) -> None: ...
+    async def answer(self, batch_id: str, token: int, answer: Answer) -> bool: ...
     async def answered(self, batch_id: str) -> set[str]: ...
-
-    def answers(self, batch_id: str) -> AsyncIterator[Answer]:
-        """Every answer kept, in the order they came (counts aside)."""
-
+    def answers(self, batch_id: str) -> AsyncIterator[Answer]: ...
     async def aclose(self) -> None: ...
 
 
@@ -144,10 +106,20 @@ def parsed(model: type[M], raw: str | bytes) -> M | None:
         return None
 
 
-def _stored(row: tuple[str, int | None, int, int, int, int, int]) -> StoredBatch | None:
-    record, cancel_at, *counts = row
+def merged(record: str | bytes, cancel_at: int | None, counts: Sequence[int]) -> StoredBatch | None:
+    """The record as readers see it (None when unreadable): its answers counted (completed, failed, expired, prompt
+    and completion tokens), a cancel asked shown as `cancelling`."""
     stored = parsed(StoredBatch, record)
-    return None if stored is None else merged(stored, Counts(*counts), cancel_at)
+    if stored is None:
+        return None
+    batch, (completed, failed, expired, prompt, completion) = stored.batch, counts
+    batch.request_counts = RequestCounts(total=batch.request_counts.total, completed=completed, failed=failed)
+    batch.usage = BatchUsage()
+    batch.usage.add(prompt, completion)
+    stored.expired_lines = expired
+    if cancel_at is not None and batch.status not in DONE and batch.status != "cancelling":
+        batch.status, batch.cancelling_at = "cancelling", cancel_at
+    return stored
 
 
 class SqliteRecords:
@@ -210,11 +182,11 @@ class SqliteRecords:
 
     async def batch(self, batch_id: str) -> StoredBatch | None:
         rows = await self._rows(f"{_BATCH} WHERE id = ?", batch_id)
-        return _stored(rows[0]) if rows else None
+        return merged(rows[0][0], rows[0][1], rows[0][2:]) if rows else None
 
     async def batches(self, owner: str) -> list[StoredBatch]:
-        return [stored for row in await self._rows(f"{_BATCH} WHERE owner = ?", owner)
-                if (stored := _stored(row)) is not None]
+        return [stored for record, cancel_at, *counts in await self._rows(f"{_BATCH} WHERE owner = ?", owner)
+                if (stored := merged(record, cancel_at, counts)) is not None]
 
     async def remove(self, batch_id: str) -> None:
         def remove(db: sqlite3.Connection) -> None:

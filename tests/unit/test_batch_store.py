@@ -130,6 +130,16 @@ async def test_a_batch_is_its_owners_and_leaves_nothing_when_removed(records: Re
     assert await records.runnable() == [theirs.batch.id]
 
 
+async def test_a_cancel_of_a_batch_removed_meanwhile_leaves_nothing(records: Records) -> None:
+    made = stored()
+    await records.create(made)
+    await records.remove(made.batch.id)
+    await records.ask_cancel(made.batch.id)  # its find came just before the remove
+    assert await records.batch(made.batch.id) is None
+    if isinstance(records, RedisRecords):  # no stray hash of a cancel under the batch's key
+        assert not await records._redis.exists(records._batch(made.batch.id))
+
+
 async def test_a_store_closed_opens_again_at_its_next_call(records: Records) -> None:
     made = stored()
     await records.create(made)
