@@ -9,33 +9,40 @@ import contextlib
 import os
 import secrets
 import sqlite3
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, ParamSpec, Protocol, TypeVar
 
 import structlog
 
 from gateway.errors import StoreUnavailable
 from gateway.stores.redis import ERRORS as REDIS_ERRORS
 
+P = ParamSpec("P")
+T = TypeVar("T")
 log = structlog.get_logger(__name__)
 CHUNK_BYTES = 256 * 1024
 _TEMPORARY = ".tmp-"  # a name being written: never read as a blob
 
 
-class BlobsUnavailable(Exception): ...
-
-
 @contextlib.contextmanager
-def unavailable() -> Iterator[None]:
-    """A store that failed (its database, Redis, the disk, S3) as the API's 503 (`StoreUnavailable`), never a 500."""
+def unavailable(*also: type[Exception]) -> Iterator[None]:
+    """A store that failed (its database, Redis, the disk; S3's errors as `also`) as the API's 503
+    (`StoreUnavailable`), never a 500."""
+    failed: tuple[type[Exception], ...] = (sqlite3.Error, *REDIS_ERRORS, *also)
     try:
         yield
-    except (BlobsUnavailable, sqlite3.Error, *REDIS_ERRORS) as exc:
+    except failed as exc:
         log.warning("store_unavailable", error=str(exc), cause=type(exc.__cause__ or exc).__name__)
         raise StoreUnavailable("The batch lane's store (files and batches) is unavailable right now; try again "
                                "later.") from exc
+
+
+async def _io(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """A blocking call of the disk, in a worker thread; its failure the API's 503."""
+    with unavailable():
+        return await asyncio.to_thread(call, *args, **kwargs)
 
 
 @dataclass(slots=True)
@@ -52,8 +59,7 @@ class Opened:
 async def read_chunks(file: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> AsyncGenerator[bytes, None]:
     try:
         while True:
-            with unavailable():
-                chunk = await asyncio.to_thread(file.read, chunk_bytes)
+            chunk = await _io(file.read, chunk_bytes)
             if not chunk:
                 return
             yield chunk
@@ -73,20 +79,17 @@ class Staged:
 
     @classmethod
     async def at(cls, directory: Path, kind: str = "upload") -> Staged:
-        with unavailable():
-            return await asyncio.to_thread(cls, directory, kind)
+        return await _io(cls, directory, kind)
 
     async def write(self, data: bytes) -> None:
         assert self._file is not None
         self.size += len(data)
-        with unavailable():
-            await asyncio.to_thread(self._file.write, data)
+        await _io(self._file.write, data)
 
     async def close(self) -> None:
         if self._file is not None:
             file, self._file = self._file, None
-            with unavailable():
-                await asyncio.to_thread(file.close)
+            await _io(file.close)
 
     async def discard(self) -> None:
         await self.close()
@@ -127,8 +130,7 @@ async def put_chunks(blobs: Blobs, name: str, chunks: AsyncIterator[bytes]) -> N
         async for chunk in chunks:
             await staged.write(chunk)
         await staged.close()
-        with unavailable():
-            await blobs.put_file(name, staged.path)
+        await blobs.put_file(name, staged.path)
     finally:
         await staged.discard()
 
@@ -138,8 +140,7 @@ async def open_blob(blobs: Blobs, name: str) -> Opened | None:
     async with blobs.local(name) as path:
         if path is None:
             return None
-        with unavailable():
-            file = await asyncio.to_thread(path.open, "rb")
+        file = await _io(path.open, "rb")
     return Opened(os.fstat(file.fileno()).st_size, read_chunks(file))
 
 
@@ -176,15 +177,12 @@ class LocalBlobs:
             finally:
                 path.unlink(missing_ok=True)
 
-        with unavailable():
-            return await asyncio.to_thread(move)
+        return await _io(move)
 
     @contextlib.asynccontextmanager
     async def local(self, name: str) -> AsyncIterator[Path | None]:
         path = self._path(name)
-        with unavailable():
-            found = await asyncio.to_thread(path.is_file)
-        yield path if found else None
+        yield path if await _io(path.is_file) else None
 
     async def delete(self, *names: str) -> None:
         paths = [self._path(name) for name in names]
@@ -193,8 +191,7 @@ class LocalBlobs:
             for path in paths:
                 path.unlink(missing_ok=True)
 
-        with unavailable():
-            await asyncio.to_thread(remove)
+        await _io(remove)
 
     async def aclose(self) -> None:
         pass
