@@ -18,7 +18,6 @@ How OpenAI's states and counts map to Anthropic's:
 from __future__ import annotations
 
 import asyncio
-import math
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -53,35 +52,21 @@ def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: i
             raise InvalidRequest(f"requests.{i}.custom_id: '{request.custom_id}' is not unique: each request of a "
                                  "batch needs a custom_id of its own", param=f"requests.{i}.custom_id")
         seen.add(request.custom_id)
-        if not _finite(request.params):
-            raise InvalidRequest(f"requests.{i}.params: NaN and Infinity are not JSON numbers",
-                                 param=f"requests.{i}.params")
         try:
             line = orjson.dumps({"custom_id": request.custom_id, "method": "POST", "url": MESSAGES,
                                  "body": request.params})
         except TypeError:  # an integer past 64 bits: no request takes one
             raise InvalidRequest(f"requests.{i}.params: an integer is out of range",
                                  param=f"requests.{i}.params") from None
+        # the body's parser takes NaN, Infinity and 1e400, a JSON line cannot keep them (orjson writes null): the
+        # request would run with a value it did not ask for
+        if orjson.loads(line)["body"] != request.params:
+            raise InvalidRequest(f"requests.{i}.params: NaN and Infinity are not JSON numbers",
+                                 param=f"requests.{i}.params")
         if len(line) > max_line_bytes:
             raise InvalidRequest(f"requests.{i}.params: larger than {max_line_bytes} bytes", param=f"requests.{i}.params")
         lines.append(line)
     return b"\n".join(lines) + b"\n"
-
-
-def _finite(params: dict[str, Any]) -> bool:
-    """Whether no number in `params` is NaN or infinite: the body's parser takes them (`NaN`,
-    `Infinity`, `1e400`), a JSON line cannot keep them (orjson writes null), and the request would
-    run with a value it did not ask for."""
-    pending: list[Any] = [params]
-    while pending:
-        value = pending.pop()
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-        if isinstance(value, dict):
-            pending.extend(value.values())
-        elif isinstance(value, list):
-            pending.extend(value)
-    return True
 
 
 def _time(seconds: int | None) -> datetime | None:
@@ -126,22 +111,22 @@ def _result(line: dict[str, Any], ok: bool) -> dict[str, Any]:
         body = response.get("body")
         if ok:
             return {"type": "succeeded", "message": body}
-        error = body if isinstance(body, dict) and body.get("type") == "error" else _error("api_error", str(body))
+        error = body if isinstance(body, dict) and body.get("type") == "error" else _error(str(body))
         return {"type": "errored", "error": {**error, "request_id": response.get("request_id")}}
     problem = line.get("error") or {}
     if problem.get("code") == "batch_expired":
         return {"type": "expired"}
-    return {"type": "errored", "error": _error("api_error", str(problem.get("message", "The request failed.")))}
+    return {"type": "errored", "error": _error(str(problem.get("message", "The request failed.")))}
 
 
-def _error(kind: str, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": kind, "message": message}}
+def _error(message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": "api_error", "message": message}}
 
 
 def _unrun(status: str) -> dict[str, Any]:
     if status == "cancelled":
         return {"type": "canceled"}
-    return {"type": "errored", "error": _error("api_error", f"The request was not run: the batch ended {status}.")}
+    return {"type": "errored", "error": _error(f"The request was not run: the batch ended {status}.")}
 
 
 async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
