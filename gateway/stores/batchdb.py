@@ -155,8 +155,8 @@ class SqliteRecords:
         with unavailable():  # a caller cancelled leaves its call to end in the thread, before the next one starts
             return await asyncio.get_running_loop().run_in_executor(self._thread, call)
 
-    async def _rows(self, sql: str, *args: object) -> list[Any]:
-        return await self._run(lambda db: db.execute(sql, args).fetchall())
+    async def _rows(self, sql: str, *args: object, write: bool = False) -> list[Any]:
+        return await self._run(lambda db: db.execute(sql, args).fetchall(), write)
 
     async def _change(self, sql: str, *args: object) -> int:
         """The rows changed."""
@@ -204,9 +204,9 @@ class SqliteRecords:
 
     async def claim(self, batch_id: str, holder: str, ttl_s: float) -> int | None:
         now = time.time()
-        rows = await self._run(lambda db: db.execute(
-            "UPDATE batches SET token = token + 1, holder = ?, claim_until = ? WHERE id = ? AND done = 0 AND "
-            "claim_until <= ? RETURNING token", (holder, now + ttl_s, batch_id, now)).fetchall(), write=True)
+        rows = await self._rows("UPDATE batches SET token = token + 1, holder = ?, claim_until = ? WHERE id = ? AND "
+                                "done = 0 AND claim_until <= ? RETURNING token", holder, now + ttl_s, batch_id, now,
+                                write=True)
         return int(rows[0][0]) if rows else None
 
     async def renew(self, batch_id: str, token: int, ttl_s: float) -> bool:

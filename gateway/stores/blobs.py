@@ -101,9 +101,7 @@ class Blobs(Protocol):
     fails raises what `unavailable` maps to a 503; nothing blocks the event loop."""
 
     @property
-    def spool(self) -> Path:
-        """Where a content is staged before `put_file`."""
-
+    def spool(self) -> Path: ...  # where a content is staged before `put_file`
 
     async def put_file(self, name: str, path: Path) -> int:
         """The local file `path` as `name`; its size. The file is the store's afterwards (moved or removed)."""
