@@ -1,5 +1,5 @@
 """Anthropic's Message Batches on the batch lane: a Message Batch is a batch of the Batches API
-(`stores.batches`, run by `pipeline.batches`) whose lines go to `/v1/messages`, shown in Anthropic's
+(`stores.batches`, run by `apis.batches.batches_runner`) whose lines go to `/v1/messages`, shown in Anthropic's
 shapes. Here: the batch's input made from a create body (`input_lines`), the MessageBatch view of a
 stored batch (`view`), and its results (`results`), one line per request, read from the batch's
 answers and its input.
