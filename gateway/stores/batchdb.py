@@ -90,6 +90,8 @@ CREATE TABLE IF NOT EXISTS answers (
   seq INTEGER PRIMARY KEY, batch_id TEXT NOT NULL, custom_id TEXT NOT NULL, ok INTEGER NOT NULL,
   expired INTEGER NOT NULL, prompt INTEGER NOT NULL, completion INTEGER NOT NULL, line BLOB NOT NULL,
   UNIQUE (batch_id, custom_id));
+CREATE TRIGGER IF NOT EXISTS batches_removed AFTER DELETE ON batches BEGIN
+  DELETE FROM answers WHERE batch_id = OLD.id; END;
 """
 _BATCH = "SELECT record, cancel_at, completed, failed, expired, prompt, completion FROM batches"
 
@@ -189,11 +191,7 @@ class SqliteRecords:
                 if (stored := merged(record, cancel_at, counts)) is not None]
 
     async def remove(self, batch_id: str) -> None:
-        def remove(db: sqlite3.Connection) -> None:
-            db.execute("DELETE FROM answers WHERE batch_id = ?", (batch_id,))
-            db.execute("DELETE FROM batches WHERE id = ?", (batch_id,))
-
-        await self._run(remove, write=True)
+        await self._change("DELETE FROM batches WHERE id = ?", batch_id)  # its answers with it (`batches_removed`)
 
     async def ask_cancel(self, batch_id: str) -> None:
         await self._change("UPDATE batches SET cancel_at = ? WHERE id = ? AND cancel_at IS NULL", int(time.time()),

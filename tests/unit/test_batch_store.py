@@ -124,8 +124,12 @@ async def test_a_batch_is_its_owners_and_leaves_nothing_when_removed(records: Re
         await records.create(made)
     assert [s.batch.id for s in await records.batches("t")] == [mine.batch.id]
     assert await records.runnable() == [mine.batch.id, theirs.batch.id]  # oldest first
+    token = await records.claim(mine.batch.id, "a", 30)
+    assert token is not None
+    assert await records.answer(mine.batch.id, token, answer("r1"))
     await records.remove(mine.batch.id)
     assert await records.batch(mine.batch.id) is None
+    assert await records.answered(mine.batch.id) == set()  # its answers with it
     assert await records.batches("t") == []
     assert await records.runnable() == [theirs.batch.id]
 
