@@ -92,6 +92,9 @@ CREATE TABLE IF NOT EXISTS answers (
   UNIQUE (batch_id, custom_id));
 CREATE TRIGGER IF NOT EXISTS batches_removed AFTER DELETE ON batches BEGIN
   DELETE FROM answers WHERE batch_id = OLD.id; END;
+CREATE TRIGGER IF NOT EXISTS answers_counted AFTER INSERT ON answers BEGIN
+  UPDATE batches SET completed = completed + NEW.ok, failed = failed + 1 - NEW.ok, expired = expired + NEW.expired,
+  prompt = prompt + NEW.prompt, completion = completion + NEW.completion WHERE id = NEW.batch_id; END;
 """
 _BATCH = "SELECT record, cancel_at, completed, failed, expired, prompt, completion FROM batches"
 
@@ -225,14 +228,9 @@ class SqliteRecords:
         def add(db: sqlite3.Connection) -> bool:
             if db.execute("SELECT 1 FROM batches WHERE id = ? AND token = ?", (batch_id, token)).fetchone() is None:
                 raise Fenced(batch_id)
-            if db.execute("INSERT OR IGNORE INTO answers (batch_id, custom_id, ok, expired, prompt, completion, line) "
-                          "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                          (batch_id, a.custom_id, a.ok, a.expired, a.prompt, a.completion, a.line)).rowcount == 0:
-                return False
-            db.execute("UPDATE batches SET completed = completed + ?, failed = failed + ?, expired = expired + ?, "
-                       "prompt = prompt + ?, completion = completion + ? WHERE id = ?",
-                       (a.ok, not a.ok, a.expired, a.prompt, a.completion, batch_id))
-            return True
+            return db.execute("INSERT OR IGNORE INTO answers (batch_id, custom_id, ok, expired, prompt, completion, line) "
+                              "VALUES (?, ?, ?, ?, ?, ?, ?)",  # counted by `answers_counted`
+                              (batch_id, a.custom_id, a.ok, a.expired, a.prompt, a.completion, a.line)).rowcount == 1
 
         return await self._run(add, write=True)
 

@@ -8,8 +8,10 @@ a runner that outlives the outage and answers every line once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +25,7 @@ from starlette.testclient import TestClient
 
 from gateway.errors import StoreUnavailable
 from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
-from gateway.stores.batchdb import Answer, Fenced, Records, SqliteRecords
+from gateway.stores.batchdb import SCHEMA, Answer, Fenced, Records, SqliteRecords
 from gateway.stores.batchdb_redis import RedisRecords
 from gateway.stores.batches import input_name, new_id
 from gateway.stores.redis import RedisPools
@@ -151,6 +153,26 @@ async def test_a_store_closed_opens_again_at_its_next_call(records: Records) -> 
     found = await records.batch(made.batch.id)  # SQLite's closed connection was taken for an open one
     assert found is not None
     assert found.batch.id == made.batch.id
+
+
+async def test_a_sqlite_database_made_before_its_triggers_gets_them(tmp_path: Path) -> None:
+    """A database of an earlier version (its tables, no triggers) counts each answer and removes a
+    batch's answers with it once opened."""
+    path = tmp_path / "db.sqlite3"
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.executescript(SCHEMA[: SCHEMA.index("CREATE TRIGGER")])
+    records = SqliteRecords(path)
+    made = stored()
+    await records.create(made)
+    token = await records.claim(made.batch.id, "a", 30)
+    assert token is not None
+    assert await records.answer(made.batch.id, token, answer("r1"))
+    found = await records.batch(made.batch.id)
+    assert found is not None
+    assert found.batch.request_counts.completed == 1
+    await records.remove(made.batch.id)
+    assert await records.answered(made.batch.id) == set()
+    await records.aclose()
 
 
 async def test_sqlite_calls_do_not_wait_for_the_default_executor(tmp_path: Path) -> None:
