@@ -55,6 +55,6 @@ async def records(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 
 @pytest.fixture(params=["local", "s3"])
 async def blobs(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Blobs]:
-    store = LocalBlobs.at(tmp_path / "store") if request.param == "local" else s3_blobs(tmp_path / "spool")
+    store = LocalBlobs(tmp_path / "store") if request.param == "local" else s3_blobs(tmp_path / "spool")
     yield store
     await store.aclose()

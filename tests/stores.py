@@ -20,11 +20,11 @@ from gateway.stores.files import FileStore
 
 
 def disk_files(directory: Path) -> FileStore:
-    return FileStore(SqliteRecords(directory / "files.sqlite3"), LocalBlobs.at(directory))
+    return FileStore(SqliteRecords(directory / "files.sqlite3"), LocalBlobs(directory))
 
 
 def disk_batches(directory: Path) -> BatchStore:
-    return BatchStore(SqliteRecords(directory / "batches.sqlite3"), LocalBlobs.at(directory))
+    return BatchStore(SqliteRecords(directory / "batches.sqlite3"), LocalBlobs(directory))
 
 
 def record(directory: Path, batch_id: str) -> StoredBatch:

@@ -29,7 +29,7 @@ def _blobs(settings: Settings, part: Part, directory: Path) -> Blobs:
         except ImportError as exc:
             raise ValueError("S3 blobs need boto3: pip install 'llm-gateway[s3]'") from exc
         return S3Blobs.from_settings(store, part, directory / ".spool")
-    return LocalBlobs.at(directory)
+    return LocalBlobs(directory)
 
 
 def open_stores(settings: Settings, pools: RedisPools) -> tuple[FileStore, BatchStore]:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from pydantic import ValidationError
@@ -47,69 +47,31 @@ class Answer:
     completion: int = 0
 
 
-@dataclass(slots=True, frozen=True)
-class Counts:
-    completed: int = 0
-    failed: int = 0
-    expired: int = 0
-    prompt: int = 0
-    completion: int = 0
-
-
-def merged(stored: StoredBatch, counts: Counts, cancel_at: int | None) -> StoredBatch:
-    """The record as readers see it: its answers counted, a cancel asked shown as `cancelling`."""
-    batch = stored.batch
-    batch.request_counts = RequestCounts(total=batch.request_counts.total, completed=counts.completed,
-                                         failed=counts.failed)
-    batch.usage = BatchUsage()
-    batch.usage.add(counts.prompt, counts.completion)
-    stored.expired_lines = counts.expired
-    if cancel_at is not None and batch.status not in DONE and batch.status != "cancelling":
-        batch.status, batch.cancelling_at = "cancelling", cancel_at
-    return stored
-
-
 class Records(Protocol):
+    """Files: `remove_file` says whether it was there (and this call removed it). Batches: `batch` is the record as
+    `merged`, whoever its owner (the caller checks); `ask_cancel` keeps the first ask's time (its runner carries it
+    out); `runnable` the batches not done, oldest first. A run: `claim` hands a new fencing token when no claim on the
+    batch is live (else None); `renew` keeps it `ttl_s` longer, False once the batch was claimed again since `token`;
+    `save` (the record, its counts aside) and `answer` (kept and counted unless its line has one already: then False)
+    raise `Fenced` once claimed again since `token`; `answers` are every answer kept, in the order they came."""
+
     async def add_file(self, owner: str, file: FileObject) -> None: ...
     async def file(self, owner: str, file_id: str) -> FileObject | None: ...
     async def files(self, owner: str) -> list[FileObject]: ...
-
-    async def remove_file(self, owner: str, file_id: str) -> bool:
-        """Whether it was there (and this call removed it)."""
-
+    async def remove_file(self, owner: str, file_id: str) -> bool: ...
     async def create(self, stored: StoredBatch) -> None: ...
-
-    async def batch(self, batch_id: str) -> StoredBatch | None:
-        """Its record, counts and cancel merged (`merged`); whoever its owner (the caller checks)."""
-
+    async def batch(self, batch_id: str) -> StoredBatch | None: ...
     async def batches(self, owner: str) -> list[StoredBatch]: ...
     async def remove(self, batch_id: str) -> None: ...
-
-    async def ask_cancel(self, batch_id: str) -> None:
-        """A cancel asked (the first ask's time kept); its runner carries it out."""
-
-    async def runnable(self) -> list[str]:
-        """The batches not done, oldest first."""
-
-    async def claim(self, batch_id: str, holder: str, ttl_s: float) -> int | None:
-        """A new fencing token when no claim on the batch is live (else None)."""
-
-    async def renew(self, batch_id: str, token: int, ttl_s: float) -> bool:
-        """The claim kept `ttl_s` longer; False when the batch was claimed again since `token`."""
-
+    async def ask_cancel(self, batch_id: str) -> None: ...
+    async def runnable(self) -> list[str]: ...
+    async def claim(self, batch_id: str, holder: str, ttl_s: float) -> int | None: ...
+    async def renew(self, batch_id: str, token: int, ttl_s: float) -> bool: ...
     async def release(self, batch_id: str, token: int) -> None: ...
-
-    async def save(self, stored: StoredBatch, token: int) -> None:
-        """The record written (its counts aside); `Fenced` when claimed again since `token`."""
-
-    async def answer(self, batch_id: str, token: int, answer: Answer) -> bool:
-        """The answer kept and counted unless its line has one already (then False); `Fenced` as `save`."""
-
+    async def save(self, stored: StoredBatch, token: int) -> None: ...
+    async def answer(self, batch_id: str, token: int, answer: Answer) -> bool: ...
     async def answered(self, batch_id: str) -> set[str]: ...
-
-    def answers(self, batch_id: str) -> AsyncIterator[Answer]:
-        """Every answer kept, in the order they came (counts aside)."""
-
+    def answers(self, batch_id: str) -> AsyncIterator[Answer]: ...
     async def aclose(self) -> None: ...
 
 
@@ -128,6 +90,11 @@ CREATE TABLE IF NOT EXISTS answers (
   seq INTEGER PRIMARY KEY, batch_id TEXT NOT NULL, custom_id TEXT NOT NULL, ok INTEGER NOT NULL,
   expired INTEGER NOT NULL, prompt INTEGER NOT NULL, completion INTEGER NOT NULL, line BLOB NOT NULL,
   UNIQUE (batch_id, custom_id));
+CREATE TRIGGER IF NOT EXISTS batches_removed AFTER DELETE ON batches BEGIN
+  DELETE FROM answers WHERE batch_id = OLD.id; END;
+CREATE TRIGGER IF NOT EXISTS answers_counted AFTER INSERT ON answers BEGIN
+  UPDATE batches SET completed = completed + NEW.ok, failed = failed + 1 - NEW.ok, expired = expired + NEW.expired,
+  prompt = prompt + NEW.prompt, completion = completion + NEW.completion WHERE id = NEW.batch_id; END;
 """
 _BATCH = "SELECT record, cancel_at, completed, failed, expired, prompt, completion FROM batches"
 
@@ -144,26 +111,37 @@ def parsed(model: type[M], raw: str | bytes) -> M | None:
         return None
 
 
-def _stored(row: tuple[str, int | None, int, int, int, int, int]) -> StoredBatch | None:
-    record, cancel_at, *counts = row
+def merged(record: str | bytes, cancel_at: int | None, counts: Sequence[int]) -> StoredBatch | None:
+    """The record as readers see it (None when unreadable): its answers counted (completed, failed, expired, prompt
+    and completion tokens), a cancel asked shown as `cancelling`."""
     stored = parsed(StoredBatch, record)
-    return None if stored is None else merged(stored, Counts(*counts), cancel_at)
+    if stored is None:
+        return None
+    batch, (completed, failed, expired, prompt, completion) = stored.batch, counts
+    batch.request_counts = RequestCounts(total=batch.request_counts.total, completed=completed, failed=failed)
+    batch.usage = BatchUsage()
+    batch.usage.add(prompt, completion)
+    stored.expired_lines = expired
+    if cancel_at is not None and batch.status not in DONE and batch.status != "cancelling":
+        batch.status, batch.cancelling_at = "cancelling", cancel_at
+    return stored
 
 
 class SqliteRecords:
-    """One connection, its calls one at a time in a worker thread; every change a transaction (`BEGIN IMMEDIATE`), so
-    processes sharing the file (on one node) see each other's writes whole."""
+    """One connection, in a thread of its own: the calls run there one at a time, whatever else keeps the default
+    executor busy. Every change a transaction (`BEGIN IMMEDIATE`), so processes sharing the file (on one node) see each
+    other's writes whole."""
 
     def __init__(self, path: Path) -> None:
         self._path = path
         self._db_open: sqlite3.Connection | None = None
-        self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="sqlite-records")
 
     def _db(self) -> sqlite3.Connection:
         """The connection, opened at the first call (a gateway that never uses the batch lane writes nothing)."""
         if self._db_open is None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=30)
+            db = sqlite3.connect(self._path, isolation_level=None, timeout=30)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")  # an answer kept is on disk before its line counts
             db.executescript(SCHEMA)
@@ -171,93 +149,78 @@ class SqliteRecords:
         return self._db_open
 
     async def _run(self, work: Callable[[sqlite3.Connection], T], write: bool = False) -> T:
-        def locked() -> T:
-            with self._lock:
-                db = self._db()
-                if not write:
-                    return work(db)
-                db.execute("BEGIN IMMEDIATE")
-                try:
-                    result = work(db)
-                except BaseException:
-                    db.execute("ROLLBACK")
-                    raise
-                db.execute("COMMIT")
-                return result
+        def call() -> T:
+            db = self._db()
+            if not write:
+                return work(db)
+            db.execute("BEGIN IMMEDIATE")
+            with db:  # committed, or rolled back on an error
+                return work(db)
 
-        with unavailable():
-            return await asyncio.to_thread(locked)
+        with unavailable():  # a caller cancelled leaves its call to end in the thread, before the next one starts
+            return await asyncio.get_running_loop().run_in_executor(self._thread, call)
+
+    async def _rows(self, sql: str, *args: object, write: bool = False) -> list[Any]:
+        return await self._run(lambda db: db.execute(sql, args).fetchall(), write)
+
+    async def _change(self, sql: str, *args: object) -> int:
+        """The rows changed."""
+        return await self._run(lambda db: db.execute(sql, args).rowcount, write=True)
 
     async def add_file(self, owner: str, file: FileObject) -> None:
-        await self._run(lambda db: db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?)",
-                                              (file.id, owner, file.model_dump_json())), write=True)
+        await self._change("INSERT OR REPLACE INTO files VALUES (?, ?, ?)", file.id, owner, file.model_dump_json())
 
     async def file(self, owner: str, file_id: str) -> FileObject | None:
-        row = await self._run(lambda db: db.execute("SELECT record FROM files WHERE id = ? AND owner = ?",
-                                                    (file_id, owner)).fetchone())
-        return None if row is None else parsed(FileObject, row[0])
+        rows = await self._rows("SELECT record FROM files WHERE id = ? AND owner = ?", file_id, owner)
+        return parsed(FileObject, rows[0][0]) if rows else None
 
     async def files(self, owner: str) -> list[FileObject]:
-        rows = await self._run(lambda db: db.execute("SELECT record FROM files WHERE owner = ?", (owner,)).fetchall())
+        rows = await self._rows("SELECT record FROM files WHERE owner = ?", owner)
         return [file for record, in rows if (file := parsed(FileObject, record)) is not None]
 
     async def remove_file(self, owner: str, file_id: str) -> bool:
-        return await self._run(lambda db: db.execute("DELETE FROM files WHERE id = ? AND owner = ?",
-                                                     (file_id, owner)).rowcount == 1, write=True)
+        return await self._change("DELETE FROM files WHERE id = ? AND owner = ?", file_id, owner) == 1
 
     async def create(self, stored: StoredBatch) -> None:
-        row = (stored.batch.id, stored.owner.tenant, stored.created_ns, stored.model_dump_json())
-        await self._run(lambda db: db.execute("INSERT INTO batches (id, owner, created_ns, record) VALUES (?, ?, ?, ?)",
-                                              row), write=True)
+        await self._change("INSERT INTO batches (id, owner, created_ns, record) VALUES (?, ?, ?, ?)",
+                           stored.batch.id, stored.owner.tenant, stored.created_ns, stored.model_dump_json())
 
     async def batch(self, batch_id: str) -> StoredBatch | None:
-        row = await self._run(lambda db: db.execute(f"{_BATCH} WHERE id = ?", (batch_id,)).fetchone())
-        return None if row is None else _stored(row)
+        rows = await self._rows(f"{_BATCH} WHERE id = ?", batch_id)
+        return merged(rows[0][0], rows[0][1], rows[0][2:]) if rows else None
 
     async def batches(self, owner: str) -> list[StoredBatch]:
-        rows = await self._run(lambda db: db.execute(f"{_BATCH} WHERE owner = ?", (owner,)).fetchall())
-        return [stored for row in rows if (stored := _stored(row)) is not None]
+        return [stored for record, cancel_at, *counts in await self._rows(f"{_BATCH} WHERE owner = ?", owner)
+                if (stored := merged(record, cancel_at, counts)) is not None]
 
     async def remove(self, batch_id: str) -> None:
-        def remove(db: sqlite3.Connection) -> None:
-            db.execute("DELETE FROM answers WHERE batch_id = ?", (batch_id,))
-            db.execute("DELETE FROM batches WHERE id = ?", (batch_id,))
-
-        await self._run(remove, write=True)
+        await self._change("DELETE FROM batches WHERE id = ?", batch_id)  # its answers with it (`batches_removed`)
 
     async def ask_cancel(self, batch_id: str) -> None:
-        await self._run(lambda db: db.execute("UPDATE batches SET cancel_at = ? WHERE id = ? AND cancel_at IS NULL",
-                                              (int(time.time()), batch_id)), write=True)
+        await self._change("UPDATE batches SET cancel_at = ? WHERE id = ? AND cancel_at IS NULL", int(time.time()),
+                           batch_id)
 
     async def runnable(self) -> list[str]:
-        rows = await self._run(lambda db: db.execute("SELECT id FROM batches WHERE done = 0 ORDER BY created_ns, id")
-                               .fetchall())
-        return [batch_id for batch_id, in rows]
+        return [batch_id for batch_id, in await self._rows("SELECT id FROM batches WHERE done = 0 ORDER BY created_ns, id")]
 
     async def claim(self, batch_id: str, holder: str, ttl_s: float) -> int | None:
         now = time.time()
-        row = await self._run(lambda db: db.execute(
-            "UPDATE batches SET token = token + 1, holder = ?, claim_until = ? WHERE id = ? AND done = 0 AND "
-            "claim_until <= ? RETURNING token", (holder, now + ttl_s, batch_id, now)).fetchone(), write=True)
-        return None if row is None else int(row[0])
+        rows = await self._rows("UPDATE batches SET token = token + 1, holder = ?, claim_until = ? WHERE id = ? AND "
+                                "done = 0 AND claim_until <= ? RETURNING token", holder, now + ttl_s, batch_id, now,
+                                write=True)
+        return int(rows[0][0]) if rows else None
 
     async def renew(self, batch_id: str, token: int, ttl_s: float) -> bool:
-        return await self._run(lambda db: db.execute(
-            "UPDATE batches SET claim_until = ? WHERE id = ? AND token = ?", (time.time() + ttl_s, batch_id, token),
-        ).rowcount == 1, write=True)
+        return await self._change("UPDATE batches SET claim_until = ? WHERE id = ? AND token = ?", time.time() + ttl_s,
+                                  batch_id, token) == 1
 
     async def release(self, batch_id: str, token: int) -> None:
-        await self._run(lambda db: db.execute("UPDATE batches SET claim_until = 0 WHERE id = ? AND token = ?",
-                                              (batch_id, token)), write=True)
+        await self._change("UPDATE batches SET claim_until = 0 WHERE id = ? AND token = ?", batch_id, token)
 
     async def save(self, stored: StoredBatch, token: int) -> None:
-        args = (stored.model_dump_json(), stored.batch.status in DONE, stored.batch.id, token)
-
-        def save(db: sqlite3.Connection) -> None:
-            if db.execute("UPDATE batches SET record = ?, done = ? WHERE id = ? AND token = ?", args).rowcount != 1:
-                raise Fenced(stored.batch.id)
-
-        await self._run(save, write=True)
+        if not await self._change("UPDATE batches SET record = ?, done = ? WHERE id = ? AND token = ?",
+                                  stored.model_dump_json(), stored.batch.status in DONE, stored.batch.id, token):
+            raise Fenced(stored.batch.id)
 
     async def answer(self, batch_id: str, token: int, answer: Answer) -> bool:
         a = answer
@@ -265,37 +228,33 @@ class SqliteRecords:
         def add(db: sqlite3.Connection) -> bool:
             if db.execute("SELECT 1 FROM batches WHERE id = ? AND token = ?", (batch_id, token)).fetchone() is None:
                 raise Fenced(batch_id)
-            if db.execute("INSERT OR IGNORE INTO answers (batch_id, custom_id, ok, expired, prompt, completion, line) "
-                          "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                          (batch_id, a.custom_id, a.ok, a.expired, a.prompt, a.completion, a.line)).rowcount == 0:
-                return False
-            db.execute("UPDATE batches SET completed = completed + ?, failed = failed + ?, expired = expired + ?, "
-                       "prompt = prompt + ?, completion = completion + ? WHERE id = ?",
-                       (a.ok, not a.ok, a.expired, a.prompt, a.completion, batch_id))
-            return True
+            return db.execute("INSERT OR IGNORE INTO answers (batch_id, custom_id, ok, expired, prompt, completion, line) "
+                              "VALUES (?, ?, ?, ?, ?, ?, ?)",  # counted by `answers_counted`
+                              (batch_id, a.custom_id, a.ok, a.expired, a.prompt, a.completion, a.line)).rowcount == 1
 
         return await self._run(add, write=True)
 
     async def answered(self, batch_id: str) -> set[str]:
-        rows = await self._run(lambda db: db.execute("SELECT custom_id FROM answers WHERE batch_id = ?",
-                                                     (batch_id,)).fetchall())
-        return {custom_id for custom_id, in rows}
+        return {custom_id for custom_id, in await self._rows("SELECT custom_id FROM answers WHERE batch_id = ?", batch_id)}
 
     async def answers(self, batch_id: str) -> AsyncIterator[Answer]:
-        def page(after: int) -> Callable[[sqlite3.Connection], list[tuple[int, str, int, int, bytes]]]:
-            return lambda db: db.execute("SELECT seq, custom_id, ok, expired, line FROM answers WHERE batch_id = ? AND "
-                                         "seq > ? ORDER BY seq LIMIT ?", (batch_id, after, PAGE)).fetchall()
-
-        rows = await self._run(page(-1))
-        while rows:
+        after = -1
+        while True:
+            rows = await self._rows("SELECT seq, custom_id, ok, expired, line FROM answers WHERE batch_id = ? AND seq > ? "
+                                    "ORDER BY seq LIMIT ?", batch_id, after, PAGE)
             for _, custom_id, ok, expired, line in rows:
                 yield Answer(custom_id, bool(ok), bytes(line), bool(expired))
-            rows = await self._run(page(rows[-1][0])) if len(rows) == PAGE else []
+            if len(rows) < PAGE:
+                return
+            after = rows[-1][0]
 
     async def aclose(self) -> None:
+        """The connection closed once the calls before have ended; a call after opens it again."""
         def close() -> None:
-            with self._lock:  # after a call still running in its thread (its caller cancelled), never during it
-                if self._db_open is not None:
-                    self._db_open.close()
+            if self._db_open is not None:
+                self._db_open.close()
+                self._db_open = None
 
-        await asyncio.to_thread(close)
+        thread, self._thread = self._thread, ThreadPoolExecutor(1, thread_name_prefix="sqlite-records")
+        await asyncio.get_running_loop().run_in_executor(thread, close)
+        thread.shutdown(wait=False)

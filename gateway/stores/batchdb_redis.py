@@ -14,34 +14,33 @@ from typing import Any, TypeVar
 
 from gateway.protocol.batch_objects import DONE, StoredBatch
 from gateway.protocol.file_objects import FileObject
-from gateway.stores.batchdb import PAGE, Answer, Counts, Fenced, merged, parsed
+from gateway.stores.batchdb import PAGE, Answer, Fenced, merged, parsed
 from gateway.stores.blobs import unavailable
 from gateway.stores.redis import Client
 
 T = TypeVar("T")
 COUNTS = ("completed", "failed", "expired", "prompt", "completion")
 
-_CLAIM = """
+SCRIPTS = {"claim": """
 if redis.call('HEXISTS', KEYS[2], 'record') == 0 or redis.call('ZSCORE', KEYS[3], ARGV[3]) == false then return 0 end
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
 return redis.call('HINCRBY', KEYS[2], 'token', 1)
-"""
-_RENEW = """
+""", "renew": """
 if redis.call('HGET', KEYS[2], 'token') ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
 return 1
-"""
-_RELEASE = """
+""", "release": """
 if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
-"""
-_SAVE = """
+""", "cancel": """
+if redis.call('HEXISTS', KEYS[1], 'record') == 1 then redis.call('HSETNX', KEYS[1], 'cancel_at', ARGV[1]) end
+return 1
+""", "save": """
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'record', ARGV[2])
 if ARGV[3] == '1' then redis.call('ZREM', KEYS[2], ARGV[4]) end
 return 1
-"""
-_ANSWER = """
+""", "answer": """
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
 if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3]) == 0 then return 2 end
 redis.call('RPUSH', KEYS[3], ARGV[2])
@@ -49,7 +48,7 @@ for i, field in ipairs({'completed', 'failed', 'expired', 'prompt', 'completion'
   redis.call('HINCRBY', KEYS[1], field, ARGV[3 + i])
 end
 return 1
-"""
+"""}
 
 
 def _text(value: object) -> str:
@@ -65,8 +64,7 @@ class RedisRecords:
 
     def __init__(self, client: Client, prefix: str) -> None:
         self._client, self._redis, self._p = client, client.redis, prefix
-        self._scripts = {name: self._redis.register_script(source) for name, source in (
-            ("claim", _CLAIM), ("renew", _RENEW), ("release", _RELEASE), ("save", _SAVE), ("answer", _ANSWER))}
+        self._scripts = {name: self._redis.register_script(source) for name, source in SCRIPTS.items()}
 
     async def _call(self, call: Awaitable[T]) -> T:
         with unavailable():
@@ -102,24 +100,20 @@ class RedisRecords:
             await self._call(pipe.execute())
 
     async def batch(self, batch_id: str) -> StoredBatch | None:
-        return await self._read(batch_id)
-
-    async def _read(self, batch_id: str) -> StoredBatch | None:
         raw = await self._call(self._redis.hgetall(self._batch(batch_id)))
         if b"record" not in raw:
             return None
         cancel = raw.get(b"cancel_at")
-        counts = Counts(*(int(raw.get(name.encode(), 0)) for name in COUNTS))
-        stored = parsed(StoredBatch, raw[b"record"])
-        return None if stored is None else merged(stored, counts, None if cancel is None else int(cancel))
+        counts = [int(raw.get(name.encode(), 0)) for name in COUNTS]
+        return merged(raw[b"record"], None if cancel is None else int(cancel), counts)
 
     async def batches(self, owner: str) -> list[StoredBatch]:
         ids = await self._call(self._redis.smembers(f"{self._p}owned:{_hash(owner)}"))
-        found = [await self._read(_text(batch_id)) for batch_id in ids]
+        found = [await self.batch(_text(batch_id)) for batch_id in ids]
         return [stored for stored in found if stored is not None and stored.owner.tenant == owner]
 
     async def remove(self, batch_id: str) -> None:
-        stored = await self._read(batch_id)
+        stored = await self.batch(batch_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(self._batch(batch_id), f"{self._p}answers:{batch_id}", f"{self._p}order:{batch_id}")
             pipe.zrem(f"{self._p}runnable", batch_id)
@@ -128,7 +122,7 @@ class RedisRecords:
             await self._call(pipe.execute())
 
     async def ask_cancel(self, batch_id: str) -> None:
-        await self._call(self._redis.hsetnx(self._batch(batch_id), "cancel_at", int(time.time())))
+        await self._script("cancel", [self._batch(batch_id)], [int(time.time())])  # none on a batch deleted meanwhile
 
     async def runnable(self) -> list[str]:
         return [_text(batch_id) for batch_id in await self._call(self._redis.zrange(f"{self._p}runnable", 0, -1))]

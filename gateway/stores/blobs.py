@@ -8,35 +8,41 @@ import asyncio
 import contextlib
 import os
 import secrets
-import shutil
 import sqlite3
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, ParamSpec, Protocol, TypeVar
 
 import structlog
 
 from gateway.errors import StoreUnavailable
 from gateway.stores.redis import ERRORS as REDIS_ERRORS
 
+P = ParamSpec("P")
+T = TypeVar("T")
 log = structlog.get_logger(__name__)
 CHUNK_BYTES = 256 * 1024
 _TEMPORARY = ".tmp-"  # a name being written: never read as a blob
 
 
-class BlobsUnavailable(Exception): ...
-
-
 @contextlib.contextmanager
-def unavailable() -> Iterator[None]:
-    """A store that failed (its database, Redis, the disk, S3) as the API's 503 (`StoreUnavailable`), never a 500."""
+def unavailable(*also: type[Exception]) -> Iterator[None]:
+    """A store that failed (its database, Redis, the disk; S3's errors as `also`) as the API's 503
+    (`StoreUnavailable`), never a 500."""
+    failed: tuple[type[Exception], ...] = (sqlite3.Error, *REDIS_ERRORS, *also)
     try:
         yield
-    except (BlobsUnavailable, sqlite3.Error, *REDIS_ERRORS) as exc:
+    except failed as exc:
         log.warning("store_unavailable", error=str(exc), cause=type(exc.__cause__ or exc).__name__)
         raise StoreUnavailable("The batch lane's store (files and batches) is unavailable right now; try again "
                                "later.") from exc
+
+
+async def _io(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """A blocking call of the disk, in a worker thread; its failure the API's 503."""
+    with unavailable():
+        return await asyncio.to_thread(call, *args, **kwargs)
 
 
 @dataclass(slots=True)
@@ -44,19 +50,16 @@ class Opened:
     """A blob's content opened for reading: fixed once open (a delete meanwhile does not cut it short)."""
 
     size: int
-    chunks: AsyncIterator[bytes]
+    chunks: AsyncGenerator[bytes, None]
 
     async def aclose(self) -> None:
-        closing = getattr(self.chunks, "aclose", None)
-        if closing is not None:
-            await closing()
+        await self.chunks.aclose()
 
 
-async def read_chunks(file: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> AsyncIterator[bytes]:
+async def read_chunks(file: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> AsyncGenerator[bytes, None]:
     try:
         while True:
-            with unavailable():
-                chunk = await asyncio.to_thread(file.read, chunk_bytes)
+            chunk = await _io(file.read, chunk_bytes)
             if not chunk:
                 return
             yield chunk
@@ -76,20 +79,17 @@ class Staged:
 
     @classmethod
     async def at(cls, directory: Path, kind: str = "upload") -> Staged:
-        with unavailable():
-            return await asyncio.to_thread(cls, directory, kind)
+        return await _io(cls, directory, kind)
 
     async def write(self, data: bytes) -> None:
         assert self._file is not None
         self.size += len(data)
-        with unavailable():
-            await asyncio.to_thread(self._file.write, data)
+        await _io(self._file.write, data)
 
     async def close(self) -> None:
         if self._file is not None:
             file, self._file = self._file, None
-            with unavailable():
-                await asyncio.to_thread(file.close)
+            await _io(file.close)
 
     async def discard(self) -> None:
         await self.close()
@@ -101,14 +101,10 @@ class Blobs(Protocol):
     fails raises what `unavailable` maps to a 503; nothing blocks the event loop."""
 
     @property
-    def spool(self) -> Path:
-        """Where a content is staged before `put_file`."""
-
+    def spool(self) -> Path: ...  # where a content is staged before `put_file`
 
     async def put_file(self, name: str, path: Path) -> int:
         """The local file `path` as `name`; its size. The file is the store's afterwards (moved or removed)."""
-
-    async def open(self, name: str) -> Opened | None: ...
 
     def local(self, name: str) -> contextlib.AbstractAsyncContextManager[Path | None]:
         """A local file holding the content for blocking reads (the blob itself on a local directory, else a
@@ -132,10 +128,18 @@ async def put_chunks(blobs: Blobs, name: str, chunks: AsyncIterator[bytes]) -> N
         async for chunk in chunks:
             await staged.write(chunk)
         await staged.close()
-        with unavailable():
-            await blobs.put_file(name, staged.path)
+        await blobs.put_file(name, staged.path)
     finally:
         await staged.discard()
+
+
+async def open_blob(blobs: Blobs, name: str) -> Opened | None:
+    """The content `name` opened (None when there is none): still readable once deleted, or once its local copy is."""
+    async with blobs.local(name) as path:
+        if path is None:
+            return None
+        file = await _io(path.open, "rb")
+    return Opened(os.fstat(file.fileno()).st_size, read_chunks(file))
 
 
 def check_name(name: str) -> str:
@@ -146,13 +150,9 @@ def check_name(name: str) -> str:
 
 @dataclass(slots=True, frozen=True)
 class LocalBlobs:
-    """Contents as files of one directory (a shared volume for replicas): a file staged beside it, renamed in."""
+    """Contents as files of one directory (a shared volume for replicas): a file staged in its spool, renamed in."""
 
     root: Path
-
-    @classmethod
-    def at(cls, directory: Path) -> LocalBlobs:
-        return cls(directory.expanduser())
 
     @property
     def spool(self) -> Path:
@@ -165,44 +165,22 @@ class LocalBlobs:
         target = self._path(name)
 
         def move() -> int:
-            self.root.mkdir(parents=True, exist_ok=True)
-            size = path.stat().st_size
             try:
+                self.root.mkdir(parents=True, exist_ok=True)
                 with open(path, "rb") as written:
                     os.fsync(written.fileno())
-                os.replace(path, target)  # the same disk: a rename
-            except OSError:  # another disk: copied beside the target, renamed
-                temporary = self.root / f"{_TEMPORARY}{secrets.token_hex(8)}"
-                try:
-                    shutil.copyfile(path, temporary)
-                    os.replace(temporary, target)
-                finally:
-                    temporary.unlink(missing_ok=True)
-                    path.unlink(missing_ok=True)
-            return size
+                    size = os.fstat(written.fileno()).st_size
+                os.replace(path, target)  # staged in the spool, on the same disk: a rename
+                return size
+            finally:
+                path.unlink(missing_ok=True)
 
-        with unavailable():
-            return await asyncio.to_thread(move)
-
-    async def open(self, name: str) -> Opened | None:
-        path = self._path(name)
-
-        def opened() -> BinaryIO | None:
-            try:
-                return path.open("rb")
-            except FileNotFoundError:
-                return None
-
-        with unavailable():
-            file = await asyncio.to_thread(opened)
-        return None if file is None else Opened(os.fstat(file.fileno()).st_size, read_chunks(file))
+        return await _io(move)
 
     @contextlib.asynccontextmanager
     async def local(self, name: str) -> AsyncIterator[Path | None]:
         path = self._path(name)
-        with unavailable():
-            found = await asyncio.to_thread(path.is_file)
-        yield path if found else None
+        yield path if await _io(path.is_file) else None
 
     async def delete(self, *names: str) -> None:
         paths = [self._path(name) for name in names]
@@ -211,8 +189,7 @@ class LocalBlobs:
             for path in paths:
                 path.unlink(missing_ok=True)
 
-        with unavailable():
-            await asyncio.to_thread(remove)
+        await _io(remove)
 
     async def aclose(self) -> None:
         pass

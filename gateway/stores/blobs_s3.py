@@ -9,9 +9,9 @@ import contextlib
 import os
 import tempfile
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import boto3
 from boto3.exceptions import Boto3Error
@@ -20,7 +20,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gateway.settings import StoreSettings
-from gateway.stores.blobs import BlobsUnavailable, Opened, check_name, read_chunks, unavailable
+from gateway.stores.blobs import check_name, unavailable
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -31,12 +31,13 @@ MIB = 1024 * 1024
 TEMPORARY = "llm-gateway-s3-"  # local temporary files' prefix
 
 
-def _status(exc: ClientError) -> int:
-    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+ERRORS = (ClientError, BotoCoreError, Boto3Error)  # a service down, slow or refusing: the API's 503
+TRANSFER = TransferConfig(multipart_threshold=8 * MIB, multipart_chunksize=8 * MIB, max_concurrency=4)
 
 
 def _missing(exc: ClientError) -> bool:
-    return _status(exc) == 404 or exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404")
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status == 404 or exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404")
 
 
 def _client(store: StoreSettings) -> S3Client:
@@ -69,10 +70,6 @@ class S3Blobs:
     bucket: str
     root: str
     spool: Path
-    transfer: TransferConfig = field(
-        default_factory=lambda: TransferConfig(multipart_threshold=8 * MIB, multipart_chunksize=8 * MIB,
-                                               max_concurrency=4)
-    )
 
     @classmethod
     def from_settings(cls, store: StoreSettings, part: str, spool: Path) -> S3Blobs:
@@ -83,15 +80,9 @@ class S3Blobs:
     def _key(self, name: str) -> str:
         return self.root + check_name(name)
 
-    async def _run(self, what: str, work: Callable[[], T]) -> T:
-        with unavailable():  # the API's 503
-            try:
-                return await asyncio.to_thread(work)
-            except ClientError as exc:
-                code = exc.response.get("Error", {}).get("Code", "?")
-                raise BlobsUnavailable(f"The S3 store failed to {what} ({code}, HTTP {_status(exc)}).") from exc
-            except (BotoCoreError, Boto3Error) as exc:
-                raise BlobsUnavailable(f"The S3 store could not {what}: {type(exc).__name__}.") from exc
+    async def _run(self, work: Callable[[], T]) -> T:
+        with unavailable(*ERRORS):
+            return await asyncio.to_thread(work)
 
     async def put_file(self, name: str, path: Path) -> int:
         key = self._key(name)
@@ -99,30 +90,12 @@ class S3Blobs:
         def upload() -> int:
             try:
                 size = path.stat().st_size
-                self.client.upload_file(str(path), self.bucket, key, Config=self.transfer)
+                self.client.upload_file(str(path), self.bucket, key, Config=TRANSFER)
                 return size
             finally:
                 path.unlink(missing_ok=True)
 
-        return await self._run("upload a file", upload)
-
-    def _fetch(self, key: str, sink: IO[bytes]) -> bool:
-        try:
-            got = self.client.get_object(Bucket=self.bucket, Key=key)
-        except ClientError as exc:
-            if _missing(exc):
-                return False
-            raise
-        for chunk in got["Body"].iter_chunks(MIB):
-            sink.write(chunk)
-        return True
-
-    async def open(self, name: str) -> Opened | None:
-        async with self.local(name) as path:
-            if path is None:
-                return None
-            file = await asyncio.to_thread(path.open, "rb")  # still readable once its name is removed
-        return Opened(os.fstat(file.fileno()).st_size, read_chunks(file))
+        return await self._run(upload)
 
     @contextlib.asynccontextmanager
     async def local(self, name: str) -> AsyncIterator[Path | None]:
@@ -130,18 +103,17 @@ class S3Blobs:
 
         def download() -> Path | None:
             descriptor, temporary = tempfile.mkstemp(prefix=TEMPORARY)
-            path = Path(temporary)
+            os.close(descriptor)
             try:
-                with os.fdopen(descriptor, "wb") as file:
-                    if self._fetch(key, file):
-                        return path
-            except BaseException:
-                path.unlink()
+                self.client.download_file(self.bucket, key, temporary, Config=TRANSFER)
+                return Path(temporary)
+            except BaseException as exc:
+                os.unlink(temporary)
+                if isinstance(exc, ClientError) and _missing(exc):
+                    return None
                 raise
-            path.unlink()
-            return None
 
-        path = await self._run("read an object", download)
+        path = await self._run(download)
         try:
             yield path
         finally:
@@ -155,7 +127,7 @@ class S3Blobs:
             for key in keys:
                 self.client.delete_object(Bucket=self.bucket, Key=key)
 
-        await self._run("delete objects", remove)
+        await self._run(remove)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.client.close)

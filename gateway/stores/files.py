@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
 from gateway.protocol.file_objects import FileObject, Purpose
 from gateway.stores.batchdb import Records
-from gateway.stores.blobs import Blobs, Opened, Staged
+from gateway.stores.blobs import Blobs, Opened, Staged, open_blob
 
 ID = re.compile(r"file-[0-9a-f]{24}")
 
@@ -83,7 +83,7 @@ class OwnedFiles:
     async def open(self, file_id: str) -> tuple[FileObject, Opened]:
         """A delete after this does not cut the read short."""
         found = await self.get(file_id)
-        opened = await self.blobs.open(file_id)
+        opened = await open_blob(self.blobs, file_id)
         if opened is None:  # deleted between the two reads
             raise not_found(file_id)
         return found, opened

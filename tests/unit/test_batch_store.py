@@ -8,10 +8,14 @@ a runner that outlives the outage and answers every line once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
+import sqlite3
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,7 @@ from starlette.testclient import TestClient
 
 from gateway.errors import StoreUnavailable
 from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
-from gateway.stores.batchdb import Answer, Fenced, Records
+from gateway.stores.batchdb import SCHEMA, Answer, Fenced, Records, SqliteRecords
 from gateway.stores.batchdb_redis import RedisRecords
 from gateway.stores.batches import input_name, new_id
 from gateway.stores.redis import RedisPools
@@ -122,10 +126,73 @@ async def test_a_batch_is_its_owners_and_leaves_nothing_when_removed(records: Re
         await records.create(made)
     assert [s.batch.id for s in await records.batches("t")] == [mine.batch.id]
     assert await records.runnable() == [mine.batch.id, theirs.batch.id]  # oldest first
+    token = await records.claim(mine.batch.id, "a", 30)
+    assert token is not None
+    assert await records.answer(mine.batch.id, token, answer("r1"))
     await records.remove(mine.batch.id)
     assert await records.batch(mine.batch.id) is None
+    assert await records.answered(mine.batch.id) == set()  # its answers with it
     assert await records.batches("t") == []
     assert await records.runnable() == [theirs.batch.id]
+
+
+async def test_a_cancel_of_a_batch_removed_meanwhile_leaves_nothing(records: Records) -> None:
+    made = stored()
+    await records.create(made)
+    await records.remove(made.batch.id)
+    await records.ask_cancel(made.batch.id)  # its find came just before the remove
+    assert await records.batch(made.batch.id) is None
+    if isinstance(records, RedisRecords):  # no stray hash of a cancel under the batch's key
+        assert not await records._redis.exists(records._batch(made.batch.id))
+
+
+async def test_a_store_closed_opens_again_at_its_next_call(records: Records) -> None:
+    made = stored()
+    await records.create(made)
+    await records.aclose()
+    found = await records.batch(made.batch.id)  # SQLite's closed connection was taken for an open one
+    assert found is not None
+    assert found.batch.id == made.batch.id
+
+
+async def test_a_sqlite_database_made_before_its_triggers_gets_them(tmp_path: Path) -> None:
+    """A database of an earlier version (its tables, no triggers) counts each answer and removes a
+    batch's answers with it once opened."""
+    path = tmp_path / "db.sqlite3"
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.executescript(SCHEMA[: SCHEMA.index("CREATE TRIGGER")])
+    records = SqliteRecords(path)
+    made = stored()
+    await records.create(made)
+    token = await records.claim(made.batch.id, "a", 30)
+    assert token is not None
+    assert await records.answer(made.batch.id, token, answer("r1"))
+    found = await records.batch(made.batch.id)
+    assert found is not None
+    assert found.batch.request_counts.completed == 1
+    await records.remove(made.batch.id)
+    assert await records.answered(made.batch.id) == set()
+    await records.aclose()
+
+
+async def test_sqlite_calls_do_not_wait_for_the_default_executor(tmp_path: Path) -> None:
+    """The SQLite store's calls run in a thread of its own: a default executor kept busy by other work
+    (every `asyncio.to_thread`) does not hold them up."""
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(1))
+    release = threading.Event()
+    busy = loop.run_in_executor(None, release.wait)
+    records = SqliteRecords(tmp_path / "db.sqlite3")
+    try:
+        made = stored()
+        create = asyncio.ensure_future(records.create(made))
+        done, _ = await asyncio.wait({create}, timeout=20)  # a guard on the test (it hung before), not a measurement
+        assert create in done
+        assert await records.batch(made.batch.id) is not None
+    finally:
+        release.set()
+        await busy
+        await records.aclose()
 
 
 async def test_a_replica_stalled_mid_write_on_redis_has_its_late_write_refused(redis_server: RedisServer) -> None:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.stores.blobs import Blobs, put_bytes
+from gateway.stores.blobs import Blobs, open_blob, put_bytes
 
 
 async def _read(blobs: Blobs, name: str) -> bytes | None:
-    opened = await blobs.open(name)
+    opened = await open_blob(blobs, name)
     return None if opened is None else b"".join([chunk async for chunk in opened.chunks])
 
 
@@ -29,7 +29,7 @@ async def test_put_file_moves_the_file_in(blobs: Blobs, tmp_path: Path) -> None:
 
 
 async def test_a_missing_content_is_none(blobs: Blobs) -> None:
-    assert await blobs.open("nothing") is None
+    assert await open_blob(blobs, "nothing") is None
     async with blobs.local("nothing") as path:
         assert path is None
     await blobs.delete("nothing")  # nothing to do: no error
@@ -37,16 +37,16 @@ async def test_a_missing_content_is_none(blobs: Blobs) -> None:
 
 async def test_open_is_fixed_at_open_and_delete_removes(blobs: Blobs) -> None:
     await put_bytes(blobs, "a", b"x" * 600_000)
-    opened = await blobs.open("a")
+    opened = await open_blob(blobs, "a")
     assert opened is not None
     await blobs.delete("a")
     assert opened.size == 600_000
     assert b"".join([chunk async for chunk in opened.chunks]) == b"x" * 600_000
-    assert await blobs.open("a") is None
+    assert await open_blob(blobs, "a") is None
     assert list(blobs.spool.iterdir()) == []  # put_bytes staged it, and left nothing behind
 
 
 @pytest.mark.parametrize("name", ["", "..", "../x", "a/b", "/etc/passwd", ".tmp-x", "a\x00b"])
 async def test_names_are_checked(blobs: Blobs, name: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a blob name"):
-        await blobs.open(name)
+        await open_blob(blobs, name)

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from gateway.errors import StoreUnavailable
 from gateway.settings import Settings, StoreSettings
 from gateway.stores.backends import open_stores
-from gateway.stores.blobs import put_bytes, unavailable
+from gateway.stores.blobs import open_blob, put_bytes, unavailable
 from gateway.stores.blobs_s3 import MIB, S3Blobs
 from gateway.stores.redis import RedisPools
 from tests.s3_server import S3Server, shared
@@ -58,7 +58,7 @@ async def test_a_large_file_goes_up_in_parts(blobs: S3Blobs, bucket: str, tmp_pa
     assert not source.exists()
     etag = shared().client().head_object(Bucket=bucket, Key=f"{PREFIX}batches/big")["ETag"]
     assert etag.strip('"').endswith("-3")  # a multipart upload's ETag counts its parts
-    opened = await blobs.open("big")
+    opened = await open_blob(blobs, "big")
     assert opened is not None
     read = b"".join([chunk async for chunk in opened.chunks])
     assert hashlib.sha256(read).digest() == hashlib.sha256(data).digest()
@@ -78,7 +78,7 @@ def stopped(tmp_path: Path) -> S3Blobs:
 async def test_a_service_down_is_unavailable_promptly(stopped: S3Blobs, tmp_path: Path) -> None:
     source = tmp_path / "upload"
     source.write_bytes(b"x")
-    for call in (lambda: stopped.open("before"), lambda: stopped.delete("before"),
+    for call in (lambda: open_blob(stopped, "before"), lambda: stopped.delete("before"),
                  lambda: stopped.put_file("e", source)):
         with pytest.raises(StoreUnavailable), unavailable():
             await call()
@@ -101,7 +101,7 @@ def silent() -> Iterator[str]:
 async def test_a_silent_service_times_out(silent: str, tmp_path: Path) -> None:
     store = S3Blobs.from_settings(_settings(silent, "bucket", s3_timeout_s=0.6), "batches", tmp_path)
     with pytest.raises(StoreUnavailable, match="unavailable"), unavailable():
-        await store.open("x")
+        await open_blob(store, "x")
 
 
 async def test_every_key_is_below_the_prefix_and_part(blobs: S3Blobs, bucket: str, tmp_path: Path) -> None:
@@ -109,7 +109,7 @@ async def test_every_key_is_below_the_prefix_and_part(blobs: S3Blobs, bucket: st
     await put_bytes(files, "file-1", b"line\n")
     await put_bytes(blobs, "batch_1.input.jsonl", b"{}")
     assert sorted(_keys(bucket)) == [f"{PREFIX}batches/batch_1.input.jsonl", f"{PREFIX}files/file-1"]
-    assert await files.open("batch_1.input.jsonl") is None  # each part sees only its own
+    assert await open_blob(files, "batch_1.input.jsonl") is None  # each part sees only its own
     await files.aclose()
 
 

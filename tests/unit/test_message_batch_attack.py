@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -371,6 +372,39 @@ def test_results_already_streaming_survive_a_delete(client: TestClient, tmp_path
 
     chunks = asyncio.run(read_while_deleted())
     assert sorted(json.loads(line)["custom_id"] for line in b"".join(chunks).splitlines()) == ["bad", "r0", "r1", "r2"]
+
+
+def test_results_are_built_off_the_event_loop(client: TestClient, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each result line is made in a worker thread, never on the event loop: a large batch's results
+    read do not stall the requests the loop serves meanwhile."""
+    from gateway.apis.message_batches import message_batches_serving as mb
+
+    batch = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(3)] +
+                   [{"custom_id": "bad", "params": params(model="nope")}])
+    wait(client, batch.id)
+    made_on: list[threading.Thread] = []
+    result = mb._result
+
+    def noted(line: dict[str, Any], ok: bool) -> dict[str, Any]:
+        made_on.append(threading.current_thread())
+        return result(line, ok)
+
+    monkeypatch.setattr(mb, "_result", noted)
+    store = disk_batches(tmp_path / "batches")
+
+    async def read() -> tuple[bytes, threading.Thread]:
+        stored = await store.records.batch(batch.id)
+        assert stored is not None
+        lines = await mb.results(store, stored, "message_batch_id")
+        body = b"".join([chunk async for chunk in lines.chunks])
+        await store.aclose()
+        return body, threading.current_thread()
+
+    body, loop_thread = asyncio.run(read())
+    assert sorted(json.loads(line)["custom_id"] for line in body.splitlines()) == ["bad", "r0", "r1", "r2"]
+    assert len(made_on) == 4
+    assert loop_thread not in made_on
 
 
 # --- cancel: twice while it runs, and after it ended ---------------------------------------------------

@@ -23,7 +23,7 @@ from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
 from gateway.stores.batchdb import Records, SqliteRecords
 from gateway.stores.batchdb_redis import RedisRecords
 from gateway.stores.batches import BatchStore, new_id
-from gateway.stores.blobs import Blobs, LocalBlobs, unavailable
+from gateway.stores.blobs import Blobs, LocalBlobs, open_blob, unavailable
 from gateway.stores.files import FileStore
 from tests.fakes import FakeEngine, app_with
 from tests.stores import Flaky, failing_stores
@@ -179,7 +179,7 @@ async def test_a_store_that_is_down_logs_no_password_or_secret_key(capsys: pytes
         await RedisRecords(pools.client(redis_url, 1), "x:").file("t", "file-" + "0" * 24)
     blobs = S3Blobs.from_settings(s3, "files", tmp_path)
     with pytest.raises(StoreUnavailable), unavailable():
-        await blobs.open("a")
+        await open_blob(blobs, "a")
     await blobs.aclose()
     await pools.aclose()
     captured = capsys.readouterr()
@@ -242,11 +242,11 @@ async def test_an_owner_with_many_files_and_batches_lists_them(records: Records)
         await records.add_file("t", FileObject(id=file_id, bytes=1, created_at=now, filename="f", purpose="batch",
                                                expires_at=now + 3600))
         await records.create(_stored())
-    mine = FileStore(records, LocalBlobs.at(Path("/nonexistent"))).of("t")
+    mine = FileStore(records, LocalBlobs(Path("/nonexistent"))).of("t")
     for page, more in await asyncio.gather(*(mine.page(None, None, 200, False) for _ in range(8))):
         assert [f.id for f in page] == ids
         assert not more
-    batches = BatchStore(records, LocalBlobs.at(Path("/nonexistent")))
+    batches = BatchStore(records, LocalBlobs(Path("/nonexistent")))
     for listed, _ in await asyncio.gather(*(batches.of("t").page(None, 200) for _ in range(8))):
         assert len(listed) == 150
 
@@ -267,7 +267,7 @@ async def test_another_owners_or_a_crafted_id_is_none_of_mine(records: Records, 
     from gateway.errors import InvalidRequest, NotFound
     from gateway.stores.batches import MESSAGE_BATCH
 
-    blobs = LocalBlobs.at(tmp_path / "store")
+    blobs = LocalBlobs(tmp_path / "store")
     files, batches = FileStore(records, blobs), BatchStore(records, blobs)
     staged = await files.of("owner").stage()
     await staged.write(LINES)
@@ -308,25 +308,20 @@ async def test_another_owners_or_a_crafted_id_is_none_of_mine(records: Records, 
 
 
 def test_a_disk_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A disk that fails mid-write (full: ENOSPC as a content is copied in from another disk) fails the
-    call, and leaves no temporary file beside the contents (no one would ever remove it)."""
+    """A disk that fails as a content is moved in (full, or the spool on another disk) fails the call
+    (a 503), and leaves no temporary file beside the contents (no one would ever remove it)."""
     import errno
     import os
-    import shutil
 
-    store = LocalBlobs.at(tmp_path / "store")
+    store = LocalBlobs(tmp_path / "store")
     source = tmp_path / "source"
     source.write_bytes(b"upload")
 
-    def full(*args: object, **kwargs: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    def not_linked(*args: object, **kwargs: object) -> None:
+    def not_moved(*args: object, **kwargs: object) -> None:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
     with monkeypatch.context() as patch:
-        patch.setattr(os, "replace", not_linked)  # another disk: the copying path
-        patch.setattr(shutil, "copyfile", full)
+        patch.setattr(os, "replace", not_moved)
         with pytest.raises(StoreUnavailable):
             asyncio.run(store.put_file("moved", source))
     assert [p.name for p in (tmp_path / "store").iterdir()] == []
@@ -336,7 +331,7 @@ def test_a_disk_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkey
 # --- the routes with the store failing at each of its calls ------------------------------------------------
 
 
-@pytest.mark.parametrize("step", [("files", "put_file"), ("files", "add_file"), ("files", "open"),
+@pytest.mark.parametrize("step", [("files", "put_file"), ("files", "add_file"), ("files", "local"),
                                   ("batches", "put_file"), ("batches", "create")])
 def test_an_upload_or_create_failing_at_each_call_is_a_503_and_leaves_no_spool_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: tuple[str, str]) -> None:
@@ -345,7 +340,7 @@ def test_an_upload_or_create_failing_at_each_call_is_a_503_and_leaves_no_spool_f
     with TestClient(app_with(FakeEngine(), api_keys=["sk-owner"], **settings(tmp_path, enabled=False))) as client:
         headers = {"authorization": "Bearer sk-owner"}
         part, method = step
-        if part == "files" and method != "open":
+        if part == "files" and method != "local":
             made[part].refuse = lambda called: called == method
             answer = client.post("/v1/files", files={"file": ("in.jsonl", big)}, data={"purpose": "batch"},
                                  headers=headers)

@@ -5,7 +5,6 @@ size and file size."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
@@ -20,38 +19,27 @@ MAX_FILENAME_CHARS = 255
 _MULTIPART_SLACK = 64 * 1024  # the boundaries, part headers and small fields around the file
 
 
-@dataclass(slots=True)
 class Form:
-    fields: dict[str, str] = field(default_factory=dict)
-    file: Staged | None = None
-    filename: str = ""
+    """An upload's form as python-multipart's callbacks parse it: its fields (each checked by `on_field` as it
+    arrives), its one file (`file`, staged by the caller; `filename` empty until one came whole)."""
 
-
-@dataclass(slots=True)
-class _Part:
-    name: str = ""
-    filename: str | None = None
-    data: bytearray = field(default_factory=bytearray)
-
-
-class _Reader:
     def __init__(self, max_file_bytes: int, on_field: Callable[[str, str], None]) -> None:
-        self.form = Form()
-        self.max_file_bytes = max_file_bytes
-        self.on_field = on_field
+        self.fields: dict[str, str] = {}
+        self.file: Staged | None = None
+        self.filename = ""
+        self.max_file_bytes, self.on_field = max_file_bytes, on_field
         self.pending: list[bytes] = []  # file bytes parsed from the last chunk, to write
-        self.file_bytes = 0
-        self.parts = 0
+        self.file_bytes = self.parts = 0
         self.ended = False  # the closing boundary was read (a body cut short has none)
-        self._part = _Part()
-        self._header_name = bytearray()
-        self._header_value = bytearray()
+        self._name, self._data = "", bytearray()  # the part being read
+        self._filename: str | None = None
+        self._header_name, self._header_value = bytearray(), bytearray()
 
     def on_part_begin(self) -> None:
         self.parts += 1
         if self.parts > MAX_PARTS:
             raise InvalidRequest(f"The form has more than {MAX_PARTS} parts")
-        self._part = _Part()
+        self._name, self._filename, self._data = "", None, bytearray()
 
     def on_header_field(self, data: bytes, start: int, end: int) -> None:
         self._header_name += data[start:end]
@@ -64,24 +52,24 @@ class _Reader:
     def on_header_end(self) -> None:
         if bytes(self._header_name).lower() == b"content-disposition":
             _, options = parse_options_header(bytes(self._header_value))
-            self._part.name = options.get(b"name", b"").decode("utf-8", "replace")
+            self._name = options.get(b"name", b"").decode("utf-8", "replace")
             raw_filename = options.get(b"filename")
             if raw_filename is not None:
-                self._part.filename = raw_filename.decode("utf-8", "replace")[-MAX_FILENAME_CHARS:]
+                self._filename = raw_filename.decode("utf-8", "replace")[-MAX_FILENAME_CHARS:]
         self._header_name.clear()
         self._header_value.clear()
 
     def on_headers_finished(self) -> None:
-        if not self._part.name:
+        if not self._name:
             raise InvalidRequest("A part of the form has no name (Content-Disposition: form-data; name=...)")
-        if self._part.filename is not None and (self._part.name != "file" or self.form.filename):
+        if self._filename is not None and (self._name != "file" or self.filename):
             raise InvalidRequest("The form must carry exactly one file, as its 'file' field", param="file")
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
-        if self._part.filename is None:
-            if len(self._part.data) + end - start > MAX_FIELD_BYTES:
-                raise InvalidRequest(f"The form field '{self._part.name[:64]}' is longer than {MAX_FIELD_BYTES} bytes")
-            self._part.data += data[start:end]
+        if self._filename is None:
+            if len(self._data) + end - start > MAX_FIELD_BYTES:
+                raise InvalidRequest(f"The form field '{self._name[:64]}' is longer than {MAX_FIELD_BYTES} bytes")
+            self._data += data[start:end]
             return
         self.file_bytes += end - start
         if self.file_bytes > self.max_file_bytes:
@@ -92,17 +80,17 @@ class _Reader:
         self.ended = True
 
     def on_part_end(self) -> None:
-        part = self._part
-        if part.filename is not None:
-            self.form.filename = part.filename or "upload"
+        name = self._name
+        if self._filename is not None:
+            self.filename = self._filename or "upload"
             return
-        if part.name == "file":
+        if name == "file":
             raise InvalidRequest("The 'file' field must be a file (a part with a filename)", param="file")
-        if part.name in self.form.fields:
-            raise InvalidRequest(f"The form field '{part.name[:64]}' is given twice", param=part.name[:64])
-        value = part.data.decode("utf-8", "replace")
-        self.form.fields[part.name] = value
-        self.on_field(part.name, value)  # checked as it arrives: a bad purpose refused before the file is read
+        if name in self.fields:
+            raise InvalidRequest(f"The form field '{name[:64]}' is given twice", param=name[:64])
+        value = self._data.decode("utf-8", "replace")
+        self.fields[name] = value
+        self.on_field(name, value)  # checked as it arrives: a bad purpose refused before the file is read
 
 
 def _boundary(request: Request) -> bytes:
@@ -122,28 +110,26 @@ async def read_form(
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > max_file_bytes + _MULTIPART_SLACK:
         raise PayloadTooLarge(f"The upload of {declared} bytes exceeds the limit of {max_file_bytes} bytes", param="file")
-    reader = _Reader(max_file_bytes, on_field)
+    form = Form(max_file_bytes, on_field)
     parser = MultipartParser(boundary, {
-        "on_part_begin": reader.on_part_begin, "on_part_data": reader.on_part_data,
-        "on_part_end": reader.on_part_end, "on_header_field": reader.on_header_field,
-        "on_header_value": reader.on_header_value, "on_header_end": reader.on_header_end,
-        "on_headers_finished": reader.on_headers_finished, "on_end": reader.on_end,
+        "on_part_begin": form.on_part_begin, "on_part_data": form.on_part_data, "on_part_end": form.on_part_end,
+        "on_header_field": form.on_header_field, "on_header_value": form.on_header_value,
+        "on_header_end": form.on_header_end, "on_headers_finished": form.on_headers_finished, "on_end": form.on_end,
     })
-    staged = await stage()
-    reader.form.file = staged
+    staged = form.file = await stage()
     try:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
                 raise ClientDisconnect()
             parser.write(message.get("body", b""))
-            if reader.pending:
-                await staged.write(b"".join(reader.pending))
-                reader.pending.clear()
+            if form.pending:
+                await staged.write(b"".join(form.pending))
+                form.pending.clear()
             if not message.get("more_body", False):
                 break
         parser.finalize()
-        if not reader.ended:
+        if not form.ended:
             raise InvalidRequest("The multipart/form-data body is malformed: it ends before its closing boundary")
         await staged.close()
     except FormParserError as exc:
@@ -152,7 +138,7 @@ async def read_form(
     except BaseException:
         await staged.discard()
         raise
-    if not reader.form.filename:
+    if not form.filename:
         await staged.discard()
-        reader.form.file = None
-    return reader.form
+        form.file = None
+    return form

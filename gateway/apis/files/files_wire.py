@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from gateway.protocol.file_objects import FileObject
 
@@ -30,7 +30,6 @@ class FileDeleted(BaseModel):
 class FileListQuery(BaseModel):
     """The query of GET /v1/files (values arrive as strings)."""
 
-    model_config = ConfigDict(extra="ignore", strict=False)
     purpose: str | None = None
     after: str | None = None
     limit: Annotated[int, Field(ge=1, le=10_000)] = 10_000

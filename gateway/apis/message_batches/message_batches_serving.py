@@ -1,5 +1,5 @@
 """Anthropic's Message Batches on the batch lane: a Message Batch is a batch of the Batches API
-(`stores.batches`, run by `pipeline.batches`) whose lines go to `/v1/messages`, shown in Anthropic's
+(`stores.batches`, run by `apis.batches.batches_runner`) whose lines go to `/v1/messages`, shown in Anthropic's
 shapes. Here: the batch's input made from a create body (`input_lines`), the MessageBatch view of a
 stored batch (`view`), and its results (`results`), one line per request, read from the batch's
 answers and its input.
@@ -18,7 +18,6 @@ How OpenAI's states and counts map to Anthropic's:
 from __future__ import annotations
 
 import asyncio
-import math
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from gateway.apis.message_batches.message_batches_wire import (
 )
 from gateway.errors import InvalidRequest
 from gateway.protocol.batch_objects import DONE, StoredBatch
+from gateway.stores.batchdb import PAGE, Answer
 from gateway.stores.batches import BatchStore, input_name, not_found
 from gateway.stores.blobs import Opened, Staged, read_chunks
 
@@ -52,35 +52,21 @@ def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: i
             raise InvalidRequest(f"requests.{i}.custom_id: '{request.custom_id}' is not unique: each request of a "
                                  "batch needs a custom_id of its own", param=f"requests.{i}.custom_id")
         seen.add(request.custom_id)
-        if not _finite(request.params):
-            raise InvalidRequest(f"requests.{i}.params: NaN and Infinity are not JSON numbers",
-                                 param=f"requests.{i}.params")
         try:
             line = orjson.dumps({"custom_id": request.custom_id, "method": "POST", "url": MESSAGES,
                                  "body": request.params})
         except TypeError:  # an integer past 64 bits: no request takes one
             raise InvalidRequest(f"requests.{i}.params: an integer is out of range",
                                  param=f"requests.{i}.params") from None
+        # the body's parser takes NaN, Infinity and 1e400, a JSON line cannot keep them (orjson writes null): the
+        # request would run with a value it did not ask for
+        if orjson.loads(line)["body"] != request.params:
+            raise InvalidRequest(f"requests.{i}.params: NaN and Infinity are not JSON numbers",
+                                 param=f"requests.{i}.params")
         if len(line) > max_line_bytes:
             raise InvalidRequest(f"requests.{i}.params: larger than {max_line_bytes} bytes", param=f"requests.{i}.params")
         lines.append(line)
     return b"\n".join(lines) + b"\n"
-
-
-def _finite(params: dict[str, Any]) -> bool:
-    """Whether no number in `params` is NaN or infinite: the body's parser takes them (`NaN`,
-    `Infinity`, `1e400`), a JSON line cannot keep them (orjson writes null), and the request would
-    run with a value it did not ask for."""
-    pending: list[Any] = [params]
-    while pending:
-        value = pending.pop()
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-        if isinstance(value, dict):
-            pending.extend(value.values())
-        elif isinstance(value, list):
-            pending.extend(value)
-    return True
 
 
 def _time(seconds: int | None) -> datetime | None:
@@ -125,41 +111,41 @@ def _result(line: dict[str, Any], ok: bool) -> dict[str, Any]:
         body = response.get("body")
         if ok:
             return {"type": "succeeded", "message": body}
-        error = body if isinstance(body, dict) and body.get("type") == "error" else _error("api_error", str(body))
+        error = body if isinstance(body, dict) and body.get("type") == "error" else _error(str(body))
         return {"type": "errored", "error": {**error, "request_id": response.get("request_id")}}
     problem = line.get("error") or {}
     if problem.get("code") == "batch_expired":
         return {"type": "expired"}
-    return {"type": "errored", "error": _error("api_error", str(problem.get("message", "The request failed.")))}
+    return {"type": "errored", "error": _error(str(problem.get("message", "The request failed.")))}
 
 
-def _error(kind: str, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": kind, "message": message}}
+def _error(message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": "api_error", "message": message}}
 
 
 def _unrun(status: str) -> dict[str, Any]:
     if status == "cancelled":
         return {"type": "canceled"}
-    return {"type": "errored", "error": _error("api_error", f"The request was not run: the batch ended {status}.")}
+    return {"type": "errored", "error": _error(f"The request was not run: the batch ended {status}.")}
 
 
 async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
     """The results of an ended batch, one JSON line per request: those answered (in the order they were answered),
-    then those never run; assembled in a local file opened before the answer starts (a delete of the batch meanwhile
-    does not cut them short). A batch deleted before its input is read is a 404 naming `param`."""
+    then those never run; each line made in a worker thread (a large batch stalls no other request), assembled in a
+    local file opened before the answer starts (a delete of the batch meanwhile does not cut them short). A batch
+    deleted before its input is read is a 404 naming `param`."""
     batch_id, status = stored.batch.id, stored.batch.status
     staged = await Staged.at(store.blobs.spool, "results")
     try:
         seen: set[str] = set()
-        lines: list[bytes] = []
+        page: list[Answer] = []
         async for answer in store.records.answers(batch_id):
             seen.add(answer.custom_id)
-            line = orjson.loads(answer.line)
-            lines.append(orjson.dumps({"custom_id": answer.custom_id, "result": _result(line, answer.ok)}) + b"\n")
-            if len(lines) >= RESULT_LINES:
-                await staged.write(b"".join(lines))
-                lines.clear()
-        await staged.write(b"".join(lines))
+            page.append(answer)
+            if len(page) == PAGE:
+                await staged.write(await asyncio.to_thread(_result_lines, page))
+                page = []
+        await staged.write(await asyncio.to_thread(_result_lines, page))
         async with store.blobs.local(input_name(batch_id)) as requests:
             if requests is None:
                 raise not_found(batch_id, param)
@@ -171,7 +157,9 @@ async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
     return Opened(staged.size, read_chunks(opened))
 
 
-RESULT_LINES = 256  # result lines gathered before a write to the file being assembled
+def _result_lines(answers: list[Answer]) -> bytes:
+    return b"".join(orjson.dumps({"custom_id": a.custom_id, "result": _result(orjson.loads(a.line), a.ok)}) + b"\n"
+                    for a in answers)
 
 
 def _unrun_lines(requests: Path, seen: set[str], status: str) -> bytes:

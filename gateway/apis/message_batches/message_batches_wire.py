@@ -58,7 +58,6 @@ class MessageBatchList(BaseModel):
 
 
 class MessageBatchListQuery(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=False)
     before_id: str | None = None
     after_id: str | None = None
     limit: Annotated[int, Field(ge=1, le=1000)] = 20
