@@ -105,6 +105,9 @@ class Records(Protocol):
     async def answer(self, batch_id: str, token: int, answer: Answer) -> bool:
         """The answer kept and counted unless its line has one already (then False); `Fenced` as `save`."""
 
+    async def answer_all(self, batch_id: str, token: int, answers: list[Answer]) -> int:
+        """`answer` for each, in one transaction; how many were kept."""
+
     async def answered(self, batch_id: str) -> set[str]: ...
 
     def answers(self, batch_id: str) -> AsyncIterator[Answer]:
@@ -260,19 +263,20 @@ class SqliteRecords:
         await self._run(save, write=True)
 
     async def answer(self, batch_id: str, token: int, answer: Answer) -> bool:
-        a = answer
+        return await self.answer_all(batch_id, token, [answer]) == 1
 
-        def add(db: sqlite3.Connection) -> bool:
+    async def answer_all(self, batch_id: str, token: int, answers: list[Answer]) -> int:
+        def add(db: sqlite3.Connection) -> int:
             if db.execute("SELECT 1 FROM batches WHERE id = ? AND token = ?", (batch_id, token)).fetchone() is None:
                 raise Fenced(batch_id)
-            if db.execute("INSERT OR IGNORE INTO answers (batch_id, custom_id, ok, expired, prompt, completion, line) "
-                          "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                          (batch_id, a.custom_id, a.ok, a.expired, a.prompt, a.completion, a.line)).rowcount == 0:
-                return False
+            kept = [a for a in answers if db.execute(
+                "INSERT OR IGNORE INTO answers (batch_id, custom_id, ok, expired, prompt, completion, line) VALUES "
+                "(?, ?, ?, ?, ?, ?, ?)", (batch_id, a.custom_id, a.ok, a.expired, a.prompt, a.completion, a.line)).rowcount]
             db.execute("UPDATE batches SET completed = completed + ?, failed = failed + ?, expired = expired + ?, "
                        "prompt = prompt + ?, completion = completion + ? WHERE id = ?",
-                       (a.ok, not a.ok, a.expired, a.prompt, a.completion, batch_id))
-            return True
+                       (sum(a.ok for a in kept), sum(not a.ok for a in kept), sum(a.expired for a in kept),
+                        sum(a.prompt for a in kept), sum(a.completion for a in kept), batch_id))
+            return len(kept)
 
         return await self._run(add, write=True)
 

@@ -24,10 +24,10 @@ def test_a_shutdown_does_not_wait_for_ever_on_a_run_that_will_not_end(tmp_path: 
     """A run whose last writes never end (a store that never answers, a bug) is given up after
     `lease_s` at shutdown (and logged, `batch_runs_not_stopped`): the server's shutdown is bounded."""
 
-    async def slow(self: BatchRun) -> None:  # the run's last writes, after the shutdown's cancel
+    async def slow(self: BatchRun) -> None:  # the run's writes of answers, the last ones after the shutdown's cancel
         await asyncio.sleep(6)  # still at it well past lease_s (the event loop's close cancels it)
 
-    monkeypatch.setattr(BatchRun, "_written", slow)
+    monkeypatch.setattr(BatchRun, "_flush", slow)
     engine = FakeEngine(delay=0.01)
     with TestClient(app_with(engine, **settings(tmp_path, lease_s=1))) as client:
         submit(sdk_for(client), jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(20))))
