@@ -346,8 +346,8 @@ class BatchRun:
 
     async def _publish(self, batch: Batch) -> None:
         """The output and error files assembled from the answers, as files of the batch's owner (ids derived
-        from the batch's: published again after a crash, they replace themselves), once the claim is found
-        still this run's (and renewed for the puts): a run that lost it replaces no file of the run that took
+        from the batch's: published again after a crash, they replace themselves), once a write fenced by the
+        run's token finds the claim still its own: a run that lost it replaces no file of the run that took
         over. A Message Batch's results are read from its answers (`message_batches_serving`), not files."""
         if batch.endpoint == MESSAGES:
             return
@@ -362,8 +362,7 @@ class BatchRun:
                     pending[answer.ok].clear()
             for ok, lines in pending.items():
                 await staged[ok].write(b"".join(lines))
-            if not await self.records.renew(self.id, self.token, self.runner.settings.lease_s):
-                raise Fenced(self.id)
+            await self.records.save(self.stored, self.token)  # `Fenced` once another run took the batch over
             for ok, kind in ((True, "output"), (False, "error")):
                 if staged[ok].size:
                     made = await files.put(staged[ok], f"{self.id}_{kind}.jsonl", "batch_output",
