@@ -1,24 +1,21 @@
-"""The batch runner: runs the batches kept in `stores.batches`, each line through the pipeline as its
-route would run it (`batches_line`), in the batch lane (the lowest priority), at most
-`batches.max_in_flight` lines at once on this replica across all batches. A line the key's rate
-limits refuse for now gives its slot back and runs again later, and its batch starts no new line
-until then: a key at its limit does not hold the lane that other keys' batches share.
+"""The batch runner: runs the batches kept in `stores.batches`, each line through the pipeline as its route would run it
+(`batches_line`), in the batch lane (the lowest priority), at most `batches.max_in_flight` lines at once on this replica
+across all batches. A line the key's rate limits refuse for now gives its slot back and runs again later, and its batch
+starts no new line until then: a key at its limit does not hold the lane that other keys' batches share.
 
-A batch's life, as OpenAI's: `validating` (its input checked: `failed` with `errors`) →
-`in_progress` (its lines run) → `finalizing` (its output and error files assembled from its answers
-and published as files of its owner, purpose `batch_output`; not for Anthropic's Message Batches,
-whose results are read from the answers) → `completed`; or, on a cancel, `cancelling` (the lines in
-flight cancelled: their engine requests aborted) → `cancelled`, with the partial output; or, 24 h
-after its creation, `expired` (the lines not run answered as expired, code `batch_expired`).
+A batch's life, as OpenAI's: `validating` (its input checked: `failed` with `errors`) → `in_progress` (its lines run) →
+`finalizing` (its output and error files assembled from its answers and published as files of its owner, purpose
+`batch_output`; not for Anthropic's Message Batches, whose results are read from the answers) → `completed`; or, on a
+cancel, `cancelling` (the lines in flight cancelled: their engine requests aborted) → `cancelled`, with the partial
+output; or, 24 h after its creation, `expired` (the lines not run answered as expired, code `batch_expired`).
 
-The loop: every `poll_s` (at once when a batch is created or cancelled here) it claims each
-runnable batch no one holds (`Records.claim`: a fencing token, renewed every third of `lease_s`
-for the whole run, its finishing too) and runs its unanswered lines, their answers written
-together as they come (`Records.answer_all`: each line once, counted once kept). Every write names
-the run's token: a replica that stalled past its claim while another took over has its late
-writes refused (`Fenced`) and stops. A crash, a shutdown (the lines in flight cancelled, the batch
-left `in_progress`, its claim freed) or a store that is down (`StoreUnavailable`: the poll tries
-again) leaves the batch to be claimed again, resumed from the answers kept.
+The loop: every `poll_s` (at once when a batch is created or cancelled here) it claims each runnable batch no one holds
+(`Records.claim`: a fencing token, renewed every third of `lease_s` for the whole run, its finishing too) and runs its
+unanswered lines, their answers written together as they come (`Records.answer_all`: each line once, counted once kept).
+Every write names the run's token: a replica that stalled past its claim while another took over has its late writes
+refused (`Fenced`) and stops. A crash, a shutdown (the lines in flight cancelled, the batch left `in_progress`, its
+claim freed) or a store that is down (`StoreUnavailable`: the poll tries again) leaves the batch to be claimed again,
+resumed from the answers kept.
 """
 
 from __future__ import annotations
@@ -108,17 +105,13 @@ class BatchRunner:
 
     async def stop(self) -> None:
         """Shutdown: no new lines; the lines in flight cancelled (they run again after a restart), the
-        batches left `in_progress` and their claims freed."""
-        if self._task is not None:  # ends at its next await (`asyncio.wait`: a cancel of this shutdown not swallowed)
-            self._task.cancel()
-            await asyncio.wait({self._task}, timeout=self.settings.lease_s)
-        tasks = [run.task for run in self.runs.values() if run.task is not None]
-        for task in tasks:
+        batches left `in_progress` and their claims freed. Bounded: a run's last writes are each bounded
+        by the store's timeout, and past `lease_s` its claim has lapsed anyway."""
+        tasks = [task for task in (self._task, *(run.task for run in self.runs.values())) if task is not None]
+        for task in tasks:  # the loop's ends at its next await (`asyncio.wait`: a cancel not swallowed)
             task.cancel()
         if not tasks:
             return
-        # bounded: a run's last writes are each bounded by the store's timeout, and past `lease_s` its
-        # claim has lapsed anyway; a shutdown never waits on the batch lane for ever
         _, stuck = await asyncio.wait(tasks, timeout=self.settings.lease_s)
         if stuck:
             log.error("batch_runs_not_stopped", batches=sorted(run.id for run in self.runs.values() if run.task in stuck))
