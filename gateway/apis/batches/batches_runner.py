@@ -167,7 +167,10 @@ class BatchRun:
         try:
             async with asyncio.TaskGroup() as group:
                 keeper = group.create_task(self._renew())
-                await self._work()
+                if (await self._load()).batch.status == "validating":
+                    await self._validate()
+                if self.stored.batch.status not in DONE:
+                    await self._finish(await self._lines())
                 keeper.cancel()
         except* Fenced:
             log.warning("batch_claim_lost", batch_id=self.id)
@@ -199,12 +202,6 @@ class BatchRun:
             if path is None:
                 raise RuntimeError(f"batch {self.id} has no input")
             yield path
-
-    async def _work(self) -> None:
-        if (await self._load()).batch.status == "validating":
-            await self._validate()
-        if self.stored.batch.status not in DONE:
-            await self._finish(await self._lines())
 
     async def _validate(self) -> None:
         batch = self.stored.batch
