@@ -51,19 +51,20 @@ EXPIRED = {"code": EXPIRED_CODE, "message": "This request could not be executed 
 CHUNK = 512  # lines written at once: expired answers per transaction, result lines per write to a file assembled
 
 
-def _line_id() -> str:
-    return "batch_req_" + secrets.token_hex(16)
+def _line(custom_id: str, response: dict[str, object] | None, error: dict[str, str] | None) -> bytes:
+    """A line of the output (or error) file, as OpenAI's."""
+    return orjson.dumps({"id": "batch_req_" + secrets.token_hex(16), "custom_id": custom_id, "response": response,
+                         "error": error})
 
 
 def result_line(custom_id: str, answer: LineAnswer) -> bytes:
-    """A line of the output (or error) file, as OpenAI's: the route's status and body."""
-    head = orjson.dumps({"id": _line_id(), "custom_id": custom_id})[:-1]
-    response = b'{"status_code":%d,"request_id":%s,"body":%s}' % (answer.status, orjson.dumps(answer.request_id), answer.body)
-    return head + b',"response":' + response + b',"error":null}'
+    """The route's status and body (JSON already)."""
+    return _line(custom_id, {"status_code": answer.status, "request_id": answer.request_id,
+                             "body": orjson.Fragment(answer.body)}, None)
 
 
 def expired_line(custom_id: str) -> bytes:
-    return orjson.dumps({"id": _line_id(), "custom_id": custom_id, "response": None, "error": EXPIRED})
+    return _line(custom_id, None, EXPIRED)
 
 
 async def _until(timeout_s: float, event: asyncio.Event, *tasks: asyncio.Task[None]) -> None:
@@ -98,8 +99,7 @@ class BatchRunner:
 
     def cancel(self, batch_id: str) -> None:
         """A cancel asked here: the run of this replica notices it now rather than at its next poll."""
-        run = self.runs.get(batch_id)
-        if run is not None:
+        if (run := self.runs.get(batch_id)) is not None:
             run.cancel_asked.set()
         self.wake()
 
