@@ -70,6 +70,8 @@ class Records(Protocol):
     async def release(self, batch_id: str, token: int) -> None: ...
     async def save(self, stored: StoredBatch, token: int) -> None: ...
     async def answer(self, batch_id: str, token: int, answer: Answer) -> bool: ...
+    async def answer_all(self, batch_id: str, token: int, answers: list[Answer]) -> int:
+        """`answer` for each, in one transaction; how many were kept."""
     async def answered(self, batch_id: str) -> set[str]: ...
     def answers(self, batch_id: str) -> AsyncIterator[Answer]: ...
     async def aclose(self) -> None: ...
@@ -223,14 +225,16 @@ class SqliteRecords:
             raise Fenced(stored.batch.id)
 
     async def answer(self, batch_id: str, token: int, answer: Answer) -> bool:
-        a = answer
+        return await self.answer_all(batch_id, token, [answer]) == 1
 
-        def add(db: sqlite3.Connection) -> bool:
+    async def answer_all(self, batch_id: str, token: int, answers: list[Answer]) -> int:
+        def add(db: sqlite3.Connection) -> int:
             if db.execute("SELECT 1 FROM batches WHERE id = ? AND token = ?", (batch_id, token)).fetchone() is None:
                 raise Fenced(batch_id)
-            return db.execute("INSERT OR IGNORE INTO answers (batch_id, custom_id, ok, expired, prompt, completion, line) "
-                              "VALUES (?, ?, ?, ?, ?, ?, ?)",  # counted by `answers_counted`
-                              (batch_id, a.custom_id, a.ok, a.expired, a.prompt, a.completion, a.line)).rowcount == 1
+            return sum(db.execute("INSERT OR IGNORE INTO answers (batch_id, custom_id, ok, expired, prompt, completion, "
+                                  "line) VALUES (?, ?, ?, ?, ?, ?, ?)",  # counted by `answers_counted`
+                                  (batch_id, a.custom_id, a.ok, a.expired, a.prompt, a.completion, a.line)).rowcount
+                       for a in answers)
 
         return await self._run(add, write=True)
 

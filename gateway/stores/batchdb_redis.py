@@ -41,13 +41,18 @@ redis.call('HSET', KEYS[1], 'record', ARGV[2])
 if ARGV[3] == '1' then redis.call('ZREM', KEYS[2], ARGV[4]) end
 return 1
 """, "answer": """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
-if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3]) == 0 then return 2 end
-redis.call('RPUSH', KEYS[3], ARGV[2])
-for i, field in ipairs({'completed', 'failed', 'expired', 'prompt', 'completion'}) do
-  redis.call('HINCRBY', KEYS[1], field, ARGV[3 + i])
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return -1 end
+local kept = 0
+for at = 2, #ARGV, 7 do
+  if redis.call('HSETNX', KEYS[2], ARGV[at], ARGV[at + 1]) == 1 then
+    kept = kept + 1
+    redis.call('RPUSH', KEYS[3], ARGV[at])
+    for i, field in ipairs({'completed', 'failed', 'expired', 'prompt', 'completion'}) do
+      redis.call('HINCRBY', KEYS[1], field, ARGV[at + 1 + i])
+    end
+  end
 end
-return 1
+return kept
 """}
 
 
@@ -146,14 +151,18 @@ class RedisRecords:
             raise Fenced(batch_id)
 
     async def answer(self, batch_id: str, token: int, answer: Answer) -> bool:
-        a = answer
+        return await self.answer_all(batch_id, token, [answer]) == 1
+
+    async def answer_all(self, batch_id: str, token: int, answers: list[Answer]) -> int:
         keys = [self._batch(batch_id), f"{self._p}answers:{batch_id}", f"{self._p}order:{batch_id}"]
-        value = (b"1" if a.ok else b"2" if a.expired else b"0") + a.line
-        kept = await self._script("answer", keys, [token, a.custom_id, value, int(a.ok), int(not a.ok),
-                                                   int(a.expired), a.prompt, a.completion])
-        if kept == 0:
+        args: list[Any] = [token]
+        for a in answers:
+            value = (b"1" if a.ok else b"2" if a.expired else b"0") + a.line
+            args += [a.custom_id, value, int(a.ok), int(not a.ok), int(a.expired), a.prompt, a.completion]
+        kept = await self._script("answer", keys, args)
+        if kept < 0:
             raise Fenced(batch_id)
-        return kept == 1
+        return kept
 
     async def answered(self, batch_id: str) -> set[str]:
         return {_text(custom_id) for custom_id in await self._call(self._redis.hkeys(f"{self._p}answers:{batch_id}"))}

@@ -80,6 +80,26 @@ async def test_each_line_is_answered_once_the_first_kept(records: Records) -> No
     assert (found.batch.usage.input_tokens, found.batch.usage.output_tokens) == (4, 6)
 
 
+async def test_answers_written_together_are_each_kept_once_and_fenced_together(records: Records) -> None:
+    made = stored()
+    await records.create(made)
+    token = await records.claim(made.batch.id, "a", 30)
+    assert token is not None
+    assert await records.answer_all(made.batch.id, token, [answer("r1"), answer("r2", ok=False)]) == 2
+    assert await records.answer_all(made.batch.id, token, [answer("r2", content="again"), answer("r3")]) == 1
+    kept = [(a.custom_id, a.ok, orjson.loads(a.line)["content"]) async for a in records.answers(made.batch.id)]
+    assert kept == [("r1", True, "x"), ("r2", False, "x"), ("r3", True, "x")]
+    found = await records.batch(made.batch.id)
+    assert found is not None
+    assert (found.batch.request_counts.completed, found.batch.request_counts.failed) == (2, 1)
+    assert (found.batch.usage.input_tokens, found.batch.usage.output_tokens) == (6, 9)
+    await records.release(made.batch.id, token)
+    assert await records.claim(made.batch.id, "b", 30) is not None
+    with pytest.raises(Fenced):
+        await records.answer_all(made.batch.id, token, [answer("r4"), answer("r5")])
+    assert await records.answered(made.batch.id) == {"r1", "r2", "r3"}
+
+
 async def test_one_claim_at_a_time_and_a_stale_token_is_fenced(records: Records) -> None:
     made = stored()
     await records.create(made)

@@ -1,18 +1,16 @@
-"""One line of a batch, run as the same request sent to its route would be: its body parsed with the
-route's protocol model, then the whole pipeline (`dispatch`: the key's models, guards, token
-limits and budget, cache, admission, the engine, usage accounting), as the key that created the
-batch, with its policy read again for this line, and answered as the route encodes its answer.
+"""One line of a batch, run as the same request sent to its route would be: its body parsed with the route's protocol
+model, then the whole pipeline (`dispatch`: the key's models, guards, token limits and budget, cache, admission, the
+engine, usage accounting), as the key that created the batch, with its policy read again for this line, and answered as
+the route encodes its answer.
 
-What differs from the route: the line runs in the batch lane (`priority.BATCH`: below every key's
-class, in admission and in the engine), nobody can disconnect (`client_gone=None`), a stream
-(`stream: true`, a background response) is refused (an error answer, in Anthropic's shape for a
-Message Batch's request), and a refusal by the key's requests or tokens
-per minute (or a model's full queue, refused with 429 or 503 as `reject_status` says) is not an
-answer but `Retry`: the line waits and runs again (the batch pauses, it does not fail). A spent
-budget is an answer (429 `insufficient_quota`): the line fails, and so does every later line until
-the budget renews. The key that created the batch is found again for each line
-(`tenancy.keys.Authenticator.reidentify`): gone since (removed from the keys file or the settings,
-or keys turned on or off), each remaining line fails (401).
+What differs from the route: the line runs in the batch lane (`priority.BATCH`: below every key's class, in admission
+and in the engine), nobody can disconnect (`client_gone=None`), a stream (`stream: true`, a background response) is
+refused (an error answer, in Anthropic's shape for a Message Batch's request), and a refusal by the key's requests or
+tokens per minute (or a model's full queue, refused with 429 or 503 as `reject_status` says) is not an answer but
+`Retry`: the line waits and runs again (the batch pauses, it does not fail). A spent budget is an answer (429
+`insufficient_quota`): the line fails, and so does every later line until the budget renews. The key that created the
+batch is found again for each line (`tenancy.keys.Authenticator.reidentify`): gone since (removed from the keys file or
+the settings, or keys turned on or off), each remaining line fails (401).
 """
 
 from __future__ import annotations
@@ -84,7 +82,7 @@ class LineAnswer:
         return 200 <= self.status < 300
 
 
-Run = Callable[[RequestContext, GatewayState, bytes], Awaitable[Whole]]
+Run = Callable[[RequestContext, GatewayState, bytes], Awaitable[Whole | Stream]]
 
 
 def _parsed(model: type[Any], body: bytes) -> Any:
@@ -99,33 +97,24 @@ def _parsed(model: type[Any], body: bytes) -> Any:
     return parsed
 
 
-def _whole(answer: Any) -> Whole:
-    assert not isinstance(answer, Stream)  # streams are refused above
-    return answer  # type: ignore[no-any-return]
-
-
-def _route(model: type[Any], service: Any) -> Run:
-    """A route whose body is `model`, run by `service` (chat, completions, embeddings)."""
-    async def run(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
-        return _whole(await dispatch(context, state, _parsed(model, body), service))
+def _route(model: type[Any], service: Any, to_chat: Callable[[Any], Any] | None = None) -> Run:
+    """A route whose body is `model`, run by `service` (chat, completions, embeddings; a request of Anthropic's Message
+    Batches as `api.messages.create` runs it: made a chat request, `to_chat`)."""
+    async def run(context: RequestContext, state: GatewayState, body: bytes) -> Whole | Stream:
+        request = _parsed(model, body)
+        return await dispatch(context, state, request if to_chat is None else to_chat(request), service)
 
     return run
 
 
-async def _responses(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
+async def _responses(context: RequestContext, state: GatewayState, body: bytes) -> Whole | Stream:
     """As `api.responses.create` runs a whole response: its history read, stored when it asks to be."""
     request: ResponsesRequest = _parsed(ResponsesRequest, body)
     mine = state.responses.of(context.tenant)
     service = ResponsesService(request, await history_of(mine, request.previous_response_id), mine)
-    answer = _whole(await dispatch(context, state, service.chat_request(), service))
+    answer = await dispatch(context, state, service.chat_request(), service)
     await service.save()
     return answer
-
-
-async def _messages(context: RequestContext, state: GatewayState, body: bytes) -> Whole:
-    """A request of Anthropic's Message Batches, as `api.messages.create` runs it."""
-    request: MessagesRequest = _parsed(MessagesRequest, body)
-    return _whole(await dispatch(context, state, messages_serving.to_chat(request), MESSAGES_SERVICE))
 
 
 ROUTES: dict[str, Run] = {
@@ -133,18 +122,14 @@ ROUTES: dict[str, Run] = {
     "/v1/completions": _route(CompletionRequest, COMPLETIONS),
     "/v1/embeddings": _route(EmbeddingRequest, EMBEDDINGS),
     "/v1/responses": _responses,
-    MESSAGES: _messages,
+    MESSAGES: _route(MessagesRequest, MESSAGES_SERVICE, messages_serving.to_chat),
 }
 DIALECTS: dict[str, Dialect] = {MESSAGES: "anthropic"}  # whose shape a line's error has (else OpenAI's)
 
 
-def new_request_id() -> str:
-    return "req_" + secrets.token_hex(16)
-
-
 async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, retry_s: float) -> LineAnswer:
     """The line's answer (an error is an answer too); `Retry` when the key's rate limits refuse it for now."""
-    context = RequestContext(request_id=new_request_id(), key_id=owner.key_id, tenant=owner.tenant,
+    context = RequestContext(request_id="req_" + secrets.token_hex(16), key_id=owner.key_id, tenant=owner.tenant,
                              lane=priority.BATCH, body_bytes=len(body))
     record = context.record
     record.api_key_id = owner.key_id
@@ -188,4 +173,6 @@ async def _answer(context: RequestContext, state: GatewayState, owner: Owner, ur
     context.key_id = context.record.api_key_id = identity.key_id
     policy = context.policy = state.tenants.policy(identity.key_id)
     context.record.response_headers.update(await state.quota.take_request(policy))
-    return await ROUTES[url](context, state, body)
+    answer = await ROUTES[url](context, state, body)
+    assert isinstance(answer, Whole)  # streams are refused (`_parsed`)
+    return answer

@@ -1,4 +1,4 @@
-"""The Batches API's routes: create, list, retrieve, cancel. The runner (`pipeline.batches`) runs a batch and writes
+"""The Batches API's routes: create, list, retrieve, cancel. The runner (`batches_runner`) runs a batch and writes
 its status; these routes only read it and ask for a cancel."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from gateway.apis.batches.batches_wire import WINDOW_S, BatchCreate, BatchList, 
 from gateway.errors import InvalidRequest
 from gateway.pipeline.context import context_of
 from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
-from gateway.protocol.file_objects import FileObject
 from gateway.stores.batches import OwnedBatches, new_id
 from gateway.web.answers import json_response
 from gateway.web.requests import parse, state_of
@@ -29,30 +28,22 @@ async def collection(request: Request) -> Response:
 async def _create(request: Request) -> Response:
     body = await parse(request, BatchCreate)
     state, context = state_of(request), context_of(request.scope)
-    files = state.files.of(context.tenant)
-    found, content = await files.open(body.input_file_id)  # its content fixed: a delete meanwhile changes nothing
+    # the input's content fixed from here: a delete meanwhile changes nothing
+    found, content = await state.files.of(context.tenant).open(body.input_file_id)
     try:
-        batch = _record(request, body, found)
-        await _mine(request).create(batch, content)
+        if found.purpose != "batch":
+            raise InvalidRequest(f"The file '{body.input_file_id}' has purpose '{found.purpose}'; a batch's input must "
+                                 "be a file of purpose 'batch'.", param="input_file_id")
+        now = int(time.time())
+        batch = Batch(id=new_id(), endpoint=body.endpoint, input_file_id=found.id, status="validating", created_at=now,
+                      expires_at=now + WINDOW_S, metadata=body.metadata)
+        expires = body.output_expires_after.seconds if body.output_expires_after else state.settings.batches.output_expires_after_s
+        await _mine(request).create(StoredBatch(batch=batch, owner=Owner(key_id=context.key_id, tenant=context.tenant),
+                                                output_expires_after_s=expires, created_ns=time.time_ns()), content)
     finally:
         await content.aclose()
     state.batch_runner.wake()
-    return json_response(batch.batch)
-
-
-def _record(request: Request, body: BatchCreate, found: FileObject) -> StoredBatch:
-    state, context = state_of(request), context_of(request.scope)
-    if found.purpose != "batch":
-        raise InvalidRequest(
-            f"The file '{body.input_file_id}' has purpose '{found.purpose}'; a batch's input must be a file of "
-            "purpose 'batch'.", param="input_file_id",
-        )
-    now = int(time.time())
-    batch = Batch(id=new_id(), endpoint=body.endpoint, input_file_id=found.id, status="validating", created_at=now,
-                  expires_at=now + WINDOW_S, metadata=body.metadata)
-    owner = Owner(key_id=context.key_id, tenant=context.tenant)
-    expires = body.output_expires_after.seconds if body.output_expires_after else state.settings.batches.output_expires_after_s
-    return StoredBatch(batch=batch, owner=owner, output_expires_after_s=expires, created_ns=time.time_ns())
+    return json_response(batch)
 
 
 async def _list(request: Request) -> Response:

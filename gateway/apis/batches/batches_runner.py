@@ -1,35 +1,34 @@
-"""The batch runner: runs the batches kept in `stores.batches`, each line through the pipeline as its
-route would run it (`batches_line`), in the batch lane (the lowest priority), at most
-`batches.max_in_flight` lines at once on this replica across all batches (the engine stays free for
-interactive requests, and an idle engine still gets that many lines at once). A line the key's rate
-limits refuse for now waits without its slot, and its batch starts no new line until then: a key at
-its limit does not hold the lane that other keys' batches share.
+"""The batch runner: runs the batches kept in `stores.batches`, each line through the pipeline as its route would run it
+(`batches_line`), in the batch lane (the lowest priority), at most `batches.max_in_flight` lines at once on this replica
+across all batches. A line the key's rate limits refuse for now gives its slot back and runs again later, and its batch
+starts no new line until then: a key at its limit does not hold the lane that other keys' batches share.
 
-A batch's life, as OpenAI's: `validating` (its input checked: `failed` with `errors`) →
-`in_progress` (its lines run) → `finalizing` (its output and error files assembled from its answers
-and published as files of its owner, purpose `batch_output`; not for Anthropic's Message Batches,
-whose results are read from the answers) → `completed`; or, on a cancel, `cancelling` (the lines in
-flight cancelled: their engine requests aborted) → `cancelled`, with the partial output; or, 24 h
-after its creation, `expired` (the lines not run answered as expired, code `batch_expired`).
+A batch's life, as OpenAI's: `validating` (its input checked: `failed` with `errors`) → `in_progress` (its lines run) →
+`finalizing` (its output and error files assembled from its answers and published as files of its owner, purpose
+`batch_output`; not for Anthropic's Message Batches, whose results are read from the answers) → `completed`; or, on a
+cancel, `cancelling` (the lines in flight cancelled: their engine requests aborted) → `cancelled`, with the partial
+output; or, 24 h after its creation, `expired` (the lines not run answered as expired, code `batch_expired`).
 
-The loop: every `poll_s` (at once when a batch is created or cancelled here) it claims each
-runnable batch no one holds (`Records.claim`: a fencing token, renewed every third of `lease_s`) and
-runs its unanswered lines, each answer kept in the database before it counts (`Records.answer`: once
-per line). Every write names the run's token: a replica that stalled past its claim while another
-took over has its late writes refused (`Fenced`) and stops. A crash, a shutdown (the lines in flight
-cancelled, the batch left `in_progress`, its claim freed) or a store that is down (`StoreUnavailable`:
-the poll tries again) leaves the batch to be claimed again, resumed from the answers kept.
+The loop: every `poll_s` (at once when a batch is created or cancelled here) it claims each runnable batch no one holds
+(`Records.claim`: a fencing token, renewed every third of `lease_s` for the whole run, its finishing too) and runs its
+unanswered lines, their answers written together as they come (`Records.answer_all`: each line once, counted once kept).
+Every write names the run's token: a replica that stalled past its claim while another took over has its late writes
+refused (`Fenced`) and stops. A crash, a shutdown (the lines in flight cancelled, the batch left `in_progress`, its
+claim freed) or a store that is down (`StoreUnavailable`: the poll tries again) leaves the batch to be claimed again,
+resumed from the answers kept.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import os
 import secrets
 import socket
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -40,48 +39,43 @@ from gateway.apis.batches.batches_input import MESSAGES, BatchLine, check_batch_
 from gateway.apis.batches.batches_line import LineAnswer, Retry, run_line
 from gateway.errors import StoreUnavailable
 from gateway.pipeline.state import GatewayState
-from gateway.protocol.batch_objects import DONE, Errors, RequestCounts, StoredBatch
+from gateway.protocol.batch_objects import DONE, Batch, Errors, RequestCounts, StoredBatch
 from gateway.stores.batchdb import Answer, Fenced
 from gateway.stores.batches import EXPIRED_CODE, BatchStore, input_name
 from gateway.stores.files import derived_id
 
 log = structlog.get_logger(__name__)
 
-Ending = Literal["completed", "cancelled", "expired", "lost"]
+Ending = Literal["completed", "cancelled", "expired"]  # each the batch's last status
 EXPIRED = {"code": EXPIRED_CODE, "message": "This request could not be executed before the completion window expired."}
-FLUSH_LINES = 512  # result lines gathered before a write to the file being assembled
+CHUNK = 512  # lines written at once: expired answers per transaction, result lines per write to a file assembled
 
 
-def _line_id() -> str:
-    return "batch_req_" + secrets.token_hex(16)
+def _line(custom_id: str, response: dict[str, object] | None, error: dict[str, str] | None) -> bytes:
+    """A line of the output (or error) file, as OpenAI's."""
+    return orjson.dumps({"id": "batch_req_" + secrets.token_hex(16), "custom_id": custom_id, "response": response,
+                         "error": error})
 
 
 def result_line(custom_id: str, answer: LineAnswer) -> bytes:
-    """A line of the output (or error) file, as OpenAI's: the route's status and body."""
-    head = orjson.dumps({"id": _line_id(), "custom_id": custom_id})[:-1]
-    response = b'{"status_code":%d,"request_id":%s,"body":%s}' % (answer.status, orjson.dumps(answer.request_id), answer.body)
-    return head + b',"response":' + response + b',"error":null}'
+    """The route's status and body (JSON already)."""
+    return _line(custom_id, {"status_code": answer.status, "request_id": answer.request_id,
+                             "body": orjson.Fragment(answer.body)}, None)
 
 
 def expired_line(custom_id: str) -> bytes:
-    return orjson.dumps({"id": _line_id(), "custom_id": custom_id, "response": None, "error": EXPIRED})
+    return _line(custom_id, None, EXPIRED)
 
 
-def _unrun(path: Path, done: set[str]) -> list[str]:
-    """The custom_ids of a batch's input not in `done`, in order. Blocking."""
-    return [line.custom_id for line in read_lines(path) if line.custom_id not in done]
-
-
-async def _until(timeout_s: float, *events: asyncio.Event) -> None:
-    """Until one of the events is set, or `timeout_s`. Never `asyncio.wait_for`: on Python 3.11 it
-    returns, its cancel swallowed, when it is cancelled just after the event was set (a wake right
+async def _until(timeout_s: float, event: asyncio.Event, *tasks: asyncio.Task[None]) -> None:
+    """Until the event is set, one of the tasks ends, or `timeout_s`. Never `asyncio.wait_for`: on Python
+    3.11 it returns, its cancel swallowed, when it is cancelled just after the event was set (a wake right
     before a shutdown), and a loop that swallowed its cancel never ends; `asyncio.wait` raises it."""
-    waits = {asyncio.ensure_future(event.wait()) for event in events}
+    waiter = asyncio.ensure_future(event.wait())
     try:
-        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({waiter, *tasks}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for wait in waits:
-            wait.cancel()
+        waiter.cancel()
 
 
 class BatchRunner:
@@ -105,24 +99,19 @@ class BatchRunner:
 
     def cancel(self, batch_id: str) -> None:
         """A cancel asked here: the run of this replica notices it now rather than at its next poll."""
-        run = self.runs.get(batch_id)
-        if run is not None:
+        if (run := self.runs.get(batch_id)) is not None:
             run.cancel_asked.set()
         self.wake()
 
     async def stop(self) -> None:
         """Shutdown: no new lines; the lines in flight cancelled (they run again after a restart), the
-        batches left `in_progress` and their claims freed."""
-        if self._task is not None:  # ends at its next await (`asyncio.wait`: a cancel of this shutdown not swallowed)
-            self._task.cancel()
-            await asyncio.wait({self._task}, timeout=self.settings.lease_s)
-        tasks = [run.task for run in self.runs.values() if run.task is not None]
-        for task in tasks:
+        batches left `in_progress` and their claims freed. Bounded: a run's last writes are each bounded
+        by the store's timeout, and past `lease_s` its claim has lapsed anyway."""
+        tasks = [task for task in (self._task, *(run.task for run in self.runs.values())) if task is not None]
+        for task in tasks:  # the loop's ends at its next await (`asyncio.wait`: a cancel not swallowed)
             task.cancel()
         if not tasks:
             return
-        # bounded: a run's last writes are each bounded by the store's timeout, and past `lease_s` its
-        # claim has lapsed anyway; a shutdown never waits on the batch lane for ever
         _, stuck = await asyncio.wait(tasks, timeout=self.settings.lease_s)
         if stuck:
             log.error("batch_runs_not_stopped", batches=sorted(run.id for run in self.runs.values() if run.task in stuck))
@@ -162,53 +151,61 @@ class BatchRunner:
 class BatchRun:
     """One batch run by this replica, under its claim (`token`)."""
 
+    stored: StoredBatch  # its record, as last read
+
     def __init__(self, runner: BatchRunner, batch_id: str, token: int) -> None:
         self.runner, self.id, self.token = runner, batch_id, token
         self.records = runner.store.records
         self.task: asyncio.Task[None] | None = None
         self.cancel_asked = asyncio.Event()
-        self.lost = asyncio.Event()  # claimed by another replica since: write nothing more
-        self.done: set[str] = set()  # the custom_ids answered
-        self._writes: set[asyncio.Future[bool]] = set()
-        self._stored: StoredBatch | None = None
+        self._kept: list[Answer] = []  # answers had, not written yet
+        self._writing = asyncio.Lock()
+        self._again: collections.deque[BatchLine] = collections.deque()  # lines the key's limits sent back
         self._resume_at = 0.0  # (monotonic) the key's limits refused a line: no new line of this batch before
-        self._unslotted: set[asyncio.Task[None]] = set()  # lines waiting for the key's limits, their slots given back
-
-    @property
-    def stored(self) -> StoredBatch:
-        assert self._stored is not None
-        return self._stored
-
-    async def _load(self) -> StoredBatch:
-        stored = await self.records.batch(self.id)
-        if stored is None:
-            raise Fenced(self.id)  # deleted: nothing to run
-        self._stored = stored
-        return stored
 
     async def run(self) -> None:
         try:
-            if (await self._load()).batch.status == "validating":
-                await self._validate()
-            if self.stored.batch.status in DONE:
-                return
-            ending = await self._run_lines()
-            if ending != "lost":
-                await self._finish(ending)
-        except Fenced:
+            async with asyncio.TaskGroup() as group:
+                keeper = group.create_task(self._renew())
+                if (await self._load()).batch.status == "validating":
+                    await self._validate()
+                if self.stored.batch.status not in DONE:
+                    await self._finish(await self._lines())
+                keeper.cancel()
+        except* Fenced:
             log.warning("batch_claim_lost", batch_id=self.id)
         finally:
-            await self._written()
             try:
                 await self.records.release(self.id, self.token)
             except StoreUnavailable:  # the store down: the claim lapses by itself
                 log.warning("batch_claim_not_released", batch_id=self.id)
 
-    async def _validate(self) -> None:
-        batch = self.stored.batch
+    async def _renew(self) -> None:
+        """The claim renewed every third of `lease_s`; lost (`Fenced`) when the batch was claimed again since."""
+        lease_s = self.runner.settings.lease_s
+        while True:
+            await asyncio.sleep(lease_s / 3)
+            if not await self.records.renew(self.id, self.token, lease_s):
+                raise Fenced(self.id)
+
+    async def _load(self) -> StoredBatch:
+        stored = await self.records.batch(self.id)
+        if stored is None:
+            raise Fenced(self.id)  # deleted: nothing to run
+        self.stored = stored
+        return stored
+
+    @contextlib.asynccontextmanager
+    async def _input(self) -> AsyncIterator[Path]:
+        """The batch's input as a local file, for the while (the blob itself on a local directory, a copy otherwise)."""
         async with self.runner.store.blobs.local(input_name(self.id)) as path:
             if path is None:
                 raise RuntimeError(f"batch {self.id} has no input")
+            yield path
+
+    async def _validate(self) -> None:
+        batch = self.stored.batch
+        async with self._input() as path:
             total, problems = await asyncio.to_thread(check_batch_input, path, batch.endpoint)
         now = int(time.time())
         if problems:
@@ -224,195 +221,143 @@ class BatchRun:
         expires = self.stored.batch.expires_at
         return expires is not None and time.time() >= expires
 
-    async def _run_lines(self) -> Ending:
-        self.done = await self.records.answered(self.id)
-        if self.stored.batch.status in ("cancelling", "finalizing"):
-            return "cancelled" if self.stored.batch.status == "cancelling" else "completed"
-        if self._expired():
-            return "expired"
+    async def _lines(self) -> Ending:
+        """The lines run until each is answered, a cancel (asked here or on another replica) or the batch's
+        expiry; then the lines in flight cancelled, and the answers had written."""
+        status = self.stored.batch.status
+        if status in ("cancelling", "finalizing"):
+            return "cancelled" if status == "cancelling" else "completed"
         feeder = asyncio.create_task(self._feed())
-        watcher = asyncio.create_task(self._watch())
         try:
-            await asyncio.wait({feeder, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            while not self._expired():
+                await _until(self.runner.settings.poll_s, self.cancel_asked, feeder)
+                if feeder.done():
+                    feeder.result()  # a line whose answer could not be written stopped them all: its error
+                    return "completed"
+                if self.cancel_asked.is_set() or (await self._load()).batch.status == "cancelling":
+                    return "cancelled"
+            return "expired"
         finally:
-            for task in (feeder, watcher):
-                task.cancel()
-            await asyncio.gather(feeder, watcher, return_exceptions=True)
-        if self.lost.is_set():
-            return "lost"
-        if not feeder.cancelled() and feeder.exception() is None:
-            return "completed"
-        if not watcher.cancelled() and watcher.exception() is None:
-            return watcher.result()
-        failed = [task.exception() for task in (feeder, watcher) if not task.cancelled()]  # the other was cancelled
-        raise next((exc for exc in failed if exc is not None), RuntimeError("batch run stopped"))
+            feeder.cancel()
+            await asyncio.wait({feeder})
+            await self._flush()
 
     async def _feed(self) -> None:
-        """Every line not answered yet, each once a slot is free; then the last ones awaited (the input
-        read from a local file held for the run: the blob itself on a local directory, a copy otherwise)."""
-        async with self.runner.store.blobs.local(input_name(self.id)) as path:
-            if path is None:
-                raise RuntimeError(f"batch {self.id} has no input")
-            lines = await asyncio.to_thread(read_lines, path)
-            flight: set[asyncio.Task[None]] = set()
+        """Every line not answered yet, each once a slot is free (the lines in flight a task group)."""
+        done = await self.records.answered(self.id)
+        async with self._input() as path:
+            lines = read_lines(path)
+            running: set[asyncio.Task[None]] = set()
             try:
-                while (line := await asyncio.to_thread(next, lines, None)) is not None:
-                    if line.custom_id in self.done:
-                        continue
-                    await self._slot()
-                    if self.runner.state.lifecycle.draining or self.lost.is_set():  # no new line: those in flight end
-                        self.runner.slots.release()
-                        await asyncio.Event().wait()  # until the shutdown cancels this run
-                    task = asyncio.create_task(self._one(line))
-                    flight.add(task)
-                    task.add_done_callback(self._freed)  # the slot freed however the line ends, even cancelled unstarted
-                    task.add_done_callback(flight.discard)
-                while flight:
-                    await asyncio.gather(*flight)
+                async with asyncio.TaskGroup() as flight:
+                    while (line := await self._next(lines, running)) is not None:
+                        if line.custom_id in done:
+                            continue
+                        await self._slot()
+                        if self.runner.state.lifecycle.draining:  # no new line: those in flight end
+                            self.runner.slots.release()
+                            await asyncio.Event().wait()  # until the shutdown cancels this run
+                        task = flight.create_task(self._one(line))
+                        running.add(task)
+                        task.add_done_callback(running.discard)
+                        task.add_done_callback(lambda _: self.runner.slots.release())  # even cancelled unstarted
             finally:
-                for task in flight:
-                    task.cancel()  # the engine requests aborted
-                await asyncio.gather(*flight, return_exceptions=True)
                 with contextlib.suppress(ValueError):  # still being read in its thread: closed when collected
                     lines.close()
 
-    def _freed(self, task: asyncio.Task[None]) -> None:
-        if task in self._unslotted:  # ended while it waited without its slot
-            self._unslotted.discard(task)
-        else:
-            self.runner.slots.release()
+    async def _next(self, lines: Iterator[BatchLine], running: set[asyncio.Task[None]]) -> BatchLine | None:
+        """A line the key's limits sent back, else the input's next; the input read, a line still running may
+        yet send one back. None once every line has ended."""
+        while True:
+            if self._again:
+                return self._again.popleft()
+            if (line := await asyncio.to_thread(next, lines, None)) is not None or not running:
+                return line
+            await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
 
     async def _slot(self) -> None:
         """A slot of `max_in_flight` for the next line, once the key's limits let this batch go on."""
         while True:
-            pause = self._resume_at - time.monotonic()
-            if pause > 0:
-                await asyncio.sleep(pause)
-                continue
+            await asyncio.sleep(max(0.0, self._resume_at - time.monotonic()))
             await self.runner.slots.acquire()
             if self._resume_at <= time.monotonic():
                 return
             self.runner.slots.release()  # paused while it waited for the slot
 
-    async def _wait_unslotted(self, wait_s: float) -> None:
-        """A line the key's limits refused waits without its slot, and the batch starts no new line
-        meanwhile: the lane's slots go to other keys' batches, not to lines asleep."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._resume_at = max(self._resume_at, time.monotonic() + wait_s)
-        self._unslotted.add(task)
-        self.runner.slots.release()
-        await asyncio.sleep(wait_s)
-        await self.runner.slots.acquire()
-        self._unslotted.discard(task)  # cancelled before this line: `_freed` frees no slot it does not hold
-
     async def _one(self, line: BatchLine) -> None:
-        settings, owner = self.runner.settings, self.stored.owner
-        while True:
-            try:
-                answer = await run_line(self.runner.state, owner, line.url, line.body, settings.retry_s)
-                break
-            except Retry as retry:  # the key's rate limits: this line waits, its slot given back meanwhile
-                await self._wait_unslotted(retry.wait_s)
-        await self._keep(Answer(line.custom_id, answer.ok, result_line(line.custom_id, answer),
-                                prompt=answer.prompt_tokens, completion=answer.completion_tokens))
-
-    async def _keep(self, answer: Answer) -> None:
-        """The answer kept (a cancel now does not lose an answer already had); a run claimed by another
-        replica since writes nothing more."""
-        write = asyncio.ensure_future(self.records.answer(self.id, self.token, answer))
-        self._writes.add(write)
-        write.add_done_callback(self._writes.discard)
         try:
-            await asyncio.shield(write)
-        except Fenced:
-            self.lost.set()
+            answer = await run_line(self.runner.state, self.stored.owner, line.url, line.body, self.runner.settings.retry_s)
+        except Retry as retry:  # the key's rate limits: the line runs again, and the batch goes on, once they let it
+            self._resume_at = max(self._resume_at, time.monotonic() + retry.wait_s)
+            self._again.append(line)
             return
-        self.done.add(answer.custom_id)
+        self._kept.append(Answer(line.custom_id, answer.ok, result_line(line.custom_id, answer),
+                                 prompt=answer.prompt_tokens, completion=answer.completion_tokens))
+        await self._flush()
 
-    async def _written(self) -> None:
-        """Every answer had written: before the run's last record and before its claim is released."""
-        while self._writes:
-            await asyncio.gather(*self._writes, return_exceptions=True)
-
-    async def _watch(self) -> Ending:
-        """Until a cancel (asked here or on another replica), the batch's expiry or the claim lost;
-        the claim renewed meanwhile."""
-        settings = self.runner.settings
-        every = settings.lease_s / 3
-        renew_at = time.monotonic() + every
-        while True:
-            await _until(min(settings.poll_s, every), self.cancel_asked, self.lost)
-            if self.lost.is_set():
-                return "lost"
-            if self.cancel_asked.is_set() or (await self._load()).batch.status == "cancelling":
-                return "cancelled"
-            if self._expired():
-                return "expired"
-            if time.monotonic() >= renew_at:
-                if not await self.records.renew(self.id, self.token, settings.lease_s):
-                    return "lost"
-                renew_at = time.monotonic() + every
+    async def _flush(self) -> None:
+        """The answers had, written in one transaction (those of the lines ending meanwhile go with the next).
+        One cancelled mid-write is written again by the next (a line's second answer is ignored): a cancel
+        does not lose an answer already had."""
+        async with self._writing:
+            kept, self._kept = self._kept, []
+            try:
+                if kept:
+                    await self.records.answer_all(self.id, self.token, kept)
+            except asyncio.CancelledError:
+                self._kept[:0] = kept
+                raise
 
     async def _finish(self, ending: Ending) -> None:
-        await self._written()
-        batch = (await self._load()).batch
-        if ending == "cancelled" and batch.cancelling_at is None:
-            batch.status, batch.cancelling_at = "cancelling", int(time.time())
+        batch, now = (await self._load()).batch, int(time.time())
+        if ending == "cancelled":
+            batch.status, batch.cancelling_at = "cancelling", batch.cancelling_at or now
         elif ending == "completed":
-            batch.status, batch.finalizing_at = "finalizing", batch.finalizing_at or int(time.time())
+            batch.status, batch.finalizing_at = "finalizing", batch.finalizing_at or now
         await self.records.save(self.stored, self.token)
         if ending == "expired":
             await self._expire_rest()
-        batch = (await self._load()).batch
-        await self._publish()
-        now = int(time.time())
-        if ending == "cancelled":
-            batch.status, batch.cancelled_at = "cancelled", now
-        elif ending == "expired":
-            batch.status, batch.expired_at = "expired", now
-        else:
-            batch.status, batch.completed_at = "completed", now
+        batch = (await self._load()).batch  # counted with the lines expired
+        await self._publish(batch)
+        batch.status = ending
+        setattr(batch, f"{ending}_at", int(time.time()))
         await self.records.save(self.stored, self.token)
         log.info("batch_" + batch.status, batch_id=self.id, completed=batch.request_counts.completed,
                  failed=batch.request_counts.failed)
 
     async def _expire_rest(self) -> None:
-        """The lines not run answered as expired."""
+        """The lines not run answered as expired, a chunk of them per transaction."""
         done = await self.records.answered(self.id)
-        async with self.runner.store.blobs.local(input_name(self.id)) as path:
-            if path is None:
-                raise RuntimeError(f"batch {self.id} has no input")
-            rest = await asyncio.to_thread(_unrun, path, done)
-        for custom_id in rest:
-            await self.records.answer(self.id, self.token, Answer(custom_id, False, expired_line(custom_id), expired=True))
+        async with self._input() as path:
+            rest = await asyncio.to_thread(lambda: [line.custom_id for line in read_lines(path) if line.custom_id not in done])
+        for start in range(0, len(rest), CHUNK):
+            await self.records.answer_all(self.id, self.token, [
+                Answer(custom_id, False, expired_line(custom_id), expired=True) for custom_id in rest[start : start + CHUNK]])
 
-    async def _publish(self) -> None:
-        """The output and error files assembled from the answers, as files of the batch's owner (ids
-        derived from the batch's: published again after a crash, they replace themselves). A Message
-        Batch's results are read from its answers (`message_batches_serving`), not kept as files."""
-        batch, files = self.stored.batch, self.runner.state.files.of(self.stored.owner.tenant)
+    async def _publish(self, batch: Batch) -> None:
+        """The output and error files assembled from the answers, as files of the batch's owner (ids derived
+        from the batch's: published again after a crash, they replace themselves), once a write fenced by the
+        run's token finds the claim still its own: a run that lost it replaces no file of the run that took
+        over. A Message Batch's results are read from its answers (`message_batches_serving`), not files."""
         if batch.endpoint == MESSAGES:
             return
-        output, errors = await files.stage(), await files.stage()
+        files = self.runner.state.files.of(self.stored.owner.tenant)
+        staged = {True: await files.stage(), False: await files.stage()}
         try:
             pending: dict[bool, list[bytes]] = {True: [], False: []}
             async for answer in self.records.answers(self.id):
                 pending[answer.ok].append(answer.line + b"\n")
-                if len(pending[answer.ok]) >= FLUSH_LINES:
-                    await (output if answer.ok else errors).write(b"".join(pending[answer.ok]))
+                if len(pending[answer.ok]) >= CHUNK:
+                    await staged[answer.ok].write(b"".join(pending[answer.ok]))
                     pending[answer.ok].clear()
-            for ok, staged in ((True, output), (False, errors)):
-                await staged.write(b"".join(pending[ok]))
-            expires = self.stored.output_expires_after_s
-            if output.size:
-                made = await files.put(output, f"{self.id}_output.jsonl", "batch_output", expires,
-                                       derived_id(f"{self.id}/output"))
-                batch.output_file_id = made.id
-            if errors.size:
-                made = await files.put(errors, f"{self.id}_error.jsonl", "batch_output", expires,
-                                       derived_id(f"{self.id}/error"))
-                batch.error_file_id = made.id
+            for ok, lines in pending.items():
+                await staged[ok].write(b"".join(lines))
+            await self.records.save(self.stored, self.token)  # `Fenced` once another run took the batch over
+            for ok, kind in ((True, "output"), (False, "error")):
+                if staged[ok].size:
+                    made = await files.put(staged[ok], f"{self.id}_{kind}.jsonl", "batch_output",
+                                           self.stored.output_expires_after_s, derived_id(f"{self.id}/{kind}"))
+                    setattr(batch, f"{kind}_file_id", made.id)
         finally:
-            await output.discard()
-            await errors.discard()
+            for file in staged.values():
+                await file.discard()
