@@ -430,12 +430,11 @@ def test_the_parent_starts_the_engine_cores_the_workers_ask_for(tmp_path: Path, 
     parent must start the cores with the scheduling the app resolves (batches on: priority, for the
     batch lane), else no worker starts, or the batch lane is fcfs in the engine."""
     from gateway.app import tenants_of
-    from gateway.server.workers import SeatStarter, shared_engines
+    from gateway.server.workers import WorkerPlan, gateway_worker, shared_engines
 
     config = fake_settings(workers=2, **{**settings(tmp_path), "batches": {**settings(tmp_path)["batches"],
                                                                            "enabled": batches}})
-    tenants = tenants_of(config)
-    cores = shared_engines(config, tenants)
+    cores = shared_engines(config, tenants_of(config))
 
     class Seat:
         def __init__(self, engine_settings: Any) -> None:
@@ -447,11 +446,14 @@ def test_the_parent_starts_the_engine_cores_the_workers_ask_for(tmp_path: Path, 
         asked.append(seat.settings)
         return FakeEngine()
 
-    starter = SeatStarter([Seat(s) for s in cores.values()])
+    def serve(seat: Any, settings: Any, make_app: Any) -> int:
+        with TestClient(make_app(None, tenants_of(settings))):
+            return 0
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("gateway.server.workers.attach_shared", attach)
-        with TestClient(create_app(config, engine_starter=starter, tenants=tenants)):
-            pass
+        patch.setattr("gateway.server.workers.serve_worker", serve)
+        assert gateway_worker(Seat(None), WorkerPlan(config, tuple(Seat(s) for s in cores.values()))) == 0
     assert [s.scheduling_policy for s in asked] == ["priority" if batches else "fcfs"]
 
 
