@@ -46,7 +46,7 @@ async def _create(request: Request) -> Response:
     now, batch_id = int(time.time()), new_id(MESSAGE_BATCH)
     batch = Batch(id=batch_id, endpoint=MESSAGES, input_file_id=batch_id, status="validating", created_at=now,
                   expires_at=now + WINDOW_S, request_counts=RequestCounts(total=len(body.requests)))
-    owner = Owner(key_id=context.key_id, tenant=context.tenant, keyed=state.tenants.known(context.key_id))
+    owner = Owner(key_id=context.key_id, tenant=context.tenant)
     stored = StoredBatch(batch=batch, owner=owner, output_expires_after_s=state.settings.batches.output_expires_after_s,
                          created_ns=time.time_ns())
     await _mine(request).create(stored, content)
