@@ -351,22 +351,33 @@ def test_a_removed_key_fails_its_batchs_lines(tmp_path: Path) -> None:
     assert line["response"]["status_code"] == 401  # type: ignore[index]
 
 
-def test_a_drain_starts_no_new_line_and_leaves_the_batch_in_progress(tmp_path: Path) -> None:
+def test_a_drain_starts_no_new_line_and_leaves_the_batch_in_progress(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one slot held by a line when the drain starts: once that line ends, the feeder takes the slot for
+    the next line, finds the drain and gives the slot back (waited for, not a window of time); no line starts."""
+    from gateway.apis.batches.batches_runner import BatchRun, BatchRunner
     from gateway.app import create_app
     from gateway.pipeline.lifecycle import Lifecycle
-    from tests.fakes import fake_settings
+    from tests.fakes import HeldEngine, fake_settings
 
-    engine, lifecycle = FakeEngine(delay=0.02), Lifecycle()
+    took: list[BatchRunner] = []  # a slot taken by the feeder, for the runner it was taken from
+    slot = BatchRun._slot
+
+    async def noted(self: BatchRun) -> None:
+        await slot(self)
+        took.append(self.runner)
+
+    monkeypatch.setattr(BatchRun, "_slot", noted)
+    engine, lifecycle = HeldEngine(), Lifecycle()
     app = create_app(fake_settings(**settings(tmp_path, max_in_flight=1)), engine_starter=lambda es: engine,
                      lifecycle=lifecycle)
     with TestClient(app) as client:
-        sdk = sdk_for(client)
-        batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=5) for i in range(10))))
-        wait(sdk, batch.id, ("in_progress",))
+        batch = submit(sdk_for(client), jsonl(*(chat_line(f"r{i}", max_tokens=5) for i in range(10))))
+        until_sync(lambda: engine.held, what="a line in flight, holding the only slot")
         lifecycle.start_drain()
-        started = len(engine.requests)
-        time.sleep(0.5)  # a window for what must not happen (ten lines' time): none of them starts
-        assert len(engine.requests) == started < 10
+        client.portal.call(engine.go.set)
+        until_sync(lambda: len(took) >= 2 and not took[-1].slots.locked(), what="the next slot taken and given back")
+        assert len(engine.held) == 1
     stored = record(tmp_path / "batches", batch.id)
     assert stored.batch.status == "in_progress"
-    assert stored.batch.request_counts.completed < 10
+    assert stored.batch.request_counts.completed + stored.batch.request_counts.failed == 1
