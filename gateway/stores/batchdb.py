@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -136,19 +137,20 @@ class SqliteRecords:
 
     def __init__(self, path: Path) -> None:
         self._path = path
-        self._db_open: sqlite3.Connection | None = None
+        self._open = threading.local()  # the connection of the thread: a call made while a close waits opens its own
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="sqlite-records")
 
     def _db(self) -> sqlite3.Connection:
         """The connection, opened at the first call (a gateway that never uses the batch lane writes nothing)."""
-        if self._db_open is None:
+        db: sqlite3.Connection | None = getattr(self._open, "db", None)
+        if db is None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self._path, isolation_level=None, timeout=30)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")  # an answer kept is on disk before its line counts
             db.executescript(SCHEMA)
-            self._db_open = db
-        return self._db_open
+            self._open.db = db
+        return db
 
     async def _run(self, work: Callable[[sqlite3.Connection], T], write: bool = False) -> T:
         def call() -> T:
@@ -255,9 +257,9 @@ class SqliteRecords:
     async def aclose(self) -> None:
         """The connection closed once the calls before have ended; a call after opens it again."""
         def close() -> None:
-            if self._db_open is not None:
-                self._db_open.close()
-                self._db_open = None
+            if getattr(self._open, "db", None) is not None:
+                self._open.db.close()
+                self._open.db = None
 
         thread, self._thread = self._thread, ThreadPoolExecutor(1, thread_name_prefix="sqlite-records")
         await asyncio.get_running_loop().run_in_executor(thread, close)

@@ -35,7 +35,7 @@ from tests.stores import Flaky, failing_stores
 from tests.unit.test_batches import KEYS, by_custom_id, chat_line, completed, jsonl, lines_of, settings, submit, wait
 from tests.unit.test_message_batches import BATCHES, params
 from tests.unit.test_responses import sdk_for
-from tests.waits import until_awaited, until_sync
+from tests.waits import until, until_awaited, until_sync
 
 LINES = jsonl(chat_line("a"), chat_line("b"))
 
@@ -173,6 +173,28 @@ async def test_a_store_closed_opens_again_at_its_next_call(records: Records) -> 
     found = await records.batch(made.batch.id)  # SQLite's closed connection was taken for an open one
     assert found is not None
     assert found.batch.id == made.batch.id
+
+
+async def test_a_sqlite_call_made_while_the_store_closes_uses_a_connection_of_its_own(tmp_path: Path) -> None:
+    """A call made once `aclose` has begun (a run still writing at shutdown) runs in the new thread while the close
+    waits behind a call still running in the old one: it opens a connection of its own. It took the old thread's
+    connection (sqlite3 refuses one made in another thread: a 503), and the close then forgot the new one."""
+    records = SqliteRecords(tmp_path / "db.sqlite3")
+    made = stored()
+    await records.create(made)
+    release, old = threading.Event(), records._thread
+    busy = asyncio.ensure_future(records._run(lambda db: release.wait(30)))
+    closing = asyncio.ensure_future(records.aclose())
+    await until(lambda: records._thread is not old, what="the close begun")
+    try:
+        found = await records.batch(made.batch.id)
+        assert found is not None
+    finally:
+        release.set()
+        await busy
+        await closing
+    assert await records.batch(made.batch.id) is not None
+    await records.aclose()
 
 
 async def test_a_sqlite_database_made_before_its_triggers_gets_them(tmp_path: Path) -> None:
