@@ -5,6 +5,8 @@ expired lines written in bulk, its claim kept meanwhile, its output published on
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -23,7 +25,7 @@ from tests.fakes import FakeEngine, app_with, fake_settings
 from tests.stores import disk_batches
 from tests.unit.test_batches import chat_line, jsonl, lines_of, settings, submit, wait
 from tests.unit.test_responses import sdk_for
-from tests.waits import until_awaited, until_sync
+from tests.waits import until, until_awaited, until_sync
 
 
 def test_a_shutdown_does_not_wait_for_ever_on_a_run_that_will_not_end(tmp_path: Path,
@@ -107,22 +109,26 @@ def test_an_expired_batch_answers_its_lines_in_a_few_transactions(tmp_path: Path
 def test_a_batch_being_finished_stays_claimed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its output assembled for longer than a lease: the claim is renewed meanwhile, so no other
     replica takes the batch over in the middle of its finishing."""
-    assembling, answers = threading.Event(), SqliteRecords.answers
+    assembling, go, answers = threading.Event(), threading.Event(), SqliteRecords.answers
+    path = tmp_path / "batches" / "batches.sqlite3"
 
-    async def slow(self: SqliteRecords, batch_id: str) -> AsyncIterator[Answer]:
+    async def held(self: SqliteRecords, batch_id: str) -> AsyncIterator[Answer]:
         assembling.set()
-        await asyncio.sleep(4.5)  # three leases
+        await until(go.is_set, what="the test's go")
         async for answer in answers(self, batch_id):
             yield answer
 
-    monkeypatch.setattr(SqliteRecords, "answers", slow)
+    monkeypatch.setattr(SqliteRecords, "answers", held)
     with TestClient(app_with(FakeEngine(), **settings(tmp_path, lease_s=1.5))) as client:
         sdk = sdk_for(client)
         batch = submit(sdk, jsonl(*(chat_line(f"r{i}") for i in range(3))))
         until_sync(assembling.is_set, what="the output being assembled")
-        time.sleep(2.5)  # a window for what must not happen: the claim lapsing (longer than a lease)
-        other = SqliteRecords(tmp_path / "batches" / "batches.sqlite3")  # another replica
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            (lapses,), = db.execute("SELECT claim_until FROM batches WHERE id = ?", (batch.id,)).fetchall()
+        until_sync(lambda: time.time() > lapses, what="the claim as it stood then lapsed, unless renewed")
+        other = SqliteRecords(path)  # another replica
         assert asyncio.run(other.claim(batch.id, "other", 60)) is None
+        go.set()
         assert wait(sdk, batch.id).status == "completed"
 
 
