@@ -3,9 +3,9 @@ interface; `SqliteRecords` the one-node default (the standard library's SQLite, 
 replicas is `batchdb_redis`. Contents (uploads, inputs, output files) are blobs (`stores.blobs`), written once.
 
 Each line's answer is kept once, the first: `(batch_id, custom_id)` is unique. A batch is run by whoever holds its
-claim: `claim` hands out a fencing token, higher each time, and every write of a run (`save`, `answer`) names it and is
-refused (`Fenced`) once the batch was claimed again since, so a replica that stalled past its claim writes nothing after
-another took the batch over. A record's counts are the answers' (kept beside it, changed with each answer), and a
+claim: `claim` hands out a fencing token, higher each time, and every write of a run (`save`, `answer_all`) names it
+and is refused (`Fenced`) once the batch was claimed again since, so a replica that stalled past its claim writes
+nothing after another took the batch over. A record's counts are the answers' (kept beside it, changed with each answer), and a
 cancel asked is kept beside it too: neither is lost to a runner's write of the record."""
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ class Records(Protocol):
     `merged`, whoever its owner (the caller checks); `ask_cancel` keeps the first ask's time (its runner carries it
     out); `runnable` the batches not done, oldest first. A run: `claim` hands a new fencing token when no claim on the
     batch is live (else None); `renew` keeps it `ttl_s` longer, False once the batch was claimed again since `token`;
-    `save` (the record, its counts aside) and `answer` (kept and counted unless its line has one already: then False)
-    raise `Fenced` once claimed again since `token`; `answers` are every answer kept, in the order they came."""
+    `save` (the record, its counts aside) and `answer_all` (in one transaction, each answer kept and counted unless its
+    line has one already; how many were kept) raise `Fenced` once claimed again since `token`; `answers` are every
+    answer kept, in the order they came."""
 
     async def add_file(self, owner: str, file: FileObject) -> None: ...
     async def file(self, owner: str, file_id: str) -> FileObject | None: ...
@@ -70,9 +71,7 @@ class Records(Protocol):
     async def renew(self, batch_id: str, token: int, ttl_s: float) -> bool: ...
     async def release(self, batch_id: str, token: int) -> None: ...
     async def save(self, stored: StoredBatch, token: int) -> None: ...
-    async def answer(self, batch_id: str, token: int, answer: Answer) -> bool: ...
-    async def answer_all(self, batch_id: str, token: int, answers: list[Answer]) -> int:
-        """`answer` for each, in one transaction; how many were kept."""
+    async def answer_all(self, batch_id: str, token: int, answers: list[Answer]) -> int: ...
     async def answered(self, batch_id: str) -> set[str]: ...
     def answers(self, batch_id: str) -> AsyncIterator[Answer]: ...
     async def aclose(self) -> None: ...
@@ -225,9 +224,6 @@ class SqliteRecords:
         if not await self._change("UPDATE batches SET record = ?, done = ? WHERE id = ? AND token = ?",
                                   stored.model_dump_json(), stored.batch.status in DONE, stored.batch.id, token):
             raise Fenced(stored.batch.id)
-
-    async def answer(self, batch_id: str, token: int, answer: Answer) -> bool:
-        return await self.answer_all(batch_id, token, [answer]) == 1
 
     async def answer_all(self, batch_id: str, token: int, answers: list[Answer]) -> int:
         def add(db: sqlite3.Connection) -> int:

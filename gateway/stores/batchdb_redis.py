@@ -150,9 +150,6 @@ class RedisRecords:
         if not await self._script("save", keys, [token, stored.model_dump_json(), done, batch_id]):
             raise Fenced(batch_id)
 
-    async def answer(self, batch_id: str, token: int, answer: Answer) -> bool:
-        return await self.answer_all(batch_id, token, [answer]) == 1
-
     async def answer_all(self, batch_id: str, token: int, answers: list[Answer]) -> int:
         keys = [self._batch(batch_id), f"{self._p}answers:{batch_id}", f"{self._p}order:{batch_id}"]
         args: list[Any] = [token]

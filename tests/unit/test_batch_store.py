@@ -55,6 +55,11 @@ async def claimed(records: Records, batch_id: str, holder: str) -> int:
     return token
 
 
+async def one(records: Records, batch_id: str, token: int, answer: Answer) -> bool:
+    """The answer written alone; whether it was kept."""
+    return await records.answer_all(batch_id, token, [answer]) == 1
+
+
 def answer(custom_id: str, ok: bool = True, content: str = "x") -> Answer:
     return Answer(custom_id, ok, orjson.dumps({"custom_id": custom_id, "content": content}), prompt=2, completion=3)
 
@@ -67,10 +72,10 @@ async def test_each_line_is_answered_once_the_first_kept(records: Records) -> No
     await records.create(made)
     token = await records.claim(made.batch.id, "a", 30)
     assert token is not None
-    assert await records.answer(made.batch.id, token, answer("r1", content="first"))
-    assert not await records.answer(made.batch.id, token, answer("r1", content="again"))  # the constraint refuses it
-    assert not await records.answer(made.batch.id, token, answer("r1", ok=False))
-    assert await records.answer(made.batch.id, token, answer("r2", ok=False))
+    assert await one(records, made.batch.id, token, answer("r1", content="first"))
+    assert not await one(records, made.batch.id, token, answer("r1", content="again"))  # the constraint refuses it
+    assert not await one(records, made.batch.id, token, answer("r1", ok=False))
+    assert await one(records, made.batch.id, token, answer("r2", ok=False))
     kept = [(a.custom_id, a.ok, orjson.loads(a.line)["content"]) async for a in records.answers(made.batch.id)]
     assert kept == [("r1", True, "first"), ("r2", False, "x")]
     assert await records.answered(made.batch.id) == {"r1", "r2"}
@@ -114,7 +119,7 @@ async def test_one_claim_at_a_time_and_a_stale_token_is_fenced(records: Records)
     assert second > first
     assert not await records.renew(batch_id, first, 30)  # the old holder finds out
     with pytest.raises(Fenced):
-        await records.answer(batch_id, first, answer("late"))
+        await one(records, batch_id, first, answer("late"))
     with pytest.raises(Fenced):
         await records.save(made, first)
     assert await records.answered(batch_id) == set()
@@ -148,7 +153,7 @@ async def test_a_batch_is_its_owners_and_leaves_nothing_when_removed(records: Re
     assert await records.runnable() == [mine.batch.id, theirs.batch.id]  # oldest first
     token = await records.claim(mine.batch.id, "a", 30)
     assert token is not None
-    assert await records.answer(mine.batch.id, token, answer("r1"))
+    assert await one(records, mine.batch.id, token, answer("r1"))
     await records.remove(mine.batch.id)
     assert await records.batch(mine.batch.id) is None
     assert await records.answered(mine.batch.id) == set()  # its answers with it
@@ -208,7 +213,7 @@ async def test_a_sqlite_database_made_before_its_triggers_gets_them(tmp_path: Pa
     await records.create(made)
     token = await records.claim(made.batch.id, "a", 30)
     assert token is not None
-    assert await records.answer(made.batch.id, token, answer("r1"))
+    assert await one(records, made.batch.id, token, answer("r1"))
     found = await records.batch(made.batch.id)
     assert found is not None
     assert found.batch.request_counts.completed == 1
@@ -249,10 +254,10 @@ async def test_a_replica_stalled_mid_write_on_redis_has_its_late_write_refused(r
     batch_id = made.batch.id
     token_a = await a.claim(batch_id, "a", 0.3)
     assert token_a is not None
-    assert await a.answer(batch_id, token_a, answer("r0"))
+    assert await one(a, batch_id, token_a, answer("r0"))
     token_b = await claimed(b, batch_id, "b")  # A stalled: its claim lapsed
-    assert await b.answer(batch_id, token_b, answer("r1", content="B's"))
-    for late in (a.answer(batch_id, token_a, answer("r1", content="A's, late")), a.answer(batch_id, token_a, answer("r2")),
+    assert await one(b, batch_id, token_b, answer("r1", content="B's"))
+    for late in (one(a, batch_id, token_a, answer("r1", content="A's, late")), one(a, batch_id, token_a, answer("r2")),
                  a.save(made, token_a)):
         with pytest.raises(Fenced):
             await late

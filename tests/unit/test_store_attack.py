@@ -218,8 +218,7 @@ def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: 
     async def expired_then_killed() -> None:
         token = await store.records.claim(batch_id, "killed", 0.01)  # its claim lapses at once: never released
         assert token is not None
-        for custom_id in ("a", "b"):
-            await store.records.answer(batch_id, token, Answer(custom_id, False, expired_line(custom_id), expired=True))
+        await store.records.answer_all(batch_id, token, [Answer(c, False, expired_line(c), expired=True) for c in "ab"])
 
     asyncio.run(expired_then_killed())
     with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:
