@@ -25,7 +25,7 @@ from starlette.testclient import TestClient
 
 from gateway.errors import StoreUnavailable
 from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
-from gateway.stores.batchdb import SCHEMA, Answer, Fenced, Records, SqliteRecords
+from gateway.stores.batchdb import PAGE, SCHEMA, Answer, Fenced, Records, SqliteRecords
 from gateway.stores.batchdb_redis import RedisRecords
 from gateway.stores.batches import input_name, new_id
 from gateway.stores.redis import RedisPools
@@ -103,6 +103,26 @@ async def test_answers_written_together_are_each_kept_once_and_fenced_together(r
     with pytest.raises(Fenced):
         await records.answer_all(made.batch.id, token, [answer("r4"), answer("r5")])
     assert await records.answered(made.batch.id) == {"r1", "r2", "r3"}
+
+
+async def test_a_line_twice_in_one_write_is_kept_and_counted_once(records: Records) -> None:
+    """Within one `answer_all` as across two: the first answer of a line kept, counted once (an expired line too),
+    and answers past a page read back whole, in order."""
+    made = stored()
+    await records.create(made)
+    token = await records.claim(made.batch.id, "a", 30)
+    assert token is not None
+    expired = [Answer(f"e{i}", False, b"{}", expired=True) for i in range(PAGE + 100)]
+    written = [answer("r1"), answer("r1", ok=False), answer("r2", ok=False), expired[0], expired[0], *expired]
+    assert await records.answer_all(made.batch.id, token, written) == 2 + len(expired)
+    assert await records.answer_all(made.batch.id, token, expired) == 0
+    found = await records.batch(made.batch.id)
+    assert found is not None
+    counts = found.batch.request_counts
+    assert (counts.completed, counts.failed, found.expired_lines) == (1, 1 + len(expired), len(expired))
+    assert (found.batch.usage.input_tokens, found.batch.usage.output_tokens) == (4, 6)
+    kept = [(a.custom_id, a.ok, a.expired) async for a in records.answers(made.batch.id)]
+    assert kept == [("r1", True, False), ("r2", False, False), *((a.custom_id, False, True) for a in expired)]
 
 
 async def test_one_claim_at_a_time_and_a_stale_token_is_fenced(records: Records) -> None:

@@ -162,6 +162,27 @@ def test_a_replica_killed_mid_batch_is_taken_over_once_its_claim_lapses(tmp_path
     assert done.request_counts.model_dump() == {"total": 16, "completed": 16, "failed": 0}
 
 
+def test_an_expired_batchs_counts_are_its_answers_on_every_backend(tmp_path: Path, store_settings: dict[str, Any],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose window ends mid-run, more lines left than one write of expired answers takes: each line in one
+    file once, and the counts and token totals exactly those of the lines in the files."""
+    monkeypatch.setattr("gateway.apis.batches.batches_routes.WINDOW_S", 2)
+    config = {**settings(tmp_path, max_in_flight=2), **store_settings}
+    with TestClient(app_with(FakeEngine(delay=0.01), **config)) as client:
+        sdk = sdk_for(client)
+        batch = submit(sdk, jsonl(*(chat_line(f"r{i}") for i in range(1100))))
+        done = wait(sdk, batch.id, timeout=60)
+        output, errors = by_custom_id(lines_of(sdk, done.output_file_id)), by_custom_id(lines_of(sdk, done.error_file_id))
+    assert done.status == "expired"
+    assert set(output) | set(errors) == {f"r{i}" for i in range(1100)}
+    assert (done.request_counts.completed, done.request_counts.failed) == (len(output), len(errors)) == (
+        len(output), 1100 - len(output))
+    usage = [line["response"]["body"]["usage"] for line in output.values()]
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (sum(u["prompt_tokens"] for u in usage),
+                                                                  sum(u["completion_tokens"] for u in usage))
+    assert all(line["error"]["code"] == "batch_expired" for line in errors.values())
+
+
 # --- nothing secret in the logs -----------------------------------------------------------------------
 
 
