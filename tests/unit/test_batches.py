@@ -262,17 +262,32 @@ def test_a_cancel_aborts_the_lines_in_flight_and_keeps_the_partial_output(tmp_pa
             sdk.batches.cancel(batch.id)
 
 
+class _FourThenHeld(FakeEngine):
+    """Answers the first four requests; holds every later one until it is cancelled (however slow the machine, the
+    shutdown finds lines in flight and lines not run)."""
+
+    started = 0
+
+    async def generate(self, request: Any) -> Any:
+        self.started += 1
+        if self.started > 4:
+            await asyncio.Event().wait()
+        async for output in super().generate(request):
+            yield output
+
+
 def test_a_batch_resumes_after_a_crash_and_answers_each_line_once(tmp_path: Path) -> None:
     lines = [chat_line(f"r{i}", max_tokens=4) for i in range(12)]
-    first = FakeEngine(delay=0.02)
+    first = _FourThenHeld()
     with TestClient(app_with(first, **settings(tmp_path, max_in_flight=2))) as client:
         sdk = sdk_for(client)
         batch = submit(sdk, jsonl(*lines))
         completed(sdk, batch.id, 4)
+        until_sync(lambda: first.started == 6, what="two lines held in flight")
     # the shutdown left it in progress, its lines in flight cancelled
     stored = record(tmp_path / "batches", batch.id)
     assert stored.batch.status == "in_progress"
-    assert 4 <= stored.batch.request_counts.completed < 12
+    assert stored.batch.request_counts.completed == 4
     before = len(answers(tmp_path / "batches", batch.id))
     assert before == stored.batch.request_counts.completed
     second = FakeEngine()
