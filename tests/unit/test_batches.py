@@ -241,13 +241,13 @@ def test_list_is_newest_first_and_paginated(client: TestClient) -> None:
 
 
 def test_a_cancel_aborts_the_lines_in_flight_and_keeps_the_partial_output(tmp_path: Path) -> None:
-    engine = FakeEngine(delay=0.05)
+    engine = _HeldAfter(2)
     with TestClient(app_with(engine, **settings(tmp_path, max_in_flight=2))) as client:
         sdk = sdk_for(client)
         lines = [chat_line(f"r{i}", max_tokens=8) for i in range(20)]
         batch = submit(sdk, jsonl(*lines))
-        wait(sdk, batch.id, ("in_progress",))
         completed(sdk, batch.id, 2)
+        until_sync(lambda: engine.started == 4, what="two lines held in flight")
         cancelling = sdk.batches.cancel(batch.id)
         assert cancelling.status in ("cancelling", "cancelled")
         assert cancelling.cancelling_at is not None
@@ -256,29 +256,34 @@ def test_a_cancel_aborts_the_lines_in_flight_and_keeps_the_partial_output(tmp_pa
         assert done.cancelled_at is not None
         assert engine.aborted  # the engine requests in flight were aborted
         output = by_custom_id(lines_of(sdk, done.output_file_id))
-        assert 2 <= len(output) < 20 == done.request_counts.total
+        assert len(output) == 2 < 20 == done.request_counts.total
         assert done.request_counts.completed == len(output)
         with pytest.raises(openai.BadRequestError):  # done: nothing to cancel
             sdk.batches.cancel(batch.id)
 
 
-class _FourThenHeld(FakeEngine):
-    """Answers the first four requests; holds every later one until it is cancelled (however slow the machine, the
-    shutdown finds lines in flight and lines not run)."""
+class _HeldAfter(FakeEngine):
+    """Answers the first `answered` requests; holds every later one until it is cancelled (noted in `aborted`):
+    however slow the machine, a cancel or a shutdown finds lines in flight and lines not run."""
 
-    started = 0
+    def __init__(self, answered: int) -> None:
+        super().__init__()
+        self.answered, self.started = answered, 0
 
     async def generate(self, request: Any) -> Any:
         self.started += 1
-        if self.started > 4:
-            await asyncio.Event().wait()
+        if self.started > self.answered:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self.aborted.append(request.request_id)
         async for output in super().generate(request):
             yield output
 
 
 def test_a_batch_resumes_after_a_crash_and_answers_each_line_once(tmp_path: Path) -> None:
     lines = [chat_line(f"r{i}", max_tokens=4) for i in range(12)]
-    first = _FourThenHeld()
+    first = _HeldAfter(4)
     with TestClient(app_with(first, **settings(tmp_path, max_in_flight=2))) as client:
         sdk = sdk_for(client)
         batch = submit(sdk, jsonl(*lines))
