@@ -268,6 +268,25 @@ class HeldEngine(FakeEngine):
             yield output
 
 
+class HeldAfter(FakeEngine):
+    """Answers the first `answered` requests; holds every later one until it is cancelled (noted in `aborted`):
+    however slow the machine, a cancel or a shutdown finds lines in flight and lines not run."""
+
+    def __init__(self, answered: int) -> None:
+        super().__init__()
+        self.answered, self.started = answered, 0
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        self.started += 1
+        if self.started > self.answered:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self.aborted.append(request.request_id)
+        async for output in super().generate(request):
+            yield output
+
+
 class FakeGrammar:
     """A grammar compiler (`engine.types.GrammarCheck`): refuses specs holding one of `refuse`'s
     keys (with its message), takes `delay` seconds (forever for specs holding `hang`), and notes

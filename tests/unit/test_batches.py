@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 
 from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
 from gateway.stores.batches import BatchStore, new_id
-from tests.fakes import FakeEngine, app_with
+from tests.fakes import FakeEngine, HeldAfter, app_with
 from tests.stores import answers, disk_batches, record
 from tests.unit.test_responses import sdk_for
 from tests.unit.test_tenants import keys_file
@@ -241,7 +241,7 @@ def test_list_is_newest_first_and_paginated(client: TestClient) -> None:
 
 
 def test_a_cancel_aborts_the_lines_in_flight_and_keeps_the_partial_output(tmp_path: Path) -> None:
-    engine = _HeldAfter(2)
+    engine = HeldAfter(2)
     with TestClient(app_with(engine, **settings(tmp_path, max_in_flight=2))) as client:
         sdk = sdk_for(client)
         lines = [chat_line(f"r{i}", max_tokens=8) for i in range(20)]
@@ -262,28 +262,9 @@ def test_a_cancel_aborts_the_lines_in_flight_and_keeps_the_partial_output(tmp_pa
             sdk.batches.cancel(batch.id)
 
 
-class _HeldAfter(FakeEngine):
-    """Answers the first `answered` requests; holds every later one until it is cancelled (noted in `aborted`):
-    however slow the machine, a cancel or a shutdown finds lines in flight and lines not run."""
-
-    def __init__(self, answered: int) -> None:
-        super().__init__()
-        self.answered, self.started = answered, 0
-
-    async def generate(self, request: Any) -> Any:
-        self.started += 1
-        if self.started > self.answered:
-            try:
-                await asyncio.Event().wait()
-            finally:
-                self.aborted.append(request.request_id)
-        async for output in super().generate(request):
-            yield output
-
-
 def test_a_batch_resumes_after_a_crash_and_answers_each_line_once(tmp_path: Path) -> None:
     lines = [chat_line(f"r{i}", max_tokens=4) for i in range(12)]
-    first = _HeldAfter(4)
+    first = HeldAfter(4)
     with TestClient(app_with(first, **settings(tmp_path, max_in_flight=2))) as client:
         sdk = sdk_for(client)
         batch = submit(sdk, jsonl(*lines))
