@@ -10,7 +10,7 @@ import secrets
 from dataclasses import dataclass
 
 from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
-from gateway.protocol.batch_objects import DONE, Batch, StoredBatch
+from gateway.protocol.batch_objects import DONE, StoredBatch
 from gateway.stores.batchdb import Records
 from gateway.stores.blobs import Blobs, Opened, put_bytes, put_chunks
 
@@ -70,9 +70,6 @@ class OwnedBatches:
             with contextlib.suppress(StoreUnavailable):
                 await self.store.blobs.delete(name)
             raise
-
-    async def get(self, batch_id: str) -> Batch:
-        return (await self.find(batch_id)).batch
 
     async def cancel(self, batch_id: str, param: str = "batch_id", ended: str | None = None) -> StoredBatch:
         """Ask for a cancel (the runner holding the batch carries it out); a batch already done is a 400 (message

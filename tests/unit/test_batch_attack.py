@@ -571,9 +571,9 @@ def test_look_alike_owners_have_batches_of_their_own(tmp_path: Path, one: str, o
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl(chat_line("a")))
     batch_id = _stored(store, source, owner=one)
-    assert asyncio.run(store.of(one).get(batch_id)).id == batch_id
+    assert asyncio.run(store.of(one).find(batch_id)).batch.id == batch_id
     with pytest.raises(Exception, match="No batch found"):
-        asyncio.run(store.of(other).get(batch_id))
+        asyncio.run(store.of(other).find(batch_id))
 
 
 def test_a_bug_in_a_line_is_a_500_line_and_logged_with_its_traceback(tmp_path: Path) -> None:

@@ -350,6 +350,25 @@ def test_a_batch_deleted_between_lookup_and_read_is_never_a_5xx(client: TestClie
         assert response.json()["error"] == {"type": "not_found_error", "message": f"No batch found with id '{batch.id}'."}
 
 
+def test_results_whose_input_goes_as_it_is_read_are_a_404(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The delete lands after the input was found for the results and before it was read: a 404, as a delete before
+    (it was the thread's FileNotFoundError: a 500)."""
+    from gateway.apis.message_batches import message_batches_serving as mb
+
+    batch = create(client, [{"custom_id": "a", "params": params()}])
+    wait(client, batch.id)
+    unrun = mb._unrun_lines
+
+    def deleted_first(requests: Path, seen: set[str], status: str) -> bytes | None:
+        requests.unlink()
+        return unrun(requests, seen, status)
+
+    monkeypatch.setattr(mb, "_unrun_lines", deleted_first)
+    response = client.get(f"{BATCHES}/{batch.id}/results", headers=headers())
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["type"] == "not_found_error"
+
+
 def test_results_already_streaming_survive_a_delete(client: TestClient, tmp_path: Path) -> None:
     """The results are assembled before the answer starts: a delete then does not cut the JSONL
     short after a 200 (the server's error, mid-stream)."""

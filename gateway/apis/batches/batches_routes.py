@@ -56,7 +56,7 @@ async def _list(request: Request) -> Response:
 
 
 async def retrieve(request: Request) -> Response:
-    return json_response(await _mine(request).get(request.path_params["batch_id"]))
+    return json_response((await _mine(request).find(request.path_params["batch_id"])).batch)
 
 
 async def cancel(request: Request) -> Response:

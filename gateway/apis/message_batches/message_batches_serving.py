@@ -18,6 +18,7 @@ How OpenAI's states and counts map to Anthropic's:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -147,9 +148,10 @@ async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
                 page = []
         await staged.write(await asyncio.to_thread(_result_lines, page))
         async with store.blobs.local(input_name(batch_id)) as requests:
-            if requests is None:
-                raise not_found(batch_id, param)
-            await staged.write(await asyncio.to_thread(_unrun_lines, requests, seen, status))
+            unrun = None if requests is None else await asyncio.to_thread(_unrun_lines, requests, seen, status)
+        if unrun is None:
+            raise not_found(batch_id, param)
+        await staged.write(unrun)
         await staged.close()
         opened = await asyncio.to_thread(staged.path.open, "rb")
     finally:
@@ -162,7 +164,9 @@ def _result_lines(answers: list[Answer]) -> bytes:
                     for a in answers)
 
 
-def _unrun_lines(requests: Path, seen: set[str], status: str) -> bytes:
-    with requests.open("rb") as asked:
+def _unrun_lines(requests: Path, seen: set[str], status: str) -> bytes | None:
+    """None when the input is gone (its batch deleted since `local` found it)."""
+    with contextlib.suppress(FileNotFoundError), requests.open("rb") as asked:
         ids = (orjson.loads(raw)["custom_id"] for raw in asked)
         return b"".join(orjson.dumps({"custom_id": i, "result": _unrun(status)}) + b"\n" for i in ids if i not in seen)
+    return None
