@@ -3,8 +3,8 @@
 A remote backend (`engine.types.Generator`): requests are forwarded as validated, with `model`
 renamed to the upstream's name, and its answer (a whole JSON body, or SSE chunks as they come,
 decoded from any `Content-Encoding`; embeddings' vectors) is read into typed outputs, as the
-engine's. An answer the gateway cannot take as the engine's (a choice's index outside the n asked
-for, a negative count, vectors that are not one per input) is a 502.
+engine's. An answer the gateway cannot take as the engine's (not one choice for each of the n asked
+for, a negative count, a chat logprob that is no number, vectors not one per input) is a 502.
 
 One aiohttp session per upstream, made on first use (in the serving loop), its pool sized by the
 model's `max_connections`, every connection kept alive between requests for `KEEP_ALIVE_S` (under
@@ -163,10 +163,12 @@ class Upstream:
         async with self._request(forward.path, forward.payload) as (response, span):
             if not stream:
                 try:
-                    answer = orjson.loads(await self._body(response))
-                except orjson.JSONDecodeError:
-                    raise self._failed(BadGateway, "an answer that is not JSON") from None
-                yield self._checked(_output(answer, whole=True), n)
+                    output = self._checked(_output(orjson.loads(await self._body(response)), whole=True), n)
+                except ValueError:  # orjson's JSONDecodeError among them
+                    raise self._failed(BadGateway, "an answer that is not JSON, or not its API's") from None
+                if sorted(delta.index for delta in output.choices) != list(range(n)):
+                    raise self._failed(BadGateway, "not one choice for each of the n asked for")
+                yield output
                 return
             try:
                 async for event in sse_wire.split(response.content.iter_any()):
@@ -175,7 +177,7 @@ class Upstream:
                             raise self._failed(BackendUnavailable, "mid-stream: an error event, or data that is not JSON")
                         if isinstance(chunk, dict):
                             yield self._checked(_output(chunk, whole=False), n)
-            except FAILURES as exc:
+            except (*FAILURES, ValueError) as exc:  # ValueError: a chunk that is not its API's
                 if span is not None:
                     _failed_span(span, exc)
                 raise self._failed(BackendUnavailable, f"mid-stream: {type(exc).__name__}: {exc}") from exc
@@ -282,9 +284,10 @@ def _output(data: Any, whole: bool) -> GenerationOutput:
     """A whole answer, or one chunk of a stream, typed as the engine's outputs are: a chat choice's
     content, reasoning and tool calls (parsed by the upstream), a completion's text, their logprobs,
     the finish reasons, the usage."""
-    data = data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        raise ValueError("an answer that is not a JSON object")
     choices = [_delta(raw, whole) for raw in data.get("choices") or () if isinstance(raw, dict)]
-    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    usage = data["usage"] if isinstance(data.get("usage"), dict) else {}
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else 0
     completion = usage.get("completion_tokens")
@@ -303,9 +306,11 @@ def _delta(raw: dict[str, Any], whole: bool) -> ChoiceDelta:
     calls = tuple(_call(call, i) for i, call in enumerate(body.get("tool_calls") or ()) if isinstance(call, dict))
     logprobs = raw.get("logprobs")
     entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if isinstance(entries, list) and not all(isinstance(e, dict) and isinstance(e.get("logprob"), int | float) for e in entries):
+        raise ValueError("a chat logprob that is not a number")  # OpenAI's always is (ours are typed so)
     return ChoiceDelta(index, text, _ids(text or reasoning or calls), finish, reasoning=reasoning, tool_calls=calls,
                        logprobs=None if not isinstance(entries, list) else tuple(
-                           _logprob(e.get("token"), e.get("logprob"), e.get("top_logprobs")) for e in entries if isinstance(e, dict)))
+                           _logprob(e.get("token"), e.get("logprob"), e.get("top_logprobs")) for e in entries))
 
 
 def _ids(output: object) -> tuple[int, ...]:

@@ -198,23 +198,48 @@ def test_an_answer_that_cannot_be_read_is_not_passed_on(upstream, stream: bool) 
     assert "not json" not in answer.text
 
 
-def _answer(index: int, usage: dict[str, int] | None = None) -> dict[str, object]:
-    choice = {"index": index, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}
+def _answer(index: int, usage: dict[str, int] | None = None, **choice: object) -> dict[str, object]:
+    choice = {"index": index, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop", **choice}
     return {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [choice],
             "usage": usage or {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
 
-@pytest.mark.parametrize(("index", "usage"), [(-1, None), (1, None), (0, {"prompt_tokens": -3, "completion_tokens": 1}),
-                                              (0, {"prompt_tokens": 1, "completion_tokens": -1})],
-                         ids=["negative index", "index past n", "negative prompt", "negative completion"])
-def test_an_answer_the_gateway_cannot_take_is_a_502(upstream, index: int, usage: dict[str, int] | None) -> None:
-    """A choice outside the n asked for, or a negative count: not an IndexError, a wrong slot, or a charge refunded."""
+UNTAKEN = [  # (what the upstream answered a request for one choice with logprobs)
+    ("negative index", _answer(-1)),
+    ("index past n", _answer(1)),
+    ("negative prompt", _answer(0, {"prompt_tokens": -3, "completion_tokens": 1})),
+    ("negative completion", _answer(0, {"prompt_tokens": 1, "completion_tokens": -1})),
+    ("no choices", {**_answer(0), "choices": []}),
+    ("a choice twice", {**_answer(0), "choices": _answer(0)["choices"] * 2}),  # type: ignore[operator]
+    ("not an object", [_answer(0)]),
+    ("a logprob not a number", _answer(0, logprobs={"content": [{"token": "Hi", "logprob": None, "top_logprobs": []}]})),
+]
+
+
+@pytest.mark.parametrize("body", [body for _, body in UNTAKEN], ids=[name for name, _ in UNTAKEN])
+def test_an_answer_the_gateway_cannot_take_is_a_502(upstream, body: object) -> None:
+    """A choice outside the n asked for (or missing, or twice), a negative count, a logprob that is
+    no number: not an IndexError, a wrong slot, a charge refunded, an empty 200, or a 400 that blames
+    the client for the upstream's answer."""
     client, script = upstream
-    script[0] = lambda request: httpx.Response(200, json=_answer(index, usage))
-    answer = client.post("/v1/chat/completions", json=chat_body("lonely"))
+    script[0] = lambda request: httpx.Response(200, json=body)
+    answer = client.post("/v1/chat/completions", json=chat_body("lonely", logprobs=True))
     assert answer.status_code == 502
     assert answer.json()["error"]["code"] == "bad_gateway"
     assert client.post("/v1/chat/completions", json=chat_body("remote")).headers["x-served-model"] == "local"
+
+
+def test_a_streamed_logprob_that_is_not_a_number_is_the_upstreams_failure(upstream) -> None:
+    """Not a 400 that blames the client: before the first byte a 503 (its fallbacks may answer), as
+    an event that cannot be read."""
+    client, script = upstream
+    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"content": "Hi"}, "logprobs": {"content": [{"token": "Hi", "logprob": "x"}]}}]}
+    content = b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n"
+    script[0] = lambda request: httpx.Response(200, content=content, headers={"content-type": "text/event-stream"})
+    answer = client.post("/v1/chat/completions", json=chat_body("lonely", stream=True, logprobs=True))
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "service_unavailable"
 
 
 def test_a_refusal_is_passed_on_only_so_far(upstream) -> None:
