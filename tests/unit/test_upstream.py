@@ -249,3 +249,24 @@ def test_a_refusal_is_passed_on_only_so_far(upstream) -> None:
     answer = client.post("/v1/chat/completions", json=chat_body("remote"))
     assert answer.status_code == 400
     assert 0 < len(answer.json()["error"]["message"]) <= 64 * 1024
+
+
+BEYOND_64_BITS = [  # a free-form field of a chat request (JSON's numbers have no bound) with an integer orjson cannot write
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"maxLength": 2**70}}}]}),
+    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"maximum": 2**70}}}}),
+    ("tool_choice", {"tool_choice": {"type": "function", "function": {"name": "f"}, "x": -(2**70)}}),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u", "w": 2**70}}]}]}),
+]
+
+
+@pytest.mark.parametrize(("param", "fields"), BEYOND_64_BITS, ids=[param for param, _ in BEYOND_64_BITS])
+def test_an_integer_beyond_64_bits_is_refused_before_the_upstream(upstream, param: str, fields: dict[str, object]) -> None:
+    """Not a 500 from the JSON writer: a 400 naming the field, and the upstream never asked."""
+    client, script = upstream
+    asked: list[object] = []
+    script[0] = lambda request: asked.append(request) or httpx.Response(200, json=_answer(0))
+    body = json.dumps(chat_body("lonely", **fields))  # the stdlib writes any integer
+    answer = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+    assert asked == []
