@@ -5,6 +5,7 @@ undone, and a stream it breaks ends with one error event."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 from collections.abc import AsyncIterator, Iterator
@@ -270,3 +271,32 @@ def test_an_integer_beyond_64_bits_is_refused_before_the_upstream(upstream, para
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param
     assert asked == []
+
+
+class Endless(httpx.AsyncByteStream):
+    """One event that never ends (no blank line), `most` bytes of it, then nothing more."""
+
+    def __init__(self, most: int) -> None:
+        self.most, self.sent_all = most, False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b"data: " + b"x" * 65530
+        for _ in range(self.most // 65536):
+            yield b"x" * 65536
+            await asyncio.sleep(0)  # a server that hears its client hang up (writes to a closed socket are dropped)
+        self.sent_all = True
+        await asyncio.Event().wait()  # until the gateway hangs up (at its read timeout, if nothing else)
+
+
+def test_an_event_past_its_bound_ends_the_upstreams_request(tmp_path: Path) -> None:
+    """An upstream's event is held whole until it ends: one that does not is not read without
+    bound (memory, and a re-scan of all of it at each piece); the gateway hangs up and answers 503."""
+    endless = Endless(64 << 20)
+    with scripted(lambda request: httpx.Response(200, stream=endless, headers={"content-type": "text/event-stream"})) as base:
+        models = tmp_path / "models.yaml"
+        models.write_text(f"models: [{{name: far, kind: remote, url: '{base}/v1', timeout_s: 2}}]")
+        app = create_app(fake_settings(models_file=models), engine_starter=lambda es: FakeEngine(es.served_model_name))
+        with TestClient(app, raise_server_exceptions=False) as client:
+            answer = client.post("/v1/chat/completions", json=chat_body("far", stream=True))
+    assert answer.status_code == 503
+    assert not endless.sent_all
