@@ -245,11 +245,13 @@ class Upstream:
         if status in PASSED_ON:
             raise Refused(status, await _start(response, REFUSAL_BYTES))
         if status != 200:
-            excerpt = (await _start(response, LOGGED_BYTES)).decode("utf-8", "replace")
-            if not self._log_bodies:
-                excerpt = _error_kind(excerpt)
             kind = BackendUnavailable if status in UNAVAILABLE else BadGateway
-            raise self._failed(kind, f"answered {status}: {excerpt}")
+            raise self._failed(kind, f"answered {status}: {await self._excerpt(response)}")
+
+    async def _excerpt(self, response: aiohttp.ClientResponse) -> str:
+        """An error body's start, for the log: its text only with log_prompts (it may echo the request, or our key)."""
+        excerpt = (await _start(response, LOGGED_BYTES)).decode("utf-8", "replace")
+        return excerpt if self._log_bodies else _error_kind(excerpt)
 
     async def _body(self, response: aiohttp.ClientResponse) -> bytes:
         try:
@@ -267,7 +269,7 @@ class Upstream:
         try:
             async with self.session.get(self._url("/models"), timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
                 status = response.status
-                text = "" if status == 200 else (await _start(response, LOGGED_BYTES)).decode("utf-8", "replace")
+                text = "" if status == 200 else await self._excerpt(response)
         except FAILURES as exc:
             log.warning("upstream_unhealthy", model=self.name, why=f"{type(exc).__name__}: {exc}")
             raise EngineUnavailable("upstream unreachable") from exc

@@ -118,12 +118,16 @@ def test_the_clients_own_mistake_is_passed_on(upstream) -> None:
 
 
 def test_ready_shows_no_upstream_text(upstream) -> None:
+    """Nor does its log, as a failed request's (`upstream_failed`): what a refusal of our key says may spell it."""
     client, script = upstream
-    script[0] = lambda request: httpx.Response(401, text=SECRET_TEXT)
-    ready = client.get("/ready")
+    script[0] = lambda request: httpx.Response(401, json={"error": {"message": SECRET_TEXT, "type": "auth"}})
+    with structlog.testing.capture_logs() as logs:
+        ready = client.get("/ready")
     assert ready.status_code == 503
     assert ready.json()["models"]["lonely"] == "unavailable: upstream answered 401"
     assert SECRET_TEXT not in ready.text
+    unhealthy = [str(entry["why"]) for entry in logs if entry["event"] == "upstream_unhealthy"]
+    assert set(unhealthy) == {"answered 401: type auth"}
 
 
 def test_a_compressed_stream_reaches_the_client_decoded(upstream) -> None:
