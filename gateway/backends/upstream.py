@@ -163,12 +163,10 @@ class Upstream:
         async with self._request(forward.path, forward.payload) as (response, span):
             if not stream:
                 try:
-                    output = self._checked(_output(orjson.loads(await self._body(response)), whole=True), n)
+                    output = _output(orjson.loads(await self._body(response)), whole=True)
                 except ValueError:  # orjson's JSONDecodeError among them
                     raise self._failed(BadGateway, "an answer that is not JSON, or not its API's") from None
-                if sorted(delta.index for delta in output.choices) != list(range(n)):
-                    raise self._failed(BadGateway, "not one choice for each of the n asked for")
-                yield output
+                yield self._checked(output, n, whole=True)
                 return
             try:
                 async for event in sse_wire.split(response.content.iter_any()):
@@ -182,10 +180,11 @@ class Upstream:
                     _failed_span(span, exc)
                 raise self._failed(BackendUnavailable, f"mid-stream: {type(exc).__name__}: {exc}") from exc
 
-    def _checked(self, output: GenerationOutput, n: int) -> GenerationOutput:
-        """An output whose choices are among the n asked for and whose counts are not negative, or a 502."""
-        if any(not 0 <= delta.index < n for delta in output.choices):
-            raise self._failed(BadGateway, f"a choice's index outside 0..{n - 1}")
+    def _checked(self, output: GenerationOutput, n: int, whole: bool = False) -> GenerationOutput:
+        """The output if its choices are among the n asked for (a whole answer's: each once), no count negative; else a 502."""
+        indexes = [delta.index for delta in output.choices]
+        if (sorted(indexes) != list(range(n))) if whole else any(not 0 <= index < n for index in indexes):
+            raise self._failed(BadGateway, f"not its choices among 0..{n - 1} (a whole answer's each once)")
         if min(output.prompt_tokens, output.cached_tokens, output.completion_tokens or 0) < 0:
             raise self._failed(BadGateway, "a negative token count in its usage")
         return output
