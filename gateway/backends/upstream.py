@@ -38,6 +38,7 @@ when it reports one, is the count that stays.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -135,7 +136,7 @@ class Upstream:
                                               sock_read=timeout_s)
         self._max_connections = max_connections
         self._proxy, self._proxy_auth = _env_proxy(self._base)  # HTTP(S)_PROXY and NO_PROXY, read once (as httpx did)
-        self._urls: dict[str, URL] = {}  # path → URL, built once
+        self._url = functools.cache(lambda path: URL(self._base + path))  # path → URL, built once
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -147,12 +148,6 @@ class Upstream:
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers,
                                                   proxy=self._proxy, proxy_auth=self._proxy_auth)
         return self._session
-
-    def _url(self, path: str) -> URL:
-        url = self._urls.get(path)
-        if url is None:
-            url = self._urls[path] = URL(self._base + path)
-        return url
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         """The generation `request.forward` asks for, its answer read as typed outputs (a stream's
@@ -168,17 +163,21 @@ class Upstream:
                     raise self._failed(BadGateway, "an answer that is not JSON, or not its API's") from None
                 yield self._checked(output, n, whole=True)
                 return
+            read = False  # a chunk: a stream has one at least (an upstream that ignored `stream` has none)
             try:
                 async for event in sse_wire.split(response.content.iter_any()):
                     for chunk in sse_wire.payloads(event):
                         if chunk == sse_wire.UNREADABLE or (isinstance(chunk, dict) and "error" in chunk):
                             raise self._failed(BackendUnavailable, "mid-stream: an error event, or data that is not JSON")
                         if isinstance(chunk, dict):
+                            read = True
                             yield self._checked(_output(chunk, whole=False), n)
             except (*FAILURES, ValueError) as exc:  # ValueError: a chunk that is not its API's
                 if span is not None:
                     _failed_span(span, exc)
                 raise self._failed(BackendUnavailable, f"mid-stream: {type(exc).__name__}: {exc}") from exc
+            if not read:
+                raise self._failed(BadGateway, "a stream without a chunk")
 
     def _checked(self, output: GenerationOutput, n: int, whole: bool = False) -> GenerationOutput:
         """The output if its choices are among the n asked for (a whole answer's: each once), no count negative; else a 502."""

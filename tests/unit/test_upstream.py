@@ -304,3 +304,17 @@ def test_an_event_past_its_bound_ends_the_upstreams_request(tmp_path: Path) -> N
             answer = client.post("/v1/chat/completions", json=chat_body("far", stream=True))
     assert answer.status_code == 503
     assert not endless.sent_all
+
+
+@pytest.mark.parametrize("content", [json.dumps(_answer(0)).encode(), b"", b": keep-alive\n\ndata: [DONE]\n\n"],
+                         ids=["a whole answer", "nothing", "no chunk"])
+def test_a_stream_without_a_chunk_is_a_502_and_falls_back(upstream, content: bytes) -> None:
+    """An upstream that answers a stream with no chunk at all (one that ignored `stream`, or said
+    nothing) did not answer: not an empty 200 stream."""
+    client, script = upstream
+    script[0] = lambda request: httpx.Response(200, content=content, headers={"content-type": "application/json"})
+    alone = client.post("/v1/chat/completions", json=chat_body("lonely", stream=True))
+    assert alone.status_code == 502
+    assert alone.json()["error"]["code"] == "bad_gateway"
+    rescued = client.post("/v1/chat/completions", json=chat_body("remote", stream=True))
+    assert rescued.headers["x-served-model"] == "local"
