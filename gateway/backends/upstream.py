@@ -3,8 +3,8 @@
 A remote backend (`engine.types.Generator`): requests are forwarded as validated, with `model`
 renamed to the upstream's name, and its answer (a whole JSON body, or SSE chunks as they come,
 decoded from any `Content-Encoding`; embeddings' vectors) is read into typed outputs, as the
-engine's. An answer the gateway cannot take as the engine's (a choice's index outside the n asked
-for, a negative count, vectors that are not one per input) is a 502.
+engine's. An answer the gateway cannot take as the engine's (not one choice for each of the n asked
+for, a negative count, a chat logprob that is no number, vectors not one per input) is a 502.
 
 One aiohttp session per upstream, made on first use (in the serving loop), its pool sized by the
 model's `max_connections`, every connection kept alive between requests for `KEEP_ALIVE_S` (under
@@ -38,6 +38,7 @@ when it reports one, is the count that stays.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -135,7 +136,7 @@ class Upstream:
                                               sock_read=timeout_s)
         self._max_connections = max_connections
         self._proxy, self._proxy_auth = _env_proxy(self._base)  # HTTP(S)_PROXY and NO_PROXY, read once (as httpx did)
-        self._urls: dict[str, URL] = {}  # path → URL, built once
+        self._url = functools.cache(lambda path: URL(self._base + path))  # path → URL, built once
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -148,12 +149,6 @@ class Upstream:
                                                   proxy=self._proxy, proxy_auth=self._proxy_auth)
         return self._session
 
-    def _url(self, path: str) -> URL:
-        url = self._urls.get(path)
-        if url is None:
-            url = self._urls[path] = URL(self._base + path)
-        return url
-
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         """The generation `request.forward` asks for, its answer read as typed outputs (a stream's
         chunk by chunk; a whole answer as one output); closing it early ends the upstream's request."""
@@ -163,27 +158,32 @@ class Upstream:
         async with self._request(forward.path, forward.payload) as (response, span):
             if not stream:
                 try:
-                    answer = orjson.loads(await self._body(response))
-                except orjson.JSONDecodeError:
-                    raise self._failed(BadGateway, "an answer that is not JSON") from None
-                yield self._checked(_output(answer, whole=True), n)
+                    output = _output(orjson.loads(await self._body(response)), whole=True)
+                except ValueError:  # orjson's JSONDecodeError among them
+                    raise self._failed(BadGateway, "an answer that is not JSON, or not its API's") from None
+                yield self._checked(output, n, whole=True)
                 return
+            read = False  # a chunk: a stream has one at least (an upstream that ignored `stream` has none)
             try:
                 async for event in sse_wire.split(response.content.iter_any()):
                     for chunk in sse_wire.payloads(event):
                         if chunk == sse_wire.UNREADABLE or (isinstance(chunk, dict) and "error" in chunk):
                             raise self._failed(BackendUnavailable, "mid-stream: an error event, or data that is not JSON")
                         if isinstance(chunk, dict):
+                            read = True
                             yield self._checked(_output(chunk, whole=False), n)
-            except FAILURES as exc:
+            except (*FAILURES, ValueError) as exc:  # ValueError: a chunk that is not its API's
                 if span is not None:
                     _failed_span(span, exc)
                 raise self._failed(BackendUnavailable, f"mid-stream: {type(exc).__name__}: {exc}") from exc
+            if not read:
+                raise self._failed(BadGateway, "a stream without a chunk")
 
-    def _checked(self, output: GenerationOutput, n: int) -> GenerationOutput:
-        """An output whose choices are among the n asked for and whose counts are not negative, or a 502."""
-        if any(not 0 <= delta.index < n for delta in output.choices):
-            raise self._failed(BadGateway, f"a choice's index outside 0..{n - 1}")
+    def _checked(self, output: GenerationOutput, n: int, whole: bool = False) -> GenerationOutput:
+        """The output if its choices are among the n asked for (a whole answer's: each once), no count negative; else a 502."""
+        indexes = [delta.index for delta in output.choices]
+        if (sorted(indexes) != list(range(n))) if whole else any(not 0 <= index < n for index in indexes):
+            raise self._failed(BadGateway, f"not its choices among 0..{n - 1} (a whole answer's each once)")
         if min(output.prompt_tokens, output.cached_tokens, output.completion_tokens or 0) < 0:
             raise self._failed(BadGateway, "a negative token count in its usage")
         return output
@@ -243,11 +243,13 @@ class Upstream:
         if status in PASSED_ON:
             raise Refused(status, await _start(response, REFUSAL_BYTES))
         if status != 200:
-            excerpt = (await _start(response, LOGGED_BYTES)).decode("utf-8", "replace")
-            if not self._log_bodies:
-                excerpt = _error_kind(excerpt)
             kind = BackendUnavailable if status in UNAVAILABLE else BadGateway
-            raise self._failed(kind, f"answered {status}: {excerpt}")
+            raise self._failed(kind, f"answered {status}: {await self._excerpt(response)}")
+
+    async def _excerpt(self, response: aiohttp.ClientResponse) -> str:
+        """An error body's start, for the log: its text only with log_prompts (it may echo the request, or our key)."""
+        excerpt = (await _start(response, LOGGED_BYTES)).decode("utf-8", "replace")
+        return excerpt if self._log_bodies else _error_kind(excerpt)
 
     async def _body(self, response: aiohttp.ClientResponse) -> bytes:
         try:
@@ -265,7 +267,7 @@ class Upstream:
         try:
             async with self.session.get(self._url("/models"), timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
                 status = response.status
-                text = "" if status == 200 else (await _start(response, LOGGED_BYTES)).decode("utf-8", "replace")
+                text = "" if status == 200 else await self._excerpt(response)
         except FAILURES as exc:
             log.warning("upstream_unhealthy", model=self.name, why=f"{type(exc).__name__}: {exc}")
             raise EngineUnavailable("upstream unreachable") from exc
@@ -282,9 +284,10 @@ def _output(data: Any, whole: bool) -> GenerationOutput:
     """A whole answer, or one chunk of a stream, typed as the engine's outputs are: a chat choice's
     content, reasoning and tool calls (parsed by the upstream), a completion's text, their logprobs,
     the finish reasons, the usage."""
-    data = data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        raise ValueError("an answer that is not a JSON object")
     choices = [_delta(raw, whole) for raw in data.get("choices") or () if isinstance(raw, dict)]
-    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    usage = data["usage"] if isinstance(data.get("usage"), dict) else {}
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else 0
     completion = usage.get("completion_tokens")
@@ -303,9 +306,11 @@ def _delta(raw: dict[str, Any], whole: bool) -> ChoiceDelta:
     calls = tuple(_call(call, i) for i, call in enumerate(body.get("tool_calls") or ()) if isinstance(call, dict))
     logprobs = raw.get("logprobs")
     entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if isinstance(entries, list) and not all(isinstance(e, dict) and isinstance(e.get("logprob"), int | float) for e in entries):
+        raise ValueError("a chat logprob that is not a number")  # OpenAI's always is (ours are typed so)
     return ChoiceDelta(index, text, _ids(text or reasoning or calls), finish, reasoning=reasoning, tool_calls=calls,
                        logprobs=None if not isinstance(entries, list) else tuple(
-                           _logprob(e.get("token"), e.get("logprob"), e.get("top_logprobs")) for e in entries if isinstance(e, dict)))
+                           _logprob(e.get("token"), e.get("logprob"), e.get("top_logprobs")) for e in entries))
 
 
 def _ids(output: object) -> tuple[int, ...]:

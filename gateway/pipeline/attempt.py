@@ -24,6 +24,7 @@ from gateway.pipeline.disconnect import unless_gone
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.serving import offload, structured
+from gateway.serving.generation import check_schema_numbers
 from gateway.serving.meter import Readings
 from gateway.serving.service import AnswerT, Forwards, OnDone, PreparedT, RequestT, Service, check_task
 from gateway.serving.structured import Constraint
@@ -232,6 +233,8 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             body = await offload.by_size(self.context.body_bytes, guarded, self.body, self.guard)
         self.context.release_body()
         payload = body.model_dump(mode="json", by_alias=True, exclude_unset=True)
+        for key in ("messages", "tools", "tool_choice", "response_format"):  # free-form JSON: what orjson can write
+            check_schema_numbers(payload.get(key), key)
         chat, most = isinstance(self.body, ChatCompletionRequest), self.state.settings.max_output_tokens_per_request
         payload = with_defaults(payload, backend.defaults, chat, self.state.settings.default_max_tokens)
         payload = self.scheduled.forwarded(payload)

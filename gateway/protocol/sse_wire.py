@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from gateway.errors import Dialect
 
 DONE = b"data: [DONE]\n\n"
+EVENT_BYTES = 4 << 20  # one event of an upstream's stream: one chunk of an answer, far smaller
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +54,14 @@ def error_frame(body: dict[str, Any], framing: Framing) -> bytes:
 
 async def split(chunks: AsyncIterable[bytes]) -> AsyncGenerator[bytes, None]:
     """A byte stream's events as they complete, each one block of lines without the blank line
-    that ends it (an event cut short by the stream's end is passed on; empty ones are not)."""
+    that ends it (an event cut short by the stream's end is passed on; empty ones are not; one
+    that grows past `EVENT_BYTES` is a ValueError: held whole, it is not read without bound)."""
     pending = b""
     async for chunk in chunks:
         pending = (pending + chunk).replace(b"\r\n", b"\n")
         *complete, pending = pending.split(b"\n\n")
+        if len(pending) > EVENT_BYTES:
+            raise ValueError(f"an event past {EVENT_BYTES} bytes")
         for event in complete:
             if event.strip():
                 yield event

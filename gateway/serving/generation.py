@@ -149,8 +149,8 @@ def check_sampling(request: SamplingFields, engine: Engine, max_tokens: int) -> 
 
 
 def check_schema_numbers(schema: object, param: str) -> None:
-    """A schema for constrained output goes to the engine, whose wire format (msgpack) takes
-    integers from -2**63 to 2**64 - 1 only: a larger one in the schema is the request's fault (400)."""
+    """Free-form JSON of a request (a schema for constrained output, a remote model's tools) goes to msgpack (the
+    engine) or orjson (an upstream): integers from -2**63 to 2**64 - 1 only; a larger one is the request's fault (400)."""
     stack = [schema]
     while stack:
         value = stack.pop()
@@ -159,7 +159,7 @@ def check_schema_numbers(schema: object, param: str) -> None:
         elif isinstance(value, list):
             stack.extend(value)
         elif isinstance(value, int) and not -(2**63) <= value < 2**64:
-            raise InvalidRequest(f"{param} holds an integer beyond 64 bits, which the engine cannot take", param)
+            raise InvalidRequest(f"{param} holds an integer beyond 64 bits, which the model cannot take", param)
 
 
 @dataclass(slots=True)

@@ -264,6 +264,7 @@ def test_responses_are_scoped_by_api_key(engine: FakeEngine) -> None:
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
     ({"input": "hi", "max_output_tokens": 8}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 2**63}, "max_output_tokens"),  # not chat's max_completion_tokens
     ({"input": "hi", "temperature": 3}, "temperature"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0"),

@@ -5,6 +5,7 @@ undone, and a stream it breaks ends with one error event."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 from collections.abc import AsyncIterator, Iterator
@@ -117,12 +118,16 @@ def test_the_clients_own_mistake_is_passed_on(upstream) -> None:
 
 
 def test_ready_shows_no_upstream_text(upstream) -> None:
+    """Nor does its log, as a failed request's (`upstream_failed`): what a refusal of our key says may spell it."""
     client, script = upstream
-    script[0] = lambda request: httpx.Response(401, text=SECRET_TEXT)
-    ready = client.get("/ready")
+    script[0] = lambda request: httpx.Response(401, json={"error": {"message": SECRET_TEXT, "type": "auth"}})
+    with structlog.testing.capture_logs() as logs:
+        ready = client.get("/ready")
     assert ready.status_code == 503
     assert ready.json()["models"]["lonely"] == "unavailable: upstream answered 401"
     assert SECRET_TEXT not in ready.text
+    unhealthy = [str(entry["why"]) for entry in logs if entry["event"] == "upstream_unhealthy"]
+    assert set(unhealthy) == {"answered 401: type auth"}
 
 
 def test_a_compressed_stream_reaches_the_client_decoded(upstream) -> None:
@@ -198,23 +203,48 @@ def test_an_answer_that_cannot_be_read_is_not_passed_on(upstream, stream: bool) 
     assert "not json" not in answer.text
 
 
-def _answer(index: int, usage: dict[str, int] | None = None) -> dict[str, object]:
-    choice = {"index": index, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}
+def _answer(index: int, usage: dict[str, int] | None = None, **choice: object) -> dict[str, object]:
+    choice = {"index": index, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop", **choice}
     return {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [choice],
             "usage": usage or {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
 
-@pytest.mark.parametrize(("index", "usage"), [(-1, None), (1, None), (0, {"prompt_tokens": -3, "completion_tokens": 1}),
-                                              (0, {"prompt_tokens": 1, "completion_tokens": -1})],
-                         ids=["negative index", "index past n", "negative prompt", "negative completion"])
-def test_an_answer_the_gateway_cannot_take_is_a_502(upstream, index: int, usage: dict[str, int] | None) -> None:
-    """A choice outside the n asked for, or a negative count: not an IndexError, a wrong slot, or a charge refunded."""
+UNTAKEN = [  # (what the upstream answered a request for one choice with logprobs)
+    ("negative index", _answer(-1)),
+    ("index past n", _answer(1)),
+    ("negative prompt", _answer(0, {"prompt_tokens": -3, "completion_tokens": 1})),
+    ("negative completion", _answer(0, {"prompt_tokens": 1, "completion_tokens": -1})),
+    ("no choices", {**_answer(0), "choices": []}),
+    ("a choice twice", {**_answer(0), "choices": _answer(0)["choices"] * 2}),  # type: ignore[operator]
+    ("not an object", [_answer(0)]),
+    ("a logprob not a number", _answer(0, logprobs={"content": [{"token": "Hi", "logprob": None, "top_logprobs": []}]})),
+]
+
+
+@pytest.mark.parametrize("body", [body for _, body in UNTAKEN], ids=[name for name, _ in UNTAKEN])
+def test_an_answer_the_gateway_cannot_take_is_a_502(upstream, body: object) -> None:
+    """A choice outside the n asked for (or missing, or twice), a negative count, a logprob that is
+    no number: not an IndexError, a wrong slot, a charge refunded, an empty 200, or a 400 that blames
+    the client for the upstream's answer."""
     client, script = upstream
-    script[0] = lambda request: httpx.Response(200, json=_answer(index, usage))
-    answer = client.post("/v1/chat/completions", json=chat_body("lonely"))
+    script[0] = lambda request: httpx.Response(200, json=body)
+    answer = client.post("/v1/chat/completions", json=chat_body("lonely", logprobs=True))
     assert answer.status_code == 502
     assert answer.json()["error"]["code"] == "bad_gateway"
     assert client.post("/v1/chat/completions", json=chat_body("remote")).headers["x-served-model"] == "local"
+
+
+def test_a_streamed_logprob_that_is_not_a_number_is_the_upstreams_failure(upstream) -> None:
+    """Not a 400 that blames the client: before the first byte a 503 (its fallbacks may answer), as
+    an event that cannot be read."""
+    client, script = upstream
+    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"content": "Hi"}, "logprobs": {"content": [{"token": "Hi", "logprob": "x"}]}}]}
+    content = b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n"
+    script[0] = lambda request: httpx.Response(200, content=content, headers={"content-type": "text/event-stream"})
+    answer = client.post("/v1/chat/completions", json=chat_body("lonely", stream=True, logprobs=True))
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "service_unavailable"
 
 
 def test_a_refusal_is_passed_on_only_so_far(upstream) -> None:
@@ -224,3 +254,67 @@ def test_a_refusal_is_passed_on_only_so_far(upstream) -> None:
     answer = client.post("/v1/chat/completions", json=chat_body("remote"))
     assert answer.status_code == 400
     assert 0 < len(answer.json()["error"]["message"]) <= 64 * 1024
+
+
+BEYOND_64_BITS = [  # a free-form field of a chat request (JSON's numbers have no bound) with an integer orjson cannot write
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"maxLength": 2**70}}}]}),
+    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"maximum": 2**70}}}}),
+    ("tool_choice", {"tool_choice": {"type": "function", "function": {"name": "f"}, "x": -(2**70)}}),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u", "w": 2**70}}]}]}),
+]
+
+
+@pytest.mark.parametrize(("param", "fields"), BEYOND_64_BITS, ids=[param for param, _ in BEYOND_64_BITS])
+def test_an_integer_beyond_64_bits_is_refused_before_the_upstream(upstream, param: str, fields: dict[str, object]) -> None:
+    """Not a 500 from the JSON writer: a 400 naming the field, and the upstream never asked."""
+    client, script = upstream
+    asked: list[object] = []
+    script[0] = lambda request: asked.append(request) or httpx.Response(200, json=_answer(0))
+    body = json.dumps(chat_body("lonely", **fields))  # the stdlib writes any integer
+    answer = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+    assert asked == []
+
+
+class Endless(httpx.AsyncByteStream):
+    """One event that never ends (no blank line), `most` bytes of it, then nothing more."""
+
+    def __init__(self, most: int) -> None:
+        self.most, self.sent_all = most, False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b"data: " + b"x" * 65530
+        for _ in range(self.most // 65536):
+            yield b"x" * 65536
+            await asyncio.sleep(0)  # a server that hears its client hang up (writes to a closed socket are dropped)
+        self.sent_all = True
+        await asyncio.Event().wait()  # until the gateway hangs up (at its read timeout, if nothing else)
+
+
+def test_an_event_past_its_bound_ends_the_upstreams_request(tmp_path: Path) -> None:
+    """An upstream's event is held whole until it ends: one that does not is not read without
+    bound (memory, and a re-scan of all of it at each piece); the gateway hangs up and answers 503."""
+    endless = Endless(64 << 20)
+    with scripted(lambda request: httpx.Response(200, stream=endless, headers={"content-type": "text/event-stream"})) as base:
+        models = tmp_path / "models.yaml"
+        models.write_text(f"models: [{{name: far, kind: remote, url: '{base}/v1', timeout_s: 2}}]")
+        app = create_app(fake_settings(models_file=models), engine_starter=lambda es: FakeEngine(es.served_model_name))
+        with TestClient(app, raise_server_exceptions=False) as client:
+            answer = client.post("/v1/chat/completions", json=chat_body("far", stream=True))
+    assert answer.status_code == 503
+    assert not endless.sent_all
+
+
+@pytest.mark.parametrize("content", [json.dumps(_answer(0)).encode(), b"", b": keep-alive\n\ndata: [DONE]\n\n"],
+                         ids=["a whole answer", "nothing", "no chunk"])
+def test_a_stream_without_a_chunk_is_a_502_and_falls_back(upstream, content: bytes) -> None:
+    """An upstream that answers a stream with no chunk at all (one that ignored `stream`, or said
+    nothing) did not answer: not an empty 200 stream."""
+    client, script = upstream
+    script[0] = lambda request: httpx.Response(200, content=content, headers={"content-type": "application/json"})
+    alone = client.post("/v1/chat/completions", json=chat_body("lonely", stream=True))
+    assert alone.status_code == 502
+    assert alone.json()["error"]["code"] == "bad_gateway"
+    rescued = client.post("/v1/chat/completions", json=chat_body("remote", stream=True))
+    assert rescued.headers["x-served-model"] == "local"

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from gateway.protocol.openai import _Request
+from gateway.protocol.openai import INT64_MAX, _Request
 from gateway.protocol.response_objects import (
     FunctionToolCall,
     Item,
@@ -124,7 +124,7 @@ class ResponsesRequest(_Request):
     input: list[InputItem] | str | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
-    max_output_tokens: Annotated[int, Field(ge=16)] | None = None
+    max_output_tokens: Annotated[int, Field(ge=16, le=INT64_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     text: TextConfig | None = None
