@@ -236,7 +236,8 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         for key in ("messages", "tools", "tool_choice", "response_format"):  # free-form JSON: what orjson can write
             check_schema_numbers(payload.get(key), key)
         chat, most = isinstance(self.body, ChatCompletionRequest), self.state.settings.max_output_tokens_per_request
-        payload = with_defaults(payload, backend.defaults, chat, self.state.settings.default_max_tokens)
+        # silent on max_tokens with no default: asked for its share of the bound, which a whole answer is held to too
+        payload = with_defaults(payload, backend.defaults, chat, self.state.settings.default_max_tokens or per_choice(payload, most))
         payload = self.scheduled.forwarded(payload)
         if payload.get("stream"):  # its usage, to settle the charge with: the client gets it only if it asked
             payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}

@@ -368,7 +368,8 @@ def test_a_request_silent_on_max_tokens_runs_with_the_default(side: Side) -> Non
 
 
 def test_a_remote_stream_without_a_budget_is_cut_at_the_gateways_bound(side: Side) -> None:
-    """Nothing to forward (no default): the upstream is asked for no budget, and cut past its share."""
+    """Nothing to forward (no default): the upstream is asked for its share of the bound, and cut past it
+    (this one goes on regardless)."""
     if side.model != "far":
         pytest.skip("the engine's budget is what the context leaves, checked before it starts")
     side.script.endless = True
@@ -376,7 +377,7 @@ def test_a_remote_stream_without_a_budget_is_cut_at_the_gateways_bound(side: Sid
         body = {"model": side.model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
         answer = client.post("/v1/chat/completions", json=body)
     assert answer.status_code == 200
-    assert "max_tokens" not in side.script.sent
+    assert side.script.sent["max_tokens"] == 4
     assert said(answer, stream=True)[0] == "xxxx"
     assert [c["choices"][0].get("finish_reason") for c in chunks(answer.text) if c["choices"]][-1] == "length"
     assert side.script.stopped.wait(5)
@@ -568,3 +569,15 @@ async def test_a_client_that_leaves_stops_its_embeddings(side: Side) -> None:
         assert await asyncio.to_thread(side.script.stopped.wait, 5)
         assert state["gateway"].models.backends[side.model].admission.running == 0
     assert metric("gateway_requests_in_flight", model=side.model) == 0
+
+
+def test_a_remote_whole_answer_without_a_budget_asks_for_the_gateways_bound(side: Side) -> None:
+    """Nothing to forward (no default): the upstream is asked for the bound (each choice's share), which it
+    keeps to (a whole answer has no token count to cut it by before its usage)."""
+    if side.model != "far":
+        pytest.skip("the engine's budget is what the context leaves, checked before it starts")
+    with silent(side, max_output_tokens_per_request=9) as client:
+        body = {"model": side.model, "messages": [{"role": "user", "content": "hi"}]}
+        answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200
+    assert side.script.sent["max_tokens"] == 9
