@@ -353,7 +353,7 @@ def with_defaults(payload: dict[str, Any], defaults: SamplingDefaults | None, ou
                   default_max_tokens: int | None = None) -> dict[str, Any]:
     """The request with the model's sampling defaults (the models file's `defaults`) where it is
     silent: an upstream cannot know them. `max_tokens` only where the output budget is open (chat):
-    the model's default, else the gateway's `default_max_tokens`, as for embedded models."""
+    the model's default, else `default_max_tokens` (the caller's: the gateway's, else the bound's share)."""
     values = defaults.model_dump(exclude_none=True) if defaults is not None else {}
     if default_max_tokens is not None:
         values.setdefault("max_tokens", default_max_tokens)
