@@ -1,9 +1,17 @@
 """LoRA adapters as files: what a PEFT adapter directory holds (`adapter_config.json` and its weights), read without
-vllm, and the `max_lora_rank` slot each needs."""
+vllm, the digest of those files (what answers under an adapter's name), and the `max_lora_rank` slot each needs.
+
+A directory is named by a client (the admin API), so whatever the file system says of it (missing, not a directory,
+a name too long, a loop of links, no permission, a NUL character) is an AdapterError naming the path, never an
+OSError."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,16 +51,69 @@ class AdapterFiles:
         return None
 
 
+# what the file system's refusals of a client's path mean, in its terms
+_REFUSALS = {errno.ENOENT: "does not exist", errno.ENOTDIR: "does not exist", errno.ELOOP: "is a loop of symbolic links",
+             errno.ENAMETOOLONG: "is a name too long for the file system", errno.EACCES: "cannot be read: permission denied",
+             errno.EPERM: "cannot be read: permission denied", errno.EISDIR: "is a directory, not a file"}
+
+
+def unreadable(path: Path, exc: OSError | ValueError) -> AdapterError:
+    """The file system's refusal of `path` (an OSError, or the ValueError of a NUL character), naming it."""
+    if isinstance(exc, ValueError):
+        return AdapterError(f"{str(path)!r} is not a path: {exc}")
+    why = _REFUSALS.get(exc.errno or 0) or f"cannot be read: {exc.strerror or exc}"
+    return AdapterError(f"{path} {why}")
+
+
+def folder_of(path: str | Path) -> Path:
+    """`path` as the adapter directory it must be, or AdapterError naming why not."""
+    folder = Path(path)
+    try:
+        mode = os.stat(folder).st_mode
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"the adapter directory {unreadable(folder, exc)}") from exc
+    if not stat.S_ISDIR(mode):
+        raise AdapterError(f"the adapter directory {folder} is not a directory")
+    return folder
+
+
+def _is_file(path: Path) -> bool:
+    """A regular file (a link to one too): what reading cannot hang on."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:  # a path past the system's length, a loop of links
+        raise unreadable(path, exc) from exc
+
+
+def digest(path: str | Path) -> str:
+    """A SHA-256 of the adapter's config and weights as they are on disk: the identity of what answers under its name
+    (the response cache's key), the same in every process that loads the same files. It reads every weight, so it is
+    called off the event loop."""
+    folder, whole = folder_of(path), hashlib.sha256()
+    for name in ("adapter_config.json", *WEIGHT_FILES):
+        file = folder / name
+        if not _is_file(file):  # missing (`read` says so), or what never ends (a pipe, /dev/zero)
+            continue
+        try:
+            with file.open("rb") as opened:
+                whole.update(name.encode() + b"\0" + hashlib.file_digest(opened, "sha256").digest())
+        except OSError as exc:
+            raise unreadable(file, exc) from exc
+    return whole.hexdigest()
+
+
 def read(path: str | Path) -> AdapterFiles:
     """The adapter in `path`, or AdapterError naming what is wrong."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise AdapterError(f"the adapter directory {folder} does not exist")
+    folder = folder_of(path)
     config_file = folder / "adapter_config.json"
+    if not _is_file(config_file):
+        raise AdapterError(f"the adapter directory {folder} has no adapter_config.json file")
     try:
         config = json.loads(config_file.read_text())
     except OSError as exc:
-        raise AdapterError(f"{config_file} cannot be read: {exc.strerror}") from exc
+        raise unreadable(config_file, exc) from exc
     except ValueError as exc:
         raise AdapterError(f"{config_file} is not valid JSON: {exc}") from exc
     if not isinstance(config, dict):
@@ -64,10 +125,10 @@ def read(path: str | Path) -> AdapterFiles:
         raise AdapterError(f"{config_file}: its rank `r` is {rank!r}, not a positive integer")
     if rank > LORA_RANKS[-1]:
         raise AdapterError(f"{config_file}: rank {rank} is above the largest vLLM serves ({LORA_RANKS[-1]})")
-    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+    if not any(_is_file(folder / name) for name in WEIGHT_FILES):
         raise AdapterError(f"the adapter directory {folder} has no weights ({' or '.join(WEIGHT_FILES)})")
     weights = folder / WEIGHT_FILES[0]
-    shapes = _shapes(weights, rank) if weights.is_file() else {}
+    shapes = _shapes(weights, rank) if _is_file(weights) else {}
     modules = config.get("target_modules") or ()
     modules = (modules,) if isinstance(modules, str) else tuple(str(m) for m in modules)
     base = config.get("base_model_name_or_path")
@@ -83,7 +144,7 @@ def _header(weights: Path) -> dict[str, Any]:
                 raise AdapterError(f"{weights} is not a safetensors file")
             header = json.loads(file.read(size))
     except OSError as exc:
-        raise AdapterError(f"{weights} cannot be read: {exc.strerror}") from exc
+        raise unreadable(weights, exc) from exc
     except ValueError as exc:
         raise AdapterError(f"{weights} is not a safetensors file: {exc}") from exc
     if not isinstance(header, dict):

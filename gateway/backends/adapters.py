@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator
 
 import structlog
 
+from engine import adapters
 from engine.config import SamplingDefaults
 from engine.errors import EngineError, EngineInvalidRequest
 from engine.types import (
@@ -26,7 +27,7 @@ from engine.types import (
     Tokenizer,
 )
 from gateway.backends.admission import Admission
-from gateway.backends.registry import Backend, ModelRegistry
+from gateway.backends.registry import Backend, ModelRegistry, identity
 from gateway.backends.versions import SEPARATOR
 from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
 
@@ -91,13 +92,16 @@ class AdapterEngine:
         await self._idle.wait()
 
 
-def adapter_backend(name: str, base: Backend, path: str, created: int, version: str | None = None,
+def adapter_backend(name: str, base: Backend, path: str, weights: str, created: int, version: str | None = None,
                     fallback: tuple[str, ...] = (), defaults: SamplingDefaults | None = None,
                     admission: Admission | None = None) -> Backend:
-    """The backend of an adapter of `base`; unless it has its own, the base's admission: one engine, one bound."""
+    """The backend of an adapter of `base` whose files have the digest `weights` (`engine.adapters.digest`); unless
+    it has its own, the base's admission: one engine, one bound."""
     assert base.engine is not None
     engine = AdapterEngine(base.engine, name, path, defaults)
-    return Backend(name, admission or base.admission, engine, fallback, created=created, version=version, base=base.name)
+    answers = identity(base=base.identity, weights=weights, sampling=engine.info.sampling_defaults)
+    return Backend(name, admission or base.admission, engine, fallback, created=created, version=version, base=base.name,
+                   identity=answers)
 
 
 async def load_declared(registry: ModelRegistry) -> None:
@@ -129,13 +133,16 @@ class AdapterAdmin:
                                      "lora_name")
             base_backend = self._base(base)
             assert base_backend.engine is not None
-            try:
+            try:  # the files as the engine reads them next, read off the event loop
+                weights = await asyncio.to_thread(adapters.digest, path)
                 await base_backend.engine.load_adapter(name, path)
+            except adapters.AdapterError as exc:
+                raise InvalidRequest(f"the adapter '{name}': {exc}", "lora_path") from exc
             except EngineInvalidRequest as exc:
                 raise InvalidRequest(exc.message, "lora_path") from exc
             except EngineError as exc:
                 raise ServiceUnavailable(f"The model '{base_backend.name}' cannot load adapters now: {exc.message}") from exc
-            self.registry.add(adapter_backend(name, base_backend, path, int(time.time())))
+            self.registry.add(adapter_backend(name, base_backend, path, weights, int(time.time())))
             log.info("adapter_loaded", model=name, base=base_backend.name, path=path)
 
     def _base(self, base: str | None) -> Backend:

@@ -10,9 +10,12 @@ that does not exist. `/v1/models`, the tokenizer routes and the dispatcher all a
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+from pydantic import BaseModel
 
 from engine.config import SamplingDefaults
 from engine.types import Engine, GrammarCheck
@@ -34,11 +37,23 @@ class Backend:
     version: str | None = None  # its SemVer version, when declared
     defaults: SamplingDefaults | None = None  # remote: sent where a request is silent (embedded: in the engine)
     base: str | None = None  # a LoRA adapter: the model whose engine serves it (`backends.adapters`)
+    identity: str = ""  # what answers under the name (`identity`): part of the response cache's key
 
     @property
     def engine(self) -> Engine | None:
         """The embedded engine, for what only it has (its tokenizer, load, adapters); None: remote."""
         return None if isinstance(self.generator, Upstream) else self.generator
+
+
+def identity(**parts: object) -> str:
+    """A digest of what makes a backend answer as it does (its weights, the settings that change an answer): a cached
+    answer is one the backend would give now, and the same in every replica that serves the same (a shared cache)."""
+    canonical = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=_plain)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _plain(value: object) -> object:
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else str(value)
 
 
 @dataclass(slots=True)

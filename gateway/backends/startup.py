@@ -8,13 +8,13 @@ from collections.abc import Callable
 
 import structlog
 
-from engine import check_engine_settings, start_engine, start_grammar_check
+from engine import adapters, check_engine_settings, start_engine, start_grammar_check
 from engine.config import EngineSettings
 from engine.types import Engine, GenerationRequest, GrammarCheck, SamplingOptions
 from gateway.backends.adapters import adapter_backend
 from gateway.backends.admission import Admission
 from gateway.backends.modelfile import ConfigError, ModelsFile, catalog
-from gateway.backends.registry import Backend, ModelRegistry, Split
+from gateway.backends.registry import Backend, ModelRegistry, Split, identity
 from gateway.backends.upstream import Upstream
 from gateway.settings import Settings
 from gateway.tenancy.tenants import Tenants
@@ -54,6 +54,8 @@ def build_registry(
     splits: dict[str, Split] = {}
     aliases: dict[str, str] = {}
     created = int(time.time())
+    # the gateway's settings that change an answer: a request's max_tokens when it sends none
+    answers = {"default_max_tokens": settings.default_max_tokens, "most": settings.max_output_tokens_per_request}
     for spec in models.models:
         aliases.update({alias: spec.id for alias in spec.aliases})
         if spec.kind == "split":
@@ -66,23 +68,38 @@ def build_registry(
             assert spec.url is not None
             upstream = Upstream(spec.id, spec.url, spec.upstream_model or spec.name, spec.api_key, spec.timeout_s,
                                 spec.connect_timeout_s, spec.max_connections, log_bodies=settings.log_prompts)
+            remote = identity(url=spec.url, model=upstream.upstream_model, defaults=spec.defaults, **answers)
             backends[spec.id] = Backend(spec.id, admission, upstream, tuple(spec.fallback), created=created,
-                                        version=spec.version, defaults=spec.defaults)
+                                        version=spec.version, defaults=spec.defaults, identity=remote)
             continue
         log.info("engine_starting", model=spec.id)
-        engine = start(scheduling(spec.engine_settings(settings.engine), prioritized))
+        engine_settings = scheduling(spec.engine_settings(settings.engine), prioritized)
+        engine = start(engine_settings)
         structured = settings.structured_output
         checker = grammar(engine, structured.compile_workers, structured.compile_verdicts)
         log.info("sampling_defaults", model=spec.id, **engine.info.sampling_defaults.model_dump(exclude_none=True))
-        backends[spec.id] = Backend(spec.id, admission, engine, tuple(spec.fallback), checker, created, spec.version)
+        backends[spec.id] = Backend(spec.id, admission, engine, tuple(spec.fallback), checker, created, spec.version,
+                                    identity=embedded_identity(engine_settings, engine, answers))
     for spec in models.models:
         if spec.kind == "adapter":
             assert spec.base is not None
             assert spec.path is not None
             own = Admission(spec.id, spec.admission) if spec.admission else None
-            backends[spec.id] = adapter_backend(spec.id, backends[spec.base], spec.path, created, spec.version,
-                                                tuple(spec.fallback), spec.defaults, own)
+            backends[spec.id] = adapter_backend(spec.id, backends[spec.base], spec.path, adapters.digest(spec.path),
+                                                created, spec.version, tuple(spec.fallback), spec.defaults, own)
     return ModelRegistry(backends, splits, aliases, catalog(models))
+
+
+def embedded_identity(settings: EngineSettings, engine: Engine, answers: dict[str, int | None]) -> str:
+    """The engine's weights and what changes its answers: the model, how its weights are computed (dtype,
+    quantization), its context, its chat and prompt handling, and the sampling defaults it applies."""
+    info = engine.info
+    return identity(
+        model=info.root or settings.model, task=info.task, max_model_len=info.max_model_len,
+        sampling=info.sampling_defaults, **answers,
+        **settings.model_dump(include={"dtype", "quantization", "kv_cache_dtype", "disable_sliding_window",
+                                       "generation_config", "prompt_special_tokens", "seed", "engine_args"}),
+    )
 
 
 def prioritized(settings: Settings, tenants: Tenants) -> bool:

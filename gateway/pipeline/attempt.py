@@ -178,10 +178,10 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
 
     async def _cached(self, backend: Backend) -> tuple[OnDone[AnswerT] | None, Hit[AnswerT] | None]:
         """(where to store the answer, or the answer found) in the response cache, scoped per tenant
-        (a guarded answer under a key of its own)."""
+        (a guarded answer under a key of its own), under what answers now (`Backend.identity`)."""
         record, cache = self.context.record, self.state.cache
         model = backend.name + self.guard.cache_tag
-        key = cache.key_for(self.service.route, model, self.body, self.cache_scope)
+        key = cache.key_for(self.service.route, model, self.body, self.cache_scope, backend.identity)
         fresh, unstored = self.context.no_cache, self.context.no_store  # the request's Cache-Control
         if key is None or (fresh and unstored):
             record.response_headers["x-cache"] = "MISS"

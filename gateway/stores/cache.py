@@ -1,5 +1,6 @@
 """Response cache for deterministic requests (temperature 0, or a fixed seed), keyed by a hash of the canonical
-request; in memory (LRU with TTL) or in Redis (a Redis that fails means uncached, never an error)."""
+request and of the identity of what answers it (`backends.registry.identity`: the weights, the settings that change
+an answer), so an answer is served only while what gave it would give it now; in memory (LRU with TTL) or in Redis (a Redis that fails means uncached, never an error)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ class CacheBackend(Protocol):
     async def aclose(self) -> None: ...
 
 
-def cache_key(route: str, model: str, body: BaseModel, tenant: str = "") -> str:
+def cache_key(route: str, model: str, body: BaseModel, tenant: str = "", identity: str = "") -> str:
     serializer = body.__pydantic_serializer__  # what model_dump calls, without its Python layer
     fields = serializer.to_python(body, mode="json", by_alias=True, exclude=_NOT_IN_BODY)
-    whole = {"route": route, "model": model, "tenant": tenant, "body": fields}
+    whole = {"route": route, "model": model, "identity": identity, "tenant": tenant, "body": fields}
     try:
         canonical = orjson.dumps(whole, option=orjson.OPT_SORT_KEYS)
     except TypeError:  # orjson refuses integers past 64 bits (free-form tools, schemas), lone surrogates
@@ -158,11 +159,11 @@ class ResponseCache:
     def __init__(self, backend: CacheBackend | None) -> None:
         self.backend = backend
 
-    def key_for(self, route: str, model: str, body: BaseModel, tenant: str = "") -> str | None:
+    def key_for(self, route: str, model: str, body: BaseModel, tenant: str = "", identity: str = "") -> str | None:
         deterministic = getattr(body, "temperature", None) == 0 or getattr(body, "seed", None) is not None
         if self.backend is None or not deterministic:
             return None
-        return cache_key(route, model, body, tenant)
+        return cache_key(route, model, body, tenant, identity)
 
     async def get(self, key: str, model: str, kind: type[AnswerT]) -> Hit[AnswerT] | None:
         backend = self.backend

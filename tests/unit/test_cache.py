@@ -244,15 +244,16 @@ def test_keys_stay_the_same_for_the_same_request() -> None:
         b'{"model":"m","prompt":"a b","temperature":0,"logit_bias":{"7":1,"3":-1},"user":"u","stream":true}'
     )
     fields = body.model_dump(mode="json", by_alias=True, exclude={"stream", "stream_options", "user", "model"})
-    whole = {"route": "/v1/completions", "model": "served", "tenant": "t", "body": fields}
+    whole = {"route": "/v1/completions", "model": "served", "identity": "w", "tenant": "t", "body": fields}
     expected = hashlib.sha256(json.dumps(whole, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    assert cache_key("/v1/completions", "served", body, "t") == expected
+    assert cache_key("/v1/completions", "served", body, "t", "w") == expected
     chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": 1})
     reordered = ChatCompletionRequest.model_validate(
         {"seed": 1, "messages": [{"content": "hi", "role": "user"}], "model": "x"}
     )
     assert cache_key("/v1/chat/completions", "served", chat) == cache_key("/v1/chat/completions", "served", reordered)
     assert cache_key("/v1/chat/completions", "served", chat) != cache_key("/v1/chat/completions", "served", chat, "t")
+    assert cache_key("/v1/chat/completions", "served", chat) != cache_key("/v1/chat/completions", "served", chat, "", "w")
 
 
 @pytest.mark.parametrize(("control", "looked_up", "stored"), [
