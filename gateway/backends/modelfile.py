@@ -194,7 +194,7 @@ MAX_DERIVED_LORAS = 8
 def _adapters(models: ModelsFile, canonical: dict[str, ModelSpec], versioned: versions.Catalog) -> None:
     """Each adapter's base resolved to one embedded generating model, its directory read (a missing or
     malformed one refused here), and each base given the LoRA settings its adapters need."""
-    ranks: dict[str, list[int]] = {}
+    ranks: dict[str, dict[str, int]] = {}  # base → its adapters' ranks, by adapter
     for spec in models.models:
         if spec.kind != "adapter":
             continue
@@ -208,18 +208,20 @@ def _adapters(models: ModelsFile, canonical: dict[str, ModelSpec], versioned: ve
             found = adapters.read(spec.path)
         except adapters.AdapterError as exc:
             raise ConfigError(f"adapter '{spec.id}': {exc}") from exc
-        ranks.setdefault(spec.base, []).append(found.rank)
+        ranks.setdefault(spec.base, {})[spec.id] = found.rank
     for name, adapter_ranks in ranks.items():
         base = canonical[name]
+        highest = max(adapter_ranks.values())
         lora = {
             "enable_lora": True, "max_loras": min(len(adapter_ranks), MAX_DERIVED_LORAS),
-            "max_lora_rank": adapters.rank_slot(max(adapter_ranks)), "max_cpu_loras": len(adapter_ranks),
+            "max_lora_rank": adapters.rank_slot(highest), "max_cpu_loras": len(adapter_ranks),
         }
         if base.engine.get("enable_lora") is False:
             raise ConfigError(f"model '{name}' has adapters but its engine sets enable_lora: false")
         rank = base.engine.get("max_lora_rank")
-        if isinstance(rank, int) and rank < max(adapter_ranks):
-            raise ConfigError(f"model '{name}': an adapter has rank {max(adapter_ranks)}, above its max_lora_rank ({rank})")
+        if isinstance(rank, int) and rank < highest:
+            above = ", ".join(f"'{adapter}' (rank {r})" for adapter, r in adapter_ranks.items() if r > rank)
+            raise ConfigError(f"model '{name}': its adapter {above} is above its max_lora_rank ({rank})")
         base.serve_adapters(lora)
 
 

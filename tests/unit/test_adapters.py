@@ -212,7 +212,7 @@ BAD_FILES = [
     ("models:\n  - {{name: base, engine: {{enable_lora: false}}}}\n  - {{name: x, kind: adapter, base: base, path: {a}}}\n",
      "enable_lora: false"),
     ("models:\n  - {{name: base, engine: {{max_lora_rank: 8}}}}\n  - {{name: x, kind: adapter, base: base, path: {b}}}\n",
-     "rank 12, above its max_lora_rank (8)"),
+     "its adapter 'x' (rank 12) is above its max_lora_rank (8)"),
     ("models:\n  - {{name: base, engine: {{max_lora_rank: 12}}}}\n", "max_lora_rank must be one of"),
 ]
 
