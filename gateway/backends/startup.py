@@ -85,8 +85,12 @@ def build_registry(
             assert spec.base is not None
             assert spec.path is not None
             own = Admission(spec.id, spec.admission) if spec.admission else None
-            backends[spec.id] = adapter_backend(spec.id, backends[spec.base], spec.path, adapters.digest(spec.path),
-                                                created, spec.version, tuple(spec.fallback), spec.defaults, own)
+            try:
+                weights = adapters.digest(spec.path)
+            except adapters.AdapterError as exc:  # read at the check, gone or changed since
+                raise ConfigError(f"adapter '{spec.id}': {exc}") from exc
+            backends[spec.id] = adapter_backend(spec.id, backends[spec.base], spec.path, weights, created,
+                                                spec.version, tuple(spec.fallback), spec.defaults, own)
     return ModelRegistry(backends, splits, aliases, catalog(models))
 
 

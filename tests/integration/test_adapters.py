@@ -171,3 +171,53 @@ def test_a_missing_adapter_stops_the_start_with_status_2(tmp_path: Path) -> None
                                                            "PATH": "/usr/bin:/bin"})
         assert done.returncode == 2, done.stderr[-2000:]
         assert "adapter 'lora-a'" in done.stderr
+
+
+def _admin(gateway: str, route: str, **body: str) -> httpx.Response:
+    return httpx.post(f"{gateway}/v1/{route}_lora_adapter", json=body, headers=ADMIN, timeout=300)
+
+
+def test_an_adapter_loaded_again_from_other_weights_is_not_answered_from_the_cache(
+    gateway: str, adapters: dict[str, Path]
+) -> None:
+    """Loaded under one name, answered (and cached), unloaded, loaded again under that name from other weights: the
+    answer is the new weights', never the old weights' cached text (the cache's key holds the files' digest)."""
+    sdk, ask = client(gateway), {"messages": QUESTION, "temperature": 0, "max_tokens": 12}
+    assert _admin(gateway, "load", lora_name="lora-x", lora_path=str(adapters["a"])).status_code == 200
+    try:
+        first = sdk.chat.completions.create(model="lora-x", **ask).choices[0].message.content  # type: ignore[call-overload]
+        hits = cache_hits(gateway, "lora-x")
+        assert sdk.chat.completions.create(model="lora-x", **ask).choices[0].message.content == first  # type: ignore[call-overload]
+        assert cache_hits(gateway, "lora-x") == hits + 1  # cached
+    finally:
+        assert _admin(gateway, "unload", lora_name="lora-x").status_code == 200
+    assert _admin(gateway, "load", lora_name="lora-x", lora_path=str(adapters["b"])).status_code == 200
+    try:
+        again = sdk.chat.completions.create(model="lora-x", **ask).choices[0].message.content  # type: ignore[call-overload]
+        assert cache_hits(gateway, "lora-x") == hits + 1  # not from the cache
+        fresh = sdk.chat.completions.create(model="lora-b", extra_headers={"Cache-Control": "no-cache"}, **ask)  # type: ignore[call-overload]
+        assert again == fresh.choices[0].message.content != first  # the weights loaded now answer
+    finally:
+        assert _admin(gateway, "unload", lora_name="lora-x").status_code == 200
+
+
+def test_what_the_engine_cannot_load_is_a_400_naming_the_adapter(gateway: str, adapters: dict[str, Path]) -> None:
+    """On the real engine, each refusal names the adapter and the object it is about, and leaves the engine serving."""
+    folder = adapters["c"].parent
+    ranked = write_adapter(folder / "rank-16", seed=5, rank=16)  # above the max_lora_rank its adapters gave the base
+    (folder / "a-file").write_text("not an adapter")
+    cases = [
+        (str(ranked), f"has rank 16, above the max_lora_rank (8) of '{BASE}'"),
+        (str(folder / ("x" * 300)), "is a name too long"),
+        (str(folder / "a-file"), "is not a directory"),
+        (str(folder / "a-file" / "x"), "does not exist"),
+        (str(folder) + "/a\x00b", "is not a path"),
+    ]
+    for path, refusal in cases:
+        refused = _admin(gateway, "load", lora_name="lora-bad", lora_path=path)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "lora_path"
+        assert error["message"].startswith("the adapter 'lora-bad'")
+        assert refusal in error["message"], error
+    assert "Paris" in (answer(gateway, BASE).choices[0].message.content or "")
