@@ -55,3 +55,25 @@ def test_redis_going_away_serves_uncached_and_says_so(redis: RedisServer) -> Non
         assert any(line["event"] == "cache_unavailable" for line in logs)
         assert 'gateway_cache_errors_total{backend="redis"}' in client.get("/metrics").text
         assert len(engine.requests) == 3
+
+
+def test_replicas_agree_on_an_adapter_by_its_files_not_by_their_place(redis: RedisServer, tmp_path: Path) -> None:
+    """Two replicas sharing Redis, each its own copy of an adapter's files: one's answer is the other's hit; another
+    replica that loaded other weights under the same name misses (its digest differs, not a per-process counter)."""
+    from tests.adapters import write_stub
+
+    cache = {"backend": "redis", "redis_url": redis.url, "ttl_s": 60}
+    models = tmp_path / "models.yaml"
+    models.write_text("models:\n  - {name: base, engine: {enable_lora: true, max_loras: 2}}\n")
+    copies = [write_stub(tmp_path / "one"), write_stub(tmp_path / "two"), write_stub(tmp_path / "other", rank=16)]
+    body = {**BODY, "model": "x"}
+    statuses = []
+    for copy in copies:
+        settings = fake_settings(models_file=models, admin_keys=["sk-admin"], cache=cache)
+        start = lambda es: FakeEngine(es.served_model_name, max_loras=2)
+        with TestClient(create_app(settings, engine_starter=start)) as replica:
+            loaded = replica.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(copy)},
+                                  headers={"Authorization": "Bearer sk-admin"})
+            assert loaded.status_code == 200, loaded.text
+            statuses.append(replica.post("/v1/chat/completions", json=body).headers["x-cache"])
+    assert statuses == ["MISS", "HIT", "MISS"]
