@@ -5,7 +5,8 @@ pattern and its text are in the same form. Per character: Unicode NFKC; letters 
 that NFKC leaves are the letter; format and invisible characters and decorating marks are removed (accents stay, as
 Unicode TR39 keeps them); TR39's one-letter confusables become the Latin letter; every space is a space, every dash a
 hyphen-minus, every digit an ASCII digit; and JSON's `\\uXXXX` escapes are the character they name (tool-call arguments
-are JSON their reader decodes). A match is mapped back to the original (`Normalized.span`), so the client's text is
+are JSON their reader decodes). A pattern's literal space takes any run of whitespace (`spaced`: done to the pattern,
+so that the text keeps its lines). A match is mapped back to the original (`Normalized.span`), so the client's text is
 redacted where the value really is.
 
 A table of our own for the confusables: the PyPI packages on them detect mixed scripts or expand a string into its
@@ -211,5 +212,62 @@ def normalize(text: str, escapes: bool = True) -> Normalized:
 
 def pattern(source: str) -> str:
     """A regular expression's source read the same way as the text it is matched on: its literal letters, spaces, dashes
-    and digits (a pattern is ASCII nearly always: then as it is). Its \\u escapes are the regex's own, kept."""
-    return normalize(source, escapes=False).text
+    and digits (a pattern is ASCII nearly always: then as it is), and each of its literal spaces taking any run of
+    whitespace (`spaced`). Its \\u escapes are the regex's own, kept."""
+    return spaced(normalize(source, escapes=False).text)
+
+
+_QUANTIFIED = re.compile(r"\{\d*,?\d*\}")
+
+
+def _whitespace(source: str, at: int, run: int) -> tuple[str, int]:
+    """What a run of `run` literal spaces ending at `at` becomes, with the quantifier after it, and where the
+    pattern goes on."""
+    following = source[at : at + 1]
+    if following in ("?", "*", "+"):
+        return ("\\s*" if run == 1 and following != "+" else "\\s+"), at + 1
+    return ("\\s" if run == 1 and _QUANTIFIED.match(source, at) else "\\s+"), at
+
+
+def spaced(source: str) -> str:
+    """The regular expression with its literal spaces (a space, `\\ `; in verbose mode only `\\ ` and a class's) made
+    whitespace: a run of them matches any run of whitespace (`\\s+`: tabs, line breaks, NEL, U+2028, U+2029 and the
+    Unicode spaces), a space quantified by `?` or `*` any run or none, one in a class any whitespace character. The
+    text is left as it is, so that line breaks stay line breaks for the patterns that mean them (`\\n`, `(?m)^`), and
+    ASCII text keeps costing nothing to normalize. A lone space followed by `{m,n}` is one whitespace character, repeated."""
+    if " " not in source:
+        return source
+    verbose = bool(re.compile(source).flags & re.VERBOSE)
+
+    def space_at(at: int) -> int:
+        """The length of the literal space at `at` (0: none there)."""
+        if source.startswith("\\ ", at):
+            return 2
+        return 1 if source.startswith(" ", at) and (in_class or not verbose) else 0
+
+    out: list[str] = []
+    i, in_class = 0, False
+    while i < len(source):
+        if width := space_at(i):
+            run = 0
+            while width:
+                i, run, width = i + width, run + 1, space_at(i + width)
+            whitespace, i = ("\\s", i) if in_class else _whitespace(source, i, run)
+            out.append(whitespace)
+        elif source[i] == "\\":
+            out.append(source[i : i + 2])
+            i += 2
+        elif source[i] == "#" and verbose and not in_class:  # a comment, to the end of its line
+            end = len(source) if (end := source.find("\n", i)) < 0 else end
+            out.append(source[i:end])
+            i = end
+        elif source[i] == "[" and not in_class:
+            opening = re.compile(r"\[\^?\]?").match(source, i)
+            assert opening is not None
+            out.append(opening.group())
+            i, in_class = opening.end(), True
+        else:
+            in_class = in_class and source[i] != "]"
+            out.append(source[i])
+            i += 1
+    return "".join(out)
