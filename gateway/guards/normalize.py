@@ -19,6 +19,7 @@ import json
 import re
 import unicodedata
 from bisect import bisect_right
+from collections.abc import Callable
 from functools import lru_cache
 
 # One letter → one Latin letter, after TR39 confusables.txt (its entries whose target is one Latin letter). Where TR39
@@ -220,13 +221,23 @@ def pattern(source: str) -> str:
 _QUANTIFIED = re.compile(r"\{\d*,?\d*\}")
 
 
-def _whitespace(source: str, at: int, run: int) -> tuple[str, int]:
-    """What a run of `run` literal spaces ending at `at` becomes, with the quantifier after it, and where the
-    pattern goes on."""
+def _whitespace(source: str, at: int, space_at: Callable[[int], int]) -> tuple[str, int]:
+    """What the run of literal spaces at `at` becomes (`space_at`: the length of the one at a place), with the
+    quantifier after it, and where the pattern goes on."""
+    run, width = 0, space_at(at)
+    while width:
+        at, run, width = at + width, run + 1, space_at(at + width)
     following = source[at : at + 1]
     if following in ("?", "*", "+"):
         return ("\\s*" if run == 1 and following != "+" else "\\s+"), at + 1
     return ("\\s" if run == 1 and _QUANTIFIED.match(source, at) else "\\s+"), at
+
+
+def _class_space(source: str, start: int, end: int, opened: int) -> str:
+    """A literal space in a class whose members begin at `opened`: any whitespace character, unless an end of a range
+    (`[ -~]`), which stays a space."""
+    ranged = (source.startswith("-", end) and not source.startswith("-]", end)) or source.endswith("-", opened + 1, start)
+    return source[start:end] if ranged else "\\s"
 
 
 def spaced(source: str) -> str:
@@ -246,13 +257,13 @@ def spaced(source: str) -> str:
         return 1 if source.startswith(" ", at) and (in_class or not verbose) else 0
 
     out: list[str] = []
-    i, in_class = 0, False
+    i, in_class, opened = 0, False, 0  # opened: where the class's members begin
     while i < len(source):
-        if width := space_at(i):
-            run = 0
-            while width:
-                i, run, width = i + width, run + 1, space_at(i + width)
-            whitespace, i = ("\\s", i) if in_class else _whitespace(source, i, run)
+        if in_class and (width := space_at(i)):
+            out.append(_class_space(source, i, i + width, opened))
+            i += width
+        elif space_at(i):
+            whitespace, i = _whitespace(source, i, space_at)
             out.append(whitespace)
         elif source[i] == "\\":
             out.append(source[i : i + 2])
@@ -265,7 +276,7 @@ def spaced(source: str) -> str:
             opening = re.compile(r"\[\^?\]?").match(source, i)
             assert opening is not None
             out.append(opening.group())
-            i, in_class = opening.end(), True
+            i, in_class, opened = opening.end(), True, opening.end()
         else:
             in_class = in_class and source[i] != "]"
             out.append(source[i])
