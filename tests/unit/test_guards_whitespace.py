@@ -99,3 +99,15 @@ def test_a_pattern_that_compiles_still_compiles_spaced(source: str) -> None:
         except re.error:
             return
         re.compile(spaced(source))
+
+
+@pytest.mark.parametrize("space", ["\t", "\n", "\r", "\x0b", "\x0c", "\x85", "\u2028", "\u2029", "\u00a0"])
+def test_card_numbers_and_ibans_split_by_any_whitespace_are_found(space: str) -> None:
+    file = {"default": "p", "profiles": {"p": {"input": {"pii": {"card": "block", "iban": "redact"}}}}}
+    with pytest.raises(ContentPolicyViolation):
+        Guards(GuardsFile.model_validate(file), {}).for_request(None).check_input(
+            [space.join(["pay with 4111", "1111", "1111", "1111 today"])], "messages")
+    iban = space.join(["GB82", "WEST", "1234", "5698", "7654", "32"])
+    redacting = Guards(GuardsFile.model_validate(file), {}).for_request(None)
+    assert redacting.check_input([f"to {iban} please"], "messages") == ["to [IBAN_1] please"]
+    assert redacting.placeholders.restore("[IBAN_1]") == iban
