@@ -78,8 +78,8 @@ PEM_END = re.compile(r"-----END[ A-Z0-9]*-----|Private-MAC: *[0-9a-f]+")
 # long run): tried once per run, from where they may begin first in it (if they fail there, they fail anywhere later in
 # the run, as the run is all their unbounded part may take)
 RUNS: dict[re.Pattern[str], tuple[re.Pattern[str], re.Pattern[str]]] = {
-    OpenAIDetector.denylist[0]: (re.compile("sk-"), re.compile(r"[\w-]*")),
-    JwtTokenDetector.denylist[0]: (re.compile("eyJ"), re.compile(r"[\w=-]*")),
+    OpenAIDetector.denylist[0]: (re.compile("sk-"), re.compile(r"[A-Za-z0-9_-]*")),
+    JwtTokenDetector.denylist[0]: (re.compile("eyJ"), re.compile(r"[A-Za-z0-9_=-]*")),
     NpmDetector.denylist[0]: (re.compile("//"), re.compile(r"[^\n]*")),
 }
 # A value assigned to a key: `key=value`, `key: value`, `"key": "value"` (the key quoted or not, the value too); found
@@ -131,6 +131,16 @@ def regex_matches(pattern: re.Pattern[str], text: str) -> Iterator[Span]:
         yield from ((match.start(i), match.end(i)) for i in groups) if groups else [match.span()]
 
 
+def jwt_start(text: str, start: int, end: int) -> int:
+    """Where the JWT of a match that is not one begins (-1: nowhere): a prefix glued to it (`eyJeyJhbGci...`) makes
+    the match begin early, at an `eyJ` of its own header; a header is short, so only its last 2 KB are tried."""
+    dot = text.find(".", start, end)
+    at = text.find("eyJ", max(start + 1, dot - 2048), dot)
+    while at >= 0 and not JwtTokenDetector.is_formally_valid(text[at:end]):
+        at = text.find("eyJ", at + 1, dot)
+    return at
+
+
 def plugin_spans(plugins: list[type[RegexBasedDetector]], extra: list[re.Pattern[str]]) -> Spans:
     patterns = [p for plugin in plugins for p in plugin.denylist] + extra  # type: ignore[attr-defined]
     jwt, pem = JwtTokenDetector in plugins, PrivateKeyDetector in plugins
@@ -139,7 +149,9 @@ def plugin_spans(plugins: list[type[RegexBasedDetector]], extra: list[re.Pattern
         for pattern in patterns:
             covered = 0  # a match inside the last span found is part of it
             for start, end in regex_matches(pattern, text):
-                if start < covered or (jwt and not JwtTokenDetector.is_formally_valid(text[start:end])):
+                if jwt and start >= covered and not JwtTokenDetector.is_formally_valid(text[start:end]):
+                    start = jwt_start(text, start, end)
+                if start < covered:
                     continue
                 if pem:  # the whole block, from its "-----BEGIN" ("BEGIN ... PRIVATE KEY" is what matched)
                     block_end = PEM_END.search(text, end)

@@ -155,6 +155,20 @@ def test_a_disguised_secret_is_found_as_the_model_reads_it() -> None:
             guard({"github": "block"}).check_input([disguised], "messages")
 
 
+@pytest.mark.parametrize(("kind", "glued"), [
+    ("jwt", "eyJ"),  # a prefix that makes detect-secrets' match start early, where it is not a JWT
+    ("jwt", "eyJeyJeyJ"),
+    ("openai", "sk-\u00e9"),  # a run its pattern cannot cross, before the key
+    ("openai", "sk-" * 50),
+])
+def test_a_secret_glued_to_a_prefix_is_still_found(kind: str, glued: str) -> None:
+    secret = next(secret for k, _, _, secret in TOKENS if k == kind)
+    redacting = guard({kind: "redact"})
+    checked = redacting.check_input([f"see {glued}{secret} ok"], "messages")[0]
+    assert secret not in checked
+    assert secret[-16:] not in checked
+
+
 def test_secrets_are_checked_only_on_the_way_in() -> None:
     config = GuardsFile.model_validate({"default": "p", "profiles": {"p": {"input": {"secrets": "redact"}}}})
     assert config.profiles["p"].input.secrets.aws == "redact"
