@@ -91,7 +91,8 @@ KEYWORD = re.compile("|".join(keywords.DENYLIST))  # read on the text in small l
 KEYWORD_BEFORE = (keywords.PRECEDED_BY_EQUAL_COMPARISON_SIGNS_QUOTES_REQUIRED_REGEX,
                   keywords.QUOTES_REQUIRED_DENYLIST_REGEX_TO_GROUP[keywords.PRECEDED_BY_EQUAL_COMPARISON_SIGNS_QUOTES_REQUIRED_REGEX])
 KEYWORD_AFTER = [(p, g) for p, g in keywords.QUOTES_REQUIRED_DENYLIST_REGEX_TO_GROUP.items() if p is not KEYWORD_BEFORE[0]]
-DIGEST_KEY = re.compile(r"(?i)sha\d*|md5|hash|digest|checksum|etag|commit|integrity|fingerprint")  # a digest, not a secret
+# a key naming a digest (a part of it: `sha256`, `file_md5`, `etag`), whose value is not a secret; `hashicorp_token` is
+DIGEST_KEY = re.compile(r"(?i)(?:^|[_.-])(?:sha\d*|md5|hash|digest|checksum|etag|commit|integrity|fingerprint)(?:$|[_.-])")
 BASE64, HEX = Base64HighEntropyString(), HexHighEntropyString()
 
 

@@ -75,6 +75,7 @@ TOKENS: list[tuple[str, str, str, str]] = [
     ("other", "TOKEN", "SENDGRID {}", f"SG.{fake(22, ALNUM + '_-')}.{fake(43, ALNUM + '_-')}"),
     ("high_entropy", "SECRET", '{{"session": "{}"}}', fake(32)),
     ("high_entropy", "SECRET", "DB_URL_TOKEN={}\n", fake(40, ALNUM + "+/")),
+    ("high_entropy", "SECRET", "hashicorp_token: {}", fake(32)),  # a key that only begins like a digest's
     ("keyword", "SECRET", 'password = "{}"', "hunter2-" + fake(4)),
 ]
 IDS = [f"{kind}-{i}" for i, (kind, *_) in enumerate(TOKENS)]
