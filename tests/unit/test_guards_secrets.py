@@ -29,9 +29,12 @@ from gateway.errors import ContentPolicyViolation
 from gateway.guards.config import GuardsFile
 from gateway.guards.guarding import Guards, RequestGuard
 from gateway.telemetry import metrics
-from tests.fakes import FakeEngine, fake_settings
+from tests.fakes import FakeEngine, app_with, fake_settings
 from tests.served import running
+from tests.unit.test_batches import by_custom_id, chat_line, jsonl, lines_of, submit, wait
+from tests.unit.test_batches import settings as batch_settings
 from tests.unit.test_guard_evasion import HIDDEN, WAYS_IN
+from tests.unit.test_responses import sdk_for
 
 MODEL = "fake-model"
 ALNUM = string.ascii_letters + string.digits
@@ -298,3 +301,20 @@ def test_a_secret_is_not_logged_even_with_prompts_logged(tmp_path: Path) -> None
     line = next(entry for entry in logs if entry["event"] == "request")
     assert line["guards"] == ["input:secrets.github:flag"]
     assert TOKEN not in json.dumps(line.get("guard_matches"), default=str)
+
+
+def test_a_batchs_lines_pass_the_secrets_check(tmp_path: Path) -> None:
+    """A batch line is a request to its route: a secret in it is refused or redacted as there."""
+    (tmp_path / "guards.yaml").write_text(GUARDS.format(action="block").replace("aws: block", "aws: redact"))
+    engine = FakeEngine()
+    key_id = "AKIA" + fake(16, string.ascii_uppercase + string.digits)
+    app = app_with(engine, guards_file=tmp_path / "guards.yaml", **batch_settings(tmp_path))
+    with TestClient(app) as client:
+        sdk = sdk_for(client)
+        done = wait(sdk, submit(sdk, jsonl(chat_line("blocked", f"my token {TOKEN}"),
+                                           chat_line("redacted", f"my key id {key_id}"))).id)
+        answers = by_custom_id(lines_of(sdk, done.output_file_id) + lines_of(sdk, done.error_file_id))
+    assert answers["blocked"]["response"]["status_code"] == 400
+    assert "guard secrets.github" in answers["blocked"]["response"]["body"]["error"]["message"]
+    assert answers["redacted"]["response"]["status_code"] == 200
+    assert [r.prompt_text for r in engine.requests] == ["<user> my key id [AWS_KEY_1] <assistant>"]
