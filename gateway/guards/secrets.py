@@ -96,7 +96,6 @@ DIGEST_KEY = re.compile(r"(?i)(?:^|[_.-])(?:sha\d*|md5|hash|digest|checksum|etag
 BASE64, HEX = Base64HighEntropyString(), HexHighEntropyString()
 
 
-
 def widened(text: str, start: int, end: int) -> Span:
     """The span grown over the token it sits in (a trailing full stop is prose, left out)."""
     low = max(0, start - 256)
@@ -110,6 +109,7 @@ def widened(text: str, start: int, end: int) -> Span:
 
 
 def finditer(pattern: re.Pattern[str], text: str) -> Iterator[re.Match[str]]:
+    """The pattern's matches, as `pattern.finditer`; the patterns of `RUNS` tried once per run."""
     if pattern not in RUNS:
         yield from pattern.finditer(text)
         return
