@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 Action = Literal["off", "flag", "redact", "block"]
 Verdict = Literal["off", "flag", "block"]  # for checks that find no span to redact (injection, moderation)
@@ -54,6 +54,31 @@ class PIIChecks(_Strict):
     phone_region: str | None = Field("US", description="how to read numbers written without +country code")
 
 
+class SecretChecks(_Strict):
+    """Secrets found by detect-secrets' plugins (gateway/guards/secrets.py), per kind; `secrets: block` (or flag,
+    redact) sets every kind at once."""
+
+    aws: Action = "off"  # access key ids, and secret keys written beside an "aws ... key"
+    google: Action = "off"  # API keys (AIza...), OAuth client secrets
+    azure: Action = "off"  # storage account keys, AD client secrets
+    github: Action = "off"
+    gitlab: Action = "off"
+    slack: Action = "off"  # tokens and webhook URLs
+    stripe: Action = "off"
+    openai: Action = "off"
+    anthropic: Action = "off"
+    private_key: Action = "off"  # PEM blocks (RSA, EC, DSA, OpenSSH, PGP, PKCS#8) and PuTTY keys
+    jwt: Action = "off"
+    other: Action = "off"  # detect-secrets' other token plugins: npm, PyPI, SendGrid, Twilio, Discord, ...
+    high_entropy: Action = "off"  # a high-entropy value assigned to a key: key=value, "key": "value"
+    keyword: Action = "off"  # any quoted value of a secret-named key: password = "...", "api_key": "..."
+
+    @model_validator(mode="before")
+    @classmethod
+    def _every_kind(cls, value: Any) -> Any:
+        return dict.fromkeys(cls.model_fields, value) if isinstance(value, str) else value
+
+
 class Checks(_Strict):
     deny: list[Regex | PatternRule] = Field(default_factory=list)
     allow: list[Regex] = Field(default_factory=list, description="spans matching these are exempt from the checks")
@@ -69,6 +94,7 @@ class InputChecks(Checks):
     max_chars: int | None = Field(None, gt=0, description="most characters of prompt text a request may send")
     max_tokens: int | None = Field(None, gt=0, description="most prompt tokens a request may send")
     restore: bool = Field(True, description="put redacted values back where the answer repeats their placeholders")
+    secrets: SecretChecks = Field(default_factory=SecretChecks)
 
 
 class OutputChecks(Checks):

@@ -17,8 +17,8 @@ from typing import NoReturn
 
 from engine.types import TokenLogprob
 from gateway.errors import ContentPolicyViolation, ServiceUnavailable
-from gateway.guards import config, injection, normalize, pii
-from gateway.guards.config import Checks, GuardsFile, ModelGuards, Profile
+from gateway.guards import config, injection, normalize, pii, secrets
+from gateway.guards.config import Checks, GuardsFile, InputChecks, ModelGuards, Profile
 from gateway.guards.logprobs import LogprobFilter
 from gateway.guards.moderation import Moderation
 from gateway.guards.patterns import Detector, Match, Placeholders, Scanner, disjoint, first_block, redact, regex_spans
@@ -33,7 +33,10 @@ def scanner(checks: Checks) -> Scanner:
     [PROJECT_NAME_1]), the injection list, personal data."""
     rules = [Detector(r.name, r.action, re.sub(r"[^A-Z0-9]+", "_", r.name.upper()),
                       regex_spans(re.compile(normalize.pattern(r.pattern)))) for r in checks.rules()]
-    return Scanner([*rules, *injection.detectors(checks.injection), *pii.detectors(checks.pii)], checks.allow)
+    found = [*rules, *injection.detectors(checks.injection), *pii.detectors(checks.pii)]
+    if isinstance(checks, InputChecks):  # secrets: a prompt's (the client's own, not to be sent on)
+        found += secrets.detectors(checks.secrets)
+    return Scanner(found, checks.allow)
 
 
 ACROSS_CHARS = 128  # a match split across a chat's texts is looked for this far on each side of the join
@@ -134,7 +137,9 @@ class RequestGuard:
             self.matches.append(f"{guard}: {text}")
 
     def note_match(self, stage: str, match: Match, text: str) -> None:
-        self.note(stage, match.detector.guard, match.action, match.detector.detail, text[match.start : match.end])
+        secret = match.detector.guard.startswith("secrets.")  # a credential is not logged, even with prompts logged
+        self.note(stage, match.detector.guard, match.action, match.detector.detail,
+                  None if secret else text[match.start : match.end])
 
     # --- on the way in --------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ pattern and its text are in the same form. Per character: Unicode NFKC; letters 
 that NFKC leaves are the letter; format and invisible characters and decorating marks are removed (accents stay, as
 Unicode TR39 keeps them); TR39's one-letter confusables become the Latin letter; every space is a space, every dash a
 hyphen-minus, every digit an ASCII digit; and JSON's `\\uXXXX` escapes are the character they name (tool-call arguments
-are JSON their reader decodes). A match is mapped back to the original (`Normalized.span`), so the client's text is
+are JSON their reader decodes). A pattern's literal space takes any run of whitespace (`spaced`: done to the pattern,
+so that the text keeps its lines). A match is mapped back to the original (`Normalized.span`), so the client's text is
 redacted where the value really is.
 
 A table of our own for the confusables: the PyPI packages on them detect mixed scripts or expand a string into its
@@ -18,6 +19,7 @@ import json
 import re
 import unicodedata
 from bisect import bisect_right
+from collections.abc import Callable
 from functools import lru_cache
 
 # One letter → one Latin letter, after TR39 confusables.txt (its entries whose target is one Latin letter). Where TR39
@@ -211,5 +213,72 @@ def normalize(text: str, escapes: bool = True) -> Normalized:
 
 def pattern(source: str) -> str:
     """A regular expression's source read the same way as the text it is matched on: its literal letters, spaces, dashes
-    and digits (a pattern is ASCII nearly always: then as it is). Its \\u escapes are the regex's own, kept."""
-    return normalize(source, escapes=False).text
+    and digits (a pattern is ASCII nearly always: then as it is), and each of its literal spaces taking any run of
+    whitespace (`spaced`). Its \\u escapes are the regex's own, kept."""
+    return spaced(normalize(source, escapes=False).text)
+
+
+_QUANTIFIED = re.compile(r"\{\d*,?\d*\}")
+
+
+def _whitespace(source: str, at: int, space_at: Callable[[int], int]) -> tuple[str, int]:
+    """What the run of literal spaces at `at` becomes (`space_at`: the length of the one at a place), with the
+    quantifier after it, and where the pattern goes on."""
+    run, width = 0, space_at(at)
+    while width:
+        at, run, width = at + width, run + 1, space_at(at + width)
+    following = source[at : at + 1]
+    if following in ("?", "*", "+"):
+        return ("\\s*" if run == 1 and following != "+" else "\\s+"), at + 1
+    return ("\\s" if run == 1 and _QUANTIFIED.match(source, at) else "\\s+"), at
+
+
+def _class_space(source: str, start: int, end: int, opened: int) -> str:
+    """A literal space in a class whose members begin at `opened`: any whitespace character, unless an end of a range
+    (`[ -~]`), which stays a space."""
+    ranged = (source.startswith("-", end) and not source.startswith("-]", end)) or source.endswith("-", opened + 1, start)
+    return source[start:end] if ranged else "\\s"
+
+
+def spaced(source: str) -> str:
+    """The regular expression with its literal spaces (a space, `\\ `; in verbose mode only `\\ ` and a class's) made
+    whitespace: a run of them matches any run of whitespace (`\\s+`: tabs, line breaks, NEL, U+2028, U+2029 and the
+    Unicode spaces), a space quantified by `?` or `*` any run or none, one in a class any whitespace character. The
+    text is left as it is, so that line breaks stay line breaks for the patterns that mean them (`\\n`, `(?m)^`), and
+    ASCII text keeps costing nothing to normalize. A lone space followed by `{m,n}` is one whitespace character, repeated."""
+    if " " not in source:
+        return source
+    verbose = bool(re.compile(source).flags & re.VERBOSE)
+
+    def space_at(at: int) -> int:
+        """The length of the literal space at `at` (0: none there)."""
+        if source.startswith("\\ ", at):
+            return 2
+        return 1 if source.startswith(" ", at) and (in_class or not verbose) else 0
+
+    out: list[str] = []
+    i, in_class, opened = 0, False, 0  # opened: where the class's members begin
+    while i < len(source):
+        if in_class and (width := space_at(i)):
+            out.append(_class_space(source, i, i + width, opened))
+            i += width
+        elif space_at(i):
+            whitespace, i = _whitespace(source, i, space_at)
+            out.append(whitespace)
+        elif source[i] == "\\":
+            out.append(source[i : i + 2])
+            i += 2
+        elif source[i] == "#" and verbose and not in_class:  # a comment, to the end of its line
+            end = len(source) if (end := source.find("\n", i)) < 0 else end
+            out.append(source[i:end])
+            i = end
+        elif source[i] == "[" and not in_class:
+            opening = re.compile(r"\[\^?\]?").match(source, i)
+            assert opening is not None
+            out.append(opening.group())
+            i, in_class, opened = opening.end(), True, opening.end()
+        else:
+            in_class = in_class and source[i] != "]"
+            out.append(source[i])
+            i += 1
+    return "".join(out)

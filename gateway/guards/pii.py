@@ -14,11 +14,13 @@ import phonenumbers
 from stdnum import iban, luhn
 
 from gateway.guards.config import PIIChecks
+from gateway.guards.normalize import pattern as spaced_pattern
 from gateway.guards.patterns import Detector, Spans, regex_spans
 
 EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9][A-Za-z0-9._%+-]*@[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
-CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])")
-IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?:[ -]?[A-Z0-9]){11,30}\b")
+# a space in these, as in every pattern, is any whitespace (normalize.pattern): a tab or a line break between digit groups
+CARD = re.compile(spaced_pattern(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])"))
+IBAN = re.compile(spaced_pattern(r"\b[A-Z]{2}\d{2}(?:[ -]?[A-Z0-9]){11,30}\b"))
 PHONE_CANDIDATE = re.compile(r"(?:\+|\(|\b)\d[\d \t().\-/]{5,}\d(?:\s*(?:ext\.?|x|#)\s*\d+)?")
 IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
 IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|(?:\d{1,3}\.){3}\d{1,3})?(?![\w:])")
@@ -26,14 +28,14 @@ IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|(?:
 
 def card_spans(text: str) -> Iterator[tuple[int, int]]:
     for match in CARD.finditer(text):
-        digits = re.sub(r"[ -]", "", match.group())
+        digits = re.sub(r"[\s-]", "", match.group())
         if 13 <= len(digits) <= 19 and luhn.is_valid(digits):
             yield match.start(), match.end()
 
 
 def iban_spans(text: str) -> Iterator[tuple[int, int]]:
     for match in IBAN.finditer(text):
-        candidate = match.group()
+        candidate = re.sub(r"\s", " ", match.group())
         # the pattern may run on into the next word group: try the longest valid prefix
         for end in range(len(candidate), 14, -1):
             if candidate[end - 1] not in " -" and iban.is_valid(candidate[:end]):
