@@ -88,11 +88,11 @@ class Placeholders:
     so that the answer can name them and get the values back."""
 
     PLACEHOLDER = re.compile(r"\[([A-Z][A-Z0-9_]*?)_(\d+)\]")
-    LONGEST = 32  # an unfinished placeholder at the end of a stream's text is held back at most this long
 
     def __init__(self) -> None:
         self._by_value: dict[tuple[str, str], str] = {}
         self._values: dict[str, str] = {}
+        self._longest = 0  # the longest placeholder given: how far back an unfinished one may begin
 
     def __bool__(self) -> bool:
         return bool(self._values)
@@ -103,6 +103,7 @@ class Placeholders:
             count = sum(1 for lab, _ in self._by_value if lab == label) + 1
             self._by_value[key] = f"[{label}_{count}]"
             self._values[self._by_value[key]] = value
+            self._longest = max(self._longest, len(self._by_value[key]))
         return self._by_value[key]
 
     def restore(self, text: str) -> str:
@@ -111,11 +112,14 @@ class Placeholders:
         return self.PLACEHOLDER.sub(lambda m: self._values.get(m.group(0), m.group(0)), text)
 
     def unfinished(self, text: str) -> int:
-        """Where a placeholder may begin at the end of `text` (len(text) if none may)."""
-        if not self._values:
+        """Where one of the placeholders given may begin at the end of `text`, unfinished (len(text)
+        if none may): held back there, a placeholder split over any number of a stream's pieces,
+        however long its name, is restored whole."""
+        start = text.rfind("[", max(0, len(text) - self._longest))
+        if start < 0:
             return len(text)
-        start = text.rfind("[", max(0, len(text) - self.LONGEST))
-        return start if start >= 0 and "]" not in text[start:] else len(text)
+        begun = text[start:]
+        return start if any(name.startswith(begun) and name != begun for name in self._values) else len(text)
 
 
 def redact(text: str, matches: Iterable[Match], replace: Callable[[Match, str], str]) -> str:

@@ -133,7 +133,7 @@ class OutputGuard:
     match in any slot cuts the choice."""
 
     def __init__(self, notes: Notes, scanner: Scanner, checks: OutputChecks, restore: Placeholders | None,
-                 n: int) -> None:
+                 n: int, apart: bool = False) -> None:
         self.notes = notes
         self.scanner, self.checks = scanner, checks
         self.restore = restore
@@ -144,7 +144,7 @@ class OutputGuard:
         self.fields: dict[tuple[int, str | int], int] = {}  # (choice, "reasoning", "logprobs" or a call's index) → slot
         # logprobs in a slot of their own, of the text they spell: a backend's whose logprobs may
         # spell another field than the choice's text (a remote upstream's tool call)
-        self.apart = False
+        self.apart = apart
         for _ in range(n):
             self._add_slot()
 
