@@ -35,6 +35,10 @@ models:
     kind: split
     versions: {smol: 1}
     guards: {input: {deny: ["(?i)france"]}}
+  - name: smol-mail                    # its output's emails redacted
+    kind: split
+    versions: {smol: 1}
+    guards: {output: {pii: {email: redact}}}
 """
 GUARDS = """
 default: standard
@@ -212,3 +216,32 @@ def test_a_disguised_word_is_read_as_the_model_reads_it_on_every_api(guarded, qu
     with pytest.raises(anthropic.BadRequestError):
         messages.messages.create(model="smol-strict", max_tokens=5, system=question,
                                  messages=[{"role": "user", "content": "hi"}])
+
+
+# the schema leaves the model one value to write: an email in the named call's arguments, whatever it would say
+MAIL_SCHEMA = {"type": "object", "properties": {"to": {"type": "string", "enum": ["bob@example.com"]}}, "required": ["to"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_calls_arguments_pass_the_output_guard_on_the_real_engine(guarded, stream: bool) -> None:
+    """The email the engine writes into a forced call's arguments is redacted, as in any other field,
+    on chat and the Responses API, whole and streamed."""
+    base, _ = guarded
+    sdk = client(base)
+    tools = [{"type": "function", "function": {"name": "mail", "parameters": MAIL_SCHEMA}}]
+    answer = sdk.chat.completions.create(model="smol-mail", messages=[{"role": "user", "content": "Mail Bob."}],
+                                         tools=tools, tool_choice={"type": "function", "function": {"name": "mail"}},
+                                         temperature=0, max_tokens=40, stream=stream)
+    if stream:
+        chunks = [c.choices[0].delta for c in answer if c.choices]
+        arguments = "".join(call.function.arguments or "" for d in chunks for call in d.tool_calls or ())
+    else:
+        arguments = answer.choices[0].message.tool_calls[0].function.arguments
+    assert json.loads(arguments) == {"to": "[EMAIL]"}
+    raw = httpx.post(f"{base}/v1/responses", headers={"Authorization": "Bearer sk-guarded"}, timeout=120, json={
+        "model": "smol-mail", "input": "Mail Bob.", "stream": stream, "max_output_tokens": 40, "temperature": 0,
+        "tools": [{"type": "function", "name": "mail", "parameters": MAIL_SCHEMA}],
+        "tool_choice": {"type": "function", "name": "mail"}})
+    assert raw.status_code == 200, raw.text
+    assert "bob@" not in raw.text
+    assert "[EMAIL]" in raw.text
