@@ -1,7 +1,7 @@
 """The output guard on every field that carries model text, table-driven: each way a model produces
 text (content, reasoning, tool-call arguments from auto parsing, a named or required tool choice and
 structured output, logprobs with their alternatives) on each API (chat, completions, Responses,
-Messages), on either backend (embedded: the engine's double; remote: a scripted upstream over real
+Messages; the native API's text), on either backend (embedded: the engine's double; remote: a scripted upstream over real
 HTTP), whole and streamed, however the answer leaves (directly, a cached replay, a stored response,
 a batch's output line). One profile redacts emails on the way out; the model's email must leave by
 no field. The remote side is skipped where an API serves embedded models only (Responses, Messages)
@@ -286,3 +286,20 @@ def test_a_message_batchs_results_are_guarded(side: Side, name: str) -> None:
     assert results.status_code == 200
     assert '"succeeded"' in results.text, results.text
     assert_guarded(results.text)
+
+
+NATIVE = [  # the native API's routes (embedded models only): a completion's text, or a chat's
+    ("/generate", {"prompt": "write to eve"}),
+    ("/stream-generate", {"prompt": "write to eve"}),
+    ("/chat", {"messages": HI}),
+    ("/chat", {"messages": HI, "stream": True}),
+]
+
+
+@pytest.mark.parametrize(("route", "body"), NATIVE, ids=[f"{r}{' stream' if b.get('stream') else ''}" for r, b in NATIVE])
+def test_the_native_apis_text_is_guarded(side: Side, route: str, body: dict[str, Any]) -> None:
+    if side.model == "far":
+        pytest.skip("the native API serves embedded models only")
+    side.play(WAYS["chat content"])
+    with side.client() as client:
+        assert_guarded(answered(client, route, {"model": side.model, "max_tokens": 40, **body}).text)
