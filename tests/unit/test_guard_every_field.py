@@ -238,14 +238,16 @@ def test_a_cached_replay_is_the_guarded_answer(side: Side, way: Way, stream: boo
 
 @pytest.mark.parametrize("way", [w for w in WAYS.values() if w.route == RESPONSES],
                          ids=[name for name, w in WAYS.items() if w.route == RESPONSES])
-@streams
-def test_a_stored_response_is_the_guarded_answer(side: Side, way: Way, stream: bool) -> None:
+@pytest.mark.parametrize("run", ["whole", "stream", "background"])
+def test_a_stored_response_is_the_guarded_answer(side: Side, way: Way, run: str) -> None:
     side.play(way)
     with side.client() as client:
-        answer = answered(client, RESPONSES, side.body(way, stream, store=True))
+        answer = answered(client, RESPONSES, side.body(way, run == "stream", store=True, background=run == "background"))
         ids = [json.loads(line[6:]).get("response", {}).get("id") for line in answer.text.splitlines()
-               if line.startswith("data: {")] if stream else [answer.json()["id"]]
-        stored = client.get(f"{RESPONSES}/{next(i for i in ids if i)}")
+               if line.startswith("data: {")] if run == "stream" else [answer.json()["id"]]
+        path = f"{RESPONSES}/{next(i for i in ids if i)}"
+        until_sync(lambda: client.get(path).json()["status"] not in ("queued", "in_progress"), what="the response done")
+        stored = client.get(path)
     assert stored.status_code == 200
     assert_guarded(stored.text)
 
