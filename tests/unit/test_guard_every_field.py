@@ -305,3 +305,28 @@ def test_the_native_apis_text_is_guarded(side: Side, route: str, body: dict[str,
     side.play(WAYS["chat content"])
     with side.client() as client:
         assert_guarded(answered(client, route, {"model": side.model, "max_tokens": 40, **body}).text)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("down", ["embedded", "remote"])
+def test_a_fallback_answers_under_its_own_profile(tmp_path: Path, down: str, stream: bool) -> None:
+    """The model asked for has no profile and is down; the fallback that answers has one: its answer
+    is guarded as when it is asked for itself (the profile of the model that answers)."""
+    engine, upstream = FakeEngine(max_model_len=1000), Upstream("content", TEXT)
+    engine.reply, engine.dead = TEXT, down == "embedded"
+    guards = "guards: {output: {pii: {email: redact}}}"
+    with scripted(lambda request: httpx.Response(503) if down == "remote" else upstream(request)) as base:
+        remote = f"name: far, kind: remote, url: '{base}/v1', upstream_model: up"
+        embedded = "name: fake-model"
+        if down == "embedded":  # the engine down, its fallback remote and guarded
+            listed = f"{{{embedded}, fallback: [far]}}, {{{remote}, {guards}}}"
+        else:  # the upstream down, its fallback the engine, guarded
+            listed = f"{{{embedded}, {guards}}}, {{{remote}, fallback: [fake-model]}}"
+        models = tmp_path / "models.yaml"
+        models.write_text(f"models: [{listed}]")
+        app = create_app(fake_settings(models_file=models), engine_starter=lambda es: engine)
+        with TestClient(app) as client:
+            asked = "fake-model" if down == "embedded" else "far"
+            answer = answered(client, CHAT, {"model": asked, "max_tokens": 40, "messages": HI, "stream": stream})
+    assert answer.headers["x-served-model"] == ("far" if down == "embedded" else "fake-model")
+    assert_guarded(answer.text)
