@@ -4,6 +4,7 @@ text and restoration takes out again."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -106,10 +107,14 @@ class Placeholders:
             self._longest = max(self._longest, len(self._by_value[key]))
         return self._by_value[key]
 
-    def restore(self, text: str) -> str:
+    def restore(self, text: str, quoted: bool = False) -> str:
+        """`text` with the placeholders given put back; `quoted`: the text is JSON (a tool call's
+        arguments, structured output), where a placeholder stands in a string: the value goes in
+        escaped as one (a quote, a backslash or a tab in it would break the JSON)."""
         if not self._values or "[" not in text:
             return text
-        return self.PLACEHOLDER.sub(lambda m: self._values.get(m.group(0), m.group(0)), text)
+        values = {name: json.dumps(value, ensure_ascii=False)[1:-1] for name, value in self._values.items()} if quoted else self._values
+        return self.PLACEHOLDER.sub(lambda m: values.get(m.group(0), m.group(0)), text)
 
     def unfinished(self, text: str) -> int:
         """Where one of the placeholders given may begin at the end of `text`, unfinished (len(text)

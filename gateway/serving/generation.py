@@ -236,7 +236,7 @@ class Run:
             request = replace(request, priority=priority)
         self.request = request
         # an upstream's logprobs may spell its tool calls: they get a slot of their own
-        self.guard = guard.output(request.sampling.n, apart=request.forward is not None)
+        self.guard = guard.output(request.sampling.n, apart=request.forward is not None, json=_json_text(request))
         self.prompt_tokens = request.forward.prompt_tokens if request.forward else len(request.prompt_token_ids)
         self.cached_tokens = 0
         self.reported: int | None = None  # the completion tokens the backend counted (a remote upstream's usage)
@@ -405,6 +405,15 @@ class Run:
             "total_tokens": self.prompt_tokens + completion,
             "prompt_tokens_details": details,
         }
+
+
+def _json_text(request: GenerationRequest) -> bool:
+    """Whether the text the generation writes is JSON: constrained to it (a named or required tool
+    call, structured output), or asked of a remote upstream as a response format."""
+    if request.forward is not None:
+        asked = request.forward.payload.get("response_format")
+        return isinstance(asked, dict) and asked.get("type") in ("json_object", "json_schema")
+    return request.sampling.json_schema is not None or request.sampling.json_object
 
 
 async def _bounded(outputs: AsyncGenerator[GenerationOutput, None], n: int, most: int) -> AsyncGenerator[GenerationOutput, None]:

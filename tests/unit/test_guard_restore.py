@@ -133,7 +133,7 @@ profiles:
   keep:
     input:
       pii: {{email: redact}}
-      deny: [{{pattern: "(?i)project zeus", action: redact, name: {LONG}}}]
+      deny: [{{pattern: "(?i)project zeus", action: redact, name: {LONG}}}, {{pattern: '(?i)code\\s+"\\w+"', action: redact, name: code}}]
     output: {{pii: {{email: redact}}, holdback_chars: 16}}
 """
 
@@ -169,3 +169,42 @@ def test_the_callers_values_come_back_from_one_character_events(side: Side, case
     for placeholder, value in PLACEHOLDERS.items():
         assert placeholder[:-3] not in answer.text  # no placeholder, nor a piece of one, is left
         assert json.dumps(value)[1:-1] in answer.text  # whole, in one event of a stream
+
+
+QUOTED = 'code\t"zeus"'  # a value with a tab and quotes, which JSON writes escaped
+JSON_CASES = {  # route, the request's fields, the upstream's field (None: embedded only), how to read the value back
+    "chat named tool call": (CHAT, {"tools": [{"type": "function", "function": {"name": "mail", "parameters": SCHEMA}}],
+                                    "tool_choice": {"type": "function", "function": {"name": "mail"}}}, "tool_calls"),
+    "chat structured output": (CHAT, {"response_format": {"type": "json_object"}}, "content"),
+    "messages named tool use": (MESSAGES, {"tools": [{"name": "mail", "input_schema": SCHEMA}],
+                                           "tool_choice": {"type": "tool", "name": "mail"}}, None),
+}
+
+
+def _arguments(route: str, answer: dict[str, Any]) -> str:
+    if route == MESSAGES:
+        return json.dumps(next(block["input"] for block in answer["content"] if block["type"] == "tool_use"))
+    message = answer["choices"][0]["message"]
+    return message["tool_calls"][0]["function"]["arguments"] if message.get("tool_calls") else message["content"]
+
+
+@pytest.mark.parametrize("case", list(JSON_CASES), ids=list(JSON_CASES))
+def test_a_value_restored_into_json_is_written_as_a_json_string(side: Side, case: str) -> None:
+    """A tool call's arguments and structured output are JSON: the caller's value goes back in as a
+    JSON string holds it (its tab and quotes escaped), so that the arguments still parse and hold it,
+    split one character per event or not; in prose it comes back as it was."""
+    route, fields, upstream_field = JSON_CASES[case]
+    if side.model == "far" and upstream_field is None:
+        pytest.skip(f"{route} serves embedded models only")
+    text = '{"to": "[CODE_1]", "cc": "[EMAIL_1]"}'
+    side.upstream.kind, side.upstream.pieces = upstream_field or "content", list(text)
+    side.engine.reply = list(text)
+    asked = [{"role": "user", "content": f"Send {QUOTED} to a@b.com"}]
+    with side.client() as client:
+        answer = client.post(route, json={"model": side.model, "max_tokens": 500, "messages": asked, **fields})
+        assert answer.status_code == 200, answer.text
+        assert json.loads(_arguments(route, answer.json())) == {"to": QUOTED, "cc": "a@b.com"}
+        side.upstream.kind, side.upstream.pieces = "content", list("Use [CODE_1].")
+        side.engine.reply = list("Use [CODE_1].")
+        prose = client.post(CHAT, json={"model": side.model, "max_tokens": 500, "messages": asked})
+    assert prose.json()["choices"][0]["message"]["content"] == f"Use {QUOTED}."
