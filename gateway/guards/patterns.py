@@ -4,6 +4,7 @@ text and restoration takes out again."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -88,11 +89,11 @@ class Placeholders:
     so that the answer can name them and get the values back."""
 
     PLACEHOLDER = re.compile(r"\[([A-Z][A-Z0-9_]*?)_(\d+)\]")
-    LONGEST = 32  # an unfinished placeholder at the end of a stream's text is held back at most this long
 
     def __init__(self) -> None:
         self._by_value: dict[tuple[str, str], str] = {}
         self._values: dict[str, str] = {}
+        self._longest = 0  # the longest placeholder given: how far back an unfinished one may begin
 
     def __bool__(self) -> bool:
         return bool(self._values)
@@ -103,19 +104,27 @@ class Placeholders:
             count = sum(1 for lab, _ in self._by_value if lab == label) + 1
             self._by_value[key] = f"[{label}_{count}]"
             self._values[self._by_value[key]] = value
+            self._longest = max(self._longest, len(self._by_value[key]))
         return self._by_value[key]
 
-    def restore(self, text: str) -> str:
+    def restore(self, text: str, quoted: bool = False) -> str:
+        """`text` with the placeholders given put back; `quoted`: the text is JSON (a tool call's
+        arguments, structured output), where a placeholder stands in a string: the value goes in
+        escaped as one (a quote, a backslash or a tab in it would break the JSON)."""
         if not self._values or "[" not in text:
             return text
-        return self.PLACEHOLDER.sub(lambda m: self._values.get(m.group(0), m.group(0)), text)
+        values = {name: json.dumps(value, ensure_ascii=False)[1:-1] for name, value in self._values.items()} if quoted else self._values
+        return self.PLACEHOLDER.sub(lambda m: values.get(m.group(0), m.group(0)), text)
 
     def unfinished(self, text: str) -> int:
-        """Where a placeholder may begin at the end of `text` (len(text) if none may)."""
-        if not self._values:
+        """Where one of the placeholders given may begin at the end of `text`, unfinished (len(text)
+        if none may): held back there, a placeholder split over any number of a stream's pieces,
+        however long its name, is restored whole."""
+        start = text.rfind("[", max(0, len(text) - self._longest))
+        if start < 0:
             return len(text)
-        start = text.rfind("[", max(0, len(text) - self.LONGEST))
-        return start if start >= 0 and "]" not in text[start:] else len(text)
+        begun = text[start:]
+        return start if any(name.startswith(begun) and name != begun for name in self._values) else len(text)
 
 
 def redact(text: str, matches: Iterable[Match], replace: Callable[[Match, str], str]) -> str:

@@ -133,7 +133,7 @@ class OutputGuard:
     match in any slot cuts the choice."""
 
     def __init__(self, notes: Notes, scanner: Scanner, checks: OutputChecks, restore: Placeholders | None,
-                 n: int) -> None:
+                 n: int, apart: bool = False, json: bool = False) -> None:
         self.notes = notes
         self.scanner, self.checks = scanner, checks
         self.restore = restore
@@ -144,7 +144,10 @@ class OutputGuard:
         self.fields: dict[tuple[int, str | int], int] = {}  # (choice, "reasoning", "logprobs" or a call's index) → slot
         # logprobs in a slot of their own, of the text they spell: a backend's whose logprobs may
         # spell another field than the choice's text (a remote upstream's tool call)
-        self.apart = False
+        self.apart = apart
+        # the slots whose text is JSON, where placeholders are restored as JSON strings' contents:
+        # every tool call's arguments, and the choices' text when the output is constrained to JSON
+        self.quoted: set[int] = set(range(n)) if json else set()
         for _ in range(n):
             self._add_slot()
 
@@ -195,6 +198,8 @@ class OutputGuard:
             slot = self.fields.get((index, key))
             if slot is None:
                 slot = self.fields[(index, key)] = self._add_slot()
+                if isinstance(key, int):
+                    self.quoted.add(slot)
             passed[key] = await self.feed(slot, text, final)
             if self.filters[slot].cut:
                 self._cut(index)
@@ -250,7 +255,7 @@ class OutputGuard:
         if text and choice.batch and await self._moderate(index, text):
             choice.retract()
             text = ""
-        return self.restore.restore(text) if self.restore is not None else text
+        return self.restore.restore(text, index in self.quoted) if self.restore is not None else text
 
     async def _moderate(self, index: int, text: str) -> bool:
         """True when the moderation upstream blocks the choice's text so far with `text` added

@@ -16,7 +16,7 @@ from gateway.backends.admission import Permit
 from gateway.backends.registry import Backend
 from gateway.backends.upstream import estimate, per_choice, with_defaults
 from gateway.errors import InvalidRequest
-from gateway.guards.guarding import RequestGuard
+from gateway.guards.guarding import UNGUARDED, RequestGuard
 from gateway.guards.inbound import guarded
 from gateway.pipeline.answer import Answer, Event, Stream, Whole, primed
 from gateway.pipeline.context import RequestContext
@@ -47,12 +47,12 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         state: GatewayState,
         body: RequestT,
         service: Service[RequestT, PreparedT, AnswerT],
-        guard: RequestGuard,
         shape: Shape | None,
         policy: KeyPolicy,
     ) -> None:
         self.context, self.state, self.body, self.service = context, state, body, service
-        self.guard, self.shape, self.policy = guard, shape, policy
+        self.shape, self.policy = shape, policy
+        self.guard = UNGUARDED  # the guard of the model being tried (`on`)
         # the class admission orders by, the engine's priority (a batch line's: the batch lane, below every key's)
         self.scheduled = context.lane or priority.of(policy, body)
         keys_scope = (state.settings.api_keys or state.tenants.enabled) and not state.settings.cache.shared_across_keys
@@ -61,11 +61,11 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         self.readings = Readings(started=context.record.arrival, log_content=context.record.log_content)
         self._reported = False
 
-    async def on(self, backend: Backend) -> Answer:
-        """The one journey on either backend: its preparation (every refusal, the tokens to charge),
-        the output bound, the charge, the cache, admission, then the generation, the permit held
-        until the answer has been passed on."""
-        engine = backend.engine
+    async def on(self, backend: Backend, guard: RequestGuard) -> Answer:
+        """The one journey on either backend, under `guard` (the request's on this model): its
+        preparation (every refusal, the tokens to charge), the output bound, the charge, the cache,
+        admission, then the generation, the permit held until the answer has been passed on."""
+        self.guard, engine = guard, backend.engine
         start = await (self._remote(backend) if engine is None else self._embedded(backend, engine))
         on_done, hit = await self._cached(backend)
         if hit is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from gateway.backends.registry import Access
 from gateway.errors import APIError, BackendUnavailable, InvalidRequest, from_exception
+from gateway.guards.guarding import RequestGuard
 from gateway.pipeline.answer import Answer
 from gateway.pipeline.attempt import Attempt, Shape
 from gateway.pipeline.context import RequestContext
@@ -40,6 +41,22 @@ def _check_prompts(state: GatewayState, body: RequestT) -> None:
         )
 
 
+def guard_on(context: RequestContext, state: GatewayState, asked: str, answering: str,
+             before: RequestGuard | None) -> RequestGuard:
+    """The request's guard on the model about to answer (`Guards.profile_for`: the key's profile, else
+    the name asked for's, else the answering model's, so a fallback hop brings its own, else the
+    default); the hop before's guard when the profile is the same, so what it noted is noted once."""
+    record = context.record
+    guard = state.guards.for_request(context.key_id, asked, answering, log_content=record.log_content)
+    if before is not None and guard.profile is before.profile:
+        return before
+    if guard.active:  # its notes are the access line's (the same lists, filled as the request goes)
+        if before is not None:
+            guard.actions[:0], guard.matches[:0] = before.actions, before.matches
+        record.guards, record.guard_matches = guard.actions, guard.matches
+    return guard
+
+
 async def dispatch(
     context: RequestContext,
     state: GatewayState,
@@ -57,16 +74,15 @@ async def dispatch(
     if record.trace is not None:
         record.trace.request(service.route, body.model, body)
     record.response_headers["x-model-version"] = version
-    guard = state.guards.for_request(context.key_id, body.model, version, log_content=record.log_content)
-    if guard.active:  # its notes are the access line's (the same lists, filled as the request goes)
-        record.guards, record.guard_matches = guard.actions, guard.matches
-    attempt = Attempt(context, state, body, service, guard, shape, policy)
+    attempt = Attempt(context, state, body, service, shape, policy)
     failure: APIError | None = None
+    guard: RequestGuard | None = None
     for backend in chain:
         if failure is not None:
             metrics.labelled(metrics.FALLBACKS, chain[0].name, backend.name).inc()
+        guard = guard_on(context, state, body.model, backend.name, guard)
         try:
-            answer = await attempt.on(backend)
+            answer = await attempt.on(backend, guard)
         except Exception as exc:
             error = from_exception(exc)
             if not error.fallible:

@@ -26,7 +26,8 @@ from engine.types import (
     TokenLogprob,
 )
 from gateway.errors import ContextLengthExceeded, InvalidRequest
-from gateway.guards.stream import OutputGuard, visible
+from gateway.guards.guarding import UNGUARDED, RequestGuard
+from gateway.guards.stream import visible
 from gateway.protocol.openai import SamplingFields, Usage
 from gateway.serving.meter import Meter, Readings
 from gateway.telemetry.record import current_trace
@@ -222,20 +223,20 @@ def finish_reason(engine_reason: str) -> str:
 class Run:
     """One generation on a backend, started: its outputs, the bookkeeping for usage (the backend's
     own count when it reports one), and its latency metrics (time to first token, inter-token
-    latency, time per output token). With an output guard, outputs pass it first, and the generation
-    ends once it has cut every choice."""
+    latency, time per output token). Every generation's outputs pass the request's output guard
+    here, whichever API and backend (the one place: a service hands over the request's guard, not a
+    guard of its own making), and the generation ends once it has cut every choice."""
 
     def __init__(
-        self, engine: Generator, request: GenerationRequest, guard: OutputGuard | None = None, priority: int = 0,
+        self, engine: Generator, request: GenerationRequest, guard: RequestGuard = UNGUARDED, priority: int = 0,
         readings: Readings | None = None,
     ) -> None:
         self.engine = engine
         if priority != request.priority:  # prepared before the pipeline chose its priority
             request = replace(request, priority=priority)
         self.request = request
-        self.guard = guard
-        if guard is not None:
-            guard.apart = request.forward is not None  # an upstream's logprobs may spell its tool calls
+        # an upstream's logprobs may spell its tool calls: they get a slot of their own
+        self.guard = guard.output(request.sampling.n, apart=request.forward is not None, json=_json_text(request))
         self.prompt_tokens = request.forward.prompt_tokens if request.forward else len(request.prompt_token_ids)
         self.cached_tokens = 0
         self.reported: int | None = None  # the completion tokens the backend counted (a remote upstream's usage)
@@ -404,6 +405,15 @@ class Run:
             "total_tokens": self.prompt_tokens + completion,
             "prompt_tokens_details": details,
         }
+
+
+def _json_text(request: GenerationRequest) -> bool:
+    """Whether the text the generation writes is JSON: constrained to it (a named or required tool
+    call, structured output), or asked of a remote upstream as a response format."""
+    if request.forward is not None:
+        asked = request.forward.payload.get("response_format")
+        return isinstance(asked, dict) and asked.get("type") in ("json_object", "json_schema")
+    return request.sampling.json_schema is not None or request.sampling.json_object
 
 
 async def _bounded(outputs: AsyncGenerator[GenerationOutput, None], n: int, most: int) -> AsyncGenerator[GenerationOutput, None]:

@@ -35,6 +35,10 @@ models:
     kind: split
     versions: {smol: 1}
     guards: {input: {deny: ["(?i)france"]}}
+  - name: smol-mail                    # its output's emails redacted
+    kind: split
+    versions: {smol: 1}
+    guards: {output: {pii: {email: redact}}}
 """
 GUARDS = """
 default: standard
@@ -245,3 +249,38 @@ def test_a_blocked_secret_and_a_phrase_spaced_by_tabs_are_400s(guarded) -> None:
         assert refused.value.code == "content_policy_violation"
         assert guard in refused.value.message
         assert token not in refused.value.message
+
+
+# the schema leaves the model one value to write: an email in the named call's arguments, whatever it would say
+MAIL_SCHEMA = {"type": "object", "properties": {"to": {"type": "string", "enum": ["bob@example.com"]}}, "required": ["to"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_calls_arguments_pass_the_output_guard_on_the_real_engine(guarded, stream: bool) -> None:
+    """The email the engine writes into a forced call's arguments is redacted, as in any other field,
+    on chat and the Responses API, whole and streamed."""
+    base, _ = guarded
+    sdk = client(base)
+    tools = [{"type": "function", "function": {"name": "mail", "parameters": MAIL_SCHEMA}}]
+    answer = sdk.chat.completions.create(model="smol-mail", messages=[{"role": "user", "content": "Mail Bob."}],
+                                         tools=tools, tool_choice={"type": "function", "function": {"name": "mail"}},
+                                         temperature=0, max_tokens=40, stream=stream)
+    if stream:
+        chunks = [c.choices[0].delta for c in answer if c.choices]
+        arguments = "".join(call.function.arguments or "" for d in chunks for call in d.tool_calls or ())
+    else:
+        arguments = answer.choices[0].message.tool_calls[0].function.arguments
+    assert json.loads(arguments) == {"to": "[EMAIL]"}
+    raw = httpx.post(f"{base}/v1/responses", headers={"Authorization": "Bearer sk-guarded"}, timeout=120, json={
+        "model": "smol-mail", "input": "Mail Bob.", "stream": stream, "max_output_tokens": 40, "temperature": 0,
+        "tools": [{"type": "function", "name": "mail", "parameters": MAIL_SCHEMA}],
+        "tool_choice": {"type": "function", "name": "mail"}})
+    assert raw.status_code == 200, raw.text
+    if stream:  # the model's text: the arguments' deltas and the response's output (its tools echo the schema)
+        events = [json.loads(line[6:]) for line in raw.text.splitlines() if line.startswith("data: {")]
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+        output = next(e for e in events if e["type"] == "response.completed")["response"]["output"]
+        assert "bob@" not in deltas
+    else:
+        output = raw.json()["output"]
+    assert json.loads(output[0]["arguments"]) == {"to": "[EMAIL]"}

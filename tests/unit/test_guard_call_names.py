@@ -28,9 +28,7 @@ class _Notes:
 def _guard() -> OutputGuard:
     deny = Detector("deny", "block", "DENY", regex_spans(re.compile(r"(?i)hydra")))
     email = Detector("pii.email", "redact", "EMAIL", regex_spans(pii.EMAIL))
-    guard = OutputGuard(_Notes(), Scanner([deny, email]), OutputChecks(holdback_chars=8, window_chars=64), None, 1)
-    guard.apart = True
-    return guard
+    return OutputGuard(_Notes(), Scanner([deny, email]), OutputChecks(holdback_chars=8, window_chars=64), None, 1, apart=True)
 
 
 async def _run(chunks: list[dict[str, Any]], whole: bool = False) -> list[GenerationOutput]:

@@ -245,12 +245,12 @@ def _answer(prepared: PreparedChat, run: Run) -> ChatCompletion:
 
 
 async def start_run(prepared: PreparedChat) -> Run:
-    """The generation started, after the input moderation, with the output guards on it: what every
+    """The generation started, after the input moderation, under the request's guard: what every
     service on chat (chat, Messages, Responses) runs."""
     await prepared.guard.moderate_input()
-    guard = prepared.guard.output(prepared.generation.sampling.n)
     try:
-        return await Run(prepared.engine, prepared.generation, guard, prepared.scheduled.priority, prepared.readings).start()
+        return await Run(prepared.engine, prepared.generation, prepared.guard, prepared.scheduled.priority,
+                         prepared.readings).start()
     except GenerationFailed as exc:
         if prepared.constraint is None:
             raise

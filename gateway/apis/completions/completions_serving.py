@@ -166,7 +166,7 @@ class _Answer:
     def __init__(self, prepared: PreparedCompletion) -> None:
         self.prepared = prepared
         priority, readings = prepared.scheduled.priority, prepared.readings
-        self.runs = [Run(prepared.engine, g, prepared.guard.output(g.sampling.n), priority, readings)
+        self.runs = [Run(prepared.engine, g, prepared.guard, priority, readings)
                      for g in prepared.generations]
         remote = prepared.generations[0].forward is not None  # echo, best_of and max_tokens 0 are the upstream's
         self.n = prepared.generations[0].sampling.n if remote else prepared.request.n
