@@ -6,8 +6,9 @@ Large Language Models" (OSDI 2024). Per key a counter of the service it has rece
 token, counted as a request is admitted, and `output_weight` per output token, counted as the tokens come (read
 when an order is decided). The next request admitted is the oldest one of the waiting key whose counter is
 least. A key that joins the queue (none of its requests waiting) has its counter lifted to the least of the
-other waiting keys' (none waiting: of the keys running), so that time away is not banked as credit: a key
-returning after an idle hour does not then shut the others out until its counter catches up. The paper's bound
+other waiting keys' (none waiting: of the keys running; none running: to the counter of the key served last),
+so that time away is not banked as credit: a key returning after an idle hour does not then shut the others
+out until its counter catches up. The paper's bound
 holds: between two keys that both keep requests waiting, the service received differs by at most
 2 x max(input_weight x the longest prompt, output_weight x the tokens the running requests may hold)."""
 
@@ -63,6 +64,7 @@ class VirtualTokenCounter(FirstCome):
         self.input_weight, self.output_weight = settings.input_weight, settings.output_weight
         self._settled: dict[str, float] = {}  # per key: prompts admitted, outputs of requests finished
         self._running: dict[str, list[Served]] = {}  # per key: the admitted requests, their outputs still growing
+        self._last = 0.0  # the counter of the key whose requests all finished last
 
     def counter(self, key: str) -> float:
         running = self._running.get(key)
@@ -88,9 +90,8 @@ class VirtualTokenCounter(FirstCome):
 
     def joined(self, key: str, waiting: Collection[str], running: Collection[str]) -> None:
         others = [other for other in waiting if other != key] or [other for other in running if other != key]
-        if not others:
-            return
-        floor, own = min(self.counter(other) for other in others), self.counter(key)
+        floor = min(self.counter(other) for other in others) if others else self._last
+        own = self.counter(key)
         if floor > own:
             self._settled[key] = self._settled.get(key, 0.0) + floor - own
 
@@ -105,6 +106,7 @@ class VirtualTokenCounter(FirstCome):
             self._settled[key] = self._settled.get(key, 0.0) + self.output_weight * served.output()
         if not running:
             self._running.pop(key, None)
+            self._last = self._settled.get(key, 0.0)
 
 
 def order(settings: FairnessSettings) -> FirstCome:
