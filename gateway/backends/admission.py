@@ -172,7 +172,7 @@ class Admission:
     def _wake_class(self, queue: deque[_Waiter], limit: int | None) -> bool:
         """False when the waiter next in order does not fit (nothing after it may go first)."""
         passed: set[str] = set()  # keys at their share (key_share): passed over
-        while (waiter := self.fairness.pick(queue, passed)) is not None:
+        while (waiter := self.fairness.pick(queue, passed, len(self._queued))) is not None:
             if waiter.future.done():  # its waiter gave up (timeout or cancel) and will leave
                 self._dequeued(queue, waiter)
                 continue

@@ -45,8 +45,9 @@ W = TypeVar("W", bound=Waiter)
 class FirstCome:
     """Arrival order: the first waiter of a key not passed over; nothing counted."""
 
-    def pick(self, queue: Iterable[W], passed: Container[str]) -> W | None:
-        """The waiter to admit next (None: none left but those of keys `passed` over)."""
+    def pick(self, queue: Iterable[W], passed: Container[str], keys: int) -> W | None:
+        """The waiter to admit next (None: none left but those of keys `passed` over); `keys`: at most that
+        many keys wait in `queue`."""
         return next((waiter for waiter in queue if waiter.key not in passed), None)
 
     def joined(self, key: str, waiting: Collection[str], running: Collection[str]) -> None:
@@ -73,19 +74,22 @@ class VirtualTokenCounter(FirstCome):
             return settled
         return settled + self.output_weight * sum(served.output() for served in running)
 
-    def pick(self, queue: Iterable[W], passed: Container[str]) -> W | None:
+    def pick(self, queue: Iterable[W], passed: Container[str], keys: int) -> W | None:
         """The oldest waiter of the least served key (ties: the key whose oldest waiter came first)."""
         best: W | None = None
         least = 0.0
         seen: set[str] = set()
         for waiter in queue:
             key = waiter.key
-            if key in seen or key in passed:
+            if key in seen:
                 continue
             seen.add(key)
-            counter = self.counter(key)
-            if best is None or counter < least:
-                best, least = waiter, counter
+            if key not in passed:
+                counter = self.counter(key)
+                if best is None or counter < least:
+                    best, least = waiter, counter
+            if len(seen) == keys:  # every key waiting seen: no need to read the rest of a long queue
+                break
         return best
 
     def joined(self, key: str, waiting: Collection[str], running: Collection[str]) -> None:
