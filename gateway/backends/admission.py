@@ -57,7 +57,7 @@ class Admission:
         self.running = 0  # engine requests admitted
         self.waiting = 0  # engine requests waiting
         self._queues: dict[Priority, deque[_Waiter]] = {klass: deque() for klass in _ORDER}
-        self._held: dict[str, int] = {}  # engine requests admitted, per key (with key_share)
+        self._held: dict[str, int] = {}  # engine requests admitted, per key
         self._queued: dict[str, int] = {}  # requests waiting, per key
         self.fairness = fairness.order(settings.fairness)  # who of a class goes first
 
@@ -101,7 +101,7 @@ class Admission:
             self.fairness.joined(key, self._queued, self._held)
         self._queued[key] = self._queued.get(key, 0) + 1
         self._waiting(count)
-        self._wake()  # a key at its share ahead of it may be passed over: then it runs at once
+        self._wake()  # it may be next in the order (or those ahead passed over): then it runs at once
         try:
             async with asyncio.timeout(self.settings.wait_timeout_s):
                 await waiter.future

@@ -5,8 +5,10 @@ on the difference in service between two backlogged keys, a returning key lifted
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,6 +16,8 @@ from hypothesis import strategies as st
 from gateway.backends.admission import Admission, Permit
 from gateway.settings import AdmissionSettings, FairnessSettings, Priority
 from gateway.tenancy.fairness import Served, VirtualTokenCounter
+from gateway.tenancy.keys import ANONYMOUS
+from tests.fakes import FakeEngine, app_with, chat_body
 
 W_IN, W_OUT = FairnessSettings().input_weight, FairnessSettings().output_weight
 
@@ -227,3 +231,27 @@ async def test_the_request_next_in_order_is_not_overtaken_when_it_does_not_fit()
     (await big).release()
     (await small).release()
     assert admission.running == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_pipeline_counts_a_requests_prompt_and_output_into_its_keys_counter(stream: bool) -> None:
+    """Through the app: what the key's counter grew by is the answer's usage, weighted."""
+    app = app_with(FakeEngine(), admission={"max_running": 4})
+    async with app.router.lifespan_context(app) as state:
+        async def with_state(scope, receive, send):  # type: ignore[no-untyped-def]
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        vtc = state["gateway"].models.backends["fake-model"].admission.fairness
+        assert isinstance(vtc, VirtualTokenCounter)
+        body = chat_body(max_tokens=6, stream=stream, stream_options={"include_usage": True} if stream else None)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://test") as client:
+            answer = await client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200
+    if stream:
+        usage = [json.loads(line[6:]) for line in answer.text.splitlines()
+                 if line.startswith("data: {")][-1]["usage"]
+    else:
+        usage = answer.json()["usage"]
+    assert usage["completion_tokens"] == 6
+    assert vtc.counter(ANONYMOUS) == W_IN * usage["prompt_tokens"] + W_OUT * usage["completion_tokens"]
