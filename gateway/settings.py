@@ -67,7 +67,8 @@ class CacheSettings(BaseModel):
 
 
 class FairnessSettings(BaseModel):
-    """The order in which waiting requests of one priority class are admitted (docs/operations.md, Admission)."""
+    """The order in which waiting requests of one priority class are admitted (docs/tenants-and-guards.md,
+    Priority classes: fair shares counted in tokens)."""
 
     order: Literal["vtc", "fcfs"] = Field(
         "vtc",
