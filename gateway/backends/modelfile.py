@@ -140,7 +140,19 @@ def load(settings: Settings) -> ModelsFile:
         if spec.path is not None:
             spec.path = str(path.parent / spec.path)
     check(parsed)
+    _inherit_admission(parsed, settings.admission)
     return parsed
+
+
+def _inherit_admission(models: ModelsFile, defaults: AdmissionSettings) -> None:
+    """Each model's own `admission` as it holds: the global settings with what it names, an adapter's over
+    its base's (which, without one of its own, shares the base's bounds)."""
+    canonical = {spec.id: spec for spec in models.models}
+    for spec in sorted(models.models, key=lambda spec: spec.kind == "adapter"):  # bases first
+        if spec.admission is None:
+            continue
+        base = canonical[spec.base].admission if spec.kind == "adapter" and spec.base else None
+        spec.admission = spec.admission_settings(base or defaults)
 
 
 def catalog(models: ModelsFile) -> versions.Catalog:

@@ -61,7 +61,7 @@ def build_registry(
             continue
         if spec.kind == "adapter":
             continue  # once its base is there, below
-        admission = Admission(spec.id, spec.admission_settings(settings.admission))
+        admission = Admission(spec.id, spec.admission or settings.admission)
         if spec.kind == "remote":
             assert spec.url is not None
             upstream = Upstream(spec.id, spec.url, spec.upstream_model or spec.name, spec.api_key, spec.timeout_s,
@@ -79,9 +79,8 @@ def build_registry(
         if spec.kind == "adapter":
             assert spec.base is not None
             assert spec.path is not None
-            base = backends[spec.base]
-            own = Admission(spec.id, spec.admission_settings(base.admission.settings)) if spec.admission else None
-            backends[spec.id] = adapter_backend(spec.id, base, spec.path, created, spec.version,
+            own = Admission(spec.id, spec.admission) if spec.admission else None
+            backends[spec.id] = adapter_backend(spec.id, backends[spec.base], spec.path, created, spec.version,
                                                 tuple(spec.fallback), spec.defaults, own)
     return ModelRegistry(backends, splits, aliases, catalog(models))
 

@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import BaseModel, ValidationError
 
 from engine.config import EngineSettings, SamplingDefaults
+from gateway.backends import modelfile
 from gateway.backends.modelfile import ModelSpec
 from gateway.guards import config as guards_config
 from gateway.guards.config import GuardsFile, ModerationUpstream, Profile
 from gateway.settings import AdmissionSettings, merged
+from tests.adapters import write_stub
+from tests.fakes import fake_settings
 
-Path = tuple[str, ...]
+Field = tuple[str, ...]  # a field's path through nested blocks
 # values tried for a field, in order: the first a field accepts unlike its default is the global's, the next
 # one unlike that (or the default: a field of two values) the model's
 CANDIDATES: list[Any] = [True, False, 3, 7, 8, 16, 0.5, 0.25, "x", "y", ["a"], ["b"],
@@ -35,7 +39,7 @@ def _nested(annotation: Any) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
-def leaves(block: type[BaseModel], skip: frozenset[str] = frozenset(), path: Path = ()) -> Iterator[tuple[Path, Any, Any]]:
+def leaves(block: type[BaseModel], skip: frozenset[str] = frozenset(), path: Field = ()) -> Iterator[tuple[Field, Any, Any]]:
     """Every field of `block` (nested blocks' fields one by one) with a valid value unlike its default (the
     global's) and another one (the model's)."""
     for name, field in block.model_fields.items():
@@ -56,17 +60,17 @@ def leaves(block: type[BaseModel], skip: frozenset[str] = frozenset(), path: Pat
         yield (*path, name), first, next(value for value in [*valid, default] if value != first)
 
 
-def nest(path: Path, value: Any) -> dict[str, Any]:
+def nest(path: Field, value: Any) -> dict[str, Any]:
     return {path[0]: value if len(path) == 1 else nest(path[1:], value)}
 
 
-def deep_update(data: dict[str, Any], path: Path, value: Any) -> None:
+def deep_update(data: dict[str, Any], path: Field, value: Any) -> None:
     for name in path[:-1]:
         data = data.setdefault(name, {})
     data[path[-1]] = value
 
 
-def read(block: BaseModel, path: Path) -> Any:
+def read(block: BaseModel, path: Field) -> Any:
     value: Any = block
     for name in path:
         value = getattr(value, name)
@@ -110,7 +114,7 @@ CASES = [pytest.param(apply, leaf, every, id=f"{name}.{'.'.join(leaf[0])}")
 
 @pytest.mark.parametrize(("apply", "leaf", "every"), CASES)
 def test_a_models_block_overrides_only_the_field_it_names(
-    apply: Apply, leaf: tuple[Path, Any, Any], every: list[tuple[Path, Any, Any]]
+    apply: Apply, leaf: tuple[Field, Any, Any], every: list[tuple[Field, Any, Any]]
 ) -> None:
     """The global block sets every field away from its default; the model's names one field: that
     field is the model's, every other one (its siblings in a nested block too) the global's."""
@@ -127,7 +131,7 @@ def test_a_models_block_overrides_only_the_field_it_names(
 
 @pytest.mark.parametrize(("apply", "leaf", "every"), CASES)
 def test_a_model_that_names_nothing_is_the_global_block(
-    apply: Apply, leaf: tuple[Path, Any, Any], every: list[tuple[Path, Any, Any]]
+    apply: Apply, leaf: tuple[Field, Any, Any], every: list[tuple[Field, Any, Any]]
 ) -> None:
     path, value, _ = leaf
     assert read(apply(nest(path, value), {}), path) == value
@@ -151,3 +155,23 @@ def test_a_mapping_merges_by_key_and_a_list_is_replaced_whole() -> None:
 def test_a_bad_value_in_a_models_block_is_refused_naming_it() -> None:
     with pytest.raises(ValidationError, match="max_running"):
         ModelSpec.model_validate({"name": "m", "admission": {"max_running": 0}})
+
+
+def test_a_models_file_as_loaded_holds_merged_admission_blocks_an_adapters_over_its_bases(tmp_path: Path) -> None:
+    """Through `modelfile.load`, what the registry builds from: the issue's case, and an adapter's block
+    over its base's (which is over the global one)."""
+    stub = write_stub(tmp_path / "sql")
+    (tmp_path / "models.yaml").write_text(
+        "models:\n"
+        "  - {name: base, admission: {max_running: 4, max_waiting: 8}}\n"
+        "  - {name: plain}\n"
+        f"  - {{name: sql, kind: adapter, base: base, path: {stub}, admission: {{max_waiting: 2}}}}\n"
+    )
+    settings = fake_settings(models_file=tmp_path / "models.yaml", admission={"key_share": 0.5, "retry_after_s": 7})
+    specs = {spec.id: spec for spec in modelfile.load(settings).models}
+    base, adapter = specs["base"].admission, specs["sql"].admission
+    assert base is not None
+    assert adapter is not None
+    assert (base.max_running, base.max_waiting, base.key_share, base.retry_after_s) == (4, 8, 0.5, 7)
+    assert (adapter.max_running, adapter.max_waiting, adapter.key_share, adapter.retry_after_s) == (4, 2, 0.5, 7)
+    assert specs["plain"].admission is None  # the global block itself (backends.startup)
