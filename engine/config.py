@@ -33,10 +33,6 @@ class SamplingDefaults(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Penalty per appearance of a token")
     max_tokens: int | None = Field(None, ge=1, description="Chat output budget when a request sends none")
 
-    def over(self, weaker: SamplingDefaults) -> SamplingDefaults:
-        """These defaults, with `weaker`'s where these say nothing."""
-        return SamplingDefaults.model_validate({**weaker.model_dump(exclude_none=True), **self.model_dump(exclude_none=True)})
-
     def as_generation_config(self) -> dict[str, Any]:
         """In a generation config's terms (vLLM's `override_generation_config`)."""
         values = self.model_dump(exclude_none=True)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import structlog
 from prometheus_client import Counter
@@ -19,7 +20,32 @@ from engine.config import EngineSettings
 
 Priority = Literal["high", "normal", "low"]  # an API key's priority class (the keys file's `priority`)
 Stamp = tuple[tuple[int, int, int] | None, ...]
+Block = TypeVar("Block", bound=BaseModel)
 log = structlog.get_logger(__name__)
+
+
+def merged(base: Block, own: BaseModel | Mapping[str, Any] | None) -> Block:
+    """`base` (a global block of settings) with what `own` (a model's block of the same kind, or its fields as a
+    mapping) names, and nothing else: nested blocks and mappings field by field, every field `own` leaves out
+    inherited; validated again as a whole. The one way a per-model block meets its global one."""
+    if own is None:
+        return base
+    named = _named(own) if isinstance(own, BaseModel) else own
+    return type(base).model_validate(_over(base.model_dump(), named))
+
+
+def _named(block: BaseModel) -> dict[str, Any]:
+    """The fields a block was given (`model_fields_set`, its nested blocks' too): what it overrides."""
+    return {name: _named(value) if isinstance(value, BaseModel) else value
+            for name, value in ((name, getattr(block, name)) for name in block.model_fields_set)}
+
+
+def _over(base: dict[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for name, value in own.items():
+        below = out.get(name)
+        out[name] = _over(below, value) if isinstance(value, Mapping) and isinstance(below, dict) else value
+    return out
 
 
 class CacheSettings(BaseModel):
@@ -40,9 +66,22 @@ class CacheSettings(BaseModel):
     )
 
 
+class FairnessSettings(BaseModel):
+    """The order in which waiting requests of one priority class are admitted (docs/tenants-and-guards.md,
+    Priority classes: fair shares counted in tokens)."""
+
+    order: Literal["vtc", "fcfs"] = Field(
+        "vtc",
+        description="vtc: the request of the key served least so far goes first (the Virtual Token Counter of "
+        "Sheng et al., OSDI 2024: prompt and output tokens, weighted); fcfs: arrival order",
+    )
+    input_weight: float = Field(1.0, ge=0, description="vtc: what one prompt token counts as service (the paper's: 1)")
+    output_weight: float = Field(2.0, ge=0, description="vtc: what one output token counts as service (the paper's: 2)")
+
+
 class AdmissionSettings(BaseModel):
-    """Per model (the models file may override): bounds on engine requests (each choice of each
-    prompt of a request) running and waiting."""
+    """Per model (the models file may override any field, the others inherited): bounds on engine
+    requests (each choice of each prompt of a request) running and waiting, and their order."""
 
     max_running: int = Field(256, gt=0, description="Engine requests generating at once on a model")
     max_waiting: int = Field(1024, ge=0, description="Engine requests queued for a model beyond max_running")
@@ -58,8 +97,9 @@ class AdmissionSettings(BaseModel):
         None, gt=0, le=1,
         description="The share of max_running one key may hold while requests of other keys wait (at least one "
         "engine request); unset: no bound per key. Waiting requests of a key at its share are passed over, "
-        "in every class, for other keys' requests",
+        "in every class, for other keys' requests (with fairness.order vtc, a cap beneath the order)",
     )
+    fairness: FairnessSettings = Field(default_factory=FairnessSettings)
 
 
 class TLSSettings(BaseModel):

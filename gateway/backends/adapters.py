@@ -30,6 +30,7 @@ from gateway.backends.admission import Admission
 from gateway.backends.registry import Backend, ModelRegistry, identity
 from gateway.backends.versions import SEPARATOR
 from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
+from gateway.settings import merged
 
 log = structlog.get_logger(__name__)
 MAX_NAME = 256
@@ -46,7 +47,7 @@ class AdapterEngine:
         self.base = base
         self.name = name  # the adapter's name in the engine: its public id (vLLM's metrics label it so)
         self.path = path
-        sampling = base.info.sampling_defaults if defaults is None else defaults.over(base.info.sampling_defaults)
+        sampling = merged(base.info.sampling_defaults, defaults)
         self.info: ModelInfo = dataclasses.replace(base.info, name=name, root=path, sampling_defaults=sampling)
         self.tokenizer: Tokenizer = base.tokenizer
         self.in_flight = 0

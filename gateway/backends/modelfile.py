@@ -16,7 +16,7 @@ from engine import adapters
 from engine.config import EngineSettings, SamplingDefaults
 from gateway.backends import versions
 from gateway.guards.config import read_file
-from gateway.settings import AdmissionSettings, Settings
+from gateway.settings import AdmissionSettings, Settings, merged
 
 
 class ConfigError(ValueError):
@@ -97,16 +97,18 @@ class ModelSpec(BaseModel):
         self._lora = lora
 
     def engine_settings(self, defaults: EngineSettings) -> EngineSettings:
+        """The global engine settings with what this model's `engine` block names (nested blocks field by field)
+        and its `defaults` over their sampling defaults."""
         try:
             task = {"task": "embed"} if self.kind == "embedding" else {}
-            merged = EngineSettings.model_validate(
-                {**defaults.model_dump(), **self._lora, **self.engine, "served_model_name": self.id, **task}
-            )
+            own = merged(defaults, {**self._lora, **self.engine, "served_model_name": self.id, **task})
         except ValidationError as exc:
             raise ConfigError(f"model '{self.id}': bad engine settings: {exc}") from exc
-        if self.defaults is None:
-            return merged
-        return merged.model_copy(update={"sampling_defaults": self.defaults.over(merged.sampling_defaults)})
+        return own.model_copy(update={"sampling_defaults": merged(own.sampling_defaults, self.defaults)})
+
+    def admission_settings(self, defaults: AdmissionSettings) -> AdmissionSettings:
+        """The global admission settings (or an adapter's base's) with what this model's `admission` names."""
+        return merged(defaults, self.admission)
 
     @property
     def task(self) -> str | None:
@@ -138,7 +140,19 @@ def load(settings: Settings) -> ModelsFile:
         if spec.path is not None:
             spec.path = str(path.parent / spec.path)
     check(parsed)
+    _inherit_admission(parsed, settings.admission)
     return parsed
+
+
+def _inherit_admission(models: ModelsFile, defaults: AdmissionSettings) -> None:
+    """Each model's own `admission` as it holds: the global settings with what it names, an adapter's over
+    its base's (which, without one of its own, shares the base's bounds)."""
+    canonical = {spec.id: spec for spec in models.models}
+    for spec in sorted(models.models, key=lambda spec: spec.kind == "adapter"):  # bases first
+        if spec.admission is None:
+            continue
+        base = canonical[spec.base].admission if spec.kind == "adapter" and spec.base else None
+        spec.admission = spec.admission_settings(base or defaults)
 
 
 def catalog(models: ModelsFile) -> versions.Catalog:

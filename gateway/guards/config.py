@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from gateway.settings import merged
+
 Action = Literal["off", "flag", "redact", "block"]
 Verdict = Literal["off", "flag", "block"]  # for checks that find no span to redact (injection, moderation)
 FileT = TypeVar("FileT", bound=BaseModel)
@@ -150,16 +152,17 @@ def read(path: Path | None) -> GuardsFile:
 
 
 def resolve(config: GuardsFile, models: ModelGuards) -> tuple[dict[str, Profile], dict[str, str]]:
-    """Every profile by name (the models' inline ones as `model:<name>`), and each model's profile
-    name; unknown names and moderation without an upstream are refused."""
+    """Every profile by name (the models' inline ones as `model:<name>`: the default profile with what they name),
+    and each model's profile name; unknown names and moderation without an upstream are refused."""
     profiles = dict(config.profiles)
+    inherited = profiles.get(config.default or "") or Profile()  # an unknown default is refused below
     by_model: dict[str, str] = {}
     for model, ref in models.items():
         if isinstance(ref, str):
             by_model[model] = ref
             continue
         try:
-            profiles[f"model:{model}"] = Profile.model_validate(ref)
+            profiles[f"model:{model}"] = merged(inherited, ref)
         except ValidationError as exc:
             raise GuardConfigError(f"model '{model}': its guards are not valid: {exc}") from exc
         by_model[model] = f"model:{model}"

@@ -32,6 +32,7 @@ from gateway.stores.cache import Hit, Storer
 from gateway.telemetry.record import RequestRecord
 from gateway.telemetry.tracing import stage
 from gateway.tenancy import priority
+from gateway.tenancy.fairness import Served
 from gateway.tenancy.tenants import KeyPolicy
 
 Shape = Callable[[Event], BaseModel]  # answers and chunks in another form (the native API's)
@@ -60,6 +61,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         # what the generation measures, handed down and reported here (`_report`), once
         self.readings = Readings(started=context.record.arrival, log_content=context.record.log_content)
         self._reported = False
+        self._prompt_tokens = 0  # the try's prompt (estimated for a remote upstream): fair shares count it
 
     async def on(self, backend: Backend, guard: RequestGuard) -> Answer:
         """The one journey on either backend, under `guard` (the request's on this model): its
@@ -128,11 +130,13 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         client that leaves while it waits for them leaves the queue (499): it would hold its place
         there for up to `wait_timeout_s`, then run."""
         admission, count, key = backend.admission, self.body.engine_requests(), self.context.tenant
-        permit = admission.admit_now(count, key)  # room, nobody ahead: no wait to watch (nearly always)
+        readings, before = self.readings, self.readings.generated  # a fallback's output counts from here
+        served = Served(self._prompt_tokens, lambda: readings.generated - before)
+        permit = admission.admit_now(count, key, served)  # room, nobody ahead: no wait to watch (nearly always)
         if permit is not None:
             return permit
         with stage(self.context.record.trace, "gateway.admission.wait", **{"gateway.admission.permits": count}):
-            waited = admission.acquire(count, self.scheduled.klass, key)
+            waited = admission.acquire(count, self.scheduled.klass, key, served)
             return await unless_gone(self.context.client_gone, waited)
 
     async def _embedded(self, backend: Backend, engine: Engine) -> Start[AnswerT]:
@@ -149,6 +153,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         prepared.model = backend.name
         prepared.schedule(self.scheduled, self.readings)
         self._check_output(prepared.output_tokens())
+        self._prompt_tokens = prepared.token_budget() - prepared.output_tokens()
         if prepared.constraint is not None:
             await self._constrained(backend, prepared.constraint, size)
         await self._charge(prepared.token_budget())
@@ -243,6 +248,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
         prompt, output = estimate(payload)
         self._check_output(output)
+        self._prompt_tokens = prompt
         await self._charge(prompt + output, reconcile=True)
         forward = Forward(path, payload, prompt, per_choice(payload, most))
         prepared: PreparedT = service.forwarded(body, forward, backend.generator, self.guard)

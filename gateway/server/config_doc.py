@@ -26,7 +26,8 @@ Secrets have no flag (a command line shows in `ps`): set them in the environment
 `python -m gateway serve --help` lists the same flags.
 
 A models file (`{ENV_PREFIX}MODELS_FILE`, docs/models.md) may override the engine and admission
-settings per model, under the same names (`engine: {{enforce_eager: true}}`).
+settings per model, under the same names (`engine: {{enforce_eager: true}}`): only the fields it names,
+every other one inherited from these.
 """
 
 

@@ -323,6 +323,7 @@ class Run:
         for delta in output.choices:
             self.choices[delta.index].add(delta)
             tokens = tokens or bool(delta.token_ids)
+            self._meter.readings.generated += len(delta.token_ids)
         if tokens and self._meter.token() and self._span is not None:
             self._span.end()
             assert self._trace is not None

@@ -20,6 +20,7 @@ class Readings:
     ttft_s: float | None = None
     prompt_tokens: int | None = None  # None: nothing was counted (no generation ran)
     completion_tokens: int | None = None
+    generated: int = 0  # output tokens so far, counted as they come (fair shares read it while it runs)
     prompt: str | None = None
     output: list[str] = field(default_factory=list)
 

@@ -161,17 +161,20 @@ async def test_waiting_requests_are_admitted_high_first_then_normal_then_low() -
     assert admission.running == 0
 
 
-@pytest.mark.parametrize(("key_share", "b_started_at"), [(0.5, 2), (None, 6)])
+@pytest.mark.parametrize(("key_share", "order", "b_started_at"),
+                         [(0.5, "fcfs", 2), (None, "fcfs", 6), (None, "vtc", 2), (0.5, "vtc", 2)])
 async def test_one_key_cannot_hold_the_model_while_another_waits(
-    tmp_path: Path, key_share: float | None, b_started_at: int
+    tmp_path: Path, key_share: float | None, order: str, b_started_at: int
 ) -> None:
     """max_running 2: key A floods with 6 requests (2 run, 4 wait); key B's one request, sent last,
-    starts as soon as a slot frees, ahead of A's waiting ones, with key_share 0.5 (A holds one slot
-    while B waits); without it, after all of A's."""
+    starts as soon as a slot frees, ahead of A's waiting ones: with fair shares counted in tokens (the
+    default), B has been served least; with key_share 0.5, A holds one slot while B waits; in arrival
+    order without either, after all of A's."""
     keys = "keys:\n  a: {key: sk-a}\n  b: {key: sk-b}\n"
     engine, started = HeldEngine(), []
-    app = _app(tmp_path, engine, started, keys=keys,
-               admission={"max_running": 2, "max_waiting": 10, "wait_timeout_s": 30, "key_share": key_share})
+    admission = {"max_running": 2, "max_waiting": 10, "wait_timeout_s": 30, "key_share": key_share,
+                 "fairness": {"order": order}}
+    app = _app(tmp_path, engine, started, keys=keys, admission=admission)
     async with app.router.lifespan_context(app) as state:
         admission = state["gateway"].models.backends["fake-model"].admission
         async with await _client(app, state) as client:

@@ -18,6 +18,7 @@ from gateway.app import create_app
 from gateway.backends.admission import Admission
 from gateway.backends.registry import Backend, ModelRegistry, Split
 from gateway.backends.versions import Catalog
+from gateway.settings import AdmissionSettings
 from tests.fakes import HELLO, FakeEngine, fake_settings
 
 MODELS = """
@@ -193,10 +194,10 @@ def test_a_shared_cache_answers_only_a_key_allowed_the_model_that_produced_it(
 
 def _registry() -> ModelRegistry:
     catalog = Catalog()
-    backends = {name: Backend(name, Admission(4, 4), FakeEngine(name)) for name in ("small", "big", "family@0.1.0-beta")}
+    backends = {name: Backend(name, Admission(name, AdmissionSettings(max_running=4, max_waiting=4)), FakeEngine(name)) for name in ("small", "big", "family@0.1.0-beta")}
     for version in ("1.0.0", "1.4.2", "2.0.0"):
         name = catalog.add("assistant", version)
-        backends[name] = Backend(name, Admission(4, 4), FakeEngine(name))
+        backends[name] = Backend(name, Admission(name, AdmissionSettings(max_running=4, max_waiting=4)), FakeEngine(name))
     catalog.add("family", "0.1.0-beta")
     splits = {"chat": Split("chat", [("small", 1), ("assistant@2.0.0", 1)])}
     return ModelRegistry(backends, splits, {"smol": "small", "helper": "assistant"}, catalog)

@@ -15,6 +15,7 @@ from engine.types import SamplingOptions
 from gateway.app import create_app
 from gateway.backends import modelfile
 from gateway.backends.upstream import with_defaults
+from gateway.settings import merged
 from tests.fakes import FakeEngine, chat_body, fake_settings
 
 MODEL_DEFAULTS = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.1, max_tokens=5)
@@ -39,7 +40,7 @@ def test_chat_takes_the_model_defaults_where_the_request_is_silent() -> None:
 def test_what_the_request_says_wins() -> None:
     body = {"model": "fake-model", "messages": HELLO, "temperature": 0, "top_p": 1, "top_k": -1, "max_tokens": 3,
             "repetition_penalty": 1.0, "presence_penalty": 0.0}
-    options = sampled(FakeEngine(defaults=MODEL_DEFAULTS.over(SamplingDefaults(presence_penalty=0.5))),
+    options = sampled(FakeEngine(defaults=merged(SamplingDefaults(presence_penalty=0.5), MODEL_DEFAULTS)),
                       "/v1/chat/completions", body)
     assert (options.temperature, options.top_p, options.top_k, options.max_tokens) == (0.0, 1.0, 0, 3)
     assert (options.repetition_penalty, options.presence_penalty) == (1.0, 0.0)  # an explicit 0 is not silence

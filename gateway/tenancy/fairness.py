@@ -1,0 +1,118 @@
+"""Fair shares between keys: the order in which the waiting requests of one priority class are admitted
+(`backends.admission` asks `pick`, and says what it admitted and what finished).
+
+`fcfs`: arrival order. `vtc` (the default): the Virtual Token Counter of Sheng et al., "Fairness in Serving
+Large Language Models" (OSDI 2024). Per key a counter of the service it has received: `input_weight` per prompt
+token, counted as a request is admitted, and `output_weight` per output token, counted as the tokens come (read
+when an order is decided). The next request admitted is the oldest one of the waiting key whose counter is
+least. A key that joins the queue (none of its requests waiting) has its counter lifted to the least of the
+other waiting keys' (none waiting: of the keys running; none running: to the counter of the key served last),
+so that time away is not banked as credit: a key returning after an idle hour does not then shut the others
+out until its counter catches up. The paper's bound
+holds: between two keys that both keep requests waiting, the service received differs by at most
+2 x max(input_weight x the longest prompt, output_weight x the tokens the running requests may hold)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Container, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from gateway.settings import FairnessSettings
+
+
+def _nothing() -> int:
+    return 0
+
+
+@dataclass(eq=False, slots=True)
+class Served:
+    """One admitted request's service: its prompt's tokens, and its output's so far (a reading the generation
+    keeps current)."""
+
+    prompt: int = 0
+    output: Callable[[], int] = field(default=_nothing)
+
+
+class Waiter(Protocol):
+    @property
+    def key(self) -> str: ...
+
+
+W = TypeVar("W", bound=Waiter)
+
+
+class FirstCome:
+    """Arrival order: the first waiter of a key not passed over; nothing counted."""
+
+    def pick(self, queue: Iterable[W], passed: Container[str], keys: int) -> W | None:
+        """The waiter to admit next (None: none left but those of keys `passed` over); `keys`: at most that
+        many keys wait in `queue`."""
+        return next((waiter for waiter in queue if waiter.key not in passed), None)
+
+    def joined(self, key: str, waiting: Collection[str], running: Collection[str]) -> None:
+        """`key` has a request waiting again (none was), beside the keys `waiting` and `running`."""
+
+    def admitted(self, key: str, served: Served) -> None:
+        """A request of `key` was admitted."""
+
+    def finished(self, key: str, served: Served) -> None:
+        """An admitted request of `key` gave its permits back (its output is over, or it never ran)."""
+
+
+class VirtualTokenCounter(FirstCome):
+    def __init__(self, settings: FairnessSettings) -> None:
+        self.input_weight, self.output_weight = settings.input_weight, settings.output_weight
+        self._settled: dict[str, float] = {}  # per key: prompts admitted, outputs of requests finished
+        self._running: dict[str, list[Served]] = {}  # per key: the admitted requests, their outputs still growing
+        self._last = 0.0  # the counter of the key whose requests all finished last
+
+    def counter(self, key: str) -> float:
+        running = self._running.get(key)
+        settled = self._settled.get(key, 0.0)
+        if not running:
+            return settled
+        return settled + self.output_weight * sum(served.output() for served in running)
+
+    def pick(self, queue: Iterable[W], passed: Container[str], keys: int) -> W | None:
+        """The oldest waiter of the least served key (ties: the key whose oldest waiter came first)."""
+        best: W | None = None
+        least = 0.0
+        seen: set[str] = set()
+        for waiter in queue:
+            key = waiter.key
+            if key in seen:
+                continue
+            seen.add(key)
+            if key not in passed:
+                counter = self.counter(key)
+                if best is None or counter < least:
+                    best, least = waiter, counter
+            if len(seen) == keys:  # every key waiting seen: no need to read the rest of a long queue
+                break
+        return best
+
+    def joined(self, key: str, waiting: Collection[str], running: Collection[str]) -> None:
+        others = [other for other in waiting if other != key] or [other for other in running if other != key]
+        floor = min(self.counter(other) for other in others) if others else self._last
+        own = self.counter(key)
+        if floor > own:
+            self._settled[key] = self._settled.get(key, 0.0) + floor - own
+
+    def admitted(self, key: str, served: Served) -> None:
+        self._settled[key] = self._settled.get(key, 0.0) + self.input_weight * served.prompt
+        self._running.setdefault(key, []).append(served)
+
+    def finished(self, key: str, served: Served) -> None:
+        running = self._running.get(key, [])
+        if served in running:
+            running.remove(served)
+            self._settled[key] = self._settled.get(key, 0.0) + self.output_weight * served.output()
+        if not running:
+            self._running.pop(key, None)
+            self._last = self._settled.get(key, 0.0)
+
+
+def order(settings: FairnessSettings) -> FirstCome:
+    """The order `settings` ask for."""
+    return VirtualTokenCounter(settings) if settings.order == "vtc" else FirstCome()
