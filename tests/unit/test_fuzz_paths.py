@@ -50,6 +50,12 @@ def _zoo(folder: Path) -> dict[str, Path]:
     looped = write_stub(folder / "looped-config")
     (looped / "adapter_config.json").unlink()
     (looped / "adapter_config.json").symlink_to(looped / "adapter_config.json")
+    numbered = write_stub(folder / "modules-a-number")
+    (numbered / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "target_modules": 5}))
+    nested = "[" * 100_000 + "]" * 100_000  # past the JSON parser's depth
+    (write_stub(folder / "nested-config") / "adapter_config.json").write_text(nested)
+    header = write_stub(folder / "nested-header") / "adapter_model.safetensors"
+    header.write_bytes(len(nested).to_bytes(8, "little") + nested.encode())
     return {path.name: path for path in folder.iterdir()}
 
 
@@ -135,6 +141,9 @@ REFUSALS = [
     ("{weights-is-a-dir}", "has no weights"),
     ("{piped}", "has no adapter_config.json file"),
     ("{looped-config}", "adapter_config.json is a loop of symbolic links"),
+    ("{modules-a-number}", "adapter_config.json: its target_modules is not a module name or a list of them"),
+    ("{nested-config}", "adapter_config.json is not valid JSON"),
+    ("{nested-header}", "adapter_model.safetensors is not a safetensors file"),
 ]
 
 
