@@ -360,8 +360,8 @@ class VLLMEngine:
                 f"'{self._info.name}' holds {self._adapter_room} adapters at most on the CPU (its max_loras): "
                 "unload one first, or raise max_loras"
             )
-        try:
-            files = adapters.read(path)
+        try:  # off the event loop: a client's directory may hold a config or a weights header of any size
+            files = await asyncio.to_thread(adapters.read, path)
         except adapters.AdapterError as exc:
             raise EngineInvalidRequest(f"the adapter '{name}': {exc}") from exc
         misfit = files.misfit(self._llm.model_config.get_hidden_size())

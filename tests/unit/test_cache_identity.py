@@ -6,6 +6,7 @@ served as before, in this process or another sharing the cache, keeps its hits."
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from engine import adapters
 from engine.config import EngineSettings
 from engine.types import GenerationRequest, ModelInfo, SamplingOptions
 from gateway.app import create_app
@@ -132,14 +134,10 @@ def test_an_adapter_loaded_again_from_other_weights_is_not_answered_from_the_cac
     assert _cached(client, stream) == "HIT"
 
 
-def test_each_load_of_an_adapter_has_kv_blocks_of_its_own_in_vllm(tmp_path: Path) -> None:
-    """vLLM keys an adapter's cached KV blocks by its name and path: each load salts its prompts with its own id, so an
-    adapter loaded again under its name from a directory with other weights written over it reuses no block the old
-    weights computed; the base's prompts are unsalted (their prefixes are shared as before)."""
+def _vllm_engine(prompts: list[dict[str, Any]]) -> Any:
+    """The vLLM engine over a stand-in for vLLM's AsyncLLM that takes every adapter and keeps each prompt given."""
     pytest.importorskip("vllm")
     from engine.vllm_engine import VLLMEngine
-
-    prompts: list[dict[str, Any]] = []
 
     async def generate(prompt: dict[str, Any], *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         prompts.append(prompt)
@@ -156,7 +154,15 @@ def test_each_load_of_an_adapter_has_kv_blocks_of_its_own_in_vllm(tmp_path: Path
     llm = SimpleNamespace(get_tokenizer=lambda: tokenizer, generate=generate, add_lora=added, remove_lora=removed,
                           model_config=SimpleNamespace(get_hidden_size=lambda: 4),
                           vllm_config=SimpleNamespace(lora_config=SimpleNamespace(max_lora_rank=8)))
-    engine = VLLMEngine(llm, ModelInfo("base", 64), lora=True)  # type: ignore[arg-type]
+    return VLLMEngine(llm, ModelInfo("base", 64), lora=True)  # type: ignore[arg-type]
+
+
+def test_each_load_of_an_adapter_has_kv_blocks_of_its_own_in_vllm(tmp_path: Path) -> None:
+    """vLLM keys an adapter's cached KV blocks by its name and path: each load salts its prompts with its own id, so an
+    adapter loaded again under its name from a directory with other weights written over it reuses no block the old
+    weights computed; the base's prompts are unsalted (their prefixes are shared as before)."""
+    prompts: list[dict[str, Any]] = []
+    engine = _vllm_engine(prompts)
     folder = write_stub(tmp_path / "x")
 
     async def asked(adapter: str | None) -> None:
@@ -177,3 +183,15 @@ def test_each_load_of_an_adapter_has_kv_blocks_of_its_own_in_vllm(tmp_path: Path
     assert None not in (first, again)
     assert first != again
     assert base is None
+
+
+def test_the_vllm_engine_reads_an_adapter_s_files_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client's directory may hold a config or a safetensors header of any size: reading it blocks no request."""
+    engine, read = _vllm_engine([]), adapters.read
+    threads: list[threading.Thread] = []
+    monkeypatch.setattr(adapters, "read", lambda path: threads.append(threading.current_thread()) or read(path))
+    asyncio.run(engine.load_adapter("x", str(write_stub(tmp_path / "x"))))
+    assert threads
+    assert threading.main_thread() not in threads
