@@ -114,7 +114,7 @@ def read(path: str | Path) -> AdapterFiles:
         config = json.loads(config_file.read_text())
     except OSError as exc:
         raise unreadable(config_file, exc) from exc
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested past the parser's depth
         raise AdapterError(f"{config_file} is not valid JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise AdapterError(f"{config_file} is not a JSON object")
@@ -130,6 +130,8 @@ def read(path: str | Path) -> AdapterFiles:
     weights = folder / WEIGHT_FILES[0]
     shapes = _shapes(weights, rank) if _is_file(weights) else {}
     modules = config.get("target_modules") or ()
+    if not isinstance(modules, str | list):
+        raise AdapterError(f"{config_file}: its target_modules is not a module name or a list of them")
     modules = (modules,) if isinstance(modules, str) else tuple(str(m) for m in modules)
     base = config.get("base_model_name_or_path")
     return AdapterFiles(str(folder), rank, modules, str(base) if base else None, shapes)
@@ -145,7 +147,7 @@ def _header(weights: Path) -> dict[str, Any]:
             header = json.loads(file.read(size))
     except OSError as exc:
         raise unreadable(weights, exc) from exc
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise AdapterError(f"{weights} is not a safetensors file: {exc}") from exc
     if not isinstance(header, dict):
         raise AdapterError(f"{weights} is not a safetensors file")

@@ -296,8 +296,12 @@ class VLLMEngine:
         return self._tokenizer
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
-        prompt = tokens_input(request.prompt_token_ids, prompt=request.prompt_text)
         lora = self._adapter(request.adapter) if request.adapter is not None else None  # its own error, not wrapped
+        # vLLM keys an adapter's cached KV blocks by its name and path: weights written over the path between an
+        # unload and a load again under the name would be answered with the old weights' blocks; a salt per load
+        # (its id, never reused) keeps each load's blocks its own
+        salt = f"lora-{lora.lora_int_id}" if lora is not None else None
+        prompt = tokens_input(request.prompt_token_ids, prompt=request.prompt_text, cache_salt=salt)
         with _engine_errors():
             headers = request.trace_headers if self._traced else None
             stream = self._llm.generate(
@@ -356,8 +360,8 @@ class VLLMEngine:
                 f"'{self._info.name}' holds {self._adapter_room} adapters at most on the CPU (its max_loras): "
                 "unload one first, or raise max_loras"
             )
-        try:
-            files = adapters.read(path)
+        try:  # off the event loop: a client's directory may hold a config or a weights header of any size
+            files = await asyncio.to_thread(adapters.read, path)
         except adapters.AdapterError as exc:
             raise EngineInvalidRequest(f"the adapter '{name}': {exc}") from exc
         misfit = files.misfit(self._llm.model_config.get_hidden_size())

@@ -5,6 +5,7 @@ through the admin API; per-key reach, the response cache and the metrics with ad
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 import threading
@@ -199,6 +200,34 @@ def test_an_adapter_loaded_again_from_other_weights_is_not_answered_from_the_cac
         assert again == fresh.choices[0].message.content != first  # the weights loaded now answer
     finally:
         assert _admin(gateway, "unload", lora_name="lora-x").status_code == 200
+
+
+def test_weights_written_over_an_adapter_s_directory_answer_as_themselves_once_loaded_again(
+    gateway: str, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """Unloaded, other weights written over its directory, loaded again under its name: the answer is the new
+    weights', also from vLLM's prefix cache, which keys an adapter's KV blocks by its name and path (the prompt spans
+    several blocks, and the response cache is skipped: what is checked is the engine's own reuse)."""
+    folder = tmp_path / "rewritten"
+    shutil.copytree(adapters["a"], folder)
+    story = " ".join(f"Box {i} holds {i * 7 % 13} red marbles." for i in range(60))
+    ask = {"messages": [{"role": "user", "content": story + " Which box holds the most?"}], "temperature": 0,
+           "max_tokens": 12, "extra_headers": {"Cache-Control": "no-cache"}}
+    sdk = client(gateway)
+    assert _admin(gateway, "load", lora_name="lora-y", lora_path=str(folder)).status_code == 200
+    try:
+        first = sdk.chat.completions.create(model="lora-y", **ask).choices[0].message.content  # type: ignore[call-overload]
+    finally:
+        assert _admin(gateway, "unload", lora_name="lora-y").status_code == 200
+    shutil.rmtree(folder)
+    shutil.copytree(adapters["b"], folder)
+    assert _admin(gateway, "load", lora_name="lora-y", lora_path=str(folder)).status_code == 200
+    try:
+        again = sdk.chat.completions.create(model="lora-y", **ask).choices[0].message.content  # type: ignore[call-overload]
+    finally:
+        assert _admin(gateway, "unload", lora_name="lora-y").status_code == 200
+    fresh = sdk.chat.completions.create(model="lora-b", **ask).choices[0].message.content  # type: ignore[call-overload]
+    assert again == fresh != first
 
 
 def test_what_the_engine_cannot_load_is_a_400_naming_the_adapter(gateway: str, adapters: dict[str, Path]) -> None:

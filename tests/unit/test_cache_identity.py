@@ -5,14 +5,19 @@ served as before, in this process or another sharing the cache, keeps its hits."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
 
+from engine import adapters
 from engine.config import EngineSettings
+from engine.types import GenerationRequest, ModelInfo, SamplingOptions
 from gateway.app import create_app
 from gateway.backends import modelfile
 from gateway.backends.startup import build_registry
@@ -127,3 +132,66 @@ def test_an_adapter_loaded_again_from_other_weights_is_not_answered_from_the_cac
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "x"}, headers=ADMIN).status_code == 200
     _load(client, tmp_path / "a")  # the first weights again: their answers are still good
     assert _cached(client, stream) == "HIT"
+
+
+def _vllm_engine(prompts: list[dict[str, Any]]) -> Any:
+    """The vLLM engine over a stand-in for vLLM's AsyncLLM that takes every adapter and keeps each prompt given."""
+    pytest.importorskip("vllm")
+    from engine.vllm_engine import VLLMEngine
+
+    async def generate(prompt: dict[str, Any], *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        prompts.append(prompt)
+        return
+        yield
+
+    async def added(request: Any) -> bool:
+        return True
+
+    async def removed(adapter_id: int) -> None:
+        pass
+
+    tokenizer = SimpleNamespace(get_added_vocab=dict, chat_template="")
+    llm = SimpleNamespace(get_tokenizer=lambda: tokenizer, generate=generate, add_lora=added, remove_lora=removed,
+                          model_config=SimpleNamespace(get_hidden_size=lambda: 4),
+                          vllm_config=SimpleNamespace(lora_config=SimpleNamespace(max_lora_rank=8)))
+    return VLLMEngine(llm, ModelInfo("base", 64), lora=True)  # type: ignore[arg-type]
+
+
+def test_each_load_of_an_adapter_has_kv_blocks_of_its_own_in_vllm(tmp_path: Path) -> None:
+    """vLLM keys an adapter's cached KV blocks by its name and path: each load salts its prompts with its own id, so an
+    adapter loaded again under its name from a directory with other weights written over it reuses no block the old
+    weights computed; the base's prompts are unsalted (their prefixes are shared as before)."""
+    prompts: list[dict[str, Any]] = []
+    engine = _vllm_engine(prompts)
+    folder = write_stub(tmp_path / "x")
+
+    async def asked(adapter: str | None) -> None:
+        request = GenerationRequest("r", [1, 2, 3], SamplingOptions(max_tokens=1), adapter=adapter)
+        async for _ in engine.generate(request):
+            pass
+
+    async def loads() -> None:
+        for _ in range(2):
+            await engine.load_adapter("x", str(folder))
+            await asked("x")
+            await engine.unload_adapter("x")
+            write_stub(folder, rank=8, hidden=4)  # (the same shapes: what vLLM is given is the same name and path)
+        await asked(None)
+
+    asyncio.run(loads())
+    first, again, base = (prompt.get("cache_salt") for prompt in prompts)
+    assert None not in (first, again)
+    assert first != again
+    assert base is None
+
+
+def test_the_vllm_engine_reads_an_adapter_s_files_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client's directory may hold a config or a safetensors header of any size: reading it blocks no request."""
+    engine, read = _vllm_engine([]), adapters.read
+    threads: list[threading.Thread] = []
+    monkeypatch.setattr(adapters, "read", lambda path: threads.append(threading.current_thread()) or read(path))
+    asyncio.run(engine.load_adapter("x", str(write_stub(tmp_path / "x"))))
+    assert threads
+    assert threading.main_thread() not in threads

@@ -6,7 +6,9 @@ routes and the Files API, on the fake engine (tests/integration/test_adapters.py
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -50,6 +52,12 @@ def _zoo(folder: Path) -> dict[str, Path]:
     looped = write_stub(folder / "looped-config")
     (looped / "adapter_config.json").unlink()
     (looped / "adapter_config.json").symlink_to(looped / "adapter_config.json")
+    numbered = write_stub(folder / "modules-a-number")
+    (numbered / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "target_modules": 5}))
+    nested = "[" * 100_000 + "]" * 100_000  # past the JSON parser's depth
+    (write_stub(folder / "nested-config") / "adapter_config.json").write_text(nested)
+    header = write_stub(folder / "nested-header") / "adapter_model.safetensors"
+    header.write_bytes(len(nested).to_bytes(8, "little") + nested.encode())
     return {path.name: path for path in folder.iterdir()}
 
 
@@ -135,6 +143,9 @@ REFUSALS = [
     ("{weights-is-a-dir}", "has no weights"),
     ("{piped}", "has no adapter_config.json file"),
     ("{looped-config}", "adapter_config.json is a loop of symbolic links"),
+    ("{modules-a-number}", "adapter_config.json: its target_modules is not a module name or a list of them"),
+    ("{nested-config}", "adapter_config.json is not valid JSON"),
+    ("{nested-header}", "adapter_model.safetensors is not a safetensors file"),
 ]
 
 
@@ -156,6 +167,34 @@ def test_an_endless_weights_file_is_not_read(client: TestClient, zoo: dict[str, 
                          headers=ADMIN)
     assert answer.status_code == 200, answer.text
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "endless"}, headers=ADMIN).status_code == 200
+
+
+# a value of each JSON type, where a name, a number or a list belongs
+WRONG = [None, True, 0, 5, -1.5, 2**70, "", "x", [], [1, "a"], [[8]], {}, {"a": 1}]
+CONFIG = {"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"], "base_model_name_or_path": "m"}
+HEADER = {"m.q_proj.lora_A.weight": {"shape": [8, 4]}, "m.q_proj.lora_B.weight": {"shape": [4, 8]}}
+
+
+def _each_changed(good: dict[str, Any]) -> Iterator[Any]:
+    """`good` with each of its fields (and each field's shape) each WRONG value, and each WRONG value for it."""
+    for field, value in itertools.product(good, WRONG):
+        yield {**good, field: value}
+        if isinstance(good[field], dict):
+            yield {**good, field: {**good[field], "shape": value}}
+    yield from WRONG
+
+
+def test_no_adapter_file_s_content_is_anything_but_an_adapter_error(tmp_path: Path) -> None:
+    """Whatever JSON the config and the safetensors header hold (each JSON type where a number, a name or a list
+    belongs), reading the adapter and fitting it to a model give an answer or an AdapterError, nothing else."""
+    folder = write_stub(tmp_path / "a")
+    cases = [(config, HEADER) for config in _each_changed(CONFIG)] + [(CONFIG, h) for h in _each_changed(HEADER)]
+    for config, header in cases:
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        encoded = json.dumps(header).encode()
+        (folder / "adapter_model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded)
+        with contextlib.suppress(adapters.AdapterError):
+            adapters.read(folder).misfit(4)
 
 
 @pytest.mark.parametrize("code", [errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.ELOOP, errno.EIO, errno.ENOTDIR])
