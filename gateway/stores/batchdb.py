@@ -146,7 +146,9 @@ class SqliteRecords:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self._path, isolation_level=None, timeout=30)
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")  # an answer kept is on disk before its line counts
+            # WAL with NORMAL: a commit survives the process crashing (the WAL is in the OS); a power loss may take
+            # back the last commits before a checkpoint, which the runner then runs again (each line answered once)
+            db.execute("PRAGMA synchronous=NORMAL")
             db.executescript(SCHEMA)
             self._open.db = db
         return db

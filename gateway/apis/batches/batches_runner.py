@@ -160,6 +160,7 @@ class BatchRun:
         self.cancel_asked = asyncio.Event()
         self._kept: list[Answer] = []  # answers had, not written yet
         self._writing = asyncio.Lock()
+        self._writer: asyncio.Task[None] | None = None  # writing the answers had, while the lines run on
         self._again: collections.deque[BatchLine] = collections.deque()  # lines the key's limits sent back
         self._resume_at = 0.0  # (monotonic) the key's limits refused a line: no new line of this batch before
 
@@ -257,7 +258,7 @@ class BatchRun:
                         if self.runner.state.lifecycle.draining:  # no new line: those in flight end
                             self.runner.slots.release()
                             await asyncio.Event().wait()  # until the shutdown cancels this run
-                        task = flight.create_task(self._one(line))
+                        task = flight.create_task(self._one(line, flight))
                         running.add(task)
                         task.add_done_callback(running.discard)
                         task.add_done_callback(lambda _: self.runner.slots.release())  # even cancelled unstarted
@@ -284,7 +285,7 @@ class BatchRun:
                 return
             self.runner.slots.release()  # paused while it waited for the slot
 
-    async def _one(self, line: BatchLine) -> None:
+    async def _one(self, line: BatchLine, flight: asyncio.TaskGroup) -> None:
         try:
             answer = await run_line(self.runner.state, self.stored.owner, line.url, line.body, self.runner.settings.retry_s)
         except Retry as retry:  # the key's rate limits: the line runs again, and the batch goes on, once they let it
@@ -293,20 +294,21 @@ class BatchRun:
             return
         self._kept.append(Answer(line.custom_id, answer.ok, result_line(line.custom_id, answer),
                                  prompt=answer.prompt_tokens, completion=answer.completion_tokens))
-        await self._flush()
+        if self._writer is None or self._writer.done():  # else the writer under way takes this one too
+            self._writer = flight.create_task(self._flush())  # its slot free meanwhile: the write holds no line
 
     async def _flush(self) -> None:
-        """The answers had, written in one transaction (those of the lines ending meanwhile go with the next).
-        One cancelled mid-write is written again by the next (a line's second answer is ignored): a cancel
-        does not lose an answer already had."""
+        """The answers had, written a group per transaction until none is left (those of the lines ending
+        meanwhile go with the next). One cancelled mid-write is written again by the next (a line's second
+        answer is ignored): a cancel does not lose an answer already had."""
         async with self._writing:
-            kept, self._kept = self._kept, []
-            try:
-                if kept:
+            while self._kept:
+                kept, self._kept = self._kept, []
+                try:
                     await self.records.answer_all(self.id, self.token, kept)
-            except asyncio.CancelledError:
-                self._kept[:0] = kept
-                raise
+                except asyncio.CancelledError:
+                    self._kept[:0] = kept
+                    raise
 
     async def _finish(self, ending: Ending) -> None:
         batch, now = (await self._load()).batch, int(time.time())
