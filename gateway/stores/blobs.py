@@ -114,19 +114,15 @@ class Blobs(Protocol):
     async def aclose(self) -> None: ...
 
 
-async def put_bytes(blobs: Blobs, name: str, data: bytes) -> None:
-    async def whole() -> AsyncIterator[bytes]:
-        yield data
-
-    await put_chunks(blobs, name, whole())
-
-
-async def put_chunks(blobs: Blobs, name: str, chunks: AsyncIterator[bytes]) -> None:
-    """The chunks staged in a local file, then written once as `name`."""
+async def put_chunks(blobs: Blobs, name: str, chunks: AsyncIterator[bytes] | bytes) -> None:
+    """The chunks (or bytes) staged in a local file, then written once as `name`."""
     staged = await Staged.at(blobs.spool, "copy")
     try:
-        async for chunk in chunks:
-            await staged.write(chunk)
+        if isinstance(chunks, bytes):
+            await staged.write(chunks)
+        else:
+            async for chunk in chunks:
+                await staged.write(chunk)
         await staged.close()
         await blobs.put_file(name, staged.path)
     finally:

@@ -166,7 +166,7 @@ def test_an_expired_batchs_counts_are_its_answers_on_every_backend(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch whose window ends mid-run, more lines left than one write of expired answers takes: each line in one
     file once, and the counts and token totals exactly those of the lines in the files."""
-    monkeypatch.setattr("gateway.apis.batches.batches_routes.WINDOW_S", 2)
+    monkeypatch.setattr("gateway.stores.batches.WINDOW_S", 2)
     config = {**settings(tmp_path, max_in_flight=2), **store_settings}
     with TestClient(app_with(FakeEngine(delay=0.01), **config)) as client:
         sdk = sdk_for(client)
