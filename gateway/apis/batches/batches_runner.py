@@ -48,7 +48,7 @@ log = structlog.get_logger(__name__)
 
 Ending = Literal["completed", "cancelled", "expired"]  # each the batch's last status
 EXPIRED = {"code": EXPIRED_CODE, "message": "This request could not be executed before the completion window expired."}
-CHUNK = 512  # lines written at once: expired answers per transaction, result lines per write to a file assembled
+CHUNK = 512  # expired answers written per transaction
 
 
 def _line(custom_id: str, response: dict[str, object] | None, error: dict[str, str] | None) -> bytes:
@@ -346,14 +346,9 @@ class BatchRun:
         files = self.runner.state.files.of(self.stored.owner.tenant)
         staged = {True: await files.stage(), False: await files.stage()}
         try:
-            pending: dict[bool, list[bytes]] = {True: [], False: []}
-            async for answer in self.records.answers(self.id):
-                pending[answer.ok].append(answer.line + b"\n")
-                if len(pending[answer.ok]) >= CHUNK:
-                    await staged[answer.ok].write(b"".join(pending[answer.ok]))
-                    pending[answer.ok].clear()
-            for ok, lines in pending.items():
-                await staged[ok].write(b"".join(lines))
+            async for page in self.records.answers(self.id):
+                for ok, file in staged.items():
+                    await file.write(b"".join(answer.line + b"\n" for answer in page if answer.ok is ok))
             await self.records.save(self.stored, self.token)  # `Fenced` once another run took the batch over
             for ok, kind in ((True, "output"), (False, "error")):
                 if staged[ok].size:

@@ -34,7 +34,7 @@ from gateway.apis.message_batches.message_batches_wire import (
 )
 from gateway.errors import InvalidRequest
 from gateway.protocol.batch_objects import DONE, StoredBatch
-from gateway.stores.batchdb import PAGE, Answer
+from gateway.stores.batchdb import Answer
 from gateway.stores.batches import BatchStore, input_name, not_found
 from gateway.stores.blobs import Opened, Staged, read_chunks
 
@@ -139,14 +139,9 @@ async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
     staged = await Staged.at(store.blobs.spool, "results")
     try:
         seen: set[str] = set()
-        page: list[Answer] = []
-        async for answer in store.records.answers(batch_id):
-            seen.add(answer.custom_id)
-            page.append(answer)
-            if len(page) == PAGE:
-                await staged.write(await asyncio.to_thread(_result_lines, page))
-                page = []
-        await staged.write(await asyncio.to_thread(_result_lines, page))
+        async for page in store.records.answers(batch_id):
+            seen.update(answer.custom_id for answer in page)
+            await staged.write(await asyncio.to_thread(_result_lines, page))
         async with store.blobs.local(input_name(batch_id)) as requests:
             unrun = None if requests is None else await asyncio.to_thread(_unrun_lines, requests, seen, status)
         if unrun is None:
