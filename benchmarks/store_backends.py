@@ -18,6 +18,8 @@ openai SDK, in turns (who goes first rotating):
 - `interactive`: the same lines as plain chat completions on the disk gateway, `--max-in-flight` at
   a time (the batch lane's `batches.max_in_flight`): lines/s.
 
+Also each run's gateway CPU (user and system, from /proc) per line: steadier than lines/s on a shared machine.
+
 Medians over `--rounds`, each backend's lines/s ÷ the interactive reference and ÷ disk (medians of
 the per-round ratios, with their range), beside the A/A's disk-aa ÷ disk.
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,7 +55,7 @@ KEY = "sk-bench"
 BACKENDS = ("disk", "redis", "s3")
 OLD = "old-"  # the gateways of `--against`
 ENDED = frozenset({"completed", "failed", "cancelled", "expired"})
-METRICS = ("lines_s", "upload_s", "download_s")
+METRICS = ("lines_s", "cpu_ms_line", "upload_s", "download_s")
 MOTO_NOTE = ("s3 is moto's S3 server (tests/s3_server.py): an in-memory stand-in on loopback, one request at a "
              "time; its contents (the input, the output file) are a few uploads and downloads a batch, its lines "
              "are SQLite records: the upload and download times say what S3 adds, not what real S3 would give")
@@ -139,6 +142,13 @@ async def started(proc: Proc, timeout_s: float) -> Proc:
 # The runs
 
 
+def cpu_s(pid: int) -> float:
+    """The CPU seconds (user and system) a process has used: what a line costs the gateway, whatever else runs on the
+    machine meanwhile (its lines/s moves with the machine's load, this much less)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def batch_run(client: AsyncOpenAI, args: argparse.Namespace, tag: str) -> dict[str, float]:
     """One batch: uploaded, run, its output downloaded; the times of each."""
     content = batch_content(args.lines, args.tokens, tag)
@@ -205,6 +215,7 @@ async def work(args: argparse.Namespace, document: dict[str, Any]) -> None:
                                        for b in (*backends, *olds)))
         clients = {b: AsyncOpenAI(base_url=p.base_url, api_key=KEY, max_retries=0, timeout=600)
                    for b, p in zip((*backends, *olds), procs, strict=True)}
+        pids = {b: p.process.pid for b, p in zip((*backends, *olds), procs, strict=True) if p.process is not None}
         await warm_up(clients, args)
         twins = [("redis-aa", "redis")] if olds and "redis" in backends else []
         slots = [("disk", "disk"), ("disk-aa", "disk"), *((b, b) for b in backends[1:]), *twins,
@@ -215,7 +226,9 @@ async def work(args: argparse.Namespace, document: dict[str, Any]) -> None:
             for name, backend in rotated(slots, r):
                 await asyncio.sleep(args.pause)
                 measure = interactive_run if name == "interactive" else batch_run
+                cpu = cpu_s(pids[backend])
                 metrics = await measure(clients[backend], args, f"r{r}-{name}")
+                metrics["cpu_ms_line"] = (cpu_s(pids[backend]) - cpu) * 1000 / args.lines
                 runs.append({"repeat": r, "concurrency": args.max_in_flight, "target": name, "metrics": metrics})
                 log(f"round {r} {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in metrics.items()))
     finally:
@@ -264,11 +277,11 @@ def render(document: dict[str, Any]) -> str:
         return "-" if old == "-" or twin is None else f"{old} (A/A {ratio(twin, row['target'])})"
 
     rows = [(r["target"], f"{r['lines_s']:.0f} [{min(r['lines_s_all']):.0f}-{max(r['lines_s_all']):.0f}]",
-             ratio(r, "interactive"), ratio(r, "disk"), against(r), num(r.get("upload_s"), 3),
-             num(r.get("download_s"), 3)) for r in document.get("summary", [])]
+             ratio(r, "interactive"), ratio(r, "disk"), against(r), num(r.get("cpu_ms_line"), 3),
+             num(r.get("upload_s"), 3), num(r.get("download_s"), 3)) for r in document.get("summary", [])]
     return "\n".join([f"`{document['command']}`", "",
                       *md_table("target | lines/s median [range] | ÷ interactive [range] | ÷ disk [range] | "
-                                "÷ old [range] (A/A [range]) | upload s | download s", rows, left=("target",)),
+                                "÷ old [range] (A/A [range]) | gateway CPU ms/line | upload s | download s", rows, left=("target",)),
                       "", "disk-aa ÷ disk is the A/A: the noise floor of every ratio (redis-aa ÷ redis beside ÷ old for "
                       "redis). " + MOTO_NOTE + "."])
 

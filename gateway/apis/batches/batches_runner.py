@@ -51,20 +51,13 @@ EXPIRED = {"code": EXPIRED_CODE, "message": "This request could not be executed 
 CHUNK = 512  # expired answers written per transaction
 
 
-def _line(custom_id: str, response: dict[str, object] | None, error: dict[str, str] | None) -> bytes:
-    """A line of the output (or error) file, as OpenAI's."""
+def result_line(custom_id: str, answer: LineAnswer | None) -> bytes:
+    """A line of the output (or error) file, as OpenAI's: the route's status and body (JSON already), or none (a
+    line the batch's expiry left unrun)."""
+    response = None if answer is None else {"status_code": answer.status, "request_id": answer.request_id,
+                                            "body": orjson.Fragment(answer.body)}
     return orjson.dumps({"id": "batch_req_" + secrets.token_hex(16), "custom_id": custom_id, "response": response,
-                         "error": error})
-
-
-def result_line(custom_id: str, answer: LineAnswer) -> bytes:
-    """The route's status and body (JSON already)."""
-    return _line(custom_id, {"status_code": answer.status, "request_id": answer.request_id,
-                             "body": orjson.Fragment(answer.body)}, None)
-
-
-def expired_line(custom_id: str) -> bytes:
-    return _line(custom_id, None, EXPIRED)
+                         "error": EXPIRED if answer is None else None})
 
 
 async def _until(timeout_s: float, event: asyncio.Event, *tasks: asyncio.Task[None]) -> None:
@@ -218,10 +211,6 @@ class BatchRun:
             log.info("batch_started", batch_id=self.id, lines=total)
         await self.records.save(self.stored, self.token)
 
-    def _expired(self) -> bool:
-        expires = self.stored.batch.expires_at
-        return expires is not None and time.time() >= expires
-
     async def _lines(self) -> Ending:
         """The lines run until each is answered, a cancel (asked here or on another replica) or the batch's
         expiry; then the lines in flight cancelled, and the answers had written."""
@@ -230,7 +219,7 @@ class BatchRun:
             return "cancelled" if status == "cancelling" else "completed"
         feeder = asyncio.create_task(self._feed())
         try:
-            while not self._expired():
+            while (expires := self.stored.batch.expires_at) is None or time.time() < expires:
                 await _until(self.runner.settings.poll_s, self.cancel_asked, feeder)
                 if feeder.done():
                     feeder.result()  # a line whose answer could not be written stopped them all: its error
@@ -272,9 +261,12 @@ class BatchRun:
         while True:
             if self._again:
                 return self._again.popleft()
-            if (line := await asyncio.to_thread(next, lines, None)) is not None or not running:
+            if (line := await asyncio.to_thread(next, lines, None)) is not None:
                 return line
-            await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            if running:
+                await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            elif not self._again:  # (one sent back while the input was read is run still)
+                return None
 
     async def _slot(self) -> None:
         """A slot of `max_in_flight` for the next line, once the key's limits let this batch go on."""
@@ -334,7 +326,7 @@ class BatchRun:
             rest = await asyncio.to_thread(lambda: [line.custom_id for line in read_lines(path) if line.custom_id not in done])
         for start in range(0, len(rest), CHUNK):
             await self.records.answer_all(self.id, self.token, [
-                Answer(custom_id, False, expired_line(custom_id), expired=True) for custom_id in rest[start : start + CHUNK]])
+                Answer(custom_id, False, result_line(custom_id, None), expired=True) for custom_id in rest[start : start + CHUNK]])
 
     async def _publish(self, batch: Batch) -> None:
         """The output and error files assembled from the answers, as files of the batch's owner (ids derived
