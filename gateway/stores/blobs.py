@@ -52,6 +52,12 @@ class Opened:
     size: int
     chunks: AsyncGenerator[bytes, None]
 
+    @classmethod
+    async def of(cls, path: Path) -> Opened:
+        """The local file `path` opened: still readable once it is removed."""
+        file = await _io(path.open, "rb")
+        return cls(os.fstat(file.fileno()).st_size, read_chunks(file))
+
     async def aclose(self) -> None:
         await self.chunks.aclose()
 
@@ -132,10 +138,7 @@ async def put_chunks(blobs: Blobs, name: str, chunks: AsyncIterator[bytes] | byt
 async def open_blob(blobs: Blobs, name: str) -> Opened | None:
     """The content `name` opened (None when there is none): still readable once deleted, or once its local copy is."""
     async with blobs.local(name) as path:
-        if path is None:
-            return None
-        file = await _io(path.open, "rb")
-    return Opened(os.fstat(file.fileno()).st_size, read_chunks(file))
+        return None if path is None else await Opened.of(path)
 
 
 def check_name(name: str) -> str:

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import itertools
 import os
 import secrets
 import socket
@@ -48,7 +49,7 @@ log = structlog.get_logger(__name__)
 
 Ending = Literal["completed", "cancelled", "expired"]  # each the batch's last status
 EXPIRED = {"code": EXPIRED_CODE, "message": "This request could not be executed before the completion window expired."}
-CHUNK = 512  # expired answers written per transaction
+CHUNK = 512  # input lines read per thread hop, expired answers written per transaction
 
 
 def result_line(custom_id: str, answer: LineAnswer | None) -> bytes:
@@ -236,11 +237,11 @@ class BatchRun:
         """Every line not answered yet, each once a slot is free (the lines in flight a task group)."""
         done = await self.records.answered(self.id)
         async with self._input() as path:
-            lines = read_lines(path)
+            lines, read = read_lines(path), collections.deque[BatchLine]()
             running: set[asyncio.Task[None]] = set()
             try:
                 async with asyncio.TaskGroup() as flight:
-                    while (line := await self._next(lines, running)) is not None:
+                    while (line := await self._next(lines, read, running)) is not None:
                         if line.custom_id in done:
                             continue
                         await self._slot()
@@ -255,14 +256,18 @@ class BatchRun:
                 with contextlib.suppress(ValueError):  # still being read in its thread: closed when collected
                     lines.close()
 
-    async def _next(self, lines: Iterator[BatchLine], running: set[asyncio.Task[None]]) -> BatchLine | None:
-        """A line the key's limits sent back, else the input's next; the input read, a line still running may
-        yet send one back. None once every line has ended."""
+    async def _next(self, lines: Iterator[BatchLine], read: collections.deque[BatchLine],
+                    running: set[asyncio.Task[None]]) -> BatchLine | None:
+        """A line the key's limits sent back, else the input's next (`read` a chunk at a time: a thread hop per
+        chunk, not per line); the input read, a line still running may yet send one back. None once every line
+        has ended."""
         while True:
             if self._again:
                 return self._again.popleft()
-            if (line := await asyncio.to_thread(next, lines, None)) is not None:
-                return line
+            if not read:
+                read.extend(await asyncio.to_thread(list, itertools.islice(lines, CHUNK)))
+            if read:
+                return read.popleft()
             if running:
                 await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             elif not self._again:  # (one sent back while the input was read is run still)

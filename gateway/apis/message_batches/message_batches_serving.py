@@ -35,7 +35,7 @@ from gateway.errors import InvalidRequest
 from gateway.protocol.batch_objects import DONE, StoredBatch
 from gateway.stores.batchdb import Answer
 from gateway.stores.batches import BatchStore, input_name, not_found
-from gateway.stores.blobs import Opened, Staged, read_chunks
+from gateway.stores.blobs import Opened, Staged
 
 STATUSES: dict[str, ProcessingStatus] = {"cancelling": "canceling", **{status: "ended" for status in DONE}}
 
@@ -138,10 +138,9 @@ async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
             raise not_found(batch_id, param)
         await staged.write(unrun)
         await staged.close()
-        opened = await asyncio.to_thread(staged.path.open, "rb")
+        return await Opened.of(staged.path)
     finally:
         await staged.discard()  # once open, its content stays readable until closed
-    return Opened(staged.size, read_chunks(opened))
 
 
 def _result_lines(answers: list[Answer]) -> bytes:
