@@ -18,10 +18,17 @@ openai SDK, in turns (who goes first rotating):
 - `interactive`: the same lines as plain chat completions on the disk gateway, `--max-in-flight` at
   a time (the batch lane's `batches.max_in_flight`): lines/s.
 
+Also each run's gateway CPU (user and system, from /proc) per line: steadier than lines/s on a shared machine.
+
 Medians over `--rounds`, each backend's lines/s ÷ the interactive reference and ÷ disk (medians of
 the per-round ratios, with their range), beside the A/A's disk-aa ÷ disk.
 
-    .venv/bin/python -m benchmarks.store_backends --rounds 3
+`--against PATH` (a worktree of an older tree, e.g. `git worktree add /tmp/old 3a87cdf`) adds, in the same
+rounds, `old-disk` and `old-redis`: gateways of that tree (`python -P -m gateway`, its own PYTHONPATH, so the
+working directory's package does not shadow it; Redis under a prefix of its own) and `redis-aa`, the A/A of redis:
+then `÷ old` is disk ÷ old-disk and redis ÷ old-redis, each beside its A/A (disk-aa ÷ disk, redis-aa ÷ redis).
+
+    .venv/bin/python -m benchmarks.store_backends --rounds 3 [--against /tmp/old]
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,8 +53,9 @@ from tests.s3_server import S3Server
 MODEL = "bare"
 KEY = "sk-bench"
 BACKENDS = ("disk", "redis", "s3")
+OLD = "old-"  # the gateways of `--against`
 ENDED = frozenset({"completed", "failed", "cancelled", "expired"})
-METRICS = ("lines_s", "upload_s", "download_s")
+METRICS = ("lines_s", "cpu_ms_line", "upload_s", "download_s")
 MOTO_NOTE = ("s3 is moto's S3 server (tests/s3_server.py): an in-memory stand-in on loopback, one request at a "
              "time; its contents (the input, the output file) are a few uploads and downloads a batch, its lines "
              "are SQLite records: the upload and download times say what S3 adds, not what real S3 would give")
@@ -64,6 +73,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="how often the batch's status is read, at least (else every 2%% of the time it has run)")
     p.add_argument("--pause", type=float, default=1.0, help="seconds of quiet before each run")
     p.add_argument("--start-timeout", type=float, default=120)
+    p.add_argument("--against", type=Path, help="a tree whose disk and redis gateways run beside these")
     return p.parse_args(argv)
 
 
@@ -93,10 +103,12 @@ def store_env(backend: str, folder: Path, redis: RedisServer | None, s3: S3Serve
     return dirs
 
 
-def gateway(backend: str, logs: Path, upstream: str, args: argparse.Namespace, redis: RedisServer | None,
+def gateway(name: str, logs: Path, upstream: str, args: argparse.Namespace, redis: RedisServer | None,
             s3: S3Server | None) -> Proc:
-    """A gateway whose one model is the instant endpoint, its batch lane on `backend`."""
-    folder = logs / backend
+    """A gateway whose one model is the instant endpoint, its batch lane on `backend`; `old-<backend>` one of the
+    `--against` tree."""
+    old, backend = name.startswith(OLD), name.removeprefix(OLD)
+    folder = logs / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "keys.yaml").write_text(f"keys:\n  bench: {{key: {KEY}}}\n")
     models = folder / "models.yaml"
@@ -105,8 +117,11 @@ def gateway(backend: str, logs: Path, upstream: str, args: argparse.Namespace, r
            "GATEWAY_LOG_LEVEL": "info", "GATEWAY_LOG_FORMAT": "json", "GATEWAY_RATE_LIMIT_RPM": "100000000",
            "GATEWAY_BATCHES__MAX_IN_FLIGHT": str(args.max_in_flight), "GATEWAY_BATCHES__POLL_S": "0.2",
            **store_env(backend, folder, redis, s3)}
-    command = [sys.executable, "-m", "gateway", "serve", "--models-file", str(models), "--port", "0"]
-    return Proc(backend, command, env, logs / f"{backend}.log", api_key=KEY)
+    if old:  # -P: no working directory first on sys.path, where this tree's package would shadow the old one
+        env |= {"PYTHONPATH": str(args.against.resolve()), "GATEWAY_STORE__REDIS_PREFIX": "llm-gateway:old-store:"}
+    command = [sys.executable, *(["-P"] if old else []), "-m", "gateway", "serve", "--models-file", str(models),
+               "--port", "0"]
+    return Proc(name, command, env, logs / f"{name}.log", api_key=KEY)
 
 
 async def started(proc: Proc, timeout_s: float) -> Proc:
@@ -125,6 +140,13 @@ async def started(proc: Proc, timeout_s: float) -> Proc:
 
 # ----------------------------------------------------------------------------------------------
 # The runs
+
+
+def cpu_s(pid: int) -> float:
+    """The CPU seconds (user and system) a process has used: what a line costs the gateway, whatever else runs on the
+    machine meanwhile (its lines/s moves with the machine's load, this much less)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def batch_run(client: AsyncOpenAI, args: argparse.Namespace, tag: str) -> dict[str, float]:
@@ -182,6 +204,7 @@ async def warm_up(clients: dict[str, AsyncOpenAI], args: argparse.Namespace) -> 
 async def work(args: argparse.Namespace, document: dict[str, Any]) -> None:
     logs = Path(document["logs"])
     backends = ["disk", *(b for b in args.backends if b != "disk")]
+    olds = [OLD + b for b in ("disk", "redis") if b in backends] if args.against else []
     redis = RedisServer(logs, appendfsync="everysec").start() if "redis" in backends else None
     s3 = S3Server().start() if "s3" in backends else None
     mock = await instant_endpoint.serve(name=MODEL)
@@ -189,18 +212,23 @@ async def work(args: argparse.Namespace, document: dict[str, Any]) -> None:
     clients: dict[str, AsyncOpenAI] = {}
     try:
         procs = await asyncio.gather(*(started(gateway(b, logs, upstream, args, redis, s3), args.start_timeout)
-                                       for b in backends))
+                                       for b in (*backends, *olds)))
         clients = {b: AsyncOpenAI(base_url=p.base_url, api_key=KEY, max_retries=0, timeout=600)
-                   for b, p in zip(backends, procs, strict=True)}
+                   for b, p in zip((*backends, *olds), procs, strict=True)}
+        pids = {b: p.process.pid for b, p in zip((*backends, *olds), procs, strict=True) if p.process is not None}
         await warm_up(clients, args)
-        slots = [("disk", "disk"), ("disk-aa", "disk"), *((b, b) for b in backends[1:]), ("interactive", "disk")]
+        twins = [("redis-aa", "redis")] if olds and "redis" in backends else []
+        slots = [("disk", "disk"), ("disk-aa", "disk"), *((b, b) for b in backends[1:]), *twins,
+                 *((b, b) for b in olds), ("interactive", "disk")]
         document["targets"] = [name for name, _ in slots]
         runs: list[dict[str, Any]] = document.setdefault("runs", [])
         for r in range(args.rounds):
             for name, backend in rotated(slots, r):
                 await asyncio.sleep(args.pause)
                 measure = interactive_run if name == "interactive" else batch_run
+                cpu = cpu_s(pids[backend])
                 metrics = await measure(clients[backend], args, f"r{r}-{name}")
+                metrics["cpu_ms_line"] = (cpu_s(pids[backend]) - cpu) * 1000 / args.lines
                 runs.append({"repeat": r, "concurrency": args.max_in_flight, "target": name, "metrics": metrics})
                 log(f"round {r} {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in metrics.items()))
     finally:
@@ -229,7 +257,7 @@ def summarize(document: dict[str, Any]) -> None:
                                "lines_s_all": [r["metrics"]["lines_s"] for r in runs if r["target"] == target]}
         if target != "interactive":
             ratios = paired(runs, level, target, ("lines_s",))
-            for other in ("interactive", "disk"):
+            for other in ("interactive", "disk", "redis", OLD + target):
                 if other != target and other in ratios["ratios"]:
                     row[f"vs_{other}"] = ratios["ratios"][other]["lines_s"]
                     row[f"vs_{other}_range"] = ratios["spread"][other]["lines_s"]
@@ -242,13 +270,20 @@ def render(document: dict[str, Any]) -> str:
         value, spread = row.get(f"vs_{other}"), row.get(f"vs_{other}_range")
         return "-" if value is None or spread is None else f"{value:.2f} [{spread[0]:.2f}, {spread[1]:.2f}]"
 
+    def against(row: dict[str, Any]) -> str:
+        """÷ old, beside its A/A: disk-aa ÷ disk for disk, redis-aa ÷ redis for redis."""
+        twin = next((r for r in document.get("summary", []) if r["target"] == f"{row['target']}-aa"), None)
+        old = ratio(row, OLD + row["target"])
+        return "-" if old == "-" or twin is None else f"{old} (A/A {ratio(twin, row['target'])})"
+
     rows = [(r["target"], f"{r['lines_s']:.0f} [{min(r['lines_s_all']):.0f}-{max(r['lines_s_all']):.0f}]",
-             ratio(r, "interactive"), ratio(r, "disk"), num(r.get("upload_s"), 3), num(r.get("download_s"), 3))
-            for r in document.get("summary", [])]
+             ratio(r, "interactive"), ratio(r, "disk"), against(r), num(r.get("cpu_ms_line"), 3),
+             num(r.get("upload_s"), 3), num(r.get("download_s"), 3)) for r in document.get("summary", [])]
     return "\n".join([f"`{document['command']}`", "",
                       *md_table("target | lines/s median [range] | ÷ interactive [range] | ÷ disk [range] | "
-                                "upload s | download s", rows, left=("target",)),
-                      "", "disk-aa ÷ disk is the A/A: the noise floor of every ratio. " + MOTO_NOTE + "."])
+                                "÷ old [range] (A/A [range]) | gateway CPU ms/line | upload s | download s", rows, left=("target",)),
+                      "", "disk-aa ÷ disk is the A/A: the noise floor of every ratio (redis-aa ÷ redis beside ÷ old for "
+                      "redis). " + MOTO_NOTE + "."])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,7 @@ def answers(directory: Path, batch_id: str, ok: bool | None = None) -> list[dict
     async def read() -> list[dict[str, object]]:
         store = disk_batches(directory)
         try:
-            return [orjson.loads(a.line) async for a in store.records.answers(batch_id) if ok is None or a.ok is ok]
+            return [orjson.loads(a.line) async for page in store.records.answers(batch_id) for a in page if ok is None or a.ok is ok]
         finally:
             await store.aclose()
 

@@ -13,6 +13,7 @@ Status = Literal["validating", "failed", "in_progress", "finalizing", "completed
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 DONE: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})  # nothing more will happen
 MAX_METADATA, MAX_KEY, MAX_VALUE = 16, 64, 512
+WINDOW_S = 24 * 3600  # completion_window "24h"
 
 
 class BatchError(BaseModel):

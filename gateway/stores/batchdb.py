@@ -55,7 +55,7 @@ class Records(Protocol):
     batch is live (else None); `renew` keeps it `ttl_s` longer, False once the batch was claimed again since `token`;
     `save` (the record, its counts aside) and `answer_all` (in one transaction, each answer kept and counted unless its
     line has one already; how many were kept) raise `Fenced` once claimed again since `token`; `answers` are every
-    answer kept, in the order they came."""
+    answer kept, in the order they came, a page at a time."""
 
     async def add_file(self, owner: str, file: FileObject) -> None: ...
     async def file(self, owner: str, file_id: str) -> FileObject | None: ...
@@ -73,7 +73,7 @@ class Records(Protocol):
     async def save(self, stored: StoredBatch, token: int) -> None: ...
     async def answer_all(self, batch_id: str, token: int, answers: list[Answer]) -> int: ...
     async def answered(self, batch_id: str) -> set[str]: ...
-    def answers(self, batch_id: str) -> AsyncIterator[Answer]: ...
+    def answers(self, batch_id: str) -> AsyncIterator[list[Answer]]: ...
     async def aclose(self) -> None: ...
 
 
@@ -146,7 +146,9 @@ class SqliteRecords:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self._path, isolation_level=None, timeout=30)
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")  # an answer kept is on disk before its line counts
+            # WAL with NORMAL: a commit survives the process crashing (the WAL is in the OS); a power loss may take
+            # back the last commits before a checkpoint, which the runner then runs again (each line answered once)
+            db.execute("PRAGMA synchronous=NORMAL")
             db.executescript(SCHEMA)
             self._open.db = db
         return db
@@ -239,15 +241,11 @@ class SqliteRecords:
     async def answered(self, batch_id: str) -> set[str]:
         return {custom_id for custom_id, in await self._rows("SELECT custom_id FROM answers WHERE batch_id = ?", batch_id)}
 
-    async def answers(self, batch_id: str) -> AsyncIterator[Answer]:
+    async def answers(self, batch_id: str) -> AsyncIterator[list[Answer]]:
         after = -1
-        while True:
-            rows = await self._rows("SELECT seq, custom_id, ok, expired, line FROM answers WHERE batch_id = ? AND seq > ? "
-                                    "ORDER BY seq LIMIT ?", batch_id, after, PAGE)
-            for _, custom_id, ok, expired, line in rows:
-                yield Answer(custom_id, bool(ok), bytes(line), bool(expired))
-            if len(rows) < PAGE:
-                return
+        while rows := await self._rows("SELECT seq, custom_id, ok, expired, line FROM answers WHERE batch_id = ? AND "
+                                       "seq > ? ORDER BY seq LIMIT ?", batch_id, after, PAGE):
+            yield [Answer(custom_id, bool(ok), bytes(line), bool(expired)) for _, custom_id, ok, expired, line in rows]
             after = rows[-1][0]
 
     async def aclose(self) -> None:

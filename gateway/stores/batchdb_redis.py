@@ -164,16 +164,12 @@ class RedisRecords:
     async def answered(self, batch_id: str) -> set[str]:
         return {_text(custom_id) for custom_id in await self._call(self._redis.hkeys(f"{self._p}answers:{batch_id}"))}
 
-    async def answers(self, batch_id: str) -> AsyncIterator[Answer]:
+    async def answers(self, batch_id: str) -> AsyncIterator[list[Answer]]:
         start = 0
-        while True:
-            ids = await self._call(self._redis.lrange(f"{self._p}order:{batch_id}", start, start + PAGE - 1))
-            if not ids:
-                return
+        while ids := await self._call(self._redis.lrange(f"{self._p}order:{batch_id}", start, start + PAGE - 1)):
             values = await self._call(self._redis.hmget(f"{self._p}answers:{batch_id}", ids))
-            for custom_id, value in zip(ids, values, strict=True):
-                if isinstance(value, bytes):
-                    yield Answer(_text(custom_id), value[:1] == b"1", value[1:], value[:1] == b"2")
+            yield [Answer(_text(custom_id), value[:1] == b"1", value[1:], value[:1] == b"2")
+                   for custom_id, value in zip(ids, values, strict=True) if isinstance(value, bytes)]
             start += PAGE
 
     async def aclose(self) -> None:

@@ -7,12 +7,15 @@ from __future__ import annotations
 import contextlib
 import re
 import secrets
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
-from gateway.protocol.batch_objects import DONE, StoredBatch
+from gateway.protocol.batch_objects import DONE, WINDOW_S, Batch, Owner, RequestCounts, StoredBatch
 from gateway.stores.batchdb import Records
-from gateway.stores.blobs import Blobs, Opened, put_bytes, put_chunks
+from gateway.stores.blobs import Blobs, put_chunks
+from gateway.stores.files import page_of
 
 BATCH, MESSAGE_BATCH = "batch_", "msgbatch_"  # the id prefixes of OpenAI's batches and Anthropic's
 ID = re.compile(r"(?:msg)?batch_[0-9a-f]{32}")
@@ -57,13 +60,20 @@ class OwnedBatches:
             raise not_found(batch_id, param)
         return stored
 
-    async def create(self, stored: StoredBatch, source: Opened | bytes) -> None:
+    def new(self, key_id: str, endpoint: str, output_expires_after_s: int, input_file_id: str | None = None,
+            metadata: dict[str, str] | None = None, total: int = 0) -> StoredBatch:
+        """A new batch of this owner's, `validating`, its input the file `input_file_id` (or its own, by its id)."""
+        now, batch_id = int(time.time()), new_id(self.kind)
+        batch = Batch(id=batch_id, endpoint=endpoint, input_file_id=input_file_id or batch_id, status="validating",
+                      created_at=now, expires_at=now + WINDOW_S, metadata=metadata,
+                      request_counts=RequestCounts(total=total))
+        return StoredBatch(batch=batch, owner=Owner(key_id=key_id, tenant=self.owner),
+                           output_expires_after_s=output_expires_after_s, created_ns=time.time_ns())
+
+    async def create(self, stored: StoredBatch, source: AsyncIterator[bytes] | bytes) -> None:
         """The input first, then the record: a reader sees a whole batch or none."""
         name = input_name(stored.batch.id)
-        if isinstance(source, bytes):
-            await put_bytes(self.store.blobs, name, source)
-        else:
-            await put_chunks(self.store.blobs, name, source.chunks)
+        await put_chunks(self.store.blobs, name, source)
         try:
             await self.store.records.create(stored)
         except BaseException:  # an input no batch names, which no delete would ever reach
@@ -91,16 +101,7 @@ class OwnedBatches:
 
     async def page(self, after: str | None, limit: int, before: str | None = None,
                    names: tuple[str, str] = ("after", "before")) -> tuple[list[StoredBatch], bool]:
-        """A page of this owner's batches, newest first, after `after` or before `before` (a 400 naming `names` when
-        unknown), and whether more follow."""
+        """A page of this owner's batches, newest first (`page_of`)."""
         stored = [s for s in await self.store.records.batches(self.owner) if s.batch.id.startswith(self.kind)]
         stored.sort(key=lambda s: (s.batch.created_at, s.created_ns, s.batch.id), reverse=True)
-        ids = [s.batch.id for s in stored]
-        for cursor, name in ((after, names[0]), (before, names[1])):
-            if cursor is not None and cursor not in ids:
-                raise InvalidRequest(f"No batch to list {name.partition('_')[0]}: {cursor}", param=name)
-        if before is not None:
-            end = ids.index(before)
-            return stored[max(0, end - limit) : end], end - limit > 0
-        start = 0 if after is None else ids.index(after) + 1
-        return stored[start : start + limit], start + limit < len(stored)
+        return page_of(stored, [s.batch.id for s in stored], limit, after, before, names, "No batch to list")

@@ -52,6 +52,12 @@ class Opened:
     size: int
     chunks: AsyncGenerator[bytes, None]
 
+    @classmethod
+    async def of(cls, path: Path) -> Opened:
+        """The local file `path` opened: still readable once it is removed."""
+        file = await _io(path.open, "rb")
+        return cls(os.fstat(file.fileno()).st_size, read_chunks(file))
+
     async def aclose(self) -> None:
         await self.chunks.aclose()
 
@@ -114,19 +120,15 @@ class Blobs(Protocol):
     async def aclose(self) -> None: ...
 
 
-async def put_bytes(blobs: Blobs, name: str, data: bytes) -> None:
-    async def whole() -> AsyncIterator[bytes]:
-        yield data
-
-    await put_chunks(blobs, name, whole())
-
-
-async def put_chunks(blobs: Blobs, name: str, chunks: AsyncIterator[bytes]) -> None:
-    """The chunks staged in a local file, then written once as `name`."""
+async def put_chunks(blobs: Blobs, name: str, chunks: AsyncIterator[bytes] | bytes) -> None:
+    """The chunks (or bytes) staged in a local file, then written once as `name`."""
     staged = await Staged.at(blobs.spool, "copy")
     try:
-        async for chunk in chunks:
-            await staged.write(chunk)
+        if isinstance(chunks, bytes):
+            await staged.write(chunks)
+        else:
+            async for chunk in chunks:
+                await staged.write(chunk)
         await staged.close()
         await blobs.put_file(name, staged.path)
     finally:
@@ -136,10 +138,7 @@ async def put_chunks(blobs: Blobs, name: str, chunks: AsyncIterator[bytes]) -> N
 async def open_blob(blobs: Blobs, name: str) -> Opened | None:
     """The content `name` opened (None when there is none): still readable once deleted, or once its local copy is."""
     async with blobs.local(name) as path:
-        if path is None:
-            return None
-        file = await _io(path.open, "rb")
-    return Opened(os.fstat(file.fileno()).st_size, read_chunks(file))
+        return None if path is None else await Opened.of(path)
 
 
 def check_name(name: str) -> str:

@@ -9,17 +9,33 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
 from gateway.protocol.file_objects import FileObject, Purpose
 from gateway.stores.batchdb import Records
 from gateway.stores.blobs import Blobs, Opened, Staged, open_blob
 
+T = TypeVar("T")
 ID = re.compile(r"file-[0-9a-f]{24}")
 
 
 def not_found(file_id: str) -> NotFound:
     return NotFound(f"No such File object: {file_id}", param="file_id")
+
+
+def page_of(items: list[T], ids: list[str], limit: int, after: str | None, before: str | None = None,
+            names: tuple[str, str] = ("after", "before"), missing: str = "No such File object to list") -> tuple[list[T], bool]:
+    """The page of `items` (whose ids are `ids`) after `after` or before `before` (a 400 naming `names` when unknown),
+    and whether more follow."""
+    for cursor, name in ((after, names[0]), (before, names[1])):
+        if cursor is not None and cursor not in ids:
+            raise InvalidRequest(f"{missing} {name.partition('_')[0]}: {cursor}", param=name)
+    if before is not None:
+        end = ids.index(before)
+        return items[max(0, end - limit) : end], end - limit > 0
+    start = 0 if after is None else ids.index(after) + 1
+    return items[start : start + limit], start + limit < len(items)
 
 
 def derived_id(name: str) -> str:
@@ -94,17 +110,10 @@ class OwnedFiles:
 
     async def page(self, purpose: str | None, after: str | None, limit: int, descending: bool) -> tuple[list[FileObject], bool]:
         now = time.time()
-        files = [f for f in await self.records.files(self.owner) if f.expires_at is None or f.expires_at > now]
+        files = [f for f in await self.records.files(self.owner)
+                 if (f.expires_at is None or f.expires_at > now) and purpose in (None, f.purpose)]
         files.sort(key=lambda f: (f.created_at, f.id), reverse=descending)
-        if purpose is not None:
-            files = [f for f in files if f.purpose == purpose]
-        start = 0
-        if after is not None:
-            ids = [f.id for f in files]
-            if after not in ids:
-                raise InvalidRequest(f"No such File object to list after: {after}", param="after")
-            start = ids.index(after) + 1
-        return files[start : start + limit], start + limit < len(files)
+        return page_of(files, [f.id for f in files], limit, after)
 
     async def _remove(self, file_id: str) -> None:
         if await self.records.remove_file(self.owner, file_id):  # from here on the file is gone for every reader

@@ -76,7 +76,7 @@ async def test_each_line_is_answered_once_the_first_kept(records: Records) -> No
     assert not await one(records, made.batch.id, token, answer("r1", content="again"))  # the constraint refuses it
     assert not await one(records, made.batch.id, token, answer("r1", ok=False))
     assert await one(records, made.batch.id, token, answer("r2", ok=False))
-    kept = [(a.custom_id, a.ok, orjson.loads(a.line)["content"]) async for a in records.answers(made.batch.id)]
+    kept = [(a.custom_id, a.ok, orjson.loads(a.line)["content"]) async for page in records.answers(made.batch.id) for a in page]
     assert kept == [("r1", True, "first"), ("r2", False, "x")]
     assert await records.answered(made.batch.id) == {"r1", "r2"}
     found = await records.batch(made.batch.id)
@@ -92,7 +92,7 @@ async def test_answers_written_together_are_each_kept_once_and_fenced_together(r
     assert token is not None
     assert await records.answer_all(made.batch.id, token, [answer("r1"), answer("r2", ok=False)]) == 2
     assert await records.answer_all(made.batch.id, token, [answer("r2", content="again"), answer("r3")]) == 1
-    kept = [(a.custom_id, a.ok, orjson.loads(a.line)["content"]) async for a in records.answers(made.batch.id)]
+    kept = [(a.custom_id, a.ok, orjson.loads(a.line)["content"]) async for page in records.answers(made.batch.id) for a in page]
     assert kept == [("r1", True, "x"), ("r2", False, "x"), ("r3", True, "x")]
     found = await records.batch(made.batch.id)
     assert found is not None
@@ -121,7 +121,7 @@ async def test_a_line_twice_in_one_write_is_kept_and_counted_once(records: Recor
     counts = found.batch.request_counts
     assert (counts.completed, counts.failed, found.expired_lines) == (1, 1 + len(expired), len(expired))
     assert (found.batch.usage.input_tokens, found.batch.usage.output_tokens) == (4, 6)
-    kept = [(a.custom_id, a.ok, a.expired) async for a in records.answers(made.batch.id)]
+    kept = [(a.custom_id, a.ok, a.expired) async for page in records.answers(made.batch.id) for a in page]
     assert kept == [("r1", True, False), ("r2", False, False), *((a.custom_id, False, True) for a in expired)]
 
 
@@ -282,7 +282,7 @@ async def test_a_replica_stalled_mid_write_on_redis_has_its_late_write_refused(r
         with pytest.raises(Fenced):
             await late
     assert not await a.renew(batch_id, token_a, 30)
-    kept = {x.custom_id: orjson.loads(x.line)["content"] async for x in b.answers(batch_id)}
+    kept = {x.custom_id: orjson.loads(x.line)["content"] async for page in b.answers(batch_id) for x in page}
     assert kept == {"r0": "x", "r1": "B's"}
     for pools in replicas:
         await pools.aclose()

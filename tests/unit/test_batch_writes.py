@@ -5,6 +5,7 @@ expired lines written in bulk, its claim kept meanwhile, its output published on
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import sqlite3
 import threading
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from gateway.apis.batches.batches_input import BatchLine
 from gateway.apis.batches.batches_runner import BatchRun
 from gateway.app import create_app
 from gateway.protocol.batch_objects import Batch, Owner, RequestCounts, StoredBatch
@@ -158,3 +160,21 @@ def test_a_run_that_lost_its_claim_publishes_no_output(tmp_path: Path, monkeypat
         until_sync(released.is_set, what="the run ended")
         assert [f.purpose for f in sdk.files.list().data] == ["batch"]
         assert sdk.batches.retrieve(batch.id).status == "finalizing"
+
+
+def test_a_line_sent_back_while_the_inputs_end_is_read_still_runs() -> None:
+    """The last line running is sent back by the key's limits while the runner reads the end of the input (in a
+    thread): it is still run, the batch does not end short of it."""
+    run = BatchRun.__new__(BatchRun)  # only what `_next` reads
+    run._again = collections.deque()
+    line = BatchLine(1, "a", "/v1/chat/completions", b"{}")
+
+    async def sent_back() -> None:
+        run._again.append(line)
+
+    async def scenario() -> BatchLine | None:
+        running = {task := asyncio.create_task(sent_back())}
+        task.add_done_callback(running.discard)
+        return await run._next(iter([]), collections.deque(), running)  # ends, then the input's end is read
+
+    assert asyncio.run(scenario()) is line

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.stores.blobs import Blobs, open_blob, put_bytes
+from gateway.stores.blobs import Blobs, open_blob, put_chunks
 
 
 async def _read(blobs: Blobs, name: str) -> bytes | None:
@@ -36,14 +36,14 @@ async def test_a_missing_content_is_none(blobs: Blobs) -> None:
 
 
 async def test_open_is_fixed_at_open_and_delete_removes(blobs: Blobs) -> None:
-    await put_bytes(blobs, "a", b"x" * 600_000)
+    await put_chunks(blobs, "a", b"x" * 600_000)
     opened = await open_blob(blobs, "a")
     assert opened is not None
     await blobs.delete("a")
     assert opened.size == 600_000
     assert b"".join([chunk async for chunk in opened.chunks]) == b"x" * 600_000
     assert await open_blob(blobs, "a") is None
-    assert list(blobs.spool.iterdir()) == []  # put_bytes staged it, and left nothing behind
+    assert list(blobs.spool.iterdir()) == []  # put_chunks staged it, and left nothing behind
 
 
 @pytest.mark.parametrize("name", ["", "..", "../x", "a/b", "/etc/passwd", ".tmp-x", "a\x00b"])

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from gateway.errors import StoreUnavailable
 from gateway.settings import Settings, StoreSettings
 from gateway.stores.backends import open_stores
-from gateway.stores.blobs import open_blob, put_bytes, unavailable
+from gateway.stores.blobs import open_blob, put_chunks, unavailable
 from gateway.stores.blobs_s3 import MIB, S3Blobs
 from gateway.stores.redis import RedisPools
 from tests.s3_server import S3Server, shared
@@ -69,7 +69,7 @@ def stopped(tmp_path: Path) -> S3Blobs:
     server = S3Server().start()
     bucket = server.bucket()
     store = S3Blobs.from_settings(_settings(server.url, bucket, s3_timeout_s=3), "batches", tmp_path / "spool")
-    asyncio.run(put_bytes(store, "before", b"x"))
+    asyncio.run(put_chunks(store, "before", b"x"))
     server.stop()
     return store
 
@@ -106,8 +106,8 @@ async def test_a_silent_service_times_out(silent: str, tmp_path: Path) -> None:
 
 async def test_every_key_is_below_the_prefix_and_part(blobs: S3Blobs, bucket: str, tmp_path: Path) -> None:
     files = S3Blobs.from_settings(_settings(shared().url, bucket), "files", tmp_path / "spool")
-    await put_bytes(files, "file-1", b"line\n")
-    await put_bytes(blobs, "batch_1.input.jsonl", b"{}")
+    await put_chunks(files, "file-1", b"line\n")
+    await put_chunks(blobs, "batch_1.input.jsonl", b"{}")
     assert sorted(_keys(bucket)) == [f"{PREFIX}batches/batch_1.input.jsonl", f"{PREFIX}files/file-1"]
     assert await open_blob(files, "batch_1.input.jsonl") is None  # each part sees only its own
     await files.aclose()

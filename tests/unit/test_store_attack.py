@@ -166,7 +166,7 @@ def test_an_expired_batchs_counts_are_its_answers_on_every_backend(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch whose window ends mid-run, more lines left than one write of expired answers takes: each line in one
     file once, and the counts and token totals exactly those of the lines in the files."""
-    monkeypatch.setattr("gateway.apis.batches.batches_routes.WINDOW_S", 2)
+    monkeypatch.setattr("gateway.stores.batches.WINDOW_S", 2)
     config = {**settings(tmp_path, max_in_flight=2), **store_settings}
     with TestClient(app_with(FakeEngine(delay=0.01), **config)) as client:
         sdk = sdk_for(client)
@@ -218,7 +218,7 @@ def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: 
     """The unrun lines were written as expired, then the runner died before the record said `expired`:
     the next run finds nothing left to expire, and still counts those lines as expired, not errored."""
     from gateway.apis.batches.batches_input import MESSAGES
-    from gateway.apis.batches.batches_runner import expired_line
+    from gateway.apis.batches.batches_runner import result_line
     from gateway.protocol.batch_objects import RequestCounts
     from gateway.stores.batchdb import Answer
     from gateway.stores.batches import MESSAGE_BATCH
@@ -239,7 +239,7 @@ def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: 
     async def expired_then_killed() -> None:
         token = await store.records.claim(batch_id, "killed", 0.01)  # its claim lapses at once: never released
         assert token is not None
-        await store.records.answer_all(batch_id, token, [Answer(c, False, expired_line(c), expired=True) for c in "ab"])
+        await store.records.answer_all(batch_id, token, [Answer(c, False, result_line(c, None), expired=True) for c in "ab"])
 
     asyncio.run(expired_then_killed())
     with TestClient(app_with(FakeEngine(), **settings(tmp_path))) as client:

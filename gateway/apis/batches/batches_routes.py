@@ -3,16 +3,13 @@ its status; these routes only read it and ask for a cancel."""
 
 from __future__ import annotations
 
-import time
-
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.apis.batches.batches_wire import WINDOW_S, BatchCreate, BatchList, BatchListQuery
+from gateway.apis.batches.batches_wire import BatchCreate, BatchList, BatchListQuery
 from gateway.errors import InvalidRequest
 from gateway.pipeline.context import context_of
-from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
-from gateway.stores.batches import OwnedBatches, new_id
+from gateway.stores.batches import OwnedBatches
 from gateway.web.answers import json_response
 from gateway.web.requests import parse, state_of
 
@@ -34,16 +31,13 @@ async def _create(request: Request) -> Response:
         if found.purpose != "batch":
             raise InvalidRequest(f"The file '{body.input_file_id}' has purpose '{found.purpose}'; a batch's input must "
                                  "be a file of purpose 'batch'.", param="input_file_id")
-        now = int(time.time())
-        batch = Batch(id=new_id(), endpoint=body.endpoint, input_file_id=found.id, status="validating", created_at=now,
-                      expires_at=now + WINDOW_S, metadata=body.metadata)
         expires = body.output_expires_after.seconds if body.output_expires_after else state.settings.batches.output_expires_after_s
-        await _mine(request).create(StoredBatch(batch=batch, owner=Owner(key_id=context.key_id, tenant=context.tenant),
-                                                output_expires_after_s=expires, created_ns=time.time_ns()), content)
+        stored = _mine(request).new(context.key_id, body.endpoint, expires, found.id, body.metadata)
+        await _mine(request).create(stored, content.chunks)
     finally:
         await content.aclose()
     state.batch_runner.wake()
-    return json_response(batch)
+    return json_response(stored.batch)
 
 
 async def _list(request: Request) -> Response:

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import itertools
 import os
 import secrets
 import socket
@@ -48,23 +49,16 @@ log = structlog.get_logger(__name__)
 
 Ending = Literal["completed", "cancelled", "expired"]  # each the batch's last status
 EXPIRED = {"code": EXPIRED_CODE, "message": "This request could not be executed before the completion window expired."}
-CHUNK = 512  # lines written at once: expired answers per transaction, result lines per write to a file assembled
+CHUNK = 512  # input lines read per thread hop, expired answers written per transaction
 
 
-def _line(custom_id: str, response: dict[str, object] | None, error: dict[str, str] | None) -> bytes:
-    """A line of the output (or error) file, as OpenAI's."""
+def result_line(custom_id: str, answer: LineAnswer | None) -> bytes:
+    """A line of the output (or error) file, as OpenAI's: the route's status and body (JSON already), or none (a
+    line the batch's expiry left unrun)."""
+    response = None if answer is None else {"status_code": answer.status, "request_id": answer.request_id,
+                                            "body": orjson.Fragment(answer.body)}
     return orjson.dumps({"id": "batch_req_" + secrets.token_hex(16), "custom_id": custom_id, "response": response,
-                         "error": error})
-
-
-def result_line(custom_id: str, answer: LineAnswer) -> bytes:
-    """The route's status and body (JSON already)."""
-    return _line(custom_id, {"status_code": answer.status, "request_id": answer.request_id,
-                             "body": orjson.Fragment(answer.body)}, None)
-
-
-def expired_line(custom_id: str) -> bytes:
-    return _line(custom_id, None, EXPIRED)
+                         "error": EXPIRED if answer is None else None})
 
 
 async def _until(timeout_s: float, event: asyncio.Event, *tasks: asyncio.Task[None]) -> None:
@@ -160,6 +154,7 @@ class BatchRun:
         self.cancel_asked = asyncio.Event()
         self._kept: list[Answer] = []  # answers had, not written yet
         self._writing = asyncio.Lock()
+        self._writer: asyncio.Task[None] | None = None  # writing the answers had, while the lines run on
         self._again: collections.deque[BatchLine] = collections.deque()  # lines the key's limits sent back
         self._resume_at = 0.0  # (monotonic) the key's limits refused a line: no new line of this batch before
 
@@ -217,10 +212,6 @@ class BatchRun:
             log.info("batch_started", batch_id=self.id, lines=total)
         await self.records.save(self.stored, self.token)
 
-    def _expired(self) -> bool:
-        expires = self.stored.batch.expires_at
-        return expires is not None and time.time() >= expires
-
     async def _lines(self) -> Ending:
         """The lines run until each is answered, a cancel (asked here or on another replica) or the batch's
         expiry; then the lines in flight cancelled, and the answers had written."""
@@ -229,7 +220,7 @@ class BatchRun:
             return "cancelled" if status == "cancelling" else "completed"
         feeder = asyncio.create_task(self._feed())
         try:
-            while not self._expired():
+            while (expires := self.stored.batch.expires_at) is None or time.time() < expires:
                 await _until(self.runner.settings.poll_s, self.cancel_asked, feeder)
                 if feeder.done():
                     feeder.result()  # a line whose answer could not be written stopped them all: its error
@@ -246,18 +237,18 @@ class BatchRun:
         """Every line not answered yet, each once a slot is free (the lines in flight a task group)."""
         done = await self.records.answered(self.id)
         async with self._input() as path:
-            lines = read_lines(path)
+            lines, read = read_lines(path), collections.deque[BatchLine]()
             running: set[asyncio.Task[None]] = set()
             try:
                 async with asyncio.TaskGroup() as flight:
-                    while (line := await self._next(lines, running)) is not None:
+                    while (line := await self._next(lines, read, running)) is not None:
                         if line.custom_id in done:
                             continue
                         await self._slot()
                         if self.runner.state.lifecycle.draining:  # no new line: those in flight end
                             self.runner.slots.release()
                             await asyncio.Event().wait()  # until the shutdown cancels this run
-                        task = flight.create_task(self._one(line))
+                        task = flight.create_task(self._one(line, flight))
                         running.add(task)
                         task.add_done_callback(running.discard)
                         task.add_done_callback(lambda _: self.runner.slots.release())  # even cancelled unstarted
@@ -265,15 +256,22 @@ class BatchRun:
                 with contextlib.suppress(ValueError):  # still being read in its thread: closed when collected
                     lines.close()
 
-    async def _next(self, lines: Iterator[BatchLine], running: set[asyncio.Task[None]]) -> BatchLine | None:
-        """A line the key's limits sent back, else the input's next; the input read, a line still running may
-        yet send one back. None once every line has ended."""
+    async def _next(self, lines: Iterator[BatchLine], read: collections.deque[BatchLine],
+                    running: set[asyncio.Task[None]]) -> BatchLine | None:
+        """A line the key's limits sent back, else the input's next (`read` a chunk at a time: a thread hop per
+        chunk, not per line); the input read, a line still running may yet send one back. None once every line
+        has ended."""
         while True:
             if self._again:
                 return self._again.popleft()
-            if (line := await asyncio.to_thread(next, lines, None)) is not None or not running:
-                return line
-            await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            if not read:
+                read.extend(await asyncio.to_thread(list, itertools.islice(lines, CHUNK)))
+            if read:
+                return read.popleft()
+            if running:
+                await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            elif not self._again:  # (one sent back while the input was read is run still)
+                return None
 
     async def _slot(self) -> None:
         """A slot of `max_in_flight` for the next line, once the key's limits let this batch go on."""
@@ -284,7 +282,7 @@ class BatchRun:
                 return
             self.runner.slots.release()  # paused while it waited for the slot
 
-    async def _one(self, line: BatchLine) -> None:
+    async def _one(self, line: BatchLine, flight: asyncio.TaskGroup) -> None:
         try:
             answer = await run_line(self.runner.state, self.stored.owner, line.url, line.body, self.runner.settings.retry_s)
         except Retry as retry:  # the key's rate limits: the line runs again, and the batch goes on, once they let it
@@ -293,20 +291,21 @@ class BatchRun:
             return
         self._kept.append(Answer(line.custom_id, answer.ok, result_line(line.custom_id, answer),
                                  prompt=answer.prompt_tokens, completion=answer.completion_tokens))
-        await self._flush()
+        if self._writer is None or self._writer.done():  # else the writer under way takes this one too
+            self._writer = flight.create_task(self._flush())  # its slot free meanwhile: the write holds no line
 
     async def _flush(self) -> None:
-        """The answers had, written in one transaction (those of the lines ending meanwhile go with the next).
-        One cancelled mid-write is written again by the next (a line's second answer is ignored): a cancel
-        does not lose an answer already had."""
+        """The answers had, written a group per transaction until none is left (those of the lines ending
+        meanwhile go with the next). One cancelled mid-write is written again by the next (a line's second
+        answer is ignored): a cancel does not lose an answer already had."""
         async with self._writing:
-            kept, self._kept = self._kept, []
-            try:
-                if kept:
+            while self._kept:
+                kept, self._kept = self._kept, []
+                try:
                     await self.records.answer_all(self.id, self.token, kept)
-            except asyncio.CancelledError:
-                self._kept[:0] = kept
-                raise
+                except asyncio.CancelledError:
+                    self._kept[:0] = kept
+                    raise
 
     async def _finish(self, ending: Ending) -> None:
         batch, now = (await self._load()).batch, int(time.time())
@@ -332,7 +331,7 @@ class BatchRun:
             rest = await asyncio.to_thread(lambda: [line.custom_id for line in read_lines(path) if line.custom_id not in done])
         for start in range(0, len(rest), CHUNK):
             await self.records.answer_all(self.id, self.token, [
-                Answer(custom_id, False, expired_line(custom_id), expired=True) for custom_id in rest[start : start + CHUNK]])
+                Answer(custom_id, False, result_line(custom_id, None), expired=True) for custom_id in rest[start : start + CHUNK]])
 
     async def _publish(self, batch: Batch) -> None:
         """The output and error files assembled from the answers, as files of the batch's owner (ids derived
@@ -344,14 +343,9 @@ class BatchRun:
         files = self.runner.state.files.of(self.stored.owner.tenant)
         staged = {True: await files.stage(), False: await files.stage()}
         try:
-            pending: dict[bool, list[bytes]] = {True: [], False: []}
-            async for answer in self.records.answers(self.id):
-                pending[answer.ok].append(answer.line + b"\n")
-                if len(pending[answer.ok]) >= CHUNK:
-                    await staged[answer.ok].write(b"".join(pending[answer.ok]))
-                    pending[answer.ok].clear()
-            for ok, lines in pending.items():
-                await staged[ok].write(b"".join(lines))
+            async for page in self.records.answers(self.id):
+                for ok, file in staged.items():
+                    await file.write(b"".join(answer.line + b"\n" for answer in page if answer.ok is ok))
             await self.records.save(self.stored, self.token)  # `Fenced` once another run took the batch over
             for ok, kind in ((True, "output"), (False, "error")):
                 if staged[ok].size:

@@ -8,8 +8,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.protocol.batch_objects import MAX_KEY, MAX_METADATA, MAX_VALUE, Batch, Endpoint
 
-WINDOW_S = 24 * 3600  # completion_window "24h"
-
 
 def _check_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
     if metadata is None:

@@ -5,14 +5,12 @@ body is read in memory (bounded by `max_body_bytes`)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from gateway.apis.batches.batches_input import MESSAGES
-from gateway.apis.batches.batches_wire import WINDOW_S
 from gateway.apis.message_batches import message_batches_serving as mb
 from gateway.apis.message_batches.message_batches_wire import (
     DeletedMessageBatch,
@@ -22,8 +20,7 @@ from gateway.apis.message_batches.message_batches_wire import (
 )
 from gateway.errors import InvalidRequest
 from gateway.pipeline.context import context_of
-from gateway.protocol.batch_objects import Batch, Owner, RequestCounts, StoredBatch
-from gateway.stores.batches import MESSAGE_BATCH, OwnedBatches, new_id
+from gateway.stores.batches import MESSAGE_BATCH, OwnedBatches
 from gateway.web.answers import json_response
 from gateway.web.requests import parse, state_of
 
@@ -43,13 +40,9 @@ async def _create(request: Request) -> Response:
     state, context = state_of(request), context_of(request.scope)
     files = state.settings.files
     content = await asyncio.to_thread(mb.input_lines, body, files.max_lines, files.max_line_bytes)
-    now, batch_id = int(time.time()), new_id(MESSAGE_BATCH)
-    batch = Batch(id=batch_id, endpoint=MESSAGES, input_file_id=batch_id, status="validating", created_at=now,
-                  expires_at=now + WINDOW_S, request_counts=RequestCounts(total=len(body.requests)))
-    owner = Owner(key_id=context.key_id, tenant=context.tenant)
-    stored = StoredBatch(batch=batch, owner=owner, output_expires_after_s=state.settings.batches.output_expires_after_s,
-                         created_ns=time.time_ns())
-    await _mine(request).create(stored, content)
+    mine = _mine(request)
+    stored = mine.new(context.key_id, MESSAGES, state.settings.batches.output_expires_after_s, total=len(body.requests))
+    await mine.create(stored, content)
     state.batch_runner.wake()
     return json_response(mb.view(stored))
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +33,9 @@ from gateway.apis.message_batches.message_batches_wire import (
 )
 from gateway.errors import InvalidRequest
 from gateway.protocol.batch_objects import DONE, StoredBatch
-from gateway.stores.batchdb import PAGE, Answer
+from gateway.stores.batchdb import Answer
 from gateway.stores.batches import BatchStore, input_name, not_found
-from gateway.stores.blobs import Opened, Staged, read_chunks
+from gateway.stores.blobs import Opened, Staged
 
 STATUSES: dict[str, ProcessingStatus] = {"cancelling": "canceling", **{status: "ended" for status in DONE}}
 
@@ -70,10 +69,6 @@ def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: i
     return b"\n".join(lines) + b"\n"
 
 
-def _time(seconds: int | None) -> datetime | None:
-    return None if seconds is None else datetime.fromtimestamp(seconds, tz=UTC)
-
-
 def _counts(stored: StoredBatch, ended: bool) -> MessageBatchRequestCounts:
     batch = stored.batch
     total, succeeded, failed = batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed
@@ -92,18 +87,13 @@ def view(stored: StoredBatch) -> MessageBatch:
     status = STATUSES.get(batch.status, "in_progress")
     ended = status == "ended"
     ended_at = batch.completed_at or batch.cancelled_at or batch.expired_at or batch.failed_at
-    return MessageBatch(
-        id=batch.id, processing_status=status, request_counts=_counts(stored, ended),
-        created_at=datetime.fromtimestamp(batch.created_at, tz=UTC),
-        expires_at=datetime.fromtimestamp(batch.expires_at or batch.created_at, tz=UTC),
-        ended_at=_time(ended_at) if ended else None, cancel_initiated_at=_time(batch.cancelling_at),
-        results_url=results_path(batch.id) if ended else None,
+    return MessageBatch(  # times as Unix seconds, made UTC datetimes by the model
+        id=batch.id, processing_status=status, request_counts=_counts(stored, ended), created_at=batch.created_at,
+        expires_at=batch.expires_at or batch.created_at, ended_at=ended_at if ended else None,
+        cancel_initiated_at=batch.cancelling_at,
+        # relative (the SDK joins it to its base URL): right behind a proxy that adds a path prefix
+        results_url=f"/v1/messages/batches/{batch.id}/results" if ended else None,
     )
-
-
-def results_path(batch_id: str) -> str:
-    """Relative (the SDK joins it to its base URL): right behind a proxy that adds a path prefix."""
-    return f"/v1/messages/batches/{batch_id}/results"
 
 
 def _result(line: dict[str, Any], ok: bool) -> dict[str, Any]:
@@ -139,24 +129,18 @@ async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
     staged = await Staged.at(store.blobs.spool, "results")
     try:
         seen: set[str] = set()
-        page: list[Answer] = []
-        async for answer in store.records.answers(batch_id):
-            seen.add(answer.custom_id)
-            page.append(answer)
-            if len(page) == PAGE:
-                await staged.write(await asyncio.to_thread(_result_lines, page))
-                page = []
-        await staged.write(await asyncio.to_thread(_result_lines, page))
+        async for page in store.records.answers(batch_id):
+            seen.update(answer.custom_id for answer in page)
+            await staged.write(await asyncio.to_thread(_result_lines, page))
         async with store.blobs.local(input_name(batch_id)) as requests:
             unrun = None if requests is None else await asyncio.to_thread(_unrun_lines, requests, seen, status)
         if unrun is None:
             raise not_found(batch_id, param)
         await staged.write(unrun)
         await staged.close()
-        opened = await asyncio.to_thread(staged.path.open, "rb")
+        return await Opened.of(staged.path)
     finally:
         await staged.discard()  # once open, its content stays readable until closed
-    return Opened(staged.size, read_chunks(opened))
 
 
 def _result_lines(answers: list[Answer]) -> bytes:
