@@ -6,6 +6,7 @@ as engine requests, by the key's priority class), then the generation: one path 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Generic
 
@@ -60,12 +61,17 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         # what the generation measures, handed down and reported here (`_report`), once
         self.readings = Readings(started=context.record.arrival, log_content=context.record.log_content)
         self._reported = False
+        self.arrived = asyncio.get_running_loop().time()
+        self.deadline = context.deadline  # the first byte's; per model, the model's default when the client set none
 
     async def on(self, backend: Backend) -> Answer:
         """The one journey on either backend: its preparation (every refusal, the tokens to charge),
         the output bound, the charge, the cache, admission, then the generation, the permit held
         until the answer has been passed on."""
         engine = backend.engine
+        default = backend.admission.settings.deadline_s
+        if self.context.deadline is None:
+            self.deadline = None if default is None else self.arrived + default
         start = await (self._remote(backend) if engine is None else self._embedded(backend, engine))
         on_done, hit = await self._cached(backend)
         if hit is not None:
@@ -128,11 +134,11 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         client that leaves while it waits for them leaves the queue (499): it would hold its place
         there for up to `wait_timeout_s`, then run."""
         admission, count, key = backend.admission, self.body.engine_requests(), self.context.tenant
-        permit = admission.admit_now(count, key)  # room, nobody ahead: no wait to watch (nearly always)
+        permit = admission.admit_now(count, key, self.deadline)  # room, nobody ahead: no wait to watch (nearly always)
         if permit is not None:
             return permit
         with stage(self.context.record.trace, "gateway.admission.wait", **{"gateway.admission.permits": count}):
-            waited = admission.acquire(count, self.scheduled.klass, key)
+            waited = admission.acquire(count, self.scheduled.klass, key, self.deadline)
             return await unless_gone(self.context.client_gone, waited)
 
     async def _embedded(self, backend: Backend, engine: Engine) -> Start[AnswerT]:
@@ -170,7 +176,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         settle = self._held()
 
         def close() -> None:
-            permit.release()
+            permit.release(self.readings.completion_tokens)
             self._report()
             settle()
 
@@ -197,12 +203,17 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         return (cache.storer(key) if hit is None and not unstored else None), hit
 
     async def _generate(self, prepared: PreparedT, permit: Permit, on_done: OnDone[AnswerT] | None) -> Answer:
-        gone = self.context.client_gone
-        if self.body.streams:
-            events = await unless_gone(gone, primed(self._shaped(self.service.stream(prepared, on_done))))
-            return Stream(events, on_close=self._on_close(permit))
-        answer = await unless_gone(gone, self.service.complete(prepared, on_done))
-        permit.release()
+        """The generation, up to its first byte by the deadline: past it, it is aborted (cancelled, as
+        for a client gone) and refused."""
+        gone, deadline = self.context.client_gone, self.deadline
+        try:
+            if self.body.streams:
+                events = await unless_gone(gone, primed(self._shaped(self.service.stream(prepared, on_done))), deadline)
+                return Stream(events, on_close=self._on_close(permit))
+            answer = await unless_gone(gone, self.service.complete(prepared, on_done), deadline)
+        except TimeoutError:
+            raise permit.refuse("deadline_passed", "the request's deadline passed before its answer began") from None
+        permit.release(self.readings.completion_tokens)
         if self.shape is None and isinstance(on_done, Storer) and (written := on_done.written(answer)) is not None:
             return Whole(written)  # stored as the api layer writes it
         return Whole(self.shape(answer) if self.shape else answer)
