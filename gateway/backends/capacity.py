@@ -4,7 +4,7 @@ long each of its output tokens takes, and the concurrency limit those set.
 Fed only by admission: a permit taken and given back, with the output tokens its answer counted.
 The limit follows the gradient rule of Envoy's adaptive concurrency and Netflix's concurrency-limits,
 on the time per output token rather than a round trip (an answer's length is the client's, its pace
-the engine's): once per window of `limit` answers, their pace against the engine's unloaded pace
+the engine's): once per window of half the limit's answers, their pace against the engine's unloaded pace
 (the lightest seen). While it stays within `TOLERANCE` of it the limit grows by its square root (the
 queue it allows the engine); past it the limit shrinks in proportion, to at most half. An engine
 batches more requests at a slower pace each: the limit settles where adding requests costs more in
@@ -47,7 +47,7 @@ class Capacity:
     def finished(self, held_s: float, tokens: int | None, running: int) -> None:
         """A permit given back after `held_s`; `tokens`: its answer's output tokens (None: it failed
         or was cancelled, which says nothing of the engine's pace). `running`: requests admitted
-        while it ran, counting it. The limit moves once a window of `limit` answers is in."""
+        while it ran, counting it. The limit moves once a window of half its answers is in."""
         if tokens is None or held_s < 0:
             return
         self.service_s = held_s if self.service_s is None else self.service_s + SHORT * (held_s - self.service_s)
@@ -56,7 +56,7 @@ class Capacity:
         window[1] += held_s
         window[2] += max(1, tokens)
         window[3] += running >= self._limit / 2  # the limit held requests back: the pace says something of it
-        if window[0] < self.limit:
+        if window[0] * 2 < self.limit:  # half the limit's answers: the pace at this limit, and soon
             return
         pace, busy = window[1] / window[2], window[3] * 2 > window[0]
         self._window = [0, 0.0, 0, 0]
