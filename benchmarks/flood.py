@@ -131,9 +131,10 @@ async def work(args: argparse.Namespace, document: dict[str, Any]) -> None:
         gateway = await Proc.on_free_port(f"gateway-{mode}", [sys.executable, "-m", "gateway", "serve"], env,
                                           folder).launch(900)
         try:
-            await flood(gateway.base_url, 1, False, 60, 5)  # warm-up
+            base = gateway.base_url.removesuffix("/v1")
+            await flood(base, 1, False, 60, 5)  # warm-up
             for stream in (False, True):
-                result = await flood(gateway.base_url, args.flood, stream, args.deadline_s, args.margin_s, args.max_tokens)
+                result = await flood(base, args.flood, stream, args.deadline_s, args.margin_s, args.max_tokens)
                 summary = {"mode": mode, "stream": stream, **result.summary()}
                 log(f"{mode} {'streams' if stream else 'whole'}: {summary}")
                 runs.append(summary)
