@@ -12,15 +12,17 @@ Priority classes (`tenancy.priority`) are admitted high, normal, low, each filli
 else waiting it may use the whole model).
 
 How many run at once is the model's measured limit (`backends.capacity`: a gradient rule on the pace
-of the engine's answers), `max_running` at most. A request carries a deadline (the client's timeout:
-`web.requests.deadline_of`, or `deadline_s`): one whose deadline has passed never starts; one whose expected wait (the queue
-ahead of it at the measured rate) would pass it, or `wait_timeout_s`, is refused at once; a waiter
-leaves the queue when it passes. Every refusal's Retry-After is the measured time to drain the queue.
+of the engine's answers), `max_running` at most. A request carries a deadline (the client's timeout
+headers, `web.requests.timeout_of`, else `deadline_s`): one whose deadline has passed never starts;
+one whose expected wait (the queue ahead of it at the measured rate) would pass it, or
+`wait_timeout_s`, is refused at once; a waiter leaves the queue when it passes. Every refusal's
+Retry-After is the measured time to drain the queue, counted by reason in `gateway_rejected_total`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ class _Waiter:
     count: int
     key: str
     future: asyncio.Future[None]
+    until: float = math.inf  # when it leaves the queue (its deadline, or the wait's bound)
 
 
 class Permit:
@@ -118,7 +121,7 @@ class Admission:
         if expected is not None and now + expected > until:
             why = "its deadline" if late else "the wait allowed"
             raise self.refuse("expected_wait", f"the expected wait, {expected:.1f} s, is longer than {why}", count)
-        waiter = _Waiter(count, key, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(count, key, asyncio.get_running_loop().create_future(), until)
         self._queues[priority].append(waiter)
         self._queued[key] = self._queued.get(key, 0) + 1
         self._waiting(count)
@@ -144,7 +147,7 @@ class Admission:
 
     @staticmethod
     def _granted(waiter: _Waiter) -> bool:
-        return waiter.future.done() and not waiter.future.cancelled()
+        return waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None
 
     def _waiting(self, change: int) -> None:
         self.waiting += change
@@ -170,6 +173,19 @@ class Admission:
         self._dequeued(self._queues[priority], waiter)
         self._wake()  # it may have held up smaller requests behind it
 
+    def _refuse_late(self) -> None:
+        """Waiters whose expected wait, measured anew, passes when they would leave: refused now, not
+        then (a flood met before anything was measured learns it while it waits)."""
+        now, ahead = asyncio.get_running_loop().time(), 0
+        for klass in _ORDER:
+            for waiter in self._queues[klass]:
+                expected = self.capacity.expected_wait(ahead + waiter.count)
+                if waiter.future.done() or expected is None or now + expected <= waiter.until:
+                    ahead += waiter.count
+                    continue
+                why = f"the expected wait, {expected:.1f} s, is longer than it may wait"
+                waiter.future.set_exception(self.refuse("expected_wait", why, waiter.count))  # it leaves (`_wait`)
+
     def _ahead(self, priority: Priority) -> int:
         """Engine requests waiting that are admitted before one of this class."""
         ahead = 0
@@ -182,11 +198,9 @@ class Admission:
     def give_back(self, count: int, key: str = "", taken: float | None = None, tokens: int | None = None) -> None:
         """Permits a `Permit` held since `taken`, returned (`Permit.release`), with the output tokens
         of its answer (None: none) for the measured capacity."""
-        if taken is not None:
-            limit = self.capacity.limit
-            self.capacity.finished(self.capacity.clock() - taken, tokens, self.running)
-            if self.capacity.limit != limit:
-                metrics.labelled(metrics.ADMISSION_LIMIT, self.model).set(self.capacity.limit)
+        if taken is not None and self.capacity.finished(self.capacity.clock() - taken, tokens, self.running):
+            metrics.labelled(metrics.ADMISSION_LIMIT, self.model).set(self.capacity.limit)
+            self._refuse_late()
         self.running -= count
         left = self._held.get(key, 0) - count
         if left > 0:

@@ -44,12 +44,12 @@ class Capacity:
     def limit(self) -> int:
         return max(1, int(self._limit))
 
-    def finished(self, held_s: float, tokens: int | None, running: int) -> None:
+    def finished(self, held_s: float, tokens: int | None, running: int) -> bool:
         """A permit given back after `held_s`; `tokens`: its answer's output tokens (None: it failed
         or was cancelled, which says nothing of the engine's pace). `running`: requests admitted
-        while it ran, counting it. The limit moves once a window of half its answers is in."""
+        while it ran, counting it. The limit moves once a window of half its answers is in: then True."""
         if tokens is None or held_s < 0:
-            return
+            return False
         self.service_s = held_s if self.service_s is None else self.service_s + SHORT * (held_s - self.service_s)
         window = self._window
         window[0] += 1
@@ -57,13 +57,14 @@ class Capacity:
         window[2] += max(1, tokens)
         window[3] += running >= self._limit / 2  # the limit held requests back: the pace says something of it
         if window[0] * 2 < self.limit:  # half the limit's answers: the pace at this limit, and soon
-            return
+            return False
         pace, busy = window[1] / window[2], window[3] * 2 > window[0]
         self._window = [0, 0.0, 0, 0]
         if self.unloaded is None or pace < self.unloaded:
             self.unloaded = pace
         if self.adaptive and busy:
             self._adapt(pace, self.unloaded)
+        return True
 
     def _adapt(self, pace: float, unloaded: float) -> None:
         gradient = TOLERANCE * unloaded / pace

@@ -212,6 +212,8 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
                 return Stream(events, on_close=self._on_close(permit))
             answer = await unless_gone(gone, self.service.complete(prepared, on_done), deadline)
         except TimeoutError:
+            if deadline is None or asyncio.get_running_loop().time() < deadline:
+                raise  # not the deadline's
             raise permit.refuse("deadline_passed", "the request's deadline passed before its answer began") from None
         permit.release(self.readings.completion_tokens)
         if self.shape is None and isinstance(on_done, Storer) and (written := on_done.written(answer)) is not None:

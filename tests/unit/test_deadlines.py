@@ -169,3 +169,24 @@ def test_retry_after_is_whole_seconds() -> None:
     capacity = admission("retry-seconds", max_running=3).capacity
     capacity.finished(1.3, 4, 3)
     assert capacity.retry_after(2, least=0) == math.ceil(2 * 1.3 / 3)
+
+
+async def test_waiters_met_before_anything_was_measured_are_refused_once_it_is() -> None:
+    model = admission("late-waiters", max_running=1, max_waiting=10, wait_timeout_s=100)
+    held = model.admit_now(1, "a")
+    assert held is not None
+    now = asyncio.get_running_loop().time()
+    near = asyncio.create_task(model.acquire(1, "normal", "b", now + 60))
+    far = asyncio.create_task(model.acquire(1, "normal", "c", now + 60))
+    await until(lambda: model.waiting == 2, what="both queued, nothing measured")
+    before = refused("late-waiters", "expected_wait")
+    model.capacity.clock = lambda: held.taken + 40  # its answer took 40 s: the second in the queue waits 80 s
+    held.release(4)
+    permit = await near  # admitted: its slot came free
+    with pytest.raises(ModelOverloaded) as caught:
+        await far
+    assert int(caught.value.headers["Retry-After"]) >= 40  # measured: at one every 40 s
+    assert refused("late-waiters", "expected_wait") == before + 1
+    assert model.waiting == 0
+    permit.release()
+    assert model.running == 0
