@@ -4,13 +4,13 @@ long each of its output tokens takes, and the concurrency limit those set.
 Fed only by admission: a permit taken and given back, with the output tokens its answer counted.
 The limit follows the gradient rule of Envoy's adaptive concurrency and Netflix's concurrency-limits,
 on the time per output token rather than a round trip (an answer's length is the client's, its pace
-the engine's): once per window of half the limit's answers, their pace against the engine's unloaded pace
-(the lightest seen). While it stays within `TOLERANCE` of it the limit grows by its square root (the
-queue it allows the engine); past it the limit shrinks in proportion, to at most half. An engine
-batches more requests at a slower pace each: the limit settles where adding requests costs more in
-pace than it brings in tokens per second, which fixed bounds cannot know for a model, a prompt mix
-or a machine.
-`bound` (`max_running`) stays a hard cap; with the rule off the limit is the bound.
+the engine's): once per window of half the limit's answers, their pace against the engine's
+unloaded pace (the lightest seen). While it stays within `TOLERANCE` of it the limit grows by its
+square root (the queue it allows the engine); past it the limit shrinks in proportion, to at most
+half. An engine batches more requests at a slower pace each: the limit settles where adding
+requests costs more in pace than it brings in tokens per second, which fixed bounds cannot know for
+a model, a prompt mix or a machine. `bound` (`max_running`) stays a hard cap; with the rule off the
+limit is the bound.
 
 The same averages give the expected wait of a queue position (Little's law: `limit` requests each
 holding a permit `service_s`) and the Retry-After of a refusal.
