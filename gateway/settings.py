@@ -83,11 +83,20 @@ class AdmissionSettings(BaseModel):
     """Per model (the models file may override any field, the others inherited): bounds on engine
     requests (each choice of each prompt of a request) running and waiting, and their order."""
 
-    max_running: int = Field(256, gt=0, description="Engine requests generating at once on a model")
+    max_running: int = Field(256, gt=0, description="Engine requests generating at once on a model, at most (the adaptive limit's bound)")
     max_waiting: int = Field(1024, ge=0, description="Engine requests queued for a model beyond max_running")
     wait_timeout_s: float = Field(30, gt=0, description="A queued request waits at most this long")
+    adaptive: bool = Field(
+        True, description="Run as many engine requests at once as the engine's measured pace allows (a gradient "
+        "rule, up to max_running); false: max_running, fixed",
+    )
+    deadline_s: float | None = Field(
+        600, gt=0, description="A request's deadline when its client sends no timeout header (X-Stainless-Read-Timeout, "
+        "X-Stainless-Timeout, Request-Timeout, X-Request-Timeout): its first byte by then, or it is refused and its "
+        "engine request aborted; unset: none",
+    )
     reject_status: Literal[429, 503] = Field(429, description="Status of a refused request")
-    retry_after_s: int = Field(1, ge=0, description="Retry-After sent with a refusal")
+    retry_after_s: int = Field(1, ge=0, description="The least Retry-After sent with a refusal (else the measured time to drain the queue)")
     queue_share: dict[Priority, Annotated[float, Field(ge=0, le=1)]] = Field(
         {"low": 0.5},  # copied per instance by pydantic
         description="The share of max_waiting each priority class (the keys file's `priority`) may fill; "

@@ -12,14 +12,23 @@ Priority classes (`tenancy.priority`) are admitted high, normal, low, each filli
 `max_waiting` (`queue_share`), so low requests are refused first as the queue fills. With
 `key_share`, one key holds at most that share of `max_running` while other keys wait (with nobody
 else waiting it may use the whole model): a cap beneath the order.
+
+How many run at once is the model's measured limit (`backends.capacity`: a gradient rule on the pace
+of the engine's answers), `max_running` at most. A request carries a deadline (the client's timeout
+headers, `web.requests.timeout_of`, else `deadline_s`): one whose deadline has passed never starts;
+one whose expected wait (the queue ahead of it at the measured rate) would pass it, or
+`wait_timeout_s`, is refused at once; a waiter leaves the queue when it passes. Every refusal's
+Retry-After is the measured time to drain the queue, counted by reason in `gateway_rejected_total`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from dataclasses import dataclass
 
+from gateway.backends.capacity import Capacity
 from gateway.errors import InvalidRequest, ModelOverloaded, ModelUnavailable
 from gateway.settings import AdmissionSettings, Priority
 from gateway.telemetry import metrics
@@ -35,18 +44,27 @@ class _Waiter:
     key: str
     future: asyncio.Future[None]
     served: Served
+    until: float = math.inf  # when it leaves the queue (its deadline, or the wait's bound)
 
 
 class Permit:
     def __init__(self, admission: Admission, count: int, key: str = "", served: Served | None = None) -> None:
         self._admission: Admission | None = admission
+        self._model = admission
         self.count = count
         self.key = key
         self.served = served or Served()
+        self.taken = admission.capacity.clock()  # (again when a waiter is admitted: its hold starts then)
 
-    def release(self) -> None:
+    def refuse(self, reason: str, why: str) -> ModelOverloaded | ModelUnavailable:
+        """A refusal of the request that holds it, as its model's admission refuses."""
+        return self._model.refuse(reason, why, self.count)
+
+    def release(self, tokens: int | None = None) -> None:
+        """Given back; `tokens`: the output tokens of the answer it held for (None: no answer), which
+        the model's measured capacity learns from."""
         if self._admission is not None:
-            self._admission.give_back(self.count, self.key, self.served)
+            self._admission.give_back(self.count, self.key, self.taken, tokens, self.served)
             self._admission = None
 
 
@@ -60,20 +78,28 @@ class Admission:
         self._held: dict[str, int] = {}  # engine requests admitted, per key
         self._queued: dict[str, int] = {}  # requests waiting, per key
         self.fairness = fairness.order(settings.fairness)  # who of a class goes first
+        self.capacity = Capacity(settings.max_running, settings.adaptive)
 
-    def admit_now(self, count: int = 1, key: str = "", served: Served | None = None) -> Permit | None:
+    def admit_now(self, count: int = 1, key: str = "", served: Served | None = None,
+                  deadline: float | None = None) -> Permit | None:
         """The permits when `acquire` would take them at once (room, nobody ahead), without a
         coroutine to await; None otherwise (then `acquire` waits, refuses or says it never can).
-        `served`: what the request is served (its prompt, its output as it comes), for the order."""
-        if self.running + count <= self.settings.max_running and not self._anyone_waiting():
+        `served`: what the request is served (its prompt, its output as it comes), for the order;
+        `deadline` (the event loop's clock) passed: refused, the work is not started."""
+        if deadline is not None and deadline <= asyncio.get_running_loop().time():
+            raise self.refuse("deadline_passed", "the request's deadline passed before it could start", count)
+        if self._fits(count) and not self._anyone_waiting() and count <= self.settings.max_running:
             permit = Permit(self, count, key, served)
-            self._take(count, key, permit.served)  # count > max_running never fits
+            self._take(count, key, permit.served)
             return permit
         return None
 
-    async def acquire(
-        self, count: int = 1, priority: Priority = "normal", key: str = "", served: Served | None = None
-    ) -> Permit:
+    def _fits(self, count: int) -> bool:
+        """Room under the measured limit (a request larger than the limit runs alone)."""
+        return self.running + count <= self.capacity.limit or self.running == 0
+
+    async def acquire(self, count: int = 1, priority: Priority = "normal", key: str = "",
+                      served: Served | None = None, deadline: float | None = None) -> Permit:
         if count > self.settings.max_running:
             raise InvalidRequest(
                 f"This request would run {count} engine requests at once (each choice of each prompt), "
@@ -81,21 +107,32 @@ class Admission:
                 "lower n, best_of or the number of prompts",
                 param="n",
             )
-        permit = self.admit_now(count, key, served)  # room, and nobody ahead: taken at once, without suspending
+        permit = self.admit_now(count, key, served, deadline)  # room, nobody ahead: taken at once, without suspending
         if permit is None:
             permit = Permit(self, count, key, served)
-            await self._wait(permit, priority)
+            await self._wait(permit, priority, deadline)
+            permit.taken = self.capacity.clock()  # its hold starts now, not when it began to wait
         return permit
 
     def _anyone_waiting(self) -> bool:
         queues = self._queues
         return bool(queues["high"] or queues["normal"] or queues["low"])
 
-    async def _wait(self, permit: Permit, priority: Priority = "normal") -> None:
+    async def _wait(self, permit: Permit, priority: Priority = "normal", deadline: float | None = None) -> None:
         count, key = permit.count, permit.key
         if self.waiting + count > self.settings.max_waiting * self.settings.queue_share.get(priority, 1.0):
-            raise self._refuse("queue_full", "too many requests are waiting for this model")
-        waiter = _Waiter(count, key, asyncio.get_running_loop().create_future(), permit.served)
+            raise self.refuse("queue_full", "too many requests are waiting for this model", count)
+        now = asyncio.get_running_loop().time()
+        until = now + self.settings.wait_timeout_s
+        late = deadline is not None and deadline < until  # the client's deadline comes before the wait's bound
+        if late:
+            assert deadline is not None
+            until = deadline
+        expected = self.capacity.expected_wait(self._ahead(priority) + count)
+        if expected is not None and now + expected > until:
+            why = "its deadline" if late else "the wait allowed"
+            raise self.refuse("expected_wait", f"the expected wait, {expected:.1f} s, is longer than {why}", count)
+        waiter = _Waiter(count, key, asyncio.get_running_loop().create_future(), permit.served, until)
         self._queues[priority].append(waiter)
         if key not in self._queued:  # (re)joins: no credit banked while away
             self.fairness.joined(key, self._queued, self._held)
@@ -103,16 +140,18 @@ class Admission:
         self._waiting(count)
         self._wake()  # it may be next in the order (or those ahead passed over): then it runs at once
         try:
-            async with asyncio.timeout(self.settings.wait_timeout_s):
+            async with asyncio.timeout_at(until):
                 await waiter.future
         except TimeoutError:
             if not self._granted(waiter):
                 self._leave(priority, waiter)
-                raise self._refuse("queue_timeout", "the request waited too long for this model") from None
+                if late:
+                    raise self.refuse("deadline_passed", "the request's deadline passed while it waited", count) from None
+                raise self.refuse("queue_timeout", "the request waited too long for this model", count) from None
             # admitted at the deadline: the permits are ours, keep them
         except BaseException:
-            if self._granted(waiter):
-                permit.release()  # admitted, then cancelled (the client left) before it ran
+            if self._granted(waiter):  # admitted, then cancelled (the client left) before it ran
+                self.give_back(count, key, served=permit.served)
             else:
                 self._leave(priority, waiter)
             raise
@@ -121,7 +160,7 @@ class Admission:
 
     @staticmethod
     def _granted(waiter: _Waiter) -> bool:
-        return waiter.future.done() and not waiter.future.cancelled()
+        return waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None
 
     def _waiting(self, change: int) -> None:
         self.waiting += change
@@ -148,8 +187,35 @@ class Admission:
         self._dequeued(self._queues[priority], waiter)
         self._wake()  # it may have held up smaller requests behind it
 
-    def give_back(self, count: int, key: str = "", served: Served | None = None) -> None:
-        """Permits a `Permit` held, returned (`Permit.release`)."""
+    def _refuse_late(self) -> None:
+        """Waiters whose expected wait, measured anew, passes when they would leave: refused now, not
+        then (a flood met before anything was measured learns it while it waits)."""
+        now, ahead = asyncio.get_running_loop().time(), 0
+        for klass in _ORDER:
+            for waiter in self._queues[klass]:
+                expected = self.capacity.expected_wait(ahead + waiter.count)
+                if waiter.future.done() or expected is None or now + expected <= waiter.until:
+                    ahead += waiter.count
+                    continue
+                why = f"the expected wait, {expected:.1f} s, is longer than it may wait"
+                waiter.future.set_exception(self.refuse("expected_wait", why, waiter.count))  # it leaves (`_wait`)
+
+    def _ahead(self, priority: Priority) -> int:
+        """Engine requests waiting that are admitted before one of this class."""
+        ahead = 0
+        for klass in _ORDER:
+            ahead += sum(waiter.count for waiter in self._queues[klass])
+            if klass == priority:
+                return ahead
+        return ahead
+
+    def give_back(self, count: int, key: str = "", taken: float | None = None, tokens: int | None = None,
+                  served: Served | None = None) -> None:
+        """Permits a `Permit` held since `taken`, returned (`Permit.release`), with the output tokens
+        of its answer (None: none) for the measured capacity, and what it was served for the order."""
+        if taken is not None and self.capacity.finished(self.capacity.clock() - taken, tokens, self.running):
+            metrics.labelled(metrics.ADMISSION_LIMIT, self.model).set(self.capacity.limit)
+            self._refuse_late()
         self.running -= count
         left = self._held.get(key, 0) - count
         if left > 0:
@@ -179,7 +245,7 @@ class Admission:
             if limit is not None and self._over_share(waiter, limit):
                 passed.add(waiter.key)
                 continue
-            if self.running + waiter.count > self.settings.max_running:
+            if not self._fits(waiter.count):
                 return False
             self._dequeued(queue, waiter)
             self._take(waiter.count, waiter.key, waiter.served)
@@ -192,10 +258,11 @@ class Admission:
             return False
         return len(self._queued) > 1 or waiter.key not in self._queued
 
-    def _refuse(self, reason: str, why: str) -> ModelOverloaded | ModelUnavailable:
+    def refuse(self, reason: str, why: str, count: int = 1) -> ModelOverloaded | ModelUnavailable:
+        """A refusal counted by `reason`, its Retry-After the measured time to drain the queue."""
         metrics.labelled(metrics.REJECTED, self.model, reason).inc()
         message = f"The model '{self.model}' is overloaded: {why}. Please retry later."
-        headers = {"Retry-After": str(self.settings.retry_after_s)}
+        headers = {"Retry-After": str(self.capacity.retry_after(self.waiting + count, self.settings.retry_after_s))}
         if self.settings.reject_status == 503:
             return ModelUnavailable(message, headers=headers)
         return ModelOverloaded(message, headers=headers)

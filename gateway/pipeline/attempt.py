@@ -6,6 +6,7 @@ as engine requests, by the key's priority class), then the generation: one path 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Generic
 
@@ -62,12 +63,17 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         self.readings = Readings(started=context.record.arrival, log_content=context.record.log_content)
         self._reported = False
         self._prompt_tokens = 0  # the try's prompt (estimated for a remote upstream): fair shares count it
+        self.arrived = asyncio.get_running_loop().time()
+        self.deadline = context.deadline  # the first byte's; per model, the model's default when the client set none
 
     async def on(self, backend: Backend, guard: RequestGuard) -> Answer:
         """The one journey on either backend, under `guard` (the request's on this model): its
         preparation (every refusal, the tokens to charge), the output bound, the charge, the cache,
         admission, then the generation, the permit held until the answer has been passed on."""
         self.guard, engine = guard, backend.engine
+        default = backend.admission.settings.deadline_s
+        if self.context.deadline is None:
+            self.deadline = None if default is None else self.arrived + default
         start = await (self._remote(backend) if engine is None else self._embedded(backend, engine))
         on_done, hit = await self._cached(backend)
         if hit is not None:
@@ -132,11 +138,11 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         admission, count, key = backend.admission, self.body.engine_requests(), self.context.tenant
         readings, before = self.readings, self.readings.generated  # a fallback's output counts from here
         served = Served(self._prompt_tokens, lambda: readings.generated - before)
-        permit = admission.admit_now(count, key, served)  # room, nobody ahead: no wait to watch (nearly always)
+        permit = admission.admit_now(count, key, served, self.deadline)  # room, nobody ahead: no wait to watch
         if permit is not None:
             return permit
         with stage(self.context.record.trace, "gateway.admission.wait", **{"gateway.admission.permits": count}):
-            waited = admission.acquire(count, self.scheduled.klass, key, served)
+            waited = admission.acquire(count, self.scheduled.klass, key, served, self.deadline)
             return await unless_gone(self.context.client_gone, waited)
 
     async def _embedded(self, backend: Backend, engine: Engine) -> Start[AnswerT]:
@@ -175,7 +181,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         settle = self._held()
 
         def close() -> None:
-            permit.release()
+            permit.release(self.readings.completion_tokens)
             self._report()
             settle()
 
@@ -202,12 +208,19 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         return (cache.storer(key) if hit is None and not unstored else None), hit
 
     async def _generate(self, prepared: PreparedT, permit: Permit, on_done: OnDone[AnswerT] | None) -> Answer:
-        gone = self.context.client_gone
-        if self.body.streams:
-            events = await unless_gone(gone, primed(self._shaped(self.service.stream(prepared, on_done))))
-            return Stream(events, on_close=self._on_close(permit))
-        answer = await unless_gone(gone, self.service.complete(prepared, on_done))
-        permit.release()
+        """The generation, up to its first byte by the deadline: past it, it is aborted (cancelled, as
+        for a client gone) and refused."""
+        gone, deadline = self.context.client_gone, self.deadline
+        try:
+            if self.body.streams:
+                events = await unless_gone(gone, primed(self._shaped(self.service.stream(prepared, on_done))), deadline)
+                return Stream(events, on_close=self._on_close(permit))
+            answer = await unless_gone(gone, self.service.complete(prepared, on_done), deadline)
+        except TimeoutError:
+            if deadline is None or asyncio.get_running_loop().time() < deadline:
+                raise  # not the deadline's
+            raise permit.refuse("deadline_passed", "the request's deadline passed before its answer began") from None
+        permit.release(self.readings.completion_tokens)
         if self.shape is None and isinstance(on_done, Storer) and (written := on_done.written(answer)) is not None:
             return Whole(written)  # stored as the api layer writes it
         return Whole(self.shape(answer) if self.shape else answer)

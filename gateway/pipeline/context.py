@@ -39,6 +39,7 @@ class RequestContext:
     client_gone: Gone | None = None  # None: nobody to watch (a background run, a unit test)
     no_cache: bool = False  # the client asked for a fresh answer, not a stored one (Cache-Control: no-cache)
     no_store: bool = False  # the client asked that its answer not be stored (Cache-Control: no-store)
+    deadline: float | None = None  # when the first byte is due (the event loop's clock), by the client's timeout
     lane: Scheduled | None = None  # a fixed place in the queues, in place of the key's (a batch line's: the lowest)
 
 

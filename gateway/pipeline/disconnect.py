@@ -27,12 +27,14 @@ WATCH_AFTER_S = 0.1
 
 class Watch:
     """`async with Watch(gone):` the work, cancelled when the client disconnects (watched from
-    `after_s` on) or when `expire()` is called; then the block raises `ClientDisconnected`."""
+    `after_s` on) or when `expire()` is called; then the block raises `ClientDisconnected`. At
+    `deadline` (the event loop's clock) it is cancelled too, and raises `TimeoutError`."""
 
-    def __init__(self, gone: Gone, after_s: float = WATCH_AFTER_S) -> None:
+    def __init__(self, gone: Gone, after_s: float = WATCH_AFTER_S, deadline: float | None = None) -> None:
         self.gone = gone
         self.after_s = after_s
-        self._timeout = asyncio.timeout(None)
+        self._timeout = asyncio.timeout_at(deadline)
+        self._left = False  # the client went (or `expire()` said so), rather than the deadline passing
         self._open = False
         self._starting: asyncio.TimerHandle | None = None
         self.watcher: asyncio.Task[None] | None = None
@@ -55,6 +57,8 @@ class Watch:
         try:
             await self._timeout.__aexit__(kind, error, traceback)
         except TimeoutError:
+            if not self._left:
+                raise  # the deadline passed
             current_record().disconnected = True
             raise ClientDisconnected() from None
 
@@ -72,13 +76,18 @@ class Watch:
     def expire(self) -> None:
         """End the work as if the client had gone (a stream whose client stopped reading)."""
         if self._open and not self._timeout.expired():
+            self._left = True
             self._timeout.reschedule(asyncio.get_running_loop().time())
 
 
-async def unless_gone(gone: Gone | None, work: Awaitable[T]) -> T:
+async def unless_gone(gone: Gone | None, work: Awaitable[T], deadline: float | None = None) -> T:
     """Await `work`; if the client goes first, cancel it (aborting its engine request) and raise
-    `ClientDisconnected`. `gone` None: nobody to watch."""
+    `ClientDisconnected`; if `deadline` passes first, the same, raising `TimeoutError`. `gone`
+    None: nobody to watch."""
     if gone is None:
-        return await work
-    async with Watch(gone):
+        if deadline is None:
+            return await work
+        async with asyncio.timeout_at(deadline):
+            return await work
+    async with Watch(gone, deadline=deadline):
         return await work

@@ -52,7 +52,12 @@ CACHE_HITS = Counter("gateway_cache_hits_total", "Response cache hits", ["model"
 CACHE_MISSES = Counter("gateway_cache_misses_total", "Response cache misses", ["model"])
 CACHE_ERRORS = Counter("gateway_cache_errors_total", "Cache backend failures (served uncached)", ["backend"])
 RATE_LIMITED = Counter("gateway_rate_limited_total", "Requests refused by rate limits", ["limit"])
+# reason: queue_full, expected_wait, deadline_passed, queue_timeout
 REJECTED = Counter("gateway_rejected_total", "Requests refused by admission control", ["model", "reason"])
+ADMISSION_LIMIT = Gauge(
+    "gateway_admission_limit", "Engine requests admission lets run at once (the measured limit)", ["model"],
+    multiprocess_mode="livesum",
+)
 UPSTREAM_ERRORS = Counter("gateway_upstream_errors_total", "Failures of remote upstream models", ["model"])
 FALLBACKS = Counter("gateway_fallbacks_total", "Requests answered by a fallback model", ["model", "fallback"])
 GUARD_ACTIONS = Counter(

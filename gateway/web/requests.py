@@ -3,6 +3,8 @@ a protocol model."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
 from typing import TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
@@ -17,6 +19,10 @@ from gateway.pipeline.dispatch import access_of
 from gateway.pipeline.state import GatewayState
 
 M = TypeVar("M", bound=BaseModel)
+# A client's timeout in seconds: its own, or the one the openai and anthropic SDKs send (Python: the read timeout, as
+# "600.0"; JavaScript: the whole timeout, as "600"); the shortest wins: the client gives up at the first
+TIMEOUT_HEADERS = (b"request-timeout", b"x-request-timeout", b"x-stainless-read-timeout", b"x-stainless-timeout")
+MOST_TIMEOUT_S = 7 * 24 * 3600  # beyond: not a timeout anyone waits for; ignored, as garbage is
 
 
 def state_of(request: Request) -> GatewayState:
@@ -48,6 +54,23 @@ def context(request: Request) -> RequestContext:
         if key == b"cache-control":
             directives.update(part.partition(b"=")[0].strip().lower().decode("latin-1") for part in value.split(b","))
     found.no_cache, found.no_store = "no-cache" in directives, "no-store" in directives
+    if (seconds := timeout_of(request.scope["headers"])) is not None:
+        found.deadline = asyncio.get_running_loop().time() + seconds
+    return found
+
+
+def timeout_of(headers: Iterable[tuple[bytes, bytes]]) -> float | None:
+    """The client's timeout by its headers (`TIMEOUT_HEADERS`), in seconds; a value that is not a number of seconds
+    above 0 and at most `MOST_TIMEOUT_S` (negative, NaN, infinite, not a number) is ignored: the default applies."""
+    found: float | None = None
+    for key, value in headers:
+        if key in TIMEOUT_HEADERS:
+            try:
+                seconds = float(value)
+            except ValueError:
+                continue
+            if 0 < seconds <= MOST_TIMEOUT_S:  # NaN is neither
+                found = seconds if found is None else min(found, seconds)
     return found
 
 

@@ -15,7 +15,9 @@ the settings, or keys turned on or off), each remaining line fails (401).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -127,10 +129,14 @@ ROUTES: dict[str, Run] = {
 DIALECTS: dict[str, Dialect] = {MESSAGES: "anthropic"}  # whose shape a line's error has (else OpenAI's)
 
 
-async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, retry_s: float) -> LineAnswer:
-    """The line's answer (an error is an answer too); `Retry` when the key's rate limits refuse it for now."""
+async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, retry_s: float,
+                   expires_at: float | None = None) -> LineAnswer:
+    """The line's answer (an error is an answer too); `Retry` when the key's rate limits refuse it for now. Its
+    deadline is its batch's window's end (`expires_at`, Unix time)."""
     context = RequestContext(request_id="req_" + secrets.token_hex(16), key_id=owner.key_id, tenant=owner.tenant,
                              lane=priority.BATCH, body_bytes=len(body))
+    if expires_at is not None:
+        context.deadline = asyncio.get_running_loop().time() + (expires_at - time.time())
     record = context.record
     record.api_key_id = owner.key_id
     opened = open_record(record)

@@ -284,7 +284,8 @@ class BatchRun:
 
     async def _one(self, line: BatchLine, flight: asyncio.TaskGroup) -> None:
         try:
-            answer = await run_line(self.runner.state, self.stored.owner, line.url, line.body, self.runner.settings.retry_s)
+            answer = await run_line(self.runner.state, self.stored.owner, line.url, line.body, self.runner.settings.retry_s,
+                                    self.stored.batch.expires_at)
         except Retry as retry:  # the key's rate limits: the line runs again, and the batch goes on, once they let it
             self._resume_at = max(self._resume_at, time.monotonic() + retry.wait_s)
             self._again.append(line)

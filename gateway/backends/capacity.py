@@ -1,0 +1,86 @@
+"""A model's measured capacity, for admission: how long an engine request holds its permit, how
+long each of its output tokens takes, and the concurrency limit those set.
+
+Fed only by admission: a permit taken and given back, with the output tokens its answer counted.
+The limit follows the gradient rule of Envoy's adaptive concurrency and Netflix's concurrency-limits,
+on the time per output token rather than a round trip (an answer's length is the client's, its pace
+the engine's): once per window of half the limit's answers, their pace against the engine's
+unloaded pace (the lightest seen). While it stays within `TOLERANCE` of it the limit grows by its
+square root (the queue it allows the engine); past it the limit shrinks in proportion, to at most
+half. An engine batches more requests at a slower pace each: the limit settles where adding
+requests costs more in pace than it brings in tokens per second, which fixed bounds cannot know for
+a model, a prompt mix or a machine. `bound` (`max_running`) stays a hard cap; with the rule off the
+limit is the bound.
+
+The same averages give the expected wait of a queue position (Little's law: `limit` requests each
+holding a permit `service_s`) and the Retry-After of a refusal.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+TOLERANCE = 4.0  # how much slower than the engine's unloaded pace its pace may become before the limit shrinks
+SMOOTHING = 0.5  # how far one window moves the limit toward the rule's
+SHORT = 2 / (10 + 1)  # the weight of an answer in the average time a permit is held: over about 10
+RELEARN = 0.05  # how fast the unloaded pace rises when the pace stays far above it (longer prompts, another mix)
+INITIAL = 8  # the limit before anything is measured
+MOST_RETRY_S = 3600
+
+
+class Capacity:
+    def __init__(self, bound: int, adaptive: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        self.bound = bound
+        self.adaptive = adaptive
+        self.clock = clock
+        self._limit = float(min(bound, INITIAL) if adaptive else bound)
+        self.service_s: float | None = None  # average time a permit is held, over recent answers
+        self.unloaded: float | None = None  # seconds per output token at the lightest load seen: the pace to hold
+        self._window = [0, 0.0, 0, 0]  # answers, seconds held, output tokens, busy answers: since the last update
+
+    @property
+    def limit(self) -> int:
+        return max(1, int(self._limit))
+
+    def finished(self, held_s: float, tokens: int | None, running: int) -> bool:
+        """A permit given back after `held_s`; `tokens`: its answer's output tokens (None: it failed
+        or was cancelled, which says nothing of the engine's pace). `running`: requests admitted
+        while it ran, counting it. The limit moves once a window of half its answers is in: then True."""
+        if tokens is None or held_s < 0:
+            return False
+        self.service_s = held_s if self.service_s is None else self.service_s + SHORT * (held_s - self.service_s)
+        window = self._window
+        window[0] += 1
+        window[1] += held_s
+        window[2] += max(1, tokens)
+        window[3] += running >= self._limit / 2  # the limit held requests back: the pace says something of it
+        if window[0] * 2 < self.limit:  # half the limit's answers: the pace at this limit, and soon
+            return False
+        pace, busy = window[1] / window[2], window[3] * 2 > window[0]
+        self._window = [0, 0.0, 0, 0]
+        if self.unloaded is None or pace < self.unloaded:
+            self.unloaded = pace
+        if self.adaptive and busy:
+            self._adapt(pace, self.unloaded)
+        return True
+
+    def _adapt(self, pace: float, unloaded: float) -> None:
+        gradient = TOLERANCE * unloaded / pace
+        if gradient < 0.5:  # far slower than ever at any load: the work has changed, the pace to hold with it
+            self.unloaded = unloaded + RELEARN * (pace - unloaded)
+        gradient = max(0.5, min(1.0, gradient))
+        wanted = self._limit * gradient + math.sqrt(self._limit)
+        self._limit = min(float(self.bound), max(1.0, self._limit + SMOOTHING * (wanted - self._limit)))
+    def expected_wait(self, ahead: int) -> float | None:
+        """Seconds until `ahead` engine requests have been admitted, at the measured rate (None:
+        nothing measured yet)."""
+        if self.service_s is None:
+            return None
+        return ahead * self.service_s / self.limit
+
+    def retry_after(self, ahead: int, least: int) -> int:
+        """Seconds until a queue of `ahead` is served, at least `least` (the setting)."""
+        wait = self.expected_wait(ahead)
+        return least if wait is None else max(least, min(MOST_RETRY_S, math.ceil(wait)))

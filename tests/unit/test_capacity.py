@@ -1,0 +1,118 @@
+"""The measured limit (backends.capacity), driven by a simulated engine on a fake clock: no timing
+in these tests, only the rule's arithmetic against an engine whose pace is known."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from gateway.backends.capacity import INITIAL, MOST_RETRY_S, Capacity
+
+TOKENS = 32  # every simulated answer's length
+
+
+@dataclass
+class Engine:
+    """Continuous batching: each step gives every running request one token and takes `fixed` +
+    `per_request` x the batch seconds (a GPU: a large fixed cost of reading the weights; a CPU: the
+    compute per request dominates)."""
+
+    fixed: float
+    per_request: float
+
+
+@dataclass
+class Run:
+    throughput: float  # tokens per second over the second half
+    limit: int
+    pace: float  # seconds per token over the second half
+    unloaded: float | None
+
+
+def flood(engine: Engine, bound: int = 256, adaptive: bool = True, steps: int = 6000,
+          slower: Engine | None = None) -> Run:
+    """Endless demand: the engine runs as many requests as the limit lets it, for `steps` steps
+    (from half way on at the pace of `slower`, when given)."""
+    now = 0.0
+    capacity = Capacity(bound, adaptive, clock=lambda: now)
+    running: list[list[float]] = []  # [taken at, tokens left]
+    made, half_at, half_made, half_steps = 0, 0.0, 0, 0.0
+    for step in range(steps):
+        if step == steps // 2:
+            half_at, half_made = now, made
+            engine = slower or engine
+        while len(running) < capacity.limit:
+            running.append([now, TOKENS])
+        took = engine.fixed + engine.per_request * len(running)
+        now += took
+        if step >= steps // 2:
+            half_steps += took
+        made += len(running)
+        for request in running:
+            request[1] -= 1
+        for request in [request for request in running if request[1] == 0]:
+            capacity.finished(now - request[0], TOKENS, len(running))
+        running = [request for request in running if request[1] > 0]
+    return Run((made - half_made) / (now - half_at), capacity.limit, half_steps / (steps - steps // 2), capacity.unloaded)
+
+
+CPU, MIXED, GPU = Engine(0.015, 0.005), Engine(0.02, 0.002), Engine(0.05, 0.001)
+
+
+@pytest.mark.parametrize("engine", [CPU, MIXED, GPU], ids=["cpu", "mixed", "gpu"])
+def test_the_limit_keeps_the_throughput_of_the_bound_at_a_fraction_of_its_pace(engine: Engine) -> None:
+    adaptive, fixed = flood(engine), flood(engine, adaptive=False)
+    assert fixed.limit == 256
+    assert adaptive.throughput >= 0.9 * fixed.throughput  # the engine's best: everything in at once
+    assert adaptive.limit < 256
+    assert adaptive.pace < fixed.pace  # each answer comes faster: the waiting is in the gateway's queue
+    assert adaptive.unloaded is not None
+
+
+def test_on_an_engine_whose_pace_does_not_change_with_its_batch_the_limit_reaches_the_bound() -> None:
+    assert flood(Engine(0.03, 0.0001)).limit == 256
+
+
+def test_the_bound_holds_from_the_start() -> None:
+    assert Capacity(3).limit == 3
+    assert Capacity(1000).limit == INITIAL
+    assert flood(Engine(0.03, 0.0001), bound=20).limit == 20
+
+
+def test_when_the_engine_slows_the_limit_falls() -> None:
+    before = flood(CPU, steps=3000).limit
+    after = flood(CPU, steps=6000, slower=Engine(CPU.fixed, CPU.per_request * 3))
+    assert after.limit < before
+
+
+def test_with_the_rule_off_the_limit_is_the_bound() -> None:
+    assert flood(CPU, adaptive=False).limit == 256
+    assert Capacity(256, adaptive=False).limit == 256
+
+
+def test_an_answer_that_failed_teaches_nothing() -> None:
+    capacity = Capacity(16)
+    for _ in range(100):
+        capacity.finished(5.0, None, 16)
+    assert capacity.service_s is None
+    assert capacity.expected_wait(10) is None
+    assert capacity.limit == INITIAL
+
+
+def test_a_light_load_does_not_grow_the_limit() -> None:
+    capacity = Capacity(256)
+    for _ in range(1000):
+        capacity.finished(1.0, 10, 1)  # one at a time: the limit never held anyone back
+    assert capacity.limit == INITIAL
+
+
+def test_expected_wait_and_retry_after_follow_the_measured_rate() -> None:
+    capacity = Capacity(4, adaptive=False)
+    assert capacity.retry_after(100, least=2) == 2  # nothing measured: the setting
+    capacity.finished(8.0, 10, 4)  # 4 at once, each held 8 s: one admitted every 2 s
+    assert capacity.expected_wait(0) == 0
+    assert capacity.expected_wait(10) == pytest.approx(20.0)
+    assert capacity.retry_after(10, least=1) == 20
+    assert capacity.retry_after(0, least=1) == 1
+    assert capacity.retry_after(10**9, least=1) == MOST_RETRY_S

@@ -1,0 +1,192 @@
+"""Deadlines: the client's timeout headers (web.requests.timeout_of), admission refusing what cannot
+start in time (backends.admission), and the engine request aborted when the deadline passes before
+the answer's first byte (pipeline.attempt). No timing is asserted: waits are for conditions."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+import pytest
+from prometheus_client import REGISTRY
+
+from gateway.backends.admission import Admission
+from gateway.errors import ModelOverloaded
+from gateway.settings import AdmissionSettings
+from gateway.web.requests import MOST_TIMEOUT_S, timeout_of
+from tests.fakes import FakeEngine, HeldAfter, app_with, chat_body
+from tests.unit.test_admission import serve
+from tests.waits import until
+
+
+@pytest.mark.parametrize(("headers", "seconds"), [
+    ([], None),
+    ([(b"x-stainless-read-timeout", b"600.0")], 600.0),  # the Python SDKs: the read timeout, str(float)
+    ([(b"x-stainless-timeout", b"60")], 60.0),  # the JavaScript SDKs: whole seconds
+    ([(b"request-timeout", b"12.5")], 12.5),
+    ([(b"x-request-timeout", b" 3 ")], 3.0),
+    ([(b"x-stainless-read-timeout", b"600.0"), (b"x-request-timeout", b"20")], 20.0),  # the shortest: it gives up first
+    ([(b"x-stainless-timeout", b"0")], None),  # a JavaScript timeout under a second, truncated
+    ([(b"request-timeout", b"-5")], None),
+    ([(b"request-timeout", b"nan")], None),
+    ([(b"request-timeout", b"inf")], None),
+    ([(b"request-timeout", b"-inf")], None),
+    ([(b"request-timeout", b"1e400")], None),
+    ([(b"request-timeout", str(MOST_TIMEOUT_S + 1).encode())], None),
+    ([(b"request-timeout", str(MOST_TIMEOUT_S).encode())], float(MOST_TIMEOUT_S)),
+    ([(b"request-timeout", b"30s")], None),
+    ([(b"request-timeout", b"")], None),
+    ([(b"request-timeout", b"\xd9\xa1")], None),  # a digit of another script
+    ([(b"request-timeout", b"0x10")], None),
+    ([(b"request-timeout", b"garbage"), (b"x-request-timeout", b"7")], 7.0),  # a bad one is ignored, not the rest
+    ([(b"timeout", b"5")], None),  # not a timeout header
+])
+def test_the_clients_timeout_is_read_from_its_headers(headers: list[tuple[bytes, bytes]], seconds: float | None) -> None:
+    assert timeout_of(headers) == seconds
+
+
+def refused(model: str, reason: str) -> float:
+    return REGISTRY.get_sample_value("gateway_rejected_total", {"model": model, "reason": reason}) or 0.0
+
+
+def admission(model: str, **settings: object) -> Admission:
+    return Admission(model, AdmissionSettings.model_validate({"adaptive": False, **settings}))
+
+
+async def test_work_whose_deadline_passed_is_never_started() -> None:
+    model = admission("deadline-passed", max_running=4)
+    before = refused("deadline-passed", "deadline_passed")
+    now = asyncio.get_running_loop().time()
+    with pytest.raises(ModelOverloaded) as caught:
+        model.admit_now(1, "k", now - 1)
+    assert caught.value.headers["Retry-After"] == "1"  # nothing measured: the setting
+    with pytest.raises(ModelOverloaded):
+        await model.acquire(1, "normal", "k", now - 1)
+    assert model.running == 0
+    assert refused("deadline-passed", "deadline_passed") == before + 2
+
+
+async def test_a_request_whose_expected_wait_passes_its_deadline_is_refused_at_once() -> None:
+    model = admission("expected-wait", max_running=1, max_waiting=10, wait_timeout_s=30)
+    held = model.admit_now(1, "a")
+    assert held is not None
+    model.capacity.finished(10.0, 5, 1)  # measured: one at a time, 10 s each
+    before = refused("expected-wait", "expected_wait")
+    now = asyncio.get_running_loop().time()
+    with pytest.raises(ModelOverloaded) as caught:
+        await model.acquire(1, "normal", "b", now + 5)  # a 10 s wait for a 5 s deadline
+    assert caught.value.headers["Retry-After"] == "10"  # the measured time to drain what is ahead, itself included
+    assert refused("expected-wait", "expected_wait") == before + 1
+    assert model.waiting == 0
+    waiter = asyncio.create_task(model.acquire(1, "normal", "c", now + 60))  # 10 s of 60: it waits
+    await until(lambda: model.waiting == 1, what="the waiter queued")
+    held.release(5)
+    permit = await waiter
+    assert permit.count == 1
+    assert model.running == 1
+
+
+async def test_the_wait_bound_refuses_at_once_too() -> None:
+    model = admission("expected-wait-bound", max_running=1, max_waiting=10, wait_timeout_s=5)
+    assert model.admit_now(1, "a") is not None
+    model.capacity.finished(10.0, 5, 1)
+    with pytest.raises(ModelOverloaded):
+        await model.acquire(1, "normal", "b")  # no deadline: the wait allowed, 5 s, is shorter than 10 s
+
+
+async def test_a_higher_class_is_not_refused_for_the_queue_of_a_lower_one() -> None:
+    model = admission("expected-wait-class", max_running=1, max_waiting=100, wait_timeout_s=30,
+                      queue_share={"low": 1.0})
+    assert model.admit_now(1, "a") is not None
+    model.capacity.finished(1.0, 5, 1)  # one every second
+    now = asyncio.get_running_loop().time()
+    lows = [asyncio.create_task(model.acquire(1, "low", f"low{i}", now + 60)) for i in range(20)]
+    await until(lambda: model.waiting == 20, what="the low queue")
+    high = asyncio.create_task(model.acquire(1, "high", "h", now + 5))  # 20 low ahead: 21 s; only itself: 1 s
+    await until(lambda: model.waiting == 21, what="the high request queued")
+    assert not high.done()
+    with pytest.raises(ModelOverloaded):
+        await model.acquire(1, "low", "late", now + 5)  # behind the 20 low
+    for task in [high, *lows]:
+        task.cancel()
+    await asyncio.gather(high, *lows, return_exceptions=True)
+    assert model.waiting == 0
+
+
+async def test_a_waiter_leaves_the_queue_when_its_deadline_passes() -> None:
+    model = admission("deadline-waiter", max_running=1, max_waiting=10, wait_timeout_s=30)
+    held = model.admit_now(1, "a")
+    assert held is not None
+    before = refused("deadline-waiter", "deadline_passed")
+    with pytest.raises(ModelOverloaded):
+        await model.acquire(1, "normal", "b", asyncio.get_running_loop().time() + 0.05)  # nothing measured: it waits
+    assert model.waiting == 0
+    assert refused("deadline-waiter", "deadline_passed") == before + 1
+    held.release()
+    assert model.running == 0
+
+
+async def test_a_full_queue_is_counted_as_such() -> None:
+    model = admission("queue-full", max_running=1, max_waiting=0)
+    assert model.admit_now(1, "a") is not None
+    before = refused("queue-full", "queue_full")
+    with pytest.raises(ModelOverloaded):
+        await model.acquire(1, "normal", "b")
+    assert refused("queue-full", "queue_full") == before + 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_the_engine_request_is_aborted_when_the_deadline_passes_before_its_first_byte(stream: bool) -> None:
+    engine = HeldAfter(0)  # holds every generation until it is cancelled, noting the abort
+    app = app_with(engine)
+    headers = {"x-stainless-read-timeout": "0.2"}
+
+    async def ask(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post("/v1/chat/completions", json=chat_body(max_tokens=10, stream=stream), headers=headers)
+
+    before = refused("fake-model", "deadline_passed")
+    answer = await serve(app, ask)
+    assert answer.status_code == 429
+    assert answer.json()["error"]["code"] == "model_overloaded"
+    assert int(answer.headers["retry-after"]) >= 1
+    assert len(engine.aborted) == 1
+    assert refused("fake-model", "deadline_passed") == before + 1
+
+
+@pytest.mark.parametrize("value", [b"nan", b"-1", b"0", b"1e999", b"garbage", "\u0661".encode()])
+async def test_a_hostile_timeout_header_is_ignored(value: bytes) -> None:
+    async def ask(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post("/v1/chat/completions", json=chat_body(max_tokens=3),
+                                 headers={"request-timeout": value, "x-stainless-timeout": value})
+
+    answer = await serve(app_with(FakeEngine()), ask)
+    assert answer.status_code == 200
+    assert answer.json()["usage"]["completion_tokens"] == 3
+
+
+def test_retry_after_is_whole_seconds() -> None:
+    capacity = admission("retry-seconds", max_running=3).capacity
+    capacity.finished(1.3, 4, 3)
+    assert capacity.retry_after(2, least=0) == math.ceil(2 * 1.3 / 3)
+
+
+async def test_waiters_met_before_anything_was_measured_are_refused_once_it_is() -> None:
+    model = admission("late-waiters", max_running=1, max_waiting=10, wait_timeout_s=100)
+    held = model.admit_now(1, "a")
+    assert held is not None
+    now = asyncio.get_running_loop().time()
+    near = asyncio.create_task(model.acquire(1, "normal", "b", now + 60))
+    far = asyncio.create_task(model.acquire(1, "normal", "c", now + 60))
+    await until(lambda: model.waiting == 2, what="both queued, nothing measured")
+    before = refused("late-waiters", "expected_wait")
+    model.capacity.clock = lambda: held.taken + 40  # its answer took 40 s: the second in the queue waits 80 s
+    held.release(4)
+    permit = await near  # admitted: its slot came free
+    with pytest.raises(ModelOverloaded) as caught:
+        await far
+    assert int(caught.value.headers["Retry-After"]) >= 40  # measured: at one every 40 s
+    assert refused("late-waiters", "expected_wait") == before + 1
+    assert model.waiting == 0
+    permit.release()
+    assert model.running == 0
