@@ -59,10 +59,10 @@ async def test_work_whose_deadline_passed_is_never_started() -> None:
     before = refused("deadline-passed", "deadline_passed")
     now = asyncio.get_running_loop().time()
     with pytest.raises(ModelOverloaded) as caught:
-        model.admit_now(1, "k", now - 1)
+        model.admit_now(1, "k", deadline=now - 1)
     assert caught.value.headers["Retry-After"] == "1"  # nothing measured: the setting
     with pytest.raises(ModelOverloaded):
-        await model.acquire(1, "normal", "k", now - 1)
+        await model.acquire(1, "normal", "k", deadline=now - 1)
     assert model.running == 0
     assert refused("deadline-passed", "deadline_passed") == before + 2
 
@@ -75,11 +75,11 @@ async def test_a_request_whose_expected_wait_passes_its_deadline_is_refused_at_o
     before = refused("expected-wait", "expected_wait")
     now = asyncio.get_running_loop().time()
     with pytest.raises(ModelOverloaded) as caught:
-        await model.acquire(1, "normal", "b", now + 5)  # a 10 s wait for a 5 s deadline
+        await model.acquire(1, "normal", "b", deadline=now + 5)  # a 10 s wait for a 5 s deadline
     assert caught.value.headers["Retry-After"] == "10"  # the measured time to drain what is ahead, itself included
     assert refused("expected-wait", "expected_wait") == before + 1
     assert model.waiting == 0
-    waiter = asyncio.create_task(model.acquire(1, "normal", "c", now + 60))  # 10 s of 60: it waits
+    waiter = asyncio.create_task(model.acquire(1, "normal", "c", deadline=now + 60))  # 10 s of 60: it waits
     await until(lambda: model.waiting == 1, what="the waiter queued")
     held.release(5)
     permit = await waiter
@@ -101,13 +101,13 @@ async def test_a_higher_class_is_not_refused_for_the_queue_of_a_lower_one() -> N
     assert model.admit_now(1, "a") is not None
     model.capacity.finished(1.0, 5, 1)  # one every second
     now = asyncio.get_running_loop().time()
-    lows = [asyncio.create_task(model.acquire(1, "low", f"low{i}", now + 60)) for i in range(20)]
+    lows = [asyncio.create_task(model.acquire(1, "low", f"low{i}", deadline=now + 60)) for i in range(20)]
     await until(lambda: model.waiting == 20, what="the low queue")
-    high = asyncio.create_task(model.acquire(1, "high", "h", now + 5))  # 20 low ahead: 21 s; only itself: 1 s
+    high = asyncio.create_task(model.acquire(1, "high", "h", deadline=now + 5))  # 20 low ahead: 21 s; only itself: 1 s
     await until(lambda: model.waiting == 21, what="the high request queued")
     assert not high.done()
     with pytest.raises(ModelOverloaded):
-        await model.acquire(1, "low", "late", now + 5)  # behind the 20 low
+        await model.acquire(1, "low", "late", deadline=now + 5)  # behind the 20 low
     for task in [high, *lows]:
         task.cancel()
     await asyncio.gather(high, *lows, return_exceptions=True)
@@ -120,7 +120,7 @@ async def test_a_waiter_leaves_the_queue_when_its_deadline_passes() -> None:
     assert held is not None
     before = refused("deadline-waiter", "deadline_passed")
     with pytest.raises(ModelOverloaded):
-        await model.acquire(1, "normal", "b", asyncio.get_running_loop().time() + 0.05)  # nothing measured: it waits
+        await model.acquire(1, "normal", "b", deadline=asyncio.get_running_loop().time() + 0.05)  # nothing measured: it waits
     assert model.waiting == 0
     assert refused("deadline-waiter", "deadline_passed") == before + 1
     held.release()
@@ -176,8 +176,8 @@ async def test_waiters_met_before_anything_was_measured_are_refused_once_it_is()
     held = model.admit_now(1, "a")
     assert held is not None
     now = asyncio.get_running_loop().time()
-    near = asyncio.create_task(model.acquire(1, "normal", "b", now + 60))
-    far = asyncio.create_task(model.acquire(1, "normal", "c", now + 60))
+    near = asyncio.create_task(model.acquire(1, "normal", "b", deadline=now + 60))
+    far = asyncio.create_task(model.acquire(1, "normal", "c", deadline=now + 60))
     await until(lambda: model.waiting == 2, what="both queued, nothing measured")
     before = refused("late-waiters", "expected_wait")
     model.capacity.clock = lambda: held.taken + 40  # its answer took 40 s: the second in the queue waits 80 s
