@@ -133,7 +133,7 @@ class OutputGuard:
     match in any slot cuts the choice."""
 
     def __init__(self, notes: Notes, scanner: Scanner, checks: OutputChecks, restore: Placeholders | None,
-                 n: int, apart: bool = False, json: bool = False) -> None:
+                 n: int, apart: bool = False, json: bool = False, tag: str | None = None) -> None:
         self.notes = notes
         self.scanner, self.checks = scanner, checks
         self.restore = restore
@@ -148,6 +148,10 @@ class OutputGuard:
         # the slots whose text is JSON, where placeholders are restored as JSON strings' contents:
         # every tool call's arguments, and the choices' text when the output is constrained to JSON
         self.quoted: set[int] = set(range(n)) if json else set()
+        # the tag after which a choice's text is tool calls (JSON) parsed from it (`tools.TAG`), and
+        # the end of each choice's text passed so far, until the tag is in it (then it is quoted)
+        self.tag = tag
+        self.before_tag: dict[int, str] = dict.fromkeys(range(n), "") if tag and not json else {}
         for _ in range(n):
             self._add_slot()
 
@@ -255,7 +259,26 @@ class OutputGuard:
         if text and choice.batch and await self._moderate(index, text):
             choice.retract()
             text = ""
-        return self.restore.restore(text, index in self.quoted) if self.restore is not None else text
+        if self.restore is None:
+            return text
+        if index in self.before_tag:
+            return self._restored_around_tag(index, text)
+        return self.restore.restore(text, index in self.quoted)
+
+    def _restored_around_tag(self, index: int, text: str) -> str:
+        """A choice's text whose calls the gateway parses from it: restored as prose up to the first
+        tag, as JSON from it on (no placeholder spans the tag: its `<` cannot be in one)."""
+        assert self.restore is not None
+        assert self.tag is not None
+        seen = self.before_tag[index]
+        at = (seen + text).find(self.tag)
+        if at < 0:
+            self.before_tag[index] = (seen + text)[-len(self.tag) :]
+            return self.restore.restore(text)
+        del self.before_tag[index]
+        self.quoted.add(index)
+        cut = max(0, at - len(seen))
+        return self.restore.restore(text[:cut]) + self.restore.restore(text[cut:], quoted=True)
 
     async def _moderate(self, index: int, text: str) -> bool:
         """True when the moderation upstream blocks the choice's text so far with `text` added
