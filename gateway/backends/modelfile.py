@@ -173,8 +173,9 @@ def public_names(models: ModelsFile) -> set[str]:
 
 
 def guard_profiles(models: ModelsFile) -> dict[str, str | dict[str, Any]]:
-    """Each public name (model, split, alias) → the guards its model declares."""
-    return {name: spec.guards for spec in models.models if spec.guards for name in (spec.name, *spec.aliases)}
+    """Each public name (model, split, alias) → the guards its model declares; a version's by its id
+    (`name@version`): the family's name is each version's, and the version that answers brings its own."""
+    return {name: spec.guards for spec in models.models if spec.guards for name in (spec.id, *spec.aliases)}
 
 
 def check(models: ModelsFile) -> None:

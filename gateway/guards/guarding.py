@@ -252,16 +252,17 @@ class RequestGuard:
 
     # --- on the way out -------------------------------------------------------------------
 
-    def output(self, n: int, apart: bool = False, json: bool = False) -> OutputGuard | None:
+    def output(self, n: int, apart: bool = False, json: bool = False, tag: str | None = None) -> OutputGuard | None:
         """The guard of one generation of `n` choices (None: nothing to check or restore); `apart`:
-        its logprobs are read in a slot of their own; `json`: its text is JSON (`OutputGuard`)."""
+        its logprobs are read in a slot of their own; `json`: its text is JSON; `tag`: its text is
+        JSON after this tag (`OutputGuard`)."""
         if self.profile is None:
             return None
         checks = self.profile.profile.output
         restore = self.placeholders if self.profile.profile.input.restore else None
         if not self.profile.output and checks.moderation == "off" and not (restore and self.placeholders):
             return None
-        return OutputGuard(self, self.profile.output, checks, restore, n, apart, json)
+        return OutputGuard(self, self.profile.output, checks, restore, n, apart, json, tag)
 
     def weighed(self, entries: Sequence[TokenLogprob]) -> list[TokenLogprob]:
         """The logprobs of text the model read rather than wrote (an echoed prompt's), whose

@@ -3,8 +3,8 @@ checked (possibly redacted) texts.
 
 Messages and Responses requests are made chat requests before they are prepared, so `chat_texts` reads theirs too: each
 message's text and `name`, its earlier tool calls (the name, and the arguments as decoded JSON: `\\u0041` is what the
-model reads as `A`) and the tool definitions (as the JSON the template shows). Completion prompts and embedding inputs
-are their text; token ids are read decoded by the embedded services and refused for a remote model (no tokenizer here
+model reads as `A`) and the tool definitions (as the JSON the template shows). Completion prompts (and a remote
+model's `suffix`, the text it writes towards) and embedding inputs are their text; token ids are read decoded by the embedded services and refused for a remote model (no tokenizer here
 reads them)."""
 
 from __future__ import annotations
@@ -111,6 +111,10 @@ def guarded(request: RequestT, guard: RequestGuard) -> RequestT:
     """Any request the gateway forwards (to a remote upstream), checked as its shape allows."""
     if isinstance(request, ChatCompletionRequest):
         return guarded_chat(request, guard)
-    if isinstance(request, CompletionRequest | EmbeddingRequest) and guard.active:
-        return _guarded_prompts(request, "prompt" if isinstance(request, CompletionRequest) else "input", guard)
+    if isinstance(request, EmbeddingRequest) and guard.active:
+        return _guarded_prompts(request, "input", guard)
+    if isinstance(request, CompletionRequest) and guard.active:
+        request = _guarded_prompts(request, "prompt", guard)
+        if request.suffix:  # read by the model as its prompt is (an engine's service refuses it)
+            request = request.model_copy(update={"suffix": guard.check_input([request.suffix], "suffix")[0]})
     return request

@@ -133,7 +133,7 @@ class OutputGuard:
     match in any slot cuts the choice."""
 
     def __init__(self, notes: Notes, scanner: Scanner, checks: OutputChecks, restore: Placeholders | None,
-                 n: int, apart: bool = False, json: bool = False) -> None:
+                 n: int, apart: bool = False, json: bool = False, tag: str | None = None) -> None:
         self.notes = notes
         self.scanner, self.checks = scanner, checks
         self.restore = restore
@@ -142,12 +142,17 @@ class OutputGuard:
         self.filters: list[ChoiceFilter] = []
         self.passed: list[str] = []  # what each slot passed on so far, for moderation
         self.fields: dict[tuple[int, str | int], int] = {}  # (choice, "reasoning", "logprobs" or a call's index) → slot
+        self.names: dict[tuple[int, int], tuple[str | None, str]] = {}  # (choice, call's index) → its id, its name so far
         # logprobs in a slot of their own, of the text they spell: a backend's whose logprobs may
         # spell another field than the choice's text (a remote upstream's tool call)
         self.apart = apart
         # the slots whose text is JSON, where placeholders are restored as JSON strings' contents:
         # every tool call's arguments, and the choices' text when the output is constrained to JSON
         self.quoted: set[int] = set(range(n)) if json else set()
+        # the tag after which a choice's text is tool calls (JSON) parsed from it (`tools.TAG`), and
+        # the end of each choice's text passed so far, until the tag is in it (then it is quoted)
+        self.tag = tag
+        self.before_tag: dict[int, str] = dict.fromkeys(range(n), "") if tag and not json else {}
         for _ in range(n):
             self._add_slot()
 
@@ -188,8 +193,8 @@ class OutputGuard:
         """A delta's reasoning and tool-call arguments, each through a slot of its own (on the
         choice's last delta, what each slot still holds goes out with it)."""
         index = delta.index
-        names = {call.index: await self._name(call.name) for call in delta.tool_calls if call.name}
-        if any(name is None for name in names.values()):
+        names = await self._names(delta, final)
+        if any(name is None for _, name in names.values()):
             self._cut(index)
             return replace(delta, text="", finish_reason=CONTENT_FILTER, logprobs=None, reasoning="", tool_calls=())
         pieces = self._pieces(delta, final)
@@ -204,13 +209,18 @@ class OutputGuard:
             if self.filters[slot].cut:
                 self._cut(index)
                 return replace(delta, text="", finish_reason=CONTENT_FILTER, logprobs=None, reasoning="", tool_calls=())
-        calls = [replace(call, arguments=passed.pop(call.index, ""), name=names[call.index] if call.name else None)
-                 for call in delta.tool_calls]
+        calls = []
+        for call in delta.tool_calls:
+            held = (index, call.index) in self.names  # its name, and its id, go out once the name is whole
+            call_id, name = names.pop(call.index, (None if held else call.id, None))
+            calls.append(replace(call, arguments=passed.pop(call.index, ""), name=name, id=call_id))
         reasoning = str(passed.pop("reasoning", ""))
         logprobs, spelled = delta.logprobs, self.fields.get((index, "logprobs"))
         if passed.pop("logprobs", None) is not None and spelled is not None:
             logprobs = self.filters[spelled].passed_logprobs(delta.logprobs or ())
+        calls += [ToolCallDelta(call, str(passed.pop(call, "")), name, call_id) for call, (call_id, name) in names.items()]
         calls += [ToolCallDelta(int(key), text) for key, text in passed.items() if text]
+        calls = [call for call in calls if call.arguments or call.name]  # a piece whose name is held, and no more
         return replace(delta, reasoning=reasoning, tool_calls=tuple(calls), logprobs=logprobs)
 
     def _pieces(self, delta: ChoiceDelta, final: bool) -> dict[str | int, str]:
@@ -227,6 +237,21 @@ class OutputGuard:
                 if choice == delta.index:
                     pieces.setdefault(key, "")
         return pieces
+
+    async def _names(self, delta: ChoiceDelta, final: bool) -> dict[int, tuple[str | None, str | None]]:
+        """The ids and names of the delta's choice's calls that are whole now, each name checked
+        whole (None: a guard blocks it). A name may come in pieces (a client joins them): it is held,
+        with its call's id, until the call's arguments begin, a later call does, or the choice ends,
+        so that no piece of it leaves unchecked, and the call's first piece still names it."""
+        for call in delta.tool_calls:
+            key = (delta.index, call.index)
+            if call.name or key in self.names:
+                call_id, name = self.names.get(key, (None, ""))
+                self.names[key] = (call_id or call.id, name + (call.name or ""))
+        begun = [call.index for call in delta.tool_calls if call.arguments]
+        whole = [key for key in self.names if key[0] == delta.index
+                 and (final or any(key[1] <= other for other in begun) or any(key[1] < c.index for c in delta.tool_calls))]
+        return {key[1]: (self.names[key][0], await self._name(self.names.pop(key)[1])) for key in whole}
 
     async def _name(self, name: str) -> str | None:
         """A tool call's name, checked whole (it comes in one piece): redacted, or None when a guard blocks it."""
@@ -255,7 +280,26 @@ class OutputGuard:
         if text and choice.batch and await self._moderate(index, text):
             choice.retract()
             text = ""
-        return self.restore.restore(text, index in self.quoted) if self.restore is not None else text
+        if self.restore is None:
+            return text
+        if index in self.before_tag:
+            return self._restored_around_tag(index, text)
+        return self.restore.restore(text, index in self.quoted)
+
+    def _restored_around_tag(self, index: int, text: str) -> str:
+        """A choice's text whose calls the gateway parses from it: restored as prose up to the first
+        tag, as JSON from it on (no placeholder spans the tag: its `<` cannot be in one)."""
+        assert self.restore is not None
+        assert self.tag is not None
+        seen = self.before_tag[index]
+        at = (seen + text).find(self.tag)
+        if at < 0:
+            self.before_tag[index] = (seen + text)[-len(self.tag) :]
+            return self.restore.restore(text)
+        del self.before_tag[index]
+        self.quoted.add(index)
+        cut = max(0, at - len(seen))
+        return self.restore.restore(text[:cut]) + self.restore.restore(text[cut:], quoted=True)
 
     async def _moderate(self, index: int, text: str) -> bool:
         """True when the moderation upstream blocks the choice's text so far with `text` added

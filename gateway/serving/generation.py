@@ -229,14 +229,16 @@ class Run:
 
     def __init__(
         self, engine: Generator, request: GenerationRequest, guard: RequestGuard = UNGUARDED, priority: int = 0,
-        readings: Readings | None = None,
+        readings: Readings | None = None, tag: str | None = None,
     ) -> None:
         self.engine = engine
         if priority != request.priority:  # prepared before the pipeline chose its priority
             request = replace(request, priority=priority)
         self.request = request
         # an upstream's logprobs may spell its tool calls: they get a slot of their own
-        self.guard = guard.output(request.sampling.n, apart=request.forward is not None, json=_json_text(request))
+        # `tag`: the text is tool calls from it on, parsed here (an engine's, with tools on `auto`)
+        self.guard = guard.output(request.sampling.n, apart=request.forward is not None, json=_json_text(request),
+                                  tag=tag if request.forward is None else None)
         self.prompt_tokens = request.forward.prompt_tokens if request.forward else len(request.prompt_token_ids)
         self.cached_tokens = 0
         self.reported: int | None = None  # the completion tokens the backend counted (a remote upstream's usage)

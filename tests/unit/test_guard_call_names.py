@@ -91,3 +91,28 @@ async def test_two_pieces_of_one_call_spelling_a_blocked_word_cut_the_choice() -
     outputs = await _run(_stream(_call(0, '{"a": "hy', "f"), _call(0, 'dra"}')))
     assert _finish(outputs) == [CONTENT_FILTER]
     assert "dra" not in _arguments(outputs)
+
+
+def _ids(outputs: list[GenerationOutput]) -> list[str]:
+    return [call.id for output in outputs for delta in output.choices for call in delta.tool_calls if call.id]
+
+
+async def test_a_name_in_pieces_is_checked_whole_and_goes_out_with_its_id() -> None:
+    """An upstream may stream a call's name in pieces (a client joins them): each was checked alone,
+    so an e-mail split over two pieces went out as they came, and a blocked word spelled by two passed."""
+    first = {**_call(0, "", "to_eve@"), "id": "call_1"}
+    outputs = await _run([{"choices": [{"index": 0, "delta": {"tool_calls": [first]}}]},
+                          *_stream(_call(0, "{}", "evil.example"))])
+    assert _names(outputs) == ["[EMAIL]"]
+    assert _ids(outputs) == ["call_1"]  # the call's first piece out names it
+    assert _arguments(outputs) == "{}"
+    outputs = await _run([{"choices": [{"index": 0, "delta": {"tool_calls": [_call(0, "", "send_HY")]}}]},
+                          *_stream(_call(0, "{}", "DRA"))])
+    assert _names(outputs) == []
+    assert _finish(outputs) == [CONTENT_FILTER]
+
+
+async def test_a_name_held_goes_out_when_a_later_call_begins_or_the_choice_ends() -> None:
+    outputs = await _run(_stream(_call(0, "", "first"), _call(1, "", "second")))
+    assert _names(outputs) == ["first", "second"]
+    assert _finish(outputs) == ["tool_calls"]

@@ -330,3 +330,23 @@ def test_a_fallback_answers_under_its_own_profile(tmp_path: Path, down: str, str
             answer = answered(client, CHAT, {"model": asked, "max_tokens": 40, "messages": HI, "stream": stream})
     assert answer.headers["x-served-model"] == ("far" if down == "embedded" else "fake-model")
     assert_guarded(answer.text)
+
+
+@pytest.mark.parametrize("asked", ["far", "far@1.0.0", "far@2.0.0"])
+def test_a_version_answers_under_its_own_profile(tmp_path: Path, asked: str) -> None:
+    """Two versions of one model, the older one guarded: whichever name reaches it (its id, or the
+    family's name while it is the latest), the version that answers brings its own profile, and the
+    other's does not follow the family's name (the profile was the last declared version's, by name)."""
+    upstream = Upstream("content", TEXT)
+    with scripted(upstream) as base:
+        remote = f"kind: remote, url: '{base}/v1', upstream_model: up"
+        models = tmp_path / "models.yaml"
+        models.write_text(f"models: [{{name: far, version: 2.0.0, {remote}}}, "
+                          f"{{name: far, version: 1.0.0, {remote}, guards: {{output: {{pii: {{email: redact}}}}}}}}]")
+        app = create_app(fake_settings(models_file=models), engine_starter=lambda es: FakeEngine())
+        with TestClient(app) as client:
+            answer = answered(client, CHAT, {"model": asked, "max_tokens": 40, "messages": HI})
+    if answer.headers["x-served-model"] == "far@1.0.0":
+        assert_guarded(answer.text)
+    else:
+        assert "eve@evil.example" in answer.text  # version 2.0.0 has no profile

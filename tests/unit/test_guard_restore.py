@@ -20,11 +20,13 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.testclient import TestClient
 
 from engine.types import ChoiceDelta, GenerationOutput, ToolCallDelta
+from gateway.app import create_app
 from gateway.guards.config import Profile
 from gateway.guards.guarding import CompiledProfile, RequestGuard
-from tests.fakes import FakeEngine
+from tests.fakes import FakeEngine, fake_settings
 from tests.scripted_upstream import scripted
 from tests.unit.test_guard_every_field import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Side, Upstream
 
@@ -208,3 +210,52 @@ def test_a_value_restored_into_json_is_written_as_a_json_string(side: Side, case
         side.engine.reply = list("Use [CODE_1].")
         prose = client.post(CHAT, json={"model": side.model, "max_tokens": 500, "messages": asked})
     assert prose.json()["choices"][0]["message"]["content"] == f"Use {QUOTED}."
+
+
+AUTO = {  # route, its tools on `auto` (the engine's calls are parsed from its text, after a `<tool_call>` tag)
+    CHAT: {"messages": [{"role": "user", "content": f"Send {QUOTED} to a@b.com"}],
+           "tools": [{"type": "function", "function": {"name": "mail", "parameters": SCHEMA}}]},
+    RESPONSES: {"input": f"Send {QUOTED} to a@b.com", "tools": [{"type": "function", "name": "mail", "parameters": SCHEMA}]},
+    MESSAGES: {"messages": [{"role": "user", "content": f"Send {QUOTED} to a@b.com"}],
+               "tools": [{"name": "mail", "input_schema": SCHEMA}]},
+}
+
+
+def _auto_call(route: str, answer: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(the text before the call, the call's arguments) of a whole answer."""
+    if route == MESSAGES:
+        blocks = answer["content"]
+        text = "".join(block["text"] for block in blocks if block["type"] == "text")
+        return text, next(block["input"] for block in blocks if block["type"] == "tool_use")
+    if route == RESPONSES:
+        items = answer["output"]
+        text = "".join(part["text"] for item in items if item["type"] == "message" for part in item["content"])
+        return text, json.loads(next(item["arguments"] for item in items if item["type"] == "function_call"))
+    message = answer["choices"][0]["message"]
+    return message["content"] or "", json.loads(message["tool_calls"][0]["function"]["arguments"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("route", list(AUTO))
+def test_a_value_restored_into_a_call_parsed_from_the_text_is_a_json_string(tmp_path: Path, route: str, stream: bool) -> None:
+    """Tools on `auto`, the engine's calls parsed from its text: the value goes back as prose before
+    the `<tool_call>` tag and as a JSON string after it (raw, its quotes and tab broke the call's
+    JSON: the call was lost, its text answered as content), one character per event or not."""
+    guards = tmp_path / "guards.yaml"
+    guards.write_text(GUARDS)
+    engine = FakeEngine(max_model_len=1000)
+    engine.reply = list('Mailing [CODE_1]. <tool_call>{"name": "mail", "arguments": {"to": "[CODE_1]", "cc": "[EMAIL_1]"}}</tool_call>')
+    app = create_app(fake_settings(guards_file=guards), engine_starter=lambda es: engine)
+    with TestClient(app) as client:
+        budget = {"max_output_tokens": 500} if route == RESPONSES else {"max_tokens": 500}
+        answer = client.post(route, json={"model": "fake-model", **budget, **AUTO[route]})
+        assert answer.status_code == 200, answer.text
+        text, arguments = _auto_call(route, answer.json())
+        assert arguments == {"to": QUOTED, "cc": "a@b.com"}
+        assert text == f"Mailing {QUOTED}."
+        if stream:
+            streamed = client.post(route, json={"model": "fake-model", **budget, **AUTO[route], "stream": True})
+            assert streamed.status_code == 200
+            assert json.dumps(json.dumps(QUOTED)[1:-1])[1:-1] in streamed.text  # the arguments' JSON, in an event's JSON
+            assert "[CODE_1]" not in streamed.text
+            assert "[EMAIL_1]" not in streamed.text

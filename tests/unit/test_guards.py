@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import structlog
 import structlog.testing
@@ -19,6 +21,7 @@ from gateway.telemetry.metrics import GUARD_ACTIONS
 from gateway.tenancy.keys import key_id
 from tests.fakes import FakeEngine, fake_settings
 from tests.loopback_server import LoopbackServer
+from tests.scripted_upstream import scripted
 
 MODEL = "fake-model"
 ROUTE = "/v1/chat/completions"
@@ -393,6 +396,29 @@ def test_remote_models_get_the_input_checks(tmp_path: Path, moderation: Loopback
         assert moderation.chats[-1]["messages"][0]["content"] == "write to [EMAIL_1]"
         # the upstream's answer is read as an embedded model's: the placeholders it repeats are restored
         assert answer.json()["choices"][0]["message"]["content"] == "write to bob@corp.example"
+
+
+def test_a_remote_completions_suffix_gets_the_input_checks(tmp_path: Path) -> None:
+    """`suffix` is text a remote model reads (what it writes towards): checked as its prompt is (it
+    reached the upstream unchecked, a denied word or an e-mail byte for byte)."""
+    forwarded: list[dict[str, Any]] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        forwarded.append(json.loads(request.content))
+        return httpx.Response(200, json={"id": "u", "object": "text_completion", "created": 1, "model": "up",
+                                         "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]})
+
+    with scripted(upstream) as base:
+        (tmp_path / "models.yaml").write_text(f"models: [{{name: far, kind: remote, url: '{base}/v1', upstream_model: up}}]")
+        with TestClient(guarded_app(tmp_path, FakeEngine(), models_file=tmp_path / "models.yaml")) as client:
+            body = {"model": "far", "max_tokens": 5, "prompt": "Dear", "suffix": "about project hydra"}
+            refused = client.post("/v1/completions", json=body)
+            assert refused.status_code == 400
+            assert refused.json()["error"]["param"] == "suffix"
+            assert forwarded == []
+            answer = client.post("/v1/completions", json={**body, "suffix": "write to bob@corp.example"})
+    assert answer.status_code == 200
+    assert forwarded[-1]["suffix"] == "write to [EMAIL_1]"
 
 
 def test_the_documented_examples_are_valid_configuration(tmp_path: Path) -> None:

@@ -249,8 +249,9 @@ async def start_run(prepared: PreparedChat) -> Run:
     service on chat (chat, Messages, Responses) runs."""
     await prepared.guard.moderate_input()
     try:
+        tag = tools.TAG if prepared.tools.mode == "auto" else None  # the calls parsed from the text
         return await Run(prepared.engine, prepared.generation, prepared.guard, prepared.scheduled.priority,
-                         prepared.readings).start()
+                         prepared.readings, tag).start()
     except GenerationFailed as exc:
         if prepared.constraint is None:
             raise
