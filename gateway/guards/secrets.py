@@ -90,6 +90,7 @@ KEY = re.compile(r"""(?<![\w.-])(["']?)([A-Za-z_][\w.-]{0,63})\1\s{0,3}$""")
 KEYWORD = re.compile("|".join(keywords.DENYLIST))  # read on the text in small letters: quick where (?i) is slow
 KEYWORD_BEFORE = (keywords.PRECEDED_BY_EQUAL_COMPARISON_SIGNS_QUOTES_REQUIRED_REGEX,
                   keywords.QUOTES_REQUIRED_DENYLIST_REGEX_TO_GROUP[keywords.PRECEDED_BY_EQUAL_COMPARISON_SIGNS_QUOTES_REQUIRED_REGEX])
+WORD = re.compile(r"\w*")
 KEYWORD_AFTER = [(p, g) for p, g in keywords.QUOTES_REQUIRED_DENYLIST_REGEX_TO_GROUP.items() if p is not KEYWORD_BEFORE[0]]
 # a key naming a digest (a part of it: `sha256`, `file_md5`, `etag`), whose value is not a secret; `hashicorp_token` is
 DIGEST_KEY = re.compile(r"(?i)(?:^|[_.-])(?:sha\d*|md5|hash|digest|checksum|etag|commit|integrity|fingerprint)(?:$|[_.-])")
@@ -194,12 +195,22 @@ def keyword_spans(text: str) -> Iterator[Span]:
         lowered = "".join(c if len(c.lower()) != 1 else c.lower() for c in text)
     start = end = 0  # the line of the keyword (found once per line: a line may hold thousands)
     compares = False
+    tried = [0] * len(KEYWORD_AFTER)  # per pattern, the end of the word run it was last tried from
     for word in KEYWORD.finditer(lowered):
         if word.start() >= end:
             start, end = text.rfind("\n", 0, word.start()) + 1, text.find("\n", word.start())
             end = len(text) if end < 0 else end
             compares = "==" in text[start:end] or "!=" in text[start:end]
-        found = [(pattern.match(text, word.start(), end), group) for pattern, group in KEYWORD_AFTER]
+        found, run = [], WORD.match(text, word.start())
+        run_end = run.end() if run else end
+        for i, (pattern, group) in enumerate(KEYWORD_AFTER):
+            # each begins `keyword\w*`, and what follows reads on from where `\w*` stops: from a later keyword of the
+            # same run of word characters (`secret_secret_...`) it finds what it found from the first, or nothing,
+            # after going over the rest of the run again
+            match = None
+            if word.start() >= tried[i]:
+                match, tried[i] = pattern.match(text, word.start(), end), run_end
+            found.append((match, group))
         if compares:
             found.append((KEYWORD_BEFORE[0].search(text, max(start, word.start() - 256), word.end() + 64), KEYWORD_BEFORE[1]))
         for match, group in found:

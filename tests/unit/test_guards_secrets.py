@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import re
 import string
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.errors import ContentPolicyViolation
+from gateway.guards import secrets
 from gateway.guards.config import GuardsFile
 from gateway.guards.guarding import Guards, RequestGuard
 from gateway.telemetry import metrics
@@ -171,6 +173,28 @@ def test_a_secret_glued_to_a_prefix_is_still_found(kind: str, glued: str) -> Non
     checked = redacting.check_input([f"see {glued}{secret} ok"], "messages")[0]
     assert secret not in checked
     assert secret[-16:] not in checked
+
+
+class Counted:
+    """A pattern whose `match` calls are counted (the work a keyword pattern does is its tries)."""
+
+    def __init__(self, pattern: re.Pattern[str], tries: list[int]) -> None:
+        self.pattern, self.tries = pattern, tries
+
+    def match(self, text: str, *at: int) -> re.Match[str] | None:
+        self.tries[0] += 1
+        return self.pattern.match(text, *at)
+
+
+@pytest.mark.parametrize("run", ["secret_" * 2000, "password" * 2000, "pwd" * 5000 + ' = "hunter2-x9"'])
+def test_keywords_glued_in_one_run_are_tried_once_per_run(monkeypatch: pytest.MonkeyPatch, run: str) -> None:
+    """Each keyword pattern tried from every keyword of one long word (`secret_secret_...`) went over the rest of the
+    word each time: 16 KB took minutes. A pattern that failed from a keyword fails from any later one in its run."""
+    tries = [0]
+    monkeypatch.setattr(secrets, "KEYWORD_AFTER", [(Counted(p, tries), g) for p, g in secrets.KEYWORD_AFTER])
+    found = [run[start:end] for start, end in secrets.keyword_spans(run)]
+    assert tries[0] <= len(secrets.KEYWORD_AFTER)
+    assert set(found) == ({"hunter2-x9"} if "hunter2" in run else set())
 
 
 def test_secrets_are_checked_only_on_the_way_in() -> None:
