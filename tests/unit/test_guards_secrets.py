@@ -183,6 +183,7 @@ class Counted:
 
     def match(self, text: str, *at: int) -> re.Match[str] | None:
         self.tries[0] += 1
+        self.read = max(getattr(self, "read", 0), (at[1] if len(at) > 1 else len(text)) - at[0] if at else len(text))
         return self.pattern.match(text, *at)
 
 
@@ -192,9 +193,20 @@ def test_keywords_glued_in_one_run_are_tried_once_per_run(monkeypatch: pytest.Mo
     word each time: 16 KB took minutes. A pattern that failed from a keyword fails from any later one in its run."""
     tries = [0]
     monkeypatch.setattr(secrets, "KEYWORD_AFTER", [(Counted(p, tries), g) for p, g in secrets.KEYWORD_AFTER])
+    monkeypatch.setattr(secrets, "WORD", Counted(secrets.WORD, tries))  # the run's end, read once
     found = [run[start:end] for start, end in secrets.keyword_spans(run)]
-    assert tries[0] <= len(secrets.KEYWORD_AFTER)
+    assert tries[0] <= len(secrets.KEYWORD_AFTER) + 1
     assert set(found) == ({"hunter2-x9"} if "hunter2" in run else set())
+
+
+def test_a_keyword_pattern_reads_a_bounded_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a long line of backticks a keyword's quoted value ran to the line's end from each keyword (36 KB: 14 s)."""
+    patterns = [Counted(p, [0]) for p, _ in secrets.KEYWORD_AFTER]
+    monkeypatch.setattr(secrets, "KEYWORD_AFTER", [(c, g) for c, (_, g) in zip(patterns, secrets.KEYWORD_AFTER, strict=True)])
+    list(secrets.keyword_spans("== " + "password`" * 4000))
+    assert max(c.read for c in patterns) <= len("password") + secrets.AFTER_CHARS
+    for text in ('x; password = "hunter2-x9"; y', "if 'hunter2-x9' == db_password:", "secret: `hunter2-x9`;"):
+        assert {text[start:end] for start, end in secrets.keyword_spans(text)} == {"hunter2-x9"}  # found as before
 
 
 def test_secrets_are_checked_only_on_the_way_in() -> None:
