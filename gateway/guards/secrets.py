@@ -74,6 +74,7 @@ PLUGINS: dict[str, tuple[str, list[type[RegexBasedDetector]]]] = {  # kind: the 
 TOKEN = re.compile(r"[\w+/=.~-]*")  # what a token is made of: a match is widened over it
 BEFORE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")  # ... to the left over fewer
 PEM_END = re.compile(r"-----END[ A-Z0-9]*-----|Private-MAC: *[0-9a-f]+")
+PEM_TAIL = re.compile(r"-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----")
 # detect-secrets' patterns that backtrack over a whole run of characters from each place they may begin (quadratic in a
 # long run): tried once per run, from where they may begin first in it (if they fail there, they fail anywhere later in
 # the run, as the run is all their unbounded part may take)
@@ -166,6 +167,8 @@ def plugin_spans(plugins: list[type[RegexBasedDetector]], extra: list[re.Pattern
                     start, end = widened(text, start, end)
                 covered = end
                 yield start, end
+        if pem and (tail := PEM_TAIL.search(text)) and "-----BEGIN" not in text[: tail.start()]:
+            yield 0, tail.end()  # a block's end whose beginning is in an earlier text (a key sent in two parts)
 
     return spans
 

@@ -209,6 +209,18 @@ def test_a_keyword_pattern_reads_a_bounded_window(monkeypatch: pytest.MonkeyPatc
         assert {text[start:end] for start, end in secrets.keyword_spans(text)} == {"hunter2-x9"}  # found as before
 
 
+@pytest.mark.parametrize("cut", [40, 200, 330])
+def test_a_private_key_sent_in_two_texts_is_redacted_in_both(cut: int) -> None:
+    """A key cut between two messages or content parts: the second part (its body and END line, no BEGIN) went out
+    but for the 128 characters the join is read across."""
+    pem = next(secret for kind, _, _, secret in TOKENS if kind == "private_key")
+    redacting = guard({"private_key": "redact"})
+    checked = redacting.check_input(["my key:\n" + pem[:cut], pem[cut:] + "\nthanks"], "messages", together=True)
+    assert not any(line in text for line in pem.splitlines() for text in checked), checked
+    assert checked[1].endswith("]\nthanks")
+    assert redacting.placeholders.restore("".join(checked)) == "my key:\n" + pem + "\nthanks"
+
+
 def test_secrets_are_checked_only_on_the_way_in() -> None:
     config = GuardsFile.model_validate({"default": "p", "profiles": {"p": {"input": {"secrets": "redact"}}}})
     assert config.profiles["p"].input.secrets.aws == "redact"
