@@ -240,12 +240,23 @@ def _class_space(source: str, start: int, end: int, opened: int) -> str:
     return source[start:end] if ranged else "\\s"
 
 
+def _group(source: str, at: int, behind: list[bool], in_class: bool) -> None:
+    """`behind` kept as a group opens or closes at `at` (not in a class): whether each open group is in a lookbehind."""
+    if in_class:
+        return
+    if source[at] == "(":
+        behind.append(behind[-1] or source.startswith(("(?<=", "(?<!"), at))
+    elif source[at] == ")" and len(behind) > 1:
+        behind.pop()
+
+
 def spaced(source: str) -> str:
     """The regular expression with its literal spaces (a space, `\\ `; in verbose mode only `\\ ` and a class's) made
     whitespace: a run of them matches any run of whitespace (`\\s+`: tabs, line breaks, NEL, U+2028, U+2029 and the
     Unicode spaces), a space quantified by `?` or `*` any run or none, one in a class any whitespace character. The
     text is left as it is, so that line breaks stay line breaks for the patterns that mean them (`\\n`, `(?m)^`), and
-    ASCII text keeps costing nothing to normalize. A lone space followed by `{m,n}` is one whitespace character, repeated."""
+    ASCII text keeps costing nothing to normalize. A lone space followed by `{m,n}` is one whitespace character, repeated,
+    and a space in a lookbehind one whitespace character (a lookbehind has a fixed width)."""
     if " " not in source:
         return source
     verbose = bool(re.compile(source).flags & re.VERBOSE)
@@ -258,9 +269,10 @@ def spaced(source: str) -> str:
 
     out: list[str] = []
     i, in_class, opened = 0, False, 0  # opened: where the class's members begin
+    behind = [False]  # per open group (the pattern first), whether it is in a lookbehind, which keeps a fixed width
     while i < len(source):
-        if in_class and (width := space_at(i)):
-            out.append(_class_space(source, i, i + width, opened))
+        if (in_class or behind[-1]) and (width := space_at(i)):  # one whitespace character a space
+            out.append(_class_space(source, i, i + width, opened) if in_class else "\\s")
             i += width
         elif space_at(i):
             whitespace, i = _whitespace(source, i, space_at)
@@ -278,6 +290,7 @@ def spaced(source: str) -> str:
             out.append(opening.group())
             i, in_class, opened = opening.end(), True, opening.end()
         else:
+            _group(source, i, behind, in_class)
             in_class = in_class and source[i] != "]"
             out.append(source[i])
             i += 1

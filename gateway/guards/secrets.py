@@ -74,6 +74,7 @@ PLUGINS: dict[str, tuple[str, list[type[RegexBasedDetector]]]] = {  # kind: the 
 TOKEN = re.compile(r"[\w+/=.~-]*")  # what a token is made of: a match is widened over it
 BEFORE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")  # ... to the left over fewer
 PEM_END = re.compile(r"-----END[ A-Z0-9]*-----|Private-MAC: *[0-9a-f]+")
+PEM_TAIL = re.compile(r"-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----")
 # detect-secrets' patterns that backtrack over a whole run of characters from each place they may begin (quadratic in a
 # long run): tried once per run, from where they may begin first in it (if they fail there, they fail anywhere later in
 # the run, as the run is all their unbounded part may take)
@@ -90,6 +91,11 @@ KEY = re.compile(r"""(?<![\w.-])(["']?)([A-Za-z_][\w.-]{0,63})\1\s{0,3}$""")
 KEYWORD = re.compile("|".join(keywords.DENYLIST))  # read on the text in small letters: quick where (?i) is slow
 KEYWORD_BEFORE = (keywords.PRECEDED_BY_EQUAL_COMPARISON_SIGNS_QUOTES_REQUIRED_REGEX,
                   keywords.QUOTES_REQUIRED_DENYLIST_REGEX_TO_GROUP[keywords.PRECEDED_BY_EQUAL_COMPARISON_SIGNS_QUOTES_REQUIRED_REGEX])
+WORD = re.compile(r"\w*")
+# how far past its keyword's run a keyword pattern reads, as far as the one before reads back: a quoted value on a long
+# line of backticks is read to the line's end (a quote may be inside it) from up to 50 places, once per keyword
+AFTER_CHARS = 256
+OPERATOR_BEFORE = re.compile(r"[!=]{2}\s*\w*$")  # what the one before needs before its keyword: tried only there
 KEYWORD_AFTER = [(p, g) for p, g in keywords.QUOTES_REQUIRED_DENYLIST_REGEX_TO_GROUP.items() if p is not KEYWORD_BEFORE[0]]
 # a key naming a digest (a part of it: `sha256`, `file_md5`, `etag`), whose value is not a secret; `hashicorp_token` is
 DIGEST_KEY = re.compile(r"(?i)(?:^|[_.-])(?:sha\d*|md5|hash|digest|checksum|etag|commit|integrity|fingerprint)(?:$|[_.-])")
@@ -161,6 +167,8 @@ def plugin_spans(plugins: list[type[RegexBasedDetector]], extra: list[re.Pattern
                     start, end = widened(text, start, end)
                 covered = end
                 yield start, end
+        if pem and (tail := PEM_TAIL.search(text)) and "-----BEGIN" not in text[: tail.start()]:
+            yield 0, tail.end()  # a block's end whose beginning is in an earlier text (a key sent in two parts)
 
     return spans
 
@@ -194,13 +202,25 @@ def keyword_spans(text: str) -> Iterator[Span]:
         lowered = "".join(c if len(c.lower()) != 1 else c.lower() for c in text)
     start = end = 0  # the line of the keyword (found once per line: a line may hold thousands)
     compares = False
+    tried = [0] * len(KEYWORD_AFTER)  # per pattern, the end of the word run it was last tried from
     for word in KEYWORD.finditer(lowered):
         if word.start() >= end:
             start, end = text.rfind("\n", 0, word.start()) + 1, text.find("\n", word.start())
             end = len(text) if end < 0 else end
             compares = "==" in text[start:end] or "!=" in text[start:end]
-        found = [(pattern.match(text, word.start(), end), group) for pattern, group in KEYWORD_AFTER]
-        if compares:
+        found = []
+        if word.start() >= min(tried):  # a pattern is tried from it: where its run ends (read once per run)
+            run = WORD.match(text, word.start())
+            run_end = run.end() if run else end
+        for i, (pattern, group) in enumerate(KEYWORD_AFTER):
+            # each begins `keyword\w*`, and what follows reads on from where `\w*` stops: from a later keyword of the
+            # same run of word characters (`secret_secret_...`) it finds what it found from the first, or nothing,
+            # after going over the rest of the run again
+            match = None
+            if word.start() >= tried[i]:
+                match, tried[i] = pattern.match(text, word.start(), min(end, run_end + AFTER_CHARS)), run_end
+            found.append((match, group))
+        if compares and OPERATOR_BEFORE.search(text, max(start, word.start() - 256), word.start()):
             found.append((KEYWORD_BEFORE[0].search(text, max(start, word.start() - 256), word.end() + 64), KEYWORD_BEFORE[1]))
         for match, group in found:
             value = match.group(group) if match else ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import re
 import string
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.errors import ContentPolicyViolation
+from gateway.guards import secrets
 from gateway.guards.config import GuardsFile
 from gateway.guards.guarding import Guards, RequestGuard
 from gateway.telemetry import metrics
@@ -171,6 +173,52 @@ def test_a_secret_glued_to_a_prefix_is_still_found(kind: str, glued: str) -> Non
     checked = redacting.check_input([f"see {glued}{secret} ok"], "messages")[0]
     assert secret not in checked
     assert secret[-16:] not in checked
+
+
+class Counted:
+    """A pattern whose `match` calls are counted (the work a keyword pattern does is its tries)."""
+
+    def __init__(self, pattern: re.Pattern[str], tries: list[int]) -> None:
+        self.pattern, self.tries = pattern, tries
+
+    def match(self, text: str, *at: int) -> re.Match[str] | None:
+        self.tries[0] += 1
+        self.read = max(getattr(self, "read", 0), (at[1] if len(at) > 1 else len(text)) - at[0] if at else len(text))
+        return self.pattern.match(text, *at)
+
+
+@pytest.mark.parametrize("run", ["secret_" * 2000, "password" * 2000, "pwd" * 5000 + ' = "hunter2-x9"'])
+def test_keywords_glued_in_one_run_are_tried_once_per_run(monkeypatch: pytest.MonkeyPatch, run: str) -> None:
+    """Each keyword pattern tried from every keyword of one long word (`secret_secret_...`) went over the rest of the
+    word each time: 16 KB took minutes. A pattern that failed from a keyword fails from any later one in its run."""
+    tries = [0]
+    monkeypatch.setattr(secrets, "KEYWORD_AFTER", [(Counted(p, tries), g) for p, g in secrets.KEYWORD_AFTER])
+    monkeypatch.setattr(secrets, "WORD", Counted(secrets.WORD, tries))  # the run's end, read once
+    found = [run[start:end] for start, end in secrets.keyword_spans(run)]
+    assert tries[0] <= len(secrets.KEYWORD_AFTER) + 1
+    assert set(found) == ({"hunter2-x9"} if "hunter2" in run else set())
+
+
+def test_a_keyword_pattern_reads_a_bounded_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a long line of backticks a keyword's quoted value ran to the line's end from each keyword (36 KB: 14 s)."""
+    patterns = [Counted(p, [0]) for p, _ in secrets.KEYWORD_AFTER]
+    monkeypatch.setattr(secrets, "KEYWORD_AFTER", [(c, g) for c, (_, g) in zip(patterns, secrets.KEYWORD_AFTER, strict=True)])
+    list(secrets.keyword_spans("== " + "password`" * 4000))
+    assert max(c.read for c in patterns) <= len("password") + secrets.AFTER_CHARS
+    for text in ('x; password = "hunter2-x9"; y', "if 'hunter2-x9' == db_password:", "secret: `hunter2-x9`;"):
+        assert {text[start:end] for start, end in secrets.keyword_spans(text)} == {"hunter2-x9"}  # found as before
+
+
+@pytest.mark.parametrize("cut", [40, 200, 330])
+def test_a_private_key_sent_in_two_texts_is_redacted_in_both(cut: int) -> None:
+    """A key cut between two messages or content parts: the second part (its body and END line, no BEGIN) went out
+    but for the 128 characters the join is read across."""
+    pem = next(secret for kind, _, _, secret in TOKENS if kind == "private_key")
+    redacting = guard({"private_key": "redact"})
+    checked = redacting.check_input(["my key:\n" + pem[:cut], pem[cut:] + "\nthanks"], "messages", together=True)
+    assert not any(line in text for line in pem.splitlines() for text in checked), checked
+    assert checked[1].endswith("]\nthanks")
+    assert redacting.placeholders.restore("".join(checked)) == "my key:\n" + pem + "\nthanks"
 
 
 def test_secrets_are_checked_only_on_the_way_in() -> None:

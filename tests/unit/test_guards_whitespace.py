@@ -8,7 +8,7 @@ import re
 import warnings
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import ContentPolicyViolation
@@ -82,6 +82,9 @@ def test_every_whitespace_character_is_a_patterns_space(space: str) -> None:
     ("a\\nb", ["a\nb"], ["a\tb"]),
     ("\\\\ b", ["\\\tb"], ["\\b"]),
     ("^[ -~]+$", ["a b~"], ["a\tb"]),  # a space that ends a range stays the range's end
+    ("(?<=project )hydra", ["project\thydra"], ["projecthydra"]),  # a lookbehind keeps a fixed width (it did not compile)
+    ("(?<!no )secret", ["a secret", "no  secret"], ["no\tsecret"]),
+    ("(?<=(a|b) )c d", ["b\nc\t\td"], ["b  c d"]),
 ])
 def test_a_patterns_own_syntax_is_kept(source: str, matches: list[str], passes: list[str]) -> None:
     compiled = re.compile(pattern(source))
@@ -90,7 +93,8 @@ def test_a_patterns_own_syntax_is_kept(source: str, matches: list[str], passes: 
 
 
 @settings(max_examples=800, deadline=None)
-@given(st.text(alphabet=" ab[]^\\(?)*+{},|x#-:\n~!", max_size=16))
+@given(st.text(alphabet=" ab[]^\\(?)*+{},|x#-:\n~!<=", max_size=16))
+@example("(?<=a )b")
 def test_a_pattern_that_compiles_still_compiles_spaced(source: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # "possible nested set": the sources are random
