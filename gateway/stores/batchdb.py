@@ -1,12 +1,20 @@
-"""The batch lane's records in a database: files, batches, their counts and each line's answer. `Records` is the
-interface; `SqliteRecords` the one-node default (the standard library's SQLite, WAL, one file per part); Redis across
+"""The batch lane's records in a database: files, batches, their counts and each line's answer. `Records` is either
+backend: `SqliteRecords` the one-node default (the standard library's SQLite, WAL, one file per part); Redis across
 replicas is `batchdb_redis`. Contents (uploads, inputs, output files) are blobs (`stores.blobs`), written once.
 
 Each line's answer is kept once, the first: `(batch_id, custom_id)` is unique. A batch is run by whoever holds its
 claim: `claim` hands out a fencing token, higher each time, and every write of a run (`save`, `answer_all`) names it
 and is refused (`Fenced`) once the batch was claimed again since, so a replica that stalled past its claim writes
 nothing after another took the batch over. A record's counts are the answers' (kept beside it, changed with each answer), and a
-cancel asked is kept beside it too: neither is lost to a runner's write of the record."""
+cancel asked is kept beside it too: neither is lost to a runner's write of the record.
+
+Both backends answer alike. Files: `remove_file` says whether it was there (and this call removed it). Batches: `batch`
+is the record as `merged`, whoever its owner (the caller checks); `ask_cancel` keeps the first ask's time (its runner
+carries it out); `runnable` the batches not done, oldest first. A run: `claim` hands a new fencing token when no claim
+on the batch is live (else None); `renew` keeps it `ttl_s` longer, False once the batch was claimed again since `token`;
+`save` (the record, its counts aside) and `answer_all` (in one transaction, each answer kept and counted unless its line
+has one already; how many were kept) raise `Fenced` once claimed again since `token`; `answers` are every answer kept,
+in the order they came, a page at a time."""
 
 from __future__ import annotations
 
@@ -18,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import structlog
 from pydantic import ValidationError
@@ -27,9 +35,13 @@ from gateway.protocol.batch_objects import DONE, BatchUsage, RequestCounts, Stor
 from gateway.protocol.file_objects import FileObject
 from gateway.stores.blobs import unavailable
 
+if TYPE_CHECKING:
+    from gateway.stores.batchdb_redis import RedisRecords
+
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
 PAGE = 1000  # answers read per round trip
+Records: TypeAlias = "SqliteRecords | RedisRecords"  # the one-node default, and Redis across replicas
 
 
 class Fenced(Exception):
@@ -46,35 +58,6 @@ class Answer:
     expired: bool = False  # never run: the batch expired first
     prompt: int = 0
     completion: int = 0
-
-
-class Records(Protocol):
-    """Files: `remove_file` says whether it was there (and this call removed it). Batches: `batch` is the record as
-    `merged`, whoever its owner (the caller checks); `ask_cancel` keeps the first ask's time (its runner carries it
-    out); `runnable` the batches not done, oldest first. A run: `claim` hands a new fencing token when no claim on the
-    batch is live (else None); `renew` keeps it `ttl_s` longer, False once the batch was claimed again since `token`;
-    `save` (the record, its counts aside) and `answer_all` (in one transaction, each answer kept and counted unless its
-    line has one already; how many were kept) raise `Fenced` once claimed again since `token`; `answers` are every
-    answer kept, in the order they came, a page at a time."""
-
-    async def add_file(self, owner: str, file: FileObject) -> None: ...
-    async def file(self, owner: str, file_id: str) -> FileObject | None: ...
-    async def files(self, owner: str) -> list[FileObject]: ...
-    async def remove_file(self, owner: str, file_id: str) -> bool: ...
-    async def create(self, stored: StoredBatch) -> None: ...
-    async def batch(self, batch_id: str) -> StoredBatch | None: ...
-    async def batches(self, owner: str) -> list[StoredBatch]: ...
-    async def remove(self, batch_id: str) -> None: ...
-    async def ask_cancel(self, batch_id: str) -> None: ...
-    async def runnable(self) -> list[str]: ...
-    async def claim(self, batch_id: str, holder: str, ttl_s: float) -> int | None: ...
-    async def renew(self, batch_id: str, token: int, ttl_s: float) -> bool: ...
-    async def release(self, batch_id: str, token: int) -> None: ...
-    async def save(self, stored: StoredBatch, token: int) -> None: ...
-    async def answer_all(self, batch_id: str, token: int, answers: list[Answer]) -> int: ...
-    async def answered(self, batch_id: str) -> set[str]: ...
-    def answers(self, batch_id: str) -> AsyncIterator[list[Answer]]: ...
-    async def aclose(self) -> None: ...
 
 
 SCHEMA = """

@@ -1,6 +1,12 @@
 """The batch lane's contents, each written once and whole: an upload, a batch's input, a batch's output and error
-files. `Blobs` is the interface, `LocalBlobs` its local directory (the default; S3: `blobs_s3`). Also the local spool
-an upload is received into (`Staged`), and the one place where the lane's stores failing becomes the API's 503."""
+files. `Blobs` is either backend: `LocalBlobs` a local directory (the default), `blobs_s3` a bucket. Also the local spool
+an upload is received into (`Staged`), and the one place where the lane's stores failing becomes the API's 503.
+
+Both backends answer alike: contents by name, each written once, whole (never appended to); a missing one is never an
+error; a backend that fails raises what `unavailable` maps to a 503; nothing blocks the event loop. `spool` is where a
+content is staged before `put_file` (the local file `path` as `name`, its size; the file is the store's afterwards:
+moved or removed); `local` a local file holding the content for blocking reads (the blob itself on a local directory,
+else a temporary copy removed on exit), None when there is none, read only."""
 
 from __future__ import annotations
 
@@ -12,18 +18,22 @@ import sqlite3
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, ParamSpec, TypeAlias, TypeVar
 
 import structlog
 
 from gateway.errors import StoreUnavailable
 from gateway.stores.redis import ERRORS as REDIS_ERRORS
 
+if TYPE_CHECKING:
+    from gateway.stores.blobs_s3 import S3Blobs
+
 P = ParamSpec("P")
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
 CHUNK_BYTES = 256 * 1024
 _TEMPORARY = ".tmp-"  # a name being written: never read as a blob
+Blobs: TypeAlias = "LocalBlobs | S3Blobs"
 
 
 @contextlib.contextmanager
@@ -100,24 +110,6 @@ class Staged:
     async def discard(self) -> None:
         await self.close()
         await asyncio.to_thread(self.path.unlink, missing_ok=True)
-
-
-class Blobs(Protocol):
-    """Contents by name, each written once, whole (never appended to); a missing one is never an error; a backend that
-    fails raises what `unavailable` maps to a 503; nothing blocks the event loop."""
-
-    @property
-    def spool(self) -> Path: ...  # where a content is staged before `put_file`
-
-    async def put_file(self, name: str, path: Path) -> int:
-        """The local file `path` as `name`; its size. The file is the store's afterwards (moved or removed)."""
-
-    def local(self, name: str) -> contextlib.AbstractAsyncContextManager[Path | None]:
-        """A local file holding the content for blocking reads (the blob itself on a local directory, else a
-        temporary copy removed on exit); None when there is none. Read only."""
-
-    async def delete(self, *names: str) -> None: ...
-    async def aclose(self) -> None: ...
 
 
 async def put_chunks(blobs: Blobs, name: str, chunks: AsyncIterator[bytes] | bytes) -> None:
