@@ -4,18 +4,16 @@ runner reaches one by its id alone."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
+from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.batch_objects import DONE, WINDOW_S, Batch, Owner, RequestCounts, StoredBatch
-from gateway.stores.batchdb import Records
-from gateway.stores.blobs import Blobs, put_chunks
-from gateway.stores.files import page_of
+from gateway.stores.blobs import put_chunks
+from gateway.stores.files import Store, page_of
 
 BATCH, MESSAGE_BATCH = "batch_", "msgbatch_"  # the id prefixes of OpenAI's batches and Anthropic's
 ID = re.compile(r"(?:msg)?batch_[0-9a-f]{32}")
@@ -34,22 +32,14 @@ def input_name(batch_id: str) -> str:
     return f"{batch_id}.input.jsonl"
 
 
-@dataclass(slots=True, frozen=True)
-class BatchStore:
-    records: Records
-    blobs: Blobs
-
+class BatchStore(Store):
     def of(self, owner: str, kind: str = BATCH) -> OwnedBatches:
         return OwnedBatches(self, owner, kind)
-
-    async def aclose(self) -> None:
-        await self.records.aclose()
-        await self.blobs.aclose()
 
 
 @dataclass(slots=True, frozen=True)
 class OwnedBatches:
-    store: BatchStore
+    store: Store
     owner: str
     kind: str = BATCH
 
@@ -74,12 +64,7 @@ class OwnedBatches:
         """The input first, then the record: a reader sees a whole batch or none."""
         name = input_name(stored.batch.id)
         await put_chunks(self.store.blobs, name, source)
-        try:
-            await self.store.records.create(stored)
-        except BaseException:  # an input no batch names, which no delete would ever reach
-            with contextlib.suppress(StoreUnavailable):
-                await self.store.blobs.delete(name)
-            raise
+        await self.store.recorded(name, self.store.records.create(stored))
 
     async def cancel(self, batch_id: str, param: str = "batch_id", ended: str | None = None) -> StoredBatch:
         """Ask for a cancel (the runner holding the batch carries it out); a batch already done is a 400 (message

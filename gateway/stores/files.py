@@ -8,6 +8,7 @@ import hashlib
 import re
 import secrets
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -44,16 +45,31 @@ def derived_id(name: str) -> str:
 
 
 @dataclass(slots=True, frozen=True)
-class FileStore:
+class Store:
+    """One part of the lane (its files, its batches): records and contents."""
+
     records: Records
     blobs: Blobs
-
-    def of(self, owner: str) -> OwnedFiles:
-        return OwnedFiles(self.records, self.blobs, owner)
 
     async def aclose(self) -> None:
         await self.records.aclose()
         await self.blobs.aclose()
+
+    async def recorded(self, name: str, record: Awaitable[None], undo: bool = True) -> None:
+        """The content `name`, stored already, recorded by `record`; when that fails, the content removed (`undo`): no
+        listing or delete would ever reach it."""
+        try:
+            await record
+        except BaseException:
+            if undo:
+                with contextlib.suppress(StoreUnavailable):
+                    await self.blobs.delete(name)
+            raise
+
+
+class FileStore(Store):
+    def of(self, owner: str) -> OwnedFiles:
+        return OwnedFiles(self, owner)
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,12 +77,11 @@ class OwnedFiles:
     """One owner's files; another owner's id is a 404 exactly as an unknown one, checked before anything is read or
     deleted."""
 
-    records: Records
-    blobs: Blobs
+    store: Store
     owner: str
 
     async def stage(self) -> Staged:
-        return await Staged.at(self.blobs.spool)
+        return await Staged.at(self.store.blobs.spool)
 
     async def put(
         self, staged: Staged, filename: str, purpose: Purpose, expires_after_s: int, file_id: str | None = None,
@@ -77,18 +92,12 @@ class OwnedFiles:
         now = int(time.time())
         stored = FileObject(id=file_id or "file-" + secrets.token_hex(12), bytes=staged.size, created_at=now,
                             filename=filename, purpose=purpose, expires_at=now + expires_after_s)
-        await self.blobs.put_file(stored.id, staged.path)
-        try:
-            await self.records.add_file(self.owner, stored)
-        except BaseException:
-            if file_id is None:  # a new id's content, which no listing or delete would ever reach
-                with contextlib.suppress(StoreUnavailable):
-                    await self.blobs.delete(stored.id)
-            raise
+        await self.store.blobs.put_file(stored.id, staged.path)
+        await self.store.recorded(stored.id, self.store.records.add_file(self.owner, stored), undo=file_id is None)
         return stored
 
     async def get(self, file_id: str) -> FileObject:
-        found = await self.records.file(self.owner, file_id) if ID.fullmatch(file_id) else None
+        found = await self.store.records.file(self.owner, file_id) if ID.fullmatch(file_id) else None
         if found is not None and found.expires_at is not None and found.expires_at <= time.time():
             await self._remove(file_id)
             found = None
@@ -99,7 +108,7 @@ class OwnedFiles:
     async def open(self, file_id: str) -> tuple[FileObject, Opened]:
         """A delete after this does not cut the read short."""
         found = await self.get(file_id)
-        opened = await open_blob(self.blobs, file_id)
+        opened = await open_blob(self.store.blobs, file_id)
         if opened is None:  # deleted between the two reads
             raise not_found(file_id)
         return found, opened
@@ -110,12 +119,12 @@ class OwnedFiles:
 
     async def page(self, purpose: str | None, after: str | None, limit: int, descending: bool) -> tuple[list[FileObject], bool]:
         now = time.time()
-        files = [f for f in await self.records.files(self.owner)
+        files = [f for f in await self.store.records.files(self.owner)
                  if (f.expires_at is None or f.expires_at > now) and purpose in (None, f.purpose)]
         files.sort(key=lambda f: (f.created_at, f.id), reverse=descending)
         return page_of(files, [f.id for f in files], limit, after)
 
     async def _remove(self, file_id: str) -> None:
-        if await self.records.remove_file(self.owner, file_id):  # from here on the file is gone for every reader
-            await self.blobs.delete(file_id)
+        if await self.store.records.remove_file(self.owner, file_id):  # from here on the file is gone for every reader
+            await self.store.blobs.delete(file_id)
 
