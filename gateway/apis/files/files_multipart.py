@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from gateway.errors import InvalidRequest, PayloadTooLarge
 from gateway.stores.blobs import Staged
@@ -118,16 +118,11 @@ async def read_form(
     })
     staged = form.file = await stage()
     try:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                raise ClientDisconnect()
-            parser.write(message.get("body", b""))
+        async for chunk in request.stream():  # a client gone: `ClientDisconnect`
+            parser.write(chunk)
             if form.pending:
                 await staged.write(b"".join(form.pending))
                 form.pending.clear()
-            if not message.get("more_body", False):
-                break
         parser.finalize()
         if not form.ended:
             raise InvalidRequest("The multipart/form-data body is malformed: it ends before its closing boundary")
