@@ -41,11 +41,6 @@ class BatchUsage(BaseModel):
     output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
     total_tokens: int = 0
 
-    def add(self, prompt: int, completion: int) -> None:
-        self.input_tokens += prompt
-        self.output_tokens += completion
-        self.total_tokens += prompt + completion
-
 
 class Batch(BaseModel):
     id: str

@@ -104,8 +104,7 @@ def merged(record: str | bytes, cancel_at: int | None, counts: Sequence[int]) ->
         return None
     batch, (completed, failed, expired, prompt, completion) = stored.batch, counts
     batch.request_counts = RequestCounts(total=batch.request_counts.total, completed=completed, failed=failed)
-    batch.usage = BatchUsage()
-    batch.usage.add(prompt, completion)
+    batch.usage = BatchUsage(input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion)
     stored.expired_lines = expired
     if cancel_at is not None and batch.status not in DONE and batch.status != "cancelling":
         batch.status, batch.cancelling_at = "cancelling", cancel_at
