@@ -137,13 +137,27 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         there for up to `wait_timeout_s`, then run."""
         admission, count, key = backend.admission, self.body.engine_requests(), self.context.tenant
         readings, before = self.readings, self.readings.generated  # a fallback's output counts from here
-        served = Served(self._prompt_tokens, lambda: readings.generated - before)
+        served = Served(self._prompt_tokens, lambda: readings.generated - before, self._counted_since())
         permit = admission.admit_now(count, key, served, self.deadline)  # room, nobody ahead: no wait to watch
         if permit is not None:
             return permit
         with stage(self.context.record.trace, "gateway.admission.wait", **{"gateway.admission.permits": count}):
             waited = admission.acquire(count, self.scheduled.klass, key, served, self.deadline)
             return await unless_gone(self.context.client_gone, waited)
+
+    def _counted_since(self) -> Callable[[], tuple[int, int] | None]:
+        """The (prompt, output) tokens the generation counts from now (a fallback's after the model's
+        before it); None while it has counted none."""
+        readings = self.readings
+        before = readings.prompt_tokens, readings.completion_tokens
+
+        def since() -> tuple[int, int] | None:
+            prompt, output = readings.prompt_tokens, readings.completion_tokens
+            if prompt is None or (prompt, output) == before:
+                return None
+            return prompt - (before[0] or 0), (output or 0) - (before[1] or 0)
+
+        return since
 
     async def _embedded(self, backend: Backend, engine: Engine) -> Start[AnswerT]:
         check_task(engine.info, self.service.task, self.service.route)

@@ -25,13 +25,20 @@ def _nothing() -> int:
     return 0
 
 
+def _unread() -> tuple[int, int] | None:
+    return None
+
+
 @dataclass(eq=False, slots=True)
 class Served:
     """One admitted request's service: its prompt's tokens, and its output's so far (a reading the generation
-    keeps current)."""
+    keeps current). `read`: (prompt, output) tokens as the backend counted them once its answer is in (None: not
+    counted), which replace the two when it finishes: a remote prompt's estimate can be fooled by its text, and
+    a remote answer's pieces are not its tokens (a whole one comes as one piece)."""
 
     prompt: int = 0
     output: Callable[[], int] = field(default=_nothing)
+    read: Callable[[], tuple[int, int] | None] = field(default=_unread)
 
 
 class Waiter(Protocol):
@@ -107,7 +114,12 @@ class VirtualTokenCounter(FirstCome):
         running = self._running.get(key, [])
         if served in running:
             running.remove(served)
-            self._settled[key] = self._settled.get(key, 0.0) + self.output_weight * served.output()
+            read = served.read()
+            if read is None:
+                service = self.output_weight * served.output()
+            else:  # the prompt was counted as admitted: the difference
+                service = self.input_weight * (read[0] - served.prompt) + self.output_weight * read[1]
+            self._settled[key] = self._settled.get(key, 0.0) + service
         if not running:
             self._running.pop(key, None)
             self._last = self._settled.get(key, 0.0)
