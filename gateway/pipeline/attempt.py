@@ -195,11 +195,17 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         settle = self._held()
 
         def close() -> None:
-            permit.release(self.readings.completion_tokens)
+            permit.release(self._paced())
             self._report()
             settle()
 
         return close
+
+    def _paced(self) -> int | None:
+        """The output tokens the model's measured capacity learns the engine's pace from: none from an
+        answer cut short (a client gone after its first tokens held its permit for the queue and the
+        prefill; a flood of them would shrink every key's limit)."""
+        return self.readings.completion_tokens if self.readings.ended else None
 
     async def _cached(self, backend: Backend) -> tuple[OnDone[AnswerT] | None, Hit[AnswerT] | None]:
         """(where to store the answer, or the answer found) in the response cache, scoped per tenant
@@ -234,7 +240,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             if deadline is None or asyncio.get_running_loop().time() < deadline:
                 raise  # not the deadline's
             raise permit.refuse("deadline_passed", "the request's deadline passed before its answer began") from None
-        permit.release(self.readings.completion_tokens)
+        permit.release(self._paced())
         if self.shape is None and isinstance(on_done, Storer) and (written := on_done.written(answer)) is not None:
             return Whole(written)  # stored as the api layer writes it
         return Whole(self.shape(answer) if self.shape else answer)
