@@ -16,7 +16,7 @@ else waiting it may use the whole model): a cap beneath the order.
 How many run at once is the model's measured limit (`backends.capacity`: a gradient rule on the pace
 of the engine's answers), `max_running` at most. A request carries a deadline (the client's timeout
 headers, `web.requests.timeout_of`, else `deadline_s`): one whose deadline has passed never starts;
-one whose expected wait (the queue ahead of it at the measured rate) would pass it, or
+one whose expected wait (the requests the order admits before it, at the measured rate) would pass it, or
 `wait_timeout_s`, is refused at once; a waiter leaves the queue when it passes. Every refusal's
 Retry-After is the measured time to drain the queue, counted by reason in `gateway_rejected_total`.
 """
@@ -128,7 +128,7 @@ class Admission:
         if late:
             assert deadline is not None
             until = deadline
-        expected = self.capacity.expected_wait(self._ahead(priority) + count)
+        expected = self.capacity.expected_wait(self._above(priority) + self.fairness.ahead(self._queues[priority], key) + count)
         if expected is not None and now + expected > until:
             why = "its deadline" if late else "the wait allowed"
             raise self.refuse("expected_wait", f"the expected wait, {expected:.1f} s, is longer than {why}", count)
@@ -190,24 +190,24 @@ class Admission:
     def _refuse_late(self) -> None:
         """Waiters whose expected wait, measured anew, passes when they would leave: refused now, not
         then (a flood met before anything was measured learns it while it waits)."""
-        now, ahead = asyncio.get_running_loop().time(), 0
+        now = asyncio.get_running_loop().time()
         for klass in _ORDER:
-            for waiter in self._queues[klass]:
-                expected = self.capacity.expected_wait(ahead + waiter.count)
+            above, queue = self._above(klass), self._queues[klass]
+            for waiter, ahead in zip(queue, self.fairness.each_ahead(queue), strict=True):
+                expected = self.capacity.expected_wait(above + ahead + waiter.count)
                 if waiter.future.done() or expected is None or now + expected <= waiter.until:
-                    ahead += waiter.count
                     continue
                 why = f"the expected wait, {expected:.1f} s, is longer than it may wait"
                 waiter.future.set_exception(self.refuse("expected_wait", why, waiter.count))  # it leaves (`_wait`)
 
-    def _ahead(self, priority: Priority) -> int:
-        """Engine requests waiting that are admitted before one of this class."""
-        ahead = 0
+    def _above(self, priority: Priority) -> int:
+        """Engine requests waiting in the classes admitted before this one."""
+        above = 0
         for klass in _ORDER:
-            ahead += sum(waiter.count for waiter in self._queues[klass])
             if klass == priority:
-                return ahead
-        return ahead
+                return above
+            above += sum(waiter.count for waiter in self._queues[klass])
+        return above
 
     def give_back(self, count: int, key: str = "", taken: float | None = None, tokens: int | None = None,
                   served: Served | None = None) -> None:

@@ -14,10 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.backends.admission import Admission, Permit
+from gateway.errors import ModelOverloaded
 from gateway.settings import AdmissionSettings, FairnessSettings, Priority
 from gateway.tenancy.fairness import Served, VirtualTokenCounter
 from gateway.tenancy.keys import ANONYMOUS
 from tests.fakes import FakeEngine, app_with, chat_body
+from tests.waits import until
 
 W_IN, W_OUT = FairnessSettings().input_weight, FairnessSettings().output_weight
 
@@ -255,3 +257,27 @@ async def test_the_pipeline_counts_a_requests_prompt_and_output_into_its_keys_co
         usage = answer.json()["usage"]
     assert usage["completion_tokens"] == 6
     assert vtc.counter(ANONYMOUS) == W_IN * usage["prompt_tokens"] + W_OUT * usage["completion_tokens"]
+
+
+async def test_a_flooding_keys_queue_does_not_get_the_others_refused_at_once() -> None:
+    """The expected wait of a request is the queue the order puts before it: a key that keeps the queue at
+    the brink of the wait allowed (its own requests refused beyond it) does not make every other key's
+    request look as if it waited behind the whole flood, refused at once, when the counter admits it next."""
+    model = Admission("flood", AdmissionSettings(max_running=1, max_waiting=100, wait_timeout_s=25))
+    held = model.admit_now(1, "a", Served(1))
+    assert held is not None
+    model.capacity.service_s = 10.0  # measured: one answer every 10 s
+    flood = [asyncio.create_task(model.acquire(1, "normal", "a", Served(1))) for _ in range(3)]
+    await until(lambda: flood[2].done(), what="the flood's third refused: it would wait 30 s")
+    assert isinstance(flood[2].exception(), ModelOverloaded)
+    light = asyncio.create_task(model.acquire(1, "normal", "b", Served(1)))
+    await until(lambda: model.waiting == 3 or light.done(), what="the light key's request queued")
+    assert not light.done()  # queued: one of the flood's goes first (it came first, counters equal), then it
+    held.release()
+    first = await flood[0]
+    first.release()
+    (await light).release()
+    assert not flood[1].done()
+    flood[1].cancel()
+    await asyncio.gather(flood[1], return_exceptions=True)
+    assert model.running == 0
