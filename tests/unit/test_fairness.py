@@ -281,3 +281,23 @@ async def test_a_flooding_keys_queue_does_not_get_the_others_refused_at_once() -
     flood[1].cancel()
     await asyncio.gather(flood[1], return_exceptions=True)
     assert model.running == 0
+
+
+async def test_waiters_refused_once_measured_are_those_whose_turn_comes_too_late() -> None:
+    """Measured while they wait (`_refuse_late`), a light key's request is judged by its turn (second: the
+    keys go in turn), not by the flood queued before it (third)."""
+    model = Admission("turns", AdmissionSettings(max_running=1, max_waiting=100, wait_timeout_s=100))
+    held = model.admit_now(1, "a", Served(1))
+    assert held is not None
+    now = asyncio.get_running_loop().time()
+    flood = [asyncio.create_task(model.acquire(1, "normal", "a", Served(1))) for _ in range(2)]
+    light = asyncio.create_task(model.acquire(1, "normal", "b", Served(1), deadline=now + 60))
+    await until(lambda: model.waiting == 3, what="all three queued, nothing measured")
+    model.capacity.clock = lambda: held.taken + 25  # its answer took 25 s: the light one's turn is 50 s away
+    held.release(4)
+    first = await flood[0]
+    assert not light.done()  # not refused: its turn (after one of the flood's) is within its deadline
+    first.release()
+    (await light).release()
+    (await flood[1]).release()
+    assert model.running == 0
