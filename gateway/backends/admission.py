@@ -7,6 +7,8 @@ before its response starts, and holds them for the life of its answer; one that 
 with a fallback. Within a class the waiting are admitted in the order `fairness.order` says
 (`tenancy.fairness`: the least served key's first, or arrival order); the request next in that order
 is not overtaken when it does not fit yet (a large one holds up the rest, so it never starves).
+A full class makes room for a key by refusing the newest waiters of the key that holds the most of it
+(while it would still hold more): one key's flood does not shut the others out of the queue.
 
 Priority classes (`tenancy.priority`) are admitted high, normal, low, each filling only its share of
 `max_waiting` (`queue_share`), so low requests are refused first as the queue fills. With
@@ -120,7 +122,8 @@ class Admission:
 
     async def _wait(self, permit: Permit, priority: Priority = "normal", deadline: float | None = None) -> None:
         count, key = permit.count, permit.key
-        if self.waiting + count > self.settings.max_waiting * self.settings.queue_share.get(priority, 1.0):
+        bound = self.settings.max_waiting * self.settings.queue_share.get(priority, 1.0)
+        if self.waiting + count > bound and not self._make_room(priority, key, count, bound):
             raise self.refuse("queue_full", "too many requests are waiting for this model", count)
         now = asyncio.get_running_loop().time()
         until = now + self.settings.wait_timeout_s
@@ -155,8 +158,6 @@ class Admission:
             else:
                 self._leave(priority, waiter)
             raise
-        finally:
-            self._waiting(-count)
 
     @staticmethod
     def _granted(waiter: _Waiter) -> bool:
@@ -176,11 +177,35 @@ class Admission:
             queue.remove(waiter)
         except ValueError:
             return False  # already taken off (granted, or passed by `_wake` once it gave up)
+        self._waiting(-waiter.count)
         left = self._queued[waiter.key] - 1
         if left:
             self._queued[waiter.key] = left
         else:
             del self._queued[waiter.key]
+        return True
+
+    def _make_room(self, priority: Priority, key: str, count: int, bound: float) -> bool:
+        """Room in a full class for `count` of `key`: the newest waiters of the key holding the most of it give
+        up their places (refused, queue_full) while that key would still hold more than `key`; False (nobody
+        refused) when that leaves no room: a flood does not shut the other keys out of the queue."""
+        queue, held = self._queues[priority], dict[str, int]()
+        for waiter in queue:
+            held[waiter.key] = held.get(waiter.key, 0) + waiter.count
+        own, freed, leaving = held.pop(key, 0) + count, 0, list[_Waiter]()
+        for waiter in reversed(queue):
+            if self.waiting - freed + count <= bound:
+                break
+            most = max(held.values(), default=0)
+            if waiter.key != key and held.get(waiter.key) == most and most - waiter.count >= own:
+                held[waiter.key] -= waiter.count
+                freed += waiter.count
+                leaving.append(waiter)
+        if self.waiting - freed + count > bound:
+            return False
+        for waiter in leaving:
+            self._dequeued(queue, waiter)
+            waiter.future.set_exception(self.refuse("queue_full", "the queue is full and this key holds the most of it", waiter.count))
         return True
 
     def _leave(self, priority: Priority, waiter: _Waiter) -> None:

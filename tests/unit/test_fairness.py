@@ -301,3 +301,27 @@ async def test_waiters_refused_once_measured_are_those_whose_turn_comes_too_late
     (await light).release()
     (await flood[1]).release()
     assert model.running == 0
+
+
+async def test_a_full_queue_makes_room_for_another_key_by_refusing_the_floods_newest() -> None:
+    """A key that fills the queue (short answers: the expected wait never refuses it) does not get every
+    other key refused as queue_full: the newest request of the key holding the most of the queue gives up
+    its place (queue_full), so the queue stays bounded and the others still get in."""
+    model = Admission("full", AdmissionSettings(max_running=1, max_waiting=2, wait_timeout_s=100))
+    held = model.admit_now(1, "a", Served(1))
+    assert held is not None
+    flood = [asyncio.create_task(model.acquire(1, "normal", "a", Served(1))) for _ in range(2)]
+    await until(lambda: model.waiting == 2, what="the flood fills the queue")
+    light = asyncio.create_task(model.acquire(1, "normal", "b", Served(1)))
+    await until(lambda: flood[1].done(), what="the flood's newest refused")
+    assert isinstance(flood[1].exception(), ModelOverloaded)
+    assert not light.done()
+    assert model.waiting == 2
+    again = asyncio.create_task(model.acquire(1, "normal", "a", Served(1)))  # the flood holds no more than b now
+    await until(lambda: again.done(), what="the flood refused")
+    assert isinstance(again.exception(), ModelOverloaded)
+    held.release()
+    (await flood[0]).release()
+    (await light).release()
+    assert model.running == 0
+    assert model.waiting == 0
