@@ -189,8 +189,8 @@ class Admission:
         """Room in a full class for `count` of `key`: the newest waiters of the key holding the most of it give
         up their places (refused, queue_full) while that key would still hold more than `key`; False (nobody
         refused) when that leaves no room: a flood does not shut the other keys out of the queue."""
-        queue, held = self._queues[priority], dict[str, int]()
-        for waiter in queue:
+        queue, held = [waiter for waiter in self._queues[priority] if not waiter.future.done()], dict[str, int]()
+        for waiter in queue:  # (one refused already is leaving: not a place to take)
             held[waiter.key] = held.get(waiter.key, 0) + waiter.count
         own, freed, leaving = held.pop(key, 0) + count, 0, list[_Waiter]()
         for waiter in reversed(queue):
@@ -204,7 +204,7 @@ class Admission:
         if self.waiting - freed + count > bound:
             return False
         for waiter in leaving:
-            self._dequeued(queue, waiter)
+            self._dequeued(self._queues[priority], waiter)
             waiter.future.set_exception(self.refuse("queue_full", "the queue is full and this key holds the most of it", waiter.count))
         return True
 

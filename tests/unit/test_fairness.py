@@ -325,3 +325,21 @@ async def test_a_full_queue_makes_room_for_another_key_by_refusing_the_floods_ne
     (await light).release()
     assert model.running == 0
     assert model.waiting == 0
+
+
+async def test_room_is_not_made_of_a_waiter_already_refused() -> None:
+    """A waiter refused once measured (`_refuse_late`) is still queued until its task runs: a request that
+    comes in between does not take its place a second time (a refusal set twice is an error, a 500)."""
+    model = Admission("twice", AdmissionSettings(max_running=1, max_waiting=2, wait_timeout_s=100))
+    held = model.admit_now(1, "a", Served(1))
+    assert held is not None
+    flood = [asyncio.create_task(model.acquire(1, "normal", "a", Served(1))) for _ in range(2)]
+    await until(lambda: model.waiting == 2, what="the flood fills the queue")
+    model._queues["normal"][-1].future.set_exception(model.refuse("expected_wait", "measured"))
+    assert not model._make_room("normal", "b", 1, 2)  # in the same turn: its one place is the leaving one's
+    with pytest.raises(ModelOverloaded):
+        await flood[1]
+    held.release()
+    (await flood[0]).release()
+    assert model.running == 0
+    assert model.waiting == 0
