@@ -7,6 +7,8 @@ before its response starts, and holds them for the life of its answer; one that 
 with a fallback. Within a class the waiting are admitted in the order `fairness.order` says
 (`tenancy.fairness`: the least served key's first, or arrival order); the request next in that order
 is not overtaken when it does not fit yet (a large one holds up the rest, so it never starves).
+A full class makes room for a key by refusing the newest waiters of the key that holds the most of it
+(while it would still hold more): one key's flood does not shut the others out of the queue.
 
 Priority classes (`tenancy.priority`) are admitted high, normal, low, each filling only its share of
 `max_waiting` (`queue_share`), so low requests are refused first as the queue fills. With
@@ -16,7 +18,7 @@ else waiting it may use the whole model): a cap beneath the order.
 How many run at once is the model's measured limit (`backends.capacity`: a gradient rule on the pace
 of the engine's answers), `max_running` at most. A request carries a deadline (the client's timeout
 headers, `web.requests.timeout_of`, else `deadline_s`): one whose deadline has passed never starts;
-one whose expected wait (the queue ahead of it at the measured rate) would pass it, or
+one whose expected wait (the requests the order admits before it, at the measured rate) would pass it, or
 `wait_timeout_s`, is refused at once; a waiter leaves the queue when it passes. Every refusal's
 Retry-After is the measured time to drain the queue, counted by reason in `gateway_rejected_total`.
 """
@@ -120,7 +122,8 @@ class Admission:
 
     async def _wait(self, permit: Permit, priority: Priority = "normal", deadline: float | None = None) -> None:
         count, key = permit.count, permit.key
-        if self.waiting + count > self.settings.max_waiting * self.settings.queue_share.get(priority, 1.0):
+        bound = self.settings.max_waiting * self.settings.queue_share.get(priority, 1.0)
+        if self.waiting + count > bound and not self._make_room(priority, key, count, bound):
             raise self.refuse("queue_full", "too many requests are waiting for this model", count)
         now = asyncio.get_running_loop().time()
         until = now + self.settings.wait_timeout_s
@@ -128,7 +131,7 @@ class Admission:
         if late:
             assert deadline is not None
             until = deadline
-        expected = self.capacity.expected_wait(self._ahead(priority) + count)
+        expected = self.capacity.expected_wait(self._above(priority) + self.fairness.ahead(self._queues[priority], key) + count)
         if expected is not None and now + expected > until:
             why = "its deadline" if late else "the wait allowed"
             raise self.refuse("expected_wait", f"the expected wait, {expected:.1f} s, is longer than {why}", count)
@@ -155,8 +158,6 @@ class Admission:
             else:
                 self._leave(priority, waiter)
             raise
-        finally:
-            self._waiting(-count)
 
     @staticmethod
     def _granted(waiter: _Waiter) -> bool:
@@ -176,11 +177,35 @@ class Admission:
             queue.remove(waiter)
         except ValueError:
             return False  # already taken off (granted, or passed by `_wake` once it gave up)
+        self._waiting(-waiter.count)
         left = self._queued[waiter.key] - 1
         if left:
             self._queued[waiter.key] = left
         else:
             del self._queued[waiter.key]
+        return True
+
+    def _make_room(self, priority: Priority, key: str, count: int, bound: float) -> bool:
+        """Room in a full class for `count` of `key`: the newest waiters of the key holding the most of it give
+        up their places (refused, queue_full) while that key would still hold more than `key`; False (nobody
+        refused) when that leaves no room: a flood does not shut the other keys out of the queue."""
+        queue, held = [waiter for waiter in self._queues[priority] if not waiter.future.done()], dict[str, int]()
+        for waiter in queue:  # (one refused already is leaving: not a place to take)
+            held[waiter.key] = held.get(waiter.key, 0) + waiter.count
+        own, freed, leaving = held.pop(key, 0) + count, 0, list[_Waiter]()
+        for waiter in reversed(queue):
+            if self.waiting - freed + count <= bound:
+                break
+            most = max(held.values(), default=0)
+            if waiter.key != key and held.get(waiter.key) == most and most - waiter.count >= own:
+                held[waiter.key] -= waiter.count
+                freed += waiter.count
+                leaving.append(waiter)
+        if self.waiting - freed + count > bound:
+            return False
+        for waiter in leaving:
+            self._dequeued(self._queues[priority], waiter)
+            waiter.future.set_exception(self.refuse("queue_full", "the queue is full and this key holds the most of it", waiter.count))
         return True
 
     def _leave(self, priority: Priority, waiter: _Waiter) -> None:
@@ -190,24 +215,24 @@ class Admission:
     def _refuse_late(self) -> None:
         """Waiters whose expected wait, measured anew, passes when they would leave: refused now, not
         then (a flood met before anything was measured learns it while it waits)."""
-        now, ahead = asyncio.get_running_loop().time(), 0
+        now = asyncio.get_running_loop().time()
         for klass in _ORDER:
-            for waiter in self._queues[klass]:
-                expected = self.capacity.expected_wait(ahead + waiter.count)
+            above, queue = self._above(klass), self._queues[klass]
+            for waiter, ahead in zip(queue, self.fairness.each_ahead(queue), strict=True):
+                expected = self.capacity.expected_wait(above + ahead + waiter.count)
                 if waiter.future.done() or expected is None or now + expected <= waiter.until:
-                    ahead += waiter.count
                     continue
                 why = f"the expected wait, {expected:.1f} s, is longer than it may wait"
                 waiter.future.set_exception(self.refuse("expected_wait", why, waiter.count))  # it leaves (`_wait`)
 
-    def _ahead(self, priority: Priority) -> int:
-        """Engine requests waiting that are admitted before one of this class."""
-        ahead = 0
+    def _above(self, priority: Priority) -> int:
+        """Engine requests waiting in the classes admitted before this one."""
+        above = 0
         for klass in _ORDER:
-            ahead += sum(waiter.count for waiter in self._queues[klass])
             if klass == priority:
-                return ahead
-        return ahead
+                return above
+            above += sum(waiter.count for waiter in self._queues[klass])
+        return above
 
     def give_back(self, count: int, key: str = "", taken: float | None = None, tokens: int | None = None,
                   served: Served | None = None) -> None:

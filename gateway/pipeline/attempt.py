@@ -137,13 +137,27 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         there for up to `wait_timeout_s`, then run."""
         admission, count, key = backend.admission, self.body.engine_requests(), self.context.tenant
         readings, before = self.readings, self.readings.generated  # a fallback's output counts from here
-        served = Served(self._prompt_tokens, lambda: readings.generated - before)
+        served = Served(self._prompt_tokens, lambda: readings.generated - before, self._counted_since())
         permit = admission.admit_now(count, key, served, self.deadline)  # room, nobody ahead: no wait to watch
         if permit is not None:
             return permit
         with stage(self.context.record.trace, "gateway.admission.wait", **{"gateway.admission.permits": count}):
             waited = admission.acquire(count, self.scheduled.klass, key, served, self.deadline)
             return await unless_gone(self.context.client_gone, waited)
+
+    def _counted_since(self) -> Callable[[], tuple[int, int] | None]:
+        """The (prompt, output) tokens the generation counts from now (a fallback's after the model's
+        before it); None while it has counted none."""
+        readings = self.readings
+        before = readings.prompt_tokens, readings.completion_tokens
+
+        def since() -> tuple[int, int] | None:
+            prompt, output = readings.prompt_tokens, readings.completion_tokens
+            if prompt is None or (prompt, output) == before:
+                return None
+            return prompt - (before[0] or 0), (output or 0) - (before[1] or 0)
+
+        return since
 
     async def _embedded(self, backend: Backend, engine: Engine) -> Start[AnswerT]:
         check_task(engine.info, self.service.task, self.service.route)
@@ -181,11 +195,17 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         settle = self._held()
 
         def close() -> None:
-            permit.release(self.readings.completion_tokens)
+            permit.release(self._paced())
             self._report()
             settle()
 
         return close
+
+    def _paced(self) -> int | None:
+        """The output tokens the model's measured capacity learns the engine's pace from: none from an
+        answer cut short (a client gone after its first tokens held its permit for the queue and the
+        prefill; a flood of them would shrink every key's limit)."""
+        return self.readings.completion_tokens if self.readings.ended else None
 
     async def _cached(self, backend: Backend) -> tuple[OnDone[AnswerT] | None, Hit[AnswerT] | None]:
         """(where to store the answer, or the answer found) in the response cache, scoped per tenant
@@ -220,7 +240,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             if deadline is None or asyncio.get_running_loop().time() < deadline:
                 raise  # not the deadline's
             raise permit.refuse("deadline_passed", "the request's deadline passed before its answer began") from None
-        permit.release(self.readings.completion_tokens)
+        permit.release(self._paced())
         if self.shape is None and isinstance(on_done, Storer) and (written := on_done.written(answer)) is not None:
             return Whole(written)  # stored as the api layer writes it
         return Whole(self.shape(answer) if self.shape else answer)

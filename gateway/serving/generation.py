@@ -339,6 +339,7 @@ class Run:
         if self._read or self.request.forward is None:  # its prompt estimated, not read: nothing to count
             self._meter.count(prompt, completion, len(self.choices))
         readings = self._meter.readings
+        readings.ended = all(choice.finish_reason is not None for choice in self.choices)
         if readings.log_content:
             readings.prompt = self.request.prompt_text
             readings.output.extend("".join(choice.text) for choice in self.choices)

@@ -21,6 +21,7 @@ class Readings:
     prompt_tokens: int | None = None  # None: nothing was counted (no generation ran)
     completion_tokens: int | None = None
     generated: int = 0  # output tokens so far, counted as they come (fair shares read it while it runs)
+    ended: bool = False  # every choice came to its end, not cut short: its pace is the engine's (capacity learns it)
     prompt: str | None = None
     output: list[str] = field(default_factory=list)
 

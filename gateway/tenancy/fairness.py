@@ -1,5 +1,6 @@
 """Fair shares between keys: the order in which the waiting requests of one priority class are admitted
-(`backends.admission` asks `pick`, and says what it admitted and what finished).
+(`backends.admission` asks `pick`, and `ahead` for an expected wait, and says what it admitted and what
+finished).
 
 `fcfs`: arrival order. `vtc` (the default): the Virtual Token Counter of Sheng et al., "Fairness in Serving
 Large Language Models" (OSDI 2024). Per key a counter of the service it has received: `input_weight` per prompt
@@ -14,7 +15,8 @@ holds: between two keys that both keep requests waiting, the service received di
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Container, Iterable
+import itertools
+from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -25,18 +27,28 @@ def _nothing() -> int:
     return 0
 
 
+def _unread() -> tuple[int, int] | None:
+    return None
+
+
 @dataclass(eq=False, slots=True)
 class Served:
     """One admitted request's service: its prompt's tokens, and its output's so far (a reading the generation
-    keeps current)."""
+    keeps current). `read`: (prompt, output) tokens as the backend counted them once its answer is in (None: not
+    counted), which replace the two when it finishes: a remote prompt's estimate can be fooled by its text, and
+    a remote answer's pieces are not its tokens (a whole one comes as one piece)."""
 
     prompt: int = 0
     output: Callable[[], int] = field(default=_nothing)
+    read: Callable[[], tuple[int, int] | None] = field(default=_unread)
 
 
 class Waiter(Protocol):
     @property
     def key(self) -> str: ...
+
+    @property
+    def count(self) -> int: ...
 
 
 W = TypeVar("W", bound=Waiter)
@@ -49,6 +61,15 @@ class FirstCome:
         """The waiter to admit next (None: none left but those of keys `passed` over); `keys`: at most that
         many keys wait in `queue`."""
         return next((waiter for waiter in queue if waiter.key not in passed), None)
+
+    def ahead(self, queue: Iterable[W], key: str) -> int:
+        """Engine requests admitted before a request of `key` joining `queue`, for its expected wait. Arrival
+        order: every one waiting."""
+        return sum(waiter.count for waiter in queue)
+
+    def each_ahead(self, queue: Sequence[W]) -> list[int]:
+        """Engine requests admitted before each waiter of `queue`."""
+        return list(itertools.accumulate((waiter.count for waiter in queue), initial=0))[:-1]
 
     def joined(self, key: str, waiting: Collection[str], running: Collection[str]) -> None:
         """`key` has a request waiting again (none was), beside the keys `waiting` and `running`."""
@@ -92,6 +113,33 @@ class VirtualTokenCounter(FirstCome):
                 break
         return best
 
+    def ahead(self, queue: Iterable[W], key: str) -> int:
+        """Keys served in turn, their counters kept level (ties: the key that came first): a request's place is
+        (its key's engine requests before it, its key's arrival), and a flood waits behind itself, not every key
+        behind it. (A key whose counter lags goes first for longer: the estimate is the order's steady state.)"""
+        waiters, places = self._places(queue)
+        joining = (sum(waiter.count for waiter in waiters if waiter.key == key),
+                   next((rank for waiter, (_, rank) in zip(waiters, places, strict=True) if waiter.key == key),
+                        len({waiter.key for waiter in waiters})))
+        return sum(waiter.count for waiter, place in zip(waiters, places, strict=True) if place < joining)
+
+    def each_ahead(self, queue: Sequence[W]) -> list[int]:
+        waiters, places = self._places(queue)
+        each, total = [0] * len(waiters), 0
+        for at in sorted(range(len(waiters)), key=places.__getitem__):
+            each[at], total = total, total + waiters[at].count
+        return each
+
+    @staticmethod
+    def _places(queue: Iterable[W]) -> tuple[list[W], list[tuple[int, int]]]:
+        """The waiters and each one's place in turn: (its key's engine requests before it, its key's rank)."""
+        waiters, ranks, mine, places = list(queue), dict[str, int](), dict[str, int](), list[tuple[int, int]]()
+        for waiter in waiters:
+            own = mine.get(waiter.key, 0)
+            places.append((own, ranks.setdefault(waiter.key, len(ranks))))
+            mine[waiter.key] = own + waiter.count
+        return waiters, places
+
     def joined(self, key: str, waiting: Collection[str], running: Collection[str]) -> None:
         others = [other for other in waiting if other != key] or [other for other in running if other != key]
         floor = min(self.counter(other) for other in others) if others else self._last
@@ -107,7 +155,12 @@ class VirtualTokenCounter(FirstCome):
         running = self._running.get(key, [])
         if served in running:
             running.remove(served)
-            self._settled[key] = self._settled.get(key, 0.0) + self.output_weight * served.output()
+            read = served.read()
+            if read is None:
+                service = self.output_weight * served.output()
+            else:  # the prompt was counted as admitted: the difference
+                service = self.input_weight * (read[0] - served.prompt) + self.output_weight * read[1]
+            self._settled[key] = self._settled.get(key, 0.0) + service
         if not running:
             self._running.pop(key, None)
             self._last = self._settled.get(key, 0.0)

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import httpx
 import pytest
 
+from engine.types import Task
+from gateway.app import create_app
 from gateway.backends.capacity import INITIAL, MOST_RETRY_S, Capacity
+from tests.fakes import FakeEngine, app_with, fake_settings
+from tests.unit.test_disconnect import drive
 
 TOKENS = 32  # every simulated answer's length
 
@@ -116,3 +121,38 @@ def test_expected_wait_and_retry_after_follow_the_measured_rate() -> None:
     assert capacity.retry_after(10, least=1) == 20
     assert capacity.retry_after(0, least=1) == 1
     assert capacity.retry_after(10**9, least=1) == MOST_RETRY_S
+
+
+async def test_a_stream_its_client_cut_short_teaches_the_limit_nothing() -> None:
+    """A stream the client leaves after its first tokens held its permit for the queue and the prefill and
+    made a token or two: its pace is not the engine's. Learnt from, a flood of them (or a client's tiny
+    timeout) would shrink the limit, and lengthen the expected wait, of every key."""
+    engine = FakeEngine(max_model_len=10_000, delay=0.01)
+    app = create_app(fake_settings(), engine_starter=lambda es: engine)
+    body = {"model": engine.info.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000, "stream": True}
+    async with app.router.lifespan_context(app) as state:
+        async def with_state(scope, receive, send):  # type: ignore[no-untyped-def]
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        await drive(with_state, body, disconnect_after_chunks=3)
+        admission = state["gateway"].models.backends[engine.info.name].admission
+        assert engine.aborted
+        assert admission.running == 0
+        assert admission.capacity.service_s is None
+
+
+@pytest.mark.parametrize(("task", "path", "body"), [
+    ("generate", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    ("embed", "/v1/embeddings", {"input": ["one", "two"]}),
+])
+async def test_whole_answers_and_embeddings_still_teach_it(task: Task, path: str, body: dict[str, object]) -> None:
+    app = app_with(FakeEngine(task=task))
+    async with app.router.lifespan_context(app) as state:
+        async def with_state(scope, receive, send):  # type: ignore[no-untyped-def]
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://t") as client:
+            assert (await client.post(path, json={"model": "fake-model", **body})).status_code == 200
+        assert state["gateway"].models.backends["fake-model"].admission.capacity.service_s is not None

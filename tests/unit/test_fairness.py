@@ -14,10 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.backends.admission import Admission, Permit
+from gateway.errors import ModelOverloaded
 from gateway.settings import AdmissionSettings, FairnessSettings, Priority
 from gateway.tenancy.fairness import Served, VirtualTokenCounter
 from gateway.tenancy.keys import ANONYMOUS
 from tests.fakes import FakeEngine, app_with, chat_body
+from tests.waits import until
 
 W_IN, W_OUT = FairnessSettings().input_weight, FairnessSettings().output_weight
 
@@ -255,3 +257,89 @@ async def test_the_pipeline_counts_a_requests_prompt_and_output_into_its_keys_co
         usage = answer.json()["usage"]
     assert usage["completion_tokens"] == 6
     assert vtc.counter(ANONYMOUS) == W_IN * usage["prompt_tokens"] + W_OUT * usage["completion_tokens"]
+
+
+async def test_a_flooding_keys_queue_does_not_get_the_others_refused_at_once() -> None:
+    """The expected wait of a request is the queue the order puts before it: a key that keeps the queue at
+    the brink of the wait allowed (its own requests refused beyond it) does not make every other key's
+    request look as if it waited behind the whole flood, refused at once, when the counter admits it next."""
+    model = Admission("flood", AdmissionSettings(max_running=1, max_waiting=100, wait_timeout_s=25))
+    held = model.admit_now(1, "a", Served(1))
+    assert held is not None
+    model.capacity.service_s = 10.0  # measured: one answer every 10 s
+    flood = [asyncio.create_task(model.acquire(1, "normal", "a", Served(1))) for _ in range(3)]
+    await until(lambda: flood[2].done(), what="the flood's third refused: it would wait 30 s")
+    assert isinstance(flood[2].exception(), ModelOverloaded)
+    light = asyncio.create_task(model.acquire(1, "normal", "b", Served(1)))
+    await until(lambda: model.waiting == 3 or light.done(), what="the light key's request queued")
+    assert not light.done()  # queued: one of the flood's goes first (it came first, counters equal), then it
+    held.release()
+    first = await flood[0]
+    first.release()
+    (await light).release()
+    assert not flood[1].done()
+    flood[1].cancel()
+    await asyncio.gather(flood[1], return_exceptions=True)
+    assert model.running == 0
+
+
+async def test_waiters_refused_once_measured_are_those_whose_turn_comes_too_late() -> None:
+    """Measured while they wait (`_refuse_late`), a light key's request is judged by its turn (second: the
+    keys go in turn), not by the flood queued before it (third)."""
+    model = Admission("turns", AdmissionSettings(max_running=1, max_waiting=100, wait_timeout_s=100))
+    held = model.admit_now(1, "a", Served(1))
+    assert held is not None
+    now = asyncio.get_running_loop().time()
+    flood = [asyncio.create_task(model.acquire(1, "normal", "a", Served(1))) for _ in range(2)]
+    light = asyncio.create_task(model.acquire(1, "normal", "b", Served(1), deadline=now + 60))
+    await until(lambda: model.waiting == 3, what="all three queued, nothing measured")
+    model.capacity.clock = lambda: held.taken + 25  # its answer took 25 s: the light one's turn is 50 s away
+    held.release(4)
+    first = await flood[0]
+    assert not light.done()  # not refused: its turn (after one of the flood's) is within its deadline
+    first.release()
+    (await light).release()
+    (await flood[1]).release()
+    assert model.running == 0
+
+
+async def test_a_full_queue_makes_room_for_another_key_by_refusing_the_floods_newest() -> None:
+    """A key that fills the queue (short answers: the expected wait never refuses it) does not get every
+    other key refused as queue_full: the newest request of the key holding the most of the queue gives up
+    its place (queue_full), so the queue stays bounded and the others still get in."""
+    model = Admission("full", AdmissionSettings(max_running=1, max_waiting=2, wait_timeout_s=100))
+    held = model.admit_now(1, "a", Served(1))
+    assert held is not None
+    flood = [asyncio.create_task(model.acquire(1, "normal", "a", Served(1))) for _ in range(2)]
+    await until(lambda: model.waiting == 2, what="the flood fills the queue")
+    light = asyncio.create_task(model.acquire(1, "normal", "b", Served(1)))
+    await until(lambda: flood[1].done(), what="the flood's newest refused")
+    assert isinstance(flood[1].exception(), ModelOverloaded)
+    assert not light.done()
+    assert model.waiting == 2
+    again = asyncio.create_task(model.acquire(1, "normal", "a", Served(1)))  # the flood holds no more than b now
+    await until(lambda: again.done(), what="the flood refused")
+    assert isinstance(again.exception(), ModelOverloaded)
+    held.release()
+    (await flood[0]).release()
+    (await light).release()
+    assert model.running == 0
+    assert model.waiting == 0
+
+
+async def test_room_is_not_made_of_a_waiter_already_refused() -> None:
+    """A waiter refused once measured (`_refuse_late`) is still queued until its task runs: a request that
+    comes in between does not take its place a second time (a refusal set twice is an error, a 500)."""
+    model = Admission("twice", AdmissionSettings(max_running=1, max_waiting=2, wait_timeout_s=100))
+    held = model.admit_now(1, "a", Served(1))
+    assert held is not None
+    flood = [asyncio.create_task(model.acquire(1, "normal", "a", Served(1))) for _ in range(2)]
+    await until(lambda: model.waiting == 2, what="the flood fills the queue")
+    model._queues["normal"][-1].future.set_exception(model.refuse("expected_wait", "measured"))
+    assert not model._make_room("normal", "b", 1, 2)  # in the same turn: its one place is the leaving one's
+    with pytest.raises(ModelOverloaded):
+        await flood[1]
+    held.release()
+    (await flood[0]).release()
+    assert model.running == 0
+    assert model.waiting == 0

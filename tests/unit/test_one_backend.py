@@ -581,3 +581,22 @@ def test_a_remote_whole_answer_without_a_budget_asks_for_the_gateways_bound(side
         answer = client.post("/v1/chat/completions", json=body)
     assert answer.status_code == 200
     assert side.script.sent["max_tokens"] == 9
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_keys_fair_share_counts_the_prompt_as_the_backend_counted_it(client: TestClient, side: Side, stream: bool) -> None:
+    """A remote prompt is estimated (its characters) to be admitted; the key's counter (`tenancy.fairness`)
+    takes the count the answer's usage gives once it is in: an estimate a prompt can fool (text that is
+    more tokens than characters say, parts not read) does not stay the key's service."""
+    from gateway.tenancy.fairness import VirtualTokenCounter
+    from gateway.tenancy.keys import ANONYMOUS
+
+    admission = client.app_state["gateway"].models.backends[side.model].admission
+    vtc, weights = admission.fairness, admission.settings.fairness
+    assert isinstance(vtc, VirtualTokenCounter)
+    answer = post(client, side, messages=[{"role": "user", "content": "word " * 400}], stream=stream,
+                  stream_options={"include_usage": True} if stream else None)
+    assert answer.status_code == 200, answer.text
+    usage = chunks(answer.text)[-1]["usage"] if stream else answer.json()["usage"]
+    expected = weights.input_weight * usage["prompt_tokens"] + weights.output_weight * usage["completion_tokens"]
+    assert vtc.counter(ANONYMOUS) == pytest.approx(expected)

@@ -131,6 +131,7 @@ class EmbeddingsService:
         finally:
             meter.end()
         meter.count(embedded.prompt_tokens, 0)
+        prepared.readings.ended = True  # whole: the model's capacity learns from it
         encoding = prepared.request.encoding_format
         data = [Embedding(index=i, embedding=_encoded(vector, encoding)) for i, vector in enumerate(embedded.vectors)]
         tokens = embedded.prompt_tokens
