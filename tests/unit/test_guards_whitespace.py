@@ -8,7 +8,7 @@ import re
 import warnings
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import ContentPolicyViolation
@@ -32,7 +32,7 @@ def spaced_out(phrase: list[str], gaps: list[str]) -> str:
     return "".join(word + gap for word, gap in zip(phrase, [*gaps, ""], strict=False))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(phrase=words, data=st.data())
 def test_any_whitespace_run_for_a_patterns_space_still_matches(phrase: list[str], data: st.DataObject) -> None:
     gaps = [data.draw(runs) for _ in phrase[1:]]
@@ -46,7 +46,7 @@ def test_any_whitespace_run_for_a_patterns_space_still_matches(phrase: list[str]
         guard([" ".join(phrase)]).check_input([before + text + after], "messages")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(phrase=words, data=st.data())
 def test_an_answer_spacing_a_denied_phrase_with_any_whitespace_is_cut(phrase: list[str], data: st.DataObject) -> None:
     text = "The plan: " + spaced_out(phrase, [data.draw(runs) for _ in phrase[1:]]) + " is on."
@@ -92,7 +92,7 @@ def test_a_patterns_own_syntax_is_kept(source: str, matches: list[str], passes: 
     assert not any(compiled.search(normalize(text).text) for text in passes), pattern(source)
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.text(alphabet=" ab[]^\\(?)*+{},|x#-:\n~!<=", max_size=16))
 @example("(?<=a )b")
 def test_a_pattern_that_compiles_still_compiles_spaced(source: str) -> None:
