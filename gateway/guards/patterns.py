@@ -113,8 +113,14 @@ class Placeholders:
         escaped as one (a quote, a backslash or a tab in it would break the JSON)."""
         if not self._values or "[" not in text:
             return text
-        values = {name: json.dumps(value, ensure_ascii=False)[1:-1] for name, value in self._values.items()} if quoted else self._values
-        return self.PLACEHOLDER.sub(lambda m: values.get(m.group(0), m.group(0)), text)
+        return self.PLACEHOLDER.sub(lambda m: self._value(m.group(0), quoted), text)
+
+    def _value(self, name: str, quoted: bool) -> str:
+        """The value a placeholder stands for (the placeholder if none), escaped only when it is put back."""
+        value = self._values.get(name)
+        if value is None:
+            return name
+        return json.dumps(value, ensure_ascii=False)[1:-1] if quoted else value
 
     def unfinished(self, text: str) -> int:
         """Where one of the placeholders given may begin at the end of `text`, unfinished (len(text)
