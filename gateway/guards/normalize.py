@@ -219,6 +219,7 @@ def pattern(source: str) -> str:
 
 
 _QUANTIFIED = re.compile(r"\{\d*,?\d*\}")
+_CLASS_OPENING = re.compile(r"\[\^?\]?")  # a class's `[`, its `^`, and a `]` that is its first member
 
 
 def _whitespace(source: str, at: int, space_at: Callable[[int], int]) -> tuple[str, int]:
@@ -285,7 +286,7 @@ def spaced(source: str) -> str:
             out.append(source[i:end])
             i = end
         elif source[i] == "[" and not in_class:
-            opening = re.compile(r"\[\^?\]?").match(source, i)
+            opening = _CLASS_OPENING.match(source, i)
             assert opening is not None
             out.append(opening.group())
             i, in_class, opened = opening.end(), True, opening.end()
