@@ -134,7 +134,7 @@ def finditer(pattern: re.Pattern[str], text: str) -> Iterator[re.Match[str]]:
 def regex_matches(pattern: re.Pattern[str], text: str) -> Iterator[Span]:
     """What detect-secrets reports of each match (its groups if it has any, else the match), as spans."""
     for match in finditer(pattern, text):
-        groups = [i for i in range(1, (pattern.groups or 0) + 1) if match.group(i)]
+        groups = [i for i in range(1, pattern.groups + 1) if match.group(i)]
         yield from ((match.start(i), match.end(i)) for i in groups) if groups else [match.span()]
 
 
