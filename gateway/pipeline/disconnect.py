@@ -85,9 +85,7 @@ async def unless_gone(gone: Gone | None, work: Awaitable[T], deadline: float | N
     `ClientDisconnected`; if `deadline` passes first, the same, raising `TimeoutError`. `gone`
     None: nobody to watch."""
     if gone is None:
-        if deadline is None:
-            return await work
-        async with asyncio.timeout_at(deadline):
+        async with asyncio.timeout_at(deadline):  # (None: no bound)
             return await work
     async with Watch(gone, deadline=deadline):
         return await work
