@@ -51,8 +51,8 @@ class _Waiter:
 
 class Permit:
     def __init__(self, admission: Admission, count: int, key: str = "", served: Served | None = None) -> None:
-        self._admission: Admission | None = admission
-        self._model = admission
+        self.admission = admission
+        self._held = True  # until `release`
         self.count = count
         self.key = key
         self.served = served or Served()
@@ -60,14 +60,14 @@ class Permit:
 
     def refuse(self, reason: str, why: str) -> ModelOverloaded | ModelUnavailable:
         """A refusal of the request that holds it, as its model's admission refuses."""
-        return self._model.refuse(reason, why, self.count)
+        return self.admission.refuse(reason, why, self.count)
 
     def release(self, tokens: int | None = None) -> None:
         """Given back; `tokens`: the output tokens of the answer it held for (None: no answer), which
         the model's measured capacity learns from."""
-        if self._admission is not None:
-            self._admission.give_back(self.count, self.key, self.taken, tokens, self.served)
-            self._admission = None
+        if self._held:
+            self._held = False
+            self.admission.give_back(self.count, self.key, self.taken, tokens, self.served)
 
 
 class Admission:
