@@ -126,11 +126,9 @@ class Admission:
         if self.waiting + count > bound and not self._make_room(priority, key, count, bound):
             raise self.refuse("queue_full", "too many requests are waiting for this model", count)
         now = asyncio.get_running_loop().time()
-        until = now + self.settings.wait_timeout_s
-        late = deadline is not None and deadline < until  # the client's deadline comes before the wait's bound
-        if late:
-            assert deadline is not None
-            until = deadline
+        bounded = now + self.settings.wait_timeout_s
+        until = bounded if deadline is None else min(deadline, bounded)
+        late = until < bounded  # the client's deadline comes before the wait's bound
         expected = self.capacity.expected_wait(self._above(priority) + self.fairness.ahead(self._queues[priority], key) + count)
         if expected is not None and now + expected > until:
             why = "its deadline" if late else "the wait allowed"
