@@ -73,6 +73,7 @@ class Capacity:
         gradient = max(0.5, min(1.0, gradient))
         wanted = self._limit * gradient + math.sqrt(self._limit)
         self._limit = min(float(self.bound), max(1.0, self._limit + SMOOTHING * (wanted - self._limit)))
+
     def expected_wait(self, ahead: int) -> float | None:
         """Seconds until `ahead` engine requests have been admitted, at the measured rate (None:
         nothing measured yet)."""
