@@ -1,20 +1,15 @@
 """The batch lane's records in a database: files, batches, their counts and each line's answer. `Records` is either
-backend: `SqliteRecords` the one-node default (the standard library's SQLite, WAL, one file per part); Redis across
-replicas is `batchdb_redis`. Contents (uploads, inputs, output files) are blobs (`stores.blobs`), written once.
+backend: `SqliteRecords` the one-node default (the standard library's SQLite, WAL, one file per part), `batchdb_redis`
+across replicas. Contents (uploads, inputs, output files) are blobs (`stores.blobs`), written once.
 
-Each line's answer is kept once, the first: `(batch_id, custom_id)` is unique. A batch is run by whoever holds its
-claim: `claim` hands out a fencing token, higher each time, and every write of a run (`save`, `answer_all`) names it
-and is refused (`Fenced`) once the batch was claimed again since, so a replica that stalled past its claim writes
-nothing after another took the batch over. A record's counts are the answers' (kept beside it, changed with each answer), and a
-cancel asked is kept beside it too: neither is lost to a runner's write of the record.
-
-Both backends answer alike. Files: `remove_file` says whether it was there (and this call removed it). Batches: `batch`
-is the record as `merged`, whoever its owner (the caller checks); `ask_cancel` keeps the first ask's time (its runner
-carries it out); `runnable` the batches not done, oldest first. A run: `claim` hands a new fencing token when no claim
-on the batch is live (else None); `renew` keeps it `ttl_s` longer, False once the batch was claimed again since `token`;
-`save` (the record, its counts aside) and `answer_all` (in one transaction, each answer kept and counted unless its line
-has one already; how many were kept) raise `Fenced` once claimed again since `token`; `answers` are every answer kept,
-in the order they came, a page at a time."""
+Both backends answer alike. Each line's answer is kept once, the first (`(batch_id, custom_id)` unique); a record's
+counts are its answers' and a cancel asked (`ask_cancel`, the first ask's time) is kept beside it: neither is lost to a
+runner's write of the record. `batch` is the record as `merged`, whoever its owner (the caller checks); `runnable` the
+batches not done, oldest first; `remove_file` whether this call removed the file. A run: `claim` hands a fencing token,
+higher each time, when no claim on the batch is live (else None); `renew` keeps it `ttl_s` longer (False once the batch
+was claimed again since `token`); `save` (the record, its counts aside) and `answer_all` (one transaction; how many
+answers were kept) raise `Fenced` once it was: a replica that stalled past its claim writes nothing after another took
+the batch over. `answers` are every answer kept, in the order they came, a page at a time."""
 
 from __future__ import annotations
 

@@ -40,16 +40,18 @@ class Endpoint:
 
 
 class Handled:
-    """A handler as the ASGI app Starlette's `Route` takes for a class endpoint: a function endpoint would get
-    Starlette's own exception wrapper as well, a second layer around every message a stream sends."""
+    """A path's handlers, one per method (HEAD answered by GET's), as the ASGI app Starlette's `Route` takes for a class
+    endpoint: a function endpoint would get Starlette's own exception wrapper as well, a second layer around every
+    message a stream sends."""
 
-    __slots__ = ("handler",)
+    __slots__ = ("handlers",)
 
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
+    def __init__(self, handlers: dict[str, Handler]) -> None:
+        self.handlers = handlers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = await self.handler(Request(scope, receive, send))
+        handler = self.handlers.get(scope["method"]) or self.handlers["GET"]  # Starlette lets HEAD in only where GET is
+        response = await handler(Request(scope, receive, send))
         await response(scope, receive, send)
 
 
@@ -64,15 +66,13 @@ class RouteTable:
         self._templates = [(compile_path(path)[0], path) for path in sorted(self._paths) if "{" in path]
 
     def routes(self) -> list[Route]:
-        by_path: dict[str, list[Endpoint]] = {}
+        by_path: dict[str, dict[str, Handler]] = {}
         for endpoint in self.endpoints:
-            by_path.setdefault(endpoint.path, []).append(endpoint)
-        routes = []
-        for path, endpoints in by_path.items():
-            if len({e.handler for e in endpoints}) != 1:
-                raise ValueError(f"{path}: one handler per path (it may dispatch on the method)")
-            routes.append(Route(path, Handled(endpoints[0].handler), methods=[e.method for e in endpoints]))
-        return routes
+            handlers = by_path.setdefault(endpoint.path, {})
+            if endpoint.method in handlers:
+                raise ValueError(f"{endpoint.method} {endpoint.path}: one handler per method of a path")
+            handlers[endpoint.method] = endpoint.handler
+        return [Route(path, Handled(handlers), methods=list(handlers)) for path, handlers in by_path.items()]
 
     def free_tails(self) -> tuple[str, ...]:
         """Prefixes of the routes whose last parameter takes the rest of the path: there an encoded slash belongs to

@@ -1,10 +1,7 @@
 """A batch file's check (purpose `batch`), read from disk line by line, never whole: each line one JSON object
 `{"custom_id", "method": "POST", "url", "body"}`, as OpenAI's batch input is. The first bad line is a 400 that names its
-number (1-based), so a client can find and fix it.
-
-A batch checks its input again before it runs (`check_batch_input`: each line a request to the batch's endpoint, each
-custom_id once), then reads it one request at a time (`read_lines`).
-
+number (1-based), so a client can find and fix it. A batch checks its input again before it runs (`check_batch_input`:
+each line a request to the batch's endpoint, each custom_id once), then reads it one request at a time (`read_lines`).
 Run in a worker thread (`asyncio.to_thread`): parsing 200 MB of JSON is seconds of CPU."""
 
 from __future__ import annotations

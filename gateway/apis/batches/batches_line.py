@@ -1,17 +1,9 @@
 """One line of a batch, run as the same request sent to its route would be: its body parsed with the route's protocol
-model, then the whole pipeline (`dispatch`: the key's models, guards, token limits and budget, cache, admission, the
-engine, usage accounting), as the key that created the batch, with its policy read again for this line, and answered as
-the route encodes its answer.
-
-What differs from the route: the line runs in the batch lane (`priority.BATCH`: below every key's class, in admission
-and in the engine), nobody can disconnect (`client_gone=None`), a stream (`stream: true`, a background response) is
-refused (an error answer, in Anthropic's shape for a Message Batch's request), and a refusal by the key's requests or
-tokens per minute (or a model's full queue, refused with 429 or 503 as `reject_status` says) is not an answer but
-`Retry`: the line waits and runs again (the batch pauses, it does not fail). A spent budget is an answer (429
-`insufficient_quota`): the line fails, and so does every later line until the budget renews. The key that created the
-batch is found again for each line (`tenancy.keys.Authenticator.reidentify`): gone since (removed from the keys file or
-the settings, or keys turned on or off), each remaining line fails (401).
-"""
+model, then the whole pipeline (`dispatch`), as the key that created the batch (found again for each line: gone since,
+the line fails, 401), answered as the route encodes its answer. What differs from the route: the line runs in the batch
+lane (`priority.BATCH`), nobody can disconnect, a stream or a background response is refused (an error answer), and a
+refusal by the key's rate limits or a model's full queue is not an answer but `Retry` (the batch pauses, it does not
+fail). A spent budget is an answer (429 `insufficient_quota`)."""
 
 from __future__ import annotations
 

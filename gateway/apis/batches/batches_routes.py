@@ -18,11 +18,7 @@ def _mine(request: Request) -> OwnedBatches:
     return state_of(request).batches.of(context_of(request.scope).tenant)
 
 
-async def collection(request: Request) -> Response:
-    return await (_create(request) if request.method == "POST" else _list(request))
-
-
-async def _create(request: Request) -> Response:
+async def create(request: Request) -> Response:
     body = await parse(request, BatchCreate)
     state, context = state_of(request), context_of(request.scope)
     # the input's content fixed from here: a delete meanwhile changes nothing
@@ -40,7 +36,7 @@ async def _create(request: Request) -> Response:
     return json_response(stored.batch)
 
 
-async def _list(request: Request) -> Response:
+async def list_batches(request: Request) -> Response:
     query = BatchListQuery.model_validate(dict(request.query_params))
     stored, more = await _mine(request).page(query.after, query.limit)
     page = [s.batch for s in stored]

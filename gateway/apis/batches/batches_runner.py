@@ -1,22 +1,14 @@
 """The batch runner: runs the batches kept in `stores.batches`, each line through the pipeline as its route would run it
-(`batches_line`), in the batch lane (the lowest priority), at most `batches.max_in_flight` lines at once on this replica
-across all batches. A line the key's rate limits refuse for now gives its slot back and runs again later, and its batch
-starts no new line until then: a key at its limit does not hold the lane that other keys' batches share.
+(`batches_line`), in the batch lane, at most `batches.max_in_flight` lines at once on this replica across all batches. A
+line the key's rate limits refuse for now gives its slot back and runs again later, and its batch starts no new line
+until then. A batch's life, as OpenAI's (docs/api.md, Batches): `validating` → `in_progress` → `finalizing` (its output
+and error files assembled from its answers; not for Message Batches, whose results are read from them) → `completed`;
+or `cancelling` → `cancelled`; or, past its window, `expired` (its lines not run answered as expired).
 
-A batch's life, as OpenAI's: `validating` (its input checked: `failed` with `errors`) → `in_progress` (its lines run) →
-`finalizing` (its output and error files assembled from its answers and published as files of its owner, purpose
-`batch_output`; not for Anthropic's Message Batches, whose results are read from the answers) → `completed`; or, on a
-cancel, `cancelling` (the lines in flight cancelled: their engine requests aborted) → `cancelled`, with the partial
-output; or, 24 h after its creation, `expired` (the lines not run answered as expired, code `batch_expired`).
-
-The loop: every `poll_s` (at once when a batch is created or cancelled here) it claims each runnable batch no one holds
-(`Records.claim`: a fencing token, renewed every third of `lease_s` for the whole run, its finishing too) and runs its
-unanswered lines, their answers written together as they come (`Records.answer_all`: each line once, counted once kept).
-Every write names the run's token: a replica that stalled past its claim while another took over has its late writes
-refused (`Fenced`) and stops. A crash, a shutdown (the lines in flight cancelled, the batch left `in_progress`, its
-claim freed) or a store that is down (`StoreUnavailable`: the poll tries again) leaves the batch to be claimed again,
-resumed from the answers kept.
-"""
+Every `poll_s` (at once on a create or a cancel here) the loop claims each runnable batch no one holds (`Records.claim`:
+a fencing token, renewed every third of `lease_s` for the whole run) and runs its unanswered lines. Every write names
+the token: a replica that stalled past its claim while another took over has its late writes refused (`Fenced`). A
+crash, a shutdown or a store that is down leaves the batch to be claimed again, resumed from the answers kept."""
 
 from __future__ import annotations
 

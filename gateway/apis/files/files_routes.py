@@ -25,10 +25,6 @@ def _mine(request: Request) -> OwnedFiles:
     return state_of(request).files.of(context_of(request.scope).tenant)
 
 
-async def collection(request: Request) -> Response:
-    return await (_upload(request) if request.method == "POST" else _list(request))
-
-
 def _check_field(name: str, value: str) -> None:
     if name not in _FIELDS:
         raise InvalidRequest(f"Unrecognized request argument supplied: {name[:64]}", param=name[:64])
@@ -53,7 +49,7 @@ def _expiry(fields: dict[str, str], default_s: int) -> int:
     return int(raw)
 
 
-async def _upload(request: Request) -> Response:
+async def upload(request: Request) -> Response:
     settings, mine = state_of(request).settings.files, _mine(request)
     form = await read_form(request, mine.stage, settings.max_bytes, _check_field)
     try:
@@ -70,7 +66,7 @@ async def _upload(request: Request) -> Response:
     return json_response(stored)
 
 
-async def _list(request: Request) -> Response:
+async def list_files(request: Request) -> Response:
     query = FileListQuery.model_validate(dict(request.query_params))
     page, more = await _mine(request).page(query.purpose, query.after, query.limit, query.order == "desc")
     return json_response(FileList(
@@ -78,12 +74,14 @@ async def _list(request: Request) -> Response:
     ))
 
 
-async def by_id(request: Request) -> Response:
-    mine, file_id = _mine(request), request.path_params["file_id"]
-    if request.method == "DELETE":
-        await mine.delete(file_id)
-        return json_response(FileDeleted(id=file_id))
-    return json_response(await mine.get(file_id))
+async def retrieve(request: Request) -> Response:
+    return json_response(await _mine(request).get(request.path_params["file_id"]))
+
+
+async def delete(request: Request) -> Response:
+    file_id = request.path_params["file_id"]
+    await _mine(request).delete(file_id)
+    return json_response(FileDeleted(id=file_id))
 
 
 async def content(request: Request) -> Response:

@@ -31,11 +31,7 @@ def _mine(request: Request) -> OwnedBatches:
     return state_of(request).batches.of(context_of(request.scope).tenant, MESSAGE_BATCH)
 
 
-async def collection(request: Request) -> Response:
-    return await (_create(request) if request.method == "POST" else _list(request))
-
-
-async def _create(request: Request) -> Response:
+async def create(request: Request) -> Response:
     body = await parse(request, MessageBatchCreate)
     state, context = state_of(request), context_of(request.scope)
     files = state.settings.files
@@ -47,7 +43,7 @@ async def _create(request: Request) -> Response:
     return json_response(mb.view(stored))
 
 
-async def _list(request: Request) -> Response:
+async def list_batches(request: Request) -> Response:
     query = MessageBatchListQuery.model_validate(dict(request.query_params))
     if query.before_id is not None and query.after_id is not None:
         raise InvalidRequest("Give before_id or after_id, not both", param="before_id")
@@ -58,12 +54,14 @@ async def _list(request: Request) -> Response:
     ))
 
 
-async def by_id(request: Request) -> Response:
-    mine, batch_id = _mine(request), request.path_params[PARAM]
-    if request.method == "DELETE":
-        await mine.delete(batch_id, PARAM)
-        return json_response(DeletedMessageBatch(id=batch_id))
-    return json_response(mb.view(await mine.find(batch_id, PARAM)))
+async def retrieve(request: Request) -> Response:
+    return json_response(mb.view(await _mine(request).find(request.path_params[PARAM], PARAM)))
+
+
+async def delete(request: Request) -> Response:
+    batch_id = request.path_params[PARAM]
+    await _mine(request).delete(batch_id, PARAM)
+    return json_response(DeletedMessageBatch(id=batch_id))
 
 
 async def cancel(request: Request) -> Response:

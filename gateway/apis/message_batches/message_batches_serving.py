@@ -1,19 +1,9 @@
-"""Anthropic's Message Batches on the batch lane: a Message Batch is a batch of the Batches API
-(`stores.batches`, run by `apis.batches.batches_runner`) whose lines go to `/v1/messages`, shown in Anthropic's
-shapes. Here: the batch's input made from a create body (`input_lines`), the MessageBatch view of a
-stored batch (`view`), and its results (`results`), one line per request, read from the batch's
-answers and its input.
-
-How OpenAI's states and counts map to Anthropic's:
-- `validating`, `in_progress`, `finalizing` → `in_progress`; `cancelling` → `canceling`; done → `ended`;
-- request_counts: `succeeded` the lines answered 2xx, `errored` the others (a Messages error, in
-  Anthropic's error shape), `expired` the lines a batch past its 24 h never ran, `canceled` those a
-  cancel left unrun (once ended), `processing` the rest. The counts move as lines are answered,
-  where Anthropic's stay at `processing` until the batch ends; they sum to the requests either way.
-- results: available once the batch has ended, as Anthropic's; a line answered 2xx is `succeeded`
-  (its Message), a line answered otherwise `errored` (its error), an expired one `expired`, and a
-  request a cancel left unrun `canceled`.
-"""
+"""Anthropic's Message Batches on the batch lane: a Message Batch is a batch of the Batches API (`stores.batches`, run
+by `apis.batches.batches_runner`) whose lines go to `/v1/messages`, shown in Anthropic's shapes (docs/api.md,
+Anthropic's Message Batches). Here: the batch's input made from a create body (`input_lines`), the MessageBatch view of
+a stored batch (`view`: OpenAI's states and counts mapped to Anthropic's; the counts move as lines are answered, where
+Anthropic's stay at `processing` until the batch ends), and its results (`results`), one line per request, read from the
+batch's answers and its input."""
 
 from __future__ import annotations
 
