@@ -218,7 +218,7 @@ def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: 
     """The unrun lines were written as expired, then the runner died before the record said `expired`:
     the next run finds nothing left to expire, and still counts those lines as expired, not errored."""
     from gateway.apis.batches.batches_input import MESSAGES
-    from gateway.apis.batches.batches_runner import result_line
+    from gateway.apis.batches.batches_line import result_line
     from gateway.protocol.batch_objects import RequestCounts
     from gateway.stores.batchdb import Answer
     from gateway.stores.batches import MESSAGE_BATCH

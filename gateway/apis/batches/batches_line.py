@@ -11,14 +11,13 @@ import asyncio
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import structlog
 from pydantic import ValidationError
 
-from gateway.apis.batches.batches_input import MESSAGES
+from gateway.apis.batches.batches_input import MESSAGES, BatchLine
 from gateway.apis.chat.chat_serving import CHAT
 from gateway.apis.completions.completions_serving import COMPLETIONS
 from gateway.apis.embeddings.embeddings_serving import EMBEDDINGS
@@ -45,12 +44,15 @@ from gateway.pipeline.state import GatewayState
 from gateway.protocol.batch_objects import Owner
 from gateway.protocol.embeddings import EmbeddingRequest
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+from gateway.stores.batchdb import Answer
+from gateway.stores.batches import EXPIRED_CODE
 from gateway.telemetry.record import close_record, open_record
 from gateway.tenancy import priority
 from gateway.tenancy.keys import Identity
 
 log = structlog.get_logger(__name__)
 _CANCELLED = 499  # the status a line's usage is counted under when its run was cancelled
+EXPIRED = {"code": EXPIRED_CODE, "message": "This request could not be executed before the completion window expired."}
 
 
 class Retry(Exception):
@@ -59,21 +61,6 @@ class Retry(Exception):
     def __init__(self, wait_s: float) -> None:
         super().__init__(f"retry in {wait_s:g} s")
         self.wait_s = wait_s
-
-
-@dataclass(slots=True, frozen=True)
-class LineAnswer:
-    """What the route would have answered: its status and JSON body (an error's too), and the tokens."""
-
-    status: int
-    body: bytes
-    request_id: str
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.status < 300
 
 
 Run = Callable[[RequestContext, GatewayState, bytes], Awaitable[Whole | Stream]]
@@ -121,10 +108,17 @@ ROUTES: dict[str, Run] = {
 DIALECTS: dict[str, Dialect] = {MESSAGES: "anthropic"}  # whose shape a line's error has (else OpenAI's)
 
 
-async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, retry_s: float,
-                   expires_at: float | None = None) -> LineAnswer:
+def result_line(custom_id: str, response: dict[str, Any] | None) -> bytes:
+    """A line of the output (or error) file, as OpenAI's: the route's status, request id and body (JSON already), or
+    none (a line the batch's expiry left unrun)."""
+    return orjson.dumps({"id": "batch_req_" + secrets.token_hex(16), "custom_id": custom_id, "response": response,
+                         "error": EXPIRED if response is None else None})
+
+
+async def run_line(state: GatewayState, owner: Owner, line: BatchLine, retry_s: float, expires_at: float | None) -> Answer:
     """The line's answer (an error is an answer too); `Retry` when the key's rate limits refuse it for now. Its
     deadline is its batch's window's end (`expires_at`, Unix time)."""
+    url, body = line.url, line.body
     context = RequestContext(request_id="req_" + secrets.token_hex(16), key_id=owner.key_id, tenant=owner.tenant,
                              lane=priority.BATCH, body_bytes=len(body))
     if expires_at is not None:
@@ -146,7 +140,9 @@ async def run_line(state: GatewayState, owner: Owner, url: str, body: bytes, ret
             if not isinstance(exc, APIError):  # a bug: logged as the route's exception handler logs it
                 log.exception("batch_line_failed", request_id=context.request_id, error=type(exc).__name__)
             status, data = error.status, orjson.dumps(error.body(DIALECTS.get(url, "openai")))
-        return LineAnswer(status, data, context.request_id, record.prompt_tokens or 0, record.completion_tokens or 0)
+        response = {"status_code": status, "request_id": context.request_id, "body": orjson.Fragment(data)}
+        return Answer(line.custom_id, 200 <= status < 300, result_line(line.custom_id, response),
+                      prompt=record.prompt_tokens or 0, completion=record.completion_tokens or 0)
     finally:
         if context.policy is not None:  # the request's usage counted and its charge settled, as the middleware does
             state.quota.finish(context.policy, status, context.charge, (record.prompt_tokens or 0, record.completion_tokens or 0))

@@ -25,32 +25,21 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Literal
 
-import orjson
 import structlog
 
 from gateway.apis.batches.batches_input import MESSAGES, BatchLine, check_batch_input, read_lines
-from gateway.apis.batches.batches_line import LineAnswer, Retry, run_line
+from gateway.apis.batches.batches_line import Retry, result_line, run_line
 from gateway.errors import StoreUnavailable
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.batch_objects import DONE, Batch, Errors, RequestCounts, StoredBatch
 from gateway.stores.batchdb import Answer, Fenced
-from gateway.stores.batches import EXPIRED_CODE, BatchStore, input_name
+from gateway.stores.batches import BatchStore, input_name
 from gateway.stores.files import derived_id
 
 log = structlog.get_logger(__name__)
 
 Ending = Literal["completed", "cancelled", "expired"]  # each the batch's last status
-EXPIRED = {"code": EXPIRED_CODE, "message": "This request could not be executed before the completion window expired."}
 CHUNK = 512  # input lines read per thread hop, expired answers written per transaction
-
-
-def result_line(custom_id: str, answer: LineAnswer | None) -> bytes:
-    """A line of the output (or error) file, as OpenAI's: the route's status and body (JSON already), or none (a
-    line the batch's expiry left unrun)."""
-    response = None if answer is None else {"status_code": answer.status, "request_id": answer.request_id,
-                                            "body": orjson.Fragment(answer.body)}
-    return orjson.dumps({"id": "batch_req_" + secrets.token_hex(16), "custom_id": custom_id, "response": response,
-                         "error": EXPIRED if answer is None else None})
 
 
 async def _until(timeout_s: float, event: asyncio.Event, *tasks: asyncio.Task[None]) -> None:
@@ -67,9 +56,9 @@ async def _until(timeout_s: float, event: asyncio.Event, *tasks: asyncio.Task[No
 class BatchRunner:
     """This replica's runs of batches, and the one bound on their lines in flight."""
 
-    def __init__(self, state: GatewayState, store: BatchStore, holder: str | None = None) -> None:
+    def __init__(self, state: GatewayState, store: BatchStore) -> None:
         self.state, self.store, self.settings = state, store, state.settings.batches
-        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.slots = asyncio.Semaphore(self.settings.max_in_flight)
         self.runs: dict[str, BatchRun] = {}
         self._wake = asyncio.Event()
@@ -276,14 +265,13 @@ class BatchRun:
 
     async def _one(self, line: BatchLine, flight: asyncio.TaskGroup) -> None:
         try:
-            answer = await run_line(self.runner.state, self.stored.owner, line.url, line.body, self.runner.settings.retry_s,
+            answer = await run_line(self.runner.state, self.stored.owner, line, self.runner.settings.retry_s,
                                     self.stored.batch.expires_at)
         except Retry as retry:  # the key's rate limits: the line runs again, and the batch goes on, once they let it
             self._resume_at = max(self._resume_at, time.monotonic() + retry.wait_s)
             self._again.append(line)
             return
-        self._kept.append(Answer(line.custom_id, answer.ok, result_line(line.custom_id, answer),
-                                 prompt=answer.prompt_tokens, completion=answer.completion_tokens))
+        self._kept.append(answer)
         if self._writer is None or self._writer.done():  # else the writer under way takes this one too
             self._writer = flight.create_task(self._flush())  # its slot free meanwhile: the write holds no line
 
