@@ -398,6 +398,7 @@ def test_results_are_built_off_the_event_loop(client: TestClient, tmp_path: Path
     """Each result line is made in a worker thread, never on the event loop: a large batch's results
     read do not stall the requests the loop serves meanwhile."""
     from gateway.apis.message_batches import message_batches_serving as mb
+    from gateway.stores.batchdb import Answer
 
     batch = create(client, [{"custom_id": f"r{i}", "params": params()} for i in range(3)] +
                    [{"custom_id": "bad", "params": params(model="nope")}])
@@ -405,9 +406,9 @@ def test_results_are_built_off_the_event_loop(client: TestClient, tmp_path: Path
     made_on: list[threading.Thread] = []
     result = mb._result
 
-    def noted(line: dict[str, Any], ok: bool) -> dict[str, Any]:
+    def noted(answer: Answer) -> dict[str, Any]:
         made_on.append(threading.current_thread())
-        return result(line, ok)
+        return result(answer)
 
     monkeypatch.setattr(mb, "_result", noted)
     store = disk_batches(tmp_path / "batches")

@@ -6,6 +6,7 @@ Run in a worker thread (`asyncio.to_thread`): parsing 200 MB of JSON is seconds 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,43 +29,48 @@ def check_batch_file(path: Path, max_lines: int, max_line_bytes: int) -> int:
         while line := lines.readline(max_line_bytes + 1):
             number += 1
             if len(line.rstrip(b"\r\n")) > max_line_bytes:
-                raise _bad(number, f"is longer than {max_line_bytes} bytes")
+                raise InvalidRequest(f"Line {number} of the batch file is longer than {max_line_bytes} bytes.", "file")
             if number > max_lines:
                 raise InvalidRequest(f"The batch file has more than {max_lines} requests (lines)", param="file")
-            _check_line(line, number, seen, URLS)
+            if (problem := _check_line(line, number, seen, URLS)) is not None:
+                raise InvalidRequest(str(problem.message), param="file")
     if number == 0:
         raise InvalidRequest("The batch file is empty: it needs one request per line", param="file")
     return number
 
 
-def _check_line(line: bytes, number: int, seen: set[str], urls: tuple[str, ...]) -> None:
+def _check_line(line: bytes, number: int, seen: set[str], urls: tuple[str, ...]) -> BatchError | None:
+    """The line's problem, if it has one."""
+    bad = functools.partial(_bad, number)
     if not line.strip():
-        raise _bad(number, "is empty: each line must be one request")
+        return bad("is empty: each line must be one request")
     try:
         request: Any = orjson.loads(line)
     except orjson.JSONDecodeError:
-        raise _bad(number, "is not valid JSON") from None
+        return bad("is not valid JSON")
     if not isinstance(request, dict):
-        raise _bad(number, "is not a JSON object")
+        return bad("is not a JSON object")
     custom_id = request.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        raise _bad(number, "has no 'custom_id' (a non-empty string)")
+        return bad("has no 'custom_id' (a non-empty string)")
     if custom_id in seen:
-        raise _bad(number, f"repeats the custom_id '{custom_id[:64]}': each must be unique within the file")
+        return bad(f"repeats the custom_id '{custom_id[:64]}': each must be unique within the file",
+                   "duplicate_custom_id", "custom_id")
     seen.add(custom_id)
     if request.get("method") != "POST":
-        raise _bad(number, "must have 'method': 'POST'")
+        return bad("must have 'method': 'POST'")
     if request.get("url") not in urls:
-        raise _bad(number, f"has an unsupported 'url': it must be one of {', '.join(urls)}")
+        return bad(f"has an unsupported 'url': it must be one of {', '.join(urls)}")
     if not isinstance(request.get("body"), dict):
-        raise _bad(number, "has no 'body' object (the request's JSON body)")
+        return bad("has no 'body' object (the request's JSON body)")
     extra = sorted(set(request) - {"custom_id", "method", "url", "body"})
     if extra:
-        raise _bad(number, f"has an unrecognized field '{extra[0][:64]}'")
+        return bad(f"has an unrecognized field '{extra[0][:64]}'")
+    return None
 
 
-def _bad(number: int, problem: str) -> InvalidRequest:
-    return InvalidRequest(f"Line {number} of the batch file {problem}.", param="file")
+def _bad(number: int, problem: str, code: str = "invalid_request", param: str | None = None) -> BatchError:
+    return BatchError(code=code, line=number, message=f"Line {number} of the batch file {problem}.", param=param)
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,19 +101,11 @@ def check_batch_input(path: Path, endpoint: str, max_errors: int = 100) -> tuple
         for number, line in enumerate(lines, start=1):
             if len(problems) >= max_errors:
                 break
-            try:
-                _check_line(line, number, seen, (*URLS, MESSAGES))
-            except InvalidRequest as exc:
-                code = "duplicate_custom_id" if "repeats the custom_id" in exc.message else "invalid_request"
-                problems.append(BatchError(code=code, line=number, message=exc.message, param="custom_id"
-                                           if code == "duplicate_custom_id" else None))
-                continue
-            url = orjson.loads(line)["url"]
-            if url != endpoint:
-                problems.append(BatchError(
-                    code="mismatched_endpoint", line=number, param="url",
-                    message=f"Line {number} of the batch file asks for {url}, but the batch's endpoint is {endpoint}.",
-                ))
+            problem = _check_line(line, number, seen, (*URLS, MESSAGES))
+            if problem is None and (url := orjson.loads(line)["url"]) != endpoint:
+                problem = _bad(number, f"asks for {url}, but the batch's endpoint is {endpoint}", "mismatched_endpoint", "url")
+            if problem is not None:
+                problems.append(problem)
     if number == 0:
         problems.append(BatchError(code="empty_file", message="The batch's input file has no requests."))
     return number, problems

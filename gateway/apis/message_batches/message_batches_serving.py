@@ -86,18 +86,15 @@ def view(stored: StoredBatch) -> MessageBatch:
     )
 
 
-def _result(line: dict[str, Any], ok: bool) -> dict[str, Any]:
-    response = line.get("response")
-    if isinstance(response, dict):
-        body = response.get("body")
-        if ok:
-            return {"type": "succeeded", "message": body}
-        error = body if isinstance(body, dict) and body.get("type") == "error" else _error(str(body))
-        return {"type": "errored", "error": {**error, "request_id": response.get("request_id")}}
-    problem = line.get("error") or {}
-    if problem.get("code") == "batch_expired":
+def _result(answer: Answer) -> dict[str, Any]:
+    if answer.expired:
         return {"type": "expired"}
-    return {"type": "errored", "error": _error(str(problem.get("message", "The request failed.")))}
+    response = orjson.loads(answer.line)["response"]  # the route's status, request id and body (`result_line`)
+    if answer.ok:
+        return {"type": "succeeded", "message": response["body"]}
+    body = response["body"]
+    error = body if isinstance(body, dict) and body.get("type") == "error" else _error(str(body))
+    return {"type": "errored", "error": {**error, "request_id": response["request_id"]}}
 
 
 def _error(message: str) -> dict[str, Any]:
@@ -134,7 +131,7 @@ async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
 
 
 def _result_lines(answers: list[Answer]) -> bytes:
-    return b"".join(orjson.dumps({"custom_id": a.custom_id, "result": _result(orjson.loads(a.line), a.ok)}) + b"\n"
+    return b"".join(orjson.dumps({"custom_id": a.custom_id, "result": _result(a)}) + b"\n"
                     for a in answers)
 
 
