@@ -83,9 +83,8 @@ class OwnedFiles:
     async def stage(self) -> Staged:
         return await Staged.at(self.store.blobs.spool)
 
-    async def put(
-        self, staged: Staged, filename: str, purpose: Purpose, expires_after_s: int, file_id: str | None = None,
-    ) -> FileObject:
+    async def put(self, staged: Staged, filename: str, purpose: Purpose, expires_after_s: int,
+                  file_id: str | None = None) -> FileObject:
         """Store an upload under a new id (or `file_id`, replaced: a batch's output written again after a restart):
         content first, then its record."""
         await staged.close()

@@ -40,9 +40,8 @@ async def list_batches(request: Request) -> Response:
     query = BatchListQuery.model_validate(dict(request.query_params))
     stored, more = await _mine(request).page(query.after, query.limit)
     page = [s.batch for s in stored]
-    return json_response(BatchList(
-        data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None, has_more=more,
-    ))
+    return json_response(BatchList(data=page, first_id=page[0].id if page else None,
+                                   last_id=page[-1].id if page else None, has_more=more))
 
 
 async def retrieve(request: Request) -> Response:

@@ -100,10 +100,8 @@ def _boundary(request: Request) -> bytes:
     return options[b"boundary"]
 
 
-async def read_form(
-    request: Request, stage: Callable[[], Awaitable[Staged]], max_file_bytes: int,
-    on_field: Callable[[str, str], None],
-) -> Form:
+async def read_form(request: Request, stage: Callable[[], Awaitable[Staged]], max_file_bytes: int,
+                    on_field: Callable[[str, str], None]) -> Form:
     """The form of an upload, its file staged (the caller stores or discards it, also on error); `on_field` may refuse
     a field by raising."""
     boundary = _boundary(request)

@@ -29,10 +29,8 @@ def _check_field(name: str, value: str) -> None:
     if name not in _FIELDS:
         raise InvalidRequest(f"Unrecognized request argument supplied: {name[:64]}", param=name[:64])
     if name == "purpose" and value not in PURPOSES:
-        raise InvalidRequest(
-            f"Invalid value for 'purpose': '{value[:64]}'. This gateway takes files of purpose "
-            f"{', '.join(repr(p) for p in PURPOSES)} (the input of a batch).", param="purpose",
-        )
+        raise InvalidRequest(f"Invalid value for 'purpose': '{value[:64]}'. This gateway takes files of purpose "
+                             f"{', '.join(repr(p) for p in PURPOSES)} (the input of a batch).", param="purpose")
     if name == "expires_after[anchor]" and value != "created_at":
         raise InvalidRequest("Invalid value for 'expires_after.anchor': it must be 'created_at'.", "expires_after.anchor")
 
@@ -42,10 +40,8 @@ def _expiry(fields: dict[str, str], default_s: int) -> int:
     if raw is None:
         return default_s
     if not (raw.isascii() and raw.isdigit()) or not _MIN_EXPIRY_S <= int(raw) <= _MAX_EXPIRY_S:
-        raise InvalidRequest(
-            f"Invalid value for 'expires_after.seconds': it must be an integer from {_MIN_EXPIRY_S} to {_MAX_EXPIRY_S}.",
-            "expires_after.seconds",
-        )
+        raise InvalidRequest("Invalid value for 'expires_after.seconds': it must be an integer from "
+                             f"{_MIN_EXPIRY_S} to {_MAX_EXPIRY_S}.", "expires_after.seconds")
     return int(raw)
 
 
@@ -69,9 +65,8 @@ async def upload(request: Request) -> Response:
 async def list_files(request: Request) -> Response:
     query = FileListQuery.model_validate(dict(request.query_params))
     page, more = await _mine(request).page(query.purpose, query.after, query.limit, query.order == "desc")
-    return json_response(FileList(
-        data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None, has_more=more,
-    ))
+    return json_response(FileList(data=page, first_id=page[0].id if page else None,
+                                  last_id=page[-1].id if page else None, has_more=more))
 
 
 async def retrieve(request: Request) -> Response:

@@ -49,9 +49,8 @@ async def list_batches(request: Request) -> Response:
         raise InvalidRequest("Give before_id or after_id, not both", param="before_id")
     page, more = await _mine(request).page(query.after_id, query.limit, query.before_id, ("after_id", "before_id"))
     data = [mb.view(stored) for stored in page]
-    return json_response(MessageBatchList(
-        data=data, has_more=more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
-    ))
+    return json_response(MessageBatchList(data=data, has_more=more, first_id=data[0].id if data else None,
+                                          last_id=data[-1].id if data else None))
 
 
 async def retrieve(request: Request) -> Response:
