@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 from gateway.apis.conversations import conversations_serving
 from tests.fakes import FakeEngine, HeldEngine, app_with
 from tests.redis_server import RedisServer
-from tests.waits import until
+from tests.waits import until, until_sync
 
 MODEL = "fake-model"
 UNKNOWN = "conv_0123456789abcdef0123456789abcdef"
@@ -182,6 +182,29 @@ def test_a_refused_turn_adds_nothing(client: TestClient) -> None:
                                                  "tool_choice": "required"})
     assert refused.status_code == 400
     assert len(client.get(f"/v1/conversations/{made['id']}/items").json()["data"]) == 1
+
+
+def test_a_failed_or_cancelled_turn_adds_nothing(sdk: openai.OpenAI, client: TestClient, engine: FakeEngine) -> None:
+    made = sdk.conversations.create(items=[USER])
+    engine.fail_after = 2
+    body = {"model": MODEL, "input": "x", "conversation": made.id, "stream": True}
+    assert "response.failed" in client.post("/v1/responses", json=body).text
+    engine.fail_after, engine.delay = None, 0.01
+    started = sdk.responses.create(model=MODEL, input="y", conversation=made.id, background=True)
+    assert sdk.responses.cancel(started.id).status == "cancelled"
+    assert len(sdk.conversations.items.list(made.id).data) == 1  # its first item only
+
+
+def test_a_background_turn_is_added_once_it_ends(sdk: openai.OpenAI, engine: FakeEngine) -> None:
+    made = sdk.conversations.create()
+    engine.reply = ["Done."]
+    started = sdk.responses.create(model=MODEL, input="Work.", conversation=made.id, background=True)
+    assert started.conversation is not None
+    assert started.conversation.id == made.id
+    texts = until_sync(lambda: [item.content[0].text for item in sdk.conversations.items.list(made.id, order="asc")
+                                .data] or None, what="the turn added")  # type: ignore[union-attr]
+    assert texts == ["Work.", "Done."]
+    assert sdk.responses.retrieve(started.id).status == "completed"
 
 
 def attempts(conversation_id: str, item_id: str) -> list[tuple[str, str, dict[str, Any] | None]]:
