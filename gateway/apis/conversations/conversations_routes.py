@@ -47,7 +47,6 @@ async def items(request: Request) -> Response:
     """GET (list, newest first unless `order=asc`) and POST (add) /v1/conversations/{conversation_id}/items."""
     conversations, conversation_id = _theirs(request)
     if request.method == "POST":
-        await conversations.get(conversation_id)  # an unknown conversation: its 404 before the body's 400s
         body = await parse(request, ItemsCreate)
         added = input_items(body.items, "items")
         await conversations.add(conversation_id, added, [item.id for item in body.items])

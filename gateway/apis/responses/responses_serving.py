@@ -1,9 +1,10 @@
 """The Responses API (`/v1/responses`) on the chat pipeline: the request's `input` becomes items (as a
-response keeps them), and the conversation (the `previous_response_id` chain's items, then these) a chat
-request, which the dispatcher runs as any (its refusals in this API's terms); this answers a `Response` or its
+response keeps them), and the conversation (the `previous_response_id` chain's items, or a `conversation`'s
+(`Joined`), then these) a chat request, which the dispatcher runs as any (its refusals in this API's terms); this answers a `Response` or its
 events (`responses_wire.ResponseEvents`). A cut answer is `incomplete`; a failure after the first event is
 `response.failed`. With `store`, a stream stores its response from `response.created` on and again before its
 last event (cancelled, with the items done so far, if it stops early); a whole answer is stored by the route.
+Storing a completed or incomplete answer also adds the turn to its `conversation`, once.
 """
 
 from __future__ import annotations
