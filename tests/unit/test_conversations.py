@@ -16,7 +16,6 @@ import pytest
 from redis import Redis
 from starlette.testclient import TestClient
 
-from gateway.apis.conversations import conversations_serving
 from tests.fakes import FakeEngine, HeldEngine, app_with
 from tests.redis_server import RedisServer
 from tests.waits import until, until_sync
@@ -143,15 +142,20 @@ def test_a_bad_list_query_is_a_400(client: TestClient, query: str, param: str) -
     assert (refused.status_code, refused.json()["error"]["param"]) == (400, param)
 
 
-def test_a_conversation_holds_a_bounded_number_of_items(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(conversations_serving, "MOST_ITEMS", 3)
-    assert client.post("/v1/conversations", json={"items": [USER] * 4}).json()["error"]["param"] == "items"
-    made = client.post("/v1/conversations", json={"items": [USER] * 2}).json()
-    refused = client.post(f"/v1/conversations/{made['id']}/items", json={"items": [USER] * 2})
+def test_a_conversation_holds_at_most_a_bodys_bytes(client: TestClient) -> None:
+    """The `client` fixture's body bound is 10,000 bytes: a conversation holds about that much, whatever the number of
+    adds; a turn may take it past once, then it takes nothing more."""
+    page = {"role": "user", "content": "x" * 3000}
+    made = client.post("/v1/conversations", json={"items": [page, page]}).json()
+    assert client.post(f"/v1/conversations/{made['id']}/items", json={"items": [page]}).status_code == 200
+    refused = client.post(f"/v1/conversations/{made['id']}/items", json={"items": [page]})
     assert (refused.status_code, refused.json()["error"]["param"]) == (400, "items")
-    answer = client.post("/v1/responses", json={"model": MODEL, "input": [USER, USER], "conversation": made["id"]})
-    assert (answer.status_code, answer.json()["error"]["param"]) == (400, "input")
-    assert len(client.get(f"/v1/conversations/{made['id']}/items").json()["data"]) == 2
+    turn = {"model": MODEL, "input": "y" * 900, "conversation": made["id"], "max_output_tokens": 16}
+    assert client.post("/v1/responses", json=turn).status_code == 200  # past the bound now
+    refused = client.post("/v1/responses", json=turn)
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "conversation")
+    assert len(client.get(f"/v1/conversations/{made['id']}/items").json()["data"]) == 5
+    assert client.post("/v1/conversations", json={"items": [page] * 4}).status_code in (400, 413)
 
 
 def test_conversation_on_responses_whole_then_streamed(sdk: openai.OpenAI, engine: FakeEngine) -> None:

@@ -22,8 +22,9 @@ from gateway.web.requests import parse, state_of
 
 def _theirs(request: Request) -> tuple[Conversations, str]:
     """The asking tenant's conversations, and the one the path names."""
-    mine = state_of(request).responses.of(context_of(request.scope).tenant)
-    return Conversations(mine), request.path_params.get("conversation_id", "")
+    state = state_of(request)
+    mine = state.responses.of(context_of(request.scope).tenant)  # the tenant: the same on every replica
+    return Conversations(mine, state.settings.max_body_bytes), request.path_params.get("conversation_id", "")
 
 
 async def create(request: Request) -> Response:

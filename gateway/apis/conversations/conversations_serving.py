@@ -2,7 +2,9 @@
 in the responses' store (`stores.responses`, kind `conv_`: the same backend, expiry and owner check as a stored
 response); its items are read from input items as the Responses API reads them. A Responses request's
 `conversation` (`joined`) reads the conversation's items as the context before its input, and adds its input and
-output to it once answered (`Turn`). Two writers of one conversation at once: the last write wins."""
+output to it once answered (`Turn`). A conversation holds at most `most_bytes` of JSON (the body bound: no more than
+one request could send as its input instead); a turn may take it past that once, after which it takes nothing more.
+Two writers of one conversation at once: the last write wins."""
 
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ from gateway.serving.generation import now
 from gateway.stores.responses import Kind, OwnedResponses
 
 log = structlog.get_logger(__name__)
-MOST_ITEMS = 4096  # ours (OpenAI states none): a conversation is one stored value, read whole by every turn
 
 
 def not_found(conversation_id: str) -> NotFound:
@@ -30,11 +31,8 @@ def not_found(conversation_id: str) -> NotFound:
 CONVERSATION = Kind("conv_", not_found)
 
 
-def _checked(items: list[Item], adding: Sequence[str | None], param: str) -> None:
-    """Refuse what would make `items` too many, or repeat an item id (`adding`: the ids given, None for new ones)."""
-    if len(items) + len(adding) > MOST_ITEMS:
-        raise InvalidRequest(f"A conversation holds at most {MOST_ITEMS} items; this one has {len(items)} and "
-                             f"{len(adding)} more were given", param)
+def _unique(items: list[Item], adding: Sequence[str | None], param: str) -> None:
+    """Refuse an item id given twice, or already in the conversation (`adding`: the ids given, None for new ones)."""
     seen = {item.id for item in items}
     for i, item_id in enumerate(adding):
         if item_id is None:
@@ -47,36 +45,37 @@ def _checked(items: list[Item], adding: Sequence[str | None], param: str) -> Non
 
 @dataclass(slots=True, frozen=True)
 class Conversations:
-    """One owner's conversations (another owner's id is an unknown id: `OwnedResponses`)."""
+    """One owner's conversations (another owner's id is an unknown id: `OwnedResponses`), each at most `most_bytes`."""
 
     mine: OwnedResponses
+    most_bytes: int
 
     async def get(self, conversation_id: str) -> StoredConversation:
         return await self.mine.load(CONVERSATION, conversation_id, StoredConversation)
 
     async def create(self, body: ConversationCreate) -> Conversation:
         items = input_items(body.items, "items")
-        _checked([], [item.id for item in body.items or []], "items")
+        _unique([], [item.id for item in body.items or []], "items")
         made = Conversation(id=new_id("conv"), created_at=now(), metadata=body.metadata or {})
-        await self.mine.keep(CONVERSATION, made.id, StoredConversation(conversation=made, items=items))
+        await self._keep(StoredConversation(conversation=made, items=items), "items")
         return made
 
     async def update(self, conversation_id: str, metadata: dict[str, str] | None) -> Conversation:
         stored = await self.get(conversation_id)
         stored.conversation.metadata = metadata or {}
-        await self.mine.keep(CONVERSATION, conversation_id, stored)
+        await self._keep(stored)
         return stored.conversation
 
     async def delete(self, conversation_id: str) -> None:
         await self.mine.drop(CONVERSATION, conversation_id)
 
     async def add(self, conversation_id: str, items: list[Item], given: Sequence[str | None] | None = None) -> None:
-        """Append `items`; `given` (the ids the client gave them): checked first, as the `items` field's."""
+        """Append `items`; with `given` (the ids the client gave them) checked first, as the `items` field's."""
         stored = await self.get(conversation_id)
         if given is not None:
-            _checked(stored.items, given, "items")
+            _unique(stored.items, given, "items")
         stored.items += items
-        await self.mine.keep(CONVERSATION, conversation_id, stored)
+        await self._keep(stored, "items" if given is not None else None)
 
     async def item(self, conversation_id: str, item_id: str) -> Item:
         stored = await self.get(conversation_id)
@@ -85,8 +84,22 @@ class Conversations:
     async def remove_item(self, conversation_id: str, item_id: str) -> Conversation:
         stored = await self.get(conversation_id)
         del stored.items[_index(stored, item_id)]
-        await self.mine.keep(CONVERSATION, conversation_id, stored)
+        await self._keep(stored)
         return stored.conversation
+
+    def full(self, stored: StoredConversation, param: str) -> None:
+        """Refuse a conversation past its bound (`param`: the field that asked to add to it)."""
+        size = len(stored.__pydantic_serializer__.to_json(stored))
+        if size > self.most_bytes:
+            raise InvalidRequest(f"Conversation with id '{stored.conversation.id}' would hold {size} bytes, past its "
+                                 f"limit of {self.most_bytes}; start a new conversation", param)
+
+    async def _keep(self, stored: StoredConversation, bounded: str | None = None) -> None:
+        """Store it; `bounded`: the field whose items it adds, refused when they take it past its bound (a turn's
+        output and a shrinking change are not)."""
+        if bounded is not None:
+            self.full(stored, bounded)
+        await self.mine.keep(CONVERSATION, stored.conversation.id, stored)
 
 
 def _index(stored: StoredConversation, item_id: str) -> int:
@@ -113,20 +126,20 @@ class Turn:
             log.warning("conversation_turn_not_added", error=exc.message, status=exc.status)
 
 
-async def joined(mine: OwnedResponses, request: ResponsesRequest) -> Turn | None:
+async def joined(conversations: Conversations, request: ResponsesRequest) -> Turn | None:
     """The conversation `request` continues, if it names one (OpenAI's refusals: with `previous_response_id` too; one
-    of its input items' ids already in the conversation)."""
+    of its input items' ids already in the conversation; ours: a conversation past its bound)."""
     ref = conversation_of(request)
     if ref is None:
         return None
     if request.previous_response_id is not None:
         raise InvalidRequest("Mutually exclusive parameters: Ensure you are only providing one of: "
                              "'previous_response_id' or 'conversation'.", "conversation", "mutually_exclusive_parameters")
-    conversations = Conversations(mine)
     try:
         stored = await conversations.get(ref.id)
     except NotFound as exc:
         raise NotFound(exc.message, "conversation") from None
-    given = [None] if isinstance(request.input, str) else [item.id for item in request.input or []]
-    _checked(stored.items, given, "input")
+    conversations.full(stored, "conversation")
+    _unique(stored.items, [None] if isinstance(request.input, str) else [item.id for item in request.input or []],
+            "input")
     return Turn(conversations, ref.id, stored.items)

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message
 
-from gateway.apis.conversations.conversations_serving import joined
+from gateway.apis.conversations.conversations_serving import Conversations, joined
 from gateway.apis.responses.responses_serving import ResponsesService, history_of
 from gateway.apis.responses.responses_wire import InputItemsQuery, ResponseDeleted, ResponsesRequest, item_page
 from gateway.errors import InvalidRequest
@@ -37,7 +37,7 @@ def _mine(request: Request) -> OwnedResponses:
 async def create(request: Request) -> Response:
     body = await parse(request, ResponsesRequest)
     state, mine = state_of(request), _mine(request)
-    turn = await joined(mine, body)  # its `conversation`, if it names one
+    turn = await joined(Conversations(mine, state.settings.max_body_bytes), body)  # its `conversation`, if it names one
     history = turn.items if turn else await history_of(mine, body.previous_response_id)
     service = ResponsesService(body, history, mine, turn)
     answer = await dispatch(context(request), state, service.chat_request(), service)
