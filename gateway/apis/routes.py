@@ -11,6 +11,7 @@ from gateway.apis.admin import admin_wire as ad
 from gateway.apis.batches import batches_routes, batches_wire
 from gateway.apis.chat.chat_serving import CHAT
 from gateway.apis.completions.completions_serving import COMPLETIONS
+from gateway.apis.conversations import conversations_routes, conversations_wire
 from gateway.apis.embeddings import embeddings_wire
 from gateway.apis.embeddings.embeddings_serving import EMBEDDINGS
 from gateway.apis.files import files_routes, files_wire
@@ -74,6 +75,22 @@ TABLE = RouteTable([
     Endpoint("POST", "/v1/responses/{response_id}/cancel", responses_routes.cancel, "api",
              "Cancel a background response",
              None, r.Response),
+    Endpoint("POST", "/v1/conversations", conversations_routes.create, "api", "Create a conversation",
+             conversations_wire.ConversationCreate, conversations_wire.Conversation),
+    Endpoint("GET", "/v1/conversations/{conversation_id}", conversations_routes.by_id, "api", "Retrieve a conversation",
+             None, conversations_wire.Conversation),
+    Endpoint("POST", "/v1/conversations/{conversation_id}", conversations_routes.by_id, "api",
+             "Update a conversation's metadata", conversations_wire.ConversationUpdate, conversations_wire.Conversation),
+    Endpoint("DELETE", "/v1/conversations/{conversation_id}", conversations_routes.by_id, "api",
+             "Delete a conversation", None, conversations_wire.ConversationDeleted),
+    Endpoint("GET", "/v1/conversations/{conversation_id}/items", conversations_routes.items, "api",
+             "List a conversation's items", None, responses_wire.ResponseItemList),
+    Endpoint("POST", "/v1/conversations/{conversation_id}/items", conversations_routes.items, "api",
+             "Add items to a conversation", conversations_wire.ItemsCreate, responses_wire.ResponseItemList),
+    Endpoint("GET", "/v1/conversations/{conversation_id}/items/{item_id}", conversations_routes.item, "api",
+             "Retrieve a conversation's item"),
+    Endpoint("DELETE", "/v1/conversations/{conversation_id}/items/{item_id}", conversations_routes.item, "api",
+             "Delete a conversation's item", None, conversations_wire.Conversation),
     Endpoint("POST", "/v1/files", files_routes.upload, "api",
              "Upload a file (multipart/form-data: file, purpose batch)",
              None, f.FileObject, upload=True),

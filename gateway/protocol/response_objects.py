@@ -137,6 +137,12 @@ class IncompleteDetails(_Out):
     reason: Literal["max_output_tokens", "content_filter"]
 
 
+class ConversationRef(_Out):
+    """The conversation a response belongs to (its input and output were added to it)."""
+
+    id: str
+
+
 class Response(_Out):
     id: str
     object: Literal["response"] = "response"
@@ -144,6 +150,7 @@ class Response(_Out):
     status: Status
     background: bool = False
     completed_at: int | None = None
+    conversation: ConversationRef | None = None
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None

@@ -1,5 +1,6 @@
-"""The Responses API's store: stored responses and their input items in the cache's backend (Redis or memory), reached
-only through their owner's view, plus the background runs of this process."""
+"""The Responses API's store: stored responses and their input items, and conversations (`apis.conversations`), in the
+cache's backend (Redis or memory), reached only through their owner's view, plus the background runs of this
+process."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import structlog
 from pydantic import BaseModel
@@ -56,9 +57,18 @@ def not_found(response_id: str) -> NotFound:
     return NotFound(f"Response with id '{response_id}' not found.", param="response_id")
 
 
-ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # ours are `resp_<hex>`; anything else can name nothing stored
+class Kind(NamedTuple):
+    """A kind of stored object: the prefix of its ids (`resp_`, `conv_`), and its unknown id's 404."""
+
+    prefix: str
+    missing: Callable[[str], NotFound]
+
+
+RESPONSE = Kind("resp_", not_found)
+ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # ours are `<prefix><hex>`; anything else can name nothing stored
 RUNNING = ("queued", "in_progress")
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(slots=True)
@@ -80,22 +90,38 @@ class ResponseStore:
 
 @dataclass(slots=True, frozen=True)
 class OwnedResponses:
-    """One owner's stored responses and background runs; another owner's id is an unknown id. Unlike the cache, a read
-    that fails is a 503, not a miss (a follow-up must not lose its conversation); a failed write is only logged."""
+    """One owner's stored objects (responses, conversations) and background runs; another owner's id is an unknown id,
+    and so is an id of another kind. Unlike the cache, a read that fails is a 503, not a miss (a follow-up must not
+    lose its conversation); a failed write of a response is only logged."""
 
     store: ResponseStore
     owner: str
 
-    def _key(self, response_id: str) -> str:
-        if not ID.fullmatch(response_id):  # e.g. `x:resp_1` would name owner `<owner>:x`'s resp_1
-            raise not_found(response_id)
-        return f"{self.owner}:{response_id}"
+    def _key(self, object_id: str, kind: Kind = RESPONSE) -> str:
+        # no `:` (`x:resp_1` would name owner `<owner>:x`'s resp_1), and the kind's own prefix: a conversation's id
+        # never reads a response, nor the other way round
+        if not (ID.fullmatch(object_id) and object_id.startswith(kind.prefix)):
+            raise kind.missing(object_id)
+        return f"{self.owner}:{object_id}"
 
     async def get(self, response_id: str) -> StoredResponse:
-        raw = await self._needed("get", self.store.backend.get(self._key(response_id)))
+        return await self.load(RESPONSE, response_id, StoredResponse)
+
+    async def load(self, kind: Kind, object_id: str, model: type[M]) -> M:
+        """One of this owner's objects of `kind` (its 404 when there is none)."""
+        raw = await self._needed("get", self.store.backend.get(self._key(object_id, kind)))
         if raw is None:
-            raise not_found(response_id)
-        return StoredResponse.model_validate_json(raw)
+            raise kind.missing(object_id)
+        return model.model_validate_json(raw)
+
+    async def keep(self, kind: Kind, object_id: str, value: BaseModel) -> None:
+        """Store one of this owner's objects; a write that fails is a 503 (the caller must not answer as if kept)."""
+        key = self._key(object_id, kind)
+        await self._needed("set", self.store.backend.set(key, value.__pydantic_serializer__.to_json(value)))
+
+    async def drop(self, kind: Kind, object_id: str) -> None:
+        if not await self._needed("delete", self.store.backend.delete(self._key(object_id, kind))):
+            raise kind.missing(object_id)
 
     async def put(self, stored: StoredResponse) -> None:
         key = self._key(stored.response.id)
@@ -109,8 +135,7 @@ class OwnedResponses:
         run = self.store.run_of(self.owner, response_id)
         if run is not None:
             await run.cancel()
-        if not await self._needed("delete", self.store.backend.delete(self._key(response_id))):
-            raise not_found(response_id)
+        await self.drop(RESPONSE, response_id)
 
     async def cancel(self, response_id: str) -> Response:
         """Stop a background response: here if it runs here; on another replica it reads the cancel from the store at

@@ -37,6 +37,9 @@ BODIES: dict[str, dict[str, Any]] = {
     "/stream-generate": {"prompt": "hi", "max_tokens": 2},
     "/chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/responses": {"model": "fake-model", "input": "hi", "max_output_tokens": 16},
+    "/v1/conversations": {"items": [{"role": "user", "content": "hi", "id": "msg_route"}]},
+    "/v1/conversations/{conversation_id}": {"metadata": {"k": "v"}},
+    "/v1/conversations/{conversation_id}/items": {"items": [{"role": "user", "content": "more"}]},
     "/v1/load_lora_adapter": {"lora_name": "route-lora", "lora_path": str(STUB_ADAPTER)},
     "/v1/unload_lora_adapter": {"lora_name": "route-lora"},
 }
@@ -76,6 +79,10 @@ def concrete(client: TestClient, path: str, headers: dict[str, str]) -> str:
         if made.status_code == 200 and not path.endswith("/cancel"):
             ended(client, batch_id)  # its results and its delete need it ended
         return path.replace("{message_batch_id}", batch_id)
+    if "{conversation_id}" in path:
+        made = client.post("/v1/conversations", json=BODIES["/v1/conversations"], headers=headers)
+        path = path.replace("{conversation_id}", made.json()["id"] if made.status_code == 200 else "conv_none")
+        return path.replace("{item_id}", "msg_route")
     if "{response_id}" not in path:
         return path.replace("{model:path}", "fake-model")
     made = client.post("/v1/responses", json={**BODIES["/v1/responses"], "background": True}, headers=headers)

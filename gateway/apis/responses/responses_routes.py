@@ -13,8 +13,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message
 
+from gateway.apis.conversations.conversations_serving import Conversations, joined
 from gateway.apis.responses.responses_serving import ResponsesService, history_of
-from gateway.apis.responses.responses_wire import InputItemsQuery, ResponseDeleted, ResponseItemList, ResponsesRequest
+from gateway.apis.responses.responses_wire import InputItemsQuery, ResponseDeleted, ResponsesRequest, item_page
 from gateway.errors import InvalidRequest
 from gateway.pipeline.answer import Stream
 from gateway.pipeline.context import context_of
@@ -36,8 +37,9 @@ def _mine(request: Request) -> OwnedResponses:
 async def create(request: Request) -> Response:
     body = await parse(request, ResponsesRequest)
     state, mine = state_of(request), _mine(request)
-    history = await history_of(mine, body.previous_response_id)
-    service = ResponsesService(body, history, mine)
+    turn = await joined(Conversations(mine, state.settings.max_body_bytes), body)  # its `conversation`, if it names one
+    history = turn.items if turn else await history_of(mine, body.previous_response_id)
+    service = ResponsesService(body, history, mine, turn)
     answer = await dispatch(context(request), state, service.chat_request(), service)
     if isinstance(answer, Stream):
         if body.background:
@@ -86,18 +88,7 @@ async def by_id(request: Request) -> Response:
 async def input_items(request: Request) -> Response:
     query = InputItemsQuery.model_validate(dict(request.query_params))
     stored = await _mine(request).get(request.path_params["response_id"])
-    items = stored.input_items if query.order == "asc" else stored.input_items[::-1]
-    start = 0
-    if query.after is not None:
-        ids = [item.id for item in items]
-        if query.after not in ids:
-            raise InvalidRequest(f"No input item with id '{query.after}' in this response", "after")
-        start = ids.index(query.after) + 1
-    page = items[start : start + query.limit]
-    return json_response(ResponseItemList(
-        data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
-        has_more=start + query.limit < len(items),
-    ))
+    return json_response(item_page(stored.input_items, query, "this response's input"))
 
 
 async def cancel(request: Request) -> Response:

@@ -1,9 +1,10 @@
 """The Responses API (`/v1/responses`) on the chat pipeline: the request's `input` becomes items (as a
-response keeps them), and the conversation (the `previous_response_id` chain's items, then these) a chat
-request, which the dispatcher runs as any (its refusals in this API's terms); this answers a `Response` or its
+response keeps them), and the conversation (the `previous_response_id` chain's items, or a `conversation`'s
+(`Joined`), then these) a chat request, which the dispatcher runs as any (its refusals in this API's terms); this answers a `Response` or its
 events (`responses_wire.ResponseEvents`). A cut answer is `incomplete`; a failure after the first event is
 `response.failed`. With `store`, a stream stores its response from `response.created` on and again before its
 last event (cancelled, with the items done so far, if it stops early); a whole answer is stored by the route.
+Storing a completed or incomplete answer also adds the turn to its `conversation`, once.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import structlog
 from pydantic import BaseModel
@@ -23,6 +24,7 @@ from gateway.apis.responses.responses_wire import (
     TEXT_PARTS,
     FunctionCallInput,
     FunctionCallOutputInput,
+    InputItem,
     InputPart,
     MessageInput,
     ResponseEvents,
@@ -33,6 +35,7 @@ from gateway.errors import APIError, InvalidRequest, NotFound, from_exception
 from gateway.guards.guarding import UNGUARDED, RequestGuard
 from gateway.protocol.openai import ChatCompletionRequest, Usage
 from gateway.protocol.response_objects import (
+    ConversationRef,
     FunctionCallOutput,
     FunctionToolCall,
     IncompleteDetails,
@@ -57,6 +60,12 @@ log = structlog.get_logger(__name__)
 CANCEL_CHECK_S = 1.0  # a background response looks this often for a cancel made on another replica
 
 
+class Joined(Protocol):
+    """The conversation a request continues (`apis.conversations`): where its finished turn goes."""
+
+    async def add(self, given: list[Item], output: list[OutputItem]) -> None: ...
+
+
 # --- the request: its input as items, the conversation as a chat request ----------------------
 
 
@@ -64,13 +73,23 @@ CANCEL_CHECK_S = 1.0  # a background response looks this often for a cancel made
 RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
+def conversation_of(request: ResponsesRequest) -> ConversationRef | None:
+    given = request.conversation
+    return ConversationRef(id=given if isinstance(given, str) else given.id) if given is not None else None
+
+
 def request_items(request: ResponsesRequest) -> list[Item]:
     """The request's input as items (a string is one user message)."""
-    if request.input is None:
+    return input_items(request.input, "input")
+
+
+def input_items(given: list[InputItem] | str | None, param: str) -> list[Item]:
+    """Input items (the `param` field's) as a response keeps them."""
+    if given is None:
         return []
-    if isinstance(request.input, str):
-        return [InputMessage(id=new_id("msg"), role="user", content=[InputText(text=request.input)])]
-    return [_item(item, f"input.{i}") for i, item in enumerate(request.input)]
+    if isinstance(given, str):
+        return [InputMessage(id=new_id("msg"), role="user", content=[InputText(text=given)])]
+    return [_item(item, f"{param}.{i}") for i, item in enumerate(given)]
 
 
 def _item(item: MessageInput | FunctionCallInput | FunctionCallOutputInput, param: str) -> Item:
@@ -219,9 +238,13 @@ class ResponsesService:
     task: Task = "generate"
     answer_type = Response
 
-    def __init__(self, request: ResponsesRequest, history: list[Item], mine: OwnedResponses) -> None:
+    def __init__(
+        self, request: ResponsesRequest, history: list[Item], mine: OwnedResponses, joined: Joined | None = None
+    ) -> None:
         self.request, self.mine = request, mine  # `mine`: the asking tenant's stored responses
-        self.items = [*history, *request_items(request)]  # what the model reads, as kept
+        self.input = request_items(request)
+        self.items = [*history, *self.input]  # what the model reads, as kept
+        self.joined = joined  # the conversation the turn is added to, once answered (`save`)
         self.id, self.created = new_id("resp"), now()
         self.model = request.model
         self.service_tier = "default"  # the tier it ran in (tenancy.priority), once prepared
@@ -281,7 +304,7 @@ class ResponsesService:
             parallel_tool_calls=r.parallel_tool_calls, previous_response_id=r.previous_response_id, store=r.store,
             temperature=1.0 if r.temperature is None else r.temperature, top_p=1.0 if r.top_p is None else r.top_p,
             text=text, tool_choice=choice or "auto", user=r.user, metadata=r.metadata or {},
-            service_tier=self.service_tier,
+            service_tier=self.service_tier, conversation=conversation_of(r),
             tools=[tool.model_dump(mode="json", exclude_none=True) for tool in r.tools or []],
         )
 
@@ -302,6 +325,9 @@ class ResponsesService:
         response = response or self.answer
         if self.request.store and response is not None:
             await self.mine.put(StoredResponse(response=response, input_items=self.items))
+        if self.joined is not None and response is not None and response.status in ("completed", "incomplete"):
+            joined, self.joined = self.joined, None  # the turn is added once
+            await joined.add(self.input, response.output)
 
     async def cancelled(self) -> Response:
         """A background response after its stop: as stored (cancelled by its stream, or ended

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from gateway.errors import InvalidRequest
 from gateway.protocol.openai import INT64_MAX, _Request
 from gateway.protocol.response_objects import (
     FunctionToolCall,
@@ -117,6 +118,19 @@ class TextConfig(_Request):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+def known_items(value: Any) -> Any:
+    """Items of the kinds this server takes, refused by position otherwise (a list's validator, before parsing)."""
+    for i, item in enumerate(value if isinstance(value, list) else []):
+        kind = _item_kind(item)
+        if kind not in INPUT_ITEMS:
+            raise ValueError(f"item {i} is a {kind!r} item; this server takes {', '.join(INPUT_ITEMS)} items")
+    return value
+
+
+class ConversationParam(_Request):
+    id: str
+
+
 class ResponsesRequest(_Request):
     """POST /v1/responses."""
 
@@ -124,6 +138,7 @@ class ResponsesRequest(_Request):
     input: list[InputItem] | str | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
+    conversation: str | ConversationParam | None = None  # its items come first, the turn is added (apis.conversations)
     max_output_tokens: Annotated[int, Field(ge=16, le=INT64_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
@@ -145,14 +160,7 @@ class ResponsesRequest(_Request):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    @field_validator("input", mode="before")
-    @classmethod
-    def _known_items(cls, value: Any) -> Any:
-        for i, item in enumerate(value if isinstance(value, list) else []):
-            kind = _item_kind(item)
-            if kind not in INPUT_ITEMS:
-                raise ValueError(f"input[{i}] is a {kind!r} item; this server takes {', '.join(INPUT_ITEMS)} items")
-        return value
+    _known_items = field_validator("input", mode="before")(known_items)
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -185,6 +193,21 @@ class ResponseItemList(_Out):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+
+def item_page(items: list[Item], query: InputItemsQuery, where: str) -> ResponseItemList:
+    """A page of `items` (kept oldest first) as `query` asks; `where`: what holds them, for the refusal of an unknown
+    `after`."""
+    ordered = items if query.order == "asc" else items[::-1]
+    start = 0
+    if query.after is not None:
+        ids = [item.id for item in ordered]
+        if query.after not in ids:
+            raise InvalidRequest(f"No item with id '{query.after}' in {where}", "after")
+        start = ids.index(query.after) + 1
+    page = ordered[start : start + query.limit]
+    return ResponseItemList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+                            has_more=start + query.limit < len(ordered))
 
 
 class InputItemsQuery(_Request):

@@ -1,0 +1,68 @@
+"""The Conversations API's routes: create, retrieve, update, delete a conversation; add, list, retrieve, delete its
+items. Each goes through the asking key's tenant's view of the store (`conversations_serving.Conversations`)."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.apis.conversations.conversations_serving import Conversations
+from gateway.apis.conversations.conversations_wire import (
+    ConversationCreate,
+    ConversationDeleted,
+    ConversationUpdate,
+    ItemsCreate,
+)
+from gateway.apis.responses.responses_serving import input_items
+from gateway.apis.responses.responses_wire import InputItemsQuery, ResponseItemList, item_page
+from gateway.pipeline.context import context_of
+from gateway.web.answers import json_response
+from gateway.web.requests import parse, state_of
+
+
+def _theirs(request: Request) -> tuple[Conversations, str]:
+    """The asking tenant's conversations, and the one the path names."""
+    state = state_of(request)
+    mine = state.responses.of(context_of(request.scope).tenant)  # the tenant: the same on every replica
+    return Conversations(mine, state.settings.max_body_bytes), request.path_params.get("conversation_id", "")
+
+
+async def create(request: Request) -> Response:
+    body = await parse(request, ConversationCreate)
+    return json_response(await _theirs(request)[0].create(body))
+
+
+async def by_id(request: Request) -> Response:
+    """GET (retrieve), POST (update its metadata) and DELETE /v1/conversations/{conversation_id}."""
+    conversations, conversation_id = _theirs(request)
+    if request.method == "DELETE":
+        await conversations.delete(conversation_id)
+        return json_response(ConversationDeleted(id=conversation_id))
+    if request.method == "POST":
+        body = await parse(request, ConversationUpdate)
+        return json_response(await conversations.update(conversation_id, body.metadata))
+    return json_response((await conversations.get(conversation_id)).conversation)
+
+
+async def items(request: Request) -> Response:
+    """GET (list, newest first unless `order=asc`) and POST (add) /v1/conversations/{conversation_id}/items."""
+    conversations, conversation_id = _theirs(request)
+    if request.method == "POST":
+        body = await parse(request, ItemsCreate)
+        added = input_items(body.items, "items")
+        await conversations.add(conversation_id, added, [item.id for item in body.items])
+        return json_response(ResponseItemList(data=added, first_id=added[0].id if added else None,
+                                              last_id=added[-1].id if added else None, has_more=False))
+    query = InputItemsQuery.model_validate(dict(request.query_params))
+    stored = await conversations.get(conversation_id)
+    return json_response(item_page(stored.items, query, "this conversation"))
+
+
+async def item(request: Request) -> Response:
+    """GET (retrieve) and DELETE /v1/conversations/{conversation_id}/items/{item_id}; a delete answers the
+    conversation."""
+    conversations, conversation_id = _theirs(request)
+    item_id = request.path_params["item_id"]
+    if request.method == "DELETE":
+        return json_response(await conversations.remove_item(conversation_id, item_id))
+    return json_response(await conversations.item(conversation_id, item_id))
