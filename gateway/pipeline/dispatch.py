@@ -3,22 +3,32 @@
 then try them in order (`attempt.Attempt`: one model's try). Only
 *fallible* errors (`gateway.errors`: the model overloaded, its engine dead, its upstream down),
 which happen before the first byte, move on to the next model; the last one is the answer when no
-model is left. The request's `Charge` settles when its answer ends.
+model is left. A stream whose backend fails past its first byte goes on down the same chain
+(`onward`: the answer so far continued by the next model that can, `serving.continuation`). The
+request's `Charge` settles when its answer ends.
 """
 
 from __future__ import annotations
 
-from gateway.backends.registry import Access
-from gateway.errors import APIError, BackendUnavailable, InvalidRequest, from_exception
+from collections.abc import Sequence
+from dataclasses import replace
+
+import structlog
+
+from gateway.backends.registry import Access, Backend
+from gateway.errors import APIError, BackendUnavailable, ClientDisconnected, InvalidRequest, from_exception
 from gateway.guards.guarding import RequestGuard
 from gateway.pipeline.answer import Answer
 from gateway.pipeline.attempt import Attempt, Shape
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.state import GatewayState
+from gateway.serving.continuation import Onward, Part
 from gateway.serving.service import AnswerT, PreparedT, RequestT, Service
 from gateway.telemetry import metrics
 from gateway.tenancy.keys import ANONYMOUS
 from gateway.tenancy.tenants import KeyPolicy
+
+log = structlog.get_logger(__name__)
 
 
 def policy_of(context: RequestContext, state: GatewayState) -> KeyPolicy:
@@ -57,6 +67,52 @@ def guard_on(context: RequestContext, state: GatewayState, asked: str, answering
     return guard
 
 
+def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Sequence[Backend],
+           guard: RequestGuard) -> Onward:
+    """Where a stream goes when `failed` fails past its first byte: the next model of `rest` (the
+    models after it that the key may reach, as `dispatch` resolved them) that takes the request
+    continued after the text so far, prepared and admitted as any try (its guard `guard_on`'s, the
+    charge the request's one); None when no model is left, or the answer cannot be continued.
+    What a replica that resumes another's stream calls, with the stream's text and tokens."""
+    context, state, body, hops = attempt.context, attempt.state, attempt.body, list(rest)
+
+    async def following(text: str, tokens: int) -> Part | None:
+        nonlocal failed, guard
+        continued = body.continued(text, tokens)
+        while continued is not None and hops:
+            backend = hops.pop(0)
+            guard = guard_on(context, state, body.model, backend.name, guard)
+            hop = Attempt(context, state, continued[0], attempt.service, attempt.shape, attempt.policy)
+            try:
+                prepared = await hop.prepared(backend, guard)
+                generation = prepared.sole()
+                if generation is None:
+                    continue
+                permit = await hop.admit(backend)
+            except Exception as exc:  # this model cannot continue it (remote for an embedded-only API, busy)
+                error = from_exception(exc)
+                if isinstance(error, ClientDisconnected) or not (error.fallible or error.status < 500):
+                    raise
+                log.info("failover_skipped", model=backend.name, error=type(exc).__name__)
+                continue
+            _switched(context, failed, backend.name)
+            failed = backend.name
+            generation = replace(generation, priority=hop.scheduled.priority)
+            return Part(prepared.engine, generation, permit.release, held=continued[1])
+        return None
+
+    return following
+
+
+def _switched(context: RequestContext, failed: str, following: str) -> None:
+    """A stream's switch of model, named in its access line, a metric and its trace."""
+    record = context.record
+    record.failover = [*(record.failover or []), f"{failed}>{following}"]
+    metrics.labelled(metrics.STREAM_FAILOVERS, failed, following).inc()
+    if record.trace is not None:
+        record.trace.server.add_event("gateway.failover", {"gateway.failover.from": failed, "gateway.failover.to": following})
+
+
 async def dispatch(
     context: RequestContext,
     state: GatewayState,
@@ -77,12 +133,13 @@ async def dispatch(
     attempt = Attempt(context, state, body, service, shape, policy)
     failure: APIError | None = None
     guard: RequestGuard | None = None
-    for backend in chain:
+    for at, backend in enumerate(chain):
         if failure is not None:
             metrics.labelled(metrics.FALLBACKS, chain[0].name, backend.name).inc()
         guard = guard_on(context, state, body.model, backend.name, guard)
+        rest = chain[at + 1 :]
         try:
-            answer = await attempt.on(backend, guard)
+            answer = await attempt.on(backend, guard, onward(attempt, backend.name, rest, guard) if rest else None)
         except Exception as exc:
             error = from_exception(exc)
             if not error.fallible:
