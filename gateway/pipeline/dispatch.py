@@ -150,3 +150,17 @@ async def dispatch(
         record.response_headers["x-served-model"] = backend.name
         return answer
     raise failure or BackendUnavailable("No model could answer")
+
+
+async def resume(context: RequestContext, state: GatewayState, body: RequestT,
+                 service: Service[RequestT, PreparedT, AnswerT], text: str, tokens: int,
+                 shape: Shape | None = None) -> tuple[Answer, str]:
+    """An answer whose generation was lost with the process that ran it, answered on from `text`
+    (its first `tokens`) on any replica: the request continued (`ModelRequest.continued`) on the one
+    journey (`dispatch`: the key's reach, guards, charge, admission, fallbacks). The answer holds the
+    continuation's events only (the caller splices them after those already sent, under their ids);
+    with it, the whitespace held back from `text`, which the continuation's first text may repeat."""
+    continued = body.continued(text, tokens)
+    if continued is None:
+        raise BackendUnavailable("This answer cannot be continued on another model (tool calls, structured output, n > 1)")
+    return await dispatch(context, state, continued[0], service, shape), continued[1]

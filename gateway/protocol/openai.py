@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # a number of tokens
@@ -187,9 +187,15 @@ class ChatCompletionRequest(SamplingFields):
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
-            raise ValueError("continue_final_message needs add_generation_prompt false and an assistant message last")
         return self
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continues_an_assistant_turn(cls, value: bool, info: ValidationInfo) -> bool:
+        messages, prompt = info.data.get("messages"), info.data.get("add_generation_prompt")
+        if value and (prompt or not messages or messages[-1].role != "assistant"):
+            raise ValueError("continue_final_message needs add_generation_prompt false and an assistant message last")
+        return value
 
     def continued(self, text: str, tokens: int) -> tuple[Self, str] | None:
         """The conversation with `text` as a partial assistant turn to continue (`continue_final_message`),

@@ -15,11 +15,15 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine.errors import EngineUnavailable
-from engine.types import GenerationOutput, GenerationRequest
+from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest
+from gateway.apis.chat.chat_serving import CHAT
 from gateway.app import create_app
+from gateway.pipeline.answer import Stream
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.dispatch import resume
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.telemetry import metrics
-from tests.fakes import REPLY, FakeEngine, fake_settings
+from tests.fakes import REPLY, FakeEngine, app_with, fake_settings
 from tests.scripted_upstream import scripted
 
 MODELS = """
@@ -88,7 +92,6 @@ class Continuing(FakeEngine):
         for step in range(request.sampling.max_tokens):
             last = step == request.sampling.max_tokens - 1
             word = REPLY[(start + step) % len(REPLY)]
-            from engine.types import ChoiceDelta
             text = word if start + step == 0 else " " + word
             yield GenerationOutput(len(request.prompt_token_ids), [ChoiceDelta(0, text, [1000 + step], "length" if last else None)],
                                    finished=last)
@@ -301,8 +304,10 @@ def test_our_chat_api_takes_continue_final_message(client, engines) -> None:
     answer = client.post("/v1/chat/completions", json=body, headers=AUTH)
     assert answer.json()["choices"][0]["message"]["content"] == " brown fox"
     assert engines["rescue"].requests[-1].prompt_text.endswith("<assistant> the quick")
-    bad = client.post("/v1/chat/completions", json={**body, "add_generation_prompt": True}, headers=AUTH)
-    assert bad.status_code == 400
+    for wrong in ({"add_generation_prompt": True}, {"messages": QUESTION}):
+        bad = client.post("/v1/chat/completions", json={**body, **wrong}, headers=AUTH)
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "continue_final_message"
 
 
 def test_the_output_guard_sees_the_joined_answer_as_one_stream(client) -> None:
@@ -314,3 +319,17 @@ def test_the_output_guard_sees_the_joined_answer_as_one_stream(client) -> None:
     assert text.startswith("the quick ")
     assert text.endswith(" jumps over")
     assert text == "the quick [FOX] jumps over"
+
+
+async def test_resume_answers_on_from_the_text_so_far() -> None:
+    """`dispatch.resume`: what a replica calls for a stream whose generation died with another one."""
+    engine = Continuing("fake-model")
+    app = app_with(engine)
+    body = ChatCompletionRequest.model_validate({"model": "fake-model", "messages": QUESTION, "max_tokens": 6, "stream": True})
+    async with app.router.lifespan_context(app) as state:
+        answer, held = await resume(RequestContext(), state["gateway"], body, CHAT, "the quick brown ", 3)
+        assert isinstance(answer, Stream)
+        chunks = [json.loads(chunk) async for chunk in answer.events]
+    assert held == " "
+    assert chat_text(chunks) == " fox jumps over"
+    assert engine.requests[-1].prompt_text.endswith("<assistant> the quick brown")
