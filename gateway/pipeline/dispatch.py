@@ -10,7 +10,7 @@ request's `Charge` settles when its answer ends.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import structlog
@@ -95,11 +95,17 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
                     raise
                 log.info("failover_skipped", model=backend.name, error=type(exc).__name__)
                 continue
-            _switched(context, failed, backend.name)
-            failed = backend.name
             generation = replace(generation, priority=hop.scheduled.priority)
-            return Part(prepared.engine, generation, permit.release, held=continued[1])
+            return Part(prepared.engine, generation, permit.release, continued[1], switched(backend.name))
         return None
+
+    def switched(following: str) -> Callable[[], None]:
+        def started() -> None:  # named once it answers: a model that refuses to continue is no switch
+            nonlocal failed
+            _switched(context, failed, following)
+            failed = following
+
+        return started
 
     return following
 

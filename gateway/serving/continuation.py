@@ -42,6 +42,7 @@ class Part:
     request: GenerationRequest
     release: Callable[[], None] = lambda: None
     held: str = ""  # the partial's trailing whitespace, which the continuation's text may repeat
+    started: Callable[[], None] = lambda: None  # at its first output: the switch to it happened
 
 
 # the next part for the text produced so far and its output tokens; None: nothing can continue it
@@ -102,6 +103,7 @@ class _Seam:
         self.before_prompt = self.before_tokens = 0  # the parts before it
         self.held = ""
         self.continuable = True  # no tool call a backend parsed, no reasoning: plain text to continue
+        self.finished = False  # the answer ended: a failure after it leaves nothing to continue
 
     def take(self, output: GenerationOutput, estimated: int) -> GenerationOutput:
         """The output counted, then as the joined generation reports it (its usage the parts' sum)."""
@@ -115,6 +117,7 @@ class _Seam:
             self.text.append(delta.text)
             self.tokens += len(delta.token_ids)
             self.continuable = self.continuable and not delta.tool_calls and not delta.reasoning
+            self.finished = self.finished or delta.finish_reason is not None
             deltas.append(delta)
         if not self.before_prompt and not self.before_tokens:
             return replace(output, choices=deltas)
@@ -144,12 +147,16 @@ async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput,
         started = False
         try:
             async for output in outputs:
-                started = True
+                if not started:
+                    started = True
+                    part.started()
                 yield seam.take(output, estimated)
             return
         except Exception as exc:
-            # before any output the pipeline's fallback decides; a failure that is no backend's is the stream's
-            if (first and not started) or not seam.continuable or (started and not from_exception(exc).fallible):
+            # before any output the pipeline's fallback decides; a failure that is no backend's, or after the
+            # answer's end (nothing to continue), is the stream's
+            if (first and not started) or not seam.continuable or seam.finished or \
+                    (started and not from_exception(exc).fallible):
                 raise
             log.info("stream_failover", failed=part.generator.info.name, error=type(exc).__name__, started=started)
             failure = exc

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import structlog.testing
 from starlette.testclient import TestClient
 
 from engine.errors import EngineUnavailable
@@ -36,13 +37,14 @@ models:
   - {name: remote-dying, kind: remote, url: UPSTREAM/v1, fallback: [rescue]}
   - {name: alone}
   - {name: hopeless, fallback: [remote-refusing]}
+  - {name: refused-then-rescued, fallback: [remote-refusing, rescue]}
   - {name: remote-refusing, kind: remote, url: UPSTREAM/v1}
 """
 KEYS = """
 keys:
   guarded: {key: sk-guarded, guards: strict, models: [dying, rescue]}
   tenant: {key: sk-tenant, models: [dying, rescue, dying-to-remote, remote-rescue, remote-dying, alone, hopeless,
-                                    remote-refusing]}
+                                    remote-refusing, refused-then-rescued]}
 """
 GUARDS = """
 profiles:
@@ -141,7 +143,8 @@ def upstream(request: httpx.Request) -> httpx.Response:
 @pytest.fixture(scope="module")
 def engines() -> dict[str, FakeEngine]:
     return {"dying": Dying("dying"), "hidden": FakeEngine("hidden"), "rescue": Continuing("rescue"),
-            "dying-to-remote": Dying("dying-to-remote"), "alone": Dying("alone"), "hopeless": Dying("hopeless")}
+            "dying-to-remote": Dying("dying-to-remote"), "alone": Dying("alone"), "hopeless": Dying("hopeless"),
+            "refused-then-rescued": Dying("refused-then-rescued")}
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +221,15 @@ def test_a_fallback_the_key_may_not_use_is_skipped(client, engines) -> None:
     hidden = len(engines["hidden"].requests)
     assert chat_text(chat(client, "dying")) == WHOLE
     assert len(engines["hidden"].requests) == hidden
+
+
+def test_a_model_that_cannot_continue_is_passed_over_and_the_switch_is_logged(client) -> None:
+    with structlog.testing.capture_logs() as logs:
+        chunks = chat(client, "refused-then-rescued")
+    assert chat_text(chunks) == WHOLE
+    assert not [c for c in chunks if "error" in c]
+    line = next(entry for entry in logs if entry["event"] == "request")
+    assert line["failover"] == ["refused-then-rescued>rescue"]  # the one that refused never answered
 
 
 def test_without_a_fallback_the_stream_ends_with_one_error_event(client) -> None:
