@@ -76,8 +76,8 @@ def test_a_killed_engine_fails_liveness_and_its_requests_fall_back(doomed) -> No
 
     text, chunks = joined_stream(base, gateway)  # the engine core dies after its first pieces
     assert all("error" not in chunk for chunk in chunks), chunks[-1]
-    # the same model at temperature 0 on both sides of the seam: the same text (see docs/fallbacks.md
-    # for the caveat: a partial re-tokenized at the seam may differ from the tokens it was made of)
+    # the same model at temperature 0 on both sides of the seam: the same text (docs/models.md#mid-stream-failover:
+    # the caveat: a partial re-tokenized at the seam may split into other tokens than it was made of)
     assert text == uninterrupted
     assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0].get("finish_reason")] == ["length"]
     assert sum("role" in c["choices"][0]["delta"] for c in chunks if c.get("choices")) == 1
