@@ -61,8 +61,8 @@ def guard_on(context: RequestContext, state: GatewayState, asked: str, answering
     if before is not None and guard.profile is before.profile:
         return before
     if guard.active:  # its notes are the access line's (the same lists, filled as the request goes)
-        if before is not None:
-            guard.actions[:0], guard.matches[:0] = before.actions, before.matches
+        if before is not None:  # the hop before's lists: a stream's output guard goes on past a switch
+            guard.actions, guard.matches = before.actions, before.matches
         record.guards, record.guard_matches = guard.actions, guard.matches
     return guard
 
@@ -73,11 +73,11 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
     models after it that the key may reach, as `dispatch` resolved them) that takes the request
     continued after the text so far, prepared and admitted as any try (its guard `guard_on`'s, the
     charge the request's one); None when no model is left, or the answer cannot be continued.
-    What a replica that resumes another's stream calls, with the stream's text and tokens."""
+    Each switch is named (`_switched`) once the model switched to answers."""
     context, state, body, hops = attempt.context, attempt.state, attempt.body, list(rest)
 
     async def following(text: str, tokens: int) -> Part | None:
-        nonlocal failed, guard
+        nonlocal guard
         continued = body.continued(text, tokens)
         while continued is not None and hops:
             backend = hops.pop(0)
@@ -88,6 +88,7 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
                 generation = prepared.sole()
                 if generation is None:
                     continue
+                hop.deadline = None  # the first byte's, long sent: the queue's own wait bounds it
                 permit = await hop.admit(backend)
             except Exception as exc:  # this model cannot continue it (remote for an embedded-only API, busy)
                 error = from_exception(exc)

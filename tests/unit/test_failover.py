@@ -38,13 +38,17 @@ models:
   - {name: alone}
   - {name: hopeless, fallback: [remote-refusing]}
   - {name: refused-then-rescued, fallback: [remote-refusing, rescue]}
+  - {name: dying-strict, guards: strict, fallback: [rescue-lenient]}
+  - {name: rescue-lenient, guards: lenient}
+  - {name: mix, kind: split, versions: {dying-strict: 1}}
   - {name: remote-refusing, kind: remote, url: UPSTREAM/v1}
 """
 KEYS = """
 keys:
   guarded: {key: sk-guarded, guards: strict, models: [dying, rescue]}
   tenant: {key: sk-tenant, models: [dying, rescue, dying-to-remote, remote-rescue, remote-dying, alone, hopeless,
-                                    remote-refusing, refused-then-rescued]}
+                                    remote-refusing, refused-then-rescued,
+                                    dying-strict, rescue-lenient, mix]}
 """
 GUARDS = """
 profiles:
@@ -52,6 +56,9 @@ profiles:
     output:
       deny: [{pattern: "brown fox", action: redact, name: fox}]
       holdback_chars: 16
+  lenient:
+    input:
+      deny: [{pattern: "never said", action: redact, name: never}]
 """
 AUTH = {"Authorization": "Bearer sk-tenant"}
 QUESTION = [{"role": "user", "content": "hi"}]
@@ -144,7 +151,8 @@ def upstream(request: httpx.Request) -> httpx.Response:
 def engines() -> dict[str, FakeEngine]:
     return {"dying": Dying("dying"), "hidden": FakeEngine("hidden"), "rescue": Continuing("rescue"),
             "dying-to-remote": Dying("dying-to-remote"), "alone": Dying("alone"), "hopeless": Dying("hopeless"),
-            "refused-then-rescued": Dying("refused-then-rescued")}
+            "refused-then-rescued": Dying("refused-then-rescued"), "dying-strict": Dying("dying-strict"),
+            "rescue-lenient": Continuing("rescue-lenient")}
 
 
 @pytest.fixture(scope="module")
@@ -345,3 +353,15 @@ async def test_resume_answers_on_from_the_text_so_far() -> None:
     assert held == " "
     assert chat_text(chunks) == " fox jumps over"
     assert engine.requests[-1].prompt_text.endswith("<assistant> the quick brown")
+
+
+def test_the_output_guard_of_the_model_that_began_goes_on_and_is_logged(client) -> None:
+    """Through a split (a name without a profile), the next model's profile is its own (its input
+    checks on the continued request), the output guard still the one that began the answer: its
+    redaction across the seam is in the access line."""
+    with structlog.testing.capture_logs() as logs:
+        chunks = chat(client, "mix")
+    assert chat_text(chunks) == "the quick [FOX] jumps over"
+    line = next(entry for entry in logs if entry["event"] == "request")
+    assert line["failover"] == ["dying-strict>rescue-lenient"]
+    assert "output:fox:redact" in line["guards"]
