@@ -106,9 +106,10 @@ class Continuing(FakeEngine):
                                    finished=last)
 
 
-def _chunk(text: str, finish: str | None = None, usage: dict[str, int] | None = None) -> bytes:
-    body: dict[str, Any] = {"id": "up", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}] if usage is None else []}
+def _chunk(text: str, finish: str | None = None, usage: dict[str, int] | None = None, chat: bool = True) -> bytes:
+    choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+    body: dict[str, Any] = {"id": "up", "object": "chat.completion.chunk" if chat else "text_completion", "created": 1,
+                            "model": "m", "choices": [{**choice, "finish_reason": finish}] if usage is None else []}
     if usage is not None:
         body["usage"] = usage
     return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -136,15 +137,17 @@ def upstream(request: httpx.Request) -> httpx.Response:
     headers = {"content-type": "text/event-stream"}
     if payload["model"] == "remote-refusing":
         return httpx.Response(400, json={"error": {"message": "Extra inputs are not permitted: continue_final_message"}})
-    if payload.get("continue_final_message"):
-        assert payload["add_generation_prompt"] is False
-        start = _offset(payload["messages"][-1]["content"])
+    chat = request.url.path.endswith("/chat/completions")
+    if payload.get("continue_final_message") or (not chat and payload["prompt"].endswith("the quick brown")):
+        assert not chat or payload["add_generation_prompt"] is False
+        start = _offset(payload["messages"][-1]["content"] if chat else payload["prompt"])
         words = [" " + REPLY[start + i] for i in range(payload["max_tokens"])]
-        chunks = [_chunk(w, "length" if i == len(words) - 1 else None) for i, w in enumerate(words)]
-        chunks.append(_chunk("", usage={"prompt_tokens": 20, "completion_tokens": len(words), "total_tokens": 20 + len(words)}))
+        chunks = [_chunk(w, "length" if i == len(words) - 1 else None, chat=chat) for i, w in enumerate(words)]
+        usage = {"prompt_tokens": 20, "completion_tokens": len(words), "total_tokens": 20 + len(words)}
+        chunks.append(_chunk("", usage=usage, chat=chat))
         return httpx.Response(200, headers=headers, stream=Cut([*chunks, b"data: [DONE]\n\n"], broken=False))
     words = [REPLY[0], *(" " + w for w in REPLY[1:DIES_AFTER])]
-    return httpx.Response(200, headers=headers, stream=Cut([_chunk(w) for w in words], broken=True))
+    return httpx.Response(200, headers=headers, stream=Cut([_chunk(w, chat=chat) for w in words], broken=True))
 
 
 @pytest.fixture(scope="module")
@@ -260,13 +263,19 @@ def test_tool_calls_and_constrained_output_are_not_continued(client, extra) -> N
     assert "error" in chunks[-1]
 
 
-def test_a_completion_goes_on_by_appending_to_its_prompt(client, engines) -> None:
-    body = {"model": "dying", "prompt": "Say: ", "max_tokens": 6, "temperature": 0, "stream": True,
+@pytest.mark.parametrize("model", ["dying", "dying-to-remote", "remote-dying"])
+def test_a_completion_goes_on_by_appending_to_its_prompt(client, engines, model) -> None:
+    body = {"model": model, "prompt": "Say: ", "max_tokens": 6, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    SEEN.clear()
     chunks = events(client.post("/v1/completions", json=body, headers=AUTH))
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == WHOLE
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")] == ["length"]
-    assert engines["rescue"].requests[-1].prompt_text == "Say: the quick brown"
+    assert len({c["id"] for c in chunks}) == 1
+    if model == "dying-to-remote":
+        assert SEEN[-1]["prompt"] == "Say: the quick brown"
+    else:
+        assert engines["rescue"].requests[-1].prompt_text == "Say: the quick brown"
     assert chunks[-1]["usage"]["completion_tokens"] == 6
 
 
