@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import structlog.testing
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from starlette.testclient import TestClient
 
 from engine.errors import EngineUnavailable
@@ -374,3 +377,17 @@ def test_the_output_guard_of_the_model_that_began_goes_on_and_is_logged(client) 
     line = next(entry for entry in logs if entry["event"] == "request")
     assert line["failover"] == ["dying-strict>rescue-lenient"]
     assert "output:fox:redact" in line["guards"]
+
+
+def test_the_trace_names_the_switch(tmp_path: Path) -> None:
+    exporter = InMemorySpanExporter()
+    (tmp_path / "models.yaml").write_text("models:\n  - {name: dying, fallback: [rescue]}\n  - {name: rescue}\n")
+    engines = {"dying": Dying("dying"), "rescue": Continuing("rescue")}
+    settings = fake_settings(models_file=tmp_path / "models.yaml", tracing={"otlp_endpoint": "http://collector.invalid/v1/traces"})
+    app = create_app(settings, engine_starter=lambda es: engines[es.served_model_name], trace_exporter=exporter)
+    with TestClient(app) as test_client:
+        body = {"model": "dying", "messages": QUESTION, "max_tokens": 6, "stream": True}
+        assert chat_text(events(test_client.post("/v1/chat/completions", json=body))) == WHOLE
+    server = next(span for span in exporter.get_finished_spans() if span.kind is SpanKind.SERVER)
+    switches = [dict(event.attributes or {}) for event in server.events if event.name == "gateway.failover"]
+    assert switches == [{"gateway.failover.from": "dying", "gateway.failover.to": "rescue"}]
