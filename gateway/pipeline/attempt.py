@@ -73,10 +73,13 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         on_done, hit = await self._cached(backend)
         if hit is not None:
             return self._replay(hit)
+        failover = None
         if onward is not None and self.body.streams and prepared.sole() is not None:
             prepared.engine = failover = Failover(prepared.engine, onward)  # past its first byte, on down the chain
             on_done = failover.unless_switched(on_done)
         permit = await self.admit(backend)
+        if failover is not None:
+            failover.release = permit.release
         try:
             answer = await self._generate(prepared, permit, on_done)
         except BaseException:

@@ -83,6 +83,7 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
             backend = hops.pop(0)
             guard = guard_on(context, state, body.model, backend.name, guard)
             hop = Attempt(context, state, continued[0], attempt.service, attempt.shape, attempt.policy)
+            hop.readings = attempt.readings  # the one generation's: its fair share counts the tokens it makes
             try:
                 prepared = await hop.prepared(backend, guard)
                 generation = prepared.sole()

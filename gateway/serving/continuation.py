@@ -56,13 +56,16 @@ class Failover:
     def __init__(self, first: Generator, onward: Onward) -> None:
         self.first, self.onward = first, onward
         self.switched = False  # a generation went on on another model
+        # the first model's permit (the pipeline's, once admitted): given back as soon as it fails,
+        # without the answer's tokens (they are not its pace), not held for the rest of the answer
+        self.release: Callable[[], None] = lambda: None
 
     @property
     def info(self) -> ModelInfo:
         return self.first.info
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
-        return joined(Part(self.first, request), self._onward)
+        return joined(Part(self.first, request, lambda: self.release()), self._onward)
 
     async def _onward(self, text: str, tokens: int) -> Part | None:
         part = await self.onward(text, tokens)
@@ -144,7 +147,7 @@ async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput,
         outputs = part.generator.generate(request)
         if not first and request.forward is not None:  # a remote part, held to its share as Run holds the first
             outputs = bounded(outputs, request.sampling.n, request.forward.max_tokens)
-        started = False
+        started = failed = False
         try:
             async for output in outputs:
                 if not started:
@@ -159,10 +162,11 @@ async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput,
                     (started and not from_exception(exc).fallible):
                 raise
             log.info("stream_failover", failed=part.generator.info.name, error=type(exc).__name__, started=started)
-            failure = exc
+            failure, failed = exc, True
         finally:
             await outputs.aclose()
-            part.release()
+            if failed or not first:  # the first part's permit is the stream's, given back at its end, unless it failed
+                part.release()
         following = await onward("".join(seam.text), seam.before_tokens + seam.tokens)
         if following is None:
             raise failure

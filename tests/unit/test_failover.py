@@ -24,7 +24,7 @@ from gateway.apis.chat.chat_serving import CHAT
 from gateway.app import create_app
 from gateway.pipeline.answer import Stream
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.dispatch import resume
+from gateway.pipeline.dispatch import dispatch, resume
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.telemetry import metrics
 from tests.fakes import REPLY, FakeEngine, app_with, fake_settings
@@ -391,3 +391,23 @@ def test_the_trace_names_the_switch(tmp_path: Path) -> None:
     server = next(span for span in exporter.get_finished_spans() if span.kind is SpanKind.SERVER)
     switches = [dict(event.attributes or {}) for event in server.events if event.name == "gateway.failover"]
     assert switches == [{"gateway.failover.from": "dying", "gateway.failover.to": "rescue"}]
+
+
+async def test_the_failed_models_permit_is_given_back_at_the_switch_and_the_next_ones_at_the_end(tmp_path: Path) -> None:
+    (tmp_path / "models.yaml").write_text("models:\n  - {name: dying, fallback: [rescue]}\n  - {name: rescue}\n")
+    engines = {"dying": Dying("dying"), "rescue": Continuing("rescue")}
+    app = create_app(fake_settings(models_file=tmp_path / "models.yaml"), engine_starter=lambda es: engines[es.served_model_name])
+    body = ChatCompletionRequest.model_validate({"model": "dying", "messages": QUESTION, "max_tokens": 6, "stream": True})
+    async with app.router.lifespan_context(app) as state:
+        gateway = state["gateway"]
+        dying, rescue = (gateway.models.backends[name].admission for name in ("dying", "rescue"))
+        answer = await dispatch(RequestContext(), gateway, body, CHAT)
+        assert isinstance(answer, Stream)
+        assert answer.on_close is not None
+        chunks = [json.loads(await anext(answer.events)) for _ in range(DIES_AFTER + 1)]  # the first from the rescue
+        assert chat_text(chunks).endswith(" fox")
+        assert (dying.running, rescue.running) == (0, 1)  # the dead model's room back at once
+        chunks += [json.loads(chunk) async for chunk in answer.events]
+        answer.on_close()
+        assert (dying.running, rescue.running) == (0, 0)
+    assert chat_text(chunks) == WHOLE
