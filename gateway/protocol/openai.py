@@ -199,9 +199,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def continued(self, text: str, tokens: int) -> tuple[Self, str] | None:
         """The conversation with `text` as a partial assistant turn to continue (`continue_final_message`),
-        its trailing whitespace held back (a chat template drops it). Not for several choices, tools or
-        constrained output: a grammar would start again where the text stops, and a call's arguments
-        cut in half are no call."""
+        its trailing whitespace held back (a template may trim it; the next token brings it again).
+        Not for several choices, tools or constrained output: a grammar would start again where the
+        text stops, and a call's arguments cut in half are no call."""
         tools = bool(self.tools) and self.tool_choice != "none"
         if self.n != 1 or tools or (self.response_format is not None and self.response_format.type != "text"):
             return None

@@ -5,9 +5,10 @@ turn: `continue_final_message`; a completion's prompt with the text appended). W
 above see is one generation: `Failover` is the backend they were given, its outputs the joined
 ones, so every streaming API, the output guard and the usage take it as they take any stream.
 
-The seam: the text handed on is what the failed backend produced, its tokens counted; a chat
-template drops a partial turn's trailing whitespace, so that whitespace is held back (`held`) and
-the continuation's first text loses it when it repeats it. Usage: each part's prompt (the
+The seam: the text handed on is what the failed backend produced, its tokens counted, but for
+its trailing whitespace, held back (`held`): some templates trim a partial turn's end, and a
+model's tokens carry their leading space, so the continuation's first text brings it again
+and loses it here when it does. Usage: each part's prompt (the
 continued prompt is prefilled again) and each part's output tokens.
 """
 
