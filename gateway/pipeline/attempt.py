@@ -7,7 +7,7 @@ as engine requests, by the key's priority class), then the generation: one path 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Generic
 
 from pydantic import BaseModel
@@ -25,6 +25,7 @@ from gateway.pipeline.disconnect import unless_gone
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.serving import offload, structured
+from gateway.serving.continuation import Failover, Onward
 from gateway.serving.generation import check_schema_numbers
 from gateway.serving.meter import Readings
 from gateway.serving.service import AnswerT, Forwards, OnDone, PreparedT, RequestT, Service, check_task
@@ -37,9 +38,6 @@ from gateway.tenancy.fairness import Served
 from gateway.tenancy.tenants import KeyPolicy
 
 Shape = Callable[[Event], BaseModel]  # answers and chunks in another form (the native API's)
-
-
-Start = Callable[[Permit, "OnDone[AnswerT] | None"], Awaitable[Answer]]  # a prepared generation, started once admitted
 
 
 class Attempt(Generic[RequestT, PreparedT, AnswerT]):
@@ -66,21 +64,24 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         self.arrived = asyncio.get_running_loop().time()
         self.deadline = context.deadline  # the first byte's; per model, the model's default when the client set none
 
-    async def on(self, backend: Backend, guard: RequestGuard) -> Answer:
+    async def on(self, backend: Backend, guard: RequestGuard, onward: Onward | None = None) -> Answer:
         """The one journey on either backend, under `guard` (the request's on this model): its
         preparation (every refusal, the tokens to charge), the output bound, the charge, the cache,
-        admission, then the generation, the permit held until the answer has been passed on."""
-        self.guard, engine = guard, backend.engine
-        default = backend.admission.settings.deadline_s
-        if self.context.deadline is None:
-            self.deadline = None if default is None else self.arrived + default
-        start = await (self._remote(backend) if engine is None else self._embedded(backend, engine))
+        admission, then the generation, the permit held until the answer has been passed on; a
+        stream that fails past its first byte goes on where `onward` says (`serving.continuation`)."""
+        prepared = await self.prepared(backend, guard)
         on_done, hit = await self._cached(backend)
         if hit is not None:
             return self._replay(hit)
-        permit = await self._admit(backend)
+        failover = None
+        if onward is not None and self.body.streams and prepared.sole() is not None:
+            prepared.engine = failover = Failover(prepared.engine, onward)  # past its first byte, on down the chain
+            on_done = failover.unless_switched(on_done)
+        permit = await self.admit(backend)
+        if failover is not None:
+            failover.release = permit.release
         try:
-            answer = await start(permit, on_done)
+            answer = await self._generate(prepared, permit, on_done)
         except BaseException:
             permit.release()
             self._report()
@@ -88,6 +89,14 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if isinstance(answer, Whole):
             self._report()
         return answer
+
+    async def prepared(self, backend: Backend, guard: RequestGuard) -> PreparedT:
+        """The request prepared for `backend` under `guard`: every refusal, the output bound, the charge."""
+        self.guard, engine = guard, backend.engine
+        default = backend.admission.settings.deadline_s
+        if self.context.deadline is None:
+            self.deadline = None if default is None else self.arrived + default
+        return await (self._remote(backend) if engine is None else self._embedded(backend, engine))
 
     def _report(self) -> None:
         """The generation's readings into the request's record (the access line, metrics, the
@@ -131,7 +140,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         record = self.context.record
         return lambda: charge.settle(record.prompt_tokens or 0, record.completion_tokens or 0)
 
-    async def _admit(self, backend: Backend) -> Permit:
+    async def admit(self, backend: Backend) -> Permit:
         """As many permits as the engine requests this one makes, in the key's priority class. A
         client that leaves while it waits for them leaves the queue (499): it would hold its place
         there for up to `wait_timeout_s`, then run."""
@@ -159,7 +168,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
 
         return since
 
-    async def _embedded(self, backend: Backend, engine: Engine) -> Start[AnswerT]:
+    async def _embedded(self, backend: Backend, engine: Engine) -> PreparedT:
         check_task(engine.info, self.service.task, self.service.route)
         default_max_tokens, size = self.state.settings.default_max_tokens, self.context.body_bytes
         with stage(self.context.record.trace, "gateway.prepare"):  # template, tokens, input guards
@@ -177,7 +186,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         if prepared.constraint is not None:
             await self._constrained(backend, prepared.constraint, size)
         await self._charge(prepared.token_budget())
-        return lambda permit, on_done: self._generate(prepared, permit, on_done)
+        return prepared
 
     async def _constrained(self, backend: Backend, constraint: Constraint, size: int) -> None:
         """A structured-output constraint within its bounds and compiled by the model's grammar
@@ -259,7 +268,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         """The events in the native API's shape; as they are (no layer per event) for the others."""
         return events if self.shape is None else _reshaped(events, self.shape)
 
-    async def _remote(self, backend: Backend) -> Start[AnswerT]:
+    async def _remote(self, backend: Backend) -> PreparedT:
         """The request forwarded as the input guards let it through, with the model's defaults and
         the priority's fields; its tokens estimated for the charge and the output bound."""
         service, path = self.service, self.service.upstream_path
@@ -287,7 +296,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         prepared: PreparedT = service.forwarded(body, forward, backend.generator, self.guard)
         prepared.model = backend.name
         prepared.schedule(self.scheduled, self.readings)
-        return lambda permit, on_done: self._generate(prepared, permit, on_done)
+        return prepared
 
 
 def _traced_hit(record: RequestRecord, answer: BaseModel) -> None:

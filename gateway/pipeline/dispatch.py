@@ -3,22 +3,32 @@
 then try them in order (`attempt.Attempt`: one model's try). Only
 *fallible* errors (`gateway.errors`: the model overloaded, its engine dead, its upstream down),
 which happen before the first byte, move on to the next model; the last one is the answer when no
-model is left. The request's `Charge` settles when its answer ends.
+model is left. A stream whose backend fails past its first byte goes on down the same chain
+(`onward`: the answer so far continued by the next model that can, `serving.continuation`). The
+request's `Charge` settles when its answer ends.
 """
 
 from __future__ import annotations
 
-from gateway.backends.registry import Access
-from gateway.errors import APIError, BackendUnavailable, InvalidRequest, from_exception
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import structlog
+
+from gateway.backends.registry import Access, Backend
+from gateway.errors import APIError, BackendUnavailable, ClientDisconnected, InvalidRequest, from_exception
 from gateway.guards.guarding import RequestGuard
 from gateway.pipeline.answer import Answer
 from gateway.pipeline.attempt import Attempt, Shape
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.state import GatewayState
+from gateway.serving.continuation import Onward, Part
 from gateway.serving.service import AnswerT, PreparedT, RequestT, Service
 from gateway.telemetry import metrics
 from gateway.tenancy.keys import ANONYMOUS
 from gateway.tenancy.tenants import KeyPolicy
+
+log = structlog.get_logger(__name__)
 
 
 def policy_of(context: RequestContext, state: GatewayState) -> KeyPolicy:
@@ -51,10 +61,64 @@ def guard_on(context: RequestContext, state: GatewayState, asked: str, answering
     if before is not None and guard.profile is before.profile:
         return before
     if guard.active:  # its notes are the access line's (the same lists, filled as the request goes)
-        if before is not None:
-            guard.actions[:0], guard.matches[:0] = before.actions, before.matches
+        if before is not None:  # the hop before's lists: a stream's output guard goes on past a switch
+            guard.actions, guard.matches = before.actions, before.matches
         record.guards, record.guard_matches = guard.actions, guard.matches
     return guard
+
+
+def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Sequence[Backend],
+           guard: RequestGuard) -> Onward:
+    """Where a stream goes when `failed` fails past its first byte: the next model of `rest` (the
+    models after it that the key may reach, as `dispatch` resolved them) that takes the request
+    continued after the text so far, prepared and admitted as any try (its guard `guard_on`'s, the
+    charge the request's one); None when no model is left, or the answer cannot be continued.
+    Each switch is named (`_switched`) once the model switched to answers."""
+    context, state, body, hops = attempt.context, attempt.state, attempt.body, list(rest)
+
+    async def following(text: str, tokens: int) -> Part | None:
+        nonlocal guard
+        continued = body.continued(text, tokens)
+        while continued is not None and hops:
+            backend = hops.pop(0)
+            guard = guard_on(context, state, body.model, backend.name, guard)
+            hop = Attempt(context, state, continued[0], attempt.service, attempt.shape, attempt.policy)
+            hop.readings = attempt.readings  # the one generation's: its fair share counts the tokens it makes
+            try:
+                prepared = await hop.prepared(backend, guard)
+                generation = prepared.sole()
+                if generation is None:
+                    continue
+                hop.deadline = None  # the first byte's, long sent: the queue's own wait bounds it
+                permit = await hop.admit(backend)
+            except Exception as exc:  # this model cannot continue it (remote for an embedded-only API, busy)
+                error = from_exception(exc)
+                if isinstance(error, ClientDisconnected) or not (error.fallible or error.status < 500):
+                    raise
+                log.info("failover_skipped", model=backend.name, error=type(exc).__name__)
+                continue
+            generation = replace(generation, priority=hop.scheduled.priority)
+            return Part(prepared.engine, generation, permit.release, continued[1], switched(backend.name))
+        return None
+
+    def switched(following: str) -> Callable[[], None]:
+        def started() -> None:  # named once it answers: a model that refuses to continue is no switch
+            nonlocal failed
+            _switched(context, failed, following)
+            failed = following
+
+        return started
+
+    return following
+
+
+def _switched(context: RequestContext, failed: str, following: str) -> None:
+    """A stream's switch of model, named in its access line, a metric and its trace."""
+    record = context.record
+    record.failover = [*(record.failover or []), f"{failed}>{following}"]
+    metrics.labelled(metrics.STREAM_FAILOVERS, failed, following).inc()
+    if record.trace is not None:
+        record.trace.server.add_event("gateway.failover", {"gateway.failover.from": failed, "gateway.failover.to": following})
 
 
 async def dispatch(
@@ -77,12 +141,13 @@ async def dispatch(
     attempt = Attempt(context, state, body, service, shape, policy)
     failure: APIError | None = None
     guard: RequestGuard | None = None
-    for backend in chain:
+    for at, backend in enumerate(chain):
         if failure is not None:
             metrics.labelled(metrics.FALLBACKS, chain[0].name, backend.name).inc()
         guard = guard_on(context, state, body.model, backend.name, guard)
+        rest = chain[at + 1 :]
         try:
-            answer = await attempt.on(backend, guard)
+            answer = await attempt.on(backend, guard, onward(attempt, backend.name, rest, guard) if rest else None)
         except Exception as exc:
             error = from_exception(exc)
             if not error.fallible:
@@ -93,3 +158,17 @@ async def dispatch(
         record.response_headers["x-served-model"] = backend.name
         return answer
     raise failure or BackendUnavailable("No model could answer")
+
+
+async def resume(context: RequestContext, state: GatewayState, body: RequestT,
+                 service: Service[RequestT, PreparedT, AnswerT], text: str, tokens: int,
+                 shape: Shape | None = None) -> tuple[Answer, str]:
+    """An answer whose generation was lost with the process that ran it, answered on from `text`
+    (its first `tokens`) on any replica: the request continued (`ModelRequest.continued`) on the one
+    journey (`dispatch`: the key's reach, guards, charge, admission, fallbacks). The answer holds the
+    continuation's events only (the caller splices them after those already sent, under their ids);
+    with it, the whitespace held back from `text`, which the continuation's first text may repeat."""
+    continued = body.continued(text, tokens)
+    if continued is None:
+        raise BackendUnavailable("This answer cannot be continued on another model (tool calls, structured output, n > 1)")
+    return await dispatch(context, state, continued[0], service, shape), continued[1]

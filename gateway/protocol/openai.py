@@ -4,9 +4,9 @@ no client-sent number reaches the engine, the cache key or a tokenizer unbounded
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # a number of tokens
@@ -55,6 +55,12 @@ class ModelRequest(_Request):
     def engine_requests(self) -> int:
         """The requests the engine runs for this one, as it counts them."""
         return self.prompt_count()
+
+    def continued(self, text: str, tokens: int) -> tuple[Self, str] | None:
+        """This request asked to go on after `text`, the first `tokens` of its answer (mid-stream
+        failover, `serving.continuation`), and the trailing whitespace held back from the text it
+        hands on; None: an answer that cannot be continued soundly elsewhere."""
+        return None
 
 
 class Sampling(_Request):
@@ -173,12 +179,47 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    # vLLM's: the last (assistant) message continued rather than answered
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continues_an_assistant_turn(cls, value: bool, info: ValidationInfo) -> bool:
+        messages, prompt = info.data.get("messages"), info.data.get("add_generation_prompt")
+        if value and (prompt or not messages or messages[-1].role != "assistant"):
+            raise ValueError("continue_final_message needs add_generation_prompt false and an assistant message last")
+        return value
+
+    def continued(self, text: str, tokens: int) -> tuple[Self, str] | None:
+        """The conversation with `text` as a partial assistant turn to continue (`continue_final_message`),
+        its trailing whitespace held back (a template may trim it; the next token brings it again).
+        Not for several choices, tools or constrained output: a grammar would start again where the
+        text stops, and a call's arguments cut in half are no call."""
+        tools = bool(self.tools) and self.tool_choice != "none"
+        if self.n != 1 or tools or (self.response_format is not None and self.response_format.type != "text"):
+            return None
+        messages, whole = list(self.messages), text
+        if self.continue_final_message:  # the client's own partial turn, continued further
+            last = messages.pop()
+            if not isinstance(last.content, str | None):
+                return None
+            whole = (last.content or "") + text
+        partial = whole.rstrip()
+        messages.append(ChatMessage(role="assistant", content=partial))
+        most = self.max_completion_tokens or self.max_tokens
+        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        update: dict[str, Any] = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False,
+                                  "min_tokens": max(0, self.min_tokens - tokens)}
+        if most is not None:
+            update[field] = max(1, most - tokens)
+        return self.model_copy(update=update), whole[len(partial):]
 
 
 Prompt = (
@@ -200,6 +241,19 @@ class CompletionRequest(SamplingFields):
 
     def engine_requests(self) -> int:
         return self.prompt_count() * max(self.n, self.best_of or 1)
+
+    def continued(self, text: str, tokens: int) -> tuple[Self, str] | None:
+        """The prompt with `text` appended (one text prompt, one choice, no suffix: a prompt continues
+        naturally), its echo already sent."""
+        prompt = self.prompt if isinstance(self.prompt, str) else None
+        if isinstance(self.prompt, list) and len(self.prompt) == 1 and isinstance(self.prompt[0], str):
+            prompt = self.prompt[0]
+        if prompt is None or self.n != 1 or (self.best_of or 1) != 1 or self.suffix:
+            return None
+        update: dict[str, Any] = {"prompt": prompt + text, "echo": False, "min_tokens": max(0, self.min_tokens - tokens)}
+        if self.max_tokens is not None:
+            update["max_tokens"] = max(1, self.max_tokens - tokens)
+        return self.model_copy(update=update), ""
 
 
 class Usage(_Response):

@@ -251,7 +251,7 @@ class Run:
             self.request = request = replace(request, trace_headers=headers_of(self._span))
         self._outputs = engine.generate(request)
         if request.forward is not None:
-            self._outputs = _bounded(self._outputs, request.sampling.n, request.forward.max_tokens)
+            self._outputs = bounded(self._outputs, request.sampling.n, request.forward.max_tokens)
         self._first: GenerationOutput | None = None
         self._meter = Meter(engine.info.name, readings)
         self.unkeepable: str | None = None  # why the answer must not be cached
@@ -420,7 +420,7 @@ def _json_text(request: GenerationRequest) -> bool:
     return request.sampling.json_schema is not None or request.sampling.json_object
 
 
-async def _bounded(outputs: AsyncGenerator[GenerationOutput, None], n: int, most: int) -> AsyncGenerator[GenerationOutput, None]:
+async def bounded(outputs: AsyncGenerator[GenerationOutput, None], n: int, most: int) -> AsyncGenerator[GenerationOutput, None]:
     """A remote upstream's outputs, a choice that brings more than the `most` tokens it was allowed
     ended there ("length", what came past it dropped); once every choice is over, so is the request
     (one that finished every choice itself goes on to its usage)."""

@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel
 
-from engine.types import Engine, Forward, Generator, ModelInfo, Task
+from engine.types import Engine, Forward, GenerationRequest, Generator, ModelInfo, Task
 from gateway.errors import InvalidRequest
 from gateway.guards.guarding import RequestGuard
 from gateway.protocol.openai import ModelRequest
@@ -40,6 +40,7 @@ class Prepared(Protocol):
 
     model: str  # the name the answer carries: the model (version) that answers
     constraint: Constraint | None  # what the output is constrained to (structured output), checked before the engine
+    engine: Generator  # what runs it: the pipeline may wrap it (`serving.continuation.Failover`)
 
     def schedule(self, scheduled: Scheduled, readings: Readings) -> None:
         """Run at this priority (`tenancy.priority`: the engine's, and the tier the answer names),
@@ -52,6 +53,10 @@ class Prepared(Protocol):
 
     def output_tokens(self) -> int:
         """The most the answer may take: max_tokens for every choice of every prompt."""
+        ...
+
+    def sole(self) -> GenerationRequest | None:
+        """Its generation when it makes exactly one (what a stream may continue on another model)."""
         ...
 
 

@@ -60,6 +60,9 @@ ADMISSION_LIMIT = Gauge(
 )
 UPSTREAM_ERRORS = Counter("gateway_upstream_errors_total", "Failures of remote upstream models", ["model"])
 FALLBACKS = Counter("gateway_fallbacks_total", "Requests answered by a fallback model", ["model", "fallback"])
+STREAM_FAILOVERS = Counter(
+    "gateway_stream_failovers_total", "Streams continued on a fallback model after their first byte", ["model", "fallback"],
+)
 GUARD_ACTIONS = Counter(
     "gateway_guard_actions_total", "Guard actions: block, redact, flag, error (of the moderation upstream)",
     ["guard", "stage", "action"],

@@ -22,6 +22,7 @@ class RequestRecord:
     completion_tokens: int | None = None
     ttft_s: float | None = None
     cache: str | None = None
+    failover: list[str] | None = None  # a stream's switches of model past its first byte, as "from>to"
     api_key_id: str | None = None
     disconnected: bool = False
     status: int | None = None  # the response's status, once it has started (set by the access log)

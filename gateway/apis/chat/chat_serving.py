@@ -83,6 +83,9 @@ class PreparedChat:
         sampling = self.generation.sampling
         return sampling.max_tokens * sampling.n
 
+    def sole(self) -> GenerationRequest:
+        return self.generation
+
 
 def template_messages(messages: list[ChatMessage], takes_tools: bool) -> list[dict[str, Any]]:
     """OpenAI messages as chat templates take them: plain string content, known roles."""
@@ -130,7 +133,10 @@ def render(
         extra["tools"] = [{"type": "function", "function": fn} for fn in plan.functions.values()]
     elif plan.active:
         messages = tools.with_tools_described(messages, plan)
-    return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
+    if request.continue_final_message:  # the last (assistant) turn continued: vLLM's fields, as its server takes them
+        extra["continue_final_message"], add_generation_prompt = True, False
+    return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt and request.add_generation_prompt,
+                                 **extra)
 
 
 def _constraint(request: ChatCompletionRequest, plan: tools.ToolPlan) -> tuple[dict[str, Any], str, tuple[tuple[Any, str], ...]]:

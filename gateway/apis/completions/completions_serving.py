@@ -67,6 +67,9 @@ class PreparedCompletion:
     def output_tokens(self) -> int:
         return sum(g.sampling.max_tokens * g.sampling.n for g in self.generations)
 
+    def sole(self) -> GenerationRequest | None:
+        return self.generations[0] if len(self.generations) == 1 else None
+
 
 def check_vocabulary(token_ids: list[int], engine: Engine, param: str) -> None:
     check_token_ids(token_ids, engine.info.extra.get("vocab_size"), param)

@@ -31,7 +31,7 @@ from gateway.tenancy.priority import Scheduled
 @dataclass(slots=True)
 class PreparedEmbeddings:
     request: EmbeddingRequest
-    backend: Generator
+    engine: Generator
     embed: EmbedRequest  # the engine's token ids, or the request a remote upstream is forwarded
     model: str  # the name the answer carries: the model (version) that answers
     guard: RequestGuard = UNGUARDED
@@ -47,6 +47,9 @@ class PreparedEmbeddings:
 
     def output_tokens(self) -> int:
         return 0  # vectors, no generated tokens
+
+    def sole(self) -> None:
+        return None  # vectors: nothing to continue
 
 
 def _token_ids(request: EmbeddingRequest, engine: Engine, guard: RequestGuard) -> list[list[int]]:
@@ -123,10 +126,10 @@ class EmbeddingsService:
     ) -> CreateEmbeddingResponse:
         """The backend's vectors, measured (in flight, time to the answer, its prompt tokens)."""
         await prepared.guard.moderate_input()
-        meter = Meter(prepared.backend.info.name, prepared.readings)
+        meter = Meter(prepared.engine.info.name, prepared.readings)
         meter.begin()
         try:
-            embedded = await prepared.backend.embed(prepared.embed)
+            embedded = await prepared.engine.embed(prepared.embed)
             meter.token()
         finally:
             meter.end()

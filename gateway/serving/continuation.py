@@ -1,0 +1,175 @@
+"""Mid-stream failover: a generation whose backend fails after its first output goes on, on the
+next model the pipeline allows (`Onward`, the pipeline's: which model, under which guard and
+permit), asked to continue the text already produced (the conversation plus a partial assistant
+turn: `continue_final_message`; a completion's prompt with the text appended). What the layers
+above see is one generation: `Failover` is the backend they were given, its outputs the joined
+ones, so every streaming API, the output guard and the usage take it as they take any stream.
+
+The seam: the text handed on is what the failed backend produced, its tokens counted, but for
+its trailing whitespace, held back (`held`): some templates trim a partial turn's end, and a
+model's tokens carry their leading space, so the continuation's first text brings it again
+and loses it here when it does. Usage: each part's prompt (the
+continued prompt is prefilled again) and each part's output tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import structlog
+
+from engine.types import (
+    Embeddings,
+    EmbedRequest,
+    GenerationOutput,
+    GenerationRequest,
+    Generator,
+    ModelInfo,
+)
+from gateway.errors import from_exception
+from gateway.serving.generation import bounded
+
+log = structlog.get_logger(__name__)
+AnswerT = TypeVar("AnswerT")
+
+
+@dataclass(slots=True)
+class Part:
+    """One backend's share of the answer: the generation it runs, and its end (its permit given back)."""
+
+    generator: Generator
+    request: GenerationRequest
+    release: Callable[[], None] = lambda: None
+    held: str = ""  # the partial's trailing whitespace, which the continuation's text may repeat
+    started: Callable[[], None] = lambda: None  # at its first output: the switch to it happened
+
+
+# the next part for the text produced so far and its output tokens; None: nothing can continue it
+Onward = Callable[[str, int], Awaitable["Part | None"]]
+
+
+class Failover:
+    """A backend (`engine.types.Generator`) whose generations go on down the pipeline's chain when
+    it fails after its first output."""
+
+    def __init__(self, first: Generator, onward: Onward) -> None:
+        self.first, self.onward = first, onward
+        self.switched = False  # a generation went on on another model
+        # the first model's permit (the pipeline's, once admitted): given back as soon as it fails,
+        # without the answer's tokens (they are not its pace), not held for the rest of the answer
+        self.release: Callable[[], None] = lambda: None
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.first.info
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
+        return joined(Part(self.first, request, lambda: self.release()), self._onward)
+
+    async def _onward(self, text: str, tokens: int) -> Part | None:
+        part = await self.onward(text, tokens)
+        self.switched = self.switched or part is not None
+        return part
+
+    def unless_switched(self, on_done: Callable[[AnswerT], Awaitable[None]] | None) -> Callable[[AnswerT], Awaitable[None]] | None:
+        """The cache's hand-off for an answer this one model gave: a joined answer is no answer of
+        the model whose key it would be stored under."""
+        if on_done is None:
+            return None
+        kept = on_done
+
+        async def store(answer: AnswerT) -> None:
+            if not self.switched:
+                await kept(answer)
+
+        return store
+
+    async def embed(self, request: EmbedRequest) -> Embeddings:
+        return await self.first.embed(request)
+
+    async def check_health(self) -> None:
+        await self.first.check_health()
+
+    async def shutdown(self) -> None:
+        await self.first.shutdown()
+
+
+class _Seam:
+    """The parts so far: the text produced (choice 0: a continued request has one choice), the
+    tokens and prompts of the parts before the current one, and what the current one may repeat."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.tokens = 0  # output tokens of the current part
+        self.prompt = 0  # the current part's prompt tokens, as it reports them
+        self.before_prompt = self.before_tokens = 0  # the parts before it
+        self.held = ""
+        self.continuable = True  # no tool call a backend parsed, no reasoning: plain text to continue
+        self.finished = False  # the answer ended: a failure after it leaves nothing to continue
+
+    def take(self, output: GenerationOutput, estimated: int) -> GenerationOutput:
+        """The output counted, then as the joined generation reports it (its usage the parts' sum)."""
+        self.prompt = output.prompt_tokens or self.prompt or estimated
+        deltas = []
+        for delta in output.choices:
+            if self.held and delta.text:
+                kept = delta.text.removeprefix(self.held[: len(delta.text)])
+                self.held = self.held[len(delta.text) - len(kept):] if kept == "" else ""
+                delta = replace(delta, text=kept)
+            self.text.append(delta.text)
+            self.tokens += len(delta.token_ids)
+            self.continuable = self.continuable and not delta.tool_calls and not delta.reasoning
+            self.finished = self.finished or delta.finish_reason is not None
+            deltas.append(delta)
+        if not self.before_prompt and not self.before_tokens:
+            return replace(output, choices=deltas)
+        reported = None if output.completion_tokens is None else output.completion_tokens + self.before_tokens
+        return replace(output, choices=deltas, prompt_tokens=self.before_prompt + self.prompt,
+                       completion_tokens=reported)
+
+    def switch(self, held: str) -> None:
+        self.before_prompt += self.prompt
+        self.before_tokens += self.tokens
+        self.prompt = self.tokens = 0
+        self.held = held
+
+
+async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput, None]:
+    """The outputs of `part`, then, when its backend fails after its first output, those of the
+    parts `onward` gives for the text so far, until one ends (or none is left: the failure is the
+    stream's). A continuing part that fails before its first output (down, or refusing to continue)
+    hands the same text on again; one that fails later, the longer text."""
+    seam, first = _Seam(), True
+    while True:
+        request = part.request
+        estimated = request.forward.prompt_tokens if request.forward else len(request.prompt_token_ids)
+        outputs = part.generator.generate(request)
+        if not first and request.forward is not None:  # a remote part, held to its share as Run holds the first
+            outputs = bounded(outputs, request.sampling.n, request.forward.max_tokens)
+        started = failed = False
+        try:
+            async for output in outputs:
+                if not started:
+                    started = True
+                    part.started()
+                yield seam.take(output, estimated)
+            return
+        except Exception as exc:
+            # before any output the pipeline's fallback decides; a failure that is no backend's, or after the
+            # answer's end (nothing to continue), is the stream's
+            if (first and not started) or not seam.continuable or seam.finished or \
+                    (started and not from_exception(exc).fallible):
+                raise
+            log.info("stream_failover", failed=part.generator.info.name, error=type(exc).__name__, started=started)
+            failure, failed = exc, True
+        finally:
+            await outputs.aclose()
+            if failed or not first:  # the first part's permit is the stream's, given back at its end, unless it failed
+                part.release()
+        following = await onward("".join(seam.text), seam.before_tokens + seam.tokens)
+        if following is None:
+            raise failure
+        seam.switch(following.held)
+        part, first = following, False
