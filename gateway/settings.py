@@ -217,6 +217,20 @@ class StructuredOutputSettings(BaseModel):
     compile_verdicts: int = Field(4096, gt=0, description="Compile verdicts kept per model (by schema hash), least recently used out")
 
 
+class McpToolSettings(BaseModel):
+    """The Responses API's `mcp` tool (`apis.responses.mcp_tool`): the gateway lists an MCP server's tools, calls
+    them when the model asks and generates again; these bound one response's calls."""
+
+    max_calls: int = Field(8, gt=0, description="Most MCP tool calls in one response (a request's max_tool_calls "
+                           "may lower it); past it the model answers without tools")
+    time_s: float = Field(120, gt=0, description="Longest a response spends on its MCP turns; past it the model "
+                          "answers without tools")
+    call_timeout_s: float = Field(30, gt=0, description="Longest wait for an MCP server to list its tools or "
+                                  "answer a call; past it the item carries an error")
+    max_output_chars: int = Field(100_000, gt=0, description="Longest tool output the model is given; a longer "
+                                  "one is an mcp_call error")
+
+
 class FilesSettings(BaseModel):
     """The Files API (`/v1/files`): uploads kept in the batch lane's store (`store`: local disk by
     default), each file a record of its owner's and a content written once. Files are the first part
@@ -463,6 +477,7 @@ class Settings(BaseSettings):
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     structured_output: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)
+    mcp_tool: McpToolSettings = Field(default_factory=McpToolSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
 
     @model_validator(mode="after")
