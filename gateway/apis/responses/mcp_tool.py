@@ -226,9 +226,7 @@ class McpResponse(ResponsesService):
         return _chained(ahead, run)
 
     async def run(self) -> AsyncGenerator[BaseModel, None]:
-        events = self.events_
-        if self.request.stream:
-            await self.save(events.response)
+        events = self.events_  # stored once it ends (a refusal before the first byte leaves nothing stored)
         try:
             yield events.lifecycle("response.created")
             yield events.lifecycle("response.in_progress")
