@@ -118,6 +118,7 @@ def test_a_tool_is_listed_called_and_answered(sdk: openai.OpenAI, engine: TurnEn
     assert call.error is None
     assert server.calls == [("echo", {"text": "ping"}, {"X-Token": "t0ken"})]
     assert "echo: ping" in engine.prompts[1]  # the model read the output
+    assert "Echoes its text" in engine.prompts[0]  # it was offered the tools
     assert answer.output_text == "It said ping."
     assert answer.usage is not None
     assert answer.usage.output_tokens == 2
@@ -289,3 +290,21 @@ def test_bad_mcp_tools_are_refused(http: TestClient, server: FakeServer, tool: d
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == param
     assert server.listed == 0
+
+
+def test_a_stream_refused_before_its_first_turn_is_a_status(http: TestClient, server: FakeServer) -> None:
+    body = {"model": MODEL, "input": "Go", "tools": [mcp()], "stream": True,
+            "tool_choice": {"type": "mcp", "server_label": "tools", "name": "nope"}}
+    refused = http.post("/v1/responses", json=body)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "tool_choice"
+
+
+def test_past_the_time_bound_the_model_answers_without_tools(engine: TurnEngine, server: FakeServer) -> None:
+    app = create_app(fake_settings(mcp_tool={"time_s": 1e-9}), engine_starter=lambda es: engine)
+    engine.turns = [called("echo", text="late")]
+    with TestClient(app) as http:
+        answer = http.post("/v1/responses", json={"model": MODEL, "input": "Go", "tools": [mcp()]}).json()
+    assert [item["type"] for item in answer["output"]] == ["mcp_list_tools", "message"]
+    assert server.calls == []
+    assert "Echoes its text" not in engine.prompts[0]  # no tools described to the model

@@ -1,0 +1,65 @@
+"""The Responses API's `mcp` tool on the real engine, through the openai SDK: the session's gateway lists the tools
+of a real MCP server (the `mcp` SDK's own server side, on loopback, which its servers file allows), the model's
+forced call reaches the server, and the answer comes back whole, streamed, and after an approval."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+
+from tests.integration.conftest import MODEL
+
+FORCED = {"type": "mcp", "server_label": "tools", "name": "echo"}
+BOUNDS: dict[str, Any] = {"max_tool_calls": 1, "max_output_tokens": 16}  # one call, then a short answer
+
+
+def tool(**extra: Any) -> dict[str, Any]:
+    return {"type": "mcp", "server_label": "tools", "allowed_tools": ["echo"], **extra}
+
+
+def test_a_forced_call_whole(sdk: openai.OpenAI, mcp_tools: tuple[str, Any]) -> None:
+    url, seen = mcp_tools
+    before = len(seen.headers)
+    answer = sdk.responses.create(model=MODEL, input="Echo the word hello.", tool_choice=FORCED,  # type: ignore[arg-type]
+                                  tools=[tool(server_url=url, require_approval="never",  # type: ignore[list-item]
+                                              headers={"X-Client": "c1"})], **BOUNDS)
+    kinds = [item.type for item in answer.output]
+    assert kinds[:2] == ["mcp_list_tools", "mcp_call"]
+    assert kinds[-1] == "message"
+    listing, call = answer.output[0], answer.output[1]
+    assert [t.name for t in listing.tools] == ["echo"]  # type: ignore[union-attr]
+    assert call.error is None  # type: ignore[union-attr]
+    assert call.output is not None  # type: ignore[union-attr]
+    assert answer.usage is not None
+    assert answer.usage.output_tokens > 0
+    assert any(h.get("x-client") == "c1" for h in seen.headers[before:])  # the client's header reached the server
+    assert "c1" not in answer.model_dump_json()
+
+
+def test_a_forced_call_streamed(sdk: openai.OpenAI) -> None:
+    with sdk.responses.stream(model=MODEL, input="Echo the word hi.", tool_choice=FORCED,  # type: ignore[arg-type]
+                              tools=[tool(require_approval="never")], **BOUNDS) as stream:  # type: ignore[list-item]
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    for kind in ("response.mcp_list_tools.completed", "response.mcp_call_arguments.done",
+                 "response.mcp_call.completed"):
+        assert kind in kinds
+    assert kinds[-1] == "response.completed"
+    assert [item.type for item in final.output][:2] == ["mcp_list_tools", "mcp_call"]
+
+
+def test_an_approval_round_trip(sdk: openai.OpenAI) -> None:
+    tools: Any = [tool(require_approval="always")]
+    asked = sdk.responses.create(model=MODEL, input="Echo the word yes.", tool_choice=FORCED,  # type: ignore[arg-type]
+                                 tools=tools, **BOUNDS)
+    assert [item.type for item in asked.output] == ["mcp_list_tools", "mcp_approval_request"]
+    request = asked.output[1]
+    answer = sdk.responses.create(model=MODEL, previous_response_id=asked.id, tools=tools, input=[
+        {"type": "mcp_approval_response", "approval_request_id": request.id, "approve": True}], **BOUNDS)
+    call = answer.output[0]
+    assert call.type == "mcp_call"
+    assert call.approval_request_id == request.id
+    assert call.output is not None
+    assert answer.output[-1].type == "message"
