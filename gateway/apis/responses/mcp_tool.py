@@ -2,7 +2,7 @@
 are listed (an `mcp_list_tools` item, reused while the conversation holds one for the label), offered to the
 model as functions, and called when the model asks (an `mcp_call` item); the outputs go back to the model, which
 generates again, until it answers, or asks the client (a function call, an `mcp_approval_request`), or a bound
-is reached (`McpToolSettings`: calls, time; past it the model answers without the tools, as OpenAI ignores calls
+is reached (`McpSettings`: calls, time; past it the model answers without the tools, as OpenAI ignores calls
 past `max_tool_calls`).
 
 Every model turn is one journey through the pipeline (`dispatch`: guards, limits and budget, admission, the
@@ -133,7 +133,7 @@ class McpResponse(ResponsesService):
                  mine: OwnedResponses) -> None:
         super().__init__(request, history, mine)
         self.context, self.state = context, state
-        self.settings = state.settings.mcp_tool
+        self.settings = state.settings.mcp
         self.policy = policy_of(context, state)
         self.history = history
         self.servers: dict[str, Server] = {}
@@ -143,9 +143,9 @@ class McpResponse(ResponsesService):
         self.guard: RequestGuard | None = None
         self.calls, self.turned, self.asked, self.called = 0, False, False, False
         self.usage = [0, 0, 0]  # input, output, cached input tokens of every turn
-        most = request.max_tool_calls
-        self.most_calls = min(self.settings.max_calls, most) if most is not None else self.settings.max_calls
-        self.deadline = asyncio.get_running_loop().time() + self.settings.time_s
+        most, bound = request.max_tool_calls, self.settings.max_calls_per_response
+        self.most_calls = bound if most is None else min(bound, most)
+        self.deadline = asyncio.get_running_loop().time() + self.settings.response_time_s
 
     # --- before the first byte ----------------------------------------------------------------
 
@@ -174,8 +174,8 @@ class McpResponse(ResponsesService):
                                      f"{at}.authorization")
             headers["Authorization"] = f"Bearer {tool.authorization}"
         try:
-            target = await access.reach(self.policy, servers=None, server_label=label, server_url=tool.server_url,
-                                        headers=headers)
+            target = await access.reach(self.policy, servers=self.state.mcp, server_label=label,
+                                        server_url=tool.server_url, headers=headers)
         except APIError as error:
             error.param = f"{at}.{error.param}" if error.param else at
             raise
@@ -368,7 +368,7 @@ class McpResponse(ResponsesService):
         yield events.added(item)
         yield events.about("response.mcp_list_tools.in_progress", item.id)
         try:
-            found = await client.list_tools(server.target, timeout_s=self.settings.call_timeout_s)
+            found = await client.list_tools(server.target, timeout_s=self.settings.timeout_s)
         except client.McpUnavailable as exc:
             item = item.model_copy(update={"error": str(exc)})
         else:
@@ -407,14 +407,9 @@ class McpResponse(ResponsesService):
         if not isinstance(given, dict):
             return None, McpCallError(type="mcp_protocol_error", code=-32602,
                                       message="The model's arguments are not a JSON object; the tool was not called")
-        outcome = await client.call_tool(server.target, name, given, timeout_s=self.settings.call_timeout_s)
-        if outcome.output is None:
+        outcome = await client.call_tool(server.target, name, given, timeout_s=self.settings.timeout_s)
+        if outcome.output is None:  # the client bounds an output (cut, and said so)
             return None, McpCallError(type="mcp_tool_execution_error", content=outcome.error or "no output")
-        most = self.settings.max_output_chars
-        if len(outcome.output) > most:
-            return None, McpCallError(type="mcp_tool_execution_error",
-                                      content=f"The tool's output has {len(outcome.output)} characters; at most "
-                                      f"{most} are read")
         guard = self.guard or self.state.guards.for_request(self.context.key_id, self.request.model,
                                                             log_content=self.context.record.log_content)
         try:
