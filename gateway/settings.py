@@ -182,7 +182,7 @@ class McpSettings(BaseModel):
         1024 * 1024, gt=0, description="Most bytes of one tool's output kept (beyond: cut, and said so); an MCP "
         "server's answer larger than four times this is refused as a failure",
     )
-    # the Responses API's mcp tool (apis.responses.mcp_tool): past either bound the model answers without tools
+    # the Responses API's mcp tool (apis.responses.responses_mcp): past either bound the model answers without tools
     max_calls_per_response: int = Field(
         8, gt=0, description="Most MCP tool calls in one response of the Responses API (a request's max_tool_calls "
         "may lower it); past it the model is offered no more tools and answers",

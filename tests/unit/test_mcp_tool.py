@@ -1,4 +1,4 @@
-"""The Responses API's `mcp` tool (`apis.responses.mcp_tool`) on the fake engine, whose turns are scripted (a tool
+"""The Responses API's `mcp` tool (`apis.responses.responses_mcp`) on the fake engine, whose turns are scripted (a tool
 call, then an answer), against a real MCP server (the `mcp` SDK's server side on loopback, which the servers file
 allows), through the openai SDK and raw HTTP: listings, calls, the loop's bounds, approvals, streams, the guards on
 both sides of a call, and what a hostile request or model cannot do."""

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message
 
-from gateway.apis.responses import mcp_tool
+from gateway.apis.responses import responses_mcp
 from gateway.apis.responses.responses_serving import ResponsesService, history_of
 from gateway.apis.responses.responses_wire import InputItemsQuery, ResponseDeleted, ResponseItemList, ResponsesRequest
 from gateway.errors import InvalidRequest
@@ -37,8 +37,8 @@ def _mine(request: Request) -> OwnedResponses:
 async def create(request: Request) -> Response:
     body = await parse(request, ResponsesRequest)
     state, mine = state_of(request), _mine(request)
-    if mcp_tool.applies(body):  # the gateway runs the tools: a response of several model turns
-        return respond(await mcp_tool.answer(context(request), state, body, mine), NAMED)
+    if responses_mcp.applies(body):  # the gateway runs the tools: a response of several model turns
+        return respond(await responses_mcp.answer(context(request), state, body, mine), NAMED)
     history = await history_of(mine, body.previous_response_id)
     service = ResponsesService(body, history, mine)
     answer = await dispatch(context(request), state, service.chat_request(), service)

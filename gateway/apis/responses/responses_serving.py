@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from engine.types import Engine, Task
 from gateway.apis.chat import chat_serving
 from gateway.apis.chat.chat_serving import PreparedChat
-from gateway.apis.responses import mcp_items
+from gateway.apis.responses import responses_mcp_items
 from gateway.apis.responses.responses_wire import (
     TEXT_PARTS,
     FunctionCallInput,
@@ -114,7 +114,7 @@ def chat_messages(items: list[Item]) -> list[dict[str, Any]]:
     their outputs are tool messages."""
     messages: list[dict[str, Any]] = []
     called: set[str] = set()
-    for item in mcp_items.for_the_model(items):
+    for item in responses_mcp_items.for_the_model(items):
         if isinstance(item, InputMessage | OutputMessage):
             messages.append({"role": item.role, "content": "\n".join(part.text for part in item.content)})
         elif isinstance(item, FunctionToolCall):
@@ -146,7 +146,7 @@ def chat_request(request: ResponsesRequest, conversation: list[Item]) -> ChatCom
         "max_completion_tokens": request.max_output_tokens, "parallel_tool_calls": request.parallel_tool_calls,
         "service_tier": request.service_tier, "priority": request.priority,
     }
-    functions = [tool for tool in request.tools or [] if isinstance(tool, FunctionTool)]  # mcp tools: `mcp_tool`
+    functions = [tool for tool in request.tools or [] if isinstance(tool, FunctionTool)]  # mcp tools: `responses_mcp`
     if functions:
         described = {"name", "description", "parameters"}
         fields["tools"] = [{"type": "function", "function": tool.model_dump(include=described, exclude_none=True)}

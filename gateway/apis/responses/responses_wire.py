@@ -113,7 +113,7 @@ class McpApprovalFilter(_Request):
 
 
 class McpToolParam(_Request):
-    """A remote MCP server's tools, offered to the model and called by the gateway (`mcp_tool`)."""
+    """A remote MCP server's tools, offered to the model and called by the gateway (`responses_mcp`)."""
 
     type: Literal["mcp"]
     server_label: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
