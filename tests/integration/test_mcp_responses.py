@@ -7,21 +7,30 @@ from __future__ import annotations
 from typing import Any
 
 import openai
+import pytest
 
 from tests.integration.conftest import MODEL
+from tests.mcp_servers import SeenHeaders
 
 FORCED = {"type": "mcp", "server_label": "tools", "name": "echo"}
 BOUNDS: dict[str, Any] = {"max_tool_calls": 1, "max_output_tokens": 16}  # one call, then a short answer
+
+
+@pytest.fixture
+def client(sdk: openai.OpenAI) -> openai.OpenAI:
+    """The SDK retrying a 503 as a client should: the forced call's schema is compiled first, and while the
+    compiler processes start on a busy machine the gateway says to try again shortly."""
+    return sdk.with_options(max_retries=8)
 
 
 def tool(**extra: Any) -> dict[str, Any]:
     return {"type": "mcp", "server_label": "tools", "allowed_tools": ["echo"], **extra}
 
 
-def test_a_forced_call_whole(sdk: openai.OpenAI, mcp_tools: tuple[str, Any]) -> None:
+def test_a_forced_call_whole(client: openai.OpenAI, mcp_tools: tuple[str, SeenHeaders]) -> None:
     url, seen = mcp_tools
     before = len(seen.headers)
-    answer = sdk.responses.create(model=MODEL, input="Echo the word hello.", tool_choice=FORCED,  # type: ignore[arg-type]
+    answer = client.responses.create(model=MODEL, input="Echo the word hello.", tool_choice=FORCED,  # type: ignore[arg-type]
                                   tools=[tool(server_url=url, require_approval="never",  # type: ignore[list-item]
                                               headers={"X-Client": "c1"})], **BOUNDS)
     kinds = [item.type for item in answer.output]
@@ -37,8 +46,8 @@ def test_a_forced_call_whole(sdk: openai.OpenAI, mcp_tools: tuple[str, Any]) -> 
     assert "c1" not in answer.model_dump_json()
 
 
-def test_a_forced_call_streamed(sdk: openai.OpenAI) -> None:
-    with sdk.responses.stream(model=MODEL, input="Echo the word hi.", tool_choice=FORCED,  # type: ignore[arg-type]
+def test_a_forced_call_streamed(client: openai.OpenAI) -> None:
+    with client.responses.stream(model=MODEL, input="Echo the word hi.", tool_choice=FORCED,  # type: ignore[arg-type]
                               tools=[tool(require_approval="never")], **BOUNDS) as stream:  # type: ignore[list-item]
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
@@ -50,13 +59,13 @@ def test_a_forced_call_streamed(sdk: openai.OpenAI) -> None:
     assert [item.type for item in final.output][:2] == ["mcp_list_tools", "mcp_call"]
 
 
-def test_an_approval_round_trip(sdk: openai.OpenAI) -> None:
+def test_an_approval_round_trip(client: openai.OpenAI) -> None:
     tools: Any = [tool(require_approval="always")]
-    asked = sdk.responses.create(model=MODEL, input="Echo the word yes.", tool_choice=FORCED,  # type: ignore[arg-type]
+    asked = client.responses.create(model=MODEL, input="Echo the word yes.", tool_choice=FORCED,  # type: ignore[arg-type]
                                  tools=tools, **BOUNDS)
     assert [item.type for item in asked.output] == ["mcp_list_tools", "mcp_approval_request"]
     request = asked.output[1]
-    answer = sdk.responses.create(model=MODEL, previous_response_id=asked.id, tools=tools, input=[
+    answer = client.responses.create(model=MODEL, previous_response_id=asked.id, tools=tools, input=[
         {"type": "mcp_approval_response", "approval_request_id": request.id, "approve": True}], **BOUNDS)
     call = answer.output[0]
     assert call.type == "mcp_call"

@@ -88,7 +88,7 @@ def engine() -> TurnEngine:
     return TurnEngine()
 
 
-def app_for(engine: TurnEngine, tools: Tools, folder: Path, **mcp: Any) -> Any:
+def app_for(engine: TurnEngine, tools: Tools, folder: Path, keys: tuple[str, ...] = (), **mcp: Any) -> Any:
     guards, servers = folder / "guards.yaml", folder / "servers.yaml"
     guards.write_text("default: standard\nprofiles:\n  standard:\n    input: {pii: {email: redact}}\n"
                       "    output: {deny: ['(?i)hydra']}\n")
@@ -96,7 +96,7 @@ def app_for(engine: TurnEngine, tools: Tools, folder: Path, **mcp: Any) -> Any:
     servers.write_text(f"servers:\n  tools: {{url: '{tools.url}', allow_private: true}}\n"
                        f"  slowpoke: {{url: '{slow}', allow_private: true, timeout_s: 1}}\n"
                        f"  gone: {{url: 'http://127.0.0.1:{closed_port()}/mcp', allow_private: true}}\n")
-    settings = fake_settings(guards_file=guards, mcp={"servers_file": servers, "max_calls_per_response": 3,
+    settings = fake_settings(guards_file=guards, api_keys=list(keys), mcp={"servers_file": servers, "max_calls_per_response": 3,
                                                       "max_output_bytes": 1000, **mcp})
     return create_app(settings, engine_starter=lambda es: engine)
 
@@ -347,3 +347,22 @@ def test_past_the_time_bound_the_model_answers_without_tools(engine: TurnEngine,
     assert [item["type"] for item in answer["output"]] == ["mcp_list_tools", "message"]
     assert server.calls == []
     assert "Notes its text" not in engine.prompts[0]  # no tools described to the model
+
+
+def test_another_keys_approval_is_unknown(engine: TurnEngine, server: Tools, tmp_path: Path) -> None:
+    tool = mcp(require_approval="always")
+    with TestClient(app_for(engine, server, tmp_path, keys=("sk-a", "sk-b"))) as http:
+        a = openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="sk-a", http_client=http, max_retries=0)
+        b = openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="sk-b", http_client=http, max_retries=0)
+        engine.turns = [called("note", text="a's")]
+        asked = a.responses.create(model=MODEL, input="Note", tools=[tool])  # type: ignore[list-item]
+        engine.turns = [["Hi."]]
+        own = b.responses.create(model=MODEL, input="Hello", tools=[tool])  # type: ignore[list-item]
+        approval = {"type": "mcp_approval_response", "approval_request_id": asked.output[1].id, "approve": True}
+        with pytest.raises(openai.NotFoundError) as unknown:  # a's response is no response of b's
+            b.responses.create(model=MODEL, previous_response_id=asked.id, tools=[tool], input=[approval])  # type: ignore[list-item]
+        assert unknown.value.body["param"] == "previous_response_id"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as refused:  # nor is its approval request
+            b.responses.create(model=MODEL, previous_response_id=own.id, tools=[tool], input=[approval])  # type: ignore[list-item]
+        assert refused.value.body["param"] == "input[0].approval_request_id"  # type: ignore[index]
+    assert server.calls == []

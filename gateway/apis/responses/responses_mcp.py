@@ -66,9 +66,9 @@ Choice = Any  # a ResponsesRequest's tool_choice
 
 def applies(request: ResponsesRequest) -> bool:
     """Whether the request is this module's: it offers an mcp tool or answers an approval request."""
+    items = request.input if isinstance(request.input, list) else []
     return any(isinstance(tool, McpToolParam) for tool in request.tools or []) or any(
-        isinstance(item, McpApprovalResponseInput) for item in request.input or [] if not isinstance(request.input, str)
-    )
+        isinstance(item, McpApprovalResponseInput) for item in items)
 
 
 async def answer(context: RequestContext, state: GatewayState, request: ResponsesRequest,
@@ -87,7 +87,6 @@ class Server:
     """One mcp tool of the request: where it is, and the tools the model is offered."""
 
     param: McpToolParam
-    at: str  # its place in the request, for a refusal's param: `tools[i]`
     target: Target
     tools: dict[str, McpListedTool] = field(default_factory=dict)
     listed: bool = False  # by an earlier response of the conversation (not listed again)
@@ -111,8 +110,8 @@ class Server:
 
 
 class McpTurn(ResponsesService):
-    """One model turn of an MCP response: the conversation so far, answered through the pipeline; what it
-    answers is read by `McpResponse`, which stores and streams the response itself."""
+    """One model turn of an MCP response: the conversation so far, answered whole through the pipeline (which
+    stores nothing); `McpResponse` reads what it answers, and stores and streams the response itself."""
 
     guard: RequestGuard = UNGUARDED
 
@@ -120,9 +119,6 @@ class McpTurn(ResponsesService):
                 guard: RequestGuard = UNGUARDED) -> PreparedChat:
         self.guard = guard  # the turn's: a tool's output is read through it too
         return super().prepare(request, engine, default_max_tokens, guard)
-
-    async def save(self, response: Response | None = None) -> None:
-        return None
 
 
 class McpResponse(ResponsesService):
@@ -179,7 +175,7 @@ class McpResponse(ResponsesService):
         except APIError as error:
             error.param = f"{at}.{error.param}" if error.param else at
             raise
-        server = self.servers[label] = Server(tool, at, target)
+        server = self.servers[label] = Server(tool, target)
         for item in reversed(self.history):  # the conversation's listing, if it has one that worked
             if isinstance(item, McpListTools) and item.server_label == label and item.error is None:
                 self._offer(server, item.tools)
