@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
@@ -102,8 +103,16 @@ def otlp() -> Iterator[tuple[Receiver, int]]:
 @pytest.fixture(scope="session")
 def mcp_tools() -> Iterator[tuple[str, SeenHeaders]]:
     """The MCP server the session's gateway knows as `tools` (its servers file allows its loopback address): its
-    URL and the headers it saw (test_mcp_responses)."""
-    with serving(tool_server()) as found:
+    URL and the headers it saw (test_mcp_responses). Its `weather` takes one of two cities: a small model's forced
+    call cannot wander off in a free string until its tokens run out."""
+    server = tool_server()
+
+    @server.tool()
+    def weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        return f"{city}: sunny, 21C"
+
+    with serving(server) as found:
         yield found
 
 
