@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,11 +16,15 @@ import pytest
 import structlog.testing
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
 
-from tests.fakes import app_with
+from gateway.app import create_app
+from tests.fakes import FakeEngine, app_with, fake_settings
 from tests.mcp_servers import SeenHeaders, serving, tool_server
 from tests.served import served
+from tests.waits import until
 
 TOKEN = "gateway-held-s3cret"
 KEYS = {"all": "sk-all-key", "narrow": "sk-narrow-key", "none": "sk-none-key", "limited": "sk-limited-key"}
@@ -189,3 +194,28 @@ async def test_mcp_needs_a_key(gateway: str) -> None:
         garbage = await raw.post(gateway, content=b"{not json", headers={
             **headers, "Authorization": f"Bearer {KEYS['all']}", "Content-Type": "application/json"})
         assert 400 <= garbage.status_code < 500
+
+
+async def test_a_call_has_its_span_and_with_log_prompts_its_arguments(
+        upstreams: dict[str, tuple[str, SeenHeaders]], tmp_path: Path) -> None:
+    servers = tmp_path / "servers.yaml"
+    servers.write_text(f"servers: {{wiki: {{url: '{upstreams['wiki'][0]}', allow_private: true}}}}\n")
+    exporter = InMemorySpanExporter()
+    settings = fake_settings(log_prompts=True, mcp={"servers_file": servers},
+                             tracing={"otlp_endpoint": "http://127.0.0.1:9/v1/traces"})
+    app = create_app(settings, engine_starter=lambda es: FakeEngine(), trace_exporter=exporter)
+    with served(app) as base, structlog.testing.capture_logs() as logs:
+        async with Client(streamable_http_client(f"{base}/mcp")) as client:
+            assert await text_of(client, "wiki__page", {"text": "secret words"}) == ("page: secret words", False)
+
+        def call_span() -> Any:
+            return next((s for s in exporter.get_finished_spans() if s.name == "mcp.tools/call"), None)
+
+        span = await until(call_span, what="the tool call's span")
+        server = await until(lambda: next((s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER
+                                           and s.context.trace_id == span.context.trace_id), None))
+    assert dict(span.attributes or {}) == {"mcp.server": "wiki", "mcp.tool": "page"}
+    assert span.parent is not None
+    assert span.parent.span_id == server.context.span_id
+    line = next(entry for entry in logs if entry["event"] == "mcp_tool_call")
+    assert line["arguments"] == '{"text": "secret words"}'
