@@ -62,8 +62,15 @@ def tool_server(name: str = "tools", extra: tuple[str, ...] = ()) -> MCPServer:
         return "x" * LARGE_BYTES
 
     for tool in extra:
-        server.add_tool(lambda text, _tool=tool: f"{_tool}: {text}", name=tool, description=f"The tool {tool}.")
+        server.add_tool(_echoing(tool), name=tool, description=f"The tool {tool}.")
     return server
+
+
+def _echoing(tool: str) -> Any:
+    def answer(text: str) -> str:
+        return f"{tool}: {text}"
+
+    return answer
 
 
 @contextlib.contextmanager

@@ -5,6 +5,8 @@ large; a server that is down; a redirect; the connection pinned to the checked a
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -278,13 +280,32 @@ async def test_a_tool_that_answers_fails_or_is_unknown(tools: tuple[str, SeenHea
     assert unknown.error
 
 
-async def test_the_gateways_headers_reach_the_server_and_no_log_line(tools: tuple[str, SeenHeaders]) -> None:
+async def test_the_gateways_headers_reach_the_server_and_no_log_line(
+        tools: tuple[str, SeenHeaders], caplog: pytest.LogCaptureFixture) -> None:
     before = len(tools[1].headers)
+    caplog.set_level(logging.DEBUG)
     with structlog.testing.capture_logs() as logs:
         await client.call_tool(target(tools[0]), "echo", {"text": "hi"}, timeout_s=30)
         await client.call_tool(target("http://127.0.0.1:1/mcp"), "echo", {"text": "hi"}, timeout_s=30)
+        await client.call_tool(target(tools[0]), "fail", {}, timeout_s=30)
     assert all(seen["authorization"] == f"Bearer {TOKEN}" for seen in tools[1].headers[before:])
     assert TOKEN not in repr(logs)
+    assert TOKEN not in caplog.text  # nor the SDK's and httpx2's own lines, at any level
+
+
+async def test_two_keys_on_one_server_never_share_a_credential(tools: tuple[str, SeenHeaders]) -> None:
+    """Calls of two keys to one server at once: each request carries its own key's credential (no pooled session or
+    client keyed by the URL)."""
+    before = len(tools[1].headers)
+    first = Target("tools", tools[0], {"Authorization": "Bearer first"}, address="127.0.0.1")
+    second = Target("tools", tools[0], {"Authorization": "Bearer second"}, address="127.0.0.1")
+    calls = [client.call_tool(t, "echo", {"text": t.headers["Authorization"]}, timeout_s=30) for t in (first, second) * 3]
+    outcomes = await asyncio.gather(*calls)
+    assert [o.output for o in outcomes] == ["Bearer first", "Bearer second"] * 3
+    seen = tools[1].headers[before:]
+    assert {headers["authorization"] for headers in seen} == {"Bearer first", "Bearer second"}
+    calls_seen = [h["authorization"] for h in seen if h.get("content-length", "0") != "0"]
+    assert sorted(calls_seen).count("Bearer first") == sorted(calls_seen).count("Bearer second")
 
 
 async def test_a_slow_tool_is_an_error_at_the_timeout(tools: tuple[str, SeenHeaders]) -> None:
