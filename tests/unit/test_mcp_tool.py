@@ -91,7 +91,7 @@ def engine() -> TurnEngine:
 def app_for(engine: TurnEngine, tools: Tools, folder: Path, keys: tuple[str, ...] = (), **mcp: Any) -> Any:
     guards, servers = folder / "guards.yaml", folder / "servers.yaml"
     guards.write_text("default: standard\nprofiles:\n  standard:\n    input: {pii: {email: redact}}\n"
-                      "    output: {deny: ['(?i)hydra']}\n")
+                      "    output: {deny: ['(?i)hydra'], pii: {email: redact}}\n")
     slow = tools.url.replace("/mcp", "/mcp?slow")  # the same server under a label with a short timeout
     servers.write_text(f"servers:\n  tools: {{url: '{tools.url}', allow_private: true}}\n"
                        f"  slowpoke: {{url: '{slow}', allow_private: true, timeout_s: 1}}\n"
@@ -279,7 +279,9 @@ def test_guards_read_the_output_and_the_arguments(sdk: openai.OpenAI, engine: Tu
     assert call.type == "mcp_call"
     assert call.output is not None
     assert "ops@example.com" not in call.output  # as the model read it
-    assert server.calls == ["write to ops@example.com"]
+    assert len(server.calls) == 1
+    assert "ops@example.com" not in server.calls[0]  # the output guards redacted the model's arguments
+    assert "ops@example.com" not in call.arguments
     assert "ops@example.com" not in engine.prompts[-1]
 
 
@@ -289,8 +291,10 @@ def test_guards_hold_streamed_too(http: TestClient, engine: TurnEngine, server: 
     with http.stream("POST", "/v1/responses", json=body) as streamed:
         events = sse(streamed.read().decode())
     done = [data["item"] for name, data in events if name == "response.output_item.done"]
-    assert done[1]["output"] == "noted: mail [EMAIL_1]"  # as the model read it
-    assert server.calls == ["mail ops@example.com"]
+    assert "ops@example.com" not in json.dumps(events)  # not in the arguments, their deltas, nor the output
+    assert done[1]["output"].startswith("noted: mail [")
+    assert len(server.calls) == 1
+    assert "ops@example.com" not in server.calls[0]
     assert "ops@example.com" not in engine.prompts[-1]
 
 
