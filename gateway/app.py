@@ -29,6 +29,7 @@ from gateway.backends.startup import (
     warm_up,
 )
 from gateway.guards.guarding import Guards
+from gateway.mcp.servers import McpServers
 from gateway.middleware.stack import stack
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.pipeline.state import GatewayState
@@ -78,7 +79,9 @@ def create_app(settings: Settings, engine_starter: EngineStarter = start_embedde
     guards = Guards.load(settings.guards_file, modelfile.guard_profiles(models))
     lifecycle = lifecycle or Lifecycle()
     tenants = tenants or tenants_of(settings)
-    tenants.check(modelfile.public_names(models), frozenset(guards.profiles))
+    mcp = McpServers(settings.mcp)
+    tenants.check(modelfile.public_names(models), frozenset(guards.profiles),
+                  {label: server.url for label, server in mcp.by_label.items()})
     guards.key_profile = tenants.guard_profile  # a key's profile in the keys file comes first
     pools = RedisPools()  # one connection pool per Redis address: the cache, the store and the limits share it
     quota = Quota(settings.limits, pools)
@@ -103,7 +106,7 @@ def create_app(settings: Settings, engine_starter: EngineStarter = start_embedde
                 for name, engine in registry.engines():
                     await warm_up(name, engine)
             state = GatewayState(settings, registry, lifecycle, quota, cache, guards, responses, tenants,
-                                 files, batches, authenticator)
+                                 files, batches, authenticator, mcp=mcp)
             if settings.batches.enabled:  # pending batches resumed, once the models are up
                 runner = BatchRunner(state, state.batches)
                 runner.start()

@@ -79,6 +79,12 @@ class AuthenticationFailed(APIError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"  # OpenAI's own 401 type
 
 
+class PermissionDenied(APIError):
+    """The key may not reach what the request names (an MCP server outside its allow-list)."""
+
+    status, type, code = 403, "invalid_request_error", "permission_denied"
+
+
 class NotFound(APIError):
     status, type, code = 404, "invalid_request_error", "not_found"
 
@@ -164,8 +170,9 @@ class StoreUnavailable(ServiceUnavailable): ...
 
 # Every error the API answers with, as documented in docs/api.md's error table.
 ERROR_CLASSES: tuple[type[APIError], ...] = (
-    InvalidRequest, ContextLengthExceeded, ContentPolicyViolation, OverTokenLimit, AuthenticationFailed, NotFound,
-    ModelNotFound, MethodNotAllowed, RequestTimeout, PayloadTooLarge, UnsupportedMediaType, RateLimited,
+    InvalidRequest, ContextLengthExceeded, ContentPolicyViolation, OverTokenLimit, AuthenticationFailed,
+    PermissionDenied, NotFound, ModelNotFound, MethodNotAllowed, RequestTimeout, PayloadTooLarge, UnsupportedMediaType,
+    RateLimited,
     ModelOverloaded, QuotaExceeded, InternalError, BadGateway, ServiceUnavailable, BackendUnavailable, ModelUnavailable,
     StoreUnavailable,
 )

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import structlog
+import yaml
 from prometheus_client import Counter
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineSettings
@@ -22,6 +23,19 @@ Priority = Literal["high", "normal", "low"]  # an API key's priority class (the 
 Stamp = tuple[tuple[int, int, int] | None, ...]
 Block = TypeVar("Block", bound=BaseModel)
 log = structlog.get_logger(__name__)
+
+
+def read_yaml(path: Path, model: type[Block], error: type[ValueError], what: str) -> Block:
+    """A YAML file the settings name (the keys file, the MCP servers file) as its model; `error` naming the file and
+    the first field that is wrong."""
+    try:
+        return model.model_validate(yaml.safe_load(path.read_text()) or {})
+    except (OSError, yaml.YAMLError) as exc:
+        raise error(f"{what} {path}: {exc}") from exc
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise error(f"{what} {path}: {where}: {first['msg']}") from exc
 
 
 def merged(base: Block, own: BaseModel | Mapping[str, Any] | None) -> Block:
@@ -150,6 +164,33 @@ class LimitsSettings(BaseModel):
     redis_prefix: str = Field("llm-gateway:limits:", description="Prefix of the limits' Redis keys")
     redis_timeout_s: float = Field(0.25, gt=0, description="Give up on a slow Redis after this (then count locally)")
     redis_retry_s: float = Field(5, gt=0, description="After a Redis failure, count locally this long before trying again")
+
+
+class McpSettings(BaseModel):
+    """The Model Context Protocol servers the gateway reaches for its keys (docs/mcp.md): the servers file and the
+    bounds of a call to one."""
+
+    servers_file: Path | None = Field(
+        None, description="YAML file of MCP servers by label (url, the gateway's own headers for it, allow_private, "
+        "timeout_s; docs/mcp.md); read at start. Unset: no servers of the gateway's own (/mcp federates none)",
+    )
+    timeout_s: float = Field(
+        30, gt=0, description="Most seconds one MCP operation (connect, list the tools, call one) may take, unless "
+        "the servers file gives the server its own",
+    )
+    max_output_bytes: int = Field(
+        1024 * 1024, gt=0, description="Most bytes of one tool's output kept (beyond: cut, and said so); an MCP "
+        "server's answer larger than four times this is refused as a failure",
+    )
+    # the Responses API's mcp tool (apis.responses.responses_mcp): past either bound the model answers without tools
+    max_calls_per_response: int = Field(
+        8, gt=0, description="Most MCP tool calls in one response of the Responses API (a request's max_tool_calls "
+        "may lower it); past it the model is offered no more tools and answers",
+    )
+    response_time_s: float = Field(
+        120, gt=0, description="Longest one response of the Responses API spends on its MCP turns; past it the "
+        "model is offered no more tools and answers",
+    )
 
 
 class TracingSettings(BaseModel):
@@ -461,6 +502,7 @@ class Settings(BaseSettings):
     batches: BatchesSettings = Field(default_factory=BatchesSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    mcp: McpSettings = Field(default_factory=McpSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     structured_output: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)

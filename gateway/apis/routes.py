@@ -15,6 +15,7 @@ from gateway.apis.conversations import conversations_routes, conversations_wire
 from gateway.apis.embeddings import embeddings_wire
 from gateway.apis.embeddings.embeddings_serving import EMBEDDINGS
 from gateway.apis.files import files_routes, files_wire
+from gateway.apis.mcp import mcp_routes
 from gateway.apis.message_batches import message_batches_routes
 from gateway.apis.message_batches import message_batches_wire as mb
 from gateway.apis.messages import messages_routes
@@ -116,6 +117,8 @@ TABLE = RouteTable([
     Endpoint("POST", "/chat", native_routes.chat_native, "api",
              "Native API: chat messages in, text out (SSE with stream)",
              native_wire.NativeChatRequest, native_wire.GenerateResponse, streams=True),
+    Endpoint("POST", "/mcp", mcp_routes.exchange, "api", "The MCP gateway (streamable HTTP, JSON-RPC): the servers "
+             "file's tools the key may call, named <server>__<tool> (docs/mcp.md)", per_call=True),
     Endpoint("POST", "/v1/load_lora_adapter", admin_routes.load_adapter, "admin",
              "Load a LoRA adapter (admin keys only)",
              ad.LoadAdapterRequest),

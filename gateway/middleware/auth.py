@@ -18,10 +18,13 @@ from gateway.web.error_render import dialect_of, send_error
 class AuthMiddleware:
     def __init__(self, app: ASGIApp, authenticator: Authenticator, quota: Quota, tenants: Tenants,
                  open_paths: frozenset[str], admin: Authenticator | None = None,
-                 admin_paths: frozenset[str] = frozenset(), upload_paths: frozenset[str] = frozenset()) -> None:
+                 admin_paths: frozenset[str] = frozenset(), upload_paths: frozenset[str] = frozenset(),
+                 per_call_paths: frozenset[str] = frozenset()) -> None:
+        """`per_call_paths`: routes that take the key's requests per minute themselves, per call they make."""
         self.app = app
         self.authenticator, self.quota, self.tenants = authenticator, quota, tenants
         self.open, self.admin, self.admin_paths, self.upload_paths = open_paths, admin, admin_paths, upload_paths
+        self.per_call = per_call_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open:
@@ -43,7 +46,7 @@ class AuthMiddleware:
                 policy = None
             else:
                 policy = context.policy = self.tenants.policy(context.key_id)
-                if policy.rpm is not None:  # no coroutine to make and await for a key without one
+                if policy.rpm is not None and path not in self.per_call:  # no coroutine for a key without one
                     context.record.response_headers.update(await self.quota.take_request(policy))
         except APIError as error:
             await send_error(send, error, dialect=dialect_of(scope))

@@ -39,7 +39,8 @@ def stack(
         *traced,
         Middleware(LifecycleMiddleware, lifecycle=lifecycle, ops_paths=table.paths("ops")),
         Middleware(AuthMiddleware, authenticator=authenticator, quota=quota, tenants=tenants, open_paths=keyless,
-                   admin=admin, admin_paths=table.paths("admin"), upload_paths=table.upload_paths()),
+                   admin=admin, admin_paths=table.paths("admin"), upload_paths=table.upload_paths(),
+                   per_call_paths=table.per_call_paths()),
         Middleware(BodyMiddleware, budget=BodyBudget(settings.max_body_bytes_in_flight), timeout_s=settings.body_timeout_s,
                    upload_paths=table.upload_paths(), upload_timeout_s=settings.files.upload_timeout_s),
     ]

@@ -8,8 +8,9 @@ from typing import Protocol
 from gateway.backends.adapters import AdapterAdmin
 from gateway.backends.registry import ModelRegistry
 from gateway.guards.guarding import Guards
+from gateway.mcp.servers import McpServers
 from gateway.pipeline.lifecycle import Lifecycle
-from gateway.settings import Settings
+from gateway.settings import McpSettings, Settings
 from gateway.stores.batches import BatchStore
 from gateway.stores.cache import ResponseCache
 from gateway.stores.files import FileStore
@@ -51,6 +52,7 @@ class GatewayState:
     batches: BatchStore  # the Batches API's batches, in the same kind of store
     identities: Authenticator  # who is asking: the API keys (a batch's lines find their creator again)
     batch_runner: BatchSignals = field(default_factory=NoRunner)  # the batch runner, once started
+    mcp: McpServers = field(default_factory=lambda: McpServers(McpSettings()))  # the MCP servers file (gateway.mcp)
     adapters: AdapterAdmin = field(init=False)  # LoRA adapters loaded and unloaded while serving
 
     def __post_init__(self) -> None:

@@ -93,6 +93,64 @@ class FunctionCallOutput(_Out):
     output: str
 
 
+class McpListedTool(_Out):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=dict)
+    annotations: dict[str, Any] | None = None
+
+
+class McpListTools(_Out):
+    """The tools an MCP server offered (only those the request and the key allow); `error` when it could not be
+    listed."""
+
+    id: str
+    type: Literal["mcp_list_tools"] = "mcp_list_tools"
+    server_label: str
+    tools: list[McpListedTool] = Field(default_factory=list)
+    error: str | None = None
+
+
+class McpCallError(_Out):
+    """Why an MCP call failed, as OpenAI's `McpToolCallError` says it: the tool's own error
+    (`mcp_tool_execution_error`), or the server unreachable or refusing (`http_error`)."""
+
+    type: Literal["mcp_tool_execution_error", "http_error", "mcp_protocol_error"]
+    content: Any = None
+    code: int | None = None
+    message: str | None = None
+
+
+class McpCall(_Out):
+    id: str
+    type: Literal["mcp_call"] = "mcp_call"
+    server_label: str
+    name: str
+    arguments: str
+    output: str | None = None
+    error: McpCallError | None = None
+    status: Literal["in_progress", "completed", "incomplete", "calling", "failed"] = "completed"
+    approval_request_id: str | None = None
+
+
+class McpApprovalRequest(_Out):
+    id: str
+    type: Literal["mcp_approval_request"] = "mcp_approval_request"
+    server_label: str
+    name: str
+    arguments: str
+
+
+class McpApprovalResponse(_Out):
+    """The client's answer to an approval request (an input item)."""
+
+    id: str
+    type: Literal["mcp_approval_response"] = "mcp_approval_response"
+    approval_request_id: str
+    approve: bool
+    reason: str | None = None
+
+
 def _stored_kind(item: Any) -> str | None:
     kind = _item_kind(item)
     role = item.get("role") if isinstance(item, dict) else getattr(item, "role", None)
@@ -103,11 +161,17 @@ Item = Annotated[
     Annotated[InputMessage, Tag("input_message")]
     | Annotated[OutputMessage, Tag("output_message")]
     | Annotated[FunctionToolCall, Tag("function_call")]
-    | Annotated[FunctionCallOutput, Tag("function_call_output")],
+    | Annotated[FunctionCallOutput, Tag("function_call_output")]
+    | Annotated[McpListTools, Tag("mcp_list_tools")]
+    | Annotated[McpCall, Tag("mcp_call")]
+    | Annotated[McpApprovalRequest, Tag("mcp_approval_request")]
+    | Annotated[McpApprovalResponse, Tag("mcp_approval_response")],
     Discriminator(_stored_kind),
 ]
 OutputItem = Annotated[
-    Annotated[OutputMessage, Tag("output_message")] | Annotated[FunctionToolCall, Tag("function_call")],
+    Annotated[OutputMessage, Tag("output_message")] | Annotated[FunctionToolCall, Tag("function_call")]
+    | Annotated[McpListTools, Tag("mcp_list_tools")] | Annotated[McpCall, Tag("mcp_call")]
+    | Annotated[McpApprovalRequest, Tag("mcp_approval_request")],
     Discriminator(_stored_kind),
 ]
 

@@ -111,6 +111,8 @@ def configure(level: str = "info", fmt: str = "console") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for name in ("httpx2", "mcp"):  # the MCP client's request lines name URLs and sessions: a failure is ours to log
+        logging.getLogger(name).setLevel(max(level_number, logging.WARNING))
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = name != "uvicorn.access"  # our access line replaces it

@@ -83,6 +83,14 @@ LIMITS_REDIS_ERRORS = Counter(
 LIMITS_LOCAL = Counter(
     "gateway_limits_local_decisions_total", "Limit and budget decisions made in process because Redis was down"
 )
+MCP_TOOL_CALLS = Counter(
+    "gateway_mcp_tool_calls_total", "Tool calls through /mcp, by server, tool and outcome (ok, error, refused, "
+    "rate_limited); a tool no listing named counts as tool=other", ["server", "tool", "outcome"],
+)
+MCP_TOOL_CALL_DURATION = Histogram(
+    "gateway_mcp_tool_call_duration_seconds", "Tool calls through /mcp: the server's time to answer", ["server"],
+    buckets=LATENCY_BUCKETS,
+)
 KEYS_RELOADS = Counter("gateway_keys_reloads_total", "Reloads of the keys file, by result", ["result"])
 TLS_RELOADS = Counter("gateway_tls_reloads_total", "Reloads of the TLS certificate files, by result", ["result"])
 

@@ -6,24 +6,23 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SecretStr,
     StringConstraints,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from gateway.settings import Priority, Reloadable
+from gateway.mcp.servers import LABEL, canonical_url
+from gateway.settings import Priority, Reloadable, read_yaml
 from gateway.telemetry.metrics import KEYS_RELOADS
 
 KeyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")]
@@ -40,6 +39,33 @@ class Budget(BaseModel):
     month: int | None = Field(None, gt=0, description="Tokens (prompt + completion) per UTC month")
 
 
+class McpAccess(BaseModel):
+    """Which MCP servers (labels of the servers file, or URLs) and which of their tools a key may use."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    servers: list[Annotated[str, StringConstraints(min_length=1, max_length=2048)]]
+    tools: dict[str, list[str]] = Field(default_factory=dict, description="By server (as `servers` names it): "
+                                        "its only tools this key may call; a server not here: all its tools")
+
+    @field_validator("servers", mode="after")
+    @classmethod
+    def _canonical_servers(cls, servers: list[str]) -> list[str]:
+        return [_server_name(server) for server in servers]
+
+    @field_validator("tools", mode="after")
+    @classmethod
+    def _canonical_tools(cls, tools: dict[str, list[str]]) -> dict[str, list[str]]:
+        return {_server_name(server): names for server, names in tools.items()}
+
+    @model_validator(mode="after")
+    def _tools_of_named_servers(self) -> McpAccess:
+        for server in self.tools:
+            if server not in self.servers:
+                raise ValueError(f"tools: '{server}' is not one of this key's servers")
+        return self
+
+
 class KeySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -54,6 +80,7 @@ class KeySpec(BaseModel):
     request_priority: bool = False
     team: str | None = Field(None, max_length=64)
     owner: str | None = Field(None, max_length=200)  # for people: read by no code
+    mcp: McpAccess | None = None
 
     @field_validator("key", "key_sha256", mode="before")
     @classmethod
@@ -91,6 +118,14 @@ class KeysFile(BaseModel):
 
 
 @dataclass(frozen=True, slots=True)
+class McpGrant:
+    """A key's MCP allow-list as the keys file says it; `gateway.mcp.access` is the one place that reads it."""
+
+    servers: tuple[str, ...]  # labels of the servers file, or URLs
+    tools: tuple[tuple[str, frozenset[str]], ...] = ()  # a server (as `servers` names it) and its only tools
+
+
+@dataclass(frozen=True, slots=True)
 class KeyPolicy:
     key_id: str
     rpm: int | None = None
@@ -102,6 +137,7 @@ class KeyPolicy:
     priority: Priority = "normal"
     request_priority: bool = False  # a request may raise its priority above the class (tenancy.priority)
     team: str = ""
+    mcp: McpGrant | None = None  # None: every server of the servers file and any public URL, all their tools
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,15 +157,7 @@ def find(stored: Iterable[tuple[bytes, T]], presented: str) -> T | None:
 
 
 def read(path: Path) -> KeysFile:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-        return KeysFile.model_validate(data)
-    except (OSError, yaml.YAMLError) as exc:
-        raise KeysFileError(f"keys file {path}: {exc}") from exc
-    except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise KeysFileError(f"keys file {path}: {where}: {first['msg']}") from exc
+    return read_yaml(path, KeysFile, KeysFileError, "keys file")
 
 
 class Tenants(Reloadable):
@@ -143,6 +171,7 @@ class Tenants(Reloadable):
         self.path, self.rpm, self.tpm = path, rpm, tpm
         self._known_models: Collection[str] | None = None
         self._profiles: Collection[str] | None = None
+        self._mcp_servers: Mapping[str, str] | None = None
         self._table = self._build(read(path)) if path is not None else _Table((), {})
 
     @property
@@ -150,9 +179,12 @@ class Tenants(Reloadable):
         """With a keys file every API route needs a key (even if the file lists none)."""
         return self.path is not None
 
-    def check(self, known_models: Iterable[str], profiles: Collection[str]) -> None:
-        """Refuse models and guard profiles that do not exist; remembered for every reload."""
-        self._known_models, self._profiles = frozenset(known_models), profiles
+    def check(self, known_models: Iterable[str], profiles: Collection[str],
+              mcp_servers: Mapping[str, str] | None = None) -> None:
+        """Refuse models, guard profiles and MCP servers (`mcp_servers`: the servers file's URL by label) that do not
+        exist, and a servers file's server named by its URL (its label is the one name a tool list applies to);
+        remembered for every reload."""
+        self._known_models, self._profiles, self._mcp_servers = frozenset(known_models), profiles, mcp_servers
         self._validate(self._table)
 
     def identify(self, presented: str) -> str | None:
@@ -185,7 +217,7 @@ class Tenants(Reloadable):
             key_id, rpm=spec.rpm or self.rpm, tpm=spec.tpm or self.tpm, budget_day=spec.budget.day,
             budget_month=spec.budget.month, models=tuple(spec.models) if spec.models is not None else None,
             guards=spec.guards, priority=spec.priority, request_priority=spec.request_priority,
-            team=spec.team or "",
+            team=spec.team or "", mcp=_grant(spec.mcp),
         ) for key_id, spec in file.keys.items()}
         return _Table(tuple((spec.digest(), key_id) for key_id, spec in file.keys.items()), policies)
 
@@ -197,6 +229,36 @@ class Tenants(Reloadable):
             for entry in policy.models or ():
                 if self._known_models is not None and not _known(entry, self._known_models):
                     raise KeysFileError(f"keys file: key '{key_id}': no model '{entry}' is served here")
+            if policy.mcp is not None and self._mcp_servers is not None:
+                _check_servers(key_id, policy.mcp, self._mcp_servers)
+
+
+def _check_servers(key_id: str, grant: McpGrant, servers: Mapping[str, str]) -> None:
+    labels = {url: label for label, url in servers.items()}
+    for entry in grant.servers:
+        if "://" not in entry and entry not in servers:
+            raise KeysFileError(f"keys file: key '{key_id}': no MCP server '{entry}' in the servers file")
+        if entry in labels:
+            raise KeysFileError(f"keys file: key '{key_id}': name the MCP server {entry} by its label "
+                                f"'{labels[entry]}'")
+
+
+def _server_name(entry: str) -> str:
+    """A server as the allow-list names it: a label of the servers file, or a URL in its canonical form."""
+    if "://" in entry:
+        try:
+            return canonical_url(entry)
+        except ValueError as exc:
+            raise ValueError(f"'{entry}': {exc}") from exc
+    if not re.fullmatch(LABEL, entry):
+        raise ValueError(f"'{entry}' is neither a label of the MCP servers file nor an http(s) URL")
+    return entry
+
+
+def _grant(access: McpAccess | None) -> McpGrant | None:
+    if access is None:
+        return None
+    return McpGrant(tuple(access.servers), tuple((server, frozenset(tools)) for server, tools in access.tools.items()))
 
 
 def _known(entry: str, known: Collection[str]) -> bool:

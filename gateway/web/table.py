@@ -32,6 +32,7 @@ class Endpoint:
     streams: bool = False  # answers with Server-Sent Events when the body says `stream: true`
     dialect: Dialect = "openai"  # whose API it is: the shape of its errors and its SSE framing
     upload: bool = False  # its POST body is a multipart/form-data upload, streamed to disk (not JSON)
+    per_call: bool = False  # the key's requests per minute count what the route calls (/mcp: tool calls), not requests
 
     @property
     def template(self) -> str:
@@ -83,6 +84,11 @@ class RouteTable:
         """The paths whose POST body is an upload streamed to disk: a form, its own deadline, outside the in-memory
         body budget."""
         return frozenset(e.path for e in self.endpoints if e.upload)
+
+    def per_call_paths(self) -> frozenset[str]:
+        """The paths whose route takes the key's requests per minute itself, per call it makes (/mcp: per tool call;
+        an MCP session's other requests are free)."""
+        return frozenset(e.path for e in self.endpoints if e.per_call)
 
     def paths(self, *access: Access) -> frozenset[str]:
         return frozenset(e.path for e in self.endpoints if e.access in access)

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
@@ -24,6 +25,7 @@ import psutil
 import pytest
 
 from tests.adapters import write_adapter
+from tests.mcp_servers import SeenHeaders, serving, tool_server
 from tests.otlp_receiver import Receiver, receiver
 from tests.ports import listening_line
 from tests.redis_server import RedisServer
@@ -99,8 +101,27 @@ def otlp() -> Iterator[tuple[Receiver, int]]:
 
 
 @pytest.fixture(scope="session")
-def server(server_log: Path, otlp: tuple[Receiver, int]) -> Iterator[str]:
+def mcp_tools() -> Iterator[tuple[str, SeenHeaders]]:
+    """The MCP server the session's gateway knows as `tools` (its servers file allows its loopback address): its
+    URL and the headers it saw (test_mcp_responses). Its `weather` takes one of two cities: a small model's forced
+    call cannot wander off in a free string until its tokens run out."""
+    server = tool_server()
+
+    @server.tool()
+    def weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        return f"{city}: sunny, 21C"
+
+    with serving(server) as found:
+        yield found
+
+
+@pytest.fixture(scope="session")
+def server(server_log: Path, otlp: tuple[Receiver, int], mcp_tools: tuple[str, SeenHeaders]) -> Iterator[str]:
+    servers = server_log.parent / "mcp-servers.yaml"
+    servers.write_text(f"servers:\n  tools: {{url: '{mcp_tools[0]}', allow_private: true}}\n")
     env = {**os.environ, "GATEWAY_LOG_FORMAT": "json", "GATEWAY_HEADER_TIMEOUT_S": "3",
+           "GATEWAY_MCP__SERVERS_FILE": str(servers),
            "GATEWAY_TRACING__OTLP_ENDPOINT": f"http://127.0.0.1:{otlp[1]}/v1/traces",
            "GATEWAY_TRACING__SERVICE_NAME": SERVICE_NAME, "GATEWAY_TRACING__ENGINE_SPANS": "true",
            # the batch lane (test_message_batches) in the session's folder, looking for work often

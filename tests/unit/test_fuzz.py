@@ -89,11 +89,14 @@ def client() -> Iterator[TestClient]:
 
 
 def assert_clean(response: Any) -> None:
-    """No 5xx, and every refusal in its route's error shape (Anthropic's on its routes)."""
+    """No 5xx, and every refusal in its route's error shape (Anthropic's on its routes; on /mcp, a JSON-RPC error once
+    the request reached the MCP protocol)."""
     assert response.status_code < 500, (response.status_code, response.text[:500])
     if response.status_code >= 400:
         body = response.json()
-        if TABLE.dialect(urlsplit(str(response.request.url)).path) == "anthropic":
+        if urlsplit(str(response.request.url)).path == "/mcp" and "jsonrpc" in body:
+            assert {"code", "message"} <= set(body["error"])
+        elif TABLE.dialect(urlsplit(str(response.request.url)).path) == "anthropic":
             assert body["type"] == "error"
             assert set(body["error"]) == {"type", "message"}
         else:

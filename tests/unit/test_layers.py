@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[2]
 GATEWAY = ROOT / "gateway"
 TOP = ("gateway.app", "gateway.server", "gateway.__main__")  # the app factory and the process: may import anything
-CORE = {"errors", "settings", "protocol", "guards", "telemetry", "tenancy", "stores"}
+CORE = {"errors", "settings", "protocol", "guards", "telemetry", "tenancy", "stores", "mcp"}
 LAYERS = ("gateway.apis", "gateway.web", "gateway.middleware", "gateway.pipeline", "gateway.serving",
           "gateway.backends")
 HTTP = ("starlette", "uvicorn")  # the web framework and the server: only the HTTP edge (EDGE)

@@ -42,7 +42,9 @@ BODIES: dict[str, dict[str, Any]] = {
     "/v1/conversations/{conversation_id}/items": {"items": [{"role": "user", "content": "more"}]},
     "/v1/load_lora_adapter": {"lora_name": "route-lora", "lora_path": str(STUB_ADAPTER)},
     "/v1/unload_lora_adapter": {"lora_name": "route-lora"},
+    "/mcp": {"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
 }
+HEADERS = {"/mcp": {"accept": "application/json, text/event-stream"}}  # MCP's streamable HTTP asks for both
 
 
 def app_with(**overrides: Any) -> Any:
@@ -117,7 +119,7 @@ def call(client: TestClient, endpoint: Endpoint, **headers: str) -> Any:
         return upload(client, headers)
     path = concrete(client, endpoint.path, headers)
     body = batch_body(client, headers) if (endpoint.method, path) == ("POST", "/v1/batches") else BODIES.get(endpoint.path)
-    return client.request(endpoint.method, path, json=body, headers=headers)
+    return client.request(endpoint.method, path, json=body, headers={**HEADERS.get(endpoint.path, {}), **headers})
 
 
 def test_every_route_of_the_app_is_in_the_table() -> None:

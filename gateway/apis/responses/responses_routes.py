@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.types import Message
 
 from gateway.apis.conversations.conversations_serving import Conversations, joined
+from gateway.apis.responses import responses_mcp
 from gateway.apis.responses.responses_serving import ResponsesService, history_of
 from gateway.apis.responses.responses_wire import InputItemsQuery, ResponseDeleted, ResponsesRequest, item_page
 from gateway.errors import InvalidRequest
@@ -37,6 +38,11 @@ def _mine(request: Request) -> OwnedResponses:
 async def create(request: Request) -> Response:
     body = await parse(request, ResponsesRequest)
     state, mine = state_of(request), _mine(request)
+    if responses_mcp.applies(body):  # the gateway runs the tools: a response of several model turns
+        if body.conversation is not None:
+            raise InvalidRequest("`conversation` cannot be used with mcp tools yet: use `previous_response_id`",
+                                 param="conversation")
+        return respond(await responses_mcp.answer(context(request), state, body, mine), NAMED)
     turn = await joined(Conversations(mine, state.settings.max_body_bytes), body)  # its `conversation`, if it names one
     history = turn.items if turn else await history_of(mine, body.previous_response_id)
     service = ResponsesService(body, history, mine, turn)

@@ -20,15 +20,19 @@ from pydantic import BaseModel
 from engine.types import Engine, Task
 from gateway.apis.chat import chat_serving
 from gateway.apis.chat.chat_serving import PreparedChat
+from gateway.apis.responses import responses_mcp_items
 from gateway.apis.responses.responses_wire import (
     TEXT_PARTS,
     FunctionCallInput,
     FunctionCallOutputInput,
+    FunctionTool,
     InputItem,
     InputPart,
+    McpApprovalResponseInput,
     MessageInput,
     ResponseEvents,
     ResponsesRequest,
+    ToolChoiceFunction,
     new_id,
 )
 from gateway.errors import APIError, InvalidRequest, NotFound, from_exception
@@ -43,6 +47,7 @@ from gateway.protocol.response_objects import (
     InputText,
     InputTokensDetails,
     Item,
+    McpApprovalResponse,
     OutputItem,
     OutputMessage,
     OutputText,
@@ -92,7 +97,11 @@ def input_items(given: list[InputItem] | str | None, param: str) -> list[Item]:
     return [_item(item, f"{param}.{i}") for i, item in enumerate(given)]
 
 
-def _item(item: MessageInput | FunctionCallInput | FunctionCallOutputInput, param: str) -> Item:
+def _item(item: MessageInput | FunctionCallInput | FunctionCallOutputInput | McpApprovalResponseInput,
+          param: str) -> Item:
+    if isinstance(item, McpApprovalResponseInput):
+        return McpApprovalResponse(id=item.id or new_id("mcpr"), approval_request_id=item.approval_request_id,
+                                   approve=item.approve, reason=item.reason)
     if isinstance(item, FunctionCallInput):
         return FunctionToolCall(id=item.id or new_id("fc"), status="completed", call_id=item.call_id, name=item.name,
                             arguments=item.arguments)
@@ -124,7 +133,7 @@ def chat_messages(items: list[Item]) -> list[dict[str, Any]]:
     their outputs are tool messages."""
     messages: list[dict[str, Any]] = []
     called: set[str] = set()
-    for item in items:
+    for item in responses_mcp_items.for_the_model(items):
         if isinstance(item, InputMessage | OutputMessage):
             messages.append({"role": item.role, "content": "\n".join(part.text for part in item.content)})
         elif isinstance(item, FunctionToolCall):
@@ -135,6 +144,8 @@ def chat_messages(items: list[Item]) -> list[dict[str, Any]]:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif not isinstance(item, FunctionCallOutput):
+            continue  # the mcp items `for_the_model` left out
         elif item.call_id not in called:  # OpenAI's refusal of an output that answers no call
             raise InvalidRequest(f"No tool call found for function call output with call_id {item.call_id}.", "input")
         else:
@@ -154,13 +165,14 @@ def chat_request(request: ResponsesRequest, conversation: list[Item]) -> ChatCom
         "max_completion_tokens": request.max_output_tokens, "parallel_tool_calls": request.parallel_tool_calls,
         "service_tier": request.service_tier, "priority": request.priority,
     }
-    if request.tools:
+    functions = [tool for tool in request.tools or [] if isinstance(tool, FunctionTool)]  # mcp tools: `responses_mcp`
+    if functions:
         described = {"name", "description", "parameters"}
         fields["tools"] = [{"type": "function", "function": tool.model_dump(include=described, exclude_none=True)}
-                           for tool in request.tools]
+                           for tool in functions]
     choice = request.tool_choice
-    if choice is not None and not (choice == "auto" and not request.tools):  # auto with no tools: no choice to make
-        named = {"type": "function", "function": {"name": choice.name}} if not isinstance(choice, str) else None
+    if choice is not None and not (choice == "auto" and not functions):  # auto with no tools: no choice to make
+        named = {"type": "function", "function": {"name": choice.name}} if isinstance(choice, ToolChoiceFunction) else None
         fields["tool_choice"] = named or choice
     text_format = request.text.format if request.text else None
     if text_format is not None and text_format.type == "json_object":
@@ -209,11 +221,11 @@ def item_status(state: ChoiceState) -> Literal["completed", "incomplete"]:
     return "incomplete" if state.finish_reason in ("length", "content_filter") else "completed"
 
 
-def output_items(plan: tools.ToolPlan, state: ChoiceState) -> list[OutputItem]:
+def output_items(plan: tools.ToolPlan, state: ChoiceState) -> list[OutputMessage | FunctionToolCall]:
     """The output of a finished generation: a message (its text), then the function calls."""
     status = item_status(state)
     content, calls = plan.parse("".join(state.text))
-    items: list[OutputItem] = []
+    items: list[OutputMessage | FunctionToolCall] = []
     if content or not calls:
         items.append(OutputMessage(id=new_id("msg"), status=status, content=[OutputText(text=content or "")]))
     items += [FunctionToolCall(id=new_id("fc"), status=status, call_id=new_id("call"), name=call.name,
@@ -272,7 +284,7 @@ class ResponsesService:
         run = await chat_serving.start_run(prepared)
         await run.collect()
         self.model, self.service_tier = prepared.model, prepared.scheduled.tier
-        answer = self._finished(output_items(prepared.tools, run.choices[0]), run.usage(), run.choices[0])
+        answer = self._finished([*output_items(prepared.tools, run.choices[0])], run.usage(), run.choices[0])
         await hand_over(on_done, answer, run)
         self.answer = answer
         return answer
@@ -300,16 +312,18 @@ class ResponsesService:
         choice = r.tool_choice.model_dump(mode="json") if isinstance(r.tool_choice, BaseModel) else r.tool_choice
         return Response(
             id=self.id, created_at=self.created, status=status, background=r.background, model=self.model,
-            instructions=r.instructions, max_output_tokens=r.max_output_tokens,
+            instructions=r.instructions, max_output_tokens=r.max_output_tokens, max_tool_calls=r.max_tool_calls,
             parallel_tool_calls=r.parallel_tool_calls, previous_response_id=r.previous_response_id, store=r.store,
             temperature=1.0 if r.temperature is None else r.temperature, top_p=1.0 if r.top_p is None else r.top_p,
             text=text, tool_choice=choice or "auto", user=r.user, metadata=r.metadata or {},
             service_tier=self.service_tier, conversation=conversation_of(r),
-            tools=[tool.model_dump(mode="json", exclude_none=True) for tool in r.tools or []],
+            # an mcp tool's credentials are not echoed, nor stored
+            tools=[tool.model_dump(mode="json", exclude_none=True, exclude={"headers", "authorization"})
+                   for tool in r.tools or []],
         )
 
     def _finished(self, output: list[OutputItem], usage: Usage | None, state: ChoiceState) -> Response:
-        cut = any(item.status == "incomplete" for item in output)
+        cut = any(isinstance(item, OutputMessage | FunctionToolCall) and item.status == "incomplete" for item in output)
         response = self.skeleton("incomplete" if cut else "completed")
         response.output = output
         response.usage = usage_of(usage) if usage is not None else None

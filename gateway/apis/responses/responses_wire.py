@@ -24,7 +24,7 @@ from gateway.protocol.response_objects import (
 )
 
 TEXT_PARTS = ("input_text", "output_text", "text")
-INPUT_ITEMS = ("message", "function_call", "function_call_output")
+INPUT_ITEMS = ("message", "function_call", "function_call_output", "mcp_approval_response")
 
 
 class InputPart(_Request):
@@ -76,10 +76,21 @@ class FunctionCallOutputInput(_Request):
     status: ItemStatus | None = None
 
 
+class McpApprovalResponseInput(_Request):
+    """The client's answer to an `mcp_approval_request` of the previous response."""
+
+    type: Literal["mcp_approval_response"]
+    approval_request_id: str
+    approve: bool
+    id: str | None = None
+    reason: str | None = None
+
+
 InputItem = Annotated[
     Annotated[MessageInput, Tag("message")]
     | Annotated[FunctionCallInput, Tag("function_call")]
-    | Annotated[FunctionCallOutputInput, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputInput, Tag("function_call_output")]
+    | Annotated[McpApprovalResponseInput, Tag("mcp_approval_response")],
     Discriminator(_item_kind),
 ]
 
@@ -90,6 +101,41 @@ class FunctionTool(_Request):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+class McpToolFilter(_Request):
+    tool_names: list[str] | None = None
+    read_only: bool | None = None
+
+
+class McpApprovalFilter(_Request):
+    always: McpToolFilter | None = None
+    never: McpToolFilter | None = None
+
+
+class McpToolParam(_Request):
+    """A remote MCP server's tools, offered to the model and called by the gateway (`responses_mcp`)."""
+
+    type: Literal["mcp"]
+    server_label: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    server_url: str | None = None
+    server_description: str | None = None
+    headers: dict[str, str] | None = None
+    authorization: str | None = None
+    allowed_tools: list[str] | McpToolFilter | None = None
+    require_approval: Literal["always", "never"] | McpApprovalFilter | None = None
+    connector_id: str | None = None
+
+
+class ToolChoiceMcp(_Request):
+    type: Literal["mcp"]
+    server_label: str
+    name: str | None = None
+
+
+def _tool_kind(tool: Any) -> str | None:
+    kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
+    return kind if isinstance(kind, str) else None
 
 
 class ToolChoiceFunction(_Request):
@@ -143,8 +189,10 @@ class ResponsesRequest(_Request):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     text: TextConfig | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    tools: list[Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[McpToolParam, Tag("mcp")],
+                          Discriminator(_tool_kind)]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | ToolChoiceMcp | None = None
+    max_tool_calls: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     parallel_tool_calls: bool = True
     metadata: Metadata | None = None
     user: str | None = None
@@ -166,8 +214,8 @@ class ResponsesRequest(_Request):
     @classmethod
     def _function_tools(cls, value: Any) -> Any:
         for i, tool in enumerate(value if isinstance(value, list) else []):
-            if isinstance(tool, dict) and tool.get("type") != "function":
-                raise ValueError(f"tools[{i}] is a {tool.get('type')!r} tool; this server runs function tools only")
+            if isinstance(tool, dict) and tool.get("type") not in ("function", "mcp"):
+                raise ValueError(f"tools[{i}] is a {tool.get('type')!r} tool; this server runs function and mcp tools")
         return value
 
     @model_validator(mode="after")
@@ -282,9 +330,16 @@ class FunctionCallArgumentsDone(_ItemEvent):
     arguments: str
 
 
+class ItemNote(_ItemEvent):
+    """An event about an item the gateway made (an MCP listing, call), its other fields as the kind has them:
+    `response.mcp_list_tools.*`, `response.mcp_call.*`, `response.mcp_call_arguments.*`."""
+
+    type: str
+
+
 StreamEvent = (
     ResponseLifecycleEvent | OutputItemEvent | ContentPartEvent | OutputTextDelta | OutputTextDone
-    | FunctionCallArgumentsDelta | FunctionCallArgumentsDone
+    | FunctionCallArgumentsDelta | FunctionCallArgumentsDone | ItemNote
 )
 
 
@@ -352,8 +407,10 @@ class ResponseEvents:
             return self._closed(self._open.model_copy(update={"status": status, "arguments": whole}))
         return []
 
-    def whole(self, item: OutputMessage | FunctionToolCall) -> list[StreamEvent]:
+    def whole(self, item: OutputItem) -> list[StreamEvent]:
         """An item known whole at once (parsed tool calls, a cached answer replayed)."""
+        if not isinstance(item, OutputMessage | FunctionToolCall):
+            return [self.added(item), self.done(item)]
         if isinstance(item, OutputMessage):
             opened = self._opened(OutputMessage(id=item.id, status="in_progress", content=[]))
             text = "".join(part.text for part in item.content)
@@ -362,6 +419,20 @@ class ResponseEvents:
             opened = self._opened(item.model_copy(update={"status": "in_progress", "arguments": ""}))
             deltas = [self._delta(item.arguments)]
         return [*opened, *deltas, *self._closed(item)]
+
+    def added(self, item: OutputItem) -> OutputItemEvent:
+        """An item the gateway makes (an MCP listing or call) opened; `about` tells what it does, `done` ends it."""
+        return OutputItemEvent(type="response.output_item.added", sequence_number=self._next(),
+                               output_index=self._index, item=item)
+
+    def about(self, kind: str, item_id: str, **fields: Any) -> ItemNote:
+        return ItemNote(type=kind, sequence_number=self._next(), item_id=item_id, output_index=self._index, **fields)
+
+    def done(self, item: OutputItem) -> OutputItemEvent:
+        event = OutputItemEvent(type="response.output_item.done", sequence_number=self._next(),
+                                output_index=self._index, item=item)
+        self.response.output.append(item)
+        return event
 
     def _opened(self, item: OutputMessage | FunctionToolCall) -> list[StreamEvent]:
         self._open, self._parts = item, []
