@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
 
+from gateway.apis.mcp import mcp_serving
 from gateway.app import create_app
 from tests.fakes import FakeEngine, app_with, fake_settings
 from tests.mcp_servers import SeenHeaders, serving, tool_server
@@ -225,3 +226,21 @@ async def test_a_call_has_its_span_and_with_log_prompts_its_arguments(
     assert span.parent.span_id == server.context.span_id
     line = next(entry for entry in logs if entry["event"] == "mcp_tool_call")
     assert line["arguments"] == '{"text": "secret words"}'
+
+
+async def test_a_call_lists_no_server(connect: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK's server would list every server's tools per call with arguments (to check `Mcp-Param-*` headers)
+    unless told the gateway has no schema to check them against."""
+    listings = []
+    listed = mcp_serving.list_tools
+
+    async def counted_listing(*args: Any) -> Any:
+        listings.append(args)
+        return await listed(*args)
+
+    monkeypatch.setattr(mcp_serving, "list_tools", counted_listing)
+    async with connect("narrow") as client:
+        await client.list_tools()
+        for _ in range(3):
+            assert await text_of(client, "wiki__page", {"text": "p"}) == ("page: p", False)
+    assert len(listings) == 1
