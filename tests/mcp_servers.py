@@ -29,7 +29,8 @@ class SeenHeaders:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
+            query = {":query": scope.get("query_string", b"").decode()}  # which URL of the server was asked
+            self.headers.append({**query, **{k.decode(): v.decode() for k, v in scope["headers"]}})
         await self.app(scope, receive, send)
 
 

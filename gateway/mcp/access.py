@@ -54,9 +54,9 @@ async def reach(policy: KeyPolicy | None, *, servers: McpServers, server_label: 
     if grant is not None and name not in grant.servers:
         raise PermissionDenied(f"This API key may not use the MCP server '{server_label}'.", param=param)
     own = _client_headers(headers)
-    if server is not None:
-        own = {key: value for key, value in own.items() if key.lower() not in {n.lower() for n in server.headers}}
-        own.update(server.headers)
+    if server is not None:  # the gateway's headers for its server, over the client's of the same names
+        theirs = {name.lower() for name in server.headers}
+        own = {name: value for name, value in own.items() if name.lower() not in theirs} | dict(server.headers)
     address = None
     if server is None or not server.allow_private:
         address = await _public_address(url, param, servers.timeout_s)
@@ -107,8 +107,8 @@ async def _public_address(url: str, param: str, timeout_s: float) -> str:
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        found = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM),
-                                       timeout_s)
+        async with asyncio.timeout(timeout_s):  # not wait_for: on Python 3.11 it can swallow the caller's cancel
+            found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, TimeoutError, UnicodeError) as exc:
         raise InvalidRequest(f"Invalid '{param}': the MCP server's host '{host}' could not be resolved.",
                              param=param) from exc

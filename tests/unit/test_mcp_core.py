@@ -24,6 +24,7 @@ from gateway.mcp.access import Target, reach, tool_allowed
 from gateway.mcp.servers import McpServers, ServersFileError, canonical_url
 from gateway.settings import McpSettings
 from gateway.tenancy.tenants import KeyPolicy, KeysFileError, Tenants
+from tests.fakes import app_with
 from tests.mcp_servers import SeenHeaders, serving, tool_server
 from tests.served import served
 
@@ -356,3 +357,17 @@ async def test_a_redirect_is_not_followed(tools: tuple[str, SeenHeaders]) -> Non
         outcome = await client.call_tool(target(base + "/mcp"), "echo", {"text": "hi"}, timeout_s=30)
         assert outcome.output is None
         assert len(tools[1].headers) == before  # the server redirected to never heard of it
+
+
+def test_the_app_refuses_a_key_naming_an_mcp_server_the_servers_file_lacks(tmp_path: Path) -> None:
+    servers = tmp_path / "servers.yaml"
+    servers.write_text("servers: {docs: {url: 'https://93.184.216.34/mcp'}}\n")
+    keys = tmp_path / "keys.yaml"
+    keys.write_text('keys:\n  k:\n    key: "sk-k"\n    mcp: {servers: [docs, wiki]}\n')
+    with pytest.raises(KeysFileError, match="no MCP server 'wiki'"):
+        app_with(keys_file=keys, mcp={"servers_file": servers})
+    keys.write_text('keys:\n  k:\n    key: "sk-k"\n    mcp: {servers: [docs]}\n')
+    app_with(keys_file=keys, mcp={"servers_file": servers})
+    servers.write_text("servers: {docs: {url: 'https://93.184.216.34/mcp', headers: {A: '${NO_SUCH_VARIABLE_X}'}}}\n")
+    with pytest.raises(ServersFileError, match="NO_SUCH_VARIABLE_X"):
+        app_with(keys_file=keys, mcp={"servers_file": servers})

@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
 
+from gateway.apis.mcp import mcp_serving
 from gateway.app import create_app
 from tests.fakes import FakeEngine, app_with, fake_settings
 from tests.mcp_servers import SeenHeaders, serving, tool_server
@@ -46,6 +47,9 @@ def gateway(upstreams: dict[str, tuple[str, SeenHeaders]], tmp_path_factory: pyt
           docs:
             url: {upstreams["docs"][0]}
             headers: {{Authorization: "Bearer {TOKEN}"}}
+            allow_private: true
+          brief:
+            url: {upstreams["docs"][0]}?bound=short
             allow_private: true
             timeout_s: 1
           wiki:
@@ -105,7 +109,8 @@ BASE = {"echo", "fail", "slow", "large"}
 @pytest.mark.parametrize("mode", ["auto", "legacy"])
 async def test_each_key_lists_the_tools_its_allow_list_gives(connect: Any, mode: str) -> None:
     async with connect("all", mode) as client:
-        assert await names(client) == {f"docs__{t}" for t in BASE} | {f"wiki__{t}" for t in {*BASE, "page", "a__b"}}
+        listed = {name for name in await names(client) if not name.startswith("brief__")}  # brief's bound is short
+        assert listed == {f"docs__{t}" for t in BASE} | {f"wiki__{t}" for t in {*BASE, "page", "a__b"}}
     async with connect("narrow", mode) as client:
         assert await names(client) == {"wiki__page", "wiki__a__b"}
         assert await text_of(client, "wiki__page", {"text": "p"}) == ("page: p", False)
@@ -122,8 +127,10 @@ async def test_a_call_goes_to_its_server_with_the_gateways_credentials(
         async with connect("all") as client:
             assert await text_of(client, "docs__echo", {"text": "hello"}) == ("hello", False)
             assert await text_of(client, "wiki__a__b", {"text": "x"}) == ("a__b: x", False)
-    assert all(headers["authorization"] == f"Bearer {TOKEN}" for headers in seen[before:])
-    assert len(seen) > before
+    asked = [headers for headers in seen[before:] if not headers[":query"]]  # `brief` is the same server's ?bound=short
+    assert asked
+    assert all(headers["authorization"] == f"Bearer {TOKEN}" for headers in asked)
+    assert all("authorization" not in headers for headers in seen[before:] if headers[":query"])
     assert all("authorization" not in headers for headers in upstreams["wiki"][1].headers)  # never the client's key
     assert TOKEN not in repr(logs)
     assert KEYS["all"] not in repr(logs)
@@ -151,7 +158,7 @@ async def test_a_servers_failure_or_slowness_is_a_tool_error(connect: Any) -> No
         failed, is_error = await text_of(client, "docs__fail")
         assert is_error
         assert failed
-        slow, is_error = await text_of(client, "docs__slow")  # the servers file gives docs 1 s
+        slow, is_error = await text_of(client, "brief__slow")  # the servers file gives it 1 s
         assert is_error
         assert "in time" in slow
         down, is_error = await text_of(client, "down__echo", {"text": "x"})
@@ -219,3 +226,21 @@ async def test_a_call_has_its_span_and_with_log_prompts_its_arguments(
     assert span.parent.span_id == server.context.span_id
     line = next(entry for entry in logs if entry["event"] == "mcp_tool_call")
     assert line["arguments"] == '{"text": "secret words"}'
+
+
+async def test_a_call_lists_no_server(connect: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK's server would list every server's tools per call with arguments (to check `Mcp-Param-*` headers)
+    unless told the gateway has no schema to check them against."""
+    listings = []
+    listed = mcp_serving.list_tools
+
+    async def counted_listing(*args: Any) -> Any:
+        listings.append(args)
+        return await listed(*args)
+
+    monkeypatch.setattr(mcp_serving, "list_tools", counted_listing)
+    async with connect("narrow") as client:
+        await client.list_tools()
+        for _ in range(3):
+            assert await text_of(client, "wiki__page", {"text": "p"}) == ("page: p", False)
+    assert len(listings) == 1

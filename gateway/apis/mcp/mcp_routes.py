@@ -48,7 +48,14 @@ def _request(ctx: ServerRequestContext[Any]) -> Request:
     return request
 
 
-SERVER: Server[Any] = Server("llm-gateway", on_list_tools=_list_tools, on_call_tool=_call_tool)
+def _no_schema(name: str) -> None:
+    """No tool's schema for the SDK's check of a call's `Mcp-Param-*` headers: without this it would list every server's
+    tools once per call to find one; the gateway routes by the tool's name alone and never forwards those headers."""
+    return
+
+
+SERVER: Server[Any] = Server("llm-gateway", on_list_tools=_list_tools, on_call_tool=_call_tool,
+                             get_tool_input_schema=_no_schema)
 
 
 class McpExchange(Response):
