@@ -327,3 +327,41 @@ def test_two_replicas_share_conversations_through_redis(redis: RedisServer) -> N
         redis.stop()
         down = one.post("/v1/conversations", json={})
         assert down.status_code == 503  # not answered as if kept
+
+
+async def test_two_replicas_writing_one_conversation_at_once_lose_nothing(redis: RedisServer) -> None:
+    """Adds, turns, an update and an item's delete at once on two replicas: each change is made to the conversation
+    as the other left it (no write undoes another's), and nothing is there twice."""
+    cache = {"backend": "redis", "redis_url": redis.url, "store_ttl_s": 600}
+    apps = [app_with(FakeEngine(), cache=cache), app_with(FakeEngine(), cache=cache)]
+    async with apps[0].router.lifespan_context(apps[0]) as one, apps[1].router.lifespan_context(apps[1]) as two:
+        clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=_with_state(app, state)), base_url="http://t")
+                   for app, state in zip(apps, (one, two), strict=True)]
+        made = (await clients[0].post("/v1/conversations", json={"items": [USER]})).json()
+        first = (await clients[0].get(f"/v1/conversations/{made['id']}/items")).json()["data"][0]["id"]
+        path = f"/v1/conversations/{made['id']}"
+        writes = [clients[i % 2].post(f"{path}/items", json={"items": [{"role": "user", "content": f"m{i}"}]})
+                  for i in range(6)]
+        writes += [clients[i].post("/v1/responses", json={"model": MODEL, "input": f"turn {i}", "conversation": made["id"],
+                                                          "max_output_tokens": 16}) for i in range(2)]
+        writes += [clients[1].post(path, json={"metadata": {"k": "v"}}), clients[0].delete(f"{path}/items/{first}")]
+        answers = await asyncio.gather(*writes)
+        assert [answer.status_code for answer in answers] == [200] * 10, [answer.text for answer in answers]
+        items = (await clients[1].get(f"{path}/items", params={"order": "asc", "limit": 100})).json()["data"]
+        texts = [item["content"][0]["text"] for item in items if item["role"] == "user"]
+        assert sorted(texts) == sorted([f"m{i}" for i in range(6)] + ["turn 0", "turn 1"])
+        assert len([item for item in items if item["role"] == "assistant"]) == 2
+        assert len({item["id"] for item in items}) == len(items) == 10
+        assert (await clients[0].get(path)).json()["metadata"] == {"k": "v"}
+        for client in clients:
+            await client.aclose()
+
+
+def _with_state(app: Any, state: Any) -> Any:
+    """The app with its lifespan's state in every request's scope (ASGITransport runs no lifespan)."""
+
+    async def app_with_state(scope: Any, receive: Any, send: Any) -> None:
+        scope["state"] = dict(state)
+        await app(scope, receive, send)
+
+    return app_with_state
