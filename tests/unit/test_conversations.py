@@ -285,11 +285,8 @@ async def test_deleting_a_conversation_while_a_response_uses_it(stream: bool) ->
     engine.reply = ["late."]
     app = app_with(engine)
     async with app.router.lifespan_context(app) as state:
-        async def with_state(scope: Any, receive: Any, send: Any) -> None:
-            scope["state"] = dict(state)
-            await app(scope, receive, send)
-
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=_with_state(app, state)),
+                                     base_url="http://t") as client:
             made = (await client.post("/v1/conversations", json={"items": [USER]})).json()
             body = {"model": MODEL, "input": "x", "conversation": made["id"], "stream": stream}
             answering = asyncio.create_task(client.post("/v1/responses", json=body))
@@ -300,6 +297,25 @@ async def test_deleting_a_conversation_while_a_response_uses_it(stream: bool) ->
             assert answer.status_code == 200
             assert "late." in answer.text
             assert (await client.get(f"/v1/conversations/{made['id']}")).status_code == 404
+
+
+async def test_two_turns_at_once_with_the_same_input_add_it_once() -> None:
+    """Both pass the check of their input ids when they start; the second to end finds its input there already."""
+    engine = HeldEngine()
+    app = app_with(engine)
+    async with app.router.lifespan_context(app) as state, httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=_with_state(app, state)), base_url="http://t"
+    ) as client:
+        made = (await client.post("/v1/conversations", json={})).json()
+        given = [{"type": "message", "id": "msg_retried", "role": "user", "content": "Hi"}]
+        body = {"model": MODEL, "input": given, "conversation": made["id"], "max_output_tokens": 16}
+        turns = [asyncio.create_task(client.post("/v1/responses", json=body)) for _ in range(2)]
+        await until(lambda: len(engine.held) == 2, what="both turns running")
+        engine.go.set()
+        assert [(await turn).status_code for turn in turns] == [200, 200]
+        items = (await client.get(f"/v1/conversations/{made['id']}/items", params={"order": "asc"})).json()["data"]
+        assert [item["id"] for item in items].count("msg_retried") == 1
+        assert [item["role"] for item in items] == ["user", "assistant", "assistant"]
 
 
 @pytest.fixture
