@@ -6,7 +6,8 @@ response uses the conversation, and two replicas sharing conversations through R
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -284,28 +285,24 @@ async def test_deleting_a_conversation_while_a_response_uses_it(stream: bool) ->
     engine = HeldEngine()
     engine.reply = ["late."]
     app = app_with(engine)
-    async with app.router.lifespan_context(app) as state:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=_with_state(app, state)),
-                                     base_url="http://t") as client:
-            made = (await client.post("/v1/conversations", json={"items": [USER]})).json()
-            body = {"model": MODEL, "input": "x", "conversation": made["id"], "stream": stream}
-            answering = asyncio.create_task(client.post("/v1/responses", json=body))
-            await until(lambda: engine.held, what="the turn running")
-            assert (await client.delete(f"/v1/conversations/{made['id']}")).status_code == 200
-            engine.go.set()
-            answer = await answering
-            assert answer.status_code == 200
-            assert "late." in answer.text
-            assert (await client.get(f"/v1/conversations/{made['id']}")).status_code == 404
+    async with serving(app) as client:
+        made = (await client.post("/v1/conversations", json={"items": [USER]})).json()
+        body = {"model": MODEL, "input": "x", "conversation": made["id"], "stream": stream}
+        answering = asyncio.create_task(client.post("/v1/responses", json=body))
+        await until(lambda: engine.held, what="the turn running")
+        assert (await client.delete(f"/v1/conversations/{made['id']}")).status_code == 200
+        engine.go.set()
+        answer = await answering
+        assert answer.status_code == 200
+        assert "late." in answer.text
+        assert (await client.get(f"/v1/conversations/{made['id']}")).status_code == 404
 
 
 async def test_two_turns_at_once_with_the_same_input_add_it_once() -> None:
     """Both pass the check of their input ids when they start; the second to end finds its input there already."""
     engine = HeldEngine()
     app = app_with(engine)
-    async with app.router.lifespan_context(app) as state, httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=_with_state(app, state)), base_url="http://t"
-    ) as client:
+    async with serving(app) as client:
         made = (await client.post("/v1/conversations", json={})).json()
         given = [{"type": "message", "id": "msg_retried", "role": "user", "content": "Hi"}]
         body = {"model": MODEL, "input": given, "conversation": made["id"], "max_output_tokens": 16}
@@ -350,9 +347,8 @@ async def test_two_replicas_writing_one_conversation_at_once_lose_nothing(redis:
     as the other left it (no write undoes another's), and nothing is there twice."""
     cache = {"backend": "redis", "redis_url": redis.url, "store_ttl_s": 600}
     apps = [app_with(FakeEngine(), cache=cache), app_with(FakeEngine(), cache=cache)]
-    async with apps[0].router.lifespan_context(apps[0]) as one, apps[1].router.lifespan_context(apps[1]) as two:
-        clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=_with_state(app, state)), base_url="http://t")
-                   for app, state in zip(apps, (one, two), strict=True)]
+    async with serving(apps[0]) as one, serving(apps[1]) as two:
+        clients = [one, two]
         made = (await clients[0].post("/v1/conversations", json={"items": [USER]})).json()
         first = (await clients[0].get(f"/v1/conversations/{made['id']}/items")).json()["data"][0]["id"]
         path = f"/v1/conversations/{made['id']}"
@@ -369,15 +365,18 @@ async def test_two_replicas_writing_one_conversation_at_once_lose_nothing(redis:
         assert len([item for item in items if item["role"] == "assistant"]) == 2
         assert len({item["id"] for item in items}) == len(items) == 10
         assert (await clients[0].get(path)).json()["metadata"] == {"k": "v"}
-        for client in clients:
-            await client.aclose()
 
 
-def _with_state(app: Any, state: Any) -> Any:
-    """The app with its lifespan's state in every request's scope (ASGITransport runs no lifespan)."""
+@asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app in this process, its lifespan's state in every request's scope (ASGITransport runs no
+    lifespan)."""
 
-    async def app_with_state(scope: Any, receive: Any, send: Any) -> None:
+    async def with_state(scope: Any, receive: Any, send: Any) -> None:
         scope["state"] = dict(state)
         await app(scope, receive, send)
 
-    return app_with_state
+    async with app.router.lifespan_context(app) as state, httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=with_state), base_url="http://t"
+    ) as client:
+        yield client
