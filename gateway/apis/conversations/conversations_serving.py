@@ -98,12 +98,13 @@ class Conversations:
 
         return (await self._change(conversation_id, remove)).conversation
 
-    def full(self, stored: StoredConversation, param: str) -> None:
-        """Refuse a conversation past its bound (`param`: the field that asked to add to it)."""
+    def full(self, stored: StoredConversation, param: str) -> int:
+        """Its size in bytes; refused past its bound (`param`: the field that asked to add to it)."""
         size = len(stored.__pydantic_serializer__.to_json(stored))
         if size > self.most_bytes:
             raise InvalidRequest(f"Conversation with id '{stored.conversation.id}' would hold {size} bytes, past its "
                                  f"limit of {self.most_bytes}; start a new conversation", param)
+        return size
 
     async def _change(self, conversation_id: str, change: Callable[[StoredConversation], None]) -> StoredConversation:
         """`change` made to the conversation as stored when it is written (two requests at once: both changes kept)."""
@@ -126,6 +127,7 @@ class Turn:
     conversations: Conversations
     id: str
     items: list[Item]
+    size: int  # its bytes, as stored: the request's preparation reads them as it reads the body's (`offload`)
 
     async def add(self, given: list[Item], output: list[OutputItem]) -> None:
         try:
@@ -147,7 +149,7 @@ async def joined(conversations: Conversations, request: ResponsesRequest) -> Tur
         stored = await conversations.get(ref.id)
     except NotFound as exc:
         raise NotFound(exc.message, "conversation") from None
-    conversations.full(stored, "conversation")
+    size = conversations.full(stored, "conversation")
     _unique(stored.items, [None] if isinstance(request.input, str) else [item.id for item in request.input or []],
             "input")
-    return Turn(conversations, ref.id, stored.items)
+    return Turn(conversations, ref.id, stored.items, size)
