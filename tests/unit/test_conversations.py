@@ -380,3 +380,24 @@ async def serving(app: Any) -> AsyncIterator[httpx.AsyncClient]:
         transport=httpx.ASGITransport(app=with_state), base_url="http://t"
     ) as client:
         yield client
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_adds_the_answer_as_the_output_guards_let_it_out(tmp_path: Path, stream: bool) -> None:
+    """The answer added is the one the client got (redacted, cut), never the model's raw text; the input is the
+    client's own, as sent (the engine read it redacted, and reads it so again on every later turn)."""
+    from tests.unit.test_guards import guarded_app
+
+    engine = FakeEngine(max_model_len=4096)
+    with TestClient(guarded_app(tmp_path, engine)) as client:
+        made = client.post("/v1/conversations", json={}).json()
+        turn = {"model": MODEL, "conversation": made["id"], "stream": stream}
+        engine.reply = ["Ask eve@", "evil.example", " or the quick brown fox"]
+        assert client.post("/v1/responses", json={**turn, "input": "Mail bob@corp.example"}).status_code == 200
+        assert "bob@corp.example" not in engine.requests[-1].prompt_text
+        assert client.post("/v1/responses", json={**turn, "input": "Project Hydra?"}).status_code == 400
+        items = client.get(f"/v1/conversations/{made['id']}/items", params={"order": "asc"}).json()["data"]
+        assert [(item["role"], item["content"][0]["text"], item["status"]) for item in items] == [
+            ("user", "Mail bob@corp.example", "completed"), ("assistant", "Ask [EMAIL] or the quick brown ", "incomplete")]
+        client.post("/v1/responses", json={**turn, "input": "again"})
+        assert "bob@corp.example" not in engine.requests[-1].prompt_text
