@@ -401,3 +401,19 @@ def test_a_turn_adds_the_answer_as_the_output_guards_let_it_out(tmp_path: Path, 
             ("user", "Mail bob@corp.example", "completed"), ("assistant", "Ask [EMAIL] or the quick brown ", "incomplete")]
         client.post("/v1/responses", json={**turn, "input": "again"})
         assert "bob@corp.example" not in engine.requests[-1].prompt_text
+
+
+def test_a_turn_charges_the_conversations_tokens_to_the_key() -> None:
+    """The prompt the key's tokens per minute count is the whole conversation, not only the request's input: a
+    second turn on it no longer fits."""
+    engine = FakeEngine(max_model_len=4096)
+    with TestClient(app_with(engine, rate_limit_tpm=400)) as client:
+        made = client.post("/v1/conversations", json={"items": [{"role": "user", "content": "word " * 200}]}).json()
+        turn = client.post("/v1/responses", json={"model": MODEL, "input": "q", "conversation": made["id"],
+                                                  "max_output_tokens": 16})
+        prompt = engine.requests[-1].prompt_token_ids
+        assert len(prompt) > 200
+        assert turn.headers["x-ratelimit-remaining-tokens"] == str(400 - len(prompt) - 16)
+        again = client.post("/v1/responses", json={"model": MODEL, "input": "q", "conversation": made["id"],
+                                                   "max_output_tokens": 16})
+        assert again.status_code == 429
