@@ -17,6 +17,8 @@ import pytest
 from redis import Redis
 from starlette.testclient import TestClient
 
+from gateway.apis.conversations.conversations_serving import Conversations
+from gateway.stores.responses import OwnedResponses, StoredResponse
 from tests.fakes import FakeEngine, HeldEngine, app_with
 from tests.redis_server import RedisServer
 from tests.waits import until, until_sync
@@ -417,3 +419,26 @@ def test_a_turn_charges_the_conversations_tokens_to_the_key() -> None:
         again = client.post("/v1/responses", json={"model": MODEL, "input": "q", "conversation": made["id"],
                                                    "max_output_tokens": 16})
         assert again.status_code == 429
+
+
+@pytest.mark.parametrize("how", [{}, {"stream": True}, {"background": True}])
+def test_a_turn_is_in_its_conversation_before_its_response_reads_as_ended(
+    client: TestClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, how: dict[str, Any],
+) -> None:
+    """A client that sees the response ended (polling a background one) and sends the next turn at once finds the
+    turn before it in the conversation."""
+    found: list[int] = []
+    put = OwnedResponses.put
+
+    async def noting(self: OwnedResponses, stored: StoredResponse) -> None:
+        if stored.response.status == "completed" and stored.response.conversation is not None:
+            conversation = await Conversations(self, 1 << 30).get(stored.response.conversation.id)
+            found.append(len(conversation.items))
+        await put(self, stored)
+
+    monkeypatch.setattr(OwnedResponses, "put", noting)
+    engine.reply = ["Done."]
+    made = client.post("/v1/conversations", json={"items": [USER]}).json()
+    turn = {"model": MODEL, "input": "x", "conversation": made["id"], "max_output_tokens": 16, **how}
+    assert client.post("/v1/responses", json=turn).status_code == 200
+    assert until_sync(lambda: found, what="the response stored as completed") == [3]
