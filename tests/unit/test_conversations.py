@@ -442,3 +442,15 @@ def test_a_turn_is_in_its_conversation_before_its_response_reads_as_ended(
     turn = {"model": MODEL, "input": "x", "conversation": made["id"], "max_output_tokens": 16, **how}
     assert client.post("/v1/responses", json=turn).status_code == 200
     assert until_sync(lambda: found, what="the response stored as completed") == [3]
+
+
+@pytest.mark.parametrize("how", [{}, {"stream": True}, {"background": True}])
+def test_a_conversation_past_the_models_context_is_a_400_before_the_engine(
+    client: TestClient, engine: FakeEngine, how: dict[str, Any],
+) -> None:
+    """Nothing is truncated: the turn is refused as a prompt too long is, before the engine, and adds nothing."""
+    made = client.post("/v1/conversations", json={"items": [{"role": "user", "content": "word " * 100}]}).json()
+    refused = client.post("/v1/responses", json={"model": MODEL, "input": "q", "conversation": made["id"], **how})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (400, "context_length_exceeded")
+    assert engine.requests == []
+    assert len(client.get(f"/v1/conversations/{made['id']}/items").json()["data"]) == 1
