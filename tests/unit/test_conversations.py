@@ -1,7 +1,8 @@
 """The Conversations API on the fake engine, through the openai SDK (its own types parse every answer) and raw
 HTTP: every route, pagination, refusals of bad input (400 with its param, never a 5xx), `conversation` on Responses
 requests (whole and streamed), another key's ids answering exactly as unknown ones on every route, a delete while a
-response uses the conversation, and two replicas sharing conversations through Redis."""
+response uses the conversation, two replicas sharing conversations through Redis and writing one at once (nothing
+lost, nothing twice), what a turn adds under the guards, and what it costs (the key's tokens, the model's context)."""
 
 from __future__ import annotations
 
