@@ -71,6 +71,13 @@ class MemoryCache:
         while len(self._items) > self.max_entries or self.bytes > self.max_bytes:
             self._drop(next(iter(self._items)))
 
+    async def swap(self, key: str, old: bytes, new: bytes) -> bool:
+        """Set `key` to `new` if it still holds `old` (no await in between: nothing runs meanwhile)."""
+        if self.peek(key) != old:
+            return False
+        await self.set(key, new)
+        return True
+
     async def delete(self, key: str) -> bool:
         found = self.peek(key) is not None
         if found:
@@ -88,6 +95,14 @@ class MemoryCache:
         self._items.clear()
 
 
+_SWAP = """
+local now = redis.call('GET', KEYS[1])
+if not now or redis.sha1hex(now) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+
+
 class RedisStore:
     """Values in Redis under a prefix, each kept `ttl_s`; a Redis that fails raises (`stores.redis.ERRORS`)."""
 
@@ -100,6 +115,14 @@ class RedisStore:
 
     async def set(self, key: str, value: bytes) -> None:
         await self._client.bounded(self._client.redis.set(self.prefix + key, value, px=int(self.ttl_s * 1000)))
+
+    async def swap(self, key: str, old: bytes, new: bytes) -> bool:
+        """Set `key` to `new` if it still holds `old`, in one step on the server (compared by digest: `old` is not
+        sent again)."""
+        digest = hashlib.sha1(old, usedforsecurity=False).hexdigest()
+        ttl_ms = int(self.ttl_s * 1000)
+        swapped = self._client.redis.eval(_SWAP, 1, self.prefix + key, digest, new, ttl_ms)
+        return bool(await self._client.bounded(swapped))
 
     async def delete(self, key: str) -> bool:
         return bool(await self._client.bounded(self._client.redis.delete(self.prefix + key)))

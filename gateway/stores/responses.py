@@ -5,6 +5,7 @@ process."""
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ class StoredResponse(BaseModel):
 
 class StoreBackend(CacheBackend, Protocol):
     async def delete(self, key: str) -> bool: ...
+    async def swap(self, key: str, old: bytes, new: bytes) -> bool: ...
 
 
 def make_store_backend(settings: CacheSettings, pools: RedisPools) -> StoreBackend:
@@ -67,6 +69,8 @@ class Kind(NamedTuple):
 RESPONSE = Kind("resp_", not_found)
 ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # ours are `<prefix><hex>`; anything else can name nothing stored
 RUNNING = ("queued", "in_progress")
+CHANGE_TRIES = 16  # a change that finds its object written meanwhile this often gives up (a 503)
+CHANGE_BACKOFF_S = 0.005  # up to this, times the tries so far, before the next: writers at once fall out of step
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
@@ -118,6 +122,22 @@ class OwnedResponses:
         """Store one of this owner's objects; a write that fails is a 503 (the caller must not answer as if kept)."""
         key = self._key(object_id, kind)
         await self._needed("set", self.store.backend.set(key, value.__pydantic_serializer__.to_json(value)))
+
+    async def change(self, kind: Kind, object_id: str, model: type[M], change: Callable[[M], None]) -> M:
+        """Change one of this owner's objects of `kind` and store it, unless it was written meanwhile (another
+        request's change, on any replica): then read it again and change that, so that no change is lost."""
+        key = self._key(object_id, kind)
+        for tried in range(CHANGE_TRIES):
+            if tried:
+                await asyncio.sleep(random.uniform(0, CHANGE_BACKOFF_S * tried))
+            raw = await self._needed("get", self.store.backend.get(key))
+            if raw is None:
+                raise kind.missing(object_id)
+            value = model.model_validate_json(raw)
+            change(value)
+            if await self._needed("set", self.store.backend.swap(key, raw, value.__pydantic_serializer__.to_json(value))):
+                return value
+        raise ServiceUnavailable(f"'{object_id}' is being changed by other requests; retry later")
 
     async def drop(self, kind: Kind, object_id: str) -> None:
         if not await self._needed("delete", self.store.backend.delete(self._key(object_id, kind))):

@@ -1,12 +1,14 @@
 """The Conversations API on the fake engine, through the openai SDK (its own types parse every answer) and raw
 HTTP: every route, pagination, refusals of bad input (400 with its param, never a 5xx), `conversation` on Responses
 requests (whole and streamed), another key's ids answering exactly as unknown ones on every route, a delete while a
-response uses the conversation, and two replicas sharing conversations through Redis."""
+response uses the conversation, two replicas sharing conversations through Redis and writing one at once (nothing
+lost, nothing twice), what a turn adds under the guards, and what it costs (the key's tokens, the model's context)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ import pytest
 from redis import Redis
 from starlette.testclient import TestClient
 
+from gateway.apis.conversations.conversations_serving import Conversations
+from gateway.stores.responses import OwnedResponses, StoredResponse
 from tests.fakes import FakeEngine, HeldEngine, app_with
 from tests.redis_server import RedisServer
 from tests.waits import until, until_sync
@@ -284,22 +288,34 @@ async def test_deleting_a_conversation_while_a_response_uses_it(stream: bool) ->
     engine = HeldEngine()
     engine.reply = ["late."]
     app = app_with(engine)
-    async with app.router.lifespan_context(app) as state:
-        async def with_state(scope: Any, receive: Any, send: Any) -> None:
-            scope["state"] = dict(state)
-            await app(scope, receive, send)
+    async with serving(app) as client:
+        made = (await client.post("/v1/conversations", json={"items": [USER]})).json()
+        body = {"model": MODEL, "input": "x", "conversation": made["id"], "stream": stream}
+        answering = asyncio.create_task(client.post("/v1/responses", json=body))
+        await until(lambda: engine.held, what="the turn running")
+        assert (await client.delete(f"/v1/conversations/{made['id']}")).status_code == 200
+        engine.go.set()
+        answer = await answering
+        assert answer.status_code == 200
+        assert "late." in answer.text
+        assert (await client.get(f"/v1/conversations/{made['id']}")).status_code == 404
 
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://t") as client:
-            made = (await client.post("/v1/conversations", json={"items": [USER]})).json()
-            body = {"model": MODEL, "input": "x", "conversation": made["id"], "stream": stream}
-            answering = asyncio.create_task(client.post("/v1/responses", json=body))
-            await until(lambda: engine.held, what="the turn running")
-            assert (await client.delete(f"/v1/conversations/{made['id']}")).status_code == 200
-            engine.go.set()
-            answer = await answering
-            assert answer.status_code == 200
-            assert "late." in answer.text
-            assert (await client.get(f"/v1/conversations/{made['id']}")).status_code == 404
+
+async def test_two_turns_at_once_with_the_same_input_add_it_once() -> None:
+    """Both pass the check of their input ids when they start; the second to end finds its input there already."""
+    engine = HeldEngine()
+    app = app_with(engine)
+    async with serving(app) as client:
+        made = (await client.post("/v1/conversations", json={})).json()
+        given = [{"type": "message", "id": "msg_retried", "role": "user", "content": "Hi"}]
+        body = {"model": MODEL, "input": given, "conversation": made["id"], "max_output_tokens": 16}
+        turns = [asyncio.create_task(client.post("/v1/responses", json=body)) for _ in range(2)]
+        await until(lambda: len(engine.held) == 2, what="both turns running")
+        engine.go.set()
+        assert [(await turn).status_code for turn in turns] == [200, 200]
+        items = (await client.get(f"/v1/conversations/{made['id']}/items", params={"order": "asc"})).json()["data"]
+        assert [item["id"] for item in items].count("msg_retried") == 1
+        assert [item["role"] for item in items] == ["user", "assistant", "assistant"]
 
 
 @pytest.fixture
@@ -327,3 +343,115 @@ def test_two_replicas_share_conversations_through_redis(redis: RedisServer) -> N
         redis.stop()
         down = one.post("/v1/conversations", json={})
         assert down.status_code == 503  # not answered as if kept
+
+
+async def test_two_replicas_writing_one_conversation_at_once_lose_nothing(redis: RedisServer) -> None:
+    """Adds, turns, an update and an item's delete at once on two replicas: each change is made to the conversation
+    as the other left it (no write undoes another's), and nothing is there twice."""
+    cache = {"backend": "redis", "redis_url": redis.url, "store_ttl_s": 600}
+    apps = [app_with(FakeEngine(), cache=cache), app_with(FakeEngine(), cache=cache)]
+    async with serving(apps[0]) as one, serving(apps[1]) as two:
+        clients = [one, two]
+        made = (await clients[0].post("/v1/conversations", json={"items": [USER]})).json()
+        first = (await clients[0].get(f"/v1/conversations/{made['id']}/items")).json()["data"][0]["id"]
+        path = f"/v1/conversations/{made['id']}"
+        writes = [clients[i % 2].post(f"{path}/items", json={"items": [{"role": "user", "content": f"m{i}"}]})
+                  for i in range(6)]
+        writes += [clients[i].post("/v1/responses", json={"model": MODEL, "input": f"turn {i}", "conversation": made["id"],
+                                                          "max_output_tokens": 16}) for i in range(2)]
+        writes += [clients[1].post(path, json={"metadata": {"k": "v"}}), clients[0].delete(f"{path}/items/{first}")]
+        answers = await asyncio.gather(*writes)
+        assert [answer.status_code for answer in answers] == [200] * 10, [answer.text for answer in answers]
+        items = (await clients[1].get(f"{path}/items", params={"order": "asc", "limit": 100})).json()["data"]
+        texts = [item["content"][0]["text"] for item in items if item["role"] == "user"]
+        assert sorted(texts) == sorted([f"m{i}" for i in range(6)] + ["turn 0", "turn 1"])
+        assert len([item for item in items if item["role"] == "assistant"]) == 2
+        assert len({item["id"] for item in items}) == len(items) == 10
+        assert (await clients[0].get(path)).json()["metadata"] == {"k": "v"}
+
+
+@asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app in this process, its lifespan's state in every request's scope (ASGITransport runs no
+    lifespan)."""
+
+    async def with_state(scope: Any, receive: Any, send: Any) -> None:
+        scope["state"] = dict(state)
+        await app(scope, receive, send)
+
+    async with app.router.lifespan_context(app) as state, httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=with_state), base_url="http://t"
+    ) as client:
+        yield client
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_adds_the_answer_as_the_output_guards_let_it_out(tmp_path: Path, stream: bool) -> None:
+    """The answer added is the one the client got (redacted, cut), never the model's raw text; the input is the
+    client's own, as sent (the engine read it redacted, and reads it so again on every later turn)."""
+    from tests.unit.test_guards import guarded_app
+
+    engine = FakeEngine(max_model_len=4096)
+    with TestClient(guarded_app(tmp_path, engine)) as client:
+        made = client.post("/v1/conversations", json={}).json()
+        turn = {"model": MODEL, "conversation": made["id"], "stream": stream}
+        engine.reply = ["Ask eve@", "evil.example", " or the quick brown fox"]
+        assert client.post("/v1/responses", json={**turn, "input": "Mail bob@corp.example"}).status_code == 200
+        assert "bob@corp.example" not in engine.requests[-1].prompt_text
+        assert client.post("/v1/responses", json={**turn, "input": "Project Hydra?"}).status_code == 400
+        items = client.get(f"/v1/conversations/{made['id']}/items", params={"order": "asc"}).json()["data"]
+        assert [(item["role"], item["content"][0]["text"], item["status"]) for item in items] == [
+            ("user", "Mail bob@corp.example", "completed"), ("assistant", "Ask [EMAIL] or the quick brown ", "incomplete")]
+        client.post("/v1/responses", json={**turn, "input": "again"})
+        assert "bob@corp.example" not in engine.requests[-1].prompt_text
+
+
+def test_a_turn_charges_the_conversations_tokens_to_the_key() -> None:
+    """The prompt the key's tokens per minute count is the whole conversation, not only the request's input: a
+    second turn on it no longer fits."""
+    engine = FakeEngine(max_model_len=4096)
+    with TestClient(app_with(engine, rate_limit_tpm=400)) as client:
+        made = client.post("/v1/conversations", json={"items": [{"role": "user", "content": "word " * 200}]}).json()
+        turn = client.post("/v1/responses", json={"model": MODEL, "input": "q", "conversation": made["id"],
+                                                  "max_output_tokens": 16})
+        prompt = engine.requests[-1].prompt_token_ids
+        assert len(prompt) > 200
+        assert turn.headers["x-ratelimit-remaining-tokens"] == str(400 - len(prompt) - 16)
+        again = client.post("/v1/responses", json={"model": MODEL, "input": "q", "conversation": made["id"],
+                                                   "max_output_tokens": 16})
+        assert again.status_code == 429
+
+
+@pytest.mark.parametrize("how", [{}, {"stream": True}, {"background": True}])
+def test_a_turn_is_in_its_conversation_before_its_response_reads_as_ended(
+    client: TestClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, how: dict[str, Any],
+) -> None:
+    """A client that sees the response ended (polling a background one) and sends the next turn at once finds the
+    turn before it in the conversation."""
+    found: list[int] = []
+    put = OwnedResponses.put
+
+    async def noting(self: OwnedResponses, stored: StoredResponse) -> None:
+        if stored.response.status == "completed" and stored.response.conversation is not None:
+            conversation = await Conversations(self, 1 << 30).get(stored.response.conversation.id)
+            found.append(len(conversation.items))
+        await put(self, stored)
+
+    monkeypatch.setattr(OwnedResponses, "put", noting)
+    engine.reply = ["Done."]
+    made = client.post("/v1/conversations", json={"items": [USER]}).json()
+    turn = {"model": MODEL, "input": "x", "conversation": made["id"], "max_output_tokens": 16, **how}
+    assert client.post("/v1/responses", json=turn).status_code == 200
+    assert until_sync(lambda: found, what="the response stored as completed") == [3]
+
+
+@pytest.mark.parametrize("how", [{}, {"stream": True}, {"background": True}])
+def test_a_conversation_past_the_models_context_is_a_400_before_the_engine(
+    client: TestClient, engine: FakeEngine, how: dict[str, Any],
+) -> None:
+    """Nothing is truncated: the turn is refused as a prompt too long is, before the engine, and adds nothing."""
+    made = client.post("/v1/conversations", json={"items": [{"role": "user", "content": "word " * 100}]}).json()
+    refused = client.post("/v1/responses", json={"model": MODEL, "input": "q", "conversation": made["id"], **how})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (400, "context_length_exceeded")
+    assert engine.requests == []
+    assert len(client.get(f"/v1/conversations/{made['id']}/items").json()["data"]) == 1

@@ -98,3 +98,17 @@ async def test_refusals_from_the_worker_are_the_usual_errors() -> None:
     refused = await with_client(engine, work)
     assert refused.status_code == 400
     assert refused.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_a_turn_of_a_large_conversation_is_prepared_in_the_worker() -> None:
+    """The body is small; the conversation it continues, read from the store, is not."""
+    tokenizer = RecordingTokenizer()
+
+    async def work(client: httpx.AsyncClient) -> None:
+        made = await client.post("/v1/conversations", json={"items": [{"role": "user", "content": BIG}]})
+        turn = {"model": "fake-model", "input": "hi", "conversation": made.json()["id"], "max_output_tokens": 16}
+        assert (await client.post("/v1/responses", json=turn)).status_code == 200
+
+    await with_client(engine_with(tokenizer), work)
+    assert tokenizer.threads
+    assert all(name.startswith("prepare") for name in tokenizer.threads), tokenizer.threads

@@ -32,37 +32,47 @@ async def create(request: Request) -> Response:
     return json_response(await _theirs(request)[0].create(body))
 
 
-async def by_id(request: Request) -> Response:
-    """GET (retrieve), POST (update its metadata) and DELETE /v1/conversations/{conversation_id}."""
+async def retrieve(request: Request) -> Response:
     conversations, conversation_id = _theirs(request)
-    if request.method == "DELETE":
-        await conversations.delete(conversation_id)
-        return json_response(ConversationDeleted(id=conversation_id))
-    if request.method == "POST":
-        body = await parse(request, ConversationUpdate)
-        return json_response(await conversations.update(conversation_id, body.metadata))
     return json_response((await conversations.get(conversation_id)).conversation)
 
 
-async def items(request: Request) -> Response:
-    """GET (list, newest first unless `order=asc`) and POST (add) /v1/conversations/{conversation_id}/items."""
+async def update(request: Request) -> Response:
+    """Its metadata, replaced whole."""
     conversations, conversation_id = _theirs(request)
-    if request.method == "POST":
-        body = await parse(request, ItemsCreate)
-        added = input_items(body.items, "items")
-        await conversations.add(conversation_id, added, [item.id for item in body.items])
-        return json_response(ResponseItemList(data=added, first_id=added[0].id if added else None,
-                                              last_id=added[-1].id if added else None, has_more=False))
+    body = await parse(request, ConversationUpdate)
+    return json_response(await conversations.update(conversation_id, body.metadata))
+
+
+async def delete(request: Request) -> Response:
+    conversations, conversation_id = _theirs(request)
+    await conversations.delete(conversation_id)
+    return json_response(ConversationDeleted(id=conversation_id))
+
+
+async def list_items(request: Request) -> Response:
+    """Newest first unless `order=asc`."""
+    conversations, conversation_id = _theirs(request)
     query = InputItemsQuery.model_validate(dict(request.query_params))
     stored = await conversations.get(conversation_id)
     return json_response(item_page(stored.items, query, "this conversation"))
 
 
-async def item(request: Request) -> Response:
-    """GET (retrieve) and DELETE /v1/conversations/{conversation_id}/items/{item_id}; a delete answers the
-    conversation."""
+async def add_items(request: Request) -> Response:
     conversations, conversation_id = _theirs(request)
-    item_id = request.path_params["item_id"]
-    if request.method == "DELETE":
-        return json_response(await conversations.remove_item(conversation_id, item_id))
-    return json_response(await conversations.item(conversation_id, item_id))
+    body = await parse(request, ItemsCreate)
+    added = input_items(body.items, "items")
+    await conversations.add(conversation_id, added, [item.id for item in body.items])
+    return json_response(ResponseItemList(data=added, first_id=added[0].id if added else None,
+                                          last_id=added[-1].id if added else None, has_more=False))
+
+
+async def item(request: Request) -> Response:
+    conversations, conversation_id = _theirs(request)
+    return json_response(await conversations.item(conversation_id, request.path_params["item_id"]))
+
+
+async def delete_item(request: Request) -> Response:
+    """Answers the conversation, as OpenAI's."""
+    conversations, conversation_id = _theirs(request)
+    return json_response(await conversations.remove_item(conversation_id, request.path_params["item_id"]))

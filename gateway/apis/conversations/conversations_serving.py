@@ -4,11 +4,12 @@ response); its items are read from input items as the Responses API reads them. 
 `conversation` (`joined`) reads the conversation's items as the context before its input, and adds its input and
 output to it once answered (`Turn`). A conversation holds at most `most_bytes` of JSON (the body bound: no more than
 one request could send as its input instead); a turn may take it past that once, after which it takes nothing more.
-Two writers of one conversation at once: the last write wins."""
+Two writers of one conversation at once (on any replicas) both write: each change is made to the conversation as
+stored when it is written (`OwnedResponses.change`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -57,49 +58,57 @@ class Conversations:
         items = input_items(body.items, "items")
         _unique([], [item.id for item in body.items or []], "items")
         made = Conversation(id=new_id("conv"), created_at=now(), metadata=body.metadata or {})
-        await self._keep(StoredConversation(conversation=made, items=items), "items")
+        stored = StoredConversation(conversation=made, items=items)
+        self.full(stored, "items")
+        await self.mine.keep(CONVERSATION, made.id, stored)
         return made
 
     async def update(self, conversation_id: str, metadata: dict[str, str] | None) -> Conversation:
-        stored = await self.get(conversation_id)
-        stored.conversation.metadata = metadata or {}
-        await self._keep(stored)
-        return stored.conversation
+        def replace(stored: StoredConversation) -> None:
+            stored.conversation.metadata = metadata or {}
+
+        return (await self._change(conversation_id, replace)).conversation
 
     async def delete(self, conversation_id: str) -> None:
         await self.mine.drop(CONVERSATION, conversation_id)
 
     async def add(self, conversation_id: str, items: list[Item], given: Sequence[str | None] | None = None) -> None:
-        """Append `items`; with `given` (the ids the client gave them) checked first, as the `items` field's."""
-        stored = await self.get(conversation_id)
-        if given is not None:
-            _unique(stored.items, given, "items")
-        stored.items += items
-        await self._keep(stored, "items" if given is not None else None)
+        """Append `items`: with `given` (the ids the client gave them), refused when one is already there or they take
+        it past its bound, as the `items` field's; without (a turn's, answered already), those already there (a
+        concurrent turn's with the same input) are left out."""
+
+        def append(stored: StoredConversation) -> None:
+            if given is not None:
+                _unique(stored.items, given, "items")
+                stored.items += items
+                self.full(stored, "items")
+            else:
+                there = {item.id for item in stored.items}
+                stored.items += [item for item in items if item.id not in there]
+
+        await self._change(conversation_id, append)
 
     async def item(self, conversation_id: str, item_id: str) -> Item:
         stored = await self.get(conversation_id)
         return stored.items[_index(stored, item_id)]
 
     async def remove_item(self, conversation_id: str, item_id: str) -> Conversation:
-        stored = await self.get(conversation_id)
-        del stored.items[_index(stored, item_id)]
-        await self._keep(stored)
-        return stored.conversation
+        def remove(stored: StoredConversation) -> None:
+            del stored.items[_index(stored, item_id)]
 
-    def full(self, stored: StoredConversation, param: str) -> None:
-        """Refuse a conversation past its bound (`param`: the field that asked to add to it)."""
+        return (await self._change(conversation_id, remove)).conversation
+
+    def full(self, stored: StoredConversation, param: str) -> int:
+        """Its size in bytes; refused past its bound (`param`: the field that asked to add to it)."""
         size = len(stored.__pydantic_serializer__.to_json(stored))
         if size > self.most_bytes:
             raise InvalidRequest(f"Conversation with id '{stored.conversation.id}' would hold {size} bytes, past its "
                                  f"limit of {self.most_bytes}; start a new conversation", param)
+        return size
 
-    async def _keep(self, stored: StoredConversation, bounded: str | None = None) -> None:
-        """Store it; `bounded`: the field whose items it adds, refused when they take it past its bound (a turn's
-        output and a shrinking change are not)."""
-        if bounded is not None:
-            self.full(stored, bounded)
-        await self.mine.keep(CONVERSATION, stored.conversation.id, stored)
+    async def _change(self, conversation_id: str, change: Callable[[StoredConversation], None]) -> StoredConversation:
+        """`change` made to the conversation as stored when it is written (two requests at once: both changes kept)."""
+        return await self.mine.change(CONVERSATION, conversation_id, StoredConversation, change)
 
 
 def _index(stored: StoredConversation, item_id: str) -> int:
@@ -118,6 +127,7 @@ class Turn:
     conversations: Conversations
     id: str
     items: list[Item]
+    size: int  # its bytes, as stored: the request's preparation reads them as it reads the body's (`offload`)
 
     async def add(self, given: list[Item], output: list[OutputItem]) -> None:
         try:
@@ -139,7 +149,7 @@ async def joined(conversations: Conversations, request: ResponsesRequest) -> Tur
         stored = await conversations.get(ref.id)
     except NotFound as exc:
         raise NotFound(exc.message, "conversation") from None
-    conversations.full(stored, "conversation")
+    size = conversations.full(stored, "conversation")
     _unique(stored.items, [None] if isinstance(request.input, str) else [item.id for item in request.input or []],
             "input")
-    return Turn(conversations, ref.id, stored.items)
+    return Turn(conversations, ref.id, stored.items, size)

@@ -45,6 +45,8 @@ async def create(request: Request) -> Response:
         return respond(await responses_mcp.answer(context(request), state, body, mine), NAMED)
     turn = await joined(Conversations(mine, state.settings.max_body_bytes), body)  # its `conversation`, if it names one
     history = turn.items if turn else await history_of(mine, body.previous_response_id)
+    if turn:  # a large conversation is prepared off the event loop, as a large body is
+        context_of(request.scope).body_bytes += turn.size
     service = ResponsesService(body, history, mine, turn)
     answer = await dispatch(context(request), state, service.chat_request(), service)
     if isinstance(answer, Stream):

@@ -337,11 +337,12 @@ class ResponsesService:
     async def save(self, response: Response | None = None) -> None:
         """Store the response (the whole answer when none is named), if the request says store."""
         response = response or self.answer
+        if self.joined is not None and response is not None and response.status in ("completed", "incomplete"):
+            # once, and before the response is stored as ended: who sees it ended finds the turn in the conversation
+            joined, self.joined = self.joined, None
+            await joined.add(self.input, response.output)
         if self.request.store and response is not None:
             await self.mine.put(StoredResponse(response=response, input_items=self.items))
-        if self.joined is not None and response is not None and response.status in ("completed", "incomplete"):
-            joined, self.joined = self.joined, None  # the turn is added once
-            await joined.add(self.input, response.output)
 
     async def cancelled(self) -> Response:
         """A background response after its stop: as stored (cancelled by its stream, or ended
