@@ -259,6 +259,12 @@ class Engine(Generator, Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    @property
+    def healthy(self) -> bool:
+        """False once the engine can no longer serve (its core dead), read without I/O: a request is
+        refused at once then, not after its preparation fails in the engine."""
+        ...
+
     def load(self) -> EngineLoad:
         """The scheduler's numbers at its last step (no I/O, no lock: a router scrapes them often)."""
         ...

@@ -205,6 +205,10 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    @property
+    def healthy(self) -> bool:
+        return not self.dead
+
     def load(self) -> EngineLoad:
         s = self.scheduler
         return EngineLoad(len(self.running), s.waiting, s.kv_cache_usage, s.block_size, s.num_blocks, s.max_lora,

@@ -21,6 +21,7 @@ headers, `web.requests.timeout_of`, else `deadline_s`): one whose deadline has p
 one whose expected wait (the requests the order admits before it, at the measured rate) would pass it, or
 `wait_timeout_s`, is refused at once; a waiter leaves the queue when it passes. Every refusal's
 Retry-After is the measured time to drain the queue, counted by reason in `gateway_rejected_total`.
+A request for a model whose engine cannot serve is refused at once with 503 (`unhealthy`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from gateway.backends.capacity import Capacity
-from gateway.errors import InvalidRequest, ModelOverloaded, ModelUnavailable
+from gateway.errors import BackendUnavailable, InvalidRequest, ModelOverloaded, ModelUnavailable
 from gateway.settings import AdmissionSettings, Priority
 from gateway.telemetry import metrics
 from gateway.tenancy import fairness
@@ -289,3 +290,12 @@ class Admission:
         if self.settings.reject_status == 503:
             return ModelUnavailable(message, headers=headers)
         return ModelOverloaded(message, headers=headers)
+
+    def unhealthy(self, name: str) -> BackendUnavailable:
+        """The refusal of a request for `name` (this admission's model, or an adapter sharing it) while
+        its engine cannot serve (`Backend.healthy`): 503 at once, counted as `engine_unhealthy`,
+        Retry-After the least (no measure says when another replica, or this one restarted, will
+        answer); a fallback may answer it."""
+        metrics.labelled(metrics.REJECTED, self.model, "engine_unhealthy").inc()
+        message = f"The model '{name}' is unavailable: its engine is not running. Please retry later."
+        return BackendUnavailable(message, headers={"Retry-After": str(self.settings.retry_after_s)})

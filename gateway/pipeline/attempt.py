@@ -134,8 +134,10 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
     async def _admit(self, backend: Backend) -> Permit:
         """As many permits as the engine requests this one makes, in the key's priority class. A
         client that leaves while it waits for them leaves the queue (499): it would hold its place
-        there for up to `wait_timeout_s`, then run."""
+        there for up to `wait_timeout_s`, then run. While its engine cannot serve: refused at once (503)."""
         admission, count, key = backend.admission, self.body.engine_requests(), self.context.tenant
+        if not backend.healthy:
+            raise admission.unhealthy(backend.name)
         readings, before = self.readings, self.readings.generated  # a fallback's output counts from here
         served = Served(self._prompt_tokens, lambda: readings.generated - before, self._counted_since())
         permit = admission.admit_now(count, key, served, self.deadline)  # room, nobody ahead: no wait to watch
