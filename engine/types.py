@@ -174,6 +174,10 @@ class EngineLoad:
     max_lora: int = 0  # LoRA adapters the engine can hold at once (0: LoRA off)
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # seconds a request spends in the engine (its queue, prefill and decode, on the engine's own clock),
+    # averaged over the recent ones that finished; None: none yet. Admission's expected wait reads it:
+    # it leaves out the front's intake and delivery, which a burst of arrivals stretches
+    request_s: float | None = None
 
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]

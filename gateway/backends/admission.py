@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.backends.capacity import Capacity
@@ -72,7 +73,8 @@ class Permit:
 
 
 class Admission:
-    def __init__(self, model: str, settings: AdmissionSettings) -> None:
+    def __init__(self, model: str, settings: AdmissionSettings, engine_s: Callable[[], float | None] | None = None) -> None:
+        """`engine_s`: the engine's own time per request, when it reports one (`backends.capacity`)."""
         self.model = model
         self.settings = settings
         self.running = 0  # engine requests admitted
@@ -81,7 +83,7 @@ class Admission:
         self._held: dict[str, int] = {}  # engine requests admitted, per key
         self._queued: dict[str, int] = {}  # requests waiting, per key
         self.fairness = fairness.order(settings.fairness)  # who of a class goes first
-        self.capacity = Capacity(settings.max_running, settings.adaptive)
+        self.capacity = Capacity(settings.max_running, settings.adaptive, engine_s=engine_s)
 
     def admit_now(self, count: int = 1, key: str = "", served: Served | None = None,
                   deadline: float | None = None) -> Permit | None:

@@ -63,7 +63,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         self.readings = Readings(started=context.record.arrival, log_content=context.record.log_content)
         self._reported = False
         self._prompt_tokens = 0  # the try's prompt (estimated for a remote upstream): fair shares count it
-        self.arrived = asyncio.get_running_loop().time()
+        self.arrived = context.arrived()
         self.deadline = context.deadline  # the first byte's; per model, the model's default when the client set none
 
     async def on(self, backend: Backend, guard: RequestGuard) -> Answer:

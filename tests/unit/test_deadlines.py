@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import httpx
 import pytest
@@ -214,3 +215,15 @@ async def test_a_request_for_a_model_whose_engine_is_dead_is_refused_at_once_wit
     assert refused("fake-model", "engine_unhealthy") == before + 1
     assert again.status_code == 200
     assert len(engine.requests) == 1  # the second one's only
+
+
+async def test_the_deadline_counts_from_the_requests_arrival_not_from_when_a_busy_loop_got_to_it() -> None:
+    """A burst of arrivals keeps the loop from a request's handler for seconds; its client's timeout runs from
+    when it sent the request, so its deadline (and the default one) does too."""
+    from gateway.pipeline.context import RequestContext
+    from gateway.telemetry.record import RequestRecord
+
+    late = RequestContext(record=RequestRecord(arrival=time.perf_counter() - 10))
+    assert late.arrived() <= asyncio.get_running_loop().time() - 10
+    unseen = RequestContext()  # no arrival noted (a batch line): now
+    assert unseen.arrived() == pytest.approx(asyncio.get_running_loop().time(), abs=60)
