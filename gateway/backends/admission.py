@@ -171,7 +171,7 @@ class Admission:
     def _take(self, count: int, key: str, served: Served) -> None:
         self.running += count
         self._held[key] = self._held.get(key, 0) + count
-        self.fairness.admitted(key, served)
+        self.fairness.admitted(key, served, self._queued)
 
     def _dequeued(self, queue: deque[_Waiter], waiter: _Waiter) -> bool:
         try:
