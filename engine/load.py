@@ -67,6 +67,7 @@ class LoadRecorder:
             running_lora_adapters=tuple(sorted({a for x in loads for a in x.running_lora_adapters})),
             waiting_lora_adapters=tuple(sorted({a for x in loads for a in x.waiting_lora_adapters})),
             request_s=self.request_s,
+            batch=sum(x.batch for x in loads),
         )
 
 
@@ -81,12 +82,14 @@ class _LoadLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is Any to mypy 
         self._block_size = self._num_blocks = 0
         lora = vllm_config.lora_config
         self._max_lora = lora.max_loras if lora is not None else 0
+        self._batch = int(vllm_config.scheduler_config.max_num_seqs)
 
     def log_engine_initialized(self) -> None:  # the KV cache is sized by now
         cache = self._config.cache_config
         self._block_size = int(cache.block_size or 0)
         self._num_blocks = int(cache.num_gpu_blocks or 0)
-        load = EngineLoad(block_size=self._block_size, num_blocks=self._num_blocks, max_lora=self._max_lora)
+        load = EngineLoad(block_size=self._block_size, num_blocks=self._num_blocks, max_lora=self._max_lora,
+                          batch=self._batch)
         self._recorder.update(self._rank, load)
 
     def record(
@@ -117,4 +120,5 @@ class _LoadLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is Any to mypy 
             running_lora_adapters=tuple(stats.running_lora_adapters),
             waiting_lora_adapters=tuple(stats.waiting_lora_adapters),
             request_s=self._recorder.request_s,
+            batch=self._batch,
         ))

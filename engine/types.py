@@ -178,6 +178,7 @@ class EngineLoad:
     # averaged over the recent ones that finished; None: none yet. Admission's expected wait reads it:
     # it leaves out the front's intake and delivery, which a burst of arrivals stretches
     request_s: float | None = None
+    batch: int = 0  # requests the engine runs at once at most (vLLM's max_num_seqs, every rank's); 0: not known
 
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]

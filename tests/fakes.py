@@ -212,7 +212,7 @@ class FakeEngine:
     def load(self) -> EngineLoad:
         s = self.scheduler
         return EngineLoad(len(self.running), s.waiting, s.kv_cache_usage, s.block_size, s.num_blocks, s.max_lora,
-                          s.running_lora_adapters, s.waiting_lora_adapters, s.request_s)
+                          s.running_lora_adapters, s.waiting_lora_adapters, s.request_s, s.batch)
 
     async def check_health(self) -> None:
         if self.dead:

@@ -29,9 +29,9 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.types import Engine
 from gateway.backends.capacity import Capacity
 from gateway.errors import BackendUnavailable, InvalidRequest, ModelOverloaded, ModelUnavailable
 from gateway.settings import AdmissionSettings, Priority
@@ -73,8 +73,9 @@ class Permit:
 
 
 class Admission:
-    def __init__(self, model: str, settings: AdmissionSettings, engine_s: Callable[[], float | None] | None = None) -> None:
-        """`engine_s`: the engine's own time per request, when it reports one (`backends.capacity`)."""
+    def __init__(self, model: str, settings: AdmissionSettings, engine: Engine | None = None) -> None:
+        """`engine`: the embedded engine whose own report (its time per request, its batch) the measured
+        capacity reads (`backends.capacity`); None: a remote model, measured by its permits alone."""
         self.model = model
         self.settings = settings
         self.running = 0  # engine requests admitted
@@ -83,7 +84,11 @@ class Admission:
         self._held: dict[str, int] = {}  # engine requests admitted, per key
         self._queued: dict[str, int] = {}  # requests waiting, per key
         self.fairness = fairness.order(settings.fairness)  # who of a class goes first
-        self.capacity = Capacity(settings.max_running, settings.adaptive, engine_s=engine_s)
+        if engine is None:
+            self.capacity = Capacity(settings.max_running, settings.adaptive)
+        else:
+            self.capacity = Capacity(settings.max_running, settings.adaptive, engine_s=lambda: engine.load().request_s,
+                                     batch=engine.load().batch)
 
     def admit_now(self, count: int = 1, key: str = "", served: Served | None = None,
                   deadline: float | None = None) -> Permit | None:

@@ -10,9 +10,10 @@ square root (the queue it allows the engine); past it the limit shrinks in propo
 half. An engine batches more requests at a slower pace each: the limit settles where adding
 requests costs more in pace than it brings in tokens per second, which fixed bounds cannot know for
 a model, a prompt mix or a machine. `bound` (`max_running`) stays a hard cap; with the rule off the
-limit is the bound. It starts low (`INITIAL`) and, as TCP's slow start, doubles each window until
-the pace first leaves the tolerance: a flood met cold reaches the engine's batch in a few windows,
-not in dozens of square-root steps.
+limit is the bound. It starts at a quarter of the engine's batch (its max_num_seqs; `INITIAL` at
+least) and, as TCP's slow start, doubles each window until the pace first leaves the tolerance: a
+flood met cold reaches the engine's batch in a few windows, not in dozens of square-root steps, and
+has that many running while a busy event loop takes the rest in.
 
 The expected wait of a queue position (Little's law: `limit` requests each held `service` seconds)
 and the Retry-After of a refusal read the engine's own time per request when it reports one
@@ -32,18 +33,21 @@ TOLERANCE = 4.0  # how much slower than the engine's unloaded pace its pace may 
 SMOOTHING = 0.5  # how far one window moves the limit toward the rule's
 SHORT = 2 / (10 + 1)  # the weight of an answer in the average time a permit is held: over about 10
 RELEARN = 0.05  # how fast the unloaded pace rises when the pace stays far above it (longer prompts, another mix)
-INITIAL = 8  # the limit before anything is measured
+INITIAL = 8  # the limit before anything is measured, at least
+OF_BATCH = 4  # ... and at most this share of the engine's batch (max_num_seqs): two doublings to it
 MOST_RETRY_S = 3600
 
 
 class Capacity:
     def __init__(self, bound: int, adaptive: bool = True, clock: Callable[[], float] = time.monotonic,
-                 engine_s: Callable[[], float | None] | None = None) -> None:
+                 engine_s: Callable[[], float | None] | None = None, batch: int = 0) -> None:
+        """`engine_s` reads the engine's time per request (`EngineLoad.request_s`; None: none yet);
+        `batch`: the most requests the engine runs at once (0: not known), which the start is a share of."""
         self.bound = bound
         self.adaptive = adaptive
         self.clock = clock
-        self.engine_s = engine_s  # reads the engine's time per request (`EngineLoad.request_s`; None: none yet)
-        self._limit = float(min(bound, INITIAL) if adaptive else bound)
+        self.engine_s = engine_s
+        self._limit = float(min(bound, max(INITIAL, batch // OF_BATCH)) if adaptive else bound)
         self._starting = adaptive  # slow start: doubling, until the pace first leaves the tolerance
         self.service_s: float | None = None  # average time a permit is held, over recent answers
         self.unloaded: float | None = None  # seconds per output token at the lightest load seen: the pace to hold

@@ -75,7 +75,7 @@ def build_registry(
         log.info("engine_starting", model=spec.id)
         engine_settings = scheduling(spec.engine_settings(settings.engine), prioritized)
         engine = start(engine_settings)
-        admission = Admission(spec.id, spec.admission or settings.admission, engine_s=timed(engine))
+        admission = Admission(spec.id, spec.admission or settings.admission, engine)
         structured = settings.structured_output
         checker = grammar(engine, structured.compile_workers, structured.compile_verdicts)
         log.info("sampling_defaults", model=spec.id, **engine.info.sampling_defaults.model_dump(exclude_none=True))
@@ -87,7 +87,7 @@ def build_registry(
             assert spec.path is not None
             base = backends[spec.base].engine
             assert base is not None
-            own = Admission(spec.id, spec.admission, engine_s=timed(base)) if spec.admission else None
+            own = Admission(spec.id, spec.admission, base) if spec.admission else None
             try:
                 weights = adapters.digest(spec.path)
             except adapters.AdapterError as exc:  # read at the check, gone or changed since
@@ -95,11 +95,6 @@ def build_registry(
             backends[spec.id] = adapter_backend(spec.id, backends[spec.base], spec.path, weights, created,
                                                 spec.version, tuple(spec.fallback), spec.defaults, own)
     return ModelRegistry(backends, splits, aliases, catalog(models))
-
-
-def timed(engine: Engine) -> Callable[[], float | None]:
-    """The engine's own time per request as it reports it now (`EngineLoad.request_s`), for admission."""
-    return lambda: engine.load().request_s
 
 
 def embedded_identity(settings: EngineSettings, engine: Engine, answers: dict[str, int | None]) -> str:

@@ -10,7 +10,9 @@ import pytest
 
 from engine.types import Task
 from gateway.app import create_app
+from gateway.backends.admission import Admission
 from gateway.backends.capacity import INITIAL, MOST_RETRY_S, Capacity
+from gateway.settings import AdmissionSettings
 from tests.fakes import FakeEngine, app_with, fake_settings
 from tests.unit.test_disconnect import drive
 
@@ -153,6 +155,7 @@ def test_on_an_engine_whose_pace_does_not_change_with_its_batch_the_limit_reache
 def test_the_bound_holds_from_the_start() -> None:
     assert Capacity(3).limit == 3
     assert Capacity(1000).limit == INITIAL
+    assert Capacity(20, batch=1024).limit == 20
     assert flood(Engine(0.03, 0.0001), bound=20).limit == 20
 
 
@@ -241,3 +244,13 @@ async def test_admission_reads_the_engine_s_own_time_per_request_before_a_permit
         engine.scheduler = replace(engine.scheduler, request_s=2.0)
         assert capacity.service == 2.0
         assert capacity.expected_wait(256) == pytest.approx(2.0)  # starting: at the bound's rate, 256
+
+
+@pytest.mark.parametrize(("batch", "start"), [(0, INITIAL), (16, INITIAL), (128, 32), (256, 64), (1024, 256)])
+def test_the_limit_starts_at_a_share_of_the_engine_s_batch(batch: int, start: int) -> None:
+    """The engine's max_num_seqs as it reports it (`EngineLoad.batch`): a cold flood has that many running while
+    the gateway takes the rest in (a GPU's batch: the bound at once), never fewer than INITIAL."""
+    engine = FakeEngine()
+    engine.scheduler = replace(engine.scheduler, batch=batch)
+    assert Admission("m", AdmissionSettings(max_running=256), engine).capacity.limit == start
+    assert Admission("m", AdmissionSettings(max_running=256, adaptive=False), engine).capacity.limit == 256
