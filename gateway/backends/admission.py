@@ -137,7 +137,9 @@ class Admission:
         bounded = now + self.settings.wait_timeout_s
         until = bounded if deadline is None else min(deadline, bounded)
         late = until < bounded  # the client's deadline comes before the wait's bound
-        expected = self.capacity.expected_wait(self._above(priority) + self.fairness.ahead(self._queues[priority], key) + count)
+        expected = self.capacity.expected_wait(self.waiting + count)  # all of the queue ahead: the longest it can be
+        if expected is not None and now + expected > until:  # then its place in the order (a pass over the queue)
+            expected = self.capacity.expected_wait(self._above(priority) + self.fairness.ahead(self._queues[priority], key) + count)
         if expected is not None and now + expected > until:
             why = "its deadline" if late else "the wait allowed"
             raise self.refuse("expected_wait", f"the expected wait, {expected:.1f} s, is longer than {why}", count)
