@@ -13,7 +13,7 @@ a model, a prompt mix or a machine. `bound` (`max_running`) stays a hard cap; wi
 limit is the bound. It starts at a quarter of the engine's batch (its max_num_seqs; `INITIAL` at
 least) and, as TCP's slow start, doubles each window until the pace first leaves the tolerance: a
 flood met cold reaches the engine's batch in a few windows, not in dozens of square-root steps, and
-has that many running while a busy event loop takes the rest in.
+has a share of it running while a busy event loop takes the rest in.
 
 The expected wait of a queue position (Little's law: `limit` requests each held `service` seconds)
 and the Retry-After of a refusal read the engine's own time per request when it reports one

@@ -248,8 +248,8 @@ async def test_admission_reads_the_engine_s_own_time_per_request_before_a_permit
 
 @pytest.mark.parametrize(("batch", "start"), [(0, INITIAL), (16, INITIAL), (128, 32), (256, 64), (1024, 256)])
 def test_the_limit_starts_at_a_share_of_the_engine_s_batch(batch: int, start: int) -> None:
-    """The engine's max_num_seqs as it reports it (`EngineLoad.batch`): a cold flood has that many running while
-    the gateway takes the rest in (a GPU's batch: the bound at once), never fewer than INITIAL."""
+    """The engine's max_num_seqs as it reports it (`EngineLoad.batch`; vLLM's default for our engine: 128): a
+    quarter of it runs while the gateway takes the rest of a cold flood in, never fewer than INITIAL."""
     engine = FakeEngine()
     engine.scheduler = replace(engine.scheduler, batch=batch)
     assert Admission("m", AdmissionSettings(max_running=256), engine).capacity.limit == start
