@@ -6,10 +6,14 @@ from __future__ import annotations
 import time
 
 from vllm.config import VllmConfig
+from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
 from engine.types import EngineLoad
+
+RECENT = 2 / (20 + 1)  # the weight of one finished request in the engine's time per request: over about 20
+CUT_SHORT = (FinishReason.ABORT, FinishReason.ERROR)  # their time is not what a request takes
 
 
 class LoadRecorder:
@@ -23,6 +27,11 @@ class LoadRecorder:
         # engine requests per LoRA adapter (vLLM's scheduler counts them), per rank, and when last seen
         self._adapters: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
         self.adapters_updated = 0.0
+        self.request_s: float | None = None  # `EngineLoad.request_s`, every rank's requests in one average
+
+    def finished(self, seconds: float) -> None:
+        """A request finished after `seconds` in the engine."""
+        self.request_s = seconds if self.request_s is None else self.request_s + RECENT * (seconds - self.request_s)
 
     def adapters(self) -> tuple[dict[str, int], dict[str, int]]:
         """Engine requests running and waiting per adapter, every rank's added up."""
@@ -48,7 +57,7 @@ class LoadRecorder:
             self.current = load
             return
         loads = list(self._ranks.values())
-        self.current = EngineLoad(
+        self.current = EngineLoad(  # (request_s: the recorder's, every rank's in one)
             running=sum(x.running for x in loads),
             waiting=sum(x.waiting for x in loads),
             kv_cache_usage=max(x.kv_cache_usage for x in loads),
@@ -57,6 +66,8 @@ class LoadRecorder:
             max_lora=load.max_lora,
             running_lora_adapters=tuple(sorted({a for x in loads for a in x.running_lora_adapters})),
             waiting_lora_adapters=tuple(sorted({a for x in loads for a in x.waiting_lora_adapters})),
+            request_s=self.request_s,
+            batch=sum(x.batch for x in loads),
         )
 
 
@@ -71,12 +82,14 @@ class _LoadLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is Any to mypy 
         self._block_size = self._num_blocks = 0
         lora = vllm_config.lora_config
         self._max_lora = lora.max_loras if lora is not None else 0
+        self._batch = int(vllm_config.scheduler_config.max_num_seqs)
 
     def log_engine_initialized(self) -> None:  # the KV cache is sized by now
         cache = self._config.cache_config
         self._block_size = int(cache.block_size or 0)
         self._num_blocks = int(cache.num_gpu_blocks or 0)
-        load = EngineLoad(block_size=self._block_size, num_blocks=self._num_blocks, max_lora=self._max_lora)
+        load = EngineLoad(block_size=self._block_size, num_blocks=self._num_blocks, max_lora=self._max_lora,
+                          batch=self._batch)
         self._recorder.update(self._rank, load)
 
     def record(
@@ -86,6 +99,11 @@ class _LoadLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is Any to mypy 
         mm_cache_stats: MultiModalCacheStats | None = None,
         engine_idx: int = 0,
     ) -> None:
+        for done in iteration_stats.finished_requests if iteration_stats is not None else ():
+            seconds = done.queued_time + done.inference_time  # the engine core's timestamps
+            # within the front's own span of it (a timestamp the core did not record reads as 0)
+            if done.finish_reason not in CUT_SHORT and 0 < seconds <= done.e2e_latency:
+                self._recorder.finished(seconds)
         if scheduler_stats is None:
             return
         stats = scheduler_stats
@@ -101,4 +119,6 @@ class _LoadLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is Any to mypy 
             max_lora=self._max_lora,
             running_lora_adapters=tuple(stats.running_lora_adapters),
             waiting_lora_adapters=tuple(stats.waiting_lora_adapters),
+            request_s=self._recorder.request_s,
+            batch=self._batch,
         ))

@@ -174,6 +174,11 @@ class EngineLoad:
     max_lora: int = 0  # LoRA adapters the engine can hold at once (0: LoRA off)
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # seconds a request spends in the engine (its queue, prefill and decode, on the engine's own clock),
+    # averaged over the recent ones that finished; None: none yet. Admission's expected wait reads it:
+    # it leaves out the front's intake and delivery, which a burst of arrivals stretches
+    request_s: float | None = None
+    batch: int = 0  # requests the engine runs at once at most (vLLM's max_num_seqs, every rank's); 0: not known
 
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
@@ -258,6 +263,12 @@ class Engine(Generator, Protocol):
     def tokenizer(self) -> Tokenizer: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine can no longer serve (its core dead), read without I/O: a request is
+        refused at once then, not after its preparation fails in the engine."""
+        ...
 
     def load(self) -> EngineLoad:
         """The scheduler's numbers at its last step (no I/O, no lock: a router scrapes them often)."""

@@ -336,6 +336,10 @@ class VLLMEngine:
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
 
+    @property
+    def healthy(self) -> bool:
+        return not self._llm.errored  # what check_health reads: the core's death, or its output loop ended
+
     def load(self) -> EngineLoad:
         current = self._recorder.current
         return replace(current, max_lora=current.max_lora - self._spare) if self._spare else current

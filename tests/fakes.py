@@ -205,10 +205,14 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    @property
+    def healthy(self) -> bool:
+        return not self.dead
+
     def load(self) -> EngineLoad:
         s = self.scheduler
         return EngineLoad(len(self.running), s.waiting, s.kv_cache_usage, s.block_size, s.num_blocks, s.max_lora,
-                          s.running_lora_adapters, s.waiting_lora_adapters)
+                          s.running_lora_adapters, s.waiting_lora_adapters, s.request_s, s.batch)
 
     async def check_health(self) -> None:
         if self.dead:

@@ -71,6 +71,10 @@ class AdapterEngine:
     async def abort(self, request_id: str) -> None:
         await self.base.abort(request_id)
 
+    @property
+    def healthy(self) -> bool:
+        return self.base.healthy
+
     def load(self) -> EngineLoad:
         return self.base.load()  # one engine: the base's numbers (the router page counts it once)
 

@@ -21,6 +21,7 @@ headers, `web.requests.timeout_of`, else `deadline_s`): one whose deadline has p
 one whose expected wait (the requests the order admits before it, at the measured rate) would pass it, or
 `wait_timeout_s`, is refused at once; a waiter leaves the queue when it passes. Every refusal's
 Retry-After is the measured time to drain the queue, counted by reason in `gateway_rejected_total`.
+A request for a model whose engine cannot serve is refused at once with 503 (`unhealthy`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from engine.types import Engine
 from gateway.backends.capacity import Capacity
-from gateway.errors import InvalidRequest, ModelOverloaded, ModelUnavailable
+from gateway.errors import BackendUnavailable, InvalidRequest, ModelOverloaded, ModelUnavailable
 from gateway.settings import AdmissionSettings, Priority
 from gateway.telemetry import metrics
 from gateway.tenancy import fairness
@@ -71,7 +73,9 @@ class Permit:
 
 
 class Admission:
-    def __init__(self, model: str, settings: AdmissionSettings) -> None:
+    def __init__(self, model: str, settings: AdmissionSettings, engine: Engine | None = None) -> None:
+        """`engine`: the embedded engine whose own report (its time per request, its batch) the measured
+        capacity reads (`backends.capacity`); None: a remote model, measured by its permits alone."""
         self.model = model
         self.settings = settings
         self.running = 0  # engine requests admitted
@@ -80,7 +84,11 @@ class Admission:
         self._held: dict[str, int] = {}  # engine requests admitted, per key
         self._queued: dict[str, int] = {}  # requests waiting, per key
         self.fairness = fairness.order(settings.fairness)  # who of a class goes first
-        self.capacity = Capacity(settings.max_running, settings.adaptive)
+        if engine is None:
+            self.capacity = Capacity(settings.max_running, settings.adaptive)
+        else:
+            self.capacity = Capacity(settings.max_running, settings.adaptive, engine_s=lambda: engine.load().request_s,
+                                     batch=engine.load().batch)
 
     def admit_now(self, count: int = 1, key: str = "", served: Served | None = None,
                   deadline: float | None = None) -> Permit | None:
@@ -129,7 +137,9 @@ class Admission:
         bounded = now + self.settings.wait_timeout_s
         until = bounded if deadline is None else min(deadline, bounded)
         late = until < bounded  # the client's deadline comes before the wait's bound
-        expected = self.capacity.expected_wait(self._above(priority) + self.fairness.ahead(self._queues[priority], key) + count)
+        expected = self.capacity.expected_wait(self.waiting + count)  # all of the queue ahead: the longest it can be
+        if expected is not None and now + expected > until:  # then its place in the order (a pass over the queue)
+            expected = self.capacity.expected_wait(self._above(priority) + self.fairness.ahead(self._queues[priority], key) + count)
         if expected is not None and now + expected > until:
             why = "its deadline" if late else "the wait allowed"
             raise self.refuse("expected_wait", f"the expected wait, {expected:.1f} s, is longer than {why}", count)
@@ -168,7 +178,7 @@ class Admission:
     def _take(self, count: int, key: str, served: Served) -> None:
         self.running += count
         self._held[key] = self._held.get(key, 0) + count
-        self.fairness.admitted(key, served)
+        self.fairness.admitted(key, served, self._queued)
 
     def _dequeued(self, queue: deque[_Waiter], waiter: _Waiter) -> bool:
         try:
@@ -289,3 +299,12 @@ class Admission:
         if self.settings.reject_status == 503:
             return ModelUnavailable(message, headers=headers)
         return ModelOverloaded(message, headers=headers)
+
+    def unhealthy(self, name: str) -> BackendUnavailable:
+        """The refusal of a request for `name` (this admission's model, or an adapter sharing it) while
+        its engine cannot serve (`Backend.healthy`): 503 at once, counted as `engine_unhealthy`,
+        Retry-After the least (no measure says when another replica, or this one restarted, will
+        answer); a fallback may answer it."""
+        metrics.labelled(metrics.REJECTED, self.model, "engine_unhealthy").inc()
+        message = f"The model '{name}' is unavailable: its engine is not running. Please retry later."
+        return BackendUnavailable(message, headers={"Retry-After": str(self.settings.retry_after_s)})

@@ -10,10 +10,17 @@ square root (the queue it allows the engine); past it the limit shrinks in propo
 half. An engine batches more requests at a slower pace each: the limit settles where adding
 requests costs more in pace than it brings in tokens per second, which fixed bounds cannot know for
 a model, a prompt mix or a machine. `bound` (`max_running`) stays a hard cap; with the rule off the
-limit is the bound.
+limit is the bound. It starts at a quarter of the engine's batch (its max_num_seqs; `INITIAL` at
+least) and, as TCP's slow start, doubles each window until the pace first leaves the tolerance: a
+flood met cold reaches the engine's batch in a few windows, not in dozens of square-root steps, and
+has a share of it running while a busy event loop takes the rest in.
 
-The same averages give the expected wait of a queue position (Little's law: `limit` requests each
-holding a permit `service_s`) and the Retry-After of a refusal.
+The expected wait of a queue position (Little's law: `limit` requests each held `service` seconds)
+and the Retry-After of a refusal read the engine's own time per request when it reports one
+(`engine_s`: its queue, prefill and decode on its own clock), else the average time a permit is
+held. A permit's time also holds the gateway's intake and delivery, which a burst of arrivals
+stretches on a busy event loop for the first answers only: measured so, every waiter of a cold
+flood would look too far back to be served.
 """
 
 from __future__ import annotations
@@ -26,16 +33,22 @@ TOLERANCE = 4.0  # how much slower than the engine's unloaded pace its pace may 
 SMOOTHING = 0.5  # how far one window moves the limit toward the rule's
 SHORT = 2 / (10 + 1)  # the weight of an answer in the average time a permit is held: over about 10
 RELEARN = 0.05  # how fast the unloaded pace rises when the pace stays far above it (longer prompts, another mix)
-INITIAL = 8  # the limit before anything is measured
+INITIAL = 8  # the limit before anything is measured, at least
+OF_BATCH = 4  # ... and at most this share of the engine's batch (max_num_seqs): two doublings to it
 MOST_RETRY_S = 3600
 
 
 class Capacity:
-    def __init__(self, bound: int, adaptive: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, bound: int, adaptive: bool = True, clock: Callable[[], float] = time.monotonic,
+                 engine_s: Callable[[], float | None] | None = None, batch: int = 0) -> None:
+        """`engine_s` reads the engine's time per request (`EngineLoad.request_s`; None: none yet);
+        `batch`: the most requests the engine runs at once (0: not known), which the start is a share of."""
         self.bound = bound
         self.adaptive = adaptive
         self.clock = clock
-        self._limit = float(min(bound, INITIAL) if adaptive else bound)
+        self.engine_s = engine_s
+        self._limit = float(min(bound, max(INITIAL, batch // OF_BATCH)) if adaptive else bound)
+        self._starting = adaptive  # slow start: doubling, until the pace first leaves the tolerance
         self.service_s: float | None = None  # average time a permit is held, over recent answers
         self.unloaded: float | None = None  # seconds per output token at the lightest load seen: the pace to hold
         self._window = [0, 0.0, 0, 0]  # answers, seconds held, output tokens, busy answers: since the last update
@@ -58,7 +71,9 @@ class Capacity:
         window[3] += running >= self._limit / 2  # the limit held requests back: the pace says something of it
         if window[0] * 2 < self.limit:  # half the limit's answers: the pace at this limit, and soon
             return False
-        pace, busy = window[1] / window[2], window[3] * 2 > window[0]
+        engine_s = None if self.engine_s is None else self.engine_s()
+        held = window[1] if engine_s is None else min(window[1], engine_s * window[0])  # its intake left out
+        pace, busy = held / window[2], window[3] * 2 > window[0]
         self._window = [0, 0.0, 0, 0]
         if self.unloaded is None or pace < self.unloaded:
             self.unloaded = pace
@@ -68,18 +83,31 @@ class Capacity:
 
     def _adapt(self, pace: float, unloaded: float) -> None:
         gradient = TOLERANCE * unloaded / pace
+        if self._starting and gradient >= 2.0:  # room for the pace to double, as it may with the batch
+            self._limit = min(float(self.bound), 2 * self._limit)
+            return
+        self._starting = False
         if gradient < 0.5:  # far slower than ever at any load: the work has changed, the pace to hold with it
             self.unloaded = unloaded + RELEARN * (pace - unloaded)
         gradient = max(0.5, min(1.0, gradient))
         wanted = self._limit * gradient + math.sqrt(self._limit)
         self._limit = min(float(self.bound), max(1.0, self._limit + SMOOTHING * (wanted - self._limit)))
 
+    @property
+    def service(self) -> float | None:
+        """Seconds a request holds its place: the engine's time per request, else a permit's (None:
+        nothing measured yet)."""
+        engine_s = None if self.engine_s is None else self.engine_s()
+        return self.service_s if engine_s is None else engine_s
+
     def expected_wait(self, ahead: int) -> float | None:
         """Seconds until `ahead` engine requests have been admitted, at the measured rate (None:
-        nothing measured yet)."""
-        if self.service_s is None:
+        nothing measured yet). While the limit starts (doubling) it is a probe, not the engine's
+        measure: the rate is the bound's, so a cold flood is not refused for a limit it will outgrow."""
+        service = self.service
+        if service is None:
             return None
-        return ahead * self.service_s / self.limit
+        return ahead * service / (self.bound if self._starting else self.limit)
 
     def retry_after(self, ahead: int, least: int) -> int:
         """Seconds until a queue of `ahead` is served, at least `least` (the setting)."""

@@ -44,6 +44,12 @@ class Backend:
         """The embedded engine, for what only it has (its tokenizer, load, adapters); None: remote."""
         return None if isinstance(self.generator, Upstream) else self.generator
 
+    @property
+    def healthy(self) -> bool:
+        """False while its embedded engine cannot serve (read without I/O, per request); a remote
+        upstream's failures come as its errors, each a fallback's cue."""
+        return isinstance(self.generator, Upstream) or self.generator.healthy
+
 
 def identity(**parts: object) -> str:
     """A digest of what makes a backend answer as it does (its weights, the settings that change an answer): a cached

@@ -63,8 +63,8 @@ def build_registry(
             continue
         if spec.kind == "adapter":
             continue  # once its base is there, below
-        admission = Admission(spec.id, spec.admission or settings.admission)
         if spec.kind == "remote":
+            admission = Admission(spec.id, spec.admission or settings.admission)
             assert spec.url is not None
             upstream = Upstream(spec.id, spec.url, spec.upstream_model or spec.name, spec.api_key, spec.timeout_s,
                                 spec.connect_timeout_s, spec.max_connections, log_bodies=settings.log_prompts)
@@ -75,6 +75,7 @@ def build_registry(
         log.info("engine_starting", model=spec.id)
         engine_settings = scheduling(spec.engine_settings(settings.engine), prioritized)
         engine = start(engine_settings)
+        admission = Admission(spec.id, spec.admission or settings.admission, engine)
         structured = settings.structured_output
         checker = grammar(engine, structured.compile_workers, structured.compile_verdicts)
         log.info("sampling_defaults", model=spec.id, **engine.info.sampling_defaults.model_dump(exclude_none=True))
@@ -84,7 +85,9 @@ def build_registry(
         if spec.kind == "adapter":
             assert spec.base is not None
             assert spec.path is not None
-            own = Admission(spec.id, spec.admission) if spec.admission else None
+            base = backends[spec.base].engine
+            assert base is not None
+            own = Admission(spec.id, spec.admission, base) if spec.admission else None
             try:
                 weights = adapters.digest(spec.path)
             except adapters.AdapterError as exc:  # read at the check, gone or changed since

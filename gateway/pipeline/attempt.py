@@ -38,6 +38,9 @@ from gateway.tenancy.fairness import Served
 from gateway.tenancy.tenants import KeyPolicy
 
 Shape = Callable[[Event], BaseModel]  # answers and chunks in another form (the native API's)
+# uvloop's timers and clock count whole milliseconds: the deadline's timer may fire just before the deadline by
+# the loop's clock, and that TimeoutError is still the deadline's (not a 500)
+TIMER_GRAIN_S = 0.002
 
 
 class Attempt(Generic[RequestT, PreparedT, AnswerT]):
@@ -61,7 +64,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         self.readings = Readings(started=context.record.arrival, log_content=context.record.log_content)
         self._reported = False
         self._prompt_tokens = 0  # the try's prompt (estimated for a remote upstream): fair shares count it
-        self.arrived = asyncio.get_running_loop().time()
+        self.arrived = context.arrived()
         self.deadline = context.deadline  # the first byte's; per model, the model's default when the client set none
 
     async def on(self, backend: Backend, guard: RequestGuard, onward: Onward | None = None) -> Answer:
@@ -143,8 +146,10 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
     async def admit(self, backend: Backend) -> Permit:
         """As many permits as the engine requests this one makes, in the key's priority class. A
         client that leaves while it waits for them leaves the queue (499): it would hold its place
-        there for up to `wait_timeout_s`, then run."""
+        there for up to `wait_timeout_s`, then run. While its engine cannot serve: refused at once (503)."""
         admission, count, key = backend.admission, self.body.engine_requests(), self.context.tenant
+        if not backend.healthy:
+            raise admission.unhealthy(backend.name)
         readings, before = self.readings, self.readings.generated  # a fallback's output counts from here
         served = Served(self._prompt_tokens, lambda: readings.generated - before, self._counted_since())
         permit = admission.admit_now(count, key, served, self.deadline)  # room, nobody ahead: no wait to watch
@@ -246,7 +251,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
                 return Stream(events, on_close=self._on_close(permit))
             answer = await unless_gone(gone, self.service.complete(prepared, on_done), deadline)
         except TimeoutError:
-            if deadline is None or asyncio.get_running_loop().time() < deadline:
+            if deadline is None or asyncio.get_running_loop().time() < deadline - TIMER_GRAIN_S:
                 raise  # not the deadline's
             raise permit.refuse("deadline_passed", "the request's deadline passed before its answer began") from None
         permit.release(self._paced())

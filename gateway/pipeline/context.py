@@ -5,6 +5,8 @@ parse: its size and how to notice the client leaving), and read by the pipeline.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable, Coroutine, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +43,13 @@ class RequestContext:
     no_store: bool = False  # the client asked that its answer not be stored (Cache-Control: no-store)
     deadline: float | None = None  # when the first byte is due (the event loop's clock), by the client's timeout
     lane: Scheduled | None = None  # a fixed place in the queues, in place of the key's (a batch line's: the lowest)
+
+    def arrived(self) -> float:
+        """When the request arrived (the access log's first look at it), on the event loop's clock: its
+        deadline counts from then. A loop busy with a burst of arrivals gets to a request's handler
+        seconds later, and its client's timeout does not wait for that."""
+        now, arrival = asyncio.get_running_loop().time(), self.record.arrival
+        return now if arrival is None else now - max(0.0, time.perf_counter() - arrival)
 
 
 def context_of(scope: MutableMapping[str, Any]) -> RequestContext:

@@ -9,7 +9,9 @@ when an order is decided). The next request admitted is the oldest one of the wa
 least. A key that joins the queue (none of its requests waiting) has its counter lifted to the least of the
 other waiting keys' (none waiting: of the keys running; none running: to the counter of the key served last),
 so that time away is not banked as credit: a key returning after an idle hour does not then shut the others
-out until its counter catches up. The paper's bound
+out until its counter catches up. Counters of idle keys (none waiting or running) are dropped past `MOST_KEYS`,
+the least first: one at or under the floor loses nothing (it returns to the floor), one above it has the service
+it received beyond the others' forgotten, and a flood of fresh keys cannot grow the map without bound. The paper's bound
 holds: between two keys that both keep requests waiting, the service received differs by at most
 2 x max(input_weight x the longest prompt, output_weight x the tokens the running requests may hold)."""
 
@@ -21,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from gateway.settings import FairnessSettings
+
+MOST_KEYS = 10_000  # counters kept before idle keys' are dropped (down to half of it, so a sweep is rare)
 
 
 def _nothing() -> int:
@@ -74,8 +78,8 @@ class FirstCome:
     def joined(self, key: str, waiting: Collection[str], running: Collection[str]) -> None:
         """`key` has a request waiting again (none was), beside the keys `waiting` and `running`."""
 
-    def admitted(self, key: str, served: Served) -> None:
-        """A request of `key` was admitted."""
+    def admitted(self, key: str, served: Served, waiting: Collection[str]) -> None:
+        """A request of `key` was admitted, beside the keys `waiting`."""
 
     def finished(self, key: str, served: Served) -> None:
         """An admitted request of `key` gave its permits back (its output is over, or it never ran)."""
@@ -146,10 +150,21 @@ class VirtualTokenCounter(FirstCome):
         own = self.counter(key)
         if floor > own:
             self._settled[key] = self._settled.get(key, 0.0) + floor - own
+            self._bounded(waiting, key)
 
-    def admitted(self, key: str, served: Served) -> None:
+    def admitted(self, key: str, served: Served, waiting: Collection[str]) -> None:
         self._settled[key] = self._settled.get(key, 0.0) + self.input_weight * served.prompt
         self._running.setdefault(key, []).append(served)
+        self._bounded(waiting, key)
+
+    def _bounded(self, waiting: Collection[str], key: str) -> None:
+        """Past `MOST_KEYS` counters, the idle keys' (not `key`, none waiting or running) dropped, the least first."""
+        if len(self._settled) <= MOST_KEYS:
+            return
+        idle = [other for other in self._settled if other != key and other not in waiting and other not in self._running]
+        idle.sort(key=self._settled.__getitem__)
+        for other in idle[: len(self._settled) - MOST_KEYS // 2]:
+            del self._settled[other]
 
     def finished(self, key: str, served: Served) -> None:
         running = self._running.get(key, [])

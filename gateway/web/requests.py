@@ -3,7 +3,6 @@ a protocol model."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable
 from typing import TypeVar, cast
 
@@ -55,7 +54,7 @@ def context(request: Request) -> RequestContext:
             directives.update(part.partition(b"=")[0].strip().lower().decode("latin-1") for part in value.split(b","))
     found.no_cache, found.no_store = "no-cache" in directives, "no-store" in directives
     if (seconds := timeout_of(request.scope["headers"])) is not None:
-        found.deadline = asyncio.get_running_loop().time() + seconds
+        found.deadline = found.arrived() + seconds
     return found
 
 

@@ -31,8 +31,8 @@ def doomed(lora_gateway: Callable[[], Shared]) -> tuple[str, subprocess.Popen]:
     return lora_gateway()[:2]
 
 
-def chat(base: str, stream: bool = False) -> httpx.Response:
-    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "temperature": 0, "stream": stream}
+def chat(base: str, stream: bool = False, model: str = MODEL) -> httpx.Response:
+    body = {"model": model, "messages": QUESTION, "max_tokens": 8, "temperature": 0, "stream": stream}
     headers = {"Authorization": f"Bearer {KEY}", "Cache-Control": "no-cache"}  # (the same question each time)
     return httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120)
 
@@ -104,8 +104,13 @@ def test_a_killed_engine_fails_liveness_and_its_requests_fall_back(doomed) -> No
     events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert all("error" not in json.loads(e) for e in events[:-1])
+    alone = chat(base, model="lora-a")  # an adapter on the dead engine, with no fallback: refused at once
+    assert alone.status_code == 503
+    assert alone.json()["error"]["message"].startswith("The model 'lora-a' is unavailable: its engine is not running")
+    assert int(alone.headers["retry-after"]) >= 1
     metrics = httpx.get(f"{base}/metrics").text
     assert f'gateway_fallbacks_total{{fallback="rescue",model="{MODEL}"}}' in metrics
+    assert f'gateway_rejected_total{{model="{MODEL}",reason="engine_unhealthy"}}' in metrics
 
 
 def test_a_gateway_with_a_dead_engine_still_stops_cleanly(doomed) -> None:

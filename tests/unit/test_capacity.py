@@ -3,18 +3,21 @@ in these tests, only the rule's arithmetic against an engine whose pace is known
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import pytest
 
 from engine.types import Task
 from gateway.app import create_app
+from gateway.backends.admission import Admission
 from gateway.backends.capacity import INITIAL, MOST_RETRY_S, Capacity
+from gateway.settings import AdmissionSettings
 from tests.fakes import FakeEngine, app_with, fake_settings
 from tests.unit.test_disconnect import drive
 
 TOKENS = 32  # every simulated answer's length
+RECENT = 2 / (20 + 1)  # engine.load's average of the engine's time per request (not imported: it imports vllm)
 
 
 @dataclass
@@ -75,6 +78,76 @@ def test_the_limit_keeps_the_throughput_of_the_bound_at_a_fraction_of_its_pace(e
     assert adaptive.unloaded is not None
 
 
+@dataclass
+class Burst:
+    served: int  # answered by the deadline
+    at_once: int  # refused for their expected wait, before the deadline
+    late: int  # refused at the deadline: still waiting, or running and aborted there
+
+
+def burst(engine: Engine, timed: bool = True, intake_s: float = 0.0, bound: int = 256, adaptive: bool = True,
+          n: int = 1000, deadline: float = 30.0, tokens: int = 16) -> Burst:
+    """`n` whole answers arriving at once on a cold gateway, each due by `deadline`. `intake_s`: the gateway's
+    event loop is busy taking them in that long, so no answer is delivered (no permit given back) before then.
+    `timed`: the engine reports its own time per request (`EngineLoad.request_s`, averaged as the recorder does)."""
+    now, reported = 0.0, [0.0]  # [average], 0: none yet
+    capacity = Capacity(bound, adaptive, clock=lambda: now, engine_s=(lambda: reported[0] or None) if timed else None)
+    waiting, running = n, list[list[float]]()  # [admitted at, tokens left]
+    served = at_once = 0
+    while (waiting or running) and now < deadline:
+        while waiting and len(running) < capacity.limit:
+            waiting -= 1
+            running.append([now, tokens])
+        now += engine.fixed + engine.per_request * len(running)
+        for request in running:
+            request[1] -= 1
+        done = [request for request in running if request[1] == 0]
+        running = [request for request in running if request[1] > 0]
+        for held, request in enumerate(done):
+            took = now - request[0]
+            reported[0] = took if not reported[0] else reported[0] + RECENT * (took - reported[0])
+            if now > deadline:
+                continue  # aborted at the deadline
+            served += 1
+            if capacity.finished(max(now, intake_s) - request[0], tokens, len(running) + len(done) - held):
+                kept = 0  # as admission's _refuse_late: the waiters whose expected wait passes the deadline leave
+                while kept < waiting and now + (capacity.expected_wait(kept + 1) or 0) <= deadline:
+                    kept += 1
+                at_once, waiting = at_once + waiting - kept, kept
+    return Burst(served, at_once, n - served - at_once)
+
+
+def best_fixed(engine: Engine) -> int:
+    """The most a fixed limit serves of the burst, the best limit known in advance."""
+    return max(burst(engine, timed=False, bound=bound, adaptive=False).served for bound in (4, 8, 16, 32, 64, 128, 256))
+
+
+LOADED_CPU = Engine(0.05, 0.02)  # the shared 2-core machine: a batch of 8 makes 16 tokens in over 3 s
+
+
+@pytest.mark.parametrize("engine", [LOADED_CPU, CPU, GPU], ids=["loaded-cpu", "cpu", "gpu"])
+def test_a_cold_burst_is_served_near_the_best_fixed_limit_and_the_rest_refused_before_its_deadline(engine: Engine) -> None:
+    """A thousand at once on a gateway that has measured nothing: the limit starts low and doubles while the
+    pace allows (slow start), and while it does the waiters are not refused for a limit it will outgrow."""
+    cold, best = burst(engine), best_fixed(engine)
+    assert cold.served >= 0.6 * best
+    assert cold.late <= 0.1 * 1000  # the rest refused at once, with time to spare, not at the deadline
+    assert cold.served + cold.at_once + cold.late == 1000
+
+
+@pytest.mark.parametrize("engine", [LOADED_CPU, CPU, GPU], ids=["loaded-cpu", "cpu", "gpu"])
+@pytest.mark.parametrize("intake_s", [10.0, 20.0])
+def test_a_busy_intake_does_not_stretch_the_measure(engine: Engine, intake_s: float) -> None:
+    """The first answers' permits are held while the event loop takes in the burst: measured from the engine's
+    own time per request, the limit and the expected waits are as without that intake; measured from the
+    permits alone (before: no engine report), the service time looks many times longer and most of the burst
+    is refused for it."""
+    assert burst(engine, intake_s=intake_s) == burst(engine)
+    if engine is GPU:  # an engine fast enough to serve the whole burst by the deadline
+        assert burst(engine).served == 1000
+        assert burst(engine, timed=False, intake_s=intake_s).served < 0.8 * 1000
+
+
 def test_on_an_engine_whose_pace_does_not_change_with_its_batch_the_limit_reaches_the_bound() -> None:
     assert flood(Engine(0.03, 0.0001)).limit == 256
 
@@ -82,6 +155,7 @@ def test_on_an_engine_whose_pace_does_not_change_with_its_batch_the_limit_reache
 def test_the_bound_holds_from_the_start() -> None:
     assert Capacity(3).limit == 3
     assert Capacity(1000).limit == INITIAL
+    assert Capacity(20, batch=1024).limit == 20
     assert flood(Engine(0.03, 0.0001), bound=20).limit == 20
 
 
@@ -156,3 +230,27 @@ async def test_whole_answers_and_embeddings_still_teach_it(task: Task, path: str
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://t") as client:
             assert (await client.post(path, json={"model": "fake-model", **body})).status_code == 200
         assert state["gateway"].models.backends["fake-model"].admission.capacity.service_s is not None
+
+
+async def test_admission_reads_the_engine_s_own_time_per_request_before_a_permit_s() -> None:
+    """The engine's report (`EngineLoad.request_s`) is what the expected wait reads once there is one: a
+    permit's time holds the gateway's intake too."""
+    engine = FakeEngine()
+    app = app_with(engine)
+    async with app.router.lifespan_context(app) as state:
+        capacity = state["gateway"].models.backends["fake-model"].admission.capacity
+        capacity.finished(30.0, 10, 1)  # a permit held while the loop took a burst in
+        assert capacity.service == 30.0
+        engine.scheduler = replace(engine.scheduler, request_s=2.0)
+        assert capacity.service == 2.0
+        assert capacity.expected_wait(256) == pytest.approx(2.0)  # starting: at the bound's rate, 256
+
+
+@pytest.mark.parametrize(("batch", "start"), [(0, INITIAL), (16, INITIAL), (128, 32), (256, 64), (1024, 256)])
+def test_the_limit_starts_at_a_share_of_the_engine_s_batch(batch: int, start: int) -> None:
+    """The engine's max_num_seqs as it reports it (`EngineLoad.batch`; vLLM's default for our engine: 128): a
+    quarter of it runs while the gateway takes the rest of a cold flood in, never fewer than INITIAL."""
+    engine = FakeEngine()
+    engine.scheduler = replace(engine.scheduler, batch=batch)
+    assert Admission("m", AdmissionSettings(max_running=256), engine).capacity.limit == start
+    assert Admission("m", AdmissionSettings(max_running=256, adaptive=False), engine).capacity.limit == 256

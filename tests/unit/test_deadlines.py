@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import httpx
 import pytest
@@ -190,3 +191,39 @@ async def test_waiters_met_before_anything_was_measured_are_refused_once_it_is()
     assert model.waiting == 0
     permit.release()
     assert model.running == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_request_for_a_model_whose_engine_is_dead_is_refused_at_once_with_retry_after(stream: bool) -> None:
+    """The engine's own state (`Backend.healthy`), read per request without a health call: 503 in the
+    API's shape before the first byte, never a generation started; served again once it can."""
+    engine = FakeEngine()
+    engine.dead = True
+
+    async def ask(client: httpx.AsyncClient) -> list[httpx.Response]:
+        refused_now = await client.post("/v1/chat/completions", json=chat_body(stream=stream))
+        engine.dead = False
+        return [refused_now, await client.post("/v1/chat/completions", json=chat_body(stream=stream))]
+
+    before = refused("fake-model", "engine_unhealthy")
+    answer, again = await serve(app_with(engine), ask)
+    assert answer.status_code == 503
+    assert answer.headers["content-type"].startswith("application/json")
+    assert answer.json()["error"]["type"] == "server_error"
+    assert "engine is not running" in answer.json()["error"]["message"]
+    assert answer.headers["retry-after"] == "1"  # the setting: nothing measures when it comes back
+    assert refused("fake-model", "engine_unhealthy") == before + 1
+    assert again.status_code == 200
+    assert len(engine.requests) == 1  # the second one's only
+
+
+async def test_the_deadline_counts_from_the_requests_arrival_not_from_when_a_busy_loop_got_to_it() -> None:
+    """A burst of arrivals keeps the loop from a request's handler for seconds; its client's timeout runs from
+    when it sent the request, so its deadline (and the default one) does too."""
+    from gateway.pipeline.context import RequestContext
+    from gateway.telemetry.record import RequestRecord
+
+    late = RequestContext(record=RequestRecord(arrival=time.perf_counter() - 10))
+    assert late.arrived() <= asyncio.get_running_loop().time() - 10
+    unseen = RequestContext()  # no arrival noted (a batch line): now
+    assert unseen.arrived() == pytest.approx(asyncio.get_running_loop().time(), abs=60)

@@ -184,20 +184,48 @@ def test_the_engine_s_load_follows_vllm_s_scheduler_stats() -> None:
     from engine.types import EngineLoad
 
     recorder = LoadRecorder()
-    config = SimpleNamespace(lora_config=SimpleNamespace(max_loras=4),
+    config = SimpleNamespace(lora_config=SimpleNamespace(max_loras=4), scheduler_config=SimpleNamespace(max_num_seqs=64),
                              cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=1000))
     first = recorder.factory(config, 0)
     first.log_engine_initialized()
-    assert recorder.current == EngineLoad(block_size=16, num_blocks=1000, max_lora=4)
+    assert recorder.current == EngineLoad(block_size=16, num_blocks=1000, max_lora=4, batch=64)
     first.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, num_skipped_waiting_reqs=1,
                                 kv_cache_usage=0.5, running_lora_adapters={"sql": 1}), None)
-    assert recorder.current == EngineLoad(3, 3, 0.5, 16, 1000, 4, ("sql",), ())
+    assert recorder.current == EngineLoad(3, 3, 0.5, 16, 1000, 4, ("sql",), (), batch=64)
     first.record(None, None)  # an output without scheduler stats changes nothing
     assert recorder.current.running == 3
     second = recorder.factory(config, 1)
     second.log_engine_initialized()
     second.record(SchedulerStats(num_running_reqs=1, kv_cache_usage=0.75, waiting_lora_adapters={"fr": 1}), None)
-    assert recorder.current == EngineLoad(4, 3, 0.75, 16, 2000, 4, ("sql",), ("fr",))
+    assert recorder.current == EngineLoad(4, 3, 0.75, 16, 2000, 4, ("sql",), ("fr",), batch=128)
+
+
+def test_the_engine_s_time_per_request_is_its_own_clock_s_and_leaves_out_requests_cut_short() -> None:
+    """`EngineLoad.request_s` (admission's expected wait reads it): a finished request's queue, prefill and decode
+    as the engine core timed them, averaged; an aborted one, or one the core did not time, teaches nothing."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+    from engine.load import RECENT, LoadRecorder
+
+    recorder = LoadRecorder()
+    logger = recorder.factory(SimpleNamespace(lora_config=None, scheduler_config=SimpleNamespace(max_num_seqs=8),
+                                              cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=8)))
+    logger.log_engine_initialized()
+    assert recorder.current.request_s is None
+    step = IterationStats()
+    step.finished_requests = [
+        FinishedRequestStats(FinishReason.LENGTH, e2e_latency=20.0, queued_time=0.5, inference_time=1.5),  # 18 s in the front
+        FinishedRequestStats(FinishReason.ABORT, e2e_latency=1.0, queued_time=0.0, inference_time=0.1),
+        FinishedRequestStats(FinishReason.STOP, e2e_latency=3.0, queued_time=0.0, inference_time=0.0),  # not timed
+    ]
+    logger.record(SchedulerStats(), step)
+    assert recorder.current.request_s == 2.0
+    step.finished_requests = [FinishedRequestStats(FinishReason.STOP, e2e_latency=5.0, queued_time=0.0, inference_time=4.0)]
+    logger.record(SchedulerStats(), step)
+    assert recorder.current.request_s == pytest.approx(2.0 + RECENT * 2.0)
 
 
 def test_lora_on_the_cpu_keeps_a_spare_slot_and_on_a_gpu_not(tmp_path: Path) -> None:

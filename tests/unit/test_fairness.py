@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from gateway.backends.admission import Admission, Permit
 from gateway.errors import ModelOverloaded
 from gateway.settings import AdmissionSettings, FairnessSettings, Priority
-from gateway.tenancy.fairness import Served, VirtualTokenCounter
+from gateway.tenancy.fairness import MOST_KEYS, Served, VirtualTokenCounter
 from gateway.tenancy.keys import ANONYMOUS
 from tests.fakes import FakeEngine, app_with, chat_body
 from tests.waits import until
@@ -175,7 +175,7 @@ async def test_a_returning_key_is_lifted_to_the_least_served_of_the_others() -> 
 async def test_a_key_that_returns_to_an_idle_model_gets_no_credit_either() -> None:
     vtc = VirtualTokenCounter(FairnessSettings())
     served = Served(100, lambda: 10)
-    vtc.admitted("busy", served)
+    vtc.admitted("busy", served, waiting={})
     vtc.finished("busy", served)
     assert vtc.counter("busy") == 100 * W_IN + 10 * W_OUT
     vtc.joined("idle", waiting={}, running={})  # nobody around: lifted to the last one served
@@ -184,10 +184,32 @@ async def test_a_key_that_returns_to_an_idle_model_gets_no_credit_either() -> No
     assert vtc.counter("busy") == 100 * W_IN + 10 * W_OUT
 
 
+def test_idle_keys_counters_are_dropped_past_the_bound_and_a_dropped_key_returns_to_the_floor() -> None:
+    """A flood of fresh keys, each served once: the counters kept stay bounded; those of keys waiting or
+    running are never dropped; a key dropped returns to the floor, as it would have at or under it."""
+    vtc = VirtualTokenCounter(FairnessSettings())
+    early = Served(0)
+    vtc.admitted("waits", early, waiting={})
+    vtc.finished("waits", early)  # the least counter of all, then waiting again
+    waiting = {"waits": 1}
+    holding = Served(1)
+    vtc.admitted("holds", holding, waiting)
+    for n in range(3 * MOST_KEYS):
+        served = Served(1 + n % 7)
+        vtc.admitted(f"k{n}", served, waiting)
+        vtc.finished(f"k{n}", served)
+        assert len(vtc._settled) <= MOST_KEYS + 1
+    assert vtc.counter("holds") == W_IN  # running: kept
+    assert "waits" in vtc._settled  # waiting: never dropped, though the least
+    assert "k0" not in vtc._settled
+    vtc.joined("k0", waiting={"holds": 1}, running={"holds": 1})
+    assert vtc.counter("k0") == vtc.counter("holds")  # lifted to the floor, as any returning key
+
+
 async def test_output_counts_as_it_comes_not_only_at_the_end() -> None:
     vtc = VirtualTokenCounter(FairnessSettings())
     made = [0]
-    vtc.admitted("k", Served(10, lambda: made[0]))
+    vtc.admitted("k", Served(10, lambda: made[0]), waiting={})
     assert vtc.counter("k") == 10 * W_IN
     made[0] = 7
     assert vtc.counter("k") == 10 * W_IN + 7 * W_OUT
