@@ -142,12 +142,16 @@ async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput,
     stream's). A continuing part that fails before its first output (down, or refusing to continue)
     hands the same text on again; one that fails later, the longer text."""
     seam, first = _Seam(), True
+    # the answer's output bound, the first part's: the client's, else its model's default; a continued
+    # request that names none would bring the next model's whole default again
+    most = part.request.forward.max_tokens if part.request.forward else part.request.sampling.max_tokens
     while True:
         request = part.request
         estimated = request.forward.prompt_tokens if request.forward else len(request.prompt_token_ids)
         outputs = part.generator.generate(request)
-        if not first and request.forward is not None:  # a remote part, held to its share as Run holds the first
-            outputs = bounded(outputs, request.sampling.n, request.forward.max_tokens)
+        if not first:  # held to what is left of the bound (a remote part to its own share too, as Run holds the first)
+            left = most - seam.before_tokens
+            outputs = bounded(outputs, request.sampling.n, min(left, request.forward.max_tokens) if request.forward else left)
         started = failed = False
         try:
             async for output in outputs:

@@ -411,3 +411,23 @@ async def test_the_failed_models_permit_is_given_back_at_the_switch_and_the_next
         answer.on_close()
         assert (dying.running, rescue.running) == (0, 0)
     assert chat_text(chunks) == WHOLE
+
+
+def _pair(tmp_path: Path, engines: dict[str, FakeEngine] | None = None, **settings: Any) -> TestClient:
+    """An app of `dying` with `rescue` its fallback (fresh engines unless given)."""
+    (tmp_path / "models.yaml").write_text("models:\n  - {name: dying, fallback: [rescue]}\n  - {name: rescue}\n")
+    engines = engines or {"dying": Dying("dying"), "rescue": Continuing("rescue")}
+    app = create_app(fake_settings(models_file=tmp_path / "models.yaml", **settings),
+                     engine_starter=lambda es: engines[es.served_model_name])
+    return TestClient(app)
+
+
+def test_the_joined_answer_keeps_the_first_models_output_bound_when_the_client_set_none(tmp_path: Path) -> None:
+    """No max_tokens: the gateway's default bounds the whole answer, not each part (the next model
+    would otherwise bring its whole default again)."""
+    with _pair(tmp_path, default_max_tokens=5) as test_client:
+        body = {"model": "dying", "messages": QUESTION, "stream": True, "stream_options": {"include_usage": True}}
+        chunks = events(test_client.post("/v1/chat/completions", json=body))
+    assert chat_text(chunks) == whole(5)
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")] == ["length"]
