@@ -98,7 +98,10 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
                 log.info("failover_skipped", model=backend.name, error=type(exc).__name__)
                 continue
             generation = replace(generation, priority=hop.scheduled.priority)
-            return Part(prepared.engine, generation, permit.release, continued[1], switched(backend.name))
+            stop = getattr(body, "stop", None)
+            return Part(prepared.engine, generation, permit.release, continued[1], switched(backend.name),
+                        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+                        include_stop=getattr(body, "include_stop_str_in_output", False))
         return None
 
     def switched(following: str) -> Callable[[], None]:

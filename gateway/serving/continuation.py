@@ -21,6 +21,7 @@ from typing import TypeVar
 import structlog
 
 from engine.types import (
+    ChoiceDelta,
     Embeddings,
     EmbedRequest,
     GenerationOutput,
@@ -44,6 +45,8 @@ class Part:
     release: Callable[[], None] = lambda: None
     held: str = ""  # the partial's trailing whitespace, which the continuation's text may repeat
     started: Callable[[], None] = lambda: None  # at its first output: the switch to it happened
+    stop: tuple[str, ...] = ()  # the request's stop strings (one begun before the seam may end in this part)
+    include_stop: bool = False  # the request's include_stop_str_in_output
 
 
 # the next part for the text produced so far and its output tokens; None: nothing can continue it
@@ -108,6 +111,12 @@ class _Seam:
         self.held = ""
         self.continuable = True  # no tool call a backend parsed, no reasoning: plain text to continue
         self.finished = False  # the answer ended: a failure after it leaves nothing to continue
+        self.stops: tuple[str, ...] = ()
+        self.include_stop = False
+        # the text around the last seam, from as far back as a stop string may begin ("": none to watch),
+        # and where the seam is in it: no engine sees a stop string that spans it
+        self.window, self.at = "", 0
+        self.stopped = False  # a stop string ended across the seam: the answer is over
 
     def take(self, output: GenerationOutput, estimated: int) -> GenerationOutput:
         """The output counted, then as the joined generation reports it (its usage the parts' sum)."""
@@ -118,6 +127,8 @@ class _Seam:
                 kept = delta.text.removeprefix(self.held[: len(delta.text)])
                 self.held = self.held[len(delta.text) - len(kept):] if kept == "" else ""
                 delta = replace(delta, text=kept)
+            if self.window and delta.text:
+                delta = self._stopped(delta)
             self.text.append(delta.text)
             self.tokens += len(delta.token_ids)
             self.continuable = self.continuable and not delta.tool_calls and not delta.reasoning
@@ -129,11 +140,26 @@ class _Seam:
         return replace(output, choices=deltas, prompt_tokens=self.before_prompt + self.prompt,
                        completion_tokens=reported)
 
-    def switch(self, held: str) -> None:
+    def _stopped(self, delta: ChoiceDelta) -> ChoiceDelta:
+        """The delta cut where the first stop string that began before the seam ends."""
+        view = self.window + delta.text
+        spanning = [(begins, stop) for stop in self.stops if -1 < (begins := view.find(stop)) < self.at]
+        if spanning:
+            begins, stop = min(spanning)
+            end = begins + len(stop) if self.include_stop else begins
+            self.window, self.stopped = "", True
+            return replace(delta, text=view[self.at : max(end, self.at)], finish_reason="stop", stop_reason=stop)
+        self.window = view if len(view) - self.at < max(map(len, self.stops)) - 1 else ""
+        return delta
+
+    def switch(self, part: Part) -> None:
         self.before_prompt += self.prompt
         self.before_tokens += self.tokens
         self.prompt = self.tokens = 0
-        self.held = held
+        self.held, self.stops, self.include_stop = part.held, part.stop, part.include_stop
+        text, longest = "".join(self.text), max(map(len, part.stop), default=0)
+        self.window = text[max(0, len(text) - longest + 1) :] if longest > 1 else ""
+        self.at = len(self.window)
 
 
 async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput, None]:
@@ -159,6 +185,8 @@ async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput,
                     started = True
                     part.started()
                 yield seam.take(output, estimated)
+                if seam.stopped:
+                    return
             return
         except Exception as exc:
             # before any output the pipeline's fallback decides; a failure that is no backend's, or after the
@@ -175,5 +203,5 @@ async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput,
         following = await onward("".join(seam.text), seam.before_tokens + seam.tokens)
         if following is None:
             raise failure
-        seam.switch(following.held)
+        seam.switch(following)
         part, first = following, False

@@ -431,3 +431,13 @@ def test_the_joined_answer_keeps_the_first_models_output_bound_when_the_client_s
     assert chat_text(chunks) == whole(5)
     assert chunks[-1]["usage"]["completion_tokens"] == 5
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")] == ["length"]
+
+
+@pytest.mark.parametrize(("include", "expected"), [(True, "the quick brown fox"), (False, "the quick brown")])
+@pytest.mark.parametrize("model", ["dying", "remote-dying"])
+def test_a_stop_string_split_across_the_seam_still_stops(client, model, include, expected) -> None:
+    """"brown" was sent before the switch, " fox" is the next model's: neither engine saw "brown fox"."""
+    chunks = chat(client, model, stop=["brown fox"], include_stop_str_in_output=include)
+    assert chat_text(chunks) == expected
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+    assert finishes == ["stop"]
