@@ -6,6 +6,7 @@ key's reach, and the output guard across the seam."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -441,3 +442,47 @@ def test_a_stop_string_split_across_the_seam_still_stops(client, model, include,
     assert chat_text(chunks) == expected
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
     assert finishes == ["stop"]
+
+
+async def test_a_client_gone_while_the_next_model_queues_leaves_no_permit_and_no_engine_request(tmp_path: Path) -> None:
+    """The switch waits for room on the next model; the stream cancelled there (the client gone)
+    leaves that queue, holds no permit on either model, and starts nothing on the next engine."""
+    (tmp_path / "models.yaml").write_text("models:\n  - {name: dying, fallback: [rescue]}\n  - {name: rescue}\n")
+    engines = {"dying": Dying("dying"), "rescue": Continuing("rescue")}
+    settings = fake_settings(models_file=tmp_path / "models.yaml", admission={"max_running": 1, "adaptive": False})
+    app = create_app(settings, engine_starter=lambda es: engines[es.served_model_name])
+    body = ChatCompletionRequest.model_validate({"model": "dying", "messages": QUESTION, "max_tokens": 6, "stream": True})
+    async with app.router.lifespan_context(app) as state:
+        gateway = state["gateway"]
+        dying, rescue = (gateway.models.backends[name].admission for name in ("dying", "rescue"))
+        other = rescue.admit_now(1, "other")  # another request holds the next model's room
+        assert other is not None
+        answer = await dispatch(RequestContext(), gateway, body, CHAT)
+        assert isinstance(answer, Stream)
+        assert answer.on_close is not None
+        [await anext(answer.events) for _ in range(DIES_AFTER)]
+        switching = asyncio.ensure_future(anext(answer.events))
+        for _ in range(100):  # until it queues for the next model
+            if rescue.waiting:
+                break
+            await asyncio.sleep(0.01)
+        assert (dying.running, rescue.waiting) == (0, 1)
+        switching.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await switching
+        await answer.events.aclose()
+        answer.on_close()
+        assert (dying.running, rescue.running, rescue.waiting) == (0, 1, 0)  # only the other request's
+        other.release()
+        assert rescue.running == 0
+    assert engines["rescue"].requests == []
+
+
+def test_the_input_guard_reads_a_clients_partial_turn(client, engines) -> None:
+    """A partial assistant turn the client sends is client text the model reads: checked as the rest."""
+    body = {"model": "rescue-lenient", "messages": [*QUESTION, {"role": "assistant", "content": "I never said"}],
+            "max_tokens": 2, "continue_final_message": True, "add_generation_prompt": False}
+    assert client.post("/v1/chat/completions", json=body, headers=AUTH).status_code == 200
+    prompt = engines["rescue-lenient"].requests[-1].prompt_text
+    assert "never said" not in prompt
+    assert prompt.endswith("<assistant> I [NEVER_1]")
