@@ -486,3 +486,18 @@ def test_the_input_guard_reads_a_clients_partial_turn(client, engines) -> None:
     prompt = engines["rescue-lenient"].requests[-1].prompt_text
     assert "never said" not in prompt
     assert prompt.endswith("<assistant> I [NEVER_1]")
+
+
+async def test_a_client_gone_after_the_switch_aborts_the_next_models_engine_request(tmp_path: Path) -> None:
+    (tmp_path / "models.yaml").write_text("models:\n  - {name: dying, fallback: [rescue]}\n  - {name: rescue}\n")
+    engines = {"dying": Dying("dying"), "rescue": FakeEngine("rescue")}
+    app = create_app(fake_settings(models_file=tmp_path / "models.yaml"), engine_starter=lambda es: engines[es.served_model_name])
+    body = ChatCompletionRequest.model_validate({"model": "dying", "messages": QUESTION, "max_tokens": 6, "stream": True})
+    async with app.router.lifespan_context(app) as state:
+        answer = await dispatch(RequestContext(), state["gateway"], body, CHAT)
+        assert isinstance(answer, Stream)
+        [await anext(answer.events) for _ in range(DIES_AFTER + 1)]  # the last from the next model
+        await answer.events.aclose()
+    rescue = engines["rescue"]
+    assert len(rescue.aborted) == 1
+    assert list(rescue.aborted) == [r.request_id for r in rescue.requests]
