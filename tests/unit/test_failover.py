@@ -501,3 +501,15 @@ async def test_a_client_gone_after_the_switch_aborts_the_next_models_engine_requ
     rescue = engines["rescue"]
     assert len(rescue.aborted) == 1
     assert list(rescue.aborted) == [r.request_id for r in rescue.requests]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/messages", {"messages": QUESTION, "max_tokens": 4}),
+    ("/v1/responses", {"input": "hi"}),
+])
+@pytest.mark.parametrize("field", [{"continue_final_message": True}, {"add_generation_prompt": False}])
+def test_the_continuation_fields_are_chats_only(client, path, body, field) -> None:
+    """Messages and Responses have no such fields (a failover sets them on the chat request they become)."""
+    answer = client.post(path, json={"model": "rescue", **body, **field}, headers=AUTH)
+    assert answer.status_code == 400
+    assert next(iter(field)) in answer.text
