@@ -73,15 +73,21 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
     models after it that the key may reach, as `dispatch` resolved them) that takes the request
     continued after the text so far, prepared and admitted as any try (its guard `guard_on`'s, the
     charge the request's one); None when no model is left, or the answer cannot be continued.
-    Each switch is named (`_switched`) once the model switched to answers."""
-    context, state, body, hops = attempt.context, attempt.state, attempt.body, list(rest)
+    A model whose own guard profile checks output is passed over: the answer's output guard is the
+    one it began under, which would let that model's text out unchecked. Each switch is named
+    (`_switched`) once the model switched to answers."""
+    context, state, body, hops, began = attempt.context, attempt.state, attempt.body, list(rest), guard.profile
 
     async def following(text: str, tokens: int) -> Part | None:
         nonlocal guard
         continued = body.continued(text, tokens)
         while continued is not None and hops:
             backend = hops.pop(0)
-            guard = guard_on(context, state, body.model, backend.name, guard)
+            guarded = guard_on(context, state, body.model, backend.name, guard)
+            if guarded.profile is not began and guarded.checks_output:
+                log.info("failover_skipped", model=backend.name, error="output_guard")
+                continue
+            guard = guarded
             hop = Attempt(context, state, continued[0], attempt.service, attempt.shape, attempt.policy)
             hop.readings = attempt.readings  # the one generation's: its fair share counts the tokens it makes
             try:

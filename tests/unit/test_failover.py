@@ -46,13 +46,15 @@ models:
   - {name: rescue-lenient, guards: lenient}
   - {name: mix, kind: split, versions: {dying-strict: 1}}
   - {name: remote-refusing, kind: remote, url: UPSTREAM/v1}
+  - {name: plain-dying, fallback: [rescue-strict, rescue]}
+  - {name: rescue-strict, guards: strict}
 """
 KEYS = """
 keys:
   guarded: {key: sk-guarded, guards: strict, models: [dying, rescue]}
   tenant: {key: sk-tenant, models: [dying, rescue, dying-to-remote, remote-rescue, remote-dying, alone, hopeless,
                                     remote-refusing, refused-then-rescued,
-                                    dying-strict, rescue-lenient, mix]}
+                                    dying-strict, rescue-lenient, mix, plain-dying, rescue-strict]}
 """
 GUARDS = """
 profiles:
@@ -159,7 +161,8 @@ def engines() -> dict[str, FakeEngine]:
     return {"dying": Dying("dying"), "hidden": FakeEngine("hidden"), "rescue": Continuing("rescue"),
             "dying-to-remote": Dying("dying-to-remote"), "alone": Dying("alone"), "hopeless": Dying("hopeless"),
             "refused-then-rescued": Dying("refused-then-rescued"), "dying-strict": Dying("dying-strict"),
-            "rescue-lenient": Continuing("rescue-lenient")}
+            "rescue-lenient": Continuing("rescue-lenient"), "plain-dying": Dying("plain-dying"),
+            "rescue-strict": Continuing("rescue-strict")}
 
 
 @pytest.fixture(scope="module")
@@ -513,3 +516,14 @@ def test_the_continuation_fields_are_chats_only(client, path, body, field) -> No
     answer = client.post(path, json={"model": "rescue", **body, **field}, headers=AUTH)
     assert answer.status_code == 400
     assert next(iter(field)) in answer.text
+
+
+def test_a_model_whose_output_checks_the_answer_did_not_begin_under_is_passed_over(client, engines) -> None:
+    """The answer's output guard is the one it began under (none here); the next model's profile
+    checks its output: its text would go out unchecked, so the chain moves on past it."""
+    with structlog.testing.capture_logs() as logs:
+        chunks = chat(client, "plain-dying")
+    assert chat_text(chunks) == WHOLE
+    line = next(entry for entry in logs if entry["event"] == "request")
+    assert line["failover"] == ["plain-dying>rescue"]
+    assert engines["rescue-strict"].requests == []
