@@ -87,7 +87,7 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
             if guarded.profile is not began and guarded.checks_output:
                 log.info("failover_skipped", model=backend.name, error="output_guard")
                 continue
-            guard = guarded
+            fresh, guard = guarded is not guard, guarded
             hop = Attempt(context, state, continued[0], attempt.service, attempt.shape, attempt.policy)
             hop.readings = attempt.readings  # the one generation's: its fair share counts the tokens it makes
             try:
@@ -95,6 +95,8 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
                 generation = prepared.sole()
                 if generation is None:
                     continue
+                if fresh:  # its profile's moderation, which a stream's start runs (the first model's, the first's)
+                    await guard.moderate_input()
                 hop.deadline = None  # the first byte's, long sent: the queue's own wait bounds it
                 permit = await hop.admit(backend)
             except Exception as exc:  # this model cannot continue it (remote for an embedded-only API, busy)

@@ -29,6 +29,7 @@ from gateway.pipeline.dispatch import dispatch, resume
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.telemetry import metrics
 from tests.fakes import REPLY, FakeEngine, app_with, fake_settings
+from tests.loopback_server import LoopbackServer
 from tests.scripted_upstream import scripted
 
 MODELS = """
@@ -527,3 +528,26 @@ def test_a_model_whose_output_checks_the_answer_did_not_begin_under_is_passed_ov
     line = next(entry for entry in logs if entry["event"] == "request")
     assert line["failover"] == ["plain-dying>rescue"]
     assert engines["rescue-strict"].requests == []
+
+
+def test_a_next_model_with_input_moderation_of_its_own_moderates_the_continued_request(tmp_path: Path) -> None:
+    """Its profile's input checks are all run on the continued request (moderation too, which the
+    first model's start runs), before it may continue: a flagged prompt passes it over."""
+    server = LoopbackServer().start()
+    try:
+        (tmp_path / "models.yaml").write_text("models:\n  - {name: dying, fallback: [screened, rescue]}\n"
+                                              "  - {name: screened, guards: screened}\n  - {name: rescue}\n")
+        (tmp_path / "guards.yaml").write_text(f'moderation: {{url: "{server.url}"}}\n'
+                                              "profiles:\n  screened: {input: {moderation: block}}\n")
+        engines = {"dying": Dying("dying"), "screened": Continuing("screened"), "rescue": Continuing("rescue")}
+        settings = fake_settings(models_file=tmp_path / "models.yaml", guards_file=tmp_path / "guards.yaml")
+        app = create_app(settings, engine_starter=lambda es: engines[es.served_model_name])
+        with TestClient(app) as test_client, structlog.testing.capture_logs() as logs:
+            body = {"model": "dying", "messages": [{"role": "user", "content": "how to murder a bug"}],
+                    "max_tokens": 6, "stream": True}
+            assert chat_text(events(test_client.post("/v1/chat/completions", json=body))) == WHOLE
+    finally:
+        server.stop()
+    assert engines["screened"].requests == []
+    assert next(entry for entry in logs if entry["event"] == "request")["failover"] == ["dying>rescue"]
+    assert any("murder" in text for text in server.inputs)
