@@ -297,6 +297,10 @@ def test_a_responses_stream_goes_on(client) -> None:
     assert len(done) == 1
     assert done[0]["response"]["output"][0]["content"][0]["text"] == whole(16)
     assert done[0]["response"]["usage"]["output_tokens"] == 16
+    assert [e["sequence_number"] for e in parsed] == list(range(len(parsed)))
+    assert len({e["item_id"] for e in parsed if "item_id" in e}) == 1
+    stored = client.get(f"/v1/responses/{done[0]['response']['id']}", headers=AUTH).json()
+    assert stored["output"][0]["content"][0]["text"] == whole(16)  # what the client got
 
 
 def test_a_messages_stream_goes_on(client) -> None:
@@ -306,6 +310,8 @@ def test_a_messages_stream_goes_on(client) -> None:
     text = "".join(e["delta"].get("text", "") for e in parsed if e["type"] == "content_block_delta")
     assert text == WHOLE
     assert [e["type"] for e in parsed].count("message_stop") == 1
+    assert [e["type"] for e in parsed].count("content_block_start") == 1
+    assert {e["index"] for e in parsed if e["type"].startswith("content_block")} == {0}
     assert next(e for e in parsed if e["type"] == "message_delta")["usage"]["output_tokens"] == 6
 
 
