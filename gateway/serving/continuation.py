@@ -28,6 +28,7 @@ from engine.types import (
     GenerationRequest,
     Generator,
     ModelInfo,
+    TokenLogprob,
 )
 from gateway.errors import from_exception
 from gateway.serving.generation import bounded
@@ -125,8 +126,9 @@ class _Seam:
         for delta in output.choices:
             if self.held and delta.text:
                 kept = delta.text.removeprefix(self.held[: len(delta.text)])
-                self.held = self.held[len(delta.text) - len(kept):] if kept == "" else ""
-                delta = replace(delta, text=kept)
+                dropped = len(delta.text) - len(kept)
+                self.held = self.held[dropped:] if kept == "" else ""
+                delta = replace(delta, text=kept, logprobs=_without(delta.logprobs, dropped))
             if self.window and delta.text:
                 delta = self._stopped(delta)
             self.text.append(delta.text)
@@ -160,6 +162,18 @@ class _Seam:
         text, longest = "".join(self.text), max(map(len, part.stop), default=0)
         self.window = text[max(0, len(text) - longest + 1) :] if longest > 1 else ""
         self.at = len(self.window)
+
+
+def _without(entries: tuple[TokenLogprob, ...] | None, chars: int) -> tuple[TokenLogprob, ...] | None:
+    """The logprobs of a delta whose text lost its first `chars` characters: their tokens too."""
+    if not entries or not chars:
+        return entries
+    kept = []
+    for entry in entries:
+        cut = min(chars, len(entry.token))
+        kept.append(replace(entry, token=entry.token[cut:]))
+        chars -= cut
+    return tuple(kept)
 
 
 async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput, None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from opentelemetry.trace import SpanKind
 from starlette.testclient import TestClient
 
 from engine.errors import EngineUnavailable
-from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest
+from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest, TokenLogprob
 from gateway.apis.chat.chat_serving import CHAT
 from gateway.app import create_app
 from gateway.pipeline.answer import Stream
@@ -557,3 +558,28 @@ def test_a_next_model_with_input_moderation_of_its_own_moderates_the_continued_r
     assert engines["screened"].requests == []
     assert next(entry for entry in logs if entry["event"] == "request")["failover"] == ["dying>rescue"]
     assert any("murder" in text for text in server.inputs)
+
+
+class LoggedContinuing(Continuing):
+    """`Continuing`, with each token's logprob."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        async for output in super().generate(request):
+            delta = output.choices[0]
+            entry = TokenLogprob(delta.token_ids[0], delta.text, -0.5, 1, ())
+            yield replace(output, choices=[replace(delta, logprobs=(entry,))])
+
+
+def test_the_logprobs_of_text_held_back_at_the_seam_go_with_it(tmp_path: Path) -> None:
+    """The partial ended in whitespace the next model's first token brings again: dropped from its
+    text, and from its logprob's token (the tokens still spell the text)."""
+    dying = Dying("dying")
+    dying.reply = ["the", " quick", " brown ", " fox"]
+    with _pair(tmp_path, {"dying": dying, "rescue": LoggedContinuing("rescue")}) as test_client:
+        body = {"model": "dying", "messages": QUESTION, "max_tokens": 6, "stream": True, "logprobs": True}
+        chunks = events(test_client.post("/v1/chat/completions", json=body))
+    text = chat_text(chunks)
+    assert text == "the quick brown fox jumps over"
+    tokens = [entry["token"] for c in chunks if c["choices"] and c["choices"][0].get("logprobs")
+              for entry in c["choices"][0]["logprobs"]["content"]]
+    assert "".join(tokens) == text
