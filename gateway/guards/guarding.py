@@ -122,6 +122,11 @@ class RequestGuard:
         return bool(self.profile.input) or checks.max_chars is not None or checks.moderation != "off"
 
     @property
+    def checks_output(self) -> bool:
+        """Whether the answer's text is read on the way out (a check of it is configured)."""
+        return self.profile is not None and (bool(self.profile.output) or self.profile.profile.output.moderation != "off")
+
+    @property
     def cache_tag(self) -> str:
         return f"#guards:{self.profile.fingerprint}" if self.profile else ""
 
@@ -258,11 +263,10 @@ class RequestGuard:
         JSON after this tag (`OutputGuard`)."""
         if self.profile is None:
             return None
-        checks = self.profile.profile.output
         restore = self.placeholders if self.profile.profile.input.restore else None
-        if not self.profile.output and checks.moderation == "off" and not (restore and self.placeholders):
+        if not self.checks_output and not (restore and self.placeholders):
             return None
-        return OutputGuard(self, self.profile.output, checks, restore, n, apart, json, tag)
+        return OutputGuard(self, self.profile.output, self.profile.profile.output, restore, n, apart, json, tag)
 
     def weighed(self, entries: Sequence[TokenLogprob]) -> list[TokenLogprob]:
         """The logprobs of text the model read rather than wrote (an echoed prompt's), whose

@@ -73,15 +73,21 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
     models after it that the key may reach, as `dispatch` resolved them) that takes the request
     continued after the text so far, prepared and admitted as any try (its guard `guard_on`'s, the
     charge the request's one); None when no model is left, or the answer cannot be continued.
-    Each switch is named (`_switched`) once the model switched to answers."""
-    context, state, body, hops = attempt.context, attempt.state, attempt.body, list(rest)
+    A model whose own guard profile checks output is passed over: the answer's output guard is the
+    one it began under, which would let that model's text out unchecked. Each switch is named
+    (`_switched`) once the model switched to answers."""
+    context, state, body, hops, began = attempt.context, attempt.state, attempt.body, list(rest), guard.profile
 
     async def following(text: str, tokens: int) -> Part | None:
         nonlocal guard
         continued = body.continued(text, tokens)
         while continued is not None and hops:
             backend = hops.pop(0)
-            guard = guard_on(context, state, body.model, backend.name, guard)
+            guarded = guard_on(context, state, body.model, backend.name, guard)
+            if guarded.profile is not began and guarded.checks_output:
+                log.info("failover_skipped", model=backend.name, error="output_guard")
+                continue
+            fresh, guard = guarded is not guard, guarded
             hop = Attempt(context, state, continued[0], attempt.service, attempt.shape, attempt.policy)
             hop.readings = attempt.readings  # the one generation's: its fair share counts the tokens it makes
             try:
@@ -89,6 +95,8 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
                 generation = prepared.sole()
                 if generation is None:
                     continue
+                if fresh:  # its profile's moderation, which a stream's start runs (the first model's, the first's)
+                    await guard.moderate_input()
                 hop.deadline = None  # the first byte's, long sent: the queue's own wait bounds it
                 permit = await hop.admit(backend)
             except Exception as exc:  # this model cannot continue it (remote for an embedded-only API, busy)
@@ -98,7 +106,10 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
                 log.info("failover_skipped", model=backend.name, error=type(exc).__name__)
                 continue
             generation = replace(generation, priority=hop.scheduled.priority)
-            return Part(prepared.engine, generation, permit.release, continued[1], switched(backend.name))
+            stop = getattr(body, "stop", None)
+            return Part(prepared.engine, generation, permit.release, continued[1], switched(backend.name),
+                        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+                        include_stop=getattr(body, "include_stop_str_in_output", False))
         return None
 
     def switched(following: str) -> Callable[[], None]:

@@ -21,12 +21,14 @@ from typing import TypeVar
 import structlog
 
 from engine.types import (
+    ChoiceDelta,
     Embeddings,
     EmbedRequest,
     GenerationOutput,
     GenerationRequest,
     Generator,
     ModelInfo,
+    TokenLogprob,
 )
 from gateway.errors import from_exception
 from gateway.serving.generation import bounded
@@ -44,6 +46,8 @@ class Part:
     release: Callable[[], None] = lambda: None
     held: str = ""  # the partial's trailing whitespace, which the continuation's text may repeat
     started: Callable[[], None] = lambda: None  # at its first output: the switch to it happened
+    stop: tuple[str, ...] = ()  # the request's stop strings (one begun before the seam may end in this part)
+    include_stop: bool = False  # the request's include_stop_str_in_output
 
 
 # the next part for the text produced so far and its output tokens; None: nothing can continue it
@@ -108,6 +112,12 @@ class _Seam:
         self.held = ""
         self.continuable = True  # no tool call a backend parsed, no reasoning: plain text to continue
         self.finished = False  # the answer ended: a failure after it leaves nothing to continue
+        self.stops: tuple[str, ...] = ()
+        self.include_stop = False
+        # the text around the last seam, from as far back as a stop string may begin ("": none to watch),
+        # and where the seam is in it: no engine sees a stop string that spans it
+        self.window, self.at = "", 0
+        self.stopped = False  # a stop string ended across the seam: the answer is over
 
     def take(self, output: GenerationOutput, estimated: int) -> GenerationOutput:
         """The output counted, then as the joined generation reports it (its usage the parts' sum)."""
@@ -116,8 +126,11 @@ class _Seam:
         for delta in output.choices:
             if self.held and delta.text:
                 kept = delta.text.removeprefix(self.held[: len(delta.text)])
-                self.held = self.held[len(delta.text) - len(kept):] if kept == "" else ""
-                delta = replace(delta, text=kept)
+                dropped = len(delta.text) - len(kept)
+                self.held = self.held[dropped:] if kept == "" else ""
+                delta = replace(delta, text=kept, logprobs=_without(delta.logprobs, dropped))
+            if self.window and delta.text:
+                delta = self._stopped(delta)
             self.text.append(delta.text)
             self.tokens += len(delta.token_ids)
             self.continuable = self.continuable and not delta.tool_calls and not delta.reasoning
@@ -129,11 +142,38 @@ class _Seam:
         return replace(output, choices=deltas, prompt_tokens=self.before_prompt + self.prompt,
                        completion_tokens=reported)
 
-    def switch(self, held: str) -> None:
+    def _stopped(self, delta: ChoiceDelta) -> ChoiceDelta:
+        """The delta cut where the first stop string that began before the seam ends."""
+        view = self.window + delta.text
+        spanning = [(begins, stop) for stop in self.stops if -1 < (begins := view.find(stop)) < self.at]
+        if spanning:
+            begins, stop = min(spanning)
+            end = begins + len(stop) if self.include_stop else begins
+            self.window, self.stopped = "", True
+            return replace(delta, text=view[self.at : max(end, self.at)], finish_reason="stop", stop_reason=stop)
+        self.window = view if len(view) - self.at < max(map(len, self.stops)) - 1 else ""
+        return delta
+
+    def switch(self, part: Part) -> None:
         self.before_prompt += self.prompt
         self.before_tokens += self.tokens
         self.prompt = self.tokens = 0
-        self.held = held
+        self.held, self.stops, self.include_stop = part.held, part.stop, part.include_stop
+        text, longest = "".join(self.text), max(map(len, part.stop), default=0)
+        self.window = text[max(0, len(text) - longest + 1) :] if longest > 1 else ""
+        self.at = len(self.window)
+
+
+def _without(entries: tuple[TokenLogprob, ...] | None, chars: int) -> tuple[TokenLogprob, ...] | None:
+    """The logprobs of a delta whose text lost its first `chars` characters: their tokens too."""
+    if not entries or not chars:
+        return entries
+    kept = []
+    for entry in entries:
+        cut = min(chars, len(entry.token))
+        kept.append(replace(entry, token=entry.token[cut:]))
+        chars -= cut
+    return tuple(kept)
 
 
 async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput, None]:
@@ -142,12 +182,16 @@ async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput,
     stream's). A continuing part that fails before its first output (down, or refusing to continue)
     hands the same text on again; one that fails later, the longer text."""
     seam, first = _Seam(), True
+    # the answer's output bound, the first part's: the client's, else its model's default; a continued
+    # request that names none would bring the next model's whole default again
+    most = part.request.forward.max_tokens if part.request.forward else part.request.sampling.max_tokens
     while True:
         request = part.request
         estimated = request.forward.prompt_tokens if request.forward else len(request.prompt_token_ids)
         outputs = part.generator.generate(request)
-        if not first and request.forward is not None:  # a remote part, held to its share as Run holds the first
-            outputs = bounded(outputs, request.sampling.n, request.forward.max_tokens)
+        if not first:  # held to what is left of the bound (a remote part to its own share too, as Run holds the first)
+            left = most - seam.before_tokens
+            outputs = bounded(outputs, request.sampling.n, min(left, request.forward.max_tokens) if request.forward else left)
         started = failed = False
         try:
             async for output in outputs:
@@ -155,6 +199,8 @@ async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput,
                     started = True
                     part.started()
                 yield seam.take(output, estimated)
+                if seam.stopped:
+                    return
             return
         except Exception as exc:
             # before any output the pipeline's fallback decides; a failure that is no backend's, or after the
@@ -171,5 +217,5 @@ async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput,
         following = await onward("".join(seam.text), seam.before_tokens + seam.tokens)
         if following is None:
             raise failure
-        seam.switch(following.held)
+        seam.switch(following)
         part, first = following, False

@@ -421,9 +421,10 @@ def _json_text(request: GenerationRequest) -> bool:
 
 
 async def bounded(outputs: AsyncGenerator[GenerationOutput, None], n: int, most: int) -> AsyncGenerator[GenerationOutput, None]:
-    """A remote upstream's outputs, a choice that brings more than the `most` tokens it was allowed
-    ended there ("length", what came past it dropped); once every choice is over, so is the request
-    (one that finished every choice itself goes on to its usage)."""
+    """A remote upstream's outputs (or a continued part's: `serving.continuation`), a choice that
+    brings more than the `most` tokens it was allowed ended there ("length", what came past it
+    dropped); once every choice is over, so is the request (one that finished every choice itself
+    goes on to its usage)."""
     tokens, ended, cut = [0] * n, [False] * n, False
     try:
         async for output in outputs:

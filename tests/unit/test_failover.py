@@ -6,8 +6,10 @@ key's reach, and the output guard across the seam."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from opentelemetry.trace import SpanKind
 from starlette.testclient import TestClient
 
 from engine.errors import EngineUnavailable
-from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest
+from engine.types import ChoiceDelta, GenerationOutput, GenerationRequest, TokenLogprob
 from gateway.apis.chat.chat_serving import CHAT
 from gateway.app import create_app
 from gateway.pipeline.answer import Stream
@@ -28,6 +30,7 @@ from gateway.pipeline.dispatch import dispatch, resume
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.telemetry import metrics
 from tests.fakes import REPLY, FakeEngine, app_with, fake_settings
+from tests.loopback_server import LoopbackServer
 from tests.scripted_upstream import scripted
 
 MODELS = """
@@ -45,13 +48,15 @@ models:
   - {name: rescue-lenient, guards: lenient}
   - {name: mix, kind: split, versions: {dying-strict: 1}}
   - {name: remote-refusing, kind: remote, url: UPSTREAM/v1}
+  - {name: plain-dying, fallback: [rescue-strict, rescue]}
+  - {name: rescue-strict, guards: strict}
 """
 KEYS = """
 keys:
   guarded: {key: sk-guarded, guards: strict, models: [dying, rescue]}
   tenant: {key: sk-tenant, models: [dying, rescue, dying-to-remote, remote-rescue, remote-dying, alone, hopeless,
                                     remote-refusing, refused-then-rescued,
-                                    dying-strict, rescue-lenient, mix]}
+                                    dying-strict, rescue-lenient, mix, plain-dying, rescue-strict]}
 """
 GUARDS = """
 profiles:
@@ -158,7 +163,8 @@ def engines() -> dict[str, FakeEngine]:
     return {"dying": Dying("dying"), "hidden": FakeEngine("hidden"), "rescue": Continuing("rescue"),
             "dying-to-remote": Dying("dying-to-remote"), "alone": Dying("alone"), "hopeless": Dying("hopeless"),
             "refused-then-rescued": Dying("refused-then-rescued"), "dying-strict": Dying("dying-strict"),
-            "rescue-lenient": Continuing("rescue-lenient")}
+            "rescue-lenient": Continuing("rescue-lenient"), "plain-dying": Dying("plain-dying"),
+            "rescue-strict": Continuing("rescue-strict")}
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +298,10 @@ def test_a_responses_stream_goes_on(client) -> None:
     assert len(done) == 1
     assert done[0]["response"]["output"][0]["content"][0]["text"] == whole(16)
     assert done[0]["response"]["usage"]["output_tokens"] == 16
+    assert [e["sequence_number"] for e in parsed] == list(range(len(parsed)))
+    assert len({e["item_id"] for e in parsed if "item_id" in e}) == 1
+    stored = client.get(f"/v1/responses/{done[0]['response']['id']}", headers=AUTH).json()
+    assert stored["output"][0]["content"][0]["text"] == whole(16)  # what the client got
 
 
 def test_a_messages_stream_goes_on(client) -> None:
@@ -301,6 +311,8 @@ def test_a_messages_stream_goes_on(client) -> None:
     text = "".join(e["delta"].get("text", "") for e in parsed if e["type"] == "content_block_delta")
     assert text == WHOLE
     assert [e["type"] for e in parsed].count("message_stop") == 1
+    assert [e["type"] for e in parsed].count("content_block_start") == 1
+    assert {e["index"] for e in parsed if e["type"].startswith("content_block")} == {0}
     assert next(e for e in parsed if e["type"] == "message_delta")["usage"]["output_tokens"] == 6
 
 
@@ -411,3 +423,163 @@ async def test_the_failed_models_permit_is_given_back_at_the_switch_and_the_next
         answer.on_close()
         assert (dying.running, rescue.running) == (0, 0)
     assert chat_text(chunks) == WHOLE
+
+
+def _pair(tmp_path: Path, engines: dict[str, FakeEngine] | None = None, **settings: Any) -> TestClient:
+    """An app of `dying` with `rescue` its fallback (fresh engines unless given)."""
+    (tmp_path / "models.yaml").write_text("models:\n  - {name: dying, fallback: [rescue]}\n  - {name: rescue}\n")
+    engines = engines or {"dying": Dying("dying"), "rescue": Continuing("rescue")}
+    app = create_app(fake_settings(models_file=tmp_path / "models.yaml", **settings),
+                     engine_starter=lambda es: engines[es.served_model_name])
+    return TestClient(app)
+
+
+def test_the_joined_answer_keeps_the_first_models_output_bound_when_the_client_set_none(tmp_path: Path) -> None:
+    """No max_tokens: the gateway's default bounds the whole answer, not each part (the next model
+    would otherwise bring its whole default again)."""
+    with _pair(tmp_path, default_max_tokens=5) as test_client:
+        body = {"model": "dying", "messages": QUESTION, "stream": True, "stream_options": {"include_usage": True}}
+        chunks = events(test_client.post("/v1/chat/completions", json=body))
+    assert chat_text(chunks) == whole(5)
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")] == ["length"]
+
+
+@pytest.mark.parametrize(("include", "expected"), [(True, "the quick brown fox"), (False, "the quick brown")])
+@pytest.mark.parametrize("model", ["dying", "remote-dying"])
+def test_a_stop_string_split_across_the_seam_still_stops(client, model, include, expected) -> None:
+    """"brown" was sent before the switch, " fox" is the next model's: neither engine saw "brown fox"."""
+    chunks = chat(client, model, stop=["brown fox"], include_stop_str_in_output=include)
+    assert chat_text(chunks) == expected
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+    assert finishes == ["stop"]
+
+
+async def test_a_client_gone_while_the_next_model_queues_leaves_no_permit_and_no_engine_request(tmp_path: Path) -> None:
+    """The switch waits for room on the next model; the stream cancelled there (the client gone)
+    leaves that queue, holds no permit on either model, and starts nothing on the next engine."""
+    (tmp_path / "models.yaml").write_text("models:\n  - {name: dying, fallback: [rescue]}\n  - {name: rescue}\n")
+    engines = {"dying": Dying("dying"), "rescue": Continuing("rescue")}
+    settings = fake_settings(models_file=tmp_path / "models.yaml", admission={"max_running": 1, "adaptive": False})
+    app = create_app(settings, engine_starter=lambda es: engines[es.served_model_name])
+    body = ChatCompletionRequest.model_validate({"model": "dying", "messages": QUESTION, "max_tokens": 6, "stream": True})
+    async with app.router.lifespan_context(app) as state:
+        gateway = state["gateway"]
+        dying, rescue = (gateway.models.backends[name].admission for name in ("dying", "rescue"))
+        other = rescue.admit_now(1, "other")  # another request holds the next model's room
+        assert other is not None
+        answer = await dispatch(RequestContext(), gateway, body, CHAT)
+        assert isinstance(answer, Stream)
+        assert answer.on_close is not None
+        [await anext(answer.events) for _ in range(DIES_AFTER)]
+        switching = asyncio.ensure_future(anext(answer.events))
+        for _ in range(100):  # until it queues for the next model
+            if rescue.waiting:
+                break
+            await asyncio.sleep(0.01)
+        assert (dying.running, rescue.waiting) == (0, 1)
+        switching.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await switching
+        await answer.events.aclose()
+        answer.on_close()
+        assert (dying.running, rescue.running, rescue.waiting) == (0, 1, 0)  # only the other request's
+        other.release()
+        assert rescue.running == 0
+    assert engines["rescue"].requests == []
+
+
+def test_the_input_guard_reads_a_clients_partial_turn(client, engines) -> None:
+    """A partial assistant turn the client sends is client text the model reads: checked as the rest."""
+    body = {"model": "rescue-lenient", "messages": [*QUESTION, {"role": "assistant", "content": "I never said"}],
+            "max_tokens": 2, "continue_final_message": True, "add_generation_prompt": False}
+    assert client.post("/v1/chat/completions", json=body, headers=AUTH).status_code == 200
+    prompt = engines["rescue-lenient"].requests[-1].prompt_text
+    assert "never said" not in prompt
+    assert prompt.endswith("<assistant> I [NEVER_1]")
+
+
+async def test_a_client_gone_after_the_switch_aborts_the_next_models_engine_request(tmp_path: Path) -> None:
+    (tmp_path / "models.yaml").write_text("models:\n  - {name: dying, fallback: [rescue]}\n  - {name: rescue}\n")
+    engines = {"dying": Dying("dying"), "rescue": FakeEngine("rescue")}
+    app = create_app(fake_settings(models_file=tmp_path / "models.yaml"), engine_starter=lambda es: engines[es.served_model_name])
+    body = ChatCompletionRequest.model_validate({"model": "dying", "messages": QUESTION, "max_tokens": 6, "stream": True})
+    async with app.router.lifespan_context(app) as state:
+        answer = await dispatch(RequestContext(), state["gateway"], body, CHAT)
+        assert isinstance(answer, Stream)
+        [await anext(answer.events) for _ in range(DIES_AFTER + 1)]  # the last from the next model
+        await answer.events.aclose()
+    rescue = engines["rescue"]
+    assert len(rescue.aborted) == 1
+    assert list(rescue.aborted) == [r.request_id for r in rescue.requests]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/messages", {"messages": QUESTION, "max_tokens": 4}),
+    ("/v1/responses", {"input": "hi"}),
+])
+@pytest.mark.parametrize("field", [{"continue_final_message": True}, {"add_generation_prompt": False}])
+def test_the_continuation_fields_are_chats_only(client, path, body, field) -> None:
+    """Messages and Responses have no such fields (a failover sets them on the chat request they become)."""
+    answer = client.post(path, json={"model": "rescue", **body, **field}, headers=AUTH)
+    assert answer.status_code == 400
+    assert next(iter(field)) in answer.text
+
+
+def test_a_model_whose_output_checks_the_answer_did_not_begin_under_is_passed_over(client, engines) -> None:
+    """The answer's output guard is the one it began under (none here); the next model's profile
+    checks its output: its text would go out unchecked, so the chain moves on past it."""
+    with structlog.testing.capture_logs() as logs:
+        chunks = chat(client, "plain-dying")
+    assert chat_text(chunks) == WHOLE
+    line = next(entry for entry in logs if entry["event"] == "request")
+    assert line["failover"] == ["plain-dying>rescue"]
+    assert engines["rescue-strict"].requests == []
+
+
+def test_a_next_model_with_input_moderation_of_its_own_moderates_the_continued_request(tmp_path: Path) -> None:
+    """Its profile's input checks are all run on the continued request (moderation too, which the
+    first model's start runs), before it may continue: a flagged prompt passes it over."""
+    server = LoopbackServer().start()
+    try:
+        (tmp_path / "models.yaml").write_text("models:\n  - {name: dying, fallback: [screened, rescue]}\n"
+                                              "  - {name: screened, guards: screened}\n  - {name: rescue}\n")
+        (tmp_path / "guards.yaml").write_text(f'moderation: {{url: "{server.url}"}}\n'
+                                              "profiles:\n  screened: {input: {moderation: block}}\n")
+        engines = {"dying": Dying("dying"), "screened": Continuing("screened"), "rescue": Continuing("rescue")}
+        settings = fake_settings(models_file=tmp_path / "models.yaml", guards_file=tmp_path / "guards.yaml")
+        app = create_app(settings, engine_starter=lambda es: engines[es.served_model_name])
+        with TestClient(app) as test_client, structlog.testing.capture_logs() as logs:
+            body = {"model": "dying", "messages": [{"role": "user", "content": "how to murder a bug"}],
+                    "max_tokens": 6, "stream": True}
+            assert chat_text(events(test_client.post("/v1/chat/completions", json=body))) == WHOLE
+    finally:
+        server.stop()
+    assert engines["screened"].requests == []
+    assert next(entry for entry in logs if entry["event"] == "request")["failover"] == ["dying>rescue"]
+    assert any("murder" in text for text in server.inputs)
+
+
+class LoggedContinuing(Continuing):
+    """`Continuing`, with each token's logprob."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        async for output in super().generate(request):
+            delta = output.choices[0]
+            entry = TokenLogprob(delta.token_ids[0], delta.text, -0.5, 1, ())
+            yield replace(output, choices=[replace(delta, logprobs=(entry,))])
+
+
+def test_the_logprobs_of_text_held_back_at_the_seam_go_with_it(tmp_path: Path) -> None:
+    """The partial ended in whitespace the next model's first token brings again: dropped from its
+    text, and from its logprob's token (the tokens still spell the text)."""
+    dying = Dying("dying")
+    dying.reply = ["the", " quick", " brown ", " fox"]
+    with _pair(tmp_path, {"dying": dying, "rescue": LoggedContinuing("rescue")}) as test_client:
+        body = {"model": "dying", "messages": QUESTION, "max_tokens": 6, "stream": True, "logprobs": True}
+        chunks = events(test_client.post("/v1/chat/completions", json=body))
+    text = chat_text(chunks)
+    assert text == "the quick brown fox jumps over"
+    tokens = [entry["token"] for c in chunks if c["choices"] and c["choices"][0].get("logprobs")
+              for entry in c["choices"][0]["logprobs"]["content"]]
+    assert "".join(tokens) == text
