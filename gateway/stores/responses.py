@@ -57,6 +57,14 @@ def not_found(response_id: str) -> NotFound:
 
 
 ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # ours are `resp_<hex>`; anything else can name nothing stored
+
+
+def owned_key(owner: str, object_id: str, missing: Callable[[str], NotFound] = not_found) -> str:
+    """Where one owner's stored object is kept (a response, a stream's log): another owner's id, or an id that is no
+    id of ours, names nothing, and is `missing` (a 404 exactly as an unknown one)."""
+    if not ID.fullmatch(object_id):  # e.g. `x:resp_1` would name owner `<owner>:x`'s resp_1
+        raise missing(object_id)
+    return f"{owner}:{object_id}"
 RUNNING = ("queued", "in_progress")
 T = TypeVar("T")
 
@@ -87,9 +95,7 @@ class OwnedResponses:
     owner: str
 
     def _key(self, response_id: str) -> str:
-        if not ID.fullmatch(response_id):  # e.g. `x:resp_1` would name owner `<owner>:x`'s resp_1
-            raise not_found(response_id)
-        return f"{self.owner}:{response_id}"
+        return owned_key(self.owner, response_id)
 
     async def get(self, response_id: str) -> StoredResponse:
         raw = await self._needed("get", self.store.backend.get(self._key(response_id)))

@@ -99,7 +99,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def parse(request: Request, model: type[M]) -> M:
     body = await read_body(request, state_of(request).settings.max_body_bytes)
-    context_of(request.scope).body_bytes = len(body)  # large bodies are prepared off the event loop (offload)
+    found = context_of(request.scope)
+    found.body_bytes, found.request_body = len(body), body  # large bodies are prepared off the event loop (offload)
     if not body.strip():
         raise InvalidRequest("The request body is empty; send a JSON object")
     try:
