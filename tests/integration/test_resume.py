@@ -10,7 +10,6 @@ import json
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -42,7 +41,7 @@ def replicas(server: str, redis: RedisServer, tmp_path_factory: pytest.TempPathF
 
 
 def auth(key: str = KEYS[0]) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
+    return {"authorization": f"Bearer {key}", "cache-control": "no-cache"}  # generated, not a cached answer's replay
 
 
 def blocks(lines: Iterator[str]) -> Iterator[str]:
@@ -73,6 +72,7 @@ def first_events(base: str, count: int) -> tuple[str, list[str]]:
             got.append(event)
             if len(got) == count:
                 break
+    assert number(got[-1]) == count - 1  # mid-stream, not its end
     return stream_id, got
 
 
