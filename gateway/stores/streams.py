@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -180,18 +181,33 @@ class Writer:
         self._wake.set()
 
     async def _write(self) -> None:
-        try:
-            await self._log.open(self._key, self._takeover)
-            while True:
-                with contextlib.suppress(TimeoutError):  # woken by an event, or to renew the lease
-                    await asyncio.wait_for(self._wake.wait(), self._beat_s)
-                self._wake.clear()
-                events, self._pending, end = self._pending, [], self._end
-                await self._log.append(self._key, events, end)
-                if end is not None:
-                    return
-        except ERRORS as exc:
-            _failed(exc)
+        """Each call tried again (a slow Redis' timeout, a blip) until it has failed for a whole lease: then the
+        readers take the producer for gone, and the log stops."""
+        if not await self._tried(functools.partial(self._log.open, self._key, self._takeover)):
+            return
+        while True:
+            with contextlib.suppress(TimeoutError):  # woken by an event, or to renew the lease
+                await asyncio.wait_for(self._wake.wait(), self._beat_s)
+            self._wake.clear()
+            events, end = list(self._pending), self._end
+            if not await self._tried(functools.partial(self._log.append, self._key, events, end)):
+                return
+            del self._pending[: len(events)]  # written (events appended meanwhile stay)
+            if end is not None:
+                return
+
+    async def _tried(self, call: Callable[[], Awaitable[None]]) -> bool:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._beat_s * 3
+        while True:
+            try:
+                await call()
+                return True
+            except ERRORS as exc:
+                _failed(exc)
+                if loop.time() >= give_up:
+                    return False
+            await asyncio.sleep(self._beat_s / 4)  # the behaviour: a pause before trying Redis again
 
 
 def _failed(exc: BaseException) -> None:
@@ -307,7 +323,10 @@ class RedisLog:
             if events or end is not None:
                 pipe.pexpire(base, ttl_ms)
                 pipe.pexpire(base + ":takeover", ttl_ms)
-            await self._client.bounded(pipe.execute())
+            results = await self._client.bounded(pipe.execute(raise_on_error=False))
+        for result in results:  # an event a try that timed out wrote already is kept as it was
+            if isinstance(result, Exception) and "equal or smaller" not in str(result):
+                raise result
 
     async def takeover(self, key: str) -> Takeover | None:
         raw = await self._client.bounded(self._client.redis.hgetall(self.prefix + key + ":takeover"))
