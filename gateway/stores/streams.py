@@ -129,6 +129,7 @@ class OwnedStreams:
         self, key: str, takeover: Takeover, after: int, read: Read, died: bytes,
     ) -> AsyncGenerator[bytes, None]:
         log_, block_s = self.store.log, self.store.settings.read_block_s
+        loop, failing_since = asyncio.get_running_loop(), None
         while True:
             for number, event in read.events:
                 yield event
@@ -136,14 +137,22 @@ class OwnedStreams:
             if read.end is not None:
                 yield read.end
                 return
-            if not read.events and not await log_.alive(key):
-                read = await log_.read(key, after, 0.0)  # the last events its producer wrote before its lease ended
-                if read.events or read.end is not None:
-                    continue
-                async for event in self._taken_over(key, takeover, died):
-                    yield event
-                return
-            read = await log_.read(key, after, block_s)
+            try:
+                if not read.events and not await log_.alive(key):
+                    read = await log_.read(key, after, 0.0)  # the last events its producer wrote before its lease ended
+                    if read.events or read.end is not None:
+                        continue
+                    async for event in self._taken_over(key, takeover, died):
+                        yield event
+                    return
+                read, failing_since = await log_.read(key, after, block_s), None
+            except ERRORS as exc:  # a slow Redis' timeout, a blip: tried again for up to a lease
+                _failed(exc)
+                failing_since = failing_since or loop.time()
+                if loop.time() - failing_since > self.store.settings.lease_s:
+                    raise
+                read = Read([], None, after + 1)
+                await asyncio.sleep(block_s / 4)  # the behaviour: a pause before asking a failing Redis again
 
     async def _taken_over(self, key: str, takeover: Takeover, died: bytes) -> AsyncGenerator[bytes, None]:
         """The producer died before the end: the continuation's events, given everything produced so far (the text
