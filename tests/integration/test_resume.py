@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -66,8 +67,10 @@ def number(event: str) -> int | None:
 
 def first_events(base: str, count: int) -> tuple[str, list[str]]:
     """A stream started on `base`, read for `count` events; the client then drops (the connection closed)."""
+    # a prompt of its own: the session's gateway (the upstream) would replay a cached answer in one chunk
+    body = {**BODY, "messages": [{"role": "user", "content": f"{BODY['messages'][0]['content']} ({uuid.uuid4().hex})"}]}
     with httpx.Client(timeout=TIMEOUT) as client, \
-            client.stream("POST", f"{base}/v1/chat/completions", json=BODY, headers=auth()) as response:
+            client.stream("POST", f"{base}/v1/chat/completions", json=body, headers=auth()) as response:
         assert response.status_code == 200
         stream_id = response.headers["x-stream-id"]
         got = []
