@@ -39,9 +39,6 @@ def replicas(server: str, redis: RedisServer, tmp_path_factory: pytest.TempPathF
             (folder / name).mkdir()
             started.append(stack.enter_context(gateway_process(folder / name, env)))
         yield started
-        for name in ("a", "b"):  # what a failure here would want to read
-            warnings = [line for line in (folder / name / "gateway.log").read_text().splitlines() if "warning" in line]
-            print(name, warnings[-5:])
 
 
 def auth(key: str = KEYS[0]) -> dict[str, str]:
