@@ -24,7 +24,7 @@ from gateway.stores.redis import RedisPools
 from gateway.stores.streams import MemoryLog, RedisLog, StreamStore, Takeover, not_found
 from tests.fakes import FakeEngine, fake_settings
 from tests.redis_server import RedisServer
-from tests.waits import until
+from tests.waits import until, until_awaited
 
 MODEL = "fake-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
@@ -312,3 +312,26 @@ async def test_the_memory_log_keeps_at_most_max_streams() -> None:
             await writer.task
         assert await store.log.takeover("a:strm_0") is None
         assert await store.log.takeover("a:strm_2") == TAKEOVER
+
+
+async def test_a_background_response_streams_again_and_its_cancel_still_stops_it_at_once() -> None:
+    engine = FakeEngine(max_model_len=4096)
+    async with gateway(engine, grace_s=60) as client:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 16, "background": True}
+        started = (await client.post("/v1/responses", json=body, headers=auth())).json()
+
+        async def completed() -> bool:
+            found = (await client.get(f"/v1/responses/{started['id']}", headers=auth())).json()
+            return bool(found["status"] == "incomplete")  # its max_output_tokens reached
+
+        await until_awaited(completed, within_s=30, what="the background response's end")
+        again = await client.get(f"/v1/responses/{started['id']}?stream=true", headers=auth())
+        kinds = [json.loads(e.split("data: ", 1)[1])["type"] for e in events(again.text)]
+        assert kinds[0] == "response.created"
+        assert kinds[-1] == "response.incomplete"
+        engine.delay = 0.05
+        running = (await client.post("/v1/responses", json={**body, "max_output_tokens": 1000},
+                                     headers=auth())).json()
+        cancelled = await client.post(f"/v1/responses/{running['id']}/cancel", headers=auth())
+        assert cancelled.json()["status"] == "cancelled"
+        assert engine.aborted == [engine.requests[-1].request_id]  # at once, not after the grace
