@@ -22,7 +22,7 @@ from gateway.pipeline.context import context_of
 from gateway.pipeline.disconnect import Watch
 from gateway.protocol.batch_objects import Owner
 from gateway.protocol.sse_wire import DONE, FRAMINGS, Framing, encode, error_frame
-from gateway.stores.streams import TAKEOVER_REQUEST_BYTES, OwnedStreams, Takeover, Writer
+from gateway.stores.streams import OwnedStreams, Takeover, Writer
 from gateway.telemetry.record import current_record, current_trace
 from gateway.web import stalls
 from gateway.web.error_render import dialect_of, from_exception
@@ -52,8 +52,7 @@ def resumable_of(scope: Scope) -> Resumable | None:
     if gateway is None or not gateway.settings.streams.resumable:
         return None
     context = context_of(scope)
-    body = context.request_body if len(context.request_body) <= TAKEOVER_REQUEST_BYTES else b""
-    takeover = Takeover(Owner(key_id=context.key_id, tenant=context.tenant), scope["path"], body)
+    takeover = Takeover(Owner(key_id=context.key_id, tenant=context.tenant), scope["path"], context.request_body)
     return Resumable(gateway.streams.of(context.tenant), takeover, gateway.settings.streams.grace_s)
 
 

@@ -101,6 +101,11 @@ async def test_a_responses_stream_resumes_by_its_sequence_number() -> None:
             assert again.status_code == 200
             kept = [json.loads(e.split("data: ", 1)[1])["sequence_number"] for e in events(again.text)]
             assert kept == sequence[(-1 if after is None else after) + 1:]
+        by_header = await client.get(f"/v1/responses/{response_id}?stream=true",
+                                     headers={**auth(), "last-event-id": "3"})
+        assert ids(by_header.text) == sequence[4:]
+        empty = await client.get(f"/v1/responses/{response_id}?stream=true&starting_after=", headers=auth())
+        assert empty.status_code == 400
         bad = await client.get(f"/v1/responses/{response_id}?stream=true&starting_after=x", headers=auth())
         assert bad.status_code == 400
         assert bad.json()["error"]["param"] == "starting_after"

@@ -87,11 +87,14 @@ async def by_id(request: Request) -> Response:
 
 
 async def _streamed(request: Request, mine: OwnedResponses, response_id: str) -> Response:
-    """`?stream=true&starting_after=N`: the response's events after sequence number N (all without it), from any
-    replica, while its log is kept (`stores.streams`); a stored response whose events are gone is a 400."""
-    after = after_of(request.query_params.get("starting_after"), "starting_after")
+    """`?stream=true&starting_after=N` (or `Last-Event-ID: N`): the response's events after sequence number N (all
+    without it), from any replica, while its log is kept (`stores.streams`); a stored response whose events are gone is a 400."""
+    param, value = "starting_after", request.query_params.get("starting_after")
+    if value is None:  # an EventSource reconnecting says where it was this way
+        param, value = "Last-Event-ID", request.headers.get("last-event-id")
+    after = after_of(value, param)
     try:
-        return await resumed(request.scope, response_id, after, "/v1/responses", not_found, "starting_after", NAMED)
+        return await resumed(request.scope, response_id, after, "/v1/responses", not_found, param, NAMED)
     except NotFound:
         await mine.get(response_id)  # none of this key's: the 404 of an unknown id
     raise InvalidRequest("This response's events are no longer kept (or it was not streamed); retrieve it whole",
