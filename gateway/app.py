@@ -38,6 +38,7 @@ from gateway.stores.backends import open_stores
 from gateway.stores.cache import ResponseCache, make_backend
 from gateway.stores.redis import RedisPools
 from gateway.stores.responses import ResponseStore, make_store_backend
+from gateway.stores.streams import make_stream_store
 from gateway.telemetry import metrics
 from gateway.telemetry.tracing import Tracing
 from gateway.tenancy.keys import authenticator_of
@@ -97,6 +98,7 @@ def create_app(settings: Settings, engine_starter: EngineStarter = start_embedde
         registry = build_registry(models, settings, engine_starter, grammar_starter, prioritized(settings, tenants))
         cache = ResponseCache(cache_backend)
         responses = ResponseStore(store_backend)
+        streams = make_stream_store(settings.cache, settings.streams, pools)
         runner: BatchRunner | None = None
         files, batches = open_stores(settings, pools)
         try:
@@ -106,7 +108,8 @@ def create_app(settings: Settings, engine_starter: EngineStarter = start_embedde
                 for name, engine in registry.engines():
                     await warm_up(name, engine)
             state = GatewayState(settings, registry, lifecycle, quota, cache, guards, responses, tenants,
-                                 files, batches, authenticator, mcp=mcp)
+                                 files, batches, authenticator, mcp=mcp,
+                                 streams=streams)
             if settings.batches.enabled:  # pending batches resumed, once the models are up
                 runner = BatchRunner(state, state.batches)
                 runner.start()
@@ -119,6 +122,7 @@ def create_app(settings: Settings, engine_starter: EngineStarter = start_embedde
             if runner is not None:
                 await runner.stop()  # lines in flight cancelled (they run again after a restart), leases freed
             await responses.aclose()  # background responses stop before their engines do
+            await streams.aclose()  # their logs' last events and end markers written
             await stop(registry)
             if cache.backend is not None:
                 await cache.backend.aclose()

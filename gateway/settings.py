@@ -80,6 +80,34 @@ class CacheSettings(BaseModel):
     )
 
 
+class StreamSettings(BaseModel):
+    """Resumable streams (docs/streams.md): every stream's events kept for a client that reconnects, to any replica
+    when the stored responses are in Redis (`cache.backend` redis), else in this process."""
+
+    resumable: bool = Field(
+        False, description="Keep each stream's events (an x-stream-id header, an SSE id on each event) so that a "
+        "client that lost its connection resumes it, on any replica with Redis; off: streams as before, ended by "
+        "their client's going"
+    )
+    grace_s: float = Field(
+        30, ge=0, description="A resumable stream whose client left goes on generating this long at most, for a "
+        "reconnect to read (the engine's work goes on for nobody meanwhile); 0: it stops at once, as without resuming"
+    )
+    max_events: int = Field(
+        8192, gt=0, description="Events kept per stream (Redis: an approximate MAXLEN); a resume from before them is a 400"
+    )
+    ttl_s: float = Field(600, gt=0, description="Seconds a stream's events are kept after its last event")
+    max_streams: int = Field(10_000, gt=0, description="In memory (no Redis): streams kept at most, the oldest dropped first")
+    lease_s: float = Field(
+        5, gt=0, description="Redis: the producer renews its lease every third of this; a reader that finds it lapsed "
+        "without the stream's end takes the producer for dead"
+    )
+    read_block_s: float = Field(
+        1, gt=0, description="A resumed stream's reader waits this long for the next event per read (bounded by "
+        "cache.redis_timeout_s in Redis)"
+    )
+
+
 class FairnessSettings(BaseModel):
     """The order in which waiting requests of one priority class are admitted (docs/tenants-and-guards.md,
     Priority classes: fair shares counted in tokens)."""
@@ -498,6 +526,7 @@ class Settings(BaseSettings):
         "(vLLM's pooling runner; a second engine); unset: none",
     )
     cache: CacheSettings = Field(default_factory=CacheSettings)
+    streams: StreamSettings = Field(default_factory=StreamSettings)
     files: FilesSettings = Field(default_factory=FilesSettings)
     batches: BatchesSettings = Field(default_factory=BatchesSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)

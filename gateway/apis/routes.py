@@ -30,7 +30,7 @@ from gateway.protocol import embeddings as e
 from gateway.protocol import file_objects as f
 from gateway.protocol import openai as p
 from gateway.protocol import response_objects as r
-from gateway.web.answers import served
+from gateway.web.answers import resuming, served
 from gateway.web.table import Endpoint, RouteTable
 
 
@@ -41,12 +41,18 @@ async def openapi(request: Request) -> Response:
 TABLE = RouteTable([
     Endpoint("POST", "/v1/chat/completions", served(p.ChatCompletionRequest, CHAT), "api", "Create a chat completion",
              p.ChatCompletionRequest, p.ChatCompletion, streams=True),
+    Endpoint("GET", "/v1/chat/completions/streams/{stream_id}", resuming("/v1/chat/completions"), "api",
+             "Resume a chat completion's stream after its Last-Event-ID, on any replica (SSE)"),
     Endpoint("POST", "/v1/completions", served(p.CompletionRequest, COMPLETIONS), "api", "Create a completion",
              p.CompletionRequest, p.Completion, streams=True),
+    Endpoint("GET", "/v1/completions/streams/{stream_id}", resuming("/v1/completions"), "api",
+             "Resume a completion's stream after its Last-Event-ID, on any replica (SSE)"),
     Endpoint("POST", "/v1/embeddings", served(e.EmbeddingRequest, EMBEDDINGS), "api", "Create embeddings",
              e.EmbeddingRequest, embeddings_wire.CreateEmbeddingResponse),
     Endpoint("POST", "/v1/messages", messages_routes.create, "api", "Create a message (Anthropic's Messages API)",
              a.MessagesRequest, a.Message, streams=True, dialect="anthropic"),
+    Endpoint("GET", "/v1/messages/streams/{stream_id}", resuming("/v1/messages"), "api",
+             "Resume a message's stream after its Last-Event-ID, on any replica (SSE)", dialect="anthropic"),
     Endpoint("POST", "/v1/messages/count_tokens", messages_routes.count_tokens, "api", "Count a message's input tokens "
              "(Anthropic's API)", a.CountTokensRequest, a.MessageTokensCount, dialect="anthropic"),
     Endpoint("POST", "/v1/messages/batches", message_batches_routes.create, "api", "Create a Message Batch "

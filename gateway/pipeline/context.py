@@ -37,6 +37,7 @@ class RequestContext:
     policy: KeyPolicy | None = None  # the key's policy (the keys file's), once the rate limits have read it
     charge: Charge | None = None  # the request's token charge, settled when it ends
     body_bytes: int = 0  # the size of the body the route parsed
+    request_body: bytes = b""  # the body the route parsed: what a stream's takeover elsewhere would run again
     release_body: Callable[[], None] = _nothing  # the body's bytes leave the in-flight budget
     client_gone: Gone | None = None  # None: nobody to watch (a background run, a unit test)
     no_cache: bool = False  # the client asked for a fresh answer, not a stored one (Cache-Control: no-cache)

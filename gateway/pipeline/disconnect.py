@@ -7,7 +7,8 @@ cancelled (which closes the engine's output iterator and so aborts the engine re
 cancellation comes out of the watch as `ClientDisconnected` (499), while a cancellation from
 elsewhere (a shutdown) stays one. The watcher starts `WATCH_AFTER_S` after the work (a loop
 timer): an answer ready sooner (a short completion, a cache hit) pays no task and no wakeup for it,
-and a client that leaves before is noticed that much later.
+and a client that leaves before is noticed that much later. A resumable stream's watch has a grace: its client's
+going ends the work only that much later (`left` says it went), so that a client that reconnects reads the rest.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ WATCH_AFTER_S = 0.1
 
 class Watch:
     """`async with Watch(gone):` the work, cancelled when the client disconnects (watched from
-    `after_s` on) or when `expire()` is called; then the block raises `ClientDisconnected`. At
+    `after_s` on) or when `expire()` is called, `grace_s` later; then the block raises `ClientDisconnected`. At
     `deadline` (the event loop's clock) it is cancelled too, and raises `TimeoutError`."""
 
-    def __init__(self, gone: Gone, after_s: float = WATCH_AFTER_S, deadline: float | None = None) -> None:
+    def __init__(
+        self, gone: Gone, after_s: float = WATCH_AFTER_S, deadline: float | None = None, grace_s: float = 0.0,
+    ) -> None:
         self.gone = gone
         self.after_s = after_s
+        self.grace_s = grace_s
         self._timeout = asyncio.timeout_at(deadline)
         self._left = False  # the client went (or `expire()` said so), rather than the deadline passing
         self._open = False
@@ -73,11 +77,17 @@ class Watch:
         watcher.exception()  # retrieved: a failing receive counts as the client gone
         self.expire()
 
+    @property
+    def left(self) -> bool:
+        """The client went (or `expire()` said so): within its grace, the work goes on for nobody."""
+        return self._left
+
     def expire(self) -> None:
-        """End the work as if the client had gone (a stream whose client stopped reading)."""
-        if self._open and not self._timeout.expired():
+        """End the work as if the client had gone (a stream whose client stopped reading), after the grace."""
+        if self._open and not self._left and not self._timeout.expired():
             self._left = True
-            self._timeout.reschedule(asyncio.get_running_loop().time())
+            ends = asyncio.get_running_loop().time() + self.grace_s
+            self._timeout.reschedule(min(ends, self._timeout.when() or ends))
 
 
 async def unless_gone(gone: Gone | None, work: Awaitable[T], deadline: float | None = None) -> T:

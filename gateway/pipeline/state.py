@@ -15,6 +15,7 @@ from gateway.stores.batches import BatchStore
 from gateway.stores.cache import ResponseCache
 from gateway.stores.files import FileStore
 from gateway.stores.responses import ResponseStore
+from gateway.stores.streams import StreamStore, in_memory
 from gateway.tenancy.keys import Authenticator
 from gateway.tenancy.quota import Quota
 from gateway.tenancy.tenants import Tenants
@@ -53,6 +54,7 @@ class GatewayState:
     identities: Authenticator  # who is asking: the API keys (a batch's lines find their creator again)
     batch_runner: BatchSignals = field(default_factory=NoRunner)  # the batch runner, once started
     mcp: McpServers = field(default_factory=lambda: McpServers(McpSettings()))  # the MCP servers file (gateway.mcp)
+    streams: StreamStore = field(default_factory=in_memory)  # resumable streams' logs (a unit test's: in memory)
     adapters: AdapterAdmin = field(init=False)  # LoRA adapters loaded and unloaded while serving
 
     def __post_init__(self) -> None:

@@ -68,6 +68,16 @@ class Kind(NamedTuple):
 
 RESPONSE = Kind("resp_", not_found)
 ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # ours are `<prefix><hex>`; anything else can name nothing stored
+
+
+def owned_key(owner: str, object_id: str, missing: Callable[[str], NotFound] = not_found, prefix: str = "") -> str:
+    """Where one owner's stored object is kept (a response, a conversation, a stream's log): another owner's id, an id
+    of another kind (not starting with `prefix`), or an id that is no id of ours names nothing, and is `missing` (a
+    404 exactly as an unknown one)."""
+    # no `:` (`x:resp_1` would name owner `<owner>:x`'s resp_1)
+    if not (ID.fullmatch(object_id) and object_id.startswith(prefix)):
+        raise missing(object_id)
+    return f"{owner}:{object_id}"
 RUNNING = ("queued", "in_progress")
 CHANGE_TRIES = 16  # a change that finds its object written meanwhile this often gives up (a 503)
 CHANGE_BACKOFF_S = 0.005  # up to this, times the tries so far, before the next: writers at once fall out of step
@@ -102,11 +112,8 @@ class OwnedResponses:
     owner: str
 
     def _key(self, object_id: str, kind: Kind = RESPONSE) -> str:
-        # no `:` (`x:resp_1` would name owner `<owner>:x`'s resp_1), and the kind's own prefix: a conversation's id
-        # never reads a response, nor the other way round
-        if not (ID.fullmatch(object_id) and object_id.startswith(kind.prefix)):
-            raise kind.missing(object_id)
-        return f"{self.owner}:{object_id}"
+        # the kind's own prefix: a conversation's id never reads a response, nor the other way round
+        return owned_key(self.owner, object_id, kind.missing, kind.prefix)
 
     async def get(self, response_id: str) -> StoredResponse:
         return await self.load(RESPONSE, response_id, StoredResponse)

@@ -14,8 +14,9 @@ from gateway.pipeline.dispatch import dispatch
 from gateway.protocol.openai import ModelRequest
 from gateway.protocol.sse_wire import Framing
 from gateway.serving.service import Service
+from gateway.stores.streams import not_found
 from gateway.web.requests import context, parse, state_of
-from gateway.web.sse import EventStreamResponse
+from gateway.web.sse import EventStreamResponse, after_of, resumed
 from gateway.web.table import Handler
 
 RequestT = TypeVar("RequestT", bound=ModelRequest)
@@ -35,8 +36,8 @@ def respond(answer: Answer, framing: Framing | None = None) -> Response:
     return Response(body, status_code=answer.status, media_type=answer.media_type)
 
 
-def stream_response(stream: Stream, framing: Framing | None = None) -> EventStreamResponse:
-    return EventStreamResponse(stream.events, on_close=stream.on_close, framing=framing)
+def stream_response(stream: Stream, framing: Framing | None = None, stream_id: str | None = None) -> EventStreamResponse:
+    return EventStreamResponse(stream.events, on_close=stream.on_close, framing=framing, stream_id=stream_id)
 
 
 def served(model: type[RequestT], service: Service[RequestT, Any, Any]) -> Handler:
@@ -45,5 +46,16 @@ def served(model: type[RequestT], service: Service[RequestT, Any, Any]) -> Handl
     async def handler(request: Request) -> Response:
         body = await parse(request, model)
         return respond(await dispatch(context(request), state_of(request), body, service))
+
+    return handler
+
+
+def resuming(path: str) -> Handler:
+    """The handler of `GET <path>/streams/{stream_id}`: a stream of the API at `path` again, after the event the
+    `Last-Event-ID` header names (absent: from the start), from any replica (`web.sse.resumed`)."""
+
+    async def handler(request: Request) -> Response:
+        after = after_of(request.headers.get("last-event-id"), "Last-Event-ID")
+        return await resumed(request.scope, request.path_params["stream_id"], after, path, not_found, "Last-Event-ID")
 
     return handler

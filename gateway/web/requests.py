@@ -16,6 +16,7 @@ from gateway.errors import InvalidRequest, PayloadTooLarge, invalid_body
 from gateway.pipeline.context import Gone, RequestContext, context_of
 from gateway.pipeline.dispatch import access_of
 from gateway.pipeline.state import GatewayState
+from gateway.stores.streams import TAKEOVER_REQUEST_BYTES
 
 M = TypeVar("M", bound=BaseModel)
 # A client's timeout in seconds: its own, or the one the openai and anthropic SDKs send (Python: the read timeout, as
@@ -98,7 +99,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def parse(request: Request, model: type[M]) -> M:
     body = await read_body(request, state_of(request).settings.max_body_bytes)
-    context_of(request.scope).body_bytes = len(body)  # large bodies are prepared off the event loop (offload)
+    found = context_of(request.scope)
+    found.body_bytes = len(body)  # large bodies are prepared off the event loop (offload)
+    found.request_body = body if len(body) <= TAKEOVER_REQUEST_BYTES else b""  # kept for a stream's takeover
     if not body.strip():
         raise InvalidRequest("The request body is empty; send a JSON object")
     try:

@@ -1,19 +1,28 @@
 """Server-Sent Events as an HTTP response: `EventStreamResponse` streams the pipeline's events, framed by
-`protocol.sse_wire` in the route's dialect (or the framing the handler sets)."""
+`protocol.sse_wire` in the route's dialect (or the framing the handler sets), and, when streams are resumable, keeps
+them in the stream's log (`stores.streams`: every API's, written here only): each stream has an id (`x-stream-id`;
+a Responses stream's is its response id), each event an SSE `id:` (its number: a Responses event's
+`sequence_number`), and `resumed` plays a stream again from any replica."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import re
+import secrets
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 
 import structlog
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import ClientDisconnected
+from gateway.errors import ClientDisconnected, InvalidRequest, NotFound, ServiceUnavailable
 from gateway.pipeline.answer import Events, Primed
+from gateway.pipeline.context import context_of
 from gateway.pipeline.disconnect import Watch
+from gateway.protocol.batch_objects import Owner
 from gateway.protocol.sse_wire import DONE, FRAMINGS, Framing, encode, error_frame
+from gateway.stores.streams import OwnedStreams, Takeover, Writer
 from gateway.telemetry.record import current_record, current_trace
 from gateway.web import stalls
 from gateway.web.error_render import dialect_of, from_exception
@@ -28,37 +37,73 @@ HEADERS = {
 log = structlog.get_logger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Resumable:
+    """Where a stream's events are kept, what a takeover needs, and how long it outlives its client."""
+
+    streams: OwnedStreams
+    takeover: Takeover
+    grace_s: float
+
+
+def resumable_of(scope: Scope) -> Resumable | None:
+    """The request's stream log when streams are resumable (None: off, or no gateway state: a unit test's)."""
+    gateway = (scope.get("state") or {}).get("gateway")
+    if gateway is None or not gateway.settings.streams.resumable:
+        return None
+    context = context_of(scope)
+    takeover = Takeover(Owner(key_id=context.key_id, tenant=context.tenant), scope["path"], context.request_body)
+    return Resumable(gateway.streams.of(context.tenant), takeover, gateway.settings.streams.grace_s)
+
+
 class EventStreamResponse(StreamingResponse):
     """An ASGI response streaming models as SSE (Starlette's StreamingResponse, its own `__call__`).
 
     It watches for the client going away (`pipeline.disconnect.Watch`): on a disconnect the stream's task is cancelled,
-    which closes the event iterator and so aborts the engine request. A client that stops reading is taken for gone
-    after `stream_write_timeout_s` (`api.stalls`)."""
+    which closes the event iterator and so aborts the engine request; a resumable stream is cancelled only after its
+    grace, generating into its log meanwhile. A client that stops reading is taken for gone after
+    `stream_write_timeout_s` (`api.stalls`). `resumable`: set by a handler whose stream plays to nobody (a background
+    response), else the request's."""
 
-    def __init__(self, events: Events, on_close: Callable[[], None] | None = None, framing: Framing | None = None) -> None:
+    def __init__(
+        self, events: Events, on_close: Callable[[], None] | None = None, framing: Framing | None = None,
+        stream_id: str | None = None,
+    ) -> None:
         self.events = events
         self.framing = framing  # None: the route's dialect decides (in __call__)
         self.on_close = on_close  # e.g. the admission permit's release, held for the whole stream
+        self.stream_id = stream_id or "strm_" + secrets.token_hex(16)
         super().__init__((), headers=HEADERS)  # its events are self.events, sent by __call__
         self.disconnected = False
+        self.resumable: Resumable | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         framing = self.framing or FRAMINGS[dialect_of(scope)]
+        resumable = self.resumable or resumable_of(scope)
+        log = None
+        if resumable is not None:
+            log = resumable.streams.writer(self.stream_id, resumable.takeover)
+            self.raw_headers.append((b"x-stream-id", self.stream_id.encode()))
         # Plain asyncio, not an anyio cancel scope: cancelling the task once lets the engine's
         # cleanup (its abort) still await; a level-triggered scope would cancel that too.
-        watch = Watch(gone_of(receive))
+        watch = Watch(gone_of(receive), grace_s=resumable.grace_s if resumable is not None else 0.0)
         sends, sweep = _stall_watch(scope, watch)
+        ending = framing.end
         try:
             async with watch:
-                await self._stream(send, framing, sends)
+                ending = await self._stream(_Sink(send, watch, log), framing, sends)
         except (ClientDisconnected, OSError):  # OSError: the socket went away under send
             self.disconnected = True
+            ending = error_frame(from_exception(ClientDisconnected(ABANDONED)).body(framing.dialect), framing)
+            ending += framing.end if framing.named else DONE
         except Exception:  # the response has started: nothing left to tell the client
             pass
         finally:
             if sweep is not None:
                 sweep.discard(sends)
-            current_record().disconnected = self.disconnected
+            if log is not None:
+                log.close(ending)
+            current_record().disconnected = self.disconnected or watch.left
             await self._close()  # also when the stream was cancelled before it ever ran
 
     async def _close(self) -> None:
@@ -69,18 +114,19 @@ class EventStreamResponse(StreamingResponse):
             if on_close is not None:
                 on_close()
 
-    async def _stream(self, send: Send, framing: Framing, sends: stalls.Sends) -> None:
+    async def _stream(self, sink: _Sink, framing: Framing, sends: stalls.Sends) -> bytes:
+        """The events, then the ending; the ending it sent (the log's end marker)."""
         time = asyncio.get_running_loop().time
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await sink.start(self.raw_headers)
             ending = framing.end
             try:
                 first, events = self.events.split() if isinstance(self.events, Primed) else (None, self.events)
                 if first is not None:
-                    await send({"type": "http.response.body", "body": encode(first, framing.named), "more_body": True})
+                    await sink.event(encode(first, framing.named))
                 async for event in events:
                     sends.since = time()  # a send that waits (the client reads nothing) is seen by the sweep
-                    await send({"type": "http.response.body", "body": encode(event, framing.named), "more_body": True})
+                    await sink.event(encode(event, framing.named))
                     sends.since = 0.0
             except OSError:
                 raise  # the client is gone: nobody to tell
@@ -88,15 +134,48 @@ class EventStreamResponse(StreamingResponse):
                 log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
                 if (trace := current_trace()) is not None:
                     trace.failed(type(exc).__qualname__, exc)
-                body = error_frame(from_exception(exc).body(framing.dialect), framing)
                 sends.since = time()
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+                await sink.event(error_frame(from_exception(exc).body(framing.dialect), framing))
                 ending = framing.end if framing.named else DONE
             sends.since = time()  # the last send may wait too, and the permit is held until it is done
-            await send({"type": "http.response.body", "body": ending, "more_body": False})
+            await sink.send(ending, more=False)
             sends.since = 0.0
+            return ending
         finally:
             await self._close()
+
+
+ABANDONED = "The stream was stopped: its client left and no reader came back within streams.grace_s"
+
+
+class _Sink:
+    """Where a stream's bytes go: each event into the log (numbered: its SSE id), then to the client while it is
+    there. A resumable stream's client that goes (a send fails) starts the watch's grace; without a log it ends the
+    stream as before."""
+
+    __slots__ = ("_log", "_send", "_watch")
+
+    def __init__(self, send: Send, watch: Watch, log: Writer | None) -> None:
+        self._send, self._watch, self._log = send, watch, log
+
+    async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
+        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+
+    async def event(self, frame: bytes) -> None:
+        if self._log is not None:
+            frame = b"id: %d\n" % self._log.next + frame
+            self._log.append(frame)
+        await self.send(frame)
+
+    async def send(self, body: bytes, more: bool = True) -> None:
+        if self._watch.left:
+            return  # nobody reads: the log does
+        try:
+            await self._send({"type": "http.response.body", "body": body, "more_body": more})
+        except OSError:
+            if self._log is None:
+                raise
+            self._watch.expire()
 
 
 def _stall_watch(scope: Scope, watch: Watch) -> tuple[stalls.Sends, stalls.Sweep | None]:
@@ -108,3 +187,47 @@ def _stall_watch(scope: Scope, watch: Watch) -> tuple[stalls.Sends, stalls.Sweep
     if gateway is None:
         return stalls.Sends(abort), None
     return stalls.watch(gateway.settings.stream_write_timeout_s, abort)
+
+
+NUMBER = re.compile(r"[0-9]{1,18}")  # ASCII digits only: int() would take other scripts' digits and whitespace
+DIED = "The stream's producer stopped before the stream's end (its replica is gone); the events it produced were sent"
+
+
+def after_of(value: str | None, param: str) -> int:
+    """The number of the last event a client has (`Last-Event-ID`, `starting_after`); absent: -1, from the start."""
+    if value is None:
+        return -1
+    if not NUMBER.fullmatch(value):
+        raise InvalidRequest(f"{param} must be the number of an event of this stream (an SSE id we sent)", param)
+    return int(value)
+
+
+async def resumed(
+    scope: Scope, stream_id: str, after: int, path: str, missing: Callable[[str], NotFound], param: str,
+    framing: Framing | None = None,
+) -> StreamingResponse:
+    """Stream `stream_id` (of the API at `path`, the asking key's) again after event `after`, from any replica:
+    what the log keeps, then the rest live. Unknown, another key's or another API's: `missing`, before the first
+    byte, as with resumable streams off."""
+    gateway = (scope.get("state") or {}).get("gateway")
+    if gateway is None or not gateway.settings.streams.resumable:
+        raise missing(stream_id)
+    framing = framing or FRAMINGS[dialect_of(scope)]
+    end = framing.end if framing.named else DONE
+    died = error_frame(from_exception(ServiceUnavailable(DIED)).body(framing.dialect), framing) + end
+    streams = gateway.streams.of(context_of(scope).tenant)
+    events = await streams.replay(stream_id, after, path, missing, died, param)
+    headers = {**HEADERS, "x-stream-id": stream_id}
+    return StreamingResponse(_ended(events, framing, end), headers=headers)
+
+
+async def _ended(events: AsyncGenerator[bytes, None], framing: Framing, end: bytes) -> AsyncGenerator[bytes, None]:
+    """A replay whose log fails midway ends with an error event in the API's shape, as a stream that fails does."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        log.warning("stream_replay_failed", error=str(exc), error_type=type(exc).__name__)
+        yield error_frame(from_exception(exc).body(framing.dialect), framing) + end
+    finally:
+        await events.aclose()

@@ -53,6 +53,7 @@ def app_with(**overrides: Any) -> Any:
     engine = EngineSettings(served_model_name="fake-model", enable_lora=True)
     # batches created here wait on disk (no runner): retrieved and cancelled whatever the timing
     overrides.setdefault("batches", {"enabled": False, "dir": tempfile.mkdtemp(prefix="route-batches-")})
+    overrides.setdefault("streams", {"resumable": True})  # the resume routes answer
     settings = fake_settings(embedding_model="fake-embed", admin_keys=[ADMIN_KEY], engine=engine, **overrides)
     return create_app(settings, engine_starter=lambda es: FakeEngine(
         es.served_model_name, task=es.task, max_loras=2 if es.enable_lora and es.task == "generate" else None))
@@ -85,6 +86,10 @@ def concrete(client: TestClient, path: str, headers: dict[str, str]) -> str:
         made = client.post("/v1/conversations", json=BODIES["/v1/conversations"], headers=headers)
         path = path.replace("{conversation_id}", made.json()["id"] if made.status_code == 200 else "conv_none")
         return path.replace("{item_id}", "msg_route")
+    if "{stream_id}" in path:  # a fresh stream of the API the path resumes
+        created = path.removesuffix("/streams/{stream_id}")
+        made = client.post(created, json={**BODIES[created], "stream": True}, headers=headers)
+        return path.replace("{stream_id}", made.headers.get("x-stream-id", "strm_none"))
     if "{response_id}" not in path:
         return path.replace("{model:path}", "fake-model")
     made = client.post("/v1/responses", json={**BODIES["/v1/responses"], "background": True}, headers=headers)

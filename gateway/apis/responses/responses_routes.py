@@ -8,6 +8,7 @@ task that holds the admission permit until it ends and counts as work in progres
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -17,16 +18,16 @@ from gateway.apis.conversations.conversations_serving import Conversations, join
 from gateway.apis.responses import responses_mcp
 from gateway.apis.responses.responses_serving import ResponsesService, history_of
 from gateway.apis.responses.responses_wire import InputItemsQuery, ResponseDeleted, ResponsesRequest, item_page
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, NotFound
 from gateway.pipeline.answer import Stream
 from gateway.pipeline.context import context_of
 from gateway.pipeline.dispatch import dispatch
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.protocol.sse_wire import NAMED
-from gateway.stores.responses import BackgroundRun, OwnedResponses
+from gateway.stores.responses import BackgroundRun, OwnedResponses, not_found
 from gateway.web.answers import json_response, respond, stream_response
 from gateway.web.requests import context, parse, state_of
-from gateway.web.sse import EventStreamResponse
+from gateway.web.sse import EventStreamResponse, after_of, resumable_of, resumed
 
 
 def _mine(request: Request) -> OwnedResponses:
@@ -50,9 +51,12 @@ async def create(request: Request) -> Response:
     service = ResponsesService(body, history, mine, turn)
     answer = await dispatch(context(request), state, service.chat_request(), service)
     if isinstance(answer, Stream):
-        if body.background:
-            return await _in_background(service, stream_response(answer, NAMED), state.lifecycle)
-        return stream_response(answer, NAMED)
+        stream = stream_response(answer, NAMED, stream_id=service.id)  # resumed by the response's id
+        if body.background:  # played to nobody, still resumable; a cancel (its client's leaving) stops it at once
+            resumable = resumable_of(request.scope)
+            stream.resumable = None if resumable is None else dataclasses.replace(resumable, grace_s=0.0)
+            return await _in_background(service, stream, state.lifecycle)
+        return stream
     await service.save()
     return respond(answer)
 
@@ -87,10 +91,24 @@ async def by_id(request: Request) -> Response:
     if request.method == "DELETE":
         await mine.delete(response_id)
         return json_response(ResponseDeleted(id=response_id))
-    stored = await mine.get(response_id)
     if request.query_params.get("stream", "false").lower() not in ("false", "0"):
-        raise InvalidRequest("Streaming a stored response again is not supported here; retrieve it whole", "stream")
-    return json_response(stored.response)
+        return await _streamed(request, mine, response_id)
+    return json_response((await mine.get(response_id)).response)
+
+
+async def _streamed(request: Request, mine: OwnedResponses, response_id: str) -> Response:
+    """`?stream=true&starting_after=N` (or `Last-Event-ID: N`): the response's events after sequence number N (all
+    without it), from any replica, while its log is kept (`stores.streams`); a stored response whose events are gone is a 400."""
+    param, value = "starting_after", request.query_params.get("starting_after")
+    if value is None:  # an EventSource reconnecting says where it was this way
+        param, value = "Last-Event-ID", request.headers.get("last-event-id")
+    after = after_of(value, param)
+    try:
+        return await resumed(request.scope, response_id, after, "/v1/responses", not_found, param, NAMED)
+    except NotFound:
+        await mine.get(response_id)  # none of this key's: the 404 of an unknown id
+    raise InvalidRequest("This response's events are no longer kept (or it was not streamed); retrieve it whole",
+                         "stream")
 
 
 async def input_items(request: Request) -> Response:

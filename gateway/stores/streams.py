@@ -1,0 +1,389 @@
+"""Resumable streams: each stream's events, as framed on the wire, kept in a log that a client reconnecting to any
+replica reads from where it left off, then live until the stream's end marker (docs/streams.md).
+
+In Redis (the stored responses' Redis: `cache.backend` redis at `cache.redis_url`), under `<prefix>streams:<owner>:<id>`:
+a Redis Stream of the events (XADD with an approximate MAXLEN, entry `0-<n+1>` for event n, an expiry), `:takeover`
+(a hash: what a continuation elsewhere needs, written when the stream opens) and `:lease` (the producer's heartbeat,
+refreshed while it produces: gone without an end marker, the producer died). In memory: a bounded ring per stream
+with the same interface, for one process.
+
+A producer never waits for the log: `Writer.append` queues and one task per stream writes in batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import structlog
+
+from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
+from gateway.protocol.batch_objects import Owner
+from gateway.settings import CacheSettings, StreamSettings
+from gateway.stores.redis import ERRORS, RedisPools
+from gateway.stores.responses import owned_key
+from gateway.telemetry import metrics
+
+log = structlog.get_logger(__name__)
+
+TAKEOVER_REQUEST_BYTES = 1 << 20  # a larger request is not kept for a takeover (its stream can still be resumed)
+
+
+@dataclass(frozen=True, slots=True)
+class Takeover:
+    """What continuing a stream elsewhere needs besides its events so far (the text already sent): who asked (found
+    again by `tenancy.keys.Authenticator.reidentify`, as a batch's lines are), where, and the request's body
+    (empty when larger than `TAKEOVER_REQUEST_BYTES`)."""
+
+    owner: Owner
+    path: str
+    request: bytes = b""
+
+
+@dataclass(slots=True)
+class Read:
+    """Events after a point: `events` (number, framed bytes), `end` the stream's end marker once it ended (None: it
+    goes on), `first` the oldest number still kept."""
+
+    events: list[tuple[int, bytes]]
+    end: bytes | None
+    first: int
+
+
+class Log(Protocol):
+    """Where the events are kept; `key` is an owner's stream (`owned_key`)."""
+
+    async def open(self, key: str, takeover: Takeover) -> None: ...
+    async def append(self, key: str, events: list[tuple[int, bytes]], end: bytes | None) -> None: ...
+    async def takeover(self, key: str) -> Takeover | None: ...  # None: no such stream
+    async def read(self, key: str, after: int, block_s: float) -> Read: ...  # waits up to block_s for one event
+    async def alive(self, key: str) -> bool: ...  # its producer's lease holds
+    async def aclose(self) -> None: ...
+
+
+# A takeover of a stream whose producer died: given the takeover record and the events the client already has, the
+# rest of the stream, framed. None until mid-stream failover (issue 42, part 1) provides one (see docs/streams.md).
+Continuation = Callable[[Takeover, list[bytes]], AsyncGenerator[bytes, None]]
+
+
+def not_found(stream_id: str) -> NotFound:
+    return NotFound(f"Stream with id '{stream_id}' not found.", param="stream_id")
+
+
+@dataclass(slots=True)
+class StreamStore:
+    log: Log
+    settings: StreamSettings
+    continuation: Continuation | None = None  # the hook a takeover plugs into
+    writers: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def of(self, owner: str) -> OwnedStreams:
+        return OwnedStreams(self, owner)
+
+    async def aclose(self) -> None:
+        """Writers finish what they hold (bounded by their own calls), then the log closes."""
+        await asyncio.gather(*self.writers, return_exceptions=True)
+        await self.log.aclose()
+
+
+@dataclass(slots=True, frozen=True)
+class OwnedStreams:
+    """One owner's streams; another owner's stream id is an unknown one (`owned_key`, as for stored responses)."""
+
+    store: StreamStore
+    owner: str
+
+    def writer(self, stream_id: str, takeover: Takeover) -> Writer:
+        writer = Writer(self.store, owned_key(self.owner, stream_id, not_found), takeover)
+        self.store.writers.add(writer.task)
+        writer.task.add_done_callback(self.store.writers.discard)
+        return writer
+
+    async def replay(
+        self, stream_id: str, after: int, path: str, missing: Callable[[str], NotFound], died: bytes,
+        param: str,
+    ) -> AsyncGenerator[bytes, None]:
+        """The events after number `after` (-1: all), then the rest live, then the end marker; a producer that died
+        first ends it with `died` (or the continuation). Refusals (`missing` for a stream of another owner, of another
+        API, or unknown; 400 naming `param` for events no longer kept) raise before the first event is yielded."""
+        log_, key = self.store.log, owned_key(self.owner, stream_id, missing)
+        try:
+            takeover = await log_.takeover(key)
+            read = await log_.read(key, after, 0.0) if takeover is not None else None
+        except ERRORS as exc:
+            _failed(exc)
+            raise ServiceUnavailable("The stream log is unavailable; retry later") from exc
+        if takeover is None or read is None or takeover.path != path:
+            raise missing(stream_id)
+        if read.first > after + 1:
+            raise InvalidRequest(f"The events of stream '{stream_id}' before {read.first} are no longer kept", param)
+        return self._played(key, takeover, after, read, died)
+
+    async def _played(
+        self, key: str, takeover: Takeover, after: int, read: Read, died: bytes,
+    ) -> AsyncGenerator[bytes, None]:
+        log_, block_s = self.store.log, self.store.settings.read_block_s
+        loop, failing_since = asyncio.get_running_loop(), None
+        while True:
+            for number, event in read.events:
+                yield event
+                after = number
+            if read.end is not None:
+                yield read.end
+                return
+            try:
+                if not read.events and not await log_.alive(key):
+                    read = await log_.read(key, after, 0.0)  # the last events its producer wrote before its lease ended
+                    if read.events or read.end is not None:
+                        continue
+                    async for event in self._taken_over(key, takeover, died):
+                        yield event
+                    return
+                read, failing_since = await log_.read(key, after, block_s), None
+            except ERRORS as exc:  # a slow Redis' timeout, a blip: tried again for up to a lease
+                _failed(exc)
+                failing_since = failing_since or loop.time()
+                if loop.time() - failing_since > self.store.settings.lease_s:
+                    raise
+                read = Read([], None, after + 1)
+                await asyncio.sleep(block_s / 4)  # the behaviour: a pause before asking a failing Redis again
+
+    async def _taken_over(self, key: str, takeover: Takeover, died: bytes) -> AsyncGenerator[bytes, None]:
+        """The producer died before the end: the continuation's events, given everything produced so far (the text
+        the client has), or else `died`."""
+        continuation = self.store.continuation
+        if continuation is None:
+            yield died
+            return
+        produced = await self.store.log.read(key, -1, 0.0)
+        async for event in continuation(takeover, [frame for _, frame in produced.events]):
+            yield event
+
+
+class Writer:
+    """One stream's log, written by one task in the order of `append` (a Redis that fails stops the log, not the
+    stream: its lease then lapses, and a reader is told the producer is gone)."""
+
+    def __init__(self, store: StreamStore, key: str, takeover: Takeover) -> None:
+        self._log, self._key, self._takeover = store.log, key, takeover
+        self._beat_s = store.settings.lease_s / 3
+        self._pending: list[tuple[int, bytes]] = []
+        self._end: bytes | None = None
+        self.next = 0  # the next event's number
+        self._wake = asyncio.Event()
+        self.task = asyncio.get_running_loop().create_task(self._write())
+
+    def append(self, frame: bytes) -> None:
+        """Queue the next event (number `next`)."""
+        self._pending.append((self.next, frame))
+        self.next += 1
+        self._wake.set()
+
+    def close(self, end: bytes) -> None:
+        self._end = end
+        self._wake.set()
+
+    async def _write(self) -> None:
+        """Each call tried again (a slow Redis' timeout, a blip) until it has failed for a whole lease: then the
+        readers take the producer for gone, and the log stops."""
+        if not await self._tried(functools.partial(self._log.open, self._key, self._takeover)):
+            return
+        while True:
+            with contextlib.suppress(TimeoutError):  # woken by an event, or to renew the lease
+                await asyncio.wait_for(self._wake.wait(), self._beat_s)
+            self._wake.clear()
+            events, end = list(self._pending), self._end
+            if not await self._tried(functools.partial(self._log.append, self._key, events, end)):
+                return
+            del self._pending[: len(events)]  # written (events appended meanwhile stay)
+            if end is not None:
+                return
+
+    async def _tried(self, call: Callable[[], Awaitable[None]]) -> bool:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._beat_s * 3
+        while True:
+            try:
+                await call()
+                return True
+            except ERRORS as exc:
+                _failed(exc)
+                if loop.time() >= give_up:
+                    return False
+            await asyncio.sleep(self._beat_s / 4)  # the behaviour: a pause before trying Redis again
+
+
+def _failed(exc: BaseException) -> None:
+    metrics.labelled(metrics.CACHE_ERRORS, "redis").inc()
+    log.warning("stream_log_unavailable", error=str(exc))
+
+
+class MemoryLog:
+    """Rings in this process: `max_events` per stream, streams kept `ttl_s` after their last write and at most
+    `max_streams` (the oldest dropped first)."""
+
+    def __init__(self, settings: StreamSettings) -> None:
+        self.settings = settings
+        self._rings: OrderedDict[str, _Ring] = OrderedDict()
+
+    def _ring(self, key: str) -> _Ring | None:
+        ring = self._rings.get(key)
+        if ring is not None and ring.expires < time.monotonic():
+            del self._rings[key]
+            return None
+        return ring
+
+    async def open(self, key: str, takeover: Takeover) -> None:
+        self._rings[key] = _Ring(takeover, deque(maxlen=self.settings.max_events))
+        self._touch(key, self._rings[key])
+        while len(self._rings) > self.settings.max_streams:
+            self._rings.popitem(last=False)
+
+    async def append(self, key: str, events: list[tuple[int, bytes]], end: bytes | None) -> None:
+        ring = self._ring(key)
+        if ring is None:
+            return
+        ring.events.extend(events)
+        ring.end = end
+        self._touch(key, ring)
+        ring.changed.set()
+        ring.changed = asyncio.Event()
+
+    def _touch(self, key: str, ring: _Ring) -> None:
+        now = time.monotonic()
+        ring.expires, ring.lease = now + self.settings.ttl_s, now + self.settings.lease_s
+        self._rings.move_to_end(key)
+
+    async def takeover(self, key: str) -> Takeover | None:
+        ring = self._ring(key)
+        return None if ring is None else ring.takeover
+
+    async def read(self, key: str, after: int, block_s: float) -> Read:
+        ring = self._ring(key)
+        if ring is None:
+            return Read([], b"", 0)  # dropped while read: ended
+        if block_s and ring.end is None and (not ring.events or ring.events[-1][0] <= after):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ring.changed.wait(), block_s)
+        first = ring.events[0][0] if ring.events else 0
+        return Read([event for event in ring.events if event[0] > after], ring.end, first)
+
+    async def alive(self, key: str) -> bool:
+        ring = self._ring(key)
+        return ring is not None and ring.lease >= time.monotonic()
+
+    async def aclose(self) -> None:
+        self._rings.clear()
+
+
+@dataclass(slots=True)
+class _Ring:
+    takeover: Takeover
+    events: deque[tuple[int, bytes]]
+    end: bytes | None = None
+    expires: float = 0.0
+    lease: float = 0.0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _entry(number: int) -> str:
+    return f"0-{number + 1}"  # explicit ids: XRANGE and XREAD after event n are after 0-<n+1>
+
+
+def _number(entry_id: bytes) -> int:
+    """An event's number from its entry's id (the end marker's, a time, counts as before every event)."""
+    time_part, _, sequence = entry_id.partition(b"-")
+    return int(sequence) - 1 if time_part == b"0" else -1
+
+
+class RedisLog:
+    """The Redis layout in the module's docstring; every call bounded by `cache.redis_timeout_s`."""
+
+    def __init__(self, pools: RedisPools, url: str, prefix: str, timeout_s: float, settings: StreamSettings) -> None:
+        self._client = pools.client(url, timeout_s)
+        self.prefix, self.settings = prefix, settings
+
+    async def open(self, key: str, takeover: Takeover) -> None:
+        fields = {"key_id": takeover.owner.key_id, "tenant": takeover.owner.tenant, "path": takeover.path,
+                  "request": takeover.request}
+        ttl_ms, base = int(self.settings.ttl_s * 1000), self.prefix + key
+        async with self._client.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(base + ":takeover", mapping=fields)  # type: ignore[arg-type]
+            pipe.pexpire(base + ":takeover", ttl_ms)
+            pipe.set(base + ":lease", b"1", px=int(self.settings.lease_s * 1000))
+            await self._client.bounded(pipe.execute())
+
+    async def append(self, key: str, events: list[tuple[int, bytes]], end: bytes | None) -> None:
+        ttl_ms, base = int(self.settings.ttl_s * 1000), self.prefix + key
+        async with self._client.redis.pipeline(transaction=False) as pipe:
+            for number, frame in events:
+                pipe.xadd(base, {"e": frame}, id=_entry(number), maxlen=self.settings.max_events, approximate=True)
+            if end is not None:
+                pipe.xadd(base, {"end": end}, maxlen=self.settings.max_events, approximate=True)
+                pipe.delete(base + ":lease")
+            else:
+                pipe.set(base + ":lease", b"1", px=int(self.settings.lease_s * 1000))
+            if events or end is not None:
+                pipe.pexpire(base, ttl_ms)
+                pipe.pexpire(base + ":takeover", ttl_ms)
+            results = await self._client.bounded(pipe.execute(raise_on_error=False))
+        for result in results:  # an event a try that timed out wrote already is kept as it was
+            if isinstance(result, Exception) and "equal or smaller" not in str(result):
+                raise result
+
+    async def takeover(self, key: str) -> Takeover | None:
+        raw = await self._client.bounded(self._client.redis.hgetall(self.prefix + key + ":takeover"))
+        found = cast(dict[bytes, bytes], raw)
+        if not found:
+            return None
+        owner = Owner(key_id=found[b"key_id"].decode(), tenant=found[b"tenant"].decode())
+        return Takeover(owner, found[b"path"].decode(), found.get(b"request", b""))
+
+    async def read(self, key: str, after: int, block_s: float) -> Read:
+        redis, base = self._client.redis, self.prefix + key
+        entries: list[tuple[bytes, dict[bytes, bytes]]]
+        if block_s:  # within the call's own bound
+            block_ms = max(1, int(min(block_s, self._client.timeout_s / 2) * 1000))
+            found = cast(list[Any], await self._client.bounded(redis.xread({base: _entry(after)}, block=block_ms)))
+            entries = found[0][1] if found else []  # RESP2: [[stream, entries]]
+            first = after + 1
+        else:
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.xrange(base, min=_entry(after + 1))
+                pipe.xrange(base, count=1)
+                entries, oldest = await self._client.bounded(pipe.execute())
+            first = _number(oldest[0][0]) if oldest else 0
+        events: list[tuple[int, bytes]] = []
+        end: bytes | None = None
+        for entry_id, fields in entries:
+            if b"end" in fields:
+                end = fields[b"end"]
+                break
+            events.append((_number(entry_id), fields[b"e"]))
+        return Read(events, end, first)
+
+    async def alive(self, key: str) -> bool:
+        return bool(await self._client.bounded(self._client.redis.exists(self.prefix + key + ":lease")))
+
+    async def aclose(self) -> None:
+        pass  # the pool is the app's (stores.redis)
+
+
+def in_memory(settings: StreamSettings | None = None) -> StreamStore:
+    settings = settings or StreamSettings()
+    return StreamStore(MemoryLog(settings), settings)
+
+
+def make_stream_store(cache: CacheSettings, settings: StreamSettings, pools: RedisPools) -> StreamStore:
+    """In the stored responses' Redis when they are in Redis (replicas share it), else in this process."""
+    if cache.backend == "redis" and cache.redis_url:
+        prefix = cache.redis_prefix + "streams:"
+        return StreamStore(RedisLog(pools, cache.redis_url, prefix, cache.redis_timeout_s, settings), settings)
+    return in_memory(settings)
+

@@ -1,0 +1,342 @@
+"""Resumable streams (`stores.streams`, written by `web.sse`): every streaming API's stream resumed at every point
+(before its first event, in the middle, after its end), from the in-process ring and from a real redis-server; bad
+`Last-Event-ID` / `starting_after` is a 400 naming it; another key's stream id a 404 exactly as an unknown one; a
+client that leaves does not stop the generation within the grace; a producer that dies ends a resumed stream with
+one error event in the API's shape (or the continuation, when one is plugged in)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.errors import NotFound
+from gateway.protocol.batch_objects import Owner
+from gateway.settings import StreamSettings
+from gateway.stores.redis import RedisPools
+from gateway.stores.streams import MemoryLog, RedisLog, StreamStore, Takeover, not_found
+from tests.fakes import FakeEngine, fake_settings
+from tests.redis_server import RedisServer
+from tests.waits import until, until_awaited
+
+MODEL = "fake-model"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
+BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 6, "stream": True},
+    "/v1/messages": {"model": MODEL, "max_tokens": 6, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+}
+KEYS = ["sk-a", "sk-b"]
+
+
+def auth(key: str = "sk-a") -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def events(text: str) -> list[str]:
+    """An SSE body's events, each its block of lines."""
+    return [block for block in text.split("\n\n") if block.strip()]
+
+
+def ids(text: str) -> list[int]:
+    return [int(line[4:]) for block in events(text) for line in block.split("\n") if line.startswith("id: ")]
+
+
+@asynccontextmanager
+async def gateway(engine: FakeEngine, **streams: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The app in-process, its lifespan state in every scope (as the server gives it), resumable streams on."""
+    settings = fake_settings(api_keys=KEYS, streams={"resumable": True, **streams})
+    app = create_app(settings, engine_starter=lambda es: engine)
+    async with app.router.lifespan_context(app) as state:
+
+        async def with_state(scope: dict, receive: Any, send: Any) -> None:
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://gw") as client:
+            client.app_state = state  # type: ignore[attr-defined]
+            yield client
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+async def test_every_streaming_api_resumes_at_every_point(path: str) -> None:
+    async with gateway(FakeEngine()) as client:
+        whole = await client.post(path, json=BODIES[path], headers=auth())
+        stream_id = whole.headers["x-stream-id"]
+        numbered = ids(whole.text)
+        assert numbered == list(range(len(numbered)))
+        assert len(numbered) >= 4
+        resume = f"{path}/streams/{stream_id}"
+        from_start = await client.get(resume, headers=auth())
+        assert from_start.status_code == 200
+        assert from_start.text == whole.text
+        assert from_start.headers["x-stream-id"] == stream_id
+        for after in (0, len(numbered) // 2, numbered[-1]):
+            again = await client.get(resume, headers={**auth(), "last-event-id": str(after)})
+            assert ids(again.text) == numbered[after + 1:]
+            assert whole.text.endswith(again.text)  # exactly what was missed, and the end
+        other_api = next(p for p in BODIES if p != path)
+        assert (await client.get(f"{other_api}/streams/{stream_id}", headers=auth())).status_code == 404
+
+
+async def test_a_responses_stream_resumes_by_its_sequence_number() -> None:
+    async with gateway(FakeEngine()) as client:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 16, "stream": True}
+        whole = await client.post("/v1/responses", json=body, headers=auth())
+        created = json.loads(events(whole.text)[0].split("data: ", 1)[1])
+        response_id = created["response"]["id"]
+        assert whole.headers["x-stream-id"] == response_id
+        sequence = [json.loads(e.split("data: ", 1)[1])["sequence_number"] for e in events(whole.text)]
+        assert ids(whole.text) == sequence == list(range(len(sequence)))
+        for after in (None, 0, 3, sequence[-1]):
+            query = "" if after is None else f"&starting_after={after}"
+            again = await client.get(f"/v1/responses/{response_id}?stream=true{query}", headers=auth())
+            assert again.status_code == 200
+            kept = [json.loads(e.split("data: ", 1)[1])["sequence_number"] for e in events(again.text)]
+            assert kept == sequence[(-1 if after is None else after) + 1:]
+        by_header = await client.get(f"/v1/responses/{response_id}?stream=true",
+                                     headers={**auth(), "last-event-id": "3"})
+        assert ids(by_header.text) == sequence[4:]
+        empty = await client.get(f"/v1/responses/{response_id}?stream=true&starting_after=", headers=auth())
+        assert empty.status_code == 400
+        bad = await client.get(f"/v1/responses/{response_id}?stream=true&starting_after=x", headers=auth())
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "starting_after"
+        theirs = await client.get(f"/v1/responses/{response_id}?stream=true", headers=auth("sk-b"))
+        unknown = await client.get("/v1/responses/resp_ffff?stream=true", headers=auth("sk-b"))
+        assert theirs.status_code == unknown.status_code == 404
+        assert theirs.json()["error"]["message"].replace(response_id, "X") == \
+            unknown.json()["error"]["message"].replace("resp_ffff", "X")
+
+
+@pytest.mark.parametrize("value", ["x", "-1", " 1", "1.0", "\u0663", "1" * 19, ""])
+async def test_a_garbage_last_event_id_is_a_400_naming_it(value: str) -> None:
+    async with gateway(FakeEngine()) as client:
+        whole = await client.post("/v1/chat/completions", json=CHAT, headers=auth())
+        answer = await client.get(f"/v1/chat/completions/streams/{whole.headers['x-stream-id']}",
+                                  headers={**auth(), "last-event-id": value.encode()})
+        assert answer.status_code == 400
+        assert answer.json()["error"]["param"] == "Last-Event-ID"
+        anthropic = await client.post("/v1/messages", json=BODIES["/v1/messages"], headers=auth())
+        answer = await client.get(f"/v1/messages/streams/{anthropic.headers['x-stream-id']}",
+                                  headers={**auth(), "last-event-id": value.encode()})
+        assert answer.status_code == 400
+        assert answer.json()["type"] == "error"
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+async def test_another_keys_stream_is_an_unknown_one(path: str) -> None:
+    async with gateway(FakeEngine()) as client:
+        stream_id = (await client.post(path, json=BODIES[path], headers=auth())).headers["x-stream-id"]
+        unknown_id = "strm_" + "0" * 32
+        theirs = await client.get(f"{path}/streams/{stream_id}", headers=auth("sk-b"))
+        unknown = await client.get(f"{path}/streams/{unknown_id}", headers=auth("sk-b"))
+        assert theirs.status_code == unknown.status_code == 404
+        assert theirs.text.replace(stream_id, "X") == unknown.text.replace(unknown_id, "X")
+        for trick in (f"sk-a:{stream_id}", f" {stream_id}", stream_id.upper(), stream_id + "\u200b"):
+            assert (await client.get(f"{path}/streams/{trick}", headers=auth("sk-b"))).status_code == 404
+
+
+async def test_streams_off_have_no_ids_and_no_resume() -> None:
+    engine = FakeEngine()
+    app = create_app(fake_settings(), engine_starter=lambda es: engine)
+    async with app.router.lifespan_context(app) as state:
+
+        async def with_state(scope: dict, receive: Any, send: Any) -> None:
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://gw") as client:
+            whole = await client.post("/v1/chat/completions", json=CHAT)
+            assert "x-stream-id" not in whole.headers
+            assert ids(whole.text) == []
+            assert (await client.get("/v1/chat/completions/streams/strm_1")).status_code == 404
+
+
+async def drive_and_leave(app_client: httpx.AsyncClient, path: str, body: dict, leave_after: int) -> list[bytes]:
+    """A POST whose client goes after `leave_after` body messages (hand-written ASGI, as a server drives it)."""
+    transport = app_client._transport
+    app = transport.app  # type: ignore[attr-defined]
+    sent: list[dict] = []
+    gone = asyncio.Event()
+    body_sent = False
+
+    async def receive() -> dict:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if len([m for m in sent if m["type"] == "http.response.body" and m.get("body")]) >= leave_after:
+            gone.set()
+            raise OSError("the client went")  # as the server's send does once the socket is gone
+
+    headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer sk-a")]
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    stream_id = dict(start["headers"])[b"x-stream-id"]
+    return [stream_id, *(m["body"] for m in sent if m["type"] == "http.response.body" and m.get("body"))]
+
+
+async def test_a_client_that_leaves_does_not_stop_the_generation_and_reconnects_for_the_rest() -> None:
+    engine = FakeEngine(delay=0.001)
+    async with gateway(engine, grace_s=60) as client:
+        stream_id, *received = await drive_and_leave(client, "/v1/chat/completions", {**CHAT, "max_tokens": 30}, 3)
+        await until(lambda: engine.finished, what="the generation's end, with nobody reading")
+        assert engine.aborted == []
+        last = ids(b"".join(received[:-1]).decode())[-1]  # the last event it got whole (its send failed after)
+        rest = await client.get(f"/v1/chat/completions/streams/{stream_id.decode()}",
+                                headers={**auth(), "last-event-id": str(last)})
+        whole = await client.get(f"/v1/chat/completions/streams/{stream_id.decode()}", headers=auth())
+        assert whole.text.endswith(rest.text)
+        assert rest.text.endswith("data: [DONE]\n\n")
+        assert ids(rest.text) == list(range(last + 1, ids(whole.text)[-1] + 1))
+
+
+async def test_after_the_grace_the_generation_stops_and_the_log_says_so() -> None:
+    engine = FakeEngine(max_model_len=4096, delay=0.05)  # far longer than the grace: 200 tokens
+    async with gateway(engine, grace_s=0.2) as client:
+        stream_id, *_ = await drive_and_leave(client, "/v1/chat/completions", {**CHAT, "max_tokens": 200}, 2)
+        assert engine.aborted == [engine.requests[0].request_id]
+        resumed = await client.get(f"/v1/chat/completions/streams/{stream_id.decode()}", headers=auth())
+        last = events(resumed.text)[-2]
+        assert "streams.grace_s" in last
+        assert resumed.text.endswith("data: [DONE]\n\n")
+
+
+# --- the logs themselves ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+@asynccontextmanager
+async def log_of(kind: str, redis_url: str | None, **settings: Any) -> AsyncIterator[StreamStore]:
+    config = StreamSettings(**{"lease_s": 0.3, "read_block_s": 0.05, **settings})
+    pools = RedisPools()
+    log = MemoryLog(config) if kind == "memory" else RedisLog(pools, redis_url or "", "t:streams:", 1.0, config)
+    store = StreamStore(log, config)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+        await pools.aclose()
+
+
+TAKEOVER = Takeover(Owner(key_id="k", tenant="a"), "/v1/chat/completions", b'{"model": "m"}')
+DIED = b"data: {\"error\": \"died\"}\n\n"
+
+
+async def played(store: StreamStore, after: int, owner: str = "a", path: str = "/v1/chat/completions") -> list[bytes]:
+    replay = await store.of(owner).replay("strm_1", after, path, not_found, DIED, "Last-Event-ID")
+    return [event async for event in replay]
+
+
+@pytest.fixture(params=["memory", "redis"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def redis_url(kind: str, request: pytest.FixtureRequest) -> str | None:
+    return request.getfixturevalue("redis").url if kind == "redis" else None
+
+
+async def test_a_log_replays_then_follows_live_then_ends(kind: str, redis_url: str | None) -> None:
+    async with log_of(kind, redis_url) as store:
+        writer = store.of("a").writer("strm_1", TAKEOVER)
+        for n in range(3):
+            writer.append(b"e%d" % n)
+        reading = asyncio.create_task(played(store, 0))
+        await until(lambda: not writer._pending)
+        writer.append(b"e3")
+        writer.close(b"END")
+        assert await asyncio.wait_for(reading, 30) == [b"e1", b"e2", b"e3", b"END"]
+        assert await played(store, -1) == [b"e0", b"e1", b"e2", b"e3", b"END"]
+        assert await played(store, 3) == [b"END"]
+        with pytest.raises(NotFound):
+            await played(store, -1, owner="b")  # another owner's
+        with pytest.raises(NotFound):
+            await played(store, -1, path="/v1/messages")  # another API's
+
+
+async def test_a_producer_that_dies_ends_the_replay_with_one_error_or_its_continuation(
+    kind: str, redis_url: str | None,
+) -> None:
+    async with log_of(kind, redis_url) as store:
+        writer = store.of("a").writer("strm_1", TAKEOVER)
+        writer.append(b"e0")
+        writer.append(b"e1")
+        await until(lambda: not writer._pending)
+        writer.task.cancel()  # dies: no end marker, its lease lapses
+        assert await asyncio.wait_for(played(store, 0), 30) == [b"e1", DIED]
+
+        async def continued(takeover: Takeover, produced: list[bytes]) -> AsyncGenerator[bytes, None]:
+            assert takeover == TAKEOVER
+            assert produced == [b"e0", b"e1"]
+            yield b"e2 elsewhere"
+
+        store.continuation = continued
+        assert await asyncio.wait_for(played(store, -1), 30) == [b"e0", b"e1", b"e2 elsewhere"]
+
+
+async def test_a_log_keeps_its_bound_and_says_what_it_lost(kind: str, redis_url: str | None) -> None:
+    async with log_of(kind, redis_url, max_events=4) as store:
+        writer = store.of("a").writer("strm_1", TAKEOVER)
+        for n in range(300):  # Redis trims whole nodes (an approximate MAXLEN): enough to drop some
+            writer.append(b"e%d" % n)
+        writer.close(b"END")
+        await asyncio.wait_for(writer.task, 30)
+        with pytest.raises(Exception, match="no longer kept"):
+            await played(store, -1)
+        assert (await played(store, 298)) == [b"e299", b"END"]
+
+
+async def test_the_memory_log_keeps_at_most_max_streams() -> None:
+    async with log_of("memory", None, max_streams=2) as store:
+        for n in range(3):
+            writer = store.of("a").writer(f"strm_{n}", TAKEOVER)
+            writer.close(b"END")
+            await writer.task
+        assert await store.log.takeover("a:strm_0") is None
+        assert await store.log.takeover("a:strm_2") == TAKEOVER
+
+
+async def test_a_background_response_streams_again_and_its_cancel_still_stops_it_at_once() -> None:
+    engine = FakeEngine(max_model_len=4096)
+    async with gateway(engine, grace_s=60) as client:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 16, "background": True}
+        started = (await client.post("/v1/responses", json=body, headers=auth())).json()
+
+        async def completed() -> bool:
+            found = (await client.get(f"/v1/responses/{started['id']}", headers=auth())).json()
+            return bool(found["status"] == "incomplete")  # its max_output_tokens reached
+
+        await until_awaited(completed, within_s=30, what="the background response's end")
+        again = await client.get(f"/v1/responses/{started['id']}?stream=true", headers=auth())
+        kinds = [json.loads(e.split("data: ", 1)[1])["type"] for e in events(again.text)]
+        assert kinds[0] == "response.created"
+        assert kinds[-1] == "response.incomplete"
+        engine.delay = 0.05
+        running = (await client.post("/v1/responses", json={**body, "max_output_tokens": 1000},
+                                     headers=auth())).json()
+        cancelled = await client.post(f"/v1/responses/{running['id']}/cancel", headers=auth())
+        assert cancelled.json()["status"] == "cancelled"
+        assert engine.aborted == [engine.requests[-1].request_id]  # at once, not after the grace
