@@ -380,6 +380,26 @@ def test_a_full_queue_pauses_lines_instead_of_failing_them(tmp_path: Path, rejec
     assert done.request_counts.model_dump() == {"total": 6, "completed": 6, "failed": 0}, failed
 
 
+def test_an_engine_that_cannot_serve_for_now_pauses_lines_instead_of_failing_them(tmp_path: Path) -> None:
+    """Its 503 says when to retry (admission's `engine_unhealthy`): the lines run once it serves again."""
+    from prometheus_client import REGISTRY
+
+    def unhealthy() -> float:
+        return REGISTRY.get_sample_value("gateway_rejected_total", {"model": "fake-model", "reason": "engine_unhealthy"}) or 0.0
+
+    engine = FakeEngine()
+    engine.dead = True
+    before = unhealthy()
+    with TestClient(app_with(engine, **settings(tmp_path))) as client:
+        sdk = sdk_for(client)
+        batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(3))))
+        until_sync(lambda: unhealthy() > before, what="a line refused by the dead engine")
+        engine.dead = False
+        done = wait(sdk, batch.id)
+        failed = lines_of(sdk, done.error_file_id)
+    assert done.request_counts.model_dump() == {"total": 3, "completed": 3, "failed": 0}, failed
+
+
 # --- workers: one key, one id in every worker ---------------------------------------------------
 
 
