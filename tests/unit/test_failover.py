@@ -583,3 +583,27 @@ def test_the_logprobs_of_text_held_back_at_the_seam_go_with_it(tmp_path: Path) -
     tokens = [entry["token"] for c in chunks if c["choices"] and c["choices"][0].get("logprobs")
               for entry in c["choices"][0]["logprobs"]["content"]]
     assert "".join(tokens) == text
+
+
+def test_a_dead_engine_is_answered_by_its_healthy_fallback_and_skipped_as_a_hop(client, engines) -> None:
+    """`Backend.healthy` in the one `admit`: a dead first model's request goes to its fallback at once; a
+    dead next model is passed over mid-stream (no 503 inside a 200's stream: the stream ends as with no
+    model left), its engine never asked."""
+    rescue = engines["rescue"]
+    body = {"model": "dying", "messages": QUESTION, "max_tokens": 6, "stream": True}
+    engines["dying"].dead = True
+    try:
+        assert chat_text(chat(client, "dying")) == chat_text(events(client.post(
+            "/v1/chat/completions", json={**body, "model": "rescue"}, headers=AUTH)))
+    finally:
+        engines["dying"].dead = False
+    asked = len(rescue.requests)
+    rescue.dead = True
+    try:
+        with structlog.testing.capture_logs() as logs:
+            chunks = events(client.post("/v1/chat/completions", json=body, headers=AUTH))
+    finally:
+        rescue.dead = False
+    assert [c for c in chunks if "error" in c] == [chunks[-1]]
+    assert len(rescue.requests) == asked
+    assert {"event": "failover_skipped", "model": "rescue", "error": "BackendUnavailable", "log_level": "info"} in logs
