@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from engine.types import Task
+from engine.types import GenerationOutput, GenerationRequest, Task
 from gateway.backends.admission import Admission
 from gateway.errors import ModelOverloaded
 from gateway.settings import AdmissionSettings
@@ -253,7 +254,8 @@ async def test_every_route_refuses_a_dead_engines_request_at_once_with_retry_aft
     answer = await serve(app_with(engine, admission={"retry_after_s": 0}), ask)
     assert answer.status_code == 503, answer.text
     assert answer.headers["retry-after"] == "1"  # never 0 ("retry now"), whatever the setting
-    assert not engine.requests and not engine.embedded
+    assert not engine.requests
+    assert not engine.embedded
 
 
 async def test_a_cached_answer_is_still_served_while_the_engine_is_dead() -> None:
@@ -269,3 +271,39 @@ async def test_a_cached_answer_is_still_served_while_the_engine_is_dead() -> Non
     assert (first.status_code, again.status_code) == (200, 200)
     assert again.headers["x-cache"] == "HIT"
     assert again.json()["choices"] == first.json()["choices"]
+
+
+class PastTheDeadlineAfterItsFirstToken(FakeEngine):
+    """Its first output at once, the rest only once the request's deadline (`TIMEOUT_S` from now) has passed."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        loop, first = asyncio.get_running_loop(), True
+        passed = loop.time() + TIMEOUT_S + 0.05
+        async for output in super().generate(request):
+            yield output
+            if first:
+                first = False
+                await until(lambda: loop.time() > passed, what="the deadline passed")
+
+
+TIMEOUT_S = 0.2
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+async def test_a_stream_whose_deadline_passes_after_its_first_byte_is_not_cut(path: str) -> None:
+    """The deadline bounds the wait for the first byte (docs/tenants-and-guards.md): a client reading a
+    stream has its answer begun, and its SDK's read timeout runs per read, not for the whole stream."""
+    engine = PastTheDeadlineAfterItsFirstToken()
+    body = {"model": "fake-model", "max_tokens": 6, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    if path == "/v1/responses":
+        body = {"model": "fake-model", "max_output_tokens": 16, "stream": True, "input": "hi"}
+
+    async def ask(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post(path, json=body, headers={"request-timeout": str(TIMEOUT_S)})
+
+    before = refused("fake-model", "deadline_passed")
+    answer = await serve(app_with(engine), ask)
+    assert answer.status_code == 200
+    assert engine.aborted == []
+    assert "brown" in answer.text  # its tokens past the deadline came too (the first is "the")
+    assert refused("fake-model", "deadline_passed") == before
