@@ -307,4 +307,4 @@ class Admission:
         answer); a fallback may answer it."""
         metrics.labelled(metrics.REJECTED, self.model, "engine_unhealthy").inc()
         message = f"The model '{name}' is unavailable: its engine is not running. Please retry later."
-        return BackendUnavailable(message, headers={"Retry-After": str(self.settings.retry_after_s)})
+        return BackendUnavailable(message, headers={"Retry-After": str(self.capacity.retry_after(0, self.settings.retry_after_s))})

@@ -61,7 +61,7 @@ class Capacity:
         """A permit given back after `held_s`; `tokens`: its answer's output tokens (None: it failed
         or was cancelled, which says nothing of the engine's pace). `running`: requests admitted
         while it ran, counting it. The limit moves once a window of half its answers is in: then True."""
-        if tokens is None or held_s < 0:
+        if tokens is None or not 0 <= held_s < math.inf:
             return False
         self.service_s = held_s if self.service_s is None else self.service_s + SHORT * (held_s - self.service_s)
         window = self._window
@@ -75,6 +75,8 @@ class Capacity:
         held = window[1] if engine_s is None else min(window[1], engine_s * window[0])  # its intake left out
         pace, busy = held / window[2], window[3] * 2 > window[0]
         self._window = [0, 0.0, 0, 0]
+        if not 0 < pace < math.inf:  # answers in no time by the clock (its grain, a fake one): no pace to hold
+            return True
         if self.unloaded is None or pace < self.unloaded:
             self.unloaded = pace
         if self.adaptive and busy:
@@ -110,6 +112,8 @@ class Capacity:
         return ahead * service / (self.bound if self._starting else self.limit)
 
     def retry_after(self, ahead: int, least: int) -> int:
-        """Seconds until a queue of `ahead` is served, at least `least` (the setting)."""
+        """Seconds until a queue of `ahead` is served, at least `least` (the setting) and 1 (0 would
+        invite the retry at once), the measure at most `MOST_RETRY_S` (an engine's wild report)."""
         wait = self.expected_wait(ahead)
-        return least if wait is None else max(least, min(MOST_RETRY_S, math.ceil(wait)))
+        measured = 0 if wait is None else math.ceil(min(MOST_RETRY_S, wait))  # (min: NaN and inf read as the most)
+        return max(1, least, measured)

@@ -66,6 +66,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         self._prompt_tokens = 0  # the try's prompt (estimated for a remote upstream): fair shares count it
         self.arrived = context.arrived()
         self.deadline = context.deadline  # the first byte's; per model, the model's default when the client set none
+        # (none once the response has begun: `prepared`)
 
     async def on(self, backend: Backend, guard: RequestGuard, onward: Onward | None = None) -> Answer:
         """The one journey on either backend, under `guard` (the request's on this model): its
@@ -97,7 +98,9 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         """The request prepared for `backend` under `guard`: every refusal, the output bound, the charge."""
         self.guard, engine = guard, backend.engine
         default = backend.admission.settings.deadline_s
-        if self.context.deadline is None:
+        if self.context.record.status is not None:  # its response has begun (a stream's next model, a later turn)
+            self.deadline = None  # the deadline is its first byte's, sent: the queue's own wait bounds the rest
+        elif self.context.deadline is None:
             self.deadline = None if default is None else self.arrived + default
         return await (self._remote(backend) if engine is None else self._embedded(backend, engine))
 

@@ -97,7 +97,6 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
                     continue
                 if fresh:  # its profile's moderation, which a stream's start runs (the first model's, the first's)
                     await guard.moderate_input()
-                hop.deadline = None  # the first byte's, long sent: the queue's own wait bounds it
                 permit = await hop.admit(backend)
             except Exception as exc:  # this model cannot continue it (remote for an embedded-only API, busy)
                 error = from_exception(exc)

@@ -380,6 +380,26 @@ def test_a_full_queue_pauses_lines_instead_of_failing_them(tmp_path: Path, rejec
     assert done.request_counts.model_dump() == {"total": 6, "completed": 6, "failed": 0}, failed
 
 
+def test_an_engine_that_cannot_serve_for_now_pauses_lines_instead_of_failing_them(tmp_path: Path) -> None:
+    """Its 503 says when to retry (admission's `engine_unhealthy`): the lines run once it serves again."""
+    from prometheus_client import REGISTRY
+
+    def unhealthy() -> float:
+        return REGISTRY.get_sample_value("gateway_rejected_total", {"model": "fake-model", "reason": "engine_unhealthy"}) or 0.0
+
+    engine = FakeEngine()
+    engine.dead = True
+    before = unhealthy()
+    with TestClient(app_with(engine, **settings(tmp_path))) as client:
+        sdk = sdk_for(client)
+        batch = submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(3))))
+        until_sync(lambda: unhealthy() > before, what="a line refused by the dead engine")
+        engine.dead = False
+        done = wait(sdk, batch.id)
+        failed = lines_of(sdk, done.error_file_id)
+    assert done.request_counts.model_dump() == {"total": 3, "completed": 3, "failed": 0}, failed
+
+
 # --- workers: one key, one id in every worker ---------------------------------------------------
 
 
@@ -544,24 +564,36 @@ def test_each_line_is_counted_and_charged_to_the_key(tmp_path: Path) -> None:
 
 
 def test_a_lines_fallback_hops_only_to_models_the_key_may_use(tmp_path: Path) -> None:
-    """`small` falls back to `big`: with small's engine dead, the narrow key's line is not answered
-    by big (not granted), the wide key's is."""
+    """`small` falls back to `big`: with small's engine dead, the wide key's lines are answered by big;
+    the narrow key's are not (big not granted): its batch pauses (the dead engine's 503 says when to
+    retry) and its lines are answered by small once it serves again, not failed."""
+    from prometheus_client import REGISTRY
+
+    def refused() -> float:
+        return REGISTRY.get_sample_value("gateway_rejected_total", {"model": "small", "reason": "engine_unhealthy"}) or 0.0
+
     engines = _engines()
     engines["small"].dead = True
     (tmp_path / "models.yaml").write_text(MODELS)
     keys = keys_file(tmp_path, "keys:\n  narrow: {key: sk-narrow, models: [small]}\n  wide: {key: sk-wide}\n")
     app = create_app(fake_settings(models_file=tmp_path / "models.yaml", keys_file=keys, **settings(tmp_path)),
                      engine_starter=lambda es: engines[es.served_model_name])
+    lines = jsonl(chat_line("x", model="small"), chat_line("y", model="tiny"))
     with TestClient(app) as client:
-        statuses = {}
-        for key in ("sk-narrow", "sk-wide"):
-            sdk = sdk_for(client, key)
-            done = wait(sdk, submit(sdk, jsonl(chat_line("x", model="small"), chat_line("y", model="tiny"))).id)
-            answers = lines_of(sdk, done.output_file_id) + lines_of(sdk, done.error_file_id)
-            statuses[key] = sorted(line["response"]["status_code"] for line in answers)
-            if key == "sk-narrow":
-                assert engines["big"].requests == []
-    assert statuses == {"sk-narrow": [503, 503], "sk-wide": [200, 200]}
+        wide = sdk_for(client, "sk-wide")
+        done = wait(wide, submit(wide, lines).id)
+        assert sorted(line["response"]["status_code"] for line in lines_of(wide, done.output_file_id)) == [200, 200]
+        by_big = len(engines["big"].requests)
+        narrow = sdk_for(client, "sk-narrow")
+        before = refused()
+        batch = submit(narrow, lines)
+        until_sync(lambda: refused() >= before + 2, what="the narrow key's lines refused by the dead engine")
+        assert narrow.batches.retrieve(batch.id).request_counts.failed == 0
+        assert len(engines["big"].requests) == by_big
+        engines["small"].dead = False
+        done = wait(narrow, batch.id)
+        assert done.request_counts.model_dump() == {"total": 2, "completed": 2, "failed": 0}
+        assert len(engines["big"].requests) == by_big
 
 
 @pytest.mark.parametrize(("one", "other"), [("t", "t:x"), ("t", "t/"), ("t", "T"), ("anonymous", "keys-file:anonymous"),

@@ -3,6 +3,7 @@ in these tests, only the rule's arithmetic against an engine whose pace is known
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import httpx
@@ -254,3 +255,38 @@ def test_the_limit_starts_at_a_share_of_the_engine_s_batch(batch: int, start: in
     engine.scheduler = replace(engine.scheduler, batch=batch)
     assert Admission("m", AdmissionSettings(max_running=256), engine).capacity.limit == start
     assert Admission("m", AdmissionSettings(max_running=256, adaptive=False), engine).capacity.limit == 256
+
+
+def test_answers_in_no_time_by_the_clock_leave_the_limit_as_it_was() -> None:
+    """A clock's grain (or a fake one) can read a permit's hold as 0 s: no pace, not a division by it."""
+    capacity = Capacity(64, clock=lambda: 0.0)
+    for _ in range(4 * INITIAL):
+        capacity.finished(0.0, 5, capacity.limit)
+    assert capacity.limit == INITIAL
+    assert capacity.unloaded is None
+    capacity.finished(math.nan, 5, 1)  # a hold no clock gives: nothing learnt, nothing poisoned
+    assert capacity.service == 0.0
+
+
+@pytest.mark.parametrize("engine_s", [math.inf, math.nan, 1e300])
+def test_retry_after_stays_between_a_second_and_the_most_whatever_the_engine_reports(engine_s: float) -> None:
+    capacity = Capacity(4, engine_s=lambda: engine_s)
+    capacity.finished(1.0, 3, 3)
+    assert capacity.retry_after(5, least=1) == MOST_RETRY_S
+
+
+def test_retry_after_is_never_0_even_when_the_setting_is() -> None:
+    capacity = Capacity(4, adaptive=False)
+    assert capacity.retry_after(3, least=0) == 1  # nothing measured
+    capacity.finished(0.001, 3, 1)
+    assert capacity.retry_after(0, least=0) == 1  # nobody ahead
+
+
+def test_a_model_with_max_running_1_starts_and_stays_at_1() -> None:
+    engine = FakeEngine()
+    engine.scheduler = replace(engine.scheduler, batch=128)
+    capacity = Admission("m", AdmissionSettings(max_running=1), engine).capacity
+    assert capacity.limit == 1
+    for held in (1.0, 100.0, 1.0, 0.5, 1000.0):
+        capacity.finished(held, 10, 1)
+        assert capacity.limit == 1

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 from prometheus_client import REGISTRY
 
+from engine.types import GenerationOutput, GenerationRequest, Task
 from gateway.backends.admission import Admission
 from gateway.errors import ModelOverloaded
 from gateway.settings import AdmissionSettings
@@ -227,3 +229,81 @@ async def test_the_deadline_counts_from_the_requests_arrival_not_from_when_a_bus
     assert late.arrived() <= asyncio.get_running_loop().time() - 10
     unseen = RequestContext()  # no arrival noted (a batch line): now
     assert unseen.arrived() == pytest.approx(asyncio.get_running_loop().time(), abs=60)
+
+
+DEAD_ROUTES = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, "generate"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "generate"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 16}, "generate"),
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, "generate"),
+    ("/v1/embeddings", {"input": "hi"}, "embed"),
+    ("/generate", {"prompt": "hi", "max_tokens": 2}, "generate"),
+    ("/chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, "generate"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "task"), DEAD_ROUTES, ids=[route[0] for route in DEAD_ROUTES])
+async def test_every_route_refuses_a_dead_engines_request_at_once_with_retry_after(
+        path: str, body: dict[str, object], task: Task) -> None:
+    engine = FakeEngine(task=task)
+    engine.dead = True
+
+    async def ask(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post(path, json={"model": "fake-model", **body})
+
+    answer = await serve(app_with(engine, admission={"retry_after_s": 0}), ask)
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["retry-after"] == "1"  # never 0 ("retry now"), whatever the setting
+    assert not engine.requests
+    assert not engine.embedded
+
+
+async def test_a_cached_answer_is_still_served_while_the_engine_is_dead() -> None:
+    engine = FakeEngine()
+    body = chat_body(temperature=0, max_tokens=3)
+
+    async def ask(client: httpx.AsyncClient) -> list[httpx.Response]:
+        first = await client.post("/v1/chat/completions", json=body)
+        engine.dead = True
+        return [first, await client.post("/v1/chat/completions", json=body)]
+
+    first, again = await serve(app_with(engine, cache={"backend": "memory"}), ask)
+    assert (first.status_code, again.status_code) == (200, 200)
+    assert again.headers["x-cache"] == "HIT"
+    assert again.json()["choices"] == first.json()["choices"]
+
+
+class PastTheDeadlineAfterItsFirstToken(FakeEngine):
+    """Its first output at once, the rest only once the request's deadline (`TIMEOUT_S` from now) has passed."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        loop, first = asyncio.get_running_loop(), True
+        passed = loop.time() + TIMEOUT_S + 0.05
+        async for output in super().generate(request):
+            yield output
+            if first:
+                first = False
+                await until(lambda: loop.time() > passed, what="the deadline passed")
+
+
+TIMEOUT_S = 0.2
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+async def test_a_stream_whose_deadline_passes_after_its_first_byte_is_not_cut(path: str) -> None:
+    """The deadline bounds the wait for the first byte (docs/tenants-and-guards.md): a client reading a
+    stream has its answer begun, and its SDK's read timeout runs per read, not for the whole stream."""
+    engine = PastTheDeadlineAfterItsFirstToken()
+    body = {"model": "fake-model", "max_tokens": 6, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    if path == "/v1/responses":
+        body = {"model": "fake-model", "max_output_tokens": 16, "stream": True, "input": "hi"}
+
+    async def ask(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post(path, json=body, headers={"request-timeout": str(TIMEOUT_S)})
+
+    before = refused("fake-model", "deadline_passed")
+    answer = await serve(app_with(engine), ask)
+    assert answer.status_code == 200
+    assert engine.aborted == []
+    assert "brown" in answer.text  # its tokens past the deadline came too (the first is "the")
+    assert refused("fake-model", "deadline_passed") == before

@@ -32,6 +32,7 @@ from gateway.telemetry import metrics
 from tests.fakes import REPLY, FakeEngine, app_with, fake_settings
 from tests.loopback_server import LoopbackServer
 from tests.scripted_upstream import scripted
+from tests.waits import until
 
 MODELS = """
 models:
@@ -583,3 +584,55 @@ def test_the_logprobs_of_text_held_back_at_the_seam_go_with_it(tmp_path: Path) -
     tokens = [entry["token"] for c in chunks if c["choices"] and c["choices"][0].get("logprobs")
               for entry in c["choices"][0]["logprobs"]["content"]]
     assert "".join(tokens) == text
+
+
+def test_a_dead_engine_is_answered_by_its_healthy_fallback_and_skipped_as_a_hop(client, engines) -> None:
+    """`Backend.healthy` in the one `admit`: a dead first model's request goes to its fallback at once; a
+    dead next model is passed over mid-stream (no 503 inside a 200's stream: the stream ends as with no
+    model left), its engine never asked."""
+    rescue = engines["rescue"]
+    body = {"model": "dying", "messages": QUESTION, "max_tokens": 6, "stream": True}
+    engines["dying"].dead = True
+    try:
+        assert chat_text(chat(client, "dying")) == chat_text(events(client.post(
+            "/v1/chat/completions", json={**body, "model": "rescue"}, headers=AUTH)))
+    finally:
+        engines["dying"].dead = False
+    asked = len(rescue.requests)
+    rescue.dead = True
+    try:
+        with structlog.testing.capture_logs() as logs:
+            chunks = events(client.post("/v1/chat/completions", json=body, headers=AUTH))
+    finally:
+        rescue.dead = False
+    assert [c for c in chunks if "error" in c] == [chunks[-1]]
+    assert len(rescue.requests) == asked
+    assert {"event": "failover_skipped", "model": "rescue", "error": "BackendUnavailable", "log_level": "info"} in logs
+
+
+class DyingPastTheDeadline(Dying):
+    """Dies as `Dying` does, but only once the request's deadline (`LATE_S` from its start) has passed."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        loop, count = asyncio.get_running_loop(), 0
+        passed = loop.time() + LATE_S + 0.05
+        async for output in super().generate(request):
+            count += 1
+            if count == DIES_AFTER:
+                await until(lambda: loop.time() > passed, what="the request's deadline passed")
+            yield output
+
+
+LATE_S = 0.3
+
+
+def test_the_next_model_is_not_refused_for_a_deadline_that_passed_after_the_first_byte(tmp_path: Path) -> None:
+    """The deadline is the first byte's (long sent at the switch): the next model's admission and answer are not
+    bound by it."""
+    engines: dict[str, FakeEngine] = {"dying": DyingPastTheDeadline("dying"), "rescue": Continuing("rescue")}
+    body = {"model": "dying", "messages": QUESTION, "max_tokens": 6, "stream": True}
+    with _pair(tmp_path, engines) as client:
+        chunks = events(client.post("/v1/chat/completions", json=body, headers={"request-timeout": str(LATE_S)}))
+    assert chat_text(chunks) == WHOLE
+    assert not [c for c in chunks if "error" in c]
+    assert len(engines["rescue"].requests) == 1

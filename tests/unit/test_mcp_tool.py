@@ -5,6 +5,7 @@ both sides of a call, and what a hostile request or model cannot do."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -21,6 +22,7 @@ from gateway.app import create_app
 from tests.fakes import FakeEngine, fake_settings
 from tests.mcp_servers import SeenHeaders, serving, tool_server
 from tests.unit.test_responses import sse
+from tests.waits import until
 
 MODEL = "fake-model"
 
@@ -370,3 +372,37 @@ def test_another_keys_approval_is_unknown(engine: TurnEngine, server: Tools, tmp
             b.responses.create(model=MODEL, previous_response_id=own.id, tools=[tool], input=[approval])  # type: ignore[list-item]
         assert refused.value.body["param"] == "input[0].approval_request_id"  # type: ignore[index]
     assert server.calls == []
+
+
+class LateTurns(TurnEngine):
+    """Every turn after the first answers only once the request's deadline (`LATE_S` from its first turn) has passed."""
+
+    began = 0.0
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        loop = asyncio.get_running_loop()
+        if self.prompts:
+            passed = self.began + LATE_S + 0.05
+            await until(lambda: loop.time() > passed, what="the request's deadline passed")
+        else:
+            self.began = loop.time()
+        async for output in super().generate(request):
+            yield output
+
+
+LATE_S = 0.3
+
+
+def test_a_streamed_responses_later_turns_are_not_cut_by_the_deadline(server: Tools, tmp_path: Path) -> None:
+    """The client's deadline bounds the first byte (docs/tenants-and-guards.md): once the stream has begun,
+    a later model turn is not refused when it passes (a whole response's turns all count against it)."""
+    engine = LateTurns()
+    engine.turns = [called("echo", text="ping"), ["Ok."]]
+    body = {"model": MODEL, "input": "Echo ping", "tools": [mcp()], "stream": True}
+    with TestClient(app_for(engine, server, tmp_path)) as http, \
+            http.stream("POST", "/v1/responses", json=body, headers={"request-timeout": str(LATE_S)}) as streamed:
+        events = sse(streamed.read().decode())
+    names = [name for name, _ in events]
+    assert "response.failed" not in names, events[-1]
+    assert names[-1] == "response.completed"
+    assert len(engine.prompts) == 2

@@ -2,8 +2,8 @@
 model, then the whole pipeline (`dispatch`), as the key that created the batch (found again for each line: gone since,
 the line fails, 401), answered as the route encodes its answer. What differs from the route: the line runs in the batch
 lane (`priority.BATCH`), nobody can disconnect, a stream or a background response is refused (an error answer), and a
-refusal by the key's rate limits or a model's full queue is not an answer but `Retry` (the batch pauses, it does not
-fail). A spent budget is an answer (429 `insufficient_quota`)."""
+refusal by the key's rate limits, a model's full queue or any 503 that says when to retry (`Retry-After`: an engine that
+cannot serve now, busy compilers) is not an answer but `Retry` (the batch pauses, it does not fail). A spent budget is an answer (429 `insufficient_quota`)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from gateway.errors import (
     BadGateway,
     Dialect,
     InvalidRequest,
-    ModelUnavailable,
     RateLimited,
+    ServiceUnavailable,
     from_exception,
     invalid_body,
 )
@@ -56,7 +56,7 @@ EXPIRED = {"code": EXPIRED_CODE, "message": "This request could not be executed 
 
 
 class Retry(Exception):
-    """The key's rate limits (or a full queue) refused the line for now: run it again after `wait_s`."""
+    """The key's rate limits (or a full queue, a dead engine) refused the line for now: run it again after `wait_s`."""
 
     def __init__(self, wait_s: float) -> None:
         super().__init__(f"retry in {wait_s:g} s")
@@ -131,12 +131,12 @@ async def run_line(state: GatewayState, owner: Owner, line: BatchLine, retry_s: 
         try:
             answer = await _answer(context, state, owner, url, body)
             status, data = _one_line(answer.status, whole_json(answer))
-        except (RateLimited, ModelUnavailable) as refused:  # a full queue pauses the line whatever its status
-            status = refused.status
-            wait = refused.headers.get("Retry-After") or refused.headers.get("retry-after", "0")
-            raise Retry(max(retry_s, float(wait) if wait.isdigit() else 0.0)) from None
         except Exception as exc:  # an error is this line's answer, as the route would render it
             error: APIError = from_exception(exc)
+            wait = error.headers.get("Retry-After") or error.headers.get("retry-after")
+            if isinstance(error, RateLimited) or (isinstance(error, ServiceUnavailable) and wait is not None):
+                status = error.status  # refused for now (a full queue whatever its status, a dead engine): it pauses
+                raise Retry(max(retry_s, float(wait) if wait is not None and wait.isdigit() else 0.0)) from None
             if not isinstance(exc, APIError):  # a bug: logged as the route's exception handler logs it
                 log.exception("batch_line_failed", request_id=context.request_id, error=type(exc).__name__)
             status, data = error.status, orjson.dumps(error.body(DIALECTS.get(url, "openai")))
