@@ -88,7 +88,8 @@ def engine() -> TurnEngine:
     return TurnEngine()
 
 
-def app_for(engine: TurnEngine, tools: Tools, folder: Path, keys: tuple[str, ...] = (), **mcp: Any) -> Any:
+def app_for(engine: TurnEngine, tools: Tools, folder: Path, keys: tuple[str, ...] = (), keys_file: str = "",
+            **mcp: Any) -> Any:
     guards, servers = folder / "guards.yaml", folder / "servers.yaml"
     guards.write_text("default: standard\nprofiles:\n  standard:\n    input: {pii: {email: redact}}\n"
                       "    output: {deny: ['(?i)hydra'], pii: {email: redact}}\n")
@@ -96,7 +97,11 @@ def app_for(engine: TurnEngine, tools: Tools, folder: Path, keys: tuple[str, ...
     servers.write_text(f"servers:\n  tools: {{url: '{tools.url}', allow_private: true}}\n"
                        f"  slowpoke: {{url: '{slow}', allow_private: true, timeout_s: 1}}\n"
                        f"  gone: {{url: 'http://127.0.0.1:{closed_port()}/mcp', allow_private: true}}\n")
-    settings = fake_settings(guards_file=guards, api_keys=list(keys), mcp={"servers_file": servers, "max_calls_per_response": 3,
+    more: dict[str, Any] = {}
+    if keys_file:
+        (folder / "keys.yaml").write_text(keys_file)
+        more["keys_file"] = folder / "keys.yaml"
+    settings = fake_settings(guards_file=guards, api_keys=list(keys), **more, mcp={"servers_file": servers, "max_calls_per_response": 3,
                                                       "max_output_bytes": 1000, **mcp})
     return create_app(settings, engine_starter=lambda es: engine)
 
@@ -369,4 +374,17 @@ def test_another_keys_approval_is_unknown(engine: TurnEngine, server: Tools, tmp
         with pytest.raises(openai.BadRequestError) as refused:  # nor is its approval request
             b.responses.create(model=MODEL, previous_response_id=own.id, tools=[tool], input=[approval])  # type: ignore[list-item]
         assert refused.value.body["param"] == "input[0].approval_request_id"  # type: ignore[index]
+    assert server.calls == []
+
+
+def test_a_label_of_another_server_does_not_widen_the_tools(engine: TurnEngine, server: Tools, tmp_path: Path) -> None:
+    """The key may call only `echo` of `tools`; naming that server's URL under the label of a server whose tools it
+    may all call (`slowpoke`) must not offer or call `note`."""
+    keys = 'keys:\n  k:\n    key: "sk-k"\n    mcp: {servers: [tools, slowpoke], tools: {tools: [echo]}}\n'
+    engine.turns = [called("note", text="sneaked")]
+    with TestClient(app_for(engine, server, tmp_path, keys_file=keys)) as http:
+        tool = mcp(server_label="slowpoke", server_url=server.url)
+        answer = http.post("/v1/responses", headers={"Authorization": "Bearer sk-k"},
+                           json={"model": MODEL, "input": "Go", "tools": [tool]}).json()
+    assert [t["name"] for t in answer["output"][0]["tools"]] == ["echo"]
     assert server.calls == []

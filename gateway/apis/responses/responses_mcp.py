@@ -351,12 +351,16 @@ class McpResponse(ResponsesService):
         """The tools the model is offered: those the request and the key allow; a name a function of the
         request's, or an earlier server's tool, has already is not offered twice."""
         taken = {tool.name for tool in self.request.tools or [] if isinstance(tool, FunctionTool)}
-        label = server.param.server_label
         for tool in tools:
-            if server.allows(tool.name) and access.tool_allowed(self.policy, label, tool.name):
+            if self._allowed(server, tool.name):
                 server.tools[tool.name] = tool
                 if tool.name not in taken and tool.name not in self.functions:
                     self.functions[tool.name] = (server, tool.name)
+
+    def _allowed(self, server: Server, name: str) -> bool:
+        """The request's allowed_tools and the key's allow-list, which knows the server by the label `access.reach`
+        found (the servers file's), never by the label the client gave it."""
+        return server.allows(name) and access.tool_allowed(self.policy, server.target.label, name)
 
     async def _list(self, server: Server) -> AsyncGenerator[BaseModel, None]:
         events, label = self.events_, server.param.server_label
@@ -393,8 +397,7 @@ class McpResponse(ResponsesService):
 
     async def _outcome(self, server: Server, name: str, arguments: str) -> tuple[str | None, McpCallError | None]:
         """The tool's output as the model will read it (through the input guards), or why there is none."""
-        label = server.param.server_label
-        if not (server.allows(name) and access.tool_allowed(self.policy, label, name)):
+        if not self._allowed(server, name):
             return None, McpCallError(type="http_error", code=403, message=f"The tool '{name}' is not allowed")
         try:
             given = json.loads(arguments or "{}")
