@@ -27,6 +27,9 @@ from gateway.mcp.access import Target
 
 log = structlog.get_logger(__name__)
 MAX_PAGES = 20  # of a tool listing: a server that pages for ever is a failing one
+# the tools of one server the model may be offered (or /mcp may list): each is described in every prompt, so a server
+# listing more, or a listing (names, descriptions, schemas) larger than its output bound, is a failing one
+MAX_TOOLS = 256
 CLIENT_INFO = Implementation(name="llm-gateway", version="1")
 
 
@@ -51,7 +54,7 @@ class McpUnavailable(Exception):
 
 
 class TooLarge(Exception):
-    """An answer of the server's beyond four times the output bound."""
+    """An answer of the server's beyond four times the output bound, or a tool listing beyond its bounds."""
 
 
 async def list_tools(target: Target, *, timeout_s: float) -> list[McpTool]:
@@ -64,14 +67,21 @@ async def list_tools(target: Target, *, timeout_s: float) -> list[McpTool]:
                 for _ in range(MAX_PAGES):
                     page = await client.list_tools(cursor=cursor)
                     tools.extend(McpTool(t.name, t.description, dict(t.input_schema)) for t in page.tools)
+                    _check_listing(target, tools)
                     cursor = page.next_cursor
                     if cursor is None:
                         return tools
-                raise McpUnavailable(f"{target} listed more than {MAX_PAGES} pages of tools")
-    except McpUnavailable:
-        raise
+                raise TooLarge(f"it listed more than {MAX_PAGES} pages of tools")
     except Exception as exc:
         raise McpUnavailable(_failure(target, "list its tools", exc)) from None
+
+
+def _check_listing(target: Target, tools: list[McpTool]) -> None:
+    if len(tools) > MAX_TOOLS:
+        raise TooLarge(f"it listed more than {MAX_TOOLS} tools")
+    size = sum(len(tool.name) + len(tool.description or "") + len(json.dumps(tool.input_schema)) for tool in tools)
+    if size > target.max_output_bytes:
+        raise TooLarge("its tool listing was too large")
 
 
 async def call_tool(target: Target, name: str, arguments: dict[str, Any], *, timeout_s: float) -> ToolOutcome:
@@ -100,7 +110,7 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "it did not answer in time"
     if isinstance(exc, TooLarge):
-        return "its answer was too large"
+        return str(exc) or "its answer was too large"
     if isinstance(exc, MCPError):
         return f"it answered with an error: {exc.error.message[:500]}"
     if isinstance(exc, httpx2.HTTPStatusError):

@@ -271,6 +271,16 @@ async def test_the_client_lists_a_servers_tools(tools: tuple[str, SeenHeaders]) 
     assert echo.input_schema["required"] == ["text"]
 
 
+async def test_a_gigantic_listing_is_a_failing_server(tools: tuple[str, SeenHeaders]) -> None:
+    """Every tool listed is described to the model in each prompt: a listing is bounded in count and in size."""
+    with pytest.raises(client.McpUnavailable, match="too large"):
+        await client.list_tools(target(tools[0], max_output_bytes=200), timeout_s=30)
+    many = tuple(f"t{i}" for i in range(client.MAX_TOOLS))
+    with serving(tool_server(extra=many)) as (url, _), \
+            pytest.raises(client.McpUnavailable, match=f"more than {client.MAX_TOOLS} tools"):
+        await client.list_tools(target(url), timeout_s=30)
+
+
 async def test_a_tool_that_answers_fails_or_is_unknown(tools: tuple[str, SeenHeaders]) -> None:
     assert await client.call_tool(target(tools[0]), "echo", {"text": "hi"}, timeout_s=30) == client.ToolOutcome("hi", None)
     failed = await client.call_tool(target(tools[0]), "fail", {}, timeout_s=30)
