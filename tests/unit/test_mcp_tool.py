@@ -13,6 +13,7 @@ from typing import Any
 
 import openai
 import pytest
+import structlog.testing
 from mcp.server.mcpserver import MCPServer
 from starlette.testclient import TestClient
 
@@ -288,6 +289,14 @@ def test_guards_read_the_output_and_the_arguments(sdk: openai.OpenAI, engine: Tu
     assert "ops@example.com" not in server.calls[0]  # the output guards redacted the model's arguments
     assert "ops@example.com" not in call.arguments
     assert "ops@example.com" not in engine.prompts[-1]
+
+
+def test_the_access_line_names_every_turns_guard_actions(http: TestClient, engine: TurnEngine, server: Tools) -> None:
+    engine.turns = [called("note", text="write to ops@example.com"), ["Noted."]]
+    with structlog.testing.capture_logs() as logs:
+        http.post("/v1/responses", json={"model": MODEL, "input": "Go", "tools": [mcp()]})
+    line = next(entry for entry in logs if entry["event"] == "request")
+    assert any(action.startswith("output:") for action in line["guards"])  # the first turn's, on its arguments
 
 
 def test_guards_hold_streamed_too(http: TestClient, engine: TurnEngine, server: Tools) -> None:
