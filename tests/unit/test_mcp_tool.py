@@ -397,3 +397,34 @@ def test_a_label_of_another_server_does_not_widen_the_tools(engine: TurnEngine, 
                            json={"model": MODEL, "input": "Go", "tools": [tool]}).json()
     assert [t["name"] for t in answer["output"][0]["tools"]] == ["echo"]
     assert server.calls == []
+
+
+def test_a_conversation_holds_the_mcp_turns(http: TestClient, sdk: openai.OpenAI, engine: TurnEngine,
+                                            server: Tools) -> None:
+    """`conversation` with mcp tools: its items are the history (its listing reused, its approval requests
+    answerable), and each response's input and output are added to it, as without mcp tools."""
+    conversation = sdk.conversations.create().id
+    engine.turns = [called("note", text="one"), ["Noted one."]]
+    first = sdk.responses.create(model=MODEL, input="Note one", tools=[mcp()], conversation=conversation)
+    assert types(first.output) == ["mcp_list_tools", "mcp_call", "message"]
+    tool = mcp(require_approval="always")
+    engine.turns = [called("note", text="two")]
+    asked = sdk.responses.create(model=MODEL, input="Note two", tools=[tool], conversation=conversation)
+    assert types(asked.output) == ["mcp_approval_request"]  # the conversation's listing, reused
+    assert "Noted one." in engine.prompts[-1]  # the model read the conversation
+    approval = {"type": "mcp_approval_response", "approval_request_id": asked.output[0].id, "approve": True}
+    other = sdk.conversations.create().id
+    with pytest.raises(openai.BadRequestError) as refused:  # another conversation's request is unknown there
+        sdk.responses.create(model=MODEL, tools=[tool], conversation=other, input=[approval])  # type: ignore[list-item]
+    assert refused.value.body["param"] == "input[0].approval_request_id"  # type: ignore[index]
+    engine.turns = [["Noted two."]]
+    answer = sdk.responses.create(model=MODEL, tools=[tool], conversation=conversation, input=[approval])  # type: ignore[list-item]
+    assert types(answer.output) == ["mcp_call", "message"]
+    assert server.calls == ["one", "two"]
+    items = http.get(f"/v1/conversations/{conversation}/items", params={"order": "asc"}).json()["data"]
+    assert [item["type"] for item in items] == [
+        "message", "mcp_list_tools", "mcp_call", "message", "message", "mcp_approval_request",
+        "mcp_approval_response", "mcp_call", "message"]
+    with pytest.raises(openai.BadRequestError) as again:  # answered once
+        sdk.responses.create(model=MODEL, tools=[tool], conversation=conversation, input=[approval])  # type: ignore[list-item]
+    assert again.value.body["param"] == "input[0].approval_request_id"  # type: ignore[index]

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from engine.types import Engine
 from gateway.apis.chat.chat_serving import PreparedChat
-from gateway.apis.responses.responses_serving import ResponsesService, history_of
+from gateway.apis.responses.responses_serving import Joined, ResponsesService
 from gateway.apis.responses.responses_wire import (
     FunctionTool,
     McpApprovalResponseInput,
@@ -71,9 +71,11 @@ def applies(request: ResponsesRequest) -> bool:
         isinstance(item, McpApprovalResponseInput) for item in items)
 
 
-async def answer(context: RequestContext, state: GatewayState, request: ResponsesRequest,
-                 mine: OwnedResponses) -> Answer:
-    run = McpResponse(context, state, request, await history_of(mine, request.previous_response_id), mine)
+async def answer(context: RequestContext, state: GatewayState, request: ResponsesRequest, mine: OwnedResponses,
+                 history: list[Item], joined: Joined | None) -> Answer:
+    """`history`: the previous response's conversation or the `conversation`'s items (`joined`, where the response
+    goes once it ends), as a response without mcp tools reads them."""
+    run = McpResponse(context, state, request, history, mine, joined)
     await run.check()
     if request.stream:
         return Stream(await run.begun())
@@ -126,8 +128,8 @@ class McpResponse(ResponsesService):
     before any byte, `run` runs it."""
 
     def __init__(self, context: RequestContext, state: GatewayState, request: ResponsesRequest, history: list[Item],
-                 mine: OwnedResponses) -> None:
-        super().__init__(request, history, mine)
+                 mine: OwnedResponses, joined: Joined | None) -> None:
+        super().__init__(request, history, mine, joined)
         self.context, self.state = context, state
         self.settings = state.settings.mcp
         self.policy = policy_of(context, state)
@@ -183,22 +185,23 @@ class McpResponse(ResponsesService):
                 break
 
     async def _check_approvals(self) -> None:
-        """Each approval answers a request of the previous response's, once, for a server of this request."""
+        """Each approval answers a request of the previous response's (or of the `conversation`'s), once, for a server
+        of this request."""
         given = [(i, item) for i, item in enumerate(self.request.input or [])
                  if isinstance(item, McpApprovalResponseInput)]
         if not given:
             return
-        asked: dict[str, McpApprovalRequest] = {}
+        asked: list[Item] | list[OutputItem] = self.history if self.joined is not None else []
         if self.request.previous_response_id is not None:
-            previous = await self.mine.get(self.request.previous_response_id)
-            asked = {item.id: item for item in previous.response.output if isinstance(item, McpApprovalRequest)}
+            asked = (await self.mine.get(self.request.previous_response_id)).response.output
+        asking = {item.id: item for item in asked if isinstance(item, McpApprovalRequest)}
         answered = {item.approval_request_id for item in self.history if isinstance(item, McpApprovalResponse)}
         for i, item in given:
             param, request_id = f"input[{i}].approval_request_id", item.approval_request_id
-            request = asked.get(request_id)
+            request = asking.get(request_id)
             if request is None:
                 raise InvalidRequest(f"No mcp_approval_request with id '{request_id}' in the previous response "
-                                     "(previous_response_id)", param)
+                                     "(previous_response_id) or the conversation", param)
             if request_id in answered:
                 raise InvalidRequest(f"The mcp_approval_request '{request_id}' was answered already", param)
             answered.add(request_id)
