@@ -90,9 +90,9 @@ def engine() -> TurnEngine:
 
 
 def app_for(engine: TurnEngine, tools: Tools, folder: Path, keys: tuple[str, ...] = (), keys_file: str = "",
-            **mcp: Any) -> Any:
+            input_guards: str = "{pii: {email: redact}}", **mcp: Any) -> Any:
     guards, servers = folder / "guards.yaml", folder / "servers.yaml"
-    guards.write_text("default: standard\nprofiles:\n  standard:\n    input: {pii: {email: redact}}\n"
+    guards.write_text(f"default: standard\nprofiles:\n  standard:\n    input: {input_guards}\n"
                       "    output: {deny: ['(?i)hydra'], pii: {email: redact}}\n")
     slow = tools.url.replace("/mcp", "/mcp?slow")  # the same server under a label with a short timeout
     servers.write_text(f"servers:\n  tools: {{url: '{tools.url}', allow_private: true}}\n"
@@ -428,3 +428,17 @@ def test_a_conversation_holds_the_mcp_turns(http: TestClient, sdk: openai.OpenAI
     with pytest.raises(openai.BadRequestError) as again:  # answered once
         sdk.responses.create(model=MODEL, tools=[tool], conversation=conversation, input=[approval])  # type: ignore[list-item]
     assert again.value.body["param"] == "input[0].approval_request_id"  # type: ignore[index]
+
+
+def test_a_tools_error_is_read_through_the_input_guards(engine: TurnEngine, server: Tools, tmp_path: Path) -> None:
+    """A server's error text is read by the model as an output is: a text the input guards block is not shown to
+    the model (nor does it fail the response at the next turn)."""
+    engine.turns = [called("fail"), ["It failed."]]
+    with TestClient(app_for(engine, server, tmp_path, input_guards="{deny: ['(?i)executing tool']}")) as http:
+        answer = http.post("/v1/responses", json={"model": MODEL, "input": "Go", "tools": [mcp()]})
+    assert answer.status_code == 200, answer.text
+    call = answer.json()["output"][1]
+    assert call["type"] == "mcp_call"
+    assert "executing tool" not in json.dumps(call["error"])  # as the model read it: the refusal
+    assert answer.json()["output"][2]["content"][0]["text"] == "It failed."
+    assert "executing tool" not in engine.prompts[-1]

@@ -399,7 +399,8 @@ class McpResponse(ResponsesService):
         yield events.done(done)
 
     async def _outcome(self, server: Server, name: str, arguments: str) -> tuple[str | None, McpCallError | None]:
-        """The tool's output as the model will read it (through the input guards), or why there is none."""
+        """The tool's output as the model will read it (through the input guards), or why there is none (the server's
+        error text, read through them too)."""
         if not self._allowed(server, name):
             return None, McpCallError(type="http_error", code=403, message=f"The tool '{name}' is not allowed")
         try:
@@ -410,11 +411,12 @@ class McpResponse(ResponsesService):
             return None, McpCallError(type="mcp_protocol_error", code=-32602,
                                       message="The model's arguments are not a JSON object; the tool was not called")
         outcome = await client.call_tool(server.target, name, given, timeout_s=self.settings.timeout_s)
-        if outcome.output is None:  # the client bounds an output (cut, and said so)
-            return None, McpCallError(type="mcp_tool_execution_error", content=outcome.error or "no output")
         guard = self.guard or self.state.guards.for_request(self.context.key_id, self.request.model,
                                                             log_content=self.context.record.log_content)
-        try:
+        try:  # the output (the client bounds it: cut, and said so) or the server's error text: the model reads either
+            if outcome.output is None:
+                error = guard.check_input([outcome.error or "no output"], "tools")[0]
+                return None, McpCallError(type="mcp_tool_execution_error", content=error)
             return guard.check_input([outcome.output], "tools")[0], None
         except ContentPolicyViolation as refused:
             return None, McpCallError(type="mcp_tool_execution_error", content=refused.message)
