@@ -66,7 +66,8 @@ async def list_tools(target: Target, *, timeout_s: float) -> list[McpTool]:
                 cursor = None
                 for _ in range(MAX_PAGES):
                     page = await client.list_tools(cursor=cursor)
-                    tools.extend(McpTool(t.name, t.description, dict(t.input_schema)) for t in page.tools)
+                    tools.extend(McpTool(t.name, t.description and _scrubbed(target, t.description),
+                                         dict(t.input_schema)) for t in page.tools)
                     _check_listing(target, tools)
                     cursor = page.next_cursor
                     if cursor is None:
@@ -92,14 +93,14 @@ async def call_tool(target: Target, name: str, arguments: dict[str, Any], *, tim
                 result = await client.call_tool(name, arguments)
     except Exception as exc:
         return ToolOutcome(None, _failure(target, f"call the tool '{name}'", exc))
-    text = _bounded(_text(result), target.max_output_bytes)
+    text = _bounded(_scrubbed(target, _text(result)), target.max_output_bytes)
     return ToolOutcome(None, text or "The tool failed.") if result.is_error else ToolOutcome(text, None)
 
 
 def _failure(target: Target, what: str, exc: BaseException) -> str:
     """A failure's message for the client and the log: the server's label and the kind of failure, never a header
     (nor the URL, which the client may not have named)."""
-    reason = _reason(exc)
+    reason = _scrubbed(target, _reason(exc))
     log.warning("mcp_failed", server=target.label, operation=what, reason=reason)
     return f"{target} failed to {what}: {reason}"
 
@@ -112,12 +113,22 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, TooLarge):
         return str(exc) or "its answer was too large"
     if isinstance(exc, MCPError):
-        return f"it answered with an error: {exc.error.message[:500]}"
+        return f"it answered with an error: {exc.error.message[:500]}"  # scrubbed by `_failure`
     if isinstance(exc, httpx2.HTTPStatusError):
         return f"it answered HTTP {exc.response.status_code}"
     if isinstance(exc, httpx2.TransportError | OSError):
         return "it could not be reached"
     return f"it answered something the gateway could not read ({type(exc).__name__})"
+
+
+def _scrubbed(target: Target, text: str) -> str:
+    """`text` of the server's without a header value sent to it (a server that echoes the request's headers would
+    otherwise show the gateway's credentials for it to the client and the model)."""
+    for value in target.headers.values():
+        for secret in (value, value.partition(" ")[2]):  # the whole value, and a token after its scheme ("Bearer")
+            if len(secret) >= 8:
+                text = text.replace(secret, "[credential]")
+    return text
 
 
 def _text(result: CallToolResult) -> str:
