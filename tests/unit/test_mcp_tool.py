@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -442,3 +443,15 @@ def test_a_tools_error_is_read_through_the_input_guards(engine: TurnEngine, serv
     assert "executing tool" not in json.dumps(call["error"])  # as the model read it: the refusal
     assert answer.json()["output"][2]["content"][0]["text"] == "It failed."
     assert "executing tool" not in engine.prompts[-1]
+
+
+def test_a_hanging_server_is_bounded_by_the_responses_time(engine: TurnEngine, server: Tools, tmp_path: Path) -> None:
+    """A call (or listing) takes at most what is left of `response_time_s`, not each its own `timeout_s` in full."""
+    engine.turns = [called("slow"), ["Too slow."]]
+    with TestClient(app_for(engine, server, tmp_path, response_time_s=5, timeout_s=120)) as http:
+        started = time.monotonic()
+        answer = http.post("/v1/responses", json={"model": MODEL, "input": "Go", "tools": [mcp()]}).json()
+        took = time.monotonic() - started
+    assert "did not answer in time" in json.dumps(answer["output"][1]["error"])
+    assert answer["output"][-1]["type"] == "message"
+    assert took < 60

@@ -292,6 +292,10 @@ class McpResponse(ResponsesService):
     def _may_call(self) -> bool:
         return self.calls < self.most_calls and asyncio.get_running_loop().time() < self.deadline
 
+    def _bound(self) -> float:
+        """The seconds one server operation may take: its bound, within what is left of the response's."""
+        return max(0.0, min(self.settings.timeout_s, self.deadline - asyncio.get_running_loop().time()))
+
     def _choice(self, first: bool, offer: bool) -> Choice:
         """The request's tool_choice for the first turn (an mcp tool's as the function it is offered as); after
         it, the model chooses (a forced call would be forced again for ever)."""
@@ -371,7 +375,7 @@ class McpResponse(ResponsesService):
         yield events.added(item)
         yield events.about("response.mcp_list_tools.in_progress", item.id)
         try:
-            found = await client.list_tools(server.target, timeout_s=self.settings.timeout_s)
+            found = await client.list_tools(server.target, timeout_s=self._bound())
         except client.McpUnavailable as exc:
             item = item.model_copy(update={"error": str(exc)})
         else:
@@ -410,7 +414,7 @@ class McpResponse(ResponsesService):
         if not isinstance(given, dict):
             return None, McpCallError(type="mcp_protocol_error", code=-32602,
                                       message="The model's arguments are not a JSON object; the tool was not called")
-        outcome = await client.call_tool(server.target, name, given, timeout_s=self.settings.timeout_s)
+        outcome = await client.call_tool(server.target, name, given, timeout_s=self._bound())
         guard = self.guard or self.state.guards.for_request(self.context.key_id, self.request.model,
                                                             log_content=self.context.record.log_content)
         try:  # the output (the client bounds it: cut, and said so) or the server's error text: the model reads either
