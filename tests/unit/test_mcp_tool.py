@@ -455,3 +455,18 @@ def test_a_hanging_server_is_bounded_by_the_responses_time(engine: TurnEngine, s
     assert "did not answer in time" in json.dumps(answer["output"][1]["error"])
     assert answer["output"][-1]["type"] == "message"
     assert took < 60
+
+
+def test_max_output_tokens_bounds_every_turn_together(sdk: openai.OpenAI, engine: TurnEngine, server: Tools) -> None:
+    """A response's max_output_tokens is all its turns': spent by the first, the response ends incomplete."""
+    call = called("note", text="spent")[0]
+    pieces = [call[i:i + 4] for i in range(0, len(call), 4)]  # one token each, at least 16
+    engine.turns = [pieces, ["Never", " said."]]
+    answer = sdk.responses.create(model=MODEL, input="Go", tools=[mcp()], max_output_tokens=16)
+    assert types(answer.output) == ["mcp_list_tools", "mcp_call"]
+    assert engine.turns == [["Never", " said."]]  # no second turn
+    assert answer.usage is not None
+    assert answer.usage.output_tokens == len(pieces)
+    assert answer.status == "incomplete"
+    assert answer.incomplete_details is not None
+    assert answer.incomplete_details.reason == "max_output_tokens"

@@ -47,6 +47,7 @@ from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.protocol.response_objects import (
     FunctionToolCall,
+    IncompleteDetails,
     InputTokensDetails,
     Item,
     McpApprovalRequest,
@@ -261,6 +262,9 @@ class McpResponse(ResponsesService):
             for item in turn.output:
                 async for event in self._read(item):
                     yield event
+            if self._left() == 0 and turn.status == "completed":  # max_output_tokens is every turn's: none left
+                turn = turn.model_copy(update={"status": "incomplete", "completed_at": None,
+                                               "incomplete_details": IncompleteDetails(reason="max_output_tokens")})
             if self.asked or not self.called or turn.status != "completed":
                 async for event in self._ended(turn):
                     yield event
@@ -291,6 +295,11 @@ class McpResponse(ResponsesService):
 
     def _may_call(self) -> bool:
         return self.calls < self.most_calls and asyncio.get_running_loop().time() < self.deadline
+
+    def _left(self) -> int | None:
+        """The output tokens the next turn may generate: the request's max_output_tokens less every turn's."""
+        most = self.request.max_output_tokens
+        return None if most is None else max(0, most - self.usage[1])
 
     def _bound(self) -> float:
         """The seconds one server operation may take: its bound, within what is left of the response's."""
@@ -323,6 +332,7 @@ class McpResponse(ResponsesService):
         request = self.request.model_copy(update={
             "input": None, "tools": functions or None, "tool_choice": choice if functions or choice == "none" else None,
             "stream": False, "background": False, "store": False, "previous_response_id": None,
+            "max_output_tokens": self._left(),
         })
         turn = McpTurn(request, [*self.items, *self.events_.response.output], self.mine)
         record = self.context.record
