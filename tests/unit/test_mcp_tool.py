@@ -470,3 +470,12 @@ def test_max_output_tokens_bounds_every_turn_together(sdk: openai.OpenAI, engine
     assert answer.status == "incomplete"
     assert answer.incomplete_details is not None
     assert answer.incomplete_details.reason == "max_output_tokens"
+
+
+def test_approval_requests_count_against_the_calls_bound(sdk: openai.OpenAI, engine: TurnEngine, server: Tools) -> None:
+    """Each approval request is a call the client may approve: one turn asking for more than the bound asks for
+    the bound's worth, so that approving them all cannot make more calls than max_tool_calls."""
+    engine.turns = [called("note", text="1") + called("note", text="2") + called("note", text="3")]
+    tool = mcp(require_approval="always")
+    asked = sdk.responses.create(model=MODEL, input="Note", tools=[tool], max_tool_calls=2)
+    assert types(asked.output) == ["mcp_list_tools", "mcp_approval_request", "mcp_approval_request"]

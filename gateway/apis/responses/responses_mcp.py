@@ -284,7 +284,7 @@ class McpResponse(ResponsesService):
         if not self._may_call():
             return
         if server.needs_approval(name):
-            self.asked = True
+            self.asked, self.calls = True, self.calls + 1  # a call the client may approve: within the bound
             request = McpApprovalRequest(id=new_id("mcpr"), server_label=server.param.server_label, name=name,
                                          arguments=item.arguments)
             for shown in self.events_.whole(request):
