@@ -340,6 +340,7 @@ def test_the_calls_are_bounded(sdk: openai.OpenAI, engine: TurnEngine, server: T
     (mcp(server_label="nowhere"), {}, "tools[0].server_url"),  # not in the servers file, and no url
     (mcp(server_url="http://127.0.0.1:1/mcp"), {}, "tools[0].server_url"),  # a private address the file does not name
     (mcp(headers={"Host": "evil"}), {}, "tools[0].headers"),
+    (mcp(), {"tools": [mcp(server_label=f"s{i}", server_url=f"https://s{i}.example/mcp") for i in range(17)]}, "tools"),
 ])
 def test_bad_mcp_tools_are_refused(http: TestClient, server: Tools, tool: dict[str, Any],
                                    extra: dict[str, Any], param: str) -> None:

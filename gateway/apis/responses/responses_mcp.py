@@ -63,6 +63,7 @@ from gateway.protocol.response_objects import (
 from gateway.stores.responses import OwnedResponses
 
 Choice = Any  # a ResponsesRequest's tool_choice
+MAX_SERVERS = 16  # mcp tools of one request: each is resolved, and listed, before the model's first turn
 
 
 def applies(request: ResponsesRequest) -> bool:
@@ -151,6 +152,8 @@ class McpResponse(ResponsesService):
     async def check(self) -> None:
         if self.request.background:
             raise InvalidRequest("Responses with mcp tools are not run in the background here", "background")
+        if sum(isinstance(tool, McpToolParam) for tool in self.request.tools or []) > MAX_SERVERS:
+            raise InvalidRequest(f"At most {MAX_SERVERS} mcp tools in one request", "tools")
         for i, tool in enumerate(self.request.tools or []):
             if isinstance(tool, McpToolParam):
                 await self._reach(tool, f"tools[{i}]")
