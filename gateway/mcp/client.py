@@ -21,7 +21,7 @@ import structlog
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
-from mcp_types import CallToolResult, ContentBlock, Implementation, TextContent
+from mcp_types import CallToolResult, ContentBlock, Implementation, TextContent, Tool
 
 from gateway.mcp.access import Target
 
@@ -38,6 +38,7 @@ class McpTool:
     name: str
     description: str | None
     input_schema: dict[str, Any]
+    annotations: dict[str, Any] | None = None  # the server's hints (readOnlyHint, destructiveHint, ...)
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,7 @@ async def list_tools(target: Target, *, timeout_s: float) -> list[McpTool]:
                 cursor = None
                 for _ in range(MAX_PAGES):
                     page = await client.list_tools(cursor=cursor)
-                    tools.extend(McpTool(t.name, t.description and _scrubbed(target, t.description),
-                                         dict(t.input_schema)) for t in page.tools)
+                    tools.extend(_tool(target, listed) for listed in page.tools)
                     _check_listing(target, tools)
                     cursor = page.next_cursor
                     if cursor is None:
@@ -75,6 +75,12 @@ async def list_tools(target: Target, *, timeout_s: float) -> list[McpTool]:
                 raise TooLarge(f"it listed more than {MAX_PAGES} pages of tools")
     except Exception as exc:
         raise McpUnavailable(_failure(target, "list its tools", exc)) from None
+
+
+def _tool(target: Target, tool: Tool) -> McpTool:
+    hints = tool.annotations.model_dump(by_alias=True, exclude_none=True) if tool.annotations is not None else None
+    description = tool.description and _scrubbed(target, tool.description)
+    return McpTool(tool.name, description, dict(tool.input_schema), hints)
 
 
 def _check_listing(target: Target, tools: list[McpTool]) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import structlog.testing
+from mcp.server.mcpserver import MCPServer
+from mcp_types import ToolAnnotations
 from starlette.applications import Starlette
 from starlette.responses import RedirectResponse
 from starlette.routing import Route
@@ -268,7 +270,22 @@ async def test_the_client_lists_a_servers_tools(tools: tuple[str, SeenHeaders]) 
     assert {tool.name for tool in listed} == {"echo", "fail", "slow", "large"}
     echo = next(tool for tool in listed if tool.name == "echo")
     assert echo.description == "Answers with its text."
+    assert echo.annotations is None  # no hints given (a server's readOnlyHint is kept: `read_only` reads it)
     assert echo.input_schema["required"] == ["text"]
+
+
+async def test_a_listing_keeps_a_tools_hints() -> None:
+    """A tool's annotations (readOnlyHint: what the Responses tool's `allowed_tools: {read_only: true}` reads)."""
+    reader = MCPServer("reader")
+
+    @reader.tool(annotations=ToolAnnotations(readOnlyHint=True))
+    def look(text: str) -> str:
+        """Looks."""
+        return f"saw {text}"
+
+    with serving(reader) as (url, _):
+        listed = await client.list_tools(target(url), timeout_s=30)
+    assert [(tool.name, tool.annotations) for tool in listed] == [("look", {"readOnlyHint": True})]
 
 
 async def test_a_gigantic_listing_is_a_failing_server(tools: tuple[str, SeenHeaders]) -> None:

@@ -257,6 +257,16 @@ def test_a_tool_not_offered_is_never_called(sdk: openai.OpenAI, engine: TurnEngi
     assert types(answer.output) == ["mcp_list_tools", "message"]
 
 
+def test_read_only_allows_only_what_the_server_marks_read_only(sdk: openai.OpenAI, engine: TurnEngine,
+                                                               server: Tools) -> None:
+    """`allowed_tools: {read_only: true}`: none of these tools is marked read-only (readOnlyHint), so none is
+    offered nor called."""
+    engine.turns = [called("note", text="x")]
+    answer = sdk.responses.create(model=MODEL, input="Go", tools=[mcp(allowed_tools={"read_only": True})])
+    assert answer.output[0].tools == []  # type: ignore[union-attr]
+    assert server.calls == []
+
+
 def test_arguments_that_are_not_json_reach_no_server(sdk: openai.OpenAI, engine: TurnEngine, server: Tools) -> None:
     engine.turns = [["{\"text\": "], ["Sorry."]]  # a forced call cut short
     answer = sdk.responses.create(model=MODEL, input="Go", tools=[mcp()],

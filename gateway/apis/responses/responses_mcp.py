@@ -95,11 +95,14 @@ class Server:
     tools: dict[str, McpListedTool] = field(default_factory=dict)
     listed: bool = False  # by an earlier response of the conversation (not listed again)
 
-    def allows(self, name: str) -> bool:
-        """The request's allowed_tools."""
+    def allows(self, name: str, tool: McpListedTool | None) -> bool:
+        """The request's allowed_tools (`read_only`: only a tool its server's listing marks read-only)."""
         allowed = self.param.allowed_tools
-        names = allowed if isinstance(allowed, list) else allowed.tool_names if allowed is not None else None
-        return names is None or name in names
+        if allowed is None or isinstance(allowed, list):
+            return allowed is None or name in allowed
+        if allowed.tool_names is not None and name not in allowed.tool_names:
+            return False
+        return not allowed.read_only or (tool is not None and (tool.annotations or {}).get("readOnlyHint") is True)
 
     def needs_approval(self, name: str) -> bool:
         """OpenAI's rule: approval by default; `never` spares the tools it names; `always` alone asks for its own."""
@@ -372,15 +375,16 @@ class McpResponse(ResponsesService):
         request's, or an earlier server's tool, has already is not offered twice."""
         taken = {tool.name for tool in self.request.tools or [] if isinstance(tool, FunctionTool)}
         for tool in tools:
-            if self._allowed(server, tool.name):
+            if self._allowed(server, tool.name, tool):
                 server.tools[tool.name] = tool
                 if tool.name not in taken and tool.name not in self.functions:
                     self.functions[tool.name] = (server, tool.name)
 
-    def _allowed(self, server: Server, name: str) -> bool:
+    def _allowed(self, server: Server, name: str, tool: McpListedTool | None = None) -> bool:
         """The request's allowed_tools and the key's allow-list, which knows the server by the label `access.reach`
         found (the servers file's), never by the label the client gave it."""
-        return server.allows(name) and access.tool_allowed(self.policy, server.target.label, name)
+        return (server.allows(name, tool or server.tools.get(name))
+                and access.tool_allowed(self.policy, server.target.label, name))
 
     async def _list(self, server: Server) -> AsyncGenerator[BaseModel, None]:
         events, label = self.events_, server.param.server_label
@@ -393,7 +397,8 @@ class McpResponse(ResponsesService):
             item = item.model_copy(update={"error": str(exc)})
         else:
             self._offer(server, [McpListedTool(name=tool.name, description=tool.description,
-                                               input_schema=tool.input_schema) for tool in found])
+                                               input_schema=tool.input_schema, annotations=tool.annotations)
+                                 for tool in found])
             item = item.model_copy(update={"tools": list(server.tools.values())})
         yield events.about("response.mcp_list_tools.failed" if item.error else "response.mcp_list_tools.completed",
                            item.id)
