@@ -16,6 +16,7 @@ import openai
 import pytest
 import structlog.testing
 from mcp.server.mcpserver import MCPServer
+from mcp_types import ToolAnnotations
 from starlette.testclient import TestClient
 
 from engine.types import GenerationOutput, GenerationRequest
@@ -62,6 +63,12 @@ def recording_server(calls: list[str]) -> MCPServer:
         """Notes its text."""
         calls.append(text)
         return f"noted: {text}"
+
+    @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+    def peek(text: str) -> str:
+        """Reads without writing."""
+        calls.append(f"peek {text}")
+        return f"peeked: {text}"
 
     return server
 
@@ -137,7 +144,7 @@ def test_a_tool_is_listed_called_and_answered(sdk: openai.OpenAI, engine: TurnEn
     answer = sdk.responses.create(model=MODEL, input="Note ping", tools=[mcp(headers={"X-Token": "t0ken"})])
     assert types(answer.output) == ["mcp_list_tools", "mcp_call", "message"]
     listing, call = answer.output[0], answer.output[1]
-    assert [tool.name for tool in listing.tools] == ["echo", "fail", "slow", "large", "note"]  # type: ignore[union-attr]
+    assert [tool.name for tool in listing.tools] == ["echo", "fail", "slow", "large", "note", "peek"]  # type: ignore[union-attr]
     assert call.name == "note"
     assert json.loads(call.arguments) == {"text": "ping"}  # type: ignore[union-attr]
     assert call.output == "noted: ping"  # type: ignore[union-attr]
@@ -259,12 +266,19 @@ def test_a_tool_not_offered_is_never_called(sdk: openai.OpenAI, engine: TurnEngi
 
 def test_read_only_allows_only_what_the_server_marks_read_only(sdk: openai.OpenAI, engine: TurnEngine,
                                                                server: Tools) -> None:
-    """`allowed_tools: {read_only: true}`: none of these tools is marked read-only (readOnlyHint), so none is
-    offered nor called."""
+    """`read_only` in allowed_tools or require_approval: the tools the server's listing marks readOnlyHint."""
     engine.turns = [called("note", text="x")]
     answer = sdk.responses.create(model=MODEL, input="Go", tools=[mcp(allowed_tools={"read_only": True})])
-    assert answer.output[0].tools == []  # type: ignore[union-attr]
+    assert [tool.name for tool in answer.output[0].tools] == ["peek"]  # type: ignore[union-attr]
     assert server.calls == []
+    tool = mcp(require_approval={"never": {"read_only": True}})
+    engine.turns = [called("peek", text="y"), ["Seen."]]
+    spared = sdk.responses.create(model=MODEL, input="Go", tools=[tool])
+    assert types(spared.output) == ["mcp_list_tools", "mcp_call", "message"]
+    engine.turns = [called("note", text="z")]
+    asked = sdk.responses.create(model=MODEL, input="Go", tools=[tool])
+    assert types(asked.output) == ["mcp_list_tools", "mcp_approval_request"]
+    assert server.calls == ["peek y"]
 
 
 def test_arguments_that_are_not_json_reach_no_server(sdk: openai.OpenAI, engine: TurnEngine, server: Tools) -> None:

@@ -29,6 +29,7 @@ from gateway.apis.responses.responses_serving import Joined, ResponsesService
 from gateway.apis.responses.responses_wire import (
     FunctionTool,
     McpApprovalResponseInput,
+    McpToolFilter,
     McpToolParam,
     ResponseEvents,
     ResponsesRequest,
@@ -96,24 +97,36 @@ class Server:
     listed: bool = False  # by an earlier response of the conversation (not listed again)
 
     def allows(self, name: str, tool: McpListedTool | None) -> bool:
-        """The request's allowed_tools (`read_only`: only a tool its server's listing marks read-only)."""
+        """The request's allowed_tools."""
         allowed = self.param.allowed_tools
         if allowed is None or isinstance(allowed, list):
             return allowed is None or name in allowed
-        if allowed.tool_names is not None and name not in allowed.tool_names:
-            return False
-        return not allowed.read_only or (tool is not None and (tool.annotations or {}).get("readOnlyHint") is True)
+        return _matches(allowed, name, tool)
 
     def needs_approval(self, name: str) -> bool:
         """OpenAI's rule: approval by default; `never` spares the tools it names; `always` alone asks for its own."""
         rule = self.param.require_approval
         if rule is None or isinstance(rule, str):
             return rule != "never"
-        if rule.never is not None and rule.never.tool_names is not None and name in rule.never.tool_names:
+        tool = self.tools.get(name)
+        if rule.never is not None and _names(rule.never) and _matches(rule.never, name, tool):
             return False
-        if rule.always is not None and rule.always.tool_names is not None and name in rule.always.tool_names:
+        if rule.always is not None and _names(rule.always) and _matches(rule.always, name, tool):
             return True
         return rule.never is not None or rule.always is None
+
+
+def _names(given: McpToolFilter) -> bool:
+    """Whether the filter names any tool (by name, or as the read-only ones)."""
+    return given.tool_names is not None or bool(given.read_only)
+
+
+def _matches(given: McpToolFilter, name: str, tool: McpListedTool | None) -> bool:
+    """Whether the tool passes each condition of the filter: among its names; read-only, when it asks for that (as the
+    server's listing marks it: readOnlyHint)."""
+    if given.tool_names is not None and name not in given.tool_names:
+        return False
+    return not given.read_only or (tool is not None and (tool.annotations or {}).get("readOnlyHint") is True)
 
 
 class McpTurn(ResponsesService):
