@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import httpx2
@@ -107,7 +108,9 @@ def _failure(target: Target, what: str, exc: BaseException) -> str:
     """A failure's message for the client and the log: the server's label and the kind of failure, never a header
     (nor the URL, which the client may not have named)."""
     reason = _scrubbed(target, _reason(exc))
-    log.warning("mcp_failed", server=target.label, operation=what, reason=reason)
+    parts = urlsplit(target.label)  # a client's URL: its origin only (a path or query may hold a token)
+    server = f"{parts.scheme}://{parts.netloc}" if parts.netloc else target.label
+    log.warning("mcp_failed", server=server, operation=what, reason=reason)
     return f"{target} failed to {what}: {reason}"
 
 

@@ -329,6 +329,16 @@ async def test_the_gateways_headers_reach_the_server_and_no_log_line(
     assert TOKEN not in caplog.text  # nor the SDK's and httpx2's own lines, at any level
 
 
+async def test_a_clients_url_is_logged_by_its_origin_only() -> None:
+    """A client's server URL may hold a token in its path or query (some servers' URLs are their credential)."""
+    url = "http://127.0.0.1:1/mcp/s3cret-path?token=s3cret-query"
+    with structlog.testing.capture_logs() as logs:
+        outcome = await client.call_tool(Target(url, url, {}, address="127.0.0.1"), "echo", {}, timeout_s=30)
+    assert outcome.error is not None
+    assert "s3cret" not in repr(logs)
+    assert any(entry.get("server") == "http://127.0.0.1:1" for entry in logs)
+
+
 async def test_two_keys_on_one_server_never_share_a_credential(tools: tuple[str, SeenHeaders]) -> None:
     """Calls of two keys to one server at once: each request carries its own key's credential (no pooled session or
     client keyed by the URL)."""
