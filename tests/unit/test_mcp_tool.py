@@ -504,3 +504,19 @@ def test_approval_requests_count_against_the_calls_bound(sdk: openai.OpenAI, eng
     tool = mcp(require_approval="always")
     asked = sdk.responses.create(model=MODEL, input="Note", tools=[tool], max_tool_calls=2)
     assert types(asked.output) == ["mcp_list_tools", "mcp_approval_request", "mcp_approval_request"]
+
+
+def test_approved_calls_past_the_bound_are_not_made(sdk: openai.OpenAI, engine: TurnEngine, server: Tools) -> None:
+    engine.turns = [called("note", text="1") + called("note", text="2")]
+    tool = mcp(require_approval="always")
+    asked = sdk.responses.create(model=MODEL, input="Note", tools=[tool])
+    approvals = [{"type": "mcp_approval_response", "approval_request_id": item.id, "approve": True}
+                 for item in asked.output[1:]]
+    assert len(approvals) == 2
+    engine.turns = [["Done."]]
+    answer = sdk.responses.create(model=MODEL, previous_response_id=asked.id, tools=[tool], input=approvals,  # type: ignore[arg-type]
+                                  max_tool_calls=1)
+    assert types(answer.output) == ["mcp_call", "mcp_call", "message"]
+    assert server.calls == ["1"]
+    assert "bound on tool calls" in str(answer.output[1].error)  # type: ignore[union-attr]
+    assert "bound on tool calls" in engine.prompts[-1]  # the model is told

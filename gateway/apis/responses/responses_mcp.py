@@ -64,6 +64,7 @@ from gateway.protocol.response_objects import (
 from gateway.stores.responses import OwnedResponses
 
 Choice = Any  # a ResponsesRequest's tool_choice
+PAST_BOUND = "Not called: the response's bound on tool calls (or its time) was reached."
 MAX_SERVERS = 16  # mcp tools of one request: each is resolved, and listed, before the model's first turn
 
 
@@ -426,8 +427,11 @@ class McpResponse(ResponsesService):
         yield events.about("response.mcp_call_arguments.delta", call.id, delta=arguments)
         yield events.about("response.mcp_call_arguments.done", call.id, arguments=arguments)
         yield events.about("response.mcp_call.in_progress", call.id)
-        self.calls += 1
-        output, error = await self._outcome(server, name, arguments)
+        if self._may_call():  # always for the model's calls (`_read` asks first); an approved one may be past it
+            self.calls += 1
+            output, error = await self._outcome(server, name, arguments)
+        else:
+            output, error = None, McpCallError(type="mcp_tool_execution_error", content=PAST_BOUND)
         done = call.model_copy(update={"arguments": arguments, "output": output, "error": error,
                                        "status": "failed" if error else "completed"})
         yield events.about("response.mcp_call.failed" if error else "response.mcp_call.completed", call.id)
