@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import httpx2
@@ -21,12 +22,15 @@ import structlog
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
-from mcp_types import CallToolResult, ContentBlock, Implementation, TextContent
+from mcp_types import CallToolResult, ContentBlock, Implementation, TextContent, Tool
 
 from gateway.mcp.access import Target
 
 log = structlog.get_logger(__name__)
 MAX_PAGES = 20  # of a tool listing: a server that pages for ever is a failing one
+# the tools of one server the model may be offered (or /mcp may list): each is described in every prompt, so a server
+# listing more, or a listing (names, descriptions, schemas) larger than its output bound, is a failing one
+MAX_TOOLS = 256
 CLIENT_INFO = Implementation(name="llm-gateway", version="1")
 
 
@@ -35,6 +39,7 @@ class McpTool:
     name: str
     description: str | None
     input_schema: dict[str, Any]
+    annotations: dict[str, Any] | None = None  # the server's hints (readOnlyHint, destructiveHint, ...)
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class McpUnavailable(Exception):
 
 
 class TooLarge(Exception):
-    """An answer of the server's beyond four times the output bound."""
+    """An answer of the server's beyond four times the output bound, or a tool listing beyond its bounds."""
 
 
 async def list_tools(target: Target, *, timeout_s: float) -> list[McpTool]:
@@ -63,15 +68,28 @@ async def list_tools(target: Target, *, timeout_s: float) -> list[McpTool]:
                 cursor = None
                 for _ in range(MAX_PAGES):
                     page = await client.list_tools(cursor=cursor)
-                    tools.extend(McpTool(t.name, t.description, dict(t.input_schema)) for t in page.tools)
+                    tools.extend(_tool(target, listed) for listed in page.tools)
+                    _check_listing(target, tools)
                     cursor = page.next_cursor
                     if cursor is None:
                         return tools
-                raise McpUnavailable(f"{target} listed more than {MAX_PAGES} pages of tools")
-    except McpUnavailable:
-        raise
+                raise TooLarge(f"it listed more than {MAX_PAGES} pages of tools")
     except Exception as exc:
         raise McpUnavailable(_failure(target, "list its tools", exc)) from None
+
+
+def _tool(target: Target, tool: Tool) -> McpTool:
+    hints = tool.annotations.model_dump(by_alias=True, exclude_none=True) if tool.annotations is not None else None
+    description = tool.description and _scrubbed(target, tool.description)
+    return McpTool(tool.name, description, dict(tool.input_schema), hints)
+
+
+def _check_listing(target: Target, tools: list[McpTool]) -> None:
+    if len(tools) > MAX_TOOLS:
+        raise TooLarge(f"it listed more than {MAX_TOOLS} tools")
+    size = sum(len(tool.name) + len(tool.description or "") + len(json.dumps(tool.input_schema)) for tool in tools)
+    if size > target.max_output_bytes:
+        raise TooLarge("its tool listing was too large")
 
 
 async def call_tool(target: Target, name: str, arguments: dict[str, Any], *, timeout_s: float) -> ToolOutcome:
@@ -82,15 +100,17 @@ async def call_tool(target: Target, name: str, arguments: dict[str, Any], *, tim
                 result = await client.call_tool(name, arguments)
     except Exception as exc:
         return ToolOutcome(None, _failure(target, f"call the tool '{name}'", exc))
-    text = _bounded(_text(result), target.max_output_bytes)
+    text = _bounded(_scrubbed(target, _text(result)), target.max_output_bytes)
     return ToolOutcome(None, text or "The tool failed.") if result.is_error else ToolOutcome(text, None)
 
 
 def _failure(target: Target, what: str, exc: BaseException) -> str:
     """A failure's message for the client and the log: the server's label and the kind of failure, never a header
     (nor the URL, which the client may not have named)."""
-    reason = _reason(exc)
-    log.warning("mcp_failed", server=target.label, operation=what, reason=reason)
+    reason = _scrubbed(target, _reason(exc))
+    parts = urlsplit(target.label)  # a client's URL: its origin only (a path or query may hold a token)
+    server = f"{parts.scheme}://{parts.netloc}" if parts.netloc else target.label
+    log.warning("mcp_failed", server=server, operation=what, reason=reason)
     return f"{target} failed to {what}: {reason}"
 
 
@@ -100,14 +120,24 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "it did not answer in time"
     if isinstance(exc, TooLarge):
-        return "its answer was too large"
+        return str(exc) or "its answer was too large"
     if isinstance(exc, MCPError):
-        return f"it answered with an error: {exc.error.message[:500]}"
+        return f"it answered with an error: {exc.error.message[:500]}"  # scrubbed by `_failure`
     if isinstance(exc, httpx2.HTTPStatusError):
         return f"it answered HTTP {exc.response.status_code}"
     if isinstance(exc, httpx2.TransportError | OSError):
         return "it could not be reached"
     return f"it answered something the gateway could not read ({type(exc).__name__})"
+
+
+def _scrubbed(target: Target, text: str) -> str:
+    """`text` of the server's without a header value sent to it (a server that echoes the request's headers would
+    otherwise show the gateway's credentials for it to the client and the model)."""
+    for value in target.headers.values():
+        for secret in (value, value.partition(" ")[2]):  # the whole value, and a token after its scheme ("Bearer")
+            if len(secret) >= 8:
+                text = text.replace(secret, "[credential]")
+    return text
 
 
 def _text(result: CallToolResult) -> str:

@@ -63,6 +63,8 @@ def guard_on(context: RequestContext, state: GatewayState, asked: str, answering
     if guard.active:  # its notes are the access line's (the same lists, filled as the request goes)
         if before is not None:  # the hop before's lists: a stream's output guard goes on past a switch
             guard.actions, guard.matches = before.actions, before.matches
+        elif record.guards is not None and record.guard_matches is not None:  # an earlier model turn's (mcp)
+            guard.actions, guard.matches = record.guards, record.guard_matches
         record.guards, record.guard_matches = guard.actions, guard.matches
     return guard
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import structlog.testing
+from mcp.server.mcpserver import MCPServer
+from mcp_types import ToolAnnotations
 from starlette.applications import Starlette
 from starlette.responses import RedirectResponse
 from starlette.routing import Route
@@ -268,7 +270,40 @@ async def test_the_client_lists_a_servers_tools(tools: tuple[str, SeenHeaders]) 
     assert {tool.name for tool in listed} == {"echo", "fail", "slow", "large"}
     echo = next(tool for tool in listed if tool.name == "echo")
     assert echo.description == "Answers with its text."
+    assert echo.annotations is None  # no hints given (a server's readOnlyHint is kept: `read_only` reads it)
     assert echo.input_schema["required"] == ["text"]
+
+
+async def test_a_listing_keeps_a_tools_hints() -> None:
+    """A tool's annotations (readOnlyHint: what the Responses tool's `allowed_tools: {read_only: true}` reads)."""
+    reader = MCPServer("reader")
+
+    @reader.tool(annotations=ToolAnnotations(readOnlyHint=True))
+    def look(text: str) -> str:
+        """Looks."""
+        return f"saw {text}"
+
+    with serving(reader) as (url, _):
+        listed = await client.list_tools(target(url), timeout_s=30)
+    assert [(tool.name, tool.annotations) for tool in listed] == [("look", {"readOnlyHint": True})]
+
+
+async def test_a_gigantic_listing_is_a_failing_server(tools: tuple[str, SeenHeaders]) -> None:
+    """Every tool listed is described to the model in each prompt: a listing is bounded in count and in size."""
+    with pytest.raises(client.McpUnavailable, match="too large"):
+        await client.list_tools(target(tools[0], max_output_bytes=200), timeout_s=30)
+    many = tuple(f"t{i}" for i in range(client.MAX_TOOLS))
+    with serving(tool_server(extra=many)) as (url, _), \
+            pytest.raises(client.McpUnavailable, match=f"more than {client.MAX_TOOLS} tools"):
+        await client.list_tools(target(url), timeout_s=30)
+
+
+async def test_a_server_echoing_a_credential_shows_none(tools: tuple[str, SeenHeaders]) -> None:
+    """A header value sent to a server (the gateway's credential for it) is not in what the server answers."""
+    echoed = await client.call_tool(target(tools[0]), "echo", {"text": f"seen: Bearer {TOKEN}"}, timeout_s=30)
+    assert echoed.output == "seen: [credential]"
+    bare = await client.call_tool(target(tools[0]), "echo", {"text": TOKEN}, timeout_s=30)
+    assert bare.output == "[credential]"
 
 
 async def test_a_tool_that_answers_fails_or_is_unknown(tools: tuple[str, SeenHeaders]) -> None:
@@ -294,6 +329,16 @@ async def test_the_gateways_headers_reach_the_server_and_no_log_line(
     assert TOKEN not in caplog.text  # nor the SDK's and httpx2's own lines, at any level
 
 
+async def test_a_clients_url_is_logged_by_its_origin_only() -> None:
+    """A client's server URL may hold a token in its path or query (some servers' URLs are their credential)."""
+    url = "http://127.0.0.1:1/mcp/s3cret-path?token=s3cret-query"
+    with structlog.testing.capture_logs() as logs:
+        outcome = await client.call_tool(Target(url, url, {}, address="127.0.0.1"), "echo", {}, timeout_s=30)
+    assert outcome.error is not None
+    assert "s3cret" not in repr(logs)
+    assert any(entry.get("server") == "http://127.0.0.1:1" for entry in logs)
+
+
 async def test_two_keys_on_one_server_never_share_a_credential(tools: tuple[str, SeenHeaders]) -> None:
     """Calls of two keys to one server at once: each request carries its own key's credential (no pooled session or
     client keyed by the URL)."""
@@ -302,7 +347,7 @@ async def test_two_keys_on_one_server_never_share_a_credential(tools: tuple[str,
     second = Target("tools", tools[0], {"Authorization": "Bearer second"}, address="127.0.0.1")
     calls = [client.call_tool(t, "echo", {"text": t.headers["Authorization"]}, timeout_s=30) for t in (first, second) * 3]
     outcomes = await asyncio.gather(*calls)
-    assert [o.output for o in outcomes] == ["Bearer first", "Bearer second"] * 3
+    assert [o.output for o in outcomes] == ["[credential]"] * 6  # each echoed its own credential, scrubbed
     seen = tools[1].headers[before:]
     assert {headers["authorization"] for headers in seen} == {"Bearer first", "Bearer second"}
     calls_seen = [h["authorization"] for h in seen if h.get("content-length", "0") != "0"]

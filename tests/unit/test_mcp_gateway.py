@@ -16,6 +16,7 @@ import pytest
 import structlog.testing
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
@@ -74,7 +75,7 @@ def gateway(upstreams: dict[str, tuple[str, SeenHeaders]], tmp_path_factory: pyt
             mcp: {{servers: []}}
           limited:
             key: "{KEYS["limited"]}"
-            rpm: 2
+            rpm: 3
             mcp: {{servers: [docs]}}
         """))
     app = app_with(keys_file=keys, mcp={"servers_file": servers, "timeout_s": 30})
@@ -174,9 +175,10 @@ def counted(server: str, tool: str, outcome: str) -> float:
 async def test_calls_are_counted_and_limited_per_key(connect: Any) -> None:
     ok, limited = counted("docs", "echo", "ok"), counted("docs", "echo", "rate_limited")
     async with connect("limited") as client:
-        assert await names(client) == {f"docs__{t}" for t in BASE}  # listing is free: only calls count
-        assert await names(client) == {f"docs__{t}" for t in BASE}
+        assert await names(client) == {f"docs__{t}" for t in BASE}  # a listing counts too: it asks every server
         results = [await text_of(client, "docs__echo", {"text": "x"}) for _ in range(3)]
+        with pytest.raises(MCPError, match="Rate limit"):
+            await names(client)
     assert results[:2] == [("x", False), ("x", False)]
     assert results[2][1]
     assert "rate limit" in results[2][0].lower()

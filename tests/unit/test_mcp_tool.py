@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+import structlog.testing
 from mcp.server.mcpserver import MCPServer
+from mcp_types import ToolAnnotations
 from starlette.testclient import TestClient
 
 from engine.types import GenerationOutput, GenerationRequest
@@ -63,6 +66,12 @@ def recording_server(calls: list[str]) -> MCPServer:
         calls.append(text)
         return f"noted: {text}"
 
+    @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+    def peek(text: str) -> str:
+        """Reads without writing."""
+        calls.append(f"peek {text}")
+        return f"peeked: {text}"
+
     return server
 
 
@@ -90,15 +99,20 @@ def engine() -> TurnEngine:
     return TurnEngine()
 
 
-def app_for(engine: TurnEngine, tools: Tools, folder: Path, keys: tuple[str, ...] = (), **mcp: Any) -> Any:
+def app_for(engine: TurnEngine, tools: Tools, folder: Path, keys: tuple[str, ...] = (), keys_file: str = "",
+            input_guards: str = "{pii: {email: redact}}", **mcp: Any) -> Any:
     guards, servers = folder / "guards.yaml", folder / "servers.yaml"
-    guards.write_text("default: standard\nprofiles:\n  standard:\n    input: {pii: {email: redact}}\n"
+    guards.write_text(f"default: standard\nprofiles:\n  standard:\n    input: {input_guards}\n"
                       "    output: {deny: ['(?i)hydra'], pii: {email: redact}}\n")
     slow = tools.url.replace("/mcp", "/mcp?slow")  # the same server under a label with a short timeout
     servers.write_text(f"servers:\n  tools: {{url: '{tools.url}', allow_private: true}}\n"
                        f"  slowpoke: {{url: '{slow}', allow_private: true, timeout_s: 1}}\n"
                        f"  gone: {{url: 'http://127.0.0.1:{closed_port()}/mcp', allow_private: true}}\n")
-    settings = fake_settings(guards_file=guards, api_keys=list(keys), mcp={"servers_file": servers, "max_calls_per_response": 3,
+    more: dict[str, Any] = {}
+    if keys_file:
+        (folder / "keys.yaml").write_text(keys_file)
+        more["keys_file"] = folder / "keys.yaml"
+    settings = fake_settings(guards_file=guards, api_keys=list(keys), **more, mcp={"servers_file": servers, "max_calls_per_response": 3,
                                                       "max_output_bytes": 1000, **mcp})
     return create_app(settings, engine_starter=lambda es: engine)
 
@@ -132,7 +146,7 @@ def test_a_tool_is_listed_called_and_answered(sdk: openai.OpenAI, engine: TurnEn
     answer = sdk.responses.create(model=MODEL, input="Note ping", tools=[mcp(headers={"X-Token": "t0ken"})])
     assert types(answer.output) == ["mcp_list_tools", "mcp_call", "message"]
     listing, call = answer.output[0], answer.output[1]
-    assert [tool.name for tool in listing.tools] == ["echo", "fail", "slow", "large", "note"]  # type: ignore[union-attr]
+    assert [tool.name for tool in listing.tools] == ["echo", "fail", "slow", "large", "note", "peek"]  # type: ignore[union-attr]
     assert call.name == "note"
     assert json.loads(call.arguments) == {"text": "ping"}  # type: ignore[union-attr]
     assert call.output == "noted: ping"  # type: ignore[union-attr]
@@ -252,6 +266,23 @@ def test_a_tool_not_offered_is_never_called(sdk: openai.OpenAI, engine: TurnEngi
     assert types(answer.output) == ["mcp_list_tools", "message"]
 
 
+def test_read_only_allows_only_what_the_server_marks_read_only(sdk: openai.OpenAI, engine: TurnEngine,
+                                                               server: Tools) -> None:
+    """`read_only` in allowed_tools or require_approval: the tools the server's listing marks readOnlyHint."""
+    engine.turns = [called("note", text="x")]
+    answer = sdk.responses.create(model=MODEL, input="Go", tools=[mcp(allowed_tools={"read_only": True})])
+    assert [tool.name for tool in answer.output[0].tools] == ["peek"]  # type: ignore[union-attr]
+    assert server.calls == []
+    tool = mcp(require_approval={"never": {"read_only": True}})
+    engine.turns = [called("peek", text="y"), ["Seen."]]
+    spared = sdk.responses.create(model=MODEL, input="Go", tools=[tool])
+    assert types(spared.output) == ["mcp_list_tools", "mcp_call", "message"]
+    engine.turns = [called("note", text="z")]
+    asked = sdk.responses.create(model=MODEL, input="Go", tools=[tool])
+    assert types(asked.output) == ["mcp_list_tools", "mcp_approval_request"]
+    assert server.calls == ["peek y"]
+
+
 def test_arguments_that_are_not_json_reach_no_server(sdk: openai.OpenAI, engine: TurnEngine, server: Tools) -> None:
     engine.turns = [["{\"text\": "], ["Sorry."]]  # a forced call cut short
     answer = sdk.responses.create(model=MODEL, input="Go", tools=[mcp()],
@@ -285,6 +316,14 @@ def test_guards_read_the_output_and_the_arguments(sdk: openai.OpenAI, engine: Tu
     assert "ops@example.com" not in server.calls[0]  # the output guards redacted the model's arguments
     assert "ops@example.com" not in call.arguments
     assert "ops@example.com" not in engine.prompts[-1]
+
+
+def test_the_access_line_names_every_turns_guard_actions(http: TestClient, engine: TurnEngine, server: Tools) -> None:
+    engine.turns = [called("note", text="write to ops@example.com"), ["Noted."]]
+    with structlog.testing.capture_logs() as logs:
+        http.post("/v1/responses", json={"model": MODEL, "input": "Go", "tools": [mcp()]})
+    line = next(entry for entry in logs if entry["event"] == "request")
+    assert any(action.startswith("output:") for action in line["guards"])  # the first turn's, on its arguments
 
 
 def test_guards_hold_streamed_too(http: TestClient, engine: TurnEngine, server: Tools) -> None:
@@ -327,6 +366,7 @@ def test_the_calls_are_bounded(sdk: openai.OpenAI, engine: TurnEngine, server: T
     (mcp(server_label="nowhere"), {}, "tools[0].server_url"),  # not in the servers file, and no url
     (mcp(server_url="http://127.0.0.1:1/mcp"), {}, "tools[0].server_url"),  # a private address the file does not name
     (mcp(headers={"Host": "evil"}), {}, "tools[0].headers"),
+    (mcp(), {"tools": [mcp(server_label=f"s{i}", server_url=f"https://s{i}.example/mcp") for i in range(17)]}, "tools"),
 ])
 def test_bad_mcp_tools_are_refused(http: TestClient, server: Tools, tool: dict[str, Any],
                                    extra: dict[str, Any], param: str) -> None:
@@ -406,3 +446,111 @@ def test_a_streamed_responses_later_turns_are_not_cut_by_the_deadline(server: To
     assert "response.failed" not in names, events[-1]
     assert names[-1] == "response.completed"
     assert len(engine.prompts) == 2
+def test_a_label_of_another_server_does_not_widen_the_tools(engine: TurnEngine, server: Tools, tmp_path: Path) -> None:
+    """The key may call only `echo` of `tools`; naming that server's URL under the label of a server whose tools it
+    may all call (`slowpoke`) must not offer or call `note`."""
+    keys = 'keys:\n  k:\n    key: "sk-k"\n    mcp: {servers: [tools, slowpoke], tools: {tools: [echo]}}\n'
+    engine.turns = [called("note", text="sneaked")]
+    with TestClient(app_for(engine, server, tmp_path, keys_file=keys)) as http:
+        tool = mcp(server_label="slowpoke", server_url=server.url)
+        answer = http.post("/v1/responses", headers={"Authorization": "Bearer sk-k"},
+                           json={"model": MODEL, "input": "Go", "tools": [tool]}).json()
+    assert [t["name"] for t in answer["output"][0]["tools"]] == ["echo"]
+    assert server.calls == []
+
+
+def test_a_conversation_holds_the_mcp_turns(http: TestClient, sdk: openai.OpenAI, engine: TurnEngine,
+                                            server: Tools) -> None:
+    """`conversation` with mcp tools: its items are the history (its listing reused, its approval requests
+    answerable), and each response's input and output are added to it, as without mcp tools."""
+    conversation = sdk.conversations.create().id
+    engine.turns = [called("note", text="one"), ["Noted one."]]
+    first = sdk.responses.create(model=MODEL, input="Note one", tools=[mcp()], conversation=conversation)
+    assert types(first.output) == ["mcp_list_tools", "mcp_call", "message"]
+    tool = mcp(require_approval="always")
+    engine.turns = [called("note", text="two")]
+    asked = sdk.responses.create(model=MODEL, input="Note two", tools=[tool], conversation=conversation)
+    assert types(asked.output) == ["mcp_approval_request"]  # the conversation's listing, reused
+    assert "Noted one." in engine.prompts[-1]  # the model read the conversation
+    approval = {"type": "mcp_approval_response", "approval_request_id": asked.output[0].id, "approve": True}
+    other = sdk.conversations.create().id
+    with pytest.raises(openai.BadRequestError) as refused:  # another conversation's request is unknown there
+        sdk.responses.create(model=MODEL, tools=[tool], conversation=other, input=[approval])  # type: ignore[list-item]
+    assert refused.value.body["param"] == "input[0].approval_request_id"  # type: ignore[index]
+    engine.turns = [["Noted two."]]
+    answer = sdk.responses.create(model=MODEL, tools=[tool], conversation=conversation, input=[approval])  # type: ignore[list-item]
+    assert types(answer.output) == ["mcp_call", "message"]
+    assert server.calls == ["one", "two"]
+    items = http.get(f"/v1/conversations/{conversation}/items", params={"order": "asc"}).json()["data"]
+    assert [item["type"] for item in items] == [
+        "message", "mcp_list_tools", "mcp_call", "message", "message", "mcp_approval_request",
+        "mcp_approval_response", "mcp_call", "message"]
+    with pytest.raises(openai.BadRequestError) as again:  # answered once
+        sdk.responses.create(model=MODEL, tools=[tool], conversation=conversation, input=[approval])  # type: ignore[list-item]
+    assert again.value.body["param"] == "input[0].approval_request_id"  # type: ignore[index]
+
+
+def test_a_tools_error_is_read_through_the_input_guards(engine: TurnEngine, server: Tools, tmp_path: Path) -> None:
+    """A server's error text is read by the model as an output is: a text the input guards block is not shown to
+    the model (nor does it fail the response at the next turn)."""
+    engine.turns = [called("fail"), ["It failed."]]
+    with TestClient(app_for(engine, server, tmp_path, input_guards="{deny: ['(?i)executing tool']}")) as http:
+        answer = http.post("/v1/responses", json={"model": MODEL, "input": "Go", "tools": [mcp()]})
+    assert answer.status_code == 200, answer.text
+    call = answer.json()["output"][1]
+    assert call["type"] == "mcp_call"
+    assert "executing tool" not in json.dumps(call["error"])  # as the model read it: the refusal
+    assert answer.json()["output"][2]["content"][0]["text"] == "It failed."
+    assert "executing tool" not in engine.prompts[-1]
+
+
+def test_a_hanging_server_is_bounded_by_the_responses_time(engine: TurnEngine, server: Tools, tmp_path: Path) -> None:
+    """A call (or listing) takes at most what is left of `response_time_s`, not each its own `timeout_s` in full."""
+    engine.turns = [called("slow"), ["Too slow."]]
+    with TestClient(app_for(engine, server, tmp_path, response_time_s=5, timeout_s=120)) as http:
+        started = time.monotonic()
+        answer = http.post("/v1/responses", json={"model": MODEL, "input": "Go", "tools": [mcp()]}).json()
+        took = time.monotonic() - started
+    assert "did not answer in time" in json.dumps(answer["output"][1]["error"])
+    assert answer["output"][-1]["type"] == "message"
+    assert took < 60
+
+
+def test_max_output_tokens_bounds_every_turn_together(sdk: openai.OpenAI, engine: TurnEngine, server: Tools) -> None:
+    """A response's max_output_tokens is all its turns': spent by the first, the response ends incomplete."""
+    call = called("note", text="spent")[0]
+    pieces = [call[i:i + 4] for i in range(0, len(call), 4)]  # one token each, at least 16
+    engine.turns = [pieces, ["Never", " said."]]
+    answer = sdk.responses.create(model=MODEL, input="Go", tools=[mcp()], max_output_tokens=16)
+    assert types(answer.output) == ["mcp_list_tools", "mcp_call"]
+    assert engine.turns == [["Never", " said."]]  # no second turn
+    assert answer.usage is not None
+    assert answer.usage.output_tokens == len(pieces)
+    assert answer.status == "incomplete"
+    assert answer.incomplete_details is not None
+    assert answer.incomplete_details.reason == "max_output_tokens"
+
+
+def test_approval_requests_count_against_the_calls_bound(sdk: openai.OpenAI, engine: TurnEngine, server: Tools) -> None:
+    """Each approval request is a call the client may approve: one turn asking for more than the bound asks for
+    the bound's worth, so that approving them all cannot make more calls than max_tool_calls."""
+    engine.turns = [called("note", text="1") + called("note", text="2") + called("note", text="3")]
+    tool = mcp(require_approval="always")
+    asked = sdk.responses.create(model=MODEL, input="Note", tools=[tool], max_tool_calls=2)
+    assert types(asked.output) == ["mcp_list_tools", "mcp_approval_request", "mcp_approval_request"]
+
+
+def test_approved_calls_past_the_bound_are_not_made(sdk: openai.OpenAI, engine: TurnEngine, server: Tools) -> None:
+    engine.turns = [called("note", text="1") + called("note", text="2")]
+    tool = mcp(require_approval="always")
+    asked = sdk.responses.create(model=MODEL, input="Note", tools=[tool])
+    approvals = [{"type": "mcp_approval_response", "approval_request_id": item.id, "approve": True}
+                 for item in asked.output[1:]]
+    assert len(approvals) == 2
+    engine.turns = [["Done."]]
+    answer = sdk.responses.create(model=MODEL, previous_response_id=asked.id, tools=[tool], input=approvals,  # type: ignore[arg-type]
+                                  max_tool_calls=1)
+    assert types(answer.output) == ["mcp_call", "mcp_call", "message"]
+    assert server.calls == ["1"]
+    assert "bound on tool calls" in str(answer.output[1].error)  # type: ignore[union-attr]
+    assert "bound on tool calls" in engine.prompts[-1]  # the model is told

@@ -10,6 +10,7 @@ from typing import Any
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.shared.exceptions import MCPError
 from mcp_types import (
     CallToolRequestParams,
     CallToolResult,
@@ -23,14 +24,19 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.apis.mcp import mcp_serving
-from gateway.errors import UnsupportedMediaType
+from gateway.errors import RateLimited, UnsupportedMediaType
 from gateway.pipeline.context import context_of
 from gateway.web.requests import state_of
+
+RATE_LIMITED = -32000  # JSON-RPC's range for an implementation's own server errors; MCP names none for a limit
 
 
 async def _list_tools(ctx: ServerRequestContext[Any], params: PaginatedRequestParams | None) -> ListToolsResult:
     request = _request(ctx)
-    tools = await mcp_serving.list_tools(context_of(request.scope), state_of(request))
+    try:
+        tools = await mcp_serving.list_tools(context_of(request.scope), state_of(request))
+    except RateLimited as refused:  # a JSON-RPC error: the exchange's HTTP status is the transport's
+        raise MCPError(code=RATE_LIMITED, message=refused.message) from None
     return ListToolsResult(tools=[Tool(name=t.name, description=t.description, input_schema=t.input_schema)
                                   for t in tools])
 

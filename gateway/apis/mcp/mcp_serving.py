@@ -1,7 +1,7 @@
 """The /mcp gateway's two operations over the servers file's servers: `tools/list` (each server's tools the key may
-call, named `<label>__<tool>`) and `tools/call` (the one tool, after the same check, counted against the key's requests
-per minute). Both go through `gateway.mcp.access`, so a tool the listing hides cannot be called either; the server's
-credentials are the gateway's, from the servers file. A server's failure is a tool error, never an HTTP error. Each
+call, named `<label>__<tool>`) and `tools/call` (the one tool, after the same check), each counted against the key's
+requests per minute (a listing asks every server the key may reach). Both go through `gateway.mcp.access`, so a tool
+the listing hides cannot be called either; the server's credentials are the gateway's, from the servers file. A server's failure is a tool error, never an HTTP error. Each
 call: a metric, a span and a log line (key, server, tool, outcome, duration; its arguments only with log_prompts)."""
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ class Called:
 
 
 async def list_tools(context: RequestContext, state: GatewayState) -> list[ListedTool]:
-    """Every server's tools this key may call; a server that fails or is outside the key's list adds none."""
+    """Every server's tools this key may call; a server that fails or is outside the key's list adds none.
+    RateLimited past the key's requests per minute."""
+    await state.quota.take_request(policy_of(context, state))
     listings = await asyncio.gather(*(_listed(context, state, label) for label in state.mcp.by_label))
     return [tool for listing in listings for tool in listing]
 

@@ -25,10 +25,11 @@ from pydantic import BaseModel
 
 from engine.types import Engine
 from gateway.apis.chat.chat_serving import PreparedChat
-from gateway.apis.responses.responses_serving import ResponsesService, history_of
+from gateway.apis.responses.responses_serving import Joined, ResponsesService
 from gateway.apis.responses.responses_wire import (
     FunctionTool,
     McpApprovalResponseInput,
+    McpToolFilter,
     McpToolParam,
     ResponseEvents,
     ResponsesRequest,
@@ -47,6 +48,7 @@ from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.protocol.response_objects import (
     FunctionToolCall,
+    IncompleteDetails,
     InputTokensDetails,
     Item,
     McpApprovalRequest,
@@ -62,6 +64,8 @@ from gateway.protocol.response_objects import (
 from gateway.stores.responses import OwnedResponses
 
 Choice = Any  # a ResponsesRequest's tool_choice
+PAST_BOUND = "Not called: the response's bound on tool calls (or its time) was reached."
+MAX_SERVERS = 16  # mcp tools of one request: each is resolved, and listed, before the model's first turn
 
 
 def applies(request: ResponsesRequest) -> bool:
@@ -71,9 +75,11 @@ def applies(request: ResponsesRequest) -> bool:
         isinstance(item, McpApprovalResponseInput) for item in items)
 
 
-async def answer(context: RequestContext, state: GatewayState, request: ResponsesRequest,
-                 mine: OwnedResponses) -> Answer:
-    run = McpResponse(context, state, request, await history_of(mine, request.previous_response_id), mine)
+async def answer(context: RequestContext, state: GatewayState, request: ResponsesRequest, mine: OwnedResponses,
+                 history: list[Item], joined: Joined | None) -> Answer:
+    """`history`: the previous response's conversation or the `conversation`'s items (`joined`, where the response
+    goes once it ends), as a response without mcp tools reads them."""
+    run = McpResponse(context, state, request, history, mine, joined)
     await run.check()
     if request.stream:
         return Stream(await run.begun())
@@ -91,22 +97,37 @@ class Server:
     tools: dict[str, McpListedTool] = field(default_factory=dict)
     listed: bool = False  # by an earlier response of the conversation (not listed again)
 
-    def allows(self, name: str) -> bool:
+    def allows(self, name: str, tool: McpListedTool | None) -> bool:
         """The request's allowed_tools."""
         allowed = self.param.allowed_tools
-        names = allowed if isinstance(allowed, list) else allowed.tool_names if allowed is not None else None
-        return names is None or name in names
+        if allowed is None or isinstance(allowed, list):
+            return allowed is None or name in allowed
+        return _matches(allowed, name, tool)
 
     def needs_approval(self, name: str) -> bool:
         """OpenAI's rule: approval by default; `never` spares the tools it names; `always` alone asks for its own."""
         rule = self.param.require_approval
         if rule is None or isinstance(rule, str):
             return rule != "never"
-        if rule.never is not None and rule.never.tool_names is not None and name in rule.never.tool_names:
+        tool = self.tools.get(name)
+        if rule.never is not None and _names(rule.never) and _matches(rule.never, name, tool):
             return False
-        if rule.always is not None and rule.always.tool_names is not None and name in rule.always.tool_names:
+        if rule.always is not None and _names(rule.always) and _matches(rule.always, name, tool):
             return True
         return rule.never is not None or rule.always is None
+
+
+def _names(given: McpToolFilter) -> bool:
+    """Whether the filter names any tool (by name, or as the read-only ones)."""
+    return given.tool_names is not None or bool(given.read_only)
+
+
+def _matches(given: McpToolFilter, name: str, tool: McpListedTool | None) -> bool:
+    """Whether the tool passes each condition of the filter: among its names; read-only, when it asks for that (as the
+    server's listing marks it: readOnlyHint)."""
+    if given.tool_names is not None and name not in given.tool_names:
+        return False
+    return not given.read_only or (tool is not None and (tool.annotations or {}).get("readOnlyHint") is True)
 
 
 class McpTurn(ResponsesService):
@@ -126,8 +147,8 @@ class McpResponse(ResponsesService):
     before any byte, `run` runs it."""
 
     def __init__(self, context: RequestContext, state: GatewayState, request: ResponsesRequest, history: list[Item],
-                 mine: OwnedResponses) -> None:
-        super().__init__(request, history, mine)
+                 mine: OwnedResponses, joined: Joined | None) -> None:
+        super().__init__(request, history, mine, joined)
         self.context, self.state = context, state
         self.settings = state.settings.mcp
         self.policy = policy_of(context, state)
@@ -148,6 +169,8 @@ class McpResponse(ResponsesService):
     async def check(self) -> None:
         if self.request.background:
             raise InvalidRequest("Responses with mcp tools are not run in the background here", "background")
+        if sum(isinstance(tool, McpToolParam) for tool in self.request.tools or []) > MAX_SERVERS:
+            raise InvalidRequest(f"At most {MAX_SERVERS} mcp tools in one request", "tools")
         for i, tool in enumerate(self.request.tools or []):
             if isinstance(tool, McpToolParam):
                 await self._reach(tool, f"tools[{i}]")
@@ -183,22 +206,23 @@ class McpResponse(ResponsesService):
                 break
 
     async def _check_approvals(self) -> None:
-        """Each approval answers a request of the previous response's, once, for a server of this request."""
+        """Each approval answers a request of the previous response's (or of the `conversation`'s), once, for a server
+        of this request."""
         given = [(i, item) for i, item in enumerate(self.request.input or [])
                  if isinstance(item, McpApprovalResponseInput)]
         if not given:
             return
-        asked: dict[str, McpApprovalRequest] = {}
+        asked: list[Item] | list[OutputItem] = self.history if self.joined is not None else []
         if self.request.previous_response_id is not None:
-            previous = await self.mine.get(self.request.previous_response_id)
-            asked = {item.id: item for item in previous.response.output if isinstance(item, McpApprovalRequest)}
+            asked = (await self.mine.get(self.request.previous_response_id)).response.output
+        asking = {item.id: item for item in asked if isinstance(item, McpApprovalRequest)}
         answered = {item.approval_request_id for item in self.history if isinstance(item, McpApprovalResponse)}
         for i, item in given:
             param, request_id = f"input[{i}].approval_request_id", item.approval_request_id
-            request = asked.get(request_id)
+            request = asking.get(request_id)
             if request is None:
                 raise InvalidRequest(f"No mcp_approval_request with id '{request_id}' in the previous response "
-                                     "(previous_response_id)", param)
+                                     "(previous_response_id) or the conversation", param)
             if request_id in answered:
                 raise InvalidRequest(f"The mcp_approval_request '{request_id}' was answered already", param)
             answered.add(request_id)
@@ -258,6 +282,9 @@ class McpResponse(ResponsesService):
             for item in turn.output:
                 async for event in self._read(item):
                     yield event
+            if self._left() == 0 and turn.status == "completed":  # max_output_tokens is every turn's: none left
+                turn = turn.model_copy(update={"status": "incomplete", "completed_at": None,
+                                               "incomplete_details": IncompleteDetails(reason="max_output_tokens")})
             if self.asked or not self.called or turn.status != "completed":
                 async for event in self._ended(turn):
                     yield event
@@ -277,7 +304,7 @@ class McpResponse(ResponsesService):
         if not self._may_call():
             return
         if server.needs_approval(name):
-            self.asked = True
+            self.asked, self.calls = True, self.calls + 1  # a call the client may approve: within the bound
             request = McpApprovalRequest(id=new_id("mcpr"), server_label=server.param.server_label, name=name,
                                          arguments=item.arguments)
             for shown in self.events_.whole(request):
@@ -288,6 +315,15 @@ class McpResponse(ResponsesService):
 
     def _may_call(self) -> bool:
         return self.calls < self.most_calls and asyncio.get_running_loop().time() < self.deadline
+
+    def _left(self) -> int | None:
+        """The output tokens the next turn may generate: the request's max_output_tokens less every turn's."""
+        most = self.request.max_output_tokens
+        return None if most is None else max(0, most - self.usage[1])
+
+    def _bound(self) -> float:
+        """The seconds one server operation may take: its bound, within what is left of the response's."""
+        return max(0.0, min(self.settings.timeout_s, self.deadline - asyncio.get_running_loop().time()))
 
     def _choice(self, first: bool, offer: bool) -> Choice:
         """The request's tool_choice for the first turn (an mcp tool's as the function it is offered as); after
@@ -316,6 +352,7 @@ class McpResponse(ResponsesService):
         request = self.request.model_copy(update={
             "input": None, "tools": functions or None, "tool_choice": choice if functions or choice == "none" else None,
             "stream": False, "background": False, "store": False, "previous_response_id": None,
+            "max_output_tokens": self._left(),
         })
         turn = McpTurn(request, [*self.items, *self.events_.response.output], self.mine)
         record = self.context.record
@@ -351,12 +388,17 @@ class McpResponse(ResponsesService):
         """The tools the model is offered: those the request and the key allow; a name a function of the
         request's, or an earlier server's tool, has already is not offered twice."""
         taken = {tool.name for tool in self.request.tools or [] if isinstance(tool, FunctionTool)}
-        label = server.param.server_label
         for tool in tools:
-            if server.allows(tool.name) and access.tool_allowed(self.policy, label, tool.name):
+            if self._allowed(server, tool.name, tool):
                 server.tools[tool.name] = tool
                 if tool.name not in taken and tool.name not in self.functions:
                     self.functions[tool.name] = (server, tool.name)
+
+    def _allowed(self, server: Server, name: str, tool: McpListedTool | None = None) -> bool:
+        """The request's allowed_tools and the key's allow-list, which knows the server by the label `access.reach`
+        found (the servers file's), never by the label the client gave it."""
+        return (server.allows(name, tool or server.tools.get(name))
+                and access.tool_allowed(self.policy, server.target.label, name))
 
     async def _list(self, server: Server) -> AsyncGenerator[BaseModel, None]:
         events, label = self.events_, server.param.server_label
@@ -364,12 +406,13 @@ class McpResponse(ResponsesService):
         yield events.added(item)
         yield events.about("response.mcp_list_tools.in_progress", item.id)
         try:
-            found = await client.list_tools(server.target, timeout_s=self.settings.timeout_s)
+            found = await client.list_tools(server.target, timeout_s=self._bound())
         except client.McpUnavailable as exc:
             item = item.model_copy(update={"error": str(exc)})
         else:
             self._offer(server, [McpListedTool(name=tool.name, description=tool.description,
-                                               input_schema=tool.input_schema) for tool in found])
+                                               input_schema=tool.input_schema, annotations=tool.annotations)
+                                 for tool in found])
             item = item.model_copy(update={"tools": list(server.tools.values())})
         yield events.about("response.mcp_list_tools.failed" if item.error else "response.mcp_list_tools.completed",
                            item.id)
@@ -384,17 +427,20 @@ class McpResponse(ResponsesService):
         yield events.about("response.mcp_call_arguments.delta", call.id, delta=arguments)
         yield events.about("response.mcp_call_arguments.done", call.id, arguments=arguments)
         yield events.about("response.mcp_call.in_progress", call.id)
-        self.calls += 1
-        output, error = await self._outcome(server, name, arguments)
+        if self._may_call():  # always for the model's calls (`_read` asks first); an approved one may be past it
+            self.calls += 1
+            output, error = await self._outcome(server, name, arguments)
+        else:
+            output, error = None, McpCallError(type="mcp_tool_execution_error", content=PAST_BOUND)
         done = call.model_copy(update={"arguments": arguments, "output": output, "error": error,
                                        "status": "failed" if error else "completed"})
         yield events.about("response.mcp_call.failed" if error else "response.mcp_call.completed", call.id)
         yield events.done(done)
 
     async def _outcome(self, server: Server, name: str, arguments: str) -> tuple[str | None, McpCallError | None]:
-        """The tool's output as the model will read it (through the input guards), or why there is none."""
-        label = server.param.server_label
-        if not (server.allows(name) and access.tool_allowed(self.policy, label, name)):
+        """The tool's output as the model will read it (through the input guards), or why there is none (the server's
+        error text, read through them too)."""
+        if not self._allowed(server, name):
             return None, McpCallError(type="http_error", code=403, message=f"The tool '{name}' is not allowed")
         try:
             given = json.loads(arguments or "{}")
@@ -403,12 +449,13 @@ class McpResponse(ResponsesService):
         if not isinstance(given, dict):
             return None, McpCallError(type="mcp_protocol_error", code=-32602,
                                       message="The model's arguments are not a JSON object; the tool was not called")
-        outcome = await client.call_tool(server.target, name, given, timeout_s=self.settings.timeout_s)
-        if outcome.output is None:  # the client bounds an output (cut, and said so)
-            return None, McpCallError(type="mcp_tool_execution_error", content=outcome.error or "no output")
+        outcome = await client.call_tool(server.target, name, given, timeout_s=self._bound())
         guard = self.guard or self.state.guards.for_request(self.context.key_id, self.request.model,
                                                             log_content=self.context.record.log_content)
-        try:
+        try:  # the output (the client bounds it: cut, and said so) or the server's error text: the model reads either
+            if outcome.output is None:
+                error = guard.check_input([outcome.error or "no output"], "tools")[0]
+                return None, McpCallError(type="mcp_tool_execution_error", content=error)
             return guard.check_input([outcome.output], "tools")[0], None
         except ContentPolicyViolation as refused:
             return None, McpCallError(type="mcp_tool_execution_error", content=refused.message)

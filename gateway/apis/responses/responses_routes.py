@@ -39,15 +39,12 @@ def _mine(request: Request) -> OwnedResponses:
 async def create(request: Request) -> Response:
     body = await parse(request, ResponsesRequest)
     state, mine = state_of(request), _mine(request)
-    if responses_mcp.applies(body):  # the gateway runs the tools: a response of several model turns
-        if body.conversation is not None:
-            raise InvalidRequest("`conversation` cannot be used with mcp tools yet: use `previous_response_id`",
-                                 param="conversation")
-        return respond(await responses_mcp.answer(context(request), state, body, mine), NAMED)
     turn = await joined(Conversations(mine, state.settings.max_body_bytes), body)  # its `conversation`, if it names one
     history = turn.items if turn else await history_of(mine, body.previous_response_id)
     if turn:  # a large conversation is prepared off the event loop, as a large body is
         context_of(request.scope).body_bytes += turn.size
+    if responses_mcp.applies(body):  # the gateway runs the tools: a response of several model turns
+        return respond(await responses_mcp.answer(context(request), state, body, mine, history, turn), NAMED)
     service = ResponsesService(body, history, mine, turn)
     answer = await dispatch(context(request), state, service.chat_request(), service)
     if isinstance(answer, Stream):
