@@ -113,7 +113,7 @@ async def _continued(context: RequestContext, state: GatewayState, takeover: Tak
         raise ServiceUnavailable(DIED)  # not one token out: the client may simply ask again
     text = "".join(api.text(c["choices"][0]) or "" for c in chunks)
     tokens = sum(1 for c in chunks if api.text(c["choices"][0]))
-    answer, held = await resume(context, state, body, api.service, text, tokens)
+    answer = await resume(context, state, body, api.service, text, tokens)
     if not isinstance(answer, Stream):  # a cached whole answer is no continuation of this one
         raise ServiceUnavailable(DIED)
     head = {field: chunks[0][field] for field in ("id", "created", "model") if field in chunks[0]}
@@ -122,24 +122,9 @@ async def _continued(context: RequestContext, state: GatewayState, takeover: Tak
             chunk = orjson.loads(event if isinstance(event, bytes) else json_bytes(event))
             chunk.update(head)
             for choice in chunk.get("choices", ()):
-                held = _spliced(choice, held)
+                (choice.get("delta") or {}).pop("role", None)  # the first stream's first chunk had it
             yield encode(orjson.dumps(chunk))
     finally:
         await answer.events.aclose()
         if answer.on_close is not None:
             answer.on_close()
-
-
-def _spliced(choice: dict[str, Any], held: str) -> str:
-    """A continued choice as the first stream's: no second role, and the whitespace held back at the seam (which the
-    text already sent has) not sent again; what is left of it to drop."""
-    delta = choice.get("delta")
-    if isinstance(delta, dict):
-        delta.pop("role", None)
-    key, part = ("content", delta) if isinstance(delta, dict) else ("text", choice)
-    text = part.get(key)
-    if held and isinstance(text, str) and text:
-        kept = text.removeprefix(held[: len(text)])
-        held = held[len(text) - len(kept):] if not kept else ""
-        part[key] = kept
-    return held
