@@ -28,6 +28,12 @@ KEYS = ["sk-a", "sk-b"]
 BEFORE = 3  # outputs the producer sends before it dies
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True,
         "temperature": 0}
+BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": {"model": "fake-model", "prompt": "hi ", "max_tokens": 6, "stream": True, "temperature": 0},
+    "/v1/messages": {"model": "fake-model", "max_tokens": 6, "stream": True, "temperature": 0,
+                     "messages": [{"role": "user", "content": "hi"}]},
+}
 
 
 class Stalling(Continuing):
@@ -56,7 +62,14 @@ def chunks(text: str) -> list[dict[str, Any]]:
 
 
 def answer_text(text: str) -> str:
-    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks(text) if c.get("choices"))
+    """The answer's text, in any of the three APIs' events."""
+    found = []
+    for event in chunks(text):
+        choice = (event.get("choices") or [{}])[0]
+        found.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+        if event.get("type") == "content_block_delta":
+            found.append(event["delta"].get("text") or "")
+    return "".join(found)
 
 
 def ids(text: str) -> list[int]:
@@ -80,13 +93,13 @@ async def replica(engine: Stalling, redis_url: str | None) -> AsyncIterator[tupl
             yield client, with_state, state["gateway"]
 
 
-async def produce_and_die(app: Any, state_of: Any) -> str:
+async def produce_and_die(app: Any, state_of: Any, path: str = "/v1/chat/completions") -> str:
     """A chat stream on `app` whose replica dies after BEFORE outputs, written to its log: its stream id."""
     sent: list[dict] = []
 
     async def receive() -> dict:
         if not sent:
-            return {"type": "http.request", "body": json.dumps(CHAT).encode(), "more_body": False}
+            return {"type": "http.request", "body": json.dumps(BODIES[path]).encode(), "more_body": False}
         await asyncio.Event().wait()
         return {"type": "http.disconnect"}
 
@@ -95,10 +108,11 @@ async def produce_and_die(app: Any, state_of: Any) -> str:
 
     headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer sk-a")]
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "path": path, "raw_path": path.encode(), "query_string": b"",
              "root_path": "", "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
     producing = asyncio.create_task(app(scope, receive, send))
-    await until(lambda: len([m for m in sent if m["type"] == "http.response.body"]) >= BEFORE, what="the first part", within_s=20)
+    await until(lambda: len([m for m in sent if b"quick" in m.get("body", b"")]), what="the first part", within_s=20)
+    await until(lambda: any(b"brown" in m.get("body", b"") for m in sent), what="the first part", within_s=20)
     task = next(iter(state_of().streams.writers))
     writer: Writer = task.get_coro().cr_frame.f_locals["self"]  # type: ignore[union-attr]
     await until(lambda: not writer._pending, what="the events written", within_s=20)
@@ -172,3 +186,22 @@ async def test_of_two_readers_one_takes_over(redis_url: str | None) -> None:
         assert one.text == two.text
         assert answer_text(one.text) == WHOLE
         assert engine.continued() == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages"])
+async def test_completions_and_messages_streams_go_on_too(path: str) -> None:
+    async with two_replicas(None) as (engine, (app, state_of), reader):
+        stream_id = await produce_and_die(app, state_of, path)
+        whole = await reader.get(f"{path}/streams/{stream_id}", headers=auth())
+        assert answer_text(whole.text) == WHOLE
+        assert ids(whole.text) == list(range(len(ids(whole.text))))
+        assert engine.continued() == 1
+        assert '"error"' not in whole.text
+        if path == "/v1/messages":
+            types = [c["type"] for c in chunks(whole.text)]
+            assert types.count("message_start") == types.count("content_block_start") == 1
+            assert types.count("message_stop") == types.count("content_block_stop") == 1
+            assert types[-1] == "message_stop"
+        else:
+            assert len({c["id"] for c in chunks(whole.text)}) == 1
+            assert whole.text.endswith("data: [DONE]\n\n")
