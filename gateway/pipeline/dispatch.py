@@ -68,7 +68,7 @@ def guard_on(context: RequestContext, state: GatewayState, asked: str, answering
 
 
 def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Sequence[Backend],
-           guard: RequestGuard) -> Onward:
+           guard: RequestGuard, origin: RequestT | None = None) -> Onward:
     """Where a stream goes when `failed` fails past its first byte: the next model of `rest` (the
     models after it that the key may reach, as `dispatch` resolved them) that takes the request
     continued after the text so far, prepared and admitted as any try (its guard `guard_on`'s, the
@@ -76,7 +76,8 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
     A model whose own guard profile checks output is passed over: the answer's output guard is the
     one it began under, which would let that model's text out unchecked. Each switch is named
     (`_switched`) once the model switched to answers."""
-    context, state, body, hops, began = attempt.context, attempt.state, attempt.body, list(rest), guard.profile
+    context, state, hops, began = attempt.context, attempt.state, list(rest), guard.profile
+    body = origin or attempt.body  # the text so far is the whole answer's: continued from the request as asked
 
     async def following(text: str, tokens: int) -> Part | None:
         nonlocal guard
@@ -144,8 +145,10 @@ async def dispatch(
     service: Service[RequestT, PreparedT, AnswerT],
     shape: Shape | None = None,
     prior: Prior | None = None,
+    origin: RequestT | None = None,
 ) -> Answer:
-    """`prior`: the answer's first part, produced elsewhere, which this one continues (`resume`)."""
+    """`prior`: the answer's first part, produced elsewhere, which this one continues (`resume`); `origin`: then the
+    request as asked (`body` is it continued), from which a failover past the seam continues the whole text."""
     record = context.record
     _check_prompts(state, body)
     policy = policy_of(context, state)
@@ -165,7 +168,8 @@ async def dispatch(
         guard = guard_on(context, state, body.model, backend.name, guard)
         rest = chain[at + 1 :]
         try:
-            answer = await attempt.on(backend, guard, onward(attempt, backend.name, rest, guard) if rest else None, prior)
+            answer = await attempt.on(backend, guard, onward(attempt, backend.name, rest, guard, origin) if rest else None,
+                                      prior)
         except Exception as exc:
             error = from_exception(exc)
             if not error.fallible:
@@ -193,4 +197,4 @@ async def resume(context: RequestContext, state: GatewayState, body: RequestT,
     stop, include_stop = _stops(body)
     most = getattr(body, "max_completion_tokens", None) or getattr(body, "max_tokens", None)
     prior = Prior(text, tokens, most, continued[1], stop, include_stop)
-    return await dispatch(context, state, continued[0], service, shape, prior)
+    return await dispatch(context, state, continued[0], service, shape, prior, origin=body)

@@ -16,8 +16,14 @@ from typing import Any
 import httpx
 import pytest
 
+from engine.errors import EngineUnavailable
 from engine.types import GenerationOutput, GenerationRequest
+from gateway.apis.chat.chat_serving import CHAT as CHAT_SERVICE
 from gateway.app import create_app
+from gateway.pipeline.answer import Stream
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.dispatch import resume
+from gateway.protocol.openai import ChatCompletionRequest
 from gateway.stores.streams import Writer
 from tests.fakes import fake_settings
 from tests.redis_server import RedisServer
@@ -205,3 +211,32 @@ async def test_completions_and_messages_streams_go_on_too(path: str) -> None:
         else:
             assert len({c["id"] for c in chunks(whole.text)}) == 1
             assert whole.text.endswith("data: [DONE]\n\n")
+
+
+class DiesContinuing(Continuing):
+    """Continues a partial answer, and dies after two outputs (the taker's engine core too)."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        count = 0
+        async for output in super().generate(request):
+            if count == 2:
+                raise EngineUnavailable("the engine core died")
+            count += 1
+            yield output
+
+
+async def test_a_resumed_answer_fails_over_from_the_whole_text(tmp_path: Path) -> None:
+    """`dispatch.resume` on a model that dies past its first byte: the fallback continues the whole answer so far
+    (the request as asked, not the continued one again)."""
+    (tmp_path / "models.yaml").write_text("models:\n  - {name: dies, fallback: [rescue]}\n  - {name: rescue}\n")
+    engines = {"dies": DiesContinuing("dies"), "rescue": Continuing("rescue")}
+    app = create_app(fake_settings(models_file=tmp_path / "models.yaml"),
+                     engine_starter=lambda es: engines[es.served_model_name])
+    body = ChatCompletionRequest.model_validate({**CHAT, "model": "dies"})
+    async with app.router.lifespan_context(app) as state:
+        answer = await resume(RequestContext(), state["gateway"], body, CHAT_SERVICE, "the", 1)
+        assert isinstance(answer, Stream)
+        events = [json.loads(event) async for event in answer.events]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert "the" + text == WHOLE
+    assert engines["rescue"].requests[-1].prompt_text.endswith("<assistant> the quick brown")
