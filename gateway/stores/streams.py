@@ -172,16 +172,22 @@ class OwnedStreams:
         self.store.writers.add(writer.task)
         writer.task.add_done_callback(self.store.writers.discard)
         held: bytes | None = None  # one frame behind: the last one is the end marker
+        events, ended = continuation(takeover, [event for _, event in produced.events]), False
         try:
-            async for frame in continuation(takeover, [event for _, event in produced.events]):
+            async for frame in events:
                 if held is not None:
                     numbered = b"id: %d\n" % writer.next + held
                     writer.append(numbered)
                     if writer.next - 1 > after:
                         yield numbered
                 held = frame
+            ended = True
         finally:
-            writer.close(held or b"")
+            await events.aclose()
+            if ended:
+                writer.close(held or b"")
+            else:  # this reader left mid-way: what it logged stays, and the next reader takes over from there
+                writer.abandon()
         yield held or b""
 
 class Writer:
@@ -194,6 +200,7 @@ class Writer:
         self._beat_s = store.settings.lease_s / 3
         self._pending: list[tuple[int, bytes]] = []
         self._end: bytes | None = None
+        self._abandoned = False
         self.next = after + 1  # the next event's number
         self._wake = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._write())
@@ -206,6 +213,11 @@ class Writer:
 
     def close(self, end: bytes) -> None:
         self._end = end
+        self._wake.set()
+
+    def abandon(self) -> None:
+        """Stop without an end marker: what is queued is written, then the lease lapses (a reader takes over)."""
+        self._abandoned = True
         self._wake.set()
 
     async def _write(self) -> None:
@@ -221,7 +233,7 @@ class Writer:
             if not await self._tried(functools.partial(self._log.append, self._key, events, end)):
                 return
             del self._pending[: len(events)]  # written (events appended meanwhile stay)
-            if end is not None:
+            if end is not None or (self._abandoned and not self._pending):
                 return
 
     async def _tried(self, call: Callable[[], Awaitable[None]]) -> bool:

@@ -240,3 +240,46 @@ async def test_a_resumed_answer_fails_over_from_the_whole_text(tmp_path: Path) -
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert "the" + text == WHOLE
     assert engines["rescue"].requests[-1].prompt_text.endswith("<assistant> the quick brown")
+
+
+class SlowTaker(Stalling):
+    """As Stalling; the first continuation also stalls after one output (its taker's client is about to leave)."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        first_taker = _offset(request.prompt_text or "") > 0 and self.continued() == 0
+        count = 0
+        async for output in super().generate(request):
+            if first_taker and count == 2:
+                await asyncio.Event().wait()  # until cancelled
+            count += 1
+            yield output
+
+
+async def test_a_taker_whose_client_leaves_leaves_the_stream_to_the_next_reader() -> None:
+    engine = SlowTaker("fake-model")
+    async with replica(engine, None) as (client, app, state):
+        stream_id = await produce_and_die(app, lambda: state)
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        path = f"/v1/chat/completions/streams/{stream_id}"
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"authorization", b"Bearer sk-a")], "client": ("127.0.0.1", 1),
+                 "server": ("127.0.0.1", 80)}
+        reading = asyncio.create_task(app(scope, receive, send))
+        await until(lambda: any(b"fox" in m.get("body", b"") for m in sent), what="the first taker's first event",
+                    within_s=20)
+        reading.cancel()  # its client left mid-way
+        await asyncio.gather(reading, return_exceptions=True)
+        whole = await client.get(path, headers=auth())  # once the first taker's lease lapsed: taken over again
+        assert answer_text(whole.text) == WHOLE
+        assert ids(whole.text) == list(range(len(ids(whole.text))))
+        assert whole.text.count("[DONE]") == 1
+        assert engine.continued() == 2
