@@ -12,6 +12,7 @@ import structlog
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from engine import start_grammar_check
+from gateway.apis import takeover
 from gateway.apis.application import App, application
 from gateway.apis.batches.batches_runner import BatchRunner
 from gateway.apis.routes import TABLE
@@ -110,6 +111,7 @@ def create_app(settings: Settings, engine_starter: EngineStarter = start_embedde
             state = GatewayState(settings, registry, lifecycle, quota, cache, guards, responses, tenants,
                                  files, batches, authenticator, mcp=mcp,
                                  streams=streams)
+            streams.continuation = takeover.continuation(state)  # a dead replica's streams go on here
             if settings.batches.enabled:  # pending batches resumed, once the models are up
                 runner = BatchRunner(state, state.batches)
                 runner.start()

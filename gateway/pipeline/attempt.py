@@ -25,7 +25,7 @@ from gateway.pipeline.disconnect import unless_gone
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.serving import offload, structured
-from gateway.serving.continuation import Failover, Onward
+from gateway.serving.continuation import Failover, Onward, Prior
 from gateway.serving.generation import check_schema_numbers
 from gateway.serving.meter import Readings
 from gateway.serving.service import AnswerT, Forwards, OnDone, PreparedT, RequestT, Service, check_task
@@ -68,18 +68,20 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         self.deadline = context.deadline  # the first byte's; per model, the model's default when the client set none
         # (none once the response has begun: `prepared`)
 
-    async def on(self, backend: Backend, guard: RequestGuard, onward: Onward | None = None) -> Answer:
+    async def on(self, backend: Backend, guard: RequestGuard, onward: Onward | None = None,
+                 prior: Prior | None = None) -> Answer:
         """The one journey on either backend, under `guard` (the request's on this model): its
         preparation (every refusal, the tokens to charge), the output bound, the charge, the cache,
         admission, then the generation, the permit held until the answer has been passed on; a
-        stream that fails past its first byte goes on where `onward` says (`serving.continuation`)."""
+        stream that fails past its first byte goes on where `onward` says (`serving.continuation`);
+        `prior`: the answer's first part, produced elsewhere, which this generation continues."""
         prepared = await self.prepared(backend, guard)
         on_done, hit = await self._cached(backend)
         if hit is not None:
             return self._replay(hit)
         failover = None
-        if onward is not None and self.body.streams and prepared.sole() is not None:
-            prepared.engine = failover = Failover(prepared.engine, onward)  # past its first byte, on down the chain
+        if (onward is not None or prior is not None) and self.body.streams and prepared.sole() is not None:
+            prepared.engine = failover = Failover(prepared.engine, onward, prior)  # past its first byte, on down the chain
             on_done = failover.unless_switched(on_done)
         permit = await self.admit(backend)
         if failover is not None:

@@ -22,7 +22,7 @@ from gateway.pipeline.answer import Answer
 from gateway.pipeline.attempt import Attempt, Shape
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.state import GatewayState
-from gateway.serving.continuation import Onward, Part
+from gateway.serving.continuation import Onward, Part, Prior
 from gateway.serving.service import AnswerT, PreparedT, RequestT, Service
 from gateway.telemetry import metrics
 from gateway.tenancy.keys import ANONYMOUS
@@ -70,7 +70,7 @@ def guard_on(context: RequestContext, state: GatewayState, asked: str, answering
 
 
 def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Sequence[Backend],
-           guard: RequestGuard) -> Onward:
+           guard: RequestGuard, origin: RequestT | None = None) -> Onward:
     """Where a stream goes when `failed` fails past its first byte: the next model of `rest` (the
     models after it that the key may reach, as `dispatch` resolved them) that takes the request
     continued after the text so far, prepared and admitted as any try (its guard `guard_on`'s, the
@@ -78,7 +78,8 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
     A model whose own guard profile checks output is passed over: the answer's output guard is the
     one it began under, which would let that model's text out unchecked. Each switch is named
     (`_switched`) once the model switched to answers."""
-    context, state, body, hops, began = attempt.context, attempt.state, attempt.body, list(rest), guard.profile
+    context, state, hops, began = attempt.context, attempt.state, list(rest), guard.profile
+    body = origin or attempt.body  # the text so far is the whole answer's: continued from the request as asked
 
     async def following(text: str, tokens: int) -> Part | None:
         nonlocal guard
@@ -107,10 +108,9 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
                 log.info("failover_skipped", model=backend.name, error=type(exc).__name__)
                 continue
             generation = replace(generation, priority=hop.scheduled.priority)
-            stop = getattr(body, "stop", None)
+            stop, include_stop = _stops(body)
             return Part(prepared.engine, generation, permit.release, continued[1], switched(backend.name),
-                        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-                        include_stop=getattr(body, "include_stop_str_in_output", False))
+                        stop=stop, include_stop=include_stop)
         return None
 
     def switched(following: str) -> Callable[[], None]:
@@ -122,6 +122,12 @@ def onward(attempt: Attempt[RequestT, PreparedT, AnswerT], failed: str, rest: Se
         return started
 
     return following
+
+
+def _stops(body: RequestT) -> tuple[tuple[str, ...], bool]:
+    """The request's stop strings and include_stop_str_in_output: one begun before a seam may end after it."""
+    stop = getattr(body, "stop", None)
+    return (stop,) if isinstance(stop, str) else tuple(stop or ()), getattr(body, "include_stop_str_in_output", False)
 
 
 def _switched(context: RequestContext, failed: str, following: str) -> None:
@@ -139,7 +145,11 @@ async def dispatch(
     body: RequestT,
     service: Service[RequestT, PreparedT, AnswerT],
     shape: Shape | None = None,
+    prior: Prior | None = None,
+    origin: RequestT | None = None,
 ) -> Answer:
+    """`prior`: the answer's first part, produced elsewhere, which this one continues (`resume`); `origin`: then the
+    request as asked (`body` is it continued), from which a failover past the seam continues the whole text."""
     record = context.record
     _check_prompts(state, body)
     policy = policy_of(context, state)
@@ -159,7 +169,8 @@ async def dispatch(
         guard = guard_on(context, state, body.model, backend.name, guard)
         rest = chain[at + 1 :]
         try:
-            answer = await attempt.on(backend, guard, onward(attempt, backend.name, rest, guard) if rest else None)
+            answer = await attempt.on(backend, guard, onward(attempt, backend.name, rest, guard, origin) if rest else None,
+                                      prior)
         except Exception as exc:
             error = from_exception(exc)
             if not error.fallible:
@@ -174,13 +185,17 @@ async def dispatch(
 
 async def resume(context: RequestContext, state: GatewayState, body: RequestT,
                  service: Service[RequestT, PreparedT, AnswerT], text: str, tokens: int,
-                 shape: Shape | None = None) -> tuple[Answer, str]:
+                 shape: Shape | None = None) -> Answer:
     """An answer whose generation was lost with the process that ran it, answered on from `text`
     (its first `tokens`) on any replica: the request continued (`ModelRequest.continued`) on the one
-    journey (`dispatch`: the key's reach, guards, charge, admission, fallbacks). The answer holds the
-    continuation's events only (the caller splices them after those already sent, under their ids);
-    with it, the whitespace held back from `text`, which the continuation's first text may repeat."""
+    journey (`dispatch`: the key's reach, guards, charge, admission, fallbacks), seamed to `text` as a
+    failover's next part is (`serving.continuation.joined`: the whitespace held back not sent twice, a
+    stop string spanning the seam, what is left of the answer's bound). The answer holds the
+    continuation's events only (the caller splices them after those already sent, under their ids)."""
     continued = body.continued(text, tokens)
     if continued is None:
         raise BackendUnavailable("This answer cannot be continued on another model (tool calls, structured output, n > 1)")
-    return await dispatch(context, state, continued[0], service, shape), continued[1]
+    stop, include_stop = _stops(body)
+    most = getattr(body, "max_completion_tokens", None) or getattr(body, "max_tokens", None)
+    prior = Prior(text, tokens, most, continued[1], stop, include_stop)
+    return await dispatch(context, state, continued[0], service, shape, prior, origin=body)

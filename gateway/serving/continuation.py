@@ -54,12 +54,32 @@ class Part:
 Onward = Callable[[str, int], Awaitable["Part | None"]]
 
 
+@dataclass(frozen=True, slots=True)
+class Prior:
+    """The answer's first part, produced elsewhere (a replica that died: `pipeline.dispatch.resume`): the text the
+    client has, its output tokens, the answer's bound (the client's, else None: the continued request's own plus
+    `tokens`), and the next part's seam (as `Part`'s). The generation given then is that next part, seamed as any
+    (held whitespace, stop strings, the bound)."""
+
+    text: str
+    tokens: int
+    most: int | None = None
+    held: str = ""
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False
+
+
+async def _nowhere(text: str, tokens: int) -> Part | None:
+    return None
+
+
 class Failover:
     """A backend (`engine.types.Generator`) whose generations go on down the pipeline's chain when
     it fails after its first output."""
 
-    def __init__(self, first: Generator, onward: Onward) -> None:
-        self.first, self.onward = first, onward
+    def __init__(self, first: Generator, onward: Onward | None, prior: Prior | None = None) -> None:
+        """`prior`: the answer's first part, produced elsewhere: its generations continue it."""
+        self.first, self.onward, self.prior = first, onward or _nowhere, prior
         self.switched = False  # a generation went on on another model
         # the first model's permit (the pipeline's, once admitted): given back as soon as it fails,
         # without the answer's tokens (they are not its pace), not held for the rest of the answer
@@ -70,7 +90,10 @@ class Failover:
         return self.first.info
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
-        return joined(Part(self.first, request, lambda: self.release()), self._onward)
+        part, prior = Part(self.first, request, lambda: self.release()), self.prior
+        if prior is not None:
+            part = replace(part, held=prior.held, stop=prior.stop, include_stop=prior.include_stop)
+        return joined(part, self._onward, prior)
 
     async def _onward(self, text: str, tokens: int) -> Part | None:
         part = await self.onward(text, tokens)
@@ -154,6 +177,12 @@ class _Seam:
         self.window = view if len(view) - self.at < max(map(len, self.stops)) - 1 else ""
         return delta
 
+    def after(self, prior: Prior, part: Part, most: int) -> int:
+        """Seamed to a first part produced elsewhere, `part` the next: the answer's bound (`most`: the part's own)."""
+        self.text, self.tokens = [prior.text], prior.tokens
+        self.switch(part)
+        return prior.most if prior.most is not None else most + prior.tokens
+
     def switch(self, part: Part) -> None:
         self.before_prompt += self.prompt
         self.before_tokens += self.tokens
@@ -176,15 +205,18 @@ def _without(entries: tuple[TokenLogprob, ...] | None, chars: int) -> tuple[Toke
     return tuple(kept)
 
 
-async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput, None]:
+async def joined(part: Part, onward: Onward, prior: Prior | None = None) -> AsyncGenerator[GenerationOutput, None]:
     """The outputs of `part`, then, when its backend fails after its first output, those of the
     parts `onward` gives for the text so far, until one ends (or none is left: the failure is the
     stream's). A continuing part that fails before its first output (down, or refusing to continue)
-    hands the same text on again; one that fails later, the longer text."""
-    seam, first = _Seam(), True
+    hands the same text on again; one that fails later, the longer text. With `prior`, `part` is
+    already a continuing one, of a first part produced elsewhere."""
+    seam, first = _Seam(), prior is None
     # the answer's output bound, the first part's: the client's, else its model's default; a continued
     # request that names none would bring the next model's whole default again
     most = part.request.forward.max_tokens if part.request.forward else part.request.sampling.max_tokens
+    most = most if prior is None else seam.after(prior, part, most)
+    initial = part  # its permit is the stream's
     while True:
         request = part.request
         estimated = request.forward.prompt_tokens if request.forward else len(request.prompt_token_ids)
@@ -212,7 +244,7 @@ async def joined(part: Part, onward: Onward) -> AsyncGenerator[GenerationOutput,
             failure, failed = exc, True
         finally:
             await outputs.aclose()
-            if failed or not first:  # the first part's permit is the stream's, given back at its end, unless it failed
+            if failed or part is not initial:  # the first part's permit is the stream's, given back at its end, unless it failed
                 part.release()
         following = await onward("".join(seam.text), seam.before_tokens + seam.tokens)
         if following is None:

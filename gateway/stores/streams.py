@@ -64,11 +64,13 @@ class Log(Protocol):
     async def takeover(self, key: str) -> Takeover | None: ...  # None: no such stream
     async def read(self, key: str, after: int, block_s: float) -> Read: ...  # waits up to block_s for one event
     async def alive(self, key: str) -> bool: ...  # its producer's lease holds
+    async def claim(self, key: str) -> bool: ...  # a dead producer's stream taken over by this reader alone
     async def aclose(self) -> None: ...
 
 
-# A takeover of a stream whose producer died: given the takeover record and the events the client already has, the
-# rest of the stream, framed. None until mid-stream failover (issue 42, part 1) provides one (see docs/streams.md).
+# A takeover of a stream whose producer died: given the takeover record and the events produced so far, the rest of
+# the stream, framed without their `id:` (the store numbers and logs them); its last frame is the stream's end marker
+# (see docs/streams.md; `apis.takeover` provides it).
 Continuation = Callable[[Takeover, list[bytes]], AsyncGenerator[bytes, None]]
 
 
@@ -142,9 +144,11 @@ class OwnedStreams:
                     read = await log_.read(key, after, 0.0)  # the last events its producer wrote before its lease ended
                     if read.events or read.end is not None:
                         continue
-                    async for event in self._taken_over(key, takeover, died):
-                        yield event
-                    return
+                    if self.store.continuation is None or await log_.claim(key):
+                        async for event in self._taken_over(key, takeover, after, died):
+                            yield event
+                        return
+                    continue  # another reader took it over: its events come to the log under its lease
                 read, failing_since = await log_.read(key, after, block_s), None
             except ERRORS as exc:  # a slow Redis' timeout, a blip: tried again for up to a lease
                 _failed(exc)
@@ -154,28 +158,50 @@ class OwnedStreams:
                 read = Read([], None, after + 1)
                 await asyncio.sleep(block_s / 4)  # the behaviour: a pause before asking a failing Redis again
 
-    async def _taken_over(self, key: str, takeover: Takeover, died: bytes) -> AsyncGenerator[bytes, None]:
-        """The producer died before the end: the continuation's events, given everything produced so far (the text
-        the client has), or else `died`."""
+    async def _taken_over(self, key: str, takeover: Takeover, after: int, died: bytes) -> AsyncGenerator[bytes, None]:
+        """The producer died before the end: the continuation's events, given everything produced so far, each
+        numbered after the last one and logged (another reader of the stream follows them), or else `died`. This
+        reader has claimed the stream (`Log.claim`): it is the one taker."""
         continuation = self.store.continuation
         if continuation is None:
             yield died
             return
         produced = await self.store.log.read(key, -1, 0.0)
-        async for event in continuation(takeover, [frame for _, frame in produced.events]):
-            yield event
-
+        last = produced.events[-1][0] if produced.events else -1
+        writer = Writer(self.store, key, takeover, after=last)
+        self.store.writers.add(writer.task)
+        writer.task.add_done_callback(self.store.writers.discard)
+        held: bytes | None = None  # one frame behind: the last one is the end marker
+        events, ended = continuation(takeover, [event for _, event in produced.events]), False
+        try:
+            async for frame in events:
+                if held is not None:
+                    numbered = b"id: %d\n" % writer.next + held
+                    writer.append(numbered)
+                    if writer.next - 1 > after:
+                        yield numbered
+                held = frame
+            ended = True
+        finally:
+            await events.aclose()
+            if ended:
+                writer.close(held or b"")
+            else:  # this reader left mid-way: what it logged stays, and the next reader takes over from there
+                writer.abandon()
+        yield held or b""
 
 class Writer:
     """One stream's log, written by one task in the order of `append` (a Redis that fails stops the log, not the
     stream: its lease then lapses, and a reader is told the producer is gone)."""
 
-    def __init__(self, store: StreamStore, key: str, takeover: Takeover) -> None:
-        self._log, self._key, self._takeover = store.log, key, takeover
+    def __init__(self, store: StreamStore, key: str, takeover: Takeover, after: int = -1) -> None:
+        """`after`: the number of the last event already logged (a takeover's writer goes on after it)."""
+        self._log, self._key, self._takeover, self._opened = store.log, key, takeover, after >= 0
         self._beat_s = store.settings.lease_s / 3
         self._pending: list[tuple[int, bytes]] = []
         self._end: bytes | None = None
-        self.next = 0  # the next event's number
+        self._abandoned = False
+        self.next = after + 1  # the next event's number
         self._wake = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._write())
 
@@ -189,10 +215,15 @@ class Writer:
         self._end = end
         self._wake.set()
 
+    def abandon(self) -> None:
+        """Stop without an end marker: what is queued is written, then the lease lapses (a reader takes over)."""
+        self._abandoned = True
+        self._wake.set()
+
     async def _write(self) -> None:
         """Each call tried again (a slow Redis' timeout, a blip) until it has failed for a whole lease: then the
         readers take the producer for gone, and the log stops."""
-        if not await self._tried(functools.partial(self._log.open, self._key, self._takeover)):
+        if not self._opened and not await self._tried(functools.partial(self._log.open, self._key, self._takeover)):
             return
         while True:
             with contextlib.suppress(TimeoutError):  # woken by an event, or to renew the lease
@@ -202,7 +233,7 @@ class Writer:
             if not await self._tried(functools.partial(self._log.append, self._key, events, end)):
                 return
             del self._pending[: len(events)]  # written (events appended meanwhile stay)
-            if end is not None:
+            if end is not None or (self._abandoned and not self._pending):
                 return
 
     async def _tried(self, call: Callable[[], Awaitable[None]]) -> bool:
@@ -277,6 +308,13 @@ class MemoryLog:
     async def alive(self, key: str) -> bool:
         ring = self._ring(key)
         return ring is not None and ring.lease >= time.monotonic()
+
+    async def claim(self, key: str) -> bool:
+        ring = self._ring(key)
+        if ring is None or ring.lease >= time.monotonic():
+            return False
+        ring.lease = time.monotonic() + self.settings.lease_s  # the taker's lease, renewed as it writes
+        return True
 
     async def aclose(self) -> None:
         self._rings.clear()
@@ -370,6 +408,16 @@ class RedisLog:
 
     async def alive(self, key: str) -> bool:
         return bool(await self._client.bounded(self._client.redis.exists(self.prefix + key + ":lease")))
+
+    async def claim(self, key: str) -> bool:
+        """One taker: SET NX on `:taker` (expiring with a lease: a taker that dies too leaves the stream to the next
+        reader), then the taker's own lease (readers that lost wait on the log)."""
+        lease_ms, base = int(self.settings.lease_s * 1000), self.prefix + key
+        redis = self._client.redis
+        if not await self._client.bounded(redis.set(base + ":taker", b"1", nx=True, px=lease_ms)):
+            return False
+        await self._client.bounded(redis.set(base + ":lease", b"1", px=lease_ms))
+        return True
 
     async def aclose(self) -> None:
         pass  # the pool is the app's (stores.redis)

@@ -370,14 +370,22 @@ async def test_resume_answers_on_from_the_text_so_far() -> None:
     """`dispatch.resume`: what a replica calls for a stream whose generation died with another one."""
     engine = Continuing("fake-model")
     app = app_with(engine)
-    body = ChatCompletionRequest.model_validate({"model": "fake-model", "messages": QUESTION, "max_tokens": 6, "stream": True})
+    body = {"model": "fake-model", "messages": QUESTION, "max_tokens": 6, "stream": True}
     async with app.router.lifespan_context(app) as state:
-        answer, held = await resume(RequestContext(), state["gateway"], body, CHAT, "the quick brown ", 3)
-        assert isinstance(answer, Stream)
-        chunks = [json.loads(chunk) async for chunk in answer.events]
-    assert held == " "
-    assert chat_text(chunks) == " fox jumps over"
-    assert engine.requests[-1].prompt_text.endswith("<assistant> the quick brown")
+
+        async def resumed(text: str, tokens: int, **extra: Any) -> list[dict[str, Any]]:
+            request = ChatCompletionRequest.model_validate({**body, **extra})
+            answer = await resume(RequestContext(), state["gateway"], request, CHAT, text, tokens)
+            assert isinstance(answer, Stream)
+            return [json.loads(chunk) async for chunk in answer.events]
+
+        # the space held back at the seam is not sent twice; what is left of max_tokens, no more
+        assert chat_text(await resumed("the quick brown ", 3)) == "fox jumps over"
+        assert engine.requests[-1].prompt_text.endswith("<assistant> the quick brown")
+        # a stop string begun before the seam ends the answer where it ends
+        spanning = await resumed("the quick brown", 3, stop=["brown fox"])
+        assert chat_text(spanning) == ""
+        assert [c["choices"][0]["finish_reason"] for c in spanning if c["choices"]][-1] == "stop"
 
 
 def test_the_output_guard_of_the_model_that_began_goes_on_and_is_logged(client) -> None:
