@@ -175,6 +175,7 @@ class Writer:
         self._beat_s = store.settings.lease_s / 3
         self._pending: list[tuple[int, bytes]] = []
         self._end: bytes | None = None
+        self._closed = False
         self.next = 0  # the next event's number
         self._wake = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._write())
@@ -185,8 +186,10 @@ class Writer:
         self.next += 1
         self._wake.set()
 
-    def close(self, end: bytes) -> None:
-        self._end = end
+    def close(self, end: bytes | None) -> None:
+        """The stream's end marker; None: stopped without one (a shutdown's cancel): what was queued is written, then
+        the lease lapses and a reader takes the producer for gone, as when its replica dies."""
+        self._end, self._closed = end, True
         self._wake.set()
 
     async def _write(self) -> None:
@@ -198,11 +201,11 @@ class Writer:
             with contextlib.suppress(TimeoutError):  # woken by an event, or to renew the lease
                 await asyncio.wait_for(self._wake.wait(), self._beat_s)
             self._wake.clear()
-            events, end = list(self._pending), self._end
+            events, end, closed = list(self._pending), self._end, self._closed
             if not await self._tried(functools.partial(self._log.append, self._key, events, end)):
                 return
             del self._pending[: len(events)]  # written (events appended meanwhile stay)
-            if end is not None:
+            if closed:
                 return
 
     async def _tried(self, call: Callable[[], Awaitable[None]]) -> bool:

@@ -88,7 +88,7 @@ class EventStreamResponse(StreamingResponse):
         # cleanup (its abort) still await; a level-triggered scope would cancel that too.
         watch = Watch(gone_of(receive), grace_s=resumable.grace_s if resumable is not None else 0.0)
         sends, sweep = _stall_watch(scope, watch)
-        ending = framing.end
+        ending: bytes | None = None  # stopped otherwise (a shutdown's cancel): no end, as when a replica dies
         try:
             async with watch:
                 ending = await self._stream(_Sink(send, watch, log), framing, sends)

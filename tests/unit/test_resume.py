@@ -340,3 +340,21 @@ async def test_a_background_response_streams_again_and_its_cancel_still_stops_it
         cancelled = await client.post(f"/v1/responses/{running['id']}/cancel", headers=auth())
         assert cancelled.json()["status"] == "cancelled"
         assert engine.aborted == [engine.requests[-1].request_id]  # at once, not after the grace
+
+
+async def test_a_stream_cancelled_by_a_shutdown_does_not_end_its_log_as_complete() -> None:
+    """A cancel (a shutdown's, not its client's going) is no end: a resumer must not get `[DONE]` after a cut
+    answer, but what was produced and then the producer's death (or its continuation), as when a replica dies."""
+    engine = FakeEngine(max_model_len=4096, delay=0.05)
+    async with gateway(engine, grace_s=60, lease_s=0.3, read_block_s=0.05) as client:
+        producing = asyncio.create_task(drive_and_leave(client, "/v1/chat/completions", {**CHAT, "max_tokens": 200},
+                                                        10**6))
+        rings = client.app_state["gateway"].streams.log._rings  # type: ignore[attr-defined]
+        await until(lambda: any(len(ring.events) >= 3 for ring in rings.values()), what="a few events logged")
+        producing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await producing
+        stream_id = next(iter(rings)).split(":", 1)[1]
+        resumed = await client.get(f"/v1/chat/completions/streams/{stream_id}", headers=auth())
+        assert "producer stopped before the stream's end" in events(resumed.text)[-2]
+        assert engine.aborted == [engine.requests[0].request_id]
