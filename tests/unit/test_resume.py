@@ -32,6 +32,8 @@ BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": CHAT,
     "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 6, "stream": True},
     "/v1/messages": {"model": MODEL, "max_tokens": 6, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+    "/stream-generate": {"model": MODEL, "prompt": "hi", "max_tokens": 6},  # the native API's: resumable too
+    "/chat": {**CHAT},
 }
 KEYS = ["sk-a", "sk-b"]
 
