@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -82,6 +82,7 @@ class StreamStore:
     settings: StreamSettings
     continuation: Continuation | None = None  # the hook a takeover plugs into
     writers: set[asyncio.Task[None]] = field(default_factory=set)
+    readers: Counter[str] = field(default_factory=Counter)  # resumed streams being read, per key (`web.sse.resumed`)
 
     def of(self, owner: str) -> OwnedStreams:
         return OwnedStreams(self, owner)

@@ -360,3 +360,40 @@ async def test_a_stream_cancelled_by_a_shutdown_does_not_end_its_log_as_complete
         resumed = await client.get(f"/v1/chat/completions/streams/{stream_id}", headers=auth())
         assert "producer stopped before the stream's end" in events(resumed.text)[-2]
         assert engine.aborted == [engine.requests[0].request_id]
+
+
+async def test_a_key_reads_at_most_max_readers_resumed_streams_at_once() -> None:
+    """Each resumed reader waits on the log (in Redis: a connection per `XREAD BLOCK`): a key's readers on one
+    replica are bounded, the next one is a 429 before the first byte, and a reader that ends frees its place."""
+    engine = FakeEngine(max_model_len=4096, delay=0.05)
+    async with gateway(engine, grace_s=60, max_readers=2) as client:
+        producing = asyncio.create_task(drive_and_leave(client, "/v1/chat/completions", {**CHAT, "max_tokens": 200},
+                                                        10**6))
+        rings = client.app_state["gateway"].streams.log._rings  # type: ignore[attr-defined]
+        await until(lambda: bool(rings), what="the stream's log")
+        path = f"/v1/chat/completions/streams/{next(iter(rings)).split(':', 1)[1]}"
+        app, started = client._transport.app, []  # type: ignore[attr-defined]
+
+        async def read() -> None:  # a reader that stays, until cancelled
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+                     "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                     "root_path": "", "headers": [(b"authorization", b"Bearer sk-a")], "client": ("127.0.0.1", 1),
+                     "server": ("127.0.0.1", 80)}
+
+            async def send(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    started.append(message["status"])
+
+            await app(scope, asyncio.Event().wait, send)
+
+        readers = [asyncio.create_task(read()) for _ in range(2)]
+        await until(lambda: len(started) == 2, what="two readers reading")
+        refused = await client.get(path, headers=auth())
+        assert refused.status_code == 429
+        assert "streams.max_readers" in refused.json()["error"]["message"]
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        assert not client.app_state["gateway"].streams.readers  # type: ignore[attr-defined]
+        producing.cancel()
+        await asyncio.gather(producing, return_exceptions=True)
