@@ -266,6 +266,11 @@ async def test_a_log_replays_then_follows_live_then_ends(kind: str, redis_url: s
         writer = store.of("a").writer("strm_1", TAKEOVER)
         for n in range(3):
             writer.append(b"e%d" % n)
+
+        async def opened() -> bool:
+            return await store.log.takeover("a:strm_1") is not None
+
+        await until_awaited(opened, within_s=30, what="the log opened")  # before: an unknown stream, a 404
         reading = asyncio.create_task(played(store, 0))
         await until(lambda: not writer._pending)
         writer.append(b"e3")
