@@ -117,6 +117,9 @@ class OwnedStreams:
         try:
             takeover = await log_.takeover(key)
             read = await log_.read(key, after, 0.0) if takeover is not None else None
+            # an ended stream with nothing after `after`: had it that event (a resume exactly at its end)?
+            beyond = (read is not None and read.end is not None and not read.events and after >= 0
+                      and not (await log_.read(key, after - 1, 0.0)).events)
         except ERRORS as exc:
             _failed(exc)
             raise ServiceUnavailable("The stream log is unavailable; retry later") from exc
@@ -124,6 +127,8 @@ class OwnedStreams:
             raise missing(stream_id)
         if read.first > after + 1:
             raise InvalidRequest(f"The events of stream '{stream_id}' before {read.first} are no longer kept", param)
+        if beyond:
+            raise InvalidRequest(f"Stream '{stream_id}' ended before event {after}", param)
         return self._played(key, takeover, after, read, died)
 
     async def _played(

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.errors import NotFound
+from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.batch_objects import Owner
 from gateway.settings import StreamSettings
 from gateway.stores.redis import RedisPools
@@ -106,6 +106,10 @@ async def test_a_responses_stream_resumes_by_its_sequence_number() -> None:
         by_header = await client.get(f"/v1/responses/{response_id}?stream=true",
                                      headers={**auth(), "last-event-id": "3"})
         assert ids(by_header.text) == sequence[4:]
+        beyond = await client.get(f"/v1/responses/{response_id}?stream=true&starting_after={sequence[-1] + 1}",
+                                  headers=auth())
+        assert beyond.status_code == 400
+        assert beyond.json()["error"]["param"] == "starting_after"
         empty = await client.get(f"/v1/responses/{response_id}?stream=true&starting_after=", headers=auth())
         assert empty.status_code == 400
         bad = await client.get(f"/v1/responses/{response_id}?stream=true&starting_after=x", headers=auth())
@@ -277,7 +281,10 @@ async def test_a_log_replays_then_follows_live_then_ends(kind: str, redis_url: s
         writer.close(b"END")
         assert await asyncio.wait_for(reading, 30) == [b"e1", b"e2", b"e3", b"END"]
         assert await played(store, -1) == [b"e0", b"e1", b"e2", b"e3", b"END"]
-        assert await played(store, 3) == [b"END"]
+        assert await played(store, 3) == [b"END"]  # exactly at its end
+        for beyond in (4, 10**17):  # an event it never had: a 400, not a silent end
+            with pytest.raises(InvalidRequest, match="ended before event"):
+                await played(store, beyond)
         with pytest.raises(NotFound):
             await played(store, -1, owner="b")  # another owner's
         with pytest.raises(NotFound):
