@@ -102,6 +102,10 @@ class StreamSettings(BaseModel):
         5, gt=0, description="Redis: the producer renews its lease every third of this; a reader that finds it lapsed "
         "without the stream's end takes the producer for dead"
     )
+    max_readers: int = Field(
+        64, gt=0, description="Resumed streams one API key reads at once on a replica, at most (beyond: 429); each "
+        "waits on the log (in Redis: a connection per wait)"
+    )
     read_block_s: float = Field(
         1, gt=0, description="A resumed stream's reader waits this long for the next event per read (bounded by "
         "cache.redis_timeout_s in Redis)"

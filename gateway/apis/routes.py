@@ -120,9 +120,13 @@ TABLE = RouteTable([
              native_wire.GenerateRequest, native_wire.GenerateResponse),
     Endpoint("POST", "/stream-generate", native_routes.stream_generate, "api", "Native API: stream text (SSE)",
              native_wire.GenerateRequest, native_wire.GenerateResponse, streams=True),
+    Endpoint("GET", "/stream-generate/streams/{stream_id}", resuming("/stream-generate"), "api",
+             "Native API: resume a stream after its Last-Event-ID, on any replica (SSE)"),
     Endpoint("POST", "/chat", native_routes.chat_native, "api",
              "Native API: chat messages in, text out (SSE with stream)",
              native_wire.NativeChatRequest, native_wire.GenerateResponse, streams=True),
+    Endpoint("GET", "/chat/streams/{stream_id}", resuming("/chat"), "api",
+             "Native API: resume a /chat stream after its Last-Event-ID, on any replica (SSE)"),
     Endpoint("POST", "/mcp", mcp_routes.exchange, "api", "The MCP gateway (streamable HTTP, JSON-RPC): the servers "
              "file's tools the key may call, named <server>__<tool> (docs/mcp.md)", per_call=True),
     Endpoint("POST", "/v1/load_lora_adapter", admin_routes.load_adapter, "admin",

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -84,6 +84,7 @@ class StreamStore:
     settings: StreamSettings
     continuation: Continuation | None = None  # the hook a takeover plugs into
     writers: set[asyncio.Task[None]] = field(default_factory=set)
+    readers: Counter[str] = field(default_factory=Counter)  # resumed streams being read, per key (`web.sse.resumed`)
 
     def of(self, owner: str) -> OwnedStreams:
         return OwnedStreams(self, owner)
@@ -118,6 +119,9 @@ class OwnedStreams:
         try:
             takeover = await log_.takeover(key)
             read = await log_.read(key, after, 0.0) if takeover is not None else None
+            # an ended stream with nothing after `after`: had it that event (a resume exactly at its end)?
+            beyond = (read is not None and read.end is not None and not read.events and after >= 0
+                      and not (await log_.read(key, after - 1, 0.0)).events)
         except ERRORS as exc:
             _failed(exc)
             raise ServiceUnavailable("The stream log is unavailable; retry later") from exc
@@ -125,6 +129,8 @@ class OwnedStreams:
             raise missing(stream_id)
         if read.first > after + 1:
             raise InvalidRequest(f"The events of stream '{stream_id}' before {read.first} are no longer kept", param)
+        if beyond:
+            raise InvalidRequest(f"Stream '{stream_id}' ended before event {after}", param)
         return self._played(key, takeover, after, read, died)
 
     async def _played(
@@ -200,7 +206,7 @@ class Writer:
         self._beat_s = store.settings.lease_s / 3
         self._pending: list[tuple[int, bytes]] = []
         self._end: bytes | None = None
-        self._abandoned = False
+        self._closed = False
         self.next = after + 1  # the next event's number
         self._wake = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._write())
@@ -211,14 +217,15 @@ class Writer:
         self.next += 1
         self._wake.set()
 
-    def close(self, end: bytes) -> None:
-        self._end = end
+    def close(self, end: bytes | None) -> None:
+        """The stream's end marker; None: stopped without one (a shutdown's cancel): what was queued is written, then
+        the lease lapses and a reader takes the producer for gone, as when its replica dies."""
+        self._end, self._closed = end, True
         self._wake.set()
 
     def abandon(self) -> None:
-        """Stop without an end marker: what is queued is written, then the lease lapses (a reader takes over)."""
-        self._abandoned = True
-        self._wake.set()
+        """Stop without an end marker (a taker whose client left): `close(None)`, so a reader takes over from here."""
+        self.close(None)
 
     async def _write(self) -> None:
         """Each call tried again (a slow Redis' timeout, a blip) until it has failed for a whole lease: then the
@@ -229,11 +236,11 @@ class Writer:
             with contextlib.suppress(TimeoutError):  # woken by an event, or to renew the lease
                 await asyncio.wait_for(self._wake.wait(), self._beat_s)
             self._wake.clear()
-            events, end = list(self._pending), self._end
+            events, end, closed = list(self._pending), self._end, self._closed
             if not await self._tried(functools.partial(self._log.append, self._key, events, end)):
                 return
             del self._pending[: len(events)]  # written (events appended meanwhile stay)
-            if end is not None or (self._abandoned and not self._pending):
+            if closed:
                 return
 
     async def _tried(self, call: Callable[[], Awaitable[None]]) -> bool:

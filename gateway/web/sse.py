@@ -7,6 +7,7 @@ a Responses stream's is its response id), each event an SSE `id:` (its number: a
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import secrets
 from collections.abc import AsyncGenerator, Callable
@@ -16,13 +17,13 @@ import structlog
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import ClientDisconnected, InvalidRequest, NotFound, ServiceUnavailable
+from gateway.errors import ClientDisconnected, InvalidRequest, NotFound, RateLimited, ServiceUnavailable
 from gateway.pipeline.answer import Events, Primed
 from gateway.pipeline.context import context_of
 from gateway.pipeline.disconnect import Watch
 from gateway.protocol.batch_objects import Owner
 from gateway.protocol.sse_wire import DONE, FRAMINGS, Framing, encode, error_frame
-from gateway.stores.streams import OwnedStreams, Takeover, Writer
+from gateway.stores.streams import OwnedStreams, StreamStore, Takeover, Writer
 from gateway.telemetry.record import current_record, current_trace
 from gateway.web import stalls
 from gateway.web.error_render import dialect_of, from_exception
@@ -88,7 +89,7 @@ class EventStreamResponse(StreamingResponse):
         # cleanup (its abort) still await; a level-triggered scope would cancel that too.
         watch = Watch(gone_of(receive), grace_s=resumable.grace_s if resumable is not None else 0.0)
         sends, sweep = _stall_watch(scope, watch)
-        ending = framing.end
+        ending: bytes | None = None  # stopped otherwise (a shutdown's cancel): no end, as when a replica dies
         try:
             async with watch:
                 ending = await self._stream(_Sink(send, watch, log), framing, sends)
@@ -215,10 +216,38 @@ async def resumed(
     framing = framing or FRAMINGS[dialect_of(scope)]
     end = framing.end if framing.named else DONE
     died = error_frame(from_exception(ServiceUnavailable(DIED)).body(framing.dialect), framing) + end
-    streams = gateway.streams.of(context_of(scope).tenant)
-    events = await streams.replay(stream_id, after, path, missing, died, param)
-    headers = {**HEADERS, "x-stream-id": stream_id}
-    return StreamingResponse(_ended(events, framing, end), headers=headers)
+    context, store = context_of(scope), gateway.streams
+    if store.readers[context.key_id] >= gateway.settings.streams.max_readers:
+        raise RateLimited("Too many resumed streams read at once by this key (streams.max_readers); retry when one "
+                          "ends")
+    store.readers[context.key_id] += 1  # until the response is done, or refused
+    try:
+        events = await store.of(context.tenant).replay(stream_id, after, path, missing, died, param)
+        headers = {**HEADERS, "x-stream-id": stream_id}
+        return _Reading(_ended(events, framing, end), headers=headers, done=functools.partial(_read, store, context.key_id))
+    except BaseException:
+        _read(store, context.key_id)
+        raise
+
+
+class _Reading(StreamingResponse):
+    """A resumed stream: `done` once it is over (also when it never started: the client left before)."""
+
+    def __init__(self, content: AsyncGenerator[bytes, None], headers: dict[str, str], done: Callable[[], None]) -> None:
+        super().__init__(content, headers=headers)
+        self.done = done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.done()
+
+
+def _read(store: StreamStore, key_id: str) -> None:
+    store.readers[key_id] -= 1
+    if not store.readers[key_id]:
+        del store.readers[key_id]
 
 
 async def _ended(events: AsyncGenerator[bytes, None], framing: Framing, end: bytes) -> AsyncGenerator[bytes, None]:

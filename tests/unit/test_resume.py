@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.errors import NotFound
+from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.batch_objects import Owner
 from gateway.settings import StreamSettings
 from gateway.stores.redis import RedisPools
@@ -32,6 +32,8 @@ BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": CHAT,
     "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 6, "stream": True},
     "/v1/messages": {"model": MODEL, "max_tokens": 6, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+    "/stream-generate": {"model": MODEL, "prompt": "hi", "max_tokens": 6},  # the native API's: resumable too
+    "/chat": {**CHAT},
 }
 KEYS = ["sk-a", "sk-b"]
 
@@ -104,6 +106,10 @@ async def test_a_responses_stream_resumes_by_its_sequence_number() -> None:
         by_header = await client.get(f"/v1/responses/{response_id}?stream=true",
                                      headers={**auth(), "last-event-id": "3"})
         assert ids(by_header.text) == sequence[4:]
+        beyond = await client.get(f"/v1/responses/{response_id}?stream=true&starting_after={sequence[-1] + 1}",
+                                  headers=auth())
+        assert beyond.status_code == 400
+        assert beyond.json()["error"]["param"] == "starting_after"
         empty = await client.get(f"/v1/responses/{response_id}?stream=true&starting_after=", headers=auth())
         assert empty.status_code == 400
         bad = await client.get(f"/v1/responses/{response_id}?stream=true&starting_after=x", headers=auth())
@@ -264,13 +270,21 @@ async def test_a_log_replays_then_follows_live_then_ends(kind: str, redis_url: s
         writer = store.of("a").writer("strm_1", TAKEOVER)
         for n in range(3):
             writer.append(b"e%d" % n)
+
+        async def opened() -> bool:
+            return await store.log.takeover("a:strm_1") is not None
+
+        await until_awaited(opened, within_s=30, what="the log opened")  # before: an unknown stream, a 404
         reading = asyncio.create_task(played(store, 0))
         await until(lambda: not writer._pending)
         writer.append(b"e3")
         writer.close(b"END")
         assert await asyncio.wait_for(reading, 30) == [b"e1", b"e2", b"e3", b"END"]
         assert await played(store, -1) == [b"e0", b"e1", b"e2", b"e3", b"END"]
-        assert await played(store, 3) == [b"END"]
+        assert await played(store, 3) == [b"END"]  # exactly at its end
+        for beyond in (4, 10**17):  # an event it never had: a 400, not a silent end
+            with pytest.raises(InvalidRequest, match="ended before event"):
+                await played(store, beyond)
         with pytest.raises(NotFound):
             await played(store, -1, owner="b")  # another owner's
         with pytest.raises(NotFound):
@@ -340,3 +354,59 @@ async def test_a_background_response_streams_again_and_its_cancel_still_stops_it
         cancelled = await client.post(f"/v1/responses/{running['id']}/cancel", headers=auth())
         assert cancelled.json()["status"] == "cancelled"
         assert engine.aborted == [engine.requests[-1].request_id]  # at once, not after the grace
+
+
+async def test_a_stream_cancelled_by_a_shutdown_does_not_end_its_log_as_complete() -> None:
+    """A cancel (a shutdown's, not its client's going) is no end: a resumer must not get `[DONE]` after a cut
+    answer, but what was produced and then the producer's death (or its continuation), as when a replica dies."""
+    engine = FakeEngine(max_model_len=4096, delay=0.05)
+    async with gateway(engine, grace_s=60, lease_s=0.3, read_block_s=0.05) as client:
+        producing = asyncio.create_task(drive_and_leave(client, "/v1/chat/completions", {**CHAT, "max_tokens": 200},
+                                                        10**6))
+        rings = client.app_state["gateway"].streams.log._rings  # type: ignore[attr-defined]
+        await until(lambda: any(len(ring.events) >= 3 for ring in rings.values()), what="a few events logged")
+        producing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await producing
+        stream_id = next(iter(rings)).split(":", 1)[1]
+        resumed = await client.get(f"/v1/chat/completions/streams/{stream_id}", headers=auth())
+        last = events(resumed.text)[-2]  # before `[DONE]`: the death's error event, or the continuation's finish
+        assert "producer stopped before the stream's end" in last or '"finish_reason":"length"' in last, last
+        assert engine.aborted == [engine.requests[0].request_id]
+
+
+async def test_a_key_reads_at_most_max_readers_resumed_streams_at_once() -> None:
+    """Each resumed reader waits on the log (in Redis: a connection per `XREAD BLOCK`): a key's readers on one
+    replica are bounded, the next one is a 429 before the first byte, and a reader that ends frees its place."""
+    engine = FakeEngine(max_model_len=4096, delay=0.05)
+    async with gateway(engine, grace_s=60, max_readers=2) as client:
+        producing = asyncio.create_task(drive_and_leave(client, "/v1/chat/completions", {**CHAT, "max_tokens": 200},
+                                                        10**6))
+        rings = client.app_state["gateway"].streams.log._rings  # type: ignore[attr-defined]
+        await until(lambda: bool(rings), what="the stream's log")
+        path = f"/v1/chat/completions/streams/{next(iter(rings)).split(':', 1)[1]}"
+        app, started = client._transport.app, []  # type: ignore[attr-defined]
+
+        async def read() -> None:  # a reader that stays, until cancelled
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+                     "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                     "root_path": "", "headers": [(b"authorization", b"Bearer sk-a")], "client": ("127.0.0.1", 1),
+                     "server": ("127.0.0.1", 80)}
+
+            async def send(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    started.append(message["status"])
+
+            await app(scope, asyncio.Event().wait, send)
+
+        readers = [asyncio.create_task(read()) for _ in range(2)]
+        await until(lambda: len(started) == 2, what="two readers reading")
+        refused = await client.get(path, headers=auth())
+        assert refused.status_code == 429
+        assert "streams.max_readers" in refused.json()["error"]["message"]
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        assert not client.app_state["gateway"].streams.readers  # type: ignore[attr-defined]
+        producing.cancel()
+        await asyncio.gather(producing, return_exceptions=True)

@@ -88,7 +88,8 @@ def concrete(client: TestClient, path: str, headers: dict[str, str]) -> str:
         return path.replace("{item_id}", "msg_route")
     if "{stream_id}" in path:  # a fresh stream of the API the path resumes
         created = path.removesuffix("/streams/{stream_id}")
-        made = client.post(created, json={**BODIES[created], "stream": True}, headers=headers)
+        streamed = {} if created == "/stream-generate" else {"stream": True}  # its path alone says it streams
+        made = client.post(created, json={**BODIES[created], **streamed}, headers=headers)
         return path.replace("{stream_id}", made.headers.get("x-stream-id", "strm_none"))
     if "{response_id}" not in path:
         return path.replace("{model:path}", "fake-model")
