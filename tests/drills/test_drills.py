@@ -152,8 +152,8 @@ class Outcome:
 
 
 async def stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], stop_after: int | None = None,
-                 started: asyncio.Event | None = None) -> Outcome:
-    """POST a stream; leave after `stop_after` events (a disconnect); `started` is set at the first event."""
+                 started: asyncio.Event | None = None, started_after: int = 1) -> Outcome:
+    """POST a stream; leave after `stop_after` events (a disconnect); `started` is set at event `started_after`."""
     outcome = Outcome()
     try:
         async with client.stream("POST", url, json={**body, "stream": True}) as response:
@@ -164,7 +164,7 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], stop
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
                     outcome.events.append(line[len("data: "):])
-                    if started is not None:
+                    if started is not None and len(outcome.events) >= started_after:
                         started.set()
                     if stop_after is not None and len(outcome.events) >= stop_after:
                         return outcome  # leaving the block closes the connection mid-stream
@@ -338,9 +338,9 @@ async def test_a_remote_upstream_killed_mid_stream(phase_b) -> None:
     async with httpx.AsyncClient(timeout=600) as client:
         before = await gauge(client, base, "gateway_stream_failovers_total")
         events = [asyncio.Event() for _ in range(4)]
-        tasks = [asyncio.create_task(stream(client, chat(base), body, started=e)) for e in events]
+        # each stream well under way (ten events in) when the upstream dies
+        tasks = [asyncio.create_task(stream(client, chat(base), body, started=e, started_after=10)) for e in events]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
-        await asyncio.sleep(0.5)  # the streams well under way (the echo upstream's tokens are 50 ms apart)
         os.killpg(upstream.process.pid, signal.SIGKILL)
         outcomes = await asyncio.gather(*tasks)
         short = {**body, "max_tokens": 8}

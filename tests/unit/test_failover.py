@@ -482,10 +482,7 @@ async def test_a_client_gone_while_the_next_model_queues_leaves_no_permit_and_no
         assert answer.on_close is not None
         [await anext(answer.events) for _ in range(DIES_AFTER)]
         switching = asyncio.ensure_future(anext(answer.events))
-        for _ in range(100):  # until it queues for the next model
-            if rescue.waiting:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: rescue.waiting, what="the switch queued for the next model")
         assert (dying.running, rescue.waiting) == (0, 1)
         switching.cancel()
         with pytest.raises(asyncio.CancelledError):
