@@ -193,8 +193,9 @@ class OwnedStreams:
             if ended:
                 writer.close(held or b"")
             else:  # this reader left mid-way: what it logged stays, and the next reader takes over from there
-                writer.abandon()
+                writer.close(None)
         yield held or b""
+
 
 class Writer:
     """One stream's log, written by one task in the order of `append` (a Redis that fails stops the log, not the
@@ -222,10 +223,6 @@ class Writer:
         the lease lapses and a reader takes the producer for gone, as when its replica dies."""
         self._end, self._closed = end, True
         self._wake.set()
-
-    def abandon(self) -> None:
-        """Stop without an end marker (a taker whose client left): `close(None)`, so a reader takes over from here."""
-        self.close(None)
 
     async def _write(self) -> None:
         """Each call tried again (a slow Redis' timeout, a blip) until it has failed for a whole lease: then the
