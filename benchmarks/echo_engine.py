@@ -81,13 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from gateway.server.http import server_config
+    from gateway.server.tls import ServerTLS
     from gateway.settings import Settings
     from gateway.telemetry.logs import configure
 
     settings = Settings(warmup=False, host=args.host, port=args.port)  # other settings from GATEWAY_*
     configure(settings.log_level, settings.log_format)
     app = create_echo_app(settings, echo_engine(args.name, args.token_delay))
-    uvicorn.Server(server_config(LagProbe(app) if args.lag_probe else app, settings)).run()  # as `gateway serve` serves
+    tls = ServerTLS(settings.tls).uvicorn_options() if settings.tls.enabled else None
+    uvicorn.Server(server_config(LagProbe(app) if args.lag_probe else app, settings, tls)).run()  # as `gateway serve` serves
     return 0
 
 

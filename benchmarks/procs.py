@@ -181,6 +181,8 @@ class Proc:
     `commanded`: it takes JSON lines on stdin and answers JSON lines on stdout (`answers()` in the
     child), its stderr being its log."""
 
+    scheme = "http"  # or https: a server of a test certificate (checked by the load, not by the readiness probe)
+
     def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path, port: int | None = None,
                  api_key: str | None = None, commanded: bool = False) -> None:
         self.name, self.command, self.env, self.log_path, self.port = name, command, env, log_path, port
@@ -198,7 +200,7 @@ class Proc:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"{self.scheme}://127.0.0.1:{self.port}/v1"
 
     async def launch(self, timeout_s: float) -> Proc:
         """Started, then ready within `timeout_s` (wait_ready)."""
@@ -224,12 +226,12 @@ class Proc:
         started = time.monotonic()
         assert self.process is not None
         headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        async with httpx.AsyncClient(timeout=5, headers=headers) as client:
+        async with httpx.AsyncClient(timeout=5, headers=headers, verify=self.scheme == "http") as client:
             while time.monotonic() - started < timeout_s:
                 if self.process.poll() is not None:
                     raise self.failed(f"exited with {self.process.returncode}")
                 with contextlib.suppress(httpx.HTTPError):
-                    health = await client.get(f"http://127.0.0.1:{self.port}/health")
+                    health = await client.get(f"{self.scheme}://127.0.0.1:{self.port}/health")
                     models = await client.get(f"{self.base_url}/models")
                     if health.status_code == 200 and models.status_code == 200:
                         log(f"{self.name} ready in {time.monotonic() - started:.0f} s")
