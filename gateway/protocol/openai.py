@@ -47,7 +47,9 @@ class ModelRequest(_Request):
     def prompt_count(self) -> int:
         """Prompts in the request, each its own engine request: a list of strings or of token id
         lists is several, a string or a list of token ids one."""
-        value = getattr(self, self.prompts_param, None)
+        # the fields' own dict: on a request without that field (chat's) `getattr` goes through pydantic's
+        # `__getattr__` and raises and catches an AttributeError, called several times per request
+        value = self.__dict__.get(self.prompts_param)
         if not isinstance(value, list) or all(isinstance(item, int) for item in value):
             return 1
         return len(value)
