@@ -218,9 +218,13 @@ class Proc:
                                         preexec_fn=_die_with_parent, **pipes)
         STARTED.append(self)
 
+    def tail(self, chars: int = 3000) -> str:
+        """The end of the process's log (benchmarks.peers reads a peer's port and last words there)."""
+        return self.log_path.read_text(errors="replace")[-chars:]
+
     def failed(self, what: str) -> RuntimeError:
         """An error saying what went wrong, with the end of the process's log."""
-        return RuntimeError(f"{self.name} {what}; log {self.log_path}:\n{self.log_path.read_text(errors='replace')[-3000:]}")
+        return RuntimeError(f"{self.name} {what}; log {self.log_path}:\n{self.tail()}")
 
     async def wait_ready(self, timeout_s: float) -> float:
         started = time.monotonic()
