@@ -12,6 +12,7 @@ model; `--tls` serves HTTPS with a throwaway CA (trustme) that the load generato
 
     .venv/bin/python -m benchmarks.remote_path --versions before=/tmp/before after=. --repeats 5
     .venv/bin/python -m benchmarks.remote_path --servers uvicorn granian --engine echo --tls
+    .venv/bin/python -m benchmarks.remote_path --repeats 1 --concurrency 64 --profile 18   # and where the time goes
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="remote: a remote model on the instant endpoint; echo: the echo engine, no upstream")
     p.add_argument("--tls", action="store_true", help="HTTPS (a throwaway CA the load generator trusts)")
     p.add_argument("--workers", type=int, nargs="+", default=[1], help="worker processes, each count in turn")
+    p.add_argument("--profile", type=int, metavar="SECONDS", default=0,
+                   help="after the rounds, py-spy each gateway this long at the highest level, by part of the path")
     return p.parse_args(argv)
 
 
@@ -179,6 +183,35 @@ async def work(args: argparse.Namespace, document: dict[str, Any]) -> None:
                 for run in runs[-len(slots):] if mock_run else ():
                     run["metrics"].update(added_p50_ms=run["metrics"]["p50_ms"] - mock_run["p50_ms"],
                                           added_p99_ms=run["metrics"]["p99_ms"] - mock_run["p99_ms"])
+        if args.profile:
+            await profile(args, servers, mock is not None, client, logs, document)
+
+
+async def profile(args: argparse.Namespace, servers: dict[str, Proc], remote: bool, client: Any, logs: Path,
+                  document: dict[str, Any]) -> None:
+    """py-spy (raw, 200 Hz, its worker processes too) on each gateway under steady load at the highest level, then
+    `benchmarks.profile_breakdown` over all of them: the table of where the time goes."""
+    level, profiles = max(args.concurrency), []
+    for name, proc in servers.items():
+        assert proc.process is not None
+        out = logs / f"profile-{name.replace('/', '-')}.txt"
+        config = LoadConfig(base_url=proc.base_url, model=MODEL if remote else None, concurrency=level,
+                            num_requests=10**8, duration_s=args.profile + 6, input_tokens=64, output_tokens=16,
+                            tokenizer="words", stream=args.stream, seed=4242)
+        load = asyncio.create_task(run_load(config, client=client))
+        await asyncio.sleep(3)  # steady load first
+        document["loadavg"].append(os.getloadavg())
+        spy = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "py-spy"), "record", "--subprocesses", "-p", str(proc.process.pid),
+            "-d", str(args.profile), "-r", "200", "-f", "raw", "-o", str(out),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await spy.wait()
+        result = await load
+        log(f"profiled {name}: {result.request_throughput:.0f} req/s meanwhile")
+        profiles.append(str(out))
+    breakdown = await asyncio.create_subprocess_exec(sys.executable, "-m", "benchmarks.profile_breakdown", *profiles,
+                                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    document["profile_table"] = (await breakdown.communicate())[0].decode()
 
 
 def summarize(document: dict[str, Any]) -> None:
@@ -211,7 +244,8 @@ def render(document: dict[str, Any]) -> str:
     return "\n".join([f"`{document['command']}`", "", f"load average (1 min) at each round's start: {loads}", "",
                       *md_table("c | target | req/s median [range] | p50 ms | p99 ms | added p50 ms | added p99 ms | "
                                 "gateway CPU ms/request", rows, left=("target",)),
-                      "", *md_table("c | ratio | of | median [smallest, largest]", ratios, left=("ratio", "of"))])
+                      "", *md_table("c | ratio | of | median [smallest, largest]", ratios, left=("ratio", "of")),
+                      "", document.get("profile_table", "")])
 
 
 def main(argv: list[str] | None = None) -> int:
