@@ -17,6 +17,7 @@ from starlette.testclient import TestClient
 from gateway.apis.responses import responses_serving as responses
 from tests.fakes import FakeEngine, app_with
 from tests.redis_server import RedisServer
+from tests.sse import named as sse  # (event name, data) of every event of a named-event stream
 from tests.unit.test_disconnect import drive
 from tests.waits import until_sync
 
@@ -29,13 +30,6 @@ TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item
                "response.output_item.done"]
 
 
-def sse(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """(event name, data) of every event of a named-event stream."""
-    events = []
-    for block in text.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        events.append((lines["event"], json.loads(lines["data"])))
-    return events
 
 
 def sdk_for(client: TestClient, key: str = "unused") -> openai.OpenAI:

@@ -11,7 +11,7 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -152,7 +152,7 @@ async def test_another_keys_stream_is_an_unknown_one(path: str) -> None:
 
 async def test_streams_off_have_no_ids_and_no_resume() -> None:
     engine = FakeEngine()
-    app = create_app(fake_settings(), engine_starter=lambda es: engine)
+    app = create_app(fake_settings(streams={"resumable": False}), engine_starter=lambda es: engine)
     async with app.router.lifespan_context(app) as state:
 
         async def with_state(scope: dict, receive: Any, send: Any) -> None:
@@ -321,6 +321,68 @@ async def test_a_log_keeps_its_bound_and_says_what_it_lost(kind: str, redis_url:
         with pytest.raises(Exception, match="no longer kept"):
             await played(store, -1)
         assert (await played(store, 298)) == [b"e299", b"END"]
+
+
+async def test_a_log_keeps_at_most_max_bytes_of_events(kind: str, redis_url: str | None) -> None:
+    async with log_of(kind, redis_url, max_bytes=100) as store:
+        writer = store.of("a").writer("strm_1", TAKEOVER)
+        for n in range(50):
+            writer.append(b"event %02d:" % n + b"x" * 20)  # 30 bytes each: the last 3 fit
+        writer.close(b"END")
+        await asyncio.wait_for(writer.task, 30)
+        with pytest.raises(InvalidRequest, match="before 47 are no longer kept"):
+            await played(store, 10)
+        assert await played(store, 46) == [b"event 47:" + b"x" * 20, b"event 48:" + b"x" * 20,
+                                          b"event 49:" + b"x" * 20, b"END"]
+
+
+async def test_the_memory_log_keeps_at_most_memory_bytes_in_all() -> None:
+    async with log_of("memory", None, memory_bytes=2000) as store:
+        log = cast(MemoryLog, store.log)
+        for n in range(10):
+            writer = store.of("a").writer(f"strm_{n}", TAKEOVER)
+            writer.append(b"x" * 300)
+            writer.close(b"END")
+            await writer.task
+            assert log.bytes <= 2000
+        assert await log.takeover("a:strm_0") is None  # the oldest dropped first
+        assert await log.takeover("a:strm_9") == TAKEOVER
+        assert log.bytes == sum(ring.bytes for ring in log._rings.values())
+
+
+async def test_a_stale_producers_late_events_are_refused_once_its_stream_is_taken_over(
+    kind: str, redis_url: str | None,
+) -> None:
+    """A producer whose lease lapsed (a Redis outage, a long pause) while a reader took its stream over writes
+    nothing more into it: each write checks the writer's token where it writes (fencing)."""
+    async with log_of(kind, redis_url) as store:
+        log = store.log
+        await log.open("a:strm_1", TAKEOVER, "producer")
+        assert await log.append("a:strm_1", "producer", [(0, b"e0")], None)
+        assert not await log.claim("a:strm_1", "taker")  # its lease holds
+
+        async def lapsed() -> bool:
+            return not await log.alive("a:strm_1")
+
+        await until_awaited(lapsed, within_s=30, what="the producer's lease lapsed")
+        assert await log.claim("a:strm_1", "taker")
+        assert not await log.claim("a:strm_1", "another")  # one taker
+        assert not await log.append("a:strm_1", "producer", [(1, b"late")], None)  # fenced
+        assert not await log.append("a:strm_1", "producer", [], b"LATE END")
+        assert await log.append("a:strm_1", "taker", [(1, b"e1 taken over")], b"END")
+        assert await played(store, -1) == [b"e0", b"e1 taken over", b"END"]
+
+
+async def test_a_writer_that_is_fenced_out_stops_writing(kind: str, redis_url: str | None) -> None:
+    async with log_of(kind, redis_url) as store:
+        writer = store.of("a").writer("strm_1", TAKEOVER)
+        writer.append(b"e0")
+        await until(lambda: not writer._pending)
+        # another writer's token where this one's lease was (as a taker's after a Redis outage)
+        await store.log.open("a:strm_1", TAKEOVER, "taker")
+        writer.append(b"e1 late")
+        await asyncio.wait_for(writer.task, 30)  # it stopped: refused
+        assert b"e1 late" not in b"".join(event for _, event in (await store.log.read("a:strm_1", -1, 0.0)).events)
 
 
 async def test_the_memory_log_keeps_at_most_max_streams() -> None:
