@@ -64,10 +64,11 @@ class Read:
 class Log(Protocol):
     """Where the events are kept; `key` is an owner's stream (`owned_key`); `token` a writer's fencing token."""
 
-    async def open(self, key: str, takeover: Takeover, token: str) -> None: ...
+    # `ttl_s`: kept this long after its last write (None: `streams.ttl_s`)
+    async def open(self, key: str, takeover: Takeover, token: str, ttl_s: float | None = None) -> None: ...
     # False: refused, the stream is another writer's now (fenced); `floor`: events before it are dropped (max_bytes)
     async def append(self, key: str, token: str, events: list[tuple[int, bytes]], end: bytes | None,
-                     floor: int = 0) -> bool: ...
+                     floor: int = 0, ttl_s: float | None = None) -> bool: ...
     async def takeover(self, key: str) -> Takeover | None: ...  # None: no such stream
     async def read(self, key: str, after: int, block_s: float) -> Read: ...  # waits up to block_s for one event
     async def alive(self, key: str) -> bool: ...  # its writer's lease holds
@@ -109,8 +110,9 @@ class OwnedStreams:
     store: StreamStore
     owner: str
 
-    def writer(self, stream_id: str, takeover: Takeover) -> Writer:
-        writer = Writer(self.store, owned_key(self.owner, stream_id, not_found), takeover)
+    def writer(self, stream_id: str, takeover: Takeover, ttl_s: float | None = None) -> Writer:
+        """`ttl_s`: how long its events are kept after the last (None: `streams.ttl_s`)."""
+        writer = Writer(self.store, owned_key(self.owner, stream_id, not_found), takeover, ttl_s=ttl_s)
         self.store.writers.add(writer.task)
         writer.task.add_done_callback(self.store.writers.discard)
         return writer
@@ -214,10 +216,12 @@ class Writer:
     """One stream's log, written by one task in the order of `append` (a Redis that fails stops the log, not the
     stream: its lease then lapses, and a reader is told the producer is gone)."""
 
-    def __init__(self, store: StreamStore, key: str, takeover: Takeover, after: int = -1, token: str = "") -> None:
+    def __init__(self, store: StreamStore, key: str, takeover: Takeover, after: int = -1, token: str = "",
+                 ttl_s: float | None = None) -> None:
         """`after`: the number of the last event already logged (a takeover's writer goes on after it, under the
         `token` its claim took)."""
         self._log, self._key, self._takeover, self._opened = store.log, key, takeover, after >= 0
+        self._ttl_s = ttl_s
         self.token = token or secrets.token_hex(8)
         self._beat_s, self._max_bytes = store.settings.lease_s / 3, store.settings.max_bytes
         self._pending: list[tuple[int, bytes]] = []
@@ -252,7 +256,7 @@ class Writer:
         """Each call tried again (a slow Redis' timeout, a blip) until it has failed for a whole lease: then the
         readers take the producer for gone, and the log stops."""
         if not self._opened and not await self._tried(functools.partial(self._log.open, self._key, self._takeover,
-                                                                         self.token)):
+                                                                         self.token, self._ttl_s)):
             return
         while True:
             with contextlib.suppress(TimeoutError):  # woken by an event, or to renew the lease
@@ -262,7 +266,7 @@ class Writer:
 
             async def append(events: list[tuple[int, bytes]] = events, end: bytes | None = end) -> None:
                 nonlocal fenced
-                fenced = not await self._log.append(self._key, self.token, events, end, self.floor)
+                fenced = not await self._log.append(self._key, self.token, events, end, self.floor, self._ttl_s)
 
             if not await self._tried(append):
                 return
@@ -312,10 +316,11 @@ class MemoryLog:
     def _drop(self, key: str) -> None:
         self.bytes -= self._rings.pop(key).bytes
 
-    async def open(self, key: str, takeover: Takeover, token: str) -> None:
+    async def open(self, key: str, takeover: Takeover, token: str, ttl_s: float | None = None) -> None:
         if key in self._rings:
             self._drop(key)
-        self._rings[key] = _Ring(takeover, deque(), token=token, bytes=len(takeover.request) + EVENT_BYTES)
+        self._rings[key] = _Ring(takeover, deque(), token=token, bytes=len(takeover.request) + EVENT_BYTES,
+                                 ttl_s=ttl_s or self.settings.ttl_s)
         self.bytes += self._rings[key].bytes
         self._touch(key, self._rings[key])
         self._bound()
@@ -326,7 +331,7 @@ class MemoryLog:
             self._drop(next(iter(self._rings)))
 
     async def append(self, key: str, token: str, events: list[tuple[int, bytes]], end: bytes | None,
-                     floor: int = 0) -> bool:
+                     floor: int = 0, ttl_s: float | None = None) -> bool:
         ring = self._ring(key)
         if ring is None:
             return True  # dropped: nothing to keep it in
@@ -349,7 +354,7 @@ class MemoryLog:
 
     def _touch(self, key: str, ring: _Ring) -> None:
         now = time.monotonic()
-        ring.expires, ring.lease = now + self.settings.ttl_s, now + self.settings.lease_s
+        ring.expires, ring.lease = now + ring.ttl_s, now + self.settings.lease_s
         self._rings.move_to_end(key)
 
     async def takeover(self, key: str) -> Takeover | None:
@@ -388,6 +393,7 @@ class _Ring:
     events: deque[tuple[int, bytes]]
     token: str = ""  # its writer's (fencing)
     bytes: int = 0
+    ttl_s: float = 0.0
     end: bytes | None = None
     expires: float = 0.0
     lease: float = 0.0
@@ -404,7 +410,8 @@ def _number(entry_id: bytes) -> int:
     return int(sequence) - 1 if time_part == b"0" else -1
 
 
-# A writer's batch, fenced: refused (0) when the lease holds another writer's token, or lapsed and the stream was
+# A writer's batch (or its lease's renewal, which renews the expiry too: a stream kept briefly that sends nothing
+# for a while lives on), fenced: refused (0) when the lease holds another writer's token, or lapsed and the stream was
 # claimed by another (`:taker`). An event a try that timed out wrote already is kept as it was (XADD's error on an id
 # not above the last, ignored).
 # KEYS: the stream, :lease, :takeover, :taker. ARGV: token, lease ms, ttl ms, max events, floor entry ('': none),
@@ -428,10 +435,8 @@ if ARGV[6] == '1' then
 else
   redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 end
-if #ARGV >= 8 or ARGV[6] == '1' then
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  redis.call('PEXPIRE', KEYS[3], ARGV[3])
-end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
 return 1
 """
 # One taker of a stream whose lease lapsed: `:taker` set if absent (expiring with a lease: a taker that dies too
@@ -453,10 +458,10 @@ class RedisLog:
         self._append = self._client.redis.register_script(_APPEND)
         self._claim = self._client.redis.register_script(_CLAIM)
 
-    async def open(self, key: str, takeover: Takeover, token: str) -> None:
+    async def open(self, key: str, takeover: Takeover, token: str, ttl_s: float | None = None) -> None:
         fields = {"key_id": takeover.owner.key_id, "tenant": takeover.owner.tenant, "path": takeover.path,
                   "request": takeover.request}
-        ttl_ms, base = int(self.settings.ttl_s * 1000), self.prefix + key
+        ttl_ms, base = int((ttl_s or self.settings.ttl_s) * 1000), self.prefix + key
         async with self._client.redis.pipeline(transaction=False) as pipe:
             pipe.hset(base + ":takeover", mapping=fields)  # type: ignore[arg-type]
             pipe.pexpire(base + ":takeover", ttl_ms)
@@ -464,10 +469,10 @@ class RedisLog:
             await self._client.bounded(pipe.execute())
 
     async def append(self, key: str, token: str, events: list[tuple[int, bytes]], end: bytes | None,
-                     floor: int = 0) -> bool:
+                     floor: int = 0, ttl_s: float | None = None) -> bool:
         base, settings = self.prefix + key, self.settings
         args: list[str | bytes | int] = [
-            token, int(settings.lease_s * 1000), int(settings.ttl_s * 1000), settings.max_events,
+            token, int(settings.lease_s * 1000), int((ttl_s or settings.ttl_s) * 1000), settings.max_events,
             _entry(floor) if floor else "", "1" if end is not None else "0", end or b"",
         ]
         for number, frame in events:

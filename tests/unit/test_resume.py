@@ -122,6 +122,27 @@ async def test_a_responses_stream_resumes_by_its_sequence_number() -> None:
             unknown.json()["error"]["message"].replace("resp_ffff", "X")
 
 
+async def test_a_store_false_responses_stream_is_kept_only_for_a_reconnect_then_unknown() -> None:
+    """Not stored: OpenAI answers an unknown response once it ends; its events are kept for a client that lost its
+    connection (the grace), not for a retrieve long after (`streams.ttl_s`)."""
+    async with gateway(FakeEngine(), grace_s=0.5, lease_s=0.3) as client:
+        rings = client.app_state["gateway"].streams.log._rings  # type: ignore[attr-defined]
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 16, "stream": True}
+        kept = await client.post("/v1/responses", json=body, headers=auth())
+        fleeting = await client.post("/v1/responses", json={**body, "store": False}, headers=auth())
+        ttls = {key.rsplit(":", 1)[1]: ring.ttl_s for key, ring in rings.items()}
+        assert ttls == {kept.headers["x-stream-id"]: 600, fleeting.headers["x-stream-id"]: 0.5}
+
+        async def unknown() -> bool:
+            again = await client.get(f"/v1/responses/{fleeting.headers['x-stream-id']}?stream=true", headers=auth())
+            return again.status_code == 404
+
+        await until_awaited(unknown, within_s=30, what="the store:false stream's events dropped after the grace")
+        stored = await client.get(f"/v1/responses/{kept.headers['x-stream-id']}?stream=true", headers=auth())
+        assert stored.status_code == 200
+        assert stored.text == kept.text
+
+
 @pytest.mark.parametrize("value", ["x", "-1", " 1", "1.0", "\u0663", "1" * 19, ""])
 async def test_a_garbage_last_event_id_is_a_400_naming_it(value: str) -> None:
     async with gateway(FakeEngine()) as client:
