@@ -422,7 +422,7 @@ def test_a_cancel_on_another_replica_stops_a_background_response(redis: RedisSer
 
 async def test_a_stream_whose_client_leaves_is_stored_cancelled(engine: FakeEngine) -> None:
     engine.delay, body = 0.01, {"model": MODEL, "input": "hi", "stream": True, "max_output_tokens": 50}
-    app = app_with(engine)
+    app = app_with(engine, streams={"grace_s": 0})  # no grace for a reconnect: cancelled at once
     async with app.router.lifespan_context(app) as state:
         async def with_state(scope: dict, receive: Any, send: Any) -> None:
             await app({**scope, "state": dict(state)}, receive, send)
