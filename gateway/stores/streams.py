@@ -314,14 +314,14 @@ class MemoryLog:
         return ring
 
     def _drop(self, key: str) -> None:
-        self.bytes -= self._rings.pop(key).bytes
+        self.bytes -= self._rings.pop(key).size
 
     async def open(self, key: str, takeover: Takeover, token: str, ttl_s: float | None = None) -> None:
         if key in self._rings:
             self._drop(key)
-        self._rings[key] = _Ring(takeover, deque(), token=token, bytes=len(takeover.request) + EVENT_BYTES,
+        self._rings[key] = _Ring(takeover, deque(), token=token, size=len(takeover.request) + EVENT_BYTES,
                                  ttl_s=ttl_s or self.settings.ttl_s)
-        self.bytes += self._rings[key].bytes
+        self.bytes += self._rings[key].size
         self._touch(key, self._rings[key])
         self._bound()
 
@@ -339,11 +339,11 @@ class MemoryLog:
             return False
         ring.events.extend(events)
         added = sum(len(frame) + EVENT_BYTES for _, frame in events) + (len(end) if end else 0)
-        ring.bytes += added
+        ring.size += added
         self.bytes += added
         while ring.events and (ring.events[0][0] < floor or len(ring.events) > self.settings.max_events):
             dropped = len(ring.events.popleft()[1]) + EVENT_BYTES
-            ring.bytes -= dropped
+            ring.size -= dropped
             self.bytes -= dropped
         ring.end = end
         self._touch(key, ring)
@@ -392,7 +392,7 @@ class _Ring:
     takeover: Takeover
     events: deque[tuple[int, bytes]]
     token: str = ""  # its writer's (fencing)
-    bytes: int = 0
+    size: int = 0  # its frames' and request's bytes, and EVENT_BYTES per event
     ttl_s: float = 0.0
     end: bytes | None = None
     expires: float = 0.0
@@ -517,7 +517,7 @@ class RedisLog:
     async def claim(self, key: str, token: str) -> bool:
         """One taker (`_CLAIM`); readers that lost wait on the log."""
         base = self.prefix + key
-        keys, args = [base + ":lease", base + ":taker"], [token, int(self.settings.lease_s * 1000)]
+        keys, args = [base + ":lease", base + ":taker"], [token, str(int(self.settings.lease_s * 1000))]
         return bool(await self._client.bounded(self._claim(keys=keys, args=args)))
 
     async def aclose(self) -> None:

@@ -13,8 +13,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
 
+import anthropic
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.errors import InvalidRequest, NotFound
@@ -22,8 +24,9 @@ from gateway.protocol.batch_objects import Owner
 from gateway.settings import StreamSettings
 from gateway.stores.redis import RedisPools
 from gateway.stores.streams import MemoryLog, RedisLog, StreamStore, Takeover, not_found
-from tests.fakes import FakeEngine, fake_settings
+from tests.fakes import FakeEngine, app_with, fake_settings
 from tests.redis_server import RedisServer
+from tests.unit.test_responses import sdk_for
 from tests.waits import until, until_awaited
 
 MODEL = "fake-model"
@@ -141,6 +144,26 @@ async def test_a_store_false_responses_stream_is_kept_only_for_a_reconnect_then_
         stored = await client.get(f"/v1/responses/{kept.headers['x-stream-id']}?stream=true", headers=auth())
         assert stored.status_code == 200
         assert stored.text == kept.text
+
+
+def test_the_sdks_read_resumable_streams_with_their_ids() -> None:
+    """Resumable by default: the openai and anthropic SDKs' stream parsers take the `id:` lines in their stride,
+    and the openai SDK's own resume (`responses.retrieve(id, stream=True, starting_after=N)`) works."""
+    with TestClient(app_with(FakeEngine(), api_keys=KEYS)) as client:
+        sdk = sdk_for(client, "sk-a")
+        chunks = list(sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=6, stream=True))
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+        streamed = list(sdk.responses.create(model=MODEL, input="hi", max_output_tokens=16, stream=True))
+        assert [event.sequence_number for event in streamed] == list(range(len(streamed)))
+        response_id = streamed[0].response.id  # type: ignore[union-attr]
+        resumed = list(sdk.responses.retrieve(response_id, stream=True, starting_after=2))
+        assert [event.model_dump() for event in resumed] == [event.model_dump() for event in streamed[3:]]
+        claude = anthropic.Anthropic(base_url=str(client.base_url), api_key="sk-a", http_client=client, max_retries=0)
+        with claude.messages.stream(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "hi"}]) as stream:
+            text = "".join(stream.text_stream)
+            assert stream.get_final_message().content[0].text == text  # type: ignore[union-attr]
+        assert text
 
 
 @pytest.mark.parametrize("value", ["x", "-1", " 1", "1.0", "\u0663", "1" * 19, ""])
@@ -368,7 +391,7 @@ async def test_the_memory_log_keeps_at_most_memory_bytes_in_all() -> None:
             assert log.bytes <= 2000
         assert await log.takeover("a:strm_0") is None  # the oldest dropped first
         assert await log.takeover("a:strm_9") == TAKEOVER
-        assert log.bytes == sum(ring.bytes for ring in log._rings.values())
+        assert log.bytes == sum(ring.size for ring in log._rings.values())
 
 
 async def test_a_stale_producers_late_events_are_refused_once_its_stream_is_taken_over(

@@ -23,9 +23,9 @@ from gateway.pipeline.lifecycle import Lifecycle
 from gateway.server.cli import parser, settings_from
 from gateway.server.http import MAX_HEADER_BYTES, DrainingServer, http_protocol, server_config
 from gateway.telemetry import logs, metrics
+from tests import sse
 from tests.fakes import FakeEngine, chat_body, fake_settings
 from tests.ports import listening_line
-from tests import sse
 
 
 def until(condition: Any, what: str, within_s: float = 60) -> None:
