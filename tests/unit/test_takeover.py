@@ -229,7 +229,7 @@ async def test_a_responses_stream_goes_on_with_its_sequence_numbers_and_one_end(
         events = named(again.text)
         numbers = [data["sequence_number"] for _, data in events]
         assert numbers == ids(again.text) == list(range(len(events)))
-        assert [data["sequence_number"] for _, data in named(rest.text)][0] == 5
+        assert named(rest.text)[0][1]["sequence_number"] == 5
         types = [kind for kind, _ in events]
         # one end, as the uninterrupted answer's: the fake model writes on to max_output_tokens
         for once in ("response.created", "response.output_item.added", "response.output_text.done",
