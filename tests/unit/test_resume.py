@@ -55,9 +55,11 @@ def ids(text: str) -> list[int]:
 
 
 @asynccontextmanager
-async def gateway(engine: FakeEngine, **streams: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """The app in-process, its lifespan state in every scope (as the server gives it), resumable streams on."""
-    settings = fake_settings(api_keys=KEYS, streams={"resumable": True, **streams})
+async def gateway(engine: FakeEngine, redis_url: str | None = None, **streams: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The app in-process, its lifespan state in every scope (as the server gives it), resumable streams on (in
+    Redis at `redis_url`, else in memory)."""
+    cache = {"backend": "redis", "redis_url": redis_url} if redis_url else {"backend": "off"}
+    settings = fake_settings(api_keys=KEYS, cache=cache, streams={"resumable": True, **streams})
     app = create_app(settings, engine_starter=lambda es: engine)
     async with app.router.lifespan_context(app) as state:
 
@@ -182,8 +184,8 @@ async def test_a_garbage_last_event_id_is_a_400_naming_it(value: str) -> None:
 
 
 @pytest.mark.parametrize("path", list(BODIES))
-async def test_another_keys_stream_is_an_unknown_one(path: str) -> None:
-    async with gateway(FakeEngine()) as client:
+async def test_another_keys_stream_is_an_unknown_one(path: str, kind: str, redis_url: str | None) -> None:
+    async with gateway(FakeEngine(), redis_url) as client:
         stream_id = (await client.post(path, json=BODIES[path], headers=auth())).headers["x-stream-id"]
         unknown_id = "strm_" + "0" * 32
         theirs = await client.get(f"{path}/streams/{stream_id}", headers=auth("sk-b"))
@@ -192,6 +194,23 @@ async def test_another_keys_stream_is_an_unknown_one(path: str) -> None:
         assert theirs.text.replace(stream_id, "X") == unknown.text.replace(unknown_id, "X")
         for trick in (f"sk-a:{stream_id}", f" {stream_id}", stream_id.upper(), stream_id + "\u200b"):
             assert (await client.get(f"{path}/streams/{trick}", headers=auth("sk-b"))).status_code == 404
+        assert (await client.get(f"{path}/streams/{stream_id}", headers=auth())).status_code == 200  # its own
+
+
+async def test_another_keys_responses_stream_is_an_unknown_response(kind: str, redis_url: str | None) -> None:
+    async with gateway(FakeEngine(), redis_url) as client:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 16, "stream": True}
+        for store in (True, False):
+            response_id = (await client.post("/v1/responses", json={**body, "store": store},
+                                             headers=auth())).headers["x-stream-id"]
+            for after in ("", "&starting_after=2"):
+                theirs = await client.get(f"/v1/responses/{response_id}?stream=true{after}", headers=auth("sk-b"))
+                unknown = await client.get(f"/v1/responses/resp_{'0' * 32}?stream=true{after}", headers=auth("sk-b"))
+                assert theirs.status_code == unknown.status_code == 404
+                assert theirs.json()["error"]["message"].replace(response_id, "X") == \
+                    unknown.json()["error"]["message"].replace(f"resp_{'0' * 32}", "X")
+                mine = await client.get(f"/v1/responses/{response_id}?stream=true{after}", headers=auth())
+                assert mine.status_code == 200
 
 
 async def test_streams_off_have_no_ids_and_no_resume() -> None:
