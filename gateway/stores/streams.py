@@ -49,6 +49,7 @@ class Takeover:
     owner: Owner
     path: str
     request: bytes = b""
+    ttl_s: float | None = None  # its events kept this long after the last (None: `streams.ttl_s`), also a taker's
 
 
 @dataclass(slots=True)
@@ -64,9 +65,9 @@ class Read:
 class Log(Protocol):
     """Where the events are kept; `key` is an owner's stream (`owned_key`); `token` a writer's fencing token."""
 
-    # `ttl_s`: kept this long after its last write (None: `streams.ttl_s`)
-    async def open(self, key: str, takeover: Takeover, token: str, ttl_s: float | None = None) -> None: ...
-    # False: refused, the stream is another writer's now (fenced); `floor`: events before it are dropped (max_bytes)
+    async def open(self, key: str, takeover: Takeover, token: str) -> None: ...
+    # False: refused, the stream is another writer's now (fenced); `floor`: events before it are dropped (max_bytes);
+    # `ttl_s`: the stream's (`Takeover.ttl_s`)
     async def append(self, key: str, token: str, events: list[tuple[int, bytes]], end: bytes | None,
                      floor: int = 0, ttl_s: float | None = None) -> bool: ...
     async def takeover(self, key: str) -> Takeover | None: ...  # None: no such stream
@@ -110,9 +111,8 @@ class OwnedStreams:
     store: StreamStore
     owner: str
 
-    def writer(self, stream_id: str, takeover: Takeover, ttl_s: float | None = None) -> Writer:
-        """`ttl_s`: how long its events are kept after the last (None: `streams.ttl_s`)."""
-        writer = Writer(self.store, owned_key(self.owner, stream_id, not_found), takeover, ttl_s=ttl_s)
+    def writer(self, stream_id: str, takeover: Takeover) -> Writer:
+        writer = Writer(self.store, owned_key(self.owner, stream_id, not_found), takeover)
         self.store.writers.add(writer.task)
         writer.task.add_done_callback(self.store.writers.discard)
         return writer
@@ -216,12 +216,10 @@ class Writer:
     """One stream's log, written by one task in the order of `append` (a Redis that fails stops the log, not the
     stream: its lease then lapses, and a reader is told the producer is gone)."""
 
-    def __init__(self, store: StreamStore, key: str, takeover: Takeover, after: int = -1, token: str = "",
-                 ttl_s: float | None = None) -> None:
+    def __init__(self, store: StreamStore, key: str, takeover: Takeover, after: int = -1, token: str = "") -> None:
         """`after`: the number of the last event already logged (a takeover's writer goes on after it, under the
         `token` its claim took)."""
         self._log, self._key, self._takeover, self._opened = store.log, key, takeover, after >= 0
-        self._ttl_s = ttl_s
         self.token = token or secrets.token_hex(8)
         self._beat_s, self._max_bytes = store.settings.lease_s / 3, store.settings.max_bytes
         self._pending: list[tuple[int, bytes]] = []
@@ -256,7 +254,7 @@ class Writer:
         """Each call tried again (a slow Redis' timeout, a blip) until it has failed for a whole lease: then the
         readers take the producer for gone, and the log stops."""
         if not self._opened and not await self._tried(functools.partial(self._log.open, self._key, self._takeover,
-                                                                         self.token, self._ttl_s)):
+                                                                         self.token)):
             return
         while True:
             with contextlib.suppress(TimeoutError):  # woken by an event, or to renew the lease
@@ -266,7 +264,8 @@ class Writer:
 
             async def append(events: list[tuple[int, bytes]] = events, end: bytes | None = end) -> None:
                 nonlocal fenced
-                fenced = not await self._log.append(self._key, self.token, events, end, self.floor, self._ttl_s)
+                fenced = not await self._log.append(self._key, self.token, events, end, self.floor,
+                                                    self._takeover.ttl_s)
 
             if not await self._tried(append):
                 return
@@ -316,11 +315,11 @@ class MemoryLog:
     def _drop(self, key: str) -> None:
         self.bytes -= self._rings.pop(key).size
 
-    async def open(self, key: str, takeover: Takeover, token: str, ttl_s: float | None = None) -> None:
+    async def open(self, key: str, takeover: Takeover, token: str) -> None:
         if key in self._rings:
             self._drop(key)
         self._rings[key] = _Ring(takeover, deque(), token=token, size=len(takeover.request) + EVENT_BYTES,
-                                 ttl_s=ttl_s or self.settings.ttl_s)
+                                 ttl_s=takeover.ttl_s or self.settings.ttl_s)
         self.bytes += self._rings[key].size
         self._touch(key, self._rings[key])
         self._bound()
@@ -458,10 +457,10 @@ class RedisLog:
         self._append = self._client.redis.register_script(_APPEND)
         self._claim = self._client.redis.register_script(_CLAIM)
 
-    async def open(self, key: str, takeover: Takeover, token: str, ttl_s: float | None = None) -> None:
+    async def open(self, key: str, takeover: Takeover, token: str) -> None:
         fields = {"key_id": takeover.owner.key_id, "tenant": takeover.owner.tenant, "path": takeover.path,
-                  "request": takeover.request}
-        ttl_ms, base = int((ttl_s or self.settings.ttl_s) * 1000), self.prefix + key
+                  "request": takeover.request, "ttl_s": str(takeover.ttl_s or 0)}
+        ttl_ms, base = int((takeover.ttl_s or self.settings.ttl_s) * 1000), self.prefix + key
         async with self._client.redis.pipeline(transaction=False) as pipe:
             pipe.hset(base + ":takeover", mapping=fields)  # type: ignore[arg-type]
             pipe.pexpire(base + ":takeover", ttl_ms)
@@ -486,7 +485,8 @@ class RedisLog:
         if not found:
             return None
         owner = Owner(key_id=found[b"key_id"].decode(), tenant=found[b"tenant"].decode())
-        return Takeover(owner, found[b"path"].decode(), found.get(b"request", b""))
+        ttl_s = float(found.get(b"ttl_s", b"0")) or None  # 0: the settings'
+        return Takeover(owner, found[b"path"].decode(), found.get(b"request", b""), ttl_s)
 
     async def read(self, key: str, after: int, block_s: float) -> Read:
         redis, base = self._client.redis, self.prefix + key

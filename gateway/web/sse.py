@@ -40,13 +40,11 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Resumable:
-    """Where a stream's events are kept, what a takeover needs, how long it outlives its client, and how long its
-    events are kept after the last (None: `streams.ttl_s`)."""
+    """Where a stream's events are kept, what a takeover needs, and how long it outlives its client."""
 
     streams: OwnedStreams
     takeover: Takeover
     grace_s: float
-    ttl_s: float | None = None
 
 
 def resumable_of(scope: Scope) -> Resumable | None:
@@ -85,7 +83,7 @@ class EventStreamResponse(StreamingResponse):
         resumable = self.resumable or resumable_of(scope)
         log = None
         if resumable is not None:
-            log = resumable.streams.writer(self.stream_id, resumable.takeover, resumable.ttl_s)
+            log = resumable.streams.writer(self.stream_id, resumable.takeover)
             self.raw_headers.append((b"x-stream-id", self.stream_id.encode()))
         # Plain asyncio, not an anyio cancel scope: cancelling the task once lets the engine's
         # cleanup (its abort) still await; a level-triggered scope would cancel that too.

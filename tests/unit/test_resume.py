@@ -7,6 +7,7 @@ one error event in the API's shape (or the continuation, when one is plugged in)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -420,7 +421,9 @@ async def test_a_stale_producers_late_events_are_refused_once_its_stream_is_take
     nothing more into it: each write checks the writer's token where it writes (fencing)."""
     async with log_of(kind, redis_url) as store:
         log = store.log
-        await log.open("a:strm_1", TAKEOVER, "producer")
+        kept = dataclasses.replace(TAKEOVER, ttl_s=30.0)  # kept as long under a taker (a store:false response's)
+        await log.open("a:strm_1", kept, "producer")
+        assert await log.takeover("a:strm_1") == kept
         assert await log.append("a:strm_1", "producer", [(0, b"e0")], None)
         assert not await log.claim("a:strm_1", "taker")  # its lease holds
 

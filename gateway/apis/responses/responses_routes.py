@@ -57,7 +57,8 @@ async def create(request: Request) -> Response:
             # not stored: once it ends it is an unknown response (OpenAI's), its events kept only for a client that
             # lost its connection to read the rest, as long as a departed client's stream waits for it
             kept = max(resumable.grace_s, state.settings.streams.lease_s)  # a reconnect after a blip, also with no grace
-            stream.resumable = dataclasses.replace(resumable, ttl_s=kept)
+            stream.resumable = dataclasses.replace(resumable, takeover=dataclasses.replace(resumable.takeover,
+                                                                                            ttl_s=kept))
         return stream
     await service.save()
     return respond(answer)
