@@ -85,7 +85,7 @@ class StreamSettings(BaseModel):
     when the stored responses are in Redis (`cache.backend` redis), else in this process."""
 
     resumable: bool = Field(
-        False, description="Keep each stream's events (an x-stream-id header, an SSE id on each event) so that a "
+        True, description="Keep each stream's events (an x-stream-id header, an SSE id on each event) so that a "
         "client that lost its connection resumes it, on any replica with Redis; off: streams as before, ended by "
         "their client's going"
     )
@@ -96,8 +96,16 @@ class StreamSettings(BaseModel):
     max_events: int = Field(
         8192, gt=0, description="Events kept per stream (Redis: an approximate MAXLEN); a resume from before them is a 400"
     )
+    max_bytes: int = Field(
+        2 << 20, gt=0, description="Bytes of events kept per stream (their SSE frames; the oldest dropped first, as "
+        "beyond max_events); a resume from before them is a 400"
+    )
     ttl_s: float = Field(600, gt=0, description="Seconds a stream's events are kept after its last event")
     max_streams: int = Field(10_000, gt=0, description="In memory (no Redis): streams kept at most, the oldest dropped first")
+    memory_bytes: int = Field(
+        256 << 20, gt=0, description="In memory (no Redis): bytes of every stream's events and requests kept at most "
+        "in this process, the oldest streams dropped first"
+    )
     lease_s: float = Field(
         5, gt=0, description="Redis: the producer renews its lease every third of this; a reader that finds it lapsed "
         "without the stream's end takes the producer for dead"

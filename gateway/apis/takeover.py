@@ -3,8 +3,8 @@ docs/streams.md "a dead replica"): the key that asked found again (`Authenticato
 are), its request parsed again for the API at its path, the text already sent read out of the events produced, and
 the answer continued from there on the one pipeline (`dispatch.resume`: the key's reach, guards, limits, admission,
 fallbacks). Its events carry the first stream's ids (chat's and completions' `id`, `created`, `model`; Messages'
-text block index), so the client sees one stream. Chat Completions, Completions and Messages are continued; a
-Responses stream ends with the error event as before.
+text block index; a Responses stream's response, its message and the next `sequence_number`), so the client sees
+one stream. Chat Completions, Completions, Messages and Responses (a message's text) are continued.
 """
 
 from __future__ import annotations
@@ -19,14 +19,19 @@ from pydantic import ValidationError
 
 from gateway.apis.chat.chat_serving import CHAT
 from gateway.apis.completions.completions_serving import COMPLETIONS
+from gateway.apis.conversations.conversations_serving import Conversations, joined
 from gateway.apis.messages.messages_serving import MESSAGES, to_chat
 from gateway.apis.messages.messages_wire import MessagesRequest
+from gateway.apis.responses import responses_mcp
+from gateway.apis.responses.responses_serving import ResponsesService, history_of
+from gateway.apis.responses.responses_wire import ResponseEvents, ResponsesRequest
 from gateway.errors import AuthenticationFailed, ServiceUnavailable, invalid_body
 from gateway.pipeline.answer import Stream, json_bytes
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import resume
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+from gateway.protocol.response_objects import OutputMessage, Response
 from gateway.protocol.sse_wire import FRAMINGS, NAMED, Framing, error_frame, payloads
 from gateway.serving.service import Service
 from gateway.stores.streams import Continuation, Takeover
@@ -35,7 +40,6 @@ from gateway.tenancy.keys import Identity
 from gateway.web.error_render import from_exception
 
 log = structlog.get_logger(__name__)
-OTHERS: dict[str, Framing] = {"/v1/responses": NAMED}  # not continued yet: their stream ends with the error event
 
 
 class _Api:
@@ -52,6 +56,11 @@ class _Api:
         choices = event.get("choices") or [{}]
         text = self._text(choices[0])
         return text if isinstance(text, str) else ""
+
+    async def continuing(self, state: GatewayState, context: RequestContext, body: Any, events: list[dict[str, Any]],
+                         text: str) -> tuple[Any, Service[Any, Any, Any]]:
+        """The request `dispatch.resume` continues, and its service, given the events sent and their text."""
+        return (body if self.to_chat is None else self.to_chat(body)), self.service
 
     def spliced(self, event: dict[str, Any], first: dict[str, Any]) -> dict[str, Any] | None:
         """Under the first stream's id, created and model; no second role."""
@@ -79,10 +88,42 @@ class _Messages(_Api):
         return event
 
 
+class _Responses(_Api):
+    """The Responses API's events: the service made again for the response the first stream began (its id, its
+    creation, the message open with the text so far, the next sequence number), so that it goes on with that
+    message's deltas, closes it and ends with one response.completed (stored as the first stream would have). A
+    stream whose message is not the only item it began (tool calls, MCP) is not continued."""
+
+    framing = NAMED
+
+    def text(self, event: dict[str, Any]) -> str:
+        return str(event.get("delta") or "") if event.get("type") == "response.output_text.delta" else ""
+
+    async def continuing(self, state: GatewayState, context: RequestContext, body: Any, events: list[dict[str, Any]],
+                         text: str) -> tuple[Any, Service[Any, Any, Any]]:
+        created = [event["response"] for event in events if event.get("type") == "response.created"]
+        items = [event["item"] for event in events if event.get("type", "").startswith("response.output_item.")]
+        if responses_mcp.applies(body) or len(created) != 1 or len(items) != 1 or items[0].get("type") != "message":
+            raise ServiceUnavailable(DIED)
+        mine = state.responses.of(context.tenant)
+        turn = await joined(Conversations(mine, state.settings.max_body_bytes), body)
+        service = ResponsesService(body, turn.items if turn else await history_of(mine, body.previous_response_id),
+                                   mine, turn)
+        response = Response.model_validate(created[0])
+        service.id, service.created = response.id, response.created_at
+        sequence = max(int(event.get("sequence_number", 0)) for event in events) + 1
+        service.events = ResponseEvents.resumed(response, sequence, OutputMessage.model_validate(items[0]), text)
+        return service.chat_request(), service
+
+    def spliced(self, event: dict[str, Any], first: dict[str, Any]) -> dict[str, Any] | None:
+        return event  # made by the first stream's service state: its ids and numbers already
+
+
 APIS: dict[str, _Api] = {
     "/v1/chat/completions": _Api(ChatCompletionRequest, CHAT, lambda choice: (choice.get("delta") or {}).get("content")),
     "/v1/completions": _Api(CompletionRequest, COMPLETIONS, lambda choice: choice.get("text")),
     "/v1/messages": _Messages(MessagesRequest, MESSAGES, lambda choice: None, to_chat),
+    "/v1/responses": _Responses(ResponsesRequest, CHAT, lambda choice: None),
 }
 
 
@@ -92,10 +133,9 @@ def continuation(state: GatewayState) -> Continuation:
 
     async def continued(takeover: Takeover, produced: list[bytes]) -> AsyncGenerator[bytes, None]:
         api = APIS.get(takeover.path)
-        if api is None:
-            framing = OTHERS.get(takeover.path, FRAMINGS["openai"])
-            yield _error(ServiceUnavailable(DIED), framing)
-            yield framing.end
+        if api is None:  # a path no stream is resumed by (the native API's): the error event
+            yield _error(ServiceUnavailable(DIED), FRAMINGS["openai"])
+            yield FRAMINGS["openai"].end
             return
         context = RequestContext(request_id="req_" + secrets.token_hex(16), key_id=takeover.owner.key_id,
                                  tenant=takeover.owner.tenant, body_bytes=len(takeover.request))
@@ -146,13 +186,13 @@ async def _continued(context: RequestContext, state: GatewayState, takeover: Tak
         body = api.request.model_validate_json(takeover.request)
     except ValidationError as exc:
         raise invalid_body(exc, takeover.request) from exc
-    texts = [(event, api.text(event)) for frame in produced for event in payloads(frame) if isinstance(event, dict)]
-    texts = [(event, text) for event, text in texts if text]
+    events = [event for frame in produced for event in payloads(frame) if isinstance(event, dict)]
+    texts = [(event, text) for event in events if (text := api.text(event))]
     if not texts:
         raise ServiceUnavailable(DIED)  # not one token out: the client may simply ask again
     text, first = "".join(text for _, text in texts), texts[0][0]
-    answer = await resume(context, state, body if api.to_chat is None else api.to_chat(body), api.service, text,
-                          len(texts))
+    request, service = await api.continuing(state, context, body, events, text)
+    answer = await resume(context, state, request, service, text, len(texts))
     if not isinstance(answer, Stream):  # a cached whole answer is no continuation of this one
         raise ServiceUnavailable(DIED)
     try:

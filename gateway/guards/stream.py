@@ -156,6 +156,14 @@ class OutputGuard:
         for _ in range(n):
             self._add_slot()
 
+    def seen(self, text: str) -> None:
+        """Choice 0's text passed on before this generation (a stream taken over on another replica,
+        `serving.continuation.Prior`), in view of its checks as a failover's first part is in the one
+        guard of its generation: a match that spans the seam is caught, moderation reads the whole."""
+        chosen = self.filters[0]
+        chosen.tail = text[-chosen.window :] if chosen.window else ""
+        self.passed[0] = text
+
     def _add_slot(self) -> int:
         self.filters.append(ChoiceFilter(self.scanner, self.checks, self.restore, self._note, self.batch))
         self.passed.append("")

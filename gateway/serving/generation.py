@@ -239,6 +239,9 @@ class Run:
         # `tag`: the text is tool calls from it on, parsed here (an engine's, with tools on `auto`)
         self.guard = guard.output(request.sampling.n, apart=request.forward is not None, json=_json_text(request),
                                   tag=tag if request.forward is None else None)
+        prior = getattr(engine, "prior", None)  # a stream taken over: `serving.continuation.Failover`'s first part
+        if self.guard is not None and prior is not None:
+            self.guard.seen(prior.text)
         self.prompt_tokens = request.forward.prompt_tokens if request.forward else len(request.prompt_token_ids)
         self.cached_tokens = 0
         self.reported: int | None = None  # the completion tokens the backend counted (a remote upstream's usage)

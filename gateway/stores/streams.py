@@ -2,10 +2,13 @@
 replica reads from where it left off, then live until the stream's end marker (docs/streams.md).
 
 In Redis (the stored responses' Redis: `cache.backend` redis at `cache.redis_url`), under `<prefix>streams:<owner>:<id>`:
-a Redis Stream of the events (XADD with an approximate MAXLEN, entry `0-<n+1>` for event n, an expiry), `:takeover`
-(a hash: what a continuation elsewhere needs, written when the stream opens) and `:lease` (the producer's heartbeat,
-refreshed while it produces: gone without an end marker, the producer died). In memory: a bounded ring per stream
-with the same interface, for one process.
+a Redis Stream of the events (XADD with an approximate MAXLEN, entry `0-<n+1>` for event n, trimmed to
+`max_bytes` by XTRIM MINID, an expiry), `:takeover` (a hash: what a continuation elsewhere needs, written when the
+stream opens), `:lease` (the writer's heartbeat, holding its fencing token, refreshed while it produces: gone without
+an end marker, the producer died) and `:taker` (the token of the one reader that took a dead producer's stream over).
+Every write checks the token in the same Lua script that writes: a producer whose lease lapsed (a Redis outage) and
+whose stream was taken over meanwhile has its late events refused, so one stream never has two writers. In memory: a
+bounded ring per stream with the same interface, for one process.
 
 A producer never waits for the log: `Writer.append` queues and one task per stream writes in batches.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import secrets
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -33,6 +37,7 @@ from gateway.telemetry import metrics
 log = structlog.get_logger(__name__)
 
 TAKEOVER_REQUEST_BYTES = 1 << 20  # a larger request is not kept for a takeover (its stream can still be resumed)
+EVENT_BYTES = 128  # an in-memory event's own objects besides its frame: a tuple, an int, a bytes header, a deque slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +49,7 @@ class Takeover:
     owner: Owner
     path: str
     request: bytes = b""
+    ttl_s: float | None = None  # its events kept this long after the last (None: `streams.ttl_s`), also a taker's
 
 
 @dataclass(slots=True)
@@ -57,14 +63,17 @@ class Read:
 
 
 class Log(Protocol):
-    """Where the events are kept; `key` is an owner's stream (`owned_key`)."""
+    """Where the events are kept; `key` is an owner's stream (`owned_key`); `token` a writer's fencing token."""
 
-    async def open(self, key: str, takeover: Takeover) -> None: ...
-    async def append(self, key: str, events: list[tuple[int, bytes]], end: bytes | None) -> None: ...
+    async def open(self, key: str, takeover: Takeover, token: str) -> None: ...
+    # False: refused, the stream is another writer's now (fenced); `floor`: events before it are dropped (max_bytes);
+    # `ttl_s`: the stream's (`Takeover.ttl_s`)
+    async def append(self, key: str, token: str, events: list[tuple[int, bytes]], end: bytes | None,
+                     floor: int = 0, ttl_s: float | None = None) -> bool: ...
     async def takeover(self, key: str) -> Takeover | None: ...  # None: no such stream
     async def read(self, key: str, after: int, block_s: float) -> Read: ...  # waits up to block_s for one event
-    async def alive(self, key: str) -> bool: ...  # its producer's lease holds
-    async def claim(self, key: str) -> bool: ...  # a dead producer's stream taken over by this reader alone
+    async def alive(self, key: str) -> bool: ...  # its writer's lease holds
+    async def claim(self, key: str, token: str) -> bool: ...  # a dead producer's stream, this reader's alone
     async def aclose(self) -> None: ...
 
 
@@ -150,8 +159,9 @@ class OwnedStreams:
                     read = await log_.read(key, after, 0.0)  # the last events its producer wrote before its lease ended
                     if read.events or read.end is not None:
                         continue
-                    if self.store.continuation is None or await log_.claim(key):
-                        async for event in self._taken_over(key, takeover, after, died):
+                    token = secrets.token_hex(8)
+                    if self.store.continuation is None or await log_.claim(key, token):
+                        async for event in self._taken_over(key, takeover, after, died, token):
                             yield event
                         return
                     continue  # another reader took it over: its events come to the log under its lease
@@ -164,7 +174,9 @@ class OwnedStreams:
                 read = Read([], None, after + 1)
                 await asyncio.sleep(block_s / 4)  # the behaviour: a pause before asking a failing Redis again
 
-    async def _taken_over(self, key: str, takeover: Takeover, after: int, died: bytes) -> AsyncGenerator[bytes, None]:
+    async def _taken_over(
+        self, key: str, takeover: Takeover, after: int, died: bytes, token: str,
+    ) -> AsyncGenerator[bytes, None]:
         """The producer died before the end: the continuation's events, given everything produced so far, each
         numbered after the last one and logged (another reader of the stream follows them), or else `died`. This
         reader has claimed the stream (`Log.claim`): it is the one taker."""
@@ -173,8 +185,11 @@ class OwnedStreams:
             yield died
             return
         produced = await self.store.log.read(key, -1, 0.0)
+        if produced.first > 0:  # its first events are no longer kept (max_events, max_bytes): no text to go on from
+            yield died
+            return
         last = produced.events[-1][0] if produced.events else -1
-        writer = Writer(self.store, key, takeover, after=last)
+        writer = Writer(self.store, key, takeover, after=last, token=token)
         self.store.writers.add(writer.task)
         writer.task.add_done_callback(self.store.writers.discard)
         held: bytes | None = None  # one frame behind: the last one is the end marker
@@ -201,11 +216,16 @@ class Writer:
     """One stream's log, written by one task in the order of `append` (a Redis that fails stops the log, not the
     stream: its lease then lapses, and a reader is told the producer is gone)."""
 
-    def __init__(self, store: StreamStore, key: str, takeover: Takeover, after: int = -1) -> None:
-        """`after`: the number of the last event already logged (a takeover's writer goes on after it)."""
+    def __init__(self, store: StreamStore, key: str, takeover: Takeover, after: int = -1, token: str = "") -> None:
+        """`after`: the number of the last event already logged (a takeover's writer goes on after it, under the
+        `token` its claim took)."""
         self._log, self._key, self._takeover, self._opened = store.log, key, takeover, after >= 0
-        self._beat_s = store.settings.lease_s / 3
+        self.token = token or secrets.token_hex(8)
+        self._beat_s, self._max_bytes = store.settings.lease_s / 3, store.settings.max_bytes
         self._pending: list[tuple[int, bytes]] = []
+        self._sizes: deque[int] = deque()  # the bytes of each event this writer appended and still keeps
+        self._bytes, self._oldest = 0, after + 1  # their sum, and the number of the first of them
+        self.floor = 0  # events before it are trimmed from the log (`max_bytes`); 0: none yet
         self._end: bytes | None = None
         self._closed = False
         self.next = after + 1  # the next event's number
@@ -215,6 +235,12 @@ class Writer:
     def append(self, frame: bytes) -> None:
         """Queue the next event (number `next`)."""
         self._pending.append((self.next, frame))
+        self._sizes.append(len(frame))
+        self._bytes += len(frame)
+        while self._bytes > self._max_bytes and len(self._sizes) > 1:  # the newest is kept, whatever its size
+            self._bytes -= self._sizes.popleft()
+            self._oldest += 1
+            self.floor = self._oldest
         self.next += 1
         self._wake.set()
 
@@ -227,14 +253,24 @@ class Writer:
     async def _write(self) -> None:
         """Each call tried again (a slow Redis' timeout, a blip) until it has failed for a whole lease: then the
         readers take the producer for gone, and the log stops."""
-        if not self._opened and not await self._tried(functools.partial(self._log.open, self._key, self._takeover)):
+        if not self._opened and not await self._tried(functools.partial(self._log.open, self._key, self._takeover,
+                                                                         self.token)):
             return
         while True:
             with contextlib.suppress(TimeoutError):  # woken by an event, or to renew the lease
                 await asyncio.wait_for(self._wake.wait(), self._beat_s)
             self._wake.clear()
-            events, end, closed = list(self._pending), self._end, self._closed
-            if not await self._tried(functools.partial(self._log.append, self._key, events, end)):
+            events, end, closed, fenced = list(self._pending), self._end, self._closed, False
+
+            async def append(events: list[tuple[int, bytes]] = events, end: bytes | None = end) -> None:
+                nonlocal fenced
+                fenced = not await self._log.append(self._key, self.token, events, end, self.floor,
+                                                    self._takeover.ttl_s)
+
+            if not await self._tried(append):
+                return
+            if fenced:  # taken over while this writer's lease lapsed: the log is the taker's now
+                log.warning("stream_log_fenced", key=self._key)
                 return
             del self._pending[: len(events)]  # written (events appended meanwhile stay)
             if closed:
@@ -260,39 +296,64 @@ def _failed(exc: BaseException) -> None:
 
 
 class MemoryLog:
-    """Rings in this process: `max_events` per stream, streams kept `ttl_s` after their last write and at most
-    `max_streams` (the oldest dropped first)."""
+    """Rings in this process: `max_events` and `max_bytes` per stream, streams kept `ttl_s` after their last write,
+    at most `max_streams` and `memory_bytes` in all (the oldest dropped first). A ring's bytes count its frames plus
+    `EVENT_BYTES` per event (the entry's tuple, int and bytes objects)."""
 
     def __init__(self, settings: StreamSettings) -> None:
         self.settings = settings
         self._rings: OrderedDict[str, _Ring] = OrderedDict()
+        self.bytes = 0  # of every ring
 
     def _ring(self, key: str) -> _Ring | None:
         ring = self._rings.get(key)
         if ring is not None and ring.expires < time.monotonic():
-            del self._rings[key]
+            self._drop(key)
             return None
         return ring
 
-    async def open(self, key: str, takeover: Takeover) -> None:
-        self._rings[key] = _Ring(takeover, deque(maxlen=self.settings.max_events))
-        self._touch(key, self._rings[key])
-        while len(self._rings) > self.settings.max_streams:
-            self._rings.popitem(last=False)
+    def _drop(self, key: str) -> None:
+        self.bytes -= self._rings.pop(key).size
 
-    async def append(self, key: str, events: list[tuple[int, bytes]], end: bytes | None) -> None:
+    async def open(self, key: str, takeover: Takeover, token: str) -> None:
+        if key in self._rings:
+            self._drop(key)
+        self._rings[key] = _Ring(takeover, deque(), token=token, size=len(takeover.request) + EVENT_BYTES,
+                                 ttl_s=takeover.ttl_s or self.settings.ttl_s)
+        self.bytes += self._rings[key].size
+        self._touch(key, self._rings[key])
+        self._bound()
+
+    def _bound(self) -> None:
+        while len(self._rings) > self.settings.max_streams or (self.bytes > self.settings.memory_bytes and
+                                                                len(self._rings) > 1):
+            self._drop(next(iter(self._rings)))
+
+    async def append(self, key: str, token: str, events: list[tuple[int, bytes]], end: bytes | None,
+                     floor: int = 0, ttl_s: float | None = None) -> bool:
         ring = self._ring(key)
         if ring is None:
-            return
+            return True  # dropped: nothing to keep it in
+        if ring.token != token:
+            return False
         ring.events.extend(events)
+        added = sum(len(frame) + EVENT_BYTES for _, frame in events) + (len(end) if end else 0)
+        ring.size += added
+        self.bytes += added
+        while ring.events and (ring.events[0][0] < floor or len(ring.events) > self.settings.max_events):
+            dropped = len(ring.events.popleft()[1]) + EVENT_BYTES
+            ring.size -= dropped
+            self.bytes -= dropped
         ring.end = end
         self._touch(key, ring)
         ring.changed.set()
         ring.changed = asyncio.Event()
+        self._bound()
+        return True
 
     def _touch(self, key: str, ring: _Ring) -> None:
         now = time.monotonic()
-        ring.expires, ring.lease = now + self.settings.ttl_s, now + self.settings.lease_s
+        ring.expires, ring.lease = now + ring.ttl_s, now + self.settings.lease_s
         self._rings.move_to_end(key)
 
     async def takeover(self, key: str) -> Takeover | None:
@@ -313,11 +374,12 @@ class MemoryLog:
         ring = self._ring(key)
         return ring is not None and ring.lease >= time.monotonic()
 
-    async def claim(self, key: str) -> bool:
+    async def claim(self, key: str, token: str) -> bool:
         ring = self._ring(key)
         if ring is None or ring.lease >= time.monotonic():
             return False
         ring.lease = time.monotonic() + self.settings.lease_s  # the taker's lease, renewed as it writes
+        ring.token = token  # the producer's late events refused from now on
         return True
 
     async def aclose(self) -> None:
@@ -328,6 +390,9 @@ class MemoryLog:
 class _Ring:
     takeover: Takeover
     events: deque[tuple[int, bytes]]
+    token: str = ""  # its writer's (fencing)
+    size: int = 0  # its frames' and request's bytes, and EVENT_BYTES per event
+    ttl_s: float = 0.0
     end: bytes | None = None
     expires: float = 0.0
     lease: float = 0.0
@@ -344,40 +409,75 @@ def _number(entry_id: bytes) -> int:
     return int(sequence) - 1 if time_part == b"0" else -1
 
 
+# A writer's batch (or its lease's renewal, which renews the expiry too: a stream kept briefly that sends nothing
+# for a while lives on), fenced: refused (0) when the lease holds another writer's token, or lapsed and the stream was
+# claimed by another (`:taker`). An event a try that timed out wrote already is kept as it was (XADD's error on an id
+# not above the last, ignored).
+# KEYS: the stream, :lease, :takeover, :taker. ARGV: token, lease ms, ttl ms, max events, floor entry ('': none),
+# ended ('1'), end marker, then each event's entry id and frame.
+_APPEND = """
+if redis.replicate_commands then redis.replicate_commands() end
+local held = redis.call('GET', KEYS[2])
+if held then
+  if held ~= ARGV[1] then return 0 end
+else
+  local taker = redis.call('GET', KEYS[4])
+  if taker and taker ~= ARGV[1] then return 0 end
+end
+for i = 8, #ARGV, 2 do
+  redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], ARGV[i], 'e', ARGV[i + 1])
+end
+if ARGV[5] ~= '' then redis.call('XTRIM', KEYS[1], 'MINID', ARGV[5]) end
+if ARGV[6] == '1' then
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'end', ARGV[7])
+  redis.call('DEL', KEYS[2])
+else
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
+return 1
+"""
+# One taker of a stream whose lease lapsed: `:taker` set if absent (expiring with a lease: a taker that dies too
+# leaves the stream to the next reader), then the lease under its token. KEYS: :lease, :taker. ARGV: token, lease ms.
+_CLAIM = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+
 class RedisLog:
     """The Redis layout in the module's docstring; every call bounded by `cache.redis_timeout_s`."""
 
     def __init__(self, pools: RedisPools, url: str, prefix: str, timeout_s: float, settings: StreamSettings) -> None:
         self._client = pools.client(url, timeout_s)
         self.prefix, self.settings = prefix, settings
+        self._append = self._client.redis.register_script(_APPEND)
+        self._claim = self._client.redis.register_script(_CLAIM)
 
-    async def open(self, key: str, takeover: Takeover) -> None:
+    async def open(self, key: str, takeover: Takeover, token: str) -> None:
         fields = {"key_id": takeover.owner.key_id, "tenant": takeover.owner.tenant, "path": takeover.path,
-                  "request": takeover.request}
-        ttl_ms, base = int(self.settings.ttl_s * 1000), self.prefix + key
+                  "request": takeover.request, "ttl_s": str(takeover.ttl_s or 0)}
+        ttl_ms, base = int((takeover.ttl_s or self.settings.ttl_s) * 1000), self.prefix + key
         async with self._client.redis.pipeline(transaction=False) as pipe:
             pipe.hset(base + ":takeover", mapping=fields)  # type: ignore[arg-type]
             pipe.pexpire(base + ":takeover", ttl_ms)
-            pipe.set(base + ":lease", b"1", px=int(self.settings.lease_s * 1000))
+            pipe.set(base + ":lease", token, px=int(self.settings.lease_s * 1000))
             await self._client.bounded(pipe.execute())
 
-    async def append(self, key: str, events: list[tuple[int, bytes]], end: bytes | None) -> None:
-        ttl_ms, base = int(self.settings.ttl_s * 1000), self.prefix + key
-        async with self._client.redis.pipeline(transaction=False) as pipe:
-            for number, frame in events:
-                pipe.xadd(base, {"e": frame}, id=_entry(number), maxlen=self.settings.max_events, approximate=True)
-            if end is not None:
-                pipe.xadd(base, {"end": end}, maxlen=self.settings.max_events, approximate=True)
-                pipe.delete(base + ":lease")
-            else:
-                pipe.set(base + ":lease", b"1", px=int(self.settings.lease_s * 1000))
-            if events or end is not None:
-                pipe.pexpire(base, ttl_ms)
-                pipe.pexpire(base + ":takeover", ttl_ms)
-            results = await self._client.bounded(pipe.execute(raise_on_error=False))
-        for result in results:  # an event a try that timed out wrote already is kept as it was
-            if isinstance(result, Exception) and "equal or smaller" not in str(result):
-                raise result
+    async def append(self, key: str, token: str, events: list[tuple[int, bytes]], end: bytes | None,
+                     floor: int = 0, ttl_s: float | None = None) -> bool:
+        base, settings = self.prefix + key, self.settings
+        args: list[str | bytes | int] = [
+            token, int(settings.lease_s * 1000), int((ttl_s or settings.ttl_s) * 1000), settings.max_events,
+            _entry(floor) if floor else "", "1" if end is not None else "0", end or b"",
+        ]
+        for number, frame in events:
+            args += [_entry(number), frame]
+        keys = [base, base + ":lease", base + ":takeover", base + ":taker"]
+        return bool(await self._client.bounded(self._append(keys=keys, args=args)))
 
     async def takeover(self, key: str) -> Takeover | None:
         raw = await self._client.bounded(self._client.redis.hgetall(self.prefix + key + ":takeover"))
@@ -385,7 +485,8 @@ class RedisLog:
         if not found:
             return None
         owner = Owner(key_id=found[b"key_id"].decode(), tenant=found[b"tenant"].decode())
-        return Takeover(owner, found[b"path"].decode(), found.get(b"request", b""))
+        ttl_s = float(found.get(b"ttl_s", b"0")) or None  # 0: the settings'
+        return Takeover(owner, found[b"path"].decode(), found.get(b"request", b""), ttl_s)
 
     async def read(self, key: str, after: int, block_s: float) -> Read:
         redis, base = self._client.redis, self.prefix + key
@@ -413,15 +514,11 @@ class RedisLog:
     async def alive(self, key: str) -> bool:
         return bool(await self._client.bounded(self._client.redis.exists(self.prefix + key + ":lease")))
 
-    async def claim(self, key: str) -> bool:
-        """One taker: SET NX on `:taker` (expiring with a lease: a taker that dies too leaves the stream to the next
-        reader), then the taker's own lease (readers that lost wait on the log)."""
-        lease_ms, base = int(self.settings.lease_s * 1000), self.prefix + key
-        redis = self._client.redis
-        if not await self._client.bounded(redis.set(base + ":taker", b"1", nx=True, px=lease_ms)):
-            return False
-        await self._client.bounded(redis.set(base + ":lease", b"1", px=lease_ms))
-        return True
+    async def claim(self, key: str, token: str) -> bool:
+        """One taker (`_CLAIM`); readers that lost wait on the log."""
+        base = self.prefix + key
+        keys, args = [base + ":lease", base + ":taker"], [token, str(int(self.settings.lease_s * 1000))]
+        return bool(await self._client.bounded(self._claim(keys=keys, args=args)))
 
     async def aclose(self) -> None:
         pass  # the pool is the app's (stores.redis)

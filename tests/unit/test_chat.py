@@ -14,14 +14,14 @@ from gateway.protocol.openai import (
     ChoiceLogprobs,
     Usage,
 )
+from tests import sse
 from tests.fakes import FakeEngine
 
 MODEL = "fake-model"
 HELLO = [{"role": "user", "content": "hello there"}]
 
 
-def sse_events(text: str) -> list[str]:
-    return [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+sse_events = sse.data  # each event's data (its id apart: a resumable stream's number)
 
 
 def test_chat_non_stream_parses_with_sdk(sdk: openai.OpenAI, engine: FakeEngine) -> None:

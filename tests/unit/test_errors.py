@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
+from tests import sse
+
 MODEL = "fake-model"
 HELLO = [{"role": "user", "content": "hi"}]
 
@@ -133,7 +135,7 @@ def test_engine_failure_mid_stream_is_one_error_event_then_done(client: TestClie
     engine.fail_after = 2
     response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 5, "stream": True})
     assert response.status_code == 200
-    events = [e for e in response.text.split("\n\n") if e]
+    events = sse.blocks(response.text)
     assert events[-1] == "data: [DONE]"
     assert '"error"' in events[-2]
     assert '"server_error"' in events[-2]

@@ -388,6 +388,26 @@ async def test_resume_answers_on_from_the_text_so_far() -> None:
         assert [c["choices"][0]["finish_reason"] for c in spanning if c["choices"]][-1] == "stop"
 
 
+async def test_a_resumed_answers_output_guard_sees_the_text_sent_before(tmp_path: Path) -> None:
+    """A stream taken over on another replica (`dispatch.resume`): "brown" was sent before the death, " fox" comes
+    from the continuation; the guard reads across the seam as the one guard of an in-process failover does."""
+    (tmp_path / "keys.yaml").write_text("keys:\n  guarded: {key: sk-guarded, guards: strict}\n")
+    (tmp_path / "guards.yaml").write_text(GUARDS)
+    (tmp_path / "models.yaml").write_text("models:\n  - {name: rescue}\n")
+    settings = fake_settings(models_file=tmp_path / "models.yaml", keys_file=tmp_path / "keys.yaml",
+                             guards_file=tmp_path / "guards.yaml")
+    app = create_app(settings, engine_starter=lambda es: Continuing(es.served_model_name))
+    body = ChatCompletionRequest.model_validate({"model": "rescue", "messages": QUESTION, "max_tokens": 6,
+                                                 "stream": True, "temperature": 0})
+    async with app.router.lifespan_context(app) as state:
+        context = RequestContext(key_id="guarded")
+        answer = await resume(context, state["gateway"], body, CHAT, "the quick brown", 3)
+        assert isinstance(answer, Stream)
+        text = chat_text([json.loads(chunk) async for chunk in answer.events])
+    assert "fox" not in text
+    assert context.record.guards == ["output:fox:redact"]
+
+
 def test_the_output_guard_of_the_model_that_began_goes_on_and_is_logged(client) -> None:
     """Through a split (a name without a profile), the next model's profile is its own (its input
     checks on the continued request), the output guard still the one that began the answer: its

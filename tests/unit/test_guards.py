@@ -19,6 +19,7 @@ from gateway.app import create_app
 from gateway.guards.config import GuardConfigError
 from gateway.telemetry.metrics import GUARD_ACTIONS
 from gateway.tenancy.keys import key_id
+from tests import sse
 from tests.fakes import FakeEngine, fake_settings
 from tests.loopback_server import LoopbackServer
 from tests.scripted_upstream import scripted
@@ -68,7 +69,7 @@ def chat(client: TestClient, content: str, headers: dict[str, str] | None = None
 
 
 def stream_events(text: str) -> list[dict]:
-    return [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
+    return [chunk for chunk in sse.chunks(text) if isinstance(chunk, dict)]
 
 
 BEFORE: dict[tuple[str, str, str], float] = {}  # the guard actions counted before the running test

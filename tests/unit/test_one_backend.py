@@ -427,7 +427,8 @@ def test_a_failure_mid_stream_ends_it_with_an_error_event(client: TestClient, si
 
 async def test_a_client_that_leaves_mid_stream_stops_the_generation(side: Side) -> None:
     side.script.endless = True
-    app = create_app(fake_settings(**side.settings), engine_starter=lambda es: side.engine)
+    # at once: no grace for a reconnect (a resumable stream's grace is test_resume's)
+    app = create_app(fake_settings(**side.settings, streams={"grace_s": 0}), engine_starter=lambda es: side.engine)
     body = {"model": side.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 90, "stream": True}
     async with app.router.lifespan_context(app) as state:
         async def with_state(scope: Any, receive: Any, send: Any) -> None:
@@ -457,7 +458,7 @@ def test_the_access_line_and_the_keys_usage(client: TestClient, side: Side, stre
 
 async def test_a_client_that_leaves_mid_stream_gives_back_its_permit_and_settles(side: Side) -> None:
     side.script.endless = True
-    settings = {**side.settings, "rate_limit_tpm": 10_000}
+    settings = {**side.settings, "rate_limit_tpm": 10_000, "streams": {"grace_s": 0}}  # no grace for a reconnect
     app = create_app(fake_settings(**settings), engine_starter=lambda es: side.engine)
     body = {"model": side.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 90, "stream": True}
     async with app.router.lifespan_context(app) as state:

@@ -17,6 +17,7 @@ from starlette.testclient import TestClient
 from gateway.apis.responses import responses_serving as responses
 from tests.fakes import FakeEngine, app_with
 from tests.redis_server import RedisServer
+from tests.sse import named as sse  # (event name, data) of every event of a named-event stream
 from tests.unit.test_disconnect import drive
 from tests.waits import until_sync
 
@@ -29,13 +30,6 @@ TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item
                "response.output_item.done"]
 
 
-def sse(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """(event name, data) of every event of a named-event stream."""
-    events = []
-    for block in text.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        events.append((lines["event"], json.loads(lines["data"])))
-    return events
 
 
 def sdk_for(client: TestClient, key: str = "unused") -> openai.OpenAI:
@@ -428,7 +422,7 @@ def test_a_cancel_on_another_replica_stops_a_background_response(redis: RedisSer
 
 async def test_a_stream_whose_client_leaves_is_stored_cancelled(engine: FakeEngine) -> None:
     engine.delay, body = 0.01, {"model": MODEL, "input": "hi", "stream": True, "max_output_tokens": 50}
-    app = app_with(engine)
+    app = app_with(engine, streams={"grace_s": 0})  # no grace for a reconnect: cancelled at once
     async with app.router.lifespan_context(app) as state:
         async def with_state(scope: dict, receive: Any, send: Any) -> None:
             await app({**scope, "state": dict(state)}, receive, send)

@@ -7,14 +7,17 @@ one error event in the API's shape (or the continuation, when one is plugged in)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import anthropic
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.errors import InvalidRequest, NotFound
@@ -22,8 +25,9 @@ from gateway.protocol.batch_objects import Owner
 from gateway.settings import StreamSettings
 from gateway.stores.redis import RedisPools
 from gateway.stores.streams import MemoryLog, RedisLog, StreamStore, Takeover, not_found
-from tests.fakes import FakeEngine, fake_settings
+from tests.fakes import FakeEngine, app_with, fake_settings
 from tests.redis_server import RedisServer
+from tests.unit.test_responses import sdk_for
 from tests.waits import until, until_awaited
 
 MODEL = "fake-model"
@@ -52,9 +56,11 @@ def ids(text: str) -> list[int]:
 
 
 @asynccontextmanager
-async def gateway(engine: FakeEngine, **streams: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """The app in-process, its lifespan state in every scope (as the server gives it), resumable streams on."""
-    settings = fake_settings(api_keys=KEYS, streams={"resumable": True, **streams})
+async def gateway(engine: FakeEngine, redis_url: str | None = None, **streams: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The app in-process, its lifespan state in every scope (as the server gives it), resumable streams on (in
+    Redis at `redis_url`, else in memory)."""
+    cache = {"backend": "redis", "redis_url": redis_url} if redis_url else {"backend": "off"}
+    settings = fake_settings(api_keys=KEYS, cache=cache, streams={"resumable": True, **streams})
     app = create_app(settings, engine_starter=lambda es: engine)
     async with app.router.lifespan_context(app) as state:
 
@@ -122,6 +128,47 @@ async def test_a_responses_stream_resumes_by_its_sequence_number() -> None:
             unknown.json()["error"]["message"].replace("resp_ffff", "X")
 
 
+async def test_a_store_false_responses_stream_is_kept_only_for_a_reconnect_then_unknown() -> None:
+    """Not stored: OpenAI answers an unknown response once it ends; its events are kept for a client that lost its
+    connection (the grace), not for a retrieve long after (`streams.ttl_s`)."""
+    async with gateway(FakeEngine(), grace_s=0.5, lease_s=0.3) as client:
+        rings = client.app_state["gateway"].streams.log._rings  # type: ignore[attr-defined]
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 16, "stream": True}
+        kept = await client.post("/v1/responses", json=body, headers=auth())
+        fleeting = await client.post("/v1/responses", json={**body, "store": False}, headers=auth())
+        ttls = {key.rsplit(":", 1)[1]: ring.ttl_s for key, ring in rings.items()}
+        assert ttls == {kept.headers["x-stream-id"]: 600, fleeting.headers["x-stream-id"]: 0.5}
+
+        async def unknown() -> bool:
+            again = await client.get(f"/v1/responses/{fleeting.headers['x-stream-id']}?stream=true", headers=auth())
+            return again.status_code == 404
+
+        await until_awaited(unknown, within_s=30, what="the store:false stream's events dropped after the grace")
+        stored = await client.get(f"/v1/responses/{kept.headers['x-stream-id']}?stream=true", headers=auth())
+        assert stored.status_code == 200
+        assert stored.text == kept.text
+
+
+def test_the_sdks_read_resumable_streams_with_their_ids() -> None:
+    """Resumable by default: the openai and anthropic SDKs' stream parsers take the `id:` lines in their stride,
+    and the openai SDK's own resume (`responses.retrieve(id, stream=True, starting_after=N)`) works."""
+    with TestClient(app_with(FakeEngine(), api_keys=KEYS)) as client:
+        sdk = sdk_for(client, "sk-a")
+        chunks = list(sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=6, stream=True))
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+        streamed = list(sdk.responses.create(model=MODEL, input="hi", max_output_tokens=16, stream=True))
+        assert [event.sequence_number for event in streamed] == list(range(len(streamed)))
+        response_id = streamed[0].response.id  # type: ignore[union-attr]
+        resumed = list(sdk.responses.retrieve(response_id, stream=True, starting_after=2))
+        assert [event.model_dump() for event in resumed] == [event.model_dump() for event in streamed[3:]]
+        claude = anthropic.Anthropic(base_url=str(client.base_url), api_key="sk-a", http_client=client, max_retries=0)
+        with claude.messages.stream(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "hi"}]) as stream:
+            text = "".join(stream.text_stream)
+            assert stream.get_final_message().content[0].text == text  # type: ignore[union-attr]
+        assert text
+
+
 @pytest.mark.parametrize("value", ["x", "-1", " 1", "1.0", "\u0663", "1" * 19, ""])
 async def test_a_garbage_last_event_id_is_a_400_naming_it(value: str) -> None:
     async with gateway(FakeEngine()) as client:
@@ -138,8 +185,8 @@ async def test_a_garbage_last_event_id_is_a_400_naming_it(value: str) -> None:
 
 
 @pytest.mark.parametrize("path", list(BODIES))
-async def test_another_keys_stream_is_an_unknown_one(path: str) -> None:
-    async with gateway(FakeEngine()) as client:
+async def test_another_keys_stream_is_an_unknown_one(path: str, kind: str, redis_url: str | None) -> None:
+    async with gateway(FakeEngine(), redis_url) as client:
         stream_id = (await client.post(path, json=BODIES[path], headers=auth())).headers["x-stream-id"]
         unknown_id = "strm_" + "0" * 32
         theirs = await client.get(f"{path}/streams/{stream_id}", headers=auth("sk-b"))
@@ -148,11 +195,28 @@ async def test_another_keys_stream_is_an_unknown_one(path: str) -> None:
         assert theirs.text.replace(stream_id, "X") == unknown.text.replace(unknown_id, "X")
         for trick in (f"sk-a:{stream_id}", f" {stream_id}", stream_id.upper(), stream_id + "\u200b"):
             assert (await client.get(f"{path}/streams/{trick}", headers=auth("sk-b"))).status_code == 404
+        assert (await client.get(f"{path}/streams/{stream_id}", headers=auth())).status_code == 200  # its own
+
+
+async def test_another_keys_responses_stream_is_an_unknown_response(kind: str, redis_url: str | None) -> None:
+    async with gateway(FakeEngine(), redis_url) as client:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 16, "stream": True}
+        for store in (True, False):
+            response_id = (await client.post("/v1/responses", json={**body, "store": store},
+                                             headers=auth())).headers["x-stream-id"]
+            for after in ("", "&starting_after=2"):
+                theirs = await client.get(f"/v1/responses/{response_id}?stream=true{after}", headers=auth("sk-b"))
+                unknown = await client.get(f"/v1/responses/resp_{'0' * 32}?stream=true{after}", headers=auth("sk-b"))
+                assert theirs.status_code == unknown.status_code == 404
+                assert theirs.json()["error"]["message"].replace(response_id, "X") == \
+                    unknown.json()["error"]["message"].replace(f"resp_{'0' * 32}", "X")
+                mine = await client.get(f"/v1/responses/{response_id}?stream=true{after}", headers=auth())
+                assert mine.status_code == 200
 
 
 async def test_streams_off_have_no_ids_and_no_resume() -> None:
     engine = FakeEngine()
-    app = create_app(fake_settings(), engine_starter=lambda es: engine)
+    app = create_app(fake_settings(streams={"resumable": False}), engine_starter=lambda es: engine)
     async with app.router.lifespan_context(app) as state:
 
         async def with_state(scope: dict, receive: Any, send: Any) -> None:
@@ -321,6 +385,70 @@ async def test_a_log_keeps_its_bound_and_says_what_it_lost(kind: str, redis_url:
         with pytest.raises(Exception, match="no longer kept"):
             await played(store, -1)
         assert (await played(store, 298)) == [b"e299", b"END"]
+
+
+async def test_a_log_keeps_at_most_max_bytes_of_events(kind: str, redis_url: str | None) -> None:
+    async with log_of(kind, redis_url, max_bytes=100) as store:
+        writer = store.of("a").writer("strm_1", TAKEOVER)
+        for n in range(50):
+            writer.append(b"event %02d:" % n + b"x" * 20)  # 30 bytes each: the last 3 fit
+        writer.close(b"END")
+        await asyncio.wait_for(writer.task, 30)
+        with pytest.raises(InvalidRequest, match="before 47 are no longer kept"):
+            await played(store, 10)
+        assert await played(store, 46) == [b"event 47:" + b"x" * 20, b"event 48:" + b"x" * 20,
+                                          b"event 49:" + b"x" * 20, b"END"]
+
+
+async def test_the_memory_log_keeps_at_most_memory_bytes_in_all() -> None:
+    async with log_of("memory", None, memory_bytes=2000) as store:
+        log = cast(MemoryLog, store.log)
+        for n in range(10):
+            writer = store.of("a").writer(f"strm_{n}", TAKEOVER)
+            writer.append(b"x" * 300)
+            writer.close(b"END")
+            await writer.task
+            assert log.bytes <= 2000
+        assert await log.takeover("a:strm_0") is None  # the oldest dropped first
+        assert await log.takeover("a:strm_9") == TAKEOVER
+        assert log.bytes == sum(ring.size for ring in log._rings.values())
+
+
+async def test_a_stale_producers_late_events_are_refused_once_its_stream_is_taken_over(
+    kind: str, redis_url: str | None,
+) -> None:
+    """A producer whose lease lapsed (a Redis outage, a long pause) while a reader took its stream over writes
+    nothing more into it: each write checks the writer's token where it writes (fencing)."""
+    async with log_of(kind, redis_url) as store:
+        log = store.log
+        kept = dataclasses.replace(TAKEOVER, ttl_s=30.0)  # kept as long under a taker (a store:false response's)
+        await log.open("a:strm_1", kept, "producer")
+        assert await log.takeover("a:strm_1") == kept
+        assert await log.append("a:strm_1", "producer", [(0, b"e0")], None)
+        assert not await log.claim("a:strm_1", "taker")  # its lease holds
+
+        async def lapsed() -> bool:
+            return not await log.alive("a:strm_1")
+
+        await until_awaited(lapsed, within_s=30, what="the producer's lease lapsed")
+        assert await log.claim("a:strm_1", "taker")
+        assert not await log.claim("a:strm_1", "another")  # one taker
+        assert not await log.append("a:strm_1", "producer", [(1, b"late")], None)  # fenced
+        assert not await log.append("a:strm_1", "producer", [], b"LATE END")
+        assert await log.append("a:strm_1", "taker", [(1, b"e1 taken over")], b"END")
+        assert await played(store, -1) == [b"e0", b"e1 taken over", b"END"]
+
+
+async def test_a_writer_that_is_fenced_out_stops_writing(kind: str, redis_url: str | None) -> None:
+    async with log_of(kind, redis_url) as store:
+        writer = store.of("a").writer("strm_1", TAKEOVER)
+        writer.append(b"e0")
+        await until(lambda: not writer._pending)
+        # another writer's token where this one's lease was (as a taker's after a Redis outage)
+        await store.log.open("a:strm_1", TAKEOVER, "taker")
+        writer.append(b"e1 late")
+        await asyncio.wait_for(writer.task, 30)  # it stopped: refused
+        assert b"e1 late" not in b"".join(event for _, event in (await store.log.read("a:strm_1", -1, 0.0)).events)
 
 
 async def test_the_memory_log_keeps_at_most_max_streams() -> None:

@@ -23,6 +23,7 @@ from gateway.pipeline.lifecycle import Lifecycle
 from gateway.server.cli import parser, settings_from
 from gateway.server.http import MAX_HEADER_BYTES, DrainingServer, http_protocol, server_config
 from gateway.telemetry import logs, metrics
+from tests import sse
 from tests.fakes import FakeEngine, chat_body, fake_settings
 from tests.ports import listening_line
 
@@ -176,9 +177,10 @@ def test_whole_headers_in_one_read_make_no_timer(monkeypatch: pytest.MonkeyPatch
 def test_a_stream_whose_client_reads_nothing_is_dropped_and_aborted() -> None:
     """Over a real socket: the client asks for a long stream and never reads; once the socket and
     uvicorn's buffer are full, the send waits; after stream_write_timeout_s the connection is
-    dropped and the engine request aborted; the server goes on serving."""
+    dropped and, after the grace a resumable stream gives its client, the engine request aborted; the server
+    goes on serving."""
     engine = FakeEngine(max_model_len=1 << 20)
-    with Running(engine, stream_write_timeout_s=1, header_timeout_s=30) as server:
+    with Running(engine, stream_write_timeout_s=1, header_timeout_s=30, streams={"grace_s": 0.5}) as server:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", server.port))
@@ -520,9 +522,8 @@ def test_a_stream_to_an_http_1_0_client_is_close_delimited(running: Running) -> 
     assert head.startswith(b"HTTP/1.1 200")
     assert b"transfer-encoding" not in head.lower()
     assert b"connection: close" in head.lower()
-    lines = [line for line in events.split(b"\n") if line]
-    assert lines[-1] == b"data: [DONE]"
-    assert all(line.startswith(b"data: ") for line in lines)
+    assert sse.data(events)[-1] == "[DONE]"
+    assert all(block.startswith("data: ") for block in sse.blocks(events))
     whole = b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
     with running.connect() as sock:
         sock.sendall(whole % len(CHAT) + CHAT)

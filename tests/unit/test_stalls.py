@@ -20,7 +20,9 @@ async def stalled_after(engine: FakeEngine, chunks: int, extensions: dict[str, A
                         resumed: asyncio.Event | None = None) -> list[dict[str, Any]]:
     """One streamed request whose client reads `chunks` body messages, then nothing: later sends
     wait until `resumed` is set (by the test's abort), as uvicorn's wait for room in the socket."""
-    app = create_app(fake_settings(stream_write_timeout_s=0.3), engine_starter=lambda es: engine, lifecycle=Lifecycle())
+    # a stalled client is dropped; the grace a resumable stream gives its client is test_resume's
+    settings = fake_settings(stream_write_timeout_s=0.3, streams={"grace_s": 0})
+    app = create_app(settings, engine_starter=lambda es: engine, lifecycle=Lifecycle())
     sent: list[dict[str, Any]] = []
     gone = asyncio.Event()
     read = False

@@ -27,7 +27,8 @@ from gateway.protocol.openai import ChatCompletionRequest
 from gateway.stores.streams import Writer
 from tests.fakes import fake_settings
 from tests.redis_server import RedisServer
-from tests.unit.test_failover import WHOLE, Continuing, _offset
+from tests.sse import named
+from tests.unit.test_failover import WHOLE, Continuing, _offset, whole
 from tests.waits import until
 
 KEYS = ["sk-a", "sk-b"]
@@ -39,6 +40,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "/v1/completions": {"model": "fake-model", "prompt": "hi ", "max_tokens": 6, "stream": True, "temperature": 0},
     "/v1/messages": {"model": "fake-model", "max_tokens": 6, "stream": True, "temperature": 0,
                      "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"model": "fake-model", "input": "hi", "max_output_tokens": 16, "stream": True, "temperature": 0},
 }
 
 
@@ -211,6 +213,42 @@ async def test_completions_and_messages_streams_go_on_too(path: str) -> None:
         else:
             assert len({c["id"] for c in chunks(whole.text)}) == 1
             assert whole.text.endswith("data: [DONE]\n\n")
+
+
+async def test_a_responses_stream_goes_on_with_its_sequence_numbers_and_one_end(redis_url: str | None) -> None:
+    async with two_replicas(redis_url) as (engine, (app, state_of), reader):
+        response_id = await produce_and_die(app, state_of, "/v1/responses")
+        path = f"/v1/responses/{response_id}?stream=true"
+        theirs = await reader.get(path, headers=auth("sk-b"))
+        assert theirs.status_code == 404  # another key's: unknown, and nothing set off
+        assert engine.continued() == 0
+        rest = await reader.get(path + "&starting_after=4", headers=auth())
+        assert rest.status_code == 200
+        again = await reader.get(path, headers=auth())  # the log holds the continuation too
+        assert again.text.endswith(rest.text)
+        events = named(again.text)
+        numbers = [data["sequence_number"] for _, data in events]
+        assert numbers == ids(again.text) == list(range(len(events)))
+        assert named(rest.text)[0][1]["sequence_number"] == 5
+        types = [kind for kind, _ in events]
+        # one end, as the uninterrupted answer's: the fake model writes on to max_output_tokens
+        for once in ("response.created", "response.output_item.added", "response.output_text.done",
+                     "response.output_item.done", "response.incomplete"):
+            assert types.count(once) == 1, once
+        assert types[-1] == "response.incomplete"
+        assert "response.completed" not in types
+        assert events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+        text = "".join(data["delta"] for kind, data in events if kind == "response.output_text.delta")
+        assert text == whole(16)
+        assert len({data["item_id"] for kind, data in events if "item_id" in data}) == 1
+        completed = events[-1][1]["response"]
+        assert completed["id"] == response_id
+        assert completed["created_at"] == events[0][1]["response"]["created_at"]
+        assert completed["output"][0]["content"][0]["text"] == text
+        stored = await reader.get(f"/v1/responses/{response_id}", headers=auth())
+        assert stored.json()["status"] == "incomplete"
+        assert stored.json()["output"][0]["content"][0]["text"] == text
+        assert engine.continued() == 1
 
 
 class DiesContinuing(Continuing):

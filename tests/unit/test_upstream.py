@@ -17,6 +17,7 @@ import structlog.testing
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
+from tests import sse
 from tests.fakes import FakeEngine, chat_body, fake_settings
 from tests.scripted_upstream import Script, scripted
 
@@ -139,7 +140,7 @@ def test_a_compressed_stream_reaches_the_client_decoded(upstream) -> None:
     answer = client.post("/v1/chat/completions", json=chat_body("remote", stream=True))
     assert answer.status_code == 200
     assert "content-encoding" not in answer.headers
-    chunks = [json.loads(e[len("data: "):]) for e in answer.text.split("\n\n") if e.startswith("data: {")]
+    chunks = sse.chunks(answer.text)
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "HiHi"
     assert answer.text.endswith("data: [DONE]\n\n")
 
@@ -167,7 +168,7 @@ def test_an_upstream_that_breaks_mid_stream_ends_it_with_one_error_event(upstrea
     )
     answer = client.post("/v1/chat/completions", json=chat_body("lonely", stream=True))
     assert answer.status_code == 200
-    events = [e for e in answer.text.split("\n\n") if e]
+    events = sse.blocks(answer.text)
     assert json.loads(events[0][len("data: "):])["choices"][0]["delta"]["content"] == "Hi"
     assert events[-1] == "data: [DONE]"
     assert len(events) == 3
@@ -198,7 +199,7 @@ def test_an_answer_that_cannot_be_read_is_not_passed_on(upstream, stream: bool) 
         assert answer.status_code == 502
         assert client.post("/v1/chat/completions", json=chat_body("remote")).headers["x-served-model"] == "local"
         return
-    events = [e for e in answer.text.split("\n\n") if e]
+    events = sse.blocks(answer.text)
     assert json.loads(events[1][len("data: "):])["error"]["code"] == "service_unavailable"
     assert "not json" not in answer.text
 

@@ -49,10 +49,16 @@ async def create(request: Request) -> Response:
     answer = await dispatch(context(request), state, service.chat_request(), service)
     if isinstance(answer, Stream):
         stream = stream_response(answer, NAMED, stream_id=service.id)  # resumed by the response's id
+        resumable = resumable_of(request.scope)
         if body.background:  # played to nobody, still resumable; a cancel (its client's leaving) stops it at once
-            resumable = resumable_of(request.scope)
             stream.resumable = None if resumable is None else dataclasses.replace(resumable, grace_s=0.0)
             return await _in_background(service, stream, state.lifecycle)
+        if resumable is not None and not body.store:
+            # not stored: once it ends it is an unknown response (OpenAI's), its events kept only for a client that
+            # lost its connection to read the rest, as long as a departed client's stream waits for it
+            kept = max(resumable.grace_s, state.settings.streams.lease_s)  # a reconnect after a blip, also with no grace
+            stream.resumable = dataclasses.replace(resumable, takeover=dataclasses.replace(resumable.takeover,
+                                                                                            ttl_s=kept))
         return stream
     await service.save()
     return respond(answer)

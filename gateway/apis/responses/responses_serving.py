@@ -370,11 +370,14 @@ class ResponsesService:
     ) -> AsyncGenerator[BaseModel, None]:
         run = await chat_serving.start_run(prepared)  # refusals before the first event
         self.model, self.service_tier = prepared.model, prepared.scheduled.tier
-        events = self.events = ResponseEvents(self.skeleton("in_progress"))
-        await self.save(events.response)
+        continued = self.events is not None  # taken over (`apis.takeover`): its first events were sent elsewhere
+        events = self.events = self.events or ResponseEvents(self.skeleton("in_progress"))
+        if not continued:
+            await self.save(events.response)
         try:
-            yield events.lifecycle("response.created")
-            yield events.lifecycle("response.in_progress")
+            if not continued:
+                yield events.lifecycle("response.created")
+                yield events.lifecycle("response.in_progress")
             async for event in self._generated(events, prepared, run, on_done):
                 yield event
         except (asyncio.CancelledError, GeneratorExit):  # the client went away, or a cancel hung up

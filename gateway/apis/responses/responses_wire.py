@@ -369,6 +369,14 @@ class ResponseEvents:
         self._open: OutputMessage | FunctionToolCall | None = None
         self._parts: list[str] = []
 
+    @classmethod
+    def resumed(cls, response: Response, sequence: int, message: OutputMessage, text: str) -> ResponseEvents:
+        """A stream taken over on another replica (`apis.takeover`): its events before `sequence` were sent, the
+        message `message` open with `text` so far."""
+        events = cls(response)
+        events.sequence, events._open, events._parts = sequence, message, [text]
+        return events
+
     def _next(self) -> int:
         self.sequence += 1
         return self.sequence - 1
