@@ -35,13 +35,20 @@ system-deps:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
 # The unit and tooling tests on two processes (pytest-xdist, a file per process at a time: a module's
-# fixtures stay in one process); the integration tests in one, after them: their real engines take
-# both cores as it is.
+# fixtures stay in one process); the integration tests in one.
 UNIT := $(PY) -m pytest -n 2 --dist loadfile tests/unit tests/tooling
 
+# `make test`: the unit and tooling tests (one xdist process) beside the integration tests, which leave
+# a core free much of the time (vLLM's CPU engine serves on one thread; much of their time goes to
+# waiting for engines to start): the unit tests' report follows the integration tests'; either failing
+# fails the target.
 test: model system-deps
-	$(UNIT) $(PYTEST_ARGS)
-	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+	@unit_log=$$(mktemp); \
+	$(PY) -m pytest -n 1 --dist loadfile tests/unit tests/tooling $(PYTEST_ARGS) >$$unit_log 2>&1 & unit=$$!; \
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS); integration=$$?; \
+	wait $$unit; units=$$?; \
+	echo "== tests/unit tests/tooling (beside the integration tests)"; cat $$unit_log; rm -f $$unit_log; \
+	test $$integration -eq 0 && test $$units -eq 0
 
 unit: install system-deps
 	$(UNIT) $(PYTEST_ARGS)

@@ -9,6 +9,7 @@ the gateway to bind later: another process could take it while the engine starts
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import ssl
@@ -24,7 +25,9 @@ import openai
 import psutil
 import pytest
 
+from gateway.tenancy.keys import key_id
 from tests.adapters import write_adapter
+from tests.loopback_server import LoopbackServer
 from tests.mcp_servers import SeenHeaders, serving, tool_server
 from tests.otlp_receiver import Receiver, receiver
 from tests.ports import listening_line
@@ -56,9 +59,11 @@ def vllm_command(port: int) -> list[str]:
     ]
 
 
-# A module that shares a gateway with another (`restartable` below) runs right after it: the shared
-# gateway's engine is then up no longer than one module's own would be (engines are memory).
-FOLLOWS = {"test_engine_death.py": "test_adapters.py", "test_workers.py": "test_backends.py"}
+# A module that shares a gateway with another (`restartable` below) runs right after it (a chain: after
+# the module it follows): the shared gateway's engine is then up no longer than one module's own would
+# be (engines are memory), and the module that stops it comes last.
+FOLLOWS = {"test_guards.py": "test_adapters.py", "test_engine_death.py": "test_guards.py",
+           "test_workers.py": "test_backends.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -67,8 +72,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         first.setdefault(item.path.name, index)
 
     def place(item: pytest.Item) -> tuple[int, int]:
-        leader = FOLLOWS.get(item.path.name)
-        return (first[leader], 1) if leader in first else (first[item.path.name], 0)
+        name, depth = item.path.name, 0
+        while FOLLOWS.get(name) in first:
+            name, depth = FOLLOWS[name], depth + 1
+        return first[name], depth
 
     items[:] = sorted(items, key=place)  # (stable: each module's own order stays)
     if TARGET != "vllm":
@@ -247,14 +254,17 @@ def in_front_of(server: str, folder: Path) -> dict[str, str]:
     return {"GATEWAY_MODELS_FILE": str(models)}
 
 
-# One engine with LoRA adapters for two modules: test_adapters (the adapters beside their base, the
-# admin API, per-key reach) and then test_engine_death (the base's engine core killed: liveness fails,
-# its requests go to `rescue`, the session's gateway). One engine start instead of two.
+# One engine with LoRA adapters for three modules: test_adapters (the adapters beside their base, the
+# admin API, per-key reach), test_guards (guard profiles: the base as `smol`, two splits of it with
+# profiles of their own, a guards file with a moderation upstream) and then test_engine_death (the
+# base's engine core killed: liveness fails, its requests go to `rescue`, the session's gateway). One
+# engine start instead of three.
 LORA_BASE = MODEL
 LORA_MODELS = """
 models:
   - name: smollm2-135m-instruct
     engine: {{enforce_eager: true, max_loras: 3}}  # room for one loaded by the admin API
+    aliases: [smol]
     fallback: [rescue]
   - name: lora-a
     kind: adapter
@@ -269,13 +279,36 @@ models:
     kind: remote
     url: {upstream}/v1
     upstream_model: smollm2-135m-instruct
+  - name: smol-strict                  # the same engine under a profile of its own
+    kind: split
+    versions: {{smollm2-135m-instruct: 1}}
+    guards: {{input: {{deny: ["(?i)france"]}}}}
+  - name: smol-mail                    # its output's emails redacted; the input's let through (an inline
+    kind: split                        # profile inherits the default's, whose input redaction would hand the
+    versions: {{smollm2-135m-instruct: 1}}  # model a placeholder in the schema's enum, restored as the caller's own)
+    guards: {{input: {{pii: {{email: "off"}}}}, output: {{pii: {{email: redact}}}}}}
 """
+# test_adapters' and test_engine_death's keys: no guards (their answers are the model's own)
 LORA_KEYS = """
 keys:
-  adapter-only: {key: sk-adapter, models: [lora-a]}
-  base-only: {key: sk-base, models: [smollm2-135m-instruct]}
-  everything: {key: sk-all}
+  adapter-only: {key: sk-adapter, models: [lora-a], guards: open}
+  base-only: {key: sk-base, models: [smollm2-135m-instruct], guards: open}
+  everything: {key: sk-all, guards: open}
 """
+# test_guards' keys (GATEWAY_API_KEYS): sk-guarded gets the default profile, sk-open none
+GUARDS_TEST_KEYS = ("sk-guarded", "sk-open")
+GUARDS = """
+default: standard
+keys: {OPEN_KEY: open}
+moderation: {url: "MODERATION_URL", timeout_s: 5, fail: open}
+profiles:
+  open: {}
+  standard:
+    input: {pii: {email: redact, card: block}, injection: block, max_tokens: 400, moderation: block,
+            secrets: {aws: redact, github: block}}
+    output: {deny: ["Paris"]}
+"""
+ID_SECRET = "guards-integration-secret"  # key ids (HMAC) the guards file can name
 
 
 @pytest.fixture(scope="session")
@@ -285,13 +318,25 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def lora_gateway(server: str, adapters: dict[str, Path],
+def moderation() -> Iterator[LoopbackServer]:
+    """The LoRA gateway's moderation upstream (test_guards: it flags "kill")."""
+    found = LoopbackServer().start()
+    yield found
+    found.stop()
+
+
+@pytest.fixture(scope="session")
+def lora_gateway(server: str, adapters: dict[str, Path], moderation: LoopbackServer,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Shared]]:
-    """The LoRA gateway (LORA_MODELS, LORA_KEYS): `restartable` (test_engine_death stops it)."""
+    """The LoRA gateway (LORA_MODELS, LORA_KEYS, GUARDS): `restartable` (test_engine_death stops it)."""
     folder = tmp_path_factory.mktemp("lora-gateway")
     (folder / "models.yaml").write_text(LORA_MODELS.format(a=adapters["a"], b=adapters["b"], upstream=server))
     (folder / "keys.yaml").write_text(LORA_KEYS)
+    (folder / "guards.yaml").write_text(GUARDS.replace("OPEN_KEY", key_id("sk-open", ID_SECRET))
+                                        .replace("MODERATION_URL", moderation.url))
     env = {"GATEWAY_MODELS_FILE": str(folder / "models.yaml"), "GATEWAY_KEYS_FILE": str(folder / "keys.yaml"),
+           "GATEWAY_API_KEYS": json.dumps(GUARDS_TEST_KEYS), "GATEWAY_GUARDS_FILE": str(folder / "guards.yaml"),
+           "GATEWAY_KEY_ID_SECRET": ID_SECRET, "GATEWAY_LOG_PROMPTS": "true",
            "GATEWAY_ADMIN_KEYS": '["sk-admin"]', "GATEWAY_CACHE__BACKEND": "memory", "GATEWAY_LOG_FORMAT": "json"}
     with restartable(folder, env) as running:
         yield running

@@ -30,7 +30,7 @@ UNUSED = "http://127.0.0.1:9"  # (the start stops at the adapter, before any ups
 
 @pytest.fixture(scope="module")
 def gateway(lora_gateway: Callable[[], Shared]) -> str:
-    """The LoRA gateway (tests/integration/conftest.py), shared with test_engine_death."""
+    """The LoRA gateway (tests/integration/conftest.py), shared with test_guards and test_engine_death."""
     return lora_gateway()[0]
 
 

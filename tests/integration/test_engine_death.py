@@ -26,7 +26,7 @@ MODEL = LORA_BASE
 
 @pytest.fixture(scope="module")
 def doomed(lora_gateway: Callable[[], Shared]) -> tuple[str, subprocess.Popen]:
-    """The LoRA gateway (tests/integration/conftest.py, after test_adapters): an engine of its own,
+    """The LoRA gateway (tests/integration/conftest.py, after test_adapters and test_guards): an engine of its own,
     and the session's gateway as its model's fallback (`rescue`). Its engine dies here."""
     return lora_gateway()[:2]
 
