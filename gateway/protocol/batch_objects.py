@@ -12,7 +12,6 @@ from gateway.protocol.response_objects import InputTokensDetails, OutputTokensDe
 Status = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 DONE: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})  # nothing more will happen
-MAX_METADATA, MAX_KEY, MAX_VALUE = 16, 64, 512
 WINDOW_S = 24 * 3600  # completion_window "24h"
 
 

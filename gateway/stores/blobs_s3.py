@@ -84,18 +84,16 @@ class S3Blobs:
         with unavailable(*ERRORS):
             return await asyncio.to_thread(work)
 
-    async def put_file(self, name: str, path: Path) -> int:
+    async def put_file(self, name: str, path: Path) -> None:
         key = self._key(name)
 
-        def upload() -> int:
+        def upload() -> None:
             try:
-                size = path.stat().st_size
                 self.client.upload_file(str(path), self.bucket, key, Config=TRANSFER)
-                return size
             finally:
                 path.unlink(missing_ok=True)
 
-        return await self._run(upload)
+        await self._run(upload)
 
     @contextlib.asynccontextmanager
     async def local(self, name: str) -> AsyncIterator[Path | None]:

@@ -101,10 +101,8 @@ def _error(message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": "api_error", "message": message}}
 
 
-def _unrun(status: str) -> dict[str, Any]:
-    if status == "cancelled":
-        return {"type": "canceled"}
-    return {"type": "errored", "error": _error(f"The request was not run: the batch ended {status}.")}
+def _line(custom_id: str, result: dict[str, Any]) -> bytes:
+    return orjson.dumps({"custom_id": custom_id, "result": result}) + b"\n"
 
 
 async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
@@ -131,13 +129,14 @@ async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
 
 
 def _result_lines(answers: list[Answer]) -> bytes:
-    return b"".join(orjson.dumps({"custom_id": a.custom_id, "result": _result(a)}) + b"\n"
-                    for a in answers)
+    return b"".join(_line(answer.custom_id, _result(answer)) for answer in answers)
 
 
 def _unrun_lines(requests: Path, seen: set[str], status: str) -> bytes | None:
     """None when the input is gone (its batch deleted since `local` found it)."""
+    unrun = {"type": "canceled"} if status == "cancelled" else {
+        "type": "errored", "error": _error(f"The request was not run: the batch ended {status}.")}
     with contextlib.suppress(FileNotFoundError), requests.open("rb") as asked:
         ids = (orjson.loads(raw)["custom_id"] for raw in asked)
-        return b"".join(orjson.dumps({"custom_id": i, "result": _unrun(status)}) + b"\n" for i in ids if i not in seen)
+        return b"".join(_line(i, unrun) for i in ids if i not in seen)
     return None
