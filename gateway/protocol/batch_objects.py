@@ -1,5 +1,5 @@
-"""The Batches API's objects, field by field as the `openai` SDK's, and what the store keeps of a batch beside its
-object (who created it)."""
+"""The Batches and Files APIs' objects, field by field as the `openai` SDK's, and what the store keeps of a batch beside
+its object (who created it)."""
 
 from __future__ import annotations
 
@@ -81,3 +81,20 @@ class StoredBatch(BaseModel):
     output_expires_after_s: int
     created_ns: int = 0  # orders batches made within one second (created_at counts seconds)
     expired_lines: int = 0  # lines never run, written to the error file as expired (a batch that expired)
+
+
+# `batch`: a batch's input, the one purpose an upload may have (others are a 400 naming `purpose`);
+# `batch_output`: a batch's output or error file, written by the gateway (`stores.batches`)
+Purpose = Literal["batch", "batch_output"]
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Purpose
+    status: Literal["uploaded", "processed", "error"] = "processed"  # checked before it was stored
+    expires_at: int | None = None
+    status_details: str | None = None

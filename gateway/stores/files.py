@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
-from gateway.protocol.file_objects import FileObject, Purpose
+from gateway.protocol.batch_objects import FileObject, Purpose
 from gateway.stores.batchdb import Records
 from gateway.stores.blobs import Blobs, Opened, Staged, open_blob
 

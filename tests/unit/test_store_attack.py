@@ -20,8 +20,7 @@ from starlette.testclient import TestClient
 
 from gateway.errors import StoreUnavailable
 from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
-from gateway.stores.batchdb import Records, SqliteRecords
-from gateway.stores.batchdb_redis import RedisRecords
+from gateway.stores.batchdb import Records, RedisRecords, SqliteRecords
 from gateway.stores.batches import BatchStore, new_id
 from gateway.stores.blobs import Blobs, LocalBlobs, open_blob, unavailable
 from gateway.stores.files import FileStore
@@ -254,7 +253,7 @@ def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: 
 
 
 async def test_an_owner_with_many_files_and_batches_lists_them(records: Records) -> None:
-    from gateway.protocol.file_objects import FileObject
+    from gateway.protocol.batch_objects import FileObject
 
     now = int(time.time())
     ids = [f"file-{i:024x}" for i in range(150)]

@@ -17,26 +17,15 @@ import orjson
 import structlog
 from pydantic import ValidationError
 
+from gateway import errors
 from gateway.apis.batches.batches_input import MESSAGES, BatchLine
 from gateway.apis.chat.chat_serving import CHAT
 from gateway.apis.completions.completions_serving import COMPLETIONS
 from gateway.apis.embeddings.embeddings_serving import EMBEDDINGS
 from gateway.apis.messages import messages_serving
-from gateway.apis.messages.messages_serving import MESSAGES as MESSAGES_SERVICE
 from gateway.apis.messages.messages_wire import MessagesRequest
 from gateway.apis.responses.responses_serving import ResponsesService, history_of
 from gateway.apis.responses.responses_wire import ResponsesRequest
-from gateway.errors import (
-    APIError,
-    AuthenticationFailed,
-    BadGateway,
-    Dialect,
-    InvalidRequest,
-    RateLimited,
-    ServiceUnavailable,
-    from_exception,
-    invalid_body,
-)
 from gateway.pipeline.answer import Stream, Whole, whole_json
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import dispatch
@@ -70,11 +59,13 @@ def _parsed(model: type[Any], body: bytes) -> Any:
     try:
         parsed = model.model_validate_json(body)
     except ValidationError as exc:
-        raise invalid_body(exc, body) from exc
+        raise errors.invalid_body(exc, body) from exc
     if getattr(parsed, "stream", False):
-        raise InvalidRequest("A batch's requests are not streamed: leave out 'stream' (or set it to false)", "stream")
+        raise errors.InvalidRequest("A batch's requests are not streamed: leave out 'stream' (or set it to false)",
+                                    "stream")
     if getattr(parsed, "background", False):
-        raise InvalidRequest("A batch's requests already run in the background: leave out 'background'", "background")
+        raise errors.InvalidRequest("A batch's requests already run in the background: leave out 'background'",
+                                    "background")
     return parsed
 
 
@@ -103,9 +94,9 @@ ROUTES: dict[str, Run] = {
     "/v1/completions": _route(CompletionRequest, COMPLETIONS),
     "/v1/embeddings": _route(EmbeddingRequest, EMBEDDINGS),
     "/v1/responses": _responses,
-    MESSAGES: _route(MessagesRequest, MESSAGES_SERVICE, messages_serving.to_chat),
+    MESSAGES: _route(MessagesRequest, messages_serving.MESSAGES, messages_serving.to_chat),
 }
-DIALECTS: dict[str, Dialect] = {MESSAGES: "anthropic"}  # whose shape a line's error has (else OpenAI's)
+DIALECTS: dict[str, errors.Dialect] = {MESSAGES: "anthropic"}  # whose shape a line's error has (else OpenAI's)
 
 
 def result_line(custom_id: str, response: dict[str, Any] | None) -> bytes:
@@ -132,12 +123,13 @@ async def run_line(state: GatewayState, owner: Owner, line: BatchLine, retry_s: 
             answer = await _answer(context, state, owner, url, body)
             status, data = _one_line(answer.status, whole_json(answer))
         except Exception as exc:  # an error is this line's answer, as the route would render it
-            error: APIError = from_exception(exc)
+            error: errors.APIError = errors.from_exception(exc)
             wait = error.headers.get("Retry-After") or error.headers.get("retry-after")
-            if isinstance(error, RateLimited) or (isinstance(error, ServiceUnavailable) and wait is not None):
+            unavailable = isinstance(error, errors.ServiceUnavailable)
+            if isinstance(error, errors.RateLimited) or (unavailable and wait is not None):
                 status = error.status  # refused for now (a full queue whatever its status, a dead engine): it pauses
                 raise Retry(max(retry_s, float(wait) if wait is not None and wait.isdigit() else 0.0)) from None
-            if not isinstance(exc, APIError):  # a bug: logged as the route's exception handler logs it
+            if not isinstance(exc, errors.APIError):  # a bug: logged as the route's exception handler logs it
                 log.exception("batch_line_failed", request_id=context.request_id, error=type(exc).__name__)
             status, data = error.status, orjson.dumps(error.body(DIALECTS.get(url, "openai")))
         response = {"status_code": status, "request_id": context.request_id, "body": orjson.Fragment(data)}
@@ -156,14 +148,14 @@ def _one_line(status: int, data: bytes) -> tuple[int, bytes]:
     try:
         return status, orjson.dumps(orjson.loads(data))
     except orjson.JSONDecodeError:
-        error = BadGateway("The model answered with what is not JSON.")
+        error = errors.BadGateway("The model answered with what is not JSON.")
         return error.status, orjson.dumps(error.body())
 
 
 async def _answer(context: RequestContext, state: GatewayState, owner: Owner, url: str, body: bytes) -> Whole:
     identity = state.identities.reidentify(Identity(owner.key_id, owner.tenant))
     if identity is None:
-        raise AuthenticationFailed("The API key that created this batch is no longer valid.")
+        raise errors.AuthenticationFailed("The API key that created this batch is no longer valid.")
     context.key_id = context.record.api_key_id = identity.key_id
     policy = context.policy = state.tenants.policy(identity.key_id)
     context.record.response_headers.update(await state.quota.take_request(policy))

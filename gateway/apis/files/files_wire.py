@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from gateway.protocol.file_objects import FileObject
+from gateway.protocol.batch_objects import FileObject
 
 PURPOSES: tuple[str, ...] = ("batch",)  # what an upload may name
 

@@ -15,22 +15,17 @@ from typing import Any
 import orjson
 
 from gateway.apis.batches.batches_input import MESSAGES
-from gateway.apis.message_batches.message_batches_wire import (
-    MessageBatch,
-    MessageBatchCreate,
-    MessageBatchRequestCounts,
-    ProcessingStatus,
-)
+from gateway.apis.message_batches import message_batches_wire as wire
 from gateway.errors import InvalidRequest
 from gateway.protocol.batch_objects import DONE, StoredBatch
 from gateway.stores.batchdb import Answer
 from gateway.stores.batches import BatchStore, input_name, not_found
 from gateway.stores.blobs import Opened, Staged
 
-STATUSES: dict[str, ProcessingStatus] = {"cancelling": "canceling", **{status: "ended" for status in DONE}}
+STATUSES: dict[str, wire.ProcessingStatus] = {"cancelling": "canceling", **{status: "ended" for status in DONE}}
 
 
-def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: int) -> bytes:
+def input_lines(create: wire.MessageBatchCreate, max_requests: int, max_line_bytes: int) -> bytes:
     """The batch's input file (`{"custom_id", "method", "url": "/v1/messages", "body"}` per line), or a
     400 naming the first request that is too large, repeats a custom_id or holds a number JSON has not."""
     if len(create.requests) > max_requests:
@@ -59,25 +54,26 @@ def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: i
     return b"\n".join(lines) + b"\n"
 
 
-def _counts(stored: StoredBatch, ended: bool) -> MessageBatchRequestCounts:
+def _counts(stored: StoredBatch, ended: bool) -> wire.MessageBatchRequestCounts:
     batch = stored.batch
     total, succeeded, failed = batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed
     expired = stored.expired_lines
     unrun = max(0, total - succeeded - failed)
     if not ended:
-        return MessageBatchRequestCounts(processing=unrun, succeeded=succeeded, errored=failed)
+        return wire.MessageBatchRequestCounts(processing=unrun, succeeded=succeeded, errored=failed)
     if batch.status == "cancelled":
-        return MessageBatchRequestCounts(succeeded=succeeded, errored=failed - expired, expired=expired, canceled=unrun)
-    return MessageBatchRequestCounts(succeeded=succeeded, errored=failed - expired + unrun, expired=expired)
+        return wire.MessageBatchRequestCounts(succeeded=succeeded, errored=failed - expired, expired=expired,
+                                              canceled=unrun)
+    return wire.MessageBatchRequestCounts(succeeded=succeeded, errored=failed - expired + unrun, expired=expired)
 
 
-def view(stored: StoredBatch) -> MessageBatch:
+def view(stored: StoredBatch) -> wire.MessageBatch:
     """The MessageBatch of a stored batch."""
     batch = stored.batch
     status = STATUSES.get(batch.status, "in_progress")
     ended = status == "ended"
     ended_at = batch.completed_at or batch.cancelled_at or batch.expired_at or batch.failed_at
-    return MessageBatch(  # times as Unix seconds, made UTC datetimes by the model
+    return wire.MessageBatch(  # times as Unix seconds, made UTC datetimes by the model
         id=batch.id, processing_status=status, request_counts=_counts(stored, ended), created_at=batch.created_at,
         expires_at=batch.expires_at or batch.created_at, ended_at=ended_at if ended else None,
         cancel_initiated_at=batch.cancelling_at,
