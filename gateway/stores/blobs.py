@@ -68,9 +68,6 @@ class Opened:
         file = await _io(path.open, "rb")
         return cls(os.fstat(file.fileno()).st_size, read_chunks(file))
 
-    async def aclose(self) -> None:
-        await self.chunks.aclose()
-
 
 async def read_chunks(file: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> AsyncGenerator[bytes, None]:
     try:

@@ -28,9 +28,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 ATTEMPTS = 3  # requests tried at most (botocore)
 MIB = 1024 * 1024
-TEMPORARY = "llm-gateway-s3-"  # local temporary files' prefix
-
-
 ERRORS = (ClientError, BotoCoreError, Boto3Error)  # a service down, slow or refusing: the API's 503
 TRANSFER = TransferConfig(multipart_threshold=8 * MIB, multipart_chunksize=8 * MIB, max_concurrency=4)
 
@@ -100,7 +97,7 @@ class S3Blobs:
         key = self._key(name)
 
         def download() -> Path | None:
-            descriptor, temporary = tempfile.mkstemp(prefix=TEMPORARY)
+            descriptor, temporary = tempfile.mkstemp(prefix="llm-gateway-s3-")
             os.close(descriptor)
             try:
                 self.client.download_file(self.bucket, key, temporary, Config=TRANSFER)

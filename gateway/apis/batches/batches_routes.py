@@ -31,7 +31,7 @@ async def create(request: Request) -> Response:
         stored = _mine(request).new(context.key_id, body.endpoint, expires, found.id, body.metadata)
         await _mine(request).create(stored, content.chunks)
     finally:
-        await content.aclose()
+        await content.chunks.aclose()
     state.batch_runner.wake()
     return json_response(stored.batch)
 

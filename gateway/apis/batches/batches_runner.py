@@ -32,8 +32,7 @@ from gateway.errors import StoreUnavailable
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.batch_objects import DONE, Batch, Errors, RequestCounts, StoredBatch
 from gateway.stores.batchdb import Answer, Fenced
-from gateway.stores.batches import BatchStore, input_name
-from gateway.stores.files import derived_id
+from gateway.stores.batches import BatchStore, derived_id, input_name
 
 log = structlog.get_logger(__name__)
 

@@ -13,7 +13,7 @@ from gateway.apis.files.files_multipart import read_form
 from gateway.apis.files.files_wire import PURPOSES, FileDeleted, FileList, FileListQuery
 from gateway.errors import InvalidRequest
 from gateway.pipeline.context import context_of
-from gateway.stores.files import OwnedFiles
+from gateway.stores.batches import OwnedFiles
 from gateway.web.answers import json_response
 from gateway.web.requests import state_of
 

@@ -73,4 +73,4 @@ async def results(request: Request) -> Response:
         raise InvalidRequest(f"Batch '{batch_id}' has not ended yet: its results are available once it has.",
                              param=PARAM)
     lines = await mb.results(state_of(request).batches, stored, PARAM)
-    return StreamingResponse(lines.chunks, media_type="application/x-jsonl", background=BackgroundTask(lines.aclose))
+    return StreamingResponse(lines.chunks, media_type="application/x-jsonl", background=BackgroundTask(lines.chunks.aclose))
