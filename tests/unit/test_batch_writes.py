@@ -193,7 +193,7 @@ def test_a_line_sent_back_runs_again_in_its_own_task_its_slot_given_back_meanwhi
         run.runner = type("Runner", (), {"slots": asyncio.Semaphore(1), "settings": fake_settings().batches,
                                          "state": type("State", (), {"lifecycle": Lifecycle()})()})()
         async with asyncio.TaskGroup() as flight:
-            flight.create_task(run._one(BatchLine(1, "a", "/v1/chat/completions", b"{}"), flight))
+            flight.create_task(run._one(BatchLine("a", "/v1/chat/completions", b"{}"), flight))
         return run.runner.slots.locked()
 
     monkeypatch.setattr(batches_runner, "run_line", run_line)

@@ -93,7 +93,6 @@ def _bad(number: int, problem: str, code: str = "invalid_request", param: str | 
 class BatchLine:
     """One request of a batch: its custom_id, url and body (JSON, as a request to its route carries)."""
 
-    number: int
     custom_id: str
     url: str
     body: bytes
@@ -102,6 +101,6 @@ class BatchLine:
 def read_lines(path: Path) -> Generator[BatchLine, None, None]:
     """The requests of a batch file already checked (`check_batch_input`), in order."""
     with path.open("rb") as lines:
-        for number, line in enumerate(lines, start=1):
+        for line in lines:
             request = orjson.loads(line)
-            yield BatchLine(number, request["custom_id"], request["url"], orjson.dumps(request["body"]))
+            yield BatchLine(request["custom_id"], request["url"], orjson.dumps(request["body"]))
