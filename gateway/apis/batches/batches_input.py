@@ -14,20 +14,11 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import InvalidRequest
 from gateway.protocol.batch_objects import BatchError
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")  # of an uploaded file
 MESSAGES = "/v1/messages"  # the lines of Anthropic's Message Batches (never of an uploaded file)
 _UNBOUNDED = 1 << 62
-
-
-def check_batch_file(path: Path, max_lines: int, max_line_bytes: int) -> int:
-    """The number of requests in a valid batch file; a 400 (param `file`) naming the first bad line."""
-    number, problems = check_batch_input(path, None, 1, max_lines, max_line_bytes)
-    if problems:
-        raise InvalidRequest(str(problems[0].message), param="file")
-    return number
 
 
 def check_batch_input(path: Path, endpoint: str | None, max_errors: int = 100, max_lines: int = _UNBOUNDED,

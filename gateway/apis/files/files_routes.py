@@ -8,7 +8,7 @@ import asyncio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from gateway.apis.batches.batches_input import check_batch_file
+from gateway.apis.batches.batches_input import check_batch_input
 from gateway.apis.files.files_multipart import read_form
 from gateway.apis.files.files_wire import PURPOSES, FileDeleted, FileList, FileListQuery
 from gateway.errors import InvalidRequest
@@ -54,7 +54,10 @@ async def upload(request: Request) -> Response:
         if form.file is None:
             raise InvalidRequest("Missing required parameter: 'file'", param="file")
         expires_after_s = _expiry(form.fields, settings.expires_after_s)
-        await asyncio.to_thread(check_batch_file, form.file.path, settings.max_lines, settings.max_line_bytes)
+        _, problems = await asyncio.to_thread(check_batch_input, form.file.path, None, 1, settings.max_lines,
+                                              settings.max_line_bytes)
+        if problems:
+            raise InvalidRequest(str(problems[0].message), param="file")
         stored = await mine.put(form.file, form.filename, "batch", expires_after_s)
     finally:
         if form.file is not None:
