@@ -132,7 +132,6 @@ class OwnedFiles:
 
 BATCH, MESSAGE_BATCH = "batch_", "msgbatch_"  # the id prefixes of OpenAI's batches and Anthropic's
 BATCH_ID = re.compile(r"(?:msg)?batch_[0-9a-f]{32}")
-EXPIRED_CODE = "batch_expired"  # the error of a line a batch past its window never ran
 
 
 def not_found(batch_id: str, param: str = "batch_id") -> NotFound:

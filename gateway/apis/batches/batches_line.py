@@ -34,14 +34,13 @@ from gateway.protocol.batch_objects import Owner
 from gateway.protocol.embeddings import EmbeddingRequest
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.stores.batchdb import Answer
-from gateway.stores.batches import EXPIRED_CODE
 from gateway.telemetry.record import close_record, open_record
 from gateway.tenancy import priority
 from gateway.tenancy.keys import Identity
 
 log = structlog.get_logger(__name__)
 _CANCELLED = 499  # the status a line's usage is counted under when its run was cancelled
-EXPIRED = {"code": EXPIRED_CODE, "message": "This request could not be executed before the completion window expired."}
+EXPIRED = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
 
 
 class Retry(Exception):
