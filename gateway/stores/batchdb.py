@@ -32,6 +32,7 @@ from gateway.stores.blobs import unavailable
 from gateway.stores.redis import Client
 
 T = TypeVar("T")
+M = TypeVar("M", StoredBatch, FileObject)
 log = structlog.get_logger(__name__)
 PAGE = 1000  # answers read per round trip
 Records: TypeAlias = "SqliteRecords | RedisRecords"  # the one-node default, and Redis across replicas
@@ -75,9 +76,6 @@ CREATE TRIGGER IF NOT EXISTS answers_counted AFTER INSERT ON answers BEGIN
   prompt = prompt + NEW.prompt, completion = completion + NEW.completion WHERE id = NEW.batch_id; END;
 """
 _BATCH = "SELECT record, cancel_at, completed, failed, expired, prompt, completion FROM batches"
-
-
-M = TypeVar("M", StoredBatch, FileObject)
 
 
 def parsed(model: type[M], raw: str | bytes) -> M | None:
