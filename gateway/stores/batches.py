@@ -12,33 +12,18 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
 from gateway.protocol.batch_objects import DONE, WINDOW_S, Batch, FileObject, Owner, Purpose, RequestCounts, StoredBatch
+from gateway.protocol.openai import page_of
 from gateway.stores.batchdb import Records
 from gateway.stores.blobs import Blobs, Opened, Staged, open_blob, put_chunks
 
-T = TypeVar("T")
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 
 
 def file_not_found(file_id: str) -> NotFound:
     return NotFound(f"No such File object: {file_id}", param="file_id")
-
-
-def page_of(items: list[T], ids: list[str], limit: int, after: str | None, before: str | None = None,
-            names: tuple[str, str] = ("after", "before"), missing: str = "No such File object to list") -> tuple[list[T], bool]:
-    """The page of `items` (whose ids are `ids`) after `after` or before `before` (a 400 naming `names` when unknown),
-    and whether more follow."""
-    for cursor, name in ((after, names[0]), (before, names[1])):
-        if cursor is not None and cursor not in ids:
-            raise InvalidRequest(f"{missing} {name.partition('_')[0]}: {cursor}", param=name)
-    if before is not None:
-        end = ids.index(before)
-        return items[max(0, end - limit) : end], end - limit > 0
-    start = 0 if after is None else ids.index(after) + 1
-    return items[start : start + limit], start + limit < len(items)
 
 
 def derived_id(name: str) -> str:
@@ -123,7 +108,7 @@ class OwnedFiles:
         files = [f for f in await self.store.records.files(self.owner)
                  if (f.expires_at is None or f.expires_at > now) and purpose in (None, f.purpose)]
         files.sort(key=lambda f: (f.created_at, f.id), reverse=descending)
-        return page_of(files, [f.id for f in files], limit, after)
+        return page_of(files, [f.id for f in files], limit, after, missing="No such File object to list {}: {}")
 
     async def _remove(self, file_id: str) -> None:
         if await self.store.records.remove_file(self.owner, file_id):  # from here on the file is gone for every reader
@@ -203,4 +188,5 @@ class OwnedBatches:
         """A page of this owner's batches, newest first (`page_of`)."""
         stored = [s for s in await self.store.records.batches(self.owner) if s.batch.id.startswith(self.kind)]
         stored.sort(key=lambda s: (s.batch.created_at, s.created_ns, s.batch.id), reverse=True)
-        return page_of(stored, [s.batch.id for s in stored], limit, after, before, names, "No batch to list")
+        return page_of(stored, [s.batch.id for s in stored], limit, after, missing="No batch to list {}: {}", before=before,
+                       names=names)
