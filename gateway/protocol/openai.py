@@ -17,6 +17,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # checked against the vocab
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() takes "²" too
 T = TypeVar("T")
+L = TypeVar("L", bound=BaseModel)
 
 
 class _Request(BaseModel):
@@ -392,3 +393,8 @@ def page_of(items: list[T], ids: list[str], limit: int, after: str | None, *, mi
         return items[max(0, end - limit) : end], end - limit > 0
     start = 0 if after is None else ids.index(after) + 1
     return items[start : start + limit], start + limit < len(items)
+
+
+def listing(model: type[L], data: list[Any], more: bool) -> L:
+    """A page of a list as OpenAI writes one: its items, the first's and the last's ids, whether more follow."""
+    return model(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None, has_more=more)

@@ -13,6 +13,7 @@ from gateway.apis.files.files_multipart import read_form
 from gateway.apis.files.files_wire import PURPOSES, FileDeleted, FileList, FileListQuery
 from gateway.errors import InvalidRequest
 from gateway.pipeline.context import context_of
+from gateway.protocol.openai import listing
 from gateway.stores.batches import OwnedFiles
 from gateway.web.answers import json_response
 from gateway.web.requests import state_of
@@ -68,8 +69,7 @@ async def upload(request: Request) -> Response:
 async def list_files(request: Request) -> Response:
     query = FileListQuery.model_validate(dict(request.query_params))
     page, more = await _mine(request).page(query.purpose, query.after, query.limit, query.order == "desc")
-    return json_response(FileList(data=page, first_id=page[0].id if page else None,
-                                  last_id=page[-1].id if page else None, has_more=more))
+    return json_response(listing(FileList, page, more))
 
 
 async def retrieve(request: Request) -> Response:

@@ -15,6 +15,7 @@ from gateway.apis.message_batches import message_batches_serving as mb
 from gateway.apis.message_batches import message_batches_wire as wire
 from gateway.errors import InvalidRequest
 from gateway.pipeline.context import context_of
+from gateway.protocol.openai import listing
 from gateway.stores.batches import MESSAGE_BATCH, OwnedBatches
 from gateway.web.answers import json_response
 from gateway.web.requests import parse, state_of
@@ -43,9 +44,7 @@ async def list_batches(request: Request) -> Response:
     if query.before_id is not None and query.after_id is not None:
         raise InvalidRequest("Give before_id or after_id, not both", param="before_id")
     page, more = await _mine(request).page(query.after_id, query.limit, query.before_id, ("after_id", "before_id"))
-    data = [mb.view(stored) for stored in page]
-    return json_response(wire.MessageBatchList(data=data, has_more=more, first_id=data[0].id if data else None,
-                                               last_id=data[-1].id if data else None))
+    return json_response(listing(wire.MessageBatchList, [mb.view(stored) for stored in page], more))
 
 
 async def retrieve(request: Request) -> Response:

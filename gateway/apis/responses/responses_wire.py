@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from gateway.protocol.openai import INT64_MAX, _Request, page_of
+from gateway.protocol.openai import INT64_MAX, _Request, listing, page_of
 from gateway.protocol.response_objects import (
     FunctionToolCall,
     Item,
@@ -248,8 +248,7 @@ def item_page(items: list[Item], query: InputItemsQuery, where: str) -> Response
     ordered = items if query.order == "asc" else items[::-1]
     page, more = page_of(ordered, [item.id for item in ordered], query.limit, query.after,
                          missing=f"No item with id '{{1}}' in {where}")
-    return ResponseItemList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
-                            has_more=more)
+    return listing(ResponseItemList, page, more)
 
 
 class InputItemsQuery(_Request):
