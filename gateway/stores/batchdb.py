@@ -224,9 +224,8 @@ class SqliteRecords:
     async def aclose(self) -> None:
         """The connection closed once the calls before have ended; a call after opens it again."""
         def close() -> None:
-            if getattr(self._open, "db", None) is not None:
-                self._open.db.close()
-                self._open.db = None
+            if (db := getattr(self._open, "db", None)) is not None:
+                db.close()  # the thread ends after this call: its connection is gone with it
 
         thread, self._thread = self._thread, ThreadPoolExecutor(1, thread_name_prefix="sqlite-records")
         await asyncio.get_running_loop().run_in_executor(thread, close)

@@ -95,7 +95,6 @@ ROUTES: dict[str, Run] = {
     "/v1/responses": _responses,
     MESSAGES: _route(MessagesRequest, messages_serving.MESSAGES, messages_serving.to_chat),
 }
-DIALECTS: dict[str, errors.Dialect] = {MESSAGES: "anthropic"}  # whose shape a line's error has (else OpenAI's)
 
 
 def result_line(custom_id: str, response: dict[str, Any] | None) -> bytes:
@@ -130,7 +129,7 @@ async def run_line(state: GatewayState, owner: Owner, line: BatchLine, retry_s: 
                 raise Retry(max(retry_s, float(wait) if wait is not None and wait.isdigit() else 0.0)) from None
             if not isinstance(exc, errors.APIError):  # a bug: logged as the route's exception handler logs it
                 log.exception("batch_line_failed", request_id=context.request_id, error=type(exc).__name__)
-            status, data = error.status, orjson.dumps(error.body(DIALECTS.get(url, "openai")))
+            status, data = error.status, orjson.dumps(error.body("anthropic" if url == MESSAGES else "openai"))
         response = {"status_code": status, "request_id": context.request_id, "body": orjson.Fragment(data)}
         return Answer(line.custom_id, 200 <= status < 300, result_line(line.custom_id, response),
                       prompt=record.prompt_tokens or 0, completion=record.completion_tokens or 0)
