@@ -66,15 +66,14 @@ class Batch(BaseModel):
 
 
 class Owner(BaseModel):
-    """Who created a batch: its lines run as that key, found again for each line
-    (`tenancy.keys.Authenticator.reidentify`: gone since, each line is a 401), its policy read again."""
+    """Who created a batch: its lines run as that key, found again for each line (`reidentify`: gone since, a 401)."""
 
     key_id: str
     tenant: str
 
 
 class StoredBatch(BaseModel):
-    """A batch as kept on disk: its object and its creator."""
+    """A batch as kept: its object and its creator."""
 
     batch: Batch
     owner: Owner

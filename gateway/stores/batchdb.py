@@ -3,13 +3,10 @@ backend: `SqliteRecords` the one-node default (the standard library's SQLite, WA
 across replicas. Contents (uploads, inputs, output files) are blobs (`stores.blobs`), written once.
 
 Both backends answer alike. Each line's answer is kept once, the first (`(batch_id, custom_id)` unique); a record's
-counts are its answers' and a cancel asked (`ask_cancel`, the first ask's time) is kept beside it: neither is lost to a
-runner's write of the record. `batch` is the record as `merged`, whoever its owner (the caller checks); `runnable` the
-batches not done, oldest first; `remove_file` whether this call removed the file. A run: `claim` hands a fencing token,
-higher each time, when no claim on the batch is live (else None); `renew` keeps it `ttl_s` longer (False once the batch
-was claimed again since `token`); `save` (the record, its counts aside) and `answer_all` (one transaction; how many
-answers were kept) raise `Fenced` once it was: a replica that stalled past its claim writes nothing after another took
-the batch over. `answers` are every answer kept, in the order they came, a page at a time."""
+counts (its answers') and a cancel asked (the first ask's time) are kept beside it, never lost to a runner's write of
+the record. `batch` is the record as `merged`, whoever its owner (the caller checks). A run: `claim` hands a fencing
+token, higher each time, when no claim on the batch is live; `renew`, `save` and `answer_all` are refused once the
+batch was claimed again since: a replica that stalled past its claim writes nothing after another took it over."""
 
 from __future__ import annotations
 

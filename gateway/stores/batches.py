@@ -185,7 +185,6 @@ class OwnedBatches:
 
     async def page(self, after: str | None, limit: int, before: str | None = None,
                    names: tuple[str, str] = ("after", "before")) -> tuple[list[StoredBatch], bool]:
-        """A page of this owner's batches, newest first (`page_of`)."""
         stored = [s for s in await self.store.records.batches(self.owner) if s.batch.id.startswith(self.kind)]
         stored.sort(key=lambda s: (s.batch.created_at, s.created_ns, s.batch.id), reverse=True)
         return page_of(stored, [s.batch.id for s in stored], limit, after, missing="No batch to list {}: {}", before=before,

@@ -1,9 +1,8 @@
 """The batch runner: runs the batches kept in `stores.batches`, each line through the pipeline as its route would run it
 (`batches_line`), in the batch lane, at most `batches.max_in_flight` lines at once on this replica across all batches. A
-line the key's rate limits refuse for now gives its slot back and runs again later, and its batch starts no new line
-until then. A batch's life, as OpenAI's (docs/api.md, Batches): `validating` → `in_progress` → `finalizing` (its output
-and error files assembled from its answers; not for Message Batches, whose results are read from them) → `completed`;
-or `cancelling` → `cancelled`; or, past its window, `expired` (its lines not run answered as expired).
+batch's life, as OpenAI's (docs/api.md, Batches): `validating` → `in_progress` → `finalizing` (its output and error
+files assembled from its answers; not for Message Batches, whose results are read from them) → `completed`; or
+`cancelling` → `cancelled`; or, past its window, `expired` (its lines not run answered as expired).
 
 Every `poll_s` (at once on a create or a cancel here) the loop claims each runnable batch no one holds (`Records.claim`:
 a fencing token, renewed every third of `lease_s` for the whole run) and runs its unanswered lines. Every write names
@@ -170,7 +169,6 @@ class BatchRun:
 
     @contextlib.asynccontextmanager
     async def _input(self) -> AsyncIterator[Path]:
-        """The batch's input as a local file, for the while (the blob itself on a local directory, a copy otherwise)."""
         async with self.runner.store.blobs.local(input_name(self.id)) as path:
             if path is None:
                 raise RuntimeError(f"batch {self.id} has no input")

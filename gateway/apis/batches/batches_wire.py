@@ -17,8 +17,6 @@ class OutputExpiresAfter(BaseModel):
 
 
 class BatchCreate(BaseModel):
-    """POST /v1/batches: unknown fields are a 400 naming them."""
-
     model_config = ConfigDict(extra="forbid")
     input_file_id: str
     endpoint: Endpoint

@@ -28,8 +28,6 @@ class FileDeleted(BaseModel):
 
 
 class FileListQuery(BaseModel):
-    """The query of GET /v1/files (values arrive as strings)."""
-
     purpose: str | None = None
     after: str | None = None
     limit: Annotated[int, Field(ge=1, le=10_000)] = 10_000

@@ -1,9 +1,8 @@
 """Anthropic's Message Batches on the batch lane: a Message Batch is a batch of the Batches API (`stores.batches`, run
-by `apis.batches.batches_runner`) whose lines go to `/v1/messages`, shown in Anthropic's shapes (docs/api.md,
-Anthropic's Message Batches). Here: the batch's input made from a create body (`input_lines`), the MessageBatch view of
-a stored batch (`view`: OpenAI's states and counts mapped to Anthropic's; the counts move as lines are answered, where
-Anthropic's stay at `processing` until the batch ends), and its results (`results`), one line per request, read from the
-batch's answers and its input."""
+by `apis.batches.batches_runner`) whose lines go to `/v1/messages`, shown in Anthropic's shapes (docs/api.md). Here:
+its input made from a create body (`input_lines`), its MessageBatch view (`view`: OpenAI's states and counts mapped to
+Anthropic's; the counts move as lines are answered, where Anthropic's stay at `processing` until the batch ends), and
+its results (`results`), one line per request, read from its answers and its input."""
 
 from __future__ import annotations
 
