@@ -118,11 +118,10 @@ async def read_form(request: Request, stage: Callable[[], Awaitable[Staged]], ma
         if not form.ended:
             raise InvalidRequest("The multipart/form-data body is malformed: it ends before its closing boundary")
         await staged.close()
-    except FormParserError as exc:
+    except BaseException as exc:
         await staged.discard()
-        raise InvalidRequest("The multipart/form-data body is malformed") from exc
-    except BaseException:
-        await staged.discard()
+        if isinstance(exc, FormParserError):
+            raise InvalidRequest("The multipart/form-data body is malformed") from exc
         raise
     if not form.filename:
         await staged.discard()
