@@ -107,9 +107,8 @@ def result_line(custom_id: str, response: dict[str, Any] | None) -> bytes:
 async def run_line(state: GatewayState, owner: Owner, line: BatchLine, retry_s: float, expires_at: float | None) -> Answer:
     """The line's answer (an error is an answer too); `Retry` when the key's rate limits refuse it for now. Its
     deadline is its batch's window's end (`expires_at`, Unix time)."""
-    url, body = line.url, line.body
     context = RequestContext(request_id="req_" + secrets.token_hex(16), key_id=owner.key_id, tenant=owner.tenant,
-                             lane=priority.BATCH, body_bytes=len(body))
+                             lane=priority.BATCH, body_bytes=len(line.body))
     if expires_at is not None:
         context.deadline = asyncio.get_running_loop().time() + (expires_at - time.time())
     record = context.record
@@ -118,7 +117,7 @@ async def run_line(state: GatewayState, owner: Owner, line: BatchLine, retry_s: 
     status = _CANCELLED
     try:
         try:
-            answer = await _answer(context, state, owner, url, body)
+            answer = await _answer(context, state, owner, line.url, line.body)
             status, data = _one_line(answer.status, whole_json(answer))
         except Exception as exc:  # an error is this line's answer, as the route would render it
             error: errors.APIError = errors.from_exception(exc)
@@ -129,7 +128,7 @@ async def run_line(state: GatewayState, owner: Owner, line: BatchLine, retry_s: 
                 raise Retry(max(retry_s, float(wait) if wait is not None and wait.isdigit() else 0.0)) from None
             if not isinstance(exc, errors.APIError):  # a bug: logged as the route's exception handler logs it
                 log.exception("batch_line_failed", request_id=context.request_id, error=type(exc).__name__)
-            status, data = error.status, orjson.dumps(error.body("anthropic" if url == MESSAGES else "openai"))
+            status, data = error.status, orjson.dumps(error.body("anthropic" if line.url == MESSAGES else "openai"))
         response = {"status_code": status, "request_id": context.request_id, "body": orjson.Fragment(data)}
         return Answer(line.custom_id, 200 <= status < 300, result_line(line.custom_id, response),
                       prompt=record.prompt_tokens or 0, completion=record.completion_tokens or 0)
