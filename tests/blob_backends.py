@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.stores.batchdb import Records, SqliteRecords
-from gateway.stores.batchdb_redis import RedisRecords
+from gateway.stores.batchdb import Records, RedisRecords, SqliteRecords
 from gateway.stores.blobs import Blobs, LocalBlobs
 from gateway.stores.redis import RedisPools
 from tests.redis_server import RedisServer

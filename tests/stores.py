@@ -14,9 +14,8 @@ import orjson
 from gateway.errors import StoreUnavailable
 from gateway.protocol.batch_objects import StoredBatch
 from gateway.stores.batchdb import SqliteRecords
-from gateway.stores.batches import BatchStore
+from gateway.stores.batches import BatchStore, FileStore
 from gateway.stores.blobs import LocalBlobs
-from gateway.stores.files import FileStore
 
 
 def disk_files(directory: Path) -> FileStore:

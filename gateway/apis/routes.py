@@ -27,7 +27,6 @@ from gateway.apis.ops import ops_routes
 from gateway.apis.responses import responses_routes, responses_wire
 from gateway.protocol import batch_objects as b
 from gateway.protocol import embeddings as e
-from gateway.protocol import file_objects as f
 from gateway.protocol import openai as p
 from gateway.protocol import response_objects as r
 from gateway.web.answers import resuming, served
@@ -100,9 +99,9 @@ TABLE = RouteTable([
              "Delete a conversation's item", None, conversations_wire.Conversation),
     Endpoint("POST", "/v1/files", files_routes.upload, "api",
              "Upload a file (multipart/form-data: file, purpose batch)",
-             None, f.FileObject, upload=True),
+             None, b.FileObject, upload=True),
     Endpoint("GET", "/v1/files", files_routes.list_files, "api", "List the key's files", None, files_wire.FileList),
-    Endpoint("GET", "/v1/files/{file_id}", files_routes.retrieve, "api", "Retrieve a file's object", None, f.FileObject),
+    Endpoint("GET", "/v1/files/{file_id}", files_routes.retrieve, "api", "Retrieve a file's object", None, b.FileObject),
     Endpoint("DELETE", "/v1/files/{file_id}", files_routes.delete, "api", "Delete a file", None, files_wire.FileDeleted),
     Endpoint("GET", "/v1/files/{file_id}/content", files_routes.content, "api", "Download a file's content"),
     Endpoint("POST", "/v1/batches", batches_routes.create, "api",

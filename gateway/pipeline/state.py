@@ -11,9 +11,8 @@ from gateway.guards.guarding import Guards
 from gateway.mcp.servers import McpServers
 from gateway.pipeline.lifecycle import Lifecycle
 from gateway.settings import McpSettings, Settings
-from gateway.stores.batches import BatchStore
+from gateway.stores.batches import BatchStore, FileStore
 from gateway.stores.cache import ResponseCache
-from gateway.stores.files import FileStore
 from gateway.stores.responses import ResponseStore
 from gateway.stores.streams import StreamStore, in_memory
 from gateway.tenancy.keys import Authenticator

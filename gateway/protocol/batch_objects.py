@@ -1,5 +1,5 @@
-"""The Batches API's objects, field by field as the `openai` SDK's, and what the store keeps of a batch beside its
-object (who created it)."""
+"""The Batches and Files APIs' objects, field by field as the `openai` SDK's, and what the store keeps of a batch beside
+its object (who created it)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from gateway.protocol.response_objects import InputTokensDetails, OutputTokensDe
 Status = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 DONE: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})  # nothing more will happen
-MAX_METADATA, MAX_KEY, MAX_VALUE = 16, 64, 512
 WINDOW_S = 24 * 3600  # completion_window "24h"
 
 
@@ -67,18 +66,34 @@ class Batch(BaseModel):
 
 
 class Owner(BaseModel):
-    """Who created a batch: its lines run as that key, found again for each line
-    (`tenancy.keys.Authenticator.reidentify`: gone since, each line is a 401), its policy read again."""
+    """Who created a batch: its lines run as that key, found again for each line (`reidentify`: gone since, a 401)."""
 
     key_id: str
     tenant: str
 
 
 class StoredBatch(BaseModel):
-    """A batch as kept on disk: its object and its creator."""
+    """A batch as kept: its object and its creator."""
 
     batch: Batch
     owner: Owner
     output_expires_after_s: int
     created_ns: int = 0  # orders batches made within one second (created_at counts seconds)
     expired_lines: int = 0  # lines never run, written to the error file as expired (a batch that expired)
+
+
+# `batch`: a batch's input, the one purpose an upload may have (others are a 400 naming `purpose`);
+# `batch_output`: a batch's output or error file, written by the gateway (`stores.batches`)
+Purpose = Literal["batch", "batch_output"]
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Purpose
+    status: Literal["uploaded", "processed", "error"] = "processed"  # checked before it was stored
+    expires_at: int | None = None
+    status_details: str | None = None

@@ -1,18 +1,23 @@
 """OpenAI's API as pydantic models. Requests forbid unknown fields (a typo is a 400) and every integer is bounded, so
-no client-sent number reaches the engine, the cache key or a tokenizer unbounded."""
+no client-sent number reaches the engine, the cache key or a tokenizer unbounded. Also the cursor paging of its lists
+(`page_of`)."""
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from gateway.errors import InvalidRequest
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # a number of tokens
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # checked against the vocabulary later
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() takes "²" too
+T = TypeVar("T")
+L = TypeVar("L", bound=BaseModel)
 
 
 class _Request(BaseModel):
@@ -376,3 +381,22 @@ class ErrorBody(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorBody
+
+
+def page_of(items: list[T], ids: list[str], limit: int, after: str | None, *, missing: str, before: str | None = None,
+            names: tuple[str, str] = ("after", "before")) -> tuple[list[T], bool]:
+    """The page of `items` (whose ids are `ids`) after `after` or before `before`, and whether more follow; an unknown
+    cursor a 400 naming its field (of `names`), `missing` its message (formatted with its direction and the cursor)."""
+    for cursor, name in ((after, names[0]), (before, names[1])):
+        if cursor is not None and cursor not in ids:
+            raise InvalidRequest(missing.format(name.partition("_")[0], cursor), param=name)
+    if before is not None:
+        end = ids.index(before)
+        return items[max(0, end - limit) : end], end - limit > 0
+    start = 0 if after is None else ids.index(after) + 1
+    return items[start : start + limit], start + limit < len(items)
+
+
+def listing(model: type[L], data: list[Any], more: bool) -> L:
+    """A page of a list as OpenAI writes one: its items, the first's and the last's ids, whether more follow."""
+    return model(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None, has_more=more)

@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Literal
 
 from gateway.settings import Settings
-from gateway.stores.batchdb import Records, SqliteRecords
-from gateway.stores.batchdb_redis import RedisRecords
-from gateway.stores.batches import BatchStore
+from gateway.stores.batchdb import Records, RedisRecords, SqliteRecords
+from gateway.stores.batches import BatchStore, FileStore
 from gateway.stores.blobs import Blobs, LocalBlobs
-from gateway.stores.files import FileStore
 from gateway.stores.redis import RedisPools
 
 Part = Literal["files", "batches"]

@@ -1,23 +1,122 @@
-"""The Batches API's and Message Batches API's store: each batch a record with its answers (`stores.batchdb`) and its
-input, a blob written once when the batch is created. A batch is reached only through its owner's view (`of`); only the
-runner reaches one by its id alone."""
+"""The batch lane's stores. The Files API's: each upload's FileObject a record (`stores.batchdb`) under its owner, its
+content a blob written once (stored first: a file exists once its record does). The Batches API's and Message Batches
+API's: each batch a record with its answers and its input, a blob written once when the batch is created. A file or a
+batch is reached only through its owner's view (`of`); only the runner reaches a batch by its id alone."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
-from gateway.errors import InvalidRequest, NotFound
-from gateway.protocol.batch_objects import DONE, WINDOW_S, Batch, Owner, RequestCounts, StoredBatch
-from gateway.stores.blobs import put_chunks
-from gateway.stores.files import Store, page_of
+from gateway.errors import InvalidRequest, NotFound, StoreUnavailable
+from gateway.protocol.batch_objects import DONE, WINDOW_S, Batch, FileObject, Owner, Purpose, RequestCounts, StoredBatch
+from gateway.protocol.openai import page_of
+from gateway.stores.batchdb import Records
+from gateway.stores.blobs import Blobs, Opened, Staged, open_blob, put_chunks
+
+FILE_ID = re.compile(r"file-[0-9a-f]{24}")
+
+
+def file_not_found(file_id: str) -> NotFound:
+    return NotFound(f"No such File object: {file_id}", param="file_id")
+
+
+def derived_id(name: str) -> str:
+    """A file id always the same for `name` (a batch's output: rewritten, not duplicated)."""
+    return "file-" + hashlib.sha256(name.encode()).hexdigest()[:24]
+
+
+@dataclass(slots=True, frozen=True)
+class Store:
+    """One part of the lane (its files, its batches): records and contents."""
+
+    records: Records
+    blobs: Blobs
+
+    async def aclose(self) -> None:
+        await self.records.aclose()
+        await self.blobs.aclose()
+
+    async def recorded(self, name: str, record: Awaitable[None], undo: bool = True) -> None:
+        """The content `name`, stored already, recorded by `record`; when that fails, the content removed (`undo`): no
+        listing or delete would ever reach it."""
+        try:
+            await record
+        except BaseException:
+            if undo:
+                with contextlib.suppress(StoreUnavailable):
+                    await self.blobs.delete(name)
+            raise
+
+
+class FileStore(Store):
+    def of(self, owner: str) -> OwnedFiles:
+        return OwnedFiles(self, owner)
+
+
+@dataclass(slots=True, frozen=True)
+class OwnedFiles:
+    """One owner's files; another owner's id is a 404 exactly as an unknown one, checked before anything is read or
+    deleted."""
+
+    store: Store
+    owner: str
+
+    async def stage(self) -> Staged:
+        return await Staged.at(self.store.blobs.spool)
+
+    async def put(self, staged: Staged, filename: str, purpose: Purpose, expires_after_s: int,
+                  file_id: str | None = None) -> FileObject:
+        """Store an upload under a new id (or `file_id`, replaced: a batch's output written again after a restart):
+        content first, then its record."""
+        await staged.close()
+        now = int(time.time())
+        stored = FileObject(id=file_id or "file-" + secrets.token_hex(12), bytes=staged.size, created_at=now,
+                            filename=filename, purpose=purpose, expires_at=now + expires_after_s)
+        await self.store.blobs.put_file(stored.id, staged.path)
+        await self.store.recorded(stored.id, self.store.records.add_file(self.owner, stored), undo=file_id is None)
+        return stored
+
+    async def get(self, file_id: str) -> FileObject:
+        found = await self.store.records.file(self.owner, file_id) if FILE_ID.fullmatch(file_id) else None
+        if found is not None and found.expires_at is not None and found.expires_at <= time.time():
+            await self._remove(file_id)
+            found = None
+        if found is None:
+            raise file_not_found(file_id)
+        return found
+
+    async def open(self, file_id: str) -> tuple[FileObject, Opened]:
+        """A delete after this does not cut the read short."""
+        found = await self.get(file_id)
+        opened = await open_blob(self.store.blobs, file_id)
+        if opened is None:  # deleted between the two reads
+            raise file_not_found(file_id)
+        return found, opened
+
+    async def delete(self, file_id: str) -> None:
+        await self.get(file_id)  # none of this owner's (or expired): 404 before anything is touched
+        await self._remove(file_id)
+
+    async def page(self, purpose: str | None, after: str | None, limit: int, descending: bool) -> tuple[list[FileObject], bool]:
+        now = time.time()
+        files = [f for f in await self.store.records.files(self.owner)
+                 if (f.expires_at is None or f.expires_at > now) and purpose in (None, f.purpose)]
+        files.sort(key=lambda f: (f.created_at, f.id), reverse=descending)
+        return page_of(files, [f.id for f in files], limit, after, missing="No such File object to list {}: {}")
+
+    async def _remove(self, file_id: str) -> None:
+        if await self.store.records.remove_file(self.owner, file_id):  # from here on the file is gone for every reader
+            await self.store.blobs.delete(file_id)
+
 
 BATCH, MESSAGE_BATCH = "batch_", "msgbatch_"  # the id prefixes of OpenAI's batches and Anthropic's
-ID = re.compile(r"(?:msg)?batch_[0-9a-f]{32}")
-EXPIRED_CODE = "batch_expired"  # the error of a line a batch past its window never ran
+BATCH_ID = re.compile(r"(?:msg)?batch_[0-9a-f]{32}")
 
 
 def not_found(batch_id: str, param: str = "batch_id") -> NotFound:
@@ -44,7 +143,7 @@ class OwnedBatches:
     kind: str = BATCH
 
     async def find(self, batch_id: str, param: str = "batch_id") -> StoredBatch:
-        ours = batch_id.startswith(self.kind) and ID.fullmatch(batch_id) is not None
+        ours = batch_id.startswith(self.kind) and BATCH_ID.fullmatch(batch_id) is not None
         stored = await self.store.records.batch(batch_id) if ours else None
         if stored is None or stored.owner.tenant != self.owner:
             raise not_found(batch_id, param)
@@ -86,7 +185,7 @@ class OwnedBatches:
 
     async def page(self, after: str | None, limit: int, before: str | None = None,
                    names: tuple[str, str] = ("after", "before")) -> tuple[list[StoredBatch], bool]:
-        """A page of this owner's batches, newest first (`page_of`)."""
         stored = [s for s in await self.store.records.batches(self.owner) if s.batch.id.startswith(self.kind)]
         stored.sort(key=lambda s: (s.batch.created_at, s.created_ns, s.batch.id), reverse=True)
-        return page_of(stored, [s.batch.id for s in stored], limit, after, before, names, "No batch to list")
+        return page_of(stored, [s.batch.id for s in stored], limit, after, missing="No batch to list {}: {}", before=before,
+                       names=names)

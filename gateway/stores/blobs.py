@@ -4,8 +4,8 @@ an upload is received into (`Staged`), and the one place where the lane's stores
 
 Both backends answer alike: contents by name, each written once, whole (never appended to); a missing one is never an
 error; a backend that fails raises what `unavailable` maps to a 503; nothing blocks the event loop. `spool` is where a
-content is staged before `put_file` (the local file `path` as `name`, its size; the file is the store's afterwards:
-moved or removed); `local` a local file holding the content for blocking reads (the blob itself on a local directory,
+content is staged before `put_file` (the local file `path` as `name`; the file is the store's afterwards: moved or
+removed); `local` a local file holding the content for blocking reads (the blob itself on a local directory,
 else a temporary copy removed on exit), None when there is none, read only."""
 
 from __future__ import annotations
@@ -67,9 +67,6 @@ class Opened:
         """The local file `path` opened: still readable once it is removed."""
         file = await _io(path.open, "rb")
         return cls(os.fstat(file.fileno()).st_size, read_chunks(file))
-
-    async def aclose(self) -> None:
-        await self.chunks.aclose()
 
 
 async def read_chunks(file: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> AsyncGenerator[bytes, None]:
@@ -152,21 +149,19 @@ class LocalBlobs:
     def _path(self, name: str) -> Path:
         return self.root / check_name(name)
 
-    async def put_file(self, name: str, path: Path) -> int:
+    async def put_file(self, name: str, path: Path) -> None:
         target = self._path(name)
 
-        def move() -> int:
+        def move() -> None:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 with open(path, "rb") as written:
                     os.fsync(written.fileno())
-                    size = os.fstat(written.fileno()).st_size
                 os.replace(path, target)  # staged in the spool, on the same disk: a rename
-                return size
             finally:
                 path.unlink(missing_ok=True)
 
-        return await _io(move)
+        await _io(move)
 
     @contextlib.asynccontextmanager
     async def local(self, name: str) -> AsyncIterator[Path | None]:

@@ -28,9 +28,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 ATTEMPTS = 3  # requests tried at most (botocore)
 MIB = 1024 * 1024
-TEMPORARY = "llm-gateway-s3-"  # local temporary files' prefix
-
-
 ERRORS = (ClientError, BotoCoreError, Boto3Error)  # a service down, slow or refusing: the API's 503
 TRANSFER = TransferConfig(multipart_threshold=8 * MIB, multipart_chunksize=8 * MIB, max_concurrency=4)
 
@@ -84,25 +81,23 @@ class S3Blobs:
         with unavailable(*ERRORS):
             return await asyncio.to_thread(work)
 
-    async def put_file(self, name: str, path: Path) -> int:
+    async def put_file(self, name: str, path: Path) -> None:
         key = self._key(name)
 
-        def upload() -> int:
+        def upload() -> None:
             try:
-                size = path.stat().st_size
                 self.client.upload_file(str(path), self.bucket, key, Config=TRANSFER)
-                return size
             finally:
                 path.unlink(missing_ok=True)
 
-        return await self._run(upload)
+        await self._run(upload)
 
     @contextlib.asynccontextmanager
     async def local(self, name: str) -> AsyncIterator[Path | None]:
         key = self._key(name)
 
         def download() -> Path | None:
-            descriptor, temporary = tempfile.mkstemp(prefix=TEMPORARY)
+            descriptor, temporary = tempfile.mkstemp(prefix="llm-gateway-s3-")
             os.close(descriptor)
             try:
                 self.client.download_file(self.bucket, key, temporary, Config=TRANSFER)

@@ -25,8 +25,7 @@ from starlette.testclient import TestClient
 
 from gateway.errors import StoreUnavailable
 from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
-from gateway.stores.batchdb import PAGE, SCHEMA, Answer, Fenced, Records, SqliteRecords
-from gateway.stores.batchdb_redis import RedisRecords
+from gateway.stores.batchdb import PAGE, SCHEMA, Answer, Fenced, Records, RedisRecords, SqliteRecords
 from gateway.stores.batches import input_name, new_id
 from gateway.stores.redis import RedisPools
 from tests.fakes import FakeEngine, app_with

@@ -5,7 +5,6 @@ expired lines written in bulk, its claim kept meanwhile, its output published on
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import sqlite3
 import threading
@@ -20,6 +19,7 @@ from starlette.testclient import TestClient
 from gateway.apis.batches.batches_input import BatchLine
 from gateway.apis.batches.batches_runner import BatchRun
 from gateway.app import create_app
+from gateway.pipeline.lifecycle import Lifecycle
 from gateway.protocol.batch_objects import Batch, Owner, RequestCounts, StoredBatch
 from gateway.stores.batchdb import Answer, SqliteRecords
 from gateway.stores.batches import new_id
@@ -162,19 +162,41 @@ def test_a_run_that_lost_its_claim_publishes_no_output(tmp_path: Path, monkeypat
         assert sdk.batches.retrieve(batch.id).status == "finalizing"
 
 
-def test_a_line_sent_back_while_the_inputs_end_is_read_still_runs() -> None:
-    """The last line running is sent back by the key's limits while the runner reads the end of the input (in a
-    thread): it is still run, the batch does not end short of it."""
-    run = BatchRun.__new__(BatchRun)  # only what `_next` reads
-    run._again = collections.deque()
-    line = BatchLine(1, "a", "/v1/chat/completions", b"{}")
+def test_a_line_sent_back_runs_again_in_its_own_task_its_slot_given_back_meanwhile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last line running is sent back by the key's limits: its task gives its slot back, waits, and runs it
+    again (the task group of the lines in flight ends only with it): the batch does not end short of it."""
+    from gateway.apis.batches import batches_runner
+    from gateway.apis.batches.batches_line import Retry
 
-    async def sent_back() -> None:
-        run._again.append(line)
+    run = BatchRun.__new__(BatchRun)  # only what `_one` and `_flush` read
+    run.id, run.token, run._resume_at, run._kept, run._writer = "b", 1, 0.0, [], None
+    run.stored = StoredBatch.model_validate({"batch": {"id": "b", "endpoint": "/v1/chat/completions", "status":
+                                            "in_progress", "input_file_id": "b", "created_at": 0},
+                                            "owner": {"key_id": "k", "tenant": "t"}, "output_expires_after_s": 1})
+    written: list[list[str]] = []
+    held_at_try: list[bool] = []  # whether the one slot was held at each try
 
-    async def scenario() -> BatchLine | None:
-        running = {task := asyncio.create_task(sent_back())}
-        task.add_done_callback(running.discard)
-        return await run._next(iter([]), collections.deque(), running)  # ends, then the input's end is read
+    async def run_line(*_: Any) -> Answer:
+        held_at_try.append(run.runner.slots.locked())
+        if len(held_at_try) == 1:
+            raise Retry(0.01)
+        return Answer("a", True, b"{}")
 
-    assert asyncio.run(scenario()) is line
+    async def answer_all(batch_id: str, token: int, answers: list[Answer]) -> int:
+        written.append([a.custom_id for a in answers])
+        return len(answers)
+
+    async def scenario() -> bool:
+        run._writing = asyncio.Lock()
+        run.records = type("Records", (), {"answer_all": staticmethod(answer_all)})()
+        run.runner = type("Runner", (), {"slots": asyncio.Semaphore(1), "settings": fake_settings().batches,
+                                         "state": type("State", (), {"lifecycle": Lifecycle()})()})()
+        async with asyncio.TaskGroup() as flight:
+            flight.create_task(run._one(BatchLine("a", "/v1/chat/completions", b"{}"), flight))
+        return run.runner.slots.locked()
+
+    monkeypatch.setattr(batches_runner, "run_line", run_line)
+    assert asyncio.run(scenario()) is False  # its slot given back
+    assert (held_at_try, written) == ([True, True], [["a"]])  # held at each try; answered once, by the second
+    assert run._resume_at > 0  # the batch paused meanwhile

@@ -147,7 +147,7 @@ def test_every_endpoint_runs_in_a_batch(tmp_path: Path) -> None:
     ({"endpoint": "/v1/moderations"}, 400, "endpoint"),
     ({"completion_window": "1h"}, 400, "completion_window"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
-    ({"metadata": {"k": "v" * 513}}, 400, "metadata"),
+    ({"metadata": {"k": "v" * 513}}, 400, "metadata.k"),  # the value too long, named by its key
     ({"surprise": 1}, 400, "surprise"),
 ])
 def test_a_malformed_create_is_refused(client: TestClient, change: dict[str, Any], status: int, param: str) -> None:
@@ -352,32 +352,27 @@ def test_a_removed_key_fails_its_batchs_lines(tmp_path: Path) -> None:
     assert line["response"]["status_code"] == 401  # type: ignore[index]
 
 
-def test_a_drain_starts_no_new_line_and_leaves_the_batch_in_progress(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one slot held by a line when the drain starts: once that line ends, the feeder takes the slot for
-    the next line, finds the drain and gives the slot back (waited for, not a window of time); no line starts."""
-    from gateway.apis.batches.batches_runner import BatchRun, BatchRunner
+def test_a_drain_starts_no_new_line_and_leaves_the_batch_in_progress(tmp_path: Path) -> None:
+    """The one slot held by a line when the drain starts: once that line ends, the next line's task takes the slot,
+    finds the drain and gives the slot back (waited for, not a window of time); no line starts."""
     from gateway.app import create_app
     from gateway.pipeline.lifecycle import Lifecycle
     from tests.fakes import HeldEngine, fake_settings
 
-    took: list[BatchRunner] = []  # a slot taken by the feeder, for the runner it was taken from
-    slot = BatchRun._slot
-
-    async def noted(self: BatchRun) -> None:
-        await slot(self)
-        took.append(self.runner)
-
-    monkeypatch.setattr(BatchRun, "_slot", noted)
     engine, lifecycle = HeldEngine(), Lifecycle()
     app = create_app(fake_settings(**settings(tmp_path, max_in_flight=1)), engine_starter=lambda es: engine,
                      lifecycle=lifecycle)
     with TestClient(app) as client:
+        slots = client.app_state["gateway"].batch_runner.slots
+        given_back: list[bool] = []  # each slot given back, and whether the drain had begun
+        release = slots.release
+        slots.release = lambda: (given_back.append(lifecycle.draining), release())[1]  # type: ignore[method-assign]
         batch = submit(sdk_for(client), jsonl(*(chat_line(f"r{i}", max_tokens=5) for i in range(10))))
         until_sync(lambda: engine.held, what="a line in flight, holding the only slot")
         lifecycle.start_drain()
         client.portal.call(engine.go.set)
-        until_sync(lambda: len(took) >= 2 and not took[-1].slots.locked(), what="the next slot taken and given back")
+        until_sync(lambda: given_back.count(True) >= 2 and not slots.locked(),
+                   what="the line's slot given back, then the next one's taken and given back")
         assert len(engine.held) == 1
     stored = record(tmp_path / "batches", batch.id)
     assert stored.batch.status == "in_progress"

@@ -15,7 +15,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.errors import NotFound
-from gateway.stores import files as store
+from gateway.stores import batches as store
 from tests.fakes import app_with
 from tests.stores import disk_files
 from tests.unit.test_responses import sdk_for

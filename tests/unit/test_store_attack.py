@@ -20,11 +20,9 @@ from starlette.testclient import TestClient
 
 from gateway.errors import StoreUnavailable
 from gateway.protocol.batch_objects import Batch, Owner, StoredBatch
-from gateway.stores.batchdb import Records, SqliteRecords
-from gateway.stores.batchdb_redis import RedisRecords
-from gateway.stores.batches import BatchStore, new_id
+from gateway.stores.batchdb import Records, RedisRecords, SqliteRecords
+from gateway.stores.batches import BatchStore, FileStore, new_id
 from gateway.stores.blobs import Blobs, LocalBlobs, open_blob, unavailable
-from gateway.stores.files import FileStore
 from tests.fakes import FakeEngine, app_with
 from tests.stores import Flaky, failing_stores
 from tests.unit.test_batches import by_custom_id, chat_line, jsonl, lines_of, settings, submit, wait
@@ -254,7 +252,7 @@ def test_a_run_killed_while_expiring_a_batch_counts_its_expired_lines(tmp_path: 
 
 
 async def test_an_owner_with_many_files_and_batches_lists_them(records: Records) -> None:
-    from gateway.protocol.file_objects import FileObject
+    from gateway.protocol.batch_objects import FileObject
 
     now = int(time.time())
     ids = [f"file-{i:024x}" for i in range(150)]
@@ -382,7 +380,7 @@ def test_a_run_that_dies_between_publishing_and_completed_publishes_once(
         tmp_path: Path, store_settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """The output published as a file, then the run dies before the record says `completed`: the next
     run publishes it again under the same id (replaced, not a second file) and completes."""
-    from gateway.stores.files import OwnedFiles
+    from gateway.stores.batches import OwnedFiles
 
     put, died = OwnedFiles.put, []
 

@@ -14,29 +14,36 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import InvalidRequest
 from gateway.protocol.batch_objects import BatchError
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")  # of an uploaded file
 MESSAGES = "/v1/messages"  # the lines of Anthropic's Message Batches (never of an uploaded file)
+_UNBOUNDED = 1 << 62
 
 
-def check_batch_file(path: Path, max_lines: int, max_line_bytes: int) -> int:
-    """The number of requests in a valid batch file; a 400 (param `file`) naming the first bad line."""
+def check_batch_input(path: Path, endpoint: str | None, max_errors: int = 100, max_lines: int = _UNBOUNDED,
+                      max_line_bytes: int = _UNBOUNDED) -> tuple[int, list[BatchError]]:
+    """A batch file's check, the upload's (`endpoint` None: each line a request to one of `URLS`) or a batch's before it
+    runs (each line a request to its `endpoint`), each custom_id once. (The number of lines read, the first
+    `max_errors` problems found.)"""
     seen: set[str] = set()
+    problems: list[BatchError] = []
     number = 0
     with path.open("rb") as lines:
-        while line := lines.readline(max_line_bytes + 1):
+        while len(problems) < max_errors and (line := lines.readline(max_line_bytes + 1)):
             number += 1
             if len(line.rstrip(b"\r\n")) > max_line_bytes:
-                raise InvalidRequest(f"Line {number} of the batch file is longer than {max_line_bytes} bytes.", "file")
-            if number > max_lines:
-                raise InvalidRequest(f"The batch file has more than {max_lines} requests (lines)", param="file")
-            if (problem := _check_line(line, number, seen, URLS)) is not None:
-                raise InvalidRequest(str(problem.message), param="file")
+                problems.append(_bad(number, f"is longer than {max_line_bytes} bytes"))
+            elif number > max_lines:
+                problems.append(BatchError(message=f"The batch file has more than {max_lines} requests (lines)"))
+            elif (problem := _check_line(line, number, seen, (*URLS, MESSAGES) if endpoint else URLS)) is not None:
+                problems.append(problem)
+            elif endpoint is not None and (url := orjson.loads(line)["url"]) != endpoint:
+                problems.append(_bad(number, f"asks for {url}, but the batch's endpoint is {endpoint}",
+                                     "mismatched_endpoint", "url"))
     if number == 0:
-        raise InvalidRequest("The batch file is empty: it needs one request per line", param="file")
-    return number
+        problems.append(BatchError(code="empty_file", message="The batch file is empty: it needs one request per line"))
+    return number, problems
 
 
 def _check_line(line: bytes, number: int, seen: set[str], urls: tuple[str, ...]) -> BatchError | None:
@@ -77,7 +84,6 @@ def _bad(number: int, problem: str, code: str = "invalid_request", param: str | 
 class BatchLine:
     """One request of a batch: its custom_id, url and body (JSON, as a request to its route carries)."""
 
-    number: int
     custom_id: str
     url: str
     body: bytes
@@ -86,26 +92,6 @@ class BatchLine:
 def read_lines(path: Path) -> Generator[BatchLine, None, None]:
     """The requests of a batch file already checked (`check_batch_input`), in order."""
     with path.open("rb") as lines:
-        for number, line in enumerate(lines, start=1):
+        for line in lines:
             request = orjson.loads(line)
-            yield BatchLine(number, request["custom_id"], request["url"], orjson.dumps(request["body"]))
-
-
-def check_batch_input(path: Path, endpoint: str, max_errors: int = 100) -> tuple[int, list[BatchError]]:
-    """A batch's check of its input before it runs: every line a request to the batch's `endpoint`,
-    each custom_id once. (The number of lines, the first `max_errors` problems found.)"""
-    seen: set[str] = set()
-    problems: list[BatchError] = []
-    number = 0
-    with path.open("rb") as lines:
-        for number, line in enumerate(lines, start=1):
-            if len(problems) >= max_errors:
-                break
-            problem = _check_line(line, number, seen, (*URLS, MESSAGES))
-            if problem is None and (url := orjson.loads(line)["url"]) != endpoint:
-                problem = _bad(number, f"asks for {url}, but the batch's endpoint is {endpoint}", "mismatched_endpoint", "url")
-            if problem is not None:
-                problems.append(problem)
-    if number == 0:
-        problems.append(BatchError(code="empty_file", message="The batch's input file has no requests."))
-    return number, problems
+            yield BatchLine(request["custom_id"], request["url"], orjson.dumps(request["body"]))

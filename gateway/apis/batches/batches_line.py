@@ -17,26 +17,15 @@ import orjson
 import structlog
 from pydantic import ValidationError
 
+from gateway import errors
 from gateway.apis.batches.batches_input import MESSAGES, BatchLine
 from gateway.apis.chat.chat_serving import CHAT
 from gateway.apis.completions.completions_serving import COMPLETIONS
 from gateway.apis.embeddings.embeddings_serving import EMBEDDINGS
 from gateway.apis.messages import messages_serving
-from gateway.apis.messages.messages_serving import MESSAGES as MESSAGES_SERVICE
 from gateway.apis.messages.messages_wire import MessagesRequest
 from gateway.apis.responses.responses_serving import ResponsesService, history_of
 from gateway.apis.responses.responses_wire import ResponsesRequest
-from gateway.errors import (
-    APIError,
-    AuthenticationFailed,
-    BadGateway,
-    Dialect,
-    InvalidRequest,
-    RateLimited,
-    ServiceUnavailable,
-    from_exception,
-    invalid_body,
-)
 from gateway.pipeline.answer import Stream, Whole, whole_json
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import dispatch
@@ -45,14 +34,13 @@ from gateway.protocol.batch_objects import Owner
 from gateway.protocol.embeddings import EmbeddingRequest
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.stores.batchdb import Answer
-from gateway.stores.batches import EXPIRED_CODE
 from gateway.telemetry.record import close_record, open_record
 from gateway.tenancy import priority
 from gateway.tenancy.keys import Identity
 
 log = structlog.get_logger(__name__)
 _CANCELLED = 499  # the status a line's usage is counted under when its run was cancelled
-EXPIRED = {"code": EXPIRED_CODE, "message": "This request could not be executed before the completion window expired."}
+EXPIRED = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
 
 
 class Retry(Exception):
@@ -70,11 +58,13 @@ def _parsed(model: type[Any], body: bytes) -> Any:
     try:
         parsed = model.model_validate_json(body)
     except ValidationError as exc:
-        raise invalid_body(exc, body) from exc
+        raise errors.invalid_body(exc, body) from exc
     if getattr(parsed, "stream", False):
-        raise InvalidRequest("A batch's requests are not streamed: leave out 'stream' (or set it to false)", "stream")
+        raise errors.InvalidRequest("A batch's requests are not streamed: leave out 'stream' (or set it to false)",
+                                    "stream")
     if getattr(parsed, "background", False):
-        raise InvalidRequest("A batch's requests already run in the background: leave out 'background'", "background")
+        raise errors.InvalidRequest("A batch's requests already run in the background: leave out 'background'",
+                                    "background")
     return parsed
 
 
@@ -103,9 +93,8 @@ ROUTES: dict[str, Run] = {
     "/v1/completions": _route(CompletionRequest, COMPLETIONS),
     "/v1/embeddings": _route(EmbeddingRequest, EMBEDDINGS),
     "/v1/responses": _responses,
-    MESSAGES: _route(MessagesRequest, MESSAGES_SERVICE, messages_serving.to_chat),
+    MESSAGES: _route(MessagesRequest, messages_serving.MESSAGES, messages_serving.to_chat),
 }
-DIALECTS: dict[str, Dialect] = {MESSAGES: "anthropic"}  # whose shape a line's error has (else OpenAI's)
 
 
 def result_line(custom_id: str, response: dict[str, Any] | None) -> bytes:
@@ -118,9 +107,8 @@ def result_line(custom_id: str, response: dict[str, Any] | None) -> bytes:
 async def run_line(state: GatewayState, owner: Owner, line: BatchLine, retry_s: float, expires_at: float | None) -> Answer:
     """The line's answer (an error is an answer too); `Retry` when the key's rate limits refuse it for now. Its
     deadline is its batch's window's end (`expires_at`, Unix time)."""
-    url, body = line.url, line.body
     context = RequestContext(request_id="req_" + secrets.token_hex(16), key_id=owner.key_id, tenant=owner.tenant,
-                             lane=priority.BATCH, body_bytes=len(body))
+                             lane=priority.BATCH, body_bytes=len(line.body))
     if expires_at is not None:
         context.deadline = asyncio.get_running_loop().time() + (expires_at - time.time())
     record = context.record
@@ -129,17 +117,18 @@ async def run_line(state: GatewayState, owner: Owner, line: BatchLine, retry_s: 
     status = _CANCELLED
     try:
         try:
-            answer = await _answer(context, state, owner, url, body)
+            answer = await _answer(context, state, owner, line.url, line.body)
             status, data = _one_line(answer.status, whole_json(answer))
         except Exception as exc:  # an error is this line's answer, as the route would render it
-            error: APIError = from_exception(exc)
+            error: errors.APIError = errors.from_exception(exc)
             wait = error.headers.get("Retry-After") or error.headers.get("retry-after")
-            if isinstance(error, RateLimited) or (isinstance(error, ServiceUnavailable) and wait is not None):
+            unavailable = isinstance(error, errors.ServiceUnavailable)
+            if isinstance(error, errors.RateLimited) or (unavailable and wait is not None):
                 status = error.status  # refused for now (a full queue whatever its status, a dead engine): it pauses
                 raise Retry(max(retry_s, float(wait) if wait is not None and wait.isdigit() else 0.0)) from None
-            if not isinstance(exc, APIError):  # a bug: logged as the route's exception handler logs it
+            if not isinstance(exc, errors.APIError):  # a bug: logged as the route's exception handler logs it
                 log.exception("batch_line_failed", request_id=context.request_id, error=type(exc).__name__)
-            status, data = error.status, orjson.dumps(error.body(DIALECTS.get(url, "openai")))
+            status, data = error.status, orjson.dumps(error.body("anthropic" if line.url == MESSAGES else "openai"))
         response = {"status_code": status, "request_id": context.request_id, "body": orjson.Fragment(data)}
         return Answer(line.custom_id, 200 <= status < 300, result_line(line.custom_id, response),
                       prompt=record.prompt_tokens or 0, completion=record.completion_tokens or 0)
@@ -156,14 +145,14 @@ def _one_line(status: int, data: bytes) -> tuple[int, bytes]:
     try:
         return status, orjson.dumps(orjson.loads(data))
     except orjson.JSONDecodeError:
-        error = BadGateway("The model answered with what is not JSON.")
+        error = errors.BadGateway("The model answered with what is not JSON.")
         return error.status, orjson.dumps(error.body())
 
 
 async def _answer(context: RequestContext, state: GatewayState, owner: Owner, url: str, body: bytes) -> Whole:
     identity = state.identities.reidentify(Identity(owner.key_id, owner.tenant))
     if identity is None:
-        raise AuthenticationFailed("The API key that created this batch is no longer valid.")
+        raise errors.AuthenticationFailed("The API key that created this batch is no longer valid.")
     context.key_id = context.record.api_key_id = identity.key_id
     policy = context.policy = state.tenants.policy(identity.key_id)
     context.record.response_headers.update(await state.quota.take_request(policy))

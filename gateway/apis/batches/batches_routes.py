@@ -9,6 +9,7 @@ from starlette.responses import Response
 from gateway.apis.batches.batches_wire import BatchCreate, BatchList, BatchListQuery
 from gateway.errors import InvalidRequest
 from gateway.pipeline.context import context_of
+from gateway.protocol.openai import listing
 from gateway.stores.batches import OwnedBatches
 from gateway.web.answers import json_response
 from gateway.web.requests import parse, state_of
@@ -31,7 +32,7 @@ async def create(request: Request) -> Response:
         stored = _mine(request).new(context.key_id, body.endpoint, expires, found.id, body.metadata)
         await _mine(request).create(stored, content.chunks)
     finally:
-        await content.aclose()
+        await content.chunks.aclose()
     state.batch_runner.wake()
     return json_response(stored.batch)
 
@@ -40,8 +41,7 @@ async def list_batches(request: Request) -> Response:
     query = BatchListQuery.model_validate(dict(request.query_params))
     stored, more = await _mine(request).page(query.after, query.limit)
     page = [s.batch for s in stored]
-    return json_response(BatchList(data=page, first_id=page[0].id if page else None,
-                                   last_id=page[-1].id if page else None, has_more=more))
+    return json_response(listing(BatchList, page, more))
 
 
 async def retrieve(request: Request) -> Response:

@@ -1,9 +1,8 @@
 """The batch runner: runs the batches kept in `stores.batches`, each line through the pipeline as its route would run it
 (`batches_line`), in the batch lane, at most `batches.max_in_flight` lines at once on this replica across all batches. A
-line the key's rate limits refuse for now gives its slot back and runs again later, and its batch starts no new line
-until then. A batch's life, as OpenAI's (docs/api.md, Batches): `validating` → `in_progress` → `finalizing` (its output
-and error files assembled from its answers; not for Message Batches, whose results are read from them) → `completed`;
-or `cancelling` → `cancelled`; or, past its window, `expired` (its lines not run answered as expired).
+batch's life, as OpenAI's (docs/api.md, Batches): `validating` → `in_progress` → `finalizing` (its output and error
+files assembled from its answers; not for Message Batches, whose results are read from them) → `completed`; or
+`cancelling` → `cancelled`; or, past its window, `expired` (its lines not run answered as expired).
 
 Every `poll_s` (at once on a create or a cancel here) the loop claims each runnable batch no one holds (`Records.claim`:
 a fencing token, renewed every third of `lease_s` for the whole run) and runs its unanswered lines. Every write names
@@ -13,7 +12,6 @@ crash, a shutdown or a store that is down leaves the batch to be claimed again, 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import itertools
@@ -21,7 +19,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
@@ -33,8 +31,7 @@ from gateway.errors import StoreUnavailable
 from gateway.pipeline.state import GatewayState
 from gateway.protocol.batch_objects import DONE, Batch, Errors, RequestCounts, StoredBatch
 from gateway.stores.batchdb import Answer, Fenced
-from gateway.stores.batches import BatchStore, input_name
-from gateway.stores.files import derived_id
+from gateway.stores.batches import BatchStore, derived_id, input_name
 
 log = structlog.get_logger(__name__)
 
@@ -136,7 +133,6 @@ class BatchRun:
         self._kept: list[Answer] = []  # answers had, not written yet
         self._writing = asyncio.Lock()
         self._writer: asyncio.Task[None] | None = None  # writing the answers had, while the lines run on
-        self._again: collections.deque[BatchLine] = collections.deque()  # lines the key's limits sent back
         self._resume_at = 0.0  # (monotonic) the key's limits refused a line: no new line of this batch before
 
     async def run(self) -> None:
@@ -173,7 +169,6 @@ class BatchRun:
 
     @contextlib.asynccontextmanager
     async def _input(self) -> AsyncIterator[Path]:
-        """The batch's input as a local file, for the while (the blob itself on a local directory, a copy otherwise)."""
         async with self.runner.store.blobs.local(input_name(self.id)) as path:
             if path is None:
                 raise RuntimeError(f"batch {self.id} has no input")
@@ -215,62 +210,49 @@ class BatchRun:
             await self._flush()
 
     async def _feed(self) -> None:
-        """Every line not answered yet, each once a slot is free (the lines in flight a task group)."""
+        """Every line not answered yet, each a task of the task group of those in flight (at most `max_in_flight` of
+        this batch's at once), the input read a chunk at a time (a thread hop per chunk, not per line)."""
         done = await self.records.answered(self.id)
+        room = asyncio.Semaphore(self.runner.settings.max_in_flight)
         async with self._input() as path:
-            lines, read = read_lines(path), collections.deque[BatchLine]()
-            running: set[asyncio.Task[None]] = set()
+            lines = read_lines(path)
             try:
                 async with asyncio.TaskGroup() as flight:
-                    while (line := await self._next(lines, read, running)) is not None:
-                        if line.custom_id in done:
-                            continue
-                        await self._slot()
-                        if self.runner.state.lifecycle.draining:  # no new line: those in flight end
-                            self.runner.slots.release()
-                            await asyncio.Event().wait()  # until the shutdown cancels this run
-                        task = flight.create_task(self._one(line, flight))
-                        running.add(task)
-                        task.add_done_callback(running.discard)
-                        task.add_done_callback(lambda _: self.runner.slots.release())  # even cancelled unstarted
+                    while chunk := await asyncio.to_thread(list, itertools.islice(lines, CHUNK)):
+                        for line in chunk:
+                            if line.custom_id not in done:
+                                await room.acquire()  # released as the task ends, even cancelled unstarted
+                                flight.create_task(self._one(line, flight)).add_done_callback(lambda _: room.release())
             finally:
                 with contextlib.suppress(ValueError):  # still being read in its thread: closed when collected
                     lines.close()
 
-    async def _next(self, lines: Iterator[BatchLine], read: collections.deque[BatchLine],
-                    running: set[asyncio.Task[None]]) -> BatchLine | None:
-        """A line the key's limits sent back, else the input's next (`read` a chunk at a time: a thread hop per
-        chunk, not per line); the input read, a line still running may yet send one back. None once every line
-        has ended."""
-        while True:
-            if self._again:
-                return self._again.popleft()
-            if not read:
-                read.extend(await asyncio.to_thread(list, itertools.islice(lines, CHUNK)))
-            if read:
-                return read.popleft()
-            if running:
-                await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            elif not self._again:  # (one sent back while the input was read is run still)
-                return None
-
     async def _slot(self) -> None:
-        """A slot of `max_in_flight` for the next line, once the key's limits let this batch go on."""
+        """A slot of `max_in_flight` (this replica's, across batches) once the key's limits let this batch go on; none
+        in a drain: no new line, those in flight end (this run then waits for the shutdown to cancel it)."""
         while True:
             await asyncio.sleep(max(0.0, self._resume_at - time.monotonic()))
             await self.runner.slots.acquire()
+            if self.runner.state.lifecycle.draining:
+                self.runner.slots.release()
+                await asyncio.Event().wait()
             if self._resume_at <= time.monotonic():
                 return
             self.runner.slots.release()  # paused while it waited for the slot
 
     async def _one(self, line: BatchLine, flight: asyncio.TaskGroup) -> None:
-        try:
-            answer = await run_line(self.runner.state, self.stored.owner, line, self.runner.settings.retry_s,
-                                    self.stored.batch.expires_at)
-        except Retry as retry:  # the key's rate limits: the line runs again, and the batch goes on, once they let it
-            self._resume_at = max(self._resume_at, time.monotonic() + retry.wait_s)
-            self._again.append(line)
-            return
+        """The line run in a slot; the key's rate limits refusing it for now, its slot given back, and the line run
+        again once they let the batch go on (no new line of the batch starts before)."""
+        while True:
+            await self._slot()
+            try:
+                answer = await run_line(self.runner.state, self.stored.owner, line, self.runner.settings.retry_s,
+                                        self.stored.batch.expires_at)
+                break
+            except Retry as retry:
+                self._resume_at = max(self._resume_at, time.monotonic() + retry.wait_s)
+            finally:
+                self.runner.slots.release()
         self._kept.append(answer)
         if self._writer is None or self._writer.done():  # else the writer under way takes this one too
             self._writer = flight.create_task(self._flush())  # its slot free meanwhile: the write holds no line

@@ -16,6 +16,7 @@ from gateway.apis.conversations.conversations_wire import (
 from gateway.apis.responses.responses_serving import input_items
 from gateway.apis.responses.responses_wire import InputItemsQuery, ResponseItemList, item_page
 from gateway.pipeline.context import context_of
+from gateway.protocol.openai import listing
 from gateway.web.answers import json_response
 from gateway.web.requests import parse, state_of
 
@@ -63,8 +64,7 @@ async def add_items(request: Request) -> Response:
     body = await parse(request, ItemsCreate)
     added = input_items(body.items, "items")
     await conversations.add(conversation_id, added, [item.id for item in body.items])
-    return json_response(ResponseItemList(data=added, first_id=added[0].id if added else None,
-                                          last_id=added[-1].id if added else None, has_more=False))
+    return json_response(listing(ResponseItemList, added, False))
 
 
 async def item(request: Request) -> Response:

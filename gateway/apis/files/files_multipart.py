@@ -45,9 +45,7 @@ class Form:
         self._header_name += data[start:end]
 
     def on_header_value(self, data: bytes, start: int, end: int) -> None:
-        self._header_value += data[start:end]
-        if len(self._header_value) > MAX_FIELD_BYTES:
-            raise InvalidRequest("A part of the form has a header that is too long")
+        self._header_value += data[start:end]  # bounded by the parser (`max_header_size`)
 
     def on_header_end(self) -> None:
         if bytes(self._header_name).lower() == b"content-disposition":
@@ -93,27 +91,22 @@ class Form:
         self.on_field(name, value)  # checked as it arrives: a bad purpose refused before the file is read
 
 
-def _boundary(request: Request) -> bytes:
-    content_type, options = parse_options_header(request.headers.get("content-type"))
-    if content_type != b"multipart/form-data" or not options.get(b"boundary"):
-        raise InvalidRequest("Send the upload as multipart/form-data, with the fields 'file' and 'purpose'")
-    return options[b"boundary"]
-
-
 async def read_form(request: Request, stage: Callable[[], Awaitable[Staged]], max_file_bytes: int,
                     on_field: Callable[[str, str], None]) -> Form:
     """The form of an upload, its file staged (the caller stores or discards it, also on error); `on_field` may refuse
     a field by raising."""
-    boundary = _boundary(request)
+    content_type, options = parse_options_header(request.headers.get("content-type"))
+    if content_type != b"multipart/form-data" or not options.get(b"boundary"):
+        raise InvalidRequest("Send the upload as multipart/form-data, with the fields 'file' and 'purpose'")
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > max_file_bytes + _MULTIPART_SLACK:
         raise PayloadTooLarge(f"The upload of {declared} bytes exceeds the limit of {max_file_bytes} bytes", param="file")
     form = Form(max_file_bytes, on_field)
-    parser = MultipartParser(boundary, {
+    parser = MultipartParser(options[b"boundary"], {
         "on_part_begin": form.on_part_begin, "on_part_data": form.on_part_data, "on_part_end": form.on_part_end,
         "on_header_field": form.on_header_field, "on_header_value": form.on_header_value,
         "on_header_end": form.on_header_end, "on_headers_finished": form.on_headers_finished, "on_end": form.on_end,
-    })
+    }, max_header_size=MAX_FIELD_BYTES)
     staged = form.file = await stage()
     try:
         async for chunk in request.stream():  # a client gone: `ClientDisconnect`
@@ -125,11 +118,10 @@ async def read_form(request: Request, stage: Callable[[], Awaitable[Staged]], ma
         if not form.ended:
             raise InvalidRequest("The multipart/form-data body is malformed: it ends before its closing boundary")
         await staged.close()
-    except FormParserError as exc:
+    except BaseException as exc:
         await staged.discard()
-        raise InvalidRequest("The multipart/form-data body is malformed") from exc
-    except BaseException:
-        await staged.discard()
+        if isinstance(exc, FormParserError):
+            raise InvalidRequest("The multipart/form-data body is malformed") from exc
         raise
     if not form.filename:
         await staged.discard()

@@ -8,12 +8,13 @@ import asyncio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from gateway.apis.batches.batches_input import check_batch_file
+from gateway.apis.batches.batches_input import check_batch_input
 from gateway.apis.files.files_multipart import read_form
 from gateway.apis.files.files_wire import PURPOSES, FileDeleted, FileList, FileListQuery
 from gateway.errors import InvalidRequest
 from gateway.pipeline.context import context_of
-from gateway.stores.files import OwnedFiles
+from gateway.protocol.openai import listing
+from gateway.stores.batches import OwnedFiles
 from gateway.web.answers import json_response
 from gateway.web.requests import state_of
 
@@ -54,7 +55,10 @@ async def upload(request: Request) -> Response:
         if form.file is None:
             raise InvalidRequest("Missing required parameter: 'file'", param="file")
         expires_after_s = _expiry(form.fields, settings.expires_after_s)
-        await asyncio.to_thread(check_batch_file, form.file.path, settings.max_lines, settings.max_line_bytes)
+        _, problems = await asyncio.to_thread(check_batch_input, form.file.path, None, 1, settings.max_lines,
+                                              settings.max_line_bytes)
+        if problems:
+            raise InvalidRequest(str(problems[0].message), param="file")
         stored = await mine.put(form.file, form.filename, "batch", expires_after_s)
     finally:
         if form.file is not None:
@@ -65,8 +69,7 @@ async def upload(request: Request) -> Response:
 async def list_files(request: Request) -> Response:
     query = FileListQuery.model_validate(dict(request.query_params))
     page, more = await _mine(request).page(query.purpose, query.after, query.limit, query.order == "desc")
-    return json_response(FileList(data=page, first_id=page[0].id if page else None,
-                                  last_id=page[-1].id if page else None, has_more=more))
+    return json_response(listing(FileList, page, more))
 
 
 async def retrieve(request: Request) -> Response:

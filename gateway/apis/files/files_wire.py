@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from gateway.protocol.file_objects import FileObject
+from gateway.protocol.batch_objects import FileObject
 
 PURPOSES: tuple[str, ...] = ("batch",)  # what an upload may name
 
@@ -28,8 +28,6 @@ class FileDeleted(BaseModel):
 
 
 class FileListQuery(BaseModel):
-    """The query of GET /v1/files (values arrive as strings)."""
-
     purpose: str | None = None
     after: str | None = None
     limit: Annotated[int, Field(ge=1, le=10_000)] = 10_000

@@ -12,14 +12,10 @@ from starlette.responses import Response, StreamingResponse
 
 from gateway.apis.batches.batches_input import MESSAGES
 from gateway.apis.message_batches import message_batches_serving as mb
-from gateway.apis.message_batches.message_batches_wire import (
-    DeletedMessageBatch,
-    MessageBatchCreate,
-    MessageBatchList,
-    MessageBatchListQuery,
-)
+from gateway.apis.message_batches import message_batches_wire as wire
 from gateway.errors import InvalidRequest
 from gateway.pipeline.context import context_of
+from gateway.protocol.openai import listing
 from gateway.stores.batches import MESSAGE_BATCH, OwnedBatches
 from gateway.web.answers import json_response
 from gateway.web.requests import parse, state_of
@@ -32,7 +28,7 @@ def _mine(request: Request) -> OwnedBatches:
 
 
 async def create(request: Request) -> Response:
-    body = await parse(request, MessageBatchCreate)
+    body = await parse(request, wire.MessageBatchCreate)
     state, context = state_of(request), context_of(request.scope)
     files = state.settings.files
     content = await asyncio.to_thread(mb.input_lines, body, files.max_lines, files.max_line_bytes)
@@ -44,13 +40,11 @@ async def create(request: Request) -> Response:
 
 
 async def list_batches(request: Request) -> Response:
-    query = MessageBatchListQuery.model_validate(dict(request.query_params))
+    query = wire.MessageBatchListQuery.model_validate(dict(request.query_params))
     if query.before_id is not None and query.after_id is not None:
         raise InvalidRequest("Give before_id or after_id, not both", param="before_id")
     page, more = await _mine(request).page(query.after_id, query.limit, query.before_id, ("after_id", "before_id"))
-    data = [mb.view(stored) for stored in page]
-    return json_response(MessageBatchList(data=data, has_more=more, first_id=data[0].id if data else None,
-                                          last_id=data[-1].id if data else None))
+    return json_response(listing(wire.MessageBatchList, [mb.view(stored) for stored in page], more))
 
 
 async def retrieve(request: Request) -> Response:
@@ -60,7 +54,7 @@ async def retrieve(request: Request) -> Response:
 async def delete(request: Request) -> Response:
     batch_id = request.path_params[PARAM]
     await _mine(request).delete(batch_id, PARAM)
-    return json_response(DeletedMessageBatch(id=batch_id))
+    return json_response(wire.DeletedMessageBatch(id=batch_id))
 
 
 async def cancel(request: Request) -> Response:
@@ -78,4 +72,4 @@ async def results(request: Request) -> Response:
         raise InvalidRequest(f"Batch '{batch_id}' has not ended yet: its results are available once it has.",
                              param=PARAM)
     lines = await mb.results(state_of(request).batches, stored, PARAM)
-    return StreamingResponse(lines.chunks, media_type="application/x-jsonl", background=BackgroundTask(lines.aclose))
+    return StreamingResponse(lines.chunks, media_type="application/x-jsonl", background=BackgroundTask(lines.chunks.aclose))

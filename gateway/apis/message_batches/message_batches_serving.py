@@ -1,9 +1,8 @@
 """Anthropic's Message Batches on the batch lane: a Message Batch is a batch of the Batches API (`stores.batches`, run
-by `apis.batches.batches_runner`) whose lines go to `/v1/messages`, shown in Anthropic's shapes (docs/api.md,
-Anthropic's Message Batches). Here: the batch's input made from a create body (`input_lines`), the MessageBatch view of
-a stored batch (`view`: OpenAI's states and counts mapped to Anthropic's; the counts move as lines are answered, where
-Anthropic's stay at `processing` until the batch ends), and its results (`results`), one line per request, read from the
-batch's answers and its input."""
+by `apis.batches.batches_runner`) whose lines go to `/v1/messages`, shown in Anthropic's shapes (docs/api.md). Here:
+its input made from a create body (`input_lines`), its MessageBatch view (`view`: OpenAI's states and counts mapped to
+Anthropic's; the counts move as lines are answered, where Anthropic's stay at `processing` until the batch ends), and
+its results (`results`), one line per request, read from its answers and its input."""
 
 from __future__ import annotations
 
@@ -15,22 +14,17 @@ from typing import Any
 import orjson
 
 from gateway.apis.batches.batches_input import MESSAGES
-from gateway.apis.message_batches.message_batches_wire import (
-    MessageBatch,
-    MessageBatchCreate,
-    MessageBatchRequestCounts,
-    ProcessingStatus,
-)
+from gateway.apis.message_batches import message_batches_wire as wire
 from gateway.errors import InvalidRequest
 from gateway.protocol.batch_objects import DONE, StoredBatch
 from gateway.stores.batchdb import Answer
 from gateway.stores.batches import BatchStore, input_name, not_found
 from gateway.stores.blobs import Opened, Staged
 
-STATUSES: dict[str, ProcessingStatus] = {"cancelling": "canceling", **{status: "ended" for status in DONE}}
+STATUSES: dict[str, wire.ProcessingStatus] = {"cancelling": "canceling", **{status: "ended" for status in DONE}}
 
 
-def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: int) -> bytes:
+def input_lines(create: wire.MessageBatchCreate, max_requests: int, max_line_bytes: int) -> bytes:
     """The batch's input file (`{"custom_id", "method", "url": "/v1/messages", "body"}` per line), or a
     400 naming the first request that is too large, repeats a custom_id or holds a number JSON has not."""
     if len(create.requests) > max_requests:
@@ -59,25 +53,26 @@ def input_lines(create: MessageBatchCreate, max_requests: int, max_line_bytes: i
     return b"\n".join(lines) + b"\n"
 
 
-def _counts(stored: StoredBatch, ended: bool) -> MessageBatchRequestCounts:
+def _counts(stored: StoredBatch, ended: bool) -> wire.MessageBatchRequestCounts:
     batch = stored.batch
     total, succeeded, failed = batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed
     expired = stored.expired_lines
     unrun = max(0, total - succeeded - failed)
     if not ended:
-        return MessageBatchRequestCounts(processing=unrun, succeeded=succeeded, errored=failed)
+        return wire.MessageBatchRequestCounts(processing=unrun, succeeded=succeeded, errored=failed)
     if batch.status == "cancelled":
-        return MessageBatchRequestCounts(succeeded=succeeded, errored=failed - expired, expired=expired, canceled=unrun)
-    return MessageBatchRequestCounts(succeeded=succeeded, errored=failed - expired + unrun, expired=expired)
+        return wire.MessageBatchRequestCounts(succeeded=succeeded, errored=failed - expired, expired=expired,
+                                              canceled=unrun)
+    return wire.MessageBatchRequestCounts(succeeded=succeeded, errored=failed - expired + unrun, expired=expired)
 
 
-def view(stored: StoredBatch) -> MessageBatch:
+def view(stored: StoredBatch) -> wire.MessageBatch:
     """The MessageBatch of a stored batch."""
     batch = stored.batch
     status = STATUSES.get(batch.status, "in_progress")
     ended = status == "ended"
     ended_at = batch.completed_at or batch.cancelled_at or batch.expired_at or batch.failed_at
-    return MessageBatch(  # times as Unix seconds, made UTC datetimes by the model
+    return wire.MessageBatch(  # times as Unix seconds, made UTC datetimes by the model
         id=batch.id, processing_status=status, request_counts=_counts(stored, ended), created_at=batch.created_at,
         expires_at=batch.expires_at or batch.created_at, ended_at=ended_at if ended else None,
         cancel_initiated_at=batch.cancelling_at,
@@ -101,10 +96,8 @@ def _error(message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": "api_error", "message": message}}
 
 
-def _unrun(status: str) -> dict[str, Any]:
-    if status == "cancelled":
-        return {"type": "canceled"}
-    return {"type": "errored", "error": _error(f"The request was not run: the batch ended {status}.")}
+def _line(custom_id: str, result: dict[str, Any]) -> bytes:
+    return orjson.dumps({"custom_id": custom_id, "result": result}) + b"\n"
 
 
 async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
@@ -131,13 +124,14 @@ async def results(store: BatchStore, stored: StoredBatch, param: str) -> Opened:
 
 
 def _result_lines(answers: list[Answer]) -> bytes:
-    return b"".join(orjson.dumps({"custom_id": a.custom_id, "result": _result(a)}) + b"\n"
-                    for a in answers)
+    return b"".join(_line(answer.custom_id, _result(answer)) for answer in answers)
 
 
 def _unrun_lines(requests: Path, seen: set[str], status: str) -> bytes | None:
     """None when the input is gone (its batch deleted since `local` found it)."""
+    unrun = {"type": "canceled"} if status == "cancelled" else {
+        "type": "errored", "error": _error(f"The request was not run: the batch ended {status}.")}
     with contextlib.suppress(FileNotFoundError), requests.open("rb") as asked:
         ids = (orjson.loads(raw)["custom_id"] for raw in asked)
-        return b"".join(orjson.dumps({"custom_id": i, "result": _unrun(status)}) + b"\n" for i in ids if i not in seen)
+        return b"".join(_line(i, unrun) for i in ids if i not in seen)
     return None

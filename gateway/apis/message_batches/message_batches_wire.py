@@ -9,20 +9,17 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 ProcessingStatus = Literal["in_progress", "canceling", "ended"]
-CUSTOM_ID = r"^[a-zA-Z0-9_-]{1,64}$"  # Anthropic's pattern of a custom_id
 
 
 class MessageBatchRequest(BaseModel):
     """One request of a batch: its custom_id and a Messages request's body (not streamed)."""
 
     model_config = ConfigDict(extra="forbid")
-    custom_id: Annotated[str, Field(pattern=CUSTOM_ID)]
+    custom_id: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # Anthropic's pattern
     params: dict[str, Any]
 
 
 class MessageBatchCreate(BaseModel):
-    """POST /v1/messages/batches."""
-
     model_config = ConfigDict(extra="forbid")
     requests: Annotated[list[MessageBatchRequest], Field(min_length=1)]
 

@@ -8,8 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from gateway.errors import InvalidRequest
-from gateway.protocol.openai import INT64_MAX, _Request
+from gateway.protocol.openai import INT64_MAX, _Request, listing, page_of
 from gateway.protocol.response_objects import (
     FunctionToolCall,
     Item,
@@ -247,15 +246,9 @@ def item_page(items: list[Item], query: InputItemsQuery, where: str) -> Response
     """A page of `items` (kept oldest first) as `query` asks; `where`: what holds them, for the refusal of an unknown
     `after`."""
     ordered = items if query.order == "asc" else items[::-1]
-    start = 0
-    if query.after is not None:
-        ids = [item.id for item in ordered]
-        if query.after not in ids:
-            raise InvalidRequest(f"No item with id '{query.after}' in {where}", "after")
-        start = ids.index(query.after) + 1
-    page = ordered[start : start + query.limit]
-    return ResponseItemList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
-                            has_more=start + query.limit < len(ordered))
+    page, more = page_of(ordered, [item.id for item in ordered], query.limit, query.after,
+                         missing=f"No item with id '{{1}}' in {where}")
+    return listing(ResponseItemList, page, more)
 
 
 class InputItemsQuery(_Request):
