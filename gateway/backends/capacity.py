@@ -19,7 +19,8 @@ A stream is answered at its first token, and its client then waits for each next
 read timeout (`X-Stainless-Read-Timeout`: httpx's read timeout runs per read): it needs the engine
 to start it in time and to keep its gaps short, not the pace of a lightly loaded engine. An answer
 brings that bound (`gap_s`) with it; a window of streams only holds the pace to `GAP_SHARE` of
-their shortest bound (an engine too slow for that even unloaded: its unloaded pace) and, while within it, the limit goes at
+their shortest bound (the engine's `TOLERANCE` at least: a client's short timeout does not shrink the
+limit for the others) and, while within it, the limit goes at
 once to the gradient's projection (the limit times the room: an engine's time per token grows at
 most in proportion to its batch), up to the engine's batch: past it the engine only queues them.
 A cold flood of streams reaches the batch in one window, while the first wave's deadline has
@@ -107,7 +108,7 @@ class Capacity:
         """`gap_s`: the shortest gap bound of the window's streams (0: a whole answer among them)."""
         target, ceiling = TOLERANCE * unloaded, float(self.bound)
         if gap_s > 0:  # streams only: their bound, not the engine's best pace; up to the batch, past which it queues
-            target = max(unloaded, GAP_SHARE * gap_s)
+            target = max(target, GAP_SHARE * gap_s)  # (never below: a client's header cannot shrink the others' limit)
             ceiling = max(self._limit, float(min(self.bound, self.batch or self.bound)))
         gradient = target / pace
         if gap_s > 0 and gradient >= 1.0:  # streams with room: the pace projected in proportion to the limit
