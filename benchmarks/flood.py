@@ -35,6 +35,7 @@ class Outcome:
     retry_after: str | None = None
     first_byte_s: float = 0.0
     tokens: int = 0  # output tokens of a 200
+    reason: str = ""  # a refusal's, by its message: expected_wait, deadline_passed, other
 
 
 @dataclass
@@ -62,6 +63,8 @@ class Flood:
                 "refused_without_retry_after": sum(o.status in (429, 503) and not o.retry_after for o in self.outcomes),
                 "tokens_per_s": self.throughput, "seconds": self.seconds,
                 "first_byte_max_s": max((o.first_byte_s for o in self.outcomes if o.status is not None), default=0.0),
+                "refused_by_reason": {reason: sum(o.reason == reason for o in self.outcomes)
+                                      for reason in sorted({o.reason for o in self.outcomes if o.reason})},
                 "health_p50_ms": health[len(health) // 2] * 1000, "health_max_ms": health[-1] * 1000}
 
 
@@ -91,7 +94,17 @@ async def one(client: httpx.AsyncClient, base: str, n: int, stream: bool, deadli
     except httpx.TimeoutException:
         return Outcome(None, first_byte_s=time.monotonic() - started)
     tokens = _tokens(data, stream) if response.status_code == 200 else 0
-    return Outcome(response.status_code, response.headers.get("retry-after"), first_byte_s, tokens)
+    reason = _reason(data) if response.status_code in (429, 503) else ""
+    return Outcome(response.status_code, response.headers.get("retry-after"), first_byte_s, tokens, reason)
+
+
+def _reason(body: bytes) -> str:
+    """A refusal's reason, by admission's message (`gateway_rejected_total`'s reasons, as the client sees them)."""
+    message = body.decode(errors="replace")
+    for reason, says in (("expected_wait", "expected wait"), ("deadline_passed", "deadline passed")):
+        if says in message:
+            return reason
+    return "other"
 
 
 async def flood(base: str, count: int, stream: bool, deadline_s: float, margin_s: float, max_tokens: int = 16) -> Flood:
@@ -133,7 +146,7 @@ async def work(args: argparse.Namespace, document: dict[str, Any]) -> None:
         try:
             base = gateway.base_url.removesuffix("/v1")
             await flood(base, 1, False, 60, 5)  # warm-up
-            for stream in (False, True):
+            for stream in (answers == "streams" for answers in args.order.split(",")):
                 result = await flood(base, args.flood, stream, args.deadline_s, args.margin_s, args.max_tokens)
                 summary = {"mode": mode, "stream": stream, **result.summary()}
                 log(f"{mode} {'streams' if stream else 'whole'}: {summary}")
@@ -167,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-s", type=float, default=30, help="each request's deadline (its timeout header)")
     parser.add_argument("--margin-s", type=float, default=5, help="the client's wait beyond the deadline")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--order", default="whole,streams", choices=["whole,streams", "streams,whole", "streams", "whole"],
+                        help="the floods on each gateway, in this order (the first meets it cold)")
     argv = sys.argv[1:] if argv is None else argv
     return run_command("flood", argv, parser.parse_args(argv), work, render)[0]
 

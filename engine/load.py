@@ -16,6 +16,10 @@ RECENT = 2 / (20 + 1)  # the weight of one finished request in the engine's time
 CUT_SHORT = (FinishReason.ABORT, FinishReason.ERROR)  # their time is not what a request takes
 
 
+def _averaged(average: float | None, seconds: float) -> float:
+    return seconds if average is None else average + RECENT * (seconds - average)
+
+
 class LoadRecorder:
     """The engine's `EngineLoad`, kept current by a stat logger of vLLM's (`factory`: once per engine core;
     data-parallel ranks added up). vLLM's Prometheus logger keeps only the last started engine's gauges, so with
@@ -28,10 +32,12 @@ class LoadRecorder:
         self._adapters: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
         self.adapters_updated = 0.0
         self.request_s: float | None = None  # `EngineLoad.request_s`, every rank's requests in one average
+        self.first_token_s: float | None = None  # `EngineLoad.first_token_s`, the same way
 
-    def finished(self, seconds: float) -> None:
-        """A request finished after `seconds` in the engine."""
-        self.request_s = seconds if self.request_s is None else self.request_s + RECENT * (seconds - self.request_s)
+    def finished(self, seconds: float, first_token_s: float) -> None:
+        """A request finished after `seconds` in the engine, its first token after `first_token_s`."""
+        self.request_s = _averaged(self.request_s, seconds)
+        self.first_token_s = _averaged(self.first_token_s, first_token_s)
 
     def adapters(self) -> tuple[dict[str, int], dict[str, int]]:
         """Engine requests running and waiting per adapter, every rank's added up."""
@@ -67,6 +73,7 @@ class LoadRecorder:
             running_lora_adapters=tuple(sorted({a for x in loads for a in x.running_lora_adapters})),
             waiting_lora_adapters=tuple(sorted({a for x in loads for a in x.waiting_lora_adapters})),
             request_s=self.request_s,
+            first_token_s=self.first_token_s,
             batch=sum(x.batch for x in loads),
         )
 
@@ -103,7 +110,7 @@ class _LoadLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is Any to mypy 
             seconds = done.queued_time + done.inference_time  # the engine core's timestamps
             # within the front's own span of it (a timestamp the core did not record reads as 0)
             if done.finish_reason not in CUT_SHORT and 0 < seconds <= done.e2e_latency:
-                self._recorder.finished(seconds)
+                self._recorder.finished(seconds, min(seconds, done.queued_time + done.prefill_time))
         if scheduler_stats is None:
             return
         stats = scheduler_stats
@@ -120,5 +127,6 @@ class _LoadLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is Any to mypy 
             running_lora_adapters=tuple(stats.running_lora_adapters),
             waiting_lora_adapters=tuple(stats.waiting_lora_adapters),
             request_s=self._recorder.request_s,
+            first_token_s=self._recorder.first_token_s,
             batch=self._batch,
         ))

@@ -179,6 +179,7 @@ class EngineLoad:
     # it leaves out the front's intake and delivery, which a burst of arrivals stretches
     request_s: float | None = None
     batch: int = 0  # requests the engine runs at once at most (vLLM's max_num_seqs, every rank's); 0: not known
+    first_token_s: float | None = None  # of request_s, its queue and prefill: until its first token (a stream's answer)
 
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]

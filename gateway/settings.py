@@ -147,7 +147,9 @@ class AdmissionSettings(BaseModel):
     deadline_s: float | None = Field(
         600, gt=0, description="A request's deadline when its client sends no timeout header (X-Stainless-Read-Timeout, "
         "X-Stainless-Timeout, Request-Timeout, X-Request-Timeout): its first byte by then, or it is refused and its "
-        "engine request aborted; unset: none",
+        "engine request aborted; and a stream's bound on the wait for each next chunk when it sends none of "
+        "X-Stainless-Read-Timeout, Request-Timeout, X-Request-Timeout (the measured limit holds the engine's pace well "
+        "under it); unset: none",
     )
     reject_status: Literal[429, 503] = Field(429, description="Status of a refused request")
     retry_after_s: int = Field(1, ge=0, description="The least Retry-After sent with a refusal (else the measured time to drain the queue)")

@@ -18,7 +18,8 @@ else waiting it may use the whole model): a cap beneath the order.
 How many run at once is the model's measured limit (`backends.capacity`: a gradient rule on the pace
 of the engine's answers), `max_running` at most. A request carries a deadline (the client's timeout
 headers, `web.requests.timeout_of`, else `deadline_s`): one whose deadline has passed never starts;
-one whose expected wait (the requests the order admits before it, at the measured rate) would pass it, or
+one whose expected wait (the requests the order admits before it, at the measured rate; a stream's
+to its first token) would pass it, or
 `wait_timeout_s`, is refused at once; a waiter leaves the queue when it passes. Every refusal's
 Retry-After is the measured time to drain the queue, counted by reason in `gateway_rejected_total`.
 A request for a model whose engine cannot serve is refused at once with 503 (`unhealthy`).
@@ -49,11 +50,15 @@ class _Waiter:
     future: asyncio.Future[None]
     served: Served
     until: float = math.inf  # when it leaves the queue (its deadline, or the wait's bound)
+    stream: bool = False  # answered at its first token: its expected wait runs to it
 
 
 class Permit:
-    def __init__(self, admission: Admission, count: int, key: str = "", served: Served | None = None) -> None:
+    def __init__(self, admission: Admission, count: int, key: str = "", served: Served | None = None,
+                 gap_s: float | None = None) -> None:
+        """`gap_s`: a stream's, the longest its client waits for a next token (`Capacity.finished`); None: a whole answer."""
         self.admission = admission
+        self.gap_s = gap_s
         self._held = True  # until `release`
         self.count = count
         self.key = key
@@ -69,7 +74,7 @@ class Permit:
         the model's measured capacity learns from."""
         if self._held:
             self._held = False
-            self.admission.give_back(self.count, self.key, self.taken, tokens, self.served)
+            self.admission.give_back(self.count, self.key, self.taken, tokens, self.served, self.gap_s)
 
 
 class Admission:
@@ -88,18 +93,19 @@ class Admission:
             self.capacity = Capacity(settings.max_running, settings.adaptive)
         else:
             self.capacity = Capacity(settings.max_running, settings.adaptive, engine_s=lambda: engine.load().request_s,
-                                     batch=engine.load().batch)
+                                     batch=engine.load().batch, first_token_s=lambda: engine.load().first_token_s)
 
     def admit_now(self, count: int = 1, key: str = "", served: Served | None = None,
-                  deadline: float | None = None) -> Permit | None:
+                  deadline: float | None = None, gap_s: float | None = None) -> Permit | None:
         """The permits when `acquire` would take them at once (room, nobody ahead), without a
         coroutine to await; None otherwise (then `acquire` waits, refuses or says it never can).
         `served`: what the request is served (its prompt, its output as it comes), for the order;
-        `deadline` (the event loop's clock) passed: refused, the work is not started."""
+        `deadline` (the event loop's clock) passed: refused, the work is not started; `gap_s`: a
+        stream's, the longest its client waits between tokens (None: a whole answer)."""
         if deadline is not None and deadline <= asyncio.get_running_loop().time():
             raise self.refuse("deadline_passed", "the request's deadline passed before it could start", count)
         if self._fits(count) and not self._anyone_waiting() and count <= self.settings.max_running:
-            permit = Permit(self, count, key, served)
+            permit = Permit(self, count, key, served, gap_s)
             self._take(count, key, permit.served)
             return permit
         return None
@@ -109,7 +115,7 @@ class Admission:
         return self.running + count <= self.capacity.limit or self.running == 0
 
     async def acquire(self, count: int = 1, priority: Priority = "normal", key: str = "",
-                      served: Served | None = None, deadline: float | None = None) -> Permit:
+                      served: Served | None = None, deadline: float | None = None, gap_s: float | None = None) -> Permit:
         if count > self.settings.max_running:
             raise InvalidRequest(
                 f"This request would run {count} engine requests at once (each choice of each prompt), "
@@ -117,9 +123,9 @@ class Admission:
                 "lower n, best_of or the number of prompts",
                 param="n",
             )
-        permit = self.admit_now(count, key, served, deadline)  # room, nobody ahead: taken at once, without suspending
+        permit = self.admit_now(count, key, served, deadline, gap_s)  # room, nobody ahead: taken at once, without suspending
         if permit is None:
-            permit = Permit(self, count, key, served)
+            permit = Permit(self, count, key, served, gap_s)
             await self._wait(permit, priority, deadline)
             permit.taken = self.capacity.clock()  # its hold starts now, not when it began to wait
         return permit
@@ -136,14 +142,15 @@ class Admission:
         now = asyncio.get_running_loop().time()
         bounded = now + self.settings.wait_timeout_s
         until = bounded if deadline is None else min(deadline, bounded)
-        late = until < bounded  # the client's deadline comes before the wait's bound
-        expected = self.capacity.expected_wait(self.waiting + count)  # all of the queue ahead: the longest it can be
+        late, stream = until < bounded, permit.gap_s is not None  # the client's deadline comes before the wait's bound
+        expected = self.capacity.expected_wait(self.waiting + count, stream)  # all of the queue ahead: the longest it can be
         if expected is not None and now + expected > until:  # then its place in the order (a pass over the queue)
-            expected = self.capacity.expected_wait(self._above(priority) + self.fairness.ahead(self._queues[priority], key) + count)
+            ahead = self._above(priority) + self.fairness.ahead(self._queues[priority], key) + count
+            expected = self.capacity.expected_wait(ahead, stream)
         if expected is not None and now + expected > until:
             why = "its deadline" if late else "the wait allowed"
             raise self.refuse("expected_wait", f"the expected wait, {expected:.1f} s, is longer than {why}", count)
-        waiter = _Waiter(count, key, asyncio.get_running_loop().create_future(), permit.served, until)
+        waiter = _Waiter(count, key, asyncio.get_running_loop().create_future(), permit.served, until, stream)
         self._queues[priority].append(waiter)
         if key not in self._queued:  # (re)joins: no credit banked while away
             self.fairness.joined(key, self._queued, self._held)
@@ -227,7 +234,7 @@ class Admission:
         for klass in _ORDER:
             above, queue = self._above(klass), self._queues[klass]
             for waiter, ahead in zip(queue, self.fairness.each_ahead(queue), strict=True):
-                expected = self.capacity.expected_wait(above + ahead + waiter.count)
+                expected = self.capacity.expected_wait(above + ahead + waiter.count, waiter.stream)
                 if waiter.future.done() or expected is None or now + expected <= waiter.until:
                     continue
                 why = f"the expected wait, {expected:.1f} s, is longer than it may wait"
@@ -243,10 +250,11 @@ class Admission:
         return above
 
     def give_back(self, count: int, key: str = "", taken: float | None = None, tokens: int | None = None,
-                  served: Served | None = None) -> None:
+                  served: Served | None = None, gap_s: float | None = None) -> None:
         """Permits a `Permit` held since `taken`, returned (`Permit.release`), with the output tokens
-        of its answer (None: none) for the measured capacity, and what it was served for the order."""
-        if taken is not None and self.capacity.finished(self.capacity.clock() - taken, tokens, self.running):
+        of its answer (None: none) and a stream's gap bound for the measured capacity, and what it
+        was served for the order."""
+        if taken is not None and self.capacity.finished(self.capacity.clock() - taken, tokens, self.running, gap_s):
             metrics.labelled(metrics.ADMISSION_LIMIT, self.model).set(self.capacity.limit)
             self._refuse_late()
         self.running -= count

@@ -15,12 +15,25 @@ least) and, as TCP's slow start, doubles each window until the pace first leaves
 flood met cold reaches the engine's batch in a few windows, not in dozens of square-root steps, and
 has a share of it running while a busy event loop takes the rest in.
 
+A stream is answered at its first token, and its client then waits for each next one at most its
+read timeout (`X-Stainless-Read-Timeout`: httpx's read timeout runs per read): it needs the engine
+to start it in time and to keep its gaps short, not the pace of a lightly loaded engine. An answer
+brings that bound (`gap_s`) with it; a window of streams only holds the pace to `GAP_SHARE` of
+their shortest bound (the engine's `TOLERANCE` at least: a client's short timeout does not shrink the
+limit for the others) and, while within it, the limit goes at
+once to the gradient's projection (the limit times the room: an engine's time per token grows at
+most in proportion to its batch), up to the engine's batch: past it the engine only queues them.
+A cold flood of streams reaches the batch in one window, while the first wave's deadline has
+room for a second. One whole answer in a window holds it to the engine's pace. The same rule, the
+same limit; only the pace each answer needs differs.
+
 The expected wait of a queue position (Little's law: `limit` requests each held `service` seconds)
 and the Retry-After of a refusal read the engine's own time per request when it reports one
 (`engine_s`: its queue, prefill and decode on its own clock), else the average time a permit is
 held. A permit's time also holds the gateway's intake and delivery, which a burst of arrivals
 stretches on a busy event loop for the first answers only: measured so, every waiter of a cold
-flood would look too far back to be served.
+flood would look too far back to be served. A stream's expected wait adds the engine's time to a
+first token (its queue and prefill), when it reports one: the stream is answered then.
 """
 
 from __future__ import annotations
@@ -36,14 +49,19 @@ RELEARN = 0.05  # how fast the unloaded pace rises when the pace stays far above
 INITIAL = 8  # the limit before anything is measured, at least
 OF_BATCH = 4  # ... and at most this share of the engine's batch (max_num_seqs): two doublings to it
 MOST_RETRY_S = 3600
+GAP_SHARE = 0.25  # the share of a stream's read timeout the engine's time per token may take: well under it
 
 
 class Capacity:
     def __init__(self, bound: int, adaptive: bool = True, clock: Callable[[], float] = time.monotonic,
-                 engine_s: Callable[[], float | None] | None = None, batch: int = 0) -> None:
-        """`engine_s` reads the engine's time per request (`EngineLoad.request_s`; None: none yet);
-        `batch`: the most requests the engine runs at once (0: not known), which the start is a share of."""
+                 engine_s: Callable[[], float | None] | None = None, batch: int = 0,
+                 first_token_s: Callable[[], float | None] | None = None) -> None:
+        """`engine_s` reads the engine's time per request (`EngineLoad.request_s`; None: none yet),
+        `first_token_s` its time to a first token (`EngineLoad.first_token_s`); `batch`: the most
+        requests the engine runs at once (0: not known), which the start is a share of and streams' limit."""
         self.bound = bound
+        self.batch = batch
+        self.first_token_s = first_token_s
         self.adaptive = adaptive
         self.clock = clock
         self.engine_s = engine_s
@@ -52,15 +70,17 @@ class Capacity:
         self.service_s: float | None = None  # average time a permit is held, over recent answers
         self.unloaded: float | None = None  # seconds per output token at the lightest load seen: the pace to hold
         self._window = [0, 0.0, 0, 0]  # answers, seconds held, output tokens, busy answers: since the last update
+        self._gap_s = math.inf  # the shortest gap bound of the window's streams (None, a whole answer: 0, the engine's pace)
 
     @property
     def limit(self) -> int:
         return max(1, int(self._limit))
 
-    def finished(self, held_s: float, tokens: int | None, running: int) -> bool:
+    def finished(self, held_s: float, tokens: int | None, running: int, gap_s: float | None = None) -> bool:
         """A permit given back after `held_s`; `tokens`: its answer's output tokens (None: it failed
         or was cancelled, which says nothing of the engine's pace). `running`: requests admitted
-        while it ran, counting it. The limit moves once a window of half its answers is in: then True."""
+        while it ran, counting it; `gap_s`: a stream's, the longest its client waits for a next token
+        (None: a whole answer). The limit moves once a window of half its answers is in: then True."""
         if tokens is None or not 0 <= held_s < math.inf:
             return False
         self.service_s = held_s if self.service_s is None else self.service_s + SHORT * (held_s - self.service_s)
@@ -69,31 +89,40 @@ class Capacity:
         window[1] += held_s
         window[2] += max(1, tokens)
         window[3] += running >= self._limit / 2  # the limit held requests back: the pace says something of it
+        self._gap_s = min(self._gap_s, 0.0 if gap_s is None else gap_s)
         if window[0] * 2 < self.limit:  # half the limit's answers: the pace at this limit, and soon
             return False
         engine_s = None if self.engine_s is None else self.engine_s()
         held = window[1] if engine_s is None else min(window[1], engine_s * window[0])  # its intake left out
-        pace, busy = held / window[2], window[3] * 2 > window[0]
-        self._window = [0, 0.0, 0, 0]
+        pace, busy, gap_s = held / window[2], window[3] * 2 > window[0], self._gap_s
+        self._window, self._gap_s = [0, 0.0, 0, 0], math.inf
         if not 0 < pace < math.inf:  # answers in no time by the clock (its grain, a fake one): no pace to hold
             return True
         if self.unloaded is None or pace < self.unloaded:
             self.unloaded = pace
         if self.adaptive and busy:
-            self._adapt(pace, self.unloaded)
+            self._adapt(pace, self.unloaded, gap_s)
         return True
 
-    def _adapt(self, pace: float, unloaded: float) -> None:
-        gradient = TOLERANCE * unloaded / pace
+    def _adapt(self, pace: float, unloaded: float, gap_s: float) -> None:
+        """`gap_s`: the shortest gap bound of the window's streams (0: a whole answer among them)."""
+        target, ceiling = TOLERANCE * unloaded, float(self.bound)
+        if gap_s > 0:  # streams only: their bound, not the engine's best pace; up to the batch, past which it queues
+            target = max(target, GAP_SHARE * gap_s)  # (never below: a client's header cannot shrink the others' limit)
+            ceiling = max(self._limit, float(min(self.bound, self.batch or self.bound)))
+        gradient = target / pace
+        if gap_s > 0 and gradient >= 1.0:  # streams with room: the pace projected in proportion to the limit
+            self._limit = min(ceiling, self._limit * gradient)
+            return
         if self._starting and gradient >= 2.0:  # room for the pace to double, as it may with the batch
-            self._limit = min(float(self.bound), 2 * self._limit)
+            self._limit = min(ceiling, 2 * self._limit)
             return
         self._starting = False
         if gradient < 0.5:  # far slower than ever at any load: the work has changed, the pace to hold with it
             self.unloaded = unloaded + RELEARN * (pace - unloaded)
         gradient = max(0.5, min(1.0, gradient))
         wanted = self._limit * gradient + math.sqrt(self._limit)
-        self._limit = min(float(self.bound), max(1.0, self._limit + SMOOTHING * (wanted - self._limit)))
+        self._limit = min(ceiling, max(1.0, self._limit + SMOOTHING * (wanted - self._limit)))
 
     @property
     def service(self) -> float | None:
@@ -102,14 +131,16 @@ class Capacity:
         engine_s = None if self.engine_s is None else self.engine_s()
         return self.service_s if engine_s is None else engine_s
 
-    def expected_wait(self, ahead: int) -> float | None:
+    def expected_wait(self, ahead: int, stream: bool = False) -> float | None:
         """Seconds until `ahead` engine requests have been admitted, at the measured rate (None:
-        nothing measured yet). While the limit starts (doubling) it is a probe, not the engine's
-        measure: the rate is the bound's, so a cold flood is not refused for a limit it will outgrow."""
+        nothing measured yet); a `stream`'s, until its first token (the engine's time to one added).
+        While the limit starts (doubling) it is a probe, not the engine's measure: the rate is the
+        bound's, so a cold flood is not refused for a limit it will outgrow."""
         service = self.service
         if service is None:
             return None
-        return ahead * service / (self.bound if self._starting else self.limit)
+        first = (self.first_token_s() if stream and self.first_token_s is not None else None) or 0.0
+        return ahead * service / (self.bound if self._starting else self.limit) + first
 
     def retry_after(self, ahead: int, least: int) -> int:
         """Seconds until a queue of `ahead` is served, at least `least` (the setting) and 1 (0 would

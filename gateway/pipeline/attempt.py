@@ -7,6 +7,7 @@ as engine requests, by the key's priority class), then the generation: one path 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncGenerator, Callable
 from typing import Generic
 
@@ -157,12 +158,21 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             raise admission.unhealthy(backend.name)
         readings, before = self.readings, self.readings.generated  # a fallback's output counts from here
         served = Served(self._prompt_tokens, lambda: readings.generated - before, self._counted_since())
-        permit = admission.admit_now(count, key, served, self.deadline)  # room, nobody ahead: no wait to watch
+        gap_s = self._gap_s(backend)
+        permit = admission.admit_now(count, key, served, self.deadline, gap_s)  # room, nobody ahead: no wait to watch
         if permit is not None:
             return permit
         with stage(self.context.record.trace, "gateway.admission.wait", **{"gateway.admission.permits": count}):
-            waited = admission.acquire(count, self.scheduled.klass, key, served, self.deadline)
+            waited = admission.acquire(count, self.scheduled.klass, key, served, self.deadline, gap_s)
             return await unless_gone(self.context.client_gone, waited)
+
+    def _gap_s(self, backend: Backend) -> float | None:
+        """A stream's bound on the wait for each next token, for admission's measured limit (`backends.capacity`):
+        the client's (`RequestContext.gap_s`), else the model's default deadline, else none (inf); a whole answer: None."""
+        if not self.body.streams:
+            return None
+        gap_s = self.context.gap_s if self.context.gap_s is not None else backend.admission.settings.deadline_s
+        return math.inf if gap_s is None else gap_s
 
     def _counted_since(self) -> Callable[[], tuple[int, int] | None]:
         """The (prompt, output) tokens the generation counts from now (a fallback's after the model's

@@ -43,6 +43,7 @@ class RequestContext:
     no_cache: bool = False  # the client asked for a fresh answer, not a stored one (Cache-Control: no-cache)
     no_store: bool = False  # the client asked that its answer not be stored (Cache-Control: no-store)
     deadline: float | None = None  # when the first byte is due (the event loop's clock), by the client's timeout
+    gap_s: float | None = None  # the longest a stream's client waits for its next chunk, by its timeout (None: not said)
     lane: Scheduled | None = None  # a fixed place in the queues, in place of the key's (a batch line's: the lowest)
 
     def arrived(self) -> float:

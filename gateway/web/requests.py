@@ -20,8 +20,12 @@ from gateway.stores.streams import TAKEOVER_REQUEST_BYTES
 
 M = TypeVar("M", bound=BaseModel)
 # A client's timeout in seconds: its own, or the one the openai and anthropic SDKs send (Python: the read timeout, as
-# "600.0"; JavaScript: the whole timeout, as "600"); the shortest wins: the client gives up at the first
+# "600.0"; JavaScript: the timeout until the response's headers, as "600"); each bounds the wait for the first byte,
+# and the shortest wins: the client gives up at the first
 TIMEOUT_HEADERS = (b"request-timeout", b"x-request-timeout", b"x-stainless-read-timeout", b"x-stainless-timeout")
+# ... and those that bound a stream's wait for each next chunk too: a read timeout runs per read (httpx), a whole
+# timeout over every gap; the JavaScript SDKs' stops once the headers are in
+GAP_HEADERS = (b"request-timeout", b"x-request-timeout", b"x-stainless-read-timeout")
 MOST_TIMEOUT_S = 7 * 24 * 3600  # beyond: not a timeout anyone waits for; ignored, as garbage is
 
 
@@ -56,15 +60,16 @@ def context(request: Request) -> RequestContext:
     found.no_cache, found.no_store = "no-cache" in directives, "no-store" in directives
     if (seconds := timeout_of(request.scope["headers"])) is not None:
         found.deadline = found.arrived() + seconds
+    found.gap_s = timeout_of(request.scope["headers"], GAP_HEADERS)
     return found
 
 
-def timeout_of(headers: Iterable[tuple[bytes, bytes]]) -> float | None:
-    """The client's timeout by its headers (`TIMEOUT_HEADERS`), in seconds; a value that is not a number of seconds
+def timeout_of(headers: Iterable[tuple[bytes, bytes]], names: tuple[bytes, ...] = TIMEOUT_HEADERS) -> float | None:
+    """The client's timeout by its headers (`names`), in seconds; a value that is not a number of seconds
     above 0 and at most `MOST_TIMEOUT_S` (negative, NaN, infinite, not a number) is ignored: the default applies."""
     found: float | None = None
     for key, value in headers:
-        if key in TIMEOUT_HEADERS:
+        if key in names:
             try:
                 seconds = float(value)
             except ValueError:

@@ -290,3 +290,130 @@ def test_a_model_with_max_running_1_starts_and_stays_at_1() -> None:
     for held in (1.0, 100.0, 1.0, 0.5, 1000.0):
         capacity.finished(held, 10, 1)
         assert capacity.limit == 1
+
+
+@dataclass
+class Phase:
+    served: int  # answered in time: a whole answer by its deadline; a stream's first token by it, no gap past its bound
+    tokens_per_s: float  # the served answers' tokens over the phase
+    gaps_over: int  # streams served whose gap between tokens passed their client's read timeout
+
+
+class Batched:
+    """A simulated engine with vLLM's batch (`max_num_seqs`): it runs the first `batch` requests admitted, the rest
+    wait in its queue (their time there counts in its time per request, as vLLM's queued_time). One gateway's measured
+    capacity over several floods: the engine's report (time per request, to a first token) as `engine.load` averages."""
+
+    def __init__(self, engine: Engine, batch: int = 128, bound: int = 256, adaptive: bool = True) -> None:
+        self.engine, self.batch, self.now = engine, batch, 0.0
+        self.reported: list[float | None] = [None, None]  # request_s, first_token_s
+        self.capacity = Capacity(bound, adaptive, clock=lambda: self.now, engine_s=lambda: self.reported[0],
+                                 batch=batch, first_token_s=lambda: self.reported[1])
+
+    def _report(self, which: int, seconds: float) -> None:
+        old = self.reported[which]
+        self.reported[which] = seconds if old is None else old + RECENT * (seconds - old)
+
+    def flood(self, n: int, stream: bool, due_s: float = 30.0, tokens: int = 16) -> Phase:
+        """`n` requests at once, each with a read timeout of `due_s` (its first byte by then: a whole answer's is its end)."""
+        start, capacity = self.now, self.capacity
+        deadline, gap_s = start + due_s, (due_s if stream else None)
+        waiting, admitted = n, list[list[float]]()  # [admitted at, tokens left, first token at (0: none), longest gap]
+
+        def refuse_late() -> int:  # as admission: the waiters whose expected wait passes their deadline leave
+            kept = 0
+            while kept < waiting and self.now + (capacity.expected_wait(kept + 1, stream) or 0) <= deadline:
+                kept += 1
+            return kept
+
+        waiting = refuse_late()
+        served = made = gaps_over = 0
+        while waiting or admitted:
+            while waiting and len(admitted) < capacity.limit and self.now < deadline:
+                waiting -= 1
+                admitted.append([self.now, tokens, 0.0, 0.0])
+            running = admitted[: self.batch]
+            took = self.engine.fixed + self.engine.per_request * len(running)
+            self.now += took
+            for request in running:
+                request[1] -= 1
+                request[3] = max(request[3], took) if request[2] else 0.0
+                request[2] = request[2] or self.now
+            if self.now >= deadline:  # the deadline: waiters leave, and the requests not answered yet are aborted
+                waiting = 0
+                admitted = [request for request in admitted if request[2] and (stream or request[1] == 0)]
+            done = [request for request in admitted if request[1] == 0]
+            admitted = [request for request in admitted if request[1] > 0]
+            for held, request in enumerate(done):
+                self._report(0, self.now - request[0])
+                self._report(1, request[2] - request[0])
+                served += 1
+                made += tokens
+                gaps_over += request[3] > due_s
+                if capacity.finished(self.now - request[0], tokens, len(admitted) + len(done) - held, gap_s):
+                    waiting = refuse_late()
+        return Phase(served, made / (self.now - start), gaps_over)
+
+
+GPU_BATCH = Engine(0.03, 0.0002)  # weights read once per step: a batch of 256 costs under three times one alone
+
+
+@pytest.mark.parametrize("engine", [LOADED_CPU, CPU, GPU_BATCH], ids=["loaded-cpu", "cpu", "gpu"])
+@pytest.mark.parametrize("n", [200, 1000])
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after-whole-answers"])
+def test_streams_are_served_as_admitting_everything_serves_them(engine: Engine, n: int, warm: bool) -> None:
+    """A flood of streams (each with a 30 s read timeout) is answered at its first token: the limit for them
+    runs up to the engine's batch while their pace stays well within the read timeout, on a cold gateway and
+    on one whose limit whole answers set just before; fixed bounds (everything admitted) beside it. When the
+    engine serves the whole flood in time either way, what counts is that all are served (the slow start's
+    first window then costs a fast engine the flood's last fraction of a second, not an answer)."""
+    adaptive, fixed = Batched(engine), Batched(engine, adaptive=False)
+    if warm:
+        adaptive.flood(n, stream=False)
+        fixed.flood(n, stream=False)
+    ours, theirs = adaptive.flood(n, stream=True), fixed.flood(n, stream=True)
+    assert ours.served >= 0.9 * theirs.served
+    if theirs.served < n:  # more than the engine serves by the deadline: its throughput is what is admitted
+        assert ours.tokens_per_s >= 0.9 * theirs.tokens_per_s
+    assert ours.gaps_over == 0
+
+
+@pytest.mark.parametrize("engine", [LOADED_CPU, CPU, GPU_BATCH], ids=["loaded-cpu", "cpu", "gpu"])
+def test_a_flood_of_streams_takes_the_limit_to_the_engine_s_batch_not_past_it(engine: Engine) -> None:
+    gateway = Batched(engine)
+    for _ in range(3):
+        gateway.flood(1000, stream=True)
+        assert gateway.capacity.limit == 128  # past the batch the engine only queues them
+
+
+def test_a_client_s_short_read_timeout_does_not_shrink_the_limit_below_the_whole_answers_rule() -> None:
+    """A hostile key streaming with a tiny read timeout: the streams' bound only raises the limit past the whole
+    answers' rule (up to the batch), never lowers it beneath, so one key's header cannot shrink every key's limit."""
+    paced = [1.0] * 64 + [3.0] * 64 + [6.0] * 64 + [20.0] * 64
+    whole, tiny = Capacity(256, batch=128), Capacity(256, batch=128)
+    for held in paced:
+        whole.finished(held, 10, whole.limit)
+        tiny.finished(held, 10, tiny.limit, gap_s=0.001)
+    assert tiny.limit >= whole.limit
+
+
+def test_a_stream_s_expected_wait_runs_to_its_first_token() -> None:
+    capacity = Capacity(4, adaptive=False, engine_s=lambda: 8.0, first_token_s=lambda: 3.0)
+    capacity.finished(8.0, 10, 4)
+    assert capacity.expected_wait(10) == pytest.approx(20.0)  # a whole answer: until it is admitted
+    assert capacity.expected_wait(10, stream=True) == pytest.approx(23.0)  # a stream: then its first token
+    assert Capacity(4, adaptive=False, engine_s=lambda: 8.0).expected_wait(10, stream=True) == pytest.approx(20.0)
+
+
+def test_whole_answers_keep_their_rule() -> None:
+    """The same answers, whole or streamed with a read timeout no pace nears: whole answers' windows hold the
+    engine's pace (TOLERANCE), streams' go to the batch; one whole answer in a window holds it to the engine's pace."""
+    paced = [1.0] * 64 + [10.0] * 64 + [40.0] * 64  # 10 tokens each: from 0.1 s a token to 4 s
+    whole, streams, mixed = Capacity(256, batch=128), Capacity(256, batch=128), Capacity(256, batch=128)
+    for held in paced:
+        whole.finished(held, 10, whole.limit)
+        streams.finished(held, 10, streams.limit, gap_s=600.0)
+        mixed.finished(held, 10, mixed.limit, gap_s=None if mixed._window[0] == 0 else 600.0)
+    assert streams.limit == 128
+    assert whole.limit < 128 * 0.75  # shrinking, a half at most each window
+    assert mixed.limit == whole.limit

@@ -15,9 +15,10 @@ from prometheus_client import REGISTRY
 
 from engine.types import GenerationOutput, GenerationRequest, Task
 from gateway.backends.admission import Admission
+from gateway.backends.capacity import Capacity
 from gateway.errors import ModelOverloaded
 from gateway.settings import AdmissionSettings
-from gateway.web.requests import MOST_TIMEOUT_S, timeout_of
+from gateway.web.requests import GAP_HEADERS, MOST_TIMEOUT_S, timeout_of
 from tests.fakes import FakeEngine, HeldAfter, app_with, chat_body
 from tests.unit.test_admission import serve
 from tests.waits import until
@@ -47,6 +48,47 @@ from tests.waits import until
 ])
 def test_the_clients_timeout_is_read_from_its_headers(headers: list[tuple[bytes, bytes]], seconds: float | None) -> None:
     assert timeout_of(headers) == seconds
+
+
+@pytest.mark.parametrize(("header", "bounds_the_gap"), [
+    (b"x-stainless-read-timeout", True),  # the Python SDKs' httpx read timeout: each read, the first and every next
+    (b"request-timeout", True),  # a whole timeout bounds every gap in it too
+    (b"x-request-timeout", True),
+    (b"x-stainless-timeout", False),  # the JavaScript SDKs': until the response's headers, then no more
+])
+def test_which_timeouts_bound_a_stream_s_wait_for_its_next_chunk(header: bytes, bounds_the_gap: bool) -> None:
+    """Every timeout header bounds the first byte; only some the gaps of a stream after it (the measured limit's
+    pace for streams, `backends.capacity`)."""
+    assert timeout_of([(header, b"30")]) == 30.0
+    assert timeout_of([(header, b"30")], GAP_HEADERS) == (30.0 if bounds_the_gap else None)
+    assert timeout_of([(header, b"30"), (b"x-stainless-timeout", b"5")], GAP_HEADERS) == (30.0 if bounds_the_gap else None)
+
+
+@pytest.mark.parametrize(("stream", "headers", "settings", "gap_s"), [
+    (False, {"x-stainless-read-timeout": "30.0"}, {}, None),  # a whole answer: its first byte is its end, the engine's pace
+    (True, {"x-stainless-read-timeout": "30.0"}, {}, 30.0),
+    (True, {"x-stainless-read-timeout": "30.0", "request-timeout": "20"}, {}, 20.0),  # the shortest
+    (True, {"x-stainless-timeout": "20"}, {}, 600.0),  # no bound on its gaps: the model's default deadline
+    (True, {}, {}, 600.0),
+    (True, {}, {"admission": {"deadline_s": None}}, math.inf),  # no bound at all
+])
+async def test_a_stream_brings_its_clients_bound_on_the_gaps_to_the_measured_limit(
+    monkeypatch: pytest.MonkeyPatch, stream: bool, headers: dict[str, str], settings: dict[str, object], gap_s: float | None,
+) -> None:
+    learnt: list[float | None] = []
+    finished = Capacity.finished
+
+    def spy(self: Capacity, held_s: float, tokens: int | None, running: int, gap_s: float | None = None) -> bool:
+        learnt.append(gap_s)
+        return finished(self, held_s, tokens, running, gap_s)
+
+    monkeypatch.setattr(Capacity, "finished", spy)
+
+    async def ask(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post("/v1/chat/completions", json=chat_body(max_tokens=3, stream=stream), headers=headers)
+
+    assert (await serve(app_with(FakeEngine(), **settings), ask)).status_code == 200
+    assert learnt == [gap_s]
 
 
 def refused(model: str, reason: str) -> float:
