@@ -99,7 +99,7 @@ def test_remote_upstream_streams_through(second) -> None:
             "stop": ["<streams-through>"]}
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=KEY, timeout=120) as response:
         assert response.headers["x-served-model"] == "smol-remote"
-        lines = [line for line in response.iter_lines() if line]
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]  # not the id: lines
     assert lines[-1] == "data: [DONE]"
     assert len(lines) > 3
     text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in lines[:-1]

@@ -267,7 +267,7 @@ def test_native_generate_and_stream(base_url: str) -> None:
     assert answer["output"]
     assert answer["usage"]["completion_tokens"] <= 5
     with httpx.stream("POST", f"{base_url}/stream-generate", json=body, timeout=60) as response:
-        lines = [line for line in response.iter_lines() if line]
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]  # not the id: lines
     assert lines[-1] == "data: [DONE]"
     assert "".join(json.loads(line[6:])["output"] for line in lines[:-1]) == answer["output"]
 
