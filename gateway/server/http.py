@@ -41,9 +41,8 @@ class HeaderTimeout(asyncio.Protocol):
     _connection: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # a stream's transport (uvicorn serves TCP and unix sockets), its writes of one loop turn sent together
-        self._connection = OneSendPerTurn(cast(asyncio.Transport, transport), asyncio.get_running_loop())
-        super().connection_made(self._connection)
+        self._connection = cast(asyncio.Transport, transport)  # a stream's: uvicorn serves TCP and unix sockets
+        super().connection_made(transport)
         self._arm(self.idle_timeout_s)  # a connection that never sends a byte is closed as an idle one
         self._idle = True
 
@@ -124,64 +123,6 @@ class HeaderTimeout(asyncio.Protocol):
         self._disarm()
         if self._connection is not None and not self._connection.is_closing():
             self._connection.close()
-
-
-class OneSendPerTurn(asyncio.Transport):
-    """A connection's transport as uvicorn sees it: what is written in one turn of the event loop leaves in one send,
-    at the turn's end. uvicorn writes a whole answer's head and body in two writes of the same turn (two send calls
-    where one does); a stream's event still leaves at the end of the turn it was written in, before the loop runs
-    the code that makes the next. A close sends what is held first; an abort drops it, as the transport drops what
-    it has not sent."""
-
-    __slots__ = ("_held", "_loop", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__()
-        self._transport = transport
-        self._loop = loop
-        self._held: list[bytes | bytearray | memoryview] = []
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not self._held:
-            self._loop.call_soon(self.flush)
-        self._held.append(data)
-
-    def flush(self) -> None:
-        held, self._held = self._held, []
-        if held and not self._transport.is_closing():
-            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._held = []
-        self._transport.abort()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._transport.get_extra_info(name, default)
-
-    def pause_reading(self) -> None:
-        self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        self._transport.resume_reading()
-
-    def is_reading(self) -> bool:
-        return self._transport.is_reading()
-
-    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
-        self._transport.set_protocol(protocol)
-
-    def get_protocol(self) -> asyncio.BaseProtocol:
-        return self._transport.get_protocol()
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(len(data) for data in self._held)
 
 
 def _close_if_answered_unread(cycle: Any) -> None:
