@@ -38,7 +38,10 @@ and the Retry-After of a refusal read the engine's own time per request when it 
 held. A permit's time also holds the gateway's intake and delivery, which a burst of arrivals
 stretches on a busy event loop for the first answers only: measured so, every waiter of a cold
 flood would look too far back to be served. A stream's expected wait adds the engine's time to a
-first token (its queue and prefill), when it reports one: the stream is answered then.
+first token (its queue and prefill), when it reports one: the stream is answered then. With the limit
+past the engine's batch (whole answers may take it there) the engine queues the rest, and its times
+hold that queue, the recent answers' (those that queued) most: a stream's wait then runs at the
+batch freed each time between the two (its decode), the queue left out of the rate.
 """
 
 from __future__ import annotations
@@ -169,7 +172,10 @@ class Capacity:
         if service is None:
             return None
         first = (self.first_token_s() if stream and self.first_token_s is not None else None) or 0.0
-        return ahead * service / (self.bound if self._starting else self.limit) + first
+        limit = self.bound if self._starting else self.limit
+        if first and 0 < self.batch < limit:  # past its batch the engine queues them, on the clock of its time per request
+            return ahead * max(0.0, service - first) / self.batch + first  # (its queue left out: the batch frees as it decodes)
+        return ahead * service / limit + first
 
     def retry_after(self, ahead: int, least: int) -> int:
         """Seconds until a queue of `ahead` is served, at least `least` (the setting) and 1 (0 would

@@ -364,7 +364,7 @@ class Batched:
 GPU_BATCH = Engine(0.03, 0.0002)  # weights read once per step: a batch of 256 costs under three times one alone
 
 
-@pytest.mark.parametrize("engine", [LOADED_CPU, CPU, GPU_BATCH], ids=["loaded-cpu", "cpu", "gpu"])
+@pytest.mark.parametrize("engine", [LOADED_CPU, CPU, MIXED, GPU_BATCH], ids=["loaded-cpu", "cpu", "mixed", "gpu"])
 @pytest.mark.parametrize("n", [200, 1000])
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "after-whole-answers"])
 def test_streams_are_served_as_admitting_everything_serves_them(engine: Engine, n: int, warm: bool) -> None:
@@ -482,3 +482,14 @@ async def test_a_stream_s_first_token_reaches_the_limit_and_a_whole_answer_s_doe
             headers = {"X-Stainless-Read-Timeout": "12"}
             assert (await client.post("/v1/chat/completions", json={**body, "stream": True}, headers=headers)).status_code == 200
         assert seen == [12.0]
+
+
+def test_past_the_engine_s_batch_a_stream_s_expected_wait_leaves_the_engine_s_queue_out() -> None:
+    """Whole answers left the limit past the batch: the engine queues the rest, and its time per request and to a
+    first token both hold that queue (the recent answers, the ones that queued, most). The batch frees at the time
+    between them (its decode): a stream waits for `ahead` of those, then its first token. A whole answer's is as it was."""
+    capacity = Capacity(256, adaptive=False, engine_s=lambda: 8.0, first_token_s=lambda: 4.0, batch=128)
+    assert capacity.expected_wait(256, stream=True) == pytest.approx(256 * 4.0 / 128 + 4.0)
+    assert capacity.expected_wait(256) == pytest.approx(256 * 8.0 / 256)
+    within = Capacity(64, adaptive=False, engine_s=lambda: 8.0, first_token_s=lambda: 4.0, batch=128)
+    assert within.expected_wait(64, stream=True) == pytest.approx(64 * 8.0 / 64 + 4.0)  # no queue past the batch
