@@ -69,6 +69,11 @@ class Permit:
         """A refusal of the request that holds it, as its model's admission refuses."""
         return self.admission.refuse(reason, why, self.count)
 
+    def started(self) -> None:
+        """A stream's first token: the measured capacity learns its time to it (`Capacity.started`)."""
+        if self._held and self.gap_s is not None:
+            self.admission.started(self.taken, self.gap_s)
+
     def release(self, tokens: int | None = None) -> None:
         """Given back; `tokens`: the output tokens of the answer it held for (None: no answer), which
         the model's measured capacity learns from."""
@@ -255,8 +260,7 @@ class Admission:
         of its answer (None: none) and a stream's gap bound for the measured capacity, and what it
         was served for the order."""
         if taken is not None and self.capacity.finished(self.capacity.clock() - taken, tokens, self.running, gap_s):
-            metrics.labelled(metrics.ADMISSION_LIMIT, self.model).set(self.capacity.limit)
-            self._refuse_late()
+            self._moved()
         self.running -= count
         left = self._held.get(key, 0) - count
         if left > 0:
@@ -266,6 +270,17 @@ class Admission:
         if served is not None:
             self.fairness.finished(key, served)
         self._wake()
+
+    def started(self, taken: float, gap_s: float) -> None:
+        """A stream's first token, its permit held since `taken` (`Permit.started`): a raised limit admits more now."""
+        if self.capacity.started(self.capacity.clock() - taken, self.running, gap_s):
+            self._moved()
+            self._wake()
+
+    def _moved(self) -> None:
+        """The limit moved (a window closed): its gauge, and the waiters its expected wait now refuses."""
+        metrics.labelled(metrics.ADMISSION_LIMIT, self.model).set(self.capacity.limit)
+        self._refuse_late()
 
     def _wake(self) -> None:
         """Admit waiting requests, high class first, each class in its order while they fit (the

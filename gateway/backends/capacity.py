@@ -25,7 +25,12 @@ once to the gradient's projection (the limit times the room: an engine's time pe
 most in proportion to its batch), up to the engine's batch: past it the engine only queues them.
 A cold flood of streams reaches the batch in one window, while the first wave's deadline has
 room for a second. One whole answer in a window holds it to the engine's pace. The same rule, the
-same limit; only the pace each answer needs differs.
+same limit; only the pace each answer needs differs. A stream's first token is its first gap, and
+it comes long before its answer ends (a stream holds its permit for its whole generation): a window
+of half the limit's first tokens, the limit held full, within `GAP_SHARE` of their shortest bound,
+takes the limit to the same projection at once (`started`). Only up: a slow first token says
+nothing the answers' windows do not, so a client's short read timeout lowers nothing; without it a
+low start (or a limit whole answers left low) would grow only once the first wave of streams ended.
 
 The expected wait of a queue position (Little's law: `limit` requests each held `service` seconds)
 and the Retry-After of a refusal read the engine's own time per request when it reports one
@@ -33,7 +38,10 @@ and the Retry-After of a refusal read the engine's own time per request when it 
 held. A permit's time also holds the gateway's intake and delivery, which a burst of arrivals
 stretches on a busy event loop for the first answers only: measured so, every waiter of a cold
 flood would look too far back to be served. A stream's expected wait adds the engine's time to a
-first token (its queue and prefill), when it reports one: the stream is answered then.
+first token (its queue and prefill), when it reports one: the stream is answered then. With the limit
+past the engine's batch (whole answers may take it there) the engine queues the rest, and its times
+hold that queue, the recent answers' (those that queued) most: a stream's wait then runs at the
+batch freed each time between the two (its decode), the queue left out of the rate.
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ class Capacity:
         self.unloaded: float | None = None  # seconds per output token at the lightest load seen: the pace to hold
         self._window = [0, 0.0, 0, 0]  # answers, seconds held, output tokens, busy answers: since the last update
         self._gap_s = math.inf  # the shortest gap bound of the window's streams (None, a whole answer: 0, the engine's pace)
+        self._first = [0, 0.0, 0, math.inf]  # streams' first tokens: count, seconds to them, busy, shortest gap bound
 
     @property
     def limit(self) -> int:
@@ -102,6 +111,29 @@ class Capacity:
             self.unloaded = pace
         if self.adaptive and busy:
             self._adapt(pace, self.unloaded, gap_s)
+        return True
+
+    def started(self, first_s: float, running: int, gap_s: float) -> bool:
+        """A stream's first token, `first_s` after its permit was taken; `running`: requests admitted
+        meanwhile, counting it; `gap_s`: the longest its client waits for a token. Once half the limit's
+        first tokens are in, held full, well within their shortest bound (`GAP_SHARE`): the limit goes
+        to the gradient's projection, up to the engine's batch, and True (a window closed)."""
+        if not self.adaptive or not 0 <= first_s < math.inf:
+            return False
+        window = self._first
+        window[0] += 1
+        window[1] += first_s
+        window[2] += running >= self._limit / 2
+        window[3] = min(window[3], gap_s)
+        if window[0] * 2 < self.limit:
+            return False
+        reported = None if self.first_token_s is None else self.first_token_s()
+        took = window[1] if reported is None else min(window[1], reported * window[0])  # its intake left out
+        first, busy, target = took / window[0], window[2] * 2 > window[0], GAP_SHARE * window[3]
+        self._first = [0, 0.0, 0, math.inf]
+        if busy and 0 < first < target:  # (0: no time by the clock's grain, no measure to project from)
+            ceiling = float(min(self.bound, self.batch or self.bound))
+            self._limit = max(self._limit, min(ceiling, self._limit * target / first))
         return True
 
     def _adapt(self, pace: float, unloaded: float, gap_s: float) -> None:
@@ -140,7 +172,10 @@ class Capacity:
         if service is None:
             return None
         first = (self.first_token_s() if stream and self.first_token_s is not None else None) or 0.0
-        return ahead * service / (self.bound if self._starting else self.limit) + first
+        limit = self.bound if self._starting else self.limit
+        if first and 0 < self.batch < limit:  # past its batch the engine queues them, on the clock of its time per request
+            return ahead * max(0.0, service - first) / self.batch + first  # (its queue left out: the batch frees as it decodes)
+        return ahead * service / limit + first
 
     def retry_after(self, ahead: int, least: int) -> int:
         """Seconds until a queue of `ahead` is served, at least `least` (the setting) and 1 (0 would

@@ -263,6 +263,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
         try:
             if self.body.streams:
                 events = await unless_gone(gone, primed(self._shaped(self.service.stream(prepared, on_done))), deadline)
+                permit.started()  # its first token (or its end): the limit may grow long before the stream ends
                 return Stream(events, on_close=self._on_close(permit))
             answer = await unless_gone(gone, self.service.complete(prepared, on_done), deadline)
         except TimeoutError:

@@ -304,8 +304,10 @@ class Batched:
     wait in its queue (their time there counts in its time per request, as vLLM's queued_time). One gateway's measured
     capacity over several floods: the engine's report (time per request, to a first token) as `engine.load` averages."""
 
-    def __init__(self, engine: Engine, batch: int = 128, bound: int = 256, adaptive: bool = True) -> None:
-        self.engine, self.batch, self.now = engine, batch, 0.0
+    def __init__(self, engine: Engine, batch: int = 128, bound: int = 256, adaptive: bool = True,
+                 first_tokens: bool = True) -> None:
+        """`first_tokens`: the limit learns from a stream's first token (`Capacity.started`); False: from its end only."""
+        self.engine, self.batch, self.now, self.first_tokens = engine, batch, 0.0, first_tokens
         self.reported: list[float | None] = [None, None]  # request_s, first_token_s
         self.capacity = Capacity(bound, adaptive, clock=lambda: self.now, engine_s=lambda: self.reported[0],
                                  batch=batch, first_token_s=lambda: self.reported[1])
@@ -335,10 +337,14 @@ class Batched:
             running = admitted[: self.batch]
             took = self.engine.fixed + self.engine.per_request * len(running)
             self.now += took
+            firsts = [request for request in running if not request[2]]
             for request in running:
                 request[1] -= 1
                 request[3] = max(request[3], took) if request[2] else 0.0
                 request[2] = request[2] or self.now
+            for request in firsts if stream and self.first_tokens else ():  # as the pipeline: at a stream's first token
+                if capacity.started(self.now - request[0], len(admitted), due_s):
+                    waiting = refuse_late()
             if self.now >= deadline:  # the deadline: waiters leave, and the requests not answered yet are aborted
                 waiting = 0
                 admitted = [request for request in admitted if request[2] and (stream or request[1] == 0)]
@@ -358,7 +364,7 @@ class Batched:
 GPU_BATCH = Engine(0.03, 0.0002)  # weights read once per step: a batch of 256 costs under three times one alone
 
 
-@pytest.mark.parametrize("engine", [LOADED_CPU, CPU, GPU_BATCH], ids=["loaded-cpu", "cpu", "gpu"])
+@pytest.mark.parametrize("engine", [LOADED_CPU, CPU, MIXED, GPU_BATCH], ids=["loaded-cpu", "cpu", "mixed", "gpu"])
 @pytest.mark.parametrize("n", [200, 1000])
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "after-whole-answers"])
 def test_streams_are_served_as_admitting_everything_serves_them(engine: Engine, n: int, warm: bool) -> None:
@@ -417,3 +423,73 @@ def test_whole_answers_keep_their_rule() -> None:
     assert streams.limit == 128
     assert whole.limit < 128 * 0.75  # shrinking, a half at most each window
     assert mixed.limit == whole.limit
+
+
+@pytest.mark.parametrize("engine", [LOADED_CPU, CPU], ids=["loaded-cpu", "cpu"])
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after-whole-answers"])
+def test_streams_longer_than_their_deadline_raise_the_limit_at_their_first_tokens(engine: Engine, warm: bool) -> None:
+    """Streams whose generation outlasts their deadline (64 tokens): a window of answers closes only when the first
+    wave ends, past the deadline, so a limit starting low (or left low by whole answers) never grew and the rest of
+    the flood waited out its deadline. Their first tokens, in long before, take it to the engine's batch."""
+    fixed = Batched(engine, adaptive=False)
+    if warm:
+        fixed.flood(200, stream=False)
+    theirs = fixed.flood(200, stream=True, tokens=64)
+    for first_tokens in (False, True):
+        adaptive = Batched(engine, first_tokens=first_tokens)
+        if warm:
+            adaptive.flood(200, stream=False)
+        ours = adaptive.flood(200, stream=True, tokens=64)
+        assert ours.gaps_over == 0
+        if first_tokens:
+            assert ours.served >= 0.9 * theirs.served
+        elif engine is LOADED_CPU:  # (its first wave's 64 tokens take longer than the deadline)
+            assert ours.served < 0.9 * theirs.served  # the end alone: the first wave only, as the limit stood
+
+
+def test_a_stream_s_first_token_only_raises_the_limit() -> None:
+    """A first token slower than a quarter of its client's read timeout (a key's tiny timeout, a slow engine) leaves
+    the limit as it was: the answers' windows lower it, by the whole answers' rule at most."""
+    for gap_s in (0.001, 1.0, 600.0):
+        capacity = Capacity(256, batch=128)
+        before = capacity.limit
+        for _ in range(capacity.limit):
+            capacity.started(10.0, capacity.limit, gap_s)
+        assert capacity.limit == (128 if gap_s == 600.0 else before)
+    idle = Capacity(256, batch=128)
+    for _ in range(100):
+        idle.started(0.1, 1, 600.0)  # the limit never held anyone back: nothing to grow for
+    assert idle.limit == 32
+    off = Capacity(256, adaptive=False)
+    assert not off.started(0.1, 256, 600.0)
+    assert off.limit == 256
+
+
+async def test_a_stream_s_first_token_reaches_the_limit_and_a_whole_answer_s_does_not() -> None:
+    app = app_with(FakeEngine())
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    async with app.router.lifespan_context(app) as state:
+        async def with_state(scope, receive, send):  # type: ignore[no-untyped-def]
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        capacity = state["gateway"].models.backends["fake-model"].admission.capacity
+        seen: list[float] = []
+        capacity.started = lambda first_s, running, gap_s: seen.append(gap_s) or False
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://t") as client:
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+            assert seen == []
+            headers = {"X-Stainless-Read-Timeout": "12"}
+            assert (await client.post("/v1/chat/completions", json={**body, "stream": True}, headers=headers)).status_code == 200
+        assert seen == [12.0]
+
+
+def test_past_the_engine_s_batch_a_stream_s_expected_wait_leaves_the_engine_s_queue_out() -> None:
+    """Whole answers left the limit past the batch: the engine queues the rest, and its time per request and to a
+    first token both hold that queue (the recent answers, the ones that queued, most). The batch frees at the time
+    between them (its decode): a stream waits for `ahead` of those, then its first token. A whole answer's is as it was."""
+    capacity = Capacity(256, adaptive=False, engine_s=lambda: 8.0, first_token_s=lambda: 4.0, batch=128)
+    assert capacity.expected_wait(256, stream=True) == pytest.approx(256 * 4.0 / 128 + 4.0)
+    assert capacity.expected_wait(256) == pytest.approx(256 * 8.0 / 256)
+    within = Capacity(64, adaptive=False, engine_s=lambda: 8.0, first_token_s=lambda: 4.0, batch=128)
+    assert within.expected_wait(64, stream=True) == pytest.approx(64 * 8.0 / 64 + 4.0)  # no queue past the batch
