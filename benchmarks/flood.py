@@ -118,12 +118,15 @@ async def flood(base: str, count: int, stream: bool, deadline_s: float, margin_s
         health: list[float] = []
 
         async def probe() -> None:
-            while not done.is_set():
-                started = time.monotonic()
-                answer = await client.get(f"{base}/health")
-                assert answer.status_code == 200, answer.status_code
-                health.append(time.monotonic() - started)
-                await asyncio.sleep(0.1)
+            # a connection per probe, as the kubelet's: a pooled one the gateway closes as idle while the
+            # probe's request is on its way is the client's keep-alive race, not an unanswered /health
+            async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0)) as own:
+                while not done.is_set():
+                    started = time.monotonic()
+                    answer = await own.get(f"{base}/health")
+                    assert answer.status_code == 200, answer.status_code
+                    health.append(time.monotonic() - started)
+                    await asyncio.sleep(0.1)
 
         prober = asyncio.create_task(probe())
         started = time.monotonic()
