@@ -62,9 +62,10 @@ class EventStreamResponse(StreamingResponse):
 
     It watches for the client going away (`pipeline.disconnect.Watch`): on a disconnect the stream's task is cancelled,
     which closes the event iterator and so aborts the engine request; a resumable stream is cancelled only after its
-    grace, generating into its log meanwhile. A client that stops reading is taken for gone after
-    `stream_write_timeout_s` (`api.stalls`). `resumable`: set by a handler whose stream plays to nobody (a background
-    response), else the request's."""
+    grace, generating into its log meanwhile, unless its model's capacity is wanted (`on_left`: others wait for it)
+    or its `deadline` passes first. A client that stops reading is taken for gone after `stream_write_timeout_s`
+    (`api.stalls`). `resumable`: set by a handler whose stream plays to nobody (a background response), else the
+    request's."""
 
     def __init__(
         self, events: Events, on_close: Callable[[], None] | None = None, framing: Framing | None = None,
@@ -77,6 +78,8 @@ class EventStreamResponse(StreamingResponse):
         super().__init__((), headers=HEADERS)  # its events are self.events, sent by __call__
         self.disconnected = False
         self.resumable: Resumable | None = None
+        self.on_left: Callable[[Callable[[], None]], None] | None = None
+        self.deadline: float | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         framing = self.framing or FRAMINGS[dialect_of(scope)]
@@ -87,7 +90,8 @@ class EventStreamResponse(StreamingResponse):
             self.raw_headers.append((b"x-stream-id", self.stream_id.encode()))
         # Plain asyncio, not an anyio cancel scope: cancelling the task once lets the engine's
         # cleanup (its abort) still await; a level-triggered scope would cancel that too.
-        watch = Watch(gone_of(receive), grace_s=resumable.grace_s if resumable is not None else 0.0)
+        watch = Watch(gone_of(receive), grace_s=resumable.grace_s if resumable is not None else 0.0,
+                      grace_until=self.deadline, on_left=self.on_left)
         sends, sweep = _stall_watch(scope, watch)
         ending: bytes | None = None  # stopped otherwise (a shutdown's cancel): no end, as when a replica dies
         try:
@@ -146,7 +150,8 @@ class EventStreamResponse(StreamingResponse):
             await self._close()
 
 
-ABANDONED = "The stream was stopped: its client left and no reader came back within streams.grace_s"
+ABANDONED = ("The stream was stopped: its client left and no reader came back within streams.grace_s (less when its "
+             "model's capacity was wanted by a waiting request or the request's deadline passed)")
 
 
 class _Sink:
