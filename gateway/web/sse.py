@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import structlog
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.errors import ClientDisconnected, InvalidRequest, NotFound, RateLimited, ServiceUnavailable
 from gateway.pipeline.answer import Events, Primed
@@ -92,7 +92,7 @@ class EventStreamResponse(StreamingResponse):
         # cleanup (its abort) still await; a level-triggered scope would cancel that too.
         watch = Watch(gone_of(receive), grace_s=resumable.grace_s if resumable is not None else 0.0,
                       grace_until=self.deadline, on_left=self.on_left)
-        sends, sweep = _stall_watch(scope, watch)
+        sends, sweep = _stall_watch(scope, watch.expire)
         ending: bytes | None = None  # stopped otherwise (a shutdown's cancel): no end, as when a replica dies
         try:
             async with watch:
@@ -184,12 +184,12 @@ class _Sink:
             self._watch.expire()
 
 
-def _stall_watch(scope: Scope, watch: Watch) -> tuple[stalls.Sends, stalls.Sweep | None]:
+def _stall_watch(scope: Scope, expire: Callable[[], None]) -> tuple[stalls.Sends, stalls.Sweep | None]:
     """This stream's sends, watched for a client that stops reading when the stream is served to
     one (the gateway's state in the scope: not a background response, played to nobody). A stall
-    drops the connection (the server's extension), or else expires the disconnect watch."""
+    drops the connection (the server's extension), or else calls `expire` (the disconnect watch's)."""
     gateway = (scope.get("state") or {}).get("gateway")
-    abort = (scope.get("extensions") or {}).get(stalls.ABORT) or watch.expire
+    abort = (scope.get("extensions") or {}).get(stalls.ABORT) or expire
     if gateway is None:
         return stalls.Sends(abort), None
     return stalls.watch(gateway.settings.stream_write_timeout_s, abort)
@@ -236,16 +236,33 @@ async def resumed(
 
 
 class _Reading(StreamingResponse):
-    """A resumed stream: `done` once it is over (also when it never started: the client left before)."""
+    """A resumed stream: `done` once it is over (also when it never started: the client left before). A reader that
+    stops reading is dropped after `stream_write_timeout_s`, as a stream's first client is: it would hold its place
+    among the key's `max_readers` and the events it was sent for ever."""
 
     def __init__(self, content: AsyncGenerator[bytes, None], headers: dict[str, str], done: Callable[[], None]) -> None:
         super().__init__(content, headers=headers)
         self.done = done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task, time = asyncio.current_task(), asyncio.get_running_loop().time
+        sends, sweep = _stall_watch(scope, lambda: task.cancel() if task is not None else None)
+
+        async def timed(message: Message) -> None:
+            sends.since = time()
+            try:
+                await send(message)
+            finally:
+                sends.since = 0.0
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed)
+        except asyncio.CancelledError:
+            if not sends.stalled or task is None or task.uncancel():
+                raise  # not (only) the stall's: a shutdown's
         finally:
+            if sweep is not None:
+                sweep.discard(sends)
             self.done()
 
 

@@ -597,3 +597,40 @@ async def test_a_key_reads_at_most_max_readers_resumed_streams_at_once() -> None
         assert not client.app_state["gateway"].streams.readers  # type: ignore[attr-defined]
         producing.cancel()
         await asyncio.gather(producing, return_exceptions=True)
+
+
+async def test_a_resumed_reader_that_stops_reading_is_dropped_and_frees_its_place() -> None:
+    """A reader whose sends wait (it reads nothing: uvicorn's send waits for room in the socket) would hold one of
+    its key's `max_readers` and the events it was sent for ever: dropped after `stream_write_timeout_s`."""
+    engine = FakeEngine()
+    cache = {"backend": "off"}
+    settings = fake_settings(api_keys=KEYS, cache=cache, streams={"resumable": True}, stream_write_timeout_s=0.3)
+    app = create_app(settings, engine_starter=lambda es: engine)
+    async with app.router.lifespan_context(app) as state:
+
+        async def with_state(scope: dict, receive: Any, send: Any) -> None:
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://gw") as client:
+            stream_id = (await client.post("/v1/chat/completions", json=CHAT, headers=auth())).headers["x-stream-id"]
+        path = f"/v1/chat/completions/streams/{stream_id}"
+        bodies = 0
+
+        async def receive() -> dict:
+            await asyncio.Event().wait()  # the client neither sends nor leaves
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            nonlocal bodies
+            if message["type"] == "http.response.body":
+                bodies += 1
+                if bodies > 1:
+                    await asyncio.Event().wait()  # reads nothing more
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+                 "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"authorization", b"Bearer sk-a")], "client": ("127.0.0.1", 1),
+                 "server": ("127.0.0.1", 80), "state": dict(state)}
+        await asyncio.wait_for(app(scope, receive, send), 10)  # returns: the reader was dropped
+        assert not state["gateway"].streams.readers
