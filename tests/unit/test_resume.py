@@ -634,3 +634,20 @@ async def test_a_resumed_reader_that_stops_reading_is_dropped_and_frees_its_plac
                  "server": ("127.0.0.1", 80), "state": dict(state)}
         await asyncio.wait_for(app(scope, receive, send), 10)  # returns: the reader was dropped
         assert not state["gateway"].streams.readers
+
+
+async def test_a_deleted_responses_events_are_gone_too(kind: str, redis_url: str | None) -> None:
+    """DELETE of a response removes what it said: its stream is not played again by its id (an unknown response),
+    and a store:false response's id answers GET, DELETE and input_items as an unknown one while its events are kept."""
+    async with gateway(FakeEngine(), redis_url) as client:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 16, "stream": True}
+        response_id = (await client.post("/v1/responses", json=body, headers=auth())).headers["x-stream-id"]
+        assert (await client.delete(f"/v1/responses/{response_id}", headers=auth())).status_code == 200
+        again = await client.get(f"/v1/responses/{response_id}?stream=true", headers=auth())
+        assert again.status_code == 404
+        fleeting = (await client.post("/v1/responses", json={**body, "store": False}, headers=auth())).headers
+        fleeting_id = fleeting["x-stream-id"]
+        assert (await client.get(f"/v1/responses/{fleeting_id}?stream=true", headers=auth())).status_code == 200
+        for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/input_items")):
+            answer = await client.request(method, f"/v1/responses/{fleeting_id}{path}", headers=auth())
+            assert answer.status_code == 404, (method, path)
