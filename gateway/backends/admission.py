@@ -22,6 +22,8 @@ one whose expected wait (the requests the order admits before it, at the measure
 to its first token) would pass it, or
 `wait_timeout_s`, is refused at once; a waiter leaves the queue when it passes. Every refusal's
 Retry-After is the measured time to drain the queue, counted by reason in `gateway_rejected_total`.
+A resumable stream whose client left keeps its permits only while nobody waits (`Permit.orphan`): a waiter's arrival
+ends such orphaned generations, the oldest first, so that no capacity goes to an answer nobody may read.
 A request for a model whose engine cannot serve is refused at once with 503 (`unhealthy`).
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.types import Engine
@@ -74,9 +77,18 @@ class Permit:
         if self._held and self.gap_s is not None:
             self.admission.started(self.taken, self.gap_s)
 
+    def orphan(self, stop: Callable[[], None]) -> None:
+        """Its stream's client left: the generation goes on only for a reconnect (`web.sse`, within its grace).
+        `stop` it at once when others wait for this model, else as soon as one comes."""
+        if self.admission.waiting:
+            stop()
+        elif self._held:
+            self.admission.orphans[self] = stop
+
     def release(self, tokens: int | None = None) -> None:
         """Given back; `tokens`: the output tokens of the answer it held for (None: no answer), which
         the model's measured capacity learns from."""
+        self.admission.orphans.pop(self, None)
         if self._held:
             self._held = False
             self.admission.give_back(self.count, self.key, self.taken, tokens, self.served, self.gap_s)
@@ -94,6 +106,7 @@ class Admission:
         self._held: dict[str, int] = {}  # engine requests admitted, per key
         self._queued: dict[str, int] = {}  # requests waiting, per key
         self.fairness = fairness.order(settings.fairness)  # who of a class goes first
+        self.orphans: dict[Permit, Callable[[], None]] = {}  # streams nobody reads, kept for a reconnect: in order
         if engine is None:
             self.capacity = Capacity(settings.max_running, settings.adaptive)
         else:
@@ -162,6 +175,7 @@ class Admission:
         self._queued[key] = self._queued.get(key, 0) + 1
         self._waiting(count)
         self._wake()  # it may be next in the order (or those ahead passed over): then it runs at once
+        self._give_way(waiter)
         try:
             async with asyncio.timeout_at(until):
                 await waiter.future
@@ -178,6 +192,15 @@ class Admission:
             else:
                 self._leave(priority, waiter)
             raise
+
+    def _give_way(self, waiter: _Waiter) -> None:
+        """For a waiter not admitted at once: orphaned generations (`Permit.orphan`), the oldest first, stopped
+        until they free its permits."""
+        count = 0 if waiter.future.done() else waiter.count
+        while count > 0 and self.orphans:
+            permit = next(iter(self.orphans))
+            count -= permit.count
+            self.orphans.pop(permit)()
 
     @staticmethod
     def _granted(waiter: _Waiter) -> bool:

@@ -24,6 +24,9 @@ class Whole:
 class Stream:
     events: Events
     on_close: Callable[[], None] | None = None  # called once when the stream ends, however it ends
+    # a resumable stream whose client left (generating for a reconnect only): given the stop that ends it at once
+    on_left: Callable[[Callable[[], None]], None] | None = None
+    deadline: float | None = None  # the request's (the event loop's clock): a departed client's grace ends by then
 
 
 Answer = Whole | Stream

@@ -264,7 +264,7 @@ class Attempt(Generic[RequestT, PreparedT, AnswerT]):
             if self.body.streams:
                 events = await unless_gone(gone, primed(self._shaped(self.service.stream(prepared, on_done))), deadline)
                 permit.started()  # its first token (or its end): the limit may grow long before the stream ends
-                return Stream(events, on_close=self._on_close(permit))
+                return Stream(events, on_close=self._on_close(permit), on_left=permit.orphan, deadline=deadline)
             answer = await unless_gone(gone, self.service.complete(prepared, on_done), deadline)
         except TimeoutError:
             if deadline is None or asyncio.get_running_loop().time() < deadline - TIMER_GRAIN_S:

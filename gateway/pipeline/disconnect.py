@@ -8,13 +8,15 @@ cancellation comes out of the watch as `ClientDisconnected` (499), while a cance
 elsewhere (a shutdown) stays one. The watcher starts `WATCH_AFTER_S` after the work (a loop
 timer): an answer ready sooner (a short completion, a cache hit) pays no task and no wakeup for it,
 and a client that leaves before is noticed that much later. A resumable stream's watch has a grace: its client's
-going ends the work only that much later (`left` says it went), so that a client that reconnects reads the rest.
+going ends the work only that much later (`left` says it went), so that a client that reconnects reads the rest; the
+grace ends at `grace_until` at the latest (the request's deadline), and `on_left` is told when it begins, with `stop`,
+which ends it at once (its model's capacity is wanted: `backends.admission.Permit.orphan`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TypeVar
 
@@ -33,10 +35,13 @@ class Watch:
 
     def __init__(
         self, gone: Gone, after_s: float = WATCH_AFTER_S, deadline: float | None = None, grace_s: float = 0.0,
+        grace_until: float | None = None, on_left: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self.gone = gone
         self.after_s = after_s
         self.grace_s = grace_s
+        self.grace_until = grace_until
+        self.on_left = on_left
         self._timeout = asyncio.timeout_at(deadline)
         self._left = False  # the client went (or `expire()` said so), rather than the deadline passing
         self._open = False
@@ -87,7 +92,16 @@ class Watch:
         if self._open and not self._left and not self._timeout.expired():
             self._left = True
             ends = asyncio.get_running_loop().time() + self.grace_s
+            if self.grace_until is not None:
+                ends = min(ends, self.grace_until)
             self._timeout.reschedule(min(ends, self._timeout.when() or ends))
+            if self.on_left is not None and self.grace_s:
+                self.on_left(self.stop)
+
+    def stop(self) -> None:
+        """End a grace now: the work its client left goes (a no-op once the work is over)."""
+        if self._open and self._left and not self._timeout.expired():
+            self._timeout.reschedule(asyncio.get_running_loop().time())
 
 
 async def unless_gone(gone: Gone | None, work: Awaitable[T], deadline: float | None = None) -> T:

@@ -74,6 +74,7 @@ class Log(Protocol):
     async def read(self, key: str, after: int, block_s: float) -> Read: ...  # waits up to block_s for one event
     async def alive(self, key: str) -> bool: ...  # its writer's lease holds
     async def claim(self, key: str, token: str) -> bool: ...  # a dead producer's stream, this reader's alone
+    async def forget(self, key: str) -> None: ...  # its events and takeover record gone: an unknown stream now
     async def aclose(self) -> None: ...
 
 
@@ -116,6 +117,10 @@ class OwnedStreams:
         self.store.writers.add(writer.task)
         writer.task.add_done_callback(self.store.writers.discard)
         return writer
+
+    async def forget(self, stream_id: str) -> None:
+        """Its events dropped (its response deleted): played again by nobody, an unknown stream from now on."""
+        await self.store.log.forget(owned_key(self.owner, stream_id, not_found))
 
     async def replay(
         self, stream_id: str, after: int, path: str, missing: Callable[[str], NotFound], died: bytes,
@@ -382,6 +387,10 @@ class MemoryLog:
         ring.token = token  # the producer's late events refused from now on
         return True
 
+    async def forget(self, key: str) -> None:
+        if key in self._rings:
+            self._drop(key)
+
     async def aclose(self) -> None:
         self._rings.clear()
 
@@ -519,6 +528,11 @@ class RedisLog:
         base = self.prefix + key
         keys, args = [base + ":lease", base + ":taker"], [token, str(int(self.settings.lease_s * 1000))]
         return bool(await self._client.bounded(self._claim(keys=keys, args=args)))
+
+    async def forget(self, key: str) -> None:
+        """The stream and its takeover record (a producer still writing appends to a stream no reader finds)."""
+        base = self.prefix + key
+        await self._client.bounded(self._client.redis.delete(base, base + ":takeover"))
 
     async def aclose(self) -> None:
         pass  # the pool is the app's (stores.redis)

@@ -37,7 +37,9 @@ def respond(answer: Answer, framing: Framing | None = None) -> Response:
 
 
 def stream_response(stream: Stream, framing: Framing | None = None, stream_id: str | None = None) -> EventStreamResponse:
-    return EventStreamResponse(stream.events, on_close=stream.on_close, framing=framing, stream_id=stream_id)
+    response = EventStreamResponse(stream.events, on_close=stream.on_close, framing=framing, stream_id=stream_id)
+    response.on_left, response.deadline = stream.on_left, stream.deadline
+    return response
 
 
 def served(model: type[RequestT], service: Service[RequestT, Any, Any]) -> Handler:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import structlog
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.errors import ClientDisconnected, InvalidRequest, NotFound, RateLimited, ServiceUnavailable
 from gateway.pipeline.answer import Events, Primed
@@ -62,9 +62,10 @@ class EventStreamResponse(StreamingResponse):
 
     It watches for the client going away (`pipeline.disconnect.Watch`): on a disconnect the stream's task is cancelled,
     which closes the event iterator and so aborts the engine request; a resumable stream is cancelled only after its
-    grace, generating into its log meanwhile. A client that stops reading is taken for gone after
-    `stream_write_timeout_s` (`api.stalls`). `resumable`: set by a handler whose stream plays to nobody (a background
-    response), else the request's."""
+    grace, generating into its log meanwhile, unless its model's capacity is wanted (`on_left`: others wait for it)
+    or its `deadline` passes first. A client that stops reading is taken for gone after `stream_write_timeout_s`
+    (`api.stalls`). `resumable`: set by a handler whose stream plays to nobody (a background response), else the
+    request's."""
 
     def __init__(
         self, events: Events, on_close: Callable[[], None] | None = None, framing: Framing | None = None,
@@ -77,6 +78,8 @@ class EventStreamResponse(StreamingResponse):
         super().__init__((), headers=HEADERS)  # its events are self.events, sent by __call__
         self.disconnected = False
         self.resumable: Resumable | None = None
+        self.on_left: Callable[[Callable[[], None]], None] | None = None
+        self.deadline: float | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         framing = self.framing or FRAMINGS[dialect_of(scope)]
@@ -87,8 +90,9 @@ class EventStreamResponse(StreamingResponse):
             self.raw_headers.append((b"x-stream-id", self.stream_id.encode()))
         # Plain asyncio, not an anyio cancel scope: cancelling the task once lets the engine's
         # cleanup (its abort) still await; a level-triggered scope would cancel that too.
-        watch = Watch(gone_of(receive), grace_s=resumable.grace_s if resumable is not None else 0.0)
-        sends, sweep = _stall_watch(scope, watch)
+        watch = Watch(gone_of(receive), grace_s=resumable.grace_s if resumable is not None else 0.0,
+                      grace_until=self.deadline, on_left=self.on_left)
+        sends, sweep = _stall_watch(scope, watch.expire)
         ending: bytes | None = None  # stopped otherwise (a shutdown's cancel): no end, as when a replica dies
         try:
             async with watch:
@@ -146,7 +150,8 @@ class EventStreamResponse(StreamingResponse):
             await self._close()
 
 
-ABANDONED = "The stream was stopped: its client left and no reader came back within streams.grace_s"
+ABANDONED = ("The stream was stopped: its client left and no reader came back within streams.grace_s (less when its "
+             "model's capacity was wanted by a waiting request or the request's deadline passed)")
 
 
 class _Sink:
@@ -179,12 +184,12 @@ class _Sink:
             self._watch.expire()
 
 
-def _stall_watch(scope: Scope, watch: Watch) -> tuple[stalls.Sends, stalls.Sweep | None]:
+def _stall_watch(scope: Scope, expire: Callable[[], None]) -> tuple[stalls.Sends, stalls.Sweep | None]:
     """This stream's sends, watched for a client that stops reading when the stream is served to
     one (the gateway's state in the scope: not a background response, played to nobody). A stall
-    drops the connection (the server's extension), or else expires the disconnect watch."""
+    drops the connection (the server's extension), or else calls `expire` (the disconnect watch's)."""
     gateway = (scope.get("state") or {}).get("gateway")
-    abort = (scope.get("extensions") or {}).get(stalls.ABORT) or watch.expire
+    abort = (scope.get("extensions") or {}).get(stalls.ABORT) or expire
     if gateway is None:
         return stalls.Sends(abort), None
     return stalls.watch(gateway.settings.stream_write_timeout_s, abort)
@@ -231,16 +236,38 @@ async def resumed(
 
 
 class _Reading(StreamingResponse):
-    """A resumed stream: `done` once it is over (also when it never started: the client left before)."""
+    """A resumed stream: `done` once it is over (also when it never started: the client left before). A reader that
+    stops reading is dropped after `stream_write_timeout_s`, as a stream's first client is: it would hold its place
+    among the key's `max_readers` and the events it was sent for ever."""
 
     def __init__(self, content: AsyncGenerator[bytes, None], headers: dict[str, str], done: Callable[[], None]) -> None:
         super().__init__(content, headers=headers)
         self.done = done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task, time = asyncio.current_task(), asyncio.get_running_loop().time
+
+        def cancel() -> None:  # without the server's extension: the response stops here
+            if task is not None:
+                task.cancel()
+
+        sends, sweep = _stall_watch(scope, cancel)
+
+        async def timed(message: Message) -> None:
+            sends.since = time()
+            try:
+                await send(message)
+            finally:
+                sends.since = 0.0
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed)
+        except asyncio.CancelledError:
+            if not sends.stalled or task is None or task.uncancel():
+                raise  # not (only) the stall's: a shutdown's
         finally:
+            if sweep is not None:
+                sweep.discard(sends)
             self.done()
 
 

@@ -134,10 +134,10 @@ def server(server_log: Path, otlp: tuple[Receiver, int], mcp_tools: tuple[str, S
            # the batch lane (test_message_batches) in the session's folder, looking for work often
            "GATEWAY_FILES__DIR": str(server_log.parent / "files"), "GATEWAY_BATCHES__DIR": str(server_log.parent / "batches"),
            "GATEWAY_BATCHES__POLL_S": "0.2",
-           # a departed client's stream is aborted after this grace (test_conformance waits for the engine
+           # a departed client's stream is aborted at once (test_conformance waits for the engine
            # to idle); no test resumes on this gateway, and an orphan generating beside test_resume's
            # comparison answer could change a greedy token through the batch
-           "GATEWAY_STREAMS__GRACE_S": "1",
+           "GATEWAY_STREAMS__GRACE_S": "0",
            # a schema's compile on a busy machine is no refusal (test_structured's bound is its own size check)
            "GATEWAY_STRUCTURED_OUTPUT__COMPILE_TIMEOUT_S": "30"}
     starting = vllm_server(server_log, env) if TARGET == "vllm" else session_gateway(server_log, env)

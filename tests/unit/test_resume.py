@@ -20,9 +20,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
+from gateway.backends.admission import Admission
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.batch_objects import Owner
-from gateway.settings import StreamSettings
+from gateway.settings import AdmissionSettings, StreamSettings
 from gateway.stores.redis import RedisPools
 from gateway.stores.streams import MemoryLog, RedisLog, StreamStore, Takeover, not_found
 from tests.fakes import FakeEngine, app_with, fake_settings
@@ -56,11 +57,13 @@ def ids(text: str) -> list[int]:
 
 
 @asynccontextmanager
-async def gateway(engine: FakeEngine, redis_url: str | None = None, **streams: Any) -> AsyncIterator[httpx.AsyncClient]:
+async def gateway(engine: FakeEngine, redis_url: str | None = None, admission: dict[str, Any] | None = None,
+                  **streams: Any) -> AsyncIterator[httpx.AsyncClient]:
     """The app in-process, its lifespan state in every scope (as the server gives it), resumable streams on (in
     Redis at `redis_url`, else in memory)."""
     cache = {"backend": "redis", "redis_url": redis_url} if redis_url else {"backend": "off"}
-    settings = fake_settings(api_keys=KEYS, cache=cache, streams={"resumable": True, **streams})
+    settings = fake_settings(api_keys=KEYS, cache=cache, streams={"resumable": True, **streams},
+                             admission={"adaptive": False, **(admission or {})})
     app = create_app(settings, engine_starter=lambda es: engine)
     async with app.router.lifespan_context(app) as state:
 
@@ -286,6 +289,62 @@ async def test_after_the_grace_the_generation_stops_and_the_log_says_so() -> Non
         last = events(resumed.text)[-2]
         assert "streams.grace_s" in last
         assert resumed.text.endswith("data: [DONE]\n\n")
+
+
+async def test_a_departed_clients_generation_gives_way_to_a_waiter_for_its_model() -> None:
+    """Grace is for a reconnect, not for a model others queue for: a waiter's arrival aborts the orphaned generation
+    at once (its permit frees the place), and the waiter is served; the log ends saying the stream was stopped."""
+    engine = FakeEngine(max_model_len=4096, delay=0.05)  # 200 tokens: far longer than the test
+    async with gateway(engine, admission={"max_running": 1}, grace_s=60) as client:
+        admission = client.app_state["gateway"].models.backends[MODEL].admission  # type: ignore[attr-defined]
+        left = asyncio.create_task(drive_and_leave(client, "/v1/chat/completions", {**CHAT, "max_tokens": 200}, 2))
+        await until(lambda: admission.orphans, what="the departed client's generation, kept for a reconnect")
+        assert engine.aborted == []
+        waiter = await client.post("/v1/chat/completions", json={**CHAT, "stream": False}, headers=auth())
+        assert waiter.status_code == 200
+        stream_id, *_ = await asyncio.wait_for(left, 30)
+        assert engine.aborted == [engine.requests[0].request_id]
+        resumed = await client.get(f"/v1/chat/completions/streams/{stream_id.decode()}", headers=auth())
+        assert "streams.grace_s" in events(resumed.text)[-2]
+        assert not admission.orphans
+
+
+async def test_a_departed_clients_generation_with_nobody_waiting_keeps_its_grace_and_a_reconnect_gets_the_rest(
+) -> None:
+    engine = FakeEngine(delay=0.01)
+    async with gateway(engine, admission={"max_running": 2}, grace_s=60) as client:
+        admission = client.app_state["gateway"].models.backends[MODEL].admission  # type: ignore[attr-defined]
+        left = asyncio.create_task(drive_and_leave(client, "/v1/chat/completions", {**CHAT, "max_tokens": 30}, 2))
+        await until(lambda: admission.orphans, what="the departed client's generation, kept for a reconnect")
+        other = await client.post("/v1/chat/completions", json={**CHAT, "stream": False}, headers=auth())
+        assert other.status_code == 200  # admitted beside it: nobody waited
+        stream_id, *received = await asyncio.wait_for(left, 30)
+        assert engine.aborted == []
+        last = ids(b"".join(received[:-1]).decode())[-1]
+        rest = await client.get(f"/v1/chat/completions/streams/{stream_id.decode()}",
+                                headers={**auth(), "last-event-id": str(last)})
+        assert rest.text.endswith("data: [DONE]\n\n")
+        assert '"finish_reason":"length"' in rest.text.replace(" ", "")
+
+
+async def test_a_departed_clients_generation_ends_at_the_requests_deadline_within_the_grace() -> None:
+    engine = FakeEngine(max_model_len=4096, delay=0.05)
+    async with gateway(engine, admission={"deadline_s": 1.0}, grace_s=60) as client:
+        await asyncio.wait_for(drive_and_leave(client, "/v1/chat/completions", {**CHAT, "max_tokens": 200}, 2), 30)
+        assert engine.aborted == [engine.requests[0].request_id]  # at its deadline, not after the grace
+
+
+async def test_an_orphaned_generation_is_stopped_at_once_when_others_already_wait() -> None:
+    admission = Admission("m", AdmissionSettings(max_running=1, adaptive=False))
+    permit = await admission.acquire()
+    queued = asyncio.ensure_future(admission.acquire())
+    await until(lambda: admission.waiting, what="a waiter")
+    stopped: list[int] = []
+    permit.orphan(lambda: stopped.append(1))
+    assert stopped == [1]
+    assert not admission.orphans
+    permit.release()
+    (await queued).release()
 
 
 # --- the logs themselves ----------------------------------------------------------------------------------------
@@ -538,3 +597,57 @@ async def test_a_key_reads_at_most_max_readers_resumed_streams_at_once() -> None
         assert not client.app_state["gateway"].streams.readers  # type: ignore[attr-defined]
         producing.cancel()
         await asyncio.gather(producing, return_exceptions=True)
+
+
+async def test_a_resumed_reader_that_stops_reading_is_dropped_and_frees_its_place() -> None:
+    """A reader whose sends wait (it reads nothing: uvicorn's send waits for room in the socket) would hold one of
+    its key's `max_readers` and the events it was sent for ever: dropped after `stream_write_timeout_s`."""
+    engine = FakeEngine()
+    cache = {"backend": "off"}
+    settings = fake_settings(api_keys=KEYS, cache=cache, streams={"resumable": True}, stream_write_timeout_s=0.3)
+    app = create_app(settings, engine_starter=lambda es: engine)
+    async with app.router.lifespan_context(app) as state:
+
+        async def with_state(scope: dict, receive: Any, send: Any) -> None:
+            scope["state"] = dict(state)
+            await app(scope, receive, send)
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://gw") as client:
+            stream_id = (await client.post("/v1/chat/completions", json=CHAT, headers=auth())).headers["x-stream-id"]
+        path = f"/v1/chat/completions/streams/{stream_id}"
+        bodies = 0
+
+        async def receive() -> dict:
+            await asyncio.Event().wait()  # the client neither sends nor leaves
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            nonlocal bodies
+            if message["type"] == "http.response.body":
+                bodies += 1
+                if bodies > 1:
+                    await asyncio.Event().wait()  # reads nothing more
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+                 "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"authorization", b"Bearer sk-a")], "client": ("127.0.0.1", 1),
+                 "server": ("127.0.0.1", 80), "state": dict(state)}
+        await asyncio.wait_for(app(scope, receive, send), 10)  # returns: the reader was dropped
+        assert not state["gateway"].streams.readers
+
+
+async def test_a_deleted_responses_events_are_gone_too(kind: str, redis_url: str | None) -> None:
+    """DELETE of a response removes what it said: its stream is not played again by its id (an unknown response),
+    and a store:false response's id answers GET, DELETE and input_items as an unknown one while its events are kept."""
+    async with gateway(FakeEngine(), redis_url) as client:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 16, "stream": True}
+        response_id = (await client.post("/v1/responses", json=body, headers=auth())).headers["x-stream-id"]
+        assert (await client.delete(f"/v1/responses/{response_id}", headers=auth())).status_code == 200
+        again = await client.get(f"/v1/responses/{response_id}?stream=true", headers=auth())
+        assert again.status_code == 404
+        fleeting = (await client.post("/v1/responses", json={**body, "store": False}, headers=auth())).headers
+        fleeting_id = fleeting["x-stream-id"]
+        assert (await client.get(f"/v1/responses/{fleeting_id}?stream=true", headers=auth())).status_code == 200
+        for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/input_items")):
+            answer = await client.request(method, f"/v1/responses/{fleeting_id}{path}", headers=auth())
+            assert answer.status_code == 404, (method, path)

@@ -93,6 +93,7 @@ async def by_id(request: Request) -> Response:
     mine, response_id = _mine(request), request.path_params["response_id"]
     if request.method == "DELETE":
         await mine.delete(response_id)
+        await state_of(request).streams.of(context_of(request.scope).tenant).forget(response_id)  # nor streamed again
         return json_response(ResponseDeleted(id=response_id))
     if request.query_params.get("stream", "false").lower() not in ("false", "0"):
         return await _streamed(request, mine, response_id)
