@@ -26,6 +26,7 @@ from gateway.web.stalls import ABORT
 
 log = structlog.get_logger(__name__)
 MAX_HEADER_BYTES = 64 * 1024
+LATE_TIMER_S = 0.5  # a timer that fires later than this past its time was held up by a busy loop
 
 
 class HeaderTimeout(asyncio.Protocol):
@@ -120,7 +121,12 @@ class HeaderTimeout(asyncio.Protocol):
             self._timer = None
 
     def _expire(self) -> None:
-        self._disarm()
+        timer, self._timer = self._timer, None
+        if timer is not None and asyncio.get_running_loop().time() - timer.when() > LATE_TIMER_S:
+            # the loop was late (a flood's arrivals), not the client: the loop runs due timers before it polls
+            # the sockets, so this connection's bytes may be waiting unread; one more poll before it is judged
+            self._timer = asyncio.get_running_loop().call_later(LATE_TIMER_S, self._expire)
+            return
         if self._connection is not None and not self._connection.is_closing():
             self._connection.close()
 

@@ -23,7 +23,7 @@ from gateway.pipeline.lifecycle import Lifecycle
 from gateway.server.cli import parser, settings_from
 from gateway.server.http import MAX_HEADER_BYTES, DrainingServer, http_protocol, server_config
 from gateway.telemetry import logs, metrics
-from tests import sse
+from tests import sse, waits
 from tests.fakes import FakeEngine, chat_body, fake_settings
 from tests.ports import listening_line
 
@@ -536,3 +536,35 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_keep_alive_timeout(
     """Not after the (longer) header timeout: an idle new connection is an idle connection."""
     with Running(engine, header_timeout_s=60, keep_alive_timeout_s=1) as server, server.connect() as sock:
         assert closed_by_server(sock)  # within the socket's 10 s, long before the header timeout
+
+
+class _Closing(asyncio.Transport):
+    closed = False
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_timer_the_busy_loop_held_up_gives_the_connection_one_more_poll() -> None:
+    """A flood's arrivals can hold the loop past a new connection's idle timeout while its request waits unread
+    in the socket (the loop runs due timers before it polls): the late timer gives it another turn, in which its
+    bytes are read, rather than closing it unanswered. A timer on time still closes an idle connection."""
+    from gateway.server.http import LATE_TIMER_S, HeaderTimeout
+
+    class Probe(HeaderTimeout, asyncio.Protocol):
+        idle_timeout_s = 0.05
+
+    held, idle = Probe(), Probe()
+    held_transport, idle_transport = _Closing(), _Closing()
+    held.connection_made(held_transport)
+    time.sleep(0.05 + LATE_TIMER_S + 0.2)  # noqa: ASYNC251 - the loop held up (a blocking stretch, not a wait)
+    for _ in range(3):  # the loop's next turns: the late timer runs in the first
+        await asyncio.sleep(0)
+    assert not held_transport.closed
+    held.data_received(b"GET /health HTTP/1.1\r\n")  # its bytes, read in that turn's poll, disarm the idle timer
+    idle.connection_made(idle_transport)
+    await waits.until(lambda: idle_transport.closed, what="an idle connection was never closed")
+    assert not held_transport.closed
