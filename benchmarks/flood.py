@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,21 +115,22 @@ async def flood(base: str, count: int, stream: bool, deadline_s: float, margin_s
     timeout = httpx.Timeout(connect=wait, read=wait, write=wait, pool=wait)
     limits = httpx.Limits(max_connections=count + 10, max_keepalive_connections=count + 10)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        done = asyncio.Event()
+        done = threading.Event()
         health: list[float] = []
 
-        async def probe() -> None:
-            # a connection per probe, as the kubelet's: a pooled one the gateway closes as idle while the
-            # probe's request is on its way is the client's keep-alive race, not an unanswered /health
-            async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0)) as own:
+        def probe() -> None:
+            # in a thread of its own, on a connection of its own each time, as the kubelet probes: on this loop
+            # (busy with the flood's answers) a probe's request could leave its new connection later than the
+            # gateway's idle timeout, which then rightly closes it: the client's delay, not an unanswered /health
+            with httpx.Client(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0)) as own:
                 while not done.is_set():
                     started = time.monotonic()
-                    answer = await own.get(f"{base}/health")
+                    answer = own.get(f"{base}/health")
                     assert answer.status_code == 200, answer.status_code
                     health.append(time.monotonic() - started)
-                    await asyncio.sleep(0.1)
+                    done.wait(0.1)
 
-        prober = asyncio.create_task(probe())
+        prober = asyncio.create_task(asyncio.to_thread(probe))
         started = time.monotonic()
         try:
             outcomes = await asyncio.gather(*(one(client, base, n, stream, deadline_s, max_tokens) for n in range(count)))
