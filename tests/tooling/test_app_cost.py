@@ -15,7 +15,7 @@ LINE = re.compile(r"^(?P<what>.+), (?P<scenario>[a-z-]+), concurrency (?P<c>\d+)
 
 
 def run(*args: str) -> re.Match[str]:
-    result = subprocess.run([sys.executable, "-m", "benchmarks.app_cost", "--requests", "300", *args],
+    result = subprocess.run([sys.executable, "-m", "benchmarks.app_cost", "--requests", "50", *args],
                             capture_output=True, text=True, cwd=ROOT, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     found = LINE.match(result.stdout.strip().splitlines()[-1])

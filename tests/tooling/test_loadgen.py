@@ -295,7 +295,9 @@ async def echo_gateway() -> AsyncIterator[tuple[str, FakeEngine]]:
     from gateway.settings import Settings
 
     engine = echo_engine("echo-model")
-    app = create_echo_app(Settings(warmup=False, log_level="warning", cache={"backend": "off"}), engine)
+    # no grace for a reconnect: a stream the run cancels ends with its client, not at the server's shutdown
+    app = create_echo_app(Settings(warmup=False, log_level="warning", cache={"backend": "off"}, streams={"grace_s": 0}),
+                          engine)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="on"))
     task = asyncio.create_task(server.serve())
     await until(lambda: server.started or task.done(), what="the echo gateway started")

@@ -94,19 +94,21 @@ def test_warmup_runs_one_json_request_before_serving(engine) -> None:
 def test_bad_configuration_is_refused_at_start_up(tmp_path) -> None:
     bad = tmp_path / "models.yaml"
     bad.write_text("models: [{name: a, fallback: [ghost]}]")
-    env = {**os.environ, "GATEWAY_MODELS_FILE": str(bad)}
-    result = subprocess.run([sys.executable, "-m", "gateway", "serve"], capture_output=True, text=True, env=env, timeout=60)
-    assert result.returncode == 2
-    assert "configuration error" in result.stderr
-    assert "ghost" in result.stderr
-    env = {**os.environ, "GATEWAY_CACHE__BACKEND": "redis"}
-    result = subprocess.run([sys.executable, "-m", "gateway", "serve"], capture_output=True, text=True, env=env, timeout=60)
-    assert result.returncode == 2
-    assert "redis_url" in result.stderr
-    env = {**os.environ, "GATEWAY_PORT": "not-a-port"}
-    result = subprocess.run([sys.executable, "-m", "gateway", "serve"], capture_output=True, text=True, env=env, timeout=60)
-    assert result.returncode == 2
-    assert "port" in result.stderr
+    cases = [({"GATEWAY_MODELS_FILE": str(bad)}, "ghost"), ({"GATEWAY_CACHE__BACKEND": "redis"}, "redis_url"),
+             ({"GATEWAY_PORT": "not-a-port"}, "port")]
+    # side by side: each process is seconds of start-up before it refuses
+    started = [subprocess.Popen([sys.executable, "-m", "gateway", "serve"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, **env}) for env, _ in cases]
+    try:
+        for process, (_, named) in zip(started, cases, strict=True):
+            _, stderr = process.communicate(timeout=60)
+            assert process.returncode == 2
+            assert "configuration error" in stderr
+            assert named in stderr
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
 
 
 def test_vllm_logs_follow_the_gateway_log_settings(monkeypatch, tmp_path) -> None:

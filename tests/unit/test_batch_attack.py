@@ -371,13 +371,21 @@ def test_deleting_the_input_or_the_output_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("reject_status", [429, 503])
 def test_a_full_queue_pauses_lines_instead_of_failing_them(tmp_path: Path, reject_status: int) -> None:
-    admission = {"max_running": 1, "max_waiting": 0, "reject_status": reject_status}
+    admission = {"max_running": 2, "max_waiting": 0, "reject_status": reject_status}  # 3 in flight: one refused a round
+    from prometheus_client import REGISTRY
+
+    def refused() -> float:
+        return REGISTRY.get_sample_value("gateway_rejected_total", {"model": "fake-model", "reason": "queue_full"}) or 0.0
+
     engine = FakeEngine(delay=0.01)
+    before = refused()
     with TestClient(app_with(engine, admission=admission, **settings(tmp_path, max_in_flight=3))) as client:
         sdk = sdk_for(client)
-        done = wait(sdk, submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=4) for i in range(6)))).id)
+        # each line a tenth of a second: the three in flight overlap, however slowly they are sent
+        done = wait(sdk, submit(sdk, jsonl(*(chat_line(f"r{i}", max_tokens=10) for i in range(6)))).id)
         failed = lines_of(sdk, done.error_file_id)
     assert done.request_counts.model_dump() == {"total": 6, "completed": 6, "failed": 0}, failed
+    assert refused() > before  # the queue was full: some line was refused and paused
 
 
 def test_an_engine_that_cannot_serve_for_now_pauses_lines_instead_of_failing_them(tmp_path: Path) -> None:

@@ -49,7 +49,8 @@ async def drive(app, body: dict, disconnect_after_chunks: int | None, within_s: 
 
 
 async def run_with_app(engine: FakeEngine, coro_factory):
-    app = create_app(fake_settings(), engine_starter=lambda es: engine)
+    # no grace for a reconnect (streams.grace_s, tested in test_resume.py): a client's going ends its work at once
+    app = create_app(fake_settings(streams={"grace_s": 0}), engine_starter=lambda es: engine)
     async with app.router.lifespan_context(app) as state:
         async def with_state(scope, receive, send):
             scope["state"] = dict(state)
@@ -225,7 +226,8 @@ async def test_a_client_that_leaves_while_queued_for_admission_leaves_the_queue(
     """Queued behind a running request (max_running 1), a client that leaves is a 499 at once: it
     does not hold its place in the queue until admitted (up to wait_timeout_s), nor then run."""
     engine = FakeEngine(max_model_len=10_000, delay=0.01)
-    app = create_app(fake_settings(admission={"max_running": 1, "wait_timeout_s": 30}), engine_starter=lambda es: engine)
+    app = create_app(fake_settings(admission={"max_running": 1, "wait_timeout_s": 30}, streams={"grace_s": 0}),
+                     engine_starter=lambda es: engine)
     body = {"model": engine.info.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000, "stream": True}
     async with app.router.lifespan_context(app) as state:
         async def with_state(scope, receive, send):

@@ -507,7 +507,7 @@ def test_a_tools_error_is_read_through_the_input_guards(engine: TurnEngine, serv
 def test_a_hanging_server_is_bounded_by_the_responses_time(engine: TurnEngine, server: Tools, tmp_path: Path) -> None:
     """A call (or listing) takes at most what is left of `response_time_s`, not each its own `timeout_s` in full."""
     engine.turns = [called("slow"), ["Too slow."]]
-    with TestClient(app_for(engine, server, tmp_path, response_time_s=5, timeout_s=120)) as http:
+    with TestClient(app_for(engine, server, tmp_path, response_time_s=2, timeout_s=120)) as http:
         started = time.monotonic()
         answer = http.post("/v1/responses", json={"model": MODEL, "input": "Go", "tools": [mcp()]}).json()
         took = time.monotonic() - started

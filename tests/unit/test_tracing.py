@@ -228,7 +228,7 @@ def test_a_refusal_is_not_an_error(client: TestClient, exporter: InMemorySpanExp
 
 async def test_a_stream_ends_its_spans_when_the_client_leaves(exporter: InMemorySpanExporter) -> None:
     engine = FakeEngine(max_model_len=10_000, delay=0.01)
-    app = traced_app(engine, exporter)
+    app = traced_app(engine, exporter, streams={"grace_s": 0})  # no grace for a reconnect: the work ends at once
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000, "stream": True}
     async with app.router.lifespan_context(app) as state:
         async def with_state(scope: Any, receive: Any, send: Any) -> None:
