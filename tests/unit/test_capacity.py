@@ -203,7 +203,8 @@ async def test_a_stream_its_client_cut_short_teaches_the_limit_nothing() -> None
     made a token or two: its pace is not the engine's. Learnt from, a flood of them (or a client's tiny
     timeout) would shrink the limit, and lengthen the expected wait, of every key."""
     engine = FakeEngine(max_model_len=10_000, delay=0.01)
-    app = create_app(fake_settings(), engine_starter=lambda es: engine)
+    # no reconnect grace: the stream ends with its client (waiting out the grace teaches nothing more)
+    app = create_app(fake_settings(streams={"grace_s": 0}), engine_starter=lambda es: engine)
     body = {"model": engine.info.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000, "stream": True}
     async with app.router.lifespan_context(app) as state:
         async def with_state(scope, receive, send):  # type: ignore[no-untyped-def]
