@@ -132,8 +132,7 @@ class Capacity:
         first, busy, target = took / window[0], window[2] * 2 > window[0], GAP_SHARE * window[3]
         self._first = [0, 0.0, 0, math.inf]
         if busy and 0 < first < target:  # (0: no time by the clock's grain, no measure to project from)
-            ceiling = float(min(self.bound, self.batch or self.bound))
-            self._limit = max(self._limit, min(ceiling, self._limit * target / first))
+            self._limit = max(self._limit, min(self._streams_ceiling, self._limit * target / first))
         return True
 
     def _adapt(self, pace: float, unloaded: float, gap_s: float) -> None:
@@ -141,7 +140,7 @@ class Capacity:
         target, ceiling = TOLERANCE * unloaded, float(self.bound)
         if gap_s > 0:  # streams only: their bound, not the engine's best pace; up to the batch, past which it queues
             target = max(target, GAP_SHARE * gap_s)  # (never below: a client's header cannot shrink the others' limit)
-            ceiling = max(self._limit, float(min(self.bound, self.batch or self.bound)))
+            ceiling = max(self._limit, self._streams_ceiling)
         gradient = target / pace
         if gap_s > 0 and gradient >= 1.0:  # streams with room: the pace projected in proportion to the limit
             self._limit = min(ceiling, self._limit * gradient)
@@ -155,6 +154,11 @@ class Capacity:
         gradient = max(0.5, min(1.0, gradient))
         wanted = self._limit * gradient + math.sqrt(self._limit)
         self._limit = min(ceiling, max(1.0, self._limit + SMOOTHING * (wanted - self._limit)))
+
+    @property
+    def _streams_ceiling(self) -> float:
+        """Streams' limit at most: the engine's batch (past it the engine only queues them), within the bound."""
+        return float(min(self.bound, self.batch or self.bound))
 
     @property
     def service(self) -> float | None:

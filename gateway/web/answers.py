@@ -37,9 +37,8 @@ def respond(answer: Answer, framing: Framing | None = None) -> Response:
 
 
 def stream_response(stream: Stream, framing: Framing | None = None, stream_id: str | None = None) -> EventStreamResponse:
-    response = EventStreamResponse(stream.events, on_close=stream.on_close, framing=framing, stream_id=stream_id)
-    response.on_left, response.deadline = stream.on_left, stream.deadline
-    return response
+    return EventStreamResponse(stream.events, on_close=stream.on_close, framing=framing, stream_id=stream_id,
+                               on_left=stream.on_left, deadline=stream.deadline)
 
 
 def served(model: type[RequestT], service: Service[RequestT, Any, Any]) -> Handler:

@@ -69,7 +69,8 @@ class EventStreamResponse(StreamingResponse):
 
     def __init__(
         self, events: Events, on_close: Callable[[], None] | None = None, framing: Framing | None = None,
-        stream_id: str | None = None,
+        stream_id: str | None = None, on_left: Callable[[Callable[[], None]], None] | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.events = events
         self.framing = framing  # None: the route's dialect decides (in __call__)
@@ -78,8 +79,8 @@ class EventStreamResponse(StreamingResponse):
         super().__init__((), headers=HEADERS)  # its events are self.events, sent by __call__
         self.disconnected = False
         self.resumable: Resumable | None = None
-        self.on_left: Callable[[Callable[[], None]], None] | None = None
-        self.deadline: float | None = None
+        self.on_left = on_left
+        self.deadline = deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         framing = self.framing or FRAMINGS[dialect_of(scope)]
