@@ -41,11 +41,11 @@ UNIT := $(PY) -m pytest -n 2 --dist loadfile tests/unit tests/tooling
 # `make test`: the unit and tooling tests (one xdist process) beside the integration tests, which leave
 # a core free much of the time (vLLM's CPU engine serves on one thread; much of their time goes to
 # waiting for engines to start): the unit tests' report follows the integration tests'; either failing
-# fails the target.
+# fails the target. The integration tests' slowest 15 are listed: where the suite's time goes on this machine.
 test: model system-deps
 	@unit_log=$$(mktemp); \
 	$(PY) -m pytest -n 1 --dist loadfile tests/unit tests/tooling $(PYTEST_ARGS) >$$unit_log 2>&1 & unit=$$!; \
-	$(PY) -m pytest tests/integration $(PYTEST_ARGS); integration=$$?; \
+	$(PY) -m pytest tests/integration --durations=15 $(PYTEST_ARGS); integration=$$?; \
 	wait $$unit; units=$$?; \
 	echo "== tests/unit tests/tooling (beside the integration tests)"; cat $$unit_log; rm -f $$unit_log; \
 	test $$integration -eq 0 && test $$units -eq 0
