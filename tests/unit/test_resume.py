@@ -58,12 +58,13 @@ def ids(text: str) -> list[int]:
 
 @asynccontextmanager
 async def gateway(engine: FakeEngine, redis_url: str | None = None, admission: dict[str, Any] | None = None,
-                  **streams: Any) -> AsyncIterator[httpx.AsyncClient]:
+                  overrides: dict[str, Any] | None = None, **streams: Any) -> AsyncIterator[httpx.AsyncClient]:
     """The app in-process, its lifespan state in every scope (as the server gives it), resumable streams on (in
-    Redis at `redis_url`, else in memory)."""
+    Redis at `redis_url`, else in memory); `overrides`: other top-level settings. The client's `app_state` is the
+    lifespan's state and its `asgi` the app as the client calls it (for a hand-driven ASGI call)."""
     cache = {"backend": "redis", "redis_url": redis_url} if redis_url else {"backend": "off"}
     settings = fake_settings(api_keys=KEYS, cache=cache, streams={"resumable": True, **streams},
-                             admission={"adaptive": False, **(admission or {})})
+                             admission={"adaptive": False, **(admission or {})}, **(overrides or {}))
     app = create_app(settings, engine_starter=lambda es: engine)
     async with app.router.lifespan_context(app) as state:
 
@@ -73,6 +74,7 @@ async def gateway(engine: FakeEngine, redis_url: str | None = None, admission: d
 
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://gw") as client:
             client.app_state = state  # type: ignore[attr-defined]
+            client.asgi = with_state  # type: ignore[attr-defined]
             yield client
 
 
@@ -602,18 +604,9 @@ async def test_a_key_reads_at_most_max_readers_resumed_streams_at_once() -> None
 async def test_a_resumed_reader_that_stops_reading_is_dropped_and_frees_its_place() -> None:
     """A reader whose sends wait (it reads nothing: uvicorn's send waits for room in the socket) would hold one of
     its key's `max_readers` and the events it was sent for ever: dropped after `stream_write_timeout_s`."""
-    engine = FakeEngine()
-    cache = {"backend": "off"}
-    settings = fake_settings(api_keys=KEYS, cache=cache, streams={"resumable": True}, stream_write_timeout_s=0.3)
-    app = create_app(settings, engine_starter=lambda es: engine)
-    async with app.router.lifespan_context(app) as state:
-
-        async def with_state(scope: dict, receive: Any, send: Any) -> None:
-            scope["state"] = dict(state)
-            await app(scope, receive, send)
-
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_state), base_url="http://gw") as client:
-            stream_id = (await client.post("/v1/chat/completions", json=CHAT, headers=auth())).headers["x-stream-id"]
+    async with gateway(FakeEngine(), overrides={"stream_write_timeout_s": 0.3}) as client:
+        stream_id = (await client.post("/v1/chat/completions", json=CHAT, headers=auth())).headers["x-stream-id"]
+        state = client.app_state  # type: ignore[attr-defined]
         path = f"/v1/chat/completions/streams/{stream_id}"
         bodies = 0
 
@@ -632,7 +625,7 @@ async def test_a_resumed_reader_that_stops_reading_is_dropped_and_frees_its_plac
                  "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
                  "headers": [(b"authorization", b"Bearer sk-a")], "client": ("127.0.0.1", 1),
                  "server": ("127.0.0.1", 80), "state": dict(state)}
-        await asyncio.wait_for(app(scope, receive, send), 10)  # returns: the reader was dropped
+        await asyncio.wait_for(client.asgi(scope, receive, send), 10)  # type: ignore[attr-defined]  # returns: dropped
         assert not state["gateway"].streams.readers
 
 
