@@ -10,7 +10,10 @@ Every write checks the token in the same Lua script that writes: a producer whos
 whose stream was taken over meanwhile has its late events refused, so one stream never has two writers. In memory: a
 bounded ring per stream with the same interface, for one process.
 
-A producer never waits for the log: `Writer.append` queues and one task per stream writes in batches.
+`Writer.append` queues and one task per stream writes in batches. With a log other replicas read (Redis), a stream's
+event goes to its client only once it is in the log (`Writer.logged`): a taker elsewhere goes on from the text its
+client had, never from less (which would number its events otherwise, and send the client some twice). A log that
+fails is not waited for: the stream goes on without it.
 """
 
 from __future__ import annotations
@@ -63,7 +66,10 @@ class Read:
 
 
 class Log(Protocol):
-    """Where the events are kept; `key` is an owner's stream (`owned_key`); `token` a writer's fencing token."""
+    """Where the events are kept; `key` is an owner's stream (`owned_key`); `token` a writer's fencing token;
+    `shared`: read by other replicas (which take a stream over when this one dies)."""
+
+    shared: bool
 
     async def open(self, key: str, takeover: Takeover, token: str) -> None: ...
     # False: refused, the stream is another writer's now (fenced); `floor`: events before it are dropped (max_bytes);
@@ -205,6 +211,7 @@ class OwnedStreams:
                     numbered = b"id: %d\n" % writer.next + held
                     writer.append(numbered)
                     if writer.next - 1 > after:
+                        await writer.logged(writer.next - 1)  # a taker of this taker goes on from no less
                         yield numbered
                 held = frame
             ended = True
@@ -234,6 +241,9 @@ class Writer:
         self._end: bytes | None = None
         self._closed = False
         self.next = after + 1  # the next event's number
+        self._written = after  # the number of the last event in the log
+        self._waits = store.log.shared  # `logged` waits for the log (else it returns at once)
+        self._moved: asyncio.Future[None] | None = None  # done when `_written` moves or the log fails or stops
         self._wake = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._write())
 
@@ -249,6 +259,18 @@ class Writer:
         self.next += 1
         self._wake.set()
 
+    async def logged(self, number: int) -> None:
+        """Returns once event `number` is in a shared log; at once with a log of this process (nobody else takes the
+        stream over), while the log fails (its calls are being tried again) or once this writer stopped."""
+        while self._waits and self._written < number:
+            if self._moved is None or self._moved.done():
+                self._moved = asyncio.get_running_loop().create_future()
+            await self._moved
+
+    def _signal(self) -> None:
+        if self._moved is not None and not self._moved.done():
+            self._moved.set_result(None)
+
     def close(self, end: bytes | None) -> None:
         """The stream's end marker; None: stopped without one (a shutdown's cancel): what was queued is written, then
         the lease lapses and a reader takes the producer for gone, as when its replica dies."""
@@ -258,6 +280,13 @@ class Writer:
     async def _write(self) -> None:
         """Each call tried again (a slow Redis' timeout, a blip) until it has failed for a whole lease: then the
         readers take the producer for gone, and the log stops."""
+        try:
+            await self._writing()
+        finally:
+            self._waits = False  # stopped: nobody waits for a log that takes no more
+            self._signal()
+
+    async def _writing(self) -> None:
         if not self._opened and not await self._tried(functools.partial(self._log.open, self._key, self._takeover,
                                                                          self.token)):
             return
@@ -278,6 +307,9 @@ class Writer:
                 log.warning("stream_log_fenced", key=self._key)
                 return
             del self._pending[: len(events)]  # written (events appended meanwhile stay)
+            if events:
+                self._written = events[-1][0]
+                self._signal()
             if closed:
                 return
 
@@ -287,9 +319,12 @@ class Writer:
         while True:
             try:
                 await call()
+                self._waits = self._log.shared  # the log works again: its events are waited for again
                 return True
             except ERRORS as exc:
                 _failed(exc)
+                self._waits = False  # failing: the stream goes on without waiting for it
+                self._signal()
                 if loop.time() >= give_up:
                     return False
             await asyncio.sleep(self._beat_s / 4)  # the behaviour: a pause before trying Redis again
@@ -304,6 +339,8 @@ class MemoryLog:
     """Rings in this process: `max_events` and `max_bytes` per stream, streams kept `ttl_s` after their last write,
     at most `max_streams` and `memory_bytes` in all (the oldest dropped first). A ring's bytes count its frames plus
     `EVENT_BYTES` per event (the entry's tuple, int and bytes objects)."""
+
+    shared = False  # a stream's producer and its takers are in this process: a queued event is logged all the same
 
     def __init__(self, settings: StreamSettings) -> None:
         self.settings = settings
@@ -459,6 +496,8 @@ return 1
 
 class RedisLog:
     """The Redis layout in the module's docstring; every call bounded by `cache.redis_timeout_s`."""
+
+    shared = True
 
     def __init__(self, pools: RedisPools, url: str, prefix: str, timeout_s: float, settings: StreamSettings) -> None:
         self._client = pools.client(url, timeout_s)

@@ -170,8 +170,10 @@ class _Sink:
 
     async def event(self, frame: bytes) -> None:
         if self._log is not None:
-            frame = b"id: %d\n" % self._log.next + frame
+            number = self._log.next
+            frame = b"id: %d\n" % number + frame
             self._log.append(frame)
+            await self._log.logged(number)  # in a shared log before the client has it (`Writer.logged`)
         await self.send(frame)
 
     async def send(self, body: bytes, more: bool = True) -> None:
