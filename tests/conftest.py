@@ -18,6 +18,21 @@ from tests.fakes import FakeEngine, fake_settings
 pytest_plugins = ["tests.blob_backends"]  # `blobs`: the batch lane's store on each backend
 
 
+def _plain_tracebacks() -> None:
+    """structlog's default renderer, which the tests' log lines go through unless a test sets up logging, prints an
+    exception with rich: every frame's source highlighted, and its locals: seconds a logged server error on this
+    machine (most of a test that answers a 500). The same renderer with a plain traceback. Tests read log lines with
+    structlog.testing.capture_logs or in the production set-up (gateway.telemetry.logs.configure), never rich's
+    rendering; a failing test still shows the traceback."""
+    processors = list(structlog.get_config()["processors"])
+    if isinstance(processors[-1], structlog.dev.ConsoleRenderer):
+        processors[-1] = structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
+        structlog.configure(processors=processors)
+
+
+_plain_tracebacks()  # once a process: `_logging_as_it_was` puts it back after each test
+
+
 @pytest.fixture(autouse=True)
 def _logging_as_it_was() -> Iterator[None]:
     """A test that runs `gateway serve` in process (logs.configure) leaves the logging as it found

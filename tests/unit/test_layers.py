@@ -4,6 +4,7 @@ import, and vllm only behind engine/."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
@@ -38,8 +39,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
+def _parsed() -> tuple[tuple[str, ast.Module], ...]:
+    """Every module of gateway/ parsed once for the file's tests (seconds each time on this machine; they only read
+    the trees)."""
+    return tuple((module_name(p), ast.parse(p.read_text())) for p in sorted(GATEWAY.rglob("*.py")))
+
+
 def modules() -> dict[str, ast.Module]:
-    return {module_name(p): ast.parse(p.read_text()) for p in sorted(GATEWAY.rglob("*.py"))}
+    return dict(_parsed())
 
 
 def imported(tree: ast.Module, top_level_only: bool) -> set[str]:

@@ -550,7 +550,8 @@ async def test_a_stream_cancelled_by_a_shutdown_does_not_end_its_log_as_complete
     answer, but what was produced and then the producer's death (or its continuation), as when a replica dies."""
     engine = FakeEngine(max_model_len=4096, delay=0.05)
     async with gateway(engine, grace_s=60, lease_s=0.3, read_block_s=0.05) as client:
-        producing = asyncio.create_task(drive_and_leave(client, "/v1/chat/completions", {**CHAT, "max_tokens": 200},
+        # 40 tokens: cancelled after 3, the continuation (when it takes over) produces the rest at the engine's pace
+        producing = asyncio.create_task(drive_and_leave(client, "/v1/chat/completions", {**CHAT, "max_tokens": 40},
                                                         10**6))
         rings = client.app_state["gateway"].streams.log._rings  # type: ignore[attr-defined]
         await until(lambda: any(len(ring.events) >= 3 for ring in rings.values()), what="a few events logged")

@@ -8,8 +8,6 @@ import asyncio
 import os
 import signal
 import socket
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,35 +16,12 @@ from pydantic import ValidationError
 
 from engine.config import EngineSettings
 from gateway.backends.modelfile import ConfigError
-from gateway.server.supervisor import STARTUP_FAILED, WORKER_DIED, Supervisor, WorkerSeat, listen
+from gateway.server.supervisor import STARTUP_FAILED, WORKER_DIED, Supervisor, listen
 from gateway.server.workers import WORKER_HEADER, WorkerHeader, refuse_unshared
 from gateway.settings import Settings
+from tests.worker_mains import answer_index, die_after_start, never_start
 
 STOP_S = 10
-
-
-def answer_index(seat: WorkerSeat, payload: Any) -> int:
-    """A worker: each connection gets `index pid`; SIGTERM ends it with 0, SIGHUP touches `payload`."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    if payload is not None:
-        signal.signal(signal.SIGHUP, lambda *_: Path(payload, f"hup-{seat.index}").touch())
-    seat.announce()
-    while True:
-        conn, _ = seat.sock.accept()
-        with conn:
-            conn.sendall(f"{seat.index} {os.getpid()}".encode())
-
-
-def die_after_start(seat: WorkerSeat, payload: Any) -> int:
-    if seat.index == 1:
-        seat.announce()
-        time.sleep(0.5)  # the behaviour: a worker that served a while, then died
-        return 7
-    return answer_index(seat, payload)
-
-
-def never_start(seat: WorkerSeat, payload: Any) -> int:
-    return 5 if seat.index == 0 else answer_index(seat, payload)
 
 
 def ask(port: int) -> tuple[int, int]:
