@@ -246,6 +246,7 @@ class Writer:
         self._moved: asyncio.Future[None] | None = None  # done when `_written` moves or the log fails or stops
         self._wake = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._write())
+        self.task.add_done_callback(self._stopped)  # also when cancelled before it ever ran (no `finally` then)
 
     def append(self, frame: bytes) -> None:
         """Queue the next event (number `next`)."""
@@ -277,16 +278,13 @@ class Writer:
         self._end, self._closed = end, True
         self._wake.set()
 
+    def _stopped(self, _: asyncio.Task[None]) -> None:
+        self._waits = False  # stopped: nobody waits for a log that takes no more
+        self._signal()
+
     async def _write(self) -> None:
         """Each call tried again (a slow Redis' timeout, a blip) until it has failed for a whole lease: then the
         readers take the producer for gone, and the log stops."""
-        try:
-            await self._writing()
-        finally:
-            self._waits = False  # stopped: nobody waits for a log that takes no more
-            self._signal()
-
-    async def _writing(self) -> None:
         if not self._opened and not await self._tried(functools.partial(self._log.open, self._key, self._takeover,
                                                                          self.token)):
             return

@@ -23,8 +23,9 @@ from gateway.app import create_app
 from gateway.pipeline.answer import Stream
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import resume
+from gateway.protocol.batch_objects import Owner
 from gateway.protocol.openai import ChatCompletionRequest
-from gateway.stores.streams import Writer
+from gateway.stores.streams import Takeover, Writer
 from tests.fakes import fake_settings
 from tests.redis_server import RedisServer
 from tests.sse import named
@@ -388,3 +389,14 @@ async def test_a_failing_log_does_not_hold_a_stream_back(redis: RedisServer) -> 
     assert len(order) >= 3
     assert answer_text(body)
     assert body.endswith("data: [DONE]\n\n")
+
+
+async def test_a_writer_stopped_before_it_ran_holds_no_event_back(redis: RedisServer) -> None:
+    """A writer task cancelled before its first step (a shutdown's: `StreamStore.aclose` cancelled, its gather
+    cancels the writers) runs none of its body: its waiters are released all the same (`Writer._stopped`)."""
+    async with replica(Stalling("fake-model"), redis.url) as (_, _, state):
+        writer = state.streams.of("t").writer("strm_x", Takeover(Owner(key_id="k", tenant="t"), "/v1/chat/completions"))
+        writer.task.cancel()
+        writer.append(b"data: {}\n\n")
+        await asyncio.wait_for(writer.logged(0), 5)
+        assert writer.task.cancelled()
