@@ -102,6 +102,14 @@ async def replica(engine: Stalling, redis_url: str | None) -> AsyncIterator[tupl
             yield client, with_state, state["gateway"]
 
 
+def post_scope(path: str) -> dict[str, Any]:
+    """An ASGI scope of sk-a's JSON POST to `path` (a call driven by hand: its sends seen as they happen)."""
+    headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer sk-a")]
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+
+
 async def produce_and_die(app: Any, state_of: Any, path: str = "/v1/chat/completions") -> str:
     """A chat stream on `app` whose replica dies after BEFORE outputs, written to its log: its stream id."""
     sent: list[dict] = []
@@ -115,11 +123,7 @@ async def produce_and_die(app: Any, state_of: Any, path: str = "/v1/chat/complet
     async def send(message: dict) -> None:
         sent.append(message)
 
-    headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer sk-a")]
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-    producing = asyncio.create_task(app(scope, receive, send))
+    producing = asyncio.create_task(app(post_scope(path), receive, send))
     await until(lambda: len([m for m in sent if b"quick" in m.get("body", b"")]), what="the first part", within_s=20)
     await until(lambda: any(b"brown" in m.get("body", b"") for m in sent), what="the first part", within_s=20)
     task = next(iter(state_of().streams.writers))
@@ -350,12 +354,7 @@ async def _stream_with_log(redis: RedisServer, append: Any) -> tuple[list[tuple[
             sent.append(body)
             order.extend(("sent", number) for number in ids(body.decode()))
 
-        headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer sk-a")]
-        path = "/v1/chat/completions"
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-                 "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-        await asyncio.wait_for(app(scope, receive, send), 30)
+        await asyncio.wait_for(app(post_scope("/v1/chat/completions"), receive, send), 30)
     return order, b"".join(sent).decode()
 
 
